@@ -1,0 +1,421 @@
+"""Typed specs of what the lab builds and runs, loaded from TOML and validated once.
+
+A model preset (`models/<name>.toml`) describes a DLRM in the vocabulary of
+facebookresearch/dlrm and TorchRec: dense features, embedding tables (rows,
+dimension, features, pooling factor), bottom and top MLP sizes and the feature
+interaction. Everything past `load_preset` trusts the spec it is handed.
+
+Preset file format (all compact lists have one entry per table)::
+
+    name = "kaggle"
+    num_dense = 13                        # dense features per sample
+    num_embeddings = [1460, 583, ...]     # rows of each table
+    embedding_dim = 16                    # one value, or one per table
+    pooling_factor = 1                    # ids per sample and feature: one value or one per table
+    bottom_mlp = [512, 256, 64, 16]       # layer sizes after the dense input
+    top_mlp = [512, 256, 1]               # layer sizes after the interaction; ends at 1
+    interaction = "dot"                   # dot | cat | dcnv2
+    # optional: feature_names, table_names (one per table), description, data_spec,
+    # [dcn] num_layers, low_rank (dcnv2 only)
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.resources import preset_dir
+
+INTERACTIONS = ("dot", "cat", "dcnv2")
+BYTES_PER_FP32 = 4
+
+_MODEL_KEYS = {
+    "name", "description", "num_dense", "num_embeddings", "embedding_dim", "pooling_factor",
+    "feature_names", "table_names", "bottom_mlp", "top_mlp", "interaction", "dcn", "data_spec",
+}
+_DCN_KEYS = {"num_layers", "low_rank"}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table: `num_embeddings` rows of `embedding_dim` floats.
+
+    `pooling_factor` is the mean number of ids each of the table's features looks up
+    per sample (1 for one-hot Criteo features, 80 for RM1). Data generators use it as
+    their default; the model itself pools (sums) whatever ids it is given.
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...]
+    pooling_factor: float = 1.0
+
+    @property
+    def num_parameters(self) -> int:
+        return self.num_embeddings * self.embedding_dim
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved DLRM: tables already scaled, sizes already checked."""
+
+    name: str
+    num_dense: int
+    tables: tuple[TableSpec, ...]
+    bottom_mlp: tuple[int, ...]
+    top_mlp: tuple[int, ...]
+    interaction: str = "dot"
+    dcn_num_layers: int = 0
+    dcn_low_rank: int = 0
+    data_spec: str | None = None
+    description: str = ""
+    source: str = ""
+    table_scale: float = 1.0
+    max_rows: int | None = None
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f for t in self.tables for f in t.feature_names]
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+    @property
+    def embedding_dim(self) -> int:
+        """The common embedding dimension (dot and dcnv2 require one)."""
+        dims = {t.embedding_dim for t in self.tables}
+        if len(dims) != 1:
+            raise ValueError(f"tables of {self.name} have several dims: {sorted(dims)}")
+        return dims.pop()
+
+    @property
+    def pooled_width(self) -> int:
+        """Width of all pooled embeddings side by side: sum over features of their dim."""
+        return sum(t.embedding_dim * len(t.feature_names) for t in self.tables)
+
+    @property
+    def over_arch_in_features(self) -> int:
+        """Input width of the top MLP, fixed by the interaction."""
+        d = self.bottom_mlp[-1]
+        f = self.num_features
+        if self.interaction == "dot":
+            return d + f + f * (f - 1) // 2  # dense + dense.sparse + sparse.sparse pairs
+        # cat and dcnv2 both see the bottom output beside every pooled embedding
+        return d + self.pooled_width
+
+    @property
+    def embedding_parameters(self) -> int:
+        return sum(t.num_parameters for t in self.tables)
+
+    @property
+    def dense_parameters(self) -> int:
+        """Parameters of bottom MLP, interaction and top MLP (weights and biases)."""
+        total = _mlp_parameters(self.num_dense, self.bottom_mlp)
+        total += _mlp_parameters(self.over_arch_in_features, self.top_mlp)
+        if self.interaction == "dcnv2":
+            width = self.over_arch_in_features
+            total += self.dcn_num_layers * (2 * width * self.dcn_low_rank + width)
+        return total
+
+    @property
+    def num_parameters(self) -> int:
+        return self.embedding_parameters + self.dense_parameters
+
+    @property
+    def num_bytes(self) -> int:
+        """fp32 bytes of all parameters (optimizer state not included)."""
+        return self.num_parameters * BYTES_PER_FP32
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form, as recorded in run manifests."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        tables = tuple(
+            TableSpec(**{**t, "feature_names": tuple(t["feature_names"])}) for t in data["tables"]
+        )
+        return cls(
+            **{
+                **data,
+                "tables": tables,
+                "bottom_mlp": tuple(data["bottom_mlp"]),
+                "top_mlp": tuple(data["top_mlp"]),
+            }
+        )
+
+
+def _mlp_parameters(in_features: int, sizes: tuple[int, ...]) -> int:
+    total, prev = 0, in_features
+    for size in sizes:
+        total += prev * size + size
+        prev = size
+    return total
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in preset_dir("models").glob("*.toml"))
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    """The TOML file of a preset name (`kaggle`) or an explicit path (`my/model.toml`)."""
+    text = str(name_or_path)
+    if text.endswith(".toml") or "/" in text:
+        path = Path(text)
+        if not path.is_file():
+            raise UserError(f"model preset file not found: {path}")
+        return path
+    path = preset_dir("models") / f"{text}.toml"
+    if not path.is_file():
+        raise UserError(
+            f"unknown model preset '{text}'; available: {', '.join(available_presets())}"
+        )
+    return path
+
+
+def load_preset(
+    name_or_path: str | Path,
+    *,
+    table_scale: float | None = None,
+    max_rows: int | None = None,
+    **overrides: Any,
+) -> ModelSpec:
+    """Load, override, scale and validate a model preset.
+
+    `table_scale` multiplies every table's rows (rounded up, at least 1 row) and
+    `max_rows` caps them, so that paper-sized models fit a small machine. `overrides`
+    replace top-level preset fields (e.g. `embedding_dim=32`, `interaction="cat"`)
+    before validation, so an override that breaks the model is refused like a bad file.
+    """
+    path = preset_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: invalid TOML: {exc}") from None
+    for key, value in overrides.items():
+        if value is not None:
+            raw[key] = value
+    return _parse_model(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
+
+
+def _parse_model(
+    raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None
+) -> ModelSpec:
+    unknown = set(raw) - _MODEL_KEYS
+    if unknown:
+        raise UserError(
+            f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
+            f"allowed: {', '.join(sorted(_MODEL_KEYS))}"
+        )
+    check = _Checker(where)
+    name = check.string("name", raw.get("name", Path(where).stem))
+    num_dense = check.positive_int("num_dense", check.required(raw, "num_dense"))
+    rows = check.int_list("num_embeddings", check.required(raw, "num_embeddings"))
+    n = len(rows)
+    dims = check.per_table("embedding_dim", check.required(raw, "embedding_dim"), n, int)
+    pooling = check.per_table("pooling_factor", raw.get("pooling_factor", 1), n, float)
+    features = check.names("feature_names", raw.get("feature_names"), n, "cat_{}")
+    table_names = check.names("table_names", raw.get("table_names"), n, "t_{}", features)
+    bottom = tuple(check.int_list("bottom_mlp", check.required(raw, "bottom_mlp")))
+    top = tuple(check.int_list("top_mlp", check.required(raw, "top_mlp")))
+    interaction = check.choice("interaction", raw.get("interaction", "dot"), INTERACTIONS)
+
+    scale = 1.0 if table_scale is None else table_scale
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise UserError(f"{where}: table_scale = {table_scale!r}: must be a number > 0")
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+        raise UserError(f"{where}: max_rows = {max_rows!r}: must be an integer >= 1")
+    scaled_rows = [max(1, math.ceil(r * scale)) for r in rows]
+    if max_rows is not None:
+        scaled_rows = [min(r, max_rows) for r in scaled_rows]
+
+    if top[-1] != 1:
+        raise UserError(f"{where}: top_mlp = {list(top)} must end at 1 (the click logit)")
+    if interaction in ("dot", "dcnv2"):
+        if len(set(dims)) != 1:
+            raise UserError(
+                f"{where}: interaction '{interaction}' needs one embedding_dim for all tables, "
+                f"got {sorted(set(dims))} (use interaction = \"cat\" for differing dims)"
+            )
+        if bottom[-1] != dims[0]:
+            raise UserError(
+                f"{where}: bottom_mlp ends at {bottom[-1]} but embedding_dim is {dims[0]}; "
+                f"interaction '{interaction}' needs them equal"
+            )
+
+    dcn = raw.get("dcn", {})
+    if not isinstance(dcn, dict) or set(dcn) - _DCN_KEYS:
+        raise UserError(f"{where}: [dcn] may hold only {', '.join(sorted(_DCN_KEYS))}")
+    dcn_layers = dcn_rank = 0
+    if interaction == "dcnv2":
+        dcn_layers = check.positive_int("dcn.num_layers", check.required(dcn, "num_layers", "dcn."))
+        dcn_rank = check.positive_int("dcn.low_rank", check.required(dcn, "low_rank", "dcn."))
+    elif dcn:
+        raise UserError(f"{where}: [dcn] is set but interaction is '{interaction}', not 'dcnv2'")
+
+    data_spec = raw.get("data_spec")
+    if data_spec is not None:
+        check.string("data_spec", data_spec)
+
+    tables = tuple(
+        TableSpec(
+            name=table_names[i],
+            num_embeddings=scaled_rows[i],
+            embedding_dim=dims[i],
+            feature_names=(features[i],),
+            pooling_factor=pooling[i],
+        )
+        for i in range(n)
+    )
+    return ModelSpec(
+        name=name,
+        num_dense=num_dense,
+        tables=tables,
+        bottom_mlp=bottom,
+        top_mlp=top,
+        interaction=interaction,
+        dcn_num_layers=dcn_layers,
+        dcn_low_rank=dcn_rank,
+        data_spec=data_spec,
+        description=check.string("description", raw.get("description", "")),
+        source=where,
+        table_scale=float(scale),
+        max_rows=max_rows,
+    )
+
+
+@dataclass
+class _Checker:
+    """Field checks that raise one-line `UserError`s naming the file and field."""
+
+    where: str
+
+    def fail(self, name: str, value: Any, rule: str) -> UserError:
+        return UserError(f"{self.where}: {name} = {value!r}: {rule}")
+
+    def required(self, raw: dict[str, Any], name: str, prefix: str = "") -> Any:
+        if name not in raw:
+            raise UserError(f"{self.where}: missing required field '{prefix}{name}'")
+        return raw[name]
+
+    def string(self, name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise self.fail(name, value, "must be a string")
+        return value
+
+    def positive_int(self, name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.fail(name, value, "must be an integer >= 1")
+        return value
+
+    def int_list(self, name: str, value: Any) -> list[int]:
+        if not isinstance(value, list) or not value:
+            raise self.fail(name, value, "must be a non-empty list of integers >= 1")
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise self.fail(name, value, f"entry {v!r} must be an integer >= 1")
+        return value
+
+    def per_table(self, name: str, value: Any, n: int, kind: type) -> list[Any]:
+        values = value if isinstance(value, list) else [value] * n
+        if len(values) != n:
+            raise self.fail(name, value, f"needs one entry per table ({n}), got {len(values)}")
+        for v in values:
+            ok = not isinstance(v, bool) and isinstance(v, (int, float) if kind is float else int)
+            if not ok or v <= 0 or (kind is float and not math.isfinite(v)):
+                rule = "an integer >= 1" if kind is int else "a number > 0"
+                raise self.fail(name, value, f"entry {v!r} must be {rule}")
+        return [kind(v) for v in values]
+
+    def names(
+        self, name: str, value: Any, n: int, default: str, basis: list[str] | None = None
+    ) -> list[str]:
+        if value is None:
+            return [default.format(basis[i] if basis else i) for i in range(n)]
+        if not isinstance(value, list) or len(value) != n or not all(
+            isinstance(v, str) and v for v in value
+        ):
+            raise self.fail(name, value, f"must be a list of {n} non-empty strings")
+        if len(set(value)) != n:
+            raise self.fail(name, value, "names must be unique")
+        return value
+
+    def choice(self, name: str, value: Any, allowed: tuple[str, ...]) -> str:
+        if value not in allowed:
+            raise self.fail(name, value, f"allowed: {', '.join(allowed)}")
+        return value
+
+
+
+PRECISIONS = ("fp32", "bf16")
+TABLE_PRECISIONS = ("fp32", "fp16")
+DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
+EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a training run is driven (the model comes from a `ModelSpec`).
+
+    `batch_size` is per rank; the global batch is `batch_size * world_size`. The first
+    `warmup_steps` steps are recorded but left out of throughput and step-time statistics
+    (default: 10% of the steps, at least 1 and at most 20, when there are at least 5).
+    """
+
+    steps: int = 100
+    batch_size: int = 512
+    device: str = "cpu"
+    precision: str = "fp32"
+    table_precision: str = "fp32"
+    embedding_optimizer: str = "rowwise_adagrad"
+    embedding_lr: float = 0.05
+    dense_optimizer: str = "adagrad"
+    dense_lr: float = 0.005
+    eval_every: int = 0  # steps between held-out AUC evaluations; 0: only at the end
+    eval_batches: int = 8
+    seed: int = 0
+    warmup_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("--steps", self.steps)
+        _positive("--batch-size", self.batch_size)
+        _choice("--device", self.device, ("cpu", "cuda"))
+        _choice("--precision", self.precision, PRECISIONS)
+        _choice("--table-precision", self.table_precision, TABLE_PRECISIONS)
+        _choice("--embedding-optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
+        _choice("--dense-optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
+        for name, lr in (("--embedding-lr", self.embedding_lr), ("--dense-lr", self.dense_lr)):
+            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+                raise UserError(f"{name} {lr!r}: must be a number > 0")
+        if self.eval_every < 0:
+            raise UserError(f"--eval-every {self.eval_every}: must be >= 0 (0: evaluate at the end only)")
+        _positive("--eval-batches", self.eval_batches)
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+            raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.steps < 5:
+            return 0
+        return min(20, max(1, self.steps // 10))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "warmup_steps": self.resolved_warmup_steps}
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name} {value!r}: must be an integer >= 1")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{name} {value!r}: allowed: {', '.join(allowed)}")

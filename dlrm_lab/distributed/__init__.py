@@ -1,0 +1,1 @@
+"""Process groups, sharding plans and DistributedModelParallel wrapping."""

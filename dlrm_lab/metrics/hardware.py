@@ -1,0 +1,115 @@
+"""Hardware fingerprint and software versions pinned in every run manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+_PACKAGES = (
+    "dlrm-lab", "torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy", "pyarrow",
+    "typer", "rich", "torchmetrics", "nvidia-ml-py", "mpi4py", "mpich", "mlcommons-loadgen",
+)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """The vector/matrix ISA extensions that decide GEMM speed (AVX-512, AMX)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return []
+
+
+def gpus() -> dict[str, Any]:
+    """GPU names, memory and driver through NVML; an explanation where there is none."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return {"available": False, "reason": "nvidia-ml-py not installed", "devices": []}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"available": False, "reason": f"NVML unavailable: {exc}", "devices": []}
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        devices = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            devices.append(
+                {
+                    "index": i,
+                    "name": pynvml.nvmlDeviceGetName(handle),
+                    "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                }
+            )
+        return {"available": bool(devices), "driver": driver, "devices": devices}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def hardware_fingerprint() -> dict[str, Any]:
+    """What the machine is; `fingerprint_id` is stable across runs on the same machine."""
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": psutil.virtual_memory().total,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "gpus": gpus(),
+    }
+    stable = {k: info[k] for k in ("cpu_model", "cpu_flags", "logical_cores", "memory_bytes")}
+    stable["gpus"] = [d["name"] for d in info["gpus"].get("devices", [])]
+    info["fingerprint_id"] = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+    return info
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_state(path: Path | None = None) -> dict[str, Any]:
+    """Commit and dirtiness of the source tree dlrm_lab runs from (null outside a checkout)."""
+    where = path or Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where, capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(dirty)}

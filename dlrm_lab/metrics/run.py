@@ -1,0 +1,179 @@
+"""Run directories: `<metrics-dir>/<run_id>/manifest.json` plus Parquet tables.
+
+The manifest is written when the run starts (status `running`) and rewritten
+atomically when it ends (`ok`, `failed` or `interrupted`), so a crashed run is
+recognisable as one still `running` with no live process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
+from dlrm_lab.metrics.tables import TableWriter, consolidate_run, write_table
+
+MANIFEST = "manifest.json"
+STATUSES = ("running", "ok", "failed", "interrupted")
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def new_run_id(kind: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{kind}-{stamp}-{secrets.token_hex(3)}"
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Run:
+    """One measured run. Use as a context manager::
+
+        with Run.create("runs", kind="train", config={...}) as run:
+            steps = run.table("steps", STEP_SCHEMA)
+            steps.append({...})
+            run.write_summary([{...}], SUMMARY_SCHEMA)
+
+    Leaving the block normally marks the run `ok`; KeyboardInterrupt marks it
+    `interrupted` and any other exception `failed` (both re-raised). Tables are
+    closed (merged to their final Parquet files) in every case.
+    """
+
+    def __init__(self, run_dir: Path, manifest: dict[str, Any]) -> None:
+        self.dir = run_dir
+        self.manifest = manifest
+        self._tables: dict[str, TableWriter] = {}
+        self._t0 = time.monotonic()
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest["run_id"]
+
+    @classmethod
+    def create(
+        cls,
+        metrics_dir: str | Path,
+        kind: str,
+        config: dict[str, Any],
+        argv: list[str] | None = None,
+        run_id: str | None = None,
+    ) -> Run:
+        root = Path(metrics_dir)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--metrics-dir {root}: cannot create directory: {exc.strerror}") from None
+        rid = run_id or new_run_id(kind)
+        run_dir = root / rid
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            raise UserError(f"run directory {run_dir} already exists; choose another run id") from None
+        manifest = {
+            "run_id": rid,
+            "kind": kind,
+            "status": "running",
+            "command_line": list(sys.argv if argv is None else argv),
+            "config": config,
+            "git": git_state(),
+            "packages": package_versions(),
+            "hardware": hardware_fingerprint(),
+            "pid": os.getpid(),
+            "start_time": _now_iso(),
+            "end_time": None,
+            "duration_s": None,
+            "error": None,
+        }
+        _write_json_atomic(run_dir / MANIFEST, manifest)
+        return cls(run_dir, manifest)
+
+    def table(self, name: str, schema: pa.Schema, **kwargs: Any) -> TableWriter:
+        writer = TableWriter(self.dir, name, schema, self.run_id, **kwargs)
+        self._tables[name] = writer
+        return writer
+
+    def write_summary(self, rows: list[dict[str, Any]], schema: pa.Schema, name: str = "summary") -> Path:
+        return write_table(self.dir, name, rows, schema, self.run_id)
+
+    def update_manifest(self, **fields: Any) -> None:
+        self.manifest.update(fields)
+        _write_json_atomic(self.dir / MANIFEST, self.manifest)
+
+    def finish(self, status: str, error: str | None = None) -> None:
+        assert status in STATUSES, status
+        for writer in self._tables.values():
+            writer.close()
+        self.update_manifest(
+            status=status,
+            end_time=_now_iso(),
+            duration_s=round(time.monotonic() - self._t0, 3),
+            error=error,
+        )
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc_type is None:
+            self.finish("ok")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.finish("interrupted", error="KeyboardInterrupt")
+        else:
+            self.finish("failed", error=f"{exc_type.__name__}: {exc}")
+        return False
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / MANIFEST).read_text())
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run directories under `root` (itself a run, or a directory of runs), oldest first."""
+    root = Path(root)
+    if not root.exists():
+        raise UserError(f"{root}: no such directory")
+    if (root / MANIFEST).is_file():
+        return [root]
+    runs = [p.parent for p in root.glob(f"*/{MANIFEST}")]
+    return sorted(runs, key=lambda p: read_manifest(p).get("start_time") or "")
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_run(run_dir: Path) -> dict[str, Any]:
+    """Make a crashed run readable: merge its part files and mark it `failed`.
+
+    A run still `running` whose process is gone crashed (or was killed) without
+    closing; what it flushed is kept.
+    """
+    manifest = read_manifest(run_dir)
+    if manifest.get("status") == "running" and not _pid_alive(manifest.get("pid")):
+        consolidate_run(Path(run_dir))
+        manifest.update(status="failed", error="process ended without closing the run (crash or kill)")
+        _write_json_atomic(Path(run_dir) / MANIFEST, manifest)
+    return manifest

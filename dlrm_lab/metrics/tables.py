@@ -1,0 +1,136 @@
+"""Parquet tables of a run that survive crashes.
+
+A table is buffered in memory and flushed every `flush_rows` rows or `flush_seconds`
+as a complete Parquet part file under `<run>/_parts/<table>/`. A part file is readable
+on its own the moment it is renamed into place, so a crash (even SIGKILL) loses at
+most the unflushed buffer. `close()` (or `consolidate_run` on a crashed run) merges
+the parts into `<run>/<table>.parquet` atomically and removes them.
+
+pyarrow's ParquetWriter is not used for the live file because a Parquet file without
+its footer (what a killed writer leaves) cannot be read at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+PARTS_DIR = "_parts"
+
+
+def _atomic_write_table(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+class TableWriter:
+    """Append-only writer of one Parquet table (`steps`, `queries`, ...) of a run.
+
+    Every row gets `run_id`; columns follow `schema` (extra keys are refused, missing
+    ones are null) so that the same table reads identically across runs.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        name: str,
+        schema: pa.Schema,
+        run_id: str,
+        flush_rows: int = 10_000,
+        flush_seconds: float = 5.0,
+    ) -> None:
+        if "run_id" not in schema.names:
+            schema = pa.schema([pa.field("run_id", pa.string()), *schema])
+        self.run_dir = Path(run_dir)
+        self.name = name
+        self.schema = schema
+        self.run_id = run_id
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self._rows: list[dict[str, Any]] = []
+        self._parts_dir = self.run_dir / PARTS_DIR / name
+        self._parts_dir.mkdir(parents=True, exist_ok=True)
+        self._next_part = len(list(self._parts_dir.glob("part-*.parquet")))
+        self._last_flush = time.monotonic()
+        self._closed = False
+        self.rows_written = 0
+
+    def append(self, row: dict[str, Any]) -> None:
+        unknown = set(row) - set(self.schema.names)
+        if unknown:
+            raise KeyError(f"table {self.name}: columns not in schema: {sorted(unknown)}")
+        self._rows.append({"run_id": self.run_id, **row})
+        if len(self._rows) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def extend(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.append(row)
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._rows:
+            return
+        table = pa.Table.from_pylist(self._rows, schema=self.schema)
+        _atomic_write_table(table, self._parts_dir / f"part-{self._next_part:06d}.parquet")
+        self._next_part += 1
+        self.rows_written += len(self._rows)
+        self._rows = []
+
+    def close(self) -> Path:
+        """Flush, then merge the parts into `<run>/<name>.parquet` (also when empty)."""
+        if not self._closed:
+            self.flush()
+            _merge_parts(self.run_dir, self.name, self.schema)
+            self._closed = True
+        return self.run_dir / f"{self.name}.parquet"
+
+
+def _merge_parts(run_dir: Path, name: str, schema: pa.Schema | None = None) -> None:
+    parts_dir = run_dir / PARTS_DIR / name
+    parts = sorted(parts_dir.glob("part-*.parquet")) if parts_dir.is_dir() else []
+    final = run_dir / f"{name}.parquet"
+    tables = [pq.read_table(p) for p in parts]
+    if final.exists() and parts:  # resumed after a crash that had merged some parts
+        tables.insert(0, pq.read_table(final))
+    if tables:
+        merged = pa.concat_tables(tables, promote_options="default")
+    elif not final.exists() and schema is not None:
+        merged = schema.empty_table()
+    else:
+        merged = None
+    if merged is not None:
+        _atomic_write_table(merged, final)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    try:
+        (run_dir / PARTS_DIR).rmdir()
+    except OSError:
+        pass  # other tables still have parts, or it is already gone
+
+
+def consolidate_run(run_dir: Path) -> list[str]:
+    """Merge leftover part files of a crashed run into its tables; returns table names."""
+    parts_root = Path(run_dir) / PARTS_DIR
+    if not parts_root.is_dir():
+        return []
+    names = sorted(p.name for p in parts_root.iterdir() if p.is_dir())
+    for name in names:
+        _merge_parts(Path(run_dir), name)
+    return names
+
+
+def write_table(run_dir: Path, name: str, rows: list[dict[str, Any]], schema: pa.Schema, run_id: str) -> Path:
+    """Write a small table (a summary) in one atomic step."""
+    if "run_id" not in schema.names:
+        schema = pa.schema([pa.field("run_id", pa.string()), *schema])
+    table = pa.Table.from_pylist([{"run_id": run_id, **r} for r in rows], schema=schema)
+    path = Path(run_dir) / f"{name}.parquet"
+    _atomic_write_table(table, path)
+    return path

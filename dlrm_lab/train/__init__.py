@@ -1,0 +1,5 @@
+"""Training: the sharded loop, phase timers, evaluation and step records."""
+
+from dlrm_lab.train.loop import TrainResult, train
+
+__all__ = ["TrainResult", "train"]

@@ -1,0 +1,200 @@
+"""The training loop: sharded tables with fused optimizers, DDP dense layers, timed phases.
+
+One code path for one rank and many: a plain process becomes a group of one and still
+trains through `DistributedModelParallel`, so what is measured on one rank is what
+scales. The loop returns data; progress display is the caller's `on_step` callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from dlrm_lab.config import ModelSpec, TrainConfig
+from dlrm_lab.data import BatchSource, RandomSource
+from dlrm_lab.distributed.context import DistContext, init_distributed
+from dlrm_lab.distributed.sharding import EmbeddingOptimizer, describe_plan, shard_model
+from dlrm_lab.metrics.run import Run
+from dlrm_lab.model import build_model
+from dlrm_lab.train.evaluate import evaluate
+from dlrm_lab.train.records import EVAL_SCHEMA, STEP_SCHEMA, SUMMARY_SCHEMA, summarize_steps
+from dlrm_lab.train.timing import StepTimer
+
+HELD_OUT_OFFSET = 1 << 40  # held-out samples start far beyond any training sample index
+
+_DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adagrad": torch.optim.Adagrad,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
+
+
+@dataclass
+class TrainResult:
+    summary: dict[str, Any]
+    steps: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    plan: dict[str, Any]
+    run_dir: Path | None = None
+    model: torch.nn.Module | None = field(default=None, repr=False)
+
+
+def _dense_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> CombinedOptimizer:
+    """The dense optimizer beside the tables' fused one, combined for stepping and checkpoints."""
+    dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
+    make = _DENSE_OPTIMIZERS[cfg.dense_optimizer]
+    dense = KeyedOptimizerWrapper(dense_params, lambda params: make(params, lr=cfg.dense_lr))
+    return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]
+
+
+def _autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextManager[Any]:
+    if cfg.precision == "bf16":
+        return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train(
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    *,
+    metrics_dir: str | Path | None = None,
+    argv: list[str] | None = None,
+    source: BatchSource | None = None,
+    eval_source: BatchSource | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    keep_model: bool = False,
+) -> TrainResult:
+    """Train `spec` for `cfg.steps` steps; record steps, evaluations and a summary.
+
+    With `metrics_dir`, rank 0 writes a run directory (manifest, steps.parquet,
+    eval.parquet, summary.parquet). Ctrl-C stops at the current step, writes the summary
+    of what was measured, marks the run `interrupted` and re-raises KeyboardInterrupt.
+    """
+    ctx = init_distributed(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
+    dmp, plan = shard_model(model, ctx, EmbeddingOptimizer(cfg.embedding_optimizer, cfg.embedding_lr))
+    optimizer = _dense_optimizer(dmp, cfg)
+    plan_info = describe_plan(plan, spec, ctx.world_size)
+
+    source = source or RandomSource(spec, cfg.batch_size, cfg.seed, ctx.rank, ctx.world_size)
+    eval_source = eval_source or RandomSource(
+        spec, cfg.batch_size, cfg.seed, ctx.rank, ctx.world_size,
+        num_batches=cfg.eval_batches, offset=HELD_OUT_OFFSET,
+    )
+    config = {
+        "model": spec.to_dict(),
+        "train": cfg.to_dict(),
+        "data": source.describe(),
+        "eval_data": eval_source.describe(),
+        "sharding_plan": plan_info,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "torch_threads": torch.get_num_threads(),
+    }
+    run = Run.create(metrics_dir, kind="train", config=config, argv=argv) if metrics_dir and ctx.is_main else None
+    with run if run is not None else contextlib.nullcontext():  # type: ignore[attr-defined]
+        steps_table = run.table("steps", STEP_SCHEMA) if run else None
+        eval_table = run.table("eval", EVAL_SCHEMA) if run else None
+        steps: list[dict[str, Any]] = []
+        evals: list[dict[str, Any]] = []
+
+        def run_eval(step: int) -> None:
+            t0 = time.perf_counter()
+            auc, loss, n = evaluate(dmp, eval_source, ctx.device)
+            row = {"step": step, "num_samples": n, "auc": auc, "loss": loss,
+                   "eval_time_ms": (time.perf_counter() - t0) * 1000}
+            evals.append(row)
+            if eval_table is not None:
+                eval_table.append(row)
+
+        status = "ok"
+        t_start = time.perf_counter()
+        warmup = cfg.resolved_warmup_steps
+        batches: Iterator[Batch] = iter(source)
+        timer = StepTimer(ctx.device)
+        dmp.train()
+        try:
+            for step in range(cfg.steps):
+                t0 = time.perf_counter()
+                timer.start()
+                batch = next(batches).to(ctx.device, non_blocking=True)
+                timer.mark("data_wait")
+                with _autocast(ctx, cfg):
+                    logits = dmp(batch.dense_features, batch.sparse_features)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+                timer.mark("forward")
+                optimizer.zero_grad()
+                loss.backward()  # also applies the fused table optimizer and DDP all-reduce
+                timer.mark("backward")
+                optimizer.step()
+                timer.mark("optimizer")
+                phases = timer.phases_ms()
+                step_ms = (time.perf_counter() - t0) * 1000 if not timer.cuda else sum(phases.values())
+                global_samples = cfg.batch_size * ctx.world_size
+                row = {
+                    "step": step,
+                    "rank": ctx.rank,
+                    "world_size": ctx.world_size,
+                    "batch_size": cfg.batch_size,
+                    "global_samples": global_samples,
+                    "warmup": step < warmup,
+                    "loss": loss.item(),
+                    "step_time_ms": step_ms,
+                    **{f"{k}_ms": v for k, v in phases.items()},
+                    "samples_per_s": global_samples / (step_ms / 1000),
+                    "time_unix_s": time.time(),
+                }
+                steps.append(row)
+                if steps_table is not None:
+                    steps_table.append(row)
+                if on_step is not None:
+                    on_step(row)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                    run_eval(step)
+            run_eval(cfg.steps - 1)
+        except KeyboardInterrupt:
+            status = "interrupted"
+
+        summary = {
+            "kind": "train",
+            "status": status,
+            "preset": spec.name,
+            "interaction": spec.interaction,
+            "device": ctx.device.type,
+            "precision": cfg.precision,
+            "table_precision": cfg.table_precision,
+            "world_size": ctx.world_size,
+            "batch_size": cfg.batch_size,
+            "global_batch_size": cfg.batch_size * ctx.world_size,
+            "steps": len(steps),
+            "warmup_steps": warmup,
+            **summarize_steps(steps),
+            "eval_auc": evals[-1]["auc"] if evals else None,
+            "eval_loss": evals[-1]["loss"] if evals else None,
+            "num_parameters": spec.num_parameters,
+            "embedding_parameters": spec.embedding_parameters,
+            "dense_parameters": spec.dense_parameters,
+            "wall_time_s": time.perf_counter() - t_start,
+        }
+        if run is not None:
+            run.write_summary([summary], SUMMARY_SCHEMA)
+        if status == "interrupted":
+            raise KeyboardInterrupt
+    return TrainResult(
+        summary=summary,
+        steps=steps,
+        evals=evals,
+        plan=plan_info,
+        run_dir=run.dir if run else None,
+        model=dmp if keep_model else None,
+    )
