@@ -82,7 +82,9 @@ def train(
     ctx = init_distributed(cfg.device)
     torch.manual_seed(cfg.seed)
     model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
-    dmp, plan = shard_model(model, ctx, EmbeddingOptimizer(cfg.embedding_optimizer, cfg.embedding_lr))
+    dmp, plan = shard_model(
+        model, ctx, EmbeddingOptimizer(cfg.embedding_optimizer, cfg.embedding_lr), batch_size=cfg.batch_size
+    )
     optimizer = _dense_optimizer(dmp, cfg)
     plan_info = describe_plan(plan, spec, ctx.world_size)
 

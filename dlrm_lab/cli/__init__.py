@@ -1,0 +1,50 @@
+"""The `dlrm-lab` command: parse, call the library, print. One module per command group."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dlrm_lab.cli import presets, runs, train
+from dlrm_lab.errors import UserError
+
+app = typer.Typer(
+    name="dlrm-lab",
+    help="A performance lab for deep-learning recommendation models (DLRM).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(presets.app, name="presets")
+app.add_typer(runs.app, name="runs")
+app.command("train")(train.train_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI and return its exit code.
+
+    User mistakes (bad option, bad value, bad preset file) print one line on stderr
+    and exit 2; Ctrl-C exits 130 after the run has been marked interrupted.
+    """
+    try:
+        code = app(args=argv, prog_name="dlrm-lab", standalone_mode=False)
+    except UserError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return exc.exit_code
+    except typer.TyperException as exc:  # usage errors: unknown option, bad type, missing value
+        if not exc.format_message():  # bare `dlrm-lab`: help was printed, nothing went wrong
+            return 0
+        ctx = getattr(exc, "ctx", None)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        typer.echo(f"error: {exc.format_message()}{where}", err=True)
+        return getattr(exc, "exit_code", 2)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        return 1
+    return code if isinstance(code, int) else 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

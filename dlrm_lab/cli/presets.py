@@ -1,0 +1,92 @@
+"""`dlrm-lab presets`: list the model presets, or show one resolved."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dlrm_lab.cli.format import human_bytes, human_count
+from dlrm_lab.cli.options import MaxRows, TableScale
+from dlrm_lab.config import ModelSpec, available_presets, load_preset
+
+app = typer.Typer(help="Model presets (models/*.toml).", invoke_without_command=True, no_args_is_help=False)
+
+
+def size_line(spec: ModelSpec) -> str:
+    """One line with what a preset costs, printed before anything is built."""
+    scale = []
+    if spec.table_scale != 1.0:
+        scale.append(f"table_scale={spec.table_scale:g}")
+    if spec.max_rows is not None:
+        scale.append(f"max_rows={spec.max_rows}")
+    how = f" ({', '.join(scale)})" if scale else ""
+    return (
+        f"{spec.name}{how}: {len(spec.tables)} tables, {human_count(sum(t.num_embeddings for t in spec.tables))} rows, "
+        f"{human_count(spec.num_parameters)} parameters ({human_count(spec.embedding_parameters)} embedding, "
+        f"{human_count(spec.dense_parameters)} dense), {human_bytes(spec.num_bytes)} fp32"
+    )
+
+
+@app.callback()
+def list_presets(
+    ctx: typer.Context,
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+) -> None:
+    """List presets with tables, rows, parameters and bytes."""
+    if ctx.invoked_subcommand is not None:
+        return
+    table = Table(title="model presets")
+    for col in ("preset", "inter", "dense", "tables", "dim", "pool", "rows", "params", "fp32"):
+        table.add_column(col, justify="right" if col not in ("preset", "inter") else "left", no_wrap=True)
+    for name in available_presets():
+        spec = load_preset(name, table_scale=table_scale, max_rows=max_rows)
+        dims = sorted({t.embedding_dim for t in spec.tables})
+        pooling = [t.pooling_factor for t in spec.tables]
+        table.add_row(
+            name,
+            spec.interaction,
+            str(spec.num_dense),
+            str(len(spec.tables)),
+            "/".join(map(str, dims)),
+            f"{min(pooling):g}" if min(pooling) == max(pooling) else f"{min(pooling):g}-{max(pooling):g}",
+            human_count(sum(t.num_embeddings for t in spec.tables)),
+            human_count(spec.num_parameters),
+            human_bytes(spec.num_bytes),
+        )
+    Console().print(table)
+
+
+@app.command("show")
+def show(
+    name: str = typer.Argument(..., help="Preset name or .toml path."),
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+    as_json: bool = typer.Option(False, "--json", help="Print the resolved spec as JSON."),
+) -> None:
+    """Print one preset resolved: every table, the MLPs and the sizes."""
+    spec = load_preset(name, table_scale=table_scale, max_rows=max_rows)
+    if as_json:
+        typer.echo(json.dumps(spec.to_dict(), indent=2))
+        return
+    console = Console()
+    console.print(size_line(spec))
+    console.print(spec.description)
+    console.print(f"source: {spec.source}")
+    console.print(f"interaction: {spec.interaction}" + (
+        f" ({spec.dcn_num_layers} cross layers, low rank {spec.dcn_low_rank})" if spec.interaction == "dcnv2" else ""
+    ))
+    console.print(f"bottom MLP: {spec.num_dense} -> {' -> '.join(map(str, spec.bottom_mlp))}")
+    console.print(f"top MLP: {spec.over_arch_in_features} -> {' -> '.join(map(str, spec.top_mlp))}")
+    table = Table()
+    for col in ("table", "feature", "rows", "dim", "pooling", "parameters", "fp32 bytes"):
+        table.add_column(col, justify="left" if col in ("table", "feature") else "right")
+    for t in spec.tables:
+        table.add_row(
+            t.name, ",".join(t.feature_names), f"{t.num_embeddings:,}", str(t.embedding_dim),
+            f"{t.pooling_factor:g}", f"{t.num_parameters:,}", human_bytes(4 * t.num_parameters),
+        )
+    console.print(table)

@@ -1,0 +1,44 @@
+"""`dlrm-lab runs`: look at run directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dlrm_lab.metrics.run import find_runs, recover_run
+
+app = typer.Typer(help="Run directories written by train (and later infer, serve).", no_args_is_help=True)
+
+
+def _fmt(value: object, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@app.command("list")
+def list_runs(directory: Path = typer.Argument(Path("runs"), help="A metrics directory (or one run).")) -> None:
+    """One line per run: id, kind, status, preset, throughput, quality, duration."""
+    table = Table(title=str(directory))
+    for col in ("run_id", "status", "preset", "ranks", "batch", "steps", "samples/s", "AUC", "secs"):
+        table.add_column(col, justify="left" if col in ("run_id", "status", "preset") else "right", no_wrap=col == "run_id")
+    for run_dir in find_runs(directory):
+        manifest = recover_run(run_dir)
+        summary = {}
+        if (run_dir / "summary.parquet").is_file():
+            rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
+            summary = rows[0] if rows else {}
+        table.add_row(
+            manifest["run_id"],
+            manifest.get("status", "?"),
+            summary.get("preset") or manifest.get("config", {}).get("model", {}).get("name", "?"),
+            _fmt(summary.get("world_size"), "d"),
+            _fmt(summary.get("global_batch_size"), "d"),
+            _fmt(summary.get("steps"), "d"),
+            _fmt(summary.get("samples_per_s"), ",.0f"),
+            _fmt(summary.get("eval_auc"), ".4f"),
+            _fmt(manifest.get("duration_s"), ".1f"),
+        )
+    Console().print(table)

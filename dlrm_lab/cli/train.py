@@ -1,0 +1,91 @@
+"""`dlrm-lab train`: one training run, recorded in a run directory."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dlrm_lab.cli.options import MaxRows, MetricsDir, Preset, TableScale
+from dlrm_lab.cli.presets import size_line
+from dlrm_lab.config import TrainConfig, load_preset
+
+
+def train_command(
+    preset: Preset = "tiny",
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 100,
+    batch_size: Annotated[int, typer.Option(help="Samples per step and rank.")] = 512,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    precision: Annotated[str, typer.Option(help="Dense compute: fp32 or bf16 (autocast).")] = "fp32",
+    table_precision: Annotated[str, typer.Option(help="Stored table rows: fp32 or fp16.")] = "fp32",
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+    embedding_optimizer: Annotated[str, typer.Option(help="Fused table optimizer: rowwise_adagrad or sgd.")] = "rowwise_adagrad",
+    embedding_lr: Annotated[float, typer.Option(help="Table learning rate.")] = 0.05,
+    dense_optimizer: Annotated[str, typer.Option(help="MLP optimizer: adagrad, adam or sgd.")] = "adagrad",
+    dense_lr: Annotated[float, typer.Option(help="MLP learning rate.")] = 0.005,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out AUC evaluations (0: at the end only).")] = 0,
+    eval_batches: Annotated[int, typer.Option(help="Held-out batches per evaluation.")] = 8,
+    warmup_steps: Annotated[Optional[int], typer.Option(help="Steps left out of throughput (default: 10%, at most 20).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the data and the initial weights.")] = 0,
+    metrics_dir: MetricsDir = "runs",
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Train a DLRM preset on seeded synthetic clicks and record the run."""
+    spec = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
+    cfg = TrainConfig(
+        steps=steps, batch_size=batch_size, device=device, precision=precision,
+        table_precision=table_precision, embedding_optimizer=embedding_optimizer,
+        embedding_lr=embedding_lr, dense_optimizer=dense_optimizer, dense_lr=dense_lr,
+        eval_every=eval_every, eval_batches=eval_batches, seed=seed, warmup_steps=warmup_steps,
+    )
+    console = Console(stderr=True)
+    console.print(size_line(spec))
+
+    from dlrm_lab.train import train  # torch and torchrec load only once the options are valid
+
+    bar = Progress(
+        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"), TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not progress,
+    )
+    task = bar.add_task("train", total=steps, rate="", loss="")
+
+    def on_step(row: dict[str, Any]) -> None:
+        if row["step"] == 0:
+            bar.start()  # only once the model is built and the first step ran
+        bar.update(task, advance=1, rate=f"{row['samples_per_s']:,.0f} samples/s", loss=f"{row['loss']:.4f}")
+
+    try:
+        result = train(spec, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step)
+    finally:
+        bar.stop()
+    print_summary(result.summary, str(result.run_dir))
+
+
+def print_summary(summary: dict[str, Any], run_dir: str) -> None:
+    table = Table(title=f"train {summary['preset']}: {summary['status']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    shown = {
+        "samples_per_s": ("samples/s (global, after warm-up)", ",.0f"),
+        "samples_per_s_per_rank": ("samples/s per rank", ",.0f"),
+        "step_time_ms_p50": ("step time p50 ms", ".2f"),
+        "step_time_ms_p99": ("step time p99 ms", ".2f"),
+        "data_wait_share": ("data wait share", ".1%"),
+        "forward_share": ("forward share", ".1%"),
+        "backward_share": ("backward share (incl. fused table update)", ".1%"),
+        "optimizer_share": ("dense optimizer share", ".1%"),
+        "loss_first": ("loss, first steps", ".4f"),
+        "loss_last": ("loss, last steps", ".4f"),
+        "eval_auc": ("held-out AUC", ".4f"),
+    }
+    for key, (label, fmt) in shown.items():
+        value = summary.get(key)
+        table.add_row(label, "-" if value is None else format(value, fmt))
+    Console().print(table)
+    Console().print(f"run directory: {run_dir}")
