@@ -22,10 +22,11 @@ Preset file format (all compact lists have one entry per table)::
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.resources import preset_dir
@@ -34,8 +35,19 @@ INTERACTIONS = ("dot", "cat", "dcnv2")
 BYTES_PER_FP32 = 4
 
 _MODEL_KEYS = {
-    "name", "description", "num_dense", "num_embeddings", "embedding_dim", "pooling_factor",
-    "feature_names", "table_names", "bottom_mlp", "top_mlp", "interaction", "dcn", "data_spec",
+    "name",
+    "description",
+    "num_dense",
+    "num_embeddings",
+    "embedding_dim",
+    "pooling_factor",
+    "feature_names",
+    "table_names",
+    "bottom_mlp",
+    "top_mlp",
+    "interaction",
+    "dcn",
+    "data_spec",
 }
 _DCN_KEYS = {"num_layers", "low_rank"}
 
@@ -138,9 +150,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
-        tables = tuple(
-            TableSpec(**{**t, "feature_names": tuple(t["feature_names"])}) for t in data["tables"]
-        )
+        tables = tuple(TableSpec(**{**t, "feature_names": tuple(t["feature_names"])}) for t in data["tables"])
         return cls(
             **{
                 **data,
@@ -173,9 +183,7 @@ def preset_path(name_or_path: str | Path) -> Path:
         return path
     path = preset_dir("models") / f"{text}.toml"
     if not path.is_file():
-        raise UserError(
-            f"unknown model preset '{text}'; available: {', '.join(available_presets())}"
-        )
+        raise UserError(f"unknown model preset '{text}'; available: {', '.join(available_presets())}")
     return path
 
 
@@ -204,14 +212,11 @@ def load_preset(
     return _parse_model(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
 
 
-def _parse_model(
-    raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None
-) -> ModelSpec:
+def _parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None) -> ModelSpec:
     unknown = set(raw) - _MODEL_KEYS
     if unknown:
         raise UserError(
-            f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
-            f"allowed: {', '.join(sorted(_MODEL_KEYS))}"
+            f"{where}: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(_MODEL_KEYS))}"
         )
     check = _Checker(where)
     name = check.string("name", raw.get("name", Path(where).stem))
@@ -241,7 +246,7 @@ def _parse_model(
         if len(set(dims)) != 1:
             raise UserError(
                 f"{where}: interaction '{interaction}' needs one embedding_dim for all tables, "
-                f"got {sorted(set(dims))} (use interaction = \"cat\" for differing dims)"
+                f'got {sorted(set(dims))} (use interaction = "cat" for differing dims)'
             )
         if bottom[-1] != dims[0]:
             raise UserError(
@@ -333,14 +338,10 @@ class _Checker:
                 raise self.fail(name, value, f"entry {v!r} must be {rule}")
         return [kind(v) for v in values]
 
-    def names(
-        self, name: str, value: Any, n: int, default: str, basis: list[str] | None = None
-    ) -> list[str]:
+    def names(self, name: str, value: Any, n: int, default: str, basis: list[str] | None = None) -> list[str]:
         if value is None:
             return [default.format(basis[i] if basis else i) for i in range(n)]
-        if not isinstance(value, list) or len(value) != n or not all(
-            isinstance(v, str) and v for v in value
-        ):
+        if not isinstance(value, list) or len(value) != n or not all(isinstance(v, str) and v for v in value):
             raise self.fail(name, value, f"must be a list of {n} non-empty strings")
         if len(set(value)) != n:
             raise self.fail(name, value, "names must be unique")
@@ -350,7 +351,6 @@ class _Checker:
         if value not in allowed:
             raise self.fail(name, value, f"allowed: {', '.join(allowed)}")
         return value
-
 
 
 PRECISIONS = ("fp32", "bf16")

@@ -1,6 +1,10 @@
-"""Human-readable numbers for terminal output (Parquet keeps the raw values)."""
+"""Human-readable numbers and consoles for terminal output (Parquet keeps the raw values)."""
 
 from __future__ import annotations
+
+import sys
+
+from rich.console import Console
 
 
 def human_count(n: float) -> str:
@@ -15,3 +19,10 @@ def human_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console; when piped (not a terminal) it is 120 columns, not rich's 80,
+    so that tables stay readable in logs."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 120)

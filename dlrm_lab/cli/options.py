@@ -6,7 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-Preset = Annotated[str, typer.Option("--preset", "-p", help="Model preset name (see `dlrm-lab presets`) or a .toml path.")]
+Preset = Annotated[
+    str, typer.Option("--preset", "-p", help="Model preset name (see `dlrm-lab presets`) or a .toml path.")
+]
 TableScale = Annotated[
     Optional[float],
     typer.Option("--table-scale", help="Multiply every table's rows by this factor (e.g. 0.01)."),

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from dlrm_lab.cli.format import human_bytes, human_count
+from dlrm_lab.cli.format import console, human_bytes, human_count
 from dlrm_lab.cli.options import MaxRows, TableScale
 from dlrm_lab.config import ModelSpec, available_presets, load_preset
 
@@ -57,7 +56,7 @@ def list_presets(
             human_count(spec.num_parameters),
             human_bytes(spec.num_bytes),
         )
-    Console().print(table)
+    console().print(table)
 
 
 @app.command("show")
@@ -72,21 +71,31 @@ def show(
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))
         return
-    console = Console()
-    console.print(size_line(spec))
-    console.print(spec.description)
-    console.print(f"source: {spec.source}")
-    console.print(f"interaction: {spec.interaction}" + (
-        f" ({spec.dcn_num_layers} cross layers, low rank {spec.dcn_low_rank})" if spec.interaction == "dcnv2" else ""
-    ))
-    console.print(f"bottom MLP: {spec.num_dense} -> {' -> '.join(map(str, spec.bottom_mlp))}")
-    console.print(f"top MLP: {spec.over_arch_in_features} -> {' -> '.join(map(str, spec.top_mlp))}")
+    out = console()
+    out.print(size_line(spec))
+    out.print(spec.description)
+    out.print(f"source: {spec.source}")
+    out.print(
+        f"interaction: {spec.interaction}"
+        + (
+            f" ({spec.dcn_num_layers} cross layers, low rank {spec.dcn_low_rank})"
+            if spec.interaction == "dcnv2"
+            else ""
+        )
+    )
+    out.print(f"bottom MLP: {spec.num_dense} -> {' -> '.join(map(str, spec.bottom_mlp))}")
+    out.print(f"top MLP: {spec.over_arch_in_features} -> {' -> '.join(map(str, spec.top_mlp))}")
     table = Table()
     for col in ("table", "feature", "rows", "dim", "pooling", "parameters", "fp32 bytes"):
         table.add_column(col, justify="left" if col in ("table", "feature") else "right")
     for t in spec.tables:
         table.add_row(
-            t.name, ",".join(t.feature_names), f"{t.num_embeddings:,}", str(t.embedding_dim),
-            f"{t.pooling_factor:g}", f"{t.num_parameters:,}", human_bytes(4 * t.num_parameters),
+            t.name,
+            ",".join(t.feature_names),
+            f"{t.num_embeddings:,}",
+            str(t.embedding_dim),
+            f"{t.pooling_factor:g}",
+            f"{t.num_parameters:,}",
+            human_bytes(4 * t.num_parameters),
         )
-    console.print(table)
+    out.print(table)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import pyarrow.parquet as pq
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from dlrm_lab.cli.format import console
 from dlrm_lab.metrics.run import find_runs, recover_run
 
 app = typer.Typer(help="Run directories written by train (and later infer, serve).", no_args_is_help=True)
@@ -19,11 +20,14 @@ def _fmt(value: object, spec: str) -> str:
 
 
 @app.command("list")
-def list_runs(directory: Path = typer.Argument(Path("runs"), help="A metrics directory (or one run).")) -> None:
+def list_runs(
+    directory: Annotated[Path, typer.Argument(help="A metrics directory (or one run).")] = Path("runs"),
+) -> None:
     """One line per run: id, kind, status, preset, throughput, quality, duration."""
     table = Table(title=str(directory))
     for col in ("run_id", "status", "preset", "ranks", "batch", "steps", "samples/s", "AUC", "secs"):
-        table.add_column(col, justify="left" if col in ("run_id", "status", "preset") else "right", no_wrap=col == "run_id")
+        left = col in ("run_id", "status", "preset")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col == "run_id")
     for run_dir in find_runs(directory):
         manifest = recover_run(run_dir)
         summary = {}
@@ -41,4 +45,4 @@ def list_runs(directory: Path = typer.Argument(Path("runs"), help="A metrics dir
             _fmt(summary.get("eval_auc"), ".4f"),
             _fmt(manifest.get("duration_s"), ".1f"),
         )
-    Console().print(table)
+    console().print(table)

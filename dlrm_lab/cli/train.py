@@ -6,10 +6,10 @@ import sys
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dlrm_lab.cli.format import console
 from dlrm_lab.cli.options import MaxRows, MetricsDir, Preset, TableScale
 from dlrm_lab.cli.presets import size_line
 from dlrm_lab.config import TrainConfig, load_preset
@@ -24,13 +24,17 @@ def train_command(
     table_precision: Annotated[str, typer.Option(help="Stored table rows: fp32 or fp16.")] = "fp32",
     table_scale: TableScale = None,
     max_rows: MaxRows = None,
-    embedding_optimizer: Annotated[str, typer.Option(help="Fused table optimizer: rowwise_adagrad or sgd.")] = "rowwise_adagrad",
+    embedding_optimizer: Annotated[
+        str, typer.Option(help="Fused table optimizer: rowwise_adagrad or sgd.")
+    ] = "rowwise_adagrad",
     embedding_lr: Annotated[float, typer.Option(help="Table learning rate.")] = 0.05,
     dense_optimizer: Annotated[str, typer.Option(help="MLP optimizer: adagrad, adam or sgd.")] = "adagrad",
     dense_lr: Annotated[float, typer.Option(help="MLP learning rate.")] = 0.005,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out AUC evaluations (0: at the end only).")] = 0,
     eval_batches: Annotated[int, typer.Option(help="Held-out batches per evaluation.")] = 8,
-    warmup_steps: Annotated[Optional[int], typer.Option(help="Steps left out of throughput (default: 10%, at most 20).")] = None,
+    warmup_steps: Annotated[
+        Optional[int], typer.Option(help="Steps left out of throughput (default: 10%, at most 20).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the data and the initial weights.")] = 0,
     metrics_dir: MetricsDir = "runs",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -38,20 +42,35 @@ def train_command(
     """Train a DLRM preset on seeded synthetic clicks and record the run."""
     spec = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
     cfg = TrainConfig(
-        steps=steps, batch_size=batch_size, device=device, precision=precision,
-        table_precision=table_precision, embedding_optimizer=embedding_optimizer,
-        embedding_lr=embedding_lr, dense_optimizer=dense_optimizer, dense_lr=dense_lr,
-        eval_every=eval_every, eval_batches=eval_batches, seed=seed, warmup_steps=warmup_steps,
+        steps=steps,
+        batch_size=batch_size,
+        device=device,
+        precision=precision,
+        table_precision=table_precision,
+        embedding_optimizer=embedding_optimizer,
+        embedding_lr=embedding_lr,
+        dense_optimizer=dense_optimizer,
+        dense_lr=dense_lr,
+        eval_every=eval_every,
+        eval_batches=eval_batches,
+        seed=seed,
+        warmup_steps=warmup_steps,
     )
-    console = Console(stderr=True)
-    console.print(size_line(spec))
+    err = console(stderr=True)
+    err.print(size_line(spec))
 
     from dlrm_lab.train import train  # torch and torchrec load only once the options are valid
 
     bar = Progress(
-        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"), TextColumn("loss {task.fields[loss]}"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not progress,
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        disable=not progress,
     )
     task = bar.add_task("train", total=steps, rate="", loss="")
 
@@ -87,5 +106,5 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
     for key, (label, fmt) in shown.items():
         value = summary.get(key)
         table.add_row(label, "-" if value is None else format(value, fmt))
-    Console().print(table)
-    Console().print(f"run directory: {run_dir}")
+    console().print(table)
+    console().print(f"run directory: {run_dir}")

@@ -4,7 +4,8 @@ A batch is dense float32 [B, num_dense], a KeyedJaggedTensor over the preset's f
 names, and float32 labels [B].
 """
 
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 from torchrec.datasets.utils import Batch
 

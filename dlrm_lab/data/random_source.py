@@ -50,9 +50,7 @@ class RandomSource:
 
     def __post_init__(self) -> None:
         self.keys = self.spec.feature_names
-        self.rows = np.array(
-            [t.num_embeddings for t in self.spec.tables for _ in t.feature_names], dtype=np.uint64
-        )
+        self.rows = np.array([t.num_embeddings for t in self.spec.tables for _ in t.feature_names], dtype=np.uint64)
         self.lengths = [max(1, round(t.pooling_factor)) for t in self.spec.tables for _ in t.feature_names]
         w = uniform(hash_keys(self.seed, _WEIGHTS, np.arange(self.spec.num_dense))) * 2 - 1
         self._dense_w = w / np.sqrt(np.sum(w**2) / 12 + 1e-12)  # unit-variance dense part
@@ -81,7 +79,7 @@ class RandomSource:
         n = len(samples)
         dense = uniform(hash_keys(self.seed, _DENSE, samples[:, None], np.arange(self.spec.num_dense)))
         values, sparse_score = [], np.zeros(n)
-        for f, (rows, length) in enumerate(zip(self.rows, self.lengths)):
+        for f, (rows, length) in enumerate(zip(self.rows, self.lengths, strict=True)):
             slots = np.arange(length, dtype=np.uint64)
             ids = hash_keys(self.seed, _IDS, f, samples[:, None], slots) % rows  # [n, length]
             values.append(ids.reshape(-1))

@@ -44,9 +44,7 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
                 f"(torch {torch.__version__}); use --device cpu or install a CUDA build (README, GPU machines)"
             )
         if local_rank >= torch.cuda.device_count():
-            raise UserError(
-                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible"
-            )
+            raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -64,9 +62,7 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> DistConte
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
             # A group of one needs no rendezvous: an in-memory store will do.
-            dist.init_process_group(
-                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-            )
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

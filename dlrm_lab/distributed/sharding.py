@@ -110,13 +110,19 @@ def machine_topology(ctx: DistContext) -> Topology:
     if ctx.device.type == "cuda":
         hbm = torch.cuda.get_device_properties(ctx.device).total_memory
         return Topology(
-            world_size=ctx.world_size, compute_device="cuda", hbm_cap=hbm,
-            ddr_cap=host_per_rank, local_world_size=local_world,
+            world_size=ctx.world_size,
+            compute_device="cuda",
+            hbm_cap=hbm,
+            ddr_cap=host_per_rank,
+            local_world_size=local_world,
         )
     # On CPU the tables live in host memory ("ddr"); there is no HBM tier.
     return Topology(
-        world_size=ctx.world_size, compute_device="cpu", hbm_cap=0,
-        ddr_cap=host_per_rank, local_world_size=local_world,
+        world_size=ctx.world_size,
+        compute_device="cpu",
+        hbm_cap=0,
+        ddr_cap=host_per_rank,
+        local_world_size=local_world,
     )
 
 

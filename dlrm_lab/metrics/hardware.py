@@ -15,8 +15,20 @@ from typing import Any
 import psutil
 
 _PACKAGES = (
-    "dlrm-lab", "torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy", "pyarrow",
-    "typer", "rich", "torchmetrics", "nvidia-ml-py", "mpi4py", "mpich", "mlcommons-loadgen",
+    "dlrm-lab",
+    "torch",
+    "torchrec",
+    "fbgemm-gpu",
+    "fbgemm-gpu-cpu",
+    "numpy",
+    "pyarrow",
+    "typer",
+    "rich",
+    "torchmetrics",
+    "nvidia-ml-py",
+    "mpi4py",
+    "mpich",
+    "mlcommons-loadgen",
 )
 
 
@@ -108,7 +120,11 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=where, capture_output=True, text=True, timeout=5, check=True,
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}

@@ -19,7 +19,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrm_lab.config import ModelSpec
 
-
 # Storage precision of table rows in the fbgemm kernels once sharded.
 _TABLE_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
@@ -92,28 +91,24 @@ class DLRM(nn.Module):
             for t in spec.tables
         ]
         ebc = EmbeddingBagCollection(tables=configs, device=table_device or device)
+        # Registered in TorchRec's order (sparse, dense, inter, over) so state dicts list alike.
+        self.sparse_arch: nn.Module = ConcatSparseArch(ebc) if spec.interaction == "cat" else SparseArch(ebc)
+        self.dense_arch = DenseArch(in_features=spec.num_dense, layer_sizes=list(spec.bottom_mlp), device=device)
         num_features = spec.num_features
         if spec.interaction == "cat":
-            self.sparse_arch: nn.Module = ConcatSparseArch(ebc)
             self.inter_arch: nn.Module = ConcatInteractionArch()
+        elif spec.interaction == "dot":
+            self.inter_arch = InteractionArch(num_sparse_features=num_features)
         else:
-            self.sparse_arch = SparseArch(ebc)
-            if spec.interaction == "dot":
-                self.inter_arch = InteractionArch(num_sparse_features=num_features)
-            else:
-                crossnet = LowRankCrossNet(
-                    in_features=spec.over_arch_in_features,
-                    num_layers=spec.dcn_num_layers,
-                    low_rank=spec.dcn_low_rank,
-                )
-                self.inter_arch = InteractionDCNArch(num_sparse_features=num_features, crossnet=crossnet)
-        self.dense_arch = DenseArch(in_features=spec.num_dense, layer_sizes=list(spec.bottom_mlp), device=device)
-        self.over_arch = OverArch(
-            in_features=spec.over_arch_in_features, layer_sizes=list(spec.top_mlp), device=device
-        )
-        if device is not None:
-            # LowRankCrossNet takes no device argument; move what is not already placed.
-            self.inter_arch.to(device)
+            crossnet = LowRankCrossNet(
+                in_features=spec.over_arch_in_features,
+                num_layers=spec.dcn_num_layers,
+                low_rank=spec.dcn_low_rank,
+            )
+            self.inter_arch = InteractionDCNArch(num_sparse_features=num_features, crossnet=crossnet)
+            if device is not None:
+                self.inter_arch.to(device)  # LowRankCrossNet takes no device argument
+        self.over_arch = OverArch(in_features=spec.over_arch_in_features, layer_sizes=list(spec.top_mlp), device=device)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         embedded_dense = self.dense_arch(dense_features)

@@ -90,8 +90,13 @@ def train(
 
     source = source or RandomSource(spec, cfg.batch_size, cfg.seed, ctx.rank, ctx.world_size)
     eval_source = eval_source or RandomSource(
-        spec, cfg.batch_size, cfg.seed, ctx.rank, ctx.world_size,
-        num_batches=cfg.eval_batches, offset=HELD_OUT_OFFSET,
+        spec,
+        cfg.batch_size,
+        cfg.seed,
+        ctx.rank,
+        ctx.world_size,
+        num_batches=cfg.eval_batches,
+        offset=HELD_OUT_OFFSET,
     )
     config = {
         "model": spec.to_dict(),
@@ -113,8 +118,13 @@ def train(
         def run_eval(step: int) -> None:
             t0 = time.perf_counter()
             auc, loss, n = evaluate(dmp, eval_source, ctx.device)
-            row = {"step": step, "num_samples": n, "auc": auc, "loss": loss,
-                   "eval_time_ms": (time.perf_counter() - t0) * 1000}
+            row = {
+                "step": step,
+                "num_samples": n,
+                "auc": auc,
+                "loss": loss,
+                "eval_time_ms": (time.perf_counter() - t0) * 1000,
+            }
             evals.append(row)
             if eval_table is not None:
                 eval_table.append(row)

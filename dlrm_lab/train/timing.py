@@ -47,7 +47,7 @@ class StepTimer:
             last = self._marks[-1][1]
             last.synchronize()  # type: ignore[attr-defined]
         out: dict[str, float] = {}
-        for (_, before), (name, after) in zip(self._marks, self._marks[1:]):
+        for (_, before), (name, after) in zip(self._marks, self._marks[1:], strict=False):
             if self.cuda:
                 out[name] = before.elapsed_time(after)  # type: ignore[attr-defined]
             else:

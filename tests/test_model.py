@@ -1,0 +1,113 @@
+"""The model: shapes, TorchRec equivalence for dot and dcnv2, cat with mixed dims, meta tables."""
+
+import pytest
+import torch
+from torchrec.models.dlrm import DLRM as TorchRecDLRM
+from torchrec.models.dlrm import DLRM_DCN as TorchRecDLRM_DCN
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import dlrm_lab
+from dlrm_lab.data import RandomSource
+
+PRESETS = ["tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_builds_scaled_and_gives_one_logit_per_sample(name):
+    spec = dlrm_lab.load_preset(name, max_rows=100)
+    model = dlrm_lab.build_model(spec)
+    batch = RandomSource(spec, batch_size=5, seed=1).batch(0)
+    logits = model(batch.dense_features, batch.sparse_features)
+    assert logits.shape == (5,)
+    assert torch.isfinite(logits).all()
+
+
+def torchrec_reference(spec):
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                feature_names=list(t.feature_names),
+            )
+            for t in spec.tables
+        ]
+    )
+    common = dict(
+        embedding_bag_collection=ebc,
+        dense_in_features=spec.num_dense,
+        dense_arch_layer_sizes=list(spec.bottom_mlp),
+        over_arch_layer_sizes=list(spec.top_mlp),
+    )
+    if spec.interaction == "dcnv2":
+        return TorchRecDLRM_DCN(**common, dcn_num_layers=spec.dcn_num_layers, dcn_low_rank_dim=spec.dcn_low_rank)
+    return TorchRecDLRM(**common)
+
+
+@pytest.mark.parametrize("name", ["tiny", "kaggle", "dcnv2"])
+def test_state_dicts_load_both_ways_and_outputs_equal_torchrec(name):
+    spec = dlrm_lab.load_preset(name, max_rows=200)
+    ours = dlrm_lab.build_model(spec)
+    ref = torchrec_reference(spec)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    batch = RandomSource(spec, batch_size=16, seed=3).batch(0)
+
+    torch.manual_seed(7)
+    ref_weights = {k: torch.randn_like(v) * 0.1 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(ref_weights)
+    ours.load_state_dict(ref.state_dict())  # TorchRec checkpoint -> dlrm-lab
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(batch.dense_features, batch.sparse_features),
+            ref(batch.dense_features, batch.sparse_features).squeeze(-1),
+        )
+
+    torch.manual_seed(8)
+    ours.load_state_dict({k: torch.randn_like(v) * 0.1 for k, v in ours.state_dict().items()})
+    ref.load_state_dict(ours.state_dict())  # dlrm-lab checkpoint -> TorchRec
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ref(batch.dense_features, batch.sparse_features).squeeze(-1),
+            ours(batch.dense_features, batch.sparse_features),
+        )
+
+
+def test_cat_interaction_concatenates_bottom_output_and_pooled_embeddings():
+    spec = dlrm_lab.load_preset("tiny", interaction="cat", embedding_dim=[8, 4, 8, 2])
+    model = dlrm_lab.build_model(spec)
+    assert spec.over_arch_in_features == 8 + (8 + 4 + 8 + 2)
+    batch = RandomSource(spec, batch_size=6, seed=0).batch(0)
+    with torch.no_grad():
+        dense_out = model.dense_arch(batch.dense_features)
+        pooled = model.sparse_arch.embedding_bag_collection(batch.sparse_features).to_dict()
+        expected_in = torch.cat([dense_out] + [pooled[f] for f in spec.feature_names], dim=1)
+        expected = model.over_arch(expected_in).squeeze(-1)
+        torch.testing.assert_close(model(batch.dense_features, batch.sparse_features), expected)
+
+
+def test_pooling_sums_the_rows_of_a_multi_hot_feature():
+    spec = dlrm_lab.load_preset("tiny")  # cat_3 looks up 3 ids per sample
+    model = dlrm_lab.build_model(spec)
+    batch = RandomSource(spec, batch_size=2, seed=0).batch(0)
+    ids = batch.sparse_features["cat_3"].values().view(2, 3)
+    table = model.sparse_arch.embedding_bag_collection.embedding_bags["t_cat_3"].weight
+    pooled = model.sparse_arch.embedding_bag_collection(batch.sparse_features).to_dict()["cat_3"]
+    torch.testing.assert_close(pooled, table[ids].sum(dim=1))
+
+
+def test_tables_can_stay_unallocated_on_meta():
+    spec = dlrm_lab.load_preset("terabyte")  # 89 GiB if materialised
+    model = dlrm_lab.build_model(spec, table_device="meta")
+    tables = list(model.sparse_arch.embedding_bag_collection.parameters())
+    assert tables and all(t.is_meta for t in tables)
+    assert not any(p.is_meta for p in model.dense_arch.parameters())
+
+
+@pytest.mark.gpu
+def test_model_runs_on_cuda():
+    spec = dlrm_lab.load_preset("tiny")
+    model = dlrm_lab.build_model(spec, device="cuda")
+    batch = RandomSource(spec, batch_size=4, seed=0).batch(0).to(torch.device("cuda"))
+    assert model(batch.dense_features, batch.sparse_features).device.type == "cuda"
