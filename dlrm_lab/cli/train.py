@@ -56,10 +56,12 @@ def train_command(
         seed=seed,
         warmup_steps=warmup_steps,
     )
+    from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
+    from dlrm_lab.train import train
+
+    resolve_device(cfg.device)  # a missing GPU is a user error, reported before any work
     err = console(stderr=True)
     err.print(size_line(spec))
-
-    from dlrm_lab.train import train  # torch and torchrec load only once the options are valid
 
     bar = Progress(
         TextColumn("[bold]train[/]"),
@@ -82,7 +84,8 @@ def train_command(
     try:
         result = train(spec, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step)
     finally:
-        bar.stop()
+        if bar.live.is_started:
+            bar.stop()
     print_summary(result.summary, str(result.run_dir))
 
 

@@ -1,0 +1,103 @@
+"""The `dlrm-lab` command as a user runs it: output, exit codes, one-line errors."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, run_cli
+
+from dlrm_lab.metrics import read_manifest
+
+
+def test_presets_lists_every_preset_with_sizes():
+    out = run_cli("presets")
+    assert out.returncode == 0, out.stderr
+    for name in ("tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"):
+        assert name in out.stdout
+    assert "89.5 GiB" in out.stdout  # terabyte at full size
+
+
+def test_presets_show_resolves_scaling():
+    out = run_cli("presets", "show", "rm1", "--table-scale", "0.001")
+    assert out.returncode == 0, out.stderr
+    assert "rm1 (table_scale=0.001): 8 tables, 32k rows" in out.stdout
+    assert "4,000 " in out.stdout and "harvard-acc/DeepRecSys" not in out.stdout  # rows shown scaled
+    spec = json.loads(run_cli("presets", "show", "kaggle", "--max-rows", "7", "--json").stdout)
+    assert max(t["num_embeddings"] for t in spec["tables"]) == 7
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["presets", "show", "kagle"], "error: unknown model preset 'kagle'; available: dcnv2, kaggle"),
+        (["train", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
+        (["train", "--precision", "fp8"], "error: --precision 'fp8': allowed: fp32, bf16"),
+        (["train", "--bogus"], "error: No such option: --bogus"),
+        (["train", "--steps", "many"], "error: Invalid value for '--steps'"),
+        (["train", "--preset", "tiny", "--max-rows", "0"], "max_rows = 0: must be an integer >= 1"),
+        (["train", "--device", "cuda"], "error: --device cuda: no CUDA device"),
+        (["runs", "list", "/nonexistent/runs"], "error: /nonexistent/runs: no such directory"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(args, message):
+    if args[:3] == ["train", "--device", "cuda"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA present")
+    out = run_cli(*args)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_preset_file_exits_2_naming_file_and_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("num_dense = 3\nnum_embeddings = [5]\nembedding_dim = 4\nbottom_mlp = [8, 2]\ntop_mlp = [1]\n")
+    out = run_cli("train", "--preset", str(bad))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"error: {bad}: bottom_mlp ends at 2 but embedding_dim is 4; interaction 'dot' needs them equal"
+    )
+
+
+def test_train_writes_a_run_that_runs_list_shows(tmp_path):
+    out = run_cli("train", "--preset", "tiny", "--steps", "12", "--batch-size", "64", "--metrics-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "tiny: 4 tables, 380 rows, 3.58k parameters" in out.stderr  # size printed before building
+    assert "samples/s" in out.stdout and "held-out AUC" in out.stdout
+    (run_dir,) = list(tmp_path.iterdir())
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "ok"
+    assert manifest["command_line"][:3] == ["dlrm-lab", "train", "--preset"]
+    assert pq.read_table(run_dir / "steps.parquet").num_rows == 12
+    listing = run_cli("runs", "list", str(tmp_path))
+    assert listing.returncode == 0 and run_dir.name in listing.stdout and " ok " in listing.stdout
+
+
+def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlrm_lab", "train", "--preset", "tiny", "--steps", "1000000",
+         "--batch-size", "32", "--metrics-dir", str(tmp_path), "--no-progress"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until steps are being flushed
+        parts = list(tmp_path.glob("*/_parts/steps/*.parquet"))
+        if parts:
+            break
+        time.sleep(0.2)
+    assert parts, "training never flushed a step"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    (run_dir,) = list(tmp_path.iterdir())
+    assert read_manifest(run_dir)["status"] == "interrupted"
+    summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
+    assert summary["status"] == "interrupted" and summary["steps"] > 0
+    assert pq.read_table(run_dir / "steps.parquet").num_rows == summary["steps"]

@@ -1,0 +1,30 @@
+"""A built wheel carries the presets, and an installed package finds them there."""
+
+import subprocess
+import sys
+import zipfile
+
+from conftest import ROOT
+
+
+def test_wheel_ships_presets_and_finds_them_outside_the_checkout(tmp_path):
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("dlrm_lab-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for preset in ("tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"):
+        assert f"dlrm_lab/_data/models/{preset}.toml" in names
+    assert "dlrm_lab/_data/data_gen/README.md" in names
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import dlrm_lab; s = dlrm_lab.load_preset('rm2'); print(s.source)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == str(site / "dlrm_lab" / "_data" / "models" / "rm2.toml")

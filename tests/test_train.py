@@ -1,0 +1,126 @@
+"""Single-process training: it learns, it records, it stops cleanly."""
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import dlrm_lab
+from dlrm_lab.config import TrainConfig
+from dlrm_lab.data import RandomSource
+from dlrm_lab.metrics import read_manifest
+from dlrm_lab.train import train
+from dlrm_lab.train.records import PHASES
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    spec = dlrm_lab.load_preset("tiny")
+    result = train(spec, TrainConfig(steps=60, batch_size=256, eval_every=20, seed=1), metrics_dir=root)
+    return spec, result
+
+
+def test_training_reduces_loss_and_learns_the_teacher(tiny_run):
+    _, result = tiny_run
+    s = result.summary
+    assert s["status"] == "ok" and s["steps"] == 60
+    assert s["loss_last"] < s["loss_first"] - 0.05
+    aucs = [e["auc"] for e in result.evals]
+    assert len(aucs) == 3 and aucs[-1] > 0.7  # random guessing is 0.5
+
+
+def test_run_directory_holds_manifest_steps_eval_and_summary(tiny_run):
+    spec, result = tiny_run
+    d = result.run_dir
+    manifest = read_manifest(d)
+    assert manifest["status"] == "ok"
+    assert manifest["config"]["model"]["name"] == "tiny"
+    assert manifest["config"]["train"]["steps"] == 60
+    assert manifest["config"]["sharding_plan"]["tables"][0]["compute_kernel"] == "fused"
+    steps = pq.read_table(d / "steps.parquet").to_pylist()
+    assert [r["step"] for r in steps] == list(range(60))
+    for r in steps:
+        assert r["global_samples"] == 256 and r["rank"] == 0
+        phases = sum(r[f"{p}_ms"] for p in PHASES)
+        assert 0 < phases <= r["step_time_ms"] * 1.001
+    summary = pq.read_table(d / "summary.parquet").to_pylist()[0]
+    measured = [r for r in steps if not r["warmup"]]
+    assert summary["measured_steps"] == len(measured) == 60 - 6
+    expected_rate = sum(r["global_samples"] for r in measured) / (sum(r["step_time_ms"] for r in measured) / 1000)
+    assert summary["samples_per_s"] == pytest.approx(expected_rate)
+    assert sum(summary[f"{p}_share"] for p in PHASES) == pytest.approx(1.0, abs=0.01)
+    assert summary["num_parameters"] == spec.num_parameters
+    evals = duckdb.sql(f"select step, auc from '{d}/eval.parquet' order by step").fetchall()
+    assert [e[0] for e in evals] == [19, 39, 59]
+    assert summary["eval_auc"] == pytest.approx(evals[-1][1])
+
+
+def test_same_seed_same_losses():
+    spec = dlrm_lab.load_preset("tiny")
+    cfg = TrainConfig(steps=8, batch_size=64, seed=3)
+    a = [r["loss"] for r in train(spec, cfg).steps]
+    b = [r["loss"] for r in train(spec, cfg).steps]
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"precision": "bf16"},
+        {"embedding_optimizer": "sgd", "embedding_lr": 0.1, "dense_optimizer": "sgd", "dense_lr": 2.0},
+        {"dense_optimizer": "adam", "dense_lr": 0.001},
+        {"table_precision": "fp16"},
+    ],
+)
+def test_precisions_and_optimizers_train(overrides):
+    spec = dlrm_lab.load_preset("tiny")
+    result = train(spec, TrainConfig(steps=40, batch_size=256, seed=2, **overrides))
+    assert result.summary["loss_last"] < result.summary["loss_first"]
+    assert result.summary["eval_auc"] > 0.6
+
+
+@pytest.mark.parametrize("name", ["kaggle", "dcnv2", "rm2"])
+def test_scaled_presets_train_a_few_steps(name):
+    spec = dlrm_lab.load_preset(name, max_rows=500)
+    result = train(spec, TrainConfig(steps=3, batch_size=32, eval_batches=1))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.steps)
+
+
+def test_trained_tables_move_and_stay_consistent_with_the_model():
+    spec = dlrm_lab.load_preset("tiny")
+    result = train(spec, TrainConfig(steps=5, batch_size=64), keep_model=True)
+    model = result.model
+    batch = RandomSource(spec, 64, seed=0, offset=10**9).batch(0)
+    with torch.no_grad():
+        logits = model(batch.dense_features, batch.sparse_features)
+    assert logits.shape == (64,) and torch.isfinite(logits).all()
+
+
+def test_ctrl_c_keeps_what_was_measured(tmp_path):
+    spec = dlrm_lab.load_preset("tiny")
+
+    def interrupt_at_step_4(row):
+        if row["step"] == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(spec, TrainConfig(steps=50, batch_size=32), metrics_dir=tmp_path, on_step=interrupt_at_step_4)
+    (run_dir,) = list(tmp_path.iterdir())
+    assert read_manifest(run_dir)["status"] == "interrupted"
+    summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
+    assert summary["status"] == "interrupted" and summary["steps"] == 5
+    assert pq.read_table(run_dir / "steps.parquet").num_rows == 5
+
+
+def test_tables_that_cannot_fit_are_refused_before_allocation():
+    spec = dlrm_lab.load_preset("terabyte")  # 89 GiB of tables
+    with pytest.raises(dlrm_lab.UserError, match="do not fit"):
+        train(spec, TrainConfig(steps=1, batch_size=8))
+
+
+@pytest.mark.gpu
+def test_training_on_cuda():
+    spec = dlrm_lab.load_preset("tiny")
+    result = train(spec, TrainConfig(steps=10, batch_size=64, device="cuda"))
+    assert result.summary["device"] == "cuda"
