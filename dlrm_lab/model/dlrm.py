@@ -3,15 +3,17 @@
 Notation as in TorchRec: B batch size, F sparse features, D embedding dimension.
 For the dot and dcnv2 interactions the module tree (and so every parameter name) is
 that of `torchrec.models.dlrm.DLRM` / `DLRM_DCN`, so their state dicts load both ways
-and outputs agree on identical weights. The cat interaction is facebookresearch/dlrm's
-`--arch-interaction-op=cat`, which TorchRec lacks; it allows differing table dims.
+and outputs agree on identical weights. Two parameter-free pieces are our own, faster
+equivalents (see `PooledSparseArch`, `DotInteractionArch`); the rest is TorchRec's.
+The cat interaction is facebookresearch/dlrm's `--arch-interaction-op=cat`, which
+TorchRec lacks; it allows differing table dims.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec.models.dlrm import DenseArch, InteractionArch, InteractionDCNArch, OverArch, SparseArch
+from torchrec.models.dlrm import DenseArch, InteractionDCNArch, OverArch
 from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -23,29 +25,61 @@ from dlrm_lab.config import ModelSpec
 _TABLE_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
 
-class ConcatSparseArch(nn.Module):
-    """Pooled embeddings of every feature side by side: B X (sum of feature dims).
+class PooledSparseArch(nn.Module):
+    """Pooled embeddings of every feature, in `feature_names` order.
 
-    TorchRec's `SparseArch` reshapes to B X F X D and so needs one D for all tables;
-    the cat interaction does not. Features come out in `feature_names` order whatever
-    order a sharded collection returns them in.
+    Returns B X F X D (dot, dcnv2: all features share one D), or with `flat=True`
+    B X (sum of feature dims) (cat, where dims may differ). TorchRec's `SparseArch` splits
+    the collection's output into one tensor per feature and concatenates them again; the
+    collection's `KeyedTensor.values()` already holds them side by side, so when its keys
+    come in feature order this is a view, not two copies (other orders are regrouped).
 
     Example::
 
-        arch = ConcatSparseArch(ebc)         # tables of dims 8 and 4
-        arch(kjt).shape                      # torch.Size([B, 12])
+        arch = PooledSparseArch(ebc)     # 3 features of dim 8
+        arch(kjt).shape                  # torch.Size([B, 3, 8])
     """
 
-    def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, flat: bool = False) -> None:
         super().__init__()
         self.embedding_bag_collection: EmbeddingBagCollection = embedding_bag_collection
-        self.sparse_feature_names: list[str] = [
-            name for conf in embedding_bag_collection.embedding_bag_configs() for name in conf.feature_names
-        ]
+        configs = embedding_bag_collection.embedding_bag_configs()
+        self.sparse_feature_names: list[str] = [name for conf in configs for name in conf.feature_names]
+        self.F: int = len(self.sparse_feature_names)
+        self.D: int | None = None if flat else configs[0].embedding_dim
+        if not flat and any(conf.embedding_dim != self.D for conf in configs):
+            raise ValueError("B X F X D output needs one embedding_dim for all tables; use flat=True")
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features).to_dict()
-        return torch.cat([pooled[name] for name in self.sparse_feature_names], dim=1)
+        pooled = self.embedding_bag_collection(features)
+        if pooled.keys() == self.sparse_feature_names:
+            values = pooled.values()
+        else:
+            by_name = pooled.to_dict()
+            values = torch.cat([by_name[name] for name in self.sparse_feature_names], dim=1)
+        return values if self.D is None else values.view(-1, self.F, self.D)
+
+
+class DotInteractionArch(nn.Module):
+    """Pairwise dot products of the bottom-MLP output and the pooled embeddings.
+
+    Input B X D and B X F X D; output B X (D + (F + 1) choose 2), equal to TorchRec's
+    `InteractionArch`: the dense output, then the upper triangle of the (F + 1) X (F + 1)
+    Gram matrix row by row. It selects the triangle from the flattened matrix with
+    `index_select`, whose backward is a vectorised `index_add`; TorchRec's 2-D advanced
+    indexing backs up through a serial `index_put` (about twice as slow on CPU).
+    """
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        self.F: int = num_sparse_features
+        rows, cols = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
+        self.register_buffer("triu_flat_indices", rows * (self.F + 1) + cols, persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        gram = torch.bmm(combined, combined.transpose(1, 2)).flatten(1)
+        return torch.cat((dense_features, gram.index_select(1, self.triu_flat_indices)), dim=1)
 
 
 class ConcatInteractionArch(nn.Module):
@@ -92,13 +126,13 @@ class DLRM(nn.Module):
         ]
         ebc = EmbeddingBagCollection(tables=configs, device=table_device or device)
         # Registered in TorchRec's order (sparse, dense, inter, over) so state dicts list alike.
-        self.sparse_arch: nn.Module = ConcatSparseArch(ebc) if spec.interaction == "cat" else SparseArch(ebc)
+        self.sparse_arch = PooledSparseArch(ebc, flat=spec.interaction == "cat")
         self.dense_arch = DenseArch(in_features=spec.num_dense, layer_sizes=list(spec.bottom_mlp), device=device)
         num_features = spec.num_features
         if spec.interaction == "cat":
             self.inter_arch: nn.Module = ConcatInteractionArch()
         elif spec.interaction == "dot":
-            self.inter_arch = InteractionArch(num_sparse_features=num_features)
+            self.inter_arch = DotInteractionArch(num_sparse_features=num_features)
         else:
             crossnet = LowRankCrossNet(
                 in_features=spec.over_arch_in_features,

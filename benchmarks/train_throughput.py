@@ -1,0 +1,228 @@
+"""Training throughput: dlrm-lab against a plain-PyTorch DLRM written as facebookresearch/dlrm does.
+
+The baseline is that repository's structure: one `nn.EmbeddingBag(mode="sum", sparse=True)`
+per table, an MLP of `nn.Linear` + ReLU, the dot interaction by `bmm` over the upper
+triangle, and one `torch.optim.SGD` over everything (sparse row updates for the tables).
+dlrm-lab runs its real training loop (`dlrm_lab.train.train`: TorchRec sharding, fbgemm
+fused row-wise Adagrad, DDP dense part). Both consume the same pre-generated batches, so
+data generation is not measured; repeats are interleaved and the median is reported,
+with throughput ratios taken within one run.
+
+    python benchmarks/train_throughput.py                 # kaggle, tables capped at 1M rows
+    python benchmarks/train_throughput.py --quick         # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics.functional.classification import binary_auroc
+
+import dlrm_lab
+from dlrm_lab.config import ModelSpec, TrainConfig
+from dlrm_lab.data import RandomSource
+from dlrm_lab.metrics.hardware import cpu_model
+from dlrm_lab.train import train
+from dlrm_lab.train.loop import HELD_OUT_OFFSET
+
+
+class PlainDLRM(nn.Module):
+    """facebookresearch/dlrm's model shape, with its per-table sparse EmbeddingBags."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.emb = nn.ModuleList(
+            nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode="sum", sparse=True) for t in spec.tables
+        )
+        for bag, t in zip(self.emb, spec.tables, strict=True):
+            nn.init.uniform_(bag.weight, -(1 / t.num_embeddings) ** 0.5, (1 / t.num_embeddings) ** 0.5)
+        self.bot = self._mlp(spec.num_dense, spec.bottom_mlp, last_relu=True)
+        self.top = self._mlp(spec.over_arch_in_features, spec.top_mlp, last_relu=False)
+        f = spec.num_features + 1
+        self.register_buffer("li", torch.tensor([i for i in range(f) for j in range(i)]), persistent=False)
+        self.register_buffer("lj", torch.tensor([j for i in range(f) for j in range(i)]), persistent=False)
+        self.features = spec.feature_names
+
+    @staticmethod
+    def _mlp(n_in: int, sizes: tuple[int, ...], last_relu: bool) -> nn.Sequential:
+        layers: list[nn.Module] = []
+        for i, n_out in enumerate(sizes):
+            layers.append(nn.Linear(n_in, n_out))
+            if last_relu or i < len(sizes) - 1:
+                layers.append(nn.ReLU())
+            n_in = n_out
+        return nn.Sequential(*layers)
+
+    def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
+        x = self.bot(dense)
+        ly = []
+        for bag, name in zip(self.emb, self.features, strict=True):
+            jt = sparse[name]
+            ly.append(bag(jt.values(), jt.offsets()[:-1]))
+        t = torch.cat([x] + ly, dim=1).view(x.shape[0], -1, x.shape[1])
+        z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
+        return self.top(torch.cat([x, z], dim=1)).squeeze(-1)
+
+
+def autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def run_plain(spec: ModelSpec, batches: list, steps: int, warmup: int, precision: str, lr: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = PlainDLRM(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    times = []
+    for step in range(warmup + steps):
+        b = batches[step % len(batches)]
+        t0 = time.perf_counter()
+        with autocast(precision):
+            logits = model(b.dense_features, b.sparse_features)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    n = batches[0].labels.numel()
+    return {"samples_per_s": n * len(times) / sum(times), "model": model}
+
+
+class CycleSource:
+    """Pre-generated batches, cycled: the loop measures the model, not the generator."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        i = 0
+        while True:
+            yield self.batches[i % len(self.batches)]
+            i += 1
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": "pre-generated RandomSource batches", "count": len(self.batches)}
+
+
+class ListSource(CycleSource):
+    """Pre-generated held-out batches, once each."""
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+# The lab's optimizer settings: "sgd" matches the baseline's math (SGD on tables and MLPs),
+# "adagrad" is the lab's default (fused row-wise Adagrad tables, Adagrad MLPs).
+LAB_OPTIMIZERS = {
+    "sgd": dict(embedding_optimizer="sgd", embedding_lr=0.1, dense_optimizer="sgd", dense_lr=2.0),
+    "adagrad": dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad"),
+}
+
+
+def run_lab(
+    spec: ModelSpec, batches: list, eval_batches: list, steps: int, warmup: int, precision: str, optimizer: str
+):
+    cfg = TrainConfig(
+        steps=warmup + steps, batch_size=batches[0].labels.numel(), precision=precision,
+        warmup_steps=warmup, eval_batches=len(eval_batches), **LAB_OPTIMIZERS[optimizer],
+    )
+    result = train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(eval_batches))
+    return result.summary
+
+
+@torch.no_grad()
+def plain_auc(model: nn.Module, eval_batches: list) -> float:
+    logits = torch.cat([model(b.dense_features, b.sparse_features) for b in eval_batches])
+    labels = torch.cat([b.labels for b in eval_batches])
+    return binary_auroc(torch.sigmoid(logits), labels.long()).item()
+
+
+def gemm_gflops(dtype: torch.dtype, n: int = 2048, k: int = 512, m: int = 512, reps: int = 30) -> float:
+    a, b = torch.randn(n, k, dtype=dtype), torch.randn(k, m, dtype=dtype)
+    for _ in range(5):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n * k * m * reps / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="kaggle")
+    ap.add_argument("--max-rows", type=int, default=1_000_000)
+    ap.add_argument("--batch-sizes", default="128,2048")
+    ap.add_argument("--steps", type=int, default=40, help="measured steps per repeat")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quality-steps", type=int, default=300, help="steps of the equal-AUC check at batch 2048")
+    ap.add_argument("--plain-lr", type=float, default=2.0, help="SGD lr of the baseline (best of a small sweep)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.repeats, args.quality_steps, args.max_rows = 5, 1, 20, 10_000
+
+    spec = dlrm_lab.load_preset(args.preset, max_rows=args.max_rows)
+    flop_per_sample = 6 * (spec.dense_parameters - sum(spec.top_mlp) - sum(spec.bottom_mlp))  # 3 x 2 x MACs
+    results: dict[str, Any] = {
+        "preset": spec.name, "max_rows": args.max_rows, "threads": torch.get_num_threads(),
+        "cpu": cpu_model(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "gemm_gflops_fp32": gemm_gflops(torch.float32), "gemm_gflops_bf16": gemm_gflops(torch.bfloat16),
+        "train_mflop_per_sample": flop_per_sample / 1e6, "points": [],
+    }
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        src = RandomSource(spec, batch, seed=0)
+        batches = [src.batch(i) for i in range(8)]
+        evals = list(RandomSource(spec, batch, seed=0, offset=HELD_OUT_OFFSET, num_batches=2))
+        samples: dict[str, list[float]] = {}
+        for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
+            for prec in ("fp32", "bf16"):
+                rate = run_plain(spec, batches, args.steps, args.warmup, prec, args.plain_lr)["samples_per_s"]
+                samples.setdefault(f"plain {prec}", []).append(rate)
+                for opt in LAB_OPTIMIZERS:
+                    summary = run_lab(spec, batches, evals, args.steps, args.warmup, prec, opt)
+                    samples.setdefault(f"lab-{opt} {prec}", []).append(summary["samples_per_s"])
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        point: dict[str, Any] = {"batch_size": batch}
+        for k, v in med.items():
+            point[f"{k} samples/s"] = v
+            point[f"{k} / plain fp32"] = v / med["plain fp32"]
+            point[f"{k} GFLOP/s"] = v * flop_per_sample / 1e9
+            point[f"{k} spread"] = (max(samples[k]) - min(samples[k])) / v  # (max - min) / median
+        results["points"].append(point)
+        print(json.dumps(point), flush=True)
+
+    # Equal quality: the same learnable data, the same steps, both models scored on held-out samples.
+    batch = 2048
+    src = RandomSource(spec, batch, seed=1)
+    train_batches = [src.batch(i) for i in range(args.quality_steps)]
+    evals = list(RandomSource(spec, batch, seed=1, offset=HELD_OUT_OFFSET, num_batches=4))
+    plain = run_plain(spec, train_batches, args.quality_steps, 0, "fp32", args.plain_lr)
+    results["quality"] = {
+        "steps": args.quality_steps, "batch_size": batch,
+        "plain fp32 AUC": plain_auc(plain["model"], evals),
+        **{
+            f"lab-{opt} {prec} AUC": run_lab(spec, train_batches, evals, args.quality_steps, 0, prec, opt)["eval_auc"]
+            for opt in LAB_OPTIMIZERS
+            for prec in ("fp32", "bf16")
+        },
+    }
+    print(json.dumps(results["quality"]), flush=True)
+    print(json.dumps({k: v for k, v in results.items() if k not in ("points", "quality")}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
