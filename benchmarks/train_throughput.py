@@ -43,7 +43,7 @@ class PlainDLRM(nn.Module):
             nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode="sum", sparse=True) for t in spec.tables
         )
         for bag, t in zip(self.emb, spec.tables, strict=True):
-            nn.init.uniform_(bag.weight, -(1 / t.num_embeddings) ** 0.5, (1 / t.num_embeddings) ** 0.5)
+            nn.init.uniform_(bag.weight, -((1 / t.num_embeddings) ** 0.5), (1 / t.num_embeddings) ** 0.5)
         self.bot = self._mlp(spec.num_dense, spec.bottom_mlp, last_relu=True)
         self.top = self._mlp(spec.over_arch_in_features, spec.top_mlp, last_relu=False)
         f = spec.num_features + 1
@@ -119,20 +119,28 @@ class ListSource(CycleSource):
         return iter(self.batches)
 
 
-# The lab's optimizer settings: "sgd" matches the baseline's math (SGD on tables and MLPs),
-# "adagrad" is the lab's default (fused row-wise Adagrad tables, Adagrad MLPs).
-LAB_OPTIMIZERS = {
-    "sgd": dict(embedding_optimizer="sgd", embedding_lr=0.1, dense_optimizer="sgd", dense_lr=2.0),
-    "adagrad": dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad"),
-}
+# The lab's optimizer settings: "sgd" is the baseline's math (one SGD learning rate for
+# tables and MLPs), "adagrad" the lab's default (fused row-wise Adagrad tables, Adagrad MLPs).
+LAB_OPTIMIZERS = ("sgd", "adagrad")
+PLAIN_LR = 4.0  # best held-out AUC of lr in {0.1, 1, 4, 10} after 150 steps at batch 2048
+
+
+def optimizer_options(name: str) -> dict[str, Any]:
+    if name == "sgd":
+        return dict(embedding_optimizer="sgd", embedding_lr=PLAIN_LR, dense_optimizer="sgd", dense_lr=PLAIN_LR)
+    return dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad")
 
 
 def run_lab(
     spec: ModelSpec, batches: list, eval_batches: list, steps: int, warmup: int, precision: str, optimizer: str
 ):
     cfg = TrainConfig(
-        steps=warmup + steps, batch_size=batches[0].labels.numel(), precision=precision,
-        warmup_steps=warmup, eval_batches=len(eval_batches), **LAB_OPTIMIZERS[optimizer],
+        steps=warmup + steps,
+        batch_size=batches[0].labels.numel(),
+        precision=precision,
+        warmup_steps=warmup,
+        eval_batches=len(eval_batches),
+        **optimizer_options(optimizer),
     )
     result = train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(eval_batches))
     return result.summary
@@ -143,6 +151,32 @@ def plain_auc(model: nn.Module, eval_batches: list) -> float:
     logits = torch.cat([model(b.dense_features, b.sparse_features) for b in eval_batches])
     labels = torch.cat([b.labels for b in eval_batches])
     return binary_auroc(torch.sigmoid(logits), labels.long()).item()
+
+
+def profile_lab(spec: ModelSpec, batches: list, precision: str, optimizer: str, steps: int = 10) -> str:
+    """Top operators of the lab's training step by self CPU time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = TrainConfig(
+        steps=steps,
+        batch_size=batches[0].labels.numel(),
+        precision=precision,
+        warmup_steps=0,
+        eval_batches=1,
+        **optimizer_options(optimizer),
+    )
+    holder: dict[str, Any] = {}
+
+    def start_at_third_step(row: dict[str, Any]) -> None:  # skip the first steps' one-off costs
+        if row["step"] == 2:
+            holder["prof"] = profile(activities=[ProfilerActivity.CPU])
+            holder["prof"].__enter__()
+        if row["step"] == steps - 1:
+            holder["prof"].__exit__(None, None, None)
+
+    train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(batches[:1]), on_step=start_at_third_step)
+    table = holder["prof"].key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=55)
+    return f"{optimizer} {precision}, {steps - 3} profiled steps\n{table}"
 
 
 def gemm_gflops(dtype: torch.dtype, n: int = 2048, k: int = 512, m: int = 512, reps: int = 30) -> float:
@@ -164,8 +198,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quality-steps", type=int, default=300, help="steps of the equal-AUC check at batch 2048")
-    ap.add_argument("--plain-lr", type=float, default=2.0, help="SGD lr of the baseline (best of a small sweep)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the lab step's top operators at batch 2048 and exit")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -173,12 +207,24 @@ def main() -> None:
 
     spec = dlrm_lab.load_preset(args.preset, max_rows=args.max_rows)
     flop_per_sample = 6 * (spec.dense_parameters - sum(spec.top_mlp) - sum(spec.bottom_mlp))  # 3 x 2 x MACs
+    if args.profile:
+        batches = [RandomSource(spec, 2048, seed=0).batch(i) for i in range(8)]
+        for opt in LAB_OPTIMIZERS:
+            for prec in ("fp32", "bf16"):
+                print(profile_lab(spec, batches, prec, opt), flush=True)
+        return
     results: dict[str, Any] = {
-        "preset": spec.name, "max_rows": args.max_rows, "threads": torch.get_num_threads(),
-        "cpu": cpu_model(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "gemm_gflops_fp32": gemm_gflops(torch.float32), "gemm_gflops_bf16": gemm_gflops(torch.bfloat16),
-        "train_mflop_per_sample": flop_per_sample / 1e6, "points": [],
+        "preset": spec.name,
+        "max_rows": args.max_rows,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gemm_gflops_fp32": gemm_gflops(torch.float32),
+        "gemm_gflops_bf16": gemm_gflops(torch.bfloat16),
+        "train_mflop_per_sample": flop_per_sample / 1e6,
+        "points": [],
     }
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         src = RandomSource(spec, batch, seed=0)
@@ -187,7 +233,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for prec in ("fp32", "bf16"):
-                rate = run_plain(spec, batches, args.steps, args.warmup, prec, args.plain_lr)["samples_per_s"]
+                rate = run_plain(spec, batches, args.steps, args.warmup, prec, PLAIN_LR)["samples_per_s"]
                 samples.setdefault(f"plain {prec}", []).append(rate)
                 for opt in LAB_OPTIMIZERS:
                     summary = run_lab(spec, batches, evals, args.steps, args.warmup, prec, opt)
@@ -207,9 +253,10 @@ def main() -> None:
     src = RandomSource(spec, batch, seed=1)
     train_batches = [src.batch(i) for i in range(args.quality_steps)]
     evals = list(RandomSource(spec, batch, seed=1, offset=HELD_OUT_OFFSET, num_batches=4))
-    plain = run_plain(spec, train_batches, args.quality_steps, 0, "fp32", args.plain_lr)
+    plain = run_plain(spec, train_batches, args.quality_steps, 0, "fp32", PLAIN_LR)
     results["quality"] = {
-        "steps": args.quality_steps, "batch_size": batch,
+        "steps": args.quality_steps,
+        "batch_size": batch,
         "plain fp32 AUC": plain_auc(plain["model"], evals),
         **{
             f"lab-{opt} {prec} AUC": run_lab(spec, train_batches, evals, args.quality_steps, 0, prec, opt)["eval_auc"]
