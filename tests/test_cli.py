@@ -82,9 +82,25 @@ def test_train_writes_a_run_that_runs_list_shows(tmp_path):
 
 def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dlrm_lab", "train", "--preset", "tiny", "--steps", "1000000",
-         "--batch-size", "32", "--metrics-dir", str(tmp_path), "--no-progress"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "dlrm_lab",
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1000000",
+            "--batch-size",
+            "32",
+            "--metrics-dir",
+            str(tmp_path),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait until steps are being flushed

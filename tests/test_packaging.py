@@ -9,8 +9,21 @@ from conftest import ROOT
 
 def test_wheel_ships_presets_and_finds_them_outside_the_checkout(tmp_path):
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("dlrm_lab-*.whl")
@@ -23,7 +36,10 @@ def test_wheel_ships_presets_and_finds_them_outside_the_checkout(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     probe = subprocess.run(
         [sys.executable, "-c", "import dlrm_lab; s = dlrm_lab.load_preset('rm2'); print(s.source)"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
     )
     assert probe.returncode == 0, probe.stderr

@@ -126,8 +126,13 @@ def machine_topology(ctx: DistContext) -> Topology:
     )
 
 
-def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int) -> dict[str, Any]:
-    """Per table: sharding type, ranks and bytes; per rank: total table bytes."""
+def describe_plan(
+    plan: ShardingPlan, model_spec: Any, world_size: int, bytes_per_value: int = 4
+) -> dict[str, Any]:
+    """Per table: sharding type, ranks and bytes; per rank: total table bytes.
+
+    `bytes_per_value` is the stored row precision (4 for fp32 tables, 2 for fp16).
+    """
     rows = {t.name: t for t in model_spec.tables}
     tables: list[dict[str, Any]] = []
     per_rank = [0] * world_size
@@ -140,18 +145,18 @@ def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int) -> dict[
                 for shard in shards:
                     r = shard.placement.rank()
                     ranks.append(r)
-                    per_rank[r] += 4 * shard.shard_sizes[0] * shard.shard_sizes[1]
+                    per_rank[r] += bytes_per_value * shard.shard_sizes[0] * shard.shard_sizes[1]
             else:  # data_parallel: a full replica on every rank
                 ranks = list(p.ranks or range(world_size))
                 for r in ranks:
-                    per_rank[r] += 4 * table.num_parameters
+                    per_rank[r] += bytes_per_value * table.num_parameters
             tables.append(
                 {
                     "table": name,
                     "sharding_type": p.sharding_type,
                     "compute_kernel": p.compute_kernel,
                     "ranks": ranks,
-                    "bytes": 4 * table.num_parameters,
+                    "bytes": bytes_per_value * table.num_parameters,
                 }
             )
     return {"tables": tables, "bytes_per_rank": per_rank}

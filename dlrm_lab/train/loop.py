@@ -86,7 +86,7 @@ def train(
         model, ctx, EmbeddingOptimizer(cfg.embedding_optimizer, cfg.embedding_lr), batch_size=cfg.batch_size
     )
     optimizer = _dense_optimizer(dmp, cfg)
-    plan_info = describe_plan(plan, spec, ctx.world_size)
+    plan_info = describe_plan(plan, spec, ctx.world_size, bytes_per_value=2 if cfg.table_precision == "fp16" else 4)
 
     source = source or RandomSource(spec, cfg.batch_size, cfg.seed, ctx.rank, ctx.world_size)
     eval_source = eval_source or RandomSource(
