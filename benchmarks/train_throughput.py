@@ -28,10 +28,9 @@ from torchmetrics.functional.classification import binary_auroc
 
 import dlrm_lab
 from dlrm_lab.config import ModelSpec, TrainConfig
-from dlrm_lab.data import RandomSource
+from dlrm_lab.data import HELD_OUT_OFFSET, SyntheticSource, synthetic_generator
 from dlrm_lab.metrics.hardware import cpu_model
 from dlrm_lab.train import train
-from dlrm_lab.train.loop import HELD_OUT_OFFSET
 
 
 class PlainDLRM(nn.Module):
@@ -94,6 +93,12 @@ def run_plain(spec: ModelSpec, batches: list, steps: int, warmup: int, precision
             times.append(time.perf_counter() - t0)
     n = batches[0].labels.numel()
     return {"samples_per_s": n * len(times) / sum(times), "model": model}
+
+
+def batches(spec: ModelSpec, batch_size: int, count: int, seed: int = 0, offset: int = 0) -> list:
+    """`count` batches of the preset's synthetic data, generated before any timing."""
+    source = SyntheticSource(synthetic_generator(spec, seed=seed), batch_size, offset=offset, num_batches=count)
+    return list(source)
 
 
 class CycleSource:
@@ -208,10 +213,10 @@ def main() -> None:
     spec = dlrm_lab.load_preset(args.preset, max_rows=args.max_rows)
     flop_per_sample = 6 * (spec.dense_parameters - sum(spec.top_mlp) - sum(spec.bottom_mlp))  # 3 x 2 x MACs
     if args.profile:
-        batches = [RandomSource(spec, 2048, seed=0).batch(i) for i in range(8)]
+        profile_batches = batches(spec, 2048, 8)
         for opt in LAB_OPTIMIZERS:
             for prec in ("fp32", "bf16"):
-                print(profile_lab(spec, batches, prec, opt), flush=True)
+                print(profile_lab(spec, profile_batches, prec, opt), flush=True)
         return
     results: dict[str, Any] = {
         "preset": spec.name,
@@ -227,16 +232,15 @@ def main() -> None:
         "points": [],
     }
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        src = RandomSource(spec, batch, seed=0)
-        batches = [src.batch(i) for i in range(8)]
-        evals = list(RandomSource(spec, batch, seed=0, offset=HELD_OUT_OFFSET, num_batches=2))
+        train_batches, evals = batches(spec, batch, 8), batches(spec, batch, 2, offset=HELD_OUT_OFFSET)
         samples: dict[str, list[float]] = {}
+        batch_list = train_batches
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for prec in ("fp32", "bf16"):
-                rate = run_plain(spec, batches, args.steps, args.warmup, prec, PLAIN_LR)["samples_per_s"]
+                rate = run_plain(spec, batch_list, args.steps, args.warmup, prec, PLAIN_LR)["samples_per_s"]
                 samples.setdefault(f"plain {prec}", []).append(rate)
                 for opt in LAB_OPTIMIZERS:
-                    summary = run_lab(spec, batches, evals, args.steps, args.warmup, prec, opt)
+                    summary = run_lab(spec, batch_list, evals, args.steps, args.warmup, prec, opt)
                     samples.setdefault(f"lab-{opt} {prec}", []).append(summary["samples_per_s"])
         med = {k: statistics.median(v) for k, v in samples.items()}
         point: dict[str, Any] = {"batch_size": batch}
@@ -250,9 +254,8 @@ def main() -> None:
 
     # Equal quality: the same learnable data, the same steps, both models scored on held-out samples.
     batch = 2048
-    src = RandomSource(spec, batch, seed=1)
-    train_batches = [src.batch(i) for i in range(args.quality_steps)]
-    evals = list(RandomSource(spec, batch, seed=1, offset=HELD_OUT_OFFSET, num_batches=4))
+    train_batches = batches(spec, batch, args.quality_steps, seed=1)
+    evals = batches(spec, batch, 4, seed=1, offset=HELD_OUT_OFFSET)
     plain = run_plain(spec, train_batches, args.quality_steps, 0, "fp32", PLAIN_LR)
     results["quality"] = {
         "steps": args.quality_steps,

@@ -381,6 +381,10 @@ class TrainConfig:
     eval_batches: int = 8
     seed: int = 0
     warmup_steps: int | None = None
+    data: str = "synthetic"  # or a Parquet dataset directory
+    data_spec: str | None = None  # synthetic only; default: the model preset's
+    data_overrides: tuple[str, ...] = ()  # synthetic only: `--set key=value` on the data spec
+    prefetch: int = 2  # batches prepared ahead on a background thread (0: inline)
 
     def __post_init__(self) -> None:
         _positive("--steps", self.steps)
@@ -396,6 +400,8 @@ class TrainConfig:
         if self.eval_every < 0:
             raise UserError(f"--eval-every {self.eval_every}: must be >= 0 (0: evaluate at the end only)")
         _positive("--eval-batches", self.eval_batches)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise UserError(f"--prefetch {self.prefetch!r}: must be an integer >= 0")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
 
@@ -408,7 +414,7 @@ class TrainConfig:
         return min(20, max(1, self.steps // 10))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "warmup_steps": self.resolved_warmup_steps}
+        return {**asdict(self), "warmup_steps": self.resolved_warmup_steps, "data_overrides": list(self.data_overrides)}
 
 
 def _positive(name: str, value: Any) -> None:

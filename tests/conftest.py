@@ -30,3 +30,10 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, **kwargs)
         env=env,
         **kwargs,
     )
+
+
+def make_batch(spec, batch_size: int, seed: int = 0, offset: int = 0):
+    """One batch of the preset's synthetic data (samples offset .. offset + batch_size)."""
+    from dlrm_lab.data import SyntheticSource, synthetic_generator
+
+    return SyntheticSource(synthetic_generator(spec, seed=seed), batch_size, offset=offset).batch(0)

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from conftest import make_batch
 from torchrec.models.dlrm import DLRM as TorchRecDLRM
 from torchrec.models.dlrm import DLRM_DCN as TorchRecDLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import dlrm_lab
-from dlrm_lab.data import RandomSource
 
 PRESETS = ["tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"]
 
@@ -17,7 +17,7 @@ PRESETS = ["tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"]
 def test_every_preset_builds_scaled_and_gives_one_logit_per_sample(name):
     spec = dlrm_lab.load_preset(name, max_rows=100)
     model = dlrm_lab.build_model(spec)
-    batch = RandomSource(spec, batch_size=5, seed=1).batch(0)
+    batch = make_batch(spec, 5, seed=1)
     logits = model(batch.dense_features, batch.sparse_features)
     assert logits.shape == (5,)
     assert torch.isfinite(logits).all()
@@ -52,7 +52,7 @@ def test_state_dicts_load_both_ways_and_outputs_equal_torchrec(name):
     ours = dlrm_lab.build_model(spec)
     ref = torchrec_reference(spec)
     assert list(ours.state_dict()) == list(ref.state_dict())
-    batch = RandomSource(spec, batch_size=16, seed=3).batch(0)
+    batch = make_batch(spec, 16, seed=3)
 
     torch.manual_seed(7)
     ref_weights = {k: torch.randn_like(v) * 0.1 for k, v in ref.state_dict().items()}
@@ -78,7 +78,7 @@ def test_cat_interaction_concatenates_bottom_output_and_pooled_embeddings():
     spec = dlrm_lab.load_preset("tiny", interaction="cat", embedding_dim=[8, 4, 8, 2])
     model = dlrm_lab.build_model(spec)
     assert spec.over_arch_in_features == 8 + (8 + 4 + 8 + 2)
-    batch = RandomSource(spec, batch_size=6, seed=0).batch(0)
+    batch = make_batch(spec, 6, seed=0)
     with torch.no_grad():
         dense_out = model.dense_arch(batch.dense_features)
         pooled = model.sparse_arch.embedding_bag_collection(batch.sparse_features).to_dict()
@@ -90,7 +90,7 @@ def test_cat_interaction_concatenates_bottom_output_and_pooled_embeddings():
 def test_pooling_sums_the_rows_of_a_multi_hot_feature():
     spec = dlrm_lab.load_preset("tiny")  # cat_3 looks up 3 ids per sample
     model = dlrm_lab.build_model(spec)
-    batch = RandomSource(spec, batch_size=2, seed=0).batch(0)
+    batch = make_batch(spec, 2, seed=0)
     ids = batch.sparse_features["cat_3"].values().view(2, 3)
     table = model.sparse_arch.embedding_bag_collection.embedding_bags["t_cat_3"].weight
     pooled = model.sparse_arch.embedding_bag_collection(batch.sparse_features).to_dict()["cat_3"]
@@ -109,5 +109,5 @@ def test_tables_can_stay_unallocated_on_meta():
 def test_model_runs_on_cuda():
     spec = dlrm_lab.load_preset("tiny")
     model = dlrm_lab.build_model(spec, device="cuda")
-    batch = RandomSource(spec, batch_size=4, seed=0).batch(0).to(torch.device("cuda"))
+    batch = make_batch(spec, 4, seed=0).to(torch.device("cuda"))
     assert model(batch.dense_features, batch.sparse_features).device.type == "cuda"

@@ -4,10 +4,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import make_batch
 
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.data import RandomSource
 from dlrm_lab.metrics import read_manifest
 from dlrm_lab.train import train
 from dlrm_lab.train.records import PHASES
@@ -91,7 +91,7 @@ def test_trained_tables_move_and_stay_consistent_with_the_model():
     spec = dlrm_lab.load_preset("tiny")
     result = train(spec, TrainConfig(steps=5, batch_size=64), keep_model=True)
     model = result.model
-    batch = RandomSource(spec, 64, seed=0, offset=10**9).batch(0)
+    batch = make_batch(spec, 64, offset=10**9)
     with torch.no_grad():
         logits = model(batch.dense_features, batch.sparse_features)
     assert logits.shape == (64,) and torch.isfinite(logits).all()

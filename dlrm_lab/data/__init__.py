@@ -1,15 +1,25 @@
-"""Data sources: anything iterable over `torchrec.datasets.utils.Batch` with `describe()`.
+"""Data: synthetic generators, Parquet datasets, Criteo logs, all as batch sources.
 
-A batch is dense float32 [B, num_dense], a KeyedJaggedTensor over the preset's feature
-names, and float32 labels [B].
+A source is anything iterable over `torchrec.datasets.utils.Batch` (dense float32
+[B, num_dense], a KeyedJaggedTensor over the model's feature names, float32 labels [B])
+that can `describe()` itself for the run manifest.
 """
+
+from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.data.random_source import RandomSource
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.data.parquet import ParquetSource
+from dlrm_lab.data.source import SyntheticSource
+from dlrm_lab.data.spec import DataSpec, load_data_spec
+from dlrm_lab.data.synthetic import SyntheticGenerator
+from dlrm_lab.errors import UserError
+
+HELD_OUT_OFFSET = 1 << 40  # held-out samples start far beyond any training sample index
 
 
 class BatchSource(Protocol):
@@ -18,4 +28,68 @@ class BatchSource(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-__all__ = ["Batch", "BatchSource", "RandomSource"]
+def synthetic_generator(
+    model: ModelSpec, data_spec: str | None = None, overrides: tuple[str, ...] = (), seed: int = 0
+) -> SyntheticGenerator:
+    """The generator of `data_spec` (default: the one the model preset names, else uniform)."""
+    return SyntheticGenerator(load_data_spec(data_spec or model.data_spec or "uniform", model, tuple(overrides)), seed)
+
+
+def open_sources(
+    model: ModelSpec,
+    data: str,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    eval_batches: int = 8,
+    data_spec: str | None = None,
+    overrides: tuple[str, ...] = (),
+    seed: int = 0,
+) -> tuple[BatchSource, BatchSource]:
+    """Training and held-out sources for one rank.
+
+    `data` is "synthetic" or a Parquet dataset path. Held-out samples come from the same
+    generator far past any training sample; for a dataset without a generator spec
+    (converted Criteo) they are the dataset's first batches, and the description says so.
+    """
+    if data == "synthetic":
+        gen = synthetic_generator(model, data_spec, overrides, seed)
+        train = SyntheticSource(gen, batch_size, rank, world_size)
+        held_out = SyntheticSource(gen.clone(), batch_size, rank, world_size, eval_batches, offset=HELD_OUT_OFFSET)
+        return train, held_out
+    if data_spec or overrides:
+        raise UserError("--data-spec/--set apply to --data synthetic, not to a dataset on disk")
+    train = ParquetSource(data, model, batch_size, rank, world_size)
+    info = train.info
+    if info.get("data_spec") is not None:
+        spec = DataSpec.from_dict(info["data_spec"])
+        gen = SyntheticGenerator(spec, int(info.get("seed", 0)))
+        return train, SyntheticSource(gen, batch_size, rank, world_size, eval_batches, offset=HELD_OUT_OFFSET)
+    return train, _FirstBatches(ParquetSource(data, model, batch_size, rank, world_size, eval_batches, epochs=1))
+
+
+class _FirstBatches:
+    """Held-out stand-in for datasets without a generator: their first batches, labelled as such."""
+
+    def __init__(self, source: ParquetSource) -> None:
+        self.source = source
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.source)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.source.describe(), "held_out": False, "note": "evaluated on the dataset's first batches"}
+
+
+__all__ = [
+    "HELD_OUT_OFFSET",
+    "Batch",
+    "BatchSource",
+    "DataSpec",
+    "ParquetSource",
+    "SyntheticGenerator",
+    "SyntheticSource",
+    "load_data_spec",
+    "open_sources",
+    "synthetic_generator",
+]

@@ -126,9 +126,7 @@ def machine_topology(ctx: DistContext) -> Topology:
     )
 
 
-def describe_plan(
-    plan: ShardingPlan, model_spec: Any, world_size: int, bytes_per_value: int = 4
-) -> dict[str, Any]:
+def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int, bytes_per_value: int = 4) -> dict[str, Any]:
     """Per table: sharding type, ranks and bytes; per rank: total table bytes.
 
     `bytes_per_value` is the stored row precision (4 for fp32 tables, 2 for fp16).

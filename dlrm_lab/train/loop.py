@@ -20,7 +20,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_lab.config import ModelSpec, TrainConfig
-from dlrm_lab.data import BatchSource, RandomSource
+from dlrm_lab.data import BatchSource, open_sources
+from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, init_distributed
 from dlrm_lab.distributed.sharding import EmbeddingOptimizer, describe_plan, shard_model
 from dlrm_lab.metrics.run import Run
@@ -28,8 +29,6 @@ from dlrm_lab.model import build_model
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.records import EVAL_SCHEMA, STEP_SCHEMA, SUMMARY_SCHEMA, summarize_steps
 from dlrm_lab.train.timing import StepTimer
-
-HELD_OUT_OFFSET = 1 << 40  # held-out samples start far beyond any training sample index
 
 _DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad,
@@ -88,16 +87,21 @@ def train(
     optimizer = _dense_optimizer(dmp, cfg)
     plan_info = describe_plan(plan, spec, ctx.world_size, bytes_per_value=2 if cfg.table_precision == "fp16" else 4)
 
-    source = source or RandomSource(spec, cfg.batch_size, cfg.seed, ctx.rank, ctx.world_size)
-    eval_source = eval_source or RandomSource(
-        spec,
-        cfg.batch_size,
-        cfg.seed,
-        ctx.rank,
-        ctx.world_size,
-        num_batches=cfg.eval_batches,
-        offset=HELD_OUT_OFFSET,
-    )
+    if source is None or eval_source is None:
+        default_train, default_eval = open_sources(
+            spec,
+            cfg.data,
+            cfg.batch_size,
+            ctx.rank,
+            ctx.world_size,
+            cfg.eval_batches,
+            cfg.data_spec,
+            cfg.data_overrides,
+            cfg.seed,
+        )
+        source, eval_source = source or default_train, eval_source or default_eval
+    if cfg.prefetch:
+        source = Prefetcher(source, depth=cfg.prefetch, pin_memory=ctx.device.type == "cuda")
     config = {
         "model": spec.to_dict(),
         "train": cfg.to_dict(),
@@ -109,7 +113,11 @@ def train(
         "torch_threads": torch.get_num_threads(),
     }
     run = Run.create(metrics_dir, kind="train", config=config, argv=argv) if metrics_dir and ctx.is_main else None
-    with run if run is not None else contextlib.nullcontext():  # type: ignore[attr-defined]
+    with contextlib.ExitStack() as stack:
+        if run is not None:
+            stack.enter_context(run)
+        if isinstance(source, Prefetcher):
+            stack.callback(source.close)
         steps_table = run.table("steps", STEP_SCHEMA) if run else None
         eval_table = run.table("eval", EVAL_SCHEMA) if run else None
         steps: list[dict[str, Any]] = []

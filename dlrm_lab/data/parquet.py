@@ -1,0 +1,284 @@
+"""Parquet click-log datasets: the layout, the writer and the streaming loader.
+
+Layout (one row per sample), chosen so that a batch converts to tensors without a
+per-sample loop: `label` float32; `dense` fixed_size_list<float32>[num_dense]; one
+`list<int64>` column per sparse feature, named as the model's features (list offsets
+are the KeyedJaggedTensor lengths, list values its values). A dataset is a directory
+of `part-NNNNN.parquet` shards plus `dataset.json`; the shards' schema metadata
+(`dlrm_lab` key) carries the same JSON: source, resolved data spec, seed, first sample
+index, rows and the teacher (AUC, bias).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from torchrec.datasets.utils import Batch
+
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.data.source import block_to_batch
+from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
+from dlrm_lab.errors import UserError
+
+METADATA_KEY = b"dlrm_lab"
+DATASET_FILE = "dataset.json"
+ROW_GROUP_SAMPLES = 65_536
+
+
+def dataset_schema(num_dense: int, feature_names: list[str], metadata: dict[str, Any] | None = None) -> pa.Schema:
+    fields = [
+        pa.field("label", pa.float32(), nullable=False),
+        pa.field("dense", pa.list_(pa.float32(), num_dense), nullable=False),
+        *[pa.field(name, pa.list_(pa.int64()), nullable=False) for name in feature_names],
+    ]
+    meta = {METADATA_KEY: json.dumps(metadata).encode()} if metadata is not None else None
+    return pa.schema(fields, metadata=meta)
+
+
+def block_to_table(block: SampleBlock, schema: pa.Schema) -> pa.Table:
+    n = block.size
+    dense = block.dense.astype(np.float32, copy=False).ravel()
+    columns: list[pa.Array] = [
+        pa.array(block.labels.astype(np.float32, copy=False)),
+        pa.FixedSizeListArray.from_arrays(pa.array(dense), block.dense.shape[1]),
+    ]
+    for lengths, values in zip(block.lengths, block.values, strict=True):
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        columns.append(pa.LargeListArray.from_arrays(offsets, values).cast(pa.list_(pa.int64())))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def write_dataset(
+    generator: SyntheticGenerator,
+    rows: int,
+    out: str | Path,
+    shards: int = 1,
+    first_sample: int = 0,
+    row_group_samples: int = ROW_GROUP_SAMPLES,
+    on_progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write samples [first_sample, first_sample + rows) as `shards` Parquet files.
+
+    Shard k holds a contiguous range, so the shards in order are the whole. Each file is
+    written under a temporary name and renamed when complete; `dataset.json` comes last.
+    """
+    if rows < 1:
+        raise UserError(f"--rows {rows}: must be an integer >= 1")
+    if not 1 <= shards <= rows:
+        raise UserError(f"--shards {shards}: must be in [1, rows={rows}]")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
+    out.mkdir(parents=True, exist_ok=True)
+    spec = generator.spec
+    meta = {
+        "format_version": 1,
+        "source": "synthetic",
+        "data_spec": spec.to_dict(),
+        "seed": generator.seed,
+        "first_sample": first_sample,
+        "rows": rows,
+        "teacher": generator.teacher,
+    }
+    files = []
+    for k in range(shards):
+        lo = first_sample + k * rows // shards
+        hi = first_sample + (k + 1) * rows // shards
+        schema = dataset_schema(spec.num_dense, spec.feature_names, {**meta, "shard": k, "shard_first_sample": lo})
+        path = out / f"part-{k:05d}.parquet"
+        tmp = out / f".{path.name}.tmp"
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+            for a in range(lo, hi, row_group_samples):
+                b = min(a + row_group_samples, hi)
+                writer.write_table(block_to_table(generator.samples(a, b), schema), row_group_size=b - a)
+                if on_progress is not None:
+                    on_progress(b - a)
+        os.replace(tmp, path)
+        files.append({"path": path.name, "rows": hi - lo, "first_sample": lo})
+    manifest = {**meta, "shards": shards, "files": files}
+    (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_dataset_info(path: str | Path) -> dict[str, Any]:
+    """The dataset's JSON description (from dataset.json, else the first file's metadata)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"--data {path}: no such dataset directory or file")
+    if (path / DATASET_FILE).is_file():
+        try:
+            return json.loads((path / DATASET_FILE).read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path / DATASET_FILE}: not valid JSON: {exc}") from None
+    files = dataset_files(path)
+    meta = _read_schema(files[0]).metadata or {}
+    info = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {"source": "unknown"}
+    info["files"] = [{"path": str(f.relative_to(path) if path.is_dir() else f.name)} for f in files]
+    return info
+
+
+def dataset_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.parquet"))
+    if not files:
+        raise UserError(f"{path}: no .parquet files (an empty dataset)")
+    return files
+
+
+def _read_schema(path: Path) -> pa.Schema:
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
+
+
+def check_schema(path: Path, schema: pa.Schema, model: ModelSpec) -> None:
+    """Refuse a file whose columns do not match `model`: one line naming file and column."""
+    expected = ["label", "dense", *model.feature_names]
+    names = schema.names
+    missing = [c for c in expected if c not in names]
+    if missing:
+        raise UserError(
+            f"{path}: missing column(s) {', '.join(missing[:5])} (model {model.name} needs {len(expected)})"
+        )
+    extra = [c for c in names if c not in expected]
+    if extra:
+        raise UserError(f"{path}: unexpected column(s) {', '.join(extra[:5])} for model {model.name}")
+    label = schema.field("label").type
+    if not (pa.types.is_floating(label) or pa.types.is_integer(label)):
+        raise UserError(f"{path}: column label has type {label}; expected float32")
+    dense = schema.field("dense").type
+    if not (pa.types.is_fixed_size_list(dense) and pa.types.is_floating(dense.value_type)):
+        raise UserError(f"{path}: column dense has type {dense}; expected fixed_size_list<float32>[{model.num_dense}]")
+    if dense.list_size != model.num_dense:
+        raise UserError(
+            f"{path}: column dense holds {dense.list_size} values; model {model.name} has {model.num_dense}"
+        )
+    for name in model.feature_names:
+        t = schema.field(name).type
+        if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)):
+            raise UserError(f"{path}: column {name} has type {t}; expected list<int64>")
+
+
+def validate_table(table: pa.Table, model: ModelSpec, where: str) -> None:
+    """Refuse nulls and ids outside their table, naming file, row group and column."""
+    for name in table.column_names:
+        nulls = table.column(name).null_count
+        if nulls:
+            raise UserError(f"{where}: column {name} has {nulls} null value(s)")
+    for t in model.tables:
+        for name in t.feature_names:
+            values = pc.list_flatten(table.column(name))
+            if len(values) == 0:
+                continue
+            if values.null_count:
+                raise UserError(f"{where}: column {name} has {values.null_count} null id(s)")
+            lo, hi = pc.min_max(values).values()
+            if lo.as_py() < 0 or hi.as_py() >= t.num_embeddings:
+                bad = hi.as_py() if hi.as_py() >= t.num_embeddings else lo.as_py()
+                raise UserError(f"{where}: column {name}: id {bad} outside table {t.name} rows [0, {t.num_embeddings})")
+
+
+def table_to_block(table: pa.Table, model: ModelSpec, first: int = 0) -> SampleBlock:
+    """Arrow rows (already validated) -> numpy samples."""
+    labels = table.column("label").to_numpy().astype(np.float32, copy=False)
+    dense = pc.list_flatten(table.column("dense")).to_numpy().astype(np.float32, copy=False)
+    lengths, values = [], []
+    for name in model.feature_names:
+        col = table.column(name)
+        lengths.append(pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
+        values.append(pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+    return SampleBlock(first, dense.reshape(len(labels), model.num_dense), labels, lengths, values)
+
+
+@dataclass
+class ParquetSource:
+    """Batches of one rank from a Parquet dataset, in file and row order.
+
+    Global batch k holds rows [k*G, (k+1)*G) of the endless concatenation of the dataset's
+    epochs (G = batch_size * world_size), rank r its r-th contiguous slice: the same split
+    as the synthetic source, so training is identical whichever feeds it. With
+    `epochs=1` the last batch holds what is left, split over the ranks. No row is dropped.
+    """
+
+    path: str | Path
+    model: ModelSpec
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    num_batches: int | None = None
+    epochs: int | None = None  # None: cycle for as long as batches are asked for
+    files: list[Path] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.files = dataset_files(self.path)
+        for f in self.files:
+            check_schema(f, _read_schema(f), self.model)
+        self.info = read_dataset_info(self.path)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "source": "parquet",
+            "path": str(self.path),
+            "files": len(self.files),
+            "dataset": {k: v for k, v in self.info.items() if k != "files"},
+            "batch_size_per_rank": self.batch_size,
+            "world_size": self.world_size,
+            "epochs": self.epochs,
+        }
+
+    def _row_groups(self) -> Iterator[tuple[pa.Table, str]]:
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            for f in self.files:
+                try:
+                    pf = pq.ParquetFile(f)
+                except (pa.ArrowException, OSError) as exc:
+                    raise UserError(f"{f}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
+                for rg in range(pf.num_row_groups):
+                    try:
+                        table = pf.read_row_group(rg)
+                    except (pa.ArrowException, OSError) as exc:
+                        raise UserError(f"{f}: row group {rg} unreadable ({str(exc).splitlines()[0]})") from None
+                    yield table, f"{f}: row group {rg}"
+            epoch += 1
+
+    def __iter__(self) -> Iterator[Batch]:
+        g = self.batch_size * self.world_size
+        pending: list[pa.Table] = []
+        have = produced = 0
+        groups = self._row_groups()
+        exhausted = False
+        while self.num_batches is None or produced < self.num_batches:
+            while have < g and not exhausted:
+                try:
+                    table, where = next(groups)
+                except StopIteration:
+                    exhausted = True
+                    break
+                if table.num_rows:
+                    validate_table(table, self.model, where)
+                    pending.append(table)
+                    have += table.num_rows
+            if have == 0:
+                return
+            take = min(g, have)
+            whole = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+            batch_rows, rest = whole.slice(0, take), whole.slice(take)
+            pending, have = ([rest] if rest.num_rows else []), rest.num_rows
+            lo, hi = self.rank * take // self.world_size, (self.rank + 1) * take // self.world_size
+            mine = batch_rows.slice(lo, hi - lo)
+            yield block_to_batch(table_to_block(mine, self.model), self.model.feature_names)
+            produced += 1
+            if exhausted and have == 0:
+                return

@@ -1,0 +1,73 @@
+"""Batch sources over synthetic samples: global batches sliced per rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
+
+
+def block_to_batch(block: SampleBlock, keys: list[str]) -> Batch:
+    """numpy samples -> (dense [B, D], KeyedJaggedTensor over `keys`, labels [B])."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.from_numpy(np.concatenate(block.values).astype(np.int64, copy=False)),
+        lengths=torch.from_numpy(np.concatenate(block.lengths).astype(np.int32, copy=False)),
+    )
+    return Batch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(block.dense, dtype=np.float32)),
+        sparse_features=kjt,
+        labels=torch.from_numpy(np.ascontiguousarray(block.labels, dtype=np.float32)),
+    )
+
+
+@dataclass
+class SyntheticSource:
+    """Endless (or `num_batches`-long) batches of one rank of a data-parallel job.
+
+    Batch `k` of the job holds global samples [offset + k*G, offset + (k+1)*G), G =
+    batch_size * world_size; rank r gets the r-th contiguous slice. One rank with batch
+    G therefore sees exactly the samples that W ranks with batch G/W see together.
+    """
+
+    generator: SyntheticGenerator
+    batch_size: int  # per rank
+    rank: int = 0
+    world_size: int = 1
+    num_batches: int | None = None
+    offset: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "source": "synthetic",
+            "data_spec": self.generator.spec.name,
+            "seed": self.generator.seed,
+            "teacher_auc": self.generator.teacher_auc,
+            "click_rate": self.generator.spec.click_rate,
+            "batch_size_per_rank": self.batch_size,
+            "world_size": self.world_size,
+            "first_sample": self.offset,
+            "spec": self.generator.spec.to_dict(),
+        }
+
+    def sample_range(self, batch_index: int) -> tuple[int, int]:
+        start = self.offset + batch_index * self.batch_size * self.world_size + self.rank * self.batch_size
+        return start, start + self.batch_size
+
+    def batch(self, batch_index: int) -> Batch:
+        return block_to_batch(
+            self.generator.samples(*self.sample_range(batch_index)), self.generator.spec.feature_names
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        k = 0
+        while self.num_batches is None or k < self.num_batches:
+            yield self.batch(k)
+            k += 1
