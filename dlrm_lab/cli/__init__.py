@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dlrm_lab.cli import presets, runs, train
+from dlrm_lab.cli import data, presets, runs, train
 from dlrm_lab.errors import UserError
 
 app = typer.Typer(
@@ -18,6 +18,7 @@ app = typer.Typer(
 )
 app.add_typer(presets.app, name="presets")
 app.add_typer(runs.app, name="runs")
+app.add_typer(data.app, name="data")
 app.command("train")(train.train_command)
 
 

@@ -36,10 +36,18 @@ def train_command(
         Optional[int], typer.Option(help="Steps left out of throughput (default: 10%, at most 20).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the data and the initial weights.")] = 0,
+    data: Annotated[str, typer.Option(help="'synthetic' or a Parquet dataset directory.")] = "synthetic",
+    data_spec: Annotated[
+        Optional[str], typer.Option(help="Synthetic data spec (data_gen/ name or .toml); default: the preset's.")
+    ] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="Override a data spec field (repeatable), e.g. click_rate=0.1.")
+    ] = None,
+    prefetch: Annotated[int, typer.Option(help="Batches prepared ahead on a background thread (0: inline).")] = 2,
     metrics_dir: MetricsDir = "runs",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Train a DLRM preset on seeded synthetic clicks and record the run."""
+    """Train a DLRM preset on synthetic clicks or a Parquet dataset, and record the run."""
     spec = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
     cfg = TrainConfig(
         steps=steps,
@@ -55,6 +63,10 @@ def train_command(
         eval_batches=eval_batches,
         seed=seed,
         warmup_steps=warmup_steps,
+        data=data,
+        data_spec=data_spec,
+        data_overrides=tuple(set_ or ()),
+        prefetch=prefetch,
     )
     from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
     from dlrm_lab.train import train

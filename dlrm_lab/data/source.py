@@ -14,17 +14,22 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
 
 
+def _tensor(a: np.ndarray, dtype: type) -> torch.Tensor:
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())  # Arrow buffers are read-only
+
+
 def block_to_batch(block: SampleBlock, keys: list[str]) -> Batch:
     """numpy samples -> (dense [B, D], KeyedJaggedTensor over `keys`, labels [B])."""
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=keys,
-        values=torch.from_numpy(np.concatenate(block.values).astype(np.int64, copy=False)),
-        lengths=torch.from_numpy(np.concatenate(block.lengths).astype(np.int32, copy=False)),
+        values=_tensor(np.concatenate(block.values), np.int64),
+        lengths=_tensor(np.concatenate(block.lengths), np.int32),
     )
     return Batch(
-        dense_features=torch.from_numpy(np.ascontiguousarray(block.dense, dtype=np.float32)),
+        dense_features=_tensor(block.dense, np.float32),
         sparse_features=kjt,
-        labels=torch.from_numpy(np.ascontiguousarray(block.labels, dtype=np.float32)),
+        labels=_tensor(block.labels, np.float32),
     )
 
 

@@ -48,6 +48,7 @@ class SampleBlock:
     lengths: list[np.ndarray]  # int32 [n] per feature
     values: list[np.ndarray]  # int64 [sum(lengths)] per feature
     click_probability: np.ndarray | None = None  # float64 [n], the teacher's
+    counts: np.ndarray | None = None  # int64 [n, num_dense]: dense before log1p (lognormal dense)
 
     @property
     def size(self) -> int:
@@ -61,13 +62,15 @@ class SampleBlock:
             lengths.append(ln[lo:hi])
             values.append(val[offsets[lo] : offsets[hi]])
         prob = None if self.click_probability is None else self.click_probability[lo:hi]
-        return SampleBlock(self.start + lo, self.dense[lo:hi], self.labels[lo:hi], lengths, values, prob)
+        counts = None if self.counts is None else self.counts[lo:hi]
+        return SampleBlock(self.start + lo, self.dense[lo:hi], self.labels[lo:hi], lengths, values, prob, counts)
 
     @staticmethod
     def concat(blocks: list[SampleBlock]) -> SampleBlock:
         if len(blocks) == 1:
             return blocks[0]
         probs = [b.click_probability for b in blocks]
+        counts = [b.counts for b in blocks]
         return SampleBlock(
             start=blocks[0].start,
             dense=np.concatenate([b.dense for b in blocks]),
@@ -75,6 +78,7 @@ class SampleBlock:
             lengths=[np.concatenate(x) for x in zip(*(b.lengths for b in blocks), strict=True)],
             values=[np.concatenate(x) for x in zip(*(b.values for b in blocks), strict=True)],
             click_probability=None if any(p is None for p in probs) else np.concatenate(probs),
+            counts=None if any(c is None for c in counts) else np.concatenate(counts),
         )
 
 
@@ -272,6 +276,7 @@ class SyntheticGenerator:
             lengths=raw["lengths"],
             values=raw["values"],
             click_probability=prob,
+            counts=None if raw["counts"] is None else raw["counts"].astype(np.int64),
         )
         self._cache = (block, out)
         return out
@@ -288,11 +293,6 @@ class SyntheticGenerator:
             hi = min(stop - b * BLOCK, BLOCK)
             parts.append(blk if (lo, hi) == (0, BLOCK) else blk.slice(lo, hi))
         return SampleBlock.concat(parts)
-
-    def raw_counts(self, block: int) -> np.ndarray | None:
-        """Integer dense counts before log1p (lognormal dense only): what a Criteo TSV holds."""
-        counts = self._raw_block(block)["counts"]
-        return None if counts is None else counts.astype(np.int64)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,167 @@
+"""`dlrm-lab data`: generate, inspect and convert click-log datasets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dlrm_lab.cli.format import console
+from dlrm_lab.cli.options import MaxRows, TableScale
+from dlrm_lab.config import load_preset
+from dlrm_lab.errors import UserError
+
+app = typer.Typer(help="Synthetic and Criteo click-log datasets (Parquet).", no_args_is_help=True)
+
+FORMATS = ("parquet", "criteo-tsv")
+DataSpecOption = Annotated[
+    Optional[str], typer.Option("--spec", help="Data spec name (data_gen/) or .toml path; default: the preset's.")
+]
+SetOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override a spec field, e.g. features.cat_3.ids.alpha=1.2 (repeatable)."),
+]
+
+
+def _progress(total: int, what: str) -> Progress:
+    return Progress(
+        TextColumn(f"[bold]{what}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("samples"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console(stderr=True),
+    )
+
+
+@app.command("specs")
+def specs() -> None:
+    """List the shipped data specs."""
+    from dlrm_lab.data.spec import available_data_specs, data_spec_path
+
+    table = Table(title="data specs (data_gen/)")
+    table.add_column("spec")
+    table.add_column("description")
+    import tomllib
+
+    for name in available_data_specs():
+        raw = tomllib.loads(data_spec_path(name).read_text())
+        table.add_row(name, raw.get("description", ""))
+    console().print(table)
+
+
+@app.command("gen")
+def gen(
+    out: Annotated[Path, typer.Option("--out", help="Output directory (parquet) or file (criteo-tsv).")],
+    preset: Annotated[str, typer.Option("--preset", "-p", help="Model preset: features and table sizes.")] = "tiny",
+    spec: DataSpecOption = None,
+    rows: Annotated[int, typer.Option(help="Samples to write.")] = 100_000,
+    shards: Annotated[int, typer.Option(help="Parquet files (contiguous sample ranges).")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed: (spec, seed) fixes every byte.")] = 0,
+    fmt: Annotated[str, typer.Option("--format", help="parquet or criteo-tsv.")] = "parquet",
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+    set_: SetOption = None,
+) -> None:
+    """Generate a synthetic dataset for a model preset."""
+    from dlrm_lab.data import synthetic_generator
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: allowed: {', '.join(FORMATS)}")
+    if rows < 1:
+        raise UserError(f"--rows {rows}: must be an integer >= 1")
+    model = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
+    generator = synthetic_generator(model, spec, tuple(set_ or ()), seed)
+    if fmt == "criteo-tsv":
+        from dlrm_lab.data.criteo import check_tsv_spec
+
+        check_tsv_spec(generator.spec)
+        if shards != 1:
+            raise UserError("--shards: criteo-tsv writes one file")
+    err = console(stderr=True)
+    err.print(
+        f"spec {generator.spec.name} for {model.name}: teacher AUC {generator.teacher_auc:.4f}, "
+        f"click rate {generator.spec.click_rate:g}"
+    )
+    with _progress(rows, "gen") as bar:
+        task = bar.add_task("gen", total=rows)
+        advance = lambda n: bar.update(task, advance=n)  # noqa: E731
+        if fmt == "parquet":
+            from dlrm_lab.data.parquet import write_dataset
+
+            write_dataset(generator, rows, out, shards=shards, on_progress=advance)
+        else:
+            from dlrm_lab.data.criteo import write_criteo_tsv
+
+            write_criteo_tsv(generator, rows, out, on_progress=advance)
+    console().print(f"wrote {rows:,} samples to {out}")
+
+
+@app.command("convert-criteo")
+def convert(
+    inputs: Annotated[list[Path], typer.Argument(help="Criteo TSV files (day_0, train.txt, ...).")],
+    out: Annotated[Path, typer.Option("--out", help="Output dataset directory.")],
+    preset: Annotated[
+        str, typer.Option("--preset", "-p", help="kaggle or terabyte: table sizes to hash into.")
+    ] = "kaggle",
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+) -> None:
+    """Convert Criteo TSV files into a Parquet dataset (categoricals hashed into the preset's tables)."""
+    from dlrm_lab.data.criteo import convert_criteo
+
+    model = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
+    with _progress(0, "convert") as bar:
+        task = bar.add_task("convert", total=None)
+        manifest = convert_criteo(inputs, model, out, on_progress=lambda n: bar.update(task, advance=n))
+    console().print(f"converted {manifest['rows']:,} samples from {len(inputs)} file(s) to {out}")
+
+
+@app.command("stats")
+def stats(
+    directory: Annotated[Path, typer.Argument(help="Dataset directory (or one Parquet file).")],
+    strict: Annotated[bool, typer.Option(help="Exit 1 when a measured value is outside its tolerance.")] = False,
+) -> None:
+    """Per feature: ids, skew, pooling; checked against the spec stored in the dataset."""
+    from dlrm_lab.data.stats import dataset_stats
+
+    result = dataset_stats(directory)
+    out = console()
+    teacher = result["teacher_auc"]
+    out.print(
+        f"{result['path']}: {result['samples']:,} samples from {result['source']}, label rate "
+        f"{result['label_rate']:.4f}" + (f", teacher AUC {teacher:.4f}" if teacher is not None else "")
+    )
+    table = Table()
+    for col in ("feature", "rows", "lookups", "unique ids", "top-1% share", "zipf alpha", "pooling mean", "p99"):
+        table.add_column(col, justify="left" if col == "feature" else "right")
+    for f in result["features"]:
+        alpha = f["zipf_alpha_fit"]
+        table.add_row(
+            f["feature"],
+            f"{f['table_rows']:,}",
+            f"{f['lookups']:,}",
+            f"{f['unique_ids']:,}",
+            f"{f['top1pct_share']:.3f}",
+            "-" if alpha is None else f"{alpha:.3f}",
+            f"{f['pooling_mean']:.2f}",
+            f"{f['pooling_p99']:.0f}",
+        )
+    out.print(table)
+    checks = result["checks"]
+    bad = [c for c in checks if not c.ok]
+    for c in bad:
+        out.print(
+            f"[red]outside tolerance[/]: {c.feature} {c.quantity}: measured {c.measured:.4f}, "
+            f"spec {c.expected:.4f} +- {c.tolerance:.4f}"
+        )
+    if checks:
+        out.print(f"{len(checks) - len(bad)} of {len(checks)} checks against the spec within tolerance")
+    else:
+        out.print("no spec stored in this dataset: nothing to check against")
+    if strict and bad:
+        raise typer.Exit(1)
