@@ -19,7 +19,8 @@ File format::
     ids = { distribution = "zipf", alpha = 1.05 }
     pooling = { distribution = "model" }  # the preset's pooling factor, fixed
     permute = true                      # scatter ranks over the table (seeded permutation)
-    [features.cat_3]                    # one feature's overrides (merged into default)
+    [features.cat_3]                    # one feature's overrides (a table without a
+                                        # distribution refines the default's parameters)
     ids = { distribution = "hot_set", hot_fraction = 0.001, hot_mass = 0.8 }
     drift = { every = 100000 }          # the hot ranks move every 100k samples
 
@@ -325,7 +326,11 @@ def _resolve(raw: dict[str, Any], model: ModelSpec, where: str, overrides: tuple
     features = []
     for table in model.tables:
         for fname in table.feature_names:
-            merged = {**default, **features_raw.get(fname, {})}
+            own = features_raw.get(fname, {})
+            merged = {**default, **own}
+            for key in ("ids", "pooling"):  # a parameter alone (e.g. ids.alpha) refines the default
+                if isinstance(own.get(key), dict) and "distribution" not in own[key]:
+                    merged[key] = {**default.get(key, {}), **own[key]}
             extra = set(merged) - _FEATURE_KEYS
             if extra:
                 raise UserError(
