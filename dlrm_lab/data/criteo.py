@@ -23,7 +23,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.data.parquet import DATASET_FILE, block_to_table, dataset_schema
+from dlrm_lab.data.parquet import DATASET_FILE, all_or_nothing, block_to_table, dataset_schema
 from dlrm_lab.data.spec import DataSpec
 from dlrm_lab.data.synthetic import BLOCK, SampleBlock, SyntheticGenerator
 from dlrm_lab.errors import UserError
@@ -72,6 +72,8 @@ def read_criteo_tsv(path: str | Path, model: ModelSpec, block_rows: int = 1 << 1
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: no rows (an empty file)")
     convert = pacsv.ConvertOptions(
         column_types={
             "label": pa.int32(),
@@ -130,25 +132,22 @@ def convert_criteo(
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": 1, "source": "criteo-tsv", "model": model.to_dict(), "data_spec": None}
     files, total = [], 0
-    for k, src in enumerate(inputs):
-        schema = dataset_schema(model.num_dense, model.feature_names, {**meta, "input": str(src), "shard": k})
-        path = out / f"part-{k:05d}.parquet"
-        tmp = out / f".{path.name}.tmp"
-        rows = 0
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-            for block in read_criteo_tsv(src, model):
-                writer.write_table(block_to_table(block, schema))
-                rows += block.size
-                if on_progress is not None:
-                    on_progress(block.size)
-        if rows == 0:
-            tmp.unlink()
-            raise UserError(f"{src}: no rows (an empty file)")
-        os.replace(tmp, path)
-        files.append({"path": path.name, "rows": rows, "input": str(src)})
-        total += rows
-    manifest = {**meta, "rows": total, "shards": len(files), "files": files}
-    (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    with all_or_nothing(out) as part_path:
+        for k, src in enumerate(inputs):
+            schema = dataset_schema(model.num_dense, model.feature_names, {**meta, "input": str(src), "shard": k})
+            rows = 0
+            with part_path(k) as (path, tmp), pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+                for block in read_criteo_tsv(src, model):
+                    writer.write_table(block_to_table(block, schema))
+                    rows += block.size
+                    if on_progress is not None:
+                        on_progress(block.size)
+                if rows == 0:
+                    raise UserError(f"{src}: no rows (an empty file)")
+            files.append({"path": path.name, "rows": rows, "input": str(src)})
+            total += rows
+        manifest = {**meta, "rows": total, "shards": len(files), "files": files}
+        (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

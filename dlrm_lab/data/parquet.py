@@ -11,6 +11,7 @@ index, rows and the teacher (AUC, bias).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -91,30 +92,54 @@ def write_dataset(
         "teacher": generator.teacher,
     }
     files = []
-    for k in range(shards):
-        lo = first_sample + k * rows // shards
-        hi = first_sample + (k + 1) * rows // shards
-        schema = dataset_schema(spec.num_dense, spec.feature_names, {**meta, "shard": k, "shard_first_sample": lo})
+    with all_or_nothing(out) as part_path:
+        for k in range(shards):
+            lo = first_sample + k * rows // shards
+            hi = first_sample + (k + 1) * rows // shards
+            schema = dataset_schema(spec.num_dense, spec.feature_names, {**meta, "shard": k, "shard_first_sample": lo})
+            with part_path(k) as (path, tmp), pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+                for a in range(lo, hi, row_group_samples):
+                    b = min(a + row_group_samples, hi)
+                    writer.write_table(block_to_table(generator.samples(a, b), schema), row_group_size=b - a)
+                    if on_progress is not None:
+                        on_progress(b - a)
+            files.append({"path": path.name, "rows": hi - lo, "first_sample": lo})
+        manifest = {**meta, "shards": shards, "files": files}
+        (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+@contextlib.contextmanager
+def all_or_nothing(out: Path) -> Iterator[Callable[[int], Any]]:
+    """Write a dataset's files so that a failure (or Ctrl-C) leaves no partial dataset.
+
+    Each part is written under a hidden temporary name and renamed when complete; if
+    anything fails, every part written so far and the temporary file are removed.
+    """
+    written: list[Path] = []
+
+    @contextlib.contextmanager
+    def part_path(k: int) -> Iterator[tuple[Path, Path]]:
         path = out / f"part-{k:05d}.parquet"
         tmp = out / f".{path.name}.tmp"
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-            for a in range(lo, hi, row_group_samples):
-                b = min(a + row_group_samples, hi)
-                writer.write_table(block_to_table(generator.samples(a, b), schema), row_group_size=b - a)
-                if on_progress is not None:
-                    on_progress(b - a)
+        written.append(tmp)
+        yield path, tmp
         os.replace(tmp, path)
-        files.append({"path": path.name, "rows": hi - lo, "first_sample": lo})
-    manifest = {**meta, "shards": shards, "files": files}
-    (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+        written.append(path)
+
+    try:
+        yield part_path
+    except BaseException:
+        for p in [*written, out / DATASET_FILE]:
+            p.unlink(missing_ok=True)
+        raise
 
 
 def read_dataset_info(path: str | Path) -> dict[str, Any]:
     """The dataset's JSON description (from dataset.json, else the first file's metadata)."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"--data {path}: no such dataset directory or file")
+        raise UserError(f"{path}: no such dataset directory or file")
     if (path / DATASET_FILE).is_file():
         try:
             return json.loads((path / DATASET_FILE).read_text())
@@ -129,6 +154,8 @@ def read_dataset_info(path: str | Path) -> dict[str, Any]:
 
 def dataset_files(path: str | Path) -> list[Path]:
     path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such dataset directory or file")
     files = [path] if path.is_file() else sorted(path.glob("*.parquet"))
     if not files:
         raise UserError(f"{path}: no .parquet files (an empty dataset)")

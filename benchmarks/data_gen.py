@@ -1,0 +1,102 @@
+"""Synthetic data throughput: generation in memory, Parquet write and read, loader stall.
+
+    python benchmarks/data_gen.py            # kaggle and rm2, medians of 3 repeats
+    python benchmarks/data_gen.py --quick
+
+Generation runs on one thread (numpy kernels), so samples/s here are per core. The
+loader stall is the data-wait share of a training step at batch 2048 (kaggle, tables
+capped at 1M rows), fed from Parquet and from the generator, with and without the
+prefetch thread; it is measured by the training loop itself (`data_wait_share`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import dlrm_lab
+from dlrm_lab.config import TrainConfig
+from dlrm_lab.data import ParquetSource, synthetic_generator
+from dlrm_lab.data.parquet import write_dataset
+from dlrm_lab.data.synthetic import BLOCK
+from dlrm_lab.metrics.hardware import cpu_model
+from dlrm_lab.train import train
+
+
+def generation_rate(preset: str, samples: int, max_rows: int | None) -> float:
+    gen = synthetic_generator(dlrm_lab.load_preset(preset, max_rows=max_rows), seed=0)
+    gen.block(0)  # tables of the Zipf heads are built once per (rows, alpha): not timed
+    t0 = time.perf_counter()
+    for b in range(1, samples // BLOCK + 1):
+        gen.block(b)
+    return (samples // BLOCK) * BLOCK / (time.perf_counter() - t0)
+
+
+def parquet_rates(preset: str, samples: int, max_rows: int | None, tmp: Path) -> tuple[float, float, float]:
+    model = dlrm_lab.load_preset(preset, max_rows=max_rows)
+    gen = synthetic_generator(model, seed=0)
+    gen.block(0)
+    out = tmp / f"{preset}-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    write_dataset(gen, samples, out)
+    write = samples / (time.perf_counter() - t0)
+    size = sum(f.stat().st_size for f in out.glob("*.parquet"))
+    t0 = time.perf_counter()
+    n = sum(b.labels.numel() for b in ParquetSource(out, model, 2048, epochs=1))
+    read = n / (time.perf_counter() - t0)
+    return write, read, size / samples
+
+
+def loader_share(data: str, prefetch: int, steps: int) -> dict[str, Any]:
+    model = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
+    cfg = TrainConfig(steps=steps, batch_size=2048, precision="bf16", data=data, prefetch=prefetch, eval_batches=1)
+    s = train(model, cfg).summary
+    return {"data_wait_share": s["data_wait_share"], "samples_per_s": s["samples_per_s"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=1 << 19, help="samples per generation / Parquet measurement")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60, help="training steps per loader measurement")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.samples, args.repeats, args.steps = 1 << 15, 1, 10
+    results: dict[str, Any] = {"cpu": cpu_model(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset, max_rows, n in (("kaggle", None, args.samples), ("rm2", None, args.samples // 64)):
+            gen = [generation_rate(preset, n, max_rows) for _ in range(args.repeats)]
+            pq_runs = [parquet_rates(preset, n, max_rows, Path(tmp)) for _ in range(args.repeats)]
+            results[preset] = {
+                "samples": n,
+                "generate_samples_per_s": statistics.median(gen),
+                "parquet_write_samples_per_s": statistics.median(r[0] for r in pq_runs),
+                "parquet_read_samples_per_s": statistics.median(r[1] for r in pq_runs),
+                "parquet_bytes_per_sample": statistics.median(r[2] for r in pq_runs),
+            }
+            print(json.dumps({preset: results[preset]}), flush=True)
+        model = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
+        dataset = Path(tmp) / "kaggle-train"
+        write_dataset(synthetic_generator(model, seed=0), 2048 * args.steps, dataset)
+        results["loader"] = {
+            f"{name} prefetch={p}": statistics.median(
+                loader_share(data, p, args.steps)["data_wait_share"] for _ in range(args.repeats)
+            )
+            for name, data in (("parquet", str(dataset)), ("synthetic", "synthetic"))
+            for p in (0, 2)
+        }
+        print(json.dumps({"loader data_wait_share": results["loader"]}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
