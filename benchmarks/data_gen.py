@@ -24,7 +24,6 @@ import dlrm_lab
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.data import ParquetSource, synthetic_generator
 from dlrm_lab.data.parquet import write_dataset
-from dlrm_lab.data.synthetic import BLOCK
 from dlrm_lab.metrics.hardware import cpu_model
 from dlrm_lab.train import train
 
@@ -33,9 +32,10 @@ def generation_rate(preset: str, samples: int, max_rows: int | None) -> float:
     gen = synthetic_generator(dlrm_lab.load_preset(preset, max_rows=max_rows), seed=0)
     gen.block(0)  # tables of the Zipf heads are built once per (rows, alpha): not timed
     t0 = time.perf_counter()
-    for b in range(1, samples // BLOCK + 1):
+    blocks = max(1, samples // gen.block_size)
+    for b in range(1, blocks + 1):
         gen.block(b)
-    return (samples // BLOCK) * BLOCK / (time.perf_counter() - t0)
+    return blocks * gen.block_size / (time.perf_counter() - t0)
 
 
 def parquet_rates(preset: str, samples: int, max_rows: int | None, tmp: Path) -> tuple[float, float, float]:

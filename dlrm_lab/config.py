@@ -400,6 +400,8 @@ class TrainConfig:
         if self.eval_every < 0:
             raise UserError(f"--eval-every {self.eval_every}: must be >= 0 (0: evaluate at the end only)")
         _positive("--eval-batches", self.eval_batches)
+        if self.data != "synthetic" and not Path(self.data).exists():
+            raise UserError(f"--data {self.data}: no such dataset directory or file (or use 'synthetic')")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise UserError(f"--prefetch {self.prefetch!r}: must be an integer >= 0")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:

@@ -31,7 +31,7 @@ def one_feature(tmp_path, rows, ids, pooling='{ distribution = "fixed", value = 
 
 
 def lookups(gen, n):
-    return np.concatenate([gen.block(b).values[0] for b in range(math.ceil(n / 4096))])[:n]
+    return np.concatenate([gen.block(b).values[0] for b in range(math.ceil(n / gen.block_size))])[:n]
 
 
 @pytest.mark.parametrize("alpha", [0.8, 1.05, 1.3])
@@ -73,8 +73,8 @@ def test_permutation_scatters_hot_rows_and_stays_a_bijection(tmp_path):
 
 def test_drift_moves_the_hot_set(tmp_path):
     gen = one_feature(tmp_path, 50_000, '{ distribution = "zipf", alpha = 1.3 }', extra="drift = { every = 8192 }")
-    first = np.bincount(np.concatenate([gen.block(0).values[0], gen.block(1).values[0]]), minlength=50_000)
-    second = np.bincount(np.concatenate([gen.block(2).values[0], gen.block(3).values[0]]), minlength=50_000)
+    first = np.bincount(gen.samples(0, 8192).values[0], minlength=50_000)
+    second = np.bincount(gen.samples(8192, 16384).values[0], minlength=50_000)
     assert np.argmax(first) != np.argmax(second)
     assert np.sort(first)[-1] == pytest.approx(np.sort(second)[-1], rel=0.15)  # same skew, other rows
 
@@ -132,8 +132,9 @@ def test_rank_shards_are_disjoint_and_together_the_whole(world_size):
 
 def test_any_range_equals_the_same_samples_from_blocks():
     gen = synthetic_generator(dlrm_lab.load_preset("tiny"), seed=2)
-    a = gen.samples(4000, 4200)  # crosses a block boundary
-    b = gen.clone().samples(3000, 9000).slice(1000, 1200)
+    edge = gen.block_size
+    a = gen.samples(edge - 100, edge + 100)  # crosses a block boundary
+    b = gen.clone().samples(edge - 1000, edge + 5000).slice(900, 1100)
     np.testing.assert_array_equal(a.dense, b.dense)
     assert all(np.array_equal(x, y) for x, y in zip(a.values, b.values, strict=True))
 
@@ -141,7 +142,7 @@ def test_any_range_equals_the_same_samples_from_blocks():
 def test_teacher_is_calibrated_to_the_click_rate():
     model = dlrm_lab.load_preset("kaggle", max_rows=10_000)
     gen = synthetic_generator(model, seed=0)
-    labels = np.concatenate([gen.block(b).labels for b in range(60)])
+    labels = gen.samples(0, 245_760).labels
     assert labels.mean() == pytest.approx(gen.spec.click_rate, rel=0.1)  # 3% of 245k samples
     assert 0.75 < gen.teacher_auc < 1.0
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.data.parquet import DATASET_FILE, all_or_nothing, block_to_table, dataset_schema
 from dlrm_lab.data.spec import DataSpec
-from dlrm_lab.data.synthetic import BLOCK, SampleBlock, SyntheticGenerator
+from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
 from dlrm_lab.errors import UserError
 
 NUM_INT, NUM_CAT = 13, 26
@@ -173,8 +173,8 @@ def write_criteo_tsv(
     tmp = out.with_name(f".{out.name}.tmp")
     options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     with pacsv.CSVWriter(tmp, _tsv_schema(), write_options=options) as writer:
-        for a in range(first_sample, first_sample + rows, BLOCK):
-            b = min(a + BLOCK, first_sample + rows)
+        for a in range(first_sample, first_sample + rows, generator.block_size):
+            b = min(a + generator.block_size, first_sample + rows)
             block = generator.samples(a, b)
             cols = [pa.array(block.labels.astype(np.int32))]
             cols += [pa.array(block.counts[:, i]) for i in range(NUM_INT)]

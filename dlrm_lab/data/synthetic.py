@@ -1,6 +1,8 @@
 """The synthetic click-log generator: calibrated, streaming, deterministic, shardable.
 
-Samples are produced in fixed blocks of `BLOCK` consecutive sample indices. Every random
+Samples are produced in fixed blocks of `block_size` consecutive sample indices (a
+power of two fixed by the spec: about a million ids per block, between 256 and 16,384
+samples, so numpy calls are long and memory stays bounded). Every random
 stream of a block (one per feature and purpose) is a PCG64 generator whose 128-bit state
 is a hash of (seed, purpose, feature, block), so the content of sample i depends only on
 (spec, seed, i): any rank, shard or batch size slices the same global
@@ -28,8 +30,9 @@ import numpy as np
 from dlrm_lab.data.distributions import sample_pooling, sample_ranks
 from dlrm_lab.data.spec import DataSpec, FeatureSpec
 
-BLOCK = 4096  # samples per generation block
-CALIBRATION_IDS = 1 << 21  # ids drawn to calibrate the teacher (between 1 and 16 blocks of samples)
+MAX_BLOCK, MIN_BLOCK = 1 << 14, 1 << 8  # samples per generation block
+BLOCK_IDS = 1 << 20  # target ids per block
+CALIBRATION_IDS = 1 << 23  # ids drawn to calibrate the teacher (4,096 to 65,536 samples)
 CALIBRATION_OFFSET = 1 << 50  # calibration samples lie far beyond any data sample
 
 # Stream purposes, part of every block seed.
@@ -138,6 +141,9 @@ class SyntheticGenerator:
         self.seed = int(seed)
         self._cache: tuple[int, SampleBlock] | None = None
         self._rng = _Streams(self.seed)
+        ids_per_sample = max(1.0, sum(f.mean_pooling for f in spec.features))
+        fit = 1 << max(0, int(math.log2(BLOCK_IDS / ids_per_sample)))
+        self.block_size = min(MAX_BLOCK, max(MIN_BLOCK, fit))
         self._permutations = [self._permutation(i, f) for i, f in enumerate(spec.features)]
         self._score_keys = [
             np.uint64(int(self._rng(_ROW_SCORE, i, 0).integers(0, 2**63))) for i in range(len(spec.features))
@@ -160,10 +166,11 @@ class SyntheticGenerator:
     @property
     def calibration_samples(self) -> int:
         ids_per_sample = max(1.0, sum(f.mean_pooling for f in self.spec.features))
-        return BLOCK * int(min(16, max(1, CALIBRATION_IDS // (ids_per_sample * BLOCK))))
+        samples = min(65536, max(4096, CALIBRATION_IDS / ids_per_sample))
+        return self.block_size * max(1, round(samples / self.block_size))
 
     def _calibrate(self) -> None:
-        raw = self._raw_block(CALIBRATION_OFFSET // BLOCK, self.calibration_samples)
+        raw = self._raw_block(CALIBRATION_OFFSET // self.block_size, self.calibration_samples)
         z_dense, z_sparse = raw["z_dense"], raw["z_sparse"]
         self._dense_center, self._sparse_center = float(z_dense.mean()), float(z_sparse.mean())
         self._dense_scale = float(z_dense.std()) or 1.0
@@ -229,8 +236,9 @@ class SyntheticGenerator:
             ranks = (ranks * a + b) % feature.rows  # < 2^63 for tables below 3e9 rows
         return ranks
 
-    def _raw_block(self, block: int, n: int = BLOCK) -> dict[str, Any]:
-        first = block * BLOCK
+    def _raw_block(self, block: int, n: int | None = None) -> dict[str, Any]:
+        n = n or self.block_size
+        first = block * self.block_size
         spec = self.spec
         lengths, values = [], []
         z_sparse = np.zeros(n)
@@ -249,7 +257,8 @@ class SyntheticGenerator:
                 z_sparse += np.where(ln > 0, sums, 0.0) / np.maximum(ln, 1)  # no ids: 0
         rng = self._rng(_DENSE, 0, block)
         if spec.dense["distribution"] == "lognormal":
-            counts = np.floor(rng.lognormal(spec.dense["mu"], spec.dense["sigma"], (n, spec.num_dense)))
+            # exp of a standard normal: the same law as rng.lognormal, at two thirds of the cost
+            counts = np.floor(np.exp(rng.standard_normal((n, spec.num_dense)) * spec.dense["sigma"] + spec.dense["mu"]))
             dense = np.log1p(counts)  # the Criteo preprocessing of facebookresearch/dlrm
         else:
             counts = None
@@ -268,9 +277,9 @@ class SyntheticGenerator:
             return self._cache[1]
         raw = self._raw_block(block)
         prob = _sigmoid(self._logit(raw["z_dense"], raw["z_sparse"], self._bias))
-        labels = self._rng(_LABEL, 0, block).random(BLOCK) < prob
+        labels = self._rng(_LABEL, 0, block).random(self.block_size) < prob
         out = SampleBlock(
-            start=block * BLOCK,
+            start=block * self.block_size,
             dense=raw["dense"].astype(np.float32),
             labels=labels.astype(np.float32),
             lengths=raw["lengths"],
@@ -285,13 +294,12 @@ class SyntheticGenerator:
         """Samples [start, stop) (any range; generated block by block)."""
         if stop <= start:
             raise ValueError(f"empty sample range [{start}, {stop})")
-        first, last = start // BLOCK, (stop - 1) // BLOCK
+        size = self.block_size
         parts = []
-        for b in range(first, last + 1):
+        for b in range(start // size, (stop - 1) // size + 1):
             blk = self.block(b)
-            lo = max(start - b * BLOCK, 0)
-            hi = min(stop - b * BLOCK, BLOCK)
-            parts.append(blk if (lo, hi) == (0, BLOCK) else blk.slice(lo, hi))
+            lo, hi = max(start - b * size, 0), min(stop - b * size, size)
+            parts.append(blk if (lo, hi) == (0, size) else blk.slice(lo, hi))
         return SampleBlock.concat(parts)
 
 
