@@ -5,6 +5,8 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 METRICS ?= runs
+DATA ?= data
+KAGGLE := --preset kaggle --max-rows 1000000
 
 .PHONY: install run test lint bench clean
 
@@ -15,11 +17,17 @@ $(STAMP): pyproject.toml requirements-cpu.txt packaging/fbgemm-gpu-cpushim/pypro
 
 install: $(STAMP)
 
-# The main job: train the Criteo Kaggle DLRM (tables capped at 1M rows) and list the runs.
-run: $(STAMP)
-	$(BIN)/dlrm-lab train --preset kaggle --max-rows 1000000 --steps 300 --batch-size 2048 \
+# The main job: a Criteo-shaped synthetic dataset (generated once, checked against its
+# spec), the Kaggle DLRM (tables capped at 1M rows) trained on it, and the runs so far.
+run: $(STAMP) $(DATA)/kaggle/dataset.json
+	$(BIN)/dlrm-lab data stats $(DATA)/kaggle --strict
+	$(BIN)/dlrm-lab train $(KAGGLE) --data $(DATA)/kaggle --steps 300 --batch-size 2048 \
 		--precision bf16 --eval-every 100 --metrics-dir $(METRICS)
 	$(BIN)/dlrm-lab runs list $(METRICS)
+
+$(DATA)/kaggle/dataset.json: | $(STAMP)
+	rm -rf $(DATA)/kaggle
+	$(BIN)/dlrm-lab data gen $(KAGGLE) --rows 614400 --shards 4 --seed 0 --out $(DATA)/kaggle
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -30,6 +38,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python benchmarks/data_gen.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info $(DATA)

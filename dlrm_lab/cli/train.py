@@ -117,6 +117,7 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
         "loss_first": ("loss, first steps", ".4f"),
         "loss_last": ("loss, last steps", ".4f"),
         "eval_auc": ("held-out AUC", ".4f"),
+        "teacher_auc": ("teacher AUC (best reachable)", ".4f"),
     }
     for key, (label, fmt) in shown.items():
         value = summary.get(key)

@@ -201,6 +201,7 @@ def train(
             **summarize_steps(steps),
             "eval_auc": evals[-1]["auc"] if evals else None,
             "eval_loss": evals[-1]["loss"] if evals else None,
+            "teacher_auc": config["eval_data"].get("teacher_auc"),
             "num_parameters": spec.num_parameters,
             "embedding_parameters": spec.embedding_parameters,
             "dense_parameters": spec.dense_parameters,

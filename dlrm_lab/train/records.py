@@ -64,6 +64,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("loss_last", pa.float64()),
         ("eval_auc", pa.float64()),
         ("eval_loss", pa.float64()),
+        ("teacher_auc", pa.float64()),
         ("num_parameters", pa.int64()),
         ("embedding_parameters", pa.int64()),
         ("dense_parameters", pa.int64()),
