@@ -385,6 +385,9 @@ class TrainConfig:
     data_spec: str | None = None  # synthetic only; default: the model preset's
     data_overrides: tuple[str, ...] = ()  # synthetic only: `--set key=value` on the data spec
     prefetch: int = 2  # batches prepared ahead on a background thread (0: inline)
+    sharding: str = "auto"  # TorchRec's planner, or one sharding type for every table
+    shard: tuple[str, ...] = ()  # per-table overrides: "t_cat_3=row_wise"
+    timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
 
     def __post_init__(self) -> None:
         _positive("--steps", self.steps)
@@ -404,6 +407,8 @@ class TrainConfig:
             raise UserError(f"--data {self.data}: no such dataset directory or file (or use 'synthetic')")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise UserError(f"--prefetch {self.prefetch!r}: must be an integer >= 0")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise UserError(f"--timeout {self.timeout_s!r}: must be a number of seconds > 0")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
 
@@ -416,7 +421,12 @@ class TrainConfig:
         return min(20, max(1, self.steps // 10))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "warmup_steps": self.resolved_warmup_steps, "data_overrides": list(self.data_overrides)}
+        return {
+            **asdict(self),
+            "warmup_steps": self.resolved_warmup_steps,
+            "data_overrides": list(self.data_overrides),
+            "shard": list(self.shard),
+        }
 
 
 def _positive(name: str, value: Any) -> None:

@@ -44,6 +44,18 @@ def train_command(
         Optional[list[str]], typer.Option("--set", help="Override a data spec field (repeatable), e.g. click_rate=0.1.")
     ] = None,
     prefetch: Annotated[int, typer.Option(help="Batches prepared ahead on a background thread (0: inline).")] = 2,
+    sharding: Annotated[
+        str,
+        typer.Option(
+            help="auto (TorchRec's planner) or one type for all tables: table_wise, row_wise, column_wise, "
+            "table_row_wise, table_column_wise, data_parallel."
+        ),
+    ] = "auto",
+    shard: Annotated[
+        Optional[list[str]],
+        typer.Option("--shard", help="Per-table sharding type, e.g. t_cat_3=row_wise (repeatable)."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds a collective may wait for the other ranks.")] = 300.0,
     metrics_dir: MetricsDir = "runs",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -67,6 +79,9 @@ def train_command(
         data_spec=data_spec,
         data_overrides=tuple(set_ or ()),
         prefetch=prefetch,
+        sharding=sharding,
+        shard=tuple(shard or ()),
+        timeout_s=timeout,
     )
     from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
     from dlrm_lab.train import train
@@ -98,7 +113,25 @@ def train_command(
     finally:
         if bar.live.is_started:
             bar.stop()
-    print_summary(result.summary, str(result.run_dir))
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:  # under a launcher every rank runs this command: one report
+        print_plan(result.plan)
+        print_summary(result.summary, str(result.run_dir))
+
+
+def print_plan(plan: dict[str, Any]) -> None:
+    from dlrm_lab.cli.format import human_bytes
+
+    table = Table(title="sharding plan")
+    for col in ("table", "sharding", "kernel", "ranks", "bytes"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for t in plan["tables"]:
+        ranks = ",".join(map(str, sorted(set(t["ranks"]))))
+        table.add_row(t["table"], t["sharding_type"], t["compute_kernel"], ranks, human_bytes(t["bytes"]))
+    console().print(table)
+    per_rank = ", ".join(f"rank {r}: {human_bytes(b)}" for r, b in enumerate(plan["bytes_per_rank"]))
+    console().print(f"table bytes per rank: {per_rank}")
 
 
 def print_summary(summary: dict[str, Any], run_dir: str) -> None:

@@ -8,7 +8,6 @@ and the dense MLPs are data-parallel (DDP inside `DistributedModelParallel`).
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -59,28 +58,82 @@ class EmbeddingOptimizer:
             apply_optimizer_in_backward(torch.optim.SGD, params, {"lr": self.lr})
 
 
+SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.DATA_PARALLEL.value,
+)
+
+
+class AnyDeviceSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's sharder with every sharding type allowed on every device.
+
+    TorchRec lists row_wise and table_row_wise for CUDA only, although on CPU/gloo they
+    plan and train correctly (max difference to an unsharded reference ~2e-9, see
+    shared/STACK.md and tests/test_distributed.py); this lifts that restriction only.
+    """
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return list(SHARDING_TYPES)
+
+
+def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[str]) -> dict[str, str]:
+    """`["t_cat_3=row_wise", ...]` -> {table: sharding type}, validated."""
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"--shard {item!r}: expected TABLE=TYPE, e.g. t_cat_3=row_wise")
+        table, kind = (x.strip() for x in item.split("=", 1))
+        if table not in table_names:
+            shown = ", ".join(table_names[:6]) + (", ..." if len(table_names) > 6 else "")
+            raise UserError(f"--shard {item!r}: no table {table!r}; tables: {shown}")
+        if kind not in SHARDING_TYPES:
+            raise UserError(f"--shard {item!r}: sharding type {kind!r}; allowed: {', '.join(SHARDING_TYPES)}")
+        out[table] = kind
+    return out
+
+
+def _constraints(model: DLRM, sharding: str, per_table: dict[str, str]) -> dict[str, ParameterConstraints]:
+    out = {}
+    for t in model.spec.tables:
+        kind = per_table.get(t.name) or (None if sharding == "auto" else sharding)
+        kinds = [kind] if kind else list(SHARDING_TYPES)
+        kernels = []
+        if any(k != ShardingType.DATA_PARALLEL.value for k in kinds):
+            kernels.append(EmbeddingComputeKernel.FUSED.value)  # optimizer fused into backward
+        if ShardingType.DATA_PARALLEL.value in kinds:
+            kernels.append(EmbeddingComputeKernel.DENSE.value)  # replicas all-reduced by DDP
+        out[t.name] = ParameterConstraints(
+            sharding_types=kinds,
+            compute_kernels=kernels,
+            pooling_factors=[t.pooling_factor] * len(t.feature_names),
+        )
+    return out
+
+
 def shard_model(
     model: DLRM,
     ctx: DistContext,
     embedding_optimizer: EmbeddingOptimizer,
-    sharding_type: str = ShardingType.TABLE_WISE.value,
+    sharding: str = "auto",
+    per_table: dict[str, str] | None = None,
     batch_size: int = 512,
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
     """Plan the tables over the ranks, materialise them shard by shard, wrap dense in DDP.
 
-    The plan is made against the real memory of this machine, so tables that cannot fit
-    are refused (UserError naming the sizes) before anything is allocated.
+    `sharding` is "auto" (TorchRec's planner chooses per table among all types) or one
+    sharding type for every table; `per_table` overrides it for named tables. The plan is
+    made against this machine's real memory, so tables that cannot fit are refused
+    (UserError naming the sizes) before anything is allocated.
     """
+    if sharding != "auto" and sharding not in SHARDING_TYPES:
+        raise UserError(f"--sharding {sharding!r}: allowed: auto, {', '.join(SHARDING_TYPES)}")
     embedding_optimizer.apply(model)
-    sharder = EmbeddingBagCollectionSharder()
-    constraints = {
-        t.name: ParameterConstraints(
-            sharding_types=[sharding_type],
-            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
-            pooling_factors=[t.pooling_factor] * len(t.feature_names),
-        )
-        for t in model.spec.tables
-    }
+    sharder = AnyDeviceSharder()
+    constraints = _constraints(model, sharding, per_table or {})
     topology = machine_topology(ctx)
     planner = EmbeddingShardingPlanner(
         topology=topology,
@@ -105,7 +158,7 @@ def shard_model(
 
 def machine_topology(ctx: DistContext) -> Topology:
     """The planner's view of the job: ranks, compute device and real memory per rank."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    local_world = ctx.local_world_size
     host_per_rank = psutil.virtual_memory().available // max(1, local_world)
     if ctx.device.type == "cuda":
         hbm = torch.cuda.get_device_properties(ctx.device).total_memory
@@ -158,3 +211,70 @@ def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int, bytes_pe
                 }
             )
     return {"tables": tables, "bytes_per_rank": per_rank}
+
+
+def gather_tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every embedding table in full, on every rank (a collective: all ranks must call it).
+
+    Sharded tables are reassembled from each rank's shards and their offsets; replicated
+    (data-parallel) tables are taken as they are. Meant for checks and exports of
+    tables that fit in one process's memory.
+    """
+    local: dict[str, Any] = {}
+    for key, value in model.state_dict().items():
+        if "embedding_bags" not in key or not key.endswith(".weight"):
+            continue
+        name = key.split(".")[-2]
+        if hasattr(value, "local_shards"):
+            meta = value.metadata()
+            local[name] = (
+                tuple(meta.size),
+                [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()],
+            )
+        else:
+            local[name] = (tuple(value.shape), [((0, 0), value.detach().cpu())])
+    parts: list[Any] = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    full: dict[str, torch.Tensor] = {}
+    for rank_tables in parts:
+        for name, (size, shards) in rank_tables.items():
+            table = full.setdefault(name, torch.zeros(size))
+            for (row, col), t in shards:
+                table[row : row + t.shape[0], col : col + t.shape[1]] = t.float()
+    return full
+
+
+INIT_ROW_BLOCK = 1 << 16  # rows drawn together when initialising a table
+
+
+@torch.no_grad()
+def init_tables(model: torch.nn.Module, seed: int) -> None:
+    """Give every table the same initial rows however it is sharded.
+
+    Rows are drawn uniform in +-sqrt(1 / rows) (TorchRec's default) from generators
+    seeded by (seed, table, block of 65,536 rows), and each rank writes only its own
+    shards' rows and columns. Runs with 1 and N ranks, and with any sharding type,
+    therefore start from identical tables, so their losses can be compared step by step.
+    """
+    for key, value in model.state_dict().items():
+        if "embedding_bags" not in key or not key.endswith(".weight"):
+            continue
+        name = key.split(".")[-2]
+        if hasattr(value, "local_shards"):
+            rows, dim = value.metadata().size
+            shards = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+        else:
+            rows, dim = value.shape
+            shards = [((0, 0), value)]
+        bound = (1.0 / rows) ** 0.5
+        table_seed = int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little") ^ (seed * 0x9E3779B1)
+        for (row0, col0), tensor in shards:
+            n_rows, n_cols = tensor.shape
+            for first in range(row0 - row0 % INIT_ROW_BLOCK, row0 + n_rows, INIT_ROW_BLOCK):
+                g = torch.Generator().manual_seed((table_seed + first) % (1 << 63))
+                block = torch.rand(min(INIT_ROW_BLOCK, rows - first), dim, generator=g) * (2 * bound) - bound
+                lo, hi = max(first, row0), min(first + INIT_ROW_BLOCK, row0 + n_rows)
+                part = block[lo - first : hi - first, col0 : col0 + n_cols]
+                tensor[lo - row0 : hi - row0].copy_(part.to(tensor.dtype))

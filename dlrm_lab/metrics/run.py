@@ -54,11 +54,25 @@ class Run:
     closed (merged to their final Parquet files) in every case.
     """
 
-    def __init__(self, run_dir: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, manifest: dict[str, Any], rank: int = 0) -> None:
         self.dir = run_dir
         self.manifest = manifest
+        self.rank = rank
         self._tables: dict[str, TableWriter] = {}
         self._t0 = time.monotonic()
+        self._before_finish: list[Any] = []
+
+    @classmethod
+    def attach(cls, run_dir: str | Path, rank: int) -> Run:
+        """Another rank's handle on a run rank 0 created: it writes its own table parts;
+        rank 0 alone merges them and owns the manifest and the summary."""
+        run_dir = Path(run_dir)
+        return cls(run_dir, read_manifest(run_dir), rank=rank)
+
+    def before_finish(self, callback: Any) -> None:
+        """Run `callback()` after this rank flushed its tables and before rank 0 merges
+        (a barrier, so that every rank's parts are on disk before the merge)."""
+        self._before_finish.append(callback)
 
     @property
     def run_id(self) -> str:
@@ -103,7 +117,7 @@ class Run:
         return cls(run_dir, manifest)
 
     def table(self, name: str, schema: pa.Schema, **kwargs: Any) -> TableWriter:
-        writer = TableWriter(self.dir, name, schema, self.run_id, **kwargs)
+        writer = TableWriter(self.dir, name, schema, self.run_id, rank=self.rank, **kwargs)
         self._tables[name] = writer
         return writer
 
@@ -117,7 +131,19 @@ class Run:
     def finish(self, status: str, error: str | None = None) -> None:
         assert status in STATUSES, status
         for writer in self._tables.values():
+            writer.flush()
+        for callback in self._before_finish:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a dead peer must not stop us keeping our rows
+                pass
+        if self.rank != 0:
+            for writer in self._tables.values():
+                writer.close(merge=False)
+            return
+        for writer in self._tables.values():
             writer.close()
+        consolidate_run(self.dir)  # parts of other ranks' tables this rank never opened
         self.update_manifest(
             status=status,
             end_time=_now_iso(),

@@ -45,6 +45,7 @@ class TableWriter:
         run_id: str,
         flush_rows: int = 10_000,
         flush_seconds: float = 5.0,
+        rank: int = 0,
     ) -> None:
         if "run_id" not in schema.names:
             schema = pa.schema([pa.field("run_id", pa.string()), *schema])
@@ -57,7 +58,8 @@ class TableWriter:
         self._rows: list[dict[str, Any]] = []
         self._parts_dir = self.run_dir / PARTS_DIR / name
         self._parts_dir.mkdir(parents=True, exist_ok=True)
-        self._next_part = len(list(self._parts_dir.glob("part-*.parquet")))
+        self._prefix = f"part-r{rank:05d}-"  # ranks of one job write side by side
+        self._next_part = len(list(self._parts_dir.glob(f"{self._prefix}*.parquet")))
         self._last_flush = time.monotonic()
         self._closed = False
         self.rows_written = 0
@@ -79,16 +81,21 @@ class TableWriter:
         if not self._rows:
             return
         table = pa.Table.from_pylist(self._rows, schema=self.schema)
-        _atomic_write_table(table, self._parts_dir / f"part-{self._next_part:06d}.parquet")
+        _atomic_write_table(table, self._parts_dir / f"{self._prefix}{self._next_part:06d}.parquet")
         self._next_part += 1
         self.rows_written += len(self._rows)
         self._rows = []
 
-    def close(self) -> Path:
-        """Flush, then merge the parts into `<run>/<name>.parquet` (also when empty)."""
+    def close(self, merge: bool = True) -> Path:
+        """Flush, then merge the parts into `<run>/<name>.parquet` (also when empty).
+
+        Ranks other than 0 close with `merge=False`; rank 0 merges every rank's parts
+        once all have flushed.
+        """
         if not self._closed:
             self.flush()
-            _merge_parts(self.run_dir, self.name, self.schema)
+            if merge:
+                _merge_parts(self.run_dir, self.name, self.schema)
             self._closed = True
         return self.run_dir / f"{self.name}.parquet"
 

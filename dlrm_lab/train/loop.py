@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -23,7 +24,13 @@ from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.data import BatchSource, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, init_distributed
-from dlrm_lab.distributed.sharding import EmbeddingOptimizer, describe_plan, shard_model
+from dlrm_lab.distributed.sharding import (
+    EmbeddingOptimizer,
+    describe_plan,
+    init_tables,
+    parse_table_sharding,
+    shard_model,
+)
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
 from dlrm_lab.train.evaluate import evaluate
@@ -55,6 +62,30 @@ def _dense_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> CombinedOptimi
     return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]
 
 
+def _open_run(metrics_dir: str | Path | None, config: dict[str, Any], argv: list[str] | None, ctx: DistContext):
+    """Rank 0 creates the run directory; the other ranks attach to it and write their own
+    step rows; a barrier before rank 0 merges makes sure every rank's rows are on disk."""
+    if not metrics_dir:
+        return None
+    run = Run.create(metrics_dir, kind="train", config=config, argv=argv) if ctx.is_main else None
+    if ctx.world_size == 1:
+        return run
+    shared = [str(run.dir) if run else None]
+    dist.broadcast_object_list(shared, src=0)
+    run = run or Run.attach(shared[0], ctx.rank)
+    run.before_finish(dist.barrier)
+    return run
+
+
+def _gather_rows(rows: list[dict[str, Any]], ctx: DistContext) -> list[dict[str, Any]]:
+    """Every rank's step rows, on every rank (the summary needs the slowest rank per step)."""
+    if ctx.world_size == 1:
+        return rows
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, rows)
+    return [r for part in gathered for r in part]
+
+
 def _autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextManager[Any]:
     if cfg.precision == "bf16":
         return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16)
@@ -78,12 +109,19 @@ def train(
     eval.parquet, summary.parquet). Ctrl-C stops at the current step, writes the summary
     of what was measured, marks the run `interrupted` and re-raises KeyboardInterrupt.
     """
-    ctx = init_distributed(cfg.device)
+    ctx = init_distributed(cfg.device, cfg.timeout_s)
+    per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     torch.manual_seed(cfg.seed)
     model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
     dmp, plan = shard_model(
-        model, ctx, EmbeddingOptimizer(cfg.embedding_optimizer, cfg.embedding_lr), batch_size=cfg.batch_size
+        model,
+        ctx,
+        EmbeddingOptimizer(cfg.embedding_optimizer, cfg.embedding_lr),
+        sharding=cfg.sharding,
+        per_table=per_table,
+        batch_size=cfg.batch_size,
     )
+    init_tables(dmp, cfg.seed)  # identical initial rows whatever the sharding and rank count
     optimizer = _dense_optimizer(dmp, cfg)
     plan_info = describe_plan(plan, spec, ctx.world_size, bytes_per_value=2 if cfg.table_precision == "fp16" else 4)
 
@@ -110,16 +148,17 @@ def train(
         "sharding_plan": plan_info,
         "world_size": ctx.world_size,
         "backend": ctx.backend,
+        "launcher": ctx.launcher,
         "torch_threads": torch.get_num_threads(),
     }
-    run = Run.create(metrics_dir, kind="train", config=config, argv=argv) if metrics_dir and ctx.is_main else None
+    run = _open_run(metrics_dir, config, argv, ctx)
     with contextlib.ExitStack() as stack:
         if run is not None:
             stack.enter_context(run)
         if isinstance(source, Prefetcher):
             stack.callback(source.close)
         steps_table = run.table("steps", STEP_SCHEMA) if run else None
-        eval_table = run.table("eval", EVAL_SCHEMA) if run else None
+        eval_table = run.table("eval", EVAL_SCHEMA) if run and ctx.is_main else None
         steps: list[dict[str, Any]] = []
         evals: list[dict[str, Any]] = []
 
@@ -185,6 +224,7 @@ def train(
         except KeyboardInterrupt:
             status = "interrupted"
 
+        all_steps = _gather_rows(steps, ctx)
         summary = {
             "kind": "train",
             "status": status,
@@ -198,7 +238,7 @@ def train(
             "global_batch_size": cfg.batch_size * ctx.world_size,
             "steps": len(steps),
             "warmup_steps": warmup,
-            **summarize_steps(steps),
+            **summarize_steps(all_steps),
             "eval_auc": evals[-1]["auc"] if evals else None,
             "eval_loss": evals[-1]["loss"] if evals else None,
             "teacher_auc": config["eval_data"].get("teacher_auc"),
@@ -207,13 +247,13 @@ def train(
             "dense_parameters": spec.dense_parameters,
             "wall_time_s": time.perf_counter() - t_start,
         }
-        if run is not None:
+        if run is not None and ctx.is_main:
             run.write_summary([summary], SUMMARY_SCHEMA)
         if status == "interrupted":
             raise KeyboardInterrupt
     return TrainResult(
         summary=summary,
-        steps=steps,
+        steps=all_steps,
         evals=evals,
         plan=plan_info,
         run_dir=run.dir if run else None,

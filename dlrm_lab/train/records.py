@@ -78,29 +78,43 @@ _LOSS_WINDOW = 10  # steps averaged for loss_first / loss_last
 def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Throughput, step-time percentiles, phase shares and loss trend of a run.
 
-    Throughput is total samples over total step time of the measured (non-warm-up)
-    steps: a ratio of sums, so long steps weigh as much as they cost.
+    `rows` may hold every rank's rows. A step takes as long as its slowest rank, so the
+    global step time is the maximum over ranks and global throughput is total samples
+    over the sum of those times (a ratio of sums over the measured, non-warm-up steps).
+    Per-rank throughput is each rank's samples over its own time, averaged over ranks;
+    the loss of a step is the mean over ranks (equal local batches: the global loss).
     """
-    measured = [r for r in rows if not r["warmup"]]
-    out: dict[str, Any] = {"measured_steps": len(measured)}
-    losses = [r["loss"] for r in rows]
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], []).append(r)
+    steps = [by_step[k] for k in sorted(by_step)]
+    out: dict[str, Any] = {"measured_steps": sum(1 for s in steps if not s[0]["warmup"])}
+    losses = [float(np.mean([r["loss"] for r in s])) for s in steps]
     if losses:
         out["loss_first"] = float(np.mean(losses[:_LOSS_WINDOW]))
         out["loss_last"] = float(np.mean(losses[-_LOSS_WINDOW:]))
+    measured = [s for s in steps if not s[0]["warmup"]]
     if not measured:
         return out
-    times = np.array([r["step_time_ms"] for r in measured])
-    samples = sum(r["global_samples"] for r in measured)
+    times = np.array([max(r["step_time_ms"] for r in s) for s in measured])
+    samples = sum(s[0]["global_samples"] for s in measured)
     total_s = times.sum() / 1000.0
-    world = measured[0]["world_size"]
+    ranks = sorted({r["rank"] for s in measured for r in s})
+    per_rank = [
+        sum(r["batch_size"] for s in measured for r in s if r["rank"] == k)
+        / (sum(r["step_time_ms"] for s in measured for r in s if r["rank"] == k) / 1000.0)
+        for k in ranks
+    ]
     out.update(
         samples_per_s=float(samples / total_s),
-        samples_per_s_per_rank=float(samples / total_s / world),
+        samples_per_s_per_rank=float(np.mean(per_rank)),
         step_time_ms_mean=float(times.mean()),
         step_time_ms_p50=float(np.percentile(times, 50)),
         step_time_ms_p90=float(np.percentile(times, 90)),
         step_time_ms_p99=float(np.percentile(times, 99)),
     )
+    flat = [r for s in measured for r in s]
+    rank_time = sum(r["step_time_ms"] for r in flat)
     for phase in PHASES:
-        out[f"{phase}_share"] = float(sum(r[f"{phase}_ms"] for r in measured) / times.sum())
+        out[f"{phase}_share"] = float(sum(r[f"{phase}_ms"] for r in flat) / rank_time)
     return out

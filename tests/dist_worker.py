@@ -1,0 +1,49 @@
+"""Run under torchrun by tests: train `tiny` with every sharding type, dump losses and tables.
+
+torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR GLOBAL_BATCH STEPS
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import dlrm_lab
+from dlrm_lab.config import TrainConfig
+from dlrm_lab.distributed.context import init_distributed
+from dlrm_lab.distributed.sharding import SHARDING_TYPES, gather_tables
+from dlrm_lab.train import train
+
+
+def run(out: Path, global_batch: int, steps: int) -> None:
+    spec = dlrm_lab.load_preset("tiny")
+    world = init_distributed("cpu").world_size  # before the first run sizes its batch
+    for sharding in SHARDING_TYPES:
+        cfg = TrainConfig(
+            steps=steps,
+            batch_size=global_batch // world,
+            sharding=sharding,
+            embedding_optimizer="sgd",
+            embedding_lr=0.5,
+            dense_optimizer="sgd",
+            dense_lr=0.5,
+            eval_batches=2,
+            prefetch=0,
+            seed=3,
+        )
+        result = train(spec, cfg, keep_model=True)
+        by_step: dict[int, list[float]] = {}
+        for row in result.steps:
+            by_step.setdefault(row["step"], []).append(row["loss"])
+        losses = [sum(v) / len(v) for _, v in sorted(by_step.items())]
+        tables = gather_tables(result.model)
+        dense = {k: v.detach().cpu() for k, v in result.model.state_dict().items() if "embedding_bags" not in k}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            (out / f"{sharding}.json").write_text(json.dumps({"losses": losses, "plan": result.plan}))
+            torch.save({"tables": tables, "dense": dense}, out / f"{sharding}.pt")
+
+
+if __name__ == "__main__":
+    run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
