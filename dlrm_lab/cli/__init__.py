@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dlrm_lab.cli import data, presets, runs, train
+from dlrm_lab.cli import data, launch, presets, runs, train
 from dlrm_lab.errors import UserError
 
 app = typer.Typer(
@@ -20,6 +20,9 @@ app.add_typer(presets.app, name="presets")
 app.add_typer(runs.app, name="runs")
 app.add_typer(data.app, name="data")
 app.command("train")(train.train_command)
+app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+    launch.launch_command
+)
 
 
 def main(argv: list[str] | None = None) -> int:
