@@ -10,3 +10,11 @@ class UserError(Exception):
     """A mistake in user input: bad preset, spec field, option value or path."""
 
     exit_code = 2
+
+
+class Terminated(Exception):
+    """The process was asked to stop (SIGTERM), e.g. by a launcher after another rank failed."""
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank died, or did not answer within the timeout."""

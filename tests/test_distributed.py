@@ -59,3 +59,56 @@ def test_two_ranks_match_one_rank(runs, sharding):
         assert not torch.equal(table, initial[name]), name
     for key, value in wa["dense"].items():
         torch.testing.assert_close(wb["dense"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_killing_one_rank_ends_the_job_and_keeps_the_steps(tmp_path):
+    import time
+
+    import psutil
+    import pyarrow.parquet as pq
+
+    from dlrm_lab.metrics import read_manifest, recover_run
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "dlrm_lab",
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1000000",
+        "--batch-size",
+        "32",
+        "--timeout",
+        "60",
+        "--metrics-dir",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list(tmp_path.glob("*/_parts/steps/part-r00001-*.parquet")):
+            time.sleep(0.3)
+        victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert victims, "rank 1 not found"
+        victims[0].kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "rank" in err and ("exitcode  : -9" in err or "rank 0: a collective failed" in err), err[-2000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    manifest = recover_run(run_dir)  # what `dlrm-lab runs list` does for a run left `running`
+    assert manifest["status"] == "failed", manifest["status"]
+    assert read_manifest(run_dir)["error"]
+    ranks = set(pq.read_table(run_dir / "steps.parquet").column("rank").to_pylist())
+    assert ranks == {0, 1}  # both ranks' flushed steps survived

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from dlrm_lab.cli import data, launch, presets, runs, train
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import RankFailure, Terminated, UserError
 
 app = typer.Typer(
     name="dlrm-lab",
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         return exc.exit_code
+    except (RankFailure, Terminated) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 1
     except typer.TyperException as exc:  # usage errors: unknown option, bad type, missing value
         if not exc.format_message():  # bare `dlrm-lab`: help was printed, nothing went wrong
             return 0

@@ -87,6 +87,7 @@ def train_command(
     from dlrm_lab.train import train
 
     resolve_device(cfg.device)  # a missing GPU is a user error, reported before any work
+    _raise_on_sigterm()
     err = console(stderr=True)
     err.print(size_line(spec))
 
@@ -157,3 +158,16 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
         table.add_row(label, "-" if value is None else format(value, fmt))
     console().print(table)
     console().print(f"run directory: {run_dir}")
+
+
+def _raise_on_sigterm() -> None:
+    """Turn SIGTERM (a launcher stopping the job) into an exception, so the run directory is
+    marked failed and the rows measured so far are flushed, instead of dying silently."""
+    import signal
+
+    from dlrm_lab.errors import Terminated
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated(f"terminated by signal {signal.Signals(signum).name} (a launcher stopped the job)")
+
+    signal.signal(signal.SIGTERM, handler)

@@ -24,7 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import RankFailure, UserError
+
+__all__ = ["DistContext", "LaunchInfo", "RankFailure", "detect_launch", "init_distributed", "resolve_device"]
 
 DEVICES = ("cpu", "cuda")
 DEFAULT_TIMEOUT_S = 300.0

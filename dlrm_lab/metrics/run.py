@@ -132,11 +132,12 @@ class Run:
         assert status in STATUSES, status
         for writer in self._tables.values():
             writer.flush()
-        for callback in self._before_finish:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - a dead peer must not stop us keeping our rows
-                pass
+        if status == "ok":  # after a failure a peer may be dead: do not wait for it
+            for callback in self._before_finish:
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - a dead peer must not stop us keeping our rows
+                    pass
         if self.rank != 0:
             for writer in self._tables.values():
                 writer.close(merge=False)

@@ -23,7 +23,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.data import BatchSource, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
-from dlrm_lab.distributed.context import DistContext, init_distributed
+from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed
 from dlrm_lab.distributed.sharding import (
     EmbeddingOptimizer,
     describe_plan,
@@ -223,6 +223,13 @@ def train(
             run_eval(cfg.steps - 1)
         except KeyboardInterrupt:
             status = "interrupted"
+        except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
+            if ctx.world_size == 1 or isinstance(exc, RankFailure):
+                raise
+            raise RankFailure(
+                f"rank {ctx.rank}: a collective failed at step {len(steps)}: another rank died or did not answer "
+                f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
+            ) from exc
 
         all_steps = _gather_rows(steps, ctx)
         summary = {
