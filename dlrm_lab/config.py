@@ -388,6 +388,7 @@ class TrainConfig:
     sharding: str = "auto"  # TorchRec's planner, or one sharding type for every table
     shard: tuple[str, ...] = ()  # per-table overrides: "t_cat_3=row_wise"
     timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
+    pin_cores: bool = False  # pin each rank (and its data thread) to its own intra-op cores
 
     def __post_init__(self) -> None:
         _positive("--steps", self.steps)

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dlrm_lab.cli import data, launch, presets, runs, train
+from dlrm_lab.cli import data, launch, presets, runs, scale, train
 from dlrm_lab.errors import RankFailure, Terminated, UserError
 
 app = typer.Typer(
@@ -20,9 +20,9 @@ app.add_typer(presets.app, name="presets")
 app.add_typer(runs.app, name="runs")
 app.add_typer(data.app, name="data")
 app.command("train")(train.train_command)
-app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-    launch.launch_command
-)
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+app.command("launch", context_settings=_PASS_THROUGH)(launch.launch_command)
+app.command("scale", context_settings=_PASS_THROUGH)(scale.scale_command)
 
 
 def main(argv: list[str] | None = None) -> int:

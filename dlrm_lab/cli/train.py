@@ -56,6 +56,7 @@ def train_command(
         typer.Option("--shard", help="Per-table sharding type, e.g. t_cat_3=row_wise (repeatable)."),
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait for the other ranks.")] = 300.0,
+    pin_cores: Annotated[bool, typer.Option(help="Pin each rank and its data thread to its own cores.")] = False,
     metrics_dir: MetricsDir = "runs",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -82,6 +83,7 @@ def train_command(
         sharding=sharding,
         shard=tuple(shard or ()),
         timeout_s=timeout,
+        pin_cores=pin_cores,
     )
     from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
     from dlrm_lab.train import train

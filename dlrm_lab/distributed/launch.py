@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from dlrm_lab.errors import UserError
 
@@ -58,9 +59,23 @@ def launch_command(
     return [mpiexec, "-n", str(nproc), *extra, sys.executable, *target]
 
 
-def launch(nproc: int, launcher: str, args: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None) -> int:
-    """Run the ranks to completion; the exit code is the launcher's (non-zero if any rank failed)."""
+def launch(
+    nproc: int,
+    launcher: str,
+    args: list[str],
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    log: Path | None = None,
+) -> int:
+    """Run the ranks to completion; the exit code is the launcher's (non-zero if any rank failed).
+
+    With `log`, the ranks' output goes to that file instead of the terminal.
+    """
     cmd = launch_command(nproc, launcher, args, nnodes, rdzv_endpoint)
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    return subprocess.run(cmd, env=env).returncode
+    if log is None:
+        return subprocess.run(cmd, env=env).returncode
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        return subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode

@@ -8,6 +8,7 @@ scales. The loop returns data; progress display is the caller's `on_step` callba
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.data import BatchSource, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
-from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed
+from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores
 from dlrm_lab.distributed.sharding import (
     EmbeddingOptimizer,
     describe_plan,
@@ -110,6 +111,8 @@ def train(
     of what was measured, marks the run `interrupted` and re-raises KeyboardInterrupt.
     """
     ctx = init_distributed(cfg.device, cfg.timeout_s)
+    if cfg.pin_cores:
+        pin_to_cores(ctx)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     torch.manual_seed(cfg.seed)
     model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
@@ -150,6 +153,7 @@ def train(
         "backend": ctx.backend,
         "launcher": ctx.launcher,
         "torch_threads": torch.get_num_threads(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     run = _open_run(metrics_dir, config, argv, ctx)
     with contextlib.ExitStack() as stack:
