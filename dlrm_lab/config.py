@@ -389,6 +389,7 @@ class TrainConfig:
     shard: tuple[str, ...] = ()  # per-table overrides: "t_cat_3=row_wise"
     timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
     pin_cores: bool = False  # pin each rank (and its data thread) to its own intra-op cores
+    target_auc: float | None = None  # stop when held-out AUC reaches it (MLPerf-style time to quality)
 
     def __post_init__(self) -> None:
         _positive("--steps", self.steps)
@@ -410,8 +411,19 @@ class TrainConfig:
             raise UserError(f"--prefetch {self.prefetch!r}: must be an integer >= 0")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise UserError(f"--timeout {self.timeout_s!r}: must be a number of seconds > 0")
+        if self.target_auc is not None and not (
+            isinstance(self.target_auc, (int, float)) and 0.5 < self.target_auc < 1
+        ):
+            raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
+
+    @property
+    def resolved_eval_every(self) -> int:
+        """Steps between evaluations; with a target AUC and none given, every 5% of the steps."""
+        if self.eval_every or self.target_auc is None:
+            return self.eval_every
+        return max(1, self.steps // 20)
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -425,6 +437,7 @@ class TrainConfig:
         return {
             **asdict(self),
             "warmup_steps": self.resolved_warmup_steps,
+            "eval_every": self.resolved_eval_every,
             "data_overrides": list(self.data_overrides),
             "shard": list(self.shard),
         }

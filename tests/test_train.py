@@ -124,3 +124,18 @@ def test_training_on_cuda():
     spec = dlrm_lab.load_preset("tiny")
     result = train(spec, TrainConfig(steps=10, batch_size=64, device="cuda"))
     assert result.summary["device"] == "cuda"
+
+
+def test_target_auc_stops_training_and_counts_valid_throughput(tmp_path):
+    spec = dlrm_lab.load_preset("tiny")
+    hit = train(spec, TrainConfig(steps=400, batch_size=256, eval_every=10, target_auc=0.75, warmup_steps=2, seed=1))
+    s = hit.summary
+    assert s["target_reached"] and s["steps_to_target"] < 400 and s["steps"] == s["steps_to_target"]
+    assert s["eval_auc"] >= 0.75 and s["time_to_target_s"] > 0
+    assert s["valid_samples_per_s"] == s["samples_per_s"]
+    missed = train(spec, TrainConfig(steps=6, batch_size=32, target_auc=0.99, seed=1), metrics_dir=tmp_path)
+    m = missed.summary
+    assert not m["target_reached"] and m["steps_to_target"] is None and m["valid_samples_per_s"] == 0.0
+    assert m["steps"] == 6
+    row = pq.read_table(missed.run_dir / "summary.parquet").to_pylist()[0]
+    assert row["target_auc"] == 0.99 and row["target_reached"] is False

@@ -57,6 +57,9 @@ def train_command(
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait for the other ranks.")] = 300.0,
     pin_cores: Annotated[bool, typer.Option(help="Pin each rank and its data thread to its own cores.")] = False,
+    target_auc: Annotated[
+        Optional[float], typer.Option(help="Stop when held-out AUC reaches this; records time to target.")
+    ] = None,
     metrics_dir: MetricsDir = "runs",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -84,6 +87,7 @@ def train_command(
         shard=tuple(shard or ()),
         timeout_s=timeout,
         pin_cores=pin_cores,
+        target_auc=target_auc,
     )
     from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
     from dlrm_lab.train import train
@@ -154,6 +158,8 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
         "loss_last": ("loss, last steps", ".4f"),
         "eval_auc": ("held-out AUC", ".4f"),
         "teacher_auc": ("teacher AUC (best reachable)", ".4f"),
+        "time_to_target_s": ("time to target AUC s", ".1f"),
+        "valid_samples_per_s": ("valid samples/s (0 if target missed)", ",.0f"),
     }
     for key, (label, fmt) in shown.items():
         value = summary.get(key)

@@ -78,6 +78,17 @@ def _open_run(metrics_dir: str | Path | None, config: dict[str, Any], argv: list
     return run
 
 
+def _quality(cfg: TrainConfig, reached: dict[str, Any]) -> dict[str, Any]:
+    if cfg.target_auc is None:
+        return {}
+    return {
+        "target_auc": cfg.target_auc,
+        "target_reached": bool(reached),
+        "steps_to_target": reached.get("steps"),
+        "time_to_target_s": reached.get("seconds"),
+    }
+
+
 def _gather_rows(rows: list[dict[str, Any]], ctx: DistContext) -> list[dict[str, Any]]:
     """Every rank's step rows, on every rank (the summary needs the slowest rank per step)."""
     if ctx.world_size == 1:
@@ -166,7 +177,10 @@ def train(
         steps: list[dict[str, Any]] = []
         evals: list[dict[str, Any]] = []
 
-        def run_eval(step: int) -> None:
+        reached: dict[str, Any] = {}
+
+        def run_eval(step: int) -> bool:
+            """Evaluate; True when the target AUC is reached (training stops there)."""
             t0 = time.perf_counter()
             auc, loss, n = evaluate(dmp, eval_source, ctx.device)
             row = {
@@ -179,6 +193,10 @@ def train(
             evals.append(row)
             if eval_table is not None:
                 eval_table.append(row)
+            if cfg.target_auc is not None and auc >= cfg.target_auc and not reached:
+                reached.update(steps=step + 1, seconds=time.perf_counter() - t_start)
+                return True
+            return False
 
         status = "ok"
         t_start = time.perf_counter()
@@ -222,9 +240,11 @@ def train(
                     steps_table.append(row)
                 if on_step is not None:
                     on_step(row)
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                    run_eval(step)
-            run_eval(cfg.steps - 1)
+                every = cfg.resolved_eval_every
+                if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
+                    break
+            else:
+                run_eval(cfg.steps - 1)
         except KeyboardInterrupt:
             status = "interrupted"
         except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
@@ -253,11 +273,14 @@ def train(
             "eval_auc": evals[-1]["auc"] if evals else None,
             "eval_loss": evals[-1]["loss"] if evals else None,
             "teacher_auc": config["eval_data"].get("teacher_auc"),
+            **_quality(cfg, reached),
             "num_parameters": spec.num_parameters,
             "embedding_parameters": spec.embedding_parameters,
             "dense_parameters": spec.dense_parameters,
             "wall_time_s": time.perf_counter() - t_start,
         }
+        if cfg.target_auc is not None:  # MLPerf's rule: throughput only counts when quality was reached
+            summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
         if run is not None and ctx.is_main:
             run.write_summary([summary], SUMMARY_SCHEMA)
         if status == "interrupted":
