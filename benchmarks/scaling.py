@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from dlrm_lab.distributed.sharding import SHARDING_TYPES
 from dlrm_lab.metrics.hardware import cpu_model
+from dlrm_lab.train.timing import PHASES
 
 
 def cli(*args: str) -> None:
@@ -85,7 +86,7 @@ def main() -> None:
                 "step_time_ms_p50_2_ranks": two["step_time_ms_p50"],
                 "samples_per_s_2_ranks": two["samples_per_s"],
                 "efficiency_2": two["efficiency"],
-                **{f"{p}_share": two[f"{p}_share"] for p in ("data_wait", "forward", "backward", "optimizer")},
+                **{f"{p}_share": two[f"{p}_share"] for p in PHASES},
             }
             print(json.dumps({f"rm2 {kind}": by_type[kind]}), flush=True)
         results["rm2 by sharding"] = by_type

@@ -151,8 +151,11 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
         "step_time_ms_p50": ("step time p50 ms", ".2f"),
         "step_time_ms_p99": ("step time p99 ms", ".2f"),
         "data_wait_share": ("data wait share", ".1%"),
-        "forward_share": ("forward share", ".1%"),
-        "backward_share": ("backward share (incl. fused table update)", ".1%"),
+        "input_dist_share": ("input distribution share", ".1%"),
+        "embedding_lookup_share": ("embedding lookup share", ".1%"),
+        "embedding_all_to_all_share": ("pooled-embedding all-to-all share", ".1%"),
+        "dense_forward_share": ("dense forward share", ".1%"),
+        "backward_share": ("backward share (table update, all-reduce)", ".1%"),
         "optimizer_share": ("dense optimizer share", ".1%"),
         "loss_first": ("loss, first steps", ".4f"),
         "loss_last": ("loss, last steps", ".4f"),
@@ -162,6 +165,8 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
         "valid_samples_per_s": ("valid samples/s (0 if target missed)", ",.0f"),
     }
     for key, (label, fmt) in shown.items():
+        if key not in summary:
+            continue
         value = summary.get(key)
         table.add_row(label, "-" if value is None else format(value, fmt))
     console().print(table)

@@ -36,7 +36,7 @@ from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.records import EVAL_SCHEMA, STEP_SCHEMA, SUMMARY_SCHEMA, summarize_steps
-from dlrm_lab.train.timing import StepTimer
+from dlrm_lab.train.timing import PHASES, StepTimer, instrument_embedding_phases
 
 _DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad,
@@ -203,6 +203,8 @@ def train(
         warmup = cfg.resolved_warmup_steps
         batches: Iterator[Batch] = iter(source)
         timer = StepTimer(ctx.device)
+        for handle in instrument_embedding_phases(dmp, timer):
+            stack.callback(handle.remove)
         dmp.train()
         try:
             for step in range(cfg.steps):
@@ -213,13 +215,14 @@ def train(
                 with _autocast(ctx, cfg):
                     logits = dmp(batch.dense_features, batch.sparse_features)
                 loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-                timer.mark("forward")
+                timer.mark("dense_forward")
                 optimizer.zero_grad()
                 loss.backward()  # also applies the fused table optimizer and DDP all-reduce
                 timer.mark("backward")
                 optimizer.step()
                 timer.mark("optimizer")
-                phases = timer.phases_ms()
+                phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
+                timer.stop()
                 step_ms = (time.perf_counter() - t0) * 1000 if not timer.cuda else sum(phases.values())
                 global_samples = cfg.batch_size * ctx.world_size
                 row = {

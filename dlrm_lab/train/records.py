@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-PHASES = ("data_wait", "forward", "backward", "optimizer")
+from dlrm_lab.train.timing import PHASES
 
 STEP_SCHEMA = pa.schema(
     [

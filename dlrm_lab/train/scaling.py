@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from dlrm_lab.distributed.launch import launch
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import Run, find_runs, read_manifest
+from dlrm_lab.train.timing import PHASES
 
 MODES = ("weak", "strong")
 
@@ -35,10 +36,7 @@ POINT_SCHEMA = pa.schema(
         ("step_time_ms_p50", pa.float64()),
         ("speedup", pa.float64()),
         ("efficiency", pa.float64()),
-        ("data_wait_share", pa.float64()),
-        ("forward_share", pa.float64()),
-        ("backward_share", pa.float64()),
-        ("optimizer_share", pa.float64()),
+        *[(f"{p}_share", pa.float64()) for p in PHASES],
         ("point_run_id", pa.string()),
         ("point_status", pa.string()),
     ]
@@ -120,10 +118,7 @@ def scaling_sweep(
                     "step_time_ms_p50": summary.get("step_time_ms_p50"),
                     "speedup": speedup,
                     "efficiency": speedup / n if speedup else None,
-                    **{
-                        f"{p}_share": summary.get(f"{p}_share")
-                        for p in ("data_wait", "forward", "backward", "optimizer")
-                    },
+                    **{f"{p}_share": summary.get(f"{p}_share") for p in PHASES},
                     "point_run_id": runs[0].name if runs else None,
                     "point_status": status if code == 0 else "failed",
                 }

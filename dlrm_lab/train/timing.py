@@ -3,26 +3,39 @@
 On CPU every operator is synchronous, so host timestamps at phase boundaries measure
 the phases. On CUDA, kernels run after the host has moved on; there the boundaries are
 CUDA events on the current stream and the step's phases are read once its last event
-has completed.
+has completed. A phase marked several times in a step (the dense forward runs before
+and after the embeddings) accumulates.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
+# Forward phases of a step, in order; backward and the optimizer follow.
+PHASES = (
+    "data_wait",
+    "input_dist",
+    "embedding_lookup",
+    "embedding_all_to_all",
+    "dense_forward",
+    "backward",
+    "optimizer",
+)
+
 
 class StepTimer:
-    """Mark the end of each phase; `phases_ms()` gives the duration of each in ms.
+    """Mark the end of each phase; `phases_ms()` gives the time of each in ms.
 
     Example::
 
         timer = StepTimer(device)
         timer.start()
         batch = next(it);            timer.mark("data_wait")
-        loss = model(batch);         timer.mark("forward")
-        phases = timer.phases_ms()   # {"data_wait": 1.2, "forward": 30.5}
+        loss = model(batch);         timer.mark("dense_forward")
+        phases = timer.phases_ms()   # {"data_wait": 1.2, "dense_forward": 30.5}
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -40,7 +53,12 @@ class StepTimer:
         self._marks = [("start", self._stamp())]
 
     def mark(self, phase: str) -> None:
-        self._marks.append((phase, self._stamp()))
+        if self._marks:  # marks outside a step (evaluation) are ignored
+            self._marks.append((phase, self._stamp()))
+
+    def stop(self) -> None:
+        """End the step: marks until the next `start()` are ignored."""
+        self._marks = []
 
     def phases_ms(self) -> dict[str, float]:
         if self.cuda:
@@ -49,7 +67,43 @@ class StepTimer:
         out: dict[str, float] = {}
         for (_, before), (name, after) in zip(self._marks, self._marks[1:], strict=False):
             if self.cuda:
-                out[name] = before.elapsed_time(after)  # type: ignore[attr-defined]
+                ms = before.elapsed_time(after)  # type: ignore[attr-defined]
             else:
-                out[name] = (after - before) * 1000.0  # type: ignore[operator]
+                ms = (after - before) * 1000.0  # type: ignore[operator]
+            out[name] = out.get(name, 0.0) + ms
         return out
+
+
+def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> list[Any]:
+    """Split the forward pass at the sharded embedding collection's boundaries.
+
+    TorchRec's sharded collection runs: input distribution (ids to the ranks owning their
+    rows, an all-to-all), then per sharding group a lookup and the launch of the pooled
+    output's distribution; the output is awaited where the sparse arch first uses it.
+    Forward hooks mark those boundaries, so time before the collection and after the
+    wait is dense forward. Returns the hook handles.
+    """
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    handles: list[Any] = []
+    for parent in model.modules():
+        ebc = getattr(parent, "embedding_bag_collection", None)
+        if not isinstance(ebc, ShardedEmbeddingBagCollection):
+            continue
+        state = {"first": True}
+
+        def ebc_pre(module: Any, args: Any, state: dict = state) -> None:
+            state["first"] = True
+            timer.mark("dense_forward")
+
+        def lookup_pre(module: Any, args: Any, state: dict = state) -> None:
+            timer.mark("input_dist" if state["first"] else "embedding_all_to_all")
+            state["first"] = False
+
+        handles.append(ebc.register_forward_pre_hook(ebc_pre))
+        for lookup in ebc._lookups:  # noqa: SLF001 - TorchRec exposes no public hook point here
+            handles.append(lookup.register_forward_pre_hook(lookup_pre))
+            handles.append(lookup.register_forward_hook(lambda *a: timer.mark("embedding_lookup")))
+        handles.append(ebc.register_forward_hook(lambda *a: timer.mark("embedding_all_to_all")))
+        handles.append(parent.register_forward_hook(lambda *a: timer.mark("embedding_all_to_all")))
+    return handles
