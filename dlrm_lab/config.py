@@ -390,6 +390,9 @@ class TrainConfig:
     timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
     pin_cores: bool = False  # pin each rank (and its data thread) to its own intra-op cores
     target_auc: float | None = None  # stop when held-out AUC reaches it (MLPerf-style time to quality)
+    checkpoint_dir: str | None = None  # sharded checkpoints (torch.distributed.checkpoint)
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
 
     def __post_init__(self) -> None:
         _positive("--steps", self.steps)
@@ -415,6 +418,10 @@ class TrainConfig:
             isinstance(self.target_auc, (int, float)) and 0.5 < self.target_auc < 1
         ):
             raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
+        if self.checkpoint_every < 0:
+            raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
+        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
+            raise UserError("--resume and --checkpoint-every need --checkpoint-dir")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
 

@@ -139,3 +139,18 @@ def test_target_auc_stops_training_and_counts_valid_throughput(tmp_path):
     assert m["steps"] == 6
     row = pq.read_table(missed.run_dir / "summary.parquet").to_pylist()[0]
     assert row["target_auc"] == 0.99 and row["target_reached"] is False
+
+
+def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
+    spec = dlrm_lab.load_preset("tiny")
+    base = dict(batch_size=64, seed=2, prefetch=0, eval_batches=2)
+    straight = train(spec, TrainConfig(steps=16, **base))
+    train(spec, TrainConfig(steps=8, checkpoint_dir=str(tmp_path), **base))
+    assert (tmp_path / "latest").read_text().strip() == "step-00000008"
+    resumed = train(spec, TrainConfig(steps=16, checkpoint_dir=str(tmp_path), resume=True, **base))
+    assert [r["step"] for r in resumed.steps] == list(range(8, 16))
+    assert [r["loss"] for r in resumed.steps] == pytest.approx([r["loss"] for r in straight.steps[8:]], rel=1e-6)
+    with pytest.raises(dlrm_lab.UserError, match="leaves nothing to do"):
+        train(spec, TrainConfig(steps=16, checkpoint_dir=str(tmp_path), resume=True, **base))
+    with pytest.raises(dlrm_lab.UserError, match="no checkpoint in"):
+        train(spec, TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True, **base))

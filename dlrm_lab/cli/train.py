@@ -57,6 +57,9 @@ def train_command(
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait for the other ranks.")] = 300.0,
     pin_cores: Annotated[bool, typer.Option(help="Pin each rank and its data thread to its own cores.")] = False,
+    checkpoint_dir: Annotated[Optional[str], typer.Option(help="Directory of sharded checkpoints.")] = None,
+    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints (0: at the end only).")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint-dir.")] = False,
     target_auc: Annotated[
         Optional[float], typer.Option(help="Stop when held-out AUC reaches this; records time to target.")
     ] = None,
@@ -88,6 +91,9 @@ def train_command(
         timeout_s=timeout,
         pin_cores=pin_cores,
         target_auc=target_auc,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
     )
     from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
     from dlrm_lab.train import train

@@ -45,6 +45,7 @@ def open_sources(
     data_spec: str | None = None,
     overrides: tuple[str, ...] = (),
     seed: int = 0,
+    start_batch: int = 0,
 ) -> tuple[BatchSource, BatchSource]:
     """Training and held-out sources for one rank.
 
@@ -54,12 +55,12 @@ def open_sources(
     """
     if data == "synthetic":
         gen = synthetic_generator(model, data_spec, overrides, seed)
-        train = SyntheticSource(gen, batch_size, rank, world_size)
+        train = SyntheticSource(gen, batch_size, rank, world_size, start_batch=start_batch)
         held_out = SyntheticSource(gen.clone(), batch_size, rank, world_size, eval_batches, offset=HELD_OUT_OFFSET)
         return train, held_out
     if data_spec or overrides:
         raise UserError("--data-spec/--set apply to --data synthetic, not to a dataset on disk")
-    train = ParquetSource(data, model, batch_size, rank, world_size)
+    train = ParquetSource(data, model, batch_size, rank, world_size, start_batch=start_batch)
     info = train.info
     if info.get("data_spec") is not None:
         spec = DataSpec.from_dict(info["data_spec"])

@@ -245,6 +245,7 @@ class ParquetSource:
     world_size: int = 1
     num_batches: int | None = None
     epochs: int | None = None  # None: cycle for as long as batches are asked for
+    start_batch: int = 0  # global batches to skip first (a resumed run's step)
     files: list[Path] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -286,6 +287,7 @@ class ParquetSource:
         have = produced = 0
         groups = self._row_groups()
         exhausted = False
+        skip = self.start_batch * g  # rows already trained on: whole row groups, then a slice
         while self.num_batches is None or produced < self.num_batches:
             while have < g and not exhausted:
                 try:
@@ -293,6 +295,11 @@ class ParquetSource:
                 except StopIteration:
                     exhausted = True
                     break
+                if skip >= table.num_rows:
+                    skip -= table.num_rows
+                    continue
+                if skip:
+                    table, skip = table.slice(skip), 0
                 if table.num_rows:
                     validate_table(table, self.model, where)
                     pending.append(table)

@@ -48,6 +48,7 @@ class SyntheticSource:
     world_size: int = 1
     num_batches: int | None = None
     offset: int = 0
+    start_batch: int = 0  # first batch of the job to produce (a resumed run's step)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -63,6 +64,7 @@ class SyntheticSource:
         }
 
     def sample_range(self, batch_index: int) -> tuple[int, int]:
+        batch_index += self.start_batch
         start = self.offset + batch_index * self.batch_size * self.world_size + self.rank * self.batch_size
         return start, start + self.batch_size
 

@@ -32,8 +32,10 @@ from dlrm_lab.distributed.sharding import (
     parse_table_sharding,
     shard_model,
 )
+from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
+from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.records import EVAL_SCHEMA, STEP_SCHEMA, SUMMARY_SCHEMA, summarize_steps
 from dlrm_lab.train.timing import PHASES, StepTimer, instrument_embedding_phases
@@ -137,6 +139,9 @@ def train(
     )
     init_tables(dmp, cfg.seed)  # identical initial rows whatever the sharding and rank count
     optimizer = _dense_optimizer(dmp, cfg)
+    start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
+    if start_step >= cfg.steps:
+        raise UserError(f"--resume: the checkpoint is at step {start_step}; --steps {cfg.steps} leaves nothing to do")
     plan_info = describe_plan(plan, spec, ctx.world_size, bytes_per_value=2 if cfg.table_precision == "fp16" else 4)
 
     if source is None or eval_source is None:
@@ -150,6 +155,7 @@ def train(
             cfg.data_spec,
             cfg.data_overrides,
             cfg.seed,
+            start_batch=start_step,
         )
         source, eval_source = source or default_train, eval_source or default_eval
     if cfg.prefetch:
@@ -163,6 +169,7 @@ def train(
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "launcher": ctx.launcher,
+        "resumed_from_step": start_step if cfg.resume else None,
         "torch_threads": torch.get_num_threads(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
@@ -207,7 +214,7 @@ def train(
             stack.callback(handle.remove)
         dmp.train()
         try:
-            for step in range(cfg.steps):
+            for step in range(start_step, cfg.steps):
                 t0 = time.perf_counter()
                 timer.start()
                 batch = next(batches).to(ctx.device, non_blocking=True)
@@ -231,7 +238,7 @@ def train(
                     "world_size": ctx.world_size,
                     "batch_size": cfg.batch_size,
                     "global_samples": global_samples,
-                    "warmup": step < warmup,
+                    "warmup": step - start_step < warmup,
                     "loss": loss.item(),
                     "step_time_ms": step_ms,
                     **{f"{k}_ms": v for k, v in phases.items()},
@@ -243,11 +250,15 @@ def train(
                     steps_table.append(row)
                 if on_step is not None:
                     on_step(row)
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                    save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main)
                 every = cfg.resolved_eval_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
                     break
             else:
                 run_eval(cfg.steps - 1)
+            if cfg.checkpoint_dir:
+                save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main)
         except KeyboardInterrupt:
             status = "interrupted"
         except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
