@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only-pipeline", action="store_true", help="measure only the pipelined-vs-plain speedup")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -67,6 +68,23 @@ def main() -> None:
     kaggle = ["--preset", "kaggle", "--max-rows", "100000", "--steps", str(args.steps)]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        # TorchRec's TrainPipelineSparseDist against the plain loop, same runs otherwise
+        plain = [sweep(tmp, "weak", 2048, kaggle) for _ in range(args.repeats)]
+        piped = [sweep(tmp, "weak", 2048, [*kaggle, "--pipeline"]) for _ in range(args.repeats)]
+        results["pipeline speedup"] = {
+            f"{n} rank(s)": {
+                "plain_samples_per_s": statistics.median(r[i]["samples_per_s"] for r in plain),
+                "pipelined_samples_per_s": statistics.median(r[i]["samples_per_s"] for r in piped),
+                "speedup": statistics.median(r[i]["samples_per_s"] for r in piped)
+                / statistics.median(r[i]["samples_per_s"] for r in plain),
+            }
+            for i, n in enumerate((1, 2))
+        }
+        print(json.dumps({"pipeline speedup": results["pipeline speedup"]}), flush=True)
+        if args.only_pipeline:
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+            return
         for mode, batch in (("weak", 2048), ("strong", 4096)):
             runs = [sweep(tmp, mode, batch, kaggle) for _ in range(args.repeats)]
             results[f"kaggle {mode}"] = {

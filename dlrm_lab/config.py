@@ -393,6 +393,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # sharded checkpoints (torch.distributed.checkpoint)
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
+    pipeline: bool = False  # TorchRec's TrainPipelineSparseDist: next batch's input dist overlaps this step
 
     def __post_init__(self) -> None:
         _positive("--steps", self.steps)

@@ -154,3 +154,14 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
         train(spec, TrainConfig(steps=16, checkpoint_dir=str(tmp_path), resume=True, **base))
     with pytest.raises(dlrm_lab.UserError, match="no checkpoint in"):
         train(spec, TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True, **base))
+
+
+def test_pipelined_training_takes_the_same_steps_as_the_plain_loop(tmp_path):
+    spec = dlrm_lab.load_preset("tiny")
+    base = dict(steps=12, batch_size=64, seed=4, prefetch=0, eval_every=6, eval_batches=2)
+    plain = train(spec, TrainConfig(**base))
+    piped = train(spec, TrainConfig(pipeline=True, **base), metrics_dir=tmp_path)
+    assert [r["loss"] for r in piped.steps] == pytest.approx([r["loss"] for r in plain.steps], rel=1e-5)
+    assert [e["auc"] for e in piped.evals] == pytest.approx([e["auc"] for e in plain.evals], rel=1e-5)
+    assert piped.summary["samples_per_s"] > 0 and piped.summary.get("backward_share") is None
+    assert read_manifest(piped.run_dir)["config"]["pipelined"] is True

@@ -57,6 +57,9 @@ def train_command(
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait for the other ranks.")] = 300.0,
     pin_cores: Annotated[bool, typer.Option(help="Pin each rank and its data thread to its own cores.")] = False,
+    pipeline: Annotated[
+        bool, typer.Option(help="TorchRec's sparse-dist pipeline: overlap the next batch's input distribution.")
+    ] = False,
     checkpoint_dir: Annotated[Optional[str], typer.Option(help="Directory of sharded checkpoints.")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints (0: at the end only).")] = 0,
     resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint-dir.")] = False,
@@ -94,6 +97,7 @@ def train_command(
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         resume=resume,
+        pipeline=pipeline,
     )
     from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
     from dlrm_lab.train import train

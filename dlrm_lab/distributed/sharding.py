@@ -121,14 +121,17 @@ def shard_model(
     sharding: str = "auto",
     per_table: dict[str, str] | None = None,
     batch_size: int = 512,
+    wrapper: torch.nn.Module | None = None,
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
     """Plan the tables over the ranks, materialise them shard by shard, wrap dense in DDP.
 
     `sharding` is "auto" (TorchRec's planner chooses per table among all types) or one
     sharding type for every table; `per_table` overrides it for named tables. The plan is
     made against this machine's real memory, so tables that cannot fit are refused
-    (UserError naming the sizes) before anything is allocated.
+    (UserError naming the sizes) before anything is allocated. `wrapper` (a module holding
+    `model`, e.g. the training pipeline's batch-to-loss module) is what gets wrapped.
     """
+    root = wrapper if wrapper is not None else model
     if sharding != "auto" and sharding not in SHARDING_TYPES:
         raise UserError(f"--sharding {sharding!r}: allowed: auto, {', '.join(SHARDING_TYPES)}")
     embedding_optimizer.apply(model)
@@ -142,7 +145,7 @@ def shard_model(
         storage_reservation=FixedPercentageStorageReservation(RESERVED_MEMORY_SHARE),
     )
     try:
-        plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+        plan = planner.collective_plan(root, [sharder], dist.GroupMember.WORLD)
     except PlannerError as exc:
         table_bytes = sum(4 * t.num_parameters for t in model.spec.tables)
         memory = topology.devices[0].storage
@@ -152,7 +155,7 @@ def shard_model(
             f"{memory.hbm / 2**30:.2f} GiB device memory each: scale the tables (--table-scale, --max-rows) "
             f"or add ranks [planner: {str(exc).splitlines()[0][:200]}]"
         ) from None
-    dmp = DistributedModelParallel(module=model, device=ctx.device, plan=plan, sharders=[sharder])
+    dmp = DistributedModelParallel(module=root, device=ctx.device, plan=plan, sharders=[sharder])
     return dmp, plan
 
 

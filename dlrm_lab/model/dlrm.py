@@ -17,12 +17,25 @@ from torchrec.models.dlrm import DenseArch, InteractionDCNArch, OverArch
 from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dlrm_lab.config import ModelSpec
 
 # Storage precision of table rows in the fbgemm kernels once sharded.
 _TABLE_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
+
+
+def pooled_in_order(pooled: KeyedTensor, names: list[str]) -> torch.Tensor:
+    """The pooled embeddings of `names`, side by side, in that order (a view when possible)."""
+    if pooled.keys() == names:
+        return pooled.values()
+    by_name = pooled.to_dict()
+    return torch.cat([by_name[name] for name in names], dim=1)
+
+
+# A leaf for torch.fx: TorchRec's training pipeline traces the model, and the key check
+# above is control flow on the traced value.
+torch.fx.wrap("pooled_in_order")
 
 
 class PooledSparseArch(nn.Module):
@@ -51,12 +64,7 @@ class PooledSparseArch(nn.Module):
             raise ValueError("B X F X D output needs one embedding_dim for all tables; use flat=True")
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features)
-        if pooled.keys() == self.sparse_feature_names:
-            values = pooled.values()
-        else:
-            by_name = pooled.to_dict()
-            values = torch.cat([by_name[name] for name in self.sparse_feature_names], dim=1)
+        values = pooled_in_order(self.embedding_bag_collection(features), self.sparse_feature_names)
         return values if self.D is None else values.view(-1, self.F, self.D)
 
 

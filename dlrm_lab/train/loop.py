@@ -37,6 +37,7 @@ from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
 from dlrm_lab.train.evaluate import evaluate
+from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
 from dlrm_lab.train.records import EVAL_SCHEMA, STEP_SCHEMA, SUMMARY_SCHEMA, summarize_steps
 from dlrm_lab.train.timing import PHASES, StepTimer, instrument_embedding_phases
 
@@ -136,6 +137,7 @@ def train(
         sharding=cfg.sharding,
         per_table=per_table,
         batch_size=cfg.batch_size,
+        wrapper=BatchLoss(model) if cfg.pipeline else None,
     )
     init_tables(dmp, cfg.seed)  # identical initial rows whatever the sharding and rank count
     optimizer = _dense_optimizer(dmp, cfg)
@@ -170,6 +172,7 @@ def train(
         "backend": ctx.backend,
         "launcher": ctx.launcher,
         "resumed_from_step": start_step if cfg.resume else None,
+        "pipelined": cfg.pipeline,
         "torch_threads": torch.get_num_threads(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
@@ -189,7 +192,12 @@ def train(
         def run_eval(step: int) -> bool:
             """Evaluate; True when the target AUC is reached (training stops there)."""
             t0 = time.perf_counter()
-            auc, loss, n = evaluate(dmp, eval_source, ctx.device)
+            if pipeline is None:
+                auc, loss, n = evaluate(dmp, eval_source, ctx.device)
+            else:  # the pipeline's rewritten forward only runs inside it: undo it meanwhile
+                pipeline.detach()
+                auc, loss, n = evaluate(dmp.module.model, eval_source, ctx.device)
+                pipeline.attach(dmp)
             row = {
                 "step": step,
                 "num_samples": n,
@@ -209,28 +217,39 @@ def train(
         t_start = time.perf_counter()
         warmup = cfg.resolved_warmup_steps
         batches: Iterator[Batch] = iter(source)
+        pipeline = make_pipeline(dmp, optimizer, ctx.device) if cfg.pipeline else None
         timer = StepTimer(ctx.device)
-        for handle in instrument_embedding_phases(dmp, timer):
-            stack.callback(handle.remove)
+        if pipeline is None:
+            for handle in instrument_embedding_phases(dmp, timer):
+                stack.callback(handle.remove)
         dmp.train()
         try:
             for step in range(start_step, cfg.steps):
                 t0 = time.perf_counter()
-                timer.start()
-                batch = next(batches).to(ctx.device, non_blocking=True)
-                timer.mark("data_wait")
-                with _autocast(ctx, cfg):
-                    logits = dmp(batch.dense_features, batch.sparse_features)
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-                timer.mark("dense_forward")
-                optimizer.zero_grad()
-                loss.backward()  # also applies the fused table optimizer and DDP all-reduce
-                timer.mark("backward")
-                optimizer.step()
-                timer.mark("optimizer")
-                phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
-                timer.stop()
-                step_ms = (time.perf_counter() - t0) * 1000 if not timer.cuda else sum(phases.values())
+                if pipeline is not None:
+                    # phases overlap by design here: only the step time is measured
+                    with _autocast(ctx, cfg):
+                        loss = pipeline.progress(batches)[0]
+                    if timer.cuda:
+                        torch.cuda.synchronize(ctx.device)
+                    phases: dict[str, float | None] = {p: None for p in PHASES}
+                    step_ms = (time.perf_counter() - t0) * 1000
+                else:
+                    timer.start()
+                    batch = next(batches).to(ctx.device, non_blocking=True)
+                    timer.mark("data_wait")
+                    with _autocast(ctx, cfg):
+                        logits = dmp(batch.dense_features, batch.sparse_features)
+                    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+                    timer.mark("dense_forward")
+                    optimizer.zero_grad()
+                    loss.backward()  # also applies the fused table optimizer and DDP all-reduce
+                    timer.mark("backward")
+                    optimizer.step()
+                    timer.mark("optimizer")
+                    phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
+                    timer.stop()
+                    step_ms = (time.perf_counter() - t0) * 1000 if not timer.cuda else sum(phases.values())
                 global_samples = cfg.batch_size * ctx.world_size
                 row = {
                     "step": step,

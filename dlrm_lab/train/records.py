@@ -120,6 +120,7 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
     )
     flat = [r for s in measured for r in s]
     rank_time = sum(r["step_time_ms"] for r in flat)
-    for phase in PHASES:
-        out[f"{phase}_share"] = float(sum(r[f"{phase}_ms"] for r in flat) / rank_time)
+    for phase in PHASES:  # null when the phases overlap (pipelined training)
+        if all(r.get(f"{phase}_ms") is not None for r in flat):
+            out[f"{phase}_share"] = float(sum(r[f"{phase}_ms"] for r in flat) / rank_time)
     return out
