@@ -112,3 +112,62 @@ def test_killing_one_rank_ends_the_job_and_keeps_the_steps(tmp_path):
     assert read_manifest(run_dir)["error"]
     ranks = set(pq.read_table(run_dir / "steps.parquet").column("rank").to_pylist())
     assert ranks == {0, 1}  # both ranks' flushed steps survived
+
+
+@pytest.mark.multiprocess
+def test_two_rank_resume_continues_the_same_trajectory(tmp_path):
+    out = torchrun("tests/resume_worker.py", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert len(losses["resumed"]) == 8
+    assert losses["resumed"] == pytest.approx(losses["straight"][8:], rel=1e-5)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-00000008", "step-00000016"]
+
+
+@pytest.mark.multiprocess
+def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    from dlrm_lab.metrics import read_manifest
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "dlrm_lab",
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1000000",
+        "--batch-size",
+        "32",
+        "--timeout",
+        "5",
+        "--metrics-dir",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list(tmp_path.glob("*/_parts/steps/part-r00001-*.parquet")):
+            time.sleep(0.3)
+        (victim,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        victim.send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end this
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "error: rank 0: a collective failed" in err and "--timeout 5s" in err, err[-2000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed" and "RankFailure" in manifest["error"]
