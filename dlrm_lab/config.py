@@ -29,7 +29,7 @@ from typing import Any
 import tomllib
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.resources import preset_dir
+from dlrm_lab.resources import available, find_preset
 
 INTERACTIONS = ("dot", "cat", "dcnv2")
 BYTES_PER_FP32 = 4
@@ -170,21 +170,12 @@ def _mlp_parameters(in_features: int, sizes: tuple[int, ...]) -> int:
 
 
 def available_presets() -> list[str]:
-    return sorted(p.stem for p in preset_dir("models").glob("*.toml"))
+    return available("models")
 
 
 def preset_path(name_or_path: str | Path) -> Path:
     """The TOML file of a preset name (`kaggle`) or an explicit path (`my/model.toml`)."""
-    text = str(name_or_path)
-    if text.endswith(".toml") or "/" in text:
-        path = Path(text)
-        if not path.is_file():
-            raise UserError(f"model preset file not found: {path}")
-        return path
-    path = preset_dir("models") / f"{text}.toml"
-    if not path.is_file():
-        raise UserError(f"unknown model preset '{text}'; available: {', '.join(available_presets())}")
-    return path
+    return find_preset("models", name_or_path, "model preset")
 
 
 def load_preset(

@@ -44,7 +44,7 @@ import tomllib
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.errors import UserError
-from dlrm_lab.resources import preset_dir
+from dlrm_lab.resources import available, find_preset
 
 ID_DISTRIBUTIONS = ("uniform", "zipf", "hot_set", "reuse")
 POOLING_DISTRIBUTIONS = ("model", "fixed", "uniform", "normal", "lognormal", "histogram")
@@ -125,20 +125,11 @@ class DataSpec:
 
 
 def available_data_specs() -> list[str]:
-    return sorted(p.stem for p in preset_dir("data_gen").glob("*.toml"))
+    return available("data_gen")
 
 
 def data_spec_path(name_or_path: str | Path) -> Path:
-    text = str(name_or_path)
-    if text.endswith(".toml") or "/" in text:
-        path = Path(text)
-        if not path.is_file():
-            raise UserError(f"data spec file not found: {path}")
-        return path
-    path = preset_dir("data_gen") / f"{text}.toml"
-    if not path.is_file():
-        raise UserError(f"unknown data spec '{text}'; available: {', '.join(available_data_specs())}")
-    return path
+    return find_preset("data_gen", name_or_path, "data spec")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

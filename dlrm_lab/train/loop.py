@@ -40,6 +40,7 @@ from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
 from dlrm_lab.train.records import EVAL_SCHEMA, STEP_SCHEMA, SUMMARY_SCHEMA, summarize_steps
 from dlrm_lab.train.timing import PHASES, StepTimer, instrument_embedding_phases
+from dlrm_lab.train.watchdog import Watchdog
 
 _DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad,
@@ -79,6 +80,14 @@ def _open_run(metrics_dir: str | Path | None, config: dict[str, Any], argv: list
     run = run or Run.attach(shared[0], ctx.rank)
     run.before_finish(dist.barrier)
     return run
+
+
+def _mark_failed(run: Run | None) -> Callable[[str], None]:
+    def mark(message: str) -> None:
+        if run is not None and run.rank == 0:
+            run.update_manifest(status="failed", error=f"RankFailure: {message}")
+
+    return mark
 
 
 def _quality(cfg: TrainConfig, reached: dict[str, Any]) -> dict[str, Any]:
@@ -206,6 +215,8 @@ def train(
                 "eval_time_ms": (time.perf_counter() - t0) * 1000,
             }
             evals.append(row)
+            if watchdog is not None:
+                watchdog.beat()
             if eval_table is not None:
                 eval_table.append(row)
             if cfg.target_auc is not None and auc >= cfg.target_auc and not reached:
@@ -218,6 +229,10 @@ def train(
         warmup = cfg.resolved_warmup_steps
         batches: Iterator[Batch] = iter(source)
         pipeline = make_pipeline(dmp, optimizer, ctx.device) if cfg.pipeline else None
+        watchdog = None
+        if ctx.world_size > 1:  # a peer can stall us only when there are peers
+            watchdog = Watchdog(cfg.timeout_s, ctx.rank, _mark_failed(run))
+            stack.callback(watchdog.stop)
         timer = StepTimer(ctx.device)
         if pipeline is None:
             for handle in instrument_embedding_phases(dmp, timer):
@@ -265,6 +280,8 @@ def train(
                     "time_unix_s": time.time(),
                 }
                 steps.append(row)
+                if watchdog is not None:
+                    watchdog.beat()
                 if steps_table is not None:
                     steps_table.append(row)
                 if on_step is not None:
