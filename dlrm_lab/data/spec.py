@@ -81,15 +81,6 @@ class FeatureSpec:
     drift_every: int | None = None
 
     @property
-    def max_pooling(self) -> int:
-        p = self.pooling
-        if p["distribution"] == "fixed":
-            return int(p["value"])
-        if p["distribution"] == "histogram":
-            return int(max(p["values"]))
-        return int(p["max"])
-
-    @property
     def mean_pooling(self) -> float:
         """Expected ids per sample (clipping included, by exact sum where it matters)."""
         from dlrm_lab.data.distributions import expected_pooling

@@ -141,8 +141,8 @@ class SyntheticGenerator:
         self.seed = int(seed)
         self._cache: tuple[int, SampleBlock] | None = None
         self._rng = _Streams(self.seed)
-        ids_per_sample = max(1.0, sum(f.mean_pooling for f in spec.features))
-        fit = 1 << max(0, int(math.log2(BLOCK_IDS / ids_per_sample)))
+        self.ids_per_sample = max(1.0, sum(f.mean_pooling for f in spec.features))
+        fit = 1 << max(0, int(math.log2(BLOCK_IDS / self.ids_per_sample)))
         self.block_size = min(MAX_BLOCK, max(MIN_BLOCK, fit))
         self._permutations = [self._permutation(i, f) for i, f in enumerate(spec.features)]
         self._score_keys = [
@@ -165,7 +165,7 @@ class SyntheticGenerator:
     # -- teacher calibration -------------------------------------------------------------
     @property
     def calibration_samples(self) -> int:
-        ids_per_sample = max(1.0, sum(f.mean_pooling for f in self.spec.features))
+        ids_per_sample = self.ids_per_sample
         samples = min(65536, max(4096, CALIBRATION_IDS / ids_per_sample))
         return self.block_size * max(1, round(samples / self.block_size))
 

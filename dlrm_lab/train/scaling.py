@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dlrm_lab.distributed.launch import launch
+from dlrm_lab.distributed.launch import threads_per_rank as default_threads
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import Run, find_runs, read_manifest
 from dlrm_lab.train.timing import PHASES
@@ -74,8 +75,7 @@ def scaling_sweep(
         raise UserError(f"give {', '.join(sorted(banned))} to `scale`, not to the train options")
     if mode == "strong" and any(batch_size % n for n in ranks):
         raise UserError(f"--batch-size {batch_size}: strong scaling splits it over {ranks} ranks; make it divisible")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = threads_per_rank or max(1, cores // max(ranks))
+    threads = threads_per_rank or default_threads(max(ranks))
     config = {
         "ranks": ranks,
         "mode": mode,
