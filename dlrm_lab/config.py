@@ -345,6 +345,8 @@ class _Checker:
 
 
 PRECISIONS = ("fp32", "bf16")
+# TorchRec's sharding types, by their ShardingType values.
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
 TABLE_PRECISIONS = ("fp32", "fp16")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
@@ -410,6 +412,7 @@ class TrainConfig:
             isinstance(self.target_auc, (int, float)) and 0.5 < self.target_auc < 1
         ):
             raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
+        _choice("--sharding", self.sharding, ("auto", *SHARDING_TYPES))
         if self.checkpoint_every < 0:
             raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:

@@ -103,6 +103,9 @@ def train_command(
     from dlrm_lab.train import train
 
     resolve_device(cfg.device)  # a missing GPU is a user error, reported before any work
+    from dlrm_lab.distributed.sharding import parse_table_sharding
+
+    parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     _raise_on_sigterm()
     err = console(stderr=True)
     err.print(size_line(spec))

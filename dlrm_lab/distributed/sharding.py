@@ -25,6 +25,7 @@ from torchrec.distributed.types import ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from dlrm_lab.config import SHARDING_TYPES
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import UserError
 from dlrm_lab.model.dlrm import DLRM
@@ -58,14 +59,7 @@ class EmbeddingOptimizer:
             apply_optimizer_in_backward(torch.optim.SGD, params, {"lr": self.lr})
 
 
-SHARDING_TYPES = (
-    ShardingType.TABLE_WISE.value,
-    ShardingType.ROW_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
-    ShardingType.DATA_PARALLEL.value,
-)
+assert set(SHARDING_TYPES) <= {t.value for t in ShardingType}
 
 
 class AnyDeviceSharder(EmbeddingBagCollectionSharder):
