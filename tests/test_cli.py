@@ -122,3 +122,8 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
     assert summary["status"] == "interrupted" and summary["steps"] > 0
     assert pq.read_table(run_dir / "steps.parquet").num_rows == summary["steps"]
+
+
+def test_presets_show_prints_the_analytic_cost():
+    out = run_cli("presets", "show", "tiny")
+    assert "per sample: 0.00139 MFLOP forward, 0.00405 MFLOP training, 224 B of embedding rows read" in out.stdout

@@ -85,6 +85,13 @@ def show(
     )
     out.print(f"bottom MLP: {spec.num_dense} -> {' -> '.join(map(str, spec.bottom_mlp))}")
     out.print(f"top MLP: {spec.over_arch_in_features} -> {' -> '.join(map(str, spec.top_mlp))}")
+    from dlrm_lab.model.cost import sample_cost
+
+    cost = sample_cost(spec)
+    out.print(
+        f"per sample: {cost.forward_flops / 1e6:.3g} MFLOP forward, {cost.training_flops / 1e6:.3g} MFLOP "
+        f"training, {human_bytes(cost.embedding_bytes_read)} of embedding rows read"
+    )
     table = Table()
     for col in ("table", "feature", "rows", "dim", "pooling", "parameters", "fp32 bytes"):
         table.add_column(col, justify="left" if col in ("table", "feature") else "right")

@@ -1,0 +1,106 @@
+"""Analytic cost of a DLRM: FLOPs, memory bytes and communication bytes, counted from the spec.
+
+Conventions (what a number counts, so that runs can be placed on a roofline):
+- A multiply-add is 2 FLOPs; biases, activations and pooling sums are not counted (they
+  are O(width) next to O(width^2) matrix products; the pooled-embedding sums are memory,
+  not compute, bound).
+- Linear layer in->out, forward: 2*in*out per sample. Backward: 2*in*out for the weight
+  gradient plus 2*in*out for the input gradient, except the first bottom-MLP layer whose
+  input (the dense features) needs no gradient.
+- Dot interaction: the (F+1)x(F+1) Gram matrix of D-vectors, 2*(F+1)^2*D forward (as
+  computed by bmm, both triangles), twice that backward. cat: 0. DCNv2 low-rank layer with
+  width n and rank r: x0 * (W (V x) + b) costs 4*n*r forward, 8*n*r backward.
+- Embedding bytes per sample: rows read, sum over features of pooling factor x dim x bytes
+  per value. Training also reads and writes each looked-up row's gradient update in place
+  and, for row-wise Adagrad, one float of state per row (read and written).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dlrm_lab.config import ModelSpec
+
+
+@dataclass(frozen=True)
+class SampleCost:
+    """Per-sample FLOPs and bytes of one DLRM."""
+
+    bottom_mlp_flops: int
+    interaction_flops: int
+    top_mlp_flops: int
+    forward_flops: int
+    backward_flops: int
+    embedding_bytes_read: float
+    embedding_bytes_written: float
+    optimizer_state_bytes: float
+
+    @property
+    def training_flops(self) -> int:
+        return self.forward_flops + self.backward_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "training_flops": self.training_flops}
+
+
+def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    layers, prev = [], in_features
+    for size in sizes:
+        layers.append((prev, size))
+        prev = size
+    return layers
+
+
+def sample_cost(spec: ModelSpec, bytes_per_value: int = 4, optimizer: str = "rowwise_adagrad") -> SampleCost:
+    """FLOPs and embedding bytes per sample (see the module docstring for what counts)."""
+    bottom = _mlp(spec.num_dense, spec.bottom_mlp)
+    top = _mlp(spec.over_arch_in_features, spec.top_mlp)
+    bottom_fwd = sum(2 * i * o for i, o in bottom)
+    top_fwd = sum(2 * i * o for i, o in top)
+    bottom_bwd = sum(4 * i * o for i, o in bottom) - 2 * bottom[0][0] * bottom[0][1]
+    top_bwd = 2 * top_fwd
+    if spec.interaction == "dot":
+        inter_fwd = 2 * (spec.num_features + 1) ** 2 * spec.embedding_dim
+        inter_bwd = 2 * inter_fwd
+    elif spec.interaction == "dcnv2":
+        n, r = spec.over_arch_in_features, spec.dcn_low_rank
+        inter_fwd = spec.dcn_num_layers * 4 * n * r
+        inter_bwd = spec.dcn_num_layers * 8 * n * r
+    else:
+        inter_fwd = inter_bwd = 0
+    rows_read = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
+    bytes_read = sum(t.pooling_factor * len(t.feature_names) * t.embedding_dim for t in spec.tables) * bytes_per_value
+    state = 2 * 4 * rows_read if optimizer == "rowwise_adagrad" else 0.0  # one fp32 per row, read + write
+    return SampleCost(
+        bottom_mlp_flops=bottom_fwd,
+        interaction_flops=inter_fwd,
+        top_mlp_flops=top_fwd,
+        forward_flops=bottom_fwd + inter_fwd + top_fwd,
+        backward_flops=bottom_bwd + inter_bwd + top_bwd,
+        embedding_bytes_read=float(bytes_read),
+        embedding_bytes_written=float(bytes_read),  # the update rewrites every looked-up row
+        optimizer_state_bytes=float(state),
+    )
+
+
+def step_communication_bytes(spec: ModelSpec, global_batch: int, world_size: int) -> dict[str, float]:
+    """Bytes one rank sends per training step with model-parallel tables and DDP MLPs.
+
+    Uniform assumptions: a share (W-1)/W of each rank's ids and pooled embeddings belongs to
+    other ranks; ids are int64 with an int32 length per sample and feature; pooled
+    embeddings are fp32 and go back as gradients of the same size; the dense gradient
+    all-reduce is a ring (2 (W-1)/W of the gradient bytes).
+    """
+    if world_size <= 1:
+        return {"input_dist": 0.0, "pooled_all_to_all": 0.0, "gradient_all_reduce": 0.0}
+    remote = (world_size - 1) / world_size
+    local_batch = global_batch / world_size
+    ids = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
+    features = spec.num_features
+    pooled = sum(t.embedding_dim * len(t.feature_names) for t in spec.tables)
+    return {
+        "input_dist": local_batch * (8 * ids + 4 * features) * remote,
+        "pooled_all_to_all": 2 * local_batch * 4 * pooled * remote,  # forward + backward
+        "gradient_all_reduce": 2 * remote * 4 * spec.dense_parameters,
+    }
