@@ -129,9 +129,10 @@ def train(
 ) -> TrainResult:
     """Train `spec` for `cfg.steps` steps; record steps, evaluations and a summary.
 
-    With `metrics_dir`, rank 0 writes a run directory (manifest, steps.parquet,
-    eval.parquet, summary.parquet). Ctrl-C stops at the current step, writes the summary
-    of what was measured, marks the run `interrupted` and re-raises KeyboardInterrupt.
+    With `metrics_dir`, rank 0 creates a run directory (manifest, steps.parquet,
+    eval.parquet, summary.parquet) and the other ranks add their step rows to it. Ctrl-C
+    stops at the current step, writes the summary of what was measured, marks the run
+    `interrupted` and re-raises KeyboardInterrupt.
     """
     ctx = init_distributed(cfg.device, cfg.timeout_s)
     if cfg.pin_cores:
