@@ -37,3 +37,17 @@ def make_batch(spec, batch_size: int, seed: int = 0, offset: int = 0):
     from dlrm_lab.data import SyntheticSource, synthetic_generator
 
     return SyntheticSource(synthetic_generator(spec, seed=seed), batch_size, offset=offset).batch(0)
+
+
+def wait_for_files(root: Path, pattern: str, timeout_s: float = 120) -> list[Path]:
+    """Files matching `pattern` under `root` once some exist (empty after `timeout_s`):
+    used to act on a live run only after it has flushed rows."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = list(root.glob(pattern))
+        if found:
+            return found
+        time.sleep(0.2)
+    return []

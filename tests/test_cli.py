@@ -4,11 +4,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, wait_for_files
 
 from dlrm_lab.metrics import read_manifest
 
@@ -107,13 +106,7 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # wait until steps are being flushed
-        parts = list(tmp_path.glob("*/_parts/steps/*.parquet"))
-        if parts:
-            break
-        time.sleep(0.2)
-    assert parts, "training never flushed a step"
+    assert wait_for_files(tmp_path, "*/_parts/steps/*.parquet"), "training never flushed a step"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, wait_for_files
 
 import dlrm_lab
 from dlrm_lab.distributed.sharding import SHARDING_TYPES, gather_tables, init_tables
@@ -63,8 +63,6 @@ def test_two_ranks_match_one_rank(runs, sharding):
 
 def _two_ranks_training(tmp_path, timeout_s: int):
     """Start a long 2-rank run; return (launcher process, rank 1's process) once both flushed steps."""
-    import time
-
     import psutil
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -90,9 +88,7 @@ def _two_ranks_training(tmp_path, timeout_s: int):
         "--no-progress",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(tmp_path.glob("*/_parts/steps/part-r00001-*.parquet")):
-        time.sleep(0.3)
+    wait_for_files(tmp_path, "*/_parts/steps/part-r00001-*.parquet")
     victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
     if not victims:
         proc.kill()

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -107,10 +108,7 @@ def test_dlrm_lab_launch_with_mpiexec(tmp_path):
 
 @pytest.mark.multiprocess
 def test_torchrun_recipe_runs_as_is(tmp_path):
-    env = {
-        **os.environ,
-        "PYTHON": str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else "python3",
-    }
+    env = {**os.environ, "PYTHON": sys.executable}
     out = subprocess.run(
         [
             "bash",
