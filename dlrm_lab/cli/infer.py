@@ -1,0 +1,240 @@
+"""`dlrm-lab infer run|search`: latency-bounded inference throughput."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Optional
+
+import pyarrow.parquet as pq
+import typer
+from rich.table import Table
+
+from dlrm_lab.cli.format import console
+from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
+from dlrm_lab.config import load_preset
+from dlrm_lab.errors import UserError
+
+app = typer.Typer(help="Inference lab: dynamic batching, co-location, MLPerf LoadGen, latency-bounded search.")
+
+Models = Annotated[
+    Optional[list[str]],
+    typer.Option("--model", "-m", "--preset", "-p", help="Model preset to serve; repeat to co-locate several."),
+]
+Qps = Annotated[Optional[list[float]], typer.Option("--qps", help="Target queries/s (one, or one per --model).")]
+QuerySize = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--query-size",
+        help="Samples per query: fixed:N, normal:MEAN,STD, lognormal:MEDIAN,SIGMA, uniform:LO,HI or mlperf "
+        "(100-700). One, or one per --model. Default: fixed:1.",
+    ),
+]
+Arrival = Annotated[str, typer.Option(help="Open-loop arrivals: poisson, constant or bursty.")]
+Duration = Annotated[float, typer.Option("--duration", help="Seconds of load per point.")]
+SlaMs = Annotated[Optional[list[float]], typer.Option("--sla-ms", help="Latency bound in ms (one, or one per model).")]
+Percentile = Annotated[float, typer.Option(help="Latency percentile the bound applies to.")]
+Instances = Annotated[int, typer.Option(help="Co-located instances (worker processes) per model.")]
+Threads = Annotated[int, typer.Option(help="Intra-op threads per instance.")]
+MaxQueue = Annotated[int, typer.Option(help="Waiting queries per model before new ones are dropped.")]
+Precision = Annotated[str, typer.Option(help="Dense compute: fp32, bf16 (autocast) or fp16 (GPU).")]
+TablePrecision = Annotated[
+    str, typer.Option(help="Embedding tables: fp32, fp16, int8 or int4 (row-wise quantised, fbgemm).")
+]
+Device = Annotated[str, typer.Option(help="cpu or cuda.")]
+PinCores = Annotated[bool, typer.Option(help="Pin each instance to its own cores.")]
+Seed = Annotated[int, typer.Option(help="Seed of the load, the samples and the weights.")]
+DataSpec = Annotated[Optional[str], typer.Option(help="Synthetic data spec of the samples (default: the preset's).")]
+
+
+def _per_model(values: list[Any] | None, n: int, default: Any, option: str) -> list[Any]:
+    values = list(values or [default])
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise UserError(f"{option}: give one value or one per --model ({n}), got {len(values)}")
+    return values
+
+
+def _served(models: list[str], table_scale: float | None, max_rows: int | None, **kw: Any) -> list[Any]:
+    from dlrm_lab.infer.server import ServedModel
+
+    out, seen = [], {}
+    for name in models:
+        spec = load_preset(name, table_scale=table_scale, max_rows=max_rows)
+        seen[spec.name] = seen.get(spec.name, 0) + 1
+        label = spec.name if seen[spec.name] == 1 else f"{spec.name}-{seen[spec.name]}"
+        out.append(ServedModel(label, spec, **kw))
+    return out
+
+
+def _parse_list(text: str, kind: type, option: str) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{option} {text!r}: expected a comma-separated list of numbers") from None
+    if not values:
+        raise UserError(f"{option}: empty list")
+    return values
+
+
+@app.command("run")
+def run_command(
+    model: Models = None,
+    scenario: Annotated[
+        str,
+        typer.Option(help="open-loop (our generator) or MLPerf LoadGen: server, offline, single-stream, multi-stream."),
+    ] = "open-loop",
+    qps: Qps = None,
+    query_size: QuerySize = None,
+    arrival: Arrival = "poisson",
+    duration: Duration = 5.0,
+    sla_ms: SlaMs = None,
+    percentile: Percentile = 99.0,
+    instances: Instances = 1,
+    threads: Threads = 1,
+    max_batch: Annotated[int, typer.Option(help="Largest batch in samples (queries are never split).")] = 256,
+    max_delay_ms: Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")] = 1.0,
+    max_queue: MaxQueue = 4096,
+    precision: Precision = "fp32",
+    table_precision: TablePrecision = "fp32",
+    device: Device = "cpu",
+    pin_cores: PinCores = True,
+    alone: Annotated[bool, typer.Option(help="With several models, also serve each alone (interference).")] = True,
+    data_spec: DataSpec = None,
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+    seed: Seed = 0,
+    metrics_dir: MetricsDir = "runs",
+) -> None:
+    """Serve one load point (or several models together) and record every query."""
+    from dlrm_lab.infer.drivers import Stream
+    from dlrm_lab.infer.lab import InferConfig, run_inference
+    from dlrm_lab.infer.load import Arrivals, QuerySizes
+
+    names = model or ["tiny"]
+    n = len(names)
+    slas = _per_model(sla_ms, n, 10.0, "--sla-ms")
+    if len(set(slas)) > 1:
+        raise UserError("--sla-ms: one bound per run for now (give one value)")
+    cfg = InferConfig(
+        scenario=scenario, duration_s=duration, sla_ms=slas[0], sla_percentile=percentile, seed=seed,
+        device=device, pin_cores=pin_cores, compare_alone=alone,
+    )  # fmt: skip
+    served = _served(
+        names, table_scale, max_rows, instances=instances, threads=threads, max_batch=max_batch,
+        max_delay_ms=max_delay_ms, max_queue=max_queue, precision=precision, table_precision=table_precision,
+        data_spec=data_spec,
+    )  # fmt: skip
+    arrivals = Arrivals(arrival)
+    rates = _per_model(qps, n, 100.0, "--qps")
+    sizes = [QuerySizes.parse(s) for s in _per_model(query_size, n, "fixed:1", "--query-size")]
+    streams = [Stream(m.name, r, s, arrivals) for m, r, s in zip(served, rates, sizes, strict=True)]
+    out = console(stderr=True)
+    run_dir = run_inference(
+        served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
+        log=lambda msg: out.print(msg, highlight=False),
+    )  # fmt: skip
+    _print_points(run_dir)
+    console().print(f"run directory: {run_dir}")
+
+
+def _print_points(run_dir: Any) -> None:
+    rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    table = Table(title=f"inference ({rows[0]['scenario']})")
+    cols = ("model", "mode", "target q/s", "queries/s", "samples/s", "p50 ms", "p99 ms", "max ms", "batch",
+            "queue", "dropped", "late", "SLA")  # fmt: skip
+    for c in cols:
+        table.add_column(c, justify="right")
+
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in rows:
+        verdict = "met" if r["sla_met"] else "missed"
+        if r["loadgen_result"]:
+            verdict += f"; LoadGen {r['loadgen_result']}"
+        table.add_row(
+            r["model"], r["mode"], f(r["target_qps"], ".1f"), f(r["queries_per_s"], ".1f"),
+            f(r["samples_per_s"], ".0f"), f(r["latency_p50_ms"], ".2f"), f(r["latency_p99_ms"], ".2f"),
+            f(r["latency_max_ms"], ".2f"), f(r["batch_samples_mean"], ".1f"), f(r["queue_share"], ".0%"),
+            str(r["dropped_queries"]), str(r["late_queries"]), verdict,
+        )  # fmt: skip
+    console().print(table)
+
+
+@app.command("search")
+def search_command(
+    model: Models = None,
+    query_size: Annotated[str, typer.Option(help="Samples per query (see `infer run --help`).")] = "fixed:1",
+    arrival: Arrival = "poisson",
+    sla_ms: Annotated[float, typer.Option(help="Latency bound in ms.")] = 10.0,
+    percentile: Percentile = 99.0,
+    max_batch: Annotated[str, typer.Option(help="Largest batches to try, in samples.")] = "64,256,1024",
+    max_delay_ms: Annotated[str, typer.Option(help="Batching delays to try, in ms.")] = "0.5,2",
+    layouts: Annotated[
+        Optional[str],
+        typer.Option(help="instances x threads to try, e.g. 1x1,2x1 (default: all with instances x threads <= cores)."),
+    ] = None,
+    duration: Duration = 2.0,
+    repeats: Annotated[int, typer.Option(help="Load points per probed rate (the median decides).")] = 2,
+    steps: Annotated[int, typer.Option(help="Bisection probes per configuration at most.")] = 6,
+    tolerance: Annotated[float, typer.Option(help="Stop when the bracket is this narrow (relative).")] = 0.05,
+    capacity_duration: Annotated[float, typer.Option(help="Seconds of the closed-loop capacity run.")] = 2.0,
+    max_queue: MaxQueue = 4096,
+    precision: Precision = "fp32",
+    table_precision: TablePrecision = "fp32",
+    device: Device = "cpu",
+    pin_cores: PinCores = True,
+    data_spec: DataSpec = None,
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+    seed: Seed = 0,
+    metrics_dir: MetricsDir = "runs",
+) -> None:
+    """Find, per configuration, the highest queries/s whose latency percentile meets the bound."""
+    import os
+
+    from dlrm_lab.infer.drivers import Stream
+    from dlrm_lab.infer.lab import InferConfig, SearchGrid, SearchOptions, search
+    from dlrm_lab.infer.load import Arrivals, QuerySizes
+
+    names = model or ["tiny"]
+    if len(names) != 1:
+        raise UserError("infer search: one --model at a time")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if layouts:
+        parsed = []
+        for item in layouts.split(","):
+            i, _, t = item.strip().partition("x")
+            if not (i.isdigit() and t.isdigit() and int(i) >= 1 and int(t) >= 1):
+                raise UserError(f"--layouts {item!r}: expected INSTANCESxTHREADS, e.g. 2x1")
+            parsed.append((int(i), int(t)))
+    else:
+        parsed = SearchGrid.default_layouts(cores)
+    grid = SearchGrid(parsed, _parse_list(max_batch, int, "--max-batch"),
+                      _parse_list(max_delay_ms, float, "--max-delay-ms"))  # fmt: skip
+    if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):
+        raise UserError("--max-batch values must be >= 1 and --max-delay-ms values >= 0")
+    cfg = InferConfig(duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed, device=device,
+                      pin_cores=pin_cores)  # fmt: skip
+    options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration)
+    (base,) = _served(names, table_scale, max_rows, max_queue=max_queue, precision=precision,
+                      table_precision=table_precision, data_spec=data_spec)  # fmt: skip
+    stream = Stream(base.name, 1.0, QuerySizes.parse(query_size), Arrivals(arrival))
+    out = console(stderr=True)
+    run_dir = search(base, stream, grid, cfg, options, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
+                     log=lambda msg: out.print(msg, highlight=False))  # fmt: skip
+    rows = pq.read_table(run_dir / "frontier.parquet").to_pylist()
+    table = Table(title=f"highest queries/s with p{percentile:g} <= {sla_ms:g} ms ({base.name}, {query_size})")
+    for c in ("instances", "threads", "max batch", "delay ms", "capacity q/s", "best q/s", "+/-", "samples/s",
+              f"p{percentile:g} ms", "best"):  # fmt: skip
+        table.add_column(c, justify="right")
+    for r in rows:
+        lat = r["best_sla_latency_ms"]
+        table.add_row(
+            str(r["instances"]), str(r["threads_per_instance"]), str(r["max_batch"]), f"{r['max_delay_ms']:g}",
+            f"{r['capacity_queries_per_s']:.1f}", f"{r['best_qps']:.1f}", f"{r['best_qps_uncertainty']:.1f}",
+            f"{r['best_samples_per_s']:.0f}", "-" if lat is None else f"{lat:.2f}", "*" if r["best"] else "",
+        )  # fmt: skip
+    console().print(table)
+    console().print(f"run directory: {run_dir}")

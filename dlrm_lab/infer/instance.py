@@ -1,0 +1,250 @@
+"""One serving instance: a worker process that runs batches of queries through a model.
+
+Instances of a model share its embedding tables and its sample library: the parent
+writes both once to a snapshot on a RAM file system (`/dev/shm`) and every instance maps
+it (`torch.load(mmap=True)`), so co-locating N instances does not multiply table memory.
+(torch.multiprocessing's own tensor sharing cannot pickle fbgemm's quantised table
+modules, whose empty cache buffers fail to map, hence the file.)
+
+Messages go through one duplex pipe per instance (sent by the caller's thread: no feeder
+thread to wake, unlike multiprocessing queues); payloads are small for library queries:
+    instance -> parent: ("ready", error or None) once, then BatchResult per batch
+    parent -> instance: (batch_id, [QueryRef, ...]) or None to stop
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.data.synthetic import SampleBlock
+
+TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class QueryRef:
+    """A query as an instance sees it: samples [offset, offset + size) of the model's sample
+    library, or an inline `payload` (a query that came from outside, validated first)."""
+
+    query_id: int
+    size: int
+    offset: int = 0
+    payload: SampleBlock | None = None
+
+
+@dataclass
+class BatchResult:
+    batch_id: int
+    instance: int
+    start_ns: int  # time.monotonic_ns(): system-wide on Linux, comparable across processes
+    end_ns: int
+    scores: np.ndarray | None  # float32 click probability per accepted sample, in query order
+    rejected: dict[int, str] = field(default_factory=dict)  # query id -> why
+    error: str | None = None  # the whole batch failed (the instance lives on)
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """Everything an instance process needs to start."""
+
+    model: str  # served model name
+    index: int  # instance number within the whole server
+    snapshot_dir: str
+    spec: dict[str, Any]
+    threads: int
+    cores: tuple[int, ...]  # empty: not pinned
+    device: str  # "cpu" or "cuda:N"
+    precision: str
+    table_precision: str
+    warmup_batch: int
+
+
+# ----------------------------------------------------------------------------- snapshot
+
+
+def snapshot_dir_for(tag: str) -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"dlrm-lab-{os.getpid()}-{tag}"
+
+
+def write_snapshot(
+    directory: Path, model: torch.nn.Module, library: SampleBlock, *, table_precision: str, device: str
+) -> int:
+    """Write the (quantised) model and the sample library for instances to map; returns bytes."""
+    directory.mkdir(parents=True, exist_ok=False)
+    if table_precision != "fp32" and device == "cpu":
+        model = quantize_tables(model, table_precision)  # on GPU each instance quantises on its device
+    torch.save(model, directory / "model.pt")
+    offsets = [np.concatenate([[0], np.cumsum(ln, dtype=np.int64)]) for ln in library.lengths]
+    torch.save(
+        {
+            "dense": torch.from_numpy(np.ascontiguousarray(library.dense, dtype=np.float32)),
+            "lengths": [torch.from_numpy(np.ascontiguousarray(ln, dtype=np.int32)) for ln in library.lengths],
+            "values": [torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for v in library.values],
+            "offsets": [torch.from_numpy(o) for o in offsets],
+        },
+        directory / "library.pt",
+    )
+    return sum(p.stat().st_size for p in directory.iterdir())
+
+
+def quantize_tables(model: torch.nn.Module, table_precision: str) -> torch.nn.Module:
+    """Replace the float tables by TorchRec's quantised inference tables (fbgemm TBE):
+    int8/int4 row-wise with per-row scale and bias, or fp16."""
+    from torchrec.inference.modules import quantize_embeddings
+
+    dtype = {"fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}[table_precision]
+    return quantize_embeddings(model, dtype=dtype, inplace=False)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+class SampleLibrary:
+    """The mapped sample library: assembles a batch (dense, KJT) from query references."""
+
+    def __init__(self, path: Path, spec: ModelSpec) -> None:
+        lib = torch.load(path, mmap=True)
+        self.dense: torch.Tensor = lib["dense"]
+        self.lengths: list[torch.Tensor] = lib["lengths"]
+        self.values: list[torch.Tensor] = lib["values"]
+        self.offsets: list[torch.Tensor] = lib["offsets"]
+        self.spec = spec
+        self.keys = spec.feature_names
+        self.rows = [t.num_embeddings for t in spec.tables for _ in t.feature_names]
+
+    def batch(self, refs: list[QueryRef]) -> tuple[torch.Tensor, Any]:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        dense = torch.cat([self._dense(r) for r in refs]) if len(refs) > 1 else self._dense(refs[0])
+        lengths, values = [], []
+        for f in range(len(self.keys)):
+            for r in refs:
+                if r.payload is not None:
+                    lengths.append(torch.from_numpy(np.ascontiguousarray(r.payload.lengths[f], dtype=np.int32)))
+                    values.append(torch.from_numpy(np.ascontiguousarray(r.payload.values[f], dtype=np.int64)))
+                else:
+                    off = self.offsets[f]
+                    lengths.append(self.lengths[f][r.offset : r.offset + r.size])
+                    values.append(self.values[f][int(off[r.offset]) : int(off[r.offset + r.size])])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=self.keys, values=torch.cat(values), lengths=torch.cat(lengths))
+        return dense, kjt
+
+    def _dense(self, r: QueryRef) -> torch.Tensor:
+        if r.payload is not None:
+            return torch.from_numpy(np.ascontiguousarray(r.payload.dense, dtype=np.float32))
+        return self.dense[r.offset : r.offset + r.size]
+
+    def validate(self, r: QueryRef) -> str | None:
+        """Why an inline query cannot be served, or None. Library queries are valid by construction."""
+        if r.payload is None:
+            return None
+        return validate_payload(r.payload, self.spec, self.rows)
+
+
+def validate_payload(p: SampleBlock, spec: ModelSpec, rows: list[int] | None = None) -> str | None:
+    rows = rows or [t.num_embeddings for t in spec.tables for _ in t.feature_names]
+    n = p.dense.shape[0] if getattr(p.dense, "ndim", 0) == 2 else -1
+    if n < 1 or p.dense.shape[1] != spec.num_dense:
+        return f"dense features: shape {tuple(np.shape(p.dense))}, expected [samples, {spec.num_dense}]"
+    if not np.isfinite(p.dense).all():
+        return "dense features: not finite (NaN or infinity)"
+    if len(p.lengths) != len(rows) or len(p.values) != len(rows):
+        return f"sparse features: {len(p.lengths)} given, the model has {len(rows)}"
+    for f, (ln, val, limit) in enumerate(zip(p.lengths, p.values, rows, strict=True)):
+        name = spec.feature_names[f]
+        if len(ln) != n:
+            return f"feature {name}: {len(ln)} lengths for {n} samples"
+        if len(ln) and ln.min() < 0:
+            return f"feature {name}: negative length"
+        if int(np.sum(ln)) != len(val):
+            return f"feature {name}: lengths sum to {int(np.sum(ln))} but {len(val)} ids given"
+        if len(val) and (val.min() < 0 or val.max() >= limit):
+            bad = int(val.max()) if val.max() >= limit else int(val.min())
+            return f"feature {name}: id {bad} outside its table [0, {limit})"
+    return None
+
+
+# ----------------------------------------------------------------------------- process
+
+
+def instance_main(plan: InstancePlan, conn: Any) -> None:
+    """Entry point of an instance process (spawned). Never dies on a bad query: a query
+    that fails validation is rejected, a batch whose forward raises is reported failed."""
+    try:
+        if plan.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, plan.cores)
+        torch.set_num_threads(plan.threads)
+        spec = ModelSpec.from_dict(plan.spec)
+        device = torch.device(plan.device)
+        snapshot = Path(plan.snapshot_dir)
+        model = torch.load(snapshot / "model.pt", mmap=True, weights_only=False)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            model = model.to(device)
+            if plan.table_precision != "fp32":
+                model = quantize_tables(model, plan.table_precision)
+        model.eval()
+        library = SampleLibrary(snapshot / "library.pt", spec)
+        runner = _Runner(model, library, device, plan.precision)
+        for size in sorted({1, plan.warmup_batch}):  # first calls allocate and JIT: keep them out of latency
+            runner([QueryRef(-1, size, 0)])
+        conn.send(("ready", None))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
+        conn.send(("ready", f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        if msg is None:
+            return
+        batch_id, refs = msg
+        start = time.monotonic_ns()
+        rejected = {}
+        for r in refs:
+            why = library.validate(r)
+            if why is not None:
+                rejected[r.query_id] = why
+        accepted = [r for r in refs if r.query_id not in rejected]
+        scores, error = None, None
+        if accepted:
+            try:
+                scores = runner(accepted)
+            except Exception as exc:  # noqa: BLE001 - one failed batch must not end the instance
+                error = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+        try:
+            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, rejected, error))
+        except (EOFError, OSError):
+            return
+
+
+class _Runner:
+    """Forward pass in eval mode without autograd, with optional autocast."""
+
+    def __init__(self, model: torch.nn.Module, library: SampleLibrary, device: torch.device, precision: str) -> None:
+        self.model, self.library, self.device = model, library, device
+        self.autocast = precision != "fp32"
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        dense, kjt = self.library.batch(refs)
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+            if self.device.type == "cuda":
+                dense = dense.pin_memory().to(self.device, non_blocking=True)
+                kjt = kjt.pin_memory().to(self.device, non_blocking=True)
+            logits = self.model(dense, kjt)
+            scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
+        return scores.numpy()

@@ -1,0 +1,441 @@
+"""Inference experiments: load points, several models together, latency-bounded search.
+
+Each experiment is one run directory: `queries.parquet` (one row per query), `summary.parquet`
+(one row per model and load point), and for a search `frontier.parquet` (the best rate of
+every configuration that meets the latency bound).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pyarrow as pa
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.drivers import (
+    LOADGEN_SCENARIOS,
+    SCENARIOS,
+    ClosedLoop,
+    DriverStats,
+    LoadGenDriver,
+    OpenLoop,
+    Stream,
+)
+from dlrm_lab.infer.records import QUERY_SCHEMA, SUMMARY_SCHEMA, summarize, with_late_flags
+from dlrm_lab.infer.server import InferenceServer, ServedModel
+from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.tables import TableWriter
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class InferConfig:
+    scenario: str = "open-loop"
+    duration_s: float = 5.0  # of the load at each point
+    sla_ms: float = 10.0
+    sla_percentile: float = 99.0
+    seed: int = 0
+    device: str = "cpu"
+    pin_cores: bool = True
+    compare_alone: bool = True  # several models: also serve each alone at the same load
+    drain_timeout_s: float = 30.0  # after the load, wait this long for the last queries
+
+    def __post_init__(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise UserError(f"--scenario {self.scenario!r}: allowed: {', '.join(SCENARIOS)}")
+        if not self.duration_s > 0:
+            raise UserError(f"--duration {self.duration_s!r}: must be > 0 seconds")
+        if not self.sla_ms > 0:
+            raise UserError(f"--sla-ms {self.sla_ms!r}: must be > 0")
+        if not 0 < self.sla_percentile <= 100:
+            raise UserError(f"--percentile {self.sla_percentile!r}: must be in (0, 100]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _CpuMeter:
+    """CPU utilisation over a point: this process's cores, the instances, the parent."""
+
+    def __init__(self, server: InferenceServer) -> None:
+        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        self.instances = []
+        for info in server.instance_info:
+            try:
+                self.instances.append((psutil.Process(info["pid"]), max(1, len(info["cores"]) or 1)))
+            except psutil.Error:
+                pass
+        self.me = psutil.Process()
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.sys0 = psutil.cpu_times(percpu=True)
+        self.inst0 = [self._busy(p) for p, _ in self.instances]
+        self.me0 = self._busy(self.me)
+
+    @staticmethod
+    def _busy(p: psutil.Process) -> float:
+        try:
+            t = p.cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return float("nan")
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t0
+        sys1 = psutil.cpu_times(percpu=True)
+        busy = total = 0.0
+        for k, (a, b) in enumerate(zip(self.sys0, sys1, strict=False)):
+            if self.cores is not None and k not in self.cores:
+                continue
+            da, db = sum(a), sum(b)
+            total += db - da
+            busy += (db - da) - ((b.idle + getattr(b, "iowait", 0)) - (a.idle + getattr(a, "iowait", 0)))
+        inst = [self._busy(p) - t0 for (p, _), t0 in zip(self.instances, self.inst0, strict=True)]
+        inst_cores = sum(c for _, c in self.instances)
+        return {
+            "cpu_utilization": busy / total if total > 0 else None,
+            "instance_cpu_utilization": (sum(inst) / (wall * inst_cores)) if inst and wall > 0 else None,
+            "server_cpu_s": self._busy(self.me) - self.me0,
+        }
+
+
+@dataclass
+class Point:
+    """One load point: these streams against the server, for `cfg.duration_s`."""
+
+    index: int
+    streams: list[Stream]
+    mode: str = "together"
+    scenario: str = "open-loop"
+    extra: dict[str, Any] = field(default_factory=dict)  # columns added to each summary row
+
+
+def measure(
+    server: InferenceServer,
+    point: Point,
+    cfg: InferConfig,
+    queries: TableWriter,
+    run_dir: Path,
+    log: Log | None = None,
+) -> list[dict[str, Any]]:
+    """Drive one point and summarise it per model. Query rows are written as they finish."""
+    meter = _CpuMeter(server)
+    server.take_records()  # nothing from a previous point leaks in
+    if point.scenario in LOADGEN_SCENARIOS:
+        driver: Any = LoadGenDriver(
+            server, point.streams[0], point.scenario, duration_s=cfg.duration_s, sla_ms=cfg.sla_ms,
+            sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
+            seed=cfg.seed + point.index,
+        )  # fmt: skip
+    else:
+        driver = OpenLoop(server, point.streams, cfg.duration_s, seed=cfg.seed + point.index)
+    records: list[dict[str, Any]] = []
+
+    def pump() -> None:
+        rows = with_late_flags(server.take_records(), cfg.sla_ms, point.index)
+        records.extend(rows)
+        queries.extend(rows)
+
+    meter.start()
+    start = time.monotonic()
+    driver.start()
+    try:
+        while not driver.join(timeout=0.25):
+            pump()
+            server.check()
+        if driver.error is not None:
+            raise driver.error
+        if not server.drain(cfg.drain_timeout_s):
+            server.check()
+            if log:
+                log(f"point {point.index}: queries still unfinished {cfg.drain_timeout_s:.0f} s after the load")
+    except BaseException:
+        driver.stop()
+        pump()
+        raise
+    pump()
+    cpu = meter.stop()
+    stats: DriverStats = driver.stats
+    rows = []
+    for stream in point.streams:
+        mine = [r for r in records if r["model"] == stream.model]
+        span = cfg.duration_s if point.scenario == "open-loop" else stats.duration_s or cfg.duration_s
+        if mine:  # a backlog drained after the load ends lowers throughput instead of hiding
+            last_end = max(r["end_ms"] for r in mine) / 1e3
+            first = min(r["scheduled_ms"] for r in mine) / 1e3
+            span = max(span, last_end - first)
+        served = server.models[stream.model]
+        row = {
+            "point": point.index,
+            "mode": point.mode,
+            "scenario": point.scenario,
+            **served.describe(),
+            "query_sizes": str(stream.sizes),
+            "arrival": stream.arrivals.kind if point.scenario == "open-loop" else "loadgen",
+            "target_qps": stream.qps,
+            "duration_s": span,
+            **summarize(mine, duration_s=span, sla_ms=cfg.sla_ms, sla_percentile=cfg.sla_percentile),
+            **stats.accuracy(stream.model),
+            **cpu,
+            "snapshot_mb": server.snapshot_bytes.get(stream.model, 0) / 1e6,
+            **stats.loadgen,
+            **point.extra,
+        }
+        rows.append(row)
+        if log:
+            log(point_line(row))
+    del start
+    return rows
+
+
+def point_line(row: dict[str, Any]) -> str:
+    p99 = row.get("latency_p99_ms")
+    lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
+    return (
+        f"{row['model']} [{row['mode']}] target {row['target_qps']:.1f} queries/s: "
+        f"{row['queries_per_s']:.1f} queries/s, {row['samples_per_s']:.0f} samples/s, "
+        f"p99 {'-' if p99 is None else f'{p99:.2f}'} ms, "
+        f"dropped {row['dropped_queries']}, late {row['late_queries']}, "
+        f"SLA {'met' if row['sla_met'] else 'missed'}{lg}"
+    )
+
+
+def _summary_schema(extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
+    fields = list(SUMMARY_SCHEMA)
+    for name, typ in (extra or {}).items():
+        fields.append(pa.field(name, typ))
+    return pa.schema(fields)
+
+
+def run_inference(
+    models: list[ServedModel],
+    streams: list[Stream],
+    cfg: InferConfig,
+    *,
+    metrics_dir: str | Path = "runs",
+    argv: list[str] | None = None,
+    log: Log | None = None,
+) -> Path:
+    """Serve `models` under `streams` (one per model) at one load point and record it.
+
+    With several models they are first served together, then (with `compare_alone`) each
+    alone under the same load: the difference is their interference.
+    """
+    if len(streams) != len(models):
+        raise UserError(f"{len(models)} models but {len(streams)} load streams")
+    if cfg.scenario in LOADGEN_SCENARIOS and len(models) > 1:
+        raise UserError(f"--scenario {cfg.scenario}: LoadGen drives one model; use open-loop for several")
+    config = {
+        "infer": cfg.to_dict(),
+        "models": [m.describe() for m in models],
+        "streams": [_stream_dict(s) for s in streams],
+    }
+    run = Run.create(metrics_dir, "infer", config, argv=argv)
+    with run:
+        queries = run.table("queries", QUERY_SCHEMA)
+        summary = run.table("summary", _summary_schema())
+        with InferenceServer(models, device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log) as server:
+            run.update_manifest(instances=server.instance_info)
+            points = [Point(0, streams, "together", cfg.scenario)]
+            if len(streams) > 1 and cfg.compare_alone:
+                points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
+            for point in points:
+                summary.extend(measure(server, point, cfg, queries, run.dir, log))
+                summary.flush()
+    return run.dir
+
+
+def _stream_dict(s: Stream) -> dict[str, Any]:
+    return {"model": s.model, "qps": s.qps, "query_sizes": str(s.sizes), "arrival": asdict(s.arrivals)}
+
+
+# ----------------------------------------------------------------------------- search
+
+
+@dataclass
+class SearchGrid:
+    """Configurations to search: every (instances, threads) x max_batch x max_delay_ms."""
+
+    layouts: list[tuple[int, int]]  # (instances, threads per instance)
+    max_batch: list[int]
+    max_delay_ms: list[float]
+
+    @staticmethod
+    def default_layouts(cores: int) -> list[tuple[int, int]]:
+        """Every instances x threads that uses at most the cores (arXiv 1908.04705: more
+        co-located instances beat more threads per instance for small-batch DLRM inference,
+        and oversubscribing cores only adds interference)."""
+        return [(i, t) for i in range(1, cores + 1) for t in range(1, cores + 1) if i * t <= cores]
+
+    def configs(self) -> list[tuple[int, int, int, float]]:
+        return [(i, t, b, d) for (i, t), b, d in itertools.product(self.layouts, self.max_batch, self.max_delay_ms)]
+
+
+@dataclass
+class SearchOptions:
+    repeats: int = 2  # load points per probed rate; the median decides
+    steps: int = 6  # bisection probes per configuration at most
+    tolerance: float = 0.05  # stop when the bracket is this narrow relative to its top
+    capacity_s: float = 2.0  # closed-loop saturation run that bounds the search
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.steps < 1 or not 0 < self.tolerance < 1 or self.capacity_s <= 0:
+            raise UserError(
+                f"search options: repeats {self.repeats} and steps {self.steps} must be >= 1, tolerance "
+                f"{self.tolerance} in (0, 1), capacity duration {self.capacity_s} > 0"
+            )
+
+
+FRONTIER_SCHEMA = pa.schema(
+    [
+        ("model", pa.string()),
+        ("preset", pa.string()),
+        ("instances", pa.int32()),
+        ("threads_per_instance", pa.int32()),
+        ("max_batch", pa.int32()),
+        ("max_delay_ms", pa.float64()),
+        ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
+        ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
+        ("best_qps_uncertainty", pa.float64()),  # half the final bracket [best, lowest failing rate]
+        ("best_samples_per_s", pa.float64()),
+        ("best_sla_latency_ms", pa.float64()),
+        ("best_sla_latency_spread_ms", pa.float64()),  # max - min over the repeats at best_qps
+        ("sla_ms", pa.float64()),
+        ("sla_percentile", pa.float64()),
+        ("probes", pa.int32()),
+        ("best", pa.bool_()),  # the configuration with the highest best_samples_per_s
+    ]
+)
+
+
+def search(
+    base: ServedModel,
+    stream: Stream,
+    grid: SearchGrid,
+    cfg: InferConfig,
+    options: SearchOptions,
+    *,
+    metrics_dir: str | Path = "runs",
+    argv: list[str] | None = None,
+    log: Log | None = None,
+) -> Path:
+    """For each configuration, the highest rate whose latency percentile meets the bound.
+
+    Per configuration: a closed-loop saturation run measures capacity C; then bisection on
+    the rate in (0, 1.05 C]: each probed rate is run `repeats` times (open loop) and passes
+    when the median `sla_latency_ms` (dropped queries infinitely late) is within the bound.
+    The answer is the highest passing rate, reported with half the final bracket as its
+    uncertainty. Instances are started once per (instances, threads) layout.
+    """
+    config = {
+        "infer": cfg.to_dict(),
+        "model": base.describe(),
+        "stream": _stream_dict(stream),
+        "grid": asdict(grid),
+        "search": asdict(options),
+    }
+    run = Run.create(metrics_dir, "infer-search", config, argv=argv)
+    frontier: list[dict[str, Any]] = []
+    extra = {"repeat": pa.int32(), "probe": pa.int32(), "passed": pa.bool_()}
+    with run:
+        queries = run.table("queries", QUERY_SCHEMA)
+        summary = run.table("summary", _summary_schema(extra))
+        point_index = 0
+        for (instances, threads), group in itertools.groupby(grid.configs(), key=lambda c: (c[0], c[1])):
+            first = replace(base, instances=instances, threads=threads, max_queue=base.max_queue)
+            with InferenceServer([first], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed) as server:
+                for _, _, max_batch, delay in group:
+                    server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
+                    served = server.models[base.name]
+                    capacity = _capacity(server, stream, served, options, cfg)
+                    if log:
+                        log(f"{_label(served)}: capacity {capacity:.1f} queries/s (closed loop)")
+                    lo, hi = 0.0, capacity * 1.05
+                    best_rows: list[dict[str, Any]] = []
+                    probes = 0
+                    while probes < options.steps and (hi - lo) / hi > options.tolerance:
+                        qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
+                        rows = []
+                        for rep in range(options.repeats):
+                            point = Point(point_index, [replace(stream, qps=qps)], "together", "open-loop",
+                                          extra={"repeat": rep, "probe": probes})  # fmt: skip
+                            point_index += 1
+                            (row,) = measure(server, point, cfg, queries, run.dir)
+                            rows.append(row)
+                        lat = [r["sla_latency_ms"] if r["sla_latency_ms"] is not None else math.inf for r in rows]
+                        passed = bool(np.median(lat) <= cfg.sla_ms)
+                        for r in rows:
+                            r["passed"] = passed
+                        summary.extend(rows)
+                        summary.flush()
+                        if log:
+                            log(f"{_label(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
+                                f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}")  # fmt: skip
+                        if passed:
+                            lo, best_rows = qps, rows
+                        else:
+                            hi = qps
+                        probes += 1
+                    frontier.append(_frontier_row(served, capacity, lo, hi, best_rows, probes, cfg))
+        if frontier:
+            best = max(frontier, key=lambda r: r["best_samples_per_s"])
+            for r in frontier:
+                r["best"] = r is best and best["best_qps"] > 0
+        run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
+        winner = next((r for r in frontier if r["best"]), None)
+        run.update_manifest(best=winner)
+    return run.dir
+
+
+def _label(m: ServedModel) -> str:
+    return f"{m.instances}x{m.threads} threads, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
+
+
+def _capacity(server: InferenceServer, stream: Stream, served: ServedModel, options: SearchOptions,
+              cfg: InferConfig) -> float:  # fmt: skip
+    per_batch = max(1, served.max_batch // max(1, int(stream.sizes.mean)))
+    concurrency = served.instances * per_batch * 2
+    server.take_records()
+    driver = ClosedLoop(server, stream, concurrency, options.capacity_s, seed=cfg.seed)
+    t0 = time.monotonic()
+    driver.start()
+    while not driver.join(timeout=0.25):
+        server.check()
+    server.drain(cfg.drain_timeout_s)
+    wall = time.monotonic() - t0
+    done = [r for r in server.take_records() if r["status"] == "ok"]
+    return len(done) / wall if wall > 0 else 0.0
+
+
+def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
+                  probes: int, cfg: InferConfig) -> dict[str, Any]:  # fmt: skip
+    lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
+    return {
+        "model": served.name,
+        "preset": served.spec.name,
+        "instances": served.instances,
+        "threads_per_instance": served.threads,
+        "max_batch": served.max_batch,
+        "max_delay_ms": served.max_delay_ms,
+        "capacity_queries_per_s": capacity,
+        "best_qps": lo,
+        "best_qps_uncertainty": (hi - lo) / 2,
+        "best_samples_per_s": float(np.median([r["samples_per_s"] for r in rows])) if rows else 0.0,
+        "best_sla_latency_ms": float(np.median(lat)) if lat else None,
+        "best_sla_latency_spread_ms": float(max(lat) - min(lat)) if lat else None,
+        "sla_ms": cfg.sla_ms,
+        "sla_percentile": cfg.sla_percentile,
+        "probes": probes,
+        "best": False,
+    }

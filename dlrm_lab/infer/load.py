@@ -1,0 +1,147 @@
+"""What the load looks like: query sizes and arrival times (pure numpy, seeded).
+
+A *query* is one request holding `size` samples (user-item pairs to rank). Sizes and
+arrival schedules are drawn up front, so a run's load is known before it starts and the
+same seed gives the same load to every configuration compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlrm_lab.errors import UserError
+
+SIZE_KINDS = ("fixed", "normal", "lognormal", "uniform", "mlperf")
+ARRIVAL_KINDS = ("poisson", "constant", "bursty")
+MLPERF_MIN, MLPERF_MAX = 100, 700  # samples per query of MLPerf Inference DLRM
+
+
+@dataclass(frozen=True)
+class QuerySizes:
+    """Samples per query. Text form (`--query-size`):
+
+    - `fixed:N`
+    - `normal:MEAN,STD` and `lognormal:MEDIAN,SIGMA` (rounded, at least 1, at most `max`)
+    - `uniform:LO,HI` (integers, both ends included)
+    - `mlperf`: MLPerf Inference DLRM's 100 to 700 samples per query, drawn uniformly as
+      the reference implementation does when no quantile file is given.
+    """
+
+    kind: str
+    a: float = 1.0
+    b: float = 0.0
+    max: int = 65536
+
+    @classmethod
+    def parse(cls, text: str, option: str = "--query-size") -> QuerySizes:
+        kind, _, args = text.partition(":")
+        if kind not in SIZE_KINDS:
+            raise UserError(f"{option} {text!r}: kind must be one of {', '.join(SIZE_KINDS)}")
+        try:
+            values = [float(v) for v in args.split(",")] if args else []
+        except ValueError:
+            raise UserError(f"{option} {text!r}: parameters must be numbers") from None
+        need = {"fixed": 1, "normal": 2, "lognormal": 2, "uniform": 2, "mlperf": 0}[kind]
+        if len(values) != need:
+            usage = {"fixed": "fixed:N", "normal": "normal:MEAN,STD", "lognormal": "lognormal:MEDIAN,SIGMA",
+                     "uniform": "uniform:LO,HI", "mlperf": "mlperf"}[kind]  # fmt: skip
+            raise UserError(f"{option} {text!r}: expected {usage}")
+        if kind == "mlperf":
+            return cls("uniform", MLPERF_MIN, MLPERF_MAX)
+        if kind in ("fixed", "lognormal", "normal") and values[0] < 1:
+            raise UserError(f"{option} {text!r}: the size must be at least 1 sample")
+        if kind == "uniform" and not 1 <= values[0] <= values[1]:
+            raise UserError(f"{option} {text!r}: need 1 <= LO <= HI")
+        if kind in ("normal", "lognormal") and values[1] < 0:
+            raise UserError(f"{option} {text!r}: the spread must be >= 0")
+        if kind == "fixed" and values[0] != int(values[0]):
+            raise UserError(f"{option} {text!r}: the size must be a whole number of samples")
+        return cls(kind, *values)
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{int(self.a)}"
+        if self.kind == "uniform":
+            return f"uniform:{int(self.a)},{int(self.b)}"
+        return f"{self.kind}:{self.a:g},{self.b:g}"
+
+    @property
+    def mean(self) -> float:
+        """Expected samples per query (before rounding and clipping)."""
+        if self.kind == "fixed":
+            return self.a
+        if self.kind == "uniform":
+            return (self.a + self.b) / 2
+        if self.kind == "normal":
+            return self.a
+        return self.a * float(np.exp(self.b**2 / 2))
+
+    @property
+    def largest(self) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return int(self.b)
+        return self.max
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if self.kind == "fixed":
+            sizes = np.full(n, self.a)
+        elif self.kind == "uniform":
+            sizes = rng.integers(int(self.a), int(self.b), endpoint=True, size=n)
+        elif self.kind == "normal":
+            sizes = rng.normal(self.a, self.b, size=n)
+        else:
+            sizes = self.a * np.exp(rng.normal(0.0, self.b, size=n))
+        return np.clip(np.rint(sizes), 1, self.max).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """When queries arrive, as offsets in seconds from the start of a run.
+
+    - `poisson`: exponential gaps (independent users; DeepRecSys, MLPerf Server).
+    - `constant`: evenly spaced.
+    - `bursty`: a two-state modulated Poisson process: bursts at `burst_factor` times the
+      mean rate for `burst_share` of the time, the rest slower so that the mean rate is kept.
+    """
+
+    kind: str = "poisson"
+    burst_factor: float = 4.0
+    burst_share: float = 0.1
+    burst_length_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARRIVAL_KINDS:
+            raise UserError(f"--arrival {self.kind!r}: allowed: {', '.join(ARRIVAL_KINDS)}")
+        if self.kind == "bursty" and not (self.burst_factor > 1 and 0 < self.burst_share * self.burst_factor < 1):
+            raise UserError(
+                f"--arrival bursty: need burst_factor > 1 and burst_share * burst_factor < 1 "
+                f"(got {self.burst_factor} x {self.burst_share})"
+            )
+
+    def schedule(self, qps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
+        """Arrival offsets in [0, duration_s), sorted, at mean rate `qps`."""
+        if qps <= 0 or duration_s <= 0:
+            raise UserError(f"the target rate and duration must be positive (got {qps} QPS, {duration_s} s)")
+        expected = qps * duration_s
+        if self.kind == "constant":
+            return np.arange(int(np.ceil(expected))) / qps
+        if self.kind == "poisson":
+            gaps = rng.exponential(1.0 / qps, size=int(expected + 6 * np.sqrt(expected) + 16))
+            times = np.cumsum(gaps) - gaps[0]
+            return times[times < duration_s]
+        # bursty: alternate calm and burst periods, Poisson within each
+        hi = qps * self.burst_factor
+        lo = qps * (1 - self.burst_share * self.burst_factor) / (1 - self.burst_share)
+        out, t = [], 0.0
+        calm_length = self.burst_length_s * (1 - self.burst_share) / self.burst_share
+        while t < duration_s:
+            for rate, length in ((lo, rng.exponential(calm_length)), (hi, rng.exponential(self.burst_length_s))):
+                end = min(t + length, duration_s)
+                n = rng.poisson(rate * (end - t))
+                out.append(np.sort(rng.uniform(t, end, size=n)))
+                t = end
+        return np.concatenate(out) if out else np.empty(0)

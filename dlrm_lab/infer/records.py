@@ -1,0 +1,171 @@
+"""Inference records: one row per query, one summary row per model and load point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+QUERY_SCHEMA = pa.schema(
+    [
+        ("point", pa.int32()),
+        ("query_id", pa.int64()),
+        ("model", pa.string()),
+        ("samples", pa.int32()),
+        ("status", pa.string()),
+        ("scheduled_ms", pa.float64()),
+        ("issued_ms", pa.float64()),
+        ("start_ms", pa.float64()),
+        ("end_ms", pa.float64()),
+        ("latency_ms", pa.float64()),
+        ("queue_ms", pa.float64()),
+        ("compute_ms", pa.float64()),
+        ("batch_id", pa.int64()),
+        ("batch_samples", pa.int32()),
+        ("batch_queries", pa.int32()),
+        ("instance", pa.int32()),
+        ("late", pa.bool_()),
+        ("error", pa.string()),
+    ]
+)
+
+PERCENTILES = (50, 90, 95, 99, 99.9)
+
+
+def _pct_name(p: float) -> str:
+    return f"p{str(p).replace('.', '_').removesuffix('_0')}"
+
+
+LATENCY_FIELDS = [f"latency_{_pct_name(p)}_ms" for p in PERCENTILES]
+
+SUMMARY_SCHEMA = pa.schema(
+    [
+        ("point", pa.int32()),
+        ("model", pa.string()),
+        ("mode", pa.string()),  # "together" (all models served at once) or "alone"
+        ("scenario", pa.string()),
+        ("preset", pa.string()),
+        ("instances", pa.int32()),
+        ("threads_per_instance", pa.int32()),
+        ("max_batch", pa.int32()),
+        ("max_delay_ms", pa.float64()),
+        ("max_queue", pa.int32()),
+        ("precision", pa.string()),
+        ("table_precision", pa.string()),
+        ("query_sizes", pa.string()),
+        ("arrival", pa.string()),
+        ("target_qps", pa.float64()),
+        ("duration_s", pa.float64()),
+        ("queries", pa.int64()),
+        ("completed_queries", pa.int64()),
+        ("dropped_queries", pa.int64()),
+        ("rejected_queries", pa.int64()),
+        ("failed_queries", pa.int64()),
+        ("unfinished_queries", pa.int64()),
+        ("late_queries", pa.int64()),
+        ("queries_per_s", pa.float64()),
+        ("samples_per_s", pa.float64()),
+        *[(f, pa.float64()) for f in LATENCY_FIELDS],
+        ("latency_mean_ms", pa.float64()),
+        ("latency_max_ms", pa.float64()),
+        ("sla_ms", pa.float64()),
+        ("sla_percentile", pa.float64()),
+        ("sla_latency_ms", pa.float64()),  # latency at sla_percentile, dropped/failed counted as infinite
+        ("sla_met", pa.bool_()),
+        ("batch_samples_mean", pa.float64()),
+        ("batch_samples_p50", pa.float64()),
+        ("batch_samples_p99", pa.float64()),
+        ("batch_queries_mean", pa.float64()),
+        ("batches", pa.int64()),
+        ("queue_share", pa.float64()),
+        ("queue_mean_ms", pa.float64()),
+        ("compute_mean_ms", pa.float64()),
+        ("achieved_rate_ratio", pa.float64()),  # issued / target queries (the load was what it claims)
+        ("issue_lag_p50_ms", pa.float64()),
+        ("issue_lag_p99_ms", pa.float64()),
+        ("issue_lag_max_ms", pa.float64()),
+        ("cpu_utilization", pa.float64()),  # of all cores this process may use, 0..1
+        ("instance_cpu_utilization", pa.float64()),  # instance processes' CPU time / (wall x their cores)
+        ("server_cpu_s", pa.float64()),  # CPU seconds of the parent (load generator, batcher, completions)
+        ("snapshot_mb", pa.float64()),
+        ("loadgen_result", pa.string()),  # VALID / INVALID (MLPerf LoadGen scenarios)
+        ("loadgen_queries_per_s", pa.float64()),  # LoadGen's "samples" are our queries
+        ("loadgen_p99_ms", pa.float64()),
+    ]
+)
+
+
+def percentile(values: np.ndarray, p: float) -> float | None:
+    """Nearest-rank percentile (as MLPerf LoadGen reports), None for no values; inf allowed."""
+    if len(values) == 0:
+        return None
+    v = np.sort(values)
+    k = int(np.ceil(p / 100 * len(v))) - 1
+    return float(v[min(max(k, 0), len(v) - 1)])
+
+
+def summarize(
+    records: list[dict[str, Any]],
+    *,
+    duration_s: float,
+    sla_ms: float,
+    sla_percentile: float,
+) -> dict[str, Any]:
+    """Throughput, latency percentiles, batching and queueing of one model at one point.
+
+    Throughput counts completed queries over `duration_s`, the span of the load. Latency
+    percentiles are over completed queries; `sla_latency_ms` counts dropped, failed and
+    unfinished queries as infinitely late, so an overloaded server never meets its bound
+    by shedding load. Rejected (malformed) queries are the client's fault and excluded.
+    """
+    status = np.array([r["status"] for r in records], dtype=object)
+    ok = status == "ok"
+    lat_all = np.array([r["latency_ms"] for r in records], dtype=np.float64)
+    lat = lat_all[ok]
+    samples = np.array([r["samples"] for r in records], dtype=np.int64)
+    counted = status != "rejected"
+    sla_lat = np.where(ok, lat_all, np.inf)[counted]
+    batches: dict[int, tuple[int, int]] = {
+        r["batch_id"]: (r["batch_samples"], r["batch_queries"]) for r in records if r["batch_id"] is not None
+    }
+    bsz = np.array([b[0] for b in batches.values()], dtype=np.float64)
+    bq = np.array([b[1] for b in batches.values()], dtype=np.float64)
+    queue = np.array([r["queue_ms"] for r in records if r["status"] == "ok"], dtype=np.float64)
+    compute = np.array([r["compute_ms"] for r in records if r["status"] == "ok"], dtype=np.float64)
+    out: dict[str, Any] = {
+        "queries": len(records),
+        "completed_queries": int(ok.sum()),
+        "dropped_queries": int((status == "dropped").sum()),
+        "rejected_queries": int((status == "rejected").sum()),
+        "failed_queries": int((status == "failed").sum()),
+        "unfinished_queries": int((status == "unfinished").sum()),
+        "late_queries": int((lat > sla_ms).sum()),
+        "queries_per_s": float(ok.sum() / duration_s) if duration_s > 0 else None,
+        "samples_per_s": float(samples[ok].sum() / duration_s) if duration_s > 0 else None,
+        "latency_mean_ms": float(lat.mean()) if len(lat) else None,
+        "latency_max_ms": float(lat.max()) if len(lat) else None,
+        "sla_ms": sla_ms,
+        "sla_percentile": sla_percentile,
+        "batch_samples_mean": float(bsz.mean()) if len(bsz) else None,
+        "batch_samples_p50": percentile(bsz, 50),
+        "batch_samples_p99": percentile(bsz, 99),
+        "batch_queries_mean": float(bq.mean()) if len(bq) else None,
+        "batches": len(batches),
+        "queue_mean_ms": float(queue.mean()) if len(queue) else None,
+        "compute_mean_ms": float(compute.mean()) if len(compute) else None,
+        "queue_share": float(queue.sum() / lat.sum()) if len(lat) and lat.sum() > 0 else None,
+    }
+    for name, p in zip(LATENCY_FIELDS, PERCENTILES, strict=True):
+        out[name] = percentile(lat, p)
+    sla_value = percentile(sla_lat, sla_percentile)
+    out["sla_latency_ms"] = None if sla_value is None or not np.isfinite(sla_value) else sla_value
+    out["sla_met"] = bool(sla_value is not None and sla_value <= sla_ms)
+    return out
+
+
+def with_late_flags(records: list[dict[str, Any]], sla_ms: float, point: int) -> list[dict[str, Any]]:
+    for r in records:
+        r["point"] = point
+        r["late"] = r["status"] == "ok" and r["latency_ms"] > sla_ms
+    return records

@@ -1,0 +1,494 @@
+"""The system under test: dynamic batching in front of co-located instances.
+
+    submit(query) -> bounded queue per model -> batcher thread -> task queue -> instances
+    instances -> result queue -> completion thread -> query records, callbacks
+
+A batcher packs queued queries into a batch of at most `max_batch` samples (a query is
+never split; a larger one goes alone) and sends it once an instance is free and either
+the batch is full or its oldest query has waited `max_delay_ms`. Only free instances get
+batches, so while all are busy queries keep accumulating into larger batches, as in
+DeepRecSys' and Triton's dynamic batchers. Beyond `max_queue` waiting queries a new
+query is dropped at once (recorded), so memory stays bounded under overload.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_connections
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.data import synthetic_generator
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.instance import (
+    PRECISIONS,
+    TABLE_PRECISIONS,
+    BatchResult,
+    InstancePlan,
+    QueryRef,
+    instance_main,
+    snapshot_dir_for,
+    write_snapshot,
+)
+from dlrm_lab.model.dlrm import build_model
+
+STATUSES = ("ok", "dropped", "rejected", "failed", "unfinished")
+
+
+@dataclass
+class ServedModel:
+    """One model as served: its instances and its batching policy."""
+
+    name: str
+    spec: ModelSpec
+    instances: int = 1
+    threads: int = 1  # intra-op threads per instance
+    max_batch: int = 256  # samples
+    max_delay_ms: float = 1.0
+    max_queue: int = 4096  # waiting queries before new ones are dropped
+    precision: str = "fp32"  # dense compute: fp32, bf16 (CPU with AMX/AVX512-bf16, GPU), fp16 (GPU)
+    table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
+    data_spec: str | None = None
+    library_samples: int = 0  # 0: enough for the largest query x 16, at least 8192
+
+    def __post_init__(self) -> None:
+        for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
+                            ("max_queue", self.max_queue)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
+        if not self.max_delay_ms >= 0:
+            raise UserError(f"--max-delay-ms {self.max_delay_ms!r}: must be >= 0")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"--precision {self.precision!r}: allowed: {', '.join(PRECISIONS)}")
+        if self.table_precision not in TABLE_PRECISIONS:
+            raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "preset": self.spec.name,
+            "instances": self.instances,
+            "threads_per_instance": self.threads,
+            "max_batch": self.max_batch,
+            "max_delay_ms": self.max_delay_ms,
+            "max_queue": self.max_queue,
+            "precision": self.precision,
+            "table_precision": self.table_precision,
+        }
+
+
+@dataclass
+class Query:
+    """A request for `size` samples of `model`, scored together."""
+
+    query_id: int
+    model: str
+    size: int
+    offset: int = 0  # into the model's sample library
+    payload: Any = None  # SampleBlock sent from outside instead of library samples
+    scheduled_ns: int = 0  # when the load said it arrives (latency counts from here)
+    issued_ns: int = 0  # when it reached submit()
+    on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)
+    tag: Any = None  # the driver's own reference (e.g. LoadGen's sample id)
+
+
+@dataclass
+class _Pool:
+    served: ServedModel
+    library_samples: int
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    waiting: collections.deque = field(default_factory=collections.deque)
+    waiting_samples: int = 0
+    free: collections.deque = field(default_factory=collections.deque)  # idle instance numbers
+    thread: threading.Thread | None = None
+
+
+class InferenceServer:
+    """Serve one or more models; `with InferenceServer([...]) as server: server.submit(q)`.
+
+    Records (one dict per finished query, see `infer.records.QUERY_SCHEMA`) accumulate
+    until `take_records()`; times are ms from `server.epoch_ns`.
+    """
+
+    def __init__(
+        self,
+        models: list[ServedModel],
+        *,
+        device: str = "cpu",
+        pin_cores: bool = True,
+        seed: int = 0,
+        start_timeout_s: float = 300.0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        names = [m.name for m in models]
+        if not models or len(set(names)) != len(names):
+            raise UserError(f"served models need distinct names, got {names}")
+        self.models = {m.name: m for m in models}
+        self.device = device
+        self.pin_cores = pin_cores
+        self.seed = seed
+        self.start_timeout_s = start_timeout_s
+        self.log = log or (lambda _msg: None)
+        self.epoch_ns = time.monotonic_ns()
+        self._ctx = mp.get_context("spawn")  # fork after torch's OpenMP pool was used can hang
+        self._conns: dict[int, Any] = {}  # instance -> parent end of its pipe
+        self._procs: list[Any] = []
+        self._switch_interval = sys.getswitchinterval()
+        self._pools: dict[str, _Pool] = {}
+        self._in_flight: dict[int, tuple[str, list[Query], int]] = {}
+        self._records: list[dict[str, Any]] = []
+        self._records_lock = threading.Lock()
+        self._next_batch = 0
+        self._outstanding = 0  # submitted, not yet finished
+        self._idle = threading.Condition()
+        self._stopping = False
+        self._error: str | None = None
+        self._completion: threading.Thread | None = None
+        self._snapshots: list[Path] = []
+        self.instance_info: list[dict[str, Any]] = []
+        self.snapshot_bytes: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> InferenceServer:
+        device = self.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(
+                f"--device {device}: no CUDA device is visible to this torch build (torch {torch.__version__}); "
+                "use --device cpu"
+            )
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise UserError(f"--device {device!r}: allowed: cpu, cuda")
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        index, next_core = 0, 0
+        try:
+            for m in self.models.values():
+                snap = snapshot_dir_for(f"{m.name}-{id(self)}")
+                library = self._library(m)
+                torch.manual_seed(self.seed)
+                model = build_model(m.spec).eval()
+                self._snapshots.append(snap)
+                self.snapshot_bytes[m.name] = write_snapshot(
+                    snap, model, library, table_precision=m.table_precision, device="cpu" if device == "cpu" else "cuda"
+                )
+                del model
+                pool = _Pool(served=m, library_samples=library.size)
+                self._pools[m.name] = pool
+                for _ in range(m.instances):
+                    mine: tuple[int, ...] = ()
+                    if self.pin_cores and cores and device == "cpu":
+                        mine = tuple(cores[(next_core + k) % len(cores)] for k in range(m.threads))
+                        next_core += m.threads
+                    dev = device
+                    if device == "cuda":  # instances round-robin over the visible GPUs
+                        dev = f"cuda:{index % torch.cuda.device_count()}"
+                    plan = InstancePlan(
+                        model=m.name, index=index, snapshot_dir=str(snap), spec=m.spec.to_dict(),
+                        threads=m.threads, cores=mine, device=dev, precision=m.precision,
+                        table_precision=m.table_precision, warmup_batch=min(m.max_batch, library.size),
+                    )  # fmt: skip
+                    mine_end, theirs = self._ctx.Pipe(duplex=True)
+                    proc = self._ctx.Process(
+                        target=instance_main, args=(plan, theirs), daemon=True, name=f"dlrm-lab-instance-{index}"
+                    )
+                    proc.start()
+                    theirs.close()
+                    self._conns[index] = mine_end
+                    pool.free.append(index)
+                    self._procs.append(proc)
+                    self.instance_info.append(
+                        {"instance": index, "model": m.name, "pid": proc.pid, "cores": list(mine)}
+                    )
+                    index += 1
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        # Batcher, driver and completion threads hand the GIL to each other per query: at
+        # the default 5 ms switch interval a waiting thread can stall for 5 ms.
+        sys.setswitchinterval(min(self._switch_interval, 2e-4))
+        self._completion = threading.Thread(target=self._complete_loop, name="dlrm-lab-completion", daemon=True)
+        self._completion.start()
+        for name, pool in self._pools.items():
+            pool.thread = threading.Thread(target=self._batch_loop, args=(name,), name=f"batcher-{name}", daemon=True)
+            pool.thread.start()
+        self.epoch_ns = time.monotonic_ns()
+        return self
+
+    def _library(self, m: ServedModel) -> Any:
+        n = m.library_samples or max(8192, 16 * min(m.max_batch, 4096))
+        gen = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
+        return gen.samples(0, n)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        waiting = dict(self._conns)
+        while waiting:
+            for conn in wait_connections(list(waiting.values()), timeout=0.5):
+                index = next(i for i, c in waiting.items() if c is conn)
+                try:
+                    _, error = conn.recv()
+                except (EOFError, OSError):
+                    error = f"exited with code {self._procs[index].exitcode}"
+                if error:
+                    raise RuntimeError(f"instance {index} failed to start: {error}")
+                del waiting[index]
+                self.log(f"instance {index} ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """Stop batchers and instances; queries still waiting are recorded as unfinished."""
+        self._stopping = True
+        for pool in self._pools.values():
+            with pool.cond:
+                pool.cond.notify_all()
+            if pool.thread is not None:
+                pool.thread.join(timeout=5)
+        for conn in self._conns.values():
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        if self._completion is not None:
+            self._completion.join(timeout=5)
+        for conn in self._conns.values():
+            conn.close()
+        sys.setswitchinterval(self._switch_interval)
+        now = time.monotonic_ns()
+        for pool in self._pools.values():
+            while pool.waiting:
+                self._finish(pool.waiting.popleft(), "unfinished", now=now, error="server stopped")
+        for _, queries, _ in list(self._in_flight.values()):
+            for q in queries:
+                self._finish(q, "unfinished", now=now, error="server stopped")
+        self._in_flight.clear()
+        for snap in self._snapshots:
+            shutil.rmtree(snap, ignore_errors=True)
+        self._snapshots.clear()
+
+    def __enter__(self) -> InferenceServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ serving
+
+    def library_samples(self, model: str) -> int:
+        return self._pools[model].library_samples
+
+    def configure(
+        self,
+        model: str,
+        *,
+        max_batch: int | None = None,
+        max_delay_ms: float | None = None,
+        max_queue: int | None = None,
+    ) -> None:
+        """Change a model's batching policy between load points (instances stay up)."""
+        m = self.models[model]
+        pool = self._pools[model]
+        with pool.cond:
+            if max_batch is not None:
+                m.max_batch = max_batch
+            if max_delay_ms is not None:
+                m.max_delay_ms = max_delay_ms
+            if max_queue is not None:
+                m.max_queue = max_queue
+            pool.cond.notify()
+
+    def submit(self, q: Query) -> None:
+        """Queue a query (thread-safe, returns at once). Drops it when the queue is full."""
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        q.issued_ns = time.monotonic_ns()
+        if not q.scheduled_ns:
+            q.scheduled_ns = q.issued_ns
+        pool = self._pools.get(q.model)
+        if pool is None:
+            raise UserError(f"query {q.query_id}: unknown model {q.model!r}; served: {', '.join(self._pools)}")
+        with self._idle:
+            self._outstanding += 1
+        with pool.cond:
+            if len(pool.waiting) >= pool.served.max_queue:
+                dropped = True
+            else:
+                dropped = False
+                pool.waiting.append(q)
+                pool.waiting_samples += q.size
+                pool.cond.notify()
+        if dropped:
+            self._finish(q, "dropped", now=q.issued_ns, error=f"queue full ({pool.served.max_queue} queries)")
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every submitted query finished; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._outstanding > 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._error is not None:
+                    return False
+                self._idle.wait(min(left, 0.5))
+        return True
+
+    def take_records(self) -> list[dict[str, Any]]:
+        with self._records_lock:
+            out, self._records = self._records, []
+        return out
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def check(self) -> None:
+        """Raise if an instance died (the run cannot be trusted beyond that point)."""
+        if self._error is None:
+            for info, proc in zip(self.instance_info, self._procs, strict=True):
+                if proc.exitcode is not None and not self._stopping:
+                    self._error = f"instance {info['instance']} (pid {proc.pid}) exited with code {proc.exitcode}"
+        if self._error is not None:
+            raise RuntimeError(self._error)
+
+    # ------------------------------------------------------------------ threads
+
+    def _batch_loop(self, name: str) -> None:
+        pool = self._pools[name]
+        m = pool.served
+        while True:
+            with pool.cond:
+                while True:
+                    if self._stopping:
+                        return
+                    if pool.waiting and pool.free:
+                        waited_s = (time.monotonic_ns() - pool.waiting[0].issued_ns) / 1e9
+                        left_s = m.max_delay_ms / 1e3 - waited_s
+                        if pool.waiting_samples >= m.max_batch or left_s <= 0:
+                            break
+                        pool.cond.wait(left_s)
+                    else:
+                        pool.cond.wait()
+                batch, samples = [pool.waiting.popleft()], 0
+                samples = batch[0].size
+                while pool.waiting and samples + pool.waiting[0].size <= m.max_batch:
+                    q = pool.waiting.popleft()
+                    batch.append(q)
+                    samples += q.size
+                pool.waiting_samples -= samples
+                instance = pool.free.popleft()
+                batch_id = self._next_batch
+                self._next_batch += 1
+                self._in_flight[batch_id] = (name, batch, samples)
+            refs = [QueryRef(q.query_id, q.size, q.offset, q.payload) for q in batch]
+            try:
+                self._conns[instance].send((batch_id, refs))
+            except (OSError, ValueError):
+                return  # the instance is gone: check() reports it
+
+    def _complete_loop(self) -> None:
+        conns = {id(c): c for c in self._conns.values()}
+        while not self._stopping and conns:
+            ready = wait_connections(list(conns.values()), timeout=0.5)
+            if not ready:
+                try:
+                    self.check()
+                except RuntimeError:
+                    with self._idle:
+                        self._idle.notify_all()
+                continue
+            for conn in ready:
+                try:
+                    msg: BatchResult = conn.recv()
+                except (EOFError, OSError):
+                    del conns[id(conn)]  # instance gone; check() names it
+                    continue
+                self._complete(msg)
+
+    def _complete(self, msg: BatchResult) -> None:
+        now = time.monotonic_ns()
+        name, batch, samples = self._in_flight.pop(msg.batch_id)
+        pool = self._pools[name]
+        with pool.cond:
+            pool.free.append(msg.instance)
+            pool.cond.notify()
+        pos = 0
+        common = {
+            "batch_id": msg.batch_id,
+            "batch_samples": samples,
+            "batch_queries": len(batch),
+            "instance": msg.instance,
+            "start_ns": msg.start_ns,
+            "compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
+        }
+        for q in batch:
+            if q.query_id in msg.rejected:
+                self._finish(q, "rejected", now=now, error=msg.rejected[q.query_id], **common)
+            elif msg.error is not None:
+                self._finish(q, "failed", now=now, error=msg.error, **common)
+            else:
+                scores = msg.scores[pos : pos + q.size] if msg.scores is not None else None
+                pos += q.size
+                self._finish(q, "ok", now=now, scores=scores, **common)
+
+    def _finish(
+        self,
+        q: Query,
+        status: str,
+        *,
+        now: int,
+        error: str | None = None,
+        scores: np.ndarray | None = None,
+        batch_id: int | None = None,
+        batch_samples: int | None = None,
+        batch_queries: int | None = None,
+        instance: int | None = None,
+        start_ns: int | None = None,
+        compute_ms: float | None = None,
+    ) -> None:
+        e = self.epoch_ns
+        record = {
+            "query_id": q.query_id,
+            "model": q.model,
+            "samples": q.size,
+            "status": status,
+            "scheduled_ms": (q.scheduled_ns - e) / 1e6,
+            "issued_ms": (q.issued_ns - e) / 1e6,
+            "start_ms": None if start_ns is None else (start_ns - e) / 1e6,
+            "end_ms": (now - e) / 1e6,
+            "latency_ms": (now - q.scheduled_ns) / 1e6,
+            "queue_ms": None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
+            "compute_ms": compute_ms,
+            "batch_id": batch_id,
+            "batch_samples": batch_samples,
+            "batch_queries": batch_queries,
+            "instance": instance,
+            "error": error,
+        }
+        with self._records_lock:
+            self._records.append(record)
+        if q.on_done is not None:
+            try:
+                q.on_done(q, status, scores)
+            except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
+                self._error = f"completion callback failed: {type(exc).__name__}: {exc}"
+        with self._idle:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
