@@ -43,6 +43,8 @@ class QuerySizes:
             values = [float(v) for v in args.split(",")] if args else []
         except ValueError:
             raise UserError(f"{option} {text!r}: parameters must be numbers") from None
+        if not all(np.isfinite(values)):
+            raise UserError(f"{option} {text!r}: parameters must be finite numbers")
         need = {"fixed": 1, "normal": 2, "lognormal": 2, "uniform": 2, "mlperf": 0}[kind]
         if len(values) != need:
             usage = {"fixed": "fixed:N", "normal": "normal:MEAN,STD", "lognormal": "lognormal:MEDIAN,SIGMA",
@@ -116,10 +118,11 @@ class Arrivals:
     def __post_init__(self) -> None:
         if self.kind not in ARRIVAL_KINDS:
             raise UserError(f"--arrival {self.kind!r}: allowed: {', '.join(ARRIVAL_KINDS)}")
-        if self.kind == "bursty" and not (self.burst_factor > 1 and 0 < self.burst_share * self.burst_factor < 1):
+        ok = self.burst_factor > 1 and 0 < self.burst_share * self.burst_factor < 1 and self.burst_length_s > 0
+        if self.kind == "bursty" and not ok:
             raise UserError(
-                f"--arrival bursty: need burst_factor > 1 and burst_share * burst_factor < 1 "
-                f"(got {self.burst_factor} x {self.burst_share})"
+                f"--arrival bursty: need burst_factor > 1, burst_share * burst_factor < 1 and burst_length_s > 0 "
+                f"(got {self.burst_factor}, {self.burst_share}, {self.burst_length_s})"
             )
 
     def schedule(self, qps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
@@ -128,7 +131,8 @@ class Arrivals:
             raise UserError(f"the target rate and duration must be positive (got {qps} QPS, {duration_s} s)")
         expected = qps * duration_s
         if self.kind == "constant":
-            return np.arange(int(np.ceil(expected))) / qps
+            times = np.arange(int(np.ceil(expected))) / qps
+            return times[times < duration_s]  # 100 x 1.1 is 110.00000000000001 in floats
         if self.kind == "poisson":
             gaps = rng.exponential(1.0 / qps, size=int(expected + 6 * np.sqrt(expected) + 16))
             times = np.cumsum(gaps) - gaps[0]

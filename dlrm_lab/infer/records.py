@@ -101,7 +101,7 @@ def percentile(values: np.ndarray, p: float) -> float | None:
     if len(values) == 0:
         return None
     v = np.sort(values)
-    k = int(np.ceil(p / 100 * len(v))) - 1
+    k = int(np.ceil(p / 100 * len(v) - 1e-9)) - 1  # 99.9/100*1000 is 999.0000000000001 in floats
     return float(v[min(max(k, 0), len(v) - 1)])
 
 

@@ -1,0 +1,186 @@
+"""The inference system under test: batching, co-located instances, bad input, overload."""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dlrm_lab.config import load_preset
+from dlrm_lab.data import synthetic_generator
+from dlrm_lab.data.source import block_to_batch
+from dlrm_lab.infer.server import InferenceServer, Query, ServedModel
+from dlrm_lab.model.dlrm import build_model
+
+SEED = 3
+
+
+class Collector:
+    """on_done callback that keeps (status, scores) per query id."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, tuple[str, np.ndarray | None]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, q: Query, status: str, scores: np.ndarray | None) -> None:
+        with self.lock:
+            self.done[q.query_id] = (status, None if scores is None else scores.copy())
+
+
+@pytest.fixture(scope="module")
+def server():
+    spec = load_preset("tiny")
+    served = ServedModel("tiny", spec, instances=2, max_batch=64, max_delay_ms=2.0, library_samples=4096)
+    with InferenceServer([served], seed=SEED) as s:
+        yield s
+
+
+def _drain(server: InferenceServer) -> list[dict]:
+    assert server.drain(30)
+    return server.take_records()
+
+
+def test_scores_equal_the_model_on_the_same_samples(server):
+    spec = server.models["tiny"].spec
+    got = Collector()
+    queries = [(0, 5), (100, 1), (7, 30), (2000, 64)]
+    for k, (offset, size) in enumerate(queries):
+        server.submit(Query(k, "tiny", size, offset, on_done=got))
+    records = _drain(server)
+    assert sorted(r["query_id"] for r in records) == [0, 1, 2, 3]
+    assert all(r["status"] == "ok" for r in records)
+    torch.manual_seed(SEED)
+    model = build_model(spec).eval()
+    library = synthetic_generator(spec, seed=SEED).samples(0, 4096)
+    for k, (offset, size) in enumerate(queries):
+        batch = block_to_batch(library.slice(offset, offset + size), spec.feature_names)
+        with torch.inference_mode():
+            want = torch.sigmoid(model(batch.dense_features, batch.sparse_features)).numpy()
+        status, scores = got.done[k]
+        assert status == "ok" and scores.shape == (size,)
+        np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batcher_packs_queries_up_to_max_batch_and_never_splits(server):
+    server.configure("tiny", max_batch=64, max_delay_ms=20.0)
+    try:
+        for k in range(40):  # 40 queries of 10 samples arrive together: batches of at most 6 queries
+            server.submit(Query(k, "tiny", 10, k))
+        server.submit(Query(99, "tiny", 100, 0))  # larger than max_batch: goes alone, whole
+        records = _drain(server)
+    finally:
+        server.configure("tiny", max_batch=64, max_delay_ms=2.0)
+    by_batch: dict[int, list[dict]] = {}
+    for r in records:
+        assert r["status"] == "ok"
+        by_batch.setdefault(r["batch_id"], []).append(r)
+    big = next(r for r in records if r["query_id"] == 99)
+    assert big["batch_samples"] == 100 and big["batch_queries"] == 1
+    sizes = [sum(r["samples"] for r in rs) for b, rs in by_batch.items() if b != big["batch_id"]]
+    assert max(sizes) <= 64 and max(sizes) == 60  # six 10-sample queries fill a 64-sample batch
+    assert all(len(rs) == rs[0]["batch_queries"] for rs in by_batch.values())
+    assert {r["instance"] for r in records} == {0, 1}  # both co-located instances served
+    for r in records:  # times are ordered per query
+        assert r["scheduled_ms"] <= r["issued_ms"] <= r["start_ms"] <= r["end_ms"]
+        assert r["latency_ms"] == pytest.approx(r["end_ms"] - r["scheduled_ms"])
+
+
+def test_max_delay_sends_a_lone_query_once_it_expires(server):
+    server.configure("tiny", max_batch=64, max_delay_ms=50.0)
+    try:
+        server.submit(Query(0, "tiny", 1, 0))
+        (r,) = _drain(server)
+    finally:
+        server.configure("tiny", max_delay_ms=2.0)
+    assert r["batch_queries"] == 1
+    assert 50.0 <= r["queue_ms"] < 1000.0  # waited for the delay, then went alone
+
+
+def test_instances_share_one_mapped_snapshot(server):
+    snap = Path(server._snapshots[0])
+    assert (snap / "model.pt").exists() and (snap / "library.pt").exists()
+    for info in server.instance_info:
+        maps = Path(f"/proc/{info['pid']}/maps").read_text()
+        assert str(snap / "model.pt") in maps and str(snap / "library.pt") in maps  # mapped, not copied
+    spec = server.models["tiny"].spec
+    assert server.snapshot_bytes["tiny"] > spec.embedding_parameters * 4  # the tables are in the snapshot once
+    assert len({info["cores"][0] for info in server.instance_info}) == min(2, len(os.sched_getaffinity(0)))
+
+
+def test_malformed_queries_are_rejected_and_the_instances_live_on(server):
+    spec = server.models["tiny"].spec
+    good = synthetic_generator(spec, seed=1).samples(0, 4)
+    rows = spec.tables[0].num_embeddings
+    bad_id = type(good)(0, good.dense, good.labels, list(good.lengths), [v.copy() for v in good.values])
+    bad_id.lengths[0] = np.ones(4, dtype=np.int32)
+    bad_id.values[0] = np.array([0, 1, rows, 2])  # one id beyond its table
+    few_features = type(good)(0, good.dense, good.labels, good.lengths[:-1], good.values[:-1])
+    wrong_dense = type(good)(0, good.dense[:, :-1], good.labels, good.lengths, good.values)
+    nan_dense = type(good)(0, good.dense.copy(), good.labels, good.lengths, good.values)
+    nan_dense.dense[0, 0] = np.nan
+    for k, payload in enumerate([bad_id, few_features, wrong_dense, nan_dense, good]):
+        server.submit(Query(k, "tiny", 4, payload=payload))
+    records = {r["query_id"]: r for r in _drain(server)}
+    assert records[4]["status"] == "ok"
+    assert records[0]["status"] == "rejected" and f"id {rows} outside its table" in records[0]["error"]
+    assert records[1]["status"] == "rejected" and "sparse features" in records[1]["error"]
+    assert records[2]["status"] == "rejected" and "dense features" in records[2]["error"]
+    assert records[3]["status"] == "rejected" and "not finite" in records[3]["error"]
+    for k in range(10):  # both instances still serve
+        server.submit(Query(100 + k, "tiny", 2, k))
+    assert all(r["status"] == "ok" for r in _drain(server))
+
+
+def test_overload_drops_beyond_the_queue_bound_and_accounts_every_query(server):
+    server.configure("tiny", max_queue=8, max_delay_ms=0.0, max_batch=1)
+    try:
+        for k in range(300):
+            server.submit(Query(k, "tiny", 1, k))
+            assert len(server._pools["tiny"].waiting) <= 8
+        records = _drain(server)
+    finally:
+        server.configure("tiny", max_queue=4096, max_delay_ms=2.0, max_batch=64)
+    status = [r["status"] for r in records]
+    assert len(records) == 300 and set(status) <= {"ok", "dropped"}
+    assert status.count("dropped") > 0 and status.count("ok") >= 8
+    dropped = [r for r in records if r["status"] == "dropped"]
+    assert all(r["batch_id"] is None and "queue full (8 queries)" in r["error"] for r in dropped)
+
+
+def test_unknown_model_is_a_user_error(server):
+    from dlrm_lab.errors import UserError
+
+    with pytest.raises(UserError, match="unknown model 'rm9'"):
+        server.submit(Query(0, "rm9", 1))
+    assert server.drain(1)  # nothing left outstanding
+
+
+def test_int8_tables_serve_close_to_fp32():
+    spec = load_preset("tiny")
+    models = [
+        ServedModel("fp32", spec, max_delay_ms=0.0, library_samples=1024),
+        ServedModel("int8", spec, max_delay_ms=0.0, library_samples=1024, table_precision="int8"),
+    ]
+    got = Collector()
+    with InferenceServer(models, seed=SEED) as s:
+        for k, name in enumerate(("fp32", "int8")):
+            s.submit(Query(k, name, 256, 0, on_done=got))
+        assert s.drain(30)
+    fp32, int8 = got.done[0][1], got.done[1][1]
+    assert got.done[1][0] == "ok" and not np.array_equal(fp32, int8)  # really quantised
+    assert np.abs(fp32 - int8).max() < 0.02
+
+
+def test_a_dead_instance_fails_the_server_with_its_name():
+    spec = load_preset("tiny")
+    with InferenceServer([ServedModel("tiny", spec, library_samples=1024)], seed=SEED) as s:
+        pid = s.instance_info[0]["pid"]
+        os.kill(pid, 9)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and s.error is None:
+            time.sleep(0.1)
+        with pytest.raises(RuntimeError, match=rf"instance 0 \(pid {pid}\) exited with code -9"):
+            s.check()

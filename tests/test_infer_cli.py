@@ -1,0 +1,113 @@
+"""`dlrm-lab infer run|search` as a user runs them: run directories, LoadGen, co-location, errors."""
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from conftest import run_cli
+
+from dlrm_lab.infer.records import QUERY_SCHEMA, SUMMARY_SCHEMA
+from dlrm_lab.metrics import read_manifest
+
+
+def _run_dir(root):
+    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def test_open_loop_point_records_every_query(tmp_path):
+    out = run_cli(
+        "infer", "run", "--model", "tiny", "--qps", "200", "--query-size", "uniform:1,8", "--duration", "1.5",
+        "--instances", "2", "--max-batch", "32", "--sla-ms", "50", "--metrics-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "samples/s" in out.stdout and "run directory" in out.stdout
+    run_dir = _run_dir(tmp_path)
+    assert read_manifest(run_dir)["status"] == "ok"
+    queries = pq.read_table(run_dir / "queries.parquet")
+    assert set(QUERY_SCHEMA.names) <= set(queries.schema.names)
+    q = queries.to_pandas()
+    assert 200 < len(q) < 400 and (q.status == "ok").all()  # ~300 Poisson arrivals in 1.5 s
+    assert q.samples.between(1, 8).all() and (q.batch_samples <= 32).all()
+    assert ((q.latency_ms - (q.end_ms - q.scheduled_ms)).abs() < 1e-6).all()
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert set(SUMMARY_SCHEMA.names) <= set(s)
+    assert s["queries"] == len(q) and s["completed_queries"] == len(q)
+    assert s["samples_per_s"] == pytest.approx(q.samples.sum() / s["duration_s"])
+    assert s["latency_p50_ms"] <= s["latency_p99_ms"] <= s["latency_max_ms"]
+    assert 0.8 < s["achieved_rate_ratio"] < 1.2 and s["issue_lag_p99_ms"] is not None
+    assert s["instances"] == 2 and s["cpu_utilization"] is not None and s["snapshot_mb"] > 0
+    # DuckDB reads the run directly
+    n = duckdb.sql(f"select count(*) from '{run_dir}/queries.parquet' where status = 'ok'").fetchall()[0][0]
+    assert n == len(q)
+
+
+def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path):
+    out = run_cli(
+        "infer", "run", "--model", "tiny", "--scenario", "server", "--qps", "100", "--query-size", "fixed:4",
+        "--duration", "1", "--metrics-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    run_dir = _run_dir(tmp_path)
+    logs = run_dir / "loadgen" / "point-0"
+    assert (logs / "mlperf_log_summary.txt").exists() and (logs / "mlperf_log_detail.txt").exists()
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["scenario"] == "server" and s["loadgen_result"] in ("VALID", "INVALID")
+    assert s["loadgen_queries_per_s"] == pytest.approx(100, rel=0.2)
+    assert s["completed_queries"] > 50 and s["loadgen_p99_ms"] > 0
+
+
+def test_two_models_served_together_and_alone(tmp_path):
+    out = run_cli(
+        "infer", "run", "--model", "tiny", "--model", "tiny", "--qps", "100", "--qps", "50", "--duration", "1",
+        "--metrics-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = pq.read_table(_run_dir(tmp_path) / "summary.parquet").to_pylist()
+    got = sorted((r["model"], r["mode"], r["target_qps"]) for r in rows)
+    assert got == [("tiny", "alone", 100.0), ("tiny", "together", 100.0),
+                   ("tiny-2", "alone", 50.0), ("tiny-2", "together", 50.0)]  # fmt: skip
+    q = pq.read_table(_run_dir(tmp_path) / "queries.parquet").to_pandas()
+    together = q[q.point == 0]
+    assert set(together.model) == {"tiny", "tiny-2"}
+    assert set(q[q.point == 1].model) == {"tiny"} and set(q[q.point == 2].model) == {"tiny-2"}
+
+
+def test_search_finds_a_rate_within_the_bound(tmp_path):
+    out = run_cli(
+        "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
+        "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "3",
+        "--capacity-duration", "0.5", "--metrics-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    run_dir = _run_dir(tmp_path)
+    (f,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
+    assert f["best"] and 0 < f["best_qps"] <= f["capacity_queries_per_s"] * 1.05 and f["probes"] == 3
+    assert f["best_sla_latency_ms"] <= 20 and f["best_qps_uncertainty"] > 0
+    probes = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert len(probes) == 3 and {p["probe"] for p in probes} == {0, 1, 2}
+    passing = [p["target_qps"] for p in probes if p["passed"]]
+    assert max(passing) == f["best_qps"]
+    assert all(p["sla_met"] == p["passed"] for p in probes)  # one repeat: its verdict decides
+    assert read_manifest(run_dir)["best"]["best_qps"] == f["best_qps"]
+    assert "best q/s" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--query-size", "bogus:3"], "--query-size 'bogus:3': kind must be one of"),
+        (["--query-size", "uniform:9,2"], "--query-size 'uniform:9,2': need 1 <= LO <= HI"),
+        (["--scenario", "burst"], "--scenario 'burst': allowed: open-loop, server"),
+        (["--qps", "1", "--qps", "2"], "--qps: give one value or one per --model (1), got 2"),
+        (["--arrival", "weibull"], "--arrival 'weibull': allowed: poisson, constant, bursty"),
+        (["--table-precision", "int3"], "--table-precision 'int3': allowed: fp32, fp16, int8, int4"),
+        (["--instances", "0"], "--instances 0: must be a whole number >= 1"),
+        (["--model", "nope"], "nope"),
+    ],
+)
+def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):
+    out = run_cli("infer", "run", *args, "--metrics-dir", str(tmp_path))
+    assert out.returncode == 2, out.stderr
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], out.stderr
+    assert not list(tmp_path.iterdir())  # no run directory for a refused command

@@ -1,0 +1,535 @@
+"""Fast unit tests of the inference load generator, the record summaries and the LoadGen summary parser.
+
+Pure functions only: no processes, no models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.load import MLPERF_MAX, MLPERF_MIN, Arrivals, QuerySizes
+from dlrm_lab.infer.records import LATENCY_FIELDS, percentile, summarize
+
+# ---------------------------------------------------------------------------- QuerySizes.parse
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "a", "b", "mean", "largest", "as_text"),
+    [
+        ("fixed:8", "fixed", 8, 0.0, 8.0, 8, "fixed:8"),
+        ("fixed:4.0", "fixed", 4, 0.0, 4.0, 4, "fixed:4"),
+        ("normal:50,5", "normal", 50, 5, 50.0, 65536, "normal:50,5"),
+        ("lognormal:20,0.5", "lognormal", 20, 0.5, 20 * math.exp(0.125), 65536, "lognormal:20,0.5"),
+        ("uniform:3,9", "uniform", 3, 9, 6.0, 9, "uniform:3,9"),
+        ("uniform:7,7", "uniform", 7, 7, 7.0, 7, "uniform:7,7"),
+        ("mlperf", "uniform", 100, 700, 400.0, 700, "uniform:100,700"),
+    ],
+)
+def test_query_sizes_parse(text, kind, a, b, mean, largest, as_text):
+    q = QuerySizes.parse(text)
+    assert (q.kind, q.a, q.b) == (kind, a, b)
+    assert q.mean == pytest.approx(mean)
+    assert q.largest == largest
+    assert str(q) == as_text
+    assert QuerySizes.parse(str(q)) == q  # the text form round-trips
+
+
+def test_query_sizes_mlperf_bounds_are_mlperf_dlrm():
+    assert (MLPERF_MIN, MLPERF_MAX) == (100, 700)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("fixed:0", "at least 1"),
+        ("fixed:-3", "at least 1"),
+        ("fixed:1.5", "whole number"),
+        ("fixed:abc", "must be numbers"),
+        ("fixed:4,", "must be numbers"),
+        ("fixed:", "fixed:N"),
+        ("fixed", "fixed:N"),
+        ("fixed:1,2", "fixed:N"),
+        ("bogus:1", "kind must be one of"),
+        ("", "kind must be one of"),
+        ("uniform:5,2", "LO <= HI"),
+        ("uniform:0,5", "LO <= HI"),
+        ("uniform:5", "uniform:LO,HI"),
+        ("normal:3", "normal:MEAN,STD"),
+        ("normal:0,1", "at least 1"),
+        ("normal:10,-1", "spread"),
+        ("lognormal:10,-0.5", "spread"),
+        ("lognormal:0.5,1", "at least 1"),
+        ("mlperf:5", "expected mlperf"),
+    ],
+)
+def test_query_sizes_parse_rejects_bad_text(text, why):
+    with pytest.raises(UserError) as info:
+        QuerySizes.parse(text)
+    msg = str(info.value)
+    assert "--query-size" in msg and repr(text) in msg
+    assert why in msg
+
+
+def test_query_sizes_parse_names_the_given_option():
+    with pytest.raises(UserError, match=r"^--foo-size 'fixed:0'"):
+        QuerySizes.parse("fixed:0", option="--foo-size")
+
+
+@pytest.mark.parametrize("text", ["fixed:inf", "fixed:nan", "normal:nan,1", "normal:10,inf", "uniform:1,inf"])
+def test_query_sizes_parse_rejects_non_finite(text):
+    with pytest.raises(UserError):
+        QuerySizes.parse(text)
+
+
+# ---------------------------------------------------------------------------- QuerySizes.draw
+
+
+@pytest.mark.parametrize(
+    ("text", "tolerance"),
+    [("normal:50,5", 0.01), ("lognormal:20,0.5", 0.02), ("uniform:3,9", 0.01), ("mlperf", 0.01)],
+)
+def test_query_sizes_draw_mean(text, tolerance):
+    q = QuerySizes.parse(text)
+    sizes = q.draw(200_000, np.random.default_rng(1))
+    assert sizes.dtype == np.int64 and sizes.shape == (200_000,)
+    assert sizes.mean() == pytest.approx(q.mean, rel=tolerance)
+    assert sizes.min() >= 1 and sizes.max() <= q.largest
+
+
+def test_query_sizes_draw_clips_to_one_and_max():
+    rng = np.random.default_rng(2)
+    low = QuerySizes("normal", 2, 10).draw(10_000, rng)  # about 40% of the normal draws are below 1
+    assert low.min() == 1 and (low == 1).mean() > 0.3
+    wide = QuerySizes("lognormal", 100, 2.0, max=500).draw(10_000, rng)
+    assert wide.min() >= 1 and wide.max() == 500  # sigma 2: plenty of draws above 500, all clipped
+    assert np.issubdtype(wide.dtype, np.integer)
+
+
+def test_query_sizes_draw_mlperf_range_reaches_both_ends():
+    sizes = QuerySizes.parse("mlperf").draw(100_000, np.random.default_rng(3))
+    assert sizes.min() == MLPERF_MIN and sizes.max() == MLPERF_MAX
+    assert len(np.unique(sizes)) == MLPERF_MAX - MLPERF_MIN + 1  # uniform over every integer, ends included
+
+
+def test_query_sizes_draw_fixed_all_equal():
+    sizes = QuerySizes.parse("fixed:13").draw(1000, np.random.default_rng(4))
+    assert sizes.shape == (1000,) and (sizes == 13).all()
+
+
+@pytest.mark.parametrize("text", ["normal:50,5", "lognormal:20,0.5", "uniform:3,9", "mlperf"])
+def test_query_sizes_draw_is_seeded(text):
+    q = QuerySizes.parse(text)
+    a = q.draw(1000, np.random.default_rng(7))
+    b = q.draw(1000, np.random.default_rng(7))
+    c = q.draw(1000, np.random.default_rng(8))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+# ---------------------------------------------------------------------------- Arrivals.schedule
+
+
+def _gap_cv(times: np.ndarray) -> float:
+    gaps = np.diff(times)
+    return float(gaps.std() / gaps.mean())
+
+
+def test_arrivals_poisson():
+    qps, duration = 1000.0, 20.0
+    times = Arrivals("poisson").schedule(qps, duration, np.random.default_rng(0))
+    expected = qps * duration
+    assert abs(len(times) - expected) < 4 * math.sqrt(expected)
+    assert times[0] == 0.0 and times[-1] < duration and times.min() >= 0
+    assert (np.diff(times) >= 0).all()
+    gaps = np.diff(times)
+    assert gaps.mean() == pytest.approx(1 / qps, rel=0.03)
+    assert abs(_gap_cv(times) - 1) < 0.05  # exponential gaps: std == mean
+    assert (gaps > 1 / qps).mean() == pytest.approx(math.exp(-1), abs=0.015)  # P(gap > mean) = 1/e
+
+
+def test_arrivals_poisson_short_run_stays_in_window():
+    for seed in range(20):
+        times = Arrivals("poisson").schedule(5.0, 0.3, np.random.default_rng(seed))
+        assert len(times) >= 1 and times[0] == 0.0 and (times < 0.3).all()
+
+
+def test_arrivals_constant():
+    times = Arrivals("constant").schedule(50.0, 2.0, np.random.default_rng(0))
+    assert len(times) == 100
+    np.testing.assert_allclose(times, np.arange(100) * 0.02)
+    np.testing.assert_allclose(np.diff(times), 0.02)
+    # a fractional count rounds up: arrivals at 0, 1/3, 2/3, 1 s within 1.1 s
+    np.testing.assert_allclose(Arrivals("constant").schedule(3.0, 1.1, None), [0, 1 / 3, 2 / 3, 1])
+
+
+def test_arrivals_constant_float_rounding():
+    times = Arrivals("constant").schedule(100.0, 1.1, None)
+    assert len(times) == 110 and times[-1] < 1.1
+
+
+def test_arrivals_bursty():
+    qps, duration = 500.0, 100.0
+    times = Arrivals("bursty").schedule(qps, duration, np.random.default_rng(0))
+    assert len(times) / duration == pytest.approx(qps, rel=0.1)
+    assert (np.diff(times) >= 0).all() and times.min() >= 0 and times.max() < duration
+    assert _gap_cv(times) > 1.2  # a modulated Poisson process is burstier than Poisson (CV 1)
+    # rate in 10 ms windows varies much more than Poisson's (index of dispersion 1)
+    counts = np.bincount((times / 0.01).astype(int), minlength=int(duration / 0.01))
+    assert counts.var() / counts.mean() > 2
+
+
+def test_arrivals_bursty_rate_follows_parameters():
+    times = Arrivals("bursty", burst_factor=2.0, burst_share=0.3, burst_length_s=0.02).schedule(
+        300.0, 100.0, np.random.default_rng(5)
+    )
+    assert len(times) / 100.0 == pytest.approx(300.0, rel=0.1)
+    assert _gap_cv(times) > 1.15
+
+
+@pytest.mark.parametrize("kind", ["poisson", "constant", "bursty"])
+def test_arrivals_are_seeded(kind):
+    a = Arrivals(kind).schedule(200.0, 5.0, np.random.default_rng(11))
+    b = Arrivals(kind).schedule(200.0, 5.0, np.random.default_rng(11))
+    np.testing.assert_array_equal(a, b)
+    if kind != "constant":
+        assert not np.array_equal(a, Arrivals(kind).schedule(200.0, 5.0, np.random.default_rng(12)))
+
+
+@pytest.mark.parametrize(
+    ("factor", "share"),
+    [(1.0, 0.1), (0.5, 0.1), (4.0, 0.25), (4.0, 0.3), (4.0, 0.0), (4.0, -0.1), (-2.0, -0.1)],
+)
+def test_arrivals_bursty_rejects_bad_parameters(factor, share):
+    with pytest.raises(UserError, match="bursty"):
+        Arrivals("bursty", burst_factor=factor, burst_share=share)
+
+
+def test_arrivals_bad_parameters_allowed_when_not_bursty():
+    assert Arrivals("poisson", burst_factor=0.5).kind == "poisson"
+
+
+def test_arrivals_rejects_unknown_kind():
+    with pytest.raises(UserError, match="'weird'.*poisson, constant, bursty"):
+        Arrivals("weird")
+
+
+def test_arrivals_bursty_rejects_non_positive_burst_length():
+    with pytest.raises(UserError):
+        Arrivals("bursty", burst_length_s=0.0)
+
+
+@pytest.mark.parametrize("kind", ["poisson", "constant", "bursty"])
+@pytest.mark.parametrize(("qps", "duration"), [(0.0, 1.0), (-5.0, 1.0), (10.0, 0.0), (10.0, -1.0)])
+def test_arrivals_reject_non_positive_rate_or_duration(kind, qps, duration):
+    with pytest.raises(UserError, match="must be positive"):
+        Arrivals(kind).schedule(qps, duration, np.random.default_rng(0))
+
+
+# ---------------------------------------------------------------------------- percentile
+
+
+def test_percentile_nearest_rank():
+    v = np.arange(1, 101, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    shuffled = rng.permutation(v)
+    assert percentile(shuffled, 99) == 99.0
+    assert percentile(shuffled, 50) == 50.0
+    assert percentile(shuffled, 90) == 90.0
+    assert percentile(shuffled, 99.9) == 100.0
+    assert percentile(shuffled, 100) == 100.0
+    assert percentile(shuffled, 0) == 1.0
+    assert percentile(np.array([1.0, 2.0, 3.0, 4.0]), 50) == 2.0  # nearest rank, no interpolation
+    assert percentile(np.array([1.0, 2.0, 3.0, 4.0]), 51) == 3.0
+    assert percentile(np.array([5.0]), 99) == 5.0
+    assert percentile(np.array([1.0, np.inf]), 50) == 1.0
+    assert percentile(np.array([1.0, np.inf]), 99) == math.inf
+    assert isinstance(percentile(np.array([3, 1, 2]), 50), float)
+
+
+def test_percentile_empty_is_none():
+    assert percentile(np.array([]), 99) is None
+    assert percentile([], 50) is None
+
+
+def test_percentile_float_rounding():
+    assert percentile(np.arange(1, 1001, dtype=np.float64), 99.9) == 999.0
+    assert percentile(np.arange(1, 101, dtype=np.float64), 7) == 7.0
+
+
+# ---------------------------------------------------------------------------- summarize
+
+
+def _rec(
+    qid: int,
+    status: str = "ok",
+    latency: float = 1.0,
+    *,
+    samples: int = 10,
+    queue: float | None = None,
+    compute: float | None = None,
+    batch: int | None = None,
+    batch_samples: int | None = None,
+    batch_queries: int | None = None,
+) -> dict:
+    """One query record with the keys InferenceServer._finish writes."""
+    started = status in ("ok", "failed", "rejected")
+    if started:
+        queue = 0.0 if queue is None else queue
+        compute = latency - queue if compute is None else compute
+        batch = qid if batch is None else batch
+        batch_samples = samples if batch_samples is None else batch_samples
+        batch_queries = 1 if batch_queries is None else batch_queries
+    scheduled = float(qid)
+    return {
+        "query_id": qid,
+        "model": "m",
+        "samples": samples,
+        "status": status,
+        "scheduled_ms": scheduled,
+        "issued_ms": scheduled,
+        "start_ms": scheduled + queue if started else None,
+        "end_ms": scheduled + latency,
+        "latency_ms": latency,
+        "queue_ms": queue if started else None,
+        "compute_ms": compute if started else None,
+        "batch_id": batch if started else None,
+        "batch_samples": batch_samples if started else None,
+        "batch_queries": batch_queries if started else None,
+        "instance": 0 if started else None,
+        "error": None if status == "ok" else status,
+    }
+
+
+def _summary(records, duration_s=10.0, sla_ms=5.0, sla_percentile=99.0):
+    return summarize(records, duration_s=duration_s, sla_ms=sla_ms, sla_percentile=sla_percentile)
+
+
+def test_summarize_all_ok():
+    recs = [
+        _rec(i, latency=float(i + 1), samples=i + 1, queue=0.5, batch=i // 4, batch_samples=4, batch_queries=4)
+        for i in range(100)
+    ]
+    s = _summary(recs, duration_s=4.0, sla_ms=95.0)
+    assert s["queries"] == s["completed_queries"] == 100
+    assert s["dropped_queries"] == s["rejected_queries"] == s["failed_queries"] == s["unfinished_queries"] == 0
+    assert s["queries_per_s"] == 25.0
+    assert s["samples_per_s"] == sum(range(1, 101)) / 4.0
+    assert s["latency_p50_ms"] == 50.0 and s["latency_p90_ms"] == 90.0 and s["latency_p95_ms"] == 95.0
+    assert s["latency_p99_ms"] == 99.0 and s["latency_p99_9_ms"] == 100.0
+    assert s["latency_mean_ms"] == 50.5 and s["latency_max_ms"] == 100.0
+    assert s["late_queries"] == 5  # 96..100 ms over a 95 ms bound
+    assert s["sla_latency_ms"] == 99.0 and s["sla_met"] is False  # p99 is 99 ms > 95 ms
+    assert s["sla_ms"] == 95.0 and s["sla_percentile"] == 99.0
+    assert s["batches"] == 25 and s["batch_samples_mean"] == 4.0 and s["batch_queries_mean"] == 4.0
+    assert s["queue_mean_ms"] == 0.5
+    assert s["compute_mean_ms"] == pytest.approx(50.0)
+    assert s["queue_share"] == pytest.approx(50.0 / 5050.0)
+    assert set(LATENCY_FIELDS) <= set(s)
+
+
+def test_summarize_sla_met_exactly_at_bound():
+    s = _summary([_rec(i, latency=5.0) for i in range(10)], sla_ms=5.0)
+    assert s["sla_met"] is True and s["sla_latency_ms"] == 5.0 and s["late_queries"] == 0
+
+
+def test_summarize_dropped_count_as_infinitely_late():
+    recs = [_rec(i, latency=1.0) for i in range(100)] + [_rec(100 + i, "dropped", latency=0.01) for i in range(2)]
+    s = _summary(recs, duration_s=10.0, sla_ms=5.0)
+    assert s["queries"] == 102 and s["completed_queries"] == 100 and s["dropped_queries"] == 2
+    assert s["latency_p99_ms"] == 1.0 and s["latency_max_ms"] == 1.0  # over completed queries only
+    assert s["sla_met"] is False and s["sla_latency_ms"] is None  # 2 of 102 > 1%: p99 is infinite
+    assert s["queries_per_s"] == 10.0 and s["samples_per_s"] == 100.0
+    assert s["late_queries"] == 0
+    assert s["batches"] == 100
+
+
+def test_summarize_one_percent_lost_still_meets_p99():
+    recs = [_rec(i) for i in range(99)] + [_rec(99, "unfinished", latency=30.0)]
+    s = _summary(recs)
+    assert s["unfinished_queries"] == 1 and s["completed_queries"] == 99
+    assert s["sla_met"] is True and s["sla_latency_ms"] == 1.0
+    assert s["latency_max_ms"] == 1.0  # the unfinished query's latency is not a completion latency
+    # the same loss fails a stricter percentile
+    strict = _summary(recs, sla_percentile=99.9)
+    assert strict["sla_met"] is False and strict["sla_latency_ms"] is None
+
+
+@pytest.mark.parametrize("status", ["dropped", "failed", "unfinished"])
+def test_summarize_each_loss_kind_counts_against_sla(status):
+    recs = [_rec(i) for i in range(10)] + [_rec(10, status, latency=0.5)]
+    s = _summary(recs, sla_percentile=95.0)
+    assert s[f"{status}_queries"] == 1
+    assert s["completed_queries"] == 10 and s["queries_per_s"] == 1.0
+    assert s["sla_met"] is False and s["sla_latency_ms"] is None  # 1 of 11 (9%) lost > 5%
+    assert s["latency_p99_ms"] == 1.0 and s["latency_mean_ms"] == 1.0
+
+
+def test_summarize_rejected_excluded_from_sla():
+    recs = [_rec(i) for i in range(100)] + [_rec(100 + i, "rejected", latency=50.0) for i in range(5)]
+    s = _summary(recs)
+    assert s["rejected_queries"] == 5 and s["queries"] == 105 and s["completed_queries"] == 100
+    assert s["sla_met"] is True and s["sla_latency_ms"] == 1.0
+    assert s["latency_max_ms"] == 1.0 and s["late_queries"] == 0
+    assert s["queries_per_s"] == 10.0 and s["samples_per_s"] == 100.0
+    assert s["queue_mean_ms"] == 0.0 and s["compute_mean_ms"] == 1.0
+
+
+def test_summarize_late_queries_count_only_ok_over_sla():
+    recs = [
+        _rec(0, latency=4.0),
+        _rec(1, latency=5.0),
+        _rec(2, latency=5.5),
+        _rec(3, latency=9.0),
+        _rec(4, "failed", latency=100.0),
+        _rec(5, "rejected", latency=100.0),
+        _rec(6, "dropped", latency=100.0),
+    ]
+    s = _summary(recs, sla_ms=5.0, sla_percentile=50.0)
+    assert s["late_queries"] == 2
+    # SLA over 6 counted queries: 4, 5, 5.5, 9, inf, inf -> rank ceil(3) = 3 -> 5.5 ms > 5 ms
+    assert s["sla_latency_ms"] == 5.5 and s["sla_met"] is False
+    assert s["latency_p50_ms"] == 5.0 and s["latency_max_ms"] == 9.0
+
+
+def test_summarize_batches_per_distinct_batch_id():
+    # batch 0: 3 queries of 10 samples (30); batch 1: 1 query of 50; batch 2: a failed batch of 2 x 5 samples
+    recs = [_rec(i, samples=10, batch=0, batch_samples=30, batch_queries=3) for i in range(3)]
+    recs.append(_rec(3, samples=50, batch=1, batch_samples=50, batch_queries=1))
+    recs += [_rec(4 + i, "failed", samples=5, batch=2, batch_samples=10, batch_queries=2) for i in range(2)]
+    recs.append(_rec(6, "dropped", samples=7))  # never batched
+    s = _summary(recs, duration_s=2.0, sla_ms=100.0, sla_percentile=50.0)
+    assert s["batches"] == 3
+    assert s["batch_samples_mean"] == pytest.approx(30.0)  # (30 + 50 + 10) / 3, not weighted by queries
+    assert s["batch_queries_mean"] == pytest.approx(2.0)  # (3 + 1 + 2) / 3
+    assert s["batch_samples_p50"] == 30.0 and s["batch_samples_p99"] == 50.0
+    assert s["samples_per_s"] == 40.0 and s["queries_per_s"] == 2.0  # ok only: 80 samples, 4 queries over 2 s
+
+
+def test_summarize_queue_share():
+    recs = [
+        _rec(0, latency=10.0, queue=4.0, compute=6.0),
+        _rec(1, latency=2.0, queue=1.0, compute=1.0),
+        _rec(2, latency=8.0, queue=0.0, compute=8.0),
+        _rec(3, "failed", latency=50.0, queue=50.0),
+    ]
+    s = _summary(recs, sla_ms=100.0, sla_percentile=50.0)
+    assert s["queue_share"] == pytest.approx(5.0 / 20.0)  # failed query excluded
+    assert s["queue_mean_ms"] == pytest.approx(5.0 / 3)
+    assert s["compute_mean_ms"] == pytest.approx(5.0)
+    assert s["latency_mean_ms"] == pytest.approx(20.0 / 3)
+
+
+def test_summarize_no_completions():
+    recs = [_rec(i, "dropped", latency=0.1) for i in range(5)]
+    s = _summary(recs)
+    assert s["queries"] == 5 and s["completed_queries"] == 0 and s["dropped_queries"] == 5
+    assert s["queries_per_s"] == 0.0 and s["samples_per_s"] == 0.0
+    assert all(s[f] is None for f in LATENCY_FIELDS)
+    assert s["latency_mean_ms"] is None and s["latency_max_ms"] is None and s["queue_share"] is None
+    assert s["batches"] == 0 and s["batch_samples_mean"] is None and s["batch_samples_p50"] is None
+    assert s["sla_met"] is False and s["sla_latency_ms"] is None
+
+
+def test_summarize_zero_duration_has_no_rate():
+    s = _summary([_rec(0)], duration_s=0.0)
+    assert s["queries_per_s"] is None and s["samples_per_s"] is None and s["completed_queries"] == 1
+
+
+# ---------------------------------------------------------------------------- parse_loadgen_summary
+
+SERVER_SUMMARY = """\
+================================================
+MLPerf Results Summary
+================================================
+SUT name : PySUT
+Scenario : Server
+Mode     : PerformanceOnly
+Completed samples per second    : 296.51
+Result is : VALID
+  Performance constraints satisfied : Yes
+  Min duration satisfied : Yes
+  Min queries satisfied : Yes
+  Early stopping satisfied: Yes
+
+================================================
+Additional Stats
+================================================
+Scheduled samples per second : 300.02
+Min latency (ns)                : 1020511
+Max latency (ns)                : 20993844
+Mean latency (ns)               : 3876251
+50.00 percentile latency (ns)   : 3320116
+90.00 percentile latency (ns)   : 6212087
+95.00 percentile latency (ns)   : 7100215
+97.00 percentile latency (ns)   : 7800119
+99.00 percentile latency (ns)   : 8673351
+99.90 percentile latency (ns)   : 15033012
+"""
+
+OFFLINE_SUMMARY = """\
+================================================
+MLPerf Results Summary
+================================================
+SUT name : PySUT
+Scenario : Offline
+Mode     : PerformanceOnly
+Samples per second: 1234.5
+Result is : INVALID
+  Min duration satisfied : NO
+  Min queries satisfied : Yes
+  Early stopping satisfied: Yes
+
+================================================
+Additional Stats
+================================================
+Min latency (ns)                : 7020511
+Max latency (ns)                : 980993844
+Mean latency (ns)               : 503876251
+50.00 percentile latency (ns)   : 503320116
+90.00 percentile latency (ns)   : 886212087
+99.00 percentile latency (ns)   : 970000000
+"""
+
+
+@pytest.fixture(scope="module")
+def parse_loadgen_summary():
+    from dlrm_lab.infer.drivers import parse_loadgen_summary
+
+    return parse_loadgen_summary
+
+
+def test_parse_loadgen_summary_server(tmp_path, parse_loadgen_summary):
+    path = tmp_path / "mlperf_log_summary.txt"
+    path.write_text(SERVER_SUMMARY)
+    got = parse_loadgen_summary(path)
+    assert got == {"loadgen_result": "VALID", "loadgen_queries_per_s": 296.51, "loadgen_p99_ms": 8.673351}
+
+
+def test_parse_loadgen_summary_offline(tmp_path, parse_loadgen_summary):
+    path = tmp_path / "mlperf_log_summary.txt"
+    path.write_text(OFFLINE_SUMMARY)
+    got = parse_loadgen_summary(path)
+    assert got == {"loadgen_result": "INVALID", "loadgen_queries_per_s": 1234.5, "loadgen_p99_ms": 970.0}
+
+
+def test_parse_loadgen_summary_scheduled_rate_fallback(tmp_path, parse_loadgen_summary):
+    path = tmp_path / "mlperf_log_summary.txt"
+    path.write_text("Result is : VALID\nScheduled samples per second : 99.5\n")
+    got = parse_loadgen_summary(path)
+    assert got == {"loadgen_result": "VALID", "loadgen_queries_per_s": 99.5, "loadgen_p99_ms": None}
+
+
+def test_parse_loadgen_summary_missing_file(tmp_path, parse_loadgen_summary):
+    got = parse_loadgen_summary(tmp_path / "nope" / "mlperf_log_summary.txt")
+    assert got == {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
+
+
+def test_parse_loadgen_summary_unrelated_text(tmp_path, parse_loadgen_summary):
+    path = tmp_path / "mlperf_log_summary.txt"
+    path.write_text("LoadGen crashed before writing a summary\n")
+    got = parse_loadgen_summary(path)
+    assert got == {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
