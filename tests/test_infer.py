@@ -46,11 +46,12 @@ def _drain(server: InferenceServer) -> list[dict]:
 def test_scores_equal_the_model_on_the_same_samples(server):
     spec = server.models["tiny"].spec
     got = Collector()
-    queries = [(0, 5), (100, 1), (7, 30), (2000, 64)]
+    queries = [(0, 5), (100, 1), (7, 30), (2000, 64), (3000, 150)]  # the last one is split 64 + 64 + 22
     for k, (offset, size) in enumerate(queries):
         server.submit(Query(k, "tiny", size, offset, on_done=got))
     records = _drain(server)
-    assert sorted(r["query_id"] for r in records) == [0, 1, 2, 3]
+    assert sorted(r["query_id"] for r in records) == [0, 1, 2, 3, 4]
+    assert [r["pieces"] for r in sorted(records, key=lambda r: r["query_id"])] == [1, 1, 1, 1, 3]
     assert all(r["status"] == "ok" for r in records)
     torch.manual_seed(SEED)
     model = build_model(spec).eval()
@@ -64,12 +65,12 @@ def test_scores_equal_the_model_on_the_same_samples(server):
         np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-6)
 
 
-def test_batcher_packs_queries_up_to_max_batch_and_never_splits(server):
+def test_batcher_packs_queries_up_to_max_batch_and_splits_larger_ones(server):
     server.configure("tiny", max_batch=64, max_delay_ms=20.0)
     try:
         for k in range(40):  # 40 queries of 10 samples arrive together: batches of at most 6 queries
             server.submit(Query(k, "tiny", 10, k))
-        server.submit(Query(99, "tiny", 100, 0))  # larger than max_batch: goes alone, whole
+        server.submit(Query(99, "tiny", 100, 0))  # larger than max_batch: a full piece, the rest packs on
         records = _drain(server)
     finally:
         server.configure("tiny", max_batch=64, max_delay_ms=2.0)
@@ -78,10 +79,11 @@ def test_batcher_packs_queries_up_to_max_batch_and_never_splits(server):
         assert r["status"] == "ok"
         by_batch.setdefault(r["batch_id"], []).append(r)
     big = next(r for r in records if r["query_id"] == 99)
-    assert big["batch_samples"] == 100 and big["batch_queries"] == 1
-    sizes = [sum(r["samples"] for r in rs) for b, rs in by_batch.items() if b != big["batch_id"]]
-    assert max(sizes) <= 64 and max(sizes) == 60  # six 10-sample queries fill a 64-sample batch
-    assert all(len(rs) == rs[0]["batch_queries"] for rs in by_batch.values())
+    assert big["pieces"] == 2 and big["batch_samples"] <= 64  # 64 now, 36 with later queries
+    assert all(r["batch_samples"] <= 64 for r in records)
+    small = {b: rs for b, rs in by_batch.items() if all(r["query_id"] != 99 for r in rs)}
+    assert max(sum(r["samples"] for r in rs) for rs in small.values()) == 60  # six 10-sample queries fill 64
+    assert all(len(rs) == rs[0]["batch_queries"] for rs in small.values())
     assert {r["instance"] for r in records} == {0, 1}  # both co-located instances served
     for r in records:  # times are ordered per query
         assert r["scheduled_ms"] <= r["issued_ms"] <= r["start_ms"] <= r["end_ms"]

@@ -92,7 +92,9 @@ def run_command(
     percentile: Percentile = 99.0,
     instances: Instances = 1,
     threads: Threads = 1,
-    max_batch: Annotated[int, typer.Option(help="Largest batch in samples (queries are never split).")] = 256,
+    max_batch: Annotated[
+        int, typer.Option(help="Largest batch in samples (larger queries are split across instances).")
+    ] = 256,
     max_delay_ms: Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")] = 1.0,
     max_queue: MaxQueue = 4096,
     precision: Precision = "fp32",
@@ -169,6 +171,9 @@ def _print_points(run_dir: Any) -> None:
 @app.command("search")
 def search_command(
     model: Models = None,
+    scenario: Annotated[
+        str, typer.Option(help="Load of each probe: open-loop (our generator) or server (MLPerf LoadGen).")
+    ] = "open-loop",
     query_size: Annotated[str, typer.Option(help="Samples per query (see `infer run --help`).")] = "fixed:1",
     arrival: Arrival = "poisson",
     sla_ms: Annotated[float, typer.Option(help="Latency bound in ms.")] = 10.0,
@@ -219,8 +224,8 @@ def search_command(
                       _parse_list(max_delay_ms, float, "--max-delay-ms"))  # fmt: skip
     if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):
         raise UserError("--max-batch values must be >= 1 and --max-delay-ms values >= 0")
-    cfg = InferConfig(duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed, device=device,
-                      pin_cores=pin_cores)  # fmt: skip
+    cfg = InferConfig(scenario=scenario, duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed,
+                      device=device, pin_cores=pin_cores)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration)
     (base,) = _served(names, table_scale, max_rows, max_queue=max_queue, precision=precision,
                       table_precision=table_precision, data_spec=data_spec)  # fmt: skip

@@ -336,8 +336,12 @@ def search(
     the rate in (0, 1.05 C]: each probed rate is run `repeats` times (open loop) and passes
     when the median `sla_latency_ms` (dropped queries infinitely late) is within the bound.
     The answer is the highest passing rate, reported with half the final bracket as its
-    uncertainty. Instances are started once per (instances, threads) layout.
+    uncertainty. Instances are started once per (instances, threads) layout. The load of
+    each probe is our open-loop generator or MLPerf LoadGen's Server scenario
+    (`cfg.scenario`); either way the verdict is computed from our own query records.
     """
+    if cfg.scenario not in ("open-loop", "server"):
+        raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
     config = {
         "infer": cfg.to_dict(),
         "model": base.describe(),
@@ -368,7 +372,7 @@ def search(
                         qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
                         rows = []
                         for rep in range(options.repeats):
-                            point = Point(point_index, [replace(stream, qps=qps)], "together", "open-loop",
+                            point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
                                           extra={"repeat": rep, "probe": probes})  # fmt: skip
                             point_index += 1
                             (row,) = measure(server, point, cfg, queries, run.dir)

@@ -25,6 +25,7 @@ QUERY_SCHEMA = pa.schema(
         ("batch_samples", pa.int32()),
         ("batch_queries", pa.int32()),
         ("instance", pa.int32()),
+        ("pieces", pa.int32()),
         ("late", pa.bool_()),
         ("error", pa.string()),
     ]

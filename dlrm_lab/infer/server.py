@@ -3,8 +3,8 @@
     submit(query) -> bounded queue per model -> batcher thread -> task queue -> instances
     instances -> result queue -> completion thread -> query records, callbacks
 
-A batcher packs queued queries into a batch of at most `max_batch` samples (a query is
-never split; a larger one goes alone) and sends it once an instance is free and either
+A batcher packs queued queries into a batch of at most `max_batch` samples (a larger
+query is split into pieces that instances serve in parallel) and sends it once an instance is free and either
 the batch is full or its oldest query has waited `max_delay_ms`. Only free instances get
 batches, so while all are busy queries keep accumulating into larger batches, as in
 DeepRecSys' and Triton's dynamic batchers. Beyond `max_queue` waiting queries a new
@@ -102,6 +102,15 @@ class Query:
     issued_ns: int = 0  # when it reached submit()
     on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)
     tag: Any = None  # the driver's own reference (e.g. LoadGen's sample id)
+    # Progress through the server (a query larger than max_batch is served in pieces).
+    dispatched: int = 0  # samples sent to instances
+    pieces: int = 0
+    done_pieces: int = 0
+    first_start_ns: int | None = None
+    compute_ns: int = 0
+    status: str = "ok"
+    error: str | None = None
+    scores: np.ndarray | None = None
 
 
 @dataclass
@@ -147,7 +156,7 @@ class InferenceServer:
         self._procs: list[Any] = []
         self._switch_interval = sys.getswitchinterval()
         self._pools: dict[str, _Pool] = {}
-        self._in_flight: dict[int, tuple[str, list[Query], int]] = {}
+        self._in_flight: dict[int, tuple[str, list[tuple[Query, int, int]]]] = {}
         self._records: list[dict[str, Any]] = []
         self._records_lock = threading.Lock()
         self._next_batch = 0
@@ -273,12 +282,12 @@ class InferenceServer:
             conn.close()
         sys.setswitchinterval(self._switch_interval)
         now = time.monotonic_ns()
+        unfinished = {id(q): q for pool in self._pools.values() for q in pool.waiting}
+        unfinished.update({id(q): q for _, pieces in self._in_flight.values() for q, _, _ in pieces})
         for pool in self._pools.values():
-            while pool.waiting:
-                self._finish(pool.waiting.popleft(), "unfinished", now=now, error="server stopped")
-        for _, queries, _ in list(self._in_flight.values()):
-            for q in queries:
-                self._finish(q, "unfinished", now=now, error="server stopped")
+            pool.waiting.clear()
+        for q in unfinished.values():
+            self._finish(q, "unfinished", now=now, error="server stopped")
         self._in_flight.clear()
         for snap in self._snapshots:
             shutil.rmtree(snap, ignore_errors=True)
@@ -378,29 +387,59 @@ class InferenceServer:
                     if self._stopping:
                         return
                     if pool.waiting and pool.free:
-                        waited_s = (time.monotonic_ns() - pool.waiting[0].issued_ns) / 1e9
+                        head = pool.waiting[0]
+                        waited_s = (time.monotonic_ns() - head.issued_ns) / 1e9
                         left_s = m.max_delay_ms / 1e3 - waited_s
-                        if pool.waiting_samples >= m.max_batch or left_s <= 0:
+                        if pool.waiting_samples >= m.max_batch or left_s <= 0 or head.dispatched:
                             break
                         pool.cond.wait(left_s)
                     else:
                         pool.cond.wait()
-                batch, samples = [pool.waiting.popleft()], 0
-                samples = batch[0].size
-                while pool.waiting and samples + pool.waiting[0].size <= m.max_batch:
-                    q = pool.waiting.popleft()
-                    batch.append(q)
-                    samples += q.size
-                pool.waiting_samples -= samples
+                pieces = self._take_batch(pool, m.max_batch)
                 instance = pool.free.popleft()
                 batch_id = self._next_batch
                 self._next_batch += 1
-                self._in_flight[batch_id] = (name, batch, samples)
-            refs = [QueryRef(q.query_id, q.size, q.offset, q.payload) for q in batch]
+                self._in_flight[batch_id] = (name, pieces)
+            refs = []
+            for q, lo, hi in pieces:
+                payload = (
+                    None if q.payload is None else q.payload.slice(lo, hi) if (lo, hi) != (0, q.size) else q.payload
+                )
+                refs.append(QueryRef(q.query_id, hi - lo, q.offset + lo, payload))
             try:
                 self._conns[instance].send((batch_id, refs))
             except (OSError, ValueError):
                 return  # the instance is gone: check() reports it
+
+    @staticmethod
+    def _take_batch(pool: _Pool, max_batch: int) -> list[tuple[Query, int, int]]:
+        """Pieces (query, lo, hi) of the next batch; called with the pool's lock held.
+
+        Whole queries are packed while they fit. A query larger than `max_batch` is split
+        (DeepRecSys' query splitting): a full batch of its samples goes now, the rest stays
+        at the head of the queue for the next free instance, so co-located instances work
+        on one large query in parallel.
+        """
+        head = pool.waiting[0]
+        if head.size - head.dispatched > max_batch:
+            lo = head.dispatched
+            head.dispatched += max_batch
+            head.pieces += 1
+            pool.waiting_samples -= max_batch
+            return [(head, lo, lo + max_batch)]
+        pieces, samples = [], 0
+        while pool.waiting:
+            q = pool.waiting[0]
+            rest = q.size - q.dispatched
+            if pieces and samples + rest > max_batch:
+                break
+            pool.waiting.popleft()
+            pieces.append((q, q.dispatched, q.size))
+            q.dispatched = q.size
+            q.pieces += 1
+            samples += rest
+        pool.waiting_samples -= samples
+        return pieces
 
     def _complete_loop(self) -> None:
         conns = {id(c): c for c in self._conns.values()}
@@ -423,29 +462,36 @@ class InferenceServer:
 
     def _complete(self, msg: BatchResult) -> None:
         now = time.monotonic_ns()
-        name, batch, samples = self._in_flight.pop(msg.batch_id)
+        name, pieces = self._in_flight.pop(msg.batch_id)
         pool = self._pools[name]
         with pool.cond:
             pool.free.append(msg.instance)
             pool.cond.notify()
-        pos = 0
-        common = {
+        batch = {
             "batch_id": msg.batch_id,
-            "batch_samples": samples,
-            "batch_queries": len(batch),
+            "batch_samples": sum(hi - lo for _, lo, hi in pieces),
+            "batch_queries": len(pieces),
             "instance": msg.instance,
-            "start_ns": msg.start_ns,
-            "compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
         }
-        for q in batch:
+        pos = 0
+        for q, lo, hi in pieces:
+            if q.first_start_ns is None or msg.start_ns < q.first_start_ns:
+                q.first_start_ns = msg.start_ns
+            q.compute_ns += msg.end_ns - msg.start_ns
             if q.query_id in msg.rejected:
-                self._finish(q, "rejected", now=now, error=msg.rejected[q.query_id], **common)
+                q.status, q.error = "rejected", msg.rejected[q.query_id]
             elif msg.error is not None:
-                self._finish(q, "failed", now=now, error=msg.error, **common)
+                if q.status != "rejected":
+                    q.status, q.error = "failed", msg.error
             else:
-                scores = msg.scores[pos : pos + q.size] if msg.scores is not None else None
-                pos += q.size
-                self._finish(q, "ok", now=now, scores=scores, **common)
+                if msg.scores is not None:
+                    if q.scores is None:
+                        q.scores = np.empty(q.size, dtype=np.float32)
+                    q.scores[lo:hi] = msg.scores[pos : pos + hi - lo]
+                pos += hi - lo
+            q.done_pieces += 1
+            if q.dispatched == q.size and q.done_pieces == q.pieces:
+                self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
 
     def _finish(
         self,
@@ -459,10 +505,10 @@ class InferenceServer:
         batch_samples: int | None = None,
         batch_queries: int | None = None,
         instance: int | None = None,
-        start_ns: int | None = None,
-        compute_ms: float | None = None,
     ) -> None:
+        """Record a finished query (the batch fields are those of its last piece)."""
         e = self.epoch_ns
+        start_ns = q.first_start_ns
         record = {
             "query_id": q.query_id,
             "model": q.model,
@@ -474,7 +520,8 @@ class InferenceServer:
             "end_ms": (now - e) / 1e6,
             "latency_ms": (now - q.scheduled_ns) / 1e6,
             "queue_ms": None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
-            "compute_ms": compute_ms,
+            "compute_ms": q.compute_ns / 1e6 if start_ns is not None else None,
+            "pieces": q.pieces,
             "batch_id": batch_id,
             "batch_samples": batch_samples,
             "batch_queries": batch_queries,

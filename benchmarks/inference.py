@@ -1,0 +1,120 @@
+"""Latency-bounded inference throughput on this machine (issue 5's benchmark).
+
+    python benchmarks/inference.py            # all parts, ~15 min on 2 cores
+    python benchmarks/inference.py --quick    # shorter probes, fewer configurations
+
+Parts, each a real `dlrm-lab infer search` (closed-loop capacity, then bisection on the
+open-loop rate, p99 <= 10 ms decided by the median of repeats):
+  rm2  rm2 scaled to 10% rows (50k per table, 410 MB), DeepRecSys-like query sizes:
+       (a) batch 1, one instance; (b) best batching, one instance; (c) best batching and
+       co-location. Target (c) >= 10 x (a) in samples/s.
+  kaggle  the Criteo Kaggle shape with MLPerf query sizes (100-700 samples), bf16 dense:
+       the best layout and batching. Target >= 70k samples/s under p99 <= 10 ms.
+  loadgen  the kaggle winner searched again with MLPerf LoadGen's Server scenario as the
+       load: the two generators' latency-bounded rates should agree within 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from dlrm_lab.metrics.hardware import cpu_model
+
+RM2_SIZES = "lognormal:24,0.8"  # median 24 samples, mean ~33, heavy tail (DeepRecSys-like)
+
+
+def search(tmp: Path, *args: str) -> list[dict[str, Any]]:
+    root = tmp / f"search-{len(list(tmp.iterdir()))}"
+    cmd = [sys.executable, "-m", "dlrm_lab", "infer", "search", "--metrics-dir", str(root), *args]
+    print("$", " ".join(cmd[2:]), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    rows = pq.read_table(run_dir / "frontier.parquet").to_pylist()
+    for r in rows:
+        print(
+            f"  {r['instances']}x{r['threads_per_instance']} batch {r['max_batch']:>5} delay {r['max_delay_ms']:g} ms: "
+            f"{r['best_qps']:8.1f} +/- {r['best_qps_uncertainty']:.1f} queries/s, "
+            f"{r['best_samples_per_s']:9.0f} samples/s (capacity {r['capacity_queries_per_s']:.1f} q/s)",
+            flush=True,
+        )
+    return rows
+
+
+def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return max(rows, key=lambda r: r["best_samples_per_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="rm2,kaggle,loadgen")
+    ap.add_argument("--out", default=None, help="JSON results file (default: benchmarks/results-inference-DATE.json)")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    probe = ["--duration", "1.5" if args.quick else "3", "--repeats", "1" if args.quick else "3",
+             "--steps", "5" if args.quick else "6", "--capacity-duration", "2", "--sla-ms", "10",
+             "--percentile", "99"]  # fmt: skip
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "machine": cpu_model(),
+        "probe": probe,
+    }
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        if "rm2" in parts:
+            rm2 = ["--model", "rm2", "--table-scale", "0.1", "--query-size", RM2_SIZES, *probe]
+            a = search(tmp, *rm2, "--layouts", "1x1", "--max-batch", "1", "--max-delay-ms", "0")
+            batches = "16,64" if args.quick else "16,64,256"
+            b = search(tmp, *rm2, "--layouts", "1x1", "--max-batch", batches, "--max-delay-ms", "0.5,2")
+            c = search(tmp, *rm2, "--layouts", "2x1,1x2", "--max-batch", batches, "--max-delay-ms", "0.5,2")
+            ra, rb, rc = best(a), best(b), best(c)
+            results["rm2"] = {
+                "query_sizes": RM2_SIZES,
+                "a_batch1_one_instance": ra,
+                "b_best_batching_one_instance": rb,
+                "c_best_batching_colocated": rc,
+                "b_over_a": rb["best_samples_per_s"] / ra["best_samples_per_s"],
+                "c_over_a": rc["best_samples_per_s"] / ra["best_samples_per_s"],
+                "frontier": a + b + c,
+            }
+            print(f"rm2: (b)/(a) {results['rm2']['b_over_a']:.2f}x, (c)/(a) {results['rm2']['c_over_a']:.2f}x")
+        kaggle = ["--model", "kaggle", "--table-scale", "0.1", "--query-size", "mlperf", "--precision", "bf16"]
+        if "kaggle" in parts or "loadgen" in parts:
+            batches = "1024,2048" if args.quick else "1024,2048,4096"
+            k = search(tmp, *kaggle, *probe, "--layouts", "2x1,1x2", "--max-batch", batches, "--max-delay-ms", "1,3")
+            rk = best(k)
+            results["kaggle"] = {"best": rk, "frontier": k, "target_samples_per_s": 70_000}
+            print(f"kaggle: {rk['best_samples_per_s']:.0f} samples/s under p99 <= 10 ms")
+        if "loadgen" in parts:
+            layout = f"{rk['instances']}x{rk['threads_per_instance']}"
+            same = [
+                "--layouts",
+                layout,
+                "--max-batch",
+                str(rk["max_batch"]),
+                "--max-delay-ms",
+                f"{rk['max_delay_ms']:g}",
+            ]
+            open_loop = best(search(tmp, *kaggle, *probe, *same))
+            loadgen = best(search(tmp, *kaggle, *probe, *same, "--scenario", "server"))
+            ratio = loadgen["best_qps"] / open_loop["best_qps"] if open_loop["best_qps"] else None
+            results["loadgen_vs_open_loop"] = {"open_loop": open_loop, "loadgen_server": loadgen, "ratio": ratio}
+            print(f"LoadGen Server / open loop latency-bounded rate: {ratio:.3f}")
+    out = Path(args.out or Path(__file__).parent / f"results-inference-{results['date']}.json")
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
