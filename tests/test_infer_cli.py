@@ -76,7 +76,7 @@ def test_search_finds_a_rate_within_the_bound(tmp_path):
     out = run_cli(
         "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
         "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "3",
-        "--capacity-duration", "0.5", "--metrics-dir", str(tmp_path),
+        "--capacity-duration", "0.5", "--min-queries", "20", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     run_dir = _run_dir(tmp_path)

@@ -189,6 +189,10 @@ def search_command(
     steps: Annotated[int, typer.Option(help="Bisection probes per configuration at most.")] = 6,
     tolerance: Annotated[float, typer.Option(help="Stop when the bracket is this narrow (relative).")] = 0.05,
     capacity_duration: Annotated[float, typer.Option(help="Seconds of the closed-loop capacity run.")] = 2.0,
+    min_queries: Annotated[
+        int, typer.Option(help="A probe lasts until this many queries arrived (for a stable percentile)...")
+    ] = 500,
+    max_probe_duration: Annotated[float, typer.Option(help="... but at most this many seconds.")] = 20.0,
     max_queue: MaxQueue = 4096,
     precision: Precision = "fp32",
     table_precision: TablePrecision = "fp32",
@@ -226,7 +230,8 @@ def search_command(
         raise UserError("--max-batch values must be >= 1 and --max-delay-ms values >= 0")
     cfg = InferConfig(scenario=scenario, duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed,
                       device=device, pin_cores=pin_cores)  # fmt: skip
-    options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration)
+    options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
+                            min_queries=min_queries, max_duration_s=max_probe_duration)  # fmt: skip
     (base,) = _served(names, table_scale, max_rows, max_queue=max_queue, precision=precision,
                       table_precision=table_precision, data_spec=data_spec)  # fmt: skip
     stream = Stream(base.name, 1.0, QuerySizes.parse(query_size), Arrivals(arrival))

@@ -14,6 +14,7 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import traceback
@@ -201,6 +202,8 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         runner = _Runner(model, library, device, plan.precision)
         for size in sorted({1, plan.warmup_batch}):  # first calls allocate and JIT: keep them out of latency
             runner([QueryRef(-1, size, 0)])
+        gc.collect()
+        gc.freeze()  # the model's objects never die: keep them out of every later collection
         conn.send(("ready", None))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
         conn.send(("ready", f"{type(exc).__name__}: {exc}"))

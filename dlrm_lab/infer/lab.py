@@ -7,6 +7,7 @@ every configuration that meets the latency bound).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -112,13 +113,14 @@ class _CpuMeter:
 
 @dataclass
 class Point:
-    """One load point: these streams against the server, for `cfg.duration_s`."""
+    """One load point: these streams against the server, for `duration_s` (default: the config's)."""
 
     index: int
     streams: list[Stream]
     mode: str = "together"
     scenario: str = "open-loop"
     extra: dict[str, Any] = field(default_factory=dict)  # columns added to each summary row
+    duration_s: float | None = None
 
 
 def measure(
@@ -130,6 +132,8 @@ def measure(
     log: Log | None = None,
 ) -> list[dict[str, Any]]:
     """Drive one point and summarise it per model. Query rows are written as they finish."""
+    if point.duration_s is not None:
+        cfg = replace(cfg, duration_s=point.duration_s)
     meter = _CpuMeter(server)
     server.take_records()  # nothing from a previous point leaks in
     if point.scenario in LOADGEN_SCENARIOS:
@@ -147,8 +151,11 @@ def measure(
         records.extend(rows)
         queries.extend(rows)
 
+    # Records are plain dicts without cycles; a full collection over them pauses every
+    # thread of this process for tens of ms, which is then measured as tail latency.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     meter.start()
-    start = time.monotonic()
     driver.start()
     try:
         while not driver.join(timeout=0.25):
@@ -164,6 +171,9 @@ def measure(
         driver.stop()
         pump()
         raise
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     pump()
     cpu = meter.stop()
     stats: DriverStats = driver.stats
@@ -195,7 +205,6 @@ def measure(
         rows.append(row)
         if log:
             log(point_line(row))
-    del start
     return rows
 
 
@@ -288,12 +297,19 @@ class SearchOptions:
     steps: int = 6  # bisection probes per configuration at most
     tolerance: float = 0.05  # stop when the bracket is this narrow relative to its top
     capacity_s: float = 2.0  # closed-loop saturation run that bounds the search
+    min_queries: int = 500  # a probe lasts long enough for this many queries (p99 = the 5th worst of 500) ...
+    max_duration_s: float = 20.0  # ... but at most this long
 
     def __post_init__(self) -> None:
-        if self.repeats < 1 or self.steps < 1 or not 0 < self.tolerance < 1 or self.capacity_s <= 0:
+        if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
             raise UserError(
-                f"search options: repeats {self.repeats} and steps {self.steps} must be >= 1, tolerance "
-                f"{self.tolerance} in (0, 1), capacity duration {self.capacity_s} > 0"
+                f"--repeats {self.repeats}, --steps {self.steps}, --min-queries {self.min_queries}: must be >= 1"
+            )
+        if not 0 < self.tolerance < 1:
+            raise UserError(f"--tolerance {self.tolerance}: must be in (0, 1)")
+        if not (self.capacity_s > 0 and self.max_duration_s > 0):
+            raise UserError(
+                f"--capacity-duration {self.capacity_s}, --max-probe-duration {self.max_duration_s}: must be > 0"
             )
 
 
@@ -372,8 +388,9 @@ def search(
                         qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
                         rows = []
                         for rep in range(options.repeats):
+                            seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
                             point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
-                                          extra={"repeat": rep, "probe": probes})  # fmt: skip
+                                          extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
                             point_index += 1
                             (row,) = measure(server, point, cfg, queries, run.dir)
                             rows.append(row)

@@ -17,7 +17,6 @@ import collections
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -154,7 +153,6 @@ class InferenceServer:
         self._ctx = mp.get_context("spawn")  # fork after torch's OpenMP pool was used can hang
         self._conns: dict[int, Any] = {}  # instance -> parent end of its pipe
         self._procs: list[Any] = []
-        self._switch_interval = sys.getswitchinterval()
         self._pools: dict[str, _Pool] = {}
         self._in_flight: dict[int, tuple[str, list[tuple[Query, int, int]]]] = {}
         self._records: list[dict[str, Any]] = []
@@ -225,9 +223,6 @@ class InferenceServer:
         except BaseException:
             self.stop()
             raise
-        # Batcher, driver and completion threads hand the GIL to each other per query: at
-        # the default 5 ms switch interval a waiting thread can stall for 5 ms.
-        sys.setswitchinterval(min(self._switch_interval, 2e-4))
         self._completion = threading.Thread(target=self._complete_loop, name="dlrm-lab-completion", daemon=True)
         self._completion.start()
         for name, pool in self._pools.items():
@@ -280,7 +275,6 @@ class InferenceServer:
             self._completion.join(timeout=5)
         for conn in self._conns.values():
             conn.close()
-        sys.setswitchinterval(self._switch_interval)
         now = time.monotonic_ns()
         unfinished = {id(q): q for pool in self._pools.values() for q in pool.waiting}
         unfinished.update({id(q): q for _, pieces in self._in_flight.values() for q, _, _ in pieces})
