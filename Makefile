@@ -18,11 +18,14 @@ $(STAMP): pyproject.toml requirements-cpu.txt packaging/fbgemm-gpu-cpushim/pypro
 install: $(STAMP)
 
 # The main job: a Criteo-shaped synthetic dataset (generated once, checked against its
-# spec), the Kaggle DLRM (tables capped at 1M rows) trained on it, and the runs so far.
+# spec), the Kaggle DLRM (tables capped at 1M rows) trained on it, the same model served
+# under MLPerf-sized queries (two co-located instances, p99 bound 10 ms), and the runs so far.
 run: $(STAMP) $(DATA)/kaggle/dataset.json
 	$(BIN)/dlrm-lab data stats $(DATA)/kaggle --strict
 	$(BIN)/dlrm-lab train $(KAGGLE) --data $(DATA)/kaggle --steps 300 --batch-size 2048 \
 		--precision bf16 --eval-every 100 --metrics-dir $(METRICS)
+	$(BIN)/dlrm-lab infer run $(KAGGLE) --query-size mlperf --qps 100 --duration 10 --instances 2 \
+		--max-batch 2048 --max-delay-ms 2 --precision bf16 --sla-ms 10 --metrics-dir $(METRICS)
 	$(BIN)/dlrm-lab runs list $(METRICS)
 
 $(DATA)/kaggle/dataset.json: | $(STAMP)
@@ -39,6 +42,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py
 	$(BIN)/python benchmarks/data_gen.py
+	$(BIN)/python benchmarks/inference.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info $(DATA)

@@ -186,3 +186,30 @@ def test_a_dead_instance_fails_the_server_with_its_name():
             time.sleep(0.1)
         with pytest.raises(RuntimeError, match=rf"instance 0 \(pid {pid}\) exited with code -9"):
             s.check()
+
+
+@pytest.mark.parametrize("scenario", ["offline", "single-stream", "multi-stream"])
+def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario):
+    from dlrm_lab.infer.drivers import Stream
+    from dlrm_lab.infer.lab import InferConfig, Point, measure
+    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.metrics.run import Run
+
+    cfg = InferConfig(scenario=scenario, duration_s=0.5, sla_ms=50)
+    stream = Stream("tiny", 200.0, QuerySizes.parse("fixed:2"))
+    with Run.create(tmp_path, "infer", {}) as run:
+        (row,) = measure(
+            server, Point(0, [stream], scenario=scenario), cfg, run.table("queries", QUERY_SCHEMA), run.dir
+        )
+    assert row["scenario"] == scenario and row["loadgen_result"] in ("VALID", "INVALID")
+    assert (run.dir / "loadgen" / "point-0" / "mlperf_log_summary.txt").exists()
+    assert row["completed_queries"] > 0 and row["dropped_queries"] == 0
+    assert row["queries"] == row["completed_queries"] and row["loadgen_p99_ms"] > 0
+    if scenario != "multi-stream":  # LoadGen reports no rate for multi-stream
+        assert row["loadgen_queries_per_s"] > 0
+    if scenario == "offline":  # every query issued at once, then served in full batches
+        assert row["batch_samples_mean"] > 16
+    if scenario == "single-stream":  # one query at a time: never batched with another
+        assert row["batch_queries_mean"] == 1.0
+    assert server.models["tiny"].max_queue == 4096  # restored after an offline point

@@ -533,3 +533,16 @@ def test_parse_loadgen_summary_unrelated_text(tmp_path, parse_loadgen_summary):
     path.write_text("LoadGen crashed before writing a summary\n")
     got = parse_loadgen_summary(path)
     assert got == {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
+
+
+def test_parse_loadgen_summary_single_stream_rate_is_queries_times_samples_per_query(tmp_path, parse_loadgen_summary):
+    path = tmp_path / "mlperf_log_summary.txt"
+    path.write_text(
+        "Scenario : SingleStream\nResult is : INVALID\nQPS w/ loadgen overhead         : 344.35\n"
+        "99.00 percentile latency (ns)   : 5405702\nsamples_per_query : 1\n"
+    )
+    assert parse_loadgen_summary(path) == {
+        "loadgen_result": "INVALID",
+        "loadgen_queries_per_s": 344.35,
+        "loadgen_p99_ms": 5.405702,
+    }

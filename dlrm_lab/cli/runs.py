@@ -12,7 +12,7 @@ from rich.table import Table
 from dlrm_lab.cli.format import console
 from dlrm_lab.metrics.run import find_runs, recover_run
 
-app = typer.Typer(help="Run directories written by train (and later infer, serve).", no_args_is_help=True)
+app = typer.Typer(help="Run directories written by train, scale and infer.", no_args_is_help=True)
 
 
 def _fmt(value: object, spec: str) -> str:
@@ -25,8 +25,8 @@ def list_runs(
 ) -> None:
     """One line per run: id, kind, status, preset, throughput, quality, duration."""
     table = Table(title=str(directory))
-    for col in ("run_id", "status", "preset", "ranks", "batch", "steps", "samples/s", "AUC", "secs"):
-        left = col in ("run_id", "status", "preset")
+    for col in ("run_id", "kind", "status", "preset", "ranks", "batch", "steps", "samples/s", "AUC", "secs"):
+        left = col in ("run_id", "kind", "status", "preset")
         table.add_column(col, justify="left" if left else "right", no_wrap=col == "run_id")
     for run_dir in find_runs(directory):
         manifest = recover_run(run_dir)
@@ -36,6 +36,7 @@ def list_runs(
             summary = rows[0] if rows else {}
         table.add_row(
             manifest["run_id"],
+            manifest.get("kind", "?"),
             manifest.get("status", "?"),
             summary.get("preset") or manifest.get("config", {}).get("model", {}).get("name", "?"),
             _fmt(summary.get("world_size"), "d"),

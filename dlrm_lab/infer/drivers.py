@@ -315,6 +315,10 @@ def parse_loadgen_summary(path: Path) -> dict[str, Any]:
         or grab(r"^Samples per second\s*:\s*([\d.]+)")
         or grab(r"^Scheduled samples per second\s*:\s*([\d.]+)")
     )
+    if rate is None:  # single- and multi-stream report LoadGen queries/s; each holds samples_per_query
+        qps = grab(r"^QPS w/ loadgen overhead\s*:\s*([\d.]+)")
+        per_query = grab(r"^samples_per_query\s*:\s*(\d+)") or "1"
+        rate = str(float(qps) * int(per_query)) if qps else None
     p99 = grab(r"^99\.00 percentile latency \(ns\)\s*:\s*(\d+)")
     return {
         "loadgen_result": grab(r"^Result is\s*:\s*(\w+)"),

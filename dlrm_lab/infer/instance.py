@@ -86,13 +86,19 @@ def write_snapshot(
     if table_precision != "fp32" and device == "cpu":
         model = quantize_tables(model, table_precision)  # on GPU each instance quantises on its device
     torch.save(model, directory / "model.pt")
-    offsets = [np.concatenate([[0], np.cumsum(ln, dtype=np.int64)]) for ln in library.lengths]
+    # Feature-major like a KJT: all ids of feature 0, then feature 1, ...; starts[f, s] is
+    # where sample s's ids of feature f begin, so a batch is gathered with a few numpy ops.
+    lengths = np.stack([np.asarray(ln, dtype=np.int32) for ln in library.lengths])
+    bases = np.cumsum([0] + [len(v) for v in library.values[:-1]], dtype=np.int64)
+    starts = np.stack(
+        [b + np.concatenate([[0], np.cumsum(ln[:-1], dtype=np.int64)]) for b, ln in zip(bases, lengths, strict=True)]
+    )
     torch.save(
         {
             "dense": torch.from_numpy(np.ascontiguousarray(library.dense, dtype=np.float32)),
-            "lengths": [torch.from_numpy(np.ascontiguousarray(ln, dtype=np.int32)) for ln in library.lengths],
-            "values": [torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for v in library.values],
-            "offsets": [torch.from_numpy(o) for o in offsets],
+            "lengths": torch.from_numpy(lengths),
+            "starts": torch.from_numpy(starts),
+            "values": torch.from_numpy(np.concatenate(library.values).astype(np.int64, copy=False)),
         },
         directory / "library.pt",
     )
@@ -116,10 +122,10 @@ class SampleLibrary:
 
     def __init__(self, path: Path, spec: ModelSpec) -> None:
         lib = torch.load(path, mmap=True)
-        self.dense: torch.Tensor = lib["dense"]
-        self.lengths: list[torch.Tensor] = lib["lengths"]
-        self.values: list[torch.Tensor] = lib["values"]
-        self.offsets: list[torch.Tensor] = lib["offsets"]
+        self.dense: np.ndarray = lib["dense"].numpy()  # [samples, num_dense]
+        self.lengths: np.ndarray = lib["lengths"].numpy()  # [features, samples]
+        self.starts: np.ndarray = lib["starts"].numpy()  # [features, samples]
+        self.values: np.ndarray = lib["values"].numpy()  # all ids, feature-major
         self.spec = spec
         self.keys = spec.feature_names
         self.rows = [t.num_embeddings for t in spec.tables for _ in t.feature_names]
@@ -127,24 +133,40 @@ class SampleLibrary:
     def batch(self, refs: list[QueryRef]) -> tuple[torch.Tensor, Any]:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        dense = torch.cat([self._dense(r) for r in refs]) if len(refs) > 1 else self._dense(refs[0])
+        if any(r.payload is not None for r in refs):
+            dense, lengths, values = self._inline(refs)
+        else:
+            # Hand-vectorised ragged gather: a per-query, per-feature loop of tensor slices
+            # costs ~4 ms for 25 one-sample rm2 queries; these few numpy ops cost ~0.2 ms.
+            sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
+            firsts = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
+            samples = np.repeat(firsts - np.cumsum(sizes) + sizes, sizes) + np.arange(sizes.sum())
+            dense = self.dense[samples]
+            lengths = self.lengths[:, samples].ravel()
+            starts = self.starts[:, samples].ravel()
+            ids_before = np.cumsum(lengths) - lengths
+            values = self.values[np.repeat(starts - ids_before, lengths) + np.arange(int(lengths.sum()))]
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=self.keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths)
+        )
+        return torch.from_numpy(np.ascontiguousarray(dense)), kjt
+
+    def _inline(self, refs: list[QueryRef]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Queries that carry their own samples (and library queries mixed with them)."""
+        blocks = [r.payload if r.payload is not None else self._block(r) for r in refs]
+        dense = np.concatenate([np.asarray(b.dense, dtype=np.float32) for b in blocks])
         lengths, values = [], []
         for f in range(len(self.keys)):
-            for r in refs:
-                if r.payload is not None:
-                    lengths.append(torch.from_numpy(np.ascontiguousarray(r.payload.lengths[f], dtype=np.int32)))
-                    values.append(torch.from_numpy(np.ascontiguousarray(r.payload.values[f], dtype=np.int64)))
-                else:
-                    off = self.offsets[f]
-                    lengths.append(self.lengths[f][r.offset : r.offset + r.size])
-                    values.append(self.values[f][int(off[r.offset]) : int(off[r.offset + r.size])])
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=self.keys, values=torch.cat(values), lengths=torch.cat(lengths))
-        return dense, kjt
+            for b in blocks:
+                lengths.append(np.asarray(b.lengths[f], dtype=np.int32))
+                values.append(np.asarray(b.values[f], dtype=np.int64))
+        return dense, np.concatenate(lengths), np.concatenate(values)
 
-    def _dense(self, r: QueryRef) -> torch.Tensor:
-        if r.payload is not None:
-            return torch.from_numpy(np.ascontiguousarray(r.payload.dense, dtype=np.float32))
-        return self.dense[r.offset : r.offset + r.size]
+    def _block(self, r: QueryRef) -> SampleBlock:
+        lo, hi = r.offset, r.offset + r.size
+        lengths = [self.lengths[f, lo:hi] for f in range(len(self.keys))]
+        values = [self.values[self.starts[f, lo] : self.starts[f, lo] + ln.sum()] for f, ln in enumerate(lengths)]
+        return SampleBlock(lo, self.dense[lo:hi], np.zeros(hi - lo, dtype=np.float32), lengths, values)
 
     def validate(self, r: QueryRef) -> str | None:
         """Why an inline query cannot be served, or None. Library queries are valid by construction."""

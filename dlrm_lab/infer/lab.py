@@ -136,6 +136,13 @@ def measure(
         cfg = replace(cfg, duration_s=point.duration_s)
     meter = _CpuMeter(server)
     server.take_records()  # nothing from a previous point leaks in
+    restore_queue = {}
+    if point.scenario == "offline":  # LoadGen issues every query at once: the queue must hold them
+        for s in point.streams:
+            need = int(s.qps * cfg.duration_s * 1.5) + 64
+            if server.models[s.model].max_queue < need:
+                restore_queue[s.model] = server.models[s.model].max_queue
+                server.configure(s.model, max_queue=need)
     if point.scenario in LOADGEN_SCENARIOS:
         driver: Any = LoadGenDriver(
             server, point.streams[0], point.scenario, duration_s=cfg.duration_s, sla_ms=cfg.sla_ms,
@@ -174,6 +181,8 @@ def measure(
     finally:
         if gc_was_enabled:
             gc.enable()
+        for model, bound in restore_queue.items():
+            server.configure(model, max_queue=bound)
     pump()
     cpu = meter.stop()
     stats: DriverStats = driver.stats

@@ -14,6 +14,7 @@ query is dropped at once (recorded), so memory stays bounded under overload.
 from __future__ import annotations
 
 import collections
+import itertools
 import multiprocessing as mp
 import os
 import shutil
@@ -157,7 +158,7 @@ class InferenceServer:
         self._in_flight: dict[int, tuple[str, list[tuple[Query, int, int]]]] = {}
         self._records: list[dict[str, Any]] = []
         self._records_lock = threading.Lock()
-        self._next_batch = 0
+        self._batch_ids = itertools.count()  # shared by every batcher thread; next() is atomic
         self._outstanding = 0  # submitted, not yet finished
         self._idle = threading.Condition()
         self._stopping = False
@@ -391,8 +392,7 @@ class InferenceServer:
                         pool.cond.wait()
                 pieces = self._take_batch(pool, m.max_batch)
                 instance = pool.free.popleft()
-                batch_id = self._next_batch
-                self._next_batch += 1
+                batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces)
             refs = []
             for q, lo, hi in pieces:
@@ -417,8 +417,8 @@ class InferenceServer:
         head = pool.waiting[0]
         if head.size - head.dispatched > max_batch:
             lo = head.dispatched
-            head.dispatched += max_batch
             head.pieces += 1
+            head.dispatched += max_batch
             pool.waiting_samples -= max_batch
             return [(head, lo, lo + max_batch)]
         pieces, samples = [], 0
@@ -429,8 +429,8 @@ class InferenceServer:
                 break
             pool.waiting.popleft()
             pieces.append((q, q.dispatched, q.size))
-            q.dispatched = q.size
             q.pieces += 1
+            q.dispatched = q.size
             samples += rest
         pool.waiting_samples -= samples
         return pieces
@@ -483,8 +483,10 @@ class InferenceServer:
                         q.scores = np.empty(q.size, dtype=np.float32)
                     q.scores[lo:hi] = msg.scores[pos : pos + hi - lo]
                 pos += hi - lo
-            q.done_pieces += 1
-            if q.dispatched == q.size and q.done_pieces == q.pieces:
+            with pool.cond:  # the batcher may be dispatching this query's next piece
+                q.done_pieces += 1
+                finished = q.dispatched == q.size and q.done_pieces == q.pieces
+            if finished:
                 self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
 
     def _finish(
