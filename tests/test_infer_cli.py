@@ -59,14 +59,17 @@ def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path):
 def test_two_models_served_together_and_alone(tmp_path):
     out = run_cli(
         "infer", "run", "--model", "tiny", "--model", "tiny", "--qps", "100", "--qps", "50", "--duration", "1",
-        "--metrics-dir", str(tmp_path),
+        "--sla-ms", "20", "--sla-ms", "0.001", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = pq.read_table(_run_dir(tmp_path) / "summary.parquet").to_pylist()
     got = sorted((r["model"], r["mode"], r["target_qps"]) for r in rows)
     assert got == [("tiny", "alone", 100.0), ("tiny", "together", 100.0),
                    ("tiny-2", "alone", 50.0), ("tiny-2", "together", 50.0)]  # fmt: skip
+    assert {r["model"]: r["sla_ms"] for r in rows} == {"tiny": 20.0, "tiny-2": 0.001}  # each model its own bound
+    assert not any(r["sla_met"] for r in rows if r["model"] == "tiny-2")
     q = pq.read_table(_run_dir(tmp_path) / "queries.parquet").to_pandas()
+    assert q[q.model == "tiny-2"].late.all()
     together = q[q.point == 0]
     assert set(together.model) == {"tiny", "tiny-2"}
     assert set(q[q.point == 1].model) == {"tiny"} and set(q[q.point == 2].model) == {"tiny-2"}

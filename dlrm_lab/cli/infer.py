@@ -116,8 +116,8 @@ def run_command(
     names = model or ["tiny"]
     n = len(names)
     slas = _per_model(sla_ms, n, 10.0, "--sla-ms")
-    if len(set(slas)) > 1:
-        raise UserError("--sla-ms: one bound per run for now (give one value)")
+    if any(not v > 0 for v in slas):
+        raise UserError(f"--sla-ms {slas}: every bound must be > 0 ms")
     cfg = InferConfig(
         scenario=scenario, duration_s=duration, sla_ms=slas[0], sla_percentile=percentile, seed=seed,
         device=device, pin_cores=pin_cores, compare_alone=alone,
@@ -130,7 +130,9 @@ def run_command(
     arrivals = Arrivals(arrival)
     rates = _per_model(qps, n, 100.0, "--qps")
     sizes = [QuerySizes.parse(s) for s in _per_model(query_size, n, "fixed:1", "--query-size")]
-    streams = [Stream(m.name, r, s, arrivals) for m, r, s in zip(served, rates, sizes, strict=True)]
+    streams = [
+        Stream(m.name, r, s, arrivals, sla_ms=sla) for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)
+    ]
     out = console(stderr=True)
     run_dir = run_inference(
         served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],

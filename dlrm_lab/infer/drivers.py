@@ -28,6 +28,7 @@ class Stream:
     qps: float
     sizes: QuerySizes
     arrivals: Arrivals = field(default_factory=Arrivals)
+    sla_ms: float | None = None  # this model's latency bound (default: the run's)
 
 
 @dataclass

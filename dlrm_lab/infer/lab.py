@@ -134,6 +134,7 @@ def measure(
     """Drive one point and summarise it per model. Query rows are written as they finish."""
     if point.duration_s is not None:
         cfg = replace(cfg, duration_s=point.duration_s)
+    slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
     meter = _CpuMeter(server)
     server.take_records()  # nothing from a previous point leaks in
     restore_queue = {}
@@ -145,7 +146,7 @@ def measure(
                 server.configure(s.model, max_queue=need)
     if point.scenario in LOADGEN_SCENARIOS:
         driver: Any = LoadGenDriver(
-            server, point.streams[0], point.scenario, duration_s=cfg.duration_s, sla_ms=cfg.sla_ms,
+            server, point.streams[0], point.scenario, duration_s=cfg.duration_s, sla_ms=slas[point.streams[0].model],
             sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
             seed=cfg.seed + point.index,
         )  # fmt: skip
@@ -154,7 +155,7 @@ def measure(
     records: list[dict[str, Any]] = []
 
     def pump() -> None:
-        rows = with_late_flags(server.take_records(), cfg.sla_ms, point.index)
+        rows = with_late_flags(server.take_records(), slas, point.index)
         records.extend(rows)
         queries.extend(rows)
 
@@ -204,7 +205,7 @@ def measure(
             "arrival": stream.arrivals.kind if point.scenario == "open-loop" else "loadgen",
             "target_qps": stream.qps,
             "duration_s": span,
-            **summarize(mine, duration_s=span, sla_ms=cfg.sla_ms, sla_percentile=cfg.sla_percentile),
+            **summarize(mine, duration_s=span, sla_ms=slas[stream.model], sla_percentile=cfg.sla_percentile),
             **stats.accuracy(stream.model),
             **cpu,
             "snapshot_mb": server.snapshot_bytes.get(stream.model, 0) / 1e6,
@@ -275,7 +276,13 @@ def run_inference(
 
 
 def _stream_dict(s: Stream) -> dict[str, Any]:
-    return {"model": s.model, "qps": s.qps, "query_sizes": str(s.sizes), "arrival": asdict(s.arrivals)}
+    return {
+        "model": s.model,
+        "qps": s.qps,
+        "query_sizes": str(s.sizes),
+        "arrival": asdict(s.arrivals),
+        "sla_ms": s.sla_ms,
+    }
 
 
 # ----------------------------------------------------------------------------- search

@@ -165,8 +165,9 @@ def summarize(
     return out
 
 
-def with_late_flags(records: list[dict[str, Any]], sla_ms: float, point: int) -> list[dict[str, Any]]:
+def with_late_flags(records: list[dict[str, Any]], sla_ms: dict[str, float], point: int) -> list[dict[str, Any]]:
+    """Tag rows with their point and whether they missed their model's bound."""
     for r in records:
         r["point"] = point
-        r["late"] = r["status"] == "ok" and r["latency_ms"] > sla_ms
+        r["late"] = r["status"] == "ok" and r["latency_ms"] > sla_ms[r["model"]]
     return records
