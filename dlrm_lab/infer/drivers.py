@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import time
@@ -210,9 +211,9 @@ class LoadGenDriver:
         self.sizes = np.minimum(stream.sizes.draw(self.TEMPLATES, rng), lib)
         self.offsets = rng.integers(0, lib - self.sizes + 1)
         self.stats = DriverStats(duration_s=duration_s)
-        self._next_id = 0
-        self._lock = threading.Lock()
+        self._ids = itertools.count()  # LoadGen issues from its own threads; next() is atomic
         self.dropped = 0
+        self._dropped_lock = threading.Lock()  # drops are finished in whichever thread submits
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -267,16 +268,15 @@ class LoadGenDriver:
 
         def done(q: Query, status: str, _scores: Any) -> None:
             if status == "dropped":
-                with self._lock:
+                with self._dropped_lock:
                     self.dropped += 1
             lg.QuerySamplesComplete([lg.QuerySampleResponse(q.tag, 0, 0)])
 
         def issue(samples: list[Any]) -> None:
             for s in samples:
-                with self._lock:
-                    qid = self._next_id
-                    self._next_id += 1
-                q = Query(qid, model, int(self.sizes[s.index]), int(self.offsets[s.index]), on_done=done, tag=s.id)
+                q = Query(
+                    next(self._ids), model, int(self.sizes[s.index]), int(self.offsets[s.index]), on_done=done, tag=s.id
+                )
                 self.server.submit(q)
             self.stats.issued[model] += len(samples)
 

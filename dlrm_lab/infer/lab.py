@@ -389,7 +389,7 @@ def search(
         summary = run.table("summary", _summary_schema(extra))
         point_index = 0
         for (instances, threads), group in itertools.groupby(grid.configs(), key=lambda c: (c[0], c[1])):
-            first = replace(base, instances=instances, threads=threads, max_queue=base.max_queue)
+            first = replace(base, instances=instances, threads=threads)
             with InferenceServer([first], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed) as server:
                 for _, _, max_batch, delay in group:
                     server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)

@@ -1,11 +1,11 @@
 """The system under test: dynamic batching in front of co-located instances.
 
-    submit(query) -> bounded queue per model -> batcher thread -> task queue -> instances
-    instances -> result queue -> completion thread -> query records, callbacks
+    submit(query) -> bounded queue per model -> batcher thread -> pipe of a free instance
+    instance pipes -> completion thread -> query records, callbacks
 
 A batcher packs queued queries into a batch of at most `max_batch` samples (a larger
-query is split into pieces that instances serve in parallel) and sends it once an instance is free and either
-the batch is full or its oldest query has waited `max_delay_ms`. Only free instances get
+query is split into pieces that instances serve in parallel) and sends it once an
+instance is free and either the batch is full or its oldest query has waited `max_delay_ms`. Only free instances get
 batches, so while all are busy queries keep accumulating into larger batches, as in
 DeepRecSys' and Triton's dynamic batchers. Beyond `max_queue` waiting queries a new
 query is dropped at once (recorded), so memory stays bounded under overload.
@@ -31,6 +31,7 @@ import torch
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.data import synthetic_generator
+from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import (
     PRECISIONS,
@@ -43,8 +44,6 @@ from dlrm_lab.infer.instance import (
     write_snapshot,
 )
 from dlrm_lab.model.dlrm import build_model
-
-STATUSES = ("ok", "dropped", "rejected", "failed", "unfinished")
 
 
 @dataclass
@@ -61,7 +60,7 @@ class ServedModel:
     precision: str = "fp32"  # dense compute: fp32, bf16 (CPU with AMX/AVX512-bf16, GPU), fp16 (GPU)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
-    library_samples: int = 0  # 0: enough for the largest query x 16, at least 8192
+    library_samples: int = 0  # 0: 16 x max_batch (capped at 4096), at least 8192
 
     def __post_init__(self) -> None:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
@@ -172,13 +171,7 @@ class InferenceServer:
 
     def start(self) -> InferenceServer:
         device = self.device
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(
-                f"--device {device}: no CUDA device is visible to this torch build (torch {torch.__version__}); "
-                "use --device cpu"
-            )
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise UserError(f"--device {device!r}: allowed: cpu, cuda")
+        resolve_device(device)  # one-line error for an unknown device or a missing GPU
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         index, next_core = 0, 0
         try:
@@ -458,9 +451,6 @@ class InferenceServer:
         now = time.monotonic_ns()
         name, pieces = self._in_flight.pop(msg.batch_id)
         pool = self._pools[name]
-        with pool.cond:
-            pool.free.append(msg.instance)
-            pool.cond.notify()
         batch = {
             "batch_id": msg.batch_id,
             "batch_samples": sum(hi - lo for _, lo, hi in pieces),
@@ -483,11 +473,16 @@ class InferenceServer:
                         q.scores = np.empty(q.size, dtype=np.float32)
                     q.scores[lo:hi] = msg.scores[pos : pos + hi - lo]
                 pos += hi - lo
-            with pool.cond:  # the batcher may be dispatching this query's next piece
+        with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
+            pool.free.append(msg.instance)
+            pool.cond.notify()
+            finished = []
+            for q, _, _ in pieces:
                 q.done_pieces += 1
-                finished = q.dispatched == q.size and q.done_pieces == q.pieces
-            if finished:
-                self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
+                if q.dispatched == q.size and q.done_pieces == q.pieces:
+                    finished.append(q)
+        for q in finished:
+            self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
 
     def _finish(
         self,
