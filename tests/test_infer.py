@@ -213,3 +213,19 @@ def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario):
     if scenario == "single-stream":  # one query at a time: never batched with another
         assert row["batch_queries_mean"] == 1.0
     assert server.models["tiny"].max_queue == 4096  # restored after an offline point
+
+
+def test_snapshots_of_killed_servers_are_removed_and_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from dlrm_lab.infer.instance import remove_stale_snapshots
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"dlrm-lab-{dead.stdout.strip()}-rm2-1"
+    live = tmp_path / f"dlrm-lab-{os.getpid()}-rm2-2"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.pt").write_bytes(b"x")
+    assert remove_stale_snapshots(tmp_path) == [stale]
+    assert not stale.exists() and live.exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -76,9 +77,25 @@ class InstancePlan:
 # ----------------------------------------------------------------------------- snapshot
 
 
+def _snapshot_base() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
 def snapshot_dir_for(tag: str) -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"dlrm-lab-{os.getpid()}-{tag}"
+    return _snapshot_base() / f"dlrm-lab-{os.getpid()}-{tag}"
+
+
+def remove_stale_snapshots(base: Path | None = None) -> list[Path]:
+    """Delete snapshots left by serving processes that were killed (their pid is gone):
+    each holds a copy of the tables in RAM. Returns what was removed."""
+    removed = []
+    for path in (base or _snapshot_base()).glob("dlrm-lab-*-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def write_snapshot(

@@ -40,6 +40,7 @@ from dlrm_lab.infer.instance import (
     InstancePlan,
     QueryRef,
     instance_main,
+    remove_stale_snapshots,
     snapshot_dir_for,
     write_snapshot,
 )
@@ -172,6 +173,8 @@ class InferenceServer:
     def start(self) -> InferenceServer:
         device = self.device
         resolve_device(device)  # one-line error for an unknown device or a missing GPU
+        for stale in remove_stale_snapshots():
+            self.log(f"removed {stale}, left by a serving process that was killed")
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         index, next_core = 0, 0
         try:
