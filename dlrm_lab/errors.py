@@ -16,5 +16,17 @@ class Terminated(Exception):
     """The process was asked to stop (SIGTERM), e.g. by a launcher after another rank failed."""
 
 
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM (a launcher or a user stopping the job) into `Terminated`, so the run
+    directory is marked failed, the rows measured so far are flushed and resources (serving
+    snapshots, worker processes) are released, instead of dying silently."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated(f"terminated by signal {signal.Signals(signum).name} (a launcher stopped the job)")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class RankFailure(RuntimeError):
     """A collective failed: another rank died, or did not answer within the timeout."""

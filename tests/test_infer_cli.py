@@ -114,3 +114,33 @@ def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0], out.stderr
     assert not list(tmp_path.iterdir())  # no run directory for a refused command
+
+
+def test_sigterm_fails_the_run_keeps_its_rows_and_frees_the_snapshot(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import ROOT, wait_for_files
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlrm_lab", "infer", "run", "--model", "tiny", "--qps", "50", "--duration", "60",
+         "--metrics-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert wait_for_files(tmp_path, "*/_parts/queries/*.parquet", timeout_s=120), "no rows flushed"
+        assert list(Path("/dev/shm").glob(f"dlrm-lab-{proc.pid}-*"))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert "terminated by signal SIGTERM" in err.strip().splitlines()[-1]
+    run_dir = _run_dir(tmp_path)
+    assert read_manifest(run_dir)["status"] == "failed"
+    assert len(pq.read_table(run_dir / "queries.parquet")) > 0  # rows measured before the signal kept
+    time.sleep(0.1)
+    assert not list(Path("/dev/shm").glob(f"dlrm-lab-{proc.pid}-*"))  # the table snapshot is gone

@@ -12,7 +12,7 @@ from rich.table import Table
 from dlrm_lab.cli.format import console
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
 from dlrm_lab.config import load_preset
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import UserError, raise_on_sigterm
 
 app = typer.Typer(help="Inference lab: dynamic batching, co-location, MLPerf LoadGen, latency-bounded search.")
 
@@ -133,6 +133,7 @@ def run_command(
     streams = [
         Stream(m.name, r, s, arrivals, sla_ms=sla) for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)
     ]
+    raise_on_sigterm()
     out = console(stderr=True)
     run_dir = run_inference(
         served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
@@ -237,6 +238,7 @@ def search_command(
     (base,) = _served(names, table_scale, max_rows, max_queue=max_queue, precision=precision,
                       table_precision=table_precision, data_spec=data_spec)  # fmt: skip
     stream = Stream(base.name, 1.0, QuerySizes.parse(query_size), Arrivals(arrival))
+    raise_on_sigterm()
     out = console(stderr=True)
     run_dir = search(base, stream, grid, cfg, options, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
                      log=lambda msg: out.print(msg, highlight=False))  # fmt: skip

@@ -13,6 +13,7 @@ from dlrm_lab.cli.format import console
 from dlrm_lab.cli.options import MaxRows, MetricsDir, Preset, TableScale
 from dlrm_lab.cli.presets import size_line
 from dlrm_lab.config import TrainConfig, load_preset
+from dlrm_lab.errors import raise_on_sigterm
 
 
 def train_command(
@@ -106,7 +107,7 @@ def train_command(
     from dlrm_lab.distributed.sharding import parse_table_sharding
 
     parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
-    _raise_on_sigterm()
+    raise_on_sigterm()
     err = console(stderr=True)
     err.print(size_line(spec))
 
@@ -184,16 +185,3 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
         table.add_row(label, "-" if value is None else format(value, fmt))
     console().print(table)
     console().print(f"run directory: {run_dir}")
-
-
-def _raise_on_sigterm() -> None:
-    """Turn SIGTERM (a launcher stopping the job) into an exception, so the run directory is
-    marked failed and the rows measured so far are flushed, instead of dying silently."""
-    import signal
-
-    from dlrm_lab.errors import Terminated
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated(f"terminated by signal {signal.Signals(signum).name} (a launcher stopped the job)")
-
-    signal.signal(signal.SIGTERM, handler)
