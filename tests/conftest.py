@@ -18,9 +18,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """Run `dlrm-lab ARGS` as a user would, in a fresh process."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None, **kwargs
+) -> subprocess.CompletedProcess:
+    """Run `dlrm-lab ARGS` as a user would, in a fresh process (`env`: extra variables)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "dlrm_lab", *args],
         cwd=cwd or ROOT,
@@ -51,3 +53,55 @@ def wait_for_files(root: Path, pattern: str, timeout_s: float = 120) -> list[Pat
             return found
         time.sleep(0.2)
     return []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_machine_profiles(tmp_path_factory):
+    """Tests never read or write this machine's real profile (~/.cache/dlrm-lab/machines):
+    runs see an empty profile directory unless a test stores one there."""
+    os.environ["DLRM_LAB_MACHINE_DIR"] = str(tmp_path_factory.mktemp("machines"))
+    yield
+
+
+class ConstantPower:
+    """A power sensor that always reads `watts` (stands in for NVML/RAPL, absent here)."""
+
+    name = "fake"
+
+    def __init__(self, watts: float) -> None:
+        self.watts = watts
+        self.closed = False
+
+    def channels(self) -> list[str]:
+        return ["dev0"]
+
+    def read(self) -> dict:
+        from dlrm_lab.metrics.energy import Reading
+
+        return {"dev0": Reading("power_w", self.watts)}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def store_profile(directory: Path, gflops: float = 100.0, gather_gb: float = 5.0, comms: dict | None = None) -> dict:
+    """A machine profile of this machine's fingerprint with round peaks, stored in `directory`."""
+    import json
+
+    from dlrm_lab.metrics.hardware import hardware_fingerprint
+
+    fid = hardware_fingerprint()["fingerprint_id"]
+    peaks = {
+        "gemm_flops_per_s": {"fp32": gflops * 1e9, "bf16": 2 * gflops * 1e9},
+        "memory_bytes_per_s": 20e9,
+        "gather_bytes_per_s": gather_gb * 1e9,
+    }
+    profile = {
+        "fingerprint_id": fid,
+        "probed_at": "2026-11-22T00:00:00+00:00",
+        "devices": {"cpu": {"threads": {"1": peaks, str(os.cpu_count() or 1): peaks}}},
+        "comms": comms or {},
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{fid}.json").write_text(json.dumps(profile))
+    return profile

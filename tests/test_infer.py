@@ -229,3 +229,45 @@ def test_snapshots_of_killed_servers_are_removed_and_live_ones_kept(tmp_path):
         (d / "model.pt").write_bytes(b"x")
     assert remove_stale_snapshots(tmp_path) == [stale]
     assert not stale.exists() and live.exists()
+
+
+def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import ConstantPower, store_profile
+
+    from dlrm_lab.infer import lab
+    from dlrm_lab.infer.drivers import Stream
+    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA
+    from dlrm_lab.metrics.run import Run
+    from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
+    store_profile(tmp_path / "machines", gflops=50.0, gather_gb=4.0)
+    monkeypatch.setattr(lab, "open_power_sources", lambda *a, **k: ([ConstantPower(25.0)], {}))
+    cfg = lab.InferConfig(duration_s=1.0, sla_ms=50)
+    stream = Stream("tiny", 150.0, QuerySizes.parse("fixed:4"))
+    with Run.create(tmp_path, "infer", {}) as run:
+        telemetry = run.table("telemetry", pa.schema([pa.field("point", pa.int32()), *TELEMETRY_SCHEMA]))
+        (row,) = lab.measure(server, lab.Point(0, [stream]), cfg, run.table("queries", QUERY_SCHEMA), run.dir,
+                             telemetry=telemetry)  # fmt: skip
+    spec = server.models["tiny"].spec
+    assert row["flops_per_sample"] == sample_cost(spec).forward_flops == 1392
+    assert row["bytes_per_sample"] == lookup_bytes_per_sample(spec) == 224
+    assert row["achieved_flops_per_s"] == pytest.approx(row["samples_per_s"] * 1392)
+    batch = row["batch_samples_mean"]
+    compute_ms = batch * 1392 / 50e9 * 1e3
+    memory_ms = (batch * 224 / 4e9 + 4 * spec.dense_parameters / 20e9) * 1e3
+    assert row["roofline_compute_ms"] == pytest.approx(compute_ms)
+    assert row["roofline_memory_ms"] == pytest.approx(memory_ms)
+    assert row["roofline_bound_ms"] == pytest.approx(max(compute_ms, memory_ms))
+    assert row["roofline_fraction"] == pytest.approx(max(compute_ms, memory_ms) / row["batch_compute_mean_ms"])
+    # one model in the point: 25 W over its queries and samples
+    assert row["power_w_mean"] == pytest.approx(25.0)
+    assert row["energy_per_query_j"] == pytest.approx(25.0 / row["queries_per_s"])
+    assert row["energy_per_sample_j"] == pytest.approx(25.0 / row["samples_per_s"])
+    assert row["process_rss_max_mb"] > 0  # the serving process and its instances
+    rows = pq.read_table(run.dir / "telemetry.parquet").to_pylist()
+    assert {r["point"] for r in rows} == {0} and any(r["quantity"] == "power_w" for r in rows)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pyarrow as pa
+import torch
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.drivers import (
@@ -31,8 +32,17 @@ from dlrm_lab.infer.drivers import (
     OpenLoop,
     Stream,
 )
-from dlrm_lab.infer.records import QUERY_SCHEMA, SUMMARY_SCHEMA, summarize, with_late_flags
+from dlrm_lab.infer.records import (
+    QUERY_SCHEMA,
+    SUMMARY_SCHEMA,
+    energy_columns,
+    roofline_columns,
+    summarize,
+    with_late_flags,
+)
 from dlrm_lab.infer.server import InferenceServer, ServedModel
+from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA, EnergySampler, open_power_sources
+from dlrm_lab.metrics.roofline import load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.tables import TableWriter
 
@@ -130,8 +140,10 @@ def measure(
     queries: TableWriter,
     run_dir: Path,
     log: Log | None = None,
+    telemetry: TableWriter | None = None,
 ) -> list[dict[str, Any]]:
-    """Drive one point and summarise it per model. Query rows are written as they finish."""
+    """Drive one point and summarise it per model. Query rows are written as they finish;
+    power and host samples of the point go to `telemetry`."""
     if point.duration_s is not None:
         cfg = replace(cfg, duration_s=point.duration_s)
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
@@ -163,7 +175,12 @@ def measure(
     # thread of this process for tens of ms, which is then measured as tail latency.
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    sources, missing = open_power_sources(cfg.device)
+    sampler = EnergySampler(
+        sources, interval_s=0.1, unavailable=missing, pids=lambda: [i["pid"] for i in server.instance_info]
+    ).start()
     meter.start()
+    window = [sampler.mark()]
     driver.start()
     try:
         while not driver.join(timeout=0.25):
@@ -180,12 +197,18 @@ def measure(
         pump()
         raise
     finally:
+        window.append(sampler.mark())
+        sampler.stop()
+        if telemetry is not None:
+            telemetry.extend([{**r, "point": point.index} for r in sampler.rows()])
         if gc_was_enabled:
             gc.enable()
         for model, bound in restore_queue.items():
             server.configure(model, max_queue=bound)
     pump()
     cpu = meter.stop()
+    energy = sampler.summary(window[0], window[1])
+    profile = load_profile()
     stats: DriverStats = driver.stats
     rows = []
     for stream in point.streams:
@@ -212,7 +235,14 @@ def measure(
             **stats.loadgen,
             **point.extra,
         }
+        precision = served.precision
+        if cfg.device == "cuda" and precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+            precision = "tf32"
+        peaks = peaks_for(profile, "cuda:0" if cfg.device == "cuda" else "cpu", precision, served.threads)
+        row.update(roofline_columns(served.spec, served.table_precision, row, peaks))
         rows.append(row)
+    for row in rows:
+        row.update(energy_columns(energy, rows))
         if log:
             log(point_line(row))
     return rows
@@ -228,6 +258,9 @@ def point_line(row: dict[str, Any]) -> str:
         f"dropped {row['dropped_queries']}, late {row['late_queries']}, "
         f"SLA {'met' if row['sla_met'] else 'missed'}{lg}"
     )
+
+
+_TELEMETRY_SCHEMA = pa.schema([pa.field("point", pa.int32()), *TELEMETRY_SCHEMA])
 
 
 def _summary_schema(extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
@@ -264,13 +297,14 @@ def run_inference(
     with run:
         queries = run.table("queries", QUERY_SCHEMA)
         summary = run.table("summary", _summary_schema())
+        telemetry = run.table("telemetry", _TELEMETRY_SCHEMA)
         with InferenceServer(models, device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log) as server:
             run.update_manifest(instances=server.instance_info)
             points = [Point(0, streams, "together", cfg.scenario)]
             if len(streams) > 1 and cfg.compare_alone:
                 points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
             for point in points:
-                summary.extend(measure(server, point, cfg, queries, run.dir, log))
+                summary.extend(measure(server, point, cfg, queries, run.dir, log, telemetry))
                 summary.flush()
     return run.dir
 
@@ -387,6 +421,7 @@ def search(
     with run:
         queries = run.table("queries", QUERY_SCHEMA)
         summary = run.table("summary", _summary_schema(extra))
+        telemetry = run.table("telemetry", _TELEMETRY_SCHEMA)
         point_index = 0
         for (instances, threads), group in itertools.groupby(grid.configs(), key=lambda c: (c[0], c[1])):
             first = replace(base, instances=instances, threads=threads)
@@ -408,7 +443,7 @@ def search(
                             point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
                                           extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
                             point_index += 1
-                            (row,) = measure(server, point, cfg, queries, run.dir)
+                            (row,) = measure(server, point, cfg, queries, run.dir, telemetry=telemetry)
                             rows.append(row)
                         lat = [r["sla_latency_ms"] if r["sla_latency_ms"] is not None else math.inf for r in rows]
                         passed = bool(np.median(lat) <= cfg.sla_ms)

@@ -7,6 +7,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.metrics.roofline import Peaks, Work, place
+from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
+
 QUERY_SCHEMA = pa.schema(
     [
         ("point", pa.int32()),
@@ -93,6 +97,30 @@ SUMMARY_SCHEMA = pa.schema(
         ("loadgen_result", pa.string()),  # VALID / INVALID (MLPerf LoadGen scenarios)
         ("loadgen_queries_per_s", pa.float64()),  # LoadGen's "samples" are our queries
         ("loadgen_p99_ms", pa.float64()),
+        # roofline of one batch on one instance (docs/metrics.md, "Roofline and energy")
+        ("batch_compute_mean_ms", pa.float64()),
+        ("flops_per_sample", pa.float64()),
+        ("bytes_per_sample", pa.float64()),
+        ("achieved_flops_per_s", pa.float64()),
+        ("achieved_bytes_per_s", pa.float64()),
+        ("roofline_compute_ms", pa.float64()),
+        ("roofline_memory_ms", pa.float64()),
+        ("roofline_comm_ms", pa.float64()),
+        ("roofline_bound_ms", pa.float64()),
+        ("roofline_fraction", pa.float64()),
+        ("roofline_bound_by", pa.string()),
+        ("roofline_basis", pa.string()),
+        ("roofline_note", pa.string()),
+        # energy of the whole point (every model served in it)
+        ("energy_j", pa.float64()),
+        ("power_w_mean", pa.float64()),
+        ("energy_scope", pa.string()),
+        ("energy_unavailable", pa.string()),
+        ("energy_per_query_j", pa.float64()),
+        ("energy_per_sample_j", pa.float64()),
+        ("samples_per_s_per_w", pa.float64()),
+        ("cpu_utilization_mean", pa.float64()),
+        ("process_rss_max_mb", pa.float64()),
     ]
 )
 
@@ -130,6 +158,9 @@ def summarize(
     batches: dict[int, tuple[int, int]] = {
         r["batch_id"]: (r["batch_samples"], r["batch_queries"]) for r in records if r["batch_id"] is not None
     }
+    batch_compute = np.array(
+        list({r["batch_id"]: r["compute_ms"] for r in records if r["status"] == "ok" and r["batch_id"] is not None}
+             .values()), dtype=np.float64)  # fmt: skip
     bsz = np.array([b[0] for b in batches.values()], dtype=np.float64)
     bq = np.array([b[1] for b in batches.values()], dtype=np.float64)
     queue = np.array([r["queue_ms"] for r in records if r["status"] == "ok"], dtype=np.float64)
@@ -153,6 +184,7 @@ def summarize(
         "batch_samples_p99": percentile(bsz, 99),
         "batch_queries_mean": float(bq.mean()) if len(bq) else None,
         "batches": len(batches),
+        "batch_compute_mean_ms": float(batch_compute.mean()) if len(batch_compute) else None,
         "queue_mean_ms": float(queue.mean()) if len(queue) else None,
         "compute_mean_ms": float(compute.mean()) if len(compute) else None,
         "queue_share": float(queue.sum() / lat.sum()) if len(lat) and lat.sum() > 0 else None,
@@ -171,3 +203,41 @@ def with_late_flags(records: list[dict[str, Any]], sla_ms: dict[str, float], poi
         r["point"] = point
         r["late"] = r["status"] == "ok" and r["latency_ms"] > sla_ms[r["model"]]
     return records
+
+
+def roofline_columns(spec: ModelSpec, table_precision: str, row: dict[str, Any], peaks: Peaks | str) -> dict[str, Any]:
+    """The point's achieved FLOP/s and bytes/s (whole machine) and its mean batch on one
+    instance against the roofline: forward FLOPs and embedding rows at the tables' storage
+    precision per sample, the dense weights read once per batch, against the peaks at the
+    instance's thread count. The measured time is the instance's compute time per batch."""
+    cost = sample_cost(spec)
+    row_bytes = lookup_bytes_per_sample(spec, table_precision)
+    out: dict[str, Any] = {"flops_per_sample": float(cost.forward_flops), "bytes_per_sample": row_bytes}
+    rate = row.get("samples_per_s")
+    if rate is not None:
+        out["achieved_flops_per_s"] = rate * cost.forward_flops
+        out["achieved_bytes_per_s"] = rate * row_bytes
+    batch, ms = row.get("batch_samples_mean"), row.get("batch_compute_mean_ms")
+    if not batch:
+        out["roofline_note"] = "no batch completed"
+        return out
+    work = Work(
+        flops=batch * cost.forward_flops, gather_bytes=batch * row_bytes, stream_bytes=4.0 * spec.dense_parameters
+    )
+    out.update(place(work, ms / 1e3 if ms else None, peaks))
+    return out
+
+
+def energy_columns(energy: dict[str, Any], point_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Energy of a point, shared by every model served in it: per query and per sample over
+    all of the point's completed queries (mean power / throughput, so the drain after the
+    load does not count as idle samples)."""
+    out = {**energy, "energy_per_query_j": None, "energy_per_sample_j": None, "samples_per_s_per_w": None}
+    power = energy.get("power_w_mean")
+    qps = sum(r.get("queries_per_s") or 0.0 for r in point_rows)
+    sps = sum(r.get("samples_per_s") or 0.0 for r in point_rows)
+    if power and qps:
+        out["energy_per_query_j"] = power / qps
+        out["energy_per_sample_j"] = power / sps
+        out["samples_per_s_per_w"] = sps / power
+    return out

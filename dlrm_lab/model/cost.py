@@ -104,3 +104,28 @@ def step_communication_bytes(spec: ModelSpec, global_batch: int, world_size: int
         "pooled_all_to_all": 2 * local_batch * 4 * pooled * remote,  # forward + backward
         "gradient_all_reduce": 2 * remote * 4 * spec.dense_parameters,
     }
+
+
+# Bytes per stored table value; row-wise quantised rows also carry an fp16 scale and bias (fbgemm).
+TABLE_BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+_QUANTISED_ROW_EXTRA_BYTES = {"int8": 4, "int4": 4}
+# Dense-parameter accesses per training step: forward read, backward read, gradient write,
+# then the optimizer reads the gradient, reads and writes the parameter and each state.
+_DENSE_OPTIMIZER_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
+
+
+def lookup_bytes_per_sample(spec: ModelSpec, table_precision: str = "fp32") -> float:
+    """Bytes of embedding rows one sample's lookups read, at the tables' storage precision."""
+    per_value = TABLE_BYTES_PER_VALUE[table_precision]
+    extra = _QUANTISED_ROW_EXTRA_BYTES.get(table_precision, 0)
+    return float(
+        sum(t.pooling_factor * len(t.feature_names) * (t.embedding_dim * per_value + extra) for t in spec.tables)
+    )
+
+
+def dense_step_bytes(spec: ModelSpec, optimizer: str = "adagrad") -> float:
+    """Bytes of dense (MLP) parameters, gradients and optimizer state touched by one training
+    step (fp32): independent of the batch, so it matters at small batches only."""
+    states = _DENSE_OPTIMIZER_STATES.get(optimizer, 1)
+    accesses = 3 + 3 + 2 * states  # fwd read, bwd read, grad write; grad read, param read+write; states r+w
+    return float(4 * accesses * spec.dense_parameters)

@@ -33,12 +33,21 @@ from dlrm_lab.distributed.sharding import (
     shard_model,
 )
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA, EnergySampler, combine_summaries, open_power_sources
+from dlrm_lab.metrics.roofline import load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
-from dlrm_lab.train.records import EVAL_SCHEMA, STEP_SCHEMA, SUMMARY_SCHEMA, summarize_steps
+from dlrm_lab.train.records import (
+    EVAL_SCHEMA,
+    STEP_SCHEMA,
+    SUMMARY_SCHEMA,
+    energy_columns,
+    roofline_columns,
+    summarize_steps,
+)
 from dlrm_lab.train.timing import PHASES, StepTimer, instrument_embedding_phases
 from dlrm_lab.train.watchdog import Watchdog
 
@@ -108,6 +117,30 @@ def _gather_rows(rows: list[dict[str, Any]], ctx: DistContext) -> list[dict[str,
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, rows)
     return [r for part in gathered for r in part]
+
+
+def _gather_energy(energy: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
+    if ctx.world_size == 1:
+        return energy
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, energy)
+    return combine_summaries(gathered)
+
+
+def _energy_sampler(ctx: DistContext) -> EnergySampler:
+    """Each rank samples its own GPU; the CPU packages are read once per node (local rank 0),
+    so that summing over ranks counts every sensor once."""
+    gpus = [ctx.device.index or 0] if ctx.device.type == "cuda" else None
+    sources, missing = open_power_sources(ctx.device.type, nvml_devices=gpus, packages=ctx.local_rank == 0)
+    return EnergySampler(sources, unavailable=missing)
+
+
+def _peaks(ctx: DistContext, cfg: TrainConfig):
+    device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    precision = cfg.precision
+    if ctx.device.type == "cuda" and cfg.precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        precision = "tf32"
+    return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
 def _autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextManager[Any]:
@@ -225,9 +258,19 @@ def train(
                 return True
             return False
 
+        sampler = _energy_sampler(ctx).start()
+        telemetry = run.table("telemetry", TELEMETRY_SCHEMA) if run else None
+
+        def stop_sampler() -> None:  # also on a crash: the power readings so far are kept
+            sampler.stop()
+            if telemetry is not None:
+                telemetry.extend(sampler.rows())
+
+        stack.callback(stop_sampler)
         status = "ok"
         t_start = time.perf_counter()
         warmup = cfg.resolved_warmup_steps
+        window: dict[str, float] = {"t0": sampler.mark()}
         batches: Iterator[Batch] = iter(source)
         pipeline = make_pipeline(dmp, optimizer, ctx.device) if cfg.pipeline else None
         watchdog = None
@@ -241,6 +284,8 @@ def train(
         dmp.train()
         try:
             for step in range(start_step, cfg.steps):
+                if step - start_step == warmup:
+                    window["t0"] = sampler.mark()  # energy is counted over the measured steps
                 t0 = time.perf_counter()
                 if pipeline is not None:
                     # phases overlap by design here: only the step time is measured
@@ -306,6 +351,8 @@ def train(
                 f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
             ) from exc
 
+        window["t1"] = sampler.mark()
+        energy = _gather_energy(sampler.summary(window["t0"], window["t1"]), ctx)
         all_steps = _gather_rows(steps, ctx)
         summary = {
             "kind": "train",
@@ -332,6 +379,8 @@ def train(
         }
         if cfg.target_auc is not None:  # MLPerf's rule: throughput only counts when quality was reached
             summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
+        summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg)))
+        summary.update(energy_columns(energy, summary))
         if run is not None and ctx.is_main:
             run.write_summary([summary], SUMMARY_SCHEMA)
         if status == "interrupted":

@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dlrm_lab.config import ModelSpec, TrainConfig
+from dlrm_lab.metrics.roofline import Peaks, Work, place
+from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 from dlrm_lab.train.timing import PHASES
 
 STEP_SCHEMA = pa.schema(
@@ -74,6 +77,30 @@ SUMMARY_SCHEMA = pa.schema(
         ("embedding_parameters", pa.int64()),
         ("dense_parameters", pa.int64()),
         ("wall_time_s", pa.float64()),
+        # roofline (docs/metrics.md, "Roofline and energy")
+        ("flops_per_sample", pa.float64()),
+        ("bytes_per_sample", pa.float64()),
+        ("achieved_flops_per_s", pa.float64()),
+        ("achieved_bytes_per_s", pa.float64()),
+        ("roofline_compute_ms", pa.float64()),
+        ("roofline_memory_ms", pa.float64()),
+        ("roofline_comm_ms", pa.float64()),
+        ("roofline_bound_ms", pa.float64()),
+        ("roofline_fraction", pa.float64()),
+        ("roofline_bound_by", pa.string()),
+        ("roofline_basis", pa.string()),
+        ("roofline_note", pa.string()),
+        ("valid_flops_per_s", pa.float64()),
+        # energy and host
+        ("energy_j", pa.float64()),
+        ("power_w_mean", pa.float64()),
+        ("energy_scope", pa.string()),
+        ("energy_unavailable", pa.string()),
+        ("energy_per_sample_j", pa.float64()),
+        ("samples_per_s_per_w", pa.float64()),
+        ("valid_flops_per_s_per_w", pa.float64()),
+        ("cpu_utilization_mean", pa.float64()),
+        ("process_rss_max_mb", pa.float64()),
     ]
 )
 
@@ -123,4 +150,65 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for phase in PHASES:  # null when the phases overlap (pipelined training)
         if all(r.get(f"{phase}_ms") is not None for r in flat):
             out[f"{phase}_share"] = float(sum(r[f"{phase}_ms"] for r in flat) / rank_time)
+    return out
+
+
+def roofline_columns(
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    summary: dict[str, Any],
+    world_size: int,
+    peaks: Peaks | str,
+) -> dict[str, Any]:
+    """Analytic work of the run, what it achieved, and one rank's step on the roofline.
+
+    Per sample: training FLOPs (forward + backward) and embedding-row bytes (rows read,
+    rewritten by the fused update, row-wise optimizer state). A step on one rank does
+    `batch_size` samples' worth of both (model-parallel tables split the lookups of the
+    global batch evenly on average), touches the dense parameters once and sends its share
+    of the input distribution, pooled-embedding all-to-all and gradient all-reduce.
+
+    Valid FLOPS (HPC AI500 V2.0, as MLPerf counts time to quality): the achieved FLOP/s
+    when the run reached --target-auc, 0 when it did not, null without a target.
+    """
+    cost = sample_cost(spec, bytes_per_value=2 if cfg.table_precision == "fp16" else 4,
+                       optimizer=cfg.embedding_optimizer)  # fmt: skip
+    row_bytes = cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes
+    out: dict[str, Any] = {
+        "flops_per_sample": float(cost.training_flops),
+        "bytes_per_sample": row_bytes,
+        "valid_flops_per_s": None,
+    }
+    rate = summary.get("samples_per_s")
+    if rate:
+        out["achieved_flops_per_s"] = rate * cost.training_flops
+        out["achieved_bytes_per_s"] = rate * row_bytes
+    work = Work(
+        flops=cfg.batch_size * cost.training_flops,
+        gather_bytes=cfg.batch_size * row_bytes,
+        stream_bytes=dense_step_bytes(spec, cfg.dense_optimizer),
+        comm_bytes=sum(step_communication_bytes(spec, cfg.batch_size * world_size, world_size).values()),
+    )
+    step_ms = summary.get("step_time_ms_mean")
+    out.update(place(work, step_ms / 1e3 if step_ms else None, peaks))
+    if cfg.target_auc is not None:
+        out["valid_flops_per_s"] = out.get("achieved_flops_per_s") if summary.get("target_reached") else 0.0
+    return out
+
+
+def energy_columns(energy: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """Energy over the measured steps, per sample and per watt.
+
+    Joules per sample is the mean power over the measured window divided by the measured
+    throughput, so evaluation pauses inside the window do not count as training samples'
+    energy. Null (with `energy_unavailable` saying why) where no sensor is readable.
+    """
+    out = {**energy, "energy_per_sample_j": None, "samples_per_s_per_w": None, "valid_flops_per_s_per_w": None}
+    power, rate = energy.get("power_w_mean"), summary.get("samples_per_s")
+    if power and rate:
+        out["energy_per_sample_j"] = power / rate
+        out["samples_per_s_per_w"] = rate / power
+        valid = summary.get("valid_flops_per_s")
+        if valid is not None:
+            out["valid_flops_per_s_per_w"] = valid / power
     return out

@@ -1,0 +1,273 @@
+"""Machine probe: the measured peaks a roofline is drawn from (HPC AI500's method).
+
+What is measured, per device, and what each number counts:
+- GEMM peak: `torch.mm` of square matrices at sizes that fill the device, 2 n^3 FLOPs per
+  product, best size kept; fp32, bf16 and fp16 (tf32 too on GPU). On CPU at one thread and
+  at every core this process may use, so a run can be placed against the threads it had.
+- Memory bandwidth: a large tensor copy (well past the last-level cache), counting the bytes
+  read plus the bytes written.
+- Embedding gather bandwidth: fbgemm's table-batched embedding-bag forward (the kernel
+  TorchRec trains and serves with) over tables larger than the caches, uniform ids, counting
+  the bytes of the rows read.
+- Host-device copy bandwidth (GPU): pinned host memory to the device and back.
+- Under a launcher with several ranks: all-to-all and all-reduce over sizes, reported as
+  algorithm bandwidth (bytes per rank / time) and bus bandwidth (algbw x (n-1)/n for
+  all-to-all, x 2(n-1)/n for all-reduce), the conventions of PARAM and nccl-tests.
+
+Timing is the median of repeats after warm-up; CUDA work is synchronised before the clock
+is read. Hand-written because no library measures these on both CPU and GPU with the
+kernels DLRM actually uses.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
+
+Log = Callable[[str], None]
+
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """How big and how often; `quick` fits a test or a first look (seconds, not minutes)."""
+
+    gemm_sizes: tuple[int, ...]
+    copy_bytes: int
+    gather_tables: int
+    gather_rows: int
+    gather_dim: int
+    gather_batch: int
+    gather_pooling: int
+    comm_bytes: tuple[int, ...]
+    repeats: int
+    gemm_min_flops: float  # per timing: small products are repeated up to this much work
+
+    @classmethod
+    def preset(cls, quick: bool) -> ProbeSizes:
+        if quick:
+            return cls((256, 1024), 64 << 20, 2, 250_000, 64, 1024, 20, (1 << 10, 1 << 16, 1 << 20), 3, 2e8)
+        return cls(
+            (1024, 2048, 4096), 1 << 30, 4, 1_000_000, 64, 4096, 20,
+            tuple(1 << k for k in range(10, 27, 2)), 7, 2e9,
+        )  # fmt: skip
+
+
+def _timed(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:
+    """Median seconds of `fn()` after warm-up."""
+    for _ in range(warmup):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_flops_per_s(
+    device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int, min_flops: float = 2e9
+) -> dict[str, Any]:
+    """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each)."""
+    best: dict[str, Any] = {"flops_per_s": 0.0, "size": None}
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        # repeat small products so one timing spans at least a few ms
+        inner = max(1, int(min_flops // (2 * n**3)))
+
+        def step(a: torch.Tensor = a, b: torch.Tensor = b, inner: int = inner) -> None:
+            for _ in range(inner):
+                torch.mm(a, b)
+
+        seconds = _timed(step, repeats, device)
+        rate = inner * 2 * n**3 / seconds
+        if rate > best["flops_per_s"]:
+            best = {"flops_per_s": rate, "size": n}
+        if seconds > 0.5:  # a product this long fills the device; larger ones only cost time
+            break
+    return best
+
+
+def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes read plus written per second by a large copy."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), repeats, device)
+    return 2 * src.numel() * 4 / seconds
+
+
+def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int) -> dict[str, Any]:
+    """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    t, r, d, b, pool = (
+        sizes.gather_tables,
+        sizes.gather_rows,
+        sizes.gather_dim,
+        sizes.gather_batch,
+        sizes.gather_pooling,
+    )
+    if device.type == "cuda":
+        location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
+    else:
+        location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, location, compute)] * t, pooling_mode=PoolingMode.SUM, device=device
+    )
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, r, (t * b * pool,), generator=generator, dtype=torch.int64).to(device)
+    offsets = torch.arange(0, t * b * pool + 1, pool, dtype=torch.int64).to(device)
+    with torch.no_grad():
+        seconds = _timed(lambda: tbe(ids, offsets), repeats, device)
+    table_bytes = t * r * d * 4
+    return {"bytes_per_s": t * b * pool * d * 4 / seconds, "table_bytes": table_bytes}
+
+
+def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+    """Pinned host -> device and device -> host copy bandwidth."""
+    host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+    dev = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), repeats, device)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), repeats, device)
+    return {"h2d_bytes_per_s": nbytes / h2d, "d2h_bytes_per_s": nbytes / d2h}
+
+
+def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """All-to-all and all-reduce over the default process group at each size in bytes per rank."""
+    n = dist.get_world_size()
+    rows = []
+    for nbytes in sizes:
+        numel = max(n, nbytes // 4 // n * n)  # all-to-all splits evenly over ranks
+        buf = torch.ones(numel, dtype=torch.float32, device=device)
+        out = torch.empty_like(buf)
+        collectives = (
+            ("all_to_all", partial(dist.all_to_all_single, out, buf), (n - 1) / n),
+            ("all_reduce", partial(dist.all_reduce, buf), 2 * (n - 1) / n),
+        )
+        for name, fn, factor in collectives:
+            dist.barrier()
+            seconds = _timed(fn, repeats, device)
+            # the slowest rank decides how long a collective takes
+            t = torch.tensor([seconds], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            seconds = float(t.item())
+            algbw = numel * 4 / seconds
+            rows.append(
+                {
+                    "collective": name,
+                    "bytes": numel * 4,
+                    "time_ms": seconds * 1e3,
+                    "algbw_bytes_per_s": algbw,
+                    "busbw_bytes_per_s": algbw * factor,
+                }
+            )
+    return rows
+
+
+def _cpu_threads() -> list[int]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return sorted({1, cores})
+
+
+def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None) -> dict[str, Any]:
+    """Peaks of one device. CPU peaks are keyed by thread count ("1", "<all cores>")."""
+    say = log or (lambda _: None)
+    dtypes = dict(GEMM_DTYPES)
+    if device.type == "cuda":
+        dtypes["tf32"] = torch.float32
+
+    def peaks() -> dict[str, Any]:
+        out: dict[str, Any] = {"gemm_flops_per_s": {}, "gemm_size": {}}
+        for name, dtype in dtypes.items():
+            if device.type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+            gemm = gemm_flops_per_s(device, dtype, sizes.gemm_sizes, sizes.repeats, sizes.gemm_min_flops)
+            out["gemm_flops_per_s"][name] = gemm["flops_per_s"]
+            out["gemm_size"][name] = gemm["size"]
+            say(f"  GEMM {name}: {gemm['flops_per_s'] / 1e9:,.1f} GFLOP/s (n={gemm['size']})")
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+        out["memory_bytes_per_s"] = copy_bytes_per_s(device, sizes.copy_bytes, sizes.repeats)
+        say(f"  memory (copy, read+write): {out['memory_bytes_per_s'] / 1e9:,.2f} GB/s")
+        gather = gather_bytes_per_s(device, sizes, sizes.repeats)
+        out["gather_bytes_per_s"] = gather["bytes_per_s"]
+        out["gather_table_bytes"] = gather["table_bytes"]
+        say(f"  embedding gather (fbgemm TBE forward): {out['gather_bytes_per_s'] / 1e9:,.2f} GB/s")
+        return out
+
+    if device.type == "cuda":
+        say(f"{device} ({torch.cuda.get_device_name(device)}):")
+        result = {"name": torch.cuda.get_device_name(device), **peaks()}
+        result.update(host_device_bytes_per_s(device, sizes.copy_bytes // 4, sizes.repeats))
+        say(f"  host->device {result['h2d_bytes_per_s'] / 1e9:,.2f} GB/s, device->host "
+            f"{result['d2h_bytes_per_s'] / 1e9:,.2f} GB/s")  # fmt: skip
+        return result
+    saved = torch.get_num_threads()
+    by_threads: dict[str, Any] = {}
+    try:
+        for threads in _cpu_threads():
+            torch.set_num_threads(threads)
+            say(f"cpu, {threads} thread{'s' if threads > 1 else ''}:")
+            by_threads[str(threads)] = peaks()
+    finally:
+        torch.set_num_threads(saved)
+    return {"threads": by_threads}
+
+
+def probe_machine(quick: bool = False, devices: list[str] | None = None, log: Log | None = None) -> dict[str, Any]:
+    """A machine profile: every device's peaks plus, under a multi-rank launch, collective
+    bandwidths. Under a launcher only rank 0's device peaks are kept (ranks share a machine
+    kind); every rank takes part in the collectives."""
+    sizes = ProbeSizes.preset(quick)
+    wanted = devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    profile: dict[str, Any] = {
+        "hardware": hardware_fingerprint(),
+        "probed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick,
+        "packages": {k: v for k, v in package_versions().items() if v},
+        "python": platform.python_version(),
+        "devices": {},
+        "comms": {},
+    }
+    profile["fingerprint_id"] = profile["hardware"]["fingerprint_id"]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # ranks of one launch share the machine: peaks measured by all at once would be halved
+    for name in wanted if rank == 0 else []:
+        if name == "cuda":
+            for index in range(torch.cuda.device_count()):
+                profile["devices"][f"cuda:{index}"] = probe_device(torch.device("cuda", index), sizes, log)
+        else:
+            profile["devices"]["cpu"] = probe_device(torch.device("cpu"), sizes, log)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        rows = comm_bandwidth(device, sizes.comm_bytes, sizes.repeats)
+        profile["comms"][f"{backend}/{dist.get_world_size()}"] = rows
+        if log and rank == 0:
+            for r in rows:
+                algbw, busbw = r["algbw_bytes_per_s"] / 1e9, r["busbw_bytes_per_s"] / 1e9
+                log(f"  {backend} x{dist.get_world_size()} {r['collective']} {r['bytes']:>10,} B: "
+                    f"algbw {algbw:.3f} GB/s, busbw {busbw:.3f} GB/s")  # fmt: skip
+    return profile

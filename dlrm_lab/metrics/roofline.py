@@ -1,0 +1,196 @@
+"""Machine profiles and the roofline: where a measured step or batch sits against the peaks.
+
+A machine profile (`dlrm-lab machine probe`) is stored as JSON under the hardware
+fingerprint, in `$DLRM_LAB_MACHINE_DIR` (default `~/.cache/dlrm-lab/machines`), and every
+later run on a machine with that fingerprint is placed against it.
+
+The bound of a piece of work (a training step on one rank, an inference batch on one
+instance) is the time it would take at the measured peaks:
+- compute: FLOPs / GEMM peak at the run's precision and thread count;
+- memory: embedding-row bytes / gather bandwidth + dense bytes / copy bandwidth;
+- communication (several ranks): bytes one rank sends / the best bus bandwidth of the
+  collective probed with the same backend and rank count.
+The bound is the largest of them (that resource "bounds it"); the achieved fraction is
+bound / measured time (1.0 = running at the roofline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.hardware import hardware_fingerprint
+
+MACHINE_DIR_ENV = "DLRM_LAB_MACHINE_DIR"
+
+
+def machine_dir() -> Path:
+    return Path(os.environ.get(MACHINE_DIR_ENV) or Path.home() / ".cache" / "dlrm-lab" / "machines")
+
+
+def profile_path(fingerprint_id: str) -> Path:
+    return machine_dir() / f"{fingerprint_id}.json"
+
+
+def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
+    """This machine's profile (or the one of `fingerprint_id`); None when never probed."""
+    path = profile_path(fingerprint_id or hardware_fingerprint()["fingerprint_id"])
+    if not path.is_file():
+        return None
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(
+            f"{path}: unreadable machine profile ({exc}); delete it and run 'dlrm-lab machine probe'"
+        ) from None
+    if not isinstance(profile, dict) or "devices" not in profile:
+        raise UserError(f"{path}: not a machine profile (no 'devices'); delete it and run 'dlrm-lab machine probe'")
+    return profile
+
+
+def save_profile(profile: dict[str, Any]) -> Path:
+    """Store a probe's result, keeping what an earlier probe measured and this one did not
+    (a probe under a 2-rank launch adds its collectives to the single-process peaks)."""
+    path = profile_path(profile["fingerprint_id"])
+    merged = dict(profile)
+    old = load_profile(profile["fingerprint_id"]) if path.is_file() else None
+    if old is not None:
+        merged["devices"] = {**old.get("devices", {}), **profile["devices"]}
+        merged["comms"] = {**old.get("comms", {}), **profile["comms"]}
+        if not profile["devices"]:  # a collectives-only probe: the device peaks' date stays
+            merged["probed_at"] = old.get("probed_at")
+            merged["quick"] = old.get("quick")
+            merged["comms_probed_at"] = profile["probed_at"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(merged, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """The peaks a piece of work is bounded by; comm is None on one rank or when unprobed."""
+
+    flops_per_s: float
+    memory_bytes_per_s: float
+    gather_bytes_per_s: float
+    comm_bytes_per_s: float | None
+    basis: str  # what was picked from the profile, for the summary
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one step (one rank) or one batch (one instance) does."""
+
+    flops: float
+    gather_bytes: float  # embedding rows, optimizer state: random row accesses
+    stream_bytes: float  # dense parameters and their state: sequential
+    comm_bytes: float = 0.0  # sent by one rank
+
+
+def _cpu_peaks(cpu: dict[str, Any], threads: int) -> dict[str, Any]:
+    """Peaks at `threads`: measured if probed at that count, otherwise the one-thread peaks
+    scaled by the thread count and capped at the all-core peaks."""
+    by = {int(k): v for k, v in cpu["threads"].items()}
+    if threads in by:
+        return by[threads]
+    one, most = by[min(by)], by[max(by)]
+    scale = threads / min(by)
+
+    def pick(a: float, b: float) -> float:
+        return min(a * scale, b) if threads < max(by) else b
+
+    return {
+        "gemm_flops_per_s": {
+            k: pick(v, most["gemm_flops_per_s"].get(k, v)) for k, v in one["gemm_flops_per_s"].items()
+        },
+        "memory_bytes_per_s": pick(one["memory_bytes_per_s"], most["memory_bytes_per_s"]),
+        "gather_bytes_per_s": pick(one["gather_bytes_per_s"], most["gather_bytes_per_s"]),
+    }
+
+
+def peaks_for(
+    profile: dict[str, Any] | None,
+    device: str,
+    precision: str,
+    threads: int = 1,
+    world_size: int = 1,
+    backend: str | None = None,
+) -> Peaks | str:
+    """The profile's peaks for this device, precision, thread count and collective; a reason
+    (str) when the profile cannot place it."""
+    if profile is None:
+        return "no machine profile for this machine: run 'dlrm-lab machine probe'"
+    devices = profile.get("devices", {})
+    if device == "cpu":
+        if "cpu" not in devices:
+            return "the machine profile has no cpu peaks"
+        peaks = _cpu_peaks(devices["cpu"], max(1, threads))
+        basis = f"cpu {threads} thread{'s' if threads != 1 else ''}"
+    else:
+        key = device if ":" in device else "cuda:0"
+        if key not in devices:
+            return f"the machine profile has no {key} peaks"
+        peaks, basis = devices[key], key
+    flops = peaks["gemm_flops_per_s"].get(precision)
+    if not flops:
+        return f"the machine profile has no {precision} GEMM peak for {basis}"
+    comm = None
+    if world_size > 1:
+        rows = profile.get("comms", {}).get(f"{backend}/{world_size}", [])
+        a2a = [r["busbw_bytes_per_s"] for r in rows if r["collective"] == "all_to_all"]
+        comm = max(a2a) if a2a else None
+    return Peaks(
+        flops_per_s=flops,
+        memory_bytes_per_s=peaks["memory_bytes_per_s"],
+        gather_bytes_per_s=peaks["gather_bytes_per_s"],
+        comm_bytes_per_s=comm,
+        basis=f"{basis} {precision}, profile {profile.get('fingerprint_id')} of {profile.get('probed_at')}",
+    )
+
+
+ROOFLINE_COLUMNS = (
+    "roofline_compute_ms",
+    "roofline_memory_ms",
+    "roofline_comm_ms",
+    "roofline_bound_ms",
+    "roofline_fraction",
+    "roofline_bound_by",
+    "roofline_basis",
+    "roofline_note",
+)
+
+
+def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str, Any]:
+    """Roofline columns for `work` that took `measured_s`; nulls with a note when it cannot be placed."""
+    out: dict[str, Any] = dict.fromkeys(ROOFLINE_COLUMNS)
+    if isinstance(peaks, str):
+        out["roofline_note"] = peaks
+        return out
+    times = {
+        "compute": work.flops / peaks.flops_per_s,
+        "memory": work.gather_bytes / peaks.gather_bytes_per_s + work.stream_bytes / peaks.memory_bytes_per_s,
+    }
+    if work.comm_bytes > 0:
+        if peaks.comm_bytes_per_s:
+            times["communication"] = work.comm_bytes / peaks.comm_bytes_per_s
+        else:
+            out["roofline_note"] = "no collective bandwidth in the profile for this backend and rank count: " \
+                "run 'dlrm-lab machine probe' under the same launcher; communication not bounded"  # fmt: skip
+    bound_by = max(times, key=lambda k: times[k])
+    out.update(
+        roofline_compute_ms=times["compute"] * 1e3,
+        roofline_memory_ms=times["memory"] * 1e3,
+        roofline_comm_ms=times["communication"] * 1e3 if "communication" in times else None,
+        roofline_bound_ms=times[bound_by] * 1e3,
+        roofline_bound_by=bound_by,
+        roofline_basis=peaks.basis,
+    )
+    if measured_s and measured_s > 0:
+        out["roofline_fraction"] = times[bound_by] / measured_s
+    return out

@@ -1,0 +1,204 @@
+"""Machine profiles and the roofline: peaks measured, stored per machine, and runs placed against them."""
+
+import json
+
+import pytest
+import torch
+
+import dlrm_lab
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.hardware import hardware_fingerprint
+from dlrm_lab.metrics.probe import ProbeSizes, copy_bytes_per_s, gather_bytes_per_s, gemm_flops_per_s
+from dlrm_lab.metrics.roofline import Peaks, Work, load_profile, peaks_for, place, save_profile
+from dlrm_lab.model.cost import dense_step_bytes, lookup_bytes_per_sample
+
+CPU = torch.device("cpu")
+
+
+def fake_profile(fingerprint: str = "f00d", comms: dict | None = None) -> dict:
+    one = {"gemm_flops_per_s": {"fp32": 50e9, "bf16": 100e9}, "memory_bytes_per_s": 20e9, "gather_bytes_per_s": 5e9}
+    two = {"gemm_flops_per_s": {"fp32": 90e9, "bf16": 180e9}, "memory_bytes_per_s": 30e9, "gather_bytes_per_s": 6e9}
+    four = {"gemm_flops_per_s": {"fp32": 150e9, "bf16": 300e9}, "memory_bytes_per_s": 40e9, "gather_bytes_per_s": 8e9}
+    return {
+        "fingerprint_id": fingerprint,
+        "probed_at": "2026-11-22T00:00:00+00:00",
+        "quick": True,
+        "devices": {"cpu": {"threads": {"1": one, "2": two, "4": four}}},
+        "comms": comms or {},
+    }
+
+
+def test_bound_is_the_slowest_resource_and_fraction_is_bound_over_measured():
+    peaks = Peaks(flops_per_s=1e11, memory_bytes_per_s=1e10, gather_bytes_per_s=5e9, comm_bytes_per_s=None, basis="x")
+    # compute 1e9/1e11 = 10 ms; memory 5e7/5e9 + 1e8/1e10 = 10 + 10 = 20 ms
+    out = place(Work(flops=1e9, gather_bytes=5e7, stream_bytes=1e8), 0.040, peaks)
+    assert out["roofline_compute_ms"] == pytest.approx(10.0)
+    assert out["roofline_memory_ms"] == pytest.approx(20.0)
+    assert out["roofline_bound_by"] == "memory" and out["roofline_bound_ms"] == pytest.approx(20.0)
+    assert out["roofline_fraction"] == pytest.approx(0.5)
+    assert out["roofline_comm_ms"] is None and out["roofline_note"] is None
+
+
+def test_communication_bounds_a_step_only_when_its_bandwidth_was_probed():
+    work = Work(flops=1e9, gather_bytes=0, stream_bytes=0, comm_bytes=3e8)
+    with_comm = Peaks(1e11, 1e10, 5e9, comm_bytes_per_s=1e10, basis="x")
+    out = place(work, 0.1, with_comm)
+    assert out["roofline_comm_ms"] == pytest.approx(30.0) and out["roofline_bound_by"] == "communication"
+    out = place(work, 0.1, Peaks(1e11, 1e10, 5e9, comm_bytes_per_s=None, basis="x"))
+    assert out["roofline_bound_by"] == "compute" and "collective bandwidth" in out["roofline_note"]
+
+
+def test_without_a_profile_the_columns_are_null_with_the_reason():
+    reason = peaks_for(None, "cpu", "fp32")
+    out = place(Work(1e9, 1e6, 0), 0.01, reason)
+    assert out["roofline_bound_ms"] is None and out["roofline_fraction"] is None
+    assert "dlrm-lab machine probe" in out["roofline_note"]
+    assert "fp16" in peaks_for(fake_profile(), "cpu", "fp16")  # a precision never probed
+    assert "cuda:0" in peaks_for(fake_profile(), "cuda", "fp32")
+
+
+def test_cpu_peaks_follow_the_thread_count():
+    profile = fake_profile()
+    assert peaks_for(profile, "cpu", "fp32", threads=2).flops_per_s == 90e9  # probed: as measured
+    three = peaks_for(profile, "cpu", "bf16", threads=3)  # not probed: 3 x one thread, capped at all cores
+    assert three.flops_per_s == 300e9 and three.gather_bytes_per_s == 8e9
+    assert peaks_for(profile, "cpu", "fp32", threads=8).flops_per_s == 150e9  # beyond the cores: all-core peak
+    assert "cpu 2 threads bf16" in peaks_for(profile, "cpu", "bf16", threads=2).basis
+
+
+def test_collective_peak_is_the_best_all_to_all_bus_bandwidth_of_the_same_launch():
+    rows = [
+        {"collective": "all_to_all", "busbw_bytes_per_s": 1e9},
+        {"collective": "all_to_all", "busbw_bytes_per_s": 3e9},
+        {"collective": "all_reduce", "busbw_bytes_per_s": 9e9},
+    ]
+    profile = fake_profile(comms={"gloo/2": rows})
+    assert peaks_for(profile, "cpu", "fp32", 1, world_size=2, backend="gloo").comm_bytes_per_s == 3e9
+    assert peaks_for(profile, "cpu", "fp32", 1, world_size=4, backend="gloo").comm_bytes_per_s is None
+
+
+def test_profiles_are_stored_per_fingerprint_and_merged(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    assert load_profile("f00d") is None
+    save_profile(fake_profile())
+    comms_only = {**fake_profile(comms={"gloo/2": [{"collective": "all_reduce"}]}), "devices": {}}
+    comms_only["probed_at"] = "2026-11-23T00:00:00+00:00"
+    save_profile(comms_only)
+    merged = load_profile("f00d")
+    assert "cpu" in merged["devices"] and "gloo/2" in merged["comms"]
+    assert merged["probed_at"] == "2026-11-22T00:00:00+00:00"  # the device peaks' date
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match="bad.json"):
+        load_profile("bad")
+
+
+def test_probe_kernels_measure_positive_rates_at_small_sizes():
+    gemm = gemm_flops_per_s(CPU, torch.float32, (64, 128), repeats=2, min_flops=1e7)
+    assert gemm["flops_per_s"] > 1e8 and gemm["size"] in (64, 128)
+    assert copy_bytes_per_s(CPU, 8 << 20, repeats=2) > 1e8
+    sizes = ProbeSizes((64,), 1 << 20, 2, 20_000, 16, 256, 4, (1024,), 2, 1e7)
+    gather = gather_bytes_per_s(CPU, sizes, repeats=2)
+    assert gather["bytes_per_s"] > 1e7 and gather["table_bytes"] == 2 * 20_000 * 16 * 4
+
+
+def test_inference_row_bytes_follow_the_table_precision():
+    tiny = dlrm_lab.load_preset("tiny")  # 7 rows of dim 8 looked up per sample
+    assert lookup_bytes_per_sample(tiny, "fp32") == 7 * 8 * 4
+    assert lookup_bytes_per_sample(tiny, "fp16") == 7 * 8 * 2
+    assert lookup_bytes_per_sample(tiny, "int8") == 7 * (8 + 4)  # fp16 scale and bias per row
+    assert lookup_bytes_per_sample(tiny, "int4") == 7 * (4 + 4)
+    # adagrad: forward, backward read, gradient write; optimizer grad read, param r+w, state r+w
+    assert dense_step_bytes(tiny, "adagrad") == 4 * 8 * tiny.dense_parameters
+    assert dense_step_bytes(tiny, "sgd") == 4 * 6 * tiny.dense_parameters
+
+
+def test_machine_show_prints_a_stored_profile_and_errors_without_one(tmp_path):
+    from conftest import run_cli
+
+    env_dir = tmp_path / "machines"
+    env_dir.mkdir()
+    fid = hardware_fingerprint()["fingerprint_id"]
+    (env_dir / f"{fid}.json").write_text(json.dumps(fake_profile(fid)))
+    env = {"DLRM_LAB_MACHINE_DIR": str(env_dir)}
+    shown = run_cli("machine", "show", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "cpu x2 threads" in shown.stdout and "90.00" in shown.stdout
+    missing = run_cli("machine", "show", "nosuchmachine", env=env)
+    assert missing.returncode == 2 and "dlrm-lab machine probe" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monkeypatch):
+    from conftest import ConstantPower, store_profile
+
+    from dlrm_lab.config import TrainConfig
+    from dlrm_lab.train import loop, train
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
+    store_profile(tmp_path / "machines", gflops=100.0, gather_gb=5.0)
+    monkeypatch.setattr(loop, "open_power_sources", lambda *a, **k: ([ConstantPower(40.0)], {}))
+    spec = dlrm_lab.load_preset("tiny")
+    cfg = TrainConfig(steps=12, batch_size=128, target_auc=0.99)  # tiny cannot reach 0.99
+    s = train(spec, cfg, metrics_dir=tmp_path / "runs").summary
+    assert s["flops_per_sample"] == 4048 and s["bytes_per_sample"] == 7 * 8 * 4 * 2 + 2 * 4 * 7
+    assert s["achieved_flops_per_s"] == pytest.approx(s["samples_per_s"] * 4048)
+    compute_ms = 128 * 4048 / 100e9 * 1e3
+    assert s["roofline_compute_ms"] == pytest.approx(compute_ms)
+    memory_ms = (128 * s["bytes_per_sample"] / 5e9 + dense_step_bytes(spec, "adagrad") / 20e9) * 1e3
+    assert s["roofline_memory_ms"] == pytest.approx(memory_ms)
+    assert s["roofline_bound_by"] == "memory" and s["roofline_bound_ms"] == pytest.approx(memory_ms)
+    assert s["roofline_fraction"] == pytest.approx(memory_ms / s["step_time_ms_mean"])
+    assert "cpu" in s["roofline_basis"] and s["roofline_note"] is None
+    assert s["target_reached"] is False and s["valid_flops_per_s"] == 0.0  # no credit without quality
+    # 40 W for the whole measured window: J/sample = W / (samples/s)
+    assert s["power_w_mean"] == pytest.approx(40.0) and s["energy_scope"] == "fake:dev0"
+    assert s["energy_per_sample_j"] == pytest.approx(40.0 / s["samples_per_s"])
+    assert s["energy_j"] > 0 and s["energy_unavailable"] is None
+    assert s["cpu_utilization_mean"] is not None and s["process_rss_max_mb"] > 0
+    import pyarrow.parquet as pq
+
+    run_dir = next((tmp_path / "runs").iterdir())
+    telemetry = pq.read_table(run_dir / "telemetry.parquet").to_pylist()
+    assert {r["quantity"] for r in telemetry} >= {"power_w", "cpu_percent", "rss_bytes"}
+
+
+def test_without_sensors_energy_is_null_with_a_reason_never_zero(tmp_path):
+    from dlrm_lab.config import TrainConfig
+    from dlrm_lab.train import train
+
+    s = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=6, batch_size=64), metrics_dir=tmp_path).summary
+    assert s["energy_j"] is None and s["energy_per_sample_j"] is None and s["samples_per_s_per_w"] is None
+    assert s["energy_unavailable"]  # e.g. "RAPL not readable: ..." on this machine
+    assert s["roofline_fraction"] is None and "machine probe" in s["roofline_note"]  # no profile stored
+    assert s["valid_flops_per_s"] is None  # no --target-auc: no quality rule to apply
+
+
+@pytest.mark.multiprocess
+def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path):
+    from conftest import run_cli
+
+    env = {"DLRM_LAB_MACHINE_DIR": str(tmp_path)}
+    out = run_cli("machine", "probe", "--quick", env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (path,) = tmp_path.glob("*.json")
+    profile = json.loads(path.read_text())
+    assert path.stem == profile["fingerprint_id"] == hardware_fingerprint()["fingerprint_id"]
+    cpu = profile["devices"]["cpu"]["threads"]
+    assert "1" in cpu
+    for peaks in cpu.values():
+        assert peaks["gemm_flops_per_s"]["fp32"] > 1e8 and peaks["gemm_flops_per_s"]["bf16"] > 0
+        assert peaks["memory_bytes_per_s"] > 1e8 and peaks["gather_bytes_per_s"] > 1e7
+    out = run_cli("launch", "--nproc", "2", "--", "machine", "probe", "--quick", "--comms-only", env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    merged = json.loads(path.read_text())
+    assert merged["devices"] == profile["devices"]  # kept from the first probe
+    rows = merged["comms"]["gloo/2"]
+    assert {r["collective"] for r in rows} == {"all_to_all", "all_reduce"}
+    for r in rows:  # bus bandwidth: x (n-1)/n = 1/2 for all-to-all, x 2(n-1)/n = 1 for all-reduce at 2 ranks
+        factor = 0.5 if r["collective"] == "all_to_all" else 1.0
+        assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)
+        assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3))
+    shown = run_cli("machine", "show", env=env)
+    assert "collectives gloo/2" in shown.stdout and "all_to_all" in shown.stdout
+    alone = run_cli("machine", "probe", "--comms-only", env=env)
+    assert alone.returncode == 2 and "several ranks" in alone.stderr
