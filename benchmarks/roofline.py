@@ -65,10 +65,11 @@ def summary(root: Path) -> list[dict[str, Any]]:
     rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
     for r in rows:
         fraction = r.get("roofline_fraction")
+        gflops, gbytes = (r.get("achieved_flops_per_s") or 0) / 1e9, (r.get("achieved_bytes_per_s") or 0) / 1e9
         print(
-            f"  {r.get('samples_per_s', 0):,.0f} samples/s, {r.get('achieved_flops_per_s', 0) / 1e9:.1f} GFLOP/s, "
-            f"{r.get('achieved_bytes_per_s', 0) / 1e9:.2f} GB/s of rows; bound {r.get('roofline_bound_ms') or 0:.3f} ms "
-            f"({r.get('roofline_bound_by')}), fraction {fraction if fraction is None else round(fraction, 3)}",
+            f"  {r.get('samples_per_s') or 0:,.0f} samples/s, {gflops:.1f} GFLOP/s, {gbytes:.2f} GB/s of rows; "
+            f"bound {r.get('roofline_bound_ms') or 0:.3f} ms ({r.get('roofline_bound_by')}), "
+            f"fraction {fraction if fraction is None else round(fraction, 3)}",
             flush=True,
         )
     return [{k: r.get(k) for k in COLUMNS} for r in rows]

@@ -86,11 +86,18 @@ def gemm_flops_per_s(
 ) -> dict[str, Any]:
     """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each)."""
     best: dict[str, Any] = {"flops_per_s": 0.0, "size": None}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        # repeat small products so one timing spans at least a few ms
-        inner = max(1, int(min_flops // (2 * n**3)))
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        single = time.perf_counter() - t0
+        if best["size"] is not None and single > 0.25:  # a slow kernel (fp16 on most CPUs): larger only costs time
+            break
+        # repeat small products so that one timing holds enough work, but keep it under ~0.1 s
+        inner = max(1, min(int(min_flops // (2 * n**3)), int(0.1 / max(single, 1e-6))))
 
         def step(a: torch.Tensor = a, b: torch.Tensor = b, inner: int = inner) -> None:
             for _ in range(inner):
@@ -100,8 +107,6 @@ def gemm_flops_per_s(
         rate = inner * 2 * n**3 / seconds
         if rate > best["flops_per_s"]:
             best = {"flops_per_s": rate, "size": n}
-        if seconds > 0.5:  # a product this long fills the device; larger ones only cost time
-            break
     return best
 
 
@@ -240,7 +245,7 @@ def probe_machine(quick: bool = False, devices: list[str] | None = None, log: Lo
     bandwidths. Under a launcher only rank 0's device peaks are kept (ranks share a machine
     kind); every rank takes part in the collectives."""
     sizes = ProbeSizes.preset(quick)
-    wanted = devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    wanted = devices if devices is not None else (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     profile: dict[str, Any] = {
         "hardware": hardware_fingerprint(),
         "probed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
