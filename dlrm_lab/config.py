@@ -358,7 +358,7 @@ class TrainConfig:
 
     `batch_size` is per rank; the global batch is `batch_size * world_size`. The first
     `warmup_steps` steps are recorded but left out of throughput and step-time statistics
-    (default: 10% of the steps, at least 1 and at most 20, when there are at least 5).
+    (default None: detected from the step times, `train.records.detect_warmup`).
     """
 
     steps: int = 100
@@ -427,18 +427,9 @@ class TrainConfig:
             return self.eval_every
         return max(1, self.steps // 20)
 
-    @property
-    def resolved_warmup_steps(self) -> int:
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        if self.steps < 5:
-            return 0
-        return min(20, max(1, self.steps // 10))
-
     def to_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
-            "warmup_steps": self.resolved_warmup_steps,
             "eval_every": self.resolved_eval_every,
             "data_overrides": list(self.data_overrides),
             "shard": list(self.shard),

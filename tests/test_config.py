@@ -3,6 +3,7 @@
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dlrm_lab
@@ -150,8 +151,13 @@ def test_bad_train_options(kwargs, message):
         TrainConfig(**kwargs)
 
 
-def test_default_warmup_rule():
-    assert TrainConfig(steps=4).resolved_warmup_steps == 0
-    assert TrainConfig(steps=50).resolved_warmup_steps == 5
-    assert TrainConfig(steps=1000).resolved_warmup_steps == 20
-    assert TrainConfig(steps=50, warmup_steps=0).resolved_warmup_steps == 0
+def test_warmup_is_detected_from_step_times():
+    from dlrm_lab.train.records import detect_warmup
+
+    rng = np.random.default_rng(0)
+    steady = list(30 + rng.normal(0, 1, 60))  # 30 ms steps with +/- 1 ms noise
+    assert detect_warmup([300, 90, 60, 45, 40, 34] + steady) == 6  # slow start until within 10% of steady
+    assert detect_warmup([300] + steady) == 1  # the first step is always warm-up
+    assert detect_warmup(steady[:4]) == 0  # too short to tell
+    assert detect_warmup(list(range(110, 10, -1))) == 50  # still speeding up: at most half the run is warm-up
+    assert detect_warmup([300] + [20.0] * 10 + [30.0] * 30) == 1  # faster than steady is not warm-up

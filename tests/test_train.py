@@ -46,7 +46,9 @@ def test_run_directory_holds_manifest_steps_eval_and_summary(tiny_run):
         assert 0 < phases <= r["step_time_ms"] * 1.001
     summary = pq.read_table(d / "summary.parquet").to_pylist()[0]
     measured = [r for r in steps if not r["warmup"]]
-    assert summary["measured_steps"] == len(measured) == 60 - 6
+    warmup = summary["warmup_steps"]  # detected from the step times, flagged on disk at the end
+    assert 1 <= warmup <= 30 and summary["measured_steps"] == len(measured) == 60 - warmup
+    assert [r["step"] for r in steps if r["warmup"]] == list(range(warmup))
     expected_rate = sum(r["global_samples"] for r in measured) / (sum(r["step_time_ms"] for r in measured) / 1000)
     assert summary["samples_per_s"] == pytest.approx(expected_rate)
     assert sum(summary[f"{p}_share"] for p in PHASES) == pytest.approx(1.0, abs=0.01)

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 PARTS_DIR = "_parts"
 
 
-def _atomic_write_table(table: pa.Table, path: Path) -> None:
+def atomic_write_parquet(table: pa.Table, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
@@ -81,7 +81,7 @@ class TableWriter:
         if not self._rows:
             return
         table = pa.Table.from_pylist(self._rows, schema=self.schema)
-        _atomic_write_table(table, self._parts_dir / f"{self._prefix}{self._next_part:06d}.parquet")
+        atomic_write_parquet(table, self._parts_dir / f"{self._prefix}{self._next_part:06d}.parquet")
         self._next_part += 1
         self.rows_written += len(self._rows)
         self._rows = []
@@ -114,7 +114,7 @@ def _merge_parts(run_dir: Path, name: str, schema: pa.Schema | None = None) -> N
     else:
         merged = None
     if merged is not None:
-        _atomic_write_table(merged, final)
+        atomic_write_parquet(merged, final)
     shutil.rmtree(parts_dir, ignore_errors=True)
     try:
         (run_dir / PARTS_DIR).rmdir()
@@ -139,5 +139,5 @@ def write_table(run_dir: Path, name: str, rows: list[dict[str, Any]], schema: pa
         schema = pa.schema([pa.field("run_id", pa.string()), *schema])
     table = pa.Table.from_pylist([{"run_id": run_id, **r} for r in rows], schema=schema)
     path = Path(run_dir) / f"{name}.parquet"
-    _atomic_write_table(table, path)
+    atomic_write_parquet(table, path)
     return path

@@ -44,7 +44,10 @@ from dlrm_lab.train.records import (
     EVAL_SCHEMA,
     STEP_SCHEMA,
     SUMMARY_SCHEMA,
+    detect_warmup,
     energy_columns,
+    global_step_times,
+    mark_warmup,
     roofline_columns,
     summarize_steps,
 )
@@ -220,7 +223,10 @@ def train(
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     run = _open_run(metrics_dir, config, argv, ctx)
+    measured_from: dict[str, int] = {}  # the first measured step, once the warm-up is known
     with contextlib.ExitStack() as stack:
+        if run is not None and ctx.is_main:  # after the run closed: flag the warm-up steps on disk
+            stack.callback(lambda: measured_from and mark_warmup(run.dir, measured_from["step"]))
         if run is not None:
             stack.enter_context(run)
         if isinstance(source, Prefetcher):
@@ -269,8 +275,7 @@ def train(
         stack.callback(stop_sampler)
         status = "ok"
         t_start = time.perf_counter()
-        warmup = cfg.resolved_warmup_steps
-        window: dict[str, float] = {"t0": sampler.mark()}
+        step_starts: list[float] = []  # sampler clock: the energy window starts after the warm-up
         batches: Iterator[Batch] = iter(source)
         pipeline = make_pipeline(dmp, optimizer, ctx.device) if cfg.pipeline else None
         watchdog = None
@@ -284,8 +289,7 @@ def train(
         dmp.train()
         try:
             for step in range(start_step, cfg.steps):
-                if step - start_step == warmup:
-                    window["t0"] = sampler.mark()  # energy is counted over the measured steps
+                step_starts.append(time.monotonic())
                 t0 = time.perf_counter()
                 if pipeline is not None:
                     # phases overlap by design here: only the step time is measured
@@ -318,7 +322,7 @@ def train(
                     "world_size": ctx.world_size,
                     "batch_size": cfg.batch_size,
                     "global_samples": global_samples,
-                    "warmup": step - start_step < warmup,
+                    "warmup": None,  # known at the end (detected), then rewritten on disk
                     "loss": loss.item(),
                     "step_time_ms": step_ms,
                     **{f"{k}_ms": v for k, v in phases.items()},
@@ -351,9 +355,18 @@ def train(
                 f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
             ) from exc
 
-        window["t1"] = sampler.mark()
-        energy = _gather_energy(sampler.summary(window["t0"], window["t1"]), ctx)
+        t_end = sampler.mark()
         all_steps = _gather_rows(steps, ctx)
+        warmup = cfg.warmup_steps
+        if warmup is None:
+            warmup = detect_warmup(global_step_times(all_steps))
+        warmup = min(warmup, max(0, len(steps) - 1))  # a run stopped early still measures its last step
+        for r in all_steps:
+            r["warmup"] = r["step"] - start_step < warmup
+        if steps:
+            measured_from["step"] = start_step + warmup
+        t_measured = step_starts[warmup] if len(step_starts) > warmup else t_end
+        energy = _gather_energy(sampler.summary(t_measured, t_end), ctx)
         summary = {
             "kind": "train",
             "status": status,

@@ -5,13 +5,17 @@ Column meanings and units are documented in docs/metrics.md; keep the two in ste
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.metrics.roofline import Peaks, Work, place
+from dlrm_lab.metrics.tables import atomic_write_parquet
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 from dlrm_lab.train.timing import PHASES
 
@@ -105,6 +109,48 @@ SUMMARY_SCHEMA = pa.schema(
 )
 
 _LOSS_WINDOW = 10  # steps averaged for loss_first / loss_last
+WARMUP_TOLERANCE = 0.10
+
+
+def detect_warmup(step_times_ms: list[float]) -> int:
+    """How many steps at the start of a run are warm-up, read off its step times.
+
+    Rule (documented in docs/metrics.md): with n >= 5 steps, the steady-state step time is
+    the median of the second half of the run; warm-up ends at the first step k >= 1 whose
+    own time and the median of the w = clamp(n // 10, 3, 10) steps from it are both within
+    10% above it (one fast step in a slow stretch does not end it). The first step always counts as warm-up (lazy allocation, kernel selection, caches
+    filled), and at most half of the run does. Runs of fewer than 5 steps have none.
+    """
+    n = len(step_times_ms)
+    if n < 5:
+        return 0
+    times = np.asarray(step_times_ms, dtype=np.float64)
+    steady = float(np.median(times[n // 2 :]))
+    window = min(10, max(3, n // 10))
+    bound = (1 + WARMUP_TOLERANCE) * steady
+    for k in range(1, n // 2 + 1):
+        if times[k] <= bound and float(np.median(times[k : k + window])) <= bound:
+            return k
+    return n // 2
+
+
+def global_step_times(rows: list[dict[str, Any]]) -> list[float]:
+    """Per step (in order) the slowest rank's step time: when the step ended for the job."""
+    by_step: dict[int, float] = {}
+    for r in rows:
+        by_step[r["step"]] = max(by_step.get(r["step"], 0.0), r["step_time_ms"])
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def mark_warmup(run_dir: Path, first_measured_step: int) -> None:
+    """Rewrite steps.parquet's `warmup` column once the warm-up is known (end of the run)."""
+    path = Path(run_dir) / "steps.parquet"
+    if not path.is_file():
+        return
+    table = pq.read_table(path)
+    flags = pc.less(table["step"], pa.scalar(first_measured_step, pa.int64()))
+    table = table.set_column(table.schema.get_field_index("warmup"), "warmup", flags)
+    atomic_write_parquet(table, path)
 
 
 def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
