@@ -624,6 +624,8 @@ def combine_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
     energies = [p["energy_j"] for p in parts if p.get("energy_j") is not None]
     powers = [p["power_w_mean"] for p in parts if p.get("power_w_mean") is not None]
     reasons = list(dict.fromkeys(p["energy_unavailable"] for p in parts if p.get("energy_unavailable")))
+    if len(reasons) > 1 or energies:  # a rank that reads no sensor by design says only "no power source"
+        reasons = [r for r in reasons if r != "no power source"]
     cpu = [p["cpu_utilization_mean"] for p in parts if p.get("cpu_utilization_mean") is not None]
     rss = [p["process_rss_max_mb"] for p in parts if p.get("process_rss_max_mb") is not None]
     return {

@@ -118,8 +118,9 @@ def detect_warmup(step_times_ms: list[float]) -> int:
     Rule (documented in docs/metrics.md): with n >= 5 steps, the steady-state step time is
     the median of the second half of the run; warm-up ends at the first step k >= 1 whose
     own time and the median of the w = clamp(n // 10, 3, 10) steps from it are both within
-    10% above it (one fast step in a slow stretch does not end it). The first step always counts as warm-up (lazy allocation, kernel selection, caches
-    filled), and at most half of the run does. Runs of fewer than 5 steps have none.
+    10% above it (one fast step in a slow stretch does not end it). The first step always
+    counts as warm-up (lazy allocation, kernel selection, caches filled), and at most half
+    of the run does. Runs of fewer than 5 steps have none.
     """
     n = len(step_times_ms)
     if n < 5:
