@@ -1,0 +1,429 @@
+"""Resumable sweeps: a grid of train or infer experiments, each point repeated, in one directory.
+
+A grid file (TOML) names the command and its options::
+
+    command = "train"              # or "infer run"
+    repeats = 3
+    out = "runs/sweep-batch"       # default: runs/sweep-<file stem>
+    metrics = ["eval_auc"]         # summary columns aggregated besides the defaults
+
+    [options]                      # every point: CLI option names without "--"
+    preset = "tiny"
+    steps = 30
+
+    [grid]                         # cartesian product
+    batch-size = [64, 256]
+    precision = ["fp32", "bf16"]
+
+    [zip]                          # varied together (equal lengths), crossed with [grid]
+    embedding-optimizer = ["sgd", "rowwise_adagrad"]
+    embedding-lr = [0.1, 0.05]
+
+Values: true -> `--name`, false -> `--no-name`, a list in [options] -> the option repeated.
+
+The sweep directory is a run of kind `sweep`; point p, repeat r runs as `dlrm-lab COMMAND
+... --metrics-dir points/p{p:04d}-r{r}` in its own process (a crashed point cannot take the
+sweep or its siblings down) and leaves an ordinary run directory there. A point-repeat is
+done when that directory holds a run with status `ok`. Running the same command again skips
+what is done and moves unfinished attempts to `_incomplete/` before repeating them, so every
+point-repeat has exactly one run: no duplicated and no lost rows. `points.parquet` (one row
+per point and repeat) and `summary.parquet` (per point: median, 95% CI, CV, unstable flag
+per metric over the repeats) are rebuilt from the run directories after every point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import tomllib
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.run import MANIFEST, Run, read_manifest
+from dlrm_lab.metrics.tables import write_table
+
+COMMANDS = {"train": ("train",), "infer run": ("infer", "run")}
+RESERVED = {"metrics-dir"}
+DEFAULT_METRICS = {
+    "train": ("samples_per_s", "step_time_ms_p50", "step_time_ms_p99", "eval_auc", "achieved_flops_per_s",
+              "roofline_fraction", "energy_per_sample_j"),
+    "infer run": ("queries_per_s", "samples_per_s", "latency_p50_ms", "latency_p99_ms", "latency_p99_9_ms",
+                  "sla_latency_ms", "roofline_fraction", "energy_per_query_j"),
+}  # fmt: skip
+# Columns that tell apart several summary rows of one child run (inference: per point, model, mode).
+_ROW_KEYS = ("point", "model", "mode")
+
+POINTS_SCHEMA = pa.schema(
+    [
+        ("point", pa.int32()),
+        ("repeat", pa.int32()),
+        ("params_json", pa.string()),
+        ("status", pa.string()),
+        ("child_run_id", pa.string()),
+        ("child_dir", pa.string()),
+        ("seconds", pa.float64()),
+        ("attempts", pa.int32()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A validated grid file."""
+
+    path: Path
+    command: str
+    options: dict[str, Any]
+    grid: dict[str, list[Any]]
+    zipped: dict[str, list[Any]]
+    repeats: int = 1
+    metrics: tuple[str, ...] = ()
+    out: Path | None = None
+
+    @property
+    def points(self) -> list[dict[str, Any]]:
+        """Every point's parameters: the grid's cartesian product, crossed with the zipped rows."""
+        names = list(self.grid)
+        product = [dict(zip(names, values, strict=True)) for values in itertools.product(*self.grid.values())]
+        zip_names = list(self.zipped)
+        zipped = [dict(zip(zip_names, values, strict=True)) for values in zip(*self.zipped.values(), strict=True)]
+        return [{**g, **z} for g in product for z in (zipped or [{}])]
+
+    @property
+    def all_metrics(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*DEFAULT_METRICS[self.command], *self.metrics)))
+
+    def fingerprint(self) -> str:
+        """What makes two invocations the same sweep (the output directory aside)."""
+        what = {"command": self.command, "options": self.options, "points": self.points, "repeats": self.repeats}
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["path"], d["out"] = str(self.path), str(self.out) if self.out else None
+        return d
+
+
+def _option_args(name: str, value: Any, where: str) -> list[str]:
+    if isinstance(value, bool):
+        return [f"--{name}" if value else f"--no-{name}"]
+    if isinstance(value, list):
+        return [a for v in value for a in _option_args(name, v, where)]
+    if isinstance(value, (int, float, str)):
+        return [f"--{name}", str(value)]
+    raise UserError(f"{where}: {name} = {value!r}: a value must be a string, number, boolean or list of them")
+
+
+def point_args(spec: SweepSpec, params: dict[str, Any]) -> list[str]:
+    """The command line of one point (without --metrics-dir)."""
+    args = list(COMMANDS[spec.command])
+    for name, value in {**spec.options, **params}.items():
+        args += _option_args(name, value, str(spec.path))
+    return args
+
+
+def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | None = None) -> SweepSpec:
+    """Read and check a grid file; every point's command line is parsed by the real CLI
+    before anything runs, so a typo fails at once, naming the file and the option."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such grid file") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"{path}: not a readable TOML grid file ({exc})") from None
+    known = {"command", "repeats", "out", "metrics", "options", "grid", "zip"}
+    if unknown := sorted(set(raw) - known):
+        raise UserError(f"{path}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+    command = raw.get("command")
+    if command not in COMMANDS:
+        raise UserError(f"{path}: command = {command!r}; allowed: {', '.join(repr(c) for c in COMMANDS)}")
+    tables = {}
+    for key in ("options", "grid", "zip"):
+        value = raw.get(key, {})
+        if not isinstance(value, dict):
+            raise UserError(f"{path}: [{key}] must be a table of option = value")
+        if clash := sorted(RESERVED & set(value)):
+            raise UserError(f"{path}: [{key}] {clash[0]}: set by the sweep itself (each point has its own directory)")
+        tables[key] = value
+    for key in ("grid", "zip"):
+        for name, values in tables[key].items():
+            if not isinstance(values, list) or not values:
+                raise UserError(f"{path}: [{key}] {name} = {values!r}: must be a non-empty list of values")
+    if len({len(v) for v in tables["zip"].values()}) > 1:
+        lengths = ", ".join(f"{k}: {len(v)}" for k, v in tables["zip"].items())
+        raise UserError(f"{path}: [zip] lists must have equal lengths ({lengths})")
+    if both := sorted(set(tables["grid"]) & set(tables["zip"]) | set(tables["options"]) & set(tables["grid"])
+                      | set(tables["options"]) & set(tables["zip"])):  # fmt: skip
+        raise UserError(f"{path}: {both[0]} appears in more than one of [options], [grid], [zip]")
+    repeats = repeats if repeats is not None else raw.get("repeats", 1)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UserError(f"{path}: repeats = {repeats!r}: must be a whole number >= 1")
+    metrics = raw.get("metrics", [])
+    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+        raise UserError(f"{path}: metrics = {metrics!r}: must be a list of summary column names")
+    spec = SweepSpec(
+        path=path,
+        command=command,
+        options=tables["options"],
+        grid=tables["grid"],
+        zipped=tables["zip"],
+        repeats=repeats,
+        metrics=tuple(metrics),
+        out=Path(out) if out else Path(raw["out"]) if raw.get("out") else None,
+    )
+    for k, params in enumerate(spec.points):
+        _check_cli(point_args(spec, params), f"{path}: point {k} ({_label(params)})")
+    return spec
+
+
+def _check_cli(args: list[str], where: str) -> None:
+    """Parse a point's command line with the real CLI (no run): unknown options and bad types."""
+    import typer
+
+    from dlrm_lab.cli import app
+
+    command: Any = typer.main.get_command(app)
+    words = list(args)
+    ctx = None
+    while words and words[0] in getattr(command, "commands", {}):
+        command = command.commands[words.pop(0)]
+    try:
+        ctx = command.make_context("dlrm-lab", words + ["--metrics-dir", "x"], resilient_parsing=False)
+    except typer.TyperException as exc:  # typer's (vendored click) usage errors
+        raise UserError(f"{where}: {exc.format_message()}") from None
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+def _label(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "no parameters"
+
+
+@dataclass
+class PointResult:
+    point: int
+    repeat: int
+    params: dict[str, Any]
+    status: str  # ok | failed | interrupted | pending
+    child_dir: Path | None = None
+    seconds: float | None = None
+    attempts: int = 0
+    skipped: bool = False  # done by an earlier invocation
+
+
+@dataclass
+class SweepResult:
+    dir: Path
+    points: list[PointResult] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[PointResult]:
+        return [p for p in self.points if p.status != "ok"]
+
+
+def _slot(p: int, r: int) -> str:
+    return f"p{p:04d}-r{r}"
+
+
+def _child_runs(slot_dir: Path) -> list[Path]:
+    return sorted(d for d in slot_dir.glob(f"*/{MANIFEST}")) if slot_dir.is_dir() else []
+
+
+def _done_run(slot_dir: Path) -> Path | None:
+    for manifest in _child_runs(slot_dir):
+        if read_manifest(manifest.parent).get("status") == "ok":
+            return manifest.parent
+    return None
+
+
+def _set_aside(sweep_dir: Path, slot_dir: Path) -> int:
+    """Move an unfinished attempt out of the way; returns how many attempts were set aside so far."""
+    if not slot_dir.exists():
+        return len(list((sweep_dir / "_incomplete").glob(f"{slot_dir.name}-*")))
+    target_root = sweep_dir / "_incomplete"
+    target_root.mkdir(exist_ok=True)
+    n = len(list(target_root.glob(f"{slot_dir.name}-*")))
+    shutil.move(str(slot_dir), str(target_root / f"{slot_dir.name}-{n}"))
+    return n + 1
+
+
+def _open_sweep(spec: SweepSpec, out: Path, argv: list[str] | None) -> Run:
+    config = {"grid": spec.to_dict(), "fingerprint": spec.fingerprint(),
+              "points": [{"point": k, "params": p} for k, p in enumerate(spec.points)]}  # fmt: skip
+    if (out / MANIFEST).is_file():
+        manifest = read_manifest(out)
+        if manifest.get("kind") != "sweep":
+            raise UserError(f"{out}: a run of kind {manifest.get('kind')!r} is there, not a sweep; choose another out")
+        if manifest.get("config", {}).get("fingerprint") != spec.fingerprint():
+            other = manifest["config"].get("grid", {}).get("path")
+            raise UserError(f"{out}: holds a sweep of a different grid ({other}); change `out` or remove it")
+        run = Run(out, manifest)
+        run.update_manifest(status="running", pid=os.getpid(), end_time=None, error=None,
+                            resumed=int(manifest.get("resumed", 0)) + 1)  # fmt: skip
+        return run
+    return Run.create(out.parent, kind="sweep", config=config, argv=argv, run_id=out.name)
+
+
+def run_sweep(
+    spec: SweepSpec,
+    *,
+    metrics_dir: str | Path = "runs",
+    argv: list[str] | None = None,
+    on_start: Callable[[PointResult, int, int], None] | None = None,
+    on_done: Callable[[PointResult], None] | None = None,
+) -> SweepResult:
+    """Run (or resume) every point x repeat of `spec`; see the module docstring."""
+    out = spec.out or Path(metrics_dir) / f"sweep-{spec.path.stem}"
+    run = _open_sweep(spec, out, argv)
+    result = SweepResult(run.dir)
+    todo: list[PointResult] = []
+    for k, params in enumerate(spec.points):
+        for r in range(spec.repeats):
+            slot = run.dir / "points" / _slot(k, r)
+            done = _done_run(slot)
+            pr = PointResult(k, r, params, "ok" if done else "pending", done, skipped=done is not None)
+            result.points.append(pr)
+            if not done:
+                todo.append(pr)
+    status, error = "ok", None
+    try:
+        for i, pr in enumerate(todo):
+            slot = run.dir / "points" / _slot(pr.point, pr.repeat)
+            pr.attempts = _set_aside(run.dir, slot) + 1  # an earlier, unfinished attempt is kept aside
+            if on_start:
+                on_start(pr, i, len(todo))
+            pr.status, pr.seconds = _run_point(point_args(spec, pr.params), slot)
+            pr.child_dir = _done_run(slot)
+            write_sweep_tables(run, spec, result)
+            if on_done:
+                on_done(pr)
+        if result.failed:
+            status, error = "failed", f"{len(result.failed)} point-repeat(s) failed; see points.parquet"
+    except KeyboardInterrupt:
+        status, error = "interrupted", "KeyboardInterrupt"
+        raise
+    except BaseException as exc:
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        write_sweep_tables(run, spec, result)
+        run.finish(status, error=error)
+    return result
+
+
+def _run_point(args: list[str], slot: Path) -> tuple[str, float]:
+    """One point-repeat in its own process; its output goes to `<slot>/point.log`."""
+    slot.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(slot)]
+    t0 = time.monotonic()
+    with open(slot / "point.log", "ab") as log:
+        log.write(("$ dlrm-lab " + " ".join(args) + "\n").encode())
+        log.flush()
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            code = child.wait()
+        except BaseException:
+            _stop_child(child)
+            raise
+    seconds = time.monotonic() - t0
+    if code == 130:
+        raise KeyboardInterrupt
+    return ("ok" if code == 0 and _done_run(slot) else "failed"), seconds
+
+
+def _stop_child(child: subprocess.Popen[bytes]) -> None:
+    """Let an interrupted point close its run: a Ctrl-C at the terminal reached it too (give
+    it time), a signal sent to the sweep alone did not (pass Ctrl-C on); then insist."""
+    for sig, wait_s in ((None, 10), (signal.SIGINT, 30), (signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if child.poll() is not None:
+            return
+        if sig is not None:
+            child.send_signal(sig)
+        try:
+            child.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def write_sweep_tables(run: Run, spec: SweepSpec, result: SweepResult) -> None:
+    """points.parquet and summary.parquet, rebuilt from what is on disk (never appended to)."""
+    rows = []
+    for pr in result.points:
+        child = pr.child_dir
+        rows.append(
+            {
+                "point": pr.point,
+                "repeat": pr.repeat,
+                "params_json": json.dumps(pr.params, sort_keys=True),
+                "status": pr.status,
+                "child_run_id": child.name if child else None,
+                "child_dir": str(child.relative_to(run.dir)) if child else None,
+                "seconds": pr.seconds if pr.seconds is not None else _run_seconds(child),
+                "attempts": pr.attempts,
+            }
+        )
+    write_table(run.dir, "points", rows, POINTS_SCHEMA, run.run_id)
+    summary = aggregate(result, spec)
+    write_table(run.dir, "summary", summary, summary_schema(spec, summary), run.run_id)
+
+
+def _run_seconds(child: Path | None) -> float | None:
+    return read_manifest(child).get("duration_s") if child else None
+
+
+def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, Any]]:
+    """Per point (and per inference point/model/mode inside it), each metric's median, 95%
+    bootstrap CI, coefficient of variation and unstable flag over the finished repeats."""
+    from dlrm_lab.report.stats import estimate
+
+    by_point: dict[int, list[PointResult]] = {}
+    for pr in result.points:
+        by_point.setdefault(pr.point, []).append(pr)
+    out = []
+    for point, prs in sorted(by_point.items()):
+        groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for pr in prs:
+            if pr.status != "ok" or pr.child_dir is None or not (pr.child_dir / "summary.parquet").is_file():
+                continue
+            for row in pq.read_table(pr.child_dir / "summary.parquet").to_pylist():
+                groups.setdefault(tuple(row.get(k) for k in _ROW_KEYS), []).append(row)
+        base = {"point": point, "params_json": json.dumps(prs[0].params, sort_keys=True),
+                **{f"param_{k}": str(v) for k, v in prs[0].params.items()},
+                "repeats_ok": sum(p.status == "ok" for p in prs), "repeats": len(prs)}  # fmt: skip
+        if not groups:
+            out.append(base)
+            continue
+        for key, rows in groups.items():
+            row = {**base, **{f"child_{k}": v for k, v in zip(_ROW_KEYS, key, strict=True) if v is not None}}
+            for metric in spec.all_metrics:
+                values = [r[metric] for r in rows if isinstance(r.get(metric), (int, float))]
+                row.update(estimate(values).to_columns(metric))
+            out.append(row)
+    return out
+
+
+def summary_schema(spec: SweepSpec, rows: list[dict[str, Any]]) -> pa.Schema:
+    fields = [pa.field("point", pa.int32()), pa.field("params_json", pa.string())]
+    fields += [pa.field(f"param_{k}", pa.string()) for k in (spec.points[0] if spec.points else {})]
+    fields += [pa.field("repeats_ok", pa.int32()), pa.field("repeats", pa.int32())]
+    fields += [pa.field("child_point", pa.int32()), pa.field("child_model", pa.string()),
+               pa.field("child_mode", pa.string())]  # fmt: skip
+    for metric in spec.all_metrics:
+        fields += [pa.field(f"{metric}_{s}", pa.float64()) for s in ("median", "ci_low", "ci_high", "cv")]
+        fields += [pa.field(f"{metric}_unstable", pa.bool_()), pa.field(f"{metric}_n", pa.int32())]
+    return pa.schema(fields)

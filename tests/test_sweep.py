@@ -1,0 +1,147 @@
+"""Sweeps: grid files checked up front, points x repeats as runs, statistics, resume after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, run_cli
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.run import Run
+from dlrm_lab.sweep import PointResult, SweepResult, aggregate, load_spec, point_args
+from dlrm_lab.train.records import SUMMARY_SCHEMA
+
+
+def grid_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "grid.toml"
+    path.write_text(text)
+    return path
+
+
+def test_grid_and_zip_make_the_points(tmp_path):
+    spec = load_spec(
+        grid_file(
+            tmp_path,
+            """
+command = "train"
+repeats = 2
+[options]
+preset = "tiny"
+progress = false
+shard = ["t_cat_0=table_wise", "t_cat_1=column_wise"]
+[grid]
+batch-size = [32, 64]
+precision = ["fp32", "bf16"]
+[zip]
+embedding-optimizer = ["sgd", "rowwise_adagrad"]
+embedding-lr = [0.1, 0.05]
+""",
+        )
+    )
+    assert len(spec.points) == 2 * 2 * 2 and spec.repeats == 2
+    assert spec.points[0] == {"batch-size": 32, "precision": "fp32", "embedding-optimizer": "sgd", "embedding-lr": 0.1}
+    assert spec.points[1]["embedding-optimizer"] == "rowwise_adagrad" and spec.points[1]["embedding-lr"] == 0.05
+    args = point_args(spec, spec.points[0])
+    assert args[:3] == ["train", "--preset", "tiny"] and "--no-progress" in args
+    assert args.count("--shard") == 2  # a list in [options] repeats the option
+    assert load_spec(spec.path, repeats=5).repeats == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('command = "serve-me"', "command = 'serve-me'"),
+        ('command = "train"\n[grid]\nbatch-size = 32', "must be a non-empty list"),
+        ('command = "train"\n[zip]\nsteps = [1, 2]\nseed = [1]', "equal lengths"),
+        ('command = "train"\n[options]\nmetrics-dir = "x"', "set by the sweep itself"),
+        ('command = "train"\n[grid]\nbogus-option = [1]', "No such option: --bogus-option"),
+        ('command = "train"\n[grid]\nsteps = ["many"]', "steps"),
+        ('command = "train"\nrepeats = 0', "repeats = 0"),
+        ('command = "train"\nbogus = 1', "unknown field(s) bogus"),
+        ("command = [", "not a readable TOML"),
+    ],
+)
+def test_bad_grid_files_fail_before_anything_runs(tmp_path, text, message):
+    with pytest.raises(UserError, match="grid.toml") as err:
+        load_spec(grid_file(tmp_path, text))
+    assert message in str(err.value)
+
+
+def test_repeats_are_summarised_with_median_interval_and_stability(tmp_path):
+    spec = load_spec(grid_file(tmp_path, 'command = "train"\nrepeats = 5\n[grid]\nbatch-size = [32, 64]'))
+    result = SweepResult(tmp_path)
+    rates = {0: [100.0, 101.0, 99.0, 100.5, 99.5], 1: [200.0, 150.0, 260.0, 180.0, 230.0]}  # point 1 is noisy
+    for point, values in rates.items():
+        for repeat, rate in enumerate(values):
+            with Run.create(tmp_path / f"p{point}r{repeat}", kind="train", config={}) as run:
+                run.write_summary([{"samples_per_s": rate, "eval_auc": 0.7}], SUMMARY_SCHEMA)
+            result.points.append(PointResult(point, repeat, spec.points[point], "ok", run.dir))
+    result.points.append(PointResult(1, 5, spec.points[1], "failed", None))  # not counted
+    rows = {r["point"]: r for r in aggregate(result, spec)}
+    steady, noisy = rows[0], rows[1]
+    assert steady["samples_per_s_median"] == 100.0 and steady["samples_per_s_n"] == 5
+    assert steady["samples_per_s_ci_low"] <= 100.0 <= steady["samples_per_s_ci_high"]
+    assert steady["samples_per_s_unstable"] is False and steady["samples_per_s_cv"] < 0.01
+    assert noisy["samples_per_s_median"] == 200.0 and noisy["samples_per_s_unstable"] is True
+    assert noisy["repeats_ok"] == 5 and noisy["repeats"] == 6
+    assert json.loads(noisy["params_json"]) == {"batch-size": 64} and noisy["param_batch-size"] == "64"
+
+
+def _statuses(sweep_dir: Path) -> dict[str, str]:
+    out = {}
+    for manifest in sweep_dir.glob("points/*/*/manifest.json"):
+        out[manifest.parent.parent.name] = json.loads(manifest.read_text())["status"]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_killed_sweep_resumes_without_duplicate_or_lost_rows(tmp_path):
+    grid = grid_file(
+        tmp_path,
+        f"""
+command = "train"
+out = "{tmp_path / "sweep"}"
+[options]
+preset = "tiny"
+steps = 6
+batch-size = 32
+eval-batches = 1
+[grid]
+seed = [1, 2]
+""",
+    )
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "dlrm_lab", "sweep", str(grid), "--no-progress"]
+    first = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        _statuses(sweep_dir).get("p0000-r0") == "ok" and (sweep_dir / "points" / "p0001-r0").exists()
+    ):
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)  # the sweep and the point it is running, mid-way
+    first.wait()
+    assert _statuses(sweep_dir).get("p0000-r0") == "ok", first.stderr.read().decode()[-2000:]
+    done_before = next((sweep_dir / "points" / "p0000-r0").glob("*/manifest.json")).parent.name
+
+    second = run_cli("sweep", str(grid), "--no-progress")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "1 from an earlier invocation" in second.stdout
+    points = pq.read_table(sweep_dir / "points.parquet").to_pylist()
+    assert [(p["point"], p["repeat"], p["status"]) for p in points] == [(0, 0, "ok"), (1, 0, "ok")]
+    assert points[0]["child_run_id"] == done_before  # skipped, not run again
+    assert points[1]["attempts"] == 2 and (sweep_dir / "_incomplete" / "p0001-r0-0").exists()
+    steps = duckdb.sql(f"select run_id, step from '{sweep_dir}/points/*/*/steps.parquet'").fetchall()
+    assert len(steps) == len(set(steps)) == 2 * 6  # every step of every point once
+    summary = pq.read_table(sweep_dir / "summary.parquet").to_pylist()
+    assert [r["point"] for r in summary] == [0, 1] and all(r["samples_per_s_median"] > 0 for r in summary)
+    manifest = json.loads((sweep_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "sweep" and manifest["status"] == "ok" and manifest["resumed"] == 1
+    assert run_cli("sweep", str(grid), "--no-progress").returncode == 0  # all done: nothing runs again
+    assert len(pq.read_table(sweep_dir / "points.parquet")) == 2
