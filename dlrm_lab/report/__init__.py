@@ -1,0 +1,1 @@
+"""Reports over run directories: statistics of repeated measurements and comparisons of runs."""

@@ -1,0 +1,471 @@
+"""Compare two sets of runs metric by metric (`dlrm-lab compare BASE NEW`).
+
+BASE and NEW are each a run directory or a directory holding run directories at any depth
+(every directory with a `manifest.json`; the container runs of sweeps, kinds `scale` and
+`sweep`, are skipped but the runs inside them count). Only runs with status `ok` are used.
+Runs of the same kind on one side are taken as repeats of one measurement.
+
+Metrics (and which way is better):
+
+- `train`: samples_per_s (higher), step_time_ms_p50 (lower), eval_auc (higher),
+  energy_per_sample_j (lower; only when both sides measured energy).
+- `infer`: per model and mode (`together`/`alone`) of the summary rows: queries_per_s,
+  samples_per_s (higher), latency_p50_ms, latency_p99_ms (lower).
+- `infer-search` runs are not compared (their probes are not repeats of one load); a note
+  says so. Other kinds are listed in the notes too.
+
+Samples (the noise estimate), basis of each row:
+
+- `repeats`: both sides have >= 3 runs with the metric: each run's summary value is one
+  sample, so the CI covers run-to-run variation.
+- otherwise, within-run data of every run of the side, pooled (the same kind of sample
+  on both sides, so that the two medians estimate the same thing):
+  - `within-run: steps`: training, measured steps (warmup false). Throughput per step is
+    the step's samples over all ranks / the slowest rank's step time; step time is the
+    slowest rank's. The median per step is compared, not the summary's ratio of sums.
+  - `within-run: queries`: inference latency percentiles, over the point's `ok` queries of
+    the model: the statistic is the nearest-rank percentile itself (as in the summary).
+  - `within-run: 1-s bins`: inference throughput, completed queries (samples) per
+    1-second bin of `end_ms`, the first and last (partial) bins dropped.
+  - eval_auc and energy_per_sample_j have no within-run noise: `no repeats`, a ratio
+    without CI and the verdict `no noise estimate`.
+
+Verdict: the ratio is new/base for higher-is-better metrics and base/new for
+lower-is-better ones, so a ratio below 1 is always worse. With its 95% bootstrap CI
+(`dlrm_lab.report.stats.ratio_estimate`): `regression` when the whole CI is below
+1 - threshold (default 0.02), `improvement` when it is above 1 + threshold, `within noise`
+otherwise, and `no noise estimate` when there is no CI (fewer than 3 samples a side).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.run import MANIFEST
+from dlrm_lab.report.stats import (
+    CONFIDENCE,
+    N_RESAMPLES,
+    Estimate,
+    Statistic,
+    estimate,
+    median,
+    nearest_rank_percentile,
+    ratio_estimate,
+)
+
+DEFAULT_THRESHOLD = 0.02
+MIN_REPEATS = 3  # runs per side from which run-to-run variation is the noise estimate
+HIGHER, LOWER = "higher", "lower"
+REGRESSION, IMPROVEMENT, WITHIN_NOISE, NO_NOISE_ESTIMATE = (
+    "regression",
+    "improvement",
+    "within noise",
+    "no noise estimate",
+)
+CONTAINER_KINDS = ("scale", "sweep")  # their points are runs of their own, found below them
+COMPARED_KINDS = ("train", "infer")
+REPEATS, STEPS, QUERIES, BINS, NO_REPEATS = (
+    "repeats",
+    "within-run: steps",
+    "within-run: queries",
+    "within-run: 1-s bins",
+    "no repeats",
+)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    unit: str
+    direction: str  # HIGHER or LOWER is better
+
+
+TRAIN_METRICS = (
+    Metric("samples_per_s", "samples/s", HIGHER),
+    Metric("step_time_ms_p50", "ms", LOWER),
+    Metric("eval_auc", "", HIGHER),
+    Metric("energy_per_sample_j", "J", LOWER),
+)
+INFER_METRICS = (
+    Metric("queries_per_s", "queries/s", HIGHER),
+    Metric("samples_per_s", "samples/s", HIGHER),
+    Metric("latency_p50_ms", "ms", LOWER),
+    Metric("latency_p99_ms", "ms", LOWER),
+)
+_LATENCY_PERCENTILE = {"latency_p50_ms": 50.0, "latency_p99_ms": 99.0}
+_TRAIN_CONFIG = ("preset", "device", "world_size", "global_batch_size", "precision", "table_precision")
+
+
+@dataclass(frozen=True)
+class MetricComparison:
+    """One metric of one kind (and, for inference, one model and mode): BASE vs NEW."""
+
+    kind: str
+    group: str  # "" for training; "<model> <mode>" for inference
+    metric: str
+    unit: str
+    direction: str  # "higher" or "lower" is better
+    base: Estimate
+    new: Estimate
+    ratio: Estimate  # new/base, or base/new when lower is better: below 1 is worse
+    verdict: str
+    basis: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.group}: {self.metric}" if self.group else self.metric
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "group": self.group,
+            "metric": self.metric,
+            "unit": self.unit,
+            "direction": self.direction,
+            "verdict": self.verdict,
+            "basis": self.basis,
+            "statistic": self.base.statistic,
+            **self.base.to_columns("base"),
+            **self.new.to_columns("new"),
+            **self.ratio.to_columns("ratio"),
+        }
+
+
+@dataclass(frozen=True)
+class Comparison:
+    base: Path
+    new: Path
+    threshold: float
+    rows: list[MetricComparison]
+    notes: list[str]
+    base_kinds: dict[str, int]  # ok runs per kind
+    new_kinds: dict[str, int]
+
+    @property
+    def regressions(self) -> list[MetricComparison]:
+        return [r for r in self.rows if r.verdict == REGRESSION]
+
+
+def verdict(ratio: Estimate, threshold: float = DEFAULT_THRESHOLD) -> str:
+    """Regression / improvement when the whole CI of the (better-is-higher) ratio lies
+    beyond 1 -/+ threshold; within noise otherwise; no noise estimate without a CI."""
+    if ratio.ci_low is None or ratio.ci_high is None:
+        return NO_NOISE_ESTIMATE
+    if ratio.ci_high < 1 - threshold:
+        return REGRESSION
+    if ratio.ci_low > 1 + threshold:
+        return IMPROVEMENT
+    return WITHIN_NOISE
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclass
+class _Run:
+    dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return str(self.manifest.get("kind") or "?")
+
+    @cached_property
+    def summary(self) -> list[dict[str, Any]]:
+        path = self.dir / "summary.parquet"
+        return pq.read_table(path).to_pylist() if path.is_file() else []
+
+    def columns(self, table: str, names: list[str]) -> dict[str, np.ndarray] | None:
+        """Columns of `<table>.parquet` as numpy arrays (null numbers: NaN; null booleans:
+        False), or None when the table or a column is missing or it has no rows."""
+        path = self.dir / f"{table}.parquet"
+        if not path.is_file() or not set(names) <= set(pq.read_schema(path).names):
+            return None
+        data = pq.read_table(path, columns=names)
+        if data.num_rows == 0:
+            return None
+        out = {}
+        for name in names:
+            col = data[name]
+            if pa.types.is_boolean(col.type):
+                col = pc.fill_null(col, False)
+            out[name] = col.to_numpy(zero_copy_only=False)
+        return out
+
+
+def discover_runs(path: str | Path) -> tuple[list[_Run], list[str]]:
+    """Runs under `path` (a run, or a directory of runs at any depth), oldest first, and
+    notes on what was skipped (sweep containers silently; unreadable or not-ok runs noted)."""
+    root = Path(path)
+    if not root.exists():
+        raise UserError(f"{root}: no such directory")
+    if not root.is_dir():
+        raise UserError(f"{root}: not a directory (give a run directory or a directory of runs)")
+    runs, notes, not_ok = [], [], Counter()
+    for manifest_path in sorted(root.rglob(MANIFEST)):
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            notes.append(f"{manifest_path}: unreadable manifest, skipped ({exc})")
+            continue
+        if manifest.get("kind") in CONTAINER_KINDS:
+            continue
+        if manifest.get("status") != "ok":
+            not_ok[str(manifest.get("status"))] += 1
+            continue
+        runs.append(_Run(manifest_path.parent, manifest))
+    if not_ok:
+        notes.append(f"{root}: skipped runs that did not end ok: " + ", ".join(f"{n} {s}" for s, n in not_ok.items()))
+    runs.sort(key=lambda r: r.manifest.get("start_time") or "")
+    return runs, notes
+
+
+def _kinds_text(kinds: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "no finished runs"
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+class _Comparer:
+    def __init__(self, threshold: float, confidence: float, n_resamples: int, seed: int) -> None:
+        self.threshold = threshold
+        self.opts = {"confidence": confidence, "n_resamples": n_resamples, "seed": seed}
+        self.rows: list[MetricComparison] = []
+        self.notes: list[str] = []
+
+    def add(
+        self,
+        kind: str,
+        group: str,
+        metric: Metric,
+        base: np.ndarray | list[Any],
+        new: np.ndarray | list[Any],
+        basis: str,
+        statistic: Statistic = median,
+    ) -> None:
+        spread = basis in (REPEATS, NO_REPEATS)  # single steps/queries scatter by nature: judge by the CI
+        b = estimate(base, statistic=statistic, spread_rule=spread, **self.opts)
+        w = estimate(new, statistic=statistic, spread_rule=spread, **self.opts)
+        label = f"{group}: {metric.name}" if group else f"{kind} {metric.name}"
+        if b.n == 0 or w.n == 0:
+            if b.n or w.n:
+                self.notes.append(f"{label}: only {'BASE' if b.n else 'NEW'} has values, not compared")
+            return
+        if metric.direction == HIGHER:
+            ratio = ratio_estimate(base, new, statistic=statistic, **self.opts)
+        else:
+            ratio = ratio_estimate(new, base, statistic=statistic, **self.opts)
+        self.rows.append(
+            MetricComparison(
+                kind=kind,
+                group=group,
+                metric=metric.name,
+                unit=metric.unit,
+                direction=metric.direction,
+                base=b,
+                new=w,
+                ratio=ratio,
+                verdict=verdict(ratio, self.threshold),
+                basis=basis,
+            )
+        )
+
+    # -- training
+
+    def train(self, base: list[_Run], new: list[_Run]) -> None:
+        self._config_notes("train", base, new)
+        repeats = len(base) >= MIN_REPEATS and len(new) >= MIN_REPEATS
+        steps = {} if repeats else {"BASE": _train_steps(base), "NEW": _train_steps(new)}
+        for metric in TRAIN_METRICS:
+            b, w = _summary_values(base, metric.name), _summary_values(new, metric.name)
+            if metric.name in ("samples_per_s", "step_time_ms_p50") and not repeats:
+                col = 0 if metric.name == "samples_per_s" else 1
+                self.add("train", "", metric, steps["BASE"][col], steps["NEW"][col], STEPS)
+            elif metric.name == "energy_per_sample_j" and (_count_finite(b) == 0 or _count_finite(w) == 0):
+                continue  # measured on one side only (or neither): nothing to compare
+            else:
+                self.add("train", "", metric, b, w, REPEATS if repeats else NO_REPEATS)
+
+    def _config_notes(self, kind: str, base: list[_Run], new: list[_Run]) -> None:
+        for name in _TRAIN_CONFIG:
+            for side, runs in (("BASE", base), ("NEW", new)):
+                values = {str(r.summary[0].get(name)) for r in runs if r.summary}
+                if len(values) > 1:
+                    self.notes.append(f"{side} {kind} runs differ in {name} ({', '.join(sorted(values))})")
+            b = {str(r.summary[0].get(name)) for r in base if r.summary}
+            w = {str(r.summary[0].get(name)) for r in new if r.summary}
+            if b and w and b != w:
+                self.notes.append(f"{kind} {name}: BASE {', '.join(sorted(b))} vs NEW {', '.join(sorted(w))}")
+
+    # -- inference
+
+    def infer(self, base: list[_Run], new: list[_Run]) -> None:
+        b_groups, w_groups = _infer_groups(base), _infer_groups(new)
+        for side, only in (("BASE", b_groups.keys() - w_groups.keys()), ("NEW", w_groups.keys() - b_groups.keys())):
+            for key in sorted(only):
+                self.notes.append(f"infer {' '.join(key)}: only in {side}, not compared")
+        for key in sorted(b_groups.keys() & w_groups.keys()):
+            group = " ".join(key)
+            bg, wg = b_groups[key], w_groups[key]  # [(run, summary rows of this model and mode)]
+            b_rate = {r.get("target_qps") for _, rows in bg for r in rows}
+            w_rate = {r.get("target_qps") for _, rows in wg for r in rows}
+            if b_rate != w_rate:
+                self.notes.append(
+                    f"{group}: target_qps differs (BASE {_set_text(b_rate)}, NEW {_set_text(w_rate)}): "
+                    "open-loop throughput follows the offered load"
+                )
+            repeats = len(bg) >= MIN_REPEATS and len(wg) >= MIN_REPEATS
+            if repeats:
+                for metric in INFER_METRICS:
+                    b = [r.get(metric.name) for _, rows in bg for r in rows]
+                    w = [r.get(metric.name) for _, rows in wg for r in rows]
+                    self.add("infer", group, metric, b, w, REPEATS)
+                continue
+            b_queries, w_queries = _ok_queries(bg, key[0]), _ok_queries(wg, key[0])
+            for metric in INFER_METRICS:
+                if metric.name in _LATENCY_PERCENTILE:
+                    stat = nearest_rank_percentile(_LATENCY_PERCENTILE[metric.name])
+                    b, w = _latencies(b_queries), _latencies(w_queries)
+                    self.add("infer", group, metric, b, w, QUERIES, statistic=stat)
+                else:
+                    weight = metric.name == "samples_per_s"
+                    b, w = _per_second(b_queries, weight), _per_second(w_queries, weight)
+                    self.add("infer", group, metric, b, w, BINS)
+
+
+def _count_finite(values: list[Any]) -> int:
+    return sum(1 for v in values if v is not None and np.isfinite(v))
+
+
+def _set_text(values: set[Any]) -> str:
+    return ", ".join(sorted(str(v) for v in values))
+
+
+def _summary_values(runs: list[_Run], name: str) -> list[Any]:
+    return [r.summary[0].get(name) for r in runs if r.summary]
+
+
+def _train_steps(runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
+    """Per measured step of every run: global throughput and the slowest rank's step time."""
+    rates, times = [], []
+    for run in runs:
+        cols = run.columns("steps", ["step", "batch_size", "step_time_ms", "warmup"])
+        if cols is None:
+            continue
+        measured = ~cols["warmup"].astype(bool)  # null (warm-up never detected): measured
+        step = cols["step"][measured].astype(np.int64)
+        if len(step) == 0:
+            continue
+        ids, inverse = np.unique(step, return_inverse=True)
+        samples = np.bincount(inverse, weights=cols["batch_size"][measured].astype(np.float64), minlength=len(ids))
+        slowest = np.full(len(ids), -np.inf)
+        np.maximum.at(slowest, inverse, cols["step_time_ms"][measured].astype(np.float64))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rates.append(samples / (slowest / 1000.0))
+        times.append(slowest)
+    empty = np.empty(0)
+    return (np.concatenate(rates) if rates else empty, np.concatenate(times) if times else empty)
+
+
+def _infer_groups(runs: list[_Run]) -> dict[tuple[str, str], list[tuple[_Run, list[dict[str, Any]]]]]:
+    groups: dict[tuple[str, str], list[tuple[_Run, list[dict[str, Any]]]]] = defaultdict(list)
+    for run in runs:
+        by_key: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        for row in run.summary:
+            by_key[(str(row.get("model")), str(row.get("mode") or "-"))].append(row)
+        for key, rows in by_key.items():
+            groups[key].append((run, rows))
+    return groups
+
+
+_QUERY_COLUMNS = ["latency_ms", "end_ms", "samples"]
+
+
+def _ok_queries(group: list[tuple[_Run, list[dict[str, Any]]]], model: str) -> list[dict[str, np.ndarray]]:
+    """Per run and point of the group: the model's ok queries (latency, end time, samples)."""
+    out = []
+    for run, rows in group:
+        path = run.dir / "queries.parquet"
+        if not path.is_file() or not {"point", "model", "status", *_QUERY_COLUMNS} <= set(pq.read_schema(path).names):
+            continue
+        table = pq.read_table(path, columns=["point", "model", "status", *_QUERY_COLUMNS])
+        table = table.filter(pc.and_(pc.equal(table["model"], model), pc.equal(table["status"], "ok")))
+        for point in sorted({r.get("point") for r in rows}, key=lambda p: -1 if p is None else p):
+            sel = table if point is None else table.filter(pc.equal(table["point"], point))
+            out.append({c: sel[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in _QUERY_COLUMNS})
+    return out
+
+
+def _latencies(queries: list[dict[str, np.ndarray]]) -> np.ndarray:
+    return np.concatenate([q["latency_ms"] for q in queries]) if queries else np.empty(0)
+
+
+def _per_second(queries: list[dict[str, np.ndarray]], samples: bool) -> np.ndarray:
+    """Completed queries (or samples) per 1-s bin of end_ms, first and last (partial) bins
+    dropped; bins with no completion in between count as 0."""
+    counts = []
+    for q in queries:
+        end = q["end_ms"]
+        keep = np.isfinite(end)
+        if not keep.any():
+            continue
+        bins = np.floor(end[keep] / 1000.0).astype(np.int64)
+        bins -= bins.min()
+        counts.append(np.bincount(bins, weights=q["samples"][keep] if samples else None)[1:-1])
+    return np.concatenate(counts).astype(np.float64) if counts else np.empty(0)
+
+
+def compare(
+    base: str | Path,
+    new: str | Path,
+    threshold: float = DEFAULT_THRESHOLD,
+    confidence: float = CONFIDENCE,
+    n_resamples: int = N_RESAMPLES,
+    seed: int = 0,
+) -> Comparison:
+    """Compare the runs under `base` with those under `new` (rules in the module docstring).
+
+    Raises UserError for a missing path, or when the two have no compared kind in common.
+    """
+    if not threshold >= 0:
+        raise UserError(f"--threshold {threshold}: must be >= 0 (a fraction, 0.02 = 2%)")
+    base, new = Path(base), Path(new)
+    b_runs, b_notes = discover_runs(base)
+    w_runs, w_notes = discover_runs(new)
+    b_kinds, w_kinds = dict(Counter(r.kind for r in b_runs)), dict(Counter(r.kind for r in w_runs))
+    common = [k for k in COMPARED_KINDS if k in b_kinds and k in w_kinds]
+    if not common:
+        extra = " (infer-search runs are not compared)" if "infer-search" in {*b_kinds, *w_kinds} else ""
+        raise UserError(
+            f"nothing to compare: BASE {base} has {_kinds_text(b_kinds)}, "
+            f"NEW {new} has {_kinds_text(w_kinds)}; they need a kind in common ({', '.join(COMPARED_KINDS)}){extra}"
+        )
+    comparer = _Comparer(threshold, confidence, n_resamples, seed)
+    comparer.notes += b_notes + w_notes
+    if "infer-search" in {*b_kinds, *w_kinds}:
+        comparer.notes.append("infer-search runs are not compared (a search's probes are not repeats of one load)")
+    for kind in sorted({*b_kinds, *w_kinds} - set(common) - {"infer-search"}):
+        if kind in COMPARED_KINDS:
+            comparer.notes.append(f"{kind} runs only in {'BASE' if kind in b_kinds else 'NEW'}, not compared")
+        else:
+            comparer.notes.append(f"{kind} runs are not compared")
+    handlers: dict[str, Callable[[list[_Run], list[_Run]], None]] = {
+        "train": comparer.train,
+        "infer": comparer.infer,
+    }
+    for kind in common:
+        handlers[kind]([r for r in b_runs if r.kind == kind], [r for r in w_runs if r.kind == kind])
+    return Comparison(base, new, threshold, comparer.rows, comparer.notes, b_kinds, w_kinds)
