@@ -19,7 +19,8 @@ install: $(STAMP)
 
 # The main job: a Criteo-shaped synthetic dataset (generated once, checked against its
 # spec), the Kaggle DLRM (tables capped at 1M rows) trained on it, the same model served
-# under MLPerf-sized queries (two co-located instances, p99 bound 10 ms), and the runs so far.
+# under MLPerf-sized queries (two co-located instances, p99 bound 10 ms), the runs so far, and
+# the report (plots, tables, manifests) of the two runs just made.
 run: $(STAMP) $(DATA)/kaggle/dataset.json
 	$(BIN)/dlrm-lab data stats $(DATA)/kaggle --strict
 	$(BIN)/dlrm-lab train $(KAGGLE) --data $(DATA)/kaggle --steps 300 --batch-size 2048 \
@@ -27,6 +28,8 @@ run: $(STAMP) $(DATA)/kaggle/dataset.json
 	$(BIN)/dlrm-lab infer run $(KAGGLE) --query-size mlperf --qps 100 --duration 10 --instances 2 \
 		--max-batch 2048 --max-delay-ms 2 --precision bf16 --sla-ms 10 --metrics-dir $(METRICS)
 	$(BIN)/dlrm-lab runs list $(METRICS)
+	@echo "report of the two runs above (open in a browser):"
+	@$(BIN)/dlrm-lab report $(METRICS) --last 2 --out $(METRICS)/report
 
 $(DATA)/kaggle/dataset.json: | $(STAMP)
 	rm -rf $(DATA)/kaggle
@@ -43,6 +46,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py
 	$(BIN)/python benchmarks/data_gen.py
 	$(BIN)/python benchmarks/inference.py
+	$(BIN)/python benchmarks/roofline.py
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info $(DATA)

@@ -1,0 +1,568 @@
+"""`write_report`: run directories in, PNG plots and one self-contained index.html out.
+
+The page has inline CSS and no scripts or external assets; it refers only to the PNGs
+written next to it and to each run's manifest, copied to `manifests/<run_id>.json` so
+that the exact configuration of every row is one click away.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.report import plots
+from dlrm_lab.report.load import (
+    MANIFEST,
+    ReportData,
+    RunInfo,
+    ceilings,
+    collect,
+    config_label,
+    config_of,
+    device_of,
+    discover,
+    group_by_config,
+    latency_curves,
+)
+
+TITLES = {
+    "latency_cdf": "Latency CDFs per configuration",
+    "qps_vs_p99": "Throughput against tail latency",
+    "heatmap": "Batching x co-location (latency-bounded samples/s)",
+    "training_phases": "Training throughput and step-time phases",
+    "scaling": "Scaling efficiency",
+    "roofline": "Roofline",
+    "energy": "Energy efficiency",
+    "sweep": "Sweeps: medians with confidence intervals",
+}
+
+
+@dataclass
+class ReportResult:
+    index: Path
+    plots: dict[str, Path] = field(default_factory=dict)  # plot name -> PNG
+    skipped: dict[str, str] = field(default_factory=dict)  # plot name -> why it was not drawn
+    notes: dict[str, list[str]] = field(default_factory=dict)  # plot name -> caveats shown under it
+    drawn: dict[str, Any] = field(default_factory=dict)  # plot name -> what the plot function returned
+    runs: list[RunInfo] = field(default_factory=list)
+
+
+def write_report(paths: list[str | Path] | str | Path, out: str | Path) -> ReportResult:
+    """Find every run under `paths`, draw what their data allows into `out`, write `out/index.html`."""
+    runs = discover(paths)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    links = _copy_manifests(runs, out)
+    data = collect(runs)
+    result = ReportResult(out / "index.html", runs=runs)
+    for base, build in _BUILDERS:
+        try:
+            made = build(data, out)
+        except Exception as exc:  # noqa: BLE001 - one plot's odd data must not cost the whole report
+            made = f"drawing failed ({type(exc).__name__}: {exc})"
+        if isinstance(made, str):
+            result.skipped[base] = made
+            continue
+        for name, (drawn, notes) in made.items():
+            result.plots[name], result.drawn[name], result.notes[name] = drawn.path, drawn, notes
+    result.index.write_text(_page(paths, data, result, links))
+    return result
+
+
+def _copy_manifests(runs: list[RunInfo], out: Path) -> dict[Path, str]:
+    """Each run's manifest.json as manifests/<run_id>.json; run dir -> relative link."""
+    target = out / "manifests"
+    target.mkdir(exist_ok=True)
+    links: dict[Path, str] = {}
+    used: set[str] = set()
+    for run in runs:
+        name = run.run_id.replace("/", "_")
+        k = 2
+        while name in used:  # the same run id twice (a copied directory): keep both
+            name, k = f"{run.run_id}-{k}", k + 1
+        used.add(name)
+        try:
+            shutil.copyfile(run.dir / MANIFEST, target / f"{name}.json")
+        except OSError as exc:
+            run.note(f"manifest not copied ({exc.strerror})")
+            continue
+        links[run.dir] = f"manifests/{name}.json"
+    return links
+
+
+# ----------------------------------------------------------------------------- plot data
+
+Made = dict[str, tuple[Any, list[str]]] | str  # plots drawn with their notes, or why none was
+
+
+def _latency(data: ReportData, out: Path) -> Made:
+    curves = latency_curves(data, plots.MAX_CURVES)
+    if not curves.latencies:
+        return "no infer or infer-search run with completed queries (queries.parquet, status ok)" + (
+            f"; {'; '.join(curves.notes)}" if curves.notes else ""
+        )
+    drawn = plots.latency_cdf(curves.latencies, out / "latency_cdf.png", curves.sla_ms, curves.left_out)
+    notes = list(curves.notes)
+    if drawn.left_out:
+        notes.append(
+            f"{drawn.left_out} more curve(s) not drawn: at most {plots.MAX_CURVES}, searches' best configurations "
+            "first, then infer points in run order"
+        )
+    return {"latency_cdf": (drawn, notes)}
+
+
+def _qps(data: ReportData, out: Path) -> Made:
+    series: dict[str, list[tuple[float, float]]] = {}
+    chosen: list[tuple[str, float, float]] = []
+    bounds: set[float] = set()
+    percentiles: set[float] = set()
+    infinite = 0
+    for s in data.search:
+        score = {config_of(f): f.get("best_samples_per_s") or 0.0 for f in s.frontier}
+        groups = group_by_config(s.probes)
+        for key in sorted(groups, key=lambda k: -score.get(k, 0.0)):
+            rows = groups[key]
+            infinite += sum(1 for r in rows if r.get("sla_latency_ms") is None)
+            series[f"{s.run.short} {config_label(rows[0])}"] = [
+                (r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows
+            ]
+        best = s.best_row()
+        if best is not None:
+            chosen.append(
+                (f"{s.run.short} {config_label(best)}", best.get("best_qps"), best.get("best_sla_latency_ms"))
+            )
+        for r in [*s.frontier, *s.probes]:
+            bounds.update([r["sla_ms"]] if r.get("sla_ms") else [])
+            percentiles.update([r["sla_percentile"]] if r.get("sla_percentile") else [])
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in data.infer:  # several rates of one configuration: the same curve from plain runs
+        if r.get("point") is not None:
+            groups.setdefault((r.get("model"), r.get("mode"), *config_of(r)), []).append(r)
+    for (model, mode, *_), rows in groups.items():
+        if len(rows) >= 2:
+            series[f"{model} ({mode}) {config_label(rows[0])}"] = [
+                (r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows
+            ]
+            bounds.update(r["sla_ms"] for r in rows if r.get("sla_ms"))
+            percentiles.update(r["sla_percentile"] for r in rows if r.get("sla_percentile"))
+    series = {k: kept for k, v in series.items() if (kept := [(x, y) for x, y in v if x is not None and y is not None])}
+    if not series:
+        return (
+            "needs an infer-search run, or infer points at two or more rates of one configuration, with "
+            "queries_per_s and sla_latency_ms"
+        )
+    pct = next(iter(percentiles)) if len(percentiles) == 1 else None
+    drawn = plots.qps_latency(series, out / "qps_vs_p99.png", sorted(bounds), chosen, pct)
+    notes = []
+    if infinite:
+        notes.append(
+            f"{infinite} probe(s) with dropped or unfinished queries (latency at the percentile infinite) are not drawn"
+        )
+    if drawn.left_out:
+        notes.append(f"{drawn.left_out} more configuration(s) not drawn (best first, at most {plots.MAX_CURVES})")
+    if not drawn.chosen and data.search:
+        notes.append("no configuration met the bound: no chosen point")
+    return {"qps_vs_p99": (drawn, notes)}
+
+
+def _heatmap(data: ReportData, out: Path) -> Made:
+    made: Made = {}
+    for s in data.search:
+        rows = [r for r in s.frontier if None not in config_of(r)]
+        if rows:
+            name = f"heatmap-{s.run.run_id}"
+            title = f"{s.run.short}: best samples/s under the bound (red box: chosen)"
+            made[name] = (plots.batching_heatmap(rows, out / f"{name}.png", title), [])
+    return made or "no infer-search run with a readable frontier.parquet"
+
+
+def _phases(data: ReportData, out: Path) -> Made:
+    rows = []
+    for r in data.train:
+        if r.get("step_time_ms_mean"):
+            label = f"{r['_run'].short}\n{r.get('preset')} {r.get('world_size')}r b{r.get('global_batch_size')}"
+            rows.append({**r, "label": label})
+    if not rows:
+        return "no train run with step_time_ms_mean in its summary.parquet"
+    drawn = plots.training_phases(rows, out / "training_phases.png")
+    notes = []
+    if len(rows) > len(drawn.labels):
+        notes.append(f"{len(rows) - len(drawn.labels)} more run(s) not drawn (at most {plots.MAX_BARS} bars)")
+    if any(drawn.ms["unattributed"]):
+        notes.append("pipelined runs have no phase shares (phases overlap): their bar is one 'unattributed' segment")
+    return {"training_phases": (drawn, notes)}
+
+
+def _scaling(data: ReportData, out: Path) -> Made:
+    rows = [r for r in data.scale if r.get("efficiency") is not None and r.get("ranks") is not None]
+    if not rows:
+        return "no scale run with efficiency values in its summary.parquet"
+    runs_per_mode: dict[str, set[str]] = {}
+    for r in rows:
+        runs_per_mode.setdefault(r.get("mode"), set()).add(r["run_id"])
+    for r in rows:  # one line per mode; per sweep when a mode was swept more than once
+        r["label"] = r.get("mode") if len(runs_per_mode[r.get("mode")]) == 1 else f"{r.get('mode')} ({r['_run'].short})"
+    return {"scaling": (plots.scaling_efficiency(rows, out / "scaling.png"), [])}
+
+
+def _point_rows(data: ReportData) -> list[dict[str, Any]]:
+    """Runs and inference points placed on the roofline and the energy plot: each train run,
+    each infer point and model, each search's chosen configuration at its best probe."""
+    rows = [{**r, "label": f"{r['_run'].short} {r.get('preset')}"} for r in data.train]
+    rows += [{**r, "label": f"{r['_run'].short} p{r.get('point')} {r.get('model')}"} for r in data.infer]
+    for s in data.search:
+        best = s.best_row()
+        probe_rows = s.best_probe_points().get(config_of(best)) if best else None
+        if probe_rows:
+            rows.append({**probe_rows[0], "label": f"{s.run.short} {best.get('model')} best"})
+    return rows
+
+
+def _roofline(data: ReportData, out: Path) -> Made:
+    points, roofs, reasons = [], {}, []
+    cache: dict[tuple, Any] = {}
+    for r in _point_rows(data):
+        if not (r.get("flops_per_sample") and r.get("bytes_per_sample") and r.get("achieved_flops_per_s")):
+            continue
+        run: RunInfo = r["_run"]
+        key = ((run.manifest.get("hardware") or {}).get("fingerprint_id"), device_of(run, r))
+        if key not in cache:
+            cache[key] = ceilings(*key)
+        c = cache[key]
+        if isinstance(c, str):
+            reasons.append(c)
+            points.append({**r, "ceiling": None})
+        else:
+            roofs[c["basis"]] = c
+            points.append({**r, "ceiling": c["basis"]})
+    if not points:
+        return "no run with flops_per_sample, bytes_per_sample and achieved_flops_per_s in its summary"
+    drawn = plots.roofline(points, roofs, out / "roofline.png")
+    notes = [f"points without ceilings: {reason}" for reason in dict.fromkeys(reasons)]
+    if len(drawn.points) > plots.MAX_LABELS:
+        notes.append(f"only the first {plots.MAX_LABELS} points are labelled")
+    return {"roofline": (drawn, notes)}
+
+
+def _energy(data: ReportData, out: Path) -> Made:
+    rows, seen = [], set()
+    for r in _point_rows(data):
+        key = (r["run_id"], r.get("point"))  # energy is per point, shared by its models
+        if key not in seen:
+            seen.add(key)
+            infer = r["_run"].kind == "infer"
+            rows.append({**r, "label": f"{r['_run'].short} p{r.get('point')}" if infer else r["label"]})
+    measured = [r for r in rows if r.get("energy_j") is not None]
+    reasons = list(
+        dict.fromkeys(
+            r["energy_unavailable"] for r in rows if r.get("energy_j") is None and r.get("energy_unavailable")
+        )
+    )
+    if not measured:
+        why = "; ".join(reasons) if reasons else "energy_j is null in every summary"
+        return f"no energy measured in any run: {why}"
+    drawn = plots.energy(measured, out / "energy.png")
+    notes = []
+    if len(measured) < len(rows):
+        notes.append(
+            f"{len(rows) - len(measured)} run(s)/point(s) without energy"
+            + (f": {'; '.join(reasons)}" if reasons else "")
+        )
+    return {"energy": (drawn, notes)}
+
+
+def _sweeps(data: ReportData, out: Path) -> Made:
+    made: Made = {}
+    for run, table in data.sweeps:
+        medians = [c for c in table.column_names if c.endswith("_median")]
+        if any(table[c].null_count < table.num_rows for c in medians):
+            name = f"sweep-{run.run_id}"
+            drawn = plots.sweep_medians(table, out / f"{name}.png", f"{run.short}: median and CI per point")
+            unstable = sorted({m for m, v in drawn.metrics.items() if any(v["unstable"])})
+            notes = [f"unstable points (red circles) in: {', '.join(unstable)}"] if unstable else []
+            if drawn.left_out:
+                notes.append(f"metrics not drawn (table only): {', '.join(drawn.left_out)}")
+            if drawn.empty:
+                notes.append(f"metrics with no value at any point (not drawn): {', '.join(drawn.empty)}")
+            made[name] = (drawn, notes)
+    return made or "no sweep run with <metric>_median columns in its summary.parquet"
+
+
+_BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
+    ("latency_cdf", _latency),
+    ("qps_vs_p99", _qps),
+    ("heatmap", _heatmap),
+    ("training_phases", _phases),
+    ("scaling", _scaling),
+    ("roofline", _roofline),
+    ("energy", _energy),
+    ("sweep", _sweeps),
+]
+
+
+# ----------------------------------------------------------------------------- HTML
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1400px; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
+table { border-collapse: collapse; margin: .8em 0; font-size: .85em; }
+th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; } td.n { text-align: right; white-space: nowrap; }
+tr:nth-child(even) td { background: #fafafa; }
+img { max-width: 100%; border: 1px solid #ddd; }
+.note { color: #a15c00; font-size: .85em; } .muted { color: #777; font-size: .85em; }
+"""
+
+
+_NUMERIC = re.compile(r"^-?[\d.,]+(\s|$|&plusmn;)|^-$")
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v))
+
+
+def _f(v: Any, spec: str = ",.1f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (int, float)):
+        return "-" if v != v else format(v, spec)  # NaN
+    return _e(v)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    """Headers are plain text (escaped here); cells are already HTML. Numbers align right."""
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td{' class=n' if _NUMERIC.match(c) else ''}>{c}</td>" for c in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _page(paths: Any, data: ReportData, result: ReportResult, links: dict[Path, str]) -> str:
+    def run_link(run: RunInfo) -> str:
+        href = links.get(run.dir)
+        return f'<a href="{_e(href)}">{_e(run.run_id)}</a>' if href else _e(run.run_id)
+
+    def notes(run: RunInfo) -> str:
+        return "<br>".join(f'<span class="note">{_e(n)}</span>' for n in run.notes)
+
+    given = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><title>dlrm-lab report</title>',
+        f"<style>{CSS}</style></head><body>",
+        "<h1>dlrm-lab report</h1>",
+        f'<p class="muted">{len(data.runs)} run(s) under {_e(", ".join(str(p) for p in given))}; generated '
+        f"{_e(datetime.now(timezone.utc).isoformat(timespec='seconds'))}. Every run id links its manifest "
+        "(command line, resolved config, versions, hardware). Columns and units: docs/metrics.md; "
+        "plots: docs/reports.md.</p>",
+        "<h2>Runs</h2>",
+        _table(
+            ["run (manifest)", "kind", "status", "inside run", "started (UTC)", "duration (s)", "notes"],
+            [
+                [
+                    run_link(r),
+                    _e(r.kind),
+                    _f(r.status),
+                    _f(r.parent),
+                    _f(r.manifest.get("start_time")),
+                    _f(r.manifest.get("duration_s")),
+                    notes(r),
+                ]
+                for r in data.runs
+            ],
+        ),
+    ]
+    parts += _kind_tables(data, run_link, notes)
+    parts.append("<h2>Plots</h2>")
+    for name, path in result.plots.items():
+        base = name.split("-", 1)[0]
+        suffix = f" ({name.split('-', 1)[1]})" if "-" in name else ""
+        parts.append(f"<h3>{_e(TITLES.get(base, name) + suffix)}</h3>")
+        parts.append(f'<img src="{_e(path.name)}" alt="{_e(name)}">')
+        parts += [f'<p class="note">{_e(n)}</p>' for n in result.notes.get(name, [])]
+    if result.skipped:
+        parts.append("<h2>Plots not drawn</h2><ul>")
+        parts += [f"<li><b>{_e(TITLES.get(k, k))}</b>: {_e(v)}</li>" for k, v in result.skipped.items()]
+        parts.append("</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Callable[[RunInfo], str]) -> list[str]:
+    parts: list[str] = []
+    if data.train:
+        parts.append("<h2>Training runs</h2>")
+        parts.append(
+            _table(
+                [
+                    "run (manifest)",
+                    "preset",
+                    "ranks",
+                    "global batch (samples)",
+                    "throughput (samples/s)",
+                    "step time p50 (ms)",
+                    "eval AUC",
+                    "roofline fraction",
+                    "energy per sample (J)",
+                    "status",
+                    "notes",
+                ],
+                [
+                    [
+                        run_link(r["_run"]),
+                        _f(r.get("preset")),
+                        _f(r.get("world_size"), "d"),
+                        _f(r.get("global_batch_size"), ",d"),
+                        _f(r.get("samples_per_s")),
+                        _f(r.get("step_time_ms_p50"), ".2f"),
+                        _f(r.get("eval_auc"), ".4f"),
+                        _f(r.get("roofline_fraction"), ".3f"),
+                        _f(r.get("energy_per_sample_j"), ".3g"),
+                        _f(r["_run"].status),
+                        notes(r["_run"]),
+                    ]
+                    for r in data.train
+                ],
+            )
+        )
+    if data.infer:
+        parts.append("<h2>Inference runs</h2>")
+        parts.append(
+            _table(
+                [
+                    "run (manifest)",
+                    "model",
+                    "point",
+                    "mode",
+                    "throughput (queries/s)",
+                    "throughput (samples/s)",
+                    "latency p99 (ms)",
+                    "SLA met",
+                    "energy per query (J)",
+                    "notes",
+                ],
+                [
+                    [
+                        run_link(r["_run"]),
+                        _f(r.get("model")),
+                        _f(r.get("point"), "d"),
+                        _f(r.get("mode")),
+                        _f(r.get("queries_per_s")),
+                        _f(r.get("samples_per_s")),
+                        _f(r.get("latency_p99_ms"), ".2f"),
+                        _f(r.get("sla_met")),
+                        _f(r.get("energy_per_query_j"), ".3g"),
+                        notes(r["_run"]),
+                    ]
+                    for r in data.infer
+                ],
+            )
+        )
+    if data.search:
+        parts.append("<h2>Latency-bounded searches (frontier)</h2>")
+        rows = []
+        for s in data.search:
+            for r in s.frontier or [{}]:
+                unc = r.get("best_qps_uncertainty")
+                rate = _f(r.get("best_qps")) + (f" &plusmn; {_f(unc)}" if unc is not None else "")
+                config = config_label(r) if r else "-"
+                rows.append(
+                    [
+                        run_link(s.run),
+                        _f(r.get("model")),
+                        _e(config),
+                        _f(r.get("capacity_queries_per_s")),
+                        rate,
+                        _f(r.get("best_samples_per_s")),
+                        _f(r.get("best_sla_latency_ms"), ".2f"),
+                        "chosen" if r.get("best") else "",
+                        notes(s.run),
+                    ]
+                )
+        parts.append(
+            _table(
+                [
+                    "run (manifest)",
+                    "model",
+                    "configuration",
+                    "capacity (queries/s)",
+                    "best rate (queries/s)",
+                    "best throughput (samples/s)",
+                    "latency at the bound's percentile (ms)",
+                    "best",
+                    "notes",
+                ],
+                rows,
+            )
+        )
+    if data.scale:
+        parts.append("<h2>Scaling sweeps</h2>")
+        parts.append(
+            _table(
+                [
+                    "run (manifest)",
+                    "mode",
+                    "ranks",
+                    "throughput (samples/s)",
+                    "speedup (x)",
+                    "efficiency (fraction)",
+                    "point run",
+                    "point status",
+                    "notes",
+                ],
+                [
+                    [
+                        run_link(r["_run"]),
+                        _f(r.get("mode")),
+                        _f(r.get("ranks"), "d"),
+                        _f(r.get("samples_per_s")),
+                        _f(r.get("speedup"), ".2f"),
+                        _f(r.get("efficiency"), ".3f"),
+                        _f(r.get("point_run_id")),
+                        _f(r.get("point_status")),
+                        notes(r["_run"]),
+                    ]
+                    for r in data.scale
+                ],
+            )
+        )
+    by_id = {r.run_id: r for r in data.runs}
+    for run, table in data.sweeps:
+        metrics = [c[: -len("_median")] for c in table.column_names if c.endswith("_median")]
+        rows = table.to_pylist()
+        labels = plots.point_labels(rows)
+        children = data.sweep_children.get(run.run_id, {})
+        parts.append(f"<h2>Sweep {run_link(run)}</h2>")
+        if run.notes:
+            parts.append(f"<p>{notes(run)}</p>")
+        headers = ["point", "parameters", "runs (manifests)"]
+        headers += [f"{m} median [CI] ({plots.unit_of(m) or '-'})" for m in metrics]
+        body = []
+        for r, label in zip(rows, labels, strict=True):
+            ids = children.get(r.get("point"), [])
+            runs = " ".join(run_link(by_id[c]) if c in by_id else _e(c) for c in ids) or "-"
+            cells = [_f(r.get("point"), "d"), _e(label), runs]
+            for m in metrics:
+                cell = (
+                    f"{_f(r.get(f'{m}_median'), '.4g')} [{_f(r.get(f'{m}_ci_low'), '.4g')}, "
+                    f"{_f(r.get(f'{m}_ci_high'), '.4g')}]"
+                )
+                if r.get(f"{m}_unstable"):
+                    cell += ' <span class="note">unstable</span>'
+                cells.append(cell)
+            body.append(cells)
+        parts.append(_table(headers, body))
+    return parts

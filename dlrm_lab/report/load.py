@@ -1,0 +1,362 @@
+"""Finding run directories and reading what the report draws from them.
+
+Only `manifest.json` and Parquet files are read (plus a machine profile for the roofline
+ceilings), and of the Parquet files only the columns a plot or table uses: a report over
+hundreds of runs or a sweep of many thousand queries stays a matter of seconds. A file
+that is missing or unreadable becomes a note on its run, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.report.plots import PHASES
+
+MANIFEST = "manifest.json"
+# Never hold runs of their own: LoadGen logs, table parts, a sweep's abandoned attempts
+# (`_incomplete/`, superseded by the repeat that finished). "_" and "." names are skipped.
+_SKIP_DIRS = {"loadgen"}
+
+ROOFLINE = ["flops_per_sample", "bytes_per_sample", "achieved_flops_per_s", "roofline_fraction", "roofline_bound_by"]
+ENERGY = ["energy_j", "energy_unavailable", "samples_per_s_per_w", "energy_per_sample_j"]
+TRAIN_COLUMNS = [
+    "preset",
+    "device",
+    "precision",
+    "world_size",
+    "global_batch_size",
+    "samples_per_s",
+    "step_time_ms_mean",
+    "step_time_ms_p50",
+    "eval_auc",
+    *[f"{p}_share" for p in PHASES],
+    *ROOFLINE,
+    *ENERGY,
+]
+INFER_COLUMNS = [
+    "point",
+    "model",
+    "mode",
+    "preset",
+    "instances",
+    "threads_per_instance",
+    "max_batch",
+    "max_delay_ms",
+    "precision",
+    "target_qps",
+    "queries_per_s",
+    "samples_per_s",
+    "latency_p99_ms",
+    "sla_ms",
+    "sla_percentile",
+    "sla_latency_ms",
+    "sla_met",
+    *ROOFLINE,
+    *ENERGY,
+    "energy_per_query_j",
+]
+SEARCH_COLUMNS = [*INFER_COLUMNS, "probe", "repeat", "passed"]
+FRONTIER_COLUMNS = [
+    "model",
+    "preset",
+    "instances",
+    "threads_per_instance",
+    "max_batch",
+    "max_delay_ms",
+    "capacity_queries_per_s",
+    "best_qps",
+    "best_qps_uncertainty",
+    "best_samples_per_s",
+    "best_sla_latency_ms",
+    "sla_ms",
+    "sla_percentile",
+    "probes",
+    "best",
+]
+SCALE_COLUMNS = ["mode", "ranks", "samples_per_s", "speedup", "efficiency", "point_run_id", "point_status"]
+CONFIG_KEYS = ("instances", "threads_per_instance", "max_batch", "max_delay_ms")
+
+
+@dataclass
+class RunInfo:
+    """One run directory: its manifest, kind, the run it is nested in, and reading notes."""
+
+    dir: Path
+    manifest: dict[str, Any]
+    kind: str
+    run_id: str
+    parent: str | None = None  # run_id of the enclosing scale or sweep run
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str | None:
+        return self.manifest.get("status")
+
+    @property
+    def short(self) -> str:
+        """`kind:hex` (the run id's random suffix): short enough for a plot legend."""
+        return f"{self.kind}:{self.run_id.rsplit('-', 1)[-1]}"
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+
+def discover(paths: list[str | Path] | str | Path) -> list[RunInfo]:
+    """Every run directory (one holding manifest.json) under `paths`, at any depth, oldest first.
+
+    Runs nest (a scale or sweep run keeps its points' runs below it): each nested run
+    knows its enclosing run as `parent`.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    found: dict[Path, RunInfo] = {}
+    for given in paths:
+        root = Path(given)
+        if not root.exists():
+            raise UserError(f"{root}: no such directory")
+        if not root.is_dir():
+            raise UserError(f"{root}: not a directory (give a run directory or a directory of runs)")
+        for current, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and d[:1] not in "_.")
+            here = Path(current).resolve()
+            if MANIFEST not in files or here in found:
+                continue
+            parent = next((found[p].run_id for p in here.parents if p in found), None)
+            found[here] = _run_info(Path(current), parent)
+    if not found:
+        raise UserError(f"no run directory (one holding {MANIFEST}) under {', '.join(str(p) for p in paths)}")
+    return sorted(found.values(), key=lambda r: (str(r.manifest.get("start_time") or ""), str(r.dir)))
+
+
+def _run_info(run_dir: Path, parent: str | None) -> RunInfo:
+    try:
+        manifest = json.loads((run_dir / MANIFEST).read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        info = RunInfo(run_dir, {}, "unknown", run_dir.name, parent)
+        info.note(f"{MANIFEST} unreadable ({_one_line(exc)})")
+        return info
+    kind, run_id = str(manifest.get("kind") or "unknown"), str(manifest.get("run_id") or run_dir.name)
+    return RunInfo(run_dir, manifest, kind, run_id, parent)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+
+
+def read_table(
+    run: RunInfo, name: str, columns: list[str] | None = None, filters: Any = None, required: bool = True
+) -> pa.Table | None:
+    """`<run>/<name>.parquet`, only the `columns` it has; None (and a note) when missing or corrupt."""
+    path = run.dir / f"{name}.parquet"
+    if not path.is_file():
+        if required:
+            run.note(f"{name}.parquet missing (run status {run.status})")
+        return None
+    try:
+        names = pq.read_schema(path).names
+        cols = [c for c in columns if c in names] if columns is not None else None
+        return pq.read_table(path, columns=cols, filters=filters)
+    except Exception as exc:  # noqa: BLE001 - truncated, garbage or not Parquet at all: report it, go on
+        run.note(f"{name}.parquet unreadable ({_one_line(exc)})")
+        return None
+
+
+def _rows(run: RunInfo, name: str, columns: list[str]) -> list[dict[str, Any]] | None:
+    table = read_table(run, name, columns)
+    if table is None:
+        return None
+    rows = table.to_pylist()
+    if not rows:
+        run.note(f"{name}.parquet has no rows")
+    for r in rows:
+        r["run_id"], r["_run"] = run.run_id, run
+    return rows
+
+
+@dataclass
+class SearchRun:
+    """A latency-bounded search: its frontier (one row per configuration) and probe rows."""
+
+    run: RunInfo
+    frontier: list[dict[str, Any]]
+    probes: list[dict[str, Any]]
+
+    def best_row(self) -> dict[str, Any] | None:
+        return next((r for r in self.frontier if r.get("best")), None)
+
+    def best_probe_points(self) -> dict[tuple, list[dict[str, Any]]]:
+        """Per configuration, the summary rows (all repeats) of its highest passing probe."""
+        out: dict[tuple, list[dict[str, Any]]] = {}
+        for key, rows in group_by_config(self.probes).items():
+            passing = [r for r in rows if r.get("passed") and r.get("target_qps") is not None]
+            if passing:
+                top = max(r["target_qps"] for r in passing)
+                out[key] = [r for r in passing if r["target_qps"] == top]
+        return out
+
+
+@dataclass
+class ReportData:
+    runs: list[RunInfo]
+    train: list[dict[str, Any]] = field(default_factory=list)  # one row per train run
+    infer: list[dict[str, Any]] = field(default_factory=list)  # one row per infer run, point and model
+    search: list[SearchRun] = field(default_factory=list)
+    scale: list[dict[str, Any]] = field(default_factory=list)  # one row per point of each scale run
+    sweeps: list[tuple[RunInfo, pa.Table]] = field(default_factory=list)
+    sweep_children: dict[str, dict[int, list[str]]] = field(default_factory=dict)  # sweep -> point -> child run ids
+
+
+def collect(runs: list[RunInfo]) -> ReportData:
+    """Read every run's summary-sized tables (queries are read later, for the few curves drawn)."""
+    data = ReportData(runs)
+    for run in runs:
+        if run.kind == "train":
+            rows = _rows(run, "summary", TRAIN_COLUMNS)
+            data.train.extend(rows[:1] if rows else [{"run_id": run.run_id, "_run": run}])
+        elif run.kind == "infer":
+            rows = _rows(run, "summary", INFER_COLUMNS)
+            data.infer.extend(rows or [{"run_id": run.run_id, "_run": run}])
+        elif run.kind == "infer-search":
+            frontier = _rows(run, "frontier", FRONTIER_COLUMNS) or []
+            probes = _rows(run, "summary", SEARCH_COLUMNS) or []
+            data.search.append(SearchRun(run, frontier, probes))
+        elif run.kind == "scale":
+            data.scale.extend(_rows(run, "summary", SCALE_COLUMNS) or [{"run_id": run.run_id, "_run": run}])
+        elif run.kind == "sweep":
+            table = read_table(run, "summary")
+            if table is not None:
+                data.sweeps.append((run, table))
+            children = read_table(run, "points", ["point", "repeat", "child_run_id"], required=False)
+            if children is not None:
+                by_point = data.sweep_children.setdefault(run.run_id, {})
+                for r in children.to_pylist():
+                    if r.get("child_run_id") and r.get("point") is not None:
+                        by_point.setdefault(r["point"], []).append(r["child_run_id"])
+    return data
+
+
+def config_of(row: dict[str, Any]) -> tuple:
+    return tuple(row.get(k) for k in CONFIG_KEYS)
+
+
+def config_label(row: dict[str, Any]) -> str:
+    i, t, b, d = config_of(row)
+    delay = "?" if d is None else f"{d:g}"
+    return f"{i}x{t} threads, batch {b}, delay {delay} ms"
+
+
+def group_by_config(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(config_of(r), []).append(r)
+    return out
+
+
+@dataclass
+class Curves:
+    """Latency samples per curve label, what was left out, and the bounds to draw."""
+
+    latencies: dict[str, np.ndarray]
+    left_out: int
+    sla_ms: list[float]
+    notes: list[str]
+
+
+def latency_curves(data: ReportData, limit: int = 12) -> Curves:
+    """Completed queries' latencies: one curve per (infer run, point, model) and, for searches,
+    per configuration at its highest passing probe. Candidates come from the summaries, so
+    queries.parquet is read only for the `limit` curves drawn (best configurations first)."""
+    wanted: list[tuple[RunInfo, str, list[int], str | None, list[dict[str, Any]]]] = []
+    notes: list[str] = []
+    for s in data.search:
+        by_config = s.best_probe_points()
+        score = {config_of(f): f.get("best_samples_per_s") or 0.0 for f in s.frontier}
+        unpassed = len(group_by_config(s.probes)) - len(by_config)
+        if unpassed:
+            notes.append(f"{s.run.short}: {unpassed} configuration(s) passed no probe: no curve")
+        for key in sorted(by_config, key=lambda k: -score.get(k, 0.0)):
+            rows = by_config[key]
+            label = f"{s.run.short} {config_label(rows[0])} @ {rows[0]['target_qps']:.0f} q/s"
+            wanted.append((s.run, label, [r["point"] for r in rows], rows[0].get("model"), rows))
+    for r in data.infer:
+        if r.get("point") is None:
+            continue
+        label = f"{r['_run'].short} p{r['point']} {r.get('model')} ({r.get('mode')})"
+        wanted.append((r["_run"], label, [r["point"]], r.get("model"), [r]))
+    drawn, left_out = wanted[:limit], max(0, len(wanted) - limit)
+    latencies: dict[str, np.ndarray] = {}
+    by_run: dict[Path, list] = {}
+    for w in drawn:
+        by_run.setdefault(w[0].dir, []).append(w)
+    for items in by_run.values():
+        run = items[0][0]
+        points = sorted({p for w in items for p in w[2]})
+        table = read_table(
+            run,
+            "queries",
+            ["point", "model", "status", "latency_ms"],
+            filters=[("status", "=", "ok"), ("point", "in", points)],
+        )
+        if table is None:
+            continue
+        point = table["point"].to_numpy(zero_copy_only=False)
+        model = np.asarray(table["model"].to_pylist(), dtype=object)
+        latency = table["latency_ms"].to_numpy(zero_copy_only=False).astype(np.float64)
+        for _, label, pts, name, _ in items:
+            mask = np.isin(point, pts) & ~np.isnan(latency)
+            if name is not None:
+                mask &= model == name
+            if mask.any():
+                latencies[label] = latency[mask]
+    bounds = sorted({row["sla_ms"] for w in drawn for row in w[4] if row.get("sla_ms")})
+    return Curves(latencies, left_out, bounds, notes)
+
+
+def device_of(run: RunInfo, row: dict[str, Any]) -> str:
+    """The device a row ran on: the training summary says; inference has it in its config."""
+    infer = (run.manifest.get("config") or {}).get("infer") or {}
+    return str(row.get("device") or infer.get("device") or "cpu")
+
+
+def ceilings(fingerprint_id: str | None, device: str) -> dict[str, Any] | str:
+    """The roofline's ceilings from a machine profile: the all-core (or GPU) GEMM peak per
+    precision and the embedding gather bandwidth; a reason (str) when there are none."""
+    from dlrm_lab.metrics.roofline import load_profile
+
+    if not fingerprint_id:
+        return "the manifest has no hardware fingerprint"
+    try:
+        profile = load_profile(fingerprint_id)
+    except UserError as exc:
+        return str(exc)
+    if profile is None:
+        return f"no machine profile for fingerprint {fingerprint_id} (run 'dlrm-lab machine probe' on that machine)"
+    devices = profile.get("devices") or {}
+    try:
+        if device.startswith("cuda"):
+            key = device if ":" in device else next((k for k in sorted(devices) if k.startswith("cuda")), "cuda:0")
+            peaks, basis = devices[key], key
+        else:
+            threads = devices["cpu"]["threads"]
+            most = max(threads, key=int)
+            peaks, basis = threads[most], f"cpu {most} threads"
+        compute = {k: float(v) for k, v in peaks["gemm_flops_per_s"].items() if v}
+        gather = float(peaks["gather_bytes_per_s"])
+    except (KeyError, TypeError, ValueError):
+        return f"the machine profile {fingerprint_id} has no {device} GEMM and gather peaks"
+    if not compute or not gather > 0:
+        return f"the machine profile {fingerprint_id} has no {device} GEMM and gather peaks"
+    return {"compute": compute, "gather_bytes_per_s": gather, "basis": f"{fingerprint_id[:8]} {basis}"}
