@@ -276,6 +276,8 @@ def _open_sweep(spec: SweepSpec, out: Path, argv: list[str] | None) -> Run:
         run.update_manifest(status="running", pid=os.getpid(), end_time=None, error=None,
                             resumed=int(manifest.get("resumed", 0)) + 1)  # fmt: skip
         return run
+    if out.exists():
+        raise UserError(f"{out}: exists and is not a sweep directory; choose another `out` (or --out)")
     return Run.create(out.parent, kind="sweep", config=config, argv=argv, run_id=out.name)
 
 
