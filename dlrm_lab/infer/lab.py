@@ -377,6 +377,11 @@ FRONTIER_SCHEMA = pa.schema(
         ("best_samples_per_s", pa.float64()),
         ("best_sla_latency_ms", pa.float64()),
         ("best_sla_latency_spread_ms", pa.float64()),  # max - min over the repeats at best_qps
+        # the repeats at best_qps (dlrm_lab.report.stats: CI needs >= 3 repeats)
+        ("best_samples_per_s_ci_low", pa.float64()),
+        ("best_samples_per_s_ci_high", pa.float64()),
+        ("best_samples_per_s_cv", pa.float64()),
+        ("best_samples_per_s_unstable", pa.bool_()),
         ("sla_ms", pa.float64()),
         ("sla_percentile", pa.float64()),
         ("probes", pa.int32()),
@@ -492,8 +497,15 @@ def _capacity(server: InferenceServer, stream: Stream, served: ServedModel, opti
 
 def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
                   probes: int, cfg: InferConfig) -> dict[str, Any]:  # fmt: skip
+    from dlrm_lab.report.stats import estimate
+
     lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
+    rate = estimate([r["samples_per_s"] for r in rows])
     return {
+        "best_samples_per_s_ci_low": rate.ci_low,
+        "best_samples_per_s_ci_high": rate.ci_high,
+        "best_samples_per_s_cv": rate.cv,
+        "best_samples_per_s_unstable": rate.unstable,
         "model": served.name,
         "preset": served.spec.name,
         "instances": served.instances,
