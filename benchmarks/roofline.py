@@ -28,20 +28,13 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dlrm_lab.metrics.hardware import cpu_model
-from dlrm_lab.metrics.roofline import load_profile
+from dlrm_lab.metrics.roofline import ROOFLINE_COLUMNS, load_profile
 
 COLUMNS = (
     "samples_per_s",
     "achieved_flops_per_s",
     "achieved_bytes_per_s",
-    "roofline_compute_ms",
-    "roofline_memory_ms",
-    "roofline_comm_ms",
-    "roofline_bound_ms",
-    "roofline_fraction",
-    "roofline_bound_by",
-    "roofline_basis",
-    "roofline_note",
+    *ROOFLINE_COLUMNS,
     "step_time_ms_mean",
     "batch_compute_mean_ms",
     "batch_samples_mean",

@@ -8,7 +8,8 @@ import numpy as np
 import pyarrow as pa
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.metrics.roofline import Peaks, Work, place
+from dlrm_lab.metrics.energy import ENERGY_FIELDS
+from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
 
 QUERY_SCHEMA = pa.schema(
@@ -97,30 +98,13 @@ SUMMARY_SCHEMA = pa.schema(
         ("loadgen_result", pa.string()),  # VALID / INVALID (MLPerf LoadGen scenarios)
         ("loadgen_queries_per_s", pa.float64()),  # LoadGen's "samples" are our queries
         ("loadgen_p99_ms", pa.float64()),
-        # roofline of one batch on one instance (docs/metrics.md, "Roofline and energy")
+        # roofline of one batch on one instance, energy of the whole point (docs/metrics.md)
         ("batch_compute_mean_ms", pa.float64()),
-        ("flops_per_sample", pa.float64()),
-        ("bytes_per_sample", pa.float64()),
-        ("achieved_flops_per_s", pa.float64()),
-        ("achieved_bytes_per_s", pa.float64()),
-        ("roofline_compute_ms", pa.float64()),
-        ("roofline_memory_ms", pa.float64()),
-        ("roofline_comm_ms", pa.float64()),
-        ("roofline_bound_ms", pa.float64()),
-        ("roofline_fraction", pa.float64()),
-        ("roofline_bound_by", pa.string()),
-        ("roofline_basis", pa.string()),
-        ("roofline_note", pa.string()),
-        # energy of the whole point (every model served in it)
-        ("energy_j", pa.float64()),
-        ("power_w_mean", pa.float64()),
-        ("energy_scope", pa.string()),
-        ("energy_unavailable", pa.string()),
+        *ROOFLINE_FIELDS,
+        *ENERGY_FIELDS,
         ("energy_per_query_j", pa.float64()),
         ("energy_per_sample_j", pa.float64()),
         ("samples_per_s_per_w", pa.float64()),
-        ("cpu_utilization_mean", pa.float64()),
-        ("process_rss_max_mb", pa.float64()),
     ]
 )
 

@@ -42,6 +42,17 @@ TELEMETRY_SCHEMA = pa.schema(
 )
 
 
+# Summary columns of an energy window (EnergySampler.summary); the per-sample/query ones are the caller's.
+ENERGY_FIELDS = [
+    pa.field("energy_j", pa.float64()),
+    pa.field("power_w_mean", pa.float64()),
+    pa.field("energy_scope", pa.string()),
+    pa.field("energy_unavailable", pa.string()),
+    pa.field("cpu_utilization_mean", pa.float64()),
+    pa.field("process_rss_max_mb", pa.float64()),
+]
+
+
 class SensorUnavailable(Exception):
     """A power sensor cannot be used here; the message is the one-line reason shown to users."""
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.hardware import hardware_fingerprint
 
@@ -164,6 +166,15 @@ ROOFLINE_COLUMNS = (
     "roofline_basis",
     "roofline_note",
 )
+# Summary columns of training runs and inference points alike (docs/metrics.md, "Roofline and energy").
+ROOFLINE_FIELDS = [
+    pa.field("flops_per_sample", pa.float64()),
+    pa.field("bytes_per_sample", pa.float64()),
+    pa.field("achieved_flops_per_s", pa.float64()),
+    pa.field("achieved_bytes_per_s", pa.float64()),
+    *[pa.field(c, pa.string() if c in ("roofline_bound_by", "roofline_basis", "roofline_note") else pa.float64())
+      for c in ROOFLINE_COLUMNS],
+]  # fmt: skip
 
 
 def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec, TrainConfig
-from dlrm_lab.metrics.roofline import Peaks, Work, place
+from dlrm_lab.metrics.energy import ENERGY_FIELDS
+from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
 from dlrm_lab.metrics.tables import atomic_write_parquet
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 from dlrm_lab.train.timing import PHASES
@@ -81,30 +82,12 @@ SUMMARY_SCHEMA = pa.schema(
         ("embedding_parameters", pa.int64()),
         ("dense_parameters", pa.int64()),
         ("wall_time_s", pa.float64()),
-        # roofline (docs/metrics.md, "Roofline and energy")
-        ("flops_per_sample", pa.float64()),
-        ("bytes_per_sample", pa.float64()),
-        ("achieved_flops_per_s", pa.float64()),
-        ("achieved_bytes_per_s", pa.float64()),
-        ("roofline_compute_ms", pa.float64()),
-        ("roofline_memory_ms", pa.float64()),
-        ("roofline_comm_ms", pa.float64()),
-        ("roofline_bound_ms", pa.float64()),
-        ("roofline_fraction", pa.float64()),
-        ("roofline_bound_by", pa.string()),
-        ("roofline_basis", pa.string()),
-        ("roofline_note", pa.string()),
+        *ROOFLINE_FIELDS,  # docs/metrics.md, "Roofline and energy"
         ("valid_flops_per_s", pa.float64()),
-        # energy and host
-        ("energy_j", pa.float64()),
-        ("power_w_mean", pa.float64()),
-        ("energy_scope", pa.string()),
-        ("energy_unavailable", pa.string()),
+        *ENERGY_FIELDS,
         ("energy_per_sample_j", pa.float64()),
         ("samples_per_s_per_w", pa.float64()),
         ("valid_flops_per_s_per_w", pa.float64()),
-        ("cpu_utilization_mean", pa.float64()),
-        ("process_rss_max_mb", pa.float64()),
     ]
 )
 
