@@ -31,6 +31,8 @@ def test_wheel_ships_presets_and_finds_them_outside_the_checkout(tmp_path):
     for preset in ("tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"):
         assert f"dlrm_lab/_data/models/{preset}.toml" in names
     assert "dlrm_lab/_data/data_gen/README.md" in names
+    for generated in ("inference_pb2.py", "inference_pb2_grpc.py"):  # by hatch_build.py, never committed
+        assert f"dlrm_lab/serve/{generated}" in names
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dlrm_lab.cli import compare, data, infer, launch, machine, presets, report, runs, scale, sweep, train
+from dlrm_lab.cli import compare, data, infer, launch, machine, presets, report, runs, scale, serve, sweep, train
 from dlrm_lab.errors import RankFailure, Terminated, UserError
 
 app = typer.Typer(
@@ -24,6 +24,8 @@ app.add_typer(machine.app, name="machine")
 app.command("train")(train.train_command)
 app.command("sweep")(sweep.sweep_command)
 app.command("compare")(compare.compare_command)
+app.command("serve")(serve.serve_command)
+app.command("client")(serve.client_command)
 app.command("report")(report.report_command)
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 app.command("launch", context_settings=_PASS_THROUGH)(launch.launch_command)

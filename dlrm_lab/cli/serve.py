@@ -1,0 +1,143 @@
+"""`dlrm-lab serve` and `dlrm-lab client`: inference over gRPC (docs/serving.md)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from dlrm_lab.cli.format import console
+from dlrm_lab.cli.infer import (
+    Arrival,
+    DataSpec,
+    Device,
+    Duration,
+    Instances,
+    MaxQueue,
+    Models,
+    PinCores,
+    Precision,
+    TablePrecision,
+    Threads,
+    _served,
+)
+from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
+from dlrm_lab.errors import UserError, raise_on_sigterm
+
+
+def serve_command(
+    model: Models = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every IPv4 interface).")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port; the start line names it).")] = 50051,
+    instances: Instances = 1,
+    threads: Threads = 1,
+    max_batch: Annotated[
+        int, typer.Option(help="Largest batch in samples (larger queries are split across instances).")
+    ] = 256,
+    max_delay_ms: Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")] = 1.0,
+    max_queue: MaxQueue = 4096,
+    precision: Precision = "fp32",
+    table_precision: TablePrecision = "fp32",
+    device: Device = "cpu",
+    pin_cores: PinCores = True,
+    data_spec: DataSpec = None,
+    table_scale: TableScale = None,
+    max_rows: MaxRows = None,
+    seed: Annotated[int, typer.Option(help="Seed of the weights and of the sample library Describe announces.")] = 0,
+    grace: Annotated[
+        float, typer.Option(help="On SIGTERM/Ctrl-C, seconds queries in flight may take to finish.")
+    ] = 10.0,
+    metrics_dir: MetricsDir = "runs",
+) -> None:
+    """Serve models over gRPC until SIGTERM or Ctrl-C (every query recorded in a `serve` run)."""
+    from dlrm_lab.serve.server import serve
+
+    served = _served(
+        model or ["tiny"], table_scale, max_rows, instances=instances, threads=threads, max_batch=max_batch,
+        max_delay_ms=max_delay_ms, max_queue=max_queue, precision=precision, table_precision=table_precision,
+        data_spec=data_spec,
+    )  # fmt: skip
+    raise_on_sigterm()  # during start-up; serving installs its own graceful handler
+    out = console(stderr=True)
+
+    def log(msg: str) -> None:
+        out.print(msg, highlight=False, soft_wrap=True)
+
+    run_dir = serve(
+        served, host=host, port=port, device=device, pin_cores=pin_cores, seed=seed, grace_s=grace,
+        metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], log=log,
+    )  # fmt: skip
+    console().print(f"run directory: {run_dir}")
+
+
+def client_command(
+    target: Annotated[str, typer.Option(help="The server, HOST:PORT.")],
+    concurrency: Annotated[int, typer.Option(help="Client worker processes, each with its own channel.")] = 1,
+    qps: Annotated[
+        Optional[float], typer.Option(help="Open loop: total target queries/s, split evenly over the workers.")
+    ] = None,
+    closed_loop: Annotated[
+        bool, typer.Option("--closed-loop", help="Closed loop: each worker keeps one query outstanding.")
+    ] = False,
+    query_size: Annotated[
+        str,
+        typer.Option(
+            help="Samples per query: fixed:N, normal:MEAN,STD, lognormal:MEDIAN,SIGMA, uniform:LO,HI, mlperf."
+        ),
+    ] = "fixed:1",
+    arrival: Arrival = "poisson",
+    duration: Duration = 10.0,
+    model: Annotated[Optional[str], typer.Option(help="Served model to query (default: the first served).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the load (worker k uses seed + k).")] = 0,
+    timeout: Annotated[float, typer.Option(help="Seconds a query may take before DEADLINE_EXCEEDED.")] = 30.0,
+    unavailable_s: Annotated[
+        float, typer.Option(help="Give up when the server has been UNAVAILABLE this many seconds.")
+    ] = 3.0,
+    connect_timeout: Annotated[float, typer.Option(help="Seconds to wait for the server at start.")] = 10.0,
+    metrics_dir: MetricsDir = "runs",
+) -> None:
+    """Drive a remote `dlrm-lab serve` with concurrent clients; record every query's stages."""
+    from dlrm_lab.serve.client import ClientOptions, ServerLost, run_client
+
+    if (qps is None) == (not closed_loop):
+        raise UserError("give either --qps Q (open loop) or --closed-loop")
+    options = ClientOptions(
+        target=target, concurrency=concurrency, qps=qps, query_sizes=query_size, arrival=arrival,
+        duration_s=duration, model=model, seed=seed, timeout_s=timeout, unavailable_s=unavailable_s,
+        connect_timeout_s=connect_timeout,
+    )  # fmt: skip
+    raise_on_sigterm()
+    out = console(stderr=True)
+    try:
+        run_dir, summary = run_client(
+            options, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
+            log=lambda msg: out.print(msg, highlight=False, soft_wrap=True),
+        )  # fmt: skip
+    except ServerLost as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _print_summary(summary)
+    console().print(f"run directory: {run_dir}")
+
+
+def _print_summary(r: dict[str, Any]) -> None:
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    table = Table(title=f"client: {r['model']} at {r['target']} ({r['mode']}, {r['concurrency']} workers)")
+    for c in ("queries/s", "samples/s", "p50 ms", "p99 ms", "max ms", "errors", "transfer ms/query"):
+        table.add_column(c, justify="right")
+    table.add_row(
+        f(r["queries_per_s"], ".1f"), f(r["samples_per_s"], ".0f"), f(r["latency_p50_ms"], ".2f"),
+        f(r["latency_p99_ms"], ".2f"), f(r["latency_max_ms"], ".2f"), str(r["error_queries"]),
+        f(r["transfer_mean_ms"], ".3f"),
+    )  # fmt: skip
+    console().print(table)
+    from dlrm_lab.serve.records import STAGES
+
+    shares = ", ".join(f"{s} {f(r[f'{s}_share'], '.0%')}" for s in STAGES)
+    console().print(f"share of mean latency: {shares}")
+    if r["errors_by_code"]:
+        console().print("errors: " + ", ".join(f"{code} {n}" for code, n in r["errors_by_code"]))

@@ -1,0 +1,10 @@
+"""Client/server inference over gRPC (docs/serving.md).
+
+    dlrm-lab client workers (processes) -- RemoteServer.submit -> gRPC Infer --> server.InferenceService
+        -> the inference lab's InferenceServer (dynamic batcher, co-located instances)
+
+`protocol` holds the wire format (inference.proto, its generated modules and the packed
+payload), `server` the gRPC front of an InferenceServer, `remote` the system under test as
+a client sees it (the lab's drivers call it unchanged), `client` the concurrent client
+workers and their run directory, `records` the client's per-query rows and summary.
+"""

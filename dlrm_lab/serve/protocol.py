@@ -1,0 +1,119 @@
+"""The wire format: generated protobuf modules, packed payloads, channel options.
+
+A query's samples travel as three packed little-endian byte fields, in the layout the
+serving instances read (feature-major, like a KeyedJaggedTensor):
+
+    dense    float32 [samples, num_dense]
+    lengths  int32   [features, samples]
+    ids      int64   feature 0's ids for every sample, then feature 1's, ...
+
+Decoding only reinterprets the received bytes (np.frombuffer): no copy, no per-value work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.errors import UserError
+
+try:
+    from dlrm_lab.serve import inference_pb2 as pb
+    from dlrm_lab.serve import inference_pb2_grpc as pb_grpc
+except ImportError as exc:  # a checkout used without installing it
+    raise UserError(
+        f"the gRPC modules generated from dlrm_lab/serve/inference.proto are missing ({exc}); "
+        "they are built by the install: pip install -e ."
+    ) from None
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # dlrm_lab.serve.Inference
+INFER_METHOD = f"/{SERVICE}/Infer"
+DESCRIBE_METHOD = f"/{SERVICE}/Describe"
+
+# gRPC's default 4 MiB receive limit is below a 1024-sample query of a large preset.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+DENSE_DTYPE, LENGTH_DTYPE, ID_DTYPE, SCORE_DTYPE = np.dtype("<f4"), np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
+
+__all__ = ["pb", "pb_grpc", "PayloadError", "decode_samples", "model_info", "rows_per_feature"]
+
+
+class PayloadError(ValueError):
+    """A request whose fields do not describe a valid query (the message names the field)."""
+
+
+def rows_per_feature(spec: ModelSpec) -> list[int]:
+    return [t.num_embeddings for t in spec.tables for _ in t.feature_names]
+
+
+def decode_samples(req: Any, spec: ModelSpec) -> Any:
+    """The samples of an InferRequest as a SampleBlock, after checking every field's size.
+    Ids against the tables and finite dense values are checked by `validate_payload`."""
+    from dlrm_lab.data.synthetic import SampleBlock
+
+    n, d, f = req.samples, spec.num_dense, spec.num_features
+    if n < 1:
+        raise PayloadError(f"samples: {n}, must be >= 1")
+    want = n * d * DENSE_DTYPE.itemsize
+    if len(req.dense) != want:
+        raise PayloadError(
+            f"dense: {len(req.dense)} bytes, expected {want} (samples {n} x num_dense {d} x 4-byte float32)"
+        )
+    want = f * n * LENGTH_DTYPE.itemsize
+    if len(req.lengths) != want:
+        raise PayloadError(
+            f"lengths: {len(req.lengths)} bytes, expected {want} (features {f} x samples {n} x 4-byte int32)"
+        )
+    lengths = np.frombuffer(req.lengths, dtype=LENGTH_DTYPE).reshape(f, n)
+    if lengths.size and lengths.min() < 0:
+        feature, sample = np.argwhere(lengths < 0)[0]
+        raise PayloadError(
+            f"lengths: feature {spec.feature_names[feature]} sample {sample} has length {lengths[feature, sample]}"
+        )
+    per_feature = lengths.sum(axis=1, dtype=np.int64)
+    total = int(per_feature.sum())
+    if len(req.ids) != total * ID_DTYPE.itemsize:
+        raise PayloadError(
+            f"ids: {len(req.ids)} bytes, expected {total * ID_DTYPE.itemsize} (the lengths sum to {total} int64 ids)"
+        )
+    ids = np.frombuffer(req.ids, dtype=ID_DTYPE)
+    values = np.split(ids, np.cumsum(per_feature)[:-1])
+    dense = np.frombuffer(req.dense, dtype=DENSE_DTYPE).reshape(n, d)
+    return SampleBlock(0, dense, np.zeros(n, dtype=np.float32), list(lengths), values)
+
+
+def encode_samples(dense: np.ndarray, lengths: list[np.ndarray], values: list[np.ndarray]) -> tuple[bytes, ...]:
+    """(dense, lengths, ids) bytes of samples given per feature, as `decode_samples` reads them."""
+    return (
+        np.ascontiguousarray(dense, dtype=DENSE_DTYPE).tobytes(),
+        np.concatenate([np.asarray(ln, dtype=LENGTH_DTYPE) for ln in lengths]).tobytes(),
+        np.concatenate([np.asarray(v, dtype=ID_DTYPE) for v in values]).tobytes(),
+    )
+
+
+def model_info(served: Any, library_samples: int, seed: int) -> Any:
+    """A served model as Describe reports it (served: infer.server.ServedModel)."""
+    import json
+
+    spec: ModelSpec = served.spec
+    return pb.ModelInfo(
+        name=served.name,
+        preset=spec.name,
+        table_scale=spec.table_scale,
+        max_rows=spec.max_rows or 0,
+        num_dense=spec.num_dense,
+        feature_names=spec.feature_names,
+        rows_per_feature=rows_per_feature(spec),
+        library_seed=seed,
+        library_samples=library_samples,
+        data_spec=served.data_spec or "",
+        spec_json=json.dumps(spec.to_dict()),
+        max_batch=served.max_batch,
+        instances=served.instances,
+    )

@@ -1,0 +1,224 @@
+"""The system under test as a gRPC client sees it.
+
+`RemoteServer` has the two methods the lab's load drivers use on an in-process
+InferenceServer, `library_samples(model)` and `submit(query)`, so OpenLoop, ClosedLoop
+and LoadGenDriver drive a remote server unchanged (the SUT boundary of MLPerf LoadGen).
+A query names samples of the model's library; the client holds the same library as the
+server (generated from Describe's spec and seed), sends those samples' bytes, and calls
+`query.on_done(query, status, scores)` when the answer is decoded. Every query becomes a
+row of `records.CLIENT_QUERY_SCHEMA`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+
+from dlrm_lab.serve.protocol import (
+    DENSE_DTYPE,
+    ID_DTYPE,
+    INFER_METHOD,
+    LENGTH_DTYPE,
+    SCORE_DTYPE,
+    encode_samples,
+    pb,
+)
+
+ERROR_BACKOFF_S = 0.01  # before a failed query's on_done: a closed loop must not spin on a dead server
+
+
+class ClientLibrary:
+    """A model's sample library, feature-major like the instances' snapshot, so that a
+    query's payload is one slice of dense and a few contiguous slices of ids."""
+
+    def __init__(self, block: Any) -> None:
+        self.size = block.size
+        self.dense = np.ascontiguousarray(block.dense, dtype=DENSE_DTYPE)  # [samples, num_dense]
+        self.lengths = np.stack([np.asarray(ln, dtype=LENGTH_DTYPE) for ln in block.lengths])  # [features, samples]
+        zero = np.zeros((len(block.lengths), 1), dtype=np.int64)
+        self.offsets = np.concatenate([zero, np.cumsum(self.lengths, axis=1, dtype=np.int64)], axis=1)
+        self.values = [np.asarray(v, dtype=ID_DTYPE) for v in block.values]
+
+    @classmethod
+    def from_info(cls, info: Any) -> ClientLibrary:
+        """The server's library: samples [0, library_samples) of its generator and seed."""
+        from dlrm_lab.config import ModelSpec
+        from dlrm_lab.data import synthetic_generator
+
+        spec = ModelSpec.from_dict(json.loads(info.spec_json))
+        gen = synthetic_generator(spec, info.data_spec or None, seed=info.library_seed)
+        return cls(gen.samples(0, info.library_samples))
+
+    def encode(self, offset: int, size: int) -> tuple[bytes, bytes, bytes]:
+        """(dense, lengths, ids) bytes of samples [offset, offset + size)."""
+        lo, hi = offset, offset + size
+        ids = np.concatenate([v[o[lo] : o[hi]] for v, o in zip(self.values, self.offsets, strict=True)])
+        return self.dense[lo:hi].tobytes(), self.lengths[:, lo:hi].tobytes(), ids.tobytes()
+
+
+class RemoteServer:
+    """Queries to a `dlrm-lab serve` over one channel; thread-safe, `submit` returns at once.
+
+    Times in rows are ms from `epoch_ns` (time.monotonic_ns, system-wide on Linux, so the
+    worker processes of one client share it).
+    """
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        libraries: dict[str, ClientLibrary],
+        *,
+        worker: int = 0,
+        epoch_ns: int | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.libraries = libraries
+        self.worker = worker
+        self.epoch_ns = time.monotonic_ns() if epoch_ns is None else epoch_ns
+        self.timeout_s = timeout_s
+        # Raw bytes in and out: serialising and decoding the messages are client stages.
+        self._infer = channel.unary_unary(INFER_METHOD)
+        self._rows: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding = 0
+        self._unavailable_since: int | None = None
+        self._unavailable_detail = ""
+        self.issued = 0
+
+    def library_samples(self, model: str) -> int:
+        return self.libraries[model].size
+
+    def submit(self, q: Any) -> None:
+        """Serialise and send `q` (an infer.server.Query); its samples are `q.payload` (a
+        SampleBlock) when given, else library samples [q.offset, q.offset + q.size)."""
+        start = time.monotonic_ns()
+        q.issued_ns = start
+        if not q.scheduled_ns:
+            q.scheduled_ns = start
+        if q.payload is None:
+            dense, lengths, ids = self.libraries[q.model].encode(q.offset, q.size)
+        else:
+            dense, lengths, ids = encode_samples(q.payload.dense, q.payload.lengths, q.payload.values)
+        query_id = (self.worker << 40) | q.query_id  # unique across the workers of a client
+        body = pb.InferRequest(
+            model=q.model, query_id=query_id, samples=q.size, dense=dense, lengths=lengths, ids=ids,
+            client_send_ns=start,
+        ).SerializeToString()  # fmt: skip
+        serialised = time.monotonic_ns()
+        with self._lock:
+            self._outstanding += 1
+            self.issued += 1
+        send = time.monotonic_ns()
+        call = self._infer.future(body, timeout=self.timeout_s)
+        call.add_done_callback(functools.partial(self._done, q, (start, serialised, send), len(body)))
+
+    def _done(self, q: Any, stamps: tuple[int, int, int], request_bytes: int, call: Any) -> None:
+        receive = time.monotonic_ns()
+        start, serialised, send = stamps
+        e = self.epoch_ns
+        row: dict[str, Any] = {
+            "worker": self.worker,
+            "query_id": q.query_id,
+            "model": q.model,
+            "samples": q.size,
+            "scheduled_ms": (q.scheduled_ns - e) / 1e6,
+            "serialise_start_ms": (start - e) / 1e6,
+            "serialise_end_ms": (serialised - e) / 1e6,
+            "send_ms": (send - e) / 1e6,
+            "receive_ms": (receive - e) / 1e6,
+            "round_trip_ms": (receive - send) / 1e6,
+            "lag_ms": (start - q.scheduled_ns) / 1e6,
+            "serialise_ms": (send - start) / 1e6,
+            "request_bytes": request_bytes,
+        }
+        scores = None
+        try:
+            body = call.result()
+        except grpc.RpcError:
+            status, end = call.code().name, receive
+            row["error"] = call.details()
+        except grpc.FutureCancelledError:
+            status, end = "CANCELLED", receive
+        else:
+            resp = pb.InferResponse.FromString(body)
+            scores = np.frombuffer(resp.scores, dtype=SCORE_DTYPE)
+            end = time.monotonic_ns()
+            status = "ok"
+            if len(scores) != q.size:
+                status, scores = "BAD_RESPONSE", None
+                row["error"] = f"{len(resp.scores)} score bytes for {q.size} samples"
+            server_ns = resp.server_send_ns - resp.server_receive_ns
+            respond_ns = server_ns - resp.parse_ns - resp.queue_ns - resp.compute_ns
+            row.update({
+                "network_ms": (receive - send - server_ns) / 1e6,
+                "server_parse_ms": resp.parse_ns / 1e6,
+                "queue_ms": resp.queue_ns / 1e6,
+                "compute_ms": resp.compute_ns / 1e6,
+                "server_respond_ms": respond_ns / 1e6,
+                "server_ms": server_ns / 1e6,
+                "instance_compute_ms": resp.instance_compute_ns / 1e6,
+                "response_bytes": len(body),
+                "batch_samples": resp.batch_samples,
+                "instance": resp.instance,
+                "pieces": resp.pieces,
+                "server_receive_ns": resp.server_receive_ns,
+            })  # fmt: skip
+        row.update({
+            "status": status,
+            "deserialise_end_ms": (end - e) / 1e6,
+            "deserialise_ms": (end - receive) / 1e6,
+            "latency_ms": (end - q.scheduled_ns) / 1e6,
+        })  # fmt: skip
+        with self._lock:
+            self._rows.append(row)
+            if status == "UNAVAILABLE":
+                if self._unavailable_since is None:
+                    self._unavailable_since, self._unavailable_detail = receive, row.get("error") or ""
+            else:  # any answer from the server, even an error, means it is there
+                self._unavailable_since = None
+        try:
+            if q.on_done is not None:
+                if status == "ok":
+                    q.on_done(q, status, scores)
+                else:
+                    threading.Timer(ERROR_BACKOFF_S, q.on_done, (q, status, scores)).start()
+        finally:
+            with self._lock:
+                self._outstanding -= 1
+                if self._outstanding == 0:
+                    self._idle.notify_all()
+
+    def take_rows(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out, self._rows = self._rows, []
+        return out
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every sent query was answered; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._outstanding > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def lost(self, limit_s: float, *, at_end: bool = False) -> str | None:
+        """Why the server counts as lost: only UNAVAILABLE answers for more than `limit_s`
+        (or, `at_end`, since the last answer that was not). None while it is there."""
+        with self._lock:
+            since, detail = self._unavailable_since, self._unavailable_detail
+        if since is None:
+            return None
+        seconds = (time.monotonic_ns() - since) / 1e9
+        if seconds <= limit_s and not at_end:
+            return None
+        return f"UNAVAILABLE for {seconds:.1f} s ({detail})"

@@ -1,0 +1,360 @@
+"""`dlrm-lab serve`: a gRPC server in front of the inference lab's InferenceServer.
+
+    grpc.aio handler: decode + check the payload -> InferenceServer.submit(Query(payload=...))
+        -> batcher -> instances -> on_done (completion thread) -> loop.call_soon_threadsafe
+        -> the awaiting handler answers with the scores and the server's timestamps
+
+Bad requests are refused in the handler (INVALID_ARGUMENT), so the instances never see
+them; a full queue is RESOURCE_EXHAUSTED at once (the InferenceServer drops the query at
+submit); an instance failure is INTERNAL. SIGTERM or Ctrl-C: stop accepting, let queries
+in flight finish (up to the grace period), then stop the instances. Every query (also
+refused ones) is a row of the server's own run directory (kind `serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.instance import validate_payload
+from dlrm_lab.infer.records import QUERY_SCHEMA
+from dlrm_lab.infer.server import InferenceServer, Query, ServedModel
+from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.tables import TableWriter
+from dlrm_lab.serve.protocol import (
+    CHANNEL_OPTIONS,
+    SCORE_DTYPE,
+    SERVICE,
+    PayloadError,
+    decode_samples,
+    model_info,
+    pb,
+    rows_per_feature,
+)
+from dlrm_lab.serve.records import warm_up_parquet
+
+Log = Callable[[str], None]
+PUMP_S = 0.5  # records move to the queries table this often ...
+FLUSH_S = 2.0  # ... and are on disk (a part file) at most this late
+
+
+class _Refused(Exception):
+    """A query answered with an error code; `status`: its row's status when the
+    InferenceServer never saw it (None: the InferenceServer recorded it)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+class _BatchAwareServer(InferenceServer):
+    """An InferenceServer that also leaves a finished query's batch on the Query itself
+    (`tag`), so the gRPC response can carry it; the lab keeps it only in its records."""
+
+    def _finish(self, q: Query, status: str, **kw: Any) -> None:
+        q.tag = (kw.get("batch_samples"), kw.get("instance"))
+        super()._finish(q, status, **kw)
+
+
+class InferenceService:
+    """The `Inference` service over one InferenceServer; handlers run on the asyncio loop."""
+
+    def __init__(self, inference: InferenceServer) -> None:
+        self.inference = inference
+        self.rows = {name: rows_per_feature(m.spec) for name, m in inference.models.items()}
+        self.describe_response = pb.DescribeResponse(
+            models=[
+                model_info(m, inference.library_samples(name), inference.seed) for name, m in inference.models.items()
+            ]
+        )
+        self.failure: str | None = None  # an instance died: every query is INTERNAL from then on
+        self._ids = itertools.count()  # server-side query ids (clients' ids may collide)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._refused: collections.deque[dict[str, Any]] = collections.deque()
+        self._flushed = time.monotonic()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        # Infer takes and returns raw bytes so that decoding and encoding the protobuf
+        # message are inside the measured server stages; Describe uses the generated classes.
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Infer": grpc.unary_unary_rpc_method_handler(self.infer),
+                "Describe": grpc.unary_unary_rpc_method_handler(
+                    self.describe,
+                    request_deserializer=pb.DescribeRequest.FromString,
+                    response_serializer=pb.DescribeResponse.SerializeToString,
+                ),
+            },
+        )
+
+    async def describe(self, request: Any, context: Any) -> Any:
+        return self.describe_response
+
+    async def infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        receive = time.monotonic_ns()
+        req = None
+        try:
+            req = self._decode(body)
+            return await self._serve(req, self._samples(req), receive)
+        except _Refused as exc:
+            self._record_refused(req, receive, exc)
+            await context.abort(exc.code, str(exc))
+            raise  # not reached: abort raises
+
+    @staticmethod
+    def _decode(body: bytes) -> Any:
+        try:
+            return pb.InferRequest.FromString(body)
+        except DecodeError as exc:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: not an InferRequest message ({len(body)} bytes: {exc})",
+                "rejected",
+            ) from None
+
+    def _samples(self, req: Any) -> Any:
+        """The request's samples as a SampleBlock, or INVALID_ARGUMENT naming the field."""
+        served = self.inference.models.get(req.model)
+        if served is None:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model {req.model!r}: not served here; served: {', '.join(self.inference.models)}",
+                "rejected",
+            )
+        try:
+            block = decode_samples(req, served.spec)
+        except PayloadError as exc:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {exc}", "rejected"
+            ) from None
+        why = validate_payload(block, served.spec, self.rows[req.model])
+        if why is not None:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {why}", "rejected")
+        return block
+
+    async def _serve(self, req: Any, block: Any, receive: int) -> bytes:
+        if self.failure is not None:
+            raise _Refused(grpc.StatusCode.INTERNAL, f"server failure: {self.failure}", "failed")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def on_done(_q: Query, status: str, scores: np.ndarray | None) -> None:  # completion thread
+            stamp = time.monotonic_ns()
+            try:
+                loop.call_soon_threadsafe(_resolve, done, (status, scores, stamp))
+            except RuntimeError:
+                pass  # the loop is closed: the server has stopped
+
+        q = Query(next(self._ids), req.model, req.samples, payload=block, scheduled_ns=receive, on_done=on_done)
+        self._pending[q.query_id] = done
+        try:
+            self.inference.submit(q)  # a full queue calls on_done("dropped") before returning
+        except RuntimeError as exc:  # an instance died
+            self._pending.pop(q.query_id, None)
+            raise _Refused(grpc.StatusCode.INTERNAL, f"server failure: {exc}", "failed") from None
+        try:
+            status, scores, done_ns = await done
+        finally:
+            self._pending.pop(q.query_id, None)
+        if status == "dropped":
+            served = self.inference.models[req.model]
+            raise _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"model {req.model}: queue full (at most {served.max_queue} waiting); query {req.query_id} refused",
+            )
+        if status == "unfinished":
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server stopped before the query was computed")
+        if status == "rejected":  # checked above already; the instance's own check agrees
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id}: {q.error}")
+        if status != "ok" or scores is None:
+            raise _Refused(grpc.StatusCode.INTERNAL, f"query {req.query_id}: {status}: {q.error or self.failure}")
+        start = q.first_start_ns if q.first_start_ns is not None else done_ns
+        batch_samples, instance = q.tag or (None, None)
+        resp = pb.InferResponse(
+            query_id=req.query_id,
+            scores=np.asarray(scores, dtype=SCORE_DTYPE).tobytes(),
+            server_receive_ns=receive,
+            parse_ns=q.issued_ns - receive,
+            queue_ns=start - q.issued_ns,
+            compute_ns=done_ns - start,
+            batch_samples=batch_samples or 0,
+            instance=-1 if instance is None else instance,
+            pieces=q.pieces,
+            instance_compute_ns=q.compute_ns,
+            client_send_ns=req.client_send_ns,
+        )
+        resp.server_send_ns = time.monotonic_ns()  # its own serialisation follows, in network+gRPC
+        return resp.SerializeToString()
+
+    def _record_refused(self, req: Any, receive: int, exc: _Refused) -> None:
+        if exc.status is None:
+            return
+        now = time.monotonic_ns()
+        e = self.inference.epoch_ns
+        self._refused.append({
+            "query_id": next(self._ids),
+            "model": None if req is None else req.model,
+            "samples": None if req is None else req.samples,
+            "status": exc.status,
+            "scheduled_ms": (receive - e) / 1e6,
+            "issued_ms": (receive - e) / 1e6,
+            "end_ms": (now - e) / 1e6,
+            "latency_ms": (now - receive) / 1e6,
+            "pieces": 0,
+            "error": str(exc),
+        })  # fmt: skip
+
+    def pump(self, queries: TableWriter) -> None:
+        """Move finished queries' records to the table; written at least every 2 s."""
+        rows = self.inference.take_records()
+        while self._refused:  # appended by handlers on the loop thread meanwhile: deque ops are atomic
+            rows.append(self._refused.popleft())
+        for r in rows:
+            r["point"] = 0
+        queries.extend(rows)
+        if time.monotonic() - self._flushed >= FLUSH_S:
+            queries.flush()
+            self._flushed = time.monotonic()
+
+    def check(self, log: Log) -> bool:
+        """False once an instance died; queries waiting on it are answered INTERNAL."""
+        if self.failure is not None:
+            return False
+        try:
+            self.inference.check()
+        except RuntimeError as exc:
+            self.failure = str(exc)
+            log(f"error: {exc}; answering INTERNAL from now on")
+            now = time.monotonic_ns()
+            for fut in list(self._pending.values()):
+                _resolve(fut, ("failed", None, now))
+            return False
+        return True
+
+
+def _resolve(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():  # cancelled when the client gave up
+        fut.set_result(value)
+
+
+def serve(
+    models: list[ServedModel],
+    *,
+    host: str = "0.0.0.0",
+    port: int = 50051,
+    device: str = "cpu",
+    pin_cores: bool = True,
+    seed: int = 0,
+    grace_s: float = 10.0,
+    metrics_dir: str | Path = "runs",
+    argv: list[str] | None = None,
+    log: Log | None = None,
+) -> Path:
+    """Serve `models` until SIGTERM or Ctrl-C; returns the server's run directory."""
+    log = log or (lambda _msg: None)
+    if not grace_s >= 0:
+        raise UserError(f"--grace {grace_s!r}: must be >= 0 seconds")
+    if not 0 <= port < 65536:
+        raise UserError(f"--port {port}: must be in [0, 65535] (0: any free port)")
+    _check_address(host, port)  # before the instances take their time to start
+    config = {
+        "serve": {"host": host, "port": port, "device": device, "pin_cores": pin_cores, "seed": seed,
+                  "grace_s": grace_s},
+        "models": [m.describe() for m in models],
+    }  # fmt: skip
+    run = Run.create(metrics_dir, "serve", config, argv=argv)
+    with run:
+        queries = run.table("queries", QUERY_SCHEMA, flush_seconds=FLUSH_S)
+        warm_up_parquet(QUERY_SCHEMA)
+        service = None
+        try:
+            with _BatchAwareServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log) as inference:
+                run.update_manifest(instances=inference.instance_info)
+                service = InferenceService(inference)
+                asyncio.run(_serve(service, queries, host, port, grace_s, log, run))
+                if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed
+                    raise RuntimeError(f"an instance failed while serving: {service.failure}")
+        finally:
+            if service is not None:  # after stop(): queries it found unfinished are recorded too
+                service.pump(queries)
+    return run.dir
+
+
+def _check_address(host: str, port: int) -> None:
+    import socket
+
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+            probe.bind(sockaddr)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+async def _serve(
+    service: InferenceService, queries: TableWriter, host: str, port: int, grace_s: float, log: Log, run: Run
+) -> None:
+    # Without so_reuseport=0 a second server on a busy port would bind it too and share its traffic.
+    server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((service.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise UserError(f"cannot listen on {address}: {exc}") from None
+    if not bound:
+        raise UserError(f"cannot listen on {address} (in use, or not an address of this host)")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = address.rsplit(":", 1)[0] + f":{bound}"
+    run.update_manifest(address=address)
+    log(f"serving {', '.join(service.inference.models)} on {address}")
+
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stopping.is_set():  # a second signal: do not wait for the grace period
+            log(f"{signal.Signals(signum).name} again: cancelling queries in flight")
+            asyncio.ensure_future(server.stop(None))
+        stopping.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    while not stopping.is_set():
+        try:
+            await asyncio.wait_for(stopping.wait(), PUMP_S)
+        except asyncio.TimeoutError:
+            pass
+        # Parquet writes happen off the loop (pyarrow releases the GIL while encoding),
+        # so that requests are not held up behind them.
+        await asyncio.to_thread(service.pump, queries)
+        if service.failure is None and not service.check(log):  # an instance just died
+            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log(f"stopping: refusing new queries, finishing those in flight (grace {grace_s:g} s)")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(signum)
+    log("stopped")

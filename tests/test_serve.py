@@ -1,0 +1,286 @@
+"""Inference over gRPC: `dlrm-lab serve` answers like the model, refuses bad input, sheds
+load at its queue bound, drains on SIGTERM; `dlrm-lab client` measures every stage."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import ROOT, run_cli
+
+from dlrm_lab.config import load_preset
+from dlrm_lab.data import synthetic_generator
+from dlrm_lab.data.source import block_to_batch
+from dlrm_lab.metrics.run import read_manifest
+from dlrm_lab.model.dlrm import build_model
+from dlrm_lab.serve.protocol import CHANNEL_OPTIONS, INFER_METHOD, SERVICE, encode_samples, pb, pb_grpc
+
+SEED = 3
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+class Process:
+    """A `dlrm-lab` command in the background whose output lines are collected as they come."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlrm_lab", *args], cwd=ROOT, env=ENV, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, ls=lines: ls.extend(s), daemon=True).start()
+
+    def wait_for(self, text: str, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            hit = next((line for line in self.err if text in line), None)
+            if hit is not None:
+                return hit
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} (exit code {self.proc.poll()}): {''.join(self.err)[-3000:]}")
+
+
+class Server(Process):
+    def __init__(self, metrics_dir, *options: str) -> None:
+        self.metrics_dir = metrics_dir
+        super().__init__("serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", "0", "--seed", str(SEED),
+                         "--metrics-dir", str(metrics_dir), *options)  # fmt: skip
+        self.target = ""
+
+    def ready(self) -> "Server":
+        if not self.target:  # "serving tiny on 127.0.0.1:PORT"
+            self.target = self.wait_for("serving tiny on ").split(" on ")[1].strip()
+        return self
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.ready().target, options=CHANNEL_OPTIONS)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The servers of this module, started together so that their start-ups overlap."""
+    root = tmp_path_factory.mktemp("serve")
+    started = {
+        "main": Server(root / "main", "--max-batch", "64"),
+        # one waiting query at most, and it waits 300 ms for its batch to fill
+        "small_queue": Server(root / "small_queue", "--max-queue", "1", "--max-delay-ms", "300"),
+        "doomed": Server(root / "doomed"),
+    }
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["main"].ready()
+
+
+@pytest.fixture(scope="module")
+def library():
+    return synthetic_generator(load_preset("tiny"), seed=SEED).samples(0, 4096)
+
+
+def _request(block, **fields) -> bytes:
+    dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
+    base = {"model": "tiny", "query_id": 1, "samples": block.size, "dense": dense, "lengths": lengths, "ids": ids}
+    return pb.InferRequest(**{**base, **fields}).SerializeToString()
+
+
+def test_scores_over_grpc_equal_the_models_scores(server, library):
+    spec = load_preset("tiny")
+    torch.manual_seed(SEED)
+    model = build_model(spec).eval()
+    with server.channel() as channel:
+        stub = pb_grpc.InferenceStub(channel)  # the generated client, as any other language would use
+        (info,) = stub.Describe(pb.DescribeRequest(), timeout=10).models
+        assert (info.name, info.preset, info.library_seed, info.num_dense) == ("tiny", "tiny", SEED, 4)
+        assert list(info.feature_names) == spec.feature_names and list(info.rows_per_feature) == [100, 50, 200, 30]
+        for k, (offset, size) in enumerate([(0, 1), (10, 7), (100, 64), (2000, 150)]):  # 150: split 64 + 64 + 22
+            block = library.slice(offset, offset + size)
+            dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
+            req = pb.InferRequest(model="tiny", query_id=k, samples=size, dense=dense, lengths=lengths, ids=ids)
+            resp = stub.Infer(req, timeout=30)
+            batch = block_to_batch(block, spec.feature_names)
+            with torch.inference_mode():
+                want = torch.sigmoid(model(batch.dense_features, batch.sparse_features)).numpy()
+            np.testing.assert_allclose(np.frombuffer(resp.scores, dtype="<f4"), want, rtol=1e-5, atol=1e-6)
+            assert resp.query_id == k and resp.pieces == (3 if size == 150 else 1) and resp.instance == 0
+            assert 1 <= resp.batch_samples <= 64
+            server_ns = resp.server_send_ns - resp.server_receive_ns
+            assert min(resp.parse_ns, resp.queue_ns, resp.compute_ns) >= 0
+            assert resp.parse_ns + resp.queue_ns + resp.compute_ns <= server_ns
+
+
+def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(server, library):
+    block = library.slice(0, 4)
+    ids = np.concatenate(block.values).astype("<i8")
+    ids[0] = 100  # the first id of cat_0, whose table has 100 rows
+    nan = block.dense.astype("<f4")
+    nan[1, 2] = np.nan
+    _, lengths, _ = encode_samples(block.dense, block.lengths, block.values)
+    cases = {
+        b"\xff\xff\xff\xff": "request: not an InferRequest message (4 bytes",
+        _request(block, model="rm9"): "model 'rm9': not served here; served: tiny",
+        _request(block, samples=5): "dense: 64 bytes, expected 80 (samples 5 x num_dense 4",
+        _request(block, lengths=lengths[:-4]): "lengths: 60 bytes, expected 64 (features 4 x samples 4",
+        _request(block, ids=ids[:-1].tobytes()): f"ids: {8 * (len(ids) - 1)} bytes, expected {8 * len(ids)}",
+        _request(block, ids=ids.tobytes()): "feature cat_0: id 100 outside its table [0, 100)",
+        _request(block, dense=nan.tobytes()): "dense features: not finite",
+    }
+    with server.channel() as channel:
+        infer = channel.unary_unary(INFER_METHOD)  # raw bytes: anything can be sent
+        for body, message in cases.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                infer(body, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in refused.value.details()
+        for k in range(3):  # still serving
+            resp = pb.InferResponse.FromString(infer(_request(block, query_id=k), timeout=10))
+            assert resp.query_id == k and len(resp.scores) == 4 * 4
+
+
+def test_health_is_serving_and_reflection_describes_the_service(server):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with server.channel() as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflected = ProtoReflectionDescriptorDatabase(channel)
+        assert SERVICE in reflected.get_services()
+        infer = DescriptorPool(reflected).FindServiceByName(SERVICE).methods_by_name["Infer"]
+        assert {"dense", "lengths", "ids"} <= set(infer.input_type.fields_by_name)
+
+
+def test_client_open_loop_records_stages_that_add_up(server, tmp_path):
+    from dlrm_lab.serve.records import STAGES
+
+    result = run_cli("client", "--target", server.target, "--concurrency", "2", "--qps", "60", "--query-size",
+                     "uniform:1,8", "--duration", "2", "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = tmp_path.iterdir()
+    assert read_manifest(run_dir)["kind"] == "client" and read_manifest(run_dir)["status"] == "ok"
+    q = pq.read_table(run_dir / "queries.parquet").to_pandas()
+    assert set(q.worker) == {0, 1} and (q.status == "ok").all()
+    assert 60 <= len(q) <= 190  # 120 Poisson arrivals expected
+    assert (q[[f"{s}_ms" for s in STAGES]] >= 0).all().all()
+    server_side = q.server_parse_ms + q.queue_ms + q.compute_ms + q.server_respond_ms
+    np.testing.assert_allclose(q.network_ms + server_side, q.round_trip_ms, atol=1e-6)
+    np.testing.assert_allclose(q.lag_ms + q.serialise_ms + q.round_trip_ms + q.deserialise_ms, q.latency_ms, atol=1e-6)
+    order = ["scheduled_ms", "serialise_start_ms", "serialise_end_ms", "send_ms", "receive_ms", "deserialise_end_ms"]
+    assert (q[order].diff(axis=1).iloc[:, 1:] >= 0).all().all()
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["mode"] == "open-loop" and s["concurrency"] == 2 and s["completed_queries"] == len(q)
+    assert sum(s[f"{stage}_share"] for stage in STAGES) == pytest.approx(1.0)
+    assert s["queries_per_s"] == pytest.approx(len(q) / s["duration_s"])
+    assert s["samples_per_s"] == pytest.approx(q.samples.sum() / s["duration_s"])
+    assert s["latency_p50_ms"] <= s["latency_p99_ms"] <= s["latency_max_ms"]
+    assert s["transfer_mean_ms"] > 0 and s["request_bytes_per_sample"] > 4 * 4 + 4 * 4  # dense + lengths + ids
+    assert "share of mean latency" in result.stdout
+
+
+def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(servers, library):
+    from dlrm_lab.infer.drivers import OpenLoop, Stream
+    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.serve.client import describe
+    from dlrm_lab.serve.records import CLIENT_QUERY_SCHEMA, summarize_client
+    from dlrm_lab.serve.remote import ClientLibrary, RemoteServer
+
+    server = servers["small_queue"].ready()
+    body = _request(library.slice(0, 1))
+    with server.channel() as channel:
+        infer = channel.unary_unary(INFER_METHOD)
+        answered: list[tuple[grpc.StatusCode, float, str]] = []
+        sent = time.monotonic()
+        calls = [infer.future(body, timeout=10) for _ in range(12)]  # one burst
+
+        def done(call):
+            answered.append((call.code(), time.monotonic() - sent, call.details() or ""))
+
+        for call in calls:
+            call.add_done_callback(done)
+        for call in calls:
+            call.exception()  # waits
+    ok = [t for code, t, _ in answered if code == grpc.StatusCode.OK]
+    refused = [(t, why) for code, t, why in answered if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(ok) + len(refused) == 12 and len(ok) >= 1 and len(refused) >= 8
+    assert "queue full (at most 1 waiting)" in refused[0][1]
+    assert max(t for t, _ in refused) < 0.2 and min(ok) >= 0.3  # refused at once; the queued one waited 300 ms
+
+    # The client counts errors by code: the lab's open-loop driver against the remote server.
+    (info,) = describe(server.target)
+    with server.channel() as channel:
+        remote = RemoteServer(channel, {"tiny": ClientLibrary.from_info(info)})
+        driver = OpenLoop(remote, [Stream("tiny", 200.0, QuerySizes.parse("fixed:2"))], 1.0, seed=0).start()
+        assert driver.join(timeout=10) and remote.drain(10)
+    table = pa.Table.from_pylist(remote.take_rows(), schema=CLIENT_QUERY_SCHEMA)
+    s = summarize_client(table, duration_s=1.0, target_qps=200.0, lost=False)
+    assert s["completed_queries"] >= 1 and s["resource_exhausted_queries"] >= 100
+    assert dict(s["errors_by_code"]) == {"RESOURCE_EXHAUSTED": s["resource_exhausted_queries"]}
+    assert s["queries"] == s["completed_queries"] + s["resource_exhausted_queries"]
+
+
+def test_sigterm_answers_queries_in_flight_then_exits_0(servers, library):
+    server = servers["small_queue"].ready()
+    with server.channel() as channel:
+        call = channel.unary_unary(INFER_METHOD).future(_request(library.slice(0, 3), query_id=42), timeout=30)
+        time.sleep(0.1)  # the query now waits in the batcher (300 ms max delay)
+        server.proc.send_signal(signal.SIGTERM)
+        resp = pb.InferResponse.FromString(call.result())
+    assert resp.query_id == 42 and len(resp.scores) == 3 * 4 and resp.queue_ns >= 0.25e9
+    assert server.proc.wait(timeout=60) == 0
+    assert any("stopping: refusing new queries" in line for line in server.err)
+    (run_dir,) = server.metrics_dir.iterdir()
+    assert read_manifest(run_dir)["kind"] == "serve" and read_manifest(run_dir)["status"] == "ok"
+    rows = pq.read_table(run_dir / "queries.parquet").to_pylist()
+    assert any(r["samples"] == 3 and r["status"] == "ok" for r in rows)  # the server's own record of it
+
+
+def test_a_client_whose_server_is_killed_exits_nonzero_and_keeps_its_rows(servers, tmp_path):
+    server = servers["doomed"].ready()
+    client = Process("client", "--target", server.target, "--closed-loop", "--duration", "60", "--unavailable-s", "1",
+                     "--metrics-dir", str(tmp_path))  # fmt: skip
+    try:
+        client.wait_for("load started")
+        time.sleep(1.0)
+        os.killpg(server.proc.pid, signal.SIGKILL)  # the server and its instances, as when its host dies
+        code = client.proc.wait(timeout=60)
+    finally:
+        if client.proc.poll() is None:
+            os.killpg(client.proc.pid, signal.SIGKILL)
+        for snapshot in (server.proc.pid,):  # the killed server's tables in /dev/shm
+            subprocess.run(f"rm -rf /dev/shm/dlrm-lab-{snapshot}-*", shell=True, check=False)
+    time.sleep(0.2)  # the last output lines
+    errors = [line for line in client.err if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, "".join(client.err)
+    assert f"lost the server at {server.target}" in errors[0] and "UNAVAILABLE for" in errors[0]
+    (run_dir,) = tmp_path.iterdir()
+    assert read_manifest(run_dir)["status"] == "failed"
+    status = pq.read_table(run_dir / "queries.parquet").column("status").to_pylist()
+    assert status.count("ok") > 10 and status.count("UNAVAILABLE") > 0
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["server_lost"] and s["unavailable_queries"] == status.count("UNAVAILABLE")
