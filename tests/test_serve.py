@@ -203,6 +203,23 @@ def test_client_open_loop_records_stages_that_add_up(server, tmp_path):
     assert "share of mean latency" in result.stdout
 
 
+def test_mlperf_loadgen_drives_the_remote_server_through_grpc(server, tmp_path):
+    """LoadGen's system under test is the client's RemoteServer: every query crosses gRPC."""
+    result = run_cli("client", "--target", server.target, "--scenario", "single-stream", "--qps", "100",
+                     "--duration", "1", "--sla-ms", "50", "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = tmp_path.iterdir()
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["mode"] == "loadgen-single-stream" and s["loadgen_result"] in ("VALID", "INVALID")
+    assert s["loadgen_p99_ms"] > 0 and s["completed_queries"] > 10 and s["error_queries"] == 0
+    assert (run_dir / "loadgen" / "mlperf_log_summary.txt").is_file()
+    # LoadGen counts the same queries our rows do, and both see the network in the latency
+    q = pq.read_table(run_dir / "queries.parquet").to_pandas()
+    assert (q.round_trip_ms > q.compute_ms).all()
+    bad = run_cli("client", "--target", server.target, "--scenario", "server", "--concurrency", "2", "--qps", "10")
+    assert bad.returncode == 2 and "--concurrency 1" in bad.stderr
+
+
 def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(servers, library):
     from dlrm_lab.infer.drivers import OpenLoop, Stream
     from dlrm_lab.infer.load import QuerySizes

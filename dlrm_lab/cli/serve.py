@@ -96,6 +96,15 @@ def client_command(
         float, typer.Option(help="Give up when the server has been UNAVAILABLE this many seconds.")
     ] = 3.0,
     connect_timeout: Annotated[float, typer.Option(help="Seconds to wait for the server at start.")] = 10.0,
+    scenario: Annotated[
+        str,
+        typer.Option(
+            help="open-loop, or an MLPerf LoadGen scenario (server, offline, single-stream, multi-stream) "
+            "whose system under test forwards every query over gRPC (--concurrency 1, --qps)."
+        ),
+    ] = "open-loop",  # fmt: skip
+    sla_ms: Annotated[float, typer.Option("--sla-ms", help="LoadGen's latency bound in ms.")] = 10.0,
+    percentile: Annotated[float, typer.Option(help="LoadGen's latency percentile.")] = 99.0,
     metrics_dir: MetricsDir = "runs",
 ) -> None:
     """Drive a remote `dlrm-lab serve` with concurrent clients; record every query's stages."""
@@ -106,7 +115,7 @@ def client_command(
     options = ClientOptions(
         target=target, concurrency=concurrency, qps=qps, query_sizes=query_size, arrival=arrival,
         duration_s=duration, model=model, seed=seed, timeout_s=timeout, unavailable_s=unavailable_s,
-        connect_timeout_s=connect_timeout,
+        connect_timeout_s=connect_timeout, scenario=scenario, sla_ms=sla_ms, sla_percentile=percentile,
     )  # fmt: skip
     raise_on_sigterm()
     out = console(stderr=True)
@@ -139,5 +148,8 @@ def _print_summary(r: dict[str, Any]) -> None:
 
     shares = ", ".join(f"{s} {f(r[f'{s}_share'], '.0%')}" for s in STAGES)
     console().print(f"share of mean latency: {shares}")
+    if r.get("loadgen_result"):
+        console().print(f"MLPerf LoadGen: {r['loadgen_result']}, {f(r['loadgen_queries_per_s'], '.1f')} queries/s, "
+                        f"p99 {f(r['loadgen_p99_ms'], '.2f')} ms (its own accounting)")  # fmt: skip
     if r["errors_by_code"]:
         console().print("errors: " + ", ".join(f"{code} {n}" for code, n in r["errors_by_code"]))

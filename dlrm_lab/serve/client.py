@@ -54,8 +54,20 @@ class ClientOptions:
     timeout_s: float = 30.0  # per query (gRPC deadline)
     unavailable_s: float = 3.0
     connect_timeout_s: float = 10.0
+    scenario: str = "open-loop"  # or an MLPerf LoadGen scenario: LoadGen's SUT forwards to gRPC
+    sla_ms: float = 10.0  # LoadGen's latency bound (server, single- and multi-stream)
+    sla_percentile: float = 99.0
 
     def __post_init__(self) -> None:
+        from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS
+
+        if self.scenario not in SCENARIOS:
+            raise UserError(f"--scenario {self.scenario!r}: allowed: {', '.join(SCENARIOS)}")
+        if self.scenario in LOADGEN_SCENARIOS:
+            if self.concurrency != 1:
+                raise UserError(f"--scenario {self.scenario}: LoadGen is one client; use --concurrency 1")
+            if self.qps is None:
+                raise UserError(f"--scenario {self.scenario}: give LoadGen its target rate with --qps")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise UserError(f"--concurrency {self.concurrency!r}: must be a whole number >= 1")
         if self.qps is not None and not self.qps > 0:
@@ -73,6 +85,8 @@ class ClientOptions:
 
     @property
     def mode(self) -> str:
+        if self.scenario != "open-loop":
+            return f"loadgen-{self.scenario}"
         return "closed-loop" if self.qps is None else "open-loop"
 
 
@@ -104,6 +118,9 @@ class WorkerPlan:
     timeout_s: float
     unavailable_s: float
     connect_timeout_s: float
+    scenario: str = "open-loop"
+    sla_ms: float = 10.0
+    sla_percentile: float = 99.0
 
 
 def run_client(
@@ -135,7 +152,8 @@ def run_client(
                 qps=None if options.qps is None else options.qps / options.concurrency,
                 query_sizes=options.query_sizes, arrival=options.arrival, duration_s=options.duration_s,
                 seed=options.seed + k, timeout_s=options.timeout_s, unavailable_s=options.unavailable_s,
-                connect_timeout_s=options.connect_timeout_s,
+                connect_timeout_s=options.connect_timeout_s, scenario=options.scenario, sla_ms=options.sla_ms,
+                sla_percentile=options.sla_percentile,
             )  # fmt: skip
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -225,6 +243,7 @@ def _summarise(run: Run, queries: Any, options: ClientOptions, info: Any, result
         "arrival": options.arrival if options.qps else None,
         **summarize_client(table, duration_s=options.duration_s, target_qps=options.qps, lost=lost is not None),
         "error": lost,
+        **next((r["loadgen"] for r in results.values() if r.get("loadgen")), {}),
     }
     run.write_summary([summary], CLIENT_SUMMARY_SCHEMA)
     return summary
@@ -234,7 +253,7 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
     """A client worker process: its own channel and RemoteServer under one of the lab's drivers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us through `stop`
     try:
-        from dlrm_lab.infer.drivers import ClosedLoop, OpenLoop, Stream
+        from dlrm_lab.infer.drivers import ClosedLoop, LoadGenDriver, OpenLoop, Stream
         from dlrm_lab.serve.remote import ClientLibrary, RemoteServer
 
         info = pb.ModelInfo.FromString(plan.info)
@@ -247,8 +266,13 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
             return
         remote = RemoteServer(channel, {info.name: library}, worker=plan.worker, timeout_s=plan.timeout_s)
         stream = Stream(info.name, plan.qps or 1.0, QuerySizes.parse(plan.query_sizes), Arrivals(plan.arrival))
-        if plan.qps is None:
-            driver: Any = ClosedLoop(remote, stream, 1, plan.duration_s, seed=plan.seed)
+        if plan.scenario != "open-loop":  # LoadGen issues; RemoteServer is its system under test
+            driver: Any = LoadGenDriver(
+                remote, stream, plan.scenario, duration_s=plan.duration_s, sla_ms=plan.sla_ms,
+                sla_percentile=plan.sla_percentile, log_dir=Path(plan.run_dir) / "loadgen", seed=plan.seed,
+            )  # fmt: skip
+        elif plan.qps is None:
+            driver = ClosedLoop(remote, stream, 1, plan.duration_s, seed=plan.seed)
         else:
             driver = OpenLoop(remote, [stream], plan.duration_s, seed=plan.seed)
         pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=plan.connect_timeout_s)  # warm-up
@@ -291,5 +315,5 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
         gc.enable()
         rows.extend(remote.take_rows())
         run.finish("ok")  # a worker's rank only flushes its part files; the parent merges
-        conn.send(("done", {"lost": lost, "error": error}))
+        conn.send(("done", {"lost": lost, "error": error, "loadgen": getattr(driver.stats, "loadgen", None)}))
         channel.close()

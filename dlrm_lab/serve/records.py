@@ -99,6 +99,9 @@ CLIENT_SUMMARY_SCHEMA = pa.schema(
         ("issue_lag_max_ms", pa.float64()),
         ("server_lost", pa.bool_()),
         ("error", pa.string()),
+        ("loadgen_result", pa.string()),  # MLPerf LoadGen scenarios: its verdict, rate and p99
+        ("loadgen_queries_per_s", pa.float64()),
+        ("loadgen_p99_ms", pa.float64()),
     ]
 )
 
