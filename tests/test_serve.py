@@ -30,9 +30,9 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 class Process:
     """A `dlrm-lab` command in the background whose output lines are collected as they come."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, prefix: tuple[str, ...] = ()) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlrm_lab", *args], cwd=ROOT, env=ENV, text=True,
+            [*prefix, sys.executable, "-m", "dlrm_lab", *args], cwd=ROOT, env=ENV, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
         self.out: list[str] = []
@@ -301,3 +301,28 @@ def test_a_client_whose_server_is_killed_exits_nonzero_and_keeps_its_rows(server
     assert status.count("ok") > 10 and status.count("UNAVAILABLE") > 0
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert s["server_lost"] and s["unavailable_queries"] == status.count("UNAVAILABLE")
+
+
+@pytest.mark.multiprocess
+def test_a_server_in_another_network_namespace_is_reached_over_a_veth_link(tmp_path):
+    from dlrm_lab.serve.netns import VethLink
+
+    why = VethLink.available()
+    if why is not None:
+        pytest.skip(f"cannot join two network namespaces here: {why}")
+    with VethLink("dlrm-lab-test", server_ip="10.232.0.1", client_ip="10.232.0.2") as link:
+        server = Process("serve", "--preset", "tiny", "--host", link.server_ip, "--port", "0", "--metrics-dir",
+                         str(tmp_path / "server"), prefix=tuple(link.prefix()))  # fmt: skip
+        try:
+            target = server.wait_for("serving tiny on ").split(" on ")[1].strip()
+            assert target.startswith(link.server_ip)
+            result = run_cli("client", "--target", target, "--closed-loop", "--query-size", "fixed:16",
+                             "--duration", "1", "--metrics-dir", str(tmp_path / "client"), timeout=120)  # fmt: skip
+            assert result.returncode == 0, result.stderr
+        finally:
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(timeout=60) == 0
+    (run_dir,) = (tmp_path / "client").iterdir()
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["completed_queries"] > 5 and s["error_queries"] == 0
+    assert s["network_mean_ms"] > 0 and s["target"] == target

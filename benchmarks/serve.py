@@ -1,0 +1,212 @@
+"""Client/server inference over gRPC: what the network hop costs (issue 6's benchmark).
+
+    python benchmarks/serve.py            # ~6 min on 2 cores
+    python benchmarks/serve.py --quick    # shorter loads
+
+Parts (each through the real CLI, `dlrm-lab serve` + `dlrm-lab client`, or the library):
+  codec     serialisation throughput: the client's encoding and the server's decoding of
+            packed payloads, MB/s and samples/s, at query sizes 1 to 1024 (in-process).
+  sizes     transfer cost per query and per sample at query sizes 1 to 1024 on loopback:
+            one closed-loop client (no queueing), the stage breakdown of every query.
+  overhead  256-sample queries: loopback gRPC against in-process serving (`dlrm-lab infer
+            run` at the same low open-loop rate): the extra latency over the compute time.
+            Target: protocol and transfer overhead <= 20% of compute time.
+  veth      the same 256-sample point with the server in another network namespace joined
+            by a veth link (skipped with the reason where namespaces cannot be made).
+  clients   equal samples/s two ways: 8 concurrent clients of 16-sample queries against 1
+            client of 128-sample queries (iBench's comparison).
+  loadgen   MLPerf LoadGen's Server scenario through the gRPC system under test.
+The model is the Criteo Kaggle shape with tables capped at 100k rows, one instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from dlrm_lab.metrics.hardware import cpu_model
+
+MODEL = ["--preset", "kaggle", "--max-rows", "100000"]
+SERVER = [*MODEL, "--instances", "1", "--threads", "1", "--max-batch", "1024", "--max-delay-ms", "0.5"]
+SIZES = (1, 4, 16, 64, 256, 1024)
+
+
+def codec(repeats: int) -> list[dict[str, Any]]:
+    import dlrm_lab
+    from dlrm_lab.data import synthetic_generator
+    from dlrm_lab.serve.protocol import decode_samples, encode_samples, pb
+
+    spec = dlrm_lab.load_preset("kaggle", max_rows=100_000)
+    block = synthetic_generator(spec, seed=0).samples(0, max(SIZES))
+    rows = []
+    for n in SIZES:
+        part = block.slice(0, n)
+        enc, dec = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dense, lengths, ids = encode_samples(part.dense, part.lengths, part.values)
+            req = pb.InferRequest(model="kaggle", query_id=1, samples=n, dense=dense, lengths=lengths, ids=ids)
+            wire = req.SerializeToString()
+            t1 = time.perf_counter()
+            decode_samples(pb.InferRequest.FromString(wire), spec)
+            t2 = time.perf_counter()
+            enc.append(t1 - t0)
+            dec.append(t2 - t1)
+        e, d = statistics.median(enc), statistics.median(dec)
+        rows.append({"samples": n, "bytes": len(wire), "encode_us": e * 1e6, "decode_us": d * 1e6,
+                     "encode_mb_per_s": len(wire) / e / 1e6, "decode_mb_per_s": len(wire) / d / 1e6,
+                     "encode_samples_per_s": n / e, "decode_samples_per_s": n / d})  # fmt: skip
+        print(f"  codec {n:>5} samples, {len(wire):>8,} B: encode {e * 1e6:8.1f} us, decode {d * 1e6:8.1f} us",
+              flush=True)  # fmt: skip
+    return rows
+
+
+class Server:
+    def __init__(self, root: Path, prefix: list[str] | None = None, host: str = "127.0.0.1") -> None:
+        self.log = root / "server.log"
+        root.mkdir(parents=True, exist_ok=True)
+        cmd = [*(prefix or []), sys.executable, "-m", "dlrm_lab", "serve", *SERVER, "--host", host, "--port", "0",
+               "--metrics-dir", str(root)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"), start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            hits = [ln for ln in self.log.read_text().splitlines() if " on " in ln and "serving" in ln]
+            if hits:
+                self.target = hits[0].split(" on ")[1].strip()
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise SystemExit(f"server did not start:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def client(root: Path, target: str, *args: str) -> dict[str, Any]:
+    out = root / f"client-{len(list(root.glob('client-*')))}"
+    cmd = [sys.executable, "-m", "dlrm_lab", "client", "--target", target, "--metrics-dir", str(out), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"client failed: {' '.join(args)}\n{done.stderr[-3000:]}")
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    (summary,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    return summary
+
+
+KEYS = ("queries_per_s", "samples_per_s", "latency_p50_ms", "latency_p99_ms", "latency_mean_ms", "round_trip_mean_ms",
+        "compute_mean_ms", "instance_compute_mean_ms", "transfer_mean_ms", "transfer_per_sample_us",
+        "transfer_to_compute", "serialise_mean_ms", "network_mean_ms", "server_parse_mean_ms", "queue_mean_ms",
+        "server_respond_mean_ms", "deserialise_mean_ms", "request_bytes_mean", "error_queries", "loadgen_result",
+        "loadgen_queries_per_s", "loadgen_p99_ms")  # fmt: skip
+
+
+def pick(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary.get(k) for k in KEYS}
+
+
+def in_process(root: Path, qps: float, size: int, duration: float) -> dict[str, Any]:
+    out = root / f"inproc-{size}"
+    args = ["infer", "run", *SERVER, "--query-size", f"fixed:{size}", "--qps", str(qps), "--duration", str(duration),
+            "--sla-ms", "100", "--metrics-dir", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"infer run failed:\n{done.stderr[-3000:]}")
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    q = pq.read_table(run_dir / "queries.parquet", columns=["latency_ms", "compute_ms", "status"]).to_pandas()
+    q = q[q.status == "ok"]
+    return {"latency_mean_ms": float(q.latency_ms.mean()), "latency_p50_ms": row["latency_p50_ms"],
+            "latency_p99_ms": row["latency_p99_ms"], "compute_mean_ms": float(q.compute_ms.mean()),
+            "queries_per_s": row["queries_per_s"]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    duration = "3" if args.quick else "8"
+    results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model()}
+    print("codec (in-process):", flush=True)
+    results["codec"] = codec(20 if args.quick else 100)
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        server = Server(tmp / "loopback")
+        try:
+            results["sizes"] = []
+            for n in SIZES:
+                s = pick(client(tmp, server.target, "--closed-loop", "--query-size", f"fixed:{n}", "--duration",
+                                duration))  # fmt: skip
+                results["sizes"].append({"samples": n, **s})
+                line = (f"  loopback {n:>5} samples: round trip {s['round_trip_mean_ms']:.3f} ms, transfer "
+                        f"{s['transfer_mean_ms']:.3f} ms ({s['transfer_per_sample_us']:.2f} us/sample), compute "
+                        f"{s['compute_mean_ms']:.3f} ms, transfer/compute {s['transfer_to_compute']:.3f}")  # fmt: skip
+                print(line, flush=True)
+            qps = "20"
+            grpc_256 = pick(client(tmp, server.target, "--qps", qps, "--query-size", "fixed:256", "--duration",
+                                   duration))  # fmt: skip
+            results["clients"] = {
+                "8x16": pick(client(tmp, server.target, "--concurrency", "8", "--qps", "400", "--query-size",
+                                    "fixed:16", "--duration", duration)),
+                "1x128": pick(client(tmp, server.target, "--concurrency", "1", "--qps", "50", "--query-size",
+                                     "fixed:128", "--duration", duration)),
+            }  # fmt: skip
+            print("  clients:", json.dumps(results["clients"], default=str), flush=True)
+            results["loadgen_server"] = pick(client(tmp, server.target, "--scenario", "server", "--qps", "50",
+                                                    "--query-size", "fixed:16", "--duration", duration,
+                                                    "--sla-ms", "20"))  # fmt: skip
+            print("  loadgen:", json.dumps(results["loadgen_server"], default=str), flush=True)
+        finally:
+            server.stop()
+        inproc = in_process(tmp, float(qps), 256, float(duration))
+        extra = grpc_256["latency_mean_ms"] - inproc["latency_mean_ms"]
+        results["overhead_256"] = {"grpc": grpc_256, "in_process": inproc, "extra_latency_ms": extra,
+                                   "extra_over_compute": extra / inproc["compute_mean_ms"],
+                                   "transfer_over_compute": grpc_256["transfer_to_compute"]}  # fmt: skip
+        print("  256 samples, loopback vs in-process:", json.dumps(results["overhead_256"], default=str), flush=True)
+        from dlrm_lab.serve.netns import VethLink
+
+        why = VethLink.available()
+        if why is None:
+            with VethLink("dlrm-lab-bench", server_ip="10.233.0.1", client_ip="10.233.0.2") as link:
+                remote = Server(tmp / "veth", prefix=link.prefix(), host=link.server_ip)
+                try:
+                    results["veth_256"] = pick(client(tmp, remote.target, "--qps", qps, "--query-size", "fixed:256",
+                                                      "--duration", duration))  # fmt: skip
+                    results["veth_sizes"] = []
+                    for n in (1, 64, 1024):
+                        s = pick(client(tmp, remote.target, "--closed-loop", "--query-size", f"fixed:{n}",
+                                        "--duration", duration))  # fmt: skip
+                        results["veth_sizes"].append({"samples": n, **s})
+                finally:
+                    remote.stop()
+            print("  veth 256:", json.dumps(results["veth_256"], default=str), flush=True)
+        else:
+            results["veth_skipped"] = why
+            print(f"  veth skipped: {why}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=lambda v: float(v) if isinstance(v, np.floating)
+                                        else str(v)) + "\n")  # fmt: skip
+        print(f"results in {args.json}")
+
+
+if __name__ == "__main__":
+    main()
