@@ -267,7 +267,7 @@ class LoadGenDriver:
         self.stats.lag_ms[model] = []
 
         def done(q: Query, status: str, _scores: Any) -> None:
-            if status == "dropped":
+            if status != "ok":  # dropped, failed, or a gRPC error code from a remote server
                 with self._dropped_lock:
                     self.dropped += 1
             lg.QuerySamplesComplete([lg.QuerySampleResponse(q.tag, 0, 0)])
@@ -298,7 +298,7 @@ class LoadGenDriver:
             lg.DestroySUT(sut)
         self.stats.loadgen = parse_loadgen_summary(self.log_dir / "mlperf_log_summary.txt")
         if self.dropped and self.stats.loadgen.get("loadgen_result"):
-            self.stats.loadgen["loadgen_result"] = f"INVALID (server dropped {self.dropped} queries)"
+            self.stats.loadgen["loadgen_result"] = f"INVALID (server dropped or failed {self.dropped} queries)"
 
 
 def parse_loadgen_summary(path: Path) -> dict[str, Any]:

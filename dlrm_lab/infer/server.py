@@ -111,6 +111,8 @@ class Query:
     status: str = "ok"
     error: str | None = None
     scores: np.ndarray | None = None
+    batch_samples: int | None = None  # of the batch that finished it (its last piece's)
+    instance: int | None = None
 
 
 @dataclass
@@ -501,6 +503,7 @@ class InferenceServer:
         instance: int | None = None,
     ) -> None:
         """Record a finished query (the batch fields are those of its last piece)."""
+        q.batch_samples, q.instance = batch_samples, instance  # for on_done (the gRPC response carries them)
         e = self.epoch_ns
         start_ns = q.first_start_ns
         record = {

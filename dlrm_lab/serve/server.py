@@ -61,15 +61,6 @@ class _Refused(Exception):
         self.status = status
 
 
-class _BatchAwareServer(InferenceServer):
-    """An InferenceServer that also leaves a finished query's batch on the Query itself
-    (`tag`), so the gRPC response can carry it; the lab keeps it only in its records."""
-
-    def _finish(self, q: Query, status: str, **kw: Any) -> None:
-        q.tag = (kw.get("batch_samples"), kw.get("instance"))
-        super()._finish(q, status, **kw)
-
-
 class InferenceService:
     """The `Inference` service over one InferenceServer; handlers run on the asyncio loop."""
 
@@ -184,7 +175,7 @@ class InferenceService:
         if status != "ok" or scores is None:
             raise _Refused(grpc.StatusCode.INTERNAL, f"query {req.query_id}: {status}: {q.error or self.failure}")
         start = q.first_start_ns if q.first_start_ns is not None else done_ns
-        batch_samples, instance = q.tag or (None, None)
+        batch_samples, instance = q.batch_samples, q.instance
         resp = pb.InferResponse(
             query_id=req.query_id,
             scores=np.asarray(scores, dtype=SCORE_DTYPE).tobytes(),
@@ -283,7 +274,7 @@ def serve(
         warm_up_parquet(QUERY_SCHEMA)
         service = None
         try:
-            with _BatchAwareServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log) as inference:
+            with InferenceServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log) as inference:
                 run.update_manifest(instances=inference.instance_info)
                 service = InferenceService(inference)
                 asyncio.run(_serve(service, queries, host, port, grace_s, log, run))
