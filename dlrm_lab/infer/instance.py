@@ -204,6 +204,8 @@ def validate_payload(p: SampleBlock, spec: ModelSpec, rows: list[int] | None = N
         return "dense features: not finite (NaN or infinity)"
     if len(p.lengths) != len(rows) or len(p.values) != len(rows):
         return f"sparse features: {len(p.lengths)} given, the model has {len(rows)}"
+    if _sparse_ok(p, n, rows):  # the common case in a few array operations; the loop names the culprit
+        return None
     for f, (ln, val, limit) in enumerate(zip(p.lengths, p.values, rows, strict=True)):
         name = spec.feature_names[f]
         if len(ln) != n:
@@ -216,6 +218,25 @@ def validate_payload(p: SampleBlock, spec: ModelSpec, rows: list[int] | None = N
             bad = int(val.max()) if val.max() >= limit else int(val.min())
             return f"feature {name}: id {bad} outside its table [0, {limit})"
     return None
+
+
+def _sparse_ok(p: SampleBlock, n: int, rows: list[int]) -> bool:
+    """True when every feature has n non-negative lengths summing to its ids, all ids inside
+    their tables: checked for all features at once (a per-feature loop costs ~0.5 ms for
+    26 features, as much as decoding a 256-sample query)."""
+    if any(len(ln) != n for ln in p.lengths):
+        return False
+    lengths = np.asarray(p.lengths)
+    counts = np.fromiter((len(v) for v in p.values), dtype=np.int64, count=len(p.values))
+    if lengths.size and lengths.min() < 0 or not np.array_equal(lengths.sum(axis=1, dtype=np.int64), counts):
+        return False
+    used = np.flatnonzero(counts)
+    if not len(used):
+        return True
+    ids = np.concatenate([p.values[f] for f in used])
+    starts = np.concatenate([[0], np.cumsum(counts[used])[:-1]])
+    limits = np.asarray(rows, dtype=np.int64)[used]
+    return bool(np.minimum.reduceat(ids, starts).min() >= 0 and (np.maximum.reduceat(ids, starts) < limits).all())
 
 
 # ----------------------------------------------------------------------------- process
