@@ -55,7 +55,7 @@ def _per_model(values: list[Any] | None, n: int, default: Any, option: str) -> l
     return values
 
 
-def _served(models: list[str], table_scale: float | None, max_rows: int | None, **kw: Any) -> list[Any]:
+def served_models(models: list[str], table_scale: float | None, max_rows: int | None, **kw: Any) -> list[Any]:
     from dlrm_lab.infer.server import ServedModel
 
     out, seen = [], {}
@@ -122,7 +122,7 @@ def run_command(
         scenario=scenario, duration_s=duration, sla_ms=slas[0], sla_percentile=percentile, seed=seed,
         device=device, pin_cores=pin_cores, compare_alone=alone,
     )  # fmt: skip
-    served = _served(
+    served = served_models(
         names, table_scale, max_rows, instances=instances, threads=threads, max_batch=max_batch,
         max_delay_ms=max_delay_ms, max_queue=max_queue, precision=precision, table_precision=table_precision,
         data_spec=data_spec,
@@ -235,7 +235,7 @@ def search_command(
                       device=device, pin_cores=pin_cores)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration)  # fmt: skip
-    (base,) = _served(names, table_scale, max_rows, max_queue=max_queue, precision=precision,
+    (base,) = served_models(names, table_scale, max_rows, max_queue=max_queue, precision=precision,
                       table_precision=table_precision, data_spec=data_spec)  # fmt: skip
     stream = Stream(base.name, 1.0, QuerySizes.parse(query_size), Arrivals(arrival))
     raise_on_sigterm()

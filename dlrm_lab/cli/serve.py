@@ -21,7 +21,7 @@ from dlrm_lab.cli.infer import (
     Precision,
     TablePrecision,
     Threads,
-    _served,
+    served_models,
 )
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
 from dlrm_lab.errors import UserError, raise_on_sigterm
@@ -54,7 +54,7 @@ def serve_command(
     """Serve models over gRPC until SIGTERM or Ctrl-C (every query recorded in a `serve` run)."""
     from dlrm_lab.serve.server import serve
 
-    served = _served(
+    served = served_models(
         model or ["tiny"], table_scale, max_rows, instances=instances, threads=threads, max_batch=max_batch,
         max_delay_ms=max_delay_ms, max_queue=max_queue, precision=precision, table_precision=table_precision,
         data_spec=data_spec,
