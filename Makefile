@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/inference.py
 	$(BIN)/python benchmarks/roofline.py
 	$(BIN)/python benchmarks/report.py
+	$(BIN)/python benchmarks/serve.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info $(DATA)
