@@ -34,6 +34,21 @@ def run_cli(
     )
 
 
+def run_cli_in_process(*args: str) -> tuple[int, str, str]:
+    """`dlrm-lab ARGS` through the CLI's own entry point inside this process: (exit code,
+    stdout, stderr). For the error paths, where starting an interpreter per case (~5 s of
+    imports) would cost more than the case; the real process is exercised by run_cli."""
+    import contextlib
+    import io
+
+    from dlrm_lab.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def make_batch(spec, batch_size: int, seed: int = 0, offset: int = 0):
     """One batch of the preset's synthetic data (samples offset .. offset + batch_size)."""
     from dlrm_lab.data import SyntheticSource, synthetic_generator

@@ -7,7 +7,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli, wait_for_files
+from conftest import ROOT, run_cli, run_cli_in_process, wait_for_files
 
 from dlrm_lab.metrics import read_manifest
 
@@ -53,11 +53,11 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
 
         if torch.cuda.is_available():
             pytest.skip("CUDA present")
-    out = run_cli(*args)
-    assert out.returncode == 2
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], out.stderr
-    assert "Traceback" not in out.stderr
+    code, _, stderr = run_cli_in_process(*args)
+    assert code == 2
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], stderr
+    assert "Traceback" not in stderr
 
 
 def test_bad_preset_file_exits_2_naming_file_and_field(tmp_path):

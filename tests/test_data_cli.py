@@ -2,7 +2,7 @@
 
 import json
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_in_process
 
 
 def test_generated_dataset_passes_its_own_checks_and_trains(tmp_path):
@@ -71,6 +71,6 @@ def test_data_mistakes_exit_2_with_one_line(tmp_path):
         (["train", "--data", str(tmp_path / "missing")], "no such dataset directory or file"),
     ]
     for args, message in cases:
-        out = run_cli(*args)
-        lines = [line for line in out.stderr.splitlines() if line.strip()]
-        assert out.returncode == 2 and len(lines) == 1 and message in lines[0], (args, out.stderr)
+        code, _, stderr = run_cli_in_process(*args)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, stderr)

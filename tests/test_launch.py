@@ -7,7 +7,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_cli_in_process
 
 from dlrm_lab.distributed.context import detect_launch, first_slurm_node
 from dlrm_lab.distributed.launch import launch_command
@@ -169,7 +169,7 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
 
 
 def test_scale_refuses_bad_sweeps():
-    out = run_cli("scale", "--ranks", "1,two")
-    assert out.returncode == 2 and "--ranks '1,two'" in out.stderr
-    out = run_cli("scale", "--ranks", "1,3", "--mode", "strong", "--batch-size", "100")
-    assert out.returncode == 2 and "make it divisible" in out.stderr
+    code, _, err = run_cli_in_process("scale", "--ranks", "1,two")
+    assert code == 2 and "--ranks '1,two'" in err
+    code, _, err = run_cli_in_process("scale", "--ranks", "1,3", "--mode", "strong", "--batch-size", "100")
+    assert code == 2 and "make it divisible" in err

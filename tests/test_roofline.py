@@ -15,6 +15,10 @@ from dlrm_lab.model.cost import dense_step_bytes, lookup_bytes_per_sample
 CPU = torch.device("cpu")
 
 
+def fingerprint_of(path) -> str:
+    return path.stem
+
+
 def fake_profile(fingerprint: str = "f00d", comms: dict | None = None) -> dict:
     one = {"gemm_flops_per_s": {"fp32": 50e9, "bf16": 100e9}, "memory_bytes_per_s": 20e9, "gather_bytes_per_s": 5e9}
     two = {"gemm_flops_per_s": {"fp32": 90e9, "bf16": 180e9}, "memory_bytes_per_s": 30e9, "gather_bytes_per_s": 6e9}
@@ -174,7 +178,7 @@ def test_without_sensors_energy_is_null_with_a_reason_never_zero(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path):
+def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, monkeypatch):
     from conftest import run_cli
 
     env = {"DLRM_LAB_MACHINE_DIR": str(tmp_path)}
@@ -198,7 +202,10 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path):
         factor = 0.5 if r["collective"] == "all_to_all" else 1.0
         assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)
         assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3))
-    shown = run_cli("machine", "show", env=env)
-    assert "collectives gloo/2" in shown.stdout and "all_to_all" in shown.stdout
-    alone = run_cli("machine", "probe", "--comms-only", env=env)
-    assert alone.returncode == 2 and "several ranks" in alone.stderr
+    from conftest import run_cli_in_process
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    code, shown, _ = run_cli_in_process("machine", "show", fingerprint_of(path))
+    assert code == 0 and "collectives gloo/2" in shown and "all_to_all" in shown
+    code, _, err = run_cli_in_process("machine", "probe", "--comms-only")
+    assert code == 2 and "several ranks" in err

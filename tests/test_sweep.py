@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_cli_in_process
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import Run
@@ -143,5 +143,5 @@ seed = [1, 2]
     assert [r["point"] for r in summary] == [0, 1] and all(r["samples_per_s_median"] > 0 for r in summary)
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert manifest["kind"] == "sweep" and manifest["status"] == "ok" and manifest["resumed"] == 1
-    assert run_cli("sweep", str(grid), "--no-progress").returncode == 0  # all done: nothing runs again
+    assert run_cli_in_process("sweep", str(grid), "--no-progress")[0] == 0  # all done: nothing runs again
     assert len(pq.read_table(sweep_dir / "points.parquet")) == 2
