@@ -105,6 +105,8 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as for a command a script starts in the background: SIGINT inherited as ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     assert wait_for_files(tmp_path, "*/_parts/steps/*.parquet"), "training never flushed a step"
     proc.send_signal(signal.SIGINT)

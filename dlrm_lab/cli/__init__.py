@@ -38,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     User mistakes (bad option, bad value, bad preset file) print one line on stderr
     and exit 2; Ctrl-C exits 130 after the run has been marked interrupted.
     """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C (SIGINT) is how a run is stopped cleanly (status interrupted, rows kept; sweeps
+        # pass it on to their point): honour it even where it was inherited as ignored, as
+        # for commands started in the background by a non-interactive shell.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = app(args=argv, prog_name="dlrm-lab", standalone_mode=False)
     except UserError as exc:
