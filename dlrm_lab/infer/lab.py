@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import psutil
 import pyarrow as pa
-import torch
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.drivers import (
@@ -42,7 +41,7 @@ from dlrm_lab.infer.records import (
 )
 from dlrm_lab.infer.server import InferenceServer, ServedModel
 from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA, EnergySampler, open_power_sources
-from dlrm_lab.metrics.roofline import load_profile, peaks_for
+from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.tables import TableWriter
 
@@ -235,9 +234,7 @@ def measure(
             **stats.loadgen,
             **point.extra,
         }
-        precision = served.precision
-        if cfg.device == "cuda" and precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-            precision = "tf32"
+        precision = gemm_precision(cfg.device, served.precision)
         peaks = peaks_for(profile, "cuda:0" if cfg.device == "cuda" else "cpu", precision, served.threads)
         row.update(roofline_columns(served.spec, served.table_precision, row, peaks))
         rows.append(row)

@@ -116,6 +116,17 @@ def _cpu_peaks(cpu: dict[str, Any], threads: int) -> dict[str, Any]:
     }
 
 
+def gemm_precision(device_type: str, precision: str) -> str:
+    """The GEMM peak that applies to a run's dense precision: fp32 matrix products on a GPU
+    run as TF32 when torch allows it."""
+    if device_type == "cuda" and precision == "fp32":
+        import torch
+
+        if torch.backends.cuda.matmul.allow_tf32:
+            return "tf32"
+    return precision
+
+
 def peaks_for(
     profile: dict[str, Any] | None,
     device: str,

@@ -34,7 +34,7 @@ from dlrm_lab.distributed.sharding import (
 )
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA, EnergySampler, combine_summaries, open_power_sources
-from dlrm_lab.metrics.roofline import load_profile, peaks_for
+from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
@@ -140,9 +140,7 @@ def _energy_sampler(ctx: DistContext) -> EnergySampler:
 
 def _peaks(ctx: DistContext, cfg: TrainConfig):
     device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    precision = cfg.precision
-    if ctx.device.type == "cuda" and cfg.precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-        precision = "tf32"
+    precision = gemm_precision(ctx.device.type, cfg.precision)
     return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
