@@ -11,8 +11,9 @@ Conventions (what a number counts, so that runs can be placed on a roofline):
   computed by bmm, both triangles), twice that backward. cat: 0. DCNv2 low-rank layer with
   width n and rank r: x0 * (W (V x) + b) costs 4*n*r forward, 8*n*r backward.
 - Embedding bytes per sample: rows read, sum over features of pooling factor x dim x bytes
-  per value. Training also reads and writes each looked-up row's gradient update in place
-  and, for row-wise Adagrad, one float of state per row (read and written).
+  per value at the tables' storage precision (`lookup_bytes_per_sample`). Training also
+  reads and writes each looked-up row's gradient update in place and, for row-wise
+  Adagrad, one float of state per row (read and written).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
     return layers
 
 
-def sample_cost(spec: ModelSpec, bytes_per_value: int = 4, optimizer: str = "rowwise_adagrad") -> SampleCost:
+def sample_cost(spec: ModelSpec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad") -> SampleCost:
     """FLOPs and embedding bytes per sample (see the module docstring for what counts)."""
     bottom = _mlp(spec.num_dense, spec.bottom_mlp)
     top = _mlp(spec.over_arch_in_features, spec.top_mlp)
@@ -70,7 +71,7 @@ def sample_cost(spec: ModelSpec, bytes_per_value: int = 4, optimizer: str = "row
     else:
         inter_fwd = inter_bwd = 0
     rows_read = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
-    bytes_read = sum(t.pooling_factor * len(t.feature_names) * t.embedding_dim for t in spec.tables) * bytes_per_value
+    bytes_read = lookup_bytes_per_sample(spec, table_precision)
     state = 2 * 4 * rows_read if optimizer == "rowwise_adagrad" else 0.0  # one fp32 per row, read + write
     return SampleCost(
         bottom_mlp_flops=bottom_fwd,

@@ -201,8 +201,7 @@ def roofline_columns(
     Valid FLOPS (HPC AI500 V2.0, as MLPerf counts time to quality): the achieved FLOP/s
     when the run reached --target-auc, 0 when it did not, null without a target.
     """
-    cost = sample_cost(spec, bytes_per_value=2 if cfg.table_precision == "fp16" else 4,
-                       optimizer=cfg.embedding_optimizer)  # fmt: skip
+    cost = sample_cost(spec, table_precision=cfg.table_precision, optimizer=cfg.embedding_optimizer)
     row_bytes = cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes
     out: dict[str, Any] = {
         "flops_per_sample": float(cost.training_flops),
