@@ -232,7 +232,6 @@ def test_snapshots_of_killed_servers_are_removed_and_live_ones_kept(tmp_path):
 
 
 def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp_path, monkeypatch):
-    import pyarrow as pa
     import pyarrow.parquet as pq
     from conftest import ConstantPower, store_profile
 
@@ -240,7 +239,7 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
     from dlrm_lab.infer.drivers import Stream
     from dlrm_lab.infer.load import QuerySizes
     from dlrm_lab.infer.records import QUERY_SCHEMA
-    from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA
+    from dlrm_lab.metrics.energy import telemetry_schema
     from dlrm_lab.metrics.run import Run
     from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
 
@@ -250,7 +249,7 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
     cfg = lab.InferConfig(duration_s=1.0, sla_ms=50)
     stream = Stream("tiny", 150.0, QuerySizes.parse("fixed:4"))
     with Run.create(tmp_path, "infer", {}) as run:
-        telemetry = run.table("telemetry", pa.schema([pa.field("point", pa.int32()), *TELEMETRY_SCHEMA]))
+        telemetry = run.table("telemetry", telemetry_schema("point"))
         (row,) = lab.measure(server, lab.Point(0, [stream]), cfg, run.table("queries", QUERY_SCHEMA), run.dir,
                              telemetry=telemetry)  # fmt: skip
     spec = server.models["tiny"].spec

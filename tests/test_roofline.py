@@ -164,6 +164,7 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     run_dir = next((tmp_path / "runs").iterdir())
     telemetry = pq.read_table(run_dir / "telemetry.parquet").to_pylist()
     assert {r["quantity"] for r in telemetry} >= {"power_w", "cpu_percent", "rss_bytes"}
+    assert {r["rank"] for r in telemetry} == {0}  # several ranks' samples stay apart
 
 
 def test_without_sensors_energy_is_null_with_a_reason_never_zero(tmp_path):

@@ -40,7 +40,7 @@ from dlrm_lab.infer.records import (
     with_late_flags,
 )
 from dlrm_lab.infer.server import InferenceServer, ServedModel
-from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA, EnergySampler, open_power_sources
+from dlrm_lab.metrics.energy import EnergySampler, open_power_sources, telemetry_schema
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.tables import TableWriter
@@ -257,9 +257,6 @@ def point_line(row: dict[str, Any]) -> str:
     )
 
 
-_TELEMETRY_SCHEMA = pa.schema([pa.field("point", pa.int32()), *TELEMETRY_SCHEMA])
-
-
 def _summary_schema(extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
     fields = list(SUMMARY_SCHEMA)
     for name, typ in (extra or {}).items():
@@ -294,7 +291,7 @@ def run_inference(
     with run:
         queries = run.table("queries", QUERY_SCHEMA)
         summary = run.table("summary", _summary_schema())
-        telemetry = run.table("telemetry", _TELEMETRY_SCHEMA)
+        telemetry = run.table("telemetry", telemetry_schema("point"))
         with InferenceServer(models, device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log) as server:
             run.update_manifest(instances=server.instance_info)
             points = [Point(0, streams, "together", cfg.scenario)]
@@ -423,7 +420,7 @@ def search(
     with run:
         queries = run.table("queries", QUERY_SCHEMA)
         summary = run.table("summary", _summary_schema(extra))
-        telemetry = run.table("telemetry", _TELEMETRY_SCHEMA)
+        telemetry = run.table("telemetry", telemetry_schema("point"))
         point_index = 0
         for (instances, threads), group in itertools.groupby(grid.configs(), key=lambda c: (c[0], c[1])):
             first = replace(base, instances=instances, threads=threads)

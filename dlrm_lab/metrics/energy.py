@@ -42,6 +42,11 @@ TELEMETRY_SCHEMA = pa.schema(
 )
 
 
+def telemetry_schema(key: str) -> pa.Schema:
+    """TELEMETRY_SCHEMA led by the run's own int32 key: `rank` (training), `point` (inference)."""
+    return pa.schema([pa.field(key, pa.int32()), *TELEMETRY_SCHEMA])
+
+
 # Summary columns of an energy window (EnergySampler.summary); the per-sample/query ones are the caller's.
 ENERGY_FIELDS = [
     pa.field("energy_j", pa.float64()),

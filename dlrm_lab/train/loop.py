@@ -33,7 +33,7 @@ from dlrm_lab.distributed.sharding import (
     shard_model,
 )
 from dlrm_lab.errors import UserError
-from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA, EnergySampler, combine_summaries, open_power_sources
+from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, open_power_sources, telemetry_schema
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
@@ -263,12 +263,12 @@ def train(
             return False
 
         sampler = _energy_sampler(ctx).start()
-        telemetry = run.table("telemetry", TELEMETRY_SCHEMA) if run else None
+        telemetry = run.table("telemetry", telemetry_schema("rank")) if run else None
 
         def stop_sampler() -> None:  # also on a crash: the power readings so far are kept
             sampler.stop()
             if telemetry is not None:
-                telemetry.extend(sampler.rows())
+                telemetry.extend([{**r, "rank": ctx.rank} for r in sampler.rows()])
 
         stack.callback(stop_sampler)
         status = "ok"
