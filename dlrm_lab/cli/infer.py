@@ -36,6 +36,8 @@ Percentile = Annotated[float, typer.Option(help="Latency percentile the bound ap
 Instances = Annotated[int, typer.Option(help="Co-located instances (worker processes) per model.")]
 Threads = Annotated[int, typer.Option(help="Intra-op threads per instance.")]
 MaxQueue = Annotated[int, typer.Option(help="Waiting queries per model before new ones are dropped.")]
+MaxBatch = Annotated[int, typer.Option(help="Largest batch in samples (larger queries are split across instances).")]
+MaxDelayMs = Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")]
 Precision = Annotated[str, typer.Option(help="Dense compute: fp32, bf16 (autocast) or fp16 (GPU).")]
 TablePrecision = Annotated[
     str, typer.Option(help="Embedding tables: fp32, fp16, int8 or int4 (row-wise quantised, fbgemm).")
@@ -92,10 +94,8 @@ def run_command(
     percentile: Percentile = 99.0,
     instances: Instances = 1,
     threads: Threads = 1,
-    max_batch: Annotated[
-        int, typer.Option(help="Largest batch in samples (larger queries are split across instances).")
-    ] = 256,
-    max_delay_ms: Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")] = 1.0,
+    max_batch: MaxBatch = 256,
+    max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
     precision: Precision = "fp32",
     table_precision: TablePrecision = "fp32",

@@ -15,6 +15,8 @@ from dlrm_lab.cli.infer import (
     Device,
     Duration,
     Instances,
+    MaxBatch,
+    MaxDelayMs,
     MaxQueue,
     Models,
     PinCores,
@@ -33,10 +35,8 @@ def serve_command(
     port: Annotated[int, typer.Option(help="TCP port (0: any free port; the start line names it).")] = 50051,
     instances: Instances = 1,
     threads: Threads = 1,
-    max_batch: Annotated[
-        int, typer.Option(help="Largest batch in samples (larger queries are split across instances).")
-    ] = 256,
-    max_delay_ms: Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")] = 1.0,
+    max_batch: MaxBatch = 256,
+    max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
     precision: Precision = "fp32",
     table_precision: TablePrecision = "fp32",
