@@ -364,7 +364,7 @@ class TrainConfig:
     steps: int = 100
     batch_size: int = 512
     device: str = "cpu"
-    precision: str = "fp32"
+    precision: str = "fp32"  # or "auto": measured on this machine (dlrm_lab.metrics.precision)
     table_precision: str = "fp32"
     embedding_optimizer: str = "rowwise_adagrad"
     embedding_lr: float = 0.05
@@ -392,7 +392,7 @@ class TrainConfig:
         _positive("--steps", self.steps)
         _positive("--batch-size", self.batch_size)
         _choice("--device", self.device, ("cpu", "cuda"))
-        _choice("--precision", self.precision, PRECISIONS)
+        _choice("--precision", self.precision, ("auto", *PRECISIONS))
         _choice("--table-precision", self.table_precision, TABLE_PRECISIONS)
         _choice("--embedding-optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
         _choice("--dense-optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)

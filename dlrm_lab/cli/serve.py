@@ -38,7 +38,7 @@ def serve_command(
     max_batch: MaxBatch = 256,
     max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
-    precision: Precision = "fp32",
+    precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
     pin_cores: PinCores = True,

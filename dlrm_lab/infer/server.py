@@ -21,7 +21,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from dlrm_lab.infer.instance import (
     snapshot_dir_for,
     write_snapshot,
 )
+from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.model.dlrm import build_model
 
 
@@ -58,7 +59,7 @@ class ServedModel:
     max_batch: int = 256  # samples
     max_delay_ms: float = 1.0
     max_queue: int = 4096  # waiting queries before new ones are dropped
-    precision: str = "fp32"  # dense compute: fp32, bf16 (CPU with AMX/AVX512-bf16, GPU), fp16 (GPU)
+    precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
     library_samples: int = 0  # 0: 16 x max_batch (capped at 4096), at least 8192
@@ -70,8 +71,8 @@ class ServedModel:
                 raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
         if not self.max_delay_ms >= 0:
             raise UserError(f"--max-delay-ms {self.max_delay_ms!r}: must be >= 0")
-        if self.precision not in PRECISIONS:
-            raise UserError(f"--precision {self.precision!r}: allowed: {', '.join(PRECISIONS)}")
+        if self.precision not in (AUTO, *PRECISIONS):
+            raise UserError(f"--precision {self.precision!r}: allowed: {AUTO}, {', '.join(PRECISIONS)}")
         if self.table_precision not in TABLE_PRECISIONS:
             raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
 
@@ -169,6 +170,7 @@ class InferenceServer:
         self._snapshots: list[Path] = []
         self.instance_info: list[dict[str, Any]] = []
         self.snapshot_bytes: dict[str, int] = {}
+        self.precision_choices: dict[str, dict[str, Any]] = {}  # per model: what ran and why (manifest)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -177,6 +179,7 @@ class InferenceServer:
         resolve_device(device)  # one-line error for an unknown device or a missing GPU
         for stale in remove_stale_snapshots():
             self.log(f"removed {stale}, left by a serving process that was killed")
+        self._choose_precisions()
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         index, next_core = 0, 0
         try:
@@ -229,6 +232,19 @@ class InferenceServer:
             pool.thread.start()
         self.epoch_ns = time.monotonic_ns()
         return self
+
+    def _choose_precisions(self) -> None:
+        """Resolve `auto` by measurement at each model's instance threads and batch size;
+        warn about an explicit precision that measures slower than fp32."""
+        dev = torch.device("cuda", 0) if self.device == "cuda" else torch.device("cpu")
+        for name, m in list(self.models.items()):
+            choice = choose_precision(
+                m.precision, m.spec, allowed=PRECISIONS, device=dev, threads=m.threads, rows=m.max_batch, log=self.log
+            )
+            self.log(f"warning: {choice.warning}" if choice.warning else f"{name}: precision {choice.precision}: "
+                     f"{choice.reason}")  # fmt: skip
+            self.precision_choices[name] = choice.to_dict()
+            self.models[name] = replace(m, precision=choice.precision)
 
     def _library(self, m: ServedModel) -> Any:
         n = m.library_samples or max(8192, 16 * min(m.max_batch, 4096))

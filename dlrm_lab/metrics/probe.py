@@ -88,14 +88,16 @@ def gemm_flops_per_s(
     best: dict[str, Any] = {"flops_per_s": 0.0, "size": None}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     for n in sizes:
+        # a slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs): a larger size only
+        # costs time, so stop before a product predicted to take over 0.25 s at the rate so far
+        if best["size"] is not None and 2 * n**3 / best["flops_per_s"] > 0.25:
+            break
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         t0 = time.perf_counter()
         torch.mm(a, b)
         sync(device)
         single = time.perf_counter() - t0
-        if best["size"] is not None and single > 0.25:  # a slow kernel (fp16 on most CPUs): larger only costs time
-            break
         # repeat small products so that one timing holds enough work, but keep it under ~0.1 s
         inner = max(1, min(int(min_flops // (2 * n**3)), int(0.1 / max(single, 1e-6))))
 

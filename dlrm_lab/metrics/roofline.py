@@ -63,6 +63,8 @@ def save_profile(profile: dict[str, Any]) -> Path:
     if old is not None:
         merged["devices"] = {**old.get("devices", {}), **profile["devices"]}
         merged["comms"] = {**old.get("comms", {}), **profile["comms"]}
+        # GEMM rates of model shapes (dlrm_lab.metrics.precision) stay valid across probes
+        merged["precision_rates"] = {**old.get("precision_rates", {}), **profile.get("precision_rates", {})}
         if not profile["devices"]:  # a collectives-only probe: the device peaks' date stays
             merged["probed_at"] = old.get("probed_at")
             merged["quick"] = old.get("quick")

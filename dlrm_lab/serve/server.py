@@ -275,7 +275,7 @@ def serve(
         service = None
         try:
             with InferenceServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log) as inference:
-                run.update_manifest(instances=inference.instance_info)
+                run.update_manifest(instances=inference.instance_info, precision_choices=inference.precision_choices)
                 service = InferenceService(inference)
                 asyncio.run(_serve(service, queries, host, port, grace_s, log, run))
                 if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed

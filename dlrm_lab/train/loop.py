@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from dlrm_lab.config import ModelSpec, TrainConfig
+from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
 from dlrm_lab.data import BatchSource, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores
@@ -34,6 +34,7 @@ from dlrm_lab.distributed.sharding import (
 )
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, open_power_sources, telemetry_schema
+from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
@@ -144,6 +145,23 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
     return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
+def _choose_precision(spec: ModelSpec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None):
+    """Rank 0 measures (or reads the cached rates) and every rank runs its choice."""
+    shared: list[Any] = [None]
+    if ctx.is_main:
+        shared[0] = choose_precision(
+            cfg.precision, spec, allowed=PRECISIONS, device=ctx.device, threads=torch.get_num_threads(),
+            rows=cfg.batch_size, log=log,
+        )  # fmt: skip
+        if log:
+            warning = shared[0].warning
+            log(f"warning: {warning}" if warning else f"precision {shared[0].precision}: {shared[0].reason}")
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    choice: PrecisionChoice = shared[0]
+    return choice
+
+
 def _autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextManager[Any]:
     if cfg.precision == "bf16":
         return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16)
@@ -160,17 +178,22 @@ def train(
     eval_source: BatchSource | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     keep_model: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Train `spec` for `cfg.steps` steps; record steps, evaluations and a summary.
 
     With `metrics_dir`, rank 0 creates a run directory (manifest, steps.parquet,
     eval.parquet, summary.parquet) and the other ranks add their step rows to it. Ctrl-C
     stops at the current step, writes the summary of what was measured, marks the run
-    `interrupted` and re-raises KeyboardInterrupt.
+    `interrupted` and re-raises KeyboardInterrupt. `cfg.precision` "auto" is resolved by
+    measurement (`dlrm_lab.metrics.precision`); the choice and its reason go into the
+    manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
     """
     ctx = init_distributed(cfg.device, cfg.timeout_s)
     if cfg.pin_cores:
         pin_to_cores(ctx)
+    precision_choice = _choose_precision(spec, cfg, ctx, log)
+    cfg = replace(cfg, precision=precision_choice.precision)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     torch.manual_seed(cfg.seed)
     model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
@@ -218,6 +241,7 @@ def train(
         "resumed_from_step": start_step if cfg.resume else None,
         "pipelined": cfg.pipeline,
         "torch_threads": torch.get_num_threads(),
+        "precision_choice": precision_choice.to_dict(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     run = _open_run(metrics_dir, config, argv, ctx)
