@@ -21,7 +21,7 @@ install: $(STAMP)
 # spec), the Kaggle DLRM (tables capped at 1M rows) trained on it, the same model served
 # under MLPerf-sized queries (two co-located instances, p99 bound 10 ms), the runs so far, and
 # the report (plots, tables, manifests) of the two runs just made.
-run: $(STAMP) $(DATA)/kaggle/dataset.json
+run: $(STAMP) $(DATA)/kaggle/_dataset.json
 	$(BIN)/dlrm-lab data stats $(DATA)/kaggle --strict
 	$(BIN)/dlrm-lab train $(KAGGLE) --data $(DATA)/kaggle --steps 300 --batch-size 2048 \
 		--precision bf16 --eval-every 100 --metrics-dir $(METRICS)
@@ -31,7 +31,7 @@ run: $(STAMP) $(DATA)/kaggle/dataset.json
 	@echo "report of the two runs above (open in a browser):"
 	@$(BIN)/dlrm-lab report $(METRICS) --last 2 --out $(METRICS)/report
 
-$(DATA)/kaggle/dataset.json: | $(STAMP)
+$(DATA)/kaggle/_dataset.json: | $(STAMP)
 	rm -rf $(DATA)/kaggle
 	$(BIN)/dlrm-lab data gen $(KAGGLE) --rows 614400 --shards 4 --seed 0 --out $(DATA)/kaggle
 

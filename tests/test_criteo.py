@@ -114,7 +114,7 @@ def test_missing_and_negative_fields_convert_as_documented(kaggle, table_rows, t
     # convert_criteo stores exactly these samples; ParquetSource reads them back
     manifest = convert_criteo([path], kaggle, tmp_path / "ds")
     assert manifest["rows"] == 2 and manifest["source"] == "criteo-tsv" and manifest["data_spec"] is None
-    info = json.loads((tmp_path / "ds" / "dataset.json").read_text())
+    info = json.loads((tmp_path / "ds" / "_dataset.json").read_text())
     assert info["files"] == [{"path": "part-00000.parquet", "rows": 2, "input": str(path)}]
     assert info["model"]["tables"][0]["num_embeddings"] == 1000  # which tables the ids were hashed into
     (batch,) = list(ParquetSource(tmp_path / "ds", kaggle, 2, epochs=1))
@@ -164,7 +164,7 @@ def test_malformed_tsv_is_refused_with_one_line_naming_the_file(kaggle, tmp_path
     assert str(path) in msg
     for fragment in fragments:
         assert fragment in msg, f"{fragment!r} not in {msg!r}"
-    assert not (tmp_path / "out" / "dataset.json").exists()
+    assert not (tmp_path / "out" / "_dataset.json").exists()
     assert not list((tmp_path / "out").glob("*.parquet"))  # nothing that looks like a dataset
 
 
@@ -220,7 +220,7 @@ def test_cli_gen_convert_stats_train(tmp_path):
     out = run_cli("data", "convert-criteo", str(tsv), "--out", str(ds), "--preset", "kaggle", "--max-rows", "1000")
     assert out.returncode == 0, out.stderr
     assert "converted 3,000 samples from 1 file(s)" in out.stdout
-    assert json.loads((ds / "dataset.json").read_text())["rows"] == 3000
+    assert json.loads((ds / "_dataset.json").read_text())["rows"] == 3000
 
     out = run_cli("data", "stats", str(ds))
     assert out.returncode == 0, out.stderr

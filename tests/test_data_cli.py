@@ -30,10 +30,10 @@ def test_generated_dataset_passes_its_own_checks_and_trains(tmp_path):
     assert "120,000 samples" in stats.stdout and "77 of 77 checks against the spec within tolerance" in stats.stdout
 
     # a dataset whose stored spec disagrees with its content is flagged
-    info = json.loads((ds / "dataset.json").read_text())
+    info = json.loads((ds / "_dataset.json").read_text())
     for f in info["data_spec"]["features"]:
         f["ids"]["alpha"] = 1.5
-    (ds / "dataset.json").write_text(json.dumps(info))
+    (ds / "_dataset.json").write_text(json.dumps(info))
     flagged = run_cli("data", "stats", str(ds), "--strict")
     assert flagged.returncode == 1
     assert "outside tolerance" in flagged.stdout and "zipf alpha" in flagged.stdout

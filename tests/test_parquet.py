@@ -6,21 +6,32 @@ held-out stream can be regenerated), must not drop rows, and every bad file must
 refused with one line that names the file and the column or row group at fault.
 """
 
+import inspect
 import json
 import shutil
 import threading
 
+import duckdb
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 import dlrm_lab
 from dlrm_lab.data import DataSpec, ParquetSource, SyntheticGenerator, SyntheticSource, synthetic_generator
-from dlrm_lab.data.parquet import METADATA_KEY, dataset_schema, read_dataset_info, write_dataset
+from dlrm_lab.data.parquet import (
+    METADATA_KEY,
+    dataset_schema,
+    dataset_sidecar,
+    read_dataset_info,
+    write_dataset,
+)
 from dlrm_lab.data.prefetch import Prefetcher
+from dlrm_lab.data.stats import dataset_stats
 from dlrm_lab.errors import UserError
 
 ROWS = 5000  # not a multiple of any batch used below: the tail matters
@@ -134,7 +145,7 @@ def test_endless_source_continues_with_the_next_epoch(tiny, dataset):
 def test_dataset_json_and_file_metadata_record_spec_seed_and_contiguous_shards(tiny, dataset):
     path, manifest = dataset
     gen = synthetic_generator(tiny, seed=SEED)
-    info = json.loads((path / "dataset.json").read_text())
+    info = json.loads((path / "_dataset.json").read_text())
     assert info == json.loads(json.dumps(manifest))  # the returned manifest is what was written
     assert info["source"] == "synthetic"
     assert info["seed"] == SEED
@@ -146,7 +157,7 @@ def test_dataset_json_and_file_metadata_record_spec_seed_and_contiguous_shards(t
     # shards: contiguous, disjoint, in order, and together all rows
     files = info["files"]
     assert [f["path"] for f in files] == ["part-00000.parquet", "part-00001.parquet"]
-    assert sorted(p.name for p in path.iterdir()) == ["dataset.json", "part-00000.parquet", "part-00001.parquet"]
+    assert sorted(p.name for p in path.iterdir()) == ["_dataset.json", "part-00000.parquet", "part-00001.parquet"]
     edges = [f["first_sample"] for f in files] + [files[-1]["first_sample"] + files[-1]["rows"]]
     assert edges[0] == 0 and edges[-1] == ROWS
     assert all(f["rows"] > 0 for f in files)
@@ -176,7 +187,7 @@ def test_stored_spec_regenerates_the_data_including_overrides(tiny, tmp_path):
     gen = synthetic_generator(tiny, overrides=("features.cat_3.ids.alpha=1.3",), seed=7)
     write_dataset(gen, 1000, tmp_path / "ds")
     shutil.copy(tmp_path / "ds" / "part-00000.parquet", tmp_path / "alone.parquet")
-    for where in (tmp_path / "ds", tmp_path / "alone.parquet"):  # dataset.json, then file metadata only
+    for where in (tmp_path / "ds", tmp_path / "alone.parquet"):  # the sidecar, then file metadata only
         info = read_dataset_info(where)
         assert info["seed"] == 7
         assert info["data_spec"]["overrides"] == ["features.cat_3.ids.alpha=1.3"]
@@ -189,6 +200,108 @@ def test_stored_spec_regenerates_the_data_including_overrides(tiny, tmp_path):
     # and the override really changed the data (otherwise this test proves nothing)
     plain = synthetic_generator(tiny, seed=7).samples(0, 1000)
     assert not np.array_equal(plain.values[3], gen.samples(0, 1000).values[3])
+
+
+# -- (b2) the directory opens as it is in other tools -----------------------------------------
+COLUMNS = ["label", "dense", "cat_0", "cat_1", "cat_2", "cat_3"]  # the tiny preset's
+
+
+def test_arrow_opens_the_directory_with_no_options(tiny, dataset):
+    path, _ = dataset
+    assert ["label", "dense", *tiny.feature_names] == COLUMNS
+    full = synthetic_generator(tiny, seed=SEED).samples(0, ROWS)
+    shards = [path / "part-00000.parquet", path / "part-00001.parquet"]
+    ds = pads.dataset(path)
+    assert sorted(ds.files) == [str(f) for f in shards]  # the sidecar is not taken for a shard
+    for table in (ds.to_table(), pq.read_table(path)):
+        assert table.num_rows == ROWS
+        assert table.column_names == COLUMNS
+        np.testing.assert_array_equal(table.column("label").to_numpy(), full.labels)
+        dense = pc.list_flatten(table.column("dense")).to_numpy().reshape(-1, tiny.num_dense)
+        np.testing.assert_array_equal(dense, full.dense)
+        for i, name in enumerate(tiny.feature_names):
+            lengths, values = feature_arrays(table, name)
+            np.testing.assert_array_equal(lengths, full.lengths[i])
+            np.testing.assert_array_equal(values, full.values[i])
+
+
+def test_duckdb_reads_the_shards_glob(tiny, dataset):
+    path, _ = dataset
+    full = synthetic_generator(tiny, seed=SEED).samples(0, ROWS)
+    rel = duckdb.sql(f"select * from read_parquet('{path}/*.parquet')")
+    assert rel.columns == COLUMNS
+    count, clicks, cat0_ids, cat3_ids = duckdb.sql(
+        "select count(*), sum(label)::bigint, sum(len(cat_0))::bigint, sum(list_sum(cat_3))::hugeint"
+        f" from read_parquet('{path}/*.parquet')"
+    ).fetchall()[0]
+    assert count == ROWS
+    assert clicks == int(full.labels.sum())
+    assert cat0_ids == int(full.lengths[0].sum())
+    assert cat3_ids == int(full.values[3].sum())
+
+
+def assert_polars_frame_is_the_dataset(df, tiny, full):
+    assert df.height == ROWS
+    assert df.columns == COLUMNS
+    np.testing.assert_array_equal(df["label"].to_numpy(), full.labels)
+    np.testing.assert_array_equal(df["dense"].to_numpy(), full.dense)
+    for i, name in enumerate(tiny.feature_names):
+        np.testing.assert_array_equal(df[name].list.len().to_numpy(), full.lengths[i])
+        np.testing.assert_array_equal(df[name].explode().drop_nulls().to_numpy(), full.values[i])
+
+
+def test_polars_reads_the_shards_glob(tiny, dataset):
+    path, _ = dataset
+    full = synthetic_generator(tiny, seed=SEED).samples(0, ROWS)
+    assert_polars_frame_is_the_dataset(pl.read_parquet(f"{path}/*.parquet"), tiny, full)
+    lazy = pl.scan_parquet(f"{path}/*.parquet")
+    assert lazy.collect_schema().names() == COLUMNS
+    assert lazy.select(pl.len()).collect().item() == ROWS
+    assert_polars_frame_is_the_dataset(lazy.collect(), tiny, full)
+
+
+@pytest.mark.skipif(
+    "hidden_file_prefix" not in inspect.signature(pl.scan_parquet).parameters,
+    reason="polars < 1.34 has no hidden_file_prefix",
+)
+def test_polars_scans_the_directory_skipping_the_sidecar(tiny, dataset):
+    """polars refuses a directory holding a non-Parquet file; told that `_` hides files, it reads it."""
+    path, _ = dataset
+    full = synthetic_generator(tiny, seed=SEED).samples(0, ROWS)
+    assert_polars_frame_is_the_dataset(pl.scan_parquet(path, hidden_file_prefix="_").collect(), tiny, full)
+
+
+def test_dataset_with_the_legacy_sidecar_still_opens(tiny, dataset, tmp_path):
+    """A dataset written before the rename (sidecar `dataset.json`) reads as before, sidecar included."""
+    path, manifest = dataset
+    old = tmp_path / "old"
+    shutil.copytree(path, old)
+    (old / "_dataset.json").rename(old / "dataset.json")
+    assert sorted(p.name for p in old.iterdir()) == ["dataset.json", "part-00000.parquet", "part-00001.parquet"]
+    assert dataset_sidecar(old) == old / "dataset.json" and dataset_sidecar(path) == path / "_dataset.json"
+
+    # the description comes from the sidecar (the file-metadata fallback has no per-file rows)
+    info = read_dataset_info(old)
+    assert info == read_dataset_info(path) == json.loads(json.dumps(manifest))
+    assert info["files"][1] == {"path": "part-00001.parquet", "rows": ROWS - ROWS // 2, "first_sample": ROWS // 2}
+
+    # training source: same description, same batches
+    src_old, src_new = ParquetSource(old, tiny, 1000, epochs=1), ParquetSource(path, tiny, 1000, epochs=1)
+    want = {k: v for k, v in src_new.describe().items() if k != "path"}
+    assert {k: v for k, v in src_old.describe().items() if k != "path"} == want
+    got_batches = list(src_old)
+    assert len(got_batches) == ROWS // 1000
+    for k, (g, w) in enumerate(zip(got_batches, src_new, strict=True)):
+        assert_same_batch(g, w, f"batch {k}")
+
+    # data stats: same measurements, same checks against the stored spec
+    st_old, st_new = dataset_stats(old), dataset_stats(path)
+    assert st_old["path"] == str(old) and st_new["path"] == str(path)
+    assert st_old["checks"] and {**st_old, "path": None} == {**st_new, "path": None}
+
+    # a new sidecar next to an old one wins
+    (old / "_dataset.json").write_text(json.dumps({**info, "seed": SEED + 1}))
+    assert read_dataset_info(old)["seed"] == SEED + 1
 
 
 # -- (c) no silent drop ------------------------------------------------------------------------

@@ -4,9 +4,15 @@ Layout (one row per sample), chosen so that a batch converts to tensors without 
 per-sample loop: `label` float32; `dense` fixed_size_list<float32>[num_dense]; one
 `list<int64>` column per sparse feature, named as the model's features (list offsets
 are the KeyedJaggedTensor lengths, list values its values). A dataset is a directory
-of `part-NNNNN.parquet` shards plus `dataset.json`; the shards' schema metadata
-(`dlrm_lab` key) carries the same JSON: source, resolved data spec, seed, first sample
-index, rows and the teacher (AUC, bias).
+of `part-NNNNN.parquet` shards plus the sidecar `_dataset.json`; the shards' schema
+metadata (`dlrm_lab` key) carries the same JSON: source, resolved data spec, seed, first
+sample index, rows and the teacher (AUC, bias).
+
+The sidecar's leading `_` makes other tools skip it, so the directory opens as it is:
+`pyarrow.dataset.dataset(dir)` and `pyarrow.parquet.read_table(dir)` (Arrow ignores names
+starting with `_` or `.`), DuckDB's `read_parquet('dir/*.parquet')`, polars on
+`dir/*.parquet` (or `scan_parquet(dir, hidden_file_prefix="_")`). Datasets written before
+the rename hold `dataset.json` (LEGACY_DATASET_FILE); they are still read.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
 from dlrm_lab.errors import UserError
 
 METADATA_KEY = b"dlrm_lab"
-DATASET_FILE = "dataset.json"
+DATASET_FILE = "_dataset.json"  # the sidecar written; Arrow (and polars if told) skip `_` names
+LEGACY_DATASET_FILE = "dataset.json"  # its name before; still read (Arrow takes it for Parquet)
 ROW_GROUP_SAMPLES = 65_536
 
 
@@ -71,7 +78,7 @@ def write_dataset(
     """Write samples [first_sample, first_sample + rows) as `shards` Parquet files.
 
     Shard k holds a contiguous range, so the shards in order are the whole. Each file is
-    written under a temporary name and renamed when complete; `dataset.json` comes last.
+    written under a temporary name and renamed when complete; the sidecar (DATASET_FILE) comes last.
     """
     if rows < 1:
         raise UserError(f"--rows {rows}: must be an integer >= 1")
@@ -136,20 +143,29 @@ def all_or_nothing(out: Path) -> Iterator[Callable[[int], Any]]:
 
 
 def read_dataset_info(path: str | Path) -> dict[str, Any]:
-    """The dataset's JSON description (from dataset.json, else the first file's metadata)."""
+    """The dataset's JSON description (from its sidecar, else the first file's metadata)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such dataset directory or file")
-    if (path / DATASET_FILE).is_file():
+    sidecar = dataset_sidecar(path)
+    if sidecar is not None:
         try:
-            return json.loads((path / DATASET_FILE).read_text())
+            return json.loads(sidecar.read_text())
         except json.JSONDecodeError as exc:
-            raise UserError(f"{path / DATASET_FILE}: not valid JSON: {exc}") from None
+            raise UserError(f"{sidecar}: not valid JSON: {exc}") from None
     files = dataset_files(path)
     meta = _read_schema(files[0]).metadata or {}
     info = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {"source": "unknown"}
     info["files"] = [{"path": str(f.relative_to(path) if path.is_dir() else f.name)} for f in files]
     return info
+
+
+def dataset_sidecar(path: str | Path) -> Path | None:
+    """The dataset directory's JSON sidecar: DATASET_FILE, else (an older dataset) LEGACY_DATASET_FILE."""
+    for name in (DATASET_FILE, LEGACY_DATASET_FILE):
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
 
 
 def dataset_files(path: str | Path) -> list[Path]:
