@@ -1,6 +1,8 @@
 """The `dlrm-lab` command as a user runs it: output, exit codes, one-line errors."""
 
+import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,7 +36,7 @@ def test_presets_show_resolves_scaling():
     [
         (["presets", "show", "kagle"], "error: unknown model preset 'kagle'; available: dcnv2, kaggle"),
         (["train", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
-        (["train", "--precision", "fp8"], "error: --precision 'fp8': allowed: fp32, bf16"),
+        (["train", "--precision", "fp8"], "error: --precision 'fp8': allowed: auto, fp32, bf16"),
         (["train", "--bogus"], "error: No such option: --bogus"),
         (["train", "--steps", "many"], "error: Invalid value for '--steps'"),
         (["train", "--preset", "tiny", "--max-rows", "0"], "max_rows = 0: must be an integer >= 1"),
@@ -71,9 +73,17 @@ def test_bad_preset_file_exits_2_naming_file_and_field(tmp_path):
 
 
 def test_train_writes_a_run_that_runs_list_shows(tmp_path):
-    out = run_cli("train", "--preset", "tiny", "--steps", "12", "--batch-size", "64", "--metrics-dir", str(tmp_path))
+    out = run_cli(
+        "train", "--preset", "tiny", "--steps", "12", "--batch-size", "64", "--metrics-dir", str(tmp_path),
+        env={"DLRM_LAB_PROGRESS_INTERVAL_S": "0"},
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "tiny: 4 tables, 380 rows, 3.58k parameters" in out.stderr  # size printed before building
+    # stderr is a pipe, not a terminal: plain progress lines instead of a bar (a line per step at interval 0)
+    progress = [line for line in out.stderr.splitlines() if line.startswith("train: ")]
+    assert [line.split(" steps")[0] for line in progress] == [f"train: {k}/12" for k in range(1, 13)], out.stderr
+    assert progress[-1].startswith("train: 12/12 steps (100%), ") and "elapsed " in progress[-1]
+    assert " samples/s, loss " in progress[-1]
     assert "samples/s" in out.stdout and "held-out AUC" in out.stdout
     (run_dir,) = list(tmp_path.iterdir())
     manifest = read_manifest(run_dir)
@@ -107,11 +117,13 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
         text=True,
         # as for a command a script starts in the background: SIGINT inherited as ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        env={**os.environ, "DLRM_LAB_PROGRESS_INTERVAL_S": "0"},  # a line per step, were it not --no-progress
     )
     assert wait_for_files(tmp_path, "*/_parts/steps/*.parquet"), "training never flushed a step"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
+    assert "tiny: 4 tables" in err and not [line for line in err.splitlines() if line.startswith("train: ")], err
     (run_dir,) = list(tmp_path.iterdir())
     assert read_manifest(run_dir)["status"] == "interrupted"
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
@@ -122,3 +134,78 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
 def test_presets_show_prints_the_analytic_cost():
     out = run_cli("presets", "show", "tiny")
     assert "per sample: 0.00139 MFLOP forward, 0.00405 MFLOP training, 224 B of embedding rows read" in out.stdout
+
+
+def _fake_clock(start: float = 100.0):
+    """A clock for progress displays that advances only when told: (clock, advance)."""
+    now = [start]
+
+    def advance(seconds: float) -> None:
+        now[0] += seconds
+
+    return (lambda: now[0]), advance
+
+
+def test_progress_prints_a_plain_line_every_interval_when_not_a_terminal(monkeypatch):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from dlrm_lab.cli.format import LineProgress, progress
+    from dlrm_lab.errors import UserError
+
+    buf = io.StringIO()
+    clock, tick = _fake_clock()
+    bar = progress("loss {task.fields[loss]}", unit="steps", to=Console(file=buf, width=40), interval_s=5, clock=clock)
+    assert isinstance(bar, LineProgress)  # a StringIO is no terminal
+    with bar:
+        task = bar.add_task("train", total=210, loss="")
+        for step in range(210):  # 8 steps/s for 26.25 s
+            tick(0.125)
+            bar.update(task, advance=1, loss=f"{1 / (step + 1):.4f}")
+    lines = buf.getvalue().splitlines()
+    # one line each 5 s (at 40, 80, ... steps), then the final one; long lines are not wrapped
+    assert [line.split(" steps")[0] for line in lines] == [f"train: {k}/210" for k in (40, 80, 120, 160, 200, 210)]
+    assert lines[0] == "train: 40/210 steps (19%), 8 steps/s, elapsed 5s, left 21s, loss 0.0250"
+    assert lines[-1] == "train: 210/210 steps (100%), 8 steps/s, elapsed 26s, left 0s, loss 0.0048"
+
+    # without a total (e.g. a conversion of unknown size): a count and a rate, no percent, no time left
+    buf = io.StringIO()
+    bar = progress(unit="samples", to=Console(file=buf), interval_s=0, clock=clock)
+    with bar:
+        task = bar.add_task("convert")
+        tick(2)
+        bar.advance(task, 1000)
+        tick(2)
+        bar.advance(task, 4000)
+    assert buf.getvalue().splitlines() == [
+        "convert: 1,000 samples, elapsed 2s",
+        "convert: 5,000 samples, 2,000 samples/s, elapsed 4s",
+    ]  # the last line already shows the end: no repeat when stopped
+
+    # a terminal gets rich's live bar; the interval comes from the environment when not given
+    assert isinstance(progress(to=Console(file=io.StringIO(), force_terminal=True, force_interactive=True)), Progress)
+    monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "0.5")
+    assert progress(to=Console(file=io.StringIO())).interval_s == 0.5
+    monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "soon")
+    with pytest.raises(UserError, match="DLRM_LAB_PROGRESS_INTERVAL_S='soon': expected seconds"):
+        progress(to=Console(file=io.StringIO()))
+
+
+def test_no_progress_prints_no_line_and_nothing_before_start():
+    from rich.console import Console
+
+    from dlrm_lab.cli.format import progress
+
+    clock, tick = _fake_clock()
+    for enabled, started in ((False, True), (True, False)):
+        buf = io.StringIO()
+        bar = progress("loss {task.fields[loss]}", unit="steps", to=Console(file=buf), enabled=enabled, interval_s=0,
+                       clock=clock)  # fmt: skip
+        task = bar.add_task("train", total=10, loss="")
+        if started:
+            bar.start()
+        for _ in range(10):
+            tick(1)
+            bar.update(task, advance=1, loss="0.5")
+        bar.stop()
+        assert buf.getvalue() == "", (enabled, started)

@@ -1,5 +1,7 @@
 """`dlrm-lab infer run|search` as a user runs them: run directories, LoadGen, co-location, errors."""
 
+import re
+
 import duckdb
 import pyarrow.parquet as pq
 import pytest
@@ -62,6 +64,10 @@ def test_two_models_served_together_and_alone(tmp_path):
         "--sla-ms", "20", "--sla-ms", "0.001", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    # stderr is no terminal: progress as plain lines, the last one at the end of the third point's load
+    progress = [line for line in out.stderr.splitlines() if line.startswith("infer: ")]
+    assert progress and progress[-1].startswith("infer: 3/3 s of load (100%), elapsed "), out.stderr
+    assert progress[-1].endswith(" queries") and ", point 3/3, " in progress[-1]
     rows = pq.read_table(_run_dir(tmp_path) / "summary.parquet").to_pylist()
     got = sorted((r["model"], r["mode"], r["target_qps"]) for r in rows)
     assert got == [("tiny", "alone", 100.0), ("tiny", "together", 100.0),
@@ -80,8 +86,12 @@ def test_search_finds_a_rate_within_the_bound(tmp_path):
         "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
         "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "3",
         "--capacity-duration", "0.5", "--min-queries", "20", "--metrics-dir", str(tmp_path),
+        env={"DLRM_LAB_PROGRESS_INTERVAL_S": "0"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    progress = [line for line in out.stderr.splitlines() if line.startswith("search: ")]
+    assert len(progress) > 3 and progress[-1].startswith("search: 3 probe points, elapsed "), out.stderr
+    assert re.search(r", point 2: ([\d.]+)/\1 s of load, [\d,]+ queries$", progress[-1]), progress[-1]  # all done
     run_dir = _run_dir(tmp_path)
     (f,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     assert f["best"] and 0 < f["best_qps"] <= f["capacity_queries_per_s"] * 1.05 and f["probes"] == 3

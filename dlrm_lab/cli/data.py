@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import LineProgress, console, progress
 from dlrm_lab.cli.options import MaxRows, TableScale
 from dlrm_lab.config import load_preset
 from dlrm_lab.errors import UserError
@@ -26,16 +26,9 @@ SetOption = Annotated[
 ]
 
 
-def _progress(total: int, what: str) -> Progress:
-    return Progress(
-        TextColumn(f"[bold]{what}[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("samples"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console(stderr=True),
-    )
+def _progress() -> Progress | LineProgress:
+    """A live bar on a terminal, else a plain line every few seconds (see `format.progress`)."""
+    return progress(unit="samples")
 
 
 @app.command("specs")
@@ -87,7 +80,7 @@ def gen(
         f"spec {generator.spec.name} for {model.name}: teacher AUC {generator.teacher_auc:.4f}, "
         f"click rate {generator.spec.click_rate:g}"
     )
-    with _progress(rows, "gen") as bar:
+    with _progress() as bar:
         task = bar.add_task("gen", total=rows)
         advance = lambda n: bar.update(task, advance=n)  # noqa: E731
         if fmt == "parquet":
@@ -115,7 +108,7 @@ def convert(
     from dlrm_lab.data.criteo import convert_criteo
 
     model = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
-    with _progress(0, "convert") as bar:
+    with _progress() as bar:
         task = bar.add_task("convert", total=None)
         manifest = convert_criteo(inputs, model, out, on_progress=lambda n: bar.update(task, advance=n))
     console().print(f"converted {manifest['rows']:,} samples from {len(inputs)} file(s) to {out}")

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
 from dlrm_lab.config import load_preset
 from dlrm_lab.errors import UserError, raise_on_sigterm
@@ -38,7 +39,13 @@ Threads = Annotated[int, typer.Option(help="Intra-op threads per instance.")]
 MaxQueue = Annotated[int, typer.Option(help="Waiting queries per model before new ones are dropped.")]
 MaxBatch = Annotated[int, typer.Option(help="Largest batch in samples (larger queries are split across instances).")]
 MaxDelayMs = Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")]
-Precision = Annotated[str, typer.Option(help="Dense compute: fp32, bf16 (autocast) or fp16 (GPU).")]
+Precision = Annotated[
+    str,
+    typer.Option(
+        help="Dense compute: auto (measured: a lower precision only where its GEMMs are faster), fp32, "
+        "bf16 (autocast) or fp16."
+    ),
+]
 TablePrecision = Annotated[
     str, typer.Option(help="Embedding tables: fp32, fp16, int8 or int4 (row-wise quantised, fbgemm).")
 ]
@@ -46,6 +53,9 @@ Device = Annotated[str, typer.Option(help="cpu or cuda.")]
 PinCores = Annotated[bool, typer.Option(help="Pin each instance to its own cores.")]
 Seed = Annotated[int, typer.Option(help="Seed of the load, the samples and the weights.")]
 DataSpec = Annotated[Optional[str], typer.Option(help="Synthetic data spec of the samples (default: the preset's).")]
+ShowProgress = Annotated[bool, typer.Option(help="Show progress (a bar on a terminal, else a line every few s).")]
+# a terminal bar redraws in the serving process: seldom, to stay out of the measured latency
+_REFRESH_PER_S = 1.0
 
 
 def _per_model(values: list[Any] | None, n: int, default: Any, option: str) -> list[Any]:
@@ -97,7 +107,7 @@ def run_command(
     max_batch: MaxBatch = 256,
     max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
-    precision: Precision = "fp32",
+    precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
     pin_cores: PinCores = True,
@@ -107,10 +117,11 @@ def run_command(
     max_rows: MaxRows = None,
     seed: Seed = 0,
     metrics_dir: MetricsDir = "runs",
+    progress: ShowProgress = True,
 ) -> None:
     """Serve one load point (or several models together) and record every query."""
     from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.lab import InferConfig, run_inference
+    from dlrm_lab.infer.lab import InferConfig, PointProgress, run_inference
     from dlrm_lab.infer.load import Arrivals, QuerySizes
 
     names = model or ["tiny"]
@@ -135,10 +146,20 @@ def run_command(
     ]
     raise_on_sigterm()
     out = console(stderr=True)
-    run_dir = run_inference(
-        served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
-        log=lambda msg: out.print(msg, highlight=False),
-    )  # fmt: skip
+    points = 1 + (n if n > 1 and alone else 0)
+    bar = progress_display("point {task.fields[point]}", "{task.fields[queries]:,} queries", unit="s of load",
+                           rate=False, to=out, enabled=progress, refresh_per_second=_REFRESH_PER_S)  # fmt: skip
+    task = bar.add_task("infer", total=points * duration, point=f"1/{points}", queries=0)
+
+    def on_progress(p: PointProgress) -> None:
+        done = p.duration_s if p.finished else min(p.elapsed_s, p.duration_s)
+        bar.update(task, completed=p.point * p.duration_s + done, point=f"{p.point + 1}/{points}", queries=p.queries)
+
+    with bar:
+        run_dir = run_inference(
+            served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
+            log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress,
+        )  # fmt: skip
     _print_points(run_dir)
     console().print(f"run directory: {run_dir}")
 
@@ -197,7 +218,7 @@ def search_command(
     ] = 500,
     max_probe_duration: Annotated[float, typer.Option(help="... but at most this many seconds.")] = 20.0,
     max_queue: MaxQueue = 4096,
-    precision: Precision = "fp32",
+    precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
     pin_cores: PinCores = True,
@@ -206,12 +227,13 @@ def search_command(
     max_rows: MaxRows = None,
     seed: Seed = 0,
     metrics_dir: MetricsDir = "runs",
+    progress: ShowProgress = True,
 ) -> None:
     """Find, per configuration, the highest queries/s whose latency percentile meets the bound."""
     import os
 
     from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.lab import InferConfig, SearchGrid, SearchOptions, search
+    from dlrm_lab.infer.lab import InferConfig, PointProgress, SearchGrid, SearchOptions, search
     from dlrm_lab.infer.load import Arrivals, QuerySizes
 
     names = model or ["tiny"]
@@ -240,8 +262,18 @@ def search_command(
     stream = Stream(base.name, 1.0, QuerySizes.parse(query_size), Arrivals(arrival))
     raise_on_sigterm()
     out = console(stderr=True)
-    run_dir = search(base, stream, grid, cfg, options, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
-                     log=lambda msg: out.print(msg, highlight=False))  # fmt: skip
+    bar = progress_display("{task.fields[probe]}", unit="probe points", rate=False, to=out, enabled=progress,
+                           refresh_per_second=_REFRESH_PER_S)  # fmt: skip
+    task = bar.add_task("search", total=None, probe="")
+
+    def on_progress(p: PointProgress) -> None:
+        shown = p.duration_s if p.finished else min(p.elapsed_s, p.duration_s)
+        probe = f"point {p.point}: {shown:.1f}/{p.duration_s:.1f} s of load, {p.queries:,} queries"
+        bar.update(task, completed=p.point + p.finished, probe=probe)
+
+    with bar:
+        run_dir = search(base, stream, grid, cfg, options, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
+                         log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress)  # fmt: skip
     rows = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     table = Table(title=f"highest queries/s with p{percentile:g} <= {sla_ms:g} ms ({base.name}, {query_size})")
     for c in ("instances", "threads", "max batch", "delay ms", "capacity q/s", "best q/s", "+/-", "samples/s",

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MetricsDir
 from dlrm_lab.errors import raise_on_sigterm
 
@@ -40,16 +40,8 @@ def sweep_command(
             )
         return
     total = len(spec.points) * spec.repeats
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[per_point]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console(stderr=True),
-        disable=not progress,
-    )
+    # a live bar on a terminal, else a plain line every few seconds (`| tee log`)
+    bar = progress_display("{task.fields[per_point]}", unit="point-repeats", rate=False, enabled=progress)
     task = bar.add_task("sweep", total=total, per_point="")
     times: list[float] = []
 

@@ -6,10 +6,10 @@ import sys
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MaxRows, MetricsDir, Preset, TableScale
 from dlrm_lab.cli.presets import size_line
 from dlrm_lab.config import TrainConfig, load_preset
@@ -21,7 +21,9 @@ def train_command(
     steps: Annotated[int, typer.Option(help="Training steps.")] = 100,
     batch_size: Annotated[int, typer.Option(help="Samples per step and rank.")] = 512,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    precision: Annotated[str, typer.Option(help="Dense compute: fp32 or bf16 (autocast).")] = "fp32",
+    precision: Annotated[
+        str, typer.Option(help="Dense compute: auto (measured: bf16 only where its GEMMs are faster), fp32 or bf16.")
+    ] = "auto",
     table_precision: Annotated[str, typer.Option(help="Stored table rows: fp32 or fp16.")] = "fp32",
     table_scale: TableScale = None,
     max_rows: MaxRows = None,
@@ -111,29 +113,29 @@ def train_command(
     err = console(stderr=True)
     err.print(size_line(spec))
 
-    bar = Progress(
-        TextColumn("[bold]train[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"),
-        TextColumn("loss {task.fields[loss]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        disable=not progress,
-    )
+    # a live bar on a terminal, else a plain line every few seconds (`| tee log`)
+    bar = progress_display("{task.fields[rate]}", "loss {task.fields[loss]}", unit="steps", to=err, enabled=progress)
     task = bar.add_task("train", total=steps, rate="", loss="")
+    shown = False
 
     def on_step(row: dict[str, Any]) -> None:
-        if row["step"] == 0:
-            bar.start()  # only once the model is built and the first step ran
-        bar.update(task, advance=1, rate=f"{row['samples_per_s']:,.0f} samples/s", loss=f"{row['loss']:.4f}")
+        nonlocal shown
+        if row["rank"] != 0:  # under a launcher: one display, rank 0's
+            return
+        if not shown:  # only once the model is built and the first step ran (also after --resume)
+            shown = True
+            bar.start()
+        bar.update(
+            task, completed=row["step"] + 1, rate=f"{row['samples_per_s']:,.0f} samples/s", loss=f"{row['loss']:.4f}"
+        )
 
     try:
-        result = train(spec, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step)
+        result = train(
+            spec, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
+            log=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
+        )  # fmt: skip
     finally:
-        if bar.live.is_started:
-            bar.stop()
+        bar.stop()  # nothing when never started
     import torch.distributed as dist
 
     if dist.get_rank() == 0:  # under a launcher every rank runs this command: one report

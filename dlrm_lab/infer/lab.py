@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pyarrow as pa
+import torch
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.drivers import (
@@ -31,6 +32,7 @@ from dlrm_lab.infer.drivers import (
     OpenLoop,
     Stream,
 )
+from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.records import (
     QUERY_SCHEMA,
     SUMMARY_SCHEMA,
@@ -41,11 +43,27 @@ from dlrm_lab.infer.records import (
 )
 from dlrm_lab.infer.server import InferenceServer, ServedModel
 from dlrm_lab.metrics.energy import EnergySampler, open_power_sources, telemetry_schema
+from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.tables import TableWriter
 
 Log = Callable[[str], None]
+
+
+@dataclass
+class PointProgress:
+    """How far a load point is: reported about every 0.25 s while its load runs, and once
+    (`finished`) when its queries are in. The caller shows it; this module prints nothing."""
+
+    point: int  # index of the point in the run (a search: over all its probes)
+    elapsed_s: float  # since the load started
+    duration_s: float  # of load planned (LoadGen scenarios may run a little past it)
+    queries: int  # finished so far in this point
+    finished: bool = False
+
+
+OnProgress = Callable[[PointProgress], None]
 
 
 @dataclass
@@ -140,9 +158,11 @@ def measure(
     run_dir: Path,
     log: Log | None = None,
     telemetry: TableWriter | None = None,
+    on_progress: OnProgress | None = None,
 ) -> list[dict[str, Any]]:
     """Drive one point and summarise it per model. Query rows are written as they finish;
-    power and host samples of the point go to `telemetry`."""
+    power and host samples of the point go to `telemetry`; `on_progress` hears how far the
+    load is (see `PointProgress`)."""
     if point.duration_s is not None:
         cfg = replace(cfg, duration_s=point.duration_s)
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
@@ -181,10 +201,18 @@ def measure(
     meter.start()
     window = [sampler.mark()]
     driver.start()
+    load_start = time.monotonic()
+
+    def report(finished: bool = False) -> None:
+        if on_progress is not None:
+            elapsed = time.monotonic() - load_start
+            on_progress(PointProgress(point.index, elapsed, cfg.duration_s, len(records), finished))
+
     try:
         while not driver.join(timeout=0.25):
             pump()
             server.check()
+            report()
         if driver.error is not None:
             raise driver.error
         if not server.drain(cfg.drain_timeout_s):
@@ -206,6 +234,7 @@ def measure(
             server.configure(model, max_queue=bound)
     pump()
     cpu = meter.stop()
+    report(finished=True)
     energy = sampler.summary(window[0], window[1])
     profile = load_profile()
     stats: DriverStats = driver.stats
@@ -272,11 +301,13 @@ def run_inference(
     metrics_dir: str | Path = "runs",
     argv: list[str] | None = None,
     log: Log | None = None,
+    on_progress: OnProgress | None = None,
 ) -> Path:
     """Serve `models` under `streams` (one per model) at one load point and record it.
 
     With several models they are first served together, then (with `compare_alone`) each
-    alone under the same load: the difference is their interference.
+    alone under the same load: the difference is their interference. `on_progress` hears
+    how far each point's load is (points 0, 1, ... of `cfg.duration_s` each).
     """
     if len(streams) != len(models):
         raise UserError(f"{len(models)} models but {len(streams)} load streams")
@@ -293,12 +324,12 @@ def run_inference(
         summary = run.table("summary", _summary_schema())
         telemetry = run.table("telemetry", telemetry_schema("point"))
         with InferenceServer(models, device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log) as server:
-            run.update_manifest(instances=server.instance_info)
+            run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
             points = [Point(0, streams, "together", cfg.scenario)]
             if len(streams) > 1 and cfg.compare_alone:
                 points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
             for point in points:
-                summary.extend(measure(server, point, cfg, queries, run.dir, log, telemetry))
+                summary.extend(measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress))
                 summary.flush()
     return run.dir
 
@@ -365,6 +396,7 @@ FRONTIER_SCHEMA = pa.schema(
         ("threads_per_instance", pa.int32()),
         ("max_batch", pa.int32()),
         ("max_delay_ms", pa.float64()),
+        ("precision", pa.string()),  # dense compute of this configuration
         ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
         ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
         ("best_qps_uncertainty", pa.float64()),  # half the final bracket [best, lowest failing rate]
@@ -394,6 +426,7 @@ def search(
     metrics_dir: str | Path = "runs",
     argv: list[str] | None = None,
     log: Log | None = None,
+    on_progress: OnProgress | None = None,
 ) -> Path:
     """For each configuration, the highest rate whose latency percentile meets the bound.
 
@@ -404,6 +437,7 @@ def search(
     uncertainty. Instances are started once per (instances, threads) layout. The load of
     each probe is our open-loop generator or MLPerf LoadGen's Server scenario
     (`cfg.scenario`); either way the verdict is computed from our own query records.
+    `on_progress` hears how far each probe's load is (points numbered over the whole search).
     """
     if cfg.scenario not in ("open-loop", "server"):
         raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
@@ -422,8 +456,16 @@ def search(
         summary = run.table("summary", _summary_schema(extra))
         telemetry = run.table("telemetry", telemetry_schema("point"))
         point_index = 0
-        for (instances, threads), group in itertools.groupby(grid.configs(), key=lambda c: (c[0], c[1])):
-            first = replace(base, instances=instances, threads=threads)
+        choices: dict[str, Any] = {}
+        layouts = [(layout, list(group)) for layout, group in itertools.groupby(grid.configs(), key=lambda c: c[:2])]
+        runs = [
+            (layout, precision, group)
+            for layout, group in layouts
+            for precision in _search_precisions(base, layout[1], max(grid.max_batch), cfg, log, choices)
+        ]
+        run.update_manifest(precision_choices=choices)
+        for (instances, threads), precision, group in runs:
+            first = replace(base, instances=instances, threads=threads, precision=precision)
             with InferenceServer([first], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed) as server:
                 for _, _, max_batch, delay in group:
                     server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
@@ -442,7 +484,8 @@ def search(
                             point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
                                           extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
                             point_index += 1
-                            (row,) = measure(server, point, cfg, queries, run.dir, telemetry=telemetry)
+                            (row,) = measure(server, point, cfg, queries, run.dir, telemetry=telemetry,
+                                             on_progress=on_progress)  # fmt: skip
                             rows.append(row)
                         lat = [r["sla_latency_ms"] if r["sla_latency_ms"] is not None else math.inf for r in rows]
                         passed = bool(np.median(lat) <= cfg.sla_ms)
@@ -469,8 +512,24 @@ def search(
     return run.dir
 
 
+def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None,
+                       choices: dict[str, Any]) -> list[str]:  # fmt: skip
+    """The precisions a layout is searched in: the one asked for, or with `auto` every
+    precision whose measured GEMM rate is close enough to the fastest to win (a clear loser
+    is left out of the grid, and so costs no search time)."""
+    if base.precision != AUTO:
+        return [base.precision]
+    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    choice = choose_precision(AUTO, base.spec, allowed=PRECISIONS, device=device, threads=threads, rows=rows, log=log)
+    kept = contenders(choice)
+    choices[f"{threads} threads"] = {**choice.to_dict(), "searched": kept}
+    if log:
+        log(f"{threads} thread{'s' if threads != 1 else ''}: searching precision {', '.join(kept)} ({choice.reason})")
+    return kept
+
+
 def _label(m: ServedModel) -> str:
-    return f"{m.instances}x{m.threads} threads, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
+    return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
 
 
 def _capacity(server: InferenceServer, stream: Stream, served: ServedModel, options: SearchOptions,
@@ -506,6 +565,7 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
         "threads_per_instance": served.threads,
         "max_batch": served.max_batch,
         "max_delay_ms": served.max_delay_ms,
+        "precision": served.precision,
         "capacity_queries_per_s": capacity,
         "best_qps": lo,
         "best_qps_uncertainty": (hi - lo) / 2,
