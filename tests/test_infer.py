@@ -270,3 +270,55 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
     assert row["process_rss_max_mb"] > 0  # the serving process and its instances
     rows = pq.read_table(run.dir / "telemetry.parquet").to_pylist()
     assert {r["point"] for r in rows} == {0} and any(r["quantity"] == "power_w" for r in rows)
+
+
+def test_the_lab_chooses_a_bound_and_a_rate_it_measured_this_server_can_honour(server):
+    import math
+
+    from dlrm_lab.infer.calibrate import HEADROOM, SLA_FACTOR, choose_load
+    from dlrm_lab.infer.drivers import Stream
+    from dlrm_lab.infer.load import QuerySizes
+
+    stream = Stream("tiny", 1.0, QuerySizes.parse("fixed:4"))
+    c = choose_load(server, stream, sla_ms=None, probes=3, probe_s=0.3, min_queries=50, seed=SEED)
+    assert c.capacity_qps > 0 and 0 < c.unloaded_latency_ms < math.inf
+    assert c.sla_chosen and c.sla_ms == math.ceil(SLA_FACTOR * c.unloaded_latency_ms)
+    assert len(c.probes) == 3 and c.probes[0]["qps"] == pytest.approx(c.capacity_qps / 2)
+    for p in c.probes:  # each verdict is the probe's own percentile against the bound (dropped: inf)
+        assert p["passed"] == (p["latency_ms"] is not None and p["latency_ms"] <= c.sla_ms)
+    for prev, nxt in zip(c.probes, c.probes[1:], strict=False):  # bisection: up after a pass, down after a fail
+        assert (nxt["qps"] > prev["qps"]) == prev["passed"]
+    passing = [p["qps"] for p in c.probes if p["passed"]]
+    assert c.best_passing_qps == (max(passing) if passing else 0.0)
+    if passing:
+        assert c.qps == pytest.approx(HEADROOM * c.best_passing_qps) and "chosen by the lab" in c.reason
+    assert c.to_dict()["sla_ms"] == c.sla_ms and c.to_dict()["headroom"] == HEADROOM
+
+    impossible = choose_load(server, stream, sla_ms=1e-3, probes=2, probe_s=0.3, min_queries=50, seed=SEED)
+    assert impossible.best_passing_qps == 0 and not any(p["passed"] for p in impossible.probes)
+    assert impossible.qps == min(p["qps"] for p in impossible.probes) and "no probed rate met" in impossible.reason
+
+
+def test_infer_run_with_auto_load_records_the_choice_and_runs_at_it(tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from dlrm_lab.infer import lab
+    from dlrm_lab.infer.drivers import Stream
+    from dlrm_lab.infer.load import QuerySizes
+
+    served = ServedModel("tiny", load_preset("tiny"), max_batch=32, library_samples=2048)
+    cfg = lab.InferConfig(duration_s=0.5, qps_auto=True, sla_auto=True, calibrate_s=0.3, seed=SEED)
+    lines = []
+    run_dir = lab.run_inference(
+        [served], [Stream("tiny", 0.0, QuerySizes.parse("fixed:2"))], cfg, metrics_dir=tmp_path, log=lines.append
+    )
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    choice = manifest["load_choice"]
+    assert manifest["config"]["streams"][0]["qps"] == "auto"
+    (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert row["target_qps"] == pytest.approx(choice["qps"]) and choice["qps"] > 0
+    assert row["sla_ms"] == choice["sla_ms"] and choice["sla_chosen"]
+    assert any(line.startswith(("load chosen by the lab", "no probed rate met")) for line in lines)
+    assert manifest["precision_choices"]["tiny"]["precision"] == "fp32"  # ServedModel's default, not measured

@@ -5,7 +5,7 @@ import re
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_cli_in_process
 
 from dlrm_lab.infer.records import QUERY_SCHEMA, SUMMARY_SCHEMA
 from dlrm_lab.metrics import read_manifest
@@ -117,13 +117,18 @@ def test_search_finds_a_rate_within_the_bound(tmp_path):
         (["--table-precision", "int3"], "--table-precision 'int3': allowed: fp32, fp16, int8, int4"),
         (["--instances", "0"], "--instances 0: must be a whole number >= 1"),
         (["--model", "nope"], "nope"),
+        (["--qps", "fast"], "--qps 'fast': expected a number (or auto, given alone)"),
+        (["--qps", "0"], "--qps [0.0]: every rate must be > 0 queries/s (or auto)"),
+        (["--sla-ms", "auto"], "--sla-ms auto: needs --qps auto"),
+        (["--qps", "auto", "--model", "tiny", "--model", "tiny"], "--qps auto: one --model"),
+        (["--qps", "auto", "--scenario", "offline"], "--qps auto: one --model, with open-loop or server load"),
     ],
 )
 def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):
-    out = run_cli("infer", "run", *args, "--metrics-dir", str(tmp_path))
-    assert out.returncode == 2, out.stderr
-    err = out.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], out.stderr
+    code, _, stderr = run_cli_in_process("infer", "run", *args, "--metrics-dir", str(tmp_path))
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], stderr
     assert not list(tmp_path.iterdir())  # no run directory for a refused command
 
 

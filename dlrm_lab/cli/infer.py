@@ -21,7 +21,14 @@ Models = Annotated[
     Optional[list[str]],
     typer.Option("--model", "-m", "--preset", "-p", help="Model preset to serve; repeat to co-locate several."),
 ]
-Qps = Annotated[Optional[list[float]], typer.Option("--qps", help="Target queries/s (one, or one per --model).")]
+Qps = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--qps",
+        help="Target queries/s (one, or one per --model), or auto: the lab measures capacity and picks a rate "
+        "meeting the bound (one model).",
+    ),
+]
 QuerySize = Annotated[
     Optional[list[str]],
     typer.Option(
@@ -32,7 +39,14 @@ QuerySize = Annotated[
 ]
 Arrival = Annotated[str, typer.Option(help="Open-loop arrivals: poisson, constant or bursty.")]
 Duration = Annotated[float, typer.Option("--duration", help="Seconds of load per point.")]
-SlaMs = Annotated[Optional[list[float]], typer.Option("--sla-ms", help="Latency bound in ms (one, or one per model).")]
+SlaMs = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--sla-ms",
+        help="Latency bound in ms (one, or one per model), or auto with --qps auto: twice the latency of one "
+        "query at a time.",
+    ),
+]
 Percentile = Annotated[float, typer.Option(help="Latency percentile the bound applies to.")]
 Instances = Annotated[int, typer.Option(help="Co-located instances (worker processes) per model.")]
 Threads = Annotated[int, typer.Option(help="Intra-op threads per instance.")]
@@ -76,6 +90,17 @@ def served_models(models: list[str], table_scale: float | None, max_rows: int | 
         seen[spec.name] = seen.get(spec.name, 0) + 1
         label = spec.name if seen[spec.name] == 1 else f"{spec.name}-{seen[spec.name]}"
         out.append(ServedModel(label, spec, **kw))
+    return out
+
+
+def _numbers(values: list[Any], option: str) -> list[float]:
+    """Option values as numbers; 'auto' is only accepted alone (handled by the caller)."""
+    out = []
+    for v in values:
+        try:
+            out.append(float(v))
+        except ValueError:
+            raise UserError(f"{option} {v!r}: expected a number (or auto, given alone)") from None
     return out
 
 
@@ -126,12 +151,13 @@ def run_command(
 
     names = model or ["tiny"]
     n = len(names)
-    slas = _per_model(sla_ms, n, 10.0, "--sla-ms")
+    qps_auto, sla_auto = qps == ["auto"], sla_ms == ["auto"]
+    slas = [10.0] * n if sla_auto else _numbers(_per_model(sla_ms, n, 10.0, "--sla-ms"), "--sla-ms")
     if any(not v > 0 for v in slas):
         raise UserError(f"--sla-ms {slas}: every bound must be > 0 ms")
     cfg = InferConfig(
         scenario=scenario, duration_s=duration, sla_ms=slas[0], sla_percentile=percentile, seed=seed,
-        device=device, pin_cores=pin_cores, compare_alone=alone,
+        device=device, pin_cores=pin_cores, compare_alone=alone, qps_auto=qps_auto, sla_auto=sla_auto,
     )  # fmt: skip
     served = served_models(
         names, table_scale, max_rows, instances=instances, threads=threads, max_batch=max_batch,
@@ -139,7 +165,9 @@ def run_command(
         data_spec=data_spec,
     )  # fmt: skip
     arrivals = Arrivals(arrival)
-    rates = _per_model(qps, n, 100.0, "--qps")
+    rates = [0.0] * n if qps_auto else _numbers(_per_model(qps, n, 100.0, "--qps"), "--qps")
+    if any(not r > 0 for r in rates) and not qps_auto:
+        raise UserError(f"--qps {rates}: every rate must be > 0 queries/s (or auto)")
     sizes = [QuerySizes.parse(s) for s in _per_model(query_size, n, "fixed:1", "--query-size")]
     streams = [
         Stream(m.name, r, s, arrivals, sla_ms=sla) for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)

@@ -26,6 +26,9 @@ def probe_command(
         bool, typer.Option("--comms-only", help="Under a launcher: measure only the collectives, keep device peaks.")
     ] = False,
     timeout: Annotated[float, typer.Option(help="Seconds a rank waits for the others (multi-rank probes).")] = 600.0,
+    if_missing: Annotated[
+        bool, typer.Option("--if-missing", help="Probe only if this machine has no stored profile yet.")
+    ] = False,
 ) -> None:
     """Measure this machine's peaks and store them under its hardware fingerprint.
 
@@ -40,6 +43,15 @@ def probe_command(
 
     if device not in _DEVICES:
         raise UserError(f"--device {device!r}: allowed: {', '.join(_DEVICES)}")
+    if if_missing:
+        from dlrm_lab.metrics.roofline import load_profile, profile_path
+
+        stored = load_profile()
+        if stored is not None and stored.get("devices"):
+            kind = "quick profile" if stored.get("quick") else "profile"
+            where = profile_path(stored["fingerprint_id"])
+            console().print(f"machine {kind} of {stored.get('probed_at')} in {where}: not probing again (--if-missing)")
+            return
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device cuda: no CUDA device is visible to this torch build (torch {torch.__version__})")
     launch = detect_launch()

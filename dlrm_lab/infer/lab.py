@@ -23,10 +23,10 @@ import pyarrow as pa
 import torch
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.infer.calibrate import capacity_qps, choose_load
 from dlrm_lab.infer.drivers import (
     LOADGEN_SCENARIOS,
     SCENARIOS,
-    ClosedLoop,
     DriverStats,
     LoadGenDriver,
     OpenLoop,
@@ -76,6 +76,9 @@ class InferConfig:
     device: str = "cpu"
     pin_cores: bool = True
     compare_alone: bool = True  # several models: also serve each alone at the same load
+    qps_auto: bool = False  # the lab chooses the rate it can honour (infer.calibrate.choose_load); one model
+    sla_auto: bool = False  # ... and the bound too, from the latency of one query at a time
+    calibrate_s: float = 2.0  # seconds of each calibration step of qps_auto (capacity, unloaded, probes)
     drain_timeout_s: float = 30.0  # after the load, wait this long for the last queries
 
     def __post_init__(self) -> None:
@@ -313,10 +316,14 @@ def run_inference(
         raise UserError(f"{len(models)} models but {len(streams)} load streams")
     if cfg.scenario in LOADGEN_SCENARIOS and len(models) > 1:
         raise UserError(f"--scenario {cfg.scenario}: LoadGen drives one model; use open-loop for several")
+    if cfg.qps_auto and (len(models) > 1 or cfg.scenario not in ("open-loop", "server")):
+        raise UserError("--qps auto: one --model, with open-loop or server load (the rate is probed open loop)")
+    if cfg.sla_auto and not cfg.qps_auto:
+        raise UserError("--sla-ms auto: needs --qps auto (the bound is chosen with the load)")
     config = {
         "infer": cfg.to_dict(),
         "models": [m.describe() for m in models],
-        "streams": [_stream_dict(s) for s in streams],
+        "streams": [{**_stream_dict(s), **({"qps": "auto"} if cfg.qps_auto else {})} for s in streams],
     }
     run = Run.create(metrics_dir, "infer", config, argv=argv)
     with run:
@@ -325,6 +332,20 @@ def run_inference(
         telemetry = run.table("telemetry", telemetry_schema("point"))
         with InferenceServer(models, device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log) as server:
             run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
+            if cfg.qps_auto:
+                (stream,) = streams
+                if log:
+                    log("choosing the load: closed-loop capacity, one query at a time, then a short bisection")
+                choice = choose_load(
+                    server, stream, sla_ms=None if cfg.sla_auto else (stream.sla_ms or cfg.sla_ms),
+                    percentile=cfg.sla_percentile, probe_s=cfg.calibrate_s, seed=cfg.seed,
+                    drain_s=cfg.drain_timeout_s,
+                )  # fmt: skip
+                streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
+                cfg = replace(cfg, sla_ms=choice.sla_ms)
+                run.update_manifest(load_choice=choice.to_dict())
+                if log:
+                    log(choice.reason)
             points = [Point(0, streams, "together", cfg.scenario)]
             if len(streams) > 1 and cfg.compare_alone:
                 points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
@@ -470,7 +491,7 @@ def search(
                 for _, _, max_batch, delay in group:
                     server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     served = server.models[base.name]
-                    capacity = _capacity(server, stream, served, options, cfg)
+                    capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
                     if log:
                         log(f"{_label(served)}: capacity {capacity:.1f} queries/s (closed loop)")
                     lo, hi = 0.0, capacity * 1.05
@@ -530,22 +551,6 @@ def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferCon
 
 def _label(m: ServedModel) -> str:
     return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
-
-
-def _capacity(server: InferenceServer, stream: Stream, served: ServedModel, options: SearchOptions,
-              cfg: InferConfig) -> float:  # fmt: skip
-    per_batch = max(1, served.max_batch // max(1, int(stream.sizes.mean)))
-    concurrency = served.instances * per_batch * 2
-    server.take_records()
-    driver = ClosedLoop(server, stream, concurrency, options.capacity_s, seed=cfg.seed)
-    t0 = time.monotonic()
-    driver.start()
-    while not driver.join(timeout=0.25):
-        server.check()
-    server.drain(cfg.drain_timeout_s)
-    wall = time.monotonic() - t0
-    done = [r for r in server.take_records() if r["status"] == "ok"]
-    return len(done) / wall if wall > 0 else 0.0
 
 
 def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],

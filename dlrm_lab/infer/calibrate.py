@@ -1,0 +1,154 @@
+"""Load the machine can honour: capacity, unloaded latency, and a rate chosen under a bound.
+
+`infer run --qps auto` asks the lab to pick its own load point instead of guessing one that
+this machine may not sustain (a rate beyond capacity gives a tail of seconds, not a
+measurement). On the running server, before the measured point:
+
+1. capacity: completed queries/s of a closed loop that keeps every instance busy;
+2. unloaded latency: the latency percentile with one query in flight at a time (no
+   queueing: the floor of what any load can reach on this server);
+3. the bound: the one given (`--sla-ms`), or with `--sla-ms auto` twice the unloaded
+   percentile, rounded up to a whole ms (room for batching and queueing at a useful load);
+4. the rate: a short bisection over open-loop rates in (0, capacity], each probe passing
+   when its percentile (dropped queries infinitely late) is within the bound; the point
+   then runs at `HEADROOM` x the highest passing rate, so that the noise between a probe and
+   the measured point does not decide the verdict.
+
+Each step is recorded (`LoadChoice.to_dict`, in the run's manifest) and said in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from dlrm_lab.infer.drivers import ClosedLoop, OpenLoop, Stream
+from dlrm_lab.infer.records import summarize
+from dlrm_lab.infer.server import InferenceServer
+
+HEADROOM = 0.8  # the measured point runs at this share of the highest passing probe rate
+SLA_FACTOR = 2.0  # --sla-ms auto: this multiple of the unloaded latency percentile
+
+
+def capacity_qps(server: InferenceServer, stream: Stream, seconds: float, seed: int, drain_s: float = 30.0) -> float:
+    """Completed queries/s of a closed loop with enough queries outstanding to keep every
+    instance's batches full (no latency bound: the ceiling a bounded rate is sought under)."""
+    served = server.models[stream.model]
+    per_batch = max(1, served.max_batch // max(1, int(stream.sizes.mean)))
+    concurrency = served.instances * per_batch * 2
+    return _closed_loop(server, stream, concurrency, seconds, seed, drain_s)[0]
+
+
+def _closed_loop(
+    server: InferenceServer, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
+) -> tuple[float, list[dict[str, Any]]]:
+    server.take_records()
+    driver = ClosedLoop(server, stream, concurrency, seconds, seed=seed)
+    t0 = time.monotonic()
+    driver.start()
+    while not driver.join(timeout=0.25):
+        server.check()
+    server.drain(drain_s)
+    wall = time.monotonic() - t0
+    done = [r for r in server.take_records() if r["status"] == "ok"]
+    return (len(done) / wall if wall > 0 else 0.0), done
+
+
+def _open_loop_percentile(
+    server: InferenceServer, stream: Stream, qps: float, seconds: float, percentile: float, sla_ms: float, seed: int,
+    drain_s: float,
+) -> float:  # fmt: skip
+    """The latency percentile of `seconds` of open-loop load at `qps` (dropped = inf)."""
+    server.take_records()
+    driver = OpenLoop(server, [replace(stream, qps=qps)], seconds, seed=seed)
+    driver.start()
+    while not driver.join(timeout=0.25):
+        server.check()
+    server.drain(drain_s)
+    records = server.take_records()
+    if not records:
+        return math.inf
+    row = summarize(records, duration_s=seconds, sla_ms=sla_ms, sla_percentile=percentile)
+    value = row.get("sla_latency_ms")
+    return math.inf if value is None else float(value)
+
+
+@dataclass
+class LoadChoice:
+    """The load point the lab chose, and the measurements that chose it."""
+
+    qps: float
+    sla_ms: float
+    sla_chosen: bool  # True: the bound came from the unloaded latency (--sla-ms auto)
+    percentile: float
+    capacity_qps: float
+    unloaded_latency_ms: float
+    best_passing_qps: float
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "headroom": HEADROOM, "sla_factor": SLA_FACTOR if self.sla_chosen else None}
+
+
+def choose_load(
+    server: InferenceServer,
+    stream: Stream,
+    *,
+    sla_ms: float | None,
+    percentile: float = 99.0,
+    probes: int = 4,
+    probe_s: float = 2.0,
+    min_queries: int = 200,
+    seed: int = 0,
+    drain_s: float = 30.0,
+) -> LoadChoice:
+    """Pick a rate (and with `sla_ms` None, a bound) this server honours; see the module
+    docstring for the steps."""
+    capacity = capacity_qps(server, stream, probe_s, seed, drain_s)
+    # one query at a time: enough of them for the percentile to mean something
+    served = max(1.0, capacity / max(1, server.models[stream.model].instances))
+    seconds = min(max(probe_s, min_queries / served), 4 * probe_s)
+    _, done = _closed_loop(server, stream, 1, seconds, seed + 1, drain_s)
+    lat = np.array([r["latency_ms"] for r in done], dtype=np.float64)
+    unloaded = float(np.percentile(lat, percentile, method="inverted_cdf")) if len(lat) else math.inf
+    sla_chosen = sla_ms is None
+    if sla_chosen:
+        sla_ms = float(math.ceil(SLA_FACTOR * unloaded)) if math.isfinite(unloaded) else 1000.0
+    lo, hi = 0.0, capacity
+    tried: list[dict[str, Any]] = []
+    for k in range(probes):
+        qps = hi / 2 if lo == 0 else (lo + hi) / 2
+        if qps <= 0:
+            break
+        span = min(max(probe_s, min_queries / qps), 4 * probe_s)
+        p = _open_loop_percentile(server, stream, qps, span, percentile, sla_ms, seed + 2 + k, drain_s)
+        passed = p <= sla_ms
+        tried.append({"qps": qps, "latency_ms": None if math.isinf(p) else p, "passed": passed, "seconds": span})
+        lo, hi = (qps, hi) if passed else (lo, qps)
+    where = f"p{percentile:g} <= {sla_ms:g} ms"
+    bound = (
+        f"bound {sla_ms:g} ms = {SLA_FACTOR:g} x the p{percentile:g} of one query at a time ({unloaded:.1f} ms)"
+        if sla_chosen
+        else f"bound {sla_ms:g} ms as given"
+    )
+    if lo > 0:
+        qps = HEADROOM * lo
+        reason = (
+            f"load chosen by the lab: {qps:.1f} queries/s = {HEADROOM:.0%} of {lo:.1f}, the highest of "
+            f"{len(tried)} probed rates meeting {where} (closed-loop capacity {capacity:.1f} queries/s); {bound}"
+        )
+    else:
+        qps = min(t["qps"] for t in tried) if tried else max(capacity / 10, 0.1)
+        reason = (
+            f"no probed rate met {where} (lowest {qps:.1f} queries/s; capacity {capacity:.1f} queries/s, one query "
+            f"at a time p{percentile:g} {unloaded:.1f} ms): running at the lowest; {bound}"
+        )
+    return LoadChoice(
+        qps=qps, sla_ms=sla_ms, sla_chosen=sla_chosen, percentile=percentile, capacity_qps=capacity,
+        unloaded_latency_ms=unloaded, best_passing_qps=lo, probes=tried, reason=reason,
+    )  # fmt: skip
