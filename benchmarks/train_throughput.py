@@ -27,9 +27,10 @@ from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
 import dlrm_lab
-from dlrm_lab.config import ModelSpec, TrainConfig
+from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
 from dlrm_lab.data import HELD_OUT_OFFSET, SyntheticSource, synthetic_generator
-from dlrm_lab.metrics.hardware import cpu_model
+from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
+from dlrm_lab.metrics.precision import choose_precision, contenders
 from dlrm_lab.model.cost import sample_cost
 from dlrm_lab.train import train
 
@@ -159,8 +160,8 @@ def plain_auc(model: nn.Module, eval_batches: list) -> float:
     return binary_auroc(torch.sigmoid(logits), labels.long()).item()
 
 
-def profile_lab(spec: ModelSpec, batches: list, precision: str, optimizer: str, steps: int = 10) -> str:
-    """Top operators of the lab's training step by self CPU time (torch.profiler)."""
+def _profiled_train(spec: ModelSpec, batches: list, precision: str, optimizer: str, steps: int):
+    """torch.profiler over the lab's steps 3.. of a short run (the first steps' one-off costs skipped)."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = TrainConfig(
@@ -171,18 +172,34 @@ def profile_lab(spec: ModelSpec, batches: list, precision: str, optimizer: str, 
         eval_batches=1,
         **optimizer_options(optimizer),
     )
-    holder: dict[str, Any] = {}
+    holder: dict[str, Any] = {"ms": 0.0}
 
-    def start_at_third_step(row: dict[str, Any]) -> None:  # skip the first steps' one-off costs
+    def around(row: dict[str, Any]) -> None:
         if row["step"] == 2:
             holder["prof"] = profile(activities=[ProfilerActivity.CPU])
             holder["prof"].__enter__()
+        elif row["step"] > 2:
+            holder["ms"] += row["step_time_ms"]
         if row["step"] == steps - 1:
             holder["prof"].__exit__(None, None, None)
 
-    train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(batches[:1]), on_step=start_at_third_step)
-    table = holder["prof"].key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=55)
+    train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(batches[:1]), on_step=around)
+    return holder["prof"], holder["ms"]
+
+
+def profile_lab(spec: ModelSpec, batches: list, precision: str, optimizer: str, steps: int = 10) -> str:
+    """Top operators of the lab's training step by self CPU time (torch.profiler)."""
+    prof, _ = _profiled_train(spec, batches, precision, optimizer, steps)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=55)
     return f"{optimizer} {precision}, {steps - 3} profiled steps\n{table}"
+
+
+def fused_update_share(spec: ModelSpec, batches: list, precision: str, steps: int = 13) -> float:
+    """Share of a lab-adagrad step spent in fbgemm's backward with the fused row-wise Adagrad
+    update (its self time over the profiled steps' wall time)."""
+    prof, wall_ms = _profiled_train(spec, batches, precision, "adagrad", steps)
+    update_us = sum(e.self_cpu_time_total for e in prof.key_averages() if "split_embedding_backward" in e.key)
+    return update_us / 1e3 / wall_ms
 
 
 def gemm_gflops(dtype: torch.dtype, n: int = 2048, k: int = 512, m: int = 512, reps: int = 30) -> float:
@@ -215,10 +232,15 @@ def main() -> None:
     cost = sample_cost(spec)
     # MLP multiply-adds x 2 x 3 (forward, two backward products): the 2.85 MFLOP of the issue
     flop_per_sample = 3 * (cost.bottom_mlp_flops + cost.top_mlp_flops)
+    # bf16 only where this machine's GEMMs make it a contender (it ran 100x slower than fp32 on
+    # an AVX2-only EPYC): the lab's own --precision auto rule, on the model's shapes
+    choice = choose_precision("auto", spec, allowed=PRECISIONS, threads=torch.get_num_threads(), rows=2048)
+    precisions = list(dict.fromkeys(["fp32", *contenders(choice)]))
+    print(f"precisions: {', '.join(precisions)} ({choice.reason})", flush=True)
     if args.profile:
         profile_batches = batches(spec, 2048, 8)
         for opt in LAB_OPTIMIZERS:
-            for prec in ("fp32", "bf16"):
+            for prec in precisions:
                 print(profile_lab(spec, profile_batches, prec, opt), flush=True)
         return
     results: dict[str, Any] = {
@@ -229,22 +251,26 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "cpu_flags": cpu_flags(),
         "gemm_gflops_fp32": gemm_gflops(torch.float32),
-        "gemm_gflops_bf16": gemm_gflops(torch.bfloat16),
+        "gemm_gflops_bf16": gemm_gflops(torch.bfloat16, reps=2 if "bf16" not in precisions else 30),
+        "precision_choice": choice.to_dict(),
         "train_mflop_per_sample": flop_per_sample / 1e6,
         "points": [],
     }
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         train_batches, evals = batches(spec, batch, 8), batches(spec, batch, 2, offset=HELD_OUT_OFFSET)
         samples: dict[str, list[float]] = {}
+        fractions: dict[str, list[float | None]] = {}
         batch_list = train_batches
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
-            for prec in ("fp32", "bf16"):
+            for prec in precisions:
                 rate = run_plain(spec, batch_list, args.steps, args.warmup, prec, PLAIN_LR)["samples_per_s"]
                 samples.setdefault(f"plain {prec}", []).append(rate)
                 for opt in LAB_OPTIMIZERS:
                     summary = run_lab(spec, batch_list, evals, args.steps, args.warmup, prec, opt)
                     samples.setdefault(f"lab-{opt} {prec}", []).append(summary["samples_per_s"])
+                    fractions.setdefault(f"lab-{opt} {prec}", []).append(summary.get("roofline_fraction"))
         med = {k: statistics.median(v) for k, v in samples.items()}
         point: dict[str, Any] = {"batch_size": batch}
         for k, v in med.items():
@@ -252,6 +278,12 @@ def main() -> None:
             point[f"{k} / plain fp32"] = v / med["plain fp32"]
             point[f"{k} GFLOP/s"] = v * flop_per_sample / 1e9
             point[f"{k} spread"] = (max(samples[k]) - min(samples[k])) / v  # (max - min) / median
+            known = [f for f in fractions.get(k, []) if f is not None]
+            if known:  # of the step's roofline bound at this machine's probed peaks
+                point[f"{k} roofline fraction"] = statistics.median(known)
+        if batch == 2048:  # the fused row-wise Adagrad's share of a step (issue 13: under 15%)
+            for prec in precisions:
+                point[f"lab-adagrad {prec} fused update share"] = fused_update_share(spec, batch_list, prec)
         results["points"].append(point)
         print(json.dumps(point), flush=True)
 
@@ -267,7 +299,7 @@ def main() -> None:
         **{
             f"lab-{opt} {prec} AUC": run_lab(spec, train_batches, evals, args.quality_steps, 0, prec, opt)["eval_auc"]
             for opt in LAB_OPTIMIZERS
-            for prec in ("fp32", "bf16")
+            for prec in precisions
         },
     }
     print(json.dumps(results["quality"]), flush=True)

@@ -35,7 +35,8 @@ def machine(tmp_path, monkeypatch):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
     probes = []
 
-    def fake_probe(quick=False, devices=None, log=None):
+    def fake_probe(quick=False, devices=None, log=None, comms=True):
+        assert not comms  # rank 0 probes alone while the other ranks wait: no collectives
         probes.append((quick, devices))
         return store_profile(tmp_path / "probe-out")
 

@@ -2,7 +2,8 @@
 
 Embedding tables are model-parallel (TorchRec's planner places them), their optimizer
 is fused into the fbgemm backward kernel (no dense gradient of a table ever exists),
-and the dense MLPs are data-parallel (DDP inside `DistributedModelParallel`).
+and the dense MLPs are data-parallel (DDP inside `DistributedModelParallel`, from two
+ranks on: `DenseReplicas`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
@@ -90,10 +92,17 @@ def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[s
     return out
 
 
-def _constraints(model: DLRM, sharding: str, per_table: dict[str, str]) -> dict[str, ParameterConstraints]:
+def _constraints(
+    model: DLRM, sharding: str, per_table: dict[str, str], world_size: int = 2
+) -> dict[str, ParameterConstraints]:
+    """Allowed sharding types and kernels per table. `auto` on one rank is table_wise: every
+    type then keeps each whole table on rank 0, but the planner, whose estimates are made
+    for several ranks, picks row_wise for large tables, which adds an id-bucketing pass and
+    a larger output distribution to every step for nothing (BENCHMARKS.md, issue 13)."""
     out = {}
+    auto = ShardingType.TABLE_WISE.value if world_size == 1 else None
     for t in model.spec.tables:
-        kind = per_table.get(t.name) or (None if sharding == "auto" else sharding)
+        kind = per_table.get(t.name) or (auto if sharding == "auto" else sharding)
         kinds = [kind] if kind else list(SHARDING_TYPES)
         kernels = []
         if any(k != ShardingType.DATA_PARALLEL.value for k in kinds):
@@ -106,6 +115,16 @@ def _constraints(model: DLRM, sharding: str, per_table: dict[str, str]) -> dict[
             pooling_factors=[t.pooling_factor] * len(t.feature_names),
         )
     return out
+
+
+class DenseReplicas(DataParallelWrapper):
+    """TorchRec's DDP for the dense layers when there are replicas to keep in step, nothing
+    on one rank: there DDP has no peer to all-reduce with and would only copy every gradient
+    into its buckets and back each step, a cost of the lab and not of the machine."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: Any, device: torch.device) -> None:
+        if env.world_size > 1:
+            DefaultDataParallelWrapper().wrap(dmp, env, device)
 
 
 def shard_model(
@@ -130,7 +149,7 @@ def shard_model(
         raise UserError(f"--sharding {sharding!r}: allowed: auto, {', '.join(SHARDING_TYPES)}")
     embedding_optimizer.apply(model)
     sharder = AnyDeviceSharder()
-    constraints = _constraints(model, sharding, per_table or {})
+    constraints = _constraints(model, sharding, per_table or {}, ctx.world_size)
     topology = machine_topology(ctx)
     planner = EmbeddingShardingPlanner(
         topology=topology,
@@ -149,7 +168,9 @@ def shard_model(
             f"{memory.hbm / 2**30:.2f} GiB device memory each: scale the tables (--table-scale, --max-rows) "
             f"or add ranks [planner: {str(exc).splitlines()[0][:200]}]"
         ) from None
-    dmp = DistributedModelParallel(module=root, device=ctx.device, plan=plan, sharders=[sharder])
+    dmp = DistributedModelParallel(
+        module=root, device=ctx.device, plan=plan, sharders=[sharder], data_parallel_wrapper=DenseReplicas()
+    )
     return dmp, plan
 
 

@@ -157,7 +157,7 @@ def _ensure_profile(device: torch.device, log: Log | None) -> dict[str, Any]:
     if log:
         log("machine not seen before: quick probe of its peaks (seconds; 'dlrm-lab machine probe' for the full one)")
     devices = ["cpu", "cuda"] if device.type == "cuda" else ["cpu"]
-    profile = probe_machine(quick=True, devices=devices)
+    profile = probe_machine(quick=True, devices=devices, comms=False)  # under a launcher rank 0 alone is here
     save_profile(profile)
     return profile
 

@@ -242,10 +242,13 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
     return {"threads": by_threads}
 
 
-def probe_machine(quick: bool = False, devices: list[str] | None = None, log: Log | None = None) -> dict[str, Any]:
+def probe_machine(
+    quick: bool = False, devices: list[str] | None = None, log: Log | None = None, comms: bool = True
+) -> dict[str, Any]:
     """A machine profile: every device's peaks plus, under a multi-rank launch, collective
     bandwidths. Under a launcher only rank 0's device peaks are kept (ranks share a machine
-    kind); every rank takes part in the collectives."""
+    kind); every rank takes part in the collectives (`comms=False`: none are probed, for a
+    probe that rank 0 alone runs while the others wait)."""
     sizes = ProbeSizes.preset(quick)
     wanted = devices if devices is not None else (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     profile: dict[str, Any] = {
@@ -266,7 +269,7 @@ def probe_machine(quick: bool = False, devices: list[str] | None = None, log: Lo
                 profile["devices"][f"cuda:{index}"] = probe_device(torch.device("cuda", index), sizes, log)
         else:
             profile["devices"]["cpu"] = probe_device(torch.device("cpu"), sizes, log)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if comms and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
