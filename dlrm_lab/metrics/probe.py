@@ -87,9 +87,20 @@ def gemm_flops_per_s(
     """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each)."""
     best: dict[str, Any] = {"flops_per_s": 0.0, "size": None}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    for n in sizes:
-        # a slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs): a larger size only
-        # costs time, so stop before a product predicted to take over 0.25 s at the rate so far
+    # A slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs) would take seconds per
+    # product at these sizes: a pilot product predicts the rate, and sizes predicted to take
+    # over 0.25 s a product are left out (the pilot's size stands in when all would be).
+    pilot = min(256, *sizes)
+    a = torch.randn(pilot, pilot, device=device).to(dtype)
+    torch.mm(a, a)  # first call: kernel selection
+    sync(device)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    sync(device)
+    predicted_rate = 2 * pilot**3 / max(time.perf_counter() - t0, 1e-9)
+    affordable = tuple(n for n in sizes if 2 * n**3 / predicted_rate <= 0.25) or (pilot,)
+    for n in affordable:
+        # ... and the rates measured so far stop it before a larger size gets that slow
         if best["size"] is not None and 2 * n**3 / best["flops_per_s"] > 0.25:
             break
         a = torch.randn(n, n, device=device).to(dtype)
