@@ -111,3 +111,25 @@ def test_model_runs_on_cuda():
     model = dlrm_lab.build_model(spec, device="cuda")
     batch = make_batch(spec, 4, seed=0).to(torch.device("cuda"))
     assert model(batch.dense_features, batch.sparse_features).device.type == "cuda"
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
+def test_built_and_trained_tables_have_the_requested_precision(precision, dtype):
+    from dlrm_lab.config import TrainConfig
+    from dlrm_lab.model import build_model
+    from dlrm_lab.train import train
+
+    spec = dlrm_lab.load_preset("tiny")
+    built = build_model(spec, table_precision=precision)
+    assert {p.dtype for p in built.sparse_arch.embedding_bag_collection.parameters()} == {dtype}
+    trained = train(spec, TrainConfig(steps=2, batch_size=32, table_precision=precision), keep_model=True).model
+    tables = {k: v for k, v in trained.state_dict().items() if "embedding_bags" in k}
+    assert tables and {v.local_shards()[0].tensor.dtype if hasattr(v, "local_shards") else v.dtype
+                       for v in tables.values()} == {dtype}  # fmt: skip
+
+
+def test_unknown_table_precision_is_an_error_naming_it():
+    from dlrm_lab.model import build_model
+
+    with pytest.raises(ValueError, match="table_precision 'int3': allowed: fp32, fp16"):
+        build_model(dlrm_lab.load_preset("tiny"), table_precision="int3")

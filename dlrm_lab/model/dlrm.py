@@ -120,6 +120,8 @@ class DLRM(nn.Module):
         table_precision: str = "fp32",
     ) -> None:
         super().__init__()
+        if table_precision not in _TABLE_DTYPES:
+            raise ValueError(f"table_precision {table_precision!r}: allowed: {', '.join(_TABLE_DTYPES)}")
         self.spec = spec
         configs = [
             EmbeddingBagConfig(
@@ -171,4 +173,9 @@ def build_model(
     shard by shard by `DistributedModelParallel`; by default they live on `device`.
     """
     dev = torch.device(device)
-    return DLRM(spec, device=dev, table_device=torch.device(table_device) if table_device else dev)
+    return DLRM(
+        spec,
+        device=dev,
+        table_device=torch.device(table_device) if table_device else dev,
+        table_precision=table_precision,
+    )
