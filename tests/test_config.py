@@ -139,7 +139,7 @@ def test_bad_scaling_is_refused():
     [
         ({"steps": 0}, "--steps 0"),
         ({"batch_size": -2}, "--batch-size -2"),
-        ({"precision": "fp8"}, "--precision 'fp8': allowed: fp32, bf16"),
+        ({"precision": "fp8"}, "--precision 'fp8': allowed: auto, fp32, bf16"),
         ({"device": "tpu"}, "--device 'tpu'"),
         ({"dense_optimizer": "lamb"}, "--dense-optimizer 'lamb'"),
         ({"embedding_lr": 0.0}, "--embedding-lr 0.0"),

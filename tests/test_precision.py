@@ -115,6 +115,13 @@ def test_explicit_fp32_is_not_measured(machine):
     assert choice.precision == "fp32" and choice.rates_flops_per_s == {} and machine["probes"] == []
 
 
+def test_products_too_small_to_matter_stay_fp32_whatever_the_rates(machine):
+    tiny = dlrm_lab.load_preset("tiny")  # ~0.5 MFLOP a pass: 5 us at 100 GFLOP/s
+    choice = choose("auto", FakeRates(fp32=100, bf16=900), spec=tiny)
+    assert choice.precision == "fp32" and choice.negligible and "too little for precision to matter" in choice.reason
+    assert prec.contenders(choice) == ["fp32"]  # nor is precision searched for it
+
+
 def test_search_grid_holds_a_precision_only_where_it_can_win(machine):
     def choice_with(**gflops):
         return prec.PrecisionChoice("auto", "fp32", "", {k: v * GF for k, v in gflops.items()})
@@ -142,7 +149,8 @@ def test_training_with_auto_runs_and_records_the_measured_choice(machine, monkey
     from dlrm_lab.config import TrainConfig
     from dlrm_lab.train import train
 
-    monkeypatch.setattr(prec, "measure_shape_rates", FakeRates(fp32=50, bf16=200))  # an AMX-like machine
+    # an AMX-like machine, slowed down so that tiny's small products count
+    monkeypatch.setattr(prec, "measure_shape_rates", FakeRates(fp32=0.001, bf16=0.004))
     log = []
     result = train(
         dlrm_lab.load_preset("tiny"), TrainConfig(steps=3, batch_size=32, precision="auto"),
@@ -152,7 +160,7 @@ def test_training_with_auto_runs_and_records_the_measured_choice(machine, monkey
     manifest = json.loads((result.run_dir / "manifest.json").read_text())
     choice = manifest["config"]["precision_choice"]
     assert choice["requested"] == "auto" and choice["precision"] == "bf16"
-    assert choice["gemm_gflops_per_s"] == {"fp32": 50.0, "bf16": 200.0} and "4.00x" in choice["reason"]
+    assert choice["gemm_gflops_per_s"] == {"fp32": 0.001, "bf16": 0.004} and "4.00x" in choice["reason"]
     assert manifest["config"]["train"]["precision"] == "bf16"
     assert pq.read_table(result.run_dir / "summary.parquet").column("precision").to_pylist() == ["bf16"]
     assert any(line.startswith("precision bf16: auto") for line in log)
@@ -169,3 +177,26 @@ def test_cli_warns_once_before_training_in_a_slow_precision(machine, monkeypatch
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "bf16 1.7 GFLOP/s" in warnings[0] and "fp32 73.0 GFLOP/s" in warnings[0]
+
+
+def test_a_search_grids_every_precision_that_can_win_and_records_why(machine, monkeypatch):
+    from dlrm_lab.infer.lab import InferConfig, _search_precisions
+    from dlrm_lab.infer.server import ServedModel
+
+    base = ServedModel("kaggle", dlrm_lab.load_preset("kaggle", max_rows=1000), precision="auto")
+    choices: dict = {}
+    monkeypatch.setattr(prec, "measure_shape_rates", FakeRates(fp32=100, bf16=105, fp16=1))  # a near tie
+    assert _search_precisions(base, 1, 256, InferConfig(), None, choices) == ["fp32", "bf16"]
+    assert choices["1 threads"]["searched"] == ["fp32", "bf16"] and choices["1 threads"]["precision"] == "fp32"
+    monkeypatch.setattr(prec, "measure_shape_rates", FakeRates(fp32=73, bf16=1.7, fp16=1.3))  # AVX2-like
+    assert _search_precisions(base, 2, 256, InferConfig(), None, choices) == ["fp32"]
+    explicit = ServedModel("kaggle", base.spec, precision="bf16")
+    assert _search_precisions(explicit, 2, 256, InferConfig(), None, choices) == ["bf16"]  # as asked
+
+
+@pytest.mark.gpu
+def test_gemm_rates_are_measured_on_the_gpu():
+    import torch
+
+    rates = prec.measure_shape_rates([(256, 512, 512)], ["fp32", "bf16", "fp16"], torch.device("cuda"), 1)
+    assert set(rates) == {"fp32", "bf16", "fp16"} and all(v > 0 for v in rates.values())

@@ -167,9 +167,11 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     assert {r["rank"] for r in telemetry} == {0}  # several ranks' samples stay apart
 
 
-def test_without_sensors_energy_is_null_with_a_reason_never_zero(tmp_path):
+def test_without_sensors_energy_is_null_with_a_reason_never_zero(tmp_path, monkeypatch):
     from dlrm_lab.config import TrainConfig
     from dlrm_lab.train import train
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "never-probed"))
 
     s = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=6, batch_size=64), metrics_dir=tmp_path).summary
     assert s["energy_j"] is None and s["energy_per_sample_j"] is None and s["samples_per_s_per_w"] is None

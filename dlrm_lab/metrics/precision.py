@@ -39,6 +39,9 @@ from dlrm_lab.errors import UserError
 AUTO = "auto"
 MARGIN = 1.15  # a lower precision must be this much faster than fp32 to be chosen (beyond timing noise)
 MAX_ROWS = 512  # GEMM rows timed: a larger batch runs at the same rate per FLOP
+# Below this much fp32 GEMM time per forward pass the products are too small for their
+# precision to matter (call overheads decide, and the rates are noise): fp32 it is.
+NEGLIGIBLE_S = 100e-6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Log = Callable[[str], None]
@@ -68,17 +71,17 @@ def _sync(device: torch.device) -> None:
 def measure_shape_rates(
     shapes: Sequence[Shape], precisions: Sequence[str], device: torch.device, threads: int, repeats: int = 5
 ) -> dict[str, float]:
-    """FLOP/s of the products `shapes` in each precision (fp32 first), at `threads` CPU
-    threads. A precision whose first pass is already 4x slower than fp32's is timed once:
-    it has lost, and repeating a slow kernel only costs time."""
+    """FLOP/s of the products `shapes` in each precision, at `threads` CPU threads: the
+    median of `repeats` timings taken in turn. A precision whose first pass is already 4x
+    slower than fp32's is timed once: it has lost, and repeating a slow kernel only costs time."""
     saved = torch.get_num_threads()
     flops = sum(2 * m * k * n for m, k, n in shapes)
-    rates: dict[str, float] = {}
-    fp32_pass: float | None = None
     generator = torch.Generator().manual_seed(0)
     try:
         if device.type == "cpu":
             torch.set_num_threads(max(1, threads))
+        passes: dict[str, Callable[[], float]] = {}
+        first: dict[str, float] = {}
         for name in sorted(precisions, key=lambda p: p != "fp32"):
             dtype = DTYPES[name]
             pairs = [
@@ -97,18 +100,17 @@ def measure_shape_rates(
                 return time.perf_counter() - t0
 
             one_pass()  # warm-up: kernel selection, caches
-            first = one_pass()
-            if fp32_pass is not None and first > 4 * fp32_pass:
-                seconds = first
-            else:
-                inner = max(1, int(0.02 / max(first, 1e-6)))  # each timing holds ~20 ms of work
-                seconds = statistics.median(sum(one_pass() for _ in range(inner)) / inner for _ in range(repeats))
-            rates[name] = flops / seconds
-            if name == "fp32":
-                fp32_pass = seconds
+            passes[name], first[name] = one_pass, one_pass()
+        # those already 4x slower than fp32 have lost: their one pass stands
+        timed: dict[str, list[float]] = {p: [] for p in passes if p == "fp32" or first[p] <= 4 * first["fp32"]}
+        inner = {p: max(1, int(0.02 / max(first[p], 1e-6))) for p in timed}  # ~20 ms of work a timing
+        for _ in range(repeats):  # in turn, so that drift hits every precision alike
+            for p, samples in timed.items():
+                samples.append(sum(passes[p]() for _ in range(inner[p])) / inner[p])
+        seconds = {p: statistics.median(timed[p]) if p in timed else first[p] for p in passes}
     finally:
         torch.set_num_threads(saved)
-    return rates
+    return {p: flops / seconds[p] for p in passes}
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class PrecisionChoice:
     shapes: tuple[Shape, ...] = ()
     threads: int = 1
     device: str = "cpu"
+    negligible: bool = False  # the GEMMs take too little time for precision to matter
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,6 +140,7 @@ class PrecisionChoice:
             "shapes_rows_in_out": [list(s) for s in self.shapes],
             "threads": self.threads,
             "device": self.device,
+            "negligible": self.negligible,
         }
 
 
@@ -241,6 +245,13 @@ def choose_precision(
                 "(--precision auto picks the faster)"
             )
         return PrecisionChoice(precision=requested, reason=f"asked for ({vs(requested)})", warning=warning, **common)
+    fp32_pass_s = sum(2 * m * k * n for m, k, n in shapes) / fp32
+    if fp32_pass_s < NEGLIGIBLE_S:
+        reason = (
+            f"auto: the model's GEMMs take {fp32_pass_s * 1e6:.0f} us a pass in fp32: too little for precision to "
+            "matter, so fp32"
+        )
+        return PrecisionChoice(precision="fp32", reason=reason, negligible=True, **common)
     faster = [p for p in candidates if p != "fp32" and rates[p] >= MARGIN * fp32]
     if faster:
         best = max(faster, key=lambda p: rates[p])
@@ -259,7 +270,7 @@ def contenders(choice: PrecisionChoice, share: float = 1 / MARGIN) -> list[str]:
     (a clear loser cannot win a latency-bounded search, a near tie can). The chosen
     precision alone when nothing was measured."""
     rates = choice.rates_flops_per_s
-    if not rates:
+    if not rates or choice.negligible:
         return [choice.precision]
     best = max(rates.values())
     return [p for p in rates if rates[p] >= share * best]
