@@ -23,11 +23,11 @@ def test_presets_lists_every_preset_with_sizes():
 
 
 def test_presets_show_resolves_scaling():
-    out = run_cli("presets", "show", "rm1", "--table-scale", "0.001")
-    assert out.returncode == 0, out.stderr
-    assert "rm1 (table_scale=0.001): 8 tables, 32k rows" in out.stdout
-    assert "4,000 " in out.stdout and "harvard-acc/DeepRecSys" not in out.stdout  # rows shown scaled
-    spec = json.loads(run_cli("presets", "show", "kaggle", "--max-rows", "7", "--json").stdout)
+    code, stdout, stderr = run_cli_in_process("presets", "show", "rm1", "--table-scale", "0.001")
+    assert code == 0, stderr
+    assert "rm1 (table_scale=0.001): 8 tables, 32k rows" in stdout
+    assert "4,000 " in stdout and "harvard-acc/DeepRecSys" not in stdout  # rows shown scaled
+    spec = json.loads(run_cli_in_process("presets", "show", "kaggle", "--max-rows", "7", "--json")[1])
     assert max(t["num_embeddings"] for t in spec["tables"]) == 7
 
 
@@ -132,8 +132,8 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
 
 
 def test_presets_show_prints_the_analytic_cost():
-    out = run_cli("presets", "show", "tiny")
-    assert "per sample: 0.00139 MFLOP forward, 0.00405 MFLOP training, 224 B of embedding rows read" in out.stdout
+    stdout = run_cli_in_process("presets", "show", "tiny")[1]
+    assert "per sample: 0.00139 MFLOP forward, 0.00405 MFLOP training, 224 B of embedding rows read" in stdout
 
 
 def _fake_clock(start: float = 100.0):

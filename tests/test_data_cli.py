@@ -25,18 +25,18 @@ def test_generated_dataset_passes_its_own_checks_and_trains(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "teacher AUC" in out.stderr and "wrote 120,000 samples" in out.stdout
-    stats = run_cli("data", "stats", str(ds), "--strict")
-    assert stats.returncode == 0, stats.stdout + stats.stderr
-    assert "120,000 samples" in stats.stdout and "77 of 77 checks against the spec within tolerance" in stats.stdout
+    code, stdout, stderr = run_cli_in_process("data", "stats", str(ds), "--strict")  # the process: gen, train
+    assert code == 0, stdout + stderr
+    assert "120,000 samples" in stdout and "77 of 77 checks against the spec within tolerance" in stdout
 
     # a dataset whose stored spec disagrees with its content is flagged
     info = json.loads((ds / "_dataset.json").read_text())
     for f in info["data_spec"]["features"]:
         f["ids"]["alpha"] = 1.5
     (ds / "_dataset.json").write_text(json.dumps(info))
-    flagged = run_cli("data", "stats", str(ds), "--strict")
-    assert flagged.returncode == 1
-    assert "outside tolerance" in flagged.stdout and "zipf alpha" in flagged.stdout
+    code, stdout, _ = run_cli_in_process("data", "stats", str(ds), "--strict")
+    assert code == 1
+    assert "outside tolerance" in stdout and "zipf alpha" in stdout
 
     runs = tmp_path / "runs"
     trained = run_cli(

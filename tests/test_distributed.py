@@ -134,10 +134,15 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
 
     from dlrm_lab.metrics import read_manifest
 
+    import psutil
+
     proc, victim = _two_ranks_training(tmp_path, timeout_s=5)
+    (rank0,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "0"]
     try:
         victim.send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end this
-        _, err = proc.communicate(timeout=150)
+        rank0.wait(timeout=120)  # rank 0 ends itself, naming the rank and the timeout ...
+        victim.kill()  # ... and torchrun would give the stopped rank 30 s to end before killing it
+        _, err = proc.communicate(timeout=60)
     finally:
         _kill_tree(proc)
     assert proc.returncode != 0
