@@ -132,9 +132,9 @@ def test_two_rank_resume_continues_the_same_trajectory(tmp_path):
 def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
     import signal
 
-    from dlrm_lab.metrics import read_manifest
-
     import psutil
+
+    from dlrm_lab.metrics import read_manifest
 
     proc, victim = _two_ranks_training(tmp_path, timeout_s=5)
     (rank0,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "0"]
