@@ -172,14 +172,18 @@ def test_dataset_json_and_file_metadata_record_spec_seed_and_contiguous_shards(t
         assert table.num_rows == f["rows"]
         # the shard holds exactly the generator's samples of its range
         lo, hi = f["first_sample"], f["first_sample"] + f["rows"]
-        ref = gen.samples(lo, hi)
-        np.testing.assert_array_equal(table.column("label").to_numpy(), ref.labels)
-        dense = pc.list_flatten(table.column("dense")).to_numpy().reshape(-1, tiny.num_dense)
-        np.testing.assert_array_equal(dense, ref.dense)
-        for i, name in enumerate(tiny.feature_names):
-            lengths, values = feature_arrays(table, name)
-            np.testing.assert_array_equal(lengths, ref.lengths[i])
-            np.testing.assert_array_equal(values, ref.values[i])
+        assert_holds_samples(table, gen.samples(lo, hi), tiny)
+
+
+def assert_holds_samples(table, ref, spec) -> None:
+    """`table` (Arrow) holds exactly the samples `ref`: labels, dense values, every feature's ids."""
+    np.testing.assert_array_equal(table.column("label").to_numpy(), ref.labels)
+    dense = pc.list_flatten(table.column("dense")).to_numpy().reshape(-1, spec.num_dense)
+    np.testing.assert_array_equal(dense, ref.dense)
+    for i, name in enumerate(spec.feature_names):
+        lengths, values = feature_arrays(table, name)
+        np.testing.assert_array_equal(lengths, ref.lengths[i])
+        np.testing.assert_array_equal(values, ref.values[i])
 
 
 def test_stored_spec_regenerates_the_data_including_overrides(tiny, tmp_path):
@@ -216,13 +220,7 @@ def test_arrow_opens_the_directory_with_no_options(tiny, dataset):
     for table in (ds.to_table(), pq.read_table(path)):
         assert table.num_rows == ROWS
         assert table.column_names == COLUMNS
-        np.testing.assert_array_equal(table.column("label").to_numpy(), full.labels)
-        dense = pc.list_flatten(table.column("dense")).to_numpy().reshape(-1, tiny.num_dense)
-        np.testing.assert_array_equal(dense, full.dense)
-        for i, name in enumerate(tiny.feature_names):
-            lengths, values = feature_arrays(table, name)
-            np.testing.assert_array_equal(lengths, full.lengths[i])
-            np.testing.assert_array_equal(values, full.values[i])
+        assert_holds_samples(table, full, tiny)
 
 
 def test_duckdb_reads_the_shards_glob(tiny, dataset):
