@@ -247,7 +247,9 @@ def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(se
     refused = [(t, why) for code, t, why in answered if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(ok) + len(refused) == 12 and len(ok) >= 1 and len(refused) >= 8
     assert "queue full (at most 1 waiting)" in refused[0][1]
-    assert max(t for t, _ in refused) < 0.2 and min(ok) >= 0.3  # refused at once; the queued one waited 300 ms
+    # refused at once: every refusal came back before the accepted query, which waited its 300 ms batching
+    # delay (an order and a lower bound, which hold on a loaded machine too; no upper time bound)
+    assert max(t for t, _ in refused) < min(ok) and min(ok) >= 0.3
 
     # The client counts errors by code: the lab's open-loop driver against the remote server.
     (info,) = describe(server.target)
