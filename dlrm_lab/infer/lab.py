@@ -90,6 +90,8 @@ class InferConfig:
             raise UserError(f"--sla-ms {self.sla_ms!r}: must be > 0")
         if not 0 < self.sla_percentile <= 100:
             raise UserError(f"--percentile {self.sla_percentile!r}: must be in (0, 100]")
+        if not self.calibrate_s > 0:
+            raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
