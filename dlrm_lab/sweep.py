@@ -391,7 +391,7 @@ def _run_seconds(child: Path | None) -> float | None:
 def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, Any]]:
     """Per point (and per inference point/model/mode inside it), each metric's median, 95%
     bootstrap CI, coefficient of variation and unstable flag over the finished repeats."""
-    from dlrm_lab.report.stats import estimate
+    from dlrm_lab.metrics.stats import estimate
 
     by_point: dict[int, list[PointResult]] = {}
     for pr in result.points:

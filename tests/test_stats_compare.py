@@ -15,8 +15,8 @@ from dlrm_lab.errors import UserError
 from dlrm_lab.infer.records import QUERY_SCHEMA, percentile
 from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY_SCHEMA
 from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.stats import estimate, nearest_rank_percentile, ratio_estimate
 from dlrm_lab.report.compare import compare
-from dlrm_lab.report.stats import estimate, nearest_rank_percentile, ratio_estimate
 from dlrm_lab.train.records import STEP_SCHEMA, summarize_steps
 from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY_SCHEMA
 

@@ -11,8 +11,8 @@ from rich import box
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
+from dlrm_lab.metrics.stats import Estimate
 from dlrm_lab.report.compare import DEFAULT_THRESHOLD, IMPROVEMENT, REGRESSION, compare
-from dlrm_lab.report.stats import Estimate
 
 _STYLE = {REGRESSION: "bold red", IMPROVEMENT: "green"}
 

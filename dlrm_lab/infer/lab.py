@@ -426,7 +426,7 @@ FRONTIER_SCHEMA = pa.schema(
         ("best_samples_per_s", pa.float64()),
         ("best_sla_latency_ms", pa.float64()),
         ("best_sla_latency_spread_ms", pa.float64()),  # max - min over the repeats at best_qps
-        # the repeats at best_qps (dlrm_lab.report.stats: CI needs >= 3 repeats)
+        # the repeats at best_qps (dlrm_lab.metrics.stats: CI needs >= 3 repeats)
         ("best_samples_per_s_ci_low", pa.float64()),
         ("best_samples_per_s_ci_high", pa.float64()),
         ("best_samples_per_s_cv", pa.float64()),
@@ -557,7 +557,7 @@ def _label(m: ServedModel) -> str:
 
 def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
                   probes: int, cfg: InferConfig) -> dict[str, Any]:  # fmt: skip
-    from dlrm_lab.report.stats import estimate
+    from dlrm_lab.metrics.stats import estimate
 
     lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
     rate = estimate([r["samples_per_s"] for r in rows])

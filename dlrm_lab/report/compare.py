@@ -32,7 +32,7 @@ Samples (the noise estimate), basis of each row:
 
 Verdict: the ratio is new/base for higher-is-better metrics and base/new for
 lower-is-better ones, so a ratio below 1 is always worse. With its 95% bootstrap CI
-(`dlrm_lab.report.stats.ratio_estimate`): `regression` when the whole CI is below
+(`dlrm_lab.metrics.stats.ratio_estimate`): `regression` when the whole CI is below
 1 - threshold (default 0.02), `improvement` when it is above 1 + threshold, `within noise`
 otherwise, and `no noise estimate` when there is no CI (fewer than 3 samples a side).
 """
@@ -54,7 +54,7 @@ import pyarrow.parquet as pq
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import MANIFEST
-from dlrm_lab.report.stats import (
+from dlrm_lab.metrics.stats import (
     CONFIDENCE,
     N_RESAMPLES,
     Estimate,
