@@ -43,7 +43,7 @@ SlaMs = Annotated[
     Optional[list[str]],
     typer.Option(
         "--sla-ms",
-        help="Latency bound in ms (one, or one per model), or auto with --qps auto: twice the latency of one "
+        help="Latency bound in ms (one, or one per model), or auto with --qps auto: 2.5x the latency of one "
         "query at a time.",
     ),
 ]
