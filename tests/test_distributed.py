@@ -111,7 +111,7 @@ def test_killing_one_rank_ends_the_job_and_keeps_the_steps(tmp_path):
     assert proc.returncode != 0
     assert "rank" in err and ("exitcode  : -9" in err or "rank 0: a collective failed" in err), err[-2000:]
     (run_dir,) = list(tmp_path.iterdir())
-    manifest = recover_run(run_dir)  # what `dlrm-lab runs list` does for a run left `running`
+    manifest = recover_run(run_dir)  # what `dlrm-lab runs recover` does for a run left `running`
     assert manifest["status"] == "failed", manifest["status"]
     assert read_manifest(run_dir)["error"]
     ranks = set(pq.read_table(run_dir / "steps.parquet").column("rank").to_pylist())

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_cli_in_process
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import Run, find_runs, read_manifest, recover_run
@@ -109,3 +110,98 @@ def test_existing_run_directory_and_missing_metrics_dir(tmp_path):
         Run.create(tmp_path, kind="train", config={}, run_id="same")
     with pytest.raises(UserError, match="no such directory"):
         find_runs(tmp_path / "nope")
+
+
+def _snapshot(root):
+    """Every path under `root` with, for files, its mtime and bytes: equal before and after
+    means nothing was created, removed or rewritten."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _dead_pid():
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: the pid is gone
+    return proc.pid
+
+
+def _line_of(output, run_id):
+    return next(line for line in output.splitlines() if line.startswith(f"│ {run_id} "))
+
+
+def test_runs_list_only_reads_and_runs_recover_merges_a_dead_run(tmp_path):
+    done = make_run(tmp_path, 4, 100.0)
+    dead = Run.create(tmp_path, kind="train", config={})
+    steps = dead.table("steps", SCHEMA, flush_rows=3)
+    for i in range(7):  # two parts of 3 rows flushed; the 7th row dies with the "process"
+        steps.append({"step": i, "loss": 0.5})
+    dead.update_manifest(pid=_dead_pid())
+    live = Run.create(tmp_path, kind="train", config={})  # pid: this process, alive
+    before = _snapshot(tmp_path)
+    assert sorted(before) == sorted(
+        [done.dir.name, f"{done.dir.name}/manifest.json", f"{done.dir.name}/steps.parquet"]
+        + [f"{done.dir.name}/summary.parquet", dead.dir.name, f"{dead.dir.name}/manifest.json"]
+        + [f"{dead.dir.name}/_parts", f"{dead.dir.name}/_parts/steps"]
+        + [f"{dead.dir.name}/_parts/steps/part-r00000-00000{k}.parquet" for k in (0, 1)]
+        + [live.dir.name, f"{live.dir.name}/manifest.json"]
+    )
+
+    code, out, err = run_cli_in_process("runs", "list", str(tmp_path))
+    assert code == 0, err
+    assert _snapshot(tmp_path) == before  # listing wrote, moved or removed nothing
+    assert "│ ok " in _line_of(out, done.run_id)
+    row = _line_of(out, dead.run_id)
+    assert "│ running (dead) " in row and "│     6 │" in row  # steps counted from the unmerged parts
+    assert "│ running " in _line_of(out, live.run_id) and "dead" not in _line_of(out, live.run_id)
+    (note,) = [line for line in out.splitlines() if line.startswith(f"{dead.run_id}: ")]
+    pid = read_manifest(dead.dir)["pid"]
+    assert f"pid {pid} is gone" in note
+    assert f"'dlrm-lab runs recover {dead.dir}' would merge 2 part files (steps) and mark it failed" in note
+    assert not any(line.startswith(f"{live.run_id}: ") for line in out.splitlines())
+
+    code, out, err = run_cli_in_process("runs", "recover", str(tmp_path))
+    assert code == 0, err
+    recovered = [line for line in out.splitlines() if line.startswith("recovered ")]
+    assert recovered == [
+        f"recovered {dead.run_id}: marked failed (pid {pid} gone); merged 2 part files into steps.parquet"
+    ]
+    assert f"left alone {live.run_id}: pid {os.getpid()} is alive" in out
+    m = read_manifest(dead.dir)
+    assert m["status"] == "failed" and "crash" in m["error"]
+    assert pq.read_table(dead.dir / "steps.parquet").column("step").to_pylist() == list(range(6))
+    assert not (dead.dir / "_parts").exists()
+    assert read_manifest(live.dir)["status"] == "running"  # a live run is not touched
+    assert read_manifest(done.dir) == json.loads((done.dir / "manifest.json").read_text())
+    code, out, _ = run_cli_in_process("runs", "list", str(tmp_path))
+    assert code == 0 and "│ failed " in _line_of(out, dead.run_id) and "│     6 │" in _line_of(out, dead.run_id)
+    code, out, _ = run_cli_in_process("runs", "recover", str(dead.dir))  # a second time: nothing left to do
+    assert code == 0 and "nothing to recover" in out and "recovered" not in out
+
+
+def test_runs_list_marks_a_corrupt_run_unreadable_and_lists_the_others(tmp_path):
+    good = make_run(tmp_path, 3, 250.0)
+    bad_manifest = make_run(tmp_path, 3, 100.0)
+    text = (bad_manifest.dir / "manifest.json").read_text()
+    (bad_manifest.dir / "manifest.json").write_text(text[: len(text) // 2])  # truncated
+    bad_summary = make_run(tmp_path, 3, 100.0)
+    data = (bad_summary.dir / "summary.parquet").read_bytes()
+    (bad_summary.dir / "summary.parquet").write_bytes(data[: len(data) // 2])  # truncated
+
+    code, out, err = run_cli_in_process("runs", "list", str(tmp_path))
+    assert code == 0, err
+    assert "Traceback" not in out + err
+    good_row = _line_of(out, good.run_id)
+    assert "│ ok " in good_row and "│       250 │" in good_row and "│     3 │" in good_row
+    assert "│ unreadable " in _line_of(out, bad_manifest.run_id)
+    assert "│ unreadable " in _line_of(out, bad_summary.run_id)
+    notes = {line.split(": ", 1)[0]: line for line in out.splitlines() if line.startswith("train-")}
+    assert set(notes) == {bad_manifest.run_id, bad_summary.run_id}
+    assert notes[bad_manifest.run_id].startswith(f"{bad_manifest.run_id}: unreadable: manifest.json: JSONDecodeError")
+    assert notes[bad_summary.run_id].startswith(f"{bad_summary.run_id}: unreadable: summary.parquet: ")
+    assert "(manifest status ok)" in notes[bad_summary.run_id]
+    # recover cannot read the truncated manifest either: it says so and goes on
+    code, out, err = run_cli_in_process("runs", "recover", str(tmp_path))
+    assert code == 0 and "Traceback" not in out + err
+    assert f"skipped {bad_manifest.dir}: unreadable: manifest.json: JSONDecodeError" in out

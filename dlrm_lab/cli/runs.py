@@ -1,49 +1,229 @@
-"""`dlrm-lab runs`: look at run directories."""
+"""`dlrm-lab runs`: look at run directories (`list`, which only reads) and make crashed
+ones readable (`recover`, which writes)."""
 
 from __future__ import annotations
 
+import json
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import pyarrow.parquet as pq
 import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
-from dlrm_lab.metrics.run import find_runs, recover_run
+from dlrm_lab.metrics.run import MANIFEST, find_runs, pid_alive, recover_run
+from dlrm_lab.metrics.tables import PARTS_DIR
 
 app = typer.Typer(help="Run directories written by train, scale and infer.", no_args_is_help=True)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+
+
+@dataclass
+class _Found:
+    """One run directory and its manifest, or why the manifest could not be read."""
+
+    dir: Path
+    manifest: dict[str, Any] | None
+    error: str | None = None
+
+    @property
+    def run_id(self) -> str:
+        return str((self.manifest or {}).get("run_id") or self.dir.name)
+
+
+def _read_manifest(run_dir: Path) -> _Found:
+    try:
+        manifest = json.loads((run_dir / MANIFEST).read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return _Found(run_dir, None, f"{MANIFEST}: {_one_line(exc)}")
+    return _Found(run_dir, manifest)
+
+
+def _discover(root: Path) -> list[_Found]:
+    """Runs under `root` (a run, or a directory of runs), oldest first (`find_runs`);
+    a manifest that cannot be read is kept, with the reason, not raised."""
+    return [_read_manifest(d) for d in find_runs(root)]
+
+
+def _liveness(manifest: dict[str, Any]) -> str:
+    """For a manifest saying `running`: `alive`, `dead` (its process is gone: it crashed or
+    was killed) or `elsewhere` (started on another host, whose pids cannot be checked here)."""
+    host = (manifest.get("hardware") or {}).get("hostname")
+    if host and host != socket.gethostname():
+        return "elsewhere"
+    return "alive" if pid_alive(manifest.get("pid")) else "dead"
+
+
+def _part_files(run_dir: Path) -> dict[str, list[Path]]:
+    """Flushed part files a run has not merged yet, per table (what recovery would merge)."""
+    parts_root = run_dir / PARTS_DIR
+    if not parts_root.is_dir():
+        return {}
+    tables = {p.name: sorted(p.glob("part-*.parquet")) for p in sorted(parts_root.iterdir()) if p.is_dir()}
+    return {name: parts for name, parts in tables.items() if parts}
+
+
+@dataclass
+class _Row:
+    run_id: str
+    status: str
+    manifest: dict[str, Any]
+    summary: dict[str, Any] = field(default_factory=dict)
+    steps: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _steps_read_only(run_dir: Path, row: _Row) -> int | None:
+    """Distinct `step` values in `steps.parquet` and in unmerged parts, without merging them."""
+    files = [run_dir / "steps.parquet"] if (run_dir / "steps.parquet").is_file() else []
+    files += _part_files(run_dir).get("steps", [])
+    steps: set[Any] = set()
+    for path in files:
+        try:
+            if "step" in pq.read_schema(path).names:
+                steps.update(pq.read_table(path, columns=["step"]).column("step").to_pylist())
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is a note on its run, not a crash
+            row.notes.append(f"{path.relative_to(run_dir)} unreadable ({_one_line(exc)})")
+    steps.discard(None)
+    return len(steps) if files and steps else None
+
+
+def _read_row(found: _Found) -> _Row:
+    """What `runs list` shows of one run; reads files, never writes them."""
+    if found.manifest is None:
+        return _Row(found.run_id, "unreadable", {}, notes=[f"unreadable: {found.error}"])
+    manifest = found.manifest
+    row = _Row(found.run_id, str(manifest.get("status") or "?"), manifest)
+    if row.status == "running":
+        liveness = _liveness(manifest)
+        if liveness == "dead":
+            parts = _part_files(found.dir)
+            merge = f"merge {sum(len(p) for p in parts.values())} part files ({', '.join(parts)}) and " if parts else ""
+            row.status = "running (dead)"
+            row.notes.append(
+                f"manifest says running but pid {manifest.get('pid')} is gone (crashed or killed); "
+                f"'dlrm-lab runs recover {found.dir}' would {merge}mark it failed"
+            )
+        elif liveness == "elsewhere":
+            row.notes.append(
+                f"running on host {manifest['hardware']['hostname']} (pid {manifest.get('pid')}), "
+                "whose process cannot be checked from here"
+            )
+    summary_path = found.dir / "summary.parquet"
+    if summary_path.is_file():
+        try:
+            rows = pq.read_table(summary_path).to_pylist()
+            row.summary = rows[0] if rows else {}
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is a note on its run, not a crash
+            row.notes.append(f"unreadable: summary.parquet: {_one_line(exc)} (manifest status {row.status})")
+            row.status = "unreadable"
+    row.steps = row.summary.get("steps")
+    if row.steps is None:  # no summary (crashed, or still running): count the steps flushed so far
+        row.steps = _steps_read_only(found.dir, row)
+    return row
+
+
 def _fmt(value: object, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    if value is None:
+        return "-"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 @app.command("list")
 def list_runs(
     directory: Annotated[Path, typer.Argument(help="A metrics directory (or one run).")] = Path("runs"),
 ) -> None:
-    """One line per run: id, kind, status, preset, throughput, quality, duration."""
+    """One line per run: id, kind, status, preset, throughput, quality, duration.
+
+    Only reads: a run left `running` by a process that is gone shows as `running (dead)`,
+    with what `dlrm-lab runs recover` would do to it; a run whose manifest or summary
+    cannot be read shows as `unreadable`, with the file and the error.
+    """
+    out = console()
     table = Table(title=str(directory))
     for col in ("run_id", "kind", "status", "preset", "ranks", "batch", "steps", "samples/s", "AUC", "secs"):
         left = col in ("run_id", "kind", "status", "preset")
-        table.add_column(col, justify="left" if left else "right", no_wrap=col == "run_id")
-    for run_dir in find_runs(directory):
-        manifest = recover_run(run_dir)
-        summary = {}
-        if (run_dir / "summary.parquet").is_file():
-            rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
-            summary = rows[0] if rows else {}
+        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("run_id", "status"))
+    rows = [_read_row(found) for found in _discover(directory)]
+    for row in rows:
+        summary, manifest = row.summary, row.manifest
         table.add_row(
-            manifest["run_id"],
-            manifest.get("kind", "?"),
-            manifest.get("status", "?"),
-            summary.get("preset") or manifest.get("config", {}).get("model", {}).get("name", "?"),
+            row.run_id,
+            str(manifest.get("kind", "?")),
+            row.status,
+            str(summary.get("preset") or (manifest.get("config") or {}).get("model", {}).get("name", "?")),
             _fmt(summary.get("world_size"), "d"),
             _fmt(summary.get("global_batch_size"), "d"),
-            _fmt(summary.get("steps"), "d"),
+            _fmt(row.steps, "d"),
             _fmt(summary.get("samples_per_s"), ",.0f"),
             _fmt(summary.get("eval_auc"), ".4f"),
             _fmt(manifest.get("duration_s"), ".1f"),
         )
-    console().print(table)
+    out.print(table)
+    for row in rows:
+        for note in row.notes:
+            out.print(f"{row.run_id}: {note}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("recover")
+def recover_runs(
+    directories: Annotated[list[Path], typer.Argument(help="Run directories, or directories of runs.")],
+) -> None:
+    """Make crashed runs readable: a run still `running` whose process is gone gets its
+    flushed part files merged into its tables and is marked `failed`.
+
+    Runs that ended, or whose process is alive, are left alone. One line per recovered run.
+    """
+    out = console()
+    found = [f for d in directories for f in _discover(d)]
+    recovered = failed = 0
+    for run in found:
+        if run.manifest is None:
+            out.print(f"skipped {run.dir}: unreadable: {run.error}", markup=False, highlight=False, soft_wrap=True)
+            continue
+        if run.manifest.get("status") != "running":
+            continue
+        liveness = _liveness(run.manifest)
+        pid = run.manifest.get("pid")
+        if liveness != "dead":
+            where = "is alive" if liveness == "alive" else f"runs on host {run.manifest['hardware']['hostname']}"
+            out.print(f"left alone {run.run_id}: pid {pid} {where}", markup=False, highlight=False, soft_wrap=True)
+            continue
+        parts = _part_files(run.dir)
+        try:
+            manifest = recover_run(run.dir)
+        except Exception as exc:  # noqa: BLE001 - one run that cannot be merged must not stop the others
+            failed += 1
+            out.print(
+                f"could not recover {run.run_id}: {_one_line(exc)}", markup=False, highlight=False, soft_wrap=True
+            )
+            continue
+        merged = (
+            f"; merged {sum(len(p) for p in parts.values())} part files into "
+            + ", ".join(f"{name}.parquet" for name in parts)
+            if parts
+            else ""
+        )
+        recovered += 1
+        out.print(
+            f"recovered {run.run_id}: marked {manifest.get('status')} (pid {pid} gone){merged}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    if not recovered and not failed:
+        out.print("nothing to recover: no run is left `running` by a process that is gone", markup=False)
+    if failed:
+        raise typer.Exit(1)

@@ -177,10 +177,21 @@ def find_runs(root: str | Path) -> list[Path]:
     if (root / MANIFEST).is_file():
         return [root]
     runs = [p.parent for p in root.glob(f"*/{MANIFEST}")]
-    return sorted(runs, key=lambda p: read_manifest(p).get("start_time") or "")
+    return sorted(runs, key=_started)
 
 
-def _pid_alive(pid: int | None) -> bool:
+def _started(run_dir: Path) -> tuple[str, str]:
+    """Sort key: start time, then name; a manifest that cannot be read sorts first instead of
+    failing the listing (its readers report it)."""
+    try:
+        manifest = read_manifest(run_dir)
+        start = manifest.get("start_time") if isinstance(manifest, dict) else None
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        start = None
+    return str(start or ""), run_dir.name
+
+
+def pid_alive(pid: int | None) -> bool:
     if not pid:
         return False
     try:
@@ -199,7 +210,7 @@ def recover_run(run_dir: Path) -> dict[str, Any]:
     closing; what it flushed is kept.
     """
     manifest = read_manifest(run_dir)
-    if manifest.get("status") == "running" and not _pid_alive(manifest.get("pid")):
+    if manifest.get("status") == "running" and not pid_alive(manifest.get("pid")):
         consolidate_run(Path(run_dir))
         manifest.update(status="failed", error="process ended without closing the run (crash or kill)")
         _write_json_atomic(Path(run_dir) / MANIFEST, manifest)
