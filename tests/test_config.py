@@ -101,6 +101,9 @@ top_mlp = [4, 1]
         ({"pooling_factor": "0"}, "must be a number > 0"),
         ({"interaction": '"dcnv2"'}, "missing required field 'dcn.num_layers'"),
         ({"colour": '"red"'}, "unknown field(s) colour"),
+        ({"feature_names": '["a", "a"]'}, "feature_names = ['a', 'a']: names must be unique ('a' repeated)"),
+        ({"embedding_dim": "[8, 0]"}, "table 't_cat_1': embedding_dim = 0: must be an integer >= 1"),
+        ({"dcn": "{ num_layers = 2 }"}, "dcn_num_layers = 2, dcn_low_rank = 0: only for interaction 'dcnv2'"),
     ],
 )
 def test_bad_model_files_name_file_field_and_rule(tmp_path, change, message):
@@ -111,6 +114,71 @@ def test_bad_model_files_name_file_field_and_rule(tmp_path, change, message):
         load_preset(path)
     text = str(err.value)
     assert message in text and path in text and "\n" not in text
+
+
+def spec_dict(**changes) -> dict:
+    """The tiny preset as `ModelSpec.to_dict` writes it (and the gRPC proxy reads it), changed."""
+    data = load_preset("tiny").to_dict()
+    for key, value in changes.items():
+        if key.startswith("tables."):  # tables.1.num_embeddings=0
+            _, i, field = key.split(".")
+            data["tables"][int(i)][field] = value
+        else:
+            data[key] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"tables.1.num_embeddings": 0}, "table 't_cat_1': num_embeddings = 0: must be an integer >= 1"),
+        ({"tables.2.pooling_factor": -1.0}, "table 't_cat_2': pooling_factor = -1.0: must be a number > 0"),
+        ({"tables.1.embedding_dim": 4}, "interaction 'dot' needs one embedding_dim for all tables, got [4, 8]"),
+        ({"bottom_mlp": [16, 4]}, "bottom_mlp ends at 4 but embedding_dim is 8; interaction 'dot' needs them equal"),
+        ({"interaction": "fm"}, "interaction = 'fm': allowed: dot, cat, dcnv2"),
+        (
+            {"tables.2.feature_names": ["cat_0"]},
+            "feature_names = ['cat_0', 'cat_1', 'cat_0', 'cat_3']: names must be unique",
+        ),
+        (
+            {"tables.3.name": "t_cat_0"},
+            "table_names = ['t_cat_0', 't_cat_1', 't_cat_2', 't_cat_0']: names must be unique",
+        ),
+        ({"interaction": "dcnv2"}, "dcn_num_layers = 0: interaction 'dcnv2' needs an integer >= 1"),
+        ({"top_mlp": [16, 2]}, "top_mlp = [16, 2] must end at 1"),
+        ({"num_dense": True}, "num_dense = True: must be an integer >= 1"),
+        ({"max_rows": 0}, "max_rows = 0: must be an integer >= 1"),
+        ({"colour": "red"}, "unknown field(s) colour"),
+    ],
+)
+def test_spec_from_dict_checks_every_invariant(changes, message):
+    data = spec_dict(**changes)
+    with pytest.raises(UserError) as err:
+        dlrm_lab.ModelSpec.from_dict(data)
+    text = str(err.value)
+    assert message in text and "\n" not in text
+    assert text.startswith(data["source"] + ": ")  # names the preset the spec came from
+
+
+def test_every_construction_path_is_checked():
+    import dataclasses
+
+    spec = load_preset("tiny")
+    with pytest.raises(UserError, match="num_dense = 0: must be an integer >= 1"):
+        dataclasses.replace(spec, num_dense=0)
+    with pytest.raises(UserError, match=r"^table 't': num_embeddings = 0: must be an integer >= 1$"):
+        dlrm_lab.TableSpec("t", num_embeddings=0, embedding_dim=8, feature_names=("a",))
+    with pytest.raises(UserError, match=r"^model spec 'm': bottom_mlp ends at 4 but embedding_dim is 8"):
+        dlrm_lab.ModelSpec("m", 4, (dlrm_lab.TableSpec("t", 10, 8, ("a",)),), bottom_mlp=(4,), top_mlp=(1,))
+    with pytest.raises(UserError, match="missing required field 'embedding_dim'"):
+        data = spec_dict()
+        del data["tables"][0]["embedding_dim"]
+        dlrm_lab.ModelSpec.from_dict(data)
+    # lists are taken and stored as tuples, so a spec built from JSON-like values equals the loaded one
+    table = dlrm_lab.TableSpec("t_cat_0", 100, 8, ["cat_0"], pooling_factor=1)
+    assert table == spec.tables[0] and table.feature_names == ("cat_0",) and table.pooling_factor == 1.0
+    rebuilt = dlrm_lab.ModelSpec(**{**spec_dict(), "tables": list(spec.tables)})
+    assert rebuilt == spec and hash(rebuilt) == hash(spec)
 
 
 def test_missing_field_and_bad_toml(tmp_path):

@@ -133,3 +133,72 @@ def test_unknown_table_precision_is_an_error_naming_it():
 
     with pytest.raises(ValueError, match="table_precision 'int3': allowed: fp32, fp16"):
         build_model(dlrm_lab.load_preset("tiny"), table_precision="int3")
+
+
+def spec_like(**changes):
+    """The tiny preset's fields as a plain object: a spec that skipped `ModelSpec`'s checks."""
+    import dataclasses
+    import types
+
+    spec = dlrm_lab.load_preset("tiny")
+    return types.SimpleNamespace(**{**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}, **changes})
+
+
+def table(name, dim):
+    return dlrm_lab.TableSpec(name, num_embeddings=10, embedding_dim=dim, feature_names=(name,))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"bottom_mlp": (16, 4)},
+            "interaction 'dot' needs the bottom MLP's output dim (4) equal to the embedding dim (8)",
+        ),
+        (
+            {"tables": (table("a", 8), table("b", 4)), "interaction": "dcnv2", "dcn_num_layers": 1, "dcn_low_rank": 2},
+            "interaction 'dcnv2' needs one embedding dim for all tables, got a: 8, b: 4",
+        ),
+        ({"interaction": "dcnv2"}, "interaction 'dcnv2' needs dcn_num_layers (0) and dcn_low_rank (0) >= 1"),
+        ({"interaction": "fm"}, "interaction 'fm': allowed: dot, cat, dcnv2"),
+        ({"top_mlp": (16, 2)}, "top_mlp [16, 2] ends at 2 outputs, but the model gives one logit per sample (1)"),
+        ({"tables": ()}, "at least one embedding table is required"),
+    ],
+)
+def test_dlrm_refuses_inconsistent_sizes_naming_them(changes, message):
+    with pytest.raises(ValueError) as err:
+        dlrm_lab.build_model(spec_like(**changes))
+    assert message in str(err.value)
+
+
+def test_dlrm_builds_from_a_consistent_spec_like_object():
+    model = dlrm_lab.build_model(spec_like(interaction="cat", bottom_mlp=(16, 5)))
+    assert next(model.over_arch.parameters()).shape[1] == 5 + 4 * 8  # dense output beside 4 pooled dims of 8
+    batch = make_batch(dlrm_lab.load_preset("tiny"), 3, seed=0)
+    assert model(batch.dense_features, batch.sparse_features).shape == (3,)
+
+
+def test_archs_refuse_arguments_naming_them():
+    from dlrm_lab.model.dlrm import DotInteractionArch, PooledSparseArch
+
+    with pytest.raises(ValueError, match=r"num_sparse_features = -1: must be an integer >= 1"):
+        DotInteractionArch(num_sparse_features=-1)
+    mixed = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="t_a", num_embeddings=4, embedding_dim=8, feature_names=["a"]),
+            EmbeddingBagConfig(name="t_b", num_embeddings=4, embedding_dim=4, feature_names=["b"]),
+        ]
+    )
+    with pytest.raises(ValueError, match="needs one embedding_dim for all tables, got t_a: 8, t_b: 4"):
+        PooledSparseArch(mixed)
+    assert PooledSparseArch(mixed, flat=True).out_features == 12
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import dlrm_lab.model.dlrm as module
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+    assert result.attempted >= 25  # the examples of PooledSparseArch, the interactions, DLRM and build_model

@@ -19,7 +19,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dlrm_lab.config import ModelSpec
+from dlrm_lab.config import INTERACTIONS, ModelSpec
 
 # Storage precision of table rows in the fbgemm kernels once sharded.
 _TABLE_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
@@ -47,10 +47,33 @@ class PooledSparseArch(nn.Module):
     collection's `KeyedTensor.values()` already holds them side by side, so when its keys
     come in feature order this is a view, not two copies (other orders are regrouped).
 
-    Example::
+    Example (two tables of dim 8, the first looked up by two features; 2 samples):
 
-        arch = PooledSparseArch(ebc)     # 3 features of dim 8
-        arch(kjt).shape                  # torch.Size([B, 3, 8])
+    >>> import torch
+    >>> from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    >>> from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    >>> from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    >>> ebc = EmbeddingBagCollection(tables=[
+    ...     EmbeddingBagConfig(name="t_ab", num_embeddings=10, embedding_dim=8, feature_names=["a", "b"]),
+    ...     EmbeddingBagConfig(name="t_c", num_embeddings=5, embedding_dim=8, feature_names=["c"]),
+    ... ])
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(  # feature "b" looks up two ids per sample
+    ...     keys=["a", "b", "c"],
+    ...     values=torch.tensor([1, 2, 3, 4, 5, 6, 0, 4]),
+    ...     lengths=torch.tensor([1, 1, 2, 2, 1, 1]),
+    ... )
+    >>> PooledSparseArch(ebc)(kjt).shape  # B X F X D
+    torch.Size([2, 3, 8])
+    >>> PooledSparseArch(ebc, flat=True)(kjt).shape  # B X (8 + 8 + 8)
+    torch.Size([2, 24])
+    >>> mixed = EmbeddingBagCollection(tables=[
+    ...     EmbeddingBagConfig(name="t_a", num_embeddings=10, embedding_dim=8, feature_names=["a"]),
+    ...     EmbeddingBagConfig(name="t_b", num_embeddings=10, embedding_dim=4, feature_names=["b"]),
+    ... ])
+    >>> PooledSparseArch(mixed)
+    Traceback (most recent call last):
+        ...
+    ValueError: B X F X D output needs one embedding_dim for all tables, got t_a: 8, t_b: 4; use flat=True
     """
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, flat: bool = False) -> None:
@@ -58,10 +81,18 @@ class PooledSparseArch(nn.Module):
         self.embedding_bag_collection: EmbeddingBagCollection = embedding_bag_collection
         configs = embedding_bag_collection.embedding_bag_configs()
         self.sparse_feature_names: list[str] = [name for conf in configs for name in conf.feature_names]
+        if not self.sparse_feature_names:
+            raise ValueError("the embedding bag collection has no features: at least one table with one is needed")
+        repeated = sorted({f for f in self.sparse_feature_names if self.sparse_feature_names.count(f) > 1})
+        if repeated:
+            raise ValueError(f"feature names must be unique across tables; repeated: {', '.join(repeated)}")
         self.F: int = len(self.sparse_feature_names)
+        # Output width: B X F X D, or with flat=True B X out_features.
+        self.out_features: int = sum(conf.embedding_dim * len(conf.feature_names) for conf in configs)
         self.D: int | None = None if flat else configs[0].embedding_dim
         if not flat and any(conf.embedding_dim != self.D for conf in configs):
-            raise ValueError("B X F X D output needs one embedding_dim for all tables; use flat=True")
+            dims = ", ".join(f"{conf.name}: {conf.embedding_dim}" for conf in configs)
+            raise ValueError(f"B X F X D output needs one embedding_dim for all tables, got {dims}; use flat=True")
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         values = pooled_in_order(self.embedding_bag_collection(features), self.sparse_feature_names)
@@ -76,10 +107,22 @@ class DotInteractionArch(nn.Module):
     Gram matrix row by row. It selects the triangle from the flattened matrix with
     `index_select`, whose backward is a vectorised `index_add`; TorchRec's 2-D advanced
     indexing backs up through a serial `index_put` (about twice as slow on CPU).
+
+    Example (B = 2, F = 3, D = 8: 8 + (3 + 1) choose 2 = 14 outputs):
+
+    >>> import torch
+    >>> DotInteractionArch(num_sparse_features=3)(torch.rand(2, 8), torch.rand(2, 3, 8)).shape
+    torch.Size([2, 14])
+    >>> DotInteractionArch(num_sparse_features=0)
+    Traceback (most recent call last):
+        ...
+    ValueError: num_sparse_features = 0: must be an integer >= 1
     """
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
+        if isinstance(num_sparse_features, bool) or not isinstance(num_sparse_features, int) or num_sparse_features < 1:
+            raise ValueError(f"num_sparse_features = {num_sparse_features!r}: must be an integer >= 1")
         self.F: int = num_sparse_features
         rows, cols = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
         self.register_buffer("triu_flat_indices", rows * (self.F + 1) + cols, persistent=False)
@@ -94,10 +137,47 @@ class ConcatInteractionArch(nn.Module):
     """facebookresearch/dlrm's cat interaction: [dense_out, pooled embeddings].
 
     Input B X D_dense and B X (sum of feature dims); output B X (D_dense + sum of dims).
+
+    >>> import torch
+    >>> ConcatInteractionArch()(torch.rand(2, 8), torch.rand(2, 22)).shape
+    torch.Size([2, 30])
     """
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         return torch.cat((dense_features, sparse_features), dim=1)
+
+
+def _check_sizes(spec: ModelSpec) -> None:
+    """The sizes `DLRM` builds from agree: a `ModelSpec` guarantees it, a spec-like object may not."""
+    if spec.interaction not in INTERACTIONS:
+        raise ValueError(f"interaction {spec.interaction!r}: allowed: {', '.join(INTERACTIONS)}")
+    if not spec.tables:
+        raise ValueError("at least one embedding table is required, got none")
+    for t in spec.tables:
+        if t.num_embeddings < 1 or t.embedding_dim < 1:
+            raise ValueError(f"table {t.name!r}: {t.num_embeddings} rows of dim {t.embedding_dim}: both must be >= 1")
+    if spec.num_dense < 1:
+        raise ValueError(f"num_dense = {spec.num_dense}: the bottom MLP needs at least one dense feature")
+    bottom, top = list(spec.bottom_mlp), list(spec.top_mlp)
+    if not bottom or not top:
+        raise ValueError(f"bottom_mlp {bottom} and top_mlp {top} need at least one layer each")
+    if top[-1] != 1:
+        raise ValueError(f"top_mlp {top} ends at {top[-1]} outputs, but the model gives one logit per sample (1)")
+    if spec.interaction in ("dot", "dcnv2"):
+        if len({t.embedding_dim for t in spec.tables}) != 1:
+            dims = ", ".join(f"{t.name}: {t.embedding_dim}" for t in spec.tables)
+            raise ValueError(f"interaction {spec.interaction!r} needs one embedding dim for all tables, got {dims}")
+        dim = spec.tables[0].embedding_dim
+        if bottom[-1] != dim:
+            raise ValueError(
+                f"interaction {spec.interaction!r} needs the bottom MLP's output dim ({bottom[-1]}) "
+                f"equal to the embedding dim ({dim})"
+            )
+    if spec.interaction == "dcnv2" and not (spec.dcn_num_layers >= 1 and spec.dcn_low_rank >= 1):
+        raise ValueError(
+            f"interaction 'dcnv2' needs dcn_num_layers ({spec.dcn_num_layers}) "
+            f"and dcn_low_rank ({spec.dcn_low_rank}) >= 1"
+        )
 
 
 class DLRM(nn.Module):
@@ -105,11 +185,30 @@ class DLRM(nn.Module):
 
     `forward(dense: B X num_dense, sparse: KJT over spec.feature_names) -> logits: B`.
 
-    Example::
+    A `ModelSpec` is checked when constructed; the sizes the modules depend on are checked
+    again here, for spec-like objects, with `ValueError`s naming the sizes that disagree.
 
-        spec = dlrm_lab.load_preset("tiny")
-        model = DLRM(spec)
-        logits = model(torch.rand(2, spec.num_dense), kjt)   # shape [2]
+    Example (the tiny preset's 4 features, one id each, for 2 samples):
+
+    >>> import torch
+    >>> from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    >>> import dlrm_lab
+    >>> from dlrm_lab.model import DLRM
+    >>> spec = dlrm_lab.load_preset("tiny")
+    >>> spec.feature_names
+    ['cat_0', 'cat_1', 'cat_2', 'cat_3']
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+    ...     keys=spec.feature_names,
+    ...     values=torch.tensor([3, 7, 0, 1, 5, 9, 2, 2]),
+    ...     lengths=torch.ones(8, dtype=torch.int64),
+    ... )
+    >>> model = DLRM(spec)
+    >>> model(torch.rand(2, spec.num_dense), kjt).shape
+    torch.Size([2])
+    >>> DLRM(spec, table_precision="int8")
+    Traceback (most recent call last):
+        ...
+    ValueError: table_precision 'int8': allowed: fp32, fp16
     """
 
     def __init__(
@@ -122,6 +221,7 @@ class DLRM(nn.Module):
         super().__init__()
         if table_precision not in _TABLE_DTYPES:
             raise ValueError(f"table_precision {table_precision!r}: allowed: {', '.join(_TABLE_DTYPES)}")
+        _check_sizes(spec)
         self.spec = spec
         configs = [
             EmbeddingBagConfig(
@@ -138,21 +238,22 @@ class DLRM(nn.Module):
         # Registered in TorchRec's order (sparse, dense, inter, over) so state dicts list alike.
         self.sparse_arch = PooledSparseArch(ebc, flat=spec.interaction == "cat")
         self.dense_arch = DenseArch(in_features=spec.num_dense, layer_sizes=list(spec.bottom_mlp), device=device)
-        num_features = spec.num_features
+        num_features = self.sparse_arch.F
+        dense_out = spec.bottom_mlp[-1]
+        if spec.interaction == "dot":  # dense output, then the Gram matrix's upper triangle
+            over_in = dense_out + num_features * (num_features + 1) // 2
+        else:  # cat and dcnv2: the dense output beside every pooled embedding
+            over_in = dense_out + self.sparse_arch.out_features
         if spec.interaction == "cat":
             self.inter_arch: nn.Module = ConcatInteractionArch()
         elif spec.interaction == "dot":
             self.inter_arch = DotInteractionArch(num_sparse_features=num_features)
         else:
-            crossnet = LowRankCrossNet(
-                in_features=spec.over_arch_in_features,
-                num_layers=spec.dcn_num_layers,
-                low_rank=spec.dcn_low_rank,
-            )
+            crossnet = LowRankCrossNet(in_features=over_in, num_layers=spec.dcn_num_layers, low_rank=spec.dcn_low_rank)
             self.inter_arch = InteractionDCNArch(num_sparse_features=num_features, crossnet=crossnet)
             if device is not None:
                 self.inter_arch.to(device)  # LowRankCrossNet takes no device argument
-        self.over_arch = OverArch(in_features=spec.over_arch_in_features, layer_sizes=list(spec.top_mlp), device=device)
+        self.over_arch = OverArch(in_features=over_in, layer_sizes=list(spec.top_mlp), device=device)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         embedded_dense = self.dense_arch(dense_features)
@@ -171,6 +272,14 @@ def build_model(
 
     `table_device="meta"` leaves the embedding tables unallocated, to be materialised
     shard by shard by `DistributedModelParallel`; by default they live on `device`.
+
+    >>> import dlrm_lab
+    >>> spec = dlrm_lab.load_preset("tiny")
+    >>> model = build_model(spec, table_device="meta")
+    >>> [p.is_meta for p in model.sparse_arch.parameters()]
+    [True, True, True, True]
+    >>> sum(p.numel() for p in model.parameters()) == spec.num_parameters
+    True
     """
     dev = torch.device(device)
     return DLRM(
