@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 import tomllib
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.metrics.run import MANIFEST, Run, read_manifest
+from dlrm_lab.metrics.run import MANIFEST, Run, discover_runs, read_manifest
 from dlrm_lab.metrics.tables import write_table
 
 COMMANDS = {"train": ("train",), "infer run": ("infer", "run")}
@@ -240,15 +240,10 @@ def _slot(p: int, r: int) -> str:
     return f"p{p:04d}-r{r}"
 
 
-def _child_runs(slot_dir: Path) -> list[Path]:
-    return sorted(d for d in slot_dir.glob(f"*/{MANIFEST}")) if slot_dir.is_dir() else []
-
-
 def _done_run(slot_dir: Path) -> Path | None:
-    for manifest in _child_runs(slot_dir):
-        if read_manifest(manifest.parent).get("status") == "ok":
-            return manifest.parent
-    return None
+    """The point-repeat's run that ended ok, if any (an unreadable one does not count)."""
+    runs = discover_runs(slot_dir) if slot_dir.is_dir() else []
+    return next((f.dir for f in runs if (f.manifest or {}).get("status") == "ok"), None)
 
 
 def _set_aside(sweep_dir: Path, slot_dir: Path) -> int:

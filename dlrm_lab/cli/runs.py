@@ -3,7 +3,6 @@ ones readable (`recover`, which writes)."""
 
 from __future__ import annotations
 
-import json
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,44 +13,10 @@ import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
-from dlrm_lab.metrics.run import MANIFEST, find_runs, pid_alive, recover_run
+from dlrm_lab.metrics.run import FoundRun, discover_runs, one_line, pid_alive, recover_run
 from dlrm_lab.metrics.tables import PARTS_DIR
 
 app = typer.Typer(help="Run directories written by train, scale and infer.", no_args_is_help=True)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
-
-
-@dataclass
-class _Found:
-    """One run directory and its manifest, or why the manifest could not be read."""
-
-    dir: Path
-    manifest: dict[str, Any] | None
-    error: str | None = None
-
-    @property
-    def run_id(self) -> str:
-        return str((self.manifest or {}).get("run_id") or self.dir.name)
-
-
-def _read_manifest(run_dir: Path) -> _Found:
-    try:
-        manifest = json.loads((run_dir / MANIFEST).read_text())
-        if not isinstance(manifest, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return _Found(run_dir, None, f"{MANIFEST}: {_one_line(exc)}")
-    return _Found(run_dir, manifest)
-
-
-def _discover(root: Path) -> list[_Found]:
-    """Runs under `root` (a run, or a directory of runs), oldest first (`find_runs`);
-    a manifest that cannot be read is kept, with the reason, not raised."""
-    return [_read_manifest(d) for d in find_runs(root)]
 
 
 def _liveness(manifest: dict[str, Any]) -> str:
@@ -92,12 +57,12 @@ def _steps_read_only(run_dir: Path, row: _Row) -> int | None:
             if "step" in pq.read_schema(path).names:
                 steps.update(pq.read_table(path, columns=["step"]).column("step").to_pylist())
         except Exception as exc:  # noqa: BLE001 - a corrupt file is a note on its run, not a crash
-            row.notes.append(f"{path.relative_to(run_dir)} unreadable ({_one_line(exc)})")
+            row.notes.append(f"{path.relative_to(run_dir)} unreadable ({one_line(exc)})")
     steps.discard(None)
     return len(steps) if files and steps else None
 
 
-def _read_row(found: _Found) -> _Row:
+def _read_row(found: FoundRun) -> _Row:
     """What `runs list` shows of one run; reads files, never writes them."""
     if found.manifest is None:
         return _Row(found.run_id, "unreadable", {}, notes=[f"unreadable: {found.error}"])
@@ -124,7 +89,7 @@ def _read_row(found: _Found) -> _Row:
             rows = pq.read_table(summary_path).to_pylist()
             row.summary = rows[0] if rows else {}
         except Exception as exc:  # noqa: BLE001 - a corrupt file is a note on its run, not a crash
-            row.notes.append(f"unreadable: summary.parquet: {_one_line(exc)} (manifest status {row.status})")
+            row.notes.append(f"unreadable: summary.parquet: {one_line(exc)} (manifest status {row.status})")
             row.status = "unreadable"
     row.steps = row.summary.get("steps")
     if row.steps is None:  # no summary (crashed, or still running): count the steps flushed so far
@@ -156,7 +121,7 @@ def list_runs(
     for col in ("run_id", "kind", "status", "preset", "ranks", "batch", "steps", "samples/s", "AUC", "secs"):
         left = col in ("run_id", "kind", "status", "preset")
         table.add_column(col, justify="left" if left else "right", no_wrap=col in ("run_id", "status"))
-    rows = [_read_row(found) for found in _discover(directory)]
+    rows = [_read_row(found) for found in discover_runs(directory)]
     for row in rows:
         summary, manifest = row.summary, row.manifest
         table.add_row(
@@ -187,7 +152,7 @@ def recover_runs(
     Runs that ended, or whose process is alive, are left alone. One line per recovered run.
     """
     out = console()
-    found = [f for d in directories for f in _discover(d)]
+    found = [f for d in directories for f in discover_runs(d)]
     recovered = failed = 0
     for run in found:
         if run.manifest is None:
@@ -206,9 +171,7 @@ def recover_runs(
             manifest = recover_run(run.dir)
         except Exception as exc:  # noqa: BLE001 - one run that cannot be merged must not stop the others
             failed += 1
-            out.print(
-                f"could not recover {run.run_id}: {_one_line(exc)}", markup=False, highlight=False, soft_wrap=True
-            )
+            out.print(f"could not recover {run.run_id}: {one_line(exc)}", markup=False, highlight=False, soft_wrap=True)
             continue
         merged = (
             f"; merged {sum(len(p) for p in parts.values())} part files into "

@@ -12,6 +12,7 @@ import os
 import secrets
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -169,26 +170,75 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / MANIFEST).read_text())
 
 
-def find_runs(root: str | Path) -> list[Path]:
-    """Run directories under `root` (itself a run, or a directory of runs), oldest first."""
-    root = Path(root)
-    if not root.exists():
-        raise UserError(f"{root}: no such directory")
-    if (root / MANIFEST).is_file():
-        return [root]
-    runs = [p.parent for p in root.glob(f"*/{MANIFEST}")]
-    return sorted(runs, key=_started)
+@dataclass
+class FoundRun:
+    """A run directory as found on disk: its manifest, or why that could not be read."""
+
+    dir: Path
+    manifest: dict[str, Any] | None  # None: unreadable (see `error`)
+    error: str | None = None  # "manifest.json: <error>", one line
+    parent: Path | None = None  # the enclosing run's directory (nested discovery: sweep/scale points)
+
+    @property
+    def run_id(self) -> str:
+        return str((self.manifest or {}).get("run_id") or self.dir.name)
+
+    @property
+    def kind(self) -> str:
+        return str((self.manifest or {}).get("kind") or "unknown")
 
 
-def _started(run_dir: Path) -> tuple[str, str]:
-    """Sort key: start time, then name; a manifest that cannot be read sorts first instead of
-    failing the listing (its readers report it)."""
+# Below a run, directories that never hold runs of their own: part files and set-aside
+# attempts (`_parts`, `_incomplete`), hidden ones, LoadGen's logs.
+_NOT_RUNS = {"loadgen"}
+
+
+def discover_runs(paths: str | Path | list[str | Path], nested: bool = False) -> list[FoundRun]:
+    """The run directories (holding manifest.json) under `paths`, oldest first (start time,
+    then path). Each path is a run or a directory of runs; with `nested`, runs at any depth
+    (a sweep or scale run keeps its points' runs below it), each knowing its enclosing run.
+    A manifest that cannot be read is returned with the reason, never raised: listings,
+    reports and comparisons show what they can. The one discovery rule of the lab."""
+    roots = [Path(p) for p in (paths if isinstance(paths, list) else [paths])]
+    found: dict[Path, FoundRun] = {}
+    for root in roots:
+        if not root.exists():
+            raise UserError(f"{root}: no such directory")
+        if not root.is_dir():
+            raise UserError(f"{root}: not a directory (give a run directory or a directory of runs)")
+        if not nested:
+            dirs = [root] if (root / MANIFEST).is_file() else [p.parent for p in root.glob(f"*/{MANIFEST}")]
+            for d in dirs:
+                found.setdefault(d.resolve(), _found(d, None))
+            continue
+        for current, subdirs, files in os.walk(root):
+            subdirs[:] = sorted(d for d in subdirs if d not in _NOT_RUNS and d[:1] not in "_.")
+            here = Path(current).resolve()
+            if MANIFEST in files and here not in found:
+                parent = next((p for p in here.parents if p in found), None)
+                found[here] = _found(Path(current), found[parent].dir if parent else None)
+    return sorted(found.values(), key=lambda f: (str((f.manifest or {}).get("start_time") or ""), str(f.dir)))
+
+
+def _found(run_dir: Path, parent: Path | None) -> FoundRun:
     try:
         manifest = read_manifest(run_dir)
-        start = manifest.get("start_time") if isinstance(manifest, dict) else None
-    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        start = None
-    return str(start or ""), run_dir.name
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return FoundRun(run_dir, None, f"{MANIFEST}: {one_line(exc)}", parent)
+    return FoundRun(run_dir, manifest, None, parent)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run directories under `root` (itself a run, or a directory of runs), oldest first."""
+    return [f.dir for f in discover_runs(root)]
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -39,7 +39,6 @@ otherwise, and `no noise estimate` when there is no CI (fewer than 3 samples a s
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.metrics.run import MANIFEST
+from dlrm_lab.metrics import run as metrics_run
 from dlrm_lab.metrics.stats import (
     CONFIDENCE,
     N_RESAMPLES,
@@ -208,27 +207,19 @@ class _Run:
 def discover_runs(path: str | Path) -> tuple[list[_Run], list[str]]:
     """Runs under `path` (a run, or a directory of runs at any depth), oldest first, and
     notes on what was skipped (sweep containers silently; unreadable or not-ok runs noted)."""
-    root = Path(path)
-    if not root.exists():
-        raise UserError(f"{root}: no such directory")
-    if not root.is_dir():
-        raise UserError(f"{root}: not a directory (give a run directory or a directory of runs)")
     runs, notes, not_ok = [], [], Counter()
-    for manifest_path in sorted(root.rglob(MANIFEST)):
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as exc:
-            notes.append(f"{manifest_path}: unreadable manifest, skipped ({exc})")
+    for found in metrics_run.discover_runs(path, nested=True):
+        if found.manifest is None:
+            notes.append(f"{found.dir}: unreadable, skipped ({found.error})")
             continue
-        if manifest.get("kind") in CONTAINER_KINDS:
+        if found.manifest.get("kind") in CONTAINER_KINDS:
             continue
-        if manifest.get("status") != "ok":
-            not_ok[str(manifest.get("status"))] += 1
+        if found.manifest.get("status") != "ok":
+            not_ok[str(found.manifest.get("status"))] += 1
             continue
-        runs.append(_Run(manifest_path.parent, manifest))
+        runs.append(_Run(found.dir, found.manifest))
     if not_ok:
-        notes.append(f"{root}: skipped runs that did not end ok: " + ", ".join(f"{n} {s}" for s, n in not_ok.items()))
-    runs.sort(key=lambda r: r.manifest.get("start_time") or "")
+        notes.append(f"{path}: skipped runs that did not end ok: " + ", ".join(f"{n} {s}" for s, n in not_ok.items()))
     return runs, notes
 
 

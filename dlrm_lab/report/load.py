@@ -8,8 +8,6 @@ that is missing or unreadable becomes a note on its run, never an exception.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.run import MANIFEST, discover_runs, one_line
 from dlrm_lab.report.plots import PHASES
-
-MANIFEST = "manifest.json"
-# Never hold runs of their own: LoadGen logs, table parts, a sweep's abandoned attempts
-# (`_incomplete/`, superseded by the repeat that finished). "_" and "." names are skipped.
-_SKIP_DIRS = {"loadgen"}
 
 ROOFLINE = ["flops_per_sample", "bytes_per_sample", "achieved_flops_per_s", "roofline_fraction", "roofline_bound_by"]
 ENERGY = ["energy_j", "energy_unavailable", "samples_per_s_per_w", "energy_per_sample_j"]
@@ -112,48 +106,21 @@ class RunInfo:
 
 
 def discover(paths: list[str | Path] | str | Path) -> list[RunInfo]:
-    """Every run directory (one holding manifest.json) under `paths`, at any depth, oldest first.
-
-    Runs nest (a scale or sweep run keeps its points' runs below it): each nested run
-    knows its enclosing run as `parent`.
-    """
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    found: dict[Path, RunInfo] = {}
-    for given in paths:
-        root = Path(given)
-        if not root.exists():
-            raise UserError(f"{root}: no such directory")
-        if not root.is_dir():
-            raise UserError(f"{root}: not a directory (give a run directory or a directory of runs)")
-        for current, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and d[:1] not in "_.")
-            here = Path(current).resolve()
-            if MANIFEST not in files or here in found:
-                continue
-            parent = next((found[p].run_id for p in here.parents if p in found), None)
-            found[here] = _run_info(Path(current), parent)
+    """Every run directory (one holding manifest.json) under `paths`, at any depth, oldest first
+    (`dlrm_lab.metrics.run.discover_runs`). Runs nest (a scale or sweep run keeps its points'
+    runs below it): each nested run knows its enclosing run as `parent`."""
+    found = discover_runs(paths if isinstance(paths, list) else [paths], nested=True)
     if not found:
-        raise UserError(f"no run directory (one holding {MANIFEST}) under {', '.join(str(p) for p in paths)}")
-    return sorted(found.values(), key=lambda r: (str(r.manifest.get("start_time") or ""), str(r.dir)))
-
-
-def _run_info(run_dir: Path, parent: str | None) -> RunInfo:
-    try:
-        manifest = json.loads((run_dir / MANIFEST).read_text())
-        if not isinstance(manifest, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as exc:
-        info = RunInfo(run_dir, {}, "unknown", run_dir.name, parent)
-        info.note(f"{MANIFEST} unreadable ({_one_line(exc)})")
-        return info
-    kind, run_id = str(manifest.get("kind") or "unknown"), str(manifest.get("run_id") or run_dir.name)
-    return RunInfo(run_dir, manifest, kind, run_id, parent)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+        shown = ", ".join(str(p) for p in (paths if isinstance(paths, list) else [paths]))
+        raise UserError(f"no run directory (one holding {MANIFEST}) under {shown}")
+    ids = {f.dir: f.run_id for f in found}
+    infos = []
+    for f in found:
+        info = RunInfo(f.dir, f.manifest or {}, f.kind, f.run_id, ids.get(f.parent) if f.parent else None)
+        if f.manifest is None:
+            info.note(f"{MANIFEST} unreadable ({f.error.split(': ', 1)[-1] if f.error else ''})")
+        infos.append(info)
+    return infos
 
 
 def read_table(
@@ -170,7 +137,7 @@ def read_table(
         cols = [c for c in columns if c in names] if columns is not None else None
         return pq.read_table(path, columns=cols, filters=filters)
     except Exception as exc:  # noqa: BLE001 - truncated, garbage or not Parquet at all: report it, go on
-        run.note(f"{name}.parquet unreadable ({_one_line(exc)})")
+        run.note(f"{name}.parquet unreadable ({one_line(exc)})")
         return None
 
 
