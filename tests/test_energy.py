@@ -7,9 +7,12 @@ exact; only the lifecycle and host tests use the real thread, for a fraction of 
 from __future__ import annotations
 
 import builtins
+import os
+import re
 import sys
 import time
 import types
+from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import pytest
 import torch
 
 from dlrm_lab.infer.records import energy_columns as point_energy
-from dlrm_lab.metrics import energy
+from dlrm_lab.metrics import cpu, energy
 from dlrm_lab.metrics.energy import (
     TELEMETRY_SCHEMA,
     EnergySampler,
@@ -360,3 +363,131 @@ def test_ranks_combine_into_one_summary():
 def test_interval_out_of_range_is_rejected(interval):
     with pytest.raises(ValueError, match="interval_s"):
         EnergySampler([], interval_s=interval)
+
+
+# ------------------------------------------------------------------------------------ CPU meter
+
+# psutil's Linux field layouts; guest time is also inside user time, as the kernel reports it
+CoreTimes = namedtuple("CoreTimes", "user nice system idle iowait irq softirq steal guest guest_nice")
+ProcTimes = namedtuple("ProcTimes", "user system children_user children_system")
+
+
+@dataclass
+class FakeCpu:
+    """Cumulative kernel counters the test advances: per core {field: seconds}, per pid (user, system)."""
+
+    cores: list[dict[str, float]]
+    procs: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def cpu_times(percpu: bool = False) -> list[CoreTimes]:
+            assert percpu
+            return [CoreTimes(**{f: c.get(f, 0.0) for f in CoreTimes._fields}) for c in self.cores]
+
+        def process_cpu_times(proc: psutil.Process) -> ProcTimes:
+            if proc.pid not in self.procs:
+                raise psutil.NoSuchProcess(proc.pid)
+            return ProcTimes(*self.procs[proc.pid], 0.0, 0.0)
+
+        monkeypatch.setattr(psutil, "cpu_times", cpu_times)
+        monkeypatch.setattr(psutil.Process, "cpu_times", process_cpu_times)
+
+    def add(self, core: int, **seconds: float) -> None:
+        for name, value in seconds.items():
+            self.cores[core][name] = self.cores[core].get(name, 0.0) + value
+
+
+def test_cpu_meter_gives_the_documented_numbers_from_kernel_counters(monkeypatch):
+    me, other = os.getpid(), os.getppid()
+    fake = FakeCpu([{"user": 10.0, "idle": 90.0}, {"user": 5.0, "idle": 95.0}], {other: (1.0, 1.0), me: (2.0, 0.0)})
+    fake.install(monkeypatch)
+    clock = FakeClock()
+    procs = {"instance": [(other, 1)], "server": [(me, 1)]}
+    both = cpu.CpuMeter(None, procs, clock=clock).start()
+    first = cpu.CpuMeter([0], clock=clock).start()
+    second = cpu.CpuMeter([1], clock=clock).start()
+
+    # 1 s: core 0 fully busy (0.25 s of it guest, which the kernel already counts in user), core 1 idle
+    # or waiting on I/O (not busy either); the instance used 0.2 s user + 0.1 s system, the server 0.05 s
+    clock.t = 1.0
+    fake.add(0, user=1.0, guest=0.25)
+    fake.add(1, idle=0.8, iowait=0.2)
+    fake.procs = {other: (1.2, 1.1), me: (2.05, 0.0)}
+    use = both.stop()
+
+    assert use["wall_s"] == pytest.approx(1.0)
+    assert use["cpu_busy_s"] == pytest.approx(1.0) and use["cpu_total_s"] == pytest.approx(2.0)
+    assert use["cpu_utilization"] == pytest.approx(0.5)  # guest added twice would give 1.25 / 2.25
+    assert use["core_utilization"] == pytest.approx({0: 1.0, 1: 0.0})
+    assert first.stop()["cpu_utilization"] == pytest.approx(1.0)
+    assert second.stop()["cpu_utilization"] == pytest.approx(0.0)
+    assert use["instance_cpu_s"] == pytest.approx(0.3) and use["instance_cpu_utilization"] == pytest.approx(0.3)
+    assert use["server_cpu_s"] == pytest.approx(0.05)
+
+
+def test_cpu_meter_hot_plug_and_vanished_process_give_none_not_a_wrong_number(monkeypatch):
+    me = os.getpid()
+    fake = FakeCpu([{"user": 1.0, "idle": 1.0}] * 2, {me: (1.0, 0.0)})
+    fake.install(monkeypatch)
+    clock = FakeClock()
+    meter = cpu.CpuMeter(processes={"server": [(me, 2)]}, clock=clock).start()
+
+    clock.t = 1.0
+    fake.cores = [{"user": 1.5, "idle": 1.5}] * 3  # a core came online: indices no longer line up
+    fake.procs[me] = (1.5, 0.5)
+    lap = meter.lap()
+    assert lap["cpu_utilization"] is None and lap["cpu_busy_s"] is None and lap["core_utilization"] == {}
+    assert lap["server_cpu_s"] == pytest.approx(1.0) and lap["server_cpu_utilization"] == pytest.approx(0.5)
+
+    clock.t = 2.0  # the next window starts from the new layout
+    fake.cores = [{"user": 2.5, "idle": 1.5}] * 3
+    del fake.procs[me]
+    lap = meter.stop()
+    assert lap["cpu_utilization"] == pytest.approx(1.0)
+    assert lap["server_cpu_s"] is None and lap["server_cpu_utilization"] is None
+    with pytest.raises(RuntimeError, match="before start"):
+        meter.stop()
+
+
+def test_energy_sampler_cpu_utilisation_goes_through_the_cpu_meter(monkeypatch):
+    laps: list[dict] = []
+
+    class SpyMeter(cpu.CpuMeter):
+        def lap(self) -> dict:
+            laps.append(super().lap())
+            return laps[-1]
+
+    monkeypatch.setattr(energy, "CpuMeter", SpyMeter)
+    fake = FakeCpu([{"user": 10.0, "idle": 90.0}, {"user": 5.0, "idle": 95.0}])
+    fake.install(monkeypatch)
+    clock = FakeClock()
+    sampler = EnergySampler([], clock=clock)
+    clock.t = 0.0
+    sampler.start(thread=False)
+    clock.t = 1.0  # core 0 busy, core 1 idle: 0.5 of both cores
+    fake.add(0, user=1.0)
+    fake.add(1, idle=1.0)
+    sampler.sample_now()
+    clock.t = 2.0  # both idle
+    fake.add(0, idle=1.0)
+    fake.add(1, idle=1.0)
+    sampler.stop()
+
+    assert [lap["cpu_utilization"] for lap in laps] == pytest.approx([0.5, 0.0])
+    assert sampler.summary()["cpu_utilization_mean"] == pytest.approx(0.25)  # 1 busy of 4 core-seconds
+    assert sampler.summary(0.5, 1.0)["cpu_utilization_mean"] == pytest.approx(0.5)
+    percent = [(r["time_unix_s"], r["channel"], r["value"]) for r in sampler.rows() if r["quantity"] == "cpu_percent"]
+    assert [(c, v) for _, c, v in percent] == [("cpu0", 100.0), ("cpu1", 0.0), ("cpu0", 0.0), ("cpu1", 0.0)]
+
+
+def test_one_cpu_meter_in_the_package():
+    import dlrm_lab
+    from dlrm_lab.infer import lab
+
+    root = Path(dlrm_lab.__file__).parent
+    sources = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*.py")}
+    assert {name for name, text in sources.items() if "cpu_times(" in text} == {"metrics/cpu.py"}
+    meters = {name for name, text in sources.items() if re.search(r"^class \w*Cpu\w*Meter\b", text, re.M)}
+    assert meters == {"metrics/cpu.py"}
+    assert not hasattr(lab, "_CpuMeter")
+    assert energy.CpuMeter is cpu.CpuMeter and lab.CpuMeter is cpu.CpuMeter

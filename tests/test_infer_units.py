@@ -5,9 +5,14 @@ Pure functions only: no processes, no models.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+from collections import namedtuple
+from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 
 from dlrm_lab.errors import UserError
@@ -546,3 +551,93 @@ def test_parse_loadgen_summary_single_stream_rate_is_queries_times_samples_per_q
         "loadgen_queries_per_s": 344.35,
         "loadgen_p99_ms": 5.405702,
     }
+
+
+# ---------------------------------------------------------------------------- CPU columns of a point
+
+CoreTimes = namedtuple("CoreTimes", "user nice system idle iowait irq softirq steal guest guest_nice")
+ProcTimes = namedtuple("ProcTimes", "user system children_user children_system")
+
+
+def test_point_cpu_columns_come_from_the_cpu_meter(monkeypatch):
+    from dlrm_lab.infer import lab
+    from dlrm_lab.metrics.cpu import CpuMeter
+
+    cores = [CoreTimes(10, 0, 0, 90, 0, 0, 0, 0, 0, 0), CoreTimes(5, 0, 0, 95, 0, 0, 0, 0, 0, 0)]
+    instance, me = os.getppid(), os.getpid()
+    procs = {instance: (1.0, 0.0), me: (2.0, 0.0)}
+    monkeypatch.setattr(psutil, "cpu_times", lambda percpu=False: list(cores))
+    monkeypatch.setattr(psutil.Process, "cpu_times", lambda p: ProcTimes(*procs[p.pid], 0.0, 0.0))
+    monkeypatch.setattr(lab, "usable_cores", lambda: [1])  # this process may use core 1 only
+    # an unpinned instance (no cores listed) of a model with 2 threads per instance
+    server = SimpleNamespace(
+        instance_info=[{"instance": 0, "model": "m", "pid": instance, "cores": []}],
+        models={"m": SimpleNamespace(threads=2)},
+    )
+    now = [0.0]
+    meter = lab._cpu_meter(server, clock=lambda: now[0])
+    assert isinstance(meter, CpuMeter)
+    meter.start()
+
+    now[0] = 1.0
+    cores[0] = cores[0]._replace(idle=91)  # core 0 idle (not counted anyway), core 1 fully busy
+    cores[1] = cores[1]._replace(user=6)
+    procs.update({instance: (1.5, 0.1), me: (2.3, 0.0)})
+    use = meter.stop()
+
+    assert {c: use[c] for c in lab.CPU_COLUMNS} == pytest.approx(
+        {"cpu_utilization": 1.0, "instance_cpu_utilization": 0.6 / (1.0 * 2), "server_cpu_s": 0.3}
+    )
+    assert "meter = _cpu_meter(server)" in inspect.getsource(lab.measure)
+    assert "use[column] for column in CPU_COLUMNS" in inspect.getsource(lab.measure)
+    assert not hasattr(lab, "_CpuMeter")
+
+
+# -- memory: a model too big to serve is refused before anything is allocated -----------------
+def test_serving_memory_counts_snapshot_library_and_instances():
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.memory import INSTANCE_RUNTIME_BYTES, check_fits, model_memory
+    from dlrm_lab.infer.server import ServedModel
+
+    spec = load_preset("kaggle", max_rows=1000)
+    rows = sum(t.num_embeddings for t in spec.tables)
+    fp32 = model_memory(ServedModel("k", spec, instances=2, max_batch=64))
+    int8 = model_memory(ServedModel("k", spec, instances=2, max_batch=64, table_precision="int8"))
+    assert fp32.fp32_tables == fp32.snapshot == 4 * spec.embedding_parameters
+    assert int8.snapshot == spec.embedding_parameters + 4 * rows  # a byte a value, fp16 scale + bias a row
+    assert int8.library == fp32.library > 0 and fp32.per_instance > INSTANCE_RUNTIME_BYTES
+    plenty = 1 << 40
+    assert check_fits([ServedModel("k", spec)], available_bytes=plenty, shared_free_bytes=plenty)[0].instances == 1
+
+
+def test_a_model_too_big_for_memory_or_shared_memory_is_refused_naming_the_sizes(tmp_path):
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.infer.memory import check_fits, model_memory
+    from dlrm_lab.infer.server import ServedModel
+
+    served = ServedModel("kaggle", load_preset("kaggle", max_rows=100_000), instances=2)
+    need = model_memory(served)
+    total = need.fp32_tables + need.steady
+    with pytest.raises(UserError) as err:
+        check_fits([served], available_bytes=total - 1, shared_free_bytes=1 << 40)
+    message = str(err.value)
+    assert "\n" not in message and f"serving needs {total / 2**30:.2f} GiB" in message
+    assert "2 instance(s)" in message and "--table-scale" in message
+    check_fits([served], available_bytes=total, shared_free_bytes=1 << 40)  # exactly enough is enough
+    with pytest.raises(UserError, match=f"in {tmp_path} but it has 0.00 GiB free"):
+        check_fits([served], available_bytes=1 << 40, shared_free_bytes=1000, shared_dir=tmp_path)
+    gpu = need.device_per_instance
+    with pytest.raises(UserError, match="the instances on cuda:1 need"):  # 2 instances: one per GPU
+        check_fits([served], device="cuda", available_bytes=1 << 40, device_free_bytes=[2 * gpu, gpu - 1])
+
+
+@pytest.mark.parametrize("command", [["infer", "run", "--qps", "10"], ["serve", "--port", "0"]])
+def test_infer_run_and_serve_refuse_a_too_big_model_in_one_line_without_a_run(tmp_path, command):
+    from conftest import run_cli_in_process
+
+    code, _, stderr = run_cli_in_process(*command, "--preset", "terabyte", "--metrics-dir", str(tmp_path))
+    err = stderr.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: serving needs "), stderr
+    assert "terabyte: snapshot 89.53 GiB" in err[0]
+    assert not list(tmp_path.iterdir())  # refused before the run directory or any table exists

@@ -114,15 +114,29 @@ def convert(
     console().print(f"converted {manifest['rows']:,} samples from {len(inputs)} file(s) to {out}")
 
 
+MAX_PROBLEMS_SHOWN = 50  # `data stats`: problem lines printed before the count of the rest
+
+
 @app.command("stats")
 def stats(
     directory: Annotated[Path, typer.Argument(help="Dataset directory (or one Parquet file).")],
     strict: Annotated[bool, typer.Option(help="Exit 1 when a measured value is outside its tolerance.")] = False,
 ) -> None:
-    """Per feature: ids, skew, pooling; checked against the spec stored in the dataset."""
+    """Per feature: ids, skew, pooling; checked against the spec stored in the dataset.
+
+    First the checks training refuses a dataset by (columns, types, nulls, ids within their
+    table, rows against the sidecar): a broken dataset prints one line per problem and exits 1."""
     from dlrm_lab.data.stats import dataset_stats
 
     result = dataset_stats(directory)
+    problems = result["problems"]
+    if problems:
+        for line in problems[:MAX_PROBLEMS_SHOWN]:
+            typer.echo(f"error: {line}", err=True)
+        if len(problems) > MAX_PROBLEMS_SHOWN:
+            typer.echo(f"error: ... and {len(problems) - MAX_PROBLEMS_SHOWN} more problem(s)", err=True)
+        typer.echo(f"{result['path']}: {len(problems)} structural problem(s); training refuses this dataset", err=True)
+        raise typer.Exit(1)
     out = console()
     teacher = result["teacher_auc"]
     out.print(

@@ -4,6 +4,11 @@ Per feature: samples, lookups, unique ids, share of lookups on the top 1% of the
 table's rows, the fitted Zipf exponent, mean and p99 pooling factor; per dataset the
 label rate. Each measured value that the spec predicts is checked against a tolerance
 and flagged when outside it, so a generator bug (or a mislabelled dataset) shows.
+
+Before measuring, the dataset's structure is checked by the very functions training
+refuses a dataset with (`parquet.check_schema` per file, `parquet.validate_table` per row
+group), against the tables the dataset declares (its stored data spec, else its stored
+model): every problem found is one line naming file, column, row group, id and range.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dlrm_lab.config import ModelSpec
 from dlrm_lab.data.distributions import expected_pooling, expected_top_share, fit_zipf_alpha
-from dlrm_lab.data.parquet import dataset_files, read_dataset_info
+from dlrm_lab.data.parquet import check_schema, dataset_files, dataset_sidecar, read_dataset_info, validate_table
 from dlrm_lab.data.spec import DataSpec
 from dlrm_lab.errors import UserError
 
@@ -40,14 +47,178 @@ class Check:
         return abs(self.measured - self.expected) <= self.tolerance
 
 
-def dataset_stats(path: str | Path) -> dict[str, Any]:
-    """Measure every feature of a dataset; compare with its stored spec where it has one."""
-    info = read_dataset_info(path)
+@dataclass(frozen=True)
+class DatasetTable:
+    name: str
+    num_embeddings: int
+    feature_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DatasetLayout:
+    """The columns and table sizes a dataset declares: the part of a `ModelSpec` that
+    `parquet.check_schema` and `parquet.validate_table` read (name, num_dense, tables,
+    feature_names), so that `data stats` applies training's checks without a model preset."""
+
+    name: str
+    num_dense: int
+    tables: tuple[DatasetTable, ...]
+    sized: bool = True  # False: table sizes unknown (no spec or model stored): only ids < 0 are caught
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f for t in self.tables for f in t.feature_names]
+
+    def only(self, feature: str | None) -> DatasetLayout:
+        """The layout of one feature column (None: of no feature), to check a column alone."""
+        tables = tuple(
+            DatasetTable(t.name, t.num_embeddings, (feature,)) for t in self.tables if feature in t.feature_names
+        )
+        return DatasetLayout(self.name, self.num_dense, tables, self.sized)
+
+    @classmethod
+    def of_model(cls, model: ModelSpec) -> DatasetLayout:
+        return cls(
+            model.name,
+            model.num_dense,
+            tuple(DatasetTable(t.name, t.num_embeddings, t.feature_names) for t in model.tables),
+        )
+
+    @classmethod
+    def of_spec(cls, spec: DataSpec) -> DatasetLayout:
+        tables: dict[str, list[Any]] = {}
+        for f in spec.features:
+            tables.setdefault(f.table, [f.rows, []])[1].append(f.name)
+        return cls(spec.model, spec.num_dense, tuple(DatasetTable(n, r, tuple(fs)) for n, (r, fs) in tables.items()))
+
+    @classmethod
+    def of_schema(cls, schema: pa.Schema, where: str) -> DatasetLayout:
+        """Nothing stored: the first file's columns, every table of unknown size."""
+        dense = schema.field("dense").type if "dense" in schema.names else None
+        num_dense = dense.list_size if dense is not None and pa.types.is_fixed_size_list(dense) else 0
+        unbounded = int(np.iinfo(np.int64).max)
+        tables = tuple(DatasetTable(c, unbounded, (c,)) for c in schema.names if c not in ("label", "dense"))
+        return cls(f"of {where} (none stored)", num_dense, tables, sized=False)
+
+
+def dataset_layout(info: dict[str, Any], files: list[Path], where: str) -> tuple[DatasetLayout, list[str]]:
+    """The layout the dataset declares (its data spec, else its model, else its first file's
+    columns) and the problem, if any, met reading the stored description (`where`)."""
+    problem = None
+    try:
+        if info.get("data_spec"):
+            return DatasetLayout.of_spec(DataSpec.from_dict(info["data_spec"])), []
+        if info.get("model"):
+            return DatasetLayout.of_model(ModelSpec.from_dict(info["model"])), []
+    except (UserError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        problem = f"{where}: unreadable data_spec/model ({_first_line(exc)}); columns checked against {files[0].name}"
+    try:
+        layout = DatasetLayout.of_schema(pq.read_schema(files[0]), files[0].name)
+    except (pa.ArrowException, OSError):
+        layout = DatasetLayout("unknown", 0, (), sized=False)  # the file itself is reported unreadable
+    return layout, [problem] if problem else []
+
+
+def dataset_problems(path: str | Path) -> list[str]:
+    """Every structural problem of the dataset at `path`, one line each; empty: it is sound.
+
+    Training's own checks, applied to all of the dataset instead of stopping at the first
+    failure: `check_schema` on each file (missing, unexpected or mistyped label, dense and
+    feature columns), `validate_table` on each row group, one column at a time (nulls, ids
+    outside [0, rows) of their table), plus files and rows against the sidecar. A
+    nonexistent path or a directory without Parquet files stays a `UserError` (a user
+    mistake, not a broken dataset)."""
+    return _inspect(path)[3]
+
+
+def _inspect(path: str | Path) -> tuple[dict[str, Any], list[Path], DatasetLayout, list[str]]:
     files = dataset_files(path)
+    problems: list[str] = []
+    try:
+        info = read_dataset_info(path)
+    except UserError as exc:  # the path exists: a bad sidecar or first file is the dataset's fault
+        info = {}
+        problems.append(str(exc))
+    sidecar = dataset_sidecar(path) if Path(path).is_dir() else None
+    layout, bad = dataset_layout(info, files, str(sidecar or files[0]))
+    problems += bad + _sidecar_problems(path, sidecar, info, files)
+    total = 0
+    for f in files:
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as exc:
+            problems.append(f"{f}: not a readable Parquet file ({_first_line(exc)})")
+            continue
+        try:
+            check_schema(f, pf.schema_arrow, layout)
+        except UserError as exc:
+            problems.append(str(exc))  # the columns that are there are still checked below
+        names = pf.schema_arrow.names
+        columns = [(c, layout.only(None)) for c in names if c not in layout.feature_names]
+        columns += [(c, layout.only(c)) for c in layout.feature_names if c in names]
+        for rg in range(pf.num_row_groups):
+            where = f"{f}: row group {rg}"
+            try:
+                table = pf.read_row_group(rg)
+            except (pa.ArrowException, OSError) as exc:
+                problems.append(f"{where} unreadable ({_first_line(exc)})")
+                continue
+            total += table.num_rows
+            for name, one in columns:  # column by column: each bad column is named, not only the first
+                try:
+                    validate_table(table.select([name]), one, where)
+                except UserError as exc:
+                    problems.append(str(exc))
+                except (pa.ArrowException, TypeError, ValueError) as exc:  # a type check_schema refused
+                    problems.append(f"{where}: column {name} cannot be checked ({_first_line(exc)})")
+    if total == 0 and not problems:
+        problems.append(f"{path}: the dataset has no rows")
+    return info, files, layout, problems
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _sidecar_problems(path: str | Path, sidecar: Path | None, info: dict[str, Any], files: list[Path]) -> list[str]:
+    """Files and rows the sidecar lists against what the directory holds."""
+    if sidecar is None or not isinstance(info.get("files"), list):
+        return []
+    problems = []
+    listed = {str(e.get("path")): e for e in info["files"] if isinstance(e, dict)}
+    on_disk = {f.name: f for f in files}
+    for name in listed:
+        if name not in on_disk:
+            problems.append(f"{sidecar}: lists {name}, which is not in {path}")
+    actual = 0
+    for name, f in on_disk.items():
+        if name not in listed:
+            problems.append(f"{f}: not listed in {sidecar} (a stray file: training would read it)")
+        try:
+            rows = pq.ParquetFile(f).metadata.num_rows
+        except (pa.ArrowException, OSError):
+            continue  # reported as unreadable with the file's other checks
+        actual += rows
+        want = listed.get(name, {}).get("rows")
+        if isinstance(want, int) and want != rows:
+            problems.append(f"{f}: {rows:,} rows; {sidecar} says {want:,}")
+    total = info.get("rows")
+    if not problems and isinstance(total, int) and total != actual:
+        problems.append(f"{sidecar}: rows {total:,}; its files hold {actual:,}")
+    return problems
+
+
+def dataset_stats(path: str | Path) -> dict[str, Any]:
+    """Measure every feature of a dataset; compare with its stored spec where it has one.
+
+    A dataset with structural problems (`dataset_problems`) is not measured: the result
+    then holds them under "problems" (one line each) and no features or checks."""
+    info, files, layout, problems = _inspect(path)
+    source = info.get("source", "unknown")
+    if problems:
+        return {"path": str(path), "source": source, "problems": problems, "features": [], "checks": []}
     spec = DataSpec.from_dict(info["data_spec"]) if info.get("data_spec") else None
-    rows_of = {f.name: f.rows for f in spec.features} if spec else {}
-    if not rows_of and info.get("model"):
-        rows_of = {f: t["num_embeddings"] for t in info["model"]["tables"] for f in t["feature_names"]}
+    rows_of = {f: t.num_embeddings for t in layout.tables for f in t.feature_names} if layout.sized else {}
     try:
         labels = pq.read_table(files, columns=["label"]).column("label").to_numpy()
     except Exception as exc:  # noqa: BLE001 - any read failure is a bad dataset
@@ -88,7 +259,8 @@ def dataset_stats(path: str | Path) -> dict[str, Any]:
         checks.append(Check("(labels)", "label rate", label_rate, p, 4 * math.sqrt(p * (1 - p) / n) + 0.05 * p))
     return {
         "path": str(path),
-        "source": info.get("source", "unknown"),
+        "source": source,
+        "problems": [],
         "samples": n,
         "label_rate": label_rate,
         "teacher_auc": (info.get("teacher") or {}).get("teacher_auc"),

@@ -77,19 +77,19 @@ class InstancePlan:
 # ----------------------------------------------------------------------------- snapshot
 
 
-def _snapshot_base() -> Path:
+def snapshot_base() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
 def snapshot_dir_for(tag: str) -> Path:
-    return _snapshot_base() / f"dlrm-lab-{os.getpid()}-{tag}"
+    return snapshot_base() / f"dlrm-lab-{os.getpid()}-{tag}"
 
 
 def remove_stale_snapshots(base: Path | None = None) -> list[Path]:
     """Delete snapshots left by serving processes that were killed (their pid is gone):
     each holds a copy of the tables in RAM. Returns what was removed."""
     removed = []
-    for path in (base or _snapshot_base()).glob("dlrm-lab-*-*"):
+    for path in (base or snapshot_base()).glob("dlrm-lab-*-*"):
         pid = path.name.split("-")[2]
         if not pid.isdigit() or Path(f"/proc/{pid}").exists():
             continue

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pyarrow as pa
 import torch
 
@@ -33,6 +32,7 @@ from dlrm_lab.infer.drivers import (
     Stream,
 )
 from dlrm_lab.infer.instance import PRECISIONS
+from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import (
     QUERY_SCHEMA,
     SUMMARY_SCHEMA,
@@ -42,6 +42,7 @@ from dlrm_lab.infer.records import (
     with_late_flags,
 )
 from dlrm_lab.infer.server import InferenceServer, ServedModel
+from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, open_power_sources, telemetry_schema
 from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
@@ -97,50 +98,15 @@ class InferConfig:
         return asdict(self)
 
 
-class _CpuMeter:
-    """CPU utilisation over a point: this process's cores, the instances, the parent."""
+CPU_COLUMNS = ("cpu_utilization", "instance_cpu_utilization", "server_cpu_s")
 
-    def __init__(self, server: InferenceServer) -> None:
-        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        self.instances = []
-        for info in server.instance_info:
-            try:
-                self.instances.append((psutil.Process(info["pid"]), max(1, len(info["cores"]) or 1)))
-            except psutil.Error:
-                pass
-        self.me = psutil.Process()
 
-    def start(self) -> None:
-        self.t0 = time.monotonic()
-        self.sys0 = psutil.cpu_times(percpu=True)
-        self.inst0 = [self._busy(p) for p, _ in self.instances]
-        self.me0 = self._busy(self.me)
-
-    @staticmethod
-    def _busy(p: psutil.Process) -> float:
-        try:
-            t = p.cpu_times()
-            return t.user + t.system
-        except psutil.Error:
-            return float("nan")
-
-    def stop(self) -> dict[str, Any]:
-        wall = time.monotonic() - self.t0
-        sys1 = psutil.cpu_times(percpu=True)
-        busy = total = 0.0
-        for k, (a, b) in enumerate(zip(self.sys0, sys1, strict=False)):
-            if self.cores is not None and k not in self.cores:
-                continue
-            da, db = sum(a), sum(b)
-            total += db - da
-            busy += (db - da) - ((b.idle + getattr(b, "iowait", 0)) - (a.idle + getattr(a, "iowait", 0)))
-        inst = [self._busy(p) - t0 for (p, _), t0 in zip(self.instances, self.inst0, strict=True)]
-        inst_cores = sum(c for _, c in self.instances)
-        return {
-            "cpu_utilization": busy / total if total > 0 else None,
-            "instance_cpu_utilization": (sum(inst) / (wall * inst_cores)) if inst and wall > 0 else None,
-            "server_cpu_s": self._busy(self.me) - self.me0,
-        }
+def _cpu_meter(server: InferenceServer, clock: Callable[[], float] = time.monotonic) -> CpuMeter:
+    """CPU use over a point (CPU_COLUMNS): the cores this process may use, the instances at their
+    threads (pinned or not), and this serving process."""
+    instances = [(i["pid"], server.models[i["model"]].threads) for i in server.instance_info]
+    groups = {"instance": instances, "server": [(os.getpid(), 1)]}
+    return CpuMeter(usable_cores(), groups, clock=clock)
 
 
 @dataclass
@@ -171,7 +137,7 @@ def measure(
     if point.duration_s is not None:
         cfg = replace(cfg, duration_s=point.duration_s)
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
-    meter = _CpuMeter(server)
+    meter = _cpu_meter(server)
     server.take_records()  # nothing from a previous point leaks in
     restore_queue = {}
     if point.scenario == "offline":  # LoadGen issues every query at once: the queue must hold them
@@ -238,7 +204,8 @@ def measure(
         for model, bound in restore_queue.items():
             server.configure(model, max_queue=bound)
     pump()
-    cpu = meter.stop()
+    use = meter.stop()
+    cpu = {column: use[column] for column in CPU_COLUMNS}
     report(finished=True)
     energy = sampler.summary(window[0], window[1])
     profile = load_profile()
@@ -322,6 +289,7 @@ def run_inference(
         raise UserError("--qps auto: one --model, with open-loop or server load (the rate is probed open loop)")
     if cfg.sla_auto and not cfg.qps_auto:
         raise UserError("--sla-ms auto: needs --qps auto (the bound is chosen with the load)")
+    check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
     config = {
         "infer": cfg.to_dict(),
         "models": [m.describe() for m in models],
@@ -464,6 +432,8 @@ def search(
     """
     if cfg.scenario not in ("open-loop", "server"):
         raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
+    widest = max(grid.layouts, key=lambda layout: layout[0])[0]
+    check_fits([replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
     config = {
         "infer": cfg.to_dict(),
         "model": base.describe(),

@@ -44,6 +44,7 @@ from dlrm_lab.infer.instance import (
     snapshot_dir_for,
     write_snapshot,
 )
+from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.model.dlrm import build_model
 
@@ -179,6 +180,7 @@ class InferenceServer:
         resolve_device(device)  # one-line error for an unknown device or a missing GPU
         for stale in remove_stale_snapshots():
             self.log(f"removed {stale}, left by a serving process that was killed")
+        check_fits(self.models.values(), device=device)  # before any table is allocated
         self._choose_precisions()
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         index, next_core = 0, 0
@@ -247,7 +249,7 @@ class InferenceServer:
             self.models[name] = replace(m, precision=choice.precision)
 
     def _library(self, m: ServedModel) -> Any:
-        n = m.library_samples or max(8192, 16 * min(m.max_batch, 4096))
+        n = library_samples(m.max_batch, m.library_samples)
         gen = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
         return gen.samples(0, n)
 

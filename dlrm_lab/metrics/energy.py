@@ -1,8 +1,9 @@
 """Energy and host telemetry sampled in the background during a run.
 
 GPU power/energy comes from NVML, CPU package energy from RAPL (Linux powercap sysfs), CPU utilisation
-and process-tree memory from psutil. A sensor that is absent or unreadable is reported as unavailable
-(None plus a reason), never as zero: a zero would silently turn into "free" samples in the summaries.
+from the CPU meter (dlrm_lab.metrics.cpu) and process-tree memory from psutil. A sensor that is absent
+or unreadable is reported as unavailable (None plus a reason), never as zero: a zero would silently turn
+into "free" samples in the summaries.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 
 import psutil
 import pyarrow as pa
+
+from dlrm_lab.metrics.cpu import CpuMeter, busy_share
 
 log = logging.getLogger(__name__)
 
@@ -306,8 +309,9 @@ class _SourceHealth:
 @dataclass(frozen=True)
 class _HostSample:
     t: float
-    busy: tuple[float, ...] | None  # per-core busy seconds since the previous host sample (None for the first)
-    total: tuple[float, ...] | None
+    busy_s: float | None  # core-seconds busy since the previous host sample, all cores (None for the first)
+    total_s: float | None  # core-seconds elapsed in the same interval
+    cores: dict[int, float]  # busy share per core in that interval (cores without ticks left out)
     rss_bytes: int
 
 
@@ -348,7 +352,7 @@ class EnergySampler:
         self._series: dict[tuple[str, str], _Series] = {}
         self._health = {id(s): _SourceHealth() for s in self.sources}
         self._host_samples: list[_HostSample] = []
-        self._last_cpu_times: list[Any] | None = None
+        self._cpu = CpuMeter(clock=clock)  # every core of the host, from one host sample to the next
         self._process = psutil.Process(os.getpid()) if host else None
 
     # lifecycle
@@ -451,16 +455,14 @@ class EnergySampler:
                 series.v.append(float(reading.value))
 
     def _sample_host(self) -> None:
-        # Per-core utilisation from cpu_times deltas (psutil's formula) rather than psutil.cpu_percent(),
-        # whose baseline is process-global and reset by any other caller.
-        cpu_times = psutil.cpu_times(percpu=True)
         busy = total = None
-        previous = self._last_cpu_times
-        if previous is not None and len(previous) == len(cpu_times):  # a CPU hot-plug restarts the baseline
-            busy = tuple(_busy(c) - _busy(p) for c, p in zip(cpu_times, previous, strict=True))
-            total = tuple(_total(c) - _total(p) for c, p in zip(cpu_times, previous, strict=True))
-        self._last_cpu_times = cpu_times
-        sample = _HostSample(self._clock(), busy, total, self._rss_bytes())
+        cores: dict[int, float] = {}
+        if self._cpu.started:
+            use = self._cpu.lap()
+            busy, total, cores = use["cpu_busy_s"], use["cpu_total_s"], use["core_utilization"]
+        else:
+            self._cpu.start()
+        sample = _HostSample(self._clock(), busy, total, cores, self._rss_bytes())
         with self._lock:
             self._host_samples.append(sample)
 
@@ -552,10 +554,10 @@ class EnergySampler:
         # when ticks are irregular or too short for the kernel's 10 ms accounting granularity.
         busy = total = 0.0
         for h in self._host_in(window):
-            if h.busy is not None and h.total is not None:
-                busy += sum(h.busy)
-                total += sum(h.total)
-        return min(max(busy / total, 0.0), 1.0) if total > 0 else None
+            if h.busy_s is not None and h.total_s is not None:
+                busy += h.busy_s
+                total += h.total_s
+        return busy_share(busy, total)
 
     def _rss_max_mb(self, window: tuple[float, float] | None) -> float | None:
         samples = self._host_in(window)
@@ -570,11 +572,8 @@ class EnergySampler:
                 for t, v in zip(s.t, s.v, strict=True):
                     out.append((t, len(out), _row(t + off, s.source, s.channel, s.quantity, v)))
             for h in self._host_samples:
-                if h.busy is not None and h.total is not None:
-                    for core, (busy, total) in enumerate(zip(h.busy, h.total, strict=True)):
-                        if total > 0:  # no tick elapsed on this core: no information, not 0 %
-                            pct = min(max(100.0 * busy / total, 0.0), 100.0)
-                            out.append((h.t, len(out), _row(h.t + off, "psutil", f"cpu{core}", "cpu_percent", pct)))
+                for core, share in h.cores.items():
+                    out.append((h.t, len(out), _row(h.t + off, "psutil", f"cpu{core}", "cpu_percent", 100.0 * share)))
                 out.append((h.t, len(out), _row(h.t + off, "psutil", "process_tree", "rss_bytes", h.rss_bytes)))
         out.sort(key=lambda r: (r[0], r[1]))
         return [r for _, _, r in out]
@@ -582,15 +581,6 @@ class EnergySampler:
 
 def _row(t: float, source: str, channel: str, quantity: str, value: float) -> dict[str, Any]:
     return {"time_unix_s": t, "source": source, "channel": channel, "quantity": quantity, "value": float(value)}
-
-
-def _total(times: Any) -> float:
-    # guest time is already included in user time on Linux
-    return sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
-
-
-def _busy(times: Any) -> float:
-    return _total(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def _interp(ts: list[float], vs: list[float], t: float) -> float:

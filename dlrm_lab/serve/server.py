@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import validate_payload
+from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.server import InferenceServer, Query, ServedModel
 from dlrm_lab.metrics.run import Run
@@ -263,6 +264,7 @@ def serve(
     if not 0 <= port < 65536:
         raise UserError(f"--port {port}: must be in [0, 65535] (0: any free port)")
     _check_address(host, port)  # before the instances take their time to start
+    check_fits(models, device=device)  # a model too big is refused before its run directory exists
     config = {
         "serve": {"host": host, "port": port, "device": device, "pin_cores": pin_cores, "seed": seed,
                   "grace_s": grace_s},

@@ -1,0 +1,150 @@
+"""What serving a set of models needs in memory, checked before anything is allocated.
+
+Training refuses a model whose tables do not fit (TorchRec's planner against the real
+memory); serving must too, or the kernel's out-of-memory killer ends it minutes later
+without a word. The parts counted, per served model (see `infer/server.py`):
+
+- build: the parent builds the model with fp32 tables before writing its snapshot, so the
+  fp32 tables are resident while the snapshot is written (one model at a time);
+- snapshot: the tables at their stored precision (int8/int4 rows carry an fp16 scale and
+  bias), written to shared memory (/dev/shm is RAM) and mapped once by all instances;
+- sample library: dense values, ids and per-feature lengths and starts of its samples;
+- each instance's private memory: the Python/torch runtime (`INSTANCE_RUNTIME_BYTES`,
+  measured), the dense parameters and the activations of its largest batch.
+
+On a GPU each instance holds its own copy of the tables (fp32 while it quantises, then at the
+stored precision) plus its activations, on the device it round-robins onto.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
+
+# Private memory of an idle instance process (USS: torch, torchrec and fbgemm loaded), as
+# measured with the tiny preset on 2026-11-23 (268 MB), rounded up.
+INSTANCE_RUNTIME_BYTES = 320 << 20
+_QUANTISED_ROW_EXTRA = {"int8": 4, "int4": 4}  # fp16 scale + bias per row (fbgemm)
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Bytes one served model needs (host RAM unless `device_per_instance`)."""
+
+    name: str
+    fp32_tables: int
+    snapshot: int
+    library: int
+    per_instance: int  # private host memory of one instance
+    instances: int
+    device_per_instance: int  # on a GPU: device memory of one instance
+
+    @property
+    def steady(self) -> int:
+        return self.snapshot + self.library + self.instances * self.per_instance
+
+
+def library_samples(max_batch: int, library_samples: int = 0) -> int:
+    """Samples in a served model's sample library (the server's rule)."""
+    return library_samples or max(8192, 16 * min(max_batch, 4096))
+
+
+def model_memory(served: Any) -> ModelMemory:
+    """What `served` (an `infer.server.ServedModel`) needs, from its spec alone."""
+    spec = served.spec
+    rows = sum(t.num_embeddings for t in spec.tables)
+    values = spec.embedding_parameters
+    stored = int(values * TABLE_BYTES_PER_VALUE[served.table_precision]) + rows * _QUANTISED_ROW_EXTRA.get(
+        served.table_precision, 0
+    )
+    ids_per_sample = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
+    per_sample = 4 * spec.num_dense + 8 * ids_per_sample + (4 + 8) * spec.num_features + 4
+    widths = sum(spec.bottom_mlp) + sum(spec.top_mlp) + spec.over_arch_in_features + ids_per_sample * 2
+    activations = 2 * 4 * served.max_batch * widths  # forward activations, with room for a copy
+    dense = 4 * spec.dense_parameters
+    return ModelMemory(
+        name=served.name,
+        fp32_tables=4 * values,
+        snapshot=stored,
+        library=int(per_sample * library_samples(served.max_batch, served.library_samples)),
+        per_instance=INSTANCE_RUNTIME_BYTES + dense + activations,
+        instances=served.instances,
+        device_per_instance=4 * values + stored + dense + activations,
+    )
+
+
+def check_fits(
+    models: Iterable[Any],
+    *,
+    device: str = "cpu",
+    available_bytes: int | None = None,
+    shared_free_bytes: int | None = None,
+    shared_dir: Path | None = None,
+    device_free_bytes: list[int] | None = None,
+) -> list[ModelMemory]:
+    """Raise a one-line UserError naming the sizes when `models` cannot be served here;
+    return their needs otherwise. The `*_bytes` arguments default to this machine's
+    (`psutil` available memory, free space of the snapshot directory, free memory of each
+    visible GPU) and are there for tests."""
+    import psutil
+
+    needs = [model_memory(m) for m in models]
+    if not needs:
+        return needs
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    build = max(n.fp32_tables for n in needs)  # one model's fp32 tables at a time, while its snapshot is written
+    if device == "cpu":
+        total = build + sum(n.steady for n in needs)
+    else:  # the instances hold their tables on the GPU; the host keeps the snapshots and their runtimes
+        total = build + sum(n.snapshot + n.library + n.instances * INSTANCE_RUNTIME_BYTES for n in needs)
+    parts = "; ".join(
+        f"{n.name}: snapshot {n.snapshot / GiB:.2f} GiB ({n.fp32_tables / GiB:.2f} GiB fp32 while built), "
+        f"sample library {n.library / GiB:.2f} GiB, {n.instances} instance(s) x {n.per_instance / GiB:.2f} GiB"
+        for n in needs
+    )
+    advice = "scale the tables (--table-scale, --max-rows), use fewer --instances or a smaller --table-precision"
+    if total > available:
+        raise UserError(
+            f"serving needs {total / GiB:.2f} GiB of memory but this machine has {available / GiB:.2f} GiB available "
+            f"[{parts}]: {advice}"
+        )
+    if shared_free_bytes is None and device == "cpu":
+        from dlrm_lab.infer.instance import snapshot_base
+
+        shared_free_bytes = shutil.disk_usage(shared_dir or snapshot_base()).free
+    shared = sum(n.snapshot + n.library for n in needs)
+    if shared_free_bytes is not None and shared > shared_free_bytes:
+        where = shared_dir or "the snapshot directory"
+        raise UserError(
+            f"the snapshots need {shared / GiB:.2f} GiB in {where} but it has {shared_free_bytes / GiB:.2f} GiB free "
+            f"[{parts}]: {advice}"
+        )
+    if device == "cuda":
+        free = device_free_bytes if device_free_bytes is not None else _gpu_free_bytes()
+        if free:
+            per_gpu = [0] * len(free)
+            index = 0
+            for n in needs:  # instances round-robin over the visible GPUs, as the server places them
+                for _ in range(n.instances):
+                    per_gpu[index % len(free)] += n.device_per_instance
+                    index += 1
+            for gpu, (need, have) in enumerate(zip(per_gpu, free, strict=True)):
+                if need > have:
+                    raise UserError(
+                        f"the instances on cuda:{gpu} need {need / GiB:.2f} GiB of device memory but it has "
+                        f"{have / GiB:.2f} GiB free [{parts}]: {advice}"
+                    )
+    return needs
+
+
+def _gpu_free_bytes() -> list[int]:
+    import torch
+
+    return [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
