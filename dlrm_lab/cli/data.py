@@ -124,8 +124,9 @@ def stats(
 ) -> None:
     """Per feature: ids, skew, pooling; checked against the spec stored in the dataset.
 
-    First the checks training refuses a dataset by (columns, types, nulls, ids within their
-    table, rows against the sidecar): a broken dataset prints one line per problem and exits 1."""
+    First the dataset's structure, by training's own checks (columns, types, nulls, ids within
+    their table) and against its sidecar (files, rows): a broken dataset prints one line per
+    problem and exits 1, with or without --strict."""
     from dlrm_lab.data.stats import dataset_stats
 
     result = dataset_stats(directory)
@@ -135,7 +136,7 @@ def stats(
             typer.echo(f"error: {line}", err=True)
         if len(problems) > MAX_PROBLEMS_SHOWN:
             typer.echo(f"error: ... and {len(problems) - MAX_PROBLEMS_SHOWN} more problem(s)", err=True)
-        typer.echo(f"{result['path']}: {len(problems)} structural problem(s); training refuses this dataset", err=True)
+        typer.echo(f"{result['path']}: {len(problems)} structural problem(s); no statistics measured", err=True)
         raise typer.Exit(1)
     out = console()
     teacher = result["teacher_auc"]

@@ -98,7 +98,7 @@ class DatasetLayout:
         num_dense = dense.list_size if dense is not None and pa.types.is_fixed_size_list(dense) else 0
         unbounded = int(np.iinfo(np.int64).max)
         tables = tuple(DatasetTable(c, unbounded, (c,)) for c in schema.names if c not in ("label", "dense"))
-        return cls(f"of {where} (none stored)", num_dense, tables, sized=False)
+        return cls(f"like {where} (none stored)", num_dense, tables, sized=False)
 
 
 def dataset_layout(info: dict[str, Any], files: list[Path], where: str) -> tuple[DatasetLayout, list[str]]:
