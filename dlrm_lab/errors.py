@@ -1,9 +1,13 @@
-"""The one exception type for user mistakes.
+"""The exceptions the CLI prints as one line.
 
 Anything a user can get wrong (a preset name, a TOML field, a CLI value) raises
-`UserError` with a message that names the culprit and the allowed values; the CLI
-prints it on one line and exits 2. Everything else is a bug and keeps its traceback.
+`UserError` with a message that names the culprit and the allowed values; the CLI prints
+it on one line and exits 2. Faults a user must hear of but did not cause (a dead rank, a
+SIGTERM, a full disk under the metrics) print one line and exit 1. Everything else is a
+bug and keeps its traceback.
 """
+
+from __future__ import annotations
 
 
 class UserError(Exception):
@@ -30,3 +34,26 @@ def raise_on_sigterm() -> None:
 
 class RankFailure(RuntimeError):
     """A collective failed: another rank died, or did not answer within the timeout."""
+
+
+class DiskFull(Exception):
+    """Metrics could not be written: the file system holding them is full. The message
+    names the file and the free space; rows already written stay readable."""
+
+    @classmethod
+    def at(cls, path: object, exc: OSError) -> DiskFull:
+        import shutil
+        from pathlib import Path
+
+        where = Path(str(path))
+        try:
+            free = f"{shutil.disk_usage(where.parent).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        return cls(f"{where}: {exc.strerror or 'no space left on device'} ({free}); the rows written so far are kept")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    import errno
+
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

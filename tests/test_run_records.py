@@ -146,6 +146,7 @@ def test_runs_list_only_reads_and_runs_recover_merges_a_dead_run(tmp_path):
         + [f"{dead.dir.name}/_parts", f"{dead.dir.name}/_parts/steps"]
         + [f"{dead.dir.name}/_parts/steps/part-r00000-00000{k}.parquet" for k in (0, 1)]
         + [live.dir.name, f"{live.dir.name}/manifest.json"]
+        + [f"{r.dir.name}/.space-reserve" for r in (dead, live)]  # room for their last manifest
     )
 
     code, out, err = run_cli_in_process("runs", "list", str(tmp_path))
@@ -171,7 +172,7 @@ def test_runs_list_only_reads_and_runs_recover_merges_a_dead_run(tmp_path):
     m = read_manifest(dead.dir)
     assert m["status"] == "failed" and "crash" in m["error"]
     assert pq.read_table(dead.dir / "steps.parquet").column("step").to_pylist() == list(range(6))
-    assert not (dead.dir / "_parts").exists()
+    assert not (dead.dir / "_parts").exists() and not (dead.dir / ".space-reserve").exists()
     assert read_manifest(live.dir)["status"] == "running"  # a live run is not touched
     assert read_manifest(done.dir) == json.loads((done.dir / "manifest.json").read_text())
     code, out, _ = run_cli_in_process("runs", "list", str(tmp_path))
@@ -205,3 +206,46 @@ def test_runs_list_marks_a_corrupt_run_unreadable_and_lists_the_others(tmp_path)
     code, out, err = run_cli_in_process("runs", "recover", str(tmp_path))
     assert code == 0 and "Traceback" not in out + err
     assert f"skipped {bad_manifest.dir}: unreadable: manifest.json: JSONDecodeError" in out
+
+
+def test_a_full_disk_ends_training_in_one_line_and_keeps_the_rows_written(tmp_path, monkeypatch):
+    import errno
+
+    import pyarrow.parquet as pq
+    from conftest import run_cli_in_process
+
+    from dlrm_lab.metrics import tables
+
+    real_init, real_write = tables.TableWriter.__init__, pq.write_table
+    monkeypatch.setattr(
+        tables.TableWriter, "__init__", lambda self, *a, **k: real_init(self, *a, **{**k, "flush_rows": 4})
+    )
+    written = []
+
+    def filling_disk(table, where, *args, **kwargs):  # the 4th part file of steps finds the disk full
+        if "_parts/steps" in str(where) and len(written) == 3:
+            with open(where, "wb") as f:
+                f.write(b"PAR1 half a file")  # what a writer leaves when the disk fills up
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if "_parts/steps" in str(where):
+            written.append(where)
+        return real_write(table, where, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", filling_disk)
+    code, _, stderr = run_cli_in_process(
+        "train", "--preset", "tiny", "--steps", "40", "--batch-size", "16", "--precision", "fp32",
+        "--no-progress", "--metrics-dir", str(tmp_path),
+    )  # fmt: skip
+    monkeypatch.setattr(pq, "write_table", real_write)
+    lines = stderr.strip().splitlines()
+    assert code == 1 and lines[-1].startswith("error: ") and "Traceback" not in stderr, stderr
+    assert "No space left on device" in lines[-1] and "bytes free" in lines[-1] and "_parts/steps" in lines[-1]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["error"].startswith("DiskFull: ")
+    parts = sorted((run_dir / "_parts" / "steps").glob("*.parquet"))
+    assert [pq.read_table(p).num_rows for p in parts] == [4, 4, 4]  # every part written is readable
+    assert not list((run_dir / "_parts" / "steps").glob(".*tmp*"))  # the partial file was removed
+    assert not (run_dir / ".space-reserve").exists()  # given up for the last manifest
+    code, out, err = run_cli_in_process("runs", "list", str(tmp_path))
+    assert code == 0 and "failed" in out and "Traceback" not in out + err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -19,11 +20,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import DiskFull, UserError, is_disk_full
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
 from dlrm_lab.metrics.tables import TableWriter, consolidate_run, write_table
 
 MANIFEST = "manifest.json"
+# Kept free in every run directory until the run ends, so that its final manifest can be
+# written even when the disk fills up under it (a manifest is a few KiB; big configs ~50).
+SPACE_RESERVE = ".space-reserve"
+SPACE_RESERVE_BYTES = 256 << 10
 STATUSES = ("running", "ok", "failed", "interrupted")
 
 
@@ -38,8 +43,14 @@ def new_run_id(kind: str) -> str:
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise DiskFull.at(path, exc) from None
+        raise
 
 
 class Run:
@@ -115,6 +126,11 @@ class Run:
             "error": None,
         }
         _write_json_atomic(run_dir / MANIFEST, manifest)
+        try:  # room kept for the last manifest: a full disk still ends with the run marked failed
+            (run_dir / SPACE_RESERVE).write_bytes(b"\0" * SPACE_RESERVE_BYTES)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise DiskFull.at(run_dir / SPACE_RESERVE, exc) if is_disk_full(exc) else exc from None
         return cls(run_dir, manifest)
 
     def table(self, name: str, schema: pa.Schema, **kwargs: Any) -> TableWriter:
@@ -130,6 +146,23 @@ class Run:
         _write_json_atomic(self.dir / MANIFEST, self.manifest)
 
     def finish(self, status: str, error: str | None = None) -> None:
+        """Flush and merge the tables, then write the final manifest. On a full disk the space
+        reserved at creation is given up for the manifest, the run is marked failed with the
+        reason, and `DiskFull` is raised (the part files written stay readable)."""
+        try:
+            self._finish(status, error)
+        except DiskFull as full:
+            if self.rank == 0:
+                (self.dir / SPACE_RESERVE).unlink(missing_ok=True)  # the room kept for this manifest
+                try:
+                    self.update_manifest(status="failed", error=f"DiskFull: {full}", end_time=_now_iso())
+                except DiskFull:
+                    pass  # the reserve did not suffice: `runs recover` marks it failed later
+            raise
+        if self.rank == 0:
+            (self.dir / SPACE_RESERVE).unlink(missing_ok=True)
+
+    def _finish(self, status: str, error: str | None) -> None:
         assert status in STATUSES, status
         for writer in self._tables.values():
             writer.flush()
@@ -162,7 +195,12 @@ class Run:
         elif issubclass(exc_type, KeyboardInterrupt):
             self.finish("interrupted", error="KeyboardInterrupt")
         else:
-            self.finish("failed", error=f"{exc_type.__name__}: {exc}")
+            try:
+                self.finish("failed", error=f"{exc_type.__name__}: {exc}")
+            except DiskFull:
+                if isinstance(exc, DiskFull):
+                    return False  # the same fault again while closing: report the first
+                raise
         return False
 
 
@@ -261,6 +299,7 @@ def recover_run(run_dir: Path) -> dict[str, Any]:
     """
     manifest = read_manifest(run_dir)
     if manifest.get("status") == "running" and not pid_alive(manifest.get("pid")):
+        (Path(run_dir) / SPACE_RESERVE).unlink(missing_ok=True)  # its room first: a full disk may be why
         consolidate_run(Path(run_dir))
         manifest.update(status="failed", error="process ended without closing the run (crash or kill)")
         _write_json_atomic(Path(run_dir) / MANIFEST, manifest)

@@ -21,13 +21,23 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dlrm_lab.errors import DiskFull, is_disk_full
+
 PARTS_DIR = "_parts"
 
 
 def atomic_write_parquet(table: pa.Table, path: Path) -> None:
+    """Write under a temporary name, then rename: readers never see half a file. A full disk
+    raises `DiskFull` naming the file, after removing the partial temporary file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # what it held of the table frees its space again
+        if is_disk_full(exc):
+            raise DiskFull.at(path, exc) from None
+        raise
 
 
 class TableWriter:
