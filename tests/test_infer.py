@@ -309,7 +309,7 @@ def test_infer_run_with_auto_load_records_the_choice_and_runs_at_it(tmp_path):
     from dlrm_lab.infer.load import QuerySizes
 
     served = ServedModel("tiny", load_preset("tiny"), max_batch=32, library_samples=2048)
-    cfg = lab.InferConfig(duration_s=0.5, qps_auto=True, sla_auto=True, calibrate_s=0.3, seed=SEED)
+    cfg = lab.InferConfig(duration_s=0.3, qps_auto=True, sla_auto=True, calibrate_s=0.2, seed=SEED)
     lines = []
     run_dir = lab.run_inference(
         [served], [Stream("tiny", 0.0, QuerySizes.parse("fixed:2"))], cfg, metrics_dir=tmp_path, log=lines.append

@@ -5,7 +5,7 @@ import re
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli, run_cli_in_process
+from conftest import run_cli_in_process
 
 from dlrm_lab.infer.records import QUERY_SCHEMA, SUMMARY_SCHEMA
 from dlrm_lab.metrics import read_manifest
@@ -17,12 +17,13 @@ def _run_dir(root):
 
 
 def test_open_loop_point_records_every_query(tmp_path):
-    out = run_cli(
+    # in-process (the interpreter start is the other tests'; the instances are real processes)
+    code, stdout, stderr = run_cli_in_process(
         "infer", "run", "--model", "tiny", "--qps", "200", "--query-size", "uniform:1,8", "--duration", "1.5",
         "--instances", "2", "--max-batch", "32", "--sla-ms", "50", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "samples/s" in out.stdout and "run directory" in out.stdout
+    assert code == 0, stderr
+    assert "samples/s" in stdout and "run directory" in stdout
     run_dir = _run_dir(tmp_path)
     assert read_manifest(run_dir)["status"] == "ok"
     queries = pq.read_table(run_dir / "queries.parquet")
@@ -44,11 +45,11 @@ def test_open_loop_point_records_every_query(tmp_path):
 
 
 def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path):
-    out = run_cli(
+    code, _, stderr = run_cli_in_process(
         "infer", "run", "--model", "tiny", "--scenario", "server", "--qps", "100", "--query-size", "fixed:4",
         "--duration", "1", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    assert code == 0, stderr
     run_dir = _run_dir(tmp_path)
     logs = run_dir / "loadgen" / "point-0"
     assert (logs / "mlperf_log_summary.txt").exists() and (logs / "mlperf_log_detail.txt").exists()
@@ -58,15 +59,16 @@ def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path):
     assert s["completed_queries"] > 50 and s["loadgen_p99_ms"] > 0
 
 
-def test_two_models_served_together_and_alone(tmp_path):
-    out = run_cli(
+def test_two_models_served_together_and_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "5")
+    code, _, stderr = run_cli_in_process(
         "infer", "run", "--model", "tiny", "--model", "tiny", "--qps", "100", "--qps", "50", "--duration", "1",
         "--sla-ms", "20", "--sla-ms", "0.001", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    assert code == 0, stderr
     # stderr is no terminal: progress as plain lines, the last one at the end of the third point's load
-    progress = [line for line in out.stderr.splitlines() if line.startswith("infer: ")]
-    assert progress and progress[-1].startswith("infer: 3/3 s of load (100%), elapsed "), out.stderr
+    progress = [line for line in stderr.splitlines() if line.startswith("infer: ")]
+    assert progress and progress[-1].startswith("infer: 3/3 s of load (100%), elapsed "), stderr
     assert progress[-1].endswith(" queries") and ", point 3/3, " in progress[-1]
     rows = pq.read_table(_run_dir(tmp_path) / "summary.parquet").to_pylist()
     got = sorted((r["model"], r["mode"], r["target_qps"]) for r in rows)
@@ -81,16 +83,16 @@ def test_two_models_served_together_and_alone(tmp_path):
     assert set(q[q.point == 1].model) == {"tiny"} and set(q[q.point == 2].model) == {"tiny-2"}
 
 
-def test_search_finds_a_rate_within_the_bound(tmp_path):
-    out = run_cli(
+def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "0")
+    code, stdout, stderr = run_cli_in_process(
         "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
         "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "3",
         "--capacity-duration", "0.5", "--min-queries", "20", "--metrics-dir", str(tmp_path),
-        env={"DLRM_LAB_PROGRESS_INTERVAL_S": "0"},
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    progress = [line for line in out.stderr.splitlines() if line.startswith("search: ")]
-    assert len(progress) > 3 and progress[-1].startswith("search: 3 probe points, elapsed "), out.stderr
+    assert code == 0, stderr
+    progress = [line for line in stderr.splitlines() if line.startswith("search: ")]
+    assert len(progress) > 3 and progress[-1].startswith("search: 3 probe points, elapsed "), stderr
     assert re.search(r", point 2: ([\d.]+)/\1 s of load, [\d,]+ queries$", progress[-1]), progress[-1]  # all done
     run_dir = _run_dir(tmp_path)
     (f,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
@@ -103,7 +105,7 @@ def test_search_finds_a_rate_within_the_bound(tmp_path):
     assert max(passing) == f["best_qps"]
     assert all(p["sla_met"] == p["passed"] for p in probes)  # one repeat: its verdict decides
     assert read_manifest(run_dir)["best"]["best_qps"] == f["best_qps"]
-    assert "best q/s" in out.stdout
+    assert "best q/s" in stdout
 
 
 @pytest.mark.parametrize(

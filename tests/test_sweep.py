@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli, run_cli_in_process
+from conftest import ROOT, run_cli_in_process
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import Run
@@ -130,9 +130,9 @@ seed = [1, 2]
     assert _statuses(sweep_dir).get("p0000-r0") == "ok", first.stderr.read().decode()[-2000:]
     done_before = next((sweep_dir / "points" / "p0000-r0").glob("*/manifest.json")).parent.name
 
-    second = run_cli("sweep", str(grid), "--no-progress")
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert "1 from an earlier invocation" in second.stdout
+    code, stdout, stderr = run_cli_in_process("sweep", str(grid), "--no-progress")  # its point: a process
+    assert code == 0, stderr[-2000:]
+    assert "1 from an earlier invocation" in stdout
     points = pq.read_table(sweep_dir / "points.parquet").to_pylist()
     assert [(p["point"], p["repeat"], p["status"]) for p in points] == [(0, 0, "ok"), (1, 0, "ok")]
     assert points[0]["child_run_id"] == done_before  # skipped, not run again
