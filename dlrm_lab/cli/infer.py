@@ -188,11 +188,16 @@ def run_command(
             served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
             log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress,
         )  # fmt: skip
-    _print_points(run_dir)
+    invalid = _print_points(run_dir)
     console().print(f"run directory: {run_dir}")
+    if invalid:  # a failed verdict fails the command, as a regression fails `compare`: scripts gate on it
+        out.print(f"error: MLPerf LoadGen's verdict is INVALID for {', '.join(invalid)} (why: "
+                  f"{run_dir}/loadgen/point-*/mlperf_log_summary.txt)", highlight=False, soft_wrap=True)  # fmt: skip
+        raise typer.Exit(1)
 
 
-def _print_points(run_dir: Any) -> None:
+def _print_points(run_dir: Any) -> list[str]:
+    """Print the points' table; return the models whose LoadGen verdict was INVALID."""
     rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
     table = Table(title=f"inference ({rows[0]['scenario']})")
     cols = ("model", "mode", "target q/s", "queries/s", "samples/s", "p50 ms", "p99 ms", "max ms", "batch",
@@ -218,6 +223,7 @@ def _print_points(run_dir: Any) -> None:
                 f"MLPerf LoadGen ({r['model']}): {r['loadgen_result']}, {r['loadgen_queries_per_s']:.1f} queries/s, "
                 f"p99 {r['loadgen_p99_ms']:.2f} ms (LoadGen's own accounting; logs in {run_dir}/loadgen)"
             )
+    return [r["model"] for r in rows if r["loadgen_result"] == "INVALID"]
 
 
 @app.command("search")
