@@ -311,8 +311,9 @@ def run_sweep(
                 on_done(pr)
         if result.failed:
             status, error = "failed", f"{len(result.failed)} point-repeat(s) failed; see points.parquet"
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         status, error = "interrupted", "KeyboardInterrupt"
+        exc.run_dir = run.dir  # type: ignore[attr-defined]  # for the CLI's one line
         raise
     except BaseException as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"

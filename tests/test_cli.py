@@ -126,6 +126,7 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
     assert "tiny: 4 tables" in err and not [line for line in err.splitlines() if line.startswith("train: ")], err
     (run_dir,) = list(tmp_path.iterdir())
     assert read_manifest(run_dir)["status"] == "interrupted"
+    assert f"interrupted: run {run_dir} marked interrupted, its rows kept" in err.splitlines(), err
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
     assert summary["status"] == "interrupted" and summary["steps"] > 0
     assert pq.read_table(run_dir / "steps.parquet").num_rows == summary["steps"]

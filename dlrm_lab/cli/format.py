@@ -3,11 +3,12 @@ the raw values)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,3 +261,16 @@ def _plain(text: str) -> str:
         return Text.from_markup(text).plain
     except MarkupError:
         return text
+
+
+@contextlib.contextmanager
+def say_interrupted(to: Console | None = None) -> Iterator[None]:
+    """On Ctrl-C, one line before the exit (130): the run's status and where it is. The
+    library marks the run interrupted and names its directory on the exception (`run_dir`)."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        where = getattr(exc, "run_dir", None)
+        line = f"interrupted: run {where} marked interrupted, its rows kept" if where else "interrupted"
+        (to or console(stderr=True)).print(line, highlight=False, soft_wrap=True)
+        raise

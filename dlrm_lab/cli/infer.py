@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import typer
 from rich.table import Table
 
-from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
 from dlrm_lab.config import load_preset
@@ -183,7 +183,7 @@ def run_command(
         done = p.duration_s if p.finished else min(p.elapsed_s, p.duration_s)
         bar.update(task, completed=p.point * p.duration_s + done, point=f"{p.point + 1}/{points}", queries=p.queries)
 
-    with bar:
+    with say_interrupted(out), bar:
         run_dir = run_inference(
             served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
             log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress,
@@ -305,7 +305,7 @@ def search_command(
         probe = f"point {p.point}: {shown:.1f}/{p.duration_s:.1f} s of load, {p.queries:,} queries"
         bar.update(task, completed=p.point + p.finished, probe=probe)
 
-    with bar:
+    with say_interrupted(out), bar:
         run_dir = search(base, stream, grid, cfg, options, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
                          log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress)  # fmt: skip
     rows = pq.read_table(run_dir / "frontier.parquet").to_pylist()

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MetricsDir
 from dlrm_lab.errors import raise_on_sigterm
@@ -59,7 +59,7 @@ def sweep_command(
         if pr.status != "ok":
             bar.console.print(f"p{pr.point:04d}-r{pr.repeat}: {pr.status} (see its point.log)")
 
-    with bar:
+    with say_interrupted(), bar:
         result = run_sweep(spec, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_start=started,
                            on_done=done)  # fmt: skip
     skipped = sum(p.skipped for p in result.points)

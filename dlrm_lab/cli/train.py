@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MaxRows, MetricsDir, Preset, TableScale
 from dlrm_lab.cli.presets import size_line
@@ -130,10 +130,11 @@ def train_command(
         )
 
     try:
-        result = train(
-            spec, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
-            log=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
-        )  # fmt: skip
+        with say_interrupted(err):
+            result = train(
+                spec, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
+                log=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
+            )  # fmt: skip
     finally:
         bar.stop()  # nothing when never started
     import torch.distributed as dist

@@ -193,6 +193,8 @@ class Run:
         if exc_type is None:
             self.finish("ok")
         elif issubclass(exc_type, KeyboardInterrupt):
+            if exc is not None and getattr(exc, "run_dir", None) is None:
+                exc.run_dir = self.dir  # type: ignore[attr-defined]  # for the CLI's one line
             self.finish("interrupted", error="KeyboardInterrupt")
         else:
             try:
