@@ -47,6 +47,10 @@ def test_presets_show_resolves_scaling():
         (["train", "--shard", "t_cat_0=diagonal"], "sharding type 'diagonal'; allowed: table_wise"),
         (["train", "--target-auc", "1.2"], "error: --target-auc 1.2: must be in (0.5, 1)"),
         (["train", "--resume"], "error: --resume and --checkpoint-every need --checkpoint-dir"),
+        (["train", "--set", "click_rate=2"], "error: --set 'click_rate=2': "),
+        (["train", "--set", "click_rate"], "error: --set 'click_rate': expected KEY=VALUE"),
+        (["train", "--set", "features.cat_99.ids.alpha=1.2"], "error: --set 'features.cat_99.ids.alpha=1.2': "),
+        (["train", "--data-spec", "nosuch"], "error: unknown data spec 'nosuch'; available: criteo"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(args, message):

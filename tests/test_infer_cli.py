@@ -128,6 +128,7 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
         (["--sla-ms", "auto"], "--sla-ms auto: needs --qps auto"),
         (["--qps", "auto", "--model", "tiny", "--model", "tiny"], "--qps auto: one --model"),
         (["--qps", "auto", "--scenario", "offline"], "--qps auto: one --model, with open-loop or server load"),
+        (["--data-spec", "nosuch"], "unknown data spec 'nosuch'; available: criteo"),
     ],
 )
 def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):

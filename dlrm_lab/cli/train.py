@@ -109,6 +109,10 @@ def train_command(
     from dlrm_lab.distributed.sharding import parse_table_sharding
 
     parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
+    if cfg.data == "synthetic":  # train() checks it too; here so that a bad value is the only line
+        from dlrm_lab.data import resolve_data_spec
+
+        resolve_data_spec(spec, cfg.data_spec, cfg.data_overrides)
     raise_on_sigterm()
     err = console(stderr=True)
     err.print(size_line(spec))

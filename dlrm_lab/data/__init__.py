@@ -28,11 +28,18 @@ class BatchSource(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+def resolve_data_spec(model: ModelSpec, data_spec: str | None = None, overrides: tuple[str, ...] = ()) -> DataSpec:
+    """The data spec a synthetic source of `model` uses (default: the one the preset names,
+    else uniform), `--set` overrides applied and checked: callers check it before starting
+    anything, so a bad value is one line and no run directory."""
+    return load_data_spec(data_spec or model.data_spec or "uniform", model, tuple(overrides))
+
+
 def synthetic_generator(
     model: ModelSpec, data_spec: str | None = None, overrides: tuple[str, ...] = (), seed: int = 0
 ) -> SyntheticGenerator:
-    """The generator of `data_spec` (default: the one the model preset names, else uniform)."""
-    return SyntheticGenerator(load_data_spec(data_spec or model.data_spec or "uniform", model, tuple(overrides)), seed)
+    """The generator of `data_spec` (see `resolve_data_spec`)."""
+    return SyntheticGenerator(resolve_data_spec(model, data_spec, overrides), seed)
 
 
 def open_sources(

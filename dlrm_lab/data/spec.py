@@ -149,6 +149,21 @@ def load_data_spec(name_or_path: str | Path, model: ModelSpec, overrides: list[s
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: invalid TOML: {exc}") from None
+    try:
+        return _resolve(_with_overrides(raw, overrides, path), model, where=str(path), overrides=tuple(overrides))
+    except UserError as exc:
+        if str(exc).startswith("--set "):
+            raise
+        # name the `--set` the user typed when the spec file alone is fine
+        for k, text in enumerate(overrides):
+            try:
+                _resolve(_with_overrides(raw, overrides[: k + 1], path), model, where=str(path), overrides=())
+            except UserError:
+                raise UserError(f"--set {text!r}: {exc}") from None
+        raise
+
+
+def _with_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...], path: Path) -> dict[str, Any]:
     raw = copy.deepcopy(raw)
     for text in overrides:
         keys, value = parse_override(text)
@@ -158,7 +173,7 @@ def load_data_spec(name_or_path: str | Path, model: ModelSpec, overrides: list[s
             if not isinstance(node, dict):
                 raise UserError(f"--set {text!r}: '{k}' is not a table in {path}")
         node[keys[-1]] = value
-    return _resolve(raw, model, where=str(path), overrides=tuple(overrides))
+    return raw
 
 
 def _fail(where: str, name: str, value: Any, rule: str) -> UserError:

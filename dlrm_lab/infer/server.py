@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.data import synthetic_generator
+from dlrm_lab.data import resolve_data_spec, synthetic_generator
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import (
@@ -76,6 +76,7 @@ class ServedModel:
             raise UserError(f"--precision {self.precision!r}: allowed: {AUTO}, {', '.join(PRECISIONS)}")
         if self.table_precision not in TABLE_PRECISIONS:
             raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
+        resolve_data_spec(self.spec, self.data_spec)  # a bad --data-spec is one line before anything starts
 
     def describe(self) -> dict[str, Any]:
         return {
