@@ -143,12 +143,16 @@ def test_converted_shards_follow_input_files(kaggle, tmp_path):
 # -- (c) malformed input ---------------------------------------------------------------------
 GOOD = "\t".join(["0"] + ["1"] * 13 + ["0000000a"] * 26)
 MALFORMED = {
-    "non-hex categorical": (GOOD + "\n" + GOOD.replace("0000000a", "0000zz0a", 1) + "\n", ["C1", "row 1", "0000zz0a"]),
-    "short categorical": (GOOD + "\n" + GOOD.replace("0000000a", "a0a", 1) + "\n", ["C1", "row 1", "'a0a'"]),
-    "39 fields": (GOOD + "\n" + GOOD.rsplit("\t", 1)[0] + "\n", ["40"]),
-    "41 fields": (GOOD + "\n" + GOOD + "\t0000000a\n", ["40"]),
-    "label 2": (GOOD + "\n2" + GOOD[1:] + "\n", ["label"]),
-    "label missing": (GOOD + "\n" + GOOD[1:] + "\n", ["label"]),
+    # the bad line is the file's second (1-based, as an editor shows it)
+    "non-hex categorical": (
+        GOOD + "\n" + GOOD.replace("0000000a", "0000zz0a", 1) + "\n",
+        ["line 2, column C1", "0000zz0a"],
+    ),
+    "short categorical": (GOOD + "\n" + GOOD.replace("0000000a", "a0a", 1) + "\n", ["line 2, column C1", "'a0a'"]),
+    "39 fields": (GOOD + "\n" + GOOD.rsplit("\t", 1)[0] + "\n", ["line 2: 39 fields, expected 40"]),
+    "41 fields": (GOOD + "\n" + GOOD + "\t0000000a\n", ["line 2: 41 fields, expected 40"]),
+    "label 2": (GOOD + "\n2" + GOOD[1:] + "\n", ["line 2, column label: 2: must be 0 or 1"]),
+    "label missing": (GOOD + "\n" + GOOD[1:] + "\n", ["line 2, column label: None: must be 0 or 1"]),
     "label not a number": (GOOD + "\nyes" + GOOD[1:] + "\n", ["column #0"]),
 }
 

@@ -49,21 +49,38 @@ def _check_model(model: ModelSpec) -> None:
         )
 
 
-def _parse_hex(column: pa.ChunkedArray, where: str) -> np.ndarray:
-    """8-digit hex strings (null: missing) -> uint64 values, vectorised over bytes."""
+def _parse_hex(column: pa.ChunkedArray, path: Path, first_line: int, name: str) -> np.ndarray:
+    """8-digit hex strings (null: missing) -> uint64 values, vectorised over bytes. Errors
+    name the file's 1-based line (`first_line` is the line of the column's first value)."""
     arr = column.combine_chunks().fill_null("00000000")
     lengths = pc.utf8_length(arr).to_numpy(zero_copy_only=False)
     if lengths.size and (lengths != 8).any():
         row = int(np.argmax(lengths != 8))
-        raise UserError(f"{where}: row {row}: categorical value {arr[row].as_py()!r} is not 8 hex digits")
+        raise UserError(
+            f"{path}: line {first_line + row}, column {name}: categorical value {arr[row].as_py()!r} "
+            "is not 8 hex digits"
+        )
     data = np.frombuffer(arr.buffers()[2], dtype=np.uint8)
     start = arr.offset * 8
     digits = _HEX_VALUE[data[start : start + 8 * len(arr)]].reshape(-1, 8)
     if (digits == 255).any():
         row = int(np.argmax((digits == 255).any(axis=1)))
-        raise UserError(f"{where}: row {row}: categorical value {arr[row].as_py()!r} is not hexadecimal")
+        raise UserError(
+            f"{path}: line {first_line + row}, column {name}: categorical value {arr[row].as_py()!r} is not hexadecimal"
+        )
     shifts = np.arange(28, -1, -4, dtype=np.uint64)
     return (digits.astype(np.uint64) << shifts).sum(axis=1)
+
+
+def _where_broken(path: Path, from_line: int) -> str:
+    """'line N: ' for the first line from `from_line` (1-based) whose field count is not the
+    format's 40, else ''. Only on the error path: Arrow's parse errors carry no line number."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            fields = line.rstrip(b"\r\n").count(b"\t") + 1
+            if number >= from_line and fields != len(COLUMNS):
+                return f"line {number}: {fields} fields, expected {len(COLUMNS)}: "
+    return ""
 
 
 def read_criteo_tsv(path: str | Path, model: ModelSpec, block_rows: int = 1 << 16) -> Iterator[SampleBlock]:
@@ -90,7 +107,7 @@ def read_criteo_tsv(path: str | Path, model: ModelSpec, block_rows: int = 1 << 1
             convert_options=convert,
         )
     except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{path}: not a Criteo TSV file ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"{path}: {_where_broken(path, 1)}not a Criteo TSV file ({str(exc).splitlines()[0]})") from None
     rows = [t.num_embeddings for t in model.tables for _ in t.feature_names]
     first = 0
     while True:
@@ -99,17 +116,20 @@ def read_criteo_tsv(path: str | Path, model: ModelSpec, block_rows: int = 1 << 1
         except StopIteration:
             return
         except (pa.ArrowException, OSError) as exc:
-            raise UserError(f"{path}: after row {first}: {str(exc).splitlines()[0]}") from None
+            raise UserError(f"{path}: {_where_broken(path, first + 1)}{str(exc).splitlines()[0]}") from None
         table = pa.Table.from_batches([batch])
         n = table.num_rows
-        where = f"{path} (rows {first}..{first + n - 1})"
         label = table.column("label")
-        if label.null_count or not pc.all(pc.is_in(label, pa.array([0, 1], pa.int32()))).as_py():
-            raise UserError(f"{where}: column label must be 0 or 1 on every line")
+        bad = pc.invert(pc.fill_null(pc.is_in(label, pa.array([0, 1], pa.int32())), False)).to_numpy(
+            zero_copy_only=False
+        )
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise UserError(f"{path}: line {first + row + 1}, column label: {label[row].as_py()!r}: must be 0 or 1")
         ints = np.stack([table.column(c).fill_null(0).to_numpy() for c in INT_COLUMNS], axis=1)
         dense = np.log1p(np.maximum(ints, 0)).astype(np.float32)
         values = [
-            (_parse_hex(table.column(c), f"{where}, column {c}") % np.uint64(r)).astype(np.int64)
+            (_parse_hex(table.column(c), path, first + 1, c) % np.uint64(r)).astype(np.int64)
             for c, r in zip(CAT_COLUMNS, rows, strict=True)
         ]
         lengths = [np.ones(n, dtype=np.int32)] * NUM_CAT
