@@ -294,6 +294,8 @@ def run_sweep(
             slot = run.dir / "points" / _slot(k, r)
             done = _done_run(slot)
             pr = PointResult(k, r, params, "ok" if done else "pending", done, skipped=done is not None)
+            if done:  # finished by an earlier invocation: its attempts are the ones set aside plus that one
+                pr.attempts = len(list((run.dir / "_incomplete").glob(f"{slot.name}-*"))) + 1
             result.points.append(pr)
             if not done:
                 todo.append(pr)

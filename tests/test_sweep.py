@@ -136,6 +136,7 @@ seed = [1, 2]
     points = pq.read_table(sweep_dir / "points.parquet").to_pylist()
     assert [(p["point"], p["repeat"], p["status"]) for p in points] == [(0, 0, "ok"), (1, 0, "ok")]
     assert points[0]["child_run_id"] == done_before  # skipped, not run again
+    assert points[0]["attempts"] == 1  # as the first invocation recorded it
     assert points[1]["attempts"] == 2 and (sweep_dir / "_incomplete" / "p0001-r0-0").exists()
     steps = duckdb.sql(f"select run_id, step from '{sweep_dir}/points/*/*/steps.parquet'").fetchall()
     assert len(steps) == len(set(steps)) == 2 * 6  # every step of every point once
