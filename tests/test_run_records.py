@@ -249,3 +249,29 @@ def test_a_full_disk_ends_training_in_one_line_and_keeps_the_rows_written(tmp_pa
     assert not (run_dir / ".space-reserve").exists()  # given up for the last manifest
     code, out, err = run_cli_in_process("runs", "list", str(tmp_path))
     assert code == 0 and "failed" in out and "Traceback" not in out + err
+
+
+def test_recovering_a_killed_training_run_rebuilds_its_summary_from_the_steps(tmp_path):
+    from conftest import run_cli_in_process
+
+    import dlrm_lab
+    from dlrm_lab.config import TrainConfig
+    from dlrm_lab.train import train
+
+    result = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=12, batch_size=32), metrics_dir=tmp_path)
+    want = result.summary
+    run_dir = result.run_dir
+    (run_dir / "summary.parquet").unlink()  # as a SIGKILL before the end leaves it: steps, no summary
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest.update(status="running", pid=_dead_pid())
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+    code, out, err = run_cli_in_process("runs", "recover", str(tmp_path))
+    assert code == 0, err
+    assert "summary.parquet rebuilt from its steps" in out
+    (got,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert got["status"] == "failed" and got["steps"] == 12 and got["preset"] == "tiny"
+    assert got["samples_per_s"] == pytest.approx(want["samples_per_s"])  # the same steps, the same rule
+    assert got["warmup_steps"] == want["warmup_steps"] and got["eval_auc"] is None  # never measured: null
+    code, out, _ = run_cli_in_process("runs", "list", str(tmp_path))
+    assert code == 0 and f"{got['samples_per_s']:,.0f}" in out

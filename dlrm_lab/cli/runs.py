@@ -179,6 +179,11 @@ def recover_runs(
             if parts
             else ""
         )
+        if manifest.get("kind") == "train":
+            from dlrm_lab.train.records import recovered_summary  # torch: only when a training run needs it
+
+            if recovered_summary(run.dir, manifest) is not None:
+                merged += "; summary.parquet rebuilt from its steps"
         recovered += 1
         out.print(
             f"recovered {run.run_id}: marked {manifest.get('status')} (pid {pid} gone){merged}",

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
-from dlrm_lab.metrics.tables import atomic_write_parquet
+from dlrm_lab.metrics.tables import atomic_write_parquet, write_table
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 from dlrm_lab.train.timing import PHASES
 
@@ -241,3 +241,42 @@ def energy_columns(energy: dict[str, Any], summary: dict[str, Any]) -> dict[str,
         if valid is not None:
             out["valid_flops_per_s_per_w"] = valid / power
     return out
+
+
+def recovered_summary(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """Write the summary a training run died before writing (SIGKILL, out of memory), from
+    the steps recovery merged: throughput, step times, phase shares and loss trend, status
+    failed; evaluation, roofline and energy stay null (they were never measured). None when
+    there is nothing to do (a summary exists, no steps, or not a training run)."""
+    run_dir = Path(run_dir)
+    steps_path = run_dir / "steps.parquet"
+    if manifest.get("kind") != "train" or (run_dir / "summary.parquet").exists() or not steps_path.exists():
+        return None
+    steps = pq.read_table(steps_path)
+    if steps.num_rows == 0 or not set(STEP_SCHEMA.names) <= set(steps.column_names):
+        return None  # not the training loop's steps table: nothing to summarise
+    rows = steps.to_pylist()
+    first = min(r["step"] for r in rows)
+    warmup = min(detect_warmup(global_step_times(rows)), max(0, len({r["step"] for r in rows}) - 1))
+    for r in rows:
+        r["warmup"] = r["step"] - first < warmup
+    config = manifest.get("config", {})
+    model, cfg = config.get("model", {}), config.get("train", {})
+    world = config.get("world_size") or 1
+    summary = {
+        "kind": "train",
+        "status": "failed",
+        "preset": model.get("name"),
+        "interaction": model.get("interaction"),
+        "device": cfg.get("device"),
+        "precision": cfg.get("precision"),
+        "table_precision": cfg.get("table_precision"),
+        "world_size": world,
+        "batch_size": cfg.get("batch_size"),
+        "global_batch_size": (cfg.get("batch_size") or 0) * world or None,
+        "steps": len({r["step"] for r in rows}),
+        "warmup_steps": warmup,
+        **summarize_steps(rows),
+    }
+    write_table(run_dir, "summary", [summary], SUMMARY_SCHEMA, manifest.get("run_id") or run_dir.name)
+    return summary
