@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from dlrm_lab.errors import DiskFull, UserError, is_disk_full
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
-from dlrm_lab.metrics.tables import TableWriter, consolidate_run, write_table
+from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, write_table
 
 MANIFEST = "manifest.json"
 # Kept free in every run directory until the run ends, so that its final manifest can be
@@ -42,15 +42,8 @@ def new_run_id(kind: str) -> str:
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if is_disk_full(exc):
-            raise DiskFull.at(path, exc) from None
-        raise
 
 
 class Run:

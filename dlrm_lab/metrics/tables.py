@@ -12,9 +12,11 @@ its footer (what a killed writer leaves) cannot be read at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +28,25 @@ from dlrm_lab.errors import DiskFull, is_disk_full
 PARTS_DIR = "_parts"
 
 
-def atomic_write_parquet(table: pa.Table, path: Path) -> None:
-    """Write under a temporary name, then rename: readers never see half a file. A full disk
-    raises `DiskFull` naming the file, after removing the partial temporary file."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """A temporary name to write `path` under, renamed to `path` when the block ends: readers
+    never see half a file. On an error the partial temporary file is removed (freeing what
+    it held), and a full disk raises `DiskFull` naming the file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        pq.write_table(table, tmp)
+        yield tmp
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)  # what it held of the table frees its space again
+        tmp.unlink(missing_ok=True)
         if is_disk_full(exc):
             raise DiskFull.at(path, exc) from None
         raise
+
+
+def atomic_write_parquet(table: pa.Table, path: Path) -> None:
+    with atomic_file(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 class TableWriter:
