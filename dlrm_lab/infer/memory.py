@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
+from dlrm_lab.model.cost import stored_table_bytes
 
 # Private memory of an idle instance process (USS: torch, torchrec and fbgemm loaded), as
 # measured with the tiny preset on 2026-11-23 (268 MB), rounded up.
 INSTANCE_RUNTIME_BYTES = 320 << 20
-_QUANTISED_ROW_EXTRA = {"int8": 4, "int4": 4}  # fp16 scale + bias per row (fbgemm)
 GiB = float(1 << 30)
 
 
@@ -59,11 +58,8 @@ def library_samples(max_batch: int, library_samples: int = 0) -> int:
 def model_memory(served: Any) -> ModelMemory:
     """What `served` (an `infer.server.ServedModel`) needs, from its spec alone."""
     spec = served.spec
-    rows = sum(t.num_embeddings for t in spec.tables)
-    values = spec.embedding_parameters
-    stored = int(values * TABLE_BYTES_PER_VALUE[served.table_precision]) + rows * _QUANTISED_ROW_EXTRA.get(
-        served.table_precision, 0
-    )
+    fp32 = int(stored_table_bytes(spec, "fp32"))
+    stored = int(stored_table_bytes(spec, served.table_precision))
     ids_per_sample = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
     per_sample = 4 * spec.num_dense + 8 * ids_per_sample + (4 + 8) * spec.num_features + 4
     widths = sum(spec.bottom_mlp) + sum(spec.top_mlp) + spec.over_arch_in_features + ids_per_sample * 2
@@ -71,12 +67,12 @@ def model_memory(served: Any) -> ModelMemory:
     dense = 4 * spec.dense_parameters
     return ModelMemory(
         name=served.name,
-        fp32_tables=4 * values,
+        fp32_tables=fp32,
         snapshot=stored,
         library=int(per_sample * library_samples(served.max_batch, served.library_samples)),
         per_instance=INSTANCE_RUNTIME_BYTES + dense + activations,
         instances=served.instances,
-        device_per_instance=4 * values + stored + dense + activations,
+        device_per_instance=fp32 + stored + dense + activations,
     )
 
 

@@ -115,13 +115,21 @@ _QUANTISED_ROW_EXTRA_BYTES = {"int8": 4, "int4": 4}
 _DENSE_OPTIMIZER_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
 
 
+def row_bytes(embedding_dim: int, table_precision: str = "fp32") -> float:
+    """Bytes of one stored table row at `table_precision` (quantised rows with their scale and bias)."""
+    return embedding_dim * TABLE_BYTES_PER_VALUE[table_precision] + _QUANTISED_ROW_EXTRA_BYTES.get(table_precision, 0)
+
+
 def lookup_bytes_per_sample(spec: ModelSpec, table_precision: str = "fp32") -> float:
     """Bytes of embedding rows one sample's lookups read, at the tables' storage precision."""
-    per_value = TABLE_BYTES_PER_VALUE[table_precision]
-    extra = _QUANTISED_ROW_EXTRA_BYTES.get(table_precision, 0)
     return float(
-        sum(t.pooling_factor * len(t.feature_names) * (t.embedding_dim * per_value + extra) for t in spec.tables)
+        sum(t.pooling_factor * len(t.feature_names) * row_bytes(t.embedding_dim, table_precision) for t in spec.tables)
     )
+
+
+def stored_table_bytes(spec: ModelSpec, table_precision: str = "fp32") -> float:
+    """Bytes of every table of `spec` stored at `table_precision`."""
+    return float(sum(t.num_embeddings * row_bytes(t.embedding_dim, table_precision) for t in spec.tables))
 
 
 def dense_step_bytes(spec: ModelSpec, optimizer: str = "adagrad") -> float:

@@ -38,6 +38,7 @@ from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.model import build_model
+from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
@@ -215,7 +216,9 @@ def train(
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
     if start_step >= cfg.steps:
         raise UserError(f"--resume: the checkpoint is at step {start_step}; --steps {cfg.steps} leaves nothing to do")
-    plan_info = describe_plan(plan, spec, ctx.world_size, bytes_per_value=2 if cfg.table_precision == "fp16" else 4)
+    plan_info = describe_plan(
+        plan, spec, ctx.world_size, bytes_per_value=int(TABLE_BYTES_PER_VALUE[cfg.table_precision])
+    )
 
     if source is None or eval_source is None:
         default_train, default_eval = open_sources(
