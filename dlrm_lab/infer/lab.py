@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.calibrate import capacity_qps, choose_load
@@ -512,8 +511,9 @@ def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferCon
     is left out of the grid, and so costs no search time)."""
     if base.precision != AUTO:
         return [base.precision]
-    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-    choice = choose_precision(AUTO, base.spec, allowed=PRECISIONS, device=device, threads=threads, rows=rows, log=log)
+    choice = choose_precision(
+        AUTO, base.spec, allowed=PRECISIONS, device=cfg.device, threads=threads, rows=rows, log=log
+    )
     kept = contenders(choice)
     choices[f"{threads} threads"] = {**choice.to_dict(), "searched": kept}
     if log:

@@ -239,13 +239,12 @@ class InferenceServer:
     def _choose_precisions(self) -> None:
         """Resolve `auto` by measurement at each model's instance threads and batch size;
         warn about an explicit precision that measures slower than fp32."""
-        dev = torch.device("cuda", 0) if self.device == "cuda" else torch.device("cpu")
         for name, m in list(self.models.items()):
             choice = choose_precision(
-                m.precision, m.spec, allowed=PRECISIONS, device=dev, threads=m.threads, rows=m.max_batch, log=self.log
-            )
-            self.log(f"warning: {choice.warning}" if choice.warning else f"{name}: precision {choice.precision}: "
-                     f"{choice.reason}")  # fmt: skip
+                m.precision, m.spec, allowed=PRECISIONS, device=self.device, threads=m.threads, rows=m.max_batch,
+                log=self.log,
+            )  # fmt: skip
+            self.log(choice.line if choice.warning else f"{name}: {choice.line}")
             self.precision_choices[name] = choice.to_dict()
             self.models[name] = replace(m, precision=choice.precision)
 

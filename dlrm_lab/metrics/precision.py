@@ -128,6 +128,11 @@ class PrecisionChoice:
     device: str = "cpu"
     negligible: bool = False  # the GEMMs take too little time for precision to matter
 
+    @property
+    def line(self) -> str:
+        """What to tell the user: the warning if there is one, else what runs and why."""
+        return f"warning: {self.warning}" if self.warning else f"precision {self.precision}: {self.reason}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "requested": self.requested,

@@ -155,8 +155,7 @@ def _choose_precision(spec: ModelSpec, cfg: TrainConfig, ctx: DistContext, log: 
             rows=cfg.batch_size, log=log,
         )  # fmt: skip
         if log:
-            warning = shared[0].warning
-            log(f"warning: {warning}" if warning else f"precision {shared[0].precision}: {shared[0].reason}")
+            log(shared[0].line)
     if ctx.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
     choice: PrecisionChoice = shared[0]
