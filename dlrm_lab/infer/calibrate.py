@@ -45,18 +45,25 @@ def capacity_qps(server: InferenceServer, stream: Stream, seconds: float, seed: 
     return _closed_loop(server, stream, concurrency, seconds, seed, drain_s)[0]
 
 
-def _closed_loop(
-    server: InferenceServer, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
-) -> tuple[float, list[dict[str, Any]]]:
-    server.take_records()
-    driver = ClosedLoop(server, stream, concurrency, seconds, seed=seed)
+def _drive(
+    server: InferenceServer, driver: ClosedLoop | OpenLoop, drain_s: float
+) -> tuple[list[dict[str, Any]], float]:
+    """Run `driver` against `server` to its end and drain: the records of its queries alone,
+    and the seconds from its start to the last completion."""
+    server.take_records()  # nothing from before
     t0 = time.monotonic()
     driver.start()
     while not driver.join(timeout=0.25):
         server.check()
     server.drain(drain_s)
-    wall = time.monotonic() - t0
-    done = [r for r in server.take_records() if r["status"] == "ok"]
+    return server.take_records(), time.monotonic() - t0
+
+
+def _closed_loop(
+    server: InferenceServer, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
+) -> tuple[float, list[dict[str, Any]]]:
+    records, wall = _drive(server, ClosedLoop(server, stream, concurrency, seconds, seed=seed), drain_s)
+    done = [r for r in records if r["status"] == "ok"]
     return (len(done) / wall if wall > 0 else 0.0), done
 
 
@@ -65,13 +72,7 @@ def _open_loop_percentile(
     drain_s: float,
 ) -> float:  # fmt: skip
     """The latency percentile of `seconds` of open-loop load at `qps` (dropped = inf)."""
-    server.take_records()
-    driver = OpenLoop(server, [replace(stream, qps=qps)], seconds, seed=seed)
-    driver.start()
-    while not driver.join(timeout=0.25):
-        server.check()
-    server.drain(drain_s)
-    records = server.take_records()
+    records, _ = _drive(server, OpenLoop(server, [replace(stream, qps=qps)], seconds, seed=seed), drain_s)
     if not records:
         return math.inf
     row = summarize(records, duration_s=seconds, sla_ms=sla_ms, sla_percentile=percentile)
