@@ -109,10 +109,9 @@ def train_command(
     from dlrm_lab.distributed.sharding import parse_table_sharding
 
     parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
-    if cfg.data == "synthetic":  # train() checks it too; here so that a bad value is the only line
-        from dlrm_lab.data import resolve_data_spec
+    from dlrm_lab.data import check_data_options
 
-        resolve_data_spec(spec, cfg.data_spec, cfg.data_overrides)
+    check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)  # train() too; here: before the size line
     raise_on_sigterm()
     err = console(stderr=True)
     err.print(size_line(spec))

@@ -35,6 +35,18 @@ def resolve_data_spec(model: ModelSpec, data_spec: str | None = None, overrides:
     return load_data_spec(data_spec or model.data_spec or "uniform", model, tuple(overrides))
 
 
+def check_data_options(
+    model: ModelSpec, data: str, data_spec: str | None = None, overrides: tuple[str, ...] = ()
+) -> DataSpec | None:
+    """The data spec a run on `data` generates from, checked (None for a dataset on disk,
+    where `--data-spec`/`--set` cannot apply): callers check before they start anything."""
+    if data == "synthetic":
+        return resolve_data_spec(model, data_spec, overrides)
+    if data_spec or overrides:
+        raise UserError("--data-spec/--set apply to --data synthetic, not to a dataset on disk")
+    return None
+
+
 def synthetic_generator(
     model: ModelSpec, data_spec: str | None = None, overrides: tuple[str, ...] = (), seed: int = 0
 ) -> SyntheticGenerator:
@@ -60,13 +72,12 @@ def open_sources(
     generator far past any training sample; for a dataset without a generator spec
     (converted Criteo) they are the dataset's first batches, and the description says so.
     """
-    if data == "synthetic":
-        gen = synthetic_generator(model, data_spec, overrides, seed)
+    spec = check_data_options(model, data, data_spec, overrides)
+    if spec is not None:
+        gen = SyntheticGenerator(spec, seed)
         train = SyntheticSource(gen, batch_size, rank, world_size, start_batch=start_batch)
         held_out = SyntheticSource(gen.clone(), batch_size, rank, world_size, eval_batches, offset=HELD_OUT_OFFSET)
         return train, held_out
-    if data_spec or overrides:
-        raise UserError("--data-spec/--set apply to --data synthetic, not to a dataset on disk")
     train = ParquetSource(data, model, batch_size, rank, world_size, start_batch=start_batch)
     info = train.info
     if info.get("data_spec") is not None:

@@ -22,7 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
-from dlrm_lab.data import BatchSource, open_sources, resolve_data_spec
+from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores
 from dlrm_lab.distributed.sharding import (
@@ -189,10 +189,8 @@ def train(
     measurement (`dlrm_lab.metrics.precision`); the choice and its reason go into the
     manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
     """
-    if source is None and cfg.data == "synthetic":  # a bad --data-spec or --set: one line, before anything starts
-        resolve_data_spec(spec, cfg.data_spec, cfg.data_overrides)
-    elif source is None and (cfg.data_spec or cfg.data_overrides):
-        raise UserError("--data-spec/--set apply to --data synthetic, not to a dataset on disk")
+    if source is None:  # a bad --data-spec or --set: one line, before anything starts
+        check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
     ctx = init_distributed(cfg.device, cfg.timeout_s)
     if cfg.pin_cores:
         pin_to_cores(ctx)
