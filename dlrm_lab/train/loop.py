@@ -46,9 +46,8 @@ from dlrm_lab.train.records import (
     EVAL_SCHEMA,
     STEP_SCHEMA,
     SUMMARY_SCHEMA,
-    detect_warmup,
     energy_columns,
-    global_step_times,
+    flag_warmup,
     mark_warmup,
     roofline_columns,
     summarize_steps,
@@ -383,12 +382,7 @@ def train(
 
         t_end = sampler.mark()
         all_steps = _gather_rows(steps, ctx)
-        warmup = cfg.warmup_steps
-        if warmup is None:
-            warmup = detect_warmup(global_step_times(all_steps))
-        warmup = min(warmup, max(0, len(steps) - 1))  # a run stopped early still measures its last step
-        for r in all_steps:
-            r["warmup"] = r["step"] - start_step < warmup
+        warmup = flag_warmup(all_steps, start_step, cfg.warmup_steps)
         if steps:
             measured_from["step"] = start_step + warmup
         t_measured = step_starts[warmup] if len(step_starts) > warmup else t_end

@@ -118,6 +118,18 @@ def detect_warmup(step_times_ms: list[float]) -> int:
     return n // 2
 
 
+def flag_warmup(rows: list[dict[str, Any]], first_step: int, warmup: int | None = None) -> int:
+    """Set every row's `warmup` flag (rows of all ranks): the first `warmup` steps, or as many
+    as `detect_warmup` finds, but never all of them (a run stopped early still measures its
+    last step). Returns the number of warm-up steps."""
+    if warmup is None:
+        warmup = detect_warmup(global_step_times(rows))
+    warmup = min(warmup, max(0, len({r["step"] for r in rows}) - 1))
+    for r in rows:
+        r["warmup"] = r["step"] - first_step < warmup
+    return warmup
+
+
 def global_step_times(rows: list[dict[str, Any]]) -> list[float]:
     """Per step (in order) the slowest rank's step time: when the step ended for the job."""
     by_step: dict[int, float] = {}
@@ -256,10 +268,7 @@ def recovered_summary(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]
     if steps.num_rows == 0 or not set(STEP_SCHEMA.names) <= set(steps.column_names):
         return None  # not the training loop's steps table: nothing to summarise
     rows = steps.to_pylist()
-    first = min(r["step"] for r in rows)
-    warmup = min(detect_warmup(global_step_times(rows)), max(0, len({r["step"] for r in rows}) - 1))
-    for r in rows:
-        r["warmup"] = r["step"] - first < warmup
+    warmup = flag_warmup(rows, min(r["step"] for r in rows))
     config = manifest.get("config", {})
     model, cfg = config.get("model", {}), config.get("train", {})
     world = config.get("world_size") or 1
