@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.distributed.context import init_distributed
+from dlrm_lab.distributed.context import init_distributed, shutdown_distributed
 from dlrm_lab.distributed.sharding import SHARDING_TYPES, gather_tables
 from dlrm_lab.train import train
 
@@ -46,4 +46,9 @@ def run(out: Path, global_batch: int, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    try:
+        run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    finally:
+        # the group's threads joined before the interpreter exits (a rank once ended in
+        # "terminate called without an active exception", SIGABRT, after its last run)
+        shutdown_distributed()
