@@ -22,9 +22,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from dlrm_lab.distributed.sharding import SHARDING_TYPES
+from dlrm_lab.config import SHARDING_TYPES
+from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.hardware import cpu_model
-from dlrm_lab.train.timing import PHASES
 
 
 def cli(*args: str) -> None:

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +52,16 @@ import pyarrow.parquet as pq
 import tomllib
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.run import MANIFEST, Run, discover_runs, read_manifest
 from dlrm_lab.metrics.tables import write_table
 
 COMMANDS = {"train": ("train",), "infer run": ("infer", "run")}
 RESERVED = {"metrics-dir"}
-DEFAULT_METRICS = {
-    "train": ("samples_per_s", "step_time_ms_p50", "step_time_ms_p99", "eval_auc", "achieved_flops_per_s",
-              "roofline_fraction", "energy_per_sample_j"),
-    "infer run": ("queries_per_s", "samples_per_s", "latency_p50_ms", "latency_p99_ms", "latency_p99_9_ms",
-                  "sla_latency_ms", "roofline_fraction", "energy_per_query_j"),
-}  # fmt: skip
+# Parameters of how a training point is launched, not options of the command: `ranks = [1, 2]`
+# sweeps rank counts (the `scale` command is such a sweep).
+LAUNCH_PARAMS = ("ranks", "launcher", "threads-per-rank")
+DEFAULT_METRICS = columns.SWEPT
 # Columns that tell apart several summary rows of one child run (inference: per point, model, mode).
 _ROW_KEYS = ("point", "model", "mode")
 
@@ -92,6 +91,12 @@ class SweepSpec:
     repeats: int = 1
     metrics: tuple[str, ...] = ()
     out: Path | None = None
+    kind: str = "sweep"  # the sweep directory's run kind (`scale`: a sweep over rank counts)
+    # Rows of summary.parquet from the finished points, instead of the per-metric aggregates
+    # (scaling: speedup and efficiency against the fewest ranks).
+    summarise: Callable[[SweepSpec, SweepResult], tuple[list[dict[str, Any]], pa.Schema]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def points(self) -> list[dict[str, Any]]:
@@ -108,12 +113,14 @@ class SweepSpec:
 
     def fingerprint(self) -> str:
         """What makes two invocations the same sweep (the output directory aside)."""
-        what = {"command": self.command, "options": self.options, "points": self.points, "repeats": self.repeats}
+        what = {"command": self.command, "options": self.options, "points": self.points, "repeats": self.repeats,
+                "kind": self.kind}  # fmt: skip
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, summarise=None))
         d["path"], d["out"] = str(self.path), str(self.out) if self.out else None
+        del d["summarise"]
         return d
 
 
@@ -127,17 +134,38 @@ def _option_args(name: str, value: Any, where: str) -> list[str]:
     raise UserError(f"{where}: {name} = {value!r}: a value must be a string, number, boolean or list of them")
 
 
+def _launch_params(spec: SweepSpec, params: dict[str, Any]) -> dict[str, Any]:
+    merged = {**spec.options, **params}
+    return {k: merged[k] for k in LAUNCH_PARAMS if k in merged}
+
+
+def point_command(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[list[str], dict[str, str]]:
+    """The point's process: `python -m dlrm_lab COMMAND ...`, or with `ranks`, the launcher
+    starting that many ranks of it (`launcher`, default torchrun; OMP threads per rank
+    `threads-per-rank`, default cores / ranks); and the environment it adds."""
+    from dlrm_lab.distributed.launch import launch_command, threads_per_rank
+
+    args = [*point_args(spec, params), "--metrics-dir", str(slot)]
+    launch = _launch_params(spec, params)
+    if "ranks" not in launch:
+        return [sys.executable, "-m", "dlrm_lab", *args], {}
+    ranks = int(launch["ranks"])
+    threads = int(launch.get("threads-per-rank") or threads_per_rank(ranks))
+    return launch_command(ranks, str(launch.get("launcher", "torchrun")), args), {"OMP_NUM_THREADS": str(threads)}
+
+
 def point_args(spec: SweepSpec, params: dict[str, Any]) -> list[str]:
     """The command line of one point (without --metrics-dir)."""
     args = list(COMMANDS[spec.command])
     for name, value in {**spec.options, **params}.items():
-        args += _option_args(name, value, str(spec.path))
+        if name not in LAUNCH_PARAMS:
+            args += _option_args(name, value, str(spec.path))
     return args
 
 
 def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | None = None) -> SweepSpec:
-    """Read and check a grid file; every point's command line is parsed by the real CLI
-    before anything runs, so a typo fails at once, naming the file and the option."""
+    """Read and check a grid file; every point's typed configs are built before anything
+    runs, so a typo or a bad value fails at once, naming the file, the point and the option."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -185,29 +213,34 @@ def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | No
         metrics=tuple(metrics),
         out=Path(out) if out else Path(raw["out"]) if raw.get("out") else None,
     )
-    for k, params in enumerate(spec.points):
-        _check_cli(point_args(spec, params), f"{path}: point {k} ({_label(params)})")
+    check_points(spec)
     return spec
 
 
-def _check_cli(args: list[str], where: str) -> None:
-    """Parse a point's command line with the real CLI (no run): unknown options and bad types."""
-    import typer
+def check_points(spec: SweepSpec) -> None:
+    """Build every point's typed configs (no run): the first bad one is one UserError."""
+    for k, params in enumerate(spec.points):
+        _check_point(spec, params, f"{spec.path}: point {k} ({_label(params)})")
 
-    from dlrm_lab.cli import app
 
-    command: Any = typer.main.get_command(app)
-    words = list(args)
-    ctx = None
-    while words and words[0] in getattr(command, "commands", {}):
-        command = command.commands[words.pop(0)]
+def _check_point(spec: SweepSpec, params: dict[str, Any], where: str) -> None:
+    """Build the point's typed configs, as its run will (no run): unknown options and bad values."""
+    from dlrm_lab.commands import SETUPS, coerce
+    from dlrm_lab.distributed.launch import LAUNCHERS
+
+    merged = {**spec.options, **params}
     try:
-        ctx = command.make_context("dlrm-lab", words + ["--metrics-dir", "x"], resilient_parsing=False)
-    except typer.TyperException as exc:  # typer's (vendored click) usage errors
-        raise UserError(f"{where}: {exc.format_message()}") from None
-    finally:
-        if ctx is not None:
-            ctx.close()
+        launch = _launch_params(spec, params)
+        if launch and spec.command != "train":
+            raise UserError(f"{', '.join(launch)}: launch parameters apply to command = 'train' only")
+        for name, kind in (("ranks", int), ("threads-per-rank", int)):
+            if name in launch and not coerce(name, launch[name], kind) >= 1:
+                raise UserError(f"{name} = {launch[name]!r}: must be a whole number >= 1")
+        if launch.get("launcher", "torchrun") not in LAUNCHERS:
+            raise UserError(f"launcher = {launch['launcher']!r}: allowed: {', '.join(LAUNCHERS)}")
+        SETUPS[spec.command]({k: v for k, v in merged.items() if k not in LAUNCH_PARAMS})
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
 
 
 def _label(params: dict[str, Any]) -> str:
@@ -262,7 +295,7 @@ def _open_sweep(spec: SweepSpec, out: Path, argv: list[str] | None) -> Run:
               "points": [{"point": k, "params": p} for k, p in enumerate(spec.points)]}  # fmt: skip
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
-        if manifest.get("kind") != "sweep":
+        if manifest.get("kind") != spec.kind:
             raise UserError(f"{out}: a run of kind {manifest.get('kind')!r} is there, not a sweep; choose another out")
         if manifest.get("config", {}).get("fingerprint") != spec.fingerprint():
             other = manifest["config"].get("grid", {}).get("path")
@@ -273,7 +306,7 @@ def _open_sweep(spec: SweepSpec, out: Path, argv: list[str] | None) -> Run:
         return run
     if out.exists():
         raise UserError(f"{out}: exists and is not a sweep directory; choose another `out` (or --out)")
-    return Run.create(out.parent, kind="sweep", config=config, argv=argv, run_id=out.name)
+    return Run.create(out.parent, kind=spec.kind, config=config, argv=argv, run_id=out.name)
 
 
 def run_sweep(
@@ -306,7 +339,7 @@ def run_sweep(
             pr.attempts = _set_aside(run.dir, slot) + 1  # an earlier, unfinished attempt is kept aside
             if on_start:
                 on_start(pr, i, len(todo))
-            pr.status, pr.seconds = _run_point(point_args(spec, pr.params), slot)
+            pr.status, pr.seconds = _run_point(spec, pr.params, slot)
             pr.child_dir = _done_run(slot)
             write_sweep_tables(run, spec, result)
             if on_done:
@@ -326,15 +359,16 @@ def run_sweep(
     return result
 
 
-def _run_point(args: list[str], slot: Path) -> tuple[str, float]:
-    """One point-repeat in its own process; its output goes to `<slot>/point.log`."""
+def _run_point(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[str, float]:
+    """One point-repeat in its own process (or its launcher's); output goes to `<slot>/point.log`."""
     slot.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(slot)]
+    cmd, env = point_command(spec, params, slot)
     t0 = time.monotonic()
     with open(slot / "point.log", "ab") as log:
-        log.write(("$ dlrm-lab " + " ".join(args) + "\n").encode())
+        log.write(("$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]) + "\n").encode())
         log.flush()
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, **env})  # fmt: skip
         try:
             code = child.wait()
         except BaseException:
@@ -378,8 +412,12 @@ def write_sweep_tables(run: Run, spec: SweepSpec, result: SweepResult) -> None:
             }
         )
     write_table(run.dir, "points", rows, POINTS_SCHEMA, run.run_id)
-    summary = aggregate(result, spec)
-    write_table(run.dir, "summary", summary, summary_schema(spec, summary), run.run_id)
+    if spec.summarise is not None:
+        summary, schema = spec.summarise(spec, result)
+    else:
+        summary = aggregate(result, spec)
+        schema = summary_schema(spec, summary)
+    write_table(run.dir, "summary", summary, schema, run.run_id)
 
 
 def _run_seconds(child: Path | None) -> float | None:

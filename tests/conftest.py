@@ -91,7 +91,7 @@ class ConstantPower:
         return ["dev0"]
 
     def read(self) -> dict:
-        from dlrm_lab.metrics.energy import Reading
+        from dlrm_lab.metrics.sensors import Reading
 
         return {"dev0": Reading("power_w", self.watts)}
 

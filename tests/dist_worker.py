@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import dlrm_lab
-from dlrm_lab.config import TrainConfig
+from dlrm_lab.config import SHARDING_TYPES, TrainConfig
 from dlrm_lab.distributed.context import init_distributed, shutdown_distributed
-from dlrm_lab.distributed.sharding import SHARDING_TYPES, gather_tables
+from dlrm_lab.distributed.tables import gather_tables
 from dlrm_lab.train import train
 
 

@@ -10,7 +10,8 @@ import torch
 from conftest import ROOT, wait_for_files
 
 import dlrm_lab
-from dlrm_lab.distributed.sharding import SHARDING_TYPES, gather_tables, init_tables
+from dlrm_lab.config import SHARDING_TYPES
+from dlrm_lab.distributed.tables import gather_tables, init_tables
 
 GLOBAL_BATCH, STEPS = 64, 6
 
@@ -161,3 +162,37 @@ def _kill_tree(proc) -> None:
         for child in psutil.Process(proc.pid).children(recursive=True):
             child.kill()
         proc.kill()
+
+
+def test_a_planner_stage_plugs_in_through_planner_stages():
+    """New planning behaviour is a stage of the planner (plan.PlannerStages), not a flag: an
+    estimator given there costs every table's options, and TorchRec's own estimators given
+    the same way reproduce the default plan."""
+    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+
+    from dlrm_lab.distributed.context import init_distributed
+    from dlrm_lab.distributed.plan import PlannerStages, describe_plan
+    from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model
+
+    costed: set[str] = set()
+
+    class CountingPerf(EmbeddingPerfEstimator):
+        def estimate(self, sharding_options, sharder_data_map=None):
+            costed.update(option.name for option in sharding_options)
+            super().estimate(sharding_options, sharder_data_map)
+
+    stages = PlannerStages(
+        estimators=lambda topology, constraints: [
+            CountingPerf(topology, constraints),
+            EmbeddingStorageEstimator(topology, constraints),
+        ]
+    )
+    ctx = init_distributed("cpu")
+    spec = dlrm_lab.load_preset("tiny")
+    plans = {}
+    for name, chosen in (("default", None), ("staged", stages)):
+        model = dlrm_lab.build_model(spec, table_device="meta")
+        _, plan = shard_model(model, ctx, EmbeddingOptimizer(), batch_size=32, stages=chosen)
+        plans[name] = describe_plan(plan, spec, ctx.world_size)
+    assert costed == {t.name for t in spec.tables}
+    assert plans["staged"] == plans["default"]

@@ -22,17 +22,9 @@ import pytest
 import torch
 
 from dlrm_lab.infer.records import energy_columns as point_energy
-from dlrm_lab.metrics import cpu, energy
-from dlrm_lab.metrics.energy import (
-    TELEMETRY_SCHEMA,
-    EnergySampler,
-    NvmlSource,
-    RaplSource,
-    Reading,
-    SensorUnavailable,
-    combine_summaries,
-    open_power_sources,
-)
+from dlrm_lab.metrics import cpu, energy, sensors
+from dlrm_lab.metrics.energy import TELEMETRY_SCHEMA, EnergySampler, combine_summaries
+from dlrm_lab.metrics.sensors import NvmlSource, RaplSource, Reading, SensorUnavailable, open_power_sources
 from dlrm_lab.train.records import energy_columns as run_energy
 
 
@@ -207,7 +199,7 @@ def test_nvml_absent_here_degrades_to_a_reason(tmp_path, monkeypatch):
         with pytest.raises(SensorUnavailable, match="NVML unavailable"):
             NvmlSource()
 
-    monkeypatch.setattr(energy, "POWERCAP_ROOT", tmp_path / "no-powercap")
+    monkeypatch.setattr(sensors, "POWERCAP_ROOT", tmp_path / "no-powercap")
     sources, missing = open_power_sources("cpu")
     assert sources == []
     assert set(missing) == {"cpu"}

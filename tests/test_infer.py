@@ -12,7 +12,9 @@ import torch
 from dlrm_lab.config import load_preset
 from dlrm_lab.data import synthetic_generator
 from dlrm_lab.data.source import block_to_batch
-from dlrm_lab.infer.server import InferenceServer, Query, ServedModel
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.server import InferenceServer
+from dlrm_lab.infer.sut import Query
 from dlrm_lab.model.dlrm import build_model
 
 SEED = 3
@@ -190,19 +192,17 @@ def test_a_dead_instance_fails_the_server_with_its_name():
 
 @pytest.mark.parametrize("scenario", ["offline", "single-stream", "multi-stream"])
 def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario):
-    from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.lab import InferConfig, Point, measure
-    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.infer.lab import InferConfig, Point, measure, queue_room
+    from dlrm_lab.infer.load import QuerySizes, Stream
     from dlrm_lab.infer.records import QUERY_SCHEMA
     from dlrm_lab.metrics.run import Run
 
     cfg = InferConfig(scenario=scenario, duration_s=0.5, sla_ms=50)
     stream = Stream("tiny", 200.0, QuerySizes.parse("fixed:2"))
-    with Run.create(tmp_path, "infer", {}) as run:
-        (row,) = measure(
-            server, Point(0, [stream], scenario=scenario), cfg, run.table("queries", QUERY_SCHEMA), run.dir
-        )
-    assert row["scenario"] == scenario and row["loadgen_result"] in ("VALID", "INVALID")
+    point = Point(0, [stream], scenario=scenario)
+    with Run.create(tmp_path, "infer", {}) as run, queue_room(server, point, cfg.duration_s):
+        (row,) = measure(server, point, cfg, run.table("queries", QUERY_SCHEMA), run.dir)
+    assert row["scenario"] == scenario and row["arrival"] == "loadgen" and row["loadgen_result"] in ("VALID", "INVALID")
     assert (run.dir / "loadgen" / "point-0" / "mlperf_log_summary.txt").exists()
     assert row["completed_queries"] > 0 and row["dropped_queries"] == 0
     assert row["queries"] == row["completed_queries"] and row["loadgen_p99_ms"] > 0
@@ -236,8 +236,7 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
     from conftest import ConstantPower, store_profile
 
     from dlrm_lab.infer import lab
-    from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.infer.load import QuerySizes, Stream
     from dlrm_lab.infer.records import QUERY_SCHEMA
     from dlrm_lab.metrics.energy import telemetry_schema
     from dlrm_lab.metrics.run import Run
@@ -276,8 +275,7 @@ def test_the_lab_chooses_a_bound_and_a_rate_it_measured_this_server_can_honour(s
     import math
 
     from dlrm_lab.infer.calibrate import HEADROOM, SLA_FACTOR, choose_load
-    from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.infer.load import QuerySizes, Stream
 
     stream = Stream("tiny", 1.0, QuerySizes.parse("fixed:4"))
     c = choose_load(server, stream, sla_ms=None, probes=3, probe_s=0.3, min_queries=50, seed=SEED)
@@ -305,8 +303,7 @@ def test_infer_run_with_auto_load_records_the_choice_and_runs_at_it(tmp_path):
     import pyarrow.parquet as pq
 
     from dlrm_lab.infer import lab
-    from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.infer.load import QuerySizes, Stream
 
     served = ServedModel("tiny", load_preset("tiny"), max_batch=32, library_samples=2048)
     cfg = lab.InferConfig(duration_s=0.3, qps_auto=True, sla_auto=True, calibrate_s=0.2, seed=SEED)

@@ -164,7 +164,7 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     assert one["efficiency"] == pytest.approx(1.0)
     assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
-    assert (sweep / "points" / "ranks-2" / "launch.log").is_file()
+    assert "OMP_NUM_THREADS=" in (sweep / "points" / "p0001-r0" / "point.log").read_text()  # launched, pinned threads
     assert "weak scaling" in out.stdout and "efficiency" in out.stdout
 
 

@@ -180,8 +180,9 @@ def test_cli_warns_once_before_training_in_a_slow_precision(machine, monkeypatch
 
 
 def test_a_search_grids_every_precision_that_can_win_and_records_why(machine, monkeypatch):
-    from dlrm_lab.infer.lab import InferConfig, _search_precisions
-    from dlrm_lab.infer.server import ServedModel
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.search import _search_precisions
+    from dlrm_lab.infer.served import ServedModel
 
     base = ServedModel("kaggle", dlrm_lab.load_preset("kaggle", max_rows=1000), precision="auto")
     choices: dict = {}

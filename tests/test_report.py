@@ -14,9 +14,9 @@ import pytest
 from conftest import store_profile
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.lab import FRONTIER_SCHEMA
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY
+from dlrm_lab.infer.search import FRONTIER_SCHEMA
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.report import plots
 from dlrm_lab.report.html import write_report
@@ -24,7 +24,6 @@ from dlrm_lab.report.load import discover
 from dlrm_lab.train.records import STEP_SCHEMA
 from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY
 from dlrm_lab.train.scaling import POINT_SCHEMA
-from dlrm_lab.train.timing import PHASES
 
 SEARCH_SUMMARY = pa.schema(
     [*INFER_SUMMARY, pa.field("repeat", pa.int32()), pa.field("probe", pa.int32()), pa.field("passed", pa.bool_())]
@@ -212,10 +211,6 @@ def lab(tmp_path_factory):
         out = tmp_path_factory.mktemp("report") / "out"
         result = write_report([root / "a", root / "b", root / "c", root / "d"], out)
     return {"root": root, "dirs": dirs, "out": out, "result": result, "profile": profile}
-
-
-def test_phases_constant_matches_training():
-    assert plots.PHASES == PHASES
 
 
 def test_discover_finds_nested_runs_and_parents(lab):

@@ -212,3 +212,21 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, mon
     assert code == 0 and "collectives gloo/2" in shown and "all_to_all" in shown
     code, _, err = run_cli_in_process("machine", "probe", "--comms-only")
     assert code == 2 and "several ranks" in err
+
+
+def test_run_probe_rules_without_measuring(tmp_path, monkeypatch):
+    """The orchestration lives in the library: bad device, --comms-only alone, --if-missing."""
+    from conftest import store_profile
+
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.metrics.probe import run_probe
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    with pytest.raises(UserError, match="--device 'tpu': allowed: auto, cpu, cuda"):
+        run_probe(device="tpu")
+    with pytest.raises(UserError, match="--comms-only: needs a launch with several ranks"):
+        run_probe(comms_only=True)
+    stored = store_profile(tmp_path)
+    outcome = run_probe(quick=True, if_missing=True)  # a stored profile: nothing measured, nothing written
+    assert outcome.written is None and outcome.fingerprint_id == stored["fingerprint_id"]
+    assert "not probing again (--if-missing)" in outcome.kept

@@ -222,11 +222,11 @@ def test_mlperf_loadgen_drives_the_remote_server_through_grpc(server, tmp_path):
 
 
 def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(servers, library):
-    from dlrm_lab.infer.drivers import OpenLoop, Stream
-    from dlrm_lab.infer.load import QuerySizes
+    from dlrm_lab.infer.drivers import drive, make_driver
+    from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
     from dlrm_lab.serve.client import describe
     from dlrm_lab.serve.records import CLIENT_QUERY_SCHEMA, summarize_client
-    from dlrm_lab.serve.remote import ClientLibrary, RemoteServer
+    from dlrm_lab.serve.remote import RemoteServer, library_from_info
 
     server = servers["small_queue"].ready()
     body = _request(library.slice(0, 1))
@@ -253,11 +253,14 @@ def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(se
 
     # The client counts errors by code: the lab's open-loop driver against the remote server.
     (info,) = describe(server.target)
+    rows = []
     with server.channel() as channel:
-        remote = RemoteServer(channel, {"tiny": ClientLibrary.from_info(info)})
-        driver = OpenLoop(remote, [Stream("tiny", 200.0, QuerySizes.parse("fixed:2"))], 1.0, seed=0).start()
-        assert driver.join(timeout=10) and remote.drain(10)
-    table = pa.Table.from_pylist(remote.take_rows(), schema=CLIENT_QUERY_SCHEMA)
+        remote = RemoteServer(channel, {"tiny": library_from_info(info)})
+        stream = Stream("tiny", 200.0, QuerySizes.parse("fixed:2"))
+        driver = make_driver(remote, [stream], LoadSettings("open-loop", duration_s=1.0))
+        assert drive(remote, driver, drain_s=10, take=rows.extend)
+    rows += remote.take_records()
+    table = pa.Table.from_pylist(rows, schema=CLIENT_QUERY_SCHEMA)
     s = summarize_client(table, duration_s=1.0, target_qps=200.0, lost=False)
     assert s["completed_queries"] >= 1 and s["resource_exhausted_queries"] >= 100
     assert dict(s["errors_by_code"]) == {"RESOURCE_EXHAUSTED": s["resource_exhausted_queries"]}

@@ -61,8 +61,12 @@ embedding-lr = [0.1, 0.05]
         ('command = "train"\n[grid]\nbatch-size = 32', "must be a non-empty list"),
         ('command = "train"\n[zip]\nsteps = [1, 2]\nseed = [1]', "equal lengths"),
         ('command = "train"\n[options]\nmetrics-dir = "x"', "set by the sweep itself"),
-        ('command = "train"\n[grid]\nbogus-option = [1]', "No such option: --bogus-option"),
-        ('command = "train"\n[grid]\nsteps = ["many"]', "steps"),
+        ('command = "train"\n[grid]\nbogus-option = [1]', "unknown option --bogus-option"),
+        ('command = "train"\n[grid]\nsteps = ["many"]', "--steps 'many': must be a whole number"),
+        ('command = "train"\n[grid]\nbatch-size = [0]', "--batch-size 0"),
+        ('command = "infer run"\n[grid]\nqps = [-1]', "every rate must be > 0"),
+        ('command = "infer run"\n[options]\nmax-batch = 1.5', "--max-batch 1.5: must be a whole number"),
+        ('command = "infer run"\n[grid]\nsteps = [1]', "unknown option --steps"),
         ('command = "train"\nrepeats = 0', "repeats = 0"),
         ('command = "train"\nbogus = 1', "unknown field(s) bogus"),
         ("command = [", "not a readable TOML"),
@@ -146,3 +150,22 @@ seed = [1, 2]
     assert manifest["kind"] == "sweep" and manifest["status"] == "ok" and manifest["resumed"] == 1
     assert run_cli_in_process("sweep", str(grid), "--no-progress")[0] == 0  # all done: nothing runs again
     assert len(pq.read_table(sweep_dir / "points.parquet")) == 2
+
+
+@pytest.mark.parametrize(("command", "setup"), [("train", "train_setup"), ("infer run", "infer_setup")])
+def test_sweep_checks_accept_exactly_the_cli_options(command, setup):
+    """The library's option set (what a sweep point may name) is the command's, no more, no less."""
+    import typer
+
+    from dlrm_lab import commands
+    from dlrm_lab.cli import app
+
+    cmd = typer.main.get_command(app)
+    for word in command.split():
+        cmd = cmd.commands[word]
+    cli = {p.name.rstrip("_") for p in cmd.params} - commands.CLI_ONLY
+    for name in cli:  # every CLI option is accepted (its default value builds)
+        default = next(p.default for p in cmd.params if p.name.rstrip("_") == name)
+        getattr(commands, setup)({name: default})
+    with pytest.raises(UserError, match="unknown option --not-an-option"):
+        getattr(commands, setup)({"not-an-option": 1})

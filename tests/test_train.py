@@ -90,7 +90,7 @@ def test_scaled_presets_train_a_few_steps(name):
 
 
 def test_trained_tables_move_and_stay_consistent_with_the_model():
-    from dlrm_lab.distributed.sharding import gather_tables, init_tables
+    from dlrm_lab.distributed.tables import gather_tables, init_tables
 
     spec = dlrm_lab.load_preset("tiny")
     batch = make_batch(spec, 64, offset=10**9)

@@ -12,8 +12,8 @@ from rich.table import Table
 from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
-from dlrm_lab.config import load_preset
 from dlrm_lab.errors import UserError, raise_on_sigterm
+from dlrm_lab.metrics import columns
 
 app = typer.Typer(help="Inference lab: dynamic batching, co-location, MLPerf LoadGen, latency-bounded search.")
 
@@ -72,48 +72,6 @@ ShowProgress = Annotated[bool, typer.Option(help="Show progress (a bar on a term
 _REFRESH_PER_S = 1.0
 
 
-def _per_model(values: list[Any] | None, n: int, default: Any, option: str) -> list[Any]:
-    values = list(values or [default])
-    if len(values) == 1:
-        return values * n
-    if len(values) != n:
-        raise UserError(f"{option}: give one value or one per --model ({n}), got {len(values)}")
-    return values
-
-
-def served_models(models: list[str], table_scale: float | None, max_rows: int | None, **kw: Any) -> list[Any]:
-    from dlrm_lab.infer.server import ServedModel
-
-    out, seen = [], {}
-    for name in models:
-        spec = load_preset(name, table_scale=table_scale, max_rows=max_rows)
-        seen[spec.name] = seen.get(spec.name, 0) + 1
-        label = spec.name if seen[spec.name] == 1 else f"{spec.name}-{seen[spec.name]}"
-        out.append(ServedModel(label, spec, **kw))
-    return out
-
-
-def _numbers(values: list[Any], option: str) -> list[float]:
-    """Option values as numbers; 'auto' is only accepted alone (handled by the caller)."""
-    out = []
-    for v in values:
-        try:
-            out.append(float(v))
-        except ValueError:
-            raise UserError(f"{option} {v!r}: expected a number (or auto, given alone)") from None
-    return out
-
-
-def _parse_list(text: str, kind: type, option: str) -> list[Any]:
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise UserError(f"{option} {text!r}: expected a comma-separated list of numbers") from None
-    if not values:
-        raise UserError(f"{option}: empty list")
-    return values
-
-
 @app.command("run")
 def run_command(
     model: Models = None,
@@ -145,33 +103,12 @@ def run_command(
     progress: ShowProgress = True,
 ) -> None:
     """Serve one load point (or several models together) and record every query."""
-    from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.lab import InferConfig, PointProgress, run_inference
-    from dlrm_lab.infer.load import Arrivals, QuerySizes
+    options = dict(locals())  # the parameters alone, before any other name is bound
+    from dlrm_lab.commands import infer_setup
+    from dlrm_lab.infer.lab import PointProgress, run_inference
 
-    names = model or ["tiny"]
-    n = len(names)
-    qps_auto, sla_auto = qps == ["auto"], sla_ms == ["auto"]
-    slas = [10.0] * n if sla_auto else _numbers(_per_model(sla_ms, n, 10.0, "--sla-ms"), "--sla-ms")
-    if any(not v > 0 for v in slas):
-        raise UserError(f"--sla-ms {slas}: every bound must be > 0 ms")
-    cfg = InferConfig(
-        scenario=scenario, duration_s=duration, sla_ms=slas[0], sla_percentile=percentile, seed=seed,
-        device=device, pin_cores=pin_cores, compare_alone=alone, qps_auto=qps_auto, sla_auto=sla_auto,
-    )  # fmt: skip
-    served = served_models(
-        names, table_scale, max_rows, instances=instances, threads=threads, max_batch=max_batch,
-        max_delay_ms=max_delay_ms, max_queue=max_queue, precision=precision, table_precision=table_precision,
-        data_spec=data_spec,
-    )  # fmt: skip
-    arrivals = Arrivals(arrival)
-    rates = [0.0] * n if qps_auto else _numbers(_per_model(qps, n, 100.0, "--qps"), "--qps")
-    if any(not r > 0 for r in rates) and not qps_auto:
-        raise UserError(f"--qps {rates}: every rate must be > 0 queries/s (or auto)")
-    sizes = [QuerySizes.parse(s) for s in _per_model(query_size, n, "fixed:1", "--query-size")]
-    streams = [
-        Stream(m.name, r, s, arrivals, sla_ms=sla) for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)
-    ]
+    served, load, cfg = infer_setup(options)  # the one construction (sweeps check their points with it too)
+    streams, n = load.streams, len(served)
     raise_on_sigterm()
     out = console(stderr=True)
     points = 1 + (n if n > 1 and alone else 0)
@@ -200,22 +137,10 @@ def _print_points(run_dir: Any) -> list[str]:
     """Print the points' table; return the models whose LoadGen verdict was INVALID."""
     rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
     table = Table(title=f"inference ({rows[0]['scenario']})")
-    cols = ("model", "mode", "target q/s", "queries/s", "samples/s", "p50 ms", "p99 ms", "max ms", "batch",
-            "queue", "drop", "late", "SLA")  # fmt: skip
-    for c in cols:
-        table.add_column(c, justify="right")
-
-    def f(v: Any, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
+    for name in columns.INFER_PRINTED:
+        table.add_column(columns.column(name).narrow, justify="right")
     for r in rows:
-        verdict = "met" if r["sla_met"] else "missed"
-        table.add_row(
-            r["model"], r["mode"], f(r["target_qps"], ".1f"), f(r["queries_per_s"], ".1f"),
-            f(r["samples_per_s"], ".0f"), f(r["latency_p50_ms"], ".2f"), f(r["latency_p99_ms"], ".2f"),
-            f(r["latency_max_ms"], ".2f"), f(r["batch_samples_mean"], ".1f"), f(r["queue_share"], ".0%"),
-            str(r["dropped_queries"]), str(r["late_queries"]), verdict,
-        )  # fmt: skip
+        table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.INFER_PRINTED))
     console().print(table)
     for r in rows:
         if r["loadgen_result"]:
@@ -264,36 +189,23 @@ def search_command(
     progress: ShowProgress = True,
 ) -> None:
     """Find, per configuration, the highest queries/s whose latency percentile meets the bound."""
-    import os
+    from dlrm_lab.infer.lab import InferConfig, PointProgress
+    from dlrm_lab.infer.options import ServingOptions, number_list, parse_layouts, plan_load
+    from dlrm_lab.infer.search import SearchGrid, SearchOptions, search
 
-    from dlrm_lab.infer.drivers import Stream
-    from dlrm_lab.infer.lab import InferConfig, PointProgress, SearchGrid, SearchOptions, search
-    from dlrm_lab.infer.load import Arrivals, QuerySizes
-
-    names = model or ["tiny"]
-    if len(names) != 1:
+    if len(model or []) > 1:
         raise UserError("infer search: one --model at a time")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if layouts:
-        parsed = []
-        for item in layouts.split(","):
-            i, _, t = item.strip().partition("x")
-            if not (i.isdigit() and t.isdigit() and int(i) >= 1 and int(t) >= 1):
-                raise UserError(f"--layouts {item!r}: expected INSTANCESxTHREADS, e.g. 2x1")
-            parsed.append((int(i), int(t)))
-    else:
-        parsed = SearchGrid.default_layouts(cores)
-    grid = SearchGrid(parsed, _parse_list(max_batch, int, "--max-batch"),
-                      _parse_list(max_delay_ms, float, "--max-delay-ms"))  # fmt: skip
+    grid = SearchGrid(parse_layouts(layouts), number_list(max_batch, int, "--max-batch"),
+                      number_list(max_delay_ms, float, "--max-delay-ms"))  # fmt: skip
     if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):
         raise UserError("--max-batch values must be >= 1 and --max-delay-ms values >= 0")
     cfg = InferConfig(scenario=scenario, duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed,
                       device=device, pin_cores=pin_cores)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration)  # fmt: skip
-    (base,) = served_models(names, table_scale, max_rows, max_queue=max_queue, precision=precision,
-                      table_precision=table_precision, data_spec=data_spec)  # fmt: skip
-    stream = Stream(base.name, 1.0, QuerySizes.parse(query_size), Arrivals(arrival))
+    (base,) = ServingOptions(max_queue=max_queue, precision=precision, table_precision=table_precision,
+                             data_spec=data_spec, table_scale=table_scale, max_rows=max_rows).served(model)  # fmt: skip
+    (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival).streams
     raise_on_sigterm()
     out = console(stderr=True)
     bar = progress_display("{task.fields[probe]}", unit="probe points", rate=False, to=out, enabled=progress,
@@ -310,15 +222,10 @@ def search_command(
                          log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress)  # fmt: skip
     rows = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     table = Table(title=f"highest queries/s with p{percentile:g} <= {sla_ms:g} ms ({base.name}, {query_size})")
-    for c in ("instances", "threads", "max batch", "delay ms", "capacity q/s", "best q/s", "+/-", "samples/s",
-              f"p{percentile:g} ms", "best"):  # fmt: skip
-        table.add_column(c, justify="right")
+    for name in columns.FRONTIER_PRINTED:
+        heading = f"p{percentile:g} ms" if name == "best_sla_latency_ms" else columns.column(name).narrow
+        table.add_column(heading, justify="right")
     for r in rows:
-        lat = r["best_sla_latency_ms"]
-        table.add_row(
-            str(r["instances"]), str(r["threads_per_instance"]), str(r["max_batch"]), f"{r['max_delay_ms']:g}",
-            f"{r['capacity_queries_per_s']:.1f}", f"{r['best_qps']:.1f}", f"{r['best_qps_uncertainty']:.1f}",
-            f"{r['best_samples_per_s']:.0f}", "-" if lat is None else f"{lat:.2f}", "*" if r["best"] else "",
-        )  # fmt: skip
+        table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.FRONTIER_PRINTED))
     console().print(table)
     console().print(f"run directory: {run_dir}")

@@ -13,8 +13,6 @@ from dlrm_lab.errors import UserError
 
 app = typer.Typer(help="Machine profile: measured GEMM, memory, gather and collective peaks.", no_args_is_help=True)
 
-_DEVICES = ("auto", "cpu", "cuda")
-
 
 @app.command("probe")
 def probe_command(
@@ -35,43 +33,14 @@ def probe_command(
     Under torchrun, mpiexec or SLURM with several ranks, all-to-all and all-reduce
     bandwidths across sizes are measured as well (rank 0 alone measures the devices).
     """
-    import torch
+    from dlrm_lab.metrics.probe import run_probe
 
-    from dlrm_lab.distributed.context import detect_launch, init_distributed, shutdown_distributed
-    from dlrm_lab.metrics.probe import probe_machine
-    from dlrm_lab.metrics.roofline import save_profile
-
-    if device not in _DEVICES:
-        raise UserError(f"--device {device!r}: allowed: {', '.join(_DEVICES)}")
-    if if_missing:
-        from dlrm_lab.metrics.roofline import load_profile, profile_path
-
-        stored = load_profile()
-        if stored is not None and stored.get("devices"):
-            kind = "quick profile" if stored.get("quick") else "profile"
-            where = profile_path(stored["fingerprint_id"])
-            console().print(f"machine {kind} of {stored.get('probed_at')} in {where}: not probing again (--if-missing)")
-            return
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device cuda: no CUDA device is visible to this torch build (torch {torch.__version__})")
-    launch = detect_launch()
-    if comms_only and launch.world_size < 2:
-        raise UserError(
-            "--comms-only: needs a launch with several ranks (e.g. dlrm-lab launch --nproc 2 -- machine probe)"
-        )
-    devices = None if device == "auto" else [device]
-    rank = 0
-    if launch.world_size > 1:
-        comm_device = "cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"
-        rank = init_distributed(comm_device, timeout).rank
-    say = console().print if rank == 0 else None
-    try:
-        profile = probe_machine(quick=quick, devices=[] if comms_only else devices, log=say)
-    finally:
-        shutdown_distributed()
-    if rank == 0:
-        path = save_profile(profile)
-        console().print(f"machine profile {profile['fingerprint_id']} written to {path}")
+    outcome = run_probe(quick=quick, device=device, comms_only=comms_only, timeout_s=timeout, if_missing=if_missing,
+                        log=console().print)  # fmt: skip
+    if outcome.kept:
+        console().print(outcome.kept)
+    elif outcome.written:
+        console().print(f"machine profile {outcome.fingerprint_id} written to {outcome.written}")
 
 
 def _gb(v: float | None) -> str:

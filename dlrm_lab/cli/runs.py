@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
+from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.run import FoundRun, discover_runs, one_line, pid_alive, recover_run
 from dlrm_lab.metrics.tables import PARTS_DIR
 
@@ -97,15 +98,6 @@ def _read_row(found: FoundRun) -> _Row:
     return row
 
 
-def _fmt(value: object, spec: str) -> str:
-    if value is None:
-        return "-"
-    try:
-        return format(value, spec)
-    except (TypeError, ValueError):
-        return str(value)
-
-
 @app.command("list")
 def list_runs(
     directory: Annotated[Path, typer.Argument(help="A metrics directory (or one run).")] = Path("runs"),
@@ -118,24 +110,21 @@ def list_runs(
     """
     out = console()
     table = Table(title=str(directory))
-    for col in ("run_id", "kind", "status", "preset", "ranks", "batch", "steps", "samples/s", "AUC", "secs"):
-        left = col in ("run_id", "kind", "status", "preset")
-        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("run_id", "status"))
+    for col in ("run_id", "kind", "status"):
+        table.add_column(col, no_wrap=col != "kind")
+    for name in columns.RUNS_LISTED:
+        table.add_column(columns.column(name).narrow, justify="left" if name == "preset" else "right")
     rows = [_read_row(found) for found in discover_runs(directory)]
     for row in rows:
         summary, manifest = row.summary, row.manifest
-        table.add_row(
-            row.run_id,
-            str(manifest.get("kind", "?")),
-            row.status,
-            str(summary.get("preset") or (manifest.get("config") or {}).get("model", {}).get("name", "?")),
-            _fmt(summary.get("world_size"), "d"),
-            _fmt(summary.get("global_batch_size"), "d"),
-            _fmt(row.steps, "d"),
-            _fmt(summary.get("samples_per_s"), ",.0f"),
-            _fmt(summary.get("eval_auc"), ".4f"),
-            _fmt(manifest.get("duration_s"), ".1f"),
-        )
+        values = {
+            **summary,
+            "steps": row.steps,
+            "duration_s": manifest.get("duration_s"),
+            "preset": summary.get("preset") or (manifest.get("config") or {}).get("model", {}).get("name", "?"),
+        }
+        table.add_row(row.run_id, str(manifest.get("kind", "?")), row.status,
+                      *(columns.fmt(name, values.get(name)) for name in columns.RUNS_LISTED))  # fmt: skip
     out.print(table)
     for row in rows:
         for note in row.notes:

@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from dlrm_lab.cli.format import console
+from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.options import MetricsDir
+from dlrm_lab.metrics import columns
 
 
 def scale_command(
@@ -21,43 +22,28 @@ def scale_command(
     threads_per_rank: Annotated[
         Optional[int], typer.Option(help="Intra-op threads per rank (default: cores / largest rank count).")
     ] = None,
+    repeats: Annotated[int, typer.Option(help="Runs per rank count (medians are reported).")] = 1,
     metrics_dir: MetricsDir = "runs",
 ) -> None:
     """Train at each rank count and report speedup and efficiency.
 
     Options after `--` go to `dlrm-lab train`, e.g.
     dlrm-lab scale --ranks 1,2 --mode weak -- --preset kaggle --max-rows 100000 --steps 50
+
+    A scaling run is a sweep over rank counts: the same command again resumes it.
     """
-    from dlrm_lab.train.scaling import parse_ranks, scaling_sweep
+    from dlrm_lab.train.scaling import parse_ranks, scaling_spec, scaling_sweep
 
-    sweep_dir, points = scaling_sweep(
-        parse_ranks(ranks),
-        mode,
-        batch_size,
-        list(ctx.args),
-        metrics_dir,
-        launcher,
-        threads_per_rank,
-        argv=["dlrm-lab", *sys.argv[1:]],
-    )
+    spec = scaling_spec(parse_ranks(ranks), mode, batch_size, list(ctx.args), metrics_dir, launcher, threads_per_rank,
+                        repeats)  # fmt: skip
+    err = console(stderr=True)
+    with say_interrupted(err):
+        sweep_dir, points = scaling_sweep(spec, argv=["dlrm-lab", *sys.argv[1:]])
     table = Table(title=f"{mode} scaling ({points[0]['threads_per_rank']} thread(s) per rank)")
-    for col in ("ranks", "batch/rank", "global batch", "samples/s", "per rank", "speedup", "efficiency", "status"):
-        table.add_column(col, justify="right")
-
-    def fmt(v: object, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
+    for name in columns.SCALE_PRINTED:
+        table.add_column(columns.column(name).narrow, justify="right")
     for p in points:
-        table.add_row(
-            str(p["ranks"]),
-            str(p["batch_size_per_rank"]),
-            str(p["global_batch_size"]),
-            fmt(p["samples_per_s"], ",.0f"),
-            fmt(p["samples_per_s_per_rank"], ",.0f"),
-            fmt(p["speedup"], ".2f"),
-            fmt(p["efficiency"], ".1%"),
-            p["point_status"],
-        )
+        table.add_row(*(columns.fmt(name, p.get(name)) for name in columns.SCALE_PRINTED))
     console().print(table)
     console().print(f"sweep directory: {sweep_dir}")
     if any(p["point_status"] != "ok" for p in points):

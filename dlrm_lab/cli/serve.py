@@ -23,10 +23,10 @@ from dlrm_lab.cli.infer import (
     Precision,
     TablePrecision,
     Threads,
-    served_models,
 )
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
 from dlrm_lab.errors import UserError, raise_on_sigterm
+from dlrm_lab.metrics import columns
 
 
 def serve_command(
@@ -52,13 +52,14 @@ def serve_command(
     metrics_dir: MetricsDir = "runs",
 ) -> None:
     """Serve models over gRPC until SIGTERM or Ctrl-C (every query recorded in a `serve` run)."""
+    from dlrm_lab.infer.options import ServingOptions
     from dlrm_lab.serve.server import serve
 
-    served = served_models(
-        model or ["tiny"], table_scale, max_rows, instances=instances, threads=threads, max_batch=max_batch,
-        max_delay_ms=max_delay_ms, max_queue=max_queue, precision=precision, table_precision=table_precision,
-        data_spec=data_spec,
-    )  # fmt: skip
+    served = ServingOptions(
+        instances=instances, threads=threads, max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue,
+        precision=precision, table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
+        max_rows=max_rows,
+    ).served(model)  # fmt: skip
     raise_on_sigterm()  # during start-up; serving installs its own graceful handler
     out = console(stderr=True)
 
@@ -108,7 +109,8 @@ def client_command(
     metrics_dir: MetricsDir = "runs",
 ) -> None:
     """Drive a remote `dlrm-lab serve` with concurrent clients; record every query's stages."""
-    from dlrm_lab.serve.client import ClientOptions, ServerLost, run_client
+    from dlrm_lab.serve.client import ClientOptions, run_client
+    from dlrm_lab.serve.remote import ServerLost
 
     if (qps is None) == (not closed_loop):
         raise UserError("give either --qps Q (open loop) or --closed-loop")
@@ -136,13 +138,9 @@ def _print_summary(r: dict[str, Any]) -> None:
         return "-" if v is None else format(v, spec)
 
     table = Table(title=f"client: {r['model']} at {r['target']} ({r['mode']}, {r['concurrency']} workers)")
-    for c in ("queries/s", "samples/s", "p50 ms", "p99 ms", "max ms", "errors", "transfer ms/query"):
-        table.add_column(c, justify="right")
-    table.add_row(
-        f(r["queries_per_s"], ".1f"), f(r["samples_per_s"], ".0f"), f(r["latency_p50_ms"], ".2f"),
-        f(r["latency_p99_ms"], ".2f"), f(r["latency_max_ms"], ".2f"), str(r["error_queries"]),
-        f(r["transfer_mean_ms"], ".3f"),
-    )  # fmt: skip
+    for name in columns.CLIENT_PRINTED:
+        table.add_column(columns.column(name).narrow, justify="right")
+    table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.CLIENT_PRINTED))
     console().print(table)
     from dlrm_lab.serve.records import STAGES
 

@@ -12,8 +12,8 @@ from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MaxRows, MetricsDir, Preset, TableScale
 from dlrm_lab.cli.presets import size_line
-from dlrm_lab.config import TrainConfig, load_preset
 from dlrm_lab.errors import raise_on_sigterm
+from dlrm_lab.metrics import columns
 
 
 def train_command(
@@ -73,45 +73,13 @@ def train_command(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Train a DLRM preset on synthetic clicks or a Parquet dataset, and record the run."""
-    spec = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
-    cfg = TrainConfig(
-        steps=steps,
-        batch_size=batch_size,
-        device=device,
-        precision=precision,
-        table_precision=table_precision,
-        embedding_optimizer=embedding_optimizer,
-        embedding_lr=embedding_lr,
-        dense_optimizer=dense_optimizer,
-        dense_lr=dense_lr,
-        eval_every=eval_every,
-        eval_batches=eval_batches,
-        seed=seed,
-        warmup_steps=warmup_steps,
-        data=data,
-        data_spec=data_spec,
-        data_overrides=tuple(set_ or ()),
-        prefetch=prefetch,
-        sharding=sharding,
-        shard=tuple(shard or ()),
-        timeout_s=timeout,
-        pin_cores=pin_cores,
-        target_auc=target_auc,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        resume=resume,
-        pipeline=pipeline,
-    )
-    from dlrm_lab.distributed.context import resolve_device  # torch loads once the options are valid
-    from dlrm_lab.train import train
+    options = dict(locals())  # the parameters alone, before any other name is bound
+    from dlrm_lab.commands import train_setup
 
-    resolve_device(cfg.device)  # a missing GPU is a user error, reported before any work
-    from dlrm_lab.distributed.sharding import parse_table_sharding
+    spec, cfg = train_setup(options)  # the one construction (sweeps check their points with it too)
+    from dlrm_lab.train import preflight, train  # torch loads once the options are valid
 
-    parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
-    from dlrm_lab.data import check_data_options
-
-    check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)  # train() too; here: before the size line
+    preflight(spec, cfg)  # a missing GPU, a bad --shard or data option: one line, before the size line
     raise_on_sigterm()
     err = console(stderr=True)
     err.print(size_line(spec))
@@ -123,8 +91,6 @@ def train_command(
 
     def on_step(row: dict[str, Any]) -> None:
         nonlocal shown
-        if row["rank"] != 0:  # under a launcher: one display, rank 0's
-            return
         if not shown:  # only once the model is built and the first step ran (also after --resume)
             shown = True
             bar.start()
@@ -140,9 +106,7 @@ def train_command(
             )  # fmt: skip
     finally:
         bar.stop()  # nothing when never started
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:  # under a launcher every rank runs this command: one report
+    if result.reports:  # under a launcher every rank runs this command: one report
         print_plan(result.plan)
         print_summary(result.summary, str(result.run_dir))
 
@@ -165,29 +129,8 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
     table = Table(title=f"train {summary['preset']}: {summary['status']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    shown = {
-        "samples_per_s": ("samples/s (global, after warm-up)", ",.0f"),
-        "samples_per_s_per_rank": ("samples/s per rank", ",.0f"),
-        "step_time_ms_p50": ("step time p50 ms", ".2f"),
-        "step_time_ms_p99": ("step time p99 ms", ".2f"),
-        "data_wait_share": ("data wait share", ".1%"),
-        "input_dist_share": ("input distribution share", ".1%"),
-        "embedding_lookup_share": ("embedding lookup share", ".1%"),
-        "embedding_all_to_all_share": ("pooled-embedding all-to-all share", ".1%"),
-        "dense_forward_share": ("dense forward share", ".1%"),
-        "backward_share": ("backward share (table update, all-reduce)", ".1%"),
-        "optimizer_share": ("dense optimizer share", ".1%"),
-        "loss_first": ("loss, first steps", ".4f"),
-        "loss_last": ("loss, last steps", ".4f"),
-        "eval_auc": ("held-out AUC", ".4f"),
-        "teacher_auc": ("teacher AUC (best reachable)", ".4f"),
-        "time_to_target_s": ("time to target AUC s", ".1f"),
-        "valid_samples_per_s": ("valid samples/s (0 if target missed)", ",.0f"),
-    }
-    for key, (label, fmt) in shown.items():
-        if key not in summary:
-            continue
-        value = summary.get(key)
-        table.add_row(label, "-" if value is None else format(value, fmt))
+    for key in columns.TRAIN_PRINTED:
+        if key in summary:
+            table.add_row(columns.column(key).heading, columns.fmt(key, summary[key]))
     console().print(table)
     console().print(f"run directory: {run_dir}")

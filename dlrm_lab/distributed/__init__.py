@@ -1,1 +1,1 @@
-"""Process groups, sharding plans and DistributedModelParallel wrapping."""
+"""Process groups (context, launch), sharding policy (plan), wrapping for training (wrap), tables (tables)."""

@@ -28,51 +28,51 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.infer.drivers import ClosedLoop, OpenLoop, Stream
+from dlrm_lab.infer.drivers import drive, make_driver
+from dlrm_lab.infer.load import LoadSettings, Stream
 from dlrm_lab.infer.records import summarize
-from dlrm_lab.infer.server import InferenceServer
+from dlrm_lab.infer.sut import LoadDriver, SystemUnderTest
 
 HEADROOM = 0.8  # the measured point runs at this share of the highest passing probe rate
 SLA_FACTOR = 2.5  # --sla-ms auto: this multiple of the unloaded latency percentile
 
 
-def capacity_qps(server: InferenceServer, stream: Stream, seconds: float, seed: int, drain_s: float = 30.0) -> float:
+def capacity_qps(server: SystemUnderTest, stream: Stream, seconds: float, seed: int, drain_s: float = 30.0) -> float:
     """Completed queries/s of a closed loop with enough queries outstanding to keep every
     instance's batches full (no latency bound: the ceiling a bounded rate is sought under)."""
-    served = server.models[stream.model]
+    served = server.describe().models[stream.model]
     per_batch = max(1, served.max_batch // max(1, int(stream.sizes.mean)))
     concurrency = served.instances * per_batch * 2
     return _closed_loop(server, stream, concurrency, seconds, seed, drain_s)[0]
 
 
-def _drive(
-    server: InferenceServer, driver: ClosedLoop | OpenLoop, drain_s: float
-) -> tuple[list[dict[str, Any]], float]:
+def _drive(server: SystemUnderTest, driver: LoadDriver, drain_s: float) -> tuple[list[dict[str, Any]], float]:
     """Run `driver` against `server` to its end and drain: the records of its queries alone,
     and the seconds from its start to the last completion."""
     server.take_records()  # nothing from before
     t0 = time.monotonic()
-    driver.start()
-    while not driver.join(timeout=0.25):
-        server.check()
-    server.drain(drain_s)
-    return server.take_records(), time.monotonic() - t0
+    records: list[dict[str, Any]] = []
+    drive(server, driver, drain_s=drain_s, take=records.extend)
+    records += server.take_records()
+    return records, time.monotonic() - t0
 
 
 def _closed_loop(
-    server: InferenceServer, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
+    server: SystemUnderTest, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
 ) -> tuple[float, list[dict[str, Any]]]:
-    records, wall = _drive(server, ClosedLoop(server, stream, concurrency, seconds, seed=seed), drain_s)
+    settings = LoadSettings("closed-loop", duration_s=seconds, seed=seed, concurrency=concurrency)
+    records, wall = _drive(server, make_driver(server, [stream], settings), drain_s)
     done = [r for r in records if r["status"] == "ok"]
     return (len(done) / wall if wall > 0 else 0.0), done
 
 
 def _open_loop_percentile(
-    server: InferenceServer, stream: Stream, qps: float, seconds: float, percentile: float, sla_ms: float, seed: int,
+    server: SystemUnderTest, stream: Stream, qps: float, seconds: float, percentile: float, sla_ms: float, seed: int,
     drain_s: float,
 ) -> float:  # fmt: skip
     """The latency percentile of `seconds` of open-loop load at `qps` (dropped = inf)."""
-    records, _ = _drive(server, OpenLoop(server, [replace(stream, qps=qps)], seconds, seed=seed), drain_s)
+    settings = LoadSettings("open-loop", duration_s=seconds, seed=seed)
+    records, _ = _drive(server, make_driver(server, [replace(stream, qps=qps)], settings), drain_s)
     if not records:
         return math.inf
     row = summarize(records, duration_s=seconds, sla_ms=sla_ms, sla_percentile=percentile)
@@ -99,7 +99,7 @@ class LoadChoice:
 
 
 def choose_load(
-    server: InferenceServer,
+    server: SystemUnderTest,
     stream: Stream,
     *,
     sla_ms: float | None,
@@ -114,7 +114,7 @@ def choose_load(
     docstring for the steps."""
     capacity = capacity_qps(server, stream, probe_s, seed, drain_s)
     # one query at a time: enough of them for the percentile to mean something
-    served = max(1.0, capacity / max(1, server.models[stream.model].instances))
+    served = max(1.0, capacity / max(1, server.describe().models[stream.model].instances))
     seconds = min(max(probe_s, min_queries / served), 4 * probe_s)
     _, done = _closed_loop(server, stream, 1, seconds, seed + 1, drain_s)
     lat = np.array([r["latency_ms"] for r in done], dtype=np.float64)

@@ -1,56 +1,32 @@
-"""Load drivers: our open-loop generator and an MLPerf LoadGen system-under-test adapter."""
+"""Load drivers: one class per way of issuing load, chosen by scenario (`make_driver`).
+
+    "open-loop"    OpenLoop: queries on a precomputed arrival schedule (no coordinated omission)
+    "closed-loop"  ClosedLoop: `concurrency` queries outstanding (capacity, never latency)
+    "server", "offline", "single-stream", "multi-stream"   MLPerf LoadGen (`infer.loadgen`)
+
+Every driver is built as `Driver(sut, streams, settings)` and drives any
+`infer.sut.SystemUnderTest` through that interface alone; `drive` is the one poll loop that
+runs a driver against a system and collects its records. A new scenario is one class
+registered in `DRIVERS`. Torch-free.
+"""
 
 from __future__ import annotations
 
-import itertools
-import re
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.load import Arrivals, QuerySizes
-from dlrm_lab.infer.server import InferenceServer, Query
+from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
+from dlrm_lab.infer.loadgen import LOADGEN_SCENARIOS, LoadGenDriver
+from dlrm_lab.infer.sut import LoadDriver, Query, SystemUnderTest
 
-LOADGEN_SCENARIOS = ("server", "offline", "single-stream", "multi-stream")
-SCENARIOS = ("open-loop", *LOADGEN_SCENARIOS)
+SCENARIOS = ("open-loop", *LOADGEN_SCENARIOS)  # what `--scenario` accepts
 START_LEAD_S = 0.02  # the first arrival is scheduled this far ahead of the driver's start
-
-
-@dataclass
-class Stream:
-    """One model's load: a target rate, query sizes and an arrival process."""
-
-    model: str
-    qps: float
-    sizes: QuerySizes
-    arrivals: Arrivals = field(default_factory=Arrivals)
-    sla_ms: float | None = None  # this model's latency bound (default: the run's)
-
-
-@dataclass
-class DriverStats:
-    """What the driver actually did, per model, so a run shows its load was what it claims."""
-
-    target_queries: dict[str, float] = field(default_factory=dict)
-    issued: dict[str, int] = field(default_factory=dict)
-    lag_ms: dict[str, list[float]] = field(default_factory=dict)
-    duration_s: float = 0.0
-    loadgen: dict[str, Any] = field(default_factory=dict)
-
-    def accuracy(self, model: str) -> dict[str, Any]:
-        lag = np.asarray(self.lag_ms.get(model, []), dtype=np.float64)
-        target = self.target_queries.get(model)
-        return {
-            "achieved_rate_ratio": self.issued.get(model, 0) / target if target else None,
-            "issue_lag_p50_ms": float(np.percentile(lag, 50)) if len(lag) else None,
-            "issue_lag_p99_ms": float(np.percentile(lag, 99)) if len(lag) else None,
-            "issue_lag_max_ms": float(lag.max()) if len(lag) else None,
-        }
+POLL_S = 0.25  # `drive` takes records and checks the system this often
 
 
 class OpenLoop:
@@ -62,16 +38,16 @@ class OpenLoop:
     the issue lag (actual minus scheduled) is recorded per model.
     """
 
-    def __init__(self, server: InferenceServer, streams: list[Stream], duration_s: float, seed: int) -> None:
-        self.server = server
+    def __init__(self, sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings) -> None:
+        self.sut = sut
         self.streams = streams
-        self.duration_s = duration_s
-        rng = np.random.default_rng(seed)
+        self.duration_s = duration_s = settings.duration_s
+        rng = np.random.default_rng(settings.seed)
         times, models, sizes, offsets = [], [], [], []
         self.stats = DriverStats(duration_s=duration_s)
         for k, s in enumerate(streams):
             t = s.arrivals.schedule(s.qps, duration_s, rng)
-            lib = server.library_samples(s.model)
+            lib = sut.library(s.model).size
             n = s.sizes.draw(len(t), rng)
             n = np.minimum(n, lib)
             times.append(t)
@@ -81,6 +57,7 @@ class OpenLoop:
             self.stats.target_queries[s.model] = s.qps * duration_s
             self.stats.issued[s.model] = 0
             self.stats.lag_ms[s.model] = []
+            self.stats.arrival[s.model] = s.arrivals.kind
         all_t = np.concatenate(times)
         order = np.argsort(all_t, kind="stable")
         self._t = all_t[order]
@@ -122,7 +99,7 @@ class OpenLoop:
                     time.sleep(wait / 1e9)
                 model = names[self._model[i]]
                 q = Query(first_query_id + i, model, int(self._size[i]), int(self._offset[i]), scheduled_ns=due)
-                self.server.submit(q)
+                self.sut.submit(q)
                 lag[model].append((q.issued_ns - due) / 1e6)
                 self.stats.issued[model] += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
@@ -130,19 +107,21 @@ class OpenLoop:
 
 
 class ClosedLoop:
-    """`concurrency` outstanding queries at all times for `duration_s`: saturates the server
-    without an unbounded queue. Used to estimate capacity before a latency-bounded search;
-    never for latency (a closed loop hides queueing, see OpenLoop)."""
+    """`settings.concurrency` outstanding queries at all times for `duration_s`: saturates the
+    server without an unbounded queue. Used to estimate capacity before a latency-bounded
+    search; never for latency (a closed loop hides queueing, see OpenLoop)."""
 
-    def __init__(self, server: InferenceServer, stream: Stream, concurrency: int, duration_s: float, seed: int) -> None:
-        self.server, self.stream, self.concurrency, self.duration_s = server, stream, concurrency, duration_s
-        self.rng = np.random.default_rng(seed)
-        self.lib = server.library_samples(stream.model)
-        self.stats = DriverStats(duration_s=duration_s)
+    def __init__(self, sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings) -> None:
+        if len(streams) != 1:
+            raise UserError(f"a closed loop drives one model, got {len(streams)} streams")
+        (self.stream,) = streams
+        self.sut, self.concurrency, self.duration_s = sut, settings.concurrency, settings.duration_s
+        self.rng = np.random.default_rng(settings.seed)
+        self.lib = sut.library(self.stream.model).size
+        self.stats = DriverStats(duration_s=settings.duration_s, arrival={self.stream.model: "closed-loop"})
         self._lock = threading.Lock()
         self._next_id = 0
         self._deadline = 0.0
-        self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
     def _submit(self) -> None:
@@ -151,7 +130,7 @@ class ClosedLoop:
             self._next_id += 1
             size = int(min(self.stream.sizes.draw(1, self.rng)[0], self.lib))
             offset = int(self.rng.integers(0, self.lib - size + 1))
-        self.server.submit(Query(qid, self.stream.model, size, offset, on_done=self._done))
+        self.sut.submit(Query(qid, self.stream.model, size, offset, on_done=self._done))
 
     def _done(self, _q: Query, _status: str, _scores: Any) -> None:
         if time.monotonic() < self._deadline:
@@ -171,158 +150,54 @@ class ClosedLoop:
         self._deadline = 0.0
 
 
-class LoadGenDriver:
-    """MLPerf LoadGen drives one served model: LoadGen's "sample" is one of our queries
-    (a template of `size` library samples, as in MLPerf DLRM), our server is its SUT.
-
-    LoadGen keeps its own schedule and latency accounting; its summary and detail logs
-    are written to `log_dir` and its verdict is recorded. Queries our server drops under
-    overload are reported complete to LoadGen (it has no notion of failure) and the
-    verdict is then marked INVALID with the count, so shedding load never passes.
-    """
-
-    TEMPLATES = 4096
-
-    def __init__(
-        self,
-        server: InferenceServer,
-        stream: Stream,
-        scenario: str,
-        *,
-        duration_s: float,
-        sla_ms: float,
-        sla_percentile: float,
-        log_dir: Path,
-        seed: int,
-    ) -> None:
-        try:
-            import mlperf_loadgen  # noqa: F401
-        except ImportError:
-            raise UserError(
-                f"--scenario {scenario}: MLPerf LoadGen is not installed (pip install mlcommons-loadgen)"
-            ) from None
-        if scenario not in LOADGEN_SCENARIOS:
-            raise UserError(f"--scenario {scenario!r}: allowed: {', '.join(SCENARIOS)}")
-        self.server, self.stream, self.scenario = server, stream, scenario
-        self.duration_s, self.sla_ms, self.sla_percentile = duration_s, sla_ms, sla_percentile
-        self.log_dir = log_dir
-        rng = np.random.default_rng(seed)
-        lib = server.library_samples(stream.model)
-        self.sizes = np.minimum(stream.sizes.draw(self.TEMPLATES, rng), lib)
-        self.offsets = rng.integers(0, lib - self.sizes + 1)
-        self.stats = DriverStats(duration_s=duration_s)
-        self._ids = itertools.count()  # LoadGen issues from its own threads; next() is atomic
-        self.dropped = 0
-        self._dropped_lock = threading.Lock()  # drops are finished in whichever thread submits
-        self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def settings(self) -> Any:
-        import mlperf_loadgen as lg
-
-        s = lg.TestSettings()
-        s.mode = lg.TestMode.PerformanceOnly
-        s.min_duration_ms = int(self.duration_s * 1000)
-        s.max_duration_ms = int(self.duration_s * 1000 * 4 + 10_000)
-        s.min_query_count = 1
-        sla_ns = int(self.sla_ms * 1e6)
-        pct = self.sla_percentile / 100
-        if self.scenario == "server":
-            s.scenario = lg.TestScenario.Server
-            s.server_target_qps = self.stream.qps
-            s.server_target_latency_ns = sla_ns
-            s.server_target_latency_percentile = pct
-        elif self.scenario == "offline":
-            s.scenario = lg.TestScenario.Offline
-            s.offline_expected_qps = self.stream.qps
-        elif self.scenario == "single-stream":
-            s.scenario = lg.TestScenario.SingleStream
-            s.single_stream_expected_latency_ns = max(1, int(1e9 / self.stream.qps))
-            s.single_stream_target_latency_percentile = pct
-        else:
-            s.scenario = lg.TestScenario.MultiStream
-            s.multi_stream_samples_per_query = 8
-            s.multi_stream_expected_latency_ns = max(1, int(8e9 / self.stream.qps))
-            s.multi_stream_target_latency_percentile = pct
-        return s
-
-    def start(self) -> LoadGenDriver:
-        self._thread = threading.Thread(target=self._run, name="loadgen", daemon=True)
-        self._thread.start()
-        return self
-
-    def join(self, timeout: float | None = None) -> bool:
-        assert self._thread is not None
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def stop(self) -> None:
-        """LoadGen cannot be interrupted; it ends at its max duration."""
-
-    def _run(self) -> None:
-        import mlperf_loadgen as lg
-
-        model = self.stream.model
-        self.stats.issued[model] = 0
-        self.stats.lag_ms[model] = []
-
-        def done(q: Query, status: str, _scores: Any) -> None:
-            if status != "ok":  # dropped, failed, or a gRPC error code from a remote server
-                with self._dropped_lock:
-                    self.dropped += 1
-            lg.QuerySamplesComplete([lg.QuerySampleResponse(q.tag, 0, 0)])
-
-        def issue(samples: list[Any]) -> None:
-            for s in samples:
-                q = Query(
-                    next(self._ids), model, int(self.sizes[s.index]), int(self.offsets[s.index]), on_done=done, tag=s.id
-                )
-                self.server.submit(q)
-            self.stats.issued[model] += len(samples)
-
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = lg.LogSettings()
-        log.log_output.outdir = str(self.log_dir)
-        log.log_output.copy_summary_to_stdout = False
-        log.enable_trace = False
-        sut = lg.ConstructSUT(issue, lambda: None)
-        qsl = lg.ConstructQSL(self.TEMPLATES, self.TEMPLATES, lambda _idx: None, lambda _idx: None)
-        try:
-            start = time.monotonic()
-            lg.StartTestWithLogSettings(sut, qsl, self.settings(), log)
-            self.stats.duration_s = time.monotonic() - start
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            self.error = exc
-        finally:
-            lg.DestroyQSL(qsl)
-            lg.DestroySUT(sut)
-        self.stats.loadgen = parse_loadgen_summary(self.log_dir / "mlperf_log_summary.txt")
-        if self.dropped and self.stats.loadgen.get("loadgen_result"):
-            self.stats.loadgen["loadgen_result"] = f"INVALID (server dropped or failed {self.dropped} queries)"
+# scenario -> driver class, each built as cls(sut, streams, settings)
+DRIVERS: dict[str, Callable[[SystemUnderTest, list[Stream], LoadSettings], LoadDriver]] = {
+    "open-loop": OpenLoop,
+    "closed-loop": ClosedLoop,
+    **dict.fromkeys(LOADGEN_SCENARIOS, LoadGenDriver),
+}
 
 
-def parse_loadgen_summary(path: Path) -> dict[str, Any]:
-    """VALID/INVALID, LoadGen's throughput and its p99 from `mlperf_log_summary.txt`."""
-    if not path.exists():
-        return {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
-    text = path.read_text()
+def make_driver(sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings) -> LoadDriver:
+    """The driver of `settings.scenario`, ready to start against `sut`."""
+    driver = DRIVERS.get(settings.scenario)
+    if driver is None:
+        raise UserError(f"--scenario {settings.scenario!r}: allowed: {', '.join(SCENARIOS)}")
+    return driver(sut, streams, settings)
 
-    def grab(pattern: str) -> str | None:
-        m = re.search(pattern, text, re.MULTILINE)
-        return m.group(1).strip() if m else None
 
-    rate = (
-        grab(r"^Completed samples per second\s*:\s*([\d.]+)")
-        or grab(r"^Samples per second\s*:\s*([\d.]+)")
-        or grab(r"^Scheduled samples per second\s*:\s*([\d.]+)")
-    )
-    if rate is None:  # single- and multi-stream report LoadGen queries/s; each holds samples_per_query
-        qps = grab(r"^QPS w/ loadgen overhead\s*:\s*([\d.]+)")
-        per_query = grab(r"^samples_per_query\s*:\s*(\d+)") or "1"
-        rate = str(float(qps) * int(per_query)) if qps else None
-    p99 = grab(r"^99\.00 percentile latency \(ns\)\s*:\s*(\d+)")
-    return {
-        "loadgen_result": grab(r"^Result is\s*:\s*(\w+)"),
-        "loadgen_queries_per_s": float(rate) if rate else None,
-        "loadgen_p99_ms": int(p99) / 1e6 if p99 else None,
-    }
+def drive(
+    sut: SystemUnderTest,
+    driver: LoadDriver,
+    *,
+    drain_s: float,
+    take: Callable[[list[dict[str, Any]]], None] | None = None,
+    poll: Callable[[], bool | None] | None = None,
+    poll_s: float = POLL_S,
+) -> bool:
+    """Start `driver` and wait for its load to end, then for `sut` to finish every query
+    (up to `drain_s`); True when all finished. Every `poll_s` the records finished so far go
+    to `take`, `sut.check()` raises if the system failed, and `poll()` runs (True: end the
+    load now, then drain). An error (the driver's, the system's, or `poll`'s) stops the
+    driver, hands the records so far to `take` and is raised. The caller takes the rest."""
+    driver.start()
+    try:
+        while not driver.join(timeout=poll_s):
+            if take is not None:
+                take(sut.take_records())
+            sut.check()
+            if poll is not None and poll():
+                driver.stop()
+                driver.join(timeout=1.0)  # LoadGen cannot be stopped: its queries keep coming a while
+                break
+        if driver.error is not None:
+            raise driver.error
+        if sut.drain(drain_s):
+            return True
+        sut.check()
+        return False
+    except BaseException:
+        driver.stop()
+        if take is not None:
+            take(sut.take_records())
+        raise

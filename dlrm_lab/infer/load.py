@@ -1,4 +1,5 @@
-"""What the load looks like: query sizes and arrival times (pure numpy, seeded).
+"""What the load looks like: query sizes, arrival times, a model's stream, the driver's settings
+and what a driver did (pure numpy, seeded).
 
 A *query* is one request holding `size` samples (user-item pairs to rank). Sizes and
 arrival schedules are drawn up front, so a run's load is known before it starts and the
@@ -7,7 +8,9 @@ same seed gives the same load to every configuration compared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -149,3 +152,50 @@ class Arrivals:
                 out.append(np.sort(rng.uniform(t, end, size=n)))
                 t = end
         return np.concatenate(out) if out else np.empty(0)
+
+
+@dataclass
+class Stream:
+    """One model's load: a target rate, query sizes and an arrival process."""
+
+    model: str
+    qps: float
+    sizes: QuerySizes
+    arrivals: Arrivals = field(default_factory=Arrivals)
+    sla_ms: float | None = None  # this model's latency bound (default: the run's)
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a driver issues the load: the scenario names the driver (`infer.drivers.DRIVERS`),
+    the rest are its settings (MLPerf LoadGen's TestSettings, and ours)."""
+
+    scenario: str = "open-loop"
+    duration_s: float = 5.0
+    seed: int = 0
+    concurrency: int = 1  # closed loop: queries outstanding at all times
+    sla_ms: float = 10.0  # LoadGen: the latency bound it checks (server, single- and multi-stream)
+    sla_percentile: float = 99.0
+    log_dir: Path | None = None  # LoadGen: where its summary and detail logs go
+
+
+@dataclass
+class DriverStats:
+    """What the driver actually did, per model, so a run shows its load was what it claims."""
+
+    target_queries: dict[str, float] = field(default_factory=dict)
+    issued: dict[str, int] = field(default_factory=dict)
+    lag_ms: dict[str, list[float]] = field(default_factory=dict)
+    duration_s: float = 0.0
+    loadgen: dict[str, Any] = field(default_factory=dict)
+    arrival: dict[str, str] = field(default_factory=dict)  # per model: the arrival process, or who scheduled it
+
+    def accuracy(self, model: str) -> dict[str, Any]:
+        lag = np.asarray(self.lag_ms.get(model, []), dtype=np.float64)
+        target = self.target_queries.get(model)
+        return {
+            "achieved_rate_ratio": self.issued.get(model, 0) / target if target else None,
+            "issue_lag_p50_ms": float(np.percentile(lag, 50)) if len(lag) else None,
+            "issue_lag_p99_ms": float(np.percentile(lag, 99)) if len(lag) else None,
+            "issue_lag_max_ms": float(lag.max()) if len(lag) else None,
+        }

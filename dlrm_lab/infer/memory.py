@@ -56,7 +56,7 @@ def library_samples(max_batch: int, library_samples: int = 0) -> int:
 
 
 def model_memory(served: Any) -> ModelMemory:
-    """What `served` (an `infer.server.ServedModel`) needs, from its spec alone."""
+    """What `served` (an `infer.served.ServedModel`) needs, from its spec alone."""
     spec = served.spec
     fp32 = int(stored_table_bytes(spec, "fp32"))
     stored = int(stored_table_bytes(spec, served.table_precision))

@@ -9,6 +9,10 @@ instance is free and either the batch is full or its oldest query has waited `ma
 batches, so while all are busy queries keep accumulating into larger batches, as in
 DeepRecSys' and Triton's dynamic batchers. Beyond `max_queue` waiting queries a new
 query is dropped at once (recorded), so memory stays bounded under overload.
+
+`InferenceServer` implements `infer.sut.SystemUnderTest`: the lab's drivers reach it only
+through that interface. Each model's sample library is generated once here, written to the
+snapshot with its tables, and mapped by its instances and by this process (`library(model)`).
 """
 
 from __future__ import annotations
@@ -29,99 +33,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_lab.config import ModelSpec
-from dlrm_lab.data import resolve_data_spec, synthetic_generator
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import (
     PRECISIONS,
-    TABLE_PRECISIONS,
     BatchResult,
     InstancePlan,
     QueryRef,
     instance_main,
+    map_library,
     remove_stale_snapshots,
     snapshot_dir_for,
     write_snapshot,
 )
+from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.memory import check_fits, library_samples
-from dlrm_lab.metrics.precision import AUTO, choose_precision
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.sut import Query, SutDescription
+from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.model.dlrm import build_model
-
-
-@dataclass
-class ServedModel:
-    """One model as served: its instances and its batching policy."""
-
-    name: str
-    spec: ModelSpec
-    instances: int = 1
-    threads: int = 1  # intra-op threads per instance
-    max_batch: int = 256  # samples
-    max_delay_ms: float = 1.0
-    max_queue: int = 4096  # waiting queries before new ones are dropped
-    precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
-    table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
-    data_spec: str | None = None
-    library_samples: int = 0  # 0: 16 x max_batch (capped at 4096), at least 8192
-
-    def __post_init__(self) -> None:
-        for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
-                            ("max_queue", self.max_queue)):  # fmt: skip
-            if not isinstance(value, int) or value < 1:
-                raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
-        if not self.max_delay_ms >= 0:
-            raise UserError(f"--max-delay-ms {self.max_delay_ms!r}: must be >= 0")
-        if self.precision not in (AUTO, *PRECISIONS):
-            raise UserError(f"--precision {self.precision!r}: allowed: {AUTO}, {', '.join(PRECISIONS)}")
-        if self.table_precision not in TABLE_PRECISIONS:
-            raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
-        resolve_data_spec(self.spec, self.data_spec)  # a bad --data-spec is one line before anything starts
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "model": self.name,
-            "preset": self.spec.name,
-            "instances": self.instances,
-            "threads_per_instance": self.threads,
-            "max_batch": self.max_batch,
-            "max_delay_ms": self.max_delay_ms,
-            "max_queue": self.max_queue,
-            "precision": self.precision,
-            "table_precision": self.table_precision,
-        }
-
-
-@dataclass
-class Query:
-    """A request for `size` samples of `model`, scored together."""
-
-    query_id: int
-    model: str
-    size: int
-    offset: int = 0  # into the model's sample library
-    payload: Any = None  # SampleBlock sent from outside instead of library samples
-    scheduled_ns: int = 0  # when the load said it arrives (latency counts from here)
-    issued_ns: int = 0  # when it reached submit()
-    on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)
-    tag: Any = None  # the driver's own reference (e.g. LoadGen's sample id)
-    # Progress through the server (a query larger than max_batch is served in pieces).
-    dispatched: int = 0  # samples sent to instances
-    pieces: int = 0
-    done_pieces: int = 0
-    first_start_ns: int | None = None
-    compute_ns: int = 0
-    status: str = "ok"
-    error: str | None = None
-    scores: np.ndarray | None = None
-    batch_samples: int | None = None  # of the batch that finished it (its last piece's)
-    instance: int | None = None
 
 
 @dataclass
 class _Pool:
     served: ServedModel
-    library_samples: int
+    library: PackedLibrary  # mapped from the snapshot the instances map
     cond: threading.Condition = field(default_factory=threading.Condition)
     waiting: collections.deque = field(default_factory=collections.deque)
     waiting_samples: int = 0
@@ -188,7 +124,10 @@ class InferenceServer:
         try:
             for m in self.models.values():
                 snap = snapshot_dir_for(f"{m.name}-{id(self)}")
-                library = self._library(m)
+                # the one sample library of this model: generated here, mapped by instances and this process
+                library = PackedLibrary.generate(
+                    m.spec, m.data_spec, self.seed, library_samples(m.max_batch, m.library_samples)
+                )
                 torch.manual_seed(self.seed)
                 model = build_model(m.spec).eval()
                 self._snapshots.append(snap)
@@ -196,7 +135,7 @@ class InferenceServer:
                     snap, model, library, table_precision=m.table_precision, device="cpu" if device == "cpu" else "cuda"
                 )
                 del model
-                pool = _Pool(served=m, library_samples=library.size)
+                pool = _Pool(served=m, library=map_library(snap))
                 self._pools[m.name] = pool
                 for _ in range(m.instances):
                     mine: tuple[int, ...] = ()
@@ -247,11 +186,6 @@ class InferenceServer:
             self.log(choice.line if choice.warning else f"{name}: {choice.line}")
             self.precision_choices[name] = choice.to_dict()
             self.models[name] = replace(m, precision=choice.precision)
-
-    def _library(self, m: ServedModel) -> Any:
-        n = library_samples(m.max_batch, m.library_samples)
-        gen = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
-        return gen.samples(0, n)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -312,8 +246,13 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ serving
 
-    def library_samples(self, model: str) -> int:
-        return self._pools[model].library_samples
+    def library(self, model: str) -> PackedLibrary:
+        return self._pools[model].library
+
+    def describe(self) -> SutDescription:
+        return SutDescription(
+            models=dict(self.models), processes=list(self.instance_info), snapshot_bytes=dict(self.snapshot_bytes)
+        )
 
     def configure(
         self,

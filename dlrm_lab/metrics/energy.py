@@ -1,36 +1,32 @@
 """Energy and host telemetry sampled in the background during a run.
 
-GPU power/energy comes from NVML, CPU package energy from RAPL (Linux powercap sysfs), CPU utilisation
-from the CPU meter (dlrm_lab.metrics.cpu) and process-tree memory from psutil. A sensor that is absent
-or unreadable is reported as unavailable (None plus a reason), never as zero: a zero would silently turn
-into "free" samples in the summaries.
+`EnergySampler` reads the power sensors (`metrics.sensors`: NVML, RAPL), CPU utilisation
+from the CPU meter (`metrics.cpu`) and process-tree memory from psutil on a daemon thread,
+keeps every reading as telemetry rows, and turns any window of them into summary columns
+(joules by `metrics.integrate`). A sensor that is absent or unreadable is reported as
+unavailable (None plus a reason), never as zero.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
-import re
 import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 import pyarrow as pa
 
 from dlrm_lab.metrics.cpu import CpuMeter, busy_share
+from dlrm_lab.metrics.integrate import clip_to_samples, counter_delta, integrate_power
+from dlrm_lab.metrics.sensors import POWER_W, PowerSource, one_line
 
 log = logging.getLogger(__name__)
 
-POWER_W = "power_w"
-ENERGY_J = "energy_j"
-QUANTITIES = (POWER_W, ENERGY_J)
-POWERCAP_ROOT = Path("/sys/class/powercap")
 MIN_INTERVAL_S = 0.01
 MAX_INTERVAL_S = 1.0
 
@@ -59,229 +55,6 @@ ENERGY_FIELDS = [
     pa.field("cpu_utilization_mean", pa.float64()),
     pa.field("process_rss_max_mb", pa.float64()),
 ]
-
-
-class SensorUnavailable(Exception):
-    """A power sensor cannot be used here; the message is the one-line reason shown to users."""
-
-
-@dataclass(frozen=True)
-class Reading:
-    quantity: str  # "power_w" (instantaneous watts) or "energy_j" (monotonic cumulative joules counter)
-    value: float
-
-
-class PowerSource(Protocol):
-    name: str
-
-    def channels(self) -> list[str]: ...
-
-    def read(self) -> dict[str, Reading]: ...
-
-    def close(self) -> None: ...
-
-
-# --------------------------------------------------------------------------------------------- NVML
-
-
-class NvmlSource:
-    """Per-GPU energy through NVML.
-
-    The total-energy counter (mJ, Volta and newer) is preferred: it integrates inside the driver, so
-    short spikes between our samples are not lost. Older GPUs fall back to instantaneous power (mW).
-    """
-
-    name = "nvml"
-
-    def __init__(self, devices: list[int] | None = None):
-        try:
-            import pynvml
-        except ImportError as e:
-            raise SensorUnavailable(f"NVML unavailable: nvidia-ml-py not installed ({e})") from None
-        self._nvml = pynvml
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as e:
-            raise SensorUnavailable(f"NVML unavailable: {_one_line(e)}") from None
-        self._closed = False
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-            if count == 0:
-                raise SensorUnavailable("NVML unavailable: no GPU devices")
-            indices = list(range(count)) if devices is None else list(devices)
-            self._devices: list[tuple[str, Any, str]] = []  # (channel, handle, quantity)
-            for index in indices:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                self._devices.append((f"gpu{index}", handle, self._probe(handle, index)))
-        except pynvml.NVMLError as e:
-            self.close()
-            raise SensorUnavailable(f"NVML unavailable: {_one_line(e)}") from None
-        except SensorUnavailable:
-            self.close()
-            raise
-
-    def _probe(self, handle: Any, index: int) -> str:
-        nvml = self._nvml
-        try:
-            nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-            return ENERGY_J
-        except nvml.NVMLError:
-            pass
-        try:
-            nvml.nvmlDeviceGetPowerUsage(handle)
-            return POWER_W
-        except nvml.NVMLError as e:
-            reason = f"NVML unavailable: gpu{index} reports neither energy nor power ({_one_line(e)})"
-            raise SensorUnavailable(reason) from None
-
-    def channels(self) -> list[str]:
-        return [channel for channel, _, _ in self._devices]
-
-    def read(self) -> dict[str, Reading]:
-        nvml = self._nvml
-        out: dict[str, Reading] = {}
-        for channel, handle, quantity in self._devices:
-            if quantity == ENERGY_J:
-                out[channel] = Reading(ENERGY_J, nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3)
-            else:
-                out[channel] = Reading(POWER_W, nvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
-        return out
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._nvml.nvmlShutdown()
-        except self._nvml.NVMLError:
-            pass
-
-
-# --------------------------------------------------------------------------------------------- RAPL
-
-_PACKAGE_ZONE = re.compile(r"intel-rapl:(\d+)")
-
-
-@dataclass
-class _RaplZone:
-    channel: str
-    energy_path: Path
-    max_range_uj: int | None
-    last_raw_uj: int
-    total_uj: int = 0
-
-
-class RaplSource:
-    """CPU package energy from `<root>/intel-rapl:N/energy_uj`.
-
-    Only top-level package zones are read: sub-zones (core, uncore, dram) are contained in the package
-    and psys overlaps it, so adding them would count energy twice. The raw counter wraps at
-    max_energy_range_uj; the source keeps its own monotonic total so callers never see the wrap.
-    """
-
-    name = "rapl"
-
-    def __init__(self, root: str | Path = POWERCAP_ROOT):
-        root = Path(root)
-        if not root.is_dir():
-            raise SensorUnavailable(f"RAPL not readable: {root} absent")
-        self._zones: list[_RaplZone] = []
-        for zone_dir in sorted(root.iterdir(), key=lambda p: _zone_index(p.name)):
-            if not _PACKAGE_ZONE.fullmatch(zone_dir.name):
-                continue
-            try:
-                label = _read_text(zone_dir / "name")
-            except OSError:
-                continue
-            if not label.startswith("package"):
-                continue
-            energy_path = zone_dir / "energy_uj"
-            try:
-                raw = _read_int(energy_path)
-            except PermissionError:
-                raise SensorUnavailable(
-                    f"RAPL not readable: permission denied on {energy_path} (recent kernels make energy_uj root-only)"
-                ) from None
-            except (OSError, ValueError) as e:
-                raise SensorUnavailable(f"RAPL not readable: {energy_path}: {_one_line(e)}") from None
-            try:
-                max_range: int | None = _read_int(zone_dir / "max_energy_range_uj")
-            except (OSError, ValueError):
-                max_range = None
-            channel = label if label not in self.channels() else f"{label}@{zone_dir.name}"
-            self._zones.append(_RaplZone(channel, energy_path, max_range, raw))
-        if not self._zones:
-            raise SensorUnavailable(f"RAPL not readable: no package zones under {root}")
-
-    def channels(self) -> list[str]:
-        return [zone.channel for zone in self._zones]
-
-    def read(self) -> dict[str, Reading]:
-        out: dict[str, Reading] = {}
-        for zone in self._zones:
-            raw = _read_int(zone.energy_path)
-            delta = raw - zone.last_raw_uj
-            if delta < 0:
-                # Wrapped (at most once: at <= 1 s per read a wrap takes minutes even at full package power).
-                # Without a known range only the part after the wrap can be counted.
-                delta += zone.max_range_uj if zone.max_range_uj else zone.last_raw_uj
-            zone.total_uj += delta
-            zone.last_raw_uj = raw
-            out[zone.channel] = Reading(ENERGY_J, zone.total_uj / 1e6)
-        return out
-
-    def close(self) -> None:
-        pass
-
-
-def _zone_index(name: str) -> tuple[int, str]:
-    m = _PACKAGE_ZONE.fullmatch(name)
-    return (int(m.group(1)) if m else 1 << 30, name)
-
-
-def _read_text(path: Path) -> str:
-    with open(path) as f:
-        return f.read().strip()
-
-
-def _read_int(path: Path) -> int:
-    return int(_read_text(path))
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
-
-
-def open_power_sources(
-    device: str, *, nvml_devices: list[int] | None = None, packages: bool = True
-) -> tuple[list[PowerSource], dict[str, str]]:
-    """The power sources that work for `device` ("cpu" or "cuda") and a reason for each missing one.
-
-    For "cpu" only RAPL matters; for "cuda" NVML gives GPU energy and RAPL the host's. `nvml_devices`
-    restricts NVML to those indices (default: every GPU NVML sees, which may include other jobs' GPUs).
-    `packages=False` leaves RAPL out: several ranks of one node must read the packages only once.
-    """
-    kind = device.split(":", 1)[0]
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    sources: list[PowerSource] = []
-    missing: dict[str, str] = {}
-    if kind == "cuda":
-        try:
-            sources.append(NvmlSource(nvml_devices))
-        except SensorUnavailable as e:
-            missing["gpu"] = str(e)
-    if not packages:
-        return sources, missing
-    try:
-        sources.append(RaplSource(POWERCAP_ROOT))
-    except SensorUnavailable as e:
-        missing["cpu"] = str(e)
-    return sources, missing
-
-
-# ------------------------------------------------------------------------------------------ sampler
 
 
 class _Series:
@@ -439,7 +212,7 @@ class EnergySampler:
             with self._lock:
                 health.reads += 1
                 health.failures += 1
-                health.last_error = _one_line(e)
+                health.last_error = one_line(e)
             return
         t = (before + self._clock()) / 2
         with self._lock:
@@ -509,8 +282,8 @@ class EnergySampler:
         with self._lock:
             series = [(s.key, s.quantity, list(s.t), list(s.v)) for s in self._series.values()]
         for key, quantity, ts, vs in series:
-            joules = _integrate(ts, vs, a, b) if quantity == POWER_W else _counter_delta(ts, vs, a, b)
-            span = _clip(ts, a, b)
+            joules = integrate_power(ts, vs, a, b) if quantity == POWER_W else counter_delta(ts, vs, a, b)
+            span = clip_to_samples(ts, a, b)
             if joules is not None and span is not None:
                 out[key] = (joules, span[1] - span[0])
         return out
@@ -581,46 +354,6 @@ class EnergySampler:
 
 def _row(t: float, source: str, channel: str, quantity: str, value: float) -> dict[str, Any]:
     return {"time_unix_s": t, "source": source, "channel": channel, "quantity": quantity, "value": float(value)}
-
-
-def _interp(ts: list[float], vs: list[float], t: float) -> float:
-    """Linear interpolation of the samples at t, with ts[0] <= t <= ts[-1]."""
-    i = bisect.bisect_right(ts, t)
-    if i >= len(ts):
-        return vs[-1]
-    if i == 0:
-        return vs[0]
-    t_a, t_b = ts[i - 1], ts[i]
-    if t_b == t_a:
-        return vs[i]
-    return vs[i - 1] + (vs[i] - vs[i - 1]) * (t - t_a) / (t_b - t_a)
-
-
-def _clip(ts: list[float], a: float, b: float) -> tuple[float, float] | None:
-    if len(ts) < 2:
-        return None
-    lo, hi = max(a, ts[0]), min(b, ts[-1])
-    return (lo, hi) if lo <= hi else None
-
-
-def _integrate(ts: list[float], vs: list[float], a: float, b: float) -> float | None:
-    """Trapezoid integral of power samples over [a, b], clipped to the sampled span."""
-    span = _clip(ts, a, b)
-    if span is None:
-        return None
-    lo, hi = span
-    first, last = bisect.bisect_right(ts, lo), bisect.bisect_left(ts, hi)
-    points_t = [lo, *ts[first:last], hi]
-    points_v = [_interp(ts, vs, lo), *vs[first:last], _interp(ts, vs, hi)]
-    return sum((points_t[i + 1] - points_t[i]) * (points_v[i + 1] + points_v[i]) / 2 for i in range(len(points_t) - 1))
-
-
-def _counter_delta(ts: list[float], vs: list[float], a: float, b: float) -> float | None:
-    """Growth of a cumulative joules counter over [a, b], clipped to the sampled span."""
-    span = _clip(ts, a, b)
-    if span is None:
-        return None
-    return _interp(ts, vs, span[1]) - _interp(ts, vs, span[0])
 
 
 def combine_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -29,11 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
 
 Log = Callable[[str], None]
@@ -292,3 +294,64 @@ def probe_machine(
                 log(f"  {backend} x{dist.get_world_size()} {r['collective']} {r['bytes']:>10,} B: "
                     f"algbw {algbw:.3f} GB/s, busbw {busbw:.3f} GB/s")  # fmt: skip
     return profile
+
+
+PROBE_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """What `run_probe` did: `written` is the profile's path (rank 0 after a probe);
+    `kept` says why no probe ran (`if_missing` found a stored profile)."""
+
+    fingerprint_id: str
+    written: Path | None = None
+    kept: str | None = None
+
+
+def run_probe(
+    *,
+    quick: bool = False,
+    device: str = "auto",
+    comms_only: bool = False,
+    timeout_s: float = 600.0,
+    if_missing: bool = False,
+    log: Log | None = None,
+) -> ProbeOutcome:
+    """`dlrm-lab machine probe`: measure this machine and store its profile.
+
+    Under a multi-rank launch every rank calls it (the collectives need all); rank 0 alone
+    measures the devices, logs and writes. `comms_only` keeps the stored device peaks and
+    adds the collectives; `if_missing` probes only a machine with no stored profile.
+    """
+    from dlrm_lab.distributed.context import detect_launch, init_distributed, shutdown_distributed
+    from dlrm_lab.metrics.roofline import load_profile, profile_path, save_profile
+
+    if device not in PROBE_DEVICES:
+        raise UserError(f"--device {device!r}: allowed: {', '.join(PROBE_DEVICES)}")
+    if if_missing:
+        stored = load_profile()
+        if stored is not None and stored.get("devices"):
+            kind = "quick profile" if stored.get("quick") else "profile"
+            where = profile_path(stored["fingerprint_id"])
+            return ProbeOutcome(stored["fingerprint_id"], kept=f"machine {kind} of {stored.get('probed_at')} in "
+                                f"{where}: not probing again (--if-missing)")  # fmt: skip
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device cuda: no CUDA device is visible to this torch build (torch {torch.__version__})")
+    launch = detect_launch()
+    if comms_only and launch.world_size < 2:
+        raise UserError(
+            "--comms-only: needs a launch with several ranks (e.g. dlrm-lab launch --nproc 2 -- machine probe)"
+        )
+    devices = None if device == "auto" else [device]
+    rank = 0
+    if launch.world_size > 1:
+        comm_device = "cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"
+        rank = init_distributed(comm_device, timeout_s).rank
+    try:
+        profile = probe_machine(quick=quick, devices=[] if comms_only else devices, log=log if rank == 0 else None)
+    finally:
+        shutdown_distributed()
+    if rank != 0:
+        return ProbeOutcome(profile["fingerprint_id"])
+    return ProbeOutcome(profile["fingerprint_id"], written=save_profile(profile))

@@ -52,6 +52,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics import columns
 from dlrm_lab.metrics import run as metrics_run
 from dlrm_lab.metrics.stats import (
     CONFIDENCE,
@@ -66,7 +67,7 @@ from dlrm_lab.metrics.stats import (
 
 DEFAULT_THRESHOLD = 0.02
 MIN_REPEATS = 3  # runs per side from which run-to-run variation is the noise estimate
-HIGHER, LOWER = "higher", "lower"
+HIGHER, LOWER = columns.HIGHER, columns.LOWER
 REGRESSION, IMPROVEMENT, WITHIN_NOISE, NO_NOISE_ESTIMATE = (
     "regression",
     "improvement",
@@ -84,25 +85,8 @@ REPEATS, STEPS, QUERIES, BINS, NO_REPEATS = (
 )
 
 
-@dataclass(frozen=True)
-class Metric:
-    name: str
-    unit: str
-    direction: str  # HIGHER or LOWER is better
-
-
-TRAIN_METRICS = (
-    Metric("samples_per_s", "samples/s", HIGHER),
-    Metric("step_time_ms_p50", "ms", LOWER),
-    Metric("eval_auc", "", HIGHER),
-    Metric("energy_per_sample_j", "J", LOWER),
-)
-INFER_METRICS = (
-    Metric("queries_per_s", "queries/s", HIGHER),
-    Metric("samples_per_s", "samples/s", HIGHER),
-    Metric("latency_p50_ms", "ms", LOWER),
-    Metric("latency_p99_ms", "ms", LOWER),
-)
+TRAIN_METRICS = tuple(columns.column(name) for name in columns.COMPARED["train"])
+INFER_METRICS = tuple(columns.column(name) for name in columns.COMPARED["infer"])
 _LATENCY_PERCENTILE = {"latency_p50_ms": 50.0, "latency_p99_ms": 99.0}
 _TRAIN_CONFIG = ("preset", "device", "world_size", "global_batch_size", "precision", "table_precision")
 
@@ -241,7 +225,7 @@ class _Comparer:
         self,
         kind: str,
         group: str,
-        metric: Metric,
+        metric: columns.Column,
         base: np.ndarray | list[Any],
         new: np.ndarray | list[Any],
         basis: str,
@@ -255,7 +239,7 @@ class _Comparer:
             if b.n or w.n:
                 self.notes.append(f"{label}: only {'BASE' if b.n else 'NEW'} has values, not compared")
             return
-        if metric.direction == HIGHER:
+        if metric.better == HIGHER:
             ratio = ratio_estimate(base, new, statistic=statistic, **self.opts)
         else:
             ratio = ratio_estimate(new, base, statistic=statistic, **self.opts)
@@ -265,7 +249,7 @@ class _Comparer:
                 group=group,
                 metric=metric.name,
                 unit=metric.unit,
-                direction=metric.direction,
+                direction=metric.better or HIGHER,
                 base=b,
                 new=w,
                 ratio=ratio,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics import columns
 from dlrm_lab.report import plots
 from dlrm_lab.report.load import (
     MANIFEST,
@@ -403,142 +404,50 @@ def _page(paths: Any, data: ReportData, result: ReportResult, links: dict[Path, 
 
 def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Callable[[RunInfo], str]) -> list[str]:
     parts: list[str] = []
+
+    def table(
+        names: tuple[str, ...],
+        rows: list[dict[str, Any]],
+        run: str = "run (manifest)",
+        tail: tuple[str, ...] = ("notes",),
+    ) -> str:
+        """A table of registered columns between the run's link and the notes."""
+        headers = [run, *(columns.column(n).heading for n in names), *tail]
+        body = [
+            [
+                run_link(r["_run"]),
+                *(_e(columns.fmt(n, r.get(n))) for n in names),
+                *(_e(r["_run"].status) if t == "status" else notes(r["_run"]) for t in tail),
+            ]
+            for r in rows
+        ]
+        return _table(headers, body)
+
     if data.train:
         parts.append("<h2>Training runs</h2>")
-        parts.append(
-            _table(
-                [
-                    "run (manifest)",
-                    "preset",
-                    "ranks",
-                    "global batch (samples)",
-                    "throughput (samples/s)",
-                    "step time p50 (ms)",
-                    "eval AUC",
-                    "roofline fraction",
-                    "energy per sample (J)",
-                    "status",
-                    "notes",
-                ],
-                [
-                    [
-                        run_link(r["_run"]),
-                        _f(r.get("preset")),
-                        _f(r.get("world_size"), "d"),
-                        _f(r.get("global_batch_size"), ",d"),
-                        _f(r.get("samples_per_s")),
-                        _f(r.get("step_time_ms_p50"), ".2f"),
-                        _f(r.get("eval_auc"), ".4f"),
-                        _f(r.get("roofline_fraction"), ".3f"),
-                        _f(r.get("energy_per_sample_j"), ".3g"),
-                        _f(r["_run"].status),
-                        notes(r["_run"]),
-                    ]
-                    for r in data.train
-                ],
-            )
-        )
+        parts.append(table(columns.TRAIN_TABLE, data.train, tail=("status", "notes")))
     if data.infer:
         parts.append("<h2>Inference runs</h2>")
-        parts.append(
-            _table(
-                [
-                    "run (manifest)",
-                    "model",
-                    "point",
-                    "mode",
-                    "throughput (queries/s)",
-                    "throughput (samples/s)",
-                    "latency p99 (ms)",
-                    "SLA met",
-                    "energy per query (J)",
-                    "notes",
-                ],
-                [
-                    [
-                        run_link(r["_run"]),
-                        _f(r.get("model")),
-                        _f(r.get("point"), "d"),
-                        _f(r.get("mode")),
-                        _f(r.get("queries_per_s")),
-                        _f(r.get("samples_per_s")),
-                        _f(r.get("latency_p99_ms"), ".2f"),
-                        _f(r.get("sla_met")),
-                        _f(r.get("energy_per_query_j"), ".3g"),
-                        notes(r["_run"]),
-                    ]
-                    for r in data.infer
-                ],
-            )
-        )
+        parts.append(table(columns.INFER_TABLE, data.infer))
     if data.search:
         parts.append("<h2>Latency-bounded searches (frontier)</h2>")
         rows = []
         for s in data.search:
             for r in s.frontier or [{}]:
                 unc = r.get("best_qps_uncertainty")
-                rate = _f(r.get("best_qps")) + (f" &plusmn; {_f(unc)}" if unc is not None else "")
+                cells = {n: _e(columns.fmt(n, r.get(n))) for n in columns.FRONTIER_TABLE}
+                if unc is not None:
+                    cells["best_qps"] += f" &plusmn; {_e(columns.fmt('best_qps_uncertainty', unc))}"
                 config = config_label(r) if r else "-"
-                rows.append(
-                    [
-                        run_link(s.run),
-                        _f(r.get("model")),
-                        _e(config),
-                        _f(r.get("capacity_queries_per_s")),
-                        rate,
-                        _f(r.get("best_samples_per_s")),
-                        _f(r.get("best_sla_latency_ms"), ".2f"),
-                        "chosen" if r.get("best") else "",
-                        notes(s.run),
-                    ]
-                )
-        parts.append(
-            _table(
-                [
-                    "run (manifest)",
-                    "model",
-                    "configuration",
-                    "capacity (queries/s)",
-                    "best rate (queries/s)",
-                    "best throughput (samples/s)",
-                    "latency at the bound's percentile (ms)",
-                    "best",
-                    "notes",
-                ],
-                rows,
-            )
-        )
+                rows.append([run_link(s.run), cells.pop("model"), _e(config), *cells.values(),
+                             "chosen" if r.get("best") else "", notes(s.run)])  # fmt: skip
+        names = [n for n in columns.FRONTIER_TABLE if n != "model"]
+        headers = ["run (manifest)", columns.column("model").heading, "configuration",
+                   *(columns.column(n).heading for n in names), "best", "notes"]  # fmt: skip
+        parts.append(_table(headers, rows))
     if data.scale:
         parts.append("<h2>Scaling sweeps</h2>")
-        parts.append(
-            _table(
-                [
-                    "run (manifest)",
-                    "mode",
-                    "ranks",
-                    "throughput (samples/s)",
-                    "speedup (x)",
-                    "efficiency (fraction)",
-                    "point run",
-                    "point status",
-                    "notes",
-                ],
-                [
-                    [
-                        run_link(r["_run"]),
-                        _f(r.get("mode")),
-                        _f(r.get("ranks"), "d"),
-                        _f(r.get("samples_per_s")),
-                        _f(r.get("speedup"), ".2f"),
-                        _f(r.get("efficiency"), ".3f"),
-                        _f(r.get("point_run_id")),
-                        _f(r.get("point_status")),
-                        notes(r["_run"]),
-                    ]
-                    for r in data.scale
-                ],
-            )
-        )
+        parts.append(table(columns.SCALE_TABLE, data.scale))
     by_id = {r.run_id: r for r in data.runs}
     for run, table in data.sweeps:
         metrics = [c[: -len("_median")] for c in table.column_names if c.endswith("_median")]
@@ -549,7 +458,7 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
         if run.notes:
             parts.append(f"<p>{notes(run)}</p>")
         headers = ["point", "parameters", "runs (manifests)"]
-        headers += [f"{m} median [CI] ({plots.unit_of(m) or '-'})" for m in metrics]
+        headers += [f"{m} median [CI] ({columns.unit_of(m) or '-'})" for m in metrics]
         body = []
         for r, label in zip(rows, labels, strict=True):
             ids = children.get(r.get("point"), [])

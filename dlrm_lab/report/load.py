@@ -17,66 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.run import MANIFEST, discover_runs, one_line
-from dlrm_lab.report.plots import PHASES
 
-ROOFLINE = ["flops_per_sample", "bytes_per_sample", "achieved_flops_per_s", "roofline_fraction", "roofline_bound_by"]
-ENERGY = ["energy_j", "energy_unavailable", "samples_per_s_per_w", "energy_per_sample_j"]
-TRAIN_COLUMNS = [
-    "preset",
-    "device",
-    "precision",
-    "world_size",
-    "global_batch_size",
-    "samples_per_s",
-    "step_time_ms_mean",
-    "step_time_ms_p50",
-    "eval_auc",
-    *[f"{p}_share" for p in PHASES],
-    *ROOFLINE,
-    *ENERGY,
-]
-INFER_COLUMNS = [
-    "point",
-    "model",
-    "mode",
-    "preset",
-    "instances",
-    "threads_per_instance",
-    "max_batch",
-    "max_delay_ms",
-    "precision",
-    "target_qps",
-    "queries_per_s",
-    "samples_per_s",
-    "latency_p99_ms",
-    "sla_ms",
-    "sla_percentile",
-    "sla_latency_ms",
-    "sla_met",
-    *ROOFLINE,
-    *ENERGY,
-    "energy_per_query_j",
-]
-SEARCH_COLUMNS = [*INFER_COLUMNS, "probe", "repeat", "passed"]
-FRONTIER_COLUMNS = [
-    "model",
-    "preset",
-    "instances",
-    "threads_per_instance",
-    "max_batch",
-    "max_delay_ms",
-    "capacity_queries_per_s",
-    "best_qps",
-    "best_qps_uncertainty",
-    "best_samples_per_s",
-    "best_sla_latency_ms",
-    "sla_ms",
-    "sla_percentile",
-    "probes",
-    "best",
-]
-SCALE_COLUMNS = ["mode", "ranks", "samples_per_s", "speedup", "efficiency", "point_run_id", "point_status"]
 CONFIG_KEYS = ("instances", "threads_per_instance", "max_batch", "max_delay_ms")
 
 
@@ -141,8 +84,8 @@ def read_table(
         return None
 
 
-def _rows(run: RunInfo, name: str, columns: list[str]) -> list[dict[str, Any]] | None:
-    table = read_table(run, name, columns)
+def _rows(run: RunInfo, name: str, wanted: tuple[str, ...]) -> list[dict[str, Any]] | None:
+    table = read_table(run, name, list(wanted))
     if table is None:
         return None
     rows = table.to_pylist()
@@ -191,17 +134,17 @@ def collect(runs: list[RunInfo]) -> ReportData:
     data = ReportData(runs)
     for run in runs:
         if run.kind == "train":
-            rows = _rows(run, "summary", TRAIN_COLUMNS)
+            rows = _rows(run, "summary", columns.TRAIN_READ)
             data.train.extend(rows[:1] if rows else [{"run_id": run.run_id, "_run": run}])
         elif run.kind == "infer":
-            rows = _rows(run, "summary", INFER_COLUMNS)
+            rows = _rows(run, "summary", columns.INFER_READ)
             data.infer.extend(rows or [{"run_id": run.run_id, "_run": run}])
         elif run.kind == "infer-search":
-            frontier = _rows(run, "frontier", FRONTIER_COLUMNS) or []
-            probes = _rows(run, "summary", SEARCH_COLUMNS) or []
+            frontier = _rows(run, "frontier", columns.FRONTIER_READ) or []
+            probes = _rows(run, "summary", columns.SEARCH_READ) or []
             data.search.append(SearchRun(run, frontier, probes))
         elif run.kind == "scale":
-            data.scale.extend(_rows(run, "summary", SCALE_COLUMNS) or [{"run_id": run.run_id, "_run": run}])
+            data.scale.extend(_rows(run, "summary", columns.SCALE_READ) or [{"run_id": run.run_id, "_run": run}])
         elif run.kind == "sweep":
             table = read_table(run, "summary")
             if table is not None:

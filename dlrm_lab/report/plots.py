@@ -17,22 +17,13 @@ import numpy as np
 import pyarrow as pa
 from matplotlib.figure import Figure
 
+from dlrm_lab.metrics.columns import PHASES, unit_of
+
 MAX_CURVES = 12
 MAX_BARS = 40
 MAX_LABELS = 20  # roofline points annotated with their name
 MAX_PANELS = 12  # sweep metrics drawn
 DPI = 100
-# The step phases of dlrm_lab.train.timing.PHASES, in order (tested equal). Not imported:
-# dlrm_lab.train imports torch and torchrec, seconds a report does not need to spend.
-PHASES = (
-    "data_wait",
-    "input_dist",
-    "embedding_lookup",
-    "embedding_all_to_all",
-    "dense_forward",
-    "backward",
-    "optimizer",
-)
 
 
 def _text(s: Any) -> str:
@@ -55,32 +46,6 @@ def _num(v: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if np.isfinite(f) else None
-
-
-def unit_of(metric: str) -> str:
-    """The unit of a metric column, read off its name (the conventions of docs/metrics.md)."""
-    for suffix, unit in _UNITS:
-        if metric.endswith(suffix):
-            return unit
-    return ""
-
-
-_UNITS = (
-    ("samples_per_s_per_w", "samples/s/W"),
-    ("flops_per_s_per_w", "FLOP/s/W"),
-    ("samples_per_s", "samples/s"),
-    ("queries_per_s", "queries/s"),
-    ("flops_per_s", "FLOP/s"),
-    ("bytes_per_s", "B/s"),
-    ("_ms", "ms"),
-    ("_j", "J"),
-    ("_w", "W"),
-    ("_mb", "MB"),
-    ("_s", "s"),
-    ("_share", "fraction"),
-    ("fraction", "fraction"),
-    ("efficiency", "fraction"),
-)
 
 
 # ----------------------------------------------------------------------------- 1. latency CDFs

@@ -5,6 +5,6 @@
 
 `protocol` holds the wire format (inference.proto, its generated modules and the packed
 payload), `server` the gRPC front of an InferenceServer, `remote` the system under test as
-a client sees it (the lab's drivers call it unchanged), `client` the concurrent client
+a client sees it (an `infer.sut.SystemUnderTest`: the lab's drivers drive it unchanged), `client` the concurrent client
 workers and their run directory, `records` the client's per-query rows and summary.
 """

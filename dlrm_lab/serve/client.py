@@ -1,8 +1,10 @@
 """`dlrm-lab client`: concurrent client workers driving a remote `dlrm-lab serve`.
 
     parent: Describe -> run directory -> C worker processes (spawn) -> summary.parquet
-    worker k: own channel + RemoteServer + the lab's OpenLoop (rate Q/C, seed + k) or
-              ClosedLoop (one query outstanding) -> its rows as part files of queries.parquet
+    worker k: own channel + RemoteServer under the lab's driver of the scenario (OpenLoop at
+              rate Q/C with seed + k, ClosedLoop with one query outstanding, or LoadGen),
+              run by the lab's poll loop (`infer.drivers.drive`) -> its rows as part files
+              of queries.parquet
 
 Workers are processes because one Python process serialising and decoding for many
 clients is limited by its GIL, which would be measured as transfer cost. They write their
@@ -32,13 +34,10 @@ from dlrm_lab.infer.load import Arrivals, QuerySizes
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.serve.protocol import CHANNEL_OPTIONS, pb, pb_grpc
 from dlrm_lab.serve.records import CLIENT_QUERY_SCHEMA, CLIENT_SUMMARY_SCHEMA, warm_up_parquet
+from dlrm_lab.serve.remote import ServerLost
 
 Log = Callable[[str], None]
 START_TIMEOUT_S = 300.0  # workers import torch and generate their sample library before the load
-
-
-class ServerLost(RuntimeError):
-    """The server stopped answering (UNAVAILABLE) during a client run."""
 
 
 @dataclass(frozen=True)
@@ -253,28 +252,26 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
     """A client worker process: its own channel and RemoteServer under one of the lab's drivers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us through `stop`
     try:
-        from dlrm_lab.infer.drivers import ClosedLoop, LoadGenDriver, OpenLoop, Stream
-        from dlrm_lab.serve.remote import ClientLibrary, RemoteServer
+        from dlrm_lab.infer.drivers import drive, make_driver
+        from dlrm_lab.infer.load import LoadSettings, Stream
+        from dlrm_lab.serve.remote import RemoteServer, library_from_info
 
         info = pb.ModelInfo.FromString(plan.info)
-        library = ClientLibrary.from_info(info)
+        library = library_from_info(info)
         channel = grpc.insecure_channel(plan.target, options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=plan.connect_timeout_s)
         except grpc.FutureTimeoutError:
             conn.send(("ready", {"lost": f"no connection to {plan.target} within {plan.connect_timeout_s:g} s"}))
             return
-        remote = RemoteServer(channel, {info.name: library}, worker=plan.worker, timeout_s=plan.timeout_s)
+        remote = RemoteServer(channel, {info.name: library}, models={info.name: info}, worker=plan.worker,
+                              timeout_s=plan.timeout_s, unavailable_s=plan.unavailable_s)  # fmt: skip
         stream = Stream(info.name, plan.qps or 1.0, QuerySizes.parse(plan.query_sizes), Arrivals(plan.arrival))
-        if plan.scenario != "open-loop":  # LoadGen issues; RemoteServer is its system under test
-            driver: Any = LoadGenDriver(
-                remote, stream, plan.scenario, duration_s=plan.duration_s, sla_ms=plan.sla_ms,
-                sla_percentile=plan.sla_percentile, log_dir=Path(plan.run_dir) / "loadgen", seed=plan.seed,
-            )  # fmt: skip
-        elif plan.qps is None:
-            driver = ClosedLoop(remote, stream, 1, plan.duration_s, seed=plan.seed)
-        else:
-            driver = OpenLoop(remote, [stream], plan.duration_s, seed=plan.seed)
+        settings = LoadSettings(
+            "closed-loop" if plan.qps is None else plan.scenario, duration_s=plan.duration_s, seed=plan.seed,
+            sla_ms=plan.sla_ms, sla_percentile=plan.sla_percentile, log_dir=Path(plan.run_dir) / "loadgen",
+        )  # fmt: skip
+        driver = make_driver(remote, [stream], settings)
         pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=plan.connect_timeout_s)  # warm-up
         run = Run.attach(plan.run_dir, rank=plan.worker + 1)
         rows = run.table("queries", CLIENT_QUERY_SCHEMA, flush_seconds=2.0)
@@ -292,17 +289,13 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
     gc.collect()
     gc.disable()  # rows are plain dicts; a full collection would pause this client mid-query
     try:
-        driver.start()
-        while not driver.join(timeout=0.25):
-            rows.extend(remote.take_rows())
-            lost = remote.lost(plan.unavailable_s)
-            if lost or stop.is_set():
-                driver.stop()
-                driver.join(timeout=1.0)
-                break
-        if getattr(driver, "error", None) is not None:
-            error = f"{type(driver.error).__name__}: {driver.error}"
-        remote.drain(plan.timeout_s + 1.0)
+        try:
+            drive(remote, driver, drain_s=plan.timeout_s + 1.0, take=rows.extend, poll=stop.is_set)
+        except ServerLost as exc:
+            lost = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            error = f"{type(exc).__name__}: {exc}"
+        remote.drain(plan.timeout_s + 1.0)  # after an error too: queries in flight still become rows
         if lost is None and remote.lost(plan.unavailable_s, at_end=True):
             # The last answers were UNAVAILABLE and the run ended first: is the server still there?
             try:
@@ -313,7 +306,7 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
         error = f"{type(exc).__name__}: {exc}"
     finally:
         gc.enable()
-        rows.extend(remote.take_rows())
+        rows.extend(remote.take_records())
         run.finish("ok")  # a worker's rank only flushes its part files; the parent merges
-        conn.send(("done", {"lost": lost, "error": error, "loadgen": getattr(driver.stats, "loadgen", None)}))
+        conn.send(("done", {"lost": lost, "error": error, "loadgen": driver.stats.loadgen}))
         channel.close()

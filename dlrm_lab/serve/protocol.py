@@ -98,7 +98,7 @@ def encode_samples(dense: np.ndarray, lengths: list[np.ndarray], values: list[np
 
 
 def model_info(served: Any, library_samples: int, seed: int) -> Any:
-    """A served model as Describe reports it (served: infer.server.ServedModel)."""
+    """A served model as Describe reports it (served: infer.served.ServedModel)."""
     import json
 
     spec: ModelSpec = served.spec

@@ -1,25 +1,28 @@
-"""The system under test as a gRPC client sees it.
+"""The system under test as a gRPC client sees it: `RemoteServer` implements
+`infer.sut.SystemUnderTest`, so OpenLoop, ClosedLoop and LoadGenDriver drive a remote server
+exactly as they drive an in-process one.
 
-`RemoteServer` has the two methods the lab's load drivers use on an in-process
-InferenceServer, `library_samples(model)` and `submit(query)`, so OpenLoop, ClosedLoop
-and LoadGenDriver drive a remote server unchanged (the SUT boundary of MLPerf LoadGen).
-A query names samples of the model's library; the client holds the same library as the
-server (generated from Describe's spec and seed), sends those samples' bytes, and calls
-`query.on_done(query, status, scores)` when the answer is decoded. Every query becomes a
-row of `records.CLIENT_QUERY_SCHEMA`.
+A query names samples of the model's sample library; the client holds the same library as
+the server (`library_from_info`: generated from Describe's spec and seed), sends those
+samples' bytes, and calls `query.on_done(query, status, scores)` when the answer is decoded.
+Every query becomes a row of `records.CLIENT_QUERY_SCHEMA`.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 import numpy as np
 
+from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.infer.sut import SutDescription
 from dlrm_lab.serve.protocol import (
     DENSE_DTYPE,
     ID_DTYPE,
@@ -33,52 +36,51 @@ from dlrm_lab.serve.protocol import (
 ERROR_BACKOFF_S = 0.01  # before a failed query's on_done: a closed loop must not spin on a dead server
 
 
-class ClientLibrary:
-    """A model's sample library, feature-major like the instances' snapshot, so that a
-    query's payload is one slice of dense and a few contiguous slices of ids."""
+class ServerLost(RuntimeError):
+    """The server stopped answering (UNAVAILABLE) during a client run."""
 
-    def __init__(self, block: Any) -> None:
-        self.size = block.size
-        self.dense = np.ascontiguousarray(block.dense, dtype=DENSE_DTYPE)  # [samples, num_dense]
-        self.lengths = np.stack([np.asarray(ln, dtype=LENGTH_DTYPE) for ln in block.lengths])  # [features, samples]
-        zero = np.zeros((len(block.lengths), 1), dtype=np.int64)
-        self.offsets = np.concatenate([zero, np.cumsum(self.lengths, axis=1, dtype=np.int64)], axis=1)
-        self.values = [np.asarray(v, dtype=ID_DTYPE) for v in block.values]
 
-    @classmethod
-    def from_info(cls, info: Any) -> ClientLibrary:
-        """The server's library: samples [0, library_samples) of its generator and seed."""
-        from dlrm_lab.config import ModelSpec
-        from dlrm_lab.data import synthetic_generator
+def library_from_info(info: Any) -> PackedLibrary:
+    """The server's sample library (info: its pb.ModelInfo): samples [0, library_samples) of
+    its generator and seed."""
+    from dlrm_lab.config import ModelSpec
 
-        spec = ModelSpec.from_dict(json.loads(info.spec_json))
-        gen = synthetic_generator(spec, info.data_spec or None, seed=info.library_seed)
-        return cls(gen.samples(0, info.library_samples))
+    spec = ModelSpec.from_dict(json.loads(info.spec_json))
+    return PackedLibrary.generate(spec, info.data_spec or None, info.library_seed, info.library_samples)
 
-    def encode(self, offset: int, size: int) -> tuple[bytes, bytes, bytes]:
-        """(dense, lengths, ids) bytes of samples [offset, offset + size)."""
-        lo, hi = offset, offset + size
-        ids = np.concatenate([v[o[lo] : o[hi]] for v, o in zip(self.values, self.offsets, strict=True)])
-        return self.dense[lo:hi].tobytes(), self.lengths[:, lo:hi].tobytes(), ids.tobytes()
+
+def encode_library_samples(library: PackedLibrary, offset: int, size: int) -> tuple[bytes, bytes, bytes]:
+    """(dense, lengths, ids) bytes of samples [offset, offset + size), as the server decodes them."""
+    dense, lengths, ids = library.columns(offset, size)
+    return (
+        np.ascontiguousarray(dense, dtype=DENSE_DTYPE).tobytes(),
+        np.asarray(lengths, dtype=LENGTH_DTYPE).tobytes(),
+        np.asarray(ids, dtype=ID_DTYPE).tobytes(),
+    )
 
 
 class RemoteServer:
     """Queries to a `dlrm-lab serve` over one channel; thread-safe, `submit` returns at once.
 
     Times in rows are ms from `epoch_ns` (time.monotonic_ns, system-wide on Linux, so the
-    worker processes of one client share it).
+    worker processes of one client share it). `check()` raises ServerLost once the server
+    has answered only UNAVAILABLE for more than `unavailable_s`.
     """
 
     def __init__(
         self,
         channel: grpc.Channel,
-        libraries: dict[str, ClientLibrary],
+        libraries: dict[str, PackedLibrary],
         *,
+        models: Mapping[str, Any] | None = None,
         worker: int = 0,
         epoch_ns: int | None = None,
         timeout_s: float = 30.0,
+        unavailable_s: float = math.inf,
     ) -> None:
         self.libraries = libraries
+        self.models = dict(models or {})  # name -> pb.ModelInfo, as Describe reported it
+        self.unavailable_s = unavailable_s
         self.worker = worker
         self.epoch_ns = time.monotonic_ns() if epoch_ns is None else epoch_ns
         self.timeout_s = timeout_s
@@ -92,18 +94,21 @@ class RemoteServer:
         self._unavailable_detail = ""
         self.issued = 0
 
-    def library_samples(self, model: str) -> int:
-        return self.libraries[model].size
+    def library(self, model: str) -> PackedLibrary:
+        return self.libraries[model]
+
+    def describe(self) -> SutDescription:
+        return SutDescription(models=self.models or dict.fromkeys(self.libraries))
 
     def submit(self, q: Any) -> None:
-        """Serialise and send `q` (an infer.server.Query); its samples are `q.payload` (a
+        """Serialise and send `q` (an infer.sut.Query); its samples are `q.payload` (a
         SampleBlock) when given, else library samples [q.offset, q.offset + q.size)."""
         start = time.monotonic_ns()
         q.issued_ns = start
         if not q.scheduled_ns:
             q.scheduled_ns = start
         if q.payload is None:
-            dense, lengths, ids = self.libraries[q.model].encode(q.offset, q.size)
+            dense, lengths, ids = encode_library_samples(self.libraries[q.model], q.offset, q.size)
         else:
             dense, lengths, ids = encode_samples(q.payload.dense, q.payload.lengths, q.payload.values)
         query_id = (self.worker << 40) | q.query_id  # unique across the workers of a client
@@ -195,7 +200,7 @@ class RemoteServer:
                 if self._outstanding == 0:
                     self._idle.notify_all()
 
-    def take_rows(self) -> list[dict[str, Any]]:
+    def take_records(self) -> list[dict[str, Any]]:
         with self._lock:
             out, self._rows = self._rows, []
         return out
@@ -210,6 +215,11 @@ class RemoteServer:
                     return False
                 self._idle.wait(left)
         return True
+
+    def check(self) -> None:
+        why = self.lost(self.unavailable_s)
+        if why is not None:
+            raise ServerLost(why)
 
     def lost(self, limit_s: float, *, at_end: bool = False) -> str | None:
         """Why the server counts as lost: only UNAVAILABLE answers for more than `limit_s`

@@ -32,7 +32,9 @@ from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import validate_payload
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
-from dlrm_lab.infer.server import InferenceServer, Query, ServedModel
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.server import InferenceServer
+from dlrm_lab.infer.sut import Query
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.tables import TableWriter
 from dlrm_lab.serve.protocol import (
@@ -69,9 +71,7 @@ class InferenceService:
         self.inference = inference
         self.rows = {name: rows_per_feature(m.spec) for name, m in inference.models.items()}
         self.describe_response = pb.DescribeResponse(
-            models=[
-                model_info(m, inference.library_samples(name), inference.seed) for name, m in inference.models.items()
-            ]
+            models=[model_info(m, inference.library(name).size, inference.seed) for name, m in inference.models.items()]
         )
         self.failure: str | None = None  # an instance died: every query is INTERNAL from then on
         self._ids = itertools.count()  # server-side query ids (clients' ids may collide)

@@ -2,7 +2,7 @@
 
 One code path for one rank and many: a plain process becomes a group of one and still
 trains through `DistributedModelParallel`, so what is measured on one rank is what
-scales. The loop returns data; progress display is the caller's `on_step` callback.
+scales. The loop returns data; progress display is the caller's `on_step` callback (rank 0's steps).
 """
 
 from __future__ import annotations
@@ -24,19 +24,17 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
 from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
-from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores
-from dlrm_lab.distributed.sharding import (
-    EmbeddingOptimizer,
-    describe_plan,
-    init_tables,
-    parse_table_sharding,
-    shard_model,
-)
+from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores, resolve_device
+from dlrm_lab.distributed.plan import describe_plan, parse_table_sharding
+from dlrm_lab.distributed.tables import init_tables
+from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model
 from dlrm_lab.errors import UserError
-from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, open_power_sources, telemetry_schema
+from dlrm_lab.metrics.columns import PHASES
+from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.model import build_model
 from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
@@ -52,7 +50,7 @@ from dlrm_lab.train.records import (
     roofline_columns,
     summarize_steps,
 )
-from dlrm_lab.train.timing import PHASES, StepTimer, instrument_embedding_phases
+from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases
 from dlrm_lab.train.watchdog import Watchdog
 
 _DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -70,6 +68,7 @@ class TrainResult:
     plan: dict[str, Any]
     run_dir: Path | None = None
     model: torch.nn.Module | None = field(default=None, repr=False)
+    reports: bool = True  # this process reports the run (rank 0; every rank returns a result)
 
 
 def _dense_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> CombinedOptimizer:
@@ -167,6 +166,16 @@ def _autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextM
     return contextlib.nullcontext()
 
 
+def preflight(spec: ModelSpec, cfg: TrainConfig, *, data: bool = True) -> None:
+    """The checks `train` makes before any work, callable alone (the CLI runs them before its
+    size line): the device exists, `--shard` names real tables and types, and (with `data`)
+    the data options fit the model. Each failure is one UserError."""
+    resolve_device(cfg.device)
+    parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
+    if data:
+        check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
+
+
 def train(
     spec: ModelSpec,
     cfg: TrainConfig,
@@ -188,8 +197,7 @@ def train(
     measurement (`dlrm_lab.metrics.precision`); the choice and its reason go into the
     manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
     """
-    if source is None:  # a bad --data-spec or --set: one line, before anything starts
-        check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
+    preflight(spec, cfg, data=source is None)  # a bad option: one line, before anything starts
     ctx = init_distributed(cfg.device, cfg.timeout_s)
     if cfg.pin_cores:
         pin_to_cores(ctx)
@@ -359,7 +367,7 @@ def train(
                     watchdog.beat()
                 if steps_table is not None:
                     steps_table.append(row)
-                if on_step is not None:
+                if on_step is not None and ctx.is_main:  # one display under a launcher: rank 0's
                     on_step(row)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                     save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main)
@@ -425,4 +433,5 @@ def train(
         plan=plan_info,
         run_dir=run.dir if run else None,
         model=dmp if keep_model else None,
+        reports=ctx.is_main,
     )

@@ -14,11 +14,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec, TrainConfig
+from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
 from dlrm_lab.metrics.tables import atomic_write_parquet, write_table
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
-from dlrm_lab.train.timing import PHASES
 
 STEP_SCHEMA = pa.schema(
     [

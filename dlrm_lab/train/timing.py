@@ -14,17 +14,6 @@ from typing import Any
 
 import torch
 
-# Forward phases of a step, in order; backward and the optimizer follow.
-PHASES = (
-    "data_wait",
-    "input_dist",
-    "embedding_lookup",
-    "embedding_all_to_all",
-    "dense_forward",
-    "backward",
-    "optimizer",
-)
-
 
 class StepTimer:
     """Mark the end of each phase; `phases_ms()` gives the time of each in ms.

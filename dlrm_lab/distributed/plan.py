@@ -1,31 +1,35 @@
-"""Sharding the embedding tables with TorchRec and wrapping the model for training.
+"""Sharding policy: which sharding types each table may take, and the plan TorchRec's planner makes.
 
-Embedding tables are model-parallel (TorchRec's planner places them), their optimizer
-is fused into the fbgemm backward kernel (no dense gradient of a table ever exists),
-and the dense MLPs are data-parallel (DDP inside `DistributedModelParallel`, from two
-ranks on: `DenseReplicas`).
+Policy (the `sharding` and per-table choices, turned into `ParameterConstraints`) is kept
+apart from mechanism (`distributed.wrap` applies the plan). New planning behaviour (a cost
+estimator, a proposer, a partitioner) comes in through `PlannerStages`, as a stage of
+TorchRec's planner pipeline, rather than as another option threaded through the loop.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
-from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
+from torchrec.distributed.planner.types import (
+    ParameterConstraints,
+    Partitioner,
+    PerfModel,
+    PlannerError,
+    Proposer,
+    ShardEstimator,
+)
 from torchrec.distributed.types import ShardingPlan, ShardingType
-from torchrec.optim import RowWiseAdagrad
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from dlrm_lab.config import SHARDING_TYPES
 from dlrm_lab.distributed.context import DistContext
@@ -35,31 +39,10 @@ from dlrm_lab.model.dlrm import DLRM
 # The planner's advice that topologies should come from its factory does not apply:
 # we pass the real world size and device, which is all it reads for our use.
 logging.getLogger("torchrec.distributed.planner.types").setLevel(logging.ERROR)
-# TorchRec's own deprecation notices about its internals; nothing a user can act on.
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
-logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 # Share of each device's memory the planner keeps free for activations, dense
 # parameters and the input batch.
 RESERVED_MEMORY_SHARE = 0.15
-
-
-@dataclass(frozen=True)
-class EmbeddingOptimizer:
-    """The table optimizer (names as in `config.EMBEDDING_OPTIMIZERS`, validated there)."""
-
-    name: str = "rowwise_adagrad"
-    lr: float = 0.05
-    eps: float = 1e-8
-
-    def apply(self, model: DLRM) -> None:
-        """Attach the optimizer to the tables; sharding fuses it into the fbgemm kernel."""
-        params = model.sparse_arch.embedding_bag_collection.parameters()
-        if self.name == "rowwise_adagrad":
-            apply_optimizer_in_backward(RowWiseAdagrad, params, {"lr": self.lr, "eps": self.eps})
-        else:
-            apply_optimizer_in_backward(torch.optim.SGD, params, {"lr": self.lr})
-
 
 assert set(SHARDING_TYPES) <= {t.value for t in ShardingType}
 
@@ -74,6 +57,12 @@ class AnyDeviceSharder(EmbeddingBagCollectionSharder):
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return list(SHARDING_TYPES)
+
+
+def check_sharding(sharding: str) -> None:
+    """`sharding` is "auto" or one of TorchRec's sharding types."""
+    if sharding != "auto" and sharding not in SHARDING_TYPES:
+        raise UserError(f"--sharding {sharding!r}: allowed: auto, {', '.join(SHARDING_TYPES)}")
 
 
 def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[str]) -> dict[str, str]:
@@ -117,38 +106,57 @@ def _constraints(
     return out
 
 
-class DenseReplicas(DataParallelWrapper):
-    """TorchRec's DDP for the dense layers when there are replicas to keep in step, nothing
-    on one rank: there DDP has no peer to all-reduce with and would only copy every gradient
-    into its buckets and back each step, a cost of the lab and not of the machine."""
+@dataclass(frozen=True)
+class PlannerStages:
+    """Stages swapped into TorchRec's planner pipeline; a stage left None is TorchRec's default.
 
-    def wrap(self, dmp: DistributedModelParallel, env: Any, device: torch.device) -> None:
-        if env.world_size > 1:
-            DefaultDataParallelWrapper().wrap(dmp, env, device)
+    Each field is a factory, called once per plan, because TorchRec's stages keep state
+    between plans. `estimators` replaces the enumerator's perf and storage estimators (the
+    place for a measured cost model); `proposers`, `partitioner` and `performance_model`
+    replace those stages. The default (all None) builds exactly TorchRec's planner.
+    """
+
+    estimators: Callable[[Topology, dict[str, ParameterConstraints]], list[ShardEstimator]] | None = None
+    proposers: Callable[[], list[Proposer]] | None = None
+    partitioner: Callable[[], Partitioner] | None = None
+    performance_model: Callable[[Topology], PerfModel] | None = None
+
+    def planner_kwargs(
+        self, topology: Topology, batch_size: int, constraints: dict[str, ParameterConstraints]
+    ) -> dict[str, Any]:
+        """Keyword arguments for `EmbeddingShardingPlanner`: only the stages that are set."""
+        out: dict[str, Any] = {}
+        if self.estimators is not None:
+            out["enumerator"] = EmbeddingEnumerator(
+                topology=topology,
+                batch_size=batch_size,
+                constraints=constraints,
+                estimator=self.estimators(topology, constraints),
+            )
+        if self.proposers is not None:
+            out["proposer"] = self.proposers()
+        if self.partitioner is not None:
+            out["partitioner"] = self.partitioner()
+        if self.performance_model is not None:
+            out["performance_model"] = self.performance_model(topology)
+        return out
 
 
-def shard_model(
+def plan_sharding(
+    root: torch.nn.Module,
     model: DLRM,
     ctx: DistContext,
-    embedding_optimizer: EmbeddingOptimizer,
+    sharder: EmbeddingBagCollectionSharder,
     sharding: str = "auto",
     per_table: dict[str, str] | None = None,
     batch_size: int = 512,
-    wrapper: torch.nn.Module | None = None,
-) -> tuple[DistributedModelParallel, ShardingPlan]:
-    """Plan the tables over the ranks, materialise them shard by shard, wrap dense in DDP.
+    stages: PlannerStages | None = None,
+) -> ShardingPlan:
+    """One plan agreed by every rank (a collective), made against this machine's real memory.
 
-    `sharding` is "auto" (TorchRec's planner chooses per table among all types) or one
-    sharding type for every table; `per_table` overrides it for named tables. The plan is
-    made against this machine's real memory, so tables that cannot fit are refused
-    (UserError naming the sizes) before anything is allocated. `wrapper` (a module holding
-    `model`, e.g. the training pipeline's batch-to-loss module) is what gets wrapped.
+    Tables that cannot fit are refused (UserError naming the sizes) before anything is
+    allocated. `root` is the module that will be wrapped; `model` the DLRM inside it.
     """
-    root = wrapper if wrapper is not None else model
-    if sharding != "auto" and sharding not in SHARDING_TYPES:
-        raise UserError(f"--sharding {sharding!r}: allowed: auto, {', '.join(SHARDING_TYPES)}")
-    embedding_optimizer.apply(model)
-    sharder = AnyDeviceSharder()
     constraints = _constraints(model, sharding, per_table or {}, ctx.world_size)
     topology = machine_topology(ctx)
     planner = EmbeddingShardingPlanner(
@@ -156,9 +164,10 @@ def shard_model(
         batch_size=batch_size,
         constraints=constraints,
         storage_reservation=FixedPercentageStorageReservation(RESERVED_MEMORY_SHARE),
+        **(stages or PlannerStages()).planner_kwargs(topology, batch_size, constraints),
     )
     try:
-        plan = planner.collective_plan(root, [sharder], dist.GroupMember.WORLD)
+        return planner.collective_plan(root, [sharder], dist.GroupMember.WORLD)
     except PlannerError as exc:
         table_bytes = sum(4 * t.num_parameters for t in model.spec.tables)
         memory = topology.devices[0].storage
@@ -168,10 +177,6 @@ def shard_model(
             f"{memory.hbm / 2**30:.2f} GiB device memory each: scale the tables (--table-scale, --max-rows) "
             f"or add ranks [planner: {str(exc).splitlines()[0][:200]}]"
         ) from None
-    dmp = DistributedModelParallel(
-        module=root, device=ctx.device, plan=plan, sharders=[sharder], data_parallel_wrapper=DenseReplicas()
-    )
-    return dmp, plan
 
 
 def machine_topology(ctx: DistContext) -> Topology:
@@ -229,70 +234,3 @@ def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int, bytes_pe
                 }
             )
     return {"tables": tables, "bytes_per_rank": per_rank}
-
-
-def gather_tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every embedding table in full, on every rank (a collective: all ranks must call it).
-
-    Sharded tables are reassembled from each rank's shards and their offsets; replicated
-    (data-parallel) tables are taken as they are. Meant for checks and exports of
-    tables that fit in one process's memory.
-    """
-    local: dict[str, Any] = {}
-    for key, value in model.state_dict().items():
-        if "embedding_bags" not in key or not key.endswith(".weight"):
-            continue
-        name = key.split(".")[-2]
-        if hasattr(value, "local_shards"):
-            meta = value.metadata()
-            local[name] = (
-                tuple(meta.size),
-                [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()],
-            )
-        else:
-            local[name] = (tuple(value.shape), [((0, 0), value.detach().cpu())])
-    parts: list[Any] = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
-    full: dict[str, torch.Tensor] = {}
-    for rank_tables in parts:
-        for name, (size, shards) in rank_tables.items():
-            table = full.setdefault(name, torch.zeros(size))
-            for (row, col), t in shards:
-                table[row : row + t.shape[0], col : col + t.shape[1]] = t.float()
-    return full
-
-
-INIT_ROW_BLOCK = 1 << 16  # rows drawn together when initialising a table
-
-
-@torch.no_grad()
-def init_tables(model: torch.nn.Module, seed: int) -> None:
-    """Give every table the same initial rows however it is sharded.
-
-    Rows are drawn uniform in +-sqrt(1 / rows) (TorchRec's default) from generators
-    seeded by (seed, table, block of 65,536 rows), and each rank writes only its own
-    shards' rows and columns. Runs with 1 and N ranks, and with any sharding type,
-    therefore start from identical tables, so their losses can be compared step by step.
-    """
-    for key, value in model.state_dict().items():
-        if "embedding_bags" not in key or not key.endswith(".weight"):
-            continue
-        name = key.split(".")[-2]
-        if hasattr(value, "local_shards"):
-            rows, dim = value.metadata().size
-            shards = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
-        else:
-            rows, dim = value.shape
-            shards = [((0, 0), value)]
-        bound = (1.0 / rows) ** 0.5
-        table_seed = int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little") ^ (seed * 0x9E3779B1)
-        for (row0, col0), tensor in shards:
-            n_rows, n_cols = tensor.shape
-            for first in range(row0 - row0 % INIT_ROW_BLOCK, row0 + n_rows, INIT_ROW_BLOCK):
-                g = torch.Generator().manual_seed((table_seed + first) % (1 << 63))
-                block = torch.rand(min(INIT_ROW_BLOCK, rows - first), dim, generator=g) * (2 * bound) - bound
-                lo, hi = max(first, row0), min(first + INIT_ROW_BLOCK, row0 + n_rows)
-                part = block[lo - first : hi - first, col0 : col0 + n_cols]
-                tensor[lo - row0 : hi - row0].copy_(part.to(tensor.dtype))

@@ -1,0 +1,111 @@
+"""Run options: how a training run is driven, checked when constructed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import UserError
+
+PRECISIONS = ("fp32", "bf16")
+# TorchRec's sharding types, by their ShardingType values.
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
+TABLE_PRECISIONS = ("fp32", "fp16")
+DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
+EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a training run is driven (the model comes from a `ModelSpec`).
+
+    `batch_size` is per rank; the global batch is `batch_size * world_size`. The first
+    `warmup_steps` steps are recorded but left out of throughput and step-time statistics
+    (default None: detected from the step times, `train.records.detect_warmup`).
+    """
+
+    steps: int = 100
+    batch_size: int = 512
+    device: str = "cpu"
+    precision: str = "fp32"  # or "auto": measured on this machine (dlrm_lab.metrics.precision)
+    table_precision: str = "fp32"
+    embedding_optimizer: str = "rowwise_adagrad"
+    embedding_lr: float = 0.05
+    dense_optimizer: str = "adagrad"
+    dense_lr: float = 0.005
+    eval_every: int = 0  # steps between held-out AUC evaluations; 0: only at the end
+    eval_batches: int = 8
+    seed: int = 0
+    warmup_steps: int | None = None
+    data: str = "synthetic"  # or a Parquet dataset directory
+    data_spec: str | None = None  # synthetic only; default: the model preset's
+    data_overrides: tuple[str, ...] = ()  # synthetic only: `--set key=value` on the data spec
+    prefetch: int = 2  # batches prepared ahead on a background thread (0: inline)
+    sharding: str = "auto"  # TorchRec's planner, or one sharding type for every table
+    shard: tuple[str, ...] = ()  # per-table overrides: "t_cat_3=row_wise"
+    timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
+    pin_cores: bool = False  # pin each rank (and its data thread) to its own intra-op cores
+    target_auc: float | None = None  # stop when held-out AUC reaches it (MLPerf-style time to quality)
+    checkpoint_dir: str | None = None  # sharded checkpoints (torch.distributed.checkpoint)
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
+    pipeline: bool = False  # TorchRec's TrainPipelineSparseDist: next batch's input dist overlaps this step
+
+    def __post_init__(self) -> None:
+        _positive("--steps", self.steps)
+        _positive("--batch-size", self.batch_size)
+        _choice("--device", self.device, ("cpu", "cuda"))
+        _choice("--precision", self.precision, ("auto", *PRECISIONS))
+        _choice("--table-precision", self.table_precision, TABLE_PRECISIONS)
+        _choice("--embedding-optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
+        _choice("--dense-optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
+        for name, lr in (("--embedding-lr", self.embedding_lr), ("--dense-lr", self.dense_lr)):
+            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+                raise UserError(f"{name} {lr!r}: must be a number > 0")
+        if self.eval_every < 0:
+            raise UserError(f"--eval-every {self.eval_every}: must be >= 0 (0: evaluate at the end only)")
+        _positive("--eval-batches", self.eval_batches)
+        if self.data != "synthetic" and not Path(self.data).exists():
+            raise UserError(f"--data {self.data}: no such dataset directory or file (or use 'synthetic')")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise UserError(f"--prefetch {self.prefetch!r}: must be an integer >= 0")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise UserError(f"--timeout {self.timeout_s!r}: must be a number of seconds > 0")
+        if self.target_auc is not None and not (
+            isinstance(self.target_auc, (int, float)) and 0.5 < self.target_auc < 1
+        ):
+            raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
+        _choice("--sharding", self.sharding, ("auto", *SHARDING_TYPES))
+        if self.checkpoint_every < 0:
+            raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
+        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
+            raise UserError("--resume and --checkpoint-every need --checkpoint-dir")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+            raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
+
+    @property
+    def resolved_eval_every(self) -> int:
+        """Steps between evaluations; with a target AUC and none given, every 5% of the steps."""
+        if self.eval_every or self.target_auc is None:
+            return self.eval_every
+        return max(1, self.steps // 20)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "eval_every": self.resolved_eval_every,
+            "data_overrides": list(self.data_overrides),
+            "shard": list(self.shard),
+        }
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name} {value!r}: must be an integer >= 1")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{name} {value!r}: allowed: {', '.join(allowed)}")

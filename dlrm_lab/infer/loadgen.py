@@ -1,0 +1,209 @@
+"""MLPerf LoadGen as a load driver: its scenarios drive any `infer.sut.SystemUnderTest`.
+
+LoadGen's "sample" is one of our queries (a range of `size` library samples, as MLPerf
+DLRM's samples are user queries of 100-700 rows), its query sample library is the model's
+sample library (`QuerySampleLibrary`), and its system under test forwards every sample to
+ours. LoadGen keeps its own schedule and latency accounting; its summary and detail logs
+are written to the settings' `log_dir` and its verdict is recorded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Stream
+from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest
+
+# LoadGen's TestSettings of each scenario: its TestScenario, the samples in one LoadGen query,
+# and which of the run's quantities (see `LoadGenDriver.test_settings`) sets which field.
+SCENARIO_SETTINGS: dict[str, tuple[str, int, dict[str, str]]] = {
+    "server": ("Server", 1, {"server_target_qps": "qps", "server_target_latency_ns": "sla_ns",
+                             "server_target_latency_percentile": "percentile"}),
+    "offline": ("Offline", 1, {"offline_expected_qps": "qps"}),
+    "single-stream": ("SingleStream", 1, {"single_stream_expected_latency_ns": "expected_latency_ns",
+                                          "single_stream_target_latency_percentile": "percentile"}),
+    "multi-stream": ("MultiStream", 8, {"multi_stream_samples_per_query": "samples_per_query",
+                                       "multi_stream_expected_latency_ns": "expected_latency_ns",
+                                       "multi_stream_target_latency_percentile": "percentile"}),
+}  # fmt: skip
+LOADGEN_SCENARIOS = tuple(SCENARIO_SETTINGS)
+
+
+class QuerySampleLibrary:
+    """LoadGen's QSL over one model's sample library: LoadGen's sample k is query k, samples
+    [offsets[k], offsets[k] + sizes[k]) of the library. There are as many queries as library
+    samples, all loadable at once (the library is in memory); LoadGen's load_samples and
+    unload_samples load and unload the library samples their queries cover."""
+
+    def __init__(self, library: SampleLibrary, sizes: QuerySizes, rng: np.random.Generator) -> None:
+        self.library = library
+        n = library.size
+        self.sizes = np.minimum(sizes.draw(n, rng), n)
+        self.offsets = rng.integers(0, n - self.sizes + 1)
+
+    @property
+    def total_sample_count(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def performance_sample_count(self) -> int:
+        return len(self.sizes)
+
+    def query(self, index: int) -> tuple[int, int]:
+        """(size, offset) of LoadGen's sample `index`."""
+        return int(self.sizes[index]), int(self.offsets[index])
+
+    def load_samples(self, indices: Iterable[int]) -> None:
+        self.library.load(self._ranges(indices))
+
+    def unload_samples(self, indices: Iterable[int]) -> None:
+        self.library.unload(self._ranges(indices))
+
+    def _ranges(self, indices: Iterable[int]) -> list[tuple[int, int]]:
+        k = np.fromiter(indices, dtype=np.int64)
+        return list(zip(self.offsets[k].tolist(), (self.offsets[k] + self.sizes[k]).tolist(), strict=True))
+
+
+class LoadGenDriver:
+    """MLPerf LoadGen drives one model of a system under test in one of its scenarios.
+
+    Queries the system drops under overload are reported complete to LoadGen (it has no
+    notion of failure) and the verdict is then marked INVALID with the count, so shedding
+    load never passes.
+    """
+
+    def __init__(self, sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings) -> None:
+        try:
+            import mlperf_loadgen  # noqa: F401
+        except ImportError:
+            raise UserError(
+                f"--scenario {settings.scenario}: MLPerf LoadGen is not installed (pip install mlcommons-loadgen)"
+            ) from None
+        if settings.scenario not in SCENARIO_SETTINGS:
+            raise UserError(f"--scenario {settings.scenario!r}: LoadGen's are {', '.join(LOADGEN_SCENARIOS)}")
+        if len(streams) != 1:
+            raise UserError(f"--scenario {settings.scenario}: LoadGen drives one model; use open-loop for several")
+        if settings.log_dir is None:
+            raise ValueError("LoadGenDriver: settings.log_dir is where LoadGen writes its logs; none given")
+        self.sut, (self.stream,), self.settings = sut, streams, settings
+        self.qsl = QuerySampleLibrary(sut.library(self.stream.model), self.stream.sizes,
+                                      np.random.default_rng(settings.seed))  # fmt: skip
+        self.stats = DriverStats(duration_s=settings.duration_s, arrival={self.stream.model: "loadgen"})
+        self._ids = itertools.count()  # LoadGen issues from its own threads; next() is atomic
+        self.dropped = 0
+        self._dropped_lock = threading.Lock()  # drops are finished in whichever thread submits
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def test_settings(self) -> Any:
+        import mlperf_loadgen as lg
+
+        s = lg.TestSettings()
+        s.mode = lg.TestMode.PerformanceOnly
+        s.min_duration_ms = int(self.settings.duration_s * 1000)
+        s.max_duration_ms = int(self.settings.duration_s * 1000 * 4 + 10_000)
+        s.min_query_count = 1
+        scenario, per_query, fields = SCENARIO_SETTINGS[self.settings.scenario]
+        s.scenario = getattr(lg.TestScenario, scenario)
+        qps = self.stream.qps
+        quantities = {
+            "qps": qps,
+            "sla_ns": int(self.settings.sla_ms * 1e6),
+            "percentile": self.settings.sla_percentile / 100,
+            "samples_per_query": per_query,
+            "expected_latency_ns": max(1, int(per_query * 1e9 / qps)),  # a query every per_query / qps s
+        }
+        for name, quantity in fields.items():
+            setattr(s, name, quantities[quantity])
+        return s
+
+    def start(self) -> LoadGenDriver:
+        self._thread = threading.Thread(target=self._run, name="loadgen", daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> bool:
+        assert self._thread is not None
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """LoadGen cannot be interrupted; it ends at its max duration."""
+
+    def _run(self) -> None:
+        import mlperf_loadgen as lg
+
+        model = self.stream.model
+        self.stats.issued[model] = 0
+        self.stats.lag_ms[model] = []
+
+        def done(q: Query, status: str, _scores: Any) -> None:
+            if status != "ok":  # dropped, failed, or a gRPC error code from a remote server
+                with self._dropped_lock:
+                    self.dropped += 1
+            lg.QuerySamplesComplete([lg.QuerySampleResponse(q.tag, 0, 0)])
+
+        def issue(samples: list[Any]) -> None:
+            for s in samples:
+                size, offset = self.qsl.query(s.index)
+                self.sut.submit(Query(next(self._ids), model, size, offset, on_done=done, tag=s.id))
+            self.stats.issued[model] += len(samples)
+
+        log_dir = Path(self.settings.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = lg.LogSettings()
+        log.log_output.outdir = str(log_dir)
+        log.log_output.copy_summary_to_stdout = False
+        log.enable_trace = False
+        qsl = self.qsl
+        sut = lg.ConstructSUT(issue, lambda: None)
+        lg_qsl = lg.ConstructQSL(qsl.total_sample_count, qsl.performance_sample_count, qsl.load_samples,
+                                 qsl.unload_samples)  # fmt: skip
+        try:
+            start = time.monotonic()
+            lg.StartTestWithLogSettings(sut, lg_qsl, self.test_settings(), log)
+            self.stats.duration_s = time.monotonic() - start
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self.error = exc
+        finally:
+            lg.DestroyQSL(lg_qsl)
+            lg.DestroySUT(sut)
+        self.stats.loadgen = parse_loadgen_summary(log_dir / "mlperf_log_summary.txt")
+        if self.dropped and self.stats.loadgen.get("loadgen_result"):
+            self.stats.loadgen["loadgen_result"] = f"INVALID (server dropped or failed {self.dropped} queries)"
+
+
+def parse_loadgen_summary(path: Path) -> dict[str, Any]:
+    """VALID/INVALID, LoadGen's throughput and its p99 from `mlperf_log_summary.txt`."""
+    if not path.exists():
+        return {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
+    text = path.read_text()
+
+    def grab(pattern: str) -> str | None:
+        m = re.search(pattern, text, re.MULTILINE)
+        return m.group(1).strip() if m else None
+
+    rate = (
+        grab(r"^Completed samples per second\s*:\s*([\d.]+)")
+        or grab(r"^Samples per second\s*:\s*([\d.]+)")
+        or grab(r"^Scheduled samples per second\s*:\s*([\d.]+)")
+    )
+    if rate is None:  # single- and multi-stream report LoadGen queries/s; each holds samples_per_query
+        qps = grab(r"^QPS w/ loadgen overhead\s*:\s*([\d.]+)")
+        per_query = grab(r"^samples_per_query\s*:\s*(\d+)") or "1"
+        rate = str(float(qps) * int(per_query)) if qps else None
+    p99 = grab(r"^99\.00 percentile latency \(ns\)\s*:\s*(\d+)")
+    return {
+        "loadgen_result": grab(r"^Result is\s*:\s*(\w+)"),
+        "loadgen_queries_per_s": float(rate) if rate else None,
+        "loadgen_p99_ms": int(p99) / 1e6 if p99 else None,
+    }

@@ -1,0 +1,242 @@
+"""Latency-bounded search: the highest rate each serving configuration sustains under a bound.
+
+One run directory (kind `infer-search`): every probe is a load point of `infer.lab.measure`
+(`queries.parquet`, `summary.parquet`), and `frontier.parquet` holds the best rate of every
+configuration that meets the latency bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.calibrate import capacity_qps
+from dlrm_lab.infer.instance import PRECISIONS
+from dlrm_lab.infer.lab import InferConfig, Log, OnProgress, Point, measure, stream_config, summary_schema
+from dlrm_lab.infer.load import Stream
+from dlrm_lab.infer.memory import check_fits
+from dlrm_lab.infer.records import QUERY_SCHEMA
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.server import InferenceServer
+from dlrm_lab.metrics.energy import telemetry_schema
+from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
+from dlrm_lab.metrics.run import Run
+
+
+@dataclass
+class SearchGrid:
+    """Configurations to search: every (instances, threads) x max_batch x max_delay_ms."""
+
+    layouts: list[tuple[int, int]]  # (instances, threads per instance)
+    max_batch: list[int]
+    max_delay_ms: list[float]
+
+    def configs(self) -> list[tuple[int, int, int, float]]:
+        return [(i, t, b, d) for (i, t), b, d in itertools.product(self.layouts, self.max_batch, self.max_delay_ms)]
+
+
+@dataclass
+class SearchOptions:
+    repeats: int = 2  # load points per probed rate; the median decides
+    steps: int = 6  # bisection probes per configuration at most
+    tolerance: float = 0.05  # stop when the bracket is this narrow relative to its top
+    capacity_s: float = 2.0  # closed-loop saturation run that bounds the search
+    min_queries: int = 500  # a probe lasts long enough for this many queries (p99 = the 5th worst of 500) ...
+    max_duration_s: float = 20.0  # ... but at most this long
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
+            raise UserError(
+                f"--repeats {self.repeats}, --steps {self.steps}, --min-queries {self.min_queries}: must be >= 1"
+            )
+        if not 0 < self.tolerance < 1:
+            raise UserError(f"--tolerance {self.tolerance}: must be in (0, 1)")
+        if not (self.capacity_s > 0 and self.max_duration_s > 0):
+            raise UserError(
+                f"--capacity-duration {self.capacity_s}, --max-probe-duration {self.max_duration_s}: must be > 0"
+            )
+
+
+FRONTIER_SCHEMA = pa.schema(
+    [
+        ("model", pa.string()),
+        ("preset", pa.string()),
+        ("instances", pa.int32()),
+        ("threads_per_instance", pa.int32()),
+        ("max_batch", pa.int32()),
+        ("max_delay_ms", pa.float64()),
+        ("precision", pa.string()),  # dense compute of this configuration
+        ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
+        ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
+        ("best_qps_uncertainty", pa.float64()),  # half the final bracket [best, lowest failing rate]
+        ("best_samples_per_s", pa.float64()),
+        ("best_sla_latency_ms", pa.float64()),
+        ("best_sla_latency_spread_ms", pa.float64()),  # max - min over the repeats at best_qps
+        # the repeats at best_qps (dlrm_lab.metrics.stats: CI needs >= 3 repeats)
+        ("best_samples_per_s_ci_low", pa.float64()),
+        ("best_samples_per_s_ci_high", pa.float64()),
+        ("best_samples_per_s_cv", pa.float64()),
+        ("best_samples_per_s_unstable", pa.bool_()),
+        ("sla_ms", pa.float64()),
+        ("sla_percentile", pa.float64()),
+        ("probes", pa.int32()),
+        ("best", pa.bool_()),  # the configuration with the highest best_samples_per_s
+    ]
+)
+
+
+def search(
+    base: ServedModel,
+    stream: Stream,
+    grid: SearchGrid,
+    cfg: InferConfig,
+    options: SearchOptions,
+    *,
+    metrics_dir: str | Path = "runs",
+    argv: list[str] | None = None,
+    log: Log | None = None,
+    on_progress: OnProgress | None = None,
+) -> Path:
+    """For each configuration, the highest rate whose latency percentile meets the bound.
+
+    Per configuration: a closed-loop saturation run measures capacity C; then bisection on
+    the rate in (0, 1.05 C]: each probed rate is run `repeats` times (open loop) and passes
+    when the median `sla_latency_ms` (dropped queries infinitely late) is within the bound.
+    The answer is the highest passing rate, reported with half the final bracket as its
+    uncertainty. Instances are started once per (instances, threads) layout. The load of
+    each probe is our open-loop generator or MLPerf LoadGen's Server scenario
+    (`cfg.scenario`); either way the verdict is computed from our own query records.
+    `on_progress` hears how far each probe's load is (points numbered over the whole search).
+    """
+    if cfg.scenario not in ("open-loop", "server"):
+        raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
+    widest = max(grid.layouts, key=lambda layout: layout[0])[0]
+    check_fits([replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
+    config = {
+        "infer": cfg.to_dict(),
+        "model": base.describe(),
+        "stream": stream_config(stream),
+        "grid": asdict(grid),
+        "search": asdict(options),
+    }
+    run = Run.create(metrics_dir, "infer-search", config, argv=argv)
+    frontier: list[dict[str, Any]] = []
+    extra = {"repeat": pa.int32(), "probe": pa.int32(), "passed": pa.bool_()}
+    with run:
+        queries = run.table("queries", QUERY_SCHEMA)
+        summary = run.table("summary", summary_schema(extra))
+        telemetry = run.table("telemetry", telemetry_schema("point"))
+        point_index = 0
+        choices: dict[str, Any] = {}
+        layouts = [(layout, list(group)) for layout, group in itertools.groupby(grid.configs(), key=lambda c: c[:2])]
+        runs = [
+            (layout, precision, group)
+            for layout, group in layouts
+            for precision in _search_precisions(base, layout[1], max(grid.max_batch), cfg, log, choices)
+        ]
+        run.update_manifest(precision_choices=choices)
+        for (instances, threads), precision, group in runs:
+            first = replace(base, instances=instances, threads=threads, precision=precision)
+            with InferenceServer([first], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed) as server:
+                for _, _, max_batch, delay in group:
+                    server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
+                    served = server.models[base.name]
+                    capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
+                    if log:
+                        log(f"{_label(served)}: capacity {capacity:.1f} queries/s (closed loop)")
+                    lo, hi = 0.0, capacity * 1.05
+                    best_rows: list[dict[str, Any]] = []
+                    probes = 0
+                    while probes < options.steps and (hi - lo) / hi > options.tolerance:
+                        qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
+                        rows = []
+                        for rep in range(options.repeats):
+                            seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
+                            point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
+                                          extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
+                            point_index += 1
+                            (row,) = measure(server, point, cfg, queries, run.dir, telemetry=telemetry,
+                                             on_progress=on_progress)  # fmt: skip
+                            rows.append(row)
+                        lat = [r["sla_latency_ms"] if r["sla_latency_ms"] is not None else math.inf for r in rows]
+                        passed = bool(np.median(lat) <= cfg.sla_ms)
+                        for r in rows:
+                            r["passed"] = passed
+                        summary.extend(rows)
+                        summary.flush()
+                        if log:
+                            log(f"{_label(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
+                                f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}")  # fmt: skip
+                        if passed:
+                            lo, best_rows = qps, rows
+                        else:
+                            hi = qps
+                        probes += 1
+                    frontier.append(_frontier_row(served, capacity, lo, hi, best_rows, probes, cfg))
+        if frontier:
+            best = max(frontier, key=lambda r: r["best_samples_per_s"])
+            for r in frontier:
+                r["best"] = r is best and best["best_qps"] > 0
+        run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
+        winner = next((r for r in frontier if r["best"]), None)
+        run.update_manifest(best=winner)
+    return run.dir
+
+
+def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None,
+                       choices: dict[str, Any]) -> list[str]:  # fmt: skip
+    """The precisions a layout is searched in: the one asked for, or with `auto` every
+    precision whose measured GEMM rate is close enough to the fastest to win (a clear loser
+    is left out of the grid, and so costs no search time)."""
+    if base.precision != AUTO:
+        return [base.precision]
+    choice = choose_precision(
+        AUTO, base.spec, allowed=PRECISIONS, device=cfg.device, threads=threads, rows=rows, log=log
+    )
+    kept = contenders(choice)
+    choices[f"{threads} threads"] = {**choice.to_dict(), "searched": kept}
+    if log:
+        log(f"{threads} thread{'s' if threads != 1 else ''}: searching precision {', '.join(kept)} ({choice.reason})")
+    return kept
+
+
+def _label(m: ServedModel) -> str:
+    return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
+
+
+def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
+                  probes: int, cfg: InferConfig) -> dict[str, Any]:  # fmt: skip
+    from dlrm_lab.metrics.stats import estimate
+
+    lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
+    rate = estimate([r["samples_per_s"] for r in rows])
+    return {
+        "best_samples_per_s_ci_low": rate.ci_low,
+        "best_samples_per_s_ci_high": rate.ci_high,
+        "best_samples_per_s_cv": rate.cv,
+        "best_samples_per_s_unstable": rate.unstable,
+        "model": served.name,
+        "preset": served.spec.name,
+        "instances": served.instances,
+        "threads_per_instance": served.threads,
+        "max_batch": served.max_batch,
+        "max_delay_ms": served.max_delay_ms,
+        "precision": served.precision,
+        "capacity_queries_per_s": capacity,
+        "best_qps": lo,
+        "best_qps_uncertainty": (hi - lo) / 2,
+        "best_samples_per_s": float(np.median([r["samples_per_s"] for r in rows])) if rows else 0.0,
+        "best_sla_latency_ms": float(np.median(lat)) if lat else None,
+        "best_sla_latency_spread_ms": float(max(lat) - min(lat)) if lat else None,
+        "sla_ms": cfg.sla_ms,
+        "sla_percentile": cfg.sla_percentile,
+        "probes": probes,
+        "best": False,
+    }

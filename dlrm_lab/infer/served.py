@@ -1,0 +1,55 @@
+"""A model as served: its spec, its instances and its batching policy (`infer.server` serves it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.data import resolve_data_spec
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
+from dlrm_lab.metrics.precision import AUTO
+
+
+@dataclass
+class ServedModel:
+    """One model as served: its instances and its batching policy."""
+
+    name: str
+    spec: ModelSpec
+    instances: int = 1
+    threads: int = 1  # intra-op threads per instance
+    max_batch: int = 256  # samples
+    max_delay_ms: float = 1.0
+    max_queue: int = 4096  # waiting queries before new ones are dropped
+    precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
+    table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
+    data_spec: str | None = None
+    library_samples: int = 0  # 0: 16 x max_batch (capped at 4096), at least 8192
+
+    def __post_init__(self) -> None:
+        for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
+                            ("max_queue", self.max_queue)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
+        if not self.max_delay_ms >= 0:
+            raise UserError(f"--max-delay-ms {self.max_delay_ms!r}: must be >= 0")
+        if self.precision not in (AUTO, *PRECISIONS):
+            raise UserError(f"--precision {self.precision!r}: allowed: {AUTO}, {', '.join(PRECISIONS)}")
+        if self.table_precision not in TABLE_PRECISIONS:
+            raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
+        resolve_data_spec(self.spec, self.data_spec)  # a bad --data-spec is one line before anything starts
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "preset": self.spec.name,
+            "instances": self.instances,
+            "threads_per_instance": self.threads,
+            "max_batch": self.max_batch,
+            "max_delay_ms": self.max_delay_ms,
+            "max_queue": self.max_queue,
+            "precision": self.precision,
+            "table_precision": self.table_precision,
+        }

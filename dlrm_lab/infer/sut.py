@@ -1,0 +1,111 @@
+"""The boundary between what issues load and what serves it (MLPerf LoadGen's SUT / QSL split).
+
+    load driver (OpenLoop, ClosedLoop, LoadGenDriver)
+        -- Query --> SystemUnderTest.submit -> ... -> query.on_done(query, status, scores)
+        reads SampleLibrary.size (which samples exist); LoadGen's QSL loads and unloads them
+
+A driver knows only these interfaces, never the model: the in-process InferenceServer
+(`infer.server`) and the gRPC RemoteServer (`serve.remote`) are two systems under test, and
+a query names samples of the model's sample library (`infer.library.PackedLibrary` is the
+one implementation: the instances, the remote client and LoadGen's QSL all read it). A new
+transport is one class implementing `SystemUnderTest`; a new scenario is one class
+implementing `LoadDriver`, registered in `infer.drivers.DRIVERS`.
+
+Torch-free: a client process imports it without loading torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dlrm_lab.infer.load import DriverStats
+
+
+@dataclass
+class Query:
+    """A request for `size` samples of `model`, scored together."""
+
+    query_id: int
+    model: str
+    size: int
+    offset: int = 0  # into the model's sample library
+    payload: Any = None  # SampleBlock sent from outside instead of library samples
+    scheduled_ns: int = 0  # when the load said it arrives (latency counts from here)
+    issued_ns: int = 0  # when it reached submit()
+    on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)
+    tag: Any = None  # the driver's own reference (e.g. LoadGen's sample id)
+    # Progress through the server (a query larger than max_batch is served in pieces).
+    dispatched: int = 0  # samples sent to instances
+    pieces: int = 0
+    done_pieces: int = 0
+    first_start_ns: int | None = None
+    compute_ns: int = 0
+    status: str = "ok"
+    error: str | None = None
+    scores: np.ndarray | None = None
+    batch_samples: int | None = None  # of the batch that finished it (its last piece's)
+    instance: int | None = None
+
+
+@dataclass(frozen=True)
+class SutDescription:
+    """What a system under test says about itself, for the records; never needed to drive it."""
+
+    models: Mapping[str, Any]  # name -> how it is served (in process: its ServedModel; remote: its ModelInfo)
+    processes: Sequence[Mapping[str, Any]] = ()  # serving processes on this host: instance, model, pid, cores
+    snapshot_bytes: Mapping[str, int] = field(default_factory=dict)  # per model, shared by its instances
+
+
+@runtime_checkable
+class SampleLibrary(Protocol):
+    """One model's samples: which exist (`[0, size)`) and how to fetch them.
+
+    LoadGen's query sample library loads the samples its queries cover before the timed run
+    and unloads them after; `load` and `unload` take `(lo, hi)` sample ranges.
+    """
+
+    @property
+    def size(self) -> int: ...
+
+    def block(self, offset: int, size: int) -> Any: ...  # samples [offset, offset + size) as a SampleBlock
+
+    def load(self, ranges: Iterable[tuple[int, int]]) -> None: ...
+
+    def unload(self, ranges: Iterable[tuple[int, int]]) -> None: ...
+
+
+@runtime_checkable
+class SystemUnderTest(Protocol):
+    """What serves queries. `submit` returns at once (thread-safe); the query's `on_done` is
+    called when it finished, in whatever thread finished it, with a status ("ok", or why not)."""
+
+    def library(self, model: str) -> SampleLibrary: ...
+
+    def submit(self, query: Query) -> None: ...
+
+    def drain(self, timeout_s: float) -> bool: ...  # every submitted query finished; False on timeout
+
+    def take_records(self) -> list[dict[str, Any]]: ...  # one row per finished query since the last call
+
+    def check(self) -> None: ...  # raise when the system failed (its records cannot be trusted beyond)
+
+    def describe(self) -> SutDescription: ...
+
+
+@runtime_checkable
+class LoadDriver(Protocol):
+    """Issues queries to a system under test on its own thread(s) until its load is done."""
+
+    stats: DriverStats  # what it actually did
+    error: BaseException | None  # raised in its thread, for the caller to raise
+
+    def start(self) -> LoadDriver: ...
+
+    def join(self, timeout: float | None = None) -> bool: ...  # True once the load is done
+
+    def stop(self) -> None: ...

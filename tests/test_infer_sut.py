@@ -1,0 +1,315 @@
+"""The system-under-test boundary: drivers know only `SystemUnderTest` and `SampleLibrary`.
+
+A fake system in this process (answers from a thread, no model) is driven by every driver
+the scenario factory makes, LoadGen's query sample library is checked against the library
+it loads from, and both real systems (in process, gRPC) implement the interface.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.drivers import DRIVERS, SCENARIOS, drive, make_driver
+from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
+from dlrm_lab.infer.loadgen import LOADGEN_SCENARIOS, QuerySampleLibrary
+from dlrm_lab.infer.sut import LoadDriver, Query, SampleLibrary, SutDescription, SystemUnderTest
+
+LIBRARY = 512  # samples
+
+
+def small_library(n: int = LIBRARY) -> PackedLibrary:
+    """n samples of one dense value (the sample's index) and one id per sample."""
+    return PackedLibrary(
+        dense=np.arange(n, dtype=np.float32).reshape(n, 1),
+        lengths=np.ones((1, n), dtype=np.int32),
+        starts=np.arange(n, dtype=np.int64).reshape(1, n),
+        values=np.arange(n, dtype=np.int64),
+    )
+
+
+class RecordingLibrary(PackedLibrary):
+    """A library that remembers the ranges loaded and not yet unloaded."""
+
+    def __init__(self, n: int = LIBRARY) -> None:
+        base = small_library(n)
+        super().__init__(base.dense, base.lengths, base.starts, base.values)
+        self.held: list[tuple[int, int]] = []
+        self.load_calls = self.unload_calls = 0
+
+    def load(self, ranges):
+        ranges = list(ranges)
+        super().load(ranges)
+        self.held += ranges
+        self.load_calls += 1
+
+    def unload(self, ranges):
+        ranges = list(ranges)
+        super().unload(ranges)
+        for r in ranges:
+            self.held.remove(r)
+        self.unload_calls += 1
+
+
+class FakeSut:
+    """A system under test without a model: a thread answers each query with its samples'
+    dense values as scores and records it as the InferenceServer does."""
+
+    def __init__(self, library: PackedLibrary, served: Any = None, *, fail: str | None = None) -> None:
+        self.lib = library
+        self.served = served
+        self.fail = fail  # check() raises this
+        self.epoch_ns = time.monotonic_ns()
+        self.submitted: list[Query] = []
+        self.outside: list[Query] = []  # queries naming samples outside the library
+        self.not_loaded: list[Query] = []  # queries of samples a RecordingLibrary does not hold
+        self._queue: queue.Queue[Query | None] = queue.Queue()
+        self._records: list[dict[str, Any]] = []
+        self._idle = threading.Condition()
+        self._outstanding = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def library(self, model: str) -> PackedLibrary:
+        return self.lib
+
+    def submit(self, q: Query) -> None:
+        q.issued_ns = time.monotonic_ns()
+        q.scheduled_ns = q.scheduled_ns or q.issued_ns
+        if q.offset < 0 or q.offset + q.size > self.lib.size:
+            self.outside.append(q)
+        held = getattr(self.lib, "held", None)
+        if held is not None and not any(lo <= q.offset and q.offset + q.size <= hi for lo, hi in list(held)):
+            self.not_loaded.append(q)
+        with self._idle:
+            self._outstanding += 1
+            self.submitted.append(q)
+        self._queue.put(q)
+
+    def _serve(self) -> None:
+        while (q := self._queue.get()) is not None:
+            now = time.monotonic_ns()
+            e = self.epoch_ns
+            scores = self.lib.dense[q.offset : q.offset + q.size, 0].copy()
+            self._records.append({
+                "query_id": q.query_id, "model": q.model, "samples": q.size, "status": "ok",
+                "scheduled_ms": (q.scheduled_ns - e) / 1e6, "issued_ms": (q.issued_ns - e) / 1e6,
+                "start_ms": (q.issued_ns - e) / 1e6, "end_ms": (now - e) / 1e6,
+                "latency_ms": (now - q.scheduled_ns) / 1e6, "queue_ms": 0.0, "compute_ms": (now - q.issued_ns) / 1e6,
+                "pieces": 1, "batch_id": q.query_id, "batch_samples": q.size, "batch_queries": 1, "instance": 0,
+                "error": None,
+            })  # fmt: skip
+            if q.on_done is not None:
+                q.on_done(q, "ok", scores)
+            with self._idle:
+                self._outstanding -= 1
+                self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout_s)
+
+    def take_records(self) -> list[dict[str, Any]]:
+        out, self._records = self._records, []  # list swap: atomic under the GIL
+        return out
+
+    def check(self) -> None:
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+    def describe(self) -> SutDescription:
+        return SutDescription(models={"m": self.served})
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+@pytest.fixture
+def sut():
+    s = FakeSut(small_library())
+    yield s
+    s.close()
+
+
+def test_the_fake_the_library_and_every_driver_implement_the_interfaces(sut, tmp_path):
+    assert isinstance(sut, SystemUnderTest) and isinstance(sut.library("m"), SampleLibrary)
+    stream = Stream("m", 100.0, QuerySizes.parse("fixed:2"))
+    for scenario in DRIVERS:
+        if scenario in LOADGEN_SCENARIOS:
+            pytest.importorskip("mlperf_loadgen")
+        driver = make_driver(sut, [stream], LoadSettings(scenario, duration_s=0.1, log_dir=tmp_path))
+        assert isinstance(driver, LoadDriver), scenario
+
+
+def test_in_process_and_grpc_servers_are_systems_under_test():
+    import grpc
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.server import InferenceServer
+    from dlrm_lab.serve.remote import RemoteServer
+
+    in_process = InferenceServer([ServedModel("tiny", load_preset("tiny"))])  # not started: no processes
+    with grpc.insecure_channel("127.0.0.1:1") as channel:  # connects lazily: no server needed
+        remote = RemoteServer(channel, {"tiny": small_library()})
+        assert isinstance(remote, SystemUnderTest) and remote.library("tiny").size == LIBRARY
+    assert isinstance(in_process, SystemUnderTest)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "sizes"),
+    [("open-loop", "uniform:1,600"), ("closed-loop", "fixed:3"), *[(s, "uniform:1,8") for s in LOADGEN_SCENARIOS]],
+)
+def test_every_scenario_drives_a_system_through_the_interface_alone(sut, tmp_path, scenario, sizes):
+    if scenario in LOADGEN_SCENARIOS:
+        pytest.importorskip("mlperf_loadgen")
+    settings = LoadSettings(scenario, duration_s=0.3, seed=1, concurrency=4, sla_ms=1000.0, log_dir=tmp_path)
+    driver = make_driver(sut, [Stream("m", 200.0, QuerySizes.parse(sizes))], settings)
+    records: list[dict[str, Any]] = []
+    assert drive(sut, driver, drain_s=30, take=records.extend, poll_s=0.05)
+    records += sut.take_records()
+    assert sut.submitted and not sut.outside  # queries name samples of the library, even those larger than it
+    assert sorted(r["query_id"] for r in records) == sorted(q.query_id for q in sut.submitted)
+    assert driver.stats.arrival["m"] == {"open-loop": "poisson", "closed-loop": "closed-loop"}.get(scenario, "loadgen")
+    if scenario in LOADGEN_SCENARIOS:
+        assert driver.stats.loadgen["loadgen_result"] in ("VALID", "INVALID")
+        assert driver.stats.issued["m"] == len(sut.submitted)
+
+
+def test_a_failing_system_stops_the_load_and_hands_over_its_records(tmp_path):
+    failing = FakeSut(small_library(), fail="instance 0 exited with code -9")
+    try:
+        stream = Stream("m", 20.0, QuerySizes.parse("fixed:1"))
+        driver = make_driver(failing, [stream], LoadSettings("open-loop", duration_s=60.0))
+        taken: list[dict[str, Any]] = []
+        with pytest.raises(RuntimeError, match="exited with code -9"):
+            drive(failing, driver, drain_s=5, take=taken.extend, poll_s=0.05)
+        assert driver.join(timeout=5)  # a minute of arrivals, ended by the failure
+        assert len(driver.stats.lag_ms["m"]) < driver.planned
+    finally:
+        failing.close()
+
+
+def test_the_caller_can_end_the_load_early_and_the_queries_in_flight_still_finish(sut):
+    driver = make_driver(sut, [Stream("m", 20.0, QuerySizes.parse("fixed:1"))], LoadSettings(duration_s=60.0))
+    records: list[dict[str, Any]] = []
+    assert drive(sut, driver, drain_s=30, take=records.extend, poll=lambda: True, poll_s=0.05)
+    records += sut.take_records()
+    assert driver.join(timeout=5) and driver.planned > len(sut.submitted) == len(records)
+
+
+def test_unknown_scenarios_and_loadgen_with_several_models_are_refused(sut, tmp_path):
+    stream = Stream("m", 10.0, QuerySizes.parse("fixed:1"))
+    with pytest.raises(UserError, match="allowed: " + ", ".join(SCENARIOS)):
+        make_driver(sut, [stream], LoadSettings("bogus"))
+    pytest.importorskip("mlperf_loadgen")
+    with pytest.raises(UserError, match="LoadGen drives one model"):
+        make_driver(sut, [stream, stream], LoadSettings("server", log_dir=tmp_path))
+
+
+# ---------------------------------------------------------------------------- LoadGen's QSL
+
+
+def test_the_query_sample_library_counts_loads_and_unloads_library_samples():
+    library = small_library()
+    qsl = QuerySampleLibrary(library, QuerySizes.parse("uniform:1,600"), np.random.default_rng(0))
+    assert qsl.total_sample_count == qsl.performance_sample_count == library.size  # from the library
+    queries = [qsl.query(k) for k in range(qsl.total_sample_count)]
+    assert all(1 <= size and 0 <= offset and offset + size <= LIBRARY for size, offset in queries)
+    (s0, o0), (s1, o1) = queries[3], queries[7]
+    qsl.load_samples([3, 7])
+    assert library.loaded == len(set(range(o0, o0 + s0)) | set(range(o1, o1 + s1)))
+    qsl.unload_samples([7])
+    assert library.loaded == s0
+    qsl.unload_samples([3])
+    assert library.loaded == 0
+    with pytest.raises(ValueError, match="not loaded"):
+        qsl.unload_samples([3])
+    with pytest.raises(ValueError, match=r"\[500, 600\) is not a non-empty range of \[0, 512\)"):
+        library.load([(500, 600)])
+
+
+def test_loadgen_issues_only_samples_its_qsl_loaded_and_unloads_them(tmp_path, monkeypatch):
+    """With a stand-in for mlperf_loadgen that does what LoadGen does with a QSL: load the
+    performance samples, issue queries of them, unload them."""
+    issued: list[Any] = []
+
+    def start_test(sut, qsl, settings, log):
+        qsl.load(list(range(qsl.performance)))
+        samples = [types.SimpleNamespace(id=1000 + k, index=k) for k in range(0, qsl.performance, 7)]
+        sut.issue(samples)
+        while len(issued) < len(samples):  # completions arrive from the system's thread
+            time.sleep(0.01)
+        qsl.unload(list(range(qsl.performance)))
+
+    lg = types.SimpleNamespace(
+        TestSettings=types.SimpleNamespace, TestMode=types.SimpleNamespace(PerformanceOnly=0),
+        TestScenario=types.SimpleNamespace(Server="Server"), LogSettings=lambda: types.SimpleNamespace(
+            log_output=types.SimpleNamespace()),
+        ConstructSUT=lambda issue, flush: types.SimpleNamespace(issue=issue),
+        ConstructQSL=lambda total, performance, load, unload: types.SimpleNamespace(
+            total=total, performance=performance, load=load, unload=unload),
+        StartTestWithLogSettings=start_test, DestroyQSL=lambda q: None, DestroySUT=lambda s: None,
+        QuerySampleResponse=lambda sample_id, data, size: sample_id, QuerySamplesComplete=issued.extend,
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "mlperf_loadgen", lg)
+    library = RecordingLibrary()
+    recording = FakeSut(library)
+    try:
+        driver = make_driver(recording, [Stream("m", 50.0, QuerySizes.parse("uniform:1,64"))],
+                             LoadSettings("server", duration_s=0.1, log_dir=tmp_path))  # fmt: skip
+        assert drive(recording, driver, drain_s=10, poll_s=0.05)
+    finally:
+        recording.close()
+    assert library.load_calls == library.unload_calls == 1 and library.loaded == 0 and not library.held
+    assert recording.submitted and not recording.not_loaded  # every query's samples were loaded when issued
+    assert sorted(issued) == [1000 + k for k in range(0, LIBRARY, 7)]  # each LoadGen sample completed once
+
+
+# ---------------------------------------------------------------------------- measure
+
+
+@pytest.mark.parametrize("scenario", ["offline", "server"])
+def test_an_offline_point_gets_a_queue_that_holds_all_its_queries_then_the_bound_is_restored(scenario):
+    from dlrm_lab.infer.lab import Point, queue_room
+
+    models = {"m": types.SimpleNamespace(max_queue=16)}
+    server = types.SimpleNamespace(
+        models=models, configure=lambda m, max_queue: setattr(models[m], "max_queue", max_queue)
+    )
+    point = Point(0, [Stream("m", 200.0, QuerySizes.parse("fixed:1"))], scenario=scenario)
+    with queue_room(server, point, duration_s=2.0):
+        held = models["m"].max_queue
+    assert held >= 400 if scenario == "offline" else held == 16  # LoadGen's offline issues all 400 at once
+    assert models["m"].max_queue == 16
+
+
+def test_a_point_is_measured_through_the_interface_alone(tmp_path):
+    """`measure` needs no server: any system that describes its served models will do."""
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.lab import InferConfig, Point, measure
+    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.metrics.run import Run
+
+    fake = FakeSut(small_library(), served=ServedModel("m", load_preset("tiny")))
+    try:
+        cfg = InferConfig(duration_s=0.3, sla_ms=1000.0)
+        with Run.create(tmp_path, "infer", {}) as run:
+            (row,) = measure(fake, Point(0, [Stream("m", 100.0, QuerySizes.parse("fixed:2"))]), cfg,
+                             run.table("queries", QUERY_SCHEMA), run.dir)  # fmt: skip
+    finally:
+        fake.close()
+    assert row["model"] == "m" and row["preset"] == "tiny" and row["arrival"] == "poisson"
+    assert row["completed_queries"] == len(fake.submitted) > 0 and row["sla_met"]
+    assert row["snapshot_mb"] == 0  # this system keeps no snapshot
