@@ -147,11 +147,14 @@ def point_command(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[
 
     args = [*point_args(spec, params), "--metrics-dir", str(slot)]
     launch = _launch_params(spec, params)
+    plain = [sys.executable, "-m", "dlrm_lab", *args]
     if "ranks" not in launch:
-        return [sys.executable, "-m", "dlrm_lab", *args], {}
+        return plain, {}
     ranks = int(launch["ranks"])
-    threads = int(launch.get("threads-per-rank") or threads_per_rank(ranks))
-    return launch_command(ranks, str(launch.get("launcher", "torchrun")), args), {"OMP_NUM_THREADS": str(threads)}
+    env = {"OMP_NUM_THREADS": str(int(launch.get("threads-per-rank") or threads_per_rank(ranks)))}
+    if ranks == 1:  # one rank needs no launcher (its process group of one is made in-process)
+        return plain, env
+    return launch_command(ranks, str(launch.get("launcher", "torchrun")), args), env
 
 
 def point_args(spec: SweepSpec, params: dict[str, Any]) -> list[str]:

@@ -221,7 +221,7 @@ def test_cli_gen_convert_stats_train(tmp_path):
     lines = tsv.read_text().splitlines()
     assert len(lines) == 3000 and all(line.count("\t") == 39 for line in lines)
 
-    # in-process: the real process is exercised by gen and train around them
+    # in-process: the real process is exercised by gen here and by train elsewhere
     code, stdout, stderr = run_cli_in_process(
         "data", "convert-criteo", str(tsv), "--out", str(ds), "--preset", "kaggle", "--max-rows", "1000"
     )
@@ -233,11 +233,11 @@ def test_cli_gen_convert_stats_train(tmp_path):
     assert code == 0, stderr
     assert "3,000 samples" in stdout and "criteo-tsv" in stdout
 
-    out = run_cli(
+    code, _, stderr = run_cli_in_process(
         "train", "--preset", "kaggle", "--max-rows", "1000", "--data", str(ds), "--steps", "3",
         "--batch-size", "64", "--metrics-dir", str(runs), "--no-progress",
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    assert code == 0, stderr
     (run,) = [p for p in runs.iterdir() if (p / "manifest.json").is_file()]
     manifest = read_manifest(run)
     assert manifest["status"] == "ok"

@@ -39,23 +39,10 @@ def test_generated_dataset_passes_its_own_checks_and_trains(tmp_path):
     assert "outside tolerance" in stdout and "zipf alpha" in stdout
 
     runs = tmp_path / "runs"
-    trained = run_cli(
-        "train",
-        "--preset",
-        "kaggle",
-        "--max-rows",
-        "50000",
-        "--data",
-        str(ds),
-        "--steps",
-        "5",
-        "--batch-size",
-        "256",
-        "--metrics-dir",
-        str(runs),
-        "--no-progress",
-    )
-    assert trained.returncode == 0, trained.stderr
+    code, _, stderr = run_cli_in_process("train", "--preset", "kaggle", "--max-rows", "50000", "--data", str(ds),
+                                         "--steps", "5", "--batch-size", "256", "--metrics-dir", str(runs),
+                                         "--no-progress")  # fmt: skip
+    assert code == 0, stderr
     (run_dir,) = list(runs.iterdir())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["config"]["data"]["source"] == "parquet"

@@ -164,7 +164,8 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     assert one["efficiency"] == pytest.approx(1.0)
     assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
-    assert "OMP_NUM_THREADS=" in (sweep / "points" / "p0001-r0" / "point.log").read_text()  # launched, pinned threads
+    launched = (sweep / "points" / "p0001-r0" / "point.log").read_text().splitlines()[0]
+    assert launched.startswith("$ OMP_NUM_THREADS=") and "torch.distributed.run" in launched  # 2 ranks: torchrun
     assert "weak scaling" in out.stdout and "efficiency" in out.stdout
 
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.stats import bootstrap
 
 CONFIDENCE = 0.95
 N_RESAMPLES = 2000
@@ -110,6 +109,8 @@ def _bootstrap_ci(
     samples: tuple[np.ndarray, ...], statistic: Statistic, confidence: float, n_resamples: int, seed: int
 ) -> tuple[float, float] | None:
     """Bootstrap CI: BCa, else percentile when BCa is degenerate or the sample large."""
+    from scipy.stats import bootstrap  # a second of import: only where a CI is computed (not every CLI start)
+
     methods = ["BCa", "percentile"] if max(len(s) for s in samples) <= BCA_MAX_N else ["percentile"]
     batch = max(1, _BATCH_ELEMENTS // sum(len(s) for s in samples))
     for method in methods:

@@ -1,0 +1,20 @@
+"""The report's plots: each takes plain data, writes one PNG and returns what it drew.
+
+Figures are built on `matplotlib.figure.Figure` directly (rendered by Agg when saved),
+so no pyplot state, GUI backend or screen is involved and plots can be drawn anywhere.
+The returned dataclasses hold the drawn values, so tests check content, not just files.
+One module per family of figures; this package is where the report finds them all.
+"""
+
+from dlrm_lab.report.plots.common import MAX_BARS, MAX_CURVES, MAX_LABELS, MAX_PANELS
+from dlrm_lab.report.plots.machine import EnergyPlot, RooflinePlot, RooflinePoint, energy, roof_at, roofline
+from dlrm_lab.report.plots.serving import CdfPlot, Heatmap, QpsPlot, batching_heatmap, latency_cdf, qps_latency
+from dlrm_lab.report.plots.sweeps import SweepPlot, point_labels, sweep_medians
+from dlrm_lab.report.plots.training import SEGMENTS, PhaseBars, ScalingPlot, scaling_efficiency, training_phases
+
+__all__ = [
+    "MAX_BARS", "MAX_CURVES", "MAX_LABELS", "MAX_PANELS", "SEGMENTS", "CdfPlot", "EnergyPlot", "Heatmap",
+    "PhaseBars", "QpsPlot", "RooflinePlot", "RooflinePoint", "ScalingPlot", "SweepPlot", "batching_heatmap",
+    "energy", "latency_cdf", "point_labels", "qps_latency", "roof_at", "roofline", "scaling_efficiency",
+    "sweep_medians", "training_phases",
+]  # fmt: skip

@@ -1,0 +1,188 @@
+"""Inference figures: latency CDFs, QPS against the bound's percentile, batching x co-location."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from dlrm_lab.report.plots.common import MAX_CURVES, _num, _save, _text
+
+# ----------------------------------------------------------------------------- 1. latency CDFs
+
+
+@dataclass
+class CdfPlot:
+    path: Path
+    curves: dict[str, tuple[np.ndarray, np.ndarray]]  # label -> (latency ms ascending, cumulative fraction)
+    sla_ms: list[float]
+    left_out: int
+
+
+def latency_cdf(
+    latencies: dict[str, Sequence[float]],
+    out: Path,
+    sla_ms: Sequence[float] = (),
+    left_out: int = 0,
+    max_points: int = 2000,
+) -> CdfPlot:
+    """Empirical CDF of each curve's latencies on a log-x axis, the bounds as vertical lines.
+
+    Curves past `MAX_CURVES` are not drawn (added to `left_out`); long curves are thinned
+    to `max_points` steps, always keeping the last one (the maximum, at 1.0)."""
+    labels = list(latencies)[:MAX_CURVES]
+    left_out += len(latencies) - len(labels)
+    fig = Figure(figsize=(11, 5.5), layout="constrained")
+    ax = fig.subplots()
+    curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for label in labels:
+        x = np.sort(np.asarray(latencies[label], dtype=np.float64))
+        x = x[np.isfinite(x)]
+        if not len(x):
+            continue
+        y = np.arange(1, len(x) + 1) / len(x)
+        if len(x) > max_points:
+            keep = np.unique(np.linspace(0, len(x) - 1, max_points).astype(np.int64))
+            x, y = x[keep], y[keep]
+        curves[label] = (x, y)
+        ax.step(x, y, where="post", label=_text(f"{label} (n={len(latencies[label])})"))
+    for b in sla_ms:
+        ax.axvline(b, color="red", linestyle="--", linewidth=1.2, label=f"SLA bound {b:g} ms")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("latency (ms, log scale)")
+    ax.set_ylabel("fraction of completed queries")
+    more = f" ({left_out} more curve(s) not drawn)" if left_out else ""
+    ax.set_title(f"Latency CDF of completed queries{more}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    return CdfPlot(_save(fig, out), curves, list(sla_ms), left_out)
+
+
+# ----------------------------------------------------------------------------- 2. QPS against p99
+
+
+@dataclass
+class QpsPlot:
+    path: Path
+    series: dict[str, list[tuple[float, float]]]  # label -> (queries/s, latency at the percentile) by rate
+    chosen: list[tuple[str, float, float]]  # (label, best_qps, best_sla_latency_ms)
+    bounds: list[float]
+    left_out: int = 0
+
+
+def qps_latency(
+    series: dict[str, Sequence[tuple[float, float]]],
+    out: Path,
+    bounds: Sequence[float] = (),
+    chosen: Sequence[tuple[str, float, float]] = (),
+    percentile: float | None = None,
+) -> QpsPlot:
+    """Achieved queries/s against the latency at the bound's percentile, one line per
+    configuration; the bounds as horizontal lines and each search's chosen point starred."""
+    labels = list(series)[:MAX_CURVES]
+    fig = Figure(figsize=(11, 5.5), layout="constrained")
+    ax = fig.subplots()
+    drawn: dict[str, list[tuple[float, float]]] = {}
+    for label in labels:
+        pts = sorted(
+            (x, y) for x, y in ((_num(a), _num(b)) for a, b in series[label]) if x is not None and y is not None
+        )
+        if not pts:
+            continue
+        drawn[label] = pts
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=_text(label))
+    for b in bounds:
+        ax.axhline(b, color="red", linestyle="--", linewidth=1.2, label=f"bound {b:g} ms")
+    marked = []
+    for label, qps, lat in chosen:
+        if _num(qps) is None or _num(lat) is None:
+            continue
+        marked.append((label, float(qps), float(lat)))
+        ax.plot(
+            [qps],
+            [lat],
+            marker="*",
+            markersize=18,
+            color="gold",
+            markeredgecolor="black",
+            linestyle="none",
+            label=_text(f"chosen: {label}"),
+        )
+        ax.annotate(f"{qps:,.1f} q/s, {lat:.2f} ms", (qps, lat), textcoords="offset points", xytext=(8, 8), fontsize=8)
+    ax.set_xlabel("achieved throughput (queries/s)")
+    pct = f"p{percentile:g}" if percentile is not None else "the bound's percentile"
+    ax.set_ylabel(f"latency at {pct} (ms)")
+    more = f" ({len(series) - len(labels)} more configuration(s) not drawn)" if len(series) > len(labels) else ""
+    ax.set_title(f"Throughput against tail latency{more}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    return QpsPlot(_save(fig, out), drawn, marked, list(bounds), len(series) - len(labels))
+
+
+# ----------------------------------------------------------------------------- 3. batching x co-location
+
+
+@dataclass
+class Heatmap:
+    path: Path
+    rows: list[str]  # layouts "instances x threads"
+    cols: list[int]  # max_batch
+    delays: list[float]  # one panel per max_delay_ms
+    matrices: dict[float, np.ndarray]  # delay -> best_samples_per_s[row, col] (NaN: not searched)
+    best: tuple[str, int, float] | None = None  # the frontier's chosen (layout, max_batch, delay)
+
+
+def batching_heatmap(frontier: Sequence[dict[str, Any]], out: Path, title: str = "") -> Heatmap:
+    """Latency-bounded samples/s per layout (rows) and max batch (columns), one panel per
+    max delay: the delay is a third axis, and a best-over-delays panel would hide it."""
+    rows_key = sorted({(r["instances"], r["threads_per_instance"]) for r in frontier})
+    cols = sorted({r["max_batch"] for r in frontier})
+    delays = sorted({r["max_delay_ms"] for r in frontier})
+    row_names = [f"{i} x {t}" for i, t in rows_key]
+    matrices = {d: np.full((len(rows_key), len(cols)), np.nan) for d in delays}
+    best = None
+    for r in frontier:
+        v = _num(r.get("best_samples_per_s"))
+        i, j = rows_key.index((r["instances"], r["threads_per_instance"])), cols.index(r["max_batch"])
+        matrices[r["max_delay_ms"]][i, j] = np.nan if v is None else v
+        if r.get("best"):
+            best = (row_names[i], r["max_batch"], r["max_delay_ms"])
+    finite = [m[np.isfinite(m)] for m in matrices.values()]
+    vmax = max((float(f.max()) for f in finite if len(f)), default=1.0) or 1.0
+    fig = Figure(
+        figsize=(min(5 + 4 * len(delays) * max(1, len(cols)) / 4, 24), 1.5 + 0.6 * len(rows_key)), layout="constrained"
+    )
+    axes = np.atleast_1d(fig.subplots(1, len(delays), squeeze=False)[0])
+    image = None
+    for ax, d in zip(axes, delays, strict=True):
+        m = matrices[d]
+        image = ax.imshow(m, cmap="viridis", vmin=0, vmax=vmax, aspect="auto")
+        for i in range(m.shape[0]):
+            for j in range(m.shape[1]):
+                v = m[i, j]
+                text = "-" if not np.isfinite(v) else f"{v:,.0f}"
+                dark = np.isfinite(v) and v < 0.6 * vmax
+                ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
+        if best is not None and best[2] == d:
+            bi, bj = row_names.index(best[0]), cols.index(best[1])
+            ax.add_patch(_box(bj, bi))
+        ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+        ax.set_yticks(range(len(row_names)), row_names)
+        ax.set_xlabel("max batch (samples)")
+        ax.set_title(f"max delay {d:g} ms", fontsize=10)
+    axes[0].set_ylabel("instances x threads")
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), label="best samples/s under the bound")
+    fig.suptitle(_text(title or "Latency-bounded throughput by batching and co-location"), fontsize=11)
+    return Heatmap(_save(fig, out), row_names, cols, delays, matrices, best)
+
+
+def _box(x: int, y: int) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5)

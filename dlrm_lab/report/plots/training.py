@@ -1,0 +1,116 @@
+"""Training figures: step phases per run, scaling efficiency."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from dlrm_lab.metrics.columns import PHASES
+from dlrm_lab.report.plots.common import MAX_BARS, _num, _save, _text
+
+# ----------------------------------------------------------------------------- 4. training phases
+
+
+@dataclass
+class PhaseBars:
+    path: Path
+    labels: list[str]
+    ms: dict[str, list[float]]  # segment -> ms per step, one value per bar (0 where absent)
+    step_time_ms: list[float]
+    samples_per_s: list[float | None]
+    left_out: int = 0
+
+
+SEGMENTS = (*PHASES, "other", "unattributed")
+
+
+def training_phases(rows: Sequence[dict[str, Any]], out: Path) -> PhaseBars:
+    """One bar per run: ms per step in each phase = `<phase>_share` x step_time_ms_mean.
+
+    Time the shares do not cover is `other`; a pipelined run (phases overlap, shares
+    null) is one `unattributed` segment. Each bar is therefore its step_time_ms_mean."""
+    rows = [r for r in rows if _num(r.get("step_time_ms_mean"))][:MAX_BARS]
+    ms: dict[str, list[float]] = {s: [] for s in SEGMENTS}
+    for r in rows:
+        step = float(r["step_time_ms_mean"])
+        shares = {p: _num(r.get(f"{p}_share")) for p in PHASES}
+        known = any(v is not None for v in shares.values())
+        for p in PHASES:
+            ms[p].append((shares[p] or 0.0) * step)
+        ms["other"].append(max(0.0, step - sum(ms[p][-1] for p in PHASES)) if known else 0.0)
+        ms["unattributed"].append(0.0 if known else step)
+    labels = [str(r.get("label", r.get("run_id"))) for r in rows]
+    fig = Figure(figsize=(max(7, 1 + 0.7 * len(rows)), 6), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    colors = {"other": "#bbbbbb", "unattributed": "#dddddd"}
+    for seg in SEGMENTS:
+        vals = np.array(ms[seg])
+        if not vals.any():
+            continue
+        ax.bar(x, vals, bottom=bottom, label=seg.replace("_", " "), color=colors.get(seg))
+        bottom += vals
+    sps = [_num(r.get("samples_per_s")) for r in rows]
+    for i, v in enumerate(sps):
+        if v is not None:
+            ax.annotate(
+                f"{v:,.0f}\nsamples/s",
+                (i, bottom[i]),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=7,
+            )
+    ax.set_xticks(x, [_text(lb) for lb in labels], rotation=30 if len(rows) > 4 else 0, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step (mean over measured steps)")
+    ax.set_ylim(0, max(bottom.max() * 1.2 if len(rows) else 1.0, 1e-9))
+    ax.set_title("Training step time by phase, throughput on top")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    steps = [float(r["step_time_ms_mean"]) for r in rows]
+    return PhaseBars(_save(fig, out), labels, ms, steps, sps)
+
+
+# ----------------------------------------------------------------------------- 5. scaling
+
+
+@dataclass
+class ScalingPlot:
+    path: Path
+    lines: dict[str, dict[str, list[float]]]  # label -> ranks, efficiency, speedup (by ranks)
+
+
+def scaling_efficiency(rows: Sequence[dict[str, Any]], out: Path) -> ScalingPlot:
+    """Efficiency (and speedup) against ranks, one line per `label` (the sweep's mode)."""
+    lines: dict[str, dict[str, list[float]]] = {}
+    for r in sorted(rows, key=lambda r: r["ranks"]):
+        if _num(r.get("efficiency")) is None:
+            continue
+        line = lines.setdefault(str(r.get("label") or r.get("mode")), {"ranks": [], "efficiency": [], "speedup": []})
+        line["ranks"].append(int(r["ranks"]))
+        line["efficiency"].append(float(r["efficiency"]))
+        line["speedup"].append(_num(r.get("speedup")) or float("nan"))
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    eff_ax, sp_ax = fig.subplots(1, 2)
+    ranks = sorted({n for line in lines.values() for n in line["ranks"]})
+    for label, line in lines.items():
+        eff_ax.plot(line["ranks"], line["efficiency"], marker="o", label=_text(label))
+        sp_ax.plot(line["ranks"], line["speedup"], marker="o", label=_text(label))
+    eff_ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ideal")
+    if ranks:
+        sp_ax.plot(ranks, ranks, color="black", linestyle="--", linewidth=1, label="ideal")
+    for ax, name in ((eff_ax, "efficiency (speedup / ranks)"), (sp_ax, "speedup (x one rank)")):
+        ax.set_xlabel("ranks")
+        ax.set_ylabel(name)
+        ax.set_xticks(ranks)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    eff_ax.set_ylim(0, max([1.1, *[v * 1.1 for line in lines.values() for v in line["efficiency"]]]))
+    fig.suptitle("Weak and strong scaling")
+    return ScalingPlot(_save(fig, out), lines)
