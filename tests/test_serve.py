@@ -324,7 +324,7 @@ def test_a_server_in_another_network_namespace_is_reached_over_a_veth_link(tmp_p
             assert target.startswith(link.server_ip)
             code, _, err = run_cli_in_process("client", "--target", target, "--closed-loop", "--query-size",
                                               "fixed:16", "--duration", "1", "--metrics-dir",
-                                              str(tmp_path / "client"))  # fmt: skip (its workers: processes)
+                                              str(tmp_path / "client"))  # fmt: skip
             assert code == 0, err
         finally:
             server.proc.send_signal(signal.SIGTERM)
