@@ -639,3 +639,59 @@ def test_infer_run_and_serve_refuse_a_too_big_model_in_one_line_without_a_run(tm
     assert code == 2 and len(err) == 1 and err[0].startswith("error: serving needs "), stderr
     assert "terabyte: snapshot 89.53 GiB" in err[0]
     assert not list(tmp_path.iterdir())  # refused before the run directory or any table exists
+
+
+def test_latency_floor_is_the_roofline_time_of_the_query_at_the_bounds_percentile():
+    import math
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.records import latency_floor_columns, summarize
+    from dlrm_lab.metrics.roofline import Peaks
+    from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
+
+    def rec(i: int, samples: int) -> dict:
+        return {"status": "ok", "latency_ms": 10.0 + i, "samples": samples, "batch_id": i, "batch_samples": samples,
+                "batch_queries": 1, "compute_ms": 1.0, "queue_ms": 0.5}  # fmt: skip
+
+    sizes = [100] * 90 + [700] * 10  # p99 of the query sizes: 700 samples (nearest rank)
+    row = summarize([rec(i, s) for i, s in enumerate(sizes)], duration_s=1.0, sla_ms=500.0, sla_percentile=99.0)
+    assert row["latency_floor_samples"] == 700
+    spec = load_preset("kaggle", max_rows=1000)
+    peaks = Peaks(flops_per_s=1e9, memory_bytes_per_s=1e10, gather_bytes_per_s=1e9, comm_bytes_per_s=None, basis="t")
+    flops, rows_b = sample_cost(spec).forward_flops, lookup_bytes_per_sample(spec, "fp32")
+
+    def floor_ms(piece: int) -> float:
+        return 1e3 * max(piece * flops / 1e9, piece * rows_b / 1e9 + 4.0 * spec.dense_parameters / 1e10)
+
+    # 700 samples, max batch 256, 2 instances of 3 threads: split in 2 pieces of 350, on 6 cores
+    two = latency_floor_columns(spec, "fp32", 2, 3, 256, row, peaks)
+    assert two["latency_floor_cores"] == 6
+    assert two["latency_floor_ms"] == pytest.approx(floor_ms(350))
+    assert two["latency_floor_ratio"] == pytest.approx(row["sla_latency_ms"] / floor_ms(350))
+    # one instance: the whole query on it; a max batch above the query: no split either
+    whole = latency_floor_columns(spec, "fp32", 1, 3, 256, row, peaks)
+    assert whole["latency_floor_ms"] == pytest.approx(floor_ms(700))
+    assert latency_floor_columns(spec, "fp32", 4, 1, 1024, row, peaks)["latency_floor_cores"] == 1
+    # 4 instances, max batch 200: ceil(700 / 200) = 4 pieces of 175
+    four = latency_floor_columns(spec, "fp32", 4, 1, 200, row, peaks)
+    assert four["latency_floor_ms"] == pytest.approx(floor_ms(math.ceil(700 / 4)))
+    # no machine profile: nulls, not zeros
+    assert latency_floor_columns(spec, "fp32", 2, 1, 256, row, "no machine profile")["latency_floor_ms"] is None
+
+
+def test_search_early_stop_and_settled_repeats_rules():
+    from dlrm_lab.infer.search import fails_already, late_budget, verdict_settled
+
+    assert late_budget(100.0, 5.0, 99.0) == 5  # 500 queries: the 5 worst may be late
+    assert late_budget(10.0, 1.0, 99.0) == 0  # 10 queries: p99 is the worst one
+    decided = fails_already("m", 10.0, budget=2)
+    ok, late = {"model": "m", "status": "ok", "latency_ms": 5.0}, {"model": "m", "status": "ok", "latency_ms": 50.0}
+    dropped, rejected = {"model": "m", "status": "dropped", "latency_ms": None}, {"model": "m", "status": "rejected"}
+    other = {"model": "x", "status": "dropped", "latency_ms": None}
+    assert not decided([ok, late, dropped, rejected, other, ok])  # 2 late: still within the budget
+    assert decided([late, dropped, late])  # 3 > 2: the percentile is beyond the bound whatever follows
+    assert verdict_settled([50.0], 2, 10.0) is False  # the median of two is at least (50 + 0) / 2 > 10
+    assert verdict_settled([5.0], 2, 10.0) is None  # a second repeat could still tip the mean of two
+    assert verdict_settled([float("inf")], 2, 10.0) is False  # an early-stopped repeat decides two
+    assert verdict_settled([5.0, 6.0], 3, 10.0) is True  # two of three pass: the median passes
+    assert verdict_settled([5.0], 1, 10.0) is True

@@ -91,9 +91,9 @@ def infer_run(root: Path) -> Path:
         config = {"model": "rm1", "instances": 1, "threads_per_instance": 2, "max_batch": 64, "max_delay_ms": 1.0}
         rows = [
             {**config, "point": 0, "mode": "together", "queries_per_s": 100.0, "samples_per_s": 1000.0,
-             "latency_p99_ms": 99.0, "sla_latency_ms": 99.0, "target_qps": 100.0},
+             "latency_p99_ms": 99.0, "sla_latency_ms": 99.0, "target_qps": 100.0, "latency_floor_ms": 2.0},
             {**config, "point": 1, "mode": "together", "queries_per_s": 200.0, "samples_per_s": 2000.0,
-             "latency_p99_ms": 199.0, "sla_latency_ms": 199.0, "target_qps": 200.0},
+             "latency_p99_ms": 199.0, "sla_latency_ms": 199.0, "target_qps": 200.0, "latency_floor_ms": 4.0},
         ]  # fmt: skip
         for r in rows:
             r.update(sla_ms=SLA_MS, sla_percentile=99.0, sla_met=False, precision="fp32", flops_per_sample=1e6,
@@ -261,6 +261,7 @@ def test_latency_cdfs_reach_one_at_the_largest_latency(lab):
     infer_short = "infer:" + lab["dirs"]["infer"].name.rsplit("-", 1)[-1]
     x, _ = drawn.curves[f"{infer_short} p0 rm1 (together)"]
     assert x[-1] == 100.0 and x[0] == 1.0  # dropped queries are not latencies
+    assert drawn.floors == {f"{infer_short} p0 rm1 (together)": 2.0, f"{infer_short} p1 rm1 (together)": 4.0}
     # a search configuration's curve is its highest passing probe (both repeats), not the failing one
     search_curves = [c for label, c in drawn.curves.items() if label.startswith("infer-search:")]
     assert all(c[0][-1] == 41.0 for c in search_curves)
@@ -273,8 +274,9 @@ def test_qps_plot_marks_the_frontier_best(lab):
     (label, qps, lat) = drawn.chosen[0]
     assert (qps, lat) == (100.0, 41.5) and "2x1 threads, batch 64, delay 2 ms" in label
     assert drawn.bounds == [SLA_MS]
-    infer_series = next(v for k, v in drawn.series.items() if k.startswith("rm1"))
+    label, infer_series = next((k, v) for k, v in drawn.series.items() if k.startswith("rm1"))
     assert infer_series == [(100.0, 99.0), (200.0, 199.0)]
+    assert drawn.floors == {label: 3.0}  # the median floor of the configuration's points; searches have none
     # a failing probe repeat with an infinite latency is left out, its finite repeat kept
     search_series = [v for k, v in drawn.series.items() if k.startswith("infer-search:")]
     assert all(len(v) == 3 for v in search_series)

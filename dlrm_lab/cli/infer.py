@@ -176,6 +176,13 @@ def search_command(
         int, typer.Option(help="A probe lasts until this many queries arrived (for a stable percentile)...")
     ] = 500,
     max_probe_duration: Annotated[float, typer.Option(help="... but at most this many seconds.")] = 20.0,
+    prune_margin: Annotated[
+        float,
+        typer.Option(help="Skip a configuration whose capacity x (1 + this) is below the best rate found (< 0: off)."),
+    ] = 0.10,
+    early_stop: Annotated[
+        bool, typer.Option(help="End a probe's load once more queries were late than its percentile allows.")
+    ] = True,
     max_queue: MaxQueue = 4096,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
@@ -202,7 +209,8 @@ def search_command(
     cfg = InferConfig(scenario=scenario, duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed,
                       device=device, pin_cores=pin_cores)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
-                            min_queries=min_queries, max_duration_s=max_probe_duration)  # fmt: skip
+                            min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
+                            early_stop=early_stop)  # fmt: skip
     (base,) = ServingOptions(max_queue=max_queue, precision=precision, table_precision=table_precision,
                              data_spec=data_spec, table_scale=table_scale, max_rows=max_rows).served(model)  # fmt: skip
     (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival).streams

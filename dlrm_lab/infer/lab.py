@@ -31,6 +31,7 @@ from dlrm_lab.infer.records import (
     QUERY_SCHEMA,
     SUMMARY_SCHEMA,
     energy_columns,
+    latency_floor_columns,
     roofline_columns,
     summarize,
     with_late_flags,
@@ -126,11 +127,16 @@ def measure(
     log: Log | None = None,
     telemetry: TableWriter | None = None,
     on_progress: OnProgress | None = None,
+    decided: Callable[[list[dict[str, Any]]], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Drive one point and summarise it per model. Query rows are written as they finish;
     power and host samples of the point go to `telemetry`; `on_progress` hears how far the
     load is (see `PointProgress`). What the rows say about each model (its serving
-    configuration, spec, processes) is what `server.describe()` reports."""
+    configuration, spec, processes) is what `server.describe()` reports.
+
+    `decided(records so far)` is asked twice a second while the load runs: True ends the
+    load there (a search probe whose verdict can no longer change); the rows then say
+    `load_stopped_early` and their rates count the time the load actually ran."""
     if point.duration_s is not None:
         cfg = replace(cfg, duration_s=point.duration_s)
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
@@ -160,11 +166,17 @@ def measure(
     meter.start()
     window = [sampler.mark()]
     load_start = time.monotonic()
+    stopped_after_s: float | None = None
 
-    def report(finished: bool = False) -> None:
+    def report(finished: bool = False) -> bool:
+        nonlocal stopped_after_s
+        elapsed = time.monotonic() - load_start
         if on_progress is not None:
-            elapsed = time.monotonic() - load_start
             on_progress(PointProgress(point.index, elapsed, cfg.duration_s, len(records), finished))
+        if not finished and decided is not None and decided(records):
+            stopped_after_s = elapsed
+            return True
+        return False
 
     try:
         if not drive(server, driver, drain_s=cfg.drain_timeout_s, take=pump, poll=report) and log:
@@ -186,7 +198,7 @@ def measure(
     rows = []
     for stream in point.streams:
         mine = [r for r in records if r["model"] == stream.model]
-        span = stats.duration_s or cfg.duration_s  # LoadGen's: measured; ours: as planned
+        span = stopped_after_s or stats.duration_s or cfg.duration_s  # LoadGen's: measured; ours: as planned
         if mine:  # a backlog drained after the load ends lowers throughput instead of hiding
             last_end = max(r["end_ms"] for r in mine) / 1e3
             first = min(r["scheduled_ms"] for r in mine) / 1e3
@@ -206,11 +218,14 @@ def measure(
             **cpu,
             "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
             **stats.loadgen,
+            "load_stopped_early": stopped_after_s is not None,
             **point.extra,
         }
         precision = gemm_precision(cfg.device, served.precision)
         peaks = peaks_for(profile, "cuda:0" if cfg.device == "cuda" else "cpu", precision, served.threads)
         row.update(roofline_columns(served.spec, served.table_precision, row, peaks))
+        row.update(latency_floor_columns(served.spec, served.table_precision, served.instances, served.threads,
+                                         served.max_batch, row, peaks))  # fmt: skip
         rows.append(row)
     for row in rows:
         row.update(energy_columns(energy, rows))
@@ -238,12 +253,14 @@ def queue_room(server: InferenceServer, point: Point, duration_s: float) -> Iter
 
 
 def point_line(row: dict[str, Any]) -> str:
-    p99 = row.get("latency_p99_ms")
+    p99, floor = row.get("latency_p99_ms"), row.get("latency_floor_ms")
     lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
+    ratio = row.get("latency_floor_ratio")
+    beside = "" if floor is None else f" (floor {floor:.2f} ms" + ("" if ratio is None else f", {ratio:.1f}x") + ")"
     return (
         f"{row['model']} [{row['mode']}] target {row['target_qps']:.1f} queries/s: "
         f"{row['queries_per_s']:.1f} queries/s, {row['samples_per_s']:.0f} samples/s, "
-        f"p99 {'-' if p99 is None else f'{p99:.2f}'} ms, "
+        f"p99 {'-' if p99 is None else f'{p99:.2f}'} ms{beside}, "
         f"dropped {row['dropped_queries']}, late {row['late_queries']}, "
         f"SLA {'met' if row['sla_met'] else 'missed'}{lg}"
     )

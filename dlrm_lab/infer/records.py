@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,12 @@ SUMMARY_SCHEMA = pa.schema(
         ("sla_percentile", pa.float64()),
         ("sla_latency_ms", pa.float64()),  # latency at sla_percentile, dropped/failed counted as infinite
         ("sla_met", pa.bool_()),
+        # the roofline time of the query at the bound's percentile, and the measured latency over it
+        ("load_stopped_early", pa.bool_()),  # ended once its verdict was decided (search probes)
+        ("latency_floor_samples", pa.int64()),
+        ("latency_floor_cores", pa.int32()),
+        ("latency_floor_ms", pa.float64()),
+        ("latency_floor_ratio", pa.float64()),
         ("batch_samples_mean", pa.float64()),
         ("batch_samples_p50", pa.float64()),
         ("batch_samples_p99", pa.float64()),
@@ -178,6 +185,8 @@ def summarize(
     sla_value = percentile(sla_lat, sla_percentile)
     out["sla_latency_ms"] = None if sla_value is None or not np.isfinite(sla_value) else sla_value
     out["sla_met"] = bool(sla_value is not None and sla_value <= sla_ms)
+    floor_query = percentile(samples[counted].astype(np.float64), sla_percentile)
+    out["latency_floor_samples"] = None if floor_query is None else int(floor_query)
     return out
 
 
@@ -209,6 +218,45 @@ def roofline_columns(spec: ModelSpec, table_precision: str, row: dict[str, Any],
         flops=batch * cost.forward_flops, gather_bytes=batch * row_bytes, stream_bytes=4.0 * spec.dense_parameters
     )
     out.update(place(work, ms / 1e3 if ms else None, peaks))
+    return out
+
+
+def latency_floor_columns(
+    spec: ModelSpec,
+    table_precision: str,
+    instances: int,
+    threads: int,
+    max_batch: int,
+    row: dict[str, Any],
+    peaks: Peaks | str,
+) -> dict[str, Any]:
+    """The latency floor of the point: the roofline time of its query at the bound's
+    percentile (`latency_floor_samples`, from summarize) on the cores that would serve it.
+
+    A query larger than `max_batch` is split over min(instances, ceil(q / max_batch))
+    instances, each with `threads` threads (the peaks given); its floor is the roofline time
+    of one piece (ceil(q / pieces) samples: forward FLOPs and embedding rows as in
+    `roofline_columns`, the dense weights read once). `latency_floor_ratio` is the measured
+    latency at that percentile over the floor: 1 would be a query served at the machine's
+    peaks with no queueing, batching delay or overhead. Nulls when the floor cannot be placed
+    (no profile) or nothing completed.
+    """
+    out: dict[str, Any] = {"latency_floor_cores": None, "latency_floor_ms": None, "latency_floor_ratio": None}
+    q = row.get("latency_floor_samples")
+    if not q or isinstance(peaks, str):
+        return out
+    pieces = max(1, min(instances, math.ceil(q / max_batch)))
+    piece = math.ceil(q / pieces)
+    cost = sample_cost(spec)
+    row_bytes = lookup_bytes_per_sample(spec, table_precision)
+    work = Work(flops=piece * cost.forward_flops, gather_bytes=piece * row_bytes,
+                stream_bytes=4.0 * spec.dense_parameters)  # fmt: skip
+    floor_ms = place(work, None, peaks)["roofline_bound_ms"]
+    out["latency_floor_cores"] = pieces * threads
+    out["latency_floor_ms"] = floor_ms
+    measured = row.get("sla_latency_ms")
+    if measured is not None and floor_ms:
+        out["latency_floor_ratio"] = measured / floor_ms
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ class SearchOptions:
     capacity_s: float = 2.0  # closed-loop saturation run that bounds the search
     min_queries: int = 500  # a probe lasts long enough for this many queries (p99 = the 5th worst of 500) ...
     max_duration_s: float = 20.0  # ... but at most this long
+    # A configuration whose capacity (samples/s) x (1 + prune_margin) is below the best rate
+    # found under the bound is not bisected: it cannot win (capacity bounds every passing
+    # rate; the margin covers run-to-run noise). 0 would prune hardest; < 0 turns it off.
+    prune_margin: float = 0.10
+    early_stop: bool = True  # end a probe's load once too many queries were late for it to pass
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
@@ -87,9 +93,42 @@ FRONTIER_SCHEMA = pa.schema(
         ("sla_ms", pa.float64()),
         ("sla_percentile", pa.float64()),
         ("probes", pa.int32()),
+        ("probe_points", pa.int32()),  # load points run (repeats), those stopped early included
         ("best", pa.bool_()),  # the configuration with the highest best_samples_per_s
+        ("outcome", pa.string()),  # why it is not the best: pruned, lower rate, no rate met the bound
     ]
 )
+
+
+def late_budget(qps: float, seconds: float, percentile: float) -> int:
+    """How many of a probe's queries may be late (or dropped) and its nearest-rank
+    percentile still meet the bound: n - ceil(p/100 n) of the n = qps x seconds planned."""
+    n = max(1, round(qps * seconds))
+    return n - math.ceil(percentile / 100 * n - 1e-9)
+
+
+def fails_already(model: str, sla_ms: float, budget: int) -> Callable[[list[dict[str, Any]]], bool]:
+    """A probe's `decided` test: more queries already late, dropped or failed than its budget
+    (more queries cannot undo that: the percentile is already beyond the bound)."""
+
+    def decided(records: list[dict[str, Any]]) -> bool:
+        late = 0
+        for r in records:
+            if r["model"] == model and r["status"] != "rejected" and (r["status"] != "ok" or r["latency_ms"] > sla_ms):
+                late += 1
+        return late > budget
+
+    return decided
+
+
+def verdict_settled(latencies: list[float], repeats: int, sla_ms: float) -> bool | None:
+    """The probe's verdict (median latency at the percentile within the bound) once the
+    repeats still to run cannot change it, else None: the remaining ones are filled in as
+    best (0) and as worst (inf) cases."""
+    left = repeats - len(latencies)
+    best = np.median([*latencies, *[0.0] * left]) <= sla_ms
+    worst = np.median([*latencies, *[math.inf] * left]) <= sla_ms
+    return bool(best) if best == worst else None
 
 
 def search(
@@ -107,11 +146,19 @@ def search(
     """For each configuration, the highest rate whose latency percentile meets the bound.
 
     Per configuration: a closed-loop saturation run measures capacity C; then bisection on
-    the rate in (0, 1.05 C]: each probed rate is run `repeats` times (open loop) and passes
-    when the median `sla_latency_ms` (dropped queries infinitely late) is within the bound.
-    The answer is the highest passing rate, reported with half the final bracket as its
-    uncertainty. Instances are started once per (instances, threads) layout. The load of
-    each probe is our open-loop generator or MLPerf LoadGen's Server scenario
+    the rate in (0, 1.05 C]: each probed rate is run up to `repeats` times (open loop) and
+    passes when the median `sla_latency_ms` (dropped queries infinitely late) is within the
+    bound. The answer is the highest passing rate, reported with half the final bracket as
+    its uncertainty. Instances are started once per (instances, threads) layout, whose
+    configurations are bisected in order of capacity, most capable first.
+
+    What keeps it fast without changing the answer: a configuration whose capacity (with
+    `prune_margin` for noise) is below the best rate already found under the bound is not
+    bisected (`outcome` says so); a probe's load ends as soon as more queries were late than
+    its percentile allows (`late_budget`, LoadGen-style early stopping of a lost cause); and
+    repeats stop once the rest cannot change the median's verdict (`verdict_settled`).
+
+    The load of each probe is our open-loop generator or MLPerf LoadGen's Server scenario
     (`cfg.scenario`); either way the verdict is computed from our own query records.
     `on_progress` hears how far each probe's load is (points numbered over the whole search).
     """
@@ -142,48 +189,88 @@ def search(
             for precision in _search_precisions(base, layout[1], max(grid.max_batch), cfg, log, choices)
         ]
         run.update_manifest(precision_choices=choices)
+        best_sps = 0.0  # the best rate found under the bound so far, samples/s
+        mean_size = stream.sizes.mean
         for (instances, threads), precision, group in runs:
             first = replace(base, instances=instances, threads=threads, precision=precision)
             with InferenceServer([first], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed) as server:
+                measured = []  # capacities first: the most capable configuration is searched first
                 for _, _, max_batch, delay in group:
                     server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
-                    served = server.models[base.name]
                     capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
+                    measured.append((capacity, max_batch, delay))
                     if log:
-                        log(f"{_label(served)}: capacity {capacity:.1f} queries/s (closed loop)")
+                        log(f"{_label(server.models[base.name])}: capacity {capacity:.1f} queries/s (closed loop)")
+                for capacity, max_batch, delay in sorted(measured, key=lambda m: -m[0]):
+                    server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
+                    served = server.models[base.name]
+                    if options.prune_margin >= 0 and capacity * mean_size * (1 + options.prune_margin) < best_sps:
+                        why = (f"pruned: capacity {capacity * mean_size:,.0f} samples/s cannot beat "
+                               f"{best_sps:,.0f} under the bound")  # fmt: skip
+                        if log:
+                            log(f"{_label(served)}: {why}")
+                        frontier.append({**_frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None,
+                                         "best_qps_uncertainty": None, "best_samples_per_s": None,
+                                         "probe_points": 0, "outcome": why})  # fmt: skip
+                        continue
                     lo, hi = 0.0, capacity * 1.05
                     best_rows: list[dict[str, Any]] = []
-                    probes = 0
+                    probes = points = 0
                     while probes < options.steps and (hi - lo) / hi > options.tolerance:
                         qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
-                        rows = []
+                        seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
+                        decided = (fails_already(base.name, cfg.sla_ms,
+                                                 late_budget(qps, seconds, cfg.sla_percentile))
+                                   if options.early_stop else None)  # fmt: skip
+                        rows: list[dict[str, Any]] = []
+                        lat: list[float] = []
+                        passed: bool | None = None
                         for rep in range(options.repeats):
-                            seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
                             point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
                                           extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
                             point_index += 1
                             (row,) = measure(server, point, cfg, queries, run.dir, telemetry=telemetry,
-                                             on_progress=on_progress)  # fmt: skip
+                                             on_progress=on_progress, decided=decided)  # fmt: skip
                             rows.append(row)
-                        lat = [r["sla_latency_ms"] if r["sla_latency_ms"] is not None else math.inf for r in rows]
-                        passed = bool(np.median(lat) <= cfg.sla_ms)
+                            stopped = row["load_stopped_early"] or row["sla_latency_ms"] is None
+                            lat.append(math.inf if stopped else row["sla_latency_ms"])
+                            passed = verdict_settled(lat, options.repeats, cfg.sla_ms)
+                            if passed is not None:
+                                break  # the repeats left cannot change the verdict
+                        points += len(rows)
                         for r in rows:
                             r["passed"] = passed
                         summary.extend(rows)
                         summary.flush()
                         if log:
+                            early = (
+                                " (decided early)"
+                                if len(rows) < options.repeats or rows[-1]["load_stopped_early"]
+                                else ""
+                            )
                             log(f"{_label(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
-                                f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}")  # fmt: skip
+                                f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}{early}")  # fmt: skip
                         if passed:
                             lo, best_rows = qps, rows
                         else:
                             hi = qps
                         probes += 1
-                    frontier.append(_frontier_row(served, capacity, lo, hi, best_rows, probes, cfg))
-        if frontier:
-            best = max(frontier, key=lambda r: r["best_samples_per_s"])
-            for r in frontier:
-                r["best"] = r is best and best["best_qps"] > 0
+                    row = _frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
+                    row["probe_points"] = points
+                    frontier.append(row)
+                    best_sps = max(best_sps, row["best_samples_per_s"] or 0.0)
+        searched = [r for r in frontier if r["best_samples_per_s"] is not None]
+        best = max(searched, key=lambda r: r["best_samples_per_s"], default=None)
+        for r in frontier:
+            r["best"] = r is best and bool(best["best_qps"])
+            if r["best"]:
+                r["outcome"] = "best"
+            elif r.get("outcome") is None:
+                r["outcome"] = (
+                    "no probed rate met the bound" if not r["best_qps"] else
+                    f"lower: {r['best_samples_per_s']:,.0f} samples/s under the bound, the best "
+                    f"{best['best_samples_per_s']:,.0f}"  # type: ignore[index]
+                )  # fmt: skip
         run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
         winner = next((r for r in frontier if r["best"]), None)
         run.update_manifest(best=winner)
@@ -239,4 +326,5 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
         "sla_percentile": cfg.sla_percentile,
         "probes": probes,
         "best": False,
+        "outcome": None,
     }

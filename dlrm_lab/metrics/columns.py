@@ -124,6 +124,10 @@ _REGISTERED = [
     _c("latency_p99_9_ms", "latency p99.9", "ms", ".2f", LOWER, "p99.9 ms"),
     _c("latency_max_ms", "latency max", "ms", ".2f", LOWER, "max ms"),
     _c("sla_latency_ms", "latency at the bound's percentile", "ms", ".2f", LOWER),
+    _c("latency_floor_samples", "samples of the query at the bound's percentile", "samples", "d"),
+    _c("latency_floor_cores", "cores serving that query", "cores", "d"),
+    _c("latency_floor_ms", "latency floor (that query at the roofline)", "ms", ".2f", short="floor ms"),
+    _c("latency_floor_ratio", "latency at the bound's percentile over the floor", "x", ".1f", LOWER, "x floor"),
     _c("batch_samples_mean", "batch mean", "samples", ".1f", short="batch"),
     _c("queue_share", "queue share", "fraction", ".0%", short="queue"),
     _c("dropped_queries", "dropped", "queries", "d", LOWER, "drop"),
@@ -137,6 +141,7 @@ _REGISTERED = [
     _c("best_qps_uncertainty", "best rate uncertainty", "queries/s", ".1f", short="+/-"),
     _c("best_samples_per_s", "best throughput", "samples/s", ",.0f", HIGHER, "samples/s"),
     _c("best_sla_latency_ms", "latency at the bound's percentile", "ms", ".2f", LOWER),
+    _c("outcome", "why not the best", fmt="s", short="outcome"),
     # -- scaling
     _c("batch_size_per_rank", "batch per rank", "samples", "d", short="batch/rank"),
     _c("repeats_ok", "repeats ok", fmt="d"),
@@ -210,7 +215,7 @@ TRAIN_PRINTED = (
     "time_to_target_s",
     "valid_samples_per_s",
 )
-# `dlrm-lab infer run`'s points table.
+# `dlrm-lab infer run`'s points table (the floor and its ratio are in each point's log line).
 INFER_PRINTED = (
     "model",
     "mode",
@@ -238,6 +243,7 @@ FRONTIER_PRINTED = (
     "best_samples_per_s",
     "best_sla_latency_ms",
     "best",
+    "outcome",
 )
 # `dlrm-lab client`'s table.
 CLIENT_PRINTED = (
@@ -285,6 +291,8 @@ INFER_READ = (
     "sla_percentile",
     "sla_latency_ms",
     "sla_met",
+    "latency_floor_ms",
+    "latency_floor_ratio",
     *ROOFLINE_READ,
     *ENERGY_READ,
     "energy_per_query_j",
@@ -327,10 +335,14 @@ INFER_TABLE = (
     "queries_per_s",
     "samples_per_s",
     "latency_p99_ms",
+    "latency_floor_ms",
+    "latency_floor_ratio",
     "sla_met",
     "energy_per_query_j",
 )
-FRONTIER_TABLE = ("model", "capacity_queries_per_s", "best_qps", "best_samples_per_s", "best_sla_latency_ms")
+FRONTIER_TABLE = (
+    "model", "capacity_queries_per_s", "best_qps", "best_samples_per_s", "best_sla_latency_ms", "outcome"
+)  # fmt: skip
 SCALE_TABLE = ("mode", "ranks", "samples_per_s", "speedup", "efficiency", "point_run_id", "point_status")
 
 # `dlrm-lab compare`: the metrics compared per kind of run.

@@ -31,6 +31,7 @@ from dlrm_lab.report.load import (
     discover,
     group_by_config,
     latency_curves,
+    median_floor,
 )
 
 TITLES = {
@@ -111,7 +112,9 @@ def _latency(data: ReportData, out: Path) -> Made:
         return "no infer or infer-search run with completed queries (queries.parquet, status ok)" + (
             f"; {'; '.join(curves.notes)}" if curves.notes else ""
         )
-    drawn = plots.latency_cdf(curves.latencies, out / "latency_cdf.png", curves.sla_ms, curves.left_out)
+    drawn = plots.latency_cdf(
+        curves.latencies, out / "latency_cdf.png", curves.sla_ms, curves.left_out, floors=curves.floors
+    )
     notes = list(curves.notes)
     if drawn.left_out:
         notes.append(
@@ -124,6 +127,7 @@ def _latency(data: ReportData, out: Path) -> Made:
 def _qps(data: ReportData, out: Path) -> Made:
     series: dict[str, list[tuple[float, float]]] = {}
     chosen: list[tuple[str, float, float]] = []
+    floors: dict[str, float | None] = {}
     bounds: set[float] = set()
     percentiles: set[float] = set()
     infinite = 0
@@ -133,9 +137,9 @@ def _qps(data: ReportData, out: Path) -> Made:
         for key in sorted(groups, key=lambda k: -score.get(k, 0.0)):
             rows = groups[key]
             infinite += sum(1 for r in rows if r.get("sla_latency_ms") is None)
-            series[f"{s.run.short} {config_label(rows[0])}"] = [
-                (r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows
-            ]
+            label = f"{s.run.short} {config_label(rows[0])}"
+            series[label] = [(r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows]
+            floors[label] = median_floor(rows)
         best = s.best_row()
         if best is not None:
             chosen.append(
@@ -150,9 +154,9 @@ def _qps(data: ReportData, out: Path) -> Made:
             groups.setdefault((r.get("model"), r.get("mode"), *config_of(r)), []).append(r)
     for (model, mode, *_), rows in groups.items():
         if len(rows) >= 2:
-            series[f"{model} ({mode}) {config_label(rows[0])}"] = [
-                (r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows
-            ]
+            label = f"{model} ({mode}) {config_label(rows[0])}"
+            series[label] = [(r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows]
+            floors[label] = median_floor(rows)
             bounds.update(r["sla_ms"] for r in rows if r.get("sla_ms"))
             percentiles.update(r["sla_percentile"] for r in rows if r.get("sla_percentile"))
     series = {k: kept for k, v in series.items() if (kept := [(x, y) for x, y in v if x is not None and y is not None])}
@@ -162,7 +166,8 @@ def _qps(data: ReportData, out: Path) -> Made:
             "queries_per_s and sla_latency_ms"
         )
     pct = next(iter(percentiles)) if len(percentiles) == 1 else None
-    drawn = plots.qps_latency(series, out / "qps_vs_p99.png", sorted(bounds), chosen, pct)
+    drawn = plots.qps_latency(series, out / "qps_vs_p99.png", sorted(bounds), chosen, pct,
+                              floors={k: v for k, v in floors.items() if v is not None})  # fmt: skip
     notes = []
     if infinite:
         notes.append(

@@ -183,6 +183,13 @@ class Curves:
     left_out: int
     sla_ms: list[float]
     notes: list[str]
+    floors: dict[str, float] = field(default_factory=dict)  # label -> median latency_floor_ms of its rows
+
+
+def median_floor(rows: list[dict[str, Any]]) -> float | None:
+    """The latency floor of a curve drawn from several summary rows (one configuration)."""
+    found = [f for r in rows if isinstance(f := r.get("latency_floor_ms"), (int, float)) and np.isfinite(f)]
+    return float(np.median(found)) if found else None
 
 
 def latency_curves(data: ReportData, limit: int = 12) -> Curves:
@@ -232,7 +239,8 @@ def latency_curves(data: ReportData, limit: int = 12) -> Curves:
             if mask.any():
                 latencies[label] = latency[mask]
     bounds = sorted({row["sla_ms"] for w in drawn for row in w[4] if row.get("sla_ms")})
-    return Curves(latencies, left_out, bounds, notes)
+    floors = {w[1]: f for w in drawn if w[1] in latencies and (f := median_floor(w[4])) is not None}
+    return Curves(latencies, left_out, bounds, notes, floors)
 
 
 def device_of(run: RunInfo, row: dict[str, Any]) -> str:

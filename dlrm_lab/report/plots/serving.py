@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ class CdfPlot:
     curves: dict[str, tuple[np.ndarray, np.ndarray]]  # label -> (latency ms ascending, cumulative fraction)
     sla_ms: list[float]
     left_out: int
+    floors: dict[str, float] = field(default_factory=dict)  # label -> latency floor drawn (ms)
 
 
 def latency_cdf(
@@ -29,8 +30,11 @@ def latency_cdf(
     sla_ms: Sequence[float] = (),
     left_out: int = 0,
     max_points: int = 2000,
+    floors: dict[str, float] | None = None,
 ) -> CdfPlot:
-    """Empirical CDF of each curve's latencies on a log-x axis, the bounds as vertical lines.
+    """Empirical CDF of each curve's latencies on a log-x axis, the bounds as vertical lines
+    and each curve's latency floor (its query at the bound's percentile at the roofline) as
+    a dotted vertical line in the curve's colour.
 
     Curves past `MAX_CURVES` are not drawn (added to `left_out`); long curves are thinned
     to `max_points` steps, always keeping the last one (the maximum, at 1.0)."""
@@ -39,6 +43,7 @@ def latency_cdf(
     fig = Figure(figsize=(11, 5.5), layout="constrained")
     ax = fig.subplots()
     curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    drawn_floors: dict[str, float] = {}
     for label in labels:
         x = np.sort(np.asarray(latencies[label], dtype=np.float64))
         x = x[np.isfinite(x)]
@@ -49,7 +54,13 @@ def latency_cdf(
             keep = np.unique(np.linspace(0, len(x) - 1, max_points).astype(np.int64))
             x, y = x[keep], y[keep]
         curves[label] = (x, y)
-        ax.step(x, y, where="post", label=_text(f"{label} (n={len(latencies[label])})"))
+        (line,) = ax.step(x, y, where="post", label=_text(f"{label} (n={len(latencies[label])})"))
+        floor = _num((floors or {}).get(label))
+        if floor is not None and floor > 0:
+            drawn_floors[label] = floor
+            ax.axvline(floor, color=line.get_color(), linestyle=":", linewidth=1.2)
+    if drawn_floors:
+        ax.plot([], [], color="gray", linestyle=":", label="latency floor (dotted, curve's colour)")
     for b in sla_ms:
         ax.axvline(b, color="red", linestyle="--", linewidth=1.2, label=f"SLA bound {b:g} ms")
     ax.set_xscale("log")
@@ -60,7 +71,7 @@ def latency_cdf(
     ax.set_title(f"Latency CDF of completed queries{more}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    return CdfPlot(_save(fig, out), curves, list(sla_ms), left_out)
+    return CdfPlot(_save(fig, out), curves, list(sla_ms), left_out, drawn_floors)
 
 
 # ----------------------------------------------------------------------------- 2. QPS against p99
@@ -73,6 +84,7 @@ class QpsPlot:
     chosen: list[tuple[str, float, float]]  # (label, best_qps, best_sla_latency_ms)
     bounds: list[float]
     left_out: int = 0
+    floors: dict[str, float] = field(default_factory=dict)  # label -> latency floor drawn (ms)
 
 
 def qps_latency(
@@ -81,13 +93,16 @@ def qps_latency(
     bounds: Sequence[float] = (),
     chosen: Sequence[tuple[str, float, float]] = (),
     percentile: float | None = None,
+    floors: dict[str, float] | None = None,
 ) -> QpsPlot:
     """Achieved queries/s against the latency at the bound's percentile, one line per
-    configuration; the bounds as horizontal lines and each search's chosen point starred."""
+    configuration; the bounds as horizontal lines, each configuration's latency floor as a
+    dotted line in its colour, and each search's chosen point starred."""
     labels = list(series)[:MAX_CURVES]
     fig = Figure(figsize=(11, 5.5), layout="constrained")
     ax = fig.subplots()
     drawn: dict[str, list[tuple[float, float]]] = {}
+    drawn_floors: dict[str, float] = {}
     for label in labels:
         pts = sorted(
             (x, y) for x, y in ((_num(a), _num(b)) for a, b in series[label]) if x is not None and y is not None
@@ -95,7 +110,13 @@ def qps_latency(
         if not pts:
             continue
         drawn[label] = pts
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=_text(label))
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=_text(label))
+        floor = _num((floors or {}).get(label))
+        if floor is not None and floor > 0:
+            drawn_floors[label] = floor
+            ax.axhline(floor, color=line.get_color(), linestyle=":", linewidth=1.2)
+    if drawn_floors:
+        ax.plot([], [], color="gray", linestyle=":", label="latency floor (dotted, line's colour)")
     for b in bounds:
         ax.axhline(b, color="red", linestyle="--", linewidth=1.2, label=f"bound {b:g} ms")
     marked = []
@@ -121,7 +142,7 @@ def qps_latency(
     ax.set_title(f"Throughput against tail latency{more}")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    return QpsPlot(_save(fig, out), drawn, marked, list(bounds), len(series) - len(labels))
+    return QpsPlot(_save(fig, out), drawn, marked, list(bounds), len(series) - len(labels), drawn_floors)
 
 
 # ----------------------------------------------------------------------------- 3. batching x co-location
