@@ -688,8 +688,11 @@ def test_search_early_stop_and_settled_repeats_rules():
     ok, late = {"model": "m", "status": "ok", "latency_ms": 5.0}, {"model": "m", "status": "ok", "latency_ms": 50.0}
     dropped, rejected = {"model": "m", "status": "dropped", "latency_ms": None}, {"model": "m", "status": "rejected"}
     other = {"model": "x", "status": "dropped", "latency_ms": None}
-    assert not decided([ok, late, dropped, rejected, other, ok])  # 2 late: still within the budget
-    assert decided([late, dropped, late])  # 3 > 2: the percentile is beyond the bound whatever follows
+    records = [ok, late, dropped, rejected, other, ok]
+    assert not decided(records)  # 2 late: still within the budget
+    records += [ok, late]  # the point's records grow; each call counts the new ones
+    assert decided(records)  # 3 > 2: the percentile is beyond the bound whatever follows
+    assert fails_already("m", 10.0, budget=2)([late, dropped, late])
     assert verdict_settled([50.0], 2, 10.0) is False  # the median of two is at least (50 + 0) / 2 > 10
     assert verdict_settled([5.0], 2, 10.0) is None  # a second repeat could still tip the mean of two
     assert verdict_settled([float("inf")], 2, 10.0) is False  # an early-stopped repeat decides two

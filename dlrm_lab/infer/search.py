@@ -109,13 +109,17 @@ def late_budget(qps: float, seconds: float, percentile: float) -> int:
 
 def fails_already(model: str, sla_ms: float, budget: int) -> Callable[[list[dict[str, Any]]], bool]:
     """A probe's `decided` test: more queries already late, dropped or failed than its budget
-    (more queries cannot undo that: the percentile is already beyond the bound)."""
+    (more queries cannot undo that: the percentile is already beyond the bound). The records
+    only grow during a point, so each call counts just the ones added since the last: the
+    test runs in the serving process while the load is measured."""
+    seen = late = 0
 
     def decided(records: list[dict[str, Any]]) -> bool:
-        late = 0
-        for r in records:
+        nonlocal seen, late
+        for r in records[seen:]:
             if r["model"] == model and r["status"] != "rejected" and (r["status"] != "ok" or r["latency_ms"] > sla_ms):
                 late += 1
+        seen = len(records)
         return late > budget
 
     return decided

@@ -12,6 +12,16 @@ from matplotlib.figure import Figure
 
 from dlrm_lab.report.plots.common import MAX_CURVES, _num, _save, _text
 
+
+def _floor_line(draw: Any, label: str, floors: dict[str, float] | None, color: Any, drawn: dict[str, float]) -> None:
+    """A curve's latency floor as a dotted line in its colour (`draw`: the axes' axvline or
+    axhline), noted in `drawn`; nothing for a missing or non-positive floor."""
+    floor = _num((floors or {}).get(label))
+    if floor is not None and floor > 0:
+        drawn[label] = floor
+        draw(floor, color=color, linestyle=":", linewidth=1.2)
+
+
 # ----------------------------------------------------------------------------- 1. latency CDFs
 
 
@@ -55,10 +65,7 @@ def latency_cdf(
             x, y = x[keep], y[keep]
         curves[label] = (x, y)
         (line,) = ax.step(x, y, where="post", label=_text(f"{label} (n={len(latencies[label])})"))
-        floor = _num((floors or {}).get(label))
-        if floor is not None and floor > 0:
-            drawn_floors[label] = floor
-            ax.axvline(floor, color=line.get_color(), linestyle=":", linewidth=1.2)
+        _floor_line(ax.axvline, label, floors, line.get_color(), drawn_floors)
     if drawn_floors:
         ax.plot([], [], color="gray", linestyle=":", label="latency floor (dotted, curve's colour)")
     for b in sla_ms:
@@ -111,10 +118,7 @@ def qps_latency(
             continue
         drawn[label] = pts
         (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=_text(label))
-        floor = _num((floors or {}).get(label))
-        if floor is not None and floor > 0:
-            drawn_floors[label] = floor
-            ax.axhline(floor, color=line.get_color(), linestyle=":", linewidth=1.2)
+        _floor_line(ax.axhline, label, floors, line.get_color(), drawn_floors)
     if drawn_floors:
         ax.plot([], [], color="gray", linestyle=":", label="latency floor (dotted, line's colour)")
     for b in bounds:
