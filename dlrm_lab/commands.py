@@ -39,6 +39,7 @@ _INFER_OPTIONS: dict[str, Any] = {
     "max_batch": int,
     "max_delay_ms": float,
     "max_queue": int,
+    "min_piece": int,
     "precision": str,
     "table_precision": str,
     "device": str,

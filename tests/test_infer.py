@@ -319,3 +319,22 @@ def test_infer_run_with_auto_load_records_the_choice_and_runs_at_it(tmp_path):
     assert row["sla_ms"] == choice["sla_ms"] and choice["sla_chosen"]
     assert any(line.startswith(("load chosen by the lab", "no probed rate met")) for line in lines)
     assert manifest["precision_choices"]["tiny"]["precision"] == "fp32"  # ServedModel's default, not measured
+
+
+def test_idle_instances_share_a_query_in_pieces_of_at_least_min_piece(server):
+    """A query the free instances can take at once is spread over them (lower latency at
+    low load), never in pieces smaller than min_piece."""
+    measured = server.models["tiny"].min_piece
+    assert measured >= 1  # resolved at start from the instances' batch times
+    try:
+        server.configure("tiny", max_batch=64, max_delay_ms=0.0, min_piece=10)
+        server.submit(Query(0, "tiny", 40, 0))
+        (spread,) = _drain(server)
+        server.configure("tiny", min_piece=1000)
+        server.submit(Query(1, "tiny", 40, 0))
+        (whole,) = _drain(server)
+    finally:
+        server.configure("tiny", max_batch=64, max_delay_ms=2.0, min_piece=0)
+    assert spread["status"] == "ok" and spread["pieces"] == 2 and spread["batch_samples"] == 20
+    assert whole["status"] == "ok" and whole["pieces"] == 1 and whole["batch_samples"] == 40
+    assert server.models["tiny"].min_piece == measured  # 0 restores the measured break-even

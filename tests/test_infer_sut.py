@@ -97,6 +97,7 @@ class FakeSut:
 
     def _serve(self) -> None:
         while (q := self._queue.get()) is not None:
+            self.service()
             now = time.monotonic_ns()
             e = self.epoch_ns
             scores = self.lib.dense[q.offset : q.offset + q.size, 0].copy()
@@ -113,6 +114,9 @@ class FakeSut:
             with self._idle:
                 self._outstanding -= 1
                 self._idle.notify_all()
+
+    def service(self) -> None:
+        """The time a query takes (none here)."""
 
     def drain(self, timeout_s: float) -> bool:
         with self._idle:
@@ -313,3 +317,75 @@ def test_a_point_is_measured_through_the_interface_alone(tmp_path):
     assert row["model"] == "m" and row["preset"] == "tiny" and row["arrival"] == "poisson"
     assert row["completed_queries"] == len(fake.submitted) > 0 and row["sla_met"]
     assert row["snapshot_mb"] == 0  # this system keeps no snapshot
+
+
+class ServiceSut(FakeSut):
+    """A fake whose one worker takes a fixed service time per query, set by the max batch
+    it is configured with: a system of known capacity (1 / service) for the search."""
+
+    def __init__(self, library: PackedLibrary, served: Any, service_ms: dict[int, float]) -> None:
+        self.service_ms = service_ms
+        super().__init__(library, served)
+
+    def configure(self, model: str, *, max_batch: int | None = None, max_delay_ms: float | None = None) -> None:
+        if max_batch is not None:
+            self.served.max_batch = max_batch
+        if max_delay_ms is not None:
+            self.served.max_delay_ms = max_delay_ms
+
+    def service(self) -> None:
+        time.sleep(self.service_ms[self.served.max_batch] / 1e3)
+
+    def __enter__(self) -> "ServiceSut":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _search(tmp_path, service_ms: dict[int, float], options, sla_ms: float = 30.0) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.search import SearchGrid, search
+    from dlrm_lab.infer.served import ServedModel
+
+    base = ServedModel("m", load_preset("tiny"), precision="fp32")
+    grid = SearchGrid([(1, 1)], sorted(service_ms), [0.0])
+    cfg = InferConfig(duration_s=0.3, sla_ms=sla_ms, drain_timeout_s=10.0)
+    run_dir = search(base, Stream("m", 1.0, QuerySizes.parse("fixed:1")), grid, cfg, options, metrics_dir=tmp_path,
+                     serve=lambda m: ServiceSut(small_library(), m, service_ms))  # fmt: skip
+    frontier = pq.read_table(run_dir / "frontier.parquet").to_pylist()
+    summary = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    return frontier, summary
+
+
+def test_the_search_prunes_a_configuration_whose_capacity_cannot_win(tmp_path):
+    """Two configurations of known capacity (500 and 60 queries/s): the capable one is
+    bisected first, and its rate under the bound leaves the other nothing to win."""
+    from dlrm_lab.infer.search import SearchOptions
+
+    options = SearchOptions(repeats=1, steps=3, capacity_s=0.5, min_queries=30, max_duration_s=0.5)
+    frontier, summary = _search(tmp_path, {64: 2.0, 8: 16.0}, options)
+    fast, slow = (next(r for r in frontier if r["max_batch"] == b) for b in (64, 8))
+    assert 150 < fast["capacity_queries_per_s"] < 600 and slow["capacity_queries_per_s"] < 70
+    assert fast["best"] and fast["outcome"] == "best" and fast["best_qps"] > 1.1 * slow["capacity_queries_per_s"]
+    assert slow["outcome"].startswith("pruned") and slow["probe_points"] == 0 and slow["best_qps"] is None
+    assert {r["max_batch"] for r in summary} == {64}  # no load point was spent on the pruned one
+    assert fast["min_piece"] == 0  # this system measures no batch cost: as given
+
+
+def test_a_probe_that_cannot_pass_ends_its_load_early(tmp_path):
+    """Every query takes longer than the bound: the first late query is already more than a
+    probe of ~60 queries may have at p99, so each probe's load ends at the next poll."""
+    from dlrm_lab.infer.search import SearchOptions
+
+    options = SearchOptions(repeats=3, steps=2, capacity_s=0.5, min_queries=60, max_duration_s=4.0)
+    frontier, summary = _search(tmp_path, {8: 40.0}, options, sla_ms=30.0)
+    (only,) = frontier
+    assert only["outcome"] == "no probed rate met the bound" and only["best_qps"] == 0
+    assert summary and all(r["load_stopped_early"] and r["passed"] is False for r in summary)
+    assert all(r["duration_s"] < 2.0 for r in summary)  # ended at a poll, not after the planned 2.5-4 s
+    # of 3 repeats, 2 failed ones settle the median: each probe skips its third
+    assert only["probes"] == 2 and only["probe_points"] == len(summary) == 4

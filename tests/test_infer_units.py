@@ -675,8 +675,31 @@ def test_latency_floor_is_the_roofline_time_of_the_query_at_the_bounds_percentil
     # 4 instances, max batch 200: ceil(700 / 200) = 4 pieces of 175
     four = latency_floor_columns(spec, "fp32", 4, 1, 200, row, peaks)
     assert four["latency_floor_ms"] == pytest.approx(floor_ms(math.ceil(700 / 4)))
+    # spread over idle instances: a max batch above the query, min_piece 300 -> 2 pieces of 350
+    spread = latency_floor_columns(spec, "fp32", 4, 1, 1024, row, peaks, min_piece=300)
+    assert spread["latency_floor_cores"] == 2 and spread["latency_floor_ms"] == pytest.approx(floor_ms(350))
     # no machine profile: nulls, not zeros
     assert latency_floor_columns(spec, "fp32", 2, 1, 256, row, "no machine profile")["latency_floor_ms"] is None
+
+
+def test_batch_limit_spreads_what_idle_instances_can_take():
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.instance import BatchCost
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.server import batch_limit
+
+    m = ServedModel("m", load_preset("tiny"), instances=4, max_batch=512, min_piece=100)
+    assert batch_limit(m, 700, free=2) == 350  # one query, two idle instances: halves
+    assert batch_limit(m, 700, free=4) == 175  # four: quarters (pieces of >= 100)
+    assert batch_limit(m, 250, free=4) == 125  # only two pieces of >= 100 fit in 250
+    assert batch_limit(m, 90, free=4) == 90  # smaller than min_piece: whole
+    assert batch_limit(m, 700, free=1) == 512  # one instance free: a full batch
+    assert batch_limit(m, 3000, free=4) == 512  # more waiting than the free instances take: full batches
+    m.max_batch = 64
+    assert batch_limit(m, 100, free=2) == 64  # never above max_batch
+    # the measured break-even: fixed 2 ms at 20 us per sample -> 100 samples
+    assert BatchCost(fixed_ms=2.0, per_sample_ms=0.02).break_even() == 100
+    assert BatchCost(fixed_ms=2.0, per_sample_ms=0.0).break_even() == 1
 
 
 def test_search_early_stop_and_settled_repeats_rules():

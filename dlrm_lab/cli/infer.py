@@ -53,6 +53,13 @@ Threads = Annotated[int, typer.Option(help="Intra-op threads per instance.")]
 MaxQueue = Annotated[int, typer.Option(help="Waiting queries per model before new ones are dropped.")]
 MaxBatch = Annotated[int, typer.Option(help="Largest batch in samples (larger queries are split across instances).")]
 MaxDelayMs = Annotated[float, typer.Option(help="Longest a query waits for its batch to fill.")]
+MinPiece = Annotated[
+    int,
+    typer.Option(
+        help="Smallest piece a query is split into over idle instances (0: measured at start, where a batch's "
+        "fixed cost equals its samples' cost)."
+    ),
+]
 Precision = Annotated[
     str,
     typer.Option(
@@ -90,6 +97,7 @@ def run_command(
     max_batch: MaxBatch = 256,
     max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
+    min_piece: MinPiece = 0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
@@ -184,6 +192,7 @@ def search_command(
         bool, typer.Option(help="End a probe's load once more queries were late than its percentile allows.")
     ] = True,
     max_queue: MaxQueue = 4096,
+    min_piece: MinPiece = 0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
@@ -211,7 +220,7 @@ def search_command(
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
                             early_stop=early_stop)  # fmt: skip
-    (base,) = ServingOptions(max_queue=max_queue, precision=precision, table_precision=table_precision,
+    (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, precision=precision, table_precision=table_precision,
                              data_spec=data_spec, table_scale=table_scale, max_rows=max_rows).served(model)  # fmt: skip
     (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival).streams
     raise_on_sigterm()

@@ -16,6 +16,7 @@ from dlrm_lab.cli.infer import (
     Duration,
     Instances,
     MaxBatch,
+    MinPiece,
     MaxDelayMs,
     MaxQueue,
     Models,
@@ -38,6 +39,7 @@ def serve_command(
     max_batch: MaxBatch = 256,
     max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
+    min_piece: MinPiece = 0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
@@ -57,7 +59,7 @@ def serve_command(
 
     served = ServingOptions(
         instances=instances, threads=threads, max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue,
-        precision=precision, table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
+        min_piece=min_piece, precision=precision, table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
         max_rows=max_rows,
     ).served(model)  # fmt: skip
     raise_on_sigterm()  # during start-up; serving installs its own graceful handler

@@ -15,6 +15,7 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
 from __future__ import annotations
 
 import gc
+import math
 import os
 import shutil
 import time
@@ -33,6 +34,7 @@ from dlrm_lab.infer.library import PackedLibrary
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
+COST_BATCH = 256  # the larger of the two batches an instance times at start (`_Runner.batch_cost`)
 
 
 @dataclass
@@ -55,6 +57,22 @@ class BatchResult:
     scores: np.ndarray | None  # float32 click probability per accepted sample, in query order
     rejected: dict[int, str] = field(default_factory=dict)  # query id -> why
     error: str | None = None  # the whole batch failed (the instance lives on)
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """An instance's batch time, modelled as fixed_ms + per_sample_ms x samples (measured at
+    start): what splitting a query over idle instances trades against."""
+
+    fixed_ms: float
+    per_sample_ms: float
+
+    def break_even(self) -> int:
+        """The batch whose per-sample time equals the fixed time: a piece smaller than this
+        spends more on the per-batch cost than on its samples."""
+        if self.per_sample_ms <= 0:
+            return 1
+        return max(1, math.ceil(self.fixed_ms / self.per_sample_ms))
 
 
 @dataclass(frozen=True)
@@ -230,11 +248,12 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         rows = [t.num_embeddings for t in spec.tables for _ in t.feature_names]
         runner = _Runner(model, library, spec.feature_names, device, plan.precision)
         runner.warm_up(plan.warmup_batch)
+        cost = runner.batch_cost(min(COST_BATCH, library.size))
         gc.collect()
         gc.freeze()  # the model's objects never die: keep them out of every later collection
-        conn.send(("ready", None))
+        conn.send(("ready", None, cost))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
-        conn.send(("ready", f"{type(exc).__name__}: {exc}"))
+        conn.send(("ready", f"{type(exc).__name__}: {exc}", None))
         return
     while True:
         try:
@@ -319,6 +338,19 @@ class _Runner:
         sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.autocast else set())
         for size in sorted(sizes):  # first calls allocate and compile: keep them out of latency
             self([QueryRef(-1, size, 0)])
+
+    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
+        """This instance's batch time as fixed + per-sample cost, from the medians of a
+        1-sample batch and a `large` one timed alternately (after warm-up)."""
+        times: dict[int, list[float]] = {1: [], large: []}
+        for _ in range(repeats):
+            for n in times:
+                t = time.perf_counter()
+                self([QueryRef(-1, n, 0)])
+                times[n].append(time.perf_counter() - t)
+        one, big = (float(np.median(times[n])) * 1e3 for n in (1, large))
+        per_sample = max(big - one, 0.0) / max(large - 1, 1)
+        return BatchCost(fixed_ms=max(one - per_sample, 0.0), per_sample_ms=per_sample)
 
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
         dense, kjt = assemble_batch(self.library, refs, self.keys)

@@ -225,7 +225,7 @@ def measure(
         peaks = peaks_for(profile, "cuda:0" if cfg.device == "cuda" else "cpu", precision, served.threads)
         row.update(roofline_columns(served.spec, served.table_precision, row, peaks))
         row.update(latency_floor_columns(served.spec, served.table_precision, served.instances, served.threads,
-                                         served.max_batch, row, peaks))  # fmt: skip
+                                         served.max_batch, row, peaks, served.min_piece))  # fmt: skip
         rows.append(row)
     for row in rows:
         row.update(energy_columns(energy, rows))

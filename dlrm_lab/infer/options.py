@@ -31,6 +31,7 @@ class ServingOptions:
     max_batch: int = 256
     max_delay_ms: float = 1.0
     max_queue: int = 4096
+    min_piece: int = 0
     precision: str = AUTO
     table_precision: str = "fp32"
     data_spec: str | None = None
@@ -55,6 +56,7 @@ class ServingOptions:
                     max_batch=self.max_batch,
                     max_delay_ms=self.max_delay_ms,
                     max_queue=self.max_queue,
+                    min_piece=self.min_piece,
                     precision=self.precision,
                     table_precision=self.table_precision,
                     data_spec=self.data_spec,

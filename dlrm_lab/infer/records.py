@@ -58,6 +58,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("max_batch", pa.int32()),
         ("max_delay_ms", pa.float64()),
         ("max_queue", pa.int32()),
+        ("min_piece", pa.int32()),  # smallest split piece (resolved: measured when 0 was asked)
         ("precision", pa.string()),
         ("table_precision", pa.string()),
         ("query_sizes", pa.string()),
@@ -229,12 +230,14 @@ def latency_floor_columns(
     max_batch: int,
     row: dict[str, Any],
     peaks: Peaks | str,
+    min_piece: int = 0,
 ) -> dict[str, Any]:
     """The latency floor of the point: the roofline time of its query at the bound's
     percentile (`latency_floor_samples`, from summarize) on the cores that would serve it.
 
-    A query larger than `max_batch` is split over min(instances, ceil(q / max_batch))
-    instances, each with `threads` threads (the peaks given); its floor is the roofline time
+    A query is split over min(instances, max(ceil(q / max_batch), q // min_piece))
+    instances (the server's split: pieces of at most max_batch, and over idle instances in
+    pieces of at least min_piece), each with `threads` threads (the peaks given); its floor is the roofline time
     of one piece (ceil(q / pieces) samples: forward FLOPs and embedding rows as in
     `roofline_columns`, the dense weights read once). `latency_floor_ratio` is the measured
     latency at that percentile over the floor: 1 would be a query served at the machine's
@@ -245,7 +248,7 @@ def latency_floor_columns(
     q = row.get("latency_floor_samples")
     if not q or isinstance(peaks, str):
         return out
-    pieces = max(1, min(instances, math.ceil(q / max_batch)))
+    pieces = max(1, min(instances, max(math.ceil(q / max_batch), q // min_piece if min_piece else 0)))
     piece = math.ceil(q / pieces)
     cost = sample_cost(spec)
     row_bytes = lookup_bytes_per_sample(spec, table_precision)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ FRONTIER_SCHEMA = pa.schema(
         ("threads_per_instance", pa.int32()),
         ("max_batch", pa.int32()),
         ("max_delay_ms", pa.float64()),
+        ("min_piece", pa.int32()),  # smallest split piece (measured by the layout's instances when 0 was asked)
         ("precision", pa.string()),  # dense compute of this configuration
         ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
         ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
@@ -146,6 +148,7 @@ def search(
     argv: list[str] | None = None,
     log: Log | None = None,
     on_progress: OnProgress | None = None,
+    serve: Callable[[ServedModel], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """For each configuration, the highest rate whose latency percentile meets the bound.
 
@@ -165,6 +168,8 @@ def search(
     The load of each probe is our open-loop generator or MLPerf LoadGen's Server scenario
     (`cfg.scenario`); either way the verdict is computed from our own query records.
     `on_progress` hears how far each probe's load is (points numbered over the whole search).
+    `serve(served model)` starts the system under test of a layout (default: an
+    `InferenceServer` on this host); it has `configure(model, max_batch=, max_delay_ms=)`.
     """
     if cfg.scenario not in ("open-loop", "server"):
         raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
@@ -177,6 +182,11 @@ def search(
         "grid": asdict(grid),
         "search": asdict(options),
     }
+    if serve is None:
+
+        def serve(m: ServedModel) -> AbstractContextManager[Any]:
+            return InferenceServer([m], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed)
+
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)
     frontier: list[dict[str, Any]] = []
     extra = {"repeat": pa.int32(), "probe": pa.int32(), "passed": pa.bool_()}
@@ -197,17 +207,17 @@ def search(
         mean_size = stream.sizes.mean
         for (instances, threads), precision, group in runs:
             first = replace(base, instances=instances, threads=threads, precision=precision)
-            with InferenceServer([first], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed) as server:
+            with serve(first) as server:
                 measured = []  # capacities first: the most capable configuration is searched first
                 for _, _, max_batch, delay in group:
                     server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
                     measured.append((capacity, max_batch, delay))
                     if log:
-                        log(f"{_label(server.models[base.name])}: capacity {capacity:.1f} queries/s (closed loop)")
+                        log(f"{_label(server.describe().models[base.name])}: capacity {capacity:.1f} queries/s (closed loop)")
                 for capacity, max_batch, delay in sorted(measured, key=lambda m: -m[0]):
                     server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
-                    served = server.models[base.name]
+                    served = server.describe().models[base.name]
                     if options.prune_margin >= 0 and capacity * mean_size * (1 + options.prune_margin) < best_sps:
                         why = (f"pruned: capacity {capacity * mean_size:,.0f} samples/s cannot beat "
                                f"{best_sps:,.0f} under the bound")  # fmt: skip
@@ -319,6 +329,7 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
         "threads_per_instance": served.threads,
         "max_batch": served.max_batch,
         "max_delay_ms": served.max_delay_ms,
+        "min_piece": served.min_piece,
         "precision": served.precision,
         "capacity_queries_per_s": capacity,
         "best_qps": lo,

@@ -23,6 +23,9 @@ class ServedModel:
     max_batch: int = 256  # samples
     max_delay_ms: float = 1.0
     max_queue: int = 4096  # waiting queries before new ones are dropped
+    # Smallest piece a query is split into when instances are idle (see infer.server);
+    # 0: measured at start, the batch whose per-sample time equals the per-batch fixed time.
+    min_piece: int = 0
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
@@ -33,6 +36,8 @@ class ServedModel:
                             ("max_queue", self.max_queue)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
+        if not isinstance(self.min_piece, int) or self.min_piece < 0:
+            raise UserError(f"--min-piece {self.min_piece!r}: must be a whole number >= 0 (0: measured)")
         if not self.max_delay_ms >= 0:
             raise UserError(f"--max-delay-ms {self.max_delay_ms!r}: must be >= 0")
         if self.precision not in (AUTO, *PRECISIONS):
@@ -50,6 +55,7 @@ class ServedModel:
             "max_batch": self.max_batch,
             "max_delay_ms": self.max_delay_ms,
             "max_queue": self.max_queue,
+            "min_piece": self.min_piece,
             "precision": self.precision,
             "table_precision": self.table_precision,
         }

@@ -37,6 +37,7 @@ from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import (
     PRECISIONS,
+    BatchCost,
     BatchResult,
     InstancePlan,
     QueryRef,
@@ -54,6 +55,18 @@ from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.model.dlrm import build_model
 
 
+def batch_limit(m: ServedModel, waiting: int, free: int) -> int:
+    """The size of the next batch. When the free instances can take everything waiting
+    (`waiting` samples), it is spread over as many of them as keeps pieces at least
+    `min_piece` samples: at low load a query then runs on several cores at once instead of
+    one (a 700-sample query on 2 idle instances: 2 x 350, about half the latency). Otherwise
+    batches are as large as `max_batch` allows (throughput under load)."""
+    if free < 2 or waiting > free * m.max_batch:
+        return m.max_batch
+    pieces = max(1, min(free, waiting // max(1, m.min_piece)))
+    return min(m.max_batch, -(-waiting // pieces))
+
+
 @dataclass
 class _Pool:
     served: ServedModel
@@ -63,6 +76,7 @@ class _Pool:
     waiting_samples: int = 0
     free: collections.deque = field(default_factory=collections.deque)  # idle instance numbers
     thread: threading.Thread | None = None
+    cost: BatchCost | None = None  # of one batch on one instance, measured at start
 
 
 class InferenceServer:
@@ -190,19 +204,31 @@ class InferenceServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         waiting = dict(self._conns)
+        costs: dict[str, list[BatchCost]] = {name: [] for name in self._pools}
         while waiting:
             for conn in wait_connections(list(waiting.values()), timeout=0.5):
                 index = next(i for i, c in waiting.items() if c is conn)
                 try:
-                    _, error = conn.recv()
+                    _, error, cost = conn.recv()
                 except (EOFError, OSError):
                     error = f"exited with code {self._procs[index].exitcode}"
                 if error:
                     raise RuntimeError(f"instance {index} failed to start: {error}")
                 del waiting[index]
-                self.log(f"instance {index} ready")
+                costs[self.instance_info[index]["model"]].append(cost)
+                self.log(f"instance {index} ready: a batch takes {cost.fixed_ms:.2f} ms + "
+                         f"{cost.per_sample_ms * 1e3:.1f} us per sample")  # fmt: skip
             if time.monotonic() > deadline:
                 raise RuntimeError(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")
+        for name, measured in costs.items():
+            pool = self._pools[name]
+            pool.cost = BatchCost(
+                fixed_ms=float(np.median([c.fixed_ms for c in measured])),
+                per_sample_ms=float(np.median([c.per_sample_ms for c in measured])),
+            )
+            if not pool.served.min_piece:
+                pool.served.min_piece = pool.cost.break_even()
+                self.log(f"{name}: queries split over idle instances in pieces of >= {pool.served.min_piece} samples")
 
     def stop(self) -> None:
         """Stop batchers and instances; queries still waiting are recorded as unfinished."""
@@ -261,6 +287,7 @@ class InferenceServer:
         max_batch: int | None = None,
         max_delay_ms: float | None = None,
         max_queue: int | None = None,
+        min_piece: int | None = None,
     ) -> None:
         """Change a model's batching policy between load points (instances stay up)."""
         m = self.models[model]
@@ -272,6 +299,8 @@ class InferenceServer:
                 m.max_delay_ms = max_delay_ms
             if max_queue is not None:
                 m.max_queue = max_queue
+            if min_piece is not None:  # 0: back to the measured break-even
+                m.min_piece = min_piece or (pool.cost.break_even() if pool.cost else 1)
             pool.cond.notify()
 
     def submit(self, q: Query) -> None:
@@ -345,7 +374,7 @@ class InferenceServer:
                         pool.cond.wait(left_s)
                     else:
                         pool.cond.wait()
-                pieces = self._take_batch(pool, m.max_batch)
+                pieces = self._take_batch(pool, batch_limit(m, pool.waiting_samples, len(pool.free)))
                 instance = pool.free.popleft()
                 batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces)
@@ -362,7 +391,8 @@ class InferenceServer:
 
     @staticmethod
     def _take_batch(pool: _Pool, max_batch: int) -> list[tuple[Query, int, int]]:
-        """Pieces (query, lo, hi) of the next batch; called with the pool's lock held.
+        """Pieces (query, lo, hi) of the next batch of at most `max_batch` samples (see
+        `batch_limit`); called with the pool's lock held.
 
         Whole queries are packed while they fit. A query larger than `max_batch` is split
         (DeepRecSys' query splitting): a full batch of its samples goes now, the rest stays
