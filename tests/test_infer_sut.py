@@ -97,8 +97,7 @@ class FakeSut:
 
     def _serve(self) -> None:
         while (q := self._queue.get()) is not None:
-            self.service()
-            now = time.monotonic_ns()
+            now = time.monotonic_ns() + self.service()
             e = self.epoch_ns
             scores = self.lib.dense[q.offset : q.offset + q.size, 0].copy()
             self._records.append({
@@ -115,8 +114,9 @@ class FakeSut:
                 self._outstanding -= 1
                 self._idle.notify_all()
 
-    def service(self) -> None:
-        """The time a query takes (none here)."""
+    def service(self) -> int:
+        """Serve a query: returns ns its answer is later than now (none here)."""
+        return 0
 
     def drain(self, timeout_s: float) -> bool:
         with self._idle:
@@ -323,8 +323,8 @@ class ServiceSut(FakeSut):
     """A fake whose one worker takes a fixed service time per query, set by the max batch
     it is configured with: a system of known capacity (1 / service) for the search."""
 
-    def __init__(self, library: PackedLibrary, served: Any, service_ms: dict[int, float]) -> None:
-        self.service_ms = service_ms
+    def __init__(self, library: PackedLibrary, served: Any, service_ms: dict[int, tuple[float, float]]) -> None:
+        self.service_ms = service_ms  # max batch -> (ms the worker is busy, ms more until the answer)
         super().__init__(library, served)
 
     def configure(self, model: str, *, max_batch: int | None = None, max_delay_ms: float | None = None) -> None:
@@ -333,8 +333,10 @@ class ServiceSut(FakeSut):
         if max_delay_ms is not None:
             self.served.max_delay_ms = max_delay_ms
 
-    def service(self) -> None:
-        time.sleep(self.service_ms[self.served.max_batch] / 1e3)
+    def service(self) -> int:
+        busy, later = self.service_ms[self.served.max_batch]
+        time.sleep(busy / 1e3)
+        return int(later * 1e6)
 
     def __enter__(self) -> "ServiceSut":
         return self
@@ -343,7 +345,7 @@ class ServiceSut(FakeSut):
         self.close()
 
 
-def _search(tmp_path, service_ms: dict[int, float], options, sla_ms: float = 30.0) -> list[dict[str, Any]]:
+def _search(tmp_path, service_ms: dict[int, tuple[float, float]], options, sla_ms: float = 30.0):
     import pyarrow.parquet as pq
 
     from dlrm_lab.config import load_preset
@@ -361,18 +363,22 @@ def _search(tmp_path, service_ms: dict[int, float], options, sla_ms: float = 30.
     return frontier, summary
 
 
-def test_the_search_prunes_a_configuration_whose_capacity_cannot_win(tmp_path):
-    """Two configurations of known capacity (500 and 60 queries/s): the capable one is
-    bisected first, and its rate under the bound leaves the other nothing to win."""
+def test_the_search_spends_almost_nothing_on_configurations_that_cannot_win(tmp_path):
+    """Three configurations of known behaviour (busy 2 ms: ~500 queries/s; busy 2.5 ms but
+    every answer 31 ms late; busy 16 ms: ~60 queries/s), bound 30 ms: the most capable is
+    bisected first; the late one fails its one probe at the best rate / (1 + margin); the
+    slow one's capacity cannot reach the best rate, so it gets no probe at all."""
     from dlrm_lab.infer.search import SearchOptions
 
-    options = SearchOptions(repeats=1, steps=3, capacity_s=0.5, min_queries=30, max_duration_s=0.5)
-    frontier, summary = _search(tmp_path, {64: 2.0, 8: 16.0}, options)
-    fast, slow = (next(r for r in frontier if r["max_batch"] == b) for b in (64, 8))
+    options = SearchOptions(repeats=1, steps=3, capacity_s=0.5, min_queries=30, max_duration_s=0.5, prune_margin=0.5)
+    frontier, summary = _search(tmp_path, {64: (2.0, 0.0), 32: (2.5, 31.0), 8: (16.0, 0.0)}, options)
+    fast, late, slow = (next(r for r in frontier if r["max_batch"] == b) for b in (64, 32, 8))
     assert 150 < fast["capacity_queries_per_s"] < 600 and slow["capacity_queries_per_s"] < 70
-    assert fast["best"] and fast["outcome"] == "best" and fast["best_qps"] > 1.1 * slow["capacity_queries_per_s"]
+    assert late["capacity_queries_per_s"] < fast["capacity_queries_per_s"]  # searched after the fast one
+    assert fast["best"] and fast["outcome"] == "best" and fast["best_qps"] > 1.5 * slow["capacity_queries_per_s"]
+    assert late["outcome"].startswith("lower: the bound missed") and late["probes"] == 1 and late["best_qps"] == 0
     assert slow["outcome"].startswith("pruned") and slow["probe_points"] == 0 and slow["best_qps"] is None
-    assert {r["max_batch"] for r in summary} == {64}  # no load point was spent on the pruned one
+    assert {r["max_batch"] for r in summary} == {64, 32}  # no load point was spent on the pruned one
     assert fast["min_piece"] == 0  # this system measures no batch cost: as given
 
 
@@ -382,7 +388,7 @@ def test_a_probe_that_cannot_pass_ends_its_load_early(tmp_path):
     from dlrm_lab.infer.search import SearchOptions
 
     options = SearchOptions(repeats=3, steps=2, capacity_s=0.5, min_queries=60, max_duration_s=4.0)
-    frontier, summary = _search(tmp_path, {8: 40.0}, options, sla_ms=30.0)
+    frontier, summary = _search(tmp_path, {8: (40.0, 0.0)}, options, sla_ms=30.0)
     (only,) = frontier
     assert only["outcome"] == "no probed rate met the bound" and only["best_qps"] == 0
     assert summary and all(r["load_stopped_early"] and r["passed"] is False for r in summary)

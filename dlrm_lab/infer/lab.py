@@ -134,7 +134,7 @@ def measure(
     load is (see `PointProgress`). What the rows say about each model (its serving
     configuration, spec, processes) is what `server.describe()` reports.
 
-    `decided(records so far)` is asked twice a second while the load runs: True ends the
+    `decided(records so far)` is asked every `drivers.POLL_S` while the load runs: True ends the
     load there (a search probe whose verdict can no longer change); the rows then say
     `load_stopped_early` and their rates count the time the load actually ran."""
     if point.duration_s is not None:
@@ -256,7 +256,7 @@ def point_line(row: dict[str, Any]) -> str:
     p99, floor = row.get("latency_p99_ms"), row.get("latency_floor_ms")
     lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
     ratio = row.get("latency_floor_ratio")
-    beside = "" if floor is None else f" (floor {floor:.2f} ms" + ("" if ratio is None else f", {ratio:.1f}x") + ")"
+    beside = "" if floor is None else f" (floor {floor:.3g} ms" + ("" if ratio is None else f", {ratio:,.1f}x") + ")"
     return (
         f"{row['model']} [{row['mode']}] target {row['target_qps']:.1f} queries/s: "
         f"{row['queries_per_s']:.1f} queries/s, {row['samples_per_s']:.0f} samples/s, "

@@ -161,7 +161,8 @@ def search(
 
     What keeps it fast without changing the answer: a configuration whose capacity (with
     `prune_margin` for noise) is below the best rate already found under the bound is not
-    bisected (`outcome` says so); a probe's load ends as soon as more queries were late than
+    bisected (`outcome` says so), nor one that misses the bound at that best rate / (1 +
+    `prune_margin`), its first probe (the winner's rate is still found by bisection); a probe's load ends as soon as more queries were late than
     its percentile allows (`late_budget`, LoadGen-style early stopping of a lost cause); and
     repeats stop once the rest cannot change the median's verdict (`verdict_settled`).
 
@@ -230,8 +231,15 @@ def search(
                     lo, hi = 0.0, capacity * 1.05
                     best_rows: list[dict[str, Any]] = []
                     probes = points = 0
+                    # With a rate found under the bound already, the first probe asks whether this
+                    # configuration can come near it: failing there, it cannot win (one probe spent).
+                    challenge = best_sps / mean_size / (1 + options.prune_margin) if options.prune_margin >= 0 else 0.0
+                    lost = None
                     while probes < options.steps and (hi - lo) / hi > options.tolerance:
-                        qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
+                        if probes == 0 and 0 < challenge < hi:
+                            qps = challenge
+                        else:
+                            qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
                         seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
                         decided = (fails_already(base.name, cfg.sla_ms,
                                                  late_budget(qps, seconds, cfg.sla_percentile))
@@ -264,13 +272,21 @@ def search(
                             )
                             log(f"{_label(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
                                 f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}{early}")  # fmt: skip
+                        probes += 1
                         if passed:
                             lo, best_rows = qps, rows
+                        elif qps == challenge:
+                            hi = qps
+                            lost = (f"lower: the bound missed at {qps:,.1f} queries/s, the best rate found "
+                                    f"/ (1 + prune margin)")  # fmt: skip
+                            if log:
+                                log(f"{_label(served)}: {lost}")
+                            break
                         else:
                             hi = qps
-                        probes += 1
                     row = _frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
                     row["probe_points"] = points
+                    row["outcome"] = lost
                     frontier.append(row)
                     best_sps = max(best_sps, row["best_samples_per_s"] or 0.0)
         searched = [r for r in frontier if r["best_samples_per_s"] is not None]

@@ -22,6 +22,7 @@ import itertools
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +66,9 @@ def batch_limit(m: ServedModel, waiting: int, free: int) -> int:
         return m.max_batch
     pieces = max(1, min(free, waiting // max(1, m.min_piece)))
     return min(m.max_batch, -(-waiting // pieces))
+
+
+GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
 
 @dataclass
@@ -123,10 +127,17 @@ class InferenceServer:
         self.instance_info: list[dict[str, Any]] = []
         self.snapshot_bytes: dict[str, int] = {}
         self.precision_choices: dict[str, dict[str, Any]] = {}  # per model: what ran and why (manifest)
+        self._switch_interval: float | None = None  # the process's GIL switch interval before start()
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> InferenceServer:
+        # The load generator, batcher and completion threads share this process's GIL: a
+        # thread that wants it waits up to the switch interval (5 ms by default), which
+        # becomes queueing in every query's latency. (tiny, 4,000 queries/s, 2 instances on
+        # 2 cores: p99 22.7 -> 14.5 ms with 0.5 ms.) Restored by stop().
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_S)
         device = self.device
         resolve_device(device)  # one-line error for an unknown device or a missing GPU
         for stale in remove_stale_snapshots():
@@ -263,6 +274,9 @@ class InferenceServer:
         for snap in self._snapshots:
             shutil.rmtree(snap, ignore_errors=True)
         self._snapshots.clear()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def __enter__(self) -> InferenceServer:
         return self.start()
