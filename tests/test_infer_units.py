@@ -721,3 +721,8 @@ def test_search_early_stop_and_settled_repeats_rules():
     assert verdict_settled([float("inf")], 2, 10.0) is False  # an early-stopped repeat decides two
     assert verdict_settled([5.0, 6.0], 3, 10.0) is True  # two of three pass: the median passes
     assert verdict_settled([5.0], 1, 10.0) is True
+    # with a margin of 25%, a repeat clearly on one side settles it; one near the bound does not
+    assert verdict_settled([8.0], 2, 10.0, margin=0.25) is True
+    assert verdict_settled([12.5], 3, 10.0, margin=0.25) is False
+    assert verdict_settled([9.0], 2, 10.0, margin=0.25) is None
+    assert verdict_settled([7.0, 11.0], 3, 10.0, margin=0.25) is None

@@ -175,11 +175,11 @@ def search_command(
         Optional[str],
         typer.Option(help="instances x threads to try, e.g. 1x1,2x1 (default: all with instances x threads <= cores)."),
     ] = None,
-    duration: Duration = 2.0,
+    duration: Duration = 1.0,
     repeats: Annotated[int, typer.Option(help="Load points per probed rate (the median decides).")] = 2,
     steps: Annotated[int, typer.Option(help="Bisection probes per configuration at most.")] = 6,
     tolerance: Annotated[float, typer.Option(help="Stop when the bracket is this narrow (relative).")] = 0.05,
-    capacity_duration: Annotated[float, typer.Option(help="Seconds of the closed-loop capacity run.")] = 2.0,
+    capacity_duration: Annotated[float, typer.Option(help="Seconds of the closed-loop capacity run.")] = 1.0,
     min_queries: Annotated[
         int, typer.Option(help="A probe lasts until this many queries arrived (for a stable percentile)...")
     ] = 500,
@@ -189,7 +189,11 @@ def search_command(
         typer.Option(help="Skip a configuration whose capacity x (1 + this) is below the best rate found (< 0: off)."),
     ] = 0.10,
     early_stop: Annotated[
-        bool, typer.Option(help="End a probe's load once more queries were late than its percentile allows.")
+        bool,
+        typer.Option(
+            help="End a probe once decided: its load when more queries were late than its percentile allows, its "
+            "repeats when all lie 25% or more on one side of the bound."
+        ),
     ] = True,
     max_queue: MaxQueue = 4096,
     min_piece: MinPiece = 0,

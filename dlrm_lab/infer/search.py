@@ -49,14 +49,14 @@ class SearchOptions:
     repeats: int = 2  # load points per probed rate; the median decides
     steps: int = 6  # bisection probes per configuration at most
     tolerance: float = 0.05  # stop when the bracket is this narrow relative to its top
-    capacity_s: float = 2.0  # closed-loop saturation run that bounds the search
+    capacity_s: float = 1.0  # closed-loop saturation run that bounds the search
     min_queries: int = 500  # a probe lasts long enough for this many queries (p99 = the 5th worst of 500) ...
     max_duration_s: float = 20.0  # ... but at most this long
     # A configuration whose capacity (samples/s) x (1 + prune_margin) is below the best rate
     # found under the bound is not bisected: it cannot win (capacity bounds every passing
     # rate; the margin covers run-to-run noise). 0 would prune hardest; < 0 turns it off.
     prune_margin: float = 0.10
-    early_stop: bool = True  # end a probe's load once too many queries were late for it to pass
+    early_stop: bool = True  # end a probe's load once too many were late; its repeats once clearly decided
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
@@ -102,6 +102,11 @@ FRONTIER_SCHEMA = pa.schema(
 )
 
 
+# Repeats of one probed rate whose percentiles all lie this far on one side of the bound
+# settle it (tiny, 2 s probes on 2 cores: repeats of one rate differed by up to ~20%).
+SETTLE_MARGIN = 0.25
+
+
 def late_budget(qps: float, seconds: float, percentile: float) -> int:
     """How many of a probe's queries may be late (or dropped) and its nearest-rank
     percentile still meet the bound: n - ceil(p/100 n) of the n = qps x seconds planned."""
@@ -127,10 +132,17 @@ def fails_already(model: str, sla_ms: float, budget: int) -> Callable[[list[dict
     return decided
 
 
-def verdict_settled(latencies: list[float], repeats: int, sla_ms: float) -> bool | None:
+def verdict_settled(latencies: list[float], repeats: int, sla_ms: float, margin: float = 0.0) -> bool | None:
     """The probe's verdict (median latency at the percentile within the bound) once the
     repeats still to run cannot change it, else None: the remaining ones are filled in as
-    best (0) and as worst (inf) cases."""
+    best (0) and as worst (inf) cases. With `margin` > 0, repeats that all lie clearly on
+    one side (within bound / (1 + margin), or beyond bound x (1 + margin)) settle it too:
+    the rest would need a swing larger than repeats of one rate show."""
+    if margin > 0 and latencies:
+        if all(x <= sla_ms / (1 + margin) for x in latencies):
+            return True
+        if all(x >= sla_ms * (1 + margin) for x in latencies):
+            return False
     left = repeats - len(latencies)
     best = np.median([*latencies, *[0.0] * left]) <= sla_ms
     worst = np.median([*latencies, *[math.inf] * left]) <= sla_ms
@@ -164,7 +176,8 @@ def search(
     bisected (`outcome` says so), nor one that misses the bound at that best rate / (1 +
     `prune_margin`), its first probe (the winner's rate is still found by bisection); a probe's load ends as soon as more queries were late than
     its percentile allows (`late_budget`, LoadGen-style early stopping of a lost cause); and
-    repeats stop once the rest cannot change the median's verdict (`verdict_settled`).
+    repeats stop once the rest cannot change the median's verdict, or all lie clearly on one
+    side of the bound (`verdict_settled`, `SETTLE_MARGIN`).
 
     The load of each probe is our open-loop generator or MLPerf LoadGen's Server scenario
     (`cfg.scenario`); either way the verdict is computed from our own query records.
@@ -239,7 +252,9 @@ def search(
                         if probes == 0 and 0 < challenge < hi:
                             qps = challenge
                         else:
-                            qps = (lo + hi) / 2 if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
+                            # a wide bracket (a bounded rate far below capacity) is halved in ratio, not in width
+                            mid = math.sqrt(lo * hi) if hi > 2 * lo > 0 else (lo + hi) / 2
+                            qps = mid if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
                         seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
                         decided = (fails_already(base.name, cfg.sla_ms,
                                                  late_budget(qps, seconds, cfg.sla_percentile))
@@ -256,7 +271,8 @@ def search(
                             rows.append(row)
                             stopped = row["load_stopped_early"] or row["sla_latency_ms"] is None
                             lat.append(math.inf if stopped else row["sla_latency_ms"])
-                            passed = verdict_settled(lat, options.repeats, cfg.sla_ms)
+                            passed = verdict_settled(lat, options.repeats, cfg.sla_ms,
+                                                     SETTLE_MARGIN if options.early_stop else 0.0)  # fmt: skip
                             if passed is not None:
                                 break  # the repeats left cannot change the verdict
                         points += len(rows)
