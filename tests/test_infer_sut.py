@@ -338,7 +338,7 @@ class ServiceSut(FakeSut):
         time.sleep(busy / 1e3)
         return int(later * 1e6)
 
-    def __enter__(self) -> "ServiceSut":
+    def __enter__(self) -> ServiceSut:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -224,8 +224,9 @@ def search_command(
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
                             early_stop=early_stop)  # fmt: skip
-    (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, precision=precision, table_precision=table_precision,
-                             data_spec=data_spec, table_scale=table_scale, max_rows=max_rows).served(model)  # fmt: skip
+    (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, precision=precision,
+                             table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
+                             max_rows=max_rows).served(model)  # fmt: skip
     (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival).streams
     raise_on_sigterm()
     out = console(stderr=True)

@@ -16,9 +16,9 @@ from dlrm_lab.cli.infer import (
     Duration,
     Instances,
     MaxBatch,
-    MinPiece,
     MaxDelayMs,
     MaxQueue,
+    MinPiece,
     Models,
     PinCores,
     Precision,
@@ -59,8 +59,8 @@ def serve_command(
 
     served = ServingOptions(
         instances=instances, threads=threads, max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue,
-        min_piece=min_piece, precision=precision, table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
-        max_rows=max_rows,
+        min_piece=min_piece, precision=precision, table_precision=table_precision, data_spec=data_spec,
+        table_scale=table_scale, max_rows=max_rows,
     ).served(model)  # fmt: skip
     raise_on_sigterm()  # during start-up; serving installs its own graceful handler
     out = console(stderr=True)

@@ -174,10 +174,11 @@ def search(
     What keeps it fast without changing the answer: a configuration whose capacity (with
     `prune_margin` for noise) is below the best rate already found under the bound is not
     bisected (`outcome` says so), nor one that misses the bound at that best rate / (1 +
-    `prune_margin`), its first probe (the winner's rate is still found by bisection); a probe's load ends as soon as more queries were late than
-    its percentile allows (`late_budget`, LoadGen-style early stopping of a lost cause); and
-    repeats stop once the rest cannot change the median's verdict, or all lie clearly on one
-    side of the bound (`verdict_settled`, `SETTLE_MARGIN`).
+    `prune_margin`), its first probe (the winner's rate is still found by bisection); a
+    probe's load ends as soon as more queries were late than its percentile allows
+    (`late_budget`, LoadGen-style early stopping of a lost cause); and repeats stop once the
+    rest cannot change the median's verdict, or all lie clearly on one side of the bound
+    (`verdict_settled`, `SETTLE_MARGIN`).
 
     The load of each probe is our open-loop generator or MLPerf LoadGen's Server scenario
     (`cfg.scenario`); either way the verdict is computed from our own query records.
@@ -228,7 +229,8 @@ def search(
                     capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
                     measured.append((capacity, max_batch, delay))
                     if log:
-                        log(f"{_label(server.describe().models[base.name])}: capacity {capacity:.1f} queries/s (closed loop)")
+                        label = _label(server.describe().models[base.name])
+                        log(f"{label}: capacity {capacity:.1f} queries/s (closed loop)")
                 for capacity, max_batch, delay in sorted(measured, key=lambda m: -m[0]):
                     server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     served = server.describe().models[base.name]
