@@ -345,7 +345,8 @@ class ServiceSut(FakeSut):
         self.close()
 
 
-def _search(tmp_path, service_ms: dict[int, tuple[float, float]], options, sla_ms: float = 30.0):
+def _search(tmp_path, service_ms: dict[int, tuple[float, float]], options, sla_ms: float = 30.0,
+            scenario: str = "open-loop"):  # fmt: skip
     import pyarrow.parquet as pq
 
     from dlrm_lab.config import load_preset
@@ -355,7 +356,7 @@ def _search(tmp_path, service_ms: dict[int, tuple[float, float]], options, sla_m
 
     base = ServedModel("m", load_preset("tiny"), precision="fp32")
     grid = SearchGrid([(1, 1)], sorted(service_ms), [0.0])
-    cfg = InferConfig(duration_s=0.3, sla_ms=sla_ms, drain_timeout_s=10.0)
+    cfg = InferConfig(scenario=scenario, duration_s=0.3, sla_ms=sla_ms, drain_timeout_s=10.0)
     run_dir = search(base, Stream("m", 1.0, QuerySizes.parse("fixed:1")), grid, cfg, options, metrics_dir=tmp_path,
                      serve=lambda m: ServiceSut(small_library(), m, service_ms))  # fmt: skip
     frontier = pq.read_table(run_dir / "frontier.parquet").to_pylist()
@@ -395,3 +396,15 @@ def test_a_probe_that_cannot_pass_ends_its_load_early(tmp_path):
     assert all(r["duration_s"] < 2.0 for r in summary)  # ended at a poll, not after the planned 2.5-4 s
     # of 3 repeats, one clearly beyond the bound settles the probe (SETTLE_MARGIN)
     assert only["probes"] == 2 and only["probe_points"] == len(summary) == 2
+
+
+def test_a_loadgen_probe_is_never_cut_short(tmp_path):
+    """LoadGen cannot be interrupted: a Server-scenario probe that fails runs to its end
+    (cutting it would start the next LoadGen test while this one still runs)."""
+    pytest.importorskip("mlperf_loadgen")
+    from dlrm_lab.infer.search import SearchOptions
+
+    options = SearchOptions(repeats=1, steps=1, capacity_s=0.3, min_queries=10, max_duration_s=0.6)
+    frontier, summary = _search(tmp_path, {8: (40.0, 0.0)}, options, scenario="server")
+    assert frontier[0]["outcome"] == "no probed rate met the bound"
+    assert summary and not any(r["load_stopped_early"] for r in summary)

@@ -258,9 +258,11 @@ def search(
                             mid = math.sqrt(lo * hi) if hi > 2 * lo > 0 else (lo + hi) / 2
                             qps = mid if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
                         seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
+                        # LoadGen cannot be interrupted: ending its probe early would start the
+                        # next test while it still runs (it aborts the process)
                         decided = (fails_already(base.name, cfg.sla_ms,
                                                  late_budget(qps, seconds, cfg.sla_percentile))
-                                   if options.early_stop else None)  # fmt: skip
+                                   if options.early_stop and cfg.scenario == "open-loop" else None)  # fmt: skip
                         rows: list[dict[str, Any]] = []
                         lat: list[float] = []
                         passed: bool | None = None
