@@ -81,6 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="bound,low,loadgen")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--keep", default=None, help="keep the runs in this directory (default: a temporary one)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     flags = [f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))]
@@ -89,7 +90,8 @@ def main() -> None:
     spec = load_preset("kaggle", table_scale=0.1)
     flops = sample_cost(spec).forward_flops
     with tempfile.TemporaryDirectory() as t:
-        tmp = Path(t)
+        tmp = Path(args.keep or t)
+        tmp.mkdir(parents=True, exist_ok=True)
         grid = ["--layouts", "2x1,1x2", "--max-batch", "1024", "--max-delay-ms", "0.5,2"]
         best, frontier, point = search(tmp, *grid)
         top = max(frontier, key=lambda r: r["capacity_queries_per_s"])

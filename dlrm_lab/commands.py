@@ -40,6 +40,7 @@ _INFER_OPTIONS: dict[str, Any] = {
     "max_delay_ms": float,
     "max_queue": int,
     "min_piece": int,
+    "spin_ms": float,
     "precision": str,
     "table_precision": str,
     "device": str,

@@ -35,7 +35,9 @@ class Collector:
 @pytest.fixture(scope="module")
 def server():
     spec = load_preset("tiny")
-    served = ServedModel("tiny", spec, instances=2, max_batch=64, max_delay_ms=2.0, library_samples=4096)
+    served = ServedModel(
+        "tiny", spec, instances=2, max_batch=64, max_delay_ms=2.0, library_samples=4096, spin_ms=2.0
+    )  # instances poll 2 ms before they sleep: the spin path serves every test here
     with InferenceServer([served], seed=SEED) as s:
         yield s
 

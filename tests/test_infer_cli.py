@@ -122,6 +122,8 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
         (["--arrival", "weibull"], "--arrival 'weibull': allowed: poisson, constant, bursty"),
         (["--table-precision", "int3"], "--table-precision 'int3': allowed: fp32, fp16, int8, int4"),
         (["--instances", "0"], "--instances 0: must be a whole number >= 1"),
+        (["--min-piece", "-1"], "--min-piece -1: must be a whole number >= 0 (0: measured)"),
+        (["--spin-ms", "-2"], "--spin-ms -2.0: must be in [0, 10000]"),
         (["--model", "nope"], "nope"),
         (["--qps", "fast"], "--qps 'fast': expected a number (or auto, given alone)"),
         (["--qps", "0"], "--qps [0.0]: every rate must be > 0 queries/s (or auto)"),

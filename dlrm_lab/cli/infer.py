@@ -60,6 +60,13 @@ MinPiece = Annotated[
         "fixed cost equals its samples' cost)."
     ),
 ]
+SpinMs = Annotated[
+    float,
+    typer.Option(
+        help="An idle instance polls for its next batch this long before it sleeps: a core that just slept runs "
+        "the next batch slower (0: sleep at once)."
+    ),
+]
 Precision = Annotated[
     str,
     typer.Option(
@@ -98,6 +105,7 @@ def run_command(
     max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
     min_piece: MinPiece = 0,
+    spin_ms: SpinMs = 0.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
@@ -197,6 +205,7 @@ def search_command(
     ] = True,
     max_queue: MaxQueue = 4096,
     min_piece: MinPiece = 0,
+    spin_ms: SpinMs = 0.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
@@ -224,7 +233,7 @@ def search_command(
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
                             early_stop=early_stop)  # fmt: skip
-    (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, precision=precision,
+    (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, spin_ms=spin_ms, precision=precision,
                              table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
                              max_rows=max_rows).served(model)  # fmt: skip
     (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival).streams

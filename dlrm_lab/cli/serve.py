@@ -22,6 +22,7 @@ from dlrm_lab.cli.infer import (
     Models,
     PinCores,
     Precision,
+    SpinMs,
     TablePrecision,
     Threads,
 )
@@ -40,6 +41,7 @@ def serve_command(
     max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
     min_piece: MinPiece = 0,
+    spin_ms: SpinMs = 0.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
@@ -59,7 +61,7 @@ def serve_command(
 
     served = ServingOptions(
         instances=instances, threads=threads, max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue,
-        min_piece=min_piece, precision=precision, table_precision=table_precision, data_spec=data_spec,
+        min_piece=min_piece, spin_ms=spin_ms, precision=precision, table_precision=table_precision, data_spec=data_spec,
         table_scale=table_scale, max_rows=max_rows,
     ).served(model)  # fmt: skip
     raise_on_sigterm()  # during start-up; serving installs its own graceful handler

@@ -89,6 +89,7 @@ class InstancePlan:
     precision: str
     table_precision: str
     warmup_batch: int
+    spin_ms: float = 0.0  # poll for the next batch this long before blocking
     # Instances yield to the serving process: when they fill every core, the batcher and
     # completion threads would otherwise wait a scheduler slice (ms) to run.
     nice: int = 5
@@ -255,8 +256,13 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
         conn.send(("ready", f"{type(exc).__name__}: {exc}", None))
         return
+    spin_s = plan.spin_ms / 1e3
     while True:
         try:
+            if spin_s:  # stay on the core (a core that slept runs the next batch up to 1.6x slower)
+                deadline = time.monotonic() + spin_s
+                while not conn.poll(0) and time.monotonic() < deadline:
+                    pass
             msg = conn.recv()
         except (EOFError, OSError, KeyboardInterrupt):
             return

@@ -32,6 +32,7 @@ class ServingOptions:
     max_delay_ms: float = 1.0
     max_queue: int = 4096
     min_piece: int = 0
+    spin_ms: float = 0.0
     precision: str = AUTO
     table_precision: str = "fp32"
     data_spec: str | None = None
@@ -57,6 +58,7 @@ class ServingOptions:
                     max_delay_ms=self.max_delay_ms,
                     max_queue=self.max_queue,
                     min_piece=self.min_piece,
+                    spin_ms=self.spin_ms,
                     precision=self.precision,
                     table_precision=self.table_precision,
                     data_spec=self.data_spec,

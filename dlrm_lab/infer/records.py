@@ -59,6 +59,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("max_delay_ms", pa.float64()),
         ("max_queue", pa.int32()),
         ("min_piece", pa.int32()),  # smallest split piece (resolved: measured when 0 was asked)
+        ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
         ("precision", pa.string()),
         ("table_precision", pa.string()),
         ("query_sizes", pa.string()),

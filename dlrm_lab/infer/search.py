@@ -79,7 +79,8 @@ FRONTIER_SCHEMA = pa.schema(
         ("threads_per_instance", pa.int32()),
         ("max_batch", pa.int32()),
         ("max_delay_ms", pa.float64()),
-        ("min_piece", pa.int32()),  # smallest split piece (measured by the layout's instances when 0 was asked)
+        ("min_piece", pa.int32()),
+        ("spin_ms", pa.float64()),  # smallest split piece (measured by the layout's instances when 0 was asked)
         ("precision", pa.string()),  # dense compute of this configuration
         ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
         ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
@@ -366,6 +367,7 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
         "max_batch": served.max_batch,
         "max_delay_ms": served.max_delay_ms,
         "min_piece": served.min_piece,
+        "spin_ms": served.spin_ms,
         "precision": served.precision,
         "capacity_queries_per_s": capacity,
         "best_qps": lo,

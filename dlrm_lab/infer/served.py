@@ -26,6 +26,8 @@ class ServedModel:
     # Smallest piece a query is split into when instances are idle (see infer.server);
     # 0: measured at start, the batch whose per-sample time equals the per-batch fixed time.
     min_piece: int = 0
+    # An idle instance busy-polls its pipe this long before blocking (see infer.instance).
+    spin_ms: float = 0.0
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
@@ -38,6 +40,8 @@ class ServedModel:
                 raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
         if not isinstance(self.min_piece, int) or self.min_piece < 0:
             raise UserError(f"--min-piece {self.min_piece!r}: must be a whole number >= 0 (0: measured)")
+        if not 0 <= self.spin_ms <= 10_000:
+            raise UserError(f"--spin-ms {self.spin_ms!r}: must be in [0, 10000]")
         if not self.max_delay_ms >= 0:
             raise UserError(f"--max-delay-ms {self.max_delay_ms!r}: must be >= 0")
         if self.precision not in (AUTO, *PRECISIONS):
@@ -56,6 +60,7 @@ class ServedModel:
             "max_delay_ms": self.max_delay_ms,
             "max_queue": self.max_queue,
             "min_piece": self.min_piece,
+            "spin_ms": self.spin_ms,
             "precision": self.precision,
             "table_precision": self.table_precision,
         }

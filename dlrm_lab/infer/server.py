@@ -174,6 +174,7 @@ class InferenceServer:
                         model=m.name, index=index, snapshot_dir=str(snap), spec=m.spec.to_dict(),
                         threads=m.threads, cores=mine, device=dev, precision=m.precision,
                         table_precision=m.table_precision, warmup_batch=min(m.max_batch, library.size),
+                        spin_ms=m.spin_ms,
                     )  # fmt: skip
                     mine_end, theirs = self._ctx.Pipe(duplex=True)
                     proc = self._ctx.Process(
