@@ -252,7 +252,8 @@ def search(
                     challenge = best_sps / mean_size / (1 + options.prune_margin) if options.prune_margin >= 0 else 0.0
                     lost = None
                     while probes < options.steps and (hi - lo) / hi > options.tolerance:
-                        if probes == 0 and 0 < challenge < hi:
+                        challenged = probes == 0 and 0 < challenge < hi
+                        if challenged:
                             qps = challenge
                         else:
                             # a wide bracket (a bounded rate far below capacity) is halved in ratio, not in width
@@ -296,7 +297,7 @@ def search(
                         probes += 1
                         if passed:
                             lo, best_rows = qps, rows
-                        elif qps == challenge:
+                        elif challenged:
                             hi = qps
                             lost = (f"lower: the bound missed at {qps:,.1f} queries/s, the best rate found "
                                     f"/ (1 + prune margin)")  # fmt: skip
