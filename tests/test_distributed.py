@@ -63,31 +63,31 @@ def test_two_ranks_match_one_rank(runs, sharding):
 
 
 def _two_ranks_training(tmp_path, timeout_s: int):
-    """Start a long 2-rank run; return (launcher process, rank 1's process) once both flushed steps."""
+    """Start a long 2-rank run as `dlrm-lab launch` does; return (launcher process, rank 1's
+    process) once both flushed steps."""
     import psutil
 
+    from dlrm_lab.distributed.launch import launch_command
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "dlrm_lab",
-        "train",
-        "--preset",
-        "tiny",
-        "--steps",
-        "1000000",
-        "--batch-size",
-        "32",
-        "--timeout",
-        str(timeout_s),
-        "--metrics-dir",
-        str(tmp_path),
-        "--no-progress",
-    ]
+    cmd = launch_command(
+        2,
+        "torchrun",
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1000000",
+            "--batch-size",
+            "32",
+            "--timeout",
+            str(timeout_s),
+            "--metrics-dir",
+            str(tmp_path),
+            "--no-progress",
+        ],
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_files(tmp_path, "*/_parts/steps/part-r00001-*.parquet")
     victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
@@ -101,7 +101,7 @@ def _two_ranks_training(tmp_path, timeout_s: int):
 def test_killing_one_rank_ends_the_job_and_keeps_the_steps(tmp_path):
     import pyarrow.parquet as pq
 
-    from dlrm_lab.metrics import read_manifest, recover_run
+    from dlrm_lab.metrics import recover_run
 
     proc, victim = _two_ranks_training(tmp_path, timeout_s=60)
     try:
@@ -109,12 +109,14 @@ def test_killing_one_rank_ends_the_job_and_keeps_the_steps(tmp_path):
         _, err = proc.communicate(timeout=120)
     finally:
         _kill_tree(proc)
-    assert proc.returncode != 0
-    assert "rank" in err and ("exitcode  : -9" in err or "rank 0: a collective failed" in err), err[-2000:]
+    assert proc.returncode == 1
+    # the launcher's failure is one line naming the dead rank and its signal, not torchrun's traceback
+    line = f"error: launcher: rank 1 (pid {victim.pid}) was killed by signal SIGKILL"
+    assert line in err and "Traceback" not in err and "ChildFailedError" not in err, err[-2000:]
     (run_dir,) = list(tmp_path.iterdir())
-    manifest = recover_run(run_dir)  # what `dlrm-lab runs recover` does for a run left `running`
+    manifest = recover_run(run_dir)  # a no-op: the launcher closed it
     assert manifest["status"] == "failed", manifest["status"]
-    assert read_manifest(run_dir)["error"]
+    assert manifest["error"].startswith(f"RankFailure: rank 1 (pid {victim.pid}) was killed by signal SIGKILL")
     ranks = set(pq.read_table(run_dir / "steps.parquet").column("rank").to_pylist())
     assert ranks == {0, 1}  # both ranks' flushed steps survived
 
@@ -141,17 +143,18 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
     (rank0,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "0"]
     try:
         victim.send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end this
-        rank0.wait(timeout=120)  # rank 0 ends itself, naming the rank and the timeout ...
-        victim.kill()  # ... and torchrun would give the stopped rank 30 s to end before killing it
-        _, err = proc.communicate(timeout=60)
+        rank0.wait(timeout=120)  # rank 0 ends itself, naming the rank and the timeout; the launcher
+        _, err = proc.communicate(timeout=60)  # then kills the stopped rank after its short grace (torch's: 30 s)
     finally:
         _kill_tree(proc)
-    assert proc.returncode != 0
-    # either the collective's own timeout or the watchdog ends rank 0, naming it
+    assert proc.returncode == 1
+    assert not victim.is_running()
+    # either the collective's own timeout or the watchdog ends rank 0, naming it; the launcher names rank 0 too
     assert "error: rank 0: " in err and "--timeout 5s" in err, err[-2000:]
+    assert f"error: launcher: rank 0 (pid {rank0.pid}) exited with code 1" in err, err[-2000:]
     (run_dir,) = list(tmp_path.iterdir())
     manifest = read_manifest(run_dir)
-    assert manifest["status"] == "failed" and "RankFailure" in manifest["error"]
+    assert manifest["status"] == "failed" and "RankFailure: rank 0: " in manifest["error"]  # its own reason kept
 
 
 def _kill_tree(proc) -> None:

@@ -165,7 +165,7 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
     launched = (sweep / "points" / "p0001-r0" / "point.log").read_text().splitlines()[0]
-    assert launched.startswith("$ OMP_NUM_THREADS=") and "torch.distributed.run" in launched  # 2 ranks: torchrun
+    assert launched.startswith("$ OMP_NUM_THREADS=") and "dlrm_lab.distributed.elastic" in launched  # 2 ranks: torchrun
     assert "weak scaling" in out.stdout and "efficiency" in out.stdout
 
 
@@ -174,3 +174,59 @@ def test_scale_refuses_bad_sweeps():
     assert code == 2 and "--ranks '1,two'" in err
     code, _, err = run_cli_in_process("scale", "--ranks", "1,3", "--mode", "strong", "--batch-size", "100")
     assert code == 2 and "make it divisible" in err
+
+
+def _failure(rank: int, exitcode: int, second: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+    failure.timestamp = second
+    return failure
+
+
+def test_the_launcher_names_the_rank_that_failed_first():
+    from dlrm_lab.distributed.elastic import describe_failure, root_failure
+
+    # rank 1 killed; rank 0's collective failed in the same second (listed first): rank 1 is the cause
+    rank, failure = root_failure({0: _failure(0, 1, 100), 1: _failure(1, -9, 100)})
+    assert rank == 1
+    assert describe_failure(rank, failure) == (
+        "rank 1 (pid 1001) was killed by signal SIGKILL (out of memory, or killed by hand); "
+        "the launcher stopped the other ranks"
+    )
+    # rank 0 gave up on a stuck rank 1, which the launcher killed after its grace: rank 0 is the cause
+    rank, failure = root_failure({0: _failure(0, 1, 100), 1: _failure(1, -9, 105)})
+    assert (rank, describe_failure(rank, failure, world_size=1)) == (0, "rank 0 (pid 1000) exited with code 1")
+    rank, failure = root_failure({1: _failure(1, -11, 100)})
+    assert "killed by signal SIGSEGV; the launcher" in describe_failure(rank, failure)
+
+
+def test_the_launcher_writes_its_reason_into_the_runs_the_ranks_created(tmp_path, monkeypatch):
+    from dlrm_lab.distributed.elastic import mark_runs_failed
+    from dlrm_lab.metrics.run import RUN_RECORD_ENV, Run, read_manifest
+
+    record = tmp_path / "record"
+    monkeypatch.setenv(RUN_RECORD_ENV, str(record))
+    stopped = Run.create(tmp_path / "runs", kind="train", config={})
+    stopped.finish("failed", error="Terminated: terminated by signal SIGTERM (a launcher stopped the job)")
+    reasoned = Run.create(tmp_path / "runs", kind="train", config={})
+    reasoned.finish("failed", error="RankFailure: rank 0: no training progress for 6s")
+    left = Run.create(tmp_path / "runs", kind="infer", config={})
+    left.update_manifest(pid=2**22 + 12345)  # its process is gone without closing it
+    done = Run.create(tmp_path / "runs", kind="train", config={})
+    done.finish("ok")
+    assert len(record.read_text().splitlines()) == 4  # each run created told the launcher where it is
+
+    marked = mark_runs_failed(record, "rank 1 (pid 7) was killed by signal SIGKILL", killed=True)
+    assert marked == [stopped.dir, reasoned.dir, left.dir]
+    for run in (stopped, reasoned, left):
+        manifest = read_manifest(run.dir)
+        assert (manifest["status"], manifest["error"]) == (
+            "failed",
+            "RankFailure: rank 1 (pid 7) was killed by signal SIGKILL",
+        )
+    assert read_manifest(done.dir)["status"] == "ok"
+    # a rank that exited with its own reason keeps it: the launcher's line only adds the exit code
+    mark_runs_failed(record, "rank 0 (pid 6) exited with code 1", killed=False)
+    assert read_manifest(reasoned.dir)["error"].startswith("RankFailure: rank 1 (pid 7)")
+    assert mark_runs_failed(tmp_path / "missing", "x", killed=True) == []

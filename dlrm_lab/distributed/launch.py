@@ -34,7 +34,8 @@ def launch_command(
         raise UserError("nothing to launch: give the command after --, e.g. -- train --preset tiny")
     target = ["-m", "dlrm_lab", *args]
     if launcher == "torchrun":
-        run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        # torch's launcher, run by our wrapper: a failed job ends in one line and the manifest names the rank
+        run = [sys.executable, "-m", "dlrm_lab.distributed.elastic", f"--nproc-per-node={nproc}"]
         if nnodes > 1:
             if not rdzv_endpoint:
                 raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")

@@ -30,6 +30,9 @@ MANIFEST = "manifest.json"
 SPACE_RESERVE = ".space-reserve"
 SPACE_RESERVE_BYTES = 256 << 10
 STATUSES = ("running", "ok", "failed", "interrupted")
+# A launcher (distributed.elastic) names a file here; each run created under it appends its
+# directory, so the launcher can say in the manifest why the job failed.
+RUN_RECORD_ENV = "DLRM_LAB_RUN_RECORD"
 
 
 def _now_iso() -> str:
@@ -39,6 +42,17 @@ def _now_iso() -> str:
 def new_run_id(kind: str) -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     return f"{kind}-{stamp}-{secrets.token_hex(3)}"
+
+
+def record_run_dir(run_dir: Path) -> None:
+    path = os.environ.get(RUN_RECORD_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a") as out:
+            out.write(f"{run_dir}\n")
+    except OSError:
+        pass  # the launcher's note is a courtesy; the run itself is unaffected
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -119,6 +133,7 @@ class Run:
             "error": None,
         }
         _write_json_atomic(run_dir / MANIFEST, manifest)
+        record_run_dir(run_dir)  # a launcher starting this rank learns where the run is
         try:  # room kept for the last manifest: a full disk still ends with the run marked failed
             (run_dir / SPACE_RESERVE).write_bytes(b"\0" * SPACE_RESERVE_BYTES)
         except OSError as exc:
@@ -201,6 +216,14 @@ class Run:
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / MANIFEST).read_text())
+
+
+def amend_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:
+    """Rewrite a closed run's manifest with `fields` changed (atomically), from outside the run."""
+    manifest = read_manifest(run_dir)
+    manifest.update(fields)
+    _write_json_atomic(Path(run_dir) / MANIFEST, manifest)
+    return manifest
 
 
 @dataclass
@@ -296,6 +319,7 @@ def recover_run(run_dir: Path) -> dict[str, Any]:
     if manifest.get("status") == "running" and not pid_alive(manifest.get("pid")):
         (Path(run_dir) / SPACE_RESERVE).unlink(missing_ok=True)  # its room first: a full disk may be why
         consolidate_run(Path(run_dir))
-        manifest.update(status="failed", error="process ended without closing the run (crash or kill)")
-        _write_json_atomic(Path(run_dir) / MANIFEST, manifest)
+        manifest = amend_manifest(
+            run_dir, status="failed", error="process ended without closing the run (crash or kill)"
+        )
     return manifest

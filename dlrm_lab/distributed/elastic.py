@@ -1,0 +1,116 @@
+"""torchrun, with a failed job told in one line: `python -m dlrm_lab.distributed.elastic ARGS`
+takes torchrun's arguments and runs torch's own elastic launcher in this process.
+
+What it adds to plain torchrun (which prints a ChildFailedError traceback and, for a rank
+killed by a signal, leaves the run's manifest saying only that the launcher stopped rank 0):
+- one line naming the rank that failed first, its pid and its signal or exit code;
+- the run directories the ranks created (each is written into the file `RUN_RECORD_ENV` names) get that
+  reason in their manifest; a run left `running` (rank 0 itself killed) is recovered first;
+- the ranks left alive get `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (default here 5 s, torch's 30 s)
+  to end after SIGTERM before SIGKILL, so a stopped or hung rank does not hold the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.metrics.run import RUN_RECORD_ENV
+
+SHUTDOWN_TIMEOUT_S = 5
+
+
+def root_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure that started it. torch lists failures in the order it saw them, with the
+    ranks it then stopped (SIGTERM, SIGKILL after the grace) after them, stamped to the
+    second. Among those seen first (same second), a rank killed by a signal is the cause:
+    it could not say why, and the others (a collective failed) followed it."""
+    first = min(failure.timestamp for failure in failures.values())
+    seen_first = [rank for rank, failure in failures.items() if failure.timestamp == first]
+    killed = [rank for rank in seen_first if failures[rank].exitcode < 0]
+    rank = (killed or seen_first)[0]
+    return rank, failures[rank]
+
+
+def describe_failure(rank: int, failure: Any, world_size: int | None = None) -> str:
+    """One line for a rank's failure (a torch elastic ProcessFailure)."""
+    if failure.exitcode < 0:
+        what = f"was killed by signal {failure.signal_name()}"
+        if failure.signal_name() == "SIGKILL":
+            what += " (out of memory, or killed by hand)"
+    else:
+        what = f"exited with code {failure.exitcode}"
+    others = "; the launcher stopped the other ranks" if world_size is None or world_size > 1 else ""
+    return f"rank {rank} (pid {failure.pid}) {what}{others}"
+
+
+def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
+    """Give each run the ranks created the launcher's reason. A run still `running` (its rank 0
+    died without closing it) is recovered first. A run whose own error already names the cause
+    keeps it unless a rank was killed by a signal: the run then only knows it was stopped."""
+    from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run
+    from dlrm_lab.train.records import recovered_summary
+
+    runs = []
+    try:
+        lines = record.read_text().splitlines()
+    except OSError:
+        return runs
+    for line in dict.fromkeys(lines):
+        run_dir = Path(line)
+        try:
+            manifest = read_manifest(run_dir)
+            if manifest.get("status") == "running":
+                manifest = recover_run(run_dir)
+                if manifest.get("kind") == "train":
+                    recovered_summary(run_dir, manifest)
+            if manifest.get("status") == "ok":
+                continue
+            if killed or not manifest.get("error"):
+                amend_manifest(run_dir, status="failed", error=f"RankFailure: {reason}")
+            runs.append(run_dir)
+        except (OSError, ValueError):
+            continue  # an unreadable run is `runs list`'s to report
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    fd, record_path = tempfile.mkstemp(prefix="dlrm-lab-launch-", suffix=".runs")
+    os.close(fd)
+    record = Path(record_path)
+    os.environ[RUN_RECORD_ENV] = record_path
+    # the agent's own log lines (closing signals, the failure table) repeat what the one line says
+    logging.disable(logging.ERROR)
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as exc:
+        rank, failure = root_failure(exc.failures)
+        reason = describe_failure(rank, failure)
+        mark_runs_failed(record, reason, killed=failure.exitcode < 0)
+        print(f"error: launcher: {reason}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:  # Ctrl-C or SIGTERM of the launcher: the ranks said where their runs are
+        return 130 if exc.sigval == 2 else 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a rendezvous or start-up failure, told in one line
+        print(f"error: launcher: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}", file=sys.stderr)
+        return 1
+    finally:
+        logging.disable(logging.NOTSET)
+        record.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
