@@ -41,6 +41,7 @@ _INFER_OPTIONS: dict[str, Any] = {
     "max_queue": int,
     "min_piece": int,
     "spin_ms": float,
+    "max_issue_lag_ms": float,
     "precision": str,
     "table_precision": str,
     "device": str,

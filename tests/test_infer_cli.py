@@ -124,6 +124,7 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
         (["--instances", "0"], "--instances 0: must be a whole number >= 1"),
         (["--min-piece", "-1"], "--min-piece -1: must be a whole number >= 0 (0: measured)"),
         (["--spin-ms", "-2"], "--spin-ms -2.0: must be in [0, 10000]"),
+        (["--max-issue-lag-ms", "0"], "--max-issue-lag-ms 0.0: must be > 0 ms"),
         (["--model", "nope"], "nope"),
         (["--qps", "fast"], "--qps 'fast': expected a number (or auto, given alone)"),
         (["--qps", "0"], "--qps [0.0]: every rate must be > 0 queries/s (or auto)"),
@@ -169,3 +170,50 @@ def test_sigterm_fails_the_run_keeps_its_rows_and_frees_the_snapshot(tmp_path):
     assert len(pq.read_table(run_dir / "queries.parquet")) > 0  # rows measured before the signal kept
     time.sleep(0.1)
     assert not list(Path("/dev/shm").glob(f"dlrm-lab-{proc.pid}-*"))  # the table snapshot is gone
+
+
+def test_a_load_whose_issuer_fell_behind_exits_1_with_one_line_and_keeps_its_rows(tmp_path, monkeypatch):
+    """The CLIs' side of the issue-lag bound (the driver's side: test_infer_sut): infer run and
+    client exit 1 with the reason, after printing the summary of the rows they kept."""
+    import pyarrow as pa
+
+    import dlrm_lab.infer.lab
+    import dlrm_lab.serve.client
+    from dlrm_lab.serve.records import CLIENT_SUMMARY_SCHEMA
+
+    why = "the load stopped at query 7 of 30000: it was due 1.1 s ago (--max-issue-lag-ms 1000): ..."
+    seen = {}
+
+    def fake_run(served, streams, cfg, metrics_dir, **_):
+        seen["cfg"] = cfg
+        run_dir = tmp_path / "infer-run"
+        run_dir.mkdir()
+        row = {name: None for name in SUMMARY_SCHEMA.names} | {"point": 0, "model": "tiny", "issue_stopped": why}
+        pq.write_table(pa.Table.from_pylist([row], schema=SUMMARY_SCHEMA), run_dir / "summary.parquet")
+        return run_dir
+
+    monkeypatch.setattr(dlrm_lab.infer.lab, "run_inference", fake_run)
+    code, stdout, stderr = run_cli_in_process(
+        "infer", "run", "--model", "tiny", "--qps", "30000", "--max-issue-lag-ms", "250", "--no-progress"
+    )
+    assert code == 1 and seen["cfg"].max_issue_lag_ms == 250.0
+    assert "run directory" in stdout
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
+        f"error: point 0: {why}; rows kept in {tmp_path / 'infer-run'}"
+    ]
+
+    def fake_client(options, **_):
+        seen["options"] = options
+        summary = {name: None for name in CLIENT_SUMMARY_SCHEMA.names}
+        summary |= {"model": "tiny", "target": options.target, "mode": "open-loop", "concurrency": 1}
+        summary |= {"errors_by_code": [], "issue_stopped": f"worker 0: {why}"}
+        return tmp_path / "client-run", summary
+
+    monkeypatch.setattr(dlrm_lab.serve.client, "run_client", fake_client)
+    code, _, stderr = run_cli_in_process(
+        "client", "--target", "127.0.0.1:1", "--qps", "20000", "--max-issue-lag-ms", "500"
+    )
+    assert code == 1 and seen["options"].max_issue_lag_ms == 500.0
+    assert stderr.strip().splitlines()[-1] == f"error: worker 0: {why}; rows kept in {tmp_path / 'client-run'}"
+    code, _, stderr = run_cli_in_process("client", "--target", "127.0.0.1:1", "--qps", "1", "--max-issue-lag-ms", "0")
+    assert code == 2 and "--max-issue-lag-ms 0.0: must be > 0 ms" in stderr

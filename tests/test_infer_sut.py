@@ -408,3 +408,36 @@ def test_a_loadgen_probe_is_never_cut_short(tmp_path):
     frontier, summary = _search(tmp_path, {8: (40.0, 0.0)}, options, scenario="server")
     assert frontier[0]["outcome"] == "no probed rate met the bound"
     assert summary and not any(r["load_stopped_early"] for r in summary)
+
+
+class SlowIssueSut(FakeSut):
+    """Each submit holds the issuing thread `submit_ms` (a client slower than its schedule)."""
+
+    submit_ms = 20.0
+
+    def submit(self, q: Query) -> None:
+        time.sleep(self.submit_ms / 1e3)
+        super().submit(q)
+
+
+def test_an_issuer_that_falls_behind_its_schedule_stops_the_load_and_keeps_its_queries():
+    slow = SlowIssueSut(small_library())
+    try:
+        stream = Stream("m", 1000.0, QuerySizes.parse("fixed:1"))  # 1 ms apart, each taking 20 ms to issue
+        driver = make_driver(slow, [stream], LoadSettings("open-loop", duration_s=30.0, max_issue_lag_ms=100.0))
+        records: list[dict[str, Any]] = []
+        assert drive(slow, driver, drain_s=5, take=records.extend, poll_s=0.05)
+        records += slow.take_records()
+        stopped = driver.stats.issue_stopped
+        assert stopped and stopped.startswith("the load stopped at query ") and "(--max-issue-lag-ms 100)" in stopped
+        assert "could not issue 1000 queries/s" in stopped
+        assert len(records) == len(slow.submitted) == driver.stats.issued["m"] < driver.planned / 100
+        assert max(driver.stats.lag_ms["m"]) <= 100.0 + 2 * SlowIssueSut.submit_ms  # none issued past the bound
+        assert driver.stats.accuracy("m")["issue_stopped"] == stopped
+        # without a bound the same issuer keeps going (ended here by the caller)
+        unbounded = make_driver(slow, [stream], LoadSettings("open-loop", duration_s=30.0, max_issue_lag_ms=None))
+        polls = iter(range(6))
+        drive(slow, unbounded, drain_s=5, poll=lambda: next(polls) == 5, poll_s=0.05)
+        assert unbounded.stats.issue_stopped is None and max(unbounded.stats.lag_ms["m"]) > 100.0
+    finally:
+        slow.close()

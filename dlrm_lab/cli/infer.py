@@ -67,6 +67,13 @@ SpinMs = Annotated[
         "the next batch slower (0: sleep at once)."
     ),
 ]
+MaxIssueLagMs = Annotated[
+    float,
+    typer.Option(
+        help="Open loop: stop the load (rows kept, exit 1) once a query is this many ms past its arrival time "
+        "before it could be issued: the issuer, not the server, has fallen behind."
+    ),
+]
 Precision = Annotated[
     str,
     typer.Option(
@@ -106,6 +113,7 @@ def run_command(
     max_queue: MaxQueue = 4096,
     min_piece: MinPiece = 0,
     spin_ms: SpinMs = 0.0,
+    max_issue_lag_ms: MaxIssueLagMs = 1000.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
     device: Device = "cpu",
@@ -141,16 +149,20 @@ def run_command(
             served, streams, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
             log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress,
         )  # fmt: skip
-    invalid = _print_points(run_dir)
+    invalid, stopped = _print_points(run_dir)
     console().print(f"run directory: {run_dir}")
+    if stopped:  # the load was not what was asked: the numbers must not pass for it
+        out.print(f"error: {stopped}; rows kept in {run_dir}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
     if invalid:  # a failed verdict fails the command, as a regression fails `compare`: scripts gate on it
         out.print(f"error: MLPerf LoadGen's verdict is INVALID for {', '.join(invalid)} (why: "
                   f"{run_dir}/loadgen/point-*/mlperf_log_summary.txt)", highlight=False, soft_wrap=True)  # fmt: skip
         raise typer.Exit(1)
 
 
-def _print_points(run_dir: Any) -> list[str]:
-    """Print the points' table; return the models whose LoadGen verdict was INVALID."""
+def _print_points(run_dir: Any) -> tuple[list[str], str | None]:
+    """Print the points' table; return the models whose LoadGen verdict was INVALID, and why
+    the first load stopped issuing early (None: none did)."""
     rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
     table = Table(title=f"inference ({rows[0]['scenario']})")
     for name in columns.INFER_PRINTED:
@@ -164,7 +176,8 @@ def _print_points(run_dir: Any) -> list[str]:
                 f"MLPerf LoadGen ({r['model']}): {r['loadgen_result']}, {r['loadgen_queries_per_s']:.1f} queries/s, "
                 f"p99 {r['loadgen_p99_ms']:.2f} ms (LoadGen's own accounting; logs in {run_dir}/loadgen)"
             )
-    return [r["model"] for r in rows if r["loadgen_result"] == "INVALID"]
+    stopped = next((f"point {r['point']}: {r['issue_stopped']}" for r in rows if r.get("issue_stopped")), None)
+    return [r["model"] for r in rows if r["loadgen_result"] == "INVALID"], stopped
 
 
 @app.command("search")

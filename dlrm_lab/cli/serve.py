@@ -17,6 +17,7 @@ from dlrm_lab.cli.infer import (
     Instances,
     MaxBatch,
     MaxDelayMs,
+    MaxIssueLagMs,
     MaxQueue,
     MinPiece,
     Models,
@@ -110,6 +111,7 @@ def client_command(
     ] = "open-loop",  # fmt: skip
     sla_ms: Annotated[float, typer.Option("--sla-ms", help="LoadGen's latency bound in ms.")] = 10.0,
     percentile: Annotated[float, typer.Option(help="LoadGen's latency percentile.")] = 99.0,
+    max_issue_lag_ms: MaxIssueLagMs = 1000.0,
     metrics_dir: MetricsDir = "runs",
 ) -> None:
     """Drive a remote `dlrm-lab serve` with concurrent clients; record every query's stages."""
@@ -122,6 +124,7 @@ def client_command(
         target=target, concurrency=concurrency, qps=qps, query_sizes=query_size, arrival=arrival,
         duration_s=duration, model=model, seed=seed, timeout_s=timeout, unavailable_s=unavailable_s,
         connect_timeout_s=connect_timeout, scenario=scenario, sla_ms=sla_ms, sla_percentile=percentile,
+        max_issue_lag_ms=max_issue_lag_ms,
     )  # fmt: skip
     raise_on_sigterm()
     out = console(stderr=True)
@@ -135,6 +138,9 @@ def client_command(
         raise typer.Exit(1) from None
     _print_summary(summary)
     console().print(f"run directory: {run_dir}")
+    if summary["issue_stopped"]:  # the load was not what was asked: the numbers must not pass for it
+        typer.echo(f"error: {summary['issue_stopped']}; rows kept in {run_dir}", err=True)
+        raise typer.Exit(1)
 
 
 def _print_summary(r: dict[str, Any]) -> None:

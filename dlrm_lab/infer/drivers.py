@@ -42,6 +42,7 @@ class OpenLoop:
         self.sut = sut
         self.streams = streams
         self.duration_s = duration_s = settings.duration_s
+        self.max_issue_lag_ms = settings.max_issue_lag_ms
         rng = np.random.default_rng(settings.seed)
         times, models, sizes, offsets = [], [], [], []
         self.stats = DriverStats(duration_s=duration_s)
@@ -97,6 +98,11 @@ class OpenLoop:
                 wait = due - time.monotonic_ns()
                 if wait > 0:
                     time.sleep(wait / 1e9)
+                elif self.max_issue_lag_ms is not None and -wait / 1e6 > self.max_issue_lag_ms:
+                    self.stats.issue_stopped = issue_lag_message(
+                        -wait / 1e6, i, len(self._t), sum(s.qps for s in self.streams), self.max_issue_lag_ms
+                    )
+                    break
                 model = names[self._model[i]]
                 q = Query(first_query_id + i, model, int(self._size[i]), int(self._offset[i]), scheduled_ns=due)
                 self.sut.submit(q)
@@ -104,6 +110,13 @@ class OpenLoop:
                 self.stats.issued[model] += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             self.error = exc
+
+
+def issue_lag_message(late_ms: float, index: int, planned: int, qps: float, bound_ms: float) -> str:
+    return (
+        f"the load stopped at query {index + 1} of {planned}: it was due {late_ms / 1e3:.1f} s ago "
+        f"(--max-issue-lag-ms {bound_ms:g}): this process could not issue {qps:g} queries/s"
+    )
 
 
 class ClosedLoop:

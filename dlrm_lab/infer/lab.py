@@ -78,6 +78,7 @@ class InferConfig:
     sla_auto: bool = False  # ... and the bound too, from the latency of one query at a time
     calibrate_s: float = 2.0  # seconds of each calibration step of qps_auto (capacity, unloaded, probes)
     drain_timeout_s: float = 30.0  # after the load, wait this long for the last queries
+    max_issue_lag_ms: float = 1000.0  # open loop: stop issuing once this far behind the schedule
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -88,6 +89,8 @@ class InferConfig:
             raise UserError(f"--sla-ms {self.sla_ms!r}: must be > 0")
         if not 0 < self.sla_percentile <= 100:
             raise UserError(f"--percentile {self.sla_percentile!r}: must be in (0, 100]")
+        if not self.max_issue_lag_ms > 0:
+            raise UserError(f"--max-issue-lag-ms {self.max_issue_lag_ms!r}: must be > 0 ms")
         if not self.calibrate_s > 0:
             raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
 
@@ -146,6 +149,7 @@ def measure(
     settings = LoadSettings(
         point.scenario, duration_s=cfg.duration_s, seed=cfg.seed + point.index, sla_ms=slas[point.streams[0].model],
         sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
+        max_issue_lag_ms=cfg.max_issue_lag_ms,
     )  # fmt: skip
     driver = make_driver(server, point.streams, settings)
     records: list[dict[str, Any]] = []
@@ -202,7 +206,7 @@ def measure(
         if mine:  # a backlog drained after the load ends lowers throughput instead of hiding
             last_end = max(r["end_ms"] for r in mine) / 1e3
             first = min(r["scheduled_ms"] for r in mine) / 1e3
-            span = max(span, last_end - first)
+            span = last_end - first if stats.issue_stopped else max(span, last_end - first)
         served = sut.models[stream.model]
         row = {
             "point": point.index,

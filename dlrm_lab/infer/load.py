@@ -177,6 +177,9 @@ class LoadSettings:
     sla_ms: float = 10.0  # LoadGen: the latency bound it checks (server, single- and multi-stream)
     sla_percentile: float = 99.0
     log_dir: Path | None = None  # LoadGen: where its summary and detail logs go
+    # open loop: stop issuing once a query would leave this late (the issuer, not the server,
+    # has fallen behind: the load is no longer what was asked); None: never
+    max_issue_lag_ms: float | None = 1000.0
 
 
 @dataclass
@@ -189,6 +192,7 @@ class DriverStats:
     duration_s: float = 0.0
     loadgen: dict[str, Any] = field(default_factory=dict)
     arrival: dict[str, str] = field(default_factory=dict)  # per model: the arrival process, or who scheduled it
+    issue_stopped: str | None = None  # why the load stopped before its schedule ended (issue lag)
 
     def accuracy(self, model: str) -> dict[str, Any]:
         lag = np.asarray(self.lag_ms.get(model, []), dtype=np.float64)
@@ -198,4 +202,5 @@ class DriverStats:
             "issue_lag_p50_ms": float(np.percentile(lag, 50)) if len(lag) else None,
             "issue_lag_p99_ms": float(np.percentile(lag, 99)) if len(lag) else None,
             "issue_lag_max_ms": float(lag.max()) if len(lag) else None,
+            "issue_stopped": self.issue_stopped,
         }

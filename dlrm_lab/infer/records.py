@@ -100,6 +100,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("issue_lag_p50_ms", pa.float64()),
         ("issue_lag_p99_ms", pa.float64()),
         ("issue_lag_max_ms", pa.float64()),
+        ("issue_stopped", pa.string()),  # why the open loop stopped issuing early (--max-issue-lag-ms)
         ("cpu_utilization", pa.float64()),  # of all cores this process may use, 0..1
         ("instance_cpu_utilization", pa.float64()),  # instance processes' CPU time / (wall x their threads)
         ("server_cpu_s", pa.float64()),  # CPU seconds of the parent (load generator, batcher, completions)

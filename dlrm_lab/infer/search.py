@@ -275,7 +275,8 @@ def search(
                             (row,) = measure(server, point, cfg, queries, run.dir, telemetry=telemetry,
                                              on_progress=on_progress, decided=decided)  # fmt: skip
                             rows.append(row)
-                            stopped = row["load_stopped_early"] or row["sla_latency_ms"] is None
+                            # a load cut short (decided, or its issuer fell behind) did not hold the rate
+                            stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
                             lat.append(math.inf if stopped else row["sla_latency_ms"])
                             passed = verdict_settled(lat, options.repeats, cfg.sla_ms,
                                                      SETTLE_MARGIN if options.early_stop else 0.0)  # fmt: skip

@@ -56,6 +56,7 @@ class ClientOptions:
     scenario: str = "open-loop"  # or an MLPerf LoadGen scenario: LoadGen's SUT forwards to gRPC
     sla_ms: float = 10.0  # LoadGen's latency bound (server, single- and multi-stream)
     sla_percentile: float = 99.0
+    max_issue_lag_ms: float = 1000.0  # open loop: a worker stops issuing once this far behind its schedule
 
     def __post_init__(self) -> None:
         from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS
@@ -76,6 +77,8 @@ class ClientOptions:
         for option, value in seconds.items():
             if not value > 0:
                 raise UserError(f"{option} {value!r}: must be > 0 seconds")
+        if not self.max_issue_lag_ms > 0:
+            raise UserError(f"--max-issue-lag-ms {self.max_issue_lag_ms!r}: must be > 0 ms")
         host, _, port = self.target.rpartition(":")
         if not host or not port.isdigit():
             raise UserError(f"--target {self.target!r}: expected HOST:PORT")
@@ -120,6 +123,7 @@ class WorkerPlan:
     scenario: str = "open-loop"
     sla_ms: float = 10.0
     sla_percentile: float = 99.0
+    max_issue_lag_ms: float = 1000.0
 
 
 def run_client(
@@ -152,7 +156,7 @@ def run_client(
                 query_sizes=options.query_sizes, arrival=options.arrival, duration_s=options.duration_s,
                 seed=options.seed + k, timeout_s=options.timeout_s, unavailable_s=options.unavailable_s,
                 connect_timeout_s=options.connect_timeout_s, scenario=options.scenario, sla_ms=options.sla_ms,
-                sla_percentile=options.sla_percentile,
+                sla_percentile=options.sla_percentile, max_issue_lag_ms=options.max_issue_lag_ms,
             )  # fmt: skip
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -230,6 +234,8 @@ def _summarise(run: Run, queries: Any, options: ClientOptions, info: Any, result
     from dlrm_lab.serve.records import summarize_client
 
     lost = next((f"worker {k}: {r['lost']}" for k, r in sorted(results.items()) if r.get("lost")), None)
+    stopped = next((f"worker {k}: {r['issue_stopped']}" for k, r in sorted(results.items()) if r.get("issue_stopped")),
+                   None)  # fmt: skip
     table = pq.read_table(queries.close())  # every worker's rows, merged
     summary = {
         "model": info.name,
@@ -240,7 +246,14 @@ def _summarise(run: Run, queries: Any, options: ClientOptions, info: Any, result
         "target_qps": options.qps,
         "query_sizes": str(QuerySizes.parse(options.query_sizes)),
         "arrival": options.arrival if options.qps else None,
-        **summarize_client(table, duration_s=options.duration_s, target_qps=options.qps, lost=lost is not None),
+        **summarize_client(
+            table,
+            duration_s=options.duration_s,
+            target_qps=options.qps,
+            lost=lost is not None,
+            cut_short=stopped is not None,
+        ),
+        "issue_stopped": stopped,
         "error": lost,
         **next((r["loadgen"] for r in results.values() if r.get("loadgen")), {}),
     }
@@ -270,6 +283,7 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
         settings = LoadSettings(
             "closed-loop" if plan.qps is None else plan.scenario, duration_s=plan.duration_s, seed=plan.seed,
             sla_ms=plan.sla_ms, sla_percentile=plan.sla_percentile, log_dir=Path(plan.run_dir) / "loadgen",
+            max_issue_lag_ms=plan.max_issue_lag_ms,
         )  # fmt: skip
         driver = make_driver(remote, [stream], settings)
         pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=plan.connect_timeout_s)  # warm-up
@@ -308,5 +322,6 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
         gc.enable()
         rows.extend(remote.take_records())
         run.finish("ok")  # a worker's rank only flushes its part files; the parent merges
-        conn.send(("done", {"lost": lost, "error": error, "loadgen": driver.stats.loadgen}))
+        stopped = driver.stats.issue_stopped
+        conn.send(("done", {"lost": lost, "error": error, "loadgen": driver.stats.loadgen, "issue_stopped": stopped}))
         channel.close()

@@ -97,6 +97,7 @@ CLIENT_SUMMARY_SCHEMA = pa.schema(
         ("issue_lag_p50_ms", pa.float64()),
         ("issue_lag_p99_ms", pa.float64()),
         ("issue_lag_max_ms", pa.float64()),
+        ("issue_stopped", pa.string()),  # why a worker's open loop stopped issuing early (--max-issue-lag-ms)
         ("server_lost", pa.bool_()),
         ("error", pa.string()),
         ("loadgen_result", pa.string()),  # MLPerf LoadGen scenarios: its verdict, rate and p99
@@ -106,11 +107,14 @@ CLIENT_SUMMARY_SCHEMA = pa.schema(
 )
 
 
-def summarize_client(table: pa.Table, *, duration_s: float, target_qps: float | None, lost: bool) -> dict[str, Any]:
+def summarize_client(
+    table: pa.Table, *, duration_s: float, target_qps: float | None, lost: bool, cut_short: bool = False
+) -> dict[str, Any]:
     """Throughput, latency, errors by code and stage shares of a client run's query rows.
 
     Throughput counts ok queries over the load's span (longer than `duration_s` when the
-    last answers came later; the observed span when the server was lost). Stage shares
+    last answers came later; the observed span when the server was lost or the load was
+    `cut_short`). Stage shares
     are each stage's mean over ok queries divided by their mean latency: they sum to 1.
     """
     from dlrm_lab.infer.records import percentile  # imports torch: kept out of the client's start-up
@@ -128,7 +132,7 @@ def summarize_client(table: pa.Table, *, duration_s: float, target_qps: float | 
     span = duration_s
     if n:
         observed = (np.nanmax(col("deserialise_end_ms")) - np.nanmin(col("scheduled_ms"))) / 1e3
-        span = observed if lost else max(duration_s, observed)
+        span = observed if lost or cut_short else max(duration_s, observed)
     lat = col("latency_ms", ok).astype(np.float64) if n else np.zeros(0)
     rtt = col("round_trip_ms", ok).astype(np.float64) if n else np.zeros(0)
     out: dict[str, Any] = {
