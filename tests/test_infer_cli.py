@@ -217,3 +217,32 @@ def test_a_load_whose_issuer_fell_behind_exits_1_with_one_line_and_keeps_its_row
     assert stderr.strip().splitlines()[-1] == f"error: worker 0: {why}; rows kept in {tmp_path / 'client-run'}"
     code, _, stderr = run_cli_in_process("client", "--target", "127.0.0.1:1", "--qps", "1", "--max-issue-lag-ms", "0")
     assert code == 2 and "--max-issue-lag-ms 0.0: must be > 0 ms" in stderr
+
+
+def test_ctrl_c_of_infer_run_and_sweep_prints_one_line_naming_the_run_and_exits_130(tmp_path, monkeypatch):
+    """The CLI's side (the library's marking the run interrupted: test_run_records, test_cli's
+    real SIGINT of train): the run directory the library names on the interrupt is printed."""
+    import dlrm_lab.infer.lab
+    import dlrm_lab.sweep
+
+    def interrupted(*_, **__):
+        exc = KeyboardInterrupt()
+        exc.run_dir = tmp_path / "the-run"
+        raise exc
+
+    monkeypatch.setattr(dlrm_lab.infer.lab, "run_inference", interrupted)
+    code, _, stderr = run_cli_in_process("infer", "run", "--model", "tiny", "--qps", "10", "--no-progress")
+    assert (code, stderr.splitlines()) == (
+        130,
+        [f"interrupted: run {tmp_path / 'the-run'} marked interrupted, its rows kept"],
+    )
+
+    # a sweep whose point was interrupted: the point's child exited 130, the sweep is marked and named
+    monkeypatch.setattr(dlrm_lab.sweep, "_run_point", lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    grid = tmp_path / "grid.toml"
+    grid.write_text('command = "train"\nout = "%s"\n[options]\npreset = "tiny"\n[grid]\nsteps = [2, 3]\n'
+                    % (tmp_path / "sweep"))  # fmt: skip
+    code, _, stderr = run_cli_in_process("sweep", str(grid), "--no-progress")
+    assert code == 130
+    assert stderr.splitlines()[-1] == f"interrupted: run {tmp_path / 'sweep'} marked interrupted, its rows kept"
+    assert read_manifest(tmp_path / "sweep")["status"] == "interrupted"

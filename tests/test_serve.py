@@ -160,6 +160,36 @@ def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(server, 
             assert resp.query_id == k and len(resp.scores) == 4 * 4
 
 
+def test_junk_on_the_port_is_closed_and_the_server_keeps_serving(server, library):
+    """Not gRPC at all: an HTTP/1.1 request, an HTTP/2 preface followed by garbage frames,
+    random bytes and a connection dropped mid-request. gRPC's transport closes each; the
+    server stays up and answers the next real query."""
+    import os
+    import socket
+
+    host, port = server.target.rsplit(":", 1)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    junk = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        preface + b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + os.urandom(64),  # GOAWAY-ish nonsense
+        os.urandom(4096),
+        preface,  # and then the client goes away
+    ]
+    for body in junk:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(body)
+            sock.settimeout(10)
+            try:
+                while sock.recv(4096):  # the server answers (an HTTP/2 error) and closes, or just closes
+                    pass
+            except (ConnectionResetError, TimeoutError):
+                pass
+    block = library.slice(0, 4)
+    with server.channel() as channel:
+        resp = pb.InferResponse.FromString(channel.unary_unary(INFER_METHOD)(_request(block), timeout=10))
+    assert len(resp.scores) == 4 * 4 and server.proc.poll() is None
+
+
 def test_health_is_serving_and_reflection_describes_the_service(server):
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_health.v1 import health_pb2, health_pb2_grpc
