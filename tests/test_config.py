@@ -104,6 +104,10 @@ top_mlp = [4, 1]
         ({"feature_names": '["a", "a"]'}, "feature_names = ['a', 'a']: names must be unique ('a' repeated)"),
         ({"embedding_dim": "[8, 0]"}, "table 't_cat_1': embedding_dim = 0: must be an integer >= 1"),
         ({"dcn": "{ num_layers = 2 }"}, "dcn_num_layers = 2, dcn_low_rank = 0: only for interaction 'dcnv2'"),
+        ({"reference": "{ batch_size = 512 }"}, "[reference] needs both batch_size and dense_lr"),
+        ({"reference": "{ batch_size = 0, dense_lr = 0.1 }"}, "reference.batch_size = 0: must be an integer >= 1"),
+        ({"reference": "{ batch_size = 64, dense_lr = -1 }"}, "reference.dense_lr = -1: must be a number > 0"),
+        ({"reference": "{ batch = 64, dense_lr = 0.1 }"}, "[reference] may hold only batch_size, dense_lr, source"),
     ],
 )
 def test_bad_model_files_name_file_field_and_rule(tmp_path, change, message):

@@ -188,3 +188,54 @@ def test_pipelined_training_takes_the_same_steps_as_the_plain_loop(tmp_path):
     assert [e["auc"] for e in piped.evals] == pytest.approx([e["auc"] for e in plain.evals], rel=1e-5)
     assert piped.summary["samples_per_s"] > 0 and piped.summary.get("backward_share") is None
     assert read_manifest(piped.run_dir)["config"]["pipelined"] is True
+
+
+def test_scaled_tables_start_with_the_published_tables_spread():
+    """Initial rows are uniform in +-sqrt(1 / rows) of the published table at every scale (not
+    of the scaled one, which would start a 2,000x smaller table 45x wider), through the same
+    sharding-independent init."""
+    from dlrm_lab.distributed.tables import init_tables
+    from dlrm_lab.model import build_model
+
+    full = {t.name: t.num_embeddings for t in dlrm_lab.load_preset("dcnv2").tables}
+    for scale in (0.0005, 0.002):
+        spec = dlrm_lab.load_preset("dcnv2", table_scale=scale)
+        for t in spec.tables:
+            assert t.init_bound == pytest.approx((1 / full[t.name]) ** 0.5), (scale, t.name)
+            assert t.published_rows == (full[t.name] if t.num_embeddings != full[t.name] else None)
+    published = {t.name: t.num_embeddings for t in dlrm_lab.load_preset("tiny").tables}  # 30 to 200 rows
+    tiny = dlrm_lab.load_preset("tiny", max_rows=20)  # every table cut to 20
+    model = build_model(tiny)
+    init_tables(model, seed=1, bounds={t.name: t.init_bound for t in tiny.tables})
+    for t in tiny.tables:
+        rows = model.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight
+        assert rows.shape[0] == 20 and t.init_bound == pytest.approx((1 / published[t.name]) ** 0.5)
+        assert 0.8 * t.init_bound < rows.abs().max().item() <= t.init_bound
+
+
+def test_dense_learning_rate_follows_the_published_recipe_scaled_to_the_batch():
+    from dlrm_lab.config.train import DEFAULT_DENSE_LR, dense_lr_for
+
+    dcnv2 = dlrm_lab.load_preset("dcnv2", table_scale=0.001)
+    lr, why = dense_lr_for(dcnv2, TrainConfig(batch_size=128), world_size=2)
+    assert lr == pytest.approx(0.005 * (256 / 16384) ** 0.5) and "x sqrt(256 / 16384)" in why
+    assert dense_lr_for(dcnv2, TrainConfig(batch_size=128, dense_lr=0.01), 1) == (0.01, "given (--dense-lr)")
+    assert dense_lr_for(dlrm_lab.load_preset("tiny"), TrainConfig(), 1)[0] == DEFAULT_DENSE_LR
+
+
+@pytest.mark.parametrize("scale", [0.0005, 0.002])
+def test_dcnv2_starts_near_the_entropy_of_its_click_rate_at_every_table_scale(tmp_path, scale):
+    """The first steps' loss is within 2x of the click rate's entropy (it was 10,228 at scale
+    0.0005 with MLPerf's learning rate at a small batch and a logit starting at 0)."""
+    import math
+
+    spec = dlrm_lab.load_preset("dcnv2", table_scale=scale)
+    result = train(spec, TrainConfig(steps=10, batch_size=128, eval_batches=1), metrics_dir=tmp_path)
+    p = 0.03  # criteo_multihot's click rate
+    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    assert result.summary["loss_first"] < 2 * entropy, [s["loss"] for s in result.steps]
+    numerics = read_manifest(result.run_dir)["config"]["numerics"]
+    assert numerics["output_bias"] == pytest.approx(math.log(p / (1 - p)))
+    assert numerics["dense_lr"] == pytest.approx(0.005 * (128 / 16384) ** 0.5)
+    assert numerics["dense_lr_rule"].startswith("published 0.005 at global batch 16384")
+    assert numerics["table_init_bounds"]["t_cat_0"] == pytest.approx((1 / 40_000_000) ** 0.5)

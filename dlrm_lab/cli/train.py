@@ -32,7 +32,13 @@ def train_command(
     ] = "rowwise_adagrad",
     embedding_lr: Annotated[float, typer.Option(help="Table learning rate.")] = 0.05,
     dense_optimizer: Annotated[str, typer.Option(help="MLP optimizer: adagrad, adam or sgd.")] = "adagrad",
-    dense_lr: Annotated[float, typer.Option(help="MLP learning rate.")] = 0.005,
+    dense_lr: Annotated[
+        Optional[float],
+        typer.Option(
+            help="MLP learning rate (default: the preset's published rate scaled by sqrt(batch / its batch), "
+            "else 0.005; the manifest says which)."
+        ),
+    ] = None,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out AUC evaluations (0: at the end only).")] = 0,
     eval_batches: Annotated[int, typer.Option(help="Held-out batches per evaluation.")] = 8,
     warmup_steps: Annotated[

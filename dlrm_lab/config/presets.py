@@ -44,8 +44,10 @@ _MODEL_KEYS = {
     "interaction",
     "dcn",
     "data_spec",
+    "reference",
 }
 _DCN_KEYS = {"num_layers", "low_rank"}
+_REFERENCE_KEYS = {"batch_size", "dense_lr", "source"}
 
 
 def available_presets() -> list[str]:
@@ -104,6 +106,9 @@ def _parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, 
     dcn = raw.get("dcn", {})
     if not isinstance(dcn, dict) or set(dcn) - _DCN_KEYS:
         raise UserError(f"{where}: [dcn] may hold only {', '.join(sorted(_DCN_KEYS))}")
+    reference = raw.get("reference", {})
+    if not isinstance(reference, dict) or set(reference) - _REFERENCE_KEYS:
+        raise UserError(f"{where}: [reference] may hold only {', '.join(sorted(_REFERENCE_KEYS))}")
     if raw.get("interaction") == "dcnv2":
         check.required(dcn, "num_layers", "dcn.")
         check.required(dcn, "low_rank", "dcn.")
@@ -125,6 +130,7 @@ def _parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, 
                 embedding_dim=dims[i],
                 feature_names=(features[i],),
                 pooling_factor=pooling[i],
+                published_rows=rows[i] if scaled_rows[i] != rows[i] else None,
             )
             for i in range(n)
         )
@@ -144,6 +150,9 @@ def _parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, 
         source=where,
         table_scale=float(scale),
         max_rows=max_rows,
+        reference_batch_size=reference.get("batch_size"),
+        reference_dense_lr=reference.get("dense_lr"),
+        reference_source=reference.get("source", ""),
     )
 
 

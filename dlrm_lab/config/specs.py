@@ -28,6 +28,10 @@ class TableSpec:
     per sample (1 for one-hot Criteo features, 80 for RM1). Data generators use it as
     their default; the model itself pools (sums) whatever ids it is given.
 
+    `published_rows` is the table's size in the model it stands for, before `--table-scale`
+    or `--max-rows` shrank it (None: not scaled). Whatever depends on table size in the
+    numerics (the initial rows' spread) follows it, so a scaled model starts as the full one.
+
     Checked when constructed: a bad field is a `UserError` naming the table, the field,
     its value and the rule. `feature_names` may be given as a list and `pooling_factor`
     as an int; they are stored as a tuple and a float.
@@ -38,6 +42,7 @@ class TableSpec:
     embedding_dim: int
     feature_names: tuple[str, ...]
     pooling_factor: float = 1.0
+    published_rows: int | None = None
 
     def __post_init__(self) -> None:
         where = f"table {self.name!r}"
@@ -51,12 +56,20 @@ class TableSpec:
             raise bad(where, "feature_names", _shown(names), "must be a non-empty list of non-empty strings")
         if not (is_number(self.pooling_factor) and self.pooling_factor > 0):
             raise bad(where, "pooling_factor", self.pooling_factor, "must be a number > 0")
+        if self.published_rows is not None and not is_positive_int(self.published_rows):
+            raise bad(where, "published_rows", self.published_rows, "must be an integer >= 1 (or absent)")
         object.__setattr__(self, "feature_names", tuple(names))
         object.__setattr__(self, "pooling_factor", float(self.pooling_factor))
 
     @property
     def num_parameters(self) -> int:
         return self.num_embeddings * self.embedding_dim
+
+    @property
+    def init_bound(self) -> float:
+        """Initial rows are uniform in +-init_bound: TorchRec's sqrt(1 / rows), of the
+        published table (a table scaled 2,000x down would otherwise start 45x wider)."""
+        return (1.0 / (self.published_rows or self.num_embeddings)) ** 0.5
 
 
 @dataclass(frozen=True)
@@ -82,12 +95,24 @@ class ModelSpec:
     source: str = ""
     table_scale: float = 1.0
     max_rows: int | None = None
+    # the published training recipe the preset stands for (its `[reference]` table): the
+    # global batch its dense learning rate was set for (`config.train.dense_lr_for`)
+    reference_batch_size: int | None = None
+    reference_dense_lr: float | None = None
+    reference_source: str = ""
 
     def __post_init__(self) -> None:
         where = _spec_where(self.source, self.name)
-        for field in ("name", "description", "source"):
+        for field in ("name", "description", "source", "reference_source"):
             if not isinstance(getattr(self, field), str):
                 raise bad(where, field, getattr(self, field), "must be a string")
+        if (self.reference_batch_size is None) != (self.reference_dense_lr is None):
+            raise UserError(f"{where}: [reference] needs both batch_size and dense_lr")
+        if self.reference_batch_size is not None and not is_positive_int(self.reference_batch_size):
+            raise bad(where, "reference.batch_size", self.reference_batch_size, "must be an integer >= 1")
+        lr = self.reference_dense_lr
+        if lr is not None and not (is_number(lr) and lr > 0):
+            raise bad(where, "reference.dense_lr", self.reference_dense_lr, "must be a number > 0")
         if not is_positive_int(self.num_dense):
             raise bad(where, "num_dense", self.num_dense, "must be an integer >= 1")
         tables = self.tables

@@ -34,7 +34,7 @@ class TrainConfig:
     embedding_optimizer: str = "rowwise_adagrad"
     embedding_lr: float = 0.05
     dense_optimizer: str = "adagrad"
-    dense_lr: float = 0.005
+    dense_lr: float | None = None  # None: the preset's published rate for this batch (`dense_lr_for`)
     eval_every: int = 0  # steps between held-out AUC evaluations; 0: only at the end
     eval_batches: int = 8
     seed: int = 0
@@ -62,6 +62,8 @@ class TrainConfig:
         _choice("--embedding-optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
         _choice("--dense-optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
         for name, lr in (("--embedding-lr", self.embedding_lr), ("--dense-lr", self.dense_lr)):
+            if name == "--dense-lr" and lr is None:
+                continue
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise UserError(f"{name} {lr!r}: must be a number > 0")
         if self.eval_every < 0:
@@ -99,6 +101,28 @@ class TrainConfig:
             "data_overrides": list(self.data_overrides),
             "shard": list(self.shard),
         }
+
+
+DEFAULT_DENSE_LR = 0.005  # Adagrad, for presets without a published recipe
+
+
+def dense_lr_for(spec: Any, cfg: TrainConfig, world_size: int) -> tuple[float, str]:
+    """The dense learning rate of a run and why. `--dense-lr` when given; else a preset's
+    published rate (its `[reference]`) scaled by sqrt(global batch / the batch it was
+    published for), the square-root rule for adaptive optimizers (Malladi et al., 2022):
+    MLPerf DLRM-DCNv2's Adagrad 0.005 at batch 65,536 sends every weight of its 1024-wide
+    layers a step of 0.005 at once, which at batch 256 diverged (loss 0.69 -> 98,000 by
+    step 3, measured 2026-11-23); else `DEFAULT_DENSE_LR`."""
+    if cfg.dense_lr is not None:
+        return cfg.dense_lr, "given (--dense-lr)"
+    batch = cfg.batch_size * world_size
+    if spec.reference_batch_size and spec.reference_dense_lr:
+        lr = spec.reference_dense_lr * math.sqrt(batch / spec.reference_batch_size)
+        return lr, (
+            f"published {spec.reference_dense_lr:g} at global batch {spec.reference_batch_size} "
+            f"({spec.reference_source or 'the preset'}) x sqrt({batch} / {spec.reference_batch_size})"
+        )
+    return DEFAULT_DENSE_LR, "the lab's default (the preset publishes no recipe)"
 
 
 def _positive(name: str, value: Any) -> None:

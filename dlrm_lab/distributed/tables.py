@@ -49,10 +49,11 @@ INIT_ROW_BLOCK = 1 << 16  # rows drawn together when initialising a table
 
 
 @torch.no_grad()
-def init_tables(model: torch.nn.Module, seed: int) -> None:
+def init_tables(model: torch.nn.Module, seed: int, bounds: dict[str, float] | None = None) -> None:
     """Give every table the same initial rows however it is sharded.
 
-    Rows are drawn uniform in +-sqrt(1 / rows) (TorchRec's default) from generators
+    Rows are drawn uniform in +-bounds[table] (`TableSpec.init_bound`: TorchRec's
+    sqrt(1 / rows) of the published table; without `bounds`, of the table as built) from generators
     seeded by (seed, table, block of 65,536 rows), and each rank writes only its own
     shards' rows and columns. Runs with 1 and N ranks, and with any sharding type,
     therefore start from identical tables, so their losses can be compared step by step.
@@ -67,7 +68,7 @@ def init_tables(model: torch.nn.Module, seed: int) -> None:
         else:
             rows, dim = value.shape
             shards = [((0, 0), value)]
-        bound = (1.0 / rows) ** 0.5
+        bound = bounds[name] if bounds and name in bounds else (1.0 / rows) ** 0.5
         table_seed = int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little") ^ (seed * 0x9E3779B1)
         for (row0, col0), tensor in shards:
             n_rows, n_cols = tensor.shape

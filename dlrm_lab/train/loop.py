@@ -8,6 +8,7 @@ scales. The loop returns data; progress display is the caller's `on_step` callba
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
+from dlrm_lab.config.train import dense_lr_for
 from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores, resolve_device
@@ -71,12 +73,27 @@ class TrainResult:
     reports: bool = True  # this process reports the run (rank 0; every rank returns a result)
 
 
-def _dense_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> CombinedOptimizer:
+def _dense_optimizer(model: torch.nn.Module, cfg: TrainConfig, lr: float) -> CombinedOptimizer:
     """The dense optimizer beside the tables' fused one, combined for stepping and checkpoints."""
     dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
     make = _DENSE_OPTIMIZERS[cfg.dense_optimizer]
-    dense = KeyedOptimizerWrapper(dense_params, lambda params: make(params, lr=cfg.dense_lr))
+    dense = KeyedOptimizerWrapper(dense_params, lambda params: make(params, lr=lr))
     return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]
+
+
+def _init_output_bias(model: torch.nn.Module, click_rate: float | None) -> float | None:
+    """Start the click logit at the data's base rate (the logit of its click rate), so the
+    first steps do not spend themselves, and Adagrad's first sign-sized step on every
+    weight, moving every logit from 0 to the prior together. None when the rate is unknown."""
+    if click_rate is None or not 0 < click_rate < 1:
+        return None
+    linears = [m for name, m in model.named_modules() if "over_arch" in name and isinstance(m, torch.nn.Linear)]
+    if not linears or linears[-1].out_features != 1 or linears[-1].bias is None:
+        return None
+    bias = math.log(click_rate / (1 - click_rate))
+    with torch.no_grad():
+        linears[-1].bias.fill_(bias)  # every rank sets the same value: DDP replicas stay equal
+    return bias
 
 
 def _open_run(metrics_dir: str | Path | None, config: dict[str, Any], argv: list[str] | None, ctx: DistContext):
@@ -215,8 +232,10 @@ def train(
         batch_size=cfg.batch_size,
         wrapper=BatchLoss(model) if cfg.pipeline else None,
     )
-    init_tables(dmp, cfg.seed)  # identical initial rows whatever the sharding and rank count
-    optimizer = _dense_optimizer(dmp, cfg)
+    # identical initial rows whatever the sharding and rank count, spread as in the published model
+    init_tables(dmp, cfg.seed, {t.name: t.init_bound for t in spec.tables})
+    dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
+    optimizer = _dense_optimizer(dmp, cfg, dense_lr)
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
     if start_step >= cfg.steps:
         raise UserError(f"--resume: the checkpoint is at step {start_step}; --steps {cfg.steps} leaves nothing to do")
@@ -238,6 +257,10 @@ def train(
             start_batch=start_step,
         )
         source, eval_source = source or default_train, eval_source or default_eval
+    described = source.describe()  # synthetic: its spec's rate; a generated dataset: its sidecar's
+    sidecar = (described.get("dataset") or {}).get("teacher") or {}
+    click_rate = described.get("click_rate") or sidecar.get("click_rate")
+    output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None
     if cfg.prefetch:
         source = Prefetcher(source, depth=cfg.prefetch, pin_memory=ctx.device.type == "cuda")
     config = {
@@ -253,6 +276,21 @@ def train(
         "pipelined": cfg.pipeline,
         "torch_threads": torch.get_num_threads(),
         "precision_choice": precision_choice.to_dict(),
+        # what the scaled model shares with the full one (docs/metrics.md, "numerics")
+        "numerics": {
+            "table_init": "uniform +-sqrt(1 / rows of the published table)",
+            "table_init_bounds": {t.name: t.init_bound for t in spec.tables},
+            "dense_lr": dense_lr,
+            "dense_lr_rule": dense_lr_reason,
+            "output_bias": output_bias,
+            "output_bias_rule": (
+                f"logit of the training data's click rate {click_rate:g}"
+                if output_bias is not None
+                else "resumed from a checkpoint"
+                if start_step
+                else "0: the data states no click rate"
+            ),
+        },
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     run = _open_run(metrics_dir, config, argv, ctx)
