@@ -223,19 +223,49 @@ def test_dense_learning_rate_follows_the_published_recipe_scaled_to_the_batch():
     assert dense_lr_for(dlrm_lab.load_preset("tiny"), TrainConfig(), 1)[0] == DEFAULT_DENSE_LR
 
 
-@pytest.mark.parametrize("scale", [0.0005, 0.002])
-def test_dcnv2_starts_near_the_entropy_of_its_click_rate_at_every_table_scale(tmp_path, scale):
-    """The first steps' loss is within 2x of the click rate's entropy (it was 10,228 at scale
-    0.0005 with MLPerf's learning rate at a small batch and a logit starting at 0)."""
+def test_embedding_learning_rate_is_divided_by_the_pooling_factor():
+    from dlrm_lab.config.train import embedding_lr_for
+
+    assert embedding_lr_for(dlrm_lab.load_preset("rm2"), TrainConfig()) == (
+        0.05 / 120,
+        "0.05 / mean pooling factor 120",
+    )
+    assert embedding_lr_for(dlrm_lab.load_preset("kaggle"), TrainConfig())[0] == 0.05  # one-hot
+    assert embedding_lr_for(dlrm_lab.load_preset("rm2"), TrainConfig(embedding_lr=0.1)) == (
+        0.1,
+        "given (--embedding-lr)",
+    )
+
+
+FIRST_STEPS = [
+    ("tiny", {}),
+    ("kaggle", {"max_rows": 20_000}),
+    ("terabyte", {"max_rows": 20_000}),
+    ("rm1", {"table_scale": 0.002}),
+    ("rm2", {"table_scale": 0.002}),
+    ("rm3", {"table_scale": 0.002}),
+    ("dcnv2", {"table_scale": 0.0005}),
+    ("dcnv2", {"table_scale": 0.002}),  # every scale: at least two
+]
+
+
+@pytest.mark.parametrize(("preset", "scaling"), FIRST_STEPS, ids=[f"{p}-{list(s.values())}" for p, s in FIRST_STEPS])
+def test_every_preset_starts_near_the_entropy_of_its_click_rate(tmp_path, preset, scaling):
+    """The first steps' loss (mean of 10) is within 2x of the click rate's entropy. dcnv2's was
+    10,228 at scale 0.0005 (MLPerf's dense rate at a small batch, a logit starting at 0), rm2's
+    1.4 (its 120-id sum pooling at the one-hot embedding rate)."""
     import math
 
-    spec = dlrm_lab.load_preset("dcnv2", table_scale=scale)
-    result = train(spec, TrainConfig(steps=10, batch_size=128, eval_batches=1), metrics_dir=tmp_path)
-    p = 0.03  # criteo_multihot's click rate
+    spec = dlrm_lab.load_preset(preset, **scaling)
+    result = train(spec, TrainConfig(steps=10, batch_size=128, eval_batches=2), metrics_dir=tmp_path)
+    numerics = read_manifest(result.run_dir)["config"]["numerics"]
+    p = read_manifest(result.run_dir)["config"]["data"]["click_rate"]
     entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
     assert result.summary["loss_first"] < 2 * entropy, [s["loss"] for s in result.steps]
-    numerics = read_manifest(result.run_dir)["config"]["numerics"]
     assert numerics["output_bias"] == pytest.approx(math.log(p / (1 - p)))
-    assert numerics["dense_lr"] == pytest.approx(0.005 * (128 / 16384) ** 0.5)
-    assert numerics["dense_lr_rule"].startswith("published 0.005 at global batch 16384")
-    assert numerics["table_init_bounds"]["t_cat_0"] == pytest.approx((1 / 40_000_000) ** 0.5)
+    pooling = [t.pooling_factor for t in spec.tables for _ in t.feature_names]
+    assert numerics["embedding_lr"] == pytest.approx(0.05 / max(1.0, sum(pooling) / len(pooling)))
+    if preset == "dcnv2":
+        assert numerics["dense_lr"] == pytest.approx(0.005 * (128 / 16384) ** 0.5)
+        assert numerics["dense_lr_rule"].startswith("published 0.005 at global batch 16384")
+        assert numerics["table_init_bounds"]["t_cat_0"] == pytest.approx((1 / 40_000_000) ** 0.5)

@@ -30,7 +30,10 @@ def train_command(
     embedding_optimizer: Annotated[
         str, typer.Option(help="Fused table optimizer: rowwise_adagrad or sgd.")
     ] = "rowwise_adagrad",
-    embedding_lr: Annotated[float, typer.Option(help="Table learning rate.")] = 0.05,
+    embedding_lr: Annotated[
+        Optional[float],
+        typer.Option(help="Table learning rate (default: 0.05 / the mean pooling factor; the manifest says which)."),
+    ] = None,
     dense_optimizer: Annotated[str, typer.Option(help="MLP optimizer: adagrad, adam or sgd.")] = "adagrad",
     dense_lr: Annotated[
         Optional[float],

@@ -23,7 +23,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
-from dlrm_lab.config.train import dense_lr_for
+from dlrm_lab.config.train import dense_lr_for, embedding_lr_for
 from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores, resolve_device
@@ -222,11 +222,12 @@ def train(
     cfg = replace(cfg, precision=precision_choice.precision)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     torch.manual_seed(cfg.seed)
+    embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
     model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
     dmp, plan = shard_model(
         model,
         ctx,
-        EmbeddingOptimizer(cfg.embedding_optimizer, cfg.embedding_lr),
+        EmbeddingOptimizer(cfg.embedding_optimizer, embedding_lr),
         sharding=cfg.sharding,
         per_table=per_table,
         batch_size=cfg.batch_size,
@@ -282,6 +283,8 @@ def train(
             "table_init_bounds": {t.name: t.init_bound for t in spec.tables},
             "dense_lr": dense_lr,
             "dense_lr_rule": dense_lr_reason,
+            "embedding_lr": embedding_lr,
+            "embedding_lr_rule": embedding_lr_reason,
             "output_bias": output_bias,
             "output_bias_rule": (
                 f"logit of the training data's click rate {click_rate:g}"
