@@ -7,7 +7,8 @@ killed by a signal, leaves the run's manifest saying only that the launcher stop
 - the run directories the ranks created (each is written into the file `RUN_RECORD_ENV` names) get that
   reason in their manifest; a run left `running` (rank 0 itself killed) is recovered first;
 - the ranks left alive get `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (default here 5 s, torch's 30 s)
-  to end after SIGTERM before SIGKILL, so a stopped or hung rank does not hold the job.
+  to end after SIGTERM before SIGKILL, so a stopped or hung rank does not hold the job. Their
+  rows are safe when killed: parts are flushed as they go and the run is recovered here.
 """
 
 from __future__ import annotations
@@ -78,12 +79,31 @@ def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
     return runs
 
 
+def _cap_shutdown_grace(seconds: float) -> None:
+    """torch closes the other ranks after a failure from inside its process context's poll
+    with close()'s own default grace, 30 s, which neither torchrun's options nor
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT reach (torch 2.13, elastic/multiprocessing/api.py). Cap it
+    in this launcher process; if torch's API moves, the launcher still works with torch's grace."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = getattr(api.PContext, "close", None)
+    if close is None or getattr(close, "_dlrm_lab_capped", False):
+        return
+
+    def capped(self: Any, death_sig: Any = None, timeout: int = 30) -> None:
+        return close(self, death_sig, int(min(timeout, seconds)))
+
+    capped._dlrm_lab_capped = True  # type: ignore[attr-defined]
+    api.PContext.close = capped
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    _cap_shutdown_grace(float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]))
     args = parse_args(sys.argv[1:] if argv is None else argv)
     fd, record_path = tempfile.mkstemp(prefix="dlrm-lab-launch-", suffix=".runs")
     os.close(fd)
