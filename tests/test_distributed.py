@@ -62,7 +62,7 @@ def test_two_ranks_match_one_rank(runs, sharding):
         torch.testing.assert_close(wb["dense"][key], value, rtol=1e-5, atol=1e-6)
 
 
-def _two_ranks_training(tmp_path, timeout_s: int):
+def _two_ranks_training(tmp_path, timeout_s: int, grace_s: int | None = None):
     """Start a long 2-rank run as `dlrm-lab launch` does; return (launcher process, rank 1's
     process) once both flushed steps."""
     import psutil
@@ -70,6 +70,8 @@ def _two_ranks_training(tmp_path, timeout_s: int):
     from dlrm_lab.distributed.launch import launch_command
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if grace_s is not None:  # the launcher's SIGTERM-to-SIGKILL grace for ranks left after a failure
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_s)
     cmd = launch_command(
         2,
         "torchrun",
@@ -139,7 +141,7 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
 
     from dlrm_lab.metrics import read_manifest
 
-    proc, victim = _two_ranks_training(tmp_path, timeout_s=5)
+    proc, victim = _two_ranks_training(tmp_path, timeout_s=5, grace_s=2)
     (rank0,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "0"]
     try:
         victim.send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end this

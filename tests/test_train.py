@@ -257,7 +257,7 @@ def test_every_preset_starts_near_the_entropy_of_its_click_rate(tmp_path, preset
     import math
 
     spec = dlrm_lab.load_preset(preset, **scaling)
-    result = train(spec, TrainConfig(steps=10, batch_size=128, eval_batches=2), metrics_dir=tmp_path)
+    result = train(spec, TrainConfig(steps=10, batch_size=64, eval_batches=1), metrics_dir=tmp_path)
     numerics = read_manifest(result.run_dir)["config"]["numerics"]
     p = read_manifest(result.run_dir)["config"]["data"]["click_rate"]
     entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
@@ -266,6 +266,6 @@ def test_every_preset_starts_near_the_entropy_of_its_click_rate(tmp_path, preset
     pooling = [t.pooling_factor for t in spec.tables for _ in t.feature_names]
     assert numerics["embedding_lr"] == pytest.approx(0.05 / max(1.0, sum(pooling) / len(pooling)))
     if preset == "dcnv2":
-        assert numerics["dense_lr"] == pytest.approx(0.005 * (128 / 16384) ** 0.5)
+        assert numerics["dense_lr"] == pytest.approx(0.005 * (64 / 16384) ** 0.5)
         assert numerics["dense_lr_rule"].startswith("published 0.005 at global batch 16384")
         assert numerics["table_init_bounds"]["t_cat_0"] == pytest.approx((1 / 40_000_000) ** 0.5)
