@@ -121,7 +121,8 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
         text=True,
         # as for a command a script starts in the background: SIGINT inherited as ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-        env={**os.environ, "DLRM_LAB_PROGRESS_INTERVAL_S": "0"},  # a line per step, were it not --no-progress
+        # a line per step, were it not --no-progress; rows on disk within a second
+        env={**os.environ, "DLRM_LAB_PROGRESS_INTERVAL_S": "0", "DLRM_LAB_FLUSH_SECONDS": "1"},
     )
     assert wait_for_files(tmp_path, "*/_parts/steps/*.parquet"), "training never flushed a step"
     proc.send_signal(signal.SIGINT)

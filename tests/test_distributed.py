@@ -69,7 +69,8 @@ def _two_ranks_training(tmp_path, timeout_s: int, grace_s: int | None = None):
 
     from dlrm_lab.distributed.launch import launch_command
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # rows flushed every second: the victim is chosen once both ranks have some on disk
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DLRM_LAB_FLUSH_SECONDS": "1"}
     if grace_s is not None:  # the launcher's SIGTERM-to-SIGKILL grace for ranks left after a failure
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_s)
     cmd = launch_command(

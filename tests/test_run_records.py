@@ -275,3 +275,18 @@ def test_recovering_a_killed_training_run_rebuilds_its_summary_from_the_steps(tm
     assert got["warmup_steps"] == want["warmup_steps"] and got["eval_auc"] is None  # never measured: null
     code, out, _ = run_cli_in_process("runs", "list", str(tmp_path))
     assert code == 0 and f"{got['samples_per_s']:,.0f}" in out
+
+
+def test_the_flush_interval_is_five_seconds_or_the_environments(tmp_path, monkeypatch):
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.metrics.tables import TableWriter, flush_interval_s
+
+    schema = pa.schema([("x", pa.int64())])
+    assert TableWriter(tmp_path, "a", schema, "r").flush_seconds == 5.0
+    monkeypatch.setenv("DLRM_LAB_FLUSH_SECONDS", "0.5")
+    assert TableWriter(tmp_path, "b", schema, "r").flush_seconds == 0.5
+    assert TableWriter(tmp_path, "c", schema, "r", flush_seconds=2.0).flush_seconds == 2.0  # a table's own choice
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv("DLRM_LAB_FLUSH_SECONDS", bad)
+        with pytest.raises(UserError, match=f"DLRM_LAB_FLUSH_SECONDS='{bad}': must be a number of seconds > 0"):
+            flush_interval_s()

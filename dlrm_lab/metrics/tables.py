@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dlrm_lab.errors import DiskFull, is_disk_full
+from dlrm_lab.errors import DiskFull, UserError, is_disk_full
 
 PARTS_DIR = "_parts"
 
@@ -49,6 +49,23 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> None:
         pq.write_table(table, tmp)
 
 
+FLUSH_SECONDS_ENV = "DLRM_LAB_FLUSH_SECONDS"
+
+
+def flush_interval_s() -> float:
+    """Seconds between a table's flushes: 5, or DLRM_LAB_FLUSH_SECONDS (a bad value is refused)."""
+    text = os.environ.get(FLUSH_SECONDS_ENV)
+    if text is None:
+        return 5.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise UserError(f"{FLUSH_SECONDS_ENV}={text!r}: must be a number of seconds > 0")
+    return value
+
+
 class TableWriter:
     """Append-only writer of one Parquet table (`steps`, `queries`, ...) of a run.
 
@@ -63,7 +80,7 @@ class TableWriter:
         schema: pa.Schema,
         run_id: str,
         flush_rows: int = 10_000,
-        flush_seconds: float = 5.0,
+        flush_seconds: float | None = None,
         rank: int = 0,
     ) -> None:
         if "run_id" not in schema.names:
@@ -73,7 +90,8 @@ class TableWriter:
         self.schema = schema
         self.run_id = run_id
         self.flush_rows = flush_rows
-        self.flush_seconds = flush_seconds
+        # the most a SIGKILL can lose, in seconds of rows: 5 unless DLRM_LAB_FLUSH_SECONDS says
+        self.flush_seconds = flush_seconds if flush_seconds is not None else flush_interval_s()
         self._rows: list[dict[str, Any]] = []
         self._parts_dir = self.run_dir / PARTS_DIR / name
         self._parts_dir.mkdir(parents=True, exist_ok=True)
