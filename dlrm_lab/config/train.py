@@ -128,9 +128,9 @@ def dense_lr_for(spec: Any, cfg: TrainConfig, world_size: int) -> tuple[float, s
     """The dense learning rate of a run and why. `--dense-lr` when given; else a preset's
     published rate (its `[reference]`) scaled by sqrt(global batch / the batch it was
     published for), the square-root rule for adaptive optimizers (Malladi et al., 2022):
-    MLPerf DLRM-DCNv2's Adagrad 0.005 at batch 65,536 sends every weight of its 1024-wide
-    layers a step of 0.005 at once, which at batch 256 diverged (loss 0.69 -> 98,000 by
-    step 3, measured 2026-11-23); else `DEFAULT_DENSE_LR`."""
+    dcnv2's Adagrad 0.005 (torchrec_dlrm's recipe, global batch 16,384) sends every weight of
+    its 1024-wide layers a step of 0.005 at once, which at batch 256 diverged (loss 0.69 ->
+    98,425 by step 3, measured 2026-11-23); else `DEFAULT_DENSE_LR`."""
     if cfg.dense_lr is not None:
         return cfg.dense_lr, "given (--dense-lr)"
     batch = cfg.batch_size * world_size

@@ -79,8 +79,8 @@ FRONTIER_SCHEMA = pa.schema(
         ("threads_per_instance", pa.int32()),
         ("max_batch", pa.int32()),
         ("max_delay_ms", pa.float64()),
-        ("min_piece", pa.int32()),
-        ("spin_ms", pa.float64()),  # smallest split piece (measured by the layout's instances when 0 was asked)
+        ("min_piece", pa.int32()),  # smallest split piece (measured by the layout's instances when 0 was asked)
+        ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
         ("precision", pa.string()),  # dense compute of this configuration
         ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
         ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
