@@ -14,7 +14,7 @@ from rich.table import Table
 
 from dlrm_lab.cli.format import console
 from dlrm_lab.metrics import columns
-from dlrm_lab.metrics.run import FoundRun, discover_runs, one_line, pid_alive, recover_run
+from dlrm_lab.metrics.run import FoundRun, discover_runs, one_line, pid_alive, recover_run_and_summary
 from dlrm_lab.metrics.tables import PARTS_DIR
 
 app = typer.Typer(help="Run directories written by train, scale and infer.", no_args_is_help=True)
@@ -157,7 +157,7 @@ def recover_runs(
             continue
         parts = _part_files(run.dir)
         try:
-            manifest = recover_run(run.dir)
+            manifest, rebuilt = recover_run_and_summary(run.dir)
         except Exception as exc:  # noqa: BLE001 - one run that cannot be merged must not stop the others
             failed += 1
             out.print(f"could not recover {run.run_id}: {one_line(exc)}", markup=False, highlight=False, soft_wrap=True)
@@ -168,11 +168,8 @@ def recover_runs(
             if parts
             else ""
         )
-        if manifest.get("kind") == "train":
-            from dlrm_lab.train.records import recovered_summary  # torch: only when a training run needs it
-
-            if recovered_summary(run.dir, manifest) is not None:
-                merged += "; summary.parquet rebuilt from its steps"
+        if rebuilt:
+            merged += "; summary.parquet rebuilt from its steps"
         recovered += 1
         out.print(
             f"recovered {run.run_id}: marked {manifest.get('status')} (pid {pid} gone){merged}",

@@ -53,8 +53,7 @@ def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
     """Give each run the ranks created the launcher's reason. A run still `running` (its rank 0
     died without closing it) is recovered first. A run whose own error already names the cause
     keeps it unless a rank was killed by a signal: the run then only knows it was stopped."""
-    from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run
-    from dlrm_lab.train.records import recovered_summary
+    from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run_and_summary
 
     runs = []
     try:
@@ -66,9 +65,7 @@ def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
         try:
             manifest = read_manifest(run_dir)
             if manifest.get("status") == "running":
-                manifest = recover_run(run_dir)
-                if manifest.get("kind") == "train":
-                    recovered_summary(run_dir, manifest)
+                manifest, _ = recover_run_and_summary(run_dir)
             if manifest.get("status") == "ok":
                 continue
             if killed or not manifest.get("error"):

@@ -309,6 +309,17 @@ def pid_alive(pid: int | None) -> bool:
     return True
 
 
+def recover_run_and_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
+    """`recover_run`, and for a training run the summary it died before writing, rebuilt from
+    its recovered steps (`train.records.recovered_summary`). (manifest, summary rebuilt)."""
+    manifest = recover_run(run_dir)
+    if manifest.get("kind") != "train":
+        return manifest, False
+    from dlrm_lab.train.records import recovered_summary  # torch: only when a training run needs it
+
+    return manifest, recovered_summary(Path(run_dir), manifest) is not None
+
+
 def recover_run(run_dir: Path) -> dict[str, Any]:
     """Make a crashed run readable: merge its part files and mark it `failed`.
 
