@@ -7,6 +7,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# a training run that only a signal ends (fault tests): tiny, small batches, a million steps
+ENDLESS_TRAIN = ("train", "--preset", "tiny", "--steps", "1000000", "--batch-size", "32", "--no-progress")
 
 
 def pytest_collection_modifyitems(config, items):

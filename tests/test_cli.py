@@ -9,7 +9,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli, run_cli_in_process, wait_for_files
+from conftest import ENDLESS_TRAIN, ROOT, run_cli, run_cli_in_process, wait_for_files
 
 from dlrm_lab.metrics import read_manifest
 
@@ -100,21 +100,7 @@ def test_train_writes_a_run_that_runs_list_shows(tmp_path):
 
 def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dlrm_lab",
-            "train",
-            "--preset",
-            "tiny",
-            "--steps",
-            "1000000",
-            "--batch-size",
-            "32",
-            "--metrics-dir",
-            str(tmp_path),
-            "--no-progress",
-        ],
+        [sys.executable, "-m", "dlrm_lab", *ENDLESS_TRAIN, "--metrics-dir", str(tmp_path)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

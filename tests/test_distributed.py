@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, wait_for_files
+from conftest import ENDLESS_TRAIN, ROOT, wait_for_files
 
 import dlrm_lab
 from dlrm_lab.config import SHARDING_TYPES
@@ -76,20 +76,7 @@ def _two_ranks_training(tmp_path, timeout_s: int, grace_s: int | None = None):
     cmd = launch_command(
         2,
         "torchrun",
-        [
-            "train",
-            "--preset",
-            "tiny",
-            "--steps",
-            "1000000",
-            "--batch-size",
-            "32",
-            "--timeout",
-            str(timeout_s),
-            "--metrics-dir",
-            str(tmp_path),
-            "--no-progress",
-        ],
+        [*ENDLESS_TRAIN, "--timeout", str(timeout_s), "--metrics-dir", str(tmp_path)],
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_files(tmp_path, "*/_parts/steps/part-r00001-*.parquet")

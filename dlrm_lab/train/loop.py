@@ -234,7 +234,8 @@ def train(
         wrapper=BatchLoss(model) if cfg.pipeline else None,
     )
     # identical initial rows whatever the sharding and rank count, spread as in the published model
-    init_tables(dmp, cfg.seed, {t.name: t.init_bound for t in spec.tables})
+    init_bounds = {t.name: t.init_bound for t in spec.tables}
+    init_tables(dmp, cfg.seed, init_bounds)
     dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
     optimizer = _dense_optimizer(dmp, cfg, dense_lr)
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
@@ -280,7 +281,7 @@ def train(
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
             "table_init": "uniform +-sqrt(1 / rows of the published table)",
-            "table_init_bounds": {t.name: t.init_bound for t in spec.tables},
+            "table_init_bounds": init_bounds,
             "dense_lr": dense_lr,
             "dense_lr_rule": dense_lr_reason,
             "embedding_lr": embedding_lr,
