@@ -4,12 +4,14 @@ Valid FLOPS of those runs.
 
     python benchmarks/quality.py                      # every preset, ~15 min on 2 cores
     python benchmarks/quality.py --presets tiny dcnv2 --max-steps 300
+    python benchmarks/quality.py --presets terabyte rm1 rm3 --max-steps 2000   # the slow learners
 
 Each (preset, target) is one `dlrm-lab train --target-auc` run through the real CLI, on the
 preset's default synthetic data scaled to fit (SCALES), evaluating every `--eval-every` steps
 on `--eval-batches` held-out batches; the run stops at the first evaluation at the target.
 A preset that does not reach a target within `--max-steps` is recorded as not reached (its
-Valid FLOPS are 0 by the rule). Results go to results-quality-<date>.json beside this file.
+Valid FLOPS are 0 by the rule). Results go to results-quality-<date>.json beside this file
+(a rerun of some presets replaces their entries and keeps the others).
 """
 
 from __future__ import annotations
@@ -119,9 +121,15 @@ def main() -> None:
                      else f"not reached in {opts.max_steps} steps (AUC {r['eval_auc']:.4f})"), flush=True)  # fmt: skip
             if not r["reached"]:
                 break  # 97% cannot come before 90%
+        entry["settings"] = vars(opts) | {"date": results["date"]}
         results["presets"][preset] = entry
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     path = Path(__file__).with_name(f"results-quality-{day}.json")
+    if path.exists():  # a rerun of some presets keeps the day's others (each entry has its settings)
+        earlier = json.loads(path.read_text())
+        for entry in earlier.get("presets", {}).values():
+            entry.setdefault("settings", earlier.get("settings", {}) | {"date": earlier.get("date")})
+        results["presets"] = earlier.get("presets", {}) | results["presets"]
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
 

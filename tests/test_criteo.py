@@ -258,3 +258,44 @@ def test_cli_criteo_tsv_of_multi_hot_preset_is_one_line_exit_2(tmp_path):
     err = stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "multi-hot" in err[0], stderr
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_training_on_converted_criteo_targets_the_presets_published_auc(tmp_path):
+    """terabyte publishes MLPerf's 0.8025: on data converted from Criteo it is the default
+    --target-auc (recorded with its rule); on synthetic data there is no default target."""
+    from dlrm_lab.config.train import TrainConfig, target_auc_for
+    from dlrm_lab.train import train
+
+    terabyte = dlrm_lab.load_preset("terabyte", max_rows=1000)
+    assert terabyte.reference_target_auc == 0.8025
+    assert dlrm_lab.load_preset("dcnv2").reference_target_auc == 0.80275
+    gen = synthetic_generator(terabyte, seed=SEED)
+    convert_criteo([write_criteo_tsv(gen, 512, tmp_path / "day_0")], terabyte, tmp_path / "ds")
+    cfg = TrainConfig(steps=2, batch_size=64, eval_batches=1, data=str(tmp_path / "ds"), prefetch=0)
+    result = train(terabyte, cfg, metrics_dir=tmp_path / "runs")
+    numerics = read_manifest(result.run_dir)["config"]["numerics"]
+    assert numerics["target_auc"] == 0.8025
+    assert numerics["target_auc_rule"].startswith("published 0.8025")
+    assert "converted from Criteo" in numerics["target_auc_rule"]
+    assert result.summary["target_auc"] == 0.8025  # the run evaluated against it (MLPerf's stopping rule)
+
+    synthetic = {"source": "synthetic", "click_rate": 0.03}
+    assert target_auc_for(terabyte, TrainConfig(), synthetic) == (None, "none")
+    assert target_auc_for(terabyte, TrainConfig(target_auc=0.7), {"dataset": {"source": "criteo-tsv"}}) == (
+        0.7,
+        "given (--target-auc)",
+    )
+    kaggle = dlrm_lab.load_preset("kaggle")  # publishes no target
+    assert target_auc_for(kaggle, TrainConfig(), {"dataset": {"source": "criteo-tsv"}}) == (None, "none")
+
+
+def test_a_bad_published_target_auc_is_refused_in_one_line(tmp_path):
+    from dlrm_lab.config.presets import preset_path
+
+    text = preset_path("terabyte").read_text().replace("target_auc = 0.8025", "target_auc = 1.5")
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    with pytest.raises(UserError) as excinfo:
+        dlrm_lab.load_preset(str(bad))
+    msg = one_line_error(excinfo)
+    assert "reference.target_auc" in msg and "1.5" in msg and "(0.5, 1)" in msg

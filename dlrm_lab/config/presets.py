@@ -47,7 +47,7 @@ _MODEL_KEYS = {
     "reference",
 }
 _DCN_KEYS = {"num_layers", "low_rank"}
-_REFERENCE_KEYS = {"batch_size", "dense_lr", "source"}
+_REFERENCE_KEYS = {"batch_size", "dense_lr", "source", "target_auc"}
 
 
 def available_presets() -> list[str]:
@@ -153,6 +153,7 @@ def _parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, 
         reference_batch_size=reference.get("batch_size"),
         reference_dense_lr=reference.get("dense_lr"),
         reference_source=reference.get("source", ""),
+        reference_target_auc=reference.get("target_auc"),
     )
 
 

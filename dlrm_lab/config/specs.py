@@ -100,6 +100,9 @@ class ModelSpec:
     reference_batch_size: int | None = None
     reference_dense_lr: float | None = None
     reference_source: str = ""
+    # the quality the published benchmark trains to (MLPerf's target AUC on the real data):
+    # the default `--target-auc` when the lab trains on real data converted from Criteo
+    reference_target_auc: float | None = None
 
     def __post_init__(self) -> None:
         where = _spec_where(self.source, self.name)
@@ -113,6 +116,9 @@ class ModelSpec:
         lr = self.reference_dense_lr
         if lr is not None and not (is_number(lr) and lr > 0):
             raise bad(where, "reference.dense_lr", self.reference_dense_lr, "must be a number > 0")
+        auc = self.reference_target_auc
+        if auc is not None and not (is_number(auc) and 0.5 < auc < 1):
+            raise bad(where, "reference.target_auc", auc, "must be a number in (0.5, 1)")
         if not is_positive_int(self.num_dense):
             raise bad(where, "num_dense", self.num_dense, "must be an integer >= 1")
         tables = self.tables

@@ -143,6 +143,20 @@ def dense_lr_for(spec: Any, cfg: TrainConfig, world_size: int) -> tuple[float, s
     return DEFAULT_DENSE_LR, "the lab's default (the preset publishes no recipe)"
 
 
+def target_auc_for(spec: Any, cfg: TrainConfig, data: dict[str, Any]) -> tuple[float | None, str]:
+    """The run's target AUC and why: `--target-auc` when given; else, on real data converted
+    from Criteo (`data` is the training source's description), the preset's published target
+    (its `[reference] target_auc`, MLPerf's 0.80275 for dcnv2). Synthetic data has its own
+    best AUC (the teacher's), so a published target means nothing there."""
+    if cfg.target_auc is not None:
+        return cfg.target_auc, "given (--target-auc)"
+    converted = (data.get("dataset") or {}).get("source") == "criteo-tsv"
+    if converted and spec.reference_target_auc is not None:
+        auc = spec.reference_target_auc
+        return auc, f"published {auc:g} (the preset's [reference] target_auc), on data converted from Criteo"
+    return None, "none"
+
+
 def _positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"{name} {value!r}: must be an integer >= 1")

@@ -23,7 +23,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
-from dlrm_lab.config.train import dense_lr_for, embedding_lr_for
+from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
 from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores, resolve_device
@@ -260,6 +260,8 @@ def train(
         )
         source, eval_source = source or default_train, eval_source or default_eval
     described = source.describe()  # synthetic: its spec's rate; a generated dataset: its sidecar's
+    target_auc, target_auc_rule = target_auc_for(spec, cfg, described)
+    cfg = replace(cfg, target_auc=target_auc)
     sidecar = (described.get("dataset") or {}).get("teacher") or {}
     click_rate = described.get("click_rate") or sidecar.get("click_rate")
     output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None
@@ -287,6 +289,8 @@ def train(
             "embedding_lr": embedding_lr,
             "embedding_lr_rule": embedding_lr_reason,
             "output_bias": output_bias,
+            "target_auc": target_auc,
+            "target_auc_rule": target_auc_rule,
             "output_bias_rule": (
                 f"logit of the training data's click rate {click_rate:g}"
                 if output_bias is not None
