@@ -101,8 +101,15 @@ class ConstantPower:
         self.closed = True
 
 
-def store_profile(directory: Path, gflops: float = 100.0, gather_gb: float = 5.0, comms: dict | None = None) -> dict:
-    """A machine profile of this machine's fingerprint with round peaks, stored in `directory`."""
+def store_profile(
+    directory: Path,
+    gflops: float = 100.0,
+    gather_gb: float = 5.0,
+    comms: dict | None = None,
+    ceiling: dict[int, float] | None = None,
+) -> dict:
+    """A machine profile of this machine's fingerprint with round peaks, stored in `directory`
+    (`ceiling`: N processes -> the GEMM and copy efficiency of N pinned processes at once)."""
     import json
 
     from dlrm_lab.metrics.hardware import hardware_fingerprint
@@ -119,6 +126,10 @@ def store_profile(directory: Path, gflops: float = 100.0, gather_gb: float = 5.0
         "devices": {"cpu": {"threads": {"1": peaks, str(os.cpu_count() or 1): peaks}}},
         "comms": comms or {},
     }
+    if ceiling:
+        profile["devices"]["cpu"]["ceiling"] = {
+            str(n): {"processes": n, "gemm": {"efficiency": e}, "copy": {"efficiency": e}} for n, e in ceiling.items()
+        }
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{fid}.json").write_text(json.dumps(profile))
     return profile

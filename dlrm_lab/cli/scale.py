@@ -10,6 +10,7 @@ from rich.table import Table
 
 from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.options import MetricsDir
+from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import columns
 
 
@@ -23,6 +24,13 @@ def scale_command(
         Optional[int], typer.Option(help="Intra-op threads per rank (default: cores / largest rank count).")
     ] = None,
     repeats: Annotated[int, typer.Option(help="Runs per rank count (medians are reported).")] = 1,
+    project: Annotated[
+        Optional[str], typer.Option(help="Rank counts to project the one-rank run to on --fabric, e.g. 8,64,512,4096.")
+    ] = None,
+    fabric: Annotated[str, typer.Option(help="Named cluster for --project (see docs/scaling.md).")] = "h100-nvlink-ndr",
+    plan_up_to: Annotated[
+        int, typer.Option(help="Ask TorchRec's planner for its sharding up to this many ranks (59 s at 512).")
+    ] = 64,
     metrics_dir: MetricsDir = "runs",
 ) -> None:
     """Train at each rank count and report speedup and efficiency.
@@ -32,8 +40,12 @@ def scale_command(
 
     A scaling run is a sweep over rank counts: the same command again resumes it.
     """
-    from dlrm_lab.train.scaling import parse_ranks, scaling_spec, scaling_sweep
+    from dlrm_lab.train.scaling import parse_ranks, projection, scaling_spec, scaling_sweep
+    from dlrm_lab.train.scaling_model import FABRICS
 
+    if fabric not in FABRICS:
+        raise UserError(f"--fabric {fabric!r}: allowed: {', '.join(FABRICS)}")
+    projected = parse_ranks(project) if project else []
     spec = scaling_spec(parse_ranks(ranks), mode, batch_size, list(ctx.args), metrics_dir, launcher, threads_per_rank,
                         repeats)  # fmt: skip
     err = console(stderr=True)
@@ -45,6 +57,54 @@ def scale_command(
     for p in points:
         table.add_row(*(columns.fmt(name, p.get(name)) for name in columns.SCALE_PRINTED))
     console().print(table)
+    notes = sorted({p["prediction_note"] for p in points if p.get("prediction_note")})
+    for note in notes:
+        console().print(f"prediction: {note}")
+    _print_gaps(sweep_dir)
+    if projected:
+        rows, assumptions, plans = projection(sweep_dir, points, projected, FABRICS[fabric], mode, plan_up_to)
+        _print_projection(FABRICS[fabric], rows, assumptions, plans)
     console().print(f"sweep directory: {sweep_dir}")
     if any(p["point_status"] != "ok" for p in points):
         raise typer.Exit(1)
+
+
+def _print_gaps(sweep_dir) -> None:
+    """Where each multi-rank point's per-rank step went, against one rank (gap.parquet)."""
+    import pyarrow.parquet as pq
+
+    path = sweep_dir / "gap.parquet"
+    if not path.is_file():
+        return
+    rows = pq.read_table(path).to_pylist()
+    for n in sorted({r["ranks"] for r in rows}):
+        mine = [r for r in rows if r["ranks"] == n]
+        table = Table(title=f"{n} ranks: the per-rank step beyond one rank's, named (ms per step)")
+        table.add_column("item")
+        table.add_column("ms", justify="right")
+        for r in mine:
+            table.add_row(r["item"], f"{r['ms']:+.1f}")
+        table.add_row("total", f"{sum(r['ms'] for r in mine):+.1f}")
+        console().print(table)
+        if mine[0]["note"]:
+            console().print(f"  assumed: {mine[0]['note']}")
+
+
+def _print_projection(fabric, rows, assumptions, plans) -> None:
+    table = Table(title=f"projected on {fabric.name}: {fabric.description}")
+    for name in ("ranks", "batch/rank", "compute ms", "input dist ms", "pooled a2a ms", "all-reduce ms",
+                 "step ms", "samples/s", "efficiency", "planner's sharding"):  # fmt: skip
+        table.add_column(name, justify="right")
+    for r in rows:
+        plan = plans.get(r["ranks"], "")
+        table.add_row(
+            str(r["ranks"]), str(r["batch_size_per_rank"]), f"{r['compute_ms']:.2f}", f"{r['input_dist_ms']:.2f}",
+            f"{r['pooled_all_to_all_ms']:.2f}" + (" *" if r["all_to_all_dominates"] else ""),
+            f"{r['all_reduce_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['samples_per_s']:,.0f}",
+            f"{r['efficiency']:.3f}", plan,
+        )  # fmt: skip
+    console().print(table)
+    console().print("  * all-to-all (input distribution and pooled embeddings) takes longer than compute")
+    for a in assumptions:
+        console().print(f"  assumed: {a}")
+    console().print(f"  figures: {fabric.source}")

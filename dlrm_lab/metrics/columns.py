@@ -147,6 +147,12 @@ _REGISTERED = [
     _c("repeats_ok", "repeats ok", fmt="d"),
     _c("speedup", "speedup", "x", ".2f", HIGHER),
     _c("efficiency", "efficiency", "fraction", ".3f", HIGHER),
+    _c("ceiling_efficiency", "machine ceiling (N pinned processes' GEMM / N x one)", "fraction", ".3f", short="ceil"),
+    _c("efficiency_vs_ceiling", "efficiency / ceiling", "fraction", ".3f", HIGHER, "eff/ceiling"),
+    _c("rank_step_ms", "per-rank step (mean)", "ms", ".1f", LOWER, "rank step ms"),
+    _c("predicted_step_ms", "predicted per-rank step", "ms", ".1f", short="predicted ms"),
+    _c("prediction_error", "measured / predicted - 1", "fraction", "+.1%", short="pred. error"),
+    _c("gap_ms", "per-rank step beyond one rank's", "ms", ".1f", LOWER, "gap ms"),
     _c("point_run_id", "point run", fmt="s"),
     _c("point_status", "point status", fmt="s"),
 ]
@@ -253,7 +259,8 @@ CLIENT_PRINTED = (
 # `dlrm-lab scale`'s table.
 SCALE_PRINTED = (
     "ranks", "batch_size_per_rank", "global_batch_size", "repeats_ok", "samples_per_s", "samples_per_s_per_rank",
-    "speedup", "efficiency", "point_status",
+    "speedup", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "rank_step_ms", "predicted_step_ms",
+    "prediction_error", "gap_ms", "point_status",
 )  # fmt: skip
 # `dlrm-lab runs list`, from each run's first summary row.
 RUNS_LISTED = ("preset", "world_size", "global_batch_size", "steps", "samples_per_s", "eval_auc", "duration_s")
@@ -343,7 +350,10 @@ INFER_TABLE = (
 FRONTIER_TABLE = (
     "model", "capacity_queries_per_s", "best_qps", "best_samples_per_s", "best_sla_latency_ms", "outcome"
 )  # fmt: skip
-SCALE_TABLE = ("mode", "ranks", "samples_per_s", "speedup", "efficiency", "point_run_id", "point_status")
+SCALE_TABLE = (
+    "mode", "ranks", "samples_per_s", "speedup", "efficiency", "efficiency_vs_ceiling", "predicted_step_ms",
+    "prediction_error", "point_run_id", "point_status",
+)  # fmt: skip
 
 # `dlrm-lab compare`: the metrics compared per kind of run.
 COMPARED = {

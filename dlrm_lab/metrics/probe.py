@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.ceiling import measure_ceiling
 from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
 
 Log = Callable[[str], None]
@@ -205,6 +206,40 @@ def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -
     return rows
 
 
+def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """The same collectives through MPI (mpi4py on numpy buffers), for ranks started by
+    mpiexec: PyPI torch has no MPI backend, so this is what a custom process group over
+    MPI could reach (with MPICH's shared-memory transport between ranks of one host)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+    rows = []
+    for nbytes in sizes:
+        numel = max(n, nbytes // 4 // n * n)
+        buf = np.ones(numel, dtype=np.float32)
+        out = np.empty_like(buf)
+        collectives = (
+            ("all_to_all", lambda b=buf, o=out: comm.Alltoall(b, o), (n - 1) / n),
+            ("all_reduce", lambda b=buf, o=out: comm.Allreduce(b, o, op=MPI.SUM), 2 * (n - 1) / n),
+        )
+        for name, fn, factor in collectives:
+            comm.Barrier()
+            seconds = comm.allreduce(_timed(fn, repeats, torch.device("cpu")), op=MPI.MAX)
+            algbw = numel * 4 / seconds
+            rows.append(
+                {
+                    "collective": name,
+                    "bytes": numel * 4,
+                    "time_ms": seconds * 1e3,
+                    "algbw_bytes_per_s": algbw,
+                    "busbw_bytes_per_s": algbw * factor,
+                }
+            )
+    return rows
+
+
 def _cpu_threads() -> list[int]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return sorted({1, cores})
@@ -252,7 +287,17 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             by_threads[str(threads)] = peaks()
     finally:
         torch.set_num_threads(saved)
-    return {"threads": by_threads}
+    result: dict[str, Any] = {"threads": by_threads}
+    if (cores := max(_cpu_threads())) > 1:
+        # what N ranks pinned one per core can do at best (dlrm_lab.metrics.ceiling)
+        result["ceiling"] = {}
+        for n in sorted({2, cores} | {1 << k for k in range(1, cores.bit_length()) if 1 << k <= cores}):
+            entry = measure_ceiling(n, repeats=sizes.repeats if sizes.repeats < 5 else 3,
+                                    seconds=0.25 if sizes.repeats < 5 else 1.0)  # fmt: skip
+            result["ceiling"][str(n)] = entry
+            say(f"cpu, {n} processes x 1 thread at once: GEMM {entry['gemm']['efficiency']:.0%} and copy "
+                f"{entry['copy']['efficiency']:.0%} of {n} x one alone")  # fmt: skip
+    return result
 
 
 def probe_machine(
@@ -286,12 +331,16 @@ def probe_machine(
         dist.barrier()
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        rows = comm_bandwidth(device, sizes.comm_bytes, sizes.repeats)
-        profile["comms"][f"{backend}/{dist.get_world_size()}"] = rows
-        if log and rank == 0:
+        world = dist.get_world_size()
+        profile["comms"][f"{backend}/{world}"] = comm_bandwidth(device, sizes.comm_bytes, sizes.repeats)
+        from dlrm_lab.distributed.context import detect_launch
+
+        if detect_launch().launcher == "mpi":  # started by mpiexec: MPI's own collectives too
+            profile["comms"][f"mpi/{world}"] = mpi_bandwidth(sizes.comm_bytes, sizes.repeats)
+        for key, rows in profile["comms"].items() if log and rank == 0 else ():
             for r in rows:
                 algbw, busbw = r["algbw_bytes_per_s"] / 1e9, r["busbw_bytes_per_s"] / 1e9
-                log(f"  {backend} x{dist.get_world_size()} {r['collective']} {r['bytes']:>10,} B: "
+                log(f"  {key.replace('/', ' x')} {r['collective']} {r['bytes']:>10,} B: "
                     f"algbw {algbw:.3f} GB/s, busbw {busbw:.3f} GB/s")  # fmt: skip
     return profile
 

@@ -43,6 +43,15 @@ POINT_SCHEMA = pa.schema(
         ("speedup", pa.float64()),
         ("efficiency", pa.float64()),
         *[(f"{p}_share", pa.float64()) for p in PHASES],
+        # against this machine's N-process compute ceiling and the scaling model (scaling_model)
+        ("ceiling_efficiency", pa.float64()),  # probed: N pinned processes' GEMM rate / N x one alone
+        ("efficiency_vs_ceiling", pa.float64()),
+        ("rank_step_ms", pa.float64()),  # mean per-rank step over the measured steps (first ok repeat)
+        ("predicted_step_ms", pa.float64()),  # per rank, from the one-rank phases (scaling_model.predict)
+        ("prediction_error", pa.float64()),  # measured / predicted - 1 (mean per-rank step times)
+        ("prediction_note", pa.string()),
+        ("gap_ms", pa.float64()),  # per-rank step beyond one rank's at the same per-rank work
+        ("gap_named_ms", pa.float64()),  # the part named by the breakdown (gap.parquet): all of it
         ("point_run_id", pa.string()),  # the first repeat that ended ok
         ("point_status", pa.string()),  # ok when any repeat did
     ]
@@ -165,10 +174,116 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[di
                 "point_status": "ok" if ok else last,
             }
         )
+    _against_the_model(rows, spec, result)
     return rows, POINT_SCHEMA
+
+
+def _point_dir(spec: SweepSpec, result: SweepResult, k: int) -> Path | None:
+    ok = [p for p in result.points if p.point == k and p.status == "ok" and p.child_dir]
+    return ok[0].child_dir if ok else None
+
+
+def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: SweepResult) -> None:
+    """Ceiling, prediction and gap columns of each row (in place), and the itemised gaps in
+    the sweep's gap.parquet; nothing when the one-rank point did not end ok."""
+    import json
+
+    from dlrm_lab.config import ModelSpec
+    from dlrm_lab.metrics.ceiling import ceiling_efficiency
+    from dlrm_lab.metrics.roofline import load_profile
+    from dlrm_lab.model.cost import step_communication_bytes
+    from dlrm_lab.train.scaling_model import StepTimes, fit_collectives, gap_breakdown, predict
+
+    first = _point_dir(spec, result, 0)
+    if first is None or rows[0]["ranks"] != 1:
+        for row in rows:
+            row["prediction_note"] = "needs a one-rank point that ended ok"
+        return
+    profile = load_profile()
+    one = StepTimes.from_run(first)
+    gaps: list[dict[str, Any]] = []
+    for k, row in enumerate(rows):
+        n = row["ranks"]
+        ceiling = ceiling_efficiency(profile, n)
+        row["ceiling_efficiency"] = ceiling
+        if ceiling and row.get("efficiency") is not None:
+            row["efficiency_vs_ceiling"] = row["efficiency"] / ceiling
+        where = _point_dir(spec, result, k)
+        manifest = json.loads((where / "manifest.json").read_text()) if where else {}
+        config = manifest.get("config", {})
+        model = ModelSpec.from_dict(config["model"]) if config.get("model") else None
+        fits = fit_collectives(profile, f"{config.get('backend', 'gloo')}/{n}")
+        comm = step_communication_bytes(model, row["global_batch_size"], n) if model else None
+        predicted = predict(one, row["batch_size_per_rank"], n, comm, fits, ceiling) if comm else "no run"
+        if isinstance(predicted, str):
+            row["prediction_note"] = predicted
+        else:
+            row["predicted_step_ms"] = predicted["step_ms"]
+        if where is not None and n == 1:
+            row["rank_step_ms"] = one.step_ms
+        if where is None or n == 1 or comm is None:
+            continue
+        many = StepTimes.from_run(where)
+        row["rank_step_ms"] = many.step_ms
+        if row.get("predicted_step_ms"):
+            row["prediction_error"] = many.step_ms / row["predicted_step_ms"] - 1
+        gap = gap_breakdown(one, many, comm, fits, ceiling)
+        row["gap_ms"], row["gap_named_ms"] = gap["gap_ms"], gap["named_ms"]
+        note = "; ".join(gap["assumptions"])
+        gaps += [{"ranks": n, "item": item, "ms": ms, "note": note} for item, ms in gap["items_ms"].items()]
+    if gaps:
+        pq.write_table(pa.Table.from_pylist(gaps, schema=GAP_SCHEMA), result.dir / "gap.parquet")
+
+
+GAP_SCHEMA = pa.schema([("ranks", pa.int32()), ("item", pa.string()), ("ms", pa.float64()), ("note", pa.string())])
 
 
 def scaling_sweep(spec: SweepSpec, *, argv: list[str] | None = None) -> tuple[Path, list[dict[str, Any]]]:
     """Run (or resume) the scaling sweep; return its directory and its per-rank-count rows."""
     result = run_sweep(spec, argv=argv)
     return result.dir, pq.read_table(result.dir / "summary.parquet").to_pylist()
+
+
+def projection(
+    sweep_dir: Path, points: list[dict[str, Any]], ranks: list[int], fabric: Any, mode: str, plan_up_to: int
+) -> tuple[list[dict[str, Any]], list[str], dict[int, str]]:
+    """The sweep's one-rank run projected to `ranks` on `fabric` (scaling_model.project), and
+    the TorchRec planner's sharding at each count up to `plan_up_to` (beyond: the last plan)."""
+    import json
+
+    from dlrm_lab.config import ModelSpec, load_preset
+    from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
+    from dlrm_lab.train.scaling_model import planner_choice, project
+
+    one = next((p for p in points if p["ranks"] == 1 and p.get("point_run_id")), None)
+    if one is None:
+        raise UserError("--project needs the one-rank point: include 1 in --ranks")
+    run_dir = next(sweep_dir.glob(f"points/*/{one['point_run_id']}"), None)
+    if run_dir is None:
+        raise UserError(f"--project: the one-rank run {one['point_run_id']} is not under {sweep_dir}/points")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
+    spec = ModelSpec.from_dict(manifest["config"]["model"])
+    train_cfg = manifest["config"]["train"]
+    cost = sample_cost(spec, table_precision=train_cfg["table_precision"], optimizer=train_cfg["embedding_optimizer"])
+    batch = int(one["batch_size_per_rank"])
+    work = {
+        "flops": batch * cost.training_flops,
+        "gather_bytes": batch * (cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes),
+        "stream_bytes": dense_step_bytes(spec, train_cfg["dense_optimizer"]),
+    }
+    rows, assumptions = project(
+        work, summary.get("roofline_fraction"), partial(step_communication_bytes, spec), ranks, fabric, batch, mode
+    )
+    full = load_preset(spec.name) if spec.table_scale != 1 or spec.max_rows else spec  # a cluster holds it whole
+    plans: dict[int, str] = {}
+    last = ""
+    for n in ranks:
+        if n <= plan_up_to:
+            per_rank = batch if mode == "weak" else max(1, batch // n)
+            last = ", ".join(f"{k} {v}" for k, v in sorted(planner_choice(full, n, fabric, per_rank).items()))
+            plans[n] = last
+        elif last:
+            plans[n] = f"({last} at <= {plan_up_to})"
+    assumptions.append(f"the planner plans {full.name} at its published sizes (tables whole on the cluster)")
+    return rows, assumptions, plans

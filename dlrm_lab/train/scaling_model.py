@@ -1,0 +1,323 @@
+"""Where multi-rank step time goes, what it should be, and what it would be on a cluster.
+
+Three uses of one model of a training step (per rank, in ms):
+- `gap_breakdown`: a measured N-rank step against the measured one-rank step, every
+  millisecond of the difference named: the machine's N-process compute ceiling, compute
+  slower beyond it (per phase), communication at the measured collective bandwidth, beyond
+  it, and time no phase timer covers.
+- `predict`: the N-rank step from the one-rank phases, the analytic bytes of the cost model
+  (`model.cost.step_communication_bytes`) and the probed collectives and ceiling of this
+  machine; validated against `dlrm-lab scale`'s measurements.
+- `project`: the same for 8 ... 4,096 ranks on a named fabric of published figures
+  (`FABRICS`), with the TorchRec planner's sharding choice at that size.
+
+Assumptions (printed with every projection): communication is not overlapped with compute;
+ids, pooled embeddings and gradients are spread uniformly over ranks (the cost model's
+uniform rule, whatever the sharding type); weak scaling keeps each rank's work, strong
+scaling divides it by N; a collective takes latency + bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from dlrm_lab.metrics.columns import PHASES
+
+COMPUTE_PHASES = ("data_wait", "embedding_lookup", "dense_forward", "optimizer")
+# Collectives per step (a KJT all-to-all sends splits, lengths and values; the pooled
+# all-to-all runs once forward and once backward; DDP all-reduces one bucket per 25 MB).
+INPUT_DIST_COLLECTIVES = 3
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Mean per-rank step and phase times (ms) over a run's measured steps."""
+
+    step_ms: float
+    phases: dict[str, float]
+    batch_size_per_rank: int
+    world_size: int
+
+    @property
+    def untimed_ms(self) -> float:
+        return self.step_ms - sum(self.phases.values())
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path) -> StepTimes:
+        rows = [r for r in pq.read_table(Path(run_dir) / "steps.parquet").to_pylist() if not r.get("warmup")]
+        if not rows:
+            raise ValueError(f"{run_dir}: no measured steps")
+        ranks = sorted({r["rank"] for r in rows})
+
+        def mean(column: str) -> float:  # per rank over steps, then over ranks
+            per = [[r.get(column) or 0.0 for r in rows if r["rank"] == k] for k in ranks]
+            return sum(sum(p) / len(p) for p in per) / len(per)
+
+        return cls(
+            step_ms=mean("step_time_ms"),
+            phases={p: mean(f"{p}_ms") for p in PHASES},
+            batch_size_per_rank=int(rows[0]["batch_size"]),
+            world_size=len(ranks),
+        )
+
+
+@dataclass(frozen=True)
+class Collective:
+    """time(bytes) = latency + bytes / bandwidth, bytes being the bus bytes one rank moves."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float, count: int = 1) -> float:
+        return count * self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, Collective] | None:
+    """All-to-all and all-reduce of a probed transport (`gloo/2`, `mpi/2`): latency from the
+    smallest message's time, bandwidth from the largest message's bus bandwidth."""
+    rows = ((profile or {}).get("comms") or {}).get(key)
+    if not rows:
+        return None
+    out = {}
+    for name in ("all_to_all", "all_reduce"):
+        mine = sorted((r for r in rows if r["collective"] == name), key=lambda r: r["bytes"])
+        if mine:
+            out[name] = Collective(mine[0]["time_ms"] / 1e3, mine[-1]["busbw_bytes_per_s"])
+    return out if len(out) == 2 else None
+
+
+def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Collective]) -> dict[str, float]:
+    """Seconds of each communication of one step: input distribution, the pooled all-to-all's
+    forward and backward halves, the dense-gradient all-reduce."""
+    a2a, ar = fits["all_to_all"], fits["all_reduce"]
+    grad = comm_bytes["gradient_all_reduce"]
+    return {
+        "input_dist": a2a.seconds(comm_bytes["input_dist"], INPUT_DIST_COLLECTIVES),
+        "pooled_forward": a2a.seconds(comm_bytes["pooled_all_to_all"] / 2),
+        "pooled_backward": a2a.seconds(comm_bytes["pooled_all_to_all"] / 2),
+        "gradient_all_reduce": ar.seconds(grad, max(1, math.ceil(grad / 2 / DDP_BUCKET_BYTES))),
+    }
+
+
+def gap_breakdown(
+    one: StepTimes,
+    many: StepTimes,
+    comm_bytes: dict[str, float],
+    fits: dict[str, Collective] | None,
+    ceiling: float | None,
+) -> dict[str, Any]:
+    """Every ms of `many`'s per-rank step beyond `one`'s (scaled to the same per-rank work).
+
+    Items (ms per step per rank) sum to `gap_ms`. Without probed collectives the
+    communication phases are one item each; without a probed ceiling, 1 is assumed (said in
+    `assumptions`). The backward phase holds compute, the pooled all-to-all's backward half
+    and the gradient all-reduce (overlapped by DDP): what is beyond its ceiling share and the
+    collectives at bandwidth is named as such, not split further.
+    """
+    ratio = many.batch_size_per_rank / one.batch_size_per_rank  # per-rank work, N ranks vs 1
+    assumptions = []
+    if ceiling is None:
+        ceiling = 1.0
+        assumptions.append("no probed multi-process ceiling: 1 assumed (run 'dlrm-lab machine probe')")
+    comm = _comm_seconds(comm_bytes, fits) if fits else None
+    if comm is None:
+        assumptions.append("no probed collectives for this backend and rank count: communication not split")
+    items: dict[str, float] = {}
+    expected = {p: one.phases[p] * ratio for p in PHASES}
+    items["compute at the machine's ceiling"] = sum(
+        expected[p] * (1 / ceiling - 1) for p in (*COMPUTE_PHASES, "backward")
+    )
+    for p in COMPUTE_PHASES:
+        items[f"{p}: beyond the ceiling"] = many.phases[p] - expected[p] / ceiling
+    for p, part in (("input_dist", "input_dist"), ("embedding_all_to_all", "pooled_forward")):
+        delta = many.phases[p] - expected[p]
+        if comm is None:
+            items[f"{p}: communication"] = delta
+            continue
+        items[f"{p}: at the measured bandwidth"] = comm[part] * 1e3
+        items[f"{p}: beyond the bandwidth"] = delta - comm[part] * 1e3
+    backward = many.phases["backward"] - expected["backward"] / ceiling
+    if comm is None:
+        items["backward: beyond the ceiling (compute and collectives)"] = backward
+    else:
+        at_bw = (comm["pooled_backward"] + comm["gradient_all_reduce"]) * 1e3
+        items["backward: collectives at the measured bandwidth"] = at_bw
+        items["backward: beyond the ceiling and the bandwidth"] = backward - at_bw
+    items["untimed (between phases)"] = many.untimed_ms - one.untimed_ms * ratio
+    gap = many.step_ms - one.step_ms * ratio
+    return {
+        "one_rank_step_ms": one.step_ms * ratio,
+        "step_ms": many.step_ms,
+        "gap_ms": gap,
+        "ceiling": ceiling,
+        "items_ms": items,
+        "named_ms": sum(items.values()),
+        "assumptions": assumptions,
+    }
+
+
+def predict(
+    one: StepTimes,
+    batch_size_per_rank: int,
+    world_size: int,
+    comm_bytes: dict[str, float],
+    fits: dict[str, Collective] | None,
+    ceiling: float | None,
+) -> dict[str, Any] | str:
+    """The per-rank step at `world_size` ranks on this machine: one rank's phases scaled to
+    the per-rank batch and slowed by the N-process ceiling, plus every collective at the
+    probed latency and bandwidth. A reason (str) when the profile lacks what it needs."""
+    ratio = batch_size_per_rank / one.batch_size_per_rank
+    if world_size == 1:
+        return {"step_ms": one.step_ms * ratio, "compute_ms": one.step_ms * ratio, "comm_ms": 0.0}
+    if ceiling is None:
+        return f"no probed {world_size}-process ceiling (run 'dlrm-lab machine probe')"
+    if fits is None:
+        return f"no probed collectives at {world_size} ranks (dlrm-lab launch --nproc {world_size} -- machine probe)"
+    comm = _comm_seconds(comm_bytes, fits)
+    compute = sum(one.phases[p] for p in (*COMPUTE_PHASES, "backward")) * ratio / ceiling
+    local = (one.phases["input_dist"] + one.phases["embedding_all_to_all"] + one.untimed_ms) * ratio
+    comm_ms = sum(comm.values()) * 1e3
+    return {"step_ms": compute + local + comm_ms, "compute_ms": compute + local, "comm_ms": comm_ms}
+
+
+# -- projection to clusters --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fabric:
+    """A named cluster: per-GPU link bandwidths (one direction) and the GPU's peaks."""
+
+    name: str
+    description: str
+    ranks_per_node: int
+    intra_bytes_per_s: float  # per rank, inside a node
+    inter_bytes_per_s: float  # per rank, between nodes
+    latency_s: float  # per collective step (per peer for all-to-all)
+    flops_per_s: float  # dense peak at the precision named in `description`
+    memory_bytes_per_s: float
+    memory_bytes: float
+    source: str
+
+    def all_to_all_s(self, nbytes: float, ranks: int) -> float:
+        """Pairwise exchange: traffic to the node's peers over NVLink, the rest over the NIC."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        local = min(ranks, self.ranks_per_node) - 1
+        intra, inter = nbytes * local / (ranks - 1), nbytes * (ranks - 1 - local) / (ranks - 1)
+        return (ranks - 1) * self.latency_s + max(intra / self.intra_bytes_per_s, inter / self.inter_bytes_per_s)
+
+    def all_reduce_s(self, nbytes: float, ranks: int) -> float:
+        """Ring (tree latency): bus bytes at the slowest link the ring crosses."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        link = self.intra_bytes_per_s if ranks <= self.ranks_per_node else self.inter_bytes_per_s
+        return 2 * math.log2(ranks) * self.latency_s + nbytes / link
+
+
+ACHIEVED_SHARE = 0.8  # of a link's peak that nccl-tests style collectives reach (assumption)
+FABRICS = {
+    f.name: f
+    for f in (
+        Fabric(
+            "h100-nvlink-ndr",
+            "8 x H100 SXM per node, NVLink 4 inside, 8 x 400 Gb/s NDR InfiniBand between; TF32 dense",
+            8, ACHIEVED_SHARE * 450e9, ACHIEVED_SHARE * 50e9, 5e-6, 494.7e12, 3.35e12, 80e9,
+            "NVIDIA H100 datasheet (NVLink 900 GB/s both ways, TF32 494.7 TFLOP/s dense, HBM3 3.35 TB/s); "
+            "ConnectX-7 400 Gb/s per GPU",
+        ),
+        Fabric(
+            "a100-nvlink-hdr",
+            "8 x A100 SXM 80GB per node, NVLink 3 inside, 8 x 200 Gb/s HDR InfiniBand between; TF32 dense",
+            8, ACHIEVED_SHARE * 300e9, ACHIEVED_SHARE * 25e9, 5e-6, 156e12, 2.039e12, 80e9,
+            "NVIDIA A100 datasheet (NVLink 600 GB/s both ways, TF32 156 TFLOP/s dense, HBM2e 2,039 GB/s); "
+            "ConnectX-6 200 Gb/s per GPU",
+        ),
+    )
+}  # fmt: skip
+
+
+def project(
+    work: dict[str, float],
+    one_rank_fraction: float | None,
+    comm_bytes_at: Any,
+    ranks: list[int],
+    fabric: Fabric,
+    batch_size_per_rank: int,
+    mode: str,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per rank count on `fabric`: compute at the GPU's roofline divided by the fraction of
+    its roof one rank reached here, every collective on the fabric, and the efficiency
+    against N x one rank. `work` is one rank's step at `batch_size_per_rank` (flops,
+    gather_bytes, stream_bytes); `comm_bytes_at(global_batch, ranks)` the cost model's bytes."""
+    fraction = one_rank_fraction if one_rank_fraction and one_rank_fraction > 0 else 0.5
+    assumptions = [
+        f"compute: the GPU's roofline time / {fraction:.2f}, the fraction of its roof one rank reached here"
+        + ("" if one_rank_fraction else " (assumed: no roofline for the one-rank run)"),
+        f"links at {ACHIEVED_SHARE:.0%} of their peak; {fabric.latency_s * 1e6:g} us per collective step "
+        "(per peer for all-to-all)",
+        "no overlap of communication with compute; ids and embeddings spread uniformly over ranks",
+        f"{mode} scaling: " + ("each rank keeps its batch" if mode == "weak" else "the global batch is split"),
+    ]
+
+    def compute_s(scale: float) -> float:
+        flops_s = work["flops"] * scale / fabric.flops_per_s
+        bytes_s = (work["gather_bytes"] * scale + work["stream_bytes"]) / fabric.memory_bytes_per_s
+        return max(flops_s, bytes_s) / fraction
+
+    base = batch_size_per_rank / compute_s(1.0)  # one rank's samples/s on the fabric's GPU
+    rows = []
+    for n in ranks:
+        per_rank = batch_size_per_rank if mode == "weak" else max(1, batch_size_per_rank // n)
+        compute = compute_s(per_rank / batch_size_per_rank)
+        b = comm_bytes_at(per_rank * n, n)
+        input_dist = fabric.all_to_all_s(b["input_dist"], n) * (INPUT_DIST_COLLECTIVES if n > 1 else 0)
+        pooled = 2 * fabric.all_to_all_s(b["pooled_all_to_all"] / 2, n)
+        all_reduce = fabric.all_reduce_s(b["gradient_all_reduce"], n)
+        step = compute + input_dist + pooled + all_reduce
+        rate = per_rank * n / step
+        rows.append(
+            {
+                "ranks": n,
+                "batch_size_per_rank": per_rank,
+                "compute_ms": compute * 1e3,
+                "input_dist_ms": input_dist * 1e3,
+                "pooled_all_to_all_ms": pooled * 1e3,
+                "all_reduce_ms": all_reduce * 1e3,
+                "step_ms": step * 1e3,
+                "samples_per_s": rate,
+                "efficiency": rate / (base * n),
+                "all_to_all_dominates": input_dist + pooled > compute,
+            }
+        )
+    return rows, assumptions
+
+
+def planner_choice(spec: Any, ranks: int, fabric: Fabric, batch_size_per_rank: int) -> dict[str, int]:
+    """Sharding types TorchRec's planner picks for `spec`'s tables on `ranks` GPUs of
+    `fabric` (table counts per type). Minutes beyond a few hundred ranks (59 s at 512 on a
+    2-core EPYC; over 10 minutes at 4,096)."""
+    from collections import Counter
+
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from dlrm_lab.distributed.plan import AnyDeviceSharder, _constraints
+    from dlrm_lab.model.dlrm import build_model
+
+    model = build_model(spec, table_device="meta")
+    topology = Topology(
+        world_size=ranks,
+        compute_device="cuda",
+        hbm_cap=int(fabric.memory_bytes),
+        ddr_cap=int(fabric.memory_bytes) * 4,
+        local_world_size=min(ranks, fabric.ranks_per_node),
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=batch_size_per_rank, constraints=_constraints(model, "auto", {}, ranks)
+    )
+    plan = planner.plan(model, [AnyDeviceSharder()])
+    return dict(Counter(p.sharding_type for m in plan.plan.values() for p in m.values()))

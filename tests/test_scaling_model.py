@@ -1,0 +1,168 @@
+"""The scaling model (issue 18): the gap breakdown's arithmetic, predictions and projections
+on fake profiles with answers worked by hand, and the probe's multi-process ceiling."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import dlrm_lab
+from dlrm_lab.metrics.ceiling import ceiling_efficiency, measure_ceiling
+from dlrm_lab.model.cost import step_communication_bytes
+from dlrm_lab.train.scaling_model import (
+    FABRICS,
+    Collective,
+    Fabric,
+    StepTimes,
+    fit_collectives,
+    gap_breakdown,
+    predict,
+    project,
+)
+
+PHASES_ONE = {
+    "data_wait": 1.0,
+    "input_dist": 2.0,
+    "embedding_lookup": 10.0,
+    "embedding_all_to_all": 1.0,
+    "dense_forward": 30.0,
+    "backward": 50.0,
+    "optimizer": 4.0,
+}  # 98 ms in phases
+ONE = StepTimes(step_ms=100.0, phases=PHASES_ONE, batch_size_per_rank=64, world_size=1)
+MANY = StepTimes(
+    step_ms=180.0,
+    phases={
+        "data_wait": 1.5,
+        "input_dist": 8.0,
+        "embedding_lookup": 14.0,
+        "embedding_all_to_all": 6.0,
+        "dense_forward": 45.0,
+        "backward": 95.0,
+        "optimizer": 6.0,
+    },  # 175.5 ms in phases
+    batch_size_per_rank=64,
+    world_size=2,
+)
+# 1 ms a collective plus 1 GB/s: 1e6 bytes -> 1 ms + 1 ms
+FITS = {"all_to_all": Collective(1e-3, 1e9), "all_reduce": Collective(1e-3, 1e9)}
+COMM = {"input_dist": 1e6, "pooled_all_to_all": 2e6, "gradient_all_reduce": 3e6}
+
+
+def test_the_gap_is_named_to_the_millisecond():
+    gap = gap_breakdown(ONE, MANY, COMM, FITS, ceiling=0.8)
+    items = gap["items_ms"]
+    assert gap["gap_ms"] == pytest.approx(80.0)
+    assert sum(items.values()) == pytest.approx(80.0) and gap["named_ms"] == pytest.approx(80.0)
+    # compute phases (data wait, lookup, forward, optimizer, backward: 95 ms) / 0.8 - 95
+    assert items["compute at the machine's ceiling"] == pytest.approx(95 / 0.8 - 95)
+    assert items["dense_forward: beyond the ceiling"] == pytest.approx(45 - 30 / 0.8)
+    # input distribution: 3 collectives x 1 ms + 1e6 B at 1 GB/s = 4 ms of the 6 ms it grew
+    assert items["input_dist: at the measured bandwidth"] == pytest.approx(4.0)
+    assert items["input_dist: beyond the bandwidth"] == pytest.approx(2.0)
+    # pooled all-to-all forward half: 1 ms + 1e6 B = 2 ms of 5
+    assert items["embedding_all_to_all: at the measured bandwidth"] == pytest.approx(2.0)
+    # backward: pooled half (2 ms) + all-reduce (1 ms + 3 ms) = 6 ms; 95 - 50 / 0.8 - 6 beyond
+    assert items["backward: collectives at the measured bandwidth"] == pytest.approx(6.0)
+    assert items["backward: beyond the ceiling and the bandwidth"] == pytest.approx(95 - 62.5 - 6)
+    assert items["untimed (between phases)"] == pytest.approx(4.5 - 2.0)
+    assert gap["assumptions"] == []
+
+
+def test_the_gap_without_a_probe_says_what_it_assumed():
+    gap = gap_breakdown(ONE, MANY, COMM, None, ceiling=None)
+    assert sum(gap["items_ms"].values()) == pytest.approx(80.0)
+    assert gap["items_ms"]["compute at the machine's ceiling"] == 0.0
+    assert gap["items_ms"]["input_dist: communication"] == pytest.approx(6.0)
+    assert len(gap["assumptions"]) == 2 and "ceiling" in gap["assumptions"][0]
+
+
+def test_strong_scaling_compares_against_half_the_work():
+    half = StepTimes(step_ms=60.0, phases={k: v / 2 for k, v in PHASES_ONE.items()}, batch_size_per_rank=32,
+                     world_size=2)  # fmt: skip
+    gap = gap_breakdown(ONE, half, COMM, FITS, ceiling=1.0)
+    assert gap["one_rank_step_ms"] == pytest.approx(50.0) and gap["gap_ms"] == pytest.approx(10.0)
+    assert sum(gap["items_ms"].values()) == pytest.approx(10.0)
+
+
+def test_prediction_on_a_fake_profile():
+    # compute (95 ms) / 0.5 + local comm phases and untimed (2 + 1 + 2) + collectives (4 + 2 + 2 + 4)
+    got = predict(ONE, 64, 2, COMM, FITS, ceiling=0.5)
+    assert got["step_ms"] == pytest.approx(190 + 5 + 12)
+    assert got["comm_ms"] == pytest.approx(12)
+    strong = predict(ONE, 32, 2, COMM, FITS, ceiling=1.0)
+    assert strong["step_ms"] == pytest.approx(47.5 + 2.5 + 12)
+    assert predict(ONE, 64, 1, COMM, FITS, None)["step_ms"] == 100.0
+    assert "ceiling" in predict(ONE, 64, 2, COMM, FITS, ceiling=None)
+    assert "collectives" in predict(ONE, 64, 2, COMM, None, ceiling=0.9)
+
+
+def test_collectives_are_fitted_from_the_probe_rows():
+    rows = [
+        {"collective": "all_to_all", "bytes": 1024, "time_ms": 0.5, "busbw_bytes_per_s": 1e6},
+        {"collective": "all_to_all", "bytes": 1 << 20, "time_ms": 2.0, "busbw_bytes_per_s": 4e8},
+        {"collective": "all_reduce", "bytes": 1024, "time_ms": 0.2, "busbw_bytes_per_s": 1e7},
+        {"collective": "all_reduce", "bytes": 1 << 20, "time_ms": 1.0, "busbw_bytes_per_s": 1e9},
+    ]
+    fits = fit_collectives({"comms": {"mpi/2": rows}}, "mpi/2")
+    assert fits["all_to_all"] == Collective(0.5e-3, 4e8) and fits["all_reduce"] == Collective(0.2e-3, 1e9)
+    assert fit_collectives({"comms": {"mpi/2": rows}}, "gloo/2") is None
+    assert fit_collectives(None, "gloo/2") is None
+
+
+def test_projection_on_a_fabric_with_round_numbers():
+    fabric = Fabric("round", "test", ranks_per_node=4, intra_bytes_per_s=100e9, inter_bytes_per_s=10e9,
+                    latency_s=1e-5, flops_per_s=1e12, memory_bytes_per_s=1e12, memory_bytes=1e9,
+                    source="made up")  # fmt: skip
+    work = {"flops": 1e9, "gather_bytes": 1e8, "stream_bytes": 0.0}  # 1 ms of compute at the roof
+    bytes_at = lambda global_batch, n: {  # noqa: E731
+        "input_dist": 0.0,
+        "pooled_all_to_all": 2e7 * (n - 1) / n,
+        "gradient_all_reduce": 0.0,
+    }
+    rows, assumptions = project(work, 0.5, bytes_at, [1, 4, 8, 64], fabric, 64, "weak")
+    one, four, eight, many = rows
+    assert one["compute_ms"] == pytest.approx(2.0) and one["step_ms"] == pytest.approx(2.0)
+    assert one["efficiency"] == pytest.approx(1.0)
+    # 4 ranks, one node: 2 x 1e7 x 3/4 bytes over 100 GB/s = 0.15 ms, + 2 x 3 peers x 10 us
+    assert four["pooled_all_to_all_ms"] == pytest.approx(0.15 + 0.06)
+    # 8 ranks over 2 nodes: 4 of 7 peers remote; 2 x 1e7 x 7/8 x 4/7 B over 10 GB/s = 1 ms, + 2 x 7 x 10 us
+    assert eight["pooled_all_to_all_ms"] == pytest.approx(1.0 + 0.14)
+    assert not eight["all_to_all_dominates"]
+    assert many["pooled_all_to_all_ms"] > many["compute_ms"] and many["all_to_all_dominates"]
+    assert many["efficiency"] < eight["efficiency"] < 1
+    assert any("0.50" in a for a in assumptions)
+
+
+def test_published_fabrics_project_a_preset():
+    spec = dlrm_lab.load_preset("dcnv2")
+    work = {"flops": 2048 * 3e7, "gather_bytes": 2048 * 1e5, "stream_bytes": 1e8}
+    rows, _ = project(work, 0.4, lambda b, n: step_communication_bytes(spec, b, n), [8, 64, 512, 4096],
+                      FABRICS["h100-nvlink-ndr"], 2048, "weak")  # fmt: skip
+    assert [r["ranks"] for r in rows] == [8, 64, 512, 4096]
+    assert all(r["step_ms"] > r["compute_ms"] > 0 for r in rows)
+    assert rows[-1]["efficiency"] < rows[0]["efficiency"]  # all-to-all grows with ranks
+
+
+def test_the_probe_measures_the_multi_process_ceiling():
+    got = measure_ceiling(2, repeats=1, seconds=0.05, size=128)
+    for kind in ("gemm", "copy"):
+        assert (
+            got[kind]["efficiency"] > 0 and len(got[kind][f"each_{'flops' if kind == 'gemm' else 'bytes'}_per_s"]) == 2
+        )
+    profile = {"devices": {"cpu": {"ceiling": {"2": got}}}}
+    assert ceiling_efficiency(profile, 2) == got["gemm"]["efficiency"]
+    assert ceiling_efficiency(profile, 1) == 1.0 and ceiling_efficiency(profile, 4) is None
+    assert ceiling_efficiency(None, 2) is None
+
+
+def test_step_times_come_from_the_measured_steps(tmp_path):
+    rows = []
+    for rank in (0, 1):
+        for step in range(4):
+            rows.append({"rank": rank, "step": step, "warmup": step == 0, "batch_size": 64,
+                         "step_time_ms": 1000.0 if step == 0 else 100.0 + 10 * rank,
+                         **{f"{p}_ms": v for p, v in PHASES_ONE.items()}})  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "steps.parquet")
+    times = StepTimes.from_run(tmp_path)
+    assert times.step_ms == pytest.approx(105.0) and times.world_size == 2  # warm-up left out
+    assert times.phases == pytest.approx(PHASES_ONE) and times.untimed_ms == pytest.approx(7.0)
