@@ -2,12 +2,13 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli, run_cli_in_process
+from conftest import ROOT, run_cli, run_cli_in_process, store_profile
 
 from dlrm_lab.distributed.context import detect_launch, first_slurm_node
 from dlrm_lab.distributed.launch import launch_command
@@ -137,6 +138,16 @@ def test_torchrun_recipe_runs_as_is(tmp_path):
 
 @pytest.mark.multiprocess
 def test_weak_scaling_sweep_reports_efficiency(tmp_path):
+    """One real 1-and-2-rank sweep: efficiency, the ceiling, the prediction, the named gap
+    (gap.parquet, summing to the measured gap) and a projection to a published fabric."""
+    comms = {
+        "gloo/2": [
+            {"collective": c, "bytes": b, "time_ms": t, "busbw_bytes_per_s": bw}
+            for c in ("all_to_all", "all_reduce")
+            for b, t, bw in ((1024, 0.5, 2e6), (1 << 20, 2.0, 5e8))
+        ]
+    }
+    store_profile(tmp_path / "machines", comms=comms, ceiling={2: 0.8})
     out = run_cli(
         "scale",
         "--ranks",
@@ -147,6 +158,10 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
         "64",
         "--metrics-dir",
         str(tmp_path),
+        "--project",
+        "8,64",
+        "--plan-up-to",
+        "8",
         "--",
         "--preset",
         "tiny",
@@ -154,9 +169,22 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
         "12",
         "--prefetch",
         "0",
+        env={"DLRM_LAB_MACHINE_DIR": str(tmp_path / "machines")},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (sweep,) = [p for p in tmp_path.iterdir() if p.name.startswith("scale-")]
+    one, two = pq.read_table(sweep / "summary.parquet").to_pylist()
+    assert one["ceiling_efficiency"] == 1.0 and two["ceiling_efficiency"] == 0.8
+    assert two["efficiency_vs_ceiling"] == pytest.approx(two["efficiency"] / 0.8)
+    assert one["predicted_step_ms"] == pytest.approx(one["rank_step_ms"])
+    assert two["predicted_step_ms"] > one["predicted_step_ms"] / 0.8  # slower compute plus collectives
+    assert two["prediction_error"] == pytest.approx(two["rank_step_ms"] / two["predicted_step_ms"] - 1)
+    gap = pq.read_table(sweep / "gap.parquet").to_pylist()
+    assert {g["ranks"] for g in gap} == {2} and sum(g["ms"] for g in gap) == pytest.approx(two["gap_ms"])
+    assert two["gap_named_ms"] == pytest.approx(two["gap_ms"])
+    assert "2 ranks: the per-rank step beyond one rank's" in out.stdout
+    assert "projected on h100-nvlink-ndr" in out.stdout and "assumed: compute" in out.stdout
+    assert re.search(r"\b(TW|RW|CW|TRW|TCW|DP) \d+", out.stdout), out.stdout[-3000:]  # the planner's pick, per type
     points = pq.read_table(sweep / "summary.parquet").to_pylist()
     assert [p["ranks"] for p in points] == [1, 2]
     assert [p["global_batch_size"] for p in points] == [64, 128] and points[1]["batch_size_per_rank"] == 64

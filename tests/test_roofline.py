@@ -1,6 +1,7 @@
 """Machine profiles and the roofline: peaks measured, stored per machine, and runs placed against them."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -195,16 +196,26 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, mon
     for peaks in cpu.values():
         assert peaks["gemm_flops_per_s"]["fp32"] > 1e8 and peaks["gemm_flops_per_s"]["bf16"] > 0
         assert peaks["memory_bytes_per_s"] > 1e8 and peaks["gather_bytes_per_s"] > 1e7
-    out = run_cli("launch", "--nproc", "2", "--", "machine", "probe", "--quick", "--comms-only", env=env)
+    if (os.cpu_count() or 1) > 1:  # N pinned processes at once against one alone (issue 18)
+        ceiling = profile["devices"]["cpu"]["ceiling"]["2"]
+        assert ceiling["processes"] == 2 and len(ceiling["gemm"]["each_flops_per_s"]) == 2
+        assert 0 < ceiling["gemm"]["efficiency"] and 0 < ceiling["copy"]["efficiency"]
+        assert ceiling["gemm"]["efficiency"] == pytest.approx(
+            ceiling["gemm"]["all_flops_per_s"] / (2 * ceiling["gemm"]["one_flops_per_s"])
+        )
+    # started by mpiexec: gloo's collectives and MPI's own, side by side
+    out = run_cli("launch", "--nproc", "2", "--launcher", "mpi", "--", "machine", "probe", "--quick", "--comms-only",
+                  env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     merged = json.loads(path.read_text())
     assert merged["devices"] == profile["devices"]  # kept from the first probe
-    rows = merged["comms"]["gloo/2"]
-    assert {r["collective"] for r in rows} == {"all_to_all", "all_reduce"}
-    for r in rows:  # bus bandwidth: x (n-1)/n = 1/2 for all-to-all, x 2(n-1)/n = 1 for all-reduce at 2 ranks
-        factor = 0.5 if r["collective"] == "all_to_all" else 1.0
-        assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)
-        assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3))
+    for transport in ("gloo/2", "mpi/2"):
+        rows = merged["comms"][transport]
+        assert {r["collective"] for r in rows} == {"all_to_all", "all_reduce"}
+        for r in rows:  # bus bandwidth: x (n-1)/n = 1/2 for all-to-all, x 2(n-1)/n = 1 for all-reduce at 2 ranks
+            factor = 0.5 if r["collective"] == "all_to_all" else 1.0
+            assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)
+            assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3))
     from conftest import run_cli_in_process
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))

@@ -87,6 +87,10 @@ def show_command(
             _gb(p.get("memory_bytes_per_s")), _gb(p.get("gather_bytes_per_s")), _gb(p.get("h2d_bytes_per_s")),
         )  # fmt: skip
     out.print(table)
+    ceiling = (profile.get("devices", {}).get("cpu") or {}).get("ceiling") or {}
+    for n, entry in sorted(ceiling.items(), key=lambda kv: int(kv[0])):
+        out.print(f"ceiling: {n} pinned processes at once reach {entry['gemm']['efficiency']:.0%} of {n} x one alone "
+                  f"(GEMM), {entry['copy']['efficiency']:.0%} (copy)")  # fmt: skip
     for key, rows_ in profile.get("comms", {}).items():
         comm = Table(title=f"collectives {key}")
         for col in ("collective", "bytes/rank", "time ms", "algbw GB/s", "busbw GB/s"):

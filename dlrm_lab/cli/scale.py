@@ -27,7 +27,9 @@ def scale_command(
     project: Annotated[
         Optional[str], typer.Option(help="Rank counts to project the one-rank run to on --fabric, e.g. 8,64,512,4096.")
     ] = None,
-    fabric: Annotated[str, typer.Option(help="Named cluster for --project (see docs/scaling.md).")] = "h100-nvlink-ndr",
+    fabric: Annotated[
+        str, typer.Option(help="Named cluster for --project (docs/metrics.md, Scaling sweeps).")
+    ] = "h100-nvlink-ndr",
     plan_up_to: Annotated[
         int, typer.Option(help="Ask TorchRec's planner for its sharding up to this many ranks (59 s at 512).")
     ] = 64,
@@ -90,6 +92,12 @@ def _print_gaps(sweep_dir) -> None:
             console().print(f"  assumed: {mine[0]['note']}")
 
 
+SHARDING_SHORT = {
+    "table_row_wise": "TRW", "table_column_wise": "TCW", "column_wise": "CW", "row_wise": "RW",
+    "table_wise": "TW", "data_parallel": "DP",
+}  # fmt: skip
+
+
 def _print_projection(fabric, rows, assumptions, plans) -> None:
     table = Table(title=f"projected on {fabric.name}: {fabric.description}")
     for name in ("ranks", "batch/rank", "compute ms", "input dist ms", "pooled a2a ms", "all-reduce ms",
@@ -97,14 +105,19 @@ def _print_projection(fabric, rows, assumptions, plans) -> None:
         table.add_column(name, justify="right")
     for r in rows:
         plan = plans.get(r["ranks"], "")
+        for long, short in SHARDING_SHORT.items():
+            plan = plan.replace(long, short)
         table.add_row(
             str(r["ranks"]), str(r["batch_size_per_rank"]), f"{r['compute_ms']:.2f}", f"{r['input_dist_ms']:.2f}",
             f"{r['pooled_all_to_all_ms']:.2f}" + (" *" if r["all_to_all_dominates"] else ""),
-            f"{r['all_reduce_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['samples_per_s']:,.0f}",
+            f"{r['all_reduce_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['samples_per_s'] / 1e6:,.2f}M",
             f"{r['efficiency']:.3f}", plan,
         )  # fmt: skip
     console().print(table)
-    console().print("  * all-to-all (input distribution and pooled embeddings) takes longer than compute")
+    console().print(
+        "  * all-to-all (input distribution and pooled embeddings) takes longer than compute; planner's "
+        "sharding: tables per type, " + ", ".join(f"{v} {k}" for k, v in SHARDING_SHORT.items())
+    )
     for a in assumptions:
         console().print(f"  assumed: {a}")
     console().print(f"  figures: {fabric.source}")

@@ -152,6 +152,7 @@ _REGISTERED = [
     _c("rank_step_ms", "per-rank step (mean)", "ms", ".1f", LOWER, "rank step ms"),
     _c("predicted_step_ms", "predicted per-rank step", "ms", ".1f", short="predicted ms"),
     _c("prediction_error", "measured / predicted - 1", "fraction", "+.1%", short="pred. error"),
+    _c("predicted_step_ms_mpi", "predicted per-rank step with MPI's collectives", "ms", ".1f", short="with MPI ms"),
     _c("gap_ms", "per-rank step beyond one rank's", "ms", ".1f", LOWER, "gap ms"),
     _c("point_run_id", "point run", fmt="s"),
     _c("point_status", "point status", fmt="s"),
@@ -260,7 +261,7 @@ CLIENT_PRINTED = (
 SCALE_PRINTED = (
     "ranks", "batch_size_per_rank", "global_batch_size", "repeats_ok", "samples_per_s", "samples_per_s_per_rank",
     "speedup", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "rank_step_ms", "predicted_step_ms",
-    "prediction_error", "gap_ms", "point_status",
+    "prediction_error", "predicted_step_ms_mpi", "gap_ms", "point_status",
 )  # fmt: skip
 # `dlrm-lab runs list`, from each run's first summary row.
 RUNS_LISTED = ("preset", "world_size", "global_batch_size", "steps", "samples_per_s", "eval_auc", "duration_s")

@@ -43,6 +43,7 @@ TITLES = {
     "roofline": "Roofline",
     "energy": "Energy efficiency",
     "sweep": "Sweeps: medians with confidence intervals",
+    "collectives": "Collectives compared: bus bandwidth per transport",
 }
 
 
@@ -259,6 +260,24 @@ def _roofline(data: ReportData, out: Path) -> Made:
     return {"roofline": (drawn, notes)}
 
 
+def _collectives(data: ReportData, out: Path) -> Made:
+    """The probed collectives of the machines the runs ran on, every transport side by side."""
+    from dlrm_lab.metrics.roofline import load_profile
+
+    fingerprints = {fid for run in data.runs if (fid := (run.manifest.get("hardware") or {}).get("fingerprint_id"))}
+    transports: dict[str, list[dict[str, Any]]] = {}
+    for fid in sorted(fingerprints):
+        try:
+            profile = load_profile(fid)
+        except UserError:
+            continue
+        for key, rows in ((profile or {}).get("comms") or {}).items():
+            transports[key if len(fingerprints) == 1 else f"{fid[:8]} {key}"] = rows
+    if not transports:
+        return "no machine profile of these runs holds collectives (dlrm-lab launch --nproc 2 -- machine probe)"
+    return {"collectives": (plots.collectives(transports, out / "collectives.png"), [])}
+
+
 def _energy(data: ReportData, out: Path) -> Made:
     rows, seen = [], set()
     for r in _point_rows(data):
@@ -312,6 +331,7 @@ _BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
     ("roofline", _roofline),
     ("energy", _energy),
     ("sweep", _sweeps),
+    ("collectives", _collectives),
 ]
 
 

@@ -49,6 +49,7 @@ POINT_SCHEMA = pa.schema(
         ("rank_step_ms", pa.float64()),  # mean per-rank step over the measured steps (first ok repeat)
         ("predicted_step_ms", pa.float64()),  # per rank, from the one-rank phases (scaling_model.predict)
         ("prediction_error", pa.float64()),  # measured / predicted - 1 (mean per-rank step times)
+        ("predicted_step_ms_mpi", pa.float64()),  # the same with MPI's probed collectives (PyPI torch has no MPI)
         ("prediction_note", pa.string()),
         ("gap_ms", pa.float64()),  # per-rank step beyond one rank's at the same per-rank work
         ("gap_named_ms", pa.float64()),  # the part named by the breakdown (gap.parquet): all of it
@@ -219,6 +220,10 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
             row["prediction_note"] = predicted
         else:
             row["predicted_step_ms"] = predicted["step_ms"]
+        mpi = fit_collectives(profile, f"mpi/{n}")
+        if comm and mpi and n > 1 and isinstance(with_mpi := predict(one, row["batch_size_per_rank"], n, comm, mpi,
+                                                                      ceiling), dict):  # fmt: skip
+            row["predicted_step_ms_mpi"] = with_mpi["step_ms"]
         if where is not None and n == 1:
             row["rank_step_ms"] = one.step_ms
         if where is None or n == 1 or comm is None:

@@ -19,6 +19,7 @@ scaling divides it by N; a collective takes latency + bytes / bandwidth.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,33 @@ class Collective:
         return count * self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
 
 
-def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, Collective] | None:
-    """All-to-all and all-reduce of a probed transport (`gloo/2`, `mpi/2`): latency from the
-    smallest message's time, bandwidth from the largest message's bus bandwidth."""
+@dataclass(frozen=True)
+class MeasuredCollective:
+    """A probed collective: its time at each probed size, interpolated linearly in between,
+    the smallest message's time below, the largest's bandwidth above. Sizes are bus bytes
+    (what one rank moves: x (N-1)/N for all-to-all, x 2 (N-1)/N for all-reduce), the unit of
+    the cost model's communication bytes."""
+
+    points: tuple[tuple[float, float], ...]  # (bus bytes, seconds), by size
+
+    def seconds(self, nbytes: float, count: int = 1) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return (count - 1) * self.points[0][1] + self._one(nbytes)  # the bytes in one, the rest latency
+
+    def _one(self, nbytes: float) -> float:
+        pts = self.points
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:], strict=False):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        b1, t1 = pts[-1]
+        return t1 + (nbytes - b1) * t1 / b1
+
+
+def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, MeasuredCollective] | None:
+    """All-to-all and all-reduce of a probed transport (`gloo/2`, `mpi/2`), as probed."""
     rows = ((profile or {}).get("comms") or {}).get(key)
     if not rows:
         return None
@@ -88,11 +113,13 @@ def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, Colle
     for name in ("all_to_all", "all_reduce"):
         mine = sorted((r for r in rows if r["collective"] == name), key=lambda r: r["bytes"])
         if mine:
-            out[name] = Collective(mine[0]["time_ms"] / 1e3, mine[-1]["busbw_bytes_per_s"])
+            out[name] = MeasuredCollective(
+                tuple((r["busbw_bytes_per_s"] * r["time_ms"] / 1e3, r["time_ms"] / 1e3) for r in mine)
+            )
     return out if len(out) == 2 else None
 
 
-def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Collective]) -> dict[str, float]:
+def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[str, float]:
     """Seconds of each communication of one step: input distribution, the pooled all-to-all's
     forward and backward halves, the dense-gradient all-reduce."""
     a2a, ar = fits["all_to_all"], fits["all_reduce"]
@@ -109,7 +136,7 @@ def gap_breakdown(
     one: StepTimes,
     many: StepTimes,
     comm_bytes: dict[str, float],
-    fits: dict[str, Collective] | None,
+    fits: dict[str, Any] | None,
     ceiling: float | None,
 ) -> dict[str, Any]:
     """Every ms of `many`'s per-rank step beyond `one`'s (scaled to the same per-rank work).
@@ -167,7 +194,7 @@ def predict(
     batch_size_per_rank: int,
     world_size: int,
     comm_bytes: dict[str, float],
-    fits: dict[str, Collective] | None,
+    fits: dict[str, Any] | None,
     ceiling: float | None,
 ) -> dict[str, Any] | str:
     """The per-rank step at `world_size` ranks on this machine: one rank's phases scaled to
@@ -197,7 +224,9 @@ class Fabric:
     ranks_per_node: int
     intra_bytes_per_s: float  # per rank, inside a node
     inter_bytes_per_s: float  # per rank, between nodes
-    latency_s: float  # per collective step (per peer for all-to-all)
+    latency_s: float  # per collective (ring step for all-reduce)
+    peer_s: float  # per peer of an all-to-all (one send and one receive each)
+    step_floor_s: float  # a training step's fixed cost on this GPU: kernel launches, synchronisation
     flops_per_s: float  # dense peak at the precision named in `description`
     memory_bytes_per_s: float
     memory_bytes: float
@@ -209,7 +238,8 @@ class Fabric:
             return 0.0
         local = min(ranks, self.ranks_per_node) - 1
         intra, inter = nbytes * local / (ranks - 1), nbytes * (ranks - 1 - local) / (ranks - 1)
-        return (ranks - 1) * self.latency_s + max(intra / self.intra_bytes_per_s, inter / self.inter_bytes_per_s)
+        wire = max(intra / self.intra_bytes_per_s, inter / self.inter_bytes_per_s)
+        return self.latency_s + (ranks - 1) * self.peer_s + wire
 
     def all_reduce_s(self, nbytes: float, ranks: int) -> float:
         """Ring (tree latency): bus bytes at the slowest link the ring crosses."""
@@ -220,20 +250,23 @@ class Fabric:
 
 
 ACHIEVED_SHARE = 0.8  # of a link's peak that nccl-tests style collectives reach (assumption)
+# A DLRM training step launches a few hundred kernels at ~5 us each (assumption): no GPU
+# step is shorter than this, however small its roofline time.
+STEP_FLOOR_S = 1e-3
 FABRICS = {
     f.name: f
     for f in (
         Fabric(
             "h100-nvlink-ndr",
             "8 x H100 SXM per node, NVLink 4 inside, 8 x 400 Gb/s NDR InfiniBand between; TF32 dense",
-            8, ACHIEVED_SHARE * 450e9, ACHIEVED_SHARE * 50e9, 5e-6, 494.7e12, 3.35e12, 80e9,
+            8, ACHIEVED_SHARE * 450e9, ACHIEVED_SHARE * 50e9, 5e-6, 1e-6, STEP_FLOOR_S, 494.7e12, 3.35e12, 80e9,
             "NVIDIA H100 datasheet (NVLink 900 GB/s both ways, TF32 494.7 TFLOP/s dense, HBM3 3.35 TB/s); "
             "ConnectX-7 400 Gb/s per GPU",
         ),
         Fabric(
             "a100-nvlink-hdr",
             "8 x A100 SXM 80GB per node, NVLink 3 inside, 8 x 200 Gb/s HDR InfiniBand between; TF32 dense",
-            8, ACHIEVED_SHARE * 300e9, ACHIEVED_SHARE * 25e9, 5e-6, 156e12, 2.039e12, 80e9,
+            8, ACHIEVED_SHARE * 300e9, ACHIEVED_SHARE * 25e9, 5e-6, 1e-6, STEP_FLOOR_S, 156e12, 2.039e12, 80e9,
             "NVIDIA A100 datasheet (NVLink 600 GB/s both ways, TF32 156 TFLOP/s dense, HBM2e 2,039 GB/s); "
             "ConnectX-6 200 Gb/s per GPU",
         ),
@@ -258,8 +291,9 @@ def project(
     assumptions = [
         f"compute: the GPU's roofline time / {fraction:.2f}, the fraction of its roof one rank reached here"
         + ("" if one_rank_fraction else " (assumed: no roofline for the one-rank run)"),
-        f"links at {ACHIEVED_SHARE:.0%} of their peak; {fabric.latency_s * 1e6:g} us per collective step "
-        "(per peer for all-to-all)",
+        f"compute at least {fabric.step_floor_s * 1e3:g} ms a step (kernel launches)",
+        f"links at {ACHIEVED_SHARE:.0%} of their peak; {fabric.latency_s * 1e6:g} us per collective (per ring step "
+        f"for all-reduce) and {fabric.peer_s * 1e6:g} us per all-to-all peer",
         "no overlap of communication with compute; ids and embeddings spread uniformly over ranks",
         f"{mode} scaling: " + ("each rank keeps its batch" if mode == "weak" else "the global batch is split"),
     ]
@@ -267,7 +301,7 @@ def project(
     def compute_s(scale: float) -> float:
         flops_s = work["flops"] * scale / fabric.flops_per_s
         bytes_s = (work["gather_bytes"] * scale + work["stream_bytes"]) / fabric.memory_bytes_per_s
-        return max(flops_s, bytes_s) / fraction
+        return max(max(flops_s, bytes_s) / fraction, fabric.step_floor_s)
 
     base = batch_size_per_rank / compute_s(1.0)  # one rank's samples/s on the fabric's GPU
     rows = []
@@ -319,5 +353,13 @@ def planner_choice(spec: Any, ranks: int, fabric: Fabric, batch_size_per_rank: i
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size_per_rank, constraints=_constraints(model, "auto", {}, ranks)
     )
-    plan = planner.plan(model, [AnyDeviceSharder()])
+    quiet = [logging.getLogger(), logging.getLogger("torchrec.distributed.planner.storage_reservations")]
+    levels = [log.level for log in quiet]
+    for log in quiet:  # a dry run: TorchRec warns once per table that nothing is materialised
+        log.setLevel(logging.ERROR)
+    try:
+        plan = planner.plan(model, [AnyDeviceSharder()])
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
     return dict(Counter(p.sharding_type for m in plan.plan.values() for p in m.values()))

@@ -144,3 +144,37 @@ def energy(rows: Sequence[dict[str, Any]], out: Path) -> EnergyPlot:
             ax.annotate(f"{values[k]:,.3g}", (values[k], i), textcoords="offset points", xytext=(3, -3), fontsize=7)
     fig.suptitle("Energy efficiency (measured sensors only)")
     return EnergyPlot(_save(fig, out), eff, per_query)
+
+
+# ----------------------------------------------------------------------------- 8. collectives
+
+
+@dataclass
+class CollectivesPlot:
+    path: Path
+    lines: dict[str, dict[str, list[tuple[int, float]]]]  # collective -> transport -> (bytes, bus GB/s)
+
+
+def collectives(transports: dict[str, list[dict[str, Any]]], out: Path) -> CollectivesPlot:
+    """Bus bandwidth against message size, one line per transport (`gloo/2`, `mpi/2`, `nccl/8`),
+    all-to-all and all-reduce side by side (the machine probe's rows, PARAM/nccl-tests style)."""
+    names = ("all_to_all", "all_reduce")
+    lines: dict[str, dict[str, list[tuple[int, float]]]] = {n: {} for n in names}
+    for transport, rows in transports.items():
+        for r in sorted(rows, key=lambda r: r["bytes"]):
+            if r.get("collective") in lines and _num(r.get("busbw_bytes_per_s")):
+                lines[r["collective"]].setdefault(transport, []).append((int(r["bytes"]), r["busbw_bytes_per_s"] / 1e9))
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    for ax, name in zip(fig.subplots(1, 2), names, strict=True):
+        for transport, points in lines[name].items():
+            ax.plot([b for b, _ in points], [g for _, g in points], marker="o", label=_text(transport))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(name.replace("_", "-"))
+        ax.grid(True, which="both", alpha=0.3)
+        if lines[name]:
+            ax.legend(fontsize=8)
+    fig.suptitle("Collectives compared (machine probe)")
+    return CollectivesPlot(_save(fig, out), lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,7 @@ def training_phases(rows: Sequence[dict[str, Any]], out: Path) -> PhaseBars:
 @dataclass
 class ScalingPlot:
     path: Path
-    lines: dict[str, dict[str, list[float]]]  # label -> ranks, efficiency, speedup (by ranks)
+    lines: dict[str, dict[str, list[float]]]  # label -> ranks, efficiency, speedup, predicted, ceiling (by ranks)
 
 
 def scaling_efficiency(rows: Sequence[dict[str, Any]], out: Path) -> ScalingPlot:
@@ -92,16 +93,30 @@ def scaling_efficiency(rows: Sequence[dict[str, Any]], out: Path) -> ScalingPlot
     for r in sorted(rows, key=lambda r: r["ranks"]):
         if _num(r.get("efficiency")) is None:
             continue
-        line = lines.setdefault(str(r.get("label") or r.get("mode")), {"ranks": [], "efficiency": [], "speedup": []})
+        line = lines.setdefault(
+            str(r.get("label") or r.get("mode")),
+            {"ranks": [], "efficiency": [], "speedup": [], "predicted": [], "ceiling": []},
+        )
         line["ranks"].append(int(r["ranks"]))
         line["efficiency"].append(float(r["efficiency"]))
         line["speedup"].append(_num(r.get("speedup")) or float("nan"))
+        # predicted efficiency: same per-rank work, so it scales as measured / predicted step time
+        measured, predicted = _num(r.get("rank_step_ms")), _num(r.get("predicted_step_ms"))
+        line["predicted"].append(float(r["efficiency"]) * measured / predicted if measured and predicted else math.nan)
+        line["ceiling"].append(_num(r.get("ceiling_efficiency")) or math.nan)
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     eff_ax, sp_ax = fig.subplots(1, 2)
     ranks = sorted({n for line in lines.values() for n in line["ranks"]})
     for label, line in lines.items():
-        eff_ax.plot(line["ranks"], line["efficiency"], marker="o", label=_text(label))
+        drawn = eff_ax.plot(line["ranks"], line["efficiency"], marker="o", label=_text(label))
         sp_ax.plot(line["ranks"], line["speedup"], marker="o", label=_text(label))
+        colour = drawn[0].get_color()
+        if any(not math.isnan(v) for v in line["predicted"]):
+            eff_ax.plot(line["ranks"], line["predicted"], marker="s", linestyle=":", color=colour,
+                        label=_text(f"{label}: predicted"))  # fmt: skip
+        if any(not math.isnan(v) for v in line["ceiling"]):
+            eff_ax.plot(line["ranks"], line["ceiling"], marker="_", markersize=14, linestyle="none", color=colour,
+                        label=_text(f"{label}: machine ceiling"))  # fmt: skip
     eff_ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ideal")
     if ranks:
         sp_ax.plot(ranks, ranks, color="black", linestyle="--", linewidth=1, label="ideal")

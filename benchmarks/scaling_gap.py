@@ -1,0 +1,93 @@
+"""Training scaling against the machine (issue 18): the 2-rank gap named item by item, the
+efficiency against the probed two-process ceiling, predicted against measured step times,
+gloo against MPI collectives, and projections to published GPU fabrics.
+
+    python benchmarks/scaling_gap.py            # ~6 min on 2 cores
+
+Needs a machine profile with the ceiling and both transports (the script makes them when
+missing: `dlrm-lab machine probe`, then `dlrm-lab launch --launcher mpi --nproc 2 -- machine
+probe --comms-only`). Each case is one real `dlrm-lab scale` sweep at ranks 1,2 (torchrun,
+gloo, one pinned core and thread per rank). Results: results-scaling_gap-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from dlrm_lab.metrics.hardware import cpu_model, hardware_fingerprint
+from dlrm_lab.metrics.roofline import load_profile
+
+CASES = {  # name: (mode, batch for --batch-size, train options)
+    "kaggle weak": ("weak", 2048, ["--preset", "kaggle", "--max-rows", "100000"]),
+    "kaggle strong": ("strong", 4096, ["--preset", "kaggle", "--max-rows", "100000"]),
+    "rm2 weak": ("weak", 512, ["--preset", "rm2", "--table-scale", "0.01"]),
+    "rm2 strong": ("strong", 1024, ["--preset", "rm2", "--table-scale", "0.01"]),
+}
+KEEP = ("ranks", "samples_per_s", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "rank_step_ms",
+        "predicted_step_ms", "prediction_error", "predicted_step_ms_mpi", "gap_ms")  # fmt: skip
+
+
+def cli(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "dlrm_lab", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"dlrm-lab {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    opts = ap.parse_args()
+    profile = load_profile()
+    if not profile or "ceiling" not in profile.get("devices", {}).get("cpu", {}):
+        cli("machine", "probe")
+    if "mpi/2" not in (load_profile() or {}).get("comms", {}):
+        cli("launch", "--launcher", "mpi", "--nproc", "2", "--", "machine", "probe", "--comms-only")
+    profile = load_profile() or {}
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "cpu_flags": hardware_fingerprint().get("cpu_flags"),
+        "ceiling": profile["devices"]["cpu"].get("ceiling"),
+        "collectives": profile.get("comms"),
+        "cases": {},
+    }
+    with tempfile.TemporaryDirectory() as root:
+        for name in opts.cases:
+            mode, batch, train = CASES[name]
+            extra = ["--project", "8,64,512,4096"] if name == "kaggle weak" else []
+            args = ["scale", "--ranks", "1,2", "--mode", mode, "--batch-size", str(batch), "--metrics-dir",
+                    f"{root}/{name.replace(' ', '-')}", *extra, "--", *train, "--steps", str(opts.steps)]  # fmt: skip
+            print("$ dlrm-lab", " ".join(args), flush=True)
+            printed = cli(*args)
+            (sweep,) = Path(f"{root}/{name.replace(' ', '-')}").glob("scale-*")
+            rows = pq.read_table(sweep / "summary.parquet").to_pylist()
+            gap_path = sweep / "gap.parquet"
+            gap = pq.read_table(gap_path).to_pylist() if gap_path.exists() else []
+            results["cases"][name] = {
+                "command": "dlrm-lab " + " ".join(a for a in args if not a.startswith(root)),
+                "points": [{k: r.get(k) for k in KEEP} for r in rows],
+                "gap_ms": {g["item"]: g["ms"] for g in gap},
+                "printed": printed if extra else None,
+            }
+            for r in rows:
+                print("  " + ", ".join(f"{k}={r.get(k):.3f}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
+                                       for k in KEEP), flush=True)  # fmt: skip
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    path = Path(__file__).with_name(f"results-scaling_gap-{day}.json")
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
