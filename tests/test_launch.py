@@ -202,6 +202,12 @@ def test_scale_refuses_bad_sweeps():
     assert code == 2 and "--ranks '1,two'" in err
     code, _, err = run_cli_in_process("scale", "--ranks", "1,3", "--mode", "strong", "--batch-size", "100")
     assert code == 2 and "make it divisible" in err
+    code, _, err = run_cli_in_process("scale", "--ranks", "1,2", "--project", "8", "--fabric", "dgx-1")
+    assert code == 2 and "--fabric 'dgx-1'" in err and "h100-nvlink-ndr" in err
+    code, _, err = run_cli_in_process("scale", "--ranks", "2,4", "--project", "8,64")
+    assert code == 2 and "include 1 in --ranks" in err
+    code, _, err = run_cli_in_process("scale", "--ranks", "1,2", "--project", "8,x")
+    assert code == 2 and "--project '8,x'" in err
 
 
 def _failure(rank: int, exitcode: int, second: int):

@@ -5,6 +5,7 @@ its links, units, manifests, skipped plots and notes."""
 from __future__ import annotations
 
 import json
+import math
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -139,8 +140,13 @@ def scale_run(root: Path) -> Path:
         children = [train_run(run.dir / "points" / f"ranks-{n}", world_size=n) for n in (1, 2)]
         points = [
             {"kind": "scale", "mode": "weak", "ranks": n, "samples_per_s": 1000.0 * n * e, "speedup": n * e,
-             "efficiency": e, "point_run_id": c.name, "point_status": "ok"}
-            for n, e, c in ((1, 1.0, children[0]), (2, 0.8, children[1]), (4, 0.6, children[1]))
+             "efficiency": e, "point_run_id": c.name, "point_status": "ok", "ceiling_efficiency": ceil,
+             "rank_step_ms": step, "predicted_step_ms": predicted}
+            for n, e, c, ceil, step, predicted in (
+                (1, 1.0, children[0], 1.0, 100.0, 100.0),
+                (2, 0.8, children[1], 0.9, 125.0, 110.0),
+                (4, 0.6, children[1], None, 166.0, None),
+            )
         ]  # fmt: skip
         run.write_summary(points, POINT_SCHEMA)
     return run.dir
@@ -190,6 +196,14 @@ class _Links(HTMLParser):
             self.headers.append(data)
 
 
+# the machine's probed collectives: gloo and MPI at 2 ranks, drawn side by side
+COMMS = {
+    t: [{"collective": c, "bytes": b, "time_ms": b / bw * 1e3, "algbw_bytes_per_s": bw, "busbw_bytes_per_s": bw / 2}
+        for c in ("all_to_all", "all_reduce") for b in (1024, 1 << 20)]
+    for t, bw in (("gloo/2", 5e8), ("mpi/2", 4e9))
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """Every kind of run (one with a corrupt summary) and a machine profile; one report over them."""
@@ -197,7 +211,7 @@ def lab(tmp_path_factory):
     machines = tmp_path_factory.mktemp("machines")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DLRM_LAB_MACHINE_DIR", str(machines))
-        profile = store_profile(machines, gflops=100.0, gather_gb=5.0)
+        profile = store_profile(machines, gflops=100.0, gather_gb=5.0, comms=COMMS)
         dirs = {
             "train": train_run(root / "a"),
             "pipelined": train_run(root / "a", step_ms=50.0, shares=None, samples_per_s=40960.0),
@@ -237,7 +251,7 @@ def test_every_plot_is_drawn_as_a_png(lab):
     result = lab["result"]
     search_id, sweep_id = lab["dirs"]["search"].name, lab["dirs"]["sweep"].name
     expected = {"latency_cdf", "qps_vs_p99", f"heatmap-{search_id}", "training_phases", "scaling", "roofline",
-                f"sweep-{sweep_id}"}  # fmt: skip
+                f"sweep-{sweep_id}", "collectives"}  # fmt: skip
     assert expected == set(result.plots)
     for path in result.plots.values():
         data = path.read_bytes()
@@ -306,7 +320,19 @@ def test_training_phase_bars_sum_to_step_time(lab):
 
 def test_scaling_lines(lab):
     drawn = lab["result"].drawn["scaling"]
-    assert drawn.lines == {"weak": {"ranks": [1, 2, 4], "efficiency": [1.0, 0.8, 0.6], "speedup": [1.0, 1.6, 2.4]}}
+    line = drawn.lines["weak"]
+    assert {k: line[k] for k in ("ranks", "efficiency", "speedup")} == {
+        "ranks": [1, 2, 4], "efficiency": [1.0, 0.8, 0.6], "speedup": [1.0, 1.6, 2.4]
+    }  # fmt: skip
+    # predicted efficiency = measured efficiency x measured / predicted step; the probed ceiling beside it
+    assert line["predicted"][:2] == pytest.approx([1.0, 0.8 * 125 / 110]) and math.isnan(line["predicted"][2])
+    assert line["ceiling"][:2] == [1.0, 0.9] and math.isnan(line["ceiling"][2])
+
+
+def test_collectives_are_drawn_per_transport(lab):
+    drawn = lab["result"].drawn["collectives"]
+    assert set(drawn.lines["all_to_all"]) == set(drawn.lines["all_reduce"]) == {"gloo/2", "mpi/2"}
+    assert drawn.lines["all_to_all"]["mpi/2"] == [(1024, 2.0), (1 << 20, 2.0)]  # bus GB/s by message size
 
 
 def test_roofline_ceiling_is_min_of_peak_and_bandwidth(lab):

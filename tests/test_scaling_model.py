@@ -58,14 +58,29 @@ def test_the_gap_is_named_to_the_millisecond():
     assert items["dense_forward: beyond the ceiling"] == pytest.approx(45 - 30 / 0.8)
     # input distribution: 3 collectives x 1 ms + 1e6 B at 1 GB/s = 4 ms of the 6 ms it grew
     assert items["input_dist: at the measured bandwidth"] == pytest.approx(4.0)
-    assert items["input_dist: beyond the bandwidth"] == pytest.approx(2.0)
+    assert items["input_dist: beyond the bandwidth and the wait"] == pytest.approx(2.0)
+    assert items["input_dist: waiting for the slowest rank (one rank's step-to-step jitter)"] == 0.0  # no jitter
     # pooled all-to-all forward half: 1 ms + 1e6 B = 2 ms of 5
     assert items["embedding_all_to_all: at the measured bandwidth"] == pytest.approx(2.0)
     # backward: pooled half (2 ms) + all-reduce (1 ms + 3 ms) = 6 ms; 95 - 50 / 0.8 - 6 beyond
     assert items["backward: collectives at the measured bandwidth"] == pytest.approx(6.0)
-    assert items["backward: beyond the ceiling and the bandwidth"] == pytest.approx(95 - 62.5 - 6)
+    assert items["backward: beyond the ceiling, the bandwidth and the wait"] == pytest.approx(95 - 62.5 - 6)
     assert items["untimed (between phases)"] == pytest.approx(4.5 - 2.0)
     assert gap["assumptions"] == []
+
+
+def test_collectives_wait_for_the_slowest_rank_by_the_order_statistics_of_one_rank():
+    # lookup times 1 or 3 ms: the slower of 2 ranks averages 1 x 1/4 + 3 x 3/4 = 2.5, 0.5 over the mean
+    jittery = StepTimes(step_ms=100.0, phases=PHASES_ONE, batch_size_per_rank=64, world_size=1,
+                        per_step={"embedding_lookup": (1.0, 3.0), "dense_forward": (30.0, 30.0)})  # fmt: skip
+    assert jittery.slowest_of("embedding_lookup", 2) == pytest.approx(0.5)
+    assert jittery.slowest_of("embedding_lookup", 1) == 0.0 and jittery.slowest_of("dense_forward", 8) == 0.0
+    assert jittery.slowest_of("embedding_lookup", 64) == pytest.approx(1.0, abs=1e-6)  # nearly always the 3
+    gap = gap_breakdown(jittery, MANY, COMM, FITS, ceiling=0.8)
+    wait = gap["items_ms"]["embedding_all_to_all: waiting for the slowest rank (one rank's step-to-step jitter)"]
+    assert wait == pytest.approx(0.5) and sum(gap["items_ms"].values()) == pytest.approx(80.0)
+    assert gap["items_ms"]["embedding_all_to_all: beyond the bandwidth and the wait"] == pytest.approx(5 - 2 - 0.5)
+    assert predict(jittery, 64, 2, COMM, FITS, 0.5)["wait_ms"] == pytest.approx(0.5)
 
 
 def test_the_gap_without_a_probe_says_what_it_assumed():

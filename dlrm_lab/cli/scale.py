@@ -47,7 +47,11 @@ def scale_command(
 
     if fabric not in FABRICS:
         raise UserError(f"--fabric {fabric!r}: allowed: {', '.join(FABRICS)}")
-    projected = parse_ranks(project) if project else []
+    projected = parse_ranks(project, "--project") if project else []
+    if projected and 1 not in parse_ranks(ranks):
+        raise UserError(f"--project {project}: projects the one-rank run; include 1 in --ranks (got {ranks})")
+    if plan_up_to < 1:
+        raise UserError(f"--plan-up-to {plan_up_to}: must be an integer >= 1")
     spec = scaling_spec(parse_ranks(ranks), mode, batch_size, list(ctx.args), metrics_dir, launcher, threads_per_rank,
                         repeats)  # fmt: skip
     err = console(stderr=True)

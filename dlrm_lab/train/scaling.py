@@ -59,13 +59,13 @@ POINT_SCHEMA = pa.schema(
 )
 
 
-def parse_ranks(text: str) -> list[int]:
+def parse_ranks(text: str, option: str = "--ranks") -> list[int]:
     try:
         ranks = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--ranks {text!r}: expected a comma-separated list of rank counts, e.g. 1,2,4") from None
+        raise UserError(f"{option} {text!r}: expected a comma-separated list of rank counts, e.g. 1,2,4") from None
     if not ranks or any(r < 1 for r in ranks) or len(set(ranks)) != len(ranks):
-        raise UserError(f"--ranks {text!r}: rank counts must be distinct integers >= 1")
+        raise UserError(f"{option} {text!r}: rank counts must be distinct integers >= 1")
     return sorted(ranks)
 
 

@@ -6,8 +6,9 @@ Three uses of one model of a training step (per rank, in ms):
   slower beyond it (per phase), communication at the measured collective bandwidth, beyond
   it, and time no phase timer covers.
 - `predict`: the N-rank step from the one-rank phases, the analytic bytes of the cost model
-  (`model.cost.step_communication_bytes`) and the probed collectives and ceiling of this
-  machine; validated against `dlrm-lab scale`'s measurements.
+  (`model.cost.step_communication_bytes`), the probed collectives and ceiling of this
+  machine, and the expected wait of every collective for the slowest rank (order statistics
+  of one rank's per-step phase times); validated against `dlrm-lab scale`'s measurements.
 - `project`: the same for 8 ... 4,096 ranks on a named fabric of published figures
   (`FABRICS`), with the TorchRec planner's sharding choice at that size.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,18 @@ class StepTimes:
     phases: dict[str, float]
     batch_size_per_rank: int
     world_size: int
+    per_step: dict[str, tuple[float, ...]] = field(default_factory=dict)  # phase -> its measured steps' times
+
+    def slowest_of(self, phase: str, ranks: int) -> float:
+        """Expected excess of the slowest of `ranks` independent draws of the phase's per-step
+        time over its mean: what a collective after the phase waits for the slowest rank.
+        Order statistics of the measured steps: E[max] = sum x_(i) ((i/n)^N - ((i-1)/n)^N)."""
+        xs = sorted(self.per_step.get(phase, ()))
+        if ranks <= 1 or len(xs) < 2:
+            return 0.0
+        n = len(xs)
+        expected_max = sum(x * ((i / n) ** ranks - ((i - 1) / n) ** ranks) for i, x in enumerate(xs, 1))
+        return expected_max - sum(xs) / n
 
     @property
     def untimed_ms(self) -> float:
@@ -65,6 +78,7 @@ class StepTimes:
             phases={p: mean(f"{p}_ms") for p in PHASES},
             batch_size_per_rank=int(rows[0]["batch_size"]),
             world_size=len(ranks),
+            per_step={p: tuple(r.get(f"{p}_ms") or 0.0 for r in rows) for p in PHASES},
         )
 
 
@@ -119,6 +133,21 @@ def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, Measu
     return out if len(out) == 2 else None
 
 
+# The collective that waits for the slowest rank after each compute phase: the next step's
+# input distribution after the optimizer (and the data wait), the pooled all-to-all after the
+# lookup, backward's collectives after the dense forward and backward compute.
+WAITED_IN = {
+    "input_dist": ("data_wait", "optimizer"),
+    "embedding_all_to_all": ("embedding_lookup",),
+    "backward": ("dense_forward", "backward"),
+}
+
+
+def _waits_ms(one: StepTimes, ranks: int, ratio: float) -> dict[str, float]:
+    """Per communication phase, the expected wait for the slowest rank (scaled to the work)."""
+    return {c: ratio * sum(one.slowest_of(p, ranks) for p in after) for c, after in WAITED_IN.items()}
+
+
 def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[str, float]:
     """Seconds of each communication of one step: input distribution, the pooled all-to-all's
     forward and backward halves, the dense-gradient all-reduce."""
@@ -162,20 +191,23 @@ def gap_breakdown(
     )
     for p in COMPUTE_PHASES:
         items[f"{p}: beyond the ceiling"] = many.phases[p] - expected[p] / ceiling
+    waits = _waits_ms(one, many.world_size, ratio)
     for p, part in (("input_dist", "input_dist"), ("embedding_all_to_all", "pooled_forward")):
         delta = many.phases[p] - expected[p]
+        items[f"{p}: waiting for the slowest rank (one rank's step-to-step jitter)"] = waits[p]
         if comm is None:
-            items[f"{p}: communication"] = delta
+            items[f"{p}: communication"] = delta - waits[p]
             continue
         items[f"{p}: at the measured bandwidth"] = comm[part] * 1e3
-        items[f"{p}: beyond the bandwidth"] = delta - comm[part] * 1e3
+        items[f"{p}: beyond the bandwidth and the wait"] = delta - comm[part] * 1e3 - waits[p]
     backward = many.phases["backward"] - expected["backward"] / ceiling
+    items["backward: waiting for the slowest rank (one rank's step-to-step jitter)"] = waits["backward"]
     if comm is None:
-        items["backward: beyond the ceiling (compute and collectives)"] = backward
+        items["backward: beyond the ceiling and the wait (compute and collectives)"] = backward - waits["backward"]
     else:
         at_bw = (comm["pooled_backward"] + comm["gradient_all_reduce"]) * 1e3
         items["backward: collectives at the measured bandwidth"] = at_bw
-        items["backward: beyond the ceiling and the bandwidth"] = backward - at_bw
+        items["backward: beyond the ceiling, the bandwidth and the wait"] = backward - at_bw - waits["backward"]
     items["untimed (between phases)"] = many.untimed_ms - one.untimed_ms * ratio
     gap = many.step_ms - one.step_ms * ratio
     return {
@@ -211,7 +243,13 @@ def predict(
     compute = sum(one.phases[p] for p in (*COMPUTE_PHASES, "backward")) * ratio / ceiling
     local = (one.phases["input_dist"] + one.phases["embedding_all_to_all"] + one.untimed_ms) * ratio
     comm_ms = sum(comm.values()) * 1e3
-    return {"step_ms": compute + local + comm_ms, "compute_ms": compute + local, "comm_ms": comm_ms}
+    wait_ms = sum(_waits_ms(one, world_size, ratio).values())
+    return {
+        "step_ms": compute + local + comm_ms + wait_ms,
+        "compute_ms": compute + local,
+        "comm_ms": comm_ms,
+        "wait_ms": wait_ms,
+    }
 
 
 # -- projection to clusters --------------------------------------------------------------------
