@@ -323,7 +323,10 @@ FRONTIER_READ = (
     "probes",
     "best",
 )
-SCALE_READ = ("mode", "ranks", "samples_per_s", "speedup", "efficiency", "point_run_id", "point_status")
+SCALE_READ = (
+    "mode", "ranks", "samples_per_s", "speedup", "efficiency", "ceiling_efficiency", "rank_step_ms",
+    "predicted_step_ms", "point_run_id", "point_status",
+)  # fmt: skip
 
 # The report's HTML tables of runs.
 TRAIN_TABLE = (

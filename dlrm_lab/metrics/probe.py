@@ -292,8 +292,8 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
         # what N ranks pinned one per core can do at best (dlrm_lab.metrics.ceiling)
         result["ceiling"] = {}
         for n in sorted({2, cores} | {1 << k for k in range(1, cores.bit_length()) if 1 << k <= cores}):
-            entry = measure_ceiling(n, repeats=sizes.repeats if sizes.repeats < 5 else 3,
-                                    seconds=0.25 if sizes.repeats < 5 else 1.0)  # fmt: skip
+            quick = sizes.repeats < 5  # a first look: one round of 0.2 s each
+            entry = measure_ceiling(n, repeats=1 if quick else 3, seconds=0.2 if quick else 1.0)
             result["ceiling"][str(n)] = entry
             say(f"cpu, {n} processes x 1 thread at once: GEMM {entry['gemm']['efficiency']:.0%} and copy "
                 f"{entry['copy']['efficiency']:.0%} of {n} x one alone")  # fmt: skip
