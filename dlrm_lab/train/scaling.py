@@ -200,8 +200,16 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         for row in rows:
             row["prediction_note"] = "needs a one-rank point that ended ok"
         return
-    profile = load_profile()
-    one = StepTimes.from_run(first)
+    try:
+        profile = load_profile()
+    except UserError:  # a corrupt profile: the rows keep their measurements, without the model's columns
+        profile = None
+    try:
+        one = StepTimes.from_run(first)
+    except ValueError as exc:
+        for row in rows:
+            row["prediction_note"] = str(exc)
+        return
     gaps: list[dict[str, Any]] = []
     for k, row in enumerate(rows):
         n = row["ranks"]
@@ -228,7 +236,11 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
             row["rank_step_ms"] = one.step_ms
         if where is None or n == 1 or comm is None:
             continue
-        many = StepTimes.from_run(where)
+        try:
+            many = StepTimes.from_run(where)
+        except ValueError as exc:
+            row["prediction_note"] = str(exc)
+            continue
         row["rank_step_ms"] = many.step_ms
         if row.get("predicted_step_ms"):
             row["prediction_error"] = many.step_ms / row["predicted_step_ms"] - 1
@@ -256,6 +268,8 @@ def projection(
     the TorchRec planner's sharding at each count up to `plan_up_to` (beyond: the last plan)."""
     import json
 
+    from torchrec.distributed.planner.types import PlannerError
+
     from dlrm_lab.config import ModelSpec, load_preset
     from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
     from dlrm_lab.train.scaling_model import planner_choice, project
@@ -280,15 +294,24 @@ def projection(
     rows, assumptions = project(
         work, summary.get("roofline_fraction"), partial(step_communication_bytes, spec), ranks, fabric, batch, mode
     )
-    full = load_preset(spec.name) if spec.table_scale != 1 or spec.max_rows else spec  # a cluster holds it whole
+    full = spec
+    if spec.table_scale != 1 or spec.max_rows:  # a cluster holds the preset whole
+        try:
+            full = load_preset(spec.name)
+        except UserError:  # a model file, not a named preset: plan it as it ran
+            assumptions.append(f"{spec.name} is not a named preset: the planner plans the tables as they ran")
     plans: dict[int, str] = {}
     last = ""
     for n in ranks:
         if n <= plan_up_to:
             per_rank = batch if mode == "weak" else max(1, batch // n)
-            last = ", ".join(f"{k} {v}" for k, v in sorted(planner_choice(full, n, fabric, per_rank).items()))
+            try:
+                last = ", ".join(f"{k} {v}" for k, v in sorted(planner_choice(full, n, fabric, per_rank).items()))
+            except PlannerError as exc:  # the tables do not fit n GPUs of this fabric
+                last = f"does not fit: {str(exc).splitlines()[0][:80]}"
             plans[n] = last
         elif last:
             plans[n] = f"({last} at <= {plan_up_to})"
-    assumptions.append(f"the planner plans {full.name} at its published sizes (tables whole on the cluster)")
+    if full is not spec:
+        assumptions.append(f"the planner plans {full.name} at its published sizes (tables whole on the cluster)")
     return rows, assumptions, plans
