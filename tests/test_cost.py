@@ -39,9 +39,25 @@ def test_communication_per_step():
     assert step_communication_bytes(tiny, 64, 1) == {
         "input_dist": 0.0,
         "pooled_all_to_all": 0.0,
+        "pooled_reduce_scatter": 0.0,
         "gradient_all_reduce": 0.0,
     }
     comm = step_communication_bytes(tiny, 64, 2)
     assert comm["input_dist"] == 32 * (8 * 7 + 4 * 4) * 0.5
-    assert comm["pooled_all_to_all"] == 2 * 32 * 4 * 32 * 0.5
+    assert comm["pooled_all_to_all"] == 2 * 32 * 4 * 32 * 0.5 and comm["pooled_reduce_scatter"] == 0.0
     assert comm["gradient_all_reduce"] == 2 * 0.5 * 4 * tiny.dense_parameters
+
+
+def test_communication_follows_the_plan_of_the_run():
+    """Row-wise outputs are reduce-scattered for the whole global batch; replicas send no ids
+    and all-reduce their rows' gradients with the dense ones."""
+    tiny = dlrm_lab.load_preset("tiny")
+    uniform = step_communication_bytes(tiny, 64, 2)
+    first, *rest = tiny.tables
+    rows = step_communication_bytes(tiny, 64, 2, {t.name: "row_wise" for t in tiny.tables})
+    assert rows["input_dist"] == uniform["input_dist"]
+    assert rows["pooled_all_to_all"] == 0.0 and rows["pooled_reduce_scatter"] == 2 * uniform["pooled_all_to_all"]
+    mixed = step_communication_bytes(tiny, 64, 2, {first.name: "data_parallel"})
+    kept = [t for t in tiny.tables if t.name != first.name]
+    assert mixed["input_dist"] == sum(32 * (8 * t.pooling_factor + 4) * len(t.feature_names) * 0.5 for t in kept)
+    assert mixed["gradient_all_reduce"] == 2 * 0.5 * 4 * (tiny.dense_parameters + first.num_parameters)

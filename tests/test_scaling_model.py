@@ -83,6 +83,14 @@ def test_collectives_wait_for_the_slowest_rank_by_the_order_statistics_of_one_ra
     assert predict(jittery, 64, 2, COMM, FITS, 0.5)["wait_ms"] == pytest.approx(0.5)
 
 
+def test_row_wise_outputs_are_timed_as_reduce_scatters():
+    # 2e6 bus bytes of reduce-scatter: forward half 1e6 = half of a 2e6-bus-byte all-reduce (1 ms + 2 ms) / 2
+    comm = {**COMM, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 2e6}
+    with_rs = predict(ONE, 64, 2, comm, FITS, ceiling=0.5)
+    without = predict(ONE, 64, 2, {**comm, "pooled_reduce_scatter": 0.0}, FITS, ceiling=0.5)
+    assert with_rs["comm_ms"] - without["comm_ms"] == pytest.approx(2 * 1.5)
+
+
 def test_the_gap_without_a_probe_says_what_it_assumed():
     gap = gap_breakdown(ONE, MANY, COMM, None, ceiling=None)
     assert sum(gap["items_ms"].values()) == pytest.approx(80.0)

@@ -85,26 +85,45 @@ def sample_cost(spec: ModelSpec, table_precision: str = "fp32", optimizer: str =
     )
 
 
-def step_communication_bytes(spec: ModelSpec, global_batch: int, world_size: int) -> dict[str, float]:
+ROW_SHARDED = ("row_wise", "table_row_wise")  # pooled outputs reduce-scattered: partial sums of every sample
+
+
+def step_communication_bytes(
+    spec: ModelSpec, global_batch: int, world_size: int, sharding: dict[str, str] | None = None
+) -> dict[str, float]:
     """Bytes one rank sends per training step with model-parallel tables and DDP MLPs.
 
     Uniform assumptions: a share (W-1)/W of each rank's ids and pooled embeddings belongs to
     other ranks; ids are int64 with an int32 length per sample and feature; pooled
     embeddings are fp32 and go back as gradients of the same size; the dense gradient
-    all-reduce is a ring (2 (W-1)/W of the gradient bytes).
+    all-reduce is a ring (2 (W-1)/W of the gradient bytes). With the run's `sharding`
+    (table -> sharding type, from its plan): a row-wise or table-row-wise table's pooled
+    output is reduce-scattered (each rank holds partial sums for the whole global batch:
+    W times a table-wise table's bytes; all-gathered back in backward), and a data-parallel
+    table sends no ids or pooled rows but all-reduces its gradient with the dense ones.
     """
+    zero = {"input_dist": 0.0, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 0.0, "gradient_all_reduce": 0.0}
     if world_size <= 1:
-        return {"input_dist": 0.0, "pooled_all_to_all": 0.0, "gradient_all_reduce": 0.0}
+        return zero
     remote = (world_size - 1) / world_size
     local_batch = global_batch / world_size
-    ids = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
-    features = spec.num_features
-    pooled = sum(t.embedding_dim * len(t.feature_names) for t in spec.tables)
-    return {
-        "input_dist": local_batch * (8 * ids + 4 * features) * remote,
-        "pooled_all_to_all": 2 * local_batch * 4 * pooled * remote,  # forward + backward
-        "gradient_all_reduce": 2 * remote * 4 * spec.dense_parameters,
-    }
+    kinds = sharding or {}
+    out = dict(zero)
+    replicated = 0
+    for t in spec.tables:
+        kind = kinds.get(t.name, "table_wise")
+        features = len(t.feature_names)
+        if kind == "data_parallel":
+            replicated += t.num_parameters
+            continue
+        out["input_dist"] += local_batch * (8 * t.pooling_factor + 4) * features * remote
+        pooled = 2 * 4 * t.embedding_dim * features * remote  # forward and backward, per sample
+        if kind in ROW_SHARDED:
+            out["pooled_reduce_scatter"] += global_batch * pooled
+        else:
+            out["pooled_all_to_all"] += local_batch * pooled
+    out["gradient_all_reduce"] = 2 * remote * 4 * (spec.dense_parameters + replicated)
+    return out
 
 
 # Bytes per stored table value; row-wise quantised rows also carry an fp16 scale and bias (fbgemm).

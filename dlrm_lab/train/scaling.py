@@ -222,7 +222,9 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         config = manifest.get("config", {})
         model = ModelSpec.from_dict(config["model"]) if config.get("model") else None
         fits = fit_collectives(profile, f"{config.get('backend', 'gloo')}/{n}")
-        comm = step_communication_bytes(model, row["global_batch_size"], n) if model else None
+        # the bytes of the plan the point ran: row-wise outputs are reduce-scattered, replicas all-reduced
+        plan = {t["table"]: t["sharding_type"] for t in (config.get("sharding_plan") or {}).get("tables", [])}
+        comm = step_communication_bytes(model, row["global_batch_size"], n, plan) if model else None
         predicted = predict(one, row["batch_size_per_rank"], n, comm, fits, ceiling) if comm else "no run"
         if isinstance(predicted, str):
             row["prediction_note"] = predicted

@@ -153,10 +153,14 @@ def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[st
     forward and backward halves, the dense-gradient all-reduce."""
     a2a, ar = fits["all_to_all"], fits["all_reduce"]
     grad = comm_bytes["gradient_all_reduce"]
+    # a reduce-scatter (or all-gather) is half a ring all-reduce of the same buffer, whose bus bytes are twice its own
+    half = comm_bytes.get("pooled_reduce_scatter", 0.0) / 2
+    scatter = ar.seconds(2 * half) / 2 if half else 0.0
+    pooled = a2a.seconds(comm_bytes["pooled_all_to_all"] / 2)
     return {
         "input_dist": a2a.seconds(comm_bytes["input_dist"], INPUT_DIST_COLLECTIVES),
-        "pooled_forward": a2a.seconds(comm_bytes["pooled_all_to_all"] / 2),
-        "pooled_backward": a2a.seconds(comm_bytes["pooled_all_to_all"] / 2),
+        "pooled_forward": pooled + scatter,
+        "pooled_backward": pooled + scatter,
         "gradient_all_reduce": ar.seconds(grad, max(1, math.ceil(grad / 2 / DDP_BUCKET_BYTES))),
     }
 
