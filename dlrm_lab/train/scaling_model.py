@@ -15,7 +15,8 @@ Three uses of one model of a training step (per rank, in ms):
 Assumptions (printed with every projection): communication is not overlapped with compute;
 ids, pooled embeddings and gradients are spread uniformly over ranks (the cost model's
 uniform rule, whatever the sharding type); weak scaling keeps each rank's work, strong
-scaling divides it by N; a collective takes latency + bytes / bandwidth.
+scaling divides it by N; a collective takes its probed time at that size; ranks' step-to-step
+jitter is independent (the wait for the slowest rank).
 """
 
 from __future__ import annotations
