@@ -13,10 +13,11 @@ Three uses of one model of a training step (per rank, in ms):
   (`FABRICS`), with the TorchRec planner's sharding choice at that size.
 
 Assumptions (printed with every projection): communication is not overlapped with compute;
-ids, pooled embeddings and gradients are spread uniformly over ranks (the cost model's
-uniform rule, whatever the sharding type); weak scaling keeps each rank's work, strong
-scaling divides it by N; a collective takes its probed time at that size; ranks' step-to-step
-jitter is independent (the wait for the slowest rank).
+ids and pooled embeddings are spread uniformly over ranks (`model.cost`; on this machine the
+bytes follow the run's plan, in a projection the uniform rule); weak scaling keeps each
+rank's work, strong scaling divides it by N; a collective takes its probed time at that
+size (a fabric's: latency + bytes / link bandwidth); ranks' step-to-step jitter is
+independent (the wait for the slowest rank).
 """
 
 from __future__ import annotations
