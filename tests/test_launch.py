@@ -169,6 +169,8 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
         "12",
         "--prefetch",
         "0",
+        "--profile-steps",
+        "2",
         env={"DLRM_LAB_MACHINE_DIR": str(tmp_path / "machines")},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -182,6 +184,11 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     gap = pq.read_table(sweep / "gap.parquet").to_pylist()
     assert {g["ranks"] for g in gap} == {2} and sum(g["ms"] for g in gap) == pytest.approx(two["gap_ms"])
     assert two["gap_named_ms"] == pytest.approx(two["gap_ms"])
+    # --profile-steps: every rank's operators, in the 2-rank point's profile.parquet
+    (two_rank_run,) = (sweep / "points" / "p0001-r0").glob("train-*")
+    profiled = pq.read_table(two_rank_run / "profile.parquet").to_pylist()
+    assert {r["rank"] for r in profiled} == {0, 1} and all(r["steps"] == 2 for r in profiled)
+    assert any("alltoall" in r["op"] or "all_to_all" in r["op"].lower() or "allreduce" in r["op"] for r in profiled)
     assert "2 ranks: the per-rank step beyond one rank's" in out.stdout
     assert "projected on h100-nvlink-ndr" in out.stdout and "assumed: compute" in out.stdout
     assert re.search(r"\b(TW|RW|CW|TRW|TCW|DP) \d+", out.stdout), out.stdout[-3000:]  # the planner's pick, per type

@@ -298,3 +298,26 @@ def test_dcnv2_starts_near_the_entropy_of_its_click_rate_at_every_table_scale(tm
     assert numerics["dense_lr"] == pytest.approx(0.005 * (64 / 16384) ** 0.5)
     assert numerics["dense_lr_rule"].startswith("published 0.005 at global batch 16384")
     assert numerics["table_init_bounds"]["t_cat_0"] == pytest.approx((1 / 40_000_000) ** 0.5)
+
+
+def test_profile_steps_record_operators_per_step(tmp_path):
+    """--profile-steps: torch.profiler over the window after warm-up, one row per operator with
+    its CPU time per profiled step (the 2-rank case, every rank's rows: tests/test_launch.py)."""
+    import pyarrow.parquet as pq
+
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.train.profile import profile_window
+
+    spec = dlrm_lab.load_preset("tiny")
+    result = train(spec, TrainConfig(steps=10, batch_size=64, eval_batches=1, profile_steps=3), metrics_dir=tmp_path)
+    rows = pq.read_table(result.run_dir / "profile.parquet").to_pylist()
+    ops = {r["op"]: r for r in rows}
+    assert {r["rank"] for r in rows} == {0} and all(r["steps"] == 3 for r in rows)
+    assert any(op in ops for op in ("aten::addmm", "aten::mm", "aten::linear"))
+    assert all(r["total_ms_per_step"] >= r["self_ms_per_step"] >= 0 for r in rows)
+    assert sum(r["self_ms_per_step"] for r in rows) > 0
+    assert (
+        profile_window(0, 10, 3) == (5, 3) and profile_window(0, 4, 3) == (1, 3) and profile_window(0, 3, 3) == (0, 3)
+    )
+    with pytest.raises(UserError, match=r"--profile-steps 11: must be an integer in \[0, steps=10\]"):
+        TrainConfig(steps=10, profile_steps=11)

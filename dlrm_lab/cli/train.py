@@ -78,6 +78,9 @@ def train_command(
     target_auc: Annotated[
         Optional[float], typer.Option(help="Stop when held-out AUC reaches this; records time to target.")
     ] = None,
+    profile_steps: Annotated[
+        int, typer.Option(help="torch.profiler over this many steps after warm-up: per-operator profile.parquet.")
+    ] = 0,
     metrics_dir: MetricsDir = "runs",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:

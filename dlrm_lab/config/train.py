@@ -52,6 +52,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
     pipeline: bool = False  # TorchRec's TrainPipelineSparseDist: next batch's input dist overlaps this step
+    profile_steps: int = 0  # torch.profiler over this many steps after warm-up: profile.parquet (train.profile)
 
     def __post_init__(self) -> None:
         _positive("--steps", self.steps)
@@ -84,6 +85,12 @@ class TrainConfig:
             raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
             raise UserError("--resume and --checkpoint-every need --checkpoint-dir")
+        if (
+            isinstance(self.profile_steps, bool)
+            or not isinstance(self.profile_steps, int)
+            or not (0 <= self.profile_steps <= self.steps)
+        ):
+            raise UserError(f"--profile-steps {self.profile_steps!r}: must be an integer in [0, steps={self.steps}]")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
 

@@ -1,0 +1,75 @@
+"""`train --profile-steps N`: torch.profiler over N measured steps, per operator.
+
+The phase timers cannot split a phase into the collectives it waits on and the local work
+around them (fbgemm's row bucketising inside the input distribution, a reduce-scatter inside
+backward). This records, on every rank, each operator's calls and CPU time per profiled
+step (self: its own; total: with what it calls), so the gap of a multi-rank run can be named
+operator by operator (BENCHMARKS.md, issue 18). Written to the run's profile.parquet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+from torch.profiler import ProfilerActivity, profile
+
+PROFILE_SCHEMA = pa.schema(
+    [
+        ("rank", pa.int32()),
+        ("op", pa.string()),
+        ("calls_per_step", pa.float64()),
+        ("self_ms_per_step", pa.float64()),
+        ("total_ms_per_step", pa.float64()),
+        ("steps", pa.int32()),
+    ]
+)
+TOP_OPS = 60  # per rank, by self time
+
+
+class StepProfiler:
+    """Profiles steps [first, first + count) of a run; `step(i)` is called before step i runs."""
+
+    def __init__(self, first: int, count: int, cuda: bool = False) -> None:
+        self.first, self.count = first, count
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self._prof: Any = None
+        self.profiled = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def step(self, i: int) -> None:
+        if i == self.first and self.count:
+            self._prof = profile(activities=self.activities)
+            self._prof.__enter__()
+        elif self._prof is not None and i == self.first + self.count:
+            self.stop()
+
+    def stop(self) -> None:
+        """End profiling (at the window's end, or early when the run stops first)."""
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.profiled = self.count
+        self._summarise(prof)
+
+    def _summarise(self, prof: Any) -> None:
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP_OPS]
+        n = max(1, self.profiled)
+        self.rows = [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / n,
+                "self_ms_per_step": e.self_cpu_time_total / 1e3 / n,
+                "total_ms_per_step": e.cpu_time_total / 1e3 / n,
+                "steps": n,
+            }
+            for e in events
+        ]
+
+
+def profile_window(start_step: int, steps: int, count: int) -> tuple[int, int]:
+    """The profiled steps: `count` steps after a short warm-up (5 steps, fewer in short runs)."""
+    count = min(count, steps - start_step)
+    first = start_step + min(5, max(0, steps - start_step - count))
+    return first, count
