@@ -141,7 +141,8 @@ def scale_run(root: Path) -> Path:
         points = [
             {"kind": "scale", "mode": "weak", "ranks": n, "samples_per_s": 1000.0 * n * e, "speedup": n * e,
              "efficiency": e, "point_run_id": c.name, "point_status": "ok", "ceiling_efficiency": ceil,
-             "rank_step_ms": step, "predicted_step_ms": predicted}
+             "efficiency_vs_ceiling": e / ceil if ceil else None, "rank_step_ms": step, "predicted_step_ms": predicted,
+             "prediction_error": step / predicted - 1 if predicted else None}
             for n, e, c, ceil, step, predicted in (
                 (1, 1.0, children[0], 1.0, 100.0, 100.0),
                 (2, 0.8, children[1], 0.9, 125.0, 110.0),
@@ -327,6 +328,12 @@ def test_scaling_lines(lab):
     # predicted efficiency = measured efficiency x measured / predicted step; the probed ceiling beside it
     assert line["predicted"][:2] == pytest.approx([1.0, 0.8 * 125 / 110]) and math.isnan(line["predicted"][2])
     assert line["ceiling"][:2] == [1.0, 0.9] and math.isnan(line["ceiling"][2])
+
+
+def test_the_scale_table_shows_the_ceiling_and_the_prediction(lab):
+    page = (lab["out"] / "index.html").read_text()
+    assert "0.889" in page  # efficiency / ceiling at 2 ranks: 0.8 / 0.9
+    assert "+13.6%" in page  # measured / predicted - 1: 125 / 110 - 1
 
 
 def test_collectives_are_drawn_per_transport(lab):

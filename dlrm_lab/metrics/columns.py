@@ -323,10 +323,6 @@ FRONTIER_READ = (
     "probes",
     "best",
 )
-SCALE_READ = (
-    "mode", "ranks", "samples_per_s", "speedup", "efficiency", "ceiling_efficiency", "rank_step_ms",
-    "predicted_step_ms", "point_run_id", "point_status",
-)  # fmt: skip
 
 # The report's HTML tables of runs.
 TRAIN_TABLE = (
@@ -358,6 +354,8 @@ SCALE_TABLE = (
     "mode", "ranks", "samples_per_s", "speedup", "efficiency", "efficiency_vs_ceiling", "predicted_step_ms",
     "prediction_error", "point_run_id", "point_status",
 )  # fmt: skip
+# what the report reads of a scale run: its table, and what the scaling plot draws besides
+SCALE_READ = (*SCALE_TABLE, "ceiling_efficiency", "rank_step_ms")
 
 # `dlrm-lab compare`: the metrics compared per kind of run.
 COMPARED = {

@@ -179,7 +179,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[di
     return rows, POINT_SCHEMA
 
 
-def _point_dir(spec: SweepSpec, result: SweepResult, k: int) -> Path | None:
+def _point_dir(result: SweepResult, k: int) -> Path | None:
     ok = [p for p in result.points if p.point == k and p.status == "ok" and p.child_dir]
     return ok[0].child_dir if ok else None
 
@@ -195,7 +195,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
     from dlrm_lab.model.cost import step_communication_bytes
     from dlrm_lab.train.scaling_model import StepTimes, fit_collectives, gap_breakdown, predict
 
-    first = _point_dir(spec, result, 0)
+    first = _point_dir(result, 0)
     if first is None or rows[0]["ranks"] != 1:
         for row in rows:
             row["prediction_note"] = "needs a one-rank point that ended ok"
@@ -217,7 +217,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         row["ceiling_efficiency"] = ceiling
         if ceiling and row.get("efficiency") is not None:
             row["efficiency_vs_ceiling"] = row["efficiency"] / ceiling
-        where = _point_dir(spec, result, k)
+        where = _point_dir(result, k)
         manifest = json.loads((where / "manifest.json").read_text()) if where else {}
         config = manifest.get("config", {})
         model = ModelSpec.from_dict(config["model"]) if config.get("model") else None
