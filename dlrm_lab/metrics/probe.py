@@ -174,25 +174,19 @@ def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> 
     return {"h2d_bytes_per_s": nbytes / h2d, "d2h_bytes_per_s": nbytes / d2h}
 
 
-def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
-    """All-to-all and all-reduce over the default process group at each size in bytes per rank."""
-    n = dist.get_world_size()
+CollectivesAt = Callable[[int], tuple[tuple[str, Callable[[], Any], float], ...]]
+
+
+def _collective_rows(
+    n: int, sizes: tuple[int, ...], collectives_at: CollectivesAt, slowest_seconds: Callable[[Callable[[], Any]], float]
+) -> list[dict[str, Any]]:
+    """One row per size and collective: `collectives_at(numel)` gives (name, call, bus-bytes
+    factor) over buffers of numel floats; `slowest_seconds(call)` its time on the slowest rank."""
     rows = []
     for nbytes in sizes:
         numel = max(n, nbytes // 4 // n * n)  # all-to-all splits evenly over ranks
-        buf = torch.ones(numel, dtype=torch.float32, device=device)
-        out = torch.empty_like(buf)
-        collectives = (
-            ("all_to_all", partial(dist.all_to_all_single, out, buf), (n - 1) / n),
-            ("all_reduce", partial(dist.all_reduce, buf), 2 * (n - 1) / n),
-        )
-        for name, fn, factor in collectives:
-            dist.barrier()
-            seconds = _timed(fn, repeats, device)
-            # the slowest rank decides how long a collective takes
-            t = torch.tensor([seconds], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            seconds = float(t.item())
+        for name, fn, factor in collectives_at(numel):
+            seconds = slowest_seconds(fn)
             algbw = numel * 4 / seconds
             rows.append(
                 {
@@ -204,6 +198,27 @@ def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -
                 }
             )
     return rows
+
+
+def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """All-to-all and all-reduce over the default process group at each size in bytes per rank."""
+    n = dist.get_world_size()
+
+    def collectives_at(numel: int) -> tuple[tuple[str, Callable[[], Any], float], ...]:
+        buf = torch.ones(numel, dtype=torch.float32, device=device)
+        out = torch.empty_like(buf)
+        return (
+            ("all_to_all", partial(dist.all_to_all_single, out, buf), (n - 1) / n),
+            ("all_reduce", partial(dist.all_reduce, buf), 2 * (n - 1) / n),
+        )
+
+    def slowest_seconds(fn: Callable[[], Any]) -> float:
+        dist.barrier()
+        t = torch.tensor([_timed(fn, repeats, device)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank decides how long a collective takes
+        return float(t.item())
+
+    return _collective_rows(n, sizes, collectives_at, slowest_seconds)
 
 
 def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
@@ -215,29 +230,20 @@ def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
 
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
-    rows = []
-    for nbytes in sizes:
-        numel = max(n, nbytes // 4 // n * n)
+
+    def collectives_at(numel: int) -> tuple[tuple[str, Callable[[], Any], float], ...]:
         buf = np.ones(numel, dtype=np.float32)
         out = np.empty_like(buf)
-        collectives = (
-            ("all_to_all", lambda b=buf, o=out: comm.Alltoall(b, o), (n - 1) / n),
-            ("all_reduce", lambda b=buf, o=out: comm.Allreduce(b, o, op=MPI.SUM), 2 * (n - 1) / n),
+        return (
+            ("all_to_all", lambda: comm.Alltoall(buf, out), (n - 1) / n),
+            ("all_reduce", lambda: comm.Allreduce(buf, out, op=MPI.SUM), 2 * (n - 1) / n),
         )
-        for name, fn, factor in collectives:
-            comm.Barrier()
-            seconds = comm.allreduce(_timed(fn, repeats, torch.device("cpu")), op=MPI.MAX)
-            algbw = numel * 4 / seconds
-            rows.append(
-                {
-                    "collective": name,
-                    "bytes": numel * 4,
-                    "time_ms": seconds * 1e3,
-                    "algbw_bytes_per_s": algbw,
-                    "busbw_bytes_per_s": algbw * factor,
-                }
-            )
-    return rows
+
+    def slowest_seconds(fn: Callable[[], Any]) -> float:
+        comm.Barrier()
+        return comm.allreduce(_timed(fn, repeats, torch.device("cpu")), op=MPI.MAX)
+
+    return _collective_rows(n, sizes, collectives_at, slowest_seconds)
 
 
 def _cpu_threads() -> list[int]:
