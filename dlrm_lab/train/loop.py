@@ -16,8 +16,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
@@ -44,7 +42,7 @@ from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
-from dlrm_lab.train.profile import PROFILE_SCHEMA, StepProfiler, profile_window
+from dlrm_lab.train.profile import StepProfiler, profile_window, write_profile
 from dlrm_lab.train.records import (
     EVAL_SCHEMA,
     STEP_SCHEMA,
@@ -120,18 +118,6 @@ def _mark_failed(run: Run | None) -> Callable[[str], None]:
             run.update_manifest(status="failed", error=f"RankFailure: {message}")
 
     return mark
-
-
-def _write_profile(run: Run | None, rows: list[dict[str, Any]], ctx: DistContext) -> None:
-    """Every rank's operator rows into rank 0's profile.parquet (train.profile)."""
-    mine = [{"rank": ctx.rank, **r} for r in rows]
-    every = mine
-    if ctx.world_size > 1:
-        gathered: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(gathered, mine)
-        every = [r for part in gathered for r in part]
-    if run is not None and ctx.is_main and every:
-        pq.write_table(pa.Table.from_pylist(every, schema=PROFILE_SCHEMA), run.dir / "profile.parquet")
 
 
 def _quality(cfg: TrainConfig, reached: dict[str, Any]) -> dict[str, Any]:
@@ -456,7 +442,7 @@ def train(
         profiler.stop()  # a run that ended inside the window
         all_steps = _gather_rows(steps, ctx)
         if cfg.profile_steps:
-            _write_profile(run, profiler.rows, ctx)
+            write_profile(run, profiler.rows, ctx)
         warmup = flag_warmup(all_steps, start_step, cfg.warmup_steps)
         if steps:
             measured_from["step"] = start_step + warmup

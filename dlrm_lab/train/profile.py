@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 PROFILE_SCHEMA = pa.schema(
@@ -73,3 +75,15 @@ def profile_window(start_step: int, steps: int, count: int) -> tuple[int, int]:
     count = min(count, steps - start_step)
     first = start_step + min(5, max(0, steps - start_step - count))
     return first, count
+
+
+def write_profile(run: Any, rows: list[dict[str, Any]], ctx: Any) -> None:
+    """Every rank's operator rows into rank 0's profile.parquet (a collective: every rank calls it)."""
+    mine = [{"rank": ctx.rank, **r} for r in rows]
+    every = mine
+    if ctx.world_size > 1:
+        gathered: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(gathered, mine)
+        every = [r for part in gathered for r in part]
+    if run is not None and ctx.is_main and every:
+        pq.write_table(pa.Table.from_pylist(every, schema=PROFILE_SCHEMA), run.dir / "profile.parquet")
