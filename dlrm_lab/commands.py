@@ -32,6 +32,7 @@ _INFER_OPTIONS: dict[str, Any] = {
     "query_size": list[str] | None,
     "arrival": str,
     "duration": float,
+    "warmup": float,
     "sla_ms": list[str] | None,
     "percentile": float,
     "instances": int,
@@ -130,7 +131,7 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:
     serving = ServingOptions(**{k: o[k] for k in defaults if k in o and o[k] is not None})
     served = serving.served(o.get("model"))
     load = plan_load(served, o.get("qps"), o.get("query_size"), o.get("sla_ms"), o.get("arrival", "poisson"))
-    renamed = {"duration": "duration_s", "percentile": "sla_percentile", "alone": "compare_alone"}
+    renamed = {"duration": "duration_s", "warmup": "warmup_s", "percentile": "sla_percentile", "alone": "compare_alone"}
     infer_fields = {f.name for f in dataclasses.fields(InferConfig)}
     cfg_values = {renamed.get(k, k): v for k, v in o.items() if renamed.get(k, k) in infer_fields and v is not None}
     cfg_values.pop("sla_ms", None)

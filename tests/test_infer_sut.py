@@ -299,7 +299,10 @@ def test_an_offline_point_gets_a_queue_that_holds_all_its_queries_then_the_bound
 
 
 def test_a_point_is_measured_through_the_interface_alone(tmp_path):
-    """`measure` needs no server: any system that describes its served models will do."""
+    """`measure` needs no server: any system that describes its served models will do. Its
+    untimed warm-up (here a quarter of the point) reaches the system but not the records."""
+    import pyarrow.parquet as pq
+
     from dlrm_lab.config import load_preset
     from dlrm_lab.infer.lab import InferConfig, Point, measure
     from dlrm_lab.infer.records import QUERY_SCHEMA
@@ -307,16 +310,27 @@ def test_a_point_is_measured_through_the_interface_alone(tmp_path):
     from dlrm_lab.metrics.run import Run
 
     fake = FakeSut(small_library(), served=ServedModel("m", load_preset("tiny")))
+    rows = []
     try:
-        cfg = InferConfig(duration_s=0.3, sla_ms=1000.0)
         with Run.create(tmp_path, "infer", {}) as run:
-            (row,) = measure(fake, Point(0, [Stream("m", 100.0, QuerySizes.parse("fixed:2"))]), cfg,
-                             run.table("queries", QUERY_SCHEMA), run.dir)  # fmt: skip
+            queries = run.table("queries", QUERY_SCHEMA)
+            for k, warmup_s in enumerate((0.0, 1.0)):
+                before = len(fake.submitted)
+                cfg = InferConfig(duration_s=0.4, sla_ms=1000.0, warmup_s=warmup_s)
+                (row,) = measure(fake, Point(k, [Stream("m", 100.0, QuerySizes.parse("fixed:2"))]), cfg,
+                                 queries, run.dir)  # fmt: skip
+                rows.append((row, len(fake.submitted) - before))
+            run_dir = run.dir
     finally:
         fake.close()
-    assert row["model"] == "m" and row["preset"] == "tiny" and row["arrival"] == "poisson"
-    assert row["completed_queries"] == len(fake.submitted) > 0 and row["sla_met"]
-    assert row["snapshot_mb"] == 0  # this system keeps no snapshot
+    (cold, cold_submitted), (warm, warm_submitted) = rows
+    assert cold["model"] == "m" and cold["preset"] == "tiny" and cold["arrival"] == "poisson"
+    assert cold["completed_queries"] == cold_submitted > 0 and cold["sla_met"] and cold["warmup_s"] == 0
+    assert cold["snapshot_mb"] == 0  # this system keeps no snapshot
+    assert warm["warmup_s"] == 0.1  # capped at a quarter of the 0.4 s point
+    assert 0 < warm["completed_queries"] < warm_submitted  # the warm-up's queries were served, not counted
+    recorded = pq.read_table(run_dir / "queries.parquet").to_pylist()
+    assert len(recorded) == cold["completed_queries"] + warm["completed_queries"]
 
 
 class ServiceSut(FakeSut):

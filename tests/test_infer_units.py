@@ -682,24 +682,56 @@ def test_latency_floor_is_the_roofline_time_of_the_query_at_the_bounds_percentil
     assert latency_floor_columns(spec, "fp32", 2, 1, 256, row, "no machine profile")["latency_floor_ms"] is None
 
 
-def test_batch_limit_spreads_what_idle_instances_can_take():
-    from dlrm_lab.config import load_preset
-    from dlrm_lab.infer.instance import BatchCost
-    from dlrm_lab.infer.served import ServedModel
-    from dlrm_lab.infer.server import batch_limit
+def test_next_batch_spreads_waiting_samples_to_finish_together():
+    from dlrm_lab.infer.batching import BatchCost, next_batch
 
-    m = ServedModel("m", load_preset("tiny"), instances=4, max_batch=512, min_piece=100)
-    assert batch_limit(m, 700, free=2) == 350  # one query, two idle instances: halves
-    assert batch_limit(m, 700, free=4) == 175  # four: quarters (pieces of >= 100)
-    assert batch_limit(m, 250, free=4) == 125  # only two pieces of >= 100 fit in 250
-    assert batch_limit(m, 90, free=4) == 90  # smaller than min_piece: whole
-    assert batch_limit(m, 700, free=1) == 512  # one instance free: a full batch
-    assert batch_limit(m, 3000, free=4) == 512  # more waiting than the free instances take: full batches
-    m.max_batch = 64
-    assert batch_limit(m, 100, free=2) == 64  # never above max_batch
-    # the measured break-even: fixed 2 ms at 20 us per sample -> 100 samples
-    assert BatchCost(fixed_ms=2.0, per_sample_ms=0.02).break_even() == 100
-    assert BatchCost(fixed_ms=2.0, per_sample_ms=0.0).break_even() == 1
+    def size(waiting, free, busy=(), max_batch=512, min_piece=100, cost=None):
+        return next_batch(waiting, free, list(busy), max_batch=max_batch, min_piece=min_piece, cost=cost)
+
+    # nothing measured: idle instances share equally, pieces of >= min_piece
+    assert size(700, 2) == 350  # one query, two idle instances: halves
+    assert size(700, 4) == 175  # four: quarters
+    assert size(250, 4) == 125  # only two pieces of >= 100 fit in 250
+    assert size(90, 4) == 90  # smaller than min_piece: whole
+    assert size(700, 1) == 512  # one instance free: never above max_batch
+    assert size(3000, 4) == 512  # more waiting than the free instances take: full batches
+    assert size(100, 2, max_batch=64) == 64
+    # measured: 2 ms + 10 us per sample (break-even 200 samples)
+    cost = BatchCost(fixed_ms=2.0, per_sample_ms=0.01)
+    assert cost.break_even() == 200 and cost.ms(300) == pytest.approx(5.0)
+    assert size(1000, 2, cost=cost, max_batch=1024) == 500  # idle instances alone: equal halves
+    # one busy instance with 3 ms left, pieces x now and y after it: x + y = 1000 and both end together,
+    # 2 + 0.01 x = 3 + 2 + 0.01 y  ->  x = 650, y = 350
+    assert size(1000, 1, [3.0], cost=cost, max_batch=1024, min_piece=1) == 650
+    # its piece would be below min_piece: the free instance takes everything
+    assert size(1000, 1, [3.0], cost=cost, max_batch=1024, min_piece=400) == 1000
+    # a busy instance that would finish later than the free one alone takes nothing
+    assert size(300, 1, [20.0], cost=cost, max_batch=1024, min_piece=1) == 300
+    # the free ones first, then the busy ones in order of readiness; never above max_batch
+    # 2 idle + 1 busy (3 ms left) end at (10 + 2 + 2 + 5) / 3 ms: pieces 434, 434, 133; the one 50 ms away is left out
+    assert size(1000, 2, [50.0, 3.0], cost=cost, max_batch=1024, min_piece=1) == 434
+    assert size(1000, 1, [3.0], cost=cost, max_batch=600, min_piece=1) == 600
+    # the two pieces end together (within one sample's time)
+    x = size(777, 1, [4.2], cost=cost, max_batch=1024, min_piece=1)
+    assert abs(cost.ms(x) - (4.2 + cost.ms(777 - x))) <= cost.per_sample_ms
+
+
+def test_busy_instances_time_left_scales_with_the_measured_slowdown():
+    """The batcher's view of a busy instance: its batch's modelled time, times the running
+    ratio of measured to modelled batch times, less what has passed."""
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.batching import BatchCost
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.server import _Pool
+
+    pool = _Pool(served=ServedModel("m", load_preset("tiny")), library=None)
+    assert pool.busy_left_ms(0) == [] and pool.expected_cost() is None  # nothing measured: busy ones not counted
+    pool.cost = BatchCost(fixed_ms=2.0, per_sample_ms=0.01)
+    pool.busy = {0: (0, 300), 1: (0, 100)}  # sent at t = 0 ns: 5 ms and 3 ms of work
+    assert pool.busy_left_ms(1_000_000) == pytest.approx([4.0, 2.0])
+    pool.slowdown = 1.5  # cores that slept run batches 1.5x slower
+    assert pool.busy_left_ms(1_000_000) == pytest.approx([6.5, 3.5])
+    assert pool.busy_left_ms(10_000_000) == [0.0, 0.0]  # overdue: ready any moment
 
 
 def test_search_early_stop_and_settled_repeats_rules():

@@ -39,6 +39,13 @@ QuerySize = Annotated[
 ]
 Arrival = Annotated[str, typer.Option(help="Open-loop arrivals: poisson, constant or bursty.")]
 Duration = Annotated[float, typer.Option("--duration", help="Seconds of load per point.")]
+Warmup = Annotated[
+    float,
+    typer.Option(
+        "--warmup",
+        help="Seconds of untimed load before each point (its own rate and sizes; at most a quarter of the point).",
+    ),
+]
 SlaMs = Annotated[
     Optional[list[str]],
     typer.Option(
@@ -104,6 +111,7 @@ def run_command(
     query_size: QuerySize = None,
     arrival: Arrival = "poisson",
     duration: Duration = 5.0,
+    warmup: Warmup = 0.5,
     sla_ms: SlaMs = None,
     percentile: Percentile = 99.0,
     instances: Instances = 1,
@@ -197,6 +205,7 @@ def search_command(
         typer.Option(help="instances x threads to try, e.g. 1x1,2x1 (default: all with instances x threads <= cores)."),
     ] = None,
     duration: Duration = 1.0,
+    warmup: Warmup = 0.5,
     repeats: Annotated[int, typer.Option(help="Load points per probed rate (the median decides).")] = 2,
     steps: Annotated[int, typer.Option(help="Bisection probes per configuration at most.")] = 6,
     tolerance: Annotated[float, typer.Option(help="Stop when the bracket is this narrow (relative).")] = 0.05,
@@ -242,7 +251,7 @@ def search_command(
     if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):
         raise UserError("--max-batch values must be >= 1 and --max-delay-ms values >= 0")
     cfg = InferConfig(scenario=scenario, duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed,
-                      device=device, pin_cores=pin_cores)  # fmt: skip
+                      device=device, pin_cores=pin_cores, warmup_s=warmup)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
                             early_stop=early_stop)  # fmt: skip

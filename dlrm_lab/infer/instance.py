@@ -15,7 +15,6 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
 from __future__ import annotations
 
 import gc
-import math
 import os
 import shutil
 import time
@@ -29,6 +28,7 @@ import torch
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.data.synthetic import SampleBlock
+from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.library import PackedLibrary
 
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -57,22 +57,6 @@ class BatchResult:
     scores: np.ndarray | None  # float32 click probability per accepted sample, in query order
     rejected: dict[int, str] = field(default_factory=dict)  # query id -> why
     error: str | None = None  # the whole batch failed (the instance lives on)
-
-
-@dataclass(frozen=True)
-class BatchCost:
-    """An instance's batch time, modelled as fixed_ms + per_sample_ms x samples (measured at
-    start): what splitting a query over idle instances trades against."""
-
-    fixed_ms: float
-    per_sample_ms: float
-
-    def break_even(self) -> int:
-        """The batch whose per-sample time equals the fixed time: a piece smaller than this
-        spends more on the per-batch cost than on its samples."""
-        if self.per_sample_ms <= 0:
-            return 1
-        return max(1, math.ceil(self.fixed_ms / self.per_sample_ms))
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,10 @@ class InferConfig:
     calibrate_s: float = 2.0  # seconds of each calibration step of qps_auto (capacity, unloaded, probes)
     drain_timeout_s: float = 30.0  # after the load, wait this long for the last queries
     max_issue_lag_ms: float = 1000.0  # open loop: stop issuing once this far behind the schedule
+    # Untimed load before each point, at most a quarter of its duration: the point's own
+    # streams, open loop, records dropped (MLPerf allows untimed warm-up queries). Without it
+    # the first queries of a point meet instances idle since their start.
+    warmup_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -91,6 +95,8 @@ class InferConfig:
             raise UserError(f"--percentile {self.sla_percentile!r}: must be in (0, 100]")
         if not self.max_issue_lag_ms > 0:
             raise UserError(f"--max-issue-lag-ms {self.max_issue_lag_ms!r}: must be > 0 ms")
+        if not 0 <= self.warmup_s <= 600:
+            raise UserError(f"--warmup {self.warmup_s!r}: must be in [0, 600] seconds")
         if not self.calibrate_s > 0:
             raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
 
@@ -121,6 +127,14 @@ class Point:
     duration_s: float | None = None
 
 
+def warm_up(server: SystemUnderTest, streams: list[Stream], seconds: float, *, seed: int, drain_s: float) -> None:
+    """Untimed open-loop load of these streams for `seconds`; its records are dropped by the caller."""
+    if seconds <= 0:
+        return
+    settings = LoadSettings("open-loop", duration_s=seconds, seed=seed + 1_000_003, max_issue_lag_ms=None)
+    drive(server, make_driver(server, streams, settings), drain_s=drain_s, take=lambda _rows: None)
+
+
 def measure(
     server: SystemUnderTest,
     point: Point,
@@ -145,7 +159,9 @@ def measure(
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
     sut = server.describe()
     meter = _cpu_meter(sut)
-    server.take_records()  # nothing from a previous point leaks in
+    warmup_s = min(cfg.warmup_s, cfg.duration_s / 4)
+    warm_up(server, point.streams, warmup_s, seed=cfg.seed + point.index, drain_s=cfg.drain_timeout_s)
+    server.take_records()  # nothing from a previous point (or the warm-up) leaks in
     settings = LoadSettings(
         point.scenario, duration_s=cfg.duration_s, seed=cfg.seed + point.index, sla_ms=slas[point.streams[0].model],
         sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
@@ -217,6 +233,7 @@ def measure(
             "arrival": stats.arrival[stream.model],
             "target_qps": stream.qps,
             "duration_s": span,
+            "warmup_s": warmup_s,
             **summarize(mine, duration_s=span, sla_ms=slas[stream.model], sla_percentile=cfg.sla_percentile),
             **stats.accuracy(stream.model),
             **cpu,

@@ -66,6 +66,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("arrival", pa.string()),
         ("target_qps", pa.float64()),
         ("duration_s", pa.float64()),
+        ("warmup_s", pa.float64()),  # untimed load before the point (infer.lab.warm_up)
         ("queries", pa.int64()),
         ("completed_queries", pa.int64()),
         ("dropped_queries", pa.int64()),

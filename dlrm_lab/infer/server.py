@@ -3,10 +3,10 @@
     submit(query) -> bounded queue per model -> batcher thread -> pipe of a free instance
     instance pipes -> completion thread -> query records, callbacks
 
-A batcher packs queued queries into a batch of at most `max_batch` samples (a larger
-query is split into pieces that instances serve in parallel) and sends it once an
-instance is free and either the batch is full or its oldest query has waited `max_delay_ms`. Only free instances get
-batches, so while all are busy queries keep accumulating into larger batches, as in
+A batcher packs queued queries into a batch (a larger query is split into pieces that
+instances serve in parallel; `infer.batching.next_batch` sizes each batch) and sends it once an
+instance is free and either `max_batch` samples wait or the oldest query has waited `max_delay_ms`.
+Only free instances get batches, so while all are busy queries keep accumulating into larger batches, as in
 DeepRecSys' and Triton's dynamic batchers. Beyond `max_queue` waiting queries a new
 query is dropped at once (recorded), so memory stays bounded under overload.
 
@@ -36,9 +36,9 @@ import torch
 
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
+from dlrm_lab.infer.batching import SLOWDOWN_WEIGHT, BatchCost, next_batch
 from dlrm_lab.infer.instance import (
     PRECISIONS,
-    BatchCost,
     BatchResult,
     InstancePlan,
     QueryRef,
@@ -55,19 +55,6 @@ from dlrm_lab.infer.sut import Query, SutDescription
 from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.model.dlrm import build_model
 
-
-def batch_limit(m: ServedModel, waiting: int, free: int) -> int:
-    """The size of the next batch. When the free instances can take everything waiting
-    (`waiting` samples), it is spread over as many of them as keeps pieces at least
-    `min_piece` samples: at low load a query then runs on several cores at once instead of
-    one (a 700-sample query on 2 idle instances: 2 x 350, about half the latency). Otherwise
-    batches are as large as `max_batch` allows (throughput under load)."""
-    if free < 2 or waiting > free * m.max_batch:
-        return m.max_batch
-    pieces = max(1, min(free, waiting // max(1, m.min_piece)))
-    return min(m.max_batch, -(-waiting // pieces))
-
-
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
 
@@ -81,6 +68,19 @@ class _Pool:
     free: collections.deque = field(default_factory=collections.deque)  # idle instance numbers
     thread: threading.Thread | None = None
     cost: BatchCost | None = None  # of one batch on one instance, measured at start
+    busy: dict = field(default_factory=dict)  # instance -> (sent at, ns; samples) of its batch in flight
+    slowdown: float = 1.0  # running ratio of measured batch times to `cost`'s (cores that slept run slower)
+
+    def expected_cost(self) -> BatchCost | None:
+        c = self.cost
+        return None if c is None else BatchCost(c.fixed_ms * self.slowdown, c.per_sample_ms * self.slowdown)
+
+    def busy_left_ms(self, now_ns: int) -> list[float]:
+        """Expected time left of every busy instance's batch (0 when overdue)."""
+        cost = self.expected_cost()
+        if cost is None:
+            return []
+        return [max(0.0, cost.ms(n) - (now_ns - sent) / 1e6) for sent, n in self.busy.values()]
 
 
 class InferenceServer:
@@ -389,8 +389,13 @@ class InferenceServer:
                         pool.cond.wait(left_s)
                     else:
                         pool.cond.wait()
-                pieces = self._take_batch(pool, batch_limit(m, pool.waiting_samples, len(pool.free)))
+                size = next_batch(
+                    pool.waiting_samples, len(pool.free), pool.busy_left_ms(time.monotonic_ns()),
+                    max_batch=m.max_batch, min_piece=m.min_piece, cost=pool.expected_cost(),
+                )  # fmt: skip
+                pieces = self._take_batch(pool, size)
                 instance = pool.free.popleft()
+                pool.busy[instance] = (time.monotonic_ns(), sum(hi - lo for _, lo, hi in pieces))
                 batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces)
             refs = []
@@ -407,7 +412,7 @@ class InferenceServer:
     @staticmethod
     def _take_batch(pool: _Pool, max_batch: int) -> list[tuple[Query, int, int]]:
         """Pieces (query, lo, hi) of the next batch of at most `max_batch` samples (see
-        `batch_limit`); called with the pool's lock held.
+        `infer.batching.next_batch`); called with the pool's lock held.
 
         Whole queries are packed while they fit. A query larger than `max_batch` is split
         (DeepRecSys' query splitting): a full batch of its samples goes now, the rest stays
@@ -482,6 +487,10 @@ class InferenceServer:
                 pos += hi - lo
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
             pool.free.append(msg.instance)
+            pool.busy.pop(msg.instance, None)
+            if pool.cost is not None and msg.error is None:
+                ratio = (msg.end_ns - msg.start_ns) / 1e6 / pool.cost.ms(batch["batch_samples"])
+                pool.slowdown += SLOWDOWN_WEIGHT * (ratio - pool.slowdown)
             pool.cond.notify()
             finished = []
             for q, _, _ in pieces:

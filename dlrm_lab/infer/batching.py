@@ -1,0 +1,82 @@
+"""How big the next batch is: the batching rule of `infer.server`, apart from its threads.
+
+An instance's batch time is modelled as fixed + per-sample cost (`BatchCost`, measured by
+every instance at start). When an instance is free, the samples waiting are shared out so
+that they all finish as early as possible: over the free instances and the busy ones about
+to finish, each given a piece that makes them end together (a busy instance's piece is
+smaller by its remaining time). A piece below `min_piece` samples is not worth its fixed
+cost, so fewer instances are used. Under load, when the free instances cannot take all
+that waits in full batches, batches are `max_batch` (throughput first).
+
+Why by hand: dynamic batchers (Triton, TorchServe) size batches by count and delay only;
+splitting one query over instances by their expected finish is DeepRecSys' query
+splitting made latency-aware, which no library does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SLOWDOWN_WEIGHT = 0.2  # weight of the newest batch in the running ratio of measured to modelled batch time
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """An instance's batch time, modelled as fixed_ms + per_sample_ms x samples (measured at
+    start): what splitting a query over instances trades against."""
+
+    fixed_ms: float
+    per_sample_ms: float
+
+    def break_even(self) -> int:
+        """The batch whose per-sample time equals the fixed time: a piece smaller than this
+        spends more on the per-batch cost than on its samples."""
+        if self.per_sample_ms <= 0:
+            return 1
+        return max(1, math.ceil(self.fixed_ms / self.per_sample_ms))
+
+    def ms(self, samples: int) -> float:
+        return self.fixed_ms + self.per_sample_ms * samples
+
+
+def next_batch(
+    waiting: int,
+    free: int,
+    busy_left_ms: Sequence[float],
+    *,
+    max_batch: int,
+    min_piece: int,
+    cost: BatchCost | None,
+) -> int:
+    """Samples for the next batch, which goes to one of `free` idle instances.
+
+    `waiting`: samples queued; `busy_left_ms`: the expected time left of each busy
+    instance's batch. The waiting samples are spread over the k instances that finish
+    them soonest, all ending at the same time T:
+        sum over the k of (T - left_j - fixed) / per_sample = waiting,
+    adding instances in order of readiness while the smallest piece stays >= `min_piece`.
+    The free instance's piece is (T - fixed) / per_sample. Without a cost (nothing
+    measured), idle instances share the samples equally and busy ones are not counted.
+    """
+    if free < 1 or waiting < 1:
+        return max_batch
+    if waiting > free * max_batch:  # more than the free instances take: full batches
+        return max_batch
+    min_piece = max(1, min_piece)
+    if cost is None or cost.per_sample_ms <= 0:
+        pieces = max(1, min(free, waiting // min_piece))
+        return min(max_batch, -(-waiting // pieces))
+    fixed, per = cost.fixed_ms, cost.per_sample_ms
+    ready = [0.0] * free + sorted(max(0.0, b) for b in busy_left_ms)
+    finish = fixed + per * waiting  # k = 1: the free instance takes everything
+    total = fixed  # sum over the k used instances of (left_j + fixed)
+    for k in range(2, len(ready) + 1):
+        total += ready[k - 1] + fixed
+        t_k = (per * waiting + total) / k
+        if (t_k - ready[k - 1] - fixed) / per < min_piece:  # the last instance's piece
+            break
+        finish = t_k
+    piece = math.ceil((finish - fixed) / per - 1e-9)
+    return max(1, min(max_batch, waiting, piece))
