@@ -47,9 +47,10 @@ def atomic_file(path: Path) -> Iterator[Path]:
 
 @functools.cache
 def _initialise_parquet_writer() -> None:
-    """Write one empty table to memory, once per process: pyarrow's first Parquet write sets
-    itself up for ~350 ms (2-core EPYC), which would otherwise fall inside the first flush of
-    a measurement (a serving process stalled a third of a second into its first load point)."""
+    """Write one empty table to memory, once per process (every TableWriter asks): pyarrow's
+    first Parquet write sets itself up for ~350 ms (2-core EPYC), which would otherwise fall
+    inside the first flush of a measurement (a serving process stalled a third of a second
+    into its first load point)."""
     pq.write_table(pa.schema([pa.field("x", pa.int64())]).empty_table(), pa.BufferOutputStream())
 
 

@@ -33,7 +33,7 @@ from dlrm_lab.errors import UserError
 from dlrm_lab.infer.load import Arrivals, QuerySizes
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.serve.protocol import CHANNEL_OPTIONS, pb, pb_grpc
-from dlrm_lab.serve.records import CLIENT_QUERY_SCHEMA, CLIENT_SUMMARY_SCHEMA, warm_up_parquet
+from dlrm_lab.serve.records import CLIENT_QUERY_SCHEMA, CLIENT_SUMMARY_SCHEMA
 from dlrm_lab.serve.remote import ServerLost
 
 Log = Callable[[str], None]
@@ -289,7 +289,6 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
         pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=plan.connect_timeout_s)  # warm-up
         run = Run.attach(plan.run_dir, rank=plan.worker + 1)
         rows = run.table("queries", CLIENT_QUERY_SCHEMA, flush_seconds=2.0)
-        warm_up_parquet(CLIENT_QUERY_SCHEMA)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
         conn.send(("ready", {"error": f"{type(exc).__name__}: {exc}"}))
         return

@@ -173,13 +173,3 @@ def summarize_client(
     if target_qps:
         out["achieved_rate_ratio"] = n / (target_qps * duration_s)
     return out
-
-
-def warm_up_parquet(schema: pa.Schema) -> None:
-    """Write one row of `schema` to memory: pyarrow's first Parquet write loads code for
-    ~0.2 s, which must not happen in the middle of a measurement."""
-    import io
-
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist([{}], schema=schema), io.BytesIO())

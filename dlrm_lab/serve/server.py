@@ -47,7 +47,6 @@ from dlrm_lab.serve.protocol import (
     pb,
     rows_per_feature,
 )
-from dlrm_lab.serve.records import warm_up_parquet
 
 Log = Callable[[str], None]
 PUMP_S = 0.5  # records move to the queries table this often ...
@@ -273,7 +272,6 @@ def serve(
     run = Run.create(metrics_dir, "serve", config, argv=argv)
     with run:
         queries = run.table("queries", QUERY_SCHEMA, flush_seconds=FLUSH_S)
-        warm_up_parquet(QUERY_SCHEMA)
         service = None
         try:
             with InferenceServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log) as inference:
