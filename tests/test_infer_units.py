@@ -685,8 +685,9 @@ def test_latency_floor_is_the_roofline_time_of_the_query_at_the_bounds_percentil
 def test_next_batch_spreads_waiting_samples_to_finish_together():
     from dlrm_lab.infer.batching import BatchCost, next_batch
 
-    def size(waiting, free, busy=(), max_batch=512, min_piece=100, cost=None):
-        return next_batch(waiting, free, list(busy), max_batch=max_batch, min_piece=min_piece, cost=cost)
+    def size(waiting, free, busy=(), max_batch=512, min_piece=100, cost=None, utilisation=0.0):
+        return next_batch(waiting, free, list(busy), max_batch=max_batch, min_piece=min_piece, cost=cost,
+                          utilisation=utilisation)  # fmt: skip
 
     # nothing measured: idle instances share equally, pieces of >= min_piece
     assert size(700, 2) == 350  # one query, two idle instances: halves
@@ -711,6 +712,11 @@ def test_next_batch_spreads_waiting_samples_to_finish_together():
     # 2 idle + 1 busy (3 ms left) end at (10 + 2 + 2 + 5) / 3 ms: pieces 434, 434, 133; the one 50 ms away is left out
     assert size(1000, 2, [50.0, 3.0], cost=cost, max_batch=1024, min_piece=1) == 434
     assert size(1000, 1, [3.0], cost=cost, max_batch=600, min_piece=1) == 600
+    # under load the smallest piece grows as min_piece / (1 - utilisation): at 0.5, pieces of >= 200
+    assert size(1000, 2, cost=cost, max_batch=1024, min_piece=100, utilisation=0.5) == 500
+    assert size(300, 2, cost=cost, max_batch=1024, min_piece=100) == 150
+    assert size(300, 2, cost=cost, max_batch=1024, min_piece=100, utilisation=0.5) == 300  # 150 < 200: whole
+    assert size(300, 2, min_piece=100, utilisation=0.5) == 300  # nothing measured: the same rule
     # the two pieces end together (within one sample's time)
     x = size(777, 1, [4.2], cost=cost, max_batch=1024, min_piece=1)
     assert abs(cost.ms(x) - (4.2 + cost.ms(777 - x))) <= cost.per_sample_ms
@@ -732,6 +738,12 @@ def test_busy_instances_time_left_scales_with_the_measured_slowdown():
     pool.slowdown = 1.5  # cores that slept run batches 1.5x slower
     assert pool.busy_left_ms(1_000_000) == pytest.approx([6.5, 3.5])
     assert pool.busy_left_ms(10_000_000) == [0.0, 0.0]  # overdue: ready any moment
+    # utilisation over the last second: batches done in it and those in flight, over instance-time
+    pool.busy = {0: (1_500_000_000, 10)}  # in flight for the last 0.5 s
+    pool.done.extend([(100_000_000, 300_000_000), (1_200_000_000, 200_000_000)])  # the first ended too long ago
+    pool.done_ns = 500_000_000
+    assert pool.utilisation(2_000_000_000) == pytest.approx((0.2 + 0.5) / 1.0)  # tiny serves 1 instance here
+    assert list(pool.done) == [(1_200_000_000, 200_000_000)] and pool.done_ns == 200_000_000
 
 
 def test_search_early_stop_and_settled_repeats_rules():

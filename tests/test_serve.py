@@ -21,7 +21,15 @@ from dlrm_lab.data import synthetic_generator
 from dlrm_lab.data.source import block_to_batch
 from dlrm_lab.metrics.run import read_manifest
 from dlrm_lab.model.dlrm import build_model
-from dlrm_lab.serve.protocol import CHANNEL_OPTIONS, INFER_METHOD, SERVICE, encode_samples, pb, pb_grpc
+from dlrm_lab.serve.protocol import (
+    CHANNEL_OPTIONS,
+    INFER_METHOD,
+    INFER_STREAM_METHOD,
+    SERVICE,
+    encode_samples,
+    pb,
+    pb_grpc,
+)
 
 SEED = 3
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -160,6 +168,28 @@ def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(server, 
             assert resp.query_id == k and len(resp.scores) == 4 * 4
 
 
+def test_one_stream_answers_many_queries_as_unary_calls_do_and_refuses_in_band(server, library):
+    """InferStream: queries sent back to back on one stream are answered by id with the
+    scores Infer gives; a bad one is answered with its status and error, and the stream goes on."""
+    blocks = {k: library.slice(10 * k, 10 * k + size) for k, size in enumerate([1, 7, 64, 150, 3])}
+    bodies = [_request(b, query_id=k) for k, b in blocks.items()]
+    bad = _request(blocks[1], query_id=99, samples=8)  # dense holds 7 samples
+    bodies.insert(2, bad)
+    with server.channel() as channel:
+        unary = {k: pb.InferResponse.FromString(channel.unary_unary(INFER_METHOD)(body, timeout=30))
+                 for k, body in zip(blocks, [b for b in bodies if b is not bad], strict=True)}  # fmt: skip
+        answers = [pb.InferResponse.FromString(b) for b in channel.stream_stream(INFER_STREAM_METHOD)(iter(bodies))]
+    by_id = {a.query_id: a for a in answers}
+    assert sorted(by_id) == [0, 1, 2, 3, 4, 99] and len(answers) == 6
+    refused = by_id.pop(99)
+    assert refused.status == "INVALID_ARGUMENT" and "dense: 112 bytes, expected 128" in refused.error
+    assert not refused.scores
+    for k, a in by_id.items():
+        assert a.status == "" and a.error == ""
+        np.testing.assert_array_equal(np.frombuffer(a.scores, "<f4"), np.frombuffer(unary[k].scores, "<f4"))
+        assert len(a.scores) == 4 * blocks[k].size and a.server_send_ns >= a.server_receive_ns
+
+
 def test_junk_on_the_port_is_closed_and_the_server_keeps_serving(server, library):
     """Not gRPC at all: an HTTP/1.1 request, an HTTP/2 preface followed by garbage frames,
     random bytes and a connection dropped mid-request. gRPC's transport closes each; the
@@ -210,7 +240,8 @@ def test_client_open_loop_records_stages_that_add_up(server, tmp_path):
     from dlrm_lab.serve.records import STAGES
 
     result = run_cli("client", "--target", server.target, "--concurrency", "2", "--qps", "60", "--query-size",
-                     "uniform:1,8", "--duration", "2", "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
+                     "uniform:1,8", "--duration", "2", "--rpc", "unary", "--metrics-dir", str(tmp_path),
+                     timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
     (run_dir,) = tmp_path.iterdir()
     assert read_manifest(run_dir)["kind"] == "client" and read_manifest(run_dir)["status"] == "ok"
@@ -224,7 +255,8 @@ def test_client_open_loop_records_stages_that_add_up(server, tmp_path):
     order = ["scheduled_ms", "serialise_start_ms", "serialise_end_ms", "send_ms", "receive_ms", "deserialise_end_ms"]
     assert (q[order].diff(axis=1).iloc[:, 1:] >= 0).all().all()
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
-    assert s["mode"] == "open-loop" and s["concurrency"] == 2 and s["completed_queries"] == len(q)
+    assert s["mode"] == "open-loop" and s["rpc"] == "unary" and s["concurrency"] == 2
+    assert s["completed_queries"] == len(q)
     assert sum(s[f"{stage}_share"] for stage in STAGES) == pytest.approx(1.0)
     assert s["queries_per_s"] == pytest.approx(len(q) / s["duration_s"])
     assert s["samples_per_s"] == pytest.approx(q.samples.sum() / s["duration_s"])
@@ -363,3 +395,29 @@ def test_a_server_in_another_network_namespace_is_reached_over_a_veth_link(tmp_p
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert s["completed_queries"] > 5 and s["error_queries"] == 0
     assert s["network_mean_ms"] > 0 and s["target"] == target
+
+
+def test_a_stream_query_unanswered_past_its_timeout_ends_deadline_exceeded():
+    """On a stream there is no per-call deadline: the client's check() ends queries waiting
+    longer than --timeout, as a unary call's deadline would."""
+    from dlrm_lab.infer.sut import Query
+    from dlrm_lab.serve.remote import RemoteServer
+
+    done = []
+    with grpc.insecure_channel("127.0.0.1:1") as channel:  # nothing listens: never connected
+        remote = RemoteServer(channel, {}, timeout_s=0.5)
+        now = time.monotonic_ns()
+        for k, sent in enumerate((now - 2_000_000_000, now)):  # sent 2 s ago, and just now
+            q = Query(k, "tiny", 1, scheduled_ns=sent, on_done=lambda q, status, _s: done.append((q.query_id, status)))
+            remote._waiting[k] = (q, (sent, sent, sent), 100)
+            remote._outstanding += 1
+        remote.check()
+        time.sleep(0.2)  # a failed query's on_done comes after the client's error back-off
+    assert done == [(0, "DEADLINE_EXCEEDED")] and list(remote._waiting) == [1]
+    (row,) = remote.take_records()
+    assert row["status"] == "DEADLINE_EXCEEDED" and row["error"] == "no answer in time" and row["latency_ms"] >= 2000
+
+
+def test_an_unknown_rpc_kind_is_one_line():
+    code, _, err = run_cli_in_process("client", "--target", "127.0.0.1:1", "--closed-loop", "--rpc", "http")
+    assert code == 2 and err.strip().splitlines() == ["error: --rpc 'http': allowed: stream, unary"]

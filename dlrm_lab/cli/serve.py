@@ -112,6 +112,10 @@ def client_command(
     sla_ms: Annotated[float, typer.Option("--sla-ms", help="LoadGen's latency bound in ms.")] = 10.0,
     percentile: Annotated[float, typer.Option(help="LoadGen's latency percentile.")] = 99.0,
     max_issue_lag_ms: MaxIssueLagMs = 1000.0,
+    rpc: Annotated[
+        str,
+        typer.Option(help="stream: one bidirectional InferStream per worker; unary: one Infer call per query."),
+    ] = "stream",
     metrics_dir: MetricsDir = "runs",
 ) -> None:
     """Drive a remote `dlrm-lab serve` with concurrent clients; record every query's stages."""
@@ -124,7 +128,7 @@ def client_command(
         target=target, concurrency=concurrency, qps=qps, query_sizes=query_size, arrival=arrival,
         duration_s=duration, model=model, seed=seed, timeout_s=timeout, unavailable_s=unavailable_s,
         connect_timeout_s=connect_timeout, scenario=scenario, sla_ms=sla_ms, sla_percentile=percentile,
-        max_issue_lag_ms=max_issue_lag_ms,
+        max_issue_lag_ms=max_issue_lag_ms, rpc=rpc,
     )  # fmt: skip
     raise_on_sigterm()
     out = console(stderr=True)
@@ -147,7 +151,8 @@ def _print_summary(r: dict[str, Any]) -> None:
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    table = Table(title=f"client: {r['model']} at {r['target']} ({r['mode']}, {r['concurrency']} workers)")
+    how = f"{r['mode']}, {r['rpc']} RPC, {r['concurrency']} workers"
+    table = Table(title=f"client: {r['model']} at {r['target']} ({how})")
     for name in columns.CLIENT_PRINTED:
         table.add_column(columns.column(name).narrow, justify="right")
     table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.CLIENT_PRINTED))

@@ -5,8 +5,10 @@ every instance at start). When an instance is free, the samples waiting are shar
 that they all finish as early as possible: over the free instances and the busy ones about
 to finish, each given a piece that makes them end together (a busy instance's piece is
 smaller by its remaining time). A piece below `min_piece` samples is not worth its fixed
-cost, so fewer instances are used. Under load, when the free instances cannot take all
-that waits in full batches, batches are `max_batch` (throughput first).
+cost, so fewer instances are used; under load the smallest piece grows as
+min_piece / (1 - utilisation): each extra piece adds a fixed cost of work that later
+queries queue behind, and queueing grows as 1 / (1 - utilisation). When the free
+instances cannot take all that waits in full batches, batches are `max_batch`.
 
 Why by hand: dynamic batchers (Triton, TorchServe) size batches by count and delay only;
 splitting one query over instances by their expected finish is DeepRecSys' query
@@ -19,6 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MIN_IDLE_SHARE = 0.05  # the utilisation term's cap: pieces at most 20x min_piece
+UTILISATION_WINDOW_S = 1.0  # the recent past whose busy share scales the smallest piece
 SLOWDOWN_WEIGHT = 0.2  # weight of the newest batch in the running ratio of measured to modelled batch time
 
 
@@ -49,6 +53,7 @@ def next_batch(
     max_batch: int,
     min_piece: int,
     cost: BatchCost | None,
+    utilisation: float = 0.0,
 ) -> int:
     """Samples for the next batch, which goes to one of `free` idle instances.
 
@@ -56,7 +61,8 @@ def next_batch(
     instance's batch. The waiting samples are spread over the k instances that finish
     them soonest, all ending at the same time T:
         sum over the k of (T - left_j - fixed) / per_sample = waiting,
-    adding instances in order of readiness while the smallest piece stays >= `min_piece`.
+    adding instances in order of readiness while the smallest piece stays >= `min_piece` /
+    (1 - `utilisation`) (the instances' busy share of the recent past, in [0, 1)).
     The free instance's piece is (T - fixed) / per_sample. Without a cost (nothing
     measured), idle instances share the samples equally and busy ones are not counted.
     """
@@ -64,9 +70,9 @@ def next_batch(
         return max_batch
     if waiting > free * max_batch:  # more than the free instances take: full batches
         return max_batch
-    min_piece = max(1, min_piece)
+    min_piece = max(1, min_piece) / max(1.0 - utilisation, MIN_IDLE_SHARE)
     if cost is None or cost.per_sample_ms <= 0:
-        pieces = max(1, min(free, waiting // min_piece))
+        pieces = max(1, min(free, int(waiting // min_piece)))
         return min(max_batch, -(-waiting // pieces))
     fixed, per = cost.fixed_ms, cost.per_sample_ms
     ready = [0.0] * free + sorted(max(0.0, b) for b in busy_left_ms)

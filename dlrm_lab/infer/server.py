@@ -36,7 +36,7 @@ import torch
 
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.batching import SLOWDOWN_WEIGHT, BatchCost, next_batch
+from dlrm_lab.infer.batching import SLOWDOWN_WEIGHT, UTILISATION_WINDOW_S, BatchCost, next_batch
 from dlrm_lab.infer.instance import (
     PRECISIONS,
     BatchResult,
@@ -70,10 +70,21 @@ class _Pool:
     cost: BatchCost | None = None  # of one batch on one instance, measured at start
     busy: dict = field(default_factory=dict)  # instance -> (sent at, ns; samples) of its batch in flight
     slowdown: float = 1.0  # running ratio of measured batch times to `cost`'s (cores that slept run slower)
+    done: collections.deque = field(default_factory=collections.deque)  # (ended at, took), ns: recent batches
+    done_ns: int = 0  # their sum of took
 
     def expected_cost(self) -> BatchCost | None:
         c = self.cost
         return None if c is None else BatchCost(c.fixed_ms * self.slowdown, c.per_sample_ms * self.slowdown)
+
+    def utilisation(self, now_ns: int) -> float:
+        """The instances' busy share of the last UTILISATION_WINDOW_S: batches that ended in it
+        (`done`, pruned here) and those in flight."""
+        since = now_ns - int(UTILISATION_WINDOW_S * 1e9)
+        while self.done and self.done[0][0] < since:
+            self.done_ns -= self.done.popleft()[1]
+        busy = self.done_ns + sum(now_ns - max(sent, since) for sent, _ in self.busy.values())
+        return min(1.0, busy / (self.served.instances * UTILISATION_WINDOW_S * 1e9))
 
     def busy_left_ms(self, now_ns: int) -> list[float]:
         """Expected time left of every busy instance's batch (0 when overdue)."""
@@ -389,9 +400,10 @@ class InferenceServer:
                         pool.cond.wait(left_s)
                     else:
                         pool.cond.wait()
+                now = time.monotonic_ns()
                 size = next_batch(
-                    pool.waiting_samples, len(pool.free), pool.busy_left_ms(time.monotonic_ns()),
-                    max_batch=m.max_batch, min_piece=m.min_piece, cost=pool.expected_cost(),
+                    pool.waiting_samples, len(pool.free), pool.busy_left_ms(now), max_batch=m.max_batch,
+                    min_piece=m.min_piece, cost=pool.expected_cost(), utilisation=pool.utilisation(now),
                 )  # fmt: skip
                 pieces = self._take_batch(pool, size)
                 instance = pool.free.popleft()
@@ -487,7 +499,10 @@ class InferenceServer:
                 pos += hi - lo
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
             pool.free.append(msg.instance)
-            pool.busy.pop(msg.instance, None)
+            sent = pool.busy.pop(msg.instance, None)
+            if sent is not None:
+                pool.done.append((now, now - sent[0]))
+                pool.done_ns += now - sent[0]
             if pool.cost is not None and msg.error is None:
                 ratio = (msg.end_ns - msg.start_ns) / 1e6 / pool.cost.ms(batch["batch_samples"])
                 pool.slowdown += SLOWDOWN_WEIGHT * (ratio - pool.slowdown)

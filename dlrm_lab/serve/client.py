@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.load import Arrivals, QuerySizes
 from dlrm_lab.metrics.run import Run
-from dlrm_lab.serve.protocol import CHANNEL_OPTIONS, pb, pb_grpc
+from dlrm_lab.serve.protocol import CHANNEL_OPTIONS, RPC_KINDS, pb, pb_grpc
 from dlrm_lab.serve.records import CLIENT_QUERY_SCHEMA, CLIENT_SUMMARY_SCHEMA
 from dlrm_lab.serve.remote import ServerLost
 
@@ -57,10 +57,13 @@ class ClientOptions:
     sla_ms: float = 10.0  # LoadGen's latency bound (server, single- and multi-stream)
     sla_percentile: float = 99.0
     max_issue_lag_ms: float = 1000.0  # open loop: a worker stops issuing once this far behind its schedule
+    rpc: str = "stream"  # one InferStream per worker, or one Infer call per query ("unary")
 
     def __post_init__(self) -> None:
         from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS
 
+        if self.rpc not in RPC_KINDS:
+            raise UserError(f"--rpc {self.rpc!r}: allowed: {', '.join(RPC_KINDS)}")
         if self.scenario not in SCENARIOS:
             raise UserError(f"--scenario {self.scenario!r}: allowed: {', '.join(SCENARIOS)}")
         if self.scenario in LOADGEN_SCENARIOS:
@@ -124,6 +127,7 @@ class WorkerPlan:
     sla_ms: float = 10.0
     sla_percentile: float = 99.0
     max_issue_lag_ms: float = 1000.0
+    rpc: str = "stream"
 
 
 def run_client(
@@ -156,7 +160,7 @@ def run_client(
                 query_sizes=options.query_sizes, arrival=options.arrival, duration_s=options.duration_s,
                 seed=options.seed + k, timeout_s=options.timeout_s, unavailable_s=options.unavailable_s,
                 connect_timeout_s=options.connect_timeout_s, scenario=options.scenario, sla_ms=options.sla_ms,
-                sla_percentile=options.sla_percentile, max_issue_lag_ms=options.max_issue_lag_ms,
+                sla_percentile=options.sla_percentile, max_issue_lag_ms=options.max_issue_lag_ms, rpc=options.rpc,
             )  # fmt: skip
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -242,6 +246,7 @@ def _summarise(run: Run, queries: Any, options: ClientOptions, info: Any, result
         "preset": info.preset,
         "target": options.target,
         "mode": options.mode,
+        "rpc": options.rpc,
         "concurrency": options.concurrency,
         "target_qps": options.qps,
         "query_sizes": str(QuerySizes.parse(options.query_sizes)),
@@ -278,7 +283,7 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
             conn.send(("ready", {"lost": f"no connection to {plan.target} within {plan.connect_timeout_s:g} s"}))
             return
         remote = RemoteServer(channel, {info.name: library}, models={info.name: info}, worker=plan.worker,
-                              timeout_s=plan.timeout_s, unavailable_s=plan.unavailable_s)  # fmt: skip
+                              timeout_s=plan.timeout_s, unavailable_s=plan.unavailable_s, rpc=plan.rpc)  # fmt: skip
         stream = Stream(info.name, plan.qps or 1.0, QuerySizes.parse(plan.query_sizes), Arrivals(plan.arrival))
         settings = LoadSettings(
             "closed-loop" if plan.qps is None else plan.scenario, duration_s=plan.duration_s, seed=plan.seed,
@@ -323,4 +328,5 @@ def worker_main(plan: WorkerPlan, conn: Any, start: Any, stop: Any, epoch: Any) 
         run.finish("ok")  # a worker's rank only flushes its part files; the parent merges
         stopped = driver.stats.issue_stopped
         conn.send(("done", {"lost": lost, "error": error, "loadgen": driver.stats.loadgen, "issue_stopped": stopped}))
+        remote.close()
         channel.close()

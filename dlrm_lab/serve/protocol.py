@@ -30,6 +30,8 @@ except ImportError as exc:  # a checkout used without installing it
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # dlrm_lab.serve.Inference
 INFER_METHOD = f"/{SERVICE}/Infer"
+INFER_STREAM_METHOD = f"/{SERVICE}/InferStream"
+RPC_KINDS = ("stream", "unary")  # how a client sends its queries: one InferStream, or an Infer call each
 DESCRIBE_METHOD = f"/{SERVICE}/Describe"
 
 # gRPC's default 4 MiB receive limit is below a 1024-sample query of a large preset.

@@ -66,6 +66,7 @@ CLIENT_SUMMARY_SCHEMA = pa.schema(
         ("preset", pa.string()),
         ("target", pa.string()),
         ("mode", pa.string()),  # open-loop or closed-loop
+        ("rpc", pa.string()),  # stream (one InferStream per worker) or unary (one Infer call per query)
         ("concurrency", pa.int32()),  # worker processes
         ("target_qps", pa.float64()),  # open loop, all workers together
         ("query_sizes", pa.string()),

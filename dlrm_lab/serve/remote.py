@@ -6,6 +6,11 @@ A query names samples of the model's sample library; the client holds the same l
 the server (`library_from_info`: generated from Describe's spec and seed), sends those
 samples' bytes, and calls `query.on_done(query, status, scores)` when the answer is decoded.
 Every query becomes a row of `records.CLIENT_QUERY_SCHEMA`.
+
+Queries go as one Infer call each (`rpc="unary"`) or over one InferStream per RemoteServer
+(`rpc="stream"`): requests are queued to gRPC's sending thread and a receiving thread
+matches answers to queries by id. A stream that breaks (the server went away) ends every
+query on it with its status, and the next query opens a new one.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import queue
 import threading
 import time
 from collections.abc import Mapping
@@ -27,7 +33,9 @@ from dlrm_lab.serve.protocol import (
     DENSE_DTYPE,
     ID_DTYPE,
     INFER_METHOD,
+    INFER_STREAM_METHOD,
     LENGTH_DTYPE,
+    RPC_KINDS,
     SCORE_DTYPE,
     encode_samples,
     pb,
@@ -77,7 +85,11 @@ class RemoteServer:
         epoch_ns: int | None = None,
         timeout_s: float = 30.0,
         unavailable_s: float = math.inf,
+        rpc: str = "stream",
     ) -> None:
+        if rpc not in RPC_KINDS:
+            raise ValueError(f"rpc {rpc!r}: allowed: {', '.join(RPC_KINDS)}")
+        self.rpc = rpc
         self.libraries = libraries
         self.models = dict(models or {})  # name -> pb.ModelInfo, as Describe reported it
         self.unavailable_s = unavailable_s
@@ -86,6 +98,9 @@ class RemoteServer:
         self.timeout_s = timeout_s
         # Raw bytes in and out: serialising and decoding the messages are client stages.
         self._infer = channel.unary_unary(INFER_METHOD)
+        self._open_stream = channel.stream_stream(INFER_STREAM_METHOD)
+        self._stream: queue.SimpleQueue | None = None  # requests of the open stream (None ends it)
+        self._waiting: dict[int, tuple[Any, tuple[int, int, int], int]] = {}  # stream: query id -> its send
         self._rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -120,12 +135,90 @@ class RemoteServer:
         with self._lock:
             self._outstanding += 1
             self.issued += 1
+            if self.rpc == "stream":
+                requests = self._stream or self._start_stream()
+                send = time.monotonic_ns()
+                self._waiting[query_id] = (q, (start, serialised, send), len(body))
+                requests.put(body)
+                return
         send = time.monotonic_ns()
         call = self._infer.future(body, timeout=self.timeout_s)
         call.add_done_callback(functools.partial(self._done, q, (start, serialised, send), len(body)))
 
+    def _start_stream(self) -> queue.SimpleQueue:
+        """Open an InferStream (called with the lock held) and the thread reading its answers."""
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        responses = self._open_stream(iter(requests.get, None))
+        self._stream = requests
+        threading.Thread(target=self._read_stream, args=(requests, responses), name="infer-stream", daemon=True).start()
+        return requests
+
+    def _read_stream(self, requests: queue.SimpleQueue, responses: Any) -> None:
+        try:
+            for body in responses:
+                receive = time.monotonic_ns()
+                resp = pb.InferResponse.FromString(body)
+                with self._lock:
+                    sent = self._waiting.pop(resp.query_id, None)
+                if sent is not None:  # else: one this client never sent (an undecodable request's answer)
+                    q, stamps, request_bytes = sent
+                    self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status=resp.status or "ok",
+                                 error=resp.error or None)  # fmt: skip
+            status, error = "UNAVAILABLE", "the server ended the stream"
+        except grpc.RpcError as exc:
+            status, error = exc.code().name, exc.details()
+        receive = time.monotonic_ns()
+        with self._lock:  # what this stream still owes ends with its status; the next query opens a new one
+            if self._stream is requests:
+                self._stream = None
+            left, self._waiting = self._waiting, {}
+        requests.put(None)
+        for q, stamps, request_bytes in left.values():
+            self._record(q, stamps, request_bytes, receive, status=status, error=error)
+
+    def expire(self) -> None:
+        """End stream queries unanswered for longer than the timeout (DEADLINE_EXCEEDED, as a unary call would)."""
+        limit = time.monotonic_ns() - int(self.timeout_s * 1e9)
+        with self._lock:
+            late = {k: v for k, v in self._waiting.items() if v[1][2] < limit}
+            for k in late:
+                del self._waiting[k]
+        receive = time.monotonic_ns()
+        for q, stamps, request_bytes in late.values():
+            self._record(q, stamps, request_bytes, receive, status="DEADLINE_EXCEEDED", error="no answer in time")
+
+    def close(self) -> None:
+        """End the open stream (its queries still get their answers)."""
+        with self._lock:
+            requests, self._stream = self._stream, None
+        if requests is not None:
+            requests.put(None)
+
     def _done(self, q: Any, stamps: tuple[int, int, int], request_bytes: int, call: Any) -> None:
         receive = time.monotonic_ns()
+        try:
+            body = call.result()
+        except grpc.RpcError:
+            self._record(q, stamps, request_bytes, receive, status=call.code().name, error=call.details())
+        except grpc.FutureCancelledError:
+            self._record(q, stamps, request_bytes, receive, status="CANCELLED")
+        else:
+            resp = pb.InferResponse.FromString(body)
+            self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status="ok")
+
+    def _record(
+        self,
+        q: Any,
+        stamps: tuple[int, int, int],
+        request_bytes: int,
+        receive: int,
+        *,
+        status: str,
+        resp: Any = None,
+        body: bytes = b"",
+        error: str | None = None,
+    ) -> None:
+        """The query's row and its on_done: `resp` is the decoded answer when the server sent one."""
         start, serialised, send = stamps
         e = self.epoch_ns
         row: dict[str, Any] = {
@@ -143,19 +236,12 @@ class RemoteServer:
             "serialise_ms": (send - start) / 1e6,
             "request_bytes": request_bytes,
         }
-        scores = None
-        try:
-            body = call.result()
-        except grpc.RpcError:
-            status, end = call.code().name, receive
-            row["error"] = call.details()
-        except grpc.FutureCancelledError:
-            status, end = "CANCELLED", receive
-        else:
-            resp = pb.InferResponse.FromString(body)
+        scores, end = None, receive
+        if error is not None:
+            row["error"] = error
+        if status == "ok":
             scores = np.frombuffer(resp.scores, dtype=SCORE_DTYPE)
             end = time.monotonic_ns()
-            status = "ok"
             if len(scores) != q.size:
                 status, scores = "BAD_RESPONSE", None
                 row["error"] = f"{len(resp.scores)} score bytes for {q.size} samples"
@@ -217,6 +303,8 @@ class RemoteServer:
         return True
 
     def check(self) -> None:
+        if self.rpc == "stream":
+            self.expire()
         why = self.lost(self.unavailable_s)
         if why is not None:
             raise ServerLost(why)

@@ -4,6 +4,10 @@
         -> batcher -> instances -> on_done (completion thread) -> loop.call_soon_threadsafe
         -> the awaiting handler answers with the scores and the server's timestamps
 
+Two methods: Infer (one call per query) and InferStream (one long-lived stream per
+client, queries and answers both ways, no call set-up per query; a refused query is
+answered in-band and the stream goes on).
+
 Bad requests are refused in the handler (INVALID_ARGUMENT), so the instances never see
 them; a full queue is RESOURCE_EXHAUSTED at once (the InferenceServer drops the query at
 submit); an instance failure is INTERNAL. SIGTERM or Ctrl-C: stop accepting, let queries
@@ -18,7 +22,7 @@ import collections
 import itertools
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +89,7 @@ class InferenceService:
             SERVICE,
             {
                 "Infer": grpc.unary_unary_rpc_method_handler(self.infer),
+                "InferStream": grpc.stream_stream_rpc_method_handler(self.infer_stream),
                 "Describe": grpc.unary_unary_rpc_method_handler(
                     self.describe,
                     request_deserializer=pb.DescribeRequest.FromString,
@@ -106,6 +111,47 @@ class InferenceService:
             self._record_refused(req, receive, exc)
             await context.abort(exc.code, str(exc))
             raise  # not reached: abort raises
+
+    async def infer_stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        """Answer each request of the stream as its query finishes (any order)."""
+        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
+        in_flight: set[asyncio.Task] = set()
+
+        async def answer(body: bytes, receive: int) -> None:
+            answers.put_nowait(await self._answer_in_band(body, receive))
+
+        async def read() -> None:
+            try:
+                async for body in requests:
+                    task = asyncio.ensure_future(answer(body, time.monotonic_ns()))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                while in_flight:  # the client closed its side: finish what it sent
+                    await asyncio.gather(*in_flight, return_exceptions=True)
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (body := await answers.get()) is not None:
+                yield body
+            await reader  # a reading error ends the stream with it
+        finally:
+            reader.cancel()
+            for task in list(in_flight):
+                task.cancel()
+
+    async def _answer_in_band(self, body: bytes, receive: int) -> bytes:
+        req = None
+        try:
+            req = self._decode(body)
+            return await self._serve(req, self._samples(req), receive)
+        except _Refused as exc:
+            self._record_refused(req, receive, exc)
+            return pb.InferResponse(
+                query_id=0 if req is None else req.query_id, status=exc.code.name, error=str(exc),
+                server_receive_ns=receive, client_send_ns=0 if req is None else req.client_send_ns,
+            ).SerializeToString()  # fmt: skip
 
     @staticmethod
     def _decode(body: bytes) -> Any:
