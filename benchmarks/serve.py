@@ -16,6 +16,10 @@ Parts (each through the real CLI, `dlrm-lab serve` + `dlrm-lab client`, or the l
   clients   equal samples/s two ways: 8 concurrent clients of 16-sample queries against 1
             client of 128-sample queries (iBench's comparison).
   loadgen   MLPerf LoadGen's Server scenario through the gRPC system under test.
+  rpc       256-sample queries, one InferStream per client (`--rpc stream`, the default)
+            against one Infer call per query (`--rpc unary`): closed loop and open loop at
+            20 queries/s, runs interleaved, medians of 3 (issue 15: transfer <= 20% of compute).
+            `--only rpc` runs this part alone.
 The model is the Criteo Kaggle shape with tables capped at 100k rows, one instance.
 """
 
@@ -138,13 +142,45 @@ def in_process(root: Path, qps: float, size: int, duration: float) -> dict[str, 
             "queries_per_s": row["queries_per_s"]}  # fmt: skip
 
 
+def rpc_compare(root: Path, target: str, duration: str, repeats: int = 3) -> dict[str, Any]:
+    """Stream against unary at 256 samples per query, interleaved; medians of `repeats`."""
+    loads = {"closed": ["--closed-loop"], "open_20": ["--qps", "20"]}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {load: {"stream": [], "unary": []} for load in loads}
+    for _ in range(repeats):
+        for load, how in loads.items():
+            for rpc in ("stream", "unary"):
+                runs[load][rpc].append(pick(client(root, target, *how, "--query-size", "fixed:256", "--duration",
+                                                   duration, "--rpc", rpc)))  # fmt: skip
+    out: dict[str, Any] = {}
+    for load, by_rpc in runs.items():
+        for rpc, rows in by_rpc.items():
+            med = {k: statistics.median(r[k] for r in rows) for k in KEYS if isinstance(rows[0][k], (int, float))}
+            out[f"{load}_{rpc}"] = {**med, "transfer_to_compute_runs": [r["transfer_to_compute"] for r in rows]}
+            each = [round(r["transfer_to_compute"], 3) for r in rows]
+            print(f"  rpc {rpc:>6} {load:>7}: transfer/compute {med['transfer_to_compute']:.3f} (runs {each}), "
+                  f"network+gRPC {med['network_mean_ms']:.3f} ms, compute {med['compute_mean_ms']:.3f} ms, "
+                  f"p99 {med['latency_p99_ms']:.2f} ms", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=["rpc"], help="run one part alone")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     duration = "3" if args.quick else "8"
     results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model()}
+    if args.only == "rpc":
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            server = Server(Path(tmp_dir) / "loopback")
+            try:
+                results["rpc_256"] = rpc_compare(Path(tmp_dir), server.target, duration)
+            finally:
+                server.stop()
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        return
     print("codec (in-process):", flush=True)
     results["codec"] = codec(20 if args.quick else 100)
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -174,6 +210,7 @@ def main() -> None:
                                                     "--query-size", "fixed:16", "--duration", duration,
                                                     "--sla-ms", "20"))  # fmt: skip
             print("  loadgen:", json.dumps(results["loadgen_server"], default=str), flush=True)
+            results["rpc_256"] = rpc_compare(tmp, server.target, duration)
         finally:
             server.stop()
         inproc = in_process(tmp, float(qps), 256, float(duration))

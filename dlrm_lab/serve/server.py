@@ -106,24 +106,42 @@ class InferenceService:
         req = None
         try:
             req = self._decode(body)
-            return await self._serve(req, self._samples(req), receive)
+            return await self._reply(req, *self._submit(req, self._samples(req), receive))
         except _Refused as exc:
             self._record_refused(req, receive, exc)
             await context.abort(exc.code, str(exc))
             raise  # not reached: abort raises
 
     async def infer_stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-        """Answer each request of the stream as its query finishes (any order)."""
+        """Answer each request of the stream as its query finishes (any order). A request is
+        decoded, checked and submitted as it is read (no task until its answer is awaited)."""
         answers: asyncio.Queue[bytes | None] = asyncio.Queue()
         in_flight: set[asyncio.Task] = set()
 
-        async def answer(body: bytes, receive: int) -> None:
-            answers.put_nowait(await self._answer_in_band(body, receive))
+        def refused(req: Any, receive: int, exc: _Refused) -> bytes:
+            self._record_refused(req, receive, exc)
+            return pb.InferResponse(
+                query_id=0 if req is None else req.query_id, status=exc.code.name, error=str(exc),
+                server_receive_ns=receive, client_send_ns=0 if req is None else req.client_send_ns,
+            ).SerializeToString()  # fmt: skip
+
+        async def answer(req: Any, q: Query, done: asyncio.Future, receive: int) -> None:
+            try:
+                answers.put_nowait(await self._reply(req, q, done))
+            except _Refused as exc:
+                answers.put_nowait(refused(req, receive, exc))
 
         async def read() -> None:
             try:
                 async for body in requests:
-                    task = asyncio.ensure_future(answer(body, time.monotonic_ns()))
+                    receive, req = time.monotonic_ns(), None
+                    try:
+                        req = self._decode(body)
+                        q, done = self._submit(req, self._samples(req), receive)
+                    except _Refused as exc:
+                        answers.put_nowait(refused(req, receive, exc))
+                        continue
+                    task = asyncio.ensure_future(answer(req, q, done, receive))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
                 while in_flight:  # the client closed its side: finish what it sent
@@ -140,18 +158,6 @@ class InferenceService:
             reader.cancel()
             for task in list(in_flight):
                 task.cancel()
-
-    async def _answer_in_band(self, body: bytes, receive: int) -> bytes:
-        req = None
-        try:
-            req = self._decode(body)
-            return await self._serve(req, self._samples(req), receive)
-        except _Refused as exc:
-            self._record_refused(req, receive, exc)
-            return pb.InferResponse(
-                query_id=0 if req is None else req.query_id, status=exc.code.name, error=str(exc),
-                server_receive_ns=receive, client_send_ns=0 if req is None else req.client_send_ns,
-            ).SerializeToString()  # fmt: skip
 
     @staticmethod
     def _decode(body: bytes) -> Any:
@@ -184,7 +190,8 @@ class InferenceService:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {why}", "rejected")
         return block
 
-    async def _serve(self, req: Any, block: Any, receive: int) -> bytes:
+    def _submit(self, req: Any, block: Any, receive: int) -> tuple[Query, asyncio.Future]:
+        """Submit the query to the batcher; its future resolves (on this loop) when it finishes."""
         if self.failure is not None:
             raise _Refused(grpc.StatusCode.INTERNAL, f"server failure: {self.failure}", "failed")
         loop = asyncio.get_running_loop()
@@ -204,6 +211,11 @@ class InferenceService:
         except RuntimeError as exc:  # an instance died
             self._pending.pop(q.query_id, None)
             raise _Refused(grpc.StatusCode.INTERNAL, f"server failure: {exc}", "failed") from None
+        return q, done
+
+    async def _reply(self, req: Any, q: Query, done: asyncio.Future) -> bytes:
+        """The serialised answer once the query finished (or _Refused with its status)."""
+        receive = q.scheduled_ns  # the handler's receive time (see _submit)
         try:
             status, scores, done_ns = await done
         finally:
