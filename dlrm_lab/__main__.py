@@ -1,5 +1,3 @@
-import sys
+from dlrm_lab.cli import run
 
-from dlrm_lab.cli import main
-
-sys.exit(main())
+run()

@@ -68,5 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point (and `python -m dlrm_lab`)."""
+    import signal
+
+    code = main()
+    # The command is over and its error, if any, printed. A launcher's SIGTERM from here on
+    # (it stops the other ranks once one died) would raise Terminated inside an interpreter
+    # exit hook and print a traceback after the one-line error: let the exit finish instead.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)
