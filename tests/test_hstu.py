@@ -1,0 +1,90 @@
+"""HSTU layers (issue 17, first block): the mask, the two attention paths, the cost count."""
+
+import pytest
+import torch
+
+from dlrm_lab.model.hstu import STULayer, STUShape, attention_pairs, valid_attention
+
+SMALL = STUShape(dim=16, heads=2, qk_dim=4, v_dim=3)
+
+
+def test_mask_is_causal_over_history_and_candidates_see_history_and_themselves():
+    # request 0: 3 history tokens then 2 candidates; request 1: 2 history, 1 candidate, 2 padding
+    m = valid_attention(torch.tensor([5, 3]), torch.tensor([2, 1]), 5)
+    assert m.shape == (2, 5, 5) and m.dtype == torch.bool
+    want0 = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],  # candidate: the history and itself
+        [1, 1, 1, 0, 1],  # not the other candidate
+    ], dtype=torch.bool)  # fmt: skip
+    want1 = torch.zeros(5, 5, dtype=torch.bool)
+    want1[:3, :3] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)  # padding: nothing
+    assert torch.equal(m[0], want0) and torch.equal(m[1], want1)
+    for history, cands in ((3, 2), (2, 1), (6401, 0), (1, 5)):
+        n = history + cands
+        if n <= 64:
+            assert int(valid_attention(torch.tensor([n]), torch.tensor([cands]), n).sum()) == attention_pairs(
+                history, cands
+            )
+
+
+def test_layer_flops_follow_the_reference_shapes():
+    # DLRMv3: D 512, 4 heads of 128; a request of 1 contextual + 6,400 history tokens and 2,048 candidates
+    shape = STUShape()
+    pairs = attention_pairs(6401, 2048)
+    assert pairs == 33_600_897
+    assert shape.layer_flops(6401, 2048) == 3_670_016 * 8449 + 2048 * pairs  # ~99.8 GFLOP
+    assert shape.layer_flops(6401, 2048, path="padded") == 3_670_016 * 8449 + 2048 * 8449**2
+    # attention grows with the square of the history
+    assert shape.layer_flops(2 * 6401, 0) - 3_670_016 * 2 * 6401 == pytest.approx(
+        4 * (shape.layer_flops(6401, 0) - 3_670_016 * 6401), rel=1e-3
+    )
+
+
+def _batch(seed: int = 0):
+    torch.manual_seed(seed)
+    lengths, candidates = torch.tensor([7, 4, 9]), torch.tensor([3, 1, 2])
+    x = torch.randn(3, 9, SMALL.dim)
+    return x, lengths, candidates
+
+
+def test_padded_and_jagged_attention_agree_and_leave_padding_alone():
+    x, lengths, candidates = _batch()
+    padded = STULayer(SMALL, attention="padded").eval()
+    jagged = STULayer(SMALL, attention="jagged").eval()
+    jagged.load_state_dict(padded.state_dict())
+    with torch.no_grad():
+        a, b = padded(x, lengths, candidates), jagged(x, lengths, candidates)
+    assert a.shape == x.shape
+    real = torch.arange(9).unsqueeze(0) < lengths.unsqueeze(1)
+    torch.testing.assert_close(a[real], b[real], rtol=1e-5, atol=1e-6)
+    assert torch.equal(a[~real], x[~real]) and torch.equal(b[~real], x[~real])
+    with pytest.raises(ValueError, match="attention 'flash'"):
+        STULayer(SMALL, attention="flash")
+
+
+def test_what_a_token_sees_decides_its_output():
+    layer = STULayer(SMALL).eval()
+    x, lengths, candidates = _batch(1)
+    with torch.no_grad():
+        base = layer(x, lengths, candidates)
+        # request 0: history tokens 0-3, candidates 4-6
+        changed = x.clone()
+        changed[0, 5] += 1.0  # one candidate
+        out = layer(changed, lengths, candidates)
+        assert torch.equal(out[0, :5], base[0, :5]) and torch.equal(out[0, 6], base[0, 6])  # others unmoved
+        assert not torch.equal(out[0, 5], base[0, 5])
+        changed = x.clone()
+        changed[0, 2] += 1.0  # a history token: later tokens and every candidate move, earlier ones do not
+        out = layer(changed, lengths, candidates)
+        assert torch.equal(out[0, :2], base[0, :2])
+        assert all(not torch.equal(out[0, t], base[0, t]) for t in range(2, 7))
+        changed = x.clone()
+        changed[1, 6:] = 100.0  # padding of request 1
+        assert torch.equal(layer(changed, lengths, candidates)[1, :4], base[1, :4])
+    x.requires_grad_(True)
+    layer.train()
+    layer(x, lengths, candidates).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
