@@ -124,3 +124,137 @@ class STULayer(nn.Module):
             mask = valid_attention(lengths.new_tensor([length]), lengths.new_tensor([cands]), length)
             out[i, :, :length] = (scores * mask) @ vi
         return out
+
+
+# ----------------------------------------------------------------------------- the ranker
+
+HISTORY_FEATURES = ("item_id", "item_category_id")  # a request's history, oldest first
+CANDIDATE_FEATURES = ("item_candidate_id", "item_candidate_category_id")
+ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
+ACTION_DIM = 8  # per action type
+
+
+@dataclass(frozen=True)
+class RankerShape:
+    """A DLRMv3-style ranker: item, category and user tables, `layers` STU layers. The
+    defaults are MLPerf Inference v6.0's DLRMv3 (docs/hstu.md), which no small machine holds:
+    scale `items` and `users` down."""
+
+    items: int = 1_000_000_000
+    categories: int = 128
+    users: int = 10_000_000
+    layers: int = 5
+    stu: STUShape = STUShape()
+    hidden: int = 256  # the preprocessor's MLPs
+    position_buckets: int = 8192
+    time_buckets: int = 2048
+    input_dropout: float = 0.2
+    layer_dropout: float = 0.1
+
+
+class SwishLayerNorm(nn.Module):
+    """x * sigmoid(LayerNorm(x)), the reference's gated activation."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.norm(x))
+
+
+def _tower(d_in: int, hidden: int, d_out: int, last: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, hidden), SwishLayerNorm(hidden), nn.Linear(hidden, d_out), last)
+
+
+class HSTURanker(nn.Module):
+    """Scores each candidate of each request from the user's history (see docs/hstu.md).
+
+    Inputs, for B requests: `sparse` a KeyedJaggedTensor with, per request, its history's
+    `item_id` and `item_category_id` (oldest first), its candidates' `item_candidate_id`
+    and `item_candidate_category_id`, and `user_id` (one); `actions` the history's action
+    bitmask per token and `ages_s` each history token's age in seconds at query time
+    (both flat over the requests, in the history's order). Returns one logit per
+    candidate, flat in request order.
+
+    Left out of the reference: the hour-of-day and day-of-week features of the query time
+    before the candidates' norm (constant in the reference's own synthetic data, where
+    every timestamp is 1), and the contextual token's zeroing for short histories.
+    """
+
+    def __init__(self, shape: RankerShape = RankerShape(), attention: str = "padded", device: str = "cpu") -> None:
+        super().__init__()
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        self.shape = shape
+        d = shape.stu.dim
+        self.tables = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name="item", num_embeddings=shape.items, embedding_dim=d,
+                                feature_names=["item_id", "item_candidate_id"]),
+                EmbeddingConfig(name="item_category", num_embeddings=shape.categories, embedding_dim=d,
+                                feature_names=["item_category_id", "item_candidate_category_id"]),
+                EmbeddingConfig(name="user", num_embeddings=shape.users, embedding_dim=d, feature_names=["user_id"]),
+            ],
+            device=torch.device(device),
+        )  # fmt: skip
+        self.item_content = _tower(d, shape.hidden, d, nn.LayerNorm(d))
+        self.category_content = _tower(d, shape.hidden, d, nn.LayerNorm(d))
+        self.action_rows = nn.Parameter(torch.randn(ACTION_BITS, ACTION_DIM) * 0.1)
+        self.target_action = nn.Parameter(torch.randn(ACTION_BITS * ACTION_DIM) * 0.1)  # every candidate's
+        self.action_content = _tower(ACTION_BITS * ACTION_DIM, shape.hidden, d, nn.LayerNorm(d))
+        self.contextual = nn.Linear(d, d)
+        self.positions = nn.Embedding(shape.position_buckets, d)
+        self.ages = nn.Embedding(shape.time_buckets + 1, d)
+        self.input_dropout = nn.Dropout(shape.input_dropout)
+        self.layers = nn.ModuleList(
+            STULayer(shape.stu, dropout=shape.layer_dropout, attention=attention) for _ in range(shape.layers)
+        )
+        self.candidate_norm = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))
+        self.item_tower = _tower(2 * d, d, d, nn.LayerNorm(d))
+        self.head = _tower(d, d, 1, nn.Identity())
+        for table in (self.positions, self.ages):
+            bound = math.sqrt(1.0 / table.num_embeddings)
+            nn.init.uniform_(table.weight, -bound, bound)
+
+    def forward(self, sparse, actions: torch.Tensor, ages_s: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - KJT
+        d = self.shape.stu.dim
+        emb = self.tables(sparse)
+        history_len = emb["item_id"].lengths()
+        cand_len = emb["item_candidate_id"].lengths()
+        b = len(history_len)
+        # per history token: content + category + action branches; candidates: a learned target action
+        bits = (actions.unsqueeze(1) >> torch.arange(ACTION_BITS, device=actions.device)) & 1
+        history_actions = (bits.unsqueeze(2) * self.action_rows).flatten(1)
+        history = (self.item_content(emb["item_id"].values()) + self.category_content(emb["item_category_id"].values())
+                   + self.action_content(history_actions))  # fmt: skip
+        cand_item, cand_cat = emb["item_candidate_id"].values(), emb["item_candidate_category_id"].values()
+        candidates = (self.item_content(cand_item) + self.category_content(cand_cat)
+                      + self.action_content(self.target_action).expand(len(cand_item), d))  # fmt: skip
+        user = self.contextual(emb["user_id"].values())  # one per request
+        # [user, history..., candidates...] per request, padded to the batch's longest
+        lengths = 1 + history_len + cand_len
+        n = int(lengths.max())
+        x = history.new_zeros(b, n, d)
+        pos_idx = torch.zeros(b, n, dtype=torch.long, device=x.device)
+        age_idx = torch.zeros(b, n, dtype=torch.long, device=x.device)
+        age_buckets = torch.sqrt(ages_s.clamp(min=0) / 60.0).long().clamp(max=self.shape.time_buckets)
+        h_off = c_off = 0
+        for i, (h, c) in enumerate(zip(history_len.tolist(), cand_len.tolist(), strict=True)):
+            x[i, 0] = user[i]
+            x[i, 1 : 1 + h] = history[h_off : h_off + h]
+            x[i, 1 + h : 1 + h + c] = candidates[c_off : c_off + c]
+            # positions count back from the newest history item; every candidate shares one
+            pos_idx[i, 1 : 1 + h] = torch.arange(h, 0, -1, device=x.device)
+            age_idx[i, 1 : 1 + h] = age_buckets[h_off : h_off + h]
+            h_off, c_off = h_off + h, c_off + c
+        pos_idx = pos_idx.clamp(max=self.shape.position_buckets - 1)
+        x = self.input_dropout(x * math.sqrt(d) + self.positions(pos_idx) + self.ages(age_idx))
+        for layer in self.layers:
+            x = layer(x, lengths, cand_len)
+        spans = zip(history_len.tolist(), cand_len.tolist(), strict=True)
+        picked = torch.cat([x[i, 1 + h : 1 + h + c] for i, (h, c) in enumerate(spans)])
+        user_side = self.candidate_norm(picked)
+        item_side = self.item_tower(torch.cat([cand_item, cand_cat], dim=-1))
+        return self.head(user_side * item_side).squeeze(-1)
