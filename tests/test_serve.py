@@ -413,9 +413,14 @@ def test_a_stream_query_unanswered_past_its_timeout_ends_deadline_exceeded():
             remote._outstanding += 1
         remote.check()
         time.sleep(0.2)  # a failed query's on_done comes after the client's error back-off
-    assert done == [(0, "DEADLINE_EXCEEDED")] and list(remote._waiting) == [1]
-    (row,) = remote.take_records()
-    assert row["status"] == "DEADLINE_EXCEEDED" and row["error"] == "no answer in time" and row["latency_ms"] >= 2000
+        assert done == [(0, "DEADLINE_EXCEEDED")] and list(remote._waiting) == [1]
+        (row,) = remote.take_records()
+        assert row["status"] == "DEADLINE_EXCEEDED" and row["error"] == "no answer in time"
+        assert row["latency_ms"] >= 2000
+        # draining at the end of a run: the other one expires too, and becomes a row
+        assert remote.drain(5.0) and not remote._waiting
+        (row,) = remote.take_records()
+        assert row["query_id"] == 1 and row["status"] == "DEADLINE_EXCEEDED"
 
 
 def test_an_unknown_rpc_kind_is_one_line():

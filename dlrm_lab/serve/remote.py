@@ -41,6 +41,7 @@ from dlrm_lab.serve.protocol import (
     pb,
 )
 
+EXPIRE_POLL_S = 0.25  # a draining stream client looks for queries past their timeout this often
 ERROR_BACKOFF_S = 0.01  # before a failed query's on_done: a closed loop must not spin on a dead server
 
 
@@ -292,15 +293,17 @@ class RemoteServer:
         return out
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every sent query was answered; False on timeout."""
+        """Wait until every sent query was answered; False on timeout. Stream queries past
+        their own timeout meanwhile end DEADLINE_EXCEEDED (rows, not silence)."""
         deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while self._outstanding > 0:
+        while True:
+            with self._idle:
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+                if self._outstanding == 0 or left <= 0:
+                    return self._outstanding == 0
+                self._idle.wait(min(left, EXPIRE_POLL_S))
+            if self.rpc == "stream":
+                self.expire()
 
     def check(self) -> None:
         if self.rpc == "stream":
