@@ -57,6 +57,8 @@ def test_scores_equal_the_model_on_the_same_samples(server):
     assert sorted(r["query_id"] for r in records) == [0, 1, 2, 3, 4]
     assert [r["pieces"] for r in sorted(records, key=lambda r: r["query_id"])] == [1, 1, 1, 1, 3]
     assert all(r["status"] == "ok" for r in records)
+    # every batch carries its time and the instances' warm model of it (the summary's compute slowdown)
+    assert all(r["batch_compute_ms"] > 0 and r["batch_expected_ms"] > 0 for r in records)
     torch.manual_seed(SEED)
     model = build_model(spec).eval()
     library = synthetic_generator(spec, seed=SEED).samples(0, 4096)

@@ -722,6 +722,21 @@ def test_next_batch_spreads_waiting_samples_to_finish_together():
     assert abs(cost.ms(x) - (4.2 + cost.ms(777 - x))) <= cost.per_sample_ms
 
 
+def test_compute_slowdown_is_batch_time_over_the_warm_model_once_per_batch():
+    from dlrm_lab.infer.records import compute_slowdown
+
+    rows = [
+        {"batch_id": 0, "batch_compute_ms": 10.0, "batch_expected_ms": 10.0},
+        {"batch_id": 0, "batch_compute_ms": 10.0, "batch_expected_ms": 10.0},  # a second query of batch 0
+        {"batch_id": 1, "batch_compute_ms": 15.0, "batch_expected_ms": 10.0},
+        {"batch_id": 2, "batch_compute_ms": 50.0, "batch_expected_ms": 10.0},  # a noisy-host moment
+        {"batch_id": None, "status": "dropped"},  # never batched
+        {"batch_id": 3, "batch_compute_ms": 5.0, "batch_expected_ms": None},  # nothing measured: left out
+    ]
+    assert compute_slowdown(rows) == {"compute_slowdown_p50": 1.5, "compute_slowdown_p99": 5.0}
+    assert compute_slowdown([]) == {"compute_slowdown_p50": None, "compute_slowdown_p99": None}
+
+
 def test_busy_instances_time_left_scales_with_the_measured_slowdown():
     """The batcher's view of a busy instance: its batch's modelled time, times the running
     ratio of measured to modelled batch times, less what has passed."""

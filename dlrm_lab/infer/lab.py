@@ -278,6 +278,8 @@ def point_line(row: dict[str, Any]) -> str:
     lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
     ratio = row.get("latency_floor_ratio")
     beside = "" if floor is None else f" (floor {floor:.3g} ms" + ("" if ratio is None else f", {ratio:,.1f}x") + ")"
+    slow = row.get("compute_slowdown_p99")
+    beside += "" if slow is None else f", batches at p99 {slow:.2f}x their warm time"
     return (
         f"{row['model']} [{row['mode']}] target {row['target_qps']:.1f} queries/s: "
         f"{row['queries_per_s']:.1f} queries/s, {row['samples_per_s']:.0f} samples/s, "

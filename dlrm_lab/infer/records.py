@@ -31,6 +31,8 @@ QUERY_SCHEMA = pa.schema(
         ("batch_samples", pa.int32()),
         ("batch_queries", pa.int32()),
         ("instance", pa.int32()),
+        ("batch_compute_ms", pa.float64()),  # that batch's time on its instance
+        ("batch_expected_ms", pa.float64()),  # ... as the instance's warm batch-cost model has it
         ("pieces", pa.int32()),
         ("late", pa.bool_()),
         ("error", pa.string()),
@@ -95,6 +97,8 @@ SUMMARY_SCHEMA = pa.schema(
         ("batch_queries_mean", pa.float64()),
         ("batches", pa.int64()),
         ("queue_share", pa.float64()),
+        ("compute_slowdown_p50", pa.float64()),  # batch time over the warm batch-cost model, median of batches
+        ("compute_slowdown_p99", pa.float64()),  # ... 99th percentile (a noisy host, cold cores)
         ("queue_mean_ms", pa.float64()),
         ("compute_mean_ms", pa.float64()),
         ("achieved_rate_ratio", pa.float64()),  # issued / target queries (the load was what it claims)
@@ -127,6 +131,17 @@ def percentile(values: np.ndarray, p: float) -> float | None:
     v = np.sort(values)
     k = int(np.ceil(p / 100 * len(v) - 1e-9)) - 1  # 99.9/100*1000 is 999.0000000000001 in floats
     return float(v[min(max(k, 0), len(v) - 1)])
+
+
+def compute_slowdown(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Batch times over what the instances' warm model predicts (their back-to-back batch
+    cost measured at start), median and p99 over the point's batches: the machine's own
+    disturbances (cores that slept, a noisy host) apart from queueing. 1 is warm speed."""
+    ratios = np.array(list({
+        r["batch_id"]: r["batch_compute_ms"] / r["batch_expected_ms"] for r in records
+        if r.get("batch_id") is not None and r.get("batch_compute_ms") is not None and r.get("batch_expected_ms")
+    }.values()), dtype=np.float64)  # fmt: skip
+    return {"compute_slowdown_p50": percentile(ratios, 50), "compute_slowdown_p99": percentile(ratios, 99)}
 
 
 def summarize(
@@ -183,6 +198,7 @@ def summarize(
         "queue_mean_ms": float(queue.mean()) if len(queue) else None,
         "compute_mean_ms": float(compute.mean()) if len(compute) else None,
         "queue_share": float(queue.sum() / lat.sum()) if len(lat) and lat.sum() > 0 else None,
+        **compute_slowdown(records),
     }
     for name, p in zip(LATENCY_FIELDS, PERCENTILES, strict=True):
         out[name] = percentile(lat, p)

@@ -475,11 +475,14 @@ class InferenceServer:
         now = time.monotonic_ns()
         name, pieces = self._in_flight.pop(msg.batch_id)
         pool = self._pools[name]
+        samples = sum(hi - lo for _, lo, hi in pieces)
         batch = {
             "batch_id": msg.batch_id,
-            "batch_samples": sum(hi - lo for _, lo, hi in pieces),
+            "batch_samples": samples,
             "batch_queries": len(pieces),
             "instance": msg.instance,
+            "batch_compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
+            "batch_expected_ms": None if pool.cost is None else pool.cost.ms(samples),
         }
         pos = 0
         for q, lo, hi in pieces:
@@ -504,7 +507,7 @@ class InferenceServer:
                 pool.done.append((now, now - sent[0]))
                 pool.done_ns += now - sent[0]
             if pool.cost is not None and msg.error is None:
-                ratio = (msg.end_ns - msg.start_ns) / 1e6 / pool.cost.ms(batch["batch_samples"])
+                ratio = batch["batch_compute_ms"] / batch["batch_expected_ms"]
                 pool.slowdown += SLOWDOWN_WEIGHT * (ratio - pool.slowdown)
             pool.cond.notify()
             finished = []
@@ -527,6 +530,8 @@ class InferenceServer:
         batch_samples: int | None = None,
         batch_queries: int | None = None,
         instance: int | None = None,
+        batch_compute_ms: float | None = None,
+        batch_expected_ms: float | None = None,
     ) -> None:
         """Record a finished query (the batch fields are those of its last piece)."""
         q.batch_samples, q.instance = batch_samples, instance  # for on_done (the gRPC response carries them)
@@ -549,6 +554,8 @@ class InferenceServer:
             "batch_samples": batch_samples,
             "batch_queries": batch_queries,
             "instance": instance,
+            "batch_compute_ms": batch_compute_ms,
+            "batch_expected_ms": batch_expected_ms,
             "error": error,
         }
         with self._records_lock:
