@@ -8,6 +8,7 @@ Needs a machine profile with the ceiling and both transports (the script makes t
 missing: `dlrm-lab machine probe`, then `dlrm-lab launch --launcher mpi --nproc 2 -- machine
 probe --comms-only`). Each case is one real `dlrm-lab scale` sweep at ranks 1,2 (torchrun,
 gloo, one pinned core and thread per rank). Results: results-scaling_gap-<date>.json.
+`--cases "rm2 weak table_wise" "rm2 weak row_wise" ...` runs rm2 under one sharding type for all tables.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ CASES = {  # name: (mode, batch for --batch-size, train options)
     "rm2 weak": ("weak", 512, ["--preset", "rm2", "--table-scale", "0.01"]),
     "rm2 strong": ("strong", 1024, ["--preset", "rm2", "--table-scale", "0.01"]),
 }
+# rm2 weak under each sharding type for all tables (`--cases` names them, e.g. "rm2 weak row_wise")
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
+CASES.update({f"rm2 weak {t}": ("weak", 512, [*CASES["rm2 weak"][2], "--sharding", t]) for t in SHARDING_TYPES})
 KEEP = ("ranks", "samples_per_s", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "rank_step_ms",
         "predicted_step_ms", "prediction_error", "predicted_step_ms_mpi", "gap_ms")  # fmt: skip
 
@@ -46,7 +50,8 @@ def cli(*args: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=list(CASES)[:4], help=f"of: {', '.join(CASES)}")
+    ap.add_argument("--out", default=None, help="results file (default: results-scaling_gap-<date>.json here)")
     opts = ap.parse_args()
     profile = load_profile()
     if not profile or "ceiling" not in profile.get("devices", {}).get("cpu", {}):
@@ -84,7 +89,7 @@ def main() -> None:
                 print("  " + ", ".join(f"{k}={r.get(k):.3f}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
                                        for k in KEEP), flush=True)  # fmt: skip
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = Path(__file__).with_name(f"results-scaling_gap-{day}.json")
+    path = Path(opts.out) if opts.out else Path(__file__).with_name(f"results-scaling_gap-{day}.json")
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
 
