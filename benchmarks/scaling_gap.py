@@ -8,7 +8,7 @@ Needs a machine profile with the ceiling and both transports (the script makes t
 missing: `dlrm-lab machine probe`, then `dlrm-lab launch --launcher mpi --nproc 2 -- machine
 probe --comms-only`). Each case is one real `dlrm-lab scale` sweep at ranks 1,2 (torchrun,
 gloo, one pinned core and thread per rank). Results: results-scaling_gap-<date>.json.
-`--cases "rm2 weak table_wise" "rm2 weak row_wise" ...` runs rm2 under one sharding type for all tables.
+`--cases "rm2 weak table_wise" "kaggle weak row_wise" ...` runs a case under one sharding type for all tables.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ CASES = {  # name: (mode, batch for --batch-size, train options)
     "rm2 weak": ("weak", 512, ["--preset", "rm2", "--table-scale", "0.01"]),
     "rm2 strong": ("strong", 1024, ["--preset", "rm2", "--table-scale", "0.01"]),
 }
-# rm2 weak under each sharding type for all tables (`--cases` names them, e.g. "rm2 weak row_wise")
+# weak scaling under each sharding type for all tables (`--cases` names them, e.g. "rm2 weak row_wise")
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
-CASES.update({f"rm2 weak {t}": ("weak", 512, [*CASES["rm2 weak"][2], "--sharding", t]) for t in SHARDING_TYPES})
+CASES.update({f"{case} {t}": (CASES[case][0], CASES[case][1], [*CASES[case][2], "--sharding", t])
+              for case in ("rm2 weak", "kaggle weak") for t in SHARDING_TYPES})  # fmt: skip
 KEEP = ("ranks", "samples_per_s", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "rank_step_ms",
         "predicted_step_ms", "prediction_error", "predicted_step_ms_mpi", "gap_ms")  # fmt: skip
 
