@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cases", nargs="*", default=list(CASES)[:4], help=f"of: {', '.join(CASES)}")
     ap.add_argument("--out", default=None, help="results file (default: results-scaling_gap-<date>.json here)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the cases this many times, in alternating order (ABBA...): the host drifts")  # fmt: skip
     opts = ap.parse_args()
     profile = load_profile()
     if not profile or "ceiling" not in profile.get("devices", {}).get("cpu", {}):
@@ -68,27 +70,36 @@ def main() -> None:
         "collectives": profile.get("comms"),
         "cases": {},
     }
+    order = [name for rep in range(opts.repeats) for name in (opts.cases if rep % 2 == 0 else opts.cases[::-1])]
     with tempfile.TemporaryDirectory() as root:
-        for name in opts.cases:
+        for run, name in enumerate(order):
             mode, batch, train = CASES[name]
-            extra = ["--project", "8,64,512,4096"] if name == "kaggle weak" else []
+            extra = ["--project", "8,64,512,4096"] if name == "kaggle weak" and run == 0 else []
+            out_dir = f"{root}/{run}-{name.replace(' ', '-')}"
             args = ["scale", "--ranks", "1,2", "--mode", mode, "--batch-size", str(batch), "--metrics-dir",
-                    f"{root}/{name.replace(' ', '-')}", *extra, "--", *train, "--steps", str(opts.steps)]  # fmt: skip
+                    out_dir, *extra, "--", *train, "--steps", str(opts.steps)]  # fmt: skip
             print("$ dlrm-lab", " ".join(args), flush=True)
             printed = cli(*args)
-            (sweep,) = Path(f"{root}/{name.replace(' ', '-')}").glob("scale-*")
+            (sweep,) = Path(out_dir).glob("scale-*")
             rows = pq.read_table(sweep / "summary.parquet").to_pylist()
             gap_path = sweep / "gap.parquet"
             gap = pq.read_table(gap_path).to_pylist() if gap_path.exists() else []
-            results["cases"][name] = {
-                "command": "dlrm-lab " + " ".join(a for a in args if not a.startswith(root)),
+            results["cases"].setdefault(name, {"command": "dlrm-lab " + " ".join(a for a in args if a != out_dir),
+                                               "runs": []})["runs"].append({
+                "order": run,
                 "points": [{k: r.get(k) for k in KEEP} for r in rows],
                 "gap_ms": {g["item"]: g["ms"] for g in gap},
                 "printed": printed if extra else None,
-            }
+            })  # fmt: skip
             for r in rows:
                 print("  " + ", ".join(f"{k}={r.get(k):.3f}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
                                        for k in KEEP), flush=True)  # fmt: skip
+    for name, case in results["cases"].items():
+        two = [p for r in case["runs"] for p in r["points"] if p["ranks"] == 2]
+        vs = sorted(p["efficiency_vs_ceiling"] for p in two if p["efficiency_vs_ceiling"] is not None)
+        case["efficiency_vs_ceiling_median"] = vs[len(vs) // 2] if vs else None
+        print(f"{name}: efficiency / ceiling at 2 ranks {[round(v, 3) for v in vs]}, median "
+              f"{case['efficiency_vs_ceiling_median']}", flush=True)  # fmt: skip
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     path = Path(opts.out) if opts.out else Path(__file__).with_name(f"results-scaling_gap-{day}.json")
     path.write_text(json.dumps(results, indent=2) + "\n")

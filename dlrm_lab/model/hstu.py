@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 LAYER_NORM_EPS = 1e-6
 ATTENTION_PATHS = ("padded", "jagged")
@@ -109,12 +110,16 @@ class STULayer(nn.Module):
         real = (torch.arange(n, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)).unsqueeze(2)
         return x + y * real
 
-    def _padded(self, q, k, v, lengths, candidates, n):  # noqa: ANN001, ANN202 - tensors
+    def _padded(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, candidates: torch.Tensor, n: int
+    ) -> torch.Tensor:
         scores = F.silu(q @ k.transpose(-1, -2) / math.sqrt(self.shape.qk_dim)) / n
         mask = valid_attention(lengths, candidates, n).unsqueeze(1)  # [B, 1, N, N]
         return (scores * mask) @ v
 
-    def _jagged(self, q, k, v, lengths, candidates, n):  # noqa: ANN001, ANN202 - tensors
+    def _jagged(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, candidates: torch.Tensor, n: int
+    ) -> torch.Tensor:
         """Each request at its own length: no product over padding (a loop over requests;
         fbgemm's jagged attention kernels are GPU-only)."""
         out = torch.zeros_like(v)
@@ -218,7 +223,7 @@ class HSTURanker(nn.Module):
             bound = math.sqrt(1.0 / table.num_embeddings)
             nn.init.uniform_(table.weight, -bound, bound)
 
-    def forward(self, sparse, actions: torch.Tensor, ages_s: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - KJT
+    def forward(self, sparse: KeyedJaggedTensor, actions: torch.Tensor, ages_s: torch.Tensor) -> torch.Tensor:
         d = self.shape.stu.dim
         emb = self.tables(sparse)
         history_len = emb["item_id"].lengths()
