@@ -740,25 +740,30 @@ def test_compute_slowdown_is_batch_time_over_the_warm_model_once_per_batch():
 def test_busy_instances_time_left_scales_with_the_measured_slowdown():
     """The batcher's view of a busy instance: its batch's modelled time, times the running
     ratio of measured to modelled batch times, less what has passed."""
-    from dlrm_lab.config import load_preset
-    from dlrm_lab.infer.batching import BatchCost
-    from dlrm_lab.infer.served import ServedModel
-    from dlrm_lab.infer.server import _Pool
+    from dlrm_lab.infer.batching import SLOWDOWN_WEIGHT, BatchClock, BatchCost
 
-    pool = _Pool(served=ServedModel("m", load_preset("tiny")), library=None)
-    assert pool.busy_left_ms(0) == [] and pool.expected_cost() is None  # nothing measured: busy ones not counted
-    pool.cost = BatchCost(fixed_ms=2.0, per_sample_ms=0.01)
-    pool.busy = {0: (0, 300), 1: (0, 100)}  # sent at t = 0 ns: 5 ms and 3 ms of work
-    assert pool.busy_left_ms(1_000_000) == pytest.approx([4.0, 2.0])
-    pool.slowdown = 1.5  # cores that slept run batches 1.5x slower
-    assert pool.busy_left_ms(1_000_000) == pytest.approx([6.5, 3.5])
-    assert pool.busy_left_ms(10_000_000) == [0.0, 0.0]  # overdue: ready any moment
+    clock = BatchClock(instances=1)
+    assert clock.busy_left_ms(0) == [] and clock.expected_cost() is None  # nothing measured: busy ones not counted
+    clock.cost = BatchCost(fixed_ms=2.0, per_sample_ms=0.01)
+    clock.sent(0, 0, 300)  # sent at t = 0 ns: 5 ms and 3 ms of work
+    clock.sent(1, 0, 100)
+    assert clock.busy_left_ms(1_000_000) == pytest.approx([4.0, 2.0])
+    clock.slowdown = 1.5  # cores that slept run batches 1.5x slower
+    assert clock.busy_left_ms(1_000_000) == pytest.approx([6.5, 3.5])
+    assert clock.busy_left_ms(10_000_000) == [0.0, 0.0]  # overdue: ready any moment
     # utilisation over the last second: batches done in it and those in flight, over instance-time
-    pool.busy = {0: (1_500_000_000, 10)}  # in flight for the last 0.5 s
-    pool.done.extend([(100_000_000, 300_000_000), (1_200_000_000, 200_000_000)])  # the first ended too long ago
-    pool.done_ns = 500_000_000
-    assert pool.utilisation(2_000_000_000) == pytest.approx((0.2 + 0.5) / 1.0)  # tiny serves 1 instance here
-    assert list(pool.done) == [(1_200_000_000, 200_000_000)] and pool.done_ns == 200_000_000
+    clock.busy = {0: (1_500_000_000, 10)}  # in flight for the last 0.5 s
+    clock.done.extend([(100_000_000, 300_000_000), (1_200_000_000, 200_000_000)])  # the first ended too long ago
+    clock.done_ns = 500_000_000
+    assert clock.utilisation(2_000_000_000) == pytest.approx((0.2 + 0.5) / 1.0)  # one instance
+    assert list(clock.done) == [(1_200_000_000, 200_000_000)] and clock.done_ns == 200_000_000
+    # a batch back: it leaves the busy ones, joins the recent ones, and moves the slowdown toward its own ratio
+    clock.slowdown = 1.0
+    assert clock.finished(0, 2_000_000_000, 300, batch_ms=10.0) == pytest.approx(5.0)  # modelled 5 ms, took 10
+    assert clock.busy == {} and clock.done[-1] == (2_000_000_000, 500_000_000)
+    assert clock.slowdown == pytest.approx(1.0 + SLOWDOWN_WEIGHT * (2.0 - 1.0))
+    assert clock.finished(1, 2_000_000_000, 300, batch_ms=None) == pytest.approx(5.0)  # a failed batch: no ratio
+    assert clock.slowdown == pytest.approx(1.0 + SLOWDOWN_WEIGHT)
 
 
 def test_search_early_stop_and_settled_repeats_rules():

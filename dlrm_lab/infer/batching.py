@@ -17,9 +17,10 @@ splitting made latency-aware, which no library does.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIN_IDLE_SHARE = 0.05  # the utilisation term's cap: pieces at most 20x min_piece
 UTILISATION_WINDOW_S = 1.0  # the recent past whose busy share scales the smallest piece
@@ -86,3 +87,59 @@ def next_batch(
         finish = t_k
     piece = math.ceil((finish - fixed) / per - 1e-9)
     return max(1, min(max_batch, waiting, piece))
+
+
+@dataclass
+class BatchClock:
+    """What a batcher knows of its instances' batches in time (one per served model; the
+    caller holds its lock): the warm batch cost measured at start, the batches in flight,
+    the recent ones, and the running ratio of measured to modelled batch times."""
+
+    instances: int
+    cost: BatchCost | None = None  # of one batch on one instance, measured at start
+    busy: dict[int, tuple[int, int]] = field(default_factory=dict)  # instance -> (sent at ns, samples)
+    slowdown: float = 1.0  # measured batch times over `cost`'s (cores that slept run slower)
+    done: collections.deque = field(default_factory=collections.deque)  # (ended at, took), ns: recent batches
+    done_ns: int = 0  # their sum of took
+
+    def expected_cost(self) -> BatchCost | None:
+        c = self.cost
+        return None if c is None else BatchCost(c.fixed_ms * self.slowdown, c.per_sample_ms * self.slowdown)
+
+    def utilisation(self, now_ns: int) -> float:
+        """The instances' busy share of the last UTILISATION_WINDOW_S: batches that ended in it
+        (`done`, pruned here) and those in flight."""
+        since = now_ns - int(UTILISATION_WINDOW_S * 1e9)
+        while self.done and self.done[0][0] < since:
+            self.done_ns -= self.done.popleft()[1]
+        busy = self.done_ns + sum(now_ns - max(sent, since) for sent, _ in self.busy.values())
+        return min(1.0, busy / (self.instances * UTILISATION_WINDOW_S * 1e9))
+
+    def busy_left_ms(self, now_ns: int) -> list[float]:
+        """Expected time left of every busy instance's batch (0 when overdue)."""
+        cost = self.expected_cost()
+        if cost is None:
+            return []
+        return [max(0.0, cost.ms(n) - (now_ns - sent) / 1e6) for sent, n in self.busy.values()]
+
+    def next_batch(self, waiting: int, free: int, now_ns: int, *, max_batch: int, min_piece: int) -> int:
+        """`next_batch` with what this clock knows at `now_ns`."""
+        return next_batch(waiting, free, self.busy_left_ms(now_ns), max_batch=max_batch, min_piece=min_piece,
+                          cost=self.expected_cost(), utilisation=self.utilisation(now_ns))  # fmt: skip
+
+    def sent(self, instance: int, now_ns: int, samples: int) -> None:
+        self.busy[instance] = (now_ns, samples)
+
+    def finished(self, instance: int, now_ns: int, samples: int, batch_ms: float | None) -> float | None:
+        """The instance's batch came back (`batch_ms`: its time on the instance, None when it
+        failed); returns that batch's time as the warm cost model has it."""
+        sent = self.busy.pop(instance, None)
+        if sent is not None:
+            self.done.append((now_ns, now_ns - sent[0]))
+            self.done_ns += now_ns - sent[0]
+        if self.cost is None:
+            return None
+        expected = self.cost.ms(samples)
+        if batch_ms is not None:
+            self.slowdown += SLOWDOWN_WEIGHT * (batch_ms / expected - self.slowdown)
+        return expected

@@ -36,7 +36,7 @@ import torch
 
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.batching import SLOWDOWN_WEIGHT, UTILISATION_WINDOW_S, BatchCost, next_batch
+from dlrm_lab.infer.batching import BatchClock, BatchCost
 from dlrm_lab.infer.instance import (
     PRECISIONS,
     BatchResult,
@@ -67,31 +67,10 @@ class _Pool:
     waiting_samples: int = 0
     free: collections.deque = field(default_factory=collections.deque)  # idle instance numbers
     thread: threading.Thread | None = None
-    cost: BatchCost | None = None  # of one batch on one instance, measured at start
-    busy: dict = field(default_factory=dict)  # instance -> (sent at, ns; samples) of its batch in flight
-    slowdown: float = 1.0  # running ratio of measured batch times to `cost`'s (cores that slept run slower)
-    done: collections.deque = field(default_factory=collections.deque)  # (ended at, took), ns: recent batches
-    done_ns: int = 0  # their sum of took
+    clock: BatchClock = field(init=False)  # its batches in time (infer.batching)
 
-    def expected_cost(self) -> BatchCost | None:
-        c = self.cost
-        return None if c is None else BatchCost(c.fixed_ms * self.slowdown, c.per_sample_ms * self.slowdown)
-
-    def utilisation(self, now_ns: int) -> float:
-        """The instances' busy share of the last UTILISATION_WINDOW_S: batches that ended in it
-        (`done`, pruned here) and those in flight."""
-        since = now_ns - int(UTILISATION_WINDOW_S * 1e9)
-        while self.done and self.done[0][0] < since:
-            self.done_ns -= self.done.popleft()[1]
-        busy = self.done_ns + sum(now_ns - max(sent, since) for sent, _ in self.busy.values())
-        return min(1.0, busy / (self.served.instances * UTILISATION_WINDOW_S * 1e9))
-
-    def busy_left_ms(self, now_ns: int) -> list[float]:
-        """Expected time left of every busy instance's batch (0 when overdue)."""
-        cost = self.expected_cost()
-        if cost is None:
-            return []
-        return [max(0.0, cost.ms(n) - (now_ns - sent) / 1e6) for sent, n in self.busy.values()]
+    def __post_init__(self) -> None:
+        self.clock = BatchClock(self.served.instances)
 
 
 class InferenceServer:
@@ -245,7 +224,7 @@ class InferenceServer:
                 raise RuntimeError(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")
         for name, measured in costs.items():
             pool = self._pools[name]
-            pool.cost = BatchCost(
+            pool.clock.cost = BatchCost(
                 fixed_ms=float(np.median([c.fixed_ms for c in measured])),
                 per_sample_ms=float(np.median([c.per_sample_ms for c in measured])),
             )
@@ -326,7 +305,7 @@ class InferenceServer:
             if max_queue is not None:
                 m.max_queue = max_queue
             if min_piece is not None:  # 0: the measured break-even
-                m.min_piece = min_piece or (pool.cost.break_even() if pool.cost else 1)
+                m.min_piece = min_piece or (pool.clock.cost.break_even() if pool.clock.cost else 1)
             pool.cond.notify()
 
     def submit(self, q: Query) -> None:
@@ -401,13 +380,11 @@ class InferenceServer:
                     else:
                         pool.cond.wait()
                 now = time.monotonic_ns()
-                size = next_batch(
-                    pool.waiting_samples, len(pool.free), pool.busy_left_ms(now), max_batch=m.max_batch,
-                    min_piece=m.min_piece, cost=pool.expected_cost(), utilisation=pool.utilisation(now),
-                )  # fmt: skip
+                size = pool.clock.next_batch(pool.waiting_samples, len(pool.free), now, max_batch=m.max_batch,
+                                             min_piece=m.min_piece)  # fmt: skip
                 pieces = self._take_batch(pool, size)
                 instance = pool.free.popleft()
-                pool.busy[instance] = (time.monotonic_ns(), sum(hi - lo for _, lo, hi in pieces))
+                pool.clock.sent(instance, now, sum(hi - lo for _, lo, hi in pieces))
                 batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces)
             refs = []
@@ -482,7 +459,6 @@ class InferenceServer:
             "batch_queries": len(pieces),
             "instance": msg.instance,
             "batch_compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
-            "batch_expected_ms": None if pool.cost is None else pool.cost.ms(samples),
         }
         pos = 0
         for q, lo, hi in pieces:
@@ -502,13 +478,9 @@ class InferenceServer:
                 pos += hi - lo
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
             pool.free.append(msg.instance)
-            sent = pool.busy.pop(msg.instance, None)
-            if sent is not None:
-                pool.done.append((now, now - sent[0]))
-                pool.done_ns += now - sent[0]
-            if pool.cost is not None and msg.error is None:
-                ratio = batch["batch_compute_ms"] / batch["batch_expected_ms"]
-                pool.slowdown += SLOWDOWN_WEIGHT * (ratio - pool.slowdown)
+            batch["batch_expected_ms"] = pool.clock.finished(
+                msg.instance, now, samples, None if msg.error is not None else batch["batch_compute_ms"]
+            )
             pool.cond.notify()
             finished = []
             for q, _, _ in pieces:
