@@ -245,8 +245,9 @@ class HSTURanker(nn.Module):
         pos_idx = torch.zeros(b, n, dtype=torch.long, device=x.device)
         age_idx = torch.zeros(b, n, dtype=torch.long, device=x.device)
         age_buckets = torch.sqrt(ages_s.clamp(min=0) / 60.0).long().clamp(max=self.shape.time_buckets)
+        spans = list(zip(history_len.tolist(), cand_len.tolist(), strict=True))  # (history, candidates) per request
         h_off = c_off = 0
-        for i, (h, c) in enumerate(zip(history_len.tolist(), cand_len.tolist(), strict=True)):
+        for i, (h, c) in enumerate(spans):
             x[i, 0] = user[i]
             x[i, 1 : 1 + h] = history[h_off : h_off + h]
             x[i, 1 + h : 1 + h + c] = candidates[c_off : c_off + c]
@@ -258,7 +259,6 @@ class HSTURanker(nn.Module):
         x = self.input_dropout(x * math.sqrt(d) + self.positions(pos_idx) + self.ages(age_idx))
         for layer in self.layers:
             x = layer(x, lengths, cand_len)
-        spans = zip(history_len.tolist(), cand_len.tolist(), strict=True)
         picked = torch.cat([x[i, 1 + h : 1 + h + c] for i, (h, c) in enumerate(spans)])
         user_side = self.candidate_norm(picked)
         item_side = self.item_tower(torch.cat([cand_item, cand_cat], dim=-1))

@@ -125,11 +125,11 @@ class InferenceService:
                 server_receive_ns=receive, client_send_ns=0 if req is None else req.client_send_ns,
             ).SerializeToString()  # fmt: skip
 
-        async def answer(req: Any, q: Query, done: asyncio.Future, receive: int) -> None:
+        async def answer(req: Any, q: Query, done: asyncio.Future) -> None:
             try:
                 answers.put_nowait(await self._reply(req, q, done))
             except _Refused as exc:
-                answers.put_nowait(refused(req, receive, exc))
+                answers.put_nowait(refused(req, q.scheduled_ns, exc))  # scheduled: the receive time
 
         async def read() -> None:
             try:
@@ -141,7 +141,7 @@ class InferenceService:
                     except _Refused as exc:
                         answers.put_nowait(refused(req, receive, exc))
                         continue
-                    task = asyncio.ensure_future(answer(req, q, done, receive))
+                    task = asyncio.ensure_future(answer(req, q, done))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
                 while in_flight:  # the client closed its side: finish what it sent
