@@ -72,6 +72,11 @@ def run() -> None:
     import signal
 
     code = main()
+    if "torch.distributed" in sys.modules:  # a distributed command: end its process group while Python is whole
+        # (left to interpreter teardown, gloo's threads can abort the rank after its work is done: pytorch#179291)
+        from dlrm_lab.distributed.context import shutdown_distributed
+
+        shutdown_distributed()
     # The command is over and its error, if any, printed. A launcher's SIGTERM from here on
     # (it stops the other ranks once one died) would raise Terminated inside an interpreter
     # exit hook and print a traceback after the one-line error: let the exit finish instead.
