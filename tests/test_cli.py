@@ -42,7 +42,7 @@ def test_presets_show_resolves_scaling():
         (["train", "--preset", "tiny", "--max-rows", "0"], "max_rows = 0: must be an integer >= 1"),
         (["train", "--device", "cuda"], "error: --device cuda: no CUDA device"),
         (["runs", "list", "/nonexistent/runs"], "error: /nonexistent/runs: no such directory"),
-        (["train", "--sharding", "diagonal"], "error: --sharding 'diagonal': allowed: auto, table_wise"),
+        (["train", "--sharding", "diagonal"], "error: --sharding 'diagonal': allowed: auto, planner, table_wise"),
         (["train", "--shard", "t_cat_9=row_wise"], "error: --shard 't_cat_9=row_wise': no table 't_cat_9'"),
         (["train", "--shard", "t_cat_0=diagonal"], "sharding type 'diagonal'; allowed: table_wise"),
         (["train", "--target-auc", "1.2"], "error: --target-auc 1.2: must be in (0.5, 1)"),

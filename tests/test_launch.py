@@ -104,7 +104,13 @@ def test_dlrm_lab_launch_with_mpiexec(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     (run_dir,) = list(tmp_path.iterdir())
-    assert _two_rank_run(run_dir)["config"]["launcher"] == "mpi"
+    manifest = _two_rank_run(run_dir)
+    assert manifest["config"]["launcher"] == "mpi"
+    # --sharding auto on 2 CPU ranks: candidate plans timed, the fastest planned
+    choice = manifest["config"]["sharding_choice"]
+    assert len(choice["step_ms"]) >= 2 and choice["sharding"] == min(choice["step_ms"], key=choice["step_ms"].get)
+    planned = {t["sharding_type"] for t in manifest["config"]["sharding_plan"]["tables"]}
+    assert choice["sharding"] == "planner" or planned == {choice["sharding"]}
 
 
 @pytest.mark.multiprocess

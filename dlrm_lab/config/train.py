@@ -12,6 +12,9 @@ from dlrm_lab.errors import UserError
 PRECISIONS = ("fp32", "bf16")
 # TorchRec's sharding types, by their ShardingType values.
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
+# `--sharding`: `planner` is TorchRec's planner choosing per table; `auto` is resolved before planning
+# (`train.sharding_trial`): the fastest plan measured on several CPU ranks, the planner on GPUs.
+SHARDING_CHOICES = ("auto", "planner", *SHARDING_TYPES)
 TABLE_PRECISIONS = ("fp32", "fp16")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
@@ -43,7 +46,7 @@ class TrainConfig:
     data_spec: str | None = None  # synthetic only; default: the model preset's
     data_overrides: tuple[str, ...] = ()  # synthetic only: `--set key=value` on the data spec
     prefetch: int = 2  # batches prepared ahead on a background thread (0: inline)
-    sharding: str = "auto"  # TorchRec's planner, or one sharding type for every table
+    sharding: str = "auto"  # measured (several CPU ranks) or TorchRec's planner, or one type for every table
     shard: tuple[str, ...] = ()  # per-table overrides: "t_cat_3=row_wise"
     timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
     pin_cores: bool = False  # pin each rank (and its data thread) to its own intra-op cores
@@ -80,7 +83,7 @@ class TrainConfig:
             isinstance(self.target_auc, (int, float)) and 0.5 < self.target_auc < 1
         ):
             raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
-        _choice("--sharding", self.sharding, ("auto", *SHARDING_TYPES))
+        _choice("--sharding", self.sharding, SHARDING_CHOICES)
         if self.checkpoint_every < 0:
             raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:

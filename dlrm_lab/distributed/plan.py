@@ -31,7 +31,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ShardingPlan, ShardingType
 
-from dlrm_lab.config import SHARDING_TYPES
+from dlrm_lab.config import SHARDING_CHOICES, SHARDING_TYPES
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import UserError
 from dlrm_lab.model.dlrm import DLRM
@@ -60,9 +60,10 @@ class AnyDeviceSharder(EmbeddingBagCollectionSharder):
 
 
 def check_sharding(sharding: str) -> None:
-    """`sharding` is "auto" or one of TorchRec's sharding types."""
-    if sharding != "auto" and sharding not in SHARDING_TYPES:
-        raise UserError(f"--sharding {sharding!r}: allowed: auto, {', '.join(SHARDING_TYPES)}")
+    """`sharding` is "auto", "planner" or one of TorchRec's sharding types ("auto" that reaches the planner,
+    unresolved, means the planner)."""
+    if sharding not in SHARDING_CHOICES:
+        raise UserError(f"--sharding {sharding!r}: allowed: {', '.join(SHARDING_CHOICES)}")
 
 
 def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[str]) -> dict[str, str]:
@@ -91,7 +92,7 @@ def _constraints(
     out = {}
     auto = ShardingType.TABLE_WISE.value if world_size == 1 else None
     for t in model.spec.tables:
-        kind = per_table.get(t.name) or (auto if sharding == "auto" else sharding)
+        kind = per_table.get(t.name) or (auto if sharding in ("auto", "planner") else sharding)
         kinds = [kind] if kind else list(SHARDING_TYPES)
         kernels = []
         if any(k != ShardingType.DATA_PARALLEL.value for k in kinds):
@@ -166,17 +167,28 @@ def plan_sharding(
         storage_reservation=FixedPercentageStorageReservation(RESERVED_MEMORY_SHARE),
         **(stages or PlannerStages()).planner_kwargs(topology, batch_size, constraints),
     )
-    try:
-        return planner.collective_plan(root, [sharder], dist.GroupMember.WORLD)
-    except PlannerError as exc:
+    # Rank 0 plans and sends the plan, or its refusal, to every rank (TorchRec's collective_plan would leave the
+    # other ranks waiting in the broadcast when rank 0's planner raises).
+    shared: list[Any] = [None]
+    if ctx.rank == 0:
+        try:
+            shared[0] = planner.plan(root, [sharder])
+        except PlannerError as exc:
+            shared[0] = str(exc).splitlines()[0][:200]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], str):
         table_bytes = sum(4 * t.num_parameters for t in model.spec.tables)
         memory = topology.devices[0].storage
+        how = "" if sharding in ("auto", "planner") else f" as {sharding}"
         raise UserError(
             f"the embedding tables of {model.spec.name} ({table_bytes / 2**30:.2f} GiB fp32, plus optimizer "
-            f"state) do not fit {ctx.world_size} rank(s) with {memory.ddr / 2**30:.2f} GiB host / "
+            f"state) do not fit {ctx.world_size} rank(s){how} with {memory.ddr / 2**30:.2f} GiB host / "
             f"{memory.hbm / 2**30:.2f} GiB device memory each: scale the tables (--table-scale, --max-rows) "
-            f"or add ranks [planner: {str(exc).splitlines()[0][:200]}]"
-        ) from None
+            f"or add ranks [planner: {shared[0]}]"
+        )
+    plan: ShardingPlan = shared[0]
+    return plan
 
 
 def machine_topology(ctx: DistContext) -> Topology:

@@ -19,8 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
 from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
@@ -53,14 +51,10 @@ from dlrm_lab.train.records import (
     roofline_columns,
     summarize_steps,
 )
+from dlrm_lab.train.sharding_trial import resolve_sharding
+from dlrm_lab.train.step import autocast, dense_optimizer, train_step
 from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases
 from dlrm_lab.train.watchdog import Watchdog
-
-_DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "adagrad": torch.optim.Adagrad,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-}
 
 
 @dataclass
@@ -72,14 +66,6 @@ class TrainResult:
     run_dir: Path | None = None
     model: torch.nn.Module | None = field(default=None, repr=False)
     reports: bool = True  # this process reports the run (rank 0; every rank returns a result)
-
-
-def _dense_optimizer(model: torch.nn.Module, cfg: TrainConfig, lr: float) -> CombinedOptimizer:
-    """The dense optimizer beside the tables' fused one, combined for stepping and checkpoints."""
-    dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
-    make = _DENSE_OPTIMIZERS[cfg.dense_optimizer]
-    dense = KeyedOptimizerWrapper(dense_params, lambda params: make(params, lr=lr))
-    return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]
 
 
 def _init_output_bias(model: torch.nn.Module, click_rate: float | None) -> float | None:
@@ -178,12 +164,6 @@ def _choose_precision(spec: ModelSpec, cfg: TrainConfig, ctx: DistContext, log: 
     return choice
 
 
-def _autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextManager[Any]:
-    if cfg.precision == "bf16":
-        return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def preflight(spec: ModelSpec, cfg: TrainConfig, *, data: bool = True) -> None:
     """The checks `train` makes before any work, callable alone (the CLI runs them before its
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
@@ -224,21 +204,27 @@ def train(
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     torch.manual_seed(cfg.seed)
     embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
-    model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
-    dmp, plan = shard_model(
-        model,
-        ctx,
-        EmbeddingOptimizer(cfg.embedding_optimizer, embedding_lr),
-        sharding=cfg.sharding,
-        per_table=per_table,
-        batch_size=cfg.batch_size,
-        wrapper=BatchLoss(model) if cfg.pipeline else None,
-    )
     # identical initial rows whatever the sharding and rank count, spread as in the published model
     init_bounds = {t.name: t.init_bound for t in spec.tables}
-    init_tables(dmp, cfg.seed, init_bounds)
+
+    def build(sharding: str, pipelined: bool = False) -> tuple[Any, Any]:
+        model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
+        dmp, plan = shard_model(
+            model,
+            ctx,
+            EmbeddingOptimizer(cfg.embedding_optimizer, embedding_lr),
+            sharding=sharding,
+            per_table=per_table,
+            batch_size=cfg.batch_size,
+            wrapper=BatchLoss(model) if pipelined else None,
+        )
+        init_tables(dmp, cfg.seed, init_bounds)
+        return dmp, plan
+
+    sharding_choice = resolve_sharding(spec, cfg, ctx, source, build, log)
+    dmp, plan = build(sharding_choice.sharding, cfg.pipeline)
     dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
-    optimizer = _dense_optimizer(dmp, cfg, dense_lr)
+    optimizer = dense_optimizer(dmp, cfg, dense_lr)
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
     if start_step >= cfg.steps:
         raise UserError(f"--resume: the checkpoint is at step {start_step}; --steps {cfg.steps} leaves nothing to do")
@@ -274,6 +260,7 @@ def train(
         "data": source.describe(),
         "eval_data": eval_source.describe(),
         "sharding_plan": plan_info,
+        "sharding_choice": sharding_choice.to_dict(),
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "launcher": ctx.launcher,
@@ -376,7 +363,7 @@ def train(
                 t0 = time.perf_counter()
                 if pipeline is not None:
                     # phases overlap by design here: only the step time is measured
-                    with _autocast(ctx, cfg):
+                    with autocast(ctx, cfg):
                         loss = pipeline.progress(batches)[0]
                     if timer.cuda:
                         torch.cuda.synchronize(ctx.device)
@@ -386,18 +373,12 @@ def train(
                     timer.start()
                     batch = next(batches).to(ctx.device, non_blocking=True)
                     timer.mark("data_wait")
-                    with _autocast(ctx, cfg):
-                        logits = dmp(batch.dense_features, batch.sparse_features)
-                    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-                    timer.mark("dense_forward")
-                    optimizer.zero_grad()
-                    loss.backward()  # also applies the fused table optimizer and DDP all-reduce
-                    timer.mark("backward")
-                    optimizer.step()
-                    timer.mark("optimizer")
+                    loss = train_step(dmp, optimizer, batch, ctx, cfg, timer.mark)
+                    step_ms = (time.perf_counter() - t0) * 1000  # before the lab's own bookkeeping below
                     phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
                     timer.stop()
-                    step_ms = (time.perf_counter() - t0) * 1000 if not timer.cuda else sum(phases.values())
+                    if timer.cuda:
+                        step_ms = sum(phases.values())
                 global_samples = cfg.batch_size * ctx.world_size
                 row = {
                     "step": step,
