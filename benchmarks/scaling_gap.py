@@ -84,13 +84,20 @@ def main() -> None:
             rows = pq.read_table(sweep / "summary.parquet").to_pylist()
             gap_path = sweep / "gap.parquet"
             gap = pq.read_table(gap_path).to_pylist() if gap_path.exists() else []
+            choices = {}  # what --sharding resolved to at each rank count (auto: the plans timed)
+            for manifest in sorted(sweep.glob("points/*/train-*/manifest.json")):
+                config = json.loads(manifest.read_text())["config"]
+                choices[config["world_size"]] = config.get("sharding_choice")
             results["cases"].setdefault(name, {"command": "dlrm-lab " + " ".join(a for a in args if a != out_dir),
                                                "runs": []})["runs"].append({
                 "order": run,
                 "points": [{k: r.get(k) for k in KEEP} for r in rows],
                 "gap_ms": {g["item"]: g["ms"] for g in gap},
+                "sharding_choice": choices,
                 "printed": printed if extra else None,
             })  # fmt: skip
+            if choices.get(2):
+                print(f"  2 ranks: {choices[2]['sharding']}: {choices[2]['reason']}", flush=True)
             for r in rows:
                 print("  " + ", ".join(f"{k}={r.get(k):.3f}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
                                        for k in KEEP), flush=True)  # fmt: skip
