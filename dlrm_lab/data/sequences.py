@@ -1,0 +1,330 @@
+"""Time-ordered synthetic requests for generative rankers (HSTU / MLPerf DLRMv3): users whose
+histories grow over timestamps, items with popularity skew and categories, preferences that drift,
+labels from a fixed teacher whose AUC is known.
+
+In the spirit of MLPerf's streaming synthetic data (docs/hstu.md), written here for the lab:
+
+- time is `timestamps` steps of `timestamp_s` seconds; at each step a fixed share of the users
+  is active (exactly round(active_share x users) of them, chosen by a per-step permutation) and
+  each active user meets a number of items ~ N(interactions_mean, interactions_sd);
+- an item's category is one of the user's `interests` categories with probability
+  `interest_share`, else any category; within a category the item follows a Zipf popularity
+  (`item_popularity_alpha`); item id = category + categories x popularity rank;
+- a user's rating of an item is (the item's base rating + the user's affinity to its category) / 2
+  + N(0, rating_noise); the affinity drifts, a sine of period `drift_period` timestamps with a
+  phase per (user, category); the label is rating >= 3.5 (the reference's rule);
+- a request is (user, step): the user's history (everything met at earlier active steps, oldest
+  first, the newest `max_history` kept), with each item's actions (seen; rating >= 3.5; >= 4.5;
+  < 2.5) and age, and `candidates` items drawn the way the user meets items at that step, the
+  first of which are the ones the user meets then (so they join the history of later requests).
+
+Every value is a counter-based hash of (seed, what, user, step, item slot): a request depends only
+on (spec, seed, its index), so any rank, shard or batch slices the same stream and memory is one
+block of requests. Requests are in time order; training takes steps [warmup_timestamps,
+train_timestamps), evaluation the later ones. The teacher's click probability of each candidate is
+P(rating >= 3.5) given everything but the noise; its AUC on a calibration sample is the best any
+model can reach.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+from scipy.special import ndtr, ndtri
+
+from dlrm_lab.data.synthetic import expected_auc
+from dlrm_lab.errors import UserError
+
+LIKE_RATING = 3.5  # the reference's label: rating >= 3.5
+ACTION_BITS = ("seen", "liked", "loved", "disliked")  # history action bits, lowest first
+MAX_BLOCK_TOKENS = 1 << 20  # history tokens per generated block, about
+CALIBRATION_REQUESTS = 2048
+
+# what each hash stream is for
+_ACTIVE, _COUNT, _CATEGORY, _INTEREST, _RANK, _ITEM_BASE, _AFFINITY, _PHASE, _NOISE, _INTERESTS = range(10)
+_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(h: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64."""
+    h = h + _M1
+    h = (h ^ (h >> np.uint64(30))) * _M2
+    h = (h ^ (h >> np.uint64(27))) * _M3
+    return h ^ (h >> np.uint64(31))
+
+
+def _hash(seed: int, stream: int, *keys: np.ndarray | int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        h = _mix(np.asarray([(seed << 8) ^ stream], dtype=np.uint64))
+        for k in keys:
+            h = _mix(h ^ np.asarray(k).astype(np.uint64))
+    return h
+
+
+def _uniform(seed: int, stream: int, *keys: np.ndarray | int) -> np.ndarray:
+    """Uniform in (0, 1), one per broadcast element of `keys`."""
+    return ((_hash(seed, stream, *keys) >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """The generator's parameters (a preset's [data] table); `check()` names a bad one."""
+
+    users: int = 1000
+    items: int = 100_000
+    categories: int = 32
+    timestamps: int = 100  # steps of time in all
+    train_timestamps: int = 90  # steps [warmup_timestamps, train_timestamps) train, the rest evaluate
+    warmup_timestamps: int = 10  # steps before the first request (histories start filled)
+    timestamp_s: float = 86400.0
+    active_share: float = 0.7
+    interactions_mean: float = 20.0
+    interactions_sd: float = 5.0
+    candidates: int = 32
+    max_history: int = 4096
+    interests: int = 4
+    interest_share: float = 0.8
+    item_popularity_alpha: float = 1.05
+    rating_noise: float = 0.5
+    drift_amplitude: float = 1.0
+    drift_period: float = 30.0  # timestamps
+
+    def check(self, where: str = "data") -> SequenceSpec:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise UserError(f"{where}: {name} = {getattr(self, name)!r}: {rule}")
+
+        for name in ("users", "items", "categories", "timestamps", "candidates", "max_history", "interests"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1")
+        need(self.items >= self.categories, "items", f"at least one per category ({self.categories})")
+        need(self.interests <= self.categories, "interests", f"at most the categories ({self.categories})")
+        need(0 <= self.warmup_timestamps < self.train_timestamps, "warmup_timestamps", "0 .. train_timestamps - 1")
+        need(self.train_timestamps < self.timestamps, "train_timestamps", f"below timestamps ({self.timestamps})")
+        need(0 < self.active_share <= 1, "active_share", "in (0, 1]")
+        need(0 <= self.interest_share <= 1, "interest_share", "in [0, 1]")
+        need(self.interactions_mean >= 1 and self.interactions_sd >= 0, "interactions_mean", ">= 1 (sd >= 0)")
+        need(self.rating_noise > 0, "rating_noise", "> 0")
+        need(self.item_popularity_alpha > 0, "item_popularity_alpha", "> 0")
+        need(self.drift_period > 0 and self.drift_amplitude >= 0, "drift_period", "> 0 (amplitude >= 0)")
+        need(self.timestamp_s > 0, "timestamp_s", "> 0")
+        return self
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "data") -> SequenceSpec:
+        known = {f.name: f.type for f in fields(cls)}
+        for key in raw:
+            if key not in known:
+                raise UserError(f"{where}: unknown key {key!r}; allowed: {', '.join(known)}")
+        return cls(**raw).check(where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def active_users(self) -> int:
+        """Users active at each step, and so requests per step."""
+        return max(1, round(self.active_share * self.users))
+
+    def window(self, name: str) -> tuple[int, int]:
+        """Steps [first, stop) of the `train` or `eval` window."""
+        return (self.warmup_timestamps, self.train_timestamps) if name == "train" else (
+            self.train_timestamps, self.timestamps)  # fmt: skip
+
+
+@dataclass
+class RequestBlock:
+    """Requests as flat numpy arrays; per-token arrays are concatenated over requests in order."""
+
+    request: np.ndarray  # int64 [n] global request index
+    user: np.ndarray  # int64 [n]
+    step: np.ndarray  # int64 [n] timestamp index
+    history_lengths: np.ndarray  # int64 [n]
+    history_items: np.ndarray  # int64 [sum]
+    history_categories: np.ndarray  # int64 [sum]
+    history_actions: np.ndarray  # uint8 [sum] bitmask of ACTION_BITS
+    history_ages_s: np.ndarray  # float64 [sum] seconds before the request
+    candidate_lengths: np.ndarray  # int64 [n]
+    candidate_items: np.ndarray  # int64 [sum]
+    candidate_categories: np.ndarray  # int64 [sum]
+    labels: np.ndarray  # float32 [sum]
+    click_probability: np.ndarray  # float64 [sum] the teacher's
+
+    @property
+    def size(self) -> int:
+        return len(self.request)
+
+
+class SequenceGenerator:
+    """Requests of `spec` for `seed` (see the module docstring)."""
+
+    def __init__(self, spec: SequenceSpec, seed: int = 0) -> None:
+        self.spec, self.seed = spec.check(), seed
+        self._per_category = spec.items // spec.categories
+        self._orders = [self._step_order(t) for t in range(spec.timestamps)]
+
+    # ----------------------------------------------------------------- who is active when
+    def _step_order(self, step: int) -> tuple[int, int, int]:
+        """An affine permutation of the users for `step`: slot s -> (a s + b) mod U; the first
+        `active_users` slots are the active users. Returns (a, b, a^-1 mod U)."""
+        users = self.spec.users
+        h = int(_hash(self.seed, _ACTIVE, step)[0])
+        a = (h % users) | 1 if users > 1 else 1
+        while math.gcd(a, users) != 1:
+            a += 2
+        b = (h >> 32) % users
+        return a % users or 1, b, pow(a % users or 1, -1, users) if users > 1 else 0
+
+    def _active(self, users: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Whether each (user, step) is active: its slot in that step's permutation is in front."""
+        out = np.zeros(np.broadcast(users, steps).shape, dtype=bool)
+        users, steps = np.broadcast_arrays(users, steps)
+        for t in np.unique(steps):
+            a, b, inv = self._orders[int(t)]
+            sel = steps == t
+            slot = ((users[sel] - b) % self.spec.users) * inv % self.spec.users
+            out[sel] = slot < self.spec.active_users
+        return out
+
+    def _met(self, users: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Items a user meets at a step when active (>= 1, at most the candidates)."""
+        s = self.spec
+        z = ndtri(_uniform(self.seed, _COUNT, users, steps))
+        return np.clip(np.rint(s.interactions_mean + s.interactions_sd * z), 1, s.candidates).astype(np.int64)
+
+    # ----------------------------------------------------------------- items and ratings
+    def user_interests(self, users: np.ndarray) -> np.ndarray:
+        """[n, interests] categories of each user's interests (distinct)."""
+        s = self.spec
+        start = (_uniform(self.seed, _INTERESTS, users) * s.categories).astype(np.int64)
+        stride = 1 + (_uniform(self.seed, _INTERESTS, users, 1) * max(1, s.categories // s.interests)).astype(np.int64)
+        return (start[:, None] + stride[:, None] * np.arange(s.interests)) % s.categories
+
+    def _items(self, users: np.ndarray, steps: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(item, category) met by each (user, step, slot)."""
+        s = self.spec
+        pick = _uniform(self.seed, _INTEREST, users, steps, slots)
+        interests = self.user_interests(users)
+        which = (_uniform(self.seed, _CATEGORY, users, steps, slots) * s.interests).astype(np.int64)
+        anywhere = (_uniform(self.seed, _CATEGORY, users, steps, slots, 1) * s.categories).astype(np.int64)
+        category = np.where(pick < s.interest_share, interests[np.arange(len(users)), which], anywhere)
+        rank = _zipf_rank(_uniform(self.seed, _RANK, users, steps, slots), self._per_category, s.item_popularity_alpha)
+        return category + s.categories * rank, category
+
+    def item_base(self, items: np.ndarray) -> np.ndarray:
+        """Each item's base rating, in [1, 5]."""
+        return 1.0 + 4.0 * _uniform(self.seed, _ITEM_BASE, items)
+
+    def affinity(self, users: np.ndarray, categories: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """A user's affinity to a category at a step, in about [1, 5]: higher for their interests,
+        drifting as a sine of the step."""
+        s = self.spec
+        interest = (self.user_interests(users) == categories[:, None]).any(axis=1)
+        level = np.where(interest, 3.0, 1.5) + 1.5 * _uniform(self.seed, _AFFINITY, users, categories)
+        phase = 2 * math.pi * _uniform(self.seed, _PHASE, users, categories)
+        return level + s.drift_amplitude * np.sin(2 * math.pi * steps / s.drift_period + phase)
+
+    def _ratings(self, users, steps, slots, items, categories) -> tuple[np.ndarray, np.ndarray]:
+        """(rating, the teacher's P(rating >= LIKE_RATING)) of each met item."""
+        mean = (self.item_base(items) + self.affinity(users, categories, steps)) / 2
+        noise = self.spec.rating_noise * ndtri(_uniform(self.seed, _NOISE, users, steps, slots))
+        return mean + noise, ndtr((mean - LIKE_RATING) / self.spec.rating_noise)
+
+    # ----------------------------------------------------------------- requests
+    def num_requests(self, window: str = "train") -> int:
+        first, stop = self.spec.window(window)
+        return (stop - first) * self.spec.active_users
+
+    def request_users(self, k: np.ndarray, window: str = "train") -> tuple[np.ndarray, np.ndarray]:
+        """(user, step) of a window's requests `k` (indices within it), in time order."""
+        first, _ = self.spec.window(window)
+        steps = first + k // self.spec.active_users
+        users = np.empty_like(k)
+        for t in np.unique(steps):
+            a, b, _ = self._orders[int(t)]
+            sel = steps == t
+            users[sel] = (a * (k[sel] % self.spec.active_users) + b) % self.spec.users
+        return users, steps
+
+    def requests(self, start: int, stop: int, window: str = "train") -> RequestBlock:
+        """Requests [start, stop) of `window` (indices past its end wrap around: epochs)."""
+        total = self.num_requests(window)
+        k = np.arange(start, stop, dtype=np.int64) % total
+        parts = [self._block(k[i : i + self._block_size], window) for i in range(0, len(k), self._block_size)]
+        return parts[0] if len(parts) == 1 else _concat(parts)
+
+    @cached_property
+    def _block_size(self) -> int:
+        s = self.spec
+        per_request = min(s.max_history, s.timestamps * s.interactions_mean * s.active_share) + s.candidates
+        return int(max(16, MAX_BLOCK_TOKENS // max(1.0, per_request)))
+
+    def _block(self, k: np.ndarray, window: str) -> RequestBlock:
+        s = self.spec
+        users, steps = self.request_users(k, window)
+        # history: every earlier active step's met items, oldest first, the newest max_history kept
+        past = np.arange(s.timestamps)[None, :]
+        earlier = past < steps[:, None]
+        active = self._active(users[:, None], past) & earlier
+        met = np.where(active, self._met(users[:, None], past), 0)
+        total = met.sum(axis=1)
+        drop = np.maximum(total - s.max_history, 0)
+        # token lists: (request, step, slot) per history item, then the oldest `drop` of each request cut
+        rows, cols = np.nonzero(met)
+        counts = met[rows, cols]
+        req = np.repeat(rows, counts)
+        step_of = np.repeat(cols, counts)
+        slot = np.arange(len(req)) - np.repeat(np.cumsum(counts) - counts, counts)
+        token = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(total)[:-1]]), total)
+        keep = token >= drop[req]
+        req, step_of, slot = req[keep], step_of[keep], slot[keep]
+        h_users = users[req]
+        h_items, h_cats = self._items(h_users, step_of, slot)
+        rating, _ = self._ratings(h_users, step_of, slot, h_items, h_cats)
+        actions = (1 | (rating >= LIKE_RATING) << 1 | (rating >= 4.5) << 2 | (rating < 2.5) << 3).astype(np.uint8)
+        ages = (steps[req] - step_of).astype(np.float64) * s.timestamp_s
+        # candidates: the request step's first `candidates` slots (its met items lead)
+        c_req = np.repeat(np.arange(len(k)), s.candidates)
+        c_slot = np.tile(np.arange(s.candidates), len(k))
+        c_users, c_steps = users[c_req], steps[c_req]
+        c_items, c_cats = self._items(c_users, c_steps, c_slot)
+        c_rating, prob = self._ratings(c_users, c_steps, c_slot, c_items, c_cats)
+        return RequestBlock(
+            request=k, user=users, step=steps, history_lengths=total - drop,
+            history_items=h_items, history_categories=h_cats, history_actions=actions, history_ages_s=ages,
+            candidate_lengths=np.full(len(k), s.candidates, dtype=np.int64),
+            candidate_items=c_items, candidate_categories=c_cats,
+            labels=(c_rating >= LIKE_RATING).astype(np.float32), click_probability=prob,
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------- the teacher
+    @cached_property
+    def teacher(self) -> dict[str, Any]:
+        """The teacher's AUC (the best reachable) and label rate, on evenly spread evaluation requests."""
+        total = self.num_requests("eval")
+        chunk = max(1, min(total, CALIBRATION_REQUESTS) // 16)  # 16 runs of requests spread over the window
+        starts = np.unique(np.linspace(0, total - chunk, 16).astype(np.int64))
+        probs = np.concatenate([self.requests(int(i), int(i) + chunk, "eval").click_probability for i in starts])
+        return {"teacher_auc": expected_auc(probs), "click_rate": float(probs.mean()), "requests": len(starts) * chunk}
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": "synthetic sequences", "seed": self.seed, "spec": self.spec.to_dict(), **self.teacher}
+
+
+def _zipf_rank(u: np.ndarray, n: int, alpha: float) -> np.ndarray:
+    """Ranks in [0, n) with P(rank r) ~ (r + 1)^-alpha, by the continuous inverse CDF."""
+    if n <= 1:
+        return np.zeros(len(u), dtype=np.int64)
+    if abs(alpha - 1.0) < 1e-9:
+        x = np.power(n + 1.0, u)
+    else:
+        e = 1.0 - alpha
+        x = np.power(1.0 + u * (np.power(n + 1.0, e) - 1.0), 1.0 / e)
+    return np.clip(x.astype(np.int64) - 1, 0, n - 1)
+
+
+def _concat(parts: list[RequestBlock]) -> RequestBlock:
+    return RequestBlock(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(RequestBlock)})
