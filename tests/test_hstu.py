@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import ROOT
 from torch.nn import functional as F
 
 from dlrm_lab.model.hstu import STULayer, STUShape, attention_pairs, valid_attention
@@ -159,3 +160,45 @@ def test_a_small_ranker_learns_what_only_attention_can_tell():
         kjt, actions, ages, labels = held_out
         auc = float(binary_auroc(model(kjt, actions, ages), labels.long()))
     assert auc > 0.9, auc
+
+
+def test_hstu_presets_load_scale_and_refuse_bad_fields(tmp_path):
+    from conftest import run_cli_in_process
+
+    import dlrm_lab
+    from dlrm_lab.config import HSTUSpec, available_presets, load_any_preset, preset_family
+    from dlrm_lab.errors import UserError
+
+    assert {"dlrmv3", "hstu-tiny"} <= set(available_presets("hstu")) and "dlrmv3" not in available_presets()
+    assert preset_family("dlrmv3") == "hstu" and preset_family("kaggle") == "dlrm"
+    v3 = load_any_preset("dlrmv3")
+    assert isinstance(v3, HSTUSpec)
+    assert (v3.shape.layers, v3.shape.stu.dim, v3.shape.stu.heads, v3.shape.items) == (5, 512, 4, 1_000_000_000)
+    assert v3.data.candidates == 2048 and v3.data.max_history + v3.data.candidates + 1 == 16_384
+    small = load_any_preset("dlrmv3", table_scale=1e-4, max_rows=50_000)
+    assert (small.shape.items, small.shape.users, small.shape.categories) == (50_000, 1000, 128)
+    assert small.data.items == 50_000 and small.data.users == 500 and small.published_rows["items"] == 10**9
+    # the cost per request: 5 layers of the STU count, ~0.5 TFLOP at 6,400 history items and 2,048 candidates
+    assert v3.shape.request_flops(6400, 2048) == pytest.approx(5 * STUShape().layer_flops(6401, 2048), rel=0.05)
+    with pytest.raises(UserError, match="is an HSTU ranker"):
+        dlrm_lab.load_preset("dlrmv3")
+    body = (ROOT / "models" / "hstu-tiny.toml").read_text()
+    for change, message in (
+        (body.replace("layers = 2", "layers = 0"), r"\[model\] layers = 0: must be an integer >= 1"),
+        (
+            body.replace("input_dropout = 0.0", "input_dropout = 1.5"),
+            r"input_dropout = 1.5: must be a number in \[0, 1\)",
+        ),
+        (body.replace("[data]", "[data]\nusers = 5000"), r"\[data\] users = 5000: must be 1 .. the user table's 200"),
+        (body.replace("[data]", "[data]\nitems = 5"), r"\[data\] items: set by \[model\] items"),
+        (body.replace("candidates = 8", "candidate = 8"), r"unknown key 'candidate'"),
+        ("extra = 1\n" + body, "unknown field"),
+    ):
+        path = tmp_path / "bad.toml"
+        path.write_text(change)
+        with pytest.raises(UserError, match=message):
+            load_any_preset(path)
+    code, out, _ = run_cli_in_process("presets")
+    assert code == 0 and "HSTU ranker presets" in out and "hstu-tiny" in out
+    code, out, _ = run_cli_in_process("presets", "show", "dlrmv3", "--table-scale", "0.0001")
+    assert code == 0 and "5 STU layers, width 512" in out and "GFLOP forward" in out

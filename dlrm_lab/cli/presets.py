@@ -9,7 +9,7 @@ from rich.table import Table
 
 from dlrm_lab.cli.format import console, human_bytes, human_count
 from dlrm_lab.cli.options import MaxRows, TableScale
-from dlrm_lab.config import ModelSpec, available_presets, load_preset
+from dlrm_lab.config import HSTUSpec, ModelSpec, available_presets, load_any_preset, load_preset
 
 app = typer.Typer(help="Model presets (models/*.toml).", invoke_without_command=True, no_args_is_help=False)
 
@@ -57,6 +57,44 @@ def list_presets(
             human_bytes(spec.num_bytes),
         )
     console().print(table)
+    hstu = Table(title="HSTU ranker presets (family hstu, docs/hstu.md)")
+    for col in ("preset", "layers", "dim", "heads", "items", "users", "candidates", "history", "params", "fp32"):
+        hstu.add_column(col, justify="left" if col == "preset" else "right", no_wrap=True)
+    for name in available_presets("hstu"):
+        h = load_any_preset(name, table_scale=table_scale, max_rows=max_rows)
+        assert isinstance(h, HSTUSpec)
+        hstu.add_row(
+            name, str(h.shape.layers), str(h.shape.stu.dim), str(h.shape.stu.heads), human_count(h.shape.items),
+            human_count(h.shape.users), str(h.data.candidates), f"<= {h.data.max_history:,}",
+            human_count(h.num_parameters), human_bytes(4 * h.num_parameters),
+        )  # fmt: skip
+    console().print(hstu)
+
+
+def _show_hstu(spec: HSTUSpec) -> None:
+    out = console()
+    shape, data = spec.shape, spec.data
+    out.print(
+        f"{spec.name}: HSTU ranker, {human_count(spec.num_parameters)} parameters "
+        f"({human_count(shape.embedding_parameters)} embedding), {human_bytes(4 * spec.num_parameters)} fp32"
+    )
+    out.print(spec.description)
+    out.print(f"source: {spec.source}")
+    out.print(
+        f"{shape.layers} STU layers, width {shape.stu.dim}, {shape.stu.heads} heads of q/k {shape.stu.qk_dim} and "
+        f"v {shape.stu.v_dim}; tables item {shape.items:,}, category {shape.categories:,}, user {shape.users:,} rows"
+    )
+    h = round(spec.mean_history)
+    out.print(
+        f"per request (mean training history {h:,} items, {data.candidates:,} candidates): "
+        f"{shape.request_flops(h, data.candidates) / 1e9:.3g} GFLOP forward, "
+        f"{human_bytes(shape.request_lookup_bytes(h, data.candidates))} of embedding rows read"
+    )
+    out.print(
+        f"data: {data.users:,} users, {data.timestamps} steps ({data.warmup_timestamps}-{data.train_timestamps - 1} "
+        f"train, {data.train_timestamps}-{data.timestamps - 1} evaluate), {data.active_share:g} active a step, "
+        f"N({data.interactions_mean:g}, {data.interactions_sd:g}) items met, history <= {data.max_history:,}"
+    )
 
 
 @app.command("show")
@@ -67,9 +105,12 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Print the resolved spec as JSON."),
 ) -> None:
     """Print one preset resolved: every table, the MLPs and the sizes."""
-    spec = load_preset(name, table_scale=table_scale, max_rows=max_rows)
+    spec = load_any_preset(name, table_scale=table_scale, max_rows=max_rows)
     if as_json:
-        typer.echo(json.dumps(spec.to_dict(), indent=2))
+        typer.echo(json.dumps(spec.to_dict(), indent=2, default=str))
+        return
+    if isinstance(spec, HSTUSpec):
+        _show_hstu(spec)
         return
     out = console()
     out.print(size_line(spec))

@@ -25,6 +25,7 @@ from typing import Any
 
 import tomllib
 
+from dlrm_lab.config.hstu import HSTUSpec, is_hstu_preset, load_hstu_preset
 from dlrm_lab.config.rules import bad, int_list_problem, is_number, is_positive_int
 from dlrm_lab.config.specs import ModelSpec, TableSpec
 from dlrm_lab.errors import UserError
@@ -47,11 +48,36 @@ _MODEL_KEYS = {
     "reference",
 }
 _DCN_KEYS = {"num_layers", "low_rank"}
+MODEL_FAMILIES = ("dlrm", "hstu")
 _REFERENCE_KEYS = {"batch_size", "dense_lr", "source", "target_auc"}
 
 
-def available_presets() -> list[str]:
-    return available("models")
+def preset_family(name_or_path: str | Path) -> str:
+    """ "dlrm" or "hstu" (a preset file's `family`; DLRM when it names none)."""
+    path = preset_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: invalid TOML: {exc}") from None
+    family = raw.get("family", "dlrm")
+    if family not in MODEL_FAMILIES:
+        raise UserError(f"{path}: family = {family!r}: allowed: {', '.join(MODEL_FAMILIES)}")
+    return family
+
+
+def available_presets(family: str | None = "dlrm") -> list[str]:
+    """Shipped preset names of one model family (None: all of them)."""
+    names = available("models")
+    return names if family is None else [n for n in names if preset_family(n) == family]
+
+
+def load_any_preset(
+    name_or_path: str | Path, *, table_scale: float | None = None, max_rows: int | None = None
+) -> ModelSpec | HSTUSpec:
+    """A preset of either family, resolved and scaled."""
+    if preset_family(name_or_path) == "hstu":
+        return load_hstu_preset(preset_path(name_or_path), table_scale=table_scale, max_rows=max_rows)
+    return load_preset(name_or_path, table_scale=table_scale, max_rows=max_rows)
 
 
 def preset_path(name_or_path: str | Path) -> Path:
@@ -78,6 +104,11 @@ def load_preset(
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: invalid TOML: {exc}") from None
+    if is_hstu_preset(raw):
+        raise UserError(
+            f"preset {raw.get('name', path.stem)!r} is an HSTU ranker (family hstu): this command runs DLRM presets "
+            f"({', '.join(available_presets())}); HSTU presets run with `train` and `data` (docs/hstu.md)"
+        )
     for key, value in overrides.items():
         if value is not None:
             raw[key] = value

@@ -29,15 +29,15 @@ model can reach.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 from scipy.special import ndtr, ndtri
 
+from dlrm_lab.config.hstu import SequenceSpec
 from dlrm_lab.data.synthetic import expected_auc
-from dlrm_lab.errors import UserError
 
 LIKE_RATING = 3.5  # the reference's label: rating >= 3.5
 ACTION_BITS = ("seen", "liked", "loved", "disliked")  # history action bits, lowest first
@@ -68,71 +68,6 @@ def _hash(seed: int, stream: int, *keys: np.ndarray | int) -> np.ndarray:
 def _uniform(seed: int, stream: int, *keys: np.ndarray | int) -> np.ndarray:
     """Uniform in (0, 1), one per broadcast element of `keys`."""
     return ((_hash(seed, stream, *keys) >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
-
-
-@dataclass(frozen=True)
-class SequenceSpec:
-    """The generator's parameters (a preset's [data] table); `check()` names a bad one."""
-
-    users: int = 1000
-    items: int = 100_000
-    categories: int = 32
-    timestamps: int = 100  # steps of time in all
-    train_timestamps: int = 90  # steps [warmup_timestamps, train_timestamps) train, the rest evaluate
-    warmup_timestamps: int = 10  # steps before the first request (histories start filled)
-    timestamp_s: float = 86400.0
-    active_share: float = 0.7
-    interactions_mean: float = 20.0
-    interactions_sd: float = 5.0
-    candidates: int = 32
-    max_history: int = 4096
-    interests: int = 4
-    interest_share: float = 0.8
-    item_popularity_alpha: float = 1.05
-    rating_noise: float = 0.5
-    drift_amplitude: float = 1.0
-    drift_period: float = 30.0  # timestamps
-
-    def check(self, where: str = "data") -> SequenceSpec:
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise UserError(f"{where}: {name} = {getattr(self, name)!r}: {rule}")
-
-        for name in ("users", "items", "categories", "timestamps", "candidates", "max_history", "interests"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1")
-        need(self.items >= self.categories, "items", f"at least one per category ({self.categories})")
-        need(self.interests <= self.categories, "interests", f"at most the categories ({self.categories})")
-        need(0 <= self.warmup_timestamps < self.train_timestamps, "warmup_timestamps", "0 .. train_timestamps - 1")
-        need(self.train_timestamps < self.timestamps, "train_timestamps", f"below timestamps ({self.timestamps})")
-        need(0 < self.active_share <= 1, "active_share", "in (0, 1]")
-        need(0 <= self.interest_share <= 1, "interest_share", "in [0, 1]")
-        need(self.interactions_mean >= 1 and self.interactions_sd >= 0, "interactions_mean", ">= 1 (sd >= 0)")
-        need(self.rating_noise > 0, "rating_noise", "> 0")
-        need(self.item_popularity_alpha > 0, "item_popularity_alpha", "> 0")
-        need(self.drift_period > 0 and self.drift_amplitude >= 0, "drift_period", "> 0 (amplitude >= 0)")
-        need(self.timestamp_s > 0, "timestamp_s", "> 0")
-        return self
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], where: str = "data") -> SequenceSpec:
-        known = {f.name: f.type for f in fields(cls)}
-        for key in raw:
-            if key not in known:
-                raise UserError(f"{where}: unknown key {key!r}; allowed: {', '.join(known)}")
-        return cls(**raw).check(where)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def active_users(self) -> int:
-        """Users active at each step, and so requests per step."""
-        return max(1, round(self.active_share * self.users))
-
-    def window(self, name: str) -> tuple[int, int]:
-        """Steps [first, stop) of the `train` or `eval` window."""
-        return (self.warmup_timestamps, self.train_timestamps) if name == "train" else (
-            self.train_timestamps, self.timestamps)  # fmt: skip
 
 
 @dataclass

@@ -23,12 +23,15 @@ agreement is tested; the lab measures which is faster.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm_lab.config.hstu import ACTION_BITS, ACTION_DIM, RankerShape, STUShape, attention_pairs
+
+__all__ = ["HSTURanker", "RankerShape", "STULayer", "STUShape", "attention_pairs", "valid_attention"]
 
 LAYER_NORM_EPS = 1e-6
 ATTENTION_PATHS = ("padded", "jagged")
@@ -47,35 +50,12 @@ def valid_attention(lengths: torch.Tensor, candidates: torch.Tensor, max_len: in
     return (earlier | same) & real.unsqueeze(2) & real.unsqueeze(1)
 
 
-def attention_pairs(history: int, candidates: int) -> int:
-    """Valid (query, key) pairs of one request: causal history with the diagonal, plus
-    each candidate against the history and itself."""
-    return history * (history + 1) // 2 + candidates * (history + 1)
-
-
-@dataclass(frozen=True)
-class STUShape:
-    dim: int = 512  # model width D (the embedding dim)
-    heads: int = 4
-    qk_dim: int = 128  # per head
-    v_dim: int = 128  # per head (u too)
-
-    def layer_flops(self, history: int, candidates: int, *, path: str = "jagged") -> int:
-        """Forward FLOPs (2 per multiply-add) of one layer for one request: the two
-        projections per token and the two attention products per valid pair (`jagged`) or
-        per padded pair (`padded`: n^2)."""
-        n = history + candidates
-        h, dqk, dv, d = self.heads, self.qk_dim, self.v_dim, self.dim
-        pairs = attention_pairs(history, candidates) if path == "jagged" else n * n
-        projections = 2 * n * d * h * (2 * dv + 2 * dqk) + 2 * n * 3 * h * dv * d
-        return projections + 2 * h * (dqk + dv) * pairs
-
-
 class STULayer(nn.Module):
     """One HSTU layer over padded [B, N, D] sequences (see the module docstring)."""
 
-    def __init__(self, shape: STUShape = STUShape(), dropout: float = 0.1, attention: str = "padded") -> None:
+    def __init__(self, shape: STUShape | None = None, dropout: float = 0.1, attention: str = "padded") -> None:
         super().__init__()
+        shape = shape or STUShape()
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention {attention!r}: allowed: {', '.join(ATTENTION_PATHS)}")
         self.shape, self.attention = shape, attention
@@ -135,26 +115,6 @@ class STULayer(nn.Module):
 
 HISTORY_FEATURES = ("item_id", "item_category_id")  # a request's history, oldest first
 CANDIDATE_FEATURES = ("item_candidate_id", "item_candidate_category_id")
-ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
-ACTION_DIM = 8  # per action type
-
-
-@dataclass(frozen=True)
-class RankerShape:
-    """A DLRMv3-style ranker: item, category and user tables, `layers` STU layers. The
-    defaults are MLPerf Inference v6.0's DLRMv3 (docs/hstu.md), which no small machine holds:
-    scale `items` and `users` down."""
-
-    items: int = 1_000_000_000
-    categories: int = 128
-    users: int = 10_000_000
-    layers: int = 5
-    stu: STUShape = STUShape()
-    hidden: int = 256  # the preprocessor's MLPs
-    position_buckets: int = 8192
-    time_buckets: int = 2048
-    input_dropout: float = 0.2
-    layer_dropout: float = 0.1
 
 
 class SwishLayerNorm(nn.Module):
@@ -187,8 +147,9 @@ class HSTURanker(nn.Module):
     every timestamp is 1), and the contextual token's zeroing for short histories.
     """
 
-    def __init__(self, shape: RankerShape = RankerShape(), attention: str = "padded", device: str = "cpu") -> None:
+    def __init__(self, shape: RankerShape | None = None, attention: str = "padded", device: str = "cpu") -> None:
         super().__init__()
+        shape = shape or RankerShape()
         from torchrec.modules.embedding_configs import EmbeddingConfig
         from torchrec.modules.embedding_modules import EmbeddingCollection
 
