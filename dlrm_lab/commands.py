@@ -15,7 +15,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from dlrm_lab.config import ModelSpec, TrainConfig, load_preset
+from dlrm_lab.config import HSTUSpec, ModelSpec, TrainConfig, load_any_preset
 from dlrm_lab.errors import UserError
 
 # Options of the command line only: where results go and how progress shows.
@@ -101,7 +101,7 @@ def _split(options: Mapping[str, Any], allowed: set[str], command: str) -> dict[
     return {k: v for k, v in given.items() if k not in CLI_ONLY}
 
 
-def train_setup(options: Mapping[str, Any]) -> tuple[ModelSpec, TrainConfig]:
+def train_setup(options: Mapping[str, Any]) -> tuple[ModelSpec | HSTUSpec, TrainConfig]:
     """The model and the training config of `dlrm-lab train` with these options (the rest default)."""
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(TrainConfig)
@@ -116,7 +116,7 @@ def train_setup(options: Mapping[str, Any]) -> tuple[ModelSpec, TrainConfig]:
         values[field] = coerce(name, value, hints[field])
         if value is None and fields[field].default is not None:
             values.pop(field)  # an option left unset takes the config's default
-    spec = load_preset(preset, **scaling)
+    spec = load_any_preset(preset, **scaling)  # either family: DLRM or the HSTU ranker
     return spec, TrainConfig(**values)
 
 

@@ -1,6 +1,7 @@
 """Run under torchrun by tests: train `tiny` with every sharding type, dump losses and tables.
 
-torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR GLOBAL_BATCH STEPS
+torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR GLOBAL_BATCH STEPS [PRESET SHARDINGS]
+(PRESET another preset, e.g. hstu-tiny; SHARDINGS comma-separated types)
 """
 
 import faulthandler
@@ -12,17 +13,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import dlrm_lab
-from dlrm_lab.config import SHARDING_TYPES, TrainConfig
+from dlrm_lab.config import SHARDING_TYPES, TrainConfig, load_any_preset
 from dlrm_lab.distributed.context import init_distributed, shutdown_distributed
 from dlrm_lab.distributed.tables import gather_tables
 from dlrm_lab.train import train
 
 
-def run(out: Path, global_batch: int, steps: int) -> None:
-    spec = dlrm_lab.load_preset("tiny")
+def run(
+    out: Path, global_batch: int, steps: int, preset: str = "tiny", shardings: tuple[str, ...] = SHARDING_TYPES
+) -> None:
+    spec = load_any_preset(preset)
     world = init_distributed("cpu").world_size  # before the first run sizes its batch
-    for sharding in SHARDING_TYPES:
+    for sharding in shardings:
         cfg = TrainConfig(
             steps=steps,
             batch_size=global_batch // world,
@@ -41,7 +43,7 @@ def run(out: Path, global_batch: int, steps: int) -> None:
             by_step.setdefault(row["step"], []).append(row["loss"])
         losses = [sum(v) / len(v) for _, v in sorted(by_step.items())]
         tables = gather_tables(result.model)
-        dense = {k: v.detach().cpu() for k, v in result.model.state_dict().items() if "embedding_bags" not in k}
+        dense = {k: v.detach().cpu() for k, v in result.model.state_dict().items() if "embedding" not in k}
         if not dist.is_initialized() or dist.get_rank() == 0:
             (out / f"{sharding}.json").write_text(json.dumps({"losses": losses, "plan": result.plan}))
             torch.save({"tables": tables, "dense": dense}, out / f"{sharding}.pt")
@@ -53,7 +55,8 @@ if __name__ == "__main__":
     # here: the Python stacks of every thread are printed if it happens again, with how far the runs got.
     faulthandler.enable()
     try:
-        run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+        extra = (sys.argv[4], tuple(sys.argv[5].split(","))) if len(sys.argv) > 5 else ()
+        run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *extra)
     finally:
         shutdown_distributed()
     # Everything is written: leave without interpreter teardown, where gloo's worker threads can still hold work

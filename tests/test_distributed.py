@@ -62,6 +62,43 @@ def test_two_ranks_match_one_rank(runs, sharding):
         torch.testing.assert_close(wb["dense"][key], value, rtol=1e-5, atol=1e-6)
 
 
+HSTU_SHARDINGS = ("table_wise", "row_wise", "column_wise")
+
+
+@pytest.mark.multiprocess
+def test_hstu_two_ranks_match_one_rank(tmp_path):
+    """The HSTU ranker's sequence tables sharded over 2 ranks train as on one rank (float summation
+    order aside: DDP averages two half-batch gradients)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    args = [str(GLOBAL_BATCH // 4), str(STEPS), "hstu-tiny", ",".join(HSTU_SHARDINGS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    ref = subprocess.run([sys.executable, "tests/dist_worker.py", str(one), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=env)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = torchrun("tests/dist_worker.py", str(two), *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for sharding in HSTU_SHARDINGS:
+        a = json.loads((one / f"{sharding}.json").read_text())
+        b = json.loads((two / f"{sharding}.json").read_text())
+        assert {t["sharding_type"] for t in b["plan"]["tables"]} == {sharding}
+        assert {t["table"] for t in b["plan"]["tables"]} == {"item", "item_category", "user"}
+        for la, lb in zip(a["losses"], b["losses"], strict=True):
+            assert abs(la - lb) <= 1e-4 * abs(la), (a["losses"], b["losses"])
+        wa, wb = torch.load(one / f"{sharding}.pt"), torch.load(two / f"{sharding}.pt")
+        for name, table in wa["tables"].items():
+            torch.testing.assert_close(wb["tables"][name], table, rtol=1e-4, atol=1e-4)
+            assert table.abs().max() < 10  # finite and trained below (not the initial rows)
+    first = torch.load(one / f"{HSTU_SHARDINGS[0]}.pt")["tables"]
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.model import build_model
+
+    model = build_model(load_any_preset("hstu-tiny"))
+    init_tables(model, seed=3)
+    initial = gather_tables(model)
+    assert set(initial) == set(first) and not torch.equal(first["item"], initial["item"])
+
+
 def _two_ranks_training(tmp_path, timeout_s: int, grace_s: int | None = None):
     """Start a long 2-rank run as `dlrm-lab launch` does; return (launcher process, rank 1's
     process) once both flushed steps."""

@@ -14,9 +14,17 @@ from dlrm_lab.config import HSTUSpec, ModelSpec, available_presets, load_any_pre
 app = typer.Typer(help="Model presets (models/*.toml).", invoke_without_command=True, no_args_is_help=False)
 
 
-def size_line(spec: ModelSpec) -> str:
+def size_line(spec: ModelSpec | HSTUSpec) -> str:
     """One line with what a preset costs, printed before anything is built."""
     scale = []
+    if isinstance(spec, HSTUSpec):
+        h = round(spec.mean_history)
+        return (
+            f"{spec.name}: HSTU ranker, {spec.shape.layers} STU layers of width {spec.shape.stu.dim}, "
+            f"{human_count(spec.num_parameters)} parameters ({human_count(spec.embedding_parameters)} embedding), "
+            f"{human_bytes(4 * spec.num_parameters)} fp32; a request ~{h:,} history items + "
+            f"{spec.data.candidates:,} candidates, {spec.shape.request_flops(h, spec.data.candidates) / 1e9:.3g} GFLOP"
+        )
     if spec.table_scale != 1.0:
         scale.append(f"table_scale={spec.table_scale:g}")
     if spec.max_rows is not None:

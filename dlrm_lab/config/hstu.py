@@ -26,6 +26,7 @@ from typing import Any
 
 import tomllib
 
+from dlrm_lab.config.specs import TableSpec
 from dlrm_lab.errors import UserError
 
 ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
@@ -190,9 +191,38 @@ class HSTUSpec:
     published_rows: dict[str, int] = field(default_factory=dict)  # before scaling
     family: str = "hstu"
 
+    # What the training loop, the planner and the cost model read of any model spec (as ModelSpec has them).
+    interaction = "hstu"
+    reference_batch_size = reference_dense_lr = reference_target_auc = None
+    reference_source = ""
+
     @property
     def num_parameters(self) -> int:
         return self.shape.embedding_parameters + self.shape.dense_parameters
+
+    @property
+    def embedding_parameters(self) -> int:
+        return self.shape.embedding_parameters
+
+    @property
+    def dense_parameters(self) -> int:
+        return self.shape.dense_parameters
+
+    @property
+    def tables(self) -> tuple[TableSpec, ...]:
+        """The three tables as the planner sees them; a feature's "pooling factor" here is its
+        mean ids per request (sequence features are not pooled, every id keeps its own row)."""
+        history, cands = self.mean_history, float(self.data.candidates)
+        pub = self.published_rows
+        s = self.shape
+        return (
+            TableSpec("item", s.items, s.stu.dim, ("item_id", "item_candidate_id"), (history + cands) / 2,
+                      pub.get("items") if pub.get("items") != s.items else None),
+            TableSpec("item_category", s.categories, s.stu.dim, ("item_category_id", "item_candidate_category_id"),
+                      (history + cands) / 2),
+            TableSpec("user", s.users, s.stu.dim, ("user_id",), 1.0,
+                      pub.get("users") if pub.get("users") != s.users else None),
+        )  # fmt: skip
 
     @property
     def mean_history(self) -> float:

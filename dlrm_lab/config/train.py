@@ -127,6 +127,8 @@ def embedding_lr_for(spec: Any, cfg: TrainConfig) -> tuple[float, str]:
     rm3 (20) unchanged; one-hot presets keep 0.05."""
     if cfg.embedding_lr is not None:
         return cfg.embedding_lr, "given (--embedding-lr)"
+    if getattr(spec, "family", "dlrm") == "hstu":
+        return DEFAULT_EMBEDDING_LR, f"{DEFAULT_EMBEDDING_LR:g}: sequence features, every id keeps its own vector"
     pooling = [t.pooling_factor for t in spec.tables for _ in t.feature_names]
     mean = sum(pooling) / len(pooling)
     if mean <= 1:

@@ -12,8 +12,9 @@ from typing import Any, Protocol
 
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config import ModelSpec
+from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.data.parquet import ParquetSource
+from dlrm_lab.data.sequences import SequenceGenerator, SequenceSource
 from dlrm_lab.data.source import SyntheticSource
 from dlrm_lab.data.spec import DataSpec, load_data_spec
 from dlrm_lab.data.synthetic import SyntheticGenerator
@@ -39,7 +40,14 @@ def check_data_options(
     model: ModelSpec, data: str, data_spec: str | None = None, overrides: tuple[str, ...] = ()
 ) -> DataSpec | None:
     """The data spec a run on `data` generates from, checked (None for a dataset on disk,
-    where `--data-spec`/`--set` cannot apply): callers check before they start anything."""
+    where `--data-spec`/`--set` cannot apply, and for an HSTU preset, whose requests its own
+    [data] table describes): callers check before they start anything."""
+    if isinstance(model, HSTUSpec):
+        if data != "synthetic":
+            raise UserError(f"--data {data}: {model.name} trains on its synthetic requests (--data synthetic) only")
+        if data_spec or overrides:
+            raise UserError(f"--data-spec/--set: {model.name}'s requests are its preset's [data] table")
+        return None
     if data == "synthetic":
         return resolve_data_spec(model, data_spec, overrides)
     if data_spec or overrides:
@@ -73,6 +81,12 @@ def open_sources(
     (converted Criteo) they are the dataset's first batches, and the description says so.
     """
     spec = check_data_options(model, data, data_spec, overrides)
+    if isinstance(model, HSTUSpec):  # requests in time order; held out: the later window
+        requests = SequenceGenerator(model.data, seed)
+        return (
+            SequenceSource(requests, batch_size, rank, world_size, "train", start_batch=start_batch),
+            SequenceSource(requests, batch_size, rank, world_size, "eval", num_batches=eval_batches),
+        )
     if spec is not None:
         gen = SyntheticGenerator(spec, seed)
         train = SyntheticSource(gen, batch_size, rank, world_size, start_batch=start_batch)

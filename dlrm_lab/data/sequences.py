@@ -29,11 +29,13 @@ model can reach.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
 import numpy as np
+import torch
 from scipy.special import ndtr, ndtri
 
 from dlrm_lab.config.hstu import SequenceSpec
@@ -263,3 +265,90 @@ def _zipf_rank(u: np.ndarray, n: int, alpha: float) -> np.ndarray:
 
 def _concat(parts: list[RequestBlock]) -> RequestBlock:
     return RequestBlock(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(RequestBlock)})
+
+
+# ----------------------------------------------------------------------------- batches for training and serving
+
+REQUEST_FEATURES = ("item_id", "item_category_id", "item_candidate_id", "item_candidate_category_id", "user_id")
+
+
+@dataclass
+class RequestBatch:
+    """Requests as the HSTU ranker takes them: `sparse` a KeyedJaggedTensor over REQUEST_FEATURES
+    (per request its history's items and categories, oldest first, its candidates', its user),
+    each history token's action bits and age in seconds, and one label per candidate (all flat,
+    request by request)."""
+
+    sparse: Any  # KeyedJaggedTensor
+    actions: torch.Tensor  # int64 [history tokens]
+    ages_s: torch.Tensor  # float32 [history tokens]
+    labels: torch.Tensor  # float32 [candidates]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RequestBatch:
+        return RequestBatch(
+            self.sparse.to(device, non_blocking=non_blocking), self.actions.to(device, non_blocking=non_blocking),
+            self.ages_s.to(device, non_blocking=non_blocking), self.labels.to(device, non_blocking=non_blocking),
+        )  # fmt: skip
+
+    def model_inputs(self) -> tuple[Any, ...]:
+        """The ranker's forward arguments."""
+        return self.sparse, self.actions, self.ages_s
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.sparse.stride())
+
+    @staticmethod
+    def from_block(block: RequestBlock) -> RequestBatch:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        h, c, n = block.history_lengths, block.candidate_lengths, block.size
+        lengths = np.concatenate([h, h, c, c, np.ones(n, dtype=np.int64)])
+        values = np.concatenate([block.history_items, block.history_categories, block.candidate_items,
+                                 block.candidate_categories, block.user])  # fmt: skip
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            keys=list(REQUEST_FEATURES),
+            values=torch.from_numpy(values.astype(np.int64)),
+            lengths=torch.from_numpy(lengths.astype(np.int32)),
+        )
+        return RequestBatch(
+            sparse=sparse,
+            actions=torch.from_numpy(block.history_actions.astype(np.int64)),
+            ages_s=torch.from_numpy(block.history_ages_s.astype(np.float32)),
+            labels=torch.from_numpy(block.labels),
+        )
+
+
+@dataclass
+class SequenceSource:
+    """Endless (or `num_batches`-long) batches of requests of one rank, in time order: batch k of
+    the job holds the window's requests [k G, (k+1) G), G = batch_size x world_size, rank r the r-th
+    contiguous slice (as `SyntheticSource` slices samples)."""
+
+    generator: SequenceGenerator
+    batch_size: int  # requests per rank
+    rank: int = 0
+    world_size: int = 1
+    window: str = "train"
+    num_batches: int | None = None
+    start_batch: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.generator.describe(),
+            "window": self.window,
+            "steps": list(self.generator.spec.window(self.window)),
+            "requests_in_window": self.generator.num_requests(self.window),
+            "batch_size_per_rank": self.batch_size,
+            "world_size": self.world_size,
+        }
+
+    def batch(self, k: int) -> RequestBatch:
+        start = (k + self.start_batch) * self.batch_size * self.world_size + self.rank * self.batch_size
+        return RequestBatch.from_block(self.generator.requests(start, start + self.batch_size, self.window))
+
+    def __iter__(self) -> Iterator[RequestBatch]:
+        k = 0
+        while self.num_batches is None or k < self.num_batches:
+            yield self.batch(k)
+            k += 1

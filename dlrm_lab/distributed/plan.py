@@ -34,7 +34,6 @@ from torchrec.distributed.types import ShardingPlan, ShardingType
 from dlrm_lab.config import SHARDING_CHOICES, SHARDING_TYPES
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import UserError
-from dlrm_lab.model.dlrm import DLRM
 
 # The planner's advice that topologies should come from its factory does not apply:
 # we pass the real world size and device, which is all it reads for our use.
@@ -83,7 +82,7 @@ def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[s
 
 
 def _constraints(
-    model: DLRM, sharding: str, per_table: dict[str, str], world_size: int = 2
+    model: torch.nn.Module, sharding: str, per_table: dict[str, str], world_size: int = 2
 ) -> dict[str, ParameterConstraints]:
     """Allowed sharding types and kernels per table. `auto` on one rank is table_wise: every
     type then keeps each whole table on rank 0, but the planner, whose estimates are made
@@ -145,9 +144,9 @@ class PlannerStages:
 
 def plan_sharding(
     root: torch.nn.Module,
-    model: DLRM,
+    model: torch.nn.Module,
     ctx: DistContext,
-    sharder: EmbeddingBagCollectionSharder,
+    sharder: Any,
     sharding: str = "auto",
     per_table: dict[str, str] | None = None,
     batch_size: int = 512,
@@ -156,8 +155,14 @@ def plan_sharding(
     """One plan agreed by every rank (a collective), made against this machine's real memory.
 
     Tables that cannot fit are refused (UserError naming the sizes) before anything is
-    allocated. `root` is the module that will be wrapped; `model` the DLRM inside it.
+    allocated. `root` is the module that will be wrapped; `model` the DLRM or HSTU ranker inside it (its `spec`
+    names the tables).
     """
+    kinds = sharder.sharding_types(ctx.device.type)
+    asks = [(sharding, f"--sharding {sharding}")] + [(k, f"--shard {t}={k}") for t, k in (per_table or {}).items()]
+    for asked, what in asks:
+        if asked in SHARDING_TYPES and asked not in kinds:
+            raise UserError(f"{what}: {model.spec.name}'s tables take {', '.join(kinds)}")
     constraints = _constraints(model, sharding, per_table or {}, ctx.world_size)
     topology = machine_topology(ctx)
     planner = EmbeddingShardingPlanner(

@@ -21,7 +21,7 @@ def gather_tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     local: dict[str, Any] = {}
     for key, value in model.state_dict().items():
-        if "embedding_bags" not in key or not key.endswith(".weight"):
+        if not _is_table(key):
             continue
         name = key.split(".")[-2]
         if hasattr(value, "local_shards"):
@@ -45,6 +45,11 @@ def gather_tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return full
 
 
+def _is_table(key: str) -> bool:
+    """A state-dict key of a TorchRec table (a DLRM's pooled bags, the HSTU ranker's sequence tables)."""
+    return ("embedding_bags." in key or "embeddings." in key) and key.endswith(".weight")
+
+
 INIT_ROW_BLOCK = 1 << 16  # rows drawn together when initialising a table
 
 
@@ -59,7 +64,7 @@ def init_tables(model: torch.nn.Module, seed: int, bounds: dict[str, float] | No
     therefore start from identical tables, so their losses can be compared step by step.
     """
     for key, value in model.state_dict().items():
-        if "embedding_bags" not in key or not key.endswith(".weight"):
+        if not _is_table(key):
             continue
         name = key.split(".")[-2]
         if hasattr(value, "local_shards"):

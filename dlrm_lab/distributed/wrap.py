@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import AnyDeviceSharder, PlannerStages, check_sharding, plan_sharding
-from dlrm_lab.model.dlrm import DLRM
 
 # TorchRec's own deprecation notices about its internals; nothing a user can act on.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
@@ -37,13 +38,39 @@ class EmbeddingOptimizer:
     lr: float = 0.05
     eps: float = 1e-8
 
-    def apply(self, model: DLRM) -> None:
+    def apply(self, model: torch.nn.Module) -> None:
         """Attach the optimizer to the tables; sharding fuses it into the fbgemm kernel."""
-        params = model.sparse_arch.embedding_bag_collection.parameters()
+        params = table_collection(model).parameters()
         if self.name == "rowwise_adagrad":
             apply_optimizer_in_backward(RowWiseAdagrad, params, {"lr": self.lr, "eps": self.eps})
         else:
             apply_optimizer_in_backward(torch.optim.SGD, params, {"lr": self.lr})
+
+
+def table_collection(model: torch.nn.Module) -> torch.nn.Module:
+    """The TorchRec table module of either family: a DLRM's pooled EmbeddingBagCollection, the HSTU
+    ranker's sequence EmbeddingCollection."""
+    tables = getattr(model, "tables", None)
+    return tables if isinstance(tables, EmbeddingCollection) else model.sparse_arch.embedding_bag_collection
+
+
+class SequenceSharder(EmbeddingCollectionSharder):
+    """TorchRec's sharder of sequence tables (table-, column-, row-wise and data-parallel), less
+    data-parallel on CPU: there TorchRec 1.8's replicated sequence lookup fails on the first batch
+    (`split_with_sizes expects split_sizes to sum exactly to 80 ...`, 2 ranks, gloo), so the planner
+    must not pick it."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        kinds = super().sharding_types(compute_device_type)
+        return [k for k in kinds if k != "data_parallel"] if compute_device_type == "cpu" else kinds
+
+
+def table_sharder(model: torch.nn.Module) -> ModuleSharder[Any]:
+    """The sharder of the model's tables: every sharding type on every device for pooled tables;
+    `SequenceSharder` for sequence tables."""
+    if isinstance(table_collection(model), EmbeddingCollection):
+        return SequenceSharder()
+    return AnyDeviceSharder()
 
 
 class DenseReplicas(DataParallelWrapper):
@@ -57,7 +84,7 @@ class DenseReplicas(DataParallelWrapper):
 
 
 def shard_model(
-    model: DLRM,
+    model: torch.nn.Module,
     ctx: DistContext,
     embedding_optimizer: EmbeddingOptimizer,
     sharding: str = "auto",
@@ -78,7 +105,7 @@ def shard_model(
     root = wrapper if wrapper is not None else model
     check_sharding(sharding)
     embedding_optimizer.apply(model)  # before planning: the sharder fuses what is attached
-    sharder = AnyDeviceSharder()
+    sharder = table_sharder(model)
     plan = plan_sharding(root, model, ctx, sharder, sharding, per_table, batch_size, stages)
     dmp = DistributedModelParallel(
         module=root, device=ctx.device, plan=plan, sharders=[sharder], data_parallel_wrapper=DenseReplicas()

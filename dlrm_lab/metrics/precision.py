@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.config import ModelSpec
+from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.errors import UserError
 
 AUTO = "auto"
@@ -49,8 +49,12 @@ Shape = tuple[int, int, int]  # rows x in x out of one product
 Measure = Callable[[Sequence[Shape], Sequence[str], torch.device, int], dict[str, float]]
 
 
-def model_gemm_shapes(spec: ModelSpec, rows: int) -> list[Shape]:
+def model_gemm_shapes(spec: ModelSpec | HSTUSpec, rows: int) -> list[Shape]:
     """The dense matrix products of one forward pass: (rows, in, out) per layer."""
+    if isinstance(spec, HSTUSpec):  # per token of `rows` requests: the STU projections (the bulk)
+        tokens = max(1, min(rows * round(1 + spec.mean_history + spec.data.candidates), MAX_ROWS))
+        s = spec.shape.stu
+        return [(tokens, s.dim, s.heads * (2 * s.v_dim + 2 * s.qk_dim)), (tokens, 3 * s.heads * s.v_dim, s.dim)]
     rows = max(1, min(rows, MAX_ROWS))
     shapes: list[Shape] = []
     for n_in, sizes in ((spec.num_dense, spec.bottom_mlp), (spec.over_arch_in_features, spec.top_mlp)):

@@ -1,5 +1,26 @@
-"""The DLRM model: TorchRec modules composed per a `ModelSpec`."""
+"""The models: DLRM composed of TorchRec modules per a `ModelSpec`, and the HSTU ranker per an `HSTUSpec`."""
 
-from dlrm_lab.model.dlrm import DLRM, build_model
+from __future__ import annotations
 
-__all__ = ["DLRM", "build_model"]
+import torch
+
+from dlrm_lab.config import HSTUSpec, ModelSpec
+from dlrm_lab.model.dlrm import DLRM
+from dlrm_lab.model.dlrm import build_model as build_dlrm
+
+
+def build_model(
+    spec: ModelSpec | HSTUSpec,
+    device: str | torch.device = "cpu",
+    table_device: str | torch.device | None = None,
+    table_precision: str = "fp32",
+) -> torch.nn.Module:
+    """The model of `spec`, of whichever family (see `model.dlrm.build_model`, `model.hstu.build_ranker`)."""
+    if isinstance(spec, HSTUSpec):
+        from dlrm_lab.model.hstu import build_ranker
+
+        return build_ranker(spec, device, table_device, table_precision)
+    return build_dlrm(spec, device, table_device, table_precision)
+
+
+__all__ = ["DLRM", "build_dlrm", "build_model"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dlrm_lab.config import ModelSpec
+from dlrm_lab.config import HSTUSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,12 @@ def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def sample_cost(spec: ModelSpec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad") -> SampleCost:
-    """FLOPs and embedding bytes per sample (see the module docstring for what counts)."""
+    """FLOPs and embedding bytes per sample (see the module docstring for what counts). For the
+    HSTU ranker a sample is a request (MLPerf's): its mean training history and its candidates,
+    the preprocessor's towers as the bottom, the STU stack as the interaction, the head as the top;
+    backward twice forward."""
+    if isinstance(spec, HSTUSpec):
+        return _request_cost(spec, table_precision, optimizer)
     bottom = _mlp(spec.num_dense, spec.bottom_mlp)
     top = _mlp(spec.over_arch_in_features, spec.top_mlp)
     bottom_fwd = sum(2 * i * o for i, o in bottom)
@@ -82,6 +87,25 @@ def sample_cost(spec: ModelSpec, table_precision: str = "fp32", optimizer: str =
         embedding_bytes_read=float(bytes_read),
         embedding_bytes_written=float(bytes_read),  # the update rewrites every looked-up row
         optimizer_state_bytes=float(state),
+    )
+
+
+def _request_cost(spec: HSTUSpec, table_precision: str, optimizer: str) -> SampleCost:
+    shape, history, cands = spec.shape, round(spec.mean_history), spec.data.candidates
+    whole = shape.request_flops(history, cands)
+    stack = shape.layers * shape.stu.layer_flops(1 + history, cands)
+    pre = shape.request_flops(history, 0) - shape.layers * shape.stu.layer_flops(1 + history, 0)
+    bytes_read = lookup_bytes_per_sample(spec, table_precision)
+    rows = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
+    return SampleCost(
+        bottom_mlp_flops=pre,
+        interaction_flops=stack,
+        top_mlp_flops=whole - stack - pre,
+        forward_flops=whole,
+        backward_flops=2 * whole,
+        embedding_bytes_read=bytes_read,
+        embedding_bytes_written=bytes_read,
+        optimizer_state_bytes=2 * 4 * rows if optimizer == "rowwise_adagrad" else 0.0,
     )
 
 

@@ -29,7 +29,8 @@ from torch import nn
 from torch.nn import functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm_lab.config.hstu import ACTION_BITS, ACTION_DIM, RankerShape, STUShape, attention_pairs
+from dlrm_lab.config.hstu import ACTION_BITS, ACTION_DIM, HSTUSpec, RankerShape, STUShape, attention_pairs
+from dlrm_lab.errors import UserError
 
 __all__ = ["HSTURanker", "RankerShape", "STULayer", "STUShape", "attention_pairs", "valid_attention"]
 
@@ -147,7 +148,13 @@ class HSTURanker(nn.Module):
     every timestamp is 1), and the contextual token's zeroing for short histories.
     """
 
-    def __init__(self, shape: RankerShape | None = None, attention: str = "padded", device: str = "cpu") -> None:
+    def __init__(
+        self,
+        shape: RankerShape | None = None,
+        attention: str = "padded",
+        device: str | torch.device = "cpu",
+        table_device: str | torch.device | None = None,
+    ) -> None:
         super().__init__()
         shape = shape or RankerShape()
         from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -163,7 +170,7 @@ class HSTURanker(nn.Module):
                                 feature_names=["item_category_id", "item_candidate_category_id"]),
                 EmbeddingConfig(name="user", num_embeddings=shape.users, embedding_dim=d, feature_names=["user_id"]),
             ],
-            device=torch.device(device),
+            device=torch.device(table_device or device),
         )  # fmt: skip
         self.item_content = _tower(d, shape.hidden, d, nn.LayerNorm(d))
         self.category_content = _tower(d, shape.hidden, d, nn.LayerNorm(d))
@@ -183,6 +190,11 @@ class HSTURanker(nn.Module):
         for table in (self.positions, self.ages):
             bound = math.sqrt(1.0 / table.num_embeddings)
             nn.init.uniform_(table.weight, -bound, bound)
+        for name, child in self.named_children():
+            if name != "tables":
+                child.to(device)
+        self.action_rows.data = self.action_rows.data.to(device)
+        self.target_action.data = self.target_action.data.to(device)
 
     def forward(self, sparse: KeyedJaggedTensor, actions: torch.Tensor, ages_s: torch.Tensor) -> torch.Tensor:
         d = self.shape.stu.dim
@@ -224,3 +236,19 @@ class HSTURanker(nn.Module):
         user_side = self.candidate_norm(picked)
         item_side = self.item_tower(torch.cat([cand_item, cand_cat], dim=-1))
         return self.head(user_side * item_side).squeeze(-1)
+
+
+def build_ranker(
+    spec: HSTUSpec,
+    device: str | torch.device = "cpu",
+    table_device: str | torch.device | None = None,
+    table_precision: str = "fp32",
+    attention: str = "padded",
+) -> HSTURanker:
+    """The ranker of an HSTU preset, its dense layers on `device` (`table_device="meta"`: tables
+    left for `DistributedModelParallel` to materialise shard by shard). Tables are fp32."""
+    if table_precision != "fp32":
+        raise UserError(f"--table-precision {table_precision}: the HSTU ranker's tables are fp32 here")
+    model = HSTURanker(spec.shape, attention=attention, device=device, table_device=table_device)
+    model.spec = spec  # what the planner and the table initialiser read, as they read a DLRM's
+    return model

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
-from torchrec.datasets.utils import Batch
+
+from dlrm_lab.train.step import model_inputs
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> tuple[float, float, int]:
+def evaluate(model: torch.nn.Module, batches: Iterable[Any], device: torch.device) -> tuple[float, float, int]:
     """(AUC, mean BCE loss, samples) of `model` over `batches`; restores train mode."""
     was_training = model.training
     model.eval()
@@ -19,7 +21,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.dev
     try:
         for batch in batches:
             batch = batch.to(device)
-            preds.append(model(batch.dense_features, batch.sparse_features).float())
+            preds.append(model(*model_inputs(batch)).float())
             labels.append(batch.labels)
     finally:
         model.train(was_training)

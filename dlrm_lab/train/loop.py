@@ -74,7 +74,11 @@ def _init_output_bias(model: torch.nn.Module, click_rate: float | None) -> float
     weight, moving every logit from 0 to the prior together. None when the rate is unknown."""
     if click_rate is None or not 0 < click_rate < 1:
         return None
-    linears = [m for name, m in model.named_modules() if "over_arch" in name and isinstance(m, torch.nn.Linear)]
+    linears = [
+        m
+        for name, m in model.named_modules()
+        if ("over_arch" in name or ".head." in f".{name}.") and isinstance(m, torch.nn.Linear)
+    ]  # a DLRM's top MLP, the HSTU ranker's head
     if not linears or linears[-1].out_features != 1 or linears[-1].bias is None:
         return None
     bias = math.log(click_rate / (1 - click_rate))
@@ -169,6 +173,8 @@ def preflight(spec: ModelSpec, cfg: TrainConfig, *, data: bool = True) -> None:
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
     the data options fit the model. Each failure is one UserError."""
     resolve_device(cfg.device)
+    if cfg.pipeline and getattr(spec, "family", "dlrm") == "hstu":
+        raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
     parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     if data:
         check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
@@ -208,6 +214,7 @@ def train(
     init_bounds = {t.name: t.init_bound for t in spec.tables}
 
     def build(sharding: str, pipelined: bool = False) -> tuple[Any, Any]:
+        torch.manual_seed(cfg.seed)  # the same dense weights for every plan the sharding trial builds, and the run's
         model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
         dmp, plan = shard_model(
             model,

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torchrec.datasets.utils import Batch
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -35,12 +34,19 @@ def autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextMa
     return contextlib.nullcontext()
 
 
+def model_inputs(batch: Any) -> tuple[Any, ...]:
+    """The model's forward arguments from a batch: a DLRM's (dense, sparse); an HSTU request batch's
+    (sparse, actions, ages); one label per logit either way (`batch.labels`)."""
+    own = getattr(batch, "model_inputs", None)
+    return own() if own is not None else (batch.dense_features, batch.sparse_features)
+
+
 def train_step(
-    dmp: torch.nn.Module, optimizer: Any, batch: Batch, ctx: DistContext, cfg: TrainConfig, mark: Callable[[str], None]
+    dmp: torch.nn.Module, optimizer: Any, batch: Any, ctx: DistContext, cfg: TrainConfig, mark: Callable[[str], None]
 ) -> torch.Tensor:
     """One unpipelined step on a batch already on the device; `mark` ends each phase."""
     with autocast(ctx, cfg):
-        logits = dmp(batch.dense_features, batch.sparse_features)
+        logits = dmp(*model_inputs(batch))
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
     mark("dense_forward")
     optimizer.zero_grad()

@@ -64,7 +64,8 @@ class StepTimer:
 
 
 def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> list[Any]:
-    """Split the forward pass at the sharded embedding collection's boundaries.
+    """Split the forward pass at the sharded embedding collection's boundaries (a DLRM's pooled
+    bags, or the HSTU ranker's sequence tables).
 
     TorchRec's sharded collection runs: input distribution (ids to the ranks owning their
     rows, an all-to-all), then per sharding group a lookup and the launch of the pooled
@@ -72,13 +73,16 @@ def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> lis
     Forward hooks mark those boundaries, so time before the collection and after the
     wait is dense forward. Returns the hook handles.
     """
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
     handles: list[Any] = []
     for parent in model.modules():
         ebc = getattr(parent, "embedding_bag_collection", None)
         if not isinstance(ebc, ShardedEmbeddingBagCollection):
-            continue
+            ebc = getattr(parent, "tables", None)  # the HSTU ranker's sequence tables
+            if not isinstance(ebc, ShardedEmbeddingCollection):
+                continue
         state = {"first": True}
 
         def ebc_pre(module: Any, args: Any, state: dict = state) -> None:
@@ -94,5 +98,7 @@ def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> lis
             handles.append(lookup.register_forward_pre_hook(lookup_pre))
             handles.append(lookup.register_forward_hook(lambda *a: timer.mark("embedding_lookup")))
         handles.append(ebc.register_forward_hook(lambda *a: timer.mark("embedding_all_to_all")))
-        handles.append(parent.register_forward_hook(lambda *a: timer.mark("embedding_all_to_all")))
+        if isinstance(ebc, ShardedEmbeddingBagCollection):  # the sparse arch ends where the pooled output is awaited
+            handles.append(parent.register_forward_hook(lambda *a: timer.mark("embedding_all_to_all")))
+        # (the ranker awaits its sequence embeddings at their first use, counted as dense forward)
     return handles
