@@ -117,7 +117,12 @@ def train_setup(options: Mapping[str, Any]) -> tuple[ModelSpec | HSTUSpec, Train
         if value is None and fields[field].default is not None:
             values.pop(field)  # an option left unset takes the config's default
     spec = load_any_preset(preset, **scaling)  # either family: DLRM or the HSTU ranker
-    return spec, TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    if isinstance(spec, HSTUSpec):  # its --set changes the requests: the size line shows them (train() keeps them)
+        from dlrm_lab.data.sequences import with_overrides
+
+        spec = with_overrides(spec, cfg.data_overrides)
+    return spec, cfg
 
 
 def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:

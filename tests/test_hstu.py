@@ -229,3 +229,37 @@ def test_hstu_tiny_learns_through_the_training_loop(tmp_path):
         train(spec, TrainConfig(steps=2, pipeline=True))
     with pytest.raises(UserError, match="hstu-tiny trains on its synthetic requests"):
         train(spec, TrainConfig(steps=2, data=str(tmp_path)))
+
+
+def test_set_changes_an_hstu_presets_requests(tmp_path):
+    from conftest import run_cli_in_process
+
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.data.sequences import with_overrides
+    from dlrm_lab.errors import UserError
+
+    spec = load_any_preset("hstu-tiny")
+    small = with_overrides(spec, ["candidates=4", "max_history=16"])
+    assert (small.data.candidates, small.data.max_history, small.shape) == (4, 16, spec.shape)
+    assert small.mean_history == 16 and with_overrides(spec, []) is spec
+    for bad, message in (
+        ("candidate=4", "--set 'candidate=4': hstu-tiny's \\[data\\] keys are"),
+        ("items=5", "--set 'items=5'"),
+        ("users=1000", "--set users=1000: at most the user table's 200 rows"),
+        ("candidates=0", "candidates = 0: an integer >= 1"),
+    ):
+        with pytest.raises(UserError, match=message):
+            with_overrides(spec, [bad])
+    code, out, err = run_cli_in_process(
+        "train", "--preset", "hstu-tiny", "--set", "candidates=4", "--set", "max_history=16", "--steps", "3",
+        "--batch-size", "8", "--eval-batches", "1", "--no-progress", "--metrics-dir", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "~16 history items + 4 candidates" in " ".join((err + out).split())
+    (run,) = tmp_path.glob("train-*")
+    import json
+
+    data = json.loads((run / "manifest.json").read_text())["config"]["model"]["data"]
+    assert (data["candidates"], data["max_history"]) == (4, 16)
+    code, _, err = run_cli_in_process("train", "--preset", "hstu-tiny", "--set", "candidate=4")
+    assert code == 2 and err.startswith("error: --set 'candidate=4'") and len(err.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.data.parquet import ParquetSource
-from dlrm_lab.data.sequences import SequenceGenerator, SequenceSource
+from dlrm_lab.data.sequences import SequenceGenerator, SequenceSource, with_overrides
 from dlrm_lab.data.source import SyntheticSource
 from dlrm_lab.data.spec import DataSpec, load_data_spec
 from dlrm_lab.data.synthetic import SyntheticGenerator
@@ -45,8 +45,11 @@ def check_data_options(
     if isinstance(model, HSTUSpec):
         if data != "synthetic":
             raise UserError(f"--data {data}: {model.name} trains on its synthetic requests (--data synthetic) only")
-        if data_spec or overrides:
-            raise UserError(f"--data-spec/--set: {model.name}'s requests are its preset's [data] table")
+        if data_spec:
+            raise UserError(
+                f"--data-spec: {model.name}'s requests are its preset's [data] table (change it with --set)"
+            )
+        with_overrides(model, overrides)  # checked here; the run applies them to its spec (train())
         return None
     if data == "synthetic":
         return resolve_data_spec(model, data_spec, overrides)

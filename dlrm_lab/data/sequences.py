@@ -40,6 +40,7 @@ from scipy.special import ndtr, ndtri
 
 from dlrm_lab.config.hstu import SequenceSpec
 from dlrm_lab.data.synthetic import expected_auc
+from dlrm_lab.errors import UserError
 
 LIKE_RATING = 3.5  # the reference's label: rating >= 3.5
 ACTION_BITS = ("seen", "liked", "loved", "disliked")  # history action bits, lowest first
@@ -352,3 +353,24 @@ class SequenceSource:
         while self.num_batches is None or k < self.num_batches:
             yield self.batch(k)
             k += 1
+
+
+def with_overrides(spec: Any, overrides: tuple[str, ...] | list[str]) -> Any:
+    """An HSTU preset with `--set key=value` applied to its [data] table (e.g. candidates=64,
+    max_history=512), checked; the table rows stay the [model]'s."""
+    from dataclasses import replace
+
+    from dlrm_lab.data.spec import parse_override
+
+    if not overrides:
+        return spec
+    changes: dict[str, Any] = {}
+    known = {f.name for f in fields(SequenceSpec)} - {"items", "categories"}
+    for text in overrides:
+        path, value = parse_override(text)
+        if len(path) != 1 or path[0] not in known:
+            raise UserError(f"--set {text!r}: {spec.name}'s [data] keys are {', '.join(sorted(known))}")
+        changes[path[0]] = value
+    if changes.get("users", 1) > spec.shape.users:
+        raise UserError(f"--set users={changes['users']}: at most the user table's {spec.shape.users} rows")
+    return replace(spec, data=SequenceSpec.from_dict({**spec.data.to_dict(), **changes}, where="--set"))

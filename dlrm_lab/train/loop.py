@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
+from dlrm_lab.config import PRECISIONS, HSTUSpec, ModelSpec, TrainConfig
 from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
 from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
+from dlrm_lab.data.sequences import with_overrides
 from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores, resolve_device
 from dlrm_lab.distributed.plan import describe_plan, parse_table_sharding
 from dlrm_lab.distributed.tables import init_tables
@@ -152,7 +153,9 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
     return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
-def _choose_precision(spec: ModelSpec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None):
+def _choose_precision(
+    spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None
+):
     """Rank 0 measures (or reads the cached rates) and every rank runs its choice."""
     shared: list[Any] = [None]
     if ctx.is_main:
@@ -168,7 +171,7 @@ def _choose_precision(spec: ModelSpec, cfg: TrainConfig, ctx: DistContext, log: 
     return choice
 
 
-def preflight(spec: ModelSpec, cfg: TrainConfig, *, data: bool = True) -> None:
+def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True) -> None:
     """The checks `train` makes before any work, callable alone (the CLI runs them before its
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
     the data options fit the model. Each failure is one UserError."""
@@ -181,7 +184,7 @@ def preflight(spec: ModelSpec, cfg: TrainConfig, *, data: bool = True) -> None:
 
 
 def train(
-    spec: ModelSpec,
+    spec: ModelSpec | HSTUSpec,
     cfg: TrainConfig,
     *,
     metrics_dir: str | Path | None = None,
@@ -202,6 +205,8 @@ def train(
     manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
     """
     preflight(spec, cfg, data=source is None)  # a bad option: one line, before anything starts
+    if isinstance(spec, HSTUSpec):  # --set changes the requests, so the cost and the manifest too
+        spec, cfg = with_overrides(spec, cfg.data_overrides), replace(cfg, data_overrides=())
     ctx = init_distributed(cfg.device, cfg.timeout_s)
     if cfg.pin_cores:
         pin_to_cores(ctx)
