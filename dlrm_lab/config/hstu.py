@@ -236,6 +236,19 @@ class HSTUSpec:
         out["num_parameters"] = self.num_parameters
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HSTUSpec:
+        """The spec of `to_dict`'s form (a run's manifest), checked as a preset is."""
+        where = f"model spec {data.get('name', '?')}"
+        try:
+            shape = dict(data["shape"])
+            stu = STUShape(**shape.pop("stu"))
+            known = {f.name for f in fields(cls)} - {"shape", "data"}
+            rest = {k: v for k, v in data.items() if k in known}
+            return cls(shape=RankerShape(**shape, stu=stu), data=SequenceSpec.from_dict(data["data"], where), **rest)
+        except (KeyError, TypeError) as exc:
+            raise UserError(f"{where}: not an HSTU spec ({exc})") from None
+
 
 _SHAPE_KEYS = {f.name for f in fields(RankerShape)} - {"stu"} | {f.name for f in fields(STUShape)}
 
@@ -322,3 +335,10 @@ def load_hstu_preset(path: Path, *, table_scale: float | None = None, max_rows: 
     if not is_hstu_preset(raw):
         raise UserError(f'{path}: not an HSTU preset (family = "hstu")')
     return parse_hstu(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
+
+
+def spec_from_dict(data: dict[str, Any]) -> Any:
+    """A model spec of either family from its `to_dict` form (as run manifests hold it)."""
+    from dlrm_lab.config.specs import ModelSpec
+
+    return HSTUSpec.from_dict(data) if data.get("family") == "hstu" else ModelSpec.from_dict(data)

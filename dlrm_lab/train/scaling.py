@@ -189,7 +189,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
     the sweep's gap.parquet; nothing when the one-rank point did not end ok."""
     import json
 
-    from dlrm_lab.config import ModelSpec
+    from dlrm_lab.config.hstu import spec_from_dict
     from dlrm_lab.metrics.ceiling import ceiling_efficiency
     from dlrm_lab.metrics.roofline import load_profile
     from dlrm_lab.model.cost import step_communication_bytes
@@ -220,7 +220,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         where = _point_dir(result, k)
         manifest = json.loads((where / "manifest.json").read_text()) if where else {}
         config = manifest.get("config", {})
-        model = ModelSpec.from_dict(config["model"]) if config.get("model") else None
+        model = spec_from_dict(config["model"]) if config.get("model") else None
         fits = fit_collectives(profile, f"{config.get('backend', 'gloo')}/{n}")
         # the bytes of the plan the point ran: row-wise outputs are reduce-scattered, replicas all-reduced
         plan = {t["table"]: t["sharding_type"] for t in (config.get("sharding_plan") or {}).get("tables", [])}
@@ -284,6 +284,8 @@ def projection(
         raise UserError(f"--project: the one-rank run {one['point_run_id']} is not under {sweep_dir}/points")
     manifest = json.loads((run_dir / "manifest.json").read_text())
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
+    if manifest["config"]["model"].get("family") == "hstu":
+        raise UserError("--project: projections plan DLRM presets only (the HSTU family is not projected yet)")
     spec = ModelSpec.from_dict(manifest["config"]["model"])
     train_cfg = manifest["config"]["train"]
     cost = sample_cost(spec, table_precision=train_cfg["table_precision"], optimizer=train_cfg["embedding_optimizer"])
