@@ -110,3 +110,56 @@ def test_bad_spec_values_are_named(change, message):
         SequenceSpec(**{**SPEC.to_dict(), **change}).check()
     with pytest.raises(UserError, match="unknown key 'user'"):
         SequenceSpec.from_dict({"user": 3})
+
+
+def test_requests_to_parquet_and_back_checked_against_the_spec(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import run_cli_in_process
+
+    from dlrm_lab.data.request_files import write_requests
+    from dlrm_lab.data.stats import dataset_problems, dataset_stats
+
+    gen = SequenceGenerator(SPEC, seed=7)
+    out = tmp_path / "req"
+    info = write_requests(gen, out, requests=500, shards=2)
+    assert info["rows"] == 500 and [f["rows"] for f in info["files"]] == [250, 250]
+    table = pq.read_table(out)
+    block = gen.requests(0, 500)
+    assert table["user"].to_pylist() == block.user.tolist()
+    assert [len(x) for x in table["history_items"].to_pylist()] == block.history_lengths.tolist()
+    result = dataset_stats(out)
+    assert result["kind"] == "requests" and not result["problems"] and result["samples"] == 500
+    assert all(c.ok for c in result["checks"]) and len(result["checks"]) == 4
+    assert result["quantities"]["candidates mean"] == SPEC.candidates
+    code, text, _ = run_cli_in_process("data", "stats", str(out), "--strict")
+    assert code == 0 and "HSTU requests" in text and "4 of 4 checks" in text
+    # files that are not what the stored spec and seed produce: the replay check says so
+    labels = table["labels"].to_pylist()
+    labels[0] = [1.0 - v for v in labels[0]]  # the first request is among those replayed
+    tampered = table.set_column(
+        table.schema.get_field_index("labels"), "labels", pa.array(labels, pa.list_(pa.float32()))
+    )
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pq.write_table(tampered, bad / "part-00000.parquet")
+    (bad / "_dataset.json").write_text(json.dumps({**info, "shards": 1}))
+    result = dataset_stats(bad)
+    replay = next(c for c in result["checks"] if c.quantity == "regenerated from spec and seed")
+    assert not replay.ok
+    # a structural problem: one line naming the column, exit 1
+    items = table["candidate_items"].to_pylist()
+    items[0][0] = SPEC.items + 5
+    broken = table.set_column(table.schema.get_field_index("candidate_items"), "candidate_items",
+                              pa.array(items, pa.list_(pa.int64())))  # fmt: skip
+    pq.write_table(broken, bad / "part-00000.parquet")
+    assert dataset_problems(bad) == [f"{bad}: candidate_items: ids 0..{SPEC.items + 5} outside the table's 0..5999"]
+    code, _, err = run_cli_in_process("data", "stats", str(bad))
+    assert code == 1 and "candidate_items" in err
+    with pytest.raises(UserError, match="--rows 99999: must be 1 .. the train window's"):
+        write_requests(gen, tmp_path / "x", requests=99_999)
+    code, _, err = run_cli_in_process("data", "gen", "--preset", "hstu-tiny", "--out", str(tmp_path / "t"),
+                                      "--format", "criteo-tsv")  # fmt: skip
+    assert code == 2 and "HSTU requests are written as parquet only" in err

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.progress import Progress
@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dlrm_lab.cli.format import LineProgress, console, progress
 from dlrm_lab.cli.options import MaxRows, TableScale
-from dlrm_lab.config import load_preset
+from dlrm_lab.config import load_any_preset, load_preset, preset_family
 from dlrm_lab.errors import UserError
 
 app = typer.Typer(help="Synthetic and Criteo click-log datasets (Parquet).", no_args_is_help=True)
@@ -59,14 +59,18 @@ def gen(
     table_scale: TableScale = None,
     max_rows: MaxRows = None,
     set_: SetOption = None,
+    window: Annotated[str, typer.Option(help="HSTU presets: the train or eval window's requests.")] = "train",
 ) -> None:
-    """Generate a synthetic dataset for a model preset."""
+    """Generate a synthetic dataset for a model preset (an HSTU preset: its time-ordered requests)."""
     from dlrm_lab.data import synthetic_generator
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: allowed: {', '.join(FORMATS)}")
     if rows < 1:
         raise UserError(f"--rows {rows}: must be an integer >= 1")
+    if preset_family(preset) == "hstu":
+        _gen_requests(out, preset, spec, rows, shards, seed, fmt, table_scale, max_rows, set_, window)
+        return
     model = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
     generator = synthetic_generator(model, spec, tuple(set_ or ()), seed)
     if fmt == "criteo-tsv":
@@ -92,6 +96,66 @@ def gen(
 
             write_criteo_tsv(generator, rows, out, on_progress=advance)
     console().print(f"wrote {rows:,} samples to {out}")
+
+
+def _gen_requests(
+    out: Path, preset: str, spec: str | None, rows: int, shards: int, seed: int, fmt: str,
+    table_scale: float | None, max_rows: int | None, set_: list[str] | None, window: str,
+) -> None:  # fmt: skip
+    from dlrm_lab.data.request_files import write_requests
+    from dlrm_lab.data.sequences import SequenceGenerator, with_overrides
+
+    if fmt != "parquet":
+        raise UserError(f"--format {fmt}: HSTU requests are written as parquet only")
+    if spec:
+        raise UserError(f"--spec: {preset}'s requests are its preset's [data] table (see --set)")
+    model = with_overrides(load_any_preset(preset, table_scale=table_scale, max_rows=max_rows), tuple(set_ or ()))
+    generator = SequenceGenerator(model.data, seed)
+    total = generator.num_requests(window) if window in ("train", "eval") else 0
+    rows = min(rows, total) if total else rows
+    console(stderr=True).print(
+        f"{model.name} requests ({window} window, {total:,} in all): teacher AUC {generator.teacher['teacher_auc']:.4f}"
+    )
+    with _progress() as bar:
+        task = bar.add_task("gen", total=rows)
+        write_requests(generator, out, window=window, requests=rows, shards=shards,
+                       on_progress=lambda n: bar.update(task, advance=n))  # fmt: skip
+    console().print(f"wrote {rows:,} requests to {out}")
+
+
+def _print_request_stats(result: dict[str, Any], strict: bool) -> None:
+    out = console()
+    teacher = result["teacher_auc"]
+    out.print(
+        f"{result['path']}: {result['samples']:,} HSTU requests from {result['source']}, label rate "
+        f"{result['label_rate']:.4f}" + (f", teacher AUC {teacher:.4f}" if teacher is not None else "")
+    )
+    table = Table()
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for name, value in result["quantities"].items():
+        table.add_row(
+            name,
+            f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value),
+        )
+    out.print(table)
+    _print_checks(result["checks"], strict)
+
+
+def _print_checks(checks: list[Any], strict: bool) -> None:
+    out = console()
+    bad = [c for c in checks if not c.ok]
+    for c in bad:
+        out.print(
+            f"[red]outside tolerance[/]: {c.feature} {c.quantity}: measured {c.measured:.4f}, "
+            f"spec {c.expected:.4f} +- {c.tolerance:.4f}"
+        )
+    if checks:
+        out.print(f"{len(checks) - len(bad)} of {len(checks)} checks against the spec within tolerance")
+    else:
+        out.print("no spec stored in this dataset: nothing to check against")
+    if strict and bad:
+        raise typer.Exit(1)
 
 
 @app.command("convert-criteo")
@@ -140,6 +204,9 @@ def stats(
         raise typer.Exit(1)
     out = console()
     teacher = result["teacher_auc"]
+    if result.get("kind") == "requests":
+        _print_request_stats(result, strict)
+        return
     out.print(
         f"{result['path']}: {result['samples']:,} samples from {result['source']}, label rate "
         f"{result['label_rate']:.4f}" + (f", teacher AUC {teacher:.4f}" if teacher is not None else "")
@@ -160,16 +227,4 @@ def stats(
             f"{f['pooling_p99']:.0f}",
         )
     out.print(table)
-    checks = result["checks"]
-    bad = [c for c in checks if not c.ok]
-    for c in bad:
-        out.print(
-            f"[red]outside tolerance[/]: {c.feature} {c.quantity}: measured {c.measured:.4f}, "
-            f"spec {c.expected:.4f} +- {c.tolerance:.4f}"
-        )
-    if checks:
-        out.print(f"{len(checks) - len(bad)} of {len(checks)} checks against the spec within tolerance")
-    else:
-        out.print("no spec stored in this dataset: nothing to check against")
-    if strict and bad:
-        raise typer.Exit(1)
+    _print_checks(result["checks"], strict)

@@ -13,6 +13,7 @@ model): every problem found is one line naming file, column, row group, id and r
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,19 @@ def dataset_problems(path: str | Path) -> list[str]:
     outside [0, rows) of their table), plus files and rows against the sidecar. A
     nonexistent path or a directory without Parquet files stays a `UserError` (a user
     mistake, not a broken dataset)."""
+    if _requests_info(path) is not None:
+        return dataset_stats(path)["problems"]
     return _inspect(path)[3]
+
+
+def _requests_info(path: str | Path) -> dict[str, Any] | None:
+    """The sidecar of a dataset of HSTU requests, else None."""
+    sidecar = dataset_sidecar(path) if Path(path).is_dir() else None
+    try:
+        info = json.loads(sidecar.read_text()) if sidecar else None
+    except json.JSONDecodeError:
+        return None  # `_inspect` reports it
+    return info if isinstance(info, dict) and info.get("kind") == "requests" else None
 
 
 def _inspect(path: str | Path) -> tuple[dict[str, Any], list[Path], DatasetLayout, list[str]]:
@@ -212,7 +225,13 @@ def dataset_stats(path: str | Path) -> dict[str, Any]:
     """Measure every feature of a dataset; compare with its stored spec where it has one.
 
     A dataset with structural problems (`dataset_problems`) is not measured: the result
-    then holds them under "problems" (one line each) and no features or checks."""
+    then holds them under "problems" (one line each) and no features or checks. A dataset of
+    HSTU requests is measured by `request_files.request_stats` (quantities instead of features)."""
+    requests = _requests_info(path)
+    if requests is not None:
+        from dlrm_lab.data.request_files import request_stats
+
+        return request_stats(path, requests, dataset_files(path))
     info, files, layout, problems = _inspect(path)
     source = info.get("source", "unknown")
     if problems:
