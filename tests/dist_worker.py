@@ -1,7 +1,7 @@
-"""Run under torchrun by tests: train `tiny` with every sharding type, dump losses and tables.
+"""Run under torchrun by tests: train presets under sharding types, dump losses and tables.
 
-torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR GLOBAL_BATCH STEPS [PRESET SHARDINGS]
-(PRESET another preset, e.g. hstu-tiny; SHARDINGS comma-separated types)
+torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR STEPS PRESET:GLOBAL_BATCH:TYPE,TYPE ...
+writes OUT_DIR/<preset>-<type>.json (losses, plan) and .pt (tables, dense weights); one process runs them all.
 """
 
 import faulthandler
@@ -13,15 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.config import SHARDING_TYPES, TrainConfig, load_any_preset
+from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.distributed.context import init_distributed, shutdown_distributed
 from dlrm_lab.distributed.tables import gather_tables
 from dlrm_lab.train import train
 
 
-def run(
-    out: Path, global_batch: int, steps: int, preset: str = "tiny", shardings: tuple[str, ...] = SHARDING_TYPES
-) -> None:
+def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[str]) -> None:
     spec = load_any_preset(preset)
     world = init_distributed("cpu").world_size  # before the first run sizes its batch
     for sharding in shardings:
@@ -45,9 +43,13 @@ def run(
         tables = gather_tables(result.model)
         dense = {k: v.detach().cpu() for k, v in result.model.state_dict().items() if "embedding" not in k}
         if not dist.is_initialized() or dist.get_rank() == 0:
-            (out / f"{sharding}.json").write_text(json.dumps({"losses": losses, "plan": result.plan}))
-            torch.save({"tables": tables, "dense": dense}, out / f"{sharding}.pt")
-        print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: {sharding} done", file=sys.stderr, flush=True)
+            (out / f"{preset}-{sharding}.json").write_text(json.dumps({"losses": losses, "plan": result.plan}))
+            torch.save({"tables": tables, "dense": dense}, out / f"{preset}-{sharding}.pt")
+        print(
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {preset} {sharding} done",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
@@ -55,8 +57,9 @@ if __name__ == "__main__":
     # here: the Python stacks of every thread are printed if it happens again, with how far the runs got.
     faulthandler.enable()
     try:
-        extra = (sys.argv[4], tuple(sys.argv[5].split(","))) if len(sys.argv) > 5 else ()
-        run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *extra)
+        for item in sys.argv[3:]:
+            preset, batch, kinds = item.split(":")
+            run(Path(sys.argv[1]), int(sys.argv[2]), preset, int(batch), kinds.split(","))
     finally:
         shutdown_distributed()
     # Everything is written: leave without interpreter teardown, where gloo's worker threads can still hold work

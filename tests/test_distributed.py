@@ -22,18 +22,25 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+HSTU_SHARDINGS = ("table_wise", "row_wise", "column_wise")
+# one process per rank count runs them all: tiny under every sharding type, the HSTU ranker under its types
+JOBS = [f"tiny:{GLOBAL_BATCH}:{','.join(SHARDING_TYPES)}", f"hstu-tiny:{GLOBAL_BATCH // 4}:{','.join(HSTU_SHARDINGS)}"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     ref = subprocess.run(
-        [sys.executable, "tests/dist_worker.py", str(one), str(GLOBAL_BATCH), str(STEPS)],
+        [sys.executable, "tests/dist_worker.py", str(one), str(STEPS), *JOBS],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
-    out = torchrun("tests/dist_worker.py", str(two), str(GLOBAL_BATCH), str(STEPS))
+    out = torchrun("tests/dist_worker.py", str(two), str(STEPS), *JOBS)
     assert out.returncode == 0, out.stderr[-3000:]
     return one, two
 
@@ -42,14 +49,14 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("sharding", SHARDING_TYPES)
 def test_two_ranks_match_one_rank(runs, sharding):
     one, two = runs
-    a = json.loads((one / f"{sharding}.json").read_text())
-    b = json.loads((two / f"{sharding}.json").read_text())
+    a = json.loads((one / f"tiny-{sharding}.json").read_text())
+    b = json.loads((two / f"tiny-{sharding}.json").read_text())
     assert {t["sharding_type"] for t in b["plan"]["tables"]} == {sharding}
     if sharding != "data_parallel":  # model-parallel: the tables are spread over both ranks
         assert all(sum(b["plan"]["bytes_per_rank"]) >= t["bytes"] for t in b["plan"]["tables"])
     for la, lb in zip(a["losses"], b["losses"], strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la), (a["losses"], b["losses"])
-    wa, wb = torch.load(one / f"{sharding}.pt"), torch.load(two / f"{sharding}.pt")
+    wa, wb = torch.load(one / f"tiny-{sharding}.pt"), torch.load(two / f"tiny-{sharding}.pt")
     for name, table in wa["tables"].items():
         torch.testing.assert_close(wb["tables"][name], table, rtol=1e-5, atol=1e-6)
     # the tables really trained (else equal weights would prove nothing)
@@ -62,34 +69,23 @@ def test_two_ranks_match_one_rank(runs, sharding):
         torch.testing.assert_close(wb["dense"][key], value, rtol=1e-5, atol=1e-6)
 
 
-HSTU_SHARDINGS = ("table_wise", "row_wise", "column_wise")
-
-
 @pytest.mark.multiprocess
-def test_hstu_two_ranks_match_one_rank(tmp_path):
+def test_hstu_two_ranks_match_one_rank(runs):
     """The HSTU ranker's sequence tables sharded over 2 ranks train as on one rank (float summation
     order aside: DDP averages two half-batch gradients)."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    args = [str(GLOBAL_BATCH // 4), str(STEPS), "hstu-tiny", ",".join(HSTU_SHARDINGS)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    ref = subprocess.run([sys.executable, "tests/dist_worker.py", str(one), *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=env)  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    out = torchrun("tests/dist_worker.py", str(two), *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    one, two = runs
     for sharding in HSTU_SHARDINGS:
-        a = json.loads((one / f"{sharding}.json").read_text())
-        b = json.loads((two / f"{sharding}.json").read_text())
+        a = json.loads((one / f"hstu-tiny-{sharding}.json").read_text())
+        b = json.loads((two / f"hstu-tiny-{sharding}.json").read_text())
         assert {t["sharding_type"] for t in b["plan"]["tables"]} == {sharding}
         assert {t["table"] for t in b["plan"]["tables"]} == {"item", "item_category", "user"}
         for la, lb in zip(a["losses"], b["losses"], strict=True):
             assert abs(la - lb) <= 1e-4 * abs(la), (a["losses"], b["losses"])
-        wa, wb = torch.load(one / f"{sharding}.pt"), torch.load(two / f"{sharding}.pt")
+        wa, wb = torch.load(one / f"hstu-tiny-{sharding}.pt"), torch.load(two / f"hstu-tiny-{sharding}.pt")
         for name, table in wa["tables"].items():
             torch.testing.assert_close(wb["tables"][name], table, rtol=1e-4, atol=1e-4)
             assert table.abs().max() < 10  # finite and trained below (not the initial rows)
-    first = torch.load(one / f"{HSTU_SHARDINGS[0]}.pt")["tables"]
+    first = torch.load(one / f"hstu-tiny-{HSTU_SHARDINGS[0]}.pt")["tables"]
     from dlrm_lab.config import load_any_preset
     from dlrm_lab.model import build_model
 

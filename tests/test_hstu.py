@@ -229,6 +229,16 @@ def test_hstu_tiny_learns_through_the_training_loop(tmp_path):
     manifest = json.loads((result.run_dir / "manifest.json").read_text())
     assert {t["table"] for t in manifest["config"]["sharding_plan"]["tables"]} == {"item", "item_category", "user"}
     assert manifest["config"]["eval_data"]["window"] == "eval" and manifest["config"]["data"]["window"] == "train"
+    # the report draws a request's FLOPs against its history, the run marked at its mean history
+    from dlrm_lab.report.html import write_report
+
+    report = write_report(tmp_path, tmp_path / "report")
+    drawn = report.drawn["request_flops"]
+    (curve,) = drawn.curves.values()
+    assert all(p >= j for p, j in zip(curve["padded"], curve["jagged"], strict=True))
+    assert curve["jagged"] == sorted(curve["jagged"]) and drawn.history[-1] == spec.data.max_history
+    ((mean, gflop),) = drawn.marks.values()
+    assert mean == spec.mean_history and gflop == pytest.approx(s["flops_per_sample"] / 3 / 1e9)
     with pytest.raises(UserError, match="--pipeline: hstu-tiny"):
         train(spec, TrainConfig(steps=2, pipeline=True))
     with pytest.raises(UserError, match="hstu-tiny trains on its synthetic requests"):

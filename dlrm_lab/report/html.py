@@ -44,6 +44,7 @@ TITLES = {
     "energy": "Energy efficiency",
     "sweep": "Sweeps: medians with confidence intervals",
     "collectives": "Collectives compared: bus bandwidth per transport",
+    "request_flops": "HSTU ranker: FLOPs per request against history length",
 }
 
 
@@ -209,6 +210,22 @@ def _phases(data: ReportData, out: Path) -> Made:
     return {"training_phases": (drawn, notes)}
 
 
+def _request_flops(data: ReportData, out: Path) -> Made:
+    from dlrm_lab.config.hstu import spec_from_dict
+
+    models, runs = {}, {}
+    for r in data.train:
+        model = (r["_run"].manifest.get("config") or {}).get("model") or {}
+        if model.get("family") == "hstu":
+            spec = spec_from_dict(model)
+            label = f"{spec.name} ({spec.shape.layers}x{spec.shape.stu.dim}, {spec.data.candidates} candidates)"
+            models[label] = (spec.shape, spec.data.candidates, spec.data.max_history)
+            runs[f"{r['_run'].short} {spec.name}"] = (label, spec.mean_history)
+    if not models:
+        return "no train run of an HSTU preset"
+    return {"request_flops": (plots.request_flops(models, runs, out / "request_flops.png"), [])}
+
+
 def _scaling(data: ReportData, out: Path) -> Made:
     rows = [r for r in data.scale if r.get("efficiency") is not None and r.get("ranks") is not None]
     if not rows:
@@ -332,6 +349,7 @@ _BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
     ("energy", _energy),
     ("sweep", _sweeps),
     ("collectives", _collectives),
+    ("request_flops", _request_flops),
 ]
 
 

@@ -19,12 +19,21 @@ from dlrm_lab.report.plots.machine import (
 )
 from dlrm_lab.report.plots.serving import CdfPlot, Heatmap, QpsPlot, batching_heatmap, latency_cdf, qps_latency
 from dlrm_lab.report.plots.sweeps import SweepPlot, point_labels, sweep_medians
-from dlrm_lab.report.plots.training import SEGMENTS, PhaseBars, ScalingPlot, scaling_efficiency, training_phases
+from dlrm_lab.report.plots.training import (
+    SEGMENTS,
+    PhaseBars,
+    RequestFlopsPlot,
+    ScalingPlot,
+    request_flops,
+    scaling_efficiency,
+    training_phases,
+)
 
 __all__ = [
     "MAX_BARS", "MAX_CURVES", "MAX_LABELS", "MAX_PANELS", "SEGMENTS", "CdfPlot", "CollectivesPlot", "EnergyPlot",
     "Heatmap", "collectives",
-    "PhaseBars", "QpsPlot", "RooflinePlot", "RooflinePoint", "ScalingPlot", "SweepPlot", "batching_heatmap",
+    "PhaseBars", "QpsPlot", "RequestFlopsPlot", "request_flops",
+    "RooflinePlot", "RooflinePoint", "ScalingPlot", "SweepPlot", "batching_heatmap",
     "energy", "latency_cdf", "point_labels", "qps_latency", "roof_at", "roofline", "scaling_efficiency",
     "sweep_medians", "training_phases",
 ]  # fmt: skip

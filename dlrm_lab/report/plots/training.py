@@ -129,3 +129,46 @@ def scaling_efficiency(rows: Sequence[dict[str, Any]], out: Path) -> ScalingPlot
     eff_ax.set_ylim(0, max([1.1, *[v * 1.1 for line in lines.values() for v in line["efficiency"]]]))
     fig.suptitle("Weak and strong scaling")
     return ScalingPlot(_save(fig, out), lines)
+
+
+# ----------------------------------------------------------------------------- HSTU: a request's FLOPs
+
+
+@dataclass
+class RequestFlopsPlot:
+    path: Path
+    history: list[int]
+    curves: dict[str, dict[str, list[float]]]  # model label -> {"jagged": GFLOP, "padded": GFLOP} per history
+    marks: dict[str, tuple[float, float]]  # run label -> (its mean history, its GFLOP at it)
+
+
+def request_flops(models: dict[str, Any], runs: dict[str, tuple[str, float]], out: Path) -> RequestFlopsPlot:
+    """Forward GFLOP of one request against its history (log-log), per HSTU model (`models`: label ->
+    (RankerShape, candidates, longest history)): valid attention pairs (jagged) and the padded n x n;
+    each run (`runs`: label -> (model label, mean history)) marked where its requests sit."""
+    top = max(int(longest) for _, _, longest in models.values())
+    history = np.unique(np.geomspace(1, max(top, 2), 24).astype(int)).tolist()
+    curves, marks = {}, {}
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for label, (shape, cands, _) in models.items():
+        jag = [shape.request_flops(h, cands) / 1e9 for h in history]
+        pad = [shape.request_flops(h, cands, path="padded") / 1e9 for h in history]
+        curves[label] = {"jagged": jag, "padded": pad}
+        line = ax.plot(history, jag, label=_text(f"{label}: valid pairs (jagged)"))
+        ax.plot(history, pad, linestyle=":", color=line[0].get_color(),
+                label=_text(f"{label}: padded n x n"))  # fmt: skip
+    for run, (model, mean) in runs.items():
+        shape, cands, _ = models[model]
+        y = shape.request_flops(round(mean), cands) / 1e9
+        marks[run] = (mean, y)
+        ax.plot([max(mean, 1)], [y], marker="o", color="black")
+        ax.annotate(_text(run), (max(mean, 1), y), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("history items per request")
+    ax.set_ylabel("forward GFLOP per request")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle("HSTU ranker: a request's FLOPs grow with its history squared (attention)")
+    return RequestFlopsPlot(_save(fig, out), history, curves, marks)
