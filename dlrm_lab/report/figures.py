@@ -1,0 +1,283 @@
+"""The report's figures: which runs each plot draws and the notes under it (`BUILDERS`), data in,
+PNGs out through `report.plots`; `report.html` lays them out on the page."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.report import plots
+from dlrm_lab.report.load import (
+    ReportData,
+    RunInfo,
+    ceilings,
+    config_label,
+    config_of,
+    device_of,
+    group_by_config,
+    latency_curves,
+    median_floor,
+)
+
+TITLES = {
+    "latency_cdf": "Latency CDFs per configuration",
+    "qps_vs_p99": "Throughput against tail latency",
+    "heatmap": "Batching x co-location (latency-bounded samples/s)",
+    "training_phases": "Training throughput and step-time phases",
+    "scaling": "Scaling efficiency",
+    "roofline": "Roofline",
+    "energy": "Energy efficiency",
+    "sweep": "Sweeps: medians with confidence intervals",
+    "collectives": "Collectives compared: bus bandwidth per transport",
+    "request_flops": "HSTU ranker: FLOPs per request against history length",
+}
+
+
+Made = dict[str, tuple[Any, list[str]]] | str  # plots drawn with their notes, or why none was
+
+
+def _latency(data: ReportData, out: Path) -> Made:
+    curves = latency_curves(data, plots.MAX_CURVES)
+    if not curves.latencies:
+        return "no infer or infer-search run with completed queries (queries.parquet, status ok)" + (
+            f"; {'; '.join(curves.notes)}" if curves.notes else ""
+        )
+    drawn = plots.latency_cdf(
+        curves.latencies, out / "latency_cdf.png", curves.sla_ms, curves.left_out, floors=curves.floors
+    )
+    notes = list(curves.notes)
+    if drawn.left_out:
+        notes.append(
+            f"{drawn.left_out} more curve(s) not drawn: at most {plots.MAX_CURVES}, searches' best configurations "
+            "first, then infer points in run order"
+        )
+    return {"latency_cdf": (drawn, notes)}
+
+
+def _qps(data: ReportData, out: Path) -> Made:
+    series: dict[str, list[tuple[float, float]]] = {}
+    chosen: list[tuple[str, float, float]] = []
+    floors: dict[str, float | None] = {}
+    bounds: set[float] = set()
+    percentiles: set[float] = set()
+    infinite = 0
+    for s in data.search:
+        score = {config_of(f): f.get("best_samples_per_s") or 0.0 for f in s.frontier}
+        groups = group_by_config(s.probes)
+        for key in sorted(groups, key=lambda k: -score.get(k, 0.0)):
+            rows = groups[key]
+            infinite += sum(1 for r in rows if r.get("sla_latency_ms") is None)
+            label = f"{s.run.short} {config_label(rows[0])}"
+            series[label] = [(r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows]
+            floors[label] = median_floor(rows)
+        best = s.best_row()
+        if best is not None:
+            chosen.append(
+                (f"{s.run.short} {config_label(best)}", best.get("best_qps"), best.get("best_sla_latency_ms"))
+            )
+        for r in [*s.frontier, *s.probes]:
+            bounds.update([r["sla_ms"]] if r.get("sla_ms") else [])
+            percentiles.update([r["sla_percentile"]] if r.get("sla_percentile") else [])
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in data.infer:  # several rates of one configuration: the same curve from plain runs
+        if r.get("point") is not None:
+            groups.setdefault((r.get("model"), r.get("mode"), *config_of(r)), []).append(r)
+    for (model, mode, *_), rows in groups.items():
+        if len(rows) >= 2:
+            label = f"{model} ({mode}) {config_label(rows[0])}"
+            series[label] = [(r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows]
+            floors[label] = median_floor(rows)
+            bounds.update(r["sla_ms"] for r in rows if r.get("sla_ms"))
+            percentiles.update(r["sla_percentile"] for r in rows if r.get("sla_percentile"))
+    series = {k: kept for k, v in series.items() if (kept := [(x, y) for x, y in v if x is not None and y is not None])}
+    if not series:
+        return (
+            "needs an infer-search run, or infer points at two or more rates of one configuration, with "
+            "queries_per_s and sla_latency_ms"
+        )
+    pct = next(iter(percentiles)) if len(percentiles) == 1 else None
+    drawn = plots.qps_latency(series, out / "qps_vs_p99.png", sorted(bounds), chosen, pct,
+                              floors={k: v for k, v in floors.items() if v is not None})  # fmt: skip
+    notes = []
+    if infinite:
+        notes.append(
+            f"{infinite} probe(s) with dropped or unfinished queries (latency at the percentile infinite) are not drawn"
+        )
+    if drawn.left_out:
+        notes.append(f"{drawn.left_out} more configuration(s) not drawn (best first, at most {plots.MAX_CURVES})")
+    if not drawn.chosen and data.search:
+        notes.append("no configuration met the bound: no chosen point")
+    return {"qps_vs_p99": (drawn, notes)}
+
+
+def _heatmap(data: ReportData, out: Path) -> Made:
+    made: Made = {}
+    for s in data.search:
+        rows = [r for r in s.frontier if None not in config_of(r)]
+        if rows:
+            name = f"heatmap-{s.run.run_id}"
+            title = f"{s.run.short}: best samples/s under the bound (red box: chosen)"
+            made[name] = (plots.batching_heatmap(rows, out / f"{name}.png", title), [])
+    return made or "no infer-search run with a readable frontier.parquet"
+
+
+def _phases(data: ReportData, out: Path) -> Made:
+    rows = []
+    for r in data.train:
+        if r.get("step_time_ms_mean"):
+            label = f"{r['_run'].short}\n{r.get('preset')} {r.get('world_size')}r b{r.get('global_batch_size')}"
+            rows.append({**r, "label": label})
+    if not rows:
+        return "no train run with step_time_ms_mean in its summary.parquet"
+    drawn = plots.training_phases(rows, out / "training_phases.png")
+    notes = []
+    if len(rows) > len(drawn.labels):
+        notes.append(f"{len(rows) - len(drawn.labels)} more run(s) not drawn (at most {plots.MAX_BARS} bars)")
+    if any(drawn.ms["unattributed"]):
+        notes.append("pipelined runs have no phase shares (phases overlap): their bar is one 'unattributed' segment")
+    return {"training_phases": (drawn, notes)}
+
+
+def _request_flops(data: ReportData, out: Path) -> Made:
+    from dlrm_lab.config.hstu import spec_from_dict
+
+    models, runs = {}, {}
+    for r in data.train:
+        model = (r["_run"].manifest.get("config") or {}).get("model") or {}
+        if model.get("family") == "hstu":
+            spec = spec_from_dict(model)
+            label = f"{spec.name} ({spec.shape.layers}x{spec.shape.stu.dim}, {spec.data.candidates} candidates)"
+            models[label] = (spec.shape, spec.data.candidates, spec.data.max_history)
+            runs[f"{r['_run'].short} {spec.name}"] = (label, spec.mean_history)
+    if not models:
+        return "no train run of an HSTU preset"
+    return {"request_flops": (plots.request_flops(models, runs, out / "request_flops.png"), [])}
+
+
+def _scaling(data: ReportData, out: Path) -> Made:
+    rows = [r for r in data.scale if r.get("efficiency") is not None and r.get("ranks") is not None]
+    if not rows:
+        return "no scale run with efficiency values in its summary.parquet"
+    runs_per_mode: dict[str, set[str]] = {}
+    for r in rows:
+        runs_per_mode.setdefault(r.get("mode"), set()).add(r["run_id"])
+    for r in rows:  # one line per mode; per sweep when a mode was swept more than once
+        r["label"] = r.get("mode") if len(runs_per_mode[r.get("mode")]) == 1 else f"{r.get('mode')} ({r['_run'].short})"
+    return {"scaling": (plots.scaling_efficiency(rows, out / "scaling.png"), [])}
+
+
+def _point_rows(data: ReportData) -> list[dict[str, Any]]:
+    """Runs and inference points placed on the roofline and the energy plot: each train run,
+    each infer point and model, each search's chosen configuration at its best probe."""
+    rows = [{**r, "label": f"{r['_run'].short} {r.get('preset')}"} for r in data.train]
+    rows += [{**r, "label": f"{r['_run'].short} p{r.get('point')} {r.get('model')}"} for r in data.infer]
+    for s in data.search:
+        best = s.best_row()
+        probe_rows = s.best_probe_points().get(config_of(best)) if best else None
+        if probe_rows:
+            rows.append({**probe_rows[0], "label": f"{s.run.short} {best.get('model')} best"})
+    return rows
+
+
+def _roofline(data: ReportData, out: Path) -> Made:
+    points, roofs, reasons = [], {}, []
+    cache: dict[tuple, Any] = {}
+    for r in _point_rows(data):
+        if not (r.get("flops_per_sample") and r.get("bytes_per_sample") and r.get("achieved_flops_per_s")):
+            continue
+        run: RunInfo = r["_run"]
+        key = ((run.manifest.get("hardware") or {}).get("fingerprint_id"), device_of(run, r))
+        if key not in cache:
+            cache[key] = ceilings(*key)
+        c = cache[key]
+        if isinstance(c, str):
+            reasons.append(c)
+            points.append({**r, "ceiling": None})
+        else:
+            roofs[c["basis"]] = c
+            points.append({**r, "ceiling": c["basis"]})
+    if not points:
+        return "no run with flops_per_sample, bytes_per_sample and achieved_flops_per_s in its summary"
+    drawn = plots.roofline(points, roofs, out / "roofline.png")
+    notes = [f"points without ceilings: {reason}" for reason in dict.fromkeys(reasons)]
+    if len(drawn.points) > plots.MAX_LABELS:
+        notes.append(f"only the first {plots.MAX_LABELS} points are labelled")
+    return {"roofline": (drawn, notes)}
+
+
+def _collectives(data: ReportData, out: Path) -> Made:
+    """The probed collectives of the machines the runs ran on, every transport side by side."""
+    from dlrm_lab.metrics.roofline import load_profile
+
+    fingerprints = {fid for run in data.runs if (fid := (run.manifest.get("hardware") or {}).get("fingerprint_id"))}
+    transports: dict[str, list[dict[str, Any]]] = {}
+    for fid in sorted(fingerprints):
+        try:
+            profile = load_profile(fid)
+        except UserError:
+            continue
+        for key, rows in ((profile or {}).get("comms") or {}).items():
+            transports[key if len(fingerprints) == 1 else f"{fid[:8]} {key}"] = rows
+    if not transports:
+        return "no machine profile of these runs holds collectives (dlrm-lab launch --nproc 2 -- machine probe)"
+    return {"collectives": (plots.collectives(transports, out / "collectives.png"), [])}
+
+
+def _energy(data: ReportData, out: Path) -> Made:
+    rows, seen = [], set()
+    for r in _point_rows(data):
+        key = (r["run_id"], r.get("point"))  # energy is per point, shared by its models
+        if key not in seen:
+            seen.add(key)
+            infer = r["_run"].kind == "infer"
+            rows.append({**r, "label": f"{r['_run'].short} p{r.get('point')}" if infer else r["label"]})
+    measured = [r for r in rows if r.get("energy_j") is not None]
+    reasons = list(
+        dict.fromkeys(
+            r["energy_unavailable"] for r in rows if r.get("energy_j") is None and r.get("energy_unavailable")
+        )
+    )
+    if not measured:
+        why = "; ".join(reasons) if reasons else "energy_j is null in every summary"
+        return f"no energy measured in any run: {why}"
+    drawn = plots.energy(measured, out / "energy.png")
+    notes = []
+    if len(measured) < len(rows):
+        notes.append(
+            f"{len(rows) - len(measured)} run(s)/point(s) without energy"
+            + (f": {'; '.join(reasons)}" if reasons else "")
+        )
+    return {"energy": (drawn, notes)}
+
+
+def _sweeps(data: ReportData, out: Path) -> Made:
+    made: Made = {}
+    for run, table in data.sweeps:
+        medians = [c for c in table.column_names if c.endswith("_median")]
+        if any(table[c].null_count < table.num_rows for c in medians):
+            name = f"sweep-{run.run_id}"
+            drawn = plots.sweep_medians(table, out / f"{name}.png", f"{run.short}: median and CI per point")
+            unstable = sorted({m for m, v in drawn.metrics.items() if any(v["unstable"])})
+            notes = [f"unstable points (red circles) in: {', '.join(unstable)}"] if unstable else []
+            if drawn.left_out:
+                notes.append(f"metrics not drawn (table only): {', '.join(drawn.left_out)}")
+            if drawn.empty:
+                notes.append(f"metrics with no value at any point (not drawn): {', '.join(drawn.empty)}")
+            made[name] = (drawn, notes)
+    return made or "no sweep run with <metric>_median columns in its summary.parquet"
+
+
+BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
+    ("latency_cdf", _latency),
+    ("qps_vs_p99", _qps),
+    ("heatmap", _heatmap),
+    ("training_phases", _phases),
+    ("scaling", _scaling),
+    ("roofline", _roofline),
+    ("energy", _energy),
+    ("sweep", _sweeps),
+    ("collectives", _collectives),
+    ("request_flops", _request_flops),
+]
