@@ -321,3 +321,14 @@ def test_profile_steps_record_operators_per_step(tmp_path):
     )
     with pytest.raises(UserError, match=r"--profile-steps 11: must be an integer in \[0, steps=10\]"):
         TrainConfig(steps=10, profile_steps=11)
+
+
+def test_only_collective_errors_are_blamed_on_another_rank():
+    import torch.distributed as dist
+
+    from dlrm_lab.train.loop import _is_collective_error
+
+    assert _is_collective_error(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert _is_collective_error(dist.DistBackendError("NCCL communicator was aborted"))
+    # a fault of this rank's own work (TorchRec's replicated sequence lookup once failed so) keeps its traceback
+    assert not _is_collective_error(RuntimeError("split_with_sizes expects split_sizes to sum exactly to 80"))

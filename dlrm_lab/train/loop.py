@@ -111,6 +111,14 @@ def _mark_failed(run: Run | None) -> Callable[[str], None]:
     return mark
 
 
+_COLLECTIVE_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "c10d", "broken pipe")
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    """An error of the collectives (a peer gone or silent), as opposed to one of this rank's own ops."""
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(w in str(exc).lower() for w in _COLLECTIVE_WORDS)
+
+
 def _quality(cfg: TrainConfig, reached: dict[str, Any]) -> dict[str, Any]:
     if cfg.target_auc is None:
         return {}
@@ -424,8 +432,8 @@ def train(
         except KeyboardInterrupt:
             status = "interrupted"
         except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
-            if ctx.world_size == 1 or isinstance(exc, RankFailure):
-                raise
+            if ctx.world_size == 1 or isinstance(exc, RankFailure) or not _is_collective_error(exc):
+                raise  # a fault of this rank's own work keeps its traceback: it is not another rank's death
             raise RankFailure(
                 f"rank {ctx.rank}: a collective failed at step {len(steps)}: another rank died or did not answer "
                 f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
