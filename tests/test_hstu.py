@@ -229,6 +229,9 @@ def test_hstu_tiny_learns_through_the_training_loop(tmp_path):
     manifest = json.loads((result.run_dir / "manifest.json").read_text())
     assert {t["table"] for t in manifest["config"]["sharding_plan"]["tables"]} == {"item", "item_category", "user"}
     assert manifest["config"]["eval_data"]["window"] == "eval" and manifest["config"]["data"]["window"] == "train"
+    chosen = manifest["config"]["attention_choice"]  # --attention auto: both paths timed, the faster taken
+    assert set(chosen["layer_seconds"]) == {"padded", "jagged"}
+    assert chosen["attention"] == min(chosen["layer_seconds"], key=chosen["layer_seconds"].get)
     # the report draws a request's FLOPs against its history, the run marked at its mean history
     from dlrm_lab.report.html import write_report
 
@@ -277,3 +280,19 @@ def test_set_changes_an_hstu_presets_requests(tmp_path):
     assert (data["candidates"], data["max_history"]) == (4, 16)
     code, _, err = run_cli_in_process("train", "--preset", "hstu-tiny", "--set", "candidate=4")
     assert code == 2 and err.startswith("error: --set 'candidate=4'") and len(err.strip().splitlines()) == 1
+
+
+def test_the_attention_path_is_chosen_by_timing_unless_asked():
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.model.hstu import choose_attention, time_attention_paths
+
+    seconds = time_attention_paths(SMALL, [9, 5, 7], [2, 1, 3], torch.device("cpu"), repeats=1)
+    assert set(seconds) == {"padded", "jagged"} and all(v > 0 for v in seconds.values())
+    spec = load_any_preset("hstu-tiny")
+    asked = choose_attention("jagged", spec, 8, torch.device("cpu"))
+    assert asked.path == "jagged" and "asked for" in asked.reason and asked.seconds == {}
+    auto = choose_attention("auto", spec, 4, torch.device("cpu"))
+    assert auto.path == min(auto.seconds, key=auto.seconds.get) and "4 of the run's requests" in auto.reason
+    with pytest.raises(UserError, match="--attention 'sparse': allowed: auto, padded, jagged"):
+        choose_attention("sparse", spec, 4, torch.device("cpu"))

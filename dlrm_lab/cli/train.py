@@ -73,6 +73,9 @@ def train_command(
     pipeline: Annotated[
         bool, typer.Option(help="TorchRec's sparse-dist pipeline: overlap the next batch's input distribution.")
     ] = False,
+    attention: Annotated[
+        str, typer.Option(help="HSTU presets: padded, jagged, or auto (both timed on the run's requests).")
+    ] = "auto",
     checkpoint_dir: Annotated[Optional[str], typer.Option(help="Directory of sharded checkpoints.")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints (0: at the end only).")] = 0,
     resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint-dir.")] = False,

@@ -54,6 +54,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # sharded checkpoints (torch.distributed.checkpoint)
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
+    attention: str = "auto"  # HSTU ranker: padded | jagged attention, or auto (timed, model.hstu.choose_attention)
     pipeline: bool = False  # TorchRec's TrainPipelineSparseDist: next batch's input dist overlaps this step
     profile_steps: int = 0  # torch.profiler over this many steps after warm-up: profile.parquet (train.profile)
 
@@ -84,6 +85,7 @@ class TrainConfig:
         ):
             raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
         _choice("--sharding", self.sharding, SHARDING_CHOICES)
+        _choice("--attention", self.attention, ("auto", "padded", "jagged"))
         if self.checkpoint_every < 0:
             raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:

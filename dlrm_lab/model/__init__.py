@@ -14,12 +14,14 @@ def build_model(
     device: str | torch.device = "cpu",
     table_device: str | torch.device | None = None,
     table_precision: str = "fp32",
+    attention: str = "padded",
 ) -> torch.nn.Module:
-    """The model of `spec`, of whichever family (see `model.dlrm.build_model`, `model.hstu.build_ranker`)."""
+    """The model of `spec`, of whichever family (see `model.dlrm.build_model`, `model.hstu.build_ranker`;
+    `attention` is the HSTU ranker's path)."""
     if isinstance(spec, HSTUSpec):
         from dlrm_lab.model.hstu import build_ranker
 
-        return build_ranker(spec, device, table_device, table_precision)
+        return build_ranker(spec, device, table_device, table_precision, attention)
     return build_dlrm(spec, device, table_device, table_precision)
 
 

@@ -23,7 +23,12 @@ agreement is tested; the lab measures which is faster.
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -252,3 +257,71 @@ def build_ranker(
     model = HSTURanker(spec.shape, attention=attention, device=device, table_device=table_device)
     model.spec = spec  # what the planner and the table initialiser read, as they read a DLRM's
     return model
+
+
+# ----------------------------------------------------------------------------- the attention path, by measurement
+
+ATTENTION_REPEATS = 3
+
+
+def time_attention_paths(
+    shape: STUShape, lengths: list[int], candidates: list[int], device: torch.device, repeats: int = ATTENTION_REPEATS
+) -> dict[str, float]:
+    """Seconds of one STU layer's forward and backward over a batch of requests of these lengths
+    (tokens, candidates among them), per attention path: the median of `repeats`, paths in turn."""
+    torch.manual_seed(0)
+    n = max(lengths)
+    x = torch.randn(len(lengths), n, shape.dim, device=device)
+    lens, cands = torch.tensor(lengths, device=device), torch.tensor(candidates, device=device)
+    layers = {p: STULayer(shape, dropout=0.0, attention=p).to(device) for p in ATTENTION_PATHS}
+    times: dict[str, list[float]] = {p: [] for p in ATTENTION_PATHS}
+    for i in range(repeats + 1):
+        for path, layer in layers.items():
+            xi = x.clone().requires_grad_(True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            layer(xi, lens, cands).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first pass warms up
+                times[path].append(time.perf_counter() - t0)
+    return {p: statistics.median(t) for p, t in times.items()}
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    path: str
+    reason: str
+    seconds: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attention": self.path, "reason": self.reason, "layer_seconds": self.seconds}
+
+
+def choose_attention(
+    requested: str, spec: HSTUSpec, batch_size: int, device: torch.device, seed: int = 0
+) -> AttentionChoice:
+    """`--attention auto`: time one layer of the ranker over a batch of the run's requests (spread over
+    its training window) in both paths and take the faster (on CPU the jagged path skips padding but
+    loops per request in Python; which wins depends on the lengths, the width and the machine).
+    Explicit paths are taken."""
+    if requested != "auto":
+        if requested not in ATTENTION_PATHS:
+            raise UserError(f"--attention {requested!r}: allowed: auto, {', '.join(ATTENTION_PATHS)}")
+        return AttentionChoice(requested, f"asked for (--attention {requested}); not measured", {})
+    from dlrm_lab.data.sequences import SequenceGenerator
+
+    gen = SequenceGenerator(spec.data, seed)
+    picks = np.linspace(0, gen.num_requests("train") - 1, batch_size).astype(np.int64)  # spread over the window
+    h = np.array([int(gen.requests(int(i), int(i) + 1).history_lengths[0]) for i in picks])
+    lengths = (1 + h + spec.data.candidates).tolist()
+    seconds = time_attention_paths(spec.shape.stu, lengths, [spec.data.candidates] * batch_size, device)
+    best = min(seconds, key=seconds.get)
+    other = next(p for p in seconds if p != best)
+    reason = (
+        f"auto: one layer over {batch_size} of the run's requests ({min(lengths)}-{max(lengths)} tokens): {best} "
+        f"{seconds[best] * 1e3:.2f} ms, {other} {seconds[other] * 1e3:.2f} ms (forward + backward, median of "
+        f"{ATTENTION_REPEATS})"
+    )
+    return AttentionChoice(best, reason, seconds)

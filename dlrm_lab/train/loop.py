@@ -179,6 +179,21 @@ def _choose_precision(
     return choice
 
 
+def _choose_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any) -> dict[str, Any] | None:
+    """The HSTU ranker's attention path (`model.hstu.choose_attention`): rank 0 times, every rank runs it."""
+    if not isinstance(spec, HSTUSpec):
+        return None
+    from dlrm_lab.model.hstu import choose_attention
+
+    shared: list[Any] = [choose_attention(cfg.attention, spec, cfg.batch_size, ctx.device, cfg.seed).to_dict()
+                         if ctx.is_main else None]  # fmt: skip
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    if log and ctx.is_main and cfg.attention == "auto":
+        log(f"attention {shared[0]['attention']}: {shared[0]['reason']}")
+    return shared[0]
+
+
 def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True) -> None:
     """The checks `train` makes before any work, callable alone (the CLI runs them before its
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
@@ -220,6 +235,7 @@ def train(
         pin_to_cores(ctx)
     precision_choice = _choose_precision(spec, cfg, ctx, log)
     cfg = replace(cfg, precision=precision_choice.precision)
+    attention = _choose_attention(spec, cfg, ctx, log)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     torch.manual_seed(cfg.seed)
     embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
@@ -228,7 +244,10 @@ def train(
 
     def build(sharding: str, pipelined: bool = False) -> tuple[Any, Any]:
         torch.manual_seed(cfg.seed)  # the same dense weights for every plan the sharding trial builds, and the run's
-        model = build_model(spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision)
+        model = build_model(
+            spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision,
+            attention=attention["attention"] if attention else "padded",
+        )  # fmt: skip
         dmp, plan = shard_model(
             model,
             ctx,
@@ -288,6 +307,7 @@ def train(
         "pipelined": cfg.pipeline,
         "torch_threads": torch.get_num_threads(),
         "precision_choice": precision_choice.to_dict(),
+        "attention_choice": attention,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
             "table_init": "uniform +-sqrt(1 / rows of the published table)",
