@@ -262,7 +262,7 @@ def test_set_changes_an_hstu_presets_requests(tmp_path):
     for bad, message in (
         ("candidate=4", "--set 'candidate=4': hstu-tiny's \\[data\\] keys are"),
         ("items=5", "--set 'items=5'"),
-        ("users=1000", "--set users=1000: at most the user table's 200 rows"),
+        ("users=1000", "--set users=1000: must be 1 .. the user table's 200 rows"),
         ("candidates=0", "candidates = 0: an integer >= 1"),
     ):
         with pytest.raises(UserError, match=message):
@@ -296,3 +296,46 @@ def test_the_attention_path_is_chosen_by_timing_unless_asked():
     assert auto.path == min(auto.seconds, key=auto.seconds.get) and "4 of the run's requests" in auto.reason
     with pytest.raises(UserError, match="--attention 'sparse': allowed: auto, padded, jagged"):
         choose_attention("sparse", spec, 4, torch.device("cpu"))
+
+
+def test_hstu_options_the_family_cannot_take_are_refused_in_one_line():
+    from dlrm_lab.config import TrainConfig, load_any_preset
+    from dlrm_lab.data.sequences import with_overrides
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.train.loop import preflight
+
+    spec = load_any_preset("hstu-tiny")
+    for cfg, message in (
+        (TrainConfig(table_precision="fp16"), "--table-precision fp16: hstu-tiny's tables are fp32"),
+        (TrainConfig(shard=("item=table_row_wise",)), "--shard item=table_row_wise: hstu-tiny's tables take"),
+        (TrainConfig(sharding="data_parallel"), "--sharding data_parallel: hstu-tiny's tables take table_wise"),
+    ):
+        with pytest.raises(UserError, match=message):
+            preflight(spec, cfg)
+    for bad, message in (("users=abc", "--set users='abc'"), ("active_share=x", "active_share = 'x': a number"),
+                         ("candidates=true", "candidates = True: an integer >= 1")):  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            with_overrides(spec, [bad])
+
+
+def test_sequence_tables_send_every_ids_row():
+    """The cost model's bytes for the HSTU ranker at 2 ranks, worked by hand for hstu-tiny (mean history 64,
+    8 candidates: the item and category tables see (64 + 8) / 2 x 2 features = 72 ids a request, the user 1)."""
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.model.cost import step_communication_bytes
+
+    comm = step_communication_bytes(load_any_preset("hstu-tiny"), 64, 2)
+    # ids: 32 requests a rank, half remote, 8 bytes an id and 4 a length per feature
+    assert comm["input_dist"] == 32 * 0.5 * ((8 * 72 + 8) * 2 + (8 + 4))
+    # every id's 16-float row comes back and its gradient goes out: no pooling, no reduce-scatter
+    assert comm["pooled_all_to_all"] == 32 * 0.5 * 2 * 4 * 16 * (72 + 72 + 1) and comm["pooled_reduce_scatter"] == 0
+
+
+@pytest.mark.gpu
+def test_request_batches_pin_for_the_cuda_prefetcher():
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.data.sequences import RequestBatch, SequenceGenerator
+
+    batch = RequestBatch.from_block(SequenceGenerator(load_any_preset("hstu-tiny").data).requests(0, 4)).pin_memory()
+    assert batch.actions.is_pinned() and batch.labels.is_pinned()
+    assert batch.to("cuda", non_blocking=True).labels.device.type == "cuda"

@@ -61,8 +61,17 @@ class SequenceSpec:
             if not ok:
                 raise UserError(f"{where}: {name} = {getattr(self, name)!r}: {rule}")
 
+        def integer(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
         for name in ("users", "items", "categories", "timestamps", "candidates", "max_history", "interests"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1")
+            need(integer(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
+        for name in ("train_timestamps", "warmup_timestamps"):
+            need(integer(getattr(self, name)), name, "an integer")
+        for f in fields(self):
+            if f.type in ("float", float):
+                v = getattr(self, f.name)
+                need(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), f.name, "a number")
         need(self.items >= self.categories, "items", f"at least one per category ({self.categories})")
         need(self.interests <= self.categories, "interests", f"at most the categories ({self.categories})")
         need(0 <= self.warmup_timestamps < self.train_timestamps, "warmup_timestamps", "0 .. train_timestamps - 1")
@@ -160,17 +169,21 @@ class RankerShape:
         post = d * d + d + 2 * d + (2 * d * d + d + 2 * d + d * d + d + 2 * d) + (d * d + d + 2 * d + d + 1)
         return pre + self.layers * layer + post
 
-    def request_flops(self, history: int, candidates: int, *, path: str = "jagged") -> int:
-        """Forward FLOPs of one request of `history` items and `candidates` candidates: the
-        preprocessor's towers per token, the STU stack over (user + history + candidates), the
-        candidate norm, item tower and head per candidate."""
+    def request_flops_parts(self, history: int, candidates: int, *, path: str = "jagged") -> tuple[int, int, int]:
+        """Forward FLOPs of one request of `history` items and `candidates` candidates, in three parts:
+        the preprocessor (content towers per token, the user's contextual token), the STU stack over
+        (user + history + candidates), and the head (candidate norm, item tower, MLP per candidate)."""
         d, hid = self.stu.dim, self.hidden
         tower = lambda i, o: 2 * (i * hid + hid * o)  # noqa: E731
         pre = history * (2 * tower(d, d) + tower(ACTION_BITS * ACTION_DIM, d)) + candidates * 2 * tower(d, d)
-        pre += 2 * d * d  # the user's contextual token
+        pre += 2 * d * d
         stack = self.layers * self.stu.layer_flops(1 + history, candidates, path=path)
         post = candidates * 2 * (d * d + 2 * d * d + d * d + d * d + d)
-        return pre + stack + post
+        return pre, stack, post
+
+    def request_flops(self, history: int, candidates: int, *, path: str = "jagged") -> int:
+        """Forward FLOPs of one request (`request_flops_parts` summed)."""
+        return sum(self.request_flops_parts(history, candidates, path=path))
 
     def request_lookup_bytes(self, history: int, candidates: int, bytes_per_value: float = 4.0) -> float:
         """Embedding rows read for one request: item and category per token, one user row."""

@@ -127,6 +127,12 @@ def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> 
         if v.size and (v.min() < 0 or v.max() >= rows):
             problems.append(f"{path}: {c}: ids {int(v.min())}..{int(v.max())} outside the table's 0..{rows - 1}")
     step = table["step"].to_numpy()
+    if n == 0:
+        problems.append(f"{path}: the dataset has no requests")
+    first_step, stop_step = spec.window(info.get("window", "train"))
+    if n and (step.min() < first_step or step.max() >= stop_step):
+        problems.append(f"{path}: steps {int(step.min())}..{int(step.max())} outside the "
+                        f"{info.get('window', 'train')} window's {first_step}..{stop_step - 1}")  # fmt: skip
     if n and np.any(np.diff(step) < 0):
         problems.append(
             f"{path}: requests are not in time order (step decreases at row {int(np.argmax(np.diff(step) < 0)) + 1})"
@@ -156,10 +162,10 @@ def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> 
             "(labels)", "label rate", float(labels.mean()), p, 4 * math.sqrt(p * (1 - p) / max(1, labels.size)) + 0.01
         )
     )
-    first_step = spec.window(info.get("window", "train"))[0]
     per_step = np.bincount(step - first_step)
-    full = per_step[:-1] if per_step.size > 1 else per_step  # the last step may be cut by --rows
-    checks.append(Check("(requests)", "requests per step", float(full.mean()), float(spec.active_users), 0.0))
+    full = per_step[:-1]  # the last step may be cut by --rows: only complete steps are checked
+    if full.size:
+        checks.append(Check("(requests)", "requests per step", float(full.mean()), float(spec.active_users), 0.0))
     # the files are what the stored spec and seed produce: a few requests regenerated and compared
     gen = SequenceGenerator(spec, int(info.get("seed", 0)))
     picks = np.unique(np.linspace(0, n - 1, min(n, REPLAYED)).astype(np.int64))

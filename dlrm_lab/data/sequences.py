@@ -291,6 +291,11 @@ class RequestBatch:
             self.ages_s.to(device, non_blocking=non_blocking), self.labels.to(device, non_blocking=non_blocking),
         )  # fmt: skip
 
+    def pin_memory(self) -> RequestBatch:
+        """Page-locked copies, for asynchronous host-to-device copies (the prefetcher on CUDA)."""
+        return RequestBatch(self.sparse.pin_memory(), self.actions.pin_memory(), self.ages_s.pin_memory(),
+                            self.labels.pin_memory())  # fmt: skip
+
     def model_inputs(self) -> tuple[Any, ...]:
         """The ranker's forward arguments."""
         return self.sparse, self.actions, self.ages_s
@@ -371,6 +376,7 @@ def with_overrides(spec: Any, overrides: tuple[str, ...] | list[str]) -> Any:
         if len(path) != 1 or path[0] not in known:
             raise UserError(f"--set {text!r}: {spec.name}'s [data] keys are {', '.join(sorted(known))}")
         changes[path[0]] = value
-    if changes.get("users", 1) > spec.shape.users:
-        raise UserError(f"--set users={changes['users']}: at most the user table's {spec.shape.users} rows")
+    users = changes.get("users", 1)
+    if not isinstance(users, int) or isinstance(users, bool) or not 1 <= users <= spec.shape.users:
+        raise UserError(f"--set users={changes['users']!r}: must be 1 .. the user table's {spec.shape.users} rows")
     return replace(spec, data=SequenceSpec.from_dict({**spec.data.to_dict(), **changes}, where="--set"))

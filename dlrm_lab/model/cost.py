@@ -92,15 +92,14 @@ def sample_cost(spec: ModelSpec, table_precision: str = "fp32", optimizer: str =
 
 def _request_cost(spec: HSTUSpec, table_precision: str, optimizer: str) -> SampleCost:
     shape, history, cands = spec.shape, round(spec.mean_history), spec.data.candidates
-    whole = shape.request_flops(history, cands)
-    stack = shape.layers * shape.stu.layer_flops(1 + history, cands)
-    pre = shape.request_flops(history, 0) - shape.layers * shape.stu.layer_flops(1 + history, 0)
+    pre, stack, post = shape.request_flops_parts(history, cands)
+    whole = pre + stack + post
     bytes_read = lookup_bytes_per_sample(spec, table_precision)
     rows = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
     return SampleCost(
         bottom_mlp_flops=pre,
         interaction_flops=stack,
-        top_mlp_flops=whole - stack - pre,
+        top_mlp_flops=post,
         forward_flops=whole,
         backward_flops=2 * whole,
         embedding_bytes_read=bytes_read,
@@ -129,6 +128,8 @@ def step_communication_bytes(
     zero = {"input_dist": 0.0, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 0.0, "gradient_all_reduce": 0.0}
     if world_size <= 1:
         return zero
+    if isinstance(spec, HSTUSpec):
+        return _sequence_bytes(spec, global_batch, world_size, sharding or {})
     remote = (world_size - 1) / world_size
     local_batch = global_batch / world_size
     kinds = sharding or {}
@@ -147,6 +148,22 @@ def step_communication_bytes(
         else:
             out["pooled_all_to_all"] += local_batch * pooled
     out["gradient_all_reduce"] = 2 * remote * 4 * (spec.dense_parameters + replicated)
+    return out
+
+
+def _sequence_bytes(spec: HSTUSpec, global_batch: int, world_size: int, kinds: dict[str, str]) -> dict[str, float]:
+    """Sequence tables (the HSTU ranker's): every id's row goes back to the rank that asked (no pooling), by
+    all-to-all whatever the sharding (TorchRec's sequence sharding has no reduce-scatter); "pooled_all_to_all"
+    then holds those rows. Column-wise sends each id to every column shard."""
+    remote = (world_size - 1) / world_size
+    local_batch = global_batch / world_size
+    out = {"input_dist": 0.0, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 0.0, "gradient_all_reduce": 0.0}
+    for t in spec.tables:
+        ids = t.pooling_factor * len(t.feature_names)  # per request
+        fan = world_size if kinds.get(t.name) == "column_wise" else 1
+        out["input_dist"] += local_batch * (8 * ids + 4 * len(t.feature_names)) * remote * fan
+        out["pooled_all_to_all"] += local_batch * 2 * 4 * t.embedding_dim * ids * remote  # forward and backward
+    out["gradient_all_reduce"] = 2 * remote * 4 * spec.dense_parameters
     return out
 
 

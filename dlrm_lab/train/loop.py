@@ -8,6 +8,7 @@ scales. The loop returns data; progress display is the caller's `on_step` callba
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import time
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config import PRECISIONS, HSTUSpec, ModelSpec, TrainConfig
+from dlrm_lab.config import HSTUSpec, ModelSpec, TrainConfig
 from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
 from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
@@ -32,13 +33,13 @@ from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema
-from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.model import build_model
 from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
+from dlrm_lab.train.choices import choose_run_attention, choose_run_precision
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
 from dlrm_lab.train.profile import StepProfiler, profile_window, write_profile
@@ -161,46 +162,24 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
     return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
-def _choose_precision(
-    spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None
-):
-    """Rank 0 measures (or reads the cached rates) and every rank runs its choice."""
-    shared: list[Any] = [None]
-    if ctx.is_main:
-        shared[0] = choose_precision(
-            cfg.precision, spec, allowed=PRECISIONS, device=ctx.device, threads=torch.get_num_threads(),
-            rows=cfg.batch_size, log=log,
-        )  # fmt: skip
-        if log:
-            log(shared[0].line)
-    if ctx.world_size > 1:
-        dist.broadcast_object_list(shared, src=0)
-    choice: PrecisionChoice = shared[0]
-    return choice
-
-
-def _choose_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any) -> dict[str, Any] | None:
-    """The HSTU ranker's attention path (`model.hstu.choose_attention`): rank 0 times, every rank runs it."""
-    if not isinstance(spec, HSTUSpec):
-        return None
-    from dlrm_lab.model.hstu import choose_attention
-
-    shared: list[Any] = [choose_attention(cfg.attention, spec, cfg.batch_size, ctx.device, cfg.seed).to_dict()
-                         if ctx.is_main else None]  # fmt: skip
-    if ctx.world_size > 1:
-        dist.broadcast_object_list(shared, src=0)
-    if log and ctx.is_main and cfg.attention == "auto":
-        log(f"attention {shared[0]['attention']}: {shared[0]['reason']}")
-    return shared[0]
-
-
 def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True) -> None:
     """The checks `train` makes before any work, callable alone (the CLI runs them before its
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
     the data options fit the model. Each failure is one UserError."""
     resolve_device(cfg.device)
-    if cfg.pipeline and getattr(spec, "family", "dlrm") == "hstu":
-        raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
+    if isinstance(spec, HSTUSpec):
+        if cfg.pipeline:
+            raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
+        if cfg.table_precision != "fp32":
+            raise UserError(f"--table-precision {cfg.table_precision}: {spec.name}'s tables are fp32 here")
+        from dlrm_lab.distributed.wrap import SequenceSharder
+
+        kinds = SequenceSharder().sharding_types(resolve_device(cfg.device).type)
+        for item in cfg.shard:
+            if item.partition("=")[2].strip() not in kinds:
+                raise UserError(f"--shard {item}: {spec.name}'s tables take {', '.join(kinds)}")
+        if cfg.sharding not in ("auto", "planner", *kinds):
+            raise UserError(f"--sharding {cfg.sharding}: {spec.name}'s tables take {', '.join(kinds)}")
     parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     if data:
         check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
@@ -233,9 +212,9 @@ def train(
     ctx = init_distributed(cfg.device, cfg.timeout_s)
     if cfg.pin_cores:
         pin_to_cores(ctx)
-    precision_choice = _choose_precision(spec, cfg, ctx, log)
+    precision_choice = choose_run_precision(spec, cfg, ctx, log)
     cfg = replace(cfg, precision=precision_choice.precision)
-    attention = _choose_attention(spec, cfg, ctx, log)
+    attention = choose_run_attention(spec, cfg, ctx, log)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     torch.manual_seed(cfg.seed)
     embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
@@ -261,6 +240,7 @@ def train(
         return dmp, plan
 
     sharding_choice = resolve_sharding(spec, cfg, ctx, source, build, log)
+    gc.collect()  # the trial's models freed before the run's is planned against the memory left
     dmp, plan = build(sharding_choice.sharding, cfg.pipeline)
     dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
     optimizer = dense_optimizer(dmp, cfg, dense_lr)

@@ -23,6 +23,7 @@ type keeps every table local, so nothing is tried.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import json
@@ -98,9 +99,11 @@ def trial_key(spec: Any, device: torch.device, world_size: int, local_world_size
     digest = hashlib.sha1(json.dumps(spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
     where = "cpu" if device.type == "cpu" else f"{device.type}"
     shard = ",".join(sorted(cfg.shard)) or "-"
+    data = "synthetic" if cfg.data == "synthetic" else "dataset"
     return (
         f"{where}/{world_size}r{local_world_size}l/{torch.get_num_threads()}t/b{cfg.batch_size}/"
-        f"{cfg.table_precision}/{cfg.embedding_optimizer}/{cfg.precision}/shard={shard}/{spec.name}-{digest}"
+        f"{cfg.table_precision}/{cfg.embedding_optimizer}/{cfg.dense_optimizer}/{cfg.precision}/{data}/"
+        f"attention={cfg.attention}/shard={shard}/{spec.name}-{digest}"
     )
 
 
@@ -133,6 +136,7 @@ def run_trials(
         if signature in seen:
             out[candidate] = ("same", seen[signature])
             del model, optimizer
+            gc.collect()
             continue
         seen[signature] = candidate
         times = []
@@ -143,7 +147,8 @@ def run_trials(
             if i >= WARMUP_STEPS:
                 times.append((time.perf_counter() - t0) * 1000)
         out[candidate] = ("timed", slowest_rank_ms(times, world_size))
-        del model, optimizer  # before the next candidate's tables are made
+        del model, optimizer
+        gc.collect()  # the sharded model lives in reference cycles (hooks, DDP): freed before the next is planned
     return out
 
 
@@ -196,15 +201,27 @@ def choose_sharding(
         return ShardingChoice("planner", "one rank: every table is local whichever the type (planned table-wise)")
     if ctx.device.type != "cpu":
         return ShardingChoice("planner", f"TorchRec's planner: its cost model is made for {ctx.device.type} devices")
-    shared: list[Any] = [cached_trials(key) if ctx.rank == 0 else None]
+    shared: list[Any] = [None]
+    if ctx.rank == 0:
+        try:
+            shared[0] = cached_trials(key)
+        except UserError as exc:  # a corrupt profile: every rank says so, none waits in the broadcast
+            shared[0] = str(exc)
     dist.broadcast_object_list(shared, src=0)  # every rank takes the same path
+    if isinstance(shared[0], str):
+        raise UserError(shared[0])
     entry, where = shared[0]
     if entry:
         return pick(entry["step_ms"], entry["skipped"], f"cached in {where} (measured {entry['measured_at']})")
     if log:
         log(f"sharding auto: timing up to {len(CANDIDATES)} plans for {WARMUP_STEPS}+{TIMED_STEPS} steps each")
     step_ms, skipped = summarize_trials(trial())
-    source = store_trials(key, step_ms, skipped) if ctx.rank == 0 else "measured now"
+    source = "measured now"
+    if ctx.rank == 0:
+        try:
+            source = store_trials(key, step_ms, skipped)
+        except (UserError, OSError) as exc:  # the times stand; only the cache is lost
+            source = f"measured now (not cached: {exc})"
     return pick(step_ms, skipped, source)
 
 

@@ -1,0 +1,59 @@
+"""What a training run chooses by measurement before it starts: the dense precision and, for the HSTU
+ranker, the attention path. Rank 0 measures (or reads the cached rates); every rank runs its choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrm_lab.config import PRECISIONS, HSTUSpec, ModelSpec, TrainConfig
+from dlrm_lab.distributed.context import DistContext
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
+
+
+def choose_run_precision(
+    spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None
+):
+    """Rank 0 measures (or reads the cached rates) and every rank runs its choice."""
+    shared: list[Any] = [None]
+    if ctx.is_main:
+        try:
+            shared[0] = choose_precision(
+                cfg.precision, spec, allowed=PRECISIONS, device=ctx.device, threads=torch.get_num_threads(),
+                rows=cfg.batch_size, log=log,
+            )  # fmt: skip
+        except UserError as exc:  # every rank says so; none waits in the broadcast
+            shared[0] = str(exc)
+        if log and not isinstance(shared[0], str):
+            log(shared[0].line)
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], str):
+        raise UserError(shared[0])
+    choice: PrecisionChoice = shared[0]
+    return choice
+
+
+def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any) -> dict[str, Any] | None:
+    """The HSTU ranker's attention path (`model.hstu.choose_attention`): rank 0 times, every rank runs it."""
+    if not isinstance(spec, HSTUSpec):
+        return None
+    from dlrm_lab.model.hstu import choose_attention
+
+    shared: list[Any] = [None]
+    if ctx.is_main:
+        try:
+            shared[0] = choose_attention(cfg.attention, spec, cfg.batch_size, ctx.device, cfg.seed).to_dict()
+        except (UserError, RuntimeError) as exc:  # every rank says so; none waits in the broadcast
+            shared[0] = f"--attention {cfg.attention}: timing the paths failed: {str(exc).splitlines()[0][:200]}"
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], str):
+        raise UserError(shared[0])
+    if log and ctx.is_main and cfg.attention == "auto":
+        log(f"attention {shared[0]['attention']}: {shared[0]['reason']}")
+    return shared[0]
