@@ -163,3 +163,15 @@ def test_requests_to_parquet_and_back_checked_against_the_spec(tmp_path):
     code, _, err = run_cli_in_process("data", "gen", "--preset", "hstu-tiny", "--out", str(tmp_path / "t"),
                                       "--format", "criteo-tsv")  # fmt: skip
     assert code == 2 and "HSTU requests are written as parquet only" in err
+
+
+def test_what_each_part_of_the_rating_is_worth(gen):
+    """The teacher reports the AUC of rankings by parts of the rating, so a model's AUC can be placed between
+    "knows the items" and "knows the user's drifting taste"; each part adds, none beats the teacher."""
+    from dlrm_lab.data.sequences import scored_auc
+    from dlrm_lab.data.synthetic import expected_auc
+
+    p = np.linspace(0.01, 0.99, 99)
+    assert scored_auc(p, p) == pytest.approx(expected_auc(p)) and scored_auc(-p, p) < 0.5
+    signals = gen.teacher["signal_auc"]
+    assert 0.5 < signals["item"] < signals["item + affinity without drift"] < gen.teacher["teacher_auc"]

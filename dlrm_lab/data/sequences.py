@@ -159,11 +159,15 @@ class SequenceGenerator:
     def affinity(self, users: np.ndarray, categories: np.ndarray, steps: np.ndarray) -> np.ndarray:
         """A user's affinity to a category at a step, in about [1, 5]: higher for their interests,
         drifting as a sine of the step."""
-        s = self.spec
         interest = (self.user_interests(users) == categories[:, None]).any(axis=1)
         level = np.where(interest, 3.0, 1.5) + 1.5 * _uniform(self.seed, _AFFINITY, users, categories)
+        return level + self._drift(users, categories, steps)
+
+    def _drift(self, users: np.ndarray, categories: np.ndarray, steps: Any) -> np.ndarray:
+        """The sine part of `affinity`."""
+        s = self.spec
         phase = 2 * math.pi * _uniform(self.seed, _PHASE, users, categories)
-        return level + s.drift_amplitude * np.sin(2 * math.pi * steps / s.drift_period + phase)
+        return s.drift_amplitude * np.sin(2 * math.pi * np.asarray(steps, dtype=np.float64) / s.drift_period + phase)
 
     def _ratings(self, users, steps, slots, items, categories) -> tuple[np.ndarray, np.ndarray]:
         """(rating, the teacher's P(rating >= LIKE_RATING)) of each met item."""
@@ -245,8 +249,23 @@ class SequenceGenerator:
         total = self.num_requests("eval")
         chunk = max(1, min(total, CALIBRATION_REQUESTS) // 16)  # 16 runs of requests spread over the window
         starts = np.unique(np.linspace(0, total - chunk, 16).astype(np.int64))
-        probs = np.concatenate([self.requests(int(i), int(i) + chunk, "eval").click_probability for i in starts])
-        return {"teacher_auc": expected_auc(probs), "click_rate": float(probs.mean()), "requests": len(starts) * chunk}
+        blocks = [self.requests(int(i), int(i) + chunk, "eval") for i in starts]
+        probs = np.concatenate([b.click_probability for b in blocks])
+        users = np.concatenate([np.repeat(b.user, b.candidate_lengths) for b in blocks])
+        items = np.concatenate([b.candidate_items for b in blocks])
+        cats = np.concatenate([b.candidate_categories for b in blocks])
+        interest = (self.user_interests(users) == cats[:, None]).any(axis=1)
+        base = self.item_base(items)
+        # what each part of the rating is worth: AUC of a ranking by it alone, against the teacher's labels
+        signals = {
+            "item": scored_auc(base, probs),
+            "item + interest": scored_auc(base + 3.0 * interest, probs),
+            "item + affinity without drift": scored_auc(
+                base + self.affinity(users, cats, np.zeros(len(users))) - self._drift(users, cats, 0.0), probs
+            ),
+        }
+        return {"teacher_auc": expected_auc(probs), "click_rate": float(probs.mean()), "requests": len(starts) * chunk,
+                "signal_auc": signals}  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         return {"source": "synthetic sequences", "seed": self.seed, "spec": self.spec.to_dict(), **self.teacher}
@@ -380,3 +399,13 @@ def with_overrides(spec: Any, overrides: tuple[str, ...] | list[str]) -> Any:
     if not isinstance(users, int) or isinstance(users, bool) or not 1 <= users <= spec.shape.users:
         raise UserError(f"--set users={changes['users']!r}: must be 1 .. the user table's {spec.shape.users} rows")
     return replace(spec, data=SequenceSpec.from_dict({**spec.data.to_dict(), **changes}, where="--set"))
+
+
+def scored_auc(score: np.ndarray, p: np.ndarray) -> float:
+    """Expected AUC of ranking by `score` when each item is positive with probability `p` (ties half)."""
+    order = np.argsort(score, kind="stable")
+    score, p = score[order], p[order]
+    _, starts = np.unique(score, return_index=True)
+    pos_g, neg_g = np.add.reduceat(p, starts), np.add.reduceat(1.0 - p, starts)
+    neg_below = np.concatenate([[0.0], np.cumsum(neg_g)[:-1]])
+    return float(np.sum(pos_g * (neg_below + 0.5 * neg_g)) / (p.sum() * (1.0 - p).sum()))
