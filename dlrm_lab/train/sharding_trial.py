@@ -103,7 +103,7 @@ def trial_key(spec: Any, device: torch.device, world_size: int, local_world_size
     return (
         f"{where}/{world_size}r{local_world_size}l/{torch.get_num_threads()}t/b{cfg.batch_size}/"
         f"{cfg.table_precision}/{cfg.embedding_optimizer}/{cfg.dense_optimizer}/{cfg.precision}/{data}/"
-        f"attention={cfg.attention}/shard={shard}/{spec.name}-{digest}"
+        f"attention={cfg.attention}/pipeline={cfg.pipeline}/shard={shard}/{spec.name}-{digest}"
     )
 
 
