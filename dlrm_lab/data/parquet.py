@@ -82,12 +82,6 @@ def write_dataset(
     """
     if rows < 1:
         raise UserError(f"--rows {rows}: must be an integer >= 1")
-    if not 1 <= shards <= rows:
-        raise UserError(f"--shards {shards}: must be in [1, rows={rows}]")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
-    out.mkdir(parents=True, exist_ok=True)
     spec = generator.spec
     meta = {
         "format_version": 1,
@@ -98,19 +92,51 @@ def write_dataset(
         "rows": rows,
         "teacher": generator.teacher,
     }
+    return write_shards(
+        out, meta, range(first_sample, first_sample + rows), shards,
+        schema_of=lambda k, lo: dataset_schema(
+            spec.num_dense, spec.feature_names, {**meta, "shard": k, "shard_first_sample": lo}
+        ),
+        table_of=lambda a, b, schema: block_to_table(generator.samples(a, b), schema),
+        row_group=row_group_samples, first_key="first_sample", on_progress=on_progress,
+    )  # fmt: skip
+
+
+def write_shards(
+    out: str | Path,
+    meta: dict[str, Any],
+    rows: range,
+    shards: int,
+    *,
+    schema_of: Callable[[int, int], pa.Schema],
+    table_of: Callable[[int, int, pa.Schema], pa.Table],
+    row_group: int,
+    first_key: str,
+    on_progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write rows `rows` (indices of the generator's stream) as `shards` Parquet files of contiguous ranges into
+    the new directory `out`, all or nothing, then the sidecar (DATASET_FILE: `meta`, the shards and each file's
+    rows and first row under `first_key`). `schema_of(shard, first row)` gives a file's schema, `table_of(a, b,
+    schema)` rows [a, b) as a table. Each file is written under a temporary name and renamed when complete."""
+    n = len(rows)
+    if not 1 <= shards <= n:
+        raise UserError(f"--shards {shards}: must be in [1, rows={n}]")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
+    out.mkdir(parents=True, exist_ok=True)
     files = []
     with all_or_nothing(out) as part_path:
         for k in range(shards):
-            lo = first_sample + k * rows // shards
-            hi = first_sample + (k + 1) * rows // shards
-            schema = dataset_schema(spec.num_dense, spec.feature_names, {**meta, "shard": k, "shard_first_sample": lo})
+            lo, hi = rows.start + k * n // shards, rows.start + (k + 1) * n // shards
+            schema = schema_of(k, lo)
             with part_path(k) as (path, tmp), pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-                for a in range(lo, hi, row_group_samples):
-                    b = min(a + row_group_samples, hi)
-                    writer.write_table(block_to_table(generator.samples(a, b), schema), row_group_size=b - a)
+                for a in range(lo, hi, row_group):
+                    b = min(a + row_group, hi)
+                    writer.write_table(table_of(a, b, schema), row_group_size=b - a)
                     if on_progress is not None:
                         on_progress(b - a)
-            files.append({"path": path.name, "rows": hi - lo, "first_sample": lo})
+            files.append({"path": path.name, "rows": hi - lo, first_key: lo})
         manifest = {**meta, "shards": shards, "files": files}
         (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

@@ -9,7 +9,6 @@ Columns: request, user, step (int64); history_items, history_categories (list<in
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config.hstu import SequenceSpec
-from dlrm_lab.data.parquet import DATASET_FILE, all_or_nothing
+from dlrm_lab.data.parquet import write_shards
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator
 from dlrm_lab.errors import UserError
 
@@ -67,29 +66,14 @@ def write_requests(
     rows = total if requests is None else requests
     if not 1 <= rows <= total:
         raise UserError(f"--rows {rows}: must be 1 .. the {window} window's {total:,} requests")
-    if not 1 <= shards <= rows:
-        raise UserError(f"--shards {shards}: must be in [1, rows={rows}]")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": 1, "kind": KIND, "family": "hstu", "source": "synthetic sequences",
             "sequence_spec": generator.spec.to_dict(), "seed": generator.seed, "window": window, "rows": rows,
             "teacher": generator.teacher}  # fmt: skip
-    files = []
-    with all_or_nothing(out) as part_path:
-        for k in range(shards):
-            lo, hi = k * rows // shards, (k + 1) * rows // shards
-            with part_path(k) as (path, tmp), pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer:
-                for a in range(lo, hi, ROW_GROUP_REQUESTS):
-                    b = min(a + ROW_GROUP_REQUESTS, hi)
-                    writer.write_table(_table(generator.requests(a, b, window)), row_group_size=b - a)
-                    if on_progress is not None:
-                        on_progress(b - a)
-            files.append({"path": path.name, "rows": hi - lo, "first_request": lo})
-        manifest = {**meta, "shards": shards, "files": files}
-        (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return write_shards(
+        out, meta, range(rows), shards, schema_of=lambda k, lo: SCHEMA,
+        table_of=lambda a, b, schema: _table(generator.requests(a, b, window)),
+        row_group=ROW_GROUP_REQUESTS, first_key="first_request", on_progress=on_progress,
+    )  # fmt: skip
 
 
 def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> dict[str, Any]:
