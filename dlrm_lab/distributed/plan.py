@@ -81,6 +81,14 @@ def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[s
     return out
 
 
+def check_table_types(model: str, kinds: list[str], sharding: str, per_table: dict[str, str]) -> None:
+    """`--sharding` and `--shard` name only types the model's tables take (`kinds`, its sharder's)."""
+    asks = [(sharding, f"--sharding {sharding}")] + [(k, f"--shard {t}={k}") for t, k in per_table.items()]
+    for asked, what in asks:
+        if asked in SHARDING_TYPES and asked not in kinds:
+            raise UserError(f"{what}: {model}'s tables take {', '.join(kinds)}")
+
+
 def _constraints(
     model: torch.nn.Module, sharding: str, per_table: dict[str, str], world_size: int = 2
 ) -> dict[str, ParameterConstraints]:
@@ -158,11 +166,7 @@ def plan_sharding(
     allocated. `root` is the module that will be wrapped; `model` the DLRM or HSTU ranker inside it (its `spec`
     names the tables).
     """
-    kinds = sharder.sharding_types(ctx.device.type)
-    asks = [(sharding, f"--sharding {sharding}")] + [(k, f"--shard {t}={k}") for t, k in (per_table or {}).items()]
-    for asked, what in asks:
-        if asked in SHARDING_TYPES and asked not in kinds:
-            raise UserError(f"{what}: {model.spec.name}'s tables take {', '.join(kinds)}")
+    check_table_types(model.spec.name, sharder.sharding_types(ctx.device.type), sharding, per_table or {})
     constraints = _constraints(model, sharding, per_table or {}, ctx.world_size)
     topology = machine_topology(ctx)
     planner = EmbeddingShardingPlanner(

@@ -22,6 +22,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from dlrm_lab.config import HSTUSpec
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import AnyDeviceSharder, PlannerStages, check_sharding, plan_sharding
 
@@ -65,12 +66,10 @@ class SequenceSharder(EmbeddingCollectionSharder):
         return [k for k in kinds if k != "data_parallel"] if compute_device_type == "cpu" else kinds
 
 
-def table_sharder(model: torch.nn.Module) -> ModuleSharder[Any]:
-    """The sharder of the model's tables: every sharding type on every device for pooled tables;
-    `SequenceSharder` for sequence tables."""
-    if isinstance(table_collection(model), EmbeddingCollection):
-        return SequenceSharder()
-    return AnyDeviceSharder()
+def table_sharder(spec: Any) -> ModuleSharder[Any]:
+    """The sharder of a model's tables by its spec: every sharding type on every device for a DLRM's pooled
+    tables; `SequenceSharder` for the HSTU ranker's sequence tables."""
+    return SequenceSharder() if isinstance(spec, HSTUSpec) else AnyDeviceSharder()
 
 
 class DenseReplicas(DataParallelWrapper):
@@ -105,7 +104,7 @@ def shard_model(
     root = wrapper if wrapper is not None else model
     check_sharding(sharding)
     embedding_optimizer.apply(model)  # before planning: the sharder fuses what is attached
-    sharder = table_sharder(model)
+    sharder = table_sharder(model.spec)
     plan = plan_sharding(root, model, ctx, sharder, sharding, per_table, batch_size, stages)
     dmp = DistributedModelParallel(
         module=root, device=ctx.device, plan=plan, sharders=[sharder], data_parallel_wrapper=DenseReplicas()

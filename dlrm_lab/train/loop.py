@@ -27,9 +27,9 @@ from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.data.sequences import with_overrides
 from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores, resolve_device
-from dlrm_lab.distributed.plan import describe_plan, parse_table_sharding
+from dlrm_lab.distributed.plan import check_table_types, describe_plan, parse_table_sharding
 from dlrm_lab.distributed.tables import init_tables
-from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model
+from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema
@@ -166,21 +166,14 @@ def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True
     """The checks `train` makes before any work, callable alone (the CLI runs them before its
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
     the data options fit the model. Each failure is one UserError."""
-    resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     if isinstance(spec, HSTUSpec):
         if cfg.pipeline:
             raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
         if cfg.table_precision != "fp32":
             raise UserError(f"--table-precision {cfg.table_precision}: {spec.name}'s tables are fp32 here")
-        from dlrm_lab.distributed.wrap import SequenceSharder
-
-        kinds = SequenceSharder().sharding_types(resolve_device(cfg.device).type)
-        for item in cfg.shard:
-            if item.partition("=")[2].strip() not in kinds:
-                raise UserError(f"--shard {item}: {spec.name}'s tables take {', '.join(kinds)}")
-        if cfg.sharding not in ("auto", "planner", *kinds):
-            raise UserError(f"--sharding {cfg.sharding}: {spec.name}'s tables take {', '.join(kinds)}")
-    parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
+    per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
+    check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
     if data:
         check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
 
