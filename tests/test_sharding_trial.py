@@ -94,3 +94,13 @@ def test_the_trial_key_names_the_job_shape():
     assert key != st.trial_key(load_preset("tiny", table_scale=0.5), torch.device("cpu"), 2, 2, cfg)
     for other in (TrainConfig(batch_size=64, pipeline=True), TrainConfig(batch_size=64, dense_optimizer="sgd")):
         assert key != st.trial_key(spec, torch.device("cpu"), 2, 2, other)
+
+
+def test_a_new_probe_keeps_the_measured_sharding_trials(tmp_path, monkeypatch):
+    from dlrm_lab.metrics.roofline import load_profile, save_profile
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    profile = store_profile(tmp_path)
+    st.store_trials("cpu/2r/kaggle", {"table_wise": 15.0}, {})
+    save_profile({**profile, "comms": {}})  # as `machine probe` writes a fresh profile
+    assert load_profile()["sharding_trials"]["cpu/2r/kaggle"]["step_ms"] == {"table_wise": 15.0}

@@ -188,7 +188,7 @@ def gemm_rates(
 ) -> tuple[dict[str, float], str, tuple[Shape, ...]]:
     """FLOP/s of the model's products in each precision, from this machine's profile (measured
     and stored there on first use); with where they came from, and the shapes."""
-    from dlrm_lab.metrics.roofline import load_profile, profile_path, save_profile
+    from dlrm_lab.metrics.roofline import load_profile, profile_path, store_measured
 
     shapes = tuple(model_gemm_shapes(spec, rows))
     profile = _ensure_profile(device, log) if probe else load_profile()
@@ -202,8 +202,7 @@ def gemm_rates(
     source = f"measured now ({measured_at}) on this machine"
     if profile is not None:
         entry = {"flops_per_s": rates, "shapes": [list(s) for s in shapes], "measured_at": measured_at}
-        profile = {**profile, "precision_rates": {**profile.get("precision_rates", {}), key: entry}}
-        source += f", stored in {save_profile(profile)}"
+        source += f", stored in {store_measured(profile, 'precision_rates', key, entry)}"
     return rates, source, shapes
 
 

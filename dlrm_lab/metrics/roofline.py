@@ -54,6 +54,16 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
     return profile
 
 
+# Profile sections of measurements the lab's choices are made from, each {key: entry}: GEMM rates of model shapes
+# (metrics.precision), step times of sharding plans (train.sharding_trial).
+MEASURED_CHOICES = ("precision_rates", "sharding_trials")
+
+
+def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[str, Any]) -> Path:
+    """Add one entry to a MEASURED_CHOICES section of `profile` and save it; where it went."""
+    return save_profile({**profile, section: {**(profile.get(section) or {}), key: entry}})
+
+
 def save_profile(profile: dict[str, Any]) -> Path:
     """Store a probe's result, keeping what an earlier probe measured and this one did not
     (a probe under a 2-rank launch adds its collectives to the single-process peaks)."""
@@ -63,8 +73,9 @@ def save_profile(profile: dict[str, Any]) -> Path:
     if old is not None:
         merged["devices"] = {**old.get("devices", {}), **profile["devices"]}
         merged["comms"] = {**old.get("comms", {}), **profile["comms"]}
-        # GEMM rates of model shapes (dlrm_lab.metrics.precision) stay valid across probes
-        merged["precision_rates"] = {**old.get("precision_rates", {}), **profile.get("precision_rates", {})}
+        # choices measured on this machine (precision rates, sharding trials) stay valid across probes
+        for section in MEASURED_CHOICES:
+            merged[section] = {**(old.get(section) or {}), **(profile.get(section) or {})}
         if not profile["devices"]:  # a collectives-only probe: the device peaks' date stays
             merged["probed_at"] = old.get("probed_at")
             merged["quick"] = old.get("quick")

@@ -177,15 +177,14 @@ def cached_trials(key: str) -> tuple[dict[str, Any] | None, str | None]:
 
 def store_trials(key: str, step_ms: dict[str, float], skipped: dict[str, str]) -> str:
     """Cache the times in this machine's profile (when there is one); where they went."""
-    from dlrm_lab.metrics.roofline import load_profile, save_profile
+    from dlrm_lab.metrics.roofline import load_profile, store_measured
 
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     source = f"measured now ({measured_at}) on these ranks"
     profile = load_profile()
     if profile is not None:
         entry = {"step_ms": step_ms, "skipped": skipped, "measured_at": measured_at}
-        profile = {**profile, "sharding_trials": {**(profile.get("sharding_trials") or {}), key: entry}}
-        source += f", stored in {save_profile(profile)}"
+        source += f", stored in {store_measured(profile, 'sharding_trials', key, entry)}"
     return source
 
 
