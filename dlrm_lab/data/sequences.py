@@ -159,9 +159,12 @@ class SequenceGenerator:
     def affinity(self, users: np.ndarray, categories: np.ndarray, steps: np.ndarray) -> np.ndarray:
         """A user's affinity to a category at a step, in about [1, 5]: higher for their interests,
         drifting as a sine of the step."""
+        return self._affinity_level(users, categories) + self._drift(users, categories, steps)
+
+    def _affinity_level(self, users: np.ndarray, categories: np.ndarray) -> np.ndarray:
+        """The part of `affinity` that does not drift."""
         interest = (self.user_interests(users) == categories[:, None]).any(axis=1)
-        level = np.where(interest, 3.0, 1.5) + 1.5 * _uniform(self.seed, _AFFINITY, users, categories)
-        return level + self._drift(users, categories, steps)
+        return np.where(interest, 3.0, 1.5) + 1.5 * _uniform(self.seed, _AFFINITY, users, categories)
 
     def _drift(self, users: np.ndarray, categories: np.ndarray, steps: Any) -> np.ndarray:
         """The sine part of `affinity`."""
@@ -260,9 +263,7 @@ class SequenceGenerator:
         signals = {
             "item": scored_auc(base, probs),
             "item + interest": scored_auc(base + 3.0 * interest, probs),
-            "item + affinity without drift": scored_auc(
-                base + self.affinity(users, cats, np.zeros(len(users))) - self._drift(users, cats, 0.0), probs
-            ),
+            "item + affinity without drift": scored_auc(base + self._affinity_level(users, cats), probs),
         }
         return {"teacher_auc": expected_auc(probs), "click_rate": float(probs.mean()), "requests": len(starts) * chunk,
                 "signal_auc": signals}  # fmt: skip
