@@ -111,8 +111,8 @@ def _gen_requests(
         raise UserError(f"--spec: {preset}'s requests are its preset's [data] table (see --set)")
     model = with_overrides(load_any_preset(preset, table_scale=table_scale, max_rows=max_rows), tuple(set_ or ()))
     generator = SequenceGenerator(model.data, seed)
-    total = generator.num_requests(window) if window in ("train", "eval") else 0
-    rows = min(rows, total) if total else rows
+    total = generator.num_requests(window)
+    rows = min(rows, total)
     console(stderr=True).print(
         f"{model.name} requests ({window} window, {total:,} in all): teacher AUC {generator.teacher['teacher_auc']:.4f}"
     )

@@ -29,6 +29,7 @@ import tomllib
 from dlrm_lab.config.specs import TableSpec
 from dlrm_lab.errors import UserError
 
+WINDOWS = ("train", "eval")  # the requests a model trains on, and the later ones it is evaluated on
 ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
 ACTION_DIM = 8  # per action type
 
@@ -103,6 +104,8 @@ class SequenceSpec:
 
     def window(self, name: str) -> tuple[int, int]:
         """Steps [first, stop) of the `train` or `eval` window."""
+        if name not in WINDOWS:
+            raise UserError(f"--window {name!r}: allowed: {', '.join(WINDOWS)}")
         return (self.warmup_timestamps, self.train_timestamps) if name == "train" else (
             self.train_timestamps, self.timestamps)  # fmt: skip
 

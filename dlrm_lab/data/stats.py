@@ -13,7 +13,6 @@ model): every problem found is one line naming file, column, row group, id and r
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,13 +134,12 @@ def dataset_problems(path: str | Path) -> list[str]:
 
 
 def _requests_info(path: str | Path) -> dict[str, Any] | None:
-    """The sidecar of a dataset of HSTU requests, else None."""
-    sidecar = dataset_sidecar(path) if Path(path).is_dir() else None
+    """The description of a dataset of HSTU requests, else None (an unreadable one `_inspect` reports)."""
     try:
-        info = json.loads(sidecar.read_text()) if sidecar else None
-    except json.JSONDecodeError:
-        return None  # `_inspect` reports it
-    return info if isinstance(info, dict) and info.get("kind") == "requests" else None
+        info = read_dataset_info(path)
+    except UserError:
+        return None
+    return info if info.get("kind") == "requests" else None
 
 
 def _inspect(path: str | Path) -> tuple[dict[str, Any], list[Path], DatasetLayout, list[str]]:
