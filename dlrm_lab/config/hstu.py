@@ -26,6 +26,7 @@ from typing import Any
 
 import tomllib
 
+from dlrm_lab.config.rules import row_scaler
 from dlrm_lab.config.specs import TableSpec
 from dlrm_lab.errors import UserError
 
@@ -291,8 +292,8 @@ def parse_hstu(
         raise UserError(
             f"{where}: [model] unknown key(s) {', '.join(sorted(bad))}; allowed: {', '.join(sorted(_SHAPE_KEYS))}"
         )
-    for key in ("items", "categories", "users"):
-        if key in data and key != "users":
+    for key in ("items", "categories"):
+        if key in data:
             raise UserError(f"{where}: [data] {key}: set by [model] {key} (the table's rows)")
     stu_keys = {f.name for f in fields(STUShape)}
     for key, value in model.items():
@@ -308,16 +309,7 @@ def parse_hstu(
         **{k: v for k, v in model.items() if k not in stu_keys},
         stu=STUShape(**{k: v for k, v in model.items() if k in stu_keys}),
     )
-    scale = 1.0 if table_scale is None else table_scale
-    if not (isinstance(scale, int | float) and scale > 0):
-        raise UserError(f"{where}: table_scale = {table_scale!r}: must be a number > 0")
-    if max_rows is not None and not (isinstance(max_rows, int) and max_rows >= 1):
-        raise UserError(f"{where}: max_rows = {max_rows!r}: must be an integer >= 1")
-
-    def scaled(rows: int) -> int:
-        out = max(1, math.ceil(rows * scale))
-        return min(out, max_rows) if max_rows is not None else out
-
+    scale, scaled = row_scaler(where, table_scale, max_rows)
     published = {"items": shape.items, "users": shape.users}
     items = max(scaled(shape.items), shape.categories)
     users = scaled(shape.users)
@@ -337,7 +329,7 @@ def parse_hstu(
         data=spec,
         description=raw.get("description", ""),
         source=where,
-        table_scale=float(scale),
+        table_scale=scale,
         max_rows=max_rows,
         published_rows=published,
     )

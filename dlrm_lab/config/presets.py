@@ -18,7 +18,6 @@ Preset file format (all compact lists have one entry per table)::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import tomllib
 
 from dlrm_lab.config.hstu import HSTUSpec, is_hstu_preset, load_hstu_preset
-from dlrm_lab.config.rules import bad, int_list_problem, is_number, is_positive_int
+from dlrm_lab.config.rules import bad, int_list_problem, row_scaler
 from dlrm_lab.config.specs import ModelSpec, TableSpec
 from dlrm_lab.errors import UserError
 from dlrm_lab.resources import available, find_preset
@@ -144,14 +143,8 @@ def _parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, 
         check.required(dcn, "num_layers", "dcn.")
         check.required(dcn, "low_rank", "dcn.")
 
-    scale = 1.0 if table_scale is None else table_scale
-    if not (is_number(scale) and scale > 0):
-        raise UserError(f"{where}: table_scale = {table_scale!r}: must be a number > 0")
-    if max_rows is not None and not is_positive_int(max_rows):
-        raise UserError(f"{where}: max_rows = {max_rows!r}: must be an integer >= 1")
-    scaled_rows = [max(1, math.ceil(r * scale)) for r in rows]
-    if max_rows is not None:
-        scaled_rows = [min(r, max_rows) for r in scaled_rows]
+    scale, scaled = row_scaler(where, table_scale, max_rows)
+    scaled_rows = [scaled(r) for r in rows]
 
     try:  # a table knows its name, not the file
         tables = tuple(
