@@ -82,10 +82,7 @@ def list_presets(
 def _show_hstu(spec: HSTUSpec) -> None:
     out = console()
     shape, data = spec.shape, spec.data
-    out.print(
-        f"{spec.name}: HSTU ranker, {human_count(spec.num_parameters)} parameters "
-        f"({human_count(shape.embedding_parameters)} embedding), {human_bytes(4 * spec.num_parameters)} fp32"
-    )
+    out.print(size_line(spec))
     out.print(spec.description)
     out.print(f"source: {spec.source}")
     out.print(

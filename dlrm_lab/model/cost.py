@@ -111,6 +111,9 @@ def _request_cost(spec: HSTUSpec, table_precision: str, optimizer: str) -> Sampl
 ROW_SHARDED = ("row_wise", "table_row_wise")  # pooled outputs reduce-scattered: partial sums of every sample
 
 
+COMM_ITEMS = ("input_dist", "pooled_all_to_all", "pooled_reduce_scatter", "gradient_all_reduce")  # bytes a step
+
+
 def step_communication_bytes(
     spec: ModelSpec, global_batch: int, world_size: int, sharding: dict[str, str] | None = None
 ) -> dict[str, float]:
@@ -125,7 +128,7 @@ def step_communication_bytes(
     W times a table-wise table's bytes; all-gathered back in backward), and a data-parallel
     table sends no ids or pooled rows but all-reduces its gradient with the dense ones.
     """
-    zero = {"input_dist": 0.0, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 0.0, "gradient_all_reduce": 0.0}
+    zero = dict.fromkeys(COMM_ITEMS, 0.0)
     if world_size <= 1:
         return zero
     if isinstance(spec, HSTUSpec):
@@ -157,7 +160,7 @@ def _sequence_bytes(spec: HSTUSpec, global_batch: int, world_size: int, kinds: d
     then holds those rows. Column-wise sends each id to every column shard."""
     remote = (world_size - 1) / world_size
     local_batch = global_batch / world_size
-    out = {"input_dist": 0.0, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 0.0, "gradient_all_reduce": 0.0}
+    out = dict.fromkeys(COMM_ITEMS, 0.0)
     for t in spec.tables:
         ids = t.pooling_factor * len(t.feature_names)  # per request
         fan = world_size if kinds.get(t.name) == "column_wise" else 1
