@@ -49,6 +49,10 @@ _INFER_OPTIONS: dict[str, Any] = {
     "pin_cores": bool,
     "alone": bool,
     "data_spec": str | None,
+    "order": str,
+    "history_cache_mb": float,
+    "attention": str,
+    "set": list[str] | None,
     "seed": int,
     **_MODEL_SCALING,
 }
@@ -132,10 +136,13 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:
 
     given = _split(options, set(_INFER_OPTIONS), "infer run")
     o = {k: coerce(k, v, _INFER_OPTIONS[k]) for k, v in given.items()}
+    if o.get("set"):
+        o["data_overrides"] = tuple(o.pop("set"))
     defaults = {f.name: f.default for f in dataclasses.fields(ServingOptions)}
     serving = ServingOptions(**{k: o[k] for k in defaults if k in o and o[k] is not None})
     served = serving.served(o.get("model"))
-    load = plan_load(served, o.get("qps"), o.get("query_size"), o.get("sla_ms"), o.get("arrival", "poisson"))
+    load = plan_load(served, o.get("qps"), o.get("query_size"), o.get("sla_ms"), o.get("arrival", "poisson"),
+                     o.get("order", "random"))  # fmt: skip
     renamed = {"duration": "duration_s", "warmup": "warmup_s", "percentile": "sla_percentile", "alone": "compare_alone"}
     infer_fields = {f.name for f in dataclasses.fields(InferConfig)}
     cfg_values = {renamed.get(k, k): v for k, v in o.items() if renamed.get(k, k) in infer_fields and v is not None}

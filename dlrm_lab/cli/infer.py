@@ -95,6 +95,17 @@ Device = Annotated[str, typer.Option(help="cpu or cuda.")]
 PinCores = Annotated[bool, typer.Option(help="Pin each instance to its own cores.")]
 Seed = Annotated[int, typer.Option(help="Seed of the load, the samples and the weights.")]
 DataSpec = Annotated[Optional[str], typer.Option(help="Synthetic data spec of the samples (default: the preset's).")]
+Order = Annotated[
+    str, typer.Option(help="Which samples queries take: random, or time (the library's order; HSTU requests by time).")
+]
+HistoryCacheMb = Annotated[
+    float,
+    typer.Option(help="HSTU presets: MB per instance of users' encoded histories reused by their next request (0: off)."),
+]
+Attention = Annotated[str, typer.Option(help="HSTU presets: padded, jagged, or auto (timed at start).")]
+SetData = Annotated[
+    Optional[list[str]], typer.Option("--set", help="HSTU presets: KEY=VALUE on the preset's [data] (its requests).")
+]
 ShowProgress = Annotated[bool, typer.Option(help="Show progress (a bar on a terminal, else a line every few s).")]
 # a terminal bar redraws in the serving process: seldom, to stay out of the measured latency
 _REFRESH_PER_S = 1.0
@@ -128,6 +139,10 @@ def run_command(
     pin_cores: PinCores = True,
     alone: Annotated[bool, typer.Option(help="With several models, also serve each alone (interference).")] = True,
     data_spec: DataSpec = None,
+    order: Order = "random",
+    history_cache_mb: HistoryCacheMb = 0.0,
+    attention: Attention = "auto",
+    set_: SetData = None,
     table_scale: TableScale = None,
     max_rows: MaxRows = None,
     seed: Seed = 0,
@@ -233,6 +248,10 @@ def search_command(
     device: Device = "cpu",
     pin_cores: PinCores = True,
     data_spec: DataSpec = None,
+    order: Order = "random",
+    history_cache_mb: HistoryCacheMb = 0.0,
+    attention: Attention = "auto",
+    set_: SetData = None,
     table_scale: TableScale = None,
     max_rows: MaxRows = None,
     seed: Seed = 0,
@@ -257,8 +276,9 @@ def search_command(
                             early_stop=early_stop)  # fmt: skip
     (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, spin_ms=spin_ms, precision=precision,
                              table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
-                             max_rows=max_rows).served(model)  # fmt: skip
-    (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival).streams
+                             max_rows=max_rows, history_cache_mb=history_cache_mb, attention=attention,
+                             data_overrides=tuple(set_ or ())).served(model)  # fmt: skip
+    (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival, order).streams
     raise_on_sigterm()
     out = console(stderr=True)
     bar = progress_display("{task.fields[probe]}", unit="probe points", rate=False, to=out, enabled=progress,

@@ -54,7 +54,7 @@ class OpenLoop:
             times.append(t)
             models.append(np.full(len(t), k))
             sizes.append(n)
-            offsets.append(rng.integers(0, lib - n + 1))
+            offsets.append(s.offsets(n, lib, rng))
             self.stats.target_queries[s.model] = s.qps * duration_s
             self.stats.issued[s.model] = 0
             self.stats.lag_ms[s.model] = []
@@ -134,6 +134,7 @@ class ClosedLoop:
         self.stats = DriverStats(duration_s=settings.duration_s, arrival={self.stream.model: "closed-loop"})
         self._lock = threading.Lock()
         self._next_id = 0
+        self._at = 0  # where the next query starts in the library, in time order
         self._deadline = 0.0
         self.error: BaseException | None = None
 
@@ -141,8 +142,10 @@ class ClosedLoop:
         with self._lock:
             qid = self._next_id
             self._next_id += 1
-            size = int(min(self.stream.sizes.draw(1, self.rng)[0], self.lib))
-            offset = int(self.rng.integers(0, self.lib - size + 1))
+            size = min(self.stream.sizes.draw(1, self.rng), self.lib)
+            offset = int(self.stream.offsets(size, self.lib, self.rng, start=self._at)[0])
+            size = int(size[0])
+            self._at = offset + size
         self.sut.submit(Query(qid, self.stream.model, size, offset, on_done=self._done))
 
     def _done(self, _q: Query, _status: str, _scores: Any) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_lab.config import ModelSpec
+from dlrm_lab.config import HSTUSpec, ModelSpec
+from dlrm_lab.config.hstu import spec_from_dict
 from dlrm_lab.data.synthetic import SampleBlock
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.library import PackedLibrary
@@ -57,6 +58,9 @@ class BatchResult:
     scores: np.ndarray | None  # float32 click probability per accepted sample, in query order
     rejected: dict[int, str] = field(default_factory=dict)  # query id -> why
     error: str | None = None  # the whole batch failed (the instance lives on)
+    # HSTU with history reuse: per accepted query, in order, (its requests that reused a cached
+    # history, the history tokens reused); None otherwise
+    reused: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class InstancePlan:
     table_precision: str
     warmup_batch: int
     spin_ms: float = 0.0  # poll for the next batch this long before blocking
+    history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
     # Instances yield to the serving process: when they fill every core, the batcher and
     # completion threads would otherwise wait a scheduler slice (ms) to run.
     nice: int = 5
@@ -115,10 +120,13 @@ def write_snapshot(
     return sum(p.stat().st_size for p in directory.iterdir())
 
 
-def map_library(directory: Path) -> PackedLibrary:
-    """The sample library of a snapshot, mapped: every process that maps it shares its pages."""
+def map_library(directory: Path) -> Any:
+    """The sample library of a snapshot (a PackedLibrary or an HSTU RequestLibrary), mapped: every
+    process that maps it shares its pages."""
+    from dlrm_lab.infer.requests import library_from_arrays
+
     arrays = torch.load(directory / LIBRARY_FILE, mmap=True)
-    return PackedLibrary(**{k: v.numpy() for k, v in arrays.items()})
+    return library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
 def quantize_tables(model: torch.nn.Module, table_precision: str) -> torch.nn.Module:
@@ -217,7 +225,8 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         if plan.nice:
             os.nice(plan.nice)
         torch.set_num_threads(plan.threads)
-        spec = ModelSpec.from_dict(plan.spec)
+        spec = spec_from_dict(plan.spec)
+        hstu = isinstance(spec, HSTUSpec)
         device = torch.device(plan.device)
         snapshot = Path(plan.snapshot_dir)
         model = torch.load(snapshot / "model.pt", mmap=True, weights_only=False)
@@ -231,7 +240,11 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             _touch_pages(model)
         library = map_library(snapshot)
         rows = [t.num_embeddings for t in spec.tables for _ in t.feature_names]
-        runner = _Runner(model, library, spec.feature_names, device, plan.precision)
+        if hstu:
+            runner: _Runner | _RequestRunner = _RequestRunner(model, library, device, plan.precision,
+                                                              plan.history_cache_mb)  # fmt: skip
+        else:
+            runner = _Runner(model, library, spec.feature_names, device, plan.precision)
         runner.warm_up(plan.warmup_batch)
         cost = runner.batch_cost(min(COST_BATCH, library.size))
         gc.collect()
@@ -257,19 +270,25 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         rejected = {}
         for r in refs:
             # library queries are valid by construction; a payload came from outside
-            why = None if r.payload is None else validate_payload(r.payload, spec, rows)
+            if r.payload is None:
+                why = None
+            elif hstu:
+                why = "an HSTU model serves requests of its sample library only (no samples sent inline)"
+            else:
+                why = validate_payload(r.payload, spec, rows)
             if why is not None:
                 rejected[r.query_id] = why
         accepted = [r for r in refs if r.query_id not in rejected]
-        scores, error = None, None
+        scores, error, reused = None, None, None
         if accepted:
             try:
                 scores = runner(accepted)
+                reused = runner.reused
             except Exception as exc:  # noqa: BLE001 - one failed batch must not end the instance
                 error = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
         try:
-            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, rejected, error))
+            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, rejected, error, reused))
         except (EOFError, OSError):
             return
 
@@ -291,6 +310,20 @@ def _touch_pages(model: torch.nn.Module) -> None:
         raw[::4096].sum()
 
 
+def _batch_cost(run: Any, large: int, repeats: int) -> BatchCost:
+    """An instance's batch time as fixed + per-sample cost, from the medians of a 1-sample batch
+    and a `large` one (`run(n)` serves n library samples) timed alternately, after warm-up."""
+    times: dict[int, list[float]] = {1: [], large: []}
+    for _ in range(repeats):
+        for n in times:
+            t = time.perf_counter()
+            run(n)
+            times[n].append(time.perf_counter() - t)
+    one, big = (float(np.median(times[n])) * 1e3 for n in (1, large))
+    per_sample = max(big - one, 0.0) / max(large - 1, 1)
+    return BatchCost(fixed_ms=max(one - per_sample, 0.0), per_sample_ms=per_sample)
+
+
 def bucket(n: int) -> int:
     """Batch size padded to: powers of two up to 64, then multiples of 64."""
     return 1 << (n - 1).bit_length() if n <= 64 else -(-n // 64) * 64
@@ -310,7 +343,7 @@ def pad_batch(dense: torch.Tensor, kjt: Any, size: int) -> tuple[torch.Tensor, A
 
 
 class _Runner:
-    """Forward pass in eval mode without autograd, with optional autocast.
+    """DLRM's forward pass in eval mode without autograd, with optional autocast.
 
     Under bf16/fp16 oneDNN compiles a kernel for every new batch size (tens of ms, seen as
     50 ms p99 at 3 queries/s with MLPerf's 100-700 sample queries): batches are padded to
@@ -321,6 +354,7 @@ class _Runner:
         self, model: torch.nn.Module, library: PackedLibrary, keys: list[str], device: torch.device, precision: str
     ) -> None:
         self.model, self.library, self.keys, self.device = model, library, keys, device
+        self.reused = None
         self.autocast = precision != "fp32"
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
@@ -330,17 +364,7 @@ class _Runner:
             self([QueryRef(-1, size, 0)])
 
     def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
-        """This instance's batch time as fixed + per-sample cost, from the medians of a
-        1-sample batch and a `large` one timed alternately (after warm-up)."""
-        times: dict[int, list[float]] = {1: [], large: []}
-        for _ in range(repeats):
-            for n in times:
-                t = time.perf_counter()
-                self([QueryRef(-1, n, 0)])
-                times[n].append(time.perf_counter() - t)
-        one, big = (float(np.median(times[n])) * 1e3 for n in (1, large))
-        per_sample = max(big - one, 0.0) / max(large - 1, 1)
-        return BatchCost(fixed_ms=max(one - per_sample, 0.0), per_sample_ms=per_sample)
+        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
 
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
         dense, kjt = assemble_batch(self.library, refs, self.keys)
@@ -354,3 +378,47 @@ class _Runner:
             logits = self.model(dense, kjt)
             scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
         return scores.numpy()[:n]
+
+
+class _RequestRunner:
+    """The HSTU ranker's forward over a batch of library requests (jagged: each request keeps its
+    length), optionally reusing users' encoded histories (`infer.history`); one score per
+    candidate. `reused` says, after each call, per query how many of its requests reused a
+    history and how many history tokens were not encoded again."""
+
+    def __init__(
+        self, model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float
+    ) -> None:
+        from dlrm_lab.infer.history import HistoryCache
+
+        self.model, self.library, self.device = model, library, device
+        self.autocast = precision != "fp32"
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        self.cache = HistoryCache(int(history_cache_mb * 1e6)) if history_cache_mb > 0 else None
+        self.reused: np.ndarray | None = None
+
+    def warm_up(self, max_batch: int) -> None:
+        for size in sorted({1, max_batch}):
+            self([QueryRef(-1, size, 0)], use_cache=False)
+
+    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
+        """As `_Runner.batch_cost`, per request, without the history cache (every history encoded)."""
+        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)], use_cache=False), large, repeats)
+
+    def __call__(self, refs: list[QueryRef], use_cache: bool = True) -> np.ndarray:
+        from dlrm_lab.infer.history import score_requests
+
+        sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
+        offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
+        block = self.library.gather(sizes, offsets)
+        cache = self.cache if use_cache else None
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+            logits, reused = score_requests(self.model, block, cache, self.device)
+            scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
+        if cache is not None:
+            query = np.repeat(np.arange(len(refs)), sizes)
+            self.reused = np.stack([np.bincount(query, weights=reused > 0, minlength=len(refs)),
+                                    np.bincount(query, weights=reused, minlength=len(refs))], axis=1).astype(np.int64)
+        else:
+            self.reused = None
+        return scores.numpy()

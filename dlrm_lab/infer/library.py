@@ -24,7 +24,47 @@ from typing import Any
 import numpy as np
 
 
-class PackedLibrary:
+class LoadedSamples:
+    """LoadGen's QSL loads and unloads of a library's samples, counted per sample; `size` samples.
+    The library is generated (or mapped from RAM) in full at start, so loading only checks the
+    ranges and counts the samples held; a library larger than memory would bring them in here."""
+
+    _loaded: np.ndarray
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def loaded(self) -> int:
+        """Samples currently loaded by LoadGen's QSL."""
+        return int(np.count_nonzero(self._loaded))
+
+    def load(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Load the samples of these `(lo, hi)` ranges."""
+        self._loaded += self._coverage(ranges)
+
+    def unload(self, ranges: Iterable[tuple[int, int]]) -> None:
+        coverage = self._coverage(ranges)
+        if (coverage > self._loaded).any():
+            raise ValueError("sample library: unloading samples that were not loaded")
+        self._loaded -= coverage
+
+    def _coverage(self, ranges: Iterable[tuple[int, int]]) -> np.ndarray:
+        """How many of `ranges` cover each sample."""
+        bounds = np.asarray(list(ranges), dtype=np.int64).reshape(-1, 2)
+        lo, hi = bounds[:, 0], bounds[:, 1]
+        bad = (lo < 0) | (hi > self.size) | (lo >= hi)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"sample range [{lo[k]}, {hi[k]}) is not a non-empty range of [0, {self.size})")
+        delta = np.zeros(self.size + 1, dtype=np.int64)
+        np.add.at(delta, lo, 1)
+        np.add.at(delta, hi, -1)
+        return np.cumsum(delta[:-1])
+
+
+class PackedLibrary(LoadedSamples):
     """Samples packed feature-major; `size` of them, all in memory (generated or mapped)."""
 
     def __init__(self, dense: np.ndarray, lengths: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
@@ -64,11 +104,6 @@ class PackedLibrary:
     def size(self) -> int:
         return self.dense.shape[0]
 
-    @property
-    def loaded(self) -> int:
-        """Samples currently loaded by LoadGen's QSL."""
-        return int(np.count_nonzero(self._loaded))
-
     def arrays(self) -> dict[str, np.ndarray]:
         return {"dense": self.dense, "lengths": self.lengths, "starts": self.starts, "values": self.values}
 
@@ -103,29 +138,6 @@ class PackedLibrary:
         values = self.values[np.repeat(starts - ids_before, lengths) + np.arange(int(lengths.sum()))]
         return self.dense[samples], lengths, values
 
-    # ------------------------------------------------------------------ LoadGen's QSL
-
-    def load(self, ranges: Iterable[tuple[int, int]]) -> None:
-        """Load the samples of these `(lo, hi)` ranges. The library is generated (or mapped from
-        RAM) in full at start, so loading only checks the ranges and counts the samples held; a
-        library larger than memory would bring them in here."""
-        self._loaded += self._coverage(ranges)
-
-    def unload(self, ranges: Iterable[tuple[int, int]]) -> None:
-        coverage = self._coverage(ranges)
-        if (coverage > self._loaded).any():
-            raise ValueError("sample library: unloading samples that were not loaded")
-        self._loaded -= coverage
-
-    def _coverage(self, ranges: Iterable[tuple[int, int]]) -> np.ndarray:
-        """How many of `ranges` cover each sample."""
-        bounds = np.asarray(list(ranges), dtype=np.int64).reshape(-1, 2)
-        lo, hi = bounds[:, 0], bounds[:, 1]
-        bad = (lo < 0) | (hi > self.size) | (lo >= hi)
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise ValueError(f"sample range [{lo[k]}, {hi[k]}) is not a non-empty range of [0, {self.size})")
-        delta = np.zeros(self.size + 1, dtype=np.int64)
-        np.add.at(delta, lo, 1)
-        np.add.at(delta, hi, -1)
-        return np.cumsum(delta[:-1])
+    def output_counts(self, offset: int, size: int) -> np.ndarray:
+        """Scores each of samples [offset, offset + size) yields: one (a click probability)."""
+        return np.ones(size, dtype=np.int64)

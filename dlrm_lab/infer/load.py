@@ -18,6 +18,7 @@ from dlrm_lab.errors import UserError
 
 SIZE_KINDS = ("fixed", "normal", "lognormal", "uniform", "mlperf")
 ARRIVAL_KINDS = ("poisson", "constant", "bursty")
+SAMPLE_ORDERS = ("random", "time")
 MLPERF_MIN, MLPERF_MAX = 100, 700  # samples per query of MLPerf Inference DLRM
 
 
@@ -163,6 +164,26 @@ class Stream:
     sizes: QuerySizes
     arrivals: Arrivals = field(default_factory=Arrivals)
     sla_ms: float | None = None  # this model's latency bound (default: the run's)
+    # which library samples the queries take: "random" ranges, or "time": consecutive ranges in the
+    # library's order, from its start (an HSTU library is in time order: MLPerf DLRMv3 issues so)
+    order: str = "random"
+
+    def __post_init__(self) -> None:
+        if self.order not in SAMPLE_ORDERS:
+            raise UserError(f"--order {self.order!r}: allowed: {', '.join(SAMPLE_ORDERS)}")
+
+    def offsets(self, sizes: np.ndarray, library: int, rng: np.random.Generator, start: int = 0) -> np.ndarray:
+        """Library offsets of queries of these sizes (each at most `library`): random, or in order
+        from `start`, wrapping to 0 where a query would run past the end."""
+        if self.order == "random":
+            return rng.integers(0, library - sizes + 1)
+        out = np.empty(len(sizes), dtype=np.int64)
+        at = start % library
+        for k, n in enumerate(sizes.tolist()):  # a loop: a wrap depends on where the previous query ended
+            at = 0 if at + n > library else at
+            out[k] = at
+            at = (at + n) % library
+        return out
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,11 @@ def library_samples(max_batch: int, library_samples: int = 0) -> int:
 
 def model_memory(served: Any) -> ModelMemory:
     """What `served` (an `infer.served.ServedModel`) needs, from its spec alone."""
+    from dlrm_lab.config import HSTUSpec
+
     spec = served.spec
+    if isinstance(spec, HSTUSpec):
+        return _ranker_memory(served)
     fp32 = int(stored_table_bytes(spec, "fp32"))
     stored = int(stored_table_bytes(spec, served.table_precision))
     ids_per_sample = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
@@ -74,6 +78,28 @@ def model_memory(served: Any) -> ModelMemory:
         instances=served.instances,
         device_per_instance=fp32 + stored + dense + activations,
     )
+
+
+def _ranker_memory(served: Any) -> ModelMemory:
+    """An HSTU ranker's needs: a request's history and candidates in the library (ids, actions, ages,
+    labels; `infer.requests`), the activations of the largest batch (every layer's tokens at width D, its u/v/q/k,
+    and the [H, N, N] attention of the padded path), and the history cache of each instance."""
+    spec, d = served.spec, served.spec.shape.stu
+    history, cands = spec.data.max_history, spec.data.candidates
+    tokens = 1 + history + cands
+    per_request = history * (8 + 8 + 8 + 4) + cands * (8 + 8 + 4 + 4) + 6 * 8
+    projections = d.heads * (2 * d.v_dim + 2 * d.qk_dim) + 3 * d.heads * d.v_dim
+    activations = 2 * 4 * served.max_batch * tokens * (d.dim * (spec.shape.layers + 1) + projections + d.heads * tokens)
+    fp32 = int(stored_table_bytes(spec, "fp32"))
+    dense = 4 * spec.dense_parameters
+    cache = int(served.history_cache_mb * 1e6)
+    window = spec.data.active_users * (spec.data.timestamps - spec.data.train_timestamps)  # the eval window's
+    samples = min(window, library_samples(served.max_batch, served.library_samples))
+    return ModelMemory(
+        name=served.name, fp32_tables=fp32, snapshot=fp32, library=int(per_request * samples),
+        per_instance=INSTANCE_RUNTIME_BYTES + dense + activations + cache, instances=served.instances,
+        device_per_instance=fp32 + dense + activations + cache,
+    )  # fmt: skip
 
 
 def check_fits(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.config import load_preset
+from dlrm_lab.config import HSTUSpec, load_any_preset
 from dlrm_lab.errors import UserError
 
 DEFAULT_MODEL = "tiny"
@@ -38,14 +38,23 @@ class ServingOptions:
     data_spec: str | None = None
     table_scale: float | None = None
     max_rows: int | None = None
+    history_cache_mb: float = 0.0  # HSTU presets: per-instance history reuse (infer.history)
+    attention: str = "auto"  # HSTU presets
+    data_overrides: tuple[str, ...] = ()  # HSTU presets: --set KEY=VALUE on their [data] (the requests)
 
     def served(self, models: Sequence[str] | None) -> list[Any]:
-        """One ServedModel per preset named (default: tiny); a preset served twice is `name-2`."""
+        """One ServedModel per preset named (default: tiny), DLRM or HSTU; a preset served twice is `name-2`."""
+        from dlrm_lab.data.sequences import with_overrides
         from dlrm_lab.infer.served import ServedModel
 
         out, seen = [], {}
         for name in models or [DEFAULT_MODEL]:
-            spec = load_preset(name, table_scale=self.table_scale, max_rows=self.max_rows)
+            spec = load_any_preset(name, table_scale=self.table_scale, max_rows=self.max_rows)
+            if isinstance(spec, HSTUSpec):
+                spec = with_overrides(spec, self.data_overrides)
+            elif self.data_overrides:
+                raise UserError(f"--set {self.data_overrides[0]}: --set changes an HSTU preset's requests; "
+                                f"{spec.name} is a DLRM (its samples: --data-spec)")  # fmt: skip
             seen[spec.name] = seen.get(spec.name, 0) + 1
             label = spec.name if seen[spec.name] == 1 else f"{spec.name}-{seen[spec.name]}"
             out.append(
@@ -62,6 +71,8 @@ class ServingOptions:
                     precision=self.precision,
                     table_precision=self.table_precision,
                     data_spec=self.data_spec,
+                    history_cache_mb=self.history_cache_mb,
+                    attention=self.attention,
                 )  # fmt: skip
             )
         return out
@@ -115,8 +126,10 @@ def plan_load(
     query_size: Sequence[str] | None,
     sla_ms: Sequence[str] | None,
     arrival: str,
+    order: str = "random",
 ) -> LoadPlan:
-    """Streams from the per-model rates, query sizes and bounds (each one value or one per model)."""
+    """Streams from the per-model rates, query sizes and bounds (each one value or one per model),
+    their samples in `order` (random, or time: the library's order, as MLPerf's DLRMv3 issues requests)."""
     from dlrm_lab.infer.load import Arrivals, QuerySizes, Stream
 
     n = len(served)
@@ -130,7 +143,8 @@ def plan_load(
     sizes = [QuerySizes.parse(s) for s in per_model(query_size, n, DEFAULT_QUERY_SIZE, "--query-size")]
     arrivals = Arrivals(arrival)
     streams = [
-        Stream(m.name, r, s, arrivals, sla_ms=sla) for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)
+        Stream(m.name, r, s, arrivals, sla_ms=sla, order=order)
+        for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)
     ]
     return LoadPlan(streams, qps_auto, sla_auto)
 

@@ -36,6 +36,8 @@ QUERY_SCHEMA = pa.schema(
         ("pieces", pa.int32()),
         ("late", pa.bool_()),
         ("error", pa.string()),
+        ("history_reused", pa.int32()),  # HSTU with history reuse: requests that reused a cached history
+        ("history_tokens_reused", pa.int64()),  # ... their history tokens not encoded again
     ]
 )
 
@@ -64,6 +66,8 @@ SUMMARY_SCHEMA = pa.schema(
         ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
         ("precision", pa.string()),
         ("table_precision", pa.string()),
+        ("history_cache_mb", pa.float64()),  # HSTU: per-instance history cache (0: off)
+        ("attention", pa.string()),  # HSTU: the attention path served
         ("query_sizes", pa.string()),
         ("arrival", pa.string()),
         ("target_qps", pa.float64()),
@@ -101,6 +105,10 @@ SUMMARY_SCHEMA = pa.schema(
         ("compute_slowdown_p99", pa.float64()),  # ... 99th percentile (a noisy host, cold cores)
         ("queue_mean_ms", pa.float64()),
         ("compute_mean_ms", pa.float64()),
+        # HSTU with history reuse: share of completed requests that reused a cached history, and
+        # the history tokens not encoded again per request
+        ("history_hit_rate", pa.float64()),
+        ("history_tokens_reused_mean", pa.float64()),
         ("achieved_rate_ratio", pa.float64()),  # issued / target queries (the load was what it claims)
         ("issue_lag_p50_ms", pa.float64()),
         ("issue_lag_p99_ms", pa.float64()),
@@ -199,6 +207,7 @@ def summarize(
         "compute_mean_ms": float(compute.mean()) if len(compute) else None,
         "queue_share": float(queue.sum() / lat.sum()) if len(lat) and lat.sum() > 0 else None,
         **compute_slowdown(records),
+        **_history_reuse(records, ok, samples),
     }
     for name, p in zip(LATENCY_FIELDS, PERCENTILES, strict=True):
         out[name] = percentile(lat, p)
@@ -208,6 +217,16 @@ def summarize(
     floor_query = percentile(samples[counted].astype(np.float64), sla_percentile)
     out["latency_floor_samples"] = None if floor_query is None else int(floor_query)
     return out
+
+
+def _history_reuse(records: list[dict[str, Any]], ok: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
+    reused = [r.get("history_reused") for r in records]
+    if not ok.any() or any(v is None for v in reused):  # reuse off (or not an HSTU model)
+        return {"history_hit_rate": None, "history_tokens_reused_mean": None}
+    hits = np.array(reused, dtype=np.float64)[ok].sum()
+    tokens = np.array([r["history_tokens_reused"] for r in records], dtype=np.float64)[ok].sum()
+    served = samples[ok].sum()
+    return {"history_hit_rate": float(hits / served), "history_tokens_reused_mean": float(tokens / served)}
 
 
 def with_late_flags(records: list[dict[str, Any]], sla_ms: dict[str, float], point: int) -> list[dict[str, Any]]:

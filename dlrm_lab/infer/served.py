@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.config import ModelSpec
+from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.data import resolve_data_spec
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
@@ -17,7 +17,7 @@ class ServedModel:
     """One model as served: its instances and its batching policy."""
 
     name: str
-    spec: ModelSpec
+    spec: ModelSpec | HSTUSpec
     instances: int = 1
     threads: int = 1  # intra-op threads per instance
     max_batch: int = 256  # samples
@@ -31,7 +31,11 @@ class ServedModel:
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
-    library_samples: int = 0  # 0: 16 x max_batch (capped at 4096), at least 8192
+    library_samples: int = 0  # 0: 16 x max_batch (capped at 4096), at least 8192 (HSTU: at most its eval window)
+    # HSTU: keep each user's encoded history for their next request (infer.history), this many MB
+    # per instance; 0: every history encoded whole
+    history_cache_mb: float = 0.0
+    attention: str = "auto"  # HSTU: padded, jagged, or auto (timed at start)
 
     def __post_init__(self) -> None:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
@@ -48,6 +52,20 @@ class ServedModel:
             raise UserError(f"--precision {self.precision!r}: allowed: {AUTO}, {', '.join(PRECISIONS)}")
         if self.table_precision not in TABLE_PRECISIONS:
             raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
+        if not 0 <= self.history_cache_mb <= 1e7:
+            raise UserError(f"--history-cache-mb {self.history_cache_mb!r}: must be in [0, 1e7] MB")
+        if isinstance(self.spec, HSTUSpec):
+            if self.table_precision != "fp32":
+                raise UserError(f"--table-precision {self.table_precision}: the HSTU ranker's tables are fp32 here")
+            if self.data_spec is not None:
+                raise UserError(f"--data-spec {self.data_spec}: {self.spec.name} is an HSTU preset; change its "
+                                "requests with --set KEY=VALUE")  # fmt: skip
+            if self.attention not in ("auto", "padded", "jagged"):
+                raise UserError(f"--attention {self.attention!r}: allowed: auto, padded, jagged")
+            return
+        if self.history_cache_mb:
+            raise UserError(f"--history-cache-mb {self.history_cache_mb:g}: history reuse is for HSTU presets; "
+                            f"{self.spec.name} is a DLRM")  # fmt: skip
         resolve_data_spec(self.spec, self.data_spec)  # a bad --data-spec is one line before anything starts
 
     def describe(self) -> dict[str, Any]:
@@ -63,4 +81,6 @@ class ServedModel:
             "spin_ms": self.spin_ms,
             "precision": self.precision,
             "table_precision": self.table_precision,
+            "history_cache_mb": self.history_cache_mb,
+            "attention": self.attention if isinstance(self.spec, HSTUSpec) else None,
         }

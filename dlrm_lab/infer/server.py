@@ -48,12 +48,17 @@ from dlrm_lab.infer.instance import (
     snapshot_dir_for,
     write_snapshot,
 )
+from dlrm_lab.config import HSTUSpec
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.memory import check_fits, library_samples
+from dlrm_lab.infer.requests import SERVED_WINDOW, RequestLibrary, generate_library
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Query, SutDescription
 from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.model.dlrm import build_model
+from dlrm_lab.model.hstu import build_ranker, choose_attention
+
+ATTENTION_BATCH = 64  # requests the serving attention path is timed over (at most max_batch)
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
@@ -61,16 +66,18 @@ GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serv
 @dataclass
 class _Pool:
     served: ServedModel
-    library: PackedLibrary  # mapped from the snapshot the instances map
+    library: PackedLibrary | RequestLibrary  # mapped from the snapshot the instances map
     cond: threading.Condition = field(default_factory=threading.Condition)
     waiting: collections.deque = field(default_factory=collections.deque)
     waiting_samples: int = 0
     free: collections.deque = field(default_factory=collections.deque)  # idle instance numbers
     thread: threading.Thread | None = None
     clock: BatchClock = field(init=False)  # its batches in time (infer.batching)
+    one_score_per_sample: bool = field(init=False)  # DLRM; an HSTU request scores each candidate
 
     def __post_init__(self) -> None:
         self.clock = BatchClock(self.served.instances)
+        self.one_score_per_sample = isinstance(self.library, PackedLibrary)
 
 
 class InferenceServer:
@@ -134,11 +141,9 @@ class InferenceServer:
             for m in self.models.values():
                 snap = snapshot_dir_for(f"{m.name}-{id(self)}")
                 # the one sample library of this model: generated here, mapped by instances and this process
-                library = PackedLibrary.generate(
-                    m.spec, m.data_spec, self.seed, library_samples(m.max_batch, m.library_samples)
-                )
-                torch.manual_seed(self.seed)
-                model = build_model(m.spec).eval()
+                library = generate_library(m, self.seed, library_samples(m.max_batch, m.library_samples))
+                model = self._build(m)
+                m = self.models[m.name]  # with its attention path resolved
                 self._snapshots.append(snap)
                 self.snapshot_bytes[m.name] = write_snapshot(
                     snap, model, library, table_precision=m.table_precision, device="cpu" if device == "cpu" else "cuda"
@@ -158,7 +163,7 @@ class InferenceServer:
                         model=m.name, index=index, snapshot_dir=str(snap), spec=m.spec.to_dict(),
                         threads=m.threads, cores=mine, device=dev, precision=m.precision,
                         table_precision=m.table_precision, warmup_batch=min(m.max_batch, library.size),
-                        spin_ms=m.spin_ms,
+                        spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb,
                     )  # fmt: skip
                     mine_end, theirs = self._ctx.Pipe(duplex=True)
                     proc = self._ctx.Process(
@@ -190,6 +195,27 @@ class InferenceServer:
             pool.thread.start()
         self.epoch_ns = time.monotonic_ns()
         return self
+
+    def _build(self, m: ServedModel) -> torch.nn.Module:
+        """The served model with the server's seed: DLRM, or the HSTU ranker with its attention path
+        (`auto`: both timed over the first requests the model will serve, forward only)."""
+        torch.manual_seed(self.seed)
+        if not isinstance(m.spec, HSTUSpec):
+            return build_model(m.spec).eval()
+        choice = choose_attention(m.attention, m.spec, min(m.max_batch, ATTENTION_BATCH), torch.device("cpu"),
+                                  self.seed, backward=False, window=SERVED_WINDOW)  # fmt: skip
+        self.log(f"{m.name}: attention {choice.reason}")
+        self.precision_choices[m.name]["attention_choice"] = choice.to_dict()
+        self.models[m.name] = m = replace(m, attention=choice.path)
+        torch.manual_seed(self.seed)
+        return build_ranker(m.spec, attention=m.attention).eval()
+
+    def _history_columns(self, q: Query) -> dict[str, Any]:
+        """How many of the query's requests reused a cached history, and their tokens (HSTU with
+        history reuse; null otherwise)."""
+        on = self.models[q.model].history_cache_mb > 0
+        return {"history_reused": q.history_reused if on else None,
+                "history_tokens_reused": q.history_tokens_reused if on else None}  # fmt: skip
 
     def _choose_precisions(self) -> None:
         """Resolve `auto` by measurement at each model's instance threads and batch size;
@@ -277,7 +303,7 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ serving
 
-    def library(self, model: str) -> PackedLibrary:
+    def library(self, model: str) -> PackedLibrary | RequestLibrary:
         return self._pools[model].library
 
     def describe(self) -> SutDescription:
@@ -460,22 +486,32 @@ class InferenceServer:
             "instance": msg.instance,
             "batch_compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
         }
-        pos = 0
+        pos = k = 0  # into the batch's scores; the accepted query
         for q, lo, hi in pieces:
             if q.first_start_ns is None or msg.start_ns < q.first_start_ns:
                 q.first_start_ns = msg.start_ns
             q.compute_ns += msg.end_ns - msg.start_ns
             if q.query_id in msg.rejected:
                 q.status, q.error = "rejected", msg.rejected[q.query_id]
-            elif msg.error is not None:
+                continue
+            if msg.error is not None:
                 if q.status != "rejected":
                     q.status, q.error = "failed", msg.error
             else:
                 if msg.scores is not None:
+                    if pool.one_score_per_sample:
+                        total, a, n = q.size, lo, hi - lo
+                    else:  # HSTU: one score per candidate of each request
+                        counts = pool.library.output_counts(q.offset, q.size)
+                        total, a, n = int(counts.sum()), int(counts[:lo].sum()), int(counts[lo:hi].sum())
                     if q.scores is None:
-                        q.scores = np.empty(q.size, dtype=np.float32)
-                    q.scores[lo:hi] = msg.scores[pos : pos + hi - lo]
-                pos += hi - lo
+                        q.scores = np.empty(total, dtype=np.float32)
+                    q.scores[a : a + n] = msg.scores[pos : pos + n]
+                    pos += n
+                if msg.reused is not None:
+                    q.history_reused += int(msg.reused[k, 0])
+                    q.history_tokens_reused += int(msg.reused[k, 1])
+                k += 1
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
             pool.free.append(msg.instance)
             batch["batch_expected_ms"] = pool.clock.finished(
@@ -529,6 +565,7 @@ class InferenceServer:
             "batch_compute_ms": batch_compute_ms,
             "batch_expected_ms": batch_expected_ms,
             "error": error,
+            **self._history_columns(q),
         }
         with self._records_lock:
             self._records.append(record)

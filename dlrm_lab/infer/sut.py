@@ -50,6 +50,8 @@ class Query:
     scores: np.ndarray | None = None
     batch_samples: int | None = None  # of the batch that finished it (its last piece's)
     instance: int | None = None
+    history_reused: int = 0  # HSTU with history reuse: requests whose encoded history was reused
+    history_tokens_reused: int = 0  # ... and their history tokens not encoded again
 
 
 @dataclass(frozen=True)

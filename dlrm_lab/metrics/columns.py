@@ -131,6 +131,8 @@ _REGISTERED = [
     _c("batch_samples_mean", "batch mean", "samples", ".1f", short="batch"),
     _c("queue_share", "queue share", "fraction", ".0%", short="queue"),
     _c("dropped_queries", "dropped", "queries", "d", LOWER, "drop"),
+    _c("history_hit_rate", "requests that reused a cached history", "fraction", ".1%", HIGHER, "history hits"),
+    _c("history_tokens_reused_mean", "history tokens reused per request", "tokens", ".1f"),
     _c("late_queries", "late", "queries", "d", LOWER, "late"),
     # -- gRPC client
     _c("error_queries", "errors", "queries", "d", LOWER, "errors"),

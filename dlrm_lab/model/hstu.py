@@ -56,6 +56,23 @@ def valid_attention(lengths: torch.Tensor, candidates: torch.Tensor, max_len: in
     return (earlier | same) & real.unsqueeze(2) & real.unsqueeze(1)
 
 
+def prefix_attention(prefix: torch.Tensor, new: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """[B, T, P + T] bool, for requests whose first `prefix` tokens are already encoded and whose next
+    `new` tokens are not, `history` tokens in all (user token and history; the rest are candidates):
+    may new token t attend to prefix key j (j < prefix: always, every prefix token is earlier
+    history) or to new key t' (the `valid_attention` rule on the tokens' places in the whole request)."""
+    p, t = int(prefix.max()) if len(prefix) else 0, int(new.max()) if len(new) else 0
+    jp = torch.arange(p, device=new.device)
+    jt = torch.arange(t, device=new.device)
+    real = jt.unsqueeze(0) < new.unsqueeze(1)  # [B, T]
+    ids = torch.minimum(prefix.unsqueeze(1) + jt, history.unsqueeze(1))  # candidates share one id
+    earlier = ids.unsqueeze(2) > ids.unsqueeze(1)
+    same = torch.eye(t, dtype=torch.bool, device=new.device).unsqueeze(0)
+    to_new = (earlier | same) & real.unsqueeze(2) & real.unsqueeze(1)
+    to_prefix = (jp.unsqueeze(0) < prefix.unsqueeze(1)).unsqueeze(1) & real.unsqueeze(2)  # [B, T, P]
+    return torch.cat([to_prefix, to_new], dim=2)
+
+
 class STULayer(nn.Module):
     """One HSTU layer over padded [B, N, D] sequences (see the module docstring)."""
 
@@ -77,21 +94,44 @@ class STULayer(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """x [B, N, D]; lengths, candidates [B]. Padding positions come out as they went in."""
+        n = x.shape[1]
+        u, q, k, v = self._project(x)
+        if self.attention == "padded":
+            a = self._padded(q, k, v, lengths, candidates, n)
+        else:
+            a = self._jagged(q, k, v, lengths, candidates, n)
+        return self._output(x, u, a, lengths)
+
+    def forward_after_prefix(
+        self, x: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, prefix_k: torch.Tensor,
+        prefix_v: torch.Tensor, n: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer over tokens that follow a prefix already encoded (history reuse): x [B, T, D] the new
+        tokens, prefix_k/prefix_v [B, H, P, d] the prefix's keys and values at this layer, mask [B, T, P + T]
+        (`prefix_attention`), n the normaliser the full sequences would have had. Returns the new tokens'
+        output and their keys and values (for the cache)."""
+        u, q, k, v = self._project(x)
+        keys, values = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
+        scores = F.silu(q @ keys.transpose(-1, -2) / math.sqrt(self.shape.qk_dim)) / n
+        a = (scores * mask.unsqueeze(1)) @ values
+        return self._output(x, u, a, lengths), k, v
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """u [B, N, H dv] (SiLU'd), q, k [B, H, N, dqk], v [B, H, N, dv]."""
         b, n, _ = x.shape
         s = self.shape
         u, v, q, k = torch.split(
             self.uvqk(self.input_norm(x)), [s.heads * s.v_dim, s.heads * s.v_dim, s.heads * s.qk_dim,
                                             s.heads * s.qk_dim], dim=-1,
         )  # fmt: skip
-        u = F.silu(u)
-        q = q.view(b, n, s.heads, s.qk_dim).transpose(1, 2)  # [B, H, N, dqk]
+        q = q.view(b, n, s.heads, s.qk_dim).transpose(1, 2)
         k = k.view(b, n, s.heads, s.qk_dim).transpose(1, 2)
         v = v.view(b, n, s.heads, s.v_dim).transpose(1, 2)
-        if self.attention == "padded":
-            a = self._padded(q, k, v, lengths, candidates, n)
-        else:
-            a = self._jagged(q, k, v, lengths, candidates, n)
-        a = a.transpose(1, 2).reshape(b, n, s.heads * s.v_dim)
+        return F.silu(u), q, k, v
+
+    def _output(self, x: torch.Tensor, u: torch.Tensor, a: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        a = a.transpose(1, 2).reshape(b, n, self.shape.heads * self.shape.v_dim)
         y = self.out(self.dropout(torch.cat([u, a, u * self.attn_norm(a)], dim=-1)))
         real = (torch.arange(n, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)).unsqueeze(2)
         return x + y * real
@@ -202,11 +242,45 @@ class HSTURanker(nn.Module):
         self.target_action.data = self.target_action.data.to(device)
 
     def forward(self, sparse: KeyedJaggedTensor, actions: torch.Tensor, ages_s: torch.Tensor) -> torch.Tensor:
+        tokens = self._tokens(sparse, actions, ages_s)
+        x, lengths = self._sequences(tokens, with_user=[True] * tokens.requests)
+        for layer in self.layers:
+            x = layer(x, lengths, tokens.candidate_lengths)
+        return self._score(x, lengths, tokens)
+
+    def forward_after_prefix(
+        self,
+        sparse: KeyedJaggedTensor,
+        actions: torch.Tensor,
+        ages_s: torch.Tensor,
+        prefix: torch.Tensor,
+        prefix_keys: list[torch.Tensor],
+        prefix_values: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Score requests whose first `prefix` tokens (the user token and the oldest history items) were
+        encoded before (history reuse, `infer.history`): `sparse` holds only each request's history after
+        its prefix, and its candidates; `prefix_keys[l]`/`prefix_values[l]` [B, H, max prefix, d] are layer
+        l's keys and values of the prefixes (a request with prefix 0 is encoded whole, its user token too).
+        Returns the logits and each layer's keys and values of the new tokens [B, H, max new, d].
+
+        With every prefix encoded by this same request, this is exactly `forward`; with a prefix
+        encoded at an earlier request its tokens keep that request's positions and ages."""
+        tokens = self._tokens(sparse, actions, ages_s)
+        x, new = self._sequences(tokens, with_user=(prefix == 0).tolist())
+        history = prefix + new - tokens.candidate_lengths  # user and history tokens of the whole request
+        n = int((prefix + new).max())  # the normaliser the whole sequences would have had
+        mask = prefix_attention(prefix, new, history)
+        keys, values = [], []
+        for layer, pk, pv in zip(self.layers, prefix_keys, prefix_values, strict=True):
+            x, k, v = layer.forward_after_prefix(x, new, mask, pk, pv, n)
+            keys.append(k)
+            values.append(v)
+        return self._score(x, new, tokens), keys, values
+
+    def _tokens(self, sparse: KeyedJaggedTensor, actions: torch.Tensor, ages_s: torch.Tensor) -> _Tokens:
+        """Each request's token embeddings before the STU layers (flat over requests)."""
         d = self.shape.stu.dim
         emb = self.tables(sparse)
-        history_len = emb["item_id"].lengths()
-        cand_len = emb["item_candidate_id"].lengths()
-        b = len(history_len)
         # per history token: content + category + action branches; candidates: a learned target action
         bits = (actions.unsqueeze(1) >> torch.arange(ACTION_BITS, device=actions.device)) & 1
         history_actions = (bits.unsqueeze(2) * self.action_rows).flatten(1)
@@ -215,32 +289,58 @@ class HSTURanker(nn.Module):
         cand_item, cand_cat = emb["item_candidate_id"].values(), emb["item_candidate_category_id"].values()
         candidates = (self.item_content(cand_item) + self.category_content(cand_cat)
                       + self.action_content(self.target_action).expand(len(cand_item), d))  # fmt: skip
-        user = self.contextual(emb["user_id"].values())  # one per request
-        # [user, history..., candidates...] per request, padded to the batch's longest
-        lengths = 1 + history_len + cand_len
+        return _Tokens(
+            history=history, candidates=candidates, user=self.contextual(emb["user_id"].values()),
+            history_lengths=emb["item_id"].lengths(), candidate_lengths=emb["item_candidate_id"].lengths(),
+            age_buckets=torch.sqrt(ages_s.clamp(min=0) / 60.0).long().clamp(max=self.shape.time_buckets),
+            candidate_items=cand_item, candidate_categories=cand_cat,
+        )  # fmt: skip
+
+    def _sequences(self, t: _Tokens, with_user: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[user?, history..., candidates...] per request, padded to the batch's longest: (x [B, N, D], lengths)."""
+        d = self.shape.stu.dim
+        spans = list(zip(t.history_lengths.tolist(), t.candidate_lengths.tolist(), with_user, strict=True))
+        lengths = t.history_lengths.new_tensor([int(u) + h + c for h, c, u in spans])
         n = int(lengths.max())
-        x = history.new_zeros(b, n, d)
-        pos_idx = torch.zeros(b, n, dtype=torch.long, device=x.device)
-        age_idx = torch.zeros(b, n, dtype=torch.long, device=x.device)
-        age_buckets = torch.sqrt(ages_s.clamp(min=0) / 60.0).long().clamp(max=self.shape.time_buckets)
-        spans = list(zip(history_len.tolist(), cand_len.tolist(), strict=True))  # (history, candidates) per request
+        x = t.history.new_zeros(t.requests, n, d)
+        pos_idx = torch.zeros(t.requests, n, dtype=torch.long, device=x.device)
+        age_idx = torch.zeros(t.requests, n, dtype=torch.long, device=x.device)
         h_off = c_off = 0
-        for i, (h, c) in enumerate(spans):
-            x[i, 0] = user[i]
-            x[i, 1 : 1 + h] = history[h_off : h_off + h]
-            x[i, 1 + h : 1 + h + c] = candidates[c_off : c_off + c]
+        for i, (h, c, u) in enumerate(spans):
+            if u:
+                x[i, 0] = t.user[i]
+            x[i, u : u + h] = t.history[h_off : h_off + h]
+            x[i, u + h : u + h + c] = t.candidates[c_off : c_off + c]
             # positions count back from the newest history item; every candidate shares one
-            pos_idx[i, 1 : 1 + h] = torch.arange(h, 0, -1, device=x.device)
-            age_idx[i, 1 : 1 + h] = age_buckets[h_off : h_off + h]
+            pos_idx[i, u : u + h] = torch.arange(h, 0, -1, device=x.device)
+            age_idx[i, u : u + h] = t.age_buckets[h_off : h_off + h]
             h_off, c_off = h_off + h, c_off + c
         pos_idx = pos_idx.clamp(max=self.shape.position_buckets - 1)
-        x = self.input_dropout(x * math.sqrt(d) + self.positions(pos_idx) + self.ages(age_idx))
-        for layer in self.layers:
-            x = layer(x, lengths, cand_len)
-        picked = torch.cat([x[i, 1 + h : 1 + h + c] for i, (h, c) in enumerate(spans)])
+        return self.input_dropout(x * math.sqrt(d) + self.positions(pos_idx) + self.ages(age_idx)), lengths
+
+    def _score(self, x: torch.Tensor, lengths: torch.Tensor, t: _Tokens) -> torch.Tensor:
+        """One logit per candidate (the last tokens of each sequence), flat in request order."""
+        ends, cands = lengths.tolist(), t.candidate_lengths.tolist()
+        picked = torch.cat([x[i, e - c : e] for i, (e, c) in enumerate(zip(ends, cands, strict=True))])
         user_side = self.candidate_norm(picked)
-        item_side = self.item_tower(torch.cat([cand_item, cand_cat], dim=-1))
+        item_side = self.item_tower(torch.cat([t.candidate_items, t.candidate_categories], dim=-1))
         return self.head(user_side * item_side).squeeze(-1)
+
+
+@dataclass
+class _Tokens:
+    history: torch.Tensor  # [history tokens, D]
+    candidates: torch.Tensor  # [candidates, D]
+    user: torch.Tensor  # [B, D]
+    history_lengths: torch.Tensor  # [B]
+    candidate_lengths: torch.Tensor  # [B]
+    age_buckets: torch.Tensor  # [history tokens]
+    candidate_items: torch.Tensor  # [candidates, D] (embeddings)
+    candidate_categories: torch.Tensor
+
+    @property
+    def requests(self) -> int:
+        return len(self.history_lengths)
 
 
 def build_ranker(
@@ -265,10 +365,16 @@ ATTENTION_REPEATS = 3
 
 
 def time_attention_paths(
-    shape: STUShape, lengths: list[int], candidates: list[int], device: torch.device, repeats: int = ATTENTION_REPEATS
+    shape: STUShape,
+    lengths: list[int],
+    candidates: list[int],
+    device: torch.device,
+    repeats: int = ATTENTION_REPEATS,
+    backward: bool = True,
 ) -> dict[str, float]:
-    """Seconds of one STU layer's forward and backward over a batch of requests of these lengths
-    (tokens, candidates among them), per attention path: the median of `repeats`, paths in turn."""
+    """Seconds of one STU layer's forward (and backward, for training) over a batch of requests of
+    these lengths (tokens, candidates among them), per attention path: the median of `repeats`,
+    paths in turn."""
     torch.manual_seed(0)
     n = max(lengths)
     x = torch.randn(len(lengths), n, shape.dim, device=device)
@@ -277,11 +383,14 @@ def time_attention_paths(
     times: dict[str, list[float]] = {p: [] for p in ATTENTION_PATHS}
     for i in range(repeats + 1):
         for path, layer in layers.items():
-            xi = x.clone().requires_grad_(True)
+            xi = x.clone().requires_grad_(backward)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            layer(xi, lens, cands).sum().backward()
+            with torch.set_grad_enabled(backward):
+                y = layer(xi, lens, cands)
+                if backward:
+                    y.sum().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i:  # the first pass warms up
@@ -300,12 +409,19 @@ class AttentionChoice:
 
 
 def choose_attention(
-    requested: str, spec: HSTUSpec, batch_size: int, device: torch.device, seed: int = 0
+    requested: str,
+    spec: HSTUSpec,
+    batch_size: int,
+    device: torch.device,
+    seed: int = 0,
+    *,
+    backward: bool = True,
+    window: str = "train",
 ) -> AttentionChoice:
     """`--attention auto`: time one layer of the ranker over a batch of the run's requests (spread over
-    its training window) in both paths and take the faster (on CPU the jagged path skips padding but
-    loops per request in Python; which wins depends on the lengths, the width and the machine).
-    Explicit paths are taken."""
+    `window`) in both paths, forward and backward for training, forward for serving, and take the
+    faster (on CPU the jagged path skips padding but loops per request in Python; which wins depends
+    on the lengths, the width and the machine). Explicit paths are taken."""
     if requested != "auto":
         if requested not in ATTENTION_PATHS:
             raise UserError(f"--attention {requested!r}: allowed: auto, {', '.join(ATTENTION_PATHS)}")
@@ -313,15 +429,16 @@ def choose_attention(
     from dlrm_lab.data.sequences import SequenceGenerator
 
     gen = SequenceGenerator(spec.data, seed)
-    picks = np.linspace(0, gen.num_requests("train") - 1, batch_size).astype(np.int64)  # spread over the window
-    h = np.array([int(gen.requests(int(i), int(i) + 1).history_lengths[0]) for i in picks])
+    picks = np.linspace(0, gen.num_requests(window) - 1, batch_size).astype(np.int64)  # spread over the window
+    h = np.array([int(gen.requests(int(i), int(i) + 1, window).history_lengths[0]) for i in picks])
     lengths = (1 + h + spec.data.candidates).tolist()
-    seconds = time_attention_paths(spec.shape.stu, lengths, [spec.data.candidates] * batch_size, device)
+    seconds = time_attention_paths(spec.shape.stu, lengths, [spec.data.candidates] * batch_size, device,
+                                   backward=backward)  # fmt: skip
     best = min(seconds, key=seconds.get)
     other = next(p for p in seconds if p != best)
     reason = (
         f"auto: one layer over {batch_size} of the run's requests ({min(lengths)}-{max(lengths)} tokens): {best} "
-        f"{seconds[best] * 1e3:.2f} ms, {other} {seconds[other] * 1e3:.2f} ms (forward + backward, median of "
-        f"{ATTENTION_REPEATS})"
+        f"{seconds[best] * 1e3:.2f} ms, {other} {seconds[other] * 1e3:.2f} ms "
+        f"({'forward + backward' if backward else 'forward'}, median of {ATTENTION_REPEATS})"
     )
     return AttentionChoice(best, reason, seconds)
