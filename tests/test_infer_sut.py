@@ -190,6 +190,24 @@ def test_every_scenario_drives_a_system_through_the_interface_alone(sut, tmp_pat
         assert driver.stats.issued["m"] == len(sut.submitted)
 
 
+@pytest.mark.parametrize("scenario", ["open-loop", "closed-loop", "server", "offline"])
+def test_in_time_order_every_driver_issues_consecutive_library_samples(sut, tmp_path, scenario):
+    if scenario in LOADGEN_SCENARIOS:
+        pytest.importorskip("mlperf_loadgen")
+    settings = LoadSettings(scenario, duration_s=0.3, seed=1, concurrency=1, sla_ms=1000.0, log_dir=tmp_path)
+    stream = Stream("m", 300.0, QuerySizes.parse("uniform:1,60"), order="time")
+    assert drive(sut, make_driver(sut, [stream], settings), drain_s=30, take=lambda _rows: None, poll_s=0.05)
+    queries = sorted(sut.submitted, key=lambda q: q.query_id)
+    assert len(queries) > 20 and queries[0].offset == 0 and not sut.outside
+    for before, q in zip(queries, queries[1:], strict=False):  # each starts where the last ended, or wraps to 0
+        assert q.offset == (before.offset + before.size if before.offset + before.size + q.size <= LIBRARY else 0)
+
+
+def test_a_sample_order_is_one_of_the_known():
+    with pytest.raises(UserError, match="--order 'shuffled': allowed: random, time"):
+        Stream("m", 1.0, QuerySizes.parse("fixed:1"), order="shuffled")
+
+
 def test_a_failing_system_stops_the_load_and_hands_over_its_records(tmp_path):
     failing = FakeSut(small_library(), fail="instance 0 exited with code -9")
     try:

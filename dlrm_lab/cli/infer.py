@@ -100,7 +100,7 @@ Order = Annotated[
 ]
 HistoryCacheMb = Annotated[
     float,
-    typer.Option(help="HSTU presets: MB per instance of users' encoded histories reused by their next request (0: off)."),
+    typer.Option(help="HSTU presets: MB per instance of users' encoded histories, reused by their next request."),
 ]
 Attention = Annotated[str, typer.Option(help="HSTU presets: padded, jagged, or auto (timed at start).")]
 SetData = Annotated[

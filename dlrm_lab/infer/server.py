@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dlrm_lab.config import HSTUSpec
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.batching import BatchClock, BatchCost
@@ -48,7 +49,6 @@ from dlrm_lab.infer.instance import (
     snapshot_dir_for,
     write_snapshot,
 )
-from dlrm_lab.config import HSTUSpec
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import SERVED_WINDOW, RequestLibrary, generate_library

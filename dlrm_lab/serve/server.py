@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import validate_payload
 from dlrm_lab.infer.memory import check_fits
@@ -320,6 +321,10 @@ def serve(
         raise UserError(f"--grace {grace_s!r}: must be >= 0 seconds")
     if not 0 <= port < 65536:
         raise UserError(f"--port {port}: must be in [0, 65535] (0: any free port)")
+    for m in models:
+        if isinstance(m.spec, HSTUSpec):  # the wire format carries DLRM samples (dense + pooled ids)
+            raise UserError(f"--model {m.spec.name}: an HSTU preset is served in process only (`infer run`, "
+                            "`infer search`); gRPC carries DLRM samples")  # fmt: skip
     _check_address(host, port)  # before the instances take their time to start
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
     config = {
