@@ -417,8 +417,13 @@ class _RequestRunner:
             scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
         if cache is not None:
             query = np.repeat(np.arange(len(refs)), sizes)
-            self.reused = np.stack([np.bincount(query, weights=reused > 0, minlength=len(refs)),
-                                    np.bincount(query, weights=reused, minlength=len(refs))], axis=1).astype(np.int64)
+            self.reused = np.stack(
+                [
+                    np.bincount(query, weights=reused > 0, minlength=len(refs)),
+                    np.bincount(query, weights=reused, minlength=len(refs)),
+                ],
+                axis=1,
+            ).astype(np.int64)
         else:
             self.reused = None
         return scores.numpy()

@@ -103,8 +103,13 @@ class STULayer(nn.Module):
         return self._output(x, u, a, lengths)
 
     def forward_after_prefix(
-        self, x: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, prefix_k: torch.Tensor,
-        prefix_v: torch.Tensor, n: int,
+        self,
+        x: torch.Tensor,
+        lengths: torch.Tensor,
+        mask: torch.Tensor,
+        prefix_k: torch.Tensor,
+        prefix_v: torch.Tensor,
+        n: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer over tokens that follow a prefix already encoded (history reuse): x [B, T, D] the new
         tokens, prefix_k/prefix_v [B, H, P, d] the prefix's keys and values at this layer, mask [B, T, P + T]
