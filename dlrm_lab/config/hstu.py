@@ -244,8 +244,13 @@ class HSTUSpec:
     @property
     def mean_history(self) -> float:
         """Mean history items of a training request (steps warmup..train, users active at a share)."""
+        return self.mean_history_of("train")
+
+    def mean_history_of(self, window: str) -> float:
+        """Mean history items of a request of `window` (train; eval: the later requests a server scores)."""
         d = self.data
-        steps = (d.warmup_timestamps + d.train_timestamps - 1) / 2  # the mean step of a training request
+        first, stop = d.window(window)
+        steps = (first + stop - 1) / 2  # the window's mean step
         return min(float(d.max_history), steps * d.active_share * d.interactions_mean)
 
     def to_dict(self) -> dict[str, Any]:

@@ -36,6 +36,9 @@ TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
 COST_BATCH = 256  # the larger of the two batches an instance times at start (`_Runner.batch_cost`)
+# ... of HSTU requests (each is a whole sequence: a DLRMv3-shaped request takes ~0.1 s here, and the
+# time is linear in requests), and the largest batch warmed up (the jagged path has no fixed shapes)
+REQUEST_COST_BATCH = 8
 
 
 @dataclass
@@ -245,8 +248,8 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
                                                               plan.history_cache_mb)  # fmt: skip
         else:
             runner = _Runner(model, library, spec.feature_names, device, plan.precision)
-        runner.warm_up(plan.warmup_batch)
-        cost = runner.batch_cost(min(COST_BATCH, library.size))
+        runner.warm_up(min(plan.warmup_batch, REQUEST_COST_BATCH) if hstu else plan.warmup_batch)
+        cost = runner.batch_cost(min(REQUEST_COST_BATCH if hstu else COST_BATCH, library.size))
         gc.collect()
         gc.freeze()  # the model's objects never die: keep them out of every later collection
         conn.send(("ready", None, cost))

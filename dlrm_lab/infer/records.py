@@ -11,6 +11,7 @@ import pyarrow as pa
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
+from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
 
 QUERY_SCHEMA = pa.schema(
@@ -242,7 +243,7 @@ def roofline_columns(spec: ModelSpec, table_precision: str, row: dict[str, Any],
     instance against the roofline: forward FLOPs and embedding rows at the tables' storage
     precision per sample, the dense weights read once per batch, against the peaks at the
     instance's thread count. The measured time is the instance's compute time per batch."""
-    cost = sample_cost(spec)
+    cost = sample_cost(spec, window=SERVED_WINDOW)  # HSTU: the requests a server scores
     row_bytes = lookup_bytes_per_sample(spec, table_precision)
     out: dict[str, Any] = {"flops_per_sample": float(cost.forward_flops), "bytes_per_sample": row_bytes}
     rate = row.get("samples_per_s")
@@ -288,7 +289,7 @@ def latency_floor_columns(
         return out
     pieces = max(1, min(instances, max(math.ceil(q / max_batch), q // min_piece if min_piece else 0)))
     piece = math.ceil(q / pieces)
-    cost = sample_cost(spec)
+    cost = sample_cost(spec, window=SERVED_WINDOW)  # HSTU: the requests a server scores
     row_bytes = lookup_bytes_per_sample(spec, table_precision)
     work = Work(flops=piece * cost.forward_flops, gather_bytes=piece * row_bytes,
                 stream_bytes=4.0 * spec.dense_parameters)  # fmt: skip

@@ -82,12 +82,14 @@ FRONTIER_SCHEMA = pa.schema(
         ("min_piece", pa.int32()),  # smallest split piece (measured by the layout's instances when 0 was asked)
         ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
         ("precision", pa.string()),  # dense compute of this configuration
+        ("history_cache_mb", pa.float64()),  # HSTU: per-instance history reuse (0: off)
         ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
         ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
         ("best_qps_uncertainty", pa.float64()),  # half the final bracket [best, lowest failing rate]
         ("best_samples_per_s", pa.float64()),
         ("best_sla_latency_ms", pa.float64()),
         ("best_sla_latency_spread_ms", pa.float64()),  # max - min over the repeats at best_qps
+        ("best_history_hit_rate", pa.float64()),  # HSTU with reuse: at best_qps, median of the repeats
         # the repeats at best_qps (dlrm_lab.metrics.stats: CI needs >= 3 repeats)
         ("best_samples_per_s_ci_low", pa.float64()),
         ("best_samples_per_s_ci_high", pa.float64()),
@@ -356,6 +358,7 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
     from dlrm_lab.metrics.stats import estimate
 
     lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
+    hits = [r["history_hit_rate"] for r in rows if r.get("history_hit_rate") is not None]
     rate = estimate([r["samples_per_s"] for r in rows])
     return {
         "best_samples_per_s_ci_low": rate.ci_low,
@@ -371,12 +374,14 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
         "min_piece": served.min_piece,
         "spin_ms": served.spin_ms,
         "precision": served.precision,
+        "history_cache_mb": served.history_cache_mb,
         "capacity_queries_per_s": capacity,
         "best_qps": lo,
         "best_qps_uncertainty": (hi - lo) / 2,
         "best_samples_per_s": float(np.median([r["samples_per_s"] for r in rows])) if rows else 0.0,
         "best_sla_latency_ms": float(np.median(lat)) if lat else None,
         "best_sla_latency_spread_ms": float(max(lat) - min(lat)) if lat else None,
+        "best_history_hit_rate": float(np.median(hits)) if hits else None,
         "sla_ms": cfg.sla_ms,
         "sla_percentile": cfg.sla_percentile,
         "probes": probes,

@@ -58,7 +58,7 @@ from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.model.dlrm import build_model
 from dlrm_lab.model.hstu import build_ranker, choose_attention
 
-ATTENTION_BATCH = 64  # requests the serving attention path is timed over (at most max_batch)
+ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 

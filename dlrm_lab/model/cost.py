@@ -53,13 +53,16 @@ def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
     return layers
 
 
-def sample_cost(spec: ModelSpec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad") -> SampleCost:
+def sample_cost(
+    spec: ModelSpec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad", window: str = "train"
+) -> SampleCost:
     """FLOPs and embedding bytes per sample (see the module docstring for what counts). For the
-    HSTU ranker a sample is a request (MLPerf's): its mean training history and its candidates,
+    HSTU ranker a sample is a request (MLPerf's): the mean history of `window`'s requests (train;
+    eval for serving) and its candidates,
     the preprocessor's towers as the bottom, the STU stack as the interaction, the head as the top;
     backward twice forward."""
     if isinstance(spec, HSTUSpec):
-        return _request_cost(spec, table_precision, optimizer)
+        return _request_cost(spec, table_precision, optimizer, window)
     bottom = _mlp(spec.num_dense, spec.bottom_mlp)
     top = _mlp(spec.over_arch_in_features, spec.top_mlp)
     bottom_fwd = sum(2 * i * o for i, o in bottom)
@@ -90,8 +93,8 @@ def sample_cost(spec: ModelSpec, table_precision: str = "fp32", optimizer: str =
     )
 
 
-def _request_cost(spec: HSTUSpec, table_precision: str, optimizer: str) -> SampleCost:
-    shape, history, cands = spec.shape, round(spec.mean_history), spec.data.candidates
+def _request_cost(spec: HSTUSpec, table_precision: str, optimizer: str, window: str) -> SampleCost:
+    shape, history, cands = spec.shape, round(spec.mean_history_of(window)), spec.data.candidates
     pre, stack, post = shape.request_flops_parts(history, cands)
     whole = pre + stack + post
     bytes_read = lookup_bytes_per_sample(spec, table_precision)

@@ -1,0 +1,147 @@
+"""HSTU ranker serving (issue 17, parts 4-5): Offline throughput, the best Server rate under p99 80 ms
+and the gain from history reuse at a request shape that fits a small machine; what reuse costs in
+AUC on a trained ranker.
+
+    python benchmarks/hstu_serve.py            # ~25 min on 2 cores
+
+Cases:
+- reuse accuracy: hstu-tiny (max_history 256, so that the served histories are not cut) trained
+  through the lab's loop, its evaluation-window requests scored in time order with and without
+  history reuse (`infer.history.reuse_accuracy`): hit rate, AUC of both, largest score difference;
+- dlrmv3's layers (5 STU layers, D 512, 4 heads of 128) with short requests (SHAPE: ~50 history
+  items, 32 candidates, 1,000 users, so a user returns every timestamp), tables at --max-rows 1e5:
+  - one request at a time (open loop at 2 queries/s) in time order, history reuse off and on;
+  - LoadGen Offline throughput, 2 instances x 1 thread, reuse off and on;
+  - `infer search` under p99 <= 80 ms (open loop, requests in time order), reuse off and on.
+Every serving case is a real `dlrm-lab infer` command; results: results-hstu_serve-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from dlrm_lab.config import TrainConfig, load_any_preset
+from dlrm_lab.data.sequences import with_overrides
+from dlrm_lab.infer.history import reuse_accuracy
+from dlrm_lab.infer.requests import RequestLibrary
+from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
+from dlrm_lab.model.hstu import build_ranker
+from dlrm_lab.train import train
+
+SHAPE = ["users=1000", "timestamps=20", "train_timestamps=16", "warmup_timestamps=2", "interactions_mean=4",
+         "interactions_sd=1", "candidates=32", "max_history=256"]  # fmt: skip
+MODEL = ["--model", "dlrmv3", "--max-rows", "100000", *[a for s in SHAPE for a in ("--set", s)]]
+CACHE_MB = "2000"  # per instance: every user's history (5 layers x 4 heads x ~55 tokens x 256 fp32 ~ 1.1 MB each)
+KEEP = ("queries_per_s", "samples_per_s", "latency_p50_ms", "latency_p99_ms", "latency_floor_ms",
+        "latency_floor_ratio", "compute_mean_ms", "history_hit_rate", "history_tokens_reused_mean",
+        "roofline_fraction", "flops_per_sample", "loadgen_result", "loadgen_queries_per_s", "attention")  # fmt: skip
+
+
+def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A one-rank DistributedModelParallel model's state with its sharded tables made whole."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if hasattr(v, "local_shards"):  # a ShardedTensor: on one rank every shard is local
+            whole = torch.zeros(v.size())
+            for shard in v.local_shards():
+                rows, cols = shard.metadata.shard_offsets
+                n, m = shard.tensor.shape
+                whole[rows : rows + n, cols : cols + m] = shard.tensor
+            v = whole
+        out[k] = v
+    return out
+
+
+def reuse_accuracy_case() -> dict[str, Any]:
+    spec = with_overrides(load_any_preset("hstu-tiny"), ["max_history=256"])
+    result = train(spec, TrainConfig(steps=400, batch_size=32, eval_every=400, eval_batches=16), keep_model=True)
+    ranker = build_ranker(spec).eval()
+    ranker.load_state_dict(plain_state(result.model))
+    library = RequestLibrary.generate(spec, 0, 100_000)
+    got = reuse_accuracy(ranker, library, batch=64)
+    got.update(preset="hstu-tiny", set=["max_history=256"], train_steps=400, train_eval_auc=result.summary["eval_auc"],
+               teacher_auc=result.summary["teacher_auc"])  # fmt: skip
+    print(f"reuse accuracy: hit rate {got['hit_rate']:.3f}, AUC {got['auc_full']:.4f} full vs {got['auc_reused']:.4f} "
+          f"reused, max |score difference| {got['max_score_difference']:.2e}", flush=True)  # fmt: skip
+    return got
+
+
+def dlrm_lab(args: list[str], root: str) -> tuple[Path, float]:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", root, "--no-progress"],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode not in (0, 1):  # 1: a LoadGen verdict INVALID, recorded
+        raise RuntimeError(f"dlrm-lab {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    run = max(Path(root).glob("infer-*"), key=lambda p: p.stat().st_mtime)
+    return run, time.perf_counter() - t0
+
+
+def infer_case(name: str, extra: list[str]) -> dict[str, Any]:
+    args = ["infer", "run", *MODEL, "--order", "time", "--sla-ms", "80", *extra]
+    with tempfile.TemporaryDirectory() as root:
+        run, wall = dlrm_lab(args, root)
+        (row,) = pq.read_table(run / "summary.parquet").to_pylist()
+    out = {"name": name, "command": "dlrm-lab " + " ".join(args), "wall_s": wall, **{k: row.get(k) for k in KEEP}}
+    print(f"{name}: {out['queries_per_s']:.1f} requests/s, p50 {out['latency_p50_ms']:.1f} ms, p99 "
+          f"{out['latency_p99_ms']:.1f} ms (floor {out['latency_floor_ms']:.1f} ms), hit rate "
+          f"{out['history_hit_rate']}, LoadGen {out['loadgen_result']}", flush=True)  # fmt: skip
+    return out
+
+
+def search_case(name: str, extra: list[str]) -> dict[str, Any]:
+    args = ["infer", "search", *MODEL, "--order", "time", "--sla-ms", "80", "--layouts", "1x2,2x1",
+            "--max-batch", "1,4", "--max-delay-ms", "2", "--repeats", "1", "--steps", "5", "--min-queries", "200",
+            "--max-probe-duration", "10", *extra]  # fmt: skip
+    with tempfile.TemporaryDirectory() as root:
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", root, "--no-progress"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        wall = time.perf_counter() - t0
+        (run,) = Path(root).glob("search-*")
+        rows = pq.read_table(run / "frontier.parquet").to_pylist()
+    keep = ("instances", "threads_per_instance", "max_batch", "capacity_queries_per_s", "best_qps",
+            "best_sla_latency_ms", "best_history_hit_rate", "best", "outcome")  # fmt: skip
+    out = {"name": name, "command": "dlrm-lab " + " ".join(args), "wall_s": wall,
+           "frontier": [{k: r.get(k) for k in keep} for r in rows]}  # fmt: skip
+    print(done.stdout[-2500:], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-accuracy", action="store_true")
+    opts = ap.parse_args()
+    results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
+                               "cpu_flags": cpu_flags(), "shape": SHAPE, "cases": []}  # fmt: skip
+    if not opts.skip_accuracy:
+        results["reuse_accuracy"] = reuse_accuracy_case()
+    cases = results["cases"]
+    one = ["--qps", "2", "--duration", "10", "--instances", "1", "--threads", "2", "--max-batch", "1"]
+    cases.append(infer_case("one request at a time, 1x2, reuse off", one))
+    cases.append(infer_case("one request at a time, 1x2, reuse on", [*one, "--history-cache-mb", CACHE_MB]))
+    offline = ["--scenario", "offline", "--qps", "60", "--duration", "10", "--instances", "2", "--threads", "1",
+               "--max-batch", "8"]  # fmt: skip
+    cases.append(infer_case("offline, 2x1, reuse off", offline))
+    cases.append(infer_case("offline, 2x1, reuse on", [*offline, "--history-cache-mb", CACHE_MB]))
+    results["search_reuse_off"] = search_case("search p99 <= 80 ms, reuse off", [])
+    results["search_reuse_on"] = search_case("search p99 <= 80 ms, reuse on", ["--history-cache-mb", CACHE_MB])
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    path = Path(opts.out) if opts.out else Path(__file__).with_name(f"results-hstu_serve-{day}.json")
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
