@@ -9,8 +9,10 @@ Cases:
   through the lab's loop, its evaluation-window requests scored in time order with and without
   history reuse (`infer.history.reuse_accuracy`): hit rate, AUC of both, largest score difference;
 - dlrmv3's layers (5 STU layers, D 512, 4 heads of 128) with short requests (SHAPE: ~50 history
-  items, 32 candidates, 1,000 users, so a user returns every timestamp), tables at --max-rows 1e5:
-  - one request at a time (open loop at 2 queries/s) in time order, history reuse off and on;
+  items, 32 candidates, 250 users, 175 of them active at each timestamp: a user's next request comes
+  ~175 requests later), tables at --max-rows 1e5:
+  - one request at a time (open loop at 3 queries/s, 1 instance x 2 threads) in time order, history
+    reuse off and on (and, with reuse, the requests that hit against those that missed);
   - LoadGen Offline throughput, 2 instances x 1 thread, reuse off and on;
   - `infer search` under p99 <= 80 ms (open loop, requests in time order), reuse off and on.
 Every serving case is a real `dlrm-lab infer` command; results: results-hstu_serve-<date>.json.
@@ -39,10 +41,10 @@ from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 from dlrm_lab.model.hstu import build_ranker
 from dlrm_lab.train import train
 
-SHAPE = ["users=1000", "timestamps=20", "train_timestamps=16", "warmup_timestamps=2", "interactions_mean=4",
+SHAPE = ["users=250", "timestamps=20", "train_timestamps=16", "warmup_timestamps=2", "interactions_mean=4",
          "interactions_sd=1", "candidates=32", "max_history=256"]  # fmt: skip
 MODEL = ["--model", "dlrmv3", "--max-rows", "100000", *[a for s in SHAPE for a in ("--set", s)]]
-CACHE_MB = "2000"  # per instance: every user's history (5 layers x 4 heads x ~55 tokens x 256 fp32 ~ 1.1 MB each)
+CACHE_MB = "1000"  # per instance: every user's history (5 layers x 4 heads x ~55 tokens x 256 fp32 ~ 1.1 MB each)
 KEEP = ("queries_per_s", "samples_per_s", "latency_p50_ms", "latency_p99_ms", "latency_floor_ms",
         "latency_floor_ratio", "compute_mean_ms", "history_hit_rate", "history_tokens_reused_mean",
         "roofline_fraction", "flops_per_sample", "loadgen_result", "loadgen_queries_per_s", "attention")  # fmt: skip
@@ -92,7 +94,14 @@ def infer_case(name: str, extra: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         run, wall = dlrm_lab(args, root)
         (row,) = pq.read_table(run / "summary.parquet").to_pylist()
+        queries = pq.read_table(run / "queries.parquet").to_pandas()
     out = {"name": name, "command": "dlrm-lab " + " ".join(args), "wall_s": wall, **{k: row.get(k) for k in KEEP}}
+    ok = queries[(queries.status == "ok") & (queries.samples == 1)]
+    if ok["history_reused"].notna().any():  # one-request queries that reused a history against those that did not
+        for label, part in (("hit", ok[ok.history_reused > 0]), ("miss", ok[ok.history_reused == 0])):
+            out[f"{label}_queries"] = len(part)
+            out[f"{label}_compute_p50_ms"] = float(part.compute_ms.median()) if len(part) else None
+            out[f"{label}_latency_p50_ms"] = float(part.latency_ms.median()) if len(part) else None
     print(f"{name}: {out['queries_per_s']:.1f} requests/s, p50 {out['latency_p50_ms']:.1f} ms, p99 "
           f"{out['latency_p99_ms']:.1f} ms (floor {out['latency_floor_ms']:.1f} ms), hit rate "
           f"{out['history_hit_rate']}, LoadGen {out['loadgen_result']}", flush=True)  # fmt: skip
@@ -128,10 +137,10 @@ def main() -> None:
     if not opts.skip_accuracy:
         results["reuse_accuracy"] = reuse_accuracy_case()
     cases = results["cases"]
-    one = ["--qps", "2", "--duration", "10", "--instances", "1", "--threads", "2", "--max-batch", "1"]
+    one = ["--qps", "3", "--duration", "60", "--instances", "1", "--threads", "2", "--max-batch", "1"]
     cases.append(infer_case("one request at a time, 1x2, reuse off", one))
     cases.append(infer_case("one request at a time, 1x2, reuse on", [*one, "--history-cache-mb", CACHE_MB]))
-    offline = ["--scenario", "offline", "--qps", "60", "--duration", "10", "--instances", "2", "--threads", "1",
+    offline = ["--scenario", "offline", "--qps", "60", "--duration", "20", "--instances", "2", "--threads", "1",
                "--max-batch", "8"]  # fmt: skip
     cases.append(infer_case("offline, 2x1, reuse off", offline))
     cases.append(infer_case("offline, 2x1, reuse on", [*offline, "--history-cache-mb", CACHE_MB]))

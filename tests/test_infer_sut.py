@@ -203,6 +203,12 @@ def test_in_time_order_every_driver_issues_consecutive_library_samples(sut, tmp_
         assert q.offset == (before.offset + before.size if before.offset + before.size + q.size <= LIBRARY else 0)
 
 
+def test_time_goes_on_from_one_load_to_the_next_and_wraps_at_the_librarys_end():
+    lib = small_library(10)
+    assert lib.in_time_order(np.array([3, 3])).tolist() == [0, 3]
+    assert lib.in_time_order(np.array([3, 2, 1])).tolist() == [6, 0, 2]  # 6 + 2 > 10: the stream starts again
+
+
 def test_a_sample_order_is_one_of_the_known():
     with pytest.raises(UserError, match="--order 'shuffled': allowed: random, time"):
         Stream("m", 1.0, QuerySizes.parse("fixed:1"), order="shuffled")

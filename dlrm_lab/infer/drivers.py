@@ -48,13 +48,12 @@ class OpenLoop:
         self.stats = DriverStats(duration_s=duration_s)
         for k, s in enumerate(streams):
             t = s.arrivals.schedule(s.qps, duration_s, rng)
-            lib = sut.library(s.model).size
-            n = s.sizes.draw(len(t), rng)
-            n = np.minimum(n, lib)
+            library = sut.library(s.model)
+            n = np.minimum(s.sizes.draw(len(t), rng), library.size)
             times.append(t)
             models.append(np.full(len(t), k))
             sizes.append(n)
-            offsets.append(s.offsets(n, lib, rng))
+            offsets.append(s.offsets(n, library, rng))
             self.stats.target_queries[s.model] = s.qps * duration_s
             self.stats.issued[s.model] = 0
             self.stats.lag_ms[s.model] = []
@@ -130,11 +129,10 @@ class ClosedLoop:
         (self.stream,) = streams
         self.sut, self.concurrency, self.duration_s = sut, settings.concurrency, settings.duration_s
         self.rng = np.random.default_rng(settings.seed)
-        self.lib = sut.library(self.stream.model).size
+        self.library = sut.library(self.stream.model)
         self.stats = DriverStats(duration_s=settings.duration_s, arrival={self.stream.model: "closed-loop"})
         self._lock = threading.Lock()
         self._next_id = 0
-        self._at = 0  # where the next query starts in the library, in time order
         self._deadline = 0.0
         self.error: BaseException | None = None
 
@@ -142,10 +140,9 @@ class ClosedLoop:
         with self._lock:
             qid = self._next_id
             self._next_id += 1
-            size = min(self.stream.sizes.draw(1, self.rng), self.lib)
-            offset = int(self.stream.offsets(size, self.lib, self.rng, start=self._at)[0])
+            size = np.minimum(self.stream.sizes.draw(1, self.rng), self.library.size)
+            offset = int(self.stream.offsets(size, self.library, self.rng)[0])
             size = int(size[0])
-            self._at = offset + size
         self.sut.submit(Query(qid, self.stream.model, size, offset, on_done=self._done))
 
     def _done(self, _q: Query, _status: str, _scores: Any) -> None:

@@ -18,6 +18,7 @@ ranges of it. Torch-free.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,10 +31,26 @@ class LoadedSamples:
     ranges and counts the samples held; a library larger than memory would bring them in here."""
 
     _loaded: np.ndarray
+    _cursor = 0  # where the next query in time order starts
+    _cursor_lock = threading.Lock()  # drivers issue from their own threads
 
     @property
     def size(self) -> int:
         raise NotImplementedError
+
+    def in_time_order(self, sizes: np.ndarray) -> np.ndarray:
+        """Offsets of queries of these sizes (each at most `size`) that take the library's samples
+        in order, continuing where the last call ended (time goes on from a warm-up to its point and
+        from one point to the next), wrapping to 0 where a query would run past the end."""
+        out = np.empty(len(sizes), dtype=np.int64)
+        with self._cursor_lock:
+            at = self._cursor
+            for k, n in enumerate(sizes.tolist()):  # a loop: a wrap depends on where the last query ended
+                at = 0 if at + n > self.size else at
+                out[k] = at
+                at += n
+            self._cursor = at
+        return out
 
     @property
     def loaded(self) -> int:

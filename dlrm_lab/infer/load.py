@@ -172,18 +172,12 @@ class Stream:
         if self.order not in SAMPLE_ORDERS:
             raise UserError(f"--order {self.order!r}: allowed: {', '.join(SAMPLE_ORDERS)}")
 
-    def offsets(self, sizes: np.ndarray, library: int, rng: np.random.Generator, start: int = 0) -> np.ndarray:
-        """Library offsets of queries of these sizes (each at most `library`): random, or in order
-        from `start`, wrapping to 0 where a query would run past the end."""
+    def offsets(self, sizes: np.ndarray, library: Any, rng: np.random.Generator) -> np.ndarray:
+        """Offsets in `library` (a SampleLibrary) of queries of these sizes (each at most its size):
+        random, or its next samples in time order (`LoadedSamples.in_time_order`)."""
         if self.order == "random":
-            return rng.integers(0, library - sizes + 1)
-        out = np.empty(len(sizes), dtype=np.int64)
-        at = start % library
-        for k, n in enumerate(sizes.tolist()):  # a loop: a wrap depends on where the previous query ended
-            at = 0 if at + n > library else at
-            out[k] = at
-            at = (at + n) % library
-        return out
+            return rng.integers(0, library.size - sizes + 1)
+        return library.in_time_order(sizes)
 
 
 @dataclass(frozen=True)

@@ -153,18 +153,15 @@ class LoadGenDriver:
             lg.QuerySamplesComplete([lg.QuerySampleResponse(q.tag, 0, 0)])
 
         in_time_order = self.stream.order == "time"
-        at = 0  # in time order: where the next query starts in the library
 
         def issue(samples: list[Any]) -> None:
             # In time order LoadGen's sample index gives the query's size only: its requests are the
-            # next ones in the library (LoadGen picks indices at random; MLPerf's DLRMv3 harness
-            # likewise serves its requests by timestamp). Every sample is loaded, so any range is.
-            nonlocal at
+            # library's next (LoadGen picks indices at random; MLPerf's DLRMv3 harness likewise serves
+            # its requests by timestamp). Every sample is loaded, so any range is.
             for s in samples:
                 size, offset = self.qsl.query(s.index)
                 if in_time_order:
-                    offset = at if at + size <= self.qsl.library.size else 0
-                    at = offset + size
+                    offset = int(self.qsl.library.in_time_order(np.array([size]))[0])
                 self.sut.submit(Query(next(self._ids), model, size, offset, on_done=done, tag=s.id))
             self.stats.issued[model] += len(samples)
 
