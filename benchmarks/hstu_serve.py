@@ -9,8 +9,8 @@ Cases:
   through the lab's loop, its evaluation-window requests scored in time order with and without
   history reuse (`infer.history.reuse_accuracy`): hit rate, AUC of both, largest score difference;
 - dlrmv3's layers (5 STU layers, D 512, 4 heads of 128) with short requests (SHAPE: ~50 history
-  items, 32 candidates, 250 users, 175 of them active at each timestamp: a user's next request comes
-  ~175 requests later), tables at --max-rows 1e5:
+  items, 32 candidates, 100 users, 70 of them active at each timestamp: a user's next request comes
+  ~70 requests later; the library is the window's 280 requests), tables at --max-rows 1e5:
   - one request at a time (open loop at 3 queries/s, 1 instance x 2 threads) in time order, history
     reuse off and on (and, with reuse, the requests that hit against those that missed);
   - LoadGen Offline throughput, 2 instances x 1 thread, reuse off and on;
@@ -41,7 +41,7 @@ from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 from dlrm_lab.model.hstu import build_ranker
 from dlrm_lab.train import train
 
-SHAPE = ["users=250", "timestamps=20", "train_timestamps=16", "warmup_timestamps=2", "interactions_mean=4",
+SHAPE = ["users=100", "timestamps=20", "train_timestamps=16", "warmup_timestamps=2", "interactions_mean=4",
          "interactions_sd=1", "candidates=32", "max_history=256"]  # fmt: skip
 MODEL = ["--model", "dlrmv3", "--max-rows", "100000", *[a for s in SHAPE for a in ("--set", s)]]
 CACHE_MB = "1000"  # per instance: every user's history (5 layers x 4 heads x ~55 tokens x 256 fp32 ~ 1.1 MB each)
@@ -110,14 +110,14 @@ def infer_case(name: str, extra: list[str]) -> dict[str, Any]:
 
 def search_case(name: str, extra: list[str]) -> dict[str, Any]:
     args = ["infer", "search", *MODEL, "--order", "time", "--sla-ms", "80", "--layouts", "1x2,2x1",
-            "--max-batch", "1,4", "--max-delay-ms", "2", "--repeats", "1", "--steps", "5", "--min-queries", "200",
+            "--max-batch", "1,4", "--max-delay-ms", "2", "--repeats", "2", "--steps", "5", "--min-queries", "200",
             "--max-probe-duration", "10", *extra]  # fmt: skip
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", root, "--no-progress"],
                               capture_output=True, text=True, check=True)  # fmt: skip
         wall = time.perf_counter() - t0
-        (run,) = Path(root).glob("search-*")
+        (run,) = Path(root).glob("infer-search-*")
         rows = pq.read_table(run / "frontier.parquet").to_pylist()
     keep = ("instances", "threads_per_instance", "max_batch", "capacity_queries_per_s", "best_qps",
             "best_sla_latency_ms", "best_history_hit_rate", "best", "outcome")  # fmt: skip
@@ -130,26 +130,32 @@ def search_case(name: str, extra: list[str]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--parts", default="accuracy,infer,search", help="which of accuracy, infer, search to run")
     opts = ap.parse_args()
+    parts = set(opts.parts.split(","))
     results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
                                "cpu_flags": cpu_flags(), "shape": SHAPE, "cases": []}  # fmt: skip
-    if not opts.skip_accuracy:
+    if "accuracy" in parts:
         results["reuse_accuracy"] = reuse_accuracy_case()
-    cases = results["cases"]
-    one = ["--qps", "3", "--duration", "60", "--instances", "1", "--threads", "2", "--max-batch", "1"]
-    cases.append(infer_case("one request at a time, 1x2, reuse off", one))
-    cases.append(infer_case("one request at a time, 1x2, reuse on", [*one, "--history-cache-mb", CACHE_MB]))
-    offline = ["--scenario", "offline", "--qps", "60", "--duration", "20", "--instances", "2", "--threads", "1",
-               "--max-batch", "8"]  # fmt: skip
-    cases.append(infer_case("offline, 2x1, reuse off", offline))
-    cases.append(infer_case("offline, 2x1, reuse on", [*offline, "--history-cache-mb", CACHE_MB]))
-    results["search_reuse_off"] = search_case("search p99 <= 80 ms, reuse off", [])
-    results["search_reuse_on"] = search_case("search p99 <= 80 ms, reuse on", ["--history-cache-mb", CACHE_MB])
+    if "infer" in parts:
+        infer_cases(results["cases"])
+    if "search" in parts:
+        results["search_reuse_off"] = search_case("search p99 <= 80 ms, reuse off", [])
+        results["search_reuse_on"] = search_case("search p99 <= 80 ms, reuse on", ["--history-cache-mb", CACHE_MB])
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     path = Path(opts.out) if opts.out else Path(__file__).with_name(f"results-hstu_serve-{day}.json")
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def infer_cases(cases: list[dict[str, Any]]) -> None:
+    one = ["--qps", "3", "--duration", "60", "--instances", "1", "--threads", "2", "--max-batch", "1"]
+    cases.append(infer_case("one request at a time, 1x2, reuse off", one))
+    cases.append(infer_case("one request at a time, 1x2, reuse on", [*one, "--history-cache-mb", CACHE_MB]))
+    offline = ["--scenario", "offline", "--qps", "100", "--duration", "20", "--instances", "2", "--threads", "1",
+               "--max-batch", "8"]  # fmt: skip
+    cases.append(infer_case("offline, 2x1, reuse off", offline))
+    cases.append(infer_case("offline, 2x1, reuse on", [*offline, "--history-cache-mb", CACHE_MB]))
 
 
 if __name__ == "__main__":
