@@ -164,8 +164,8 @@ class Stream:
     sizes: QuerySizes
     arrivals: Arrivals = field(default_factory=Arrivals)
     sla_ms: float | None = None  # this model's latency bound (default: the run's)
-    # which library samples the queries take: "random" ranges, or "time": consecutive ranges in the
-    # library's order, from its start (an HSTU library is in time order: MLPerf DLRMv3 issues so)
+    # which library samples the queries take: "random" ranges, or "time": the library's next samples in
+    # its order, continuing across loads (an HSTU library is in time order: MLPerf DLRMv3 issues so)
     order: str = "random"
 
     def __post_init__(self) -> None:

@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
-from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
 
 QUERY_SCHEMA = pa.schema(

@@ -76,6 +76,8 @@ class SampleLibrary(Protocol):
 
     def block(self, offset: int, size: int) -> Any: ...  # samples [offset, offset + size) as a SampleBlock
 
+    def in_time_order(self, sizes: np.ndarray) -> np.ndarray: ...  # offsets of the next samples in order
+
     def load(self, ranges: Iterable[tuple[int, int]]) -> None: ...
 
     def unload(self, ranges: Iterable[tuple[int, int]]) -> None: ...
