@@ -101,11 +101,16 @@ def test_dlrm_lab_launch_with_mpiexec(tmp_path):
         "--metrics-dir",
         str(tmp_path),
         "--no-progress",
+        "--collectives",
+        "mpi",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     (run_dir,) = list(tmp_path.iterdir())
     manifest = _two_rank_run(run_dir)
     assert manifest["config"]["launcher"] == "mpi"
+    # every collective of the trial and the run (all-to-all, reduce-scatter, DDP's all-reduce) over MPI
+    assert manifest["config"]["backend"] == "mpi4py"
+    assert manifest["config"]["collectives_choice"]["collectives"] == "mpi"
     # --sharding auto on 2 CPU ranks: candidate plans timed, the fastest planned
     choice = manifest["config"]["sharding_choice"]
     assert len(choice["step_ms"]) >= 2 and choice["sharding"] == min(choice["step_ms"], key=choice["step_ms"].get)
@@ -277,3 +282,35 @@ def test_the_launcher_writes_its_reason_into_the_runs_the_ranks_created(tmp_path
     mark_runs_failed(record, "rank 0 (pid 6) exited with code 1", killed=False)
     assert read_manifest(reasoned.dir)["error"].startswith("RankFailure: rank 1 (pid 7)")
     assert mark_runs_failed(tmp_path / "missing", "x", killed=True) == []
+
+
+@pytest.mark.multiprocess
+def test_the_mpi_process_group_gives_every_collectives_answer():
+    mpiexec = launch_command(2, "mpi", ["train"])[0]
+    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(ROOT / "tests" / "mpi_collectives_worker.py")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
+
+
+def test_collectives_are_chosen_by_the_probed_speeds_or_refused_in_one_line():
+    from dlrm_lab.distributed.mpi import choose_collectives
+
+    fast_mpi = {"gloo/2": 0.014, "mpi/2": 0.004}.get
+    assert choose_collectives("auto", "mpi", "cpu", 2, fast_mpi)[0] == "mpi"
+    assert "4.0 ms over MPI, 14.0 ms over gloo" in choose_collectives("auto", "mpi", "cpu", 2, fast_mpi)[1]
+    assert choose_collectives("auto", "mpi", "cpu", 2, {"gloo/2": 0.004, "mpi/2": 0.014}.get)[0] == "gloo"
+    assert choose_collectives("auto", "mpi", "cpu", 2, {"gloo/2": 0.004}.get)[1].startswith("auto: gloo and MPI not")
+    assert choose_collectives("auto", "torchrun", "cpu", 2, fast_mpi)[0] == "gloo"  # MPI needs mpiexec
+    assert choose_collectives("auto", "none", "cpu", 1, fast_mpi)[0] == "gloo"
+    assert choose_collectives("auto", "mpi", "cuda", 2, fast_mpi)[0] == "nccl"
+    assert choose_collectives("gloo", "mpi", "cpu", 2, fast_mpi) == ("gloo", "asked for (--collectives gloo)")
+    for args, message in (
+        (("mpi", "torchrun", "cpu", 2), "started by torchrun, not mpiexec"),
+        (("mpi", "mpi", "cuda", 2), "on GPUs the collectives are NCCL's"),
+        (("tcp", "mpi", "cpu", 2), "allowed: auto, gloo, mpi"),
+    ):
+        with pytest.raises(UserError, match=message):
+            choose_collectives(*args)
+    code, _, err = run_cli_in_process("train", "--preset", "tiny", "--collectives", "shm")
+    assert code != 0 and "--collectives" in err and "Traceback" not in err

@@ -76,6 +76,10 @@ def train_command(
     attention: Annotated[
         str, typer.Option(help="HSTU presets: padded, jagged, or auto (both timed on the run's requests).")
     ] = "auto",
+    collectives: Annotated[
+        str,
+        typer.Option(help="CPU ranks: gloo, mpi (ranks started by mpiexec), or auto (faster at the probed speeds)."),
+    ] = "auto",
     checkpoint_dir: Annotated[Optional[str], typer.Option(help="Directory of sharded checkpoints.")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints (0: at the end only).")] = 0,
     resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint-dir.")] = False,

@@ -56,6 +56,9 @@ class TrainConfig:
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
     attention: str = "auto"  # HSTU ranker: padded | jagged attention, or auto (timed, model.hstu.choose_attention)
     pipeline: bool = False  # TorchRec's TrainPipelineSparseDist: next batch's input dist overlaps this step
+    # CPU ranks' collectives: gloo, MPI (ranks started by mpiexec; distributed.mpi), or auto (the
+    # faster at this machine's probed speeds for the step's bytes)
+    collectives: str = "auto"
     profile_steps: int = 0  # torch.profiler over this many steps after warm-up: profile.parquet (train.profile)
 
     def __post_init__(self) -> None:
@@ -86,6 +89,7 @@ class TrainConfig:
             raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
         _choice("--sharding", self.sharding, SHARDING_CHOICES)
         _choice("--attention", self.attention, ("auto", "padded", "jagged"))
+        _choice("--collectives", self.collectives, ("auto", "gloo", "mpi"))
         if self.checkpoint_every < 0:
             raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:

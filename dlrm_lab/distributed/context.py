@@ -6,10 +6,11 @@ The launcher is read from the environment it leaves behind:
   of the allocation, port MASTER_PORT or derived from the job id);
 - mpiexec (MPICH's PMI_RANK / Open MPI's OMPI_COMM_WORLD_RANK / PMIx): mpi4py gives rank,
   size and the node-local rank, rank 0 picks an address and a free port and broadcasts
-  them. MPI only bootstraps: collectives stay gloo/NCCL (PyPI torch has no MPI backend);
+  them. Collectives stay gloo/NCCL (PyPI torch has no MPI backend) unless asked to run over
+  MPI (`collectives="mpi"`: the `distributed.mpi` process group);
 - nothing: a plain process becomes a group of one, so single-process and multi-rank
   training run the same sharded code path.
-Backend: NCCL on CUDA (one GPU per local rank), gloo on CPU.
+Backend: NCCL on CUDA (one GPU per local rank), gloo (or MPI, see above) on CPU.
 """
 
 from __future__ import annotations
@@ -150,15 +151,25 @@ def _mpi_launch(env: dict[str, str]) -> LaunchInfo:
     return info
 
 
-def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+def init_distributed(
+    device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, collectives: str = "gloo"
+) -> DistContext:
     """Join (or create) the default process group and pick this rank's device.
 
     `timeout_s` bounds every collective: a dead or stuck rank fails the others after it
-    instead of hanging them.
+    instead of hanging them (gloo's; MPI's blocking calls have no timeout). `collectives`
+    "mpi" runs CPU ranks' collectives over MPI (`distributed.mpi`, ranks started by mpiexec).
     """
     launch = detect_launch()
     dev = resolve_device(device, launch.local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    if collectives == "mpi" and dev.type == "cpu" and launch.world_size > 1:
+        from dlrm_lab.distributed.mpi import BACKEND, register
+
+        if launch.launcher != "mpi":
+            raise UserError(f"--collectives mpi: the ranks were started by {launch.launcher}, not mpiexec")
+        register()
+        backend = BACKEND
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if launch.world_size == 1:

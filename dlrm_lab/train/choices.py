@@ -57,3 +57,27 @@ def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any
     if log and ctx.is_main and cfg.attention == "auto":
         log(f"attention {shared[0]['attention']}: {shared[0]['reason']}")
     return shared[0]
+
+
+def choose_run_collectives(spec: Any, cfg: TrainConfig) -> dict[str, str]:
+    """gloo or MPI for this run's CPU collectives (`distributed.mpi.choose_collectives`), before the
+    process group exists: under mpiexec rank 0's choice reaches every rank through MPI itself."""
+    from dlrm_lab.distributed.context import detect_launch
+    from dlrm_lab.distributed.mpi import choose_collectives
+    from dlrm_lab.metrics.roofline import load_profile
+    from dlrm_lab.model.cost import step_communication_bytes
+    from dlrm_lab.train.scaling_model import communication_seconds
+
+    launch = detect_launch()
+    world = launch.world_size
+    comm_bytes = step_communication_bytes(spec, cfg.batch_size * world, world) if world > 1 else {}
+    profile = load_profile() if world > 1 and launch.launcher == "mpi" and cfg.collectives == "auto" else None
+    choice = choose_collectives(
+        cfg.collectives, launch.launcher, cfg.device, world,
+        lambda transport: communication_seconds(profile, transport, comm_bytes) if profile else None,
+    )  # fmt: skip
+    if launch.launcher == "mpi" and world > 1:
+        from mpi4py import MPI
+
+        choice = MPI.COMM_WORLD.bcast(choice, root=0)
+    return {"collectives": choice[0], "reason": choice[1]}

@@ -39,7 +39,7 @@ from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.model import build_model
 from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
-from dlrm_lab.train.choices import choose_run_attention, choose_run_precision
+from dlrm_lab.train.choices import choose_run_attention, choose_run_collectives, choose_run_precision
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
 from dlrm_lab.train.profile import StepProfiler, profile_window, write_profile
@@ -202,7 +202,8 @@ def train(
     preflight(spec, cfg, data=source is None)  # a bad option: one line, before anything starts
     if isinstance(spec, HSTUSpec):  # --set changes the requests, so the cost and the manifest too
         spec, cfg = with_overrides(spec, cfg.data_overrides), replace(cfg, data_overrides=())
-    ctx = init_distributed(cfg.device, cfg.timeout_s)
+    collectives = choose_run_collectives(spec, cfg)
+    ctx = init_distributed(cfg.device, cfg.timeout_s, collectives["collectives"])
     if cfg.pin_cores:
         pin_to_cores(ctx)
     precision_choice = choose_run_precision(spec, cfg, ctx, log)
@@ -281,6 +282,7 @@ def train(
         "torch_threads": torch.get_num_threads(),
         "precision_choice": precision_choice.to_dict(),
         "attention_choice": attention,
+        "collectives_choice": collectives,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
             "table_init": "uniform +-sqrt(1 / rows of the published table)",

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dlrm_lab.distributed.launch import threads_per_rank as default_threads
+from dlrm_lab.distributed.mpi import probed_transport
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.sweep import SweepResult, SweepSpec, check_points, run_sweep
@@ -221,7 +222,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         manifest = json.loads((where / "manifest.json").read_text()) if where else {}
         config = manifest.get("config", {})
         model = spec_from_dict(config["model"]) if config.get("model") else None
-        fits = fit_collectives(profile, f"{config.get('backend', 'gloo')}/{n}")
+        fits = fit_collectives(profile, f"{probed_transport(config.get('backend', 'gloo'))}/{n}")
         # the bytes of the plan the point ran: row-wise outputs are reduce-scattered, replicas all-reduced
         plan = {t["table"]: t["sharding_type"] for t in (config.get("sharding_plan") or {}).get("tables", [])}
         comm = step_communication_bytes(model, row["global_batch_size"], n, plan) if model else None

@@ -150,6 +150,13 @@ def _waits_ms(one: StepTimes, ranks: int, ratio: float) -> dict[str, float]:
     return {c: ratio * sum(one.slowest_of(p, ranks) for p in after) for c, after in WAITED_IN.items()}
 
 
+def communication_seconds(profile: dict[str, Any] | None, transport: str, comm_bytes: dict[str, float]) -> float | None:
+    """Seconds of one step's communication (`model.cost.step_communication_bytes`) at a probed
+    transport's speed (`gloo/2`, `mpi/2`); None when it was not probed."""
+    fits = fit_collectives(profile, transport)
+    return None if fits is None else sum(_comm_seconds(comm_bytes, fits).values())
+
+
 def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[str, float]:
     """Seconds of each communication of one step: input distribution, the pooled all-to-all's
     forward and backward halves, the dense-gradient all-reduce."""
