@@ -8,7 +8,8 @@ Needs a machine profile with the ceiling and both transports (the script makes t
 missing: `dlrm-lab machine probe`, then `dlrm-lab launch --launcher mpi --nproc 2 -- machine
 probe --comms-only`). Each case is one real `dlrm-lab scale` sweep at ranks 1,2 (torchrun,
 gloo, one pinned core and thread per rank). Results: results-scaling_gap-<date>.json.
-`--cases "rm2 weak table_wise" "kaggle weak row_wise" ...` runs a case under one sharding type for all tables.
+`--cases "rm2 weak table_wise" "kaggle weak row_wise" ...` runs a case under one sharding type for all tables;
+`--collectives gloo mpi` runs each case under mpiexec once per transport (alternating).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cases", nargs="*", default=list(CASES)[:4], help=f"of: {', '.join(CASES)}")
     ap.add_argument("--out", default=None, help="results file (default: results-scaling_gap-<date>.json here)")
+    ap.add_argument("--collectives", nargs="*", default=None,
+                    help="run each case under mpiexec with these collectives (gloo, mpi), alternating")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the cases this many times, in alternating order (ABBA...): the host drifts")  # fmt: skip
     opts = ap.parse_args()
@@ -70,12 +73,20 @@ def main() -> None:
         "collectives": profile.get("comms"),
         "cases": {},
     }
-    order = [name for rep in range(opts.repeats) for name in (opts.cases if rep % 2 == 0 else opts.cases[::-1])]
+    runs = [(name, c) for name in opts.cases for c in (opts.collectives or [None])]
+    order = [r for rep in range(opts.repeats) for r in (runs if rep % 2 == 0 else runs[::-1])]
+    if opts.collectives:  # alternate the transports' order from case to case too (ABBA)
+        width = len(opts.collectives)
+        blocks = [order[k : k + width] for k in range(0, len(order), width)]
+        order = [r for i, block in enumerate(blocks) for r in (block if i % 2 == 0 else block[::-1])]
     with tempfile.TemporaryDirectory() as root:
-        for run, name in enumerate(order):
+        for run, (name, collectives) in enumerate(order):
             mode, batch, train = CASES[name]
             extra = ["--project", "8,64,512,4096"] if name == "kaggle weak" and run == 0 else []
-            out_dir = f"{root}/{run}-{name.replace(' ', '-')}"
+            if collectives:  # ranks started by mpiexec, collectives over gloo or MPI
+                extra, train = [*extra, "--launcher", "mpi"], [*train, "--collectives", collectives]
+                name = f"{name} [{collectives}]"
+            out_dir = f"{root}/{run}-{name.replace(' ', '-').replace('[', '').replace(']', '')}"
             args = ["scale", "--ranks", "1,2", "--mode", mode, "--batch-size", str(batch), "--metrics-dir",
                     out_dir, *extra, "--", *train, "--steps", str(opts.steps)]  # fmt: skip
             print("$ dlrm-lab", " ".join(args), flush=True)
