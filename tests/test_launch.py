@@ -303,6 +303,7 @@ def test_collectives_are_chosen_by_the_probed_speeds_or_refused_in_one_line():
     assert choose_collectives("auto", "mpi", "cpu", 2, {"gloo/2": 0.004}.get)[1].startswith("auto: gloo and MPI not")
     assert choose_collectives("auto", "torchrun", "cpu", 2, fast_mpi)[0] == "gloo"  # MPI needs mpiexec
     assert choose_collectives("auto", "none", "cpu", 1, fast_mpi)[0] == "gloo"
+    assert choose_collectives("mpi", "none", "cpu", 1)[0] == "gloo"  # a sweep's one-rank point
     assert choose_collectives("auto", "mpi", "cuda", 2, fast_mpi)[0] == "nccl"
     assert choose_collectives("gloo", "mpi", "cpu", 2, fast_mpi) == ("gloo", "asked for (--collectives gloo)")
     for args, message in (

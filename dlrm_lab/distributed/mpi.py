@@ -200,6 +200,8 @@ def choose_collectives(
         if requested == "mpi":
             raise UserError("--collectives mpi: CPU ranks only; on GPUs the collectives are NCCL's")
         return "nccl", "GPUs: NCCL"
+    if world_size == 1:  # a one-rank point of a scaling sweep may ask for MPI: it has nothing to exchange
+        return "gloo", "one rank: no collectives to speak of"
     if requested == "mpi" and launcher != "mpi":
         raise UserError(
             f"--collectives mpi: the ranks were started by {launcher}, not mpiexec "
@@ -207,8 +209,6 @@ def choose_collectives(
         )
     if requested != "auto":
         return requested, f"asked for (--collectives {requested})"
-    if world_size == 1:
-        return "gloo", "one rank: no collectives to speak of"
     if launcher != "mpi":
         return "gloo", f"auto: started by {launcher}; MPI's collectives need ranks started by mpiexec"
     gloo = comm_s(f"gloo/{world_size}") if comm_s else None
