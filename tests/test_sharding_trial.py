@@ -91,6 +91,7 @@ def test_the_trial_key_names_the_job_shape():
     key = st.trial_key(spec, torch.device("cpu"), 2, 2, cfg)
     assert "2r2l" in key and "b64" in key and key.startswith("cpu/") and "tiny-" in key
     assert key != st.trial_key(spec, torch.device("cpu"), 2, 2, TrainConfig(batch_size=128))
+    assert key != st.trial_key(spec, torch.device("cpu"), 2, 2, cfg, backend="mpi4py")
     assert key != st.trial_key(load_preset("tiny", table_scale=0.5), torch.device("cpu"), 2, 2, cfg)
     for other in (TrainConfig(batch_size=64, pipeline=True), TrainConfig(batch_size=64, dense_optimizer="sgd")):
         assert key != st.trial_key(spec, torch.device("cpu"), 2, 2, other)

@@ -94,14 +94,16 @@ def pick(step_ms: dict[str, float], skipped: dict[str, str], source: str) -> Sha
     return ShardingChoice(best, reason, dict(step_ms), dict(skipped), source)
 
 
-def trial_key(spec: Any, device: torch.device, world_size: int, local_world_size: int, cfg: Any) -> str:
-    """The job shape the cached times belong to."""
+def trial_key(
+    spec: Any, device: torch.device, world_size: int, local_world_size: int, cfg: Any, backend: str = "gloo"
+) -> str:
+    """The job shape the cached times belong to (the collectives' backend too: over MPI another plan wins)."""
     digest = hashlib.sha1(json.dumps(spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
     where = "cpu" if device.type == "cpu" else f"{device.type}"
     shard = ",".join(sorted(cfg.shard)) or "-"
     data = "synthetic" if cfg.data == "synthetic" else "dataset"
     return (
-        f"{where}/{world_size}r{local_world_size}l/{torch.get_num_threads()}t/b{cfg.batch_size}/"
+        f"{where}/{backend}/{world_size}r{local_world_size}l/{torch.get_num_threads()}t/b{cfg.batch_size}/"
         f"{cfg.table_precision}/{cfg.embedding_optimizer}/{cfg.dense_optimizer}/{cfg.precision}/{data}/"
         f"attention={cfg.attention}/pipeline={cfg.pipeline}/shard={shard}/{spec.name}-{digest}"
     )
@@ -250,7 +252,7 @@ def resolve_sharding(
         sync = (lambda: torch.cuda.synchronize(ctx.device)) if ctx.device.type == "cuda" else (lambda: None)
         return run_trials(CANDIDATES, built, step, batches, ctx.world_size, sync)
 
-    key = trial_key(spec, ctx.device, ctx.world_size, ctx.local_world_size, cfg)
+    key = trial_key(spec, ctx.device, ctx.world_size, ctx.local_world_size, cfg, ctx.backend)
     choice = choose_sharding(cfg.sharding, ctx, key, trial, log if ctx.is_main else None)
     if log and ctx.is_main and cfg.sharding == "auto" and ctx.world_size > 1:
         log(choice.line)
