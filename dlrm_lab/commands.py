@@ -51,6 +51,7 @@ _INFER_OPTIONS: dict[str, Any] = {
     "data_spec": str | None,
     "order": str,
     "history_cache_mb": float,
+    "history_affinity": bool,
     "attention": str,
     "set": list[str] | None,
     "seed": int,

@@ -103,6 +103,9 @@ HistoryCacheMb = Annotated[
     typer.Option(help="HSTU presets: MB per instance of users' encoded histories, reused by their next request."),
 ]
 Attention = Annotated[str, typer.Option(help="HSTU presets: padded, jagged, or auto (timed at start).")]
+HistoryAffinity = Annotated[
+    bool, typer.Option(help="HSTU with history reuse: send a user's requests to the instance holding their history.")
+]
 SetData = Annotated[
     Optional[list[str]], typer.Option("--set", help="HSTU presets: KEY=VALUE on the preset's [data] (its requests).")
 ]
@@ -141,6 +144,7 @@ def run_command(
     data_spec: DataSpec = None,
     order: Order = "random",
     history_cache_mb: HistoryCacheMb = 0.0,
+    history_affinity: HistoryAffinity = True,
     attention: Attention = "auto",
     set_: SetData = None,
     table_scale: TableScale = None,
@@ -250,6 +254,7 @@ def search_command(
     data_spec: DataSpec = None,
     order: Order = "random",
     history_cache_mb: HistoryCacheMb = 0.0,
+    history_affinity: HistoryAffinity = True,
     attention: Attention = "auto",
     set_: SetData = None,
     table_scale: TableScale = None,
@@ -277,6 +282,7 @@ def search_command(
     (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, spin_ms=spin_ms, precision=precision,
                              table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
                              max_rows=max_rows, history_cache_mb=history_cache_mb, attention=attention,
+                             history_affinity=history_affinity,
                              data_overrides=tuple(set_ or ())).served(model)  # fmt: skip
     (stream,) = plan_load([base], ["1"], [query_size], [str(sla_ms)], arrival, order).streams
     raise_on_sigterm()

@@ -40,6 +40,7 @@ class ServingOptions:
     max_rows: int | None = None
     history_cache_mb: float = 0.0  # HSTU presets: per-instance history reuse (infer.history)
     attention: str = "auto"  # HSTU presets
+    history_affinity: bool = True  # HSTU presets with history reuse
     data_overrides: tuple[str, ...] = ()  # HSTU presets: --set KEY=VALUE on their [data] (the requests)
 
     def served(self, models: Sequence[str] | None) -> list[Any]:
@@ -73,6 +74,7 @@ class ServingOptions:
                     data_spec=self.data_spec,
                     history_cache_mb=self.history_cache_mb,
                     attention=self.attention,
+                    history_affinity=self.history_affinity,
                 )  # fmt: skip
             )
         return out

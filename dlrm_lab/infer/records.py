@@ -68,6 +68,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("precision", pa.string()),
         ("table_precision", pa.string()),
         ("history_cache_mb", pa.float64()),  # HSTU: per-instance history cache (0: off)
+        ("history_affinity", pa.bool_()),  # ... a user's requests routed to the instance holding their history
         ("attention", pa.string()),  # HSTU: the attention path served
         ("query_sizes", pa.string()),
         ("arrival", pa.string()),

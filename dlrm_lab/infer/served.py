@@ -36,6 +36,9 @@ class ServedModel:
     # per instance; 0: every history encoded whole
     history_cache_mb: float = 0.0
     attention: str = "auto"  # HSTU: padded, jagged, or auto (timed at start)
+    # HSTU with history reuse and several instances: a user's requests go to the instance that holds
+    # their history (an idle instance still takes others' requests when none of its own wait)
+    history_affinity: bool = True
 
     def __post_init__(self) -> None:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
@@ -82,5 +85,6 @@ class ServedModel:
             "precision": self.precision,
             "table_precision": self.table_precision,
             "history_cache_mb": self.history_cache_mb,
+            "history_affinity": self.history_affinity if self.history_cache_mb else None,
             "attention": self.attention if isinstance(self.spec, HSTUSpec) else None,
         }

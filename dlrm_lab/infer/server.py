@@ -59,6 +59,7 @@ from dlrm_lab.model.dlrm import build_model
 from dlrm_lab.model.hstu import build_ranker, choose_attention
 
 ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
+AFFINITY_SCAN = 256  # waiting queries an instance looks through for its own users' (history affinity)
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
@@ -73,6 +74,8 @@ class _Pool:
     free: collections.deque = field(default_factory=collections.deque)  # idle instance numbers
     thread: threading.Thread | None = None
     clock: BatchClock = field(init=False)  # its batches in time (infer.batching)
+    # history affinity (HSTU with reuse, several instances): this model's instances, a user's home among them
+    homes: list[int] = field(default_factory=list)
     one_score_per_sample: bool = field(init=False)  # DLRM; an HSTU request scores each candidate
 
     def __post_init__(self) -> None:
@@ -173,6 +176,8 @@ class InferenceServer:
                     theirs.close()
                     self._conns[index] = mine_end
                     pool.free.append(index)
+                    if m.history_cache_mb and m.history_affinity and m.instances > 1:
+                        pool.homes.append(index)
                     self._procs.append(proc)
                     self.instance_info.append(
                         {"instance": index, "model": m.name, "pid": proc.pid, "cores": list(mine)}
@@ -344,6 +349,8 @@ class InferenceServer:
         pool = self._pools.get(q.model)
         if pool is None:
             raise UserError(f"query {q.query_id}: unknown model {q.model!r}; served: {', '.join(self._pools)}")
+        if pool.homes:  # the instance that served this user last holds their encoded history
+            q.home = pool.homes[int(pool.library.user[q.offset]) % len(pool.homes)]
         with self._idle:
             self._outstanding += 1
         with pool.cond:
@@ -408,8 +415,8 @@ class InferenceServer:
                 now = time.monotonic_ns()
                 size = pool.clock.next_batch(pool.waiting_samples, len(pool.free), now, max_batch=m.max_batch,
                                              min_piece=m.min_piece)  # fmt: skip
-                pieces = self._take_batch(pool, size)
                 instance = pool.free.popleft()
+                pieces = self._take_batch(pool, size, instance)
                 pool.clock.sent(instance, now, sum(hi - lo for _, lo, hi in pieces))
                 batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces)
@@ -425,15 +432,23 @@ class InferenceServer:
                 return  # the instance is gone: check() reports it
 
     @staticmethod
-    def _take_batch(pool: _Pool, max_batch: int) -> list[tuple[Query, int, int]]:
+    def _take_batch(pool: _Pool, max_batch: int, instance: int | None = None) -> list[tuple[Query, int, int]]:
         """Pieces (query, lo, hi) of the next batch of at most `max_batch` samples (see
-        `infer.batching.next_batch`); called with the pool's lock held.
+        `infer.batching.next_batch`) for `instance`; called with the pool's lock held.
+
+        With history affinity the instance first takes whole waiting queries whose user it holds
+        (among the first AFFINITY_SCAN), oldest first; only when none wait does it take the queue's
+        head, so no instance idles while queries wait.
 
         Whole queries are packed while they fit. A query larger than `max_batch` is split
         (DeepRecSys' query splitting): a full batch of its samples goes now, the rest stays
         at the head of the queue for the next free instance, so co-located instances work
         on one large query in parallel.
         """
+        if pool.homes and instance is not None:
+            own = InferenceServer._own_queries(pool, max_batch, instance)
+            if own:
+                return own
         head = pool.waiting[0]
         if head.size - head.dispatched > max_batch:
             lo = head.dispatched
@@ -454,6 +469,22 @@ class InferenceServer:
             samples += rest
         pool.waiting_samples -= samples
         return pieces
+
+    @staticmethod
+    def _own_queries(pool: _Pool, max_batch: int, instance: int) -> list[tuple[Query, int, int]]:
+        picked, samples = [], 0
+        for q in itertools.islice(pool.waiting, AFFINITY_SCAN):
+            if q.home != instance or q.dispatched:
+                continue
+            if samples + q.size > max_batch:
+                break
+            picked.append(q)
+            samples += q.size
+        for q in picked:
+            pool.waiting.remove(q)
+            q.pieces, q.dispatched = q.pieces + 1, q.size
+        pool.waiting_samples -= samples
+        return [(q, 0, q.size) for q in picked]
 
     def _complete_loop(self) -> None:
         conns = {id(c): c for c in self._conns.values()}

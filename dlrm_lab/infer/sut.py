@@ -50,6 +50,7 @@ class Query:
     scores: np.ndarray | None = None
     batch_samples: int | None = None  # of the batch that finished it (its last piece's)
     instance: int | None = None
+    home: int | None = None  # HSTU with history affinity: the instance holding its user's history
     history_reused: int = 0  # HSTU with history reuse: requests whose encoded history was reused
     history_tokens_reused: int = 0  # ... and their history tokens not encoded again
 
