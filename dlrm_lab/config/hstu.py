@@ -241,6 +241,11 @@ class HSTUSpec:
                       pub.get("users") if pub.get("users") != s.users else None),
         )  # fmt: skip
 
+    def check_table_precision(self, table_precision: str) -> None:
+        """The ranker's sequence tables are fp32 only (training, serving and building alike)."""
+        if table_precision != "fp32":
+            raise UserError(f"--table-precision {table_precision}: {self.name}'s tables are fp32 here")
+
     @property
     def mean_history(self) -> float:
         """Mean history items of a training request (steps warmup..train, users active at a share)."""

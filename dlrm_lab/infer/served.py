@@ -58,8 +58,7 @@ class ServedModel:
         if not 0 <= self.history_cache_mb <= 1e7:
             raise UserError(f"--history-cache-mb {self.history_cache_mb!r}: must be in [0, 1e7] MB")
         if isinstance(self.spec, HSTUSpec):
-            if self.table_precision != "fp32":
-                raise UserError(f"--table-precision {self.table_precision}: the HSTU ranker's tables are fp32 here")
+            self.spec.check_table_precision(self.table_precision)
             if self.data_spec is not None:
                 raise UserError(f"--data-spec {self.data_spec}: {self.spec.name} is an HSTU preset; change its "
                                 "requests with --set KEY=VALUE")  # fmt: skip

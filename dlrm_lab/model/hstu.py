@@ -369,8 +369,7 @@ def build_ranker(
 ) -> HSTURanker:
     """The ranker of an HSTU preset, its dense layers on `device` (`table_device="meta"`: tables
     left for `DistributedModelParallel` to materialise shard by shard). Tables are fp32."""
-    if table_precision != "fp32":
-        raise UserError(f"--table-precision {table_precision}: the HSTU ranker's tables are fp32 here")
+    spec.check_table_precision(table_precision)
     model = HSTURanker(spec.shape, attention=attention, device=device, table_device=table_device)
     model.spec = spec  # what the planner and the table initialiser read, as they read a DLRM's
     return model

@@ -170,8 +170,7 @@ def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True
     if isinstance(spec, HSTUSpec):
         if cfg.pipeline:
             raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
-        if cfg.table_precision != "fp32":
-            raise UserError(f"--table-precision {cfg.table_precision}: {spec.name}'s tables are fp32 here")
+        spec.check_table_precision(cfg.table_precision)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
     if data:
