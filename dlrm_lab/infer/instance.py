@@ -31,6 +31,7 @@ from dlrm_lab.config.hstu import spec_from_dict
 from dlrm_lab.data.synthetic import SampleBlock
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.metrics.precision import DTYPES
 
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -359,7 +360,7 @@ class _Runner:
         self.model, self.library, self.keys, self.device = model, library, keys, device
         self.reused = None
         self.autocast = precision != "fp32"
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        self.dtype = DTYPES[precision]
 
     def warm_up(self, max_batch: int) -> None:
         sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.autocast else set())
@@ -396,7 +397,7 @@ class _RequestRunner:
 
         self.model, self.library, self.device = model, library, device
         self.autocast = precision != "fp32"
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        self.dtype = DTYPES[precision]
         self.cache = HistoryCache(int(history_cache_mb * 1e6)) if history_cache_mb > 0 else None
         self.reused: np.ndarray | None = None
 
