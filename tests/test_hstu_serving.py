@@ -124,8 +124,9 @@ def test_the_server_scores_each_candidate_of_a_request_as_the_model_does(spec, l
 
 
 def test_history_affinity_sends_a_users_requests_to_the_instance_holding_their_history(spec, library):
+    from dlrm_lab.infer.batching import take_batch
     from dlrm_lab.infer.served import ServedModel
-    from dlrm_lab.infer.server import InferenceServer, _Pool
+    from dlrm_lab.infer.server import _Pool
     from dlrm_lab.infer.sut import Query
 
     pool = _Pool(served=ServedModel("r", spec, instances=2, history_cache_mb=8), library=library)
@@ -136,13 +137,13 @@ def test_history_affinity_sends_a_users_requests_to_the_instance_holding_their_h
         pool.waiting.append(q)
         pool.waiting_samples += 1
     homes = [q.home for q in pool.waiting]
-    batch = InferenceServer._take_batch(pool, 3, 4)
+    batch = take_batch(pool, 3, 4)
     assert [q.query_id for q, _, _ in batch] == [k for k, h in enumerate(homes) if h == 4][:3]  # its own, oldest first
     assert pool.waiting_samples == 9 == len(pool.waiting)
     while any(q.home == 3 for q in pool.waiting):
-        assert all(q.home == 3 for q, _, _ in InferenceServer._take_batch(pool, 4, 3))
+        assert all(q.home == 3 for q, _, _ in take_batch(pool, 4, 3))
     rest = list(pool.waiting)  # none of instance 3's own left: it takes the head rather than idle
-    assert [q for q, _, _ in InferenceServer._take_batch(pool, 2, 3)] == rest[:2]
+    assert [q for q, _, _ in take_batch(pool, 2, 3)] == rest[:2]
 
 
 def test_loadgen_server_issues_requests_in_time_order_and_history_reuse_is_recorded(tmp_path):

@@ -1,4 +1,5 @@
-"""How big the next batch is: the batching rule of `infer.server`, apart from its threads.
+"""How big the next batch is and which queries it holds: the batching rule of `infer.server`, apart
+from its threads.
 
 An instance's batch time is modelled as fixed + per-sample cost (`BatchCost`, measured by
 every instance at start). When an instance is free, the samples waiting are shared out so
@@ -18,12 +19,18 @@ splitting made latency-aware, which no library does.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dlrm_lab.infer.sut import Query
 
 MIN_IDLE_SHARE = 0.05  # the utilisation term's cap: pieces at most 20x min_piece
 UTILISATION_WINDOW_S = 1.0  # the recent past whose busy share scales the smallest piece
+AFFINITY_SCAN = 256  # waiting queries an instance looks through for its own users' (history affinity)
 SLOWDOWN_WEIGHT = 0.2  # weight of the newest batch in the running ratio of measured to modelled batch time
 
 
@@ -143,3 +150,59 @@ class BatchClock:
         if batch_ms is not None:
             self.slowdown += SLOWDOWN_WEIGHT * (batch_ms / expected - self.slowdown)
         return expected
+
+
+def take_batch(pool: Any, max_batch: int, instance: int | None = None) -> list[tuple[Query, int, int]]:
+    """Pieces (query, lo, hi) of the next batch of at most `max_batch` samples (`next_batch`) for
+    `instance`, taken from `pool` (the server's pool of one model: its `waiting` queries, their
+    `waiting_samples`, the instances of its users' `homes`); called with the pool's lock held.
+
+    With history affinity the instance first takes whole waiting queries whose user it holds
+    (among the first AFFINITY_SCAN), oldest first; only when none wait does it take the queue's
+    head, so no instance idles while queries wait.
+
+    Whole queries are packed while they fit. A query larger than `max_batch` is split
+    (DeepRecSys' query splitting): a full batch of its samples goes now, the rest stays
+    at the head of the queue for the next free instance, so co-located instances work
+    on one large query in parallel.
+    """
+    if pool.homes and instance is not None:
+        own = _own_queries(pool, max_batch, instance)
+        if own:
+            return own
+    head = pool.waiting[0]
+    if head.size - head.dispatched > max_batch:
+        lo = head.dispatched
+        head.pieces += 1
+        head.dispatched += max_batch
+        pool.waiting_samples -= max_batch
+        return [(head, lo, lo + max_batch)]
+    pieces, samples = [], 0
+    while pool.waiting:
+        q = pool.waiting[0]
+        rest = q.size - q.dispatched
+        if pieces and samples + rest > max_batch:
+            break
+        pool.waiting.popleft()
+        pieces.append((q, q.dispatched, q.size))
+        q.pieces += 1
+        q.dispatched = q.size
+        samples += rest
+    pool.waiting_samples -= samples
+    return pieces
+
+
+def _own_queries(pool: Any, max_batch: int, instance: int) -> list[tuple[Query, int, int]]:
+    picked, samples = [], 0
+    for q in itertools.islice(pool.waiting, AFFINITY_SCAN):
+        if q.home != instance or q.dispatched:
+            continue
+        if samples + q.size > max_batch:
+            break
+        picked.append(q)
+        samples += q.size
+    for q in picked:
+        pool.waiting.remove(q)
+        q.pieces, q.dispatched = q.pieces + 1, q.size
+    pool.waiting_samples -= samples
+    return [(q, 0, q.size) for q in picked]

@@ -37,7 +37,7 @@ import torch
 from dlrm_lab.config import HSTUSpec
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.batching import BatchClock, BatchCost
+from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch
 from dlrm_lab.infer.instance import (
     PRECISIONS,
     BatchResult,
@@ -59,7 +59,6 @@ from dlrm_lab.model.dlrm import build_model
 from dlrm_lab.model.hstu import build_ranker, choose_attention
 
 ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
-AFFINITY_SCAN = 256  # waiting queries an instance looks through for its own users' (history affinity)
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
@@ -416,7 +415,7 @@ class InferenceServer:
                 size = pool.clock.next_batch(pool.waiting_samples, len(pool.free), now, max_batch=m.max_batch,
                                              min_piece=m.min_piece)  # fmt: skip
                 instance = pool.free.popleft()
-                pieces = self._take_batch(pool, size, instance)
+                pieces = take_batch(pool, size, instance)
                 pool.clock.sent(instance, now, sum(hi - lo for _, lo, hi in pieces))
                 batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces)
@@ -430,61 +429,6 @@ class InferenceServer:
                 self._conns[instance].send((batch_id, refs))
             except (OSError, ValueError):
                 return  # the instance is gone: check() reports it
-
-    @staticmethod
-    def _take_batch(pool: _Pool, max_batch: int, instance: int | None = None) -> list[tuple[Query, int, int]]:
-        """Pieces (query, lo, hi) of the next batch of at most `max_batch` samples (see
-        `infer.batching.next_batch`) for `instance`; called with the pool's lock held.
-
-        With history affinity the instance first takes whole waiting queries whose user it holds
-        (among the first AFFINITY_SCAN), oldest first; only when none wait does it take the queue's
-        head, so no instance idles while queries wait.
-
-        Whole queries are packed while they fit. A query larger than `max_batch` is split
-        (DeepRecSys' query splitting): a full batch of its samples goes now, the rest stays
-        at the head of the queue for the next free instance, so co-located instances work
-        on one large query in parallel.
-        """
-        if pool.homes and instance is not None:
-            own = InferenceServer._own_queries(pool, max_batch, instance)
-            if own:
-                return own
-        head = pool.waiting[0]
-        if head.size - head.dispatched > max_batch:
-            lo = head.dispatched
-            head.pieces += 1
-            head.dispatched += max_batch
-            pool.waiting_samples -= max_batch
-            return [(head, lo, lo + max_batch)]
-        pieces, samples = [], 0
-        while pool.waiting:
-            q = pool.waiting[0]
-            rest = q.size - q.dispatched
-            if pieces and samples + rest > max_batch:
-                break
-            pool.waiting.popleft()
-            pieces.append((q, q.dispatched, q.size))
-            q.pieces += 1
-            q.dispatched = q.size
-            samples += rest
-        pool.waiting_samples -= samples
-        return pieces
-
-    @staticmethod
-    def _own_queries(pool: _Pool, max_batch: int, instance: int) -> list[tuple[Query, int, int]]:
-        picked, samples = [], 0
-        for q in itertools.islice(pool.waiting, AFFINITY_SCAN):
-            if q.home != instance or q.dispatched:
-                continue
-            if samples + q.size > max_batch:
-                break
-            picked.append(q)
-            samples += q.size
-        for q in picked:
-            pool.waiting.remove(q)
-            q.pieces, q.dispatched = q.pieces + 1, q.size
-        pool.waiting_samples -= samples
-        return [(q, 0, q.size) for q in picked]
 
     def _complete_loop(self) -> None:
         conns = {id(c): c for c in self._conns.values()}
