@@ -79,20 +79,21 @@ def reuse_accuracy_case() -> dict[str, Any]:
     return got
 
 
-def dlrm_lab(args: list[str], root: str) -> tuple[Path, float]:
+def dlrm_lab(args: list[str], root: str, allowed: tuple[int, ...] = (0,)) -> tuple[Path, float, str]:
+    """Run `dlrm-lab ARGS` into `root`: (its one run directory, seconds, what it printed)."""
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", root, "--no-progress"],
                           capture_output=True, text=True)  # fmt: skip
-    if done.returncode not in (0, 1):  # 1: a LoadGen verdict INVALID, recorded
+    if done.returncode not in allowed:
         raise RuntimeError(f"dlrm-lab {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    run = max(Path(root).glob("infer-*"), key=lambda p: p.stat().st_mtime)
-    return run, time.perf_counter() - t0
+    (run,) = Path(root).glob("infer-*")
+    return run, time.perf_counter() - t0, done.stdout
 
 
 def infer_case(name: str, extra: list[str]) -> dict[str, Any]:
     args = ["infer", "run", *MODEL, "--order", "time", "--sla-ms", "80", *extra]
     with tempfile.TemporaryDirectory() as root:
-        run, wall = dlrm_lab(args, root)
+        run, wall, _ = dlrm_lab(args, root, allowed=(0, 1))  # 1: a LoadGen verdict INVALID, recorded
         (row,) = pq.read_table(run / "summary.parquet").to_pylist()
         queries = pq.read_table(run / "queries.parquet").to_pandas()
     out = {"name": name, "command": "dlrm-lab " + " ".join(args), "wall_s": wall, **{k: row.get(k) for k in KEEP}}
@@ -113,17 +114,13 @@ def search_case(name: str, extra: list[str]) -> dict[str, Any]:
             "--max-batch", "1,4", "--max-delay-ms", "2", "--repeats", "2", "--steps", "5", "--min-queries", "200",
             "--max-probe-duration", "10", *extra]  # fmt: skip
     with tempfile.TemporaryDirectory() as root:
-        t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", root, "--no-progress"],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-        wall = time.perf_counter() - t0
-        (run,) = Path(root).glob("infer-search-*")
+        run, wall, printed = dlrm_lab(args, root)
         rows = pq.read_table(run / "frontier.parquet").to_pylist()
     keep = ("instances", "threads_per_instance", "max_batch", "capacity_queries_per_s", "best_qps",
             "best_sla_latency_ms", "best_history_hit_rate", "best", "outcome")  # fmt: skip
     out = {"name": name, "command": "dlrm-lab " + " ".join(args), "wall_s": wall,
            "frontier": [{k: r.get(k) for k in keep} for r in rows]}  # fmt: skip
-    print(done.stdout[-2500:], flush=True)
+    print(printed[-2500:], flush=True)
     return out
 
 
