@@ -152,15 +152,19 @@ def _mpi_launch(env: dict[str, str]) -> LaunchInfo:
 
 
 def init_distributed(
-    device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, collectives: str = "gloo"
+    device: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    collectives: str = "gloo",
+    launch: LaunchInfo | None = None,
 ) -> DistContext:
     """Join (or create) the default process group and pick this rank's device.
 
     `timeout_s` bounds every collective: a dead or stuck rank fails the others after it
     instead of hanging them (gloo's; MPI's blocking calls have no timeout). `collectives`
     "mpi" runs CPU ranks' collectives over MPI (`distributed.mpi`, ranks started by mpiexec).
+    `launch`: what `detect_launch` found, when the caller has it already (under mpiexec it is a collective).
     """
-    launch = detect_launch()
+    launch = launch or detect_launch()
     dev = resolve_device(device, launch.local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if collectives == "mpi" and dev.type == "cpu" and launch.world_size > 1:

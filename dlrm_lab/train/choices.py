@@ -59,16 +59,14 @@ def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any
     return shared[0]
 
 
-def choose_run_collectives(spec: Any, cfg: TrainConfig) -> dict[str, str]:
+def choose_run_collectives(spec: Any, cfg: TrainConfig, launch: Any) -> dict[str, str]:
     """gloo or MPI for this run's CPU collectives (`distributed.mpi.choose_collectives`), before the
     process group exists: under mpiexec rank 0's choice reaches every rank through MPI itself."""
-    from dlrm_lab.distributed.context import detect_launch
     from dlrm_lab.distributed.mpi import choose_collectives
     from dlrm_lab.metrics.roofline import load_profile
     from dlrm_lab.model.cost import step_communication_bytes
     from dlrm_lab.train.scaling_model import communication_seconds
 
-    launch = detect_launch()
     world = launch.world_size
     comm_bytes = step_communication_bytes(spec, cfg.batch_size * world, world) if world > 1 else {}
     profile = load_profile() if world > 1 and launch.launcher == "mpi" and cfg.collectives == "auto" else None

@@ -26,7 +26,14 @@ from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
 from dlrm_lab.data import BatchSource, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.data.sequences import with_overrides
-from dlrm_lab.distributed.context import DistContext, RankFailure, init_distributed, pin_to_cores, resolve_device
+from dlrm_lab.distributed.context import (
+    DistContext,
+    RankFailure,
+    detect_launch,
+    init_distributed,
+    pin_to_cores,
+    resolve_device,
+)
 from dlrm_lab.distributed.plan import check_table_types, describe_plan, parse_table_sharding
 from dlrm_lab.distributed.tables import init_tables
 from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
@@ -201,8 +208,9 @@ def train(
     preflight(spec, cfg, data=source is None)  # a bad option: one line, before anything starts
     if isinstance(spec, HSTUSpec):  # --set changes the requests, so the cost and the manifest too
         spec, cfg = with_overrides(spec, cfg.data_overrides), replace(cfg, data_overrides=())
-    collectives = choose_run_collectives(spec, cfg)
-    ctx = init_distributed(cfg.device, cfg.timeout_s, collectives["collectives"])
+    launch = detect_launch()
+    collectives = choose_run_collectives(spec, cfg, launch)
+    ctx = init_distributed(cfg.device, cfg.timeout_s, collectives["collectives"], launch)
     if cfg.pin_cores:
         pin_to_cores(ctx)
     precision_choice = choose_run_precision(spec, cfg, ctx, log)
