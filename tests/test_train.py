@@ -40,6 +40,9 @@ def test_run_directory_holds_manifest_steps_eval_and_summary(tiny_run):
     assert manifest["config"]["model"]["name"] == "tiny"
     assert manifest["config"]["train"]["steps"] == 60
     assert manifest["config"]["sharding_plan"]["tables"][0]["compute_kernel"] == "fused"
+    chosen = manifest["config"]["prefetch_choice"]  # --prefetch auto: resolved, with its reason
+    assert chosen["prefetch"] in (0, 2) and chosen["reason"].startswith(("inline: ", "a thread: "))
+    assert manifest["config"]["data"].get("prefetch_depth") == (chosen["prefetch"] or None)
     steps = pq.read_table(d / "steps.parquet").to_pylist()
     assert [r["step"] for r in steps] == list(range(60))
     for r in steps:
@@ -332,3 +335,48 @@ def test_only_collective_errors_are_blamed_on_another_rank():
     assert _is_collective_error(dist.DistBackendError("NCCL communicator was aborted"))
     # a fault of this rank's own work (TorchRec's replicated sequence lookup once failed so) keeps its traceback
     assert not _is_collective_error(RuntimeError("split_with_sizes expects split_sizes to sum exactly to 80"))
+
+
+def _ctx(device: str = "cpu", local_world_size: int = 1):
+    from dlrm_lab.distributed.context import DistContext
+
+    return DistContext(rank=0, world_size=local_world_size, local_rank=0, device=torch.device(device),
+                       backend="gloo", launcher="none", local_world_size=local_world_size)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cores, threads, ranks, pinned, depth",
+    [
+        (1, 1, 1, True, 0),  # one pinned core per rank: the data thread would time-slice the compute
+        (2, 1, 2, False, 0),  # two ranks share two cores: one each, all computing
+        (4, 1, 2, False, 2),  # two cores per rank, one compute thread: the data thread has a core
+        (8, 2, 2, False, 2),
+        (2, 2, 1, False, 0),  # one rank running on every core
+    ],
+)
+def test_prefetch_auto_takes_a_thread_only_where_the_rank_has_a_free_core(monkeypatch, cores, threads, ranks,
+                                                                          pinned, depth):  # fmt: skip
+    from dlrm_lab.train.choices import choose_prefetch
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    choice = choose_prefetch(TrainConfig(pin_cores=pinned), _ctx(local_world_size=ranks))
+    assert choice["prefetch"] == depth
+    assert choice["reason"].startswith("a thread: " if depth else "inline: ")
+    # given explicitly, or on a GPU, the rule is not asked
+    assert choose_prefetch(TrainConfig(prefetch="3"), _ctx())["prefetch"] == 3
+    assert choose_prefetch(TrainConfig(prefetch=0), _ctx())["reason"] == "--prefetch 0 (inline)"
+
+
+def test_prefetch_auto_on_a_gpu_prepares_batches_on_a_thread():
+    from dlrm_lab.train.choices import choose_prefetch
+
+    assert choose_prefetch(TrainConfig(), _ctx("cuda"))["prefetch"] == 2
+
+
+@pytest.mark.parametrize("bad", [-1, "two", 1.5, True])
+def test_bad_prefetch_is_refused_in_one_line(bad):
+    from dlrm_lab.errors import UserError
+
+    with pytest.raises(UserError, match=r"--prefetch .*: must be auto or an integer >= 0"):
+        TrainConfig(prefetch=bad)

@@ -55,7 +55,13 @@ def train_command(
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Override a data spec field (repeatable), e.g. click_rate=0.1.")
     ] = None,
-    prefetch: Annotated[int, typer.Option(help="Batches prepared ahead on a background thread (0: inline).")] = 2,
+    prefetch: Annotated[
+        str,
+        typer.Option(
+            help="Batches prepared ahead on a background thread (0: inline), or auto: a thread of depth 2 where "
+            "the rank has a core its compute threads leave free (or computes on a GPU), else inline."
+        ),
+    ] = "auto",
     sharding: Annotated[
         str,
         typer.Option(

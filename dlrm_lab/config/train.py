@@ -45,7 +45,9 @@ class TrainConfig:
     data: str = "synthetic"  # or a Parquet dataset directory
     data_spec: str | None = None  # synthetic only; default: the model preset's
     data_overrides: tuple[str, ...] = ()  # synthetic only: `--set key=value` on the data spec
-    prefetch: int = 2  # batches prepared ahead on a background thread (0: inline)
+    # batches prepared ahead on a background thread (0: inline), or auto: a thread only where the rank
+    # has a core its compute threads do not use (`train.choices.choose_prefetch`)
+    prefetch: str | int = "auto"
     sharding: str = "auto"  # measured (several CPU ranks) or TorchRec's planner, or one type for every table
     shard: tuple[str, ...] = ()  # per-table overrides: "t_cat_3=row_wise"
     timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
@@ -79,8 +81,12 @@ class TrainConfig:
         _positive("--eval-batches", self.eval_batches)
         if self.data != "synthetic" and not Path(self.data).exists():
             raise UserError(f"--data {self.data}: no such dataset directory or file (or use 'synthetic')")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise UserError(f"--prefetch {self.prefetch!r}: must be an integer >= 0")
+        if isinstance(self.prefetch, str) and self.prefetch.strip().isdigit():  # the command line's "2"
+            object.__setattr__(self, "prefetch", int(self.prefetch))
+        if self.prefetch != "auto" and (
+            isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0
+        ):
+            raise UserError(f"--prefetch {self.prefetch!r}: must be auto or an integer >= 0")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise UserError(f"--timeout {self.timeout_s!r}: must be a number of seconds > 0")
         if self.target_auc is not None and not (

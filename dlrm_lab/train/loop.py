@@ -46,7 +46,12 @@ from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.model import build_model
 from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
-from dlrm_lab.train.choices import choose_run_attention, choose_run_collectives, choose_run_precision
+from dlrm_lab.train.choices import (
+    choose_prefetch,
+    choose_run_attention,
+    choose_run_collectives,
+    choose_run_precision,
+)
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
 from dlrm_lab.train.profile import StepProfiler, profile_window, write_profile
@@ -272,8 +277,9 @@ def train(
     sidecar = (described.get("dataset") or {}).get("teacher") or {}
     click_rate = described.get("click_rate") or sidecar.get("click_rate")
     output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None
-    if cfg.prefetch:
-        source = Prefetcher(source, depth=cfg.prefetch, pin_memory=ctx.device.type == "cuda")
+    prefetch = choose_prefetch(cfg, ctx)
+    if prefetch["prefetch"]:
+        source = Prefetcher(source, depth=prefetch["prefetch"], pin_memory=ctx.device.type == "cuda")
     config = {
         "model": spec.to_dict(),
         "train": cfg.to_dict(),
@@ -290,6 +296,7 @@ def train(
         "precision_choice": precision_choice.to_dict(),
         "attention_choice": attention,
         "collectives_choice": collectives,
+        "prefetch_choice": prefetch,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
             "table_init": "uniform +-sqrt(1 / rows of the published table)",
