@@ -790,3 +790,77 @@ def test_search_early_stop_and_settled_repeats_rules():
     assert verdict_settled([12.5], 3, 10.0, margin=0.25) is False
     assert verdict_settled([9.0], 2, 10.0, margin=0.25) is None
     assert verdict_settled([7.0, 11.0], 3, 10.0, margin=0.25) is None
+
+
+# -- queries that carry their own samples ----------------------------------------------------
+def _packed_pair():
+    import dlrm_lab
+    from dlrm_lab.data import synthetic_generator
+    from dlrm_lab.infer.library import PackedLibrary
+
+    spec = dlrm_lab.load_preset("rm2", table_scale=0.0001)  # multi-hot: ragged ids per feature
+    library = PackedLibrary.from_block(synthetic_generator(spec, seed=1).samples(0, 64))
+    sent = synthetic_generator(spec, seed=2).samples(0, 16)
+    return spec, library, sent
+
+
+def test_a_batch_mixing_sent_samples_and_library_samples_is_assembled_feature_major():
+    """Pieces of queries with their own samples (whole payload, piece by offset) and library
+    queries, in any order: the batch holds each piece's samples in order, every feature's ids
+    contiguous (a KeyedJaggedTensor's layout), as concatenating the pieces feature by feature gives."""
+    from dlrm_lab.infer.instance import QueryRef, _inline
+    from dlrm_lab.infer.library import PackedLibrary, as_payload
+    from dlrm_lab.serve.protocol import decode_samples, encode_samples, pb
+
+    spec, library, sent = _packed_pair()
+    dense, lengths, ids = encode_samples(sent.dense, sent.lengths, sent.values)
+    wire = pb.InferRequest(model="rm2", query_id=1, samples=16, dense=dense, lengths=lengths, ids=ids)
+    payload = decode_samples(pb.InferRequest.FromString(wire.SerializeToString()), spec)  # views of the bytes
+    other = as_payload(sent.slice(3, 9))
+    assert isinstance(payload, PackedLibrary) and isinstance(other, PackedLibrary)
+    refs = [QueryRef(0, 3, 5), QueryRef(1, 4, 2, payload), QueryRef(2, 2, 20), QueryRef(3, 1, 40),
+            QueryRef(4, 6, 0, other), QueryRef(5, 5, 11, payload)]  # fmt: skip
+    pieces = [(library if r.payload is None else r.payload).block(r.offset, r.size) for r in refs]
+    got_dense, got_lengths, got_ids = _inline(library, refs, spec.num_features)
+    np.testing.assert_array_equal(got_dense, np.concatenate([p.dense for p in pieces]))
+    want_lengths = [np.concatenate([p.lengths[f] for p in pieces]) for f in range(spec.num_features)]
+    want_ids = [np.concatenate([p.values[f] for p in pieces]) for f in range(spec.num_features)]
+    np.testing.assert_array_equal(got_lengths, np.concatenate(want_lengths))
+    np.testing.assert_array_equal(got_ids, np.concatenate(want_ids))
+    # the pieces' own samples are the ones sent: samples 2..5 and 11..15 of the query
+    np.testing.assert_array_equal(pieces[1].dense, sent.dense[2:6])
+    assert all(np.array_equal(a, b) for a, b in zip(pieces[5].values, sent.slice(11, 16).values, strict=True))
+    one = _inline(library, refs[1:2], spec.num_features)  # one run: no merge
+    np.testing.assert_array_equal(one[2], np.concatenate([pieces[1].values[f] for f in range(spec.num_features)]))
+
+
+def test_sent_samples_are_checked_field_by_field_in_one_pass():
+    from dlrm_lab.infer.library import as_payload, validate_payload
+
+    spec, _, sent = _packed_pair()
+    good = as_payload(sent)
+    assert validate_payload(good, spec) is None
+    rows = spec.tables[3].num_embeddings
+    name = spec.feature_names[3]
+    bad = as_payload(sent)
+    bad.values = bad.values.copy()
+    k = int(bad.starts[3, 5])  # sample 5's first id of feature 3
+    bad.values[k] = rows
+    assert validate_payload(bad, spec) == f"feature {name}: id {rows} outside its table [0, {rows})"
+    bad.values[k] = -1
+    assert validate_payload(bad, spec) == f"feature {name}: id -1 outside its table [0, {rows})"
+    nan = as_payload(sent)
+    nan.dense = nan.dense.copy()
+    nan.dense[2, 1] = np.inf
+    assert validate_payload(nan, spec) == "dense features: not finite (NaN or infinity)"
+    few = as_payload(type(sent)(0, sent.dense, sent.labels, sent.lengths[:-1], sent.values[:-1]))
+    assert validate_payload(few, spec) == f"sparse features: 31 given, the model has {spec.num_features}"
+    negative = as_payload(sent)
+    negative.lengths = negative.lengths.copy()
+    negative.lengths[1, 4] = -2
+    assert validate_payload(negative, spec) == f"feature {spec.feature_names[1]}: negative length (sample 4)"
+    short = as_payload(sent)
+    short.values = short.values[:-1]
+    assert validate_payload(short, spec).startswith("sparse features: the lengths sum to ")
+    ragged = type(sent)(0, sent.dense, sent.labels, [sent.lengths[0][:-1], *sent.lengths[1:]], sent.values)
+    assert as_payload(ragged) == "sparse features: lengths for [15, 16] samples, dense features for 16"

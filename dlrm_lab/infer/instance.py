@@ -15,20 +15,20 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import shutil
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dlrm_lab.config import HSTUSpec, ModelSpec
+from dlrm_lab.config import HSTUSpec
 from dlrm_lab.config.hstu import spec_from_dict
-from dlrm_lab.data.synthetic import SampleBlock
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.metrics.precision import DTYPES
@@ -45,12 +45,13 @@ REQUEST_COST_BATCH = 8
 @dataclass
 class QueryRef:
     """A query as an instance sees it: samples [offset, offset + size) of the model's sample
-    library, or an inline `payload` (a query that came from outside, validated first)."""
+    library, or samples [offset, offset + size) of its own `payload` (a query that came from outside,
+    checked by the server at submit)."""
 
     query_id: int
     size: int
     offset: int = 0
-    payload: SampleBlock | None = None
+    payload: PackedLibrary | None = None
 
 
 @dataclass
@@ -59,8 +60,7 @@ class BatchResult:
     instance: int
     start_ns: int  # time.monotonic_ns(): system-wide on Linux, comparable across processes
     end_ns: int
-    scores: np.ndarray | None  # float32 click probability per accepted sample, in query order
-    rejected: dict[int, str] = field(default_factory=dict)  # query id -> why
+    scores: np.ndarray | None  # float32 click probability per sample, in query order
     error: str | None = None  # the whole batch failed (the instance lives on)
     # HSTU with history reuse: per accepted query, in order, (its requests that reused a cached
     # history, the history tokens reused); None otherwise
@@ -162,67 +162,35 @@ def assemble_batch(library: PackedLibrary, refs: list[QueryRef], keys: list[str]
 
 
 def _inline(library: PackedLibrary, refs: list[QueryRef], features: int) -> tuple[np.ndarray, ...]:
-    """Queries that carry their own samples (and library queries mixed with them)."""
-    blocks = [r.payload if r.payload is not None else library.block(r.offset, r.size) for r in refs]
-    dense = np.concatenate([np.asarray(b.dense, dtype=np.float32) for b in blocks])
-    lengths, values = [], []
-    for f in range(features):
-        for b in blocks:
-            lengths.append(np.asarray(b.lengths[f], dtype=np.int32))
-            values.append(np.asarray(b.values[f], dtype=np.int64))
-    return dense, np.concatenate(lengths), np.concatenate(values)
-
-
-def validate_payload(p: SampleBlock, spec: ModelSpec, rows: list[int] | None = None) -> str | None:
-    rows = rows or [t.num_embeddings for t in spec.tables for _ in t.feature_names]
-    n = p.dense.shape[0] if getattr(p.dense, "ndim", 0) == 2 else -1
-    if n < 1 or p.dense.shape[1] != spec.num_dense:
-        return f"dense features: shape {tuple(np.shape(p.dense))}, expected [samples, {spec.num_dense}]"
-    if not np.isfinite(p.dense).all():
-        return "dense features: not finite (NaN or infinity)"
-    if len(p.lengths) != len(rows) or len(p.values) != len(rows):
-        return f"sparse features: {len(p.lengths)} given, the model has {len(rows)}"
-    if _sparse_ok(p, n, rows):  # the common case in a few array operations; the loop names the culprit
-        return None
-    for f, (ln, val, limit) in enumerate(zip(p.lengths, p.values, rows, strict=True)):
-        name = spec.feature_names[f]
-        if len(ln) != n:
-            return f"feature {name}: {len(ln)} lengths for {n} samples"
-        if len(ln) and ln.min() < 0:
-            return f"feature {name}: negative length"
-        if int(np.sum(ln)) != len(val):
-            return f"feature {name}: lengths sum to {int(np.sum(ln))} but {len(val)} ids given"
-        if len(val) and (val.min() < 0 or val.max() >= limit):
-            bad = int(val.max()) if val.max() >= limit else int(val.min())
-            return f"feature {name}: id {bad} outside its table [0, {limit})"
-    return None
-
-
-def _sparse_ok(p: SampleBlock, n: int, rows: list[int]) -> bool:
-    """True when every feature has n non-negative lengths summing to its ids, all ids inside
-    their tables: checked for all features at once (a per-feature loop costs ~0.5 ms for
-    26 features, as much as decoding a 256-sample query)."""
-    if any(len(ln) != n for ln in p.lengths):
-        return False
-    lengths = np.asarray(p.lengths)
-    counts = np.fromiter((len(v) for v in p.values), dtype=np.int64, count=len(p.values))
-    if lengths.size and lengths.min() < 0 or not np.array_equal(lengths.sum(axis=1, dtype=np.int64), counts):
-        return False
-    used = np.flatnonzero(counts)
-    if not len(used):
-        return True
-    ids = np.concatenate([p.values[f] for f in used])
-    starts = np.concatenate([[0], np.cumsum(counts[used])[:-1]])
-    limits = np.asarray(rows, dtype=np.int64)[used]
-    return bool(np.minimum.reduceat(ids, starts).min() >= 0 and (np.maximum.reduceat(ids, starts) < limits).all())
+    """Queries that carry their own samples (and library queries mixed with them): each run of
+    pieces from one source is gathered as library queries are, then the runs are merged feature-major."""
+    parts = []
+    for _, run in itertools.groupby(refs, key=lambda r: id(r.payload)):  # id(None): the library's run
+        run = list(run)
+        source = library if run[0].payload is None else run[0].payload
+        sizes = np.fromiter((r.size for r in run), dtype=np.int64, count=len(run))
+        offsets = np.fromiter((r.offset for r in run), dtype=np.int64, count=len(run))
+        parts.append(source.gather(sizes, offsets))
+    if len(parts) == 1:
+        return parts[0]
+    # the values of run k, feature f sit at the (k, f) block of the runs' concatenation; they go
+    # to the (f, k) block of the batch
+    lengths = [p[1].reshape(features, -1) for p in parts]
+    per_run = np.stack([ln.sum(axis=1, dtype=np.int64) for ln in lengths])  # [runs, features]
+    source_start = (np.cumsum(per_run.ravel()) - per_run.ravel()).reshape(per_run.shape).T.ravel()
+    size = per_run.T.ravel()
+    target_start = np.cumsum(size) - size
+    index = np.repeat(source_start - target_start, size) + np.arange(int(size.sum()))
+    values = np.concatenate([p[2] for p in parts])[index]
+    return np.concatenate([p[0] for p in parts]), np.concatenate(lengths, axis=1).ravel(), values
 
 
 # ----------------------------------------------------------------------------- process
 
 
 def instance_main(plan: InstancePlan, conn: Any) -> None:
-    """Entry point of an instance process (spawned). Never dies on a bad query: a query
-    that fails validation is rejected, a batch whose forward raises is reported failed."""
+    """Entry point of an instance process (spawned). Never dies on a bad batch: one whose forward
+    raises is reported failed. Queries with their own samples were checked by the server at submit."""
     try:
         if plan.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, plan.cores)
@@ -243,7 +211,6 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         if device.type == "cpu":
             _touch_pages(model)
         library = map_library(snapshot)
-        rows = [t.num_embeddings for t in spec.tables for _ in t.feature_names]
         if hstu:
             runner: _Runner | _RequestRunner = _RequestRunner(model, library, device, plan.precision,
                                                               plan.history_cache_mb)  # fmt: skip
@@ -271,28 +238,15 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             return
         batch_id, refs = msg
         start = time.monotonic_ns()
-        rejected = {}
-        for r in refs:
-            # library queries are valid by construction; a payload came from outside
-            if r.payload is None:
-                why = None
-            elif hstu:
-                why = "an HSTU model serves requests of its sample library only (no samples sent inline)"
-            else:
-                why = validate_payload(r.payload, spec, rows)
-            if why is not None:
-                rejected[r.query_id] = why
-        accepted = [r for r in refs if r.query_id not in rejected]
         scores, error, reused = None, None, None
-        if accepted:
-            try:
-                scores = runner(accepted)
-                reused = runner.reused
-            except Exception as exc:  # noqa: BLE001 - one failed batch must not end the instance
-                error = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc()
         try:
-            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, rejected, error, reused))
+            scores = runner(refs)
+            reused = runner.reused
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not end the instance
+            error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        try:
+            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, reused))
         except (EOFError, OSError):
             return
 

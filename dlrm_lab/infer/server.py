@@ -49,7 +49,7 @@ from dlrm_lab.infer.instance import (
     snapshot_dir_for,
     write_snapshot,
 )
-from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.infer.library import PackedLibrary, as_payload, validate_payload
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import SERVED_WINDOW, RequestLibrary, generate_library
 from dlrm_lab.infer.served import ServedModel
@@ -76,10 +76,15 @@ class _Pool:
     # history affinity (HSTU with reuse, several instances): this model's instances, a user's home among them
     homes: list[int] = field(default_factory=list)
     one_score_per_sample: bool = field(init=False)  # DLRM; an HSTU request scores each candidate
+    rows: list[int] = field(init=False)  # per sparse feature, its table's rows (DLRM): what a sent id may be
 
     def __post_init__(self) -> None:
         self.clock = BatchClock(self.served.instances)
         self.one_score_per_sample = isinstance(self.library, PackedLibrary)
+        spec = self.served.spec
+        self.rows = (
+            [] if isinstance(spec, HSTUSpec) else [t.num_embeddings for t in spec.tables for _ in t.feature_names]
+        )
 
 
 class InferenceServer:
@@ -352,6 +357,13 @@ class InferenceServer:
             q.home = pool.homes[int(pool.library.user[q.offset]) % len(pool.homes)]
         with self._idle:
             self._outstanding += 1
+        if q.payload is not None and not q.payload_checked:
+            packed = self._check_payload(q, pool)
+            if isinstance(packed, str):
+                q.payload = None
+                self._finish(q, "rejected", now=q.issued_ns, error=packed)
+                return
+            q.payload = packed
         with pool.cond:
             if len(pool.waiting) >= pool.served.max_queue:
                 dropped = True
@@ -362,6 +374,18 @@ class InferenceServer:
                 pool.cond.notify()
         if dropped:
             self._finish(q, "dropped", now=q.issued_ns, error=f"queue full ({pool.served.max_queue} queries)")
+
+    def _check_payload(self, q: Query, pool: _Pool) -> PackedLibrary | str:
+        """A query's own samples packed as its instance reads them, or why it cannot be served. Checked
+        here, once, in the submitting thread: the instances trust what their server sends."""
+        if not pool.one_score_per_sample:
+            return "an HSTU model serves requests of its sample library only (no samples sent inline)"
+        packed = as_payload(q.payload)
+        if isinstance(packed, str):
+            return packed
+        if packed.size != q.size:
+            return f"samples: the query says {q.size}, its samples are {packed.size}"
+        return validate_payload(packed, pool.served.spec, pool.rows) or packed
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted query finished; False on timeout."""
@@ -419,12 +443,9 @@ class InferenceServer:
                 pool.clock.sent(instance, now, sum(hi - lo for _, lo, hi in pieces))
                 batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces)
-            refs = []
-            for q, lo, hi in pieces:
-                payload = (
-                    None if q.payload is None else q.payload.slice(lo, hi) if (lo, hi) != (0, q.size) else q.payload
-                )
-                refs.append(QueryRef(q.query_id, hi - lo, q.offset + lo, payload))
+            # a query with its own samples sends them whole (a few arrays: one copy each), its piece by offset
+            refs = [QueryRef(q.query_id, hi - lo, lo if q.payload is not None else q.offset + lo, q.payload)
+                    for q, lo, hi in pieces]  # fmt: skip
             try:
                 self._conns[instance].send((batch_id, refs))
             except (OSError, ValueError):
@@ -461,17 +482,13 @@ class InferenceServer:
             "instance": msg.instance,
             "batch_compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
         }
-        pos = k = 0  # into the batch's scores; the accepted query
-        for q, lo, hi in pieces:
+        pos = 0  # into the batch's scores
+        for k, (q, lo, hi) in enumerate(pieces):
             if q.first_start_ns is None or msg.start_ns < q.first_start_ns:
                 q.first_start_ns = msg.start_ns
             q.compute_ns += msg.end_ns - msg.start_ns
-            if q.query_id in msg.rejected:
-                q.status, q.error = "rejected", msg.rejected[q.query_id]
-                continue
             if msg.error is not None:
-                if q.status != "rejected":
-                    q.status, q.error = "failed", msg.error
+                q.status, q.error = "failed", msg.error
             else:
                 if msg.scores is not None:
                     if pool.one_score_per_sample:
@@ -486,7 +503,6 @@ class InferenceServer:
                 if msg.reused is not None:
                     q.history_reused += int(msg.reused[k, 0])
                     q.history_tokens_reused += int(msg.reused[k, 1])
-                k += 1
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
             pool.free.append(msg.instance)
             batch["batch_expected_ms"] = pool.clock.finished(

@@ -55,9 +55,10 @@ def rows_per_feature(spec: ModelSpec) -> list[int]:
 
 
 def decode_samples(req: Any, spec: ModelSpec) -> Any:
-    """The samples of an InferRequest as a SampleBlock, after checking every field's size.
-    Ids against the tables and finite dense values are checked by `validate_payload`."""
-    from dlrm_lab.data.synthetic import SampleBlock
+    """The samples of an InferRequest, packed as an instance reads them (`infer.library.PackedLibrary`,
+    views of the received bytes), after checking every field's size. Lengths, ids against the
+    tables and finite dense values are checked by `infer.library.validate_payload`."""
+    from dlrm_lab.infer.library import PackedLibrary
 
     n, d, f = req.samples, spec.num_dense, spec.num_features
     if n < 1:
@@ -73,21 +74,13 @@ def decode_samples(req: Any, spec: ModelSpec) -> Any:
             f"lengths: {len(req.lengths)} bytes, expected {want} (features {f} x samples {n} x 4-byte int32)"
         )
     lengths = np.frombuffer(req.lengths, dtype=LENGTH_DTYPE).reshape(f, n)
-    if lengths.size and lengths.min() < 0:
-        feature, sample = np.argwhere(lengths < 0)[0]
-        raise PayloadError(
-            f"lengths: feature {spec.feature_names[feature]} sample {sample} has length {lengths[feature, sample]}"
-        )
-    per_feature = lengths.sum(axis=1, dtype=np.int64)
-    total = int(per_feature.sum())
+    total = int(lengths.sum(dtype=np.int64))
     if len(req.ids) != total * ID_DTYPE.itemsize:
         raise PayloadError(
             f"ids: {len(req.ids)} bytes, expected {total * ID_DTYPE.itemsize} (the lengths sum to {total} int64 ids)"
         )
-    ids = np.frombuffer(req.ids, dtype=ID_DTYPE)
-    values = np.split(ids, np.cumsum(per_feature)[:-1])
     dense = np.frombuffer(req.dense, dtype=DENSE_DTYPE).reshape(n, d)
-    return SampleBlock(0, dense, np.zeros(n, dtype=np.float32), list(lengths), values)
+    return PackedLibrary.from_columns(dense, lengths, np.frombuffer(req.ids, dtype=ID_DTYPE))
 
 
 def encode_samples(dense: np.ndarray, lengths: list[np.ndarray], values: list[np.ndarray]) -> tuple[bytes, ...]:

@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.instance import validate_payload
+from dlrm_lab.infer.library import validate_payload
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
@@ -172,7 +172,7 @@ class InferenceService:
             ) from None
 
     def _samples(self, req: Any) -> Any:
-        """The request's samples as a SampleBlock, or INVALID_ARGUMENT naming the field."""
+        """The request's samples (packed, checked against the model), or INVALID_ARGUMENT naming the field."""
         served = self.inference.models.get(req.model)
         if served is None:
             raise _Refused(
@@ -205,7 +205,8 @@ class InferenceService:
             except RuntimeError:
                 pass  # the loop is closed: the server has stopped
 
-        q = Query(next(self._ids), req.model, req.samples, payload=block, scheduled_ns=receive, on_done=on_done)
+        q = Query(next(self._ids), req.model, req.samples, payload=block, payload_checked=True, scheduled_ns=receive,
+                  on_done=on_done)  # fmt: skip
         self._pending[q.query_id] = done
         try:
             self.inference.submit(q)  # a full queue calls on_done("dropped") before returning
@@ -229,7 +230,7 @@ class InferenceService:
             )
         if status == "unfinished":
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server stopped before the query was computed")
-        if status == "rejected":  # checked above already; the instance's own check agrees
+        if status == "rejected":  # checked in _samples already: not reached
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id}: {q.error}")
         if status != "ok" or scores is None:
             raise _Refused(grpc.StatusCode.INTERNAL, f"query {req.query_id}: {status}: {q.error or self.failure}")
