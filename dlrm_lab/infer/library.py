@@ -84,17 +84,25 @@ class LoadedSamples:
 class PackedLibrary(LoadedSamples):
     """Samples packed feature-major; `size` of them, all in memory (generated or mapped)."""
 
-    def __init__(self, dense: np.ndarray, lengths: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
-        if not (dense.shape[0] == lengths.shape[1] == starts.shape[1]) or lengths.shape != starts.shape:
+    def __init__(self, dense: np.ndarray, lengths: np.ndarray, starts: np.ndarray | None, values: np.ndarray) -> None:
+        if dense.shape[0] != lengths.shape[1] or (starts is not None and lengths.shape != starts.shape):
             raise ValueError(
-                f"sample library: dense {dense.shape}, lengths {lengths.shape} and starts {starts.shape} "
-                "disagree on the number of samples or features"
+                f"sample library: dense {dense.shape}, lengths {lengths.shape} and starts "
+                f"{None if starts is None else starts.shape} disagree on the number of samples or features"
             )
         self.dense = dense
         self.lengths = lengths
-        self.starts = starts
+        self._starts = starts  # None: placed from the lengths when first needed
         self.values = values
         self._loaded = np.zeros(dense.shape[0], dtype=np.int64)  # LoadGen's loads of each sample, less unloads
+
+    @property
+    def starts(self) -> np.ndarray:
+        """int64 [features, samples]: where each sample's ids of each feature begin in `values`."""
+        if self._starts is None:
+            flat = self.lengths.ravel()
+            self._starts = (np.cumsum(flat, dtype=np.int64) - flat).reshape(self.lengths.shape)
+        return self._starts
 
     @classmethod
     def from_block(cls, block: Any) -> PackedLibrary:
@@ -112,10 +120,9 @@ class PackedLibrary(LoadedSamples):
     @classmethod
     def from_columns(cls, dense: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> PackedLibrary:
         """Samples as a query carries them (`serve.protocol`) and a batch feeds the model: dense [n, d],
-        lengths [features, n], ids feature-major. No copy: one cumulative sum places each sample's ids."""
-        flat = lengths.ravel()
-        starts = (np.cumsum(flat, dtype=np.int64) - flat).reshape(lengths.shape)
-        return cls(dense, lengths, starts, ids)
+        lengths [features, n], ids feature-major. No copy; where each sample's ids start is worked out
+        by the instance that gathers them (the serving process only checks them)."""
+        return cls(dense, lengths, None, ids)
 
     @classmethod
     def generate(cls, spec: Any, data_spec: str | None, seed: int, samples: int) -> PackedLibrary:

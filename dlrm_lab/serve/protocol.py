@@ -18,6 +18,7 @@ import numpy as np
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.errors import UserError
+from dlrm_lab.infer.library import PackedLibrary
 
 try:
     from dlrm_lab.serve import inference_pb2 as pb
@@ -58,29 +59,27 @@ def decode_samples(req: Any, spec: ModelSpec) -> Any:
     """The samples of an InferRequest, packed as an instance reads them (`infer.library.PackedLibrary`,
     views of the received bytes), after checking every field's size. Lengths, ids against the
     tables and finite dense values are checked by `infer.library.validate_payload`."""
-    from dlrm_lab.infer.library import PackedLibrary
-
     n, d, f = req.samples, spec.num_dense, spec.num_features
     if n < 1:
         raise PayloadError(f"samples: {n}, must be >= 1")
+    dense, lengths, ids = req.dense, req.lengths, req.ids  # each access of a bytes field copies it
     want = n * d * DENSE_DTYPE.itemsize
-    if len(req.dense) != want:
-        raise PayloadError(
-            f"dense: {len(req.dense)} bytes, expected {want} (samples {n} x num_dense {d} x 4-byte float32)"
-        )
+    if len(dense) != want:
+        raise PayloadError(f"dense: {len(dense)} bytes, expected {want} (samples {n} x num_dense {d} x 4-byte float32)")
     want = f * n * LENGTH_DTYPE.itemsize
-    if len(req.lengths) != want:
+    if len(lengths) != want:
         raise PayloadError(
-            f"lengths: {len(req.lengths)} bytes, expected {want} (features {f} x samples {n} x 4-byte int32)"
+            f"lengths: {len(lengths)} bytes, expected {want} (features {f} x samples {n} x 4-byte int32)"
         )
-    lengths = np.frombuffer(req.lengths, dtype=LENGTH_DTYPE).reshape(f, n)
-    total = int(lengths.sum(dtype=np.int64))
-    if len(req.ids) != total * ID_DTYPE.itemsize:
+    per_sample = np.frombuffer(lengths, dtype=LENGTH_DTYPE).reshape(f, n)
+    total = int(per_sample.sum(dtype=np.int64))
+    if len(ids) != total * ID_DTYPE.itemsize:
         raise PayloadError(
-            f"ids: {len(req.ids)} bytes, expected {total * ID_DTYPE.itemsize} (the lengths sum to {total} int64 ids)"
+            f"ids: {len(ids)} bytes, expected {total * ID_DTYPE.itemsize} (the lengths sum to {total} int64 ids)"
         )
-    dense = np.frombuffer(req.dense, dtype=DENSE_DTYPE).reshape(n, d)
-    return PackedLibrary.from_columns(dense, lengths, np.frombuffer(req.ids, dtype=ID_DTYPE))
+    return PackedLibrary.from_columns(
+        np.frombuffer(dense, dtype=DENSE_DTYPE).reshape(n, d), per_sample, np.frombuffer(ids, dtype=ID_DTYPE)
+    )
 
 
 def encode_samples(dense: np.ndarray, lengths: list[np.ndarray], values: list[np.ndarray]) -> tuple[bytes, ...]:
