@@ -163,6 +163,53 @@ def rpc_compare(root: Path, target: str, duration: str, repeats: int = 3) -> dic
     return out
 
 
+ECHO_SERVER = """
+import asyncio, sys, grpc
+from dlrm_lab.serve.protocol import CHANNEL_OPTIONS
+async def main():
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    async def echo(requests, context):
+        async for body in requests:
+            yield body[: int(sys.argv[1])]
+    stream = grpc.stream_stream_rpc_method_handler(echo)
+    handler = grpc.method_handlers_generic_handler("floor.Echo", {"Stream": stream})
+    server.add_generic_rpc_handlers((handler,))
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+
+def grpc_floor(request_bytes: int, response_bytes: int, gap_s: float, queries: int = 150) -> float:
+    """Median round trip (ms) of one stream's messages through an echo server (grpc.aio, its own process)
+    that does nothing but answer: what the transport costs on this host at this size and pace."""
+    import queue
+
+    import grpc
+
+    from dlrm_lab.serve.protocol import CHANNEL_OPTIONS
+
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(response_bytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        outbox: queue.Queue[bytes | None] = queue.Queue()
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+            answers = channel.stream_stream("/floor.Echo/Stream")(iter(outbox.get, None))
+            body, times = bytes(request_bytes), []
+            for _ in range(queries):
+                t0 = time.perf_counter()
+                outbox.put(body)
+                next(answers)
+                times.append((time.perf_counter() - t0) * 1e3)
+                time.sleep(gap_s)
+            outbox.put(None)
+        return statistics.median(times[10:])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -175,9 +222,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp_dir:
             server = Server(Path(tmp_dir) / "loopback")
             try:
-                results["rpc_256"] = rpc_compare(Path(tmp_dir), server.target, duration)
+                results["rpc_256"] = rpc = rpc_compare(Path(tmp_dir), server.target, duration)
             finally:
                 server.stop()
+        # the transport's own floor at the same sizes and paces: a 256-sample request, a 256-score answer
+        request = int(rpc["closed_stream"]["request_bytes_mean"])
+        for load, gap in (("closed", 0.0), ("open_20", 0.05)):
+            floor = grpc_floor(request, 4 * 256, gap)
+            compute = rpc[f"{load}_stream"]["compute_mean_ms"]
+            rpc[f"{load}_grpc_floor"] = {"round_trip_ms": floor, "over_compute": floor / compute}
+            print(f"  gRPC floor {load:>7}: echo round trip {floor:.3f} ms ({request:,} B request) = "
+                  f"{floor / compute:.3f} of the compute", flush=True)  # fmt: skip
         if args.json:
             args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
         return
