@@ -864,3 +864,25 @@ def test_sent_samples_are_checked_field_by_field_in_one_pass():
     assert validate_payload(short, spec).startswith("sparse features: the lengths sum to ")
     ragged = type(sent)(0, sent.dense, sent.labels, [sent.lengths[0][:-1], *sent.lengths[1:]], sent.values)
     assert as_payload(ragged) == "sparse features: lengths for [15, 16] samples, dense features for 16"
+
+
+def test_the_server_packs_and_checks_sent_samples_once_at_submit():
+    """What InferenceServer.submit does with a query's own samples before queueing it: packed for
+    its instance, or refused with the reason (an HSTU ranker takes no sent samples; the query's
+    size must be its samples')."""
+    from dlrm_lab.infer.library import PackedLibrary
+    from dlrm_lab.infer.server import InferenceServer
+    from dlrm_lab.infer.sut import Query
+
+    spec, _, sent = _packed_pair()
+    rows = [t.num_embeddings for t in spec.tables for _ in t.feature_names]
+    dlrm = SimpleNamespace(one_score_per_sample=True, served=SimpleNamespace(spec=spec), rows=rows)
+    packed = InferenceServer._check_payload(None, Query(0, "rm2", 16, payload=sent), dlrm)
+    assert isinstance(packed, PackedLibrary) and packed.size == 16
+    np.testing.assert_array_equal(packed.values, np.concatenate(sent.values))
+    wrong = InferenceServer._check_payload(None, Query(0, "rm2", 12, payload=sent), dlrm)
+    assert wrong == "samples: the query says 12, its samples are 16"
+    hstu = SimpleNamespace(one_score_per_sample=False, served=SimpleNamespace(spec=spec), rows=[])
+    assert InferenceServer._check_payload(None, Query(0, "hstu", 16, payload=sent), hstu).startswith(
+        "an HSTU model serves requests of its sample library only"
+    )

@@ -62,7 +62,7 @@ class BatchResult:
     end_ns: int
     scores: np.ndarray | None  # float32 click probability per sample, in query order
     error: str | None = None  # the whole batch failed (the instance lives on)
-    # HSTU with history reuse: per accepted query, in order, (its requests that reused a cached
+    # HSTU with history reuse: per query of the batch, in order, (its requests that reused a cached
     # history, the history tokens reused); None otherwise
     reused: np.ndarray | None = None
 
