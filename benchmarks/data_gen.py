@@ -16,15 +16,15 @@ import json
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from common import header, write_results
 
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.data import ParquetSource, synthetic_generator
 from dlrm_lab.data.parquet import write_dataset
-from dlrm_lab.metrics.hardware import cpu_model
 from dlrm_lab.train import train
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.samples, args.repeats, args.steps = 1 << 15, 1, 10
-    results: dict[str, Any] = {"cpu": cpu_model(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    results: dict[str, Any] = header()
     with tempfile.TemporaryDirectory() as tmp:
         for preset, max_rows, n in (("kaggle", None, args.samples), ("rm2", None, args.samples // 64)):
             gen = [generation_rate(preset, n, max_rows) for _ in range(args.repeats)]
@@ -95,7 +95,7 @@ def main() -> None:
         }
         print(json.dumps({"loader data_wait_share": results["loader"]}), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(Path(args.json), results)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,12 @@ useful GFLOP/s is reported beside the profile's fp32 GEMM peak at the same threa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
+from common import header, results_path, write_results
 
-from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
 from dlrm_lab.model.hstu import STULayer, STUShape
 
@@ -57,21 +54,17 @@ def main() -> None:
                 times[path].append(time.perf_counter() - t)
     peaks = peaks_for(load_profile(), "cpu", "fp32", threads)
     peak = None if isinstance(peaks, str) else peaks.flops_per_s
-    flags = [f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))]
-    results = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": cpu_model(), "cpu_flags": flags,
-        "threads": threads, "batch": args.batch, "histories": histories.tolist(), "candidates": args.candidates,
-        "useful_gflop": useful / 1e9, "gemm_peak_gflops": peak and peak / 1e9, "paths": {},
-    }  # fmt: skip
+    results = header(
+        threads=threads, batch=args.batch, histories=histories.tolist(), candidates=args.candidates,
+        useful_gflop=useful / 1e9, gemm_peak_gflops=peak and peak / 1e9, paths={},
+    )  # fmt: skip
     for path, ts in times.items():
         median = statistics.median(ts)
         results["paths"][path] = {"median_ms": median * 1e3, "useful_gflops": useful / median / 1e9,
                                   "of_peak": useful / median / peak if peak else None}  # fmt: skip
         of_peak = f" ({useful / median / peak:.2f} of the {peak / 1e9:.0f} GFLOP/s fp32 GEMM peak)" if peak else ""
         print(f"{path:>6}: {median * 1e3:8.1f} ms, useful {useful / median / 1e9:6.1f} GFLOP/s{of_peak}")
-    out = Path(args.out or Path(__file__).parent / f"results-hstu_layer-{results['date']}.json")
-    out.write_text(json.dumps(results, indent=2))
-    print(f"results: {out}")
+    write_results(results_path("hstu_layer", args.out), results)
 
 
 if __name__ == "__main__":

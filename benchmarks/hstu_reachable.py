@@ -19,17 +19,13 @@ BENCHMARKS.md; what this estimator reaches is a reference a ranker can be held t
 
 from __future__ import annotations
 
-import json
-from datetime import datetime, timezone
-from pathlib import Path
-
 import numpy as np
 import torch
+from common import header, results_path, write_results
 from torchmetrics.functional.classification import binary_auroc
 
 from dlrm_lab.config import load_any_preset
 from dlrm_lab.data.sequences import SequenceGenerator
-from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 
 K = 3.0  # shrinkage of an item's empirical rate to the mean (pseudo-observations)
 DECAY = 5.0  # timestamps: weight of a history item's evidence exp(-age / DECAY)
@@ -73,17 +69,13 @@ def main() -> None:
             item_logit[ev.candidate_items] + 4 * evidence + 0.1 * np.log1p(same), ev.labels
         ),
     }
-    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
-           "cpu_flags": cpu_flags(), "preset": "hstu-tiny", "eval_requests": ev.size,
+    out = {**header(), "preset": "hstu-tiny", "eval_requests": ev.size,
            "teacher_auc": gen.teacher["teacher_auc"], "teacher_parts": gen.teacher["signal_auc"],
            "estimators": scores, "K": K, "decay_timestamps": DECAY}  # fmt: skip
     for name, value in scores.items():
         print(f"{value:.4f}  {name}")
     print(f"{out['teacher_auc']:.4f}  the teacher")
-    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = Path(__file__).with_name(f"results-hstu_reachable-{day}.json")
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(results_path("hstu_reachable"), out)
 
 
 if __name__ == "__main__":

@@ -21,23 +21,21 @@ Every serving case is a real `dlrm-lab infer` command; results: results-hstu_ser
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import torch
+from common import header, results_path, write_results
 
 from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.data.sequences import with_overrides
 from dlrm_lab.infer.history import reuse_accuracy
 from dlrm_lab.infer.requests import RequestLibrary
-from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 from dlrm_lab.model.hstu import build_ranker
 from dlrm_lab.train import train
 
@@ -130,8 +128,7 @@ def main() -> None:
     ap.add_argument("--parts", default="accuracy,infer,search", help="which of accuracy, infer, search to run")
     opts = ap.parse_args()
     parts = set(opts.parts.split(","))
-    results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
-                               "cpu_flags": cpu_flags(), "shape": SHAPE, "cases": []}  # fmt: skip
+    results: dict[str, Any] = header(shape=SHAPE, cases=[])
     if "accuracy" in parts:
         results["reuse_accuracy"] = reuse_accuracy_case()
     if "infer" in parts:
@@ -139,10 +136,7 @@ def main() -> None:
     if "search" in parts:
         results["search_reuse_off"] = search_case("search p99 <= 80 ms, reuse off", [])
         results["search_reuse_on"] = search_case("search p99 <= 80 ms, reuse on", ["--history-cache-mb", CACHE_MB])
-    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = Path(opts.out) if opts.out else Path(__file__).with_name(f"results-hstu_serve-{day}.json")
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(results_path("hstu_serve", opts.out), results)
 
 
 def infer_cases(cases: list[dict[str, Any]]) -> None:

@@ -16,20 +16,18 @@ Results: results-hstu_train-<date>.json beside this file.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from common import header, results_path, write_results
 
 from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.data.sequences import with_overrides
-from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 from dlrm_lab.train import train
 
 KEEP = ("samples_per_s", "step_time_ms_mean", "eval_auc", "teacher_auc", "flops_per_sample", "achieved_flops_per_s",
@@ -54,8 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     opts = ap.parse_args()
-    results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
-                               "cpu_flags": cpu_flags(), "cases": []}  # fmt: skip
+    results: dict[str, Any] = header(cases=[])
     cases = results["cases"]
     cases.append(run_case("hstu-tiny", "hstu-tiny", [], TrainConfig(steps=300, batch_size=32, eval_every=100,
                                                                     eval_batches=16)))  # fmt: skip
@@ -96,10 +93,7 @@ def main() -> None:
     for row in results["flops_per_request"]:
         h, jagged, padded = row["history"], row["jagged_gflop"], row["padded_gflop"]
         print(f"history {h:>6}: {jagged:8.1f} GFLOP jagged, {padded:8.1f} padded", flush=True)
-    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = Path(opts.out) if opts.out else Path(__file__).with_name(f"results-hstu_train-{day}.json")
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(results_path("hstu_train", opts.out), results)
 
 
 if __name__ == "__main__":

@@ -18,17 +18,14 @@ open-loop rate, p99 <= 10 ms decided by the median of repeats):
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-
-from dlrm_lab.metrics.hardware import cpu_model
+from common import header, results_path, write_results
 
 # rm2 queries are single user-item requests: batching must come from the server. (With
 # 8-sample queries batch 1 means 8 sequential pieces, ~19 ms: (a) meets no 10 ms bound.)
@@ -71,11 +68,7 @@ def main() -> None:
     parts = args.parts.split(",")
     probe = ["--duration", "2", "--repeats", "2", "--steps", "6",
              "--capacity-duration", "2", "--sla-ms", "10", "--percentile", "99"]  # fmt: skip
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": cpu_model(),
-        "probe": probe,
-    }
+    results: dict[str, Any] = header(probe=probe)
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         if "rm2" in parts:
@@ -121,9 +114,7 @@ def main() -> None:
             ratio = loadgen["best_qps"] / open_loop["best_qps"] if open_loop["best_qps"] else None
             results["loadgen_vs_open_loop"] = {"open_loop": open_loop, "loadgen_server": loadgen, "ratio": ratio}
             print(f"LoadGen Server / open loop latency-bounded rate: {ratio:.3f}")
-    out = Path(args.out or Path(__file__).parent / f"results-inference-{results['date']}.json")
-    out.write_text(json.dumps(results, indent=2, default=str))
-    print(f"results: {out}")
+    write_results(results_path("inference", args.out), results)
 
 
 if __name__ == "__main__":

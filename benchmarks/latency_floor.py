@@ -20,19 +20,17 @@ time of the p99 query on the cores that serve it) and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from common import header, results_path, write_results
 
 from dlrm_lab.config import load_preset
-from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
 from dlrm_lab.model.cost import sample_cost
 
@@ -84,9 +82,7 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep the runs in this directory (default: a temporary one)")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    flags = [f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))]
-    results: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": cpu_model(),
-                               "cpu_flags": flags, "bound_ms": BOUND_MS}  # fmt: skip
+    results: dict[str, Any] = header(bound_ms=BOUND_MS)
     spec = load_preset("kaggle", table_scale=0.1)
     flops = sample_cost(spec).forward_flops
     with tempfile.TemporaryDirectory() as t:
@@ -128,9 +124,7 @@ def main() -> None:
             ratio = lg["best_qps"] / best["best_qps"] if best["best_qps"] else None
             results["loadgen"] = {"loadgen_server": lg, "point": lg_point, "e_loadgen_over_open_loop": ratio}
             print(f"(e) LoadGen Server / open loop bounded rate: {ratio:.3f}", flush=True)
-    out = Path(args.out or Path(__file__).parent / f"results-latency_floor-{results['date']}.json")
-    out.write_text(json.dumps(results, indent=2, default=str))
-    print(f"results: {out}")
+    write_results(results_path("latency_floor", args.out), results)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from common import header, results_path, write_results
 
 import dlrm_lab
 from dlrm_lab.data import synthetic_generator
-from dlrm_lab.metrics.hardware import cpu_model, hardware_fingerprint
 
 # each preset's tables scaled to fit this machine and a step of well under a second
 SCALES: dict[str, list[str]] = {
@@ -100,14 +99,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=8)
     opts = ap.parse_args()
-    hardware = hardware_fingerprint()
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "cpu_flags": hardware.get("cpu_flags"),
-        "settings": vars(opts),
-        "presets": {},
-    }
+    results: dict[str, Any] = header(settings=vars(opts), presets={})
     for preset in opts.presets:
         teacher_auc, p = teacher(preset)
         entry: dict[str, Any] = {"scaling": SCALES[preset], "teacher_auc": teacher_auc, "click_rate": p,
@@ -123,15 +115,13 @@ def main() -> None:
                 break  # 97% cannot come before 90%
         entry["settings"] = vars(opts) | {"date": results["date"]}
         results["presets"][preset] = entry
-    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = Path(__file__).with_name(f"results-quality-{day}.json")
+    path = results_path("quality")
     if path.exists():  # a rerun of some presets keeps the day's others (each entry has its settings)
         earlier = json.loads(path.read_text())
         for entry in earlier.get("presets", {}).values():
             entry.setdefault("settings", earlier.get("settings", {}) | {"date": earlier.get("date")})
         results["presets"] = earlier.get("presets", {}) | results["presets"]
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(path, results)
 
 
 if __name__ == "__main__":

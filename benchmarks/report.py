@@ -20,16 +20,15 @@ import json
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import header, write_results
 
 from dlrm_lab import sweep as sweep_module
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY
-from dlrm_lab.metrics.hardware import cpu_model
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.report.html import write_report
 from dlrm_lab.sweep import PointResult, SweepResult, SweepSpec, load_spec, run_sweep, write_sweep_tables
@@ -128,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     repeats = 2 if args.quick else 5
     rng = np.random.default_rng(0)
-    out: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model()}
+    out: dict[str, Any] = header()
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         t0 = time.perf_counter()
@@ -142,7 +141,7 @@ def main() -> None:
         out["stats_overhead"] = stats_overhead(tmp)
         print("statistics on a real sweep:", json.dumps(out["stats_overhead"]), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        write_results(args.json, out)
         print(f"results in {args.json}")
 
 

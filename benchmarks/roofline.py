@@ -17,17 +17,15 @@ it achieved and the bounding resource.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from common import header, write_results
 
-from dlrm_lab.metrics.hardware import cpu_model
 from dlrm_lab.metrics.roofline import ROOFLINE_COLUMNS, load_profile
 
 COLUMNS = (
@@ -75,7 +73,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     quick = ["--quick"] if args.quick else []
-    results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model()}
+    results: dict[str, Any] = header()
     if not args.skip_probe:
         print(cli("machine", "probe", *quick))
         print(cli("launch", "--nproc", "2", "--", "machine", "probe", "--comms-only", *quick))
@@ -98,7 +96,7 @@ def main() -> None:
             "--sla-ms", "10", "--metrics-dir", str(root))  # fmt: skip
         results["infer_rm2_best_batching"] = summary(root)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_results(args.json, results)
         print(f"results in {args.json}")
 
 

@@ -16,15 +16,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from common import header, write_results
 
 from dlrm_lab.config import SHARDING_TYPES
 from dlrm_lab.metrics.columns import PHASES
-from dlrm_lab.metrics.hardware import cpu_model
 
 
 def cli(*args: str) -> None:
@@ -64,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.steps = 1, 8
-    results: dict[str, Any] = {"cpu": cpu_model(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    results: dict[str, Any] = header()
     kaggle = ["--preset", "kaggle", "--max-rows", "100000", "--steps", str(args.steps)]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -83,7 +82,7 @@ def main() -> None:
         print(json.dumps({"pipeline speedup": results["pipeline speedup"]}), flush=True)
         if args.only_pipeline:
             if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+                write_results(Path(args.json), results)
             return
         for mode, batch in (("weak", 2048), ("strong", 4096)):
             runs = [sweep(tmp, mode, batch, kaggle) for _ in range(args.repeats)]
@@ -109,7 +108,7 @@ def main() -> None:
             print(json.dumps({f"rm2 {kind}": by_type[kind]}), flush=True)
         results["rm2 by sharding"] = by_type
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(Path(args.json), results)
 
 
 if __name__ == "__main__":

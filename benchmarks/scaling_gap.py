@@ -19,13 +19,12 @@ import json
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from common import header, results_path, write_results
 
-from dlrm_lab.metrics.hardware import cpu_model, hardware_fingerprint
 from dlrm_lab.metrics.roofline import load_profile
 
 CASES = {  # name: (mode, batch for --batch-size, train options)
@@ -66,9 +65,7 @@ def main() -> None:
         cli("launch", "--launcher", "mpi", "--nproc", "2", "--", "machine", "probe", "--comms-only")
     profile = load_profile() or {}
     results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "cpu_flags": hardware_fingerprint().get("cpu_flags"),
+        **header(),
         "ceiling": profile["devices"]["cpu"].get("ceiling"),
         "collectives": profile.get("comms"),
         "cases": {},
@@ -118,10 +115,7 @@ def main() -> None:
         case["efficiency_vs_ceiling_median"] = vs[len(vs) // 2] if vs else None
         print(f"{name}: efficiency / ceiling at 2 ranks {[round(v, 3) for v in vs]}, median "
               f"{case['efficiency_vs_ceiling_median']}", flush=True)  # fmt: skip
-    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = Path(opts.out) if opts.out else Path(__file__).with_name(f"results-scaling_gap-{day}.json")
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(results_path("scaling_gap", opts.out), results)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
-
-from dlrm_lab.metrics.hardware import cpu_model
+from common import header, write_results
 
 MODEL = ["--preset", "kaggle", "--max-rows", "100000"]
 SERVER = [*MODEL, "--instances", "1", "--threads", "1", "--max-batch", "1024", "--max-delay-ms", "0.5"]
@@ -217,7 +214,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     duration = "3" if args.quick else "8"
-    results: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model()}
+    results: dict[str, Any] = header()
     if args.only == "rpc":
         with tempfile.TemporaryDirectory() as tmp_dir:
             server = Server(Path(tmp_dir) / "loopback")
@@ -234,7 +231,7 @@ def main() -> None:
             print(f"  gRPC floor {load:>7}: echo round trip {floor:.3f} ms ({request:,} B request) = "
                   f"{floor / compute:.3f} of the compute", flush=True)  # fmt: skip
         if args.json:
-            args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+            write_results(args.json, results)
         return
     print("codec (in-process):", flush=True)
     results["codec"] = codec(20 if args.quick else 100)
@@ -295,9 +292,7 @@ def main() -> None:
             results["veth_skipped"] = why
             print(f"  veth skipped: {why}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=lambda v: float(v) if isinstance(v, np.floating)
-                                        else str(v)) + "\n")  # fmt: skip
-        print(f"results in {args.json}")
+        write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,16 @@ import json
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
+from common import header, write_results
 from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
 import dlrm_lab
 from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
 from dlrm_lab.data import HELD_OUT_OFFSET, SyntheticSource, synthetic_generator
-from dlrm_lab.metrics.hardware import cpu_flags, cpu_model
 from dlrm_lab.metrics.precision import choose_precision, contenders
 from dlrm_lab.model.cost import sample_cost
 from dlrm_lab.train import train
@@ -247,11 +246,9 @@ def main() -> None:
         "preset": spec.name,
         "max_rows": args.max_rows,
         "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **header(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu_flags": cpu_flags(),
         "gemm_gflops_fp32": gemm_gflops(torch.float32),
         "gemm_gflops_bf16": gemm_gflops(torch.bfloat16, reps=2 if "bf16" not in precisions else 30),
         "precision_choice": choice.to_dict(),
@@ -305,8 +302,7 @@ def main() -> None:
     print(json.dumps(results["quality"]), flush=True)
     print(json.dumps({k: v for k, v in results.items() if k not in ("points", "quality")}), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_results(args.json, results)
 
 
 if __name__ == "__main__":
