@@ -159,3 +159,55 @@ def test_training_tiny_reaches_ninety_percent_of_the_teacher_auc():
     teacher = synthetic_generator(model, seed=1).teacher_auc
     assert teacher > 0.8
     assert result.summary["eval_auc"] >= 0.9 * teacher
+
+
+SHARE_CASES = {  # (preset, data spec, overrides): every id law, pooling law, dense law and drift
+    "kaggle criteo": ("kaggle", None, ()),
+    "multi-hot uniform pooling": ("dcnv2", "criteo_multihot", ()),
+    "production, gaussian dense": ("rm2", "production", ()),
+    "uniform ids": ("tiny", "uniform", ()),
+    "hot set, lognormal pooling, drift": (
+        "tiny",
+        None,
+        (
+            'features.default.ids={distribution="hot_set", hot_fraction=0.01, hot_mass=0.8}',
+            'features.default.pooling={distribution="lognormal", mean=3, sigma=0.8, min=0, max=12}',
+            "features.default.drift={every=700}",
+        ),
+    ),  # fmt: skip
+    "reuse ids, normal pooling": (
+        "tiny",
+        None,
+        (
+            'features.default.ids={distribution="reuse", distances=[1, 3], probabilities=[0.3, 0.2]}',
+            'features.default.pooling={distribution="normal", mean=2, std=1, min=0, max=5}',
+        ),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(SHARE_CASES))
+def test_a_ranks_share_of_each_block_is_the_same_samples_as_the_whole_block(case):
+    """A rank whose batch is smaller than a block generates only its share of each block (the
+    restricted generator): the same samples, bit for bit, as slicing whole blocks, for every law."""
+    preset, data_spec, overrides = SHARE_CASES[case]
+    model = dlrm_lab.load_preset(preset, table_scale=0.001) if preset == "rm2" else dlrm_lab.load_preset(preset)
+    gen = synthetic_generator(model, data_spec, overrides, seed=3)
+    whole = gen.clone()
+    for world in (2, 3):
+        batch = max(1, gen.block_size // (4 * world)) + 5  # slices cross block edges
+        for rank in range(world):
+            source = SyntheticSource(gen, batch, rank, world, offset=17)
+            assert source.generator._share is not None and gen._share is None  # a twin restricted, not gen
+            for k in (0, 1, 2, 7, 8, 9):
+                lo, hi = source.sample_range(k)
+                got, want = source.generator.samples(lo, hi), whole.samples(lo, hi)
+                assert got.start == want.start == lo
+                np.testing.assert_array_equal(got.dense, want.dense)
+                np.testing.assert_array_equal(got.labels, want.labels)
+                np.testing.assert_array_equal(got.click_probability, want.click_probability)
+                for a, b in zip(got.lengths + got.values, want.lengths + want.values, strict=True):
+                    np.testing.assert_array_equal(a, b)
+    # a range outside the share is still served (from a whole block)
+    odd = SyntheticSource(gen, 64, 0, 2).generator
+    np.testing.assert_array_equal(odd.samples(64, 100).dense, whole.samples(64, 100).dense)

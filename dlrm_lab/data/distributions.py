@@ -36,8 +36,10 @@ def _zipf_head(rows: int, alpha: float) -> tuple[np.ndarray, np.ndarray, int]:
     return cdf, guide, k
 
 
-def zipf_ranks(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
-    """`n` draws of a 0-based rank with P(rank k-1) proportional to k^-alpha, k = 1..rows.
+def zipf_ranks(rng: np.random.Generator, n: int, rows: int, alpha: float, keep: np.ndarray | None = None) -> np.ndarray:
+    """`n` draws of a 0-based rank with P(rank k-1) proportional to k^-alpha, k = 1..rows
+    (with `keep`, sorted positions among the n: only those draws, the same values, the stream
+    consumed as for all n).
 
     Exact. The first 65,536 ranks, which hold most lookups for alpha near 1, are drawn by
     inverting their tabulated CDF through a guide table (Chen and Asau, 1974: one table
@@ -46,17 +48,25 @@ def zipf_ranks(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.
     exponential per draw. numpy's own `zipf` is unbounded and needs alpha > 1.
     """
     if rows == 1:
-        return np.zeros(n, dtype=np.int64)
+        return np.zeros(n if keep is None else len(keep), dtype=np.int64)
     cdf, guide, head = _zipf_head(rows, alpha)
     u = rng.random(n)
+    if keep is not None:
+        # the walk below ends at the +inf sentinel (a tail draw) exactly where cdf[head - 1] <= u; every
+        # tail draw's rank comes from the stream in position order, so all are drawn, then picked
+        tails = np.flatnonzero(cdf[head - 1] <= u)
+        tail_ranks = _zipf_tail(rng, tails.size, head + 1, rows, alpha) - 1 if tails.size else tails
+        u = u[keep]
     k = guide[(u * len(guide)).astype(np.int64)].astype(np.int64)
     todo = np.flatnonzero(cdf[k] <= u)
     while todo.size:  # walk up to the first CDF entry above u (the +inf sentinel stops it)
         k[todo] += 1
         todo = todo[cdf[k[todo]] <= u[todo]]
     tail = np.flatnonzero(k == head)
-    if tail.size:
+    if tail.size and keep is None:
         k[tail] = _zipf_tail(rng, tail.size, head + 1, rows, alpha) - 1
+    elif tail.size:
+        k[tail] = tail_ranks[np.searchsorted(tails, keep[tail])]
     return k
 
 
@@ -129,17 +139,24 @@ def reuse_ranks(
     return fresh[src]
 
 
-def sample_ranks(rng: np.random.Generator, n: int, rows: int, ids: dict[str, Any]) -> np.ndarray:
+def sample_ranks(
+    rng: np.random.Generator, n: int, rows: int, ids: dict[str, Any], keep: np.ndarray | None = None
+) -> np.ndarray:
+    """`n` id ranks from `rng`; with `keep` (sorted positions among the n) only those, with the same
+    values and the stream consumed as for all n: the costly transforms run on the kept draws alone."""
     dist = ids["distribution"]
     if dist == "uniform":
-        return np.floor(rng.random(n) * rows).astype(np.int64)
+        u = rng.random(n)
+        return np.floor((u if keep is None else u[keep]) * rows).astype(np.int64)
     if dist == "zipf":
-        return zipf_ranks(rng, n, rows, ids["alpha"])
+        return zipf_ranks(rng, n, rows, ids["alpha"], keep)
     if dist == "hot_set":
-        return hot_set_ranks(rng, n, rows, ids["hot_fraction"], ids["hot_mass"])
-    if dist == "reuse":
-        return reuse_ranks(rng, n, rows, ids["distances"], ids["probabilities"])
-    raise ValueError(dist)
+        ranks = hot_set_ranks(rng, n, rows, ids["hot_fraction"], ids["hot_mass"])
+    elif dist == "reuse":  # each id may copy an earlier one: the whole stream is needed
+        ranks = reuse_ranks(rng, n, rows, ids["distances"], ids["probabilities"])
+    else:
+        raise ValueError(dist)
+    return ranks if keep is None else ranks[keep]
 
 
 def sample_pooling(rng: np.random.Generator, n: int, pooling: dict[str, Any]) -> np.ndarray:

@@ -50,6 +50,12 @@ class SyntheticSource:
     offset: int = 0
     start_batch: int = 0  # first batch of the job to produce (a resumed run's step)
 
+    def __post_init__(self) -> None:
+        if self.world_size > 1 and self.generator.block_size > self.batch_size:
+            # this rank's slices take part of every block: generate only them (the same samples)
+            g = self.batch_size * self.world_size
+            self.generator = self.generator.restricted(g, self.offset + self.rank * self.batch_size, self.batch_size)
+
     def describe(self) -> dict[str, Any]:
         return {
             "source": "synthetic",

@@ -139,7 +139,8 @@ class SyntheticGenerator:
     def __init__(self, spec: DataSpec, seed: int = 0) -> None:
         self.spec = spec
         self.seed = int(seed)
-        self._cache: tuple[int, SampleBlock] | None = None
+        self._cache: tuple[int, SampleBlock, np.ndarray | None] | None = None  # block, samples, positions kept
+        self._share: tuple[int, int, int] | None = None  # (period, first, length): see `restricted`
         self._rng = _Streams(self.seed)
         self.ids_per_sample = max(1.0, sum(f.mean_pooling for f in spec.features))
         fit = 1 << max(0, int(math.log2(BLOCK_IDS / self.ids_per_sample)))
@@ -218,11 +219,22 @@ class SyntheticGenerator:
         return a, int(rng.integers(0, rows))
 
     def _ids(
-        self, index: int, feature: FeatureSpec, rng: np.random.Generator, lengths: np.ndarray, first: int
+        self,
+        index: int,
+        feature: FeatureSpec,
+        rng: np.random.Generator,
+        lengths: np.ndarray,
+        first: int,
+        samples: np.ndarray | None = None,
+        draws: int | None = None,
+        keep: np.ndarray | None = None,
     ) -> np.ndarray:
-        ranks = sample_ranks(rng, int(lengths.sum()), feature.rows, feature.ids)
+        """The ids of samples `first + samples` (default: the next len(lengths)); with `keep`, the
+        positions of their ids among the block's `draws` (a restricted generator's share)."""
+        ranks = sample_ranks(rng, int(lengths.sum()) if draws is None else draws, feature.rows, feature.ids, keep)
         if feature.drift_every:
-            sample_index = np.repeat(np.arange(first, first + len(lengths), dtype=np.int64), lengths)
+            at = np.arange(len(lengths), dtype=np.int64) if samples is None else samples
+            sample_index = np.repeat(first + at, lengths)
             epochs = sample_index // feature.drift_every
             unique_epochs, inverse = np.unique(epochs, return_inverse=True)
             shifts = np.array(
@@ -236,48 +248,84 @@ class SyntheticGenerator:
             ranks = (ranks * a + b) % feature.rows  # < 2^63 for tables below 3e9 rows
         return ranks
 
-    def _raw_block(self, block: int, n: int | None = None) -> dict[str, Any]:
+    def _raw_block(self, block: int, n: int | None = None, keep: np.ndarray | None = None) -> dict[str, Any]:
+        """The block's samples before labelling; with `keep` (sorted positions in the block) only those:
+        every stream is drawn as for the whole block, the transforms run on the kept samples alone."""
         n = n or self.block_size
         first = block * self.block_size
         spec = self.spec
         lengths, values = [], []
-        z_sparse = np.zeros(n)
+        m = n if keep is None else len(keep)
+        z_sparse = np.zeros(m)
         for i, feature in enumerate(spec.features):
             rng = self._rng(_IDS, i, block)  # pooling first, then ids, from one stream
             ln = sample_pooling(rng, n, feature.pooling)
-            ids = self._ids(i, feature, rng, ln, first)
+            if keep is None:
+                ids = self._ids(i, feature, rng, ln, first)
+            else:
+                ends = np.cumsum(ln, dtype=np.int64)
+                ln = ln[keep]
+                mine = np.cumsum(ln, dtype=np.int64)
+                # positions of the kept samples' ids among the block's draws
+                at = np.repeat(ends[keep] - mine, ln) + np.arange(int(mine[-1]) if m else 0, dtype=np.int64)
+                ids = self._ids(i, feature, rng, ln, first, samples=keep, draws=int(ends[-1]), keep=at)
             lengths.append(ln)
             values.append(ids)
             scores = _row_scores(ids, self._score_keys[i])
             fixed = feature.pooling["distribution"] == "fixed"
             if fixed and feature.pooling["value"] > 0:  # mean score of each sample's rows
-                z_sparse += scores.reshape(n, -1).mean(axis=1)
+                z_sparse += scores.reshape(m, -1).mean(axis=1)
             elif len(ids):
-                sums = np.add.reduceat(scores, np.concatenate([[0], np.cumsum(ln)[:-1]]))
+                # a trailing 0: a last sample without ids starts at len(scores), which reduceat refuses
+                sums = np.add.reduceat(np.append(scores, 0.0), np.concatenate([[0], np.cumsum(ln)[:-1]]))
                 z_sparse += np.where(ln > 0, sums, 0.0) / np.maximum(ln, 1)  # no ids: 0
         rng = self._rng(_DENSE, 0, block)
         if spec.dense["distribution"] == "lognormal":
             # exp of a standard normal: the same law as rng.lognormal, at two thirds of the cost
-            counts = np.floor(np.exp(rng.standard_normal((n, spec.num_dense)) * spec.dense["sigma"] + spec.dense["mu"]))
+            z = rng.standard_normal((n, spec.num_dense))
+            z = z if keep is None else z[keep]
+            counts = np.floor(np.exp(z * spec.dense["sigma"] + spec.dense["mu"]))
             dense = np.log1p(counts)  # the Criteo preprocessing of facebookresearch/dlrm
         else:
             counts = None
             dense = rng.normal(spec.dense["mu"], spec.dense["sigma"], (n, spec.num_dense))
+            dense = dense if keep is None else dense[keep]
         return {
             "dense": dense,
             "counts": counts,
             "lengths": lengths,
             "values": values,
-            "z_dense": dense @ self._dense_w,
+            "z_dense": _dot_rows(dense, self._dense_w),
             "z_sparse": z_sparse,
         }
 
-    def block(self, block: int) -> SampleBlock:
-        if self._cache is not None and self._cache[0] == block:
+    def restricted(self, period: int, first: int, length: int) -> SyntheticGenerator:
+        """A twin that serves samples j with (j - first) mod period < length: one rank's share of every
+        global batch of `period` samples. Of a block it generates only those samples (every stream drawn
+        as for the whole block, so they are the same samples), which is what keeps a rank's generation
+        constant in the number of ranks: without it each rank makes whole blocks, W times its share when
+        its batch is smaller than a block. Samples outside the share are still served, from a whole block."""
+        twin = self.clone()
+        twin._share = (period, first % period, length)
+        return twin
+
+    def _kept(self, block: int) -> np.ndarray | None:
+        """Positions in the block of this generator's share, or None for all of it."""
+        if self._share is None:
+            return None
+        period, first, length = self._share
+        at = block * self.block_size + np.arange(self.block_size, dtype=np.int64)
+        keep = np.flatnonzero((at - first) % period < length)
+        return None if len(keep) in (0, self.block_size) else keep
+
+    def block(self, block: int, keep: np.ndarray | None = None) -> SampleBlock:
+        """The block's samples (with `keep`, sorted positions in it: those alone, in order; cached)."""
+        if self._cache is not None and self._cache[0] == block and self._cache[2] is keep:
             return self._cache[1]
-        raw = self._raw_block(block)
+        raw = self._raw_block(block, keep=keep)
         prob = _sigmoid(self._logit(raw["z_dense"], raw["z_sparse"], self._bias))
-        labels = self._rng(_LABEL, 0, block).random(self.block_size) < prob
+        draws = self._rng(_LABEL, 0, block).random(self.block_size)
+        labels = (draws if keep is None else draws[keep]) < prob
         out = SampleBlock(
             start=block * self.block_size,
             dense=raw["dense"].astype(np.float32),
@@ -287,7 +335,7 @@ class SyntheticGenerator:
             click_probability=prob,
             counts=None if raw["counts"] is None else raw["counts"].astype(np.int64),
         )
-        self._cache = (block, out)
+        self._cache = (block, out, keep)
         return out
 
     def samples(self, start: int, stop: int) -> SampleBlock:
@@ -297,10 +345,40 @@ class SyntheticGenerator:
         size = self.block_size
         parts = []
         for b in range(start // size, (stop - 1) // size + 1):
-            blk = self.block(b)
             lo, hi = max(start - b * size, 0), min(stop - b * size, size)
-            parts.append(blk if (lo, hi) == (0, size) else blk.slice(lo, hi))
+            part = self._share_part(b, lo, hi)
+            if part is None:
+                blk = self.block(b)
+                part = blk if (lo, hi) == (0, size) else blk.slice(lo, hi)
+            parts.append(part)
         return SampleBlock.concat(parts)
+
+    def _share_part(self, b: int, lo: int, hi: int) -> SampleBlock | None:
+        """Positions [lo, hi) of block b from its generated share, or None when they are not all in it."""
+        if self._share is None:
+            return None
+        if self._cache is not None and self._cache[0] == b and self._cache[2] is not None:
+            keep = self._cache[2]
+        else:
+            keep = self._kept(b)
+            if keep is None:
+                return None
+        p = int(np.searchsorted(keep, lo))
+        if p + hi - lo > len(keep) or keep[p] != lo or keep[p + hi - lo - 1] != hi - 1:  # sorted, unique: contiguous
+            return None
+        part = self.block(b, keep).slice(p, p + hi - lo)
+        part.start = b * self.block_size + lo
+        return part
+
+
+def _dot_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w summed column by column: each row's value depends on that row alone. A BLAS
+    matrix-vector product may sum in another order for another number of rows or another CPU,
+    which moves the teacher's probabilities in the last bit (and could flip a label)."""
+    out = np.zeros(x.shape[0])
+    for j in range(x.shape[1]):
+        out += x[:, j] * w[j]
+    return out
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
