@@ -177,6 +177,11 @@ class ModelSpec:
         return [f for t in self.tables for f in t.feature_names]
 
     @property
+    def rows_per_feature(self) -> list[int]:
+        """Per sparse feature (in `feature_names` order), the rows of its table: its ids lie in [0, rows)."""
+        return [t.num_embeddings for t in self.tables for _ in t.feature_names]
+
+    @property
     def num_features(self) -> int:
         return len(self.feature_names)
 

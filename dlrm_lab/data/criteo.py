@@ -108,7 +108,7 @@ def read_criteo_tsv(path: str | Path, model: ModelSpec, block_rows: int = 1 << 1
         )
     except (pa.ArrowException, OSError) as exc:
         raise UserError(f"{path}: {_where_broken(path, 1)}not a Criteo TSV file ({str(exc).splitlines()[0]})") from None
-    rows = [t.num_embeddings for t in model.tables for _ in t.feature_names]
+    rows = model.rows_per_feature
     first = 0
     while True:
         try:

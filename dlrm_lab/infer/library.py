@@ -194,7 +194,7 @@ def validate_payload(p: PackedLibrary, spec: Any, rows: list[int] | None = None)
     feature_names, tables), or None. Vectorised over every feature: a per-feature loop of
     numpy calls costs 0.3-0.5 ms per query on a core that was idle (measured in the gRPC
     server at 20 queries/s), as much as the rest of the front end's work."""
-    rows = rows or [t.num_embeddings for t in spec.tables for _ in t.feature_names]
+    rows = rows or spec.rows_per_feature
     dense = p.dense
     if dense.ndim != 2 or dense.shape[0] < 1 or dense.shape[1] != spec.num_dense:
         return f"dense features: shape {tuple(dense.shape)}, expected [samples, {spec.num_dense}]"

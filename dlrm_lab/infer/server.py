@@ -82,9 +82,7 @@ class _Pool:
         self.clock = BatchClock(self.served.instances)
         self.one_score_per_sample = isinstance(self.library, PackedLibrary)
         spec = self.served.spec
-        self.rows = (
-            [] if isinstance(spec, HSTUSpec) else [t.num_embeddings for t in spec.tables for _ in t.feature_names]
-        )
+        self.rows = [] if isinstance(spec, HSTUSpec) else spec.rows_per_feature
 
 
 class InferenceServer:
@@ -357,7 +355,7 @@ class InferenceServer:
             q.home = pool.homes[int(pool.library.user[q.offset]) % len(pool.homes)]
         with self._idle:
             self._outstanding += 1
-        if q.payload is not None and not q.payload_checked:
+        if q.payload is not None:
             packed = self._check_payload(q, pool)
             if isinstance(packed, str):
                 q.payload = None
@@ -533,7 +531,8 @@ class InferenceServer:
         batch_expected_ms: float | None = None,
     ) -> None:
         """Record a finished query (the batch fields are those of its last piece)."""
-        q.batch_samples, q.instance = batch_samples, instance  # for on_done (the gRPC response carries them)
+        # for on_done (the gRPC response carries them)
+        q.status, q.error, q.batch_samples, q.instance = status, error, batch_samples, instance
         e = self.epoch_ns
         start_ns = q.first_start_ns
         record = {

@@ -37,7 +37,6 @@ class Query:
     payload: Any = (
         None  # samples sent from outside instead of library samples: infer.library.PackedLibrary or SampleBlock
     )
-    payload_checked: bool = False  # the payload is packed and was checked against the model (the gRPC front end)
     scheduled_ns: int = 0  # when the load said it arrives (latency counts from here)
     issued_ns: int = 0  # when it reached submit()
     on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)

@@ -44,15 +44,11 @@ CHANNEL_OPTIONS = [
 
 DENSE_DTYPE, LENGTH_DTYPE, ID_DTYPE, SCORE_DTYPE = np.dtype("<f4"), np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
 
-__all__ = ["pb", "pb_grpc", "PayloadError", "decode_samples", "model_info", "rows_per_feature"]
+__all__ = ["pb", "pb_grpc", "PayloadError", "decode_samples", "model_info"]
 
 
 class PayloadError(ValueError):
     """A request whose fields do not describe a valid query (the message names the field)."""
-
-
-def rows_per_feature(spec: ModelSpec) -> list[int]:
-    return [t.num_embeddings for t in spec.tables for _ in t.feature_names]
 
 
 def decode_samples(req: Any, spec: ModelSpec) -> Any:
@@ -103,7 +99,7 @@ def model_info(served: Any, library_samples: int, seed: int) -> Any:
         max_rows=spec.max_rows or 0,
         num_dense=spec.num_dense,
         feature_names=spec.feature_names,
-        rows_per_feature=rows_per_feature(spec),
+        rows_per_feature=spec.rows_per_feature,
         library_seed=seed,
         library_samples=library_samples,
         data_spec=served.data_spec or "",

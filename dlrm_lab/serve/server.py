@@ -8,8 +8,9 @@ Two methods: Infer (one call per query) and InferStream (one long-lived stream p
 client, queries and answers both ways, no call set-up per query; a refused query is
 answered in-band and the stream goes on).
 
-Bad requests are refused in the handler (INVALID_ARGUMENT), so the instances never see
-them; a full queue is RESOURCE_EXHAUSTED at once (the InferenceServer drops the query at
+Bad requests are refused (INVALID_ARGUMENT) before the batcher, so the instances never see
+them: fields of the wrong size in the handler, bad values by the InferenceServer's one check at
+submit; a full queue is RESOURCE_EXHAUSTED at once (the InferenceServer drops the query at
 submit); an instance failure is INTERNAL. SIGTERM or Ctrl-C: stop accepting, let queries
 in flight finish (up to the grace period), then stop the instances. Every query (also
 refused ones) is a row of the server's own run directory (kind `serve`).
@@ -34,7 +35,6 @@ from grpc_reflection.v1alpha import reflection
 
 from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.library import validate_payload
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
@@ -50,7 +50,6 @@ from dlrm_lab.serve.protocol import (
     decode_samples,
     model_info,
     pb,
-    rows_per_feature,
 )
 
 Log = Callable[[str], None]
@@ -73,7 +72,6 @@ class InferenceService:
 
     def __init__(self, inference: InferenceServer) -> None:
         self.inference = inference
-        self.rows = {name: rows_per_feature(m.spec) for name, m in inference.models.items()}
         self.describe_response = pb.DescribeResponse(
             models=[model_info(m, inference.library(name).size, inference.seed) for name, m in inference.models.items()]
         )
@@ -172,7 +170,8 @@ class InferenceService:
             ) from None
 
     def _samples(self, req: Any) -> Any:
-        """The request's samples (packed, checked against the model), or INVALID_ARGUMENT naming the field."""
+        """The request's samples, packed (their values are checked by InferenceServer.submit), or
+        INVALID_ARGUMENT naming the field whose size is wrong."""
         served = self.inference.models.get(req.model)
         if served is None:
             raise _Refused(
@@ -186,9 +185,6 @@ class InferenceService:
             raise _Refused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {exc}", "rejected"
             ) from None
-        why = validate_payload(block, served.spec, self.rows[req.model])
-        if why is not None:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {why}", "rejected")
         return block
 
     def _submit(self, req: Any, block: Any, receive: int) -> tuple[Query, asyncio.Future]:
@@ -205,8 +201,7 @@ class InferenceService:
             except RuntimeError:
                 pass  # the loop is closed: the server has stopped
 
-        q = Query(next(self._ids), req.model, req.samples, payload=block, payload_checked=True, scheduled_ns=receive,
-                  on_done=on_done)  # fmt: skip
+        q = Query(next(self._ids), req.model, req.samples, payload=block, scheduled_ns=receive, on_done=on_done)
         self._pending[q.query_id] = done
         try:
             self.inference.submit(q)  # a full queue calls on_done("dropped") before returning
@@ -230,8 +225,8 @@ class InferenceService:
             )
         if status == "unfinished":
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server stopped before the query was computed")
-        if status == "rejected":  # checked in _samples already: not reached
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id}: {q.error}")
+        if status == "rejected":  # the server's check at submit (ids, lengths, dense values): recorded there
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {q.error}")
         if status != "ok" or scores is None:
             raise _Refused(grpc.StatusCode.INTERNAL, f"query {req.query_id}: {status}: {q.error or self.failure}")
         start = q.first_start_ns if q.first_start_ns is not None else done_ns
