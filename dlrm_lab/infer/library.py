@@ -189,6 +189,17 @@ def as_payload(samples: Any) -> PackedLibrary | str:
         return f"samples: {exc}"
 
 
+def payload_for(samples: Any, size: int, spec: Any, rows: list[int] | None = None) -> PackedLibrary | str:
+    """A query's own samples (`size` of them) packed as its instance reads them, or why the model of
+    `spec` cannot serve them."""
+    packed = as_payload(samples)
+    if isinstance(packed, str):
+        return packed
+    if packed.size != size:
+        return f"samples: the query says {size}, its samples are {packed.size}"
+    return validate_payload(packed, spec, rows) or packed
+
+
 def validate_payload(p: PackedLibrary, spec: Any, rows: list[int] | None = None) -> str | None:
     """Why a query's own samples cannot be served by the model of `spec` (DLRM: num_dense,
     feature_names, tables), or None. Vectorised over every feature: a per-feature loop of

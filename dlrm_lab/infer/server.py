@@ -49,7 +49,7 @@ from dlrm_lab.infer.instance import (
     snapshot_dir_for,
     write_snapshot,
 )
-from dlrm_lab.infer.library import PackedLibrary, as_payload, validate_payload
+from dlrm_lab.infer.library import PackedLibrary, payload_for
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import SERVED_WINDOW, RequestLibrary, generate_library
 from dlrm_lab.infer.served import ServedModel
@@ -378,12 +378,7 @@ class InferenceServer:
         here, once, in the submitting thread: the instances trust what their server sends."""
         if not pool.one_score_per_sample:
             return "an HSTU model serves requests of its sample library only (no samples sent inline)"
-        packed = as_payload(q.payload)
-        if isinstance(packed, str):
-            return packed
-        if packed.size != q.size:
-            return f"samples: the query says {q.size}, its samples are {packed.size}"
-        return validate_payload(packed, pool.served.spec, pool.rows) or packed
+        return payload_for(q.payload, q.size, pool.served.spec, pool.rows)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted query finished; False on timeout."""
