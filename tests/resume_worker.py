@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.distributed.context import init_distributed
+from dlrm_lab.distributed.context import init_distributed, shutdown_distributed
 from dlrm_lab.train import train
 
 
@@ -31,3 +31,4 @@ if __name__ == "__main__":
         (out / "losses.json").write_text(
             json.dumps({"straight": global_losses(straight), "resumed": global_losses(resumed)})
         )
+    shutdown_distributed()  # gloo's threads left to the interpreter's teardown can abort the process
