@@ -7,6 +7,7 @@ from torchrec.models.dlrm import DLRM as TorchRecDLRM
 from torchrec.models.dlrm import DLRM_DCN as TorchRecDLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 import dlrm_lab
 
@@ -192,6 +193,39 @@ def test_archs_refuse_arguments_naming_them():
     with pytest.raises(ValueError, match="needs one embedding_dim for all tables, got t_a: 8, t_b: 4"):
         PooledSparseArch(mixed)
     assert PooledSparseArch(mixed, flat=True).out_features == 12
+    with pytest.raises(ValueError, match="any_order is for the dot interaction"):
+        PooledSparseArch(mixed, flat=True, any_order=True)
+
+
+def test_dot_interaction_over_embeddings_in_any_order_matches_feature_order():
+    """A sharded collection returns its ranks' tables in turn: the dot interaction picks the same
+    pairs from them, values and gradients, without regrouping them into feature order."""
+    from dlrm_lab.model.dlrm import DotInteractionArch, pooled_with_triangle
+
+    names = [f"f{k}" for k in range(5)]
+    order = ["f3", "f0", "f4", "f1", "f2"]
+    B, D = 6, 4
+    torch.manual_seed(0)
+    dense = torch.randn(B, D)
+    by_name = {name: torch.randn(B, D) for name in names}
+    inter = DotInteractionArch(num_sparse_features=len(names))
+
+    def run(keys):
+        d = dense.clone().requires_grad_()
+        emb = {k: by_name[k].clone().requires_grad_() for k in keys}
+        kt = KeyedTensor(keys=keys, length_per_key=[D] * len(keys), values=torch.cat([emb[k] for k in keys], 1))
+        values, triangle = pooled_with_triangle(kt, names)
+        out = inter(d, values.view(B, len(keys), D), triangle)
+        (out * torch.arange(out.shape[1])).sum().backward()
+        return out, d.grad, {k: emb[k].grad for k in keys}
+
+    want, want_dense_grad, want_grads = run(names)
+    got, got_dense_grad, got_grads = run(order)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_dense_grad, want_dense_grad, rtol=1e-6, atol=1e-6)
+    for name in names:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(want, inter(dense, torch.stack([by_name[n] for n in names], 1)), rtol=0, atol=0)
 
 
 def test_docstring_examples_run():
