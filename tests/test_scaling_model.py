@@ -83,6 +83,31 @@ def test_collectives_wait_for_the_slowest_rank_by_the_order_statistics_of_one_ra
     assert predict(jittery, 64, 2, COMM, FITS, 0.5)["wait_ms"] == pytest.approx(0.5)
 
 
+def test_the_wait_for_the_slowest_rank_is_measured_in_the_n_rank_run(tmp_path):
+    """A collective phase ends when the last rank arrives: a rank's time in it beyond the fastest
+    rank's at that step is its wait. Both ranks slower at the same step (the source's block) is no wait."""
+    phases = {p: 1.0 for p in PHASES_ONE}
+    rows = []
+    for step, (in0, in1, bw0, bw1) in enumerate(
+        [(2.0, 5.0, 10.0, 10.0), (9.0, 9.0, 14.0, 10.0), (4.0, 2.0, 10.0, 12.0)]
+    ):
+        for rank, (inp, bw) in enumerate(((in0, bw0), (in1, bw1))):
+            row = {f"{p}_ms": v for p, v in phases.items()} | {"input_dist_ms": inp, "backward_ms": bw}
+            rows.append({"step": step, "rank": rank, "warmup": False, "batch_size": 64, "step_time_ms": 20.0, **row})
+    rows.append({**rows[0], "step": 3, "input_dist_ms": 50.0})  # a step only rank 0 recorded: left out
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "steps.parquet")
+    many = StepTimes.from_run(tmp_path)
+    # input dist: per step the excess over the fastest rank, 3 + 0 + 2, over 3 steps x 2 ranks
+    assert many.late_ms["input_dist"] == pytest.approx(5 / 6)
+    assert many.late_ms["backward"] == pytest.approx(6 / 6) and many.late_ms["embedding_all_to_all"] == 0.0
+    gap = gap_breakdown(ONE, many, COMM, FITS, ceiling=1.0)
+    items = gap["items_ms"]
+    assert items["input_dist: waiting for the slowest rank (measured)"] == pytest.approx(5 / 6)
+    assert items["backward: waiting for the slowest rank (measured)"] == pytest.approx(1.0)
+    assert sum(items.values()) == pytest.approx(gap["gap_ms"])
+    assert not any("jitter" in item for item in items)
+
+
 def test_row_wise_outputs_are_timed_as_reduce_scatters():
     # 2e6 bus bytes of reduce-scatter: forward half 1e6 = half of a 2e6-bus-byte all-reduce (1 ms + 2 ms) / 2
     comm = {**COMM, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 2e6}

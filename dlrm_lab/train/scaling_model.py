@@ -48,6 +48,8 @@ class StepTimes:
     batch_size_per_rank: int
     world_size: int
     per_step: dict[str, tuple[float, ...]] = field(default_factory=dict)  # phase -> its measured steps' times
+    # phase -> mean over steps and ranks of a rank's time in it beyond the fastest rank's at that step (N ranks)
+    late_ms: dict[str, float] = field(default_factory=dict)
 
     def slowest_of(self, phase: str, ranks: int) -> float:
         """Expected excess of the slowest of `ranks` independent draws of the phase's per-step
@@ -81,7 +83,28 @@ class StepTimes:
             batch_size_per_rank=int(rows[0]["batch_size"]),
             world_size=len(ranks),
             per_step={p: tuple(r.get(f"{p}_ms") or 0.0 for r in rows) for p in PHASES},
+            late_ms=_late_ms(rows, len(ranks)),
         )
+
+
+def _late_ms(rows: list[dict[str, Any]], ranks: int) -> dict[str, float]:
+    """The wait in each collective phase, measured: each of these phases ends in a collective that
+    every rank leaves together, so a rank's time in it beyond the fastest rank's at the same step
+    is how much earlier it arrived, i.e. how long it waited for the last one (which did not wait).
+    Mean over steps and ranks; steps some rank did not record are left out. Where a phase holds
+    several collectives (backward: the pooled all-to-all's half, then the all-reduce) waits that
+    cancel inside it are not seen: a lower bound there."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], []).append(r)
+    steps = [s for s in by_step.values() if len(s) == ranks]
+    if ranks < 2 or not steps:
+        return {}
+    out = {}
+    for phase in WAITED_IN:
+        times = [[r.get(f"{phase}_ms") or 0.0 for r in s] for s in steps]
+        out[phase] = sum(sum(t) - len(t) * min(t) for t in times) / (len(times) * ranks)
+    return out
 
 
 @dataclass(frozen=True)
@@ -187,7 +210,11 @@ def gap_breakdown(
     communication phases are one item each; without a probed ceiling, 1 is assumed (said in
     `assumptions`). The backward phase holds compute, the pooled all-to-all's backward half
     and the gradient all-reduce (overlapped by DDP): what is beyond its ceiling share and the
-    collectives at bandwidth is named as such, not split further.
+    collectives at bandwidth is named as such, not split further. The waits for the slowest rank
+    are measured in the N-rank run (`StepTimes.late_ms`) where it holds every rank's steps, else
+    expected from one rank's jitter as `predict` does (which takes every rank's jitter as
+    independent: a phase all ranks slow down together, as the source's block every few steps,
+    it counts as a wait that does not happen).
     """
     ratio = many.batch_size_per_rank / one.batch_size_per_rank  # per-rank work, N ranks vs 1
     assumptions = []
@@ -204,17 +231,21 @@ def gap_breakdown(
     )
     for p in COMPUTE_PHASES:
         items[f"{p}: beyond the ceiling"] = many.phases[p] - expected[p] / ceiling
-    waits = _waits_ms(one, many.world_size, ratio)
+    waiting = "waiting for the slowest rank"
+    if many.late_ms:  # measured in the N-rank run
+        waits, waiting = dict(many.late_ms), f"{waiting} (measured)"
+    else:  # expected from one rank's jitter
+        waits, waiting = _waits_ms(one, many.world_size, ratio), f"{waiting} (one rank's step-to-step jitter)"
     for p, part in (("input_dist", "input_dist"), ("embedding_all_to_all", "pooled_forward")):
         delta = many.phases[p] - expected[p]
-        items[f"{p}: waiting for the slowest rank (one rank's step-to-step jitter)"] = waits[p]
+        items[f"{p}: {waiting}"] = waits[p]
         if comm is None:
             items[f"{p}: communication"] = delta - waits[p]
             continue
         items[f"{p}: at the measured bandwidth"] = comm[part] * 1e3
         items[f"{p}: beyond the bandwidth and the wait"] = delta - comm[part] * 1e3 - waits[p]
     backward = many.phases["backward"] - expected["backward"] / ceiling
-    items["backward: waiting for the slowest rank (one rank's step-to-step jitter)"] = waits["backward"]
+    items[f"backward: {waiting}"] = waits["backward"]
     if comm is None:
         items["backward: beyond the ceiling and the wait (compute and collectives)"] = backward - waits["backward"]
     else:
