@@ -166,6 +166,7 @@ SHARE_CASES = {  # (preset, data spec, overrides): every id law, pooling law, de
     "multi-hot uniform pooling": ("dcnv2", "criteo_multihot", ()),
     "production, gaussian dense": ("rm2", "production", ()),
     "uniform ids": ("tiny", "uniform", ()),
+    "fixed pooling of 3": ("tiny", None, ('features.default.pooling={distribution="fixed", value=3}',)),
     "hot set, lognormal pooling, drift": (
         "tiny",
         None,

@@ -262,6 +262,11 @@ class SyntheticGenerator:
             ln = sample_pooling(rng, n, feature.pooling)
             if keep is None:
                 ids = self._ids(i, feature, rng, ln, first)
+            elif feature.pooling["distribution"] == "fixed":  # v ids a sample: its ids are draws v*k .. v*k + v - 1
+                v = int(feature.pooling["value"])
+                ln = ln[:m]
+                at = (keep[:, None] * v + np.arange(v, dtype=np.int64)).ravel()
+                ids = self._ids(i, feature, rng, ln, first, samples=keep, draws=n * v, keep=at)
             else:
                 ends = np.cumsum(ln, dtype=np.int64)
                 ln = ln[keep]
