@@ -2,11 +2,16 @@
 
     python benchmarks/data_gen.py            # kaggle and rm2, medians of 3 repeats
     python benchmarks/data_gen.py --quick
+    python benchmarks/data_gen.py --only ranks   # one rank's data time per batch at 1, 2, 4, 8 ranks
 
 Generation runs on one thread (numpy kernels), so samples/s here are per core. The
 loader stall is the data-wait share of a training step at batch 2048 (kaggle, tables
 capped at 1M rows), fed from Parquet and from the generator, with and without the
 prefetch thread; it is measured by the training loop itself (`data_wait_share`).
+The per-rank data time is what the synthetic source costs one rank of a weak-scaling job
+(kaggle, tables capped at 100k rows, batch 2048 per rank, batches made and turned into
+tensors, 64 batches): a rank generates only its share of each block, but draws every random
+stream of the block, so it grows with the ranks (issue 18).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import dlrm_lab
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.data import ParquetSource, synthetic_generator
 from dlrm_lab.data.parquet import write_dataset
+from dlrm_lab.data.source import SyntheticSource
 from dlrm_lab.train import train
 
 
@@ -60,6 +66,17 @@ def loader_share(data: str, prefetch: int, steps: int) -> dict[str, Any]:
     return {"data_wait_share": s["data_wait_share"], "samples_per_s": s["samples_per_s"]}
 
 
+def rank_data_ms(world: int, batches: int = 64) -> float:
+    """Rank 0's ms per batch of a `world`-rank job's synthetic source."""
+    gen = synthetic_generator(dlrm_lab.load_preset("kaggle", max_rows=100_000), seed=0)
+    gen.block(0)  # tables of the Zipf heads: not timed
+    source = iter(SyntheticSource(gen, 2048, 0, world, offset=gen.block_size))
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(source)
+    return (time.perf_counter() - t0) / batches * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1 << 19, help="samples per generation / Parquet measurement")
@@ -67,10 +84,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="training steps per loader measurement")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--only", choices=["ranks"], help="only the per-rank data time at 1, 2, 4, 8 ranks")
     args = ap.parse_args()
     if args.quick:
         args.samples, args.repeats, args.steps = 1 << 15, 1, 10
     results: dict[str, Any] = header()
+    results["rank_data_ms_per_batch"] = {
+        world: statistics.median(rank_data_ms(world) for _ in range(args.repeats)) for world in (1, 2, 4, 8)
+    }
+    print(json.dumps({"rank data ms per batch": results["rank_data_ms_per_batch"]}), flush=True)
+    if args.only == "ranks":
+        if args.json:
+            write_results(Path(args.json), results)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for preset, max_rows, n in (("kaggle", None, args.samples), ("rm2", None, args.samples // 64)):
             gen = [generation_rate(preset, n, max_rows) for _ in range(args.repeats)]
