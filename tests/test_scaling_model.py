@@ -15,6 +15,7 @@ from dlrm_lab.train.scaling_model import (
     StepTimes,
     fit_collectives,
     gap_breakdown,
+    per_rank_work,
     predict,
     project,
 )
@@ -132,6 +133,32 @@ def test_strong_scaling_compares_against_half_the_work():
     assert gap["one_rank_step_ms"] == pytest.approx(52.0) and gap["gap_ms"] == pytest.approx(8.0)
     assert sum(gap["items_ms"].values()) == pytest.approx(8.0)
     assert gap["items_ms"]["optimizer: beyond the ceiling"] == pytest.approx(0.0)
+
+
+def test_strong_sweeps_calibrate_on_one_rank_at_the_smallest_batch(tmp_path):
+    """A step has costs per step as well as per sample: a strong sweep runs one rank again at the
+    smallest per-rank batch (not a row of the table), and the model draws each phase's line through both."""
+    from dlrm_lab.train.scaling import scaling_spec, table_points
+
+    strong = scaling_spec([1, 2, 4], "strong", 256, ["--preset", "tiny"], tmp_path)
+    assert [(p["ranks"], p["batch-size"]) for p in strong.points] == [(1, 256), (2, 128), (4, 64), (1, 64)]
+    assert table_points(strong) == strong.points[:3]
+    weak = scaling_spec([1, 2], "weak", 64, ["--preset", "tiny"], tmp_path)
+    assert table_points(weak) == weak.points and len(weak.points) == 2
+    no_one = scaling_spec([2, 4], "strong", 256, ["--preset", "tiny"], tmp_path)
+    assert len(no_one.points) == 2  # no one-rank point to calibrate against
+
+    def run(b):  # one rank at b samples: every phase 10 ms + 1/8 ms a sample but the optimizer's 4 ms; 1 ms untimed
+        phases = {p: (4.0 if p == "optimizer" else 10.0 + b / 8) for p in PHASES_ONE}
+        return StepTimes(step_ms=sum(phases.values()) + 1.0, phases=phases, batch_size_per_rank=b, world_size=1)
+
+    big, small = run(64), run(32)
+    work, untimed = per_rank_work(big, 16, small)  # extrapolated down the line
+    assert work == pytest.approx({p: (4.0 if p == "optimizer" else 12.0) for p in PHASES_ONE})
+    assert untimed == pytest.approx(1.0)
+    proportional, _ = per_rank_work(big, 16)  # without the second run: in proportion, the optimizer whole
+    assert proportional["dense_forward"] == pytest.approx(18.0 / 4) and proportional["optimizer"] == 4.0
+    assert predict(big, 32, 1, COMM, FITS, None, small)["step_ms"] == pytest.approx(small.step_ms)
 
 
 def test_prediction_on_a_fake_profile():

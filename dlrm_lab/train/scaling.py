@@ -124,9 +124,14 @@ def scaling_spec(
     # each rank, its data thread included, on its own cores; no progress lines in the logs
     options |= {"pin-cores": True, "progress": False, "launcher": launcher, "threads-per-rank": threads}
     per_rank = [batch_size if mode == "weak" else batch_size // n for n in ranks]
+    ranks = list(ranks)
+    if mode == "strong" and 1 in ranks and min(per_rank) < batch_size:
+        # one rank again at the smallest per-rank batch: a step's cost that is not per sample (the
+        # model's calibration, `scaling_model.per_rank_work`); not a row of the table
+        ranks, per_rank = [*ranks, 1], [*per_rank, min(per_rank)]
     spec = SweepSpec(
         path=Path(f"scale-{mode}"), command="train", options=options, grid={},
-        zipped={"ranks": list(ranks), "batch-size": per_rank}, repeats=repeats, kind="scale",
+        zipped={"ranks": ranks, "batch-size": per_rank}, repeats=repeats, kind="scale",
         summarise=partial(scale_rows, mode),
     )  # fmt: skip
     check_points(spec)
@@ -139,7 +144,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[di
 
     rows: list[dict[str, Any]] = []
     base: float | None = None  # samples/s of one rank
-    for k, params in enumerate(spec.points):
+    for k, params in enumerate(spec.points[: len(table_points(spec))]):
         n, per_rank = int(params["ranks"]), int(params["batch-size"])
         done = [p for p in result.points if p.point == k]
         ok = [p for p in done if p.status == "ok" and p.child_dir and (p.child_dir / "summary.parquet").is_file()]
@@ -180,6 +185,15 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[di
     return rows, POINT_SCHEMA
 
 
+def table_points(spec: SweepSpec) -> list[dict[str, Any]]:
+    """The points that are rows of the table: all but a strong sweep's calibration point (one rank
+    again at the smallest per-rank batch, the last point)."""
+    points = spec.points
+    if len(points) > 1 and int(points[-1]["ranks"]) == 1 and int(points[0]["ranks"]) == 1:
+        return points[:-1]
+    return points
+
+
 def _point_dir(result: SweepResult, k: int) -> Path | None:
     ok = [p for p in result.points if p.point == k and p.status == "ok" and p.child_dir]
     return ok[0].child_dir if ok else None
@@ -211,6 +225,12 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         for row in rows:
             row["prediction_note"] = str(exc)
         return
+    small = None  # one rank at the smallest per-rank batch (strong scaling), when it ran
+    if len(spec.points) > len(rows) and (there := _point_dir(result, len(spec.points) - 1)) is not None:
+        try:
+            small = StepTimes.from_run(there)
+        except ValueError:
+            small = None
     gaps: list[dict[str, Any]] = []
     for k, row in enumerate(rows):
         n = row["ranks"]
@@ -226,14 +246,14 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         # the bytes of the plan the point ran: row-wise outputs are reduce-scattered, replicas all-reduced
         plan = {t["table"]: t["sharding_type"] for t in (config.get("sharding_plan") or {}).get("tables", [])}
         comm = step_communication_bytes(model, row["global_batch_size"], n, plan) if model else None
-        predicted = predict(one, row["batch_size_per_rank"], n, comm, fits, ceiling) if comm else "no run"
+        predicted = predict(one, row["batch_size_per_rank"], n, comm, fits, ceiling, small) if comm else "no run"
         if isinstance(predicted, str):
             row["prediction_note"] = predicted
         else:
             row["predicted_step_ms"] = predicted["step_ms"]
         mpi = fit_collectives(profile, f"mpi/{n}")
         if comm and mpi and n > 1 and isinstance(with_mpi := predict(one, row["batch_size_per_rank"], n, comm, mpi,
-                                                                      ceiling), dict):  # fmt: skip
+                                                                      ceiling, small), dict):  # fmt: skip
             row["predicted_step_ms_mpi"] = with_mpi["step_ms"]
         if where is not None and n == 1:
             row["rank_step_ms"] = one.step_ms
@@ -247,7 +267,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         row["rank_step_ms"] = many.step_ms
         if row.get("predicted_step_ms"):
             row["prediction_error"] = many.step_ms / row["predicted_step_ms"] - 1
-        gap = gap_breakdown(one, many, comm, fits, ceiling)
+        gap = gap_breakdown(one, many, comm, fits, ceiling, small)
         row["gap_ms"], row["gap_named_ms"] = gap["gap_ms"], gap["named_ms"]
         note = "; ".join(gap["assumptions"])
         gaps += [{"ranks": n, "item": item, "ms": ms, "note": note} for item, ms in gap["items_ms"].items()]

@@ -15,7 +15,8 @@ Three uses of one model of a training step (per rank, in ms):
 Assumptions (printed with every projection): communication is not overlapped with compute;
 ids and pooled embeddings are spread uniformly over ranks (`model.cost`; on this machine the
 bytes follow the run's plan, in a projection the uniform rule); weak scaling keeps each
-rank's work, strong scaling divides it by N; a collective takes its probed time at that
+rank's work, strong scaling divides it by N (per phase a cost per step and one per sample
+where a strong sweep ran one rank at both batches); a collective takes its probed time at that
 size (a fabric's: latency + bytes / link bandwidth); ranks' step-to-step jitter is
 independent (the wait for the slowest rank).
 """
@@ -169,11 +170,23 @@ WAITED_IN = {
 }
 
 
-def per_rank_work(one: StepTimes, ratio: float) -> dict[str, float]:
-    """One rank's phase times (ms) at `ratio` x its per-rank batch: each phase scaled by it but the
-    dense optimizer's, which steps every parameter whatever the batch (strong scaling halves the
-    batch, not the optimizer: scaling it too put ~1.2 ms of kaggle's step at 2 ranks as 'beyond')."""
-    return {p: one.phases[p] * (1.0 if p in PER_STEP_PHASES else ratio) for p in PHASES}
+def per_rank_work(one: StepTimes, batch: int, small: StepTimes | None = None) -> tuple[dict[str, float], float]:
+    """One rank's phase times and untimed ms at a per-rank `batch`.
+
+    From one run: each phase in proportion to the batch but the dense optimizer's, which steps
+    every parameter whatever the batch (scaling it too put ~1.2 ms of kaggle's strong-scaling step
+    at 2 ranks as 'beyond'). With `small`, one rank again at another batch (a strong sweep's
+    calibration point), each phase is the line through both runs (a cost per step plus one per
+    sample): kaggle's one-rank step at 2,048 samples is 35 ms, not half of 63 at 4,096."""
+    if small is not None and small.batch_size_per_rank != one.batch_size_per_rank:
+        b0, b1 = one.batch_size_per_rank, small.batch_size_per_rank
+
+        def line(at0: float, at1: float) -> float:
+            return max(0.0, at0 + (at1 - at0) * (batch - b0) / (b1 - b0))
+
+        return {p: line(one.phases[p], small.phases[p]) for p in PHASES}, line(one.untimed_ms, small.untimed_ms)
+    ratio = batch / one.batch_size_per_rank
+    return {p: one.phases[p] * (1.0 if p in PER_STEP_PHASES else ratio) for p in PHASES}, one.untimed_ms * ratio
 
 
 def _waits_ms(one: StepTimes, ranks: int, ratio: float) -> dict[str, float]:
@@ -211,6 +224,7 @@ def gap_breakdown(
     comm_bytes: dict[str, float],
     fits: dict[str, Any] | None,
     ceiling: float | None,
+    small: StepTimes | None = None,
 ) -> dict[str, Any]:
     """Every ms of `many`'s per-rank step beyond `one`'s (scaled to the same per-rank work).
 
@@ -233,8 +247,8 @@ def gap_breakdown(
     if comm is None:
         assumptions.append("no probed collectives for this backend and rank count: communication not split")
     items: dict[str, float] = {}
-    expected = per_rank_work(one, ratio)
-    baseline = sum(expected.values()) + one.untimed_ms * ratio
+    expected, untimed = per_rank_work(one, many.batch_size_per_rank, small)
+    baseline = sum(expected.values()) + untimed
     items["compute at the machine's ceiling"] = sum(
         expected[p] * (1 / ceiling - 1) for p in (*COMPUTE_PHASES, "backward")
     )
@@ -261,7 +275,7 @@ def gap_breakdown(
         at_bw = (comm["pooled_backward"] + comm["gradient_all_reduce"]) * 1e3
         items["backward: collectives at the measured bandwidth"] = at_bw
         items["backward: beyond the ceiling, the bandwidth and the wait"] = backward - at_bw - waits["backward"]
-    items["untimed (between phases)"] = many.untimed_ms - one.untimed_ms * ratio
+    items["untimed (between phases)"] = many.untimed_ms - untimed
     gap = many.step_ms - baseline
     return {
         "one_rank_step_ms": baseline,
@@ -281,14 +295,15 @@ def predict(
     comm_bytes: dict[str, float],
     fits: dict[str, Any] | None,
     ceiling: float | None,
+    small: StepTimes | None = None,
 ) -> dict[str, Any] | str:
     """The per-rank step at `world_size` ranks on this machine: one rank's phases scaled to
     the per-rank batch and slowed by the N-process ceiling, plus every collective at the
     probed latency and bandwidth. A reason (str) when the profile lacks what it needs."""
     ratio = batch_size_per_rank / one.batch_size_per_rank
-    work = per_rank_work(one, ratio)
+    work, untimed = per_rank_work(one, batch_size_per_rank, small)
     if world_size == 1:
-        alone = sum(work.values()) + one.untimed_ms * ratio
+        alone = sum(work.values()) + untimed
         return {"step_ms": alone, "compute_ms": alone, "comm_ms": 0.0}
     if ceiling is None:
         return f"no probed {world_size}-process ceiling (run 'dlrm-lab machine probe')"
@@ -296,7 +311,7 @@ def predict(
         return f"no probed collectives at {world_size} ranks (dlrm-lab launch --nproc {world_size} -- machine probe)"
     comm = _comm_seconds(comm_bytes, fits)
     compute = sum(work[p] for p in (*COMPUTE_PHASES, "backward")) / ceiling
-    local = work["input_dist"] + work["embedding_all_to_all"] + one.untimed_ms * ratio
+    local = work["input_dist"] + work["embedding_all_to_all"] + untimed
     comm_ms = sum(comm.values()) * 1e3
     wait_ms = sum(_waits_ms(one, world_size, ratio).values())
     return {
