@@ -109,6 +109,30 @@ def test_the_wait_for_the_slowest_rank_is_measured_in_the_n_rank_run(tmp_path):
     assert not any("jitter" in item for item in items)
 
 
+def test_torchrec_distribution_where_probed_replaces_the_raw_collectives():
+    """The probe times TorchRec's input distribution and pooled all-to-all as a step runs them
+    (permutes, awaitables and copies around the collectives): the model takes those where present."""
+    raw = [{"collective": c, "bytes": b, "time_ms": 1.0, "busbw_bytes_per_s": b / 1e-3}
+           for c in ("all_to_all", "all_reduce") for b in (1e3, 1e7)]  # fmt: skip
+    lib = [{"collective": name, "bytes": b, "time_ms": ms, "busbw_bytes_per_s": b / (ms / 1e3)}
+           for name, b, ms in (("torchrec_input_dist", 1e6, 3.0), ("torchrec_pooled", 2e6, 8.0))]  # fmt: skip
+    plain, with_lib = (
+        fit_collectives({"comms": {"mpi/2": raw}}, "mpi/2"),
+        fit_collectives({"comms": {"mpi/2": raw + lib}}, "mpi/2"),
+    )
+    assert "torchrec_pooled" not in plain and with_lib["torchrec_input_dist"].seconds(1e6) == pytest.approx(3e-3)
+    # COMM: 1e6 B of ids -> 3 ms; 2e6 B of pooled rows forward and backward -> 8 ms, 4 each; the all-reduce as raw
+    a = predict(ONE, 64, 2, COMM, plain, 1.0)["comm_ms"]
+    b = predict(ONE, 64, 2, COMM, with_lib, 1.0)["comm_ms"]
+    assert b - a == pytest.approx(
+        (3.0 + 8.0) - (3 * 1.0 + 2 * 1.0)
+    )  # raw: 3 ids calls at 1 ms, 2 pooled halves at 1 ms
+    items = gap_breakdown(ONE, MANY, COMM, with_lib, ceiling=0.8)["items_ms"]
+    assert items["input_dist: through TorchRec at its probed speed"] == pytest.approx(3.0)
+    assert items["embedding_all_to_all: through TorchRec at its probed speed"] == pytest.approx(4.0)
+    assert sum(items.values()) == pytest.approx(80.0)
+
+
 def test_row_wise_outputs_are_timed_as_reduce_scatters():
     # 2e6 bus bytes of reduce-scatter: forward half 1e6 = half of a 2e6-bus-byte all-reduce (1 ms + 2 ms) / 2
     comm = {**COMM, "pooled_all_to_all": 0.0, "pooled_reduce_scatter": 2e6}

@@ -246,6 +246,66 @@ def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     return _collective_rows(n, sizes, collectives_at, slowest_seconds)
 
 
+# TorchRec's own distribution probed at a kaggle-like shape: 26 one-id features of dim 16 spread over the ranks
+TORCHREC_FEATURES, TORCHREC_DIM = 26, 16
+
+
+def _slowest_over(pg: Any, repeats: int) -> Callable[[Callable[[], Any]], float]:
+    """A call's time on the slowest rank of `pg` (CPU)."""
+
+    def slowest_seconds(fn: Callable[[], Any]) -> float:
+        dist.barrier(group=pg)
+        t = torch.tensor([_timed(fn, repeats, torch.device("cpu"))], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+        return float(t.item())
+
+    return slowest_seconds
+
+
+def torchrec_distribution(
+    pg: Any, batches: tuple[int, ...], slowest_seconds: Callable[[Callable[[], Any]], float]
+) -> list[dict[str, Any]]:
+    """TorchRec's input distribution (`KJTAllToAll`: splits, lengths and ids) and pooled all-to-all
+    (`PooledEmbeddingsAllToAll`, forward and backward) over `pg`, per samples a rank, as a step runs
+    them: the collectives with the permutes, awaitables and concatenations around them, which the
+    raw collectives above do not hold (3-3.5 ms of a 2-rank kaggle step over MPI, BENCHMARKS.md).
+    Rows in the cost model's bus bytes (`model.cost.step_communication_bytes`: ids 8 B and a length
+    4 B per sample and feature; pooled rows 4 B a dim, forward and backward; x (N-1)/N)."""
+    from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    n = pg.size()
+    per_rank = max(1, TORCHREC_FEATURES // n)
+    features, remote = per_rank * n, (n - 1) / n
+    ids_a2a = KJTAllToAll(pg, [per_rank] * n)
+    pooled_a2a = PooledEmbeddingsAllToAll(pg, [per_rank * TORCHREC_DIM] * n)
+    rows = []
+    for b in batches:
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{k}" for k in range(features)],
+            values=torch.randint(0, 1 << 20, (features * b,)),
+            lengths=torch.ones(features * b, dtype=torch.int32),
+        )
+        local = torch.randn(b * n, per_rank * TORCHREC_DIM, requires_grad=True)
+
+        def pooled(local: torch.Tensor = local) -> None:
+            out = pooled_a2a(local).wait()
+            out.backward(torch.ones_like(out))
+
+        def input_dist(kjt: KeyedJaggedTensor = kjt) -> None:
+            ids_a2a(kjt).wait().wait()
+
+        for name, fn, bus in (
+            ("torchrec_input_dist", input_dist, b * 12 * features * remote),
+            ("torchrec_pooled", pooled, b * 2 * 4 * TORCHREC_DIM * features * remote),
+        ):
+            seconds = slowest_seconds(fn)
+            rate = bus / seconds
+            rows.append({"collective": name, "bytes": int(bus), "time_ms": seconds * 1e3, "algbw_bytes_per_s": rate,
+                         "busbw_bytes_per_s": rate, "samples_per_rank": b})  # fmt: skip
+    return rows
+
+
 def _cpu_threads() -> list[int]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return sorted({1, cores})
@@ -341,8 +401,20 @@ def probe_machine(
         profile["comms"][f"{backend}/{world}"] = comm_bandwidth(device, sizes.comm_bytes, sizes.repeats)
         from dlrm_lab.distributed.context import detect_launch
 
+        batches = (512, 2048) if sizes.repeats < 5 else (512, 2048, 8192)
+        if device.type == "cpu":  # TorchRec's distribution as training runs it (CPU ranks: gloo, and MPI below)
+            profile["comms"][f"{backend}/{world}"] += torchrec_distribution(
+                dist.group.WORLD, batches, _slowest_over(dist.group.WORLD, sizes.repeats)
+            )
         if detect_launch().launcher == "mpi":  # started by mpiexec: MPI's own collectives too
-            profile["comms"][f"mpi/{world}"] = mpi_bandwidth(sizes.comm_bytes, sizes.repeats)
+            from dlrm_lab.distributed.mpi import BACKEND, register
+
+            register()
+            over_mpi = dist.new_group(backend=BACKEND)  # the lab's process group on MPI (`--collectives mpi`)
+            profile["comms"][f"mpi/{world}"] = [
+                *mpi_bandwidth(sizes.comm_bytes, sizes.repeats),
+                *torchrec_distribution(over_mpi, batches, _slowest_over(over_mpi, sizes.repeats)),
+            ]
         for key, rows in profile["comms"].items() if log and rank == 0 else ():
             for r in rows:
                 algbw, busbw = r["algbw_bytes_per_s"] / 1e9, r["busbw_bytes_per_s"] / 1e9

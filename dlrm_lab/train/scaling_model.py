@@ -145,19 +145,24 @@ class MeasuredCollective:
         return t1 + (nbytes - b1) * t1 / b1
 
 
+# TorchRec's distribution as a step runs it (`metrics.probe.torchrec_distribution`), where probed
+TORCHREC_PATH = ("torchrec_input_dist", "torchrec_pooled")
+
+
 def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, MeasuredCollective] | None:
-    """All-to-all and all-reduce of a probed transport (`gloo/2`, `mpi/2`), as probed."""
+    """All-to-all and all-reduce of a probed transport (`gloo/2`, `mpi/2`), as probed, and TorchRec's
+    input distribution and pooled all-to-all over it where the probe timed them."""
     rows = ((profile or {}).get("comms") or {}).get(key)
     if not rows:
         return None
     out = {}
-    for name in ("all_to_all", "all_reduce"):
+    for name in ("all_to_all", "all_reduce", *TORCHREC_PATH):
         mine = sorted((r for r in rows if r["collective"] == name), key=lambda r: r["bytes"])
         if mine:
             out[name] = MeasuredCollective(
                 tuple((r["busbw_bytes_per_s"] * r["time_ms"] / 1e3, r["time_ms"] / 1e3) for r in mine)
             )
-    return out if len(out) == 2 else None
+    return out if "all_to_all" in out and "all_reduce" in out else None
 
 
 # The collective that waits for the slowest rank after each compute phase: the next step's
@@ -209,9 +214,14 @@ def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[st
     # a reduce-scatter (or all-gather) is half a ring all-reduce of the same buffer, whose bus bytes are twice its own
     half = comm_bytes.get("pooled_reduce_scatter", 0.0) / 2
     scatter = ar.seconds(2 * half) / 2 if half else 0.0
-    pooled = a2a.seconds(comm_bytes["pooled_all_to_all"] / 2)
+    ids, rows = fits.get("torchrec_input_dist"), fits.get("torchrec_pooled")  # TorchRec's own path, where probed
+    pooled = (
+        rows.seconds(comm_bytes["pooled_all_to_all"]) / 2 if rows else a2a.seconds(comm_bytes["pooled_all_to_all"] / 2)
+    )
     return {
-        "input_dist": a2a.seconds(comm_bytes["input_dist"], INPUT_DIST_COLLECTIVES),
+        "input_dist": ids.seconds(comm_bytes["input_dist"])
+        if ids
+        else a2a.seconds(comm_bytes["input_dist"], INPUT_DIST_COLLECTIVES),
         "pooled_forward": pooled + scatter,
         "pooled_backward": pooled + scatter,
         "gradient_all_reduce": ar.seconds(grad, max(1, math.ceil(grad / 2 / DDP_BUCKET_BYTES))),
@@ -259,21 +269,25 @@ def gap_breakdown(
         waits, waiting = dict(many.late_ms), f"{waiting} (measured)"
     else:  # expected from one rank's jitter
         waits, waiting = _waits_ms(one, many.world_size, ratio), f"{waiting} (one rank's step-to-step jitter)"
+    # at the probed speed of the raw collectives, or of TorchRec's distribution around them where probed
+    at, beyond = "at the measured bandwidth", "beyond the bandwidth and the wait"
+    if fits and all(name in fits for name in TORCHREC_PATH):
+        at, beyond = "through TorchRec at its probed speed", "beyond TorchRec's probed speed and the wait"
     for p, part in (("input_dist", "input_dist"), ("embedding_all_to_all", "pooled_forward")):
         delta = many.phases[p] - expected[p]
         items[f"{p}: {waiting}"] = waits[p]
         if comm is None:
             items[f"{p}: communication"] = delta - waits[p]
             continue
-        items[f"{p}: at the measured bandwidth"] = comm[part] * 1e3
-        items[f"{p}: beyond the bandwidth and the wait"] = delta - comm[part] * 1e3 - waits[p]
+        items[f"{p}: {at}"] = comm[part] * 1e3
+        items[f"{p}: {beyond}"] = delta - comm[part] * 1e3 - waits[p]
     backward = many.phases["backward"] - expected["backward"] / ceiling
     items[f"backward: {waiting}"] = waits["backward"]
     if comm is None:
         items["backward: beyond the ceiling and the wait (compute and collectives)"] = backward - waits["backward"]
     else:
         at_bw = (comm["pooled_backward"] + comm["gradient_all_reduce"]) * 1e3
-        items["backward: collectives at the measured bandwidth"] = at_bw
+        items[f"backward: collectives {at}"] = at_bw
         items["backward: beyond the ceiling, the bandwidth and the wait"] = backward - at_bw - waits["backward"]
     items["untimed (between phases)"] = many.untimed_ms - untimed
     gap = many.step_ms - baseline
