@@ -58,6 +58,8 @@ class ProbeSizes:
     comm_bytes: tuple[int, ...]
     repeats: int
     gemm_min_flops: float  # per timing: small products are repeated up to this much work
+    # samples a rank at which TorchRec's distribution is timed (`torchrec_distribution`)
+    torchrec_batches: tuple[int, ...] = (512, 2048)
 
     @classmethod
     def preset(cls, quick: bool) -> ProbeSizes:
@@ -65,7 +67,7 @@ class ProbeSizes:
             return cls((256, 1024), 64 << 20, 2, 250_000, 64, 1024, 20, (1 << 10, 1 << 16, 1 << 20), 3, 2e8)
         return cls(
             (1024, 2048, 4096), 1 << 30, 4, 1_000_000, 64, 4096, 20,
-            tuple(1 << k for k in range(10, 27, 2)), 7, 2e9,
+            tuple(1 << k for k in range(10, 27, 2)), 7, 2e9, (512, 2048, 8192),
         )  # fmt: skip
 
 
@@ -200,6 +202,20 @@ def _collective_rows(
     return rows
 
 
+def _slowest_over(pg: Any, repeats: int, device: torch.device | None = None) -> Callable[[Callable[[], Any]], float]:
+    """A call's median time on the slowest rank of `pg` (CPU by default): the slowest rank decides how long a
+    collective takes."""
+    on = device or torch.device("cpu")
+
+    def slowest_seconds(fn: Callable[[], Any]) -> float:
+        dist.barrier(group=pg)
+        t = torch.tensor([_timed(fn, repeats, on)], dtype=torch.float64, device=on)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+        return float(t.item())
+
+    return slowest_seconds
+
+
 def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     """All-to-all and all-reduce over the default process group at each size in bytes per rank."""
     n = dist.get_world_size()
@@ -212,13 +228,7 @@ def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -
             ("all_reduce", partial(dist.all_reduce, buf), 2 * (n - 1) / n),
         )
 
-    def slowest_seconds(fn: Callable[[], Any]) -> float:
-        dist.barrier()
-        t = torch.tensor([_timed(fn, repeats, device)], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank decides how long a collective takes
-        return float(t.item())
-
-    return _collective_rows(n, sizes, collectives_at, slowest_seconds)
+    return _collective_rows(n, sizes, collectives_at, _slowest_over(dist.group.WORLD, repeats, device))
 
 
 def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
@@ -248,18 +258,6 @@ def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
 
 # TorchRec's own distribution probed at a kaggle-like shape: 26 one-id features of dim 16 spread over the ranks
 TORCHREC_FEATURES, TORCHREC_DIM = 26, 16
-
-
-def _slowest_over(pg: Any, repeats: int) -> Callable[[Callable[[], Any]], float]:
-    """A call's time on the slowest rank of `pg` (CPU)."""
-
-    def slowest_seconds(fn: Callable[[], Any]) -> float:
-        dist.barrier(group=pg)
-        t = torch.tensor([_timed(fn, repeats, torch.device("cpu"))], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-        return float(t.item())
-
-    return slowest_seconds
 
 
 def torchrec_distribution(
@@ -401,8 +399,8 @@ def probe_machine(
         profile["comms"][f"{backend}/{world}"] = comm_bandwidth(device, sizes.comm_bytes, sizes.repeats)
         from dlrm_lab.distributed.context import detect_launch
 
-        batches = (512, 2048) if sizes.repeats < 5 else (512, 2048, 8192)
-        if device.type == "cpu":  # TorchRec's distribution as training runs it (CPU ranks: gloo, and MPI below)
+        batches = sizes.torchrec_batches  # TorchRec's distribution, gloo's now and MPI's below
+        if device.type == "cpu":  # as training runs it on CPU ranks
             profile["comms"][f"{backend}/{world}"] += torchrec_distribution(
                 dist.group.WORLD, batches, _slowest_over(dist.group.WORLD, sizes.repeats)
             )

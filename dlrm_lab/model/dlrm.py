@@ -299,7 +299,7 @@ class DLRM(nn.Module):
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         embedded_dense = self.dense_arch(dense_features)
-        if self.spec.interaction == "dot":  # the embeddings in the collection's order, and where the pairs lie
+        if self.sparse_arch.any_order:  # the dot interaction: the embeddings as they come, and where the pairs lie
             embedded_sparse, triangle = self.sparse_arch(sparse_features)
             interaction = self.inter_arch(embedded_dense, embedded_sparse, triangle)
         else:
