@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.distributed.context import init_distributed, shutdown_distributed
 from dlrm_lab.distributed.tables import gather_tables
+from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.train import train
 
 
@@ -43,7 +44,12 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
         tables = gather_tables(result.model)
         dense = {k: v.detach().cpu() for k, v in result.model.state_dict().items() if "embedding" not in k}
         if not dist.is_initialized() or dist.get_rank() == 0:
-            (out / f"{preset}-{sharding}.json").write_text(json.dumps({"losses": losses, "plan": result.plan}))
+            phases = {  # rank 0's phases a step, and its step time
+                k: [row[k] for row in result.steps if row["rank"] == 0]
+                for k in ("step_time_ms", *(f"{p}_ms" for p in PHASES))
+            }
+            record = {"losses": losses, "plan": result.plan, "phases": phases}
+            (out / f"{preset}-{sharding}.json").write_text(json.dumps(record))
             torch.save({"tables": tables, "dense": dense}, out / f"{preset}-{sharding}.pt")
         print(
             f"rank {dist.get_rank() if dist.is_initialized() else 0}: {preset} {sharding} done",

@@ -56,6 +56,12 @@ def test_two_ranks_match_one_rank(runs, sharding):
         assert all(sum(b["plan"]["bytes_per_rank"]) >= t["bytes"] for t in b["plan"]["tables"])
     for la, lb in zip(a["losses"], b["losses"], strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la), (a["losses"], b["losses"])
+    # the pooled all-to-all's backward is timed apart where the tables are spread (0 on one rank and data-parallel)
+    a2a_back = b["phases"]["embedding_all_to_all_backward_ms"]
+    assert all(ms > 0 for ms in a2a_back) if sharding != "data_parallel" else set(a2a_back) == {0.0}, a2a_back
+    assert set(a["phases"]["embedding_all_to_all_backward_ms"]) == {0.0}
+    for k, step_ms in enumerate(b["phases"]["step_time_ms"]):
+        assert sum(ms[k] for name, ms in b["phases"].items() if name != "step_time_ms") <= step_ms * 1.001
     wa, wb = torch.load(one / f"tiny-{sharding}.pt"), torch.load(two / f"tiny-{sharding}.pt")
     for name, table in wa["tables"].items():
         torch.testing.assert_close(wb["tables"][name], table, rtol=1e-5, atol=1e-6)

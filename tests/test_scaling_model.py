@@ -109,6 +109,36 @@ def test_the_wait_for_the_slowest_rank_is_measured_in_the_n_rank_run(tmp_path):
     assert not any("jitter" in item for item in items)
 
 
+def test_the_pooled_all_to_all_backward_timed_apart_is_its_own_item(tmp_path):
+    """Runs that time the pooled all-to-all's backward apart (tensor hooks) name it beside the
+    forward half: its probed time, its measured wait, and what is beyond; backward keeps the
+    all-reduce. Older runs (no such column) keep it inside backward as before."""
+    split = StepTimes(step_ms=180.0, phases={**MANY.phases, "backward": 87.0, "embedding_all_to_all_backward": 8.0},
+                      batch_size_per_rank=64, world_size=2)  # fmt: skip
+    items = gap_breakdown(ONE, split, COMM, FITS, ceiling=0.8)["items_ms"]
+    assert sum(items.values()) == pytest.approx(80.0)
+    # the backward half of 2e6 pooled bytes: 1 ms + 1e6 B at 1 GB/s = 2 ms of its 8
+    assert items["embedding_all_to_all_backward: at the measured bandwidth"] == pytest.approx(2.0)
+    assert items["embedding_all_to_all_backward: beyond the bandwidth and the wait"] == pytest.approx(6.0)
+    # backward: the all-reduce (1 ms + 3 ms) and what is beyond the ceiling share 50 / 0.8
+    assert items["backward: collectives at the measured bandwidth"] == pytest.approx(4.0)
+    assert items["backward: beyond the ceiling and the bandwidth"] == pytest.approx(87 - 62.5 - 4)
+    assert not any(item.startswith("backward: waiting") for item in items)
+
+    # measured in the N-rank run: rank 0 reached the backward all-to-all 3 ms before rank 1 at step 0
+    rows = []
+    for step, (a0, a1) in enumerate([(5.0, 2.0), (2.0, 2.0)]):
+        for rank, a2a in enumerate((a0, a1)):
+            row = {f"{p}_ms": v for p, v in split.phases.items()} | {"embedding_all_to_all_backward_ms": a2a}
+            rows.append({"step": step, "rank": rank, "warmup": False, "batch_size": 64, "step_time_ms": 180.0, **row})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "steps.parquet")
+    many = StepTimes.from_run(tmp_path)
+    assert many.late_ms["embedding_all_to_all_backward"] == pytest.approx(3 / 4)
+    measured = gap_breakdown(ONE, many, COMM, FITS, ceiling=0.8)["items_ms"]
+    assert measured["embedding_all_to_all_backward: waiting for the slowest rank (measured)"] == pytest.approx(0.75)
+    assert sum(measured.values()) == pytest.approx(many.step_ms - 100.0)
+
+
 def test_torchrec_distribution_where_probed_replaces_the_raw_collectives():
     """The probe times TorchRec's input distribution and pooled all-to-all as a step runs them
     (permutes, awaitables and copies around the collectives): the model takes those where present."""
@@ -178,7 +208,9 @@ def test_strong_sweeps_calibrate_on_one_rank_at_the_smallest_batch(tmp_path):
 
     big, small = run(64), run(32)
     work, untimed = per_rank_work(big, 16, small)  # extrapolated down the line
-    assert work == pytest.approx({p: (4.0 if p == "optimizer" else 12.0) for p in PHASES_ONE})
+    line = {p: (4.0 if p == "optimizer" else 12.0) for p in PHASES_ONE}
+    assert {p: work[p] for p in PHASES_ONE} == pytest.approx(line)
+    assert work["embedding_all_to_all_backward"] == 0.0  # a phase these runs did not record: no time
     assert untimed == pytest.approx(1.0)
     proportional, _ = per_rank_work(big, 16)  # without the second run: in proportion, the optimizer whole
     assert proportional["dense_forward"] == pytest.approx(18.0 / 4) and proportional["optimizer"] == 4.0
@@ -268,4 +300,5 @@ def test_step_times_come_from_the_measured_steps(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "steps.parquet")
     times = StepTimes.from_run(tmp_path)
     assert times.step_ms == pytest.approx(105.0) and times.world_size == 2  # warm-up left out
-    assert times.phases == pytest.approx(PHASES_ONE) and times.untimed_ms == pytest.approx(7.0)
+    assert times.phases == pytest.approx({**PHASES_ONE, "embedding_all_to_all_backward": 0.0})  # not recorded: 0
+    assert times.untimed_ms == pytest.approx(7.0)

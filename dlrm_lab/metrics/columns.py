@@ -22,6 +22,7 @@ PHASES = (
     "embedding_all_to_all",
     "dense_forward",
     "backward",
+    "embedding_all_to_all_backward",
     "optimizer",
 )
 PHASE_LABELS = {
@@ -31,6 +32,7 @@ PHASE_LABELS = {
     "embedding_all_to_all": "pooled-embedding all-to-all",
     "dense_forward": "dense forward",
     "backward": "backward (table update, all-reduce)",
+    "embedding_all_to_all_backward": "pooled-embedding all-to-all, backward",
     "optimizer": "dense optimizer",
 }
 

@@ -53,6 +53,9 @@ class StepTimes:
     # phase -> mean over steps and ranks of a rank's time in it beyond the fastest rank's at that step (N ranks)
     late_ms: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:  # a phase a run did not record (older runs) took no time
+        object.__setattr__(self, "phases", {p: 0.0 for p in PHASES} | self.phases)
+
     def slowest_of(self, phase: str, ranks: int) -> float:
         """Expected excess of the slowest of `ranks` independent draws of the phase's per-step
         time over its mean: what a collective after the phase waits for the slowest rank.
@@ -95,7 +98,10 @@ def _late_ms(rows: list[dict[str, Any]], ranks: int) -> dict[str, float]:
     is how much earlier it arrived, i.e. how long it waited for the last one (which did not wait).
     Mean over steps and ranks; steps some rank did not record are left out. Where a phase holds
     several collectives (backward: the pooled all-to-all's half, then the all-reduce) waits that
-    cancel inside it are not seen: a lower bound there."""
+    cancel inside it are not seen: a lower bound there. Runs that time the pooled all-to-all's
+    backward apart (`embedding_all_to_all_backward`) measure that wait exactly; their backward
+    phase starts and ends unsynchronised, so its figure is jitter, not a wait (`gap_breakdown`
+    leaves it out)."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)
@@ -103,7 +109,7 @@ def _late_ms(rows: list[dict[str, Any]], ranks: int) -> dict[str, float]:
     if ranks < 2 or not steps:
         return {}
     out = {}
-    for phase in WAITED_IN:
+    for phase in (*WAITED_IN, "backward"):
         times = [[r.get(f"{phase}_ms") or 0.0 for r in s] for s in steps]
         out[phase] = sum(sum(t) - len(t) * min(t) for t in times) / (len(times) * ranks)
     return out
@@ -167,11 +173,12 @@ def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, Measu
 
 # The collective that waits for the slowest rank after each compute phase: the next step's
 # input distribution after the optimizer (and the data wait), the pooled all-to-all after the
-# lookup, backward's collectives after the dense forward and backward compute.
+# lookup, its backward after the dense forward and the top of backward.
+POOLED_BACKWARD = "embedding_all_to_all_backward"
 WAITED_IN = {
     "input_dist": ("data_wait", "optimizer"),
     "embedding_all_to_all": ("embedding_lookup",),
-    "backward": ("dense_forward", "backward"),
+    POOLED_BACKWARD: ("dense_forward", "backward"),
 }
 
 
@@ -240,9 +247,11 @@ def gap_breakdown(
 
     Items (ms per step per rank) sum to `gap_ms`. Without probed collectives the
     communication phases are one item each; without a probed ceiling, 1 is assumed (said in
-    `assumptions`). The backward phase holds compute, the pooled all-to-all's backward half
-    and the gradient all-reduce (overlapped by DDP): what is beyond its ceiling share and the
-    collectives at bandwidth is named as such, not split further. The waits for the slowest rank
+    `assumptions`). The pooled all-to-all's backward is its own phase where the run timed it
+    (`embedding_all_to_all_backward`; older runs and plans without one hold it in backward). The
+    backward phase holds compute and the gradient all-reduce (overlapped by DDP): what is beyond
+    its ceiling share and the all-reduce at bandwidth is named as such, not split further (the
+    all-reduce's wait for the slowest rank among it). The waits for the slowest rank
     are measured in the N-rank run (`StepTimes.late_ms`) where it holds every rank's steps, else
     expected from one rank's jitter as `predict` does (which takes every rank's jitter as
     independent: a phase all ranks slow down together, as the source's block every few steps,
@@ -273,7 +282,11 @@ def gap_breakdown(
     at, beyond = "at the measured bandwidth", "beyond the bandwidth and the wait"
     if fits and all(name in fits for name in TORCHREC_PATH):
         at, beyond = "through TorchRec at its probed speed", "beyond TorchRec's probed speed and the wait"
-    for p, part in (("input_dist", "input_dist"), ("embedding_all_to_all", "pooled_forward")):
+    split = many.phases.get(POOLED_BACKWARD, 0.0) > 0  # the pooled all-to-all's backward timed apart
+    collective_phases = [("input_dist", "input_dist"), ("embedding_all_to_all", "pooled_forward")]
+    if split:
+        collective_phases.append((POOLED_BACKWARD, "pooled_backward"))
+    for p, part in collective_phases:
         delta = many.phases[p] - expected[p]
         items[f"{p}: {waiting}"] = waits[p]
         if comm is None:
@@ -282,13 +295,22 @@ def gap_breakdown(
         items[f"{p}: {at}"] = comm[part] * 1e3
         items[f"{p}: {beyond}"] = delta - comm[part] * 1e3 - waits[p]
     backward = many.phases["backward"] - expected["backward"] / ceiling
-    items[f"backward: {waiting}"] = waits["backward"]
+    if split:  # what is left in backward: compute and the all-reduce (its wait cannot be told apart there)
+        wait_bw, beyond_bw, without = 0.0, "beyond the ceiling and the bandwidth", "beyond the ceiling"
+        at_bw = comm["gradient_all_reduce"] * 1e3 if comm else 0.0
+        backward_is = "(compute, the all-reduce and its wait)"
+    else:  # the pooled all-to-all's backward inside backward, and its wait
+        backward += many.phases[POOLED_BACKWARD] - expected[POOLED_BACKWARD]
+        wait_bw = waits.get("backward", 0.0) if many.late_ms else waits[POOLED_BACKWARD]
+        items[f"backward: {waiting}"] = wait_bw
+        beyond_bw, without = "beyond the ceiling, the bandwidth and the wait", "beyond the ceiling and the wait"
+        at_bw = (comm["gradient_all_reduce"] + comm["pooled_backward"]) * 1e3 if comm else 0.0
+        backward_is = "(compute and collectives)"
     if comm is None:
-        items["backward: beyond the ceiling and the wait (compute and collectives)"] = backward - waits["backward"]
+        items[f"backward: {without} {backward_is}"] = backward - wait_bw
     else:
-        at_bw = (comm["pooled_backward"] + comm["gradient_all_reduce"]) * 1e3
         items[f"backward: collectives {at}"] = at_bw
-        items["backward: beyond the ceiling, the bandwidth and the wait"] = backward - at_bw - waits["backward"]
+        items[f"backward: {beyond_bw}"] = backward - at_bw - wait_bw
     items["untimed (between phases)"] = many.untimed_ms - untimed
     gap = many.step_ms - baseline
     return {
@@ -325,7 +347,7 @@ def predict(
         return f"no probed collectives at {world_size} ranks (dlrm-lab launch --nproc {world_size} -- machine probe)"
     comm = _comm_seconds(comm_bytes, fits)
     compute = sum(work[p] for p in (*COMPUTE_PHASES, "backward")) / ceiling
-    local = work["input_dist"] + work["embedding_all_to_all"] + untimed
+    local = work["input_dist"] + work["embedding_all_to_all"] + work[POOLED_BACKWARD] + untimed
     comm_ms = sum(comm.values()) * 1e3
     wait_ms = sum(_waits_ms(one, world_size, ratio).values())
     return {

@@ -71,7 +71,8 @@ def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> lis
     rows, an all-to-all), then per sharding group a lookup and the launch of the pooled
     output's distribution; the output is awaited where the sparse arch first uses it.
     Forward hooks mark those boundaries, so time before the collection and after the
-    wait is dense forward. Returns the hook handles.
+    wait is dense forward; inside backward, tensor hooks mark the output distribution's backward
+    (`embedding_all_to_all_backward`). Returns the hook handles.
     """
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -83,10 +84,10 @@ def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> lis
             ebc = getattr(parent, "tables", None)  # the HSTU ranker's sequence tables
             if not isinstance(ebc, ShardedEmbeddingCollection):
                 continue
-        state = {"first": True}
+        state: dict[str, Any] = {"first": True, "pending": 0}
 
         def ebc_pre(module: Any, args: Any, state: dict = state) -> None:
-            state["first"] = True
+            state["first"], state["pending"] = True, 0
             timer.mark("dense_forward")
 
         def lookup_pre(module: Any, args: Any, state: dict = state) -> None:
@@ -101,4 +102,49 @@ def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> lis
         if isinstance(ebc, ShardedEmbeddingBagCollection):  # the sparse arch ends where the pooled output is awaited
             handles.append(parent.register_forward_hook(lambda *a: timer.mark("embedding_all_to_all")))
         # (the ranker awaits its sequence embeddings at their first use, counted as dense forward)
+        handles += _instrument_output_dist_backward(ebc, timer, state)
+    return handles
+
+
+def _instrument_output_dist_backward(ebc: Any, timer: StepTimer, state: dict[str, Any]) -> list[Any]:
+    """Split backward at the output distribution's backward (`embedding_all_to_all_backward`).
+
+    Inside `loss.backward()` no phase timer runs, and TorchRec's backward of the pooled all-to-all
+    (its recat of the gradient, the collective, the wait) was the largest unnamed part of a 2-rank
+    kaggle step (3.1-3.4 ms of 46, timed by hand: BENCHMARKS.md, issue 18). Tensor hooks mark its
+    two ends: the gradient of an output distribution's result arrives (the phase starts: backward
+    until then) and the gradient of its input, the lookup's output, is complete (it ends). Where
+    the distribution passes its input through (data-parallel tables, one rank) both hooks sit on
+    one tensor, the end first: it is ignored, so the phase is 0 there."""
+    if not getattr(ebc, "_output_dists", None):
+        return []
+
+    def grad_out_ready(grad: torch.Tensor) -> None:
+        state["pending"] = state.get("pending", 0) + 1
+        timer.mark("backward")
+
+    def grad_in_ready(grad: torch.Tensor) -> None:
+        if state.get("pending", 0) > 0:
+            state["pending"] -= 1
+            timer.mark("embedding_all_to_all_backward")
+
+    def on_result(result: Any) -> Any:
+        if isinstance(result, torch.Tensor) and result.requires_grad:
+            result.register_hook(grad_out_ready)
+        return result
+
+    def dist_pre(module: Any, args: Any) -> None:
+        local = args[0] if args else None
+        if isinstance(local, torch.Tensor) and local.requires_grad:
+            local.register_hook(grad_in_ready)
+
+    def dist_post(module: Any, args: Any, awaitable: Any) -> None:
+        callbacks = getattr(awaitable, "callbacks", None)
+        if callbacks is not None and torch.is_grad_enabled():
+            callbacks.append(on_result)
+
+    handles = []
+    for dist in ebc._output_dists:  # noqa: SLF001 - as above
+        handles.append(dist.register_forward_pre_hook(dist_pre))
+        handles.append(dist.register_forward_hook(dist_post))
     return handles
