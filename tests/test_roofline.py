@@ -214,6 +214,7 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, mon
         assert {r["collective"] for r in rows} == {"all_to_all", "all_reduce", "torchrec_input_dist", "torchrec_pooled"}
         ids = {r["samples_per_rank"]: r for r in rows if r["collective"] == "torchrec_input_dist"}
         assert sorted(ids) == [512, 2048] and ids[2048]["bytes"] == 2048 * 12 * 26 // 2  # ids + lengths, half remote
+        assert all(0 < r["forward_share"] < 1 for r in rows if r["collective"] == "torchrec_pooled")
         for r in rows:  # bus bandwidth: x (n-1)/n = 1/2 for all-to-all, x 2(n-1)/n = 1 for all-reduce at 2 ranks
             factor = 0.5 if r["collective"] == "all_to_all" else 1.0  # TorchRec's rows are in bus bytes already
             assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)

@@ -121,7 +121,7 @@ def test_the_pooled_all_to_all_backward_timed_apart_is_its_own_item(tmp_path):
     assert items["embedding_all_to_all_backward: at the measured bandwidth"] == pytest.approx(2.0)
     assert items["embedding_all_to_all_backward: beyond the bandwidth and the wait"] == pytest.approx(6.0)
     # backward: the all-reduce (1 ms + 3 ms) and what is beyond the ceiling share 50 / 0.8
-    assert items["backward: collectives at the measured bandwidth"] == pytest.approx(4.0)
+    assert items["backward: the gradient all-reduce at the measured bandwidth"] == pytest.approx(4.0)
     assert items["backward: beyond the ceiling and the bandwidth"] == pytest.approx(87 - 62.5 - 4)
     assert not any(item.startswith("backward: waiting") for item in items)
 
@@ -161,6 +161,14 @@ def test_torchrec_distribution_where_probed_replaces_the_raw_collectives():
     assert items["input_dist: through TorchRec at its probed speed"] == pytest.approx(3.0)
     assert items["embedding_all_to_all: through TorchRec at its probed speed"] == pytest.approx(4.0)
     assert sum(items.values()) == pytest.approx(80.0)
+    # the probe's forward share splits the pooled path's time: a quarter forward, the rest backward
+    shared = fit_collectives({"comms": {"mpi/2": raw + [{**lib[1], "forward_share": 0.25}]}}, "mpi/2")
+    split = StepTimes(step_ms=180.0, phases={**MANY.phases, "backward": 87.0, "embedding_all_to_all_backward": 8.0},
+                      batch_size_per_rank=64, world_size=2)  # fmt: skip
+    items = gap_breakdown(ONE, split, COMM, shared, ceiling=0.8)["items_ms"]
+    assert items["embedding_all_to_all: through TorchRec at its probed speed"] == pytest.approx(2.0)
+    assert items["embedding_all_to_all_backward: through TorchRec at its probed speed"] == pytest.approx(6.0)
+    assert predict(ONE, 64, 2, COMM, shared, 1.0)["comm_ms"] == pytest.approx(b - 3.0 + 3 * 1.0)  # raw ids, same total
 
 
 def test_row_wise_outputs_are_timed_as_reduce_scatters():

@@ -268,7 +268,9 @@ def torchrec_distribution(
     them: the collectives with the permutes, awaitables and concatenations around them, which the
     raw collectives above do not hold (3-3.5 ms of a 2-rank kaggle step over MPI, BENCHMARKS.md).
     Rows in the cost model's bus bytes (`model.cost.step_communication_bytes`: ids 8 B and a length
-    4 B per sample and feature; pooled rows 4 B a dim, forward and backward; x (N-1)/N)."""
+    4 B per sample and feature; pooled rows 4 B a dim, forward and backward; x (N-1)/N). The pooled
+    row's `forward_share` is the forward's part of its time (mean over ranks of each rank's median):
+    the halves differ (the backward regroups the gradient by rank before its collective)."""
     from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -285,10 +287,15 @@ def torchrec_distribution(
             lengths=torch.ones(features * b, dtype=torch.int32),
         )
         local = torch.randn(b * n, per_rank * TORCHREC_DIM, requires_grad=True)
+        halves: list[tuple[float, float]] = []  # (forward, forward and backward) seconds of each call
 
-        def pooled(local: torch.Tensor = local) -> None:
+        def pooled(local: torch.Tensor = local, halves: list = halves) -> None:
+            t0 = time.perf_counter()
             out = pooled_a2a(local).wait()
+            t1 = time.perf_counter()
             out.backward(torch.ones_like(out))
+            local.grad = None
+            halves.append((t1 - t0, time.perf_counter() - t0))
 
         def input_dist(kjt: KeyedJaggedTensor = kjt) -> None:
             ids_a2a(kjt).wait().wait()
@@ -301,6 +308,9 @@ def torchrec_distribution(
             rate = bus / seconds
             rows.append({"collective": name, "bytes": int(bus), "time_ms": seconds * 1e3, "algbw_bytes_per_s": rate,
                          "busbw_bytes_per_s": rate, "samples_per_rank": b})  # fmt: skip
+        share = torch.tensor([statistics.median(f for f, _ in halves) / statistics.median(t for _, t in halves)])
+        dist.all_reduce(share, group=pg)
+        rows[-1]["forward_share"] = share.item() / n
     return rows
 
 

@@ -134,6 +134,7 @@ class MeasuredCollective:
     the cost model's communication bytes."""
 
     points: tuple[tuple[float, float], ...]  # (bus bytes, seconds), by size
+    forward_share: float = 0.5  # of a forward-and-backward path (TorchRec's pooled all-to-all): the forward's part
 
     def seconds(self, nbytes: float, count: int = 1) -> float:
         if nbytes <= 0:
@@ -165,8 +166,10 @@ def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, Measu
     for name in ("all_to_all", "all_reduce", *TORCHREC_PATH):
         mine = sorted((r for r in rows if r["collective"] == name), key=lambda r: r["bytes"])
         if mine:
+            shares = [r["forward_share"] for r in mine if r.get("forward_share")]  # probed since 2026-11-24
             out[name] = MeasuredCollective(
-                tuple((r["busbw_bytes_per_s"] * r["time_ms"] / 1e3, r["time_ms"] / 1e3) for r in mine)
+                tuple((r["busbw_bytes_per_s"] * r["time_ms"] / 1e3, r["time_ms"] / 1e3) for r in mine),
+                forward_share=sum(shares) / len(shares) if shares else 0.5,
             )
     return out if "all_to_all" in out and "all_reduce" in out else None
 
@@ -222,15 +225,17 @@ def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[st
     half = comm_bytes.get("pooled_reduce_scatter", 0.0) / 2
     scatter = ar.seconds(2 * half) / 2 if half else 0.0
     ids, rows = fits.get("torchrec_input_dist"), fits.get("torchrec_pooled")  # TorchRec's own path, where probed
-    pooled = (
-        rows.seconds(comm_bytes["pooled_all_to_all"]) / 2 if rows else a2a.seconds(comm_bytes["pooled_all_to_all"] / 2)
-    )
+    if rows:  # forward and backward probed together, with the forward's share of the time
+        both = rows.seconds(comm_bytes["pooled_all_to_all"])
+        forward, backward = both * rows.forward_share, both * (1 - rows.forward_share)
+    else:
+        forward = backward = a2a.seconds(comm_bytes["pooled_all_to_all"] / 2)
     return {
         "input_dist": ids.seconds(comm_bytes["input_dist"])
         if ids
         else a2a.seconds(comm_bytes["input_dist"], INPUT_DIST_COLLECTIVES),
-        "pooled_forward": pooled + scatter,
-        "pooled_backward": pooled + scatter,
+        "pooled_forward": forward + scatter,
+        "pooled_backward": backward + scatter,
         "gradient_all_reduce": ar.seconds(grad, max(1, math.ceil(grad / 2 / DDP_BUCKET_BYTES))),
     }
 
@@ -278,15 +283,18 @@ def gap_breakdown(
         waits, waiting = dict(many.late_ms), f"{waiting} (measured)"
     else:  # expected from one rank's jitter
         waits, waiting = _waits_ms(one, many.world_size, ratio), f"{waiting} (one rank's step-to-step jitter)"
-    # at the probed speed of the raw collectives, or of TorchRec's distribution around them where probed
-    at, beyond = "at the measured bandwidth", "beyond the bandwidth and the wait"
-    if fits and all(name in fits for name in TORCHREC_PATH):
-        at, beyond = "through TorchRec at its probed speed", "beyond TorchRec's probed speed and the wait"
     split = many.phases.get(POOLED_BACKWARD, 0.0) > 0  # the pooled all-to-all's backward timed apart
     collective_phases = [("input_dist", "input_dist"), ("embedding_all_to_all", "pooled_forward")]
     if split:
         collective_phases.append((POOLED_BACKWARD, "pooled_backward"))
+
+    def labels(part: str) -> tuple[str, str]:  # the raw collectives' probed speed, or TorchRec's path's where probed
+        if (fits or {}).get("torchrec_input_dist" if part == "input_dist" else "torchrec_pooled"):
+            return "through TorchRec at its probed speed", "beyond TorchRec's probed speed and the wait"
+        return "at the measured bandwidth", "beyond the bandwidth and the wait"
+
     for p, part in collective_phases:
+        at, beyond = labels(part)
         delta = many.phases[p] - expected[p]
         items[f"{p}: {waiting}"] = waits[p]
         if comm is None:
@@ -308,8 +316,9 @@ def gap_breakdown(
         backward_is = "(compute and collectives)"
     if comm is None:
         items[f"backward: {without} {backward_is}"] = backward - wait_bw
-    else:
-        items[f"backward: collectives {at}"] = at_bw
+    else:  # with the pooled half apart, what is left is the dense all-reduce: a raw collective
+        with_pooled = f"collectives {labels('pooled_backward')[0]}"
+        items[f"backward: {'the gradient all-reduce at the measured bandwidth' if split else with_pooled}"] = at_bw
         items[f"backward: {beyond_bw}"] = backward - at_bw - wait_bw
     items["untimed (between phases)"] = many.untimed_ms - untimed
     gap = many.step_ms - baseline
