@@ -161,6 +161,9 @@ def test_torchrec_distribution_where_probed_replaces_the_raw_collectives():
     assert items["input_dist: through TorchRec at its probed speed"] == pytest.approx(3.0)
     assert items["embedding_all_to_all: through TorchRec at its probed speed"] == pytest.approx(4.0)
     assert sum(items.values()) == pytest.approx(80.0)
+    # data-parallel tables: no pooled all-to-all, backward's collective is the raw all-reduce
+    replicated = gap_breakdown(ONE, MANY, {**COMM, "pooled_all_to_all": 0.0}, with_lib, ceiling=0.8)["items_ms"]
+    assert replicated["backward: collectives at the measured bandwidth"] == pytest.approx(1.0)  # raw rows: 1 ms
     # the probe's forward share splits the pooled path's time: a quarter forward, the rest backward
     shared = fit_collectives({"comms": {"mpi/2": raw + [{**lib[1], "forward_share": 0.25}]}}, "mpi/2")
     split = StepTimes(step_ms=180.0, phases={**MANY.phases, "backward": 87.0, "embedding_all_to_all_backward": 8.0},
@@ -249,7 +252,13 @@ def test_collectives_are_taken_from_the_probe_rows_as_measured():
     a2a, ar = fits["all_to_all"], fits["all_reduce"]
     assert a2a.seconds(100) == pytest.approx(0.5e-3)  # below the smallest: its time
     assert a2a.seconds(500 + (1e6 - 500) / 2) == pytest.approx(1.25e-3)  # halfway: halfway
-    assert a2a.seconds(2e6) == pytest.approx(4e-3)  # beyond the largest: at its bandwidth
+    # beyond the largest: the last segment's time per byte (1.5 ms more for 999,500 B more), not its mean
+    assert a2a.seconds(2e6) == pytest.approx(2e-3 + 1e6 * 1.5e-3 / 999_500)
+    one_size = fit_collectives({"comms": {"mpi/2": [rows[1], rows[3]]}}, "mpi/2")["all_to_all"]
+    assert one_size.seconds(2e6) == pytest.approx(4e-3)  # one probed size: at its bandwidth
+    flat = fit_collectives({"comms": {"mpi/2": [rows[0], {**rows[1], "time_ms": 0.5, "busbw_bytes_per_s": 2e9},
+                                                  *rows[2:]]}}, "mpi/2")["all_to_all"]  # fmt: skip
+    assert flat.seconds(2e6) == pytest.approx(1e-3)  # a last segment that does not rise: at the largest's bandwidth
     assert a2a.seconds(1e6, count=3) == pytest.approx(2e-3 + 2 * 0.5e-3)  # other collectives at latency
     assert ar.seconds(1e6) == pytest.approx(1e-3) and ar.seconds(0) == 0.0
     assert fit_collectives({"comms": {"mpi/2": rows}}, "gloo/2") is None

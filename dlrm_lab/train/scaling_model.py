@@ -129,7 +129,9 @@ class Collective:
 @dataclass(frozen=True)
 class MeasuredCollective:
     """A probed collective: its time at each probed size, interpolated linearly in between,
-    the smallest message's time below, the largest's bandwidth above. Sizes are bus bytes
+    the smallest message's time below, and above the largest the last segment's time per byte
+    (what one more byte costs there: a per-call cost is not charged again by the byte, which
+    took rm2's 8 MB of ids at 24 ms over gloo where 18 were measured). Sizes are bus bytes
     (what one rank moves: x (N-1)/N for all-to-all, x 2 (N-1)/N for all-reduce), the unit of
     the cost model's communication bytes."""
 
@@ -149,7 +151,8 @@ class MeasuredCollective:
             if nbytes <= b1:
                 return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
         b1, t1 = pts[-1]
-        return t1 + (nbytes - b1) * t1 / b1
+        per_byte = (t1 - pts[-2][1]) / (b1 - pts[-2][0]) if len(pts) > 1 and t1 > pts[-2][1] else t1 / b1
+        return t1 + (nbytes - b1) * per_byte
 
 
 # TorchRec's distribution as a step runs it (`metrics.probe.torchrec_distribution`), where probed
@@ -289,7 +292,12 @@ def gap_breakdown(
         collective_phases.append((POOLED_BACKWARD, "pooled_backward"))
 
     def labels(part: str) -> tuple[str, str]:  # the raw collectives' probed speed, or TorchRec's path's where probed
-        if (fits or {}).get("torchrec_input_dist" if part == "input_dist" else "torchrec_pooled"):
+        path = {
+            "input_dist": "torchrec_input_dist",
+            "pooled_forward": "torchrec_pooled",
+            "pooled_backward": "torchrec_pooled",
+        }
+        if part in path and (fits or {}).get(path[part]):
             return "through TorchRec at its probed speed", "beyond TorchRec's probed speed and the wait"
         return "at the measured bandwidth", "beyond the bandwidth and the wait"
 
@@ -317,7 +325,7 @@ def gap_breakdown(
     if comm is None:
         items[f"backward: {without} {backward_is}"] = backward - wait_bw
     else:  # with the pooled half apart, what is left is the dense all-reduce: a raw collective
-        with_pooled = f"collectives {labels('pooled_backward')[0]}"
+        with_pooled = f"collectives {labels('pooled_backward' if comm['pooled_backward'] else 'all_reduce')[0]}"
         items[f"backward: {'the gradient all-reduce at the measured bandwidth' if split else with_pooled}"] = at_bw
         items[f"backward: {beyond_bw}"] = backward - at_bw - wait_bw
     items["untimed (between phases)"] = many.untimed_ms - untimed
