@@ -1,0 +1,162 @@
+"""What a leaner pooled all-to-all would give a 2-rank training step (issue 18): measured before building.
+
+TorchRec's CPU `PooledEmbeddingsAllToAll` copies the pooled rows into a fresh buffer before the
+collective, concatenates the ranks' blocks after it, and regroups the gradient by rank in two
+copies (`.contiguous()` per block, then a concatenation). An all-to-all straight from the lookup's
+output, one concatenation forward and one regrouping copy backward is the least a step can do on
+one host. This experiment swaps it in for TorchRec's table-wise output distribution (a patch in
+the ranks of this script only: the lab itself runs TorchRec's) and runs kaggle weak scaling both
+ways, alternated, over MPI:
+
+    python benchmarks/lean_pooled.py --repeats 2      # ~3 min on 2 cores
+
+Numerically the same step (the same collectives of the same bytes; TorchRec's gradient division
+kept): the losses are compared. Results: results-lean_pooled-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+TRAIN = ["train", "--preset", "kaggle", "--max-rows", "100000", "--batch-size", "2048", "--pin-cores",
+         "--sharding", "table_wise", "--no-progress"]  # fmt: skip
+PHASES_SHOWN = ("embedding_all_to_all", "embedding_all_to_all_backward", "backward")
+
+
+def install_lean_output_dist() -> None:
+    """Replace TorchRec's table-wise pooled all-to-all in this process (the experiment's variant)."""
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed import comm_ops
+    from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
+    from torchrec.distributed.types import NoWait
+
+    class LeanPooled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, local: torch.Tensor, pg: Any, dims: list[int]) -> torch.Tensor:  # type: ignore[override]
+            world, me = pg.size(), pg.rank()
+            b = local.shape[0] // world
+            out = torch.empty(b * sum(dims), dtype=local.dtype)
+            dist.all_to_all_single(out, local.contiguous().view(-1), [b * d for d in dims], [b * dims[me]] * world,
+                                   group=pg)  # fmt: skip
+            ctx.pg, ctx.dims, ctx.b = pg, dims, b
+            blocks = out.split([b * d for d in dims])
+            return torch.cat([blk.view(b, d) for blk, d in zip(blocks, dims, strict=True)], dim=1)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+            pg, dims, b = ctx.pg, ctx.dims, ctx.b
+            world, me = pg.size(), pg.rank()
+            send = torch.empty(b * sum(dims), dtype=grad.dtype)
+            at = col = 0
+            for d in dims:  # one copy: each rank's columns into its contiguous block
+                send[at : at + b * d].view(b, d).copy_(grad[:, col : col + d])
+                at, col = at + b * d, col + d
+            recv = torch.empty(world * b * dims[me], dtype=grad.dtype)
+            dist.all_to_all_single(recv, send, [b * dims[me]] * world, [b * d for d in dims], group=pg)
+            if comm_ops.get_gradient_division():  # as TorchRec's backward does
+                recv.div_(world)
+            return recv.view(world * b, dims[me]), None, None
+
+    class LeanPooledAllToAll(torch.nn.Module):
+        def __init__(self, pg: Any, dims: list[int]) -> None:
+            super().__init__()
+            self.pg, self.dims = pg, dims
+
+        def forward(self, local_embs: torch.Tensor, batch_size_per_rank: Any = None) -> Any:
+            return NoWait(LeanPooled.apply(local_embs, self.pg, self.dims))
+
+    def create(self: Any, sharding_ctx: Any = None) -> None:
+        self._dist = LeanPooledAllToAll(self._pg, self._dim_sum_per_rank)
+
+    TwPooledEmbeddingDist._create_output_dist_module = create
+
+
+def rank_job(variant: str, args: list[str]) -> None:
+    if variant == "lean":
+        install_lean_output_dist()
+    sys.argv = ["dlrm-lab", *args]
+    from dlrm_lab.cli import run
+
+    run()
+
+
+def one_run(ranks: int, variant: str, steps: int, out: Path) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    args = [*TRAIN, "--steps", str(steps), "--metrics-dir", str(out)]
+    if ranks > 1:
+        args += ["--collectives", "mpi"]
+    cmd = [sys.executable, __file__, "--rank-job", variant, "--", *args]
+    if ranks > 1:
+        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    run_dir = max(out.glob("train-*"), key=lambda p: p.stat().st_mtime)
+    every = pq.read_table(run_dir / "steps.parquet").to_pylist()
+    rows = [r for r in every if not r["warmup"]]
+
+    def mean(column: str) -> float:  # per rank over steps, then over ranks
+        per = [[r[column] for r in rows if r["rank"] == k] for k in range(ranks)]
+        return sum(sum(p) / len(p) for p in per) / len(per)
+
+    losses = [r["loss"] for r in sorted(every, key=lambda r: (r["step"], r["rank"]))]  # warm-up steps too
+    return {"step_ms": mean("step_time_ms"), **{f"{p}_ms": mean(f"{p}_ms") for p in PHASES_SHOWN},
+            "losses": losses, "run_dir": str(run_dir)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank-job", choices=("torchrec", "lean"), help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=2, help="pairs of runs, alternated (ABBA): the host drifts")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", default=None)
+    opts, rest = ap.parse_known_args()
+    if opts.rank_job:
+        rank_job(opts.rank_job, rest[1:] if rest[:1] == ["--"] else rest)
+        return
+    from common import header, results_path, write_results
+
+    from dlrm_lab.metrics.roofline import load_profile
+
+    ceiling = (((load_profile() or {}).get("devices") or {}).get("cpu") or {}).get("ceiling", {}).get("2", {})
+    ceiling_eff = (ceiling.get("gemm") or {}).get("efficiency")
+    results: dict[str, Any] = {**header(), "ceiling": ceiling_eff, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(opts.repeats):
+            order = ("torchrec", "lean") if k % 2 == 0 else ("lean", "torchrec")
+            one = one_run(1, "torchrec", opts.steps, Path(tmp) / f"one-{k}")
+            pair = {"one_rank_step_ms": one["step_ms"]}
+            for variant in order:
+                two = one_run(2, variant, opts.steps, Path(tmp) / f"{variant}-{k}")
+                eff = one["step_ms"] / two["step_ms"]
+                pair[variant] = {**two, "efficiency": eff,
+                                 "efficiency_vs_ceiling": eff / ceiling_eff if ceiling_eff else None}  # fmt: skip
+                shown = ", ".join(f"{p} {two[f'{p}_ms']:.2f}" for p in PHASES_SHOWN)
+                print(f"pair {k + 1} {variant:8s}: 1 rank {one['step_ms']:.1f} ms, 2 ranks {two['step_ms']:.1f} ms, "
+                      f"efficiency {eff:.3f} ({pair[variant]['efficiency_vs_ceiling'] or 0:.3f} of the ceiling); "
+                      f"{shown}", flush=True)  # fmt: skip
+            a, b = pair["torchrec"]["losses"], pair["lean"]["losses"]
+            pair["max_loss_difference"] = max(abs(x - y) for x, y in zip(a, b, strict=True))
+            for variant in ("torchrec", "lean"):
+                del pair[variant]["losses"], pair[variant]["run_dir"]
+            results["runs"].append(pair)
+    for variant in ("torchrec", "lean"):
+        effs = [p[variant]["efficiency_vs_ceiling"] or 0.0 for p in results["runs"]]
+        results[f"{variant}_median_efficiency_vs_ceiling"] = median(effs)
+        print(f"{variant}: efficiency / ceiling {', '.join(f'{e:.3f}' for e in effs)} (median {median(effs):.3f})")
+    print(f"largest loss difference between the two: {max(p['max_loss_difference'] for p in results['runs']):.2e}")
+    write_results(results_path("lean_pooled", opts.out), results)
+
+
+if __name__ == "__main__":
+    main()
