@@ -192,6 +192,11 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     assert one["predicted_step_ms"] == pytest.approx(one["rank_step_ms"])
     assert two["predicted_step_ms"] > one["predicted_step_ms"] / 0.8  # slower compute plus collectives
     assert two["prediction_error"] == pytest.approx(two["rank_step_ms"] / two["predicted_step_ms"] - 1)
+    # the roof: compute at the 0.8 ceiling alone would allow 0.8, the collectives take some of it
+    assert 0 < two["roof_efficiency"] < 0.8 and one["roof_efficiency"] is None
+    assert two["library_roof_efficiency"] == two["roof_efficiency"]  # no TorchRec rows in this profile
+    assert two["efficiency_vs_roof"] == pytest.approx(two["efficiency"] / two["roof_efficiency"])
+    assert "this machine allows" in out.stdout
     gap = pq.read_table(sweep / "gap.parquet").to_pylist()
     assert {g["ranks"] for g in gap} == {2} and sum(g["ms"] for g in gap) == pytest.approx(two["gap_ms"])
     assert two["gap_named_ms"] == pytest.approx(two["gap_ms"])

@@ -18,6 +18,7 @@ from dlrm_lab.train.scaling_model import (
     per_rank_work,
     predict,
     project,
+    roof,
 )
 
 PHASES_ONE = {
@@ -226,6 +227,24 @@ def test_strong_sweeps_calibrate_on_one_rank_at_the_smallest_batch(tmp_path):
     proportional, _ = per_rank_work(big, 16)  # without the second run: in proportion, the optimizer whole
     assert proportional["dense_forward"] == pytest.approx(18.0 / 4) and proportional["optimizer"] == 4.0
     assert predict(big, 32, 1, COMM, FITS, None, small)["step_ms"] == pytest.approx(small.step_ms)
+
+
+def test_the_roof_is_the_prediction_without_waits_at_the_raw_collectives():
+    """What the machine allows: compute at the ceiling, the bytes at the raw collectives' probed
+    speed, no waits; and the same through TorchRec's probed path (what the library allows)."""
+    assert roof(ONE, 64, 2, COMM, FITS, 0.5) == pytest.approx({"machine_ms": 207.0, "library_ms": 207.0})
+    jittery = StepTimes(step_ms=100.0, phases=PHASES_ONE, batch_size_per_rank=64, world_size=1,
+                        per_step={"embedding_lookup": (1.0, 3.0)})  # fmt: skip
+    assert predict(jittery, 64, 2, COMM, FITS, 0.5)["step_ms"] == pytest.approx(207.5)  # 0.5 ms of expected wait
+    assert roof(jittery, 64, 2, COMM, FITS, 0.5)["machine_ms"] == pytest.approx(207.0)  # the roof has none
+    raw = [{"collective": c, "bytes": b, "time_ms": 1.0, "busbw_bytes_per_s": b / 1e-3}
+           for c in ("all_to_all", "all_reduce") for b in (1e3, 1e7)]  # fmt: skip
+    lib = [{"collective": name, "bytes": b, "time_ms": ms, "busbw_bytes_per_s": b / (ms / 1e3)}
+           for name, b, ms in (("torchrec_input_dist", 1e6, 3.0), ("torchrec_pooled", 2e6, 8.0))]  # fmt: skip
+    both = roof(ONE, 64, 2, COMM, fit_collectives({"comms": {"mpi/2": raw + lib}}, "mpi/2"), 1.0)
+    assert both["library_ms"] - both["machine_ms"] == pytest.approx((3.0 + 8.0) - (3 * 1.0 + 2 * 1.0))
+    assert roof(ONE, 64, 1, COMM, FITS, 0.5) is None and roof(ONE, 64, 2, COMM, None, 0.5) is None
+    assert roof(ONE, 64, 2, COMM, FITS, None) is None
 
 
 def test_prediction_on_a_fake_profile():

@@ -66,7 +66,7 @@ def scale_command(
     notes = sorted({p["prediction_note"] for p in points if p.get("prediction_note")})
     for note in notes:
         console().print(f"prediction: {note}")
-    _print_gaps(sweep_dir)
+    _print_gaps(sweep_dir, points)
     if projected:
         rows, assumptions, plans = projection(sweep_dir, points, projected, FABRICS[fabric], mode, plan_up_to)
         _print_projection(FABRICS[fabric], rows, assumptions, plans)
@@ -75,8 +75,9 @@ def scale_command(
         raise typer.Exit(1)
 
 
-def _print_gaps(sweep_dir) -> None:
-    """Where each multi-rank point's per-rank step went, against one rank (gap.parquet)."""
+def _print_gaps(sweep_dir, points) -> None:
+    """Where each multi-rank point's per-rank step went, against one rank (gap.parquet), and the
+    efficiency the machine and the library allow there."""
     import pyarrow.parquet as pq
 
     path = sweep_dir / "gap.parquet"
@@ -94,6 +95,14 @@ def _print_gaps(sweep_dir) -> None:
         console().print(table)
         if mine[0]["note"]:
             console().print(f"  assumed: {mine[0]['note']}")
+        for p in points:
+            if p["ranks"] == n and p.get("roof_efficiency") and p.get("efficiency") is not None:
+                console().print(
+                    f"  efficiency {p['efficiency']:.3f}: {p['efficiency_vs_roof']:.2f} of the "
+                    f"{p['roof_efficiency']:.3f} this machine allows (compute at its ceiling, the collectives at "
+                    "their probed speed); "
+                    f"{p['library_roof_efficiency']:.3f} through TorchRec's distribution at its probed speed"
+                )
 
 
 SHARDING_SHORT = {

@@ -153,6 +153,21 @@ _REGISTERED = [
     _c("efficiency", "efficiency", "fraction", ".3f", HIGHER),
     _c("ceiling_efficiency", "machine ceiling (N pinned processes' GEMM / N x one)", "fraction", ".3f", short="ceil"),
     _c("efficiency_vs_ceiling", "efficiency / ceiling", "fraction", ".3f", HIGHER, "eff/ceiling"),
+    _c(
+        "roof_efficiency",
+        "efficiency the machine allows (compute at the ceiling, bytes at the raw collectives' probed speed)",
+        "fraction",
+        ".3f",
+        short="roof",
+    ),
+    _c(
+        "library_roof_efficiency",
+        "efficiency allowed through TorchRec's probed distribution",
+        "fraction",
+        ".3f",
+        short="TorchRec roof",
+    ),
+    _c("efficiency_vs_roof", "efficiency / the machine's roof", "fraction", ".3f", HIGHER, "eff/roof"),
     _c("rank_step_ms", "per-rank step (mean)", "ms", ".1f", LOWER, "rank step ms"),
     _c("predicted_step_ms", "predicted per-rank step", "ms", ".1f", short="predicted ms"),
     _c("prediction_error", "measured / predicted - 1", "fraction", "+.1%", short="pred. error"),
@@ -355,8 +370,8 @@ FRONTIER_TABLE = (
     "model", "capacity_queries_per_s", "best_qps", "best_samples_per_s", "best_sla_latency_ms", "outcome"
 )  # fmt: skip
 SCALE_TABLE = (
-    "mode", "ranks", "samples_per_s", "speedup", "efficiency", "efficiency_vs_ceiling", "predicted_step_ms",
-    "prediction_error", "point_run_id", "point_status",
+    "mode", "ranks", "samples_per_s", "speedup", "efficiency", "efficiency_vs_ceiling", "roof_efficiency",
+    "efficiency_vs_roof", "predicted_step_ms", "prediction_error", "point_run_id", "point_status",
 )  # fmt: skip
 # what the report reads of a scale run: its table, and what the scaling plot draws besides
 SCALE_READ = (*SCALE_TABLE, "ceiling_efficiency", "rank_step_ms")

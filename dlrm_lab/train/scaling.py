@@ -47,6 +47,11 @@ POINT_SCHEMA = pa.schema(
         # against this machine's N-process compute ceiling and the scaling model (scaling_model)
         ("ceiling_efficiency", pa.float64()),  # probed: N pinned processes' GEMM rate / N x one alone
         ("efficiency_vs_ceiling", pa.float64()),
+        # the efficiency the machine allows (scaling_model.roof): compute at the ceiling, bytes at the raw
+        # collectives' probed speed; and through TorchRec's probed distribution; the measured one over the first
+        ("roof_efficiency", pa.float64()),
+        ("library_roof_efficiency", pa.float64()),
+        ("efficiency_vs_roof", pa.float64()),
         ("rank_step_ms", pa.float64()),  # mean per-rank step over the measured steps (first ok repeat)
         ("predicted_step_ms", pa.float64()),  # per rank, from the one-rank phases (scaling_model.predict)
         ("prediction_error", pa.float64()),  # measured / predicted - 1 (mean per-rank step times)
@@ -208,7 +213,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
     from dlrm_lab.metrics.ceiling import ceiling_efficiency
     from dlrm_lab.metrics.roofline import load_profile
     from dlrm_lab.model.cost import step_communication_bytes
-    from dlrm_lab.train.scaling_model import StepTimes, fit_collectives, gap_breakdown, predict
+    from dlrm_lab.train.scaling_model import StepTimes, fit_collectives, gap_breakdown, predict, roof
 
     first = _point_dir(result, 0)
     if first is None or rows[0]["ranks"] != 1:
@@ -251,6 +256,13 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
             row["prediction_note"] = predicted
         else:
             row["predicted_step_ms"] = predicted["step_ms"]
+        best = roof(one, row["batch_size_per_rank"], n, comm, fits, ceiling, small) if comm else None
+        if best is not None:  # efficiency: samples/s at N ranks over N x one rank's, here at the roof's step
+            alone = one.step_ms / rows[0]["global_batch_size"]  # ms a sample on one rank
+            row["roof_efficiency"] = row["global_batch_size"] * alone / (n * best["machine_ms"])
+            row["library_roof_efficiency"] = row["global_batch_size"] * alone / (n * best["library_ms"])
+            if row.get("efficiency") is not None:
+                row["efficiency_vs_roof"] = row["efficiency"] / row["roof_efficiency"]
         mpi = fit_collectives(profile, f"mpi/{n}")
         if comm and mpi and n > 1 and isinstance(with_mpi := predict(one, row["batch_size_per_rank"], n, comm, mpi,
                                                                       ceiling, small), dict):  # fmt: skip

@@ -375,6 +375,32 @@ def predict(
     }
 
 
+def roof(
+    one: StepTimes,
+    batch_size_per_rank: int,
+    world_size: int,
+    comm_bytes: dict[str, float],
+    fits: dict[str, Any] | None,
+    ceiling: float | None,
+    small: StepTimes | None = None,
+) -> dict[str, float] | None:
+    """The per-rank step this machine allows at `world_size` ranks: one rank's work with its compute
+    at the N-process ceiling and the step's bytes at the raw collectives' probed speed, no waits and
+    nothing around the collectives (`machine_ms`); and the same with TorchRec's distribution at its
+    probed speed where the probe timed it (`library_ms`: what the library lets a step reach here).
+    None without a probed ceiling and collectives: the prediction says why."""
+    if world_size < 2 or ceiling is None or not fits:
+        return None
+    raw = {name: fit for name, fit in fits.items() if name not in TORCHREC_PATH}
+    out = {}
+    for key, through in (("machine_ms", raw), ("library_ms", fits)):
+        best = predict(one, batch_size_per_rank, world_size, comm_bytes, through, ceiling, small)
+        if isinstance(best, str):
+            return None
+        out[key] = best["step_ms"] - best["wait_ms"]
+    return out
+
+
 # -- projection to clusters --------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fabric:
