@@ -37,8 +37,9 @@ CASES = {  # name: (mode, batch for --batch-size, train options)
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
 CASES.update({f"{case} {t}": (CASES[case][0], CASES[case][1], [*CASES[case][2], "--sharding", t])
               for case in ("rm2 weak", "kaggle weak") for t in SHARDING_TYPES})  # fmt: skip
-KEEP = ("ranks", "samples_per_s", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "rank_step_ms",
-        "predicted_step_ms", "prediction_error", "predicted_step_ms_mpi", "gap_ms")  # fmt: skip
+KEEP = ("ranks", "samples_per_s", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "roof_efficiency",
+        "library_roof_efficiency", "efficiency_vs_roof", "rank_step_ms", "predicted_step_ms", "prediction_error",
+        "predicted_step_ms_mpi", "gap_ms")  # fmt: skip
 
 
 def cli(*args: str) -> str:
