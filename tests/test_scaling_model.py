@@ -8,16 +8,14 @@ import pytest
 import dlrm_lab
 from dlrm_lab.metrics.ceiling import ceiling_efficiency
 from dlrm_lab.model.cost import step_communication_bytes
+from dlrm_lab.train.fabrics import FABRICS, Fabric, project
 from dlrm_lab.train.scaling_model import (
-    FABRICS,
     Collective,
-    Fabric,
     StepTimes,
     fit_collectives,
     gap_breakdown,
     per_rank_work,
     predict,
-    project,
     roof,
 )
 

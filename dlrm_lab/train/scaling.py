@@ -299,7 +299,7 @@ def scaling_sweep(spec: SweepSpec, *, argv: list[str] | None = None) -> tuple[Pa
 def projection(
     sweep_dir: Path, points: list[dict[str, Any]], ranks: list[int], fabric: Any, mode: str, plan_up_to: int
 ) -> tuple[list[dict[str, Any]], list[str], dict[int, str]]:
-    """The sweep's one-rank run projected to `ranks` on `fabric` (scaling_model.project), and
+    """The sweep's one-rank run projected to `ranks` on `fabric` (fabrics.project), and
     the TorchRec planner's sharding at each count up to `plan_up_to` (beyond: the last plan)."""
     import json
 
@@ -307,7 +307,7 @@ def projection(
 
     from dlrm_lab.config import ModelSpec, load_preset
     from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
-    from dlrm_lab.train.scaling_model import planner_choice, project
+    from dlrm_lab.train.fabrics import planner_choice, project
 
     one = next((p for p in points if p["ranks"] == 1 and p.get("point_run_id")), None)
     if one is None:
