@@ -91,6 +91,8 @@ def rank_job(variant: str, args: list[str]) -> None:
 def one_run(ranks: int, variant: str, steps: int, out: Path) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
+    from dlrm_lab.train.scaling_model import StepTimes
+
     args = [*TRAIN, "--steps", str(steps), "--metrics-dir", str(out)]
     if ranks > 1:
         args += ["--collectives", "mpi"]
@@ -102,16 +104,11 @@ def one_run(ranks: int, variant: str, steps: int, out: Path) -> dict[str, Any]:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     run_dir = max(out.glob("train-*"), key=lambda p: p.stat().st_mtime)
+    times = StepTimes.from_run(run_dir)  # per rank over the measured steps, then over ranks
     every = pq.read_table(run_dir / "steps.parquet").to_pylist()
-    rows = [r for r in every if not r["warmup"]]
-
-    def mean(column: str) -> float:  # per rank over steps, then over ranks
-        per = [[r[column] for r in rows if r["rank"] == k] for k in range(ranks)]
-        return sum(sum(p) / len(p) for p in per) / len(per)
-
     losses = [r["loss"] for r in sorted(every, key=lambda r: (r["step"], r["rank"]))]  # warm-up steps too
-    return {"step_ms": mean("step_time_ms"), **{f"{p}_ms": mean(f"{p}_ms") for p in PHASES_SHOWN},
-            "losses": losses, "run_dir": str(run_dir)}  # fmt: skip
+    return {"step_ms": times.step_ms, **{f"{p}_ms": times.phases[p] for p in PHASES_SHOWN}, "losses": losses,
+            "run_dir": str(run_dir)}  # fmt: skip
 
 
 def main() -> None:

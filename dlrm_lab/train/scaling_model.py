@@ -315,6 +315,7 @@ def gap_breakdown(
     if split:  # what is left in backward: compute and the all-reduce (its wait cannot be told apart there)
         wait_bw, beyond_bw, without = 0.0, "beyond the ceiling and the bandwidth", "beyond the ceiling"
         at_bw = comm["gradient_all_reduce"] * 1e3 if comm else 0.0
+        at_bw_is = "the gradient all-reduce at the measured bandwidth"  # a raw collective
         backward_is = "(compute, the all-reduce and its wait)"
     else:  # the pooled all-to-all's backward inside backward, and its wait
         backward += many.phases[POOLED_BACKWARD] - expected[POOLED_BACKWARD]
@@ -322,12 +323,13 @@ def gap_breakdown(
         items[f"backward: {waiting}"] = wait_bw
         beyond_bw, without = "beyond the ceiling, the bandwidth and the wait", "beyond the ceiling and the wait"
         at_bw = (comm["gradient_all_reduce"] + comm["pooled_backward"]) * 1e3 if comm else 0.0
+        pooled = comm is not None and comm["pooled_backward"] > 0  # else only the all-reduce: a raw collective
+        at_bw_is = f"collectives {labels('pooled_backward')[0] if pooled else 'at the measured bandwidth'}"
         backward_is = "(compute and collectives)"
     if comm is None:
         items[f"backward: {without} {backward_is}"] = backward - wait_bw
-    else:  # with the pooled half apart, what is left is the dense all-reduce: a raw collective
-        with_pooled = f"collectives {labels('pooled_backward' if comm['pooled_backward'] else 'all_reduce')[0]}"
-        items[f"backward: {'the gradient all-reduce at the measured bandwidth' if split else with_pooled}"] = at_bw
+    else:
+        items[f"backward: {at_bw_is}"] = at_bw
         items[f"backward: {beyond_bw}"] = backward - at_bw - wait_bw
     items["untimed (between phases)"] = many.untimed_ms - untimed
     gap = many.step_ms - baseline

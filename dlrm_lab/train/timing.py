@@ -120,11 +120,11 @@ def _instrument_output_dist_backward(ebc: Any, timer: StepTimer, state: dict[str
         return []
 
     def grad_out_ready(grad: torch.Tensor) -> None:
-        state["pending"] = state.get("pending", 0) + 1
+        state["pending"] += 1
         timer.mark("backward")
 
     def grad_in_ready(grad: torch.Tensor) -> None:
-        if state.get("pending", 0) > 0:
+        if state["pending"] > 0:
             state["pending"] -= 1
             timer.mark("embedding_all_to_all_backward")
 
