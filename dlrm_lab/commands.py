@@ -45,6 +45,7 @@ _INFER_OPTIONS: dict[str, Any] = {
     "max_issue_lag_ms": float,
     "precision": str,
     "table_precision": str,
+    "build": str,
     "device": str,
     "pin_cores": bool,
     "alone": bool,

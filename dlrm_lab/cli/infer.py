@@ -91,6 +91,14 @@ Precision = Annotated[
 TablePrecision = Annotated[
     str, typer.Option(help="Embedding tables: fp32, fp16, int8 or int4 (row-wise quantised, fbgemm).")
 ]
+Build = Annotated[
+    str,
+    typer.Option(
+        help="Inference form served: auto (timed at start: the fastest whose scores pass the accuracy check), "
+        "eager (the training module), fused (one fused fbgemm table lookup, weights stored in the served "
+        "precision) or compiled (fused, dense part compiled by Inductor with freezing)."
+    ),
+]
 Device = Annotated[str, typer.Option(help="cpu or cuda.")]
 PinCores = Annotated[bool, typer.Option(help="Pin each instance to its own cores.")]
 Seed = Annotated[int, typer.Option(help="Seed of the load, the samples and the weights.")]
@@ -138,6 +146,7 @@ def run_command(
     max_issue_lag_ms: MaxIssueLagMs = 1000.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
+    build: Build = "auto",
     device: Device = "cpu",
     pin_cores: PinCores = True,
     alone: Annotated[bool, typer.Option(help="With several models, also serve each alone (interference).")] = True,
@@ -249,6 +258,7 @@ def search_command(
     spin_ms: SpinMs = 0.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
+    build: Build = "auto",
     device: Device = "cpu",
     pin_cores: PinCores = True,
     data_spec: DataSpec = None,
@@ -280,7 +290,7 @@ def search_command(
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
                             early_stop=early_stop)  # fmt: skip
     (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, spin_ms=spin_ms, precision=precision,
-                             table_precision=table_precision, data_spec=data_spec, table_scale=table_scale,
+                             table_precision=table_precision, build=build, data_spec=data_spec, table_scale=table_scale,
                              max_rows=max_rows, history_cache_mb=history_cache_mb, attention=attention,
                              history_affinity=history_affinity,
                              data_overrides=tuple(set_ or ())).served(model)  # fmt: skip

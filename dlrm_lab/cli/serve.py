@@ -11,6 +11,7 @@ from rich.table import Table
 from dlrm_lab.cli.format import console
 from dlrm_lab.cli.infer import (
     Arrival,
+    Build,
     DataSpec,
     Device,
     Duration,
@@ -45,6 +46,7 @@ def serve_command(
     spin_ms: SpinMs = 0.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",
+    build: Build = "auto",
     device: Device = "cpu",
     pin_cores: PinCores = True,
     data_spec: DataSpec = None,
@@ -63,7 +65,7 @@ def serve_command(
     served = ServingOptions(
         instances=instances, threads=threads, max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue,
         min_piece=min_piece, spin_ms=spin_ms, precision=precision, table_precision=table_precision, data_spec=data_spec,
-        table_scale=table_scale, max_rows=max_rows,
+        table_scale=table_scale, build=build, max_rows=max_rows,
     ).served(model)  # fmt: skip
     raise_on_sigterm()  # during start-up; serving installs its own graceful handler
     out = console(stderr=True)

@@ -65,6 +65,12 @@ class BatchResult:
     # HSTU with history reuse: per query of the batch, in order, (its requests that reused a cached
     # history, the history tokens reused); None otherwise
     reused: np.ndarray | None = None
+    # ms of the batch in (assembly, lookup, dense, interaction) on the instance (`BATCH_STAGES`);
+    # None where a build does not separate a stage (or on a GPU, where timing it would add a sync)
+    stages: tuple[float | None, ...] | None = None
+
+
+BATCH_STAGES = ("assembly", "lookup", "dense", "interaction")
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class InstancePlan:
     warmup_batch: int
     spin_ms: float = 0.0  # poll for the next batch this long before blocking
     history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
+    build: str = "eager"  # the inference form served (infer.build)
     # Instances yield to the serving process: when they fill every core, the batcher and
     # completion threads would otherwise wait a scheduler slice (ms) to run.
     nice: int = 5
@@ -112,13 +119,10 @@ def remove_stale_snapshots(base: Path | None = None) -> list[Path]:
     return removed
 
 
-def write_snapshot(
-    directory: Path, model: torch.nn.Module, library: PackedLibrary, *, table_precision: str, device: str
-) -> int:
-    """Write the (quantised) model and the sample library for instances to map; returns bytes."""
+def write_snapshot(directory: Path, model: torch.nn.Module, library: PackedLibrary) -> int:
+    """Write the model as served (its build, `infer.build`: tables already quantised on CPU; on GPU each
+    instance quantises on its device) and the sample library for instances to map; returns bytes."""
     directory.mkdir(parents=True, exist_ok=False)
-    if table_precision != "fp32" and device == "cpu":
-        model = quantize_tables(model, table_precision)  # on GPU each instance quantises on its device
     torch.save(model, directory / "model.pt")
     torch.save({k: torch.from_numpy(v) for k, v in library.arrays().items()}, directory / LIBRARY_FILE)
     return sum(p.stat().st_size for p in directory.iterdir())
@@ -205,17 +209,22 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             model = model.to(device)
-            if plan.table_precision != "fp32":
+            if plan.build != "eager":  # the fused tables are built on the device that serves them
+                from dlrm_lab.infer.build import make_build
+
+                model = make_build(model, plan.build, precision=plan.precision, table_precision=plan.table_precision)
+            elif plan.table_precision != "fp32":
                 model = quantize_tables(model, plan.table_precision)
         model.eval()
         if device.type == "cpu":
             _touch_pages(model)
+        if plan.build == "compiled":
+            model.compile_dense()  # compiled by the warm-up below, before the instance says it is ready
         library = map_library(snapshot)
         if hstu:
-            runner: _Runner | _RequestRunner = _RequestRunner(model, library, device, plan.precision,
-                                                              plan.history_cache_mb)  # fmt: skip
+            runner: Any = _RequestRunner(model, library, device, plan.precision, plan.history_cache_mb)
         else:
-            runner = _Runner(model, library, spec.feature_names, device, plan.precision)
+            runner = make_runner(model, library, device, plan.precision)
         runner.warm_up(min(plan.warmup_batch, REQUEST_COST_BATCH) if hstu else plan.warmup_batch)
         cost = runner.batch_cost(min(REQUEST_COST_BATCH if hstu else COST_BATCH, library.size))
         gc.collect()
@@ -238,15 +247,16 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             return
         batch_id, refs = msg
         start = time.monotonic_ns()
-        scores, error, reused = None, None, None
+        scores, error, reused, stages = None, None, None, None
         try:
             scores = runner(refs)
             reused = runner.reused
+            stages = runner.stages
         except Exception as exc:  # noqa: BLE001 - one failed batch must not end the instance
             error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         try:
-            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, reused))
+            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, reused, stages))
         except (EOFError, OSError):
             return
 
@@ -300,8 +310,21 @@ def pad_batch(dense: torch.Tensor, kjt: Any, size: int) -> tuple[torch.Tensor, A
     return dense, KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values(), lengths=padded)
 
 
+def make_runner(model: torch.nn.Module, library: PackedLibrary, device: torch.device, precision: str) -> Any:
+    """The batch runner of a DLRM build: the fused or compiled module, or the eager model."""
+    from dlrm_lab.infer.build import FusedDLRM
+
+    if isinstance(model, FusedDLRM):
+        return _FusedRunner(model, library, device)
+    return _Runner(model, library, list(model.spec.feature_names), device, precision)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
 class _Runner:
-    """DLRM's forward pass in eval mode without autograd, with optional autocast.
+    """DLRM's forward pass in eval mode without autograd, with optional autocast (the `eager` build).
 
     Under bf16/fp16 oneDNN compiles a kernel for every new batch size (tens of ms, seen as
     50 ms p99 at 3 queries/s with MLPerf's 100-700 sample queries): batches are padded to
@@ -313,6 +336,7 @@ class _Runner:
     ) -> None:
         self.model, self.library, self.keys, self.device = model, library, keys, device
         self.reused = None
+        self.stages: tuple[float | None, ...] | None = None
         self.autocast = precision != "fp32"
         self.dtype = DTYPES[precision]
 
@@ -325,16 +349,68 @@ class _Runner:
         return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
 
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        t0 = time.perf_counter()
         dense, kjt = assemble_batch(self.library, refs, self.keys)
         n = dense.shape[0]
         if self.autocast:
             dense, kjt = pad_batch(dense, kjt, bucket(n))
+        t1 = time.perf_counter()
         with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
             if self.device.type == "cuda":
                 dense = dense.pin_memory().to(self.device, non_blocking=True)
                 kjt = kjt.pin_memory().to(self.device, non_blocking=True)
-            logits = self.model(dense, kjt)
+                logits, parts = self.model(dense, kjt), (None, None, None)
+            else:  # the model's own stages, timed (on a GPU each would need a sync)
+                logits, parts = self.model.forward_in_stages(dense, kjt)
             scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
+        self.stages = (_ms(t1 - t0), *(_ms(p) for p in parts))
+        return scores.numpy()[:n]
+
+
+class _FusedRunner:
+    """A `FusedDLRM` (the `fused` and `compiled` builds) over batches handed to its kernels as they take
+    them: the library's gather gives dense rows, lengths and ids; the offsets are one cumulative sum.
+    Padded to bucket sizes below fp32, as `_Runner` is (oneDNN builds a kernel per batch size)."""
+
+    def __init__(self, model: Any, library: PackedLibrary, device: torch.device) -> None:
+        self.model, self.library, self.device = model, library, device
+        self.features = library.lengths.shape[0]
+        self.reused = None
+        self.stages: tuple[float | None, ...] | None = None
+        self.pad = model.precision != "fp32"
+
+    def warm_up(self, max_batch: int) -> None:
+        sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.pad else set())
+        for size in sorted(sizes):
+            self([QueryRef(-1, size, 0)])
+
+    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
+        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
+
+    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        from dlrm_lab.infer.build import kernel_batch, pad_kernel_batch
+
+        t0 = time.perf_counter()
+        if any(r.payload is not None for r in refs):
+            gathered = _inline(self.library, refs, self.features)
+        else:
+            sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
+            offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
+            gathered = self.library.gather(sizes, offsets)
+        dense, ids, offsets_t = kernel_batch(*gathered)
+        n = dense.shape[0]
+        if self.pad:
+            dense, ids, offsets_t = pad_kernel_batch(dense, ids, offsets_t, self.features, bucket(n))
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            if self.device.type == "cuda":
+                dense, ids, offsets_t = (
+                    t.pin_memory().to(self.device, non_blocking=True) for t in (dense, ids, offsets_t)
+                )
+                scores, parts = self.model(dense, ids, offsets_t).cpu(), (None, None, None)
+            else:
+                scores, parts = self.model.score_in_stages(dense, ids, offsets_t)
+        self.stages = (_ms(t1 - t0), *(_ms(p) for p in parts))
         return scores.numpy()[:n]
 
 
@@ -354,6 +430,7 @@ class _RequestRunner:
         self.dtype = DTYPES[precision]
         self.cache = HistoryCache(int(history_cache_mb * 1e6)) if history_cache_mb > 0 else None
         self.reused: np.ndarray | None = None
+        self.stages: tuple[float | None, ...] | None = None  # the ranker's stages are not told apart
 
     def warm_up(self, max_batch: int) -> None:
         for size in sorted({1, max_batch}):

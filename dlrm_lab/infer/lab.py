@@ -30,8 +30,10 @@ from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import (
     QUERY_SCHEMA,
     SUMMARY_SCHEMA,
+    batch_roof,
     energy_columns,
     latency_floor_columns,
+    latency_parts,
     roofline_columns,
     summarize,
     with_late_flags,
@@ -41,6 +43,7 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import SutDescription, SystemUnderTest
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
+from dlrm_lab.metrics.precision import DTYPES
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.sensors import open_power_sources
@@ -169,9 +172,16 @@ def measure(
     )  # fmt: skip
     driver = make_driver(server, point.streams, settings)
     records: list[dict[str, Any]] = []
+    profile = load_profile()
+    peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
+    roofs = {m: batch_roof(sut.models[m].spec, sut.models[m].table_precision, p, _dense_bytes(sut.models[m]))
+             for m, p in peaks.items()}  # fmt: skip
 
     def pump(finished: list[dict[str, Any]]) -> None:
         rows = with_late_flags(finished, slas, point.index)
+        for r in rows:
+            n = r.get("batch_samples")
+            r.update(latency_parts(r, roofs[r["model"]](n) if n else None))
         records.extend(rows)
         queries.extend(rows)
 
@@ -213,7 +223,6 @@ def measure(
     cpu = {column: use[column] for column in CPU_COLUMNS}
     report(finished=True)
     energy = sampler.summary(window[0], window[1])
-    profile = load_profile()
     stats: DriverStats = driver.stats
     rows = []
     for stream in point.streams:
@@ -224,6 +233,7 @@ def measure(
             first = min(r["scheduled_ms"] for r in mine) / 1e3
             span = last_end - first if stats.issue_stopped else max(span, last_end - first)
         served = sut.models[stream.model]
+        cost = sut.batch_costs.get(stream.model)
         row = {
             "point": point.index,
             "mode": point.mode,
@@ -240,19 +250,32 @@ def measure(
             "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
             **stats.loadgen,
             "load_stopped_early": stopped_after_s is not None,
+            "batch_fixed_ms": None if cost is None else cost.fixed_ms,
+            "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
             **point.extra,
         }
-        precision = gemm_precision(cfg.device, served.precision)
-        peaks = peaks_for(profile, "cuda:0" if cfg.device == "cuda" else "cpu", precision, served.threads)
-        row.update(roofline_columns(served.spec, served.table_precision, row, peaks))
+        mine_peaks, dense_bytes = peaks[stream.model], _dense_bytes(served)
+        row.update(roofline_columns(served.spec, served.table_precision, row, mine_peaks, dense_bytes))
         row.update(latency_floor_columns(served.spec, served.table_precision, served.instances, served.threads,
-                                         served.max_batch, row, peaks, served.min_piece))  # fmt: skip
+                                         served.max_batch, row, mine_peaks, served.min_piece, dense_bytes))  # fmt: skip
         rows.append(row)
     for row in rows:
         row.update(energy_columns(energy, rows))
         if log:
             log(point_line(row))
     return rows
+
+
+def _peaks(profile: dict[str, Any] | None, device: str, served: ServedModel) -> Any:
+    """The peaks one instance of `served` is placed against: its device, threads and GEMM precision."""
+    precision = gemm_precision(device, served.precision)
+    return peaks_for(profile, "cuda:0" if device == "cuda" else "cpu", precision, served.threads)
+
+
+def _dense_bytes(served: ServedModel) -> float:
+    """Bytes per dense parameter an instance reads per batch: the build's stored precision (the eager
+    build keeps fp32 weights and casts them per call)."""
+    return 4.0 if served.build == "eager" else float(DTYPES[served.precision].itemsize)
 
 
 @contextmanager

@@ -35,6 +35,7 @@ class ServingOptions:
     spin_ms: float = 0.0
     precision: str = AUTO
     table_precision: str = "fp32"
+    build: str = AUTO  # the inference form served (infer.build)
     data_spec: str | None = None
     table_scale: float | None = None
     max_rows: int | None = None
@@ -71,6 +72,7 @@ class ServingOptions:
                     spin_ms=self.spin_ms,
                     precision=self.precision,
                     table_precision=self.table_precision,
+                    build=self.build,
                     data_spec=self.data_spec,
                     history_cache_mb=self.history_cache_mb,
                     attention=self.attention,

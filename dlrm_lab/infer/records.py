@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.infer.instance import BATCH_STAGES
 from dlrm_lab.infer.requests import SERVED_WINDOW
+from dlrm_lab.metrics.columns import LATENCY_PARTS
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
@@ -39,6 +42,13 @@ QUERY_SCHEMA = pa.schema(
         ("error", pa.string()),
         ("history_reused", pa.int32()),  # HSTU with history reuse: requests that reused a cached history
         ("history_tokens_reused", pa.int64()),  # ... their history tokens not encoded again
+        # the batch of the query's last piece: when it began on its instance, its stages there, and its
+        # result's trip back to the serving process (docs/metrics.md)
+        ("batch_start_ms", pa.float64()),
+        *[(f"batch_{stage}_ms", pa.float64()) for stage in BATCH_STAGES],
+        ("batch_completion_ms", pa.float64()),
+        # the query's latency in parts that sum to it (`latency_parts`)
+        *[(f"lat_{part}_ms", pa.float64()) for part in LATENCY_PARTS],
     ]
 )
 
@@ -67,6 +77,9 @@ SUMMARY_SCHEMA = pa.schema(
         ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
         ("precision", pa.string()),
         ("table_precision", pa.string()),
+        ("build", pa.string()),  # the inference form served (infer.build)
+        ("batch_fixed_ms", pa.float64()),  # the instances' warm batch cost: fixed per batch ...
+        ("batch_per_sample_us", pa.float64()),  # ... and per sample (measured back to back at start)
         ("history_cache_mb", pa.float64()),  # HSTU: per-instance history cache (0: off)
         ("history_affinity", pa.bool_()),  # ... a user's requests routed to the instance holding their history
         ("attention", pa.string()),  # HSTU: the attention path served
@@ -107,6 +120,10 @@ SUMMARY_SCHEMA = pa.schema(
         ("compute_slowdown_p99", pa.float64()),  # ... 99th percentile (a noisy host, cold cores)
         ("queue_mean_ms", pa.float64()),
         ("compute_mean_ms", pa.float64()),
+        # mean ms per batch in each stage on its instance, and its result's trip back
+        *[(f"batch_{stage}_mean_ms", pa.float64()) for stage in (*BATCH_STAGES, "completion")],
+        # the latency parts of the tail: mean over the queries at or above the bound's percentile
+        *[(f"tail_{part}_ms", pa.float64()) for part in LATENCY_PARTS],
         # HSTU with history reuse: share of completed requests that reused a cached history, and
         # the history tokens not encoded again per request
         ("history_hit_rate", pa.float64()),
@@ -210,6 +227,8 @@ def summarize(
         "queue_share": float(queue.sum() / lat.sum()) if len(lat) and lat.sum() > 0 else None,
         **compute_slowdown(records),
         **_history_reuse(records, ok, samples),
+        **batch_stage_means(records),
+        **tail_parts(records, sla_percentile),
     }
     for name, p in zip(LATENCY_FIELDS, PERCENTILES, strict=True):
         out[name] = percentile(lat, p)
@@ -218,6 +237,59 @@ def summarize(
     out["sla_met"] = bool(sla_value is not None and sla_value <= sla_ms)
     floor_query = percentile(samples[counted].astype(np.float64), sla_percentile)
     out["latency_floor_samples"] = None if floor_query is None else int(floor_query)
+    return out
+
+
+def batch_stage_means(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Mean ms per batch in each stage (over the point's batches that recorded it)."""
+    batches = {r["batch_id"]: r for r in records if r.get("batch_id") is not None and r["status"] == "ok"}
+    out: dict[str, float | None] = {}
+    for stage in (*BATCH_STAGES, "completion"):
+        values = [b[f"batch_{stage}_ms"] for b in batches.values() if b.get(f"batch_{stage}_ms") is not None]
+        out[f"batch_{stage}_mean_ms"] = float(np.mean(values)) if values else None
+    return out
+
+
+def tail_parts(records: list[dict[str, Any]], percentile_: float) -> dict[str, float | None]:
+    """The latency parts of the tail: each part's mean over the completed queries whose latency is at
+    or above the `percentile_` latency (so they add up to those queries' mean latency)."""
+    ok = [r for r in records if r["status"] == "ok" and r.get("lat_queue_ms") is not None]
+    out: dict[str, float | None] = {f"tail_{part}_ms": None for part in LATENCY_PARTS}
+    if not ok:
+        return out
+    cut = percentile(np.array([r["latency_ms"] for r in ok], dtype=np.float64), percentile_)
+    tail = [r for r in ok if r["latency_ms"] >= cut]
+    for part in LATENCY_PARTS:
+        values = [r[f"lat_{part}_ms"] for r in tail if r.get(f"lat_{part}_ms") is not None]
+        out[f"tail_{part}_ms"] = float(np.mean(values)) if values else None
+    return out
+
+
+def latency_parts(record: dict[str, Any], roof_ms: float | None, transport_ms: float | None = None) -> dict[str, Any]:
+    """A completed query's latency in LATENCY_PARTS, which add up to `latency_ms` (nulls for a query that
+    never ran). With the batch that finished it taking T on its instance, E as the instance's warm
+    batch-cost model has it and R at the roofline (`roof_ms`; 0 without a machine profile):
+        issue = issued - scheduled;  queue = that batch's start - issued (batching delay, a free
+        instance, and a split query's earlier pieces);  roof = min(R, T);  beyond_roof = min(max(E, R), T)
+        - roof;  slowdown = T - roof - beyond_roof (a batch slower than warm);  completion = end - that
+        batch's end (its scores' trip back);  transport: the network, where the query crossed one
+        (`transport_ms`, already outside the other parts' span: it is added to the latency's own)."""
+    out: dict[str, Any] = {f"lat_{part}_ms": None for part in LATENCY_PARTS}
+    start, took = record.get("batch_start_ms"), record.get("batch_compute_ms")
+    if record.get("status") != "ok" or start is None or took is None:
+        return out
+    expected = record.get("batch_expected_ms") or took
+    roof = min(roof_ms or 0.0, took)
+    warm = min(max(expected, roof_ms or 0.0), took)
+    out.update(
+        lat_issue_ms=record["issued_ms"] - record["scheduled_ms"],
+        lat_queue_ms=start - record["issued_ms"],
+        lat_roof_ms=roof,
+        lat_beyond_roof_ms=warm - roof,
+        lat_slowdown_ms=took - warm,
+        lat_completion_ms=record["end_ms"] - (start + took),
+        lat_transport_ms=transport_ms,
+    )
     return out
 
 
@@ -239,7 +311,13 @@ def with_late_flags(records: list[dict[str, Any]], sla_ms: dict[str, float], poi
     return records
 
 
-def roofline_columns(spec: ModelSpec, table_precision: str, row: dict[str, Any], peaks: Peaks | str) -> dict[str, Any]:
+def roofline_columns(
+    spec: ModelSpec,
+    table_precision: str,
+    row: dict[str, Any],
+    peaks: Peaks | str,
+    dense_bytes_per_parameter: float = 4.0,
+) -> dict[str, Any]:
     """The point's achieved FLOP/s and bytes/s (whole machine) and its mean batch on one
     instance against the roofline: forward FLOPs and embedding rows at the tables' storage
     precision per sample, the dense weights read once per batch, against the peaks at the
@@ -255,9 +333,8 @@ def roofline_columns(spec: ModelSpec, table_precision: str, row: dict[str, Any],
     if not batch:
         out["roofline_note"] = "no batch completed"
         return out
-    work = Work(
-        flops=batch * cost.forward_flops, gather_bytes=batch * row_bytes, stream_bytes=4.0 * spec.dense_parameters
-    )
+    work = Work(flops=batch * cost.forward_flops, gather_bytes=batch * row_bytes,
+                stream_bytes=dense_bytes_per_parameter * spec.dense_parameters)  # fmt: skip
     out.update(place(work, ms / 1e3 if ms else None, peaks))
     return out
 
@@ -271,6 +348,7 @@ def latency_floor_columns(
     row: dict[str, Any],
     peaks: Peaks | str,
     min_piece: int = 0,
+    dense_bytes_per_parameter: float = 4.0,
 ) -> dict[str, Any]:
     """The latency floor of the point: the roofline time of its query at the bound's
     percentile (`latency_floor_samples`, from summarize) on the cores that would serve it.
@@ -293,7 +371,7 @@ def latency_floor_columns(
     cost = sample_cost(spec, window=SERVED_WINDOW)  # HSTU: the requests a server scores
     row_bytes = lookup_bytes_per_sample(spec, table_precision)
     work = Work(flops=piece * cost.forward_flops, gather_bytes=piece * row_bytes,
-                stream_bytes=4.0 * spec.dense_parameters)  # fmt: skip
+                stream_bytes=dense_bytes_per_parameter * spec.dense_parameters)  # fmt: skip
     floor_ms = place(work, None, peaks)["roofline_bound_ms"]
     out["latency_floor_cores"] = pieces * threads
     out["latency_floor_ms"] = floor_ms
@@ -301,6 +379,25 @@ def latency_floor_columns(
     if measured is not None and floor_ms:
         out["latency_floor_ratio"] = measured / floor_ms
     return out
+
+
+def batch_roof(spec: ModelSpec, table_precision: str, peaks: Peaks | str,
+               dense_bytes_per_parameter: float = 4.0) -> Callable[[int], float | None]:  # fmt: skip
+    """The roofline time (ms) of a batch of n samples on one instance: forward FLOPs at the GEMM peak,
+    embedding rows at the gather bandwidth and the dense weights read once (at the precision the
+    build stores them in); None without peaks."""
+    if isinstance(peaks, str):
+        return lambda n: None
+    flops = sample_cost(spec, window=SERVED_WINDOW).forward_flops  # HSTU: the requests a server scores
+    row_bytes = lookup_bytes_per_sample(spec, table_precision)
+    stream = dense_bytes_per_parameter * spec.dense_parameters
+
+    def roof(n: int) -> float | None:
+        return place(Work(flops=n * flops, gather_bytes=n * row_bytes, stream_bytes=stream), None, peaks)[
+            "roofline_bound_ms"
+        ]
+
+    return roof
 
 
 def energy_columns(energy: dict[str, Any], point_rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -82,6 +82,7 @@ FRONTIER_SCHEMA = pa.schema(
         ("min_piece", pa.int32()),  # smallest split piece (measured by the layout's instances when 0 was asked)
         ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
         ("precision", pa.string()),  # dense compute of this configuration
+        ("build", pa.string()),  # the inference form served (infer.build)
         ("history_cache_mb", pa.float64()),  # HSTU: per-instance history reuse (0: off)
         ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
         ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
@@ -374,6 +375,7 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
         "min_piece": served.min_piece,
         "spin_ms": served.spin_ms,
         "precision": served.precision,
+        "build": served.build,
         "history_cache_mb": served.history_cache_mb,
         "capacity_queries_per_s": capacity,
         "best_qps": lo,

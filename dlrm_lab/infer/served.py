@@ -8,6 +8,7 @@ from typing import Any
 from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.data import resolve_data_spec
 from dlrm_lab.errors import UserError
+from dlrm_lab.infer.build import BUILDS
 from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
 from dlrm_lab.metrics.precision import AUTO
 
@@ -39,6 +40,10 @@ class ServedModel:
     # HSTU with history reuse and several instances: a user's requests go to the instance that holds
     # their history (an idle instance still takes others' requests when none of its own wait)
     history_affinity: bool = True
+    # The inference form served (infer.build): auto (timed at start), eager, fused or compiled
+    build: str = "auto"
+    # Batch sizes the build is timed at (auto); empty: an eighth of max_batch and max_batch
+    build_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
@@ -57,7 +62,12 @@ class ServedModel:
             raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
         if not 0 <= self.history_cache_mb <= 1e7:
             raise UserError(f"--history-cache-mb {self.history_cache_mb!r}: must be in [0, 1e7] MB")
+        if self.build not in (AUTO, *BUILDS):
+            raise UserError(f"--build {self.build!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
         if isinstance(self.spec, HSTUSpec):
+            if self.build not in (AUTO, "eager"):
+                raise UserError(f"--build {self.build}: {self.spec.name} is an HSTU preset, served eager only "
+                                "(allowed: auto, eager)")  # fmt: skip
             self.spec.check_table_precision(self.table_precision)
             if self.data_spec is not None:
                 raise UserError(f"--data-spec {self.data_spec}: {self.spec.name} is an HSTU preset; change its "
@@ -86,4 +96,11 @@ class ServedModel:
             "history_cache_mb": self.history_cache_mb,
             "history_affinity": self.history_affinity if self.history_cache_mb else None,
             "attention": self.attention if isinstance(self.spec, HSTUSpec) else None,
+            "build": self.build,
         }
+
+    def batches_to_time(self) -> list[int]:
+        """The batch sizes a build is timed at: those given, else an eighth of max_batch and max_batch."""
+        return sorted(
+            {min(self.max_batch, n) for n in self.build_batches} or {max(1, self.max_batch // 8), self.max_batch}
+        )

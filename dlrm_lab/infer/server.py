@@ -39,12 +39,14 @@ from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch
 from dlrm_lab.infer.instance import (
+    BATCH_STAGES,
     PRECISIONS,
     BatchResult,
     InstancePlan,
     QueryRef,
     instance_main,
     map_library,
+    quantize_tables,
     remove_stale_snapshots,
     snapshot_dir_for,
     write_snapshot,
@@ -147,12 +149,10 @@ class InferenceServer:
                 snap = snapshot_dir_for(f"{m.name}-{id(self)}")
                 # the one sample library of this model: generated here, mapped by instances and this process
                 library = generate_library(m, self.seed, library_samples(m.max_batch, m.library_samples))
-                model = self._build(m)
-                m = self.models[m.name]  # with its attention path resolved
+                model = self._serving_build(m, self._build(m), library)
+                m = self.models[m.name]  # with its attention path and build resolved
                 self._snapshots.append(snap)
-                self.snapshot_bytes[m.name] = write_snapshot(
-                    snap, model, library, table_precision=m.table_precision, device="cpu" if device == "cpu" else "cuda"
-                )
+                self.snapshot_bytes[m.name] = write_snapshot(snap, model, library)
                 del model
                 pool = _Pool(served=m, library=map_library(snap))
                 self._pools[m.name] = pool
@@ -168,7 +168,7 @@ class InferenceServer:
                         model=m.name, index=index, snapshot_dir=str(snap), spec=m.spec.to_dict(),
                         threads=m.threads, cores=mine, device=dev, precision=m.precision,
                         table_precision=m.table_precision, warmup_batch=min(m.max_batch, library.size),
-                        spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb,
+                        spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
                     )  # fmt: skip
                     mine_end, theirs = self._ctx.Pipe(duplex=True)
                     proc = self._ctx.Process(
@@ -216,6 +216,33 @@ class InferenceServer:
         self.models[m.name] = m = replace(m, attention=choice.path)
         torch.manual_seed(self.seed)
         return build_ranker(m.spec, attention=m.attention).eval()
+
+    def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
+        """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
+        once; recorded with the precision choice."""
+        from dlrm_lab.infer.build import CHECK_SAMPLES, BuildChoice, choose_build
+
+        if isinstance(m.spec, HSTUSpec):
+            if m.table_precision != "fp32" and self.device == "cpu":
+                model = quantize_tables(model, m.table_precision)
+            reason = "the HSTU ranker is served as built (no fused form of its sequence tables)"
+            choice = BuildChoice(requested=m.build, build="eager", threads=m.threads, reason=reason)
+        else:
+            from dlrm_lab.data import synthetic_generator
+
+            generator = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
+            held_out = generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
+            choice, model = choose_build(
+                m.build, model, precision=m.precision, table_precision=m.table_precision, threads=m.threads,
+                sizes=m.batches_to_time(), library=library, check_block=held_out, device=self.device, log=self.log,
+            )  # fmt: skip
+            if choice.accuracy is not None and not choice.accuracy.passed:
+                self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
+                         f"({choice.accuracy.rule}); served as asked")  # fmt: skip
+        self.log(choice.line if choice.warning else f"{m.name}: {choice.line}")
+        self.precision_choices[m.name]["build_choice"] = choice.to_dict()
+        self.models[m.name] = replace(m, build=choice.build)
+        return model
 
     def _history_columns(self, q: Query) -> dict[str, Any]:
         """How many of the query's requests reused a cached history, and their tokens (HSTU with
@@ -315,7 +342,10 @@ class InferenceServer:
 
     def describe(self) -> SutDescription:
         return SutDescription(
-            models=dict(self.models), processes=list(self.instance_info), snapshot_bytes=dict(self.snapshot_bytes)
+            models=dict(self.models),
+            processes=list(self.instance_info),
+            snapshot_bytes=dict(self.snapshot_bytes),
+            batch_costs={name: pool.clock.cost for name, pool in self._pools.items() if pool.clock.cost is not None},
         )
 
     def configure(
@@ -474,6 +504,9 @@ class InferenceServer:
             "batch_queries": len(pieces),
             "instance": msg.instance,
             "batch_compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
+            "batch_start_ns": msg.start_ns,
+            "batch_stages": msg.stages,
+            "batch_completion_ms": (now - msg.end_ns) / 1e6,
         }
         pos = 0  # into the batch's scores
         for k, (q, lo, hi) in enumerate(pieces):
@@ -524,6 +557,9 @@ class InferenceServer:
         instance: int | None = None,
         batch_compute_ms: float | None = None,
         batch_expected_ms: float | None = None,
+        batch_start_ns: int | None = None,
+        batch_stages: tuple[float | None, ...] | None = None,
+        batch_completion_ms: float | None = None,
     ) -> None:
         """Record a finished query (the batch fields are those of its last piece)."""
         # for on_done (the gRPC response carries them)
@@ -551,6 +587,12 @@ class InferenceServer:
             "batch_expected_ms": batch_expected_ms,
             "error": error,
             **self._history_columns(q),
+            "batch_start_ms": None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
+            **{
+                f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]
+                for k, stage in enumerate(BATCH_STAGES)
+            },  # fmt: skip
+            "batch_completion_ms": batch_completion_ms,
         }
         with self._records_lock:
             self._records.append(record)

@@ -64,6 +64,8 @@ class SutDescription:
     models: Mapping[str, Any]  # name -> how it is served (in process: its ServedModel; remote: its ModelInfo)
     processes: Sequence[Mapping[str, Any]] = ()  # serving processes on this host: instance, model, pid, cores
     snapshot_bytes: Mapping[str, int] = field(default_factory=dict)  # per model, shared by its instances
+    # per model, its instances' warm batch cost (`infer.batching.BatchCost`, measured at start)
+    batch_costs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -77,6 +77,12 @@ def _c(name: str, label: str, unit: str = "", fmt: str = ",.4g", better: str | N
     return Column(name, label, unit, fmt, better, short)
 
 
+# A served query's latency, cut into parts that add up to it (`infer.records.latency_parts`,
+# docs/metrics.md): the load generator's issue lag; queueing and batching; the batch that finished it
+# at the roofline, its warm time beyond the roof, and its in-service slowdown over that warm time; the
+# result's trip back; and the network where a transport carries the query (null in process).
+LATENCY_PARTS = ("issue", "queue", "roof", "beyond_roof", "slowdown", "completion", "transport")
+
 _REGISTERED = [
     # -- what a run is (not ranked)
     _c("preset", "preset", fmt="s"),
@@ -86,6 +92,7 @@ _REGISTERED = [
     _c("device", "device", fmt="s"),
     _c("precision", "precision", fmt="s"),
     _c("table_precision", "table precision", fmt="s"),
+    _c("build", "inference build", fmt="s"),
     _c("world_size", "ranks", fmt="d"),
     _c("ranks", "ranks", fmt="d"),
     _c("global_batch_size", "global batch", "samples", ",d", short="batch"),
@@ -136,6 +143,11 @@ _REGISTERED = [
     _c("history_hit_rate", "requests that reused a cached history", "fraction", ".1%", HIGHER, "history hits"),
     _c("history_tokens_reused_mean", "history tokens reused per request", "tokens", ".1f"),
     _c("late_queries", "late", "queries", "d", LOWER, "late"),
+    *[
+        _c(f"tail_{p}_ms", f"tail latency: {p.replace('_', ' ')}", "ms", ".3f", short=p.replace("_", " "))
+        for p in LATENCY_PARTS
+    ],  # fmt: skip
+    _c("batch_fixed_ms", "warm batch cost: fixed", "ms", ".3f"),
     # -- gRPC client
     _c("error_queries", "errors", "queries", "d", LOWER, "errors"),
     _c("transfer_mean_ms", "transfer per query", "ms", ".3f", LOWER, "transfer ms/query"),
@@ -320,6 +332,8 @@ INFER_READ = (
     "sla_met",
     "latency_floor_ms",
     "latency_floor_ratio",
+    "build",
+    *[f"tail_{p}_ms" for p in LATENCY_PARTS],
     *ROOFLINE_READ,
     *ENERGY_READ,
     "energy_per_query_j",

@@ -55,8 +55,9 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
 
 
 # Profile sections of measurements the lab's choices are made from, each {key: entry}: GEMM rates of model shapes
-# (metrics.precision), step times of sharding plans (train.sharding_trial).
-MEASURED_CHOICES = ("precision_rates", "sharding_trials")
+# (metrics.precision), step times of sharding plans (train.sharding_trial), batch times of serving builds
+# (infer.build).
+MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates")
 
 
 def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[str, Any]) -> Path:

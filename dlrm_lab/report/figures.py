@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics import columns
 from dlrm_lab.report import plots
 from dlrm_lab.report.load import (
     ReportData,
@@ -24,6 +25,7 @@ from dlrm_lab.report.load import (
 TITLES = {
     "latency_cdf": "Latency CDFs per configuration",
     "qps_vs_p99": "Throughput against tail latency",
+    "latency_parts": "Where the tail's latency went",
     "heatmap": "Batching x co-location (latency-bounded samples/s)",
     "training_phases": "Training throughput and step-time phases",
     "scaling": "Scaling efficiency",
@@ -110,6 +112,17 @@ def _qps(data: ReportData, out: Path) -> Made:
     if not drawn.chosen and data.search:
         notes.append("no configuration met the bound: no chosen point")
     return {"qps_vs_p99": (drawn, notes)}
+
+
+def _latency_parts(data: ReportData, out: Path) -> Made:
+    rows = [{**r, "label": f"{r['_run'].short} p{r.get('point')} {r.get('model')}"} for r in data.infer]
+    rows = [r for r in rows if r.get("tail_queue_ms") is not None]
+    if not rows:
+        return "no infer run with the latency parts (tail_*_ms) in its summary.parquet"
+    drawn = plots.latency_parts(rows, columns.LATENCY_PARTS, out / "latency_parts.png")
+    notes = [f"{len(rows) - len(drawn.labels)} more point(s) not drawn (at most {plots.MAX_BARS} bars)"] \
+        if len(rows) > len(drawn.labels) else []  # fmt: skip
+    return {"latency_parts": (drawn, notes)}
 
 
 def _heatmap(data: ReportData, out: Path) -> Made:
@@ -272,6 +285,7 @@ def _sweeps(data: ReportData, out: Path) -> Made:
 BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
     ("latency_cdf", _latency),
     ("qps_vs_p99", _qps),
+    ("latency_parts", _latency_parts),
     ("heatmap", _heatmap),
     ("training_phases", _phases),
     ("scaling", _scaling),

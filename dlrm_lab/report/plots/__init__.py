@@ -17,7 +17,16 @@ from dlrm_lab.report.plots.machine import (
     roof_at,
     roofline,
 )
-from dlrm_lab.report.plots.serving import CdfPlot, Heatmap, QpsPlot, batching_heatmap, latency_cdf, qps_latency
+from dlrm_lab.report.plots.serving import (
+    CdfPlot,
+    Heatmap,
+    LatencyParts,
+    QpsPlot,
+    batching_heatmap,
+    latency_cdf,
+    latency_parts,
+    qps_latency,
+)
 from dlrm_lab.report.plots.sweeps import SweepPlot, point_labels, sweep_medians
 from dlrm_lab.report.plots.training import (
     SEGMENTS,
@@ -31,7 +40,7 @@ from dlrm_lab.report.plots.training import (
 
 __all__ = [
     "MAX_BARS", "MAX_CURVES", "MAX_LABELS", "MAX_PANELS", "SEGMENTS", "CdfPlot", "CollectivesPlot", "EnergyPlot",
-    "Heatmap", "collectives",
+    "Heatmap", "LatencyParts", "collectives", "latency_parts",
     "PhaseBars", "QpsPlot", "RequestFlopsPlot", "request_flops",
     "RooflinePlot", "RooflinePoint", "ScalingPlot", "SweepPlot", "batching_heatmap",
     "energy", "latency_cdf", "point_labels", "qps_latency", "roof_at", "roofline", "scaling_efficiency",

@@ -211,3 +211,43 @@ def _box(x: int, y: int) -> Any:
     from matplotlib.patches import Rectangle
 
     return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5)
+
+
+# ----------------------------------------------------------------------------- 4. the tail's latency in parts
+
+
+@dataclass
+class LatencyParts:
+    path: Path
+    labels: list[str]
+    ms: dict[str, list[float]]  # part -> mean ms over each point's tail queries, one value per bar (0 where absent)
+    floors: list[float | None]
+
+
+def latency_parts(rows: Sequence[dict[str, Any]], parts: Sequence[str], out: Path) -> LatencyParts:
+    """One bar per point: the mean latency of its tail queries (at or above the bound's percentile) cut
+    into `parts` (`tail_<part>_ms`, which add up to it), the point's latency floor marked on the bar."""
+    from dlrm_lab.report.plots.common import MAX_BARS
+
+    rows = [r for r in rows if any(_num(r.get(f"tail_{p}_ms")) for p in parts)][:MAX_BARS]
+    ms = {p: [_num(r.get(f"tail_{p}_ms")) or 0.0 for r in rows] for p in parts}
+    labels = [str(r.get("label", r.get("run_id"))) for r in rows]
+    floors = [_num(r.get("latency_floor_ms")) for r in rows]
+    fig = Figure(figsize=(max(7, 1 + 0.8 * len(rows)), 6), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for p in parts:
+        vals = np.array(ms[p])
+        if vals.any():
+            ax.bar(x, vals, bottom=bottom, label=p.replace("_", " "))
+            bottom += vals
+    for i, f in enumerate(floors):
+        if f:
+            ax.hlines(f, i - 0.4, i + 0.4, colors="black", linestyles=":", linewidth=1.5)
+    ax.set_xticks(x, [_text(lb) for lb in labels], rotation=30 if len(rows) > 4 else 0, ha="right", fontsize=8)
+    ax.set_ylabel("ms (mean over the tail's queries)")
+    ax.set_title("Where the tail's latency went (dotted: the latency floor)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return LatencyParts(_save(fig, out), labels, ms, floors)

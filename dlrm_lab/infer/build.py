@@ -1,0 +1,463 @@
+"""The inference form of a served model ("the build"), chosen by measurement like precision.
+
+Production servers do not serve the training module: TorchRec's inference path puts the tables in
+fused fbgemm lookups, MLPerf's CPU submissions serve converted models with prepacked weights. So
+an instance serves one of these builds of a DLRM:
+
+- `eager`: the training module as it is, under autocast (no conversion; the reference);
+- `fused`: every table in one fused fbgemm lookup (TorchRec's quantised inference tables at the
+  table precision, fp32 included), the dense weights stored in the precision served (no casts per
+  call), and the batch handed to the kernels as they take it (dense rows, ids and offsets: no
+  KeyedJaggedTensor, no per-table calls);
+- `compiled`: `fused`, with the dense part (bottom MLP, interaction, top MLP) compiled by Inductor
+  with freezing, so oneDNN prepacks the weights and the interaction is fused.
+
+`auto` times the candidates on this machine, at the instance's threads and the batch sizes it will
+serve, and keeps the fastest (the rates are cached in the machine profile); an explicit build that
+measures slower still runs, with one warning line naming both rates. Every build's scores are
+checked against the fp32 eager model when it is made (`check_accuracy`): an fp32 build within
+1e-5 per score, a reduced-precision one within 0.1% (relative) of fp32's AUC on held-out samples,
+MLPerf's accuracy rule. A build that fails its check is not chosen by `auto`.
+
+Hand-written: no library times inference forms of a model against each other on a given machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.precision import DTYPES
+
+AUTO = "auto"
+BUILDS = ("eager", "fused", "compiled")
+MARGIN = 1.05  # a build must be this much faster than the next simpler one to be chosen (beyond timing noise)
+# Below this much dense time per batch (measured under `fused`), compiling cannot repay the seconds it takes
+# an instance to start: the compiled build is not tried.
+COMPILE_MIN_DENSE_MS = 0.5
+FP32_SCORE_TOLERANCE = 1e-5  # an fp32 build's scores against the eager model's
+AUC_RELATIVE_TOLERANCE = 1e-3  # a reduced-precision build's AUC against fp32's (MLPerf: 99.9% of the reference)
+CHECK_SAMPLES = 16384  # held-out samples of the accuracy check
+
+Log = Callable[[str], None]
+
+
+# ----------------------------------------------------------------------------- the fused module
+
+
+class _DensePart(nn.Module):
+    """Bottom MLP, interaction and top MLP over the pooled embeddings (B X F X D, or flat for cat)."""
+
+    def __init__(self, model: nn.Module, pooled_shape: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.dense_arch, self.inter_arch, self.over_arch = model.dense_arch, model.inter_arch, model.over_arch
+        self.pooled_shape = pooled_shape  # (F, D); None: the cat interaction takes them flat
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        embedded = self.dense_arch(dense)
+        sparse = pooled if self.pooled_shape is None else pooled.view(-1, *self.pooled_shape)
+        return self.over_arch(self.inter_arch(embedded, sparse)).squeeze(-1)
+
+
+class FusedDLRM(nn.Module):
+    """A DLRM as served by the `fused` and `compiled` builds.
+
+    `forward(dense: B X num_dense float32, ids: int32 [all ids, feature-major], offsets: int32
+    [F * B + 1]) -> scores: B float32` (click probabilities). The tables are one fbgemm
+    inference TBE (`IntNBitTableBatchedEmbeddingBagsCodegen`, made by TorchRec's
+    `quantize_embeddings`, whose output is already in the served precision); the dense weights
+    are stored in `precision`. `stages` times lookup, dense and interaction separately
+    (`score_in_stages`); compiled, the dense part and the interaction are one graph.
+    """
+
+    def __init__(self, model: nn.Module, *, precision: str, table_precision: str) -> None:
+        super().__init__()
+        from torchrec.inference.modules import quantize_embeddings
+
+        self.precision, self.table_precision = precision, table_precision
+        dtype = DTYPES[precision]
+        weight_dtype = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
+        quantised = quantize_embeddings(model, dtype=weight_dtype[table_precision], inplace=False, output_dtype=dtype)
+        modules = quantised.sparse_arch.embedding_bag_collection._emb_modules
+        if len(modules) != 1:  # one storage type and pooling for all tables: one TBE
+            raise ValueError(f"expected one fused table module, got {len(modules)}")
+        self.tables = modules[0]
+        sparse = model.sparse_arch
+        names = [n for conf in sparse.embedding_bag_collection.embedding_bag_configs() for n in conf.feature_names]
+        if names != list(model.spec.feature_names):
+            raise ValueError("the tables' features are not in the spec's order: ids would meet the wrong table")
+        shape = None if sparse.D is None else (sparse.F, sparse.D)
+        dense = copy.deepcopy(model)
+        dense.sparse_arch = None  # the tables live in the TBE only
+        self.dense = _DensePart(dense, shape).to(dtype)
+        self.dtype = dtype
+        self.compiled: Callable[..., torch.Tensor] | None = None
+
+    def compile_dense(self) -> None:
+        """Compile the dense part with Inductor (freezing: weights are constants, prepacked by oneDNN;
+        dynamic batch: one graph for every batch size). In the instance process: a compiled
+        graph does not pickle."""
+        self.compiled = torch.compile(self.dense, dynamic=True, options={"freezing": True})
+
+    def lookup(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.tables(ids, offsets)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        pooled = self.lookup(ids, offsets)
+        part = self.compiled or self.dense
+        return torch.sigmoid(part(dense.to(self.dtype), pooled).float())
+
+    def score_in_stages(
+        self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[float, float, float | None]]:
+        """Scores, and the seconds of (lookup, dense MLPs, interaction); the interaction is None
+        when compiled (fused into the dense graph)."""
+        t0 = time.perf_counter()
+        pooled = self.lookup(ids, offsets)
+        t1 = time.perf_counter()
+        x = dense.to(self.dtype)
+        if self.compiled is not None:
+            scores = torch.sigmoid(self.compiled(x, pooled).float())
+            return scores, (t1 - t0, time.perf_counter() - t1, None)
+        d = self.dense
+        embedded = d.dense_arch(x)
+        t2 = time.perf_counter()
+        sparse = pooled if d.pooled_shape is None else pooled.view(-1, *d.pooled_shape)
+        inter = d.inter_arch(embedded, sparse)
+        t3 = time.perf_counter()
+        scores = torch.sigmoid(d.over_arch(inter).squeeze(-1).float())
+        t4 = time.perf_counter()
+        return scores, (t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
+
+
+def kernel_batch(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """A gathered batch (dense [n, d], lengths feature-major [F * n], ids feature-major) as the fused
+    lookup takes it: (dense, int32 ids, int32 offsets [F * n + 1])."""
+    offsets = np.empty(len(lengths) + 1, dtype=np.int32)
+    offsets[0] = 0
+    np.cumsum(lengths, out=offsets[1:])
+    return (torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(values.astype(np.int32)),
+            torch.from_numpy(offsets))  # fmt: skip
+
+
+def pad_kernel_batch(
+    dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, features: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad a kernel batch to `size` samples with samples of zero dense features and no ids."""
+    n = dense.shape[0]
+    if size == n:
+        return dense, ids, offsets
+    per_feature = offsets[1:].view(features, n)  # each bag's end
+    padded = torch.cat([per_feature, per_feature[:, -1:].expand(features, size - n)], dim=1).flatten()
+    return torch.cat([dense, dense.new_zeros(size - n, dense.shape[1])]), ids, torch.cat([offsets[:1], padded])
+
+
+def make_build(model: nn.Module, build: str, *, precision: str, table_precision: str) -> nn.Module:
+    """The module an instance serves for `build`: the `eager` build is the model itself, its tables
+    quantised below fp32 (TorchRec's `quantize_embeddings`); `compiled` is snapshotted as `fused` and
+    compiled in the instance (`FusedDLRM.compile_dense`: a compiled graph does not pickle)."""
+    if build == "eager":
+        from dlrm_lab.infer.instance import quantize_tables
+
+        return quantize_tables(model, table_precision) if table_precision != "fp32" else model
+    return FusedDLRM(model, precision=precision, table_precision=table_precision).eval()
+
+
+# ----------------------------------------------------------------------------- scoring outside the server
+
+
+def score_eager(model: nn.Module, block: Any, precision: str) -> np.ndarray:
+    """An eager DLRM's scores of a SampleBlock, under autocast below fp32."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from dlrm_lab.infer.library import PackedLibrary
+
+    packed = PackedLibrary.from_block(block)
+    dense, lengths, values = packed.gather(np.array([packed.size]), np.array([0]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(model.spec.feature_names), values=torch.from_numpy(values),
+                                              lengths=torch.from_numpy(lengths))  # fmt: skip
+    autocast = precision != "fp32"
+    with torch.inference_mode(), torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
+        return torch.sigmoid(model(torch.from_numpy(dense), kjt).float()).numpy()
+
+
+def score_build(module: nn.Module, block: Any, precision: str) -> np.ndarray:
+    """A build's scores of a SampleBlock."""
+    if not isinstance(module, FusedDLRM):
+        return score_eager(module, block, precision)
+    from dlrm_lab.infer.library import PackedLibrary
+
+    packed = PackedLibrary.from_block(block)
+    with torch.inference_mode():
+        return module(*kernel_batch(*packed.gather(np.array([packed.size]), np.array([0])))).numpy()
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    from torchmetrics.functional.classification import binary_auroc
+
+    return float(binary_auroc(torch.from_numpy(scores.astype(np.float32)), torch.from_numpy(labels).long()).item())
+
+
+@dataclass(frozen=True)
+class AccuracyCheck:
+    """A build's scores against the fp32 eager model's on held-out samples."""
+
+    build: str
+    precision: str
+    table_precision: str
+    samples: int
+    max_abs_diff: float
+    auc: float
+    auc_fp32: float
+    rule: str
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "build": self.build, "precision": self.precision, "table_precision": self.table_precision,
+            "samples": self.samples, "max_abs_score_diff": self.max_abs_diff, "auc": self.auc,
+            "auc_fp32_eager": self.auc_fp32, "auc_relative_diff": abs(self.auc - self.auc_fp32) / self.auc_fp32,
+            "rule": self.rule, "passed": self.passed,
+        }  # fmt: skip
+
+
+def check_accuracy(
+    model: nn.Module, module: nn.Module, build: str, block: Any, *, precision: str, table_precision: str
+) -> AccuracyCheck:
+    """`module` (a build of `model`) against the fp32 eager model on the samples of `block`: an fp32
+    build (dense and tables) within FP32_SCORE_TOLERANCE per score; any other within
+    AUC_RELATIVE_TOLERANCE of fp32's AUC on the block's labels."""
+    reference = score_eager(model, block, "fp32")
+    scores = score_build(module, block, precision)
+    diff = float(np.abs(scores.astype(np.float64) - reference).max())
+    labels = np.asarray(block.labels)
+    ours, fp32 = auc(scores, labels), auc(reference, labels)
+    if precision == "fp32" and table_precision == "fp32":
+        rule, passed = (
+            f"fp32: every score within {FP32_SCORE_TOLERANCE:g} of the eager model's",
+            diff <= FP32_SCORE_TOLERANCE,
+        )
+    else:
+        rule = f"AUC within {AUC_RELATIVE_TOLERANCE:.1%} (relative) of the fp32 eager model's"
+        passed = abs(ours - fp32) <= AUC_RELATIVE_TOLERANCE * fp32
+    return AccuracyCheck(build, precision, table_precision, len(labels), diff, ours, fp32, rule, bool(passed))
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+@dataclass(frozen=True)
+class BuildChoice:
+    """What an instance serves, what was asked, and the measurements behind it."""
+
+    requested: str
+    build: str
+    reason: str
+    batch_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # build -> batch size -> ms (median)
+    source: str = ""
+    warning: str | None = None
+    threads: int = 1
+    accuracy: AccuracyCheck | None = None
+    skipped: dict[str, str] = field(default_factory=dict)  # build -> why it was not timed or not chosen
+
+    @property
+    def line(self) -> str:
+        return f"warning: {self.warning}" if self.warning else f"build {self.build}: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requested": self.requested, "build": self.build, "reason": self.reason,
+            "batch_ms": {b: {str(n): round(ms, 4) for n, ms in sizes.items()} for b, sizes in self.batch_ms.items()},
+            "source": self.source, "warning": self.warning, "threads": self.threads, "margin": MARGIN,
+            "skipped": dict(self.skipped), "accuracy": self.accuracy.to_dict() if self.accuracy else None,
+        }  # fmt: skip
+
+
+# (build, module) -> {batch size: ms per batch}; `dense_ms` of the fused build at the largest size
+Measure = Callable[[dict[str, nn.Module], Sequence[int], int], dict[str, dict[int, float]]]
+
+
+def time_builds(modules: dict[str, nn.Module], sizes: Sequence[int], threads: int, library: Any, precision: str,
+                repeats: int = 5) -> dict[str, dict[int, float]]:  # fmt: skip
+    """Median ms per batch of each build at each batch size (library samples, taken in turn so that
+    drift hits every build alike), at `threads` threads; `dense_ms` of the fused build is
+    reported under the key -1 (its dense part alone at the largest size)."""
+    from dlrm_lab.infer.instance import make_runner
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        runners = {b: make_runner(m, library, torch.device("cpu"), precision) for b, m in modules.items()}
+        for r in runners.values():
+            r.warm_up(max(sizes))
+        times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sizes} for b in runners}
+        dense: list[float] = []
+        from dlrm_lab.infer.instance import QueryRef
+
+        for _ in range(repeats):
+            for b, r in runners.items():
+                for n in sizes:
+                    t = time.perf_counter()
+                    r([QueryRef(-1, n, 0)])
+                    times[b][n].append((time.perf_counter() - t) * 1e3)
+                    if b == "fused" and n == max(sizes):
+                        dense.append(r.stages[2] + (r.stages[3] or 0.0))
+        out = {b: {n: statistics.median(v) for n, v in per.items()} for b, per in times.items()}
+        if dense:
+            out["fused"][-1] = statistics.median(dense)
+        return out
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _key(spec: Any, precision: str, table_precision: str, threads: int, sizes: Sequence[int]) -> str:
+    shape = repr((spec.to_dict() if hasattr(spec, "to_dict") else repr(spec), precision, table_precision, list(sizes)))
+    return f"cpu/{threads}t/{hashlib.sha1(shape.encode()).hexdigest()[:12]}"
+
+
+def choose_build(
+    requested: str,
+    model: nn.Module,
+    *,
+    precision: str,
+    table_precision: str,
+    threads: int,
+    sizes: Sequence[int],
+    library: Any,
+    check_block: Any,
+    device: str = "cpu",
+    measure: Measure | None = None,
+    log: Log | None = None,
+) -> tuple[BuildChoice, nn.Module]:
+    """Resolve `requested` (auto or one of BUILDS) for a DLRM served at `sizes` samples per batch:
+    the choice, and the module to serve (checked for accuracy on `check_block`)."""
+    if requested != AUTO and requested not in BUILDS:
+        raise UserError(f"--build {requested!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
+    common = {"requested": requested, "threads": threads}
+    if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
+        build = "eager" if requested == AUTO else requested
+        reason = "auto on a GPU: the eager model (the fused builds are timed on CPU only)" if requested == AUTO \
+            else f"asked for (--build {build}); not timed on a GPU"  # fmt: skip
+        return BuildChoice(build=build, reason=reason, **common), model
+    sizes = sorted({max(1, int(n)) for n in sizes})
+    modules = _Builds(model, precision, table_precision)
+    skipped: dict[str, str] = {}
+    rates, source = _rates(["eager", "fused"], modules, sizes, threads, library, measure)
+    dense_ms = rates["fused"].get(-1)
+    want_compiled = requested == "compiled" or (dense_ms is not None and dense_ms >= COMPILE_MIN_DENSE_MS)
+    if requested == AUTO and not want_compiled:
+        skipped["compiled"] = (f"the dense part takes {dense_ms:.3f} ms of a {max(sizes)}-sample batch: compiling "
+                               f"cannot repay an instance's start (tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip
+    if want_compiled:
+        more, source = _rates(["compiled"], modules, sizes, threads, library, measure)
+        rates.update(more)
+    total = {b: sum(v for n, v in per.items() if n > 0) for b, per in rates.items()}
+    ordered = [b for b in BUILDS if b in total]  # simplest first: each must beat the one before by MARGIN
+
+    def vs(b: str, other: str) -> str:
+        return f"{b} {total[b]:.3f} ms vs {other} {total[other]:.3f} ms over batches of {', '.join(map(str, sizes))}"
+
+    accuracy: AccuracyCheck | None = None
+    if requested != AUTO:
+        build, warning = requested, None
+        fastest = min(total, key=lambda b: total[b])
+        if build in total and total[fastest] * MARGIN < total[build]:
+            warning = (f"--build {build} is slower than {fastest} on this machine for {model.spec.name} "
+                       f"({vs(build, fastest)}, {threads} thread{'s' if threads != 1 else ''}); running {build} "
+                       "as asked (--build auto picks the faster)")  # fmt: skip
+        module = modules[build]
+        accuracy = check_accuracy(
+            model, module, build, check_block, precision=precision, table_precision=table_precision
+        )
+        reason = (
+            f"asked for (--build {build}: {total[build]:.3f} ms)" if build in total else f"asked for (--build {build})"
+        )
+        return BuildChoice(build=build, reason=reason, batch_ms=_public(rates), source=source, warning=warning,
+                           accuracy=accuracy, skipped=skipped, **common), _to_snapshot(module)  # fmt: skip
+    best = "eager"
+    for b in ordered[1:]:
+        if total[b] * MARGIN <= total[best]:
+            best = b
+    # the fastest that keeps the scores right; else the next fastest
+    for b in [best] + sorted((o for o in ordered if o != best), key=lambda o: total[o]):
+        module = modules[b]
+        accuracy = check_accuracy(model, module, b, check_block, precision=precision, table_precision=table_precision)
+        if accuracy.passed or b == "eager":
+            best = b
+            break
+        skipped[b] = f"failed its accuracy check ({accuracy.rule}): {accuracy.to_dict()}"
+        if log:
+            log(f"build {b}: failed its accuracy check ({accuracy.rule}); not served")
+    reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")
+    if best == "eager":
+        reason = (
+            "auto: no build beats the eager model by "
+            + f"{MARGIN:g}x ({', '.join(f'{b} {total[b]:.3f} ms' for b in ordered)})"
+        )
+    return BuildChoice(build=best, reason=reason, batch_ms=_public(rates), source=source, accuracy=accuracy,
+                       skipped=skipped, **common), _to_snapshot(module)  # fmt: skip
+
+
+class _Builds(dict):
+    """Each build of one model, made when first asked for (compiling takes seconds)."""
+
+    def __init__(self, model: nn.Module, precision: str, table_precision: str) -> None:
+        super().__init__()
+        self.model, self.precision, self.table_precision = model, precision, table_precision
+
+    def __missing__(self, build: str) -> nn.Module:
+        module = make_build(self.model, "fused" if build == "compiled" else build, precision=self.precision,
+                            table_precision=self.table_precision)  # fmt: skip
+        if build == "compiled":
+            module.compile_dense()
+        self[build] = module
+        return module
+
+
+def _to_snapshot(module: nn.Module) -> nn.Module:
+    """The module to snapshot: a compiled build goes as `fused`, each instance compiles its own."""
+    if isinstance(module, FusedDLRM):
+        module.compiled = None
+    return module
+
+
+def _public(rates: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    return {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}
+
+
+def _rates(
+    names: Sequence[str], builds: _Builds, sizes: Sequence[int], threads: int, library: Any, measure: Measure | None
+) -> tuple[dict[str, dict[int, float]], str]:
+    """Batch times of the builds `names`, from this machine's profile when measured before there."""
+    from dlrm_lab.metrics.roofline import load_profile, profile_path, store_measured
+
+    profile = load_profile()
+    key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes)
+    cached = (profile or {}).get("build_rates", {}).get(key)
+    if cached and all(b in cached["batch_ms"] for b in names):
+        where = profile_path(profile["fingerprint_id"]) if profile else "?"
+        rates = {b: {int(n): v for n, v in cached["batch_ms"][b].items()} for b in names}
+        return rates, f"cached in {where} (measured {cached['measured_at']})"
+    modules = {b: builds[b] for b in names}
+    rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, builds.precision)))(modules, sizes, threads)
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    source = f"measured now ({measured_at}) on this machine"
+    if profile is not None:
+        merged = {
+            **(cached or {}).get("batch_ms", {}),
+            **{b: {str(n): v for n, v in per.items()} for b, per in rates.items()},
+        }
+        entry = {"batch_ms": merged, "sizes": list(sizes), "measured_at": measured_at}
+        source += f", stored in {store_measured(profile, 'build_rates', key, entry)}"
+    return rates, source
