@@ -115,7 +115,7 @@ class FusedDLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         pooled = self.lookup(ids, offsets)
-        part = self.compiled or self.dense
+        part = self.dense if self.compiled is None else self.compiled
         return torch.sigmoid(part(dense.to(self.dtype), pooled).float())
 
     def score_in_stages(

@@ -275,7 +275,8 @@ def _peaks(profile: dict[str, Any] | None, device: str, served: ServedModel) -> 
 def _dense_bytes(served: ServedModel) -> float:
     """Bytes per dense parameter an instance reads per batch: the build's stored precision (the eager
     build keeps fp32 weights and casts them per call)."""
-    return 4.0 if served.build == "eager" else float(DTYPES[served.precision].itemsize)
+    stored = served.build in ("fused", "compiled") and served.precision in DTYPES
+    return float(DTYPES[served.precision].itemsize) if stored else 4.0
 
 
 @contextmanager

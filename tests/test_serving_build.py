@@ -1,0 +1,177 @@
+"""The serving build: each inference form of a DLRM scores as the eager model does, the lab picks
+the fastest by measurement (rates injected here, so nothing depends on this CPU), checks its
+accuracy, caches the rates in the machine profile, and warns about an explicit slower choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dlrm_lab
+from dlrm_lab.data import synthetic_generator
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer import build as builds
+from dlrm_lab.infer.instance import QueryRef, make_runner
+from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.model.dlrm import build_model
+
+SEED = 0
+
+
+def _model(**overrides):
+    spec = dlrm_lab.load_preset("tiny", **overrides)
+    torch.manual_seed(SEED)
+    return build_model(spec).eval()
+
+
+def _held_out(model, n: int = 2048):
+    return synthetic_generator(model.spec, None, seed=SEED).samples(4096, 4096 + n)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"interaction": "cat", "embedding_dim": [8, 4, 8, 2]}, {"interaction": "dcnv2", "dcn": {"num_layers": 2,
+                                                                                                "low_rank": 4}}],
+    ids=["dot", "cat", "dcnv2"],
+)  # fmt: skip
+def test_an_fp32_fused_build_scores_every_sample_as_the_eager_model_does(overrides):
+    model = _model(**overrides)
+    block = _held_out(model)
+    fused = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
+    eager = builds.score_eager(model, block, "fp32")
+    assert np.abs(builds.score_build(fused, block, "fp32") - eager).max() <= builds.FP32_SCORE_TOLERANCE
+    check = builds.check_accuracy(model, fused, "fused", block, precision="fp32", table_precision="fp32")
+    assert check.passed and check.max_abs_diff <= 1e-5 and "1e-05" in check.rule
+
+
+def test_the_fused_runner_serves_library_queries_and_names_its_stages():
+    model = _model()
+    library = PackedLibrary.generate(model.spec, None, SEED, 512)
+    fused = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
+    runner, reference = (make_runner(m, library, torch.device("cpu"), "fp32") for m in (fused, model))
+    refs = [QueryRef(1, 3, 10), QueryRef(2, 5, 100)]  # two queries in one batch
+    np.testing.assert_allclose(runner(refs), reference(refs), atol=1e-6)
+    assembly, lookup, dense, interaction = runner.stages
+    assert all(t is not None and t >= 0 for t in (assembly, lookup, dense, interaction))
+    assert all(t is not None for t in reference.stages)  # the eager model's forward in the same stages
+
+
+def test_a_reduced_precision_build_is_held_to_the_auc_rule():
+    model = _model()
+    block = _held_out(model, 4096)
+    fused = builds.make_build(model, "fused", precision="bf16", table_precision="int8")
+    check = builds.check_accuracy(model, fused, "fused", block, precision="bf16", table_precision="int8")
+    assert "AUC within 0.1%" in check.rule
+    assert check.passed == (abs(check.auc - check.auc_fp32) <= 1e-3 * check.auc_fp32)
+    broken = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
+    with torch.no_grad():  # a build whose top MLP lost its weights ranks nothing
+        for p in broken.dense.over_arch.parameters():
+            p.zero_()
+    bad = builds.check_accuracy(model, broken, "fused", block, precision="fp32", table_precision="fp32")
+    assert not bad.passed and bad.max_abs_diff > 1e-3
+
+
+def test_kernel_batches_pad_with_samples_that_have_no_ids():
+    dense, ids, offsets = builds.kernel_batch(np.ones((2, 3), np.float32), np.array([1, 2, 0, 1], np.int32),
+                                              np.array([5, 6, 7, 8], np.int64))  # fmt: skip
+    assert offsets.tolist() == [0, 1, 3, 3, 4] and ids.dtype == torch.int32
+    d, i, o = builds.pad_kernel_batch(dense, ids, offsets, features=2, size=4)
+    assert d.shape == (4, 3) and d[2:].abs().sum() == 0
+    assert o.tolist() == [0, 1, 3, 3, 3, 3, 4, 4, 4] and i is ids  # empty bags for the padding
+
+
+class FakeTimes:
+    """Batch times per build (ms, the same at every size) and the fused build's dense part."""
+
+    def __init__(self, dense_ms: float = 0.1, **ms: float) -> None:
+        self.ms, self.dense_ms, self.calls = ms, dense_ms, []
+
+    def __call__(self, modules, sizes, threads):
+        self.calls.append(sorted(modules))
+        out = {b: {n: self.ms[b] for n in sizes} for b in modules}
+        if "fused" in out:
+            out["fused"][-1] = self.dense_ms
+        return out
+
+
+def _choose(requested, times, **kw):
+    model = _model()
+    library = PackedLibrary.generate(model.spec, None, SEED, 256)
+    kw = {"precision": "fp32", "table_precision": "fp32", "threads": 1, "sizes": [8, 64], "library": library,
+          "check_block": _held_out(model, 512), "measure": times, **kw}  # fmt: skip
+    return builds.choose_build(requested, model, **kw)
+
+
+def test_auto_serves_the_fastest_build_and_records_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "a"))
+    choice, module = _choose("auto", FakeTimes(eager=2.0, fused=1.0))
+    assert choice.build == "fused" and isinstance(module, builds.FusedDLRM)
+    assert "fused 2.000 ms vs eager 4.000 ms" in choice.reason  # summed over the two batch sizes
+    assert choice.accuracy.passed and "compiled" in choice.skipped  # its dense part is too small to compile
+    record = choice.to_dict()
+    assert record["batch_ms"]["eager"] == {"8": 2.0, "64": 2.0} and record["accuracy"]["samples"] == 512
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "b"))
+    tie, module = _choose("auto", FakeTimes(eager=1.0, fused=0.97))  # within the margin: the model itself
+    assert tie.build == "eager" and not isinstance(module, builds.FusedDLRM)
+
+
+def test_an_explicit_slower_build_runs_with_one_warning_naming_both_times(monkeypatch, tmp_path):
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    choice, module = _choose("eager", FakeTimes(eager=3.0, fused=1.0))
+    assert choice.build == "eager" and not isinstance(module, builds.FusedDLRM)
+    assert "--build eager is slower than fused" in choice.warning
+    assert "eager 6.000 ms vs fused 2.000 ms" in choice.warning and choice.line.startswith("warning: ")
+    with pytest.raises(UserError, match="--build 'jit': allowed: auto, eager, fused, compiled"):
+        _choose("jit", FakeTimes(eager=1.0, fused=1.0))
+
+
+def test_a_build_that_fails_its_accuracy_check_is_not_served(monkeypatch, tmp_path):
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    real = builds.check_accuracy
+
+    def fused_fails(model, module, build, *a, **k):
+        check = real(model, module, build, *a, **k)
+        return check if build != "fused" else builds.AccuracyCheck(**{**check.__dict__, "passed": False})
+
+    monkeypatch.setattr(builds, "check_accuracy", fused_fails)
+    log = []
+    choice, module = _choose("auto", FakeTimes(eager=2.0, fused=1.0), log=log.append)
+    assert choice.build == "eager" and "failed its accuracy check" in choice.skipped["fused"]
+    assert any("build fused: failed its accuracy check" in line for line in log)
+
+
+def test_build_times_are_cached_in_the_machine_profile(monkeypatch, tmp_path):
+    from conftest import store_profile
+
+    from dlrm_lab.metrics.roofline import load_profile
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    store_profile(tmp_path)
+    times = FakeTimes(eager=2.0, fused=1.0)
+    first, _ = _choose("auto", times)
+    assert "stored in" in first.source and len(load_profile()["build_rates"]) == 1
+    second, _ = _choose("auto", times)
+    assert times.calls == [["eager", "fused"]] and second.source.startswith("cached in")
+    assert second.build == "fused"
+    _choose("auto", times, threads=2)  # another thread count is another measurement
+    assert len(times.calls) == 2
+
+
+def test_a_compiled_build_scores_as_the_eager_model_and_is_timed_where_the_dense_part_is_large(monkeypatch, tmp_path):
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0)
+    choice, module = _choose("auto", times)
+    assert times.calls == [["eager", "fused"], ["compiled"]] and choice.build == "compiled"
+    assert choice.accuracy.passed and choice.accuracy.build == "compiled"  # checked compiled, scores within 1e-5
+    assert isinstance(module, builds.FusedDLRM) and module.compiled is None  # each instance compiles its own
+
+
+def test_an_hstu_preset_is_served_eager_only():
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.infer.served import ServedModel
+
+    spec = load_any_preset("hstu-tiny")
+    with pytest.raises(UserError, match="--build fused: hstu-tiny is an HSTU preset, served eager only"):
+        ServedModel("h", spec, build="fused")
+    assert ServedModel("h", spec).build == "auto"
