@@ -273,6 +273,17 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
     assert row["process_rss_max_mb"] > 0  # the serving process and its instances
     rows = pq.read_table(run.dir / "telemetry.parquet").to_pylist()
     assert {r["point"] for r in rows} == {0} and any(r["quantity"] == "power_w" for r in rows)
+    # the build served (chosen at start) and its warm cost; every query's latency in parts that add up
+    assert row["build"] in ("eager", "fused", "compiled") and row["batch_fixed_ms"] > 0
+    assert server.precision_choices["tiny"]["build_choice"]["accuracy"]["passed"]
+    from dlrm_lab.metrics.columns import LATENCY_PARTS
+
+    queries = [q for q in pq.read_table(run.dir / "queries.parquet").to_pylist() if q["status"] == "ok"]
+    for q in queries:
+        assert sum(q[f"lat_{p}_ms"] or 0.0 for p in LATENCY_PARTS) == pytest.approx(q["latency_ms"], abs=1e-6)
+        assert q["lat_roof_ms"] > 0 and q["batch_start_ms"] >= q["start_ms"]
+        assert q["batch_assembly_ms"] > 0 and q["batch_lookup_ms"] > 0 and q["batch_completion_ms"] > 0
+    assert row["tail_queue_ms"] is not None and row["batch_dense_mean_ms"] > 0
 
 
 def test_the_lab_chooses_a_bound_and_a_rate_it_measured_this_server_can_honour(server):

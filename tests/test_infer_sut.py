@@ -479,3 +479,87 @@ def test_an_issuer_that_falls_behind_its_schedule_stops_the_load_and_keeps_its_q
         assert unbounded.stats.issue_stopped is None and max(unbounded.stats.lag_ms["m"]) > 100.0
     finally:
         slow.close()
+
+
+class KnownTimesSut(FakeSut):
+    """A fake whose every query waits 1 ms for its batch, which takes 3 ms on its instance against a
+    warm 2 ms, and whose scores reach the server 0.5 ms after the batch ends (stamps, not waits)."""
+
+    def _serve(self) -> None:
+        while (q := self._queue.get()) is not None:
+            e = self.epoch_ns
+            issued = (q.issued_ns - e) / 1e6
+            start = issued + 1.0
+            end = start + 3.0 + 0.5
+            self._records.append({
+                "query_id": q.query_id, "model": q.model, "samples": q.size, "status": "ok",
+                "scheduled_ms": (q.scheduled_ns - e) / 1e6, "issued_ms": issued, "start_ms": start, "end_ms": end,
+                "latency_ms": end - (q.scheduled_ns - e) / 1e6, "queue_ms": 1.0, "compute_ms": 3.0, "pieces": 1,
+                "batch_id": q.query_id, "batch_samples": q.size, "batch_queries": 1, "instance": 0, "error": None,
+                "batch_start_ms": start, "batch_compute_ms": 3.0, "batch_expected_ms": 2.0,
+                "batch_completion_ms": 0.5,
+            })  # fmt: skip
+            if q.on_done is not None:
+                q.on_done(q, "ok", self.lib.dense[q.offset : q.offset + q.size, 0].copy())
+            with self._idle:
+                self._outstanding -= 1
+                self._idle.notify_all()
+
+
+def test_a_querys_latency_parts_sum_to_it_on_a_system_of_known_times(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+    from conftest import store_profile
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.lab import InferConfig, Point, measure
+    from dlrm_lab.infer.records import QUERY_SCHEMA, batch_roof
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.metrics.columns import LATENCY_PARTS
+    from dlrm_lab.metrics.roofline import load_profile, peaks_for
+    from dlrm_lab.metrics.run import Run
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
+    store_profile(tmp_path / "machines", gflops=1e-3)  # 1 MFLOP/s: the roof of 4 tiny samples is ~5.6 ms
+    served = ServedModel("m", load_preset("tiny"), precision="fp32", build="eager")
+    roof = batch_roof(served.spec, "fp32", peaks_for(load_profile(), "cpu", "fp32", 1))(4)
+    assert 2.0 < roof  # above the warm time: the warm batch is all roof, beyond_roof 0
+    fake = KnownTimesSut(small_library(), served=served)
+    try:
+        with Run.create(tmp_path, "infer", {}) as run:
+            cfg = InferConfig(duration_s=0.3, sla_ms=1000.0, warmup_s=0.0)
+            (row,) = measure(fake, Point(0, [Stream("m", 200.0, QuerySizes.parse("fixed:4"))]), cfg,
+                             run.table("queries", QUERY_SCHEMA), run.dir)  # fmt: skip
+            run_dir = run.dir
+    finally:
+        fake.close()
+    rows = pq.read_table(run_dir / "queries.parquet").to_pylist()
+    assert rows
+    for r in rows:
+        assert r["lat_queue_ms"] == pytest.approx(1.0) and r["lat_completion_ms"] == pytest.approx(0.5)
+        assert r["lat_roof_ms"] == pytest.approx(min(roof, 3.0))
+        assert r["lat_beyond_roof_ms"] == pytest.approx(0.0)  # the roof is above the warm time
+        assert r["lat_slowdown_ms"] == pytest.approx(3.0 - min(roof, 3.0))
+        assert r["lat_issue_ms"] == pytest.approx(r["issued_ms"] - r["scheduled_ms"])
+        assert r["lat_transport_ms"] is None  # in process: no network
+        parts = sum(r[f"lat_{p}_ms"] or 0.0 for p in LATENCY_PARTS)
+        assert parts == pytest.approx(r["latency_ms"], abs=1e-9)
+    tail = [r for r in rows if r["latency_ms"] >= row["latency_p99_ms"]]
+    assert sum(row[f"tail_{p}_ms"] or 0.0 for p in LATENCY_PARTS) == pytest.approx(
+        np.mean([r["latency_ms"] for r in tail])
+    )
+    assert row["batch_completion_mean_ms"] == pytest.approx(0.5)
+
+
+def test_latency_parts_split_a_batch_at_its_roof_and_its_warm_time():
+    from dlrm_lab.infer.records import latency_parts
+
+    record = {"status": "ok", "scheduled_ms": 0.0, "issued_ms": 0.5, "batch_start_ms": 2.0, "batch_compute_ms": 5.0,
+              "batch_expected_ms": 3.0, "end_ms": 7.25, "latency_ms": 7.25}  # fmt: skip
+    parts = latency_parts(record, roof_ms=1.0)
+    assert parts == {"lat_issue_ms": 0.5, "lat_queue_ms": 1.5, "lat_roof_ms": 1.0, "lat_beyond_roof_ms": 2.0,
+                     "lat_slowdown_ms": 2.0, "lat_completion_ms": 0.25, "lat_transport_ms": None}  # fmt: skip
+    faster = latency_parts({**record, "batch_compute_ms": 2.5}, roof_ms=1.0)  # quicker than warm: no slowdown
+    assert faster["lat_slowdown_ms"] == 0 and faster["lat_beyond_roof_ms"] == 1.5
+    assert latency_parts({**record, "status": "dropped"}, roof_ms=1.0)["lat_queue_ms"] is None
+    no_profile = latency_parts(record, roof_ms=None)
+    assert no_profile["lat_roof_ms"] == 0 and no_profile["lat_beyond_roof_ms"] == 3.0

@@ -100,6 +100,8 @@ def infer_run(root: Path) -> Path:
             r.update(sla_ms=SLA_MS, sla_percentile=99.0, sla_met=False, precision="fp32", flops_per_sample=1e6,
                      bytes_per_sample=1e5, achieved_flops_per_s=r["samples_per_s"] * 1e6, roofline_fraction=0.2,
                      roofline_bound_by="memory", energy_unavailable=NO_RAPL)  # fmt: skip
+        rows[1].update(tail_issue_ms=0.5, tail_queue_ms=100.0, tail_roof_ms=4.0, tail_beyond_roof_ms=40.0,
+                       tail_slowdown_ms=50.0, tail_completion_ms=4.5)  # fmt: skip
         run.write_summary(rows, INFER_SUMMARY)
     return run.dir
 
@@ -252,7 +254,7 @@ def test_every_plot_is_drawn_as_a_png(lab):
     result = lab["result"]
     search_id, sweep_id = lab["dirs"]["search"].name, lab["dirs"]["sweep"].name
     expected = {"latency_cdf", "qps_vs_p99", f"heatmap-{search_id}", "training_phases", "scaling", "roofline",
-                f"sweep-{sweep_id}", "collectives"}  # fmt: skip
+                f"sweep-{sweep_id}", "collectives", "latency_parts"}  # fmt: skip
     assert expected == set(result.plots)
     for path in result.plots.values():
         data = path.read_bytes()
@@ -317,6 +319,13 @@ def test_training_phase_bars_sum_to_step_time(lab):
     k = drawn.step_time_ms.index(50.0)  # pipelined: no shares, one unattributed segment
     assert drawn.ms["unattributed"][k] == 50.0
     assert any("pipelined" in n for n in lab["result"].notes["training_phases"])
+
+
+def test_the_tails_latency_parts_are_one_bar_per_point_beside_its_floor(lab):
+    drawn = lab["result"].drawn["latency_parts"]
+    assert len(drawn.labels) == 1  # only point 1 of the infer run recorded its parts
+    assert sum(v[0] for v in drawn.ms.values()) == pytest.approx(199.0)  # the parts add up to the tail
+    assert drawn.ms["slowdown"] == [50.0] and drawn.ms["transport"] == [0.0] and drawn.floors == [4.0]
 
 
 def test_scaling_lines(lab):
