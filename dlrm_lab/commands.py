@@ -56,6 +56,7 @@ _INFER_OPTIONS: dict[str, Any] = {
     "attention": str,
     "set": list[str] | None,
     "seed": int,
+    "trace": bool,
     **_MODEL_SCALING,
 }
 

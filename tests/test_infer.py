@@ -353,3 +353,37 @@ def test_idle_instances_share_a_query_in_pieces_of_at_least_min_piece(server):
     assert spread["status"] == "ok" and spread["pieces"] == 2 and spread["batch_samples"] == 20
     assert whole["status"] == "ok" and whole["pieces"] == 1 and whole["batch_samples"] == 40
     assert server.models["tiny"].min_piece == measured  # 0 restores the measured break-even
+
+
+def test_a_traced_point_is_chrome_trace_json_with_the_labs_spans_on_the_servers_clock(server, tmp_path):
+    """--trace: every instance's torch.profiler operators and the lab's queries and batches in one
+    trace.json that Perfetto and chrome://tracing open; the instances' profiles are moved onto the
+    server's clock by the batch marks they carry."""
+    import json
+
+    from dlrm_lab.infer import lab
+    from dlrm_lab.infer.load import QuerySizes, Stream
+    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.metrics.run import Run
+
+    cfg = lab.InferConfig(duration_s=0.5, sla_ms=50, warmup_s=0.1)
+    with Run.create(tmp_path, "infer", {}) as run:
+        lab.measure(server, lab.Point(0, [Stream("tiny", 200.0, QuerySizes.parse("fixed:8"))]), cfg,
+                    run.table("queries", QUERY_SCHEMA), run.dir, trace=True)  # fmt: skip
+    trace = json.loads((run.dir / "trace.json").read_text())
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and trace["otherData"]["instances_aligned"] == [0, 1]
+    for e in events:  # the fields every Chrome trace event needs
+        assert {"ph", "pid", "name"} <= set(e) and (e["ph"] == "M" or isinstance(e["ts"], float | int))
+    begins = [e for e in events if e["ph"] == "b" and e["cat"] == "query" and e["name"].startswith("query ")]
+    assert begins and all({"latency_ms", "lat_queue_ms", "lat_roof_ms"} <= set(e["args"]) for e in begins)
+    ends = [e for e in events if e["ph"] == "e" and e["cat"] == "query" and e["name"].startswith("query ")]
+    assert len(ends) == len(begins)
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert {"queries (dlrm-lab)", "instance 0 (tiny)", "instance 1 (tiny)"} <= names
+    assert any(e.get("cat") == "cpu_op" for e in events)  # the profiler's operators
+    marks = {e["name"]: e["ts"] for e in events if e.get("cat") == "user_annotation"}
+    ours = {e["name"]: e["ts"] for e in events if e.get("cat") == "batch"}
+    common = sorted(set(marks) & set(ours))
+    assert common and sorted(abs(marks[n] - ours[n]) for n in common)[len(common) // 2] < 1000  # within 1 ms
+    assert not (run.dir / "trace-instances").exists()  # merged into trace.json

@@ -319,6 +319,17 @@ def test_profile_steps_record_operators_per_step(tmp_path):
     assert any(op in ops for op in ("aten::addmm", "aten::mm", "aten::linear"))
     assert all(r["total_ms_per_step"] >= r["self_ms_per_step"] >= 0 for r in rows)
     assert sum(r["self_ms_per_step"] for r in rows) > 0
+    # the same window as a Chrome/Perfetto trace: the profiler's operators, each step a span with its phases
+    import json
+
+    events = json.loads((result.run_dir / "trace.json").read_text())["traceEvents"]
+    steps = [e for e in events if e.get("cat") == "step"]
+    assert [e["name"] for e in steps] == ["step 5", "step 6", "step 7"]
+    assert all(e["ph"] == "X" and e["dur"] > 0 and e["args"]["step_time_ms"] > 0 for e in steps)
+    assert all("backward_ms" in e["args"] for e in steps)
+    assert any(e.get("cat") == "cpu_op" and steps[0]["ts"] <= e["ts"] <= steps[-1]["ts"] + steps[-1]["dur"]
+               for e in events)  # fmt: skip
+    assert json.loads((result.run_dir / "manifest.json").read_text())["trace"]["steps"] == 3
     assert (
         profile_window(0, 10, 3) == (5, 3) and profile_window(0, 4, 3) == (1, 3) and profile_window(0, 3, 3) == (0, 3)
     )

@@ -159,6 +159,13 @@ def run_command(
     table_scale: TableScale = None,
     max_rows: MaxRows = None,
     seed: Seed = 0,
+    trace: Annotated[
+        bool,
+        typer.Option(
+            help="Write trace.json: a Chrome/Perfetto trace of the (first) point, torch.profiler's operators in "
+            "every instance with the lab's queries and batches (open it in ui.perfetto.dev)."
+        ),
+    ] = False,
     metrics_dir: MetricsDir = "runs",
     progress: ShowProgress = True,
 ) -> None:

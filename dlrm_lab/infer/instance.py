@@ -10,6 +10,8 @@ Messages go through one duplex pipe per instance (sent by the caller's thread: n
 thread to wake, unlike multiprocessing queues); payloads are small for library queries:
     instance -> parent: ("ready", error or None) once, then BatchResult per batch
     parent -> instance: (batch_id, [QueryRef, ...]) or None to stop
+    tracing (`--trace`): parent -> instance (TRACE, None) starts torch.profiler, (TRACE, path) stops
+    it and exports its Chrome trace there; instance -> parent (TRACE, index, path or error) when written
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class BatchResult:
 
 
 BATCH_STAGES = ("assembly", "lookup", "dense", "interaction")
+TRACE = "trace"  # the control message of tracing (module docstring)
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         conn.send(("ready", f"{type(exc).__name__}: {exc}", None))
         return
     spin_s = plan.spin_ms / 1e3
+    profiler: Any = None
     while True:
         try:
             if spin_s:  # stay on the core (a core that slept runs the next batch up to 1.6x slower)
@@ -245,11 +249,18 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             return
         if msg is None:
             return
+        if msg[0] == TRACE:
+            profiler = _trace(profiler, msg[1], plan.index, conn)
+            continue
         batch_id, refs = msg
         start = time.monotonic_ns()
         scores, error, reused, stages = None, None, None, None
         try:
-            scores = runner(refs)
+            if profiler is not None:  # the mark that puts this trace on the server's clock (metrics.trace)
+                with torch.profiler.record_function(f"batch {batch_id}"):
+                    scores = runner(refs)
+            else:
+                scores = runner(refs)
             reused = runner.reused
             stages = runner.stages
         except Exception as exc:  # noqa: BLE001 - one failed batch must not end the instance
@@ -259,6 +270,28 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, reused, stages))
         except (EOFError, OSError):
             return
+
+
+def _trace(profiler: Any, path: str | None, index: int, conn: Any) -> Any:
+    """Start torch.profiler (`path` None) or stop it and export its Chrome trace to `path`, telling the
+    parent when written (or why not); returns the running profiler, or None."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if path is None:
+        if profiler is None:
+            profiler = profile(activities=[ProfilerActivity.CPU])
+            profiler.__enter__()
+        return profiler
+    done: str = path
+    try:
+        if profiler is None:
+            raise RuntimeError("tracing was not started")
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(path)
+    except Exception as exc:  # noqa: BLE001 - a trace that cannot be written must not end the instance
+        done = f"error: {type(exc).__name__}: {exc}"
+    conn.send((TRACE, index, done))
+    return None
 
 
 def _touch_pages(model: torch.nn.Module) -> None:

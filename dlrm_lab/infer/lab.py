@@ -86,6 +86,9 @@ class InferConfig:
     # streams, open loop, records dropped (MLPerf allows untimed warm-up queries). Without it
     # the first queries of a point meet instances idle since their start.
     warmup_s: float = 0.5
+    # Write a Chrome/Perfetto trace of the first point (`metrics.trace`): every instance's torch.profiler
+    # operators and the lab's queries and batches, on the server's clock, in the run's trace.json
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -148,6 +151,7 @@ def measure(
     telemetry: TableWriter | None = None,
     on_progress: OnProgress | None = None,
     decided: Callable[[list[dict[str, Any]]], bool] | None = None,
+    trace: bool = False,
 ) -> list[dict[str, Any]]:
     """Drive one point and summarise it per model. Query rows are written as they finish;
     power and host samples of the point go to `telemetry`; `on_progress` hears how far the
@@ -156,7 +160,9 @@ def measure(
 
     `decided(records so far)` is asked every `drivers.POLL_S` while the load runs: True ends the
     load there (a search probe whose verdict can no longer change); the rows then say
-    `load_stopped_early` and their rates count the time the load actually ran."""
+    `load_stopped_early` and their rates count the time the load actually ran. `trace`: the point's
+    load (not its warm-up) is profiled in every instance and written with the lab's spans to
+    `trace.json` in `run_dir` (a server that cannot trace says so in `log`)."""
     if point.duration_s is not None:
         cfg = replace(cfg, duration_s=point.duration_s)
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
@@ -195,6 +201,11 @@ def measure(
     ).start()
     meter.start()
     window = [sampler.mark()]
+    tracing = trace and hasattr(server, "start_trace")
+    if trace and not tracing and log:
+        log("--trace: this system under test cannot be profiled (no instances in this process); no trace")
+    if tracing:
+        server.start_trace()
     load_start = time.monotonic()
     stopped_after_s: float | None = None
 
@@ -220,6 +231,8 @@ def measure(
             gc.enable()
     pump(server.take_records())
     use = meter.stop()
+    if tracing:
+        _write_trace(server, records, sut, run_dir, log)
     cpu = {column: use[column] for column in CPU_COLUMNS}
     report(finished=True)
     energy = sampler.summary(window[0], window[1])
@@ -264,6 +277,24 @@ def measure(
         if log:
             log(point_line(row))
     return rows
+
+
+def _write_trace(
+    server: Any, records: list[dict[str, Any]], sut: SutDescription, run_dir: Path, log: Log | None
+) -> None:
+    """Collect the instances' profiles and write the point's trace.json beside its records."""
+    import shutil
+
+    from dlrm_lab.metrics.trace import serving_trace
+
+    parts = run_dir / "trace-instances"
+    written, missing = server.stop_trace(parts)
+    info = serving_trace(records, written, sut.processes, run_dir / "trace.json")
+    shutil.rmtree(parts, ignore_errors=True)  # merged into trace.json
+    if log:
+        gaps = "".join(f"; instance {k}: {why}" for k, why in missing.items())
+        gaps += "".join(f"; instance {k}: no served batch to align its profile by" for k in info["instances_unaligned"])
+        log(f"trace: {run_dir / 'trace.json'} ({info['events']:,} events; open in ui.perfetto.dev){gaps}")
 
 
 def _peaks(profile: dict[str, Any] | None, device: str, served: ServedModel) -> Any:
@@ -376,7 +407,10 @@ def run_inference(
                 points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
             for point in points:
                 with queue_room(server, point, cfg.duration_s):
-                    summary.extend(measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress))
+                    summary.extend(measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress,
+                                           trace=cfg.trace and point.index == 0))  # fmt: skip
+                if cfg.trace and point.index == 0 and (run.dir / "trace.json").exists():
+                    run.update_manifest(trace="trace.json")
                 summary.flush()
     return run.dir
 

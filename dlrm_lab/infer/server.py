@@ -41,6 +41,7 @@ from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch
 from dlrm_lab.infer.instance import (
     BATCH_STAGES,
     PRECISIONS,
+    TRACE,
     BatchResult,
     InstancePlan,
     QueryRef,
@@ -132,6 +133,9 @@ class InferenceServer:
         self.snapshot_bytes: dict[str, int] = {}
         self.precision_choices: dict[str, dict[str, Any]] = {}  # per model: what ran and why (manifest)
         self._switch_interval: float | None = None  # the process's GIL switch interval before start()
+        self._send_locks: dict[int, threading.Lock] = {}  # one writer at a time per instance pipe
+        self._traced: dict[int, str] = {}  # instance -> its trace file (or why none), as it answers
+        self._traced_cond = threading.Condition()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -177,6 +181,7 @@ class InferenceServer:
                     proc.start()
                     theirs.close()
                     self._conns[index] = mine_end
+                    self._send_locks[index] = threading.Lock()
                     pool.free.append(index)
                     if m.history_cache_mb and m.history_affinity and m.instances > 1:
                         pool.homes.append(index)
@@ -470,7 +475,8 @@ class InferenceServer:
             refs = [QueryRef(q.query_id, hi - lo, lo if q.payload is not None else q.offset + lo, q.payload)
                     for q, lo, hi in pieces]  # fmt: skip
             try:
-                self._conns[instance].send((batch_id, refs))
+                with self._send_locks[instance]:
+                    self._conns[instance].send((batch_id, refs))
             except (OSError, ValueError):
                 return  # the instance is gone: check() reports it
 
@@ -491,7 +497,38 @@ class InferenceServer:
                 except (EOFError, OSError):
                     del conns[id(conn)]  # instance gone; check() names it
                     continue
+                if isinstance(msg, tuple) and msg[0] == TRACE:
+                    with self._traced_cond:
+                        self._traced[msg[1]] = msg[2]
+                        self._traced_cond.notify_all()
+                    continue
                 self._complete(msg)
+
+    # ------------------------------------------------------------------ tracing
+
+    def start_trace(self) -> None:
+        """Every instance starts torch.profiler; each batch it serves is marked `batch <id>`."""
+        for index, conn in self._conns.items():
+            with self._send_locks[index]:
+                conn.send((TRACE, None))
+
+    def stop_trace(self, directory: Path, timeout_s: float = 120.0) -> tuple[dict[int, Path], dict[int, str]]:
+        """Every instance stops its profiler and exports its Chrome trace to `directory/instance-<k>.json`:
+        the files written, and per instance why none was (an error, or no answer in `timeout_s`)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        with self._traced_cond:
+            self._traced.clear()
+        for index, conn in self._conns.items():
+            with self._send_locks[index]:
+                conn.send((TRACE, str(directory / f"instance-{index}.json")))
+        deadline = time.monotonic() + timeout_s
+        with self._traced_cond:
+            while len(self._traced) < len(self._conns) and time.monotonic() < deadline:
+                self._traced_cond.wait(0.5)
+            answers = dict(self._traced)
+        written = {k: Path(v) for k, v in answers.items() if not v.startswith("error:")}
+        missing = {k: answers.get(k, f"no answer in {timeout_s:.0f} s") for k in self._conns if k not in written}
+        return written, missing
 
     def _complete(self, msg: BatchResult) -> None:
         now = time.monotonic_ns()

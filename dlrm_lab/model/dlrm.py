@@ -50,9 +50,10 @@ def pooled_with_triangle(pooled: KeyedTensor, names: list[str]) -> tuple[torch.T
 def _triangle_index(keys: tuple[str, ...], names: tuple[str, ...], device: torch.device) -> torch.Tensor:
     n = len(names) + 1  # the dense output, then every feature
     slot = {key: k + 1 for k, key in enumerate(keys)}
-    place = torch.tensor([0] + [slot[name] for name in names])
-    rows, cols = torch.triu_indices(n, n, offset=1)
-    return (place[rows] * n + place[cols]).to(device)
+    with torch.inference_mode(False):  # cached: a first call under inference mode must not taint training
+        place = torch.tensor([0] + [slot[name] for name in names])
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        return (place[rows] * n + place[cols]).to(device)
 
 
 # Leaves for torch.fx: TorchRec's training pipeline traces the model, and the key checks

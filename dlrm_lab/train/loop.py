@@ -453,7 +453,7 @@ def train(
         profiler.stop()  # a run that ended inside the window
         all_steps = _gather_rows(steps, ctx)
         if cfg.profile_steps:
-            write_profile(run, profiler.rows, ctx)
+            write_profile(run, profiler.rows, ctx, profiler.trace, all_steps)
         warmup = flag_warmup(all_steps, start_step, cfg.warmup_steps)
         if steps:
             measured_from["step"] = start_step + warmup
