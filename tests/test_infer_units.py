@@ -886,3 +886,24 @@ def test_the_server_packs_and_checks_sent_samples_once_at_submit():
     assert InferenceServer._check_payload(None, Query(0, "hstu", 16, payload=sent), hstu).startswith(
         "an HSTU model serves requests of its sample library only"
     )
+
+
+def test_a_query_is_cut_only_into_pieces_that_can_run_at_once():
+    """One instance serves a 700-sample query whole (three 256-sample pieces would run one after
+    another, each paying the batch's fixed cost); two cut it in halves; never past the warmed limit."""
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.batching import whole_enough
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.sut import Query
+
+    head = Query(1, "m", 700, 0)
+    assert whole_enough(256, head, instances=1, limit=704) == 700
+    assert whole_enough(256, head, instances=2, limit=704) == 350
+    assert whole_enough(256, head, instances=4, limit=704) == 256  # four pieces of 175 would be smaller: 256 stands
+    assert whole_enough(256, head, instances=1, limit=512) == 512  # beyond what the instances warmed up for
+    head.dispatched = 600
+    assert whole_enough(256, head, instances=1, limit=704) == 256  # what is left fits
+    served = ServedModel("m", load_preset("tiny"), instances=2, max_batch=256, largest_query=700)
+    assert served.piece_limit() == 350 and ServedModel("m", load_preset("tiny"), max_batch=256).piece_limit() == 256
+    assert QuerySizes.parse("mlperf").quantile(0.999) == 700 and QuerySizes.parse("fixed:3").quantile(0.5) == 3
+    assert 90 <= QuerySizes.parse("normal:100,5").quantile(0.5) <= 110

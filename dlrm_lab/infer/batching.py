@@ -152,6 +152,17 @@ class BatchClock:
         return expected
 
 
+def whole_enough(size: int, head: Query, instances: int, limit: int) -> int:
+    """The batch size, grown so that the oldest query is cut into no more pieces than there are
+    instances: pieces beyond that would run one after another, each paying the batch's fixed cost
+    (a 700-sample query on one instance at max batch 256 ran as 3 batches, 7.9 ms against 2.45 ms
+    whole). At most `limit` samples (the largest batch the instances warmed up for)."""
+    left = head.size - head.dispatched
+    if left <= size:
+        return size
+    return max(size, min(limit, -(-left // max(1, instances))))
+
+
 def take_batch(pool: Any, max_batch: int, instance: int | None = None) -> list[tuple[Query, int, int]]:
     """Pieces (query, lo, hi) of the next batch of at most `max_batch` samples (`next_batch`) for
     `instance`, taken from `pool` (the server's pool of one model: its `waiting` queries, their

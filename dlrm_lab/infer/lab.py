@@ -375,6 +375,7 @@ def run_inference(
         raise UserError("--qps auto: one --model, with open-loop or server load (the rate is probed open loop)")
     if cfg.sla_auto and not cfg.qps_auto:
         raise UserError("--sla-ms auto: needs --qps auto (the bound is chosen with the load)")
+    models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
     check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
     config = {
         "infer": cfg.to_dict(),
@@ -413,6 +414,16 @@ def run_inference(
                     run.update_manifest(trace="trace.json")
                 summary.flush()
     return run.dir
+
+
+def for_load(served: ServedModel, stream: Stream) -> ServedModel:
+    """`served` knowing the queries it will get: the largest (its 99.9th percentile, what a piece may
+    be cut from) and the batch sizes its build is timed at (the median query and the largest batch)."""
+    largest = max(served.largest_query, stream.sizes.quantile(0.999))
+    served = replace(served, largest_query=largest)
+    if served.build_batches:
+        return served
+    return replace(served, build_batches=(min(stream.sizes.quantile(0.5), served.max_batch), served.piece_limit()))
 
 
 def stream_config(s: Stream) -> dict[str, Any]:

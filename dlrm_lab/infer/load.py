@@ -84,6 +84,14 @@ class QuerySizes:
             return self.a
         return self.a * float(np.exp(self.b**2 / 2))
 
+    def quantile(self, q: float) -> int:
+        """The size at quantile q of the distribution (exact for fixed and uniform; from 100,000 seeded draws else)."""
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return int(np.ceil(self.a + q * (self.b - self.a)))
+        return int(np.quantile(self.draw(100_000, np.random.default_rng(0)), q))
+
     @property
     def largest(self) -> int:
         if self.kind == "fixed":

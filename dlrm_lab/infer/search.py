@@ -193,6 +193,7 @@ def search(
     if cfg.scenario not in ("open-loop", "server"):
         raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
     widest = max(grid.layouts, key=lambda layout: layout[0])[0]
+    base = replace(base, largest_query=max(base.largest_query, stream.sizes.quantile(0.999)))
     check_fits([replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
     config = {
         "infer": cfg.to_dict(),

@@ -44,6 +44,10 @@ class ServedModel:
     build: str = "auto"
     # Batch sizes the build is timed at (auto); empty: an eighth of max_batch and max_batch
     build_batches: tuple[int, ...] = ()
+    # The largest query the load will send (its 99.9th percentile; 0: unknown): a query is cut only into
+    # pieces that can run at once (at most one per instance), so a piece may exceed max_batch up to
+    # largest_query / instances, and the instances warm up to that size (`piece_limit`)
+    largest_query: int = 0
 
     def __post_init__(self) -> None:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
@@ -98,6 +102,10 @@ class ServedModel:
             "attention": self.attention if isinstance(self.spec, HSTUSpec) else None,
             "build": self.build,
         }
+
+    def piece_limit(self) -> int:
+        """The largest batch an instance serves: max_batch, or one instance's share of the largest query."""
+        return max(self.max_batch, -(-self.largest_query // self.instances))
 
     def batches_to_time(self) -> list[int]:
         """The batch sizes a build is timed at: those given, else an eighth of max_batch and max_batch."""

@@ -37,7 +37,7 @@ import torch
 from dlrm_lab.config import HSTUSpec
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch
+from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.instance import (
     BATCH_STAGES,
     PRECISIONS,
@@ -171,7 +171,7 @@ class InferenceServer:
                     plan = InstancePlan(
                         model=m.name, index=index, snapshot_dir=str(snap), spec=m.spec.to_dict(),
                         threads=m.threads, cores=mine, device=dev, precision=m.precision,
-                        table_precision=m.table_precision, warmup_batch=min(m.max_batch, library.size),
+                        table_precision=m.table_precision, warmup_batch=min(m.piece_limit(), library.size),
                         spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
                     )  # fmt: skip
                     mine_end, theirs = self._ctx.Pipe(duplex=True)
@@ -466,6 +466,7 @@ class InferenceServer:
                 now = time.monotonic_ns()
                 size = pool.clock.next_batch(pool.waiting_samples, len(pool.free), now, max_batch=m.max_batch,
                                              min_piece=m.min_piece)  # fmt: skip
+                size = whole_enough(size, pool.waiting[0], m.instances, m.piece_limit())
                 instance = pool.free.popleft()
                 pieces = take_batch(pool, size, instance)
                 pool.clock.sent(instance, now, sum(hi - lo for _, lo, hi in pieces))
