@@ -92,24 +92,38 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     code, stdout, stderr = run_cli_in_process(
         "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
         "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "3",
-        "--capacity-duration", "0.5", "--min-queries", "20", "--metrics-dir", str(tmp_path),
+        "--capacity-duration", "0.5", "--min-queries", "20", "--certify-duration", "1", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
     assert code == 0, stderr
     progress = [line for line in stderr.splitlines() if line.startswith("search: ")]
-    assert len(progress) > 3 and progress[-1].startswith("search: 3 probe points, elapsed "), stderr
-    assert re.search(r", point 2: ([\d.]+)/\1 s of load, [\d,]+ queries$", progress[-1]), progress[-1]  # all done
+    # the probes, then the certification run: the last point, all done
+    done = re.search(r"^search: (\d+) probe points, elapsed .*, point (\d+): ([\d.]+)/\3 s of load, [\d,]+ queries$",
+                     progress[-1])  # fmt: skip
+    assert len(progress) > 3 and done and int(done[1]) == int(done[2]) + 1, progress[-1]
     run_dir = _run_dir(tmp_path)
     (f,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     assert f["best"] and 0 < f["best_qps"] <= f["capacity_queries_per_s"] * 1.05 and f["probes"] == 3
     assert f["best_sla_latency_ms"] <= 20 and f["best_qps_uncertainty"] > 0
     assert f["best_samples_per_s_ci_low"] is None and f["best_samples_per_s_unstable"] is None  # 1 repeat: no CI
     probes = pq.read_table(run_dir / "summary.parquet").to_pylist()
-    assert len(probes) == 3 and {p["probe"] for p in probes} == {0, 1, 2}
-    passing = [p["target_qps"] for p in probes if p["passed"]]
+    assert (
+        len(probes) == int(done[1])
+        and len(probes) >= 4
+        and {p["probe"] for p in probes if p["probe"] >= 0} == {0, 1, 2}
+    )
+    passing = [p["target_qps"] for p in probes if p["passed"] and p["probe"] >= 0]
     assert max(passing) == f["best_qps"]
     assert all(p["sla_met"] == p["passed"] for p in probes)  # one repeat: its verdict decides
     assert read_manifest(run_dir)["best"]["best_qps"] == f["best_qps"]
     assert "best q/s" in stdout
+    # the best rate certified by a LoadGen Server run (the answer printed is that rate, or none)
+    certifying = [p for p in pq.read_table(run_dir / "summary.parquet").to_pylist() if p["probe"] < 0]
+    assert certifying and all(p["scenario"] == "server" and p["loadgen_result"] for p in certifying)
+    assert f["certify_s"] == 1 and f["certified_result"].startswith(("VALID", "INVALID"))
+    if f["certified_qps"]:
+        assert f["certified_qps"] <= f["best_qps"] and "certified by a 1 s MLPerf LoadGen Server run" in stdout
+    else:
+        assert "answer: no certified rate" in stdout
 
 
 @pytest.mark.parametrize(

@@ -409,7 +409,8 @@ def test_the_search_spends_almost_nothing_on_configurations_that_cannot_win(tmp_
     slow one's capacity cannot reach the best rate, so it gets no probe at all."""
     from dlrm_lab.infer.search import SearchOptions
 
-    options = SearchOptions(repeats=1, steps=3, capacity_s=0.5, min_queries=30, max_duration_s=0.5, prune_margin=0.5)
+    options = SearchOptions(repeats=1, steps=3, capacity_s=0.5, min_queries=30, max_duration_s=0.5, prune_margin=0.5,
+                            certify_s=0)  # fmt: skip
     frontier, summary = _search(tmp_path, {64: (2.0, 0.0), 32: (2.5, 31.0), 8: (16.0, 0.0)}, options)
     fast, late, slow = (next(r for r in frontier if r["max_batch"] == b) for b in (64, 32, 8))
     assert 150 < fast["capacity_queries_per_s"] < 600 and slow["capacity_queries_per_s"] < 70
@@ -419,6 +420,57 @@ def test_the_search_spends_almost_nothing_on_configurations_that_cannot_win(tmp_
     assert slow["outcome"].startswith("pruned") and slow["probe_points"] == 0 and slow["best_qps"] is None
     assert {r["max_batch"] for r in summary} == {64, 32}  # no load point was spent on the pruned one
     assert fast["min_piece"] == 0  # this system measures no batch cost: as given
+    assert fast["certified_qps"] is None  # --certify-duration 0
+
+
+def test_the_best_rate_is_certified_by_a_longer_loadgen_run_backing_off_until_it_holds(tmp_path, monkeypatch):
+    """The claimed rate is run again under LoadGen's Server scenario; where it does not hold, 0.9x the
+    rate before, up to the tries allowed; a rate that never held is not the answer."""
+    from dlrm_lab.infer import search as search_module
+    from dlrm_lab.infer.search import CERTIFY_BACKOFF, SearchOptions
+
+    runs = []
+
+    def fake_measure(server, point, cfg, *a, **k):  # LoadGen holds up to 80 queries/s
+        (stream,) = point.streams
+        runs.append((point.scenario, cfg.duration_s, stream.qps))
+        ok = stream.qps <= 80.0
+        return [{"target_qps": stream.qps, "samples_per_s": stream.qps, "loadgen_result": "VALID" if ok else "INVALID",
+                 "sla_met": ok, "sla_latency_ms": 5.0 if ok else 50.0}]  # fmt: skip
+
+    monkeypatch.setattr(search_module, "measure", fake_measure)
+
+    class Table:
+        def extend(self, rows):
+            pass
+
+        def flush(self):
+            pass
+
+    def certify(best_qps, tries):
+        winner = {"instances": 1, "threads_per_instance": 1, "precision": "fp32", "max_batch": 8, "max_delay_ms": 0.0,
+                  "best_qps": best_qps, "outcome": "best"}  # fmt: skip
+        runs.clear()
+        options = SearchOptions(certify_s=30.0, certify_tries=tries)
+        search_module.certify(winner, base, stream, cfg, options, lambda m: ServiceSut(small_library(), m, {8: (0, 0)}),
+                              None, Table(), None, tmp_path, 0, None, None)  # fmt: skip
+        return winner
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.served import ServedModel
+
+    base = ServedModel("m", load_preset("tiny"), precision="fp32")
+    stream = Stream("m", 1.0, QuerySizes.parse("fixed:1"))
+    cfg = InferConfig(scenario="open-loop", duration_s=0.5, sla_ms=10.0)
+    held = certify(75.0, 3)
+    assert runs == [("server", 30.0, 75.0)] and held["certified_qps"] == 75.0 and held["outcome"] == "best"
+    backed = certify(95.0, 3)  # 95 fails, 85.5 fails, 76.95 holds
+    assert [q for _, _, q in runs] == pytest.approx([95.0, 95.0 * CERTIFY_BACKOFF, 95.0 * CERTIFY_BACKOFF**2])
+    assert backed["certified_qps"] == pytest.approx(76.95) and "claimed 95.0" in backed["outcome"]
+    never = certify(200.0, 2)
+    assert never["certified_qps"] == 0 and never["certified_result"] == "INVALID"
+    assert never["outcome"].startswith("best probed, not certified")
 
 
 def test_a_probe_that_cannot_pass_ends_its_load_early(tmp_path):
@@ -426,7 +478,7 @@ def test_a_probe_that_cannot_pass_ends_its_load_early(tmp_path):
     probe of ~60 queries may have at p99, so each probe's load ends at the next poll."""
     from dlrm_lab.infer.search import SearchOptions
 
-    options = SearchOptions(repeats=3, steps=2, capacity_s=0.5, min_queries=60, max_duration_s=4.0)
+    options = SearchOptions(repeats=3, steps=2, capacity_s=0.5, min_queries=60, max_duration_s=4.0, certify_s=0)
     frontier, summary = _search(tmp_path, {8: (40.0, 0.0)}, options, sla_ms=30.0)
     (only,) = frontier
     assert only["outcome"] == "no probed rate met the bound" and only["best_qps"] == 0
@@ -442,7 +494,7 @@ def test_a_loadgen_probe_is_never_cut_short(tmp_path):
     pytest.importorskip("mlperf_loadgen")
     from dlrm_lab.infer.search import SearchOptions
 
-    options = SearchOptions(repeats=1, steps=1, capacity_s=0.3, min_queries=10, max_duration_s=0.6)
+    options = SearchOptions(repeats=1, steps=1, capacity_s=0.3, min_queries=10, max_duration_s=0.6, certify_s=0)
     frontier, summary = _search(tmp_path, {8: (40.0, 0.0)}, options, scenario="server")
     assert frontier[0]["outcome"] == "no probed rate met the bound"
     assert summary and not any(r["load_stopped_early"] for r in summary)

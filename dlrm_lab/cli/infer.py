@@ -260,6 +260,14 @@ def search_command(
             "repeats when all lie 25% or more on one side of the bound."
         ),
     ] = True,
+    certify_duration: Annotated[
+        float,
+        typer.Option(
+            help="Seconds of the MLPerf LoadGen Server run that certifies the best rate (backed off until it "
+            "holds); 0: not certified."
+        ),
+    ] = 60.0,
+    certify_tries: Annotated[int, typer.Option(help="Certification runs at most, each at 0.9x the rate before.")] = 3,
     max_queue: MaxQueue = 4096,
     min_piece: MinPiece = 0,
     spin_ms: SpinMs = 0.0,
@@ -295,7 +303,8 @@ def search_command(
                       device=device, pin_cores=pin_cores, warmup_s=warmup)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
-                            early_stop=early_stop)  # fmt: skip
+                            early_stop=early_stop, certify_s=certify_duration,
+                            certify_tries=certify_tries)  # fmt: skip
     (base,) = ServingOptions(max_queue=max_queue, min_piece=min_piece, spin_ms=spin_ms, precision=precision,
                              table_precision=table_precision, build=build, data_spec=data_spec, table_scale=table_scale,
                              max_rows=max_rows, history_cache_mb=history_cache_mb, attention=attention,
@@ -324,4 +333,21 @@ def search_command(
     for r in rows:
         table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.FRONTIER_PRINTED))
     console().print(table)
+    console().print(_answer(rows, percentile, sla_ms))
     console().print(f"run directory: {run_dir}")
+
+
+def _answer(frontier: list[dict[str, Any]], percentile: float, sla_ms: float) -> str:
+    """The search's answer: the rate a LoadGen Server run certified, never a rate that did not hold."""
+    best = next((r for r in frontier if r["best"]), None)
+    bound = f"p{percentile:g} <= {sla_ms:g} ms"
+    if best is None:
+        return f"answer: no configuration met {bound}"
+    claimed = f"the search's probes claimed {best['best_qps']:,.1f}"
+    if best.get("certified_qps") is None:
+        return f"answer: {best['best_qps']:,.1f} queries/s under {bound}, not certified (--certify-duration 0)"
+    if not best["certified_qps"]:
+        return f"answer: no certified rate under {bound} ({claimed}; {best['outcome']})"
+    return (f"answer: {best['certified_qps']:,.1f} queries/s ({best['certified_samples_per_s']:,.0f} samples/s) "
+            f"under {bound}, certified by a {best['certify_s']:g} s MLPerf LoadGen Server run "
+            f"({best['certified_result']}; {claimed})")  # fmt: skip

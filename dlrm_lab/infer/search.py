@@ -57,6 +57,10 @@ class SearchOptions:
     # rate; the margin covers run-to-run noise). 0 would prune hardest; < 0 turns it off.
     prune_margin: float = 0.10
     early_stop: bool = True  # end a probe's load once too many were late; its repeats once clearly decided
+    # The best rate is certified by a run this long under MLPerf LoadGen's Server scenario (0: not certified)
+    # at that rate, backed off by CERTIFY_BACKOFF up to `certify_tries` times until it holds
+    certify_s: float = 60.0
+    certify_tries: int = 3
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
@@ -65,6 +69,9 @@ class SearchOptions:
             )
         if not 0 < self.tolerance < 1:
             raise UserError(f"--tolerance {self.tolerance}: must be in (0, 1)")
+        if not 0 <= self.certify_s <= 3600 or self.certify_tries < 1:
+            raise UserError(f"--certify-duration {self.certify_s}: must be in [0, 3600] s (0: no certification); "
+                            f"--certify-tries {self.certify_tries}: must be >= 1")  # fmt: skip
         if not (self.capacity_s > 0 and self.max_duration_s > 0):
             raise UserError(
                 f"--capacity-duration {self.capacity_s}, --max-probe-duration {self.max_duration_s}: must be > 0"
@@ -101,6 +108,13 @@ FRONTIER_SCHEMA = pa.schema(
         ("probes", pa.int32()),
         ("probe_points", pa.int32()),  # load points run (repeats), those stopped early included
         ("best", pa.bool_()),  # the configuration with the highest best_samples_per_s
+        # the best configuration's rate as a longer LoadGen Server run held it (`certify`): the rate that
+        # held (0: none of the tries; null: not certified), that run's verdict, its p99 and its length
+        ("certified_qps", pa.float64()),
+        ("certified_samples_per_s", pa.float64()),
+        ("certified_result", pa.string()),
+        ("certified_sla_latency_ms", pa.float64()),
+        ("certify_s", pa.float64()),
         ("outcome", pa.string()),  # why it is not the best: pruned, lower rate, no rate met the bound
     ]
 )
@@ -328,10 +342,81 @@ def search(
                     f"lower: {r['best_samples_per_s']:,.0f} samples/s under the bound, the best "
                     f"{best['best_samples_per_s']:,.0f}"  # type: ignore[index]
                 )  # fmt: skip
-        run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
         winner = next((r for r in frontier if r["best"]), None)
+        if winner is not None and options.certify_s > 0:
+            point_index = certify(winner, base, stream, cfg, options, serve, queries, summary, telemetry, run.dir,
+                                  point_index, log, on_progress)  # fmt: skip
+        run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
         run.update_manifest(best=winner)
     return run.dir
+
+
+CERTIFY_BACKOFF = 0.9  # each try after a failed certification runs at this share of the rate before
+
+
+def certify(
+    winner: dict[str, Any],
+    base: ServedModel,
+    stream: Stream,
+    cfg: InferConfig,
+    options: SearchOptions,
+    serve: Callable[[ServedModel], AbstractContextManager[Any]],
+    queries: Any,
+    summary: Any,
+    telemetry: Any,
+    run_dir: Any,
+    point_index: int,
+    log: Log | None,
+    on_progress: OnProgress | None,
+) -> int:
+    """Run the best configuration at its claimed rate for `options.certify_s` under LoadGen's Server
+    scenario (its verdict, with early-stopping where the run is short, and the lab's percentile within
+    the bound), backing off by CERTIFY_BACKOFF until a run holds; fill in `winner`'s certified
+    columns (the search's short probes and a long run disagree near the knee: a rate that did not
+    hold is never the answer). Returns the next point index."""
+    served = replace(base, instances=winner["instances"], threads=winner["threads_per_instance"],
+                     precision=winner["precision"], max_batch=winner["max_batch"],
+                     max_delay_ms=winner["max_delay_ms"])  # fmt: skip
+    certify_cfg = replace(cfg, scenario="server", duration_s=options.certify_s)
+    qps, held, last = float(winner["best_qps"]), None, None
+    with serve(served) as server:
+        for attempt in range(options.certify_tries):
+            point = Point(point_index, [replace(stream, qps=qps)], "together", "server",
+                          extra={"repeat": 0, "probe": -1 - attempt}, duration_s=options.certify_s)  # fmt: skip
+            point_index += 1
+            (row,) = measure(server, point, certify_cfg, queries, run_dir, telemetry=telemetry,
+                             on_progress=on_progress)  # fmt: skip
+            ok = row["loadgen_result"] == "VALID" and bool(row["sla_met"])
+            row["passed"] = ok
+            summary.extend([row])
+            summary.flush()
+            last = row
+            if log:
+                p = "-" if row["sla_latency_ms"] is None else f"{row['sla_latency_ms']:.2f}"
+                log(f"certify {_label(served)} at {qps:,.1f} queries/s for {options.certify_s:g} s under LoadGen "
+                    f"Server: {row['loadgen_result']}, p{cfg.sla_percentile:g} {p} ms: "
+                    f"{'holds' if ok else 'does not hold'}")  # fmt: skip
+            if ok:
+                held = row
+                break
+            qps *= CERTIFY_BACKOFF
+    winner["certify_s"] = options.certify_s
+    if held is not None:
+        winner.update(certified_qps=held["target_qps"], certified_samples_per_s=held["samples_per_s"],
+                      certified_result=held["loadgen_result"],
+                      certified_sla_latency_ms=held["sla_latency_ms"])  # fmt: skip
+        if held["target_qps"] < winner["best_qps"]:
+            winner["outcome"] = (
+                f"best; certified at {held['target_qps']:,.1f} queries/s (claimed {winner['best_qps']:,.1f})"
+            )
+    else:
+        winner.update(certified_qps=0.0, certified_samples_per_s=0.0,
+                      certified_result=last["loadgen_result"] if last else None,
+                      certified_sla_latency_ms=last["sla_latency_ms"] if last else None)  # fmt: skip
+        tries = f"{options.certify_tries} LoadGen Server run(s) of {options.certify_s:g} s"
+        claimed = f"{winner['best_qps']:,.1f} queries/s"
+        winner["outcome"] = f"best probed, not certified: no rate from {claimed} down held {tries}"
+    return point_index
 
 
 def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None,
