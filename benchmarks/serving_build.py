@@ -1,0 +1,150 @@
+"""Serving at the machine's floor (issue 31's benchmark): ~8 min on 2 cores.
+
+    python benchmarks/serving_build.py [--parts batch,points]
+
+batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the precision `auto` picks:
+        each build (eager: the training module under autocast, what was served before; fused;
+        compiled) timed at 1, 100 and 400 samples, interleaved, median of 15 (`infer.build.time_builds`),
+        beside the roof of that batch at the precision it runs in (the profile's GEMM peak, gather
+        and copy bandwidth). Targets: a batch's framework cost (its 1-sample time) <= 0.3 ms; 400
+        samples >= 0.7 of the roof, 100 >= 0.5. Each build's accuracy check is printed too.
+points  The same model served through the CLI, `--build eager` against `--build auto`, one after the
+        other, twice: (a) 1 instance x 1 thread at 3 queries/s (~3% load), MLPerf query sizes,
+        30 s: p99 over the floor (target <= 2x, goal 1.5x); (b) `make run`'s inference point
+        (2 instances, --qps auto --sla-ms auto, max batch 2048, delay 2 ms, 10 s): p99 over the
+        floor (target <= 3x). Each line names the latency parts of the tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from common import header, results_path, write_results
+
+import dlrm_lab
+from dlrm_lab.data import synthetic_generator
+from dlrm_lab.infer import build as builds
+from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.infer.records import batch_roof
+from dlrm_lab.metrics.columns import LATENCY_PARTS
+from dlrm_lab.metrics.precision import AUTO, DTYPES, choose_precision
+from dlrm_lab.metrics.roofline import load_profile, peaks_for
+from dlrm_lab.model.dlrm import build_model
+
+KAGGLE = ["--model", "kaggle", "--max-rows", "1000000"]
+SIZES = (1, 100, 400)
+
+
+def batch_part() -> dict[str, Any]:
+    spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
+    precision = choose_precision(AUTO, spec, allowed=("fp32", "bf16", "fp16"), threads=1, rows=400).precision
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    library = PackedLibrary.generate(spec, None, 0, 4096)
+    held_out = synthetic_generator(spec, None, seed=0).samples(4096, 4096 + builds.CHECK_SAMPLES)
+    peaks = peaks_for(load_profile(), "cpu", precision, 1)
+    out: dict[str, Any] = {"precision": precision, "builds": {}}
+    for table_precision in ("fp32", "int8"):
+        modules = {b: builds.make_build(model, b, precision=precision, table_precision=table_precision)
+                   for b in ("eager", "fused")}  # fmt: skip
+        compiled = builds.make_build(model, "fused", precision=precision, table_precision=table_precision)
+        compiled.compile_dense()
+        modules["compiled"] = compiled
+        times = builds.time_builds(modules, SIZES, 1, library, precision, repeats=15)
+        for b, module in modules.items():
+            dense_bytes = 4.0 if b == "eager" else float(DTYPES[precision].itemsize)
+            roof = batch_roof(spec, table_precision, peaks, dense_bytes)
+            check = builds.check_accuracy(model, module, b, held_out, precision=precision,
+                                          table_precision=table_precision)  # fmt: skip
+            row = {
+                "ms": {n: times[b][n] for n in SIZES},
+                "roof_ms": {n: roof(n) for n in SIZES},
+                "fraction_of_roof": {n: roof(n) / times[b][n] for n in SIZES},
+                "framework_ms": times[b][1],
+                "accuracy": check.to_dict(),
+            }
+            out["builds"][f"{b}/{table_precision}"] = row
+            print(f"  {b:8s} tables {table_precision}: " + ", ".join(
+                f"{n} samples {row['ms'][n]:.3f} ms ({row['fraction_of_roof'][n]:.2f} of roof {row['roof_ms'][n]:.3f})"
+                for n in SIZES) + f"; accuracy {'pass' if check.passed else 'FAIL'} (max diff {check.max_abs_diff:.1e},"
+                f" AUC {check.auc:.4f} vs {check.auc_fp32:.4f})", flush=True)  # fmt: skip
+    return out
+
+
+def cli(tmp: Path, *args: str) -> dict[str, Any]:
+    root = tmp / f"run-{len(list(tmp.iterdir()))}"
+    cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(root), "--no-progress"]
+    print("$", " ".join(cmd[2:]), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    q = pq.read_table(run_dir / "queries.parquet").to_pandas()
+    ok = q[q.status == "ok"]
+    row["query_compute_p50_ms"] = float(np.median(ok.compute_ms)) if len(ok) else None
+    row["pieces_mean"] = float(ok.pieces.mean()) if len(ok) else None
+    parts = ", ".join(f"{p} {row[f'tail_{p}_ms']:.2f}" for p in LATENCY_PARTS if row.get(f"tail_{p}_ms") is not None)
+    print(f"  build {row['build']}: p99 {row['sla_latency_ms']:.2f} ms, floor {row['latency_floor_ms']:.3f} ms, "
+          f"{row['latency_floor_ratio']:.1f}x; {row['queries_per_s']:.1f} q/s; batch fixed {row['batch_fixed_ms']:.3f} "
+          f"ms + {row['batch_per_sample_us']:.2f} us/sample; slowdown p50 {row['compute_slowdown_p50']:.2f}x p99 "
+          f"{row['compute_slowdown_p99']:.2f}x; tail parts (ms): {parts}", flush=True)  # fmt: skip
+    return row
+
+
+KEEP = ("build", "queries_per_s", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio", "batch_fixed_ms",
+        "batch_per_sample_us", "compute_slowdown_p50", "compute_slowdown_p99", "target_qps", "query_compute_p50_ms",
+        "pieces_mean", *[f"tail_{p}_ms" for p in LATENCY_PARTS],
+        *[f"batch_{s}_mean_ms" for s in ("assembly", "lookup", "dense", "interaction", "completion")])  # fmt: skip
+
+
+def points_part(repeats: int) -> dict[str, Any]:
+    low = [*KAGGLE, "--query-size", "mlperf", "--qps", "3", "--duration", "30", "--instances", "1", "--threads", "1",
+           "--sla-ms", "100"]  # fmt: skip
+    make_run = [*KAGGLE, "--query-size", "mlperf", "--qps", "auto", "--sla-ms", "auto", "--duration", "10",
+                "--instances", "2", "--max-batch", "2048", "--max-delay-ms", "2"]  # fmt: skip
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args in (("low_load", low), ("make_run", make_run)):
+            rows: dict[str, list[dict[str, Any]]] = {"eager": [], "auto": []}
+            for _ in range(repeats):  # interleaved
+                for b in rows:
+                    row = cli(Path(tmp), "infer", "run", *args, "--build", b)
+                    rows[b].append({k: row.get(k) for k in KEEP})
+            out[name] = {
+                b: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
+                for b, r in rows.items()
+            }
+            print(f"{name}: floor ratio eager {out[name]['eager']['floor_ratio_median']:.2f}x -> auto "
+                  f"{out[name]['auto']['floor_ratio_median']:.2f}x", flush=True)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="batch,points")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    t0 = time.time()
+    results: dict[str, Any] = {"header": header()}
+    if "batch" in args.parts:
+        print("batch: one instance's batch time per build, 1 thread", flush=True)
+        results["batch"] = batch_part()
+    if "points" in args.parts:
+        results["points"] = points_part(args.repeats)
+    results["wall_s"] = time.time() - t0
+    write_results(results_path("serving_build"), results)
+
+
+if __name__ == "__main__":
+    main()
