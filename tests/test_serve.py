@@ -32,7 +32,6 @@ from dlrm_lab.serve.protocol import (
 )
 
 SEED = 3
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
 class Process:
@@ -40,7 +39,8 @@ class Process:
 
     def __init__(self, *args: str, prefix: tuple[str, ...] = ()) -> None:
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "dlrm_lab", *args], cwd=ROOT, env=ENV, text=True,
+            [*prefix, sys.executable, "-m", "dlrm_lab", *args], cwd=ROOT, text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},  # now: the session's isolated machine profiles
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
         self.out: list[str] = []

@@ -63,6 +63,7 @@ def test_a_reduced_precision_build_is_held_to_the_auc_rule():
     fused = builds.make_build(model, "fused", precision="bf16", table_precision="int8")
     check = builds.check_accuracy(model, fused, "fused", block, precision="bf16", table_precision="int8")
     assert "AUC within 0.1%" in check.rule
+    assert check.auc_fp32 > 0.8 and 0.4 < check.data_auc_fp32 < 0.6  # the teacher's skill; the untrained model's
     assert check.passed == (abs(check.auc - check.auc_fp32) <= 1e-3 * check.auc_fp32)
     broken = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
     with torch.no_grad():  # a build whose top MLP lost its weights ranks nothing
