@@ -2,11 +2,14 @@
 
 results = header(shape=...)           # date (UTC), the CPU and its GEMM-deciding flags, then yours
 write_results(results_path("serve", opts.out), results)
+run_dir = lab_run(tmp, "infer", "run", ...)   # one dlrm-lab command in its own metrics dir; its run
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,19 @@ def header(**fields: Any) -> dict[str, Any]:
         "cpu_flags": cpu_flags(),
         **fields,
     }
+
+
+def lab_run(tmp: Path, *args: str) -> Path:
+    """Run `dlrm-lab ARGS` with a metrics directory of its own under `tmp`; the run directory it made
+    (the command's output tails end the benchmark when it fails)."""
+    root = tmp / f"run-{len(list(tmp.iterdir()))}"
+    cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(root), "--no-progress"]
+    print("$", " ".join(cmd[2:]), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    return run_dir
 
 
 def results_path(name: str, out: str | Path | None = None) -> Path:

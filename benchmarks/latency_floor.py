@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import header, results_path, write_results
+from common import header, lab_run, results_path, write_results
 
 from dlrm_lab.config import load_preset
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
@@ -36,17 +34,6 @@ from dlrm_lab.model.cost import sample_cost
 
 SHAPE = ["--model", "kaggle", "--table-scale", "0.1", "--query-size", "mlperf"]
 BOUND_MS = 30.0
-
-
-def cli(tmp: Path, *args: str) -> Path:
-    root = tmp / f"run-{len(list(tmp.iterdir()))}"
-    cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(root), "--no-progress"]
-    print("$", " ".join(cmd[2:]), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
-    return run_dir
 
 
 def beside(row: dict[str, Any]) -> str:
@@ -58,7 +45,7 @@ def beside(row: dict[str, Any]) -> str:
 
 def search(tmp: Path, *args: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
     """The search's best frontier row, every row, and the median-p99 passing point of the best."""
-    run_dir = cli(tmp, "infer", "search", *SHAPE, "--sla-ms", f"{BOUND_MS:g}", "--min-queries", "300", *args)
+    run_dir = lab_run(tmp, "infer", "search", *SHAPE, "--sla-ms", f"{BOUND_MS:g}", "--min-queries", "300", *args)
     frontier = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     points = pq.read_table(run_dir / "summary.parquet").to_pylist()
     for r in frontier:
@@ -111,7 +98,7 @@ def main() -> None:
             qps = 0.05 * top["capacity_queries_per_s"]
             results["low"] = {"qps": qps}
             for label, piece in (("spread", "0"), ("whole", "100000")):
-                run_dir = cli(tmp, "infer", "run", *SHAPE, *config, "--qps", f"{qps:.2f}", "--duration", "60",
+                run_dir = lab_run(tmp, "infer", "run", *SHAPE, *config, "--qps", f"{qps:.2f}", "--duration", "60",
                               "--sla-ms", f"{BOUND_MS:g}", "--min-piece", piece)  # fmt: skip
                 (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
                 results["low"][label] = row

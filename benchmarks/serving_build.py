@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from common import header, results_path, write_results
+from common import header, lab_run, results_path, write_results
 
 import dlrm_lab
 from dlrm_lab.data import synthetic_generator
@@ -82,13 +80,8 @@ def batch_part() -> dict[str, Any]:
 
 
 def cli(tmp: Path, *args: str) -> dict[str, Any]:
-    root = tmp / f"run-{len(list(tmp.iterdir()))}"
-    cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(root), "--no-progress"]
-    print("$", " ".join(cmd[2:]), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    """One `infer run`'s summary row, with its queries' median compute and pieces."""
+    run_dir = lab_run(tmp, *args)
     (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     q = pq.read_table(run_dir / "queries.parquet").to_pandas()
     ok = q[q.status == "ok"]

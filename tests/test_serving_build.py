@@ -39,7 +39,7 @@ def test_an_fp32_fused_build_scores_every_sample_as_the_eager_model_does(overrid
     model = _model(**overrides)
     block = _held_out(model)
     fused = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
-    eager = builds.score_eager(model, block, "fp32")
+    eager = builds.score_build(model, block, "fp32")
     assert np.abs(builds.score_build(fused, block, "fp32") - eager).max() <= builds.FP32_SCORE_TOLERANCE
     check = builds.check_accuracy(model, fused, "fused", block, precision="fp32", table_precision="fp32")
     assert check.passed and check.max_abs_diff <= 1e-5 and "1e-05" in check.rule

@@ -64,10 +64,15 @@ class _DensePart(nn.Module):
         self.dense_arch, self.inter_arch, self.over_arch = model.dense_arch, model.inter_arch, model.over_arch
         self.pooled_shape = pooled_shape  # (F, D); None: the cat interaction takes them flat
 
-    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        embedded = self.dense_arch(dense)
+    def interact(self, embedded: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         sparse = pooled if self.pooled_shape is None else pooled.view(-1, *self.pooled_shape)
-        return self.over_arch(self.inter_arch(embedded, sparse)).squeeze(-1)
+        return self.inter_arch(embedded, sparse)
+
+    def top(self, interaction: torch.Tensor) -> torch.Tensor:
+        return self.over_arch(interaction).squeeze(-1)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.top(self.interact(self.dense_arch(dense), pooled))
 
 
 class FusedDLRM(nn.Module):
@@ -130,13 +135,11 @@ class FusedDLRM(nn.Module):
         if self.compiled is not None:
             scores = torch.sigmoid(self.compiled(x, pooled).float())
             return scores, (t1 - t0, time.perf_counter() - t1, None)
-        d = self.dense
-        embedded = d.dense_arch(x)
+        embedded = self.dense.dense_arch(x)
         t2 = time.perf_counter()
-        sparse = pooled if d.pooled_shape is None else pooled.view(-1, *d.pooled_shape)
-        inter = d.inter_arch(embedded, sparse)
+        inter = self.dense.interact(embedded, pooled)
         t3 = time.perf_counter()
-        scores = torch.sigmoid(d.over_arch(inter).squeeze(-1).float())
+        scores = torch.sigmoid(self.dense.top(inter).float())
         t4 = time.perf_counter()
         return scores, (t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
 
@@ -177,30 +180,20 @@ def make_build(model: nn.Module, build: str, *, precision: str, table_precision:
 # ----------------------------------------------------------------------------- scoring outside the server
 
 
-def score_eager(model: nn.Module, block: Any, precision: str) -> np.ndarray:
-    """An eager DLRM's scores of a SampleBlock, under autocast below fp32."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
+def score_build(module: nn.Module, samples: Any, precision: str) -> np.ndarray:
+    """A build's scores of samples (a PackedLibrary, or a SampleBlock that is packed first), all in one
+    batch as an instance assembles it; the eager model under autocast below fp32."""
+    from dlrm_lab.infer.instance import QueryRef, assemble_batch, gather_batch
     from dlrm_lab.infer.library import PackedLibrary
 
-    packed = PackedLibrary.from_block(block)
-    dense, lengths, values = packed.gather(np.array([packed.size]), np.array([0]))
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(model.spec.feature_names), values=torch.from_numpy(values),
-                                              lengths=torch.from_numpy(lengths))  # fmt: skip
-    autocast = precision != "fp32"
-    with torch.inference_mode(), torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
-        return torch.sigmoid(model(torch.from_numpy(dense), kjt).float()).numpy()
-
-
-def score_build(module: nn.Module, block: Any, precision: str) -> np.ndarray:
-    """A build's scores of a SampleBlock."""
-    if not isinstance(module, FusedDLRM):
-        return score_eager(module, block, precision)
-    from dlrm_lab.infer.library import PackedLibrary
-
-    packed = PackedLibrary.from_block(block)
+    packed = samples if isinstance(samples, PackedLibrary) else PackedLibrary.from_block(samples)
+    everything = [QueryRef(-1, packed.size, 0)]
     with torch.inference_mode():
-        return module(*kernel_batch(*packed.gather(np.array([packed.size]), np.array([0])))).numpy()
+        if isinstance(module, FusedDLRM):
+            return module(*kernel_batch(*gather_batch(packed, everything))).numpy()
+        dense, kjt = assemble_batch(packed, everything, list(module.spec.feature_names))
+        with torch.autocast("cpu", dtype=DTYPES[precision], enabled=precision != "fp32"):
+            return torch.sigmoid(module(dense, kjt).float()).numpy()
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -262,8 +255,11 @@ def check_accuracy(
     build (dense and tables) within FP32_SCORE_TOLERANCE per score; any other within
     AUC_RELATIVE_TOLERANCE of fp32's AUC, on labels drawn from the fp32 model's ranking
     (`reference_labels`); the AUCs on the samples' own labels are recorded beside them."""
-    reference = score_eager(model, block, "fp32")
-    scores = score_build(module, block, precision)
+    from dlrm_lab.infer.library import PackedLibrary
+
+    packed = PackedLibrary.from_block(block)  # once, for both models
+    reference = score_build(model, packed, "fp32")
+    scores = score_build(module, packed, precision)
     diff = float(np.abs(scores.astype(np.float64) - reference).max())
     labels = reference_labels(reference)
     ours, fp32 = auc(scores, labels), auc(reference, labels)
@@ -318,7 +314,7 @@ def time_builds(modules: dict[str, nn.Module], sizes: Sequence[int], threads: in
     """Median ms per batch of each build at each batch size (library samples, taken in turn so that
     drift hits every build alike), at `threads` threads; `dense_ms` of the fused build is
     reported under the key -1 (its dense part alone at the largest size)."""
-    from dlrm_lab.infer.instance import make_runner
+    from dlrm_lab.infer.instance import QueryRef, make_runner
 
     saved = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
@@ -328,8 +324,6 @@ def time_builds(modules: dict[str, nn.Module], sizes: Sequence[int], threads: in
             r.warm_up(max(sizes))
         times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sizes} for b in runners}
         dense: list[float] = []
-        from dlrm_lab.infer.instance import QueryRef
-
         for _ in range(repeats):
             for b, r in runners.items():
                 for n in sizes:
@@ -385,8 +379,10 @@ def choose_build(
         skipped["compiled"] = (f"the dense part takes {dense_ms:.3f} ms of a {max(sizes)}-sample batch: compiling "
                                f"cannot repay an instance's start (tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip
     if want_compiled:
-        more, source = _rates(["compiled"], modules, sizes, threads, library, measure)
+        more, compiled_source = _rates(["compiled"], modules, sizes, threads, library, measure)
         rates.update(more)
+        if compiled_source != source:
+            source = f"{source}; compiled: {compiled_source}"
     total = {b: sum(v for n, v in per.items() if n > 0) for b, per in rates.items()}
     ordered = [b for b in BUILDS if b in total]  # simplest first: each must beat the one before by MARGIN
 

@@ -152,16 +152,21 @@ def quantize_tables(model: torch.nn.Module, table_precision: str) -> torch.nn.Mo
 # ----------------------------------------------------------------------------- batches
 
 
+def gather_batch(library: PackedLibrary, refs: list[QueryRef]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The samples of these queries (library samples, or a query's own payload) as (dense [n, d],
+    lengths feature-major, ids feature-major)."""
+    if any(r.payload is not None for r in refs):
+        return _inline(library, refs, library.lengths.shape[0])
+    sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
+    offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
+    return library.gather(sizes, offsets)
+
+
 def assemble_batch(library: PackedLibrary, refs: list[QueryRef], keys: list[str]) -> tuple[torch.Tensor, Any]:
     """The (dense, KJT) batch of these queries: library samples, or a query's own payload."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    if any(r.payload is not None for r in refs):
-        dense, lengths, values = _inline(library, refs, len(keys))
-    else:
-        sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
-        offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
-        dense, lengths, values = library.gather(sizes, offsets)
+    dense, lengths, values = gather_batch(library, refs)
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths)
     )
@@ -356,39 +361,45 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
-class _Runner:
-    """DLRM's forward pass in eval mode without autograd, with optional autocast (the `eager` build).
+class _BucketedRunner:
+    """What the DLRM runners share. Below fp32 oneDNN compiles a kernel for every new batch size (tens
+    of ms, seen as 50 ms p99 at 3 queries/s with MLPerf's 100-700 sample queries): batches are padded
+    to a few bucket sizes (`pad`), each compiled during warm-up."""
 
-    Under bf16/fp16 oneDNN compiles a kernel for every new batch size (tens of ms, seen as
-    50 ms p99 at 3 queries/s with MLPerf's 100-700 sample queries): batches are padded to
-    a few bucket sizes, each compiled during warm-up.
-    """
+    pad: bool
+    reused = None  # no history reuse in DLRM
+    stages: tuple[float | None, ...] | None = None  # of the last batch (BATCH_STAGES), ms
 
-    def __init__(
-        self, model: torch.nn.Module, library: PackedLibrary, keys: list[str], device: torch.device, precision: str
-    ) -> None:
-        self.model, self.library, self.keys, self.device = model, library, keys, device
-        self.reused = None
-        self.stages: tuple[float | None, ...] | None = None
-        self.autocast = precision != "fp32"
-        self.dtype = DTYPES[precision]
+    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        raise NotImplementedError
 
     def warm_up(self, max_batch: int) -> None:
-        sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.autocast else set())
+        sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.pad else set())
         for size in sorted(sizes):  # first calls allocate and compile: keep them out of latency
             self([QueryRef(-1, size, 0)])
 
     def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
         return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
 
+
+class _Runner(_BucketedRunner):
+    """DLRM's forward pass in eval mode without autograd, with optional autocast (the `eager` build)."""
+
+    def __init__(
+        self, model: torch.nn.Module, library: PackedLibrary, keys: list[str], device: torch.device, precision: str
+    ) -> None:
+        self.model, self.library, self.keys, self.device = model, library, keys, device
+        self.pad = precision != "fp32"  # and autocast
+        self.dtype = DTYPES[precision]
+
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
         t0 = time.perf_counter()
         dense, kjt = assemble_batch(self.library, refs, self.keys)
         n = dense.shape[0]
-        if self.autocast:
+        if self.pad:
             dense, kjt = pad_batch(dense, kjt, bucket(n))
         t1 = time.perf_counter()
-        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.pad):
             if self.device.type == "cuda":
                 dense = dense.pin_memory().to(self.device, non_blocking=True)
                 kjt = kjt.pin_memory().to(self.device, non_blocking=True)
@@ -400,37 +411,20 @@ class _Runner:
         return scores.numpy()[:n]
 
 
-class _FusedRunner:
+class _FusedRunner(_BucketedRunner):
     """A `FusedDLRM` (the `fused` and `compiled` builds) over batches handed to its kernels as they take
-    them: the library's gather gives dense rows, lengths and ids; the offsets are one cumulative sum.
-    Padded to bucket sizes below fp32, as `_Runner` is (oneDNN builds a kernel per batch size)."""
+    them: the library's gather gives dense rows, lengths and ids; the offsets are one cumulative sum."""
 
     def __init__(self, model: Any, library: PackedLibrary, device: torch.device) -> None:
         self.model, self.library, self.device = model, library, device
         self.features = library.lengths.shape[0]
-        self.reused = None
-        self.stages: tuple[float | None, ...] | None = None
         self.pad = model.precision != "fp32"
-
-    def warm_up(self, max_batch: int) -> None:
-        sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.pad else set())
-        for size in sorted(sizes):
-            self([QueryRef(-1, size, 0)])
-
-    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
-        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
 
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
         from dlrm_lab.infer.build import kernel_batch, pad_kernel_batch
 
         t0 = time.perf_counter()
-        if any(r.payload is not None for r in refs):
-            gathered = _inline(self.library, refs, self.features)
-        else:
-            sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
-            offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
-            gathered = self.library.gather(sizes, offsets)
-        dense, ids, offsets_t = kernel_batch(*gathered)
+        dense, ids, offsets_t = kernel_batch(*gather_batch(self.library, refs))
         n = dense.shape[0]
         if self.pad:
             dense, ids, offsets_t = pad_kernel_batch(dense, ids, offsets_t, self.features, bucket(n))

@@ -367,12 +367,7 @@ def latency_floor_columns(
     if not q or isinstance(peaks, str):
         return out
     pieces = max(1, min(instances, max(math.ceil(q / max_batch), q // min_piece if min_piece else 0)))
-    piece = math.ceil(q / pieces)
-    cost = sample_cost(spec, window=SERVED_WINDOW)  # HSTU: the requests a server scores
-    row_bytes = lookup_bytes_per_sample(spec, table_precision)
-    work = Work(flops=piece * cost.forward_flops, gather_bytes=piece * row_bytes,
-                stream_bytes=dense_bytes_per_parameter * spec.dense_parameters)  # fmt: skip
-    floor_ms = place(work, None, peaks)["roofline_bound_ms"]
+    floor_ms = batch_roof(spec, table_precision, peaks, dense_bytes_per_parameter)(math.ceil(q / pieces))
     out["latency_floor_cores"] = pieces * threads
     out["latency_floor_ms"] = floor_ms
     measured = row.get("sla_latency_ms")
