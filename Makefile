@@ -20,7 +20,8 @@ install: $(STAMP)
 # The main job: this machine's peaks (a quick probe, once per machine), a Criteo-shaped
 # synthetic dataset (generated once, checked against its spec), the Kaggle DLRM (tables
 # capped at 1M rows) trained on it, the same model served under MLPerf-sized queries by two
-# co-located instances at a load and p99 bound the lab measures this machine can honour,
+# co-located instances at a load and p99 bound the lab measures this machine can honour
+# (with the max batch, batching delay and spin it measures best at that load),
 # the runs so far, and the report (plots, tables, manifests) of the two runs just made.
 # Precision is --precision auto everywhere: bf16 only where this machine's GEMMs are faster.
 run: $(STAMP) $(DATA)/kaggle/_dataset.json
@@ -29,7 +30,7 @@ run: $(STAMP) $(DATA)/kaggle/_dataset.json
 	$(BIN)/dlrm-lab train $(KAGGLE) --data $(DATA)/kaggle --steps 300 --batch-size 2048 \
 		--eval-every 100 --metrics-dir $(METRICS)
 	$(BIN)/dlrm-lab infer run $(KAGGLE) --query-size mlperf --qps auto --sla-ms auto --duration 10 \
-		--instances 2 --max-batch 2048 --max-delay-ms 2 --metrics-dir $(METRICS)
+		--instances 2 --max-delay-ms auto --spin-ms auto --metrics-dir $(METRICS)
 	$(BIN)/dlrm-lab runs list $(METRICS)
 	@echo "report of the two runs above (open in a browser):"
 	@$(BIN)/dlrm-lab report $(METRICS) --last 2 --out $(METRICS)/report

@@ -37,11 +37,11 @@ _INFER_OPTIONS: dict[str, Any] = {
     "percentile": float,
     "instances": int,
     "threads": int,
-    "max_batch": int,
-    "max_delay_ms": float,
+    "max_batch": str,  # a number, or auto (infer.tune)
+    "max_delay_ms": str,
     "max_queue": int,
     "min_piece": int,
-    "spin_ms": float,
+    "spin_ms": str,
     "max_issue_lag_ms": float,
     "precision": str,
     "table_precision": str,
@@ -138,7 +138,18 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:
     from dlrm_lab.infer.options import ServingOptions, plan_load
 
     given = _split(options, set(_INFER_OPTIONS), "infer run")
+    if given.get("max_batch") is None:
+        given["max_batch"] = "auto"  # the command's default (infer.tune)
     o = {k: coerce(k, v, _INFER_OPTIONS[k]) for k, v in given.items()}
+    from dlrm_lab.infer.tune import KNOBS, parse_knob
+
+    tune = []
+    for knob in KNOBS:  # auto: chosen by measurement on the running server (infer.tune)
+        if o.get(knob) is not None:
+            value = parse_knob(knob, o[knob])
+            if value is None:
+                tune.append(knob)
+            o[knob] = None if value is None else (int(value) if knob == "max_batch" else value)
     if o.get("set"):
         o["data_overrides"] = tuple(o.pop("set"))
     defaults = {f.name: f.default for f in dataclasses.fields(ServingOptions)}
@@ -150,7 +161,8 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:
     infer_fields = {f.name for f in dataclasses.fields(InferConfig)}
     cfg_values = {renamed.get(k, k): v for k, v in o.items() if renamed.get(k, k) in infer_fields and v is not None}
     cfg_values.pop("sla_ms", None)
-    cfg = InferConfig(**cfg_values, sla_ms=load.streams[0].sla_ms, qps_auto=load.qps_auto, sla_auto=load.sla_auto)
+    cfg = InferConfig(**cfg_values, sla_ms=load.streams[0].sla_ms, qps_auto=load.qps_auto, sla_auto=load.sla_auto,
+                      tune=tuple(tune))  # fmt: skip
     return served, load, cfg
 
 

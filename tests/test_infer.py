@@ -319,9 +319,11 @@ def test_infer_run_with_auto_load_records_the_choice_and_runs_at_it(tmp_path):
 
     from dlrm_lab.infer import lab
     from dlrm_lab.infer.load import QuerySizes, Stream
+    from dlrm_lab.infer.tune import spin_candidates
 
     served = ServedModel("tiny", load_preset("tiny"), max_batch=32, library_samples=2048)
-    cfg = lab.InferConfig(duration_s=0.3, qps_auto=True, sla_auto=True, calibrate_s=0.2, seed=SEED)
+    cfg = lab.InferConfig(duration_s=0.3, qps_auto=True, sla_auto=True, calibrate_s=0.2, seed=SEED,
+                          tune=("max_batch", "spin_ms"))  # fmt: skip
     lines = []
     run_dir = lab.run_inference(
         [served], [Stream("tiny", 0.0, QuerySizes.parse("fixed:2"))], cfg, metrics_dir=tmp_path, log=lines.append
@@ -333,6 +335,12 @@ def test_infer_run_with_auto_load_records_the_choice_and_runs_at_it(tmp_path):
     assert row["target_qps"] == pytest.approx(choice["qps"]) and choice["qps"] > 0
     assert row["sla_ms"] == choice["sla_ms"] and choice["sla_chosen"]
     assert any(line.startswith(("load chosen by the lab", "no probed rate met")) for line in lines)
+    # the policy is chosen at the chosen load, after it (the bound known), and the point runs with it
+    policy = manifest["policy_choices"]["tiny"]
+    assert policy["qps"] == pytest.approx(choice["qps"]) and policy["tuned"] == ["max_batch", "spin_ms"]
+    assert [p["spin_ms"] for p in policy["probes"]] == spin_candidates(choice["qps"], 1)
+    assert (row["max_batch"], row["spin_ms"], row["max_delay_ms"]) == (policy["max_batch"], policy["spin_ms"], 1.0)
+    assert policy["max_batch"] % 64 == 0 and any(line.startswith("tiny: serving policy chosen") for line in lines)
     assert manifest["precision_choices"]["tiny"]["precision"] == "fp32"  # ServedModel's default, not measured
 
 

@@ -138,11 +138,29 @@ def run_command(
     percentile: Percentile = 99.0,
     instances: Instances = 1,
     threads: Threads = 1,
-    max_batch: MaxBatch = 256,
-    max_delay_ms: MaxDelayMs = 1.0,
+    max_batch: Annotated[
+        str,
+        typer.Option(
+            help="Largest batch in samples, or auto: from the batch cost the instances measure, large enough that "
+            "the per-batch cost is at most 10% of a batch, a full batch at most a quarter of the bound."
+        ),
+    ] = "auto",
+    max_delay_ms: Annotated[
+        str,
+        typer.Option(
+            help="Longest a query waits for its batch to fill, or auto: the delay of 0-2 ms with the lowest latency "
+            "percentile in short probes at the point's own load."
+        ),
+    ] = "1",
     max_queue: MaxQueue = 4096,
     min_piece: MinPiece = 0,
-    spin_ms: SpinMs = 0.0,
+    spin_ms: Annotated[
+        str,
+        typer.Option(
+            help="An idle instance polls for its next batch this long before it sleeps (a core that slept runs the "
+            "next batch slower), or auto: chosen like --max-delay-ms, kept only where it beats no spin by 5%."
+        ),
+    ] = "0",
     max_issue_lag_ms: MaxIssueLagMs = 1000.0,
     precision: Precision = "auto",
     table_precision: TablePrecision = "fp32",

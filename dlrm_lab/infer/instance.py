@@ -12,6 +12,7 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
     parent -> instance: (batch_id, [QueryRef, ...]) or None to stop
     tracing (`--trace`): parent -> instance (TRACE, None) starts torch.profiler, (TRACE, path) stops
     it and exports its Chrome trace there; instance -> parent (TRACE, index, path or error) when written
+    spin (`infer.tune`): parent -> instance (SPIN, ms) sets how long it polls before it blocks
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class BatchResult:
 
 BATCH_STAGES = ("assembly", "lookup", "dense", "interaction")
 TRACE = "trace"  # the control message of tracing (module docstring)
+SPIN = "spin"  # parent -> instance (SPIN, ms): poll this long for the next batch before blocking
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,9 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             return
         if msg[0] == TRACE:
             profiler = _trace(profiler, msg[1], plan.index, conn)
+            continue
+        if msg[0] == SPIN:
+            spin_s = msg[1] / 1e3
             continue
         batch_id, refs = msg
         start = time.monotonic_ns()

@@ -41,6 +41,7 @@ from dlrm_lab.infer.records import (
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import SutDescription, SystemUnderTest
+from dlrm_lab.infer.tune import KNOBS, choose_policy
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
 from dlrm_lab.metrics.precision import DTYPES
@@ -89,6 +90,8 @@ class InferConfig:
     # Write a Chrome/Perfetto trace of the first point (`metrics.trace`): every instance's torch.profiler
     # operators and the lab's queries and batches, on the server's clock, in the run's trace.json
     trace: bool = False
+    # Knobs given as auto (`infer.tune.KNOBS`): chosen on the running server once the load is known
+    tune: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -105,6 +108,13 @@ class InferConfig:
             raise UserError(f"--warmup {self.warmup_s!r}: must be in [0, 600] seconds")
         if not self.calibrate_s > 0:
             raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
+        if unknown := sorted(set(self.tune) - set(KNOBS)):
+            raise UserError(f"tune {unknown[0]!r}: allowed: {', '.join(KNOBS)}")
+        probed = sorted(set(self.tune) - {"max_batch"})  # chosen by probes of the point's own open-loop load
+        if probed and self.scenario not in ("open-loop", "server"):
+            flag = "--" + probed[0].replace("_", "-")
+            raise UserError(f"{flag} auto: needs open-loop or server load (chosen at the point's rate); "
+                            f"--scenario {self.scenario}: give a number")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -375,6 +385,8 @@ def run_inference(
         raise UserError("--qps auto: one --model, with open-loop or server load (the rate is probed open loop)")
     if cfg.sla_auto and not cfg.qps_auto:
         raise UserError("--sla-ms auto: needs --qps auto (the bound is chosen with the load)")
+    if len(models) > 1 and (probed := sorted(set(cfg.tune) - {"max_batch"})):
+        raise UserError(f"--{probed[0].replace('_', '-')} auto: one --model (its probes run one model's load)")
     models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
     check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
     config = {
@@ -403,6 +415,12 @@ def run_inference(
                 run.update_manifest(load_choice=choice.to_dict())
                 if log:
                     log(choice.reason)
+            if cfg.tune:
+                policies = {s.model: choose_policy(
+                    server, s, cfg.tune, sla_ms=s.sla_ms or cfg.sla_ms, percentile=cfg.sla_percentile,
+                    probe_s=cfg.calibrate_s / 2, seed=cfg.seed, drain_s=cfg.drain_timeout_s, log=log,
+                ).to_dict() for s in streams}  # fmt: skip
+                run.update_manifest(policy_choices=policies)
             points = [Point(0, streams, "together", cfg.scenario)]
             if len(streams) > 1 and cfg.compare_alone:
                 points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]

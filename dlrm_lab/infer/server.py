@@ -41,6 +41,7 @@ from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_eno
 from dlrm_lab.infer.instance import (
     BATCH_STAGES,
     PRECISIONS,
+    SPIN,
     TRACE,
     BatchResult,
     InstancePlan,
@@ -361,10 +362,17 @@ class InferenceServer:
         max_delay_ms: float | None = None,
         max_queue: int | None = None,
         min_piece: int | None = None,
+        spin_ms: float | None = None,
     ) -> None:
         """Change a model's batching policy between load points (instances stay up)."""
         m = self.models[model]
         pool = self._pools[model]
+        if spin_ms is not None:
+            m.spin_ms = spin_ms
+            for info in self.instance_info:
+                if info["model"] == model:
+                    with self._send_locks[info["instance"]]:
+                        self._conns[info["instance"]].send((SPIN, spin_ms))
         with pool.cond:
             if max_batch is not None:
                 m.max_batch = max_batch

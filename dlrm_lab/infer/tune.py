@@ -1,0 +1,225 @@
+"""The serving policy chosen by measurement: max batch, batching delay and spin (`infer run ... auto`).
+
+A batch runs slower in service than warm: a core that slept between batches wakes slowly and
+its caches are cold, and on a VM a halted vCPU waits for the host. The remedies trade against
+each other and against the load, so none is right on every machine:
+
+- the batching delay (`--max-delay-ms`): waiting fills batches (fewer fixed costs under load)
+  but every query at low load pays it whole;
+- spin (`--spin-ms`): an idle instance polls for its next batch before it sleeps, keeping its
+  core awake, but the polling takes the core from the serving process and other instances;
+- the max batch (`--max-batch`): large batches amortise the per-batch cost, long ones hold the
+  queries behind them.
+
+`infer run` with `auto` for any of them chooses on the running server, after the load is known:
+- the max batch from the batch cost every instance measured at start (`auto_max_batch`);
+- the delay, then the spin, by short open-loop probes at the point's own rate and query sizes,
+  interleaved and repeated, keeping the lowest median latency percentile (`choose_policy`).
+  A spin must beat no spin by `MARGIN`, since spinning costs cores.
+Threads per instance are fixed when instances start: `infer search` compares layouts.
+
+Hand-written: no serving framework tunes its own batching against the host's wake-up costs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dlrm_lab.errors import UserError
+from dlrm_lab.infer.batching import BatchCost
+from dlrm_lab.infer.drivers import drive, make_driver
+from dlrm_lab.infer.load import LoadSettings, Stream
+from dlrm_lab.infer.records import summarize
+from dlrm_lab.infer.sut import SystemUnderTest
+
+KNOBS = ("max_batch", "max_delay_ms", "spin_ms")  # what `auto` may be given for
+DELAYS_MS = (0.0, 0.5, 1.0, 2.0)  # batching delays probed (those above a quarter of the bound are not)
+MARGIN = 1.05  # a spin must lower the percentile by this factor to be kept (it costs cores)
+FIXED_SHARE = 0.1  # auto max batch: large enough that the per-batch cost is at most this share of a batch
+BATCH_SHARE_OF_BOUND = 0.25  # ... and short enough that a full batch takes at most this share of the bound
+MAX_AUTO_BATCH = 4096  # a cap on the rule: a model this cheap per sample needs no larger batch to amortise
+MAX_SPIN_MS = 10.0
+MIN_QUERIES = 200  # a probe runs until about this many queries arrived (a percentile of a few is noise)
+
+Log = Callable[[str], None]
+
+
+def parse_knob(name: str, value: Any) -> float | None:
+    """A knob's value from the command line: a number, or None for `auto` (chosen by measurement)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    flag = "--" + name.replace("_", "-")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{flag} {value}: must be a number or auto") from None
+    if name == "max_batch" and number != int(number):
+        raise UserError(f"{flag} {value}: must be a whole number or auto")
+    return number
+
+
+def auto_max_batch(cost: BatchCost, largest_piece: int, sla_ms: float | None) -> tuple[int, str]:
+    """The max batch from the measured batch cost: the smallest batch whose fixed cost is at most
+    FIXED_SHARE of it, but a full batch at most BATCH_SHARE_OF_BOUND of the bound, and never below
+    `largest_piece` (one instance's share of the largest query: such a query then runs as parallel
+    pieces, one per instance); in multiples of 64."""
+    if cost.per_sample_ms <= 0:
+        amortised = MAX_AUTO_BATCH
+    else:
+        amortised = math.ceil(cost.fixed_ms * (1 - FIXED_SHARE) / (FIXED_SHARE * cost.per_sample_ms))
+    n, why = amortised, f"the per-batch cost ({cost.fixed_ms:.2f} ms) is {FIXED_SHARE:.0%} of a batch of {amortised}"
+    if n > MAX_AUTO_BATCH:
+        n, why = MAX_AUTO_BATCH, f"the cap (the per-batch cost would be {FIXED_SHARE:.0%} of a batch of {amortised})"
+    if sla_ms is not None and cost.per_sample_ms > 0:
+        bounded = int((BATCH_SHARE_OF_BOUND * sla_ms - cost.fixed_ms) / cost.per_sample_ms)
+        if bounded < n:
+            n = bounded
+            why = f"a full batch takes {BATCH_SHARE_OF_BOUND:.0%} of the {sla_ms:g} ms bound at {bounded}"
+    if largest_piece > n:
+        n, why = largest_piece, f"one instance's share of the largest query ({largest_piece} samples)"
+    n = max(64, -(-n // 64) * 64)
+    return n, f"max batch {n}: {why} (batch {cost.fixed_ms:.2f} ms + {cost.per_sample_ms * 1e3:.1f} us per sample)"
+
+
+def spin_candidates(qps: float, instances: int) -> list[float]:
+    """Spins worth probing: none, 1 ms, and the mean gap between one instance's queries (capped)."""
+    gap = 1e3 * max(1, instances) / qps if qps > 0 else MAX_SPIN_MS
+    return sorted({0.0, 1.0, round(min(max(gap, 1.0), MAX_SPIN_MS), 2)})
+
+
+@dataclass
+class PolicyChoice:
+    """The serving policy chosen, and the probes that chose it."""
+
+    model: str
+    qps: float
+    percentile: float
+    max_batch: int
+    max_delay_ms: float
+    spin_ms: float
+    tuned: list[str]  # the knobs chosen here (the others as given)
+    probes: list[dict[str, Any]] = field(default_factory=list)  # each candidate: its percentiles, median
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def line(self) -> str:
+        return f"{self.model}: serving policy chosen by measurement at {self.qps:.1f} queries/s: " + "; ".join(
+            self.reasons
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "margin": MARGIN, "delays_ms": list(DELAYS_MS)}
+
+
+def _probe(server: SystemUnderTest, stream: Stream, seconds: float, percentile: float, sla_ms: float, seed: int,
+           drain_s: float) -> tuple[float, float]:  # fmt: skip
+    """Open-loop load at the stream's rate: its latency percentile (dropped = inf) and the median
+    share of a query's latency that was in-service slowdown."""
+    server.take_records()
+    settings = LoadSettings("open-loop", duration_s=seconds, seed=seed, max_issue_lag_ms=None)
+    records: list[dict[str, Any]] = []
+    drive(server, make_driver(server, [stream], settings), drain_s=drain_s, take=records.extend)
+    records += server.take_records()
+    if not records:
+        return math.inf, 0.0
+    row = summarize(records, duration_s=seconds, sla_ms=sla_ms, sla_percentile=percentile)
+    value = row.get("sla_latency_ms")
+    shares = [r["lat_slowdown_ms"] / r["latency_ms"] for r in records
+              if r.get("lat_slowdown_ms") is not None and r.get("latency_ms")]  # fmt: skip
+    return (math.inf if value is None else float(value)), float(np.median(shares)) if shares else 0.0
+
+
+def _compare(server: SystemUnderTest, stream: Stream, model: str, candidates: list[dict[str, float]], *,
+             repeats: int, seconds: float, percentile: float, sla_ms: float, seed: int, drain_s: float,
+             knob: str) -> list[dict[str, Any]]:  # fmt: skip
+    """Each candidate setting probed `repeats` times, interleaved (a noisy host's drift falls on all)."""
+    results = [{**c, "knob": knob, "latency_ms": [], "slowdown_share": []} for c in candidates]
+    for r in range(repeats):
+        for k, c in enumerate(candidates):
+            server.configure(model, **c)
+            p, share = _probe(server, stream, seconds, percentile, sla_ms, seed + 101 * r + k, drain_s)
+            results[k]["latency_ms"].append(p)
+            results[k]["slowdown_share"].append(share)
+    for res in results:
+        res["median_ms"] = statistics.median(res["latency_ms"])
+        res["latency_ms"] = [None if math.isinf(v) else v for v in res["latency_ms"]]
+        res["median_ms"] = None if math.isinf(res["median_ms"]) else res["median_ms"]
+    return results
+
+
+def _median(res: dict[str, Any]) -> float:
+    return math.inf if res["median_ms"] is None else res["median_ms"]
+
+
+def choose_policy(
+    server: SystemUnderTest,
+    stream: Stream,
+    tune: Sequence[str],
+    *,
+    sla_ms: float,
+    percentile: float = 99.0,
+    probe_s: float = 1.0,
+    repeats: int = 2,
+    seed: int = 0,
+    drain_s: float = 30.0,
+    log: Log | None = None,
+) -> PolicyChoice:
+    """Choose the knobs named in `tune` on the running `server` for `stream`'s load (module docstring);
+    the others keep the server's settings. The chosen settings are left configured."""
+    unknown = sorted(set(tune) - set(KNOBS))
+    if unknown:
+        raise UserError(f"auto is not allowed for {unknown[0]}; allowed: {', '.join(KNOBS)}")
+    model = stream.model
+    sut = server.describe()
+    served = sut.models[model]
+    choice = PolicyChoice(model=model, qps=stream.qps, percentile=percentile, max_batch=served.max_batch,
+                          max_delay_ms=served.max_delay_ms, spin_ms=served.spin_ms, tuned=list(tune))  # fmt: skip
+    if "max_batch" in tune:
+        cost = sut.batch_costs.get(model)
+        if cost is None:
+            choice.reasons.append(f"max batch {served.max_batch} as given (no batch cost was measured)")
+        else:
+            largest = max(served.largest_query, int(stream.sizes.quantile(0.999)))
+            choice.max_batch, why = auto_max_batch(cost, -(-largest // max(1, served.instances)), sla_ms)
+            server.configure(model, max_batch=choice.max_batch)
+            choice.reasons.append(why)
+    seconds = min(max(probe_s, MIN_QUERIES / stream.qps if stream.qps > 0 else probe_s), 4 * probe_s)
+    common = dict(repeats=repeats, seconds=seconds, percentile=percentile, sla_ms=sla_ms, seed=seed, drain_s=drain_s)
+    if "max_delay_ms" in tune:
+        delays = [d for d in DELAYS_MS if d <= BATCH_SHARE_OF_BOUND * sla_ms] or [0.0]
+        results = _compare(server, stream, model, [{"max_delay_ms": d} for d in delays], knob="max_delay_ms", **common)
+        best = min(results, key=_median)
+        choice.max_delay_ms = best["max_delay_ms"]
+        choice.probes += results
+        choice.reasons.append(f"delay {best['max_delay_ms']:g} ms ({_versus(results, 'max_delay_ms', percentile)})")
+        server.configure(model, max_delay_ms=choice.max_delay_ms)
+    if "spin_ms" in tune:
+        spins = spin_candidates(stream.qps, served.instances)
+        results = _compare(server, stream, model, [{"spin_ms": s} for s in spins], knob="spin_ms", **common)
+        none = next(r for r in results if r["spin_ms"] == 0)
+        best = min(results, key=_median)
+        if best is not none and not _median(best) * MARGIN <= _median(none):
+            best = none
+        choice.spin_ms = best["spin_ms"]
+        choice.probes += results
+        choice.reasons.append(f"spin {best['spin_ms']:g} ms ({_versus(results, 'spin_ms', percentile)})")
+        server.configure(model, spin_ms=choice.spin_ms)
+    if log:
+        log(choice.line)
+    return choice
+
+
+def _versus(results: list[dict[str, Any]], knob: str, percentile: float) -> str:
+    """The candidates' median percentiles, in one clause."""
+
+    def fmt(res: dict[str, Any]) -> str:
+        m = res["median_ms"]
+        return f"{res[knob]:g} ms: {'none completed' if m is None else f'{m:.2f} ms'}"
+
+    return f"p{percentile:g} medians " + ", ".join(fmt(r) for r in results)
