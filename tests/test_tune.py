@@ -14,8 +14,8 @@ from dlrm_lab.infer.load import QuerySizes, Stream
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import SutDescription
 from dlrm_lab.infer.tune import (
-    MAX_AUTO_BATCH,
     MARGIN,
+    MAX_AUTO_BATCH,
     auto_max_batch,
     choose_policy,
     parse_knob,
