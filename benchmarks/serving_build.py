@@ -1,6 +1,6 @@
 """Serving at the machine's floor (issue 31's benchmark): ~8 min on 2 cores.
 
-    python benchmarks/serving_build.py [--parts batch,points]
+    python benchmarks/serving_build.py [--parts batch,points,policy]
 
 batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the precision `auto` picks:
         each build (eager: the training module under autocast, what was served before; fused;
@@ -13,6 +13,10 @@ points  The same model served through the CLI, `--build eager` against `--build 
         30 s: p99 over the floor (target <= 2x, goal 1.5x); (b) `make run`'s inference point
         (2 instances, --qps auto --sla-ms auto, max batch 2048, delay 2 ms, 10 s): p99 over the
         floor (target <= 3x). Each line names the latency parts of the tail.
+policy  The same two points, build auto, with the batching policy given (low load: max batch 256, delay
+        1 ms; make run: max batch 2048, delay 2 ms; no spin) against chosen by measurement (`--max-batch
+        auto --max-delay-ms auto --spin-ms auto`, infer.tune), interleaved: p99 over the floor, and what
+        was chosen.
 """
 
 from __future__ import annotations
@@ -123,6 +127,35 @@ def points_part(repeats: int) -> dict[str, Any]:
     return out
 
 
+def policy_part(repeats: int) -> dict[str, Any]:
+    low = [*KAGGLE, "--query-size", "mlperf", "--qps", "3", "--duration", "30", "--instances", "1", "--threads", "1",
+           "--sla-ms", "100"]  # fmt: skip
+    make_run = [*KAGGLE, "--query-size", "mlperf", "--qps", "auto", "--sla-ms", "auto", "--duration", "10",
+                "--instances", "2"]  # fmt: skip
+    given = {"low_load": ["--max-batch", "256", "--max-delay-ms", "1"],
+             "make_run": ["--max-batch", "2048", "--max-delay-ms", "2"]}  # fmt: skip
+    chosen = ["--max-batch", "auto", "--max-delay-ms", "auto", "--spin-ms", "auto"]
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args in (("low_load", low), ("make_run", make_run)):
+            rows: dict[str, list[dict[str, Any]]] = {"given": [], "measured": []}
+            for _ in range(repeats):  # interleaved
+                for policy, extra in (("given", given[name]), ("measured", chosen)):
+                    print(f"{name}, policy {policy}:", flush=True)
+                    row = cli(Path(tmp), "infer", "run", *args, *extra)
+                    keep = {k: row.get(k) for k in (*KEEP, "max_batch", "max_delay_ms", "spin_ms")}
+                    print(f"  max batch {keep['max_batch']}, delay {keep['max_delay_ms']} ms, spin "
+                          f"{keep['spin_ms']} ms", flush=True)  # fmt: skip
+                    rows[policy].append(keep)
+            out[name] = {
+                p: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
+                for p, r in rows.items()
+            }
+            print(f"{name}: floor ratio, policy given {out[name]['given']['floor_ratio_median']:.2f}x -> measured "
+                  f"{out[name]['measured']['floor_ratio_median']:.2f}x", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="batch,points")
@@ -135,8 +168,10 @@ def main() -> None:
         results["batch"] = batch_part()
     if "points" in args.parts:
         results["points"] = points_part(args.repeats)
+    if "policy" in args.parts:
+        results["policy"] = policy_part(args.repeats)
     results["wall_s"] = time.time() - t0
-    write_results(results_path("serving_build"), results)
+    write_results(results_path("serving_build" + ("-policy" if args.parts == "policy" else "")), results)
 
 
 if __name__ == "__main__":

@@ -24,16 +24,38 @@ def raise_on_sigterm() -> None:
     """Turn SIGTERM (a launcher or a user stopping the job) into `Terminated`, so the run
     directory is marked failed, the rows measured so far are flushed and resources (serving
     snapshots, worker processes) are released, instead of dying silently."""
+    import os
     import signal
 
+    launched = any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_JOB_ID"))
+    who = "a launcher stopped the job" if launched else "sent by another process: a user, a scheduler or a supervisor"
+
     def handler(signum: int, frame: object) -> None:
-        raise Terminated(f"terminated by signal {signal.Signals(signum).name} (a launcher stopped the job)")
+        raise Terminated(f"terminated by signal {signal.Signals(signum).name} ({who})")
 
     signal.signal(signal.SIGTERM, handler)
 
 
 class RankFailure(RuntimeError):
     """A collective failed: another rank died, or did not answer within the timeout."""
+
+
+class ServingFault(RuntimeError):
+    """A serving instance died or could not start: the server's results stop there (one line, exit 1)."""
+
+
+def exit_description(code: int | None) -> str:
+    """How a child process ended, from its exit code (negative: the signal that killed it)."""
+    import signal
+
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class DiskFull(Exception):

@@ -33,6 +33,7 @@ per metric over the repeats) are rebuilt from the run directories after every po
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -49,11 +50,11 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import tomllib
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.config.toml import read_toml
+from dlrm_lab.errors import UserError, exit_description
 from dlrm_lab.metrics import columns
-from dlrm_lab.metrics.run import MANIFEST, Run, discover_runs, read_manifest
+from dlrm_lab.metrics.run import MANIFEST, Run, amend_manifest, discover_runs, read_manifest, recover_run_and_summary
 from dlrm_lab.metrics.tables import write_table
 
 COMMANDS = {"train": ("train",), "infer run": ("infer", "run")}
@@ -170,12 +171,7 @@ def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | No
     """Read and check a grid file; every point's typed configs are built before anything
     runs, so a typo or a bad value fails at once, naming the file, the point and the option."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such grid file") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise UserError(f"{path}: not a readable TOML grid file ({exc})") from None
+    raw = read_toml(path, "grid file")
     known = {"command", "repeats", "out", "metrics", "options", "grid", "zip"}
     if unknown := sorted(set(raw) - known):
         raise UserError(f"{path}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
@@ -380,7 +376,24 @@ def _run_point(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[str
     seconds = time.monotonic() - t0
     if code == 130:
         raise KeyboardInterrupt
+    if code != 0:
+        _record_death(slot, code)
     return ("ok" if code == 0 and _done_run(slot) else "failed"), seconds
+
+
+def _record_death(slot: Path, code: int) -> None:
+    """Say in point.log how the point's process ended; a run it left `running` (it died by a signal and
+    could not close it) is recovered and marked failed with that reason."""
+    how = f"the point's process {exit_description(code)}"
+    with open(slot / "point.log", "a") as log:
+        log.write(f"sweep: {how}\n")
+    if code > 0:
+        return  # it ended itself: its run says why
+    for found in discover_runs(slot):
+        if (found.manifest or {}).get("status") == "running":
+            with contextlib.suppress(OSError, ValueError):
+                recover_run_and_summary(found.dir)
+                amend_manifest(found.dir, status="failed", error=how)
 
 
 def _stop_child(child: subprocess.Popen[bytes]) -> None:

@@ -2,7 +2,6 @@
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -182,16 +181,38 @@ def test_int8_tables_serve_close_to_fp32():
     assert np.abs(fp32 - int8).max() < 0.02
 
 
-def test_a_dead_instance_fails_the_server_with_its_name():
-    spec = load_preset("tiny")
-    with InferenceServer([ServedModel("tiny", spec, library_samples=1024)], seed=SEED) as s:
-        pid = s.instance_info[0]["pid"]
-        os.kill(pid, 9)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and s.error is None:
-            time.sleep(0.1)
-        with pytest.raises(RuntimeError, match=rf"instance 0 \(pid {pid}\) exited with code -9"):
-            s.check()
+def test_an_instance_killed_during_a_run_is_one_line_naming_it_and_the_queries_are_kept(tmp_path, monkeypatch):
+    """`kill -9` of an instance mid-point: one `error:` line naming the instance, its pid and the signal, and
+    the run; exit 1; the run failed with that reason; the queries before it in queries.parquet."""
+    import json
+    import threading
+
+    import pyarrow.parquet as pq
+
+    from tests.conftest import run_cli_in_process
+
+    ready = InferenceServer._wait_ready
+    killed: list[int] = []
+
+    def ready_then_kill_later(self):
+        ready(self)
+        pid = self.instance_info[0]["pid"]
+        killed.append(pid)
+        threading.Timer(1.5, os.kill, (pid, 9)).start()
+
+    monkeypatch.setattr(InferenceServer, "_wait_ready", ready_then_kill_later)
+    code, _, err = run_cli_in_process("infer", "run", "--model", "tiny", "--qps", "200", "--duration", "30",
+                                      "--warmup", "0", "--max-batch", "64", "--metrics-dir", str(tmp_path),
+                                      "--no-progress")  # fmt: skip
+    (run_dir,) = tmp_path.iterdir()
+    (pid,) = killed
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 1 and "Traceback" not in err
+    assert lines == [f"error: instance 0 (pid {pid}) was killed by signal SIGKILL; run {run_dir} marked failed, "
+                     "the queries before it kept"]  # fmt: skip
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "was killed by signal SIGKILL" in manifest["error"]
+    assert pq.read_table(run_dir / "queries.parquet").num_rows > 50  # ~1.5 s at 200 queries/s
 
 
 @pytest.mark.parametrize("scenario", ["offline", "single-stream", "multi-stream"])

@@ -69,7 +69,7 @@ embedding-lr = [0.1, 0.05]
         ('command = "infer run"\n[grid]\nsteps = [1]', "unknown option --steps"),
         ('command = "train"\nrepeats = 0', "repeats = 0"),
         ('command = "train"\nbogus = 1', "unknown field(s) bogus"),
-        ("command = [", "not a readable TOML"),
+        ("command = [", "invalid TOML"),
     ],
 )
 def test_bad_grid_files_fail_before_anything_runs(tmp_path, text, message):

@@ -39,10 +39,10 @@ def specs() -> None:
     table = Table(title="data specs (data_gen/)")
     table.add_column("spec")
     table.add_column("description")
-    import tomllib
+    from dlrm_lab.config.toml import read_toml
 
     for name in available_data_specs():
-        raw = tomllib.loads(data_spec_path(name).read_text())
+        raw = read_toml(data_spec_path(name), "data spec")
         table.add_row(name, raw.get("description", ""))
     console().print(table)
 

@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from dlrm_lab.config.rules import row_scaler
 from dlrm_lab.config.specs import TableSpec
+from dlrm_lab.config.toml import read_toml
 from dlrm_lab.errors import UserError
 
 WINDOWS = ("train", "eval")  # the requests a model trains on, and the later ones it is evaluated on
@@ -346,10 +345,7 @@ def parse_hstu(
 
 
 def load_hstu_preset(path: Path, *, table_scale: float | None = None, max_rows: int | None = None) -> HSTUSpec:
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: invalid TOML: {exc}") from None
+    raw = read_toml(path, "preset file")
     if not is_hstu_preset(raw):
         raise UserError(f'{path}: not an HSTU preset (family = "hstu")')
     return parse_hstu(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from dlrm_lab.config.hstu import HSTUSpec, is_hstu_preset, load_hstu_preset
 from dlrm_lab.config.rules import bad, int_list_problem, row_scaler
 from dlrm_lab.config.specs import ModelSpec, TableSpec
+from dlrm_lab.config.toml import read_toml
 from dlrm_lab.errors import UserError
 from dlrm_lab.resources import available, find_preset
 
@@ -54,10 +53,7 @@ _REFERENCE_KEYS = {"batch_size", "dense_lr", "source", "target_auc"}
 def preset_family(name_or_path: str | Path) -> str:
     """ "dlrm" or "hstu" (a preset file's `family`; DLRM when it names none)."""
     path = preset_path(name_or_path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: invalid TOML: {exc}") from None
+    raw = read_toml(path, "preset file")
     family = raw.get("family", "dlrm")
     if family not in MODEL_FAMILIES:
         raise UserError(f"{path}: family = {family!r}: allowed: {', '.join(MODEL_FAMILIES)}")
@@ -99,10 +95,7 @@ def load_preset(
     before validation, so an override that breaks the model is refused like a bad file.
     """
     path = preset_path(name_or_path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: invalid TOML: {exc}") from None
+    raw = read_toml(path, "preset file")
     if is_hstu_preset(raw):
         raise UserError(
             f"preset {raw.get('name', path.stem)!r} is an HSTU ranker (family hstu): this command runs DLRM presets "

@@ -20,6 +20,11 @@ INTERACTIONS = ("dot", "cat", "dcnv2")
 BYTES_PER_FP32 = 4
 
 
+# fbgemm's fused tables: TorchRec's sharded tables need a multiple of 4 columns (it asserts, mid-run); the CPU
+# row-wise Adagrad backward (fbgemm-gpu-cpu 1.8.0) segfaults from 32,688 columns (measured, in steps of 4)
+MAX_EMBEDDING_DIM = 32_684
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One embedding table: `num_embeddings` rows of `embedding_dim` floats.
@@ -51,6 +56,9 @@ class TableSpec:
         for field in ("num_embeddings", "embedding_dim"):
             if not is_positive_int(getattr(self, field)):
                 raise bad(where, field, getattr(self, field), "must be an integer >= 1")
+        if self.embedding_dim % 4 or self.embedding_dim > MAX_EMBEDDING_DIM:
+            raise bad(where, "embedding_dim", self.embedding_dim,
+                      f"must be a multiple of 4 up to {MAX_EMBEDDING_DIM:,} (fbgemm's fused tables)")  # fmt: skip
         names = self.feature_names
         if not isinstance(names, (list, tuple)) or not names or not all(map(is_name, names)):
             raise bad(where, "feature_names", _shown(names), "must be a non-empty list of non-empty strings")

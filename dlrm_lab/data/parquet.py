@@ -35,6 +35,7 @@ from dlrm_lab.config import ModelSpec
 from dlrm_lab.data.source import block_to_batch
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.run import check_writable
 
 METADATA_KEY = b"dlrm_lab"
 DATASET_FILE = "_dataset.json"  # the sidecar written; Arrow (and polars if told) skip `_` names
@@ -124,6 +125,7 @@ def write_shards(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
+    check_writable(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     files = []
     with all_or_nothing(out) as part_path:

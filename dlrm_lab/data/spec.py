@@ -43,6 +43,7 @@ from typing import Any
 import tomllib
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.config.toml import read_toml
 from dlrm_lab.errors import UserError
 from dlrm_lab.resources import available, find_preset
 
@@ -145,10 +146,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def load_data_spec(name_or_path: str | Path, model: ModelSpec, overrides: list[str] | tuple[str, ...] = ()) -> DataSpec:
     """Load a data spec, apply `--set` overrides, resolve it against `model`, validate."""
     path = data_spec_path(name_or_path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: invalid TOML: {exc}") from None
+    raw = read_toml(path, "data spec")
     try:
         return _resolve(_with_overrides(raw, overrides, path), model, where=str(path), overrides=tuple(overrides))
     except UserError as exc:

@@ -22,10 +22,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS, drive, make_driver
-from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
+from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import (
     QUERY_SCHEMA,
@@ -46,7 +46,7 @@ from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
 from dlrm_lab.metrics.precision import DTYPES
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
-from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.metrics.tables import TableWriter
 
@@ -387,6 +387,9 @@ def run_inference(
         raise UserError("--sla-ms auto: needs --qps auto (the bound is chosen with the load)")
     if len(models) > 1 and (probed := sorted(set(cfg.tune) - {"max_batch"})):
         raise UserError(f"--{probed[0].replace('_', '-')} auto: one --model (its probes run one model's load)")
+    check_writable(metrics_dir, "--metrics-dir")
+    if not cfg.qps_auto:  # auto: a probed rate, below capacity
+        check_planned(sum(s.qps for s in streams), cfg.duration_s)
     models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
     check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
     config = {
@@ -395,7 +398,7 @@ def run_inference(
         "streams": [{**stream_config(s), **({"qps": "auto"} if cfg.qps_auto else {})} for s in streams],
     }
     run = Run.create(metrics_dir, "infer", config, argv=argv)
-    with run:
+    with faults_name_the_run(run), run:
         queries = run.table("queries", QUERY_SCHEMA)
         summary = run.table("summary", summary_schema())
         telemetry = run.table("telemetry", telemetry_schema("point"))
@@ -432,6 +435,15 @@ def run_inference(
                     run.update_manifest(trace="trace.json")
                 summary.flush()
     return run.dir
+
+
+@contextmanager
+def faults_name_the_run(run: Run) -> Iterator[None]:
+    """A serving fault's one line says where what was measured before it is (the run marks itself failed)."""
+    try:
+        yield
+    except ServingFault as exc:
+        raise ServingFault(f"{exc}; run {run.dir} marked failed, the queries before it kept") from None
 
 
 def for_load(served: ServedModel, stream: Stream) -> ServedModel:

@@ -20,6 +20,27 @@ SIZE_KINDS = ("fixed", "normal", "lognormal", "uniform", "mlperf")
 ARRIVAL_KINDS = ("poisson", "constant", "bursty")
 SAMPLE_ORDERS = ("random", "time")
 MLPERF_MIN, MLPERF_MAX = 100, 700  # samples per query of MLPerf Inference DLRM
+# Memory a point holds per planned query: its place in the schedule (time, model, size, offset and their
+# temporaries, ~100 B) and its row until the point is summarised (a dict of ~50 fields, ~2.3 KB measured)
+BYTES_PER_QUERY = 2500
+MEMORY_SHARE = 0.5  # of the memory available now: what a point's queries may take
+
+
+def check_planned(qps: float, duration_s: float, available_bytes: int | None = None, what: str = "") -> None:
+    """Refuse, before any memory is spent, a load whose queries would not fit in memory: the rate
+    x the duration, at BYTES_PER_QUERY each, against MEMORY_SHARE of the memory available."""
+    import psutil
+
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    planned = qps * duration_s
+    limit = MEMORY_SHARE * available / BYTES_PER_QUERY
+    if planned > limit:
+        raise UserError(
+            f"{what or '--qps'} {qps:g} for --duration {duration_s:g} s: {planned:.3g} queries planned, about "
+            f"{planned * BYTES_PER_QUERY / 2**30:,.1f} GiB of schedule and rows; this machine has "
+            f"{available / 2**30:.1f} GiB available: at most {limit:.3g} queries a point (lower the rate or the "
+            "duration)"
+        )
 
 
 @dataclass(frozen=True)
@@ -141,6 +162,7 @@ class Arrivals:
         """Arrival offsets in [0, duration_s), sorted, at mean rate `qps`."""
         if qps <= 0 or duration_s <= 0:
             raise UserError(f"the target rate and duration must be positive (got {qps} QPS, {duration_s} s)")
+        check_planned(qps, duration_s)
         expected = qps * duration_s
         if self.kind == "constant":
             times = np.arange(int(np.ceil(expected))) / qps

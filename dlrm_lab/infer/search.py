@@ -21,7 +21,16 @@ import pyarrow as pa
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.instance import PRECISIONS
-from dlrm_lab.infer.lab import InferConfig, Log, OnProgress, Point, measure, stream_config, summary_schema
+from dlrm_lab.infer.lab import (
+    InferConfig,
+    Log,
+    OnProgress,
+    Point,
+    faults_name_the_run,
+    measure,
+    stream_config,
+    summary_schema,
+)
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
@@ -224,7 +233,7 @@ def search(
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)
     frontier: list[dict[str, Any]] = []
     extra = {"repeat": pa.int32(), "probe": pa.int32(), "passed": pa.bool_()}
-    with run:
+    with faults_name_the_run(run), run:
         queries = run.table("queries", QUERY_SCHEMA)
         summary = run.table("summary", summary_schema(extra))
         telemetry = run.table("telemetry", telemetry_schema("point"))

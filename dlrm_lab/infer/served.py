@@ -112,3 +112,23 @@ class ServedModel:
         return sorted(
             {min(self.max_batch, n) for n in self.build_batches} or {max(1, self.max_batch // 8), self.max_batch}
         )
+
+
+OVERSUBSCRIPTION_LIMIT = 4  # instance threads per core beyond which a server is refused
+
+
+def check_cores(models: list[ServedModel], cores: int, device: str = "cpu") -> str | None:
+    """Refuse models whose instances x threads exceed OVERSUBSCRIPTION_LIMIT x the usable cores (they would
+    spend minutes starting and then measure the scheduler); a warning line when they exceed the cores
+    at all (None when they fit). On a GPU the instances' host threads mostly wait: not checked."""
+    if device != "cpu" or cores < 1:
+        return None
+    want = sum(m.instances * m.threads for m in models)
+    if want <= cores:
+        return None
+    what = " + ".join(f"{m.name}: --instances {m.instances} x --threads {m.threads}" for m in models)
+    if want > OVERSUBSCRIPTION_LIMIT * cores:
+        raise UserError(f"{what} = {want} threads on {cores} usable cores, more than {OVERSUBSCRIPTION_LIMIT}x: "
+                        "use fewer --instances or --threads")  # fmt: skip
+    return (f"warning: {what} = {want} threads on {cores} usable cores: instances will wait for each other's "
+            "cores, so latency measures the scheduler as much as the model")  # fmt: skip

@@ -36,7 +36,7 @@ import torch
 
 from dlrm_lab.config import HSTUSpec
 from dlrm_lab.distributed.context import resolve_device
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import ServingFault, UserError, exit_description
 from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.instance import (
     BATCH_STAGES,
@@ -56,8 +56,9 @@ from dlrm_lab.infer.instance import (
 from dlrm_lab.infer.library import PackedLibrary, payload_for
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import SERVED_WINDOW, RequestLibrary, generate_library
-from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.served import ServedModel, check_cores
 from dlrm_lab.infer.sut import Query, SutDescription
+from dlrm_lab.metrics.cpu import usable_cores
 from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.model.dlrm import build_model
 from dlrm_lab.model.hstu import build_ranker, choose_attention
@@ -145,6 +146,9 @@ class InferenceServer:
         resolve_device(device)  # one-line error for an unknown device or a missing GPU
         for stale in remove_stale_snapshots():
             self.log(f"removed {stale}, left by a serving process that was killed")
+        usable = len(usable_cores() or range(os.cpu_count() or 1))
+        if warning := check_cores(list(self.models.values()), usable, device):
+            self.log(warning)
         check_fits(self.models.values(), device=device)  # before any table is allocated
         self._choose_precisions()
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -279,15 +283,15 @@ class InferenceServer:
                 try:
                     _, error, cost = conn.recv()
                 except (EOFError, OSError):
-                    error = f"exited with code {self._procs[index].exitcode}"
+                    error = exit_description(self._procs[index].exitcode)
                 if error:
-                    raise RuntimeError(f"instance {index} failed to start: {error}")
+                    raise ServingFault(f"instance {index} (pid {self._procs[index].pid}) failed to start: {error}")
                 del waiting[index]
                 costs[self.instance_info[index]["model"]].append(cost)
                 self.log(f"instance {index} ready: a batch takes {cost.fixed_ms:.2f} ms + "
                          f"{cost.per_sample_ms * 1e3:.1f} us per sample")  # fmt: skip
             if time.monotonic() > deadline:
-                raise RuntimeError(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")
+                raise ServingFault(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")
         for name, measured in costs.items():
             pool = self._pools[name]
             pool.clock.cost = BatchCost(
@@ -387,7 +391,7 @@ class InferenceServer:
     def submit(self, q: Query) -> None:
         """Queue a query (thread-safe, returns at once). Drops it when the queue is full."""
         if self._error is not None:
-            raise RuntimeError(self._error)
+            raise ServingFault(self._error)
         q.issued_ns = time.monotonic_ns()
         if not q.scheduled_ns:
             q.scheduled_ns = q.issued_ns
@@ -448,9 +452,9 @@ class InferenceServer:
         if self._error is None:
             for info, proc in zip(self.instance_info, self._procs, strict=True):
                 if proc.exitcode is not None and not self._stopping:
-                    self._error = f"instance {info['instance']} (pid {proc.pid}) exited with code {proc.exitcode}"
+                    self._error = f"instance {info['instance']} (pid {proc.pid}) {exit_description(proc.exitcode)}"
         if self._error is not None:
-            raise RuntimeError(self._error)
+            raise ServingFault(self._error)
 
     # ------------------------------------------------------------------ threads
 

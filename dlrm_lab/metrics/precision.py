@@ -49,6 +49,12 @@ Shape = tuple[int, int, int]  # rows x in x out of one product
 Measure = Callable[[Sequence[Shape], Sequence[str], torch.device, int], dict[str, float]]
 
 
+def gflops(flops_per_s: float) -> str:
+    """A rate in GFLOP/s to 0.1, and to three significant figures below 1 (a tiny model's 0.042 is not 0.0)."""
+    g = flops_per_s / 1e9
+    return f"{g:,.1f}" if g >= 1 else f"{g:.3g}"
+
+
 def model_gemm_shapes(spec: ModelSpec | HSTUSpec, rows: int) -> list[Shape]:
     """The dense matrix products of one forward pass: (rows, in, out) per layer."""
     if isinstance(spec, HSTUSpec):  # per token of `rows` requests: the STU projections (the bulk)
@@ -162,7 +168,7 @@ def _rate_key(device: torch.device, threads: int, shapes: Sequence[Shape]) -> st
 def _ensure_profile(device: torch.device, log: Log | None) -> dict[str, Any]:
     """This machine's profile; a quick probe (stored) when the machine was never seen."""
     from dlrm_lab.metrics.probe import probe_machine
-    from dlrm_lab.metrics.roofline import load_profile, save_profile
+    from dlrm_lab.metrics.roofline import ProfileNotStored, load_profile, save_profile
 
     profile = load_profile()
     if profile is not None:
@@ -171,7 +177,11 @@ def _ensure_profile(device: torch.device, log: Log | None) -> dict[str, Any]:
         log("machine not seen before: quick probe of its peaks (seconds; 'dlrm-lab machine probe' for the full one)")
     devices = ["cpu", "cuda"] if device.type == "cuda" else ["cpu"]
     profile = probe_machine(quick=True, devices=devices, comms=False)  # under a launcher rank 0 alone is here
-    save_profile(profile)
+    try:
+        save_profile(profile)
+    except ProfileNotStored as exc:  # the run goes on with the peaks just measured
+        if log:
+            log(f"warning: {exc}")
     return profile
 
 
@@ -242,7 +252,7 @@ def choose_precision(
     common.update(rates_flops_per_s=rates, source=source, shapes=shapes)
 
     def vs(p: str) -> str:
-        return f"{p} {rates[p] / 1e9:,.1f} GFLOP/s vs fp32 {fp32 / 1e9:,.1f} GFLOP/s"
+        return f"{p} {gflops(rates[p])} GFLOP/s vs fp32 {gflops(fp32)} GFLOP/s"
 
     if requested != AUTO:
         warning = None

@@ -460,7 +460,8 @@ def run_probe(
     adds the collectives; `if_missing` probes only a machine with no stored profile.
     """
     from dlrm_lab.distributed.context import detect_launch, init_distributed, shutdown_distributed
-    from dlrm_lab.metrics.roofline import load_profile, profile_path, save_profile
+    from dlrm_lab.metrics.roofline import MACHINE_DIR_ENV, load_profile, machine_dir, profile_path, save_profile
+    from dlrm_lab.metrics.run import check_writable
 
     if device not in PROBE_DEVICES:
         raise UserError(f"--device {device!r}: allowed: {', '.join(PROBE_DEVICES)}")
@@ -473,6 +474,7 @@ def run_probe(
                                 f"{where}: not probing again (--if-missing)")  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device cuda: no CUDA device is visible to this torch build (torch {torch.__version__})")
+    check_writable(machine_dir(), MACHINE_DIR_ENV, remedy=f"set {MACHINE_DIR_ENV} to a writable directory")
     launch = detect_launch()
     if comms_only and launch.world_size < 2:
         raise UserError(

@@ -16,7 +16,9 @@ bound / measured time (1.0 = running at the roofline).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +53,41 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
         ) from None
     if not isinstance(profile, dict) or "devices" not in profile:
         raise UserError(f"{path}: not a machine profile (no 'devices'); delete it and run 'dlrm-lab machine probe'")
+    if problem := profile_problem(profile):
+        raise UserError(f"{path}: {problem}; run 'dlrm-lab machine probe --force' (or delete the file)")
     return profile
+
+
+_PEAK_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s")
+
+
+def profile_problem(profile: dict[str, Any]) -> str | None:
+    """The first field of a profile's device peaks that is not a finite number > 0 (every floor,
+    roof and precision choice divides by them), as `field = value: rule`; None when all are."""
+
+    def bad(where: str, value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            return f"{where} = {value!r}: must be a number > 0"
+        return None
+
+    devices = profile.get("devices")
+    if not isinstance(devices, dict):
+        return f"devices = {devices!r}: must be a table of devices"
+    for name, device in devices.items():
+        tables = device.get("threads") if isinstance(device, dict) and name == "cpu" else {"": device}
+        if not isinstance(tables, dict):
+            return f"devices.{name}.threads = {tables!r}: must be a table per thread count"
+        for threads, peaks in tables.items():
+            where = f"devices.{name}" + (f".threads.{threads}" if threads else "")
+            if not isinstance(peaks, dict) or not isinstance(peaks.get("gemm_flops_per_s"), dict):
+                return f"{where}.gemm_flops_per_s: missing or not a table per precision"
+            for precision, value in peaks["gemm_flops_per_s"].items():
+                if problem := bad(f"{where}.gemm_flops_per_s.{precision}", value):
+                    return problem
+            for key in _PEAK_FIELDS:
+                if key in peaks and (problem := bad(f"{where}.{key}", peaks[key])):
+                    return problem
+    return None
 
 
 # Profile sections of measurements the lab's choices are made from, each {key: entry}: GEMM rates of model shapes
@@ -60,9 +96,13 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
 MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates")
 
 
-def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[str, Any]) -> Path:
-    """Add one entry to a MEASURED_CHOICES section of `profile` and save it; where it went."""
-    return save_profile({**profile, section: {**(profile.get(section) or {}), key: entry}})
+def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[str, Any]) -> Path | str:
+    """Add one entry to a MEASURED_CHOICES section of `profile` and save it; where it went (or, where the
+    profile cannot be written, why not: the choice stands, it is only measured again next time)."""
+    try:
+        return save_profile({**profile, section: {**(profile.get(section) or {}), key: entry}})
+    except ProfileNotStored as exc:
+        return f"nowhere ({exc})"
 
 
 def save_profile(profile: dict[str, Any]) -> Path:
@@ -81,11 +121,23 @@ def save_profile(profile: dict[str, Any]) -> Path:
             merged["probed_at"] = old.get("probed_at")
             merged["quick"] = old.get("quick")
             merged["comms_probed_at"] = profile["probed_at"]
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(merged, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(merged, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ProfileNotStored(
+            f"cannot store the machine profile in {path.parent}: {exc.strerror or exc}; set {MACHINE_DIR_ENV} to a "
+            "writable directory"
+        ) from None
     return path
+
+
+class ProfileNotStored(UserError):
+    """The profile's directory cannot be written (a read-only HOME): one line, naming the remedy."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from dlrm_lab.errors import DiskFull, UserError, is_disk_full
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
-from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, write_table
+from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, flush_interval_s, write_table
 
 MANIFEST = "manifest.json"
 # Kept free in every run directory until the run ends, so that its final manifest can be
@@ -33,6 +33,25 @@ STATUSES = ("running", "ok", "failed", "interrupted")
 # A launcher (distributed.elastic) names a file here; each run created under it appends its
 # directory, so the launcher can say in the manifest why the job failed.
 RUN_RECORD_ENV = "DLRM_LAB_RUN_RECORD"
+
+
+def check_writable(path: str | Path, option: str, remedy: str = "choose another") -> None:
+    """Refuse, in one line naming `option`, a directory (or the nearest existing one above it, where it is
+    still to be made) that this process cannot write: called before a command starts its work."""
+    target = Path(path)
+    where = target
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    if not where.is_dir():
+        raise UserError(f"{option} {target}: {where} is not a directory; {remedy}")
+    if os.access(where, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    why = "on a read-only file system" if read_only else "not writable by this user"
+    raise UserError(f"{option} {target}: {where} is {why}; {remedy}")
 
 
 def _now_iso() -> str:
@@ -107,6 +126,8 @@ class Run:
         run_id: str | None = None,
     ) -> Run:
         root = Path(metrics_dir)
+        flush_interval_s()  # a bad DLRM_LAB_FLUSH_SECONDS is refused before the run directory exists
+        check_writable(root, "--metrics-dir")
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -117,6 +138,8 @@ class Run:
             run_dir.mkdir()
         except FileExistsError:
             raise UserError(f"run directory {run_dir} already exists; choose another run id") from None
+        except OSError as exc:
+            raise UserError(f"--metrics-dir {root}: cannot write in it: {exc.strerror or exc}") from None
         manifest = {
             "run_id": rid,
             "kind": kind,

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.model.dlrm import DLRM
 from dlrm_lab.model.dlrm import build_model as build_dlrm
+
+# TorchRec's modules ask torch.fx whether they are traced; torch answers with a notice about its API once per
+# process, which every serving instance printed. It says nothing about the run: filtered, that one message only.
+logging.getLogger("torch.fx._symbolic_trace").addFilter(lambda r: not r.getMessage().startswith("is_fx_tracing will"))
 
 
 def build_model(

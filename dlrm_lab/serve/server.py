@@ -34,13 +34,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dlrm_lab.config import HSTUSpec
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Query
-from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.tables import TableWriter
 from dlrm_lab.serve.protocol import (
     CHANNEL_OPTIONS,
@@ -322,6 +322,7 @@ def serve(
             raise UserError(f"--model {m.spec.name}: an HSTU preset is served in process only (`infer run`, "
                             "`infer search`); gRPC carries DLRM samples")  # fmt: skip
     _check_address(host, port)  # before the instances take their time to start
+    check_writable(metrics_dir, "--metrics-dir")
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
     config = {
         "serve": {"host": host, "port": port, "device": device, "pin_cores": pin_cores, "seed": seed,
@@ -338,7 +339,9 @@ def serve(
                 service = InferenceService(inference)
                 asyncio.run(_serve(service, queries, host, port, grace_s, log, run))
                 if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed
-                    raise RuntimeError(f"an instance failed while serving: {service.failure}")
+                    raise ServingFault(
+                        f"an instance failed while serving: {service.failure}; run {run.dir} marked failed"
+                    )
         finally:
             if service is not None:  # after stop(): queries it found unfinished are recorded too
                 service.pump(queries)

@@ -41,7 +41,7 @@ from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
-from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.model import build_model
 from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
@@ -211,6 +211,8 @@ def train(
     manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
     """
     preflight(spec, cfg, data=source is None)  # a bad option: one line, before anything starts
+    if metrics_dir:
+        check_writable(metrics_dir, "--metrics-dir")
     if isinstance(spec, HSTUSpec):  # --set changes the requests, so the cost and the manifest too
         spec, cfg = with_overrides(spec, cfg.data_overrides), replace(cfg, data_overrides=())
     launch = detect_launch()

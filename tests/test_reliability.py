@@ -1,0 +1,213 @@
+"""Issue 32's failures (reliability, third round), each ended as the rule says, in-process: one `error:`
+line naming the culprit, exit 2 for a user mistake, nothing written where nothing should be."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dlrm_lab.errors import UserError
+from tests.conftest import run_cli_in_process, store_profile
+
+
+def _deny_writes_under(monkeypatch, root: Path) -> None:
+    """os.access says no write under `root` (root ignores permission bits, so chmod cannot stand in)."""
+    import dlrm_lab.metrics.run as run_module
+
+    real = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(path).resolve().is_relative_to(root.resolve()):
+            return False
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(run_module.os, "access", access)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("train", "--preset", "tiny", "--steps", "1"),
+        ("infer", "run", "--model", "tiny", "--duration", "0.1"),
+        ("data", "gen", "--preset", "tiny", "--rows", "10", "--out"),
+    ],
+)
+def test_a_metrics_dir_that_cannot_be_written_is_refused_before_anything_starts(tmp_path, monkeypatch, args):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    _deny_writes_under(monkeypatch, locked)
+    target = locked / "sub" if args[0] == "data" else locked
+    flag = () if args[0] == "data" else ("--metrics-dir",)
+    code, out, err = run_cli_in_process(*args, *flag, str(target), *(() if args[0] == "data" else ("--no-progress",)))
+    assert code == 2, err
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: --") and str(locked) in line and "not writable by this user" in line
+    assert "Traceback" not in err and list(locked.iterdir()) == []
+    assert "precision" not in err  # refused before anything was measured
+
+
+def test_the_read_only_reason_is_named(tmp_path, monkeypatch):
+    from dlrm_lab.metrics import run as run_module
+
+    _deny_writes_under(monkeypatch, tmp_path)
+
+    class ReadOnly:
+        f_flag = os.ST_RDONLY
+
+    monkeypatch.setattr(run_module.os, "statvfs", lambda _path: ReadOnly())
+    with pytest.raises(UserError, match=r"--metrics-dir .*/runs: .* is on a read-only file system; choose another"):
+        run_module.check_writable(tmp_path / "runs", "--metrics-dir")
+    with pytest.raises(UserError, match="is not a directory"):
+        (tmp_path / "file").write_text("x")
+        run_module.check_writable(tmp_path / "file" / "runs", "--metrics-dir")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("fp32", 0, "gemm_flops_per_s.fp32 = 0: must be a number > 0"),
+        ("fp32", -1e9, "gemm_flops_per_s.fp32 = -1000000000.0: must be a number > 0"),
+        ("fp32", "fast", "gemm_flops_per_s.fp32 = 'fast': must be a number > 0"),
+        ("memory_bytes_per_s", None, "memory_bytes_per_s = None: must be a number > 0"),
+        ("threads", [1], "devices.cpu.threads = [1]: must be a table per thread count"),
+    ],
+)
+def test_a_machine_profile_with_impossible_peaks_is_refused_naming_file_and_field(tmp_path, monkeypatch, field,
+                                                                                 value, message):  # fmt: skip
+    from dlrm_lab.metrics.roofline import load_profile
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    profile = store_profile(tmp_path)
+    cpu = profile["devices"]["cpu"]
+    if field == "threads":
+        cpu["threads"] = value
+    elif field == "fp32":
+        cpu["threads"]["1"]["gemm_flops_per_s"]["fp32"] = value
+    else:
+        cpu["threads"]["1"][field] = value
+    path = tmp_path / f"{profile['fingerprint_id']}.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(UserError) as err:
+        load_profile()
+    assert str(err.value).startswith(f"{path}: devices.cpu") and message in str(err.value)
+    assert "machine probe --force" in str(err.value)
+    code, _, stderr = run_cli_in_process("machine", "show")
+    assert code == 2 and "Traceback" not in stderr and message in stderr
+
+
+def test_a_profile_directory_that_cannot_be_written_is_one_line_and_runs_go_on(tmp_path, monkeypatch):
+    from dlrm_lab.metrics.roofline import ProfileNotStored, save_profile, store_measured
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(blocked / "machines"))
+    profile = {"fingerprint_id": "f" * 16, "devices": {}, "comms": {}, "probed_at": "now"}
+    with pytest.raises(ProfileNotStored, match=r"cannot store the machine profile in .*machines: .*MACHINE_DIR"):
+        save_profile(profile)
+    assert str(store_measured(profile, "build_rates", "k", {"x": 1})).startswith("nowhere (cannot store")
+    code, _, err = run_cli_in_process("machine", "probe", "--quick")  # refused before it measures anything
+    assert code == 2 and "Traceback" not in err
+    assert "DLRM_LAB_MACHINE_DIR" in err and "is not a directory" in err
+
+
+@pytest.mark.parametrize("kind", ["preset", "grid", "data spec"])
+def test_a_file_that_is_not_utf8_is_named_in_one_line(tmp_path, kind):
+    bad = tmp_path / ("bad.toml")
+    bad.write_bytes(b'name = "caf\xe9"\n')
+    args = {"preset": ("train", "--preset", str(bad), "--steps", "1"), "grid": ("sweep", str(bad)),
+            "data spec": ("train", "--preset", "tiny", "--data-spec", str(bad), "--steps", "1")}[kind]  # fmt: skip
+    code, _, err = run_cli_in_process(*args, "--no-progress")
+    assert code == 2 and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line == f"error: {bad}: not UTF-8 text (byte 0xe9 on line 1); TOML files are UTF-8: save it as UTF-8"
+
+
+def test_a_bad_flush_interval_leaves_no_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLRM_LAB_FLUSH_SECONDS", "-1")
+    code, _, err = run_cli_in_process("train", "--preset", "tiny", "--steps", "1", "--metrics-dir", str(tmp_path / "r"),
+                                      "--no-progress")  # fmt: skip
+    assert code == 2 and "DLRM_LAB_FLUSH_SECONDS='-1': must be a number of seconds > 0" in err
+    assert not (tmp_path / "r").exists() or list((tmp_path / "r").iterdir()) == []
+
+
+def test_a_load_too_large_for_memory_is_refused_before_memory_is_spent(tmp_path):
+    from dlrm_lab.infer.load import BYTES_PER_QUERY, Arrivals, check_planned
+
+    check_planned(1000.0, 10.0, available_bytes=10**9)
+    with pytest.raises(UserError, match=r"--qps 1e\+06 for --duration 10 s: 1e\+07 queries planned, about 23.3 GiB"):
+        check_planned(1e6, 10.0, available_bytes=10 * 2**30)
+    with pytest.raises(UserError, match="at most"):
+        Arrivals().schedule(1e12, 2.0, None)  # refused before numpy allocates anything
+    assert BYTES_PER_QUERY > 1000
+    code, _, err = run_cli_in_process("infer", "run", "--model", "tiny", "--qps", "1e9", "--duration", "2",
+                                      "--metrics-dir", str(tmp_path), "--no-progress")  # fmt: skip
+    assert code == 2 and "Traceback" not in err and "queries planned" in err and list(tmp_path.iterdir()) == []
+
+
+def test_more_instance_threads_than_cores_warn_and_far_more_are_refused():
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.served import OVERSUBSCRIPTION_LIMIT, ServedModel, check_cores
+
+    tiny = load_preset("tiny")
+    assert check_cores([ServedModel("a", tiny, instances=2)], cores=2) is None
+    warning = check_cores([ServedModel("a", tiny, instances=2, threads=2)], cores=2)
+    assert warning.startswith("warning: a: --instances 2 x --threads 2 = 4 threads on 2 usable cores")
+    with pytest.raises(UserError, match=rf"= 64 threads on 2 usable cores, more than {OVERSUBSCRIPTION_LIMIT}x"):
+        check_cores([ServedModel("a", tiny, instances=64)], cores=2)
+    assert check_cores([ServedModel("a", tiny, instances=64)], cores=2, device="cuda") is None
+
+
+def test_small_rates_keep_their_figures_and_sigterm_names_no_launcher_that_was_not_there(monkeypatch):
+    import signal
+
+    from dlrm_lab.errors import Terminated, raise_on_sigterm
+    from dlrm_lab.metrics.precision import gflops
+
+    assert (gflops(4.2e7), gflops(1.5e10), gflops(4.88e11)) == ("0.042", "15.0", "488.0")
+    for var in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        raise_on_sigterm()
+        with pytest.raises(Terminated, match=r"SIGTERM \(sent by another process"):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+        raise_on_sigterm()
+        with pytest.raises(Terminated, match=r"SIGTERM \(a launcher stopped the job\)"):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_an_embedding_dim_the_kernels_cannot_run_is_refused_when_the_preset_is_read(tmp_path):
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.config.specs import MAX_EMBEDDING_DIM
+
+    text = (Path(__file__).parents[1] / "models" / "tiny.toml").read_text()
+    for dim in (32_768, 30):  # past fbgemm's CPU Adagrad backward (SIGSEGV); not a multiple of 4 (an assert)
+        preset = tmp_path / f"wide{dim}.toml"
+        preset.write_text(text.replace("embedding_dim = 8", f"embedding_dim = {dim}"))
+        with pytest.raises(UserError, match=rf"embedding_dim = {dim}: must be a multiple of 4 up to 32,684"):
+            load_preset(preset)
+    assert MAX_EMBEDDING_DIM % 4 == 0
+
+
+def test_a_sweep_point_killed_by_a_signal_names_it_and_its_run_is_failed(tmp_path, monkeypatch):
+    import sys
+
+    from dlrm_lab import sweep
+    from dlrm_lab.metrics.run import read_manifest
+
+    slot = tmp_path / "p0000-r00"
+    child = ("import os, signal; from dlrm_lab.metrics.run import Run; "
+             f"Run.create({str(slot)!r}, 'train', {{}}); os.kill(os.getpid(), signal.SIGSEGV)")  # fmt: skip
+    monkeypatch.setattr(sweep, "point_command", lambda spec, params, slot: ([sys.executable, "-c", child], {}))
+    status, _ = sweep._run_point(None, {}, slot)
+    assert status == "failed"
+    assert (slot / "point.log").read_text().splitlines()[-1] == "sweep: the point's process was killed by signal SIGSEGV"
+    (run_dir,) = [p for p in slot.iterdir() if p.is_dir()]
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed" and manifest["error"] == "the point's process was killed by signal SIGSEGV"
