@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -416,3 +417,29 @@ def test_a_traced_point_is_chrome_trace_json_with_the_labs_spans_on_the_servers_
     common = sorted(set(marks) & set(ours))
     assert common and sorted(abs(marks[n] - ours[n]) for n in common)[len(common) // 2] < 1000  # within 1 ms
     assert not (run.dir / "trace-instances").exists()  # merged into trace.json
+
+
+def test_an_instance_stopped_inside_a_point_is_a_stall_the_point_names(server):
+    import signal
+
+    from dlrm_lab.infer.lab import point_line, stall_columns
+    from dlrm_lab.infer.server import STALL_MS
+
+    server.take_stalls()
+    pid = server.instance_info[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for i in range(8):  # both instances get work; instance 0's waits in its pipe
+            server.submit(Query(900_000 + i, "tiny", 4, offset=4 * i))
+        time.sleep(1.2 * STALL_MS / 1e3)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _drain(server)
+    stalls = server.take_stalls()
+    assert stalls and {s["instance"] for s in stalls} == {0} and all(s["took_ms"] >= STALL_MS for s in stalls)
+    cols = stall_columns(stalls)
+    assert cols["instance_stalls"] == len(stalls) and cols["stalled_instances"] == "0"
+    row = {"model": "tiny", "mode": "together", "target_qps": 1.0, "queries_per_s": 1.0, "samples_per_s": 4.0,
+           "dropped_queries": 0, "late_queries": 0, "sla_met": True, **cols}  # fmt: skip
+    assert f"instance 0 stalled: {len(stalls)} batch(es) held up to" in point_line(row)
+    assert stall_columns([]) == {"instance_stalls": 0, "longest_stall_s": None, "stalled_instances": None}

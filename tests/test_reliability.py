@@ -207,7 +207,174 @@ def test_a_sweep_point_killed_by_a_signal_names_it_and_its_run_is_failed(tmp_pat
     monkeypatch.setattr(sweep, "point_command", lambda spec, params, slot: ([sys.executable, "-c", child], {}))
     status, _ = sweep._run_point(None, {}, slot)
     assert status == "failed"
-    assert (slot / "point.log").read_text().splitlines()[-1] == "sweep: the point's process was killed by signal SIGSEGV"
+    assert (slot / "point.log").read_text().splitlines()[
+        -1
+    ] == "sweep: the point's process was killed by signal SIGSEGV"
     (run_dir,) = [p for p in slot.iterdir() if p.is_dir()]
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "failed" and manifest["error"] == "the point's process was killed by signal SIGSEGV"
+
+
+def test_a_probe_is_judged_by_what_else_the_machine_did():
+    from dlrm_lab.metrics.cpu import LoadWatch
+    from dlrm_lab.metrics.trust import OTHER_CORES_LIMIT, judge
+
+    quiet = judge(10.0, 0.05, 0.0, 1.1)
+    assert quiet.trusted and quiet.why.startswith("quiet: other processes 0.05 cores")
+    busy = judge(10.0, 1.3, 0.08, 2.5)
+    assert not busy.trusted and busy.why == (f"other processes used 1.30 cores (limit {OTHER_CORES_LIMIT:g}); the "
+                                             "host stole 8% of the cores' time (limit 5%); GEMM repeats differed "
+                                             "2.50x (limit 1.5x)")  # fmt: skip
+    with LoadWatch() as watch:  # this process's own work is not "other"
+        sum(i * i for i in range(300_000))
+    assert watch.seconds > 0 and watch.other_cores >= 0 and 0 <= watch.steal_share <= 1
+
+
+def _probe_with_load(monkeypatch, tmp_path, gflops: float, trusted: bool, run: bool = True):
+    """run_probe with a fake measurement: a profile of `gflops` fp32 (1 thread), judged `trusted`."""
+    from dlrm_lab.metrics import probe
+    from dlrm_lab.metrics.hardware import hardware_fingerprint
+    from dlrm_lab.metrics.trust import judge
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+
+    def fake_probe_machine(**_kwargs):
+        peaks = {"gemm_flops_per_s": {"fp32": gflops * 1e9}, "memory_bytes_per_s": 1e10, "gather_bytes_per_s": 5e9}
+        load = judge(5.0, 0.0 if trusted else 1.5, 0.0, 1.1)
+        return {"fingerprint_id": hardware_fingerprint()["fingerprint_id"], "probed_at": f"probe-{gflops}",
+                "devices": {"cpu": {"threads": {"1": peaks}}}, "comms": {}, "load": load.to_dict()}  # fmt: skip
+
+    monkeypatch.setattr(probe, "probe_machine", fake_probe_machine)
+    return probe.run_probe(quick=True, device="cpu") if run else None
+
+
+def test_a_busy_probe_never_replaces_a_profile_and_a_better_peak_is_kept(tmp_path, monkeypatch):
+    from dlrm_lab.metrics.roofline import load_profile
+
+    def fp32():
+        return load_profile()["devices"]["cpu"]["threads"]["1"]["gemm_flops_per_s"]["fp32"] / 1e9
+
+    first = _probe_with_load(monkeypatch, tmp_path, 197.0, trusted=True)
+    assert first.written and fp32() == 197.0
+    busy = _probe_with_load(monkeypatch, tmp_path, 2.2, trusted=False)
+    assert busy.written is None and "the machine was busy while probing (other processes used 1.50 cores" in (
+        busy.refused
+    )
+    assert fp32() == 197.0 and load_profile()["probed_at"] == "probe-197.0"
+    lower = _probe_with_load(monkeypatch, tmp_path, 180.0, trusted=True)  # quiet, but lower: the better is kept
+    assert lower.written and fp32() == 197.0
+    assert load_profile()["kept_from_earlier_probe"] == ["cpu.threads.1.gemm_flops_per_s.fp32"]
+    _probe_with_load(monkeypatch, tmp_path, 2.2, trusted=False, run=False)
+    code, _, err = run_cli_in_process("machine", "probe", "--quick")  # the CLI: one error line, exit 1
+    assert code == 1 and err.startswith("error: the machine was busy while probing") and "--force" in err
+    code, _, _ = run_cli_in_process("machine", "probe", "--quick", "--force")
+    assert code == 0 and fp32() == 2.2  # --force stores it as it is
+
+
+def test_a_busy_first_probe_is_stored_with_a_warning(tmp_path, monkeypatch):
+    outcome = _probe_with_load(monkeypatch, tmp_path, 2.2, trusted=False)
+    assert outcome.written and outcome.warning.startswith("warning: the machine was busy while probing")
+
+
+def test_a_profile_that_disagrees_with_the_machine_now_is_warned_of(tmp_path, monkeypatch):
+    from dlrm_lab.metrics.trust import AGREEMENT_MARGIN, quick_check
+
+    profile = store_profile(tmp_path, gflops=2.2)
+    spoiled = quick_check(profile, measure=lambda: 197e9)
+    assert spoiled.startswith("warning: the machine profile's fp32 GEMM peak (2.2 GFLOP/s, probed 2026-11-22")
+    assert "89.5x below what this machine does now (197.0 GFLOP/s)" in spoiled and "--force" in spoiled
+    busy = quick_check(store_profile(tmp_path, gflops=197.0), measure=lambda: 50e9)
+    assert busy.startswith("warning: this machine does 50.0 GFLOP/s of fp32 GEMM now, 3.9x below its profile")
+    assert quick_check(profile, measure=lambda: 2.2e9 * AGREEMENT_MARGIN * 0.99) is None
+    assert quick_check(None) is None and quick_check({"devices": {}}) is None
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    monkeypatch.setattr("dlrm_lab.metrics.trust.quick_gemm_flops", lambda: 197e9)
+    store_profile(tmp_path, gflops=2.2)
+    code, _, err = run_cli_in_process("machine", "show")
+    assert code == 0 and "warning: the machine profile's fp32 GEMM peak (2.2 GFLOP/s" in err
+
+
+def test_a_run_whose_load_stopped_early_is_marked_failed_with_the_reason(tmp_path, monkeypatch):
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer import lab
+    from dlrm_lab.infer.load import QuerySizes, Stream
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.metrics.run import read_manifest
+
+    why = "the load stopped at query 7 of 30000: it was due 1.1 s ago (--max-issue-lag-ms 1000): ..."
+
+    class NoServer:
+        instance_info: list = []
+        precision_choices: dict = {}
+
+        def __init__(self, *args, **kwargs) -> None: ...
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None: ...
+
+    monkeypatch.setattr(lab, "InferenceServer", NoServer)
+    monkeypatch.setattr(lab, "measure", lambda *a, **k: [{"point": 0, "model": "tiny", "issue_stopped": why}])
+    served = [ServedModel("tiny", load_preset("tiny"))]
+    run_dir = lab.run_inference(served, [Stream("tiny", 10.0, QuerySizes.parse("fixed:1"))],
+                                lab.InferConfig(duration_s=0.1), metrics_dir=tmp_path)  # fmt: skip
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed" and manifest["error"] == f"point 0: {why}"
+
+
+def test_a_dataset_of_an_unknown_format_version_is_refused(tmp_path):
+    from dlrm_lab.data.parquet import DATASET_FILE, read_dataset_info
+
+    (tmp_path / DATASET_FILE).write_text(json.dumps({"format_version": 7, "source": "synthetic"}))
+    with pytest.raises(UserError, match=r"_dataset.json: format_version = 7: this dlrm-lab reads 1 \(written by"):
+        read_dataset_info(tmp_path)
+    (tmp_path / DATASET_FILE).write_text(json.dumps({"source": "synthetic"}))  # before the field: version 1
+    assert read_dataset_info(tmp_path)["source"] == "synthetic"
+
+
+SUMMARY_INVALID = """Result is : INVALID
+  Performance constraints satisfied : Yes
+  Min duration satisfied : Yes
+  Early stopping satisfied: NO
+Early Stopping Result:
+ * Processed 58 queries.
+ * Would need to run at least 401 more queries,
+99.00 percentile latency (ns)   : 8469209
+"""
+
+
+def test_a_loadgen_run_too_short_for_a_verdict_is_refused_and_an_invalid_one_says_why(tmp_path):
+    from dlrm_lab.infer.loadgen import (
+        check_loadgen_duration,
+        early_stopping_queries,
+        loadgen_duration,
+        parse_loadgen_summary,
+    )
+
+    assert (early_stopping_queries(99), early_stopping_queries(90)) == (459, 44)  # 58 + 401 above
+    (tmp_path / "s.txt").write_text(SUMMARY_INVALID)
+    parsed = parse_loadgen_summary(tmp_path / "s.txt")
+    assert parsed["loadgen_result"] == "INVALID" and parsed["loadgen_reason"] == (
+        "early stopping not met (processed 58 queries, would need at least 401 more, all within the bound)"
+    )
+    check_loadgen_duration(20.0, 23.0, 99.0)
+    with pytest.raises(UserError, match=r"20 for --duration 10 s is 200 queries; .* at least 459 .*--duration 23 or"):
+        check_loadgen_duration(20.0, 10.0, 99.0)
+    assert loadgen_duration(20.0, 10.0, 99.0) == 26.0 and loadgen_duration(100.0, 10.0, 99.0) == 10.0
+    code, _, err = run_cli_in_process(
+        "infer",
+        "run",
+        "--model",
+        "tiny",
+        "--scenario",
+        "server",
+        "--qps",
+        "20",
+        "--duration",
+        "10",
+        "--metrics-dir",
+        str(tmp_path / "r"),
+        "--no-progress",
+    )
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "r").exists()

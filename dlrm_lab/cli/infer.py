@@ -216,13 +216,14 @@ def run_command(
         out.print(f"error: {stopped}; rows kept in {run_dir}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     if invalid:  # a failed verdict fails the command, as a regression fails `compare`: scripts gate on it
-        out.print(f"error: MLPerf LoadGen's verdict is INVALID for {', '.join(invalid)} (why: "
+        reasons = "; ".join(f"{model}: {why}" if why else model for model, why in invalid)
+        out.print(f"error: MLPerf LoadGen's verdict is INVALID for {reasons} (LoadGen's summary: "
                   f"{run_dir}/loadgen/point-*/mlperf_log_summary.txt)", highlight=False, soft_wrap=True)  # fmt: skip
         raise typer.Exit(1)
 
 
-def _print_points(run_dir: Any) -> tuple[list[str], str | None]:
-    """Print the points' table; return the models whose LoadGen verdict was INVALID, and why
+def _print_points(run_dir: Any) -> tuple[list[tuple[str, str | None]], str | None]:
+    """Print the points' table; return the models whose LoadGen verdict was INVALID (with LoadGen's reason), and why
     the first load stopped issuing early (None: none did)."""
     rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
     table = Table(title=f"inference ({rows[0]['scenario']})")
@@ -238,7 +239,8 @@ def _print_points(run_dir: Any) -> tuple[list[str], str | None]:
                 f"p99 {r['loadgen_p99_ms']:.2f} ms (LoadGen's own accounting; logs in {run_dir}/loadgen)"
             )
     stopped = next((f"point {r['point']}: {r['issue_stopped']}" for r in rows if r.get("issue_stopped")), None)
-    return [r["model"] for r in rows if r["loadgen_result"] == "INVALID"], stopped
+    invalid = [(r["model"], r.get("loadgen_reason")) for r in rows if r["loadgen_result"] == "INVALID"]
+    return invalid, stopped
 
 
 @app.command("search")

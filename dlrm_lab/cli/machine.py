@@ -27,6 +27,14 @@ def probe_command(
     if_missing: Annotated[
         bool, typer.Option("--if-missing", help="Probe only if this machine has no stored profile yet.")
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Store what this probe measured as it is: even when other work disturbed it, and even where an "
+            "earlier probe measured a higher peak.",
+        ),
+    ] = False,
 ) -> None:
     """Measure this machine's peaks and store them under its hardware fingerprint.
 
@@ -36,7 +44,12 @@ def probe_command(
     from dlrm_lab.metrics.probe import run_probe
 
     outcome = run_probe(quick=quick, device=device, comms_only=comms_only, timeout_s=timeout, if_missing=if_missing,
-                        log=console().print)  # fmt: skip
+                        force=force, log=console().print)  # fmt: skip
+    if outcome.refused:
+        console(stderr=True).print(f"error: {outcome.refused}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    if outcome.warning:
+        console(stderr=True).print(outcome.warning, highlight=False, soft_wrap=True)
     if outcome.kept:
         console().print(outcome.kept)
     elif outcome.written:
@@ -68,6 +81,13 @@ def show_command(
     quick = " (quick)" if profile.get("quick") else ""
     out.print(f"machine {profile['fingerprint_id']}: {hw.get('cpu_model')}, {hw.get('logical_cores')} cores, "
               f"probed {profile.get('probed_at')}{quick}")  # fmt: skip
+    if load := profile.get("load"):
+        out.print(f"while probing: {load['why']}" + ("" if load["trusted"] else " (not trusted)"), highlight=False)
+    if fingerprint is None:  # this machine: does the profile still agree with it?
+        from dlrm_lab.metrics.trust import quick_check
+
+        if warning := quick_check(profile):
+            console(stderr=True).print(warning, highlight=False, soft_wrap=True)
     table = Table(title="peaks")
     for col in ("device", "GEMM fp32 GFLOP/s", "bf16", "fp16", "tf32", "copy GB/s", "gather GB/s", "H2D GB/s"):
         table.add_column(col, justify="left" if col == "device" else "right")

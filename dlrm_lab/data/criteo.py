@@ -23,7 +23,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.data.parquet import DATASET_FILE, all_or_nothing, block_to_table, dataset_schema
+from dlrm_lab.data.parquet import DATASET_FILE, FORMAT_VERSION, all_or_nothing, block_to_table, dataset_schema
 from dlrm_lab.data.spec import DataSpec
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
 from dlrm_lab.errors import UserError
@@ -150,7 +150,7 @@ def convert_criteo(
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format_version": 1, "source": "criteo-tsv", "model": model.to_dict(), "data_spec": None}
+    meta = {"format_version": FORMAT_VERSION, "source": "criteo-tsv", "model": model.to_dict(), "data_spec": None}
     files, total = [], 0
     with all_or_nothing(out) as part_path:
         for k, src in enumerate(inputs):

@@ -38,6 +38,8 @@ from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import check_writable
 
 METADATA_KEY = b"dlrm_lab"
+FORMAT_VERSION = 1  # of the sidecar and the files' layout; bumped when a reader could misread an older one
+READABLE_FORMATS = (1,)
 DATASET_FILE = "_dataset.json"  # the sidecar written; Arrow (and polars if told) skip `_` names
 LEGACY_DATASET_FILE = "dataset.json"  # its name before; still read (Arrow takes it for Parquet)
 ROW_GROUP_SAMPLES = 65_536
@@ -85,7 +87,7 @@ def write_dataset(
         raise UserError(f"--rows {rows}: must be an integer >= 1")
     spec = generator.spec
     meta = {
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "source": "synthetic",
         "data_spec": spec.to_dict(),
         "seed": generator.seed,
@@ -178,9 +180,17 @@ def read_dataset_info(path: str | Path) -> dict[str, Any]:
     sidecar = dataset_sidecar(path)
     if sidecar is not None:
         try:
-            return json.loads(sidecar.read_text())
-        except json.JSONDecodeError as exc:
+            info = json.loads(sidecar.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"{sidecar}: not valid JSON: {exc}") from None
+        if not isinstance(info, dict):
+            raise UserError(f"{sidecar}: not a dataset description (a JSON object)")
+        version = info.get("format_version", FORMAT_VERSION)  # datasets from before the field: version 1
+        if version not in READABLE_FORMATS:
+            readable = ", ".join(map(str, READABLE_FORMATS))
+            raise UserError(f"{sidecar}: format_version = {version!r}: this dlrm-lab reads {readable} (written by "
+                            "another version: regenerate it)")  # fmt: skip
+        return info
     files = dataset_files(path)
     meta = _read_schema(files[0]).metadata or {}
     info = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {"source": "unknown"}

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config.hstu import SequenceSpec
-from dlrm_lab.data.parquet import write_shards
+from dlrm_lab.data.parquet import FORMAT_VERSION, write_shards
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator
 from dlrm_lab.errors import UserError
 
@@ -64,7 +64,7 @@ def write_requests(
     rows = total if requests is None else requests
     if not 1 <= rows <= total:
         raise UserError(f"--rows {rows}: must be 1 .. the {window} window's {total:,} requests")
-    meta = {"format_version": 1, "kind": KIND, "family": "hstu", "source": "synthetic sequences",
+    meta = {"format_version": FORMAT_VERSION, "kind": KIND, "family": "hstu", "source": "synthetic sequences",
             "sequence_spec": generator.spec.to_dict(), "seed": generator.seed, "window": window, "rows": rows,
             "teacher": generator.teacher}  # fmt: skip
     return write_shards(

@@ -26,6 +26,7 @@ from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS, drive, make_driver
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
+from dlrm_lab.infer.loadgen import check_loadgen_duration, loadgen_duration
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import (
     QUERY_SCHEMA,
@@ -49,6 +50,7 @@ from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.metrics.tables import TableWriter
+from dlrm_lab.metrics.trust import check_stored_profile
 
 Log = Callable[[str], None]
 
@@ -240,6 +242,7 @@ def measure(
         if gc_was_enabled:
             gc.enable()
     pump(server.take_records())
+    stalls = server.take_stalls() if hasattr(server, "take_stalls") else []
     use = meter.stop()
     if tracing:
         _write_trace(server, records, sut, run_dir, log)
@@ -275,6 +278,7 @@ def measure(
             "load_stopped_early": stopped_after_s is not None,
             "batch_fixed_ms": None if cost is None else cost.fixed_ms,
             "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
+            **stall_columns([s for s in stalls if s["model"] == stream.model]),
             **point.extra,
         }
         mine_peaks, dense_bytes = peaks[stream.model], _dense_bytes(served)
@@ -338,6 +342,14 @@ def queue_room(server: InferenceServer, point: Point, duration_s: float) -> Iter
             server.configure(model, max_queue=bound)
 
 
+def stall_columns(stalls: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many batches an instance held far beyond their warm time, the longest, and which instances."""
+    if not stalls:
+        return {"instance_stalls": 0, "longest_stall_s": None, "stalled_instances": None}
+    return {"instance_stalls": len(stalls), "longest_stall_s": max(s["took_ms"] for s in stalls) / 1e3,
+            "stalled_instances": ",".join(str(i) for i in sorted({s["instance"] for s in stalls}))}  # fmt: skip
+
+
 def point_line(row: dict[str, Any]) -> str:
     p99, floor = row.get("latency_p99_ms"), row.get("latency_floor_ms")
     lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
@@ -351,6 +363,12 @@ def point_line(row: dict[str, Any]) -> str:
         f"p99 {'-' if p99 is None else f'{p99:.2f}'} ms{beside}, "
         f"dropped {row['dropped_queries']}, late {row['late_queries']}, "
         f"SLA {'met' if row['sla_met'] else 'missed'}{lg}"
+        + (
+            f"; instance {row['stalled_instances']} stalled: {row['instance_stalls']} batch(es) held up to "
+            f"{row['longest_stall_s']:.1f} s (a stopped or starved process)"
+            if row.get("instance_stalls")
+            else ""
+        )
     )
 
 
@@ -390,8 +408,11 @@ def run_inference(
     check_writable(metrics_dir, "--metrics-dir")
     if not cfg.qps_auto:  # auto: a probed rate, below capacity
         check_planned(sum(s.qps for s in streams), cfg.duration_s)
+        if cfg.scenario == "server":
+            check_loadgen_duration(streams[0].qps, cfg.duration_s, cfg.sla_percentile)
     models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
     check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
+    check_stored_profile(log)
     config = {
         "infer": cfg.to_dict(),
         "models": [m.describe() for m in models],
@@ -415,6 +436,12 @@ def run_inference(
                 )  # fmt: skip
                 streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
                 cfg = replace(cfg, sla_ms=choice.sla_ms)
+                if cfg.scenario == "server":
+                    seconds = loadgen_duration(choice.qps, cfg.duration_s, cfg.sla_percentile)
+                    if seconds > cfg.duration_s and log:
+                        log(f"--duration {cfg.duration_s:g} s sized up to {seconds:g} s: at {choice.qps:.1f} queries/s "
+                            "LoadGen's early-stopping estimate needs that many queries")  # fmt: skip
+                    cfg = replace(cfg, duration_s=seconds)
                 run.update_manifest(load_choice=choice.to_dict())
                 if log:
                     log(choice.reason)
@@ -429,8 +456,11 @@ def run_inference(
                 points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
             for point in points:
                 with queue_room(server, point, cfg.duration_s):
-                    summary.extend(measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress,
-                                           trace=cfg.trace and point.index == 0))  # fmt: skip
+                    rows = measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress,
+                                   trace=cfg.trace and point.index == 0)  # fmt: skip
+                summary.extend(rows)
+                if stopped := next((r["issue_stopped"] for r in rows if r.get("issue_stopped")), None):
+                    run.fails_at_end(f"point {point.index}: {stopped}")
                 if cfg.trace and point.index == 0 and (run.dir / "trace.json").exists():
                     run.update_manifest(trace="trace.json")
                 summary.flush()

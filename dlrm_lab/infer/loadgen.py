@@ -10,6 +10,7 @@ are written to the settings' `log_dir` and its verdict is recorded.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import threading
 import time
@@ -186,13 +187,49 @@ class LoadGenDriver:
             lg.DestroySUT(sut)
         self.stats.loadgen = parse_loadgen_summary(log_dir / "mlperf_log_summary.txt")
         if self.dropped and self.stats.loadgen.get("loadgen_result"):
-            self.stats.loadgen["loadgen_result"] = f"INVALID (server dropped or failed {self.dropped} queries)"
+            why = f"the server dropped or failed {self.dropped} queries"
+            prior = self.stats.loadgen.get("loadgen_reason")
+            self.stats.loadgen |= {"loadgen_result": "INVALID", "loadgen_reason": f"{why}; {prior}" if prior else why}
+
+
+EARLY_STOPPING_CONFIDENCE = 0.99  # LoadGen's early-stopping estimate of a latency percentile
+
+
+def early_stopping_queries(percentile: float) -> int:
+    """The fewest queries for which LoadGen's early-stopping estimate can pass at `percentile` (in %), with every
+    query within the bound: n with (percentile / 100)^n <= 1 - confidence (459 at p99: the 58 queries of a 3 s
+    run at 20 queries/s "would need at least 401 more")."""
+    p = percentile / 100
+    if p >= 1:
+        return 1
+    return math.ceil(math.log(1 - EARLY_STOPPING_CONFIDENCE) / math.log(p) - 1e-9)
+
+
+def loadgen_duration(qps: float, duration_s: float, percentile: float) -> float:
+    """`duration_s`, or longer (10% beyond the need, whole seconds) where it holds too few queries at `qps` for
+    LoadGen's early-stopping estimate: the lab sizes up the runs it plans itself (a search's certification,
+    an auto rate)."""
+    need = early_stopping_queries(percentile)
+    if qps <= 0 or qps * duration_s >= need:
+        return duration_s
+    return float(math.ceil(1.1 * need / qps))
+
+
+def check_loadgen_duration(qps: float, duration_s: float, percentile: float) -> None:
+    """Refuse a LoadGen Server run too short for any verdict but INVALID, saying how long it must be."""
+    need = early_stopping_queries(percentile)
+    if qps * duration_s < need:
+        raise UserError(
+            f"--scenario server: --qps {qps:g} for --duration {duration_s:g} s is {qps * duration_s:.0f} queries; "
+            f"LoadGen's early-stopping estimate of the p{percentile:g} needs at least {need} (all within the bound): "
+            f"--duration {math.ceil(need / qps)} or more"
+        )
 
 
 def parse_loadgen_summary(path: Path) -> dict[str, Any]:
     """VALID/INVALID, LoadGen's throughput and its p99 from `mlperf_log_summary.txt`."""
     if not path.exists():
-        return {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
+        return {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None, "loadgen_reason": None}
     text = path.read_text()
 
     def grab(pattern: str) -> str | None:
@@ -209,7 +246,13 @@ def parse_loadgen_summary(path: Path) -> dict[str, Any]:
         per_query = grab(r"^samples_per_query\s*:\s*(\d+)") or "1"
         rate = str(float(qps) * int(per_query)) if qps else None
     p99 = grab(r"^99\.00 percentile latency \(ns\)\s*:\s*(\d+)")
+    unmet = [m.strip().lower() for m in re.findall(r"^\s*(.+?)\s*:\s*(?:No|NO)\s*$", text, re.MULTILINE)]
+    processed, more = grab(r"Processed (\d+) queries"), grab(r"Would need to run at least (\d+) more queries")
+    reason = "; ".join(f"{u.replace(' satisfied', '')} not met" for u in unmet) or None
+    if reason and more:
+        reason += f" (processed {processed} queries, would need at least {more} more, all within the bound)"
     return {
+        "loadgen_reason": reason,
         "loadgen_result": grab(r"^Result is\s*:\s*(\w+)"),
         "loadgen_queries_per_s": float(rate) if rate else None,
         "loadgen_p99_ms": int(p99) / 1e6 if p99 else None,

@@ -133,11 +133,15 @@ SUMMARY_SCHEMA = pa.schema(
         ("issue_lag_p99_ms", pa.float64()),
         ("issue_lag_max_ms", pa.float64()),
         ("issue_stopped", pa.string()),  # why the open loop stopped issuing early (--max-issue-lag-ms)
+        ("instance_stalls", pa.int32()),  # batches an instance held >= 0.5 s and >= 20x their warm time
+        ("longest_stall_s", pa.float64()),
+        ("stalled_instances", pa.string()),  # which instances, comma-separated
         ("cpu_utilization", pa.float64()),  # of all cores this process may use, 0..1
         ("instance_cpu_utilization", pa.float64()),  # instance processes' CPU time / (wall x their threads)
         ("server_cpu_s", pa.float64()),  # CPU seconds of the parent (load generator, batcher, completions)
         ("snapshot_mb", pa.float64()),
         ("loadgen_result", pa.string()),  # VALID / INVALID (MLPerf LoadGen scenarios)
+        ("loadgen_reason", pa.string()),  # INVALID: what LoadGen found unmet (its summary's words)
         ("loadgen_queries_per_s", pa.float64()),  # LoadGen's "samples" are our queries
         ("loadgen_p99_ms", pa.float64()),
         # roofline of one batch on one instance, energy of the whole point (docs/metrics.md)

@@ -32,6 +32,7 @@ from dlrm_lab.infer.lab import (
     summary_schema,
 )
 from dlrm_lab.infer.load import Stream
+from dlrm_lab.infer.loadgen import loadgen_duration
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
@@ -390,8 +391,9 @@ def certify(
     qps, held, last = float(winner["best_qps"]), None, None
     with serve(served) as server:
         for attempt in range(options.certify_tries):
+            seconds = loadgen_duration(qps, options.certify_s, cfg.sla_percentile)  # long enough for a verdict
             point = Point(point_index, [replace(stream, qps=qps)], "together", "server",
-                          extra={"repeat": 0, "probe": -1 - attempt}, duration_s=options.certify_s)  # fmt: skip
+                          extra={"repeat": 0, "probe": -1 - attempt}, duration_s=seconds)  # fmt: skip
             point_index += 1
             (row,) = measure(server, point, certify_cfg, queries, run_dir, telemetry=telemetry,
                              on_progress=on_progress)  # fmt: skip
@@ -402,7 +404,7 @@ def certify(
             last = row
             if log:
                 p = "-" if row["sla_latency_ms"] is None else f"{row['sla_latency_ms']:.2f}"
-                log(f"certify {_label(served)} at {qps:,.1f} queries/s for {options.certify_s:g} s under LoadGen "
+                log(f"certify {_label(served)} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen "
                     f"Server: {row['loadgen_result']}, p{cfg.sla_percentile:g} {p} ms: "
                     f"{'holds' if ok else 'does not hold'}")  # fmt: skip
             if ok:

@@ -63,6 +63,10 @@ from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.model.dlrm import build_model
 from dlrm_lab.model.hstu import build_ranker, choose_attention
 
+# A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
+# starved of its core), not a slow batch: said per point
+STALL_MS = 500.0
+STALL_FACTOR = 20.0
 ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
@@ -124,6 +128,7 @@ class InferenceServer:
         self._in_flight: dict[int, tuple[str, list[tuple[Query, int, int]]]] = {}
         self._records: list[dict[str, Any]] = []
         self._records_lock = threading.Lock()
+        self._stalls: list[dict[str, Any]] = []
         self._batch_ids = itertools.count()  # shared by every batcher thread; next() is atomic
         self._outstanding = 0  # submitted, not yet finished
         self._idle = threading.Condition()
@@ -443,6 +448,13 @@ class InferenceServer:
             out, self._records = self._records, []
         return out
 
+    def take_stalls(self) -> list[dict[str, Any]]:
+        """Batches since the last call that an instance held far beyond their warm time (STALL_MS, STALL_FACTOR):
+        its process was stopped, or starved of its core."""
+        with self._records_lock:
+            out, self._stalls = self._stalls, []
+        return out
+
     @property
     def error(self) -> str | None:
         return self._error
@@ -581,6 +593,7 @@ class InferenceServer:
                     q.history_tokens_reused += int(msg.reused[k, 1])
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
             pool.free.append(msg.instance)
+            sent_ns = pool.clock.busy.get(msg.instance, (msg.start_ns, 0))[0]
             batch["batch_expected_ms"] = pool.clock.finished(
                 msg.instance, now, samples, None if msg.error is not None else batch["batch_compute_ms"]
             )
@@ -590,6 +603,12 @@ class InferenceServer:
                 q.done_pieces += 1
                 if q.dispatched == q.size and q.done_pieces == q.pieces:
                     finished.append(q)
+        took_ms = (msg.end_ns - sent_ns) / 1e6  # sent to answered, on the instance's side
+        expected = batch["batch_expected_ms"]
+        if expected is not None and took_ms > max(STALL_MS, STALL_FACTOR * expected):
+            with self._records_lock:
+                self._stalls.append({"instance": msg.instance, "model": name, "took_ms": took_ms,
+                                     "expected_ms": expected, "at_ms": (sent_ns - self.epoch_ns) / 1e6})  # fmt: skip
         for q in finished:
             self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
 

@@ -134,3 +134,43 @@ def _cpu_seconds(procs: Iterable[psutil.Process]) -> float | None:
             return None
         total += times.user + times.system
     return total
+
+
+class LoadWatch:
+    """Around a piece of work (a probe, `metrics.trust`): the CPU time the rest of the machine used, in cores
+    (`other_cores`), and the share of the cores' time the hypervisor stole (`steal_share`)."""
+
+    def __init__(self) -> None:
+        self._me = psutil.Process(os.getpid())
+
+    def __enter__(self) -> LoadWatch:
+        self.t0 = time.monotonic()
+        self.cpu0 = psutil.cpu_times()
+        self.mine0 = self._own()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = max(time.monotonic() - self.t0, 1e-9)
+        cpu1 = psutil.cpu_times()
+        busy = _busy(cpu1) - _busy(self.cpu0)
+        self.other_cores = max(0.0, busy - (self._own() - self.mine0)) / self.seconds
+        total = sum(cpu1) - sum(self.cpu0)
+        self.steal_share = max(0.0, getattr(cpu1, "steal", 0.0) - getattr(self.cpu0, "steal", 0.0)) / max(total, 1e-9)
+
+    def _own(self) -> float:
+        """CPU seconds of this process and its children (a probe's ceiling runs pinned child processes)."""
+        t = self._me.cpu_times()
+        own = t.user + t.system + t.children_user + t.children_system
+        for child in self._me.children(recursive=True):
+            try:
+                c = child.cpu_times()
+                own += c.user + c.system
+            except psutil.Error:
+                continue
+        return own
+
+
+def _busy(t: Any) -> float:
+    """Busy CPU seconds of a `psutil.cpu_times()` (steal and guest time are not this guest's work)."""
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    return sum(t) - idle - getattr(t, "steal", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)

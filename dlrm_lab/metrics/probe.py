@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.ceiling import measure_ceiling
+from dlrm_lab.metrics.cpu import LoadWatch
 from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
+from dlrm_lab.metrics.trust import judge
 
 Log = Callable[[str], None]
 
@@ -73,6 +75,11 @@ class ProbeSizes:
 
 def _timed(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:
     """Median seconds of `fn()` after warm-up."""
+    return statistics.median(_timed_all(fn, repeats, device, warmup))
+
+
+def _timed_all(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn()` after warm-up."""
     for _ in range(warmup):
         fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
@@ -83,14 +90,14 @@ def _timed(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: in
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def gemm_flops_per_s(
     device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int, min_flops: float = 2e9
 ) -> dict[str, Any]:
     """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each)."""
-    best: dict[str, Any] = {"flops_per_s": 0.0, "size": None}
+    best: dict[str, Any] = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     # A slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs) would take seconds per
     # product at these sizes: a pilot product predicts the rate, and sizes predicted to take
@@ -121,10 +128,10 @@ def gemm_flops_per_s(
             for _ in range(inner):
                 torch.mm(a, b)
 
-        seconds = _timed(step, repeats, device)
-        rate = inner * 2 * n**3 / seconds
+        times = _timed_all(step, repeats, device)
+        rate = inner * 2 * n**3 / statistics.median(times)
         if rate > best["flops_per_s"]:
-            best = {"flops_per_s": rate, "size": n}
+            best = {"flops_per_s": rate, "size": n, "spread": max(times) / max(min(times), 1e-12)}
     return best
 
 
@@ -327,13 +334,14 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
         dtypes["tf32"] = torch.float32
 
     def peaks() -> dict[str, Any]:
-        out: dict[str, Any] = {"gemm_flops_per_s": {}, "gemm_size": {}}
+        out: dict[str, Any] = {"gemm_flops_per_s": {}, "gemm_size": {}, "gemm_spread": {}}
         for name, dtype in dtypes.items():
             if device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
             gemm = gemm_flops_per_s(device, dtype, sizes.gemm_sizes, sizes.repeats, sizes.gemm_min_flops)
             out["gemm_flops_per_s"][name] = gemm["flops_per_s"]
             out["gemm_size"][name] = gemm["size"]
+            out["gemm_spread"][name] = gemm["spread"]
             say(f"  GEMM {name}: {gemm['flops_per_s'] / 1e9:,.1f} GFLOP/s (n={gemm['size']})")
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -395,12 +403,18 @@ def probe_machine(
     profile["fingerprint_id"] = profile["hardware"]["fingerprint_id"]
     rank = dist.get_rank() if dist.is_initialized() else 0
     # ranks of one launch share the machine: peaks measured by all at once would be halved
-    for name in wanted if rank == 0 else []:
-        if name == "cuda":
-            for index in range(torch.cuda.device_count()):
-                profile["devices"][f"cuda:{index}"] = probe_device(torch.device("cuda", index), sizes, log)
-        else:
-            profile["devices"]["cpu"] = probe_device(torch.device("cpu"), sizes, log)
+    with LoadWatch() as watch:
+        for name in wanted if rank == 0 else []:
+            if name == "cuda":
+                for index in range(torch.cuda.device_count()):
+                    profile["devices"][f"cuda:{index}"] = probe_device(torch.device("cuda", index), sizes, log)
+            else:
+                profile["devices"]["cpu"] = probe_device(torch.device("cpu"), sizes, log)
+    if profile["devices"]:
+        spread = max((s for p in _peak_tables(profile) for s in p.get("gemm_spread", {}).values()), default=1.0)
+        profile["load"] = judge(watch.seconds, watch.other_cores, watch.steal_share, spread).to_dict()
+        if log:
+            log(f"while probing: {profile['load']['why']}")
     if comms and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
         backend = dist.get_backend()
@@ -431,6 +445,14 @@ def probe_machine(
     return profile
 
 
+def _peak_tables(profile: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every table of peaks in a profile: one per CPU thread count, one per GPU."""
+    out = []
+    for dev in profile.get("devices", {}).values():
+        out += list(dev["threads"].values()) if "threads" in dev else [dev]
+    return out
+
+
 PROBE_DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -442,6 +464,8 @@ class ProbeOutcome:
     fingerprint_id: str
     written: Path | None = None
     kept: str | None = None
+    refused: str | None = None  # why a probe that could not be trusted was not stored (the old profile kept)
+    warning: str | None = None  # stored although it could not be trusted (there was none to keep)
 
 
 def run_probe(
@@ -451,13 +475,16 @@ def run_probe(
     comms_only: bool = False,
     timeout_s: float = 600.0,
     if_missing: bool = False,
+    force: bool = False,
     log: Log | None = None,
 ) -> ProbeOutcome:
     """`dlrm-lab machine probe`: measure this machine and store its profile.
 
     Under a multi-rank launch every rank calls it (the collectives need all); rank 0 alone
     measures the devices, logs and writes. `comms_only` keeps the stored device peaks and
-    adds the collectives; `if_missing` probes only a machine with no stored profile.
+    adds the collectives; `if_missing` probes only a machine with no stored profile. A probe the
+    machine's load spoiled (`metrics.trust`) does not replace a stored profile unless `force`; a stored
+    peak is replaced only by a better one unless `force`.
     """
     from dlrm_lab.distributed.context import detect_launch, init_distributed, shutdown_distributed
     from dlrm_lab.metrics.roofline import MACHINE_DIR_ENV, load_profile, machine_dir, profile_path, save_profile
@@ -491,4 +518,15 @@ def run_probe(
         shutdown_distributed()
     if rank != 0:
         return ProbeOutcome(profile["fingerprint_id"])
-    return ProbeOutcome(profile["fingerprint_id"], written=save_profile(profile))
+    load = profile.get("load")
+    fid = profile["fingerprint_id"]
+    if load and not load["trusted"] and not force:
+        stored = load_profile(fid)
+        if stored is not None and stored.get("devices"):
+            return ProbeOutcome(fid, refused=f"the machine was busy while probing ({load['why']}): not stored; the "
+                                f"profile of {stored.get('probed_at')} is kept (probe again on an idle machine, or "
+                                "--force to store it)")  # fmt: skip
+        warning = (f"warning: the machine was busy while probing ({load['why']}); stored, as this machine had no "
+                   "profile: probe again on an idle machine")  # fmt: skip
+        return ProbeOutcome(fid, written=save_profile(profile), warning=warning)
+    return ProbeOutcome(fid, written=save_profile(profile, keep_better=not force))

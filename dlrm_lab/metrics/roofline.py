@@ -105,14 +105,23 @@ def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[
         return f"nowhere ({exc})"
 
 
-def save_profile(profile: dict[str, Any]) -> Path:
+def save_profile(profile: dict[str, Any], keep_better: bool = False) -> Path:
     """Store a probe's result, keeping what an earlier probe measured and this one did not
-    (a probe under a 2-rank launch adds its collectives to the single-process peaks)."""
+    (a probe under a 2-rank launch adds its collectives to the single-process peaks). With
+    `keep_better`, each peak keeps the higher of the stored and the new measurement (a peak is
+    what the machine can do: a lower figure is a disturbed measurement, never a better one).
+    A stored profile that is unreadable or impossible is replaced whole."""
     path = profile_path(profile["fingerprint_id"])
     merged = dict(profile)
-    old = load_profile(profile["fingerprint_id"]) if path.is_file() else None
+    try:
+        old = load_profile(profile["fingerprint_id"]) if path.is_file() else None
+    except UserError:
+        old = None
     if old is not None:
         merged["devices"] = {**old.get("devices", {}), **profile["devices"]}
+        if keep_better:
+            kept = _keep_better(old.get("devices", {}), merged["devices"])
+            merged["kept_from_earlier_probe"] = kept
         merged["comms"] = {**old.get("comms", {}), **profile["comms"]}
         # choices measured on this machine (precision rates, sharding trials) stay valid across probes
         for section in MEASURED_CHOICES:
@@ -134,6 +143,40 @@ def save_profile(profile: dict[str, Any]) -> Path:
             "writable directory"
         ) from None
     return path
+
+
+_BETTER_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s")
+
+
+def _keep_better(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Raise every peak in `new` (devices, changed in place) to the stored one in `old` where that was higher;
+    the fields kept from `old`."""
+    kept = []
+
+    def tables(devices: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, dev in devices.items():
+            if isinstance(dev, dict) and "threads" in dev:
+                out.update({f"{name}.threads.{k}": v for k, v in dev["threads"].items()})
+            elif isinstance(dev, dict):
+                out[name] = dev
+        return out
+
+    before = tables(old)
+    for where, peaks in tables(new).items():
+        prior = before.get(where)
+        if prior is None:
+            continue
+        for precision, value in (peaks.get("gemm_flops_per_s") or {}).items():
+            earlier = (prior.get("gemm_flops_per_s") or {}).get(precision)
+            if earlier and earlier > value:
+                peaks["gemm_flops_per_s"][precision] = earlier
+                kept.append(f"{where}.gemm_flops_per_s.{precision}")
+        for key in _BETTER_FIELDS:
+            if key in peaks and prior.get(key) and prior[key] > peaks[key]:
+                peaks[key] = prior[key]
+                kept.append(f"{where}.{key}")
+    return kept
 
 
 class ProfileNotStored(UserError):

@@ -220,9 +220,15 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
+    def fails_at_end(self, error: str) -> None:
+        """Close the run `failed` with `error` although nothing raised: what it measured is kept, but it is
+        not what was asked (a load that stopped early)."""
+        self._failure = error
+
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
         if exc_type is None:
-            self.finish("ok")
+            failure = getattr(self, "_failure", None)
+            self.finish("failed" if failure else "ok", error=failure)
         elif issubclass(exc_type, KeyboardInterrupt):
             if exc is not None and getattr(exc, "run_dir", None) is None:
                 exc.run_dir = self.dir  # type: ignore[attr-defined]  # for the CLI's one line

@@ -43,6 +43,7 @@ from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.sensors import open_power_sources
+from dlrm_lab.metrics.trust import check_stored_profile
 from dlrm_lab.model import build_model
 from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
@@ -216,6 +217,8 @@ def train(
     if isinstance(spec, HSTUSpec):  # --set changes the requests, so the cost and the manifest too
         spec, cfg = with_overrides(spec, cfg.data_overrides), replace(cfg, data_overrides=())
     launch = detect_launch()
+    if launch.world_size == 1:  # ranks starting beside it would disturb the check itself
+        check_stored_profile(log)
     collectives = choose_run_collectives(spec, cfg, launch)
     ctx = init_distributed(cfg.device, cfg.timeout_s, collectives["collectives"], launch)
     if cfg.pin_cores:
