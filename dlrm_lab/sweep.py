@@ -45,6 +45,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +336,7 @@ def run_sweep(
     try:
         for i, pr in enumerate(todo):
             slot = run.dir / "points" / _slot(pr.point, pr.repeat)
+            stop_orphans(slot)  # a point left running by a sweep that was killed: it must not write on
             pr.attempts = _set_aside(run.dir, slot) + 1  # an earlier, unfinished attempt is kept aside
             if on_start:
                 on_start(pr, i, len(todo))
@@ -367,7 +369,7 @@ def _run_point(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[str
         log.write(("$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]) + "\n").encode())
         log.flush()
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, **env})  # fmt: skip
+                                 env={**os.environ, **env}, preexec_fn=_end_with_parent)  # fmt: skip
         try:
             code = child.wait()
         except BaseException:
@@ -379,6 +381,49 @@ def _run_point(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[str
     if code != 0:
         _record_death(slot, code)
     return ("ok" if code == 0 and _done_run(slot) else "failed"), seconds
+
+
+def _end_with_parent() -> None:
+    """In a point's process before it runs: SIGTERM it when the sweep dies, even by SIGKILL (Linux's
+    parent-death signal), so that it closes its run instead of writing on as an orphan."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+ORPHAN_GRACE_S = 30.0  # an orphaned point's process gets this long to close its run after SIGTERM
+
+
+def stop_orphans(slot: Path, grace_s: float = ORPHAN_GRACE_S) -> list[int]:
+    """Stop the live processes of runs in `slot` still `running` (their sweep was killed, and they outlived it):
+    SIGTERM, then SIGKILL after `grace_s`. A pid is taken as the run's only if that process started before the
+    run did (a reused pid is left alone). Returns the pids stopped."""
+    import psutil
+
+    stopped = []
+    for found in discover_runs(slot) if slot.is_dir() else []:
+        manifest = found.manifest or {}
+        pid = manifest.get("pid")
+        if manifest.get("status") != "running" or not isinstance(pid, int):
+            continue
+        try:
+            proc = psutil.Process(pid)
+            started = datetime.fromisoformat(str(manifest.get("start_time"))).timestamp()
+            if proc.create_time() > started + 1.0:
+                continue  # another process has this pid now
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace_s)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            stopped.append(pid)
+        except (psutil.Error, ValueError):
+            continue
+        with open(slot / "point.log", "a") as log:
+            log.write(f"sweep: stopped pid {pid}, left running by a sweep that was killed\n")
+    return stopped
 
 
 def _record_death(slot: Path, code: int) -> None:

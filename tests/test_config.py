@@ -61,10 +61,10 @@ def test_parameter_count_matches_the_built_model():
 
 
 def test_overrides_are_validated_like_the_file():
-    spec = load_preset("tiny", interaction="cat", embedding_dim=[8, 4, 8, 2])
-    assert [t.embedding_dim for t in spec.tables] == [8, 4, 8, 2]
+    spec = load_preset("tiny", interaction="cat", embedding_dim=[8, 4, 8, 12])
+    assert [t.embedding_dim for t in spec.tables] == [8, 4, 8, 12]
     with pytest.raises(UserError, match="needs one embedding_dim"):
-        load_preset("tiny", embedding_dim=[8, 4, 8, 2])
+        load_preset("tiny", embedding_dim=[8, 4, 8, 12])
 
 
 def test_spec_round_trips_through_its_dict():

@@ -443,3 +443,26 @@ def test_an_instance_stopped_inside_a_point_is_a_stall_the_point_names(server):
            "dropped_queries": 0, "late_queries": 0, "sla_met": True, **cols}  # fmt: skip
     assert f"instance 0 stalled: {len(stalls)} batch(es) held up to" in point_line(row)
     assert stall_columns([]) == {"instance_stalls": 0, "longest_stall_s": None, "stalled_instances": None}
+
+
+def test_an_oversized_query_takes_turns_an_expired_one_is_not_computed_and_a_huge_one_is_refused(server):
+    """An oversized query (more than a piece per instance) goes behind the others after each piece, so a small
+    query sent after it is not starved; a query whose deadline passed before it began is never computed; a
+    query above --max-query-samples is rejected at once, naming the bound."""
+    server.take_records()
+    big, small = Query(910_000, "tiny", 2000, offset=0), Query(910_001, "tiny", 4, offset=0)
+    server.submit(big)
+    server.submit(small)
+    expired = Query(910_002, "tiny", 8, offset=0, deadline_ns=time.monotonic_ns() - 1)
+    server.submit(expired)
+    huge = Query(910_003, "tiny", 70_000, offset=0)
+    server.submit(huge)
+    rows = {r["query_id"]: r for r in _drain(server)}
+    assert rows[910_000]["status"] == "ok" and rows[910_000]["pieces"] > 2 * 2  # split over turns
+    assert rows[910_001]["status"] == "ok" and rows[910_001]["end_ms"] < rows[910_000]["end_ms"]
+    assert rows[910_001]["latency_ms"] < rows[910_000]["latency_ms"] / 3
+    assert rows[910_002]["status"] == "expired" and rows[910_002]["start_ms"] is None
+    assert rows[910_002]["error"] == "its deadline passed with 8 of 8 samples not begun"
+    assert rows[910_003]["status"] == "rejected" and rows[910_003]["error"] == (
+        "70000 samples: at most 65536 a query (--max-query-samples)"
+    )

@@ -510,33 +510,50 @@ def test_parse_loadgen_summary_server(tmp_path, parse_loadgen_summary):
     path = tmp_path / "mlperf_log_summary.txt"
     path.write_text(SERVER_SUMMARY)
     got = parse_loadgen_summary(path)
-    assert got == {"loadgen_result": "VALID", "loadgen_queries_per_s": 296.51, "loadgen_p99_ms": 8.673351}
+    assert got == {"loadgen_result": "VALID", "loadgen_queries_per_s": 296.51, "loadgen_p99_ms": 8.673351,
+                   "loadgen_reason": None}  # fmt: skip
 
 
 def test_parse_loadgen_summary_offline(tmp_path, parse_loadgen_summary):
     path = tmp_path / "mlperf_log_summary.txt"
     path.write_text(OFFLINE_SUMMARY)
     got = parse_loadgen_summary(path)
-    assert got == {"loadgen_result": "INVALID", "loadgen_queries_per_s": 1234.5, "loadgen_p99_ms": 970.0}
+    assert got == {"loadgen_result": "INVALID", "loadgen_queries_per_s": 1234.5, "loadgen_p99_ms": 970.0,
+                   "loadgen_reason": "min duration not met"}  # fmt: skip
 
 
 def test_parse_loadgen_summary_scheduled_rate_fallback(tmp_path, parse_loadgen_summary):
     path = tmp_path / "mlperf_log_summary.txt"
     path.write_text("Result is : VALID\nScheduled samples per second : 99.5\n")
     got = parse_loadgen_summary(path)
-    assert got == {"loadgen_result": "VALID", "loadgen_queries_per_s": 99.5, "loadgen_p99_ms": None}
+    assert got == {
+        "loadgen_result": "VALID",
+        "loadgen_queries_per_s": 99.5,
+        "loadgen_p99_ms": None,
+        "loadgen_reason": None,
+    }
 
 
 def test_parse_loadgen_summary_missing_file(tmp_path, parse_loadgen_summary):
     got = parse_loadgen_summary(tmp_path / "nope" / "mlperf_log_summary.txt")
-    assert got == {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
+    assert got == {
+        "loadgen_result": None,
+        "loadgen_queries_per_s": None,
+        "loadgen_p99_ms": None,
+        "loadgen_reason": None,
+    }
 
 
 def test_parse_loadgen_summary_unrelated_text(tmp_path, parse_loadgen_summary):
     path = tmp_path / "mlperf_log_summary.txt"
     path.write_text("LoadGen crashed before writing a summary\n")
     got = parse_loadgen_summary(path)
-    assert got == {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None}
+    assert got == {
+        "loadgen_result": None,
+        "loadgen_queries_per_s": None,
+        "loadgen_p99_ms": None,
+        "loadgen_reason": None,
+    }
 
 
 def test_parse_loadgen_summary_single_stream_rate_is_queries_times_samples_per_query(tmp_path, parse_loadgen_summary):
@@ -549,6 +566,7 @@ def test_parse_loadgen_summary_single_stream_rate_is_queries_times_samples_per_q
         "loadgen_result": "INVALID",
         "loadgen_queries_per_s": 344.35,
         "loadgen_p99_ms": 5.405702,
+        "loadgen_reason": None,
     }
 
 

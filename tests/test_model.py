@@ -76,9 +76,9 @@ def test_state_dicts_load_both_ways_and_outputs_equal_torchrec(name):
 
 
 def test_cat_interaction_concatenates_bottom_output_and_pooled_embeddings():
-    spec = dlrm_lab.load_preset("tiny", interaction="cat", embedding_dim=[8, 4, 8, 2])
+    spec = dlrm_lab.load_preset("tiny", interaction="cat", embedding_dim=[8, 4, 8, 12])
     model = dlrm_lab.build_model(spec)
-    assert spec.over_arch_in_features == 8 + (8 + 4 + 8 + 2)
+    assert spec.over_arch_in_features == 8 + (8 + 4 + 8 + 12)
     batch = make_batch(spec, 6, seed=0)
     with torch.no_grad():
         dense_out = model.dense_arch(batch.dense_features)

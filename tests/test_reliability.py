@@ -378,3 +378,91 @@ def test_a_loadgen_run_too_short_for_a_verdict_is_refused_and_an_invalid_one_say
         "--no-progress",
     )
     assert code == 2 and "Traceback" not in err and not (tmp_path / "r").exists()
+
+
+def test_a_model_whose_dense_part_cannot_fit_is_refused_before_it_is_built(tmp_path):
+    from dlrm_lab.config import TrainConfig, load_preset
+    from dlrm_lab.model.cost import training_memory
+    from dlrm_lab.train.loop import check_training_fits
+
+    n = 2000  # tables of one feature each: the dot interaction's pairs make the top MLP's input 2M wide
+    preset = tmp_path / "many.toml"
+    lines = ['name = "many"', "num_dense = 4", f"num_embeddings = {[10] * n}", "embedding_dim = 8",
+             "bottom_mlp = [16, 8]", "top_mlp = [512, 1]", 'interaction = "dot"']  # fmt: skip
+    preset.write_text("\n".join(lines) + "\n")
+    spec = load_preset(preset)
+    need = training_memory(spec, 512)
+    assert spec.dense_parameters > 1e9 and need.dense == 4 * spec.dense_parameters * 3  # weights, grads, Adagrad
+    assert need.activations == 2 * 4 * 512 * (24 + 8 * n + spec.over_arch_in_features + 513 + (n + 1) ** 2)
+    with pytest.raises(UserError, match=r"training many at --batch-size 512 needs [\d,.]+ GiB before its tables"):
+        check_training_fits(spec, TrainConfig(batch_size=512), available_bytes=16 * 2**30)
+    check_training_fits(load_preset("kaggle"), TrainConfig(batch_size=2048), available_bytes=16 * 2**30)
+    code, _, err = run_cli_in_process("train", "--preset", str(preset), "--steps", "1", "--metrics-dir",
+                                      str(tmp_path / "r"), "--no-progress")  # fmt: skip
+    assert code == 2 and "Traceback" not in err and "before its tables" in err and not (tmp_path / "r").exists()
+
+
+def test_a_sweep_killed_takes_its_point_with_it_and_a_resume_stops_a_live_orphan(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from dlrm_lab.metrics.run import Run, read_manifest
+    from dlrm_lab.sweep import stop_orphans
+
+    child_pid = tmp_path / "child.pid"
+    sweep = f"""
+import sys
+from pathlib import Path
+from dlrm_lab import sweep
+child = "import os, time; open({str(child_pid)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+sweep.point_command = lambda spec, params, slot: ([sys.executable, "-c", child], {{}})
+sweep._run_point(None, {{}}, Path({str(tmp_path / "slot")!r}))
+"""
+    parent = subprocess.Popen([sys.executable, "-c", sweep])
+    deadline = time.monotonic() + 60
+    while not child_pid.exists() or not child_pid.read_text():
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.05)
+    pid = int(child_pid.read_text())
+    parent.kill()  # SIGKILL: the sweep cannot pass anything on
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)  # the parent-death signal ended the point too
+
+    slot = tmp_path / "orphaned"
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    time.sleep(0.2)
+    run = Run.create(slot, "train", {})  # as if the orphan had made it: its pid, started after the process
+    _amend_pid(run.dir, orphan.pid)
+    try:
+        assert stop_orphans(slot, grace_s=5) == [orphan.pid]
+        assert not _alive(orphan.pid)
+    finally:
+        orphan.kill()
+    assert "stopped pid" in (slot / "point.log").read_text()
+    assert read_manifest(run.dir)["status"] == "running"  # the resume sets the attempt aside as before
+    reused = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        later = Run.create(tmp_path / "reused", "train", {})
+        _amend_pid(later.dir, reused.pid, start_time="2020-01-01T00:00:00.000+00:00")  # the pid came later
+        assert stop_orphans(tmp_path / "reused", grace_s=1) == [] and reused.poll() is None
+    finally:
+        reused.kill()
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _amend_pid(run_dir: Path, pid: int, **fields) -> None:
+    from dlrm_lab.metrics.run import amend_manifest
+
+    amend_manifest(run_dir, pid=pid, **fields)

@@ -93,6 +93,7 @@ def servers(tmp_path_factory):
         # one waiting query at most, and it waits 300 ms for its batch to fill
         "small_queue": Server(root / "small_queue", "--max-queue", "1", "--max-delay-ms", "300"),
         "doomed": Server(root / "doomed"),
+        "two": Server(root / "two", "--instances", "2", "--no-pin-cores"),
     }
     yield started
     for s in started.values():
@@ -155,6 +156,7 @@ def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(server, 
         _request(block, ids=ids[:-1].tobytes()): f"ids: {8 * (len(ids) - 1)} bytes, expected {8 * len(ids)}",
         _request(block, ids=ids.tobytes()): "feature cat_0: id 100 outside its table [0, 100)",
         _request(block, dense=nan.tobytes()): "dense features: not finite",
+        _request(block, samples=65_537): "65537 samples: this server takes at most 65536 a query (--max-query-samples)",
     }
     with server.channel() as channel:
         infer = channel.unary_unary(INFER_METHOD)  # raw bytes: anything can be sent
@@ -426,3 +428,29 @@ def test_a_stream_query_unanswered_past_its_timeout_ends_deadline_exceeded():
 def test_an_unknown_rpc_kind_is_one_line():
     code, _, err = run_cli_in_process("client", "--target", "127.0.0.1:1", "--closed-loop", "--rpc", "http")
     assert code == 2 and err.strip().splitlines() == ["error: --rpc 'http': allowed: stream, unary"]
+
+
+def test_a_killed_instance_is_routed_around_and_the_server_ends_cleanly(servers, library):
+    """`serve --instances 2`, one instance SIGKILLed: later queries are answered by the other; the loss is said in
+    one line and recorded in the manifest; SIGTERM then ends the server with exit 0 and no traceback."""
+    server = servers["two"].ready()
+    (run_dir,) = server.metrics_dir.iterdir()
+    victim = read_manifest(run_dir)["instances"][1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    server.wait_for(
+        f"instance 1 (pid {victim['pid']}) was killed by signal SIGKILL; tiny is served on by instance(s) 0"
+    )
+    with server.channel() as channel:
+        infer = channel.unary_unary(INFER_METHOD)
+        for k in range(6):
+            resp = pb.InferResponse.FromString(infer(_request(library.slice(4 * k, 4 * k + 4), query_id=k), timeout=30))
+            assert resp.query_id == k and len(resp.scores) == 4 * 4 and resp.instance == 0
+    deadline = time.monotonic() + 30
+    while not read_manifest(run_dir).get("instance_losses") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (loss,) = read_manifest(run_dir)["instance_losses"]
+    assert loss["instance"] == 1 and loss["live_instances"] == [0] and "SIGKILL" in loss["how"]
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0
+    assert not any("Traceback" in line for line in server.err)
+    assert read_manifest(run_dir)["status"] == "ok"

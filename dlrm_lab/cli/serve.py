@@ -30,6 +30,7 @@ from dlrm_lab.cli.infer import (
 )
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
 from dlrm_lab.errors import UserError, raise_on_sigterm
+from dlrm_lab.infer.served import DEFAULT_MAX_QUERY_SAMPLES
 from dlrm_lab.metrics import columns
 
 
@@ -42,6 +43,13 @@ def serve_command(
     max_batch: MaxBatch = 256,
     max_delay_ms: MaxDelayMs = 1.0,
     max_queue: MaxQueue = 4096,
+    max_query_samples: Annotated[
+        int,
+        typer.Option(
+            help="The largest query accepted, in samples (larger: INVALID_ARGUMENT naming the bound); a query "
+            "larger than one piece per instance takes its turns behind the others."
+        ),
+    ] = DEFAULT_MAX_QUERY_SAMPLES,
     min_piece: MinPiece = 0,
     spin_ms: SpinMs = 0.0,
     precision: Precision = "auto",
@@ -65,7 +73,7 @@ def serve_command(
     served = ServingOptions(
         instances=instances, threads=threads, max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue,
         min_piece=min_piece, spin_ms=spin_ms, precision=precision, table_precision=table_precision, data_spec=data_spec,
-        table_scale=table_scale, build=build, max_rows=max_rows,
+        table_scale=table_scale, build=build, max_rows=max_rows, max_query_samples=max_query_samples,
     ).served(model)  # fmt: skip
     raise_on_sigterm()  # during start-up; serving installs its own graceful handler
     out = console(stderr=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -175,7 +176,8 @@ def take_batch(pool: Any, max_batch: int, instance: int | None = None) -> list[t
     Whole queries are packed while they fit. A query larger than `max_batch` is split
     (DeepRecSys' query splitting): a full batch of its samples goes now, the rest stays
     at the head of the queue for the next free instance, so co-located instances work
-    on one large query in parallel.
+    on one large query in parallel. An oversized query (more than one piece for every instance
+    at once) goes behind the others after each piece: it advances a piece per turn of the queue.
     """
     if pool.homes and instance is not None:
         own = _own_queries(pool, max_batch, instance)
@@ -187,6 +189,9 @@ def take_batch(pool: Any, max_batch: int, instance: int | None = None) -> list[t
         head.pieces += 1
         head.dispatched += max_batch
         pool.waiting_samples -= max_batch
+        served = pool.served
+        if head.size > served.instances * served.piece_limit() and len(pool.waiting) > 1:
+            pool.waiting.rotate(-1)  # an oversized query takes its turns behind the others: it cannot starve them
         return [(head, lo, lo + max_batch)]
     pieces, samples = [], 0
     while pool.waiting:
@@ -194,6 +199,8 @@ def take_batch(pool: Any, max_batch: int, instance: int | None = None) -> list[t
         rest = q.size - q.dispatched
         if pieces and samples + rest > max_batch:
             break
+        if pieces and q.deadline_ns is not None and q.deadline_ns <= time.monotonic_ns():
+            break  # expired: the server drops it at the head of the queue, uncomputed
         pool.waiting.popleft()
         pieces.append((q, q.dispatched, q.size))
         q.pieces += 1

@@ -43,6 +43,7 @@ class ServingOptions:
     attention: str = "auto"  # HSTU presets
     history_affinity: bool = True  # HSTU presets with history reuse
     data_overrides: tuple[str, ...] = ()  # HSTU presets: --set KEY=VALUE on their [data] (the requests)
+    max_query_samples: int = 65_536  # infer.served.DEFAULT_MAX_QUERY_SAMPLES
 
     def served(self, models: Sequence[str] | None) -> list[Any]:
         """One ServedModel per preset named (default: tiny), DLRM or HSTU; a preset served twice is `name-2`."""
@@ -77,6 +78,7 @@ class ServingOptions:
                     history_cache_mb=self.history_cache_mb,
                     attention=self.attention,
                     history_affinity=self.history_affinity,
+                    max_query_samples=self.max_query_samples,
                 )  # fmt: skip
             )
         return out

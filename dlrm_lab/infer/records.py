@@ -75,6 +75,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("max_queue", pa.int32()),
         ("min_piece", pa.int32()),  # smallest split piece (resolved: measured when 0 was asked)
         ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
+        ("max_query_samples", pa.int64()),  # the largest query accepted
         ("precision", pa.string()),
         ("table_precision", pa.string()),
         ("build", pa.string()),  # the inference form served (infer.build)
@@ -94,6 +95,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("rejected_queries", pa.int64()),
         ("failed_queries", pa.int64()),
         ("unfinished_queries", pa.int64()),
+        ("expired_queries", pa.int64()),  # their sender's deadline passed before they were computed
         ("late_queries", pa.int64()),
         ("queries_per_s", pa.float64()),
         ("samples_per_s", pa.float64()),
@@ -213,6 +215,7 @@ def summarize(
         "rejected_queries": int((status == "rejected").sum()),
         "failed_queries": int((status == "failed").sum()),
         "unfinished_queries": int((status == "unfinished").sum()),
+        "expired_queries": int((status == "expired").sum()),
         "late_queries": int((lat > sla_ms).sum()),
         "queries_per_s": float(ok.sum() / duration_s) if duration_s > 0 else None,
         "samples_per_s": float(samples[ok].sum() / duration_s) if duration_s > 0 else None,

@@ -98,6 +98,7 @@ FRONTIER_SCHEMA = pa.schema(
         ("max_delay_ms", pa.float64()),
         ("min_piece", pa.int32()),  # smallest split piece (measured by the layout's instances when 0 was asked)
         ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
+        ("max_query_samples", pa.int64()),  # the largest query accepted
         ("precision", pa.string()),  # dense compute of this configuration
         ("build", pa.string()),  # the inference form served (infer.build)
         ("history_cache_mb", pa.float64()),  # HSTU: per-instance history reuse (0: off)

@@ -12,6 +12,8 @@ from dlrm_lab.infer.build import BUILDS
 from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
 from dlrm_lab.metrics.precision import AUTO
 
+DEFAULT_MAX_QUERY_SAMPLES = 65_536  # ~100x MLPerf's largest DLRM query (700 samples)
+
 
 @dataclass
 class ServedModel:
@@ -48,10 +50,12 @@ class ServedModel:
     # pieces that can run at once (at most one per instance), so a piece may exceed max_batch up to
     # largest_query / instances, and the instances warm up to that size (`piece_limit`)
     largest_query: int = 0
+    # The largest query accepted: one query of millions of samples would hold every instance for minutes
+    max_query_samples: int = DEFAULT_MAX_QUERY_SAMPLES
 
     def __post_init__(self) -> None:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
-                            ("max_queue", self.max_queue)):  # fmt: skip
+                            ("max_queue", self.max_queue), ("max_query_samples", self.max_query_samples)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
         if not isinstance(self.min_piece, int) or self.min_piece < 0:
@@ -101,6 +105,7 @@ class ServedModel:
             "history_affinity": self.history_affinity if self.history_cache_mb else None,
             "attention": self.attention if isinstance(self.spec, HSTUSpec) else None,
             "build": self.build,
+            "max_query_samples": self.max_query_samples,
         }
 
     def piece_limit(self) -> int:

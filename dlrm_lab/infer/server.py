@@ -110,6 +110,7 @@ class InferenceServer:
         seed: int = 0,
         start_timeout_s: float = 300.0,
         log: Callable[[str], None] | None = None,
+        route_around_dead: bool = False,
     ) -> None:
         names = [m.name for m in models]
         if not models or len(set(names)) != len(names):
@@ -125,7 +126,13 @@ class InferenceServer:
         self._conns: dict[int, Any] = {}  # instance -> parent end of its pipe
         self._procs: list[Any] = []
         self._pools: dict[str, _Pool] = {}
-        self._in_flight: dict[int, tuple[str, list[tuple[Query, int, int]]]] = {}
+        self._in_flight: dict[int, tuple[str, list[tuple[Query, int, int]], int]] = {}  # batch: model, pieces, instance
+        # A dead instance fails the server (a measurement cannot be trusted beyond it), or, for a server that
+        # serves on (`serve`), is routed around while its model has another: its batch in flight fails
+        self.route_around_dead = route_around_dead
+        self._lost: dict[int, str] = {}  # instance -> how it ended
+        self._loss_lock = threading.Lock()
+        self.lost: list[dict[str, Any]] = []  # the instances routed around, for the records
         self._records: list[dict[str, Any]] = []
         self._records_lock = threading.Lock()
         self._stalls: list[dict[str, Any]] = []
@@ -331,7 +338,7 @@ class InferenceServer:
             conn.close()
         now = time.monotonic_ns()
         unfinished = {id(q): q for pool in self._pools.values() for q in pool.waiting}
-        unfinished.update({id(q): q for _, pieces in self._in_flight.values() for q, _, _ in pieces})
+        unfinished.update({id(q): q for _, pieces, _ in self._in_flight.values() for q, _, _ in pieces})
         for pool in self._pools.values():
             pool.waiting.clear()
         for q in unfinished.values():
@@ -407,6 +414,11 @@ class InferenceServer:
             q.home = pool.homes[int(pool.library.user[q.offset]) % len(pool.homes)]
         with self._idle:
             self._outstanding += 1
+        if q.size > pool.served.max_query_samples:
+            q.payload = None
+            self._finish(q, "rejected", now=q.issued_ns, error=f"{q.size} samples: at most "
+                         f"{pool.served.max_query_samples} a query (--max-query-samples)")  # fmt: skip
+            return
         if q.payload is not None:
             packed = self._check_payload(q, pool)
             if isinstance(packed, str):
@@ -463,21 +475,56 @@ class InferenceServer:
         """Raise if an instance died (the run cannot be trusted beyond that point)."""
         if self._error is None:
             for info, proc in zip(self.instance_info, self._procs, strict=True):
-                if proc.exitcode is not None and not self._stopping:
-                    self._error = f"instance {info['instance']} (pid {proc.pid}) {exit_description(proc.exitcode)}"
+                if proc.exitcode is not None and not self._stopping and info["instance"] not in self._lost:
+                    how = f"instance {info['instance']} (pid {proc.pid}) {exit_description(proc.exitcode)}"
+                    if self.route_around_dead:
+                        self._lose(info["instance"], how)
+                    else:
+                        self._error = how
         if self._error is not None:
             raise ServingFault(self._error)
+
+    def _lose(self, index: int, how: str) -> None:
+        """Serve on without instance `index` (`route_around_dead`): it gets no more batches, its batch in flight
+        fails naming it; with no instance of its model left, the server fails."""
+        with self._loss_lock:
+            if index in self._lost:
+                return
+            self._lost[index] = how
+        info = self.instance_info[index]
+        name, pool = info["model"], self._pools[info["model"]]
+        with pool.cond:
+            if index in pool.free:
+                pool.free.remove(index)
+        live = [i["instance"] for i in self.instance_info if i["model"] == name and i["instance"] not in self._lost]
+        self.lost.append({"instance": index, "pid": info["pid"], "model": name, "how": how,
+                          "at_ms": (time.monotonic_ns() - self.epoch_ns) / 1e6, "live_instances": live})  # fmt: skip
+        if not live:
+            self._error = f"{how}; no instance of {name} is left"
+        else:
+            self.log(f"warning: {how}; {name} is served on by instance(s) {', '.join(map(str, live))}")
+        now = time.monotonic_ns()
+        for batch_id, (_, _, instance) in list(self._in_flight.items()):
+            if instance == index:
+                self._complete(BatchResult(batch_id, index, now, now, None, f"{how} with this batch"))
 
     # ------------------------------------------------------------------ threads
 
     def _batch_loop(self, name: str) -> None:
         pool = self._pools[name]
         m = pool.served
+        expired: list[Query] = []
         while True:
+            for q in expired:  # outside the lock: their rows and answers
+                self._finish(q, "expired", now=time.monotonic_ns(), error=q.error)
+            expired = []
             with pool.cond:
                 while True:
                     if self._stopping:
                         return
+                    expired = _drop_expired(pool, time.monotonic_ns())
+                    if expired:
+                        break
                     if pool.waiting and pool.free:
                         head = pool.waiting[0]
                         waited_s = (time.monotonic_ns() - head.issued_ns) / 1e9
@@ -487,6 +534,8 @@ class InferenceServer:
                         pool.cond.wait(left_s)
                     else:
                         pool.cond.wait()
+                if expired:
+                    continue  # finished at the loop's top, outside the lock
                 now = time.monotonic_ns()
                 size = pool.clock.next_batch(pool.waiting_samples, len(pool.free), now, max_batch=m.max_batch,
                                              min_piece=m.min_piece)  # fmt: skip
@@ -495,7 +544,7 @@ class InferenceServer:
                 pieces = take_batch(pool, size, instance)
                 pool.clock.sent(instance, now, sum(hi - lo for _, lo, hi in pieces))
                 batch_id = next(self._batch_ids)
-                self._in_flight[batch_id] = (name, pieces)
+                self._in_flight[batch_id] = (name, pieces, instance)
             # a query with its own samples sends them whole (a few arrays: one copy each), its piece by offset
             refs = [QueryRef(q.query_id, hi - lo, lo if q.payload is not None else q.offset + lo, q.payload)
                     for q, lo, hi in pieces]  # fmt: skip
@@ -503,7 +552,12 @@ class InferenceServer:
                 with self._send_locks[instance]:
                     self._conns[instance].send((batch_id, refs))
             except (OSError, ValueError):
-                return  # the instance is gone: check() reports it
+                if not self.route_around_dead:
+                    return  # the instance is gone: check() reports it
+                info = self.instance_info[instance]
+                self._lose(instance, f"instance {instance} (pid {info['pid']}) stopped answering (its pipe closed)")
+                if self._error is not None:
+                    return
 
     def _complete_loop(self) -> None:
         conns = {id(c): c for c in self._conns.values()}
@@ -557,7 +611,10 @@ class InferenceServer:
 
     def _complete(self, msg: BatchResult) -> None:
         now = time.monotonic_ns()
-        name, pieces = self._in_flight.pop(msg.batch_id)
+        entry = self._in_flight.pop(msg.batch_id, None)
+        if entry is None:  # failed already, with the instance that died holding it
+            return
+        name, pieces, _ = entry
         pool = self._pools[name]
         samples = sum(hi - lo for _, lo, hi in pieces)
         batch = {
@@ -592,7 +649,8 @@ class InferenceServer:
                     q.history_reused += int(msg.reused[k, 0])
                     q.history_tokens_reused += int(msg.reused[k, 1])
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
-            pool.free.append(msg.instance)
+            if msg.instance not in self._lost:
+                pool.free.append(msg.instance)
             sent_ns = pool.clock.busy.get(msg.instance, (msg.start_ns, 0))[0]
             batch["batch_expected_ms"] = pool.clock.finished(
                 msg.instance, now, samples, None if msg.error is not None else batch["batch_compute_ms"]
@@ -674,3 +732,19 @@ class InferenceServer:
             self._outstanding -= 1
             if self._outstanding == 0:
                 self._idle.notify_all()
+
+
+def _drop_expired(pool: _Pool, now_ns: int) -> list[Query]:
+    """Take the queries at the head of `pool`'s queue whose sender's deadline has passed out of it (the pool's
+    lock held): their samples not yet sent are never computed. Returns those with no piece in flight, to be
+    finished `expired` now; the others end `expired` with their last piece."""
+    out = []
+    while pool.waiting and (deadline := pool.waiting[0].deadline_ns) is not None and deadline <= now_ns:
+        q = pool.waiting.popleft()
+        left = q.size - q.dispatched
+        pool.waiting_samples -= left
+        q.dispatched = q.size
+        q.status, q.error = "expired", f"its deadline passed with {left} of {q.size} samples not begun"
+        if q.done_pieces == q.pieces:
+            out.append(q)
+    return out

@@ -38,6 +38,7 @@ class Query:
         None  # samples sent from outside instead of library samples: infer.library.PackedLibrary or SampleBlock
     )
     scheduled_ns: int = 0  # when the load said it arrives (latency counts from here)
+    deadline_ns: int | None = None  # when its sender stops waiting (a gRPC deadline): work not begun is dropped
     issued_ns: int = 0  # when it reached submit()
     on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)
     tag: Any = None  # the driver's own reference (e.g. LoadGen's sample id)

@@ -204,3 +204,30 @@ def dense_step_bytes(spec: ModelSpec, optimizer: str = "adagrad") -> float:
     states = _DENSE_OPTIMIZER_STATES.get(optimizer, 1)
     accesses = 3 + 3 + 2 * states  # fwd read, bwd read, grad write; grad read, param read+write; states r+w
     return float(4 * accesses * spec.dense_parameters)
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """Host bytes one training rank of a DLRM needs, from its spec alone (checked before anything is built)."""
+
+    tables: float  # fp32 rows and the row-wise optimizer's one float per row
+    dense: float  # MLP weights, their gradients, the optimizer's states and DDP's gradient buckets
+    activations: float  # one batch's forward outputs kept for backward, and their gradients
+
+    @property
+    def total(self) -> float:
+        return self.tables + self.dense + self.activations
+
+
+def training_memory(spec: ModelSpec, batch_size: int, dense_optimizer: str = "adagrad",
+                    distributed: bool = False) -> TrainingMemory:  # fmt: skip
+    """What a rank holds while it trains `spec` at `batch_size` samples (fp32): a lower bound, since the
+    framework's own workspaces come on top."""
+    states = _DENSE_OPTIMIZER_STATES.get(dense_optimizer, 1)
+    dense = 4.0 * spec.dense_parameters * (2 + states + (1 if distributed else 0))
+    outputs = sum(spec.bottom_mlp) + spec.pooled_width + spec.over_arch_in_features + sum(spec.top_mlp)
+    if spec.interaction == "dot":
+        outputs += (spec.num_features + 1) ** 2  # the pairwise products before the upper triangle is taken
+    activations = 2 * 4.0 * batch_size * outputs  # kept for backward, and their gradients
+    tables = float(sum(t.num_embeddings * (row_bytes(t.embedding_dim) + 4) for t in spec.tables))
+    return TrainingMemory(tables=tables, dense=dense, activations=activations)

@@ -105,7 +105,7 @@ class InferenceService:
         req = None
         try:
             req = self._decode(body)
-            return await self._reply(req, *self._submit(req, self._samples(req), receive))
+            return await self._reply(req, *self._submit(req, self._samples(req), receive, _deadline(context)))
         except _Refused as exc:
             self._record_refused(req, receive, exc)
             await context.abort(exc.code, str(exc))
@@ -136,7 +136,7 @@ class InferenceService:
                     receive, req = time.monotonic_ns(), None
                     try:
                         req = self._decode(body)
-                        q, done = self._submit(req, self._samples(req), receive)
+                        q, done = self._submit(req, self._samples(req), receive, _deadline(context))
                     except _Refused as exc:
                         answers.put_nowait(refused(req, receive, exc))
                         continue
@@ -179,6 +179,13 @@ class InferenceService:
                 f"model {req.model!r}: not served here; served: {', '.join(self.inference.models)}",
                 "rejected",
             )
+        if req.samples > served.max_query_samples:  # before its payload is decoded
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"query {req.query_id} for {req.model}: {req.samples} samples: this server takes at most "
+                f"{served.max_query_samples} a query (--max-query-samples)",
+                "rejected",
+            )
         try:
             block = decode_samples(req, served.spec)
         except PayloadError as exc:
@@ -187,8 +194,11 @@ class InferenceService:
             ) from None
         return block
 
-    def _submit(self, req: Any, block: Any, receive: int) -> tuple[Query, asyncio.Future]:
-        """Submit the query to the batcher; its future resolves (on this loop) when it finishes."""
+    def _submit(
+        self, req: Any, block: Any, receive: int, deadline_ns: int | None = None
+    ) -> tuple[Query, asyncio.Future]:
+        """Submit the query to the batcher; its future resolves (on this loop) when it finishes. Past
+        `deadline_ns` (the client's), what is not yet computed of it never is."""
         if self.failure is not None:
             raise _Refused(grpc.StatusCode.INTERNAL, f"server failure: {self.failure}", "failed")
         loop = asyncio.get_running_loop()
@@ -201,7 +211,8 @@ class InferenceService:
             except RuntimeError:
                 pass  # the loop is closed: the server has stopped
 
-        q = Query(next(self._ids), req.model, req.samples, payload=block, scheduled_ns=receive, on_done=on_done)
+        q = Query(next(self._ids), req.model, req.samples, payload=block, scheduled_ns=receive, on_done=on_done,
+                  deadline_ns=deadline_ns)  # fmt: skip
         self._pending[q.query_id] = done
         try:
             self.inference.submit(q)  # a full queue calls on_done("dropped") before returning
@@ -223,6 +234,8 @@ class InferenceService:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"model {req.model}: queue full (at most {served.max_queue} waiting); query {req.query_id} refused",
             )
+        if status == "expired":  # the client has gone; the code says what happened for the server's rows
+            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"query {req.query_id}: {q.error}")
         if status == "unfinished":
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server stopped before the query was computed")
         if status == "rejected":  # the server's check at submit (ids, lengths, dense values): recorded there
@@ -278,7 +291,8 @@ class InferenceService:
             self._flushed = time.monotonic()
 
     def check(self, log: Log) -> bool:
-        """False once an instance died; queries waiting on it are answered INTERNAL."""
+        """False once a model lost its last instance (one of several is routed around by the InferenceServer);
+        queries waiting then are answered INTERNAL."""
         if self.failure is not None:
             return False
         try:
@@ -291,6 +305,12 @@ class InferenceService:
                 _resolve(fut, ("failed", None, now))
             return False
         return True
+
+
+def _deadline(context: Any) -> int | None:
+    """The client's deadline on this process's monotonic clock (None: it set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic_ns() + int(remaining * 1e9)
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
@@ -334,7 +354,8 @@ def serve(
         queries = run.table("queries", QUERY_SCHEMA, flush_seconds=FLUSH_S)
         service = None
         try:
-            with InferenceServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log) as inference:
+            with InferenceServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log,
+                                 route_around_dead=True) as inference:  # fmt: skip
                 run.update_manifest(instances=inference.instance_info, precision_choices=inference.precision_choices)
                 service = InferenceService(inference)
                 asyncio.run(_serve(service, queries, host, port, grace_s, log, run))
@@ -394,6 +415,7 @@ async def _serve(
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    losses = 0
     while not stopping.is_set():
         try:
             await asyncio.wait_for(stopping.wait(), PUMP_S)
@@ -402,7 +424,10 @@ async def _serve(
         # Parquet writes happen off the loop (pyarrow releases the GIL while encoding),
         # so that requests are not held up behind them.
         await asyncio.to_thread(service.pump, queries)
-        if service.failure is None and not service.check(log):  # an instance just died
+        if len(service.inference.lost) != losses:  # an instance died; its model is served on by the others
+            losses = len(service.inference.lost)
+            run.update_manifest(instance_losses=list(service.inference.lost))
+        if service.failure is None and not service.check(log):  # the last instance of a model just died
             await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     log(f"stopping: refusing new queries, finishing those in flight (grace {grace_s:g} s)")

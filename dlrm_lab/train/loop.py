@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
@@ -45,7 +46,7 @@ from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.metrics.trust import check_stored_profile
 from dlrm_lab.model import build_model
-from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
+from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE, training_memory
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
 from dlrm_lab.train.choices import (
     choose_prefetch,
@@ -188,6 +189,30 @@ def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True
     check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
     if data:
         check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
+    if isinstance(spec, ModelSpec):
+        check_training_fits(spec, cfg)
+
+
+TRAINING_MEMORY_SHARE = 0.9  # of the memory available: what the ranks of this host may plan to hold
+
+
+def check_training_fits(spec: ModelSpec, cfg: TrainConfig, available_bytes: int | None = None) -> None:
+    """Refuse, before anything is built, a model whose dense part (weights, gradients, optimizer state) and one
+    batch's activations cannot fit this host's available memory, per rank times the ranks on this host. The
+    tables are the sharding planner's to place and refuse (TorchRec's, against the same memory)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    need = training_memory(spec, cfg.batch_size, cfg.dense_optimizer, distributed=local_ranks > 1)
+    total = local_ranks * (need.dense + need.activations)
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if total > TRAINING_MEMORY_SHARE * available:
+        gib = 2.0**30
+        ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
+        raise UserError(
+            f"training {spec.name} at --batch-size {cfg.batch_size} needs {total / gib:,.1f} GiB before its tables "
+            f"(dense part {need.dense / gib:,.2f} GiB with gradients and {cfg.dense_optimizer} state, one batch's "
+            f"activations {need.activations / gib:,.2f} GiB{ranks}) but this machine has {available / gib:.1f} GiB "
+            "available: fewer features or narrower MLPs, or a smaller --batch-size"
+        )
 
 
 def train(
