@@ -466,3 +466,23 @@ def _amend_pid(run_dir: Path, pid: int, **fields) -> None:
     from dlrm_lab.metrics.run import amend_manifest
 
     amend_manifest(run_dir, pid=pid, **fields)
+
+
+def test_a_run_whose_process_dies_of_a_fatal_signal_is_marked_with_it(tmp_path):
+    import subprocess
+    import sys
+
+    from dlrm_lab.metrics.run import FAULT_LOG, Run, read_manifest, recover_run
+
+    crash = (f"from dlrm_lab.metrics.run import Run; Run.create({str(tmp_path)!r}, 'train', {{}}); "
+             "import ctypes; ctypes.string_at(0)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", crash], capture_output=True).returncode == -11
+    (run_dir,) = tmp_path.iterdir()
+    assert (run_dir / FAULT_LOG).read_text().startswith("Fatal Python error: Segmentation fault")
+    manifest = recover_run(run_dir)
+    assert manifest["status"] == "failed" and manifest["error"] == (
+        f"process killed by signal SIGSEGV (Segmentation fault); Python's report in {FAULT_LOG}"
+    )
+    with Run.create(tmp_path / "fine", "train", {}) as run:  # a run that closes leaves no empty log
+        pass
+    assert not (run.dir / FAULT_LOG).exists() and read_manifest(run.dir)["status"] == "ok"

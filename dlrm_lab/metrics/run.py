@@ -7,6 +7,7 @@ recognisable as one still `running` with no live process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -162,6 +163,7 @@ class Run:
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise DiskFull.at(run_dir / SPACE_RESERVE, exc) if is_disk_full(exc) else exc from None
+        _fault_log(run_dir)
         return cls(run_dir, manifest)
 
     def table(self, name: str, schema: pa.Schema, **kwargs: Any) -> TableWriter:
@@ -210,6 +212,7 @@ class Run:
         for writer in self._tables.values():
             writer.close()
         consolidate_run(self.dir)  # parts of other ranks' tables this rank never opened
+        _close_fault_log(self.dir)
         self.update_manifest(
             status=status,
             end_time=_now_iso(),
@@ -359,7 +362,50 @@ def recover_run(run_dir: Path) -> dict[str, Any]:
     if manifest.get("status") == "running" and not pid_alive(manifest.get("pid")):
         (Path(run_dir) / SPACE_RESERVE).unlink(missing_ok=True)  # its room first: a full disk may be why
         consolidate_run(Path(run_dir))
-        manifest = amend_manifest(
-            run_dir, status="failed", error="process ended without closing the run (crash or kill)"
-        )
+        manifest = amend_manifest(run_dir, status="failed", error=_crash_reason(Path(run_dir)))
     return manifest
+
+
+FAULT_LOG = "fault.log"  # Python's fault handler writes here if the run's process dies of a fatal signal
+_FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
+          "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}  # fmt: skip
+_fault_files: dict[Path, Any] = {}
+
+
+def _fault_log(run_dir: Path) -> None:
+    """Have Python's fault handler write its report of a fatal signal (a kernel's SIGSEGV) into the run, so that
+    a run whose process died that way is marked with the signal (`recover_run`), not only as gone."""
+    import faulthandler
+
+    try:
+        handle = open(run_dir / FAULT_LOG, "w")  # noqa: SIM115 - open for the run's life: the handler needs the fd
+    except OSError:
+        return
+    _fault_files[run_dir] = handle
+    faulthandler.enable(file=handle, all_threads=True)
+
+
+def _close_fault_log(run_dir: Path) -> None:
+    """The run closed: the fault handler goes back to stderr (where Python and pytest keep it), an empty log away."""
+    import faulthandler
+
+    handle = _fault_files.pop(run_dir, None)
+    if handle is None:
+        return
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    handle.close()
+    with contextlib.suppress(OSError):
+        if (run_dir / FAULT_LOG).stat().st_size == 0:
+            (run_dir / FAULT_LOG).unlink()
+
+
+def _crash_reason(run_dir: Path) -> str:
+    """Why a run's process ended without closing it: the fatal signal its fault log names, or a crash or kill."""
+    try:
+        first = (run_dir / FAULT_LOG).read_text(errors="replace").strip().splitlines()[0]
+    except (OSError, IndexError):
+        return "process ended without closing the run (crash or kill)"
+    what = first.removeprefix("Fatal Python error: ").strip()
+    signal_name = _FATAL.get(what)
+    named = f"killed by signal {signal_name} ({what})" if signal_name else what
+    return f"process {named}; Python's report in {FAULT_LOG}"
