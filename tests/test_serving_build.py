@@ -31,7 +31,7 @@ def _held_out(model, n: int = 2048):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"interaction": "cat", "embedding_dim": [8, 4, 8, 2]}, {"interaction": "dcnv2", "dcn": {"num_layers": 2,
+    [{}, {"interaction": "cat", "embedding_dim": [8, 4, 8, 12]}, {"interaction": "dcnv2", "dcn": {"num_layers": 2,
                                                                                                 "low_rank": 4}}],
     ids=["dot", "cat", "dcnv2"],
 )  # fmt: skip
