@@ -622,6 +622,10 @@ def test_serving_memory_counts_snapshot_library_and_instances():
     assert fp32.fp32_tables == fp32.snapshot == 4 * spec.embedding_parameters
     assert int8.snapshot == spec.embedding_parameters + 4 * rows  # a byte a value, fp16 scale + bias a row
     assert int8.library == fp32.library > 0 and fp32.per_instance > INSTANCE_RUNTIME_BYTES
+    # making a fused build: the model's fp32 tables, TorchRec's copy of them and the TBE at the table precision
+    assert fp32.build_peak == 3 * fp32.fp32_tables and int8.build_peak == 2 * fp32.fp32_tables + int8.snapshot
+    eager = model_memory(ServedModel("k", spec, build="eager"))
+    assert eager.build_peak == eager.fp32_tables
     plenty = 1 << 40
     assert check_fits([ServedModel("k", spec)], available_bytes=plenty, shared_free_bytes=plenty)[0].instances == 1
 
@@ -634,7 +638,7 @@ def test_a_model_too_big_for_memory_or_shared_memory_is_refused_naming_the_sizes
 
     served = ServedModel("kaggle", load_preset("kaggle", max_rows=100_000), instances=2)
     need = model_memory(served)
-    total = need.fp32_tables + need.steady
+    total = need.build_peak + need.steady
     with pytest.raises(UserError) as err:
         check_fits([served], available_bytes=total - 1, shared_free_bytes=1 << 40)
     message = str(err.value)

@@ -103,8 +103,11 @@ class FusedDLRM(nn.Module):
         if names != list(model.spec.feature_names):
             raise ValueError("the tables' features are not in the spec's order: ids would meet the wrong table")
         shape = None if sparse.D is None else (sparse.F, sparse.D)
-        dense = copy.deepcopy(model)
-        dense.sparse_arch = None  # the tables live in the TBE only
+        model.sparse_arch = None  # copied without its tables (they live in the TBE only): no second copy of them
+        try:
+            dense = copy.deepcopy(model)
+        finally:
+            model.sparse_arch = sparse
         self.dense = _DensePart(dense, shape).to(dtype)
         self.dtype = dtype
         self.compiled: Callable[..., torch.Tensor] | None = None
@@ -438,10 +441,11 @@ class _Builds(dict):
         self.model, self.precision, self.table_precision = model, precision, table_precision
 
     def __missing__(self, build: str) -> nn.Module:
-        module = make_build(self.model, "fused" if build == "compiled" else build, precision=self.precision,
-                            table_precision=self.table_precision)  # fmt: skip
-        if build == "compiled":
+        if build == "compiled":  # the fused build with its dense part compiled: the same tables, not a copy
+            module = copy.copy(self["fused"])
             module.compile_dense()
+        else:
+            module = make_build(self.model, build, precision=self.precision, table_precision=self.table_precision)
         self[build] = module
         return module
 

@@ -4,7 +4,8 @@ Training refuses a model whose tables do not fit (TorchRec's planner against the
 memory); serving must too, or the kernel's out-of-memory killer ends it minutes later
 without a word. The parts counted, per served model (see `infer/server.py`):
 
-- build: the parent builds the model with fp32 tables before writing its snapshot, so the
+- build: the parent builds the model with fp32 tables before writing its snapshot (and a fused build
+  beside them: TorchRec copies the model, then fills one TBE at the table precision), so the
   fp32 tables are resident while the snapshot is written (one model at a time);
 - snapshot: the tables at their stored precision (int8/int4 rows carry an fp16 scale and
   bias), written to shared memory (/dev/shm is RAM) and mapped once by all instances;
@@ -44,6 +45,7 @@ class ModelMemory:
     per_instance: int  # private host memory of one instance
     instances: int
     device_per_instance: int  # on a GPU: device memory of one instance
+    build_peak: int = 0  # while the parent makes and times its serving build (0: its fp32 tables)
 
     @property
     def steady(self) -> int:
@@ -69,9 +71,14 @@ def model_memory(served: Any) -> ModelMemory:
     widths = sum(spec.bottom_mlp) + sum(spec.top_mlp) + spec.over_arch_in_features + ids_per_sample * 2
     activations = 2 * 4 * served.max_batch * widths  # forward activations, with room for a copy
     dense = 4 * spec.dense_parameters
+    # making a fused build copies the model (TorchRec's quantize_embeddings) and fills one TBE at the table
+    # precision beside the fp32 tables: the parent's peak while the build is chosen
+    fused = served.build != "eager"
+    build_peak = fp32 + (fp32 + stored if fused else (stored if served.table_precision != "fp32" else 0))
     return ModelMemory(
         name=served.name,
         fp32_tables=fp32,
+        build_peak=build_peak,
         snapshot=stored,
         library=int(per_sample * library_samples(served.max_batch, served.library_samples)),
         per_instance=INSTANCE_RUNTIME_BYTES + dense + activations,
@@ -121,13 +128,14 @@ def check_fits(
     if not needs:
         return needs
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
-    build = max(n.fp32_tables for n in needs)  # one model's fp32 tables at a time, while its snapshot is written
+    build = max(max(n.fp32_tables, n.build_peak) for n in needs)  # one model built at a time
     if device == "cpu":
         total = build + sum(n.steady for n in needs)
     else:  # the instances hold their tables on the GPU; the host keeps the snapshots and their runtimes
         total = build + sum(n.snapshot + n.library + n.instances * INSTANCE_RUNTIME_BYTES for n in needs)
     parts = "; ".join(
-        f"{n.name}: snapshot {n.snapshot / GiB:.2f} GiB ({n.fp32_tables / GiB:.2f} GiB fp32 while built), "
+        f"{n.name}: snapshot {n.snapshot / GiB:.2f} GiB ({max(n.fp32_tables, n.build_peak) / GiB:.2f} GiB while "
+        "built), "
         f"sample library {n.library / GiB:.2f} GiB, {n.instances} instance(s) x {n.per_instance / GiB:.2f} GiB"
         for n in needs
     )
