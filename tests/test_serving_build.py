@@ -140,6 +140,7 @@ def test_a_build_that_fails_its_accuracy_check_is_not_served(monkeypatch, tmp_pa
     choice, module = _choose("auto", FakeTimes(eager=2.0, fused=1.0), log=log.append)
     assert choice.build == "eager" and "failed its accuracy check" in choice.skipped["fused"]
     assert any("build fused: failed its accuracy check" in line for line in log)
+    assert choice.reason.startswith("auto: eager, the fastest that passed its accuracy check (fused failed it; ")
 
 
 def test_build_times_are_cached_in_the_machine_profile(monkeypatch, tmp_path):

@@ -423,8 +423,12 @@ def choose_build(
         skipped[b] = f"failed its accuracy check ({accuracy.rule}): {accuracy.to_dict()}"
         if log:
             log(f"build {b}: failed its accuracy check ({accuracy.rule}); not served")
+    failed = [b for b in ordered if b in skipped and b != best]
     reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")
-    if best == "eager":
+    if failed:
+        reason = (f"auto: {best}, the fastest that passed its accuracy check ({', '.join(failed)} failed it; "
+                  + ", ".join(f"{b} {total[b]:.3f} ms" for b in ordered) + ")")  # fmt: skip
+    elif best == "eager":
         reason = (
             "auto: no build beats the eager model by "
             + f"{MARGIN:g}x ({', '.join(f'{b} {total[b]:.3f} ms' for b in ordered)})"
