@@ -18,6 +18,7 @@ snapshot with its tables, and mapped by its instances and by this process (`libr
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -386,9 +387,9 @@ class InferenceServer:
         if spin_ms is not None:
             m.spin_ms = spin_ms
             for info in self.instance_info:
-                if info["model"] == model:
-                    with self._send_locks[info["instance"]]:
-                        self._conns[info["instance"]].send((SPIN, spin_ms))
+                if info["model"] == model and info["instance"] not in self._lost:
+                    with self._send_locks[info["instance"]], contextlib.suppress(OSError, ValueError):
+                        self._conns[info["instance"]].send((SPIN, spin_ms))  # a dead one: check() says so
         with pool.cond:
             if max_batch is not None:
                 m.max_batch = max_batch
