@@ -486,3 +486,17 @@ def test_a_run_whose_process_dies_of_a_fatal_signal_is_marked_with_it(tmp_path):
     with Run.create(tmp_path / "fine", "train", {}) as run:  # a run that closes leaves no empty log
         pass
     assert not (run.dir / FAULT_LOG).exists() and read_manifest(run.dir)["status"] == "ok"
+
+
+def test_torchs_is_fx_tracing_notice_is_filtered_and_nothing_else():
+    import logging
+
+    import dlrm_lab.model  # noqa: F401 - installs the filter
+
+    logger = logging.getLogger("torch.fx._symbolic_trace")
+
+    def record(msg: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, msg, (), None)
+
+    assert not logger.filter(record("is_fx_tracing will return true for both fx.symbolic_trace and torch.export."))
+    assert logger.filter(record("another warning"))
