@@ -454,3 +454,121 @@ def test_a_killed_instance_is_routed_around_and_the_server_ends_cleanly(servers,
     assert server.proc.wait(timeout=60) == 0
     assert not any("Traceback" in line for line in server.err)
     assert read_manifest(run_dir)["status"] == "ok"
+
+
+def _v2_request(block, model: str = "tiny", query_id: str = "7"):
+    from dlrm_lab.serve import open_inference_pb2 as v2
+
+    dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
+    tensor = v2.ModelInferRequest.InferInputTensor
+    n, f = block.size, len(block.lengths)
+    return v2.ModelInferRequest(
+        model_name=model, id=query_id,
+        inputs=[tensor(name="dense", datatype="FP32", shape=[n, 4]), tensor(name="lengths", datatype="INT32",
+                shape=[f, n]), tensor(name="ids", datatype="INT64", shape=[len(ids) // 8])],
+        raw_input_contents=[dense, lengths, ids],
+    )  # fmt: skip
+
+
+def _expected(library, offset: int, size: int) -> np.ndarray:
+    spec = load_preset("tiny")
+    torch.manual_seed(SEED)
+    model = build_model(spec).eval()
+    block = library.slice(offset, offset + size)
+    batch = block_to_batch(block, spec.feature_names)
+    with torch.inference_mode():
+        return torch.sigmoid(model(batch.dense_features, batch.sparse_features)).numpy()
+
+
+def test_the_server_speaks_the_open_inference_protocol(server, library):
+    """KServe v2 on the same port, through stubs generated from the protocol: liveness, metadata, Triton's model
+    configuration, ModelInfer with the model's scores, statistics; a malformed tensor is one INVALID_ARGUMENT."""
+    from dlrm_lab.serve import open_inference_pb2 as v2
+    from dlrm_lab.serve import open_inference_pb2_grpc as v2_grpc
+
+    with server.channel() as channel:
+        stub = v2_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(v2.ServerLiveRequest(), timeout=10).live
+        assert stub.ServerReady(v2.ServerReadyRequest(), timeout=10).ready
+        assert stub.ModelReady(v2.ModelReadyRequest(name="tiny"), timeout=10).ready
+        assert "model_configuration" in stub.ServerMetadata(v2.ServerMetadataRequest(), timeout=10).extensions
+        meta = stub.ModelMetadata(v2.ModelMetadataRequest(name="tiny"), timeout=10)
+        assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [
+            ("dense", "FP32", [-1, 4]), ("lengths", "INT32", [4, -1]), ("ids", "INT64", [-1])]  # fmt: skip
+        config = stub.ModelConfig(v2.ModelConfigRequest(name="tiny"), timeout=10).config
+        assert config.max_batch_size == 0 and [i.name for i in config.input] == ["dense", "lengths", "ids"]
+        resp = stub.ModelInfer(_v2_request(library.slice(100, 164)), timeout=30)
+        assert resp.id == "7" and resp.outputs[0].name == "scores" and list(resp.outputs[0].shape) == [64]
+        np.testing.assert_allclose(np.frombuffer(resp.raw_output_contents[0], dtype="<f4"), _expected(library, 100, 64),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        bad = _v2_request(library.slice(0, 4))
+        bad.inputs[0].shape[:] = [4, 5]
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(bad, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "input dense: shape [4, 5], expected [N, 4]" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.ModelMetadata(v2.ModelMetadataRequest(name="rm9"), timeout=10)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        (stats,) = stub.ModelStatistics(v2.ModelStatisticsRequest(name="tiny"), timeout=10).model_stats
+        assert stats.inference_count >= 64 and stats.execution_count >= 1 and stats.inference_stats.fail.count >= 1
+
+
+TRITONCLIENT = "tritonclient[grpc]==2.73.0"  # needs protobuf < 7: its own environment, made once and cached
+TRITON_SCRIPT = """
+import json, sys
+import numpy as np
+import tritonclient.grpc as tc
+target, dense, lengths, ids = sys.argv[1], *(np.load(p) for p in sys.argv[2:5])
+client = tc.InferenceServerClient(url=target)
+assert client.is_server_live() and client.is_model_ready("tiny")
+meta = client.get_model_metadata("tiny", as_json=True)
+config = client.get_model_config("tiny", as_json=True)["config"]
+inputs = [tc.InferInput("dense", list(dense.shape), "FP32"), tc.InferInput("lengths", list(lengths.shape), "INT32"),
+          tc.InferInput("ids", list(ids.shape), "INT64")]
+for tensor, values in zip(inputs, (dense, lengths, ids)):
+    tensor.set_data_from_numpy(values)
+result = client.infer("tiny", inputs, outputs=[tc.InferRequestedOutput("scores")])
+stats = client.get_inference_statistics("tiny", as_json=True)
+print(json.dumps({"inputs": [i["name"] for i in meta["inputs"]], "max_batch_size": config.get("max_batch_size", 0),
+                  "scores": result.as_numpy("scores").tolist(), "stats": stats["model_stats"][0]["name"]}))
+"""
+
+
+def _tritonclient_python() -> str:
+    """The python of a cached venv holding tritonclient (skip when it cannot be made: no package index)."""
+    import venv
+    from pathlib import Path
+
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlrm-lab" / "venvs" / "tritonclient-2.73.0"
+    python = root / "bin" / "python"
+    if (root / ".installed").exists():
+        return str(python)
+    venv.EnvBuilder(with_pip=True, clear=True).create(root)
+    out = subprocess.run([str(python), "-m", "pip", "install", "-q", TRITONCLIENT, "numpy"], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    if out.returncode != 0:
+        pytest.skip(f"cannot install {TRITONCLIENT} into {root}: {out.stderr.strip()[-300:]}")
+    (root / ".installed").write_text(TRITONCLIENT)
+    return str(python)
+
+
+def test_nvidias_tritonclient_drives_the_server_and_gets_the_models_scores(server, library, tmp_path):
+    import json
+
+    python = _tritonclient_python()
+    block = library.slice(300, 350)
+    dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
+    paths = []
+    for name, raw, dtype, shape in (("dense", dense, "<f4", (50, 4)), ("lengths", lengths, "<i4", (4, 50)),
+                                    ("ids", ids, "<i8", (-1,))):  # fmt: skip
+        path = tmp_path / f"{name}.npy"
+        np.save(path, np.frombuffer(raw, dtype=dtype).reshape(shape))
+        paths.append(str(path))
+    out = subprocess.run([python, "-c", TRITON_SCRIPT, server.ready().target, *paths], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["inputs"] == ["dense", "lengths", "ids"] and got["max_batch_size"] == 0 and got["stats"] == "tiny"
+    np.testing.assert_allclose(np.array(got["scores"], dtype=np.float32), _expected(library, 300, 50), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip

@@ -42,6 +42,8 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Query
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.tables import TableWriter
+from dlrm_lab.serve.open_inference import SERVICE as OPEN_INFERENCE
+from dlrm_lab.serve.open_inference import OpenInferenceService
 from dlrm_lab.serve.protocol import (
     CHANNEL_OPTIONS,
     SCORE_DTYPE,
@@ -57,7 +59,7 @@ PUMP_S = 0.5  # records move to the queries table this often ...
 FLUSH_S = 2.0  # ... and are on disk (a part file) at most this late
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A query answered with an error code; `status`: its row's status when the
     InferenceServer never saw it (None: the InferenceServer recorded it)."""
 
@@ -104,10 +106,10 @@ class InferenceService:
         receive = time.monotonic_ns()
         req = None
         try:
-            req = self._decode(body)
-            return await self._reply(req, *self._submit(req, self._samples(req), receive, _deadline(context)))
-        except _Refused as exc:
-            self._record_refused(req, receive, exc)
+            req = self.decode(body)
+            return await self._reply(req, *self.submit(req, self.samples(req), receive, client_deadline(context)))
+        except Refused as exc:
+            self.record_refused(req, receive, exc)
             await context.abort(exc.code, str(exc))
             raise  # not reached: abort raises
 
@@ -117,8 +119,8 @@ class InferenceService:
         answers: asyncio.Queue[bytes | None] = asyncio.Queue()
         in_flight: set[asyncio.Task] = set()
 
-        def refused(req: Any, receive: int, exc: _Refused) -> bytes:
-            self._record_refused(req, receive, exc)
+        def refused(req: Any, receive: int, exc: Refused) -> bytes:
+            self.record_refused(req, receive, exc)
             return pb.InferResponse(
                 query_id=0 if req is None else req.query_id, status=exc.code.name, error=str(exc),
                 server_receive_ns=receive, client_send_ns=0 if req is None else req.client_send_ns,
@@ -127,7 +129,7 @@ class InferenceService:
         async def answer(req: Any, q: Query, done: asyncio.Future) -> None:
             try:
                 answers.put_nowait(await self._reply(req, q, done))
-            except _Refused as exc:
+            except Refused as exc:
                 answers.put_nowait(refused(req, q.scheduled_ns, exc))  # scheduled: the receive time
 
         async def read() -> None:
@@ -135,9 +137,9 @@ class InferenceService:
                 async for body in requests:
                     receive, req = time.monotonic_ns(), None
                     try:
-                        req = self._decode(body)
-                        q, done = self._submit(req, self._samples(req), receive, _deadline(context))
-                    except _Refused as exc:
+                        req = self.decode(body)
+                        q, done = self.submit(req, self.samples(req), receive, client_deadline(context))
+                    except Refused as exc:
                         answers.put_nowait(refused(req, receive, exc))
                         continue
                     task = asyncio.ensure_future(answer(req, q, done))
@@ -159,28 +161,28 @@ class InferenceService:
                 task.cancel()
 
     @staticmethod
-    def _decode(body: bytes) -> Any:
+    def decode(body: bytes) -> Any:
         try:
             return pb.InferRequest.FromString(body)
         except DecodeError as exc:
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request: not an InferRequest message ({len(body)} bytes: {exc})",
                 "rejected",
             ) from None
 
-    def _samples(self, req: Any) -> Any:
+    def samples(self, req: Any) -> Any:
         """The request's samples, packed (their values are checked by InferenceServer.submit), or
         INVALID_ARGUMENT naming the field whose size is wrong."""
         served = self.inference.models.get(req.model)
         if served is None:
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"model {req.model!r}: not served here; served: {', '.join(self.inference.models)}",
                 "rejected",
             )
         if req.samples > served.max_query_samples:  # before its payload is decoded
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"query {req.query_id} for {req.model}: {req.samples} samples: this server takes at most "
                 f"{served.max_query_samples} a query (--max-query-samples)",
@@ -189,18 +191,18 @@ class InferenceService:
         try:
             block = decode_samples(req, served.spec)
         except PayloadError as exc:
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {exc}", "rejected"
             ) from None
         return block
 
-    def _submit(
+    def submit(
         self, req: Any, block: Any, receive: int, deadline_ns: int | None = None
     ) -> tuple[Query, asyncio.Future]:
         """Submit the query to the batcher; its future resolves (on this loop) when it finishes. Past
         `deadline_ns` (the client's), what is not yet computed of it never is."""
         if self.failure is not None:
-            raise _Refused(grpc.StatusCode.INTERNAL, f"server failure: {self.failure}", "failed")
+            raise Refused(grpc.StatusCode.INTERNAL, f"server failure: {self.failure}", "failed")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -218,30 +220,13 @@ class InferenceService:
             self.inference.submit(q)  # a full queue calls on_done("dropped") before returning
         except RuntimeError as exc:  # an instance died
             self._pending.pop(q.query_id, None)
-            raise _Refused(grpc.StatusCode.INTERNAL, f"server failure: {exc}", "failed") from None
+            raise Refused(grpc.StatusCode.INTERNAL, f"server failure: {exc}", "failed") from None
         return q, done
 
     async def _reply(self, req: Any, q: Query, done: asyncio.Future) -> bytes:
-        """The serialised answer once the query finished (or _Refused with its status)."""
+        """The serialised answer once the query finished (or Refused with its status)."""
         receive = q.scheduled_ns  # the handler's receive time (see _submit)
-        try:
-            status, scores, done_ns = await done
-        finally:
-            self._pending.pop(q.query_id, None)
-        if status == "dropped":
-            served = self.inference.models[req.model]
-            raise _Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"model {req.model}: queue full (at most {served.max_queue} waiting); query {req.query_id} refused",
-            )
-        if status == "expired":  # the client has gone; the code says what happened for the server's rows
-            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"query {req.query_id}: {q.error}")
-        if status == "unfinished":
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server stopped before the query was computed")
-        if status == "rejected":  # the server's check at submit (ids, lengths, dense values): recorded there
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {q.error}")
-        if status != "ok" or scores is None:
-            raise _Refused(grpc.StatusCode.INTERNAL, f"query {req.query_id}: {status}: {q.error or self.failure}")
+        scores, done_ns = await self.result(req, q, done)
         start = q.first_start_ns if q.first_start_ns is not None else done_ns
         batch_samples, instance = q.batch_samples, q.instance
         resp = pb.InferResponse(
@@ -260,7 +245,30 @@ class InferenceService:
         resp.server_send_ns = time.monotonic_ns()  # its own serialisation follows, in network+gRPC
         return resp.SerializeToString()
 
-    def _record_refused(self, req: Any, receive: int, exc: _Refused) -> None:
+    async def result(self, req: Any, q: Query, done: asyncio.Future) -> tuple[np.ndarray, int]:
+        """The query's scores and when it finished, once it did; Refused with the code its status maps to (for
+        every protocol this server speaks)."""
+        try:
+            status, scores, done_ns = await done
+        finally:
+            self._pending.pop(q.query_id, None)
+        if status == "dropped":
+            served = self.inference.models[req.model]
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"model {req.model}: queue full (at most {served.max_queue} waiting); query {req.query_id} refused",
+            )
+        if status == "expired":  # the client has gone; the code says what happened for the server's rows
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"query {req.query_id}: {q.error}")
+        if status == "unfinished":
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the server stopped before the query was computed")
+        if status == "rejected":  # the server's check at submit (ids, lengths, dense values): recorded there
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"query {req.query_id} for {req.model}: {q.error}")
+        if status != "ok" or scores is None:
+            raise Refused(grpc.StatusCode.INTERNAL, f"query {req.query_id}: {status}: {q.error or self.failure}")
+        return scores, done_ns
+
+    def record_refused(self, req: Any, receive: int, exc: Refused) -> None:
         if exc.status is None:
             return
         now = time.monotonic_ns()
@@ -307,7 +315,7 @@ class InferenceService:
         return True
 
 
-def _deadline(context: Any) -> int | None:
+def client_deadline(context: Any) -> int | None:
     """The client's deadline on this process's monotonic clock (None: it set none)."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic_ns() + int(remaining * 1e9)
@@ -386,10 +394,12 @@ async def _serve(
 ) -> None:
     # Without so_reuseport=0 a second server on a busy port would bind it too and share its traffic.
     server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers((service.handler(),))
+    open_inference = OpenInferenceService(service)  # the Open Inference Protocol (KServe v2) on the same port
+    server.add_generic_rpc_handlers((service.handler(), open_inference.handler()))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection([SERVICE, OPEN_INFERENCE, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                        server)  # fmt: skip
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)

@@ -1,0 +1,262 @@
+"""The Open Inference Protocol (KServe v2 gRPC) on `dlrm-lab serve`, beside the lab's own protocol.
+
+Any v2 client (Triton's `tritonclient`, KServe's, perf_analyzer) can then talk to the lab's server: the
+same batcher, instances and records as `dlrm_lab.serve.Inference`. A DLRM query is three input tensors
+and one output, all little-endian and row-major, in `raw_input_contents` (or typed `contents`):
+
+    dense    FP32  [N, num_dense]       the samples' dense features
+    lengths  INT32 [num_features, N]    ids per feature per sample (feature-major, as a KeyedJaggedTensor)
+    ids      INT64 [sum(lengths)]       feature 0's ids for every sample, then feature 1's, ...
+    scores   FP32  [N]                  the output: each sample's click probability
+
+ModelConfig (Triton's extension, asked for by perf_analyzer before it starts) says max_batch_size 0: the
+shapes are given whole, with -1 for the sample count, since the lab batches behind the protocol.
+ModelStatistics counts, per model, the queries answered over this protocol and their time in queue and
+compute. An HSTU ranker's requests are not expressed as v2 tensors here: its models are not listed.
+
+Hand-written over grpc's generic handlers: the servicer classes KServe and Triton ship need their own
+protobuf runtimes, older than this package's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from dlrm_lab.config import ModelSpec
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.serve.protocol import DENSE_DTYPE, ID_DTYPE, LENGTH_DTYPE, SCORE_DTYPE
+
+try:
+    from dlrm_lab.serve import open_inference_pb2 as v2
+except ImportError as exc:  # a checkout used without installing it
+    from dlrm_lab.errors import UserError
+
+    raise UserError(
+        f"the gRPC modules generated from dlrm_lab/serve/open_inference.proto are missing ({exc}); "
+        "they are built by the install: pip install -e ."
+    ) from None
+
+SERVICE = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
+VERSION = "1"  # the one version of each model a lab server holds
+EXTENSIONS = ["model_configuration", "statistics"]
+INPUTS = ("dense", "lengths", "ids")
+OUTPUT = "scores"
+_DTYPES = {"FP32": DENSE_DTYPE, "INT32": LENGTH_DTYPE, "INT64": ID_DTYPE}
+_CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
+_WANTED = {"dense": "FP32", "lengths": "INT32", "ids": "INT64"}
+
+
+def tensors(spec: ModelSpec) -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
+    """The model's (name, datatype, shape) inputs and outputs; -1: the number of samples or ids."""
+    return (
+        [("dense", "FP32", [-1, spec.num_dense]), ("lengths", "INT32", [spec.num_features, -1]),
+         ("ids", "INT64", [-1])],
+        [(OUTPUT, "FP32", [-1])],
+    )  # fmt: skip
+
+
+@dataclass
+class _Stats:
+    """One model's queries over this protocol, Triton's statistics."""
+
+    samples: int = 0
+    queries: int = 0
+    success_ns: int = 0
+    failures: int = 0
+    fail_ns: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    last_ms: int = 0
+
+
+class _Request:
+    """A v2 request in the shape the lab's checks read (`InferenceService.samples`, `submit`)."""
+
+    def __init__(self, model: str, query_id: int, samples: int, dense: bytes, lengths: bytes, ids: bytes) -> None:
+        self.model, self.query_id, self.samples = model, query_id, samples
+        self.dense, self.lengths, self.ids = dense, lengths, ids
+        self.client_send_ns = 0
+
+
+class OpenInferenceService:
+    """`inference.GRPCInferenceService` over the lab's `InferenceService` (its batcher, instances and rows)."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.models: dict[str, ServedModel] = {
+            name: m for name, m in service.inference.models.items() if isinstance(m.spec, ModelSpec)
+        }
+        self.stats: dict[str, _Stats] = {name: _Stats() for name in self.models}
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Any, request: Any, response: Any) -> Any:
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=request.FromString, response_serializer=response.SerializeToString
+            )
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "ServerLive": unary(self.server_live, v2.ServerLiveRequest, v2.ServerLiveResponse),
+                "ServerReady": unary(self.server_ready, v2.ServerReadyRequest, v2.ServerReadyResponse),
+                "ModelReady": unary(self.model_ready, v2.ModelReadyRequest, v2.ModelReadyResponse),
+                "ServerMetadata": unary(self.server_metadata, v2.ServerMetadataRequest, v2.ServerMetadataResponse),
+                "ModelMetadata": unary(self.model_metadata, v2.ModelMetadataRequest, v2.ModelMetadataResponse),
+                "ModelConfig": unary(self.model_config, v2.ModelConfigRequest, v2.ModelConfigResponse),
+                "ModelStatistics": unary(self.model_statistics, v2.ModelStatisticsRequest, v2.ModelStatisticsResponse),
+                # raw bytes: decoding and encoding the message are inside the server's measured stages
+                "ModelInfer": grpc.unary_unary_rpc_method_handler(self.model_infer),
+            },
+        )
+
+    async def server_live(self, request: Any, context: Any) -> Any:
+        return v2.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request: Any, context: Any) -> Any:
+        return v2.ServerReadyResponse(ready=self.service.failure is None)
+
+    async def model_ready(self, request: Any, context: Any) -> Any:
+        return v2.ModelReadyResponse(ready=request.name in self.models and self.service.failure is None)
+
+    async def server_metadata(self, request: Any, context: Any) -> Any:
+        from dlrm_lab import __version__
+
+        return v2.ServerMetadataResponse(name="dlrm-lab", version=__version__, extensions=EXTENSIONS)
+
+    async def _model(self, name: str, version: str, context: Any) -> ServedModel:
+        if name not in self.models:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name!r}: not served here; served: "
+                                f"{', '.join(self.models) or 'no DLRM'}")  # fmt: skip
+        if version not in ("", VERSION):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name} version {version!r}: only {VERSION}")
+        return self.models[name]
+
+    async def model_metadata(self, request: Any, context: Any) -> Any:
+        m = await self._model(request.name, request.version, context)
+        inputs, outputs = tensors(m.spec)
+        meta = v2.ModelMetadataResponse.TensorMetadata
+        return v2.ModelMetadataResponse(
+            name=m.name, versions=[VERSION], platform="pytorch_torchrec",
+            inputs=[meta(name=n, datatype=t, shape=s) for n, t, s in inputs],
+            outputs=[meta(name=n, datatype=t, shape=s) for n, t, s in outputs],
+        )  # fmt: skip
+
+    async def model_config(self, request: Any, context: Any) -> Any:
+        m = await self._model(request.name, request.version, context)
+        inputs, outputs = tensors(m.spec)
+        kind = {"INT32": v2.TYPE_INT32, "INT64": v2.TYPE_INT64, "FP32": v2.TYPE_FP32}
+        config = v2.ModelConfig(
+            name=m.name, platform="pytorch_torchrec", backend="dlrm-lab", max_batch_size=0,
+            input=[v2.ModelInput(name=n, data_type=kind[t], dims=s) for n, t, s in inputs],
+            output=[v2.ModelOutput(name=n, data_type=kind[t], dims=s) for n, t, s in outputs],
+            instance_group=[v2.ModelInstanceGroup(name=m.name, count=m.instances,
+                                                  kind=v2.ModelInstanceGroup.KIND_CPU)],
+        )  # fmt: skip
+        return v2.ModelConfigResponse(config=config)
+
+    async def model_statistics(self, request: Any, context: Any) -> Any:
+        names = [request.name] if request.name else list(self.models)
+        if request.name:
+            await self._model(request.name, request.version, context)
+        out = []
+        for name in names:
+            s = self.stats[name]
+            duration = v2.StatisticDuration
+            out.append(v2.ModelStatistics(
+                name=name, version=VERSION, last_inference=s.last_ms, inference_count=s.samples,
+                execution_count=s.queries,
+                inference_stats=v2.InferStatistics(
+                    success=duration(count=s.queries, ns=s.success_ns), fail=duration(count=s.failures, ns=s.fail_ns),
+                    queue=duration(count=s.queries, ns=s.queue_ns),
+                    compute_infer=duration(count=s.queries, ns=s.compute_ns),
+                ),
+            ))  # fmt: skip
+        return v2.ModelStatisticsResponse(model_stats=out)
+
+    async def model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        from dlrm_lab.serve.server import Refused, client_deadline
+
+        receive = time.monotonic_ns()
+        shim: _Request | None = None
+        req = None
+        try:
+            try:
+                req = v2.ModelInferRequest.FromString(body)
+            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: a bad message
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a ModelInferRequest ({exc})",
+                              "rejected") from None  # fmt: skip
+            shim = self._request(req)
+            q, done = self.service.submit(shim, self.service.samples(shim), receive, client_deadline(context))
+            scores, done_ns = await self.service.result(shim, q, done)
+        except Refused as exc:
+            if req is not None and req.model_name in self.stats:
+                s = self.stats[req.model_name]
+                s.failures, s.fail_ns = s.failures + 1, s.fail_ns + time.monotonic_ns() - receive
+            self.service.record_refused(shim, receive, exc)
+            await context.abort(exc.code, str(exc))
+            raise  # not reached: abort raises
+        start = q.first_start_ns if q.first_start_ns is not None else done_ns
+        s = self.stats[shim.model]
+        s.samples, s.queries = s.samples + shim.samples, s.queries + 1
+        s.success_ns += done_ns - receive
+        s.queue_ns += start - q.issued_ns
+        s.compute_ns += done_ns - start
+        s.last_ms = int(time.time() * 1e3)
+        out = v2.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype="FP32", shape=[shim.samples])
+        return v2.ModelInferResponse(
+            model_name=shim.model, model_version=VERSION, id=req.id, outputs=[out],
+            raw_output_contents=[np.asarray(scores, dtype=SCORE_DTYPE).tobytes()],
+        ).SerializeToString()  # fmt: skip
+
+    def _request(self, req: Any) -> _Request:
+        """The request's three tensors as the lab's packed fields, or Refused (INVALID_ARGUMENT) naming the
+        tensor that is missing, mistyped or misshapen. Sizes against the model are checked after, by the same
+        rules as the lab's own protocol."""
+        from dlrm_lab.serve.server import Refused
+
+        def refuse(message: str) -> Refused:
+            return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"model {req.model_name!r}: {message}", "rejected")
+
+        m = self.models.get(req.model_name)
+        if m is None:
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"model {req.model_name!r}: not served here; served: "
+                          f"{', '.join(self.models) or 'no DLRM'}", "rejected")  # fmt: skip
+        wanted = [o.name for o in req.outputs]
+        if wanted and wanted != [OUTPUT]:
+            raise refuse(f"outputs {wanted}: the model has one, {OUTPUT!r}")
+        names = [t.name for t in req.inputs]
+        if sorted(names) != sorted(INPUTS):
+            raise refuse(f"inputs {names}: expected {', '.join(INPUTS)} (see ModelMetadata)")
+        if req.raw_input_contents and len(req.raw_input_contents) != len(req.inputs):
+            raise refuse(f"{len(req.raw_input_contents)} raw_input_contents for {len(req.inputs)} inputs")
+        raw: dict[str, bytes] = {}
+        shapes: dict[str, list[int]] = {}
+        for k, t in enumerate(req.inputs):
+            if t.datatype != _WANTED[t.name]:
+                raise refuse(f"input {t.name}: datatype {t.datatype}, expected {_WANTED[t.name]}")
+            shapes[t.name] = list(t.shape)
+            if req.raw_input_contents:
+                raw[t.name] = req.raw_input_contents[k]
+            else:
+                values = getattr(t.contents, _CONTENTS[t.datatype])
+                raw[t.name] = np.asarray(values, dtype=_DTYPES[t.datatype]).tobytes()
+        spec = m.spec
+        dense, lengths = shapes["dense"], shapes["lengths"]
+        if len(dense) != 2 or dense[1] != spec.num_dense or dense[0] < 1:
+            raise refuse(f"input dense: shape {dense}, expected [N, {spec.num_dense}]")
+        n = dense[0]
+        if lengths != [spec.num_features, n]:
+            raise refuse(f"input lengths: shape {lengths}, expected [{spec.num_features}, {n}]")
+        if len(shapes["ids"]) != 1:
+            raise refuse(f"input ids: shape {shapes['ids']}, expected [sum of lengths]")
+        for name in INPUTS:
+            size = int(np.prod(shapes[name])) * _DTYPES[_WANTED[name]].itemsize
+            if len(raw[name]) != size:
+                raise refuse(f"input {name}: {len(raw[name])} bytes for shape {shapes[name]} ({size} expected)")
+        query_id = int(req.id) if req.id.isdigit() else 0
+        return _Request(req.model_name, query_id, n, raw["dense"], raw["lengths"], raw["ids"])
