@@ -40,6 +40,7 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.metrics.energy import telemetry_schema
 from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
 from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.trust import check_stored_profile
 
 
 @dataclass
@@ -232,6 +233,7 @@ def search(
         def serve(m: ServedModel) -> AbstractContextManager[Any]:
             return InferenceServer([m], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed)
 
+    check_stored_profile(log)
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)
     frontier: list[dict[str, Any]] = []
     extra = {"repeat": pa.int32(), "probe": pa.int32(), "passed": pa.bool_()}

@@ -42,6 +42,7 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Query
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.tables import TableWriter
+from dlrm_lab.metrics.trust import check_stored_profile
 from dlrm_lab.serve.open_inference import SERVICE as OPEN_INFERENCE
 from dlrm_lab.serve.open_inference import OpenInferenceService
 from dlrm_lab.serve.protocol import (
@@ -351,6 +352,7 @@ def serve(
                             "`infer search`); gRPC carries DLRM samples")  # fmt: skip
     _check_address(host, port)  # before the instances take their time to start
     check_writable(metrics_dir, "--metrics-dir")
+    check_stored_profile(log)
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
     config = {
         "serve": {"host": host, "port": port, "device": device, "pin_cores": pin_cores, "seed": seed,
