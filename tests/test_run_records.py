@@ -147,6 +147,7 @@ def test_runs_list_only_reads_and_runs_recover_merges_a_dead_run(tmp_path):
         + [f"{dead.dir.name}/_parts/steps/part-r00000-00000{k}.parquet" for k in (0, 1)]
         + [live.dir.name, f"{live.dir.name}/manifest.json"]
         + [f"{r.dir.name}/.space-reserve" for r in (dead, live)]  # room for their last manifest
+        + [f"{r.dir.name}/fault.log" for r in (dead, live)]  # where a fatal signal's report would go
     )
 
     code, out, err = run_cli_in_process("runs", "list", str(tmp_path))
