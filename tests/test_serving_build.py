@@ -177,3 +177,38 @@ def test_an_hstu_preset_is_served_eager_only():
     with pytest.raises(UserError, match="--build fused: hstu-tiny is an HSTU preset, served eager only"):
         ServedModel("h", spec, build="fused")
     assert ServedModel("h", spec).build == "auto"
+
+
+def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_back_to_fp32(monkeypatch, tmp_path):
+    """`--precision auto` chose bf16 for speed; if no build at bf16 keeps MLPerf's accuracy rule (dcnv2 at bf16 did
+    not), the model is served in fp32, said in one line and recorded with the precision choice. An explicit
+    precision is served as asked."""
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.server import InferenceServer
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    real = builds.check_accuracy
+
+    def bf16_fails(model, module, build, block, *, precision, table_precision):
+        check = real(model, module, build, block, precision=precision, table_precision=table_precision)
+        return check if precision == "fp32" else builds.AccuracyCheck(**{**check.__dict__, "passed": False})
+
+    monkeypatch.setattr(builds, "check_accuracy", bf16_fails)
+    spec = dlrm_lab.load_preset("tiny")
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    library = PackedLibrary.generate(spec, None, 0, 512)
+    held_out = synthetic_generator(spec, None, seed=0).samples(512, 512 + 2048)
+    for requested, served_in in (("auto", "fp32"), ("bf16", "bf16")):
+        lines: list[str] = []
+        server = InferenceServer([ServedModel("tiny", spec, precision="bf16", build="eager")], log=lines.append)
+        server.precision_choices["tiny"] = {"requested": requested, "precision": "bf16", "reason": "measured"}
+        choice, _, m = server._checked_build(server.models["tiny"], model, library, held_out)
+        assert m.precision == served_in and server.models["tiny"].precision == served_in
+        assert choice.accuracy.passed == (served_in == "fp32")
+        record = server.precision_choices["tiny"]
+        if requested == "auto":
+            assert record["precision"] == "fp32" and not record["accuracy_fallback"]["passed"]
+            assert lines[-1].startswith("tiny: precision bf16 fails the accuracy rule with --build eager (AUC within")
+        else:
+            assert "accuracy_fallback" not in record and record["precision"] == "bf16"

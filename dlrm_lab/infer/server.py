@@ -243,7 +243,7 @@ class InferenceServer:
     def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
         """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
         once; recorded with the precision choice."""
-        from dlrm_lab.infer.build import CHECK_SAMPLES, BuildChoice, choose_build
+        from dlrm_lab.infer.build import CHECK_SAMPLES, BuildChoice
 
         if isinstance(m.spec, HSTUSpec):
             if m.table_precision != "fp32" and self.device == "cpu":
@@ -255,10 +255,7 @@ class InferenceServer:
 
             generator = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
             held_out = generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
-            choice, model = choose_build(
-                m.build, model, precision=m.precision, table_precision=m.table_precision, threads=m.threads,
-                sizes=m.batches_to_time(), library=library, check_block=held_out, device=self.device, log=self.log,
-            )  # fmt: skip
+            choice, model, m = self._checked_build(m, model, library, held_out)
             if choice.accuracy is not None and not choice.accuracy.passed:
                 self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
                          f"({choice.accuracy.rule}); served as asked")  # fmt: skip
@@ -266,6 +263,35 @@ class InferenceServer:
         self.precision_choices[m.name]["build_choice"] = choice.to_dict()
         self.models[m.name] = replace(m, build=choice.build)
         return model
+
+    def _checked_build(self, m: ServedModel, source: torch.nn.Module, library: Any,
+                       held_out: Any) -> tuple[Any, torch.nn.Module, ServedModel]:  # fmt: skip
+        """`choose_build` at the model's precision; a reduced precision that `--precision auto` chose for its
+        speed but that fails the accuracy rule in every build falls back to fp32 (said, and recorded with the
+        precision choice). The choice, the module to serve and the model as served."""
+        from dlrm_lab.infer.build import choose_build
+
+        def choose(precision: str) -> tuple[Any, torch.nn.Module]:
+            return choose_build(
+                m.build, source, precision=precision, table_precision=m.table_precision, threads=m.threads,
+                sizes=m.batches_to_time(), library=library, check_block=held_out, device=self.device, log=self.log,
+            )  # fmt: skip
+
+        choice, model = choose(m.precision)
+        record = self.precision_choices[m.name]
+        check = choice.accuracy
+        if check is None or check.passed or m.precision == "fp32" or record.get("requested") != "auto":
+            return choice, model, m
+        where = "in every build" if m.build == "auto" else f"with --build {m.build}"
+        self.log(f"{m.name}: precision {m.precision} fails the accuracy rule {where} ({check.rule}: AUC "
+                 f"{check.auc:.5f} vs fp32 {check.auc_fp32:.5f}); served in fp32")  # fmt: skip
+        record.update(precision="fp32", accuracy_fallback=check.to_dict(),
+                      reason=f"{record['reason']}; then fp32: {m.precision} failed the accuracy rule")  # fmt: skip
+        m = replace(m, precision="fp32")
+        self.models[m.name] = m
+        del model
+        choice, model = choose("fp32")
+        return choice, model, m
 
     def _history_columns(self, q: Query) -> dict[str, Any]:
         """How many of the query's requests reused a cached history, and their tokens (HSTU with
