@@ -238,11 +238,12 @@ def test_health_is_serving_and_reflection_describes_the_service(server):
         assert {"dense", "lengths", "ids"} <= set(infer.input_type.fields_by_name)
 
 
-def test_client_open_loop_records_stages_that_add_up(server, tmp_path):
+@pytest.mark.parametrize("rpc", ["unary", "oip"])  # oip: the Open Inference Protocol, stages as response parameters
+def test_client_open_loop_records_stages_that_add_up(server, tmp_path, rpc):
     from dlrm_lab.serve.records import STAGES
 
     result = run_cli("client", "--target", server.target, "--concurrency", "2", "--qps", "60", "--query-size",
-                     "uniform:1,8", "--duration", "2", "--rpc", "unary", "--metrics-dir", str(tmp_path),
+                     "uniform:1,8", "--duration", "2", "--rpc", rpc, "--metrics-dir", str(tmp_path),
                      timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
     (run_dir,) = tmp_path.iterdir()
@@ -257,7 +258,7 @@ def test_client_open_loop_records_stages_that_add_up(server, tmp_path):
     order = ["scheduled_ms", "serialise_start_ms", "serialise_end_ms", "send_ms", "receive_ms", "deserialise_end_ms"]
     assert (q[order].diff(axis=1).iloc[:, 1:] >= 0).all().all()
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
-    assert s["mode"] == "open-loop" and s["rpc"] == "unary" and s["concurrency"] == 2
+    assert s["mode"] == "open-loop" and s["rpc"] == rpc and s["concurrency"] == 2
     assert s["completed_queries"] == len(q)
     assert sum(s[f"{stage}_share"] for stage in STAGES) == pytest.approx(1.0)
     assert s["queries_per_s"] == pytest.approx(len(q) / s["duration_s"])
@@ -427,7 +428,7 @@ def test_a_stream_query_unanswered_past_its_timeout_ends_deadline_exceeded():
 
 def test_an_unknown_rpc_kind_is_one_line():
     code, _, err = run_cli_in_process("client", "--target", "127.0.0.1:1", "--closed-loop", "--rpc", "http")
-    assert code == 2 and err.strip().splitlines() == ["error: --rpc 'http': allowed: stream, unary"]
+    assert code == 2 and err.strip().splitlines() == ["error: --rpc 'http': allowed: stream, unary, oip"]
 
 
 def test_a_killed_instance_is_routed_around_and_the_server_ends_cleanly(servers, library):
@@ -572,3 +573,19 @@ def test_nvidias_tritonclient_drives_the_server_and_gets_the_models_scores(serve
     assert got["inputs"] == ["dense", "lengths", "ids"] and got["max_batch_size"] == 0 and got["stats"] == "tiny"
     np.testing.assert_allclose(np.array(got["scores"], dtype=np.float32), _expected(library, 300, 50), rtol=1e-5,
                                atol=1e-6)  # fmt: skip
+
+
+def test_an_open_inference_answer_without_stage_times_leaves_them_null():
+    """A v2 server that is not the lab's reports no stages: the scores are read (raw or typed), the stages 0."""
+    from dlrm_lab.serve.protocol import v2
+    from dlrm_lab.serve.remote import open_inference_answer
+
+    out = v2.ModelInferResponse.InferOutputTensor
+    typed = v2.ModelInferResponse(outputs=[out(name="other"), out(name="scores", datatype="FP32", shape=[2])])
+    typed.outputs[1].contents.fp32_contents.extend([0.25, 0.5])
+    answer = open_inference_answer(typed.SerializeToString())
+    assert np.frombuffer(answer.scores, dtype="<f4").tolist() == [0.25, 0.5] and answer.server_send_ns == 0
+    raw = v2.ModelInferResponse(outputs=[out(name="scores")], raw_output_contents=[np.float32([0.75]).tobytes()])
+    raw.parameters["queue_ns"].int64_param = 5
+    answer = open_inference_answer(raw.SerializeToString())
+    assert np.frombuffer(answer.scores, dtype="<f4").tolist() == [0.75] and answer.queue_ns == 5

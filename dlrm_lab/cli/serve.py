@@ -124,7 +124,10 @@ def client_command(
     max_issue_lag_ms: MaxIssueLagMs = 1000.0,
     rpc: Annotated[
         str,
-        typer.Option(help="stream: one bidirectional InferStream per worker; unary: one Infer call per query."),
+        typer.Option(
+            help="stream: one bidirectional InferStream per worker; unary: one Infer call per query; oip: one "
+            "ModelInfer call per query, the Open Inference Protocol (KServe v2)."
+        ),
     ] = "stream",
     metrics_dir: MetricsDir = "runs",
 ) -> None:

@@ -29,19 +29,9 @@ import numpy as np
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.serve.protocol import DENSE_DTYPE, ID_DTYPE, LENGTH_DTYPE, SCORE_DTYPE
+from dlrm_lab.serve.protocol import DENSE_DTYPE, ID_DTYPE, LENGTH_DTYPE, OPEN_INFERENCE_SERVICE, SCORE_DTYPE, v2
 
-try:
-    from dlrm_lab.serve import open_inference_pb2 as v2
-except ImportError as exc:  # a checkout used without installing it
-    from dlrm_lab.errors import UserError
-
-    raise UserError(
-        f"the gRPC modules generated from dlrm_lab/serve/open_inference.proto are missing ({exc}); "
-        "they are built by the install: pip install -e ."
-    ) from None
-
-SERVICE = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
+SERVICE = OPEN_INFERENCE_SERVICE  # inference.GRPCInferenceService
 VERSION = "1"  # the one version of each model a lab server holds
 EXTENSIONS = ["model_configuration", "statistics"]
 INPUTS = ("dense", "lengths", "ids")
@@ -208,10 +198,18 @@ class OpenInferenceService:
         s.compute_ns += done_ns - start
         s.last_ms = int(time.time() * 1e3)
         out = v2.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype="FP32", shape=[shim.samples])
-        return v2.ModelInferResponse(
+        resp = v2.ModelInferResponse(
             model_name=shim.model, model_version=VERSION, id=req.id, outputs=[out],
             raw_output_contents=[np.asarray(scores, dtype=SCORE_DTYPE).tobytes()],
-        ).SerializeToString()  # fmt: skip
+        )  # fmt: skip
+        stages = {"server_receive_ns": receive, "parse_ns": q.issued_ns - receive, "queue_ns": start - q.issued_ns,
+                  "compute_ns": done_ns - start, "batch_samples": q.batch_samples or 0,
+                  "instance": -1 if q.instance is None else q.instance, "pieces": q.pieces,
+                  "instance_compute_ns": q.compute_ns}  # fmt: skip
+        for key, value in stages.items():  # the lab's stage times, for a client that reads them (protocol.STAGE_...)
+            resp.parameters[key].int64_param = int(value)
+        resp.parameters["server_send_ns"].int64_param = time.monotonic_ns()  # its serialisation follows
+        return resp.SerializeToString()
 
     def _request(self, req: Any) -> _Request:
         """The request's three tensors as the lab's packed fields, or Refused (INVALID_ARGUMENT) naming the

@@ -23,17 +23,26 @@ from dlrm_lab.infer.library import PackedLibrary
 try:
     from dlrm_lab.serve import inference_pb2 as pb
     from dlrm_lab.serve import inference_pb2_grpc as pb_grpc
+    from dlrm_lab.serve import open_inference_pb2 as v2
 except ImportError as exc:  # a checkout used without installing it
     raise UserError(
-        f"the gRPC modules generated from dlrm_lab/serve/inference.proto are missing ({exc}); "
+        f"the gRPC modules generated from dlrm_lab/serve/*.proto are missing ({exc}); "
         "they are built by the install: pip install -e ."
     ) from None
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # dlrm_lab.serve.Inference
 INFER_METHOD = f"/{SERVICE}/Infer"
 INFER_STREAM_METHOD = f"/{SERVICE}/InferStream"
-RPC_KINDS = ("stream", "unary")  # how a client sends its queries: one InferStream, or an Infer call each
+# How a client sends its queries: one InferStream, an Infer call each, or a ModelInfer call each of the Open
+# Inference Protocol (KServe v2, `serve.open_inference`)
+RPC_KINDS = ("stream", "unary", "oip")
 DESCRIBE_METHOD = f"/{SERVICE}/Describe"
+# The Open Inference Protocol (KServe v2): its service, and the response parameters (int64) in which a lab server
+# reports a query's stages, as its own protocol does (`serve.open_inference`)
+OPEN_INFERENCE_SERVICE = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPC...
+MODEL_INFER_METHOD = f"/{OPEN_INFERENCE_SERVICE}/ModelInfer"
+STAGE_PARAMETERS = ("server_receive_ns", "parse_ns", "queue_ns", "compute_ns", "batch_samples", "instance", "pieces",
+                    "instance_compute_ns", "server_send_ns")  # fmt: skip
 
 # gRPC's default 4 MiB receive limit is below a 1024-sample query of a large preset.
 MAX_MESSAGE_BYTES = 256 << 20
@@ -44,7 +53,7 @@ CHANNEL_OPTIONS = [
 
 DENSE_DTYPE, LENGTH_DTYPE, ID_DTYPE, SCORE_DTYPE = np.dtype("<f4"), np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
 
-__all__ = ["pb", "pb_grpc", "PayloadError", "decode_samples", "model_info"]
+__all__ = ["pb", "pb_grpc", "v2", "PayloadError", "decode_samples", "model_info"]
 
 
 class PayloadError(ValueError):

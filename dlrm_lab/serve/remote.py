@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,14 +36,63 @@ from dlrm_lab.serve.protocol import (
     INFER_METHOD,
     INFER_STREAM_METHOD,
     LENGTH_DTYPE,
+    MODEL_INFER_METHOD,
     RPC_KINDS,
     SCORE_DTYPE,
+    STAGE_PARAMETERS,
     encode_samples,
     pb,
+    v2,
 )
 
 EXPIRE_POLL_S = 0.25  # a draining stream client looks for queries past their timeout this often
 ERROR_BACKOFF_S = 0.01  # before a failed query's on_done: a closed loop must not spin on a dead server
+
+
+def open_inference_request(model: str, query_id: str, samples: int, dense: bytes, lengths: bytes, ids: bytes) -> bytes:
+    """A serialised ModelInferRequest of the Open Inference Protocol holding one query's tensors
+    (`serve.open_inference`: dense, lengths, ids in raw_input_contents)."""
+    tensor = v2.ModelInferRequest.InferInputTensor
+    features = len(lengths) // (LENGTH_DTYPE.itemsize * samples)
+    return v2.ModelInferRequest(
+        model_name=model, id=query_id,
+        inputs=[tensor(name="dense", datatype="FP32", shape=[samples, len(dense) // (DENSE_DTYPE.itemsize * samples)]),
+                tensor(name="lengths", datatype="INT32", shape=[features, samples]),
+                tensor(name="ids", datatype="INT64", shape=[len(ids) // ID_DTYPE.itemsize])],
+        raw_input_contents=[dense, lengths, ids],
+    ).SerializeToString()  # fmt: skip
+
+
+@dataclass
+class OpenInferenceAnswer:
+    """A ModelInferResponse read as the lab's answer: its scores, and the server's stage times where the server
+    reported them (a lab server does, in response parameters; any other: 0, the stage columns then null)."""
+
+    scores: bytes
+    server_receive_ns: int = 0
+    parse_ns: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    batch_samples: int = 0
+    instance: int = -1
+    pieces: int = 0
+    instance_compute_ns: int = 0
+    server_send_ns: int = 0
+
+
+def open_inference_answer(body: bytes) -> OpenInferenceAnswer:
+    """The scores (the `scores` output, raw or typed) and stage parameters of a serialised ModelInferResponse."""
+    resp = v2.ModelInferResponse.FromString(body)
+    names = [o.name for o in resp.outputs]
+    k = names.index("scores") if "scores" in names else 0
+    if resp.raw_output_contents:
+        scores = resp.raw_output_contents[k] if k < len(resp.raw_output_contents) else b""
+    elif resp.outputs:
+        scores = np.asarray(resp.outputs[k].contents.fp32_contents, dtype=SCORE_DTYPE).tobytes()
+    else:
+        scores = b""
+    stages = {key: resp.parameters[key].int64_param for key in STAGE_PARAMETERS if key in resp.parameters}
+    return OpenInferenceAnswer(scores=scores, **stages)
 
 
 class ServerLost(RuntimeError):
@@ -99,6 +149,7 @@ class RemoteServer:
         self.timeout_s = timeout_s
         # Raw bytes in and out: serialising and decoding the messages are client stages.
         self._infer = channel.unary_unary(INFER_METHOD)
+        self._model_infer = channel.unary_unary(MODEL_INFER_METHOD)  # rpc "oip": the Open Inference Protocol
         self._open_stream = channel.stream_stream(INFER_STREAM_METHOD)
         self._stream: queue.SimpleQueue | None = None  # requests of the open stream (None ends it)
         self._waiting: dict[int, tuple[Any, tuple[int, int, int], int]] = {}  # stream: query id -> its send
@@ -128,10 +179,13 @@ class RemoteServer:
         else:
             dense, lengths, ids = encode_samples(q.payload.dense, q.payload.lengths, q.payload.values)
         query_id = (self.worker << 40) | q.query_id  # unique across the workers of a client
-        body = pb.InferRequest(
-            model=q.model, query_id=query_id, samples=q.size, dense=dense, lengths=lengths, ids=ids,
-            client_send_ns=start,
-        ).SerializeToString()  # fmt: skip
+        if self.rpc == "oip":
+            body = open_inference_request(q.model, str(query_id), q.size, dense, lengths, ids)
+        else:
+            body = pb.InferRequest(
+                model=q.model, query_id=query_id, samples=q.size, dense=dense, lengths=lengths, ids=ids,
+                client_send_ns=start,
+            ).SerializeToString()  # fmt: skip
         serialised = time.monotonic_ns()
         with self._lock:
             self._outstanding += 1
@@ -143,7 +197,7 @@ class RemoteServer:
                 requests.put(body)
                 return
         send = time.monotonic_ns()
-        call = self._infer.future(body, timeout=self.timeout_s)
+        call = (self._model_infer if self.rpc == "oip" else self._infer).future(body, timeout=self.timeout_s)
         call.add_done_callback(functools.partial(self._done, q, (start, serialised, send), len(body)))
 
     def _start_stream(self) -> queue.SimpleQueue:
@@ -204,7 +258,7 @@ class RemoteServer:
         except grpc.FutureCancelledError:
             self._record(q, stamps, request_bytes, receive, status="CANCELLED")
         else:
-            resp = pb.InferResponse.FromString(body)
+            resp = open_inference_answer(body) if self.rpc == "oip" else pb.InferResponse.FromString(body)
             self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status="ok")
 
     def _record(
@@ -243,9 +297,11 @@ class RemoteServer:
         if status == "ok":
             scores = np.frombuffer(resp.scores, dtype=SCORE_DTYPE)
             end = time.monotonic_ns()
+            row["response_bytes"] = len(body)
             if len(scores) != q.size:
                 status, scores = "BAD_RESPONSE", None
                 row["error"] = f"{len(resp.scores)} score bytes for {q.size} samples"
+        if status == "ok" and resp.server_send_ns:  # the server reported its stages (any lab server)
             server_ns = resp.server_send_ns - resp.server_receive_ns
             respond_ns = server_ns - resp.parse_ns - resp.queue_ns - resp.compute_ns
             row.update({
@@ -256,7 +312,6 @@ class RemoteServer:
                 "server_respond_ms": respond_ns / 1e6,
                 "server_ms": server_ns / 1e6,
                 "instance_compute_ms": resp.instance_compute_ns / 1e6,
-                "response_bytes": len(body),
                 "batch_samples": resp.batch_samples,
                 "instance": resp.instance,
                 "pieces": resp.pieces,
