@@ -17,7 +17,8 @@ Parts (each through the real CLI, `dlrm-lab serve` + `dlrm-lab client`, or the l
             client of 128-sample queries (iBench's comparison).
   loadgen   MLPerf LoadGen's Server scenario through the gRPC system under test.
   rpc       256-sample queries, one InferStream per client (`--rpc stream`, the default)
-            against one Infer call per query (`--rpc unary`): closed loop and open loop at
+            against one Infer call per query (`--rpc unary`) and one ModelInfer call per query of
+            the Open Inference Protocol (`--rpc oip`, issue 33): closed loop and open loop at
             20 queries/s, runs interleaved, medians of 3 (issue 15: transfer <= 20% of compute).
             `--only rpc` runs this part alone.
 The model is the Criteo Kaggle shape with tables capped at 100k rows, one instance.
@@ -140,12 +141,13 @@ def in_process(root: Path, qps: float, size: int, duration: float) -> dict[str, 
 
 
 def rpc_compare(root: Path, target: str, duration: str, repeats: int = 3) -> dict[str, Any]:
-    """Stream against unary at 256 samples per query, interleaved; medians of `repeats`."""
+    """Stream, unary and the Open Inference Protocol at 256 samples per query, interleaved; medians of `repeats`."""
     loads = {"closed": ["--closed-loop"], "open_20": ["--qps", "20"]}
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {load: {"stream": [], "unary": []} for load in loads}
+    rpcs = ("stream", "unary", "oip")
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {load: {rpc: [] for rpc in rpcs} for load in loads}
     for _ in range(repeats):
         for load, how in loads.items():
-            for rpc in ("stream", "unary"):
+            for rpc in rpcs:
                 runs[load][rpc].append(pick(client(root, target, *how, "--query-size", "fixed:256", "--duration",
                                                    duration, "--rpc", rpc)))  # fmt: skip
     out: dict[str, Any] = {}
