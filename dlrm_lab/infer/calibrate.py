@@ -46,7 +46,7 @@ def capacity_qps(server: SystemUnderTest, stream: Stream, seconds: float, seed: 
     return _closed_loop(server, stream, concurrency, seconds, seed, drain_s)[0]
 
 
-def _drive(server: SystemUnderTest, driver: LoadDriver, drain_s: float) -> tuple[list[dict[str, Any]], float]:
+def drive_records(server: SystemUnderTest, driver: LoadDriver, drain_s: float) -> tuple[list[dict[str, Any]], float]:
     """Run `driver` against `server` to its end and drain: the records of its queries alone,
     and the seconds from its start to the last completion."""
     server.take_records()  # nothing from before
@@ -61,7 +61,7 @@ def _closed_loop(
     server: SystemUnderTest, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
 ) -> tuple[float, list[dict[str, Any]]]:
     settings = LoadSettings("closed-loop", duration_s=seconds, seed=seed, concurrency=concurrency)
-    records, wall = _drive(server, make_driver(server, [stream], settings), drain_s)
+    records, wall = drive_records(server, make_driver(server, [stream], settings), drain_s)
     done = [r for r in records if r["status"] == "ok"]
     return (len(done) / wall if wall > 0 else 0.0), done
 
@@ -72,7 +72,7 @@ def _open_loop_percentile(
 ) -> float:  # fmt: skip
     """The latency percentile of `seconds` of open-loop load at `qps` (dropped = inf)."""
     settings = LoadSettings("open-loop", duration_s=seconds, seed=seed)
-    records, _ = _drive(server, make_driver(server, [replace(stream, qps=qps)], settings), drain_s)
+    records, _ = drive_records(server, make_driver(server, [replace(stream, qps=qps)], settings), drain_s)
     if not records:
         return math.inf
     row = summarize(records, duration_s=seconds, sla_ms=sla_ms, sla_percentile=percentile)

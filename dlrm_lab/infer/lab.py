@@ -42,7 +42,7 @@ from dlrm_lab.infer.records import (
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import SutDescription, SystemUnderTest
-from dlrm_lab.infer.tune import KNOBS, choose_policy
+from dlrm_lab.infer.tune import KNOBS, PROBED, choose_policy
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
 from dlrm_lab.metrics.precision import DTYPES
@@ -112,7 +112,7 @@ class InferConfig:
             raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
         if unknown := sorted(set(self.tune) - set(KNOBS)):
             raise UserError(f"tune {unknown[0]!r}: allowed: {', '.join(KNOBS)}")
-        probed = sorted(set(self.tune) - {"max_batch"})  # chosen by probes of the point's own open-loop load
+        probed = [k for k in PROBED if k in self.tune]
         if probed and self.scenario not in ("open-loop", "server"):
             flag = "--" + probed[0].replace("_", "-")
             raise UserError(f"{flag} auto: needs open-loop or server load (chosen at the point's rate); "
@@ -403,7 +403,7 @@ def run_inference(
         raise UserError("--qps auto: one --model, with open-loop or server load (the rate is probed open loop)")
     if cfg.sla_auto and not cfg.qps_auto:
         raise UserError("--sla-ms auto: needs --qps auto (the bound is chosen with the load)")
-    if len(models) > 1 and (probed := sorted(set(cfg.tune) - {"max_batch"})):
+    if len(models) > 1 and (probed := [k for k in PROBED if k in cfg.tune]):
         raise UserError(f"--{probed[0].replace('_', '-')} auto: one --model (its probes run one model's load)")
     check_writable(metrics_dir, "--metrics-dir")
     if not cfg.qps_auto:  # auto: a probed rate, below capacity

@@ -33,12 +33,14 @@ import numpy as np
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.batching import BatchCost
-from dlrm_lab.infer.drivers import drive, make_driver
+from dlrm_lab.infer.calibrate import drive_records
+from dlrm_lab.infer.drivers import make_driver
 from dlrm_lab.infer.load import LoadSettings, Stream
 from dlrm_lab.infer.records import summarize
 from dlrm_lab.infer.sut import SystemUnderTest
 
 KNOBS = ("max_batch", "max_delay_ms", "spin_ms")  # what `auto` may be given for
+PROBED = ("max_delay_ms", "spin_ms")  # chosen by probes of one model's open-loop load (max_batch: by its batch cost)
 DELAYS_MS = (0.0, 0.5, 1.0, 2.0)  # batching delays probed (those above a quarter of the bound are not)
 MARGIN = 1.05  # a spin must lower the percentile by this factor to be kept (it costs cores)
 FIXED_SHARE = 0.1  # auto max batch: large enough that the per-batch cost is at most this share of a batch
@@ -121,11 +123,8 @@ def _probe(server: SystemUnderTest, stream: Stream, seconds: float, percentile: 
            drain_s: float) -> tuple[float, float]:  # fmt: skip
     """Open-loop load at the stream's rate: its latency percentile (dropped = inf) and the median
     share of a query's latency that was in-service slowdown."""
-    server.take_records()
     settings = LoadSettings("open-loop", duration_s=seconds, seed=seed, max_issue_lag_ms=None)
-    records: list[dict[str, Any]] = []
-    drive(server, make_driver(server, [stream], settings), drain_s=drain_s, take=records.extend)
-    records += server.take_records()
+    records, _ = drive_records(server, make_driver(server, [stream], settings), drain_s)
     if not records:
         return math.inf, 0.0
     row = summarize(records, duration_s=seconds, sla_ms=sla_ms, sla_percentile=percentile)

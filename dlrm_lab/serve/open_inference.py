@@ -26,10 +26,20 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.serve.protocol import DENSE_DTYPE, ID_DTYPE, LENGTH_DTYPE, OPEN_INFERENCE_SERVICE, SCORE_DTYPE, v2
+from dlrm_lab.serve.protocol import (
+    DENSE_DTYPE,
+    ID_DTYPE,
+    LENGTH_DTYPE,
+    OPEN_INFERENCE_SERVICE,
+    SCORE_DTYPE,
+    Refused,
+    client_deadline,
+    v2,
+)
 
 SERVICE = OPEN_INFERENCE_SERVICE  # inference.GRPCInferenceService
 VERSION = "1"  # the one version of each model a lab server holds
@@ -169,15 +179,13 @@ class OpenInferenceService:
         return v2.ModelStatisticsResponse(model_stats=out)
 
     async def model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        from dlrm_lab.serve.server import Refused, client_deadline
-
         receive = time.monotonic_ns()
         shim: _Request | None = None
         req = None
         try:
             try:
                 req = v2.ModelInferRequest.FromString(body)
-            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: a bad message
+            except DecodeError as exc:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a ModelInferRequest ({exc})",
                               "rejected") from None  # fmt: skip
             shim = self._request(req)
@@ -215,7 +223,6 @@ class OpenInferenceService:
         """The request's three tensors as the lab's packed fields, or Refused (INVALID_ARGUMENT) naming the
         tensor that is missing, mistyped or misshapen. Sizes against the model are checked after, by the same
         rules as the lab's own protocol."""
-        from dlrm_lab.serve.server import Refused
 
         def refuse(message: str) -> Refused:
             return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"model {req.model_name!r}: {message}", "rejected")

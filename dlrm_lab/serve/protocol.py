@@ -12,8 +12,10 @@ Decoding only reinterprets the received bytes (np.frombuffer): no copy, no per-v
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import grpc
 import numpy as np
 
 from dlrm_lab.config import ModelSpec
@@ -53,7 +55,23 @@ CHANNEL_OPTIONS = [
 
 DENSE_DTYPE, LENGTH_DTYPE, ID_DTYPE, SCORE_DTYPE = np.dtype("<f4"), np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
 
-__all__ = ["pb", "pb_grpc", "v2", "PayloadError", "decode_samples", "model_info"]
+__all__ = ["pb", "pb_grpc", "v2", "PayloadError", "Refused", "client_deadline", "decode_samples", "model_info"]
+
+
+class Refused(Exception):
+    """A query answered with an error code; `status`: its row's status when the
+    InferenceServer never saw it (None: the InferenceServer recorded it)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+def client_deadline(context: Any) -> int | None:
+    """The client's deadline on this process's monotonic clock (None: it set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic_ns() + int(remaining * 1e9)
 
 
 class PayloadError(ValueError):

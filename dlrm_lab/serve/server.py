@@ -50,6 +50,8 @@ from dlrm_lab.serve.protocol import (
     SCORE_DTYPE,
     SERVICE,
     PayloadError,
+    Refused,
+    client_deadline,
     decode_samples,
     model_info,
     pb,
@@ -58,16 +60,6 @@ from dlrm_lab.serve.protocol import (
 Log = Callable[[str], None]
 PUMP_S = 0.5  # records move to the queries table this often ...
 FLUSH_S = 2.0  # ... and are on disk (a part file) at most this late
-
-
-class Refused(Exception):
-    """A query answered with an error code; `status`: its row's status when the
-    InferenceServer never saw it (None: the InferenceServer recorded it)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, status: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.status = status
 
 
 class InferenceService:
@@ -314,12 +306,6 @@ class InferenceService:
                 _resolve(fut, ("failed", None, now))
             return False
         return True
-
-
-def client_deadline(context: Any) -> int | None:
-    """The client's deadline on this process's monotonic clock (None: it set none)."""
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic_ns() + int(remaining * 1e9)
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
