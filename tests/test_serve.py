@@ -458,17 +458,13 @@ def test_a_killed_instance_is_routed_around_and_the_server_ends_cleanly(servers,
 
 
 def _v2_request(block, model: str = "tiny", query_id: str = "7"):
-    from dlrm_lab.serve import open_inference_pb2 as v2
+    """The client's own ModelInferRequest of these samples (`serve.remote.open_inference_request`)."""
+    from dlrm_lab.serve.protocol import v2
+    from dlrm_lab.serve.remote import open_inference_request
 
-    dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
-    tensor = v2.ModelInferRequest.InferInputTensor
-    n, f = block.size, len(block.lengths)
-    return v2.ModelInferRequest(
-        model_name=model, id=query_id,
-        inputs=[tensor(name="dense", datatype="FP32", shape=[n, 4]), tensor(name="lengths", datatype="INT32",
-                shape=[f, n]), tensor(name="ids", datatype="INT64", shape=[len(ids) // 8])],
-        raw_input_contents=[dense, lengths, ids],
-    )  # fmt: skip
+    body = open_inference_request(model, query_id, block.size, *encode_samples(block.dense, block.lengths,
+                                                                               block.values))  # fmt: skip
+    return v2.ModelInferRequest.FromString(body)
 
 
 def _expected(library, offset: int, size: int) -> np.ndarray:
