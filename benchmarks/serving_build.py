@@ -105,52 +105,48 @@ KEEP = ("build", "queries_per_s", "sla_latency_ms", "latency_floor_ms", "latency
         *[f"batch_{s}_mean_ms" for s in ("assembly", "lookup", "dense", "interaction", "completion")])  # fmt: skip
 
 
+def alternate(tmp: Path, args: list[str], variants: dict[str, list[str]], repeats: int,
+              keep: tuple[str, ...] = KEEP) -> dict[str, Any]:  # fmt: skip
+    """`infer run ARGS` under each variant's extra options, alternated `repeats` times: per variant its
+    runs' `keep` columns and the median p99 over the floor."""
+    rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for _ in range(repeats):  # interleaved
+        for v, extra in variants.items():
+            row = cli(tmp, "infer", "run", *args, *extra)
+            rows[v].append({k: row.get(k) for k in keep})
+    return {v: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
+            for v, r in rows.items()}  # fmt: skip
+
+
+LOW_LOAD = [*KAGGLE, "--query-size", "mlperf", "--qps", "3", "--duration", "30", "--instances", "1", "--threads", "1",
+            "--sla-ms", "100"]  # fmt: skip
+MAKE_RUN = [*KAGGLE, "--query-size", "mlperf", "--qps", "auto", "--sla-ms", "auto", "--duration", "10",
+            "--instances", "2"]  # fmt: skip
+
+
 def points_part(repeats: int) -> dict[str, Any]:
-    low = [*KAGGLE, "--query-size", "mlperf", "--qps", "3", "--duration", "30", "--instances", "1", "--threads", "1",
-           "--sla-ms", "100"]  # fmt: skip
-    make_run = [*KAGGLE, "--query-size", "mlperf", "--qps", "auto", "--sla-ms", "auto", "--duration", "10",
-                "--instances", "2", "--max-batch", "2048", "--max-delay-ms", "2"]  # fmt: skip
+    points = {"low_load": LOW_LOAD, "make_run": [*MAKE_RUN, "--max-batch", "2048", "--max-delay-ms", "2"]}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, args in (("low_load", low), ("make_run", make_run)):
-            rows: dict[str, list[dict[str, Any]]] = {"eager": [], "auto": []}
-            for _ in range(repeats):  # interleaved
-                for b in rows:
-                    row = cli(Path(tmp), "infer", "run", *args, "--build", b)
-                    rows[b].append({k: row.get(k) for k in KEEP})
-            out[name] = {
-                b: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
-                for b, r in rows.items()
-            }
+        for name, args in points.items():
+            out[name] = alternate(Path(tmp), args, {b: ["--build", b] for b in ("eager", "auto")}, repeats)
             print(f"{name}: floor ratio eager {out[name]['eager']['floor_ratio_median']:.2f}x -> auto "
                   f"{out[name]['auto']['floor_ratio_median']:.2f}x", flush=True)  # fmt: skip
     return out
 
 
 def policy_part(repeats: int) -> dict[str, Any]:
-    low = [*KAGGLE, "--query-size", "mlperf", "--qps", "3", "--duration", "30", "--instances", "1", "--threads", "1",
-           "--sla-ms", "100"]  # fmt: skip
-    make_run = [*KAGGLE, "--query-size", "mlperf", "--qps", "auto", "--sla-ms", "auto", "--duration", "10",
-                "--instances", "2"]  # fmt: skip
     given = {"low_load": ["--max-batch", "256", "--max-delay-ms", "1"],
              "make_run": ["--max-batch", "2048", "--max-delay-ms", "2"]}  # fmt: skip
     chosen = ["--max-batch", "auto", "--max-delay-ms", "auto", "--spin-ms", "auto"]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, args in (("low_load", low), ("make_run", make_run)):
-            rows: dict[str, list[dict[str, Any]]] = {"given": [], "measured": []}
-            for _ in range(repeats):  # interleaved
-                for policy, extra in (("given", given[name]), ("measured", chosen)):
-                    print(f"{name}, policy {policy}:", flush=True)
-                    row = cli(Path(tmp), "infer", "run", *args, *extra)
-                    keep = {k: row.get(k) for k in (*KEEP, "max_batch", "max_delay_ms", "spin_ms")}
-                    print(f"  max batch {keep['max_batch']}, delay {keep['max_delay_ms']} ms, spin "
-                          f"{keep['spin_ms']} ms", flush=True)  # fmt: skip
-                    rows[policy].append(keep)
-            out[name] = {
-                p: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
-                for p, r in rows.items()
-            }
+        for name, args in (("low_load", LOW_LOAD), ("make_run", MAKE_RUN)):
+            out[name] = alternate(Path(tmp), args, {"given": given[name], "measured": chosen}, repeats,
+                                  keep=(*KEEP, "max_batch", "max_delay_ms", "spin_ms"))  # fmt: skip
+            for run in out[name]["measured"]["runs"]:
+                print(f"  chosen: max batch {run['max_batch']}, delay {run['max_delay_ms']} ms, spin "
+                      f"{run['spin_ms']} ms", flush=True)  # fmt: skip
             print(f"{name}: floor ratio, policy given {out[name]['given']['floor_ratio_median']:.2f}x -> measured "
                   f"{out[name]['measured']['floor_ratio_median']:.2f}x", flush=True)  # fmt: skip
     return out
