@@ -106,6 +106,34 @@ def test_probe_kernels_measure_positive_rates_at_small_sizes():
     assert gather["bytes_per_s"] > 1e7 and gather["table_bytes"] == 2 * 20_000 * 16 * 4
 
 
+def test_gemm_climb_is_not_cut_by_a_launch_bound_pilot(monkeypatch):
+    """A GPU-like product: 100 us to launch, then 500 TFLOP/s. The pilot (n=256) predicts ~0.3
+    TFLOP/s, under which n=8192 would take 3.3 s; the climb must still reach it (the rates timed at
+    the smaller sizes predict it), while a slow kernel (20 GFLOP/s) stops after the smallest size."""
+    from dlrm_lab.metrics import probe
+
+    def fake(launch_s: float, rate: float) -> list[int]:
+        now = [0.0]
+        seen: list[int] = []
+
+        def mm(a, b, *args, **kwargs):
+            seen.append(a.shape[0])
+            now[0] += launch_s + 2 * a.shape[0] ** 3 / rate
+            return a
+
+        monkeypatch.setattr(probe.torch, "mm", mm)
+        monkeypatch.setattr(probe.torch, "randn", lambda n, m, **kw: torch.empty(n, 1))
+        monkeypatch.setattr(probe.time, "perf_counter", lambda: now[0])
+        return seen
+
+    seen = fake(100e-6, 500e12)
+    gpu_like = gemm_flops_per_s(CPU, torch.float32, (2048, 8192), repeats=2, min_flops=2e10)
+    assert gpu_like["size"] == 8192 and 8192 in seen and gpu_like["flops_per_s"] > 0.95 * 500e12
+    seen = fake(0.0, 20e9)
+    slow = gemm_flops_per_s(CPU, torch.float32, (1024, 2048, 4096), repeats=2, min_flops=2e8)
+    assert slow["size"] == 1024 and max(seen) == 1024  # 2048 would take 0.86 s a product
+
+
 def test_inference_row_bytes_follow_the_table_precision():
     tiny = dlrm_lab.load_preset("tiny")  # 7 rows of dim 8 looked up per sample
     assert lookup_bytes_per_sample(tiny, "fp32") == 7 * 8 * 4

@@ -62,6 +62,8 @@ class ProbeSizes:
     gemm_min_flops: float  # per timing: small products are repeated up to this much work
     # samples a rank at which TorchRec's distribution is timed (`torchrec_distribution`)
     torchrec_batches: tuple[int, ...] = (512, 2048)
+    # a GPU reaches its peak only on larger products (an H200's bf16: 430 TFLOP/s at 2048, 667 at 8192)
+    gpu_gemm_sizes: tuple[int, ...] = (2048, 8192)
 
     @classmethod
     def preset(cls, quick: bool) -> ProbeSizes:
@@ -69,7 +71,7 @@ class ProbeSizes:
             return cls((256, 1024), 64 << 20, 2, 250_000, 64, 1024, 20, (1 << 10, 1 << 16, 1 << 20), 3, 2e8)
         return cls(
             (1024, 2048, 4096), 1 << 30, 4, 1_000_000, 64, 4096, 20,
-            tuple(1 << k for k in range(10, 27, 2)), 7, 2e9, (512, 2048, 8192),
+            tuple(1 << k for k in range(10, 27, 2)), 7, 2e9, (512, 2048, 8192), (2048, 4096, 8192, 16384),
         )  # fmt: skip
 
 
@@ -100,8 +102,11 @@ def gemm_flops_per_s(
     best: dict[str, Any] = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     # A slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs) would take seconds per
-    # product at these sizes: a pilot product predicts the rate, and sizes predicted to take
-    # over 0.25 s a product are left out (the pilot's size stands in when all would be).
+    # product at these sizes. A pilot product decides only whether the smallest size is
+    # affordable (its size stands in when not); each larger size is predicted from the best
+    # rate timed so far and the first predicted to take over 0.25 s ends the climb. The pilot
+    # is a floor, not a forecast: on a GPU one small product is launch-bound (an H200's pilot
+    # cut bf16 at n=2048: 430 of the 667 TFLOP/s it sustains at n=8192).
     pilot = min(256, *sizes)
     a = torch.randn(pilot, pilot, device=device).to(dtype)
     torch.mm(a, a)  # first call: kernel selection
@@ -109,10 +114,9 @@ def gemm_flops_per_s(
     t0 = time.perf_counter()
     torch.mm(a, a)
     sync(device)
-    predicted_rate = 2 * pilot**3 / max(time.perf_counter() - t0, 1e-9)
-    affordable = tuple(n for n in sizes if 2 * n**3 / predicted_rate <= 0.25) or (pilot,)
-    for n in affordable:
-        # ... and the rates measured so far stop it before a larger size gets that slow
+    pilot_rate = 2 * pilot**3 / max(time.perf_counter() - t0, 1e-9)
+    climb = sorted(sizes) if 2 * min(sizes) ** 3 / pilot_rate <= 0.25 else [pilot]
+    for n in climb:
         if best["size"] is not None and 2 * n**3 / best["flops_per_s"] > 0.25:
             break
         a = torch.randn(n, n, device=device).to(dtype)
@@ -338,7 +342,8 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
         for name, dtype in dtypes.items():
             if device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-            gemm = gemm_flops_per_s(device, dtype, sizes.gemm_sizes, sizes.repeats, sizes.gemm_min_flops)
+            square = sizes.gpu_gemm_sizes if device.type == "cuda" else sizes.gemm_sizes
+            gemm = gemm_flops_per_s(device, dtype, square, sizes.repeats, sizes.gemm_min_flops)
             out["gemm_flops_per_s"][name] = gemm["flops_per_s"]
             out["gemm_size"][name] = gemm["size"]
             out["gemm_spread"][name] = gemm["spread"]
