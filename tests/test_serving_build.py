@@ -123,7 +123,7 @@ def test_an_explicit_slower_build_runs_with_one_warning_naming_both_times(monkey
     assert choice.build == "eager" and not isinstance(module, builds.FusedDLRM)
     assert "--build eager is slower than fused" in choice.warning
     assert "eager 6.000 ms vs fused 2.000 ms" in choice.warning and choice.line.startswith("warning: ")
-    with pytest.raises(UserError, match="--build 'jit': allowed: auto, eager, fused, compiled"):
+    with pytest.raises(UserError, match="--build 'jit': allowed for a DLRM: auto, eager, fused, compiled"):
         _choose("jit", FakeTimes(eager=1.0, fused=1.0))
 
 
@@ -169,14 +169,80 @@ def test_a_compiled_build_scores_as_the_eager_model_and_is_timed_where_the_dense
     assert isinstance(module, builds.FusedDLRM) and module.compiled is None  # each instance compiles its own
 
 
-def test_an_hstu_preset_is_served_eager_only():
+def _ranker():
     from dlrm_lab.config import load_any_preset
+    from dlrm_lab.model.hstu import build_ranker
+
+    torch.manual_seed(SEED)
+    return build_ranker(load_any_preset("hstu-tiny")).eval()
+
+
+def _held_out_requests(model, n: int = 256):
+    from dlrm_lab.data.sequences import SequenceGenerator
+
+    return SequenceGenerator(model.spec.data, seed=SEED).requests(0, n, "train")
+
+
+def test_the_hstu_rankers_fused_build_scores_as_the_eager_model_and_reuses_histories_in_its_precision():
+    """The ranker's `fused` build: its sequence tables in TorchRec's fused quantised EmbeddingCollection,
+    the rest stored in the precision served. At fp32 every candidate's score within 1e-5 of the eager
+    model's, through the instance's runner too, with history reuse; at bf16 the runner does not
+    autocast and the history cache holds bf16 keys."""
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+
+    from dlrm_lab.infer.requests import RequestLibrary
+
+    model = _ranker()
+    block = _held_out_requests(model)
+    fused = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
+    assert isinstance(fused.tables, QuantEmbeddingCollection) and type(model.tables).__name__ == "EmbeddingCollection"
+    check = builds.check_accuracy(model, fused, "fused", block, precision="fp32", table_precision="fp32")
+    assert check.passed and check.max_abs_diff <= 1e-5 and check.samples == int(block.candidate_lengths.sum())
+    library = RequestLibrary.from_block(block)
+    refs = [QueryRef(1, 3, 10), QueryRef(2, 5, 100), QueryRef(3, 4, 10)]  # the third reuses the first's users
+    runners = [make_runner(m, library, torch.device("cpu"), "fp32", history_cache_mb=64) for m in (fused, model)]
+    for _ in range(2):  # the second round reuses every history
+        np.testing.assert_allclose(runners[0](refs), runners[1](refs), atol=1e-5)
+    assert runners[0].reused[:, 0].sum() > 0
+    half = builds.make_build(model, "fused", precision="bf16", table_precision="int8")
+    assert {p.dtype for n, p in half.named_parameters() if not n.startswith("tables")} == {torch.bfloat16}
+    runner = make_runner(half, library, torch.device("cpu"), "bf16", history_cache_mb=64)
+    assert not runner.autocast
+    runner(refs)
+    runner(refs)
+    entry = next(iter(runner.cache.entries.values()))
+    assert entry.keys[0].dtype == torch.bfloat16 and runner.reused[:, 0].sum() > 0
+    int8 = builds.check_accuracy(model, half, "fused", block, precision="bf16", table_precision="int8")
+    assert "AUC within 0.1%" in int8.rule and int8.max_abs_diff > 0
+
+
+def test_the_hstu_rankers_build_is_chosen_by_measurement_and_an_hstu_preset_has_no_compiled_build(
+    monkeypatch, tmp_path
+):
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.infer.requests import RequestLibrary
     from dlrm_lab.infer.served import ServedModel
 
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     spec = load_any_preset("hstu-tiny")
-    with pytest.raises(UserError, match="--build fused: hstu-tiny is an HSTU preset, served eager only"):
-        ServedModel("h", spec, build="fused")
-    assert ServedModel("h", spec).build == "auto"
+    with pytest.raises(UserError, match="--build compiled: hstu-tiny is an HSTU preset \\(allowed: auto, eager, fused\\)"):
+        ServedModel("h", spec, build="compiled")
+    assert ServedModel("h", spec, build="fused").build == "fused"
+    model = _ranker()
+    block = _held_out_requests(model, 128)
+    library = RequestLibrary.from_block(block)
+    times = FakeTimes(eager=3.0, fused=2.0)
+    choice, module = builds.choose_build("auto", model, precision="fp32", table_precision="fp32", threads=1,
+                                         sizes=[4, 16], library=library, check_block=block, measure=times)  # fmt: skip
+    assert times.calls == [["eager", "fused"]] and choice.build == "fused" and choice.accuracy.passed
+    assert "HSTU ranker" in choice.skipped["compiled"] and getattr(module, "served_precision") == "fp32"
+    slower = FakeTimes(eager=2.0, fused=3.0)
+    choice, module = builds.choose_build("fused", model, precision="fp32", table_precision="fp32", threads=1,
+                                         sizes=[4, 8], library=library, check_block=block, measure=slower)  # fmt: skip
+    assert choice.build == "fused" and "--build fused is slower than eager" in choice.warning
+    with pytest.raises(UserError, match="allowed for the HSTU ranker: auto, eager, fused"):
+        builds.choose_build("compiled", model, precision="fp32", table_precision="fp32", threads=1, sizes=[4],
+                            library=library, check_block=block, measure=times)  # fmt: skip
 
 
 def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_back_to_fp32(monkeypatch, tmp_path):

@@ -12,6 +12,12 @@ an instance serves one of these builds of a DLRM:
 - `compiled`: `fused`, with the dense part (bottom MLP, interaction, top MLP) compiled by Inductor
   with freezing, so oneDNN prepacks the weights and the interaction is fused.
 
+The HSTU ranker has `eager` and `fused` builds: `fused` puts its sequence tables in one fused fbgemm
+lookup (TorchRec's quantised `EmbeddingCollection`, fp32 included, its output in the precision
+served) and stores every other weight in that precision (no autocast). It is not compiled: its
+batches are jagged sequences of every length, and its attention path is chosen by measurement
+already (`model.hstu.choose_attention`).
+
 `auto` times the candidates on this machine, at the instance's threads and the batch sizes it will
 serve, and keeps the fastest (the rates are cached in the machine profile); an explicit build that
 measures slower still runs, with one warning line naming both rates. Every build's scores are
@@ -92,8 +98,10 @@ class FusedDLRM(nn.Module):
 
         self.precision, self.table_precision = precision, table_precision
         dtype = DTYPES[precision]
-        weight_dtype = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
-        quantised = quantize_embeddings(model, dtype=weight_dtype[table_precision], inplace=False, output_dtype=dtype)
+        from dlrm_lab.infer.instance import TABLE_WEIGHT_DTYPES
+
+        weight_dtype = TABLE_WEIGHT_DTYPES[table_precision]
+        quantised = quantize_embeddings(model, dtype=weight_dtype, inplace=False, output_dtype=dtype)
         modules = quantised.sparse_arch.embedding_bag_collection._emb_modules
         if len(modules) != 1:  # one storage type and pooling for all tables: one TBE
             raise ValueError(f"expected one fused table module, got {len(modules)}")
@@ -177,7 +185,59 @@ def make_build(model: nn.Module, build: str, *, precision: str, table_precision:
         from dlrm_lab.infer.instance import quantize_tables
 
         return quantize_tables(model, table_precision) if table_precision != "fp32" else model
+    if is_ranker(model):
+        if build != "fused":
+            raise UserError(f"--build {build}: the HSTU ranker has builds {', '.join(RANKER_BUILDS)}")
+        return fused_ranker(model, precision=precision, table_precision=table_precision).eval()
     return FusedDLRM(model, precision=precision, table_precision=table_precision).eval()
+
+
+# ----------------------------------------------------------------------------- the HSTU ranker
+
+RANKER_BUILDS = ("eager", "fused")
+CHECK_REQUESTS = 512  # held-out requests of the ranker's accuracy check (a few thousand candidates)
+CHECK_CHUNK = 64  # requests scored at a time by the check
+
+
+def is_ranker(model: nn.Module) -> bool:
+    """Whether `model` (or a build of it) is the HSTU ranker."""
+    from dlrm_lab.config import HSTUSpec
+
+    return isinstance(getattr(model, "spec", None), HSTUSpec)
+
+
+def fused_ranker(model: nn.Module, *, precision: str, table_precision: str) -> nn.Module:
+    """The HSTU ranker as the `fused` build serves it: its sequence tables in one fused fbgemm lookup
+    (TorchRec's `QuantEmbeddingCollection` at `table_precision`, fp32 included, its output in
+    `precision`) and every other weight stored in `precision`. `served_precision` tells the runner
+    not to autocast. The model is copied without its float tables: no second copy of them."""
+    from torchrec.inference.modules import quantize_embeddings
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+
+    from dlrm_lab.infer.instance import TABLE_WEIGHT_DTYPES
+
+    dtype = DTYPES[precision]
+    tables = model.tables
+    holder = nn.Module()  # quantize_embeddings swaps children, never the module it is given
+    holder.tables = tables
+    try:
+        quantised = quantize_embeddings(
+            holder, dtype=TABLE_WEIGHT_DTYPES[table_precision], inplace=True, output_dtype=dtype,
+            additional_qconfig_spec_keys=[EmbeddingCollection],
+            additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
+        ).tables  # fmt: skip
+    finally:  # in place, the float tables keep the qconfig it set, and a later build would reuse it
+        for module in tables.modules():
+            module.__dict__.pop("qconfig", None)
+    model.tables = None
+    try:
+        served = copy.deepcopy(model).to(dtype)
+    finally:
+        model.tables = tables
+    served.tables = quantised
+    served.served_precision = precision
+    return served
 
 
 # ----------------------------------------------------------------------------- scoring outside the server
@@ -185,17 +245,30 @@ def make_build(model: nn.Module, build: str, *, precision: str, table_precision:
 
 def score_build(module: nn.Module, samples: Any, precision: str) -> np.ndarray:
     """A build's scores of samples (a PackedLibrary, or a SampleBlock that is packed first), all in one
-    batch as an instance assembles it; the eager model under autocast below fp32."""
+    batch as an instance assembles it; the eager model under autocast below fp32. The HSTU ranker's:
+    one per candidate of a RequestBlock's requests, CHECK_CHUNK requests at a time."""
     from dlrm_lab.infer.instance import QueryRef, assemble_batch, gather_batch
     from dlrm_lab.infer.library import PackedLibrary
 
+    autocast = precision != "fp32" and getattr(module, "served_precision", None) is None
+    if is_ranker(module):
+        from dlrm_lab.infer.history import score_requests
+        from dlrm_lab.infer.requests import RequestLibrary
+
+        requests = RequestLibrary.from_block(samples)
+        parts = []
+        with torch.inference_mode(), torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
+            for start in range(0, requests.size, CHECK_CHUNK):
+                block = requests.block(start, min(CHECK_CHUNK, requests.size - start))
+                parts.append(torch.sigmoid(score_requests(module, block, None)[0].float()).numpy())
+        return np.concatenate(parts)
     packed = samples if isinstance(samples, PackedLibrary) else PackedLibrary.from_block(samples)
     everything = [QueryRef(-1, packed.size, 0)]
     with torch.inference_mode():
         if isinstance(module, FusedDLRM):
             return module(*kernel_batch(*gather_batch(packed, everything))).numpy()
         dense, kjt = assemble_batch(packed, everything, list(module.spec.feature_names))
-        with torch.autocast("cpu", dtype=DTYPES[precision], enabled=precision != "fp32"):
+        with torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
             return torch.sigmoid(module(dense, kjt).float()).numpy()
 
 
@@ -260,7 +333,7 @@ def check_accuracy(
     (`reference_labels`); the AUCs on the samples' own labels are recorded beside them."""
     from dlrm_lab.infer.library import PackedLibrary
 
-    packed = PackedLibrary.from_block(block)  # once, for both models
+    packed = block if is_ranker(model) else PackedLibrary.from_block(block)  # once, for both models
     reference = score_build(model, packed, "fp32")
     scores = score_build(module, packed, precision)
     diff = float(np.abs(scores.astype(np.float64) - reference).max())
@@ -333,7 +406,7 @@ def time_builds(modules: dict[str, nn.Module], sizes: Sequence[int], threads: in
                     t = time.perf_counter()
                     r([QueryRef(-1, n, 0)])
                     times[b][n].append((time.perf_counter() - t) * 1e3)
-                    if b == "fused" and n == max(sizes):
+                    if b == "fused" and n == max(sizes) and r.stages is not None:
                         dense.append(r.stages[2] + (r.stages[3] or 0.0))
         out = {b: {n: statistics.median(v) for n, v in per.items()} for b, per in times.items()}
         if dense:
@@ -362,10 +435,14 @@ def choose_build(
     measure: Measure | None = None,
     log: Log | None = None,
 ) -> tuple[BuildChoice, nn.Module]:
-    """Resolve `requested` (auto or one of BUILDS) for a DLRM served at `sizes` samples per batch:
-    the choice, and the module to serve (checked for accuracy on `check_block`)."""
-    if requested != AUTO and requested not in BUILDS:
-        raise UserError(f"--build {requested!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
+    """Resolve `requested` (auto or one of BUILDS) for a model served at `sizes` samples (the HSTU
+    ranker: requests) per batch: the choice, and the module to serve (checked for accuracy on
+    `check_block`: samples, or the ranker's requests)."""
+    ranker = is_ranker(model)
+    allowed = RANKER_BUILDS if ranker else BUILDS
+    if requested != AUTO and requested not in allowed:
+        family = "the HSTU ranker" if ranker else "a DLRM"
+        raise UserError(f"--build {requested!r}: allowed for {family}: {AUTO}, {', '.join(allowed)}")
     common = {"requested": requested, "threads": threads}
     if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
         build = "eager" if requested == AUTO else requested
@@ -378,7 +455,10 @@ def choose_build(
     rates, source = _rates(["eager", "fused"], modules, sizes, threads, library, measure)
     dense_ms = rates["fused"].get(-1)
     want_compiled = requested == "compiled" or (dense_ms is not None and dense_ms >= COMPILE_MIN_DENSE_MS)
-    if requested == AUTO and not want_compiled:
+    if ranker:
+        skipped["compiled"] = ("not a build of the HSTU ranker: its batches are jagged sequences of every "
+                               "length, and its attention path is chosen by measurement already")  # fmt: skip
+    elif requested == AUTO and not want_compiled:
         skipped["compiled"] = (f"the dense part takes {dense_ms:.3f} ms of a {max(sizes)}-sample batch: compiling "
                                f"cannot repay an instance's start (tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip
     if want_compiled:

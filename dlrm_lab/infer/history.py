@@ -103,8 +103,9 @@ def score_requests(
     prefix = torch.tensor([0 if e is None else 1 + len(e.items) for e in entries], dtype=torch.long, device=device)
     shape = model.shape.stu
     p = int(prefix.max())
-    keys = [torch.zeros(block.size, shape.heads, p, shape.qk_dim, device=device) for _ in model.layers]
-    values = [torch.zeros(block.size, shape.heads, p, shape.v_dim, device=device) for _ in model.layers]
+    dtype = next(model.layers.parameters()).dtype  # a build's keys and values are in its precision
+    keys = [torch.zeros(block.size, shape.heads, p, shape.qk_dim, dtype=dtype, device=device) for _ in model.layers]
+    values = [torch.zeros(block.size, shape.heads, p, shape.v_dim, dtype=dtype, device=device) for _ in model.layers]
     for i, e in enumerate(entries):
         if e is not None:
             for layer in range(len(keys)):

@@ -142,13 +142,22 @@ def map_library(directory: Path) -> Any:
     return library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
-def quantize_tables(model: torch.nn.Module, table_precision: str) -> torch.nn.Module:
-    """Replace the float tables by TorchRec's quantised inference tables (fbgemm TBE):
-    int8/int4 row-wise with per-row scale and bias, or fp16."""
-    from torchrec.inference.modules import quantize_embeddings
+TABLE_WEIGHT_DTYPES = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
 
-    dtype = {"fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}[table_precision]
-    return quantize_embeddings(model, dtype=dtype, inplace=False)
+
+def quantize_tables(model: torch.nn.Module, table_precision: str) -> torch.nn.Module:
+    """Replace the float tables by TorchRec's quantised inference tables (fbgemm TBE): int8/int4
+    row-wise with per-row scale and bias, or fp16. A DLRM's pooled `EmbeddingBagCollection` and the
+    HSTU ranker's sequence `EmbeddingCollection` alike (TorchRec maps only the first by default)."""
+    from torchrec.inference.modules import quantize_embeddings
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+
+    return quantize_embeddings(
+        model, dtype=TABLE_WEIGHT_DTYPES[table_precision], inplace=False,
+        additional_qconfig_spec_keys=[EmbeddingCollection],
+        additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- batches
@@ -231,10 +240,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         if plan.build == "compiled":
             model.compile_dense()  # compiled by the warm-up below, before the instance says it is ready
         library = map_library(snapshot)
-        if hstu:
-            runner: Any = _RequestRunner(model, library, device, plan.precision, plan.history_cache_mb)
-        else:
-            runner = make_runner(model, library, device, plan.precision)
+        runner = make_runner(model, library, device, plan.precision, plan.history_cache_mb)
         runner.warm_up(min(plan.warmup_batch, REQUEST_COST_BATCH) if hstu else plan.warmup_batch)
         cost = runner.batch_cost(min(REQUEST_COST_BATCH if hstu else COST_BATCH, library.size))
         gc.collect()
@@ -353,10 +359,15 @@ def pad_batch(dense: torch.Tensor, kjt: Any, size: int) -> tuple[torch.Tensor, A
     return dense, KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values(), lengths=padded)
 
 
-def make_runner(model: torch.nn.Module, library: PackedLibrary, device: torch.device, precision: str) -> Any:
-    """The batch runner of a DLRM build: the fused or compiled module, or the eager model."""
-    from dlrm_lab.infer.build import FusedDLRM
+def make_runner(
+    model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float = 0.0
+) -> Any:
+    """The batch runner of a build: the HSTU ranker's (`history_cache_mb`: its history reuse), a fused or
+    compiled DLRM, or the eager DLRM."""
+    from dlrm_lab.infer.build import FusedDLRM, is_ranker
 
+    if is_ranker(model):
+        return _RequestRunner(model, library, device, precision, history_cache_mb)
     if isinstance(model, FusedDLRM):
         return _FusedRunner(model, library, device)
     return _Runner(model, library, list(model.spec.feature_names), device, precision)
@@ -458,7 +469,8 @@ class _RequestRunner:
         from dlrm_lab.infer.history import HistoryCache
 
         self.model, self.library, self.device = model, library, device
-        self.autocast = precision != "fp32"
+        # the eager build under autocast; the fused build's weights are in the precision served already
+        self.autocast = precision != "fp32" and getattr(model, "served_precision", None) is None
         self.dtype = DTYPES[precision]
         self.cache = HistoryCache(int(history_cache_mb * 1e6)) if history_cache_mb > 0 else None
         self.reused: np.ndarray | None = None

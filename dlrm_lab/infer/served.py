@@ -8,7 +8,7 @@ from typing import Any
 from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.data import resolve_data_spec
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.build import BUILDS
+from dlrm_lab.infer.build import BUILDS, RANKER_BUILDS
 from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
 from dlrm_lab.metrics.precision import AUTO
 
@@ -73,9 +73,9 @@ class ServedModel:
         if self.build not in (AUTO, *BUILDS):
             raise UserError(f"--build {self.build!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
         if isinstance(self.spec, HSTUSpec):
-            if self.build not in (AUTO, "eager"):
-                raise UserError(f"--build {self.build}: {self.spec.name} is an HSTU preset, served eager only "
-                                "(allowed: auto, eager)")  # fmt: skip
+            if self.build not in (AUTO, *RANKER_BUILDS):
+                raise UserError(f"--build {self.build}: {self.spec.name} is an HSTU preset (allowed: "
+                                f"{', '.join((AUTO, *RANKER_BUILDS))})")  # fmt: skip
             self.spec.check_table_precision(self.table_precision)
             if self.data_spec is not None:
                 raise UserError(f"--data-spec {self.data_spec}: {self.spec.name} is an HSTU preset; change its "

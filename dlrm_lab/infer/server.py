@@ -49,7 +49,6 @@ from dlrm_lab.infer.instance import (
     QueryRef,
     instance_main,
     map_library,
-    quantize_tables,
     remove_stale_snapshots,
     snapshot_dir_for,
     write_snapshot,
@@ -243,22 +242,23 @@ class InferenceServer:
     def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
         """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
         once; recorded with the precision choice."""
-        from dlrm_lab.infer.build import CHECK_SAMPLES, BuildChoice
-
         if isinstance(m.spec, HSTUSpec):
-            if m.table_precision != "fp32" and self.device == "cpu":
-                model = quantize_tables(model, m.table_precision)
-            reason = "the HSTU ranker is served as built (no fused form of its sequence tables)"
-            choice = BuildChoice(requested=m.build, build="eager", threads=m.threads, reason=reason)
+            from dlrm_lab.data.sequences import SequenceGenerator
+            from dlrm_lab.infer.build import CHECK_REQUESTS
+
+            # the library is the evaluation window's first requests: the check takes the training window's
+            generator = SequenceGenerator(m.spec.data, seed=self.seed)
+            held_out = generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")
         else:
             from dlrm_lab.data import synthetic_generator
+            from dlrm_lab.infer.build import CHECK_SAMPLES
 
             generator = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
             held_out = generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
-            choice, model, m = self._checked_build(m, model, library, held_out)
-            if choice.accuracy is not None and not choice.accuracy.passed:
-                self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
-                         f"({choice.accuracy.rule}); served as asked")  # fmt: skip
+        choice, model, m = self._checked_build(m, model, library, held_out)
+        if choice.accuracy is not None and not choice.accuracy.passed:
+            self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
+                     f"({choice.accuracy.rule}); served as asked")  # fmt: skip
         self.log(choice.line if choice.warning else f"{m.name}: {choice.line}")
         self.precision_choices[m.name]["build_choice"] = choice.to_dict()
         self.models[m.name] = replace(m, build=choice.build)
