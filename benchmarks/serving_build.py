@@ -1,6 +1,6 @@
 """Serving at the machine's floor (issue 31's benchmark): ~8 min on 2 cores.
 
-    python benchmarks/serving_build.py [--parts batch,points,policy]
+    python benchmarks/serving_build.py [--parts batch,points,policy,hstu]
 
 batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the precision `auto` picks:
         each build (eager: the training module under autocast, what was served before; fused;
@@ -17,6 +17,10 @@ policy  The same two points, build auto, with the batching policy given (low loa
         1 ms; make run: max batch 2048, delay 2 ms; no spin) against chosen by measurement (`--max-batch
         auto --max-delay-ms auto --spin-ms auto`, infer.tune), interleaved: p99 over the floor, and what
         was chosen.
+hstu    The HSTU ranker's builds (eager under autocast; fused: its tables in TorchRec's fused quantised
+        EmbeddingCollection, the rest stored in the precision served), one thread, at fp32 and bf16:
+        hstu-tiny, and dlrmv3's layers with hstu_serve.py's short requests (tables at 1e5 rows), timed
+        at 1, 8 and 32 requests a batch, interleaved, median of 9; each build's accuracy check.
 """
 
 from __future__ import annotations
@@ -152,6 +156,44 @@ def policy_part(repeats: int) -> dict[str, Any]:
     return out
 
 
+def hstu_part(repeats: int = 9) -> dict[str, Any]:
+    from hstu_serve import SHAPE
+
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.data.sequences import SequenceGenerator, with_overrides
+    from dlrm_lab.infer.requests import RequestLibrary
+    from dlrm_lab.model.hstu import build_ranker
+
+    sizes = (1, 8, 32)
+    shapes = {"hstu-tiny": load_any_preset("hstu-tiny"),
+              "dlrmv3-short": with_overrides(load_any_preset("dlrmv3", max_rows=100_000), SHAPE)}  # fmt: skip
+    out: dict[str, Any] = {}
+    for name, spec in shapes.items():
+        torch.manual_seed(0)
+        model = build_ranker(spec).eval()
+        library = RequestLibrary.generate(spec, 0, 256)
+        gen = SequenceGenerator(spec.data, seed=0)
+        held_out = gen.requests(0, min(builds.CHECK_REQUESTS, gen.num_requests("train")), "train")
+        for precision in ("fp32", "bf16"):
+            modules = {b: builds.make_build(model, b, precision=precision, table_precision="fp32")
+                       for b in builds.RANKER_BUILDS}  # fmt: skip
+            ms = builds.time_builds(modules, sizes, 1, library, precision, repeats=repeats)
+            checks = {
+                b: builds.check_accuracy(model, m, b, held_out, precision=precision, table_precision="fp32").to_dict()
+                for b, m in modules.items()
+            }
+            out[f"{name}/{precision}"] = {"batch_ms": {b: {str(n): v for n, v in per.items() if n > 0}
+                                                        for b, per in ms.items()}, "accuracy": checks}  # fmt: skip
+            print(f"{name} {precision}: " + "; ".join(
+                f"{n} requests eager {ms['eager'][n]:.2f} ms, fused {ms['fused'][n]:.2f} ms "
+                f"({ms['eager'][n] / ms['fused'][n]:.2f}x)" for n in sizes)
+                + "; accuracy " + ", ".join(f"{b} {'passed' if c['passed'] else 'FAILED'} "
+                                            f"(max diff {c['max_abs_score_diff']:.1e})" for b, c in checks.items()),
+                flush=True)  # fmt: skip
+            del modules
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="batch,points")
@@ -166,8 +208,11 @@ def main() -> None:
         results["points"] = points_part(args.repeats)
     if "policy" in args.parts:
         results["policy"] = policy_part(args.repeats)
+    if "hstu" in args.parts:
+        results["hstu"] = hstu_part()
     results["wall_s"] = time.time() - t0
-    write_results(results_path("serving_build" + ("-policy" if args.parts == "policy" else "")), results)
+    only = args.parts if args.parts in ("policy", "hstu") else None
+    write_results(results_path("serving_build" + (f"-{only}" if only else "")), results)
 
 
 if __name__ == "__main__":
