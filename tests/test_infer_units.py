@@ -259,6 +259,15 @@ def test_percentile_empty_is_none():
     assert percentile([], 50) is None
 
 
+def test_issue_lag_percentiles_are_the_one_nearest_rank_definition():
+    """The driver's issue-lag percentiles are the summaries' (nearest rank), not numpy's linear one."""
+    from dlrm_lab.infer.load import DriverStats
+
+    lag = [float(k) for k in range(1, 101)]  # linear interpolation would give 99.01 at p99
+    acc = DriverStats(issued={"m": 100}, lag_ms={"m": lag}).accuracy("m")
+    assert acc["issue_lag_p99_ms"] == percentile(np.array(lag), 99) == 99.0 and acc["issue_lag_p50_ms"] == 50.0
+
+
 def test_percentile_float_rounding():
     assert percentile(np.arange(1, 1001, dtype=np.float64), 99.9) == 999.0
     assert percentile(np.arange(1, 101, dtype=np.float64), 7) == 7.0

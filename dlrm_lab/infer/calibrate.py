@@ -32,6 +32,7 @@ from dlrm_lab.infer.drivers import drive, make_driver
 from dlrm_lab.infer.load import LoadSettings, Stream
 from dlrm_lab.infer.records import summarize
 from dlrm_lab.infer.sut import LoadDriver, SystemUnderTest
+from dlrm_lab.metrics.stats import percentile as nearest_rank
 
 HEADROOM = 0.8  # the measured point runs at this share of the highest passing probe rate
 SLA_FACTOR = 2.5  # --sla-ms auto: this multiple of the unloaded latency percentile
@@ -118,7 +119,7 @@ def choose_load(
     seconds = min(max(probe_s, min_queries / served), 4 * probe_s)
     _, done = _closed_loop(server, stream, 1, seconds, seed + 1, drain_s)
     lat = np.array([r["latency_ms"] for r in done], dtype=np.float64)
-    unloaded = float(np.percentile(lat, percentile, method="inverted_cdf")) if len(lat) else math.inf
+    unloaded = nearest_rank(lat, percentile) if len(lat) else math.inf
     sla_chosen = sla_ms is None
     if sla_chosen:
         sla_ms = float(math.ceil(SLA_FACTOR * unloaded)) if math.isfinite(unloaded) else 1000.0

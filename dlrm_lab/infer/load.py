@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.stats import percentile
 
 SIZE_KINDS = ("fixed", "normal", "lognormal", "uniform", "mlperf")
 ARRIVAL_KINDS = ("poisson", "constant", "bursty")
@@ -244,8 +245,8 @@ class DriverStats:
         target = self.target_queries.get(model)
         return {
             "achieved_rate_ratio": self.issued.get(model, 0) / target if target else None,
-            "issue_lag_p50_ms": float(np.percentile(lag, 50)) if len(lag) else None,
-            "issue_lag_p99_ms": float(np.percentile(lag, 99)) if len(lag) else None,
+            "issue_lag_p50_ms": percentile(lag, 50),
+            "issue_lag_p99_ms": percentile(lag, 99),
             "issue_lag_max_ms": float(lag.max()) if len(lag) else None,
             "issue_stopped": self.issue_stopped,
         }

@@ -15,6 +15,7 @@ from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.metrics.columns import LATENCY_PARTS
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
+from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
 
 QUERY_SCHEMA = pa.schema(
@@ -155,15 +156,6 @@ SUMMARY_SCHEMA = pa.schema(
         ("samples_per_s_per_w", pa.float64()),
     ]
 )
-
-
-def percentile(values: np.ndarray, p: float) -> float | None:
-    """Nearest-rank percentile (as MLPerf LoadGen reports), None for no values; inf allowed."""
-    if len(values) == 0:
-        return None
-    v = np.sort(values)
-    k = int(np.ceil(p / 100 * len(v) - 1e-9)) - 1  # 99.9/100*1000 is 999.0000000000001 in floats
-    return float(v[min(max(k, 0), len(v) - 1)])
 
 
 def compute_slowdown(records: list[dict[str, Any]]) -> dict[str, float | None]:

@@ -51,6 +51,16 @@ def median(sample: Any, axis: int = -1) -> Any:
     return np.median(sample, axis=axis)
 
 
+def percentile(values: Any, p: float) -> float | None:
+    """The lab's one percentile: nearest rank (as MLPerf LoadGen reports), None for no values; inf allowed.
+    Every latency, lag and batch-size percentile in a record or summary is this one."""
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    if len(v) == 0:
+        return None
+    k = int(np.ceil(p / 100 * len(v) - 1e-9)) - 1  # 99.9/100*1000 is 999.0000000000001 in floats
+    return float(v[min(max(k, 0), len(v) - 1)])
+
+
 def nearest_rank_percentile(p: float) -> Statistic:
     """The p-th percentile by nearest rank (as MLPerf LoadGen and `dlrm_lab.infer.records`
     compute latency percentiles), vectorised for the bootstrap."""

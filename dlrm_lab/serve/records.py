@@ -118,7 +118,7 @@ def summarize_client(
     `cut_short`). Stage shares
     are each stage's mean over ok queries divided by their mean latency: they sum to 1.
     """
-    from dlrm_lab.infer.records import percentile  # imports torch: kept out of the client's start-up
+    from dlrm_lab.metrics.stats import percentile
 
     def col(name: str, rows: np.ndarray | None = None) -> np.ndarray:
         values = table.column(name).to_numpy(zero_copy_only=False)
