@@ -173,6 +173,68 @@ def test_rapl_reads_packages_and_survives_counter_wrap(tmp_path):
     assert source.read()["package-0"].value == pytest.approx(0.05 + 0.08)
 
 
+def server_powercap(root: Path, max_uj: int = 1_000_000) -> dict[str, Path]:
+    """Two sockets, each with core, uncore and dram sub-zones, and the platform's psys zone."""
+    zones = {}
+    for socket in (0, 1):
+        zones[f"package-{socket}"] = write_zone(root, f"intel-rapl:{socket}", f"package-{socket}", 0, max_uj)
+        zones[f"core{socket}"] = write_zone(root, f"intel-rapl:{socket}:0", "core", 0, max_uj)
+        zones[f"uncore{socket}"] = write_zone(root, f"intel-rapl:{socket}:1", "uncore", 0, max_uj)
+        zones[f"dram{socket}"] = write_zone(root, f"intel-rapl:{socket}:2", "dram", 0, max_uj)
+    zones["psys"] = write_zone(root, "intel-rapl:2", "psys", 0, max_uj)
+    zones["mmio"] = write_zone(root, "intel-rapl-mmio:0", "package-0", 0, max_uj)  # the same package, over MMIO
+    return zones
+
+
+def test_rapl_reads_dram_as_its_own_channel_beside_each_package_and_never_core_uncore_or_psys(tmp_path):
+    zones = server_powercap(tmp_path)
+    source = RaplSource(tmp_path)
+    assert source.channels() == ["package-0", "dram", "package-1", "dram@intel-rapl:1:2"]
+
+    for name, uj in {"package-0": 400_000, "dram0": 100_000, "package-1": 300_000, "dram1": 50_000,
+                     "core0": 200_000, "uncore0": 90_000, "psys": 990_000, "mmio": 400_000}.items():  # fmt: skip
+        (zones[name] / "energy_uj").write_text(f"{uj}\n")
+    read = source.read()
+    assert {c: r.value for c, r in read.items()} == pytest.approx(
+        {"package-0": 0.4, "dram": 0.1, "package-1": 0.3, "dram@intel-rapl:1:2": 0.05}
+    )
+    assert {r.quantity for r in read.values()} == {"energy_j"}
+
+    (zones["dram0"] / "energy_uj").write_text("20000\n")  # wrapped at 1_000_000 uJ: +900_000 then +20_000
+    assert source.read()["dram"].value == pytest.approx(0.1 + 0.92)
+
+
+def test_rapl_dram_of_a_zone_that_is_not_a_package_is_not_read(tmp_path):
+    write_zone(tmp_path, "intel-rapl:0", "package-0", 0)
+    write_zone(tmp_path, "intel-rapl:1", "psys", 0)
+    write_zone(tmp_path, "intel-rapl:1:0", "dram", 0)  # psys already covers it
+    assert RaplSource(tmp_path).channels() == ["package-0"]
+
+
+def test_energy_of_packages_and_dram_counts_each_once(tmp_path):
+    """Package 0 at 60 W, its DRAM at 15 W, package 1 at 40 W, its DRAM at 5 W, for 2 s: 240 J, while core,
+    uncore and psys counters move too (adding any of them would count some of those joules twice)."""
+    zones = server_powercap(tmp_path, max_uj=100_000_000)  # package-0's counter wraps once, at 100 J
+    watts = {"package-0": 60.0, "dram0": 15.0, "package-1": 40.0, "dram1": 5.0, "core0": 30.0, "uncore0": 10.0,
+             "core1": 20.0, "uncore1": 10.0, "psys": 150.0, "mmio": 60.0}  # fmt: skip
+    clock = FakeClock()
+    sampler = EnergySampler([RaplSource(tmp_path)], host=False, clock=clock)
+    sampler.start(thread=False)
+    for t in (0.5, 1.0, 1.5, 2.0):
+        clock.t = t
+        for name, w in watts.items():
+            (zones[name] / "energy_uj").write_text(f"{round(w * t * 1e6) % 100_000_000}\n")
+        if t < 2.0:
+            sampler.sample_now()
+    sampler.stop()
+
+    summary = sampler.summary()
+    assert summary["energy_j"] == pytest.approx(2.0 * (60 + 15 + 40 + 5))
+    assert summary["power_w_mean"] == pytest.approx(120.0)
+    assert summary["energy_scope"] == "rapl:package-0+rapl:dram+rapl:package-1+rapl:dram@intel-rapl:1:2"
+    assert sampler.energy_j()["rapl:dram"] == pytest.approx(30.0)
+
+
 def test_rapl_absent_root_names_the_path(tmp_path):
     missing = tmp_path / "powercap"
     with pytest.raises(SensorUnavailable, match="RAPL not readable") as info:

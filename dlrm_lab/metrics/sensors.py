@@ -1,4 +1,4 @@
-"""Power sensors: GPU energy through NVML, CPU package energy through RAPL (Linux powercap sysfs).
+"""Power sensors: GPU energy through NVML, CPU package and DRAM energy through RAPL (Linux powercap sysfs).
 
 Every source reads its channels as `Reading`s (instantaneous watts or a monotonic joules
 counter); `metrics.energy` samples them over time. A sensor that is absent or unreadable
@@ -117,7 +117,7 @@ class NvmlSource:
 
 # --------------------------------------------------------------------------------------------- RAPL
 
-_PACKAGE_ZONE = re.compile(r"intel-rapl:(\d+)")
+_ZONE = re.compile(r"intel-rapl:(\d+)(?::(\d+))?")  # a package-level zone, or one of its sub-zones
 
 
 @dataclass
@@ -130,11 +130,14 @@ class _RaplZone:
 
 
 class RaplSource:
-    """CPU package energy from `<root>/intel-rapl:N/energy_uj`.
+    """CPU package and DRAM energy from `<root>/intel-rapl:N/energy_uj` and `<root>/intel-rapl:N:M/energy_uj`.
 
-    Only top-level package zones are read: sub-zones (core, uncore, dram) are contained in the package
-    and psys overlaps it, so adding them would count energy twice. The raw counter wraps at
-    max_energy_range_uj; the source keeps its own monotonic total so callers never see the wrap.
+    Read: every top-level zone named `package-*`, and every sub-zone of a package named `dram`. Intel
+    documents DRAM as a RAPL domain of its own, outside the package counter, so it adds to the package.
+    Never read: the core and uncore sub-zones (inside the package counter: they would count twice) and
+    psys (the whole platform, packages and DRAM included). Channels are named after the zone (`package-0`,
+    `dram`); a name seen before gets the zone's directory (`dram@intel-rapl:1:0`). The raw counter wraps
+    at max_energy_range_uj; the source keeps its own monotonic total so callers never see the wrap.
     """
 
     name = "rapl"
@@ -144,15 +147,18 @@ class RaplSource:
         if not root.is_dir():
             raise SensorUnavailable(f"RAPL not readable: {root} absent")
         self._zones: list[_RaplZone] = []
-        for zone_dir in sorted(root.iterdir(), key=lambda p: _zone_index(p.name)):
-            if not _PACKAGE_ZONE.fullmatch(zone_dir.name):
-                continue
+        zones = {m.groups(): d for d in root.iterdir() if (m := _ZONE.fullmatch(d.name))}
+        packages: set[str] = set()
+        for (package, sub), zone_dir in sorted(zones.items(), key=lambda kv: _zone_index(*kv[0])):
             try:
                 label = _read_text(zone_dir / "name")
             except OSError:
                 continue
-            if not label.startswith("package"):
+            wanted = package in packages and label == "dram" if sub is not None else label.startswith("package")
+            if not wanted:
                 continue
+            if sub is None:
+                packages.add(package)
             energy_path = zone_dir / "energy_uj"
             try:
                 raw = _read_int(energy_path)
@@ -192,9 +198,9 @@ class RaplSource:
         pass
 
 
-def _zone_index(name: str) -> tuple[int, str]:
-    m = _PACKAGE_ZONE.fullmatch(name)
-    return (int(m.group(1)) if m else 1 << 30, name)
+def _zone_index(package: str, sub: str | None) -> tuple[int, int]:
+    """A package's zone first, then its sub-zones in order (a package is read before its dram)."""
+    return (int(package), -1 if sub is None else int(sub))
 
 
 def _read_text(path: Path) -> str:
