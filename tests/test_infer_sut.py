@@ -131,7 +131,7 @@ class FakeSut:
             raise RuntimeError(self.fail)
 
     def describe(self) -> SutDescription:
-        return SutDescription(models={"m": self.served})
+        return SutDescription(models={"m": self.served.description()} if self.served is not None else {})
 
     def close(self) -> None:
         self._queue.put(None)

@@ -69,7 +69,7 @@ class PolicySut(FakeSut):
         return int((4 * s.max_delay_ms + (3.0 if s.spin_ms else self.wake_ms)) * 1e6)
 
     def describe(self) -> SutDescription:
-        return SutDescription(models={"m": self.served}, batch_costs={"m": BatchCost(1.0, 0.01)})
+        return SutDescription(models={"m": self.served.description()}, batch_costs={"m": BatchCost(1.0, 0.01)})
 
 
 @pytest.mark.parametrize(("wake_ms", "spins"), [(9.0, True), (1.0, False)])

@@ -42,8 +42,9 @@ def capacity_qps(server: SystemUnderTest, stream: Stream, seconds: float, seed: 
     """Completed queries/s of a closed loop with enough queries outstanding to keep every
     instance's batches full (no latency bound: the ceiling a bounded rate is sought under)."""
     served = server.describe().models[stream.model]
-    per_batch = max(1, served.max_batch // max(1, int(stream.sizes.mean)))
-    concurrency = served.instances * per_batch * 2
+    # a server that does not say how it batches (a third-party one) is filled as if by one instance of batch 64
+    per_batch = max(1, (served.max_batch or 64) // max(1, int(stream.sizes.mean)))
+    concurrency = (served.instances or 1) * per_batch * 2
     return _closed_loop(server, stream, concurrency, seconds, seed, drain_s)[0]
 
 
@@ -115,7 +116,7 @@ def choose_load(
     docstring for the steps."""
     capacity = capacity_qps(server, stream, probe_s, seed, drain_s)
     # one query at a time: enough of them for the percentile to mean something
-    served = max(1.0, capacity / max(1, server.describe().models[stream.model].instances))
+    served = max(1.0, capacity / max(1, server.describe().models[stream.model].instances or 1))
     seconds = min(max(probe_s, min_queries / served), 4 * probe_s)
     _, done = _closed_loop(server, stream, 1, seconds, seed + 1, drain_s)
     lat = np.array([r["latency_ms"] for r in done], dtype=np.float64)

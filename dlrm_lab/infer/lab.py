@@ -41,7 +41,7 @@ from dlrm_lab.infer.records import (
 )
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
-from dlrm_lab.infer.sut import SutDescription, SystemUnderTest
+from dlrm_lab.infer.sut import ModelDescription, SutDescription, SystemUnderTest
 from dlrm_lab.infer.tune import KNOBS, PROBED, choose_policy
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
@@ -128,7 +128,7 @@ CPU_COLUMNS = ("cpu_utilization", "instance_cpu_utilization", "server_cpu_s")
 def _cpu_meter(sut: SutDescription, clock: Callable[[], float] = time.monotonic) -> CpuMeter:
     """CPU use over a point (CPU_COLUMNS): the cores this process may use, the instances at their
     threads (pinned or not), and this serving process."""
-    instances = [(p["pid"], sut.models[p["model"]].threads) for p in sut.processes]
+    instances = [(p["pid"], sut.models[p["model"]].threads or 1) for p in sut.processes]
     groups = {"instance": instances, "server": [(os.getpid(), 1)]}
     return CpuMeter(usable_cores(), groups, clock=clock)
 
@@ -192,8 +192,8 @@ def measure(
     records: list[dict[str, Any]] = []
     profile = load_profile()
     peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
-    roofs = {m: batch_roof(sut.models[m].spec, sut.models[m].table_precision, p, _dense_bytes(sut.models[m]))
-             for m, p in peaks.items()}  # fmt: skip
+    roofs = {m: batch_roof(sut.models[m].spec, sut.models[m].table_precision or "fp32", p,
+                           _dense_bytes(sut.models[m])) for m, p in peaks.items()}  # fmt: skip
 
     def pump(finished: list[dict[str, Any]]) -> None:
         rows = with_late_flags(finished, slas, point.index)
@@ -264,7 +264,9 @@ def measure(
             "point": point.index,
             "mode": point.mode,
             "scenario": point.scenario,
-            **served.describe(),
+            "model": stream.model,
+            "preset": served.spec.name,
+            **served.columns,
             "query_sizes": str(stream.sizes),
             "arrival": stats.arrival[stream.model],
             "target_qps": stream.qps,
@@ -281,10 +283,11 @@ def measure(
             **stall_columns([s for s in stalls if s["model"] == stream.model]),
             **point.extra,
         }
-        mine_peaks, dense_bytes = peaks[stream.model], _dense_bytes(served)
-        row.update(roofline_columns(served.spec, served.table_precision, row, mine_peaks, dense_bytes))
-        row.update(latency_floor_columns(served.spec, served.table_precision, served.instances, served.threads,
-                                         served.max_batch, row, mine_peaks, served.min_piece, dense_bytes))  # fmt: skip
+        mine_peaks, dense_bytes, tables = peaks[stream.model], _dense_bytes(served), served.table_precision or "fp32"
+        row.update(roofline_columns(served.spec, tables, row, mine_peaks, dense_bytes))
+        row.update(latency_floor_columns(served.spec, tables, served.instances or 1, served.threads or 1,
+                                         served.max_batch or 1, row, mine_peaks, served.min_piece or 0,
+                                         dense_bytes))  # fmt: skip
         rows.append(row)
     for row in rows:
         row.update(energy_columns(energy, rows))
@@ -311,13 +314,16 @@ def _write_trace(
         log(f"trace: {run_dir / 'trace.json'} ({info['events']:,} events; open in ui.perfetto.dev){gaps}")
 
 
-def _peaks(profile: dict[str, Any] | None, device: str, served: ServedModel) -> Any:
-    """The peaks one instance of `served` is placed against: its device, threads and GEMM precision."""
+def _peaks(profile: dict[str, Any] | None, device: str, served: ModelDescription) -> Any:
+    """The peaks one instance of `served` is placed against: its device, threads and GEMM precision (a
+    reason instead where its instances are not on this machine, or their precision and threads are unknown)."""
+    if not served.on_this_host or served.precision is None or served.threads is None:
+        return served.unplaced or "the server did not say how it serves this model"
     precision = gemm_precision(device, served.precision)
     return peaks_for(profile, "cuda:0" if device == "cuda" else "cpu", precision, served.threads)
 
 
-def _dense_bytes(served: ServedModel) -> float:
+def _dense_bytes(served: ModelDescription) -> float:
     """Bytes per dense parameter an instance reads per batch: the build's stored precision (the eager
     build keeps fp32 weights and casts them per call)."""
     stored = served.build in ("fused", "compiled") and served.precision in DTYPES

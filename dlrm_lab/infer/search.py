@@ -37,6 +37,7 @@ from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
+from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.metrics.energy import telemetry_schema
 from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
 from dlrm_lab.metrics.run import Run
@@ -450,11 +451,11 @@ def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferCon
     return kept
 
 
-def _label(m: ServedModel) -> str:
+def _label(m: ModelDescription) -> str:
     return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
 
 
-def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
+def _frontier_row(served: ModelDescription, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
                   probes: int, cfg: InferConfig) -> dict[str, Any]:  # fmt: skip
     from dlrm_lab.metrics.stats import estimate
 
@@ -476,7 +477,7 @@ def _frontier_row(served: ServedModel, capacity: float, lo: float, hi: float, ro
         "spin_ms": served.spin_ms,
         "precision": served.precision,
         "build": served.build,
-        "history_cache_mb": served.history_cache_mb,
+        "history_cache_mb": served.columns.get("history_cache_mb"),
         "capacity_queries_per_s": capacity,
         "best_qps": lo,
         "best_qps_uncertainty": (hi - lo) / 2,

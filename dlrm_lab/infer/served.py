@@ -10,6 +10,7 @@ from dlrm_lab.data import resolve_data_spec
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.build import BUILDS, RANKER_BUILDS
 from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
+from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.metrics.precision import AUTO
 
 DEFAULT_MAX_QUERY_SAMPLES = 65_536  # ~100x MLPerf's largest DLRM query (700 samples)
@@ -107,6 +108,15 @@ class ServedModel:
             "build": self.build,
             "max_query_samples": self.max_query_samples,
         }
+
+    def description(self) -> ModelDescription:
+        """This model as the runner reads it (`infer.sut.ModelDescription`)."""
+        return ModelDescription(
+            name=self.name, spec=self.spec, instances=self.instances, threads=self.threads, max_batch=self.max_batch,
+            max_delay_ms=self.max_delay_ms, spin_ms=self.spin_ms, min_piece=self.min_piece, max_queue=self.max_queue,
+            largest_query=self.largest_query, precision=self.precision, table_precision=self.table_precision,
+            build=self.build, columns=self.describe(),
+        )  # fmt: skip
 
     def piece_limit(self) -> int:
         """The largest batch an instance serves: max_batch, or one instance's share of the largest query."""

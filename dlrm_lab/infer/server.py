@@ -391,7 +391,7 @@ class InferenceServer:
 
     def describe(self) -> SutDescription:
         return SutDescription(
-            models=dict(self.models),
+            models={name: m.description() for name, m in self.models.items()},
             processes=list(self.instance_info),
             snapshot_bytes=dict(self.snapshot_bytes),
             batch_costs={name: pool.clock.cost for name, pool in self._pools.items() if pool.clock.cost is not None},

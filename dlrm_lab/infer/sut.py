@@ -5,7 +5,9 @@
         reads SampleLibrary.size (which samples exist); LoadGen's QSL loads and unloads them
 
 A driver knows only these interfaces, never the model: the in-process InferenceServer
-(`infer.server`) and the gRPC RemoteServer (`serve.remote`) are two systems under test, and
+(`infer.server`) and the gRPC RemoteServer (`serve.remote`, the lab's protocol or the Open
+Inference Protocol; reached by URL through `infer.targets`) are systems under test, each
+describing its models as `ModelDescription`s, and
 a query names samples of the model's sample library (`infer.library.PackedLibrary` is the
 one implementation: the instances, the remote client and LoadGen's QSL all read it). A new
 transport is one class implementing `SystemUnderTest`; a new scenario is one class
@@ -59,10 +61,35 @@ class Query:
 
 
 @dataclass(frozen=True)
+class ModelDescription:
+    """One served model as any transport describes it, for the records and the roofline: None where the
+    transport cannot say (a third-party server tells its model's tensors, not its instances)."""
+
+    name: str
+    spec: Any  # what a sample is (ModelSpec or HSTUSpec): the runner's samples and the roofline's work
+    instances: int | None = None
+    threads: int | None = None  # per instance
+    max_batch: int | None = None
+    max_delay_ms: float | None = None
+    spin_ms: float | None = None
+    min_piece: int | None = None
+    max_queue: int | None = None
+    largest_query: int = 0
+    precision: str | None = None
+    table_precision: str | None = None
+    build: str | None = None
+    # Its instances run on this machine: this machine's profile is its roof. A remote host's is not
+    # (the row's roofline and floor columns are then null, with `unplaced` saying why).
+    on_this_host: bool = True
+    unplaced: str | None = None
+    columns: Mapping[str, Any] = field(default_factory=dict)  # what its summary rows say of it (SUMMARY_SCHEMA)
+
+
+@dataclass(frozen=True)
 class SutDescription:
     """What a system under test says about itself, for the records; never needed to drive it."""
 
-    models: Mapping[str, Any]  # name -> how it is served (in process: its ServedModel; remote: its ModelInfo)
+    models: Mapping[str, ModelDescription]
     processes: Sequence[Mapping[str, Any]] = ()  # serving processes on this host: instance, model, pid, cores
     snapshot_bytes: Mapping[str, int] = field(default_factory=dict)  # per model, shared by its instances
     # per model, its instances' warm batch cost (`infer.batching.BatchCost`, measured at start)
