@@ -10,7 +10,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def preset_dir(kind: str) -> Path:
-    """Directory of shipped presets of one kind: "models" or "data_gen".
+    """Directory of shipped presets of one kind: "models", "data_gen" or "prices" (the price catalogue).
 
     A wheel carries them inside the package (`dlrm_lab/_data/<kind>`, see pyproject's
     force-include); a source checkout or editable install reads the repo's top level.

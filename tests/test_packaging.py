@@ -31,6 +31,7 @@ def test_wheel_ships_presets_and_finds_them_outside_the_checkout(tmp_path):
     for preset in ("tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"):
         assert f"dlrm_lab/_data/models/{preset}.toml" in names
     assert "dlrm_lab/_data/data_gen/README.md" in names
+    assert "dlrm_lab/_data/prices/on-demand.toml" in names  # the price catalogue (dlrm_lab.metrics.cost)
     for generated in ("inference_pb2.py", "inference_pb2_grpc.py"):  # by hatch_build.py, never committed
         assert f"dlrm_lab/serve/{generated}" in names
 
@@ -46,3 +47,13 @@ def test_wheel_ships_presets_and_finds_them_outside_the_checkout(tmp_path):
     )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == str(site / "dlrm_lab" / "_data" / "models" / "rm2.toml")
+    prices = subprocess.run(
+        [sys.executable, "-c", "from dlrm_lab.metrics.cost import shipped_catalogue as s; print(s())"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+    )
+    assert prices.returncode == 0, prices.stderr
+    assert prices.stdout.strip() == str(site / "dlrm_lab" / "_data" / "prices" / "on-demand.toml")

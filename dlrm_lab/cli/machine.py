@@ -1,9 +1,10 @@
-"""`dlrm-lab machine probe|show`: the measured peaks every run is placed against."""
+"""`dlrm-lab machine probe|show|price|prices`: the measured peaks every run is placed against, and its price."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -11,7 +12,13 @@ from rich.table import Table
 from dlrm_lab.cli.format import console
 from dlrm_lab.errors import UserError
 
-app = typer.Typer(help="Machine profile: measured GEMM, memory, gather and collective peaks.", no_args_is_help=True)
+if TYPE_CHECKING:
+    from dlrm_lab.metrics.cost import Price
+
+app = typer.Typer(
+    help="Machine profile: measured GEMM, memory, gather and collective peaks, and the machine's price.",
+    no_args_is_help=True,
+)
 
 
 @app.command("probe")
@@ -66,6 +73,7 @@ def show_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the stored profile as JSON.")] = False,
 ) -> None:
     """Print a stored machine profile."""
+    from dlrm_lab.metrics.cost import stored_price
     from dlrm_lab.metrics.roofline import load_profile, profile_path
 
     profile = load_profile(fingerprint)
@@ -83,6 +91,8 @@ def show_command(
               f"probed {profile.get('probed_at')}{quick}")  # fmt: skip
     if load := profile.get("load"):
         out.print(f"while probing: {load['why']}" + ("" if load["trusted"] else " (not trusted)"), highlight=False)
+    if price := stored_price(profile):
+        out.print(f"price: {_describe_price(price)}", highlight=False)
     if fingerprint is None:  # this machine: does the profile still agree with it?
         from dlrm_lab.metrics.trust import quick_check
 
@@ -119,3 +129,69 @@ def show_command(
             comm.add_row(r["collective"], f"{r['bytes']:,}", f"{r['time_ms']:.3f}", _gb(r["algbw_bytes_per_s"]),
                          _gb(r["busbw_bytes_per_s"]))  # fmt: skip
         out.print(comm)
+
+
+def _describe_price(price: Price) -> str:
+    energy = "" if price.energy_per_kwh is None else f", energy {price.energy_per_kwh:g} {price.currency}/kWh"
+    return f"{price.per_hour:g} {price.currency}/hour ({price.source}){energy}"
+
+
+_CATALOGUE_HELP = "Your own price catalogue (TOML, the shipped one's form), merged over the shipped one."
+
+
+@app.command("price")
+def price_command(
+    per_hour: Annotated[
+        Optional[float],
+        typer.Argument(
+            metavar="PER_HOUR", help="The machine's price per hour (default: the catalogue's, with --instance-type)."
+        ),
+    ] = None,
+    currency: Annotated[
+        Optional[str], typer.Option(help="3-letter currency code of the price (default USD, or the catalogue's).")
+    ] = None,
+    instance_type: Annotated[
+        Optional[str], typer.Option("--instance-type", help="The machine's type; alone, its catalogue price is taken.")
+    ] = None,
+    energy_per_kwh: Annotated[
+        Optional[float], typer.Option("--energy-per-kwh", help="Price of 1 kWh, to cost measured energy.")
+    ] = None,
+    catalogue: Annotated[Optional[Path], typer.Option("--catalogue", help=_CATALOGUE_HELP)] = None,
+    fingerprint: Annotated[
+        Optional[str], typer.Option("--fingerprint", help="Price another stored profile (default: this machine's).")
+    ] = None,
+) -> None:
+    """Store the machine's price per hour with its profile: every later run's cost columns use it."""
+    from dlrm_lab.metrics.cost import give_price, load_price_catalogue
+    from dlrm_lab.metrics.roofline import load_profile, profile_path
+
+    profile = load_profile(fingerprint)
+    if profile is None:
+        which = fingerprint or "this machine"
+        raise UserError(f"no machine profile for {which} (looked in {profile_path(fingerprint or '<id>').parent}): "
+                        "the price is stored with it; run 'dlrm-lab machine probe' first")  # fmt: skip
+    prices = load_price_catalogue(catalogue) if catalogue is not None else None
+    price, path = give_price(profile, per_hour, currency, instance_type, energy_per_kwh, catalogue=prices)
+    console().print(f"machine {profile['fingerprint_id']}: {_describe_price(price)}, stored in {path}", highlight=False)
+
+
+@app.command("prices")
+def prices_command(
+    catalogue: Annotated[Optional[Path], typer.Option("--catalogue", help=_CATALOGUE_HELP)] = None,
+) -> None:
+    """List the price catalogue: public on-demand list prices, each with its source and date."""
+    from dlrm_lab.metrics.cost import load_price_catalogue
+
+    entries = load_price_catalogue(catalogue)
+    table = Table(title="on-demand list prices (check the source: prices change)")
+    for col in ("type", "where", "cpu", "vCPUs/cores", "GiB", "GPU", "per hour", "retrieved"):
+        table.add_column(col, justify="right" if col in ("vCPUs/cores", "GiB", "per hour") else "left",
+                         no_wrap=col in ("type", "per hour", "retrieved"))  # fmt: skip
+    for e in entries.values():
+        gpu = f"{e.gpus} x {e.gpu}" if e.gpus else "-"
+        table.add_row(e.instance_type, f"{e.provider} {e.region}", e.cpu or "-", f"{e.vcpus}/{e.cores or '-'}",
+                      f"{e.memory_gib:g}", gpu, f"{e.price_per_hour:g} {e.currency}", e.retrieved)  # fmt: skip
+    out = console()
+    out.print(table)
+    for source in sorted({e.source for e in entries.values()}):
+        out.print(f"source: {source}", highlight=False, soft_wrap=True)

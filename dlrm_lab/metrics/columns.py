@@ -126,6 +126,14 @@ _REGISTERED = [
     _c("energy_per_sample_j", "energy per sample", "J", ".3g", LOWER),
     _c("energy_per_query_j", "energy per query", "J", ".3g", LOWER),
     _c("samples_per_s_per_w", "efficiency", "samples/s/W", ".3g", HIGHER),
+    # -- cost (metrics.cost; in the row's `currency`)
+    _c("price_per_hour", "price per hour", fmt=",.4g", short="price/h"),
+    _c("cost_per_1m_samples", "cost per 1M samples", fmt=",.4g", better=LOWER, short="cost/1M samples"),
+    _c("cost_per_1m_queries", "cost per 1M queries", fmt=",.4g", better=LOWER, short="cost/1M queries"),
+    _c("energy_cost_per_1m_samples", "energy cost per 1M samples", fmt=",.4g", better=LOWER),
+    _c("cost_per_1m_training_samples", "cost per 1M training samples", fmt=",.4g", better=LOWER),
+    _c("cost_to_target", "cost to the target AUC", fmt=",.4g", better=LOWER),
+    _c("energy_cost_per_1m_training_samples", "energy cost per 1M training samples", fmt=",.4g", better=LOWER),
     # -- inference
     _c("queries_per_s", "throughput", "queries/s", ",.1f", HIGHER, "queries/s"),
     _c("latency_p50_ms", "latency p50", "ms", ".2f", LOWER, "p50 ms"),

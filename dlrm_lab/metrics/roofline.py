@@ -94,6 +94,8 @@ def profile_problem(profile: dict[str, Any]) -> str | None:
 # (metrics.precision), step times of sharding plans (train.sharding_trial), batch times of serving builds
 # (infer.build).
 MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates")
+# Profile keys a user gives rather than a probe measures: the machine's price (metrics.cost), the instance type.
+GIVEN_BY_USER = ("price", "instance_type")
 
 
 def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[str, Any]) -> Path | str:
@@ -126,6 +128,9 @@ def save_profile(profile: dict[str, Any], keep_better: bool = False) -> Path:
         # choices measured on this machine (precision rates, sharding trials) stay valid across probes
         for section in MEASURED_CHOICES:
             merged[section] = {**(old.get(section) or {}), **(profile.get(section) or {})}
+        for key in GIVEN_BY_USER:  # not measured: a probe has none of its own and must not drop the user's
+            if key not in profile and key in old:
+                merged[key] = old[key]
         if not profile["devices"]:  # a collectives-only probe: the device peaks' date stays
             merged["probed_at"] = old.get("probed_at")
             merged["quick"] = old.get("quick")
