@@ -28,6 +28,12 @@ _TRAIN_RENAMED = {"set": "data_overrides", "timeout": "timeout_s"}
 _INFER_OPTIONS: dict[str, Any] = {
     "model": list[str] | None,
     "scenario": str,
+    "target": str,
+    "rpc": str | None,
+    "concurrency": int,
+    "timeout": float,
+    "connect_timeout": float,
+    "unavailable_s": float,
     "qps": list[str] | None,
     "query_size": list[str] | None,
     "arrival": str,
@@ -141,9 +147,12 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:
     if given.get("max_batch") is None:
         given["max_batch"] = "auto"  # the command's default (infer.tune)
     o = {k: coerce(k, v, _INFER_OPTIONS[k]) for k, v in given.items()}
+    from dlrm_lab.infer.targets import parse_target
     from dlrm_lab.infer.tune import KNOBS, parse_knob
 
     tune = []
+    if parse_target(o.get("target") or "in-process").remote and o.get("max_batch") == "auto":
+        o["max_batch"] = None  # a remote server batches as it does: no max batch to choose here
     for knob in KNOBS:  # auto: chosen by measurement on the running server (infer.tune)
         if o.get(knob) is not None:
             value = parse_knob(knob, o[knob])
@@ -157,7 +166,8 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:
     served = serving.served(o.get("model"))
     load = plan_load(served, o.get("qps"), o.get("query_size"), o.get("sla_ms"), o.get("arrival", "poisson"),
                      o.get("order", "random"))  # fmt: skip
-    renamed = {"duration": "duration_s", "warmup": "warmup_s", "percentile": "sla_percentile", "alone": "compare_alone"}
+    renamed = {"duration": "duration_s", "warmup": "warmup_s", "percentile": "sla_percentile", "alone": "compare_alone",
+               "timeout": "timeout_s", "connect_timeout": "connect_timeout_s"}  # fmt: skip
     infer_fields = {f.name for f in dataclasses.fields(InferConfig)}
     cfg_values = {renamed.get(k, k): v for k, v in o.items() if renamed.get(k, k) in infer_fields and v is not None}
     cfg_values.pop("sla_ms", None)

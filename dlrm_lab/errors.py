@@ -58,6 +58,11 @@ def exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+class ServerLost(RuntimeError):
+    """A remote system under test stopped answering (only UNAVAILABLE) during a load: the point is
+    summarised as far as it went and the run fails, its rows kept."""
+
+
 class DiskFull(Exception):
     """Metrics could not be written: the file system holding them is full. The message
     names the file and the free space; rows already written stay readable."""

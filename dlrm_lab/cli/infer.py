@@ -117,6 +117,30 @@ HistoryAffinity = Annotated[
 SetData = Annotated[
     Optional[list[str]], typer.Option("--set", help="HSTU presets: KEY=VALUE on the preset's [data] (its requests).")
 ]
+Target = Annotated[
+    str,
+    typer.Option(
+        help="The system under test: in-process (the lab's server, here), grpc://HOST:PORT (a dlrm-lab serve), or "
+        "kserve://HOST:PORT[/MODEL] (any Open Inference Protocol v2 gRPC server: Triton, KServe, ours). Remote "
+        "targets serve with their own settings: --instances, --threads, --precision ... apply in process only."
+    ),
+]
+Rpc = Annotated[
+    Optional[str],
+    typer.Option(help="grpc:// targets: stream (one InferStream per connection, the default) or unary (an Infer "
+                      "call per query); kserve:// targets: oip (a ModelInfer call per query)."),
+]  # fmt: skip
+Concurrency = Annotated[
+    int,
+    typer.Option(help="Remote targets: client connections, each beyond one in a process of its own; a closed loop "
+                      "(--scenario closed-loop) keeps this many queries outstanding."),
+]  # fmt: skip
+Timeout = Annotated[float, typer.Option("--timeout", help="Remote targets: seconds a query may take (its deadline).")]
+ConnectTimeout = Annotated[float, typer.Option(help="Remote targets: seconds to wait for the server at start.")]
+UnavailableS = Annotated[
+    float,
+    typer.Option("--unavailable-s", help="Remote targets: the server is lost after only UNAVAILABLE this long."),
+]
 ShowProgress = Annotated[bool, typer.Option(help="Show progress (a bar on a terminal, else a line every few s).")]
 # a terminal bar redraws in the serving process: seldom, to stay out of the measured latency
 _REFRESH_PER_S = 1.0
@@ -127,8 +151,17 @@ def run_command(
     model: Models = None,
     scenario: Annotated[
         str,
-        typer.Option(help="open-loop (our generator) or MLPerf LoadGen: server, offline, single-stream, multi-stream."),
-    ] = "open-loop",
+        typer.Option(
+            help="open-loop (our generator), closed-loop (--concurrency queries outstanding) or MLPerf "
+            "LoadGen: server, offline, single-stream, multi-stream."
+        ),
+    ] = "open-loop",  # fmt: skip
+    target: Target = "in-process",
+    rpc: Rpc = None,
+    concurrency: Concurrency = 1,
+    timeout: Timeout = 30.0,
+    connect_timeout: ConnectTimeout = 10.0,
+    unavailable_s: UnavailableS = 3.0,
     qps: Qps = None,
     query_size: QuerySize = None,
     arrival: Arrival = "poisson",

@@ -24,7 +24,6 @@ from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
 from dlrm_lab.infer.loadgen import LOADGEN_SCENARIOS, LoadGenDriver
 from dlrm_lab.infer.sut import LoadDriver, Query, SystemUnderTest
 
-SCENARIOS = ("open-loop", *LOADGEN_SCENARIOS)  # what `--scenario` accepts
 START_LEAD_S = 0.02  # the first arrival is scheduled this far ahead of the driver's start
 POLL_S = 0.25  # `drive` takes records and checks the system this often
 
@@ -169,6 +168,7 @@ DRIVERS: dict[str, Callable[[SystemUnderTest, list[Stream], LoadSettings], LoadD
     "closed-loop": ClosedLoop,
     **dict.fromkeys(LOADGEN_SCENARIOS, LoadGenDriver),
 }
+SCENARIOS = tuple(DRIVERS)  # what `--scenario` accepts: every registered driver
 
 
 def make_driver(sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings) -> LoadDriver:

@@ -15,14 +15,14 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from dlrm_lab.errors import ServingFault, UserError
+from dlrm_lab.errors import ServerLost, ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS, drive, make_driver
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
@@ -42,6 +42,7 @@ from dlrm_lab.infer.records import (
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription, SutDescription, SystemUnderTest
+from dlrm_lab.infer.targets import Connection, check_connection, open_target, parse_target
 from dlrm_lab.infer.tune import KNOBS, PROBED, choose_policy
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
@@ -94,6 +95,14 @@ class InferConfig:
     trace: bool = False
     # Knobs given as auto (`infer.tune.KNOBS`): chosen on the running server once the load is known
     tune: tuple[str, ...] = ()
+    # The system under test (`infer.targets`): in process, or a server at a URL reached over
+    # `concurrency` client connections (a closed loop keeps that many queries outstanding in process too)
+    target: str = "in-process"
+    rpc: str | None = None
+    concurrency: int = 1
+    timeout_s: float = 30.0  # remote: a query's deadline
+    connect_timeout_s: float = 10.0
+    unavailable_s: float = 3.0  # remote: only UNAVAILABLE answers this long and the server counts as lost
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -112,6 +121,14 @@ class InferConfig:
             raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
         if unknown := sorted(set(self.tune) - set(KNOBS)):
             raise UserError(f"tune {unknown[0]!r}: allowed: {', '.join(KNOBS)}")
+        target = parse_target(self.target)
+        check_connection(target, self.connection())
+        if target.remote and self.tune:
+            flag = "--" + self.tune[0].replace("_", "-")
+            raise UserError(f"{flag} auto: --target {self.target}: the server's own serving policy applies "
+                            "(auto knobs are chosen on a server in this process)")  # fmt: skip
+        if target.remote and self.trace:
+            raise UserError(f"--trace: --target {self.target}: a trace profiles instances in this process")
         probed = [k for k in PROBED if k in self.tune]
         if probed and self.scenario not in ("open-loop", "server"):
             flag = "--" + probed[0].replace("_", "-")
@@ -120,6 +137,11 @@ class InferConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def connection(self) -> Connection:
+        return Connection(rpc=self.rpc, concurrency=self.concurrency, timeout_s=self.timeout_s,
+                          connect_timeout_s=self.connect_timeout_s, unavailable_s=self.unavailable_s,
+                          seed=self.seed)  # fmt: skip
 
 
 CPU_COLUMNS = ("cpu_utilization", "instance_cpu_utilization", "server_cpu_s")
@@ -186,7 +208,7 @@ def measure(
     settings = LoadSettings(
         point.scenario, duration_s=cfg.duration_s, seed=cfg.seed + point.index, sla_ms=slas[point.streams[0].model],
         sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
-        max_issue_lag_ms=cfg.max_issue_lag_ms,
+        max_issue_lag_ms=cfg.max_issue_lag_ms, concurrency=cfg.concurrency,
     )  # fmt: skip
     driver = make_driver(server, point.streams, settings)
     records: list[dict[str, Any]] = []
@@ -231,9 +253,13 @@ def measure(
             return True
         return False
 
+    lost: str | None = None
     try:
         if not drive(server, driver, drain_s=cfg.drain_timeout_s, take=pump, poll=report) and log:
             log(f"point {point.index}: queries still unfinished {cfg.drain_timeout_s:.0f} s after the load")
+    except ServerLost as exc:  # the point is summarised as far as it went; the run then fails
+        lost = str(exc)
+        server.drain(cfg.drain_timeout_s)
     finally:
         window.append(sampler.mark())
         sampler.stop()
@@ -257,7 +283,7 @@ def measure(
         if mine:  # a backlog drained after the load ends lowers throughput instead of hiding
             last_end = max(r["end_ms"] for r in mine) / 1e3
             first = min(r["scheduled_ms"] for r in mine) / 1e3
-            span = last_end - first if stats.issue_stopped else max(span, last_end - first)
+            span = last_end - first if stats.issue_stopped or lost else max(span, last_end - first)
         served = sut.models[stream.model]
         cost = sut.batch_costs.get(stream.model)
         row = {
@@ -278,6 +304,11 @@ def measure(
             "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
             **stats.loadgen,
             "load_stopped_early": stopped_after_s is not None,
+            "target": sut.target,
+            "rpc": sut.rpc,
+            "concurrency": sut.concurrency,
+            "server_lost": None if sut.rpc is None else lost is not None,
+            "error": None if lost is None else f"lost the server at {sut.target}: {lost}",
             "batch_fixed_ms": None if cost is None else cost.fixed_ms,
             "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
             **stall_columns([s for s in stalls if s["model"] == stream.model]),
@@ -412,12 +443,14 @@ def run_inference(
     if len(models) > 1 and (probed := [k for k in PROBED if k in cfg.tune]):
         raise UserError(f"--{probed[0].replace('_', '-')} auto: one --model (its probes run one model's load)")
     check_writable(metrics_dir, "--metrics-dir")
-    if not cfg.qps_auto:  # auto: a probed rate, below capacity
+    target = parse_target(cfg.target)
+    if not cfg.qps_auto and cfg.scenario != "closed-loop":  # auto: a probed rate, below capacity
         check_planned(sum(s.qps for s in streams), cfg.duration_s)
         if cfg.scenario == "server":
             check_loadgen_duration(streams[0].qps, cfg.duration_s, cfg.sla_percentile)
     models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
-    check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
+    if not target.remote:  # a remote server holds its models in its own memory
+        check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
     check_stored_profile(log)
     config = {
         "infer": cfg.to_dict(),
@@ -429,8 +462,15 @@ def run_inference(
         queries = run.table("queries", QUERY_SCHEMA)
         summary = run.table("summary", summary_schema())
         telemetry = run.table("telemetry", telemetry_schema("point"))
-        with InferenceServer(models, device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log) as server:
-            run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
+        with open_target(target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed,
+                         log=log) as server:  # fmt: skip
+            if isinstance(server, InferenceServer):
+                run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
+            else:
+                sut = server.describe()
+                models_said = {n: dict(d.columns) for n, d in sut.models.items()}  # what the server said of them
+                run.update_manifest(target={"url": target.url, "rpc": sut.rpc, "concurrency": sut.concurrency,
+                                            "models": models_said})  # fmt: skip
             if cfg.qps_auto:
                 (stream,) = streams
                 if log:
@@ -461,12 +501,15 @@ def run_inference(
             if len(streams) > 1 and cfg.compare_alone:
                 points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
             for point in points:
-                with queue_room(server, point, cfg.duration_s):
+                with queue_room(server, point, cfg.duration_s) if not target.remote else nullcontext():
                     rows = measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress,
                                    trace=cfg.trace and point.index == 0)  # fmt: skip
                 summary.extend(rows)
                 if stopped := next((r["issue_stopped"] for r in rows if r.get("issue_stopped")), None):
                     run.fails_at_end(f"point {point.index}: {stopped}")
+                if lost := next((r["error"] for r in rows if r.get("server_lost")), None):
+                    summary.flush()
+                    raise ServerLost(f"point {point.index}: {lost}; rows kept in {run.dir}")
                 if cfg.trace and point.index == 0 and (run.dir / "trace.json").exists():
                     run.update_manifest(trace="trace.json")
                 summary.flush()

@@ -18,6 +18,9 @@ from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
 from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
 
+# The stages of a query's trip over a network that a server in this process does not have (`serve.remote`)
+TRANSFER_STAGES = ("serialise", "network", "server_parse", "server_respond", "deserialise")
+
 QUERY_SCHEMA = pa.schema(
     [
         ("point", pa.int32()),
@@ -50,6 +53,16 @@ QUERY_SCHEMA = pa.schema(
         ("batch_completion_ms", pa.float64()),
         # the query's latency in parts that sum to it (`latency_parts`)
         *[(f"lat_{part}_ms", pa.float64()) for part in LATENCY_PARTS],
+        # a query that crossed a network (`serve.remote`; null in process): the client connection that sent it,
+        # the RPC's own status code, and its transfer stages (they and issue, queue, compute sum to the latency)
+        ("worker", pa.int32()),
+        ("rpc_status", pa.string()),
+        *[(f"{stage}_ms", pa.float64()) for stage in TRANSFER_STAGES],
+        ("round_trip_ms", pa.float64()),  # client send -> receive
+        ("server_ms", pa.float64()),  # server receive -> send (its clock; a duration only)
+        ("instance_compute_ms", pa.float64()),  # instance time summed over the query's pieces
+        ("request_bytes", pa.int64()),
+        ("response_bytes", pa.int64()),
     ]
 )
 
@@ -147,6 +160,22 @@ SUMMARY_SCHEMA = pa.schema(
         ("loadgen_reason", pa.string()),  # INVALID: what LoadGen found unmet (its summary's words)
         ("loadgen_queries_per_s", pa.float64()),  # LoadGen's "samples" are our queries
         ("loadgen_p99_ms", pa.float64()),
+        # the system under test (`infer.targets`) and, over a network, what crossing it cost (null in process)
+        ("target", pa.string()),  # in-process, grpc://HOST:PORT or kserve://HOST:PORT
+        ("rpc", pa.string()),  # stream, unary or oip (the Open Inference Protocol's ModelInfer)
+        ("concurrency", pa.int32()),  # client connections (each in its own process beyond one)
+        ("round_trip_p50_ms", pa.float64()),
+        ("round_trip_p99_ms", pa.float64()),
+        *[(f"{stage}_mean_ms", pa.float64()) for stage in TRANSFER_STAGES],
+        ("transfer_mean_ms", pa.float64()),  # the transfer stages together, over completed queries
+        ("transfer_share", pa.float64()),  # ... over their mean latency
+        ("transfer_per_sample_us", pa.float64()),
+        ("transfer_to_compute", pa.float64()),  # transfer_mean_ms / compute_mean_ms (the server's compute)
+        ("request_bytes_mean", pa.float64()),
+        ("response_bytes_mean", pa.float64()),
+        ("request_bytes_per_sample", pa.float64()),
+        ("server_lost", pa.bool_()),  # the server answered only UNAVAILABLE until the load ended
+        ("error", pa.string()),  # why the point ended early (a lost server): the run then fails
         # roofline of one batch on one instance, energy of the whole point (docs/metrics.md)
         ("batch_compute_mean_ms", pa.float64()),
         *ROOFLINE_FIELDS,
@@ -191,15 +220,18 @@ def summarize(
     counted = status != "rejected"
     sla_lat = np.where(ok, lat_all, np.inf)[counted]
     batches: dict[int, tuple[int, int]] = {
-        r["batch_id"]: (r["batch_samples"], r["batch_queries"]) for r in records if r["batch_id"] is not None
+        r["batch_id"]: (r["batch_samples"], r["batch_queries"]) for r in records if r.get("batch_id") is not None
     }
     batch_compute = np.array(
-        list({r["batch_id"]: r["compute_ms"] for r in records if r["status"] == "ok" and r["batch_id"] is not None}
+        list({r["batch_id"]: r["compute_ms"] for r in records if r["status"] == "ok" and r.get("batch_id") is not None}
              .values()), dtype=np.float64)  # fmt: skip
     bsz = np.array([b[0] for b in batches.values()], dtype=np.float64)
     bq = np.array([b[1] for b in batches.values()], dtype=np.float64)
-    queue = np.array([r["queue_ms"] for r in records if r["status"] == "ok"], dtype=np.float64)
-    compute = np.array([r["compute_ms"] for r in records if r["status"] == "ok"], dtype=np.float64)
+    # a server that reports no stage times (a third-party one) leaves queue and compute null
+    queue = np.array([r["queue_ms"] for r in records if r["status"] == "ok" and r.get("queue_ms") is not None],
+                     dtype=np.float64)  # fmt: skip
+    compute = np.array([r["compute_ms"] for r in records if r["status"] == "ok" and r.get("compute_ms") is not None],
+                       dtype=np.float64)  # fmt: skip
     out: dict[str, Any] = {
         "queries": len(records),
         "completed_queries": int(ok.sum()),
@@ -223,11 +255,12 @@ def summarize(
         "batch_compute_mean_ms": float(batch_compute.mean()) if len(batch_compute) else None,
         "queue_mean_ms": float(queue.mean()) if len(queue) else None,
         "compute_mean_ms": float(compute.mean()) if len(compute) else None,
-        "queue_share": float(queue.sum() / lat.sum()) if len(lat) and lat.sum() > 0 else None,
+        "queue_share": float(queue.sum() / lat.sum()) if len(queue) and lat.sum() > 0 else None,
         **compute_slowdown(records),
         **_history_reuse(records, ok, samples),
         **batch_stage_means(records),
         **tail_parts(records, sla_percentile),
+        **transfer_columns(records),
     }
     for name, p in zip(LATENCY_FIELDS, PERCENTILES, strict=True):
         out[name] = percentile(lat, p)
@@ -237,6 +270,46 @@ def summarize(
     floor_query = percentile(samples[counted].astype(np.float64), sla_percentile)
     out["latency_floor_samples"] = None if floor_query is None else int(floor_query)
     return out
+
+
+def transfer_columns(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What crossing a network cost the completed queries (`serve.remote`'s stages): round trips, each
+    transfer stage's mean, their sum against the latency and the server's compute, and the bytes moved.
+    Nulls in process; a stage a server did not report is null, and so are the sums that need it."""
+    ok = [r for r in records if r["status"] == "ok" and r.get("round_trip_ms") is not None]
+    out: dict[str, Any] = {name: None for name in TRANSFER_SUMMARY}
+    if not ok:
+        return out
+
+    def values(column: str) -> np.ndarray | None:
+        v = [r.get(column) for r in ok]
+        return None if any(x is None for x in v) else np.array(v, dtype=np.float64)
+
+    rtt = values("round_trip_ms")
+    out["round_trip_p50_ms"], out["round_trip_p99_ms"] = percentile(rtt, 50), percentile(rtt, 99)
+    stages = {stage: values(f"{stage}_ms") for stage in TRANSFER_STAGES}
+    for stage, v in stages.items():
+        out[f"{stage}_mean_ms"] = None if v is None else float(v.mean())
+    samples = float(sum(r["samples"] for r in ok))
+    if all(v is not None for v in stages.values()):
+        transfer = sum(stages.values())
+        latency = np.array([r["latency_ms"] for r in ok], dtype=np.float64)
+        compute = values("compute_ms")
+        out["transfer_mean_ms"] = float(transfer.mean())
+        out["transfer_share"] = float(transfer.sum() / latency.sum()) if latency.sum() > 0 else None
+        out["transfer_per_sample_us"] = float(transfer.sum() / samples * 1e3)
+        out["transfer_to_compute"] = None if compute is None or compute.mean() <= 0 else float(
+            transfer.mean() / compute.mean())  # fmt: skip
+    requests, responses = values("request_bytes"), values("response_bytes")
+    out["request_bytes_mean"] = None if requests is None else float(requests.mean())
+    out["request_bytes_per_sample"] = None if requests is None else float(requests.sum() / samples)
+    out["response_bytes_mean"] = None if responses is None else float(responses.mean())
+    return out
+
+
+TRANSFER_SUMMARY = ("round_trip_p50_ms", "round_trip_p99_ms", *[f"{s}_mean_ms" for s in TRANSFER_STAGES],
+                    "transfer_mean_ms", "transfer_share", "transfer_per_sample_us", "transfer_to_compute",
+                    "request_bytes_mean", "response_bytes_mean", "request_bytes_per_sample")  # fmt: skip
 
 
 def batch_stage_means(records: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -275,6 +348,8 @@ def latency_parts(record: dict[str, Any], roof_ms: float | None, transport_ms: f
         (`transport_ms`, already outside the other parts' span: it is added to the latency's own)."""
     out: dict[str, Any] = {f"lat_{part}_ms": None for part in LATENCY_PARTS}
     start, took = record.get("batch_start_ms"), record.get("batch_compute_ms")
+    if record.get("status") == "ok" and record.get("round_trip_ms") is not None:
+        return _remote_latency_parts(record, roof_ms, out)
     if record.get("status") != "ok" or start is None or took is None:
         return out
     expected = record.get("batch_expected_ms") or took
@@ -289,6 +364,22 @@ def latency_parts(record: dict[str, Any], roof_ms: float | None, transport_ms: f
         lat_completion_ms=record["end_ms"] - (start + took),
         lat_transport_ms=transport_ms,
     )
+    return out
+
+
+def _remote_latency_parts(record: dict[str, Any], roof_ms: float | None, out: dict[str, Any]) -> dict[str, Any]:
+    """A query answered over a network, in LATENCY_PARTS from its client stages and the server's reported
+    ones: issue, transport (the transfer stages), queue, and the server's compute as roof and beyond;
+    the in-service slowdown and the completion are not told apart there (null). A server that reported
+    no stages leaves all but the issue null."""
+    transfer = [record.get(f"{stage}_ms") for stage in TRANSFER_STAGES]
+    out["lat_issue_ms"] = record["issued_ms"] - record["scheduled_ms"]
+    compute = record.get("compute_ms")
+    if any(t is None for t in transfer) or compute is None or record.get("queue_ms") is None:
+        return out
+    roof = min(roof_ms or 0.0, compute)
+    out.update(lat_transport_ms=sum(transfer), lat_queue_ms=record["queue_ms"], lat_roof_ms=roof,
+               lat_beyond_roof_ms=compute - roof)  # fmt: skip
     return out
 
 

@@ -44,6 +44,7 @@ class Query:
     issued_ns: int = 0  # when it reached submit()
     on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)
     tag: Any = None  # the driver's own reference (e.g. LoadGen's sample id)
+    record: dict[str, Any] | None = None  # the row a remote transport made of it, set before on_done
     # Progress through the server (a query larger than max_batch is served in pieces).
     dispatched: int = 0  # samples sent to instances
     pieces: int = 0
@@ -90,6 +91,9 @@ class SutDescription:
     """What a system under test says about itself, for the records; never needed to drive it."""
 
     models: Mapping[str, ModelDescription]
+    target: str = "in-process"  # where it is (`infer.targets`)
+    rpc: str | None = None  # over a network: how queries go (stream, unary, oip)
+    concurrency: int | None = None  # ... over how many client connections
     processes: Sequence[Mapping[str, Any]] = ()  # serving processes on this host: instance, model, pid, cores
     snapshot_bytes: Mapping[str, int] = field(default_factory=dict)  # per model, shared by its instances
     # per model, its instances' warm batch cost (`infer.batching.BatchCost`, measured at start)

@@ -26,6 +26,7 @@ try:
     from dlrm_lab.serve import inference_pb2 as pb
     from dlrm_lab.serve import inference_pb2_grpc as pb_grpc
     from dlrm_lab.serve import open_inference_pb2 as v2
+    from dlrm_lab.serve import open_inference_pb2_grpc as v2_grpc
 except ImportError as exc:  # a checkout used without installing it
     raise UserError(
         f"the gRPC modules generated from dlrm_lab/serve/*.proto are missing ({exc}); "
@@ -55,7 +56,8 @@ CHANNEL_OPTIONS = [
 
 DENSE_DTYPE, LENGTH_DTYPE, ID_DTYPE, SCORE_DTYPE = np.dtype("<f4"), np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
 
-__all__ = ["pb", "pb_grpc", "v2", "PayloadError", "Refused", "client_deadline", "decode_samples", "model_info"]
+__all__ = ["pb", "pb_grpc", "v2", "v2_grpc", "PayloadError", "Refused", "client_deadline", "decode_samples",
+           "model_info"]  # fmt: skip
 
 
 class Refused(Exception):
@@ -133,4 +135,11 @@ def model_info(served: Any, library_samples: int, seed: int) -> Any:
         spec_json=json.dumps(spec.to_dict()),
         max_batch=served.max_batch,
         instances=served.instances,
+        threads=served.threads,
+        precision=served.precision,
+        table_precision=served.table_precision,
+        build=served.build,
+        max_delay_ms=served.max_delay_ms,
+        min_piece=served.min_piece,
+        columns_json=json.dumps(served.describe()),
     )

@@ -5,7 +5,23 @@ exactly as they drive an in-process one.
 A query names samples of the model's sample library; the client holds the same library as
 the server (`library_from_info`: generated from Describe's spec and seed), sends those
 samples' bytes, and calls `query.on_done(query, status, scores)` when the answer is decoded.
-Every query becomes a row of `records.CLIENT_QUERY_SCHEMA`.
+Every query becomes a row of `infer.records.QUERY_SCHEMA`, as in process, with its transfer
+columns filled: a query's latency (scheduled arrival -> scores decoded) splits into stages that
+add up exactly, each from the clock that saw it:
+
+    issue           scheduled -> serialise start            client clock (the load generator's delay)
+    serialise       serialise start -> send                 client clock (payload bytes + protobuf)
+    network         round trip - server time                client round trip, server durations
+    server_parse    receive -> submitted to the batcher     server clock (protobuf decode, checks)
+    queue           submitted -> first compute start        server clock
+    compute         first compute start -> scores back      server clock (instance + result pipe)
+    server_respond  scores back -> response built           server clock
+    deserialise     receive -> scores decoded               client clock
+
+Only durations cross hosts, never timestamps: `network` is the client's round trip minus the
+server's receive-to-send time, so it holds both directions of the wire, gRPC and HTTP/2
+framing, and the response's protobuf encoding. A server that reports no stage times (any
+Open Inference Protocol server but the lab's) leaves the server-side stages null.
 
 Queries go as one Infer call each (`rpc="unary"`) or over one InferStream per RemoteServer
 (`rpc="stream"`): requests are queued to gRPC's sending thread and a receiving thread
@@ -21,16 +37,19 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 
+from dlrm_lab.errors import ServerLost, UserError
 from dlrm_lab.infer.library import PackedLibrary
-from dlrm_lab.infer.sut import SutDescription
+from dlrm_lab.infer.sut import ModelDescription, SutDescription
 from dlrm_lab.serve.protocol import (
+    CHANNEL_OPTIONS,
     DENSE_DTYPE,
     ID_DTYPE,
     INFER_METHOD,
@@ -42,7 +61,9 @@ from dlrm_lab.serve.protocol import (
     STAGE_PARAMETERS,
     encode_samples,
     pb,
+    pb_grpc,
     v2,
+    v2_grpc,
 )
 
 EXPIRE_POLL_S = 0.25  # a draining stream client looks for queries past their timeout this often
@@ -95,8 +116,14 @@ def open_inference_answer(body: bytes) -> OpenInferenceAnswer:
     return OpenInferenceAnswer(scores=scores, **stages)
 
 
-class ServerLost(RuntimeError):
-    """The server stopped answering (UNAVAILABLE) during a client run."""
+# What a gRPC status means in the lab's records (`infer.records.summarize` counts these); the code itself is
+# kept in `rpc_status`. Anything else that is not OK (UNAVAILABLE, INTERNAL, a bad answer) is a failed query.
+LAB_STATUS = {"OK": "ok", "ok": "ok", "RESOURCE_EXHAUSTED": "dropped", "INVALID_ARGUMENT": "rejected",
+              "DEADLINE_EXCEEDED": "expired"}  # fmt: skip
+
+
+def lab_status(code: str) -> str:
+    return LAB_STATUS.get(code, "failed")
 
 
 def library_from_info(info: Any) -> PackedLibrary:
@@ -106,6 +133,173 @@ def library_from_info(info: Any) -> PackedLibrary:
 
     spec = ModelSpec.from_dict(json.loads(info.spec_json))
     return PackedLibrary.generate(spec, info.data_spec or None, info.library_seed, info.library_samples)
+
+
+@dataclass(frozen=True)
+class LibraryRecipe:
+    """How a client makes the sample library a query's samples are read from (picklable: each client
+    worker makes its own): the generator's samples [0, samples) of `spec` at `seed`."""
+
+    spec: dict[str, Any]  # ModelSpec.to_dict()
+    data_spec: str | None
+    seed: int
+    samples: int
+
+    def library(self) -> PackedLibrary:
+        from dlrm_lab.config import ModelSpec
+
+        return PackedLibrary.generate(ModelSpec.from_dict(self.spec), self.data_spec, self.seed, self.samples)
+
+
+def describe_server(target: Any, timeout_s: float) -> list[Any]:
+    """The models a `dlrm-lab serve` serves (pb.ModelInfo), waiting up to `timeout_s` for it."""
+    channel = grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return list(pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=timeout_s).models)
+    except grpc.FutureTimeoutError:
+        raise UserError(f"--target {target.url}: no server answered within {timeout_s:g} s") from None
+    except grpc.RpcError as exc:
+        raise UserError(f"--target {target.url}: Describe failed: {exc.code().name}: {exc.details()}") from None
+    finally:
+        channel.close()
+
+
+@contextmanager
+def open_lab_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]:
+    """A `dlrm-lab serve` at grpc://HOST:PORT (`infer.targets`): its models as its Describe reports them
+    (spec, sample library, how it serves them), matched by name."""
+    from dlrm_lab.config import ModelSpec
+
+    infos = {info.name: info for info in describe_server(target, conn.connect_timeout_s)}
+    recipes, descriptions = {}, {}
+    unplaced = None if target.on_this_host else f"served on {target.address}, not this machine: its profile is not ours"
+    for m in models:
+        info = infos.get(m.name)
+        if info is None:
+            raise UserError(f"--model {m.name}: not served at {target.url}; it serves: {', '.join(infos) or 'nothing'}")
+        spec = ModelSpec.from_dict(json.loads(info.spec_json))
+        recipes[m.name] = LibraryRecipe(spec.to_dict(), info.data_spec or None, info.library_seed,
+                                        info.library_samples)  # fmt: skip
+        descriptions[m.name] = ModelDescription(
+            name=m.name, spec=spec, instances=info.instances or None, threads=info.threads or None,
+            max_batch=info.max_batch or None, max_delay_ms=info.max_delay_ms, min_piece=info.min_piece,
+            precision=info.precision or None, table_precision=info.table_precision or None, build=info.build or None,
+            on_this_host=target.on_this_host, unplaced=unplaced,
+            columns=json.loads(info.columns_json) if info.columns_json else {},
+        )  # fmt: skip
+    with _connected(target, recipes, descriptions, {}, conn.rpc or "stream", conn) as sut:
+        yield sut
+
+
+@contextmanager
+def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]:
+    """Any Open Inference Protocol (KServe v2) gRPC server at kserve://HOST:PORT[/MODEL] (`infer.targets`):
+    live, ready, and serving each model (the URL's name, else the preset's) with the lab's tensors
+    (`serve.open_inference.tensors`: dense, lengths, ids in; scores out), checked before any load; the
+    samples are the preset's, generated here. It says nothing of how it serves them."""
+    from dlrm_lab.config import HSTUSpec
+    from dlrm_lab.infer.memory import library_samples
+
+    if target.model_name and len(models) > 1:
+        raise UserError(f"--target {target.url}: names one model; {len(models)} --model given")
+    names = {m.name: target.model_name or m.spec.name for m in models}
+    channel = grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS)
+    try:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=conn.connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise UserError(f"--target {target.url}: no server answered within {conn.connect_timeout_s:g} s") from None
+        stub = v2_grpc.GRPCInferenceServiceStub(channel)
+        for m in models:
+            if isinstance(m.spec, HSTUSpec):
+                raise UserError(f"--model {m.name}: an HSTU preset is served from its server's own request library; "
+                                "a remote target takes DLRM samples")  # fmt: skip
+            check_open_inference_model(target, stub, names[m.name], m.spec, conn.connect_timeout_s)
+    finally:
+        channel.close()
+    recipes = {m.name: LibraryRecipe(m.spec.to_dict(), m.data_spec, conn.seed,
+                                     library_samples(m.max_batch, m.library_samples)) for m in models}  # fmt: skip
+    why = "a third-party server: it does not say how it serves (instances, threads, precision)"
+    descriptions = {m.name: ModelDescription(name=m.name, spec=m.spec, on_this_host=target.on_this_host, unplaced=why)
+                    for m in models}  # fmt: skip
+    with _connected(target, recipes, descriptions, names, "oip", conn) as sut:
+        yield sut
+
+
+def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, timeout_s: float) -> None:
+    """The server is live and ready, serves `name`, and its metadata has the lab's tensors for `spec`."""
+    from dlrm_lab.serve.open_inference import tensors
+
+    where = f"--target {target.url}: model {name!r}"
+    try:
+        if not stub.ServerReady(v2.ServerReadyRequest(), timeout=timeout_s).ready:
+            raise UserError(f"--target {target.url}: the server is not ready")
+        if not stub.ModelReady(v2.ModelReadyRequest(name=name), timeout=timeout_s).ready:
+            raise UserError(f"{where}: not ready")
+        meta = stub.ModelMetadata(v2.ModelMetadataRequest(name=name), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise UserError(f"{where}: {exc.code().name}: {exc.details()}") from None
+    inputs, outputs = tensors(spec)
+    for kind, wanted, got in (("input", inputs, meta.inputs), ("output", outputs, meta.outputs)):
+        have = {t.name: t for t in got}
+        for tensor, datatype, shape in wanted:
+            t = have.get(tensor)
+            if t is None:
+                raise UserError(f"{where}: no {kind} tensor {tensor!r} (it has: {', '.join(have) or 'none'})")
+            if t.datatype != datatype:
+                raise UserError(f"{where}: {kind} {tensor!r} is {t.datatype}, the lab sends {datatype}")
+            dims = list(t.shape)
+            fits = len(dims) == len(shape) and all(a == b or -1 in (a, b) for a, b in zip(dims, shape, strict=False))
+            if not fits:
+                raise UserError(f"{where}: {kind} {tensor!r} has shape {list(t.shape)}, {spec.name} needs {shape} "
+                                "(-1: any)")  # fmt: skip
+
+
+@contextmanager
+def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dict[str, Any], names: dict[str, str],
+               rpc: str, conn: Any) -> Iterator[Any]:  # fmt: skip
+    """One RemoteServer on a channel of this process, or (`conn.concurrency` > 1) a pool of client processes."""
+    libraries = {m: recipe.library() for m, recipe in recipes.items()}
+    description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
+    if conn.concurrency > 1:
+        from dlrm_lab.serve.pool import ClientPool, WorkerPlan
+
+        connect = functools.partial(connect_worker, target.address, recipes, names, rpc, conn.timeout_s,
+                                    conn.unavailable_s, conn.connect_timeout_s)  # fmt: skip
+        epoch = time.monotonic_ns()
+        pool = ClientPool([WorkerPlan(k, connect, epoch) for k in range(conn.concurrency)], libraries, description,
+                          conn.unavailable_s)  # fmt: skip
+        try:
+            yield pool
+        finally:
+            pool.close()
+        return
+    channel = grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS)
+    try:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=conn.connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise UserError(f"--target {target.url}: no server answered within {conn.connect_timeout_s:g} s") from None
+        remote = RemoteServer(channel, libraries, models=descriptions, timeout_s=conn.timeout_s, rpc=rpc,
+                              unavailable_s=conn.unavailable_s, description=description, names=names)  # fmt: skip
+        try:
+            yield remote
+        finally:
+            remote.drain(conn.timeout_s)
+            remote.close()
+    finally:
+        channel.close()
+
+
+def connect_worker(address: str, recipes: dict[str, LibraryRecipe], names: dict[str, str], rpc: str, timeout_s: float,
+                   unavailable_s: float, connect_timeout_s: float, worker: int) -> RemoteServer:  # fmt: skip
+    """A client worker's own connection (`serve.pool`): its channel, its libraries, its RemoteServer."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
+    libraries = {m: recipe.library() for m, recipe in recipes.items()}
+    return RemoteServer(channel, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc,
+                        names=names)  # fmt: skip
 
 
 def encode_library_samples(library: PackedLibrary, offset: int, size: int) -> tuple[bytes, bytes, bytes]:
@@ -137,12 +331,16 @@ class RemoteServer:
         timeout_s: float = 30.0,
         unavailable_s: float = math.inf,
         rpc: str = "stream",
+        description: SutDescription | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> None:
         if rpc not in RPC_KINDS:
             raise ValueError(f"rpc {rpc!r}: allowed: {', '.join(RPC_KINDS)}")
         self.rpc = rpc
         self.libraries = libraries
-        self.models = dict(models or {})  # name -> pb.ModelInfo, as Describe reported it
+        self.models = dict(models or {})  # name -> infer.sut.ModelDescription
+        self.description = description
+        self.names = dict(names or {})  # the runner's model name -> the server's, where they differ
         self.unavailable_s = unavailable_s
         self.worker = worker
         self.epoch_ns = time.monotonic_ns() if epoch_ns is None else epoch_ns
@@ -165,7 +363,7 @@ class RemoteServer:
         return self.libraries[model]
 
     def describe(self) -> SutDescription:
-        return SutDescription(models=self.models or dict.fromkeys(self.libraries))
+        return self.description or SutDescription(models=self.models)
 
     def submit(self, q: Any) -> None:
         """Serialise and send `q` (an infer.sut.Query); its samples are `q.payload` (a
@@ -179,11 +377,12 @@ class RemoteServer:
         else:
             dense, lengths, ids = encode_samples(q.payload.dense, q.payload.lengths, q.payload.values)
         query_id = (self.worker << 40) | q.query_id  # unique across the workers of a client
+        model = self.names.get(q.model, q.model)
         if self.rpc == "oip":
-            body = open_inference_request(q.model, str(query_id), q.size, dense, lengths, ids)
+            body = open_inference_request(model, str(query_id), q.size, dense, lengths, ids)
         else:
             body = pb.InferRequest(
-                model=q.model, query_id=query_id, samples=q.size, dense=dense, lengths=lengths, ids=ids,
+                model=model, query_id=query_id, samples=q.size, dense=dense, lengths=lengths, ids=ids,
                 client_send_ns=start,
             ).SerializeToString()  # fmt: skip
         serialised = time.monotonic_ns()
@@ -273,7 +472,8 @@ class RemoteServer:
         body: bytes = b"",
         error: str | None = None,
     ) -> None:
-        """The query's row and its on_done: `resp` is the decoded answer when the server sent one."""
+        """The query's row (`infer.records.QUERY_SCHEMA`, its transfer columns filled) and its on_done: `resp` is
+        the decoded answer when the server sent one."""
         start, serialised, send = stamps
         e = self.epoch_ns
         row: dict[str, Any] = {
@@ -282,18 +482,13 @@ class RemoteServer:
             "model": q.model,
             "samples": q.size,
             "scheduled_ms": (q.scheduled_ns - e) / 1e6,
-            "serialise_start_ms": (start - e) / 1e6,
-            "serialise_end_ms": (serialised - e) / 1e6,
-            "send_ms": (send - e) / 1e6,
-            "receive_ms": (receive - e) / 1e6,
+            "issued_ms": (start - e) / 1e6,
             "round_trip_ms": (receive - send) / 1e6,
-            "lag_ms": (start - q.scheduled_ns) / 1e6,
             "serialise_ms": (send - start) / 1e6,
             "request_bytes": request_bytes,
+            "error": error,
         }
         scores, end = None, receive
-        if error is not None:
-            row["error"] = error
         if status == "ok":
             scores = np.frombuffer(resp.scores, dtype=SCORE_DTYPE)
             end = time.monotonic_ns()
@@ -315,14 +510,15 @@ class RemoteServer:
                 "batch_samples": resp.batch_samples,
                 "instance": resp.instance,
                 "pieces": resp.pieces,
-                "server_receive_ns": resp.server_receive_ns,
             })  # fmt: skip
         row.update({
-            "status": status,
-            "deserialise_end_ms": (end - e) / 1e6,
+            "status": lab_status(status),
+            "rpc_status": status,
+            "end_ms": (end - e) / 1e6,
             "deserialise_ms": (end - receive) / 1e6,
             "latency_ms": (end - q.scheduled_ns) / 1e6,
         })  # fmt: skip
+        q.record = row
         with self._lock:
             self._rows.append(row)
             if status == "UNAVAILABLE":
@@ -335,7 +531,7 @@ class RemoteServer:
                 if status == "ok":
                     q.on_done(q, status, scores)
                 else:
-                    threading.Timer(ERROR_BACKOFF_S, q.on_done, (q, status, scores)).start()
+                    threading.Timer(ERROR_BACKOFF_S, q.on_done, (q, row["status"], scores)).start()
         finally:
             with self._lock:
                 self._outstanding -= 1

@@ -1,0 +1,118 @@
+"""Systems under test by URL (`--target`): one runner (`infer.lab`), any server.
+
+    in-process           the lab's server in this process (`infer.server.InferenceServer`), the default
+    grpc://HOST:PORT     a `dlrm-lab serve`, over the lab's protocol (--rpc stream or unary)
+    kserve://HOST:PORT[/MODEL]
+                         any Open Inference Protocol (KServe v2) gRPC server: the lab's own, Triton,
+                         KServe's model server. MODEL is the name it serves the model under (default:
+                         the preset's name); the samples are the preset's, generated here.
+
+A transport is one opener in `TRANSPORTS`, named "module:function" (imported only when its scheme is
+used: the in-process runner never loads gRPC). An opener takes the parsed target, the served models
+(names, presets, sample libraries) and the connection options, and returns a context manager giving
+a `SystemUnderTest` whose `describe()` says what it knows of each model (`infer.sut.ModelDescription`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import socket
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from dlrm_lab.errors import UserError
+
+IN_PROCESS = "in-process"
+TRANSPORTS: dict[str, str] = {
+    IN_PROCESS: "dlrm_lab.infer.targets:open_in_process",
+    "grpc": "dlrm_lab.serve.remote:open_lab_server",
+    "kserve": "dlrm_lab.serve.remote:open_inference_server",
+}
+RPC_OF = {"grpc": ("stream", "unary"), "kserve": ("oip",)}  # the RPC kinds each remote scheme speaks, first default
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed `--target`."""
+
+    url: str
+    scheme: str
+    address: str | None = None  # HOST:PORT
+    model_name: str | None = None  # kserve: the name the server knows the model by
+
+    @property
+    def remote(self) -> bool:
+        return self.scheme != IN_PROCESS
+
+    @property
+    def on_this_host(self) -> bool:
+        """Whether the server runs on this machine (its roof is this machine's profile)."""
+        if self.address is None:
+            return True
+        host = self.address.rpartition(":")[0].strip("[]")
+        if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How a remote target is reached (ignored in process)."""
+
+    rpc: str | None = None  # None: the scheme's default
+    concurrency: int = 1  # client connections; beyond one each is a process of its own (`serve.pool`)
+    timeout_s: float = 30.0  # per query (its gRPC deadline)
+    connect_timeout_s: float = 10.0
+    unavailable_s: float = 3.0  # only UNAVAILABLE answers this long: the server is lost
+    seed: int = 0  # kserve: the seed of the samples generated here
+
+
+def parse_target(url: str) -> Target:
+    """`url` as a Target; a bad one is one line naming it and what is allowed."""
+    allowed = f"{IN_PROCESS}, grpc://HOST:PORT or kserve://HOST:PORT[/MODEL]"
+    if url in (IN_PROCESS, ""):
+        return Target(IN_PROCESS, IN_PROCESS)
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in TRANSPORTS or scheme == IN_PROCESS:
+        raise UserError(f"--target {url!r}: allowed: {allowed}")
+    address, _, model = rest.partition("/")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--target {url!r}: expected {scheme}://HOST:PORT (a port in 1-65535)")
+    if model and scheme != "kserve":
+        raise UserError(f"--target {url!r}: only a kserve:// target names its model in the URL")
+    return Target(url, scheme, address, model or None)
+
+
+def check_connection(target: Target, conn: Connection) -> None:
+    """The connection options against the target: one line naming the culprit."""
+    if conn.rpc is not None and target.remote and conn.rpc not in RPC_OF[target.scheme]:
+        raise UserError(f"--rpc {conn.rpc!r}: {target.scheme}:// speaks {', '.join(RPC_OF[target.scheme])}")
+    if not isinstance(conn.concurrency, int) or conn.concurrency < 1:
+        raise UserError(f"--concurrency {conn.concurrency!r}: must be a whole number >= 1")
+    for option, value in (("--timeout", conn.timeout_s), ("--connect-timeout", conn.connect_timeout_s),
+                          ("--unavailable-s", conn.unavailable_s)):  # fmt: skip
+        if not value > 0:
+            raise UserError(f"{option} {value!r}: must be > 0 seconds")
+
+
+def open_target(target: Target, models: list[Any], conn: Connection, **in_process: Any) -> AbstractContextManager:
+    """The system under test at `target` for `models` (infer.served.ServedModel: their names, presets and
+    sample libraries; in process also how to serve them, with `in_process` the server's own options)."""
+    module, _, name = TRANSPORTS[target.scheme].partition(":")
+    opener: Callable[..., AbstractContextManager] = getattr(importlib.import_module(module), name)
+    if target.remote:
+        return opener(target, models, conn)
+    return opener(target, models, conn, **in_process)
+
+
+def open_in_process(target: Target, models: list[Any], conn: Connection, **options: Any) -> AbstractContextManager:
+    from dlrm_lab.infer.server import InferenceServer
+
+    return InferenceServer(models, **options)

@@ -1,0 +1,199 @@
+"""Several client connections, each in a process of its own, as one system under test.
+
+One Python process serialising and decoding for many clients is limited by its GIL, which would be
+measured as transfer cost: beyond one connection each is a worker process with its own channel and
+`RemoteServer`. The load's driver stays in the runner's process, so a point has one schedule and one
+set of rows: `submit` hands a query's identity (model, samples, scheduled arrival) to the worker with
+the fewest queries outstanding, over a pipe; the worker sends it on its own channel and its row comes
+back with the answer. Arrival and latency count from the parent's schedule (time.monotonic_ns is
+system-wide on Linux), so the pipe's hop is part of the query's issue delay, as it is of a client's.
+
+Hand-written: no library fans a load generator's queries over client processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dlrm_lab.errors import ServerLost
+from dlrm_lab.infer.sut import Query, SutDescription
+
+START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What a worker needs to open its own connection: picklable."""
+
+    worker: int
+    connect: Callable[[int], Any]  # worker index -> its RemoteServer (a module-level function or partial)
+    epoch_ns: int
+
+
+class ClientPool:
+    """`concurrency` RemoteServers in worker processes behind one SystemUnderTest (module docstring)."""
+
+    def __init__(
+        self, plans: list[WorkerPlan], libraries: Mapping[str, Any], description: SutDescription,
+        unavailable_s: float,
+    ) -> None:  # fmt: skip
+        self.libraries, self._description, self.unavailable_s = dict(libraries), description, unavailable_s
+        ctx = mp.get_context("spawn")
+        self._workers: list[tuple[Any, Any]] = []
+        self._send_locks: list[threading.Lock] = []
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._waiting: dict[int, tuple[Query, int]] = {}  # pool id -> (query, worker)
+        self._outstanding = [0] * len(plans)
+        self._rows: list[dict[str, Any]] = []
+        self._lost: str | None = None
+        self._next = 0
+        try:
+            for plan in plans:
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(plan, child_end), daemon=True,
+                                   name=f"dlrm-lab-client-{plan.worker}")  # fmt: skip
+                proc.start()
+                child_end.close()
+                self._workers.append((proc, parent_end))
+                self._send_locks.append(threading.Lock())
+            for k, (_proc, conn) in enumerate(self._workers):
+                if not conn.poll(START_TIMEOUT_S):
+                    raise RuntimeError(f"client worker {k} did not start within {START_TIMEOUT_S:g} s")
+                kind, why = conn.recv()
+                if why:
+                    raise ConnectionError(f"client worker {k}: {why}")
+        except BaseException:
+            self.close()
+            raise
+        self._readers = [threading.Thread(target=self._read, args=(k,), name=f"client-pool-{k}", daemon=True)
+                         for k in range(len(self._workers))]  # fmt: skip
+        for t in self._readers:
+            t.start()
+
+    # SystemUnderTest
+
+    def library(self, model: str) -> Any:
+        return self.libraries[model]
+
+    def describe(self) -> SutDescription:
+        return self._description
+
+    def submit(self, q: Query) -> None:
+        if not q.scheduled_ns:
+            q.scheduled_ns = time.monotonic_ns()
+        with self._lock:
+            pool_id = self._next
+            self._next += 1
+            k = min(range(len(self._outstanding)), key=self._outstanding.__getitem__)
+            self._outstanding[k] += 1
+            self._waiting[pool_id] = (q, k)
+        with self._send_locks[k]:
+            self._workers[k][1].send(("query", pool_id, q.query_id, q.model, q.size, q.offset, q.scheduled_ns))
+
+    def drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._waiting and time.monotonic() < deadline and self._lost is None:
+                self._idle.wait(min(0.25, max(0.0, deadline - time.monotonic())))
+            return not self._waiting
+
+    def take_records(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out, self._rows = self._rows, []
+        return out
+
+    def check(self) -> None:
+        if self._lost is not None:
+            raise ServerLost(self._lost)
+
+    def close(self) -> None:
+        for k, (_proc, conn) in enumerate(self._workers):
+            try:
+                with self._send_locks[k] if k < len(self._send_locks) else threading.Lock():
+                    conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        for proc, conn in self._workers:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            conn.close()
+        self._workers = []
+
+    def __enter__(self) -> ClientPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # the answers
+
+    def _read(self, k: int) -> None:
+        conn = self._workers[k][1]
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                with self._idle:
+                    if self._waiting and self._lost is None:
+                        self._lost = f"client worker {k} exited"
+                    self._idle.notify_all()
+                return
+            if message[0] == "done":
+                _, pool_id, status, scores, row = message
+                with self._lock:
+                    q, worker = self._waiting.pop(pool_id)
+                    self._outstanding[worker] -= 1
+                    self._rows.append(row)
+                if q.on_done is not None:
+                    q.on_done(q, status, scores)
+                with self._idle:
+                    self._idle.notify_all()
+            elif message[0] == "lost":
+                with self._idle:
+                    self._lost = f"client worker {k}: {message[1]}"
+                    self._idle.notify_all()
+            elif message[0] == "closed":
+                return
+
+
+def _worker_main(plan: WorkerPlan, conn: Any) -> None:
+    """A client worker: its own connection; queries in from the pipe, rows and answers back."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    try:
+        remote = plan.connect(plan.worker)
+        remote.epoch_ns = plan.epoch_ns
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
+        conn.send(("ready", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    send_lock = threading.Lock()
+
+    def done(q: Query, status: str, scores: Any) -> None:
+        remote.take_records()  # each row travels with its own answer (q.record): the list is only emptied
+        with send_lock:
+            conn.send(("done", q.tag, status, scores, q.record))
+
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            break
+        _, pool_id, query_id, model, size, offset, scheduled_ns = message
+        remote.submit(Query(query_id, model, size, offset, scheduled_ns=scheduled_ns, on_done=done, tag=pool_id))
+        try:
+            remote.check()
+        except ServerLost as exc:
+            with send_lock:
+                conn.send(("lost", str(exc)))
+    remote.drain(remote.timeout_s + 1.0)
+    remote.close()
+    with send_lock:
+        conn.send(("closed",))
