@@ -47,6 +47,7 @@ def _recorded() -> dict[str, set[str]]:
         ("SCALE_TABLE", "scale"),
         ("SCALE_READ", "scale"),
         ("SCALE_PRINTED", "scale"),
+        ("TRANSFER_PRINTED", "infer"),
     ],
 )
 def test_every_view_reads_columns_its_table_records(view, table):
@@ -56,7 +57,7 @@ def test_every_view_reads_columns_its_table_records(view, table):
 
 @pytest.mark.parametrize(
     "view", ["TRAIN_PRINTED", "TRAIN_TABLE", "INFER_PRINTED", "INFER_TABLE", "FRONTIER_PRINTED", "FRONTIER_TABLE",
-             "SCALE_TABLE", "RUNS_LISTED", "CLIENT_PRINTED", "SCALE_PRINTED"],
+             "SCALE_TABLE", "RUNS_LISTED", "TRANSFER_PRINTED", "SCALE_PRINTED"],
 )  # fmt: skip
 def test_shown_columns_are_registered(view):
     assert [n for n in getattr(columns, view) if n not in columns.COLUMNS] == []

@@ -265,7 +265,17 @@ def _print_points(run_dir: Any) -> tuple[list[tuple[str, str | None]], str | Non
     for r in rows:
         table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.INFER_PRINTED))
     console().print(table)
+    remote = [r for r in rows if r.get("rpc") is not None]
+    if remote:  # what crossing the network cost, beside the latency it is part of
+        table = Table(title=f"over the network ({remote[0]['target']})")
+        for name in columns.TRANSFER_PRINTED:
+            table.add_column(columns.column(name).narrow, justify="right")
+        for r in remote:
+            table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.TRANSFER_PRINTED))
+        console().print(table)
     for r in rows:
+        if r.get("server_lost"):
+            console().print(f"{r['model']}: {r['error']}")
         if r["loadgen_result"]:
             console().print(
                 f"MLPerf LoadGen ({r['model']}): {r['loadgen_result']}, {r['loadgen_queries_per_s']:.1f} queries/s, "

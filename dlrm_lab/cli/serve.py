@@ -1,12 +1,11 @@
-"""`dlrm-lab serve` and `dlrm-lab client`: inference over gRPC (docs/serving.md)."""
+"""`dlrm-lab serve`, and `dlrm-lab client` (an alias of `infer run --target`): inference over gRPC (docs/serving.md)."""
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from dlrm_lab.cli.format import console
 from dlrm_lab.cli.infer import (
@@ -31,7 +30,6 @@ from dlrm_lab.cli.infer import (
 from dlrm_lab.cli.options import MaxRows, MetricsDir, TableScale
 from dlrm_lab.errors import UserError, raise_on_sigterm
 from dlrm_lab.infer.served import DEFAULT_MAX_QUERY_SAMPLES
-from dlrm_lab.metrics import columns
 
 
 def serve_command(
@@ -90,12 +88,10 @@ def serve_command(
 
 def client_command(
     target: Annotated[str, typer.Option(help="The server, HOST:PORT.")],
-    concurrency: Annotated[int, typer.Option(help="Client worker processes, each with its own channel.")] = 1,
-    qps: Annotated[
-        Optional[float], typer.Option(help="Open loop: total target queries/s, split evenly over the workers.")
-    ] = None,
+    concurrency: Annotated[int, typer.Option(help="Client connections, each beyond one a process of its own.")] = 1,
+    qps: Annotated[Optional[float], typer.Option(help="Open loop: total target queries/s.")] = None,
     closed_loop: Annotated[
-        bool, typer.Option("--closed-loop", help="Closed loop: each worker keeps one query outstanding.")
+        bool, typer.Option("--closed-loop", help="Closed loop: each connection keeps one query outstanding.")
     ] = False,
     query_size: Annotated[
         str,
@@ -106,76 +102,63 @@ def client_command(
     arrival: Arrival = "poisson",
     duration: Duration = 10.0,
     model: Annotated[Optional[str], typer.Option(help="Served model to query (default: the first served).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the load (worker k uses seed + k).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the load.")] = 0,
     timeout: Annotated[float, typer.Option(help="Seconds a query may take before DEADLINE_EXCEEDED.")] = 30.0,
     unavailable_s: Annotated[
         float, typer.Option(help="Give up when the server has been UNAVAILABLE this many seconds.")
     ] = 3.0,
     connect_timeout: Annotated[float, typer.Option(help="Seconds to wait for the server at start.")] = 10.0,
     scenario: Annotated[
-        str,
-        typer.Option(
-            help="open-loop, or an MLPerf LoadGen scenario (server, offline, single-stream, multi-stream) "
-            "whose system under test forwards every query over gRPC (--concurrency 1, --qps)."
-        ),
-    ] = "open-loop",  # fmt: skip
-    sla_ms: Annotated[float, typer.Option("--sla-ms", help="LoadGen's latency bound in ms.")] = 10.0,
-    percentile: Annotated[float, typer.Option(help="LoadGen's latency percentile.")] = 99.0,
+        str, typer.Option(help="open-loop, or an MLPerf LoadGen scenario: server, offline, single- or multi-stream.")
+    ] = "open-loop",
+    sla_ms: Annotated[float, typer.Option("--sla-ms", help="Latency bound in ms.")] = 10.0,
+    percentile: Annotated[float, typer.Option(help="Latency percentile the bound applies to.")] = 99.0,
     max_issue_lag_ms: MaxIssueLagMs = 1000.0,
     rpc: Annotated[
         str,
         typer.Option(
-            help="stream: one bidirectional InferStream per worker; unary: one Infer call per query; oip: one "
+            help="stream: one bidirectional InferStream per connection; unary: one Infer call per query; oip: one "
             "ModelInfer call per query, the Open Inference Protocol (KServe v2)."
         ),
     ] = "stream",
     metrics_dir: MetricsDir = "runs",
 ) -> None:
-    """Drive a remote `dlrm-lab serve` with concurrent clients; record every query's stages."""
-    from dlrm_lab.serve.client import ClientOptions, run_client
-    from dlrm_lab.serve.remote import ServerLost
+    """`infer run --target grpc://HOST:PORT` (kserve:// with --rpc oip) under its former name: drive a remote
+    `dlrm-lab serve` and record every query's stages."""
+    from dlrm_lab.cli.infer import run_command
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.targets import parse_target
+    from dlrm_lab.serve.remote import describe_server
 
     if (qps is None) == (not closed_loop):
         raise UserError("give either --qps Q (open loop) or --closed-loop")
-    options = ClientOptions(
-        target=target, concurrency=concurrency, qps=qps, query_sizes=query_size, arrival=arrival,
-        duration_s=duration, model=model, seed=seed, timeout_s=timeout, unavailable_s=unavailable_s,
-        connect_timeout_s=connect_timeout, scenario=scenario, sla_ms=sla_ms, sla_percentile=percentile,
-        max_issue_lag_ms=max_issue_lag_ms, rpc=rpc,
+    if rpc not in ("stream", "unary", "oip"):
+        raise UserError(f"--rpc {rpc!r}: allowed: stream, unary, oip")
+    url = f"{'kserve' if rpc == 'oip' else 'grpc'}://{target}"
+    InferConfig(
+        scenario="closed-loop" if closed_loop else scenario,
+        duration_s=duration,
+        sla_ms=sla_ms,
+        sla_percentile=percentile,
+        max_issue_lag_ms=max_issue_lag_ms,
+        target=url,
+        rpc=None if rpc == "oip" else rpc,
+        concurrency=concurrency,
+        timeout_s=timeout,
+        connect_timeout_s=connect_timeout,
+        unavailable_s=unavailable_s,
+    )  # the rules, before the server is asked
+    served = describe_server(parse_target(f"grpc://{target}"), connect_timeout)
+    names = [m.name for m in served]
+    if model is not None and model not in names:
+        raise UserError(f"--model {model!r}: not served at {target}; served: {', '.join(names)}")
+    info = served[names.index(model)] if model else served[0]
+    if rpc == "oip":
+        url += f"/{info.name}"
+    run_command(
+        model=[info.preset], scenario="closed-loop" if closed_loop else scenario, target=url,
+        rpc=None if rpc == "oip" else rpc, concurrency=concurrency, timeout=timeout, connect_timeout=connect_timeout,
+        unavailable_s=unavailable_s, qps=None if qps is None else [str(qps)], query_size=[query_size],
+        arrival=arrival, duration=duration, sla_ms=[str(sla_ms)], percentile=percentile,
+        max_issue_lag_ms=max_issue_lag_ms, seed=seed, metrics_dir=metrics_dir, progress=False,
     )  # fmt: skip
-    raise_on_sigterm()
-    out = console(stderr=True)
-    try:
-        run_dir, summary = run_client(
-            options, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]],
-            log=lambda msg: out.print(msg, highlight=False, soft_wrap=True),
-        )  # fmt: skip
-    except ServerLost as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    _print_summary(summary)
-    console().print(f"run directory: {run_dir}")
-    if summary["issue_stopped"]:  # the load was not what was asked: the numbers must not pass for it
-        typer.echo(f"error: {summary['issue_stopped']}; rows kept in {run_dir}", err=True)
-        raise typer.Exit(1)
-
-
-def _print_summary(r: dict[str, Any]) -> None:
-    def f(v: Any, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
-    how = f"{r['mode']}, {r['rpc']} RPC, {r['concurrency']} workers"
-    table = Table(title=f"client: {r['model']} at {r['target']} ({how})")
-    for name in columns.CLIENT_PRINTED:
-        table.add_column(columns.column(name).narrow, justify="right")
-    table.add_row(*(columns.fmt(name, r.get(name)) for name in columns.CLIENT_PRINTED))
-    console().print(table)
-    from dlrm_lab.serve.records import STAGES
-
-    shares = ", ".join(f"{s} {f(r[f'{s}_share'], '.0%')}" for s in STAGES)
-    console().print(f"share of mean latency: {shares}")
-    if r.get("loadgen_result"):
-        console().print(f"MLPerf LoadGen: {r['loadgen_result']}, {f(r['loadgen_queries_per_s'], '.1f')} queries/s, "
-                        f"p99 {f(r['loadgen_p99_ms'], '.2f')} ms (its own accounting)")  # fmt: skip
-    if r["errors_by_code"]:
-        console().print("errors: " + ", ".join(f"{code} {n}" for code, n in r["errors_by_code"]))

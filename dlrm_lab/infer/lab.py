@@ -295,7 +295,7 @@ def measure(
             **served.columns,
             "query_sizes": str(stream.sizes),
             "arrival": stats.arrival[stream.model],
-            "target_qps": stream.qps,
+            "target_qps": None if point.scenario == "closed-loop" else stream.qps,  # a closed loop has no rate
             "duration_s": span,
             "warmup_s": warmup_s,
             **summarize(mine, duration_s=span, sla_ms=slas[stream.model], sla_percentile=cfg.sla_percentile),
@@ -394,8 +394,9 @@ def point_line(row: dict[str, Any]) -> str:
     beside = "" if floor is None else f" (floor {floor:.3g} ms" + ("" if ratio is None else f", {ratio:,.1f}x") + ")"
     slow = row.get("compute_slowdown_p99")
     beside += "" if slow is None else f", batches at p99 {slow:.2f}x their warm time"
+    load = "closed loop" if row["target_qps"] is None else f"target {row['target_qps']:.1f} queries/s"
     return (
-        f"{row['model']} [{row['mode']}] target {row['target_qps']:.1f} queries/s: "
+        f"{row['model']} [{row['mode']}] {load}: "
         f"{row['queries_per_s']:.1f} queries/s, {row['samples_per_s']:.0f} samples/s, "
         f"p99 {'-' if p99 is None else f'{p99:.2f}'} ms{beside}, "
         f"dropped {row['dropped_queries']}, late {row['late_queries']}, "
@@ -468,6 +469,8 @@ def run_inference(
                 run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
             else:
                 sut = server.describe()
+                if log:
+                    log(f"connected to {target.url}: {sut.concurrency} connection(s), rpc {sut.rpc}")
                 models_said = {n: dict(d.columns) for n, d in sut.models.items()}  # what the server said of them
                 run.update_manifest(target={"url": target.url, "rpc": sut.rpc, "concurrency": sut.concurrency,
                                             "models": models_said})  # fmt: skip

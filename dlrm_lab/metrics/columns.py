@@ -156,9 +156,16 @@ _REGISTERED = [
         for p in LATENCY_PARTS
     ],  # fmt: skip
     _c("batch_fixed_ms", "warm batch cost: fixed", "ms", ".3f"),
-    # -- gRPC client
-    _c("error_queries", "errors", "queries", "d", LOWER, "errors"),
+    # -- a remote system under test (`--target`)
+    _c("target", "system under test", fmt="s", short="target"),
+    _c("rpc", "RPC", fmt="s", short="rpc"),
+    _c("concurrency", "client connections", "", "d", short="conns"),
+    _c("round_trip_p50_ms", "round trip p50", "ms", ".3f", LOWER, "rtt p50"),
+    _c("round_trip_p99_ms", "round trip p99", "ms", ".3f", LOWER, "rtt p99"),
     _c("transfer_mean_ms", "transfer per query", "ms", ".3f", LOWER, "transfer ms/query"),
+    _c("transfer_share", "transfer share of latency", "fraction", ".1%", LOWER, "transfer share"),
+    _c("transfer_to_compute", "transfer over the server's compute", "ratio", ".3f", LOWER, "transfer/compute"),
+    _c("request_bytes_per_sample", "request bytes per sample", "B", ",.0f", LOWER, "B/sample"),
     # -- latency-bounded search (frontier)
     _c("capacity_queries_per_s", "capacity", "queries/s", ".1f", HIGHER, "capacity q/s"),
     _c("best_qps", "best rate", "queries/s", ".1f", HIGHER, "best q/s"),
@@ -292,10 +299,10 @@ FRONTIER_PRINTED = (
     "best",
     "outcome",
 )
-# `dlrm-lab client`'s table.
-CLIENT_PRINTED = (
-    "queries_per_s", "samples_per_s", "latency_p50_ms", "latency_p99_ms", "latency_max_ms", "error_queries",
-    "transfer_mean_ms",
+# `dlrm-lab infer run`'s transfer table, for a remote target (`--target`).
+TRANSFER_PRINTED = (
+    "target", "rpc", "concurrency", "round_trip_p50_ms", "round_trip_p99_ms", "transfer_mean_ms", "transfer_share",
+    "transfer_to_compute", "request_bytes_per_sample",
 )  # fmt: skip
 # `dlrm-lab scale`'s table.
 SCALE_PRINTED = (

@@ -236,7 +236,7 @@ def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, tim
         if not stub.ServerReady(v2.ServerReadyRequest(), timeout=timeout_s).ready:
             raise UserError(f"--target {target.url}: the server is not ready")
         if not stub.ModelReady(v2.ModelReadyRequest(name=name), timeout=timeout_s).ready:
-            raise UserError(f"{where}: not ready")
+            raise UserError(f"{where}: not ready (is it served under that name? kserve://HOST:PORT/MODEL names it)")
         meta = stub.ModelMetadata(v2.ModelMetadataRequest(name=name), timeout=timeout_s)
     except grpc.RpcError as exc:
         raise UserError(f"{where}: {exc.code().name}: {exc.details()}") from None
