@@ -58,9 +58,17 @@ def exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class ServerLost(RuntimeError):
-    """A remote system under test stopped answering (only UNAVAILABLE) during a load: the point is
-    summarised as far as it went and the run fails, its rows kept."""
+class RemoteFailure(RuntimeError):
+    """A remote system under test failed during a load: the point is summarised as far as it went and
+    the run fails, its rows kept (one line, exit 1)."""
+
+
+class ServerLost(RemoteFailure):
+    """... it stopped answering (only UNAVAILABLE for longer than the client allows)."""
+
+
+class BadAnswer(RemoteFailure):
+    """... it answered a query with something that is not one score per sample."""
 
 
 class DiskFull(Exception):

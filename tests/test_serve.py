@@ -604,28 +604,30 @@ print(json.dumps({"inputs": [i["name"] for i in meta["inputs"]], "max_batch_size
 """
 
 
-def _tritonclient_python() -> str:
-    """The python of a cached venv holding tritonclient (skip when it cannot be made: no package index)."""
+def _third_party_python(requirement: str) -> str:
+    """The python of a cached venv holding `requirement` (tritonclient, kserve: both need protobuf < 7, the lab's
+    generated code 7): made once per machine, skipped where it cannot be made (no package index)."""
     import venv
     from pathlib import Path
 
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlrm-lab" / "venvs" / "tritonclient-2.73.0"
+    name = requirement.split("[")[0].replace("==", "-")
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlrm-lab" / "venvs" / name
     python = root / "bin" / "python"
     if (root / ".installed").exists():
         return str(python)
     venv.EnvBuilder(with_pip=True, clear=True).create(root)
-    out = subprocess.run([str(python), "-m", "pip", "install", "-q", TRITONCLIENT, "numpy"], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = subprocess.run([str(python), "-m", "pip", "install", "-q", requirement, "numpy"], capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
     if out.returncode != 0:
-        pytest.skip(f"cannot install {TRITONCLIENT} into {root}: {out.stderr.strip()[-300:]}")
-    (root / ".installed").write_text(TRITONCLIENT)
+        pytest.skip(f"cannot install {requirement} into {root}: {out.stderr.strip()[-300:]}")
+    (root / ".installed").write_text(requirement)
     return str(python)
 
 
 def test_nvidias_tritonclient_drives_the_server_and_gets_the_models_scores(server, library, tmp_path):
     import json
 
-    python = _tritonclient_python()
+    python = _third_party_python(TRITONCLIENT)
     block = library.slice(300, 350)
     dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
     paths = []
@@ -657,3 +659,103 @@ def test_an_open_inference_answer_without_stage_times_leaves_them_null():
     raw.parameters["queue_ns"].int64_param = 5
     answer = open_inference_answer(raw.SerializeToString())
     assert np.frombuffer(answer.scores, dtype="<f4").tolist() == [0.75] and answer.queue_ns == 5
+
+
+KSERVE = "kserve==0.21.0"  # needs protobuf < 7 (and pandas < 3, psutil < 6): its own environment, made once and cached
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def kserve_server(tmp_path_factory):
+    """KServe's own model server (tests/kserve_predictor.py) serving the lab's tiny DLRM, its weights exported."""
+    from torch import nn
+
+    python = _third_party_python(KSERVE)
+    root = tmp_path_factory.mktemp("kserve")
+    spec = load_preset("tiny")
+    torch.manual_seed(SEED)
+    model = build_model(spec).eval()
+    weights: dict[str, np.ndarray] = {"n_tables": np.array(len(spec.tables))}
+    for part, module in (("bottom", model.dense_arch), ("top", model.over_arch)):
+        linear = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        weights[f"n_{part}"] = np.array(len(linear))
+        for i, m in enumerate(linear):
+            weights[f"{part}_w{i}"], weights[f"{part}_b{i}"] = m.weight.detach().numpy(), m.bias.detach().numpy()
+    bags = model.sparse_arch.embedding_bag_collection.embedding_bags
+    for f, table in enumerate(spec.tables):
+        weights[f"table_{f}"] = bags[table.name].weight.detach().numpy()
+    np.savez(root / "tiny.npz", **weights)
+    port = _free_port()
+    log = open(root / "kserve.log", "w")  # noqa: SIM115 - closed below, after the server
+    proc = subprocess.Popen([python, str(ROOT / "tests" / "kserve_predictor.py"), "tiny", str(root / "tiny.npz"),
+                             str(port), str(_free_port())], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=120)
+        yield f"127.0.0.1:{port}", model
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_infer_run_drives_kserves_own_model_server_and_gets_the_models_scores(kserve_server, tmp_path):
+    """A third-party Open Inference Protocol server (KServe's Python model server, a predictor written here): its
+    metadata checked, the model's scores back, the one runner's rows with the stages it does not report null; an
+    answer short of one score per sample ends the run in one line."""
+    from dlrm_lab.infer.instance import QueryRef, make_runner
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.sut import Query
+    from dlrm_lab.infer.targets import Connection, open_target, parse_target
+
+    address, model = kserve_server
+    answers: list[tuple[str, np.ndarray]] = []
+    done = threading.Event()
+    with open_target(parse_target(f"kserve://{address}/tiny"), [ServedModel("tiny", model.spec)],
+                     Connection(seed=SEED)) as sut:  # fmt: skip
+        sut.submit(Query(1, "tiny", 40, 100, on_done=lambda q, status, scores: (answers.append((status, scores)),
+                                                                                done.set())))  # fmt: skip
+        assert done.wait(30)
+        expected = make_runner(model, sut.library("tiny"), torch.device("cpu"), "fp32")([QueryRef(-1, 40, 100)])
+    ((status, scores),) = answers
+    assert status == "ok"
+    np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
+
+    result = run_cli("infer", "run", "--model", "tiny", "--target", f"kserve://{address}/tiny", "--qps", "40",
+                     "--query-size", "uniform:1,8", "--duration", "1.5", "--sla-ms", "200", "--no-progress",
+                     "--metrics-dir", str(tmp_path / "ok"), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "ok").iterdir()
+    q = pq.read_table(run_dir / "queries.parquet").to_pandas()
+    assert len(q) > 10 and (q.status == "ok").all() and (q.rpc_status == "ok").all()
+    assert q.serialise_ms.notna().all() and q.deserialise_ms.notna().all() and q.round_trip_ms.notna().all()
+    assert q.queue_ms.isna().all() and q.network_ms.isna().all()  # KServe reports no stage times
+    np.testing.assert_allclose(q.lat_issue_ms + q.serialise_ms + q.round_trip_ms + q.deserialise_ms, q.latency_ms,
+                               atol=1e-6)  # fmt: skip
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["rpc"] == "oip" and s["completed_queries"] == len(q) and s["queue_mean_ms"] is None
+    assert s["round_trip_p50_ms"] > 0 and s["transfer_mean_ms"] is None and s["latency_floor_ms"] is None
+
+    code, _, err = run_cli_in_process("infer", "run", "--model", "tiny", "--target", f"kserve://{address}/tiny-short",
+                                      "--qps", "20", "--duration", "1", "--no-progress", "--metrics-dir",
+                                      str(tmp_path / "bad"))  # fmt: skip
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, err
+    assert f"the server at kserve://{address}/tiny-short answered badly: query" in errors[0]
+    assert "score bytes for" in errors[0] and "rows kept in" in errors[0]
+    (run_dir,) = (tmp_path / "bad").iterdir()
+    assert read_manifest(run_dir)["status"] == "failed"
+    rows = pq.read_table(run_dir / "queries.parquet").to_pandas()
+    assert (rows.rpc_status == "BAD_RESPONSE").any() and set(rows.status[rows.rpc_status == "BAD_RESPONSE"]) == {
+        "failed"}  # fmt: skip

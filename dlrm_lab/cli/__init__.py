@@ -7,7 +7,7 @@ import sys
 import typer
 
 from dlrm_lab.cli import compare, data, infer, launch, machine, presets, report, runs, scale, serve, sweep, train
-from dlrm_lab.errors import DiskFull, RankFailure, ServerLost, ServingFault, Terminated, UserError
+from dlrm_lab.errors import DiskFull, RankFailure, RemoteFailure, ServingFault, Terminated, UserError
 
 app = typer.Typer(
     name="dlrm-lab",
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         return exc.exit_code
-    except (RankFailure, Terminated, DiskFull, ServingFault, ServerLost) as exc:
+    except (RankFailure, Terminated, DiskFull, ServingFault, RemoteFailure) as exc:
         typer.echo(f"error: {exc}", err=True)
         return 1
     except typer.TyperException as exc:  # usage errors: unknown option, bad type, missing value

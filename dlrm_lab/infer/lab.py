@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dlrm_lab.errors import ServerLost, ServingFault, UserError
+from dlrm_lab.errors import RemoteFailure, ServerLost, ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS, drive, make_driver
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
@@ -254,11 +254,12 @@ def measure(
         return False
 
     lost: str | None = None
+    failure: RemoteFailure | None = None
     try:
         if not drive(server, driver, drain_s=cfg.drain_timeout_s, take=pump, poll=report) and log:
             log(f"point {point.index}: queries still unfinished {cfg.drain_timeout_s:.0f} s after the load")
-    except ServerLost as exc:  # the point is summarised as far as it went; the run then fails
-        lost = str(exc)
+    except RemoteFailure as exc:  # the point is summarised as far as it went; the run then fails
+        lost, failure = str(exc), exc
         server.drain(cfg.drain_timeout_s)
     finally:
         window.append(sampler.mark())
@@ -307,8 +308,14 @@ def measure(
             "target": sut.target,
             "rpc": sut.rpc,
             "concurrency": sut.concurrency,
-            "server_lost": None if sut.rpc is None else lost is not None,
-            "error": None if lost is None else f"lost the server at {sut.target}: {lost}",
+            "server_lost": None if sut.rpc is None else isinstance(failure, ServerLost),
+            "error": None
+            if failure is None
+            else (
+                f"lost the server at {sut.target}: {lost}"
+                if isinstance(failure, ServerLost)
+                else f"the server at {sut.target} answered badly: {lost}"
+            ),  # fmt: skip
             "batch_fixed_ms": None if cost is None else cost.fixed_ms,
             "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
             **stall_columns([s for s in stalls if s["model"] == stream.model]),
@@ -510,9 +517,9 @@ def run_inference(
                 summary.extend(rows)
                 if stopped := next((r["issue_stopped"] for r in rows if r.get("issue_stopped")), None):
                     run.fails_at_end(f"point {point.index}: {stopped}")
-                if lost := next((r["error"] for r in rows if r.get("server_lost")), None):
+                if failed := next((r["error"] for r in rows if r.get("error")), None):
                     summary.flush()
-                    raise ServerLost(f"point {point.index}: {lost}; rows kept in {run.dir}")
+                    raise RemoteFailure(f"point {point.index}: {failed}; rows kept in {run.dir}")
                 if cfg.trace and point.index == 0 and (run.dir / "trace.json").exists():
                     run.update_manifest(trace="trace.json")
                 summary.flush()

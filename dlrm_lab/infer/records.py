@@ -175,7 +175,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("response_bytes_mean", pa.float64()),
         ("request_bytes_per_sample", pa.float64()),
         ("server_lost", pa.bool_()),  # the server answered only UNAVAILABLE until the load ended
-        ("error", pa.string()),  # why the point ended early (a lost server): the run then fails
+        ("error", pa.string()),  # why the point ended early (a lost server, a bad answer): the run then fails
         # roofline of one batch on one instance, energy of the whole point (docs/metrics.md)
         ("batch_compute_mean_ms", pa.float64()),
         *ROOFLINE_FIELDS,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.errors import ServerLost
+from dlrm_lab.errors import BadAnswer, RemoteFailure, ServerLost
 from dlrm_lab.infer.sut import Query, SutDescription
 
 START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
@@ -52,7 +52,7 @@ class ClientPool:
         self._waiting: dict[int, tuple[Query, int]] = {}  # pool id -> (query, worker)
         self._outstanding = [0] * len(plans)
         self._rows: list[dict[str, Any]] = []
-        self._lost: str | None = None
+        self._lost: RemoteFailure | None = None
         self._next = 0
         try:
             for plan in plans:
@@ -111,7 +111,7 @@ class ClientPool:
 
     def check(self) -> None:
         if self._lost is not None:
-            raise ServerLost(self._lost)
+            raise self._lost
 
     def close(self) -> None:
         for k, (_proc, conn) in enumerate(self._workers):
@@ -144,7 +144,7 @@ class ClientPool:
             except (EOFError, OSError):
                 with self._idle:
                     if self._waiting and self._lost is None:
-                        self._lost = f"client worker {k} exited"
+                        self._lost = ServerLost(f"client worker {k} exited")
                     self._idle.notify_all()
                 return
             if message[0] == "done":
@@ -157,9 +157,10 @@ class ClientPool:
                     q.on_done(q, status, scores)
                 with self._idle:
                     self._idle.notify_all()
-            elif message[0] == "lost":
+            elif message[0] == "fault":
+                _, kind, why = message
                 with self._idle:
-                    self._lost = f"client worker {k}: {message[1]}"
+                    self._lost = (BadAnswer if kind == "BadAnswer" else ServerLost)(f"client worker {k}: {why}")
                     self._idle.notify_all()
             elif message[0] == "closed":
                 return
@@ -190,9 +191,9 @@ def _worker_main(plan: WorkerPlan, conn: Any) -> None:
         remote.submit(Query(query_id, model, size, offset, scheduled_ns=scheduled_ns, on_done=done, tag=pool_id))
         try:
             remote.check()
-        except ServerLost as exc:
+        except RemoteFailure as exc:
             with send_lock:
-                conn.send(("lost", str(exc)))
+                conn.send(("fault", type(exc).__name__, str(exc)))
     remote.drain(remote.timeout_s + 1.0)
     remote.close()
     with send_lock:

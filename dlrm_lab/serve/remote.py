@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from dlrm_lab.errors import ServerLost, UserError
+from dlrm_lab.errors import BadAnswer, ServerLost, UserError
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.sut import ModelDescription, SutDescription
 from dlrm_lab.serve.protocol import (
@@ -316,7 +316,8 @@ class RemoteServer:
     """Queries to a `dlrm-lab serve` over one channel; thread-safe, `submit` returns at once.
 
     Times in rows are ms from `epoch_ns` (time.monotonic_ns, system-wide on Linux, so the
-    worker processes of one client share it). `check()` raises ServerLost once the server
+    worker processes of one client share it). `check()` raises BadAnswer after an answer that is
+    not one score per sample, and ServerLost once the server
     has answered only UNAVAILABLE for more than `unavailable_s`.
     """
 
@@ -357,6 +358,7 @@ class RemoteServer:
         self._outstanding = 0
         self._unavailable_since: int | None = None
         self._unavailable_detail = ""
+        self._bad: str | None = None  # the first answer that was not one score per sample
         self.issued = 0
 
     def library(self, model: str) -> PackedLibrary:
@@ -496,6 +498,7 @@ class RemoteServer:
             if len(scores) != q.size:
                 status, scores = "BAD_RESPONSE", None
                 row["error"] = f"{len(resp.scores)} score bytes for {q.size} samples"
+                self._bad = self._bad or f"query {q.query_id} was answered with {row['error']}"
         if status == "ok" and resp.server_send_ns:  # the server reported its stages (any lab server)
             server_ns = resp.server_send_ns - resp.server_receive_ns
             respond_ns = server_ns - resp.parse_ns - resp.queue_ns - resp.compute_ns
@@ -559,6 +562,8 @@ class RemoteServer:
     def check(self) -> None:
         if self.rpc == "stream":
             self.expire()
+        if self._bad is not None:
+            raise BadAnswer(self._bad)
         why = self.lost(self.unavailable_s)
         if why is not None:
             raise ServerLost(why)
