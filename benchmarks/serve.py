@@ -21,6 +21,11 @@ Parts (each through the real CLI, `dlrm-lab serve` + `dlrm-lab client`, or the l
             the Open Inference Protocol (`--rpc oip`, issue 33): closed loop and open loop at
             20 queries/s, runs interleaved, medians of 3 (issue 15: transfer <= 20% of compute).
             `--only rpc` runs this part alone.
+  triton    our client against NVIDIA's `tritonclient` (gRPC, from its cached venv), the same 256-sample
+            requests to the same server over the Open Inference Protocol, one at a time for `--duration`
+            each: `infer run --target kserve://... --scenario closed-loop` against tritonclient's own
+            perf_counter around `client.infer()`, interleaved, medians of 3 (issue 33: within 10%).
+            `--only triton` runs this part alone.
 The model is the Criteo Kaggle shape with tables capped at 100k rows, one instance.
 """
 
@@ -209,14 +214,99 @@ def grpc_floor(request_bytes: int, response_bytes: int, gap_s: float, queries: i
         proc.wait()
 
 
+TRITON_LOOP = """
+import json, sys, time
+import numpy as np
+import tritonclient.grpc as tc
+target, seconds, paths = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+client = tc.InferenceServerClient(url=target)
+blocks = [np.load(p, allow_pickle=True).item() for p in paths]
+def request(block):
+    inputs = []
+    for name, dtype in (("dense", "FP32"), ("lengths", "INT32"), ("ids", "INT64")):
+        t = tc.InferInput(name, list(block[name].shape), dtype)
+        t.set_data_from_numpy(block[name])
+        inputs.append(t)
+    return inputs
+for block in blocks[:3]:
+    client.infer("kaggle", request(block))  # warm-up
+times, k, end = [], 0, time.perf_counter() + seconds
+while time.perf_counter() < end:
+    block = blocks[k % len(blocks)]
+    t0 = time.perf_counter()
+    scores = client.infer("kaggle", request(block), outputs=[tc.InferRequestedOutput("scores")]).as_numpy("scores")
+    times.append((time.perf_counter() - t0) * 1e3)
+    k += 1
+print(json.dumps({"latency_ms": times}))
+"""
+
+
+def triton_compare(root: Path, target: str, duration: str, repeats: int = 3) -> dict[str, Any]:
+    """Our client against tritonclient's own timing of the same 256-sample requests, one at a time."""
+    import numpy as np
+
+    import dlrm_lab
+    from dlrm_lab.data import synthetic_generator
+
+    python = Path.home() / ".cache" / "dlrm-lab" / "venvs" / "tritonclient-2.73.0" / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"no tritonclient venv at {python} (tests/test_serve.py makes it)"}
+    spec = dlrm_lab.load_preset("kaggle", max_rows=100_000)
+    library = synthetic_generator(spec, seed=0).samples(0, 256 * 16)  # the server's library seed is 0
+    paths = []
+    for k in range(16):
+        block = library.slice(256 * k, 256 * (k + 1))
+        arrays = {"dense": np.ascontiguousarray(block.dense, dtype=np.float32),
+                  "lengths": np.stack([np.asarray(x, dtype=np.int32) for x in block.lengths]),
+                  "ids": np.concatenate([np.asarray(x, dtype=np.int64) for x in block.values])}  # fmt: skip
+        paths.append(str(root / f"block-{k}.npy"))
+        np.save(paths[-1], arrays, allow_pickle=True)
+    ours, theirs = [], []
+    for _ in range(repeats):  # interleaved
+        out = root / f"ours-{len(ours)}"
+        cmd = [sys.executable, "-m", "dlrm_lab", "infer", "run", *MODEL, "--target", f"kserve://{target}/kaggle",
+               "--scenario", "closed-loop", "--query-size", "fixed:256", "--duration", duration, "--sla-ms", "1000",
+               "--no-progress", "--metrics-dir", str(out)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"infer run --target failed:\n{done.stderr[-3000:]}")
+        (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+        q = pq.read_table(run_dir / "queries.parquet").to_pandas()
+        lat = q.latency_ms[q.point == 0]
+        ours.append({"p50_ms": float(lat.median()), "mean_ms": float(lat.mean()), "queries": len(lat)})
+        done = subprocess.run([str(python), "-c", TRITON_LOOP, target, duration, *paths], capture_output=True,
+                              text=True)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"tritonclient failed:\n{done.stderr[-3000:]}")
+        t = np.array(json.loads(done.stdout.strip().splitlines()[-1])["latency_ms"])
+        theirs.append({"p50_ms": float(np.median(t)), "mean_ms": float(t.mean()), "queries": len(t)})
+        print(f"  ours p50 {ours[-1]['p50_ms']:.3f} ms ({ours[-1]['queries']} queries), tritonclient p50 "
+              f"{theirs[-1]['p50_ms']:.3f} ms ({theirs[-1]['queries']})", flush=True)  # fmt: skip
+    med = {who: {k: statistics.median(r[k] for r in runs) for k in ("p50_ms", "mean_ms")}
+           for who, runs in (("ours", ours), ("tritonclient", theirs))}  # fmt: skip
+    ratio = {k: med["ours"][k] / med["tritonclient"][k] for k in ("p50_ms", "mean_ms")}
+    print(f"  ours / tritonclient: p50 {ratio['p50_ms']:.3f}, mean {ratio['mean_ms']:.3f}", flush=True)
+    return {"ours": ours, "tritonclient": theirs, "median": med, "ours_over_tritonclient": ratio}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["rpc"], help="run one part alone")
+    parser.add_argument("--only", choices=["rpc", "triton"], help="run one part alone")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     duration = "3" if args.quick else "8"
     results: dict[str, Any] = header()
+    if args.only == "triton":
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            server = Server(Path(tmp_dir) / "loopback")
+            try:
+                results["triton_256"] = triton_compare(Path(tmp_dir), server.target, duration)
+            finally:
+                server.stop()
+        if args.json:
+            write_results(args.json, results)
+        return
     if args.only == "rpc":
         with tempfile.TemporaryDirectory() as tmp_dir:
             server = Server(Path(tmp_dir) / "loopback")

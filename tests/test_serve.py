@@ -328,6 +328,20 @@ def test_bad_remote_targets_are_one_line(server):
     with pytest.raises(UserError, match="model 'kaggle': not ready"):
         with open_target(parse_target(f"kserve://{server.target}"), [kaggle], Connection()):
             pass
+    # samples made for another model than the server's (tables 100x larger): the first refusal ends the load
+    from dlrm_lab.config import ModelSpec
+    from dlrm_lab.errors import BadAnswer
+    from dlrm_lab.infer.drivers import drive, make_driver
+    from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
+
+    wide = load_preset("tiny").to_dict()
+    wide["tables"] = [{**t, "num_embeddings": 100 * t["num_embeddings"]} for t in wide["tables"]]
+    other = ServedModel("tiny", ModelSpec.from_dict(wide))
+    with open_target(parse_target(f"kserve://{server.target}/tiny"), [other], Connection()) as sut:
+        driver = make_driver(sut, [Stream("tiny", 50.0, QuerySizes.parse("fixed:16"))],
+                             LoadSettings("open-loop", duration_s=2.0))  # fmt: skip
+        with pytest.raises(BadAnswer, match="was refused: .* outside its table .* check --max-rows, --table-scale"):
+            drive(sut, driver, drain_s=10)
 
     class Stub:  # a v2 server whose model takes another tensor
         def __init__(self, inputs):

@@ -156,7 +156,8 @@ def client_command(
     if rpc == "oip":
         url += f"/{info.name}"
     run_command(
-        model=[info.preset], scenario="closed-loop" if closed_loop else scenario, target=url,
+        model=[info.preset], max_rows=info.max_rows or None, table_scale=info.table_scale or None, target=url,
+        scenario="closed-loop" if closed_loop else scenario,
         rpc=None if rpc == "oip" else rpc, concurrency=concurrency, timeout=timeout, connect_timeout=connect_timeout,
         unavailable_s=unavailable_s, qps=None if qps is None else [str(qps)], query_size=[query_size],
         arrival=arrival, duration=duration, sla_ms=[str(sla_ms)], percentile=percentile,

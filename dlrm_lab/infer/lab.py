@@ -203,7 +203,10 @@ def measure(
     sut = server.describe()
     meter = _cpu_meter(sut)
     warmup_s = min(cfg.warmup_s, cfg.duration_s / 4)
-    warm_up(server, point.streams, warmup_s, seed=cfg.seed + point.index, drain_s=cfg.drain_timeout_s)
+    try:
+        warm_up(server, point.streams, warmup_s, seed=cfg.seed + point.index, drain_s=cfg.drain_timeout_s)
+    except RemoteFailure as exc:  # before any row counts: nothing of the point to keep
+        raise type(exc)(f"point {point.index}, warming up: the server at {sut.target}: {exc}") from None
     server.take_records()  # nothing from a previous point (or the warm-up) leaks in
     settings = LoadSettings(
         point.scenario, duration_s=cfg.duration_s, seed=cfg.seed + point.index, sla_ms=slas[point.streams[0].model],

@@ -514,6 +514,10 @@ class RemoteServer:
                 "instance": resp.instance,
                 "pieces": resp.pieces,
             })  # fmt: skip
+        if status == "INVALID_ARGUMENT" and q.payload is None and self._bad is None:
+            # library samples refused: the server's model is not the one these samples were made for
+            self._bad = (f"query {q.query_id} was refused: {error} (its model is not {q.model} as given here: "
+                         "check --max-rows, --table-scale and the preset)")  # fmt: skip
         row.update({
             "status": lab_status(status),
             "rpc_status": status,
