@@ -938,3 +938,21 @@ def test_a_query_is_cut_only_into_pieces_that_can_run_at_once():
     assert served.piece_limit() == 350 and ServedModel("m", load_preset("tiny"), max_batch=256).piece_limit() == 256
     assert QuerySizes.parse("mlperf").quantile(0.999) == 700 and QuerySizes.parse("fixed:3").quantile(0.5) == 3
     assert 90 <= QuerySizes.parse("normal:100,5").quantile(0.5) <= 110
+
+
+def test_infer_runs_and_sweep_points_take_a_target():
+    """`--target` is an option of `infer run` like any other (sweeps build their points with the same setup): a
+    remote target keeps the server's batching (no max batch chosen here) and a bad URL is one line."""
+    from dlrm_lab.commands import infer_setup
+    from dlrm_lab.errors import UserError
+
+    served, _, cfg = infer_setup({"model": ["tiny"], "qps": ["5"], "target": "grpc://10.0.0.1:50051",
+                                  "concurrency": 4, "rpc": "unary"})  # fmt: skip
+    assert cfg.target == "grpc://10.0.0.1:50051" and cfg.concurrency == 4 and cfg.rpc == "unary"
+    assert cfg.tune == () and cfg.connection().concurrency == 4
+    in_process = infer_setup({"model": ["tiny"], "qps": ["5"]})[2]
+    assert in_process.target == "in-process" and "max_batch" in in_process.tune
+    with pytest.raises(UserError, match="--target 'grpc:/x': allowed: in-process, grpc://HOST:PORT"):
+        infer_setup({"model": ["tiny"], "qps": ["5"], "target": "grpc:/x"})
+    with pytest.raises(UserError, match="--max-delay-ms auto: --target grpc://h:1: the server's own serving policy"):
+        infer_setup({"model": ["tiny"], "qps": ["5"], "target": "grpc://h:1", "max_delay_ms": "auto"})

@@ -284,6 +284,28 @@ def test_infer_run_against_a_remote_target_records_stages_that_add_up(server, tm
     assert "over the network" in result.stdout
 
 
+def test_a_search_against_a_remote_server_finds_its_rate_as_it_serves(server, tmp_path):
+    """`infer search --target`: the server's own configuration (one frontier row, described by the server), its
+    capacity and bisection over the rate, certified by LoadGen's Server scenario through the same target."""
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.load import QuerySizes, Stream
+    from dlrm_lab.infer.search import SearchGrid, SearchOptions, search
+    from dlrm_lab.infer.served import ServedModel
+
+    cfg = InferConfig(duration_s=0.5, sla_ms=50.0, warmup_s=0.1, target=f"grpc://{server.target}")
+    options = SearchOptions(repeats=1, steps=3, capacity_s=0.5, min_queries=50, max_duration_s=1.0, certify_s=1.0,
+                            certify_tries=1)  # fmt: skip
+    grid = SearchGrid([(1, 1), (2, 1)], [64, 256], [0.5])  # in process only: a remote server is searched as it serves
+    run_dir = search(ServedModel("tiny", load_preset("tiny")), Stream("tiny", 1.0, QuerySizes.parse("fixed:1")),
+                     grid, cfg, options, metrics_dir=tmp_path)  # fmt: skip
+    (row,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
+    assert row["instances"] == 1 and row["max_batch"] == 64  # the server's own, as its Describe says
+    assert row["capacity_queries_per_s"] > 0 and row["best_qps"] > 0 and row["probes"] >= 1
+    summary = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert {r["target"] for r in summary} == {f"grpc://{server.target}"} and {r["rpc"] for r in summary} == {"stream"}
+    assert any(r["scenario"] == "server" for r in summary)  # the certification ran through the same target
+
+
 def test_the_client_command_is_infer_run_against_the_server(server, tmp_path):
     """`dlrm-lab client` is an alias: MLPerf LoadGen's system under test is the remote server, every
     query crosses gRPC, and the run is an `infer` run."""

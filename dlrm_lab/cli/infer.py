@@ -292,6 +292,18 @@ def search_command(
     scenario: Annotated[
         str, typer.Option(help="Load of each probe: open-loop (our generator) or server (MLPerf LoadGen).")
     ] = "open-loop",
+    target: Annotated[
+        str,
+        typer.Option(
+            help="The system under test (see `infer run --help`); a remote server is searched as it "
+            "serves: its rate alone, --layouts, --max-batch and --max-delay-ms apply in process."
+        ),
+    ] = "in-process",  # fmt: skip
+    rpc: Rpc = None,
+    concurrency: Concurrency = 1,
+    timeout: Timeout = 30.0,
+    connect_timeout: ConnectTimeout = 10.0,
+    unavailable_s: UnavailableS = 3.0,
     query_size: Annotated[str, typer.Option(help="Samples per query (see `infer run --help`).")] = "fixed:1",
     arrival: Arrival = "poisson",
     sla_ms: Annotated[float, typer.Option(help="Latency bound in ms.")] = 10.0,
@@ -363,7 +375,9 @@ def search_command(
     if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):
         raise UserError("--max-batch values must be >= 1 and --max-delay-ms values >= 0")
     cfg = InferConfig(scenario=scenario, duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed,
-                      device=device, pin_cores=pin_cores, warmup_s=warmup)  # fmt: skip
+                      device=device, pin_cores=pin_cores, warmup_s=warmup, target=target, rpc=rpc,
+                      concurrency=concurrency, timeout_s=timeout, connect_timeout_s=connect_timeout,
+                      unavailable_s=unavailable_s)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
                             early_stop=early_stop, certify_s=certify_duration,

@@ -38,6 +38,7 @@ from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription
+from dlrm_lab.infer.targets import open_target, parse_target
 from dlrm_lab.metrics.energy import telemetry_schema
 from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
 from dlrm_lab.metrics.run import Run
@@ -219,9 +220,11 @@ def search(
     """
     if cfg.scenario not in ("open-loop", "server"):
         raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
+    target = parse_target(cfg.target)
     widest = max(grid.layouts, key=lambda layout: layout[0])[0]
     base = replace(base, largest_query=max(base.largest_query, stream.sizes.quantile(0.999)))
-    check_fits([replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
+    if not target.remote:  # a remote server's memory is its own
+        check_fits([replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
     config = {
         "infer": cfg.to_dict(),
         "model": base.describe(),
@@ -232,6 +235,8 @@ def search(
     if serve is None:
 
         def serve(m: ServedModel) -> AbstractContextManager[Any]:
+            if target.remote:
+                return open_target(target, [m], cfg.connection())
             return InferenceServer([m], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed)
 
     check_stored_profile(log)
@@ -249,23 +254,26 @@ def search(
             (layout, precision, group)
             for layout, group in layouts
             for precision in _search_precisions(base, layout[1], max(grid.max_batch), cfg, log, choices)
-        ]
+        ] if not target.remote else [((None, None), None, [(None, None, None, None)])]  # fmt: skip
+        # A remote server is searched as it serves: the rate alone (neither protocol sets its layout or batching)
         run.update_manifest(precision_choices=choices)
         best_sps = 0.0  # the best rate found under the bound so far, samples/s
         mean_size = stream.sizes.mean
         for (instances, threads), precision, group in runs:
-            first = replace(base, instances=instances, threads=threads, precision=precision)
+            first = base if target.remote else replace(base, instances=instances, threads=threads, precision=precision)
             with serve(first) as server:
                 measured = []  # capacities first: the most capable configuration is searched first
                 for _, _, max_batch, delay in group:
-                    server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
+                    if not target.remote:
+                        server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
                     measured.append((capacity, max_batch, delay))
                     if log:
                         label = _label(server.describe().models[base.name])
                         log(f"{label}: capacity {capacity:.1f} queries/s (closed loop)")
                 for capacity, max_batch, delay in sorted(measured, key=lambda m: -m[0]):
-                    server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
+                    if not target.remote:
+                        server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     served = server.describe().models[base.name]
                     if options.prune_margin >= 0 and capacity * mean_size * (1 + options.prune_margin) < best_sps:
                         why = (f"pruned: capacity {capacity * mean_size:,.0f} samples/s cannot beat "
@@ -388,12 +396,13 @@ def certify(
     the bound), backing off by CERTIFY_BACKOFF until a run holds; fill in `winner`'s certified
     columns (the search's short probes and a long run disagree near the knee: a rate that did not
     hold is never the answer). Returns the next point index."""
-    served = replace(base, instances=winner["instances"], threads=winner["threads_per_instance"],
-                     precision=winner["precision"], max_batch=winner["max_batch"],
-                     max_delay_ms=winner["max_delay_ms"])  # fmt: skip
+    served = base if parse_target(cfg.target).remote else replace(
+        base, instances=winner["instances"], threads=winner["threads_per_instance"], precision=winner["precision"],
+        max_batch=winner["max_batch"], max_delay_ms=winner["max_delay_ms"])  # fmt: skip
     certify_cfg = replace(cfg, scenario="server", duration_s=options.certify_s)
     qps, held, last = float(winner["best_qps"]), None, None
     with serve(served) as server:
+        label = _label(server.describe().models[base.name])  # as it serves (remote: as its server says)
         for attempt in range(options.certify_tries):
             seconds = loadgen_duration(qps, options.certify_s, cfg.sla_percentile)  # long enough for a verdict
             point = Point(point_index, [replace(stream, qps=qps)], "together", "server",
@@ -408,7 +417,7 @@ def certify(
             last = row
             if log:
                 p = "-" if row["sla_latency_ms"] is None else f"{row['sla_latency_ms']:.2f}"
-                log(f"certify {_label(served)} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen "
+                log(f"certify {label} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen "
                     f"Server: {row['loadgen_result']}, p{cfg.sla_percentile:g} {p} ms: "
                     f"{'holds' if ok else 'does not hold'}")  # fmt: skip
             if ok:
@@ -452,6 +461,8 @@ def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferCon
 
 
 def _label(m: ModelDescription) -> str:
+    if m.instances is None or m.max_delay_ms is None:
+        return f"{m.name} as its server serves it"
     return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
 
 
