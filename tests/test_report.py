@@ -374,6 +374,24 @@ def test_roofline_without_profile_draws_points_only(tmp_path, monkeypatch):
     assert "qps_vs_p99" in result.skipped and "latency_cdf" in result.skipped and "sweep" in result.skipped
 
 
+def test_a_report_made_elsewhere_keeps_the_runs_machine_profile(tmp_path, monkeypatch):
+    """A run carries the profile it was placed against: a report from copies on a host that never probed that
+    machine (no cached profile) still draws its ceilings and collectives."""
+    here = tmp_path / "profiles-where-it-ran"
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(here))
+    comms = {"gloo:2": [{"collective": "all_to_all", "bytes": 1 << 20, "busbw_bytes_per_s": 2e9, "ranks": 2}]}
+    store_profile(here, gflops=80.0, gather_gb=4.0, comms=comms)
+    train_run(tmp_path / "runs")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    carried = json.loads((run_dir / "manifest.json").read_text())["machine"]
+    assert carried["devices"]["cpu"]["threads"]["1"]["gemm_flops_per_s"]["fp32"] == 80e9 and carried["comms"]
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "another-host"))  # nothing cached there
+    result = write_report([tmp_path / "runs"], tmp_path / "out")
+    (roof,) = result.drawn["roofline"].ceilings.values()
+    assert roof["compute"]["fp32"] == 80e9 and roof["gather_bytes_per_s"] == 4e9
+    assert "collectives" in result.drawn
+
+
 def test_sweep_medians_with_ci_and_unstable(lab):
     drawn = lab["result"].drawn[f"sweep-{lab['dirs']['sweep'].name}"]
     assert drawn.labels == ["max_batch=32", "max_batch=64", "max_batch=128"]  # qps does not vary

@@ -58,6 +58,37 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
     return profile
 
 
+# What a run carries of the profile it was placed against (`Run.create`): enough for reports and comparisons made
+# anywhere (peaks, ceilings, collectives, price); the caches of measured choices stay on the machine.
+RUN_PROFILE_KEYS = ("fingerprint_id", "hardware", "probed_at", "quick", "devices", "comms", "load", "price",
+                    "instance_type")  # fmt: skip
+
+
+def profile_for_run(fingerprint_id: str | None = None) -> dict[str, Any] | None:
+    """This machine's profile as a run's manifest carries it (RUN_PROFILE_KEYS); None when there is none or it
+    cannot be read (the run goes on; its roofline columns already say why)."""
+    try:
+        profile = load_profile(fingerprint_id)
+    except UserError:
+        return None
+    return None if profile is None else {k: profile[k] for k in RUN_PROFILE_KEYS if k in profile}
+
+
+def run_profile(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The machine profile a run was placed against: the one its manifest carries, else (runs made before runs
+    carried it) the profile of its fingerprint on this machine, if any."""
+    carried = manifest.get("machine")
+    if isinstance(carried, dict) and "devices" in carried:
+        return carried
+    fingerprint = (manifest.get("hardware") or {}).get("fingerprint_id")
+    if not fingerprint:
+        return None
+    try:
+        return load_profile(fingerprint)
+    except UserError:
+        return None
+
+
 _PEAK_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s")
 
 

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from dlrm_lab.errors import DiskFull, UserError, is_disk_full
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
+from dlrm_lab.metrics.roofline import profile_for_run
 from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, flush_interval_s, write_table
 
 MANIFEST = "manifest.json"
@@ -150,6 +151,7 @@ class Run:
             "git": git_state(),
             "packages": package_versions(),
             "hardware": hardware_fingerprint(),
+            "machine": profile_for_run(),  # the profile it is placed against: reports made anywhere keep it
             "pid": os.getpid(),
             "start_time": _now_iso(),
             "end_time": None,

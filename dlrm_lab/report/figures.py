@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import columns
+from dlrm_lab.metrics.roofline import run_profile
 from dlrm_lab.report import plots
 from dlrm_lab.report.load import (
     ReportData,
@@ -202,8 +202,8 @@ def _roofline(data: ReportData, out: Path) -> Made:
             continue
         run: RunInfo = r["_run"]
         key = ((run.manifest.get("hardware") or {}).get("fingerprint_id"), device_of(run, r))
-        if key not in cache:
-            cache[key] = ceilings(*key)
+        if key not in cache:  # the profile the run carries (made elsewhere, copied here), else this machine's
+            cache[key] = ceilings(*key, profile=run_profile(run.manifest))
         c = cache[key]
         if isinstance(c, str):
             reasons.append(c)
@@ -222,15 +222,14 @@ def _roofline(data: ReportData, out: Path) -> Made:
 
 def _collectives(data: ReportData, out: Path) -> Made:
     """The probed collectives of the machines the runs ran on, every transport side by side."""
-    from dlrm_lab.metrics.roofline import load_profile
-
-    fingerprints = {fid for run in data.runs if (fid := (run.manifest.get("hardware") or {}).get("fingerprint_id"))}
+    profiles: dict[str, dict[str, Any] | None] = {}
+    for run in data.runs:  # each machine's profile as its runs carry it (else this machine's cache of it)
+        if (fid := (run.manifest.get("hardware") or {}).get("fingerprint_id")) and profiles.get(fid) is None:
+            profiles[fid] = run_profile(run.manifest)
+    fingerprints = set(profiles)
     transports: dict[str, list[dict[str, Any]]] = {}
     for fid in sorted(fingerprints):
-        try:
-            profile = load_profile(fid)
-        except UserError:
-            continue
+        profile = profiles[fid]
         for key, rows in ((profile or {}).get("comms") or {}).items():
             transports[key if len(fingerprints) == 1 else f"{fid[:8]} {key}"] = rows
     if not transports:

@@ -249,17 +249,19 @@ def device_of(run: RunInfo, row: dict[str, Any]) -> str:
     return str(row.get("device") or infer.get("device") or "cpu")
 
 
-def ceilings(fingerprint_id: str | None, device: str) -> dict[str, Any] | str:
-    """The roofline's ceilings from a machine profile: the all-core (or GPU) GEMM peak per
-    precision and the embedding gather bandwidth; a reason (str) when there are none."""
+def ceilings(fingerprint_id: str | None, device: str, profile: dict[str, Any] | None = None) -> dict[str, Any] | str:
+    """The roofline's ceilings from a machine profile (`profile`: the one a run carries; else this machine's cache
+    of that fingerprint): the all-core (or GPU) GEMM peak per precision and the embedding gather bandwidth; a reason
+    (str) when there are none."""
     from dlrm_lab.metrics.roofline import load_profile
 
     if not fingerprint_id:
         return "the manifest has no hardware fingerprint"
-    try:
-        profile = load_profile(fingerprint_id)
-    except UserError as exc:
-        return str(exc)
+    if profile is None:
+        try:
+            profile = load_profile(fingerprint_id)
+        except UserError as exc:
+            return str(exc)
     if profile is None:
         return f"no machine profile for fingerprint {fingerprint_id} (run 'dlrm-lab machine probe' on that machine)"
     devices = profile.get("devices") or {}
