@@ -34,6 +34,8 @@ _INFER_OPTIONS: dict[str, Any] = {
     "timeout": float,
     "connect_timeout": float,
     "unavailable_s": float,
+    "price_per_hour": float | None,
+    "currency": str | None,
     "qps": list[str] | None,
     "query_size": list[str] | None,
     "arrival": str,

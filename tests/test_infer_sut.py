@@ -357,6 +357,46 @@ def test_a_point_is_measured_through_the_interface_alone(tmp_path):
     assert len(recorded) == cold["completed_queries"] + warm["completed_queries"]
 
 
+def test_a_points_cost_is_its_rate_at_the_machines_price_and_a_remote_hosts_price_is_given(tmp_path, monkeypatch):
+    """Cost per 1M samples = price per hour / 3600 / samples/s x 1e6 at the point's measured rate; the price stored
+    with this machine's profile prices a server on this machine only (a remote host's must be given)."""
+    import dataclasses
+    import json
+
+    from conftest import store_profile
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.lab import InferConfig, Point, measure, point_price
+    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.metrics.run import Run
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
+    profile = store_profile(tmp_path / "machines")
+    fake = FakeSut(small_library(), served=ServedModel("m", load_preset("tiny")))
+    try:
+        with Run.create(tmp_path / "runs", "infer", {}) as run:
+            cfg = InferConfig(duration_s=0.4, sla_ms=1000.0, warmup_s=0.0, price_per_hour=3.6, currency="EUR")
+            (row,) = measure(fake, Point(0, [Stream("m", 100.0, QuerySizes.parse("fixed:2"))]), cfg,
+                             run.table("queries", QUERY_SCHEMA), run.dir)  # fmt: skip
+    finally:
+        fake.close()
+    assert row["price_per_hour"] == 3.6 and row["currency"] == "EUR" and row["cost_rate"] == "measured"
+    assert row["cost_per_1m_samples"] == pytest.approx(3.6 / 3600 / row["samples_per_s"] * 1e6)
+    assert row["cost_per_1m_queries"] == pytest.approx(3.6 / 3600 / row["queries_per_s"] * 1e6)
+    assert row["energy_cost_per_1m_samples"] is None  # no energy measured here: never 0
+    stored = {**profile, "price": {"per_hour": 1.0, "currency": "USD", "source": "given with dlrm-lab machine price"}}
+    (tmp_path / "machines" / f"{profile['fingerprint_id']}.json").write_text(json.dumps(stored))
+    desc = ServedModel("m", load_preset("tiny")).description()
+    here, there = SutDescription(models={"m": desc}), SutDescription(
+        models={"m": dataclasses.replace(desc, on_this_host=False)})  # fmt: skip
+    from dlrm_lab.metrics.roofline import load_profile
+
+    assert point_price(load_profile(), InferConfig(), here).per_hour == 1.0
+    assert point_price(load_profile(), InferConfig(), there) is None
+    assert point_price(load_profile(), InferConfig(price_per_hour=2.0), there).per_hour == 2.0
+
+
 class ServiceSut(FakeSut):
     """A fake whose one worker takes a fixed service time per query, set by the max batch
     it is configured with: a system of known capacity (1 / service) for the search."""

@@ -292,7 +292,7 @@ def test_a_search_against_a_remote_server_finds_its_rate_as_it_serves(server, tm
     from dlrm_lab.infer.search import SearchGrid, SearchOptions, search
     from dlrm_lab.infer.served import ServedModel
 
-    cfg = InferConfig(duration_s=0.5, sla_ms=50.0, warmup_s=0.1, target=f"grpc://{server.target}")
+    cfg = InferConfig(duration_s=0.5, sla_ms=50.0, warmup_s=0.1, target=f"grpc://{server.target}", price_per_hour=3.6)
     options = SearchOptions(repeats=1, steps=3, capacity_s=0.5, min_queries=50, max_duration_s=1.0, certify_s=1.0,
                             certify_tries=1)  # fmt: skip
     grid = SearchGrid([(1, 1), (2, 1)], [64, 256], [0.5])  # in process only: a remote server is searched as it serves
@@ -301,6 +301,8 @@ def test_a_search_against_a_remote_server_finds_its_rate_as_it_serves(server, tm
     (row,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     assert row["instances"] == 1 and row["max_batch"] == 64  # the server's own, as its Describe says
     assert row["capacity_queries_per_s"] > 0 and row["best_qps"] > 0 and row["probes"] >= 1
+    rate = row["certified_samples_per_s"] if row["certified_qps"] else row["best_samples_per_s"]  # what it costs at
+    assert row["cost_rate"] in ("certified", "best") and row["cost_per_1m_samples"] == pytest.approx(1e3 / rate)
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert {r["target"] for r in summary} == {f"grpc://{server.target}"} and {r["rpc"] for r in summary} == {"stream"}
     assert any(r["scenario"] == "server" for r in summary)  # the certification ran through the same target

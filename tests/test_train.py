@@ -147,6 +147,17 @@ def test_training_on_cuda():
     assert result.summary["device"] == "cuda"
 
 
+def test_a_training_runs_cost_is_its_rate_and_its_time_to_target_at_the_price():
+    spec = dlrm_lab.load_preset("tiny")
+    s = train(spec, TrainConfig(steps=40, batch_size=256, eval_every=10, target_auc=0.6, warmup_steps=2, seed=1,
+                                price_per_hour=7.2)).summary  # fmt: skip
+    assert s["price_per_hour"] == 7.2 and s["currency"] == "USD" and s["price_source"] == "--price-per-hour"
+    assert s["cost_per_1m_training_samples"] == pytest.approx(7.2 / 3600 / s["samples_per_s"] * 1e6)
+    assert s["target_reached"] and s["cost_to_target"] == pytest.approx(7.2 * s["time_to_target_s"] / 3600)
+    with pytest.raises(dlrm_lab.UserError, match="--price-per-hour -1.0"):
+        TrainConfig(price_per_hour=-1.0)
+
+
 def test_target_auc_stops_training_and_counts_valid_throughput(tmp_path):
     spec = dlrm_lab.load_preset("tiny")
     hit = train(spec, TrainConfig(steps=400, batch_size=256, eval_every=10, target_auc=0.75, warmup_steps=2, seed=1))

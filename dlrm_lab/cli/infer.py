@@ -141,6 +141,12 @@ UnavailableS = Annotated[
     float,
     typer.Option("--unavailable-s", help="Remote targets: the server is lost after only UNAVAILABLE this long."),
 ]
+PricePerHour = Annotated[
+    Optional[float],
+    typer.Option(help="The machine's price per hour for the cost columns (default: the price stored with "
+                      "`dlrm-lab machine price`, if any; a remote server's machine: give it here)."),
+]  # fmt: skip
+Currency = Annotated[Optional[str], typer.Option(help="Currency of --price-per-hour (default: USD).")]
 ShowProgress = Annotated[bool, typer.Option(help="Show progress (a bar on a terminal, else a line every few s).")]
 # a terminal bar redraws in the serving process: seldom, to stay out of the measured latency
 _REFRESH_PER_S = 1.0
@@ -162,6 +168,8 @@ def run_command(
     timeout: Timeout = 30.0,
     connect_timeout: ConnectTimeout = 10.0,
     unavailable_s: UnavailableS = 3.0,
+    price_per_hour: PricePerHour = None,
+    currency: Currency = None,
     qps: Qps = None,
     query_size: QuerySize = None,
     arrival: Arrival = "poisson",
@@ -304,6 +312,8 @@ def search_command(
     timeout: Timeout = 30.0,
     connect_timeout: ConnectTimeout = 10.0,
     unavailable_s: UnavailableS = 3.0,
+    price_per_hour: PricePerHour = None,
+    currency: Currency = None,
     query_size: Annotated[str, typer.Option(help="Samples per query (see `infer run --help`).")] = "fixed:1",
     arrival: Arrival = "poisson",
     sla_ms: Annotated[float, typer.Option(help="Latency bound in ms.")] = 10.0,
@@ -377,7 +387,7 @@ def search_command(
     cfg = InferConfig(scenario=scenario, duration_s=duration, sla_ms=sla_ms, sla_percentile=percentile, seed=seed,
                       device=device, pin_cores=pin_cores, warmup_s=warmup, target=target, rpc=rpc,
                       concurrency=concurrency, timeout_s=timeout, connect_timeout_s=connect_timeout,
-                      unavailable_s=unavailable_s)  # fmt: skip
+                      unavailable_s=unavailable_s, price_per_hour=price_per_hour, currency=currency)  # fmt: skip
     options = SearchOptions(repeats=repeats, steps=steps, tolerance=tolerance, capacity_s=capacity_duration,
                             min_queries=min_queries, max_duration_s=max_probe_duration, prune_margin=prune_margin,
                             early_stop=early_stop, certify_s=certify_duration,

@@ -95,6 +95,14 @@ def train_command(
     profile_steps: Annotated[
         int, typer.Option(help="torch.profiler over this many steps after warm-up: per-operator profile.parquet.")
     ] = 0,
+    price_per_hour: Annotated[
+        Optional[float],
+        typer.Option(
+            help="The machine's price per hour for the cost columns (default: the price stored with "
+            "`dlrm-lab machine price`, if any)."
+        ),
+    ] = None,  # fmt: skip
+    currency: Annotated[Optional[str], typer.Option(help="Currency of --price-per-hour (default: USD).")] = None,
     metrics_dir: MetricsDir = "runs",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:

@@ -62,8 +62,17 @@ class TrainConfig:
     # faster at this machine's probed speeds for the step's bytes)
     collectives: str = "auto"
     profile_steps: int = 0  # torch.profiler over this many steps after warm-up: profile.parquet (train.profile)
+    # The machine's price per hour for the cost columns (None: the price stored with its profile, if any)
+    price_per_hour: float | None = None
+    currency: str | None = None
 
     def __post_init__(self) -> None:
+        from dlrm_lab.metrics.cost import check_currency, check_price
+
+        if self.price_per_hour is not None:
+            check_price(self.price_per_hour, "--price-per-hour")
+        if self.currency is not None:
+            check_currency(self.currency)
         _positive("--steps", self.steps)
         _positive("--batch-size", self.batch_size)
         _choice("--device", self.device, ("cpu", "cuda"))

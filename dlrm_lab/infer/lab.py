@@ -44,6 +44,7 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription, SutDescription, SystemUnderTest
 from dlrm_lab.infer.targets import Connection, check_connection, open_target, parse_target
 from dlrm_lab.infer.tune import KNOBS, PROBED, choose_policy
+from dlrm_lab.metrics.cost import Price, check_currency, check_price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
 from dlrm_lab.metrics.precision import DTYPES
@@ -95,6 +96,9 @@ class InferConfig:
     trace: bool = False
     # Knobs given as auto (`infer.tune.KNOBS`): chosen on the running server once the load is known
     tune: tuple[str, ...] = ()
+    # The machine's price per hour for the cost columns (None: the price stored with its profile, if any)
+    price_per_hour: float | None = None
+    currency: str | None = None
     # The system under test (`infer.targets`): in process, or a server at a URL reached over
     # `concurrency` client connections (a closed loop keeps that many queries outstanding in process too)
     target: str = "in-process"
@@ -121,6 +125,10 @@ class InferConfig:
             raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
         if unknown := sorted(set(self.tune) - set(KNOBS)):
             raise UserError(f"tune {unknown[0]!r}: allowed: {', '.join(KNOBS)}")
+        if self.price_per_hour is not None:
+            check_price(self.price_per_hour, "--price-per-hour")
+        if self.currency is not None:
+            check_currency(self.currency)
         target = parse_target(self.target)
         check_connection(target, self.connection())
         if target.remote and self.tune:
@@ -330,11 +338,21 @@ def measure(
                                          served.max_batch or 1, row, mine_peaks, served.min_piece or 0,
                                          dense_bytes))  # fmt: skip
         rows.append(row)
+    price = point_price(profile, cfg, sut)
     for row in rows:
         row.update(energy_columns(energy, rows))
+    for row in rows:  # after every row's rate and energy: a co-located point shares the machine's price
+        row.update(serving_cost_columns(row, price, rows))
         if log:
             log(point_line(row))
     return rows
+
+
+def point_price(profile: dict[str, Any] | None, cfg: InferConfig, sut: SutDescription) -> Price | None:
+    """The price a point's costs are at: `--price-per-hour`, else the price stored with this machine's profile, which
+    is the server's only where the server runs on this machine (a remote host's is given, or there is none)."""
+    here = all(d.on_this_host for d in sut.models.values())
+    return price_of(profile if here else None, cfg.price_per_hour, cfg.currency)
 
 
 def _write_trace(
@@ -411,6 +429,11 @@ def point_line(row: dict[str, Any]) -> str:
         f"p99 {'-' if p99 is None else f'{p99:.2f}'} ms{beside}, "
         f"dropped {row['dropped_queries']}, late {row['late_queries']}, "
         f"SLA {'met' if row['sla_met'] else 'missed'}{lg}"
+        + (
+            f", {row['cost_per_1m_samples']:,.4g} {row['currency']} per 1M samples"
+            if row.get("cost_per_1m_samples") is not None
+            else ""
+        )  # fmt: skip
         + (
             f"; instance {row['stalled_instances']} stalled: {row['instance_stalls']} batch(es) held up to "
             f"{row['longest_stall_s']:.1f} s (a stopped or starved process)"

@@ -13,6 +13,7 @@ from dlrm_lab.config import ModelSpec
 from dlrm_lab.infer.instance import BATCH_STAGES
 from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.metrics.columns import LATENCY_PARTS
+from dlrm_lab.metrics.cost import SERVING_COST_FIELDS
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
 from dlrm_lab.metrics.stats import percentile
@@ -183,6 +184,8 @@ SUMMARY_SCHEMA = pa.schema(
         ("energy_per_query_j", pa.float64()),
         ("energy_per_sample_j", pa.float64()),
         ("samples_per_s_per_w", pa.float64()),
+        # what the point's rate costs on this machine where its price is known (`metrics.cost`, docs/metrics.md)
+        *SERVING_COST_FIELDS,
     ]
 )
 

@@ -39,8 +39,10 @@ from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.targets import open_target, parse_target
+from dlrm_lab.metrics.cost import SERVING_COST_FIELDS, price_of, serving_cost_columns
 from dlrm_lab.metrics.energy import telemetry_schema
 from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
+from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.trust import check_stored_profile
 
@@ -130,6 +132,8 @@ FRONTIER_SCHEMA = pa.schema(
         ("certified_sla_latency_ms", pa.float64()),
         ("certify_s", pa.float64()),
         ("outcome", pa.string()),  # why it is not the best: pruned, lower rate, no rate met the bound
+        # its cost at the certified rate (else the best probed) where the machine's price is known (`metrics.cost`)
+        *SERVING_COST_FIELDS,
     ]
 )
 
@@ -368,6 +372,9 @@ def search(
         if winner is not None and options.certify_s > 0:
             point_index = certify(winner, base, stream, cfg, options, serve, queries, summary, telemetry, run.dir,
                                   point_index, log, on_progress)  # fmt: skip
+        price = price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)
+        for r in frontier:
+            r.update(serving_cost_columns(r, price))
         run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
         run.update_manifest(best=winner)
     return run.dir

@@ -40,6 +40,7 @@ from dlrm_lab.distributed.tables import init_tables
 from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import PHASES
+from dlrm_lab.metrics.cost import price_of, training_cost_columns
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run, check_writable
@@ -516,6 +517,10 @@ def train(
             summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
         summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg)))
         summary.update(energy_columns(energy, summary))
+        # every host of the run is paid for: ranks / ranks per host machines at this machine's price
+        machines = max(1, ctx.world_size // max(1, ctx.local_world_size))
+        price = price_of(load_profile(), cfg.price_per_hour, cfg.currency)
+        summary.update(training_cost_columns(summary, price, machines))
         if run is not None and ctx.is_main:
             run.write_summary([summary], SUMMARY_SCHEMA)
         if status == "interrupted":

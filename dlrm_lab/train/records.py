@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.metrics.columns import PHASES
+from dlrm_lab.metrics.cost import TRAINING_COST_FIELDS
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
 from dlrm_lab.metrics.tables import atomic_write_parquet, write_table
@@ -88,6 +89,8 @@ SUMMARY_SCHEMA = pa.schema(
         ("energy_per_sample_j", pa.float64()),
         ("samples_per_s_per_w", pa.float64()),
         ("valid_flops_per_s_per_w", pa.float64()),
+        # what the run cost on its machines where their price is known (`metrics.cost`, docs/metrics.md)
+        *TRAINING_COST_FIELDS,
     ]
 )
 
