@@ -532,3 +532,50 @@ def test_last_reports_only_the_newest_runs(tmp_path):
     copied = {p.stem for p in (tmp_path / "o" / "manifests").glob("*.json")}
     assert copied == set(ids[1:])
     assert main(["report", str(tmp_path / "runs"), "--last", "0", "--out", str(tmp_path / "o")]) == 2
+
+
+def _machine_run(root: Path, name: str, cores: int, flags: list[str], price: float | None, points: list[tuple]) -> None:
+    """An infer run as if made on machine `name`: its manifest's hardware and carried profile (with `price` per
+    hour), and one point per (sla_ms, queries/s, samples/s, sla_met, J per query)."""
+    with Run.create(root, kind="infer", config={"infer": {"device": "cpu"}}) as run:
+        rows = [{"point": k, "model": "kaggle", "preset": "kaggle", "mode": "together", "sla_ms": sla,
+                 "sla_percentile": 99.0, "queries_per_s": qps, "samples_per_s": sps, "sla_met": met,
+                 "roofline_fraction": 0.3, "energy_per_query_j": joules}
+                for k, (sla, qps, sps, met, joules) in enumerate(points)]  # fmt: skip
+        run.write_summary(rows, INFER_SUMMARY)
+    manifest = json.loads((run.dir / "manifest.json").read_text())
+    manifest["hardware"] = {"fingerprint_id": name * 16, "cpu_model": f"CPU {name}", "cpu_flags": flags,
+                            "physical_cores": cores, "gpus": {"devices": []}}  # fmt: skip
+    manifest["machine"] = {"fingerprint_id": name * 16, "devices": {"cpu": {"threads": {}}}}
+    if price is not None:
+        manifest["machine"]["price"] = {"per_hour": price, "currency": "USD", "source": "given"}
+    (run.dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_runs_from_two_machines_are_ranked_by_cost_per_inference(tmp_path):
+    """Machine a: 1,000 q/s at $3.60/h = $1.00 per 1M; machine b: 400 q/s at $0.72/h = $0.50 per 1M: b ranks first
+    at the 10 ms bound; a point that missed its bound is not an answer; a machine without a price is not ranked."""
+    runs = tmp_path / "runs"
+    _machine_run(runs, "a", 8, ["avx2", "avx512f", "amx_bf16"], 3.6,
+                 [(10.0, 1000.0, 100_000.0, True, 0.5), (10.0, 5000.0, 500_000.0, False, 0.1),
+                  (30.0, 2000.0, 200_000.0, True, 0.4)])  # fmt: skip
+    _machine_run(
+        runs, "b", 2, ["avx2"], 0.72, [(10.0, 400.0, 40_000.0, True, None), (30.0, 500.0, 50_000.0, True, None)]
+    )
+    _machine_run(runs, "c", 4, ["avx2"], None, [(10.0, 900.0, 90_000.0, True, None)])
+    from dlrm_lab.report.load import collect
+    from dlrm_lab.report.machines import machine_rows
+
+    rows = machine_rows(collect(discover([runs])))
+    at10 = [r for r in rows if r["sla_ms"] == 10.0]
+    assert [(r["machine"], r["rank"]) for r in at10] == [("bbbbbbbb", 1), ("aaaaaaaa", 2), ("cccccccc", None)]
+    b, a = at10[0], at10[1]
+    assert a["queries_per_s"] == 1000.0 and a["cost_per_1m_queries"] == pytest.approx(1.0)  # not the 5,000 that missed
+    assert b["cost_per_1m_queries"] == pytest.approx(0.5) and b["samples_per_s_per_core"] == 20_000.0
+    assert a["gemm_flags"] == "avx2 avx512f amx_bf16" and a["energy_per_query_j"] == 0.5 and a["source"] == "point"
+    result = write_report([runs], tmp_path / "out")
+    lines = result.drawn["machines"].lines
+    assert lines["aaaaaaaa kaggle"] == [(10.0, pytest.approx(1.0)), (30.0, pytest.approx(0.5))]
+    assert "cccccccc: no price, not ranked" in result.notes["machines"]
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert "Machines side by side" in page and "CPU b" in page

@@ -353,6 +353,9 @@ INFER_READ = (
     *ROOFLINE_READ,
     *ENERGY_READ,
     "energy_per_query_j",
+    "cost_per_1m_queries",
+    "cost_per_1m_samples",
+    "currency",
 )
 SEARCH_READ = (*INFER_READ, "probe", "repeat", "passed")
 FRONTIER_READ = (
@@ -371,6 +374,11 @@ FRONTIER_READ = (
     "sla_percentile",
     "probes",
     "best",
+    "certified_qps",
+    "certified_samples_per_s",
+    "cost_per_1m_queries",
+    "cost_per_1m_samples",
+    "currency",
 )
 
 # The report's HTML tables of runs.

@@ -34,6 +34,7 @@ TITLES = {
     "sweep": "Sweeps: medians with confidence intervals",
     "collectives": "Collectives compared: bus bandwidth per transport",
     "request_flops": "HSTU ranker: FLOPs per request against history length",
+    "machines": "Machines side by side: cost per 1M inferences against the latency bound",
 }
 
 
@@ -281,6 +282,18 @@ def _sweeps(data: ReportData, out: Path) -> Made:
     return made or "no sweep run with <metric>_median columns in its summary.parquet"
 
 
+def _machines(data: ReportData, out: Path) -> Made:
+    from dlrm_lab.report.machines import machine_rows
+
+    rows = machine_rows(data)
+    if not rows:
+        return "runs from fewer than two machines (or none with a rate that met its bound)"
+    if not any(r["cost_per_1m_queries"] is not None for r in rows):
+        return "no machine has a price (dlrm-lab machine price, or --price-per-hour)"
+    notes = [f"{r['machine']}: no price, not ranked" for r in rows if r["cost_per_1m_queries"] is None]
+    return {"machines": (plots.cost_per_bound(rows, out / "machines.png"), list(dict.fromkeys(notes)))}
+
+
 BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
     ("latency_cdf", _latency),
     ("qps_vs_p99", _qps),
@@ -293,4 +306,5 @@ BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
     ("sweep", _sweeps),
     ("collectives", _collectives),
     ("request_flops", _request_flops),
+    ("machines", _machines),
 ]

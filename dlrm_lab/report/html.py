@@ -179,6 +179,7 @@ def _page(paths: Any, data: ReportData, result: ReportResult, links: dict[Path, 
 
 def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Callable[[RunInfo], str]) -> list[str]:
     parts: list[str] = []
+    by_run = {r.run_id: r for r in data.runs}
 
     def table(
         names: tuple[str, ...],
@@ -220,6 +221,21 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
         headers = ["run (manifest)", columns.column("model").heading, "configuration",
                    *(columns.column(n).heading for n in names), "best", "notes"]  # fmt: skip
         parts.append(_table(headers, rows))
+    from dlrm_lab.report.machines import machine_rows
+
+    if machines := machine_rows(data):
+        parts.append("<h2>Machines side by side (ranked by cost per 1M inferences)</h2>")
+        headers = ["rank", "machine", "CPU", "GEMM flags", "cores", "GPUs", "model", "bound", "queries/s",
+                   "samples/s", "samples/s per core", "fraction of roof", "cost per 1M inferences",
+                   "cost per 1M samples", "J per inference", "from"]  # fmt: skip
+        body = [[_f(r["rank"], "d"), _e(r["machine"]), _e(r["cpu_model"]), _e(r["gemm_flags"]), _f(r["cores"], "d"),
+                 _e(r["gpus"]), _e(r["model"]), _e(f"p{r['sla_percentile']:g} <= {r['sla_ms']:g} ms"),
+                 _f(r["queries_per_s"]), _f(r["samples_per_s"], ",.0f"), _f(r["samples_per_s_per_core"], ",.1f"),
+                 _f(r["roofline_fraction"], ".2f"),
+                 f"{_f(r['cost_per_1m_queries'], ',.4g')} {_e(r['currency'] or '')}",
+                 _f(r["cost_per_1m_samples"], ",.4g"), _f(r["energy_per_query_j"], ".3g"),
+                 f"{_e(r['source'])}, {run_link(by_run[r['run_id']])}"] for r in machines]  # fmt: skip
+        parts.append(_table(headers, body))
     if data.scale:
         parts.append("<h2>Scaling sweeps</h2>")
         parts.append(table(columns.SCALE_TABLE, data.scale))

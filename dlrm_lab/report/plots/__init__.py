@@ -9,10 +9,12 @@ One module per family of figures; this package is where the report finds them al
 from dlrm_lab.report.plots.common import MAX_BARS, MAX_CURVES, MAX_LABELS, MAX_PANELS
 from dlrm_lab.report.plots.machine import (
     CollectivesPlot,
+    CostPlot,
     EnergyPlot,
     RooflinePlot,
     RooflinePoint,
     collectives,
+    cost_per_bound,
     energy,
     roof_at,
     roofline,
@@ -44,5 +46,5 @@ __all__ = [
     "PhaseBars", "QpsPlot", "RequestFlopsPlot", "request_flops",
     "RooflinePlot", "RooflinePoint", "ScalingPlot", "SweepPlot", "batching_heatmap",
     "energy", "latency_cdf", "point_labels", "qps_latency", "roof_at", "roofline", "scaling_efficiency",
-    "sweep_medians", "training_phases",
+    "sweep_medians", "training_phases", "CostPlot", "cost_per_bound",
 ]  # fmt: skip

@@ -178,3 +178,34 @@ def collectives(transports: dict[str, list[dict[str, Any]]], out: Path) -> Colle
             ax.legend(fontsize=8)
     fig.suptitle("Collectives compared (machine probe)")
     return CollectivesPlot(_save(fig, out), lines)
+
+
+# ----------------------------------------------------------------------------- 9. machines side by side
+
+
+@dataclass
+class CostPlot:
+    path: Path
+    lines: dict[str, list[tuple[float, float]]]  # "machine model" -> (bound ms, cost per 1M inferences)
+
+
+def cost_per_bound(rows: Sequence[dict[str, Any]], out: Path) -> CostPlot:
+    """Cost per 1M inferences against the latency bound, one line per machine and model (`report.machines`)."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        bound, cost = _num(r.get("sla_ms")), _num(r.get("cost_per_1m_queries"))
+        if bound is not None and cost is not None:
+            lines.setdefault(f"{r['machine']} {r['model']}", []).append((bound, cost))
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    currency = next((r.get("currency") for r in rows if r.get("currency")), "")
+    for label, points in lines.items():
+        points.sort()
+        ax.plot([b for b, _ in points], [c for _, c in points], marker="o", label=_text(label))
+    ax.set_xlabel("latency bound (ms, at its percentile)")
+    ax.set_ylabel(f"cost per 1M inferences ({_text(currency)}, lower is better)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7)
+    ax.set_title("Cost per 1M inferences against the latency bound, per machine")
+    return CostPlot(_save(fig, out), lines)
