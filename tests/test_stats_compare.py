@@ -16,7 +16,7 @@ from dlrm_lab.infer.records import QUERY_SCHEMA, percentile
 from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY_SCHEMA
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.stats import estimate, nearest_rank_percentile, ratio_estimate
-from dlrm_lab.report.compare import compare
+from dlrm_lab.report.compare import compare, compare_machines
 from dlrm_lab.train.records import STEP_SCHEMA, summarize_steps
 from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY_SCHEMA
 
@@ -251,3 +251,38 @@ def test_cli_json_is_a_parsable_list(runs):
     assert isinstance(rows, list)
     row = next(r for r in rows if r["metric"] == "samples_per_s")
     assert row["verdict"] == "regression" and row["ratio_ci_high"] < 0.98 and row["base_n"] > 100
+
+
+def _as_machine(run_dir: Path, name: str) -> None:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["hardware"] = {"fingerprint_id": name * 16, "cpu_model": f"CPU {name}"}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_compare_by_machine_splits_the_runs_by_fingerprint_with_cis(tmp_path):
+    """One directory of runs from three machines: each machine against the base one (the oldest run's, or the one
+    named by a fingerprint prefix), by the same rules and CIs as two paths."""
+    root = tmp_path / "fleet"
+    _as_machine(train_run(root / "a", seed=1), "a")
+    _as_machine(train_run(root / "b", seed=2, slowdown=1.1), "b")  # 10% slower steps
+    _as_machine(train_run(root / "c", seed=3), "c")
+    by_machine = compare_machines(root)
+    assert [(str(r.base).rsplit("[", 1)[1], str(r.new).rsplit("[", 1)[1]) for r in by_machine] == [
+        ("machine aaaaaaaa: CPU a]", "machine bbbbbbbb: CPU b]"),
+        ("machine aaaaaaaa: CPU a]", "machine cccccccc: CPU c]"),
+    ]
+    slower, same = (by_metric(r) for r in by_machine)
+    assert slower["samples_per_s"].verdict == "regression" and slower["samples_per_s"].ratio.ci_low is not None
+    assert same["samples_per_s"].verdict == "within noise"
+    (vs_b,) = [r for r in compare_machines(root, base_machine="bbb") if "cccccccc" in str(r.new)]
+    assert by_metric(vs_b)["samples_per_s"].verdict == "improvement"
+    with pytest.raises(UserError, match="--base-machine 'z': matches 0 of the machines"):
+        compare_machines(root, base_machine="z")
+    with pytest.raises(UserError, match="come from 1 machine"):
+        compare_machines(root / "a")
+    runner = CliRunner()
+    out = runner.invoke(_cli(), ["compare", str(root), "--by-machine", "--json"])
+    assert out.exit_code == 1  # machine b regressed
+    rows = json.loads(out.stdout)
+    assert {r["new"].rsplit("[", 1)[1] for r in rows} == {"machine bbbbbbbb: CPU b]", "machine cccccccc: CPU c]"}
+    assert runner.invoke(_cli(), ["compare", str(root)]).exit_code != 0  # one path needs --by-machine

@@ -1,4 +1,5 @@
-"""Compare two sets of runs metric by metric (`dlrm-lab compare BASE NEW`).
+"""Compare two sets of runs metric by metric (`dlrm-lab compare BASE NEW`), or the machines of one set
+(`dlrm-lab compare RUNS --by-machine`: the runs split by hardware fingerprint, each machine against the base).
 
 BASE and NEW are each a run directory or a directory holding run directories at any depth
 (every directory with a `manifest.json`; the container runs of sweeps, kinds `scale` and
@@ -128,8 +129,8 @@ class MetricComparison:
 
 @dataclass(frozen=True)
 class Comparison:
-    base: Path
-    new: Path
+    base: Path | str  # a path, or (by machine) "PATH [machine FINGERPRINT]"
+    new: Path | str
     threshold: float
     rows: list[MetricComparison]
     notes: list[str]
@@ -420,6 +421,62 @@ def compare(
     base, new = Path(base), Path(new)
     b_runs, b_notes = discover_runs(base)
     w_runs, w_notes = discover_runs(new)
+    return _compare_runs(base, new, b_runs, w_runs, b_notes + w_notes, threshold, confidence, n_resamples, seed)
+
+
+def machine_of(run: _Run) -> str:
+    return str((run.manifest.get("hardware") or {}).get("fingerprint_id") or "unknown")
+
+
+def compare_machines(
+    path: str | Path,
+    base_machine: str | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    confidence: float = CONFIDENCE,
+    n_resamples: int = N_RESAMPLES,
+    seed: int = 0,
+) -> list[Comparison]:
+    """The runs under `path` split by the machine they ran on (their manifests' hardware fingerprints), each
+    other machine compared with the base machine (`base_machine`: a fingerprint prefix; default the machine of
+    the oldest run) by the same rules as `compare`. Raises UserError with fewer than two machines."""
+    if not threshold >= 0:
+        raise UserError(f"--threshold {threshold}: must be >= 0 (a fraction, 0.02 = 2%)")
+    runs, notes = discover_runs(path)
+    machines: dict[str, list[_Run]] = {}
+    for run in runs:
+        machines.setdefault(machine_of(run), []).append(run)
+    if len(machines) < 2:
+        raise UserError(f"--by-machine: the runs under {path} come from {len(machines)} machine(s); need two or more")
+    if base_machine is None:
+        base_id = next(iter(machines))
+    else:
+        hits = [m for m in machines if m.startswith(base_machine)]
+        if len(hits) != 1:
+            raise UserError(f"--base-machine {base_machine!r}: matches {len(hits)} of the machines under {path} "
+                            f"({', '.join(m[:8] for m in machines)})")  # fmt: skip
+        base_id = hits[0]
+    label = {m: f"{path} [machine {m[:8]}: {(rs[0].manifest.get('hardware') or {}).get('cpu_model', '?')}]"
+             for m, rs in machines.items()}  # fmt: skip
+    return [
+        _compare_runs(
+            label[base_id], label[m], machines[base_id], rs, list(notes), threshold, confidence, n_resamples, seed
+        )  # fmt: skip
+        for m, rs in machines.items()
+        if m != base_id
+    ]
+
+
+def _compare_runs(
+    base: Path | str,
+    new: Path | str,
+    b_runs: list[_Run],
+    w_runs: list[_Run],
+    notes: list[str],
+    threshold: float,
+    confidence: float,
+    n_resamples: int,
+    seed: int,
+) -> Comparison:
     b_kinds, w_kinds = dict(Counter(r.kind for r in b_runs)), dict(Counter(r.kind for r in w_runs))
     common = [k for k in COMPARED_KINDS if k in b_kinds and k in w_kinds]
     if not common:
@@ -429,7 +486,7 @@ def compare(
             f"NEW {new} has {_kinds_text(w_kinds)}; they need a kind in common ({', '.join(COMPARED_KINDS)}){extra}"
         )
     comparer = _Comparer(threshold, confidence, n_resamples, seed)
-    comparer.notes += b_notes + w_notes
+    comparer.notes += notes
     if "infer-search" in {*b_kinds, *w_kinds}:
         comparer.notes.append("infer-search runs are not compared (a search's probes are not repeats of one load)")
     for kind in sorted({*b_kinds, *w_kinds} - set(common) - {"infer-search"}):
