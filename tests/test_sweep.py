@@ -169,3 +169,16 @@ def test_sweep_checks_accept_exactly_the_cli_options(command, setup):
         getattr(commands, setup)({name: default})
     with pytest.raises(UserError, match="unknown option --not-an-option"):
         getattr(commands, setup)({"not-an-option": 1})
+
+
+def test_the_ibench_sweep_in_docs_is_valid_and_holds_the_samples_per_second():
+    """docs/ibench.toml: clients x query size at one total samples/s, every point's command line parsed by the CLI."""
+    from conftest import ROOT
+
+    spec = load_spec(ROOT / "docs" / "ibench.toml")
+    assert len(spec.points) == 9 and spec.repeats == 3
+    assert {p["concurrency"] for p in spec.points} == {1, 4, 16}
+    assert {int(p["query-size"].split(":")[1]) * p["qps"] for p in spec.points} == {6400}
+    args = point_args(spec, spec.points[-1])
+    assert args[:2] == ["infer", "run"] and "--target" in args and "--price-per-hour" in args
+    assert {"cost_per_1m_queries", "energy_per_query_j"} <= set(spec.metrics)
