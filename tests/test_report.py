@@ -540,21 +540,24 @@ def _machine_run(root: Path, name: str, cores: int, flags: list[str], price: flo
     with Run.create(root, kind="infer", config={"infer": {"device": "cpu"}}) as run:
         rows = [{"point": k, "model": "kaggle", "preset": "kaggle", "mode": "together", "sla_ms": sla,
                  "sla_percentile": 99.0, "queries_per_s": qps, "samples_per_s": sps, "sla_met": met,
-                 "roofline_fraction": 0.3, "energy_per_query_j": joules}
+                 "roofline_fraction": 0.3, "energy_per_query_j": joules, "precision": "fp32",
+                 "flops_per_sample": 1e6, "bytes_per_sample": 1e5, "achieved_flops_per_s": sps * 1e6}
                 for k, (sla, qps, sps, met, joules) in enumerate(points)]  # fmt: skip
         run.write_summary(rows, INFER_SUMMARY)
     manifest = json.loads((run.dir / "manifest.json").read_text())
     manifest["hardware"] = {"fingerprint_id": name * 16, "cpu_model": f"CPU {name}", "cpu_flags": flags,
                             "physical_cores": cores, "gpus": {"devices": []}}  # fmt: skip
-    manifest["machine"] = {"fingerprint_id": name * 16, "devices": {"cpu": {"threads": {}}}}
+    peaks = {"gemm_flops_per_s": {"fp32": cores * 50e9}, "memory_bytes_per_s": 20e9, "gather_bytes_per_s": 5e9}
+    manifest["machine"] = {"fingerprint_id": name * 16, "devices": {"cpu": {"threads": {str(cores): peaks}}}}
     if price is not None:
         manifest["machine"]["price"] = {"per_hour": price, "currency": "USD", "source": "given"}
     (run.dir / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_runs_from_two_machines_are_ranked_by_cost_per_inference(tmp_path):
+def test_runs_from_two_machines_are_ranked_by_cost_per_inference(tmp_path, monkeypatch):
     """Machine a: 1,000 q/s at $3.60/h = $1.00 per 1M; machine b: 400 q/s at $0.72/h = $0.50 per 1M: b ranks first
     at the 10 ms bound; a point that missed its bound is not an answer; a machine without a price is not ranked."""
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "no-profiles-here"))
     runs = tmp_path / "runs"
     _machine_run(runs, "a", 8, ["avx2", "avx512f", "amx_bf16"], 3.6,
                  [(10.0, 1000.0, 100_000.0, True, 0.5), (10.0, 5000.0, 500_000.0, False, 0.1),
@@ -573,7 +576,9 @@ def test_runs_from_two_machines_are_ranked_by_cost_per_inference(tmp_path):
     assert a["queries_per_s"] == 1000.0 and a["cost_per_1m_queries"] == pytest.approx(1.0)  # not the 5,000 that missed
     assert b["cost_per_1m_queries"] == pytest.approx(0.5) and b["samples_per_s_per_core"] == 20_000.0
     assert a["gemm_flags"] == "avx2 avx512f amx_bf16" and a["energy_per_query_j"] == 0.5 and a["source"] == "point"
-    result = write_report([runs], tmp_path / "out")
+    result = write_report([runs], tmp_path / "out")  # on a host that never probed any of them
+    ceilings = result.drawn["roofline"].ceilings  # each machine's, from the profile its runs carry
+    assert sorted(c["compute"]["fp32"] for c in ceilings.values()) == [100e9, 200e9, 400e9]
     lines = result.drawn["machines"].lines
     assert lines["aaaaaaaa kaggle"] == [(10.0, pytest.approx(1.0)), (30.0, pytest.approx(0.5))]
     assert "cccccccc: no price, not ranked" in result.notes["machines"]
