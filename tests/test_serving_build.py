@@ -249,8 +249,8 @@ def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_bac
     """`--precision auto` chose bf16 for speed; if no build at bf16 keeps MLPerf's accuracy rule (dcnv2 at bf16 did
     not), the model is served in fp32, said in one line and recorded with the precision choice. An explicit
     precision is served as asked."""
+    from dlrm_lab.infer.plan import Planner
     from dlrm_lab.infer.served import ServedModel
-    from dlrm_lab.infer.server import InferenceServer
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     real = builds.check_accuracy
@@ -267,14 +267,41 @@ def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_bac
     held_out = synthetic_generator(spec, None, seed=0).samples(512, 512 + 2048)
     for requested, served_in in (("auto", "fp32"), ("bf16", "bf16")):
         lines: list[str] = []
-        server = InferenceServer([ServedModel("tiny", spec, precision="bf16", build="eager")], log=lines.append)
-        server.precision_choices["tiny"] = {"requested": requested, "precision": "bf16", "reason": "measured"}
-        choice, _, m = server._checked_build(server.models["tiny"], model, library, held_out)
-        assert m.precision == served_in and server.models["tiny"].precision == served_in
+        planner = Planner([ServedModel("tiny", spec, precision="bf16", build="eager")], device="cpu", seed=0,
+                          log=lines.append)  # fmt: skip
+        planner.precision_choices["tiny"] = {"requested": requested, "precision": "bf16", "reason": "measured"}
+        choice, _, m = planner._checked_build(planner.models["tiny"], model, library, held_out)
+        assert m.precision == served_in and planner.plan.models["tiny"].precision == served_in
         assert choice.accuracy.passed == (served_in == "fp32")
-        record = server.precision_choices["tiny"]
+        record = planner.plan.precision_choices["tiny"]
         if requested == "auto":
             assert record["precision"] == "fp32" and not record["accuracy_fallback"]["passed"]
             assert lines[-1].startswith("tiny: precision bf16 fails the accuracy rule with --build eager (AUC within")
         else:
             assert "accuracy_fallback" not in record and record["precision"] == "bf16"
+
+
+def test_a_server_executes_a_resolved_plan_and_chooses_nothing(monkeypatch, tmp_path):
+    """`infer.plan.plan_serving` makes every choice (precision, build, with their records) before a server starts;
+    a server given the plan chooses nothing again (the choosers would raise) and serves it as planned."""
+    from dlrm_lab.infer import plan as plans
+    from dlrm_lab.infer.plan import plan_serving
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.server import InferenceServer
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    plan = plan_serving([ServedModel("tiny", dlrm_lab.load_preset("tiny"))], seed=SEED)
+    m = plan.models["tiny"]
+    assert m.precision in ("fp32", "bf16", "fp16") and m.build in builds.BUILDS  # nothing left auto
+    assert {"requested", "reason", "build_choice"} <= set(plan.precision_choices["tiny"])
+    assert set(plan.modules) == set(plan.libraries) == {"tiny"}
+
+    def chosen_again(*_a, **_k):
+        raise AssertionError("a server given a plan chose again")
+
+    monkeypatch.setattr(plans, "choose_precision", chosen_again)
+    monkeypatch.setattr(builds, "choose_build", chosen_again)
+    with InferenceServer(plan, pin_cores=False) as server:
+        served = server.describe().models["tiny"]
+        assert (served.precision, served.build) == (m.precision, m.build)
+        assert server.precision_choices["tiny"]["build_choice"] == plan.precision_choices["tiny"]["build_choice"]

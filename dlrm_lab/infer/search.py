@@ -34,6 +34,7 @@ from dlrm_lab.infer.lab import (
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.loadgen import loadgen_duration
 from dlrm_lab.infer.memory import check_fits
+from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
@@ -241,7 +242,7 @@ def search(
         def serve(m: ServedModel) -> AbstractContextManager[Any]:
             if target.remote:
                 return open_target(target, [m], cfg.connection())
-            return InferenceServer([m], device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed)
+            return InferenceServer(plan_serving([m], device=cfg.device, seed=cfg.seed), pin_cores=cfg.pin_cores)
 
     check_stored_profile(log)
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,10 @@ import numpy as np
 import torch
 
 from dlrm_lab.config import HSTUSpec
-from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import ServingFault, UserError, exit_description
 from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.instance import (
     BATCH_STAGES,
-    PRECISIONS,
     SPIN,
     TRACE,
     BatchResult,
@@ -54,20 +52,15 @@ from dlrm_lab.infer.instance import (
     write_snapshot,
 )
 from dlrm_lab.infer.library import PackedLibrary, payload_for
-from dlrm_lab.infer.memory import check_fits, library_samples
-from dlrm_lab.infer.requests import SERVED_WINDOW, RequestLibrary, generate_library
-from dlrm_lab.infer.served import ServedModel, check_cores
+from dlrm_lab.infer.plan import ServingPlan, plan_serving
+from dlrm_lab.infer.requests import RequestLibrary
+from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Query, SutDescription
-from dlrm_lab.metrics.cpu import usable_cores
-from dlrm_lab.metrics.precision import choose_precision
-from dlrm_lab.model.dlrm import build_model
-from dlrm_lab.model.hstu import build_ranker, choose_attention
 
 # A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
 # starved of its core), not a slow batch: said per point
 STALL_MS = 500.0
 STALL_FACTOR = 20.0
-ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
@@ -103,7 +96,7 @@ class InferenceServer:
 
     def __init__(
         self,
-        models: list[ServedModel],
+        models: list[ServedModel] | ServingPlan,
         *,
         device: str = "cpu",
         pin_cores: bool = True,
@@ -112,6 +105,10 @@ class InferenceServer:
         log: Callable[[str], None] | None = None,
         route_around_dead: bool = False,
     ) -> None:
+        # a resolved plan (`infer.plan`) is served as it is; models alone are planned at start()
+        self._plan = models if isinstance(models, ServingPlan) else None
+        if self._plan is not None:
+            models, device, seed = list(self._plan.models.values()), self._plan.device, self._plan.seed
         names = [m.name for m in models]
         if not models or len(set(names)) != len(names):
             raise UserError(f"served models need distinct names, got {names}")
@@ -155,26 +152,21 @@ class InferenceServer:
 
     def start(self) -> InferenceServer:
         device = self.device
-        resolve_device(device)  # one-line error for an unknown device or a missing GPU
         for stale in remove_stale_snapshots():
             self.log(f"removed {stale}, left by a serving process that was killed")
-        usable = len(usable_cores() or range(os.cpu_count() or 1))
-        if warning := check_cores(list(self.models.values()), usable, device):
-            self.log(warning)
-        check_fits(self.models.values(), device=device)  # before any table is allocated
-        self._choose_precisions()
+        # every choice of how the models are served is made before (`infer.plan`); the server executes it
+        plan = self._plan or plan_serving(list(self.models.values()), device=device, seed=self.seed, log=self.log)
+        self._plan = None  # its modules are snapshotted below and then dropped: a plan is served once
+        self.models.update(plan.models)
+        self.precision_choices.update(plan.precision_choices)
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         index, next_core = 0, 0
         try:
             for m in self.models.values():
                 snap = snapshot_dir_for(f"{m.name}-{id(self)}")
-                # the one sample library of this model: generated here, mapped by instances and this process
-                library = generate_library(m, self.seed, library_samples(m.max_batch, m.library_samples))
-                model = self._serving_build(m, self._build(m), library)
-                m = self.models[m.name]  # with its attention path and build resolved
+                library = plan.libraries[m.name]  # mapped by the instances and, below, this process
                 self._snapshots.append(snap)
-                self.snapshot_bytes[m.name] = write_snapshot(snap, model, library)
-                del model
+                self.snapshot_bytes[m.name] = write_snapshot(snap, plan.modules.pop(m.name), library)
                 pool = _Pool(served=m, library=map_library(snap))
                 self._pools[m.name] = pool
                 for _ in range(m.instances):
@@ -185,7 +177,7 @@ class InferenceServer:
                     dev = device
                     if device == "cuda":  # instances round-robin over the visible GPUs
                         dev = f"cuda:{index % torch.cuda.device_count()}"
-                    plan = InstancePlan(
+                    instance = InstancePlan(
                         model=m.name, index=index, snapshot_dir=str(snap), spec=m.spec.to_dict(),
                         threads=m.threads, cores=mine, device=dev, precision=m.precision,
                         table_precision=m.table_precision, warmup_batch=min(m.piece_limit(), library.size),
@@ -193,7 +185,7 @@ class InferenceServer:
                     )  # fmt: skip
                     mine_end, theirs = self._ctx.Pipe(duplex=True)
                     proc = self._ctx.Process(
-                        target=instance_main, args=(plan, theirs), daemon=True, name=f"dlrm-lab-instance-{index}"
+                        target=instance_main, args=(instance, theirs), daemon=True, name=f"dlrm-lab-instance-{index}"
                     )
                     proc.start()
                     theirs.close()
@@ -225,92 +217,12 @@ class InferenceServer:
         self.epoch_ns = time.monotonic_ns()
         return self
 
-    def _build(self, m: ServedModel) -> torch.nn.Module:
-        """The served model with the server's seed: DLRM, or the HSTU ranker with its attention path
-        (`auto`: both timed over the first requests the model will serve, forward only)."""
-        torch.manual_seed(self.seed)
-        if not isinstance(m.spec, HSTUSpec):
-            return build_model(m.spec).eval()
-        choice = choose_attention(m.attention, m.spec, min(m.max_batch, ATTENTION_BATCH), torch.device("cpu"),
-                                  self.seed, backward=False, window=SERVED_WINDOW)  # fmt: skip
-        self.log(f"{m.name}: attention {choice.reason}")
-        self.precision_choices[m.name]["attention_choice"] = choice.to_dict()
-        self.models[m.name] = m = replace(m, attention=choice.path)
-        torch.manual_seed(self.seed)
-        return build_ranker(m.spec, attention=m.attention).eval()
-
-    def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
-        """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
-        once; recorded with the precision choice."""
-        if isinstance(m.spec, HSTUSpec):
-            from dlrm_lab.data.sequences import SequenceGenerator
-            from dlrm_lab.infer.build import CHECK_REQUESTS
-
-            # the library is the evaluation window's first requests: the check takes the training window's
-            generator = SequenceGenerator(m.spec.data, seed=self.seed)
-            held_out = generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")
-        else:
-            from dlrm_lab.data import synthetic_generator
-            from dlrm_lab.infer.build import CHECK_SAMPLES
-
-            generator = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
-            held_out = generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
-        choice, model, m = self._checked_build(m, model, library, held_out)
-        if choice.accuracy is not None and not choice.accuracy.passed:
-            self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
-                     f"({choice.accuracy.rule}); served as asked")  # fmt: skip
-        self.log(choice.line if choice.warning else f"{m.name}: {choice.line}")
-        self.precision_choices[m.name]["build_choice"] = choice.to_dict()
-        self.models[m.name] = replace(m, build=choice.build)
-        return model
-
-    def _checked_build(self, m: ServedModel, source: torch.nn.Module, library: Any,
-                       held_out: Any) -> tuple[Any, torch.nn.Module, ServedModel]:  # fmt: skip
-        """`choose_build` at the model's precision; a reduced precision that `--precision auto` chose for its
-        speed but that fails the accuracy rule in every build falls back to fp32 (said, and recorded with the
-        precision choice). The choice, the module to serve and the model as served."""
-        from dlrm_lab.infer.build import choose_build
-
-        def choose(precision: str) -> tuple[Any, torch.nn.Module]:
-            return choose_build(
-                m.build, source, precision=precision, table_precision=m.table_precision, threads=m.threads,
-                sizes=m.batches_to_time(), library=library, check_block=held_out, device=self.device, log=self.log,
-            )  # fmt: skip
-
-        choice, model = choose(m.precision)
-        record = self.precision_choices[m.name]
-        check = choice.accuracy
-        if check is None or check.passed or m.precision == "fp32" or record.get("requested") != "auto":
-            return choice, model, m
-        where = "in every build" if m.build == "auto" else f"with --build {m.build}"
-        self.log(f"{m.name}: precision {m.precision} fails the accuracy rule {where} ({check.rule}: AUC "
-                 f"{check.auc:.5f} vs fp32 {check.auc_fp32:.5f}); served in fp32")  # fmt: skip
-        record.update(precision="fp32", accuracy_fallback=check.to_dict(),
-                      reason=f"{record['reason']}; then fp32: {m.precision} failed the accuracy rule")  # fmt: skip
-        m = replace(m, precision="fp32")
-        self.models[m.name] = m
-        del model
-        choice, model = choose("fp32")
-        return choice, model, m
-
     def _history_columns(self, q: Query) -> dict[str, Any]:
         """How many of the query's requests reused a cached history, and their tokens (HSTU with
         history reuse; null otherwise)."""
         on = self.models[q.model].history_cache_mb > 0
         return {"history_reused": q.history_reused if on else None,
                 "history_tokens_reused": q.history_tokens_reused if on else None}  # fmt: skip
-
-    def _choose_precisions(self) -> None:
-        """Resolve `auto` by measurement at each model's instance threads and batch size;
-        warn about an explicit precision that measures slower than fp32."""
-        for name, m in list(self.models.items()):
-            choice = choose_precision(
-                m.precision, m.spec, allowed=PRECISIONS, device=self.device, threads=m.threads, rows=m.max_batch,
-                log=self.log,
-            )  # fmt: skip
-            self.log(choice.line if choice.warning else f"{name}: {choice.line}")
-            self.precision_choices[name] = choice.to_dict()
-            self.models[name] = replace(m, precision=choice.precision)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

@@ -113,6 +113,11 @@ def open_target(target: Target, models: list[Any], conn: Connection, **in_proces
 
 
 def open_in_process(target: Target, models: list[Any], conn: Connection, **options: Any) -> AbstractContextManager:
+    """The lab's server in this process, given a resolved serving plan (`infer.plan`): the choices are made here,
+    before it starts; the server executes them."""
+    from dlrm_lab.infer.plan import plan_serving
     from dlrm_lab.infer.server import InferenceServer
 
-    return InferenceServer(models, **options)
+    device, seed, log = options.get("device", "cpu"), options.get("seed", 0), options.get("log")
+    plan = plan_serving(models, device=device, seed=seed, log=log)
+    return InferenceServer(plan, **{k: v for k, v in options.items() if k not in ("device", "seed")})

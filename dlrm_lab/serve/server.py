@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.memory import check_fits
+from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
@@ -350,8 +351,8 @@ def serve(
         queries = run.table("queries", QUERY_SCHEMA, flush_seconds=FLUSH_S)
         service = None
         try:
-            with InferenceServer(models, device=device, pin_cores=pin_cores, seed=seed, log=log,
-                                 route_around_dead=True) as inference:  # fmt: skip
+            plan = plan_serving(models, device=device, seed=seed, log=log)  # every choice made before it serves
+            with InferenceServer(plan, pin_cores=pin_cores, log=log, route_around_dead=True) as inference:
                 run.update_manifest(instances=inference.instance_info, precision_choices=inference.precision_choices)
                 service = InferenceService(inference)
                 asyncio.run(_serve(service, queries, host, port, grace_s, log, run))

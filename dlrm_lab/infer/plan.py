@@ -1,0 +1,160 @@
+"""The serving plan: every choice of how a model is served, made before a server starts.
+
+A system under test executes a plan; it does not choose policy. `plan_serving(models)` resolves what
+was left `auto` by measurement on this machine and checks it, in this order per model:
+
+- precision (`metrics.precision.choose_precision`: a lower precision only where its GEMMs are faster);
+- the HSTU ranker's attention path (`model.hstu.choose_attention`, timed over the first requests);
+- the inference build (`infer.build.choose_build`: timed at the batches it will serve, checked for
+  accuracy on held-out samples; an `auto` precision that fails the accuracy rule in every build falls
+  back to fp32).
+
+The plan holds each model as it will be served (no `auto` left), the module its instances serve, its
+sample library, and the record of every choice (the manifest's `precision_choices`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from dlrm_lab.config import HSTUSpec
+from dlrm_lab.distributed.context import resolve_device
+from dlrm_lab.infer.instance import PRECISIONS
+from dlrm_lab.infer.memory import check_fits, library_samples
+from dlrm_lab.infer.requests import SERVED_WINDOW, generate_library
+from dlrm_lab.infer.served import ServedModel, check_cores
+from dlrm_lab.metrics.cpu import usable_cores
+from dlrm_lab.metrics.precision import choose_precision
+from dlrm_lab.model.dlrm import build_model
+from dlrm_lab.model.hstu import build_ranker, choose_attention
+
+ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class ServingPlan:
+    """What a server serves, every choice made (module docstring)."""
+
+    models: dict[str, ServedModel]  # as served: no `auto` left
+    modules: dict[str, torch.nn.Module] = field(default_factory=dict)  # the build each model's instances serve
+    libraries: dict[str, Any] = field(default_factory=dict)  # each model's sample library
+    precision_choices: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model: what and why (manifest)
+    device: str = "cpu"
+    seed: int = 0
+
+
+def plan_serving(
+    models: list[ServedModel], *, device: str = "cpu", seed: int = 0, log: Log | None = None
+) -> ServingPlan:
+    """Resolve and check how `models` are served on this machine (module docstring); refuses, before any table is
+    allocated, models that do not fit or whose instances oversubscribe the cores (one line each)."""
+    resolve_device(device)  # one-line error for an unknown device or a missing GPU
+    planner = Planner(models, device=device, seed=seed, log=log)
+    usable = len(usable_cores() or range(os.cpu_count() or 1))
+    if warning := check_cores(list(planner.models.values()), usable, device):
+        planner.log(warning)
+    check_fits(planner.models.values(), device=device)
+    planner._choose_precisions()
+    for name in list(planner.models):
+        m = planner.models[name]
+        # the one sample library of this model: generated here, snapshotted and mapped by the server's instances
+        library = generate_library(m, seed, library_samples(m.max_batch, m.library_samples))
+        planner.plan.modules[name] = planner._serving_build(m, planner._build(m), library)
+        planner.plan.libraries[name] = library
+    return planner.plan
+
+
+class Planner:
+    """The choices of `plan_serving`, one model at a time, recorded in `plan` as they are made."""
+
+    def __init__(self, models: list[ServedModel], *, device: str, seed: int, log: Log | None = None) -> None:
+        self.plan = ServingPlan({m.name: m for m in models}, device=device, seed=seed)
+        self.models, self.precision_choices = self.plan.models, self.plan.precision_choices
+        self.device, self.seed, self.log = device, seed, log or (lambda _msg: None)
+
+    def _choose_precisions(self) -> None:
+        """Resolve `auto` by measurement at each model's instance threads and batch size;
+        warn about an explicit precision that measures slower than fp32."""
+        for name, m in list(self.models.items()):
+            choice = choose_precision(
+                m.precision, m.spec, allowed=PRECISIONS, device=self.device, threads=m.threads, rows=m.max_batch,
+                log=self.log,
+            )  # fmt: skip
+            self.log(choice.line if choice.warning else f"{name}: {choice.line}")
+            self.precision_choices[name] = choice.to_dict()
+            self.models[name] = replace(m, precision=choice.precision)
+
+    def _build(self, m: ServedModel) -> torch.nn.Module:
+        """The served model with the server's seed: DLRM, or the HSTU ranker with its attention path
+        (`auto`: both timed over the first requests the model will serve, forward only)."""
+        torch.manual_seed(self.seed)
+        if not isinstance(m.spec, HSTUSpec):
+            return build_model(m.spec).eval()
+        choice = choose_attention(m.attention, m.spec, min(m.max_batch, ATTENTION_BATCH), torch.device("cpu"),
+                                  self.seed, backward=False, window=SERVED_WINDOW)  # fmt: skip
+        self.log(f"{m.name}: attention {choice.reason}")
+        self.precision_choices[m.name]["attention_choice"] = choice.to_dict()
+        self.models[m.name] = m = replace(m, attention=choice.path)
+        torch.manual_seed(self.seed)
+        return build_ranker(m.spec, attention=m.attention).eval()
+
+    def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
+        """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
+        once; recorded with the precision choice."""
+        if isinstance(m.spec, HSTUSpec):
+            from dlrm_lab.data.sequences import SequenceGenerator
+            from dlrm_lab.infer.build import CHECK_REQUESTS
+
+            # the library is the evaluation window's first requests: the check takes the training window's
+            generator = SequenceGenerator(m.spec.data, seed=self.seed)
+            held_out = generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")
+        else:
+            from dlrm_lab.data import synthetic_generator
+            from dlrm_lab.infer.build import CHECK_SAMPLES
+
+            generator = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
+            held_out = generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
+        choice, model, m = self._checked_build(m, model, library, held_out)
+        if choice.accuracy is not None and not choice.accuracy.passed:
+            self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
+                     f"({choice.accuracy.rule}); served as asked")  # fmt: skip
+        self.log(choice.line if choice.warning else f"{m.name}: {choice.line}")
+        self.precision_choices[m.name]["build_choice"] = choice.to_dict()
+        self.models[m.name] = replace(m, build=choice.build)
+        return model
+
+    def _checked_build(self, m: ServedModel, source: torch.nn.Module, library: Any,
+                       held_out: Any) -> tuple[Any, torch.nn.Module, ServedModel]:  # fmt: skip
+        """`choose_build` at the model's precision; a reduced precision that `--precision auto` chose for its
+        speed but that fails the accuracy rule in every build falls back to fp32 (said, and recorded with the
+        precision choice). The choice, the module to serve and the model as served."""
+        from dlrm_lab.infer.build import choose_build
+
+        def choose(precision: str) -> tuple[Any, torch.nn.Module]:
+            return choose_build(
+                m.build, source, precision=precision, table_precision=m.table_precision, threads=m.threads,
+                sizes=m.batches_to_time(), library=library, check_block=held_out, device=self.device, log=self.log,
+            )  # fmt: skip
+
+        choice, model = choose(m.precision)
+        record = self.precision_choices[m.name]
+        check = choice.accuracy
+        if check is None or check.passed or m.precision == "fp32" or record.get("requested") != "auto":
+            return choice, model, m
+        where = "in every build" if m.build == "auto" else f"with --build {m.build}"
+        self.log(f"{m.name}: precision {m.precision} fails the accuracy rule {where} ({check.rule}: AUC "
+                 f"{check.auc:.5f} vs fp32 {check.auc_fp32:.5f}); served in fp32")  # fmt: skip
+        record.update(precision="fp32", accuracy_fallback=check.to_dict(),
+                      reason=f"{record['reason']}; then fp32: {m.precision} failed the accuracy rule")  # fmt: skip
+        m = replace(m, precision="fp32")
+        self.models[m.name] = m
+        del model
+        choice, model = choose("fp32")
+        return choice, model, m
