@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.errors import BadAnswer, RemoteFailure, ServerLost
+from dlrm_lab.errors import BadAnswer, RemoteFailure, ServerLost, UserError
 from dlrm_lab.infer.sut import Query, SutDescription
 
 START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
@@ -62,13 +62,13 @@ class ClientPool:
                 proc.start()
                 child_end.close()
                 self._workers.append((proc, parent_end))
-                self._send_locks.append(threading.Lock())
+                self._send_locks.append(threading.Lock())  # one sender at a time per pipe
             for k, (_proc, conn) in enumerate(self._workers):
                 if not conn.poll(START_TIMEOUT_S):
                     raise RuntimeError(f"client worker {k} did not start within {START_TIMEOUT_S:g} s")
-                kind, why = conn.recv()
-                if why:
-                    raise ConnectionError(f"client worker {k}: {why}")
+                _, why = conn.recv()
+                if why:  # one line, as a single connection's failure to connect is
+                    raise UserError(f"--target {description.target}: client connection {k}: {why}")
         except BaseException:
             self.close()
             raise
@@ -114,11 +114,11 @@ class ClientPool:
             raise self._lost
 
     def close(self) -> None:
-        for k, (_proc, conn) in enumerate(self._workers):
+        for (_proc, conn), lock in zip(self._workers, self._send_locks, strict=True):
             try:
-                with self._send_locks[k] if k < len(self._send_locks) else threading.Lock():
+                with lock:
                     conn.send(("stop",))
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # a worker already gone
                 pass
         for proc, conn in self._workers:
             proc.join(timeout=5)

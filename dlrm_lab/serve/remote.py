@@ -296,7 +296,11 @@ def connect_worker(address: str, recipes: dict[str, LibraryRecipe], names: dict[
                    unavailable_s: float, connect_timeout_s: float, worker: int) -> RemoteServer:  # fmt: skip
     """A client worker's own connection (`serve.pool`): its channel, its libraries, its RemoteServer."""
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise ConnectionError(f"no server answered within {connect_timeout_s:g} s") from None
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     return RemoteServer(channel, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc,
                         names=names)  # fmt: skip
