@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import namedtuple
 from types import SimpleNamespace
 
@@ -210,6 +211,22 @@ def test_arrivals_are_seeded(kind):
 def test_arrivals_bursty_rejects_bad_parameters(factor, share):
     with pytest.raises(UserError, match="bursty"):
         Arrivals("bursty", burst_factor=factor, burst_share=share)
+
+
+def test_bursty_arrivals_are_set_from_the_command_line():
+    """`--arrival bursty:FACTOR,SHARE,LENGTH_MS` (an infer run's, a sweep's): the parameters reach the schedule."""
+    from dlrm_lab.commands import infer_setup
+
+    a = Arrivals.parse("bursty:3,0.2,20")
+    assert (a.kind, a.burst_factor, a.burst_share, a.burst_length_s) == ("bursty", 3.0, 0.2, 0.02)
+    assert Arrivals.parse("bursty") == Arrivals("bursty") and Arrivals.parse("constant").kind == "constant"
+    load = infer_setup({"model": ["tiny"], "qps": ["50"], "arrival": "bursty:2,0.3,40"})[1]
+    assert load.streams[0].arrivals == Arrivals("bursty", 2.0, 0.3, 0.04)
+    bad = (("bursty:3,0.2", "expected bursty:FACTOR,SHARE,LENGTH_MS"), ("poisson:2", "only bursty takes parameters"),
+           ("bursty:5,0.3,10", "SHARE x FACTOR < 1"))  # fmt: skip
+    for text, why in bad:
+        with pytest.raises(UserError, match=re.escape(why)):
+            Arrivals.parse(text)
 
 
 def test_arrivals_bad_parameters_allowed_when_not_bursty():

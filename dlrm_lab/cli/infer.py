@@ -37,7 +37,11 @@ QuerySize = Annotated[
         "(100-700). One, or one per --model. Default: fixed:1.",
     ),
 ]
-Arrival = Annotated[str, typer.Option(help="Open-loop arrivals: poisson, constant or bursty.")]
+Arrival = Annotated[
+    str,
+    typer.Option(help="Open-loop arrivals: poisson, constant, or bursty[:FACTOR,SHARE,LENGTH_MS] (bursts at FACTOR "
+                      "x the mean rate for SHARE of the time, LENGTH_MS long on average; default 4,0.1,50)."),
+]  # fmt: skip
 Duration = Annotated[float, typer.Option("--duration", help="Seconds of load per point.")]
 Warmup = Annotated[
     float,

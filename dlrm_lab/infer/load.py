@@ -155,9 +155,24 @@ class Arrivals:
         ok = self.burst_factor > 1 and 0 < self.burst_share * self.burst_factor < 1 and self.burst_length_s > 0
         if self.kind == "bursty" and not ok:
             raise UserError(
-                f"--arrival bursty: need burst_factor > 1, burst_share * burst_factor < 1 and burst_length_s > 0 "
-                f"(got {self.burst_factor}, {self.burst_share}, {self.burst_length_s})"
+                f"--arrival bursty:{self.burst_factor:g},{self.burst_share:g},{self.burst_length_s * 1e3:g}: need "
+                "FACTOR > 1, SHARE x FACTOR < 1 and LENGTH_MS > 0"
             )
+
+    @classmethod
+    def parse(cls, text: str, option: str = "--arrival") -> Arrivals:
+        """`poisson`, `constant`, `bursty` (4x the mean rate 10% of the time, bursts of 50 ms) or
+        `bursty:FACTOR,SHARE,LENGTH_MS`."""
+        kind, _, args = text.partition(":")
+        if not args:
+            return cls(kind)
+        if kind != "bursty":
+            raise UserError(f"{option} {text!r}: only bursty takes parameters (bursty:FACTOR,SHARE,LENGTH_MS)")
+        try:
+            factor, share, length_ms = (float(v) for v in args.split(","))
+        except ValueError:
+            raise UserError(f"{option} {text!r}: expected bursty:FACTOR,SHARE,LENGTH_MS (three numbers)") from None
+        return cls("bursty", factor, share, length_ms / 1e3)
 
     def schedule(self, qps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
         """Arrival offsets in [0, duration_s), sorted, at mean rate `qps`."""

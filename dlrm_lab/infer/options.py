@@ -147,7 +147,7 @@ def plan_load(
     if not qps_auto and any(not r > 0 for r in rates):
         raise UserError(f"--qps {rates}: every rate must be > 0 queries/s (or auto)")
     sizes = [QuerySizes.parse(s) for s in per_model(query_size, n, DEFAULT_QUERY_SIZE, "--query-size")]
-    arrivals = Arrivals(arrival)
+    arrivals = Arrivals.parse(arrival)
     streams = [
         Stream(m.name, r, s, arrivals, sla_ms=sla, order=order)
         for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)
