@@ -51,21 +51,12 @@ def median(sample: Any, axis: int = -1) -> Any:
     return np.median(sample, axis=axis)
 
 
-def percentile(values: Any, p: float) -> float | None:
-    """The lab's one percentile: nearest rank (as MLPerf LoadGen reports), None for no values; inf allowed.
-    Every latency, lag and batch-size percentile in a record or summary is this one."""
-    v = np.sort(np.asarray(values, dtype=np.float64))
-    if len(v) == 0:
-        return None
-    k = int(np.ceil(p / 100 * len(v) - 1e-9)) - 1  # 99.9/100*1000 is 999.0000000000001 in floats
-    return float(v[min(max(k, 0), len(v) - 1)])
-
-
 def nearest_rank_percentile(p: float) -> Statistic:
-    """The p-th percentile by nearest rank (as MLPerf LoadGen and `dlrm_lab.infer.records`
-    compute latency percentiles), vectorised for the bootstrap."""
-    if not 0 < p <= 100:
-        raise ValueError(f"percentile must be in (0, 100], got {p}")
+    """The lab's one percentile: the p-th by nearest rank (as MLPerf LoadGen reports it; numpy's `inverted_cdf`),
+    vectorised over `axis` for the bootstrap. Every latency, lag and batch-size percentile of a record, a summary or
+    a comparison is this one (`percentile` for one sample)."""
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
 
     def statistic(sample: Any, axis: int = -1) -> Any:
         x = np.moveaxis(np.asarray(sample), axis, -1)
@@ -75,6 +66,12 @@ def nearest_rank_percentile(p: float) -> Statistic:
 
     statistic.__name__ = f"p{p:g}"
     return statistic
+
+
+def percentile(values: Any, p: float) -> float | None:
+    """`nearest_rank_percentile(p)` of one sample; None for no values; inf allowed."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(nearest_rank_percentile(p)(v)) if len(v) else None
 
 
 @dataclass(frozen=True)
