@@ -207,15 +207,48 @@ def measure(
     `trace.json` in `run_dir` (a server that cannot trace says so in `log`)."""
     if point.duration_s is not None:
         cfg = replace(cfg, duration_s=point.duration_s)
-    slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
     sut = server.describe()
-    meter = _cpu_meter(sut)
     warmup_s = min(cfg.warmup_s, cfg.duration_s / 4)
     try:
         warm_up(server, point.streams, warmup_s, seed=cfg.seed + point.index, drain_s=cfg.drain_timeout_s)
     except RemoteFailure as exc:  # before any row counts: nothing of the point to keep
         raise type(exc)(f"point {point.index}, warming up: the server at {sut.target}: {exc}") from None
     server.take_records()  # nothing from a previous point (or the warm-up) leaks in
+    profile = load_profile()
+    peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
+    seen = _drive_point(server, point, cfg, sut, peaks, queries, run_dir, log, telemetry, on_progress, decided, trace)
+    rows = [_summary_row(point, stream, seen, sut, cfg, peaks[stream.model], warmup_s) for stream in point.streams]
+    price = point_price(profile, cfg, sut)
+    for row in rows:
+        row.update(energy_columns(seen.energy, rows))
+    for row in rows:  # after every row's rate and energy: a co-located point shares the machine's price
+        row.update(serving_cost_columns(row, price, rows))
+        if log:
+            log(point_line(row))
+    return rows
+
+
+@dataclass
+class _Seen:
+    """What one point's load left: its query records and what metered it."""
+
+    records: list[dict[str, Any]]
+    stats: DriverStats
+    energy: dict[str, Any]
+    cpu: dict[str, Any]
+    stalls: list[dict[str, Any]]
+    slas: dict[str, float]
+    stopped_after_s: float | None  # the load ended early (`decided`)
+    failure: RemoteFailure | None  # a remote system under test failed: the point as far as it went
+
+
+def _drive_point(
+    server: SystemUnderTest, point: Point, cfg: InferConfig, sut: SutDescription, peaks: dict[str, Any],
+    queries: TableWriter, run_dir: Path, log: Log | None, telemetry: TableWriter | None,
+    on_progress: OnProgress | None, decided: Callable[[list[dict[str, Any]]], bool] | None, trace: bool,
+) -> _Seen:  # fmt: skip
+    """The point's load, metered (energy, CPU, the trace): every finished query a row with its latency parts."""
+    slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
     settings = LoadSettings(
         point.scenario, duration_s=cfg.duration_s, seed=cfg.seed + point.index, sla_ms=slas[point.streams[0].model],
         sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
@@ -223,8 +256,6 @@ def measure(
     )  # fmt: skip
     driver = make_driver(server, point.streams, settings)
     records: list[dict[str, Any]] = []
-    profile = load_profile()
-    peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
     roofs = {m: batch_roof(sut.models[m].spec, sut.models[m].table_precision or "fp32", p,
                            _dense_bytes(sut.models[m])) for m, p in peaks.items()}  # fmt: skip
 
@@ -236,6 +267,7 @@ def measure(
         records.extend(rows)
         queries.extend(rows)
 
+    meter = _cpu_meter(sut)
     # Records are plain dicts without cycles; a full collection over them pauses every
     # thread of this process for tens of ms, which is then measured as tail latency.
     gc_was_enabled = gc.isenabled()
@@ -264,13 +296,12 @@ def measure(
             return True
         return False
 
-    lost: str | None = None
     failure: RemoteFailure | None = None
     try:
         if not drive(server, driver, drain_s=cfg.drain_timeout_s, take=pump, poll=report) and log:
             log(f"point {point.index}: queries still unfinished {cfg.drain_timeout_s:.0f} s after the load")
     except RemoteFailure as exc:  # the point is summarised as far as it went; the run then fails
-        lost, failure = str(exc), exc
+        failure = exc
         server.drain(cfg.drain_timeout_s)
     finally:
         window.append(sampler.mark())
@@ -284,68 +315,62 @@ def measure(
     use = meter.stop()
     if tracing:
         _write_trace(server, records, sut, run_dir, log)
-    cpu = {column: use[column] for column in CPU_COLUMNS}
     report(finished=True)
-    energy = sampler.summary(window[0], window[1])
-    stats: DriverStats = driver.stats
-    rows = []
-    for stream in point.streams:
-        mine = [r for r in records if r["model"] == stream.model]
-        span = stopped_after_s or stats.duration_s or cfg.duration_s  # LoadGen's: measured; ours: as planned
-        if mine:  # a backlog drained after the load ends lowers throughput instead of hiding
-            last_end = max(r["end_ms"] for r in mine) / 1e3
-            first = min(r["scheduled_ms"] for r in mine) / 1e3
-            span = last_end - first if stats.issue_stopped or lost else max(span, last_end - first)
-        served = sut.models[stream.model]
-        cost = sut.batch_costs.get(stream.model)
-        row = {
-            "point": point.index,
-            "mode": point.mode,
-            "scenario": point.scenario,
-            "model": stream.model,
-            "preset": served.spec.name,
-            **served.columns,
-            "query_sizes": str(stream.sizes),
-            "arrival": stats.arrival[stream.model],
-            "target_qps": None if point.scenario == "closed-loop" else stream.qps,  # a closed loop has no rate
-            "duration_s": span,
-            "warmup_s": warmup_s,
-            **summarize(mine, duration_s=span, sla_ms=slas[stream.model], sla_percentile=cfg.sla_percentile),
-            **stats.accuracy(stream.model),
-            **cpu,
-            "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
-            **stats.loadgen,
-            "load_stopped_early": stopped_after_s is not None,
-            "target": sut.target,
-            "rpc": sut.rpc,
-            "concurrency": sut.concurrency,
-            "server_lost": None if sut.rpc is None else isinstance(failure, ServerLost),
-            "error": None
-            if failure is None
-            else (
-                f"lost the server at {sut.target}: {lost}"
-                if isinstance(failure, ServerLost)
-                else f"the server at {sut.target} answered badly: {lost}"
-            ),  # fmt: skip
-            "batch_fixed_ms": None if cost is None else cost.fixed_ms,
-            "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
-            **stall_columns([s for s in stalls if s["model"] == stream.model]),
-            **point.extra,
-        }
-        mine_peaks, dense_bytes, tables = peaks[stream.model], _dense_bytes(served), served.table_precision or "fp32"
-        row.update(roofline_columns(served.spec, tables, row, mine_peaks, dense_bytes))
-        row.update(latency_floor_columns(served.spec, tables, served.instances or 1, served.threads or 1,
-                                         served.max_batch or 1, row, mine_peaks, served.min_piece or 0,
-                                         dense_bytes))  # fmt: skip
-        rows.append(row)
-    price = point_price(profile, cfg, sut)
-    for row in rows:
-        row.update(energy_columns(energy, rows))
-    for row in rows:  # after every row's rate and energy: a co-located point shares the machine's price
-        row.update(serving_cost_columns(row, price, rows))
-        if log:
-            log(point_line(row))
-    return rows
+    return _Seen(records, driver.stats, sampler.summary(window[0], window[1]),
+                 {column: use[column] for column in CPU_COLUMNS}, stalls, slas, stopped_after_s, failure)  # fmt: skip
+
+
+def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription, cfg: InferConfig, peaks: Any,
+                 warmup_s: float) -> dict[str, Any]:  # fmt: skip
+    """One model's summary row of a point (SUMMARY_SCHEMA, less energy and cost: those are shared by the point)."""
+    stats, failure = seen.stats, seen.failure
+    mine = [r for r in seen.records if r["model"] == stream.model]
+    span = seen.stopped_after_s or stats.duration_s or cfg.duration_s  # LoadGen's: measured; ours: as planned
+    if mine:  # a backlog drained after the load ends lowers throughput instead of hiding
+        last_end = max(r["end_ms"] for r in mine) / 1e3
+        first = min(r["scheduled_ms"] for r in mine) / 1e3
+        span = last_end - first if stats.issue_stopped or failure else max(span, last_end - first)
+    served = sut.models[stream.model]
+    cost = sut.batch_costs.get(stream.model)
+    error = None
+    if failure is not None:
+        lost = isinstance(failure, ServerLost)
+        error = f"{'lost the server at' if lost else 'the server at'} {sut.target}{'' if lost else ' answered badly'}: "
+        error += str(failure)
+    row = {
+        "point": point.index,
+        "mode": point.mode,
+        "scenario": point.scenario,
+        "model": stream.model,
+        "preset": served.spec.name,
+        **served.columns,
+        "query_sizes": str(stream.sizes),
+        "arrival": stats.arrival[stream.model],
+        "target_qps": None if point.scenario == "closed-loop" else stream.qps,  # a closed loop has no rate
+        "duration_s": span,
+        "warmup_s": warmup_s,
+        **summarize(mine, duration_s=span, sla_ms=seen.slas[stream.model], sla_percentile=cfg.sla_percentile),
+        **stats.accuracy(stream.model),
+        **seen.cpu,
+        "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
+        **stats.loadgen,
+        "load_stopped_early": seen.stopped_after_s is not None,
+        "target": sut.target,
+        "rpc": sut.rpc,
+        "concurrency": sut.concurrency,
+        "server_lost": None if sut.rpc is None else isinstance(failure, ServerLost),
+        "error": error,
+        "batch_fixed_ms": None if cost is None else cost.fixed_ms,
+        "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
+        **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
+        **point.extra,
+    }
+    dense_bytes, tables = _dense_bytes(served), served.table_precision or "fp32"
+    row.update(roofline_columns(served.spec, tables, row, peaks, dense_bytes))
+    row.update(latency_floor_columns(served.spec, tables, served.instances or 1, served.threads or 1,
+                                     served.max_batch or 1, row, peaks, served.min_piece or 0,
+                                     dense_bytes))  # fmt: skip
+    return row
 
 
 def point_price(profile: dict[str, Any] | None, cfg: InferConfig, sut: SutDescription) -> Price | None:
