@@ -289,72 +289,10 @@ def search(
                                          "best_qps_uncertainty": None, "best_samples_per_s": None,
                                          "probe_points": 0, "outcome": why})  # fmt: skip
                         continue
-                    lo, hi = 0.0, capacity * 1.05
-                    best_rows: list[dict[str, Any]] = []
-                    probes = points = 0
-                    # With a rate found under the bound already, the first probe asks whether this
-                    # configuration can come near it: failing there, it cannot win (one probe spent).
-                    challenge = best_sps / mean_size / (1 + options.prune_margin) if options.prune_margin >= 0 else 0.0
-                    lost = None
-                    while probes < options.steps and (hi - lo) / hi > options.tolerance:
-                        challenged = probes == 0 and 0 < challenge < hi
-                        if challenged:
-                            qps = challenge
-                        else:
-                            # a wide bracket (a bounded rate far below capacity) is halved in ratio, not in width
-                            mid = math.sqrt(lo * hi) if hi > 2 * lo > 0 else (lo + hi) / 2
-                            qps = mid if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
-                        seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
-                        # LoadGen cannot be interrupted: ending its probe early would start the
-                        # next test while it still runs (it aborts the process)
-                        decided = (fails_already(base.name, cfg.sla_ms,
-                                                 late_budget(qps, seconds, cfg.sla_percentile))
-                                   if options.early_stop and cfg.scenario == "open-loop" else None)  # fmt: skip
-                        rows: list[dict[str, Any]] = []
-                        lat: list[float] = []
-                        passed: bool | None = None
-                        for rep in range(options.repeats):
-                            point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
-                                          extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
-                            point_index += 1
-                            (row,) = measure(server, point, cfg, queries, run.dir, telemetry=telemetry,
-                                             on_progress=on_progress, decided=decided)  # fmt: skip
-                            rows.append(row)
-                            # a load cut short (decided, or its issuer fell behind) did not hold the rate
-                            stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
-                            lat.append(math.inf if stopped else row["sla_latency_ms"])
-                            passed = verdict_settled(lat, options.repeats, cfg.sla_ms,
-                                                     SETTLE_MARGIN if options.early_stop else 0.0)  # fmt: skip
-                            if passed is not None:
-                                break  # the repeats left cannot change the verdict
-                        points += len(rows)
-                        for r in rows:
-                            r["passed"] = passed
-                        summary.extend(rows)
-                        summary.flush()
-                        if log:
-                            early = (
-                                " (decided early)"
-                                if len(rows) < options.repeats or rows[-1]["load_stopped_early"]
-                                else ""
-                            )
-                            log(f"{_label(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
-                                f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}{early}")  # fmt: skip
-                        probes += 1
-                        if passed:
-                            lo, best_rows = qps, rows
-                        elif challenged:
-                            hi = qps
-                            lost = (f"lower: the bound missed at {qps:,.1f} queries/s, the best rate found "
-                                    f"/ (1 + prune margin)")  # fmt: skip
-                            if log:
-                                log(f"{_label(served)}: {lost}")
-                            break
-                        else:
-                            hi = qps
-                    row = _frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
-                    row["probe_points"] = points
-                    row["outcome"] = lost
+                    probe = _Probing(server, base, stream, cfg, options, queries, summary, telemetry, run.dir, log,
+                                     on_progress, point_index)  # fmt: skip
+                    row = probe.bisect(served, capacity, best_sps)
+                    point_index = probe.point_index
                     frontier.append(row)
                     best_sps = max(best_sps, row["best_samples_per_s"] or 0.0)
         searched = [r for r in frontier if r["best_samples_per_s"] is not None]
@@ -379,6 +317,96 @@ def search(
         run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
         run.update_manifest(best=winner)
     return run.dir
+
+
+@dataclass
+class _Probing:
+    """The bisection of one configuration's rate under the bound (`search`), its probes written as it goes."""
+
+    server: Any
+    base: ServedModel
+    stream: Stream
+    cfg: InferConfig
+    options: SearchOptions
+    queries: Any
+    summary: Any
+    telemetry: Any
+    run_dir: Path
+    log: Log | None
+    on_progress: OnProgress | None
+    point_index: int  # the next point's number (the search's points are numbered over every probe)
+
+    def bisect(self, served: ModelDescription, capacity: float, best_sps: float) -> dict[str, Any]:
+        """The highest rate of `served` in (0, 1.05 x capacity] whose latency percentile meets the bound (search's
+        docstring): its frontier row. `best_sps`: the best rate found under the bound so far (samples/s)."""
+        server, base, stream, cfg, options = self.server, self.base, self.stream, self.cfg, self.options
+        queries, summary, telemetry, log = self.queries, self.summary, self.telemetry, self.log
+        mean_size = stream.sizes.mean
+        point_index = self.point_index
+        lo, hi = 0.0, capacity * 1.05
+        best_rows: list[dict[str, Any]] = []
+        probes = points = 0
+        # With a rate found under the bound already, the first probe asks whether this
+        # configuration can come near it: failing there, it cannot win (one probe spent).
+        challenge = best_sps / mean_size / (1 + options.prune_margin) if options.prune_margin >= 0 else 0.0
+        lost = None
+        while probes < options.steps and (hi - lo) / hi > options.tolerance:
+            challenged = probes == 0 and 0 < challenge < hi
+            if challenged:
+                qps = challenge
+            else:
+                # a wide bracket (a bounded rate far below capacity) is halved in ratio, not in width
+                mid = math.sqrt(lo * hi) if hi > 2 * lo > 0 else (lo + hi) / 2
+                qps = mid if lo > 0 else hi * 0.8 if probes == 0 else hi / 2
+            seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
+            # LoadGen cannot be interrupted: ending its probe early would start the
+            # next test while it still runs (it aborts the process)
+            decided = (fails_already(base.name, cfg.sla_ms,
+                                     late_budget(qps, seconds, cfg.sla_percentile))
+                       if options.early_stop and cfg.scenario == "open-loop" else None)  # fmt: skip
+            rows: list[dict[str, Any]] = []
+            lat: list[float] = []
+            passed: bool | None = None
+            for rep in range(options.repeats):
+                point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
+                              extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
+                point_index += 1
+                (row,) = measure(server, point, cfg, queries, self.run_dir, telemetry=telemetry,
+                                 on_progress=self.on_progress, decided=decided)  # fmt: skip
+                rows.append(row)
+                # a load cut short (decided, or its issuer fell behind) did not hold the rate
+                stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
+                lat.append(math.inf if stopped else row["sla_latency_ms"])
+                passed = verdict_settled(lat, options.repeats, cfg.sla_ms,
+                                         SETTLE_MARGIN if options.early_stop else 0.0)  # fmt: skip
+                if passed is not None:
+                    break  # the repeats left cannot change the verdict
+            points += len(rows)
+            for r in rows:
+                r["passed"] = passed
+            summary.extend(rows)
+            summary.flush()
+            if log:
+                early = " (decided early)" if len(rows) < options.repeats or rows[-1]["load_stopped_early"] else ""
+                log(f"{_label(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
+                    f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}{early}")  # fmt: skip
+            probes += 1
+            if passed:
+                lo, best_rows = qps, rows
+            elif challenged:
+                hi = qps
+                lost = (f"lower: the bound missed at {qps:,.1f} queries/s, the best rate found "
+                        f"/ (1 + prune margin)")  # fmt: skip
+                if log:
+                    log(f"{_label(served)}: {lost}")
+                break
+            else:
+                hi = qps
+        self.point_index = point_index
+        row = _frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
+        row["probe_points"] = points
+        row["outcome"] = lost
+        return row
 
 
 CERTIFY_BACKOFF = 0.9  # each try after a failed certification runs at this share of the rate before
