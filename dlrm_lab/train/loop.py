@@ -216,27 +216,32 @@ def check_training_fits(spec: ModelSpec, cfg: TrainConfig, available_bytes: int 
         )
 
 
-def train(
+@dataclass
+class _Setup:
+    """Everything a training run's steps need, resolved and built (`_set_up`)."""
+
+    spec: ModelSpec | HSTUSpec
+    cfg: TrainConfig  # with its precision and target AUC resolved
+    ctx: Any  # the process group's DistContext
+    dmp: Any  # the sharded model
+    optimizer: Any
+    source: BatchSource
+    eval_source: BatchSource
+    start_step: int
+    config: dict[str, Any]  # the manifest's config: every choice and why
+
+
+def _set_up(
     spec: ModelSpec | HSTUSpec,
     cfg: TrainConfig,
     *,
-    metrics_dir: str | Path | None = None,
-    argv: list[str] | None = None,
-    source: BatchSource | None = None,
-    eval_source: BatchSource | None = None,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
-    keep_model: bool = False,
-    log: Callable[[str], None] | None = None,
-) -> TrainResult:
-    """Train `spec` for `cfg.steps` steps; record steps, evaluations and a summary.
-
-    With `metrics_dir`, rank 0 creates a run directory (manifest, steps.parquet,
-    eval.parquet, summary.parquet) and the other ranks add their step rows to it. Ctrl-C
-    stops at the current step, writes the summary of what was measured, marks the run
-    `interrupted` and re-raises KeyboardInterrupt. `cfg.precision` "auto" is resolved by
-    measurement (`dlrm_lab.metrics.precision`); the choice and its reason go into the
-    manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
-    """
+    metrics_dir: str | Path | None,
+    source: BatchSource | None,
+    eval_source: BatchSource | None,
+    log: Callable[[str], None] | None,
+) -> _Setup:
+    """Check the options, join the ranks, make every measured choice (collectives, precision, attention,
+    sharding, prefetch), build and shard the model, open the data and write down why (`train`'s first part)."""
     preflight(spec, cfg, data=source is None)  # a bad option: one line, before anything starts
     if metrics_dir:
         check_writable(metrics_dir, "--metrics-dir")
@@ -349,6 +354,71 @@ def train(
         },
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
+    return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config)
+
+
+def _summary(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: Any, status: str, steps: list[dict[str, Any]],
+             all_steps: list[dict[str, Any]], evals: list[dict[str, Any]], warmup: int, reached: dict[str, Any],
+             energy: dict[str, Any], teacher_auc: float | None, wall_time_s: float) -> dict[str, Any]:  # fmt: skip
+    """The run's summary row (train.records.SUMMARY_SCHEMA): its throughput, quality, roofline, energy and cost."""
+    summary = {
+        "kind": "train",
+        "status": status,
+        "preset": spec.name,
+        "interaction": spec.interaction,
+        "device": ctx.device.type,
+        "precision": cfg.precision,
+        "table_precision": cfg.table_precision,
+        "world_size": ctx.world_size,
+        "batch_size": cfg.batch_size,
+        "global_batch_size": cfg.batch_size * ctx.world_size,
+        "steps": len(steps),
+        "warmup_steps": warmup,
+        **summarize_steps(all_steps),
+        "eval_auc": evals[-1]["auc"] if evals else None,
+        "eval_loss": evals[-1]["loss"] if evals else None,
+        "teacher_auc": teacher_auc,
+        **_quality(cfg, reached),
+        "num_parameters": spec.num_parameters,
+        "embedding_parameters": spec.embedding_parameters,
+        "dense_parameters": spec.dense_parameters,
+        "wall_time_s": wall_time_s,
+    }
+    if cfg.target_auc is not None:  # MLPerf's rule: throughput only counts when quality was reached
+        summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
+    summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg)))
+    summary.update(energy_columns(energy, summary))
+    # every host of the run is paid for: ranks / ranks per host machines at this machine's price
+    machines = max(1, ctx.world_size // max(1, ctx.local_world_size))
+    price = price_of(load_profile(), cfg.price_per_hour, cfg.currency)
+    summary.update(training_cost_columns(summary, price, machines))
+    return summary
+
+
+def train(
+    spec: ModelSpec | HSTUSpec,
+    cfg: TrainConfig,
+    *,
+    metrics_dir: str | Path | None = None,
+    argv: list[str] | None = None,
+    source: BatchSource | None = None,
+    eval_source: BatchSource | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    keep_model: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train `spec` for `cfg.steps` steps; record steps, evaluations and a summary.
+
+    With `metrics_dir`, rank 0 creates a run directory (manifest, steps.parquet,
+    eval.parquet, summary.parquet) and the other ranks add their step rows to it. Ctrl-C
+    stops at the current step, writes the summary of what was measured, marks the run
+    `interrupted` and re-raises KeyboardInterrupt. `cfg.precision` "auto" is resolved by
+    measurement (`dlrm_lab.metrics.precision`); the choice and its reason go into the
+    manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
+    """
+    setup = _set_up(spec, cfg, metrics_dir=metrics_dir, source=source, eval_source=eval_source, log=log)
+    spec, cfg, ctx, dmp, optimizer = setup.spec, setup.cfg, setup.ctx, setup.dmp, setup.optimizer
+    source, eval_source, start_step, config = setup.source, setup.eval_source, setup.start_step, setup.config
     run = _open_run(metrics_dir, config, argv, ctx)
     measured_from: dict[str, int] = {}  # the first measured step, once the warm-up is known
     with contextlib.ExitStack() as stack:
@@ -490,37 +560,8 @@ def train(
             measured_from["step"] = start_step + warmup
         t_measured = step_starts[warmup] if len(step_starts) > warmup else t_end
         energy = _gather_energy(sampler.summary(t_measured, t_end), ctx)
-        summary = {
-            "kind": "train",
-            "status": status,
-            "preset": spec.name,
-            "interaction": spec.interaction,
-            "device": ctx.device.type,
-            "precision": cfg.precision,
-            "table_precision": cfg.table_precision,
-            "world_size": ctx.world_size,
-            "batch_size": cfg.batch_size,
-            "global_batch_size": cfg.batch_size * ctx.world_size,
-            "steps": len(steps),
-            "warmup_steps": warmup,
-            **summarize_steps(all_steps),
-            "eval_auc": evals[-1]["auc"] if evals else None,
-            "eval_loss": evals[-1]["loss"] if evals else None,
-            "teacher_auc": config["eval_data"].get("teacher_auc"),
-            **_quality(cfg, reached),
-            "num_parameters": spec.num_parameters,
-            "embedding_parameters": spec.embedding_parameters,
-            "dense_parameters": spec.dense_parameters,
-            "wall_time_s": time.perf_counter() - t_start,
-        }
-        if cfg.target_auc is not None:  # MLPerf's rule: throughput only counts when quality was reached
-            summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
-        summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg)))
-        summary.update(energy_columns(energy, summary))
-        # every host of the run is paid for: ranks / ranks per host machines at this machine's price
-        machines = max(1, ctx.world_size // max(1, ctx.local_world_size))
-        price = price_of(load_profile(), cfg.price_per_hour, cfg.currency)
-        summary.update(training_cost_columns(summary, price, machines))
+        summary = _summary(spec, cfg, ctx, status, steps, all_steps, evals, warmup, reached, energy,
+                           config["eval_data"].get("teacher_auc"), time.perf_counter() - t_start)  # fmt: skip
         if run is not None and ctx.is_main:
             run.write_summary([summary], SUMMARY_SCHEMA)
         if status == "interrupted":
@@ -529,7 +570,7 @@ def train(
         summary=summary,
         steps=all_steps,
         evals=evals,
-        plan=plan_info,
+        plan=config["sharding_plan"],
         run_dir=run.dir if run else None,
         model=dmp if keep_model else None,
         reports=ctx.is_main,
