@@ -231,6 +231,12 @@ class _Setup:
     config: dict[str, Any]  # the manifest's config: every choice and why
 
 
+def _output_bias_rule(output_bias: float | None, click_rate: float | None, start_step: int) -> str:
+    if output_bias is not None:
+        return f"logit of the training data's click rate {click_rate:g}"
+    return "resumed from a checkpoint" if start_step else "0: the data states no click rate"
+
+
 def _set_up(
     spec: ModelSpec | HSTUSpec,
     cfg: TrainConfig,
@@ -294,18 +300,9 @@ def _set_up(
     )
 
     if source is None or eval_source is None:
-        default_train, default_eval = open_sources(
-            spec,
-            cfg.data,
-            cfg.batch_size,
-            ctx.rank,
-            ctx.world_size,
-            cfg.eval_batches,
-            cfg.data_spec,
-            cfg.data_overrides,
-            cfg.seed,
-            start_batch=start_step,
-        )
+        default_train, default_eval = open_sources(spec, cfg.data, cfg.batch_size, ctx.rank, ctx.world_size,
+                                                   cfg.eval_batches, cfg.data_spec, cfg.data_overrides, cfg.seed,
+                                                   start_batch=start_step)  # fmt: skip
         source, eval_source = source or default_train, eval_source or default_eval
     described = source.describe()  # synthetic: its spec's rate; a generated dataset: its sidecar's
     target_auc, target_auc_rule = target_auc_for(spec, cfg, described)
@@ -344,13 +341,7 @@ def _set_up(
             "output_bias": output_bias,
             "target_auc": target_auc,
             "target_auc_rule": target_auc_rule,
-            "output_bias_rule": (
-                f"logit of the training data's click rate {click_rate:g}"
-                if output_bias is not None
-                else "resumed from a checkpoint"
-                if start_step
-                else "0: the data states no click rate"
-            ),
+            "output_bias_rule": _output_bias_rule(output_bias, click_rate, start_step),
         },
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
