@@ -44,11 +44,15 @@ def lab_run(tmp: Path, *args: str) -> Path:
     return run_dir
 
 
+RESULTS = HERE / "results"  # every benchmark's results files, named in BENCHMARKS.md
+
+
 def results_path(name: str, out: str | Path | None = None) -> Path:
-    """`out` when given, else results-<name>-<today, UTC>.json beside the scripts."""
+    """`out` when given, else results/results-<name>-<today, UTC>.json beside the scripts."""
     if out:
         return Path(out)
-    return HERE / f"results-{name}-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}.json"
+    RESULTS.mkdir(exist_ok=True)
+    return RESULTS / f"results-{name}-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}.json"
 
 
 def write_results(path: str | Path, results: dict[str, Any]) -> Path:

@@ -10,7 +10,7 @@ Cases (each a real `train` through the lab's loop, one rank unless said):
 - dlrmv3's layers with short requests (--set candidates=16, max_history=128): learning;
 - hstu-tiny weak scaling 1 -> 2 ranks (`dlrm-lab scale`);
 - forward FLOPs of one dlrmv3 request against history length, jagged and padded (the cost model).
-Results: results-hstu_train-<date>.json beside this file.
+Results: results/results-hstu_train-<date>.json.
 """
 
 from __future__ import annotations

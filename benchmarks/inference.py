@@ -63,7 +63,7 @@ def main() -> None:
         "--loadgen-sla-ms", type=float, default=30.0,
         help="bound of the LoadGen-vs-open-loop comparison (at 10 ms no kaggle rate passes on 2 cores)",
     )  # fmt: skip
-    ap.add_argument("--out", default=None, help="JSON results file (default: benchmarks/results-inference-DATE.json)")
+    ap.add_argument("--out", default=None, help="JSON results file (default: results/results-inference-DATE.json)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     probe = ["--duration", "2", "--repeats", "2", "--steps", "6",

@@ -10,7 +10,7 @@ Each (preset, target) is one `dlrm-lab train --target-auc` run through the real 
 preset's default synthetic data scaled to fit (SCALES), evaluating every `--eval-every` steps
 on `--eval-batches` held-out batches; the run stops at the first evaluation at the target.
 A preset that does not reach a target within `--max-steps` is recorded as not reached (its
-Valid FLOPS are 0 by the rule). Results go to results-quality-<date>.json beside this file
+Valid FLOPS are 0 by the rule). Results go to results/results-quality-<date>.json
 (a rerun of some presets replaces their entries and keeps the others).
 """
 

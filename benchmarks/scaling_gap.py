@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cases", nargs="*", default=list(CASES)[:4], help=f"of: {', '.join(CASES)}")
-    ap.add_argument("--out", default=None, help="results file (default: results-scaling_gap-<date>.json here)")
+    ap.add_argument("--out", default=None, help="results file (default: results/results-scaling_gap-<date>.json)")
     ap.add_argument("--collectives", nargs="*", default=None,
                     help="run each case under mpiexec with these collectives (gloo, mpi), alternating")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1,
