@@ -305,3 +305,18 @@ def test_a_server_executes_a_resolved_plan_and_chooses_nothing(monkeypatch, tmp_
         served = server.describe().models["tiny"]
         assert (served.precision, served.build) == (m.precision, m.build)
         assert server.precision_choices["tiny"]["build_choice"] == plan.precision_choices["tiny"]["build_choice"]
+
+
+def test_the_plan_of_an_hstu_ranker_keeps_its_measured_attention_path(monkeypatch, tmp_path):
+    """The ranker's attention path chosen by measurement stays in the served model after its build is chosen."""
+    from dlrm_lab.config import load_any_preset
+    from dlrm_lab.infer.plan import plan_serving
+    from dlrm_lab.infer.served import ServedModel
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    plan = plan_serving([ServedModel("h", load_any_preset("hstu-tiny"), max_batch=8, precision="fp32",
+                                     library_samples=64)], seed=SEED)  # fmt: skip
+    m = plan.models["h"]
+    chosen = plan.precision_choices["h"]["attention_choice"]["attention"]
+    assert m.attention in ("padded", "jagged") and m.attention == chosen
+    assert m.build in builds.RANKER_BUILDS and m.describe()["attention"] == m.attention

@@ -66,7 +66,9 @@ def plan_serving(
         m = planner.models[name]
         # the one sample library of this model: generated here, snapshotted and mapped by the server's instances
         library = generate_library(m, seed, library_samples(m.max_batch, m.library_samples))
-        planner.plan.modules[name] = planner._serving_build(m, planner._build(m), library)
+        module = planner._build(m)
+        m = planner.models[name]  # with its attention path resolved (the HSTU ranker)
+        planner.plan.modules[name] = planner._serving_build(m, module, library)
         planner.plan.libraries[name] = library
     return planner.plan
 
