@@ -94,14 +94,11 @@ class FusedDLRM(nn.Module):
 
     def __init__(self, model: nn.Module, *, precision: str, table_precision: str) -> None:
         super().__init__()
-        from torchrec.inference.modules import quantize_embeddings
+        from dlrm_lab.infer.instance import quantize_tables
 
         self.precision, self.table_precision = precision, table_precision
         dtype = DTYPES[precision]
-        from dlrm_lab.infer.instance import TABLE_WEIGHT_DTYPES
-
-        weight_dtype = TABLE_WEIGHT_DTYPES[table_precision]
-        quantised = quantize_embeddings(model, dtype=weight_dtype, inplace=False, output_dtype=dtype)
+        quantised = quantize_tables(model, table_precision, output_dtype=dtype)
         modules = quantised.sparse_arch.embedding_bag_collection._emb_modules
         if len(modules) != 1:  # one storage type and pooling for all tables: one TBE
             raise ValueError(f"expected one fused table module, got {len(modules)}")
@@ -211,22 +208,14 @@ def fused_ranker(model: nn.Module, *, precision: str, table_precision: str) -> n
     (TorchRec's `QuantEmbeddingCollection` at `table_precision`, fp32 included, its output in
     `precision`) and every other weight stored in `precision`. `served_precision` tells the runner
     not to autocast. The model is copied without its float tables: no second copy of them."""
-    from torchrec.inference.modules import quantize_embeddings
-    from torchrec.modules.embedding_modules import EmbeddingCollection
-    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
-
-    from dlrm_lab.infer.instance import TABLE_WEIGHT_DTYPES
+    from dlrm_lab.infer.instance import quantize_tables
 
     dtype = DTYPES[precision]
     tables = model.tables
     holder = nn.Module()  # quantize_embeddings swaps children, never the module it is given
     holder.tables = tables
     try:
-        quantised = quantize_embeddings(
-            holder, dtype=TABLE_WEIGHT_DTYPES[table_precision], inplace=True, output_dtype=dtype,
-            additional_qconfig_spec_keys=[EmbeddingCollection],
-            additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
-        ).tables  # fmt: skip
+        quantised = quantize_tables(holder, table_precision, output_dtype=dtype, inplace=True).tables
     finally:  # in place, the float tables keep the qconfig it set, and a later build would reuse it
         for module in tables.modules():
             module.__dict__.pop("qconfig", None)

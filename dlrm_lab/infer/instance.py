@@ -145,16 +145,19 @@ def map_library(directory: Path) -> Any:
 TABLE_WEIGHT_DTYPES = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
 
 
-def quantize_tables(model: torch.nn.Module, table_precision: str) -> torch.nn.Module:
+def quantize_tables(
+    model: torch.nn.Module, table_precision: str, *, output_dtype: torch.dtype = torch.float, inplace: bool = False
+) -> torch.nn.Module:
     """Replace the float tables by TorchRec's quantised inference tables (fbgemm TBE): int8/int4
-    row-wise with per-row scale and bias, or fp16. A DLRM's pooled `EmbeddingBagCollection` and the
-    HSTU ranker's sequence `EmbeddingCollection` alike (TorchRec maps only the first by default)."""
+    row-wise with per-row scale and bias, fp16, or fp32, their output in `output_dtype`. A DLRM's pooled
+    `EmbeddingBagCollection` and the HSTU ranker's sequence `EmbeddingCollection` alike (TorchRec maps
+    only the first by default)."""
     from torchrec.inference.modules import quantize_embeddings
     from torchrec.modules.embedding_modules import EmbeddingCollection
     from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
     return quantize_embeddings(
-        model, dtype=TABLE_WEIGHT_DTYPES[table_precision], inplace=False,
+        model, dtype=TABLE_WEIGHT_DTYPES[table_precision], inplace=inplace, output_dtype=output_dtype,
         additional_qconfig_spec_keys=[EmbeddingCollection],
         additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
     )  # fmt: skip

@@ -151,14 +151,23 @@ class LibraryRecipe:
         return PackedLibrary.generate(ModelSpec.from_dict(self.spec), self.data_spec, self.seed, self.samples)
 
 
-def describe_server(target: Any, timeout_s: float) -> list[Any]:
-    """The models a `dlrm-lab serve` serves (pb.ModelInfo), waiting up to `timeout_s` for it."""
+def ready_channel(target: Any, timeout_s: float) -> grpc.Channel:
+    """A channel to `target` (`infer.targets.Target`) once its server answers; one line naming the target when
+    none does within `timeout_s`."""
     channel = grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        return list(pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=timeout_s).models)
     except grpc.FutureTimeoutError:
+        channel.close()
         raise UserError(f"--target {target.url}: no server answered within {timeout_s:g} s") from None
+    return channel
+
+
+def describe_server(target: Any, timeout_s: float) -> list[Any]:
+    """The models a `dlrm-lab serve` serves (pb.ModelInfo), waiting up to `timeout_s` for it."""
+    channel = ready_channel(target, timeout_s)
+    try:
+        return list(pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=timeout_s).models)
     except grpc.RpcError as exc:
         raise UserError(f"--target {target.url}: Describe failed: {exc.code().name}: {exc.details()}") from None
     finally:
@@ -204,12 +213,8 @@ def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator
     if target.model_name and len(models) > 1:
         raise UserError(f"--target {target.url}: names one model; {len(models)} --model given")
     names = {m.name: target.model_name or m.spec.name for m in models}
-    channel = grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS)
+    channel = ready_channel(target, conn.connect_timeout_s)
     try:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=conn.connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            raise UserError(f"--target {target.url}: no server answered within {conn.connect_timeout_s:g} s") from None
         stub = v2_grpc.GRPCInferenceServiceStub(channel)
         for m in models:
             if isinstance(m.spec, HSTUSpec):
@@ -275,12 +280,8 @@ def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dic
         finally:
             pool.close()
         return
-    channel = grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS)
+    channel = ready_channel(target, conn.connect_timeout_s)
     try:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=conn.connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            raise UserError(f"--target {target.url}: no server answered within {conn.connect_timeout_s:g} s") from None
         remote = RemoteServer(channel, libraries, models=descriptions, timeout_s=conn.timeout_s, rpc=rpc,
                               unavailable_s=conn.unavailable_s, description=description, names=names)  # fmt: skip
         try:
