@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config.hstu import SequenceSpec
+from dlrm_lab.data.check import Check
 from dlrm_lab.data.parquet import FORMAT_VERSION, write_shards
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator
 from dlrm_lab.errors import UserError
@@ -77,8 +78,6 @@ def write_requests(
 def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> dict[str, Any]:
     """Structure, measured quantities and checks against the stored spec of a requests dataset
     (the shape `data.stats.dataset_stats` returns, with "quantities" in place of "features")."""
-    from dlrm_lab.data.stats import Check
-
     problems: list[str] = []
     try:
         spec = SequenceSpec.from_dict(info["sequence_spec"], where=f"{path}: sequence_spec")

@@ -24,27 +24,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.data.check import Check
 from dlrm_lab.data.distributions import expected_pooling, expected_top_share, fit_zipf_alpha
 from dlrm_lab.data.parquet import check_schema, dataset_files, dataset_sidecar, read_dataset_info, validate_table
+from dlrm_lab.data.request_files import request_stats
 from dlrm_lab.data.spec import DataSpec
 from dlrm_lab.errors import UserError
 
 ALPHA_TOLERANCE = 0.05  # absolute, on the fitted Zipf exponent
 TOP_SHARE_TOLERANCE = 0.05  # absolute, on the top-1% share
 POOLING_RELATIVE_TOLERANCE = 0.02
-
-
-@dataclass
-class Check:
-    feature: str
-    quantity: str
-    measured: float
-    expected: float
-    tolerance: float
-
-    @property
-    def ok(self) -> bool:
-        return abs(self.measured - self.expected) <= self.tolerance
 
 
 @dataclass(frozen=True)
@@ -227,8 +216,6 @@ def dataset_stats(path: str | Path) -> dict[str, Any]:
     HSTU requests is measured by `request_files.request_stats` (quantities instead of features)."""
     requests = _requests_info(path)
     if requests is not None:
-        from dlrm_lab.data.request_files import request_stats
-
         return request_stats(path, requests, dataset_files(path))
     info, files, layout, problems = _inspect(path)
     source = info.get("source", "unknown")
