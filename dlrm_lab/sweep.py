@@ -434,6 +434,8 @@ def _record_death(slot: Path, code: int) -> None:
         log.write(f"sweep: {how}\n")
     if code > 0:
         return  # it ended itself: its run says why
+    import dlrm_lab.train.records  # noqa: F401 - a training run's recovery (its summary) registers itself
+
     for found in discover_runs(slot):
         if (found.manifest or {}).get("status") == "running":
             with contextlib.suppress(OSError, ValueError):

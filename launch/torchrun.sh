@@ -14,8 +14,8 @@ shift || true
 PYTHON=${PYTHON:-python3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 if [[ -n "${NNODES:-}" && "${NNODES}" != 1 ]]; then
-  exec "$PYTHON" -m dlrm_lab.distributed.elastic --nnodes "$NNODES" --nproc-per-node "$NPROC" \
+  exec "$PYTHON" -m dlrm_lab.torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port}" \
     --rdzv-id "${RDZV_ID:-dlrm-lab}" -m dlrm_lab train "$@"
 fi
-exec "$PYTHON" -m dlrm_lab.distributed.elastic --standalone --nproc-per-node "$NPROC" -m dlrm_lab train "$@"
+exec "$PYTHON" -m dlrm_lab.torchrun --standalone --nproc-per-node "$NPROC" -m dlrm_lab train "$@"

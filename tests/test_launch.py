@@ -216,7 +216,7 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
     launched = (sweep / "points" / "p0001-r0" / "point.log").read_text().splitlines()[0]
-    assert launched.startswith("$ OMP_NUM_THREADS=") and "dlrm_lab.distributed.elastic" in launched  # 2 ranks: torchrun
+    assert launched.startswith("$ OMP_NUM_THREADS=") and "dlrm_lab.torchrun" in launched  # 2 ranks: torchrun
     assert "weak scaling" in out.stdout and "efficiency" in out.stdout
 
 
@@ -259,8 +259,8 @@ def test_the_launcher_names_the_rank_that_failed_first():
 
 
 def test_the_launcher_writes_its_reason_into_the_runs_the_ranks_created(tmp_path, monkeypatch):
-    from dlrm_lab.distributed.elastic import mark_runs_failed
     from dlrm_lab.metrics.run import RUN_RECORD_ENV, Run, read_manifest
+    from dlrm_lab.torchrun import mark_runs_failed
 
     record = tmp_path / "record"
     monkeypatch.setenv(RUN_RECORD_ENV, str(record))

@@ -278,6 +278,35 @@ def test_recovering_a_killed_training_run_rebuilds_its_summary_from_the_steps(tm
     assert code == 0 and f"{got['samples_per_s']:,.0f}" in out
 
 
+def test_a_kind_registers_its_own_recovery_and_the_run_layer_imports_no_kind(tmp_path, monkeypatch):
+    from dlrm_lab.metrics import run as runs
+
+    monkeypatch.setattr(runs, "_RECOVERIES", {})
+    seen = []
+    runs.register_recovery("probed", lambda run_dir, manifest: seen.append((run_dir, manifest["kind"])) or "written")
+    dead = {}
+    for kind in ("probed", "other"):
+        created = Run.create(tmp_path, kind=kind, config={})
+        created.update_manifest(pid=_dead_pid())
+        dead[kind] = created.dir
+    manifest, rebuilt = runs.recover_run_and_summary(dead["probed"])
+    assert manifest["status"] == "failed" and rebuilt and seen == [(dead["probed"], "probed")]
+    manifest, rebuilt = runs.recover_run_and_summary(dead["other"])  # no kind registered: merged and marked only
+    assert manifest["status"] == "failed" and not rebuilt and len(seen) == 1
+
+    import dlrm_lab.train.records as records  # the training kind registers itself where it is defined
+
+    monkeypatch.undo()
+    assert runs._RECOVERIES["train"] is records.recovered_summary
+    # the run directories and the launcher below them load no run kind (train, infer)
+    code = (
+        "import sys, dlrm_lab.metrics.run, dlrm_lab.distributed.elastic; "
+        "print([m for m in sys.modules if m.startswith(('dlrm_lab.train', 'dlrm_lab.infer'))])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_the_flush_interval_is_five_seconds_or_the_environments(tmp_path, monkeypatch):
     from dlrm_lab.errors import UserError
     from dlrm_lab.metrics.tables import TableWriter, flush_interval_s

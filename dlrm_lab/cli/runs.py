@@ -140,6 +140,8 @@ def recover_runs(
 
     Runs that ended, or whose process is alive, are left alone. One line per recovered run.
     """
+    import dlrm_lab.train.records  # noqa: F401 - a training run's recovery (its summary) registers itself
+
     out = console()
     found = [f for d in directories for f in discover_runs(d)]
     recovered = failed = 0

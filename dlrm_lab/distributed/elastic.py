@@ -1,14 +1,14 @@
-"""torchrun, with a failed job told in one line: `python -m dlrm_lab.distributed.elastic ARGS`
-takes torchrun's arguments and runs torch's own elastic launcher in this process.
+"""torchrun, with a failed job told in one line: `main(ARGS)` takes torchrun's arguments and runs
+torch's own elastic launcher in this process (the command is `python -m dlrm_lab.torchrun`).
 
 What it adds to plain torchrun (which prints a ChildFailedError traceback and, for a rank
 killed by a signal, leaves the run's manifest saying only that the launcher stopped rank 0):
 - one line naming the rank that failed first, its pid and its signal or exit code;
-- the run directories the ranks created (each is written into the file `RUN_RECORD_ENV` names) get that
-  reason in their manifest; a run left `running` (rank 0 itself killed) is recovered first;
+- the file `RUN_RECORD_ENV` names, where each run the ranks create writes its directory, handed with that
+  reason to the caller's `on_failure` (`dlrm_lab.torchrun` writes it into their manifests);
 - the ranks left alive get `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (default here 5 s, torch's 30 s)
   to end after SIGTERM before SIGKILL, so a stopped or hung rank does not hold the job. Their
-  rows are safe when killed: parts are flushed as they go and the run is recovered here.
+  rows are safe when killed: parts are flushed as they go and the runs are recovered on failure.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.metrics.run import RUN_RECORD_ENV
-
 SHUTDOWN_TIMEOUT_S = 5
+# The launcher names a file here; each run created under it appends its directory (`metrics.run`)
+RUN_RECORD_ENV = "DLRM_LAB_RUN_RECORD"
 
 
 def root_failure(failures: dict[int, Any]) -> tuple[int, Any]:
@@ -49,33 +50,6 @@ def describe_failure(rank: int, failure: Any, world_size: int | None = None) -> 
     return f"rank {rank} (pid {failure.pid}) {what}{others}"
 
 
-def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
-    """Give each run the ranks created the launcher's reason. A run still `running` (its rank 0
-    died without closing it) is recovered first. A run whose own error already names the cause
-    keeps it unless a rank was killed by a signal: the run then only knows it was stopped."""
-    from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run_and_summary
-
-    runs = []
-    try:
-        lines = record.read_text().splitlines()
-    except OSError:
-        return runs
-    for line in dict.fromkeys(lines):
-        run_dir = Path(line)
-        try:
-            manifest = read_manifest(run_dir)
-            if manifest.get("status") == "running":
-                manifest, _ = recover_run_and_summary(run_dir)
-            if manifest.get("status") == "ok":
-                continue
-            if killed or not manifest.get("error"):
-                amend_manifest(run_dir, status="failed", error=f"RankFailure: {reason}")
-            runs.append(run_dir)
-        except (OSError, ValueError):
-            continue  # an unreadable run is `runs list`'s to report
-    return runs
-
-
 def _cap_shutdown_grace(seconds: float) -> None:
     """torch closes the other ranks after a failure from inside its process context's poll
     with close()'s own default grace, 30 s, which neither torchrun's options nor
@@ -94,7 +68,9 @@ def _cap_shutdown_grace(seconds: float) -> None:
     api.PContext.close = capped
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_failure: Callable[[Path, str, bool], Any] | None = None) -> int:
+    """Run torchrun's `argv`; the exit code. A failed job calls `on_failure(record, reason, killed)`: the file
+    where the ranks' runs wrote their directories, the one-line reason, whether a rank was killed by a signal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -114,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         rank, failure = root_failure(exc.failures)
         reason = describe_failure(rank, failure)
-        mark_runs_failed(record, reason, killed=failure.exitcode < 0)
+        if on_failure is not None:
+            on_failure(record, reason, failure.exitcode < 0)
         print(f"error: launcher: {reason}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:  # Ctrl-C or SIGTERM of the launcher: the ranks said where their runs are
@@ -127,7 +104,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logging.disable(logging.NOTSET)
         record.unlink(missing_ok=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

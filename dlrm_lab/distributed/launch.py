@@ -35,7 +35,7 @@ def launch_command(
     target = ["-m", "dlrm_lab", *args]
     if launcher == "torchrun":
         # torch's launcher, run by our wrapper: a failed job ends in one line and the manifest names the rank
-        run = [sys.executable, "-m", "dlrm_lab.distributed.elastic", f"--nproc-per-node={nproc}"]
+        run = [sys.executable, "-m", "dlrm_lab.torchrun", f"--nproc-per-node={nproc}"]
         if nnodes > 1:
             if not rdzv_endpoint:
                 raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")

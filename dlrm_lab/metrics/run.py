@@ -14,6 +14,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dlrm_lab.distributed.elastic import RUN_RECORD_ENV
 from dlrm_lab.errors import DiskFull, UserError, is_disk_full
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
 from dlrm_lab.metrics.roofline import profile_for_run
@@ -32,9 +34,6 @@ MANIFEST = "manifest.json"
 SPACE_RESERVE = ".space-reserve"
 SPACE_RESERVE_BYTES = 256 << 10
 STATUSES = ("running", "ok", "failed", "interrupted")
-# A launcher (distributed.elastic) names a file here; each run created under it appends its
-# directory, so the launcher can say in the manifest why the job failed.
-RUN_RECORD_ENV = "DLRM_LAB_RUN_RECORD"
 
 
 def check_writable(path: str | Path, option: str, remedy: str = "choose another") -> None:
@@ -66,6 +65,8 @@ def new_run_id(kind: str) -> str:
 
 
 def record_run_dir(run_dir: Path) -> None:
+    """Under the lab's launcher (`distributed.elastic`), append this run's directory to the file it names, so
+    that a failed job can say in the manifest why."""
     path = os.environ.get(RUN_RECORD_ENV)
     if not path:
         return
@@ -343,15 +344,23 @@ def pid_alive(pid: int | None) -> bool:
     return True
 
 
-def recover_run_and_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
-    """`recover_run`, and for a training run the summary it died before writing, rebuilt from
-    its recovered steps (`train.records.recovered_summary`). (manifest, summary rebuilt)."""
-    manifest = recover_run(run_dir)
-    if manifest.get("kind") != "train":
-        return manifest, False
-    from dlrm_lab.train.records import recovered_summary  # torch: only when a training run needs it
+# A kind's recovery: `recover(run_dir, manifest)` writes what a run of that kind died before writing, once its
+# parts are merged, and returns None when there was nothing to write. The module that owns the kind registers it
+# (training: `train.records`); this module knows no kind.
+Recovery = Callable[[Path, dict[str, Any]], Any]
+_RECOVERIES: dict[str, Recovery] = {}
 
-    return manifest, recovered_summary(Path(run_dir), manifest) is not None
+
+def register_recovery(kind: str, recover: Recovery) -> None:
+    _RECOVERIES[kind] = recover
+
+
+def recover_run_and_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
+    """`recover_run`, then the recovery its kind registered (`register_recovery`; a training run: the summary
+    it died before writing, rebuilt from its steps). (manifest, something rebuilt)."""
+    manifest = recover_run(run_dir)
+    recover = _RECOVERIES.get(str(manifest.get("kind")))
+    return manifest, recover is not None and recover(Path(run_dir), manifest) is not None
 
 
 def recover_run(run_dir: Path) -> dict[str, Any]:

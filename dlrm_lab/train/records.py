@@ -18,6 +18,7 @@ from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.cost import TRAINING_COST_FIELDS
 from dlrm_lab.metrics.energy import ENERGY_FIELDS
 from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
+from dlrm_lab.metrics.run import register_recovery
 from dlrm_lab.metrics.tables import atomic_write_parquet, write_table
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 
@@ -292,3 +293,6 @@ def recovered_summary(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]
     }
     write_table(run_dir, "summary", [summary], SUMMARY_SCHEMA, manifest.get("run_id") or run_dir.name)
     return summary
+
+
+register_recovery("train", recovered_summary)  # `runs recover`, sweeps and the launcher rebuild a dead run's summary
