@@ -281,13 +281,7 @@ def search(
                         server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     served = server.describe().models[base.name]
                     if options.prune_margin >= 0 and capacity * mean_size * (1 + options.prune_margin) < best_sps:
-                        why = (f"pruned: capacity {capacity * mean_size:,.0f} samples/s cannot beat "
-                               f"{best_sps:,.0f} under the bound")  # fmt: skip
-                        if log:
-                            log(f"{_label(served)}: {why}")
-                        frontier.append({**_frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None,
-                                         "best_qps_uncertainty": None, "best_samples_per_s": None,
-                                         "probe_points": 0, "outcome": why})  # fmt: skip
+                        frontier.append(_pruned(served, capacity, capacity * mean_size, best_sps, cfg, log))
                         continue
                     probe = _Probing(server, base, stream, cfg, options, queries, summary, telemetry, run.dir, log,
                                      on_progress, point_index)  # fmt: skip
@@ -295,19 +289,7 @@ def search(
                     point_index = probe.point_index
                     frontier.append(row)
                     best_sps = max(best_sps, row["best_samples_per_s"] or 0.0)
-        searched = [r for r in frontier if r["best_samples_per_s"] is not None]
-        best = max(searched, key=lambda r: r["best_samples_per_s"], default=None)
-        for r in frontier:
-            r["best"] = r is best and bool(best["best_qps"])
-            if r["best"]:
-                r["outcome"] = "best"
-            elif r.get("outcome") is None:
-                r["outcome"] = (
-                    "no probed rate met the bound" if not r["best_qps"] else
-                    f"lower: {r['best_samples_per_s']:,.0f} samples/s under the bound, the best "
-                    f"{best['best_samples_per_s']:,.0f}"  # type: ignore[index]
-                )  # fmt: skip
-        winner = next((r for r in frontier if r["best"]), None)
+        winner = _judge(frontier)
         if winner is not None and options.certify_s > 0:
             point_index = certify(winner, base, stream, cfg, options, serve, queries, summary, telemetry, run.dir,
                                   point_index, log, on_progress)  # fmt: skip
@@ -317,6 +299,33 @@ def search(
         run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
         run.update_manifest(best=winner)
     return run.dir
+
+
+def _pruned(served: ModelDescription, capacity: float, capacity_sps: float, best_sps: float, cfg: InferConfig,
+            log: Log | None) -> dict[str, Any]:  # fmt: skip
+    """The frontier row of a configuration not bisected: its capacity cannot beat the best rate under the bound."""
+    why = f"pruned: capacity {capacity_sps:,.0f} samples/s cannot beat {best_sps:,.0f} under the bound"
+    if log:
+        log(f"{_label(served)}: {why}")
+    return {**_frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None, "best_qps_uncertainty": None,
+            "best_samples_per_s": None, "probe_points": 0, "outcome": why}  # fmt: skip
+
+
+def _judge(frontier: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Mark the configuration with the highest rate under the bound `best`, say of every other why not; the best."""
+    searched = [r for r in frontier if r["best_samples_per_s"] is not None]
+    best = max(searched, key=lambda r: r["best_samples_per_s"], default=None)
+    for r in frontier:
+        r["best"] = r is best and bool(best["best_qps"])
+        if r["best"]:
+            r["outcome"] = "best"
+        elif r.get("outcome") is None:
+            r["outcome"] = (
+                "no probed rate met the bound" if not r["best_qps"] else
+                f"lower: {r['best_samples_per_s']:,.0f} samples/s under the bound, the best "
+                f"{best['best_samples_per_s']:,.0f}"  # type: ignore[index]
+            )  # fmt: skip
+    return next((r for r in frontier if r["best"]), None)
 
 
 @dataclass
