@@ -21,7 +21,6 @@ import collections
 import contextlib
 import itertools
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import threading
@@ -33,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import ServingFault, UserError, exit_description
@@ -52,6 +50,7 @@ from dlrm_lab.infer.instance import (
     write_snapshot,
 )
 from dlrm_lab.infer.library import PackedLibrary, payload_for
+from dlrm_lab.infer.placement import Placement, place_instances
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
@@ -151,54 +150,25 @@ class InferenceServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> InferenceServer:
-        device = self.device
+        """Execute the serving plan (made by `infer.plan` before, or here for a server given models alone): snapshot
+        each model, spawn its instances where `infer.placement` puts them, wait until they are ready, start the
+        batcher and completion threads. Policy is the plan's and the placement's; this is the mechanism."""
         for stale in remove_stale_snapshots():
             self.log(f"removed {stale}, left by a serving process that was killed")
-        # every choice of how the models are served is made before (`infer.plan`); the server executes it
-        plan = self._plan or plan_serving(list(self.models.values()), device=device, seed=self.seed, log=self.log)
+        plan = self._plan or plan_serving(list(self.models.values()), device=self.device, seed=self.seed, log=self.log)
         self._plan = None  # its modules are snapshotted below and then dropped: a plan is served once
         self.models.update(plan.models)
         self.precision_choices.update(plan.precision_choices)
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        index, next_core = 0, 0
+        places = place_instances(self.models.values(), self.device, self.pin_cores)
         try:
             for m in self.models.values():
                 snap = snapshot_dir_for(f"{m.name}-{id(self)}")
                 library = plan.libraries[m.name]  # mapped by the instances and, below, this process
                 self._snapshots.append(snap)
                 self.snapshot_bytes[m.name] = write_snapshot(snap, plan.modules.pop(m.name), library)
-                pool = _Pool(served=m, library=map_library(snap))
-                self._pools[m.name] = pool
-                for _ in range(m.instances):
-                    mine: tuple[int, ...] = ()
-                    if self.pin_cores and cores and device == "cpu":
-                        mine = tuple(cores[(next_core + k) % len(cores)] for k in range(m.threads))
-                        next_core += m.threads
-                    dev = device
-                    if device == "cuda":  # instances round-robin over the visible GPUs
-                        dev = f"cuda:{index % torch.cuda.device_count()}"
-                    instance = InstancePlan(
-                        model=m.name, index=index, snapshot_dir=str(snap), spec=m.spec.to_dict(),
-                        threads=m.threads, cores=mine, device=dev, precision=m.precision,
-                        table_precision=m.table_precision, warmup_batch=min(m.piece_limit(), library.size),
-                        spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
-                    )  # fmt: skip
-                    mine_end, theirs = self._ctx.Pipe(duplex=True)
-                    proc = self._ctx.Process(
-                        target=instance_main, args=(instance, theirs), daemon=True, name=f"dlrm-lab-instance-{index}"
-                    )
-                    proc.start()
-                    theirs.close()
-                    self._conns[index] = mine_end
-                    self._send_locks[index] = threading.Lock()
-                    pool.free.append(index)
-                    if m.history_cache_mb and m.history_affinity and m.instances > 1:
-                        pool.homes.append(index)
-                    self._procs.append(proc)
-                    self.instance_info.append(
-                        {"instance": index, "model": m.name, "pid": proc.pid, "cores": list(mine)}
-                    )
-                    index += 1
+                self._pools[m.name] = _Pool(served=m, library=map_library(snap))
+                for place in places[m.name]:
+                    self._spawn(m, place, snap, warmup_batch=min(m.piece_limit(), library.size))
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -216,6 +186,30 @@ class InferenceServer:
             pool.thread.start()
         self.epoch_ns = time.monotonic_ns()
         return self
+
+    def _spawn(self, m: ServedModel, place: Placement, snap: Path, warmup_batch: int) -> None:
+        """Start one instance of `m` where `place` says, serving the snapshot `snap`; it joins its model's pool."""
+        instance = InstancePlan(
+            model=m.name, index=place.index, snapshot_dir=str(snap), spec=m.spec.to_dict(), threads=m.threads,
+            cores=place.cores, device=place.device, precision=m.precision, table_precision=m.table_precision,
+            warmup_batch=warmup_batch, spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
+        )  # fmt: skip
+        mine_end, theirs = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=instance_main, args=(instance, theirs), daemon=True, name=f"dlrm-lab-instance-{place.index}"
+        )
+        proc.start()
+        theirs.close()
+        self._conns[place.index] = mine_end
+        self._send_locks[place.index] = threading.Lock()
+        pool = self._pools[m.name]
+        pool.free.append(place.index)
+        if m.history_cache_mb and m.history_affinity and m.instances > 1:
+            pool.homes.append(place.index)
+        self._procs.append(proc)
+        self.instance_info.append(
+            {"instance": place.index, "model": m.name, "pid": proc.pid, "cores": list(place.cores)}
+        )
 
     def _history_columns(self, q: Query) -> dict[str, Any]:
         """How many of the query's requests reused a cached history, and their tokens (HSTU with
