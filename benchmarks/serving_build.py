@@ -39,6 +39,7 @@ from common import header, lab_run, results_path, write_results
 
 import dlrm_lab
 from dlrm_lab.data import synthetic_generator
+from dlrm_lab.families import family_of
 from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.records import batch_roof
@@ -176,7 +177,7 @@ def hstu_part(repeats: int = 9) -> dict[str, Any]:
         held_out = gen.requests(0, min(builds.CHECK_REQUESTS, gen.num_requests("train")), "train")
         for precision in ("fp32", "bf16"):
             modules = {b: builds.make_build(model, b, precision=precision, table_precision="fp32")
-                       for b in builds.RANKER_BUILDS}  # fmt: skip
+                       for b in family_of(spec).builds}  # fmt: skip
             ms = builds.time_builds(modules, sizes, 1, library, precision, repeats=repeats)
             checks = {
                 b: builds.check_accuracy(model, m, b, held_out, precision=precision, table_precision="fp32").to_dict()

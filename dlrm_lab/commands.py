@@ -15,8 +15,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from dlrm_lab.config import HSTUSpec, ModelSpec, TrainConfig, load_any_preset
+from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.errors import UserError
+from dlrm_lab.families import Spec
 
 # Options of the command line only: where results go and how progress shows.
 CLI_ONLY = frozenset({"metrics_dir", "progress"})
@@ -116,7 +117,7 @@ def _split(options: Mapping[str, Any], allowed: set[str], command: str) -> dict[
     return {k: v for k, v in given.items() if k not in CLI_ONLY}
 
 
-def train_setup(options: Mapping[str, Any]) -> tuple[ModelSpec | HSTUSpec, TrainConfig]:
+def train_setup(options: Mapping[str, Any]) -> tuple[Spec, TrainConfig]:
     """The model and the training config of `dlrm-lab train` with these options (the rest default)."""
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(TrainConfig)
@@ -133,11 +134,10 @@ def train_setup(options: Mapping[str, Any]) -> tuple[ModelSpec | HSTUSpec, Train
             values.pop(field)  # an option left unset takes the config's default
     spec = load_any_preset(preset, **scaling)  # either family: DLRM or the HSTU ranker
     cfg = TrainConfig(**values)
-    if isinstance(spec, HSTUSpec):  # its --set changes the requests: the size line shows them (train() keeps them)
-        from dlrm_lab.data.sequences import with_overrides
+    from dlrm_lab.families import family_of
 
-        spec = with_overrides(spec, cfg.data_overrides)
-    return spec, cfg
+    # where --set changes the samples (the ranker's requests) the size line shows them (train() keeps them)
+    return family_of(spec).with_data_overrides(spec, cfg.data_overrides, serving=False), cfg
 
 
 def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, Any]:

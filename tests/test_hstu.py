@@ -180,9 +180,9 @@ def test_hstu_presets_load_scale_and_refuse_bad_fields(tmp_path):
     assert small.data.items == 50_000 and small.data.users == 500 and small.published_rows["items"] == 10**9
     # the cost per request: 5 layers of the STU count, ~0.5 TFLOP at 6,400 history items and 2,048 candidates
     assert v3.shape.request_flops(6400, 2048) == pytest.approx(5 * STUShape().layer_flops(6401, 2048), rel=0.05)
-    with pytest.raises(UserError, match="is an HSTU ranker"):
+    with pytest.raises(UserError, match="is of family hstu: this command runs DLRM presets"):
         dlrm_lab.load_preset("dlrmv3")
-    from dlrm_lab.config.hstu import spec_from_dict
+    from dlrm_lab.families import spec_from_dict
 
     assert spec_from_dict(small.to_dict()) == small  # as a run's manifest holds it (scale sweeps read it back)
     assert spec_from_dict(dlrm_lab.load_preset("tiny").to_dict()) == dlrm_lab.load_preset("tiny")

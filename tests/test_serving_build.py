@@ -11,6 +11,7 @@ import torch
 import dlrm_lab
 from dlrm_lab.data import synthetic_generator
 from dlrm_lab.errors import UserError
+from dlrm_lab.families import family_of
 from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.instance import QueryRef, make_runner
 from dlrm_lab.infer.library import PackedLibrary
@@ -319,4 +320,4 @@ def test_the_plan_of_an_hstu_ranker_keeps_its_measured_attention_path(monkeypatc
     m = plan.models["h"]
     chosen = plan.precision_choices["h"]["attention_choice"]["attention"]
     assert m.attention in ("padded", "jagged") and m.attention == chosen
-    assert m.build in builds.RANKER_BUILDS and m.describe()["attention"] == m.attention
+    assert m.build in family_of(m.spec).builds and m.describe()["attention"] == m.attention

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dlrm_lab.cli.format import LineProgress, console, progress
 from dlrm_lab.cli.options import MaxRows, TableScale
-from dlrm_lab.config import load_any_preset, load_preset, preset_family
+from dlrm_lab.config import load_any_preset, load_preset
 from dlrm_lab.errors import UserError
 
 app = typer.Typer(help="Synthetic and Criteo click-log datasets (Parquet).", no_args_is_help=True)
@@ -62,65 +62,20 @@ def gen(
     window: Annotated[str, typer.Option(help="HSTU presets: the train or eval window's requests.")] = "train",
 ) -> None:
     """Generate a synthetic dataset for a model preset (an HSTU preset: its time-ordered requests)."""
-    from dlrm_lab.data import synthetic_generator
+    from dlrm_lab.families import family_of
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: allowed: {', '.join(FORMATS)}")
     if rows < 1:
         raise UserError(f"--rows {rows}: must be an integer >= 1")
-    if preset_family(preset) == "hstu":
-        _gen_requests(out, preset, spec, rows, shards, seed, fmt, table_scale, max_rows, set_, window)
-        return
-    model = load_preset(preset, table_scale=table_scale, max_rows=max_rows)
-    generator = synthetic_generator(model, spec, tuple(set_ or ()), seed)
-    if fmt == "criteo-tsv":
-        from dlrm_lab.data.criteo import check_tsv_spec
-
-        check_tsv_spec(generator.spec)
-        if shards != 1:
-            raise UserError("--shards: criteo-tsv writes one file")
-    err = console(stderr=True)
-    err.print(
-        f"spec {generator.spec.name} for {model.name}: teacher AUC {generator.teacher_auc:.4f}, "
-        f"click rate {generator.spec.click_rate:g}"
-    )
+    model = load_any_preset(preset, table_scale=table_scale, max_rows=max_rows)
+    writer = family_of(model).dataset_writer(model, rows=rows, shards=shards, seed=seed, fmt=fmt, data_spec=spec,
+                                             overrides=tuple(set_ or ()), window=window)  # fmt: skip
+    console(stderr=True).print(writer.headline)
     with _progress() as bar:
-        task = bar.add_task("gen", total=rows)
-        advance = lambda n: bar.update(task, advance=n)  # noqa: E731
-        if fmt == "parquet":
-            from dlrm_lab.data.parquet import write_dataset
-
-            write_dataset(generator, rows, out, shards=shards, on_progress=advance)
-        else:
-            from dlrm_lab.data.criteo import write_criteo_tsv
-
-            write_criteo_tsv(generator, rows, out, on_progress=advance)
-    console().print(f"wrote {rows:,} samples to {out}")
-
-
-def _gen_requests(
-    out: Path, preset: str, spec: str | None, rows: int, shards: int, seed: int, fmt: str,
-    table_scale: float | None, max_rows: int | None, set_: list[str] | None, window: str,
-) -> None:  # fmt: skip
-    from dlrm_lab.data.request_files import write_requests
-    from dlrm_lab.data.sequences import SequenceGenerator, with_overrides
-
-    if fmt != "parquet":
-        raise UserError(f"--format {fmt}: HSTU requests are written as parquet only")
-    if spec:
-        raise UserError(f"--spec: {preset}'s requests are its preset's [data] table (see --set)")
-    model = with_overrides(load_any_preset(preset, table_scale=table_scale, max_rows=max_rows), tuple(set_ or ()))
-    generator = SequenceGenerator(model.data, seed)
-    total = generator.num_requests(window)
-    rows = min(rows, total)
-    console(stderr=True).print(
-        f"{model.name} requests ({window} window, {total:,} in all): teacher AUC {generator.teacher['teacher_auc']:.4f}"
-    )
-    with _progress() as bar:
-        task = bar.add_task("gen", total=rows)
-        write_requests(generator, out, window=window, requests=rows, shards=shards,
-                       on_progress=lambda n: bar.update(task, advance=n))  # fmt: skip
-    console().print(f"wrote {rows:,} requests to {out}")
+        task = bar.add_task("gen", total=writer.rows)
+        writer.write(out, on_progress=lambda n: bar.update(task, advance=n))
+    console().print(f"wrote {writer.rows:,} {writer.unit} to {out}")
 
 
 def _print_request_stats(result: dict[str, Any], strict: bool) -> None:

@@ -26,20 +26,7 @@ from rich.progress import (
 from rich.text import Text
 
 from dlrm_lab.errors import UserError
-
-
-def human_count(n: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}" if float(n).is_integer() else f"{n:.3g}"
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+from dlrm_lab.families.words import human_bytes, human_count  # noqa: F401 - the CLI's tables print sizes so
 
 
 def console(stderr: bool = False) -> Console:

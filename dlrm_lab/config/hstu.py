@@ -26,7 +26,6 @@ from typing import Any
 
 from dlrm_lab.config.rules import row_scaler
 from dlrm_lab.config.specs import TableSpec
-from dlrm_lab.config.toml import read_toml
 from dlrm_lab.errors import UserError
 
 WINDOWS = ("train", "eval")  # the requests a model trains on, and the later ones it is evaluated on
@@ -279,10 +278,6 @@ class HSTUSpec:
 _SHAPE_KEYS = {f.name for f in fields(RankerShape)} - {"stu"} | {f.name for f in fields(STUShape)}
 
 
-def is_hstu_preset(raw: dict[str, Any]) -> bool:
-    return raw.get("family") == "hstu"
-
-
 def parse_hstu(
     raw: dict[str, Any], *, where: str, table_scale: float | None = None, max_rows: int | None = None
 ) -> HSTUSpec:
@@ -342,17 +337,3 @@ def parse_hstu(
         max_rows=max_rows,
         published_rows=published,
     )
-
-
-def load_hstu_preset(path: Path, *, table_scale: float | None = None, max_rows: int | None = None) -> HSTUSpec:
-    raw = read_toml(path, "preset file")
-    if not is_hstu_preset(raw):
-        raise UserError(f'{path}: not an HSTU preset (family = "hstu")')
-    return parse_hstu(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
-
-
-def spec_from_dict(data: dict[str, Any]) -> Any:
-    """A model spec of either family from its `to_dict` form (as run manifests hold it)."""
-    from dlrm_lab.config.specs import ModelSpec
-
-    return HSTUSpec.from_dict(data) if data.get("family") == "hstu" else ModelSpec.from_dict(data)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.config.hstu import HSTUSpec, is_hstu_preset, load_hstu_preset
 from dlrm_lab.config.rules import bad, int_list_problem, row_scaler
 from dlrm_lab.config.specs import ModelSpec, TableSpec
 from dlrm_lab.config.toml import read_toml
@@ -46,17 +45,17 @@ _MODEL_KEYS = {
     "reference",
 }
 _DCN_KEYS = {"num_layers", "low_rank"}
-MODEL_FAMILIES = ("dlrm", "hstu")
 _REFERENCE_KEYS = {"batch_size", "dense_lr", "source", "target_auc"}
 
 
 def preset_family(name_or_path: str | Path) -> str:
-    """ "dlrm" or "hstu" (a preset file's `family`; DLRM when it names none)."""
+    """A preset file's `family` ("dlrm" when it names none), one of `families.families()`."""
+    from dlrm_lab.families import families, preset_family_name
+
     path = preset_path(name_or_path)
-    raw = read_toml(path, "preset file")
-    family = raw.get("family", "dlrm")
-    if family not in MODEL_FAMILIES:
-        raise UserError(f"{path}: family = {family!r}: allowed: {', '.join(MODEL_FAMILIES)}")
+    family = preset_family_name(read_toml(path, "preset file"))
+    if family not in families():
+        raise UserError(f"{path}: family = {family!r}: allowed: {', '.join(families())}")
     return family
 
 
@@ -68,11 +67,14 @@ def available_presets(family: str | None = "dlrm") -> list[str]:
 
 def load_any_preset(
     name_or_path: str | Path, *, table_scale: float | None = None, max_rows: int | None = None
-) -> ModelSpec | HSTUSpec:
-    """A preset of either family, resolved and scaled."""
-    if preset_family(name_or_path) == "hstu":
-        return load_hstu_preset(preset_path(name_or_path), table_scale=table_scale, max_rows=max_rows)
-    return load_preset(name_or_path, table_scale=table_scale, max_rows=max_rows)
+) -> Any:
+    """A preset of any family, resolved and scaled (parsed by its family)."""
+    from dlrm_lab.families import family_named
+
+    path = preset_path(name_or_path)
+    family = family_named(preset_family(path), f"{path}: family")
+    return family.parse_preset(read_toml(path, "preset file"), where=str(path), table_scale=table_scale,
+                               max_rows=max_rows)  # fmt: skip
 
 
 def preset_path(name_or_path: str | Path) -> Path:
@@ -96,18 +98,18 @@ def load_preset(
     """
     path = preset_path(name_or_path)
     raw = read_toml(path, "preset file")
-    if is_hstu_preset(raw):
+    if (family := raw.get("family", "dlrm")) != "dlrm":
         raise UserError(
-            f"preset {raw.get('name', path.stem)!r} is an HSTU ranker (family hstu): this command runs DLRM presets "
-            f"({', '.join(available_presets())}); HSTU presets run with `train` and `data` (docs/hstu.md)"
+            f"preset {raw.get('name', path.stem)!r} is of family {family}: this command runs DLRM presets "
+            f"({', '.join(available_presets())}); {family} presets run with `train`, `infer` and `data`"
         )
     for key, value in overrides.items():
         if value is not None:
             raw[key] = value
-    return _parse_model(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
+    return parse_model(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
 
 
-def _parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None) -> ModelSpec:
+def parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None) -> ModelSpec:
     unknown = set(raw) - _MODEL_KEYS
     if unknown:
         raise UserError(

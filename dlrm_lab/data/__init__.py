@@ -12,13 +12,11 @@ from typing import Any, Protocol
 
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config import HSTUSpec, ModelSpec
+from dlrm_lab.config import ModelSpec
 from dlrm_lab.data.parquet import ParquetSource
-from dlrm_lab.data.sequences import SequenceGenerator, SequenceSource, with_overrides
 from dlrm_lab.data.source import SyntheticSource
 from dlrm_lab.data.spec import DataSpec, load_data_spec
 from dlrm_lab.data.synthetic import SyntheticGenerator
-from dlrm_lab.errors import UserError
 
 HELD_OUT_OFFSET = 1 << 40  # held-out samples start far beyond any training sample index
 
@@ -37,25 +35,14 @@ def resolve_data_spec(model: ModelSpec, data_spec: str | None = None, overrides:
 
 
 def check_data_options(
-    model: ModelSpec, data: str, data_spec: str | None = None, overrides: tuple[str, ...] = ()
+    model: Any, data: str, data_spec: str | None = None, overrides: tuple[str, ...] = ()
 ) -> DataSpec | None:
     """The data spec a run on `data` generates from, checked (None for a dataset on disk,
-    where `--data-spec`/`--set` cannot apply, and for an HSTU preset, whose requests its own
-    [data] table describes): callers check before they start anything."""
-    if isinstance(model, HSTUSpec):
-        if data != "synthetic":
-            raise UserError(f"--data {data}: {model.name} trains on its synthetic requests (--data synthetic) only")
-        if data_spec:
-            raise UserError(
-                f"--data-spec: {model.name}'s requests are its preset's [data] table (change it with --set)"
-            )
-        with_overrides(model, overrides)  # checked here; the run applies them to its spec (train())
-        return None
-    if data == "synthetic":
-        return resolve_data_spec(model, data_spec, overrides)
-    if data_spec or overrides:
-        raise UserError("--data-spec/--set apply to --data synthetic, not to a dataset on disk")
-    return None
+    where `--data-spec`/`--set` cannot apply, and for a family whose samples its preset
+    describes, as the HSTU ranker's requests): callers check before they start anything."""
+    from dlrm_lab.families import family_of
+
+    return family_of(model).check_data_options(model, data, data_spec, overrides)
 
 
 def synthetic_generator(
@@ -66,7 +53,7 @@ def synthetic_generator(
 
 
 def open_sources(
-    model: ModelSpec,
+    model: Any,
     data: str,
     batch_size: int,
     rank: int = 0,
@@ -83,13 +70,27 @@ def open_sources(
     generator far past any training sample; for a dataset without a generator spec
     (converted Criteo) they are the dataset's first batches, and the description says so.
     """
+    from dlrm_lab.families import family_of
+
+    how = {"rank": rank, "world_size": world_size, "eval_batches": eval_batches, "data_spec": data_spec,
+           "overrides": overrides, "seed": seed, "start_batch": start_batch}  # fmt: skip
+    return family_of(model).open_sources(model, data, batch_size, **how)
+
+
+def open_pooled_sources(
+    model: ModelSpec,
+    data: str,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    eval_batches: int = 8,
+    data_spec: str | None = None,
+    overrides: tuple[str, ...] = (),
+    seed: int = 0,
+    start_batch: int = 0,
+) -> tuple[BatchSource, BatchSource]:
+    """A DLRM's training and held-out sources (see `open_sources`)."""
     spec = check_data_options(model, data, data_spec, overrides)
-    if isinstance(model, HSTUSpec):  # requests in time order; held out: the later window
-        requests = SequenceGenerator(model.data, seed)
-        return (
-            SequenceSource(requests, batch_size, rank, world_size, "train", start_batch=start_batch),
-            SequenceSource(requests, batch_size, rank, world_size, "eval", num_batches=eval_batches),
-        )
     if spec is not None:
         gen = SyntheticGenerator(spec, seed)
         train = SyntheticSource(gen, batch_size, rank, world_size, start_batch=start_batch)

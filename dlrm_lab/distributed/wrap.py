@@ -22,9 +22,8 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from dlrm_lab.config import HSTUSpec
 from dlrm_lab.distributed.context import DistContext
-from dlrm_lab.distributed.plan import AnyDeviceSharder, PlannerStages, check_sharding, plan_sharding
+from dlrm_lab.distributed.plan import PlannerStages, check_sharding, plan_sharding
 
 # TorchRec's own deprecation notices about its internals; nothing a user can act on.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
@@ -67,9 +66,11 @@ class SequenceSharder(EmbeddingCollectionSharder):
 
 
 def table_sharder(spec: Any) -> ModuleSharder[Any]:
-    """The sharder of a model's tables by its spec: every sharding type on every device for a DLRM's pooled
-    tables; `SequenceSharder` for the HSTU ranker's sequence tables."""
-    return SequenceSharder() if isinstance(spec, HSTUSpec) else AnyDeviceSharder()
+    """The sharder of a model's tables, as its family shards them (a DLRM's pooled tables: `AnyDeviceSharder`;
+    the HSTU ranker's sequence tables: `SequenceSharder`)."""
+    from dlrm_lab.families import family_of
+
+    return family_of(spec).sharder(spec)
 
 
 class DenseReplicas(DataParallelWrapper):

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.families import family_of
 from dlrm_lab.metrics.precision import DTYPES
 
 AUTO = "auto"
@@ -97,6 +98,7 @@ class FusedDLRM(nn.Module):
         from dlrm_lab.infer.instance import quantize_tables
 
         self.precision, self.table_precision = precision, table_precision
+        self.spec = model.spec  # what a sample is: its family scores and serves it
         dtype = DTYPES[precision]
         quantised = quantize_tables(model, table_precision, output_dtype=dtype)
         modules = quantised.sparse_arch.embedding_bag_collection._emb_modules
@@ -182,25 +184,15 @@ def make_build(model: nn.Module, build: str, *, precision: str, table_precision:
         from dlrm_lab.infer.instance import quantize_tables
 
         return quantize_tables(model, table_precision) if table_precision != "fp32" else model
-    if is_ranker(model):
-        if build != "fused":
-            raise UserError(f"--build {build}: the HSTU ranker has builds {', '.join(RANKER_BUILDS)}")
-        return fused_ranker(model, precision=precision, table_precision=table_precision).eval()
-    return FusedDLRM(model, precision=precision, table_precision=table_precision).eval()
+    family = family_of(model.spec)
+    if build not in family.builds:
+        raise UserError(f"--build {build}: {family.called} has builds {', '.join(family.builds)}")
+    return family.make_fused(model, precision=precision, table_precision=table_precision).eval()
 
 
 # ----------------------------------------------------------------------------- the HSTU ranker
 
-RANKER_BUILDS = ("eager", "fused")
 CHECK_REQUESTS = 512  # held-out requests of the ranker's accuracy check (a few thousand candidates)
-CHECK_CHUNK = 64  # requests scored at a time by the check
-
-
-def is_ranker(model: nn.Module) -> bool:
-    """Whether `model` (or a build of it) is the HSTU ranker."""
-    from dlrm_lab.config import HSTUSpec
-
-    return isinstance(getattr(model, "spec", None), HSTUSpec)
 
 
 def fused_ranker(model: nn.Module, *, precision: str, table_precision: str) -> nn.Module:
@@ -233,32 +225,11 @@ def fused_ranker(model: nn.Module, *, precision: str, table_precision: str) -> n
 
 
 def score_build(module: nn.Module, samples: Any, precision: str) -> np.ndarray:
-    """A build's scores of samples (a PackedLibrary, or a SampleBlock that is packed first), all in one
-    batch as an instance assembles it; the eager model under autocast below fp32. The HSTU ranker's:
-    one per candidate of a RequestBlock's requests, CHECK_CHUNK requests at a time."""
-    from dlrm_lab.infer.instance import QueryRef, assemble_batch, gather_batch
-    from dlrm_lab.infer.library import PackedLibrary
-
+    """A build's scores of held-out samples, as its family scores them (a DLRM: a PackedLibrary or a
+    SampleBlock in one batch as an instance assembles it; the HSTU ranker: one per candidate of a
+    RequestBlock's requests); the eager model under autocast below fp32."""
     autocast = precision != "fp32" and getattr(module, "served_precision", None) is None
-    if is_ranker(module):
-        from dlrm_lab.infer.history import score_requests
-        from dlrm_lab.infer.requests import RequestLibrary
-
-        requests = RequestLibrary.from_block(samples)
-        parts = []
-        with torch.inference_mode(), torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
-            for start in range(0, requests.size, CHECK_CHUNK):
-                block = requests.block(start, min(CHECK_CHUNK, requests.size - start))
-                parts.append(torch.sigmoid(score_requests(module, block, None)[0].float()).numpy())
-        return np.concatenate(parts)
-    packed = samples if isinstance(samples, PackedLibrary) else PackedLibrary.from_block(samples)
-    everything = [QueryRef(-1, packed.size, 0)]
-    with torch.inference_mode():
-        if isinstance(module, FusedDLRM):
-            return module(*kernel_batch(*gather_batch(packed, everything))).numpy()
-        dense, kjt = assemble_batch(packed, everything, list(module.spec.feature_names))
-        with torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
-            return torch.sigmoid(module(dense, kjt).float()).numpy()
+    return family_of(module.spec).score(module, samples, precision, autocast)
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -320,9 +291,7 @@ def check_accuracy(
     build (dense and tables) within FP32_SCORE_TOLERANCE per score; any other within
     AUC_RELATIVE_TOLERANCE of fp32's AUC, on labels drawn from the fp32 model's ranking
     (`reference_labels`); the AUCs on the samples' own labels are recorded beside them."""
-    from dlrm_lab.infer.library import PackedLibrary
-
-    packed = block if is_ranker(model) else PackedLibrary.from_block(block)  # once, for both models
+    packed = family_of(model.spec).check_samples(block)  # once, for both models
     reference = score_build(model, packed, "fp32")
     scores = score_build(module, packed, precision)
     diff = float(np.abs(scores.astype(np.float64) - reference).max())
@@ -427,11 +396,9 @@ def choose_build(
     """Resolve `requested` (auto or one of BUILDS) for a model served at `sizes` samples (the HSTU
     ranker: requests) per batch: the choice, and the module to serve (checked for accuracy on
     `check_block`: samples, or the ranker's requests)."""
-    ranker = is_ranker(model)
-    allowed = RANKER_BUILDS if ranker else BUILDS
-    if requested != AUTO and requested not in allowed:
-        family = "the HSTU ranker" if ranker else "a DLRM"
-        raise UserError(f"--build {requested!r}: allowed for {family}: {AUTO}, {', '.join(allowed)}")
+    family = family_of(model.spec)
+    if requested != AUTO and requested not in family.builds:
+        raise UserError(f"--build {requested!r}: allowed for {family.called}: {AUTO}, {', '.join(family.builds)}")
     common = {"requested": requested, "threads": threads}
     if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
         build = "eager" if requested == AUTO else requested
@@ -444,9 +411,8 @@ def choose_build(
     rates, source = _rates(["eager", "fused"], modules, sizes, threads, library, measure)
     dense_ms = rates["fused"].get(-1)
     want_compiled = requested == "compiled" or (dense_ms is not None and dense_ms >= COMPILE_MIN_DENSE_MS)
-    if ranker:
-        skipped["compiled"] = ("not a build of the HSTU ranker: its batches are jagged sequences of every "
-                               "length, and its attention path is chosen by measurement already")  # fmt: skip
+    if "compiled" not in family.builds:
+        skipped["compiled"] = f"not a build of {family.called}: {family.no_compiled_build}"
     elif requested == AUTO and not want_compiled:
         skipped["compiled"] = (f"the dense part takes {dense_ms:.3f} ms of a {max(sizes)}-sample batch: compiling "
                                f"cannot repay an instance's start (tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_lab.config import HSTUSpec
-from dlrm_lab.config.hstu import spec_from_dict
+from dlrm_lab.families import family_of, spec_from_dict
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.metrics.precision import DTYPES
@@ -39,10 +38,6 @@ from dlrm_lab.metrics.precision import DTYPES
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
-COST_BATCH = 256  # the larger of the two batches an instance times at start (`_Runner.batch_cost`)
-# ... of HSTU requests (each is a whole sequence: a DLRMv3-shaped request takes ~0.1 s here, and the
-# time is linear in requests), and the largest batch warmed up (the jagged path has no fixed shapes)
-REQUEST_COST_BATCH = 8
 
 
 @dataclass
@@ -68,12 +63,11 @@ class BatchResult:
     # HSTU with history reuse: per query of the batch, in order, (its requests that reused a cached
     # history, the history tokens reused); None otherwise
     reused: np.ndarray | None = None
-    # ms of the batch in (assembly, lookup, dense, interaction) on the instance (`BATCH_STAGES`);
+    # ms of the batch in (assembly, lookup, dense, interaction) on the instance (`metrics.columns.BATCH_STAGES`);
     # None where a build does not separate a stage (or on a GPU, where timing it would add a sync)
     stages: tuple[float | None, ...] | None = None
 
 
-BATCH_STAGES = ("assembly", "lookup", "dense", "interaction")
 TRACE = "trace"  # the control message of tracing (module docstring)
 SPIN = "spin"  # parent -> instance (SPIN, ms): poll this long for the next batch before blocking
 
@@ -224,7 +218,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             os.nice(plan.nice)
         torch.set_num_threads(plan.threads)
         spec = spec_from_dict(plan.spec)
-        hstu = isinstance(spec, HSTUSpec)
+        family = family_of(spec)
         device = torch.device(plan.device)
         snapshot = Path(plan.snapshot_dir)
         model = torch.load(snapshot / "model.pt", mmap=True, weights_only=False)
@@ -244,8 +238,8 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             model.compile_dense()  # compiled by the warm-up below, before the instance says it is ready
         library = map_library(snapshot)
         runner = make_runner(model, library, device, plan.precision, plan.history_cache_mb)
-        runner.warm_up(min(plan.warmup_batch, REQUEST_COST_BATCH) if hstu else plan.warmup_batch)
-        cost = runner.batch_cost(min(REQUEST_COST_BATCH if hstu else COST_BATCH, library.size))
+        runner.warm_up(min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch))
+        cost = runner.batch_cost(min(family.cost_batch, library.size))
         gc.collect()
         gc.freeze()  # the model's objects never die: keep them out of every later collection
         conn.send(("ready", None, cost))
@@ -367,13 +361,7 @@ def make_runner(
 ) -> Any:
     """The batch runner of a build: the HSTU ranker's (`history_cache_mb`: its history reuse), a fused or
     compiled DLRM, or the eager DLRM."""
-    from dlrm_lab.infer.build import FusedDLRM, is_ranker
-
-    if is_ranker(model):
-        return _RequestRunner(model, library, device, precision, history_cache_mb)
-    if isinstance(model, FusedDLRM):
-        return _FusedRunner(model, library, device)
-    return _Runner(model, library, list(model.spec.feature_names), device, precision)
+    return family_of(model.spec).make_runner(model, library, device, precision, history_cache_mb)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -401,7 +389,7 @@ class _BucketedRunner:
         return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
 
 
-class _Runner(_BucketedRunner):
+class Runner(_BucketedRunner):
     """DLRM's forward pass in eval mode without autograd, with optional autocast (the `eager` build)."""
 
     def __init__(
@@ -430,7 +418,7 @@ class _Runner(_BucketedRunner):
         return scores.numpy()[:n]
 
 
-class _FusedRunner(_BucketedRunner):
+class FusedRunner(_BucketedRunner):
     """A `FusedDLRM` (the `fused` and `compiled` builds) over batches handed to its kernels as they take
     them: the library's gather gives dense rows, lengths and ids; the offsets are one cumulative sum."""
 
@@ -460,7 +448,7 @@ class _FusedRunner(_BucketedRunner):
         return scores.numpy()[:n]
 
 
-class _RequestRunner:
+class RequestRunner:
     """The HSTU ranker's forward over a batch of library requests (jagged: each request keeps its
     length), optionally reusing users' encoded histories (`infer.history`); one score per
     candidate. `reused` says, after each call, per query how many of its requests reused a
@@ -484,7 +472,7 @@ class _RequestRunner:
             self([QueryRef(-1, size, 0)], use_cache=False)
 
     def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
-        """As `_Runner.batch_cost`, per request, without the history cache (every history encoded)."""
+        """As `Runner.batch_cost`, per request, without the history cache (every history encoded)."""
         return _batch_cost(lambda n: self([QueryRef(-1, n, 0)], use_cache=False), large, repeats)
 
     def __call__(self, refs: list[QueryRef], use_cache: bool = True) -> np.ndarray:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.model.cost import stored_table_bytes
 
 # Private memory of an idle instance process (USS: torch, torchrec and fbgemm loaded), as
 # measured with the tiny preset on 2026-11-23 (268 MB), rounded up.
@@ -59,54 +58,9 @@ def library_samples(max_batch: int, library_samples: int = 0) -> int:
 
 def model_memory(served: Any) -> ModelMemory:
     """What `served` (an `infer.served.ServedModel`) needs, from its spec alone."""
-    from dlrm_lab.config import HSTUSpec
+    from dlrm_lab.families import family_of
 
-    spec = served.spec
-    if isinstance(spec, HSTUSpec):
-        return _ranker_memory(served)
-    fp32 = int(stored_table_bytes(spec, "fp32"))
-    stored = int(stored_table_bytes(spec, served.table_precision))
-    ids_per_sample = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
-    per_sample = 4 * spec.num_dense + 8 * ids_per_sample + (4 + 8) * spec.num_features + 4
-    widths = sum(spec.bottom_mlp) + sum(spec.top_mlp) + spec.over_arch_in_features + ids_per_sample * 2
-    activations = 2 * 4 * served.max_batch * widths  # forward activations, with room for a copy
-    dense = 4 * spec.dense_parameters
-    # making a fused build copies the model (TorchRec's quantize_embeddings) and fills one TBE at the table
-    # precision beside the fp32 tables: the parent's peak while the build is chosen
-    fused = served.build != "eager"
-    build_peak = fp32 + (fp32 + stored if fused else (stored if served.table_precision != "fp32" else 0))
-    return ModelMemory(
-        name=served.name,
-        fp32_tables=fp32,
-        build_peak=build_peak,
-        snapshot=stored,
-        library=int(per_sample * library_samples(served.max_batch, served.library_samples)),
-        per_instance=INSTANCE_RUNTIME_BYTES + dense + activations,
-        instances=served.instances,
-        device_per_instance=fp32 + stored + dense + activations,
-    )
-
-
-def _ranker_memory(served: Any) -> ModelMemory:
-    """An HSTU ranker's needs: a request's history and candidates in the library (ids, actions, ages,
-    labels; `infer.requests`), the activations of the largest batch (every layer's tokens at width D, its u/v/q/k,
-    and the [H, N, N] attention of the padded path), and the history cache of each instance."""
-    spec, d = served.spec, served.spec.shape.stu
-    history, cands = spec.data.max_history, spec.data.candidates
-    tokens = 1 + history + cands
-    per_request = history * (8 + 8 + 8 + 4) + cands * (8 + 8 + 4 + 4) + 6 * 8
-    projections = d.heads * (2 * d.v_dim + 2 * d.qk_dim) + 3 * d.heads * d.v_dim
-    activations = 2 * 4 * served.max_batch * tokens * (d.dim * (spec.shape.layers + 1) + projections + d.heads * tokens)
-    fp32 = int(stored_table_bytes(spec, "fp32"))
-    dense = 4 * spec.dense_parameters
-    cache = int(served.history_cache_mb * 1e6)
-    window = spec.data.active_users * (spec.data.timestamps - spec.data.train_timestamps)  # the eval window's
-    samples = min(window, library_samples(served.max_batch, served.library_samples))
-    return ModelMemory(
-        name=served.name, fp32_tables=fp32, snapshot=fp32, library=int(per_request * samples),
-        per_instance=INSTANCE_RUNTIME_BYTES + dense + activations + cache, instances=served.instances,
-        device_per_instance=fp32 + dense + activations + cache,
-    )  # fmt: skip
+    return family_of(served.spec).memory(served)
 
 
 def check_fits(

@@ -22,18 +22,14 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.config import HSTUSpec
 from dlrm_lab.distributed.context import resolve_device
+from dlrm_lab.families import family_of
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import check_fits, library_samples
-from dlrm_lab.infer.requests import SERVED_WINDOW, generate_library
+from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
 from dlrm_lab.metrics.cpu import usable_cores
 from dlrm_lab.metrics.precision import choose_precision
-from dlrm_lab.model.dlrm import build_model
-from dlrm_lab.model.hstu import build_ranker, choose_attention
-
-ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
 
 Log = Callable[[str], None]
 
@@ -94,35 +90,17 @@ class Planner:
             self.models[name] = replace(m, precision=choice.precision)
 
     def _build(self, m: ServedModel) -> torch.nn.Module:
-        """The served model with the server's seed: DLRM, or the HSTU ranker with its attention path
-        (`auto`: both timed over the first requests the model will serve, forward only)."""
-        torch.manual_seed(self.seed)
-        if not isinstance(m.spec, HSTUSpec):
-            return build_model(m.spec).eval()
-        choice = choose_attention(m.attention, m.spec, min(m.max_batch, ATTENTION_BATCH), torch.device("cpu"),
-                                  self.seed, backward=False, window=SERVED_WINDOW)  # fmt: skip
-        self.log(f"{m.name}: attention {choice.reason}")
-        self.precision_choices[m.name]["attention_choice"] = choice.to_dict()
-        self.models[m.name] = m = replace(m, attention=choice.path)
-        torch.manual_seed(self.seed)
-        return build_ranker(m.spec, attention=m.attention).eval()
+        """The served model with the server's seed, as its family builds it (the HSTU ranker with its attention
+        path: `auto` times both over the first requests the model will serve, forward only)."""
+        model, self.models[m.name], chosen = family_of(m.spec).serving_model(m, self.seed, self.log)
+        if chosen is not None:
+            self.precision_choices[m.name]["attention_choice"] = chosen
+        return model
 
     def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
         """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
         once; recorded with the precision choice."""
-        if isinstance(m.spec, HSTUSpec):
-            from dlrm_lab.data.sequences import SequenceGenerator
-            from dlrm_lab.infer.build import CHECK_REQUESTS
-
-            # the library is the evaluation window's first requests: the check takes the training window's
-            generator = SequenceGenerator(m.spec.data, seed=self.seed)
-            held_out = generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")
-        else:
-            from dlrm_lab.data import synthetic_generator
-            from dlrm_lab.infer.build import CHECK_SAMPLES
-
-            generator = synthetic_generator(m.spec, m.data_spec, seed=self.seed)
-            held_out = generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
+        held_out = family_of(m.spec).held_out(m, library, self.seed)
         choice, model, m = self._checked_build(m, model, library, held_out)
         if choice.accuracy is not None and not choice.accuracy.passed:
             self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "

@@ -116,12 +116,9 @@ class RequestLibrary(LoadedSamples):
 
 def generate_library(served: Any, seed: int, samples: int) -> Any:
     """A served model's sample library, of its family's kind."""
-    from dlrm_lab.config import HSTUSpec
-    from dlrm_lab.infer.library import PackedLibrary
+    from dlrm_lab.families import family_of
 
-    if isinstance(served.spec, HSTUSpec):
-        return RequestLibrary.generate(served.spec, seed, samples)
-    return PackedLibrary.generate(served.spec, served.data_spec, seed, samples)
+    return family_of(served.spec).sample_library(served, seed, samples)
 
 
 def library_from_arrays(arrays: dict[str, np.ndarray]) -> Any:

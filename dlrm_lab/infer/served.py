@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.config import HSTUSpec, ModelSpec
-from dlrm_lab.data import resolve_data_spec
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.build import BUILDS, RANKER_BUILDS
+from dlrm_lab.families import family_of
+from dlrm_lab.infer.build import BUILDS
 from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.metrics.precision import AUTO
@@ -21,7 +20,7 @@ class ServedModel:
     """One model as served: its instances and its batching policy."""
 
     name: str
-    spec: ModelSpec | HSTUSpec
+    spec: Any  # its family's typed spec (families)
     instances: int = 1
     threads: int = 1  # intra-op threads per instance
     max_batch: int = 256  # samples
@@ -73,21 +72,7 @@ class ServedModel:
             raise UserError(f"--history-cache-mb {self.history_cache_mb!r}: must be in [0, 1e7] MB")
         if self.build not in (AUTO, *BUILDS):
             raise UserError(f"--build {self.build!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
-        if isinstance(self.spec, HSTUSpec):
-            if self.build not in (AUTO, *RANKER_BUILDS):
-                raise UserError(f"--build {self.build}: {self.spec.name} is an HSTU preset (allowed: "
-                                f"{', '.join((AUTO, *RANKER_BUILDS))})")  # fmt: skip
-            self.spec.check_table_precision(self.table_precision)
-            if self.data_spec is not None:
-                raise UserError(f"--data-spec {self.data_spec}: {self.spec.name} is an HSTU preset; change its "
-                                "requests with --set KEY=VALUE")  # fmt: skip
-            if self.attention not in ("auto", "padded", "jagged"):
-                raise UserError(f"--attention {self.attention!r}: allowed: auto, padded, jagged")
-            return
-        if self.history_cache_mb:
-            raise UserError(f"--history-cache-mb {self.history_cache_mb:g}: history reuse is for HSTU presets; "
-                            f"{self.spec.name} is a DLRM")  # fmt: skip
-        resolve_data_spec(self.spec, self.data_spec)  # a bad --data-spec is one line before anything starts
+        family_of(self.spec).check_served(self)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -104,7 +89,7 @@ class ServedModel:
             "table_precision": self.table_precision,
             "history_cache_mb": self.history_cache_mb,
             "history_affinity": self.history_affinity if self.history_cache_mb else None,
-            "attention": self.attention if isinstance(self.spec, HSTUSpec) else None,
+            "attention": self.attention if family_of(self.spec).attention_paths else None,
             "build": self.build,
             "max_query_samples": self.max_query_samples,
         }

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.config import HSTUSpec, ModelSpec
 from dlrm_lab.errors import UserError
 
 AUTO = "auto"
@@ -55,22 +54,11 @@ def gflops(flops_per_s: float) -> str:
     return f"{g:,.1f}" if g >= 1 else f"{g:.3g}"
 
 
-def model_gemm_shapes(spec: ModelSpec | HSTUSpec, rows: int) -> list[Shape]:
-    """The dense matrix products of one forward pass: (rows, in, out) per layer."""
-    if isinstance(spec, HSTUSpec):  # per token of `rows` requests: the STU projections (the bulk)
-        tokens = max(1, min(rows * round(1 + spec.mean_history + spec.data.candidates), MAX_ROWS))
-        s = spec.shape.stu
-        return [(tokens, s.dim, s.heads * (2 * s.v_dim + 2 * s.qk_dim)), (tokens, 3 * s.heads * s.v_dim, s.dim)]
-    rows = max(1, min(rows, MAX_ROWS))
-    shapes: list[Shape] = []
-    for n_in, sizes in ((spec.num_dense, spec.bottom_mlp), (spec.over_arch_in_features, spec.top_mlp)):
-        for n_out in sizes:
-            shapes.append((rows, n_in, n_out))
-            n_in = n_out
-    if spec.interaction == "dcnv2":
-        n, r = spec.over_arch_in_features, spec.dcn_low_rank
-        shapes += [(rows, n, r), (rows, r, n)] * spec.dcn_num_layers
-    return shapes
+def model_gemm_shapes(spec: Any, rows: int) -> list[Shape]:
+    """The dense matrix products of one forward pass: (rows, in, out) per layer, as the spec's family has them."""
+    from dlrm_lab.families import family_of
+
+    return family_of(spec).gemm_shapes(spec, rows, MAX_ROWS)
 
 
 def _sync(device: torch.device) -> None:
@@ -186,7 +174,7 @@ def _ensure_profile(device: torch.device, log: Log | None) -> dict[str, Any]:
 
 
 def gemm_rates(
-    spec: ModelSpec,
+    spec: Any,
     precisions: Sequence[str],
     *,
     device: torch.device,
@@ -218,7 +206,7 @@ def gemm_rates(
 
 def choose_precision(
     requested: str,
-    spec: ModelSpec,
+    spec: Any,
     *,
     allowed: Sequence[str],
     device: torch.device | str = "cpu",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
-from dlrm_lab.config import HSTUSpec, ModelSpec
+from dlrm_lab.config import ModelSpec
 from dlrm_lab.model.dlrm import DLRM
 from dlrm_lab.model.dlrm import build_model as build_dlrm
 
@@ -16,19 +17,16 @@ logging.getLogger("torch.fx._symbolic_trace").addFilter(lambda r: not r.getMessa
 
 
 def build_model(
-    spec: ModelSpec | HSTUSpec,
+    spec: ModelSpec | Any,
     device: str | torch.device = "cpu",
     table_device: str | torch.device | None = None,
     table_precision: str = "fp32",
     attention: str = "padded",
 ) -> torch.nn.Module:
-    """The model of `spec`, of whichever family (see `model.dlrm.build_model`, `model.hstu.build_ranker`;
-    `attention` is the HSTU ranker's path)."""
-    if isinstance(spec, HSTUSpec):
-        from dlrm_lab.model.hstu import build_ranker
+    """The model of `spec`, as its family builds it (`families`; `attention` is the HSTU ranker's path)."""
+    from dlrm_lab.families import family_of
 
-        return build_ranker(spec, device, table_device, table_precision, attention)
-    return build_dlrm(spec, device, table_device, table_precision)
+    return family_of(spec).build(spec, device, table_device, table_precision, attention)
 
 
 __all__ = ["DLRM", "build_dlrm", "build_model"]

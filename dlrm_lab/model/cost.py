@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dlrm_lab.config import HSTUSpec, ModelSpec
+from dlrm_lab.config import ModelSpec
 
 
 @dataclass(frozen=True)
 class SampleCost:
-    """Per-sample FLOPs and bytes of one DLRM."""
+    """Per-sample FLOPs and bytes of one model (a sample of the HSTU ranker is a request)."""
 
     bottom_mlp_flops: int
     interaction_flops: int
@@ -45,70 +45,14 @@ class SampleCost:
         return {**asdict(self), "training_flops": self.training_flops}
 
 
-def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    layers, prev = [], in_features
-    for size in sizes:
-        layers.append((prev, size))
-        prev = size
-    return layers
-
-
 def sample_cost(
     spec: ModelSpec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad", window: str = "train"
 ) -> SampleCost:
-    """FLOPs and embedding bytes per sample (see the module docstring for what counts). For the
-    HSTU ranker a sample is a request (MLPerf's): the mean history of `window`'s requests (train;
-    eval for serving) and its candidates,
-    the preprocessor's towers as the bottom, the STU stack as the interaction, the head as the top;
-    backward twice forward."""
-    if isinstance(spec, HSTUSpec):
-        return _request_cost(spec, table_precision, optimizer, window)
-    bottom = _mlp(spec.num_dense, spec.bottom_mlp)
-    top = _mlp(spec.over_arch_in_features, spec.top_mlp)
-    bottom_fwd = sum(2 * i * o for i, o in bottom)
-    top_fwd = sum(2 * i * o for i, o in top)
-    bottom_bwd = sum(4 * i * o for i, o in bottom) - 2 * bottom[0][0] * bottom[0][1]
-    top_bwd = 2 * top_fwd
-    if spec.interaction == "dot":
-        inter_fwd = 2 * (spec.num_features + 1) ** 2 * spec.embedding_dim
-        inter_bwd = 2 * inter_fwd
-    elif spec.interaction == "dcnv2":
-        n, r = spec.over_arch_in_features, spec.dcn_low_rank
-        inter_fwd = spec.dcn_num_layers * 4 * n * r
-        inter_bwd = spec.dcn_num_layers * 8 * n * r
-    else:
-        inter_fwd = inter_bwd = 0
-    rows_read = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
-    bytes_read = lookup_bytes_per_sample(spec, table_precision)
-    state = 2 * 4 * rows_read if optimizer == "rowwise_adagrad" else 0.0  # one fp32 per row, read + write
-    return SampleCost(
-        bottom_mlp_flops=bottom_fwd,
-        interaction_flops=inter_fwd,
-        top_mlp_flops=top_fwd,
-        forward_flops=bottom_fwd + inter_fwd + top_fwd,
-        backward_flops=bottom_bwd + inter_bwd + top_bwd,
-        embedding_bytes_read=float(bytes_read),
-        embedding_bytes_written=float(bytes_read),  # the update rewrites every looked-up row
-        optimizer_state_bytes=float(state),
-    )
+    """FLOPs and embedding bytes per sample (see the module docstring for what counts), as the spec's
+    family counts them (`families`; the HSTU ranker's sample is a request of `window`)."""
+    from dlrm_lab.families import family_of
 
-
-def _request_cost(spec: HSTUSpec, table_precision: str, optimizer: str, window: str) -> SampleCost:
-    shape, history, cands = spec.shape, round(spec.mean_history_of(window)), spec.data.candidates
-    pre, stack, post = shape.request_flops_parts(history, cands)
-    whole = pre + stack + post
-    bytes_read = lookup_bytes_per_sample(spec, table_precision)
-    rows = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
-    return SampleCost(
-        bottom_mlp_flops=pre,
-        interaction_flops=stack,
-        top_mlp_flops=post,
-        forward_flops=whole,
-        backward_flops=2 * whole,
-        embedding_bytes_read=bytes_read,
-        embedding_bytes_written=bytes_read,
-        optimizer_state_bytes=2 * 4 * rows if optimizer == "rowwise_adagrad" else 0.0,
-    )
+    return family_of(spec).sample_cost(spec, table_precision, optimizer, window)
 
 
 ROW_SHARDED = ("row_wise", "table_row_wise")  # pooled outputs reduce-scattered: partial sums of every sample
@@ -125,52 +69,15 @@ def step_communication_bytes(
     Uniform assumptions: a share (W-1)/W of each rank's ids and pooled embeddings belongs to
     other ranks; ids are int64 with an int32 length per sample and feature; pooled
     embeddings are fp32 and go back as gradients of the same size; the dense gradient
-    all-reduce is a ring (2 (W-1)/W of the gradient bytes). With the run's `sharding`
-    (table -> sharding type, from its plan): a row-wise or table-row-wise table's pooled
-    output is reduce-scattered (each rank holds partial sums for the whole global batch:
-    W times a table-wise table's bytes; all-gathered back in backward), and a data-parallel
-    table sends no ids or pooled rows but all-reduces its gradient with the dense ones.
+    all-reduce is a ring (2 (W-1)/W of the gradient bytes). The run's `sharding` (table ->
+    sharding type, from its plan) decides what each table sends, as its family counts it.
     """
     zero = dict.fromkeys(COMM_ITEMS, 0.0)
     if world_size <= 1:
         return zero
-    if isinstance(spec, HSTUSpec):
-        return _sequence_bytes(spec, global_batch, world_size, sharding or {})
-    remote = (world_size - 1) / world_size
-    local_batch = global_batch / world_size
-    kinds = sharding or {}
-    out = dict(zero)
-    replicated = 0
-    for t in spec.tables:
-        kind = kinds.get(t.name, "table_wise")
-        features = len(t.feature_names)
-        if kind == "data_parallel":
-            replicated += t.num_parameters
-            continue
-        out["input_dist"] += local_batch * (8 * t.pooling_factor + 4) * features * remote
-        pooled = 2 * 4 * t.embedding_dim * features * remote  # forward and backward, per sample
-        if kind in ROW_SHARDED:
-            out["pooled_reduce_scatter"] += global_batch * pooled
-        else:
-            out["pooled_all_to_all"] += local_batch * pooled
-    out["gradient_all_reduce"] = 2 * remote * 4 * (spec.dense_parameters + replicated)
-    return out
+    from dlrm_lab.families import family_of
 
-
-def _sequence_bytes(spec: HSTUSpec, global_batch: int, world_size: int, kinds: dict[str, str]) -> dict[str, float]:
-    """Sequence tables (the HSTU ranker's): every id's row goes back to the rank that asked (no pooling), by
-    all-to-all whatever the sharding (TorchRec's sequence sharding has no reduce-scatter); "pooled_all_to_all"
-    then holds those rows. Column-wise sends each id to every column shard."""
-    remote = (world_size - 1) / world_size
-    local_batch = global_batch / world_size
-    out = dict.fromkeys(COMM_ITEMS, 0.0)
-    for t in spec.tables:
-        ids = t.pooling_factor * len(t.feature_names)  # per request
-        fan = world_size if kinds.get(t.name) == "column_wise" else 1
-        out["input_dist"] += local_batch * (8 * ids + 4 * len(t.feature_names)) * remote * fan
-        out["pooled_all_to_all"] += local_batch * 2 * 4 * t.embedding_dim * ids * remote  # forward and backward
-    out["gradient_all_reduce"] = 2 * remote * 4 * spec.dense_parameters
-    return out
+    return family_of(spec).communication_bytes(spec, global_batch, world_size, sharding or {})
 
 
 # Bytes per stored table value; row-wise quantised rows also carry an fp16 scale and bias (fbgemm).

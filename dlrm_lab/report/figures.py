@@ -155,18 +155,18 @@ def _phases(data: ReportData, out: Path) -> Made:
 
 
 def _request_flops(data: ReportData, out: Path) -> Made:
-    from dlrm_lab.config.hstu import spec_from_dict
+    from dlrm_lab.families import family_of, spec_from_dict
 
     models, runs = {}, {}
     for r in data.train:
         model = (r["_run"].manifest.get("config") or {}).get("model") or {}
-        if model.get("family") == "hstu":
-            spec = spec_from_dict(model)
-            label = f"{spec.name} ({spec.shape.layers}x{spec.shape.stu.dim}, {spec.data.candidates} candidates)"
-            models[label] = (spec.shape, spec.data.candidates, spec.data.max_history)
-            runs[f"{r['_run'].short} {spec.name}"] = (label, spec.mean_history)
+        spec = spec_from_dict(model) if model else None
+        if spec is not None and (curve := family_of(spec).request_flops_curve(spec)) is not None:
+            label, shape, mean_history = curve
+            models[label] = shape
+            runs[f"{r['_run'].short} {spec.name}"] = (label, mean_history)
     if not models:
-        return "no train run of an HSTU preset"
+        return "no train run of a preset whose sample is a request of a history (the HSTU ranker)"
     return {"request_flops": (plots.request_flops(models, runs, out / "request_flops.png"), [])}
 
 

@@ -5,7 +5,7 @@ exactly as they drive an in-process one.
 A query names samples of the model's sample library; the client holds the same library as
 the server (`library_from_info`: generated from Describe's spec and seed), sends those
 samples' bytes, and calls `query.on_done(query, status, scores)` when the answer is decoded.
-Every query becomes a row of `infer.records.QUERY_SCHEMA`, as in process, with its transfer
+Every query becomes a row of `queries` (`infer.sut.query_row`), as in process, with its transfer
 columns filled: a query's latency (scheduled arrival -> scores decoded) splits into stages that
 add up exactly, each from the clock that saw it:
 
@@ -47,7 +47,7 @@ import numpy as np
 
 from dlrm_lab.errors import BadAnswer, ServerLost, UserError
 from dlrm_lab.infer.library import PackedLibrary
-from dlrm_lab.infer.sut import ModelDescription, SutDescription
+from dlrm_lab.infer.sut import ModelDescription, SutDescription, query_row
 from dlrm_lab.serve.protocol import (
     CHANNEL_OPTIONS,
     DENSE_DTYPE,
@@ -207,7 +207,7 @@ def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator
     live, ready, and serving each model (the URL's name, else the preset's) with the lab's tensors
     (`serve.open_inference.tensors`: dense, lengths, ids in; scores out), checked before any load; the
     samples are the preset's, generated here. It says nothing of how it serves them."""
-    from dlrm_lab.config import HSTUSpec
+    from dlrm_lab.families import family_of
     from dlrm_lab.infer.memory import library_samples
 
     if target.model_name and len(models) > 1:
@@ -217,9 +217,9 @@ def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator
     try:
         stub = v2_grpc.GRPCInferenceServiceStub(channel)
         for m in models:
-            if isinstance(m.spec, HSTUSpec):
-                raise UserError(f"--model {m.name}: an HSTU preset is served from its server's own request library; "
-                                "a remote target takes DLRM samples")  # fmt: skip
+            if not (family := family_of(m.spec)).wire_samples:
+                raise UserError(f"--model {m.name}: {family.label} presets are served from their server's "
+                                "own library; a remote target takes DLRM samples")  # fmt: skip
             check_open_inference_model(target, stub, names[m.name], m.spec, conn.connect_timeout_s)
     finally:
         channel.close()
@@ -479,35 +479,28 @@ class RemoteServer:
         body: bytes = b"",
         error: str | None = None,
     ) -> None:
-        """The query's row (`infer.records.QUERY_SCHEMA`, its transfer columns filled) and its on_done: `resp` is
-        the decoded answer when the server sent one."""
+        """The query's row (`query_row`, its transfer columns filled) and its on_done: `resp` is the decoded
+        answer when the server sent one."""
         start, serialised, send = stamps
-        e = self.epoch_ns
-        row: dict[str, Any] = {
+        columns: dict[str, Any] = {
             "worker": self.worker,
-            "query_id": q.query_id,
-            "model": q.model,
-            "samples": q.size,
-            "scheduled_ms": (q.scheduled_ns - e) / 1e6,
-            "issued_ms": (start - e) / 1e6,
             "round_trip_ms": (receive - send) / 1e6,
             "serialise_ms": (send - start) / 1e6,
             "request_bytes": request_bytes,
-            "error": error,
         }
         scores, end = None, receive
         if status == "ok":
             scores = np.frombuffer(resp.scores, dtype=SCORE_DTYPE)
             end = time.monotonic_ns()
-            row["response_bytes"] = len(body)
+            columns["response_bytes"] = len(body)
             if len(scores) != q.size:
                 status, scores = "BAD_RESPONSE", None
-                row["error"] = f"{len(resp.scores)} score bytes for {q.size} samples"
-                self._bad = self._bad or f"query {q.query_id} was answered with {row['error']}"
+                error = f"{len(resp.scores)} score bytes for {q.size} samples"
+                self._bad = self._bad or f"query {q.query_id} was answered with {error}"
         if status == "ok" and resp.server_send_ns:  # the server reported its stages (any lab server)
             server_ns = resp.server_send_ns - resp.server_receive_ns
             respond_ns = server_ns - resp.parse_ns - resp.queue_ns - resp.compute_ns
-            row.update({
+            columns.update({
                 "network_ms": (receive - send - server_ns) / 1e6,
                 "server_parse_ms": resp.parse_ns / 1e6,
                 "queue_ms": resp.queue_ns / 1e6,
@@ -523,13 +516,9 @@ class RemoteServer:
             # library samples refused: the server's model is not the one these samples were made for
             self._bad = (f"query {q.query_id} was refused: {error} (its model is not {q.model} as given here: "
                          "check --max-rows, --table-scale and the preset)")  # fmt: skip
-        row.update({
-            "status": lab_status(status),
-            "rpc_status": status,
-            "end_ms": (end - e) / 1e6,
-            "deserialise_ms": (end - receive) / 1e6,
-            "latency_ms": (end - q.scheduled_ns) / 1e6,
-        })  # fmt: skip
+        row = query_row(q.query_id, q.model, q.size, lab_status(status), epoch_ns=self.epoch_ns,
+                        scheduled_ns=q.scheduled_ns, issued_ns=start, end_ns=end, error=error, rpc_status=status,
+                        deserialise_ms=(end - receive) / 1e6, **columns)  # fmt: skip
         q.record = row
         with self._lock:
             self._rows.append(row)

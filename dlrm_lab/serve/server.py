@@ -33,14 +33,14 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import ServingFault, UserError
+from dlrm_lab.families import family_of
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.plan import plan_serving
-from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
-from dlrm_lab.infer.sut import Query
+from dlrm_lab.infer.sut import Query, query_row
+from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.tables import TableWriter
 from dlrm_lab.metrics.trust import check_stored_profile
@@ -265,20 +265,11 @@ class InferenceService:
     def record_refused(self, req: Any, receive: int, exc: Refused) -> None:
         if exc.status is None:
             return
-        now = time.monotonic_ns()
-        e = self.inference.epoch_ns
-        self._refused.append({
-            "query_id": next(self._ids),
-            "model": None if req is None else req.model,
-            "samples": None if req is None else req.samples,
-            "status": exc.status,
-            "scheduled_ms": (receive - e) / 1e6,
-            "issued_ms": (receive - e) / 1e6,
-            "end_ms": (now - e) / 1e6,
-            "latency_ms": (now - receive) / 1e6,
-            "pieces": 0,
-            "error": str(exc),
-        })  # fmt: skip
+        self._refused.append(query_row(
+            next(self._ids), None if req is None else req.model, None if req is None else req.samples, exc.status,
+            epoch_ns=self.inference.epoch_ns, scheduled_ns=receive, issued_ns=receive, end_ns=time.monotonic_ns(),
+            error=str(exc), pieces=0,
+        ))  # fmt: skip
 
     def pump(self, queries: TableWriter) -> None:
         """Move finished queries' records to the table; written at least every 2 s."""
@@ -334,8 +325,8 @@ def serve(
     if not 0 <= port < 65536:
         raise UserError(f"--port {port}: must be in [0, 65535] (0: any free port)")
     for m in models:
-        if isinstance(m.spec, HSTUSpec):  # the wire format carries DLRM samples (dense + pooled ids)
-            raise UserError(f"--model {m.spec.name}: an HSTU preset is served in process only (`infer run`, "
+        if not (family := family_of(m.spec)).wire_samples:  # the wire format carries DLRM samples
+            raise UserError(f"--model {m.spec.name}: {family.label} presets are served in process only (`infer run`, "
                             "`infer search`); gRPC carries DLRM samples")  # fmt: skip
     _check_address(host, port)  # before the instances take their time to start
     check_writable(metrics_dir, "--metrics-dir")
@@ -348,7 +339,7 @@ def serve(
     }  # fmt: skip
     run = Run.create(metrics_dir, "serve", config, argv=argv)
     with run:
-        queries = run.table("queries", QUERY_SCHEMA, flush_seconds=FLUSH_S)
+        queries = run.table("queries", schema_of("queries"), flush_seconds=FLUSH_S)
         service = None
         try:
             plan = plan_serving(models, device=device, seed=seed, log=log)  # every choice made before it serves

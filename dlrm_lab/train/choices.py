@@ -10,14 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.config import PRECISIONS, HSTUSpec, ModelSpec, TrainConfig
+from dlrm_lab.config import PRECISIONS, TrainConfig
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import UserError
+from dlrm_lab.families import Spec
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 
 
 def choose_run_precision(
-    spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None
+    spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None
 ):
     """Rank 0 measures (or reads the cached rates) and every rank runs its choice."""
     shared: list[Any] = [None]
@@ -40,8 +41,11 @@ def choose_run_precision(
 
 
 def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any) -> dict[str, Any] | None:
-    """The HSTU ranker's attention path (`model.hstu.choose_attention`): rank 0 times, every rank runs it."""
-    if not isinstance(spec, HSTUSpec):
+    """The attention path of a family that has them (the HSTU ranker's, `model.hstu.choose_attention`):
+    rank 0 times, every rank runs it; None for a family without attention."""
+    from dlrm_lab.families import family_of
+
+    if not family_of(spec).attention_paths:
         return None
     from dlrm_lab.model.hstu import choose_attention
 

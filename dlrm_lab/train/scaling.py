@@ -21,48 +21,12 @@ import pyarrow.parquet as pq
 from dlrm_lab.distributed.launch import threads_per_rank as default_threads
 from dlrm_lab.distributed.mpi import probed_transport
 from dlrm_lab.errors import UserError
-from dlrm_lab.metrics.columns import PHASES
+from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.sweep import SweepResult, SweepSpec, check_points, run_sweep
 
 MODES = ("weak", "strong")
 
-POINT_SCHEMA = pa.schema(
-    [
-        ("kind", pa.string()),
-        ("mode", pa.string()),
-        ("ranks", pa.int32()),
-        ("threads_per_rank", pa.int32()),
-        ("batch_size_per_rank", pa.int32()),
-        ("global_batch_size", pa.int64()),
-        ("repeats", pa.int32()),
-        ("repeats_ok", pa.int32()),
-        ("samples_per_s", pa.float64()),  # median over the repeats that ended ok
-        ("samples_per_s_ci_low", pa.float64()),
-        ("samples_per_s_ci_high", pa.float64()),
-        ("samples_per_s_per_rank", pa.float64()),
-        ("step_time_ms_p50", pa.float64()),
-        ("speedup", pa.float64()),
-        ("efficiency", pa.float64()),
-        *[(f"{p}_share", pa.float64()) for p in PHASES],
-        # against this machine's N-process compute ceiling and the scaling model (scaling_model)
-        ("ceiling_efficiency", pa.float64()),  # probed: N pinned processes' GEMM rate / N x one alone
-        ("efficiency_vs_ceiling", pa.float64()),
-        # the efficiency the machine allows (scaling_model.roof): compute at the ceiling, bytes at the raw
-        # collectives' probed speed; and through TorchRec's probed distribution; the measured one over the first
-        ("roof_efficiency", pa.float64()),
-        ("library_roof_efficiency", pa.float64()),
-        ("efficiency_vs_roof", pa.float64()),
-        ("rank_step_ms", pa.float64()),  # mean per-rank step over the measured steps (first ok repeat)
-        ("predicted_step_ms", pa.float64()),  # per rank, from the one-rank phases (scaling_model.predict)
-        ("prediction_error", pa.float64()),  # measured / predicted - 1 (mean per-rank step times)
-        ("predicted_step_ms_mpi", pa.float64()),  # the same with MPI's probed collectives (PyPI torch has no MPI)
-        ("prediction_note", pa.string()),
-        ("gap_ms", pa.float64()),  # per-rank step beyond one rank's at the same per-rank work
-        ("gap_named_ms", pa.float64()),  # the part named by the breakdown (gap.parquet): all of it
-        ("point_run_id", pa.string()),  # the first repeat that ended ok
-        ("point_status", pa.string()),  # ok when any repeat did
-    ]
-)
+POINT_SCHEMA = schema_of("scale summary")  # `metrics.columns`
 
 
 def parse_ranks(text: str, option: str = "--ranks") -> list[int]:
@@ -209,7 +173,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
     the sweep's gap.parquet; nothing when the one-rank point did not end ok."""
     import json
 
-    from dlrm_lab.config.hstu import spec_from_dict
+    from dlrm_lab.families import spec_from_dict
     from dlrm_lab.metrics.ceiling import ceiling_efficiency
     from dlrm_lab.metrics.roofline import load_profile
     from dlrm_lab.model.cost import step_communication_bytes
@@ -287,7 +251,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         pq.write_table(pa.Table.from_pylist(gaps, schema=GAP_SCHEMA), result.dir / "gap.parquet")
 
 
-GAP_SCHEMA = pa.schema([("ranks", pa.int32()), ("item", pa.string()), ("ms", pa.float64()), ("note", pa.string())])
+GAP_SCHEMA = schema_of("scale gap")
 
 
 def scaling_sweep(spec: SweepSpec, *, argv: list[str] | None = None) -> tuple[Path, list[dict[str, Any]]]:
@@ -305,7 +269,8 @@ def projection(
 
     from torchrec.distributed.planner.types import PlannerError
 
-    from dlrm_lab.config import ModelSpec, load_preset
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.families import family_of, spec_from_dict
     from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
     from dlrm_lab.train.fabrics import planner_choice, project
 
@@ -317,9 +282,10 @@ def projection(
         raise UserError(f"--project: the one-rank run {one['point_run_id']} is not under {sweep_dir}/points")
     manifest = json.loads((run_dir / "manifest.json").read_text())
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
-    if manifest["config"]["model"].get("family") == "hstu":
-        raise UserError("--project: projections plan DLRM presets only (the HSTU family is not projected yet)")
-    spec = ModelSpec.from_dict(manifest["config"]["model"])
+    spec = spec_from_dict(manifest["config"]["model"])
+    if not (family := family_of(spec)).projectable:
+        raise UserError(f"--project: {spec.name} is {family.called}: the scaling model projects DLRM presets "
+                        "only (not this family yet)")  # fmt: skip
     train_cfg = manifest["config"]["train"]
     cost = sample_cost(spec, table_precision=train_cfg["table_precision"], optimizer=train_cfg["embedding_optimizer"])
     batch = int(one["batch_size_per_rank"])

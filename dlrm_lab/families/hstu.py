@@ -1,0 +1,315 @@
+"""The HSTU ranker family (MLPerf DLRMv3): sequence tables, one sample a request of a user's history
+and its candidates, scored per candidate.
+
+Its spec is `config.hstu.HSTUSpec`, its model `model.hstu.HSTURanker`, its requests
+`data.sequences` (synthetic, time-ordered) and `data.request_files` (Parquet); its sample library
+`infer.requests.RequestLibrary`; history reuse across a user's requests `infer.history`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dlrm_lab.config.hstu import HSTUSpec
+from dlrm_lab.errors import UserError
+
+ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
+CHECK_CHUNK = 64  # requests scored at a time by a build's accuracy check
+
+
+class HSTUFamily:
+    name = "hstu"
+    label = "HSTU ranker"
+    called = "the HSTU ranker"
+    spec_type = HSTUSpec
+    builds = ("eager", "fused")
+    no_compiled_build = ("its batches are jagged sequences of every length, and its attention path is chosen by "
+                         "measurement already")  # fmt: skip
+    attention_paths = ("padded", "jagged")
+    wire_samples = False  # the gRPC transports carry DLRM samples (dense + pooled ids)
+    projectable = False  # the scaling model (train.scaling_model) counts pooled tables and DLRM's phases
+    # requests an instance times its batch cost over, and the largest batch it warms up with: each request
+    # is a whole sequence (a DLRMv3-shaped one takes ~0.1 s on a CPU core, linear in requests), and the
+    # jagged path has no fixed shapes to warm
+    cost_batch = 8
+    max_warmup_batch: int | None = 8
+
+    # ----- presets and specs
+    def parse_preset(self, raw: dict[str, Any], *, where: str, table_scale: float | None,
+                     max_rows: int | None) -> HSTUSpec:  # fmt: skip
+        from dlrm_lab.config.hstu import parse_hstu
+
+        return parse_hstu(raw, where=where, table_scale=table_scale, max_rows=max_rows)
+
+    def spec_from_dict(self, data: dict[str, Any]) -> HSTUSpec:
+        return HSTUSpec.from_dict(data)
+
+    def with_data_overrides(self, spec: HSTUSpec, overrides: Sequence[str], *, serving: bool) -> HSTUSpec:
+        """`--set KEY=VALUE` changes the requests, so the cost and the manifest too."""
+        from dlrm_lab.data.sequences import with_overrides
+
+        return with_overrides(spec, tuple(overrides))
+
+    def size_line(self, spec: HSTUSpec) -> str:
+        from dlrm_lab.families.words import human_bytes, human_count
+
+        h = round(spec.mean_history)
+        return (
+            f"{spec.name}: HSTU ranker, {spec.shape.layers} STU layers of width {spec.shape.stu.dim}, "
+            f"{human_count(spec.num_parameters)} parameters ({human_count(spec.embedding_parameters)} embedding), "
+            f"{human_bytes(4 * spec.num_parameters)} fp32; a request ~{h:,} history items + "
+            f"{spec.data.candidates:,} candidates, {spec.shape.request_flops(h, spec.data.candidates) / 1e9:.3g} GFLOP"
+        )
+
+    def describe(self, spec: HSTUSpec) -> tuple[list[str], None]:
+        from dlrm_lab.families.words import human_bytes
+
+        shape, data, h = spec.shape, spec.data, round(spec.mean_history)
+        return [
+            self.size_line(spec), spec.description, f"source: {spec.source}",
+            f"{shape.layers} STU layers, width {shape.stu.dim}, {shape.stu.heads} heads of q/k {shape.stu.qk_dim} and "
+            f"v {shape.stu.v_dim}; tables item {shape.items:,}, category {shape.categories:,}, user {shape.users:,} "
+            "rows",
+            f"per request (mean training history {h:,} items, {data.candidates:,} candidates): "
+            f"{shape.request_flops(h, data.candidates) / 1e9:.3g} GFLOP forward, "
+            f"{human_bytes(shape.request_lookup_bytes(h, data.candidates))} of embedding rows read",
+            f"data: {data.users:,} users, {data.timestamps} steps ({data.warmup_timestamps}-"
+            f"{data.train_timestamps - 1} train, {data.train_timestamps}-{data.timestamps - 1} evaluate), "
+            f"{data.active_share:g} active a step, N({data.interactions_mean:g}, {data.interactions_sd:g}) items "
+            f"met, history <= {data.max_history:,}",
+        ], None  # fmt: skip
+
+    def preset_table(self, specs: Sequence[HSTUSpec]) -> tuple[str, list[str], list[list[str]]]:
+        from dlrm_lab.families.words import human_bytes, human_count
+
+        rows = [[
+            h.name, str(h.shape.layers), str(h.shape.stu.dim), str(h.shape.stu.heads), human_count(h.shape.items),
+            human_count(h.shape.users), str(h.data.candidates), f"<= {h.data.max_history:,}",
+            human_count(h.num_parameters), human_bytes(4 * h.num_parameters),
+        ] for h in specs]  # fmt: skip
+        columns = ["preset", "layers", "dim", "heads", "items", "users", "candidates", "history", "params", "fp32"]
+        return "HSTU ranker presets (family hstu, docs/hstu.md)", columns, rows
+
+    # ----- the model and its cost
+    def build(self, spec: HSTUSpec, device: Any, table_device: Any, table_precision: str, attention: str) -> Any:
+        from dlrm_lab.model.hstu import build_ranker
+
+        return build_ranker(spec, device, table_device, table_precision, attention)
+
+    def sample_cost(self, spec: HSTUSpec, table_precision: str, optimizer: str, window: str) -> Any:
+        """A sample is a request (MLPerf's): the mean history of `window`'s requests (train; eval for
+        serving) and its candidates, the preprocessor's towers as the bottom, the STU stack as the
+        interaction, the head as the top; backward twice forward."""
+        from dlrm_lab.model.cost import SampleCost, lookup_bytes_per_sample
+
+        history, cands = round(spec.mean_history_of(window)), spec.data.candidates
+        pre, stack, post = spec.shape.request_flops_parts(history, cands)
+        whole = pre + stack + post
+        bytes_read = lookup_bytes_per_sample(spec, table_precision)
+        rows = sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
+        return SampleCost(
+            bottom_mlp_flops=pre,
+            interaction_flops=stack,
+            top_mlp_flops=post,
+            forward_flops=whole,
+            backward_flops=2 * whole,
+            embedding_bytes_read=bytes_read,
+            embedding_bytes_written=bytes_read,
+            optimizer_state_bytes=2 * 4 * rows if optimizer == "rowwise_adagrad" else 0.0,
+        )
+
+    def communication_bytes(self, spec: HSTUSpec, global_batch: int, world_size: int,
+                            sharding: dict[str, str]) -> dict[str, float]:  # fmt: skip
+        """Sequence tables: every id's row goes back to the rank that asked (no pooling), by all-to-all
+        whatever the sharding (TorchRec's sequence sharding has no reduce-scatter); "pooled_all_to_all" then
+        holds those rows. Column-wise sends each id to every column shard."""
+        from dlrm_lab.model.cost import COMM_ITEMS
+
+        remote = (world_size - 1) / world_size
+        local_batch = global_batch / world_size
+        out = dict.fromkeys(COMM_ITEMS, 0.0)
+        for t in spec.tables:
+            ids = t.pooling_factor * len(t.feature_names)  # per request
+            fan = world_size if sharding.get(t.name) == "column_wise" else 1
+            out["input_dist"] += local_batch * (8 * ids + 4 * len(t.feature_names)) * remote * fan
+            out["pooled_all_to_all"] += local_batch * 2 * 4 * t.embedding_dim * ids * remote  # forward and backward
+        out["gradient_all_reduce"] = 2 * remote * 4 * spec.dense_parameters
+        return out
+
+    def gemm_shapes(self, spec: HSTUSpec, rows: int, max_rows: int) -> list[tuple[int, int, int]]:
+        """Per token of `rows` requests: the STU projections (the bulk)."""
+        tokens = max(1, min(rows * round(1 + spec.mean_history + spec.data.candidates), max_rows))
+        s = spec.shape.stu
+        return [(tokens, s.dim, s.heads * (2 * s.v_dim + 2 * s.qk_dim)), (tokens, 3 * s.heads * s.v_dim, s.dim)]
+
+    def request_flops_curve(self, spec: HSTUSpec) -> tuple[str, tuple[Any, int, int], float]:
+        """The report's FLOPs-per-request curve: its label, (shape, candidates, longest history), and the
+        mean history trained on."""
+        label = f"{spec.name} ({spec.shape.layers}x{spec.shape.stu.dim}, {spec.data.candidates} candidates)"
+        return label, (spec.shape, spec.data.candidates, spec.data.max_history), spec.mean_history
+
+    def sharder(self, spec: HSTUSpec) -> Any:
+        from dlrm_lab.distributed.wrap import SequenceSharder
+
+        return SequenceSharder()
+
+    def embedding_lr(self, spec: HSTUSpec, default: float) -> tuple[float, str]:
+        return default, f"{default:g}: sequence features, every id keeps its own vector"
+
+    # ----- training
+    def check_training(self, spec: HSTUSpec, cfg: Any) -> None:
+        if cfg.pipeline:
+            raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
+        spec.check_table_precision(cfg.table_precision)
+
+    def check_data_options(self, spec: HSTUSpec, data: str, data_spec: str | None,
+                           overrides: Sequence[str]) -> None:  # fmt: skip
+        from dlrm_lab.data.sequences import with_overrides
+
+        if data != "synthetic":
+            raise UserError(f"--data {data}: {spec.name} trains on its synthetic requests (--data synthetic) only")
+        if data_spec:
+            raise UserError(f"--data-spec: {spec.name}'s requests are its preset's [data] table (change it with --set)")
+        with_overrides(spec, tuple(overrides))  # checked here; the run applies them to its spec
+        return None
+
+    def open_sources(self, spec: HSTUSpec, data: str, batch_size: int, **how: Any) -> tuple[Any, Any]:
+        """Requests in time order; held out: the later window."""
+        from dlrm_lab.data.sequences import SequenceGenerator, SequenceSource
+
+        self.check_data_options(spec, data, how["data_spec"], how["overrides"])
+        requests = SequenceGenerator(spec.data, how["seed"])
+        rank, world = how["rank"], how["world_size"]
+        return (
+            SequenceSource(requests, batch_size, rank, world, "train", start_batch=how["start_batch"]),
+            SequenceSource(requests, batch_size, rank, world, "eval", num_batches=how["eval_batches"]),
+        )
+
+    def dataset_writer(self, spec: HSTUSpec, *, rows: int, shards: int, seed: int, fmt: str,
+                       data_spec: str | None, overrides: Sequence[str], window: str) -> Any:  # fmt: skip
+        """`data gen`: the first `rows` requests of `window` (time-ordered) as Parquet."""
+        from dlrm_lab.data.request_files import write_requests
+        from dlrm_lab.data.sequences import SequenceGenerator, with_overrides
+        from dlrm_lab.families.dlrm import DatasetWriter
+
+        if fmt != "parquet":
+            raise UserError(f"--format {fmt}: HSTU requests are written as parquet only")
+        if data_spec:
+            raise UserError(f"--spec: {spec.name}'s requests are its preset's [data] table (see --set)")
+        generator = SequenceGenerator(with_overrides(spec, tuple(overrides)).data, seed)
+        total = generator.num_requests(window)
+        rows = min(rows, total)
+
+        def write(out: Any, on_progress: Any) -> None:
+            write_requests(generator, out, window=window, requests=rows, shards=shards, on_progress=on_progress)
+
+        headline = (f"{spec.name} requests ({window} window, {total:,} in all): teacher AUC "
+                    f"{generator.teacher['teacher_auc']:.4f}")  # fmt: skip
+        return DatasetWriter(rows=rows, unit="requests", headline=headline, write=write)
+
+    # ----- serving
+    def check_served(self, served: Any) -> None:
+        from dlrm_lab.infer.build import AUTO
+
+        if served.build not in (AUTO, *self.builds):
+            raise UserError(f"--build {served.build}: {served.spec.name} is an HSTU preset (allowed: "
+                            f"{', '.join((AUTO, *self.builds))})")  # fmt: skip
+        served.spec.check_table_precision(served.table_precision)
+        if served.data_spec is not None:
+            raise UserError(f"--data-spec {served.data_spec}: {served.spec.name} is an HSTU preset; change its "
+                            "requests with --set KEY=VALUE")  # fmt: skip
+        if served.attention not in ("auto", *self.attention_paths):
+            raise UserError(f"--attention {served.attention!r}: allowed: auto, {', '.join(self.attention_paths)}")
+
+    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:
+        """The ranker with its attention path (`auto`: both timed over the first requests the model will
+        serve, forward only): the model, `served` with the path resolved, and the timing's record."""
+        from dataclasses import replace
+
+        import torch
+
+        from dlrm_lab.infer.requests import SERVED_WINDOW
+        from dlrm_lab.model.hstu import build_ranker, choose_attention
+
+        torch.manual_seed(seed)
+        choice = choose_attention(served.attention, served.spec, min(served.max_batch, ATTENTION_BATCH),
+                                  torch.device("cpu"), seed, backward=False, window=SERVED_WINDOW)  # fmt: skip
+        log(f"{served.name}: attention {choice.reason}")
+        served = replace(served, attention=choice.path)
+        torch.manual_seed(seed)
+        return build_ranker(served.spec, attention=served.attention).eval(), served, choice.to_dict()
+
+    def sample_library(self, served: Any, seed: int, samples: int) -> Any:
+        from dlrm_lab.infer.requests import RequestLibrary
+
+        return RequestLibrary.generate(served.spec, seed, samples)
+
+    def held_out(self, served: Any, library: Any, seed: int) -> Any:
+        """The library is the evaluation window's first requests: the check takes the training window's."""
+        from dlrm_lab.data.sequences import SequenceGenerator
+        from dlrm_lab.infer.build import CHECK_REQUESTS
+
+        generator = SequenceGenerator(served.spec.data, seed=seed)
+        return generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")
+
+    def check_samples(self, block: Any) -> Any:
+        return block  # a RequestBlock, scored in chunks
+
+    def score(self, module: Any, samples: Any, precision: str, autocast: bool) -> Any:
+        """One score per candidate of a RequestBlock's requests, CHECK_CHUNK requests at a time."""
+        import numpy as np
+        import torch
+
+        from dlrm_lab.infer.history import score_requests
+        from dlrm_lab.infer.requests import RequestLibrary
+        from dlrm_lab.metrics.precision import DTYPES
+
+        requests = RequestLibrary.from_block(samples)
+        parts = []
+        with torch.inference_mode(), torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
+            for start in range(0, requests.size, CHECK_CHUNK):
+                block = requests.block(start, min(CHECK_CHUNK, requests.size - start))
+                parts.append(torch.sigmoid(score_requests(module, block, None)[0].float()).numpy())
+        return np.concatenate(parts)
+
+    def memory(self, served: Any) -> Any:
+        """A request's history and candidates in the library (ids, actions, ages, labels; `infer.requests`),
+        the activations of the largest batch (every layer's tokens at width D, its u/v/q/k, and the [H, N, N]
+        attention of the padded path), and the history cache of each instance."""
+        from dlrm_lab.infer.memory import INSTANCE_RUNTIME_BYTES, ModelMemory, library_samples
+        from dlrm_lab.model.cost import stored_table_bytes
+
+        spec, d = served.spec, served.spec.shape.stu
+        history, cands = spec.data.max_history, spec.data.candidates
+        tokens = 1 + history + cands
+        per_request = history * (8 + 8 + 8 + 4) + cands * (8 + 8 + 4 + 4) + 6 * 8
+        projections = d.heads * (2 * d.v_dim + 2 * d.qk_dim) + 3 * d.heads * d.v_dim
+        activations = 2 * 4 * served.max_batch * tokens * (d.dim * (spec.shape.layers + 1) + projections
+                                                           + d.heads * tokens)  # fmt: skip
+        fp32 = int(stored_table_bytes(spec, "fp32"))
+        dense = 4 * spec.dense_parameters
+        cache = int(served.history_cache_mb * 1e6)
+        window = spec.data.active_users * (spec.data.timestamps - spec.data.train_timestamps)  # the eval window's
+        samples = min(window, library_samples(served.max_batch, served.library_samples))
+        return ModelMemory(
+            name=served.name, fp32_tables=fp32, snapshot=fp32, library=int(per_request * samples),
+            per_instance=INSTANCE_RUNTIME_BYTES + dense + activations + cache, instances=served.instances,
+            device_per_instance=fp32 + dense + activations + cache,
+        )  # fmt: skip
+
+    def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
+        from dlrm_lab.infer.build import fused_ranker
+
+        return fused_ranker(model, precision=precision, table_precision=table_precision)
+
+    def make_runner(self, model: Any, library: Any, device: Any, precision: str, history_cache_mb: float) -> Any:
+        from dlrm_lab.infer.instance import RequestRunner
+
+        return RequestRunner(model, library, device, precision, history_cache_mb)
+
+    def id_rows(self, spec: HSTUSpec) -> list[int]:
+        return []  # requests come from the server's own library: queries carry no ids
+
+
+FAMILY = HSTUFamily()
