@@ -27,8 +27,7 @@ import numpy as np
 from common import header, write_results
 
 from dlrm_lab import sweep as sweep_module
-from dlrm_lab.infer.records import QUERY_SCHEMA
-from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY
+from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.report.html import write_report
 from dlrm_lab.sweep import PointResult, SweepResult, SweepSpec, load_spec, run_sweep, write_sweep_tables
@@ -67,7 +66,7 @@ def query_sweep(root: Path, points: int, queries: int, rng: np.random.Generator)
         for p in range(points):
             with Run.create(sweep.dir / "points" / f"p{p:04d}-r0", kind="infer", config={}) as child:
                 lat = rng.lognormal(1.0, 0.5, queries)
-                child.table("queries", QUERY_SCHEMA).extend(
+                child.table("queries", schema_of("queries")).extend(
                     [{"point": 0, "query_id": q, "model": "rm2", "samples": 1, "status": "ok",
                       "scheduled_ms": q * 10.0, "end_ms": q * 10.0 + float(lat[q]), "latency_ms": float(lat[q])}
                      for q in range(queries)]
@@ -76,7 +75,7 @@ def query_sweep(root: Path, points: int, queries: int, rng: np.random.Generator)
                     [{"point": 0, "model": "rm2", "mode": "together", "queries_per_s": 100.0 * (p + 1),
                       "samples_per_s": 100.0 * (p + 1), "latency_p99_ms": float(np.percentile(lat, 99)),
                       "sla_latency_ms": float(np.percentile(lat, 99)), "sla_ms": 10.0, "target_qps": 100.0 * (p + 1)}],
-                    INFER_SUMMARY,
+                    schema_of("infer summary"),
                 )  # fmt: skip
             result.points.append(PointResult(p, 0, {"qps": 100 * (p + 1)}, "ok", child.dir))
         write_sweep_tables(sweep, spec, result)

@@ -67,18 +67,7 @@ DEFAULT_METRICS = columns.SWEPT
 # Columns that tell apart several summary rows of one child run (inference: per point, model, mode).
 _ROW_KEYS = ("point", "model", "mode")
 
-POINTS_SCHEMA = pa.schema(
-    [
-        ("point", pa.int32()),
-        ("repeat", pa.int32()),
-        ("params_json", pa.string()),
-        ("status", pa.string()),
-        ("child_run_id", pa.string()),
-        ("child_dir", pa.string()),
-        ("seconds", pa.float64()),
-        ("attempts", pa.int32()),
-    ]
-)
+POINTS_SCHEMA = columns.schema_of("sweep points")
 
 
 @dataclass(frozen=True)

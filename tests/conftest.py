@@ -133,3 +133,37 @@ def store_profile(
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{fid}.json").write_text(json.dumps(profile))
     return profile
+
+
+# The registered table (`metrics.columns`) that each Parquet file of a run directory is, by file and run kind.
+_TABLE_OF_FILE = {"steps": "steps", "eval": "eval", "queries": "queries", "frontier": "frontier",
+                  "gap": "scale gap", "profile": "profile", "points": "sweep points"}  # fmt: skip
+_TABLES_OF_KIND = {
+    "train": {"summary": "train summary", "telemetry": "train telemetry"},
+    "infer": {"summary": "infer summary", "telemetry": "infer telemetry"},
+    "infer-search": {"summary": "search summary", "telemetry": "infer telemetry"},
+    "scale": {"summary": "scale summary"},
+}
+
+
+def assert_tables_registered(run_dir: Path) -> list[str]:
+    """Every Parquet table a run wrote is its registered table, column for column: names, order and Arrow
+    types (`run_id` first). Returns the tables checked."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dlrm_lab.metrics import read_manifest
+    from dlrm_lab.metrics.columns import schema_of
+
+    kind = read_manifest(run_dir)["kind"]
+    checked = []
+    for path in sorted(Path(run_dir).glob("*.parquet")):
+        table = _TABLES_OF_KIND.get(kind, {}).get(path.stem) or _TABLE_OF_FILE.get(path.stem)
+        assert table is not None, f"{path.name} of a {kind} run is no registered table"
+        written = pq.read_schema(path).remove_metadata()
+        expected = schema_of(table)
+        if "run_id" in written.names:  # the run's tables lead with it (`metrics.tables`)
+            expected = expected.insert(0, pa.field("run_id", pa.string()))
+        assert written.equals(expected), f"{path.name}: {written} is not {table!r}: {expected}"
+        checked.append(table)
+    return checked

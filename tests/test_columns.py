@@ -1,34 +1,29 @@
-"""The column registry: every view names registered columns that its tables record,
-every ranked metric has a direction, and every registered column is documented."""
+"""The column registry: every table a run writes is its registered columns, a column is defined once for
+every table that writes it, every view names registered columns that its tables record, every ranked
+metric has a direction, and every registered column is documented."""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
-from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY
 from dlrm_lab.metrics import columns
-from dlrm_lab.train.records import STEP_SCHEMA
-from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY
-from dlrm_lab.train.scaling import POINT_SCHEMA
+from dlrm_lab.metrics.columns import schema_of
 
-DOCS = "\n".join(p.read_text() for p in sorted((Path(__file__).parent.parent / "docs").glob("*.md")))
-
-
-def _frontier_schema():
-    from dlrm_lab.infer.search import FRONTIER_SCHEMA
-
-    return FRONTIER_SCHEMA
+ROOT = Path(__file__).parent.parent
+DOCS = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
 
 
 def _recorded() -> dict[str, set[str]]:
     return {
-        "train": set(TRAIN_SUMMARY.names),
-        "infer": set(INFER_SUMMARY.names),
-        "frontier": set(_frontier_schema().names),
-        "scale": set(POINT_SCHEMA.names),
+        "train": set(columns.names_of("train summary")),
+        "infer": set(columns.names_of("infer summary")),
+        "frontier": set(columns.names_of("frontier")),
+        "scale": set(columns.names_of("scale summary")),
     }
 
 
@@ -77,7 +72,7 @@ def test_compared_and_swept_metrics_have_a_direction_and_are_recorded():
 
 
 def test_phases_are_the_recorded_step_phases():
-    assert [f"{p}_ms" for p in columns.PHASES] == [n for n in STEP_SCHEMA.names if n[:-3] in columns.PHASES]
+    assert [f"{p}_ms" for p in columns.PHASES] == [n for n in columns.names_of("steps") if n[:-3] in columns.PHASES]
     assert set(columns.PHASE_LABELS) == set(columns.PHASES)
 
 
@@ -111,3 +106,72 @@ def test_unregistered_columns_take_their_unit_from_the_name():
     assert columns.column("x_samples_per_s_per_w").unit == "samples/s/W"
     assert columns.column("something").unit == "" and columns.column("something").better is None
     assert columns.column("latency_p99_ms").heading == "latency p99 (ms)"
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def test_a_column_is_one_type_and_meaning_in_every_table_that_writes_it():
+    throughput = columns.COLUMNS["samples_per_s"]
+    assert (throughput.type, throughput.unit, throughput.better) == (pa.float64(), "samples/s", columns.HIGHER)
+    assert set(throughput.tables) == {"steps", "infer summary", "search summary", "train summary", "scale summary"}
+    for name, column in columns.COLUMNS.items():
+        for table in column.tables:
+            assert schema_of(table).field(name).type == column.type, (table, name)
+    # the one name two columns share: the operators' profile counts the steps it profiled, in int32
+    assert schema_of("profile").field("steps").type == pa.int32() and "profile" not in columns.COLUMNS["steps"].tables
+
+
+def test_tables_keep_their_files_column_order():
+    """Readers and duckdb queries across old and new runs see the same columns in the same place."""
+    assert columns.names_of("queries")[:5] == ("point", "query_id", "model", "samples", "status")
+    assert columns.names_of("search summary") == (*columns.names_of("infer summary"), "repeat", "probe", "passed")
+    assert columns.names_of("train telemetry") == ("rank", *columns.names_of("telemetry"))
+    assert columns.names_of("infer telemetry") == ("point", *columns.names_of("telemetry"))
+    for table in columns._LAYOUTS:
+        names = columns.names_of(table)
+        assert len(names) == len(set(names)), table
+
+
+def test_no_module_writes_a_run_tables_schema_by_hand():
+    """Every schema of a run's tables is `schema_of(table)`. Aside: the data files' own formats (data/), the
+    `run_id` every table leads with (metrics/tables.py), and a sweep's per-metric aggregates, named at run time."""
+    allowed = {"dlrm_lab/metrics/columns.py", "dlrm_lab/metrics/tables.py", "dlrm_lab/sweep.py"}
+    by_hand = [
+        rel
+        for path in sorted((ROOT / "dlrm_lab").rglob("*.py"))
+        if not (rel := path.relative_to(ROOT).as_posix()).startswith("dlrm_lab/data/") and rel not in allowed
+        and re.search(r"pa\.(schema|field)\(", path.read_text())
+    ]  # fmt: skip
+    assert by_hand == []
+
+
+def test_a_familys_columns_join_a_shared_table_where_it_places_them(monkeypatch):
+    monkeypatch.setattr(columns, "COLUMNS", dict(columns.COLUMNS))
+    monkeypatch.setattr(columns, "_LAYOUTS", {t: list(c) for t, c in columns._LAYOUTS.items()})
+    reuse = columns._c("candidates_scored", pa.int64())
+    columns.register_columns("queries", [reuse], after="samples")
+    columns.register_columns("infer summary", ["history_cache_mb", columns._c("candidates_mean", pa.float64())])
+    assert columns.names_of("queries")[3:5] == ("samples", "candidates_scored")
+    assert schema_of("queries").field("candidates_scored").type == pa.int64()
+    assert columns.names_of("search summary")[-4:] == ("candidates_mean", "repeat", "probe", "passed")
+    assert columns.COLUMNS["candidates_scored"].tables == ("queries",)
+    before = columns.names_of("queries")
+    columns.register_columns("queries", [reuse], after="samples")  # the family's module imported again
+    assert columns.names_of("queries") == before
+    with pytest.raises(ValueError, match="defined twice"):  # one meaning per name
+        columns.register_columns("frontier", [columns._c("candidates_scored", pa.int32())])
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        columns.register_columns("frontier", ["candidates_mean"], after="nope")
+    with pytest.raises(KeyError, match="no table"):
+        columns.register_columns("querys", [reuse])
+
+
+def test_hstus_columns_are_its_own_and_sit_where_the_files_have_them():
+    """HSTU's query and summary columns come from its registration (`HSTU_COLUMNS`), not the shared layout."""
+    hstu = {c if isinstance(c, str) else c.name for _, _, cols in columns.HSTU_COLUMNS for c in cols}
+    assert hstu == {"history_reused", "history_tokens_reused", "history_cache_mb", "history_affinity", "attention",
+                    "history_hit_rate", "history_tokens_reused_mean", "best_history_hit_rate"}  # fmt: skip
+    queries = columns.names_of("queries")
+    after_error = queries[queries.index("error") + 1 :][:2]
+    assert after_error == ("history_reused", "history_tokens_reused")

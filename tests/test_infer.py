@@ -220,14 +220,14 @@ def test_an_instance_killed_during_a_run_is_one_line_naming_it_and_the_queries_a
 def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario):
     from dlrm_lab.infer.lab import InferConfig, Point, measure, queue_room
     from dlrm_lab.infer.load import QuerySizes, Stream
-    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
     cfg = InferConfig(scenario=scenario, duration_s=0.5, sla_ms=50)
     stream = Stream("tiny", 200.0, QuerySizes.parse("fixed:2"))
     point = Point(0, [stream], scenario=scenario)
     with Run.create(tmp_path, "infer", {}) as run, queue_room(server, point, cfg.duration_s):
-        (row,) = measure(server, point, cfg, run.table("queries", QUERY_SCHEMA), run.dir)
+        (row,) = measure(server, point, cfg, run.table("queries", schema_of("queries")), run.dir)
     assert row["scenario"] == scenario and row["arrival"] == "loadgen" and row["loadgen_result"] in ("VALID", "INVALID")
     assert (run.dir / "loadgen" / "point-0" / "mlperf_log_summary.txt").exists()
     assert row["completed_queries"] > 0 and row["dropped_queries"] == 0
@@ -263,7 +263,7 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
 
     from dlrm_lab.infer import lab
     from dlrm_lab.infer.load import QuerySizes, Stream
-    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.energy import telemetry_schema
     from dlrm_lab.metrics.run import Run
     from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
@@ -275,7 +275,7 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
     stream = Stream("tiny", 150.0, QuerySizes.parse("fixed:4"))
     with Run.create(tmp_path, "infer", {}) as run:
         telemetry = run.table("telemetry", telemetry_schema("point"))
-        (row,) = lab.measure(server, lab.Point(0, [stream]), cfg, run.table("queries", QUERY_SCHEMA), run.dir,
+        (row,) = lab.measure(server, lab.Point(0, [stream]), cfg, run.table("queries", schema_of("queries")), run.dir,
                              telemetry=telemetry)  # fmt: skip
     spec = server.models["tiny"].spec
     assert row["flops_per_sample"] == sample_cost(spec).forward_flops == 1392
@@ -393,13 +393,13 @@ def test_a_traced_point_is_chrome_trace_json_with_the_labs_spans_on_the_servers_
 
     from dlrm_lab.infer import lab
     from dlrm_lab.infer.load import QuerySizes, Stream
-    from dlrm_lab.infer.records import QUERY_SCHEMA
+    from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
     cfg = lab.InferConfig(duration_s=0.5, sla_ms=50, warmup_s=0.1)
     with Run.create(tmp_path, "infer", {}) as run:
         lab.measure(server, lab.Point(0, [Stream("tiny", 200.0, QuerySizes.parse("fixed:8"))]), cfg,
-                    run.table("queries", QUERY_SCHEMA), run.dir, trace=True)  # fmt: skip
+                    run.table("queries", schema_of("queries")), run.dir, trace=True)  # fmt: skip
     trace = json.loads((run.dir / "trace.json").read_text())
     events = trace["traceEvents"]
     assert isinstance(events, list) and trace["otherData"]["instances_aligned"] == [0, 1]

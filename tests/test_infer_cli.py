@@ -5,10 +5,10 @@ import re
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli_in_process
+from conftest import assert_tables_registered, run_cli_in_process
 
-from dlrm_lab.infer.records import QUERY_SCHEMA, SUMMARY_SCHEMA
 from dlrm_lab.metrics import read_manifest
+from dlrm_lab.metrics.columns import schema_of
 
 
 def _run_dir(root):
@@ -27,17 +27,18 @@ def test_open_loop_point_records_every_query(tmp_path):
     run_dir = _run_dir(tmp_path)
     assert read_manifest(run_dir)["status"] == "ok"
     queries = pq.read_table(run_dir / "queries.parquet")
-    assert set(QUERY_SCHEMA.names) <= set(queries.schema.names)
+    assert set(schema_of("queries").names) <= set(queries.schema.names)
     q = queries.to_pandas()
     assert 200 < len(q) < 400 and (q.status == "ok").all()  # ~300 Poisson arrivals in 1.5 s
     assert q.samples.between(1, 8).all() and (q.batch_samples <= 32).all()
     assert ((q.latency_ms - (q.end_ms - q.scheduled_ms)).abs() < 1e-6).all()
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
-    assert set(SUMMARY_SCHEMA.names) <= set(s)
+    assert set(schema_of("infer summary").names) <= set(s)
     assert s["queries"] == len(q) and s["completed_queries"] == len(q)
     assert s["samples_per_s"] == pytest.approx(q.samples.sum() / s["duration_s"])
     assert s["latency_p50_ms"] <= s["latency_p99_ms"] <= s["latency_max_ms"]
     assert 0.8 < s["achieved_rate_ratio"] < 1.2 and s["issue_lag_p99_ms"] is not None
+    assert assert_tables_registered(run_dir) == ["queries", "infer summary", "infer telemetry"]
     assert s["instances"] == 2 and s["cpu_utilization"] is not None and s["snapshot_mb"] > 0
     # DuckDB reads the run directly
     n = duckdb.sql(f"select count(*) from '{run_dir}/queries.parquet' where status = 'ok'").fetchall()[0][0]
@@ -101,6 +102,7 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
                      progress[-1])  # fmt: skip
     assert len(progress) > 3 and done and int(done[1]) == int(done[2]) + 1, progress[-1]
     run_dir = _run_dir(tmp_path)
+    assert assert_tables_registered(run_dir) == ["frontier", "queries", "search summary", "infer telemetry"]
     (f,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     assert f["best"] and 0 < f["best_qps"] <= f["capacity_queries_per_s"] * 1.05 and f["probes"] == 3
     assert f["best_sla_latency_ms"] <= 20 and f["best_qps_uncertainty"] > 0
@@ -200,8 +202,9 @@ def test_a_load_whose_issuer_fell_behind_exits_1_with_one_line_and_keeps_its_row
         seen["cfg"] = cfg
         run_dir = tmp_path / "infer-run"
         run_dir.mkdir()
-        row = {name: None for name in SUMMARY_SCHEMA.names} | {"point": 0, "model": "tiny", "issue_stopped": why}
-        pq.write_table(pa.Table.from_pylist([row], schema=SUMMARY_SCHEMA), run_dir / "summary.parquet")
+        schema = schema_of("infer summary")
+        row = {name: None for name in schema.names} | {"point": 0, "model": "tiny", "issue_stopped": why}
+        pq.write_table(pa.Table.from_pylist([row], schema=schema), run_dir / "summary.parquet")
         return run_dir
 
     monkeypatch.setattr(dlrm_lab.infer.lab, "run_inference", fake_run)

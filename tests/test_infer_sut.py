@@ -329,15 +329,15 @@ def test_a_point_is_measured_through_the_interface_alone(tmp_path):
 
     from dlrm_lab.config import load_preset
     from dlrm_lab.infer.lab import InferConfig, Point, measure
-    from dlrm_lab.infer.records import QUERY_SCHEMA
     from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
     fake = FakeSut(small_library(), served=ServedModel("m", load_preset("tiny")))
     rows = []
     try:
         with Run.create(tmp_path, "infer", {}) as run:
-            queries = run.table("queries", QUERY_SCHEMA)
+            queries = run.table("queries", schema_of("queries"))
             for k, warmup_s in enumerate((0.0, 1.0)):
                 before = len(fake.submitted)
                 cfg = InferConfig(duration_s=0.4, sla_ms=1000.0, warmup_s=warmup_s)
@@ -367,8 +367,8 @@ def test_a_points_cost_is_its_rate_at_the_machines_price_and_a_remote_hosts_pric
 
     from dlrm_lab.config import load_preset
     from dlrm_lab.infer.lab import InferConfig, Point, measure, point_price
-    from dlrm_lab.infer.records import QUERY_SCHEMA
     from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
@@ -378,7 +378,7 @@ def test_a_points_cost_is_its_rate_at_the_machines_price_and_a_remote_hosts_pric
         with Run.create(tmp_path / "runs", "infer", {}) as run:
             cfg = InferConfig(duration_s=0.4, sla_ms=1000.0, warmup_s=0.0, price_per_hour=3.6, currency="EUR")
             (row,) = measure(fake, Point(0, [Stream("m", 100.0, QuerySizes.parse("fixed:2"))]), cfg,
-                             run.table("queries", QUERY_SCHEMA), run.dir)  # fmt: skip
+                             run.table("queries", schema_of("queries")), run.dir)  # fmt: skip
     finally:
         fake.close()
     assert row["price_per_hour"] == 3.6 and row["currency"] == "EUR" and row["cost_rate"] == "measured"
@@ -605,9 +605,9 @@ def test_a_querys_latency_parts_sum_to_it_on_a_system_of_known_times(tmp_path, m
 
     from dlrm_lab.config import load_preset
     from dlrm_lab.infer.lab import InferConfig, Point, measure
-    from dlrm_lab.infer.records import QUERY_SCHEMA, batch_roof
+    from dlrm_lab.infer.records import batch_roof
     from dlrm_lab.infer.served import ServedModel
-    from dlrm_lab.metrics.columns import LATENCY_PARTS
+    from dlrm_lab.metrics.columns import LATENCY_PARTS, schema_of
     from dlrm_lab.metrics.roofline import load_profile, peaks_for
     from dlrm_lab.metrics.run import Run
 
@@ -621,7 +621,7 @@ def test_a_querys_latency_parts_sum_to_it_on_a_system_of_known_times(tmp_path, m
         with Run.create(tmp_path, "infer", {}) as run:
             cfg = InferConfig(duration_s=0.3, sla_ms=1000.0, warmup_s=0.0)
             (row,) = measure(fake, Point(0, [Stream("m", 200.0, QuerySizes.parse("fixed:4"))]), cfg,
-                             run.table("queries", QUERY_SCHEMA), run.dir)  # fmt: skip
+                             run.table("queries", schema_of("queries")), run.dir)  # fmt: skip
             run_dir = run.dir
     finally:
         fake.close()

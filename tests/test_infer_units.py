@@ -290,6 +290,20 @@ def test_percentile_float_rounding():
     assert percentile(np.arange(1, 101, dtype=np.float64), 7) == 7.0
 
 
+@pytest.mark.parametrize("p", [50, 90, 95, 99, 99.9])
+@pytest.mark.parametrize("n", [1, 7, 10, 100, 999, 1000, 2000])
+def test_search_stops_a_probe_exactly_when_its_percentile_has_passed_the_bound(p, n):
+    """The search's early stop counts late queries by the same nearest rank the summary's percentile is:
+    `late_budget` late ones still meet the bound, one more does not."""
+    from dlrm_lab.infer.search import late_budget
+
+    budget = late_budget(n, 1.0, p)
+    fast = np.ones(n)
+    assert percentile(np.concatenate([fast[budget:], np.full(budget, np.inf)]), p) == 1.0
+    if budget < n:
+        assert percentile(np.concatenate([fast[budget + 1 :], np.full(budget + 1, np.inf)]), p) == math.inf
+
+
 # ---------------------------------------------------------------------------- summarize
 
 

@@ -15,9 +15,7 @@ import pytest
 from conftest import store_profile
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.records import QUERY_SCHEMA
-from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY
-from dlrm_lab.infer.search import FRONTIER_SCHEMA
+from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.report import plots
 from dlrm_lab.report.html import write_report
@@ -26,9 +24,6 @@ from dlrm_lab.train.records import STEP_SCHEMA
 from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY
 from dlrm_lab.train.scaling import POINT_SCHEMA
 
-SEARCH_SUMMARY = pa.schema(
-    [*INFER_SUMMARY, pa.field("repeat", pa.int32()), pa.field("probe", pa.int32()), pa.field("passed", pa.bool_())]
-)
 SHARES = {
     "data_wait": 0.1,
     "input_dist": 0.05,
@@ -86,7 +81,7 @@ def infer_query_rows(point: int, latencies: list[float], model: str = "rm1", dro
 def infer_run(root: Path) -> Path:
     """Points 0 and 1 of one configuration at two rates (so also a QPS-vs-p99 series)."""
     with Run.create(root, kind="infer", config={"infer": {"device": "cpu"}}) as run:
-        q = run.table("queries", QUERY_SCHEMA)
+        q = run.table("queries", schema_of("queries"))
         q.extend(infer_query_rows(0, [float(v) for v in range(1, 101)], dropped=3))
         q.extend(infer_query_rows(1, [float(v) for v in range(5, 205, 2)]))
         config = {"model": "rm1", "instances": 1, "threads_per_instance": 2, "max_batch": 64, "max_delay_ms": 1.0}
@@ -102,7 +97,7 @@ def infer_run(root: Path) -> Path:
                      roofline_bound_by="memory", energy_unavailable=NO_RAPL)  # fmt: skip
         rows[1].update(tail_issue_ms=0.5, tail_queue_ms=100.0, tail_roof_ms=4.0, tail_beyond_roof_ms=40.0,
                        tail_slowdown_ms=50.0, tail_completion_ms=4.5)  # fmt: skip
-        run.write_summary(rows, INFER_SUMMARY)
+        run.write_summary(rows, schema_of("infer summary"))
     return run.dir
 
 
@@ -113,7 +108,7 @@ BEST_SPS = {c: 1000.0 * (k + 1) for k, c in enumerate(CONFIGS)}  # the last conf
 def search_run(root: Path) -> Path:
     """Per configuration two probes of two repeats: 100 q/s passes, 200 q/s fails."""
     with Run.create(root, kind="infer-search", config={"infer": {"device": "cpu"}}) as run:
-        queries, summary, frontier = run.table("queries", QUERY_SCHEMA), [], []
+        queries, summary, frontier = run.table("queries", schema_of("queries")), [], []
         point = 0
         for i, t, b, d in CONFIGS:
             config = {"model": "rm2", "instances": i, "threads_per_instance": t, "max_batch": b, "max_delay_ms": d}
@@ -132,8 +127,8 @@ def search_run(root: Path) -> Path:
                              "best_samples_per_s": BEST_SPS[(i, t, b, d)], "best_sla_latency_ms": 41.5,
                              "capacity_queries_per_s": 250.0, "sla_ms": SLA_MS, "sla_percentile": 99.0,
                              "probes": 2, "best": (i, t, b, d) == CONFIGS[-1]})  # fmt: skip
-        run.write_summary(summary, SEARCH_SUMMARY)
-        run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
+        run.write_summary(summary, schema_of("search summary"))
+        run.write_summary(frontier, schema_of("frontier"), name="frontier")
     return run.dir
 
 
@@ -493,7 +488,7 @@ def test_sweep_written_by_the_sweep_module(tmp_path):
                     child.write_summary(
                         [{"point": 0, "model": m, "mode": "together", "queries_per_s": qps + rep + k,
                           "latency_p99_ms": 5.0 + p + k} for k, m in enumerate(("rm1", "rm2"))],
-                        INFER_SUMMARY,
+                        schema_of("infer summary"),
                     )  # fmt: skip
                 result.points.append(PointResult(p, rep, {"qps": qps}, "ok", child.dir))
         write_sweep_tables(sweep, spec, result)
@@ -543,7 +538,7 @@ def _machine_run(root: Path, name: str, cores: int, flags: list[str], price: flo
                  "roofline_fraction": 0.3, "energy_per_query_j": joules, "precision": "fp32",
                  "flops_per_sample": 1e6, "bytes_per_sample": 1e5, "achieved_flops_per_s": sps * 1e6}
                 for k, (sla, qps, sps, met, joules) in enumerate(points)]  # fmt: skip
-        run.write_summary(rows, INFER_SUMMARY)
+        run.write_summary(rows, schema_of("infer summary"))
     manifest = json.loads((run.dir / "manifest.json").read_text())
     manifest["hardware"] = {"fingerprint_id": name * 16, "cpu_model": f"CPU {name}", "cpu_flags": flags,
                             "physical_cores": cores, "gpus": {"devices": []}}  # fmt: skip

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from dlrm_lab.cli.compare import compare_command
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.records import QUERY_SCHEMA, percentile
-from dlrm_lab.infer.records import SUMMARY_SCHEMA as INFER_SUMMARY_SCHEMA
+from dlrm_lab.infer.records import percentile
+from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.stats import estimate, nearest_rank_percentile, ratio_estimate
 from dlrm_lab.report.compare import compare, compare_machines
@@ -84,8 +84,8 @@ def infer_run(root: Path, seed: int, latency_scale: float = 1.0, qps: float = 10
         "latency_p99_ms": percentile(latency, 99),
     }
     with Run.create(root, kind="infer", config={}) as run:
-        run.table("queries", QUERY_SCHEMA).extend(queries)
-        run.write_summary([summary], INFER_SUMMARY_SCHEMA)
+        run.table("queries", schema_of("queries")).extend(queries)
+        run.write_summary([summary], schema_of("infer summary"))
     return run.dir
 
 

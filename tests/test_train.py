@@ -6,7 +6,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import make_batch
+from conftest import assert_tables_registered, make_batch
 
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
@@ -61,6 +61,7 @@ def test_run_directory_holds_manifest_steps_eval_and_summary(tiny_run):
     evals = duckdb.sql(f"select step, auc from '{d}/eval.parquet' order by step").fetchall()
     assert [e[0] for e in evals] == [19, 39, 59]
     assert summary["eval_auc"] == pytest.approx(evals[-1][1])
+    assert assert_tables_registered(d) == ["eval", "steps", "train summary", "train telemetry"]
 
 
 def test_same_seed_same_losses():
@@ -327,6 +328,7 @@ def test_profile_steps_record_operators_per_step(tmp_path):
     rows = pq.read_table(result.run_dir / "profile.parquet").to_pylist()
     ops = {r["op"]: r for r in rows}
     assert {r["rank"] for r in rows} == {0} and all(r["steps"] == 3 for r in rows)
+    assert "profile" in assert_tables_registered(result.run_dir)
     assert any(op in ops for op in ("aten::addmm", "aten::mm", "aten::linear"))
     assert all(r["total_ms_per_step"] >= r["self_ms_per_step"] >= 0 for r in rows)
     assert sum(r["self_ms_per_step"] for r in rows) > 0

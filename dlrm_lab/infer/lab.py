@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from dlrm_lab.errors import RemoteFailure, ServerLost, ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS, drive, make_driver
@@ -29,8 +27,6 @@ from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
 from dlrm_lab.infer.loadgen import check_loadgen_duration, loadgen_duration
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.records import (
-    QUERY_SCHEMA,
-    SUMMARY_SCHEMA,
     batch_roof,
     energy_columns,
     latency_floor_columns,
@@ -44,6 +40,7 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription, SutDescription, SystemUnderTest
 from dlrm_lab.infer.targets import Connection, check_connection, open_target, parse_target
 from dlrm_lab.infer.tune import KNOBS, PROBED, choose_policy
+from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.cost import Price, check_currency, check_price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
@@ -322,7 +319,7 @@ def _drive_point(
 
 def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription, cfg: InferConfig, peaks: Any,
                  warmup_s: float) -> dict[str, Any]:  # fmt: skip
-    """One model's summary row of a point (SUMMARY_SCHEMA, less energy and cost: those are shared by the point)."""
+    """One model's summary row of a point (`infer summary`, less energy and cost: those are shared by the point)."""
     stats, failure = seen.stats, seen.failure
     mine = [r for r in seen.records if r["model"] == stream.model]
     span = seen.stopped_after_s or stats.duration_s or cfg.duration_s  # LoadGen's: measured; ours: as planned
@@ -468,13 +465,6 @@ def point_line(row: dict[str, Any]) -> str:
     )
 
 
-def summary_schema(extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
-    fields = list(SUMMARY_SCHEMA)
-    for name, typ in (extra or {}).items():
-        fields.append(pa.field(name, typ))
-    return pa.schema(fields)
-
-
 def run_inference(
     models: list[ServedModel],
     streams: list[Stream],
@@ -518,8 +508,8 @@ def run_inference(
     }
     run = Run.create(metrics_dir, "infer", config, argv=argv)
     with faults_name_the_run(run), run:
-        queries = run.table("queries", QUERY_SCHEMA)
-        summary = run.table("summary", summary_schema())
+        queries = run.table("queries", schema_of("queries"))
+        summary = run.table("summary", schema_of("infer summary"))
         telemetry = run.table("telemetry", telemetry_schema("point"))
         with open_target(target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed,
                          log=log) as server:  # fmt: skip

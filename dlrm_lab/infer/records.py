@@ -7,65 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.infer.instance import BATCH_STAGES
 from dlrm_lab.infer.requests import SERVED_WINDOW
-from dlrm_lab.metrics.columns import LATENCY_PARTS
-from dlrm_lab.metrics.cost import SERVING_COST_FIELDS
-from dlrm_lab.metrics.energy import ENERGY_FIELDS
-from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
+from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGES
+from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
-
-# The stages of a query's trip over a network that a server in this process does not have (`serve.remote`)
-TRANSFER_STAGES = ("serialise", "network", "server_parse", "server_respond", "deserialise")
-
-QUERY_SCHEMA = pa.schema(
-    [
-        ("point", pa.int32()),
-        ("query_id", pa.int64()),
-        ("model", pa.string()),
-        ("samples", pa.int32()),
-        ("status", pa.string()),
-        ("scheduled_ms", pa.float64()),
-        ("issued_ms", pa.float64()),
-        ("start_ms", pa.float64()),
-        ("end_ms", pa.float64()),
-        ("latency_ms", pa.float64()),
-        ("queue_ms", pa.float64()),
-        ("compute_ms", pa.float64()),
-        ("batch_id", pa.int64()),
-        ("batch_samples", pa.int32()),
-        ("batch_queries", pa.int32()),
-        ("instance", pa.int32()),
-        ("batch_compute_ms", pa.float64()),  # that batch's time on its instance
-        ("batch_expected_ms", pa.float64()),  # ... as the instance's warm batch-cost model has it
-        ("pieces", pa.int32()),
-        ("late", pa.bool_()),
-        ("error", pa.string()),
-        ("history_reused", pa.int32()),  # HSTU with history reuse: requests that reused a cached history
-        ("history_tokens_reused", pa.int64()),  # ... their history tokens not encoded again
-        # the batch of the query's last piece: when it began on its instance, its stages there, and its
-        # result's trip back to the serving process (docs/metrics.md)
-        ("batch_start_ms", pa.float64()),
-        *[(f"batch_{stage}_ms", pa.float64()) for stage in BATCH_STAGES],
-        ("batch_completion_ms", pa.float64()),
-        # the query's latency in parts that sum to it (`latency_parts`)
-        *[(f"lat_{part}_ms", pa.float64()) for part in LATENCY_PARTS],
-        # a query that crossed a network (`serve.remote`; null in process): the client connection that sent it,
-        # the RPC's own status code, and its transfer stages (they and issue, queue, compute sum to the latency)
-        ("worker", pa.int32()),
-        ("rpc_status", pa.string()),
-        *[(f"{stage}_ms", pa.float64()) for stage in TRANSFER_STAGES],
-        ("round_trip_ms", pa.float64()),  # client send -> receive
-        ("server_ms", pa.float64()),  # server receive -> send (its clock; a duration only)
-        ("instance_compute_ms", pa.float64()),  # instance time summed over the query's pieces
-        ("request_bytes", pa.int64()),
-        ("response_bytes", pa.int64()),
-    ]
-)
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
 
@@ -75,119 +23,6 @@ def _pct_name(p: float) -> str:
 
 
 LATENCY_FIELDS = [f"latency_{_pct_name(p)}_ms" for p in PERCENTILES]
-
-SUMMARY_SCHEMA = pa.schema(
-    [
-        ("point", pa.int32()),
-        ("model", pa.string()),
-        ("mode", pa.string()),  # "together" (all models served at once) or "alone"
-        ("scenario", pa.string()),
-        ("preset", pa.string()),
-        ("instances", pa.int32()),
-        ("threads_per_instance", pa.int32()),
-        ("max_batch", pa.int32()),
-        ("max_delay_ms", pa.float64()),
-        ("max_queue", pa.int32()),
-        ("min_piece", pa.int32()),  # smallest split piece (resolved: measured when 0 was asked)
-        ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
-        ("max_query_samples", pa.int64()),  # the largest query accepted
-        ("precision", pa.string()),
-        ("table_precision", pa.string()),
-        ("build", pa.string()),  # the inference form served (infer.build)
-        ("batch_fixed_ms", pa.float64()),  # the instances' warm batch cost: fixed per batch ...
-        ("batch_per_sample_us", pa.float64()),  # ... and per sample (measured back to back at start)
-        ("history_cache_mb", pa.float64()),  # HSTU: per-instance history cache (0: off)
-        ("history_affinity", pa.bool_()),  # ... a user's requests routed to the instance holding their history
-        ("attention", pa.string()),  # HSTU: the attention path served
-        ("query_sizes", pa.string()),
-        ("arrival", pa.string()),
-        ("target_qps", pa.float64()),
-        ("duration_s", pa.float64()),
-        ("warmup_s", pa.float64()),  # untimed load before the point (infer.lab.warm_up)
-        ("queries", pa.int64()),
-        ("completed_queries", pa.int64()),
-        ("dropped_queries", pa.int64()),
-        ("rejected_queries", pa.int64()),
-        ("failed_queries", pa.int64()),
-        ("unfinished_queries", pa.int64()),
-        ("expired_queries", pa.int64()),  # their sender's deadline passed before they were computed
-        ("late_queries", pa.int64()),
-        ("queries_per_s", pa.float64()),
-        ("samples_per_s", pa.float64()),
-        *[(f, pa.float64()) for f in LATENCY_FIELDS],
-        ("latency_mean_ms", pa.float64()),
-        ("latency_max_ms", pa.float64()),
-        ("sla_ms", pa.float64()),
-        ("sla_percentile", pa.float64()),
-        ("sla_latency_ms", pa.float64()),  # latency at sla_percentile, dropped/failed counted as infinite
-        ("sla_met", pa.bool_()),
-        # the roofline time of the query at the bound's percentile, and the measured latency over it
-        ("load_stopped_early", pa.bool_()),  # ended once its verdict was decided (search probes)
-        ("latency_floor_samples", pa.int64()),
-        ("latency_floor_cores", pa.int32()),
-        ("latency_floor_ms", pa.float64()),
-        ("latency_floor_ratio", pa.float64()),
-        ("batch_samples_mean", pa.float64()),
-        ("batch_samples_p50", pa.float64()),
-        ("batch_samples_p99", pa.float64()),
-        ("batch_queries_mean", pa.float64()),
-        ("batches", pa.int64()),
-        ("queue_share", pa.float64()),
-        ("compute_slowdown_p50", pa.float64()),  # batch time over the warm batch-cost model, median of batches
-        ("compute_slowdown_p99", pa.float64()),  # ... 99th percentile (a noisy host, cold cores)
-        ("queue_mean_ms", pa.float64()),
-        ("compute_mean_ms", pa.float64()),
-        # mean ms per batch in each stage on its instance, and its result's trip back
-        *[(f"batch_{stage}_mean_ms", pa.float64()) for stage in (*BATCH_STAGES, "completion")],
-        # the latency parts of the tail: mean over the queries at or above the bound's percentile
-        *[(f"tail_{part}_ms", pa.float64()) for part in LATENCY_PARTS],
-        # HSTU with history reuse: share of completed requests that reused a cached history, and
-        # the history tokens not encoded again per request
-        ("history_hit_rate", pa.float64()),
-        ("history_tokens_reused_mean", pa.float64()),
-        ("achieved_rate_ratio", pa.float64()),  # issued / target queries (the load was what it claims)
-        ("issue_lag_p50_ms", pa.float64()),
-        ("issue_lag_p99_ms", pa.float64()),
-        ("issue_lag_max_ms", pa.float64()),
-        ("issue_stopped", pa.string()),  # why the open loop stopped issuing early (--max-issue-lag-ms)
-        ("instance_stalls", pa.int32()),  # batches an instance held >= 0.5 s and >= 20x their warm time
-        ("longest_stall_s", pa.float64()),
-        ("stalled_instances", pa.string()),  # which instances, comma-separated
-        ("cpu_utilization", pa.float64()),  # of all cores this process may use, 0..1
-        ("instance_cpu_utilization", pa.float64()),  # instance processes' CPU time / (wall x their threads)
-        ("server_cpu_s", pa.float64()),  # CPU seconds of the parent (load generator, batcher, completions)
-        ("snapshot_mb", pa.float64()),
-        ("loadgen_result", pa.string()),  # VALID / INVALID (MLPerf LoadGen scenarios)
-        ("loadgen_reason", pa.string()),  # INVALID: what LoadGen found unmet (its summary's words)
-        ("loadgen_queries_per_s", pa.float64()),  # LoadGen's "samples" are our queries
-        ("loadgen_p99_ms", pa.float64()),
-        # the system under test (`infer.targets`) and, over a network, what crossing it cost (null in process)
-        ("target", pa.string()),  # in-process, grpc://HOST:PORT or kserve://HOST:PORT
-        ("rpc", pa.string()),  # stream, unary or oip (the Open Inference Protocol's ModelInfer)
-        ("concurrency", pa.int32()),  # client connections (each in its own process beyond one)
-        ("round_trip_p50_ms", pa.float64()),
-        ("round_trip_p99_ms", pa.float64()),
-        *[(f"{stage}_mean_ms", pa.float64()) for stage in TRANSFER_STAGES],
-        ("transfer_mean_ms", pa.float64()),  # the transfer stages together, over completed queries
-        ("transfer_share", pa.float64()),  # ... over their mean latency
-        ("transfer_per_sample_us", pa.float64()),
-        ("transfer_to_compute", pa.float64()),  # transfer_mean_ms / compute_mean_ms (the server's compute)
-        ("request_bytes_mean", pa.float64()),
-        ("response_bytes_mean", pa.float64()),
-        ("request_bytes_per_sample", pa.float64()),
-        ("server_lost", pa.bool_()),  # the server answered only UNAVAILABLE until the load ended
-        ("error", pa.string()),  # why the point ended early (a lost server, a bad answer): the run then fails
-        # roofline of one batch on one instance, energy of the whole point (docs/metrics.md)
-        ("batch_compute_mean_ms", pa.float64()),
-        *ROOFLINE_FIELDS,
-        *ENERGY_FIELDS,
-        ("energy_per_query_j", pa.float64()),
-        ("energy_per_sample_j", pa.float64()),
-        ("samples_per_s_per_w", pa.float64()),
-        # what the point's rate costs on this machine where its price is known (`metrics.cost`, docs/metrics.md)
-        *SERVING_COST_FIELDS,
-    ]
-)
 
 
 def compute_slowdown(records: list[dict[str, Any]]) -> dict[str, float | None]:

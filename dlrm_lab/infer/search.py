@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.calibrate import capacity_qps
@@ -29,22 +28,22 @@ from dlrm_lab.infer.lab import (
     faults_name_the_run,
     measure,
     stream_config,
-    summary_schema,
 )
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.loadgen import loadgen_duration
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.plan import plan_serving
-from dlrm_lab.infer.records import QUERY_SCHEMA
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.targets import open_target, parse_target
-from dlrm_lab.metrics.cost import SERVING_COST_FIELDS, price_of, serving_cost_columns
+from dlrm_lab.metrics.columns import schema_of
+from dlrm_lab.metrics.cost import price_of, serving_cost_columns
 from dlrm_lab.metrics.energy import telemetry_schema
 from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
 from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.metrics.run import Run
+from dlrm_lab.metrics.stats import nearest_rank
 from dlrm_lab.metrics.trust import check_stored_profile
 
 
@@ -94,51 +93,6 @@ class SearchOptions:
             )
 
 
-FRONTIER_SCHEMA = pa.schema(
-    [
-        ("model", pa.string()),
-        ("preset", pa.string()),
-        ("instances", pa.int32()),
-        ("threads_per_instance", pa.int32()),
-        ("max_batch", pa.int32()),
-        ("max_delay_ms", pa.float64()),
-        ("min_piece", pa.int32()),  # smallest split piece (measured by the layout's instances when 0 was asked)
-        ("spin_ms", pa.float64()),  # an idle instance polls this long before it sleeps
-        ("max_query_samples", pa.int64()),  # the largest query accepted
-        ("precision", pa.string()),  # dense compute of this configuration
-        ("build", pa.string()),  # the inference form served (infer.build)
-        ("history_cache_mb", pa.float64()),  # HSTU: per-instance history reuse (0: off)
-        ("capacity_queries_per_s", pa.float64()),  # closed-loop saturation, no latency bound
-        ("best_qps", pa.float64()),  # highest probed rate that met the bound (0: none did)
-        ("best_qps_uncertainty", pa.float64()),  # half the final bracket [best, lowest failing rate]
-        ("best_samples_per_s", pa.float64()),
-        ("best_sla_latency_ms", pa.float64()),
-        ("best_sla_latency_spread_ms", pa.float64()),  # max - min over the repeats at best_qps
-        ("best_history_hit_rate", pa.float64()),  # HSTU with reuse: at best_qps, median of the repeats
-        # the repeats at best_qps (dlrm_lab.metrics.stats: CI needs >= 3 repeats)
-        ("best_samples_per_s_ci_low", pa.float64()),
-        ("best_samples_per_s_ci_high", pa.float64()),
-        ("best_samples_per_s_cv", pa.float64()),
-        ("best_samples_per_s_unstable", pa.bool_()),
-        ("sla_ms", pa.float64()),
-        ("sla_percentile", pa.float64()),
-        ("probes", pa.int32()),
-        ("probe_points", pa.int32()),  # load points run (repeats), those stopped early included
-        ("best", pa.bool_()),  # the configuration with the highest best_samples_per_s
-        # the best configuration's rate as a longer LoadGen Server run held it (`certify`): the rate that
-        # held (0: none of the tries; null: not certified), that run's verdict, its p99 and its length
-        ("certified_qps", pa.float64()),
-        ("certified_samples_per_s", pa.float64()),
-        ("certified_result", pa.string()),
-        ("certified_sla_latency_ms", pa.float64()),
-        ("certify_s", pa.float64()),
-        ("outcome", pa.string()),  # why it is not the best: pruned, lower rate, no rate met the bound
-        # its cost at the certified rate (else the best probed) where the machine's price is known (`metrics.cost`)
-        *SERVING_COST_FIELDS,
-    ]
-)
-
-
 # Repeats of one probed rate whose percentiles all lie this far on one side of the bound
 # settle it (tiny, 2 s probes on 2 cores: repeats of one rate differed by up to ~20%).
 SETTLE_MARGIN = 0.25
@@ -146,9 +100,9 @@ SETTLE_MARGIN = 0.25
 
 def late_budget(qps: float, seconds: float, percentile: float) -> int:
     """How many of a probe's queries may be late (or dropped) and its nearest-rank
-    percentile still meet the bound: n - ceil(p/100 n) of the n = qps x seconds planned."""
+    percentile still meet the bound: n less the percentile's rank, of the n = qps x seconds planned."""
     n = max(1, round(qps * seconds))
-    return n - math.ceil(percentile / 100 * n - 1e-9)
+    return n - nearest_rank(percentile, n)
 
 
 def fails_already(model: str, sla_ms: float, budget: int) -> Callable[[list[dict[str, Any]]], bool]:
@@ -247,10 +201,9 @@ def search(
     check_stored_profile(log)
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)
     frontier: list[dict[str, Any]] = []
-    extra = {"repeat": pa.int32(), "probe": pa.int32(), "passed": pa.bool_()}
     with faults_name_the_run(run), run:
-        queries = run.table("queries", QUERY_SCHEMA)
-        summary = run.table("summary", summary_schema(extra))
+        queries = run.table("queries", schema_of("queries"))
+        summary = run.table("summary", schema_of("search summary"))
         telemetry = run.table("telemetry", telemetry_schema("point"))
         point_index = 0
         choices: dict[str, Any] = {}
@@ -296,7 +249,7 @@ def search(
         price = price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)
         for r in frontier:
             r.update(serving_cost_columns(r, price))
-        run.write_summary(frontier, FRONTIER_SCHEMA, name="frontier")
+        run.write_summary(frontier, schema_of("frontier"), name="frontier")
         run.update_manifest(best=winner)
     return run.dir
 

@@ -37,7 +37,6 @@ from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import ServingFault, UserError, exit_description
 from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.instance import (
-    BATCH_STAGES,
     SPIN,
     TRACE,
     BatchResult,
@@ -54,7 +53,8 @@ from dlrm_lab.infer.placement import Placement, place_instances
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.infer.sut import Query, SutDescription
+from dlrm_lab.infer.sut import Query, SutDescription, query_row
+from dlrm_lab.metrics.columns import BATCH_STAGES
 
 # A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
 # starved of its core), not a slow batch: said per point
@@ -89,7 +89,7 @@ class _Pool:
 class InferenceServer:
     """Serve one or more models; `with InferenceServer([...]) as server: server.submit(q)`.
 
-    Records (one dict per finished query, see `infer.records.QUERY_SCHEMA`) accumulate
+    Records (one dict per finished query, `infer.sut.query_row`) accumulate
     until `take_records()`; times are ms from `server.epoch_ns`.
     """
 
@@ -626,34 +626,27 @@ class InferenceServer:
         q.status, q.error, q.batch_samples, q.instance = status, error, batch_samples, instance
         e = self.epoch_ns
         start_ns = q.first_start_ns
-        record = {
-            "query_id": q.query_id,
-            "model": q.model,
-            "samples": q.size,
-            "status": status,
-            "scheduled_ms": (q.scheduled_ns - e) / 1e6,
-            "issued_ms": (q.issued_ns - e) / 1e6,
-            "start_ms": None if start_ns is None else (start_ns - e) / 1e6,
-            "end_ms": (now - e) / 1e6,
-            "latency_ms": (now - q.scheduled_ns) / 1e6,
-            "queue_ms": None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
-            "compute_ms": q.compute_ns / 1e6 if start_ns is not None else None,
-            "pieces": q.pieces,
-            "batch_id": batch_id,
-            "batch_samples": batch_samples,
-            "batch_queries": batch_queries,
-            "instance": instance,
-            "batch_compute_ms": batch_compute_ms,
-            "batch_expected_ms": batch_expected_ms,
-            "error": error,
+        record = query_row(
+            q.query_id, q.model, q.size, status, epoch_ns=e, scheduled_ns=q.scheduled_ns, issued_ns=q.issued_ns,
+            end_ns=now, error=error,
+            start_ms=None if start_ns is None else (start_ns - e) / 1e6,
+            queue_ms=None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
+            compute_ms=q.compute_ns / 1e6 if start_ns is not None else None,
+            pieces=q.pieces,
+            batch_id=batch_id,
+            batch_samples=batch_samples,
+            batch_queries=batch_queries,
+            instance=instance,
+            batch_compute_ms=batch_compute_ms,
+            batch_expected_ms=batch_expected_ms,
             **self._history_columns(q),
-            "batch_start_ms": None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
+            batch_start_ms=None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
             **{
                 f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]
                 for k, stage in enumerate(BATCH_STAGES)
-            },  # fmt: skip
-            "batch_completion_ms": batch_completion_ms,
-        }
+            },
+            batch_completion_ms=batch_completion_ms,
+        )  # fmt: skip
         with self._records_lock:
             self._records.append(record)
         if q.on_done is not None:

@@ -61,6 +61,36 @@ class Query:
     history_tokens_reused: int = 0  # ... and their history tokens not encoded again
 
 
+def query_row(
+    query_id: int,
+    model: str | None,
+    samples: int | None,
+    status: str,
+    *,
+    epoch_ns: int,
+    scheduled_ns: int,
+    issued_ns: int,
+    end_ns: int,
+    error: str | None = None,
+    **columns: Any,
+) -> dict[str, Any]:
+    """A finished query's row of `queries` (`metrics.columns`; columns not given are null), as every system
+    under test records it (`take_records`): its times in ms since the load's epoch, its latency from its
+    scheduled arrival (open loop: a late issue counts) to its end, and the table's other `columns` by name."""
+    return {
+        "query_id": query_id,
+        "model": model,
+        "samples": samples,
+        "status": status,
+        "scheduled_ms": (scheduled_ns - epoch_ns) / 1e6,
+        "issued_ms": (issued_ns - epoch_ns) / 1e6,
+        "end_ms": (end_ns - epoch_ns) / 1e6,
+        "latency_ms": (end_ns - scheduled_ns) / 1e6,
+        "error": error,
+        **columns,
+    }
+
+
 @dataclass(frozen=True)
 class ModelDescription:
     """One served model as any transport describes it, for the records and the roofline: None where the
@@ -83,7 +113,7 @@ class ModelDescription:
     # (the row's roofline and floor columns are then null, with `unplaced` saying why).
     on_this_host: bool = True
     unplaced: str | None = None
-    columns: Mapping[str, Any] = field(default_factory=dict)  # what its summary rows say of it (SUMMARY_SCHEMA)
+    columns: Mapping[str, Any] = field(default_factory=dict)  # what its summary rows say of it (`infer summary`)
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from dlrm_lab.config.toml import read_toml
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.columns import COLUMNS, SERVING_COST, TRAINING_COST
 from dlrm_lab.metrics.roofline import save_profile
 from dlrm_lab.resources import preset_dir
 
@@ -311,26 +310,10 @@ def give_price(
 
 # -------------------------------------------------------------------------------------- cost rules
 
-PRICE_FIELDS = [
-    ("price_per_hour", pa.float64()),
-    ("currency", pa.string()),
-    ("price_source", pa.string()),
-]
-SERVING_COST_FIELDS = [
-    *PRICE_FIELDS,
-    ("cost_rate", pa.string()),  # which rate the costs are at: measured, certified or best
-    ("cost_per_1m_samples", pa.float64()),
-    ("cost_per_1m_queries", pa.float64()),
-    ("energy_cost_per_1m_samples", pa.float64()),
-]
-TRAINING_COST_FIELDS = [
-    *PRICE_FIELDS,
-    ("cost_per_1m_training_samples", pa.float64()),
-    ("cost_to_target", pa.float64()),
-    ("energy_cost_per_1m_training_samples", pa.float64()),
-]
-# Every cost column, each once: summary schemas take SERVING_COST_FIELDS (inference points, search
-# frontiers) or TRAINING_COST_FIELDS (training runs).
+# The cost columns as (name, type), from their definitions (`metrics.columns`): an inference point's or
+# a search frontier's, a training run's, and every one once.
+SERVING_COST_FIELDS = [(name, COLUMNS[name].type) for name in SERVING_COST]
+TRAINING_COST_FIELDS = [(name, COLUMNS[name].type) for name in TRAINING_COST]
 COST_FIELDS = list(dict.fromkeys([*SERVING_COST_FIELDS, *TRAINING_COST_FIELDS]))
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pyarrow as pa
 
+from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.cpu import CpuMeter, busy_share
 from dlrm_lab.metrics.integrate import clip_to_samples, counter_delta, integrate_power
 from dlrm_lab.metrics.sensors import POWER_W, PowerSource, one_line
@@ -30,31 +31,13 @@ log = logging.getLogger(__name__)
 MIN_INTERVAL_S = 0.01
 MAX_INTERVAL_S = 1.0
 
-TELEMETRY_SCHEMA = pa.schema(
-    [
-        ("time_unix_s", pa.float64()),
-        ("source", pa.string()),
-        ("channel", pa.string()),
-        ("quantity", pa.string()),
-        ("value", pa.float64()),
-    ]
-)
+TELEMETRY_SCHEMA = schema_of("telemetry")  # the sampler's rows (`metrics.columns`)
+_TELEMETRY_TABLES = {"rank": "train telemetry", "point": "infer telemetry"}
 
 
 def telemetry_schema(key: str) -> pa.Schema:
     """TELEMETRY_SCHEMA led by the run's own int32 key: `rank` (training), `point` (inference)."""
-    return pa.schema([pa.field(key, pa.int32()), *TELEMETRY_SCHEMA])
-
-
-# Summary columns of an energy window (EnergySampler.summary); the per-sample/query ones are the caller's.
-ENERGY_FIELDS = [
-    pa.field("energy_j", pa.float64()),
-    pa.field("power_w_mean", pa.float64()),
-    pa.field("energy_scope", pa.string()),
-    pa.field("energy_unavailable", pa.string()),
-    pa.field("cpu_utilization_mean", pa.float64()),
-    pa.field("process_rss_max_mb", pa.float64()),
-]
+    return schema_of(_TELEMETRY_TABLES[key])
 
 
 class _Series:

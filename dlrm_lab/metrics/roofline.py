@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.columns import ROOFLINE_PLACED
 from dlrm_lab.metrics.hardware import hardware_fingerprint
 
 MACHINE_DIR_ENV = "DLRM_LAB_MACHINE_DIR"
@@ -312,25 +311,8 @@ def peaks_for(
     )
 
 
-ROOFLINE_COLUMNS = (
-    "roofline_compute_ms",
-    "roofline_memory_ms",
-    "roofline_comm_ms",
-    "roofline_bound_ms",
-    "roofline_fraction",
-    "roofline_bound_by",
-    "roofline_basis",
-    "roofline_note",
-)
-# Summary columns of training runs and inference points alike (docs/metrics.md, "Roofline and energy").
-ROOFLINE_FIELDS = [
-    pa.field("flops_per_sample", pa.float64()),
-    pa.field("bytes_per_sample", pa.float64()),
-    pa.field("achieved_flops_per_s", pa.float64()),
-    pa.field("achieved_bytes_per_s", pa.float64()),
-    *[pa.field(c, pa.string() if c in ("roofline_bound_by", "roofline_basis", "roofline_note") else pa.float64())
-      for c in ROOFLINE_COLUMNS],
-]  # fmt: skip
+# The summary columns `place` fills (`metrics.columns` defines them)
+ROOFLINE_COLUMNS = ROOFLINE_PLACED
 
 
 def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str, Any]:

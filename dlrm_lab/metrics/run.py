@@ -86,9 +86,9 @@ class Run:
     """One measured run. Use as a context manager::
 
         with Run.create("runs", kind="train", config={...}) as run:
-            steps = run.table("steps", STEP_SCHEMA)
+            steps = run.table("steps", schema_of("steps"))
             steps.append({...})
-            run.write_summary([{...}], SUMMARY_SCHEMA)
+            run.write_summary([{...}], schema_of("train summary"))
 
     Leaving the block normally marks the run `ok`; KeyboardInterrupt marks it
     `interrupted` and any other exception `failed` (both re-raised). Tables are

@@ -51,8 +51,14 @@ def median(sample: Any, axis: int = -1) -> Any:
     return np.median(sample, axis=axis)
 
 
+def nearest_rank(p: float, n: int) -> int:
+    """The rank (1-based) of the p-th percentile of n values by nearest rank: ceil(p/100 n), 0 for p = 0.
+    numpy's `inverted_cdf` less its float rounding: 99.9/100*1000 is 999.0000000000001, rank 999, not 1000."""
+    return math.ceil(p / 100 * n - 1e-9)
+
+
 def nearest_rank_percentile(p: float) -> Statistic:
-    """The lab's one percentile: the p-th by nearest rank (as MLPerf LoadGen reports it; numpy's `inverted_cdf`),
+    """The lab's one percentile: the p-th by nearest rank (as MLPerf LoadGen reports it; `nearest_rank`),
     vectorised over `axis` for the bootstrap. Every latency, lag and batch-size percentile of a record, a summary or
     a comparison is this one (`percentile` for one sample)."""
     if not 0 <= p <= 100:
@@ -61,7 +67,7 @@ def nearest_rank_percentile(p: float) -> Statistic:
     def statistic(sample: Any, axis: int = -1) -> Any:
         x = np.moveaxis(np.asarray(sample), axis, -1)
         n = x.shape[-1]
-        k = min(max(math.ceil(p / 100 * n - 1e-9) - 1, 0), n - 1)  # 99.9/100*1000 is 999.0000000000001
+        k = min(max(nearest_rank(p, n) - 1, 0), n - 1)
         return np.partition(x, k, axis=-1)[..., k]
 
     statistic.__name__ = f"p{p:g}"

@@ -20,16 +20,9 @@ import pyarrow.parquet as pq
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-PROFILE_SCHEMA = pa.schema(
-    [
-        ("rank", pa.int32()),
-        ("op", pa.string()),
-        ("calls_per_step", pa.float64()),
-        ("self_ms_per_step", pa.float64()),
-        ("total_ms_per_step", pa.float64()),
-        ("steps", pa.int32()),
-    ]
-)
+from dlrm_lab.metrics.columns import schema_of
+
+PROFILE_SCHEMA = schema_of("profile")  # `metrics.columns`
 TOP_OPS = 60  # per rank, by self time
 
 

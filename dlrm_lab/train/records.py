@@ -14,86 +14,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec, TrainConfig
-from dlrm_lab.metrics.columns import PHASES
-from dlrm_lab.metrics.cost import TRAINING_COST_FIELDS
-from dlrm_lab.metrics.energy import ENERGY_FIELDS
-from dlrm_lab.metrics.roofline import ROOFLINE_FIELDS, Peaks, Work, place
+from dlrm_lab.metrics.columns import PHASES, schema_of
+from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.run import register_recovery
 from dlrm_lab.metrics.tables import atomic_write_parquet, write_table
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 
-STEP_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("rank", pa.int32()),
-        ("world_size", pa.int32()),
-        ("batch_size", pa.int32()),
-        ("global_samples", pa.int64()),
-        ("warmup", pa.bool_()),
-        ("loss", pa.float64()),
-        ("step_time_ms", pa.float64()),
-        *[(f"{p}_ms", pa.float64()) for p in PHASES],
-        ("samples_per_s", pa.float64()),
-        ("time_unix_s", pa.float64()),
-    ]
-)
-
-EVAL_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("num_samples", pa.int64()),
-        ("auc", pa.float64()),
-        ("loss", pa.float64()),
-        ("eval_time_ms", pa.float64()),
-    ]
-)
-
-SUMMARY_SCHEMA = pa.schema(
-    [
-        ("kind", pa.string()),
-        ("status", pa.string()),
-        ("preset", pa.string()),
-        ("interaction", pa.string()),
-        ("device", pa.string()),
-        ("precision", pa.string()),
-        ("table_precision", pa.string()),
-        ("world_size", pa.int32()),
-        ("batch_size", pa.int32()),
-        ("global_batch_size", pa.int64()),
-        ("steps", pa.int64()),
-        ("warmup_steps", pa.int64()),
-        ("measured_steps", pa.int64()),
-        ("samples_per_s", pa.float64()),
-        ("samples_per_s_per_rank", pa.float64()),
-        ("step_time_ms_mean", pa.float64()),
-        ("step_time_ms_p50", pa.float64()),
-        ("step_time_ms_p90", pa.float64()),
-        ("step_time_ms_p99", pa.float64()),
-        *[(f"{p}_share", pa.float64()) for p in PHASES],
-        ("loss_first", pa.float64()),
-        ("loss_last", pa.float64()),
-        ("eval_auc", pa.float64()),
-        ("eval_loss", pa.float64()),
-        ("teacher_auc", pa.float64()),
-        ("target_auc", pa.float64()),
-        ("target_reached", pa.bool_()),
-        ("steps_to_target", pa.int64()),
-        ("time_to_target_s", pa.float64()),
-        ("valid_samples_per_s", pa.float64()),
-        ("num_parameters", pa.int64()),
-        ("embedding_parameters", pa.int64()),
-        ("dense_parameters", pa.int64()),
-        ("wall_time_s", pa.float64()),
-        *ROOFLINE_FIELDS,  # docs/metrics.md, "Roofline and energy"
-        ("valid_flops_per_s", pa.float64()),
-        *ENERGY_FIELDS,
-        ("energy_per_sample_j", pa.float64()),
-        ("samples_per_s_per_w", pa.float64()),
-        ("valid_flops_per_s_per_w", pa.float64()),
-        # what the run cost on its machines where their price is known (`metrics.cost`, docs/metrics.md)
-        *TRAINING_COST_FIELDS,
-    ]
-)
+# The training tables, from the column registry (`metrics.columns`, which docs/metrics.md explains)
+STEP_SCHEMA = schema_of("steps")
+EVAL_SCHEMA = schema_of("eval")
+SUMMARY_SCHEMA = schema_of("train summary")
 
 _LOSS_WINDOW = 10  # steps averaged for loss_first / loss_last
 WARMUP_TOLERANCE = 0.10
