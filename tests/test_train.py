@@ -64,6 +64,28 @@ def test_run_directory_holds_manifest_steps_eval_and_summary(tiny_run):
     assert assert_tables_registered(d) == ["eval", "steps", "train summary", "train telemetry"]
 
 
+def test_a_summary_rebuilt_from_the_steps_is_the_runs_own(tiny_run, tmp_path):
+    """A run that died before its summary gets one from its steps (`runs recover`) by the rules the finished
+    run used: the same row builder, so every column the steps determine is the run's own."""
+    import shutil
+
+    from dlrm_lab.train.records import recovered_summary
+
+    _, result = tiny_run
+    dead = tmp_path / result.run_dir.name
+    shutil.copytree(result.run_dir, dead)
+    (dead / "summary.parquet").unlink()
+    rebuilt = recovered_summary(dead, read_manifest(dead))
+    assert rebuilt["status"] == "failed" and rebuilt.get("eval_auc") is None  # never measured: null
+    same = ["preset", "interaction", "device", "precision", "table_precision", "world_size", "batch_size",
+            "global_batch_size", "steps", "warmup_steps", "measured_steps", "samples_per_s", "samples_per_s_per_rank",
+            "step_time_ms_mean", "step_time_ms_p50", "step_time_ms_p99", "loss_first", "loss_last",
+            *[f"{p}_share" for p in PHASES]]  # fmt: skip
+    assert {k: rebuilt[k] for k in same} == pytest.approx({k: result.summary[k] for k in same})
+    (row,) = pq.read_table(dead / "summary.parquet").to_pylist()
+    assert row["samples_per_s"] == rebuilt["samples_per_s"]
+
+
 def test_same_seed_same_losses():
     spec = dlrm_lab.load_preset("tiny")
     cfg = TrainConfig(steps=8, batch_size=64, seed=3)

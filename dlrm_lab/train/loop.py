@@ -66,7 +66,7 @@ from dlrm_lab.train.records import (
     flag_warmup,
     mark_warmup,
     roofline_columns,
-    summarize_steps,
+    summary_row,
 )
 from dlrm_lab.train.sharding_trial import resolve_sharding
 from dlrm_lab.train.step import autocast, dense_optimizer, train_step
@@ -351,30 +351,20 @@ def _set_up(
 def _summary(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: Any, status: str, steps: list[dict[str, Any]],
              all_steps: list[dict[str, Any]], evals: list[dict[str, Any]], warmup: int, reached: dict[str, Any],
              energy: dict[str, Any], teacher_auc: float | None, wall_time_s: float) -> dict[str, Any]:  # fmt: skip
-    """The run's summary row (train.records.SUMMARY_SCHEMA): its throughput, quality, roofline, energy and cost."""
-    summary = {
-        "kind": "train",
-        "status": status,
-        "preset": spec.name,
-        "interaction": spec.interaction,
-        "device": ctx.device.type,
-        "precision": cfg.precision,
-        "table_precision": cfg.table_precision,
-        "world_size": ctx.world_size,
-        "batch_size": cfg.batch_size,
-        "global_batch_size": cfg.batch_size * ctx.world_size,
-        "steps": len(steps),
-        "warmup_steps": warmup,
-        **summarize_steps(all_steps),
-        "eval_auc": evals[-1]["auc"] if evals else None,
-        "eval_loss": evals[-1]["loss"] if evals else None,
-        "teacher_auc": teacher_auc,
+    """The run's summary row (`train.records.summary_row`): its throughput, quality, roofline, energy and cost."""
+    summary = summary_row(
+        status=status, preset=spec.name, interaction=spec.interaction, device=ctx.device.type,
+        precision=cfg.precision, table_precision=cfg.table_precision, world_size=ctx.world_size,
+        batch_size=cfg.batch_size, steps=len(steps), warmup=warmup, step_rows=all_steps,
+        eval_auc=evals[-1]["auc"] if evals else None,
+        eval_loss=evals[-1]["loss"] if evals else None,
+        teacher_auc=teacher_auc,
         **_quality(cfg, reached),
-        "num_parameters": spec.num_parameters,
-        "embedding_parameters": spec.embedding_parameters,
-        "dense_parameters": spec.dense_parameters,
-        "wall_time_s": wall_time_s,
-    }
+        num_parameters=spec.num_parameters,
+        embedding_parameters=spec.embedding_parameters,
+        dense_parameters=spec.dense_parameters,
+        wall_time_s=wall_time_s,
+    )  # fmt: skip
     if cfg.target_auc is not None:  # MLPerf's rule: throughput only counts when quality was reached
         summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
     summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg)))

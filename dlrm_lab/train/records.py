@@ -129,6 +129,42 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def summary_row(
+    *,
+    status: str,
+    preset: str | None,
+    interaction: str | None,
+    device: str | None,
+    precision: str | None,
+    table_precision: str | None,
+    world_size: int,
+    batch_size: int | None,
+    steps: int,
+    warmup: int,
+    step_rows: list[dict[str, Any]],
+    **columns: Any,
+) -> dict[str, Any]:
+    """A training run's row of `train summary` (`metrics.columns`; columns not given are null), as a finished run
+    and a recovered one record it: what ran, its `steps` and `warmup` steps, what its every rank's `step_rows`
+    measured (`summarize_steps`), then the table's other `columns` by name."""
+    return {
+        "kind": "train",
+        "status": status,
+        "preset": preset,
+        "interaction": interaction,
+        "device": device,
+        "precision": precision,
+        "table_precision": table_precision,
+        "world_size": world_size,
+        "batch_size": batch_size,
+        "global_batch_size": batch_size * world_size if batch_size else None,
+        "steps": steps,
+        "warmup_steps": warmup,
+        **summarize_steps(step_rows),
+        **columns,
+    }
+
+
 def roofline_columns(
     spec: ModelSpec,
     cfg: TrainConfig,
@@ -206,21 +242,11 @@ def recovered_summary(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]
     config = manifest.get("config", {})
     model, cfg = config.get("model", {}), config.get("train", {})
     world = config.get("world_size") or 1
-    summary = {
-        "kind": "train",
-        "status": "failed",
-        "preset": model.get("name"),
-        "interaction": model.get("interaction"),
-        "device": cfg.get("device"),
-        "precision": cfg.get("precision"),
-        "table_precision": cfg.get("table_precision"),
-        "world_size": world,
-        "batch_size": cfg.get("batch_size"),
-        "global_batch_size": (cfg.get("batch_size") or 0) * world or None,
-        "steps": len({r["step"] for r in rows}),
-        "warmup_steps": warmup,
-        **summarize_steps(rows),
-    }
+    summary = summary_row(
+        status="failed", preset=model.get("name"), interaction=model.get("interaction"), device=cfg.get("device"),
+        precision=cfg.get("precision"), table_precision=cfg.get("table_precision"), world_size=world,
+        batch_size=cfg.get("batch_size"), steps=len({r["step"] for r in rows}), warmup=warmup, step_rows=rows,
+    )  # fmt: skip
     write_table(run_dir, "summary", [summary], SUMMARY_SCHEMA, manifest.get("run_id") or run_dir.name)
     return summary
 
