@@ -149,9 +149,9 @@ def test_no_module_writes_a_run_tables_schema_by_hand():
 def test_a_familys_columns_join_a_shared_table_where_it_places_them(monkeypatch):
     monkeypatch.setattr(columns, "COLUMNS", dict(columns.COLUMNS))
     monkeypatch.setattr(columns, "_LAYOUTS", {t: list(c) for t, c in columns._LAYOUTS.items()})
-    reuse = columns._c("candidates_scored", pa.int64())
+    reuse = columns.define("candidates_scored", pa.int64())
     columns.register_columns("queries", [reuse], after="samples")
-    columns.register_columns("infer summary", ["history_cache_mb", columns._c("candidates_mean", pa.float64())])
+    columns.register_columns("infer summary", ["history_cache_mb", columns.define("candidates_mean", pa.float64())])
     assert columns.names_of("queries")[3:5] == ("samples", "candidates_scored")
     assert schema_of("queries").field("candidates_scored").type == pa.int64()
     assert columns.names_of("search summary")[-4:] == ("candidates_mean", "repeat", "probe", "passed")
@@ -160,7 +160,7 @@ def test_a_familys_columns_join_a_shared_table_where_it_places_them(monkeypatch)
     columns.register_columns("queries", [reuse], after="samples")  # the family's module imported again
     assert columns.names_of("queries") == before
     with pytest.raises(ValueError, match="defined twice"):  # one meaning per name
-        columns.register_columns("frontier", [columns._c("candidates_scored", pa.int32())])
+        columns.register_columns("frontier", [columns.define("candidates_scored", pa.int32())])
     with pytest.raises(ValueError, match="no column 'nope'"):
         columns.register_columns("frontier", ["candidates_mean"], after="nope")
     with pytest.raises(KeyError, match="no table"):

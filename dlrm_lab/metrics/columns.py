@@ -150,6 +150,9 @@ def _c(
     return Column(name, label or name, _unit_by_name(name) if unit is None else unit, fmt, better, short, type)
 
 
+define = _c  # a column's one definition, for a model family's own columns (`register_columns`)
+
+
 def _resolve(table: str, entries: Sequence[Column | str | _Local], again: bool = False) -> list[Column]:
     """A table's entries as columns: a Column defines one (once; `again` lets the same definition be
     given twice), a name places one defined before."""
@@ -638,8 +641,8 @@ _table("infer telemetry", "point", *TELEMETRY)
 
 # ----------------------------------------------------------------------------- a family's own columns
 # HSTU's columns in the shared inference tables (history reuse, its attention path): a model family
-# adds its own with `register_columns`, which keeps the tables' columns in this order. `families/hstu.py`
-# owns these: it moves HSTU_COLUMNS there and makes the same calls.
+# adds its own with `register_columns`, which keeps the tables' columns in this order. They belong in
+# `families/hstu.py` (defined there with `define`, registered with the same calls when it is imported).
 HSTU_COLUMNS = (
     (
         "queries",
