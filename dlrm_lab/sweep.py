@@ -508,11 +508,13 @@ def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, Any]]:
 
 
 def summary_schema(spec: SweepSpec, rows: list[dict[str, Any]]) -> pa.Schema:
-    fields = [pa.field("point", pa.int32()), pa.field("params_json", pa.string())]
+    """A point's registered columns (`metrics.columns`) with its grid's `param_*` and the child row's keys, then
+    each metric's aggregates (`metrics.stats.Estimate.to_columns`): names the grid gives at run time."""
+    typed = columns.COLUMNS
+    fields = [pa.field(name, typed[name].type) for name in ("point", "params_json")]
     fields += [pa.field(f"param_{k}", pa.string()) for k in (spec.points[0] if spec.points else {})]
-    fields += [pa.field("repeats_ok", pa.int32()), pa.field("repeats", pa.int32())]
-    fields += [pa.field("child_point", pa.int32()), pa.field("child_model", pa.string()),
-               pa.field("child_mode", pa.string())]  # fmt: skip
+    fields += [pa.field(name, typed[name].type) for name in ("repeats_ok", "repeats")]
+    fields += [pa.field(f"child_{key}", typed[key].type) for key in _ROW_KEYS]
     for metric in spec.all_metrics:
         fields += [pa.field(f"{metric}_{s}", pa.float64()) for s in ("median", "ci_low", "ci_high", "cv")]
         fields += [pa.field(f"{metric}_unstable", pa.bool_()), pa.field(f"{metric}_n", pa.int32())]
