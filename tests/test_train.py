@@ -157,6 +157,46 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     assert pq.read_table(run_dir / "steps.parquet").num_rows == 5
 
 
+def test_training_starts_from_the_run_preflight_resolved_and_reads_its_data_spec_once(tmp_path, monkeypatch):
+    """`dlrm-lab train` checks its options once (`preflight`, before its size line) and trains the run that
+    check returned: nothing is checked again, and the data spec's TOML is read once with its --set applied."""
+    from conftest import run_cli_in_process
+
+    import dlrm_lab.data.spec as data_spec
+    from dlrm_lab.train import loop
+
+    read_toml, preflight = data_spec.read_toml, loop.preflight
+    reads, checks = [], []
+    monkeypatch.setattr(data_spec, "read_toml", lambda path, what="": reads.append(path) or read_toml(path, what))
+    monkeypatch.setattr(loop, "preflight", lambda *args, **kw: checks.append(args) or preflight(*args, **kw))
+    code, _, err = run_cli_in_process("train", "--preset", "tiny", "--steps", "3", "--batch-size", "32", "--set",
+                                      "click_rate=0.3", "--metrics-dir", str(tmp_path), "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert [p.name for p in reads] == ["tiny.toml"] and checks == []  # the CLI's own preflight is the one check
+    (run_dir,) = list(tmp_path.iterdir())
+    assert read_manifest(run_dir)["config"]["data"]["click_rate"] == 0.3  # the spec read once is the one trained on
+
+    resolved = preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=2, batch_size=32, shard=("t_cat_0=row_wise",)))
+    assert resolved.per_table == {"t_cat_0": "row_wise"} and resolved.data_spec.name == "tiny" and len(reads) == 2
+    result = train(resolved)  # the library's way: what preflight returned, as it is
+    assert result.summary["steps"] == 2 and len(reads) == 2 and checks == []
+    assert "row_wise" in str(result.plan)  # the --shard parsed by preflight is the one the tables were sharded by
+
+
+def test_the_warmup_flag_is_written_with_the_steps_table_not_patched_in_after(tmp_path, monkeypatch):
+    """steps.parquet is written once, when the run closes and its parts are merged: its `warmup` column is derived
+    there from the first measured step (every rank's rows), equal to the flags the summary was computed with."""
+    import dlrm_lab.metrics.tables as tables
+
+    atomic_file, written = tables.atomic_file, []
+    monkeypatch.setattr(tables, "atomic_file", lambda path: written.append(path.name) or atomic_file(path))
+    result = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=30, batch_size=32), metrics_dir=tmp_path)
+    assert written.count("steps.parquet") == 1  # merged once at the close, never read back and rewritten
+    on_disk = pq.read_table(result.run_dir / "steps.parquet", columns=["step", "warmup"]).to_pylist()
+    assert on_disk == [{"step": r["step"], "warmup": r["warmup"]} for r in result.steps]
+    assert sum(r["warmup"] for r in on_disk) == result.summary["warmup_steps"] >= 1
+
+
 def test_tables_that_cannot_fit_are_refused_before_allocation():
     spec = dlrm_lab.load_preset("terabyte")  # 89 GiB of tables
     with pytest.raises(dlrm_lab.UserError, match="do not fit"):

@@ -113,7 +113,7 @@ def train_command(
     spec, cfg = train_setup(options)  # the one construction (sweeps check their points with it too)
     from dlrm_lab.train import preflight, train  # torch loads once the options are valid
 
-    preflight(spec, cfg)  # a missing GPU, a bad --shard or data option: one line, before the size line
+    run = preflight(spec, cfg)  # a missing GPU, a bad --shard or data option: one line, before the size line
     raise_on_sigterm()
     err = console(stderr=True)
     err.print(size_line(spec))
@@ -135,7 +135,7 @@ def train_command(
     try:
         with say_interrupted(err):
             result = train(
-                spec, cfg, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
+                run, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
                 log=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
             )  # fmt: skip
     finally:

@@ -27,10 +27,15 @@ class BatchSource(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def resolve_data_spec(model: ModelSpec, data_spec: str | None = None, overrides: tuple[str, ...] = ()) -> DataSpec:
+def resolve_data_spec(
+    model: ModelSpec, data_spec: str | DataSpec | None = None, overrides: tuple[str, ...] = ()
+) -> DataSpec:
     """The data spec a synthetic source of `model` uses (default: the one the preset names,
     else uniform), `--set` overrides applied and checked: callers check it before starting
-    anything, so a bad value is one line and no run directory."""
+    anything, so a bad value is one line and no run directory. A spec already resolved (what
+    `train.preflight` read, its overrides applied) is used as it is: the file is read once."""
+    if isinstance(data_spec, DataSpec):
+        return data_spec
     return load_data_spec(data_spec or model.data_spec or "uniform", model, tuple(overrides))
 
 

@@ -17,7 +17,7 @@ import functools
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from dlrm_lab.errors import DiskFull, UserError, is_disk_full
 
 PARTS_DIR = "_parts"
+Derived = dict[str, Callable[[pa.Table], Any]]  # column -> its values from the merged table (`derive_on_close`)
 
 
 @contextlib.contextmanager
@@ -109,6 +110,7 @@ class TableWriter:
         self._next_part = len(list(self._parts_dir.glob(f"{self._prefix}*.parquet")))
         self._last_flush = time.monotonic()
         self._closed = False
+        self._derived: Derived = {}
         self.rows_written = 0
         _initialise_parquet_writer()
 
@@ -134,6 +136,11 @@ class TableWriter:
         self.rows_written += len(self._rows)
         self._rows = []
 
+    def derive_on_close(self, column: str, values: Callable[[pa.Table], Any]) -> None:
+        """Compute `column` of the merged table from the table itself as it is merged: for a value known only once
+        every row is written (training's warm-up flag), so that it is written with the table once, not patched in."""
+        self._derived[column] = values
+
     def close(self, merge: bool = True) -> Path:
         """Flush, then merge the parts into `<run>/<name>.parquet` (also when empty).
 
@@ -143,12 +150,12 @@ class TableWriter:
         if not self._closed:
             self.flush()
             if merge:
-                _merge_parts(self.run_dir, self.name, self.schema)
+                _merge_parts(self.run_dir, self.name, self.schema, self._derived)
             self._closed = True
         return self.run_dir / f"{self.name}.parquet"
 
 
-def _merge_parts(run_dir: Path, name: str, schema: pa.Schema | None = None) -> None:
+def _merge_parts(run_dir: Path, name: str, schema: pa.Schema | None = None, derived: Derived | None = None) -> None:
     parts_dir = run_dir / PARTS_DIR / name
     parts = sorted(parts_dir.glob("part-*.parquet")) if parts_dir.is_dir() else []
     final = run_dir / f"{name}.parquet"
@@ -162,6 +169,8 @@ def _merge_parts(run_dir: Path, name: str, schema: pa.Schema | None = None) -> N
     else:
         merged = None
     if merged is not None:
+        for column, values in (derived or {}).items():
+            merged = merged.set_column(merged.schema.get_field_index(column), column, values(merged))
         atomic_write_parquet(merged, final)
     shutil.rmtree(parts_dir, ignore_errors=True)
     try:

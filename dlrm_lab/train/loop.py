@@ -24,7 +24,7 @@ from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import HSTUSpec, ModelSpec, TrainConfig
 from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
-from dlrm_lab.data import BatchSource, check_data_options, open_sources
+from dlrm_lab.data import BatchSource, DataSpec, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.data.sequences import with_overrides
 from dlrm_lab.distributed.context import (
@@ -64,9 +64,9 @@ from dlrm_lab.train.records import (
     SUMMARY_SCHEMA,
     energy_columns,
     flag_warmup,
-    mark_warmup,
     roofline_columns,
     summary_row,
+    warmup_column,
 )
 from dlrm_lab.train.sharding_trial import resolve_sharding
 from dlrm_lab.train.step import autocast, dense_optimizer, train_step
@@ -177,10 +177,30 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
     return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
-def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True) -> None:
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A training run as `preflight` checked it: what `train` starts from, so that nothing is checked or read twice."""
+
+    spec: ModelSpec | HSTUSpec
+    cfg: TrainConfig
+    per_table: dict[str, str]  # --shard, parsed against the model's tables
+    # the synthetic data's spec, read once with its --set overrides (None: a dataset on disk, samples its preset
+    # describes as the HSTU ranker's requests, or data left unchecked because the caller brings its own sources)
+    data_spec: DataSpec | None = None
+
+    def open_data(self, ctx: DistContext, eval_batches: int, start_batch: int = 0) -> tuple[BatchSource, BatchSource]:
+        """This rank's training and held-out sources, from the data spec read by `preflight` (not read again)."""
+        cfg = self.cfg
+        data_spec, overrides = (cfg.data_spec, cfg.data_overrides) if self.data_spec is None else (self.data_spec, ())
+        return open_sources(self.spec, cfg.data, cfg.batch_size, ctx.rank, ctx.world_size, eval_batches, data_spec,
+                            overrides, cfg.seed, start_batch=start_batch)  # fmt: skip
+
+
+def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun:
     """The checks `train` makes before any work, callable alone (the CLI runs them before its
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
-    the data options fit the model. Each failure is one UserError."""
+    the data options fit the model. Each failure is one UserError. The run as checked, with
+    what the checks read, is what `train(run)` starts from."""
     device = resolve_device(cfg.device)
     if isinstance(spec, HSTUSpec):
         if cfg.pipeline:
@@ -188,10 +208,10 @@ def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True
         spec.check_table_precision(cfg.table_precision)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
-    if data:
-        check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides)
+    data_spec = check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides) if data else None
     if isinstance(spec, ModelSpec):
         check_training_fits(spec, cfg)
+    return ResolvedRun(spec, cfg, per_table, data_spec)
 
 
 TRAINING_MEMORY_SHARE = 0.9  # of the memory available: what the ranks of this host may plan to hold
@@ -218,7 +238,7 @@ def check_training_fits(spec: ModelSpec, cfg: TrainConfig, available_bytes: int 
 
 @dataclass
 class _Setup:
-    """Everything a training run's steps need, resolved and built (`_set_up`)."""
+    """Everything a training run's steps need, resolved and built (`_prepare`, `_build`)."""
 
     spec: ModelSpec | HSTUSpec
     cfg: TrainConfig  # with its precision and target AUC resolved
@@ -237,18 +257,19 @@ def _output_bias_rule(output_bias: float | None, click_rate: float | None, start
     return "resumed from a checkpoint" if start_step else "0: the data states no click rate"
 
 
-def _set_up(
-    spec: ModelSpec | HSTUSpec,
-    cfg: TrainConfig,
-    *,
-    metrics_dir: str | Path | None,
-    source: BatchSource | None,
-    eval_source: BatchSource | None,
-    log: Callable[[str], None] | None,
-) -> _Setup:
-    """Check the options, join the ranks, make every measured choice (collectives, precision, attention,
-    sharding, prefetch), build and shard the model, open the data and write down why (`train`'s first part)."""
-    preflight(spec, cfg, data=source is None)  # a bad option: one line, before anything starts
+@dataclass
+class _Prepared:
+    """A run joined to its ranks, every measured choice but the sharding's made (`_prepare`)."""
+
+    run: ResolvedRun  # as it trains: its precision resolved, --set applied where it changes the samples
+    ctx: DistContext
+    choices: dict[str, Any]  # collectives, precision and attention, each with its reason (the manifest's)
+
+
+def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[str], None] | None) -> _Prepared:
+    """Join the ranks and choose the collectives, precision and attention by measurement (`train`'s first part;
+    `preflight` checked the options)."""
+    spec, cfg = run.spec, run.cfg
     if metrics_dir:
         check_writable(metrics_dir, "--metrics-dir")
     if isinstance(spec, HSTUSpec):  # --set changes the requests, so the cost and the manifest too
@@ -263,7 +284,18 @@ def _set_up(
     precision_choice = choose_run_precision(spec, cfg, ctx, log)
     cfg = replace(cfg, precision=precision_choice.precision)
     attention = choose_run_attention(spec, cfg, ctx, log)
-    per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
+    choices = {"precision_choice": precision_choice.to_dict(), "attention_choice": attention,
+               "collectives_choice": collectives}  # fmt: skip
+    return _Prepared(replace(run, spec=spec, cfg=cfg), ctx, choices)
+
+
+def _build(
+    prepared: _Prepared, source: BatchSource | None, eval_source: BatchSource | None, log: Callable[[str], None] | None
+) -> _Setup:
+    """Choose the sharding (timed where it must be), build and shard the model with its optimizers, resume, open
+    the data from what `preflight` read and write down every choice and why (the manifest's config)."""
+    run, ctx = prepared.run, prepared.ctx
+    spec, cfg, attention = run.spec, run.cfg, prepared.choices["attention_choice"]
     torch.manual_seed(cfg.seed)
     embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
     # identical initial rows whatever the sharding and rank count, spread as in the published model
@@ -280,14 +312,14 @@ def _set_up(
             ctx,
             EmbeddingOptimizer(cfg.embedding_optimizer, embedding_lr),
             sharding=sharding,
-            per_table=per_table,
+            per_table=run.per_table,
             batch_size=cfg.batch_size,
             wrapper=BatchLoss(model) if pipelined else None,
         )
         init_tables(dmp, cfg.seed, init_bounds)
         return dmp, plan
 
-    sharding_choice = resolve_sharding(spec, cfg, ctx, source, build, log)
+    sharding_choice = resolve_sharding(spec, cfg, ctx, lambda: source or run.open_data(ctx, 1)[0], build, log)
     gc.collect()  # the trial's models freed before the run's is planned against the memory left
     dmp, plan = build(sharding_choice.sharding, cfg.pipeline)
     dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
@@ -300,9 +332,7 @@ def _set_up(
     )
 
     if source is None or eval_source is None:
-        default_train, default_eval = open_sources(spec, cfg.data, cfg.batch_size, ctx.rank, ctx.world_size,
-                                                   cfg.eval_batches, cfg.data_spec, cfg.data_overrides, cfg.seed,
-                                                   start_batch=start_step)  # fmt: skip
+        default_train, default_eval = run.open_data(ctx, cfg.eval_batches, start_step)
         source, eval_source = source or default_train, eval_source or default_eval
     described = source.describe()  # synthetic: its spec's rate; a generated dataset: its sidecar's
     target_auc, target_auc_rule = target_auc_for(spec, cfg, described)
@@ -326,9 +356,7 @@ def _set_up(
         "resumed_from_step": start_step if cfg.resume else None,
         "pipelined": cfg.pipeline,
         "torch_threads": torch.get_num_threads(),
-        "precision_choice": precision_choice.to_dict(),
-        "attention_choice": attention,
-        "collectives_choice": collectives,
+        **prepared.choices,  # precision, attention, collectives
         "prefetch_choice": prefetch,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
@@ -376,9 +404,185 @@ def _summary(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: Any, status: str
     return summary
 
 
+@dataclass
+class _Steps:
+    """What the step loop measured (`_loop`), for `_summarise`."""
+
+    steps: list[dict[str, Any]]  # this rank's rows
+    evals: list[dict[str, Any]]
+    reached: dict[str, Any]  # the steps and seconds to the target AUC, once reached
+    status: str  # ok, or interrupted (Ctrl-C)
+    t_start: float  # perf_counter at the first step
+    step_starts: list[float]  # sampler clock at each step's start: the energy window starts after the warm-up
+    sampler: EnergySampler
+    profiler: StepProfiler
+    steps_table: Any  # this rank's steps.parquet writer (None: no run directory)
+
+
+def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: Any, t_start: float,
+               evals: list[dict[str, Any]], reached: dict[str, Any]) -> Callable[[int], bool]:  # fmt: skip
+    """`run_eval(step)` of `_loop`: evaluate on the held-out batches and record it in `evals` (and `table`); True
+    when the target AUC is reached (training stops there; `reached` gets its steps and seconds)."""
+    dmp, eval_source, ctx, cfg = setup.dmp, setup.eval_source, setup.ctx, setup.cfg
+
+    def run_eval(step: int) -> bool:
+        t0 = time.perf_counter()
+        if pipeline is None:
+            auc, loss, n = evaluate(dmp, eval_source, ctx.device)
+        else:  # the pipeline's rewritten forward only runs inside it: undo it meanwhile
+            pipeline.detach()
+            auc, loss, n = evaluate(dmp.module.model, eval_source, ctx.device)
+            pipeline.attach(dmp)
+        row = {
+            "step": step,
+            "num_samples": n,
+            "auc": auc,
+            "loss": loss,
+            "eval_time_ms": (time.perf_counter() - t0) * 1000,
+        }
+        evals.append(row)
+        if watchdog is not None:
+            watchdog.beat()
+        if table is not None:
+            table.append(row)
+        if cfg.target_auc is not None and auc >= cfg.target_auc and not reached:
+            reached.update(steps=step + 1, seconds=time.perf_counter() - t_start)
+            return True
+        return False
+
+    return run_eval
+
+
+def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
+          on_step: Callable[[dict[str, Any]], None] | None) -> _Steps:  # fmt: skip
+    """The steps, timed by phase, each row written as it is taken; evaluations every `eval_every` steps and at the
+    end (training stops once the target AUC is reached); checkpoints. Ctrl-C ends it `interrupted`; a collective
+    that failed is a RankFailure. `stack` stops the sampler, the watchdog, the phase hooks and the profiler."""
+    cfg, ctx, dmp, optimizer, start_step = setup.cfg, setup.ctx, setup.dmp, setup.optimizer, setup.start_step
+    steps_table = record.table("steps", STEP_SCHEMA) if record else None
+    eval_table = record.table("eval", EVAL_SCHEMA) if record and ctx.is_main else None
+    steps: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+
+    reached: dict[str, Any] = {}
+    sampler = _energy_sampler(ctx).start()
+    telemetry = record.table("telemetry", telemetry_schema("rank")) if record else None
+
+    def stop_sampler() -> None:  # also on a crash: the power readings so far are kept
+        sampler.stop()
+        if telemetry is not None:
+            telemetry.extend([{**r, "rank": ctx.rank} for r in sampler.rows()])
+
+    stack.callback(stop_sampler)
+    status = "ok"
+    t_start = time.perf_counter()
+    step_starts: list[float] = []  # sampler clock: the energy window starts after the warm-up
+    batches: Iterator[Batch] = iter(setup.source)
+    pipeline = make_pipeline(dmp, optimizer, ctx.device) if cfg.pipeline else None
+    watchdog = None
+    if ctx.world_size > 1:  # a peer can stall us only when there are peers
+        watchdog = Watchdog(cfg.timeout_s, ctx.rank, _mark_failed(record))
+        stack.callback(watchdog.stop)
+    run_eval = _evaluator(setup, pipeline, watchdog, eval_table, t_start, evals, reached)
+    timer = StepTimer(ctx.device)
+    if pipeline is None:
+        for handle in instrument_embedding_phases(dmp, timer):
+            stack.callback(handle.remove)
+    dmp.train()
+    profiler = StepProfiler(*profile_window(start_step, cfg.steps, cfg.profile_steps), cuda=timer.cuda)
+    stack.callback(profiler.stop)
+    try:
+        for step in range(start_step, cfg.steps):
+            profiler.step(step)
+            step_starts.append(time.monotonic())
+            t0 = time.perf_counter()
+            if pipeline is not None:
+                # phases overlap by design here: only the step time is measured
+                with autocast(ctx, cfg):
+                    loss = pipeline.progress(batches)[0]
+                if timer.cuda:
+                    torch.cuda.synchronize(ctx.device)
+                phases: dict[str, float | None] = {p: None for p in PHASES}
+                step_ms = (time.perf_counter() - t0) * 1000
+            else:
+                timer.start()
+                batch = next(batches).to(ctx.device, non_blocking=True)
+                timer.mark("data_wait")
+                loss = train_step(dmp, optimizer, batch, ctx, cfg, timer.mark)
+                timer.mark("optimizer")  # the step's tail (its frame and last tensors freed, 10-20 us) is named too
+                step_ms = (time.perf_counter() - t0) * 1000  # before the lab's own bookkeeping below
+                phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
+                timer.stop()
+                if timer.cuda:
+                    step_ms = sum(phases.values())
+            global_samples = cfg.batch_size * ctx.world_size
+            row = {
+                "step": step,
+                "rank": ctx.rank,
+                "world_size": ctx.world_size,
+                "batch_size": cfg.batch_size,
+                "global_samples": global_samples,
+                "warmup": None,  # known at the end (detected): steps.parquet derives it as it is merged
+                "loss": loss.item(),
+                "step_time_ms": step_ms,
+                **{f"{k}_ms": v for k, v in phases.items()},
+                "samples_per_s": global_samples / (step_ms / 1000),
+                "time_unix_s": time.time(),
+            }
+            steps.append(row)
+            if watchdog is not None:
+                watchdog.beat()
+            if steps_table is not None:
+                steps_table.append(row)
+            if on_step is not None and ctx.is_main:  # one display under a launcher: rank 0's
+                on_step(row)
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main)
+            every = cfg.resolved_eval_every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
+                break
+        else:
+            run_eval(cfg.steps - 1)
+        if cfg.checkpoint_dir:
+            save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main)
+    except KeyboardInterrupt:
+        status = "interrupted"
+    except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
+        if ctx.world_size == 1 or isinstance(exc, RankFailure) or not _is_collective_error(exc):
+            raise  # a fault of this rank's own work keeps its traceback: it is not another rank's death
+        raise RankFailure(
+            f"rank {ctx.rank}: a collective failed at step {len(steps)}: another rank died or did not answer "
+            f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
+        ) from exc
+    return _Steps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
+
+
+def _summarise(setup: _Setup, record: Run | None, measured: _Steps) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every rank's rows gathered and their warm-up found (flagged in memory now; in steps.parquet as it is merged
+    at the run's close), the energy of the measured steps, the summary row (written by rank 0). (summary, rows)"""
+    spec, cfg, ctx, start_step = setup.spec, setup.cfg, setup.ctx, setup.start_step
+    steps, sampler, profiler = measured.steps, measured.sampler, measured.profiler
+    t_end = sampler.mark()
+    profiler.stop()  # a run that ended inside the window
+    all_steps = _gather_rows(steps, ctx)
+    if cfg.profile_steps:
+        write_profile(record, profiler.rows, ctx, profiler.trace, all_steps)
+    warmup = flag_warmup(all_steps, start_step, cfg.warmup_steps)
+    if steps and measured.steps_table is not None:
+        measured.steps_table.derive_on_close("warmup", warmup_column(start_step + warmup))
+    t_measured = measured.step_starts[warmup] if len(measured.step_starts) > warmup else t_end
+    energy = _gather_energy(sampler.summary(t_measured, t_end), ctx)
+    summary = _summary(spec, cfg, ctx, measured.status, steps, all_steps, measured.evals, warmup, measured.reached,
+                       energy, setup.config["eval_data"].get("teacher_auc"),
+                       time.perf_counter() - measured.t_start)  # fmt: skip
+    if record is not None and ctx.is_main:
+        record.write_summary([summary], SUMMARY_SCHEMA)
+    return summary, all_steps
+
+
 def train(
-    spec: ModelSpec | HSTUSpec,
-    cfg: TrainConfig,
+    run: ResolvedRun | ModelSpec | HSTUSpec,
+    cfg: TrainConfig | None = None,
     *,
     metrics_dir: str | Path | None = None,
     argv: list[str] | None = None,
@@ -388,171 +592,39 @@ def train(
     keep_model: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Train `spec` for `cfg.steps` steps; record steps, evaluations and a summary.
+    """Train for `cfg.steps` steps; record steps, evaluations and a summary.
 
-    With `metrics_dir`, rank 0 creates a run directory (manifest, steps.parquet,
-    eval.parquet, summary.parquet) and the other ranks add their step rows to it. Ctrl-C
-    stops at the current step, writes the summary of what was measured, marks the run
+    `run` is what `preflight` returned (its checks made, its inputs read: they are not made or read
+    again), or a spec with its `cfg` (checked here). With `metrics_dir`, rank 0 creates a run directory
+    (manifest, steps.parquet, eval.parquet, summary.parquet) and the other ranks add their step rows to
+    it. Ctrl-C stops at the current step, writes the summary of what was measured, marks the run
     `interrupted` and re-raises KeyboardInterrupt. `cfg.precision` "auto" is resolved by
     measurement (`dlrm_lab.metrics.precision`); the choice and its reason go into the
     manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
     """
-    setup = _set_up(spec, cfg, metrics_dir=metrics_dir, source=source, eval_source=eval_source, log=log)
-    spec, cfg, ctx, dmp, optimizer = setup.spec, setup.cfg, setup.ctx, setup.dmp, setup.optimizer
-    source, eval_source, start_step, config = setup.source, setup.eval_source, setup.start_step, setup.config
-    run = _open_run(metrics_dir, config, argv, ctx)
-    measured_from: dict[str, int] = {}  # the first measured step, once the warm-up is known
+    if not isinstance(run, ResolvedRun):
+        if cfg is None:
+            raise TypeError("train(spec, cfg): the config is missing")
+        run = preflight(run, cfg, data=source is None)  # a bad option: one line, before anything starts
+    elif cfg is not None:
+        raise TypeError("train(run): a resolved run carries its config")
+    setup = _build(_prepare(run, metrics_dir, log), source, eval_source, log)
+    record = _open_run(metrics_dir, setup.config, argv, setup.ctx)
     with contextlib.ExitStack() as stack:
-        if run is not None and ctx.is_main:  # after the run closed: flag the warm-up steps on disk
-            stack.callback(lambda: measured_from and mark_warmup(run.dir, measured_from["step"]))
-        if run is not None:
-            stack.enter_context(run)
-        if isinstance(source, Prefetcher):
-            stack.callback(source.close)
-        steps_table = run.table("steps", STEP_SCHEMA) if run else None
-        eval_table = run.table("eval", EVAL_SCHEMA) if run and ctx.is_main else None
-        steps: list[dict[str, Any]] = []
-        evals: list[dict[str, Any]] = []
-
-        reached: dict[str, Any] = {}
-
-        def run_eval(step: int) -> bool:
-            """Evaluate; True when the target AUC is reached (training stops there)."""
-            t0 = time.perf_counter()
-            if pipeline is None:
-                auc, loss, n = evaluate(dmp, eval_source, ctx.device)
-            else:  # the pipeline's rewritten forward only runs inside it: undo it meanwhile
-                pipeline.detach()
-                auc, loss, n = evaluate(dmp.module.model, eval_source, ctx.device)
-                pipeline.attach(dmp)
-            row = {
-                "step": step,
-                "num_samples": n,
-                "auc": auc,
-                "loss": loss,
-                "eval_time_ms": (time.perf_counter() - t0) * 1000,
-            }
-            evals.append(row)
-            if watchdog is not None:
-                watchdog.beat()
-            if eval_table is not None:
-                eval_table.append(row)
-            if cfg.target_auc is not None and auc >= cfg.target_auc and not reached:
-                reached.update(steps=step + 1, seconds=time.perf_counter() - t_start)
-                return True
-            return False
-
-        sampler = _energy_sampler(ctx).start()
-        telemetry = run.table("telemetry", telemetry_schema("rank")) if run else None
-
-        def stop_sampler() -> None:  # also on a crash: the power readings so far are kept
-            sampler.stop()
-            if telemetry is not None:
-                telemetry.extend([{**r, "rank": ctx.rank} for r in sampler.rows()])
-
-        stack.callback(stop_sampler)
-        status = "ok"
-        t_start = time.perf_counter()
-        step_starts: list[float] = []  # sampler clock: the energy window starts after the warm-up
-        batches: Iterator[Batch] = iter(source)
-        pipeline = make_pipeline(dmp, optimizer, ctx.device) if cfg.pipeline else None
-        watchdog = None
-        if ctx.world_size > 1:  # a peer can stall us only when there are peers
-            watchdog = Watchdog(cfg.timeout_s, ctx.rank, _mark_failed(run))
-            stack.callback(watchdog.stop)
-        timer = StepTimer(ctx.device)
-        if pipeline is None:
-            for handle in instrument_embedding_phases(dmp, timer):
-                stack.callback(handle.remove)
-        dmp.train()
-        profiler = StepProfiler(*profile_window(start_step, cfg.steps, cfg.profile_steps), cuda=timer.cuda)
-        stack.callback(profiler.stop)
-        try:
-            for step in range(start_step, cfg.steps):
-                profiler.step(step)
-                step_starts.append(time.monotonic())
-                t0 = time.perf_counter()
-                if pipeline is not None:
-                    # phases overlap by design here: only the step time is measured
-                    with autocast(ctx, cfg):
-                        loss = pipeline.progress(batches)[0]
-                    if timer.cuda:
-                        torch.cuda.synchronize(ctx.device)
-                    phases: dict[str, float | None] = {p: None for p in PHASES}
-                    step_ms = (time.perf_counter() - t0) * 1000
-                else:
-                    timer.start()
-                    batch = next(batches).to(ctx.device, non_blocking=True)
-                    timer.mark("data_wait")
-                    loss = train_step(dmp, optimizer, batch, ctx, cfg, timer.mark)
-                    timer.mark("optimizer")  # the step's tail (its frame and last tensors freed, 10-20 us) is named too
-                    step_ms = (time.perf_counter() - t0) * 1000  # before the lab's own bookkeeping below
-                    phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
-                    timer.stop()
-                    if timer.cuda:
-                        step_ms = sum(phases.values())
-                global_samples = cfg.batch_size * ctx.world_size
-                row = {
-                    "step": step,
-                    "rank": ctx.rank,
-                    "world_size": ctx.world_size,
-                    "batch_size": cfg.batch_size,
-                    "global_samples": global_samples,
-                    "warmup": None,  # known at the end (detected), then rewritten on disk
-                    "loss": loss.item(),
-                    "step_time_ms": step_ms,
-                    **{f"{k}_ms": v for k, v in phases.items()},
-                    "samples_per_s": global_samples / (step_ms / 1000),
-                    "time_unix_s": time.time(),
-                }
-                steps.append(row)
-                if watchdog is not None:
-                    watchdog.beat()
-                if steps_table is not None:
-                    steps_table.append(row)
-                if on_step is not None and ctx.is_main:  # one display under a launcher: rank 0's
-                    on_step(row)
-                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                    save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main)
-                every = cfg.resolved_eval_every
-                if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
-                    break
-            else:
-                run_eval(cfg.steps - 1)
-            if cfg.checkpoint_dir:
-                save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main)
-        except KeyboardInterrupt:
-            status = "interrupted"
-        except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
-            if ctx.world_size == 1 or isinstance(exc, RankFailure) or not _is_collective_error(exc):
-                raise  # a fault of this rank's own work keeps its traceback: it is not another rank's death
-            raise RankFailure(
-                f"rank {ctx.rank}: a collective failed at step {len(steps)}: another rank died or did not answer "
-                f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
-            ) from exc
-
-        t_end = sampler.mark()
-        profiler.stop()  # a run that ended inside the window
-        all_steps = _gather_rows(steps, ctx)
-        if cfg.profile_steps:
-            write_profile(run, profiler.rows, ctx, profiler.trace, all_steps)
-        warmup = flag_warmup(all_steps, start_step, cfg.warmup_steps)
-        if steps:
-            measured_from["step"] = start_step + warmup
-        t_measured = step_starts[warmup] if len(step_starts) > warmup else t_end
-        energy = _gather_energy(sampler.summary(t_measured, t_end), ctx)
-        summary = _summary(spec, cfg, ctx, status, steps, all_steps, evals, warmup, reached, energy,
-                           config["eval_data"].get("teacher_auc"), time.perf_counter() - t_start)  # fmt: skip
-        if run is not None and ctx.is_main:
-            run.write_summary([summary], SUMMARY_SCHEMA)
-        if status == "interrupted":
+        if record is not None:
+            stack.enter_context(record)
+        if isinstance(setup.source, Prefetcher):
+            stack.callback(setup.source.close)
+        measured = _loop(setup, record, stack, on_step)
+        summary, all_steps = _summarise(setup, record, measured)
+        if measured.status == "interrupted":
             raise KeyboardInterrupt
     return TrainResult(
         summary=summary,
         steps=all_steps,
-        evals=evals,
-        plan=config["sharding_plan"],
-        run_dir=run.dir if run else None,
-        model=dmp if keep_model else None,
-        reports=ctx.is_main,
+        evals=measured.evals,
+        plan=setup.config["sharding_plan"],
+        run_dir=record.dir if record else None,
+        model=setup.dmp if keep_model else None,
+        reports=setup.ctx.is_main,
     )

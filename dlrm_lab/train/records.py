@@ -5,6 +5,7 @@ Column meanings and units are documented in docs/metrics.md; keep the two in ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.run import register_recovery
-from dlrm_lab.metrics.tables import atomic_write_parquet, write_table
+from dlrm_lab.metrics.tables import write_table
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 
 # The training tables, from the column registry (`metrics.columns`, which docs/metrics.md explains)
@@ -72,15 +73,10 @@ def global_step_times(rows: list[dict[str, Any]]) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def mark_warmup(run_dir: Path, first_measured_step: int) -> None:
-    """Rewrite steps.parquet's `warmup` column once the warm-up is known (end of the run)."""
-    path = Path(run_dir) / "steps.parquet"
-    if not path.is_file():
-        return
-    table = pq.read_table(path)
-    flags = pc.less(table["step"], pa.scalar(first_measured_step, pa.int64()))
-    table = table.set_column(table.schema.get_field_index("warmup"), "warmup", flags)
-    atomic_write_parquet(table, path)
+def warmup_column(first_measured_step: int) -> Callable[[pa.Table], pa.ChunkedArray]:
+    """steps.parquet's `warmup` column, every rank's rows, from the run's first measured step: derived as the table
+    is merged at the run's close (`TableWriter.derive_on_close`); the same flags `flag_warmup` gave the rows."""
+    return lambda steps: pc.less(steps["step"], pa.scalar(first_measured_step, pa.int64()))
 
 
 def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:

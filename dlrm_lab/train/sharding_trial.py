@@ -40,7 +40,7 @@ from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import SHARDING_TYPES, ModelSpec, TrainConfig
 from dlrm_lab.config.train import dense_lr_for
-from dlrm_lab.data import BatchSource, open_sources
+from dlrm_lab.data import BatchSource
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import describe_plan
 from dlrm_lab.errors import UserError
@@ -227,19 +227,19 @@ def choose_sharding(
 
 
 def resolve_sharding(
-    spec: ModelSpec, cfg: TrainConfig, ctx: DistContext, source: BatchSource | None, build: Callable[..., Any], log: Any
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    ctx: DistContext,
+    first_batches: Callable[[], BatchSource],
+    build: Callable[..., Any],
+    log: Any,
 ) -> ShardingChoice:
     """`--sharding` resolved for a run: for `auto` on several CPU ranks, the candidate plans are
-    built and timed on the run's first batches (every rank), unless this machine's profile has their times."""
+    built and timed on the run's first batches (`first_batches()`, every rank), unless this machine's
+    profile has their times."""
 
     def trial() -> dict[str, Any]:
-        src = (
-            source
-            or open_sources(
-                spec, cfg.data, cfg.batch_size, ctx.rank, ctx.world_size, 1, cfg.data_spec, cfg.data_overrides, cfg.seed
-            )[0]
-        )
-        batches = [b.to(ctx.device) for b in itertools.islice(iter(src), WARMUP_STEPS + TIMED_STEPS)]
+        batches = [b.to(ctx.device) for b in itertools.islice(iter(first_batches()), WARMUP_STEPS + TIMED_STEPS)]
 
         def built(candidate: str) -> tuple[Any, Any, str]:
             dmp, plan = build(candidate)
