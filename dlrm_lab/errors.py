@@ -9,11 +9,41 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class UserError(Exception):
     """A mistake in user input: bad preset, spec field, option value or path."""
 
     exit_code = 2
+
+
+class FieldError(UserError):
+    """A bad value of a typed config's field, named by the field (`batch_size 0: must be ...`).
+
+    Library code knows fields, not how a user gave them: the command line names the field by
+    its flag (`--batch-size 0: must be ...`) through `named`. Other fields a message mentions
+    are written `{field}` in `detail` and named the same way."""
+
+    def __init__(self, field: str, detail: str, *others: str) -> None:
+        self.field, self.detail, self.fields = field, detail, (field, *others)
+        super().__init__(self.named(str))
+
+    def spelt(self, name: Callable[[str], str]) -> FieldError:
+        """This error, its message naming the fields by `name` (as `train_setup` takes options: by flag)."""
+        out = FieldError(self.field, self.detail, *self.fields[1:])
+        out.args = (self.named(name),)
+        return out
+
+    def __reduce__(self) -> tuple[type, tuple[str, ...]]:  # to cross a process boundary
+        return FieldError, (self.field, self.detail, *self.fields[1:])
+
+    def named(self, name: Callable[[str], str]) -> str:
+        """The message with every field it mentions spelt by `name` (e.g. a field's flag)."""
+        text = name(self.field) + ("" if self.detail.startswith(":") else " ") + self.detail
+        for other in self.fields[1:]:
+            text = text.replace("{" + other + "}", name(other))
+        return text
 
 
 class Terminated(Exception):

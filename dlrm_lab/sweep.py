@@ -214,7 +214,8 @@ def check_points(spec: SweepSpec) -> None:
 
 def _check_point(spec: SweepSpec, params: dict[str, Any], where: str) -> None:
     """Build the point's typed configs, as its run will (no run): unknown options and bad values."""
-    from dlrm_lab.commands import SETUPS, coerce
+    from dlrm_lab.commands import SETUPS
+    from dlrm_lab.config.options import coerce_as
     from dlrm_lab.distributed.launch import LAUNCHERS
 
     merged = {**spec.options, **params}
@@ -222,8 +223,8 @@ def _check_point(spec: SweepSpec, params: dict[str, Any], where: str) -> None:
         launch = _launch_params(spec, params)
         if launch and spec.command != "train":
             raise UserError(f"{', '.join(launch)}: launch parameters apply to command = 'train' only")
-        for name, kind in (("ranks", int), ("threads-per-rank", int)):
-            if name in launch and not coerce(name, launch[name], kind) >= 1:
+        for name in ("ranks", "threads-per-rank"):
+            if name in launch and not coerce_as(name, launch[name], int) >= 1:
                 raise UserError(f"{name} = {launch[name]!r}: must be a whole number >= 1")
         if launch.get("launcher", "torchrun") not in LAUNCHERS:
             raise UserError(f"launcher = {launch['launcher']!r}: allowed: {', '.join(LAUNCHERS)}")

@@ -209,16 +209,17 @@ def test_bad_scaling_is_refused():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"steps": 0}, "--steps 0"),
-        ({"batch_size": -2}, "--batch-size -2"),
-        ({"precision": "fp8"}, "--precision 'fp8': allowed: auto, fp32, bf16"),
-        ({"device": "tpu"}, "--device 'tpu'"),
-        ({"dense_optimizer": "lamb"}, "--dense-optimizer 'lamb'"),
-        ({"embedding_lr": 0.0}, "--embedding-lr 0.0"),
-        ({"steps": 10, "warmup_steps": 10}, "--warmup-steps 10"),
+        ({"steps": 0}, "steps 0"),
+        ({"batch_size": -2}, "batch_size -2"),
+        ({"precision": "fp8"}, "precision 'fp8': allowed: auto, fp32, bf16"),
+        ({"device": "tpu"}, "device 'tpu'"),
+        ({"dense_optimizer": "lamb"}, "dense_optimizer 'lamb'"),
+        ({"embedding_lr": 0.0}, "embedding_lr 0.0"),
+        ({"steps": 10, "warmup_steps": 10}, "warmup_steps 10"),
     ],
 )
 def test_bad_train_options(kwargs, message):
+    """The config names its fields (the command line names them by flag: test_options)."""
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(**kwargs)
 

@@ -217,7 +217,7 @@ def test_a_training_runs_cost_is_its_rate_and_its_time_to_target_at_the_price():
     assert s["price_per_hour"] == 7.2 and s["currency"] == "USD" and s["price_source"] == "--price-per-hour"
     assert s["cost_per_1m_training_samples"] == pytest.approx(7.2 / 3600 / s["samples_per_s"] * 1e6)
     assert s["target_reached"] and s["cost_to_target"] == pytest.approx(7.2 * s["time_to_target_s"] / 3600)
-    with pytest.raises(dlrm_lab.UserError, match="--price-per-hour -1.0"):
+    with pytest.raises(dlrm_lab.UserError, match="price_per_hour -1.0"):
         TrainConfig(price_per_hour=-1.0)
 
 
@@ -408,7 +408,7 @@ def test_profile_steps_record_operators_per_step(tmp_path):
     assert (
         profile_window(0, 10, 3) == (5, 3) and profile_window(0, 4, 3) == (1, 3) and profile_window(0, 3, 3) == (0, 3)
     )
-    with pytest.raises(UserError, match=r"--profile-steps 11: must be an integer in \[0, steps=10\]"):
+    with pytest.raises(UserError, match=r"profile_steps 11: must be an integer in \[0, steps=10\]"):
         TrainConfig(steps=10, profile_steps=11)
 
 
@@ -464,5 +464,5 @@ def test_prefetch_auto_on_a_gpu_prepares_batches_on_a_thread():
 def test_bad_prefetch_is_refused_in_one_line(bad):
     from dlrm_lab.errors import UserError
 
-    with pytest.raises(UserError, match=r"--prefetch .*: must be auto or an integer >= 0"):
+    with pytest.raises(UserError, match=r"prefetch .*: must be auto or an integer >= 0"):
         TrainConfig(prefetch=bad)

@@ -130,5 +130,5 @@ def test_infer_run_options_say_which_knobs_are_auto_and_refuse_where_probes_cann
         InferConfig(tune=("threads",))
     two = [ServedModel("a", load_preset("tiny")), ServedModel("b", load_preset("tiny"))]
     streams = [Stream(m.name, 1.0, QuerySizes.parse("fixed:1")) for m in two]
-    with pytest.raises(UserError, match="--max-delay-ms auto: one --model"):
+    with pytest.raises(UserError, match="max_delay_ms auto: one model"):
         run_inference(two, streams, InferConfig(tune=("max_delay_ms",)), metrics_dir="/nonexistent")

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from dlrm_lab.cli import compare, data, infer, launch, machine, presets, report, runs, scale, serve, sweep, train
-from dlrm_lab.errors import DiskFull, RankFailure, RemoteFailure, ServingFault, Terminated, UserError
+from dlrm_lab.errors import DiskFull, FieldError, RankFailure, RemoteFailure, ServingFault, Terminated, UserError
 
 app = typer.Typer(
     name="dlrm-lab",
@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = app(args=argv, prog_name="dlrm-lab", standalone_mode=False)
+    except FieldError as exc:  # the library names a config's field: say it as the command line spells it
+        from dlrm_lab.commands import flag
+
+        typer.echo(f"error: {exc.named(flag)}", err=True)
+        return exc.exit_code
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         return exc.exit_code

@@ -3,111 +3,23 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
-from dlrm_lab.cli.options import MaxRows, MetricsDir, Preset, TableScale
+from dlrm_lab.cli.options import METRICS_DIR, CliOnly, command
 from dlrm_lab.cli.presets import size_line
+from dlrm_lab.commands import TRAIN
 from dlrm_lab.errors import raise_on_sigterm
 from dlrm_lab.metrics import columns
 
 
-def train_command(
-    preset: Preset = "tiny",
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 100,
-    batch_size: Annotated[int, typer.Option(help="Samples per step and rank.")] = 512,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    precision: Annotated[
-        str, typer.Option(help="Dense compute: auto (measured: bf16 only where its GEMMs are faster), fp32 or bf16.")
-    ] = "auto",
-    table_precision: Annotated[str, typer.Option(help="Stored table rows: fp32 or fp16.")] = "fp32",
-    table_scale: TableScale = None,
-    max_rows: MaxRows = None,
-    embedding_optimizer: Annotated[
-        str, typer.Option(help="Fused table optimizer: rowwise_adagrad or sgd.")
-    ] = "rowwise_adagrad",
-    embedding_lr: Annotated[
-        Optional[float],
-        typer.Option(help="Table learning rate (default: 0.05 / the mean pooling factor; the manifest says which)."),
-    ] = None,
-    dense_optimizer: Annotated[str, typer.Option(help="MLP optimizer: adagrad, adam or sgd.")] = "adagrad",
-    dense_lr: Annotated[
-        Optional[float],
-        typer.Option(
-            help="MLP learning rate (default: the preset's published rate scaled by sqrt(batch / its batch), "
-            "else 0.005; the manifest says which)."
-        ),
-    ] = None,
-    eval_every: Annotated[int, typer.Option(help="Steps between held-out AUC evaluations (0: at the end only).")] = 0,
-    eval_batches: Annotated[int, typer.Option(help="Held-out batches per evaluation.")] = 8,
-    warmup_steps: Annotated[
-        Optional[int], typer.Option(help="Steps left out of throughput (default: 10%, at most 20).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the data and the initial weights.")] = 0,
-    data: Annotated[str, typer.Option(help="'synthetic' or a Parquet dataset directory.")] = "synthetic",
-    data_spec: Annotated[
-        Optional[str], typer.Option(help="Synthetic data spec (data_gen/ name or .toml); default: the preset's.")
-    ] = None,
-    set_: Annotated[
-        Optional[list[str]], typer.Option("--set", help="Override a data spec field (repeatable), e.g. click_rate=0.1.")
-    ] = None,
-    prefetch: Annotated[
-        str,
-        typer.Option(
-            help="Batches prepared ahead on a background thread (0: inline), or auto: a thread of depth 2 where "
-            "the rank has a core its compute threads leave free (or computes on a GPU), else inline."
-        ),
-    ] = "auto",
-    sharding: Annotated[
-        str,
-        typer.Option(
-            help="auto (several CPU ranks: the fastest of the planner's plan and each type, timed for a few steps "
-            "and cached; GPUs: the planner), planner (TorchRec's planner), or one type for all tables: table_wise, "
-            "row_wise, column_wise, table_row_wise, table_column_wise, data_parallel."
-        ),
-    ] = "auto",
-    shard: Annotated[
-        Optional[list[str]],
-        typer.Option("--shard", help="Per-table sharding type, e.g. t_cat_3=row_wise (repeatable)."),
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds a collective may wait for the other ranks.")] = 300.0,
-    pin_cores: Annotated[bool, typer.Option(help="Pin each rank and its data thread to its own cores.")] = False,
-    pipeline: Annotated[
-        bool, typer.Option(help="TorchRec's sparse-dist pipeline: overlap the next batch's input distribution.")
-    ] = False,
-    attention: Annotated[
-        str, typer.Option(help="HSTU presets: padded, jagged, or auto (both timed on the run's requests).")
-    ] = "auto",
-    collectives: Annotated[
-        str,
-        typer.Option(help="CPU ranks: gloo, mpi (ranks started by mpiexec), or auto (faster at the probed speeds)."),
-    ] = "auto",
-    checkpoint_dir: Annotated[Optional[str], typer.Option(help="Directory of sharded checkpoints.")] = None,
-    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints (0: at the end only).")] = 0,
-    resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint-dir.")] = False,
-    target_auc: Annotated[
-        Optional[float], typer.Option(help="Stop when held-out AUC reaches this; records time to target.")
-    ] = None,
-    profile_steps: Annotated[
-        int, typer.Option(help="torch.profiler over this many steps after warm-up: per-operator profile.parquet.")
-    ] = 0,
-    price_per_hour: Annotated[
-        Optional[float],
-        typer.Option(
-            help="The machine's price per hour for the cost columns (default: the price stored with "
-            "`dlrm-lab machine price`, if any)."
-        ),
-    ] = None,  # fmt: skip
-    currency: Annotated[Optional[str], typer.Option(help="Currency of --price-per-hour (default: USD).")] = None,
-    metrics_dir: MetricsDir = "runs",
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
-) -> None:
+@command(*TRAIN, METRICS_DIR, CliOnly("progress", Annotated[bool, typer.Option(help="Show a progress bar.")], True))
+def train_command(options: dict[str, Any]) -> None:
     """Train a DLRM preset on synthetic clicks or a Parquet dataset, and record the run."""
-    options = dict(locals())  # the parameters alone, before any other name is bound
     from dlrm_lab.commands import train_setup
 
     spec, cfg = train_setup(options)  # the one construction (sweeps check their points with it too)
@@ -119,8 +31,9 @@ def train_command(
     err.print(size_line(spec))
 
     # a live bar on a terminal, else a plain line every few seconds (`| tee log`)
-    bar = progress_display("{task.fields[rate]}", "loss {task.fields[loss]}", unit="steps", to=err, enabled=progress)
-    task = bar.add_task("train", total=steps, rate="", loss="")
+    bar = progress_display("{task.fields[rate]}", "loss {task.fields[loss]}", unit="steps", to=err,
+                           enabled=options["progress"])  # fmt: skip
+    task = bar.add_task("train", total=cfg.steps, rate="", loss="")
     shown = False
 
     def on_step(row: dict[str, Any]) -> None:
@@ -135,7 +48,7 @@ def train_command(
     try:
         with say_interrupted(err):
             result = train(
-                run, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
+                run, metrics_dir=options["metrics_dir"], argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
                 log=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
             )  # fmt: skip
     finally:

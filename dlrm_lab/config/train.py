@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.config.options import by_field, option
+from dlrm_lab.errors import FieldError
 
 PRECISIONS = ("fp32", "bf16")
 # TorchRec's sharding types, by their ShardingType values.
@@ -29,94 +30,135 @@ class TrainConfig:
     (default None: detected from the step times, `train.records.detect_warmup`).
     """
 
-    steps: int = 100
-    batch_size: int = 512
-    device: str = "cpu"
-    precision: str = "fp32"  # or "auto": measured on this machine (dlrm_lab.metrics.precision)
-    table_precision: str = "fp32"
-    embedding_optimizer: str = "rowwise_adagrad"
-    embedding_lr: float | None = None  # None: 0.05 / the tables' mean pooling factor (`embedding_lr_for`)
-    dense_optimizer: str = "adagrad"
-    dense_lr: float | None = None  # None: the preset's published rate for this batch (`dense_lr_for`)
-    eval_every: int = 0  # steps between held-out AUC evaluations; 0: only at the end
-    eval_batches: int = 8
-    seed: int = 0
-    warmup_steps: int | None = None
-    data: str = "synthetic"  # or a Parquet dataset directory
-    data_spec: str | None = None  # synthetic only; default: the model preset's
-    data_overrides: tuple[str, ...] = ()  # synthetic only: `--set key=value` on the data spec
-    # batches prepared ahead on a background thread (0: inline), or auto: a thread only where the rank
-    # has a core its compute threads do not use (`train.choices.choose_prefetch`)
-    prefetch: str | int = "auto"
-    sharding: str = "auto"  # measured (several CPU ranks) or TorchRec's planner, or one type for every table
-    shard: tuple[str, ...] = ()  # per-table overrides: "t_cat_3=row_wise"
-    timeout_s: float = 300.0  # bound on every collective: a dead rank fails the others
-    pin_cores: bool = False  # pin each rank (and its data thread) to its own intra-op cores
-    target_auc: float | None = None  # stop when held-out AUC reaches it (MLPerf-style time to quality)
-    checkpoint_dir: str | None = None  # sharded checkpoints (torch.distributed.checkpoint)
-    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
-    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
-    attention: str = "auto"  # HSTU ranker: padded | jagged attention, or auto (timed, model.hstu.choose_attention)
-    pipeline: bool = False  # TorchRec's TrainPipelineSparseDist: next batch's input dist overlaps this step
-    # CPU ranks' collectives: gloo, MPI (ranks started by mpiexec; distributed.mpi), or auto (the
-    # faster at this machine's probed speeds for the step's bytes)
-    collectives: str = "auto"
-    profile_steps: int = 0  # torch.profiler over this many steps after warm-up: profile.parquet (train.profile)
-    # The machine's price per hour for the cost columns (None: the price stored with its profile, if any)
-    price_per_hour: float | None = None
-    currency: str | None = None
+    # Each field is also `dlrm-lab train`'s option and a sweep key (config.options): declared here once.
+    steps: int = option(100, "Training steps.")
+    batch_size: int = option(512, "Samples per step and rank.")
+    device: str = option("cpu", "cpu or cuda.")
+    # "auto": measured on this machine (dlrm_lab.metrics.precision); the library's default stays fp32
+    precision: str = option(
+        "fp32",
+        "Dense compute: auto (measured: bf16 only where its GEMMs are faster), fp32 or bf16.",
+        cli_default="auto",
+    )
+    table_precision: str = option("fp32", "Stored table rows: fp32 or fp16.")
+    embedding_optimizer: str = option("rowwise_adagrad", "Fused table optimizer: rowwise_adagrad or sgd.")
+    # None: 0.05 / the tables' mean pooling factor (`embedding_lr_for`)
+    embedding_lr: float | None = option(
+        None, "Table learning rate (default: 0.05 / the mean pooling factor; the manifest says which)."
+    )
+    dense_optimizer: str = option("adagrad", "MLP optimizer: adagrad, adam or sgd.")
+    dense_lr: float | None = option(  # None: the preset's published rate for this batch (`dense_lr_for`)
+        None,
+        "MLP learning rate (default: the preset's published rate scaled by sqrt(batch / its batch), else 0.005; "
+        "the manifest says which).",
+    )
+    eval_every: int = option(0, "Steps between held-out AUC evaluations (0: at the end only).")
+    eval_batches: int = option(8, "Held-out batches per evaluation.")
+    warmup_steps: int | None = option(None, "Steps left out of throughput (default: 10%, at most 20).")
+    seed: int = option(0, "Seed of the data and the initial weights.")
+    data: str = option("synthetic", "'synthetic' or a Parquet dataset directory.")
+    data_spec: str | None = option(  # synthetic only
+        None, "Synthetic data spec (data_gen/ name or .toml); default: the preset's."
+    )
+    data_overrides: tuple[str, ...] = option(  # synthetic only: key=value on the data spec
+        (), "Override a data spec field (repeatable), e.g. click_rate=0.1.", flags=("--set",),
+        type=Optional[list[str]], cli_default=None,
+    )  # fmt: skip
+    # a thread only where the rank has a core its compute threads do not use (`train.choices.choose_prefetch`)
+    prefetch: str | int = option(
+        "auto",
+        "Batches prepared ahead on a background thread (0: inline), or auto: a thread of depth 2 where the rank has "
+        "a core its compute threads leave free (or computes on a GPU), else inline.",
+        type=str,
+    )
+    sharding: str = option(
+        "auto",
+        "auto (several CPU ranks: the fastest of the planner's plan and each type, timed for a few steps and cached; "
+        "GPUs: the planner), planner (TorchRec's planner), or one type for all tables: table_wise, row_wise, "
+        "column_wise, table_row_wise, table_column_wise, data_parallel.",
+    )
+    shard: tuple[str, ...] = option(
+        (), "Per-table sharding type, e.g. t_cat_3=row_wise (repeatable).", type=Optional[list[str]], cli_default=None
+    )
+    # a bound on every collective: a dead rank fails the others
+    timeout_s: float = option(300.0, "Seconds a collective may wait for the other ranks.", flags=("--timeout",))
+    pin_cores: bool = option(False, "Pin each rank and its data thread to its own cores.")
+    # TorchRec's TrainPipelineSparseDist: the next batch's input dist overlaps this step
+    pipeline: bool = option(False, "TorchRec's sparse-dist pipeline: overlap the next batch's input distribution.")
+    # the HSTU ranker's attention (model.hstu.choose_attention)
+    attention: str = option("auto", "HSTU presets: padded, jagged, or auto (both timed on the run's requests).")
+    # CPU ranks: gloo, MPI (distributed.mpi), or the faster at this machine's probed speeds for the step's bytes
+    collectives: str = option(
+        "auto", "CPU ranks: gloo, mpi (ranks started by mpiexec), or auto (faster at the probed speeds)."
+    )
+    checkpoint_dir: str | None = option(None, "Directory of sharded checkpoints.")  # torch.distributed.checkpoint
+    checkpoint_every: int = option(0, "Steps between checkpoints (0: at the end only).")
+    resume: bool = option(False, "Continue from the newest checkpoint in --checkpoint-dir.")
+    # MLPerf-style time to quality
+    target_auc: float | None = option(None, "Stop when held-out AUC reaches this; records time to target.")
+    profile_steps: int = option(  # train.profile
+        0, "torch.profiler over this many steps after warm-up: per-operator profile.parquet."
+    )
+    # None: the price stored with the machine's profile, if any
+    price_per_hour: float | None = option(
+        None,
+        "The machine's price per hour for the cost columns (default: the price stored with `dlrm-lab machine "
+        "price`, if any).",
+    )
+    currency: str | None = option(None, "Currency of --price-per-hour (default: USD).")
 
     def __post_init__(self) -> None:
         from dlrm_lab.metrics.cost import check_currency, check_price
 
         if self.price_per_hour is not None:
-            check_price(self.price_per_hour, "--price-per-hour")
+            by_field("price_per_hour", check_price, self.price_per_hour)
         if self.currency is not None:
-            check_currency(self.currency)
-        _positive("--steps", self.steps)
-        _positive("--batch-size", self.batch_size)
-        _choice("--device", self.device, ("cpu", "cuda"))
-        _choice("--precision", self.precision, ("auto", *PRECISIONS))
-        _choice("--table-precision", self.table_precision, TABLE_PRECISIONS)
-        _choice("--embedding-optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
-        _choice("--dense-optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
-        for name, lr in (("--embedding-lr", self.embedding_lr), ("--dense-lr", self.dense_lr)):
+            by_field("currency", check_currency, self.currency)
+        _positive("steps", self.steps)
+        _positive("batch_size", self.batch_size)
+        _choice("device", self.device, ("cpu", "cuda"))
+        _choice("precision", self.precision, ("auto", *PRECISIONS))
+        _choice("table_precision", self.table_precision, TABLE_PRECISIONS)
+        _choice("embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
+        _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
+        for name, lr in (("embedding_lr", self.embedding_lr), ("dense_lr", self.dense_lr)):
             if lr is None:  # the rule's rate (`dense_lr_for`, `embedding_lr_for`)
                 continue
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-                raise UserError(f"{name} {lr!r}: must be a number > 0")
+                raise FieldError(name, f"{lr!r}: must be a number > 0")
         if self.eval_every < 0:
-            raise UserError(f"--eval-every {self.eval_every}: must be >= 0 (0: evaluate at the end only)")
-        _positive("--eval-batches", self.eval_batches)
+            raise FieldError("eval_every", f"{self.eval_every}: must be >= 0 (0: evaluate at the end only)")
+        _positive("eval_batches", self.eval_batches)
         if self.data != "synthetic" and not Path(self.data).exists():
-            raise UserError(f"--data {self.data}: no such dataset directory or file (or use 'synthetic')")
+            raise FieldError("data", f"{self.data}: no such dataset directory or file (or use 'synthetic')")
         if isinstance(self.prefetch, str) and self.prefetch.strip().isdigit():  # the command line's "2"
             object.__setattr__(self, "prefetch", int(self.prefetch))
         if self.prefetch != "auto" and (
             isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0
         ):
-            raise UserError(f"--prefetch {self.prefetch!r}: must be auto or an integer >= 0")
+            raise FieldError("prefetch", f"{self.prefetch!r}: must be auto or an integer >= 0")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise UserError(f"--timeout {self.timeout_s!r}: must be a number of seconds > 0")
+            raise FieldError("timeout_s", f"{self.timeout_s!r}: must be a number of seconds > 0")
         if self.target_auc is not None and not (
             isinstance(self.target_auc, (int, float)) and 0.5 < self.target_auc < 1
         ):
-            raise UserError(f"--target-auc {self.target_auc!r}: must be in (0.5, 1)")
-        _choice("--sharding", self.sharding, SHARDING_CHOICES)
-        _choice("--attention", self.attention, ("auto", "padded", "jagged"))
-        _choice("--collectives", self.collectives, ("auto", "gloo", "mpi"))
+            raise FieldError("target_auc", f"{self.target_auc!r}: must be in (0.5, 1)")
+        _choice("sharding", self.sharding, SHARDING_CHOICES)
+        _choice("attention", self.attention, ("auto", "padded", "jagged"))
+        _choice("collectives", self.collectives, ("auto", "gloo", "mpi"))
         if self.checkpoint_every < 0:
-            raise UserError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0 (0: at the end only)")
+            raise FieldError("checkpoint_every", f"{self.checkpoint_every}: must be >= 0 (0: at the end only)")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
-            raise UserError("--resume and --checkpoint-every need --checkpoint-dir")
+            raise FieldError("resume", "and {checkpoint_every} need {checkpoint_dir}", "checkpoint_every",
+                             "checkpoint_dir")  # fmt: skip
         if (
             isinstance(self.profile_steps, bool)
             or not isinstance(self.profile_steps, int)
             or not (0 <= self.profile_steps <= self.steps)
         ):
-            raise UserError(f"--profile-steps {self.profile_steps!r}: must be an integer in [0, steps={self.steps}]")
+            raise FieldError("profile_steps", f"{self.profile_steps!r}: must be an integer in [0, steps={self.steps}]")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
-            raise UserError(f"--warmup-steps {self.warmup_steps}: must be in [0, steps={self.steps})")
+            raise FieldError("warmup_steps", f"{self.warmup_steps}: must be in [0, steps={self.steps})")
 
     @property
     def resolved_eval_every(self) -> int:
@@ -148,13 +190,9 @@ def embedding_lr_for(spec: Any, cfg: TrainConfig) -> tuple[float, str]:
     rm3 (20) unchanged; one-hot presets keep 0.05."""
     if cfg.embedding_lr is not None:
         return cfg.embedding_lr, "given (--embedding-lr)"
-    if getattr(spec, "family", "dlrm") == "hstu":
-        return DEFAULT_EMBEDDING_LR, f"{DEFAULT_EMBEDDING_LR:g}: sequence features, every id keeps its own vector"
-    pooling = [t.pooling_factor for t in spec.tables for _ in t.feature_names]
-    mean = sum(pooling) / len(pooling)
-    if mean <= 1:
-        return DEFAULT_EMBEDDING_LR, f"{DEFAULT_EMBEDDING_LR:g}: one id per feature"
-    return DEFAULT_EMBEDDING_LR / mean, f"{DEFAULT_EMBEDDING_LR:g} / mean pooling factor {mean:g}"
+    from dlrm_lab.families import family_of
+
+    return family_of(spec).embedding_lr(spec, DEFAULT_EMBEDDING_LR)
 
 
 def dense_lr_for(spec: Any, cfg: TrainConfig, world_size: int) -> tuple[float, str]:
@@ -190,11 +228,11 @@ def target_auc_for(spec: Any, cfg: TrainConfig, data: dict[str, Any]) -> tuple[f
     return None, "none"
 
 
-def _positive(name: str, value: Any) -> None:
+def _positive(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name} {value!r}: must be an integer >= 1")
+        raise FieldError(field, f"{value!r}: must be an integer >= 1")
 
 
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise UserError(f"{name} {value!r}: allowed: {', '.join(allowed)}")
+        raise FieldError(field, f"{value!r}: allowed: {', '.join(allowed)}")

@@ -20,12 +20,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.errors import RemoteFailure, ServerLost, ServingFault, UserError
+from dlrm_lab.errors import FieldError, RemoteFailure, ServerLost, ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
-from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, SCENARIOS, drive, make_driver
+from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, drive, make_driver
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
 from dlrm_lab.infer.loadgen import check_loadgen_duration, loadgen_duration
 from dlrm_lab.infer.memory import check_fits
+from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.records import (
     batch_roof,
     energy_columns,
@@ -38,10 +39,10 @@ from dlrm_lab.infer.records import (
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription, SutDescription, SystemUnderTest
-from dlrm_lab.infer.targets import Connection, check_connection, open_target, parse_target
-from dlrm_lab.infer.tune import KNOBS, PROBED, choose_policy
+from dlrm_lab.infer.targets import open_target, parse_target
+from dlrm_lab.infer.tune import PROBED, choose_policy
 from dlrm_lab.metrics.columns import schema_of
-from dlrm_lab.metrics.cost import Price, check_currency, check_price, price_of, serving_cost_columns
+from dlrm_lab.metrics.cost import Price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
 from dlrm_lab.metrics.precision import DTYPES
@@ -67,86 +68,6 @@ class PointProgress:
 
 
 OnProgress = Callable[[PointProgress], None]
-
-
-@dataclass
-class InferConfig:
-    scenario: str = "open-loop"
-    duration_s: float = 5.0  # of the load at each point
-    sla_ms: float = 10.0
-    sla_percentile: float = 99.0
-    seed: int = 0
-    device: str = "cpu"
-    pin_cores: bool = True
-    compare_alone: bool = True  # several models: also serve each alone at the same load
-    qps_auto: bool = False  # the lab chooses the rate it can honour (infer.calibrate.choose_load); one model
-    sla_auto: bool = False  # ... and the bound too, from the latency of one query at a time
-    calibrate_s: float = 2.0  # seconds of each calibration step of qps_auto (capacity, unloaded, probes)
-    drain_timeout_s: float = 30.0  # after the load, wait this long for the last queries
-    max_issue_lag_ms: float = 1000.0  # open loop: stop issuing once this far behind the schedule
-    # Untimed load before each point, at most a quarter of its duration: the point's own
-    # streams, open loop, records dropped (MLPerf allows untimed warm-up queries). Without it
-    # the first queries of a point meet instances idle since their start.
-    warmup_s: float = 0.5
-    # Write a Chrome/Perfetto trace of the first point (`metrics.trace`): every instance's torch.profiler
-    # operators and the lab's queries and batches, on the server's clock, in the run's trace.json
-    trace: bool = False
-    # Knobs given as auto (`infer.tune.KNOBS`): chosen on the running server once the load is known
-    tune: tuple[str, ...] = ()
-    # The machine's price per hour for the cost columns (None: the price stored with its profile, if any)
-    price_per_hour: float | None = None
-    currency: str | None = None
-    # The system under test (`infer.targets`): in process, or a server at a URL reached over
-    # `concurrency` client connections (a closed loop keeps that many queries outstanding in process too)
-    target: str = "in-process"
-    rpc: str | None = None
-    concurrency: int = 1
-    timeout_s: float = 30.0  # remote: a query's deadline
-    connect_timeout_s: float = 10.0
-    unavailable_s: float = 3.0  # remote: only UNAVAILABLE answers this long and the server counts as lost
-
-    def __post_init__(self) -> None:
-        if self.scenario not in SCENARIOS:
-            raise UserError(f"--scenario {self.scenario!r}: allowed: {', '.join(SCENARIOS)}")
-        if not self.duration_s > 0:
-            raise UserError(f"--duration {self.duration_s!r}: must be > 0 seconds")
-        if not self.sla_ms > 0:
-            raise UserError(f"--sla-ms {self.sla_ms!r}: must be > 0")
-        if not 0 < self.sla_percentile <= 100:
-            raise UserError(f"--percentile {self.sla_percentile!r}: must be in (0, 100]")
-        if not self.max_issue_lag_ms > 0:
-            raise UserError(f"--max-issue-lag-ms {self.max_issue_lag_ms!r}: must be > 0 ms")
-        if not 0 <= self.warmup_s <= 600:
-            raise UserError(f"--warmup {self.warmup_s!r}: must be in [0, 600] seconds")
-        if not self.calibrate_s > 0:
-            raise UserError(f"calibrate_s {self.calibrate_s!r}: must be > 0 seconds")
-        if unknown := sorted(set(self.tune) - set(KNOBS)):
-            raise UserError(f"tune {unknown[0]!r}: allowed: {', '.join(KNOBS)}")
-        if self.price_per_hour is not None:
-            check_price(self.price_per_hour, "--price-per-hour")
-        if self.currency is not None:
-            check_currency(self.currency)
-        target = parse_target(self.target)
-        check_connection(target, self.connection())
-        if target.remote and self.tune:
-            flag = "--" + self.tune[0].replace("_", "-")
-            raise UserError(f"{flag} auto: --target {self.target}: the server's own serving policy applies "
-                            "(auto knobs are chosen on a server in this process)")  # fmt: skip
-        if target.remote and self.trace:
-            raise UserError(f"--trace: --target {self.target}: a trace profiles instances in this process")
-        probed = [k for k in PROBED if k in self.tune]
-        if probed and self.scenario not in ("open-loop", "server"):
-            flag = "--" + probed[0].replace("_", "-")
-            raise UserError(f"{flag} auto: needs open-loop or server load (chosen at the point's rate); "
-                            f"--scenario {self.scenario}: give a number")  # fmt: skip
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def connection(self) -> Connection:
-        return Connection(rpc=self.rpc, concurrency=self.concurrency, timeout_s=self.timeout_s,
-                          connect_timeout_s=self.connect_timeout_s, unavailable_s=self.unavailable_s,
-                          seed=self.seed)  # fmt: skip
 
 
 CPU_COLUMNS = ("cpu_utilization", "instance_cpu_utilization", "server_cpu_s")
@@ -488,9 +409,9 @@ def run_inference(
     if cfg.qps_auto and (len(models) > 1 or cfg.scenario not in ("open-loop", "server")):
         raise UserError("--qps auto: one --model, with open-loop or server load (the rate is probed open loop)")
     if cfg.sla_auto and not cfg.qps_auto:
-        raise UserError("--sla-ms auto: needs --qps auto (the bound is chosen with the load)")
+        raise FieldError("sla_ms", "auto: needs {qps} auto (the bound is chosen with the load)", "qps")
     if len(models) > 1 and (probed := [k for k in PROBED if k in cfg.tune]):
-        raise UserError(f"--{probed[0].replace('_', '-')} auto: one --model (its probes run one model's load)")
+        raise FieldError(probed[0], "auto: one {model} (its probes run one model's load)", "model")
     check_writable(metrics_dir, "--metrics-dir")
     target = parse_target(cfg.target)
     if not cfg.qps_auto and cfg.scenario != "closed-loop":  # auto: a probed rate, below capacity

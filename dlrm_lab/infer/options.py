@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
 
-from dlrm_lab.config import HSTUSpec, load_any_preset
-from dlrm_lab.errors import UserError
+from dlrm_lab.config import load_any_preset
+from dlrm_lab.config.options import ModelScaling, by_field, option
+from dlrm_lab.errors import FieldError
 
 DEFAULT_MODEL = "tiny"
 DEFAULT_QPS = 100.0
@@ -23,103 +24,113 @@ AUTO = "auto"
 
 
 @dataclass(frozen=True)
-class ServingOptions:
-    """How each served model is scaled, batched and placed (the same for every model served)."""
+class ServingOptions(ModelScaling):
+    """How each served model is scaled, batched and placed (the same for every model served).
 
-    instances: int = 1
-    threads: int = 1
-    max_batch: int = 256
-    max_delay_ms: float = 1.0
-    max_queue: int = 4096
-    min_piece: int = 0
-    spin_ms: float = 0.0
-    precision: str = AUTO
-    table_precision: str = "fp32"
-    build: str = AUTO  # the inference form served (infer.build)
-    data_spec: str | None = None
-    table_scale: float | None = None
-    max_rows: int | None = None
-    history_cache_mb: float = 0.0  # HSTU presets: per-instance history reuse (infer.history)
-    attention: str = "auto"  # HSTU presets
-    history_affinity: bool = True  # HSTU presets with history reuse
-    data_overrides: tuple[str, ...] = ()  # HSTU presets: --set KEY=VALUE on their [data] (the requests)
-    max_query_samples: int = 65_536  # infer.served.DEFAULT_MAX_QUERY_SAMPLES
+    Each field is also an option of `serve`, `infer run` and `infer search` (config.options)."""
+
+    instances: int = option(1, "Co-located instances (worker processes) per model.")
+    threads: int = option(1, "Intra-op threads per instance.")
+    max_batch: int = option(256, "Largest batch in samples (larger queries are split across instances).")
+    max_delay_ms: float = option(1.0, "Longest a query waits for its batch to fill.")
+    max_queue: int = option(4096, "Waiting queries per model before new ones are dropped.")
+    min_piece: int = option(
+        0,
+        "Smallest piece a query is split into over idle instances (0: measured at start, where a batch's fixed cost "
+        "equals its samples' cost).",
+    )
+    spin_ms: float = option(
+        0.0,
+        "An idle instance polls for its next batch this long before it sleeps: a core that just slept runs the next "
+        "batch slower (0: sleep at once).",
+    )
+    precision: str = option(
+        AUTO,
+        "Dense compute: auto (measured: a lower precision only where its GEMMs are faster), fp32, bf16 (autocast) or "
+        "fp16.",
+    )
+    table_precision: str = option("fp32", "Embedding tables: fp32, fp16, int8 or int4 (row-wise quantised, fbgemm).")
+    build: str = option(  # the inference form served (infer.build)
+        AUTO,
+        "Inference form served: auto (timed at start: the fastest whose scores pass the accuracy check), eager (the "
+        "training module), fused (one fused fbgemm table lookup, weights stored in the served precision) or compiled "
+        "(fused, dense part compiled by Inductor with freezing).",
+    )
+    data_spec: str | None = option(None, "Synthetic data spec of the samples (default: the preset's).")
+    history_cache_mb: float = option(  # per-instance history reuse (infer.history)
+        0.0, "HSTU presets: MB per instance of users' encoded histories, reused by their next request."
+    )
+    attention: str = option("auto", "HSTU presets: padded, jagged, or auto (timed at start).")
+    history_affinity: bool = option(
+        True, "HSTU with history reuse: send a user's requests to the instance holding their history."
+    )
+    data_overrides: tuple[str, ...] = option(  # on their [data]: the requests
+        (), "HSTU presets: KEY=VALUE on the preset's [data] (its requests).", flags=("--set",),
+        type=Optional[list[str]], cli_default=None,
+    )  # fmt: skip
+    max_query_samples: int = option(
+        65_536,  # infer.served.DEFAULT_MAX_QUERY_SAMPLES
+        "The largest query accepted, in samples (larger: INVALID_ARGUMENT naming the bound); a query larger than one "
+        "piece per instance takes its turns behind the others.",
+    )
 
     def served(self, models: Sequence[str] | None) -> list[Any]:
         """One ServedModel per preset named (default: tiny), DLRM or HSTU; a preset served twice is `name-2`."""
-        from dlrm_lab.data.sequences import with_overrides
+        from dlrm_lab.families import family_of
         from dlrm_lab.infer.served import ServedModel
 
         out, seen = [], {}
         for name in models or [DEFAULT_MODEL]:
             spec = load_any_preset(name, table_scale=self.table_scale, max_rows=self.max_rows)
-            if isinstance(spec, HSTUSpec):
-                spec = with_overrides(spec, self.data_overrides)
-            elif self.data_overrides:
-                raise UserError(f"--set {self.data_overrides[0]}: --set changes an HSTU preset's requests; "
-                                f"{spec.name} is a DLRM (its samples: --data-spec)")  # fmt: skip
+            spec = family_of(spec).with_data_overrides(spec, self.data_overrides, serving=True)
             seen[spec.name] = seen.get(spec.name, 0) + 1
             label = spec.name if seen[spec.name] == 1 else f"{spec.name}-{seen[spec.name]}"
-            out.append(
-                ServedModel(
-                    label,
-                    spec,
-                    instances=self.instances,
-                    threads=self.threads,
-                    max_batch=self.max_batch,
-                    max_delay_ms=self.max_delay_ms,
-                    max_queue=self.max_queue,
-                    min_piece=self.min_piece,
-                    spin_ms=self.spin_ms,
-                    precision=self.precision,
-                    table_precision=self.table_precision,
-                    build=self.build,
-                    data_spec=self.data_spec,
-                    history_cache_mb=self.history_cache_mb,
-                    attention=self.attention,
-                    history_affinity=self.history_affinity,
-                    max_query_samples=self.max_query_samples,
-                )  # fmt: skip
-            )
+            out.append(ServedModel(label, spec, **{f: getattr(self, f) for f in _SERVED_FIELDS}))
         return out
 
 
-def per_model(values: Sequence[Any] | None, n: int, default: Any, option: str) -> list[Any]:
+# What a ServedModel takes as given: every serving option but the preset's scaling and its requests' overrides
+_SERVED_FIELDS = tuple(
+    f.name for f in fields(ServingOptions) if f.name not in {"table_scale", "max_rows", "data_overrides"}
+)
+
+
+def per_model(values: Sequence[Any] | None, n: int, default: Any, field: str) -> list[Any]:
     """One value for all n models, or one per model, in order."""
     values = list(values or [default])
     if len(values) == 1:
         return values * n
     if len(values) != n:
-        raise UserError(f"{option}: give one value or one per --model ({n}), got {len(values)}")
+        raise FieldError(field, f": give one value or one per {{model}} ({n}), got {len(values)}", "model")
     return values
 
 
-def numbers(values: Sequence[Any], option: str) -> list[float]:
+def numbers(values: Sequence[Any], field: str) -> list[float]:
     """Option values as numbers; 'auto' is only accepted alone (the caller handles it)."""
     out = []
     for v in values:
         try:
             out.append(float(v))
         except ValueError:
-            raise UserError(f"{option} {v!r}: expected a number (or auto, given alone)") from None
+            raise FieldError(field, f"{v!r}: expected a number (or auto, given alone)") from None
     return out
 
 
-def number_list(text: str, kind: type, option: str) -> list[Any]:
-    """A comma-separated list of numbers, e.g. `--max-batch 64,256`."""
+def number_list(text: str, kind: type, field: str) -> list[Any]:
+    """A comma-separated list of numbers, e.g. `max_batch` 64,256."""
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UserError(f"{option} {text!r}: expected a comma-separated list of numbers") from None
+        raise FieldError(field, f"{text!r}: expected a comma-separated list of numbers") from None
     if not values:
-        raise UserError(f"{option}: empty list")
+        raise FieldError(field, ": empty list")
     return values
 
 
 @dataclass(frozen=True)
 class LoadPlan:
     """The load of `infer run`: one stream per served model, and whether the rate and the
-    bound are for the lab to choose (`--qps auto`, `--sla-ms auto`)."""
+    bound are for the lab to choose (`qps` and `sla_ms` auto)."""
 
     streams: list[Any]
     qps_auto: bool
@@ -140,19 +151,281 @@ def plan_load(
 
     n = len(served)
     qps_auto, sla_auto = list(qps or []) == [AUTO], list(sla_ms or []) == [AUTO]
-    slas = [DEFAULT_SLA_MS] * n if sla_auto else numbers(per_model(sla_ms, n, DEFAULT_SLA_MS, "--sla-ms"), "--sla-ms")
+    slas = [DEFAULT_SLA_MS] * n if sla_auto else numbers(per_model(sla_ms, n, DEFAULT_SLA_MS, "sla_ms"), "sla_ms")
     if any(not v > 0 for v in slas):
-        raise UserError(f"--sla-ms {slas}: every bound must be > 0 ms")
-    rates = [0.0] * n if qps_auto else numbers(per_model(qps, n, DEFAULT_QPS, "--qps"), "--qps")
+        raise FieldError("sla_ms", f"{slas}: every bound must be > 0 ms")
+    rates = [0.0] * n if qps_auto else numbers(per_model(qps, n, DEFAULT_QPS, "qps"), "qps")
     if not qps_auto and any(not r > 0 for r in rates):
-        raise UserError(f"--qps {rates}: every rate must be > 0 queries/s (or auto)")
-    sizes = [QuerySizes.parse(s) for s in per_model(query_size, n, DEFAULT_QUERY_SIZE, "--query-size")]
+        raise FieldError("qps", f"{rates}: every rate must be > 0 queries/s (or auto)")
+    sizes = [QuerySizes.parse(s) for s in per_model(query_size, n, DEFAULT_QUERY_SIZE, "query_size")]
     arrivals = Arrivals.parse(arrival)
     streams = [
         Stream(m.name, r, s, arrivals, sla_ms=sla, order=order)
         for m, r, s, sla in zip(served, rates, sizes, slas, strict=True)
     ]
     return LoadPlan(streams, qps_auto, sla_auto)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The load of `infer run` as given: the models served and, for each (one value for all, or
+    one per model), its rate, query sizes and latency bound; `plan` turns them into streams."""
+
+    model: list[str] | None = option(
+        None, "Model preset to serve; repeat to co-locate several.", flags=("--model", "-m", "--preset", "-p")
+    )
+    qps: list[str] | None = option(
+        None,
+        "Target queries/s (one, or one per --model), or auto: the lab measures capacity and picks a rate meeting "
+        "the bound (one model).",
+    )
+    query_size: list[str] | None = option(
+        None,
+        "Samples per query: fixed:N, normal:MEAN,STD, lognormal:MEDIAN,SIGMA, uniform:LO,HI or mlperf (100-700). "
+        "One, or one per --model. Default: fixed:1.",
+    )
+    arrival: str = option(
+        "poisson",
+        "Open-loop arrivals: poisson, constant, or bursty[:FACTOR,SHARE,LENGTH_MS] (bursts at FACTOR x the mean rate "
+        "for SHARE of the time, LENGTH_MS long on average; default 4,0.1,50).",
+    )
+    sla_ms: list[str] | None = option(
+        None,
+        "Latency bound in ms (one, or one per model), or auto with --qps auto: 2.5x the latency of one query at a "
+        "time.",
+    )
+    order: str = option(
+        "random", "Which samples queries take: random, or time (the library's order; HSTU requests by time)."
+    )
+
+    def plan(self, served: Sequence[Any]) -> LoadPlan:
+        return plan_load(served, self.qps, self.query_size, self.sla_ms, self.arrival, self.order)
+
+
+@dataclass
+class InferConfig:
+    """How load is driven against the system under test and recorded (`infer.lab.run_inference`).
+
+    Each field with a help text is also an option of `infer run` (and of `infer search`), declared once here."""
+
+    scenario: str = option(
+        "open-loop",
+        "open-loop (our generator), closed-loop (--concurrency queries outstanding) or MLPerf LoadGen: server, "
+        "offline, single-stream, multi-stream.",
+    )
+    # The system under test (`infer.targets`): in process, or a server at a URL reached over
+    # `concurrency` client connections (a closed loop keeps that many queries outstanding in process too)
+    target: str = option(
+        "in-process",
+        "The system under test: in-process (the lab's server, here), grpc://HOST:PORT (a dlrm-lab serve), or "
+        "kserve://HOST:PORT[/MODEL] (any Open Inference Protocol v2 gRPC server: Triton, KServe, ours). Remote targets "
+        "serve with their own settings: --instances, --threads, --precision ... apply in process only.",
+    )
+    rpc: str | None = option(
+        None,
+        "grpc:// targets: stream (one InferStream per connection, the default) or unary (an Infer call per query); "
+        "kserve:// targets: oip (a ModelInfer call per query).",
+    )
+    concurrency: int = option(
+        1,
+        "Remote targets: client connections, each beyond one in a process of its own; a closed loop (--scenario "
+        "closed-loop) keeps this many queries outstanding.",
+    )
+    # remote: a query's deadline
+    timeout_s: float = option(30.0, "Remote targets: seconds a query may take (its deadline).", flags=("--timeout",))
+    connect_timeout_s: float = option(
+        10.0, "Remote targets: seconds to wait for the server at start.", flags=("--connect-timeout",)
+    )
+    # remote: only UNAVAILABLE answers this long and the server counts as lost
+    unavailable_s: float = option(3.0, "Remote targets: the server is lost after only UNAVAILABLE this long.")
+    # The machine's price per hour for the cost columns (None: the price stored with its profile, if any)
+    price_per_hour: float | None = option(
+        None,
+        "The machine's price per hour for the cost columns (default: the price stored with `dlrm-lab machine "
+        "price`, if any; a remote server's machine: give it here).",
+    )
+    currency: str | None = option(None, "Currency of --price-per-hour (default: USD).")
+    duration_s: float = option(5.0, "Seconds of load per point.", flags=("--duration",))  # at each point
+    # Untimed load before each point, at most a quarter of its duration: the point's own
+    # streams, open loop, records dropped (MLPerf allows untimed warm-up queries). Without it
+    # the first queries of a point meet instances idle since their start.
+    warmup_s: float = option(
+        0.5,
+        "Seconds of untimed load before each point (its own rate and sizes; at most a quarter of the point).",
+        flags=("--warmup",),
+    )
+    sla_ms: float = 10.0  # the load's bound (LoadOptions.sla_ms: one per model)
+    sla_percentile: float = option(99.0, "Latency percentile the bound applies to.", flags=("--percentile",))
+    # open loop: stop issuing once this far behind the schedule
+    max_issue_lag_ms: float = option(
+        1000.0,
+        "Open loop: stop the load (rows kept, exit 1) once a query is this many ms past its arrival time before it "
+        "could be issued: the issuer, not the server, has fallen behind.",
+    )
+    device: str = option("cpu", "cpu or cuda.")
+    pin_cores: bool = option(True, "Pin each instance to its own cores.")
+    # several models: also serve each alone at the same load
+    compare_alone: bool = option(True, "With several models, also serve each alone (interference).", flags=("--alone",))
+    seed: int = option(0, "Seed of the load, the samples and the weights.")
+    # Write a Chrome/Perfetto trace of the first point (`metrics.trace`): every instance's torch.profiler
+    # operators and the lab's queries and batches, on the server's clock, in the run's trace.json
+    trace: bool = option(
+        False,
+        "Write trace.json: a Chrome/Perfetto trace of the (first) point, torch.profiler's operators in every "
+        "instance with the lab's queries and batches (open it in ui.perfetto.dev).",
+    )
+    qps_auto: bool = False  # the lab chooses the rate it can honour (infer.calibrate.choose_load); one model
+    sla_auto: bool = False  # ... and the bound too, from the latency of one query at a time
+    calibrate_s: float = 2.0  # seconds of each calibration step of qps_auto (capacity, unloaded, probes)
+    drain_timeout_s: float = 30.0  # after the load, wait this long for the last queries
+    # Knobs given as auto (`infer.tune.KNOBS`): chosen on the running server once the load is known
+    tune: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from dlrm_lab.infer.drivers import SCENARIOS
+        from dlrm_lab.infer.targets import check_connection, parse_target
+        from dlrm_lab.infer.tune import KNOBS, PROBED
+        from dlrm_lab.metrics.cost import check_currency, check_price
+
+        if self.scenario not in SCENARIOS:
+            raise FieldError("scenario", f"{self.scenario!r}: allowed: {', '.join(SCENARIOS)}")
+        if not self.duration_s > 0:
+            raise FieldError("duration_s", f"{self.duration_s!r}: must be > 0 seconds")
+        if not self.sla_ms > 0:
+            raise FieldError("sla_ms", f"{self.sla_ms!r}: must be > 0")
+        if not 0 < self.sla_percentile <= 100:
+            raise FieldError("sla_percentile", f"{self.sla_percentile!r}: must be in (0, 100]")
+        if not self.max_issue_lag_ms > 0:
+            raise FieldError("max_issue_lag_ms", f"{self.max_issue_lag_ms!r}: must be > 0 ms")
+        if not 0 <= self.warmup_s <= 600:
+            raise FieldError("warmup_s", f"{self.warmup_s!r}: must be in [0, 600] seconds")
+        if not self.calibrate_s > 0:
+            raise FieldError("calibrate_s", f"{self.calibrate_s!r}: must be > 0 seconds")
+        if unknown := sorted(set(self.tune) - set(KNOBS)):
+            raise FieldError("tune", f"{unknown[0]!r}: allowed: {', '.join(KNOBS)}")
+        if self.price_per_hour is not None:
+            by_field("price_per_hour", check_price, self.price_per_hour)
+        if self.currency is not None:
+            by_field("currency", check_currency, self.currency)
+        target = parse_target(self.target)
+        check_connection(target, self.connection())
+        if target.remote and self.tune:
+            raise FieldError(self.tune[0], f"auto: {{target}} {self.target}: the server's own serving policy applies "
+                             "(auto knobs are chosen on a server in this process)", "target")  # fmt: skip
+        if target.remote and self.trace:
+            raise FieldError("trace", f": {{target}} {self.target}: a trace profiles instances in this process",
+                             "target")  # fmt: skip
+        probed = [k for k in PROBED if k in self.tune]
+        if probed and self.scenario not in ("open-loop", "server"):
+            raise FieldError(probed[0], "auto: needs open-loop or server load (chosen at the point's rate); "
+                             f"{{scenario}} {self.scenario}: give a number", "scenario")  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def connection(self) -> Any:
+        """How the load's clients reach a remote target (`infer.targets.Connection`)."""
+        from dlrm_lab.infer.targets import Connection
+
+        return Connection(rpc=self.rpc, concurrency=self.concurrency, timeout_s=self.timeout_s,
+                          connect_timeout_s=self.connect_timeout_s, unavailable_s=self.unavailable_s,
+                          seed=self.seed)  # fmt: skip
+
+
+@dataclass
+class SearchOptions:
+    """How `infer search` probes each configuration (`infer.search.search`); each field is also its option."""
+
+    repeats: int = option(2, "Load points per probed rate (the median decides).")
+    steps: int = option(6, "Bisection probes per configuration at most.")
+    # relative to the bracket's top
+    tolerance: float = option(0.05, "Stop when the bracket is this narrow (relative).")
+    # the closed-loop saturation run that bounds the search
+    capacity_s: float = option(1.0, "Seconds of the closed-loop capacity run.", flags=("--capacity-duration",))
+    # a probe lasts long enough for this many queries (p99 = the 5th worst of 500) ...
+    min_queries: int = option(500, "A probe lasts until this many queries arrived (for a stable percentile)...")
+    max_duration_s: float = option(20.0, "... but at most this many seconds.", flags=("--max-probe-duration",))
+    # A configuration whose capacity (samples/s) x (1 + prune_margin) is below the best rate
+    # found under the bound is not bisected: it cannot win (capacity bounds every passing
+    # rate; the margin covers run-to-run noise). 0 would prune hardest; < 0 turns it off.
+    prune_margin: float = option(
+        0.10, "Skip a configuration whose capacity x (1 + this) is below the best rate found (< 0: off)."
+    )
+    early_stop: bool = option(
+        True,
+        "End a probe once decided: its load when more queries were late than its percentile allows, its repeats "
+        "when all lie 25% or more on one side of the bound.",
+    )
+    # The best rate is certified by a run this long under MLPerf LoadGen's Server scenario (0: not certified)
+    # at that rate, backed off by CERTIFY_BACKOFF up to `certify_tries` times until it holds
+    certify_s: float = option(
+        60.0,
+        "Seconds of the MLPerf LoadGen Server run that certifies the best rate (backed off until it holds); 0: not "
+        "certified.",
+        flags=("--certify-duration",),
+    )
+    certify_tries: int = option(3, "Certification runs at most, each at 0.9x the rate before.")
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
+            raise FieldError("repeats", f"{self.repeats}, {{steps}} {self.steps}, {{min_queries}} {self.min_queries}: "
+                             "must be >= 1", "steps", "min_queries")  # fmt: skip
+        if not 0 < self.tolerance < 1:
+            raise FieldError("tolerance", f"{self.tolerance}: must be in (0, 1)")
+        if not 0 <= self.certify_s <= 3600 or self.certify_tries < 1:
+            raise FieldError("certify_s", f"{self.certify_s}: must be in [0, 3600] s (0: no certification); "
+                             f"{{certify_tries}} {self.certify_tries}: must be >= 1", "certify_tries")  # fmt: skip
+        if not (self.capacity_s > 0 and self.max_duration_s > 0):
+            raise FieldError("capacity_s", f"{self.capacity_s}, {{max_duration_s}} {self.max_duration_s}: must be > 0",
+                             "max_duration_s")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What `infer search` explores at one query size and latency bound: the layouts and batching
+    policies it tries (each field is also its option)."""
+
+    query_size: str = option("fixed:1", "Samples per query (see `infer run --help`).")
+    sla_ms: float = option(10.0, "Latency bound in ms.")
+    max_batch: str = option("64,256,1024", "Largest batches to try, in samples.")
+    max_delay_ms: str = option("0.5,2", "Batching delays to try, in ms.")
+    layouts: str | None = option(
+        None, "instances x threads to try, e.g. 1x1,2x1 (default: all with instances x threads <= cores)."
+    )
+
+    def grid(self) -> Any:
+        """The configurations tried (`infer.search.SearchGrid`)."""
+        from dlrm_lab.infer.search import SearchGrid
+
+        grid = SearchGrid(parse_layouts(self.layouts), number_list(self.max_batch, int, "max_batch"),
+                          number_list(self.max_delay_ms, float, "max_delay_ms"))  # fmt: skip
+        if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):
+            raise FieldError("max_batch", "values must be >= 1 and {max_delay_ms} values >= 0", "max_delay_ms")
+        return grid
+
+
+# `infer search`'s own words for options it shares with `infer run`
+SEARCH_CHANGES: dict[str, dict[str, Any]] = {
+    "scenario": {"help": "Load of each probe: open-loop (our generator) or server (MLPerf LoadGen)."},
+    "target": {"help": (
+        "The system under test (see `infer run --help`); a remote server is searched as it serves: its rate alone, "
+        "--layouts, --max-batch and --max-delay-ms apply in process.")},
+    "duration": {"default": 1.0},
+}  # fmt: skip
+
+
+# `infer run` also takes auto for these serving options (infer.tune.KNOBS): chosen on the running server
+RUN_KNOBS: dict[str, dict[str, Any]] = {
+    "max_batch": {"type": str, "default": AUTO, "help": (
+        "Largest batch in samples, or auto: from the batch cost the instances measure, large enough that the "
+        "per-batch cost is at most 10% of a batch, a full batch at most a quarter of the bound.")},
+    "max_delay_ms": {"type": str, "default": "1", "help": (
+        "Longest a query waits for its batch to fill, or auto: the delay of 0-2 ms with the lowest latency "
+        "percentile in short probes at the point's own load.")},
+    "spin_ms": {"type": str, "default": "0", "help": (
+        "An idle instance polls for its next batch this long before it sleeps (a core that slept runs the next "
+        "batch slower), or auto: chosen like --max-delay-ms, kept only where it beats no spin by 5%.")},
+}  # fmt: skip
 
 
 def available_cores() -> int:
@@ -167,13 +440,13 @@ def default_layouts(cores: int) -> list[tuple[int, int]]:
 
 
 def parse_layouts(text: str | None, cores: int | None = None) -> list[tuple[int, int]]:
-    """`--layouts 1x2,2x1` as (instances, threads) pairs; none given: `default_layouts`."""
+    """Layouts `1x2,2x1` as (instances, threads) pairs; none given: `default_layouts`."""
     if not text:
         return default_layouts(cores or available_cores())
     parsed = []
     for item in text.split(","):
         i, _, t = item.strip().partition("x")
         if not (i.isdigit() and t.isdigit() and int(i) >= 1 and int(t) >= 1):
-            raise UserError(f"--layouts {item!r}: expected INSTANCESxTHREADS, e.g. 2x1")
+            raise FieldError("layouts", f"{item!r}: expected INSTANCESxTHREADS, e.g. 2x1")
         parsed.append((int(i), int(t)))
     return parsed

@@ -32,6 +32,7 @@ from dlrm_lab.infer.lab import (
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.loadgen import loadgen_duration
 from dlrm_lab.infer.memory import check_fits
+from dlrm_lab.infer.options import SearchOptions
 from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
@@ -57,40 +58,6 @@ class SearchGrid:
 
     def configs(self) -> list[tuple[int, int, int, float]]:
         return [(i, t, b, d) for (i, t), b, d in itertools.product(self.layouts, self.max_batch, self.max_delay_ms)]
-
-
-@dataclass
-class SearchOptions:
-    repeats: int = 2  # load points per probed rate; the median decides
-    steps: int = 6  # bisection probes per configuration at most
-    tolerance: float = 0.05  # stop when the bracket is this narrow relative to its top
-    capacity_s: float = 1.0  # closed-loop saturation run that bounds the search
-    min_queries: int = 500  # a probe lasts long enough for this many queries (p99 = the 5th worst of 500) ...
-    max_duration_s: float = 20.0  # ... but at most this long
-    # A configuration whose capacity (samples/s) x (1 + prune_margin) is below the best rate
-    # found under the bound is not bisected: it cannot win (capacity bounds every passing
-    # rate; the margin covers run-to-run noise). 0 would prune hardest; < 0 turns it off.
-    prune_margin: float = 0.10
-    early_stop: bool = True  # end a probe's load once too many were late; its repeats once clearly decided
-    # The best rate is certified by a run this long under MLPerf LoadGen's Server scenario (0: not certified)
-    # at that rate, backed off by CERTIFY_BACKOFF up to `certify_tries` times until it holds
-    certify_s: float = 60.0
-    certify_tries: int = 3
-
-    def __post_init__(self) -> None:
-        if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
-            raise UserError(
-                f"--repeats {self.repeats}, --steps {self.steps}, --min-queries {self.min_queries}: must be >= 1"
-            )
-        if not 0 < self.tolerance < 1:
-            raise UserError(f"--tolerance {self.tolerance}: must be in (0, 1)")
-        if not 0 <= self.certify_s <= 3600 or self.certify_tries < 1:
-            raise UserError(f"--certify-duration {self.certify_s}: must be in [0, 3600] s (0: no certification); "
-                            f"--certify-tries {self.certify_tries}: must be >= 1")  # fmt: skip
-        if not (self.capacity_s > 0 and self.max_duration_s > 0):
-            raise UserError(
-                f"--capacity-duration {self.capacity_s}, --max-probe-duration {self.max_duration_s}: must be > 0"
-            )
 
 
 # Repeats of one probed rate whose percentiles all lie this far on one side of the bound
