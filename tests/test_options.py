@@ -144,6 +144,16 @@ def test_one_declaration_makes_the_option_the_coercion_and_the_config():
     assert seen == {"rate": 3.0, "names": ["x"]}
 
 
+def test_scale_passes_its_train_options_through_trains_own_parser():
+    from dlrm_lab.cli.scale import train_options
+
+    words = ["-p", "kaggle", "--steps=12", "--no-pin-cores", "--set", "a=1", "--set", "b=2", "--prefetch", "0"]
+    assert train_options(words) == {"preset": "kaggle", "steps": 12, "pin-cores": False, "set": ["a=1", "b=2"],
+                                    "prefetch": "0"}  # fmt: skip
+    code, _, stderr = run_cli_in_process("scale", "--ranks", "1", "--", "--stepz", "3")
+    assert code == 2 and "No such option: --stepz" in stderr and "dlrm-lab train --help" in stderr
+
+
 def test_help_shows_declared_text_as_written():
     """`[data]` and `[/MODEL]` are text, not rich markup (`[/MODEL]` made `infer run --help` fail)."""
     code, stdout, _ = run_cli_in_process("infer", "run", "--help")

@@ -204,12 +204,12 @@ def test_strong_sweeps_calibrate_on_one_rank_at_the_smallest_batch(tmp_path):
     smallest per-rank batch (not a row of the table), and the model draws each phase's line through both."""
     from dlrm_lab.train.scaling import scaling_spec, table_points
 
-    strong = scaling_spec([1, 2, 4], "strong", 256, ["--preset", "tiny"], tmp_path)
+    strong = scaling_spec([1, 2, 4], "strong", 256, {"preset": "tiny"}, tmp_path)
     assert [(p["ranks"], p["batch-size"]) for p in strong.points] == [(1, 256), (2, 128), (4, 64), (1, 64)]
     assert table_points(strong) == strong.points[:3]
-    weak = scaling_spec([1, 2], "weak", 64, ["--preset", "tiny"], tmp_path)
+    weak = scaling_spec([1, 2], "weak", 64, {"preset": "tiny"}, tmp_path)
     assert table_points(weak) == weak.points and len(weak.points) == 2
-    no_one = scaling_spec([2, 4], "strong", 256, ["--preset", "tiny"], tmp_path)
+    no_one = scaling_spec([2, 4], "strong", 256, {"preset": "tiny"}, tmp_path)
     assert len(no_one.points) == 2  # no one-rank point to calibrate against
 
     def run(b):  # one rank at b samples: every phase 10 ms + 1/8 ms a sample but the optimizer's 4 ms; 1 ms untimed

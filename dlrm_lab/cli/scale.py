@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
@@ -52,8 +52,8 @@ def scale_command(
         raise UserError(f"--project {project}: projects the one-rank run; include 1 in --ranks (got {ranks})")
     if plan_up_to < 1:
         raise UserError(f"--plan-up-to {plan_up_to}: must be an integer >= 1")
-    spec = scaling_spec(parse_ranks(ranks), mode, batch_size, list(ctx.args), metrics_dir, launcher, threads_per_rank,
-                        repeats)  # fmt: skip
+    spec = scaling_spec(parse_ranks(ranks), mode, batch_size, train_options(ctx.args), metrics_dir, launcher,
+                        threads_per_rank, repeats)  # fmt: skip
     err = console(stderr=True)
     with say_interrupted(err):
         sweep_dir, points = scaling_sweep(spec, argv=["dlrm-lab", *sys.argv[1:]])
@@ -73,6 +73,18 @@ def scale_command(
     console().print(f"sweep directory: {sweep_dir}")
     if any(p["point_status"] != "ok" for p in points):
         raise typer.Exit(1)
+
+
+def train_options(words: list[str]) -> dict[str, Any]:
+    """The `dlrm-lab train` options after `scale --`, parsed by train's own command line: those given,
+    keyed as a sweep's options are (`batch-size`, `set`); a bad one fails as it would for `train`."""
+    from dlrm_lab.cli.train import train_command
+
+    alone = typer.Typer()
+    alone.command()(train_command)
+    parsed = typer.main.get_command(alone).make_context("dlrm-lab train", list(words))
+    given = [n for n in parsed.params if parsed.get_parameter_source(n).name == "COMMANDLINE"]
+    return {name.replace("_", "-"): parsed.params[name] for name in given}
 
 
 def _print_gaps(sweep_dir, points) -> None:

@@ -39,50 +39,25 @@ def parse_ranks(text: str, option: str = "--ranks") -> list[int]:
     return sorted(ranks)
 
 
-def options_from_args(words: list[str]) -> dict[str, Any]:
-    """`dlrm-lab train` words after `--` as sweep options: `--name value`, `--name=value`,
-    `--flag` (true), `--no-flag` (false); a repeated option becomes a list."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(words):
-        word = words[i]
-        if not word.startswith("--") or word == "--":
-            raise UserError(f"train option {word!r}: expected --name [value]")
-        name, eq, value = word[2:].partition("=")
-        given: Any
-        if eq:
-            given = value
-        elif i + 1 < len(words) and not words[i + 1].startswith("--"):
-            given, i = words[i + 1], i + 1
-        elif name.startswith("no-"):
-            name, given = name[3:], False
-        else:
-            given = True
-        if name in out:  # repeated: --set a=1 --set b=2
-            out[name] = [*out[name], given] if isinstance(out[name], list) else [out[name], given]
-        else:
-            out[name] = given
-        i += 1
-    return out
-
-
 def scaling_spec(
     ranks: list[int],
     mode: str,
     batch_size: int,
-    train_args: list[str],
+    train_options: dict[str, Any],
     metrics_dir: str | Path,
     launcher: str = "torchrun",
     threads_per_rank: int | None = None,
     repeats: int = 1,
 ) -> SweepSpec:
-    """The sweep of `dlrm-lab train TRAIN_ARGS` over rank counts, checked point by point.
+    """The sweep of `dlrm-lab train` over rank counts, checked point by point. `train_options` are
+    sweep options (`{"preset": "tiny", "set": ["a=1"]}`): the words after `scale --`, as train's own
+    command line parsed them.
 
     `batch_size` is per rank for weak scaling and global for strong scaling.
     """
     if mode not in MODES:
         raise UserError(f"--mode {mode!r}: allowed: {', '.join(MODES)}")
-    options = options_from_args(train_args)
+    options = dict(train_options)
     if banned := sorted({"batch-size", "metrics-dir"} & set(options)):
         raise UserError(f"give {', '.join('--' + b for b in banned)} to `scale`, not to the train options")
     if mode == "strong" and any(batch_size % n for n in ranks):
