@@ -656,3 +656,26 @@ def test_latency_parts_split_a_batch_at_its_roof_and_its_warm_time():
     assert latency_parts({**record, "status": "dropped"}, roof_ms=1.0)["lat_queue_ms"] is None
     no_profile = latency_parts(record, roof_ms=None)
     assert no_profile["lat_roof_ms"] == 0 and no_profile["lat_beyond_roof_ms"] == 3.0
+
+
+def test_scenarios_are_declared_settings_and_their_rules_come_from_the_declaration():
+    from dlrm_lab.infer.drivers import REGISTRY, check_scenario, scenario
+
+    assert SCENARIOS == tuple(REGISTRY) and all(DRIVERS[n] is s.driver for n, s in REGISTRY.items())
+    assert not scenario("closed-loop").rate and scenario("open-loop").stops_early
+    assert scenario("offline").queues_whole_load and scenario("server").sized_by_early_stopping
+    with pytest.raises(UserError, match="--scenario offline: LoadGen drives one model; use open-loop for several"):
+        check_scenario("offline", 2, False)
+    with pytest.raises(UserError, match=r"--qps auto: one --model, with open-loop or server load"):
+        check_scenario("closed-loop", 1, True)
+    assert check_scenario("server", 1, True) is scenario("server")
+
+
+def test_closed_loop_and_bursty_arrivals_are_reachable_from_a_sweep_point():
+    from dlrm_lab.commands import SETUPS
+
+    _, load, cfg = SETUPS["infer run"]({"model": ["tiny"], "scenario": "closed-loop", "qps": ["50"],
+                                        "arrival": "bursty:3,0.2,40", "duration": 1.0})  # fmt: skip
+    assert cfg.scenario == "closed-loop"
+    a = load.streams[0].arrivals
+    assert (a.kind, a.burst_factor, a.burst_share, a.burst_length_s) == ("bursty", 3.0, 0.2, 0.04)

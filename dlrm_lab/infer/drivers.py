@@ -6,8 +6,9 @@
 
 Every driver is built as `Driver(sut, streams, settings)` and drives any
 `infer.sut.SystemUnderTest` through that interface alone; `drive` is the one poll loop that
-runs a driver against a system and collects its records. A new scenario is one class
-registered in `DRIVERS`. Torch-free.
+runs a driver against a system and collects its records. A new scenario is its driver class and
+one `Scenario` declaration in `REGISTRY` (its rules as settings: whether it has a rate, drives one
+model, ...); `--scenario`, sweeps and the run's checks read them. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
-from dlrm_lab.infer.loadgen import LOADGEN_SCENARIOS, LoadGenDriver
+from dlrm_lab.infer.load import DriverStats, LoadSettings, Scenario, Stream
+from dlrm_lab.infer.loadgen import SCENARIOS as LOADGEN
 from dlrm_lab.infer.sut import LoadDriver, Query, SystemUnderTest
 
 START_LEAD_S = 0.02  # the first arrival is scheduled this far ahead of the driver's start
@@ -162,21 +163,39 @@ class ClosedLoop:
         self._deadline = 0.0
 
 
-# scenario -> driver class, each built as cls(sut, streams, settings)
-DRIVERS: dict[str, Callable[[SystemUnderTest, list[Stream], LoadSettings], LoadDriver]] = {
-    "open-loop": OpenLoop,
-    "closed-loop": ClosedLoop,
-    **dict.fromkeys(LOADGEN_SCENARIOS, LoadGenDriver),
+# Every scenario as its driver declares it (`infer.load.Scenario`): what `--scenario` accepts.
+REGISTRY: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("open-loop", OpenLoop, probes_rate=True, stops_early=True),
+        Scenario("closed-loop", ClosedLoop, rate=False),
+        *LOADGEN,
+    )
 }
-SCENARIOS = tuple(DRIVERS)  # what `--scenario` accepts: every registered driver
+SCENARIOS = tuple(REGISTRY)
+DRIVERS: dict[str, Callable[[SystemUnderTest, list[Stream], LoadSettings], LoadDriver]] = {
+    name: s.driver for name, s in REGISTRY.items()
+}
+
+
+def scenario(name: str) -> Scenario:
+    """The declared scenario `name`; one line naming the allowed ones otherwise."""
+    if name not in REGISTRY:
+        raise UserError(f"--scenario {name!r}: allowed: {', '.join(SCENARIOS)}")
+    return REGISTRY[name]
+
+
+def check_scenario(name: str, models: int, qps_auto: bool) -> Scenario:
+    """`name`'s own checks of a run of `models` models (`Scenario.check`)."""
+    probed = [s.name for s in REGISTRY.values() if s.probes_rate]
+    chosen = scenario(name)
+    chosen.check(models, qps_auto, probed)
+    return chosen
 
 
 def make_driver(sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings) -> LoadDriver:
     """The driver of `settings.scenario`, ready to start against `sut`."""
-    driver = DRIVERS.get(settings.scenario)
-    if driver is None:
-        raise UserError(f"--scenario {settings.scenario!r}: allowed: {', '.join(SCENARIOS)}")
-    return driver(sut, streams, settings)
+    return scenario(settings.scenario).driver(sut, streams, settings)
 
 
 def drive(

@@ -22,7 +22,7 @@ from typing import Any
 
 from dlrm_lab.errors import FieldError, RemoteFailure, ServerLost, ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
-from dlrm_lab.infer.drivers import LOADGEN_SCENARIOS, drive, make_driver
+from dlrm_lab.infer.drivers import check_scenario, drive, make_driver, scenario
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
 from dlrm_lab.infer.loadgen import check_loadgen_duration, loadgen_duration
 from dlrm_lab.infer.memory import check_fits
@@ -264,7 +264,7 @@ def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription,
         **served.columns,
         "query_sizes": str(stream.sizes),
         "arrival": stats.arrival[stream.model],
-        "target_qps": None if point.scenario == "closed-loop" else stream.qps,  # a closed loop has no rate
+        "target_qps": stream.qps if scenario(point.scenario).rate else None,  # a closed loop has no rate
         "duration_s": span,
         "warmup_s": warmup_s,
         **summarize(mine, duration_s=span, sla_ms=seen.slas[stream.model], sla_percentile=cfg.sla_percentile),
@@ -337,7 +337,7 @@ def queue_room(server: InferenceServer, point: Point, duration_s: float) -> Iter
     """While a LoadGen offline point runs, each model's queue holds every query it issues at
     once (with room to spare); the bounds are restored afterwards."""
     restore = {}
-    if point.scenario == "offline":
+    if scenario(point.scenario).queues_whole_load:
         for s in point.streams:
             need = int(s.qps * duration_s * 1.5) + 64
             if server.models[s.model].max_queue < need:
@@ -404,19 +404,16 @@ def run_inference(
     """
     if len(streams) != len(models):
         raise UserError(f"{len(models)} models but {len(streams)} load streams")
-    if cfg.scenario in LOADGEN_SCENARIOS and len(models) > 1:
-        raise UserError(f"--scenario {cfg.scenario}: LoadGen drives one model; use open-loop for several")
-    if cfg.qps_auto and (len(models) > 1 or cfg.scenario not in ("open-loop", "server")):
-        raise UserError("--qps auto: one --model, with open-loop or server load (the rate is probed open loop)")
+    load = check_scenario(cfg.scenario, len(models), cfg.qps_auto)
     if cfg.sla_auto and not cfg.qps_auto:
         raise FieldError("sla_ms", "auto: needs {qps} auto (the bound is chosen with the load)", "qps")
     if len(models) > 1 and (probed := [k for k in PROBED if k in cfg.tune]):
         raise FieldError(probed[0], "auto: one {model} (its probes run one model's load)", "model")
     check_writable(metrics_dir, "--metrics-dir")
     target = parse_target(cfg.target)
-    if not cfg.qps_auto and cfg.scenario != "closed-loop":  # auto: a probed rate, below capacity
+    if not cfg.qps_auto and load.rate:  # auto: a probed rate, below capacity
         check_planned(sum(s.qps for s in streams), cfg.duration_s)
-        if cfg.scenario == "server":
+        if load.sized_by_early_stopping:
             check_loadgen_duration(streams[0].qps, cfg.duration_s, cfg.sla_percentile)
     models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
     if not target.remote:  # a remote server holds its models in its own memory
@@ -454,7 +451,7 @@ def run_inference(
                 )  # fmt: skip
                 streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
                 cfg = replace(cfg, sla_ms=choice.sla_ms)
-                if cfg.scenario == "server":
+                if load.sized_by_early_stopping:
                     seconds = loadgen_duration(choice.qps, cfg.duration_s, cfg.sla_percentile)
                     if seconds > cfg.duration_s and log:
                         log(f"--duration {cfg.duration_s:g} s sized up to {seconds:g} s: at {choice.qps:.1f} queries/s "

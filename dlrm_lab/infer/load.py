@@ -8,6 +8,7 @@ same seed gives the same load to every configuration compared.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ class QuerySizes:
             return int(self.a)
         if self.kind == "uniform":
             return int(np.ceil(self.a + q * (self.b - self.a)))
-        return int(np.quantile(self.draw(100_000, np.random.default_rng(0)), q))
+        return int(percentile(self.draw(100_000, np.random.default_rng(0)), 100 * q))
 
     @property
     def largest(self) -> int:
@@ -224,6 +225,28 @@ class Stream:
         if self.order == "random":
             return rng.integers(0, library.size - sizes + 1)
         return library.in_time_order(sizes)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A way of issuing load, as its driver declares it: the driver (built as `driver(sut, streams,
+    settings)`) and the rules a run checks and follows for it, so no caller names a scenario."""
+
+    name: str
+    driver: Any
+    rate: bool = True  # the load has a target rate (a closed loop keeps queries outstanding instead)
+    probes_rate: bool = False  # --qps auto: a rate probed open loop can drive it
+    one_model: bool = False  # it drives one model (LoadGen)
+    sized_by_early_stopping: bool = False  # its duration is sized up to LoadGen's early-stopping estimate
+    queues_whole_load: bool = False  # it issues every query at once (LoadGen offline): queues hold them all
+    stops_early: bool = False  # a search may end a probe that fails already (LoadGen cannot be interrupted)
+
+    def check(self, models: int, qps_auto: bool, probed: Sequence[str] = ()) -> None:
+        """The run's models and rate fit this scenario: one line naming the rule otherwise."""
+        if self.one_model and models > 1:
+            raise UserError(f"--scenario {self.name}: LoadGen drives one model; use open-loop for several")
+        if qps_auto and (models > 1 or not self.probes_rate):
+            raise UserError(f"--qps auto: one --model, with {' or '.join(probed)} load (the rate is probed open loop)")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Stream
+from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Scenario, Stream
 from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest
 
 # LoadGen's TestSettings of each scenario: its TestScenario, the samples in one LoadGen query,
@@ -257,3 +257,12 @@ def parse_loadgen_summary(path: Path) -> dict[str, Any]:
         "loadgen_queries_per_s": float(rate) if rate else None,
         "loadgen_p99_ms": int(p99) / 1e6 if p99 else None,
     }
+
+
+# LoadGen's scenarios as the lab runs them: one model each; the server's rate can be probed open loop and
+# its duration is sized to LoadGen's early-stopping estimate; offline issues every query at once.
+SCENARIOS = tuple(
+    Scenario(name, LoadGenDriver, one_model=True, probes_rate=name == "server",
+             sized_by_early_stopping=name == "server", queues_whole_load=name == "offline")
+    for name in SCENARIO_SETTINGS
+)  # fmt: skip

@@ -282,7 +282,7 @@ class InferConfig:
     tune: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from dlrm_lab.infer.drivers import SCENARIOS
+        from dlrm_lab.infer.drivers import SCENARIOS, scenario
         from dlrm_lab.infer.targets import check_connection, parse_target
         from dlrm_lab.infer.tune import KNOBS, PROBED
         from dlrm_lab.metrics.cost import check_currency, check_price
@@ -316,7 +316,7 @@ class InferConfig:
             raise FieldError("trace", f": {{target}} {self.target}: a trace profiles instances in this process",
                              "target")  # fmt: skip
         probed = [k for k in PROBED if k in self.tune]
-        if probed and self.scenario not in ("open-loop", "server"):
+        if probed and not scenario(self.scenario).probes_rate:
             raise FieldError(probed[0], "auto: needs open-loop or server load (chosen at the point's rate); "
                              f"{{scenario}} {self.scenario}: give a number", "scenario")  # fmt: skip
 

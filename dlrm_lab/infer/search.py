@@ -19,6 +19,7 @@ import numpy as np
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.calibrate import capacity_qps
+from dlrm_lab.infer.drivers import scenario
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.lab import (
     InferConfig,
@@ -144,7 +145,7 @@ def search(
     `serve(served model)` starts the system under test of a layout (default: an
     `InferenceServer` on this host); it has `configure(model, max_batch=, max_delay_ms=)`.
     """
-    if cfg.scenario not in ("open-loop", "server"):
+    if not scenario(cfg.scenario).probes_rate:
         raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
     target = parse_target(cfg.target)
     widest = max(grid.layouts, key=lambda layout: layout[0])[0]
@@ -292,7 +293,7 @@ class _Probing:
             # next test while it still runs (it aborts the process)
             decided = (fails_already(base.name, cfg.sla_ms,
                                      late_budget(qps, seconds, cfg.sla_percentile))
-                       if options.early_stop and cfg.scenario == "open-loop" else None)  # fmt: skip
+                       if options.early_stop and scenario(cfg.scenario).stops_early else None)  # fmt: skip
             rows: list[dict[str, Any]] = []
             lat: list[float] = []
             passed: bool | None = None
