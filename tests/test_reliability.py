@@ -382,8 +382,8 @@ def test_a_loadgen_run_too_short_for_a_verdict_is_refused_and_an_invalid_one_say
 
 def test_a_model_whose_dense_part_cannot_fit_is_refused_before_it_is_built(tmp_path):
     from dlrm_lab.config import TrainConfig, load_preset
+    from dlrm_lab.families.dlrm import check_training_fits
     from dlrm_lab.model.cost import training_memory
-    from dlrm_lab.train.loop import check_training_fits
 
     n = 2000  # tables of one feature each: the dot interaction's pairs make the top MLP's input 2M wide
     preset = tmp_path / "many.toml"

@@ -204,7 +204,7 @@ def test_the_hstu_rankers_fused_build_scores_as_the_eager_model_and_reuses_histo
     runners = [make_runner(m, library, torch.device("cpu"), "fp32", history_cache_mb=64) for m in (fused, model)]
     for _ in range(2):  # the second round reuses every history
         np.testing.assert_allclose(runners[0](refs), runners[1](refs), atol=1e-5)
-    assert runners[0].reused[:, 0].sum() > 0
+    assert runners[0].counts[:, 0].sum() > 0
     half = builds.make_build(model, "fused", precision="bf16", table_precision="int8")
     assert {p.dtype for n, p in half.named_parameters() if not n.startswith("tables")} == {torch.bfloat16}
     runner = make_runner(half, library, torch.device("cpu"), "bf16", history_cache_mb=64)
@@ -212,7 +212,7 @@ def test_the_hstu_rankers_fused_build_scores_as_the_eager_model_and_reuses_histo
     runner(refs)
     runner(refs)
     entry = next(iter(runner.cache.entries.values()))
-    assert entry.keys[0].dtype == torch.bfloat16 and runner.reused[:, 0].sum() > 0
+    assert entry.keys[0].dtype == torch.bfloat16 and runner.counts[:, 0].sum() > 0
     int8 = builds.check_accuracy(model, half, "fused", block, precision="bf16", table_precision="int8")
     assert "AUC within 0.1%" in int8.rule and int8.max_abs_diff > 0
 

@@ -35,6 +35,9 @@ class ModelFamily(Protocol):
     no_compiled_build: str  # why it has no `compiled` build ("" when it has one)
     attention_paths: tuple[str, ...]  # attention paths to choose between; () for none
     wire_samples: bool  # whether the gRPC transports carry its samples
+    # its own columns in shared tables: (table, after column, [Column or name]) each (`metrics.columns`)
+    columns: tuple[tuple[str, str, list[Any]], ...]
+    samples_in_spec: bool  # whether its preset describes its samples (then `--set` changes the spec)
     projectable: bool  # whether `scale --project` projects it (train.scaling_model)
     cost_batch: int  # samples (a request for a ranker) an instance times its batch cost over, at most
     max_warmup_batch: int | None  # the largest batch an instance warms up with (None: the largest it serves)
@@ -108,11 +111,23 @@ class ModelFamily(Protocol):
 
     def sample_library(self, served: Any, seed: int, samples: int) -> Any: ...
 
+    def library_from_arrays(self, arrays: dict[str, Any]) -> Any:
+        """Its sample library from the arrays of a snapshot (mapped, shared by every instance)."""
+        ...
+
     def held_out(self, served: Any, library: Any, seed: int) -> Any:
         """Samples beyond the served ones that a serving build's accuracy check scores."""
         ...
 
     def memory(self, served: Any) -> Any: ...
+
+    def count_columns(self, served: Any, counts: Any) -> dict[str, Any]:
+        """A served query's row columns from what its instances counted of it (`BatchResult.counts`)."""
+        ...
+
+    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, Any]:
+        """Its summary columns of a point's query rows (`ok`: the completed ones; `samples` per row)."""
+        ...
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any: ...
 
@@ -132,11 +147,17 @@ class ModelFamily(Protocol):
 
 
 def _discover() -> dict[str, ModelFamily]:
+    """Every module of this package that defines FAMILY, its columns registered in the shared tables (so a
+    table has the same columns whichever family a run served)."""
+    from dlrm_lab.metrics.columns import register_columns
+
     found: dict[str, ModelFamily] = {}
     for info in pkgutil.iter_modules(__path__):
         family = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
         if family is not None:
             found[family.name] = family
+            for table, after, columns in family.columns:
+                register_columns(table, columns, after=after)
     return found
 
 
@@ -159,7 +180,11 @@ def family_of(spec: Any) -> ModelFamily:
     for family in families().values():
         if isinstance(spec, family.spec_type):
             return family
-    raise TypeError(f"no model family has specs of type {type(spec).__name__}")
+    # a spec-like object (its fields, not its type: tests of a model's own checks) names its family, or is a DLRM
+    name = getattr(spec, "family", "dlrm")
+    if name in families():
+        return families()[name]
+    raise TypeError(f"no model family has specs of type {type(spec).__name__} (family {name!r})")
 
 
 def preset_family_name(raw: dict[str, Any]) -> str:
@@ -173,3 +198,6 @@ def spec_from_dict(data: dict[str, Any]) -> Any:
 
 
 __all__ = ["ModelFamily", "Spec", "families", "family_named", "family_of", "preset_family_name", "spec_from_dict"]
+
+
+families()  # at import: whoever writes a shared table has every family's columns registered in it

@@ -7,6 +7,7 @@ TorchRec modules; its serving builds `infer.build.FusedDLRM`; its sample library
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ class DLRMFamily:
     no_compiled_build = ""
     attention_paths: tuple[str, ...] = ()
     wire_samples = True
+    columns = ()  # its columns are the shared tables' own
+    samples_in_spec = False  # its samples are a data spec's (data_gen/): --set changes that
     projectable = True
     cost_batch = 256  # samples: the larger of the two batches an instance times at start
     max_warmup_batch: int | None = None  # an instance warms up at the largest batch it will serve
@@ -210,8 +213,6 @@ class DLRMFamily:
 
     # ----- training
     def check_training(self, spec: ModelSpec, cfg: Any) -> None:
-        from dlrm_lab.train.loop import check_training_fits
-
         check_training_fits(spec, cfg)
 
     def check_data_options(self, spec: ModelSpec, data: str, data_spec: str | None,
@@ -278,6 +279,11 @@ class DLRMFamily:
 
         return PackedLibrary.generate(served.spec, served.data_spec, seed, samples)
 
+    def library_from_arrays(self, arrays: dict[str, Any]) -> Any:
+        from dlrm_lab.infer.library import PackedLibrary
+
+        return PackedLibrary(**arrays)
+
     def held_out(self, served: Any, library: Any, seed: int) -> Any:
         from dlrm_lab.data import synthetic_generator
         from dlrm_lab.infer.build import CHECK_SAMPLES
@@ -338,6 +344,12 @@ class DLRMFamily:
             device_per_instance=fp32 + stored + dense + activations,
         )
 
+    def count_columns(self, served: Any, counts: Any) -> dict[str, Any]:
+        return {}  # nothing counted per query
+
+    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, Any]:
+        return {}
+
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
         from dlrm_lab.infer.build import FusedDLRM
 
@@ -353,6 +365,32 @@ class DLRMFamily:
 
     def id_rows(self, spec: ModelSpec) -> list[int]:
         return list(spec.rows_per_feature)
+
+
+TRAINING_MEMORY_SHARE = 0.9  # of the memory available: what the ranks of this host may plan to hold
+
+
+def check_training_fits(spec: ModelSpec, cfg: Any, available_bytes: int | None = None) -> None:
+    """Refuse, before anything is built, a model whose dense part (weights, gradients, optimizer state) and one
+    batch's activations cannot fit this host's available memory, per rank times the ranks on this host. The
+    tables are the sharding planner's to place and refuse (TorchRec's, against the same memory)."""
+    import psutil
+
+    from dlrm_lab.model.cost import training_memory
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    need = training_memory(spec, cfg.batch_size, cfg.dense_optimizer, distributed=local_ranks > 1)
+    total = local_ranks * (need.dense + need.activations)
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if total > TRAINING_MEMORY_SHARE * available:
+        gib = 2.0**30
+        ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
+        raise UserError(
+            f"training {spec.name} at --batch-size {cfg.batch_size} needs {total / gib:,.1f} GiB before its tables "
+            f"(dense part {need.dense / gib:,.2f} GiB with gradients and {cfg.dense_optimizer} state, one batch's "
+            f"activations {need.activations / gib:,.2f} GiB{ranks}) but this machine has {available / gib:.1f} GiB "
+            "available: fewer features or narrower MLPs, or a smaller --batch-size"
+        )
 
 
 FAMILY = DLRMFamily()

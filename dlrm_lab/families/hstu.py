@@ -13,6 +13,42 @@ from typing import Any
 
 from dlrm_lab.config.hstu import HSTUSpec
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS, STR, define
+
+# Its columns in the shared inference tables (history reuse, its attention path), each placed after a
+# column of the table (`metrics.columns.register_columns`): null in other families' rows.
+COLUMNS = (
+    (
+        "queries",
+        "error",
+        [
+            define("history_reused", I32),  # with history reuse: requests that reused a cached history
+            define("history_tokens_reused", I64),  # ... their history tokens not encoded again
+        ],
+    ),
+    (
+        "infer summary",
+        "batch_per_sample_us",
+        [
+            define("history_cache_mb", F64),  # per-instance history cache (0: off)
+            define("history_affinity", BOOL),  # a user's requests routed to the instance holding their history
+            define("attention", STR),  # the attention path served
+        ],
+    ),
+    (
+        "infer summary",
+        f"tail_{LATENCY_PARTS[-1]}_ms",
+        [
+            # with history reuse: share of completed requests that reused a cached history, and the
+            # history tokens not encoded again per request
+            define("history_hit_rate", F64, "requests that reused a cached history", "fraction", ".1%", HIGHER,
+                   "history hits"),
+            define("history_tokens_reused_mean", F64, "history tokens reused per request", "tokens", ".1f"),
+        ],
+    ),
+    ("frontier", "build", ["history_cache_mb"]),
+    ("frontier", "best_sla_latency_spread_ms", [define("best_history_hit_rate", F64)]),  # at best_qps, median
+)  # fmt: skip
 
 ATTENTION_BATCH = 16  # requests the serving attention path is timed over (at most max_batch)
 CHECK_CHUNK = 64  # requests scored at a time by a build's accuracy check
@@ -27,6 +63,8 @@ class HSTUFamily:
     no_compiled_build = ("its batches are jagged sequences of every length, and its attention path is chosen by "
                          "measurement already")  # fmt: skip
     attention_paths = ("padded", "jagged")
+    samples_in_spec = True  # its requests are its preset's [data] table: --set changes the spec
+    columns = COLUMNS
     wire_samples = False  # the gRPC transports carry DLRM samples (dense + pooled ids)
     projectable = False  # the scaling model (train.scaling_model) counts pooled tables and DLRM's phases
     # requests an instance times its batch cost over, and the largest batch it warms up with: each request
@@ -245,6 +283,11 @@ class HSTUFamily:
 
         return RequestLibrary.generate(served.spec, seed, samples)
 
+    def library_from_arrays(self, arrays: dict[str, Any]) -> Any:
+        from dlrm_lab.infer.requests import RequestLibrary
+
+        return RequestLibrary(arrays)
+
     def held_out(self, served: Any, library: Any, seed: int) -> Any:
         """The library is the evaluation window's first requests: the check takes the training window's."""
         from dlrm_lab.data.sequences import SequenceGenerator
@@ -297,6 +340,28 @@ class HSTUFamily:
             per_instance=INSTANCE_RUNTIME_BYTES + dense + activations + cache, instances=served.instances,
             device_per_instance=fp32 + dense + activations + cache,
         )  # fmt: skip
+
+    query_counts = ("history_reused", "history_tokens_reused")  # per query, from `RequestRunner.counts`
+
+    def count_columns(self, served: Any, counts: Any) -> dict[str, Any]:
+        """With history reuse: how many of the query's requests reused a cached history, and their tokens
+        (0 for a query never served); null without reuse."""
+        on = served.history_cache_mb > 0
+        return {name: (int(counts[k]) if counts is not None else 0) if on else None
+                for k, name in enumerate(self.query_counts)}  # fmt: skip
+
+    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, Any]:
+        """With history reuse: the share of completed requests that reused a cached history, and the history
+        tokens not encoded again per request; null without (or for another family's rows)."""
+        import numpy as np
+
+        reused = [r.get("history_reused") for r in records]
+        if not ok.any() or any(v is None for v in reused):
+            return {"history_hit_rate": None, "history_tokens_reused_mean": None}
+        hits = np.array(reused, dtype=np.float64)[ok].sum()
+        tokens = np.array([r["history_tokens_reused"] for r in records], dtype=np.float64)[ok].sum()
+        served = samples[ok].sum()
+        return {"history_hit_rate": float(hits / served), "history_tokens_reused_mean": float(tokens / served)}
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
         from dlrm_lab.infer.build import fused_ranker

@@ -60,9 +60,9 @@ class BatchResult:
     end_ns: int
     scores: np.ndarray | None  # float32 click probability per sample, in query order
     error: str | None = None  # the whole batch failed (the instance lives on)
-    # HSTU with history reuse: per query of the batch, in order, (its requests that reused a cached
-    # history, the history tokens reused); None otherwise
-    reused: np.ndarray | None = None
+    # per query of the batch, in order, what its family counts of it (`ModelFamily.query_counts`: the HSTU
+    # ranker's history reuse); None where nothing is counted
+    counts: np.ndarray | None = None
     # ms of the batch in (assembly, lookup, dense, interaction) on the instance (`metrics.columns.BATCH_STAGES`);
     # None where a build does not separate a stage (or on a GPU, where timing it would add a sync)
     stages: tuple[float | None, ...] | None = None
@@ -127,13 +127,11 @@ def write_snapshot(directory: Path, model: torch.nn.Module, library: PackedLibra
     return sum(p.stat().st_size for p in directory.iterdir())
 
 
-def map_library(directory: Path) -> Any:
-    """The sample library of a snapshot (a PackedLibrary or an HSTU RequestLibrary), mapped: every
-    process that maps it shares its pages."""
-    from dlrm_lab.infer.requests import library_from_arrays
-
+def map_library(directory: Path, spec: Any) -> Any:
+    """The sample library of a snapshot of `spec`'s model, of its family's kind (a PackedLibrary, an HSTU
+    RequestLibrary), mapped: every process that maps it shares its pages."""
     arrays = torch.load(directory / LIBRARY_FILE, mmap=True)
-    return library_from_arrays({k: v.numpy() for k, v in arrays.items()})
+    return family_of(spec).library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
 TABLE_WEIGHT_DTYPES = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
@@ -236,7 +234,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             _touch_pages(model)
         if plan.build == "compiled":
             model.compile_dense()  # compiled by the warm-up below, before the instance says it is ready
-        library = map_library(snapshot)
+        library = map_library(snapshot, spec)
         runner = make_runner(model, library, device, plan.precision, plan.history_cache_mb)
         runner.warm_up(min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch))
         cost = runner.batch_cost(min(family.cost_batch, library.size))
@@ -267,20 +265,20 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             continue
         batch_id, refs = msg
         start = time.monotonic_ns()
-        scores, error, reused, stages = None, None, None, None
+        scores, error, counts, stages = None, None, None, None
         try:
             if profiler is not None:  # the mark that puts this trace on the server's clock (metrics.trace)
                 with torch.profiler.record_function(f"batch {batch_id}"):
                     scores = runner(refs)
             else:
                 scores = runner(refs)
-            reused = runner.reused
+            counts = runner.counts
             stages = runner.stages
         except Exception as exc:  # noqa: BLE001 - one failed batch must not end the instance
             error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         try:
-            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, reused, stages))
+            conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, counts, stages))
         except (EOFError, OSError):
             return
 
@@ -374,7 +372,7 @@ class _BucketedRunner:
     to a few bucket sizes (`pad`), each compiled during warm-up."""
 
     pad: bool
-    reused = None  # no history reuse in DLRM
+    counts = None  # nothing counted per query (`BatchResult.counts`)
     stages: tuple[float | None, ...] | None = None  # of the last batch (BATCH_STAGES), ms
 
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
@@ -451,8 +449,8 @@ class FusedRunner(_BucketedRunner):
 class RequestRunner:
     """The HSTU ranker's forward over a batch of library requests (jagged: each request keeps its
     length), optionally reusing users' encoded histories (`infer.history`); one score per
-    candidate. `reused` says, after each call, per query how many of its requests reused a
-    history and how many history tokens were not encoded again."""
+    candidate. With history reuse `counts` says, after each call, per query how many of its requests
+    reused a history and how many history tokens were not encoded again (`HSTUFamily.query_counts`)."""
 
     def __init__(
         self, model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float
@@ -464,7 +462,7 @@ class RequestRunner:
         self.autocast = precision != "fp32" and getattr(model, "served_precision", None) is None
         self.dtype = DTYPES[precision]
         self.cache = HistoryCache(int(history_cache_mb * 1e6)) if history_cache_mb > 0 else None
-        self.reused: np.ndarray | None = None
+        self.counts: np.ndarray | None = None
         self.stages: tuple[float | None, ...] | None = None  # the ranker's stages are not told apart
 
     def warm_up(self, max_batch: int) -> None:
@@ -487,7 +485,7 @@ class RequestRunner:
             scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
         if cache is not None:
             query = np.repeat(np.arange(len(refs)), sizes)
-            self.reused = np.stack(
+            self.counts = np.stack(
                 [
                     np.bincount(query, weights=reused > 0, minlength=len(refs)),
                     np.bincount(query, weights=reused, minlength=len(refs)),
@@ -495,5 +493,5 @@ class RequestRunner:
                 axis=1,
             ).astype(np.int64)
         else:
-            self.reused = None
+            self.counts = None
         return scores.numpy()

@@ -95,7 +95,7 @@ def summarize(
         "compute_mean_ms": float(compute.mean()) if len(compute) else None,
         "queue_share": float(queue.sum() / lat.sum()) if len(queue) and lat.sum() > 0 else None,
         **compute_slowdown(records),
-        **_history_reuse(records, ok, samples),
+        **_family_summaries(records, ok, samples),
         **batch_stage_means(records),
         **tail_parts(records, sla_percentile),
         **transfer_columns(records),
@@ -221,14 +221,14 @@ def _remote_latency_parts(record: dict[str, Any], roof_ms: float | None, out: di
     return out
 
 
-def _history_reuse(records: list[dict[str, Any]], ok: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
-    reused = [r.get("history_reused") for r in records]
-    if not ok.any() or any(v is None for v in reused):  # reuse off (or not an HSTU model)
-        return {"history_hit_rate": None, "history_tokens_reused_mean": None}
-    hits = np.array(reused, dtype=np.float64)[ok].sum()
-    tokens = np.array([r["history_tokens_reused"] for r in records], dtype=np.float64)[ok].sum()
-    served = samples[ok].sum()
-    return {"history_hit_rate": float(hits / served), "history_tokens_reused_mean": float(tokens / served)}
+def _family_summaries(records: list[dict[str, Any]], ok: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
+    """Every family's own summary columns (null where its query columns are absent: another family's rows)."""
+    from dlrm_lab.families import families
+
+    out: dict[str, Any] = {}
+    for family in families().values():
+        out.update(family.summarize_queries(records, ok, samples))
+    return out
 
 
 def with_late_flags(records: list[dict[str, Any]], sla_ms: dict[str, float], point: int) -> list[dict[str, Any]]:

@@ -119,10 +119,3 @@ def generate_library(served: Any, seed: int, samples: int) -> Any:
     from dlrm_lab.families import family_of
 
     return family_of(served.spec).sample_library(served, seed, samples)
-
-
-def library_from_arrays(arrays: dict[str, np.ndarray]) -> Any:
-    """A mapped snapshot's library, of the kind its arrays are."""
-    from dlrm_lab.infer.library import PackedLibrary
-
-    return RequestLibrary(arrays) if "history_items" in arrays else PackedLibrary(**arrays)

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.config import HSTUSpec
 from dlrm_lab.errors import ServingFault, UserError, exit_description
+from dlrm_lab.families import family_of
 from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.instance import (
     SPIN,
@@ -82,8 +82,7 @@ class _Pool:
     def __post_init__(self) -> None:
         self.clock = BatchClock(self.served.instances)
         self.one_score_per_sample = isinstance(self.library, PackedLibrary)
-        spec = self.served.spec
-        self.rows = [] if isinstance(spec, HSTUSpec) else spec.rows_per_feature
+        self.rows = family_of(self.served.spec).id_rows(self.served.spec)
 
 
 class InferenceServer:
@@ -166,7 +165,7 @@ class InferenceServer:
                 library = plan.libraries[m.name]  # mapped by the instances and, below, this process
                 self._snapshots.append(snap)
                 self.snapshot_bytes[m.name] = write_snapshot(snap, plan.modules.pop(m.name), library)
-                self._pools[m.name] = _Pool(served=m, library=map_library(snap))
+                self._pools[m.name] = _Pool(served=m, library=map_library(snap, m.spec))
                 for place in places[m.name]:
                     self._spawn(m, place, snap, warmup_batch=min(m.piece_limit(), library.size))
             self._wait_ready()
@@ -211,12 +210,10 @@ class InferenceServer:
             {"instance": place.index, "model": m.name, "pid": proc.pid, "cores": list(place.cores)}
         )
 
-    def _history_columns(self, q: Query) -> dict[str, Any]:
-        """How many of the query's requests reused a cached history, and their tokens (HSTU with
-        history reuse; null otherwise)."""
-        on = self.models[q.model].history_cache_mb > 0
-        return {"history_reused": q.history_reused if on else None,
-                "history_tokens_reused": q.history_tokens_reused if on else None}  # fmt: skip
+    def _count_columns(self, q: Query) -> dict[str, Any]:
+        """What the query's model's family counted of it, as its query columns (none for a DLRM)."""
+        served = self.models[q.model]
+        return family_of(served.spec).count_columns(served, q.counts)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -578,9 +575,8 @@ class InferenceServer:
                         q.scores = np.empty(total, dtype=np.float32)
                     q.scores[a : a + n] = msg.scores[pos : pos + n]
                     pos += n
-                if msg.reused is not None:
-                    q.history_reused += int(msg.reused[k, 0])
-                    q.history_tokens_reused += int(msg.reused[k, 1])
+                if msg.counts is not None:
+                    q.counts = msg.counts[k] if q.counts is None else q.counts + msg.counts[k]
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
             if msg.instance not in self._lost:
                 pool.free.append(msg.instance)
@@ -639,7 +635,7 @@ class InferenceServer:
             instance=instance,
             batch_compute_ms=batch_compute_ms,
             batch_expected_ms=batch_expected_ms,
-            **self._history_columns(q),
+            **self._count_columns(q),
             batch_start_ms=None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
             **{
                 f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]

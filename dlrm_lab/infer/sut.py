@@ -56,9 +56,8 @@ class Query:
     scores: np.ndarray | None = None
     batch_samples: int | None = None  # of the batch that finished it (its last piece's)
     instance: int | None = None
-    home: int | None = None  # HSTU with history affinity: the instance holding its user's history
-    history_reused: int = 0  # HSTU with history reuse: requests whose encoded history was reused
-    history_tokens_reused: int = 0  # ... and their history tokens not encoded again
+    home: int | None = None  # the instance holding state it reuses (the HSTU ranker's history affinity)
+    counts: np.ndarray | None = None  # what its model's family counts of it, summed over its pieces
 
 
 def query_row(

@@ -303,7 +303,7 @@ _table(
     _c("pieces", I32),
     _c("late", BOOL),
     _c("error", STR),
-    # (HSTU's history columns go here: HSTU_COLUMNS below)
+    # (the HSTU family registers its history columns here: families/hstu.py COLUMNS)
     # the batch of the query's last piece: when it began on its instance, its stages there, and its
     # result's trip back to the serving process (docs/metrics.md)
     _c("batch_start_ms", F64),
@@ -344,7 +344,7 @@ _table(
     _c("build", STR, "inference build", fmt="s"),  # the inference form served (infer.build)
     _c("batch_fixed_ms", F64, "warm batch cost: fixed", "ms", ".3f"),  # the instances' warm batch cost: fixed ...
     _c("batch_per_sample_us", F64),  # ... and per sample (measured back to back at start)
-    # (HSTU's serving columns go here: HSTU_COLUMNS below)
+    # (the HSTU family registers its serving columns here: families/hstu.py COLUMNS)
     _c("query_sizes", STR),
     _c("arrival", STR),
     _c("target_qps", F64, "offered load", "queries/s", ".1f", short="target q/s"),
@@ -396,7 +396,7 @@ _table(
         _c(f"tail_{p}_ms", F64, f"tail latency: {p.replace('_', ' ')}", "ms", ".3f", short=p.replace("_", " "))
         for p in LATENCY_PARTS
     ],  # fmt: skip
-    # (HSTU's history reuse columns go here: HSTU_COLUMNS below)
+    # (the HSTU family registers its history reuse columns here: families/hstu.py COLUMNS)
     _c("achieved_rate_ratio", F64),  # issued / target queries (the load was what it claims)
     _c("issue_lag_p50_ms", F64),
     _c("issue_lag_p99_ms", F64),
@@ -458,7 +458,7 @@ _table(
     "max_query_samples",
     "precision",  # dense compute of this configuration
     "build",
-    # (HSTU's history cache goes here: HSTU_COLUMNS below)
+    # (the HSTU family registers its history cache here: families/hstu.py COLUMNS)
     _c("capacity_queries_per_s", F64, "capacity", "queries/s", ".1f", HIGHER, "capacity q/s"),  # closed loop, no bound
     # highest probed rate that met the bound (0: none did)
     _c("best_qps", F64, "best rate", "queries/s", ".1f", HIGHER, "best q/s"),
@@ -467,7 +467,7 @@ _table(
     _c("best_samples_per_s", F64, "best throughput", "samples/s", ",.0f", HIGHER, "samples/s"),
     _c("best_sla_latency_ms", F64, "latency at the bound's percentile", "ms", ".2f", LOWER),
     _c("best_sla_latency_spread_ms", F64),  # max - min over the repeats at best_qps
-    # (HSTU's hit rate at the best rate goes here: HSTU_COLUMNS below)
+    # (the HSTU family registers its hit rate at the best rate here: families/hstu.py COLUMNS)
     # the repeats at best_qps (dlrm_lab.metrics.stats: CI needs >= 3 repeats)
     _c("best_samples_per_s_ci_low", F64),
     _c("best_samples_per_s_ci_high", F64),
@@ -640,46 +640,6 @@ _table("infer telemetry", "point", *TELEMETRY)
 
 
 # ----------------------------------------------------------------------------- a family's own columns
-# HSTU's columns in the shared inference tables (history reuse, its attention path): a model family
-# adds its own with `register_columns`, which keeps the tables' columns in this order. They belong in
-# `families/hstu.py` (defined there with `define`, registered with the same calls when it is imported).
-HSTU_COLUMNS = (
-    (
-        "queries",
-        "error",
-        [
-            _c("history_reused", I32),  # HSTU with history reuse: requests that reused a cached history
-            _c("history_tokens_reused", I64),  # ... their history tokens not encoded again
-        ],
-    ),
-    (
-        "infer summary",
-        "batch_per_sample_us",
-        [
-            _c("history_cache_mb", F64),  # HSTU: per-instance history cache (0: off)
-            _c("history_affinity", BOOL),  # ... a user's requests routed to the instance holding their history
-            _c("attention", STR),  # HSTU: the attention path served
-        ],
-    ),
-    (
-        "infer summary",
-        f"tail_{LATENCY_PARTS[-1]}_ms",
-        [
-            # HSTU with history reuse: share of completed requests that reused a cached history, and
-            # the history tokens not encoded again per request
-            _c("history_hit_rate", F64, "requests that reused a cached history", "fraction", ".1%", HIGHER,
-               "history hits"),
-            _c("history_tokens_reused_mean", F64, "history tokens reused per request", "tokens", ".1f"),
-        ],
-    ),
-    ("frontier", "build", ["history_cache_mb"]),  # HSTU: per-instance history reuse (0: off)
-    # HSTU with reuse: at best_qps, median of the repeats
-    ("frontier", "best_sla_latency_spread_ms", [_c("best_history_hit_rate", F64)]),
-)  # fmt: skip
-for _table_name, _after, _columns in HSTU_COLUMNS:
-    register_columns(_table_name, _columns, after=_after)
-
-
 def column(name: str) -> Column:
     """The registered column, or one made up from its name (unit by suffix, no direction, no type)."""
     found = COLUMNS.get(name)

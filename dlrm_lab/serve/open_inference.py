@@ -29,6 +29,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.families import family_of
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.serve.protocol import (
     DENSE_DTYPE,
@@ -89,7 +90,7 @@ class OpenInferenceService:
     def __init__(self, service: Any) -> None:
         self.service = service
         self.models: dict[str, ServedModel] = {
-            name: m for name, m in service.inference.models.items() if isinstance(m.spec, ModelSpec)
+            name: m for name, m in service.inference.models.items() if family_of(m.spec).wire_samples
         }
         self.stats: dict[str, _Stats] = {name: _Stats() for name in self.models}
 

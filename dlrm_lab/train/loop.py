@@ -17,16 +17,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config import HSTUSpec, ModelSpec, TrainConfig
+from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
 from dlrm_lab.data import BatchSource, DataSpec, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
-from dlrm_lab.data.sequences import with_overrides
 from dlrm_lab.distributed.context import (
     DistContext,
     RankFailure,
@@ -39,6 +37,7 @@ from dlrm_lab.distributed.plan import check_table_types, describe_plan, parse_ta
 from dlrm_lab.distributed.tables import init_tables
 from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
 from dlrm_lab.errors import UserError
+from dlrm_lab.families import Spec, family_of
 from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.cost import price_of, training_cost_columns
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema
@@ -47,7 +46,7 @@ from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.metrics.trust import check_stored_profile
 from dlrm_lab.model import build_model
-from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE, training_memory
+from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint, save_checkpoint
 from dlrm_lab.train.choices import (
     choose_prefetch,
@@ -181,7 +180,7 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
 class ResolvedRun:
     """A training run as `preflight` checked it: what `train` starts from, so that nothing is checked or read twice."""
 
-    spec: ModelSpec | HSTUSpec
+    spec: Spec
     cfg: TrainConfig
     per_table: dict[str, str]  # --shard, parsed against the model's tables
     # the synthetic data's spec, read once with its --set overrides (None: a dataset on disk, samples its preset
@@ -196,51 +195,24 @@ class ResolvedRun:
                             overrides, cfg.seed, start_batch=start_batch)  # fmt: skip
 
 
-def preflight(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun:
+def preflight(spec: Spec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun:
     """The checks `train` makes before any work, callable alone (the CLI runs them before its
     size line): the device exists, `--shard` names real tables and types, and (with `data`)
     the data options fit the model. Each failure is one UserError. The run as checked, with
     what the checks read, is what `train(run)` starts from."""
     device = resolve_device(cfg.device)
-    if isinstance(spec, HSTUSpec):
-        if cfg.pipeline:
-            raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
-        spec.check_table_precision(cfg.table_precision)
+    family_of(spec).check_training(spec, cfg)  # its own rules (the ranker's pipeline, a DLRM's memory)
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
     data_spec = check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides) if data else None
-    if isinstance(spec, ModelSpec):
-        check_training_fits(spec, cfg)
     return ResolvedRun(spec, cfg, per_table, data_spec)
-
-
-TRAINING_MEMORY_SHARE = 0.9  # of the memory available: what the ranks of this host may plan to hold
-
-
-def check_training_fits(spec: ModelSpec, cfg: TrainConfig, available_bytes: int | None = None) -> None:
-    """Refuse, before anything is built, a model whose dense part (weights, gradients, optimizer state) and one
-    batch's activations cannot fit this host's available memory, per rank times the ranks on this host. The
-    tables are the sharding planner's to place and refuse (TorchRec's, against the same memory)."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    need = training_memory(spec, cfg.batch_size, cfg.dense_optimizer, distributed=local_ranks > 1)
-    total = local_ranks * (need.dense + need.activations)
-    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
-    if total > TRAINING_MEMORY_SHARE * available:
-        gib = 2.0**30
-        ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
-        raise UserError(
-            f"training {spec.name} at --batch-size {cfg.batch_size} needs {total / gib:,.1f} GiB before its tables "
-            f"(dense part {need.dense / gib:,.2f} GiB with gradients and {cfg.dense_optimizer} state, one batch's "
-            f"activations {need.activations / gib:,.2f} GiB{ranks}) but this machine has {available / gib:.1f} GiB "
-            "available: fewer features or narrower MLPs, or a smaller --batch-size"
-        )
 
 
 @dataclass
 class _Setup:
     """Everything a training run's steps need, resolved and built (`_prepare`, `_build`)."""
 
-    spec: ModelSpec | HSTUSpec
+    spec: Spec
     cfg: TrainConfig  # with its precision and target AUC resolved
     ctx: Any  # the process group's DistContext
     dmp: Any  # the sharded model
@@ -272,8 +244,8 @@ def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[st
     spec, cfg = run.spec, run.cfg
     if metrics_dir:
         check_writable(metrics_dir, "--metrics-dir")
-    if isinstance(spec, HSTUSpec):  # --set changes the requests, so the cost and the manifest too
-        spec, cfg = with_overrides(spec, cfg.data_overrides), replace(cfg, data_overrides=())
+    if (family := family_of(spec)).samples_in_spec:  # --set changes the samples, so the cost and the manifest too
+        spec, cfg = family.with_data_overrides(spec, cfg.data_overrides, serving=False), replace(cfg, data_overrides=())
     launch = detect_launch()
     if launch.world_size == 1:  # ranks starting beside it would disturb the check itself
         check_stored_profile(log)
@@ -376,7 +348,7 @@ def _build(
     return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config)
 
 
-def _summary(spec: ModelSpec | HSTUSpec, cfg: TrainConfig, ctx: Any, status: str, steps: list[dict[str, Any]],
+def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[dict[str, Any]],
              all_steps: list[dict[str, Any]], evals: list[dict[str, Any]], warmup: int, reached: dict[str, Any],
              energy: dict[str, Any], teacher_auc: float | None, wall_time_s: float) -> dict[str, Any]:  # fmt: skip
     """The run's summary row (`train.records.summary_row`): its throughput, quality, roofline, energy and cost."""
@@ -581,7 +553,7 @@ def _summarise(setup: _Setup, record: Run | None, measured: _Steps) -> tuple[dic
 
 
 def train(
-    run: ResolvedRun | ModelSpec | HSTUSpec,
+    run: ResolvedRun | Spec,
     cfg: TrainConfig | None = None,
     *,
     metrics_dir: str | Path | None = None,
