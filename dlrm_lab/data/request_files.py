@@ -24,6 +24,7 @@ from dlrm_lab.data.check import Check
 from dlrm_lab.data.parquet import FORMAT_VERSION, write_shards
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.stats import percentile
 
 KIND = "requests"
 HISTORY = {"history_items": pa.int64(), "history_categories": pa.int64(), "history_actions": pa.uint8(),
@@ -131,7 +132,7 @@ def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> 
         "users": int(np.unique(table["user"].to_numpy()).size),
         "steps": f"{int(step.min())}..{int(step.max())}" if n else "-",
         "history mean": float(h_len.mean()),
-        "history p99": float(np.percentile(h_len, 99)),
+        "history p99": percentile(h_len, 99),
         "candidates mean": float(c_len.mean()),
         "label rate": float(labels.mean()),
         "top-1% popularity ranks' share": float(np.mean(ranks < top)),

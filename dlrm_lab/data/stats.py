@@ -30,6 +30,7 @@ from dlrm_lab.data.parquet import check_schema, dataset_files, dataset_sidecar, 
 from dlrm_lab.data.request_files import request_stats
 from dlrm_lab.data.spec import DataSpec
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.stats import percentile
 
 ALPHA_TOLERANCE = 0.05  # absolute, on the fitted Zipf exponent
 TOP_SHARE_TOLERANCE = 0.05  # absolute, on the top-1% share
@@ -251,7 +252,7 @@ def dataset_stats(path: str | Path) -> dict[str, Any]:
             "top1pct_share": top_share,
             "zipf_alpha_fit": alpha,
             "pooling_mean": float(lengths.mean()),
-            "pooling_p99": float(np.percentile(lengths, 99)),
+            "pooling_p99": percentile(lengths, 99),
         }
         features.append(row)
         if spec is not None:

@@ -18,6 +18,7 @@ from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.run import register_recovery
+from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.metrics.tables import write_table
 from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
 
@@ -113,9 +114,9 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
         samples_per_s=float(samples / total_s),
         samples_per_s_per_rank=float(np.mean(per_rank)),
         step_time_ms_mean=float(times.mean()),
-        step_time_ms_p50=float(np.percentile(times, 50)),
-        step_time_ms_p90=float(np.percentile(times, 90)),
-        step_time_ms_p99=float(np.percentile(times, 99)),
+        step_time_ms_p50=percentile(times, 50),
+        step_time_ms_p90=percentile(times, 90),
+        step_time_ms_p99=percentile(times, 99),
     )
     flat = [r for s in measured for r in s]
     rank_time = sum(r["step_time_ms"] for r in flat)
