@@ -115,7 +115,10 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     )
     passing = [p["target_qps"] for p in probes if p["passed"] and p["probe"] >= 0]
     assert max(passing) == f["best_qps"]
-    assert all(p["sla_met"] == p["passed"] for p in probes)  # one repeat: its verdict decides
+    # one repeat: its verdict decides, unless its load was cut short (decided early, or the issuer fell behind
+    # on a busy machine): such a probe fails whatever its completed queries say
+    assert all(p["sla_met"] == p["passed"] for p in probes if not (p["load_stopped_early"] or p["issue_stopped"]))
+    assert all(not p["passed"] for p in probes if p["load_stopped_early"] or p["issue_stopped"])
     assert read_manifest(run_dir)["best"]["best_qps"] == f["best_qps"]
     assert "best q/s" in stdout
     # the best rate certified by a LoadGen Server run (the answer printed is that rate, or none)

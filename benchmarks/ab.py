@@ -1,0 +1,87 @@
+"""A/B of two commits on this machine: training samples/s and serving p99, interleaved rounds.
+
+    python benchmarks/ab.py --base de9f02e [--head HEAD] [--rounds 3]
+
+Each commit is checked out in a worktree of its own (under a temporary directory) and run by this
+venv's Python with that worktree first on its path, so both sides use the same packages. A round runs
+the training command, then the serving command, on each side in turn (the order alternating between
+rounds), and the figures are their summaries' `samples_per_s` and `latency_p99_ms`. A refactor that
+changes no figure shows ratios within the rounds' spread (issue 35's constraint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from common import header, results_path, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ["train", "--preset", "kaggle", "--max-rows", "1000000", "--steps", "200", "--batch-size", "2048"]
+INFER = ["infer", "run", "--preset", "kaggle", "--max-rows", "1000000", "--query-size", "mlperf", "--qps", "100",
+         "--duration", "10", "--instances", "2", "--max-batch", "512", "--max-delay-ms", "1",
+         "--sla-ms", "100"]  # fmt: skip
+
+
+def _run(tree: Path, args: list[str], metrics: Path) -> dict:
+    """One command of the lab at `tree`; its (first) summary row."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(metrics), "--no-progress"]
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{tree.name}: {' '.join(args[:2])} failed:\n{out.stderr[-3000:]}")
+    (run,) = [d for d in metrics.iterdir() if d.is_dir()]
+    return pq.read_table(run / "summary.parquet").to_pylist()[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="the commit before the change")
+    ap.add_argument("--head", default="HEAD")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    opts = ap.parse_args()
+    revs = {side: subprocess.check_output(["git", "rev-parse", "--short", rev], cwd=ROOT, text=True).strip()
+            for side, rev in (("base", opts.base), ("head", opts.head))}  # fmt: skip
+    figures: dict[str, dict[str, list[float]]] = {s: {"samples_per_s": [], "latency_p99_ms": []} for s in revs}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        trees = {}
+        for side, rev in revs.items():
+            trees[side] = tmp / side
+            subprocess.run(["git", "worktree", "add", "--detach", str(trees[side]), rev], cwd=ROOT, check=True,
+                           capture_output=True)  # fmt: skip
+        try:
+            for k in range(opts.rounds):
+                for side in ("base", "head") if k % 2 == 0 else ("head", "base"):
+                    train = _run(trees[side], TRAIN, tmp / f"m-{side}-{k}-train")
+                    infer = _run(trees[side], INFER, tmp / f"m-{side}-{k}-infer")
+                    figures[side]["samples_per_s"].append(train["samples_per_s"])
+                    figures[side]["latency_p99_ms"].append(infer["latency_p99_ms"])
+                    print(
+                        f"round {k} {side} {revs[side]}: train {train['samples_per_s']:,.0f} samples/s, "
+                        f"infer p99 {infer['latency_p99_ms']:.2f} ms",
+                        flush=True,
+                    )
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+    ratios = {m: statistics.median(figures["head"][m]) / statistics.median(figures["base"][m])
+              for m in ("samples_per_s", "latency_p99_ms")}  # fmt: skip
+    print(
+        f"head / base (medians): train samples/s {ratios['samples_per_s']:.3f}, "
+        f"infer p99 {ratios['latency_p99_ms']:.3f}"
+    )
+    write_results(results_path("ab", opts.out),
+                  header(base=revs["base"], head=revs["head"], train=TRAIN, infer=INFER, figures=figures,
+                         ratios=ratios))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
