@@ -1,8 +1,8 @@
 """The options of each command, composed from the typed configs that declare them.
 
 An option is declared once, as a field of the config it sets (`config.options.option`):
-`TRAIN`, `INFER_RUN` and `INFER_SEARCH` list a command's options in order. The CLI's
-Typer signatures (`cli.options`), a sweep's TOML keys and its checks derive from these
+`TRAIN`, `INFER_RUN`, `INFER_SEARCH`, `SERVE` and `CLIENT` list a command's options in order.
+The CLI's Typer signatures (`cli.options`), a sweep's TOML keys and its checks derive from these
 lists. `train_setup`, `infer_setup` and `search_setup` take option values keyed by name
 (`batch-size` or `batch_size`), coerced the way the command line parses them; the CLI
 commands and the sweep's grid check both build their configs here, so a sweep point is
@@ -28,6 +28,7 @@ from dlrm_lab.infer.options import (
     SearchSpace,
     ServingOptions,
 )
+from dlrm_lab.serve.options import CLIENT_CHANGES, ClientOptions, ServeOptions
 
 # Options of the command line only: where results go and how progress shows.
 CLI_ONLY = frozenset({"metrics_dir", "progress"})
@@ -46,9 +47,23 @@ INFER_SEARCH: list[Declared] = [
     *options_of(SearchOptions),
     *options_of(ServingOptions, exclude=("instances", "threads", "max_batch", "max_delay_ms", "max_query_samples")),
 ]
-COMMANDS = {"train": TRAIN, "infer run": INFER_RUN, "infer search": INFER_SEARCH}
+# The served models as `infer run` takes them, behind a gRPC front of their own
+SERVE: list[Declared] = [
+    *options_of(LoadOptions, only=("model",)),
+    *options_of(ServeOptions),
+    *options_of(ServingOptions, exclude=("history_cache_mb", "attention", "history_affinity", "set")),
+    *options_of(InferConfig, only=("device", "pin_cores")),
+]
+# `infer run --target grpc://HOST:PORT` under its former name: its own load words, the rest passed on
+CLIENT: list[Declared] = [
+    *options_of(ClientOptions),
+    *options_of(LoadOptions, only=("arrival",)),
+    *options_of(InferConfig, only=(*CLIENT_CHANGES, "percentile", "max_issue_lag_ms"), **CLIENT_CHANGES),
+]
+COMMANDS = {"train": TRAIN, "infer run": INFER_RUN, "infer search": INFER_SEARCH, "serve": SERVE, "client": CLIENT}
 # Every config field a command line sets, by the flag that sets it (`timeout_s`: --timeout)
-_CONFIGS = (PresetChoice, TrainConfig, LoadOptions, InferConfig, ServingOptions, SearchSpace, SearchOptions)
+_CONFIGS = (PresetChoice, TrainConfig, LoadOptions, InferConfig, ServingOptions, SearchSpace, SearchOptions,
+            ServeOptions, ClientOptions)  # fmt: skip
 FLAGS = {d.field: d.flag for config in _CONFIGS for d in options_of(config)}
 
 
@@ -107,17 +122,25 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, InferConfig
 @_by_flag()
 def search_setup(options: Mapping[str, Any]) -> tuple[Any, Any, Any, InferConfig, SearchOptions]:
     """The served model, its load stream, the grid, the config and the probing of `dlrm-lab infer search`."""
-    from dlrm_lab.infer.options import plan_load
+    from dlrm_lab.infer.options import default_sla_ms, plan_load
 
     o = given(options, INFER_SEARCH, "infer search", CLI_ONLY)
     space = build(SearchSpace, INFER_SEARCH, o)
     grid = space.grid()
-    cfg = build(InferConfig, INFER_SEARCH, o, sla_ms=space.sla_ms)
-    probing = build(SearchOptions, INFER_SEARCH, o)
     (base,) = build(ServingOptions, INFER_SEARCH, o).served(o.get("model"))
+    sla_ms = default_sla_ms(base.spec) if space.sla_ms is None else space.sla_ms
+    cfg = build(InferConfig, INFER_SEARCH, o, sla_ms=sla_ms)
+    probing = build(SearchOptions, INFER_SEARCH, o)
     load = build(LoadOptions, INFER_SEARCH, o)
-    (stream,) = plan_load([base], ["1"], [space.query_size], [str(space.sla_ms)], load.arrival, load.order).streams
+    (stream,) = plan_load([base], ["1"], [space.query_size], [str(sla_ms)], load.arrival, load.order).streams
     return base, stream, grid, cfg, probing
+
+
+@_by_flag()
+def serve_setup(options: Mapping[str, Any]) -> tuple[list[Any], ServeOptions]:
+    """The served models and the gRPC front of `dlrm-lab serve` with these options."""
+    o = given(options, SERVE, "serve", CLI_ONLY)
+    return build(ServingOptions, SERVE, o).served(o.get("model")), build(ServeOptions, SERVE, o)
 
 
 SETUPS = {"train": train_setup, "infer run": infer_setup}

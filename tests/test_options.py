@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 from dlrm_lab import commands
 from dlrm_lab.cli import app
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.config.options import build, coerce, given, option, options_of
+from dlrm_lab.config.options import REQUIRED, build, coerce, given, option, options_of
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.infer.options import InferConfig, SearchOptions, ServingOptions
+from dlrm_lab.serve.options import ClientOptions, ServeOptions
 from dlrm_lab.sweep import load_spec
 
 COMMANDS = sorted(commands.COMMANDS)
@@ -37,7 +38,8 @@ def test_every_declared_option_is_the_commands_option_with_its_flag_help_and_def
     assert set(params) - commands.CLI_ONLY == {d.name for d in declared}  # no more, no less
     for d in declared:
         p = params[d.name]
-        assert d.flag in p.opts and p.default == d.default, d.name
+        assert d.flag in p.opts and p.required == (d.default is REQUIRED), d.name
+        assert p.default == (None if p.required else d.default), d.name
         assert p.help.replace("\\[", "[") == d.help  # shown as written (rich markup escaped)
         assert p.multiple == ("list" in str(d.type)), d.name
 
@@ -54,6 +56,32 @@ def test_renamed_fields_and_aliases_keep_their_flags():
     assert train["preset"].opts == ["--preset", "-p"] and train["timeout"].opts == ["--timeout"]
     assert train["pin_cores"].secondary_opts == ["--no-pin-cores"] and train["precision"].default == "auto"
     assert TrainConfig().precision == "fp32"  # the command's default, not the library's
+
+
+def test_serve_and_client_keep_their_flags_aliases_and_words():
+    serve = {p.name: p for p in click_command("serve").params}
+    assert serve["model"].opts == ["--model", "-m", "--preset", "-p"] and serve["grace"].opts == ["--grace"]
+    assert serve["pin_cores"].secondary_opts == ["--no-pin-cores"] and serve["max_query_samples"].default == 65_536
+    client = {p.name: p for p in click_command("client").params}
+    assert client["target"].required and client["closed_loop"].opts == ["--closed-loop"]
+    assert client["closed_loop"].secondary_opts == []  # a switch: no --no-closed-loop
+    assert client["duration"].default == 10.0 and client["timeout"].help == (
+        "Seconds a query may take before DEADLINE_EXCEEDED."
+    )  # `infer run`'s options, in the client's own words
+
+
+def test_what_the_client_passes_on_is_infer_runs_own_option():
+    run = {d.name: (d.owner, d.field) for d in commands.INFER_RUN}
+    passed = [d for d in commands.CLIENT if d.owner is not ClientOptions]
+    assert passed and all(run[d.name] == (d.owner, d.field) for d in passed)
+
+
+def test_serve_builds_its_models_and_front_from_the_declared_options():
+    served, front = commands.serve_setup({"model": ["tiny"], "instances": 2, "max_query_samples": 128, "grace": 1.5})
+    assert (served[0].name, served[0].instances, served[0].max_query_samples) == ("tiny", 2, 128)
+    assert front == ServeOptions(grace_s=1.5)
+    with pytest.raises(UserError, match=r"^--max-query-samples 0: must be a whole number >= 1$"):
+        commands.serve_setup({"max_query_samples": 0})
 
 
 def test_a_field_has_one_flag_in_every_config_that_declares_it():

@@ -11,23 +11,13 @@ from rich.table import Table
 
 from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
-from dlrm_lab.cli.options import METRICS_DIR, CliOnly, aliases, command
+from dlrm_lab.cli.options import METRICS_DIR, CliOnly, command
 from dlrm_lab.commands import INFER_RUN, INFER_SEARCH
 from dlrm_lab.errors import UserError, raise_on_sigterm
-from dlrm_lab.infer.options import InferConfig, LoadOptions, ServingOptions
 from dlrm_lab.metrics import columns
 
 app = typer.Typer(help="Inference lab: dynamic batching, co-location, MLPerf LoadGen, latency-bounded search.")
 
-# `serve` and `client` take these too: each declared once, by the config that holds it
-Models, Arrival = aliases(LoadOptions, "model", "arrival")
-Duration, MaxIssueLagMs, Device, PinCores = aliases(InferConfig, "duration", "max_issue_lag_ms", "device", "pin_cores")
-Instances, Threads, MaxBatch, MaxDelayMs, MaxQueue, MinPiece, SpinMs = aliases(
-    ServingOptions, "instances", "threads", "max_batch", "max_delay_ms", "max_queue", "min_piece", "spin_ms"
-)
-Precision, TablePrecision, Build, DataSpec = aliases(
-    ServingOptions, "precision", "table_precision", "build", "data_spec"
-)
 ShowProgress = Annotated[bool, typer.Option(help="Show progress (a bar on a terminal, else a line every few s).")]
 PROGRESS = CliOnly("progress", ShowProgress, True)
 # a terminal bar redraws in the serving process: seldom, to stay out of the measured latency

@@ -16,14 +16,14 @@ from dlrm_lab.config.options import Declared, ModelScaling, options_of
 
 
 def annotation(decl: Declared) -> Any:
-    """The Typer parameter type of a declared option (a bool keeps Typer's --x/--no-x). Help is plain
-    text: Typer renders it as rich markup, where `[data]` would vanish and `[/MODEL]` fail."""
-    flags = () if decl.type is bool else decl.flags
+    """The Typer parameter type of a declared option (a bool keeps Typer's --x/--no-x, a switch its one
+    flag). Help is plain text: Typer renders it as rich markup, where `[data]` would vanish and `[/MODEL]` fail."""
+    flags = () if decl.type is bool and decl.negatable else decl.flags
     return Annotated[decl.type, typer.Option(*flags, help=escape(decl.help))]
 
 
 def aliases(config: type, *names: str) -> tuple[Any, ...]:
-    """Declared options as Typer types, for a hand-written signature (`serve`)."""
+    """Declared options as Typer types, for a hand-written signature (`presets`, `data`)."""
     declared = {d.name: d for d in options_of(config)}
     return tuple(annotation(declared[name]) for name in names)
 

@@ -19,6 +19,7 @@ from typing import Any
 from dlrm_lab.errors import FieldError, UserError
 
 SAME: Any = type("Same", (), {"__repr__": lambda self: "SAME"})()  # the command's default is the config's
+REQUIRED: Any = ...  # a field without a default: its option must be given (Typer reads `...` so)
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,21 @@ class Option:
     flags: tuple[str, ...] = ()  # its spellings, the first naming it; none: --field-name (and --no- for a bool)
     type: Any = None  # its type there, where that differs from the field's (a repeated option for a tuple)
     default: Any = SAME  # the command's default, where it differs from the config's
+    negatable: bool = True  # a bool: also --no-NAME (False: a switch, its one flag turns it on)
 
 
-def option(default: Any, help: str, *, flags: Iterable[str] = (), type: Any = None, cli_default: Any = SAME) -> Any:
-    """A config field that is also a command-line option and a sweep key."""
-    return dataclasses.field(default=default, metadata={"option": Option(help, tuple(flags), type, cli_default)})
+def option(
+    default: Any,
+    help: str,
+    *,
+    flags: Iterable[str] = (),
+    type: Any = None,
+    cli_default: Any = SAME,
+    negatable: bool = True,
+) -> Any:
+    """A config field that is also a command-line option and a sweep key (`REQUIRED`: no default)."""
+    opt = Option(help, tuple(flags), type, cli_default, negatable)
+    return dataclasses.field(default=MISSING if default is REQUIRED else default, metadata={"option": opt})
 
 
 @dataclass(frozen=True)
@@ -47,15 +58,18 @@ class Declared:
     default: Any
     help: str
     flags: tuple[str, ...] = ()  # declared spellings; none: derived from `name`
+    negatable: bool = True
 
     @property
     def flag(self) -> str:
         return self.flags[0] if self.flags else "--" + self.name.replace("_", "-")
 
 
-def options_of(config: type, *, exclude: Iterable[str] = (), **changes: Mapping[str, Any]) -> list[Declared]:
+def options_of(
+    config: type, *, exclude: Iterable[str] = (), only: Iterable[str] | None = None, **changes: Mapping[str, Any]
+) -> list[Declared]:
     """The options `config` declares, in field order; `changes` adjusts one per command by name
-    (e.g. `duration={"default": 1.0}`) and `exclude` leaves some out."""
+    (e.g. `duration={"default": 1.0}`), `exclude` leaves some out and `only` keeps those named."""
     hints = typing.get_type_hints(config)
     own = config.__dict__.get("__annotations__", {})
     out = []
@@ -64,11 +78,15 @@ def options_of(config: type, *, exclude: Iterable[str] = (), **changes: Mapping[
         opt = f.metadata.get("option")
         if opt is None:
             continue
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        if f.default is not MISSING:
+            default = f.default
+        else:
+            default = REQUIRED if f.default_factory is MISSING else f.default_factory()  # type: ignore[misc]
         name = opt.flags[0].lstrip("-").replace("-", "_") if opt.flags else f.name
-        decl = Declared(config, f.name, name, opt.type or hints[f.name],
-                        default if opt.default is SAME else opt.default, opt.help, opt.flags)  # fmt: skip
-        if name not in exclude:
+        if opt.default is not SAME:
+            default = opt.default
+        decl = Declared(config, f.name, name, opt.type or hints[f.name], default, opt.help, opt.flags, opt.negatable)
+        if name not in exclude and (only is None or name in only):
             out.append(dataclasses.replace(decl, **changes.get(name, {})))
     if unknown := sorted(set(changes) - {d.name for d in out}):
         raise TypeError(f"{config.__name__} declares no option {unknown[0]!r}")
