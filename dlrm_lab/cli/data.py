@@ -133,6 +133,61 @@ def convert(
     console().print(f"converted {manifest['rows']:,} samples from {len(inputs)} file(s) to {out}")
 
 
+@app.command("convert-yambda")
+def convert_yambda_command(
+    events: Annotated[Path, typer.Argument(help="Yambda's flat multi_event.parquet (50m, 500m or 5b).")],
+    categories: Annotated[
+        Path, typer.Option("--categories", help="artist_item_mapping.parquet or album_item_mapping.parquet.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Output dataset directory (new, or a conversion to resume).")],
+    preset: Annotated[
+        Optional[str],
+        typer.Option("--preset", "-p", help="HSTU preset whose max_history and candidates bound requests."),
+    ] = None,
+    max_history: Annotated[Optional[int], typer.Option(help="History events kept per request (default 4096).")] = None,
+    max_candidates: Annotated[Optional[int], typer.Option(help="Listens of a window scored (default 32).")] = None,
+    window_s: Annotated[int, typer.Option(help="Window length in seconds: a request per (user, window).")] = 86_400,
+    timestamp_unit_s: Annotated[int, typer.Option(help="Seconds per timestamp unit (Yambda: 1).")] = 1,
+    min_history: Annotated[int, typer.Option(help="Requests with fewer history events are dropped.")] = 1,
+    listen_plus_pct: Annotated[int, typer.Option(help="Label 1 from this played_ratio_pct (listen+).")] = 50,
+    like_is_positive: Annotated[bool, typer.Option(help="A later like in the window labels a listen 1.")] = True,
+    first_window: Annotated[Optional[int], typer.Option(help="First window written (histories use all).")] = None,
+    last_window: Annotated[Optional[int], typer.Option(help="Last window written.")] = None,
+    unmapped: Annotated[str, typer.Option(help="An item without a category: error or drop (its events).")] = "error",
+    batch_rows: Annotated[int, typer.Option(help="Events decoded at once (memory).")] = 65_536,
+    chunk_events: Annotated[int, typer.Option(help="Events per resumable chunk.")] = 50_000_000,
+) -> None:
+    """Convert Yambda (Yandex Music, MLPerf DLRMv4's data) into time-ordered HSTU requests; rerun to resume."""
+    from dlrm_lab.data.yambda import YambdaOptions, convert_yambda
+    from dlrm_lab.errors import FieldError
+
+    bounds = {}
+    if preset is not None:
+        model = load_any_preset(preset)
+        if getattr(model, "data", None) is None or not hasattr(model.data, "max_history"):
+            raise UserError(f"--preset {preset}: not an HSTU preset (its [data] bounds the requests)")
+        bounds = {"max_history": model.data.max_history, "max_candidates": model.data.candidates}
+    given = {"max_history": max_history, "max_candidates": max_candidates}
+    bounds.update({k: v for k, v in given.items() if v is not None})
+    options = YambdaOptions(
+        window_s=window_s, timestamp_unit_s=timestamp_unit_s, min_history=min_history, listen_plus_pct=listen_plus_pct,
+        like_is_positive=like_is_positive, first_window=first_window, last_window=last_window, unmapped=unmapped,
+        batch_rows=batch_rows, chunk_events=chunk_events, **bounds,
+    )  # fmt: skip
+    try:
+        options.check()
+    except FieldError as exc:  # named by this command's flags, which `commands.flag` does not know
+        raise UserError(exc.named(lambda f: "--" + f.replace("_", "-"))) from None
+    with progress(unit="events") as bar:
+        task = bar.add_task("convert", total=None)
+        manifest = convert_yambda(events, categories, out, options, on_events=lambda n: bar.update(task, advance=n))
+    counts = manifest["counts"]
+    console().print(
+        f"converted {counts['events']:,} events to {manifest['rows']:,} requests in {manifest['shards']} "
+        f"window(s) to {out}"
+    )
+
+
 MAX_PROBLEMS_SHOWN = 50  # `data stats`: problem lines printed before the count of the rest
 
 

@@ -78,10 +78,14 @@ def write_requests(
 
 def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> dict[str, Any]:
     """Structure, measured quantities and checks against the stored spec of a requests dataset
-    (the shape `data.stats.dataset_stats` returns, with "quantities" in place of "features")."""
+    (the shape `data.stats.dataset_stats` returns, with "quantities" in place of "features"). Requests of
+    real data (`data convert-yambda`) have no spec: their sidecar's `tables` bound the ids, nothing is checked."""
     problems: list[str] = []
     try:
-        spec = SequenceSpec.from_dict(info["sequence_spec"], where=f"{path}: sequence_spec")
+        real = "sequence_spec" not in info and isinstance(info.get("tables"), dict)
+        spec = None if real else SequenceSpec.from_dict(info["sequence_spec"], where=f"{path}: sequence_spec")
+        items, categories = (info["tables"]["items"], info["tables"]["categories"]) if spec is None else (
+            spec.items, spec.categories)  # fmt: skip
         table = pq.read_table(files)
     except (KeyError, UserError) as exc:
         return {"path": str(path), "kind": KIND, "problems": [str(exc)], "quantities": [], "checks": []}
@@ -103,15 +107,15 @@ def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> 
                 problems.append(f"{path}: request row {int(bad[0])}: {c} has {int(ln[bad[0]])} values, "
                                 f"its other {group} lists {int(first[bad[0]])}")  # fmt: skip
     flat = {c: pc.list_flatten(table[c]).to_numpy(zero_copy_only=False) for c in (*HISTORY, *CANDIDATES)}
-    for c, rows in (("history_items", spec.items), ("candidate_items", spec.items),
-                    ("history_categories", spec.categories), ("candidate_categories", spec.categories)):  # fmt: skip
+    for c, rows in (("history_items", items), ("candidate_items", items),
+                    ("history_categories", categories), ("candidate_categories", categories)):  # fmt: skip
         v = flat[c]
         if v.size and (v.min() < 0 or v.max() >= rows):
             problems.append(f"{path}: {c}: ids {int(v.min())}..{int(v.max())} outside the table's 0..{rows - 1}")
     step = table["step"].to_numpy()
     if n == 0:
         problems.append(f"{path}: the dataset has no requests")
-    first_step, stop_step = spec.window(info.get("window", "train"))
+    first_step, stop_step = spec.window(info.get("window", "train")) if spec else (0, np.iinfo(np.int64).max)
     if n and (step.min() < first_step or step.max() >= stop_step):
         problems.append(f"{path}: steps {int(step.min())}..{int(step.max())} outside the "
                         f"{info.get('window', 'train')} window's {first_step}..{stop_step - 1}")  # fmt: skip
@@ -123,10 +127,6 @@ def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> 
         return {"path": str(path), "kind": KIND, "problems": problems, "quantities": [], "checks": []}
     h_len, c_len = hist["history_items"], cand["candidate_items"]
     labels, prob = flat["labels"], flat["click_probability"]
-    items = flat["candidate_items"]
-    ranks = items // spec.categories
-    per_category = spec.items // spec.categories
-    top = max(1, math.ceil(per_category / 100))
     quantities = {
         "requests": n,
         "users": int(np.unique(table["user"].to_numpy()).size),
@@ -135,8 +135,15 @@ def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> 
         "history p99": percentile(h_len, 99),
         "candidates mean": float(c_len.mean()),
         "label rate": float(labels.mean()),
-        "top-1% popularity ranks' share": float(np.mean(ranks < top)),
     }
+    if spec is None:
+        return {"path": str(path), "kind": KIND, "source": info.get("source", "unknown"), "problems": [], "samples": n,
+                "label_rate": float(labels.mean()), "teacher_auc": None, "quantities": quantities, "checks": [],
+                "features": []}  # fmt: skip
+    ranks = flat["candidate_items"] // spec.categories
+    per_category = spec.items // spec.categories
+    top = max(1, math.ceil(per_category / 100))
+    quantities["top-1% popularity ranks' share"] = float(np.mean(ranks < top))
     checks = [Check("(requests)", "candidates per request", float(c_len.mean()), float(spec.candidates), 0.0)]
     p = float(prob.mean())
     checks.append(
