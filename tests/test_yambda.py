@@ -347,6 +347,15 @@ def test_a_bad_mapping_and_a_bad_option_are_one_line(inputs, tmp_path):
     assert (code, err) == (2, "error: --window-s 0: must be >= 1\n")
 
 
+def test_too_many_windows_at_once_are_refused_by_their_options(inputs, tmp_path, monkeypatch):
+    """A chunk holds one spill file open per window: past MAX_OPEN_WINDOWS, the command says what to change."""
+    monkeypatch.setattr("dlrm_lab.data.yambda.MAX_OPEN_WINDOWS", 3)
+    code, _, err = convert_cli(inputs["events"], "--categories", inputs["artists"], "--out", tmp_path / "o",
+                               "--window-s", "3600")  # fmt: skip
+    want = "error: --window-s 3600: more than 3 windows; raise it, or convert fewer with --first-window and "
+    assert code == 2 and want + "--last-window" in err, err
+
+
 def test_unmapped_items_can_be_dropped(inputs, tmp_path):
     rows, _ = _broken(inputs["rows"], "item without a mapping")
     events = write_events(tmp_path / "multi_event.parquet", [tuple(r) for r in rows])
@@ -356,12 +365,12 @@ def test_unmapped_items_can_be_dropped(inputs, tmp_path):
     assert read_requests(tmp_path / "o") == rule([tuple(r) for r in rows if r[2] < ITEMS], SMALLEST, o)
 
 
-def test_the_command_takes_its_bounds_from_an_hstu_preset(inputs, tmp_path):
+def test_the_command_takes_its_history_bound_from_an_hstu_preset(inputs, tmp_path):
     code, stdout, err = convert_cli(inputs["events"], "--categories", inputs["artists"], "--out", tmp_path / "o",
                                     "--preset", "hstu-tiny", "--max-candidates", "3")  # fmt: skip
     assert code == 0, err
     info = json.loads((tmp_path / "o" / "_dataset.json").read_text())
-    assert (info["options"]["max_history"], info["options"]["max_candidates"]) == (64, 3)
+    assert (info["options"]["max_history"], info["options"]["max_candidates"]) == (64, 3)  # hstu-tiny's history
     assert f"to {info['rows']:,} requests" in stdout
     code, _, err = convert_cli(inputs["events"], "--categories", inputs["artists"], "--out", tmp_path / "p",
                                "--preset", "tiny")  # fmt: skip

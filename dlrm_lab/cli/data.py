@@ -142,10 +142,10 @@ def convert_yambda_command(
     out: Annotated[Path, typer.Option("--out", help="Output dataset directory (new, or a conversion to resume).")],
     preset: Annotated[
         Optional[str],
-        typer.Option("--preset", "-p", help="HSTU preset whose max_history and candidates bound requests."),
+        typer.Option("--preset", "-p", help="HSTU preset whose max_history bounds the histories."),
     ] = None,
     max_history: Annotated[Optional[int], typer.Option(help="History events kept per request (default 4096).")] = None,
-    max_candidates: Annotated[Optional[int], typer.Option(help="Listens of a window scored (default 32).")] = None,
+    max_candidates: Annotated[int, typer.Option(help="Listens of a window scored: its first ones.")] = 32,
     window_s: Annotated[int, typer.Option(help="Window length in seconds: a request per (user, window).")] = 86_400,
     timestamp_unit_s: Annotated[int, typer.Option(help="Seconds per timestamp unit (Yambda: 1).")] = 1,
     min_history: Annotated[int, typer.Option(help="Requests with fewer history events are dropped.")] = 1,
@@ -161,26 +161,23 @@ def convert_yambda_command(
     from dlrm_lab.data.yambda import YambdaOptions, convert_yambda
     from dlrm_lab.errors import FieldError
 
-    bounds = {}
-    if preset is not None:
+    if max_history is None and preset is not None:
         model = load_any_preset(preset)
-        if getattr(model, "data", None) is None or not hasattr(model.data, "max_history"):
-            raise UserError(f"--preset {preset}: not an HSTU preset (its [data] bounds the requests)")
-        bounds = {"max_history": model.data.max_history, "max_candidates": model.data.candidates}
-    given = {"max_history": max_history, "max_candidates": max_candidates}
-    bounds.update({k: v for k, v in given.items() if v is not None})
+        if not hasattr(getattr(model, "data", None), "max_history"):
+            raise UserError(f"--preset {preset}: not an HSTU preset (its [data] max_history bounds the histories)")
+        max_history = model.data.max_history
     options = YambdaOptions(
-        window_s=window_s, timestamp_unit_s=timestamp_unit_s, min_history=min_history, listen_plus_pct=listen_plus_pct,
+        window_s=window_s, timestamp_unit_s=timestamp_unit_s, max_history=max_history or YambdaOptions.max_history,
+        max_candidates=max_candidates, min_history=min_history, listen_plus_pct=listen_plus_pct,
         like_is_positive=like_is_positive, first_window=first_window, last_window=last_window, unmapped=unmapped,
-        batch_rows=batch_rows, chunk_events=chunk_events, **bounds,
+        batch_rows=batch_rows, chunk_events=chunk_events,
     )  # fmt: skip
     try:
-        options.check()
+        with progress(unit="events") as bar:
+            task = bar.add_task("convert", total=None)
+            manifest = convert_yambda(events, categories, out, options, on_events=lambda n: bar.update(task, advance=n))
     except FieldError as exc:  # named by this command's flags, which `commands.flag` does not know
         raise UserError(exc.named(lambda f: "--" + f.replace("_", "-"))) from None
-    with progress(unit="events") as bar:
-        task = bar.add_task("convert", total=None)
-        manifest = convert_yambda(events, categories, out, options, on_events=lambda n: bar.update(task, advance=n))
     counts = manifest["counts"]
     console().print(
         f"converted {counts['events']:,} events to {manifest['rows']:,} requests in {manifest['shards']} "

@@ -405,8 +405,9 @@ class _Spill:
     def _flush(self, step: int) -> None:
         if step not in self.writers:
             if len(self.writers) >= MAX_OPEN_WINDOWS:
-                raise UserError(f"more than {MAX_OPEN_WINDOWS} windows of --window-s {self.opts.window_s}: raise it, "
-                                "or convert fewer with --first-window/--last-window")  # fmt: skip
+                detail = f"{self.opts.window_s}: more than {MAX_OPEN_WINDOWS} windows; raise it, or convert fewer "
+                raise FieldError("window_s", detail + "with {first_window} and {last_window}", "first_window",
+                                 "last_window")  # fmt: skip
             self.writers[step] = pq.ParquetWriter(self.dir / f"w{step:09d}.parquet", SCHEMA, compression="zstd")
         self.writers[step].write_table(_requests_table(self.buffers.pop(step)))
         self.waiting -= self.tokens.pop(step)
@@ -596,19 +597,19 @@ def convert_yambda(
     if sidecar.is_file():
         done = json.loads(sidecar.read_text())
         if done.get("source") != SOURCE or _differences(fingerprint, done):
-            raise UserError(f"--out {out}: holds another dataset; choose a new directory")
+            raise FieldError("out", f"{out}: holds another dataset; choose a new directory")
         _clean(out)
         return done
     if progress_path.is_file():
         progress = json.loads(progress_path.read_text())
         changed = _differences(fingerprint, progress.get("fingerprint", {}))
         if changed:
-            raise UserError(f"--out {out}: holds a conversion of other inputs or options ({', '.join(changed)}); "
-                            "rerun it as it was to resume, or choose a new directory")  # fmt: skip
+            raise FieldError("out", f"{out}: holds a conversion of other inputs or options ({', '.join(changed)}); "
+                                    "rerun it as it was to resume, or choose a new directory")  # fmt: skip
     else:
         if out.exists() and any(out.iterdir()):
-            raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
-        check_writable(out, "--out")
+            raise FieldError("out", f"{out}: directory exists and is not empty; choose a new one")
+        check_writable(out, "out")
         out.mkdir(parents=True, exist_ok=True)
         progress = {"fingerprint": fingerprint, "chunks": [list(c) for c in _chunks(pf, opts.chunk_events)],
                     "chunk_counts": [], "windows_done": 0}  # fmt: skip
