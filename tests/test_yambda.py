@@ -342,9 +342,10 @@ def test_a_bad_mapping_and_a_bad_option_are_one_line(inputs, tmp_path):
     pq.write_table(pa.table({"item_id": pa.array([1], pa.uint32()), "genre_id": pa.array([1], pa.uint32())}), bad)
     code, _, err = convert_cli(inputs["events"], "--categories", bad, "--out", tmp_path / "o")
     assert code == 2 and str(bad) in err and "artist_id or album_id" in err, err
-    code, _, err = convert_cli(inputs["events"], "--categories", inputs["artists"], "--out", tmp_path / "o",
-                               "--window-s", "0")  # fmt: skip
-    assert (code, err) == (2, "error: --window-s 0: must be >= 1\n")
+    for option, value in (("--window-s", "0"), ("--max-history", "0")):
+        code, _, err = convert_cli(inputs["events"], "--categories", inputs["artists"], "--out", tmp_path / "o",
+                                   option, value)  # fmt: skip
+        assert (code, err) == (2, f"error: {option} {value}: must be >= 1\n")
 
 
 def test_too_many_windows_at_once_are_refused_by_their_options(inputs, tmp_path, monkeypatch):

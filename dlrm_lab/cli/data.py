@@ -161,13 +161,15 @@ def convert_yambda_command(
     from dlrm_lab.data.yambda import YambdaOptions, convert_yambda
     from dlrm_lab.errors import FieldError
 
-    if max_history is None and preset is not None:
-        model = load_any_preset(preset)
-        if not hasattr(getattr(model, "data", None), "max_history"):
-            raise UserError(f"--preset {preset}: not an HSTU preset (its [data] max_history bounds the histories)")
-        max_history = model.data.max_history
+    if max_history is None:
+        max_history = YambdaOptions.max_history
+        if preset is not None:
+            model = load_any_preset(preset)
+            if not hasattr(getattr(model, "data", None), "max_history"):
+                raise UserError(f"--preset {preset}: not an HSTU preset (its [data] max_history bounds the histories)")
+            max_history = model.data.max_history
     options = YambdaOptions(
-        window_s=window_s, timestamp_unit_s=timestamp_unit_s, max_history=max_history or YambdaOptions.max_history,
+        window_s=window_s, timestamp_unit_s=timestamp_unit_s, max_history=max_history,
         max_candidates=max_candidates, min_history=min_history, listen_plus_pct=listen_plus_pct,
         like_is_positive=like_is_positive, first_window=first_window, last_window=last_window, unmapped=unmapped,
         batch_rows=batch_rows, chunk_events=chunk_events,
