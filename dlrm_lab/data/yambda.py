@@ -20,7 +20,7 @@ The rule (MLPerf DLRMv4's streaming windows; every number an option of `YambdaOp
   window; its history is the user's events of earlier windows (never the window's own), oldest first,
   the newest `max_history` kept; a request with fewer than `min_history` of them is dropped;
 - history tokens are listens, likes and dislikes (unlikes and undislikes are counted, not kept), their
-  actions bits of YAMBDA_ACTION_BITS (the ranker's five), their ages seconds before the request's
+  action bits YAMBDA_ACTION_BITS (the ranker's five), their ages in seconds before the request's
   first listen;
 - click_probability is NaN: real data has no teacher.
 
