@@ -11,6 +11,9 @@ A preset file of this family says `family = "hstu"` and holds two tables::
     [data]             # SequenceSpec (the generator's, data/sequences.py) without the table rows, which come from
     candidates = 16    # [model]; `users` may be fewer than the user table's rows
     ...
+    [mlperf]           # optional, MLPerfRules: the Server bound and the accuracy rule of an MLPerf benchmark
+    server_latency_ms = 80
+    ...
 
 `--table-scale` multiplies the item and user rows (the model's tables and the data's catalogue
 alike) and `--max-rows` caps them; the 128 categories stay. The default shapes are MLPerf
@@ -109,6 +112,67 @@ class SequenceSpec:
             self.train_timestamps, self.timestamps)  # fmt: skip
 
 
+MLPERF_METRICS = ("ne", "accuracy", "auc")  # DLRMv3's: torchrec's lifetime NE, accuracy and per-request AUC (GAUC)
+_MLPERF_KEYS = ("benchmark", "server_latency_ms", "accuracy_share", "reference", "source")
+
+
+@dataclass(frozen=True)
+class MLPerfRules:
+    """A preset's MLPerf Inference rules (its [mlperf] table). `server_latency_ms` is the Server scenario's
+    bound at p99 (MLPerf's Server percentile for every benchmark, and the lab's `--percentile` default): the
+    default `--sla-ms` of `infer run` and `infer search` for the preset. A served build keeps
+    `accuracy_share` of each metric of the fp32 model (MLPerf: of the FP32 reference checkpoint's
+    `reference`, fractions: the rules' NE 86.687% is 0.86687)."""
+
+    benchmark: str
+    server_latency_ms: float
+    accuracy_share: float
+    reference: dict[str, float]
+    source: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "mlperf") -> MLPerfRules:
+        def number(v: Any) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not isinstance(raw, dict):
+            raise UserError(f"{where}: must be a table with {', '.join(_MLPERF_KEYS)}")
+        if unknown := sorted(set(raw) - set(_MLPERF_KEYS)):
+            raise UserError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(_MLPERF_KEYS)}")
+        if missing := [k for k in _MLPERF_KEYS[:4] if k not in raw]:
+            raise UserError(f"{where}: missing {missing[0]!r} (required: {', '.join(_MLPERF_KEYS[:4])})")
+        bench, bound, share, ref = (raw[k] for k in _MLPERF_KEYS[:4])
+        if not isinstance(bench, str) or not bench:
+            raise UserError(f"{where}: benchmark = {bench!r}: a benchmark name, e.g. 'dlrm-v3'")
+        if not number(bound) or bound <= 0:
+            raise UserError(f"{where}: server_latency_ms = {bound!r}: a number of ms > 0")
+        if not number(share) or not 0 < share <= 1:
+            raise UserError(f"{where}: accuracy_share = {share!r}: in (0, 1], e.g. 0.999 for 99.9%")
+        if not isinstance(ref, dict) or sorted(ref) != sorted(MLPERF_METRICS):
+            raise UserError(f"{where}: reference = {ref!r}: a table of {', '.join(MLPERF_METRICS)}")
+        for name in MLPERF_METRICS:
+            if not number(ref[name]) or not 0 < ref[name] <= 1:
+                raise UserError(f"{where}: reference.{name} = {ref[name]!r}: a fraction in (0, 1] (86.687% is 0.86687)")
+        return cls(bench, float(bound), float(share), {k: float(ref[k]) for k in MLPERF_METRICS},
+                   str(raw.get("source", "")))  # fmt: skip
+
+    @property
+    def accuracy_rule(self) -> str:
+        return (f"MLPerf {self.benchmark}: NE, accuracy and per-request AUC each within {self.accuracy_share:.1%} of "
+                "the fp32 eager model's")  # fmt: skip
+
+    def accuracy_kept(self, build: dict[str, float], fp32: dict[str, float]) -> dict[str, bool]:
+        """Per metric, whether `build` keeps `accuracy_share` of `fp32`'s, each in its own direction: NE is
+        a loss (lower is better: at most fp32's / share), accuracy and AUC at least share x fp32's. (The
+        submission checker compares all three as floors, found >= share x reference, NE included.)"""
+        share = self.accuracy_share
+        return {
+            "ne": build["ne"] <= fp32["ne"] / share,
+            "accuracy": build["accuracy"] >= share * fp32["accuracy"],
+            "auc": build["auc"] >= share * fp32["auc"],
+        }
+
+
 def attention_pairs(history: int, candidates: int) -> int:
     """Valid (query, key) pairs of one request: causal history with the diagonal, plus
     each candidate against the history and itself."""
@@ -205,6 +269,7 @@ class HSTUSpec:
     max_rows: int | None = None
     published_rows: dict[str, int] = field(default_factory=dict)  # before scaling
     family: str = "hstu"
+    mlperf: MLPerfRules | None = None  # the preset's [mlperf] rules (dlrmv3: MLPerf Inference's dlrm-v3)
 
     # What the training loop, the planner and the cost model read of any model spec (as ModelSpec has them).
     interaction = "hstu"
@@ -270,6 +335,8 @@ class HSTUSpec:
             stu = STUShape(**shape.pop("stu"))
             known = {f.name for f in fields(cls)} - {"shape", "data"}
             rest = {k: v for k, v in data.items() if k in known}
+            if rest.get("mlperf") is not None:
+                rest["mlperf"] = MLPerfRules.from_dict(rest["mlperf"], f"{where}: mlperf")
             return cls(shape=RankerShape(**shape, stu=stu), data=SequenceSpec.from_dict(data["data"], where), **rest)
         except (KeyError, TypeError) as exc:
             raise UserError(f"{where}: not an HSTU spec ({exc})") from None
@@ -282,7 +349,7 @@ def parse_hstu(
     raw: dict[str, Any], *, where: str, table_scale: float | None = None, max_rows: int | None = None
 ) -> HSTUSpec:
     """An HSTU preset's parsed TOML -> HSTUSpec, scaled; each bad field is one UserError naming it."""
-    allowed = {"name", "family", "description", "model", "data"}
+    allowed = {"name", "family", "description", "model", "data", "mlperf"}
     unknown = set(raw) - allowed
     if unknown:
         raise UserError(
@@ -336,4 +403,5 @@ def parse_hstu(
         table_scale=scale,
         max_rows=max_rows,
         published_rows=published,
+        mlperf=MLPerfRules.from_dict(raw["mlperf"], f"{where}: [mlperf]") if "mlperf" in raw else None,
     )

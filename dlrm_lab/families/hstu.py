@@ -104,7 +104,7 @@ class HSTUFamily:
         from dlrm_lab.families.words import human_bytes
 
         shape, data, h = spec.shape, spec.data, round(spec.mean_history)
-        return [
+        lines = [
             self.size_line(spec), spec.description, f"source: {spec.source}",
             f"{shape.layers} STU layers, width {shape.stu.dim}, {shape.stu.heads} heads of q/k {shape.stu.qk_dim} and "
             f"v {shape.stu.v_dim}; tables item {shape.items:,}, category {shape.categories:,}, user {shape.users:,} "
@@ -116,7 +116,12 @@ class HSTUFamily:
             f"{data.train_timestamps - 1} train, {data.train_timestamps}-{data.timestamps - 1} evaluate), "
             f"{data.active_share:g} active a step, N({data.interactions_mean:g}, {data.interactions_sd:g}) items "
             f"met, history <= {data.max_history:,}",
-        ], None  # fmt: skip
+        ]  # fmt: skip
+        if rules := spec.mlperf:  # the serving defaults the preset sets (docs/hstu.md)
+            lines.append(f"MLPerf {rules.benchmark}: Server p99 <= {rules.server_latency_ms:g} ms (the default "
+                         f"--sla-ms); a served build keeps {rules.accuracy_share:.1%} of fp32's NE, accuracy and "
+                         "per-request AUC")  # fmt: skip
+        return lines, None
 
     def preset_table(self, specs: Sequence[HSTUSpec]) -> tuple[str, list[str], list[list[str]]]:
         from dlrm_lab.families.words import human_bytes, human_count

@@ -253,6 +253,8 @@ class AccuracyCheck:
     passed: bool
     data_auc: float | None = None  # the build's on the samples' own labels (an untrained model: ~0.5)
     data_auc_fp32: float | None = None
+    # under a preset's MLPerf rule ([mlperf]): NE, accuracy and per-request AUC, the build's and fp32's
+    mlperf: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -261,7 +263,7 @@ class AccuracyCheck:
             "auc_fp32_eager": self.auc_fp32, "auc_relative_diff": abs(self.auc - self.auc_fp32) / self.auc_fp32,
             "labels": f"drawn from the fp32 model's standardised logits at sharpness {TEACHER_SHARPNESS:g}",
             "data_label_auc": self.data_auc, "data_label_auc_fp32_eager": self.data_auc_fp32,
-            "rule": self.rule, "passed": self.passed,
+            "mlperf_metrics": self.mlperf, "rule": self.rule, "passed": self.passed,
         }  # fmt: skip
 
 
@@ -290,7 +292,9 @@ def check_accuracy(
     """`module` (a build of `model`) against the fp32 eager model on the samples of `block`: an fp32
     build (dense and tables) within FP32_SCORE_TOLERANCE per score; any other within
     AUC_RELATIVE_TOLERANCE of fp32's AUC, on labels drawn from the fp32 model's ranking
-    (`reference_labels`); the AUCs on the samples' own labels are recorded beside them."""
+    (`reference_labels`), or, where the preset declares an MLPerf rule ([mlperf]: dlrmv3), within its share
+    of fp32's NE, accuracy and per-request AUC on those labels; the AUCs on the samples' own labels are
+    recorded beside them."""
     packed = family_of(model.spec).check_samples(block)  # once, for both models
     reference = score_build(model, packed, "fp32")
     scores = score_build(module, packed, precision)
@@ -299,14 +303,23 @@ def check_accuracy(
     ours, fp32 = auc(scores, labels), auc(reference, labels)
     data = np.asarray(block.labels)
     data_ours, data_fp32 = auc(scores, data), auc(reference, data)
+    rules, mlperf = getattr(model.spec, "mlperf", None), None  # only presets of an MLPerf benchmark declare one
     if precision == "fp32" and table_precision == "fp32":
         rule = f"fp32: every score within {FP32_SCORE_TOLERANCE:g} of the eager model's"
         passed = diff <= FP32_SCORE_TOLERANCE
+    elif rules is not None:  # a ranker's requests: the per-request AUC groups each request's candidates
+        from dlrm_lab.metrics.ranking import ranking_metrics
+
+        candidates = np.asarray(block.candidate_lengths)
+        mlperf = {"build": ranking_metrics(scores, labels, candidates),
+                  "fp32": ranking_metrics(reference, labels, candidates)}  # fmt: skip
+        mlperf["kept"] = rules.accuracy_kept(mlperf["build"], mlperf["fp32"])
+        rule, passed = rules.accuracy_rule, all(mlperf["kept"].values())
     else:
         rule = f"AUC within {AUC_RELATIVE_TOLERANCE:.1%} (relative) of the fp32 eager model's"
         passed = abs(ours - fp32) <= AUC_RELATIVE_TOLERANCE * fp32
     return AccuracyCheck(build, precision, table_precision, len(labels), diff, ours, fp32, rule, bool(passed),
-                         data_ours, data_fp32)  # fmt: skip
+                         data_ours, data_fp32, mlperf)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the choice

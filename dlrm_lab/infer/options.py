@@ -137,6 +137,13 @@ class LoadPlan:
     sla_auto: bool
 
 
+def default_sla_ms(spec: Any) -> float:
+    """A model's latency bound when no --sla-ms is given: its preset's MLPerf Server bound ([mlperf]
+    `server_latency_ms`, at p99: dlrmv3's 80 ms), else DEFAULT_SLA_MS."""
+    rules = getattr(spec, "mlperf", None)  # only presets of an MLPerf benchmark declare one
+    return float(rules.server_latency_ms) if rules is not None else DEFAULT_SLA_MS
+
+
 def plan_load(
     served: Sequence[Any],
     qps: Sequence[str] | None,
@@ -151,7 +158,10 @@ def plan_load(
 
     n = len(served)
     qps_auto, sla_auto = list(qps or []) == [AUTO], list(sla_ms or []) == [AUTO]
-    slas = [DEFAULT_SLA_MS] * n if sla_auto else numbers(per_model(sla_ms, n, DEFAULT_SLA_MS, "sla_ms"), "sla_ms")
+    if sla_auto or not sla_ms:  # auto: a placeholder until the bound is chosen with the load
+        slas = [default_sla_ms(m.spec) for m in served]
+    else:
+        slas = numbers(per_model(sla_ms, n, DEFAULT_SLA_MS, "sla_ms"), "sla_ms")
     if any(not v > 0 for v in slas):
         raise FieldError("sla_ms", f"{slas}: every bound must be > 0 ms")
     rates = [0.0] * n if qps_auto else numbers(per_model(qps, n, DEFAULT_QPS, "qps"), "qps")
@@ -192,7 +202,7 @@ class LoadOptions:
     sla_ms: list[str] | None = option(
         None,
         "Latency bound in ms (one, or one per model), or auto with --qps auto: 2.5x the latency of one query at a "
-        "time.",
+        "time. Default: the preset's MLPerf Server bound where it declares one (dlrmv3: 80 ms), else 10.",
     )
     order: str = option(
         "random", "Which samples queries take: random, or time (the library's order; HSTU requests by time)."
@@ -386,7 +396,10 @@ class SearchSpace:
     policies it tries (each field is also its option)."""
 
     query_size: str = option("fixed:1", "Samples per query (see `infer run --help`).")
-    sla_ms: float = option(10.0, "Latency bound in ms.")
+    sla_ms: float | None = option(
+        None,
+        "Latency bound in ms (default: the preset's MLPerf Server bound where it declares one, dlrmv3: 80; else 10).",
+    )
     max_batch: str = option("64,256,1024", "Largest batches to try, in samples.")
     max_delay_ms: str = option("0.5,2", "Batching delays to try, in ms.")
     layouts: str | None = option(
