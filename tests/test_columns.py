@@ -176,7 +176,8 @@ def test_hstus_columns_are_its_own_and_sit_where_the_files_have_them():
 
     hstu = {c if isinstance(c, str) else c.name for _, _, cols in family_named("hstu").columns for c in cols}
     assert hstu == {"history_reused", "history_tokens_reused", "history_cache_mb", "history_affinity", "attention",
-                    "history_hit_rate", "history_tokens_reused_mean", "best_history_hit_rate"}  # fmt: skip
+                    "history_hit_rate", "history_tokens_reused_mean", "best_history_hit_rate",
+                    "train_window", "eval_window"}  # fmt: skip
     queries = columns.names_of("queries")
     after_error = queries[queries.index("error") + 1 :][:2]
     assert after_error == ("history_reused", "history_tokens_reused")

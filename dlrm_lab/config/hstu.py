@@ -18,6 +18,14 @@ A preset file of this family says `family = "hstu"` and holds two tables::
 `--table-scale` multiplies the item and user rows (the model's tables and the data's catalogue
 alike) and `--max-rows` caps them; the 128 categories stay. The default shapes are MLPerf
 Inference v6.0's DLRMv3 (docs/hstu.md, with sources).
+
+MLPerf Training's DLRMv4 (`models/dlrmv4.toml`) adds to [model]: `[model.item_tables]`, the item's
+attribute tables looked up beside its id in the history and the candidates (artist, album; without
+them the category is the one attribute, DLRMv3's `item_category` table), `[model.cross_tables]`,
+contextual tokens after the user's, each a hash of the features its name crosses
+(`user_x_artist_x_hour`: the user, the anchor's artist and its hour) modulo its rows, and the towers'
+widths (`item_tower`, `head`); and a `[reference]` table, the published recipe (`HSTURecipe`). Every
+table's rows scale alike.
 """
 
 from __future__ import annotations
@@ -34,6 +42,52 @@ from dlrm_lab.errors import UserError
 WINDOWS = ("train", "eval")  # the requests a model trains on, and the later ones it is evaluated on
 ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
 ACTION_DIM = 8  # per action type
+CATEGORY_TABLE = "item_category"  # DLRMv3's one item attribute, when a preset names no item tables
+# what a cross-hash table may cross, besides the item's attribute tables (DLRMv4: artist, album): the user, the
+# anchor (the request's first candidate) item, the request's hour of day, and whether the anchor was organic
+CROSS_KEYS = ("user", "item", "hour", "is_organic")
+
+Tables = tuple[tuple[str, int], ...]  # (name, rows) in order
+
+
+def history_feature(table: str) -> str:
+    """A history token's id feature of an item table: item_id, item_category_id, artist_id."""
+    return f"{table}_id"
+
+
+def candidate_feature(table: str) -> str:
+    """A candidate's id feature of an item table: item_candidate_id, item_candidate_category_id, ..._artist_id."""
+    return "item_candidate_id" if table == "item" else f"item_candidate_{table.removeprefix('item_')}_id"
+
+
+def cross_keys(name: str) -> tuple[str, ...]:
+    """The features a cross-hash table's name crosses (`user_x_artist_x_hour` -> user, artist, hour)."""
+    return tuple(name.split("_x_"))
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    """The sparse features of a request, in the order a batch lists them: per history token, per candidate,
+    per request (the contextual tokens: the user, then each cross)."""
+
+    history: tuple[str, ...]
+    candidates: tuple[str, ...]
+    contextual: tuple[str, ...]
+
+    @classmethod
+    def of(cls, attributes: tuple[str, ...], crosses: tuple[str, ...]) -> RequestFeatures:
+        tables = ("item", *attributes)
+        return cls(tuple(map(history_feature, tables)), tuple(map(candidate_feature, tables)), ("user_id", *crosses))
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return (*self.history, *self.candidates, *self.contextual)
+
+
+def _tables(raw: Any) -> Tables:
+    """(name, rows) pairs from a TOML table, a manifest's lists or pairs already."""
+    items = raw.items() if isinstance(raw, dict) else raw
+    return tuple((str(name), rows) for name, rows in items)
 
 
 @dataclass(frozen=True)
@@ -58,6 +112,13 @@ class SequenceSpec:
     rating_noise: float = 0.5
     drift_amplitude: float = 1.0
     drift_period: float = 30.0  # timestamps
+    # items an active user meets at a step, at most (0: the candidates, so every item met is one of the request's
+    # candidates, as in DLRMv3's generator); more lets histories outgrow few candidates (DLRMv4: one a request)
+    interactions_max: int = 0
+    # the model's item attribute tables (name, rows) beside the category (DLRMv4: artist, album), and its cross-hash
+    # contextual tables; set by [model], not [data]
+    attributes: Tables = ()
+    crosses: Tables = ()
 
     def check(self, where: str = "data") -> SequenceSpec:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -86,6 +147,18 @@ class SequenceSpec:
         need(self.item_popularity_alpha > 0, "item_popularity_alpha", "> 0")
         need(self.drift_period > 0 and self.drift_amplitude >= 0, "drift_period", "> 0 (amplitude >= 0)")
         need(self.timestamp_s > 0, "timestamp_s", "> 0")
+        need(integer(self.interactions_max) and self.interactions_max >= 0, "interactions_max",
+             "an integer >= 0 (0: the candidates)")  # fmt: skip
+        for name in ("attributes", "crosses"):
+            for table, rows in getattr(self, name):
+                need(isinstance(table, str) and table != "" and integer(rows) and rows >= 1, name,
+                     "(name, rows >= 1) pairs")  # fmt: skip
+        keys = {*CROSS_KEYS, *self.attribute_names}
+        for table, _ in self.crosses:
+            parts = cross_keys(table)
+            if len(parts) < 2 or not set(parts) <= keys:
+                raise UserError(f"{where}: cross table {table!r}: its name crosses two or more of "
+                                f"{', '.join(sorted(keys))}, joined by _x_")  # fmt: skip
         return self
 
     @classmethod
@@ -94,7 +167,23 @@ class SequenceSpec:
         for key in raw:
             if key not in known:
                 raise UserError(f"{where}: unknown key {key!r}; allowed: {', '.join(known)}")
-        return cls(**raw).check(where)
+        tables = {k: _tables(raw[k]) for k in ("attributes", "crosses") if k in raw}
+        return cls(**{**raw, **tables}).check(where)
+
+    @property
+    def attribute_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.attributes)
+
+    @property
+    def features(self) -> RequestFeatures:
+        """A request's features in the batch's order (DLRMv3's five without attribute and cross tables)."""
+        attributes = self.attribute_names or (CATEGORY_TABLE,)
+        return RequestFeatures.of(attributes, tuple(name for name, _ in self.crosses))
+
+    @property
+    def met_max(self) -> int:
+        """Items an active user meets at a step, at most."""
+        return self.interactions_max or self.candidates
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -201,7 +290,13 @@ class STUShape:
 class RankerShape:
     """A DLRMv3-style ranker: item, category and user tables, `layers` STU layers. The
     defaults are MLPerf Inference v6.0's DLRMv3 (docs/hstu.md), which no small machine holds:
-    scale `items` and `users` down."""
+    scale `items` and `users` down.
+
+    DLRMv4's layout (MLPerf Training v6.1) grows it: `item_tables` replace the category table by the
+    item's attributes (artist, album), each looked up for every history token and candidate, their
+    embeddings concatenated into one content tower and, with the item's, into the item tower
+    ((1 + attributes) x D in: 1,536 for DLRMv4); `cross_tables` add one contextual token each after the
+    user's; `item_tower` and `head` give the towers' widths (hidden, out)."""
 
     items: int = 1_000_000_000
     categories: int = 128
@@ -213,10 +308,34 @@ class RankerShape:
     time_buckets: int = 2048
     input_dropout: float = 0.2
     layer_dropout: float = 0.1
+    item_tables: Tables = ()  # (name, rows): the item's attribute tables; (): the category table (DLRMv3)
+    cross_tables: Tables = ()  # (name, rows): a contextual token each, after the user's
+    item_tower: tuple[int, ...] = ()  # (hidden, out) widths; (): (dim, dim)
+    head: tuple[int, ...] = ()  # (hidden, 1); (): (dim, 1)
+
+    @property
+    def attribute_tables(self) -> Tables:
+        """The item's attribute tables (name, rows): DLRMv4's artist and album, or DLRMv3's category."""
+        return self.item_tables or ((CATEGORY_TABLE, self.categories),)
+
+    @property
+    def contextual_tokens(self) -> int:
+        """Tokens before the history: the user's and one per cross-hash table."""
+        return 1 + len(self.cross_tables)
+
+    @property
+    def features(self) -> RequestFeatures:
+        return RequestFeatures.of(tuple(n for n, _ in self.attribute_tables), tuple(n for n, _ in self.cross_tables))
+
+    @property
+    def tower_widths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The item tower's (hidden, out) and the head's (hidden, out)."""
+        d = self.stu.dim
+        return tuple(self.item_tower or (d, d)), tuple(self.head or (d, 1))  # type: ignore[return-value]
 
     @property
     def table_rows(self) -> dict[str, int]:
-        return {"item": self.items, "item_category": self.categories, "user": self.users}
+        return {"item": self.items, **dict(self.attribute_tables), "user": self.users, **dict(self.cross_tables)}
 
     @property
     def embedding_parameters(self) -> int:
@@ -226,34 +345,128 @@ class RankerShape:
     def dense_parameters(self) -> int:
         """Parameters outside the tables (weights and biases of every layer, norms counted)."""
         d, hid, s = self.stu.dim, self.hidden, self.stu
-        tower = lambda i, o: i * hid + hid + 2 * hid + hid * o + o + 2 * o  # noqa: E731  (linear, norm, linear, norm)
+        (tower_hidden, tower_out), (head_hidden, head_out) = self.tower_widths
+        attributes = len(self.attribute_tables)
+        # linear, swish norm, linear, norm
+        tower = lambda i, h, o, last=True: i * h + h + 2 * h + h * o + o + 2 * o * last  # noqa: E731
         action_in = ACTION_BITS * ACTION_DIM
-        pre = 2 * tower(d, d) + tower(action_in, d) + ACTION_BITS * ACTION_DIM + action_in + d * d + d
-        pre += (self.position_buckets + self.time_buckets + 1) * d
+        pre = tower(d, hid, d) + tower(attributes * d, hid, d) + tower(action_in, hid, d) + ACTION_BITS * ACTION_DIM
+        pre += action_in + self.contextual_tokens * (d * d + d) + (self.position_buckets + self.time_buckets + 1) * d
         uvqk = d * s.heads * (2 * s.v_dim + 2 * s.qk_dim) + s.heads * (2 * s.v_dim + 2 * s.qk_dim)
         layer = 2 * d + uvqk + 2 * s.heads * s.v_dim + 3 * s.heads * s.v_dim * d
-        post = d * d + d + 2 * d + (2 * d * d + d + 2 * d + d * d + d + 2 * d) + (d * d + d + 2 * d + d + 1)
+        post = d * d + d + 2 * d + tower((1 + attributes) * d, tower_hidden, tower_out)
+        post += tower(d, head_hidden, head_out, last=False)
         return pre + self.layers * layer + post
 
     def request_flops_parts(self, history: int, candidates: int, *, path: str = "jagged") -> tuple[int, int, int]:
         """Forward FLOPs of one request of `history` items and `candidates` candidates, in three parts:
-        the preprocessor (content towers per token, the user's contextual token), the STU stack over
-        (user + history + candidates), and the head (candidate norm, item tower, MLP per candidate)."""
+        the preprocessor (content towers per token, the contextual tokens' linears), the STU stack over
+        (contextual tokens + history + candidates), and the head (candidate norm, item tower, MLP per candidate)."""
         d, hid = self.stu.dim, self.hidden
-        tower = lambda i, o: 2 * (i * hid + hid * o)  # noqa: E731
-        pre = history * (2 * tower(d, d) + tower(ACTION_BITS * ACTION_DIM, d)) + candidates * 2 * tower(d, d)
-        pre += 2 * d * d
-        stack = self.layers * self.stu.layer_flops(1 + history, candidates, path=path)
-        post = candidates * 2 * (d * d + 2 * d * d + d * d + d * d + d)
-        return pre, stack, post
+        (tower_hidden, tower_out), (head_hidden, head_out) = self.tower_widths
+        attributes = len(self.attribute_tables)
+        tower = lambda i, o, h=hid: 2 * (i * h + h * o)  # noqa: E731
+        content = tower(d, d) + tower(attributes * d, d)  # the item's and its attributes'
+        pre = history * (content + tower(ACTION_BITS * ACTION_DIM, d)) + candidates * content
+        pre += self.contextual_tokens * 2 * d * d
+        stack = self.layers * self.stu.layer_flops(self.contextual_tokens + history, candidates, path=path)
+        head = 2 * d * d + tower((1 + attributes) * d, tower_out, tower_hidden) + tower(d, head_out, head_hidden)
+        return pre, stack, candidates * head
 
     def request_flops(self, history: int, candidates: int, *, path: str = "jagged") -> int:
         """Forward FLOPs of one request (`request_flops_parts` summed)."""
         return sum(self.request_flops_parts(history, candidates, path=path))
 
     def request_lookup_bytes(self, history: int, candidates: int, bytes_per_value: float = 4.0) -> float:
-        """Embedding rows read for one request: item and category per token, one user row."""
-        return (2 * (history + candidates) + 1) * self.stu.dim * bytes_per_value
+        """Embedding rows read for one request: the item and its attributes per token, one row per contextual token."""
+        rows = (1 + len(self.attribute_tables)) * (history + candidates) + self.contextual_tokens
+        return rows * self.stu.dim * bytes_per_value
+
+
+@dataclass(frozen=True)
+class HSTURecipe:
+    """A preset's published training recipe and target (its [reference] table). The keys DLRM presets have
+    (`batch_size`, global; `dense_lr` at that batch; `target_auc`; `source`) mean what they mean there (the
+    lab's `dense_lr_for` scales the rate to a run's batch); the rest are recorded as published:
+    the optimizers and their settings, the warm-up and clipping, the evaluation cadence (a share of the
+    training stream), the sequence budget `max_seq_len` the FLOP count charges (`reference_training_flops`),
+    the published FLOPs per training sample, the mean samples to the target and the runs a result needs."""
+
+    source: str = ""
+    batch_size: int | None = None
+    dense_lr: float | None = None
+    target_auc: float | None = None
+    dense_optimizer: str | None = None
+    adam_betas: tuple[float, float] | None = None
+    embedding_optimizer: str | None = None
+    embedding_lr: float | None = None
+    lr_warmup_steps: int | None = None
+    grad_clip_norm: float | None = None
+    eval_every_share: float | None = None
+    max_seq_len: int | None = None
+    flops_per_sample: float | None = None
+    samples_to_target: float | None = None
+    runs: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "[reference]") -> HSTURecipe:
+        if not isinstance(raw, dict):
+            raise UserError(f"{where}: must be a table")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(raw) - known):
+            raise UserError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+        ints = {"batch_size", "lr_warmup_steps", "max_seq_len", "runs"}
+        texts = {"source", "dense_optimizer", "embedding_optimizer"}
+        out = dict(raw)
+        for key, value in raw.items():
+            if key in texts:
+                ok = isinstance(value, str) and value != ""
+            elif key == "adam_betas":
+                ok = isinstance(value, list | tuple) and len(value) == 2 and all(_fraction(b) for b in value)
+                out[key] = tuple(float(b) for b in value) if ok else value
+            elif key in ints:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if "steps" in key else 1)
+            else:
+                ok = _number(value) and value > 0 and (key != "target_auc" or value < 1)
+            if not ok:
+                rule = ("a name" if key in texts else "two numbers in [0, 1)" if key == "adam_betas"
+                        else "an integer >= 0" if key == "lr_warmup_steps" else "an integer >= 1" if key in ints
+                        else "a number in (0, 1)" if key == "target_auc" else "a number > 0")  # fmt: skip
+                raise UserError(f"{where}: {key} = {value!r}: must be {rule}")
+        return cls(**out)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _fraction(v: Any) -> bool:
+    return _number(v) and 0 <= v < 1
+
+
+def reference_training_flops(shape: RankerShape, seq_len: int) -> float:
+    """FLOPs of one training sample by MLPerf Training DLRMv4's own rule (mlcommons/training PR #889,
+    recommendation_v4/README.MD "Computation cost analysis"; `_hstu_layer_flops` and `get_num_flops_per_sample` in
+    its modules/dlrm_hstu.py), the figure its MFU divides by: 315.7 GFLOP at its shape.
+
+    Counted, per STU layer, at `seq_len` positions S (its max_seq_len, 4,096: the padded budget, not a request's
+    own tokens, which are at most 8 contextual + 4,086 history + 1 candidate = 4,095), 2 FLOPs per multiply-add:
+    - the u/v/q/k projection, S x D x H (2 d_qk + 2 d_v) MACs, and the output projection, S x 3 H d_v x D MACs,
+      each x3 for forward and backward (backward computes the input's and the weight's gradients);
+    - attention, (S^2 / 2) x H (d_qk + d_v) MACs (two products, q k^T and scores v, over the causal half:
+      its kernel skips the upper triangle), x3.5 for forward and backward (backward takes about five products);
+    plus the task head's one D -> 1 product (x3). Left out, as the reference leaves them: embedding lookups and
+    their all-to-all, norms and gating (elementwise), the preprocessor's towers, the item tower and the head's
+    MLP (per candidate, not per position); the causal half is charged to the contextual tokens too.
+
+    The lab's own count (`RankerShape.request_flops_parts`, x3 for training, `model.cost.sample_cost`) differs:
+    it counts a request's own tokens and its valid (query, key) pairs, every part of the forward pass including
+    the preprocessor's towers, and backward as twice forward on attention too (x3, not x3.5)."""
+    s, d = shape.stu, shape.stu.dim
+    macs_per_token = d * s.heads * (2 * s.qk_dim + 2 * s.v_dim) + 3 * s.heads * s.v_dim * d
+    gemm = 2 * 3 * seq_len * macs_per_token
+    attention = 2 * 3.5 * (seq_len * seq_len / 2) * s.heads * (s.qk_dim + s.v_dim)
+    return shape.layers * (gemm + attention) + 2 * 3 * d
 
 
 @dataclass(frozen=True)
@@ -270,11 +483,32 @@ class HSTUSpec:
     published_rows: dict[str, int] = field(default_factory=dict)  # before scaling
     family: str = "hstu"
     mlperf: MLPerfRules | None = None  # the preset's [mlperf] rules (dlrmv3: MLPerf Inference's dlrm-v3)
+    reference: HSTURecipe = field(default_factory=HSTURecipe)  # the preset's [reference] (dlrmv4: MLPerf Training's)
 
     # What the training loop, the planner and the cost model read of any model spec (as ModelSpec has them).
     interaction = "hstu"
-    reference_batch_size = reference_dense_lr = reference_target_auc = None
-    reference_source = ""
+
+    @property
+    def reference_batch_size(self) -> int | None:
+        return self.reference.batch_size
+
+    @property
+    def reference_dense_lr(self) -> float | None:
+        return self.reference.dense_lr
+
+    @property
+    def reference_target_auc(self) -> float | None:
+        return self.reference.target_auc
+
+    @property
+    def reference_source(self) -> str:
+        return self.reference.source
+
+    @property
+    def reference_flops_per_sample(self) -> float | None:
+        """FLOPs per training sample by the reference's own rule (`reference_training_flops`), at its max_seq_len."""
+        seq_len = self.reference.max_seq_len
+        return reference_training_flops(self.shape, seq_len) if seq_len else None
 
     @property
     def num_parameters(self) -> int:
@@ -290,18 +524,18 @@ class HSTUSpec:
 
     @property
     def tables(self) -> tuple[TableSpec, ...]:
-        """The three tables as the planner sees them; a feature's "pooling factor" here is its
-        mean ids per request (sequence features are not pooled, every id keeps its own row)."""
-        history, cands = self.mean_history, float(self.data.candidates)
-        pub = self.published_rows
-        s = self.shape
+        """The tables as the planner sees them (DLRMv3: item, item_category, user); a feature's "pooling factor"
+        here is its mean ids per request (sequence features are not pooled, every id keeps its own row)."""
+        per_token = (self.mean_history + float(self.data.candidates)) / 2  # its two features, history and candidates
+        pub, s = self.published_rows, self.shape
+        scaled = lambda key, rows: pub.get(key) if pub.get(key, rows) != rows else None  # noqa: E731
         return (
-            TableSpec("item", s.items, s.stu.dim, ("item_id", "item_candidate_id"), (history + cands) / 2,
-                      pub.get("items") if pub.get("items") != s.items else None),
-            TableSpec("item_category", s.categories, s.stu.dim, ("item_category_id", "item_candidate_category_id"),
-                      (history + cands) / 2),
-            TableSpec("user", s.users, s.stu.dim, ("user_id",), 1.0,
-                      pub.get("users") if pub.get("users") != s.users else None),
+            TableSpec("item", s.items, s.stu.dim, (history_feature("item"), candidate_feature("item")), per_token,
+                      scaled("items", s.items)),
+            *(TableSpec(name, rows, s.stu.dim, (history_feature(name), candidate_feature(name)), per_token,
+                        scaled(name, rows)) for name, rows in s.attribute_tables),
+            TableSpec("user", s.users, s.stu.dim, ("user_id",), 1.0, scaled("users", s.users)),
+            *(TableSpec(name, rows, s.stu.dim, (name,), 1.0, scaled(name, rows)) for name, rows in s.cross_tables),
         )  # fmt: skip
 
     def check_table_precision(self, table_precision: str) -> None:
@@ -333,23 +567,57 @@ class HSTUSpec:
         try:
             shape = dict(data["shape"])
             stu = STUShape(**shape.pop("stu"))
+            for key in ("item_tables", "cross_tables"):
+                shape[key] = _tables(shape.get(key, ()))
+            for key in ("item_tower", "head"):
+                shape[key] = tuple(shape.get(key, ()))
             known = {f.name for f in fields(cls)} - {"shape", "data"}
             rest = {k: v for k, v in data.items() if k in known}
             if rest.get("mlperf") is not None:
                 rest["mlperf"] = MLPerfRules.from_dict(rest["mlperf"], f"{where}: mlperf")
+            recipe = rest.pop("reference", None) or {}
+            rest["reference"] = HSTURecipe.from_dict({k: v for k, v in recipe.items() if v not in (None, "")},
+                                                     f"{where}: reference")  # fmt: skip
             return cls(shape=RankerShape(**shape, stu=stu), data=SequenceSpec.from_dict(data["data"], where), **rest)
         except (KeyError, TypeError) as exc:
             raise UserError(f"{where}: not an HSTU spec ({exc})") from None
 
 
 _SHAPE_KEYS = {f.name for f in fields(RankerShape)} - {"stu"} | {f.name for f in fields(STUShape)}
+_TABLE_KEYS = ("item_tables", "cross_tables")  # [model.item_tables], [model.cross_tables]: name = rows
+_TOWER_KEYS = ("item_tower", "head")  # [hidden, out]
+
+
+def _parse_layout(model: dict[str, Any], where: str) -> dict[str, Any]:
+    """[model]'s tables of tables and tower widths, checked: (name, rows) pairs and (hidden, out) pairs."""
+    out: dict[str, Any] = {}
+    for key in _TABLE_KEYS:
+        if key not in model:
+            continue
+        raw = model[key]
+        if not isinstance(raw, dict) or not raw:
+            raise UserError(f"{where}: [model.{key}] must be a table of name = rows")
+        for name, rows in raw.items():
+            if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+                raise UserError(f"{where}: [model.{key}] {name} = {rows!r}: must be an integer >= 1 (the table's rows)")
+            if name in ("item", "user", CATEGORY_TABLE):
+                raise UserError(f"{where}: [model.{key}] {name}: a name the ranker's own tables use")
+        out[key] = _tables(raw)
+    for key in _TOWER_KEYS:
+        if key not in model:
+            continue
+        widths = model[key]
+        if not isinstance(widths, list) or len(widths) != 2 or not all(isinstance(w, int) and w >= 1 for w in widths):
+            raise UserError(f"{where}: [model] {key} = {widths!r}: must be [hidden, out], two integers >= 1")
+        out[key] = tuple(widths)
+    return out
 
 
 def parse_hstu(
     raw: dict[str, Any], *, where: str, table_scale: float | None = None, max_rows: int | None = None
 ) -> HSTUSpec:
     """An HSTU preset's parsed TOML -> HSTUSpec, scaled; each bad field is one UserError naming it."""
-    allowed = {"name", "family", "description", "model", "data", "mlperf"}
+    allowed = {"name", "family", "description", "model", "data", "mlperf", "reference"}
     unknown = set(raw) - allowed
     if unknown:
         raise UserError(
@@ -363,9 +631,12 @@ def parse_hstu(
         raise UserError(
             f"{where}: [model] unknown key(s) {', '.join(sorted(bad))}; allowed: {', '.join(sorted(_SHAPE_KEYS))}"
         )
-    for key in ("items", "categories"):
+    for key, by in (("items", "[model] items"), ("categories", "[model] categories"),
+                    ("attributes", "[model.item_tables]"), ("crosses", "[model.cross_tables]")):  # fmt: skip
         if key in data:
-            raise UserError(f"{where}: [data] {key}: set by [model] {key} (the table's rows)")
+            raise UserError(f"{where}: [data] {key}: set by {by} (the table's rows)")
+    layout = _parse_layout(model, where)
+    model = {k: v for k, v in model.items() if k not in layout}
     stu_keys = {f.name for f in fields(STUShape)}
     for key, value in model.items():
         ok = (
@@ -379,21 +650,28 @@ def parse_hstu(
     shape = RankerShape(
         **{k: v for k, v in model.items() if k not in stu_keys},
         stu=STUShape(**{k: v for k, v in model.items() if k in stu_keys}),
+        **layout,
     )
+    (_, tower_out), (_, head_out) = shape.tower_widths
+    if tower_out != shape.stu.dim or head_out != 1:
+        raise UserError(f"{where}: [model] item_tower ends at the width {shape.stu.dim} (dim) and head at 1: "
+                        f"got {tower_out} and {head_out}")  # fmt: skip
     scale, scaled = row_scaler(where, table_scale, max_rows)
-    published = {"items": shape.items, "users": shape.users}
+    published = {"items": shape.items, "users": shape.users, **dict(shape.item_tables), **dict(shape.cross_tables)}
     items = max(scaled(shape.items), shape.categories)
     users = scaled(shape.users)
-    shape = replace(shape, items=items, users=users)
+    shape = replace(shape, items=items, users=users, item_tables=tuple((n, scaled(r)) for n, r in shape.item_tables),
+                    cross_tables=tuple((n, scaled(r)) for n, r in shape.cross_tables))  # fmt: skip
     data_users = data.get("users", published["users"])
     if not isinstance(data_users, int) or not 1 <= data_users <= published["users"]:
         raise UserError(
             f"{where}: [data] users = {data_users!r}: must be 1 .. the user table's {published['users']} rows"
         )
     spec = SequenceSpec.from_dict(
-        {**data, "items": items, "categories": shape.categories, "users": min(users, scaled(data_users))},
+        {**data, "items": items, "categories": shape.categories, "users": min(users, scaled(data_users)),
+         "attributes": shape.item_tables, "crosses": shape.cross_tables},
         where=f"{where}: [data]",
-    )
+    )  # fmt: skip
     return HSTUSpec(
         name=raw.get("name", Path(where).stem),
         shape=shape,
@@ -404,4 +682,5 @@ def parse_hstu(
         max_rows=max_rows,
         published_rows=published,
         mlperf=MLPerfRules.from_dict(raw["mlperf"], f"{where}: [mlperf]") if "mlperf" in raw else None,
+        reference=HSTURecipe.from_dict(raw.get("reference", {}), f"{where}: [reference]"),
     )

@@ -19,6 +19,9 @@ SHARDING_CHOICES = ("auto", "planner", *SHARDING_TYPES)
 TABLE_PRECISIONS = ("fp32", "fp16")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+# holdout: train on the training samples, evaluate on held-out ones; streaming (time-ordered families, MLPerf
+# Training DLRMv4's): train on window T, evaluate on window T + 1 before training on it (data.sequences.Stream)
+PROTOCOLS = ("holdout", "streaming")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,17 @@ class TrainConfig:
     )
     eval_every: int = option(0, "Steps between held-out AUC evaluations (0: at the end only).")
     eval_batches: int = option(8, "Held-out batches per evaluation.")
+    protocol: str = option(
+        "holdout",
+        "holdout (train on the training window, evaluate on the later one) or streaming (HSTU presets, MLPerf "
+        "DLRMv4's: walk the windows in time order, training on window T and evaluating on T+1 before training on "
+        "it; the run ends with the stream or at --steps).",
+    )
+    # MLPerf DLRMv4 evaluates every 0.1% of its training stream (EVAL_EVERY_DATA_PCT=0.001)
+    eval_every_share: float = option(
+        0.001, "--protocol streaming: evaluate every this share of the stream's steps (at least 1 step); "
+        "--eval-every N sets steps instead."
+    )  # fmt: skip
     warmup_steps: int | None = option(None, "Steps left out of throughput (default: 10%, at most 20).")
     seed: int = option(0, "Seed of the data and the initial weights.")
     data: str = option("synthetic", "'synthetic' or a Parquet dataset directory.")
@@ -129,6 +143,10 @@ class TrainConfig:
         if self.eval_every < 0:
             raise FieldError("eval_every", f"{self.eval_every}: must be >= 0 (0: evaluate at the end only)")
         _positive("eval_batches", self.eval_batches)
+        _choice("protocol", self.protocol, PROTOCOLS)
+        share = self.eval_every_share
+        if not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1):
+            raise FieldError("eval_every_share", f"{share!r}: must be a share in (0, 1]")
         if self.data != "synthetic" and not Path(self.data).exists():
             raise FieldError("data", f"{self.data}: no such dataset directory or file (or use 'synthetic')")
         if isinstance(self.prefetch, str) and self.prefetch.strip().isdigit():  # the command line's "2"

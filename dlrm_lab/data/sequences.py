@@ -24,6 +24,18 @@ block of requests. Requests are in time order; training takes steps [warmup_time
 train_timestamps), evaluation the later ones. The teacher's click probability of each candidate is
 P(rating >= 3.5) given everything but the noise; its AUC on a calibration sample is the best any
 model can reach.
+
+For DLRMv4's layout (`spec.attributes`, `spec.crosses`, set by the preset's [model]):
+- an item's attributes (artist, album) are functions of the item and the seed, each nested in the one
+  before: an artist plays one category, an album is one artist's (`item_attributes`);
+- each request has an hour of day and an organic flag (hashes of user and step; neither moves the
+  rating), and one contextual id per cross table: a hash of the features its name crosses, taken from
+  the request's anchor, its first candidate (the reference's one candidate: user_x_artist is the user
+  and the anchor's artist; item_x_hour the anchor item and the hour), modulo the table's rows.
+The rating does not read them: they carry what the item, its category and the user already carry.
+
+`Stream` walks the windows (one time step each) for `--protocol streaming`: train on window T's requests,
+then evaluate on window T+1's (`StreamSource`, `NextWindowSource`).
 """
 
 from __future__ import annotations
@@ -38,9 +50,9 @@ import numpy as np
 import torch
 from scipy.special import ndtr, ndtri
 
-from dlrm_lab.config.hstu import SequenceSpec
+from dlrm_lab.config.hstu import RequestFeatures, SequenceSpec, cross_keys
 from dlrm_lab.data.synthetic import expected_auc
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 
 LIKE_RATING = 3.5  # the reference's label: rating >= 3.5
 ACTION_BITS = ("seen", "liked", "loved", "disliked")  # history action bits, lowest first
@@ -49,6 +61,8 @@ CALIBRATION_REQUESTS = 2048
 
 # what each hash stream is for
 _ACTIVE, _COUNT, _CATEGORY, _INTEREST, _RANK, _ITEM_BASE, _AFFINITY, _PHASE, _NOISE, _INTERESTS = range(10)
+_HOUR, _ORGANIC, _CROSS, _ATTRIBUTE = range(10, 14)
+ORGANIC_SHARE = 0.5  # requests whose anchor the user found themselves (Yambda's is_organic)
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -90,6 +104,12 @@ class RequestBlock:
     candidate_categories: np.ndarray  # int64 [sum]
     labels: np.ndarray  # float32 [sum]
     click_probability: np.ndarray  # float64 [sum] the teacher's
+    # DLRMv4's layout only (None otherwise): each token's item attributes [sum, A] (artist, album) and each
+    # request's cross-hash ids [n, K], named by `features`
+    history_attributes: np.ndarray | None = None
+    candidate_attributes: np.ndarray | None = None
+    crosses: np.ndarray | None = None
+    features: RequestFeatures | None = None  # None: DLRMv3's five (REQUEST_FEATURES)
 
     @property
     def size(self) -> int:
@@ -131,7 +151,7 @@ class SequenceGenerator:
         """Items a user meets at a step when active (>= 1, at most the candidates)."""
         s = self.spec
         z = ndtri(_uniform(self.seed, _COUNT, users, steps))
-        return np.clip(np.rint(s.interactions_mean + s.interactions_sd * z), 1, s.candidates).astype(np.int64)
+        return np.clip(np.rint(s.interactions_mean + s.interactions_sd * z), 1, s.met_max).astype(np.int64)
 
     # ----------------------------------------------------------------- items and ratings
     def user_interests(self, users: np.ndarray) -> np.ndarray:
@@ -151,6 +171,41 @@ class SequenceGenerator:
         category = np.where(pick < s.interest_share, interests[np.arange(len(users)), which], anywhere)
         rank = _zipf_rank(_uniform(self.seed, _RANK, users, steps, slots), self._per_category, s.item_popularity_alpha)
         return category + s.categories * rank, category
+
+    def item_attributes(self, items: np.ndarray, categories: np.ndarray) -> np.ndarray:
+        """[n, A] each item's attribute ids (DLRMv4: artist, album), each nested in the one before it (the first
+        in the item's category): parent + parent rows x (a hash of the item, below rows // parent rows), so an
+        album is one artist's and an artist plays one category (the last rows mod parent rows stay unused: 0.78M
+        of DLRMv4's 3.37M albums); a table with fewer rows than its parent takes the parent's id modulo its rows."""
+        out = np.empty((len(items), len(self.spec.attributes)), dtype=np.int64)
+        parent, parent_rows = np.asarray(categories, dtype=np.int64), self.spec.categories
+        for k, (_, rows) in enumerate(self.spec.attributes):
+            if rows >= parent_rows:
+                pick = _hash(self.seed, _ATTRIBUTE, k, items) % np.uint64(rows // parent_rows)
+                ids = parent + parent_rows * pick.astype(np.int64)
+            else:
+                ids = parent % rows
+            out[:, k] = ids
+            parent, parent_rows = ids, rows
+        return out
+
+    def request_context(self, users: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(hour of day, organic 0/1) of each request: hashes of (user, step), not read by the rating."""
+        hour = (_uniform(self.seed, _HOUR, users, steps) * 24).astype(np.int64)
+        return hour, (_uniform(self.seed, _ORGANIC, users, steps) < ORGANIC_SHARE).astype(np.int64)
+
+    def cross_ids(self, users: np.ndarray, steps: np.ndarray, anchors: np.ndarray,
+                  anchor_attributes: np.ndarray) -> np.ndarray:  # fmt: skip
+        """[n, K] each request's cross-hash ids: per cross table, a hash of the features its name crosses (the
+        user, the anchor item and its attributes, the request's hour and organic flag) modulo its rows."""
+        hour, organic = self.request_context(users, steps)
+        values = {"user": users, "item": anchors, "hour": hour, "is_organic": organic,
+                  **{name: anchor_attributes[:, k] for k, name in enumerate(self.spec.attribute_names)}}  # fmt: skip
+        out = np.empty((len(users), len(self.spec.crosses)), dtype=np.int64)
+        for j, (name, rows) in enumerate(self.spec.crosses):
+            h = _hash(self.seed, _CROSS, j, *(values[key] for key in cross_keys(name)))
+            out[:, j] = (h % np.uint64(rows)).astype(np.int64)
+        return out
 
     def item_base(self, items: np.ndarray) -> np.ndarray:
         """Each item's base rating, in [1, 5]."""
@@ -197,7 +252,19 @@ class SequenceGenerator:
     def requests(self, start: int, stop: int, window: str = "train") -> RequestBlock:
         """Requests [start, stop) of `window` (indices past its end wrap around: epochs)."""
         total = self.num_requests(window)
-        k = np.arange(start, stop, dtype=np.int64) % total
+        return self._blocks(np.arange(start, stop, dtype=np.int64) % total, window)
+
+    def step_requests(self, step: int, start: int, stop: int) -> RequestBlock:
+        """Requests [start, stop) of time step `step` (a step's requests are its active users, in the step's
+        order; 0 <= start <= stop <= active_users)."""
+        window = "train" if step < self.spec.train_timestamps else "eval"
+        first, last = self.spec.window(window)
+        if not (first <= step < last and 0 <= start <= stop <= self.spec.active_users):
+            raise ValueError(f"step {step} requests [{start}, {stop}): outside the stream")
+        k = (step - first) * self.spec.active_users + np.arange(start, stop, dtype=np.int64)
+        return self._blocks(k, window)
+
+    def _blocks(self, k: np.ndarray, window: str) -> RequestBlock:
         parts = [self._block(k[i : i + self._block_size], window) for i in range(0, len(k), self._block_size)]
         return parts[0] if len(parts) == 1 else _concat(parts)
 
@@ -237,12 +304,19 @@ class SequenceGenerator:
         c_users, c_steps = users[c_req], steps[c_req]
         c_items, c_cats = self._items(c_users, c_steps, c_slot)
         c_rating, prob = self._ratings(c_users, c_steps, c_slot, c_items, c_cats)
+        layout: dict[str, Any] = {}
+        if s.attributes or s.crosses:  # DLRMv4's layout
+            c_attrs = self.item_attributes(c_items, c_cats)
+            anchor = np.arange(len(k)) * s.candidates  # each request's first candidate
+            layout = dict(history_attributes=self.item_attributes(h_items, h_cats), candidate_attributes=c_attrs,
+                          crosses=self.cross_ids(users, steps, c_items[anchor], c_attrs[anchor]),
+                          features=s.features)  # fmt: skip
         return RequestBlock(
             request=k, user=users, step=steps, history_lengths=total - drop,
             history_items=h_items, history_categories=h_cats, history_actions=actions, history_ages_s=ages,
             candidate_lengths=np.full(len(k), s.candidates, dtype=np.int64),
             candidate_items=c_items, candidate_categories=c_cats,
-            labels=(c_rating >= LIKE_RATING).astype(np.float32), click_probability=prob,
+            labels=(c_rating >= LIKE_RATING).astype(np.float32), click_probability=prob, **layout,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- the teacher
@@ -285,7 +359,11 @@ def _zipf_rank(u: np.ndarray, n: int, alpha: float) -> np.ndarray:
 
 
 def _concat(parts: list[RequestBlock]) -> RequestBlock:
-    return RequestBlock(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(RequestBlock)})
+    def joined(name: str) -> Any:
+        first = getattr(parts[0], name)
+        return first if first is None or name == "features" else np.concatenate([getattr(p, name) for p in parts])
+
+    return RequestBlock(**{f.name: joined(f.name) for f in fields(RequestBlock)})
 
 
 # ----------------------------------------------------------------------------- batches for training and serving
@@ -296,25 +374,28 @@ REQUEST_FEATURES = ("item_id", "item_category_id", "item_candidate_id", "item_ca
 @dataclass
 class RequestBatch:
     """Requests as the HSTU ranker takes them: `sparse` a KeyedJaggedTensor over REQUEST_FEATURES
-    (per request its history's items and categories, oldest first, its candidates', its user),
-    each history token's action bits and age in seconds, and one label per candidate (all flat,
-    request by request)."""
+    (per request its history's items and categories, oldest first, its candidates', its user;
+    DLRMv4's layout: the item's attribute ids beside its id, and the cross-hash ids after the user,
+    `RequestFeatures`), each history token's action bits and age in seconds, and one label per
+    candidate (all flat, request by request); `steps` each request's time step (kept on the host)."""
 
     sparse: Any  # KeyedJaggedTensor
     actions: torch.Tensor  # int64 [history tokens]
     ages_s: torch.Tensor  # float32 [history tokens]
     labels: torch.Tensor  # float32 [candidates]
+    steps: torch.Tensor | None = None  # int64 [requests]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RequestBatch:
         return RequestBatch(
             self.sparse.to(device, non_blocking=non_blocking), self.actions.to(device, non_blocking=non_blocking),
             self.ages_s.to(device, non_blocking=non_blocking), self.labels.to(device, non_blocking=non_blocking),
+            self.steps,
         )  # fmt: skip
 
     def pin_memory(self) -> RequestBatch:
         """Page-locked copies, for asynchronous host-to-device copies (the prefetcher on CUDA)."""
         return RequestBatch(self.sparse.pin_memory(), self.actions.pin_memory(), self.ages_s.pin_memory(),
-                            self.labels.pin_memory())  # fmt: skip
+                            self.labels.pin_memory(), self.steps)  # fmt: skip
 
     def model_inputs(self) -> tuple[Any, ...]:
         """The ranker's forward arguments."""
@@ -329,11 +410,20 @@ class RequestBatch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         h, c, n = block.history_lengths, block.candidate_lengths, block.size
-        lengths = np.concatenate([h, h, c, c, np.ones(n, dtype=np.int64)])
-        values = np.concatenate([block.history_items, block.history_categories, block.candidate_items,
-                                 block.candidate_categories, block.user])  # fmt: skip
+        if block.features is None:  # DLRMv3's layout: the category is the item's one attribute
+            keys = list(REQUEST_FEATURES)
+            history, candidates, contextual = [block.history_categories], [block.candidate_categories], []
+        else:
+            keys = list(block.features.all)
+            history, candidates = list(block.history_attributes.T), list(block.candidate_attributes.T)
+            contextual = list(block.crosses.T)
+        per_history, per_candidate = 1 + len(history), 1 + len(candidates)
+        lengths = np.concatenate([*[h] * per_history, *[c] * per_candidate, *[np.ones(n, dtype=np.int64)] *
+                                  (1 + len(contextual))])  # fmt: skip
+        values = np.concatenate([block.history_items, *history, block.candidate_items, *candidates, block.user,
+                                 *contextual])  # fmt: skip
         sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=list(REQUEST_FEATURES),
+            keys=keys,
             values=torch.from_numpy(values.astype(np.int64)),
             lengths=torch.from_numpy(lengths.astype(np.int32)),
         )
@@ -342,6 +432,7 @@ class RequestBatch:
             actions=torch.from_numpy(block.history_actions.astype(np.int64)),
             ages_s=torch.from_numpy(block.history_ages_s.astype(np.float32)),
             labels=torch.from_numpy(block.labels),
+            steps=torch.from_numpy(block.step.astype(np.int64)),
         )
 
 
@@ -380,6 +471,133 @@ class SequenceSource:
             k += 1
 
 
+# ----------------------------------------------------------------------------- the streaming protocol
+
+
+@dataclass(frozen=True)
+class Stream:
+    """`--protocol streaming` (MLPerf Training DLRMv4's): the windows, one time step each, walked in time order.
+    Windows [warmup_timestamps, train_timestamps) are trained on in turn; after every step the model is
+    evaluated on the window after the one it is training on, so nothing it is scored on precedes anything it
+    has trained on, and every window but the first is scored before it is trained on. A window's requests
+    (its `active_users`) are cut into whole global batches: a step never spans two windows, and the
+    remainder of each window (fewer than one global batch) is left out, as `skipped_per_window` says."""
+
+    spec: SequenceSpec
+    global_batch: int
+
+    def __post_init__(self) -> None:
+        if self.per_window < 1:
+            raise FieldError("protocol", f"streaming: a window holds {self.spec.active_users} requests, fewer than one "
+                             f"global batch of {self.global_batch} (lower {{batch_size}})", "batch_size")  # fmt: skip
+
+    @property
+    def windows(self) -> tuple[int, int]:
+        """The time steps trained on, [first, stop); each is evaluated on the next, the last on `stop`."""
+        return self.spec.warmup_timestamps, self.spec.train_timestamps
+
+    @property
+    def per_window(self) -> int:
+        return self.spec.active_users // self.global_batch
+
+    @property
+    def skipped_per_window(self) -> int:
+        return self.spec.active_users - self.per_window * self.global_batch
+
+    @property
+    def steps(self) -> int:
+        first, stop = self.windows
+        return (stop - first) * self.per_window
+
+    def window_of(self, step: int) -> int:
+        """The window (time step) that training step `step` trains on."""
+        return self.windows[0] + step // self.per_window
+
+    def eval_every(self, share: float) -> int:
+        """Steps between evaluations for one every `share` of the stream's steps (the reference rounds the
+        same way: round(share x steps), at least 1)."""
+        return max(1, round(share * self.steps))
+
+    def describe(self) -> dict[str, Any]:
+        first, stop = self.windows
+        return {"protocol": "streaming", "train_windows": [first, stop], "eval_windows": [first + 1, stop + 1],
+                "steps": self.steps, "steps_per_window": self.per_window, "global_batch": self.global_batch,
+                "requests_per_window": self.spec.active_users,
+                "requests_skipped_per_window": self.skipped_per_window}  # fmt: skip
+
+
+@dataclass
+class StreamSource:
+    """This rank's training batches of a `Stream`, in time order: step s trains on window `window_of(s)`, its
+    global batch the window's requests [j G, (j + 1) G) for j = s mod steps_per_window, rank r the r-th
+    contiguous slice. Ends with the stream."""
+
+    generator: SequenceGenerator
+    stream: Stream
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    start_batch: int = 0
+
+    def batch(self, k: int) -> RequestBatch:
+        step = self.start_batch + k
+        start = (step % self.stream.per_window) * self.stream.global_batch + self.rank * self.batch_size
+        block = self.generator.step_requests(self.stream.window_of(step), start, start + self.batch_size)
+        return RequestBatch.from_block(block)
+
+    def __iter__(self) -> Iterator[RequestBatch]:
+        for k in range(self.stream.steps - self.start_batch):
+            yield self.batch(k)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.generator.describe(), "window": "stream", **self.stream.describe(),
+                "batch_size_per_rank": self.batch_size, "world_size": self.world_size}  # fmt: skip
+
+
+@dataclass
+class WindowBatches:
+    """One evaluation of the stream: this rank's batches of window `eval_window`, after training on `train_window`."""
+
+    source: NextWindowSource
+    train_window: int
+    eval_window: int
+    num_batches: int
+
+    @property
+    def columns(self) -> dict[str, int]:
+        """What the evaluation's row records beside its AUC."""
+        return {"train_window": self.train_window, "eval_window": self.eval_window}
+
+    def __iter__(self) -> Iterator[RequestBatch]:
+        s = self.source
+        for j in range(self.num_batches):
+            start = j * s.stream.global_batch + s.rank * s.batch_size
+            yield RequestBatch.from_block(s.generator.step_requests(self.eval_window, start, start + s.batch_size))
+
+
+@dataclass
+class NextWindowSource:
+    """The stream's held-out batches: after training step s, the window after the one s trained on, its first
+    `num_batches` global batches (at most the window's whole batches), each rank its slice. The loop asks
+    `after_step(s)` at every evaluation."""
+
+    generator: SequenceGenerator
+    stream: Stream
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    num_batches: int = 8
+
+    def after_step(self, step: int) -> WindowBatches:
+        window = self.stream.window_of(step)
+        return WindowBatches(self, window, window + 1, min(self.num_batches, self.stream.per_window))
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.generator.describe(), "window": "next", **self.stream.describe(),
+                "batches_per_evaluation": min(self.num_batches, self.stream.per_window),
+                "batch_size_per_rank": self.batch_size, "world_size": self.world_size}  # fmt: skip
+
+
 def with_overrides(spec: Any, overrides: tuple[str, ...] | list[str]) -> Any:
     """An HSTU preset with `--set key=value` applied to its [data] table (e.g. candidates=64,
     max_history=512), checked; the table rows stay the [model]'s."""
@@ -390,7 +608,7 @@ def with_overrides(spec: Any, overrides: tuple[str, ...] | list[str]) -> Any:
     if not overrides:
         return spec
     changes: dict[str, Any] = {}
-    known = {f.name for f in fields(SequenceSpec)} - {"items", "categories"}
+    known = {f.name for f in fields(SequenceSpec)} - {"items", "categories", "attributes", "crosses"}
     for text in overrides:
         path, value = parse_override(text)
         if len(path) != 1 or path[0] not in known:

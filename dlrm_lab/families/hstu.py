@@ -47,6 +47,8 @@ COLUMNS = (
         ],
     ),
     ("frontier", "build", ["history_cache_mb"]),
+    # --protocol streaming: the window the model was training on, and the later one it was scored on
+    ("eval", "eval_time_ms", [define("train_window", I32), define("eval_window", I32)]),
     ("frontier", "best_sla_latency_spread_ms", [define("best_history_hit_rate", F64)]),  # at best_qps, median
 )  # fmt: skip
 
@@ -63,6 +65,7 @@ class HSTUFamily:
     no_compiled_build = ("its batches are jagged sequences of every length, and its attention path is chosen by "
                          "measurement already")  # fmt: skip
     attention_paths = ("padded", "jagged")
+    protocols = ("holdout", "streaming")  # --protocol: its requests are time-ordered windows
     samples_in_spec = True  # its requests are its preset's [data] table: --set changes the spec
     columns = COLUMNS
     wire_samples = False  # the gRPC transports carry DLRM samples (dense + pooled ids)
@@ -95,6 +98,7 @@ class HSTUFamily:
         h = round(spec.mean_history)
         return (
             f"{spec.name}: HSTU ranker, {spec.shape.layers} STU layers of width {spec.shape.stu.dim}, "
+            f"{len(spec.tables)} tables, "
             f"{human_count(spec.num_parameters)} parameters ({human_count(spec.embedding_parameters)} embedding), "
             f"{human_bytes(4 * spec.num_parameters)} fp32; a request ~{h:,} history items + "
             f"{spec.data.candidates:,} candidates, {spec.shape.request_flops(h, spec.data.candidates) / 1e9:.3g} GFLOP"
@@ -104,11 +108,15 @@ class HSTUFamily:
         from dlrm_lab.families.words import human_bytes
 
         shape, data, h = spec.shape, spec.data, round(spec.mean_history)
+        (tower_hidden, tower_out), (head_hidden, _) = shape.tower_widths
+        attributes = len(shape.attribute_tables)
         lines = [
             self.size_line(spec), spec.description, f"source: {spec.source}",
             f"{shape.layers} STU layers, width {shape.stu.dim}, {shape.stu.heads} heads of q/k {shape.stu.qk_dim} and "
-            f"v {shape.stu.v_dim}; tables item {shape.items:,}, category {shape.categories:,}, user {shape.users:,} "
-            "rows",
+            f"v {shape.stu.v_dim}; {shape.contextual_tokens} contextual token(s); item tower "
+            f"{(1 + attributes) * shape.stu.dim} -> {tower_hidden} -> {tower_out}, head {shape.stu.dim} -> "
+            f"{head_hidden} -> 1",
+            "tables: " + ", ".join(f"{name} {rows:,}" for name, rows in shape.table_rows.items()) + " rows",
             f"per request (mean training history {h:,} items, {data.candidates:,} candidates): "
             f"{shape.request_flops(h, data.candidates) / 1e9:.3g} GFLOP forward, "
             f"{human_bytes(shape.request_lookup_bytes(h, data.candidates))} of embedding rows read",
@@ -117,6 +125,17 @@ class HSTUFamily:
             f"{data.active_share:g} active a step, N({data.interactions_mean:g}, {data.interactions_sd:g}) items "
             f"met, history <= {data.max_history:,}",
         ]  # fmt: skip
+        ref = spec.reference
+        recipe = [f"global batch {ref.batch_size:,}" if ref.batch_size else "",
+                  f"dense {ref.dense_optimizer or 'optimizer'} lr {ref.dense_lr:g}" if ref.dense_lr else "",
+                  f"target AUC {ref.target_auc:g}" if ref.target_auc else "",
+                  f"{ref.samples_to_target / 1e6:.1f}M samples to it" if ref.samples_to_target else ""]  # fmt: skip
+        if any(recipe):
+            lines.append("reference: " + ", ".join(part for part in recipe if part))
+        if spec.reference_flops_per_sample:
+            lines.append(f"FLOPs per training sample by the reference's rule (S = {ref.max_seq_len:,}): "
+                         f"{spec.reference_flops_per_sample / 1e9:.1f} GFLOP (published: "
+                         f"{(ref.flops_per_sample or 0) / 1e9:.1f})")  # fmt: skip
         if rules := spec.mlperf:  # the serving defaults the preset sets (docs/hstu.md)
             lines.append(f"MLPerf {rules.benchmark}: Server p99 <= {rules.server_latency_ms:g} ms (the default "
                          f"--sla-ms); a served build keeps {rules.accuracy_share:.1%} of fp32's NE, accuracy and "
@@ -182,7 +201,8 @@ class HSTUFamily:
 
     def gemm_shapes(self, spec: HSTUSpec, rows: int, max_rows: int) -> list[tuple[int, int, int]]:
         """Per token of `rows` requests: the STU projections (the bulk)."""
-        tokens = max(1, min(rows * round(1 + spec.mean_history + spec.data.candidates), max_rows))
+        tokens = max(1, min(rows * round(spec.shape.contextual_tokens + spec.mean_history + spec.data.candidates),
+                            max_rows))  # fmt: skip
         s = spec.shape.stu
         return [(tokens, s.dim, s.heads * (2 * s.v_dim + 2 * s.qk_dim)), (tokens, 3 * s.heads * s.v_dim, s.dim)]
 
@@ -205,6 +225,24 @@ class HSTUFamily:
         if cfg.pipeline:
             raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
         spec.check_table_precision(cfg.table_precision)
+
+    def stream(self, spec: HSTUSpec, global_batch: int) -> Any:
+        """`--protocol streaming`'s walk through the windows (`data.sequences.Stream`), checked."""
+        from dlrm_lab.data.sequences import Stream
+
+        return Stream(spec.data, global_batch)
+
+    def open_stream(self, spec: HSTUSpec, batch_size: int, **how: Any) -> tuple[Any, Any]:
+        """`--protocol streaming`'s sources: the windows in time order, and after each step the next window."""
+        from dlrm_lab.data.sequences import NextWindowSource, SequenceGenerator, StreamSource
+
+        requests = SequenceGenerator(spec.data, how["seed"])
+        rank, world = how["rank"], how["world_size"]
+        stream = self.stream(spec, batch_size * world)
+        return (
+            StreamSource(requests, stream, batch_size, rank, world, start_batch=how["start_batch"]),
+            NextWindowSource(requests, stream, batch_size, rank, world, num_batches=how["eval_batches"]),
+        )
 
     def check_data_options(self, spec: HSTUSpec, data: str, data_spec: str | None,
                            overrides: Sequence[str]) -> None:  # fmt: skip
@@ -238,6 +276,7 @@ class HSTUFamily:
 
         if fmt != "parquet":
             raise UserError(f"--format {fmt}: HSTU requests are written as parquet only")
+        _refuse_v4_layout(spec, "data gen", "the request files' columns (data.request_files)")
         if data_spec:
             raise UserError(f"--spec: {spec.name}'s requests are its preset's [data] table (see --set)")
         generator = SequenceGenerator(with_overrides(spec, tuple(overrides)).data, seed)
@@ -259,6 +298,7 @@ class HSTUFamily:
             raise UserError(f"--build {served.build}: {served.spec.name} is an HSTU preset (allowed: "
                             f"{', '.join((AUTO, *self.builds))})")  # fmt: skip
         served.spec.check_table_precision(served.table_precision)
+        _refuse_v4_layout(served.spec, "infer", "the served request library (infer.requests)")
         if served.data_spec is not None:
             raise UserError(f"--data-spec {served.data_spec}: {served.spec.name} is an HSTU preset; change its "
                             "requests with --set KEY=VALUE")  # fmt: skip
@@ -380,6 +420,13 @@ class HSTUFamily:
 
     def id_rows(self, spec: HSTUSpec) -> list[int]:
         return []  # requests come from the server's own library: queries carry no ids
+
+
+def _refuse_v4_layout(spec: HSTUSpec, command: str, where: str) -> None:
+    """DLRMv4's item attributes and cross-hash ids are not in `where` yet: one line, before anything starts."""
+    if spec.shape.item_tables or spec.shape.cross_tables:
+        raise UserError(f"{command}: {spec.name} has item attribute and cross-hash tables, which {where} does not "
+                        "carry yet (it trains: `dlrm-lab train`)")  # fmt: skip
 
 
 FAMILY = HSTUFamily()

@@ -193,6 +193,12 @@ class HSTURanker(nn.Module):
     (both flat over the requests, in the history's order). Returns one logit per
     candidate, flat in request order.
 
+    DLRMv4's layout (`shape.item_tables`, `shape.cross_tables`; `shape.features` names the features):
+    the item's attributes (`artist_id`, `album_id` and their candidates') replace the category, their
+    embeddings concatenated into one content tower (the reference's additional-embedding MLP) and, with
+    the item's, into the item tower (1,536 -> 512 -> 512); each cross-hash feature is one more contextual
+    token after the user's, each through its own linear (the reference's batched contextual linear).
+
     Left out of the reference: the hour-of-day and day-of-week features of the query time
     before the candidates' norm (constant in the reference's own synthetic data, where
     every timestamp is 1), and the contextual token's zeroing for short histories.
@@ -211,23 +217,28 @@ class HSTURanker(nn.Module):
         from torchrec.modules.embedding_modules import EmbeddingCollection
 
         self.shape = shape
-        d = shape.stu.dim
+        d, features = shape.stu.dim, shape.features
+        history, candidates = features.history, features.candidates
+        tables = ("item", *(name for name, _ in shape.attribute_tables))
         self.tables = EmbeddingCollection(
             tables=[
-                EmbeddingConfig(name="item", num_embeddings=shape.items, embedding_dim=d,
-                                feature_names=["item_id", "item_candidate_id"]),
-                EmbeddingConfig(name="item_category", num_embeddings=shape.categories, embedding_dim=d,
-                                feature_names=["item_category_id", "item_candidate_category_id"]),
+                *(EmbeddingConfig(name=name, num_embeddings=shape.table_rows[name], embedding_dim=d,
+                                  feature_names=[h, c])
+                  for name, h, c in zip(tables, history, candidates, strict=True)),
                 EmbeddingConfig(name="user", num_embeddings=shape.users, embedding_dim=d, feature_names=["user_id"]),
+                *(EmbeddingConfig(name=name, num_embeddings=rows, embedding_dim=d, feature_names=[name])
+                  for name, rows in shape.cross_tables),
             ],
             device=torch.device(table_device or device),
         )  # fmt: skip
+        attributes = len(shape.attribute_tables)
+        (tower_hidden, tower_out), (head_hidden, head_out) = shape.tower_widths
         self.item_content = _tower(d, shape.hidden, d, nn.LayerNorm(d))
-        self.category_content = _tower(d, shape.hidden, d, nn.LayerNorm(d))
+        self.attribute_content = _tower(attributes * d, shape.hidden, d, nn.LayerNorm(d))  # DLRMv3: the category's
         self.action_rows = nn.Parameter(torch.randn(ACTION_BITS, ACTION_DIM) * 0.1)
         self.target_action = nn.Parameter(torch.randn(ACTION_BITS * ACTION_DIM) * 0.1)  # every candidate's
         self.action_content = _tower(ACTION_BITS * ACTION_DIM, shape.hidden, d, nn.LayerNorm(d))
-        self.contextual = nn.Linear(d, d)
+        self.contextual = nn.ModuleList(nn.Linear(d, d) for _ in range(shape.contextual_tokens))  # user, crosses
         self.positions = nn.Embedding(shape.position_buckets, d)
         self.ages = nn.Embedding(shape.time_buckets + 1, d)
         self.input_dropout = nn.Dropout(shape.input_dropout)
@@ -235,8 +246,8 @@ class HSTURanker(nn.Module):
             STULayer(shape.stu, dropout=shape.layer_dropout, attention=attention) for _ in range(shape.layers)
         )
         self.candidate_norm = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))
-        self.item_tower = _tower(2 * d, d, d, nn.LayerNorm(d))
-        self.head = _tower(d, d, 1, nn.Identity())
+        self.item_tower = _tower((1 + attributes) * d, tower_hidden, tower_out, nn.LayerNorm(tower_out))
+        self.head = _tower(d, head_hidden, head_out, nn.Identity())
         for table in (self.positions, self.ages):
             bound = math.sqrt(1.0 / table.num_embeddings)
             nn.init.uniform_(table.weight, -bound, bound)
@@ -284,30 +295,36 @@ class HSTURanker(nn.Module):
 
     def _tokens(self, sparse: KeyedJaggedTensor, actions: torch.Tensor, ages_s: torch.Tensor) -> _Tokens:
         """Each request's token embeddings before the STU layers (flat over requests)."""
-        d = self.shape.stu.dim
+        d, features = self.shape.stu.dim, self.shape.features
         emb = self.tables(sparse)
-        # per history token: content + category + action branches; candidates: a learned target action
+        # per history token: content + attributes + action branches; candidates: a learned target action
         bits = (actions.unsqueeze(1) >> torch.arange(ACTION_BITS, device=actions.device)) & 1
         history_actions = (bits.unsqueeze(2) * self.action_rows).flatten(1)
-        history = (self.item_content(emb["item_id"].values()) + self.category_content(emb["item_category_id"].values())
-                   + self.action_content(history_actions))  # fmt: skip
-        cand_item, cand_cat = emb["item_candidate_id"].values(), emb["item_candidate_category_id"].values()
-        candidates = (self.item_content(cand_item) + self.category_content(cand_cat)
+        hist_item, cand_item = emb[features.history[0]].values(), emb[features.candidates[0]].values()
+        hist_attr = torch.cat([emb[f].values() for f in features.history[1:]], dim=-1)
+        cand_attr = torch.cat([emb[f].values() for f in features.candidates[1:]], dim=-1)
+        history = (
+            self.item_content(hist_item) + self.attribute_content(hist_attr) + self.action_content(history_actions)
+        )
+        candidates = (self.item_content(cand_item) + self.attribute_content(cand_attr)
                       + self.action_content(self.target_action).expand(len(cand_item), d))  # fmt: skip
+        contextual = torch.stack([linear(emb[f].values()) for linear, f in zip(self.contextual, features.contextual,
+                                                                                strict=True)], dim=1)  # fmt: skip
         return _Tokens(
-            history=history, candidates=candidates, user=self.contextual(emb["user_id"].values()),
-            history_lengths=emb["item_id"].lengths(), candidate_lengths=emb["item_candidate_id"].lengths(),
+            history=history, candidates=candidates, contextual=contextual,
+            history_lengths=emb[features.history[0]].lengths(), candidate_lengths=emb[features.candidates[0]].lengths(),
             age_buckets=torch.sqrt(ages_s.clamp(min=0) / 60.0).long().clamp(max=self.shape.time_buckets),
-            candidate_items=cand_item, candidate_categories=cand_cat,
+            candidate_items=cand_item, candidate_attributes=cand_attr,
         )  # fmt: skip
 
     def _sequences(self, t: _Tokens, with_user: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[user?, history..., candidates...] per request, padded to the batch's longest: (x [B, N, D], lengths).
-        Every token is placed by index (one scatter per kind, no loop over requests: at hstu-tiny's size a
-        Python loop per request cost more than the layers)."""
-        d, dev = self.shape.stu.dim, t.history.device
+        """[contextual tokens?, history..., candidates...] per request, padded to the batch's longest:
+        (x [B, N, D], lengths); `with_user`: whether a request's contextual tokens (the user's, and DLRMv4's
+        crosses) lead it. Every token is placed by index (one scatter per kind, no loop over requests: at
+        hstu-tiny's size a Python loop per request cost more than the layers)."""
+        d, dev, k = self.shape.stu.dim, t.history.device, self.shape.contextual_tokens
         h, c = t.history_lengths.long(), t.candidate_lengths.long()
-        u = torch.as_tensor(with_user, dtype=torch.long, device=dev)
+        u = torch.as_tensor(with_user, dtype=torch.long, device=dev) * k
         lengths = u + h + c
         n = int(lengths.max())
         h_req, h_at = _places(h)  # each history token's request and place among its history
@@ -316,7 +333,7 @@ class HSTURanker(nn.Module):
         c_col = u[c_req] + h[c_req] + c_at
         x = t.history.new_zeros(t.requests, n, d)
         users = torch.nonzero(u).squeeze(1)
-        x[users, 0] = t.user[users]
+        x[users, :k] = t.contextual[users]
         x[h_req, h_col] = t.history
         x[c_req, c_col] = t.candidates
         # positions count back from the newest history item; every candidate shares one (0)
@@ -332,7 +349,7 @@ class HSTURanker(nn.Module):
         c_req, c_at = _places(c)
         picked = x[c_req, lengths[c_req] - c[c_req] + c_at]
         user_side = self.candidate_norm(picked)
-        item_side = self.item_tower(torch.cat([t.candidate_items, t.candidate_categories], dim=-1))
+        item_side = self.item_tower(torch.cat([t.candidate_items, t.candidate_attributes], dim=-1))
         return self.head(user_side * item_side).squeeze(-1)
 
 
@@ -348,12 +365,12 @@ def _places(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class _Tokens:
     history: torch.Tensor  # [history tokens, D]
     candidates: torch.Tensor  # [candidates, D]
-    user: torch.Tensor  # [B, D]
+    contextual: torch.Tensor  # [B, contextual tokens, D]: the user's, then the crosses'
     history_lengths: torch.Tensor  # [B]
     candidate_lengths: torch.Tensor  # [B]
     age_buckets: torch.Tensor  # [history tokens]
     candidate_items: torch.Tensor  # [candidates, D] (embeddings)
-    candidate_categories: torch.Tensor
+    candidate_attributes: torch.Tensor  # [candidates, attributes x D]: DLRMv3's category, DLRMv4's artist and album
 
     @property
     def requests(self) -> int:

@@ -36,9 +36,9 @@ from dlrm_lab.distributed.context import (
 from dlrm_lab.distributed.plan import check_table_types, describe_plan, parse_table_sharding
 from dlrm_lab.distributed.tables import init_tables
 from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.families import Spec, family_of
-from dlrm_lab.metrics.columns import PHASES
+from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.metrics.cost import price_of, training_cost_columns
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
@@ -58,7 +58,6 @@ from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
 from dlrm_lab.train.profile import StepProfiler, profile_window, write_profile
 from dlrm_lab.train.records import (
-    EVAL_SCHEMA,
     STEP_SCHEMA,
     SUMMARY_SCHEMA,
     energy_columns,
@@ -188,8 +187,13 @@ class ResolvedRun:
     data_spec: DataSpec | None = None
 
     def open_data(self, ctx: DistContext, eval_batches: int, start_batch: int = 0) -> tuple[BatchSource, BatchSource]:
-        """This rank's training and held-out sources, from the data spec read by `preflight` (not read again)."""
+        """This rank's training and held-out sources, from the data spec read by `preflight` (not read again);
+        `--protocol streaming`: the windows in time order and, at each evaluation, the window after."""
         cfg = self.cfg
+        if cfg.protocol == "streaming":
+            return family_of(self.spec).open_stream(self.spec, cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
+                                                    eval_batches=eval_batches, seed=cfg.seed,
+                                                    start_batch=start_batch)  # fmt: skip
         data_spec, overrides = (cfg.data_spec, cfg.data_overrides) if self.data_spec is None else (self.data_spec, ())
         return open_sources(self.spec, cfg.data, cfg.batch_size, ctx.rank, ctx.world_size, eval_batches, data_spec,
                             overrides, cfg.seed, start_batch=start_batch)  # fmt: skip
@@ -201,10 +205,17 @@ def preflight(spec: Spec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun
     the data options fit the model. Each failure is one UserError. The run as checked, with
     what the checks read, is what `train(run)` starts from."""
     device = resolve_device(cfg.device)
-    family_of(spec).check_training(spec, cfg)  # its own rules (the ranker's pipeline, a DLRM's memory)
+    family = family_of(spec)
+    family.check_training(spec, cfg)  # its own rules (the ranker's pipeline, a DLRM's memory)
+    if cfg.protocol not in getattr(family, "protocols", ("holdout",)):
+        raise FieldError("protocol", f"{cfg.protocol}: {spec.name} ({family.called}) has no time windows to stream "
+                         "(allowed: holdout)")  # fmt: skip
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
     data_spec = check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides) if data else None
+    if cfg.protocol == "streaming" and data:  # the stream holds a global batch a window: checked before any work
+        streamed = family.with_data_overrides(spec, cfg.data_overrides, serving=False)
+        family.stream(streamed, cfg.batch_size * detect_launch().world_size)
     return ResolvedRun(spec, cfg, per_table, data_spec)
 
 
@@ -258,7 +269,20 @@ def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[st
     attention = choose_run_attention(spec, cfg, ctx, log)
     choices = {"precision_choice": precision_choice.to_dict(), "attention_choice": attention,
                "collectives_choice": collectives}  # fmt: skip
+    if cfg.protocol == "streaming":
+        cfg, choices["stream"] = _stream_steps(spec, cfg, ctx.world_size)
     return _Prepared(replace(run, spec=spec, cfg=cfg), ctx, choices)
+
+
+def _stream_steps(spec: Spec, cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, dict[str, Any]]:
+    """`--protocol streaming`: the run's steps (at most the stream's) and its evaluation cadence (--eval-every, else
+    one every --eval-every-share of the stream's steps), and the stream's record for the manifest."""
+    stream = family_of(spec).stream(spec, cfg.batch_size * world_size)
+    every = cfg.eval_every or stream.eval_every(cfg.eval_every_share)
+    steps = min(cfg.steps, stream.steps)
+    rule = f"--eval-every {cfg.eval_every}" if cfg.eval_every else f"every {cfg.eval_every_share:g} of its steps"
+    record = {**stream.describe(), "run_steps": steps, "eval_every": every, "eval_every_rule": rule}
+    return replace(cfg, steps=steps, eval_every=every), record
 
 
 def _build(
@@ -396,14 +420,16 @@ def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: A
     """`run_eval(step)` of `_loop`: evaluate on the held-out batches and record it in `evals` (and `table`); True
     when the target AUC is reached (training stops there; `reached` gets its steps and seconds)."""
     dmp, eval_source, ctx, cfg = setup.dmp, setup.eval_source, setup.ctx, setup.cfg
+    follow = getattr(eval_source, "after_step", None)  # a stream's held-out batches follow its training
 
     def run_eval(step: int) -> bool:
         t0 = time.perf_counter()
+        batches = follow(step) if follow is not None else eval_source
         if pipeline is None:
-            auc, loss, n = evaluate(dmp, eval_source, ctx.device)
+            auc, loss, n = evaluate(dmp, batches, ctx.device)
         else:  # the pipeline's rewritten forward only runs inside it: undo it meanwhile
             pipeline.detach()
-            auc, loss, n = evaluate(dmp.module.model, eval_source, ctx.device)
+            auc, loss, n = evaluate(dmp.module.model, batches, ctx.device)
             pipeline.attach(dmp)
         row = {
             "step": step,
@@ -411,6 +437,7 @@ def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: A
             "auc": auc,
             "loss": loss,
             "eval_time_ms": (time.perf_counter() - t0) * 1000,
+            **getattr(batches, "columns", {}),  # a stream's: the windows trained on and scored
         }
         evals.append(row)
         if watchdog is not None:
@@ -432,7 +459,8 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
     that failed is a RankFailure. `stack` stops the sampler, the watchdog, the phase hooks and the profiler."""
     cfg, ctx, dmp, optimizer, start_step = setup.cfg, setup.ctx, setup.dmp, setup.optimizer, setup.start_step
     steps_table = record.table("steps", STEP_SCHEMA) if record else None
-    eval_table = record.table("eval", EVAL_SCHEMA) if record and ctx.is_main else None
+    # its schema read now: the families' columns (a stream's windows) are registered by the time a run starts
+    eval_table = record.table("eval", schema_of("eval")) if record and ctx.is_main else None
     steps: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
 
