@@ -64,7 +64,14 @@ COMMANDS = {"train": TRAIN, "infer run": INFER_RUN, "infer search": INFER_SEARCH
 # Every config field a command line sets, by the flag that sets it (`timeout_s`: --timeout)
 _CONFIGS = (PresetChoice, TrainConfig, LoadOptions, InferConfig, ServingOptions, SearchSpace, SearchOptions,
             ServeOptions, ClientOptions)  # fmt: skip
-FLAGS = {d.field: d.flag for config in _CONFIGS for d in options_of(config)}
+# What the library names by field of the commands whose options are not declared yet (`data gen`, `launch`,
+# `scale`, `compare`, `machine`, `report`) and of the command line alone (`--metrics-dir`): each is --field-name
+_UNDECLARED = ("metrics_dir", "out", "rows", "shards", "format", "spec", "window", "launcher", "nproc", "nnodes",
+               "rdzv_endpoint", "mode", "ranks", "project", "threshold", "by_machine", "base_machine",
+               "instance_type", "catalogue", "comms_only")  # fmt: skip
+FLAGS = {f: "--" + f.replace("_", "-") for f in _UNDECLARED} | {
+    d.field: d.flag for config in _CONFIGS for d in options_of(config)
+}
 
 
 def flag(field: str) -> str:

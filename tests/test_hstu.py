@@ -242,7 +242,7 @@ def test_hstu_tiny_learns_through_the_training_loop(tmp_path):
     assert curve["jagged"] == sorted(curve["jagged"]) and drawn.history[-1] == spec.data.max_history
     ((mean, gflop),) = drawn.marks.values()
     assert mean == spec.mean_history and gflop == pytest.approx(s["flops_per_sample"] / 3 / 1e9)
-    with pytest.raises(UserError, match="--pipeline: hstu-tiny"):
+    with pytest.raises(UserError, match="^pipeline: hstu-tiny"):
         train(spec, TrainConfig(steps=2, pipeline=True))
     with pytest.raises(UserError, match="hstu-tiny trains on its synthetic requests"):
         train(spec, TrainConfig(steps=2, data=str(tmp_path)))
@@ -260,9 +260,9 @@ def test_set_changes_an_hstu_presets_requests(tmp_path):
     assert (small.data.candidates, small.data.max_history, small.shape) == (4, 16, spec.shape)
     assert small.mean_history == 16 and with_overrides(spec, []) is spec
     for bad, message in (
-        ("candidate=4", "--set 'candidate=4': hstu-tiny's \\[data\\] keys are"),
-        ("items=5", "--set 'items=5'"),
-        ("users=1000", "--set users=1000: must be 1 .. the user table's 200 rows"),
+        ("candidate=4", "^data_overrides 'candidate=4': hstu-tiny's \\[data\\] keys are"),
+        ("items=5", "^data_overrides 'items=5'"),
+        ("users=1000", "^data_overrides users=1000: must be 1 .. the user table's 200 rows"),
         ("candidates=0", "candidates = 0: an integer >= 1"),
     ):
         with pytest.raises(UserError, match=message):
@@ -294,7 +294,7 @@ def test_the_attention_path_is_chosen_by_timing_unless_asked():
     assert asked.path == "jagged" and "asked for" in asked.reason and asked.seconds == {}
     auto = choose_attention("auto", spec, 4, torch.device("cpu"))
     assert auto.path == min(auto.seconds, key=auto.seconds.get) and "4 of the run's requests" in auto.reason
-    with pytest.raises(UserError, match="--attention 'sparse': allowed: auto, padded, jagged"):
+    with pytest.raises(UserError, match="^attention 'sparse': allowed: auto, padded, jagged"):
         choose_attention("sparse", spec, 4, torch.device("cpu"))
 
 
@@ -306,13 +306,14 @@ def test_hstu_options_the_family_cannot_take_are_refused_in_one_line():
 
     spec = load_any_preset("hstu-tiny")
     for cfg, message in (
-        (TrainConfig(table_precision="fp16"), "--table-precision fp16: hstu-tiny's tables are fp32"),
-        (TrainConfig(shard=("item=table_row_wise",)), "--shard item=table_row_wise: hstu-tiny's tables take"),
-        (TrainConfig(sharding="data_parallel"), "--sharding data_parallel: hstu-tiny's tables take table_wise"),
+        (TrainConfig(table_precision="fp16"), "^table_precision fp16: hstu-tiny's tables are fp32"),
+        (TrainConfig(shard=("item=table_row_wise",)), "^shard item=table_row_wise: hstu-tiny's tables take"),
+        (TrainConfig(sharding="data_parallel"), "^sharding data_parallel: hstu-tiny's tables take table_wise"),
     ):
         with pytest.raises(UserError, match=message):
             preflight(spec, cfg)
-    for bad, message in (("users=abc", "--set users='abc'"), ("active_share=x", "active_share = 'x': a number"),
+    for bad, message in (("users=abc", "^data_overrides users='abc'"),
+                         ("active_share=x", "active_share = 'x': a number"),
                          ("candidates=true", "candidates = True: an integer >= 1")):  # fmt: skip
         with pytest.raises(UserError, match=message):
             with_overrides(spec, [bad])

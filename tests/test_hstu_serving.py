@@ -172,11 +172,11 @@ def test_hstu_serving_options_are_refused_in_one_line(spec):
 
     with pytest.raises(UserError, match="tables are fp32"):
         ServedModel("r", spec, table_precision="int8")
-    with pytest.raises(UserError, match="--set KEY=VALUE"):
+    with pytest.raises(UserError, match="data_overrides KEY=VALUE"):
         ServedModel("r", spec, data_spec="kaggle")
     with pytest.raises(UserError, match="history reuse is for HSTU"):
         ServingOptions(history_cache_mb=8).served(["tiny"])
-    with pytest.raises(UserError, match="--set changes an HSTU preset"):
+    with pytest.raises(UserError, match="data_overrides changes an HSTU preset"):
         ServingOptions(data_overrides=("candidates=4",)).served(["tiny"])
     code, _, err = run_cli_in_process("serve", "--model", "hstu-tiny", "--port", "0")
     assert code != 0 and "served in process only" in err and "Traceback" not in err

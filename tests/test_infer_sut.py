@@ -210,7 +210,7 @@ def test_time_goes_on_from_one_load_to_the_next_and_wraps_at_the_librarys_end():
 
 
 def test_a_sample_order_is_one_of_the_known():
-    with pytest.raises(UserError, match="--order 'shuffled': allowed: random, time"):
+    with pytest.raises(UserError, match="^order 'shuffled': allowed: random, time"):
         Stream("m", 1.0, QuerySizes.parse("fixed:1"), order="shuffled")
 
 
@@ -664,9 +664,9 @@ def test_scenarios_are_declared_settings_and_their_rules_come_from_the_declarati
     assert SCENARIOS == tuple(REGISTRY) and all(DRIVERS[n] is s.driver for n, s in REGISTRY.items())
     assert not scenario("closed-loop").rate and scenario("open-loop").stops_early
     assert scenario("offline").queues_whole_load and scenario("server").sized_by_early_stopping
-    with pytest.raises(UserError, match="--scenario offline: LoadGen drives one model; use open-loop for several"):
+    with pytest.raises(UserError, match="^scenario offline: LoadGen drives one model; use open-loop for several"):
         check_scenario("offline", 2, False)
-    with pytest.raises(UserError, match=r"--qps auto: one --model, with open-loop or server load"):
+    with pytest.raises(UserError, match=r"^qps auto: one model, with open-loop or server load"):
         check_scenario("closed-loop", 1, True)
     assert check_scenario("server", 1, True) is scenario("server")
 

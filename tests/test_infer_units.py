@@ -75,13 +75,13 @@ def test_query_sizes_parse_rejects_bad_text(text, why):
     with pytest.raises(UserError) as info:
         QuerySizes.parse(text)
     msg = str(info.value)
-    assert "--query-size" in msg and repr(text) in msg
+    assert msg.startswith("query_size ") and repr(text) in msg  # the library names the field
     assert why in msg
 
 
-def test_query_sizes_parse_names_the_given_option():
-    with pytest.raises(UserError, match=r"^--foo-size 'fixed:0'"):
-        QuerySizes.parse("fixed:0", option="--foo-size")
+def test_query_sizes_parse_names_the_given_field():
+    with pytest.raises(UserError, match=r"^foo_size 'fixed:0'"):
+        QuerySizes.parse("fixed:0", field="foo_size")
 
 
 @pytest.mark.parametrize("text", ["fixed:inf", "fixed:nan", "normal:nan,1", "normal:10,inf", "uniform:1,inf"])

@@ -1,10 +1,11 @@
 """Options declared once: a config's field is its command-line option, its sweep key and its check.
 
-The Typer signatures of `train`, `infer run` and `infer search` are generated from the fields the
-configs declare (`config.options.option`); sweeps accept exactly those keys and check them by
-building the same configs; the library names a bad field, the command line names its flag.
+The Typer signatures of `train`, `infer run`, `infer search`, `serve` and `client` are generated from
+the fields the configs declare (`config.options.option`); sweeps accept exactly those keys and check
+them by building the same configs; the library names a bad field, the command line names its flag.
 """
 
+import pickle
 from dataclasses import dataclass
 
 import pytest
@@ -89,7 +90,9 @@ def test_a_field_has_one_flag_in_every_config_that_declares_it():
     for config in (TrainConfig, InferConfig, ServingOptions, SearchOptions, *commands._CONFIGS):
         for d in options_of(config):
             assert seen.setdefault(d.field, d.flag) == d.flag, d.field
+    assert not set(commands._UNDECLARED) & set(seen)  # a command not declared yet reuses no field's name
     assert commands.flag("timeout_s") == "--timeout" and commands.flag("calibrate_s") == "calibrate_s"
+    assert commands.flag("grace_s") == "--grace" and commands.flag("metrics_dir") == "--metrics-dir"
 
 
 @pytest.mark.parametrize("command", ["train", "infer run"])
@@ -143,6 +146,34 @@ def test_a_message_naming_several_fields_names_each_by_its_flag():
     with pytest.raises(FieldError) as err:
         SearchOptions(capacity_s=0)
     assert err.value.named(commands.flag) == "--capacity-duration 0, --max-probe-duration 20.0: must be > 0"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "--port", "70000"], "--port 70000: must be in [0, 65535] (0: any free port)"),
+        (["data", "gen", "--rows", "0"], "--rows 0: must be an integer >= 1"),
+        (
+            ["data", "gen", "-p", "kaggle", "--format", "criteo-tsv", "--shards", "2"],
+            "--shards: criteo-tsv writes one file",
+        ),
+        (["launch", "--nproc", "0", "--", "train"], "--nproc 0: must be an integer >= 1"),
+        (["scale", "--mode", "diagonal"], "--mode 'diagonal': allowed: weak, strong"),
+    ],
+)
+def test_a_library_error_names_its_flag_where_the_command_is_not_declared_yet(tmp_path, args, message):
+    """The library raises by field (`port`, `rows`, ...); the command line says the flag the user typed."""
+    out = ["--out", str(tmp_path / "d")] if args[:2] == ["data", "gen"] else ["--metrics-dir", str(tmp_path)]
+    code, _, stderr = run_cli_in_process(*args, *(out if args[0] != "launch" else []))
+    assert code == 2 and stderr == f"error: {message}\n"
+
+
+def test_a_field_error_crosses_a_process_boundary_whole():
+    """A rank's or an instance's error is pickled: it arrives with its fields, to be named by flag there."""
+    sent = FieldError("resume", ": the checkpoint is at step 5; {steps} 3 leaves nothing to do", "steps")
+    got = pickle.loads(pickle.dumps(sent))
+    assert isinstance(got, FieldError) and (got.field, got.fields) == ("resume", ("resume", "steps"))
+    assert got.named(commands.flag) == "--resume: the checkpoint is at step 5; --steps 3 leaves nothing to do"
 
 
 def test_one_declaration_makes_the_option_the_coercion_and_the_config():

@@ -137,7 +137,7 @@ def test_a_load_too_large_for_memory_is_refused_before_memory_is_spent(tmp_path)
     from dlrm_lab.infer.load import BYTES_PER_QUERY, Arrivals, check_planned
 
     check_planned(1000.0, 10.0, available_bytes=10**9)
-    with pytest.raises(UserError, match=r"--qps 1e\+06 for --duration 10 s: 1e\+07 queries planned, about 23.3 GiB"):
+    with pytest.raises(UserError, match=r"^qps 1e\+06 for duration_s 10 s: 1e\+07 queries planned, about 23.3 GiB"):
         check_planned(1e6, 10.0, available_bytes=10 * 2**30)
     with pytest.raises(UserError, match="at most"):
         Arrivals().schedule(1e12, 2.0, None)  # refused before numpy allocates anything
@@ -359,7 +359,7 @@ def test_a_loadgen_run_too_short_for_a_verdict_is_refused_and_an_invalid_one_say
         "early stopping not met (processed 58 queries, would need at least 401 more, all within the bound)"
     )
     check_loadgen_duration(20.0, 23.0, 99.0)
-    with pytest.raises(UserError, match=r"20 for --duration 10 s is 200 queries; .* at least 459 .*--duration 23 or"):
+    with pytest.raises(UserError, match=r"20 for duration_s 10 s is 200 queries; .* at least 459 .*duration_s 23 or"):
         check_loadgen_duration(20.0, 10.0, 99.0)
     assert loadgen_duration(20.0, 10.0, 99.0) == 26.0 and loadgen_duration(100.0, 10.0, 99.0) == 10.0
     code, _, err = run_cli_in_process(

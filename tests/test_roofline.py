@@ -264,9 +264,9 @@ def test_run_probe_rules_without_measuring(tmp_path, monkeypatch):
     from dlrm_lab.metrics.probe import run_probe
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
-    with pytest.raises(UserError, match="--device 'tpu': allowed: auto, cpu, cuda"):
+    with pytest.raises(UserError, match="^device 'tpu': allowed: auto, cpu, cuda"):
         run_probe(device="tpu")
-    with pytest.raises(UserError, match="--comms-only: needs a launch with several ranks"):
+    with pytest.raises(UserError, match="^comms_only: needs a launch with several ranks"):
         run_probe(comms_only=True)
     stored = store_profile(tmp_path)
     outcome = run_probe(quick=True, if_missing=True)  # a stored profile: nothing measured, nothing written

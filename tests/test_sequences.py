@@ -158,7 +158,7 @@ def test_requests_to_parquet_and_back_checked_against_the_spec(tmp_path):
     assert dataset_problems(bad) == [f"{bad}: candidate_items: ids 0..{SPEC.items + 5} outside the table's 0..5999"]
     code, _, err = run_cli_in_process("data", "stats", str(bad))
     assert code == 1 and "candidate_items" in err
-    with pytest.raises(UserError, match="--rows 99999: must be 1 .. the train window's"):
+    with pytest.raises(UserError, match="^rows 99999: must be 1 .. the train window's"):
         write_requests(gen, tmp_path / "x", requests=99_999)
     code, _, err = run_cli_in_process("data", "gen", "--preset", "hstu-tiny", "--out", str(tmp_path / "t"),
                                       "--format", "criteo-tsv")  # fmt: skip

@@ -47,7 +47,7 @@ def scale_command(
 
     if fabric not in FABRICS:
         raise UserError(f"--fabric {fabric!r}: allowed: {', '.join(FABRICS)}")
-    projected = parse_ranks(project, "--project") if project else []
+    projected = parse_ranks(project, "project") if project else []
     if projected and 1 not in parse_ranks(ranks):
         raise UserError(f"--project {project}: projects the one-rank run; include 1 in --ranks (got {ranks})")
     if plan_up_to < 1:

@@ -37,7 +37,7 @@ from typing import Any
 
 from dlrm_lab.config.rules import row_scaler
 from dlrm_lab.config.specs import TableSpec
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 
 WINDOWS = ("train", "eval")  # the requests a model trains on, and the later ones it is evaluated on
 ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
@@ -196,7 +196,7 @@ class SequenceSpec:
     def window(self, name: str) -> tuple[int, int]:
         """Steps [first, stop) of the `train` or `eval` window."""
         if name not in WINDOWS:
-            raise UserError(f"--window {name!r}: allowed: {', '.join(WINDOWS)}")
+            raise FieldError("window", f"{name!r}: allowed: {', '.join(WINDOWS)}")
         return (self.warmup_timestamps, self.train_timestamps) if name == "train" else (
             self.train_timestamps, self.timestamps)  # fmt: skip
 
@@ -541,7 +541,7 @@ class HSTUSpec:
     def check_table_precision(self, table_precision: str) -> None:
         """The ranker's sequence tables are fp32 only (training, serving and building alike)."""
         if table_precision != "fp32":
-            raise UserError(f"--table-precision {table_precision}: {self.name}'s tables are fp32 here")
+            raise FieldError("table_precision", f"{table_precision}: {self.name}'s tables are fp32 here")
 
     @property
     def mean_history(self) -> float:

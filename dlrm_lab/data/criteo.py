@@ -26,7 +26,7 @@ from dlrm_lab.config import ModelSpec
 from dlrm_lab.data.parquet import DATASET_FILE, FORMAT_VERSION, all_or_nothing, block_to_table, dataset_schema
 from dlrm_lab.data.spec import DataSpec
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 
 NUM_INT, NUM_CAT = 13, 26
 INT_COLUMNS = [f"I{i}" for i in range(1, NUM_INT + 1)]
@@ -148,7 +148,7 @@ def convert_criteo(
     """Convert Criteo TSV files into a Parquet dataset (one shard per input file)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
+        raise FieldError("out", f"{out}: directory exists and is not empty; choose a new one")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": FORMAT_VERSION, "source": "criteo-tsv", "model": model.to_dict(), "data_spec": None}
     files, total = [], 0

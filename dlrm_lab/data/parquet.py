@@ -34,7 +34,7 @@ from torchrec.datasets.utils import Batch
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.data.source import block_to_batch
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.run import check_writable
 
 METADATA_KEY = b"dlrm_lab"
@@ -84,7 +84,7 @@ def write_dataset(
     written under a temporary name and renamed when complete; the sidecar (DATASET_FILE) comes last.
     """
     if rows < 1:
-        raise UserError(f"--rows {rows}: must be an integer >= 1")
+        raise FieldError("rows", f"{rows}: must be an integer >= 1")
     spec = generator.spec
     meta = {
         "format_version": FORMAT_VERSION,
@@ -123,11 +123,11 @@ def write_shards(
     schema)` rows [a, b) as a table. Each file is written under a temporary name and renamed when complete."""
     n = len(rows)
     if not 1 <= shards <= n:
-        raise UserError(f"--shards {shards}: must be in [1, rows={n}]")
+        raise FieldError("shards", f"{shards}: must be in [1, rows={n}]")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out}: directory exists and is not empty; choose a new one")
-    check_writable(out, "--out")
+        raise FieldError("out", f"{out}: directory exists and is not empty; choose a new one")
+    check_writable(out, "out")
     out.mkdir(parents=True, exist_ok=True)
     files = []
     with all_or_nothing(out) as part_path:

@@ -23,7 +23,7 @@ from dlrm_lab.config.hstu import SequenceSpec
 from dlrm_lab.data.check import Check
 from dlrm_lab.data.parquet import FORMAT_VERSION, write_shards
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.stats import percentile
 
 KIND = "requests"
@@ -65,7 +65,7 @@ def write_requests(
     total = generator.num_requests(window)  # a window other than train / eval is refused there
     rows = total if requests is None else requests
     if not 1 <= rows <= total:
-        raise UserError(f"--rows {rows}: must be 1 .. the {window} window's {total:,} requests")
+        raise FieldError("rows", f"{rows}: must be 1 .. the {window} window's {total:,} requests")
     meta = {"format_version": FORMAT_VERSION, "kind": KIND, "family": "hstu", "source": "synthetic sequences",
             "sequence_spec": generator.spec.to_dict(), "seed": generator.seed, "window": window, "rows": rows,
             "teacher": generator.teacher}  # fmt: skip

@@ -52,7 +52,7 @@ from scipy.special import ndtr, ndtri
 
 from dlrm_lab.config.hstu import RequestFeatures, SequenceSpec, cross_keys
 from dlrm_lab.data.synthetic import expected_auc
-from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.errors import FieldError
 
 LIKE_RATING = 3.5  # the reference's label: rating >= 3.5
 ACTION_BITS = ("seen", "liked", "loved", "disliked")  # history action bits, lowest first
@@ -612,11 +612,13 @@ def with_overrides(spec: Any, overrides: tuple[str, ...] | list[str]) -> Any:
     for text in overrides:
         path, value = parse_override(text)
         if len(path) != 1 or path[0] not in known:
-            raise UserError(f"--set {text!r}: {spec.name}'s [data] keys are {', '.join(sorted(known))}")
+            raise FieldError("data_overrides", f"{text!r}: {spec.name}'s [data] keys are {', '.join(sorted(known))}")
         changes[path[0]] = value
     users = changes.get("users", 1)
     if not isinstance(users, int) or isinstance(users, bool) or not 1 <= users <= spec.shape.users:
-        raise UserError(f"--set users={changes['users']!r}: must be 1 .. the user table's {spec.shape.users} rows")
+        raise FieldError(
+            "data_overrides", f"users={changes['users']!r}: must be 1 .. the user table's {spec.shape.users} rows"
+        )
     return replace(spec, data=SequenceSpec.from_dict({**spec.data.to_dict(), **changes}, where="--set"))
 
 

@@ -44,7 +44,7 @@ import tomllib
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.config.toml import read_toml
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.resources import available, find_preset
 
 ID_DISTRIBUTIONS = ("uniform", "zipf", "hot_set", "reuse")
@@ -131,11 +131,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     {tables}); a bare word that is not TOML is taken as a string (`=zipf`).
     """
     if "=" not in text:
-        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. features.cat_3.ids.alpha=1.2")
+        raise FieldError("data_overrides", f"{text!r}: expected KEY=VALUE, e.g. features.cat_3.ids.alpha=1.2")
     key, value = text.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if not path:
-        raise UserError(f"--set {text!r}: empty key")
+        raise FieldError("data_overrides", f"{text!r}: empty key")
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -150,14 +150,14 @@ def load_data_spec(name_or_path: str | Path, model: ModelSpec, overrides: list[s
     try:
         return _resolve(_with_overrides(raw, overrides, path), model, where=str(path), overrides=tuple(overrides))
     except UserError as exc:
-        if str(exc).startswith("--set "):
+        if isinstance(exc, FieldError) and exc.field == "data_overrides":
             raise
         # name the `--set` the user typed when the spec file alone is fine
         for k, text in enumerate(overrides):
             try:
                 _resolve(_with_overrides(raw, overrides[: k + 1], path), model, where=str(path), overrides=())
             except UserError:
-                raise UserError(f"--set {text!r}: {exc}") from None
+                raise FieldError("data_overrides", f"{text!r}: {exc}") from None
         raise
 
 
@@ -169,7 +169,7 @@ def _with_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...],
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise UserError(f"--set {text!r}: '{k}' is not a table in {path}")
+                raise FieldError("data_overrides", f"{text!r}: '{k}' is not a table in {path}")
         node[keys[-1]] = value
     return raw
 

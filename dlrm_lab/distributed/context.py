@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.errors import RankFailure, UserError
+from dlrm_lab.errors import FieldError, RankFailure, UserError
 
 __all__ = ["DistContext", "LaunchInfo", "RankFailure", "detect_launch", "init_distributed", "resolve_device"]
 
@@ -62,12 +62,14 @@ class DistContext:
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     """`cpu` or `cuda` (one GPU per local rank), with a clear error where CUDA is absent."""
     if device not in DEVICES:
-        raise UserError(f"--device {device!r}: allowed: {', '.join(DEVICES)}")
+        raise FieldError("device", f"{device!r}: allowed: {', '.join(DEVICES)}")
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise UserError(
-                "--device cuda: no CUDA device is visible to this torch build "
-                f"(torch {torch.__version__}); use --device cpu or install a CUDA build (README, GPU machines)"
+            raise FieldError(
+                "device",
+                "cuda: no CUDA device is visible to this torch build "
+                f"(torch {torch.__version__}); use {{device}} cpu or install a CUDA build (README, GPU machines)",
+                "device",
             )
         if local_rank >= torch.cuda.device_count():
             raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
@@ -171,7 +173,7 @@ def init_distributed(
         from dlrm_lab.distributed.mpi import BACKEND, register
 
         if launch.launcher != "mpi":
-            raise UserError(f"--collectives mpi: the ranks were started by {launch.launcher}, not mpiexec")
+            raise FieldError("collectives", f"mpi: the ranks were started by {launch.launcher}, not mpiexec")
         register()
         backend = BACKEND
     if not dist.is_initialized():
@@ -216,9 +218,10 @@ def pin_to_cores(ctx: DistContext) -> list[int]:
     per_rank = torch.get_num_threads()
     first = ctx.local_rank * per_rank
     if first + per_rank > len(available):
-        raise UserError(
-            f"--pin-cores: local rank {ctx.local_rank} x {per_rank} threads needs {first + per_rank} cores; "
-            f"{len(available)} available (lower OMP_NUM_THREADS or the ranks per node)"
+        raise FieldError(
+            "pin_cores",
+            f": local rank {ctx.local_rank} x {per_rank} threads needs {first + per_rank} cores; "
+            f"{len(available)} available (lower OMP_NUM_THREADS or the ranks per node)",
         )
     cores = available[first : first + per_rank]
     os.sched_setaffinity(0, cores)

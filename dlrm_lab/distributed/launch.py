@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 
 LAUNCHERS = ("torchrun", "mpi")
 
@@ -27,9 +27,9 @@ def launch_command(
 ) -> list[str]:
     """The command that starts `nproc` ranks per node of `python -m dlrm_lab ARGS`."""
     if launcher not in LAUNCHERS:
-        raise UserError(f"--launcher {launcher!r}: allowed: {', '.join(LAUNCHERS)}")
+        raise FieldError("launcher", f"{launcher!r}: allowed: {', '.join(LAUNCHERS)}")
     if nproc < 1:
-        raise UserError(f"--nproc {nproc}: must be an integer >= 1")
+        raise FieldError("nproc", f"{nproc}: must be an integer >= 1")
     if not args:
         raise UserError("nothing to launch: give the command after --, e.g. -- train --preset tiny")
     target = ["-m", "dlrm_lab", *args]
@@ -38,7 +38,9 @@ def launch_command(
         run = [sys.executable, "-m", "dlrm_lab.torchrun", f"--nproc-per-node={nproc}"]
         if nnodes > 1:
             if not rdzv_endpoint:
-                raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+                raise FieldError(
+                    "nnodes", "> 1 needs {rdzv_endpoint} HOST:PORT (the same on every node)", "rdzv_endpoint"
+                )
             run += [
                 f"--nnodes={nnodes}",
                 "--rdzv-backend=c10d",
@@ -52,7 +54,7 @@ def launch_command(
         "mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     )
     if mpiexec is None:
-        raise UserError("--launcher mpi: no mpiexec found; install the mpi extra (pip install 'dlrm-lab[mpi]')")
+        raise FieldError("launcher", "mpi: no mpiexec found; install the mpi extra (pip install 'dlrm-lab[mpi]')")
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout.lower()
     extra = []
     if "open mpi" in version:

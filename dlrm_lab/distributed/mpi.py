@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 
 BACKEND = "mpi4py"  # the c10d backend name
 COLLECTIVES = ("auto", "gloo", "mpi")
@@ -36,7 +36,7 @@ def _mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError:
-        raise UserError("--collectives mpi: mpi4py is missing: pip install 'dlrm-lab[mpi]'") from None
+        raise FieldError("collectives", "mpi: mpi4py is missing: pip install 'dlrm-lab[mpi]'") from None
     return MPI
 
 
@@ -53,7 +53,7 @@ def _buffer(t: torch.Tensor, reduced: bool = False) -> np.ndarray:
     """The tensor's memory as a flat numpy array (CPU, contiguous: what c10d hands a backend). MPI has
     no bfloat16: such tensors move as 16-bit words, and cannot be reduced."""
     if t.device.type != "cpu":
-        raise UserError(f"--collectives mpi: a {t.device.type} tensor reached the MPI process group (CPU only)")
+        raise FieldError("collectives", f"mpi: a {t.device.type} tensor reached the MPI process group (CPU only)")
     if not t.is_contiguous():
         raise ValueError("MPI process group: a non-contiguous tensor")
     if t.dtype == torch.bfloat16:
@@ -195,17 +195,18 @@ def choose_collectives(
     exchange; MPI when mpiexec started the ranks and the probed MPI collectives make the step's
     communication shorter than gloo's; gloo otherwise."""
     if requested not in COLLECTIVES:
-        raise UserError(f"--collectives {requested!r}: allowed: {', '.join(COLLECTIVES)}")
+        raise FieldError("collectives", f"{requested!r}: allowed: {', '.join(COLLECTIVES)}")
     if device == "cuda":
         if requested == "mpi":
-            raise UserError("--collectives mpi: CPU ranks only; on GPUs the collectives are NCCL's")
+            raise FieldError("collectives", "mpi: CPU ranks only; on GPUs the collectives are NCCL's")
         return "nccl", "GPUs: NCCL"
     if world_size == 1:  # a one-rank point of a scaling sweep may ask for MPI: it has nothing to exchange
         return "gloo", "one rank: no collectives to speak of"
     if requested == "mpi" and launcher != "mpi":
-        raise UserError(
-            f"--collectives mpi: the ranks were started by {launcher}, not mpiexec "
-            "(dlrm-lab launch --launcher mpi --nproc N -- train ...)"
+        raise FieldError(
+            "collectives",
+            f"mpi: the ranks were started by {launcher}, not mpiexec "
+            "(dlrm-lab launch --launcher mpi --nproc N -- train ...)",
         )
     if requested != "auto":
         return requested, f"asked for (--collectives {requested})"

@@ -33,7 +33,7 @@ from torchrec.distributed.types import ShardingPlan, ShardingType
 
 from dlrm_lab.config import SHARDING_CHOICES, SHARDING_TYPES
 from dlrm_lab.distributed.context import DistContext
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 
 # The planner's advice that topologies should come from its factory does not apply:
 # we pass the real world size and device, which is all it reads for our use.
@@ -62,7 +62,7 @@ def check_sharding(sharding: str) -> None:
     """`sharding` is "auto", "planner" or one of TorchRec's sharding types ("auto" that reaches the planner,
     unresolved, means the planner)."""
     if sharding not in SHARDING_CHOICES:
-        raise UserError(f"--sharding {sharding!r}: allowed: {', '.join(SHARDING_CHOICES)}")
+        raise FieldError("sharding", f"{sharding!r}: allowed: {', '.join(SHARDING_CHOICES)}")
 
 
 def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[str]) -> dict[str, str]:
@@ -70,23 +70,23 @@ def parse_table_sharding(items: list[str] | tuple[str, ...], table_names: list[s
     out: dict[str, str] = {}
     for item in items:
         if "=" not in item:
-            raise UserError(f"--shard {item!r}: expected TABLE=TYPE, e.g. t_cat_3=row_wise")
+            raise FieldError("shard", f"{item!r}: expected TABLE=TYPE, e.g. t_cat_3=row_wise")
         table, kind = (x.strip() for x in item.split("=", 1))
         if table not in table_names:
             shown = ", ".join(table_names[:6]) + (", ..." if len(table_names) > 6 else "")
-            raise UserError(f"--shard {item!r}: no table {table!r}; tables: {shown}")
+            raise FieldError("shard", f"{item!r}: no table {table!r}; tables: {shown}")
         if kind not in SHARDING_TYPES:
-            raise UserError(f"--shard {item!r}: sharding type {kind!r}; allowed: {', '.join(SHARDING_TYPES)}")
+            raise FieldError("shard", f"{item!r}: sharding type {kind!r}; allowed: {', '.join(SHARDING_TYPES)}")
         out[table] = kind
     return out
 
 
 def check_table_types(model: str, kinds: list[str], sharding: str, per_table: dict[str, str]) -> None:
     """`--sharding` and `--shard` name only types the model's tables take (`kinds`, its sharder's)."""
-    asks = [(sharding, f"--sharding {sharding}")] + [(k, f"--shard {t}={k}") for t, k in per_table.items()]
-    for asked, what in asks:
+    asks = [(sharding, "sharding", sharding)] + [(k, "shard", f"{t}={k}") for t, k in per_table.items()]
+    for asked, field, what in asks:
         if asked in SHARDING_TYPES and asked not in kinds:
-            raise UserError(f"{what}: {model}'s tables take {', '.join(kinds)}")
+            raise FieldError(field, f"{what}: {model}'s tables take {', '.join(kinds)}")
 
 
 def _constraints(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlrm_lab.config.specs import ModelSpec
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 
 
 def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -61,8 +61,9 @@ class DLRMFamily:
 
     def with_data_overrides(self, spec: ModelSpec, overrides: Sequence[str], *, serving: bool) -> ModelSpec:
         if serving and overrides:
-            raise UserError(f"--set {overrides[0]}: --set changes an HSTU preset's requests; "
-                            f"{spec.name} is a DLRM (its samples: --data-spec)")  # fmt: skip
+            raise FieldError("data_overrides", f"{overrides[0]}: {{data_overrides}} changes an HSTU preset's "
+                             f"requests; {spec.name} is a DLRM (its samples: {{data_spec}})", "data_overrides",
+                             "data_spec")  # fmt: skip
         return spec  # training: --set applies to the data spec (data.resolve_data_spec)
 
     def size_line(self, spec: ModelSpec) -> str:
@@ -241,7 +242,7 @@ class DLRMFamily:
 
             check_tsv_spec(generator.spec)
             if shards != 1:
-                raise UserError("--shards: criteo-tsv writes one file")
+                raise FieldError("shards", ": criteo-tsv writes one file")
 
         def write(out: Any, on_progress: Any) -> None:
             if fmt == "parquet":
@@ -262,8 +263,8 @@ class DLRMFamily:
         from dlrm_lab.data import resolve_data_spec
 
         if served.history_cache_mb:
-            raise UserError(f"--history-cache-mb {served.history_cache_mb:g}: history reuse is for HSTU presets; "
-                            f"{served.spec.name} is a DLRM")  # fmt: skip
+            raise FieldError("history_cache_mb", f"{served.history_cache_mb:g}: history reuse is for HSTU presets; "
+                             f"{served.spec.name} is a DLRM")  # fmt: skip
         resolve_data_spec(served.spec, served.data_spec)  # a bad --data-spec is one line before anything starts
 
     def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:

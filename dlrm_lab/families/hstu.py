@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dlrm_lab.config.hstu import HSTUSpec
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS, STR, define
 
 # Its columns in the shared inference tables (history reuse, its attention path), each placed after a
@@ -223,7 +223,7 @@ class HSTUFamily:
     # ----- training
     def check_training(self, spec: HSTUSpec, cfg: Any) -> None:
         if cfg.pipeline:
-            raise UserError(f"--pipeline: {spec.name} (an HSTU ranker) trains unpipelined only")
+            raise FieldError("pipeline", f": {spec.name} (an HSTU ranker) trains unpipelined only")
         spec.check_table_precision(cfg.table_precision)
 
     def stream(self, spec: HSTUSpec, global_batch: int) -> Any:
@@ -249,9 +249,11 @@ class HSTUFamily:
         from dlrm_lab.data.sequences import with_overrides
 
         if data != "synthetic":
-            raise UserError(f"--data {data}: {spec.name} trains on its synthetic requests (--data synthetic) only")
+            raise FieldError("data", f"{data}: {spec.name} trains on its synthetic requests ({{data}} synthetic) "
+                             "only", "data")  # fmt: skip
         if data_spec:
-            raise UserError(f"--data-spec: {spec.name}'s requests are its preset's [data] table (change it with --set)")
+            raise FieldError("data_spec", f": {spec.name}'s requests are its preset's [data] table (change it "
+                             "with {data_overrides})", "data_overrides")  # fmt: skip
         with_overrides(spec, tuple(overrides))  # checked here; the run applies them to its spec
         return None
 
@@ -275,10 +277,11 @@ class HSTUFamily:
         from dlrm_lab.families.dlrm import DatasetWriter
 
         if fmt != "parquet":
-            raise UserError(f"--format {fmt}: HSTU requests are written as parquet only")
+            raise FieldError("format", f"{fmt}: HSTU requests are written as parquet only")
         _refuse_v4_layout(spec, "data gen", "the request files' columns (data.request_files)")
         if data_spec:
-            raise UserError(f"--spec: {spec.name}'s requests are its preset's [data] table (see --set)")
+            raise FieldError("spec", f": {spec.name}'s requests are its preset's [data] table (see "
+                             "{data_overrides})", "data_overrides")  # fmt: skip
         generator = SequenceGenerator(with_overrides(spec, tuple(overrides)).data, seed)
         total = generator.num_requests(window)
         rows = min(rows, total)
@@ -295,15 +298,15 @@ class HSTUFamily:
         from dlrm_lab.infer.build import AUTO
 
         if served.build not in (AUTO, *self.builds):
-            raise UserError(f"--build {served.build}: {served.spec.name} is an HSTU preset (allowed: "
-                            f"{', '.join((AUTO, *self.builds))})")  # fmt: skip
+            raise FieldError("build", f"{served.build}: {served.spec.name} is an HSTU preset (allowed: "
+                             f"{', '.join((AUTO, *self.builds))})")  # fmt: skip
         served.spec.check_table_precision(served.table_precision)
         _refuse_v4_layout(served.spec, "infer", "the served request library (infer.requests)")
         if served.data_spec is not None:
-            raise UserError(f"--data-spec {served.data_spec}: {served.spec.name} is an HSTU preset; change its "
-                            "requests with --set KEY=VALUE")  # fmt: skip
+            raise FieldError("data_spec", f"{served.data_spec}: {served.spec.name} is an HSTU preset; change its "
+                             "requests with {data_overrides} KEY=VALUE", "data_overrides")  # fmt: skip
         if served.attention not in ("auto", *self.attention_paths):
-            raise UserError(f"--attention {served.attention!r}: allowed: auto, {', '.join(self.attention_paths)}")
+            raise FieldError("attention", f"{served.attention!r}: allowed: auto, {', '.join(self.attention_paths)}")
 
     def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:
         """The ranker with its attention path (`auto`: both timed over the first requests the model will

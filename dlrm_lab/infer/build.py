@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 from dlrm_lab.families import family_of
 from dlrm_lab.metrics.precision import DTYPES
 
@@ -186,7 +186,7 @@ def make_build(model: nn.Module, build: str, *, precision: str, table_precision:
         return quantize_tables(model, table_precision) if table_precision != "fp32" else model
     family = family_of(model.spec)
     if build not in family.builds:
-        raise UserError(f"--build {build}: {family.called} has builds {', '.join(family.builds)}")
+        raise FieldError("build", f"{build}: {family.called} has builds {', '.join(family.builds)}")
     return family.make_fused(model, precision=precision, table_precision=table_precision).eval()
 
 
@@ -411,7 +411,7 @@ def choose_build(
     `check_block`: samples, or the ranker's requests)."""
     family = family_of(model.spec)
     if requested != AUTO and requested not in family.builds:
-        raise UserError(f"--build {requested!r}: allowed for {family.called}: {AUTO}, {', '.join(family.builds)}")
+        raise FieldError("build", f"{requested!r}: allowed for {family.called}: {AUTO}, {', '.join(family.builds)}")
     common = {"requested": requested, "threads": threads}
     if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
         build = "eager" if requested == AUTO else requested

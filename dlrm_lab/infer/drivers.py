@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Scenario, Stream
 from dlrm_lab.infer.loadgen import SCENARIOS as LOADGEN
 from dlrm_lab.infer.sut import LoadDriver, Query, SystemUnderTest
@@ -181,7 +181,7 @@ DRIVERS: dict[str, Callable[[SystemUnderTest, list[Stream], LoadSettings], LoadD
 def scenario(name: str) -> Scenario:
     """The declared scenario `name`; one line naming the allowed ones otherwise."""
     if name not in REGISTRY:
-        raise UserError(f"--scenario {name!r}: allowed: {', '.join(SCENARIOS)}")
+        raise FieldError("scenario", f"{name!r}: allowed: {', '.join(SCENARIOS)}")
     return REGISTRY[name]
 
 

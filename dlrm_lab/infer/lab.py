@@ -409,7 +409,7 @@ def run_inference(
         raise FieldError("sla_ms", "auto: needs {qps} auto (the bound is chosen with the load)", "qps")
     if len(models) > 1 and (probed := [k for k in PROBED if k in cfg.tune]):
         raise FieldError(probed[0], "auto: one {model} (its probes run one model's load)", "model")
-    check_writable(metrics_dir, "--metrics-dir")
+    check_writable(metrics_dir, "metrics_dir")
     target = parse_target(cfg.target)
     if not cfg.qps_auto and load.rate:  # auto: a probed rate, below capacity
         check_planned(sum(s.qps for s in streams), cfg.duration_s)

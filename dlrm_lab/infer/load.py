@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.stats import percentile
 
 SIZE_KINDS = ("fixed", "normal", "lognormal", "uniform", "mlperf")
@@ -28,7 +28,7 @@ BYTES_PER_QUERY = 2500
 MEMORY_SHARE = 0.5  # of the memory available now: what a point's queries may take
 
 
-def check_planned(qps: float, duration_s: float, available_bytes: int | None = None, what: str = "") -> None:
+def check_planned(qps: float, duration_s: float, available_bytes: int | None = None, field: str = "qps") -> None:
     """Refuse, before any memory is spent, a load whose queries would not fit in memory: the rate
     x the duration, at BYTES_PER_QUERY each, against MEMORY_SHARE of the memory available."""
     import psutil
@@ -37,11 +37,13 @@ def check_planned(qps: float, duration_s: float, available_bytes: int | None = N
     planned = qps * duration_s
     limit = MEMORY_SHARE * available / BYTES_PER_QUERY
     if planned > limit:
-        raise UserError(
-            f"{what or '--qps'} {qps:g} for --duration {duration_s:g} s: {planned:.3g} queries planned, about "
+        raise FieldError(
+            field,
+            f"{qps:g} for {{duration_s}} {duration_s:g} s: {planned:.3g} queries planned, about "
             f"{planned * BYTES_PER_QUERY / 2**30:,.1f} GiB of schedule and rows; this machine has "
             f"{available / 2**30:.1f} GiB available: at most {limit:.3g} queries a point (lower the rate or the "
-            "duration)"
+            "duration)",
+            "duration_s",
         )
 
 
@@ -62,31 +64,31 @@ class QuerySizes:
     max: int = 65536
 
     @classmethod
-    def parse(cls, text: str, option: str = "--query-size") -> QuerySizes:
+    def parse(cls, text: str, field: str = "query_size") -> QuerySizes:
         kind, _, args = text.partition(":")
         if kind not in SIZE_KINDS:
-            raise UserError(f"{option} {text!r}: kind must be one of {', '.join(SIZE_KINDS)}")
+            raise FieldError(field, f"{text!r}: kind must be one of {', '.join(SIZE_KINDS)}")
         try:
             values = [float(v) for v in args.split(",")] if args else []
         except ValueError:
-            raise UserError(f"{option} {text!r}: parameters must be numbers") from None
+            raise FieldError(field, f"{text!r}: parameters must be numbers") from None
         if not all(np.isfinite(values)):
-            raise UserError(f"{option} {text!r}: parameters must be finite numbers")
+            raise FieldError(field, f"{text!r}: parameters must be finite numbers")
         need = {"fixed": 1, "normal": 2, "lognormal": 2, "uniform": 2, "mlperf": 0}[kind]
         if len(values) != need:
             usage = {"fixed": "fixed:N", "normal": "normal:MEAN,STD", "lognormal": "lognormal:MEDIAN,SIGMA",
                      "uniform": "uniform:LO,HI", "mlperf": "mlperf"}[kind]  # fmt: skip
-            raise UserError(f"{option} {text!r}: expected {usage}")
+            raise FieldError(field, f"{text!r}: expected {usage}")
         if kind == "mlperf":
             return cls("uniform", MLPERF_MIN, MLPERF_MAX)
         if kind in ("fixed", "lognormal", "normal") and values[0] < 1:
-            raise UserError(f"{option} {text!r}: the size must be at least 1 sample")
+            raise FieldError(field, f"{text!r}: the size must be at least 1 sample")
         if kind == "uniform" and not 1 <= values[0] <= values[1]:
-            raise UserError(f"{option} {text!r}: need 1 <= LO <= HI")
+            raise FieldError(field, f"{text!r}: need 1 <= LO <= HI")
         if kind in ("normal", "lognormal") and values[1] < 0:
-            raise UserError(f"{option} {text!r}: the spread must be >= 0")
+            raise FieldError(field, f"{text!r}: the spread must be >= 0")
         if kind == "fixed" and values[0] != int(values[0]):
-            raise UserError(f"{option} {text!r}: the size must be a whole number of samples")
+            raise FieldError(field, f"{text!r}: the size must be a whole number of samples")
         return cls(kind, *values)
 
     def __str__(self) -> str:
@@ -152,27 +154,28 @@ class Arrivals:
 
     def __post_init__(self) -> None:
         if self.kind not in ARRIVAL_KINDS:
-            raise UserError(f"--arrival {self.kind!r}: allowed: {', '.join(ARRIVAL_KINDS)}")
+            raise FieldError("arrival", f"{self.kind!r}: allowed: {', '.join(ARRIVAL_KINDS)}")
         ok = self.burst_factor > 1 and 0 < self.burst_share * self.burst_factor < 1 and self.burst_length_s > 0
         if self.kind == "bursty" and not ok:
-            raise UserError(
-                f"--arrival bursty:{self.burst_factor:g},{self.burst_share:g},{self.burst_length_s * 1e3:g}: need "
-                "FACTOR > 1, SHARE x FACTOR < 1 and LENGTH_MS > 0"
+            raise FieldError(
+                "arrival",
+                f"bursty:{self.burst_factor:g},{self.burst_share:g},{self.burst_length_s * 1e3:g}: need "
+                "FACTOR > 1, SHARE x FACTOR < 1 and LENGTH_MS > 0",
             )
 
     @classmethod
-    def parse(cls, text: str, option: str = "--arrival") -> Arrivals:
+    def parse(cls, text: str, field: str = "arrival") -> Arrivals:
         """`poisson`, `constant`, `bursty` (4x the mean rate 10% of the time, bursts of 50 ms) or
         `bursty:FACTOR,SHARE,LENGTH_MS`."""
         kind, _, args = text.partition(":")
         if not args:
             return cls(kind)
         if kind != "bursty":
-            raise UserError(f"{option} {text!r}: only bursty takes parameters (bursty:FACTOR,SHARE,LENGTH_MS)")
+            raise FieldError(field, f"{text!r}: only bursty takes parameters (bursty:FACTOR,SHARE,LENGTH_MS)")
         try:
             factor, share, length_ms = (float(v) for v in args.split(","))
         except ValueError:
-            raise UserError(f"{option} {text!r}: expected bursty:FACTOR,SHARE,LENGTH_MS (three numbers)") from None
+            raise FieldError(field, f"{text!r}: expected bursty:FACTOR,SHARE,LENGTH_MS (three numbers)") from None
         return cls("bursty", factor, share, length_ms / 1e3)
 
     def schedule(self, qps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
@@ -217,7 +220,7 @@ class Stream:
 
     def __post_init__(self) -> None:
         if self.order not in SAMPLE_ORDERS:
-            raise UserError(f"--order {self.order!r}: allowed: {', '.join(SAMPLE_ORDERS)}")
+            raise FieldError("order", f"{self.order!r}: allowed: {', '.join(SAMPLE_ORDERS)}")
 
     def offsets(self, sizes: np.ndarray, library: Any, rng: np.random.Generator) -> np.ndarray:
         """Offsets in `library` (a SampleLibrary) of queries of these sizes (each at most its size):
@@ -244,9 +247,10 @@ class Scenario:
     def check(self, models: int, qps_auto: bool, probed: Sequence[str] = ()) -> None:
         """The run's models and rate fit this scenario: one line naming the rule otherwise."""
         if self.one_model and models > 1:
-            raise UserError(f"--scenario {self.name}: LoadGen drives one model; use open-loop for several")
+            raise FieldError("scenario", f"{self.name}: LoadGen drives one model; use open-loop for several")
         if qps_auto and (models > 1 or not self.probes_rate):
-            raise UserError(f"--qps auto: one --model, with {' or '.join(probed)} load (the rate is probed open loop)")
+            raise FieldError("qps", f"auto: one {{model}}, with {' or '.join(probed)} load (the rate is probed open "
+                             "loop)", "model")  # fmt: skip
 
 
 @dataclass(frozen=True)

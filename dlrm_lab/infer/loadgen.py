@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Scenario, Stream
 from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest
 
@@ -86,13 +86,13 @@ class LoadGenDriver:
         try:
             import mlperf_loadgen  # noqa: F401
         except ImportError:
-            raise UserError(
-                f"--scenario {settings.scenario}: MLPerf LoadGen is not installed (pip install mlcommons-loadgen)"
+            raise FieldError(
+                "scenario", f"{settings.scenario}: MLPerf LoadGen is not installed (pip install mlcommons-loadgen)"
             ) from None
         if settings.scenario not in SCENARIO_SETTINGS:
-            raise UserError(f"--scenario {settings.scenario!r}: LoadGen's are {', '.join(LOADGEN_SCENARIOS)}")
+            raise FieldError("scenario", f"{settings.scenario!r}: LoadGen's are {', '.join(LOADGEN_SCENARIOS)}")
         if len(streams) != 1:
-            raise UserError(f"--scenario {settings.scenario}: LoadGen drives one model; use open-loop for several")
+            raise FieldError("scenario", f"{settings.scenario}: LoadGen drives one model; use open-loop for several")
         if settings.log_dir is None:
             raise ValueError("LoadGenDriver: settings.log_dir is where LoadGen writes its logs; none given")
         self.sut, (self.stream,), self.settings = sut, streams, settings
@@ -219,10 +219,13 @@ def check_loadgen_duration(qps: float, duration_s: float, percentile: float) -> 
     """Refuse a LoadGen Server run too short for any verdict but INVALID, saying how long it must be."""
     need = early_stopping_queries(percentile)
     if qps * duration_s < need:
-        raise UserError(
-            f"--scenario server: --qps {qps:g} for --duration {duration_s:g} s is {qps * duration_s:.0f} queries; "
+        raise FieldError(
+            "scenario",
+            f"server: {{qps}} {qps:g} for {{duration_s}} {duration_s:g} s is {qps * duration_s:.0f} queries; "
             f"LoadGen's early-stopping estimate of the p{percentile:g} needs at least {need} (all within the bound): "
-            f"--duration {math.ceil(need / qps)} or more"
+            f"{{duration_s}} {math.ceil(need / qps)} or more",
+            "qps",
+            "duration_s",
         )
 
 

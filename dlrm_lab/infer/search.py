@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.drivers import scenario
 from dlrm_lab.infer.instance import PRECISIONS
@@ -146,7 +146,7 @@ def search(
     `InferenceServer` on this host); it has `configure(model, max_batch=, max_delay_ms=)`.
     """
     if not scenario(cfg.scenario).probes_rate:
-        raise UserError(f"--scenario {cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
+        raise FieldError("scenario", f"{cfg.scenario}: a search probes rates with open-loop or LoadGen server load")
     target = parse_target(cfg.target)
     widest = max(grid.layouts, key=lambda layout: layout[0])[0]
     base = replace(base, largest_query=max(base.largest_query, stream.sizes.quantile(0.999)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.families import family_of
 from dlrm_lab.infer.build import BUILDS
 from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
@@ -57,21 +57,21 @@ class ServedModel:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
                             ("max_queue", self.max_queue), ("max_query_samples", self.max_query_samples)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
-                raise UserError(f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1")
+                raise FieldError(name, f"{value!r}: must be a whole number >= 1")
         if not isinstance(self.min_piece, int) or self.min_piece < 0:
-            raise UserError(f"--min-piece {self.min_piece!r}: must be a whole number >= 0 (0: measured)")
+            raise FieldError("min_piece", f"{self.min_piece!r}: must be a whole number >= 0 (0: measured)")
         if not 0 <= self.spin_ms <= 10_000:
-            raise UserError(f"--spin-ms {self.spin_ms!r}: must be in [0, 10000]")
+            raise FieldError("spin_ms", f"{self.spin_ms!r}: must be in [0, 10000]")
         if not self.max_delay_ms >= 0:
-            raise UserError(f"--max-delay-ms {self.max_delay_ms!r}: must be >= 0")
+            raise FieldError("max_delay_ms", f"{self.max_delay_ms!r}: must be >= 0")
         if self.precision not in (AUTO, *PRECISIONS):
-            raise UserError(f"--precision {self.precision!r}: allowed: {AUTO}, {', '.join(PRECISIONS)}")
+            raise FieldError("precision", f"{self.precision!r}: allowed: {AUTO}, {', '.join(PRECISIONS)}")
         if self.table_precision not in TABLE_PRECISIONS:
-            raise UserError(f"--table-precision {self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
+            raise FieldError("table_precision", f"{self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
         if not 0 <= self.history_cache_mb <= 1e7:
-            raise UserError(f"--history-cache-mb {self.history_cache_mb!r}: must be in [0, 1e7] MB")
+            raise FieldError("history_cache_mb", f"{self.history_cache_mb!r}: must be in [0, 1e7] MB")
         if self.build not in (AUTO, *BUILDS):
-            raise UserError(f"--build {self.build!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
+            raise FieldError("build", f"{self.build!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
         family_of(self.spec).check_served(self)
 
     def describe(self) -> dict[str, Any]:

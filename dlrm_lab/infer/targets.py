@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 
 IN_PROCESS = "in-process"
 TRANSPORTS: dict[str, str] = {
@@ -80,26 +80,26 @@ def parse_target(url: str) -> Target:
         return Target(IN_PROCESS, IN_PROCESS)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in TRANSPORTS or scheme == IN_PROCESS:
-        raise UserError(f"--target {url!r}: allowed: {allowed}")
+        raise FieldError("target", f"{url!r}: allowed: {allowed}")
     address, _, model = rest.partition("/")
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"--target {url!r}: expected {scheme}://HOST:PORT (a port in 1-65535)")
+        raise FieldError("target", f"{url!r}: expected {scheme}://HOST:PORT (a port in 1-65535)")
     if model and scheme != "kserve":
-        raise UserError(f"--target {url!r}: only a kserve:// target names its model in the URL")
+        raise FieldError("target", f"{url!r}: only a kserve:// target names its model in the URL")
     return Target(url, scheme, address, model or None)
 
 
 def check_connection(target: Target, conn: Connection) -> None:
     """The connection options against the target: one line naming the culprit."""
     if conn.rpc is not None and target.remote and conn.rpc not in RPC_OF[target.scheme]:
-        raise UserError(f"--rpc {conn.rpc!r}: {target.scheme}:// speaks {', '.join(RPC_OF[target.scheme])}")
+        raise FieldError("rpc", f"{conn.rpc!r}: {target.scheme}:// speaks {', '.join(RPC_OF[target.scheme])}")
     if not isinstance(conn.concurrency, int) or conn.concurrency < 1:
-        raise UserError(f"--concurrency {conn.concurrency!r}: must be a whole number >= 1")
-    for option, value in (("--timeout", conn.timeout_s), ("--connect-timeout", conn.connect_timeout_s),
-                          ("--unavailable-s", conn.unavailable_s)):  # fmt: skip
+        raise FieldError("concurrency", f"{conn.concurrency!r}: must be a whole number >= 1")
+    for field, value in (("timeout_s", conn.timeout_s), ("connect_timeout_s", conn.connect_timeout_s),
+                         ("unavailable_s", conn.unavailable_s)):  # fmt: skip
         if not value > 0:
-            raise UserError(f"{option} {value!r}: must be > 0 seconds")
+            raise FieldError(field, f"{value!r}: must be > 0 seconds")
 
 
 def open_target(target: Target, models: list[Any], conn: Connection, **in_process: Any) -> AbstractContextManager:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.config.toml import read_toml
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.columns import COLUMNS, SERVING_COST, TRAINING_COST
 from dlrm_lab.metrics.roofline import save_profile
 from dlrm_lab.resources import preset_dir
@@ -193,9 +193,11 @@ def catalogue_entry(instance_type: str, catalogue: dict[str, CatalogueEntry]) ->
     """The catalogue's entry of `instance_type`; a UserError listing the known types where it has none."""
     entry = catalogue.get(instance_type)
     if entry is None:
-        raise UserError(
-            f"--instance-type {instance_type!r}: not in the price catalogue (known: {', '.join(catalogue)}); give "
-            "its price (dlrm-lab machine price PER_HOUR) or add it to your own catalogue and pass --catalogue"
+        raise FieldError(
+            "instance_type",
+            f"{instance_type!r}: not in the price catalogue (known: {', '.join(catalogue)}); give "
+            "its price (dlrm-lab machine price PER_HOUR) or add it to your own catalogue and pass {catalogue}",
+            "catalogue",
         )
     return entry
 
@@ -274,9 +276,11 @@ def price_of(
         if entry is not None:
             found = Price(entry.price_per_hour, entry.currency, f"catalogue: {named}", named)
     if found is not None and currency is not None and check_currency(currency) != found.currency:
-        raise UserError(
-            f"--currency {currency!r}: the machine's price is in {found.currency} ({found.source}) and prices are "
-            "never converted; give --price-per-hour with it"
+        raise FieldError(
+            "currency",
+            f"{currency!r}: the machine's price is in {found.currency} ({found.source}) and prices are "
+            "never converted; give {price_per_hour} with it",
+            "price_per_hour",
         )
     return found
 
@@ -298,9 +302,10 @@ def give_price(
     if per_hour is None:
         entry = catalogue_entry(instance_type, catalogue if catalogue is not None else load_price_catalogue())
         if currency is not None and check_currency(currency) != entry.currency:
-            raise UserError(
-                f"--currency {currency!r}: the catalogue's price of {instance_type} is in {entry.currency} and "
-                "prices are never converted; give the price per hour with it"
+            raise FieldError(
+                "currency",
+                f"{currency!r}: the catalogue's price of {instance_type} is in {entry.currency} and "
+                "prices are never converted; give the price per hour with it",
             )
         per_hour, currency, source = entry.price_per_hour, entry.currency, f"catalogue: {instance_type}"
     path = store_price(profile, per_hour, currency or "USD", instance_type, energy_per_kwh, source=source)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 
 AUTO = "auto"
 MARGIN = 1.15  # a lower precision must be this much faster than fp32 to be chosen (beyond timing noise)
@@ -223,7 +223,7 @@ def choose_precision(
     """
     device = torch.device(device)
     if requested != AUTO and requested not in allowed:
-        raise UserError(f"--precision {requested!r}: allowed: auto, {', '.join(allowed)}")
+        raise FieldError("precision", f"{requested!r}: allowed: auto, {', '.join(allowed)}")
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         allowed = [p for p in allowed if p != "bf16"]  # pre-Ampere GPUs emulate it
     threads = threads or torch.get_num_threads()
@@ -231,7 +231,7 @@ def choose_precision(
     if requested == "fp32":
         return PrecisionChoice(precision="fp32", reason="asked for (--precision fp32); not measured", **common)
     if requested != AUTO and requested not in allowed:
-        raise UserError(f"--precision {requested}: this {device.type} device has no fast {requested} GEMMs")
+        raise FieldError("precision", f"{requested}: this {device.type} device has no fast {requested} GEMMs")
     candidates = list(dict.fromkeys(["fp32", *(allowed if requested == AUTO else [requested])]))
     rates, source, shapes = gemm_rates(
         spec, candidates, device=device, threads=threads, rows=rows, probe=requested == AUTO, measure=measure, log=log

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 from dlrm_lab.metrics.ceiling import measure_ceiling
 from dlrm_lab.metrics.cpu import LoadWatch
 from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
@@ -496,7 +496,7 @@ def run_probe(
     from dlrm_lab.metrics.run import check_writable
 
     if device not in PROBE_DEVICES:
-        raise UserError(f"--device {device!r}: allowed: {', '.join(PROBE_DEVICES)}")
+        raise FieldError("device", f"{device!r}: allowed: {', '.join(PROBE_DEVICES)}")
     if if_missing:
         stored = load_profile()
         if stored is not None and stored.get("devices"):
@@ -505,12 +505,12 @@ def run_probe(
             return ProbeOutcome(stored["fingerprint_id"], kept=f"machine {kind} of {stored.get('probed_at')} in "
                                 f"{where}: not probing again (--if-missing)")  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device cuda: no CUDA device is visible to this torch build (torch {torch.__version__})")
+        raise FieldError("device", f"cuda: no CUDA device is visible to this torch build (torch {torch.__version__})")
     check_writable(machine_dir(), MACHINE_DIR_ENV, remedy=f"set {MACHINE_DIR_ENV} to a writable directory")
     launch = detect_launch()
     if comms_only and launch.world_size < 2:
-        raise UserError(
-            "--comms-only: needs a launch with several ranks (e.g. dlrm-lab launch --nproc 2 -- machine probe)"
+        raise FieldError(
+            "comms_only", ": needs a launch with several ranks (e.g. dlrm-lab launch --nproc 2 -- machine probe)"
         )
     devices = None if device == "auto" else [device]
     rank = 0

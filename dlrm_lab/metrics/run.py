@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 
 from dlrm_lab.distributed.elastic import RUN_RECORD_ENV
-from dlrm_lab.errors import DiskFull, UserError, is_disk_full
+from dlrm_lab.errors import DiskFull, FieldError, UserError, is_disk_full
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
 from dlrm_lab.metrics.roofline import profile_for_run
 from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, flush_interval_s, write_table
@@ -36,15 +36,16 @@ SPACE_RESERVE_BYTES = 256 << 10
 STATUSES = ("running", "ok", "failed", "interrupted")
 
 
-def check_writable(path: str | Path, option: str, remedy: str = "choose another") -> None:
-    """Refuse, in one line naming `option`, a directory (or the nearest existing one above it, where it is
-    still to be made) that this process cannot write: called before a command starts its work."""
+def check_writable(path: str | Path, field: str, remedy: str = "choose another") -> None:
+    """Refuse, in one line naming `field` (a config's field, or an environment variable), a directory (or the
+    nearest existing one above it, where it is still to be made) that this process cannot write: called before a
+    command starts its work."""
     target = Path(path)
     where = target
     while not where.exists() and where.parent != where:
         where = where.parent
     if not where.is_dir():
-        raise UserError(f"{option} {target}: {where} is not a directory; {remedy}")
+        raise FieldError(field, f"{target}: {where} is not a directory; {remedy}")
     if os.access(where, os.W_OK | os.X_OK):
         return
     try:
@@ -52,7 +53,7 @@ def check_writable(path: str | Path, option: str, remedy: str = "choose another"
     except OSError:
         read_only = False
     why = "on a read-only file system" if read_only else "not writable by this user"
-    raise UserError(f"{option} {target}: {where} is {why}; {remedy}")
+    raise FieldError(field, f"{target}: {where} is {why}; {remedy}")
 
 
 def _now_iso() -> str:
@@ -130,11 +131,11 @@ class Run:
     ) -> Run:
         root = Path(metrics_dir)
         flush_interval_s()  # a bad DLRM_LAB_FLUSH_SECONDS is refused before the run directory exists
-        check_writable(root, "--metrics-dir")
+        check_writable(root, "metrics_dir")
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"--metrics-dir {root}: cannot create directory: {exc.strerror}") from None
+            raise FieldError("metrics_dir", f"{root}: cannot create directory: {exc.strerror}") from None
         rid = run_id or new_run_id(kind)
         run_dir = root / rid
         try:
@@ -142,7 +143,7 @@ class Run:
         except FileExistsError:
             raise UserError(f"run directory {run_dir} already exists; choose another run id") from None
         except OSError as exc:
-            raise UserError(f"--metrics-dir {root}: cannot write in it: {exc.strerror or exc}") from None
+            raise FieldError("metrics_dir", f"{root}: cannot write in it: {exc.strerror or exc}") from None
         manifest = {
             "run_id": rid,
             "kind": kind,

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrm_lab.config.hstu import ACTION_BITS, ACTION_DIM, HSTUSpec, RankerShape, STUShape, attention_pairs
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 
 __all__ = ["HSTURanker", "RankerShape", "STULayer", "STUShape", "attention_pairs", "valid_attention"]
 
@@ -457,7 +457,7 @@ def choose_attention(
     on the lengths, the width and the machine). Explicit paths are taken."""
     if requested != "auto":
         if requested not in ATTENTION_PATHS:
-            raise UserError(f"--attention {requested!r}: allowed: auto, {', '.join(ATTENTION_PATHS)}")
+            raise FieldError("attention", f"{requested!r}: allowed: auto, {', '.join(ATTENTION_PATHS)}")
         return AttentionChoice(requested, f"asked for (--attention {requested}); not measured", {})
     from dlrm_lab.data.sequences import SequenceGenerator
 

@@ -52,7 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics import run as metrics_run
 from dlrm_lab.metrics.stats import (
@@ -417,7 +417,7 @@ def compare(
     Raises UserError for a missing path, or when the two have no compared kind in common.
     """
     if not threshold >= 0:
-        raise UserError(f"--threshold {threshold}: must be >= 0 (a fraction, 0.02 = 2%)")
+        raise FieldError("threshold", f"{threshold}: must be >= 0 (a fraction, 0.02 = 2%)")
     base, new = Path(base), Path(new)
     b_runs, b_notes = discover_runs(base)
     w_runs, w_notes = discover_runs(new)
@@ -440,20 +440,21 @@ def compare_machines(
     other machine compared with the base machine (`base_machine`: a fingerprint prefix; default the machine of
     the oldest run) by the same rules as `compare`. Raises UserError with fewer than two machines."""
     if not threshold >= 0:
-        raise UserError(f"--threshold {threshold}: must be >= 0 (a fraction, 0.02 = 2%)")
+        raise FieldError("threshold", f"{threshold}: must be >= 0 (a fraction, 0.02 = 2%)")
     runs, notes = discover_runs(path)
     machines: dict[str, list[_Run]] = {}
     for run in runs:
         machines.setdefault(machine_of(run), []).append(run)
     if len(machines) < 2:
-        raise UserError(f"--by-machine: the runs under {path} come from {len(machines)} machine(s); need two or more")
+        raise FieldError("by_machine", f": the runs under {path} come from {len(machines)} machine(s); need two or "
+                         "more")  # fmt: skip
     if base_machine is None:
         base_id = next(iter(machines))
     else:
         hits = [m for m in machines if m.startswith(base_machine)]
         if len(hits) != 1:
-            raise UserError(f"--base-machine {base_machine!r}: matches {len(hits)} of the machines under {path} "
-                            f"({', '.join(m[:8] for m in machines)})")  # fmt: skip
+            raise FieldError("base_machine", f"{base_machine!r}: matches {len(hits)} of the machines under {path} "
+                             f"({', '.join(m[:8] for m in machines)})")  # fmt: skip
         base_id = hits[0]
     label = {m: f"{path} [machine {m[:8]}: {(rs[0].manifest.get('hardware') or {}).get('cpu_model', '?')}]"
              for m, rs in machines.items()}  # fmt: skip

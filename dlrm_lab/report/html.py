@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 from dlrm_lab.metrics import columns
 from dlrm_lab.report import plots
 from dlrm_lab.report.figures import BUILDERS, TITLES
@@ -45,7 +45,7 @@ def write_report(paths: list[str | Path] | str | Path, out: str | Path) -> Repor
     runs = discover(paths)
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a directory")
+        raise FieldError("out", f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     links = _copy_manifests(runs, out)
     data = collect(runs)

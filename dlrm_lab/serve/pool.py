@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.errors import BadAnswer, RemoteFailure, ServerLost, UserError
+from dlrm_lab.errors import BadAnswer, FieldError, RemoteFailure, ServerLost
 from dlrm_lab.infer.sut import Query, SutDescription
 
 START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
@@ -68,7 +68,7 @@ class ClientPool:
                     raise RuntimeError(f"client worker {k} did not start within {START_TIMEOUT_S:g} s")
                 _, why = conn.recv()
                 if why:  # one line, as a single connection's failure to connect is
-                    raise UserError(f"--target {description.target}: client connection {k}: {why}")
+                    raise FieldError("target", f"{description.target}: client connection {k}: {why}")
         except BaseException:
             self.close()
             raise

@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from dlrm_lab.errors import BadAnswer, ServerLost, UserError
+from dlrm_lab.errors import BadAnswer, FieldError, ServerLost
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.sut import ModelDescription, SutDescription, query_row
 from dlrm_lab.serve.protocol import (
@@ -159,7 +159,7 @@ def ready_channel(target: Any, timeout_s: float) -> grpc.Channel:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:
         channel.close()
-        raise UserError(f"--target {target.url}: no server answered within {timeout_s:g} s") from None
+        raise FieldError("target", f"{target.url}: no server answered within {timeout_s:g} s") from None
     return channel
 
 
@@ -169,7 +169,7 @@ def describe_server(target: Any, timeout_s: float) -> list[Any]:
     try:
         return list(pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=timeout_s).models)
     except grpc.RpcError as exc:
-        raise UserError(f"--target {target.url}: Describe failed: {exc.code().name}: {exc.details()}") from None
+        raise FieldError("target", f"{target.url}: Describe failed: {exc.code().name}: {exc.details()}") from None
     finally:
         channel.close()
 
@@ -186,7 +186,8 @@ def open_lab_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]:
     for m in models:
         info = infos.get(m.name)
         if info is None:
-            raise UserError(f"--model {m.name}: not served at {target.url}; it serves: {', '.join(infos) or 'nothing'}")
+            raise FieldError("model", f"{m.name}: not served at {target.url}; it serves: "
+                             f"{', '.join(infos) or 'nothing'}")  # fmt: skip
         spec = ModelSpec.from_dict(json.loads(info.spec_json))
         recipes[m.name] = LibraryRecipe(spec.to_dict(), info.data_spec or None, info.library_seed,
                                         info.library_samples)  # fmt: skip
@@ -211,15 +212,15 @@ def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator
     from dlrm_lab.infer.memory import library_samples
 
     if target.model_name and len(models) > 1:
-        raise UserError(f"--target {target.url}: names one model; {len(models)} --model given")
+        raise FieldError("target", f"{target.url}: names one model; {len(models)} {{model}} given", "model")
     names = {m.name: target.model_name or m.spec.name for m in models}
     channel = ready_channel(target, conn.connect_timeout_s)
     try:
         stub = v2_grpc.GRPCInferenceServiceStub(channel)
         for m in models:
             if not (family := family_of(m.spec)).wire_samples:
-                raise UserError(f"--model {m.name}: {family.label} presets are served from their server's "
-                                "own library; a remote target takes DLRM samples")  # fmt: skip
+                raise FieldError("model", f"{m.name}: {family.label} presets are served from their server's "
+                                 "own library; a remote target takes DLRM samples")  # fmt: skip
             check_open_inference_model(target, stub, names[m.name], m.spec, conn.connect_timeout_s)
     finally:
         channel.close()
@@ -236,29 +237,31 @@ def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, tim
     """The server is live and ready, serves `name`, and its metadata has the lab's tensors for `spec`."""
     from dlrm_lab.serve.open_inference import tensors
 
-    where = f"--target {target.url}: model {name!r}"
+    where = f"{target.url}: model {name!r}"
     try:
         if not stub.ServerReady(v2.ServerReadyRequest(), timeout=timeout_s).ready:
-            raise UserError(f"--target {target.url}: the server is not ready")
+            raise FieldError("target", f"{target.url}: the server is not ready")
         if not stub.ModelReady(v2.ModelReadyRequest(name=name), timeout=timeout_s).ready:
-            raise UserError(f"{where}: not ready (is it served under that name? kserve://HOST:PORT/MODEL names it)")
+            raise FieldError("target", f"{where}: not ready (is it served under that name? kserve://HOST:PORT/MODEL "
+                             "names it)")  # fmt: skip
         meta = stub.ModelMetadata(v2.ModelMetadataRequest(name=name), timeout=timeout_s)
     except grpc.RpcError as exc:
-        raise UserError(f"{where}: {exc.code().name}: {exc.details()}") from None
+        raise FieldError("target", f"{where}: {exc.code().name}: {exc.details()}") from None
     inputs, outputs = tensors(spec)
     for kind, wanted, got in (("input", inputs, meta.inputs), ("output", outputs, meta.outputs)):
         have = {t.name: t for t in got}
         for tensor, datatype, shape in wanted:
             t = have.get(tensor)
             if t is None:
-                raise UserError(f"{where}: no {kind} tensor {tensor!r} (it has: {', '.join(have) or 'none'})")
+                raise FieldError("target", f"{where}: no {kind} tensor {tensor!r} (it has: "
+                                 f"{', '.join(have) or 'none'})")  # fmt: skip
             if t.datatype != datatype:
-                raise UserError(f"{where}: {kind} {tensor!r} is {t.datatype}, the lab sends {datatype}")
+                raise FieldError("target", f"{where}: {kind} {tensor!r} is {t.datatype}, the lab sends {datatype}")
             dims = list(t.shape)
             fits = len(dims) == len(shape) and all(a == b or -1 in (a, b) for a, b in zip(dims, shape, strict=False))
             if not fits:
-                raise UserError(f"{where}: {kind} {tensor!r} has shape {list(t.shape)}, {spec.name} needs {shape} "
-                                "(-1: any)")  # fmt: skip
+                raise FieldError("target", f"{where}: {kind} {tensor!r} has shape {list(t.shape)}, {spec.name} needs "
+                                 f"{shape} (-1: any)")  # fmt: skip
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dlrm_lab.errors import ServingFault, UserError
+from dlrm_lab.errors import FieldError, ServingFault, UserError
 from dlrm_lab.families import family_of
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.plan import plan_serving
@@ -321,15 +321,15 @@ def serve(
     """Serve `models` until SIGTERM or Ctrl-C; returns the server's run directory."""
     log = log or (lambda _msg: None)
     if not grace_s >= 0:
-        raise UserError(f"--grace {grace_s!r}: must be >= 0 seconds")
+        raise FieldError("grace_s", f"{grace_s!r}: must be >= 0 seconds")
     if not 0 <= port < 65536:
-        raise UserError(f"--port {port}: must be in [0, 65535] (0: any free port)")
+        raise FieldError("port", f"{port}: must be in [0, 65535] (0: any free port)")
     for m in models:
         if not (family := family_of(m.spec)).wire_samples:  # the wire format carries DLRM samples
-            raise UserError(f"--model {m.spec.name}: {family.label} presets are served in process only (`infer run`, "
+            raise FieldError("model", f"{m.spec.name}: {family.label} presets are served in process only (`infer run`, "
                             "`infer search`); gRPC carries DLRM samples")  # fmt: skip
     _check_address(host, port)  # before the instances take their time to start
-    check_writable(metrics_dir, "--metrics-dir")
+    check_writable(metrics_dir, "metrics_dir")
     check_stored_profile(log)
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
     config = {

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError
 
 LATEST = "latest"
 
@@ -52,12 +52,12 @@ def load_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any) ->
     """Load the newest checkpoint under `root` into `model` and `optimizer`; return its step."""
     path = latest_checkpoint(root)
     if path is None:
-        raise UserError(f"--resume: no checkpoint in {root} (expected a '{LATEST}' file naming step-N)")
+        raise FieldError("resume", f": no checkpoint in {root} (expected a '{LATEST}' file naming step-N)")
     state = _state(model, optimizer, 0)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:  # noqa: BLE001 - a checkpoint of another model is a user mistake
-        raise UserError(f"--resume {path}: cannot load into this model ({str(exc).splitlines()[0][:200]})") from None
+        raise FieldError("resume", f"{path}: cannot load into this model ({str(exc).splitlines()[0][:200]})") from None
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dlrm_lab.config import PRECISIONS, TrainConfig
 from dlrm_lab.distributed.context import DistContext
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.families import Spec
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 
@@ -28,14 +28,14 @@ def choose_run_precision(
                 cfg.precision, spec, allowed=PRECISIONS, device=ctx.device, threads=torch.get_num_threads(),
                 rows=cfg.batch_size, log=log,
             )  # fmt: skip
-        except UserError as exc:  # every rank says so; none waits in the broadcast
-            shared[0] = str(exc)
-        if log and not isinstance(shared[0], str):
+        except UserError as exc:  # every rank says so (the error itself: a FieldError names its field)
+            shared[0] = exc
+        if log and not isinstance(shared[0], UserError):
             log(shared[0].line)
     if ctx.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
-    if isinstance(shared[0], str):
-        raise UserError(shared[0])
+    if isinstance(shared[0], UserError):
+        raise shared[0]
     choice: PrecisionChoice = shared[0]
     return choice
 
@@ -54,11 +54,12 @@ def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any
         try:
             shared[0] = choose_attention(cfg.attention, spec, cfg.batch_size, ctx.device, cfg.seed).to_dict()
         except (UserError, RuntimeError) as exc:  # every rank says so; none waits in the broadcast
-            shared[0] = f"--attention {cfg.attention}: timing the paths failed: {str(exc).splitlines()[0][:200]}"
+            why = str(exc).splitlines()[0][:200]
+            shared[0] = FieldError("attention", f"{cfg.attention}: timing the paths failed: {why}")
     if ctx.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
-    if isinstance(shared[0], str):
-        raise UserError(shared[0])
+    if isinstance(shared[0], UserError):
+        raise shared[0]
     if log and ctx.is_main and cfg.attention == "auto":
         log(f"attention {shared[0]['attention']}: {shared[0]['reason']}")
     return shared[0]

@@ -36,7 +36,7 @@ from dlrm_lab.distributed.context import (
 from dlrm_lab.distributed.plan import check_table_types, describe_plan, parse_table_sharding
 from dlrm_lab.distributed.tables import init_tables
 from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
-from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.errors import FieldError
 from dlrm_lab.families import Spec, family_of
 from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.metrics.cost import price_of, training_cost_columns
@@ -254,7 +254,7 @@ def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[st
     `preflight` checked the options)."""
     spec, cfg = run.spec, run.cfg
     if metrics_dir:
-        check_writable(metrics_dir, "--metrics-dir")
+        check_writable(metrics_dir, "metrics_dir")
     if (family := family_of(spec)).samples_in_spec:  # --set changes the samples, so the cost and the manifest too
         spec, cfg = family.with_data_overrides(spec, cfg.data_overrides, serving=False), replace(cfg, data_overrides=())
     launch = detect_launch()
@@ -322,7 +322,8 @@ def _build(
     optimizer = dense_optimizer(dmp, cfg, dense_lr)
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
     if start_step >= cfg.steps:
-        raise UserError(f"--resume: the checkpoint is at step {start_step}; --steps {cfg.steps} leaves nothing to do")
+        raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
+                         "to do", "steps")  # fmt: skip
     plan_info = describe_plan(
         plan, spec, ctx.world_size, bytes_per_value=int(TABLE_BYTES_PER_VALUE[cfg.table_precision])
     )

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from dlrm_lab.distributed.launch import threads_per_rank as default_threads
 from dlrm_lab.distributed.mpi import probed_transport
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.sweep import SweepResult, SweepSpec, check_points, run_sweep
 
@@ -29,13 +29,13 @@ MODES = ("weak", "strong")
 POINT_SCHEMA = schema_of("scale summary")  # `metrics.columns`
 
 
-def parse_ranks(text: str, option: str = "--ranks") -> list[int]:
+def parse_ranks(text: str, field: str = "ranks") -> list[int]:
     try:
         ranks = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"{option} {text!r}: expected a comma-separated list of rank counts, e.g. 1,2,4") from None
+        raise FieldError(field, f"{text!r}: expected a comma-separated list of rank counts, e.g. 1,2,4") from None
     if not ranks or any(r < 1 for r in ranks) or len(set(ranks)) != len(ranks):
-        raise UserError(f"{option} {text!r}: rank counts must be distinct integers >= 1")
+        raise FieldError(field, f"{text!r}: rank counts must be distinct integers >= 1")
     return sorted(ranks)
 
 
@@ -56,14 +56,14 @@ def scaling_spec(
     `batch_size` is per rank for weak scaling and global for strong scaling.
     """
     if mode not in MODES:
-        raise UserError(f"--mode {mode!r}: allowed: {', '.join(MODES)}")
+        raise FieldError("mode", f"{mode!r}: allowed: {', '.join(MODES)}")
     options = dict(train_options)
     if banned := sorted({"batch-size", "metrics-dir"} & set(options)):
         raise UserError(f"give {', '.join('--' + b for b in banned)} to `scale`, not to the train options")
     if mode == "strong" and any(batch_size % n for n in ranks):
-        raise UserError(f"--batch-size {batch_size}: strong scaling splits it over {ranks} ranks; make it divisible")
+        raise FieldError("batch_size", f"{batch_size}: strong scaling splits it over {ranks} ranks; make it divisible")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise UserError(f"--repeats {repeats!r}: must be a whole number >= 1")
+        raise FieldError("repeats", f"{repeats!r}: must be a whole number >= 1")
     threads = threads_per_rank or default_threads(max(ranks))
     # each rank, its data thread included, on its own cores; no progress lines in the logs
     options |= {"pin-cores": True, "progress": False, "launcher": launcher, "threads-per-rank": threads}
@@ -251,16 +251,16 @@ def projection(
 
     one = next((p for p in points if p["ranks"] == 1 and p.get("point_run_id")), None)
     if one is None:
-        raise UserError("--project needs the one-rank point: include 1 in --ranks")
+        raise FieldError("project", "needs the one-rank point: include 1 in {ranks}", "ranks")
     run_dir = next(sweep_dir.glob(f"points/*/{one['point_run_id']}"), None)
     if run_dir is None:
-        raise UserError(f"--project: the one-rank run {one['point_run_id']} is not under {sweep_dir}/points")
+        raise FieldError("project", f": the one-rank run {one['point_run_id']} is not under {sweep_dir}/points")
     manifest = json.loads((run_dir / "manifest.json").read_text())
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
     spec = spec_from_dict(manifest["config"]["model"])
     if not (family := family_of(spec)).projectable:
-        raise UserError(f"--project: {spec.name} is {family.called}: the scaling model projects DLRM presets "
-                        "only (not this family yet)")  # fmt: skip
+        raise FieldError("project", f": {spec.name} is {family.called}: the scaling model projects DLRM presets "
+                         "only (not this family yet)")  # fmt: skip
     train_cfg = manifest["config"]["train"]
     cost = sample_cost(spec, table_precision=train_cfg["table_precision"], optimizer=train_cfg["embedding_optimizer"])
     batch = int(one["batch_size_per_rank"])

@@ -43,7 +43,7 @@ from dlrm_lab.config.train import dense_lr_for
 from dlrm_lab.data import BatchSource
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import describe_plan
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.train.step import dense_optimizer, train_step
 
 WARMUP_STEPS, TIMED_STEPS = 2, 4
@@ -84,7 +84,7 @@ class ShardingChoice:
 def pick(step_ms: dict[str, float], skipped: dict[str, str], source: str) -> ShardingChoice:
     """The fastest timed candidate (the planner's on a tie), with the times beside it."""
     if not step_ms:
-        raise UserError(f"--sharding auto: no sharding plan could be tried on these ranks ({skipped})")
+        raise FieldError("sharding", f"auto: no sharding plan could be tried on these ranks ({skipped})")
     order = {c: i for i, c in enumerate(CANDIDATES)}
     best = min(step_ms, key=lambda c: (step_ms[c], order.get(c, len(order))))
     others = sorted((ms, c) for c, ms in step_ms.items() if c != best)
