@@ -65,9 +65,7 @@ def available_presets(family: str | None = "dlrm") -> list[str]:
     return names if family is None else [n for n in names if preset_family(n) == family]
 
 
-def load_any_preset(
-    name_or_path: str | Path, *, table_scale: float | None = None, max_rows: int | None = None
-) -> Any:
+def load_any_preset(name_or_path: str | Path, *, table_scale: float | None = None, max_rows: int | None = None) -> Any:
     """A preset of any family, resolved and scaled (parsed by its family)."""
     from dlrm_lab.families import family_named
 

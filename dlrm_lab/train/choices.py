@@ -17,9 +17,7 @@ from dlrm_lab.families import Spec
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 
 
-def choose_run_precision(
-    spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None
-):
+def choose_run_precision(spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None):
     """Rank 0 measures (or reads the cached rates) and every rank runs its choice."""
     shared: list[Any] = [None]
     if ctx.is_main:
