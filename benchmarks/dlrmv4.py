@@ -41,7 +41,9 @@ CASES: dict[str, tuple[list[str], list[str], list[str]]] = {
         ["--batch-size", "7", "--steps", "6", "--eval-every-share", "0.25", "--eval-batches", "2"],
     ),
 }  # fmt: skip
-RECIPE = ["--protocol", "streaming", "--dense-optimizer", "adam", "--dense-lr", "1e-3", "--precision", "fp32"]
+# the published recipe's Adam betas and clip (the preset's), its warm-up scaled to the run (a tenth of the steps)
+RECIPE = ["--protocol", "streaming", "--dense-optimizer", "adam", "--dense-lr", "1e-3", "--precision", "fp32",
+          "--lr-warmup-steps", "12"]  # fmt: skip
 
 
 def command(case: str) -> list[str]:

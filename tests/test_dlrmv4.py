@@ -296,3 +296,53 @@ def test_the_scaled_benchmark_command_trains_on_the_stream(tmp_path):
     run = result["run"]
     assert run["protocol"] == "streaming" and run["evals"] and run["steps"] > 0 and run["teacher_auc"] > 0.5
     assert all(e["eval_window"] == e["train_window"] + 1 for e in run["evals"])
+
+
+def test_the_published_dense_recipe_is_the_default_and_each_setting_can_be_given():
+    """Adam's betas, the warm-up and the clip come from the preset's [reference] unless given; a DLRM preset
+    publishes none, so its MLPs step as before."""
+    from dlrm_lab.config.train import dense_recipe_for
+
+    v4 = load_any_preset("dlrmv4", table_scale=1e-4, max_rows=2000)
+    recipe = dense_recipe_for(v4, TrainConfig(dense_optimizer="adam"))
+    assert (recipe.betas, recipe.lr_warmup_steps, recipe.grad_clip_norm) == ((0.95, 0.999), 24_000, 1.0)
+    assert recipe.rule.startswith("published (") and "adam_betas, lr_warmup_steps, grad_clip_norm" in recipe.rule
+    given = dense_recipe_for(v4, TrainConfig(dense_optimizer="adam", adam_beta1=0.8, lr_warmup_steps=0))
+    assert (given.betas, given.lr_warmup_steps, given.grad_clip_norm) == ((0.8, 0.999), 0, 1.0)
+    assert given.rule.startswith("given: adam_betas, lr_warmup_steps; published (") and given.rule.endswith(
+        "): grad_clip_norm"
+    )
+    assert dense_recipe_for(v4, TrainConfig()).betas is None  # Adagrad: the published betas are Adam's
+    plain = dense_recipe_for(load_any_preset("tiny"), TrainConfig(dense_optimizer="adam"))
+    assert (plain.betas, plain.lr_warmup_steps, plain.grad_clip_norm) == ((0.9, 0.999), 0, None)
+    with pytest.raises(UserError, match="adam_beta1 1.2: must be in"):
+        TrainConfig(adam_beta1=1.2)
+    with pytest.raises(UserError, match="grad_clip_norm 0: must be a number > 0"):
+        TrainConfig(grad_clip_norm=0)
+
+
+def test_the_recipe_warms_the_dense_rate_up_and_clips_only_the_dense_gradients():
+    """RecipeOptimizer: the dense rate rises linearly over the warm-up (resumed from the run's step), the dense
+    gradients' norm is clipped before each step, and the tables' optimizer is left as it is."""
+    import torch
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    from dlrm_lab.config.train import DenseRecipe
+    from dlrm_lab.train.step import RecipeOptimizer
+
+    table, mlp = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    fused = KeyedOptimizerWrapper({"table": table}, lambda ps: torch.optim.SGD(ps, lr=1.0))
+    dense = KeyedOptimizerWrapper({"mlp": mlp}, lambda ps: torch.optim.SGD(ps, lr=1.0))
+    opt = RecipeOptimizer(fused, dense, 1.0, DenseRecipe(lr_warmup_steps=4, grad_clip_norm=0.5))
+    rates = []
+    for _ in range(5):
+        rates.append(dense.param_groups[0]["lr"])
+        table.grad, mlp.grad = torch.full((4,), 10.0), torch.full((4,), 10.0)
+        before = mlp.detach().clone()
+        opt.step()
+        assert float((before - mlp.detach()).norm()) == pytest.approx(0.5 * rates[-1], rel=1e-5)  # clipped
+    assert rates == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert float(table.detach()[0]) == pytest.approx(-50.0)  # the tables' 5 steps of lr 1 x grad 10, unclipped
+    opt.steps_done = 1  # a run resumed at step 1
+    opt._set_lr()
+    assert dense.param_groups[0]["lr"] == 0.5

@@ -55,6 +55,20 @@ class TrainConfig:
         "MLP learning rate (default: the preset's published rate scaled by sqrt(batch / its batch), else 0.005; "
         "the manifest says which).",
     )
+    # None: the preset's published recipe (its [reference]: DLRMv4's Adam betas, warm-up and clipping), else none
+    adam_beta1: float | None = option(
+        None, "Adam's beta1 (default: the preset's published recipe, else torch's 0.9)."
+    )  # fmt: skip
+    adam_beta2: float | None = option(
+        None, "Adam's beta2 (default: the preset's published recipe, else torch's 0.999)."
+    )  # fmt: skip
+    lr_warmup_steps: int | None = option(
+        None, "Steps over which the MLP learning rate rises linearly from 0 (default: the preset's published "
+        "recipe, else none; 0: none)."
+    )  # fmt: skip
+    grad_clip_norm: float | None = option(
+        None, "Clip the MLP gradients' total norm to this (default: the preset's published recipe, else none)."
+    )  # fmt: skip
     eval_every: int = option(0, "Steps between held-out AUC evaluations (0: at the end only).")
     eval_batches: int = option(8, "Held-out batches per evaluation.")
     protocol: str = option(
@@ -140,6 +154,17 @@ class TrainConfig:
                 continue
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise FieldError(name, f"{lr!r}: must be a number > 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            beta = getattr(self, name)
+            if beta is not None and not (isinstance(beta, (int, float)) and 0 <= beta < 1):
+                raise FieldError(name, f"{beta!r}: must be in [0, 1)")
+        if self.lr_warmup_steps is not None and (isinstance(self.lr_warmup_steps, bool) or self.lr_warmup_steps < 0):
+            raise FieldError("lr_warmup_steps", f"{self.lr_warmup_steps!r}: must be an integer >= 0")
+        if self.grad_clip_norm is not None and not (
+            isinstance(self.grad_clip_norm, (int, float)) and math.isfinite(self.grad_clip_norm)
+            and self.grad_clip_norm > 0
+        ):  # fmt: skip
+            raise FieldError("grad_clip_norm", f"{self.grad_clip_norm!r}: must be a number > 0")
         if self.eval_every < 0:
             raise FieldError("eval_every", f"{self.eval_every}: must be >= 0 (0: evaluate at the end only)")
         _positive("eval_batches", self.eval_batches)
@@ -230,6 +255,62 @@ def dense_lr_for(spec: Any, cfg: TrainConfig, world_size: int) -> tuple[float, s
             f"({spec.reference_source or 'the preset'}) x sqrt({batch} / {spec.reference_batch_size})"
         )
     return DEFAULT_DENSE_LR, "the lab's default (the preset publishes no recipe)"
+
+
+@dataclass(frozen=True)
+class DenseRecipe:
+    """How the MLPs are stepped beyond their optimizer and rate: Adam's betas, a linear warm-up of the rate and
+    a clip of the gradients' norm; each given, else the preset's published recipe, else none (`dense_recipe_for`)."""
+
+    betas: tuple[float, float] | None = None  # Adam only
+    lr_warmup_steps: int = 0
+    grad_clip_norm: float | None = None
+    rule: str = "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"adam_betas": list(self.betas) if self.betas else None, "lr_warmup_steps": self.lr_warmup_steps,
+                "grad_clip_norm": self.grad_clip_norm, "rule": self.rule}  # fmt: skip
+
+    def lr_scale(self, step: int) -> float:
+        """The rate's share at `step` (0-based): linear from 1/warm-up to 1 over the warm-up, then 1."""
+        return min(1.0, (step + 1) / self.lr_warmup_steps) if self.lr_warmup_steps else 1.0
+
+
+def dense_recipe_for(spec: Any, cfg: TrainConfig) -> DenseRecipe:
+    """The run's `DenseRecipe` and why: each setting given (`--adam-beta1/2`, `--lr-warmup-steps`,
+    `--grad-clip-norm`), else the preset's published one (a ranker's [reference]: MLPerf DLRMv4's Adam betas
+    0.95/0.999, 24,000 warm-up steps, clip 1.0), else none. The published betas apply only to the published
+    optimizer (Adam)."""
+    published = getattr(spec, "reference", None)
+    given: list[str] = []
+    taken: list[str] = []
+
+    def pick(value: Any, key: str) -> Any:
+        if value is not None:
+            given.append(key)
+            return value
+        value = getattr(published, key, None)
+        if value is not None:
+            taken.append(key)
+        return value
+
+    betas = None
+    if cfg.dense_optimizer == "adam":
+        recipe_betas = pick(None, "adam_betas") if cfg.adam_beta1 is None and cfg.adam_beta2 is None else None
+        if cfg.adam_beta1 is not None or cfg.adam_beta2 is not None:
+            given.append("adam_betas")
+        default = recipe_betas or (0.9, 0.999)  # torch's
+        b1 = cfg.adam_beta1 if cfg.adam_beta1 is not None else default[0]
+        b2 = cfg.adam_beta2 if cfg.adam_beta2 is not None else default[1]
+        betas = (float(b1), float(b2))
+    warmup = pick(cfg.lr_warmup_steps, "lr_warmup_steps") or 0
+    clip = pick(cfg.grad_clip_norm, "grad_clip_norm")
+    source = getattr(published, "source", "") or "the preset"
+    rule = "; ".join(
+        part for part in (f"given: {', '.join(given)}" if given else "",
+                          f"published ({source}): {', '.join(taken)}" if taken else "") if part
+    )  # fmt: skip
+    return DenseRecipe(betas, int(warmup), clip, rule or "none (the optimizer's defaults)")
 
 
 def target_auc_for(spec: Any, cfg: TrainConfig, data: dict[str, Any]) -> tuple[float | None, str]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.config.train import dense_lr_for, embedding_lr_for, target_auc_for
+from dlrm_lab.config.train import dense_lr_for, dense_recipe_for, embedding_lr_for, target_auc_for
 from dlrm_lab.data import BatchSource, DataSpec, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import (
@@ -67,7 +67,7 @@ from dlrm_lab.train.records import (
     warmup_column,
 )
 from dlrm_lab.train.sharding_trial import resolve_sharding
-from dlrm_lab.train.step import autocast, dense_optimizer, train_step
+from dlrm_lab.train.step import RecipeOptimizer, autocast, dense_optimizer, train_step
 from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases
 from dlrm_lab.train.watchdog import Watchdog
 
@@ -319,8 +319,12 @@ def _build(
     gc.collect()  # the trial's models freed before the run's is planned against the memory left
     dmp, plan = build(sharding_choice.sharding, cfg.pipeline)
     dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
-    optimizer = dense_optimizer(dmp, cfg, dense_lr)
+    recipe = dense_recipe_for(spec, cfg)
+    optimizer = dense_optimizer(dmp, cfg, dense_lr, recipe)
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
+    if isinstance(optimizer, RecipeOptimizer):  # a resumed run's warm-up goes on from its step
+        optimizer.steps_done = start_step
+        optimizer._set_lr()
     if start_step >= cfg.steps:
         raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
                          "to do", "steps")  # fmt: skip
@@ -361,6 +365,7 @@ def _build(
             "table_init_bounds": init_bounds,
             "dense_lr": dense_lr,
             "dense_lr_rule": dense_lr_reason,
+            "dense_recipe": recipe.to_dict(),
             "embedding_lr": embedding_lr,
             "embedding_lr_rule": embedding_lr_reason,
             "output_bias": output_bias,

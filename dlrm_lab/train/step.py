@@ -11,6 +11,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_lab.config import TrainConfig
+from dlrm_lab.config.train import DenseRecipe
 from dlrm_lab.distributed.context import DistContext
 
 DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -20,11 +21,43 @@ DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
-def dense_optimizer(model: torch.nn.Module, cfg: TrainConfig, lr: float) -> CombinedOptimizer:
-    """The dense optimizer beside the tables' fused one, combined for stepping and checkpoints."""
+class RecipeOptimizer(CombinedOptimizer):
+    """The tables' fused optimizer and the dense one, stepped with the dense recipe: the dense rate warmed up
+    linearly and the dense gradients' norm clipped before each step (the tables' update is fused in backward,
+    so it is neither). `steps_done` is the run's step (set on resume)."""
+
+    def __init__(self, fused: Any, dense: Any, lr: float, recipe: DenseRecipe) -> None:
+        super().__init__([fused, dense])
+        self.dense, self.base_lr, self.recipe, self.steps_done = dense, lr, recipe, 0
+        self._dense_params = [p for group in dense.param_groups for p in group["params"]]
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        if self.recipe.lr_warmup_steps:
+            for group in self.dense.param_groups:
+                group["lr"] = self.base_lr * self.recipe.lr_scale(self.steps_done)
+
+    def step(self, closure: Any = None) -> Any:
+        if self.recipe.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._dense_params, self.recipe.grad_clip_norm)
+        out = super().step(closure)
+        self.steps_done += 1
+        self._set_lr()  # the next step's rate
+        return out
+
+
+def dense_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, lr: float, recipe: DenseRecipe | None = None
+) -> CombinedOptimizer:
+    """The dense optimizer beside the tables' fused one, combined for stepping and checkpoints; with a recipe
+    that warms up or clips (`config.train.dense_recipe_for`), stepped by `RecipeOptimizer`."""
+    recipe = recipe or DenseRecipe()
     dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
     make = DENSE_OPTIMIZERS[cfg.dense_optimizer]
-    dense = KeyedOptimizerWrapper(dense_params, lambda params: make(params, lr=lr))
+    extra = {"betas": recipe.betas} if recipe.betas is not None and cfg.dense_optimizer == "adam" else {}
+    dense = KeyedOptimizerWrapper(dense_params, lambda params: make(params, lr=lr, **extra))
+    if recipe.lr_warmup_steps or recipe.grad_clip_norm is not None:
+        return RecipeOptimizer(model.fused_optimizer, dense, lr, recipe)  # type: ignore[attr-defined]
     return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]
 
 
