@@ -34,7 +34,10 @@ def test_presets_show_resolves_scaling():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["presets", "show", "kagle"], "error: unknown model preset 'kagle'; available: dcnv2, dlrmv3, dlrmv4, hstu-tiny"),
+        (
+            ["presets", "show", "kagle"],
+            "error: unknown model preset 'kagle'; available: dcnv2, dlrmv3, dlrmv4, hstu-tiny",
+        ),
         (["train", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
         (["train", "--precision", "fp8"], "error: --precision 'fp8': allowed: auto, fp32, bf16"),
         (["train", "--bogus"], "error: No such option: --bogus"),
