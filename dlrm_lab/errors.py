@@ -9,13 +9,28 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class UserError(Exception):
     """A mistake in user input: bad preset, spec field, option value or path."""
 
     exit_code = 2
+
+
+_FIELD_NAMES: list[Callable[[str], str]] = []  # how FieldErrors spell fields, innermost last (`fields_named_by`)
+
+
+@contextmanager
+def fields_named_by(name: Callable[[str], str]) -> Iterator[None]:
+    """Within: a FieldError's message spells its fields by `name` from the moment it is raised (the command
+    line: by flag), so a run's manifest and a rank's report say what stderr says."""
+    _FIELD_NAMES.append(name)
+    try:
+        yield
+    finally:
+        _FIELD_NAMES.pop()
 
 
 class FieldError(UserError):
@@ -27,7 +42,7 @@ class FieldError(UserError):
 
     def __init__(self, field: str, detail: str, *others: str) -> None:
         self.field, self.detail, self.fields = field, detail, (field, *others)
-        super().__init__(self.named(str))
+        super().__init__(self.named(_FIELD_NAMES[-1] if _FIELD_NAMES else str))
 
     def spelt(self, name: Callable[[str], str]) -> FieldError:
         """This error, its message naming the fields by `name` (as `train_setup` takes options: by flag)."""

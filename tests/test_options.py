@@ -5,6 +5,7 @@ the fields the configs declare (`config.options.option`); sweeps accept exactly 
 them by building the same configs; the library names a bad field, the command line names its flag.
 """
 
+import json
 import pickle
 from dataclasses import dataclass
 
@@ -174,6 +175,23 @@ def test_a_field_error_crosses_a_process_boundary_whole():
     got = pickle.loads(pickle.dumps(sent))
     assert isinstance(got, FieldError) and (got.field, got.fields) == ("resume", ("resume", "steps"))
     assert got.named(commands.flag) == "--resume: the checkpoint is at step 5; --steps 3 leaves nothing to do"
+
+
+def test_inside_the_command_line_a_field_error_says_the_flag_from_the_moment_it_is_raised(tmp_path):
+    """A FieldError raised under the CLI (`fields_named_by`) carries the flag in its text, so a run's manifest records
+    what stderr says; outside it the library's field names stay; a run's recorded error says the flag."""
+    from dlrm_lab.errors import fields_named_by
+    from dlrm_lab.metrics.run import Run
+
+    with fields_named_by(commands.flag):
+        inside = FieldError("batch_size", "0: must be an integer >= 1")
+    assert str(inside) == "--batch-size 0: must be an integer >= 1"
+    assert str(FieldError("batch_size", "0: must be an integer >= 1")) == "batch_size 0: must be an integer >= 1"
+    with fields_named_by(commands.flag), pytest.raises(FieldError):
+        with Run.create(tmp_path, "train", {}) as run:
+            raise FieldError("resume", ": the checkpoint is at step 5; {steps} 3 leaves nothing to do", "steps")
+    error = json.loads((run.dir / "manifest.json").read_text())["error"]
+    assert "--resume: the checkpoint is at step 5; --steps 3 leaves nothing to do" in error
 
 
 def test_one_declaration_makes_the_option_the_coercion_and_the_config():

@@ -7,7 +7,16 @@ import sys
 import typer
 
 from dlrm_lab.cli import compare, data, infer, launch, machine, presets, report, runs, scale, serve, sweep, train
-from dlrm_lab.errors import DiskFull, FieldError, RankFailure, RemoteFailure, ServingFault, Terminated, UserError
+from dlrm_lab.errors import (
+    DiskFull,
+    FieldError,
+    RankFailure,
+    RemoteFailure,
+    ServingFault,
+    Terminated,
+    UserError,
+    fields_named_by,
+)
 
 app = typer.Typer(
     name="dlrm-lab",
@@ -46,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         # pass it on to their point): honour it even where it was inherited as ignored, as
         # for commands started in the background by a non-interactive shell.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        code = app(args=argv, prog_name="dlrm-lab", standalone_mode=False)
-    except FieldError as exc:  # the library names a config's field: say it as the command line spells it
-        from dlrm_lab.commands import flag
+    from dlrm_lab.commands import flag
 
+    try:
+        with fields_named_by(flag):  # a FieldError raised inside an open run is recorded as stderr says it
+            code = app(args=argv, prog_name="dlrm-lab", standalone_mode=False)
+    except FieldError as exc:  # the library names a config's field: say it as the command line spells it
         typer.echo(f"error: {exc.named(flag)}", err=True)
         return exc.exit_code
     except UserError as exc:
