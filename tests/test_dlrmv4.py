@@ -343,6 +343,5 @@ def test_the_recipe_warms_the_dense_rate_up_and_clips_only_the_dense_gradients()
         assert float((before - mlp.detach()).norm()) == pytest.approx(0.5 * rates[-1], rel=1e-5)  # clipped
     assert rates == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert float(table.detach()[0]) == pytest.approx(-50.0)  # the tables' 5 steps of lr 1 x grad 10, unclipped
-    opt.steps_done = 1  # a run resumed at step 1
-    opt._set_lr()
+    opt.resume_at(1)  # a run resumed at step 1
     assert dense.param_groups[0]["lr"] == 0.5

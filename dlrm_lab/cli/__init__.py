@@ -41,6 +41,13 @@ app.command("launch", context_settings=_PASS_THROUGH)(launch.launch_command)
 app.command("scale", context_settings=_PASS_THROUGH)(scale.scale_command)
 
 
+def _flag(field: str) -> str:
+    """A field as the command line spells it (`commands.flag`), imported only when an error names one."""
+    from dlrm_lab.commands import flag
+
+    return flag(field)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code.
 
@@ -55,13 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         # pass it on to their point): honour it even where it was inherited as ignored, as
         # for commands started in the background by a non-interactive shell.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    from dlrm_lab.commands import flag
-
     try:
-        with fields_named_by(flag):  # a FieldError raised inside an open run is recorded as stderr says it
+        with fields_named_by(_flag):  # a FieldError raised inside an open run is recorded as stderr says it
             code = app(args=argv, prog_name="dlrm-lab", standalone_mode=False)
     except FieldError as exc:  # the library names a config's field: say it as the command line spells it
-        typer.echo(f"error: {exc.named(flag)}", err=True)
+        typer.echo(f"error: {exc.named(_flag)}", err=True)
         return exc.exit_code
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -26,7 +26,6 @@ from rich.progress import (
 from rich.text import Text
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.families.words import human_bytes, human_count  # noqa: F401 - the CLI's tables print sizes so
 
 
 def console(stderr: bool = False) -> Console:

@@ -50,13 +50,18 @@ _REFERENCE_KEYS = {"batch_size", "dense_lr", "source", "target_auc"}
 
 def preset_family(name_or_path: str | Path) -> str:
     """A preset file's `family` ("dlrm" when it names none), one of `families.families()`."""
+    path = preset_path(name_or_path)
+    return _family(read_toml(path, "preset file"), path).name
+
+
+def _family(raw: dict[str, Any], path: Path) -> Any:
+    """The family a parsed preset names; one line naming the known ones otherwise."""
     from dlrm_lab.families import families, preset_family_name
 
-    path = preset_path(name_or_path)
-    family = preset_family_name(read_toml(path, "preset file"))
-    if family not in families():
-        raise UserError(f"{path}: family = {family!r}: allowed: {', '.join(families())}")
-    return family
+    name = preset_family_name(raw)
+    if name not in families():
+        raise UserError(f"{path}: family = {name!r}: allowed: {', '.join(families())}")
+    return families()[name]
 
 
 def available_presets(family: str | None = "dlrm") -> list[str]:
@@ -67,12 +72,9 @@ def available_presets(family: str | None = "dlrm") -> list[str]:
 
 def load_any_preset(name_or_path: str | Path, *, table_scale: float | None = None, max_rows: int | None = None) -> Any:
     """A preset of any family, resolved and scaled (parsed by its family)."""
-    from dlrm_lab.families import family_named
-
     path = preset_path(name_or_path)
-    family = family_named(preset_family(path), f"{path}: family")
-    return family.parse_preset(read_toml(path, "preset file"), where=str(path), table_scale=table_scale,
-                               max_rows=max_rows)  # fmt: skip
+    raw = read_toml(path, "preset file")  # read once: its family, then its family's parser
+    return _family(raw, path).parse_preset(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
 
 
 def preset_path(name_or_path: str | Path) -> Path:

@@ -82,35 +82,7 @@ def open_sources(
     return family_of(model).open_sources(model, data, batch_size, **how)
 
 
-def open_pooled_sources(
-    model: ModelSpec,
-    data: str,
-    batch_size: int,
-    rank: int = 0,
-    world_size: int = 1,
-    eval_batches: int = 8,
-    data_spec: str | None = None,
-    overrides: tuple[str, ...] = (),
-    seed: int = 0,
-    start_batch: int = 0,
-) -> tuple[BatchSource, BatchSource]:
-    """A DLRM's training and held-out sources (see `open_sources`)."""
-    spec = check_data_options(model, data, data_spec, overrides)
-    if spec is not None:
-        gen = SyntheticGenerator(spec, seed)
-        train = SyntheticSource(gen, batch_size, rank, world_size, start_batch=start_batch)
-        held_out = SyntheticSource(gen.clone(), batch_size, rank, world_size, eval_batches, offset=HELD_OUT_OFFSET)
-        return train, held_out
-    train = ParquetSource(data, model, batch_size, rank, world_size, start_batch=start_batch)
-    info = train.info
-    if info.get("data_spec") is not None:
-        spec = DataSpec.from_dict(info["data_spec"])
-        gen = SyntheticGenerator(spec, int(info.get("seed", 0)))
-        return train, SyntheticSource(gen, batch_size, rank, world_size, eval_batches, offset=HELD_OUT_OFFSET)
-    return train, _FirstBatches(ParquetSource(data, model, batch_size, rank, world_size, eval_batches, epochs=1))
-
-
-class _FirstBatches:
+class FirstBatches:
     """Held-out stand-in for datasets without a generator: their first batches, labelled as such."""
 
     def __init__(self, source: ParquetSource) -> None:
@@ -128,6 +100,7 @@ __all__ = [
     "Batch",
     "BatchSource",
     "DataSpec",
+    "FirstBatches",
     "ParquetSource",
     "SyntheticGenerator",
     "SyntheticSource",

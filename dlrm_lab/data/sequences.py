@@ -526,6 +526,12 @@ class Stream:
                 "requests_skipped_per_window": self.skipped_per_window}  # fmt: skip
 
 
+def _rank_batch(source: Any, window: int, j: int) -> RequestBatch:
+    """`source`'s rank's contiguous slice of global batch j of window `window` (a StreamSource or NextWindowSource)."""
+    start = j * source.stream.global_batch + source.rank * source.batch_size
+    return RequestBatch.from_block(source.generator.step_requests(window, start, start + source.batch_size))
+
+
 @dataclass
 class StreamSource:
     """This rank's training batches of a `Stream`, in time order: step s trains on window `window_of(s)`, its
@@ -541,9 +547,7 @@ class StreamSource:
 
     def batch(self, k: int) -> RequestBatch:
         step = self.start_batch + k
-        start = (step % self.stream.per_window) * self.stream.global_batch + self.rank * self.batch_size
-        block = self.generator.step_requests(self.stream.window_of(step), start, start + self.batch_size)
-        return RequestBatch.from_block(block)
+        return _rank_batch(self, self.stream.window_of(step), step % self.stream.per_window)
 
     def __iter__(self) -> Iterator[RequestBatch]:
         for k in range(self.stream.steps - self.start_batch):
@@ -569,10 +573,8 @@ class WindowBatches:
         return {"train_window": self.train_window, "eval_window": self.eval_window}
 
     def __iter__(self) -> Iterator[RequestBatch]:
-        s = self.source
         for j in range(self.num_batches):
-            start = j * s.stream.global_batch + s.rank * s.batch_size
-            yield RequestBatch.from_block(s.generator.step_requests(self.eval_window, start, start + s.batch_size))
+            yield _rank_batch(self.source, self.eval_window, j)
 
 
 @dataclass

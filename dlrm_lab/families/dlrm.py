@@ -227,9 +227,30 @@ class DLRMFamily:
         return None
 
     def open_sources(self, spec: ModelSpec, data: str, batch_size: int, **how: Any) -> tuple[Any, Any]:
-        from dlrm_lab.data import open_pooled_sources
+        """Synthetic samples (held out: the same generator far past any training sample), or a Parquet dataset
+        (held out: its generator's samples where it names one, else its first batches, and the description says
+        so: converted Criteo)."""
+        from dlrm_lab.data import (
+            HELD_OUT_OFFSET,
+            DataSpec,
+            FirstBatches,
+            ParquetSource,
+            SyntheticGenerator,
+            SyntheticSource,
+            check_data_options,
+        )
 
-        return open_pooled_sources(spec, data, batch_size, **how)
+        rank, world, evals, start = how["rank"], how["world_size"], how["eval_batches"], how["start_batch"]
+        data_spec = check_data_options(spec, data, how["data_spec"], how["overrides"])
+        if data_spec is not None:
+            gen = SyntheticGenerator(data_spec, how["seed"])
+            train = SyntheticSource(gen, batch_size, rank, world, start_batch=start)
+            return train, SyntheticSource(gen.clone(), batch_size, rank, world, evals, offset=HELD_OUT_OFFSET)
+        train = ParquetSource(data, spec, batch_size, rank, world, start_batch=start)
+        if train.info.get("data_spec") is not None:
+            gen = SyntheticGenerator(DataSpec.from_dict(train.info["data_spec"]), int(train.info.get("seed", 0)))
+            return train, SyntheticSource(gen, batch_size, rank, world, evals, offset=HELD_OUT_OFFSET)
+        return train, FirstBatches(ParquetSource(data, spec, batch_size, rank, world, evals, epochs=1))
 
     def dataset_writer(self, spec: ModelSpec, *, rows: int, shards: int, seed: int, fmt: str,
                        data_spec: str | None, overrides: Sequence[str], window: str) -> Any:  # fmt: skip

@@ -322,9 +322,8 @@ def _build(
     recipe = dense_recipe_for(spec, cfg)
     optimizer = dense_optimizer(dmp, cfg, dense_lr, recipe)
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
-    if isinstance(optimizer, RecipeOptimizer):  # a resumed run's warm-up goes on from its step
-        optimizer.steps_done = start_step
-        optimizer._set_lr()
+    if isinstance(optimizer, RecipeOptimizer):
+        optimizer.resume_at(start_step)
     if start_step >= cfg.steps:
         raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
                          "to do", "steps")  # fmt: skip

@@ -32,6 +32,11 @@ class RecipeOptimizer(CombinedOptimizer):
         self._dense_params = [p for group in dense.param_groups for p in group["params"]]
         self._set_lr()
 
+    def resume_at(self, step: int) -> None:
+        """A run resumed at `step`: its warm-up goes on from there."""
+        self.steps_done = step
+        self._set_lr()
+
     def _set_lr(self) -> None:
         if self.recipe.lr_warmup_steps:
             for group in self.dense.param_groups:
