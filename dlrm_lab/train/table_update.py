@@ -1,0 +1,237 @@
+"""The tables' backward and fused update on the CPU: fbgemm's kernel, or the same exact update as batched torch
+ops on every core, chosen by timing both on the run's first batch (`--table-update`).
+
+fbgemm's CPU backward for the fused row-wise Adagrad and SGD tables (the kernel TorchRec trains them with) runs
+on one core whatever the thread count (benchmarks/tbe_threads.py: 7.75 ms on 1 thread, 8.01 on 2, the kaggle
+tables at batch 2048), and on a machine whose GEMMs are fast it is a third of a step. The update it applies is
+a few gather-reduce-scatter steps over the batch's rows, which torch's own ops run on all the cores: written by
+hand here because neither fbgemm nor torch ships a multi-threaded CPU table update (fbgemm's is the one being
+replaced). The forward stays fbgemm's; only the backward differs, and it writes the same tensors (the rows and
+the row-wise state TorchRec's fused optimizer, state dict and checkpoints read), so nothing else changes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    OptimType,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+TABLE_UPDATES = ("auto", "fbgemm", "batched")
+MARGIN = 1.10  # the batched update is chosen when fbgemm's takes at least this much longer
+REPEATS = 5  # timed lookups-with-backward of each path, interleaved, after one warm-up each
+
+
+def unsupported(tbe: Any) -> str | None:
+    """Why the batched update cannot stand in for this fused table group's kernel, or None where it can."""
+    if not isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen):
+        return f"{type(tbe).__name__} is not fbgemm's fused training module"
+    if not tbe.use_cpu:
+        return "its tables are on a GPU, where fbgemm's kernels use the device"
+    if tbe.optimizer not in (OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.EXACT_SGD):
+        return f"its optimizer is {tbe.optimizer.name}"
+    if tbe.weights_host.dtype != torch.float32:
+        return f"its rows are {tbe.weights_host.dtype} (the batched update writes fp32 rows)"
+    args = tbe.optimizer_args
+    if args.weight_decay or args.gradient_clipping or args.max_norm or args.weight_decay_mode:
+        return "it decays, clips or renormalises rows"
+    if tbe.pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE):
+        return f"its pooling is {tbe.pooling_mode.name}"
+    widths = tbe.D_offsets.diff().unique()
+    if len(widths) != 1:
+        return "its tables have different widths"
+    width = int(widths[0])
+    row_starts = tbe.weights_offsets.cpu()
+    if bool((row_starts % width).any()):
+        return "its rows do not start at whole rows"
+    if tbe.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD and not torch.equal(
+        row_starts // width, tbe.momentum1_offsets.cpu()
+    ):
+        return "its row-wise state is not laid out row for row"
+    return None
+
+
+class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
+    """fbgemm's fused table group whose backward applies the exact update as batched torch ops (`install` swaps
+    an existing module's class; nothing is constructed). Lookups other than a plain training one (variable
+    batch per feature, no gradient) are fbgemm's own."""
+
+    def forward(  # type: ignore[override]
+        self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
+        feature_requires_grad: torch.Tensor | None = None, batch_size_per_feature_per_rank: Any = None, **rest: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        if batch_size_per_feature_per_rank is not None or not torch.is_grad_enabled() or any(
+            v is not None for v in rest.values()
+        ):
+            return super().forward(
+                indices, offsets, per_sample_weights, feature_requires_grad, batch_size_per_feature_per_rank, **rest
+            )
+        return _LookupWithBatchedUpdate.apply(self.placeholder_autograd_tensor, self, indices, offsets,
+                                              per_sample_weights)  # fmt: skip
+
+    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """fbgemm's forward alone (no autograd record: called with gradients off)."""
+        return super().forward(indices, offsets, weights)
+
+    def apply_update(
+        self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+    ) -> None:
+        """The exact update fbgemm's backward applies, from the pooled gradient (`grad`, batch x features'
+        widths; nobag: one row per id): duplicates summed, then row-wise Adagrad (state += mean(g^2), row -= lr
+        g / (sqrt(state) + eps)) or SGD (row -= lr g)."""
+        features = len(self.feature_table_map)
+        width = int(self.D_offsets[1] - self.D_offsets[0])
+        grad = grad.float()
+        if self.pooling_mode == PoolingMode.NONE:
+            per_id, segment = grad, None
+            feature = torch.repeat_interleave(offsets.diff().view(features, -1).sum(1))
+        else:
+            lengths = offsets.diff()
+            segment = torch.repeat_interleave(lengths)  # the (feature, sample) bag of each id
+            batch = (offsets.numel() - 1) // features
+            feature = torch.div(segment, batch, rounding_mode="floor")
+            sample = segment - feature * batch
+            per_id = grad.reshape(batch * features, width).index_select(0, sample * features + feature)
+            if self.pooling_mode == PoolingMode.MEAN:
+                per_id = per_id / lengths.index_select(0, segment).clamp(min=1).unsqueeze(1)
+        if weights is not None:
+            per_id = per_id * weights.unsqueeze(1)
+        # fbgemm keeps each feature's first element (its table's), so a feature's first row is that over the width
+        rows = torch.div(self.weights_offsets, width, rounding_mode="floor").index_select(0, feature) + indices.long()
+        table = self.weights_host.view(-1, width)
+        lr = float(self.learning_rate_tensor)
+        if self.optimizer == OptimType.EXACT_SGD:
+            table.index_add_(0, rows, per_id, alpha=-lr)
+            return
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        summed = torch.zeros(len(unique), width).index_add_(0, inverse, per_id)
+        state = self.momentum1_host.index_select(0, unique) + summed.pow(2).mean(1)
+        self.momentum1_host.index_copy_(0, unique, state)
+        table.index_add_(0, unique, summed * (-lr / (state.sqrt() + self.optimizer_args.eps)).unsqueeze(1))
+
+
+class _LookupWithBatchedUpdate(torch.autograd.Function):
+    """fbgemm's lookup forward; backward applies the update in place and returns no gradient (as fbgemm's own
+    fused backward: no gradient of a table ever exists). `anchor` is fbgemm's placeholder that needs grad."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, tbe: BatchedTableUpdate, indices: torch.Tensor,
+                offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        ctx.tbe = tbe
+        ctx.save_for_backward(indices, offsets, weights)
+        return tbe.lookup(indices, offsets, weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        indices, offsets, weights = ctx.saved_tensors
+        ctx.tbe.apply_update(grad, indices, offsets, weights)
+        return None, None, None, None, None
+
+
+def fused_table_groups(model: torch.nn.Module) -> list[Any]:
+    """This rank's fbgemm fused table groups (one per group TorchRec batched), in module order."""
+    return [m for m in model.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+
+
+def install(model: torch.nn.Module, path: str) -> None:
+    """Put every fused table group of `model` (this rank's) on `path`: "batched" where `unsupported` allows it,
+    else fbgemm's kernel."""
+    for tbe in fused_table_groups(model):
+        if path == "batched" and unsupported(tbe) is None:
+            tbe.__class__ = BatchedTableUpdate
+        elif isinstance(tbe, BatchedTableUpdate):
+            tbe.__class__ = SplitTableBatchedEmbeddingBagsCodegen
+
+
+@dataclass
+class TableUpdateChoice:
+    """What ran, what was asked, why, and the timings behind it (the manifest's `table_update_choice`)."""
+
+    requested: str
+    path: str
+    reason: str
+    backward_ms: dict[str, float] = field(default_factory=dict)  # per path, a step's lookups with backward
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requested": self.requested, "table_update": self.path, "reason": self.reason,
+                "backward_ms": {k: round(v, 3) for k, v in self.backward_ms.items()}, "margin": MARGIN}  # fmt: skip
+
+
+def capture_lookups(model: torch.nn.Module, forward: Any) -> list[tuple[Any, tuple[Any, ...]]]:
+    """Each fused table group's inputs in one forward of the model (`forward()`, gradients off)."""
+    seen: list[tuple[Any, tuple[Any, ...]]] = []
+    hooks = [
+        tbe.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m, _lookup_args(args, kwargs))),
+                                      with_kwargs=True)  # fmt: skip
+        for tbe in fused_table_groups(model)
+    ]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _lookup_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    named = dict(zip(("indices", "offsets", "per_sample_weights"), args), **kwargs)
+    return named["indices"], named["offsets"], named.get("per_sample_weights")
+
+
+def time_paths(lookups: list[tuple[Any, tuple[Any, ...]]], repeats: int = REPEATS) -> dict[str, float]:
+    """Milliseconds of a step's lookups with backward-and-update on each path, medians of interleaved repeats.
+    The gradient is zero, so both updates leave every row and state as it was (row-wise Adagrad adds 0 to
+    the state and subtracts lr * 0 / (sqrt(state) + eps); SGD subtracts 0): the model is untouched."""
+    times: dict[str, list[float]] = {"fbgemm": [], "batched": []}
+    for k in range(repeats + 1):
+        for path in ("fbgemm", "batched") if k % 2 == 0 else ("batched", "fbgemm"):
+            start = time.perf_counter()
+            for tbe, (indices, offsets, weights) in lookups:
+                tbe.__class__ = BatchedTableUpdate if path == "batched" else SplitTableBatchedEmbeddingBagsCodegen
+                out = tbe(indices, offsets, weights)
+                out.backward(torch.zeros_like(out))
+            if k:  # the first round warms up
+                times[path].append((time.perf_counter() - start) * 1e3)
+    for tbe, _ in lookups:
+        tbe.__class__ = SplitTableBatchedEmbeddingBagsCodegen
+    return {path: statistics.median(t) for path, t in times.items()}
+
+
+def choose_table_update(requested: str, model: torch.nn.Module, forward: Any) -> TableUpdateChoice:
+    """The path this rank's tables take (`requested` one of TABLE_UPDATES), installed before returning. "auto"
+    times both on the batch `forward()` feeds the model, with the model unchanged (`time_paths`)."""
+    groups = fused_table_groups(model)
+    why_not = [w for w in (unsupported(t) for t in groups) if w]
+    if not groups:
+        choice = TableUpdateChoice(requested, "fbgemm", "no fused fbgemm table group on this rank")
+    elif requested == "fbgemm":
+        choice = TableUpdateChoice(requested, "fbgemm", "--table-update fbgemm")
+    elif len(why_not) == len(groups):
+        choice = TableUpdateChoice(requested, "fbgemm", f"the batched update does not apply: {why_not[0]}")
+    elif requested == "batched":
+        choice = TableUpdateChoice(requested, "batched", "--table-update batched" + _partly(why_not, groups))
+    else:
+        lookups = [(t, a) for t, a in capture_lookups(model, forward) if unsupported(t) is None]
+        ms = time_paths(lookups)
+        faster = ms["fbgemm"] >= MARGIN * ms["batched"]
+        path = "batched" if faster else "fbgemm"
+        reason = (f"the tables' backward and update took {ms['batched']:.2f} ms batched on all cores against "
+                  f"{ms['fbgemm']:.2f} ms in fbgemm's kernel (this run's first batch, medians of {REPEATS} "
+                  f"interleaved, a zero gradient: the model unchanged); "
+                  + ("batched is faster" if faster else f"batched is not {MARGIN:.2f}x faster: fbgemm kept")
+                  + (_partly(why_not, groups) if faster else ""))  # fmt: skip
+        choice = TableUpdateChoice(requested, path, reason, ms)
+    install(model, choice.path)
+    return choice
+
+
+def _partly(why_not: list[str], groups: list[Any]) -> str:
+    return f" ({len(why_not)} of {len(groups)} table groups stay on fbgemm: {why_not[0]})" if why_not else ""

@@ -1,0 +1,136 @@
+"""The batched table update (train.table_update) applies fbgemm's exact update, and the run chooses it by timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    OptimType,
+    SplitTableBatchedEmbeddingBagsCodegen,
+    SparseType,
+)
+
+from dlrm_lab.train.table_update import (
+    BatchedTableUpdate,
+    choose_table_update,
+    install,
+    time_paths,
+    unsupported,
+)
+
+
+def _pair(optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, pooling=PoolingMode.SUM, rows=(50, 30, 7), dim=8,
+          feature_table_map=None, **kw):  # fmt: skip
+    specs = [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows]
+    made = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        made.append(SplitTableBatchedEmbeddingBagsCodegen(
+            specs, optimizer=optimizer, learning_rate=0.1, eps=1e-6, pooling_mode=pooling,
+            feature_table_map=feature_table_map, **kw))  # fmt: skip
+    assert torch.equal(made[0].weights_host, made[1].weights_host)
+    return made
+
+
+def _batch(rows, feature_table_map, batch=6, seed=1, weighted=False):
+    g = torch.Generator().manual_seed(seed)
+    ids, lengths = [], []
+    for t in feature_table_map:
+        for _ in range(batch):
+            n = int(torch.randint(0, 4, (1,), generator=g))  # empty bags too
+            lengths.append(n)
+            # repeats within the batch: the update sums them
+            ids.append(torch.randint(0, min(rows[t], 5), (n,), generator=g))
+    indices = torch.cat(ids)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    weights = torch.rand(len(indices), generator=g) if weighted else None
+    return indices, offsets, weights
+
+
+def _state(tbe):
+    return tbe.weights_host.clone(), tbe.momentum1_host.clone() if tbe.momentum1_host.numel() else None
+
+
+@pytest.mark.parametrize(
+    "optimizer,pooling,weighted,shared",
+    [
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, False, False),
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, False, True),  # two features read one table
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, False),  # per-id weights
+        (OptimType.EXACT_SGD, PoolingMode.SUM, False, True),
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.NONE, False, False),  # sequence tables
+    ],
+)
+def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared):
+    rows = (50, 30, 7)
+    feature_table_map = [0, 1, 1, 2] if shared else [0, 1, 2]
+    fbgemm, batched = _pair(optimizer, pooling, rows, feature_table_map=feature_table_map)
+    install(torch.nn.ModuleList([batched]), "batched")
+    assert type(batched) is BatchedTableUpdate and type(fbgemm) is SplitTableBatchedEmbeddingBagsCodegen
+    before = _state(fbgemm)
+    for step in range(3):  # the state carries over steps
+        indices, offsets, weights = _batch(rows, feature_table_map, seed=step, weighted=weighted)
+        outs = [m(indices, offsets, weights) for m in (fbgemm, batched)]
+        torch.testing.assert_close(outs[0], outs[1])  # the same forward
+        grad = torch.randn_like(outs[0])
+        for out in outs:
+            out.backward(grad)
+    after_fbgemm, after_batched = _state(fbgemm), _state(batched)
+    assert (after_fbgemm[0] - before[0]).abs().max() > 1e-3  # rows moved
+    torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)
+    if optimizer == OptimType.EXACT_ROWWISE_ADAGRAD:
+        assert (after_fbgemm[1] > 0).any()
+        torch.testing.assert_close(after_batched[1], after_fbgemm[1], rtol=1e-5, atol=1e-7)
+
+
+def test_learning_rate_changes_reach_the_batched_update():
+    fbgemm, batched = _pair(OptimType.EXACT_SGD)
+    install(torch.nn.ModuleList([batched]), "batched")
+    for m in (fbgemm, batched):
+        m.set_learning_rate(0.5)
+    indices, offsets, _ = _batch((50, 30, 7), [0, 1, 2])
+    grad = None
+    for m in (fbgemm, batched):
+        out = m(indices, offsets)
+        grad = torch.ones_like(out) if grad is None else grad
+        out.backward(grad)
+    torch.testing.assert_close(batched.weights_host, fbgemm.weights_host)
+
+
+def test_what_the_batched_update_leaves_to_fbgemm():
+    assert unsupported(torch.nn.Linear(2, 2)).startswith("Linear is not")
+    (adam, _) = _pair(OptimType.EXACT_ADAGRAD)
+    assert "EXACT_ADAGRAD" in unsupported(adam)
+    (fp16, _) = _pair(weights_precision=SparseType.FP16)
+    assert "float16" in unsupported(fp16)
+    specs = [(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU), (10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)]
+    mixed = SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=OptimType.EXACT_ROWWISE_ADAGRAD)
+    assert unsupported(mixed) == "its tables have different widths"
+    # a group it cannot take stays fbgemm's, asked or not
+    model = torch.nn.ModuleList([mixed])
+    install(model, "batched")
+    assert type(mixed) is SplitTableBatchedEmbeddingBagsCodegen
+    choice = choose_table_update("batched", model, lambda: None)
+    assert choice.path == "fbgemm" and "different widths" in choice.reason
+
+
+def test_auto_times_both_paths_and_leaves_the_model_unchanged():
+    rows = (2000, 3000, 500)
+    fbgemm, batched = _pair(rows=rows, dim=16)
+    indices, offsets, _ = _batch(rows, [0, 1, 2], batch=64)
+    model = torch.nn.ModuleList([batched])
+    before = _state(batched)
+    choice = choose_table_update("auto", model, lambda: batched(indices, offsets))
+    after = _state(batched)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert set(choice.backward_ms) == {"fbgemm", "batched"} and all(v > 0 for v in choice.backward_ms.values())
+    assert choice.path in ("fbgemm", "batched") and "first batch" in choice.reason
+    assert type(batched) is (BatchedTableUpdate if choice.path == "batched" else SplitTableBatchedEmbeddingBagsCodegen)
+    assert choice.to_dict()["table_update"] == choice.path
+    # asked outright: no timing, the reason says who asked
+    fixed = choose_table_update("fbgemm", model, lambda: None)
+    assert fixed.path == "fbgemm" and fixed.reason == "--table-update fbgemm" and not fixed.backward_ms
+    assert type(batched) is SplitTableBatchedEmbeddingBagsCodegen
+    assert time_paths([(batched, (indices, offsets, None))], repeats=1).keys() == {"fbgemm", "batched"}
