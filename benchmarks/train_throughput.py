@@ -128,13 +128,16 @@ class ListSource(CycleSource):
 # The lab's optimizer settings: "sgd" is the baseline's math (one SGD learning rate for
 # tables and MLPs), "adagrad" the lab's default (fused row-wise Adagrad tables, Adagrad MLPs).
 LAB_OPTIMIZERS = ("sgd", "adagrad")
+TABLE_UPDATE = "auto"  # --table-update fbgemm: the lab on TorchRec's fused kernel, as before issue 37
 PLAIN_LR = 4.0  # best held-out AUC of lr in {0.1, 1, 4, 10} after 150 steps at batch 2048
 
 
 def optimizer_options(name: str) -> dict[str, Any]:
+    """The lab as `dlrm-lab train` runs it: its tables' update chosen by timing (`--table-update auto`)."""
     if name == "sgd":
-        return dict(embedding_optimizer="sgd", embedding_lr=PLAIN_LR, dense_optimizer="sgd", dense_lr=PLAIN_LR)
-    return dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad")
+        return dict(embedding_optimizer="sgd", embedding_lr=PLAIN_LR, dense_optimizer="sgd", dense_lr=PLAIN_LR,
+                    table_update=TABLE_UPDATE)  # fmt: skip
+    return dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad", table_update=TABLE_UPDATE)
 
 
 def run_lab(
@@ -194,10 +197,14 @@ def profile_lab(spec: ModelSpec, batches: list, precision: str, optimizer: str, 
 
 
 def fused_update_share(spec: ModelSpec, batches: list, precision: str, steps: int = 13) -> float:
-    """Share of a lab-adagrad step spent in fbgemm's backward with the fused row-wise Adagrad
-    update (its self time over the profiled steps' wall time)."""
+    """Share of a lab-adagrad step spent in the tables' backward with the row-wise Adagrad update, fbgemm's
+    kernel (its self time) or the batched one (its labelled range's total), over the profiled steps' wall time."""
+    from dlrm_lab.train.table_update import PROFILE_LABEL
+
     prof, wall_ms = _profiled_train(spec, batches, precision, "adagrad", steps)
-    update_us = sum(e.self_cpu_time_total for e in prof.key_averages() if "split_embedding_backward" in e.key)
+    events = prof.key_averages()
+    update_us = sum(e.self_cpu_time_total for e in events if "split_embedding_backward" in e.key)
+    update_us += sum(e.cpu_time_total for e in events if e.key == PROFILE_LABEL)
     return update_us / 1e3 / wall_ms
 
 
@@ -223,7 +230,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the lab step's top operators at batch 2048 and exit")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--table-update", default="auto", help="the lab's --table-update (auto, fbgemm, batched)")
     args = ap.parse_args()
+    global TABLE_UPDATE
+    TABLE_UPDATE = args.table_update
     if args.quick:
         args.steps, args.repeats, args.quality_steps, args.max_rows = 5, 1, 20, 10_000
 
@@ -259,6 +269,7 @@ def main() -> None:
         train_batches, evals = batches(spec, batch, 8), batches(spec, batch, 2, offset=HELD_OUT_OFFSET)
         samples: dict[str, list[float]] = {}
         fractions: dict[str, list[float | None]] = {}
+        updates: dict[str, list[str]] = {}  # what --table-update chose in each repeat
         batch_list = train_batches
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for prec in precisions:
@@ -268,8 +279,9 @@ def main() -> None:
                     summary = run_lab(spec, batch_list, evals, args.steps, args.warmup, prec, opt)
                     samples.setdefault(f"lab-{opt} {prec}", []).append(summary["samples_per_s"])
                     fractions.setdefault(f"lab-{opt} {prec}", []).append(summary.get("roofline_fraction"))
+                    updates.setdefault(f"lab-{opt} {prec} table update", []).append(summary.get("table_update"))
         med = {k: statistics.median(v) for k, v in samples.items()}
-        point: dict[str, Any] = {"batch_size": batch}
+        point: dict[str, Any] = {"batch_size": batch, **updates}
         for k, v in med.items():
             point[f"{k} samples/s"] = v
             point[f"{k} / plain fp32"] = v / med["plain fp32"]

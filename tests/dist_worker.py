@@ -24,6 +24,9 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
     spec = load_any_preset(preset)
     world = init_distributed("cpu").world_size  # before the first run sizes its batch
     for sharding in shardings:
+        # several ranks: the batched table update (timed by auto under table-wise), one rank fbgemm's kernel, so
+        # matching losses and tables also show the two updates alike on every sharding
+        table_update = "fbgemm" if world == 1 else "auto" if sharding == "table_wise" else "batched"
         cfg = TrainConfig(
             steps=steps,
             batch_size=global_batch // world,
@@ -35,6 +38,7 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
             eval_batches=2,
             prefetch=0,
             seed=3,
+            table_update=table_update,
         )
         result = train(spec, cfg, keep_model=True)
         by_step: dict[int, list[float]] = {}
@@ -48,7 +52,8 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
                 k: [row[k] for row in result.steps if row["rank"] == 0]
                 for k in ("step_time_ms", *(f"{p}_ms" for p in PHASES))
             }
-            record = {"losses": losses, "plan": result.plan, "phases": phases}
+            record = {"losses": losses, "plan": result.plan, "phases": phases,
+                      "table_update": result.summary["table_update"]}  # fmt: skip
             (out / f"{preset}-{sharding}.json").write_text(json.dumps(record))
             torch.save({"tables": tables, "dense": dense}, out / f"{preset}-{sharding}.pt")
         print(

@@ -52,6 +52,10 @@ def test_two_ranks_match_one_rank(runs, sharding):
     a = json.loads((one / f"tiny-{sharding}.json").read_text())
     b = json.loads((two / f"tiny-{sharding}.json").read_text())
     assert {t["sharding_type"] for t in b["plan"]["tables"]} == {sharding}
+    # two ranks update their shards by batched torch ops (auto under table-wise: either), one rank by fbgemm
+    assert a["table_update"] == "fbgemm"
+    assert b["table_update"] == ("fbgemm" if sharding == "data_parallel" else b["table_update"] if
+                                 sharding == "table_wise" else "batched")  # fmt: skip
     if sharding != "data_parallel":  # model-parallel: the tables are spread over both ranks
         assert all(sum(b["plan"]["bytes_per_rank"]) >= t["bytes"] for t in b["plan"]["tables"])
     for la, lb in zip(a["losses"], b["losses"], strict=True):
@@ -86,6 +90,9 @@ def test_hstu_two_ranks_match_one_rank(runs):
         a = json.loads((one / f"hstu-tiny-{sharding}.json").read_text())
         b = json.loads((two / f"hstu-tiny-{sharding}.json").read_text())
         assert {t["sharding_type"] for t in b["plan"]["tables"]} == {sharding}
+        # the sequence tables' shards too (nobag lookups), by batched torch ops on two ranks
+        assert a["table_update"] == "fbgemm" and b["table_update"] in ("batched", "fbgemm")
+        assert sharding == "table_wise" or b["table_update"] == "batched"
         assert {t["table"] for t in b["plan"]["tables"]} == {"item", "item_category", "user"}
         for la, lb in zip(a["losses"], b["losses"], strict=True):
             assert abs(la - lb) <= 1e-4 * abs(la), (a["losses"], b["losses"])

@@ -8,8 +8,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     OptimType,
-    SplitTableBatchedEmbeddingBagsCodegen,
     SparseType,
+    SplitTableBatchedEmbeddingBagsCodegen,
 )
 
 from dlrm_lab.train.table_update import (

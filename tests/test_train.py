@@ -466,3 +466,34 @@ def test_bad_prefetch_is_refused_in_one_line(bad):
 
     with pytest.raises(UserError, match=r"prefetch .*: must be auto or an integer >= 0"):
         TrainConfig(prefetch=bad)
+
+
+def test_the_batched_table_update_takes_fbgemms_steps_and_resumes_from_its_checkpoints(tmp_path):
+    spec = dlrm_lab.load_preset("tiny")
+    base = dict(batch_size=64, seed=2, prefetch=0, eval_batches=2)
+    fbgemm = train(spec, TrainConfig(steps=12, table_update="fbgemm", **base))
+    batched = train(spec, TrainConfig(steps=12, table_update="batched", **base), metrics_dir=tmp_path / "runs")
+    assert [r["loss"] for r in batched.steps] == pytest.approx([r["loss"] for r in fbgemm.steps], rel=1e-5)
+    assert batched.summary["eval_auc"] == pytest.approx(fbgemm.summary["eval_auc"], abs=1e-4)
+    assert batched.summary["table_update"] == "batched" and fbgemm.summary["table_update"] == "fbgemm"
+    config = read_manifest(batched.run_dir)["config"]
+    assert config["train"]["table_update"] == "batched"
+    assert config["table_update_choice"]["reason"] == "--table-update batched"
+    # its row-wise state is the fused optimizer's: a checkpoint taken on it resumes the same trajectory
+    ckpt = dict(checkpoint_dir=str(tmp_path / "ckpt"), table_update="batched", **base)
+    train(spec, TrainConfig(steps=6, **ckpt))
+    resumed = train(spec, TrainConfig(steps=12, resume=True, **ckpt))
+    assert [r["loss"] for r in resumed.steps] == pytest.approx([r["loss"] for r in fbgemm.steps[6:]], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [{"pipeline": True}, {"embedding_optimizer": "sgd", "embedding_lr": 0.1}])
+def test_auto_table_update_times_both_and_trains_as_fbgemm_does(tmp_path, overrides):
+    spec = dlrm_lab.load_preset("tiny")
+    base = dict(steps=6, batch_size=64, seed=4, prefetch=0, eval_batches=2, **overrides)
+    plain = train(spec, TrainConfig(table_update="fbgemm", **base))
+    auto = train(spec, TrainConfig(table_update="auto", **base), metrics_dir=tmp_path)
+    choice = read_manifest(auto.run_dir)["config"]["table_update_choice"]
+    assert choice["requested"] == "auto" and set(choice["backward_ms"]) == {"fbgemm", "batched"}
+    assert auto.summary["table_update"] == choice["table_update"] in ("fbgemm", "batched")
+    # the timing left the model as it was: the same steps as a run that never timed
+    assert [r["loss"] for r in auto.steps] == pytest.approx([r["loss"] for r in plain.steps], rel=1e-5)

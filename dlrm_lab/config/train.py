@@ -19,6 +19,9 @@ SHARDING_CHOICES = ("auto", "planner", *SHARDING_TYPES)
 TABLE_PRECISIONS = ("fp32", "fp16")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+# The tables' CPU backward and update: fbgemm's kernel, the same update batched on all cores, or the faster
+# measured on the run's first batch (`train.table_update`)
+TABLE_UPDATES = ("auto", "fbgemm", "batched")
 # holdout: train on the training samples, evaluate on held-out ones; streaming (time-ordered families, MLPerf
 # Training DLRMv4's): train on window T, evaluate on window T + 1 before training on it (data.sequences.Stream)
 PROTOCOLS = ("holdout", "streaming")
@@ -45,6 +48,12 @@ class TrainConfig:
     )
     table_precision: str = option("fp32", "Stored table rows: fp32 or fp16.")
     embedding_optimizer: str = option("rowwise_adagrad", "Fused table optimizer: rowwise_adagrad or sgd.")
+    table_update: str = option(
+        "fbgemm",
+        "The tables' CPU backward and update: auto (both timed on the first batch, the faster kept), fbgemm "
+        "(TorchRec's fused kernel) or batched (the same exact update as batched torch ops on all cores).",
+        cli_default="auto",
+    )
     # None: 0.05 / the tables' mean pooling factor (`embedding_lr_for`)
     embedding_lr: float | None = option(
         None, "Table learning rate (default: 0.05 / the mean pooling factor; the manifest says which)."
@@ -148,6 +157,7 @@ class TrainConfig:
         _choice("precision", self.precision, ("auto", *PRECISIONS))
         _choice("table_precision", self.table_precision, TABLE_PRECISIONS)
         _choice("embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
+        _choice("table_update", self.table_update, TABLE_UPDATES)
         _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
         for name, lr in (("embedding_lr", self.embedding_lr), ("dense_lr", self.dense_lr)):
             if lr is None:  # the rule's rate (`dense_lr_for`, `embedding_lr_for`)

@@ -519,6 +519,7 @@ _table(
     _c("device", STR, "device", fmt="s"),
     "precision",
     "table_precision",
+    _c("table_update", STR, "table update", fmt="s"),  # the tables' CPU backward and update (train.table_update)
     "world_size",
     "batch_size",
     _c("global_batch_size", I64, "global batch", "samples", ",d", short="batch"),

@@ -110,3 +110,22 @@ def choose_prefetch(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
                 "reason": f"a thread: {cores} core(s) for this rank, {threads} compute thread(s)"}  # fmt: skip
     return {"prefetch": 0, "reason": f"inline: this rank's {cores} core(s) all run its {threads} compute thread(s); "
                                      "a data thread would only time-slice them"}  # fmt: skip
+
+
+def choose_run_table_update(
+    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, first_batch: Callable[[], Any], forward: Any,
+    log: Callable[[str], None] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The tables' backward-and-update path (`train.table_update`): every rank times its own table groups on
+    the run's first batch (the forward is collective over ranks), rank 0's choice runs everywhere."""
+    from dlrm_lab.train.table_update import choose_table_update, install
+
+    choice = choose_table_update(cfg.table_update, dmp, lambda: forward(first_batch().to(ctx.device))).to_dict()
+    shared = [choice]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+        install(dmp, shared[0]["table_update"])
+        shared[0] = {**shared[0], "this_rank": choice}
+    if log and ctx.is_main:
+        log(f"table update {choice['table_update']}: {choice['reason']}")
+    return shared[0]

@@ -53,6 +53,7 @@ from dlrm_lab.train.choices import (
     choose_run_attention,
     choose_run_collectives,
     choose_run_precision,
+    choose_run_table_update,
 )
 from dlrm_lab.train.evaluate import evaluate
 from dlrm_lab.train.pipeline import BatchLoss, make_pipeline
@@ -67,7 +68,7 @@ from dlrm_lab.train.records import (
     warmup_column,
 )
 from dlrm_lab.train.sharding_trial import resolve_sharding
-from dlrm_lab.train.step import RecipeOptimizer, autocast, dense_optimizer, train_step
+from dlrm_lab.train.step import RecipeOptimizer, autocast, dense_optimizer, model_inputs, train_step
 from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases
 from dlrm_lab.train.watchdog import Watchdog
 
@@ -324,6 +325,11 @@ def _build(
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
     if isinstance(optimizer, RecipeOptimizer):
         optimizer.resume_at(start_step)
+    table_update = choose_run_table_update(
+        cfg, ctx, dmp, lambda: next(iter(source or run.open_data(ctx, 1)[0])),
+        (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))), log,
+    )  # fmt: skip
+    cfg = replace(cfg, table_update=table_update["table_update"])
     if start_step >= cfg.steps:
         raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
                          "to do", "steps")  # fmt: skip
@@ -358,6 +364,7 @@ def _build(
         "torch_threads": torch.get_num_threads(),
         **prepared.choices,  # precision, attention, collectives
         "prefetch_choice": prefetch,
+        "table_update_choice": table_update,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
             "table_init": "uniform +-sqrt(1 / rows of the published table)",
@@ -383,7 +390,8 @@ def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[di
     """The run's summary row (`train.records.summary_row`): its throughput, quality, roofline, energy and cost."""
     summary = summary_row(
         status=status, preset=spec.name, interaction=spec.interaction, device=ctx.device.type,
-        precision=cfg.precision, table_precision=cfg.table_precision, world_size=ctx.world_size,
+        precision=cfg.precision, table_precision=cfg.table_precision, table_update=cfg.table_update,
+        world_size=ctx.world_size,
         batch_size=cfg.batch_size, steps=len(steps), warmup=warmup, step_rows=all_steps,
         eval_auc=evals[-1]["auc"] if evals else None,
         eval_loss=evals[-1]["loss"] if evals else None,

@@ -241,7 +241,8 @@ def recovered_summary(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]
     world = config.get("world_size") or 1
     summary = summary_row(
         status="failed", preset=model.get("name"), interaction=model.get("interaction"), device=cfg.get("device"),
-        precision=cfg.get("precision"), table_precision=cfg.get("table_precision"), world_size=world,
+        precision=cfg.get("precision"), table_precision=cfg.get("table_precision"),
+        table_update=cfg.get("table_update"), world_size=world,
         batch_size=cfg.get("batch_size"), steps=len({r["step"] for r in rows}), warmup=warmup, step_rows=rows,
     )  # fmt: skip
     write_table(run_dir, "summary", [summary], SUMMARY_SCHEMA, manifest.get("run_id") or run_dir.name)

@@ -24,8 +24,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-TABLE_UPDATES = ("auto", "fbgemm", "batched")
 MARGIN = 1.10  # the batched update is chosen when fbgemm's takes at least this much longer
+PROFILE_LABEL = "dlrm_lab::batched_table_update"
 REPEATS = 5  # timed lookups-with-backward of each path, interleaved, after one warm-up each
 
 
@@ -67,8 +67,10 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
         feature_requires_grad: torch.Tensor | None = None, batch_size_per_feature_per_rank: Any = None, **rest: Any,
     ) -> torch.Tensor:  # fmt: skip
-        if batch_size_per_feature_per_rank is not None or not torch.is_grad_enabled() or any(
-            v is not None for v in rest.values()
+        if (
+            batch_size_per_feature_per_rank is not None
+            or not torch.is_grad_enabled()
+            or any(v is not None for v in rest.values())
         ):
             return super().forward(
                 indices, offsets, per_sample_weights, feature_requires_grad, batch_size_per_feature_per_rank, **rest
@@ -131,13 +133,20 @@ class _LookupWithBatchedUpdate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         indices, offsets, weights = ctx.saved_tensors
-        ctx.tbe.apply_update(grad, indices, offsets, weights)
+        with torch.profiler.record_function(PROFILE_LABEL):  # a profile names the update as it names fbgemm's
+            ctx.tbe.apply_update(grad, indices, offsets, weights)
         return None, None, None, None, None
 
 
 def fused_table_groups(model: torch.nn.Module) -> list[Any]:
-    """This rank's fbgemm fused table groups (one per group TorchRec batched), in module order."""
-    return [m for m in model.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    """This rank's fbgemm fused table groups (one per group TorchRec batched), in module order. A sharded
+    collection keeps its lookups in a plain list (`_lookups`), out of `modules()`, so they are walked too."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        for inner in [module, *(m for lookup in getattr(module, "_lookups", []) for m in lookup.modules())]:
+            if isinstance(inner, SplitTableBatchedEmbeddingBagsCodegen):
+                found.setdefault(id(inner), inner)
+    return list(found.values())
 
 
 def install(model: torch.nn.Module, path: str) -> None:
@@ -168,8 +177,9 @@ def capture_lookups(model: torch.nn.Module, forward: Any) -> list[tuple[Any, tup
     """Each fused table group's inputs in one forward of the model (`forward()`, gradients off)."""
     seen: list[tuple[Any, tuple[Any, ...]]] = []
     hooks = [
-        tbe.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m, _lookup_args(args, kwargs))),
-                                      with_kwargs=True)  # fmt: skip
+        tbe.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append((m, _lookup_args(args, kwargs))), with_kwargs=True
+        )  # fmt: skip
         for tbe in fused_table_groups(model)
     ]
     try:
@@ -182,7 +192,7 @@ def capture_lookups(model: torch.nn.Module, forward: Any) -> list[tuple[Any, tup
 
 
 def _lookup_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    named = dict(zip(("indices", "offsets", "per_sample_weights"), args), **kwargs)
+    named = dict(zip(("indices", "offsets", "per_sample_weights"), args, strict=False), **kwargs)
     return named["indices"], named["offsets"], named.get("per_sample_weights")
 
 
@@ -206,8 +216,11 @@ def time_paths(lookups: list[tuple[Any, tuple[Any, ...]]], repeats: int = REPEAT
 
 
 def choose_table_update(requested: str, model: torch.nn.Module, forward: Any) -> TableUpdateChoice:
-    """The path this rank's tables take (`requested` one of TABLE_UPDATES), installed before returning. "auto"
-    times both on the batch `forward()` feeds the model, with the model unchanged (`time_paths`)."""
+    """The path this rank's tables take (`requested` one of `config.train.TABLE_UPDATES`), installed before
+    returning. "auto" times both on the batch `forward()` feeds the model, with the model unchanged
+    (`time_paths`)."""
+    # "auto" runs the forward on every rank whatever its tables (it is collective over ranks)
+    lookups = capture_lookups(model, forward) if requested == "auto" else []
     groups = fused_table_groups(model)
     why_not = [w for w in (unsupported(t) for t in groups) if w]
     if not groups:
@@ -219,8 +232,7 @@ def choose_table_update(requested: str, model: torch.nn.Module, forward: Any) ->
     elif requested == "batched":
         choice = TableUpdateChoice(requested, "batched", "--table-update batched" + _partly(why_not, groups))
     else:
-        lookups = [(t, a) for t, a in capture_lookups(model, forward) if unsupported(t) is None]
-        ms = time_paths(lookups)
+        ms = time_paths([(t, a) for t, a in lookups if unsupported(t) is None])
         faster = ms["fbgemm"] >= MARGIN * ms["batched"]
         path = "batched" if faster else "fbgemm"
         reason = (f"the tables' backward and update took {ms['batched']:.2f} ms batched on all cores against "
