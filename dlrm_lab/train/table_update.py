@@ -82,6 +82,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         """fbgemm's forward alone (no autograd record: called with gradients off)."""
         return super().forward(indices, offsets, weights)
 
+    @torch.no_grad()
     def apply_update(
         self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
     ) -> None:
@@ -90,30 +91,39 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         g / (sqrt(state) + eps)) or SGD (row -= lr g)."""
         features = len(self.feature_table_map)
         width = int(self.D_offsets[1] - self.D_offsets[0])
-        grad = grad.float()
+        if indices.numel() == 0:
+            return
+        grad_rows = grad.float().reshape(-1, width)  # pooled: a row per (sample, feature); nobag: per id
+        scale = weights.float() if weights is not None else None
         if self.pooling_mode == PoolingMode.NONE:
-            per_id, segment = grad, None
+            source = torch.arange(indices.numel())
             feature = torch.repeat_interleave(offsets.diff().view(features, -1).sum(1))
         else:
             lengths = offsets.diff()
-            segment = torch.repeat_interleave(lengths)  # the (feature, sample) bag of each id
+            segment = torch.repeat_interleave(lengths)  # each id's bag, feature-major
             batch = (offsets.numel() - 1) // features
             feature = torch.div(segment, batch, rounding_mode="floor")
-            sample = segment - feature * batch
-            per_id = grad.reshape(batch * features, width).index_select(0, sample * features + feature)
+            source = (segment - feature * batch) * features + feature  # its bag's row of the sample-major grad
             if self.pooling_mode == PoolingMode.MEAN:
-                per_id = per_id / lengths.index_select(0, segment).clamp(min=1).unsqueeze(1)
-        if weights is not None:
-            per_id = per_id * weights.unsqueeze(1)
+                mean = 1.0 / lengths.index_select(0, segment).float()
+                scale = mean if scale is None else scale * mean
         # fbgemm keeps each feature's first element (its table's), so a feature's first row is that over the width
         rows = torch.div(self.weights_offsets, width, rounding_mode="floor").index_select(0, feature) + indices.long()
+        # Duplicates summed by sorting the rows and pooling each run of equal rows with embedding_bag (fbgemm's
+        # multi-threaded CPU sum): 0.78 ms against 1.55 for unique + index_add_ (kaggle's 53k ids, 2 threads);
+        # 32-bit keys sort faster than 64-bit (0.41 against 0.73 ms)
         table = self.weights_host.view(-1, width)
+        keys, order = torch.sort(rows.int() if len(table) < 2**31 else rows)
+        unique, counts = torch.unique_consecutive(keys, return_counts=True)
+        unique = unique.long()
+        summed = torch.nn.functional.embedding_bag(
+            source.index_select(0, order), grad_rows, counts.cumsum(0) - counts, mode="sum",
+            per_sample_weights=scale.index_select(0, order) if scale is not None else None,
+        )  # fmt: skip
         lr = float(self.learning_rate_tensor)
         if self.optimizer == OptimType.EXACT_SGD:
-            table.index_add_(0, rows, per_id, alpha=-lr)
+            table.index_add_(0, unique, summed, alpha=-lr)
             return
-        unique, inverse = torch.unique(rows, return_inverse=True)
-        summed = torch.zeros(len(unique), width).index_add_(0, inverse, per_id)
         state = self.momentum1_host.index_select(0, unique) + summed.pow(2).mean(1)
         self.momentum1_host.index_copy_(0, unique, state)
         table.index_add_(0, unique, summed * (-lr / (state.sqrt() + self.optimizer_args.eps)).unsqueeze(1))
