@@ -236,3 +236,21 @@ def test_docstring_examples_run():
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
     assert result.attempted >= 25  # the examples of PooledSparseArch, the interactions, DLRM and build_model
+
+
+def test_a_dot_interaction_told_fp32_computes_its_gram_matrix_out_of_autocast():
+    from dlrm_lab.model.dlrm import DotInteractionArch
+
+    torch.manual_seed(0)
+    inter = DotInteractionArch(num_sparse_features=5)
+    dense = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)  # a bottom MLP's output under autocast
+    sparse = torch.randn(8, 5, 16, requires_grad=True)
+    want = inter(dense.float(), sparse)  # fp32 all through
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = inter(dense, sparse)
+        inter.gram_dtype = torch.float32
+        kept = inter(dense, sparse)
+    assert cast.dtype == torch.bfloat16 and kept.dtype == torch.float32
+    torch.testing.assert_close(kept, want)
+    kept.sum().backward()
+    assert dense.grad.dtype == torch.bfloat16 and sparse.grad.dtype == torch.float32

@@ -497,3 +497,19 @@ def test_auto_table_update_times_both_and_trains_as_fbgemm_does(tmp_path, overri
     assert auto.summary["table_update"] == choice["table_update"] in ("fbgemm", "batched")
     # the timing left the model as it was: the same steps as a run that never timed
     assert [r["loss"] for r in auto.steps] == pytest.approx([r["loss"] for r in plain.steps], rel=1e-5)
+
+
+def test_a_bf16_run_times_its_dot_interaction_both_ways_and_runs_the_choice(tmp_path):
+    from dlrm_lab.model.dlrm import DotInteractionArch
+
+    spec = dlrm_lab.load_preset("tiny")
+    result = train(spec, TrainConfig(steps=4, batch_size=64, precision="bf16", seed=2), metrics_dir=tmp_path,
+                   keep_model=True)  # fmt: skip
+    choice = read_manifest(result.run_dir)["config"]["interaction_choice"]
+    assert choice["gram_dtype"] in ("fp32", "autocast") and set(choice["ms"]) == {"fp32", "autocast"}
+    assert "forward and backward" in choice["reason"]
+    arch = next(m for m in result.model.modules() if isinstance(m, DotInteractionArch))
+    assert arch.gram_dtype == (torch.float32 if choice["gram_dtype"] == "fp32" else None)
+    # fp32 runs have nothing to choose
+    fp32 = train(spec, TrainConfig(steps=2, batch_size=64, seed=2), metrics_dir=tmp_path)
+    assert read_manifest(fp32.run_dir)["config"]["interaction_choice"] is None

@@ -165,16 +165,26 @@ class DotInteractionArch(nn.Module):
         self.F: int = num_sparse_features
         rows, cols = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
         self.register_buffer("triu_flat_indices", rows * (self.F + 1) + cols, persistent=False)
+        # None: the Gram matrix in autocast's dtype where autocast is on (bmm: bf16); a dtype: in that one, out of
+        # autocast (set by a training run's measured choice, `train.choices.choose_interaction_dtype`)
+        self.gram_dtype: torch.dtype | None = None
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: torch.Tensor, triangle: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`triangle`: where the pairs lie when `sparse_features` come in another order than the
         features' (`pooled_with_triangle`); by default they come in order."""
-        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        if self.gram_dtype is not None:  # the measured choice: out of autocast, in this dtype
+            with torch.autocast(dense_features.device.type, enabled=False):
+                dtype = self.gram_dtype
+                return self._pairs(dense_features.to(dtype), sparse_features.to(dtype), triangle)
+        return self._pairs(dense_features, sparse_features, triangle)
+
+    def _pairs(self, dense: torch.Tensor, sparse: torch.Tensor, triangle: torch.Tensor | None) -> torch.Tensor:
+        combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
         gram = torch.bmm(combined, combined.transpose(1, 2)).flatten(1)
         pairs = self.triu_flat_indices if triangle is None else triangle
-        return torch.cat((dense_features, gram.index_select(1, pairs)), dim=1)
+        return torch.cat((dense, gram.index_select(1, pairs)), dim=1)
 
 
 class ConcatInteractionArch(nn.Module):

@@ -4,6 +4,8 @@ ranker, the attention path. Rank 0 measures (or reads the cached rates); every r
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -128,4 +130,82 @@ def choose_run_table_update(
         shared[0] = {**shared[0], "this_rank": choice}
     if log and ctx.is_main:
         log(f"table update {choice['table_update']}: {choice['reason']}")
+    return shared[0]
+
+
+INTERACTION_MARGIN = 1.10  # the Gram matrix leaves autocast when that takes at least this much longer
+INTERACTION_REPEATS = 5  # timings of each way, interleaved, after one warm-up round
+INTERACTION_CALLS = 3  # forward-and-backward calls a timing averages
+
+
+def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.device) -> Callable[[Any], float]:
+    """Milliseconds of the dot interaction's forward and backward at the run's batch under bf16 autocast, as
+    the step runs it (the bottom MLP's output in bf16, the pooled embeddings fp32), with its Gram matrix in
+    a dtype (None: autocast's); the inputs made once, so only the interaction is timed."""
+    dense = torch.randn(cfg.batch_size, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    sparse = torch.randn(cfg.batch_size, arch.F, width, device=device, requires_grad=True)
+    with torch.no_grad():
+        grad = torch.randn_like(arch(dense.float(), sparse))
+
+    def once() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = arch(dense, sparse)
+        out.backward(grad)
+
+    def timed(gram_dtype: Any) -> float:
+        before, arch.gram_dtype = arch.gram_dtype, gram_dtype
+        try:
+            once()  # allocations of this way's first call out of the timing
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(INTERACTION_CALLS):
+                once()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return (time.perf_counter() - start) * 1e3 / INTERACTION_CALLS
+        finally:
+            arch.gram_dtype = before
+
+    return timed
+
+
+def choose_run_interaction(
+    spec: Spec, cfg: TrainConfig, ctx: DistContext, model: torch.nn.Module, log: Callable[[str], None] | None
+) -> dict[str, Any] | None:
+    """Where a dot interaction computes its Gram matrix when the run's dense part is in bf16: in bf16 as autocast
+    casts its `bmm` (a product of 16-wide rows, too small for bf16's rate to pay for the casts around it), or
+    in fp32 out of autocast. Rank 0 times both at the run's batch, every rank runs its choice; None where
+    there is no dot interaction or the run is fp32."""
+    from dlrm_lab.model.dlrm import DotInteractionArch
+
+    arches = [m for m in model.modules() if isinstance(m, DotInteractionArch)]
+    if not arches or cfg.precision == "fp32":
+        return None
+    shared: list[Any] = [None]
+    if ctx.is_main:
+        ms: dict[str, list[float]] = {"autocast": [], "fp32": []}
+        timed = _interaction_timer(arches[0], spec.tables[0].embedding_dim, cfg, ctx.device)
+        for k in range(INTERACTION_REPEATS + 1):
+            for way in ("autocast", "fp32") if k % 2 == 0 else ("fp32", "autocast"):
+                took = timed(None if way == "autocast" else torch.float32)
+                if k:  # the first round warms up
+                    ms[way].append(took)
+        med = {way: statistics.median(t) for way, t in ms.items()}
+        way = "fp32" if med["autocast"] >= INTERACTION_MARGIN * med["fp32"] else "autocast"
+        shared[0] = {
+            "gram_dtype": way,
+            "reason": f"the dot interaction's forward and backward took {med['fp32']:.2f} ms with its Gram matrix "
+            f"in fp32 against {med['autocast']:.2f} ms under bf16 autocast (batch {cfg.batch_size}, medians of "
+            f"{INTERACTION_REPEATS} interleaved); "
+            + ("fp32 kept" if way == "fp32" else f"fp32 is not {INTERACTION_MARGIN:.2f}x faster: autocast kept"),
+            "ms": {k: round(v, 3) for k, v in med.items()},
+            "margin": INTERACTION_MARGIN,
+        }
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    for arch in arches:
+        arch.gram_dtype = torch.float32 if shared[0]["gram_dtype"] == "fp32" else None
+    if log and ctx.is_main:
+        log(f"dot interaction {shared[0]['gram_dtype']}: {shared[0]['reason']}")
     return shared[0]

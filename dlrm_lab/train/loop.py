@@ -52,6 +52,7 @@ from dlrm_lab.train.choices import (
     choose_prefetch,
     choose_run_attention,
     choose_run_collectives,
+    choose_run_interaction,
     choose_run_precision,
     choose_run_table_update,
 )
@@ -330,6 +331,7 @@ def _build(
         (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))), log,
     )  # fmt: skip
     cfg = replace(cfg, table_update=table_update["table_update"])
+    interaction = choose_run_interaction(spec, cfg, ctx, dmp, log)
     if start_step >= cfg.steps:
         raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
                          "to do", "steps")  # fmt: skip
@@ -365,6 +367,7 @@ def _build(
         **prepared.choices,  # precision, attention, collectives
         "prefetch_choice": prefetch,
         "table_update_choice": table_update,
+        "interaction_choice": interaction,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
             "table_init": "uniform +-sqrt(1 / rows of the published table)",
