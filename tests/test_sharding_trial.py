@@ -93,7 +93,8 @@ def test_the_trial_key_names_the_job_shape():
     assert key != st.trial_key(spec, torch.device("cpu"), 2, 2, TrainConfig(batch_size=128))
     assert key != st.trial_key(spec, torch.device("cpu"), 2, 2, cfg, backend="mpi4py")
     assert key != st.trial_key(load_preset("tiny", table_scale=0.5), torch.device("cpu"), 2, 2, cfg)
-    for other in (TrainConfig(batch_size=64, pipeline=True), TrainConfig(batch_size=64, dense_optimizer="sgd")):
+    for other in (TrainConfig(batch_size=64, pipeline=True), TrainConfig(batch_size=64, dense_optimizer="sgd"),
+                  TrainConfig(batch_size=64, table_update="batched")):  # fmt: skip
         assert key != st.trial_key(spec, torch.device("cpu"), 2, 2, other)
 
 

@@ -13,8 +13,11 @@ times each candidate plan for a few steps on the real ranks and keeps the fastes
   type whose tables do not fit is skipped with the planner's reason;
 - each candidate runs `WARMUP_STEPS` untimed and `TIMED_STEPS` timed training steps on the
   same batches; a step's time is the slowest rank's, and the candidate's the median;
+- each candidate runs with the tables' update the run asks for (`--table-update`; auto: timed on
+  that candidate's model, since the batched update costs by the ids a rank holds, which
+  column-wise plans double);
 - the times are cached in this machine's profile under the job's shape (device, ranks,
-  threads, batch per rank, table precision and optimizer, model), so later runs of the
+  threads, batch per rank, table precision, optimizer and update, model), so later runs of the
   same shape reuse them; the manifest records the times, the choice and where they came from.
 
 On GPUs `auto` is the planner's plan (its cost model was made for them); on one rank every
@@ -44,7 +47,8 @@ from dlrm_lab.data import BatchSource
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import describe_plan
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.train.step import dense_optimizer, train_step
+from dlrm_lab.train.step import dense_optimizer, model_inputs, train_step
+from dlrm_lab.train.table_update import choose_table_update
 
 WARMUP_STEPS, TIMED_STEPS = 2, 4
 CANDIDATES = ("planner", *SHARDING_TYPES)
@@ -105,7 +109,8 @@ def trial_key(
     return (
         f"{where}/{backend}/{world_size}r{local_world_size}l/{torch.get_num_threads()}t/b{cfg.batch_size}/"
         f"{cfg.table_precision}/{cfg.embedding_optimizer}/{cfg.dense_optimizer}/{cfg.precision}/{data}/"
-        f"attention={cfg.attention}/pipeline={cfg.pipeline}/shard={shard}/{spec.name}-{digest}"
+        f"attention={cfg.attention}/pipeline={cfg.pipeline}/shard={shard}/update={cfg.table_update}/"
+        f"{spec.name}-{digest}"
     )
 
 
@@ -243,6 +248,8 @@ def resolve_sharding(
 
         def built(candidate: str) -> tuple[Any, Any, str]:
             dmp, plan = build(candidate)
+            # each plan timed with the table update it would run (its ids per rank decide the batched one's cost)
+            choose_table_update(cfg.table_update, dmp, lambda: dmp(*model_inputs(batches[0])))
             layout = describe_plan(plan, spec, ctx.world_size)["tables"]
             return dmp, dense_optimizer(dmp, cfg, dense_lr_for(spec, cfg, ctx.world_size)[0]), repr(layout)
 
