@@ -326,15 +326,15 @@ def _build(
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
     if isinstance(optimizer, RecipeOptimizer):
         optimizer.resume_at(start_step)
+    if start_step >= cfg.steps:
+        raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
+                         "to do", "steps")  # fmt: skip
     table_update = choose_run_table_update(
         cfg, ctx, dmp, lambda: next(iter(source or run.open_data(ctx, 1)[0])),
         (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))), log,
     )  # fmt: skip
     cfg = replace(cfg, table_update=table_update["table_update"])
     interaction = choose_run_interaction(spec, cfg, ctx, dmp, log)
-    if start_step >= cfg.steps:
-        raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
-                         "to do", "steps")  # fmt: skip
     plan_info = describe_plan(
         plan, spec, ctx.world_size, bytes_per_value=int(TABLE_BYTES_PER_VALUE[cfg.table_precision])
     )
