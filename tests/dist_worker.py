@@ -20,10 +20,22 @@ from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.train import train
 
 
+def lean_dists(model: torch.nn.Module) -> int:
+    """How many of the model's pooled output distributions are the lab's lean one."""
+    from dlrm_lab.distributed.lean import LeanPooledAllToAll
+
+    return sum(
+        isinstance(getattr(d, "_dist", None), LeanPooledAllToAll)
+        for m in model.modules()
+        for d in getattr(m, "_output_dists", [])
+    )
+
+
 def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[str]) -> None:
     spec = load_any_preset(preset)
     world = init_distributed("cpu").world_size  # before the first run sizes its batch
-    for sharding in shardings:
+    for token in shardings:
+        sharding, _, distribution = token.partition("+")  # table_wise+lean: the lab's leaner distribution
         # several ranks: the batched table update (timed by auto under table-wise), one rank fbgemm's kernel, so
         # matching losses and tables also show the two updates alike on every sharding
         table_update = "fbgemm" if world == 1 else "auto" if sharding == "table_wise" else "batched"
@@ -39,6 +51,7 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
             prefetch=0,
             seed=3,
             table_update=table_update,
+            distribution=distribution or "torchrec",
         )
         result = train(spec, cfg, keep_model=True)
         by_step: dict[int, list[float]] = {}
@@ -53,11 +66,12 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
                 for k in ("step_time_ms", *(f"{p}_ms" for p in PHASES))
             }
             record = {"losses": losses, "plan": result.plan, "phases": phases,
-                      "table_update": result.summary["table_update"]}  # fmt: skip
-            (out / f"{preset}-{sharding}.json").write_text(json.dumps(record))
-            torch.save({"tables": tables, "dense": dense}, out / f"{preset}-{sharding}.pt")
+                      "table_update": result.summary["table_update"],
+                      "lean_dists": lean_dists(result.model)}  # fmt: skip
+            (out / f"{preset}-{token}.json").write_text(json.dumps(record))
+            torch.save({"tables": tables, "dense": dense}, out / f"{preset}-{token}.pt")
         print(
-            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {preset} {sharding} done",
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {preset} {token} done",
             file=sys.stderr,
             flush=True,
         )

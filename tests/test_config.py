@@ -216,6 +216,8 @@ def test_bad_scaling_is_refused():
         ({"dense_optimizer": "lamb"}, "dense_optimizer 'lamb'"),
         ({"embedding_lr": 0.0}, "embedding_lr 0.0"),
         ({"steps": 10, "warmup_steps": 10}, "warmup_steps 10"),
+        ({"table_update": "fast"}, "table_update 'fast': allowed: auto, fbgemm, batched"),
+        ({"distribution": "nccl"}, "distribution 'nccl': allowed: torchrec, lean"),
     ],
 )
 def test_bad_train_options(kwargs, message):

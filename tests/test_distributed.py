@@ -24,7 +24,10 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
 
 HSTU_SHARDINGS = ("table_wise", "row_wise", "column_wise")
 # one process per rank count runs them all: tiny under every sharding type, the HSTU ranker under its types
-JOBS = [f"tiny:{GLOBAL_BATCH}:{','.join(SHARDING_TYPES)}", f"hstu-tiny:{GLOBAL_BATCH // 4}:{','.join(HSTU_SHARDINGS)}"]
+JOBS = [
+    f"tiny:{GLOBAL_BATCH}:{','.join(SHARDING_TYPES)},table_wise+lean",
+    f"hstu-tiny:{GLOBAL_BATCH // 4}:{','.join(HSTU_SHARDINGS)}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,23 @@ def test_two_ranks_match_one_rank(runs, sharding):
         assert not torch.equal(table, initial[name]), name
     for key, value in wa["dense"].items():
         torch.testing.assert_close(wb["dense"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_the_lean_distribution_takes_torchrecs_steps(runs):
+    """--distribution lean: the same collectives of the same bytes, so the same losses and tables as TorchRec's
+    table-wise distribution on two ranks and as one rank."""
+    one, two = runs
+    lean, torchrec = (json.loads((two / f"tiny-{name}.json").read_text()) for name in ("table_wise+lean", "table_wise"))
+    assert lean["lean_dists"] >= 1 and torchrec["lean_dists"] == 0
+    assert json.loads((one / "tiny-table_wise+lean.json").read_text())["lean_dists"] == 0  # one rank: TorchRec's
+    assert lean["losses"] == pytest.approx(torchrec["losses"], rel=1e-6)
+    wl, wt = torch.load(two / "tiny-table_wise+lean.pt"), torch.load(two / "tiny-table_wise.pt")
+    for name, table in wt["tables"].items():
+        torch.testing.assert_close(wl["tables"][name], table, rtol=1e-6, atol=1e-7)
+    assert lean["phases"]["embedding_all_to_all_backward_ms"] and all(
+        ms > 0 for ms in lean["phases"]["embedding_all_to_all_backward_ms"]
+    )  # its backward is still timed as the all-to-all's
 
 
 @pytest.mark.multiprocess

@@ -22,6 +22,9 @@ EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
 # The tables' CPU backward and update: fbgemm's kernel, the same update batched on all cores, or the faster
 # measured on the run's first batch (`train.table_update`)
 TABLE_UPDATES = ("auto", "fbgemm", "batched")
+# The pooled embeddings' output distribution between ranks: TorchRec's, or the lab's leaner all-to-all for
+# table-wise tables (`distributed.lean`), only when asked
+DISTRIBUTIONS = ("torchrec", "lean")
 # holdout: train on the training samples, evaluate on held-out ones; streaming (time-ordered families, MLPerf
 # Training DLRMv4's): train on window T, evaluate on window T + 1 before training on it (data.sequences.Stream)
 PROTOCOLS = ("holdout", "streaming")
@@ -53,6 +56,11 @@ class TrainConfig:
         "The tables' CPU backward and update: auto (both timed on the first batch, the faster kept), fbgemm "
         "(TorchRec's fused kernel) or batched (the same exact update as batched torch ops on all cores).",
         cli_default="auto",
+    )
+    distribution: str = option(
+        "torchrec",
+        "The pooled embeddings' distribution between ranks: torchrec (TorchRec's, as deployed) or lean (the same "
+        "all-to-all straight from the lookup's output, one copy each way; table-wise tables; never the default).",
     )
     # None: 0.05 / the tables' mean pooling factor (`embedding_lr_for`)
     embedding_lr: float | None = option(
@@ -158,6 +166,7 @@ class TrainConfig:
         _choice("table_precision", self.table_precision, TABLE_PRECISIONS)
         _choice("embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
         _choice("table_update", self.table_update, TABLE_UPDATES)
+        _choice("distribution", self.distribution, DISTRIBUTIONS)
         _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
         for name, lr in (("embedding_lr", self.embedding_lr), ("dense_lr", self.dense_lr)):
             if lr is None:  # the rule's rate (`dense_lr_for`, `embedding_lr_for`)

@@ -33,6 +33,7 @@ from dlrm_lab.distributed.context import (
     pin_to_cores,
     resolve_device,
 )
+from dlrm_lab.distributed.lean import use_lean_distribution
 from dlrm_lab.distributed.plan import check_table_types, describe_plan, parse_table_sharding
 from dlrm_lab.distributed.tables import init_tables
 from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
@@ -298,6 +299,7 @@ def _build(
     embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
     # identical initial rows whatever the sharding and rank count, spread as in the published model
     init_bounds = {t.name: t.init_bound for t in spec.tables}
+    distribution: dict[str, Any] = {}  # the last built model's (the run's)
 
     def build(sharding: str, pipelined: bool = False) -> tuple[Any, Any]:
         torch.manual_seed(cfg.seed)  # the same dense weights for every plan the sharding trial builds, and the run's
@@ -315,6 +317,7 @@ def _build(
             wrapper=BatchLoss(model) if pipelined else None,
         )
         init_tables(dmp, cfg.seed, init_bounds)
+        distribution["record"] = _distribution(dmp, cfg, ctx)
         return dmp, plan
 
     sharding_choice = resolve_sharding(spec, cfg, ctx, lambda: source or run.open_data(ctx, 1)[0], build, log)
@@ -367,6 +370,7 @@ def _build(
         **prepared.choices,  # precision, attention, collectives
         "prefetch_choice": prefetch,
         "table_update_choice": table_update,
+        "distribution_choice": distribution["record"],
         "interaction_choice": interaction,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
@@ -385,6 +389,15 @@ def _build(
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config)
+
+
+def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    """The pooled embeddings' distribution between ranks (`--distribution`), put in place on `dmp`."""
+    if cfg.distribution == "torchrec":
+        return {"distribution": "torchrec", "reason": "TorchRec's own (the default: the lab measures it as deployed)"}
+    if ctx.world_size == 1:
+        return {"distribution": "torchrec", "reason": "--distribution lean: one rank, nothing to distribute"}
+    return {**use_lean_distribution(dmp), "reason": "--distribution lean"}
 
 
 def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[dict[str, Any]],
