@@ -23,7 +23,9 @@ Values: true -> `--name`, false -> `--no-name`, a list in [options] -> the optio
 
 The sweep directory is a run of kind `sweep`; point p, repeat r runs as `dlrm-lab COMMAND
 ... --metrics-dir points/p{p:04d}-r{r}` in its own process (a crashed point cannot take the
-sweep or its siblings down) and leaves an ordinary run directory there. A point-repeat is
+sweep or its siblings down) and leaves an ordinary run directory there. Repeats run interleaved
+(every point's first, then every point's second, ...), so points compared as ratios see the same
+drift of the host. A point-repeat is
 done when that directory holds a run with status `ok`. Running the same command again skips
 what is done and moves unfinished attempts to `_incomplete/` before repeating them, so every
 point-repeat has exactly one run: no duplicated and no lost rows. `points.parquet` (one row
@@ -322,6 +324,9 @@ def run_sweep(
             result.points.append(pr)
             if not done:
                 todo.append(pr)
+    # repeats interleaved (every point's first repeat, then every point's second, ...): the host drifts over
+    # minutes, and points compared as ratios (a scale's 1 and 2 ranks) must see the same drift
+    todo.sort(key=lambda pr: (pr.repeat, pr.point))
     status, error = "ok", None
     try:
         for i, pr in enumerate(todo):

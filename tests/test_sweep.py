@@ -1,5 +1,6 @@
 """Sweeps: grid files checked up front, points x repeats as runs, statistics, resume after a kill."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -182,3 +183,24 @@ def test_the_ibench_sweep_in_docs_is_valid_and_holds_the_samples_per_second():
     args = point_args(spec, spec.points[-1])
     assert args[:2] == ["infer", "run"] and "--target" in args and "--price-per-hour" in args
     assert {"cost_per_1m_queries", "energy_per_query_j"} <= set(spec.metrics)
+
+
+def test_repeats_run_interleaved_so_compared_points_share_the_hosts_drift(tmp_path, monkeypatch):
+    import dlrm_lab.sweep as sweep
+
+    spec = load_spec(grid_file(tmp_path, 'command = "train"\nrepeats = 3\n[grid]\nbatch-size = [32, 64]'))
+    spec = dataclasses.replace(spec, out=tmp_path / "sweep")
+    ran: list[tuple[int, int]] = []
+
+    def fake_point(spec_, params, slot):  # a point-repeat that "ran" and left an ok run behind
+        point, repeat = int(slot.name[1:5]), int(slot.name.split("-r")[1])
+        ran.append((point, repeat))
+        with Run.create(slot / "train-x", kind="train", config={}) as run:
+            run.write_summary([{"samples_per_s": 100.0, "eval_auc": 0.7}], SUMMARY_SCHEMA)
+        return "ok", 0.0
+
+    monkeypatch.setattr(sweep, "_run_point", fake_point)
+    monkeypatch.setattr(sweep, "_done_run", lambda slot: next(iter(sorted(slot.glob("train-*"))), None))
+    result = sweep.run_sweep(spec, metrics_dir=tmp_path)
+    assert ran == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert [(p.point, p.repeat) for p in result.points] == sorted(ran)  # the tables keep point order
