@@ -61,7 +61,7 @@ def unsupported(tbe: Any) -> str | None:
 class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
     """fbgemm's fused table group whose backward applies the exact update as batched torch ops (`install` swaps
     an existing module's class; nothing is constructed). Lookups other than a plain training one (variable
-    batch per feature, no gradient) are fbgemm's own."""
+    batch per feature, per-feature gradients, no gradient) are fbgemm's own."""
 
     def forward(  # type: ignore[override]
         self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
@@ -69,6 +69,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
     ) -> torch.Tensor:  # fmt: skip
         if (
             batch_size_per_feature_per_rank is not None
+            or feature_requires_grad is not None
             or not torch.is_grad_enabled()
             or any(v is not None for v in rest.values())
         ):
