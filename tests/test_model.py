@@ -254,3 +254,19 @@ def test_a_dot_interaction_told_fp32_computes_its_gram_matrix_out_of_autocast():
     torch.testing.assert_close(kept, want)
     kept.sum().backward()
     assert dense.grad.dtype == torch.bfloat16 and sparse.grad.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_the_interaction_choice_times_both_ways_on_cuda():
+    from dlrm_lab.config import TrainConfig
+    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.train.choices import choose_run_interaction
+
+    spec = dlrm_lab.load_preset("tiny")
+    model = dlrm_lab.build_model(spec, device="cuda")
+    ctx = type("Ctx", (), {"is_main": True, "world_size": 1, "device": torch.device("cuda")})()
+    choice = choose_run_interaction(spec, TrainConfig(batch_size=256, precision="bf16", device="cuda"), ctx, model,
+                                    None)  # fmt: skip
+    assert set(choice["ms"]) == {"fp32", "autocast"} and all(v > 0 for v in choice["ms"].values())
+    arch = next(m for m in model.modules() if isinstance(m, DotInteractionArch))
+    assert arch.gram_dtype == (torch.float32 if choice["gram_dtype"] == "fp32" else None)
