@@ -166,7 +166,7 @@ class DotInteractionArch(nn.Module):
         rows, cols = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
         self.register_buffer("triu_flat_indices", rows * (self.F + 1) + cols, persistent=False)
         # None: the Gram matrix in autocast's dtype where autocast is on (bmm: bf16); a dtype: in that one, out of
-        # autocast (set by a training run's measured choice, `train.choices.choose_interaction_dtype`)
+        # autocast (set by a training run's measured choice, `train.choices.choose_run_interaction`)
         self.gram_dtype: torch.dtype | None = None
 
     def forward(
