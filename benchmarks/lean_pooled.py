@@ -4,9 +4,9 @@ TorchRec's CPU `PooledEmbeddingsAllToAll` copies the pooled rows into a fresh bu
 collective, concatenates the ranks' blocks after it, and regroups the gradient by rank in two
 copies (`.contiguous()` per block, then a concatenation). An all-to-all straight from the lookup's
 output, one concatenation forward and one regrouping copy backward is the least a step can do on
-one host. This experiment swaps it in for TorchRec's table-wise output distribution (a patch in
-the ranks of this script only: the lab itself runs TorchRec's) and runs kaggle weak scaling both
-ways, alternated, over MPI:
+one host. This experiment runs kaggle weak scaling through TorchRec's table-wise output
+distribution and through that leaner one (`train --distribution lean`, `dlrm_lab.distributed.lean`;
+the lab's default stays TorchRec's), alternated, over MPI:
 
     python benchmarks/lean_pooled.py --repeats 2      # ~3 min on 2 cores
 
@@ -30,73 +30,16 @@ TRAIN = ["train", "--preset", "kaggle", "--max-rows", "100000", "--batch-size", 
 PHASES_SHOWN = ("embedding_all_to_all", "embedding_all_to_all_backward", "backward")
 
 
-def install_lean_output_dist() -> None:
-    """Replace TorchRec's table-wise pooled all-to-all in this process (the experiment's variant)."""
-    import torch
-    import torch.distributed as dist
-    from torchrec.distributed import comm_ops
-    from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
-    from torchrec.distributed.types import NoWait
-
-    class LeanPooled(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, local: torch.Tensor, pg: Any, dims: list[int]) -> torch.Tensor:  # type: ignore[override]
-            world, me = pg.size(), pg.rank()
-            b = local.shape[0] // world
-            out = torch.empty(b * sum(dims), dtype=local.dtype)
-            dist.all_to_all_single(out, local.contiguous().view(-1), [b * d for d in dims], [b * dims[me]] * world,
-                                   group=pg)  # fmt: skip
-            ctx.pg, ctx.dims, ctx.b = pg, dims, b
-            blocks = out.split([b * d for d in dims])
-            return torch.cat([blk.view(b, d) for blk, d in zip(blocks, dims, strict=True)], dim=1)
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-            pg, dims, b = ctx.pg, ctx.dims, ctx.b
-            world, me = pg.size(), pg.rank()
-            send = torch.empty(b * sum(dims), dtype=grad.dtype)
-            at = col = 0
-            for d in dims:  # one copy: each rank's columns into its contiguous block
-                send[at : at + b * d].view(b, d).copy_(grad[:, col : col + d])
-                at, col = at + b * d, col + d
-            recv = torch.empty(world * b * dims[me], dtype=grad.dtype)
-            dist.all_to_all_single(recv, send, [b * dims[me]] * world, [b * d for d in dims], group=pg)
-            if comm_ops.get_gradient_division():  # as TorchRec's backward does
-                recv.div_(world)
-            return recv.view(world * b, dims[me]), None, None
-
-    class LeanPooledAllToAll(torch.nn.Module):
-        def __init__(self, pg: Any, dims: list[int]) -> None:
-            super().__init__()
-            self.pg, self.dims = pg, dims
-
-        def forward(self, local_embs: torch.Tensor, batch_size_per_rank: Any = None) -> Any:
-            return NoWait(LeanPooled.apply(local_embs, self.pg, self.dims))
-
-    def create(self: Any, sharding_ctx: Any = None) -> None:
-        self._dist = LeanPooledAllToAll(self._pg, self._dim_sum_per_rank)
-
-    TwPooledEmbeddingDist._create_output_dist_module = create
-
-
-def rank_job(variant: str, args: list[str]) -> None:
-    if variant == "lean":
-        install_lean_output_dist()
-    sys.argv = ["dlrm-lab", *args]
-    from dlrm_lab.cli import run
-
-    run()
-
-
 def one_run(ranks: int, variant: str, steps: int, out: Path) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from dlrm_lab.train.scaling_model import StepTimes
 
-    args = [*TRAIN, "--steps", str(steps), "--metrics-dir", str(out)]
+    args = [*TRAIN, "--steps", str(steps), "--metrics-dir", str(out), "--distribution",
+            "lean" if variant == "lean" else "torchrec"]  # fmt: skip
     if ranks > 1:
         args += ["--collectives", "mpi"]
-    cmd = [sys.executable, __file__, "--rank-job", variant, "--", *args]
+    cmd = [sys.executable, "-m", "dlrm_lab", *args]
     if ranks > 1:
         cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -113,14 +56,10 @@ def one_run(ranks: int, variant: str, steps: int, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rank-job", choices=("torchrec", "lean"), help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=2, help="pairs of runs, alternated (ABBA): the host drifts")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None)
-    opts, rest = ap.parse_known_args()
-    if opts.rank_job:
-        rank_job(opts.rank_job, rest[1:] if rest[:1] == ["--"] else rest)
-        return
+    opts = ap.parse_args()
     from common import header, results_path, write_results
 
     from dlrm_lab.metrics.roofline import load_profile
