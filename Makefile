@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 METRICS ?= runs
 DATA ?= data
+CHECKPOINTS ?= checkpoints
 KAGGLE := --preset kaggle --max-rows 1000000
 
 .PHONY: install run test lint bench clean
@@ -19,7 +20,7 @@ install: $(STAMP)
 
 # The main job: this machine's peaks (a quick probe, once per machine), a Criteo-shaped
 # synthetic dataset (generated once, checked against its spec), the Kaggle DLRM (tables
-# capped at 1M rows) trained on it, the same model served under MLPerf-sized queries by two
+# capped at 1M rows) trained on it, the model it trained (its checkpoint) served under MLPerf-sized queries by two
 # co-located instances at a load and p99 bound the lab measures this machine can honour
 # (with the max batch, batching delay and spin it measures best at that load),
 # the runs so far, and the report (plots, tables, manifests) of the two runs just made.
@@ -28,8 +29,8 @@ run: $(STAMP) $(DATA)/kaggle/_dataset.json
 	$(BIN)/dlrm-lab machine probe --quick --if-missing
 	$(BIN)/dlrm-lab data stats $(DATA)/kaggle --strict
 	$(BIN)/dlrm-lab train $(KAGGLE) --data $(DATA)/kaggle --steps 300 --batch-size 2048 \
-		--eval-every 100 --metrics-dir $(METRICS)
-	$(BIN)/dlrm-lab infer run $(KAGGLE) --query-size mlperf --qps auto --sla-ms auto --duration 10 \
+		--eval-every 100 --checkpoint-dir $(CHECKPOINTS)/kaggle --metrics-dir $(METRICS)
+	$(BIN)/dlrm-lab infer run $(KAGGLE) --checkpoint $(CHECKPOINTS)/kaggle --query-size mlperf --qps auto --sla-ms auto --duration 10 \
 		--instances 2 --max-delay-ms auto --spin-ms auto --metrics-dir $(METRICS)
 	$(BIN)/dlrm-lab runs list $(METRICS)
 	@echo "report of the two runs above (open in a browser):"
@@ -55,4 +56,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serve.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info $(DATA)
+	rm -rf $(VENV) build dist *.egg-info $(DATA) $(CHECKPOINTS)

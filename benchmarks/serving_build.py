@@ -40,6 +40,7 @@ from common import header, lab_run, results_path, write_results
 import dlrm_lab
 from dlrm_lab.data import synthetic_generator
 from dlrm_lab.families import family_of
+from dlrm_lab.infer import accuracy
 from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.records import batch_roof
@@ -58,7 +59,7 @@ def batch_part() -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_model(spec).eval()
     library = PackedLibrary.generate(spec, None, 0, 4096)
-    held_out = synthetic_generator(spec, None, seed=0).samples(4096, 4096 + builds.CHECK_SAMPLES)
+    held_out = synthetic_generator(spec, None, seed=0).samples(4096, 4096 + accuracy.CHECK_SAMPLES)
     peaks = peaks_for(load_profile(), "cpu", precision, 1)
     out: dict[str, Any] = {"precision": precision, "builds": {}}
     for table_precision in ("fp32", "int8"):
@@ -71,7 +72,7 @@ def batch_part() -> dict[str, Any]:
         for b, module in modules.items():
             dense_bytes = 4.0 if b == "eager" else float(DTYPES[precision].itemsize)
             roof = batch_roof(spec, table_precision, peaks, dense_bytes)
-            check = builds.check_accuracy(model, module, b, held_out, precision=precision,
+            check = accuracy.check_accuracy(model, module, b, held_out, precision=precision,
                                           table_precision=table_precision)  # fmt: skip
             row = {
                 "ms": {n: times[b][n] for n in SIZES},
@@ -174,13 +175,13 @@ def hstu_part(repeats: int = 9) -> dict[str, Any]:
         model = build_ranker(spec).eval()
         library = RequestLibrary.generate(spec, 0, 256)
         gen = SequenceGenerator(spec.data, seed=0)
-        held_out = gen.requests(0, min(builds.CHECK_REQUESTS, gen.num_requests("train")), "train")
+        held_out = gen.requests(0, min(accuracy.CHECK_REQUESTS, gen.num_requests("train")), "train")
         for precision in ("fp32", "bf16"):
             modules = {b: builds.make_build(model, b, precision=precision, table_precision="fp32")
                        for b in family_of(spec).builds}  # fmt: skip
             ms = builds.time_builds(modules, sizes, 1, library, precision, repeats=repeats)
             checks = {
-                b: builds.check_accuracy(model, m, b, held_out, precision=precision, table_precision="fp32").to_dict()
+                b: accuracy.check_accuracy(model, m, b, held_out, precision=precision, table_precision="fp32").to_dict()
                 for b, m in modules.items()
             }
             out[f"{name}/{precision}"] = {"batch_ms": {b: {str(n): v for n, v in per.items() if n > 0}

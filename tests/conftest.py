@@ -74,9 +74,10 @@ def wait_for_files(root: Path, pattern: str, timeout_s: float = 120) -> list[Pat
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_machine_profiles(tmp_path_factory):
-    """Tests never read or write this machine's real profile (~/.cache/dlrm-lab/machines):
-    runs see an empty profile directory unless a test stores one there."""
+    """Tests never read or write this machine's real profile (~/.cache/dlrm-lab/machines) or its serving
+    packages: runs see an empty profile directory unless a test stores one there."""
     os.environ["DLRM_LAB_MACHINE_DIR"] = str(tmp_path_factory.mktemp("machines"))
+    os.environ["DLRM_LAB_BUILD_DIR"] = str(tmp_path_factory.mktemp("builds"))  # serving packages: one per session
     yield
 
 

@@ -188,6 +188,21 @@ def test_two_rank_resume_continues_the_same_trajectory(tmp_path):
     assert len(losses["resumed"]) == 8
     assert losses["resumed"] == pytest.approx(losses["straight"][8:], rel=1e-5)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-00000008", "step-00000016"]
+    # served by one process with whole tables: DCP reshards the two ranks' row-wise shards, and the served model
+    # scores the held-out samples as the two ranks evaluated them together
+    import dlrm_lab
+    from dlrm_lab.families import family_of
+    from dlrm_lab.infer.accuracy import auc, score_build
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.model.checkpoint import read_checkpoint
+
+    checkpoint = read_checkpoint(tmp_path / "ckpt")
+    assert checkpoint.step == 16 and checkpoint.about["world_size"] == 2
+    served = ServedModel("tiny", dlrm_lab.load_preset("tiny"), checkpoint=str(tmp_path / "ckpt"))
+    family = family_of(served.spec)
+    model = family.serving_model(served, 0, lambda _line: None)[0]
+    scored = family.held_out(served, None, 0).slice(0, checkpoint.about["eval"]["samples"])
+    assert auc(score_build(model, scored, "fp32"), scored.labels) == pytest.approx(checkpoint.held_out_auc, abs=1e-6)
 
 
 @pytest.mark.multiprocess

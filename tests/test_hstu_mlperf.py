@@ -132,6 +132,7 @@ def test_a_reduced_precision_build_of_a_preset_with_mlperf_rules_is_judged_by_th
     AUC of the build and of the fp32 model on the same labels, each kept or not; a build whose head lost its
     weights fails."""
     from dlrm_lab.data.sequences import SequenceGenerator
+    from dlrm_lab.infer import accuracy
     from dlrm_lab.infer import build as builds
     from dlrm_lab.model.hstu import build_ranker
 
@@ -140,7 +141,7 @@ def test_a_reduced_precision_build_of_a_preset_with_mlperf_rules_is_judged_by_th
     model = build_ranker(spec).eval()
     block = SequenceGenerator(spec.data, seed=0).requests(0, 256, "train")
     half = builds.make_build(model, "fused", precision="bf16", table_precision="fp32")
-    check = builds.check_accuracy(model, half, "fused", block, precision="bf16", table_precision="fp32")
+    check = accuracy.check_accuracy(model, half, "fused", block, precision="bf16", table_precision="fp32")
     assert check.rule == spec.mlperf.accuracy_rule and set(check.mlperf) == {"build", "fp32", "kept"}
     assert check.mlperf["kept"] == spec.mlperf.accuracy_kept(check.mlperf["build"], check.mlperf["fp32"])
     assert check.passed == all(check.mlperf["kept"].values())
@@ -150,7 +151,7 @@ def test_a_reduced_precision_build_of_a_preset_with_mlperf_rules_is_judged_by_th
     with torch.no_grad():
         for p in broken.head.parameters():
             p.zero_()
-    bad = builds.check_accuracy(model, broken, "fused", block, precision="bf16", table_precision="fp32")
+    bad = accuracy.check_accuracy(model, broken, "fused", block, precision="bf16", table_precision="fp32")
     assert not bad.passed and not bad.mlperf["kept"]["auc"]
-    exact = builds.check_accuracy(model, model, "eager", block, precision="fp32", table_precision="fp32")
+    exact = accuracy.check_accuracy(model, model, "eager", block, precision="fp32", table_precision="fp32")
     assert exact.passed and exact.mlperf is None and "1e-05" in exact.rule  # fp32 stays held to every score

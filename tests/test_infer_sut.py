@@ -464,9 +464,10 @@ def test_the_search_spends_almost_nothing_on_configurations_that_cannot_win(tmp_
     assert fast["certified_qps"] is None  # --certify-duration 0
 
 
-def test_the_best_rate_is_certified_by_a_longer_loadgen_run_backing_off_until_it_holds(tmp_path, monkeypatch):
-    """The claimed rate is run again under LoadGen's Server scenario; where it does not hold, 0.9x the
-    rate before, up to the tries allowed; a rate that never held is not the answer."""
+def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_within_5_percent(tmp_path, monkeypatch):
+    """The claimed rate is run again under LoadGen's Server scenario; where it does not hold, 0.85x the
+    rate before until one holds, then the bracket is bisected until within 5%: the answer is within 5% of
+    the rate LoadGen holds; a rate that never held is not the answer."""
     from dlrm_lab.infer import search as search_module
     from dlrm_lab.infer.search import CERTIFY_BACKOFF, SearchOptions
 
@@ -477,7 +478,8 @@ def test_the_best_rate_is_certified_by_a_longer_loadgen_run_backing_off_until_it
         runs.append((point.scenario, cfg.duration_s, stream.qps))
         ok = stream.qps <= 80.0
         return [{"target_qps": stream.qps, "samples_per_s": stream.qps, "loadgen_result": "VALID" if ok else "INVALID",
-                 "sla_met": ok, "sla_latency_ms": 5.0 if ok else 50.0}]  # fmt: skip
+                 "loadgen_reason": None if ok else "early stopping not met", "sla_met": ok,
+                 "sla_latency_ms": 5.0 if ok else 50.0, "tail_issue_ms": 0.1, "tail_queue_ms": 3.0}]  # fmt: skip
 
     monkeypatch.setattr(search_module, "measure", fake_measure)
 
@@ -488,13 +490,13 @@ def test_the_best_rate_is_certified_by_a_longer_loadgen_run_backing_off_until_it
         def flush(self):
             pass
 
-    def certify(best_qps, tries):
+    def certify(best_qps, tries, log=None):
         winner = {"instances": 1, "threads_per_instance": 1, "precision": "fp32", "max_batch": 8, "max_delay_ms": 0.0,
                   "best_qps": best_qps, "outcome": "best"}  # fmt: skip
         runs.clear()
         options = SearchOptions(certify_s=30.0, certify_tries=tries)
         search_module.certify(winner, base, stream, cfg, options, lambda m: ServiceSut(small_library(), m, {8: (0, 0)}),
-                              None, Table(), None, tmp_path, 0, None, None)  # fmt: skip
+                              None, Table(), None, tmp_path, 0, log, None)  # fmt: skip
         return winner
 
     from dlrm_lab.config import load_preset
@@ -504,11 +506,16 @@ def test_the_best_rate_is_certified_by_a_longer_loadgen_run_backing_off_until_it
     base = ServedModel("m", load_preset("tiny"), precision="fp32")
     stream = Stream("m", 1.0, QuerySizes.parse("fixed:1"))
     cfg = InferConfig(scenario="open-loop", duration_s=0.5, sla_ms=10.0)
-    held = certify(75.0, 3)
+    held = certify(75.0, 8)
     assert runs == [("server", 30.0, 75.0)] and held["certified_qps"] == 75.0 and held["outcome"] == "best"
-    backed = certify(95.0, 3)  # 95 fails, 85.5 fails, 76.95 holds
-    assert [q for _, _, q in runs] == pytest.approx([95.0, 95.0 * CERTIFY_BACKOFF, 95.0 * CERTIFY_BACKOFF**2])
-    assert backed["certified_qps"] == pytest.approx(76.95) and "claimed 95.0" in backed["outcome"]
+    lines: list[str] = []
+    backed = certify(95.0, 8, lines.append)  # 95 and 80.75 fail, 68.6 holds; then bisected: 74.5, 77.5 hold
+    low = 95.0 * CERTIFY_BACKOFF**2
+    assert [q for _, _, q in runs] == pytest.approx([95.0, 95.0 * CERTIFY_BACKOFF, low, (low * 80.75) ** 0.5,
+                                                     ((low * 80.75) ** 0.5 * 80.75) ** 0.5])  # fmt: skip
+    assert 80.0 / 1.05 <= backed["certified_qps"] <= 80.0 and "claimed 95.0" in backed["outcome"]
+    assert "INVALID (early stopping not met), p99 50.00 ms: does not hold" in lines[0]  # LoadGen's own reason
+    assert lines[-1].startswith("LoadGen certified 77.5 queries/s, 18% below the open-loop probes' 95.0: at 80.8")
     never = certify(200.0, 2)
     assert never["certified_qps"] == 0 and never["certified_result"] == "INVALID"
     assert never["outcome"].startswith("best probed, not certified")

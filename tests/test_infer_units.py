@@ -870,7 +870,7 @@ def test_a_batch_mixing_sent_samples_and_library_samples_is_assembled_feature_ma
     """Pieces of queries with their own samples (whole payload, piece by offset) and library
     queries, in any order: the batch holds each piece's samples in order, every feature's ids
     contiguous (a KeyedJaggedTensor's layout), as concatenating the pieces feature by feature gives."""
-    from dlrm_lab.infer.instance import QueryRef, _inline
+    from dlrm_lab.infer.batches import QueryRef, _inline
     from dlrm_lab.infer.library import PackedLibrary, as_payload
     from dlrm_lab.serve.protocol import decode_samples, encode_samples, pb
 

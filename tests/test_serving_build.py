@@ -12,8 +12,11 @@ import dlrm_lab
 from dlrm_lab.data import synthetic_generator
 from dlrm_lab.errors import UserError
 from dlrm_lab.families import family_of
+from dlrm_lab.infer import accuracy
 from dlrm_lab.infer import build as builds
-from dlrm_lab.infer.instance import QueryRef, make_runner
+from dlrm_lab.infer.batches import QueryRef, kernel_batch, make_runner, pad_kernel_batch
+from dlrm_lab.infer.builds import build_names
+from dlrm_lab.infer.builds.fused import FusedDLRM
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.model.dlrm import build_model
 
@@ -40,8 +43,8 @@ def test_an_fp32_fused_build_scores_every_sample_as_the_eager_model_does(overrid
     model = _model(**overrides)
     block = _held_out(model)
     fused = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
-    eager = builds.score_build(model, block, "fp32")
-    assert np.abs(builds.score_build(fused, block, "fp32") - eager).max() <= builds.FP32_SCORE_TOLERANCE
+    eager = accuracy.score_build(model, block, "fp32")
+    assert np.abs(accuracy.score_build(fused, block, "fp32") - eager).max() <= accuracy.FP32_SCORE_TOLERANCE
     check = builds.check_accuracy(model, fused, "fused", block, precision="fp32", table_precision="fp32")
     assert check.passed and check.max_abs_diff <= 1e-5 and "1e-05" in check.rule
 
@@ -75,10 +78,10 @@ def test_a_reduced_precision_build_is_held_to_the_auc_rule():
 
 
 def test_kernel_batches_pad_with_samples_that_have_no_ids():
-    dense, ids, offsets = builds.kernel_batch(np.ones((2, 3), np.float32), np.array([1, 2, 0, 1], np.int32),
+    dense, ids, offsets = kernel_batch(np.ones((2, 3), np.float32), np.array([1, 2, 0, 1], np.int32),
                                               np.array([5, 6, 7, 8], np.int64))  # fmt: skip
     assert offsets.tolist() == [0, 1, 3, 3, 4] and ids.dtype == torch.int32
-    d, i, o = builds.pad_kernel_batch(dense, ids, offsets, features=2, size=4)
+    d, i, o = pad_kernel_batch(dense, ids, offsets, features=2, size=4)
     assert d.shape == (4, 3) and d[2:].abs().sum() == 0
     assert o.tolist() == [0, 1, 3, 3, 3, 3, 4, 4, 4] and i is ids  # empty bags for the padding
 
@@ -108,23 +111,23 @@ def _choose(requested, times, **kw):
 def test_auto_serves_the_fastest_build_and_records_why(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "a"))
     choice, module = _choose("auto", FakeTimes(eager=2.0, fused=1.0))
-    assert choice.build == "fused" and isinstance(module, builds.FusedDLRM)
+    assert choice.build == "fused" and isinstance(module, FusedDLRM)
     assert "fused 2.000 ms vs eager 4.000 ms" in choice.reason  # summed over the two batch sizes
     assert choice.accuracy.passed and "compiled" in choice.skipped  # its dense part is too small to compile
     record = choice.to_dict()
     assert record["batch_ms"]["eager"] == {"8": 2.0, "64": 2.0} and record["accuracy"]["samples"] == 512
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "b"))
     tie, module = _choose("auto", FakeTimes(eager=1.0, fused=0.97))  # within the margin: the model itself
-    assert tie.build == "eager" and not isinstance(module, builds.FusedDLRM)
+    assert tie.build == "eager" and not isinstance(module, FusedDLRM)
 
 
 def test_an_explicit_slower_build_runs_with_one_warning_naming_both_times(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     choice, module = _choose("eager", FakeTimes(eager=3.0, fused=1.0))
-    assert choice.build == "eager" and not isinstance(module, builds.FusedDLRM)
+    assert choice.build == "eager" and not isinstance(module, FusedDLRM)
     assert "--build eager is slower than fused" in choice.warning
     assert "eager 6.000 ms vs fused 2.000 ms" in choice.warning and choice.line.startswith("warning: ")
-    with pytest.raises(UserError, match="^build 'jit': allowed for a DLRM: auto, eager, fused, compiled"):
+    with pytest.raises(UserError, match="^build 'jit': allowed for a DLRM: auto, eager, fused, compiled, aoti"):
         _choose("jit", FakeTimes(eager=1.0, fused=1.0))
 
 
@@ -163,11 +166,11 @@ def test_build_times_are_cached_in_the_machine_profile(monkeypatch, tmp_path):
 
 def test_a_compiled_build_scores_as_the_eager_model_and_is_timed_where_the_dense_part_is_large(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
-    times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0)
+    times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0, aoti=1.5)
     choice, module = _choose("auto", times)
-    assert times.calls == [["eager", "fused"], ["compiled"]] and choice.build == "compiled"
+    assert times.calls == [["eager", "fused"], ["aoti", "compiled"]] and choice.build == "compiled"
     assert choice.accuracy.passed and choice.accuracy.build == "compiled"  # checked compiled, scores within 1e-5
-    assert isinstance(module, builds.FusedDLRM) and module.compiled is None  # each instance compiles its own
+    assert isinstance(module, FusedDLRM) and module.compiled is None  # each instance compiles its own
 
 
 def _ranker():
@@ -256,8 +259,8 @@ def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_bac
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     real = builds.check_accuracy
 
-    def bf16_fails(model, module, build, block, *, precision, table_precision):
-        check = real(model, module, build, block, precision=precision, table_precision=table_precision)
+    def bf16_fails(model, module, build, block, *, precision, table_precision, **kw):
+        check = real(model, module, build, block, precision=precision, table_precision=table_precision, **kw)
         return check if precision == "fp32" else builds.AccuracyCheck(**{**check.__dict__, "passed": False})
 
     monkeypatch.setattr(builds, "check_accuracy", bf16_fails)
@@ -293,7 +296,7 @@ def test_a_server_executes_a_resolved_plan_and_chooses_nothing(monkeypatch, tmp_
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     plan = plan_serving([ServedModel("tiny", dlrm_lab.load_preset("tiny"))], seed=SEED)
     m = plan.models["tiny"]
-    assert m.precision in ("fp32", "bf16", "fp16") and m.build in builds.BUILDS  # nothing left auto
+    assert m.precision in ("fp32", "bf16", "fp16") and m.build in build_names()  # nothing left auto
     assert {"requested", "reason", "build_choice"} <= set(plan.precision_choices["tiny"])
     assert set(plan.modules) == set(plan.libraries) == {"tiny"}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,35 @@ def block_to_batch(block: SampleBlock, keys: list[str]) -> Batch:
         sparse_features=kjt,
         labels=_tensor(block.labels, np.float32),
     )
+
+
+def batches_to_block(batches: Iterable[Batch], limit: int) -> SampleBlock:
+    """The first `limit` samples of `batches` as numpy samples (the inverse of `block_to_batch`): a held-out
+    set that something other than a training step scores (a serving build's accuracy check)."""
+    dense, labels, lengths, values, taken = [], [], [], [], 0
+    for batch in batches:
+        kjt, n = batch.sparse_features, int(batch.labels.shape[0])
+        keep = min(n, limit - taken)
+        features = len(kjt.keys())
+        per_feature = kjt.lengths().view(features, n).numpy().astype(np.int32)
+        totals = per_feature.sum(axis=1, dtype=np.int64)
+        starts = np.cumsum(totals) - totals  # each feature's ids start there (feature-major)
+        flat = kjt.values().numpy().astype(np.int64, copy=False)
+        dense.append(batch.dense_features.numpy()[:keep])
+        labels.append(batch.labels.numpy()[:keep])
+        lengths.append(per_feature[:, :keep])
+        values.append([flat[start : start + per_feature[f, :keep].sum()] for f, start in enumerate(starts)])
+        taken += keep
+        if taken >= limit:
+            break
+    if not taken:
+        raise ValueError("no samples in the batches")
+    features = lengths[0].shape[0]
+    return SampleBlock(
+        0, np.concatenate(dense).astype(np.float32), np.concatenate(labels).astype(np.float32),
+        [np.concatenate([ln[f] for ln in lengths]) for f in range(features)],
+        [np.concatenate([v[f] for v in values]) for f in range(features)],
+    )  # fmt: skip
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The DLRM family (dot, cat and DCNv2 interactions): pooled tables, one sample a user-item pair.
 
 Its spec is `config.specs.ModelSpec` (parsed by `config.presets`), its model `model.dlrm.DLRM` on
-TorchRec modules; its serving builds `infer.build.FusedDLRM`; its sample library
+TorchRec modules; its serving builds `infer.builds.fused.FusedDLRM`; its sample library
 `infer.library.PackedLibrary`. The cost conventions are `model.cost`'s docstring.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dlrm_lab.config.specs import ModelSpec
@@ -39,7 +40,7 @@ class DLRMFamily:
     label = "DLRM"
     called = "a DLRM"
     spec_type = ModelSpec
-    builds = ("eager", "fused", "compiled")
+    builds = ("eager", "fused", "compiled", "aoti")
     no_compiled_build = ""
     attention_paths: tuple[str, ...] = ()
     wire_samples = True
@@ -287,6 +288,10 @@ class DLRMFamily:
             raise FieldError("history_cache_mb", f"{served.history_cache_mb:g}: history reuse is for HSTU presets; "
                              f"{served.spec.name} is a DLRM")  # fmt: skip
         resolve_data_spec(served.spec, served.data_spec)  # a bad --data-spec is one line before anything starts
+        if served.checkpoint:
+            from dlrm_lab.model.checkpoint import check_spec, read_checkpoint
+
+            check_spec(read_checkpoint(served.checkpoint), served.spec.to_dict())
 
     def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:
         import torch
@@ -294,7 +299,12 @@ class DLRMFamily:
         from dlrm_lab.model.dlrm import build_model
 
         torch.manual_seed(seed)
-        return build_model(served.spec).eval(), served, None
+        model = build_model(served.spec).eval()
+        if served.checkpoint:
+            from dlrm_lab.model.checkpoint import load_weights, read_checkpoint
+
+            load_weights(model, read_checkpoint(served.checkpoint))
+        return model, served, None
 
     def sample_library(self, served: Any, seed: int, samples: int) -> Any:
         from dlrm_lab.infer.library import PackedLibrary
@@ -307,11 +317,29 @@ class DLRMFamily:
         return PackedLibrary(**arrays)
 
     def held_out(self, served: Any, library: Any, seed: int) -> Any:
+        """A trained model's: its training run's own held-out samples, drawn again as that run drew them (the
+        first of them are the ones its last evaluation scored); an untrained one's: its generator's samples
+        beyond the served ones."""
         from dlrm_lab.data import synthetic_generator
-        from dlrm_lab.infer.build import CHECK_SAMPLES
+        from dlrm_lab.data.source import batches_to_block
+        from dlrm_lab.infer.accuracy import CHECK_SAMPLES
 
-        generator = synthetic_generator(served.spec, served.data_spec, seed=seed)
-        return generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
+        if not served.checkpoint:
+            generator = synthetic_generator(served.spec, served.data_spec, seed=seed)
+            return generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
+        from dlrm_lab.model.checkpoint import read_checkpoint
+
+        about = read_checkpoint(served.checkpoint).about
+        data = about["data"]
+        if data != "synthetic" and not Path(data).exists():
+            raise FieldError("checkpoint", f"{served.checkpoint}: its training data {data} is gone: the accuracy "
+                             "rule scores that run's held-out samples")  # fmt: skip
+        batch = 2048
+        _, held_out = self.open_sources(served.spec, data, batch, rank=0, world_size=1,
+                                        eval_batches=-(-CHECK_SAMPLES // batch), data_spec=about.get("data_spec"),
+                                        overrides=tuple(about.get("data_overrides") or ()), seed=int(about["seed"]),
+                                        start_batch=0)  # fmt: skip
+        return batches_to_block(held_out, CHECK_SAMPLES)
 
     def check_samples(self, block: Any) -> Any:
         """Held-out samples as both models of an accuracy check score them: packed once."""
@@ -324,8 +352,8 @@ class DLRMFamily:
         assembles it."""
         import torch
 
-        from dlrm_lab.infer.build import FusedDLRM, kernel_batch
-        from dlrm_lab.infer.instance import QueryRef, assemble_batch, gather_batch
+        from dlrm_lab.infer.batches import QueryRef, assemble_batch, gather_batch, kernel_batch
+        from dlrm_lab.infer.builds.fused import FusedDLRM
         from dlrm_lab.infer.library import PackedLibrary
         from dlrm_lab.metrics.precision import DTYPES
 
@@ -373,13 +401,13 @@ class DLRMFamily:
         return {}
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
-        from dlrm_lab.infer.build import FusedDLRM
+        from dlrm_lab.infer.builds.fused import FusedDLRM
 
         return FusedDLRM(model, precision=precision, table_precision=table_precision)
 
     def make_runner(self, model: Any, library: Any, device: Any, precision: str, history_cache_mb: float) -> Any:
-        from dlrm_lab.infer.build import FusedDLRM
-        from dlrm_lab.infer.instance import FusedRunner, Runner
+        from dlrm_lab.infer.batches import FusedRunner, Runner
+        from dlrm_lab.infer.builds.fused import FusedDLRM
 
         if isinstance(model, FusedDLRM):
             return FusedRunner(model, library, device)

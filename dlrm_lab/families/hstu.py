@@ -307,6 +307,10 @@ class HSTUFamily:
                              "requests with {data_overrides} KEY=VALUE", "data_overrides")  # fmt: skip
         if served.attention not in ("auto", *self.attention_paths):
             raise FieldError("attention", f"{served.attention!r}: allowed: auto, {', '.join(self.attention_paths)}")
+        if served.checkpoint:
+            from dlrm_lab.model.checkpoint import check_spec, read_checkpoint
+
+            check_spec(read_checkpoint(served.checkpoint), served.spec.to_dict(), ignore=("data",))
 
     def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:
         """The ranker with its attention path (`auto`: both timed over the first requests the model will
@@ -324,7 +328,12 @@ class HSTUFamily:
         log(f"{served.name}: attention {choice.reason}")
         served = replace(served, attention=choice.path)
         torch.manual_seed(seed)
-        return build_ranker(served.spec, attention=served.attention).eval(), served, choice.to_dict()
+        model = build_ranker(served.spec, attention=served.attention).eval()
+        if served.checkpoint:
+            from dlrm_lab.model.checkpoint import load_weights, read_checkpoint
+
+            load_weights(model, read_checkpoint(served.checkpoint))
+        return model, served, choice.to_dict()
 
     def sample_library(self, served: Any, seed: int, samples: int) -> Any:
         from dlrm_lab.infer.requests import RequestLibrary
@@ -337,10 +346,16 @@ class HSTUFamily:
         return RequestLibrary(arrays)
 
     def held_out(self, served: Any, library: Any, seed: int) -> Any:
-        """The library is the evaluation window's first requests: the check takes the training window's."""
+        """An untrained ranker's: the training window's first requests (the library is the evaluation
+        window's); a trained one's: the evaluation window of the requests it was trained on (its seed)."""
         from dlrm_lab.data.sequences import SequenceGenerator
-        from dlrm_lab.infer.build import CHECK_REQUESTS
+        from dlrm_lab.infer.accuracy import CHECK_REQUESTS
 
+        if served.checkpoint:
+            from dlrm_lab.model.checkpoint import read_checkpoint
+
+            generator = SequenceGenerator(served.spec.data, seed=int(read_checkpoint(served.checkpoint).about["seed"]))
+            return generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("eval")), "eval")
         generator = SequenceGenerator(served.spec.data, seed=seed)
         return generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")
 
@@ -412,12 +427,12 @@ class HSTUFamily:
         return {"history_hit_rate": float(hits / served), "history_tokens_reused_mean": float(tokens / served)}
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
-        from dlrm_lab.infer.build import fused_ranker
+        from dlrm_lab.infer.builds.fused import fused_ranker
 
         return fused_ranker(model, precision=precision, table_precision=table_precision)
 
     def make_runner(self, model: Any, library: Any, device: Any, precision: str, history_cache_mb: float) -> Any:
-        from dlrm_lab.infer.instance import RequestRunner
+        from dlrm_lab.infer.batches import RequestRunner
 
         return RequestRunner(model, library, device, precision, history_cache_mb)
 

@@ -18,7 +18,6 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import shutil
 import time
@@ -31,25 +30,12 @@ import numpy as np
 import torch
 
 from dlrm_lab.families import family_of, spec_from_dict
-from dlrm_lab.infer.batching import BatchCost
+from dlrm_lab.infer.batches import make_runner
+from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
-from dlrm_lab.metrics.precision import DTYPES
 
-TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
-
-
-@dataclass
-class QueryRef:
-    """A query as an instance sees it: samples [offset, offset + size) of the model's sample
-    library, or samples [offset, offset + size) of its own `payload` (a query that came from outside,
-    checked by the server at submit)."""
-
-    query_id: int
-    size: int
-    offset: int = 0
-    payload: PackedLibrary | None = None
 
 
 @dataclass
@@ -134,73 +120,7 @@ def map_library(directory: Path, spec: Any) -> Any:
     return family_of(spec).library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
-TABLE_WEIGHT_DTYPES = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
-
-
-def quantize_tables(
-    model: torch.nn.Module, table_precision: str, *, output_dtype: torch.dtype = torch.float, inplace: bool = False
-) -> torch.nn.Module:
-    """Replace the float tables by TorchRec's quantised inference tables (fbgemm TBE): int8/int4
-    row-wise with per-row scale and bias, fp16, or fp32, their output in `output_dtype`. A DLRM's pooled
-    `EmbeddingBagCollection` and the HSTU ranker's sequence `EmbeddingCollection` alike (TorchRec maps
-    only the first by default)."""
-    from torchrec.inference.modules import quantize_embeddings
-    from torchrec.modules.embedding_modules import EmbeddingCollection
-    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
-
-    return quantize_embeddings(
-        model, dtype=TABLE_WEIGHT_DTYPES[table_precision], inplace=inplace, output_dtype=output_dtype,
-        additional_qconfig_spec_keys=[EmbeddingCollection],
-        additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
-    )  # fmt: skip
-
-
 # ----------------------------------------------------------------------------- batches
-
-
-def gather_batch(library: PackedLibrary, refs: list[QueryRef]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The samples of these queries (library samples, or a query's own payload) as (dense [n, d],
-    lengths feature-major, ids feature-major)."""
-    if any(r.payload is not None for r in refs):
-        return _inline(library, refs, library.lengths.shape[0])
-    sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
-    offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
-    return library.gather(sizes, offsets)
-
-
-def assemble_batch(library: PackedLibrary, refs: list[QueryRef], keys: list[str]) -> tuple[torch.Tensor, Any]:
-    """The (dense, KJT) batch of these queries: library samples, or a query's own payload."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    dense, lengths, values = gather_batch(library, refs)
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths)
-    )
-    return torch.from_numpy(np.ascontiguousarray(dense)), kjt
-
-
-def _inline(library: PackedLibrary, refs: list[QueryRef], features: int) -> tuple[np.ndarray, ...]:
-    """Queries that carry their own samples (and library queries mixed with them): each run of
-    pieces from one source is gathered as library queries are, then the runs are merged feature-major."""
-    parts = []
-    for _, run in itertools.groupby(refs, key=lambda r: id(r.payload)):  # id(None): the library's run
-        run = list(run)
-        source = library if run[0].payload is None else run[0].payload
-        sizes = np.fromiter((r.size for r in run), dtype=np.int64, count=len(run))
-        offsets = np.fromiter((r.offset for r in run), dtype=np.int64, count=len(run))
-        parts.append(source.gather(sizes, offsets))
-    if len(parts) == 1:
-        return parts[0]
-    # the values of run k, feature f sit at the (k, f) block of the runs' concatenation; they go
-    # to the (f, k) block of the batch
-    lengths = [p[1].reshape(features, -1) for p in parts]
-    per_run = np.stack([ln.sum(axis=1, dtype=np.int64) for ln in lengths])  # [runs, features]
-    source_start = (np.cumsum(per_run.ravel()) - per_run.ravel()).reshape(per_run.shape).T.ravel()
-    size = per_run.T.ravel()
-    target_start = np.cumsum(size) - size
-    index = np.repeat(source_start - target_start, size) + np.arange(int(size.sum()))
-    values = np.concatenate([p[2] for p in parts])[index]
-    return np.concatenate([p[0] for p in parts]), np.concatenate(lengths, axis=1).ravel(), values
 
 
 # ----------------------------------------------------------------------------- process
@@ -223,17 +143,14 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             model = model.to(device)
-            if plan.build != "eager":  # the fused tables are built on the device that serves them
-                from dlrm_lab.infer.build import make_build
-
-                model = make_build(model, plan.build, precision=plan.precision, table_precision=plan.table_precision)
-            elif plan.table_precision != "fp32":
-                model = quantize_tables(model, plan.table_precision)
         model.eval()
         if device.type == "cpu":
             _touch_pages(model)
-        if plan.build == "compiled":
-            model.compile_dense()  # compiled by the warm-up below, before the instance says it is ready
+        model = (
+            build_named(plan.build)
+            .in_instance(model, device, precision=plan.precision, table_precision=plan.table_precision)
+            .eval()
+        )
         library = map_library(snapshot, spec)
         runner = make_runner(model, library, device, plan.precision, plan.history_cache_mb)
         runner.warm_up(min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch))
@@ -320,178 +237,3 @@ def _touch_pages(model: torch.nn.Module) -> None:
         seen.add(storage.data_ptr())
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)
         raw[::4096].sum()
-
-
-def _batch_cost(run: Any, large: int, repeats: int) -> BatchCost:
-    """An instance's batch time as fixed + per-sample cost, from the medians of a 1-sample batch
-    and a `large` one (`run(n)` serves n library samples) timed alternately, after warm-up."""
-    times: dict[int, list[float]] = {1: [], large: []}
-    for _ in range(repeats):
-        for n in times:
-            t = time.perf_counter()
-            run(n)
-            times[n].append(time.perf_counter() - t)
-    one, big = (float(np.median(times[n])) * 1e3 for n in (1, large))
-    per_sample = max(big - one, 0.0) / max(large - 1, 1)
-    return BatchCost(fixed_ms=max(one - per_sample, 0.0), per_sample_ms=per_sample)
-
-
-def bucket(n: int) -> int:
-    """Batch size padded to: powers of two up to 64, then multiples of 64."""
-    return 1 << (n - 1).bit_length() if n <= 64 else -(-n // 64) * 64
-
-
-def pad_batch(dense: torch.Tensor, kjt: Any, size: int) -> tuple[torch.Tensor, Any]:
-    """Pad a batch with samples that have zero dense features and no ids."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    n = dense.shape[0]
-    if size == n:
-        return dense, kjt
-    lengths = kjt.lengths().view(len(kjt.keys()), n)
-    padded = torch.cat([lengths, lengths.new_zeros(len(kjt.keys()), size - n)], dim=1).flatten()
-    dense = torch.cat([dense, dense.new_zeros(size - n, dense.shape[1])])
-    return dense, KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values(), lengths=padded)
-
-
-def make_runner(
-    model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float = 0.0
-) -> Any:
-    """The batch runner of a build: the HSTU ranker's (`history_cache_mb`: its history reuse), a fused or
-    compiled DLRM, or the eager DLRM."""
-    return family_of(model.spec).make_runner(model, library, device, precision, history_cache_mb)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
-class _BucketedRunner:
-    """What the DLRM runners share. Below fp32 oneDNN compiles a kernel for every new batch size (tens
-    of ms, seen as 50 ms p99 at 3 queries/s with MLPerf's 100-700 sample queries): batches are padded
-    to a few bucket sizes (`pad`), each compiled during warm-up."""
-
-    pad: bool
-    counts = None  # nothing counted per query (`BatchResult.counts`)
-    stages: tuple[float | None, ...] | None = None  # of the last batch (BATCH_STAGES), ms
-
-    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
-        raise NotImplementedError
-
-    def warm_up(self, max_batch: int) -> None:
-        sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.pad else set())
-        for size in sorted(sizes):  # first calls allocate and compile: keep them out of latency
-            self([QueryRef(-1, size, 0)])
-
-    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
-        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
-
-
-class Runner(_BucketedRunner):
-    """DLRM's forward pass in eval mode without autograd, with optional autocast (the `eager` build)."""
-
-    def __init__(
-        self, model: torch.nn.Module, library: PackedLibrary, keys: list[str], device: torch.device, precision: str
-    ) -> None:
-        self.model, self.library, self.keys, self.device = model, library, keys, device
-        self.pad = precision != "fp32"  # and autocast
-        self.dtype = DTYPES[precision]
-
-    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
-        t0 = time.perf_counter()
-        dense, kjt = assemble_batch(self.library, refs, self.keys)
-        n = dense.shape[0]
-        if self.pad:
-            dense, kjt = pad_batch(dense, kjt, bucket(n))
-        t1 = time.perf_counter()
-        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.pad):
-            if self.device.type == "cuda":
-                dense = dense.pin_memory().to(self.device, non_blocking=True)
-                kjt = kjt.pin_memory().to(self.device, non_blocking=True)
-                logits, parts = self.model(dense, kjt), (None, None, None)
-            else:  # the model's own stages, timed (on a GPU each would need a sync)
-                logits, parts = self.model.forward_in_stages(dense, kjt)
-            scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
-        self.stages = (_ms(t1 - t0), *(_ms(p) for p in parts))
-        return scores.numpy()[:n]
-
-
-class FusedRunner(_BucketedRunner):
-    """A `FusedDLRM` (the `fused` and `compiled` builds) over batches handed to its kernels as they take
-    them: the library's gather gives dense rows, lengths and ids; the offsets are one cumulative sum."""
-
-    def __init__(self, model: Any, library: PackedLibrary, device: torch.device) -> None:
-        self.model, self.library, self.device = model, library, device
-        self.features = library.lengths.shape[0]
-        self.pad = model.precision != "fp32"
-
-    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
-        from dlrm_lab.infer.build import kernel_batch, pad_kernel_batch
-
-        t0 = time.perf_counter()
-        dense, ids, offsets_t = kernel_batch(*gather_batch(self.library, refs))
-        n = dense.shape[0]
-        if self.pad:
-            dense, ids, offsets_t = pad_kernel_batch(dense, ids, offsets_t, self.features, bucket(n))
-        t1 = time.perf_counter()
-        with torch.inference_mode():
-            if self.device.type == "cuda":
-                dense, ids, offsets_t = (
-                    t.pin_memory().to(self.device, non_blocking=True) for t in (dense, ids, offsets_t)
-                )
-                scores, parts = self.model(dense, ids, offsets_t).cpu(), (None, None, None)
-            else:
-                scores, parts = self.model.score_in_stages(dense, ids, offsets_t)
-        self.stages = (_ms(t1 - t0), *(_ms(p) for p in parts))
-        return scores.numpy()[:n]
-
-
-class RequestRunner:
-    """The HSTU ranker's forward over a batch of library requests (jagged: each request keeps its
-    length), optionally reusing users' encoded histories (`infer.history`); one score per
-    candidate. With history reuse `counts` says, after each call, per query how many of its requests
-    reused a history and how many history tokens were not encoded again (`HSTUFamily.query_counts`)."""
-
-    def __init__(
-        self, model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float
-    ) -> None:
-        from dlrm_lab.infer.history import HistoryCache
-
-        self.model, self.library, self.device = model, library, device
-        # the eager build under autocast; the fused build's weights are in the precision served already
-        self.autocast = precision != "fp32" and getattr(model, "served_precision", None) is None
-        self.dtype = DTYPES[precision]
-        self.cache = HistoryCache(int(history_cache_mb * 1e6)) if history_cache_mb > 0 else None
-        self.counts: np.ndarray | None = None
-        self.stages: tuple[float | None, ...] | None = None  # the ranker's stages are not told apart
-
-    def warm_up(self, max_batch: int) -> None:
-        for size in sorted({1, max_batch}):
-            self([QueryRef(-1, size, 0)], use_cache=False)
-
-    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
-        """As `Runner.batch_cost`, per request, without the history cache (every history encoded)."""
-        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)], use_cache=False), large, repeats)
-
-    def __call__(self, refs: list[QueryRef], use_cache: bool = True) -> np.ndarray:
-        from dlrm_lab.infer.history import score_requests
-
-        sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
-        offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
-        block = self.library.gather(sizes, offsets)
-        cache = self.cache if use_cache else None
-        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
-            logits, reused = score_requests(self.model, block, cache, self.device)
-            scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
-        if cache is not None:
-            query = np.repeat(np.arange(len(refs)), sizes)
-            self.counts = np.stack(
-                [
-                    np.bincount(query, weights=reused > 0, minlength=len(refs)),
-                    np.bincount(query, weights=reused, minlength=len(refs)),
-                ],
-                axis=1,
-            ).astype(np.int64)
-        else:
-            self.counts = None
-        return scores.numpy()

@@ -28,6 +28,7 @@ from dlrm_lab.infer.loadgen import check_loadgen_duration, loadgen_duration
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.records import (
+    FLOOR_RESOLUTION_MS,
     batch_roof,
     energy_columns,
     latency_floor_columns,
@@ -362,7 +363,12 @@ def point_line(row: dict[str, Any]) -> str:
     p99, floor = row.get("latency_p99_ms"), row.get("latency_floor_ms")
     lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
     ratio = row.get("latency_floor_ratio")
-    beside = "" if floor is None else f" (floor {floor:.3g} ms" + ("" if ratio is None else f", {ratio:,.1f}x") + ")"
+    if floor is not None and floor < FLOOR_RESOLUTION_MS:
+        beside = f" (floor < {FLOOR_RESOLUTION_MS:g} ms: below what a query's timestamps resolve)"
+    else:
+        beside = (
+            "" if floor is None else f" (floor {floor:.3g} ms" + ("" if ratio is None else f", {ratio:,.1f}x") + ")"
+        )
     slow = row.get("compute_slowdown_p99")
     beside += "" if slow is None else f", batches at p99 {slow:.2f}x their warm time"
     load = "closed loop" if row["target_qps"] is None else f"target {row['target_qps']:.1f} queries/s"

@@ -50,11 +50,12 @@ class ServingOptions(ModelScaling):
         "fp16.",
     )
     table_precision: str = option("fp32", "Embedding tables: fp32, fp16, int8 or int4 (row-wise quantised, fbgemm).")
-    build: str = option(  # the inference form served (infer.build)
+    build: str = option(  # the inference form served (infer.builds, chosen by infer.build)
         AUTO,
         "Inference form served: auto (timed at start: the fastest whose scores pass the accuracy check), eager (the "
-        "training module), fused (one fused fbgemm table lookup, weights stored in the served precision) or compiled "
-        "(fused, dense part compiled by Inductor with freezing).",
+        "training module), fused (one fused fbgemm table lookup, weights stored in the served precision), compiled "
+        "(fused, dense part compiled by Inductor in each instance) or aoti (fused, dense part an AOTInductor package "
+        "built once, cached on disk and loaded).",
     )
     data_spec: str | None = option(None, "Synthetic data spec of the samples (default: the preset's).")
     history_cache_mb: float = option(  # per-instance history reuse (infer.history)
@@ -68,6 +69,10 @@ class ServingOptions(ModelScaling):
         (), "HSTU presets: KEY=VALUE on the preset's [data] (its requests).", flags=("--set",),
         type=Optional[list[str]], cli_default=None,
     )  # fmt: skip
+    checkpoint: tuple[str, ...] = option(  # model.checkpoint: one per --model, in order
+        (), "Serve the weights a training run saved (its --checkpoint-dir); one per --model, in order (default: the "
+        "preset's untrained model).", type=Optional[list[str]], cli_default=None,
+    )  # fmt: skip
     max_query_samples: int = option(
         65_536,  # infer.served.DEFAULT_MAX_QUERY_SAMPLES
         "The largest query accepted, in samples (larger: INVALID_ARGUMENT naming the bound); a query larger than one "
@@ -80,18 +85,22 @@ class ServingOptions(ModelScaling):
         from dlrm_lab.infer.served import ServedModel
 
         out, seen = [], {}
-        for name in models or [DEFAULT_MODEL]:
+        names = models or [DEFAULT_MODEL]
+        if self.checkpoint and len(self.checkpoint) != len(names):
+            raise FieldError("checkpoint", f": give one per {{model}} ({len(names)}), in order; got "
+                             f"{len(self.checkpoint)}", "model")  # fmt: skip
+        for name, checkpoint in zip(names, self.checkpoint or [None] * len(names), strict=True):
             spec = load_any_preset(name, table_scale=self.table_scale, max_rows=self.max_rows)
             spec = family_of(spec).with_data_overrides(spec, self.data_overrides, serving=True)
             seen[spec.name] = seen.get(spec.name, 0) + 1
             label = spec.name if seen[spec.name] == 1 else f"{spec.name}-{seen[spec.name]}"
-            out.append(ServedModel(label, spec, **{f: getattr(self, f) for f in _SERVED_FIELDS}))
+            out.append(ServedModel(label, spec, checkpoint=checkpoint, **{f: getattr(self, f) for f in _SERVED_FIELDS}))
         return out
 
 
 # What a ServedModel takes as given: every serving option but the preset's scaling and its requests' overrides
 _SERVED_FIELDS = tuple(
-    f.name for f in fields(ServingOptions) if f.name not in {"table_scale", "max_rows", "data_overrides"}
+    f.name for f in fields(ServingOptions) if f.name not in {"table_scale", "max_rows", "data_overrides", "checkpoint"}
 )
 
 
@@ -366,15 +375,18 @@ class SearchOptions:
         "End a probe once decided: its load when more queries were late than its percentile allows, its repeats "
         "when all lie 25% or more on one side of the bound.",
     )
-    # The best rate is certified by a run this long under MLPerf LoadGen's Server scenario (0: not certified)
-    # at that rate, backed off by CERTIFY_BACKOFF up to `certify_tries` times until it holds
+    # The best rate is certified under MLPerf LoadGen's Server scenario (0: not certified): at that rate, backed
+    # off until one holds, then bisected to 5% (infer.search.certify); each run this long, or as long as
+    # LoadGen's early-stopping estimate needs at its rate
     certify_s: float = option(
-        60.0,
-        "Seconds of the MLPerf LoadGen Server run that certifies the best rate (backed off until it holds); 0: not "
-        "certified.",
+        10.0,
+        "Seconds at least of each MLPerf LoadGen Server run that certifies the best rate (longer where LoadGen's "
+        "early stopping needs more queries); 0: not certified.",
         flags=("--certify-duration",),
     )
-    certify_tries: int = option(3, "Certification runs at most, each at 0.9x the rate before.")
+    certify_tries: int = option(
+        8, "Certification runs at most: backed off by 0.85x until one holds, then bisected to within 5%."
+    )
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:

@@ -101,6 +101,9 @@ class Planner:
         """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
         once; recorded with the precision choice."""
         held_out = family_of(m.spec).held_out(m, library, self.seed)
+        if not m.checkpoint:
+            self.log(f"{m.name}: no --checkpoint: serving an untrained model, its builds' accuracy judged on labels "
+                     "drawn from its own ranking")  # fmt: skip
         choice, model, m = self._checked_build(m, model, library, held_out)
         if choice.accuracy is not None and not choice.accuracy.passed:
             self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
@@ -121,6 +124,7 @@ class Planner:
             return choose_build(
                 m.build, source, precision=precision, table_precision=m.table_precision, threads=m.threads,
                 sizes=m.batches_to_time(), library=library, check_block=held_out, device=self.device, log=self.log,
+                labels="data" if m.checkpoint else "teacher",
             )  # fmt: skip
 
         choice, model = choose(m.precision)

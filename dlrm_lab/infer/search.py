@@ -339,7 +339,8 @@ class _Probing:
         return row
 
 
-CERTIFY_BACKOFF = 0.9  # each try after a failed certification runs at this share of the rate before
+CERTIFY_BACKOFF = 0.85  # each try after a failed certification, until one holds, runs at this share of the last
+CERTIFY_TOLERANCE = 0.05  # then bisected until the lowest failing rate is within this of the highest holding one
 
 
 def certify(
@@ -357,16 +358,22 @@ def certify(
     log: Log | None,
     on_progress: OnProgress | None,
 ) -> int:
-    """Run the best configuration at its claimed rate for `options.certify_s` under LoadGen's Server
-    scenario (its verdict, with early-stopping where the run is short, and the lab's percentile within
-    the bound), backing off by CERTIFY_BACKOFF until a run holds; fill in `winner`'s certified
-    columns (the search's short probes and a long run disagree near the knee: a rate that did not
-    hold is never the answer). Returns the next point index."""
+    """Run the best configuration under LoadGen's Server scenario (its verdict, with early stopping, and the
+    lab's percentile within the bound) at its claimed rate; where that does not hold, back off by
+    CERTIFY_BACKOFF until a rate holds, then bisect between the highest that held and the lowest that
+    failed until they are within CERTIFY_TOLERANCE: the answer is within 5% of the rate LoadGen certifies,
+    and a rate that did not hold is never the answer. Each run lasts `options.certify_s`, or longer where
+    LoadGen's early-stopping estimate needs more queries at that rate; at most `options.certify_tries` runs.
+    Fills in `winner`'s certified columns; returns the next point index."""
     served = base if parse_target(cfg.target).remote else replace(
         base, instances=winner["instances"], threads=winner["threads_per_instance"], precision=winner["precision"],
         max_batch=winner["max_batch"], max_delay_ms=winner["max_delay_ms"])  # fmt: skip
     certify_cfg = replace(cfg, scenario="server", duration_s=options.certify_s)
-    qps, held, last = float(winner["best_qps"]), None, None
+    claimed = float(winner["best_qps"])
+    held: dict[str, Any] | None = None
+    failed: dict[str, Any] | None = None  # the lowest rate that did not hold
+    last: dict[str, Any] | None = None
+    qps = claimed
     with serve(served) as server:
         label = _label(server.describe().models[base.name])  # as it serves (remote: as its server says)
         for attempt in range(options.certify_tries):
@@ -382,31 +389,60 @@ def certify(
             summary.flush()
             last = row
             if log:
-                p = "-" if row["sla_latency_ms"] is None else f"{row['sla_latency_ms']:.2f}"
-                log(f"certify {label} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen "
-                    f"Server: {row['loadgen_result']}, p{cfg.sla_percentile:g} {p} ms: "
-                    f"{'holds' if ok else 'does not hold'}")  # fmt: skip
+                log(_certify_line(label, qps, seconds, row, cfg, ok))
             if ok:
-                held = row
-                break
-            qps *= CERTIFY_BACKOFF
+                held = row if held is None or qps > held["target_qps"] else held
+            else:
+                failed = row if failed is None or qps < failed["target_qps"] else failed
+            if held is not None and (failed is None or failed["target_qps"] <= held["target_qps"] *
+                                     (1 + CERTIFY_TOLERANCE)):  # fmt: skip
+                break  # the claim held, or the bracket is narrow enough
+            qps = (math.sqrt(held["target_qps"] * failed["target_qps"]) if held is not None and failed is not None
+                   else qps * CERTIFY_BACKOFF)  # fmt: skip
     winner["certify_s"] = options.certify_s
     if held is not None:
         winner.update(certified_qps=held["target_qps"], certified_samples_per_s=held["samples_per_s"],
                       certified_result=held["loadgen_result"],
                       certified_sla_latency_ms=held["sla_latency_ms"])  # fmt: skip
-        if held["target_qps"] < winner["best_qps"]:
-            winner["outcome"] = (
-                f"best; certified at {held['target_qps']:,.1f} queries/s (claimed {winner['best_qps']:,.1f})"
-            )
+        if held["target_qps"] < claimed:
+            winner["outcome"] = f"best; certified at {held['target_qps']:,.1f} queries/s (claimed {claimed:,.1f})"
+            if held["target_qps"] < 0.9 * claimed and log:
+                log(_disagreement(winner, held, failed))
     else:
         winner.update(certified_qps=0.0, certified_samples_per_s=0.0,
                       certified_result=last["loadgen_result"] if last else None,
                       certified_sla_latency_ms=last["sla_latency_ms"] if last else None)  # fmt: skip
-        tries = f"{options.certify_tries} LoadGen Server run(s) of {options.certify_s:g} s"
-        claimed = f"{winner['best_qps']:,.1f} queries/s"
-        winner["outcome"] = f"best probed, not certified: no rate from {claimed} down held {tries}"
+        tries = f"{options.certify_tries} LoadGen Server run(s) of {options.certify_s:g} s or more"
+        winner["outcome"] = f"best probed, not certified: no rate from {claimed:,.1f} queries/s down held {tries}"
     return point_index
+
+
+def _certify_line(label: str, qps: float, seconds: float, row: dict[str, Any], cfg: InferConfig, ok: bool) -> str:
+    """One certification run in a line, with LoadGen's own reason where it said INVALID."""
+    p = "-" if row["sla_latency_ms"] is None else f"{row['sla_latency_ms']:.2f}"
+    verdict = row["loadgen_result"]
+    if verdict != "VALID" and row.get("loadgen_reason"):
+        verdict = f"{verdict} ({row['loadgen_reason']})"
+    return (f"certify {label} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen Server: {verdict}, "
+            f"p{cfg.sla_percentile:g} {p} ms: {'holds' if ok else 'does not hold'}")  # fmt: skip
+
+
+def _disagreement(winner: dict[str, Any], held: dict[str, Any], failed: dict[str, Any] | None) -> str:
+    """Why LoadGen certified more than 10% below the open-loop probes: which side was slower, from the runs'
+    own latency parts (the issuer's lag, the queue) and LoadGen's reason."""
+    claimed, certified = float(winner["best_qps"]), float(held["target_qps"])
+    line = (f"LoadGen certified {certified:,.1f} queries/s, {1 - certified / claimed:.0%} below the open-loop "
+            f"probes' {claimed:,.1f}")  # fmt: skip
+    if failed is None:
+        return line
+    issue, queue = failed.get("tail_issue_ms"), failed.get("tail_queue_ms")
+    parts = [f"at {failed['target_qps']:,.1f} queries/s LoadGen said {failed['loadgen_result']}"]
+    if failed.get("loadgen_reason"):
+        parts.append(f"({failed['loadgen_reason']})")
+    if issue is not None and queue is not None:
+        parts.append(f"and its tail queries were issued {issue:.2f} ms late (LoadGen's Python callback per query) "
+                     f"and queued {queue:.2f} ms")  # fmt: skip
+    return f"{line}: {' '.join(parts)}"
 
 
 def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None,

@@ -7,9 +7,10 @@ from typing import Any
 
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.families import family_of
-from dlrm_lab.infer.build import BUILDS
-from dlrm_lab.infer.instance import PRECISIONS, TABLE_PRECISIONS
+from dlrm_lab.infer.builds import build_names
+from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.sut import ModelDescription
+from dlrm_lab.infer.tables import TABLE_PRECISIONS
 from dlrm_lab.metrics.precision import AUTO
 
 DEFAULT_MAX_QUERY_SAMPLES = 65_536  # ~100x MLPerf's largest DLRM query (700 samples)
@@ -42,7 +43,7 @@ class ServedModel:
     # HSTU with history reuse and several instances: a user's requests go to the instance that holds
     # their history (an idle instance still takes others' requests when none of its own wait)
     history_affinity: bool = True
-    # The inference form served (infer.build): auto (timed at start), eager, fused or compiled
+    # The inference form served (infer.builds): auto (timed at start, infer.build), or a build's name
     build: str = "auto"
     # Batch sizes the build is timed at (auto); empty: an eighth of max_batch and max_batch
     build_batches: tuple[int, ...] = ()
@@ -52,6 +53,9 @@ class ServedModel:
     largest_query: int = 0
     # The largest query accepted: one query of millions of samples would hold every instance for minutes
     max_query_samples: int = DEFAULT_MAX_QUERY_SAMPLES
+    # The trained weights served (a `train --checkpoint-dir` directory, `model.checkpoint`); None: the preset's
+    # freshly initialised model
+    checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
@@ -70,8 +74,8 @@ class ServedModel:
             raise FieldError("table_precision", f"{self.table_precision!r}: allowed: {', '.join(TABLE_PRECISIONS)}")
         if not 0 <= self.history_cache_mb <= 1e7:
             raise FieldError("history_cache_mb", f"{self.history_cache_mb!r}: must be in [0, 1e7] MB")
-        if self.build not in (AUTO, *BUILDS):
-            raise FieldError("build", f"{self.build!r}: allowed: {AUTO}, {', '.join(BUILDS)}")
+        if self.build not in (AUTO, *build_names()):
+            raise FieldError("build", f"{self.build!r}: allowed: {AUTO}, {', '.join(build_names())}")
         family_of(self.spec).check_served(self)
 
     def describe(self) -> dict[str, Any]:
@@ -92,7 +96,24 @@ class ServedModel:
             "attention": self.attention if family_of(self.spec).attention_paths else None,
             "build": self.build,
             "max_query_samples": self.max_query_samples,
+            **self.checkpoint_columns(),
         }
+
+    def checkpoint_columns(self) -> dict[str, Any]:
+        trained = self.trained()
+        if trained is None:
+            return {"checkpoint": None, "checkpoint_step": None, "checkpoint_auc": None}
+        return {
+            "checkpoint": str(trained.path),
+            "checkpoint_step": trained.step,
+            "checkpoint_auc": trained.held_out_auc,
+        }
+
+    def trained(self) -> Any:
+        """The checkpoint served (`model.checkpoint.TrainedCheckpoint`); None without one."""
+        from dlrm_lab.model.checkpoint import read_checkpoint
+
+        return read_checkpoint(self.checkpoint) if self.checkpoint else None
 
     def description(self) -> ModelDescription:
         """This model as the runner reads it (`infer.sut.ModelDescription`)."""

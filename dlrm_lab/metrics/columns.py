@@ -342,6 +342,9 @@ _table(
     _c("precision", STR, "precision", fmt="s"),
     _c("table_precision", STR, "table precision", fmt="s"),
     _c("build", STR, "inference build", fmt="s"),  # the inference form served (infer.build)
+    _c("checkpoint", STR),  # the trained weights served (a train --checkpoint-dir step); null: untrained
+    _c("checkpoint_step", I64),  # the training steps behind them
+    _c("checkpoint_auc", F64, "trained model's held-out AUC", fmt=".4f"),  # at that step, as training measured it
     _c("batch_fixed_ms", F64, "warm batch cost: fixed", "ms", ".3f"),  # the instances' warm batch cost: fixed ...
     _c("batch_per_sample_us", F64),  # ... and per sample (measured back to back at start)
     # (the HSTU family registers its serving columns here: families/hstu.py COLUMNS)
@@ -378,6 +381,7 @@ _table(
     _c("latency_floor_samples", I64, "samples of the query at the bound's percentile", "samples", "d"),
     _c("latency_floor_cores", I32, "cores serving that query", "cores", "d"),
     _c("latency_floor_ms", F64, "latency floor (that query at the roofline)", "ms", ".2f", short="floor ms"),
+    _c("latency_floor_wake_ms", F64),  # of which the wake of an instance idle between queries (metrics.wake)
     _c("latency_floor_ratio", F64, "latency at the bound's percentile over the floor", "x", ".1f", LOWER, "x floor"),
     _c("batch_samples_mean", F64, "batch mean", "samples", ".1f", short="batch"),
     _c("batch_samples_p50", F64),

@@ -60,7 +60,7 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
 # What a run carries of the profile it was placed against (`Run.create`): enough for reports and comparisons made
 # anywhere (peaks, ceilings, collectives, price); the caches of measured choices stay on the machine.
 RUN_PROFILE_KEYS = ("fingerprint_id", "hardware", "probed_at", "quick", "devices", "comms", "load", "price",
-                    "instance_type")  # fmt: skip
+                    "instance_type", "wake")  # fmt: skip
 
 
 def profile_for_run(fingerprint_id: str | None = None) -> dict[str, Any] | None:
@@ -227,6 +227,8 @@ class Peaks:
     gather_bytes_per_s: float
     comm_bytes_per_s: float | None
     basis: str  # what was picked from the profile, for the summary
+    # the wake of an idle thread by idle ms (`metrics.wake`: "1", "10", "100" -> p50_us, p99_us, ...); None: unprobed
+    wake: dict[str, dict[str, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,7 @@ def peaks_for(
         gather_bytes_per_s=peaks["gather_bytes_per_s"],
         comm_bytes_per_s=comm,
         basis=f"{basis} {precision}, profile {profile.get('fingerprint_id')} of {profile.get('probed_at')}",
+        wake=profile.get("wake") if device == "cpu" else None,
     )
 
 

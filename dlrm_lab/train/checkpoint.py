@@ -2,14 +2,16 @@
 
 Each rank saves only its own shards (tables, their fused optimizer state, its replica of
 the dense part), into `<dir>/step-<N>/`, written by DCP as one file per rank plus
-metadata; `latest` names the newest complete checkpoint and is updated last, so a crash
-while saving leaves the previous one current. A resumed run loads the shards of its own
+metadata, and rank 0 adds `trained.json` (`model.checkpoint`: what serving reads of them); `latest`
+names the newest complete checkpoint and is updated last, so a crash while saving leaves the previous
+one current. A resumed run loads the shards of its own
 plan (DCP reshards when the plan or rank count differs) and continues from step N with
 the batch that step N would have used, so its losses are those of an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,18 +21,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dlrm_lab.errors import FieldError
-
-LATEST = "latest"
+from dlrm_lab.model.checkpoint import LATEST, TRAINED, latest_checkpoint
 
 
 def _state(model: torch.nn.Module, optimizer: Any, step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": torch.tensor(step)}
 
 
-def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any, step: int, is_main: bool) -> Path:
-    """Save after `step` steps (a collective: every rank calls it)."""
+def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any, step: int, is_main: bool,
+                    about: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """Save after `step` steps (a collective: every rank calls it); `about`: what the weights were trained on
+    (`model.checkpoint.TRAINED`), written by rank 0 beside them."""
     path = Path(root) / f"step-{step:08d}"
     dcp.save(_state(model, optimizer, step), checkpoint_id=str(path))
+    if is_main and about is not None:
+        tmp = path / f".{TRAINED}.tmp"
+        tmp.write_text(json.dumps({**about, "step": step}, indent=1, default=str) + "\n")
+        os.replace(tmp, path / TRAINED)
     if dist.is_initialized():
         dist.barrier()  # every rank's shard is on disk before `latest` moves
     if is_main:
@@ -38,14 +45,6 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any, st
         tmp.write_text(path.name + "\n")
         os.replace(tmp, Path(root) / LATEST)
     return path
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    marker = Path(root) / LATEST
-    if not marker.is_file():
-        return None
-    path = Path(root) / marker.read_text().strip()
-    return path if path.is_dir() else None
 
 
 def load_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any) -> int:

@@ -566,14 +566,16 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
             if on_step is not None and ctx.is_main:  # one display under a launcher: rank 0's
                 on_step(row)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main)
+                save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main,
+                                _trained(setup, record, evals))  # fmt: skip
             every = cfg.resolved_eval_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
                 break
         else:
             run_eval(cfg.steps - 1)
         if cfg.checkpoint_dir:
-            save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main)
+            save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main,
+                            _trained(setup, record, evals))  # fmt: skip
     except KeyboardInterrupt:
         status = "interrupted"
     except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
@@ -584,6 +586,21 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
             f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
         ) from exc
     return _Steps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
+
+
+def _trained(setup: _Setup, record: Run | None, evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a checkpoint's weights were trained on (`model.checkpoint.TRAINED`): serving reads it to check the
+    spec it serves and to draw the run's held-out samples again for a build's accuracy rule."""
+    cfg, last = setup.cfg, (evals[-1] if evals else None)
+    data = cfg.data if cfg.data in ("synthetic",) else str(Path(cfg.data).resolve())
+    return {
+        "model": setup.spec.to_dict(), "run_id": record.run_id if record else None,
+        "data": data, "data_spec": cfg.data_spec, "data_overrides": list(cfg.data_overrides), "seed": cfg.seed,
+        "protocol": cfg.protocol, "eval_data": setup.config["eval_data"],
+        "eval": None if last is None else {"step": last["step"] + 1, "auc": last["auc"], "loss": last["loss"],
+                                           "samples": last["num_samples"]},
+        "precision": cfg.precision, "world_size": setup.ctx.world_size,
+    }  # fmt: skip
 
 
 def _summarise(setup: _Setup, record: Run | None, measured: _Steps) -> tuple[dict[str, Any], list[dict[str, Any]]]:

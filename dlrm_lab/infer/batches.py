@@ -1,0 +1,273 @@
+"""Batches as instances run them: queries of library samples gathered, padded to a few sizes, and scored
+by the runner of the build served (the eager DLRM, a fused one, the HSTU ranker).
+
+The runners are the family's (`ModelFamily.make_runner` picks one); what they share is here, below the
+builds and the instance process that use them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrm_lab.families import family_of
+from dlrm_lab.infer.batching import BatchCost
+from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.metrics.precision import DTYPES
+
+
+@dataclass
+class QueryRef:
+    """A query as an instance sees it: samples [offset, offset + size) of the model's sample
+    library, or samples [offset, offset + size) of its own `payload` (a query that came from outside,
+    checked by the server at submit)."""
+
+    query_id: int
+    size: int
+    offset: int = 0
+    payload: PackedLibrary | None = None
+
+
+def gather_batch(library: PackedLibrary, refs: list[QueryRef]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The samples of these queries (library samples, or a query's own payload) as (dense [n, d],
+    lengths feature-major, ids feature-major)."""
+    if any(r.payload is not None for r in refs):
+        return _inline(library, refs, library.lengths.shape[0])
+    sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
+    offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
+    return library.gather(sizes, offsets)
+
+
+def assemble_batch(library: PackedLibrary, refs: list[QueryRef], keys: list[str]) -> tuple[torch.Tensor, Any]:
+    """The (dense, KJT) batch of these queries: library samples, or a query's own payload."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    dense, lengths, values = gather_batch(library, refs)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths)
+    )
+    return torch.from_numpy(np.ascontiguousarray(dense)), kjt
+
+
+def _inline(library: PackedLibrary, refs: list[QueryRef], features: int) -> tuple[np.ndarray, ...]:
+    """Queries that carry their own samples (and library queries mixed with them): each run of
+    pieces from one source is gathered as library queries are, then the runs are merged feature-major."""
+    parts = []
+    for _, run in itertools.groupby(refs, key=lambda r: id(r.payload)):  # id(None): the library's run
+        run = list(run)
+        source = library if run[0].payload is None else run[0].payload
+        sizes = np.fromiter((r.size for r in run), dtype=np.int64, count=len(run))
+        offsets = np.fromiter((r.offset for r in run), dtype=np.int64, count=len(run))
+        parts.append(source.gather(sizes, offsets))
+    if len(parts) == 1:
+        return parts[0]
+    # the values of run k, feature f sit at the (k, f) block of the runs' concatenation; they go
+    # to the (f, k) block of the batch
+    lengths = [p[1].reshape(features, -1) for p in parts]
+    per_run = np.stack([ln.sum(axis=1, dtype=np.int64) for ln in lengths])  # [runs, features]
+    source_start = (np.cumsum(per_run.ravel()) - per_run.ravel()).reshape(per_run.shape).T.ravel()
+    size = per_run.T.ravel()
+    target_start = np.cumsum(size) - size
+    index = np.repeat(source_start - target_start, size) + np.arange(int(size.sum()))
+    values = np.concatenate([p[2] for p in parts])[index]
+    return np.concatenate([p[0] for p in parts]), np.concatenate(lengths, axis=1).ravel(), values
+
+
+def _batch_cost(run: Any, large: int, repeats: int) -> BatchCost:
+    """An instance's batch time as fixed + per-sample cost, from the medians of a 1-sample batch
+    and a `large` one (`run(n)` serves n library samples) timed alternately, after warm-up."""
+    times: dict[int, list[float]] = {1: [], large: []}
+    for _ in range(repeats):
+        for n in times:
+            t = time.perf_counter()
+            run(n)
+            times[n].append(time.perf_counter() - t)
+    one, big = (float(np.median(times[n])) * 1e3 for n in (1, large))
+    per_sample = max(big - one, 0.0) / max(large - 1, 1)
+    return BatchCost(fixed_ms=max(one - per_sample, 0.0), per_sample_ms=per_sample)
+
+
+def bucket(n: int) -> int:
+    """Batch size padded to: powers of two up to 64, then multiples of 64."""
+    return 1 << (n - 1).bit_length() if n <= 64 else -(-n // 64) * 64
+
+
+def pad_batch(dense: torch.Tensor, kjt: Any, size: int) -> tuple[torch.Tensor, Any]:
+    """Pad a batch with samples that have zero dense features and no ids."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    n = dense.shape[0]
+    if size == n:
+        return dense, kjt
+    lengths = kjt.lengths().view(len(kjt.keys()), n)
+    padded = torch.cat([lengths, lengths.new_zeros(len(kjt.keys()), size - n)], dim=1).flatten()
+    dense = torch.cat([dense, dense.new_zeros(size - n, dense.shape[1])])
+    return dense, KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values(), lengths=padded)
+
+
+def make_runner(
+    model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float = 0.0
+) -> Any:
+    """The batch runner of a build: the HSTU ranker's (`history_cache_mb`: its history reuse), a fused or
+    compiled DLRM, or the eager DLRM."""
+    return family_of(model.spec).make_runner(model, library, device, precision, history_cache_mb)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+class _BucketedRunner:
+    """What the DLRM runners share. Below fp32 oneDNN compiles a kernel for every new batch size (tens
+    of ms, seen as 50 ms p99 at 3 queries/s with MLPerf's 100-700 sample queries): batches are padded
+    to a few bucket sizes (`pad`), each compiled during warm-up."""
+
+    pad: bool
+    counts = None  # nothing counted per query (`BatchResult.counts`)
+    stages: tuple[float | None, ...] | None = None  # of the last batch (BATCH_STAGES), ms
+
+    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        raise NotImplementedError
+
+    def warm_up(self, max_batch: int) -> None:
+        sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.pad else set())
+        for size in sorted(sizes):  # first calls allocate and compile: keep them out of latency
+            self([QueryRef(-1, size, 0)])
+
+    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
+        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
+
+
+class Runner(_BucketedRunner):
+    """DLRM's forward pass in eval mode without autograd, with optional autocast (the `eager` build)."""
+
+    def __init__(
+        self, model: torch.nn.Module, library: PackedLibrary, keys: list[str], device: torch.device, precision: str
+    ) -> None:
+        self.model, self.library, self.keys, self.device = model, library, keys, device
+        self.pad = precision != "fp32"  # and autocast
+        self.dtype = DTYPES[precision]
+
+    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        t0 = time.perf_counter()
+        dense, kjt = assemble_batch(self.library, refs, self.keys)
+        n = dense.shape[0]
+        if self.pad:
+            dense, kjt = pad_batch(dense, kjt, bucket(n))
+        t1 = time.perf_counter()
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.pad):
+            if self.device.type == "cuda":
+                dense = dense.pin_memory().to(self.device, non_blocking=True)
+                kjt = kjt.pin_memory().to(self.device, non_blocking=True)
+                logits, parts = self.model(dense, kjt), (None, None, None)
+            else:  # the model's own stages, timed (on a GPU each would need a sync)
+                logits, parts = self.model.forward_in_stages(dense, kjt)
+            scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
+        self.stages = (_ms(t1 - t0), *(_ms(p) for p in parts))
+        return scores.numpy()[:n]
+
+
+class FusedRunner(_BucketedRunner):
+    """A `FusedDLRM` (the `fused` and `compiled` builds) over batches handed to its kernels as they take
+    them: the library's gather gives dense rows, lengths and ids; the offsets are one cumulative sum."""
+
+    def __init__(self, model: Any, library: PackedLibrary, device: torch.device) -> None:
+        self.model, self.library, self.device = model, library, device
+        self.features = library.lengths.shape[0]
+        self.pad = model.precision != "fp32"
+
+    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        t0 = time.perf_counter()
+        dense, ids, offsets_t = kernel_batch(*gather_batch(self.library, refs))
+        n = dense.shape[0]
+        if self.pad:
+            dense, ids, offsets_t = pad_kernel_batch(dense, ids, offsets_t, self.features, bucket(n))
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            if self.device.type == "cuda":
+                dense, ids, offsets_t = (
+                    t.pin_memory().to(self.device, non_blocking=True) for t in (dense, ids, offsets_t)
+                )
+                scores, parts = self.model(dense, ids, offsets_t).cpu(), (None, None, None)
+            else:
+                scores, parts = self.model.score_in_stages(dense, ids, offsets_t)
+        self.stages = (_ms(t1 - t0), *(_ms(p) for p in parts))
+        return scores.numpy()[:n]
+
+
+class RequestRunner:
+    """The HSTU ranker's forward over a batch of library requests (jagged: each request keeps its
+    length), optionally reusing users' encoded histories (`infer.history`); one score per
+    candidate. With history reuse `counts` says, after each call, per query how many of its requests
+    reused a history and how many history tokens were not encoded again (`HSTUFamily.query_counts`)."""
+
+    def __init__(
+        self, model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float
+    ) -> None:
+        from dlrm_lab.infer.history import HistoryCache
+
+        self.model, self.library, self.device = model, library, device
+        # the eager build under autocast; the fused build's weights are in the precision served already
+        self.autocast = precision != "fp32" and getattr(model, "served_precision", None) is None
+        self.dtype = DTYPES[precision]
+        self.cache = HistoryCache(int(history_cache_mb * 1e6)) if history_cache_mb > 0 else None
+        self.counts: np.ndarray | None = None
+        self.stages: tuple[float | None, ...] | None = None  # the ranker's stages are not told apart
+
+    def warm_up(self, max_batch: int) -> None:
+        for size in sorted({1, max_batch}):
+            self([QueryRef(-1, size, 0)], use_cache=False)
+
+    def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
+        """As `Runner.batch_cost`, per request, without the history cache (every history encoded)."""
+        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)], use_cache=False), large, repeats)
+
+    def __call__(self, refs: list[QueryRef], use_cache: bool = True) -> np.ndarray:
+        from dlrm_lab.infer.history import score_requests
+
+        sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
+        offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
+        block = self.library.gather(sizes, offsets)
+        cache = self.cache if use_cache else None
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+            logits, reused = score_requests(self.model, block, cache, self.device)
+            scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
+        if cache is not None:
+            query = np.repeat(np.arange(len(refs)), sizes)
+            self.counts = np.stack(
+                [
+                    np.bincount(query, weights=reused > 0, minlength=len(refs)),
+                    np.bincount(query, weights=reused, minlength=len(refs)),
+                ],
+                axis=1,
+            ).astype(np.int64)
+        else:
+            self.counts = None
+        return scores.numpy()
+
+
+def kernel_batch(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """A gathered batch (dense [n, d], lengths feature-major [F * n], ids feature-major) as the fused
+    lookup takes it: (dense, int32 ids, int32 offsets [F * n + 1])."""
+    offsets = np.empty(len(lengths) + 1, dtype=np.int32)
+    offsets[0] = 0
+    np.cumsum(lengths, out=offsets[1:])
+    return (torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(values.astype(np.int32)),
+            torch.from_numpy(offsets))  # fmt: skip
+
+
+def pad_kernel_batch(
+    dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, features: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad a kernel batch to `size` samples with samples of zero dense features and no ids."""
+    n = dense.shape[0]
+    if size == n:
+        return dense, ids, offsets
+    per_feature = offsets[1:].view(features, n)  # each bag's end
+    padded = torch.cat([per_feature, per_feature[:, -1:].expand(features, size - n)], dim=1).flatten()
+    return torch.cat([dense, dense.new_zeros(size - n, dense.shape[1])]), ids, torch.cat([offsets[:1], padded])

@@ -1,0 +1,67 @@
+"""Serving builds, one file each behind one protocol: the inference forms an instance can serve.
+
+A build turns the trained model into what an instance runs: `eager` (the module as it is), `fused`
+(fbgemm's inference tables, weights in the served precision), `compiled` (`fused` with its dense part
+compiled by Inductor in each instance), `aoti` (`fused` with its dense part an AOTInductor package made
+once, cached on disk and loaded). `infer.build` chooses between them by measurement; an instance asks
+this registry for the build it serves and never names one.
+
+A new build is a module in this package defining `BUILD` (found by `pkgutil`, as `torch._dynamo`'s
+backends are: no list to edit, and this module imports none of them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import cache
+from typing import Any, Protocol
+
+from dlrm_lab.errors import FieldError
+
+
+class Build(Protocol):
+    """How one serving build is made in the serving process and brought up in an instance."""
+
+    name: str
+    order: int  # simplest first: `auto` keeps a build only where it beats every simpler one by the margin
+    base: str | None  # the build it is made from (sharing its tables), or None: made from the model itself
+    about: str  # one line: what it is, for `--help` and the docs
+
+    def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
+        """The module served, from the float model (and `base`'s module, made first, where it has one)."""
+        ...
+
+    def skip(self, base_dense_ms: float | None) -> str | None:
+        """Why `auto` does not try it here (the fused build's dense ms per largest batch given), or None."""
+        ...
+
+    def for_snapshot(self, module: Any) -> Any:
+        """The module as written to the instances' snapshot (what does not pickle left out)."""
+        ...
+
+    def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
+        """The module as an instance serves it, after it mapped the snapshot (on a GPU: built there)."""
+        ...
+
+
+@cache
+def builds() -> dict[str, Build]:
+    """Every build of this package by name, simplest first."""
+    found: list[Build] = []
+    for info in pkgutil.iter_modules(__path__):
+        build = getattr(importlib.import_module(f"{__name__}.{info.name}"), "BUILD", None)
+        if build is not None:
+            found.append(build)
+    return {b.name: b for b in sorted(found, key=lambda b: b.order)}
+
+
+def build_names() -> tuple[str, ...]:
+    return tuple(builds())
+
+
+def build_named(name: str) -> Build:
+    try:
+        return builds()[name]
+    except KeyError:
+        raise FieldError("build", f"{name!r}: allowed: auto, {', '.join(builds())}") from None

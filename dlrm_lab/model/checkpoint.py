@@ -1,0 +1,133 @@
+"""A trained model's checkpoint as serving reads it: the weights, and what they were trained on.
+
+`train --checkpoint-dir DIR` writes `DIR/step-N/` with torch.distributed.checkpoint (DCP: each rank its
+shards) and beside the shards `trained.json`: the model's spec, the step, the held-out AUC of that step,
+and how the run's held-out samples are drawn again (the data, its generator's spec and seed). `DIR/latest`
+names the newest complete one. Serving loads the weights into the model as it serves it, one process with
+whole tables: DCP reshards from the training layout (any sharding, any rank count).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import FieldError
+
+LATEST = "latest"  # names the newest complete step-N directory, moved last
+TRAINED = "trained.json"  # in a step-N directory: what the weights were trained on (rank 0 writes it)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    marker = Path(root) / LATEST
+    if not marker.is_file():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+@dataclass(frozen=True)
+class TrainedCheckpoint:
+    """One complete checkpoint of a training run, as a server names and loads it."""
+
+    path: Path  # the step-N directory
+    step: int
+    about: dict[str, Any]  # trained.json
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.about["model"]
+
+    @property
+    def held_out_auc(self) -> float | None:
+        return (self.about.get("eval") or {}).get("auc")
+
+    def describe(self) -> dict[str, Any]:
+        """What a run's manifest says of the weights it served."""
+        return {
+            "path": str(self.path), "step": self.step, "held_out_auc": self.held_out_auc,
+            "held_out_step": (self.about.get("eval") or {}).get("step"), "trained_by": self.about.get("run_id"),
+            "data": self.about.get("data"),
+        }  # fmt: skip
+
+
+def read_checkpoint(root: str | Path, field: str = "checkpoint") -> TrainedCheckpoint:
+    """The newest complete checkpoint under `root` (a `train --checkpoint-dir` directory, or one of its step-N
+    directories); one FieldError naming the path where it is not one."""
+    root = Path(root)
+    if not root.exists():
+        raise FieldError(field, f"{root}: no such directory (expected a train --checkpoint-dir)")
+    path = root if (root / TRAINED).is_file() else latest_checkpoint(root)
+    if path is None:
+        raise FieldError(field, f"{root}: no complete checkpoint (expected a '{LATEST}' file naming step-N, written by "
+                         "train --checkpoint-dir)")  # fmt: skip
+    sidecar = path / TRAINED
+    if not sidecar.is_file():
+        raise FieldError(field, f"{path}: no {TRAINED} beside the weights (written by train since 2026-11-27): "
+                         "train again with --checkpoint-dir")  # fmt: skip
+    try:
+        about = json.loads(sidecar.read_text())
+        step = int(about["step"])
+        if not isinstance(about["model"], dict):
+            raise TypeError("model")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FieldError(field, f"{sidecar}: unreadable ({type(exc).__name__}: {exc})") from None
+    return TrainedCheckpoint(path, step, about)
+
+
+def load_weights(model: Any, checkpoint: TrainedCheckpoint, field: str = "checkpoint") -> None:
+    """Load the checkpoint's model weights into `model` (whole tables, one process; DCP reshards), in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(checkpoint.path), no_dist=True)
+        model.load_state_dict(state["model"])
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - weights of another shape: a user mistake
+        first = _first_line(exc)
+        raise FieldError(field, f"{checkpoint.path}: its weights do not fit the served model ({first})") from None
+
+
+def check_spec(checkpoint: TrainedCheckpoint, spec: dict[str, Any], field: str = "checkpoint",
+               ignore: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Refuse, in one line naming the first difference, to serve a checkpoint's weights as another model."""
+    trained, spec = checkpoint.model, json.loads(json.dumps(spec, default=str))  # tuples as the JSON's lists
+
+    def first_difference(a: Any, b: Any, where: str) -> str | None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if where == "" and key in ignore:
+                    continue
+                found = first_difference(a.get(key), b.get(key), f"{where}.{key}" if where else key)
+                if found:
+                    return found
+            return None
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                if found := first_difference(x, y, f"{where}[{i}]"):
+                    return found
+            return None
+        return None if a == b else f"{where}: trained {_short(a)}, served {_short(b)}"
+
+    if difference := first_difference(trained, spec, ""):
+        raise FieldError(field, f"{checkpoint.path}: trained {trained.get('name')!r}, not the model served "
+                         f"({difference}); serve the preset and scaling it was trained with")  # fmt: skip
+
+
+def _first_line(exc: BaseException) -> str:
+    """The cause in one line: DCP wraps each rank's exception in a traceback whose last line names it."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if isinstance(exc, Exception) and lines and not lines[0].startswith("CheckpointException"):
+        return lines[0][:200]
+    return (lines[-1] if lines else type(exc).__name__)[:200]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

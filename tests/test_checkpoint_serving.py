@@ -1,0 +1,120 @@
+"""Serving what was trained: a `train --checkpoint-dir` checkpoint goes into every serving build, scores its
+held-out samples as training evaluated them, and judges reduced-precision builds on the data's own labels."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import dlrm_lab
+from dlrm_lab.config import TrainConfig
+from dlrm_lab.errors import UserError
+from dlrm_lab.families import family_of
+from dlrm_lab.infer import accuracy
+from dlrm_lab.infer.build import make_build
+from dlrm_lab.infer.plan import plan_serving
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.model.checkpoint import TRAINED, read_checkpoint
+from dlrm_lab.train import train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """tiny, trained 40 steps with its checkpoint written at the end."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    spec = dlrm_lab.load_preset("tiny")
+    result = train(spec, TrainConfig(steps=40, batch_size=256, seed=3, prefetch=0, eval_batches=4,
+                                     checkpoint_dir=str(root)))  # fmt: skip
+    return root, result
+
+
+def _served(root, **kw):
+    return ServedModel("tiny", dlrm_lab.load_preset("tiny", **kw.pop("preset", {})), checkpoint=str(root), **kw)
+
+
+def test_the_checkpoint_records_what_serving_needs(trained):
+    root, result = trained
+    checkpoint = read_checkpoint(root)
+    assert checkpoint.step == 40 and checkpoint.path == root / "step-00000040"
+    assert checkpoint.held_out_auc == pytest.approx(result.evals[-1]["auc"])
+    assert checkpoint.about["eval"]["samples"] == 1024 and checkpoint.about["seed"] == 3
+    assert read_checkpoint(checkpoint.path).step == 40  # a step directory names itself
+
+
+def test_a_served_checkpoint_scores_as_training_evaluated_it_in_every_build(trained):
+    root, result = trained
+    served = _served(root)
+    family = family_of(served.spec)
+    model, _, _ = family.serving_model(served, 0, lambda _line: None)
+    held_out = family.held_out(served, None, 0)
+    first = held_out.slice(0, read_checkpoint(root).about["eval"]["samples"])  # the samples training scored
+    eager = accuracy.score_build(model, first, "fp32")
+    assert accuracy.auc(eager, first.labels) == pytest.approx(result.evals[-1]["auc"], abs=1e-6)
+    untrained = family.serving_model(ServedModel("tiny", served.spec), 0, lambda _line: None)[0]
+    assert accuracy.auc(accuracy.score_build(untrained, first, "fp32"), first.labels) < result.evals[-1]["auc"] - 0.05
+    for build in family.builds:  # the trained weights reach every inference form
+        module = make_build(model, build, precision="fp32", table_precision="fp32")
+        scores = accuracy.score_build(module, first, "fp32")
+        assert np.abs(scores - eager).max() <= accuracy.FP32_SCORE_TOLERANCE, build
+
+
+def test_a_trained_models_builds_are_judged_on_the_datas_labels_and_the_run_names_its_checkpoint(trained):
+    root, result = trained
+    plan = plan_serving([_served(root, precision="bf16", build="fused", max_batch=64)])
+    check = plan.precision_choices["tiny"]["build_choice"]["accuracy"]
+    assert check["labels"].startswith("the held-out samples' own labels") and check["samples"] == accuracy.CHECK_SAMPLES
+    assert check["auc_fp32_eager"] == pytest.approx(result.evals[-1]["auc"], abs=0.02)  # the same data, more of it
+    assert check["passed"] == check["passes_99_9"] and check["passes_99"]
+    described = plan.models["tiny"].describe()
+    assert described["checkpoint"] == str(root / "step-00000040") and described["checkpoint_step"] == 40
+    assert described["checkpoint_auc"] == pytest.approx(result.evals[-1]["auc"])
+
+
+def test_without_a_checkpoint_the_run_says_its_model_is_untrained():
+    lines: list[str] = []
+    plan = plan_serving([ServedModel("tiny", dlrm_lab.load_preset("tiny"), build="fused", max_batch=64)],
+                        log=lines.append)  # fmt: skip
+    assert any("no --checkpoint: serving an untrained model" in line for line in lines)
+    assert plan.precision_choices["tiny"]["build_choice"]["accuracy"]["labels"].startswith("drawn from the untrained")
+    assert plan.models["tiny"].describe()["checkpoint"] is None
+
+
+def test_a_checkpoint_that_is_not_the_served_models_is_refused_in_one_line(trained, tmp_path):
+    root, _ = trained
+    mismatch = (
+        r"^checkpoint /.*step-00000040: trained 'tiny', not the model served \(table_scale: trained 1.0, served 0.5\)"
+    )
+    with pytest.raises(UserError, match=mismatch):
+        _served(root, preset={"table_scale": 0.5})
+    with pytest.raises(UserError, match=r"^checkpoint /.*nowhere: no such directory"):
+        _served(tmp_path / "nowhere")
+    with pytest.raises(UserError, match=r"^checkpoint /.*: no complete checkpoint \(expected a 'latest' file"):
+        _served(tmp_path)
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / TRAINED).write_text("{not json")
+    with pytest.raises(UserError, match=r"^checkpoint /.*trained.json: unreadable"):
+        _served(step)
+    (step / TRAINED).write_text(json.dumps({**read_checkpoint(root).about}))  # the record without its weights
+    with pytest.raises(UserError, match=r"^checkpoint /.*its weights do not fit the served model"):
+        family_of(dlrm_lab.load_preset("tiny")).serving_model(_served(step), 0, lambda _line: None)
+
+
+def test_one_checkpoint_per_model_is_asked_for_by_the_command_line():
+    from dlrm_lab.infer.options import ServingOptions
+
+    with pytest.raises(UserError, match=r"^checkpoint: give one per model \(2\), in order; got 1"):
+        ServingOptions(checkpoint=("a",)).served(["tiny", "tiny"])
+
+
+def test_torch_is_seeded_the_same_for_a_trained_and_an_untrained_server(trained):
+    """The checkpoint replaces every weight: two servers of one checkpoint with other seeds serve one model."""
+    root, _ = trained
+    family = family_of(dlrm_lab.load_preset("tiny"))
+    a = family.serving_model(_served(root), 0, lambda _line: None)[0]
+    b = family.serving_model(_served(root), 7, lambda _line: None)[0]
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name

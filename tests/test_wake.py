@@ -1,0 +1,67 @@
+"""The wake probe: how long an idle thread takes to run again once notified, on a scripted clock; and the
+low-load latency floor that adds it at the idle time nearest an instance's gap between queries."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrm_lab.metrics.wake import IDLE_MS, measure_wake, probe_wake, summarize_wakes, wake_ms_for_gap
+
+
+class ScriptedClock:
+    """Returns the next value of `ticks` (ns) at each call: the probe calls it notify, wake, notify, wake, ..."""
+
+    def __init__(self, ticks):
+        self.ticks = iter(ticks)
+
+    def __call__(self) -> int:
+        return next(self.ticks)
+
+
+def test_each_wake_is_the_time_from_the_notify_to_the_waiter_running():
+    delays_us = [15, 20, 85, 12]
+    ticks = []
+    for k, d in enumerate(delays_us):
+        start = 1_000_000 * (k + 1)
+        ticks += [start, start + d * 1000]
+    slept = []
+    wakes = measure_wake(10.0, len(delays_us), clock=ScriptedClock(ticks), sleep=slept.append)
+    assert wakes == pytest.approx(delays_us)
+    assert slept == [0.01] * 4  # the waiter was blocked 10 ms before each notify
+    summary = summarize_wakes(wakes)
+    assert summary["samples"] == 4 and summary["p50_us"] == pytest.approx(17.5) and summary["max_us"] == 85
+
+
+def test_the_probe_covers_every_idle_time_and_really_wakes_a_thread():
+    slept = []
+    profile = probe_wake(quick=True, sleep=slept.append)  # real threads, no real sleeping
+    assert sorted(profile, key=float) == [f"{i:g}" for i in IDLE_MS]
+    assert all(w["samples"] > 0 and 0 <= w["p50_us"] <= w["p99_us"] <= w["max_us"] < 1e6 for w in profile.values())
+    assert sorted(set(slept)) == [i / 1e3 for i in IDLE_MS]
+
+
+def test_the_floor_adds_the_wake_of_the_nearest_idle_time_at_or_below_the_gap():
+    wake = {"1": {"p50_us": 10.0}, "10": {"p50_us": 20.0}, "100": {"p50_us": 90.0}}
+    assert wake_ms_for_gap(wake, 333.0) == pytest.approx(0.09)  # 3 queries/s on one instance
+    assert wake_ms_for_gap(wake, 50.0) == pytest.approx(0.02)
+    assert wake_ms_for_gap(wake, 0.2) == 0.0  # a busy instance never sleeps long
+    assert wake_ms_for_gap(None, 333.0) == 0.0  # unprobed
+
+
+def test_the_latency_floor_includes_the_wake_and_a_floor_below_the_timer_has_no_ratio():
+    import dlrm_lab
+    from dlrm_lab.infer.records import latency_floor_columns
+    from dlrm_lab.metrics.roofline import Peaks
+
+    spec = dlrm_lab.load_preset("kaggle", max_rows=1000)
+    wake = {"1": {"p50_us": 10.0}, "10": {"p50_us": 20.0}, "100": {"p50_us": 90.0}}
+    peaks = Peaks(1e12, 1e11, 1e10, None, "test", wake)
+    row = {"latency_floor_samples": 270, "sla_latency_ms": 8.0, "queries_per_s": 3.0}
+    out = latency_floor_columns(spec, "fp32", 1, 1, 256, row, peaks)
+    bare = latency_floor_columns(spec, "fp32", 1, 1, 256, row, Peaks(1e12, 1e11, 1e10, None, "test"))
+    assert out["latency_floor_wake_ms"] == pytest.approx(0.09)
+    assert out["latency_floor_ms"] == pytest.approx(bare["latency_floor_ms"] + 0.09)
+    fast = Peaks(1e15, 1e13, 1e13, None, "x")
+    tiny = latency_floor_columns(dlrm_lab.load_preset("tiny"), "fp32", 1, 1, 256,
+                                 {"latency_floor_samples": 1, "sla_latency_ms": 4.0}, fast)  # fmt: skip
+    assert tiny["latency_floor_ms"] < 1e-3 and tiny["latency_floor_ratio"] is None
