@@ -472,14 +472,23 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
     from dlrm_lab.infer.search import CERTIFY_BACKOFF, SearchOptions
 
     runs = []
+    far: dict = {}  # where set, a failed run's p99s lie this far beyond the bound; or LoadGen asks for more queries
 
     def fake_measure(server, point, cfg, *a, **k):  # LoadGen holds up to 80 queries/s
         (stream,) = point.streams
-        runs.append((point.scenario, cfg.duration_s, stream.qps))
+        runs.append((point.scenario, point.duration_s, stream.qps))
+        if far.get("more") and len(runs) == 1:  # the p99 within the bound, LoadGen's estimate unsure
+            return [{"target_qps": stream.qps, "samples_per_s": stream.qps, "loadgen_result": "INVALID",
+                     "loadgen_reason": "early stopping not met (processed 100 queries, would need at least 500 more, "
+                     "all within the bound)", "sla_met": True, "sla_latency_ms": 9.0, "loadgen_p99_ms": 9.5}]  # fmt: skip
+        if far.get("p99") and stream.qps > 80.0:
+            return [{"target_qps": stream.qps, "samples_per_s": stream.qps, "loadgen_result": "INVALID",
+                     "loadgen_reason": "performance constraints not met", "sla_met": False, "sla_latency_ms": 30.0,
+                     "loadgen_p99_ms": far["p99"]}]  # fmt: skip
         ok = stream.qps <= 80.0
         return [{"target_qps": stream.qps, "samples_per_s": stream.qps, "loadgen_result": "VALID" if ok else "INVALID",
                  "loadgen_reason": None if ok else "early stopping not met", "sla_met": ok,
-                 "sla_latency_ms": 5.0 if ok else 50.0, "tail_issue_ms": 0.1, "tail_queue_ms": 3.0}]  # fmt: skip
+                 "sla_latency_ms": 5.0 if ok else 10.5, "loadgen_p99_ms": 6.0 if ok else 11.0}]  # fmt: skip
 
     monkeypatch.setattr(search_module, "measure", fake_measure)
 
@@ -514,8 +523,17 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
     assert [q for _, _, q in runs] == pytest.approx([95.0, 95.0 * CERTIFY_BACKOFF, low, (low * 80.75) ** 0.5,
                                                      ((low * 80.75) ** 0.5 * 80.75) ** 0.5])  # fmt: skip
     assert 80.0 / 1.05 <= backed["certified_qps"] <= 80.0 and "claimed 95.0" in backed["outcome"]
-    assert "INVALID (early stopping not met), p99 50.00 ms: does not hold" in lines[0]  # LoadGen's own reason
+    assert "INVALID (early stopping not met), p99 10.50 ms: does not hold" in lines[0]  # LoadGen's own reason
     assert lines[-1].startswith("LoadGen certified 77.5 queries/s, 18% below the open-loop probes' 95.0: at 80.8")
+    assert "LoadGen's p99 11.00 ms against the lab's 10.50 ms for the same queries: LoadGen's clock" in lines[-1]
+    far.update(p99=40.0)  # four times the bound: the next rate is half, not 0.85x
+    certify(300.0, 8)
+    assert [q for _, _, q in runs][:3] == pytest.approx([300.0, 150.0, 75.0])
+    far.clear()
+    far.update(more=True)  # the same rate again, for the queries LoadGen asked for (5 more s at 75 queries/s, +10%)
+    again = certify(75.0, 8)
+    assert [(q, s) for _, s, q in runs] == [(75.0, 30.0), (75.0, 30.0 + 8)] and again["certified_qps"] == 75.0
+    far.clear()
     never = certify(200.0, 2)
     assert never["certified_qps"] == 0 and never["certified_result"] == "INVALID"
     assert never["outcome"].startswith("best probed, not certified")

@@ -9,6 +9,7 @@ are written to the settings' `log_dir` and its verdict is recorded.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import re
@@ -176,6 +177,10 @@ class LoadGenDriver:
         sut = lg.ConstructSUT(issue, lambda: None)
         lg_qsl = lg.ConstructQSL(qsl.total_sample_count, qsl.performance_sample_count, qsl.load_samples,
                                  qsl.unload_samples)  # fmt: skip
+        # Everything alive now (a search's earlier probes' rows) is kept out of the collections during the run:
+        # a full collection over them pauses every thread, LoadGen's issue and completion callbacks included.
+        gc.collect()
+        gc.freeze()
         try:
             start = time.monotonic()
             lg.StartTestWithLogSettings(sut, lg_qsl, self.test_settings(), log)
@@ -183,6 +188,7 @@ class LoadGenDriver:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             self.error = exc
         finally:
+            gc.unfreeze()
             lg.DestroyQSL(lg_qsl)
             lg.DestroySUT(sut)
         self.stats.loadgen = parse_loadgen_summary(log_dir / "mlperf_log_summary.txt")
@@ -227,6 +233,12 @@ def check_loadgen_duration(qps: float, duration_s: float, percentile: float) -> 
             "qps",
             "duration_s",
         )
+
+
+def queries_needed(reason: str | None) -> int | None:
+    """How many more queries LoadGen's early-stopping estimate asked for (its INVALID reason), or None."""
+    m = re.search(r"would need at least (\d+) more", reason or "")
+    return int(m.group(1)) if m else None
 
 
 def parse_loadgen_summary(path: Path) -> dict[str, Any]:

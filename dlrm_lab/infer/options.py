@@ -379,7 +379,7 @@ class SearchOptions:
     # off until one holds, then bisected to 5% (infer.search.certify); each run this long, or as long as
     # LoadGen's early-stopping estimate needs at its rate
     certify_s: float = option(
-        10.0,
+        5.0,
         "Seconds at least of each MLPerf LoadGen Server run that certifies the best rate (longer where LoadGen's "
         "early stopping needs more queries); 0: not certified.",
         flags=("--certify-duration",),
