@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts, verified
-from dlrm_lab.infer.builds.compiled import COMPILE_MIN_DENSE_MS
-from dlrm_lab.infer.builds.fused import BUILD as FUSED
+from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension is exported as dynamic
 
@@ -67,19 +66,15 @@ class AOTIBuild:
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
-        if base_dense_ms is None or base_dense_ms >= COMPILE_MIN_DENSE_MS:
-            return None
-        return (f"the dense part takes {base_dense_ms:.3f} ms of the largest batch: a compiled dense part cannot "
-                f"repay a package build of seconds per weights (tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip
+        return too_small_to_compile(base_dense_ms, "a package build of seconds per weights")
 
     def for_snapshot(self, module: Any) -> Any:
         module.compiled = None  # a loaded package does not pickle; each instance loads it
         return module
 
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
-        if device.type == "cuda":
+        if device.type == "cuda":  # the package holds CPU kernels
             raise RuntimeError("the aoti build is made for the CPU: on a GPU serve eager, fused or compiled")
-        module = FUSED.in_instance(module, device, precision=precision, table_precision=table_precision)
         module.compiled = load_package(module.package)
         return module
 

@@ -13,6 +13,14 @@ from dlrm_lab.infer.builds.fused import BUILD as FUSED
 COMPILE_MIN_DENSE_MS = 0.5
 
 
+def too_small_to_compile(base_dense_ms: float | None, cost: str) -> str | None:
+    """Why `auto` does not try a build that compiles the dense part (`cost`: what compiling costs), or None."""
+    if base_dense_ms is None or base_dense_ms >= COMPILE_MIN_DENSE_MS:
+        return None
+    return (f"the dense part takes {base_dense_ms:.3f} ms of the largest batch: compiling cannot repay {cost} "
+            f"(tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip
+
+
 class CompiledBuild:
     name = "compiled"
     order = 2
@@ -25,10 +33,7 @@ class CompiledBuild:
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
-        if base_dense_ms is None or base_dense_ms >= COMPILE_MIN_DENSE_MS:
-            return None
-        return (f"the dense part takes {base_dense_ms:.3f} ms of the largest batch: compiling cannot repay an "
-                f"instance's start (tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip
+        return too_small_to_compile(base_dense_ms, "an instance's start")
 
     def for_snapshot(self, module: Any) -> Any:
         module.compiled = None  # each instance compiles its own
