@@ -78,15 +78,21 @@ def _inline(library: PackedLibrary, refs: list[QueryRef], features: int) -> tupl
     return np.concatenate([p[0] for p in parts]), np.concatenate(lengths, axis=1).ravel(), values
 
 
-def _batch_cost(run: Any, large: int, repeats: int) -> BatchCost:
+def _batch_cost(run: Any, large: int, repeats: int, library_size: int | None = None) -> BatchCost:
     """An instance's batch time as fixed + per-sample cost, from the medians of a 1-sample batch
-    and a `large` one (`run(n)` serves n library samples) timed alternately, after warm-up."""
+    and a `large` one (`run(n, offset)` serves n library samples from `offset`) timed alternately, after
+    warm-up. Each batch takes the library's next samples, as served queries do: the same samples again
+    would find their embedding rows in the cache, and the model of a warm batch would be too fast."""
     times: dict[int, list[float]] = {1: [], large: []}
+    offset = 0
     for _ in range(repeats):
         for n in times:
+            if library_size is not None and offset + n > library_size:
+                offset = 0
             t = time.perf_counter()
-            run(n)
+            run(n, offset)
             times[n].append(time.perf_counter() - t)
+            offset += n
     one, big = (float(np.median(times[n])) * 1e3 for n in (1, large))
     per_sample = max(big - one, 0.0) / max(large - 1, 1)
     return BatchCost(fixed_ms=max(one - per_sample, 0.0), per_sample_ms=per_sample)
@@ -140,7 +146,7 @@ class _BucketedRunner:
             self([QueryRef(-1, size, 0)])
 
     def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
-        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)]), large, repeats)
+        return _batch_cost(lambda n, at: self([QueryRef(-1, n, at)]), large, repeats, self.library.size)
 
 
 class Runner(_BucketedRunner):
@@ -225,7 +231,8 @@ class RequestRunner:
 
     def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
         """As `Runner.batch_cost`, per request, without the history cache (every history encoded)."""
-        return _batch_cost(lambda n: self([QueryRef(-1, n, 0)], use_cache=False), large, repeats)
+        return _batch_cost(lambda n, at: self([QueryRef(-1, n, at)], use_cache=False), large, repeats,
+                           self.library.size)  # fmt: skip
 
     def __call__(self, refs: list[QueryRef], use_cache: bool = True) -> np.ndarray:
         from dlrm_lab.infer.history import score_requests

@@ -92,11 +92,19 @@ def time_builds(modules: dict[str, nn.Module], sizes: Sequence[int], threads: in
             r.warm_up(max(sizes))
         times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sizes} for b in runners}
         dense: list[float] = []
+        # each repeat takes the library's next samples (as served queries do: the same ones again would be
+        # cache-hot); every build sees the same samples
+        starts, at = [], 0
         for _ in range(repeats):
+            for n in sizes:
+                at = 0 if at + n > library.size else at
+                starts.append(at)
+                at += n
+        for rep in range(repeats):
             for b, r in runners.items():
-                for n in sizes:
+                for i, n in enumerate(sizes):
                     t = time.perf_counter()
-                    r([QueryRef(-1, n, 0)])
+                    r([QueryRef(-1, n, starts[rep * len(sizes) + i])])
                     times[b][n].append((time.perf_counter() - t) * 1e3)
                     if b == "fused" and n == max(sizes) and r.stages is not None:
                         dense.append(r.stages[2] + (r.stages[3] or 0.0))
