@@ -22,6 +22,7 @@ from dlrm_lab.families import Spec
 from dlrm_lab.infer.options import (
     RUN_KNOBS,
     SEARCH_CHANGES,
+    BuildTableOptions,
     InferConfig,
     LoadOptions,
     SearchOptions,
@@ -47,6 +48,16 @@ INFER_SEARCH: list[Declared] = [
     *options_of(SearchOptions),
     *options_of(ServingOptions, exclude=("instances", "threads", "max_batch", "max_delay_ms", "max_query_samples")),
 ]
+# One model's serving builds side by side: how it is served, not a load
+INFER_BUILDS: list[Declared] = [
+    *options_of(LoadOptions, only=("model",)),
+    *options_of(BuildTableOptions),
+    *options_of(
+        ServingOptions,
+        only=("threads", "precision", "table_precision", "data_spec", "checkpoint", "table_scale", "max_rows"),
+    ),  # fmt: skip
+    *options_of(InferConfig, only=("seed",)),
+]
 # The served models as `infer run` takes them, behind a gRPC front of their own
 SERVE: list[Declared] = [
     *options_of(LoadOptions, only=("model",)),
@@ -60,10 +71,11 @@ CLIENT: list[Declared] = [
     *options_of(LoadOptions, only=("arrival",)),
     *options_of(InferConfig, only=(*CLIENT_CHANGES, "percentile", "max_issue_lag_ms"), **CLIENT_CHANGES),
 ]
-COMMANDS = {"train": TRAIN, "infer run": INFER_RUN, "infer search": INFER_SEARCH, "serve": SERVE, "client": CLIENT}
+COMMANDS = {"train": TRAIN, "infer run": INFER_RUN, "infer search": INFER_SEARCH, "infer builds": INFER_BUILDS,
+            "serve": SERVE, "client": CLIENT}  # fmt: skip
 # Every config field a command line sets, by the flag that sets it (`timeout_s`: --timeout)
 _CONFIGS = (PresetChoice, TrainConfig, LoadOptions, InferConfig, ServingOptions, SearchSpace, SearchOptions,
-            ServeOptions, ClientOptions)  # fmt: skip
+            BuildTableOptions, ServeOptions, ClientOptions)  # fmt: skip
 # What the library names by field of the commands whose options are not declared yet (`data gen`, `launch`,
 # `scale`, `compare`, `machine`, `report`) and of the command line alone (`--metrics-dir`): each is --field-name
 _UNDECLARED = ("metrics_dir", "out", "rows", "shards", "format", "spec", "window", "launcher", "nproc", "nnodes",
@@ -141,6 +153,19 @@ def search_setup(options: Mapping[str, Any]) -> tuple[Any, Any, Any, InferConfig
     load = build(LoadOptions, INFER_SEARCH, o)
     (stream,) = plan_load([base], ["1"], [space.query_size], [str(sla_ms)], load.arrival, load.order).streams
     return base, stream, grid, cfg, probing
+
+
+@_by_flag()
+def builds_setup(options: Mapping[str, Any]) -> tuple[Any, BuildTableOptions, int]:
+    """The served model, what to compare and the seed of `dlrm-lab infer builds` with these options."""
+    o = given(options, INFER_BUILDS, "infer builds", CLI_ONLY)
+    models = o.get("model") or []
+    if len(models) > 1:
+        raise FieldError("model", f"{', '.join(models)}: one model's builds at a time")
+    (served,) = build(ServingOptions, INFER_BUILDS, o).served(models)
+    table = build(BuildTableOptions, INFER_BUILDS, o)
+    table.size_list()  # a bad list is one line before anything is built
+    return served, table, build(InferConfig, INFER_BUILDS, o).seed
 
 
 @_by_flag()

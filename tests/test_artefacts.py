@@ -1,5 +1,5 @@
 """Serving artefacts on disk: keyed by what made them, rebuilt when partial or corrupt, built once when two
-processes ask at once; the `aoti` build serves a package from that cache and never a damaged one."""
+processes ask at once (the `aoti` build's own package from that cache: tests/test_checkpoint_serving.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,9 @@ import multiprocessing
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
 import torch
 
-import dlrm_lab
-from dlrm_lab.data import synthetic_generator
-from dlrm_lab.infer import accuracy
 from dlrm_lab.infer.artefacts import RECORD, cached_artefact, content_key
-from dlrm_lab.infer.build import make_build
-from dlrm_lab.infer.builds import build_named
-from dlrm_lab.model.dlrm import build_model
 
 
 def _write(text: str, calls: Path | None = None, delay_s: float = 0.0):
@@ -75,21 +67,3 @@ def test_two_processes_building_one_key_at_once_build_it_once(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     assert calls.read_text() == "built\n"  # the second waited on the lock and found the first's
     assert (tmp_path / "out0").read_text() == (tmp_path / "out1").read_text()
-
-
-def test_the_aoti_build_loads_its_package_from_the_cache_and_refuses_a_damaged_one():
-    torch.manual_seed(0)
-    model = build_model(dlrm_lab.load_preset("tiny")).eval()
-    block = synthetic_generator(model.spec, None, seed=0).samples(0, 512)
-    first = make_build(model, "aoti", precision="fp32", table_precision="fp32")
-    second = make_build(model, "aoti", precision="fp32", table_precision="fp32")  # the same weights: cached
-    assert first.package == second.package and second.package_reason.startswith("found in the cache")
-    eager = accuracy.score_build(model, block, "fp32")
-    assert np.abs(accuracy.score_build(second, block, "fp32") - eager).max() <= accuracy.FP32_SCORE_TOLERANCE
-    snapshot = build_named("aoti").for_snapshot(second)
-    assert snapshot.compiled is None  # instances load the package themselves
-    data = Path(first.package).read_bytes()
-    Path(first.package).write_bytes(data[:-16])  # truncated on disk after it was built
-    with pytest.raises(RuntimeError, match="partial or corrupt"):
-        build_named("aoti").in_instance(snapshot, torch.device("cpu"), precision="fp32", table_precision="fp32")
-    Path(first.package).write_bytes(data)

@@ -12,11 +12,11 @@ from rich.table import Table
 from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import METRICS_DIR, CliOnly, command
-from dlrm_lab.commands import INFER_RUN, INFER_SEARCH
+from dlrm_lab.commands import INFER_BUILDS, INFER_RUN, INFER_SEARCH
 from dlrm_lab.errors import UserError, raise_on_sigterm
 from dlrm_lab.metrics import columns
 
-app = typer.Typer(help="Inference lab: dynamic batching, co-location, MLPerf LoadGen, latency-bounded search.")
+app = typer.Typer(help="Inference lab: dynamic batching, co-location, MLPerf LoadGen, latency-bounded search, builds.")
 
 ShowProgress = Annotated[bool, typer.Option(help="Show progress (a bar on a terminal, else a line every few s).")]
 PROGRESS = CliOnly("progress", ShowProgress, True)
@@ -148,3 +148,32 @@ def _answer(frontier: list[dict[str, Any]], percentile: float, sla_ms: float) ->
     return (f"answer: {best['certified_qps']:,.1f} queries/s ({best['certified_samples_per_s']:,.0f} samples/s) "
             f"under {bound}, certified by a {best['certify_s']:g} s MLPerf LoadGen Server run "
             f"({best['certified_result']}; {claimed})")  # fmt: skip
+
+
+@app.command("builds")
+@command(*INFER_BUILDS)
+def builds_command(options: dict[str, Any]) -> None:
+    """Every serving build of one model side by side on this machine: cost per batch and per sample, fraction of
+    roof, accuracy. Which engine serves this model best here."""
+    from dlrm_lab.commands import builds_setup
+    from dlrm_lab.infer.build_table import compare_builds
+
+    served, table, seed = builds_setup(options)
+    out = console(stderr=True)
+    rows = compare_builds(served, builds=table.build_list(), sizes=table.size_list(), repeats=table.repeats,
+                          seed=seed, log=lambda msg: out.print(msg, highlight=False))  # fmt: skip
+    sizes = table.size_list()
+    view = Table(title=f"{served.name}: serving builds on this machine ({served.threads} thread"
+                 f"{'s' if served.threads != 1 else ''})")  # fmt: skip
+    for col in ("build", "computes in", *[f"{n} ms" for n in sorted(set(sizes))], "ms/batch", "us/sample",
+                "of roof", "AUC kept", "accuracy"):  # fmt: skip
+        view.add_column(col, justify="left" if col in ("build", "computes in", "accuracy") else "right")
+    for r in rows:
+        if r.get("skipped"):
+            view.add_row(r["build"], "-", *["-"] * len(set(sizes)), "-", "-", "-", "-", f"not made: {r['skipped']}")
+            continue
+        roof = "-" if r["fraction_of_roof"] is None else f"{r['fraction_of_roof']:.2f}"
+        view.add_row(r["build"], r["precision"], *[f"{r['batch_ms'][n]:.3f}" for n in sorted(set(sizes))],
+                     f"{r['per_batch_ms']:.3f}", f"{r['per_sample_us']:.2f}", roof, f"{r['auc_kept']:.4%}",
+                     ("pass" if r["accuracy_passed"] else "FAIL") + f" ({r['labels']} labels)")  # fmt: skip
+    console().print(view)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -45,7 +45,7 @@ def make_build(model: nn.Module, build: str, *, precision: str, table_precision:
     family = family_of(model.spec)
     if build not in family.builds:
         raise FieldError("build", f"{build}: {family.called} has builds {', '.join(family.builds)}")
-    return _Builds(model, precision, table_precision)[build]
+    return BuildSet(model, precision, table_precision)[build]
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,10 @@ class BuildChoice:
 
 
 # (build, module) -> {batch size: ms per batch}; `dense_ms` of the fused build at the largest size
-Measure = Callable[[dict[str, nn.Module], Sequence[int], int], dict[str, dict[int, float]]]
+Measure = Callable[[Mapping[str, nn.Module], Sequence[int], int], dict[str, dict[int, float]]]
 
 
-def time_builds(modules: dict[str, nn.Module], sizes: Sequence[int], threads: int, library: Any, precision: str,
+def time_builds(modules: Mapping[str, nn.Module], sizes: Sequence[int], threads: int, library: Any, precision: str,
                 repeats: int = 5) -> dict[str, dict[int, float]]:  # fmt: skip
     """Median ms per batch of each build at each batch size (library samples, taken in turn so that
     drift hits every build alike), at `threads` threads; `dense_ms` of the fused build is
@@ -149,7 +149,7 @@ def choose_build(
             else f"asked for (--build {build}); not timed on a GPU"  # fmt: skip
         return BuildChoice(build=build, reason=reason, **common), model
     sizes = sorted({max(1, int(n)) for n in sizes})
-    modules = _Builds(model, precision, table_precision)
+    modules = BuildSet(model, precision, table_precision)
     skipped: dict[str, str] = {b: f"not a build of {family.called}: {family.no_compiled_build}"
                                for b in builds() if b not in family.builds}  # fmt: skip
     first = [b for b in ("eager", "fused") if b in family.builds]  # the fused build's dense time gates the rest
@@ -182,7 +182,7 @@ def choose_build(
                        f"({vs(build, fastest)}, {threads} thread{'s' if threads != 1 else ''}); running {build} "
                        "as asked (--build auto picks the faster)")  # fmt: skip
         module = modules[build]
-        accuracy = check_accuracy(model, module, build, check_block, precision=precision,
+        accuracy = check_accuracy(model, module, build, check_block, precision=judged_precision(build, precision),
                                   table_precision=table_precision, labels=labels)  # fmt: skip
         reason = (
             f"asked for (--build {build}: {total[build]:.3f} ms)" if build in total else f"asked for (--build {build})"
@@ -196,7 +196,7 @@ def choose_build(
     # the fastest that keeps the scores right; else the next fastest
     for b in [best] + sorted((o for o in ordered if o != best), key=lambda o: total[o]):
         module = modules[b]
-        accuracy = check_accuracy(model, module, b, check_block, precision=precision,
+        accuracy = check_accuracy(model, module, b, check_block, precision=judged_precision(b, precision),
                                   table_precision=table_precision, labels=labels)  # fmt: skip
         if accuracy.passed or b == "eager":
             best = b
@@ -218,7 +218,12 @@ def choose_build(
                        skipped=skipped, **common), modules.snapshot(best)  # fmt: skip
 
 
-class _Builds(dict):
+def judged_precision(build: str, precision: str) -> str:
+    """The precision a build's accuracy rule judges: the one it fixes for its dense part (int8), else the served one."""
+    return build_named(build).dense_precision or precision
+
+
+class BuildSet(dict):
     """Each build of one model, made when first asked for (compiling takes seconds), each from its base."""
 
     def __init__(self, model: nn.Module, precision: str, table_precision: str) -> None:
@@ -232,9 +237,31 @@ class _Builds(dict):
         self[name] = module
         return module
 
+    def subset(self, names: Sequence[str]) -> Mapping[str, nn.Module]:
+        """The builds `names`, each made when first read (the timing reads them; a fake one need not)."""
+        return _Subset(self, names)
+
     def snapshot(self, name: str) -> nn.Module:
         """The module of build `name` as its instances' snapshot holds it."""
         return build_named(name).for_snapshot(self[name])
+
+
+class _Subset(Mapping):
+    """Some builds of a `BuildSet`, each made when first read."""
+
+    def __init__(self, builds: BuildSet, names: Sequence[str]) -> None:
+        self.builds, self.names = builds, list(names)
+
+    def __getitem__(self, name: str) -> nn.Module:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.builds[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _public(rates: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
@@ -242,7 +269,7 @@ def _public(rates: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
 
 
 def _rates(
-    names: Sequence[str], builds: _Builds, sizes: Sequence[int], threads: int, library: Any, measure: Measure | None
+    names: Sequence[str], builds: BuildSet, sizes: Sequence[int], threads: int, library: Any, measure: Measure | None
 ) -> tuple[dict[str, dict[int, float]], str]:
     """Batch times of the builds `names`, from this machine's profile when measured before there."""
     from dlrm_lab.metrics.roofline import load_profile, profile_path, store_measured
@@ -254,7 +281,7 @@ def _rates(
         where = profile_path(profile["fingerprint_id"]) if profile else "?"
         rates = {b: {int(n): v for n, v in cached["batch_ms"][b].items()} for b in names}
         return rates, f"cached in {where} (measured {cached['measured_at']})"
-    modules = {b: builds[b] for b in names}
+    modules = builds.subset(names)  # made as the timing asks for them (compiling takes seconds)
     rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, builds.precision)))(modules, sizes, threads)
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     source = f"measured now ({measured_at}) on this machine"

@@ -54,8 +54,8 @@ class ServingOptions(ModelScaling):
         AUTO,
         "Inference form served: auto (timed at start: the fastest whose scores pass the accuracy check), eager (the "
         "training module), fused (one fused fbgemm table lookup, weights stored in the served precision), compiled "
-        "(fused, dense part compiled by Inductor in each instance) or aoti (fused, dense part an AOTInductor package "
-        "built once, cached on disk and loaded).",
+        "(fused, dense part compiled by Inductor in each instance), aoti (fused, dense part an AOTInductor package "
+        "built once, cached on disk and loaded) or aoti_int8 (aoti, dense part int8 by torchao's PT2E).",
     )
     data_spec: str | None = option(None, "Synthetic data spec of the samples (default: the preset's).")
     history_cache_mb: float = option(  # per-instance history reuse (infer.history)
@@ -349,6 +349,30 @@ class InferConfig:
         return Connection(rpc=self.rpc, concurrency=self.concurrency, timeout_s=self.timeout_s,
                           connect_timeout_s=self.connect_timeout_s, unavailable_s=self.unavailable_s,
                           seed=self.seed)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BuildTableOptions:
+    """What `infer builds` compares (`infer.build_table.compare_builds`); each field is also its option."""
+
+    builds: str | None = option(None, "Comma-separated builds to compare (default: every build of the model).")
+    sizes: str = option("1,32,256", "Batch sizes (samples) each build is timed at: cost per batch and per sample.")
+    repeats: int = option(7, "Timed batches per build and size (interleaved; the median is kept).")
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise FieldError("repeats", f"{self.repeats}: must be >= 1")
+
+    def build_list(self) -> list[str] | None:
+        return [b.strip() for b in self.builds.split(",") if b.strip()] if self.builds else None
+
+    def size_list(self) -> list[int]:
+        sizes = number_list(self.sizes, int, "sizes")
+        if min(sizes) < 1:
+            raise FieldError("sizes", f"{self.sizes}: batch sizes must be >= 1")
+        if len(set(sizes)) < 2:
+            raise FieldError("sizes", f"{self.sizes}: give two batch sizes or more (a cost per batch and per sample)")
+        return sizes
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A build turns the trained model into what an instance runs: `eager` (the module as it is), `fused`
 (fbgemm's inference tables, weights in the served precision), `compiled` (`fused` with its dense part
 compiled by Inductor in each instance), `aoti` (`fused` with its dense part an AOTInductor package made
-once, cached on disk and loaded). `infer.build` chooses between them by measurement; an instance asks
+once, cached on disk and loaded), `aoti_int8` (`aoti` with its dense part quantised to int8 by torchao's
+PT2E). `infer.build` chooses between them by measurement; an instance asks
 this registry for the build it serves and never names one.
 
 A new build is a module in this package defining `BUILD` (found by `pkgutil`, as `torch._dynamo`'s
@@ -27,6 +28,7 @@ class Build(Protocol):
     order: int  # simplest first: `auto` keeps a build only where it beats every simpler one by the margin
     base: str | None  # the build it is made from (sharing its tables), or None: made from the model itself
     about: str  # one line: what it is, for `--help` and the docs
+    dense_precision: str | None  # the dense part's precision where the build fixes it (int8), else None: as served
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         """The module served, from the float model (and `base`'s module, made first, where it has one)."""

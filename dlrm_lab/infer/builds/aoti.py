@@ -52,6 +52,7 @@ class AOTIBuild:
     order = 3
     base = "fused"
     about = "fused, its dense part an AOTInductor package built once (cached on disk) and loaded"
+    dense_precision = None
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy

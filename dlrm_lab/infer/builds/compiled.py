@@ -26,6 +26,7 @@ class CompiledBuild:
     order = 2
     base = "fused"
     about = "fused, its dense part compiled by Inductor in each instance"
+    dense_precision = None
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy

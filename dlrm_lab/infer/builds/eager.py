@@ -13,6 +13,7 @@ class EagerBuild:
     order = 0
     base = None
     about = "the trained module as it is (autocast below fp32)"
+    dense_precision = None
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         return quantize_tables(model, table_precision) if table_precision != "fp32" else model

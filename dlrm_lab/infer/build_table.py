@@ -1,0 +1,95 @@
+"""Every serving build of one model side by side on this machine (`dlrm-lab infer builds`).
+
+Which engine serves this model best here: each build's batch time at a few sizes (interleaved medians, at
+the instance's threads, `infer.build.time_builds`), split into a cost per batch and a cost per sample, the
+largest batch's fraction of its roof (its FLOPs at the profile's GEMM peak in the precision it computes in,
+its embedding rows at the gather bandwidth), and its accuracy rule on held-out samples (`infer.accuracy`).
+A build that cannot be made here (an optional engine missing) is listed with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from dlrm_lab.errors import FieldError
+from dlrm_lab.families import family_of
+from dlrm_lab.infer.accuracy import check_accuracy
+from dlrm_lab.infer.build import BuildSet, Measure, judged_precision, time_builds
+from dlrm_lab.infer.builds import build_named
+from dlrm_lab.infer.instance import PRECISIONS
+from dlrm_lab.infer.memory import library_samples
+from dlrm_lab.infer.records import batch_roof
+from dlrm_lab.infer.requests import generate_library
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.metrics.precision import DTYPES, choose_precision
+from dlrm_lab.metrics.roofline import load_profile, peaks_for
+
+Log = Callable[[str], None]
+
+
+def compare_builds(
+    served: ServedModel,
+    *,
+    builds: Sequence[str] | None = None,
+    sizes: Sequence[int] = (1, 32, 256),
+    repeats: int = 7,
+    seed: int = 0,
+    measure: Measure | None = None,
+    log: Log | None = None,
+) -> list[dict[str, Any]]:
+    """One row per build of `served` (all its family's, or `builds`): batch ms at each of `sizes`, cost per batch
+    and per sample, fraction of roof at the largest size, and the accuracy check."""
+    say = log or (lambda _line: None)
+    family = family_of(served.spec)
+    names = list(builds or family.builds)
+    if unknown := [b for b in names if b not in family.builds]:
+        raise FieldError("builds", f"{unknown[0]!r}: {family.called} has builds {', '.join(family.builds)}")
+    sizes = sorted({max(1, int(n)) for n in sizes})
+    if len(sizes) < 2:
+        raise FieldError("sizes", f"{','.join(map(str, sizes))}: give two batch sizes or more (cost per sample)")
+    choice = choose_precision(served.precision, served.spec, allowed=PRECISIONS, threads=served.threads,
+                              rows=max(sizes), log=say)  # fmt: skip
+    precision = choice.precision
+    say(f"{served.name}: precision {choice.line}")
+    served = replace(served, precision=precision, max_batch=max(served.max_batch, max(sizes)))
+    model, served, _ = family.serving_model(served, seed, say)
+    library = generate_library(served, seed, library_samples(served.max_batch, served.library_samples))
+    held_out = family.held_out(served, library, seed)
+    made = BuildSet(model, precision, served.table_precision)
+    rows: list[dict[str, Any]] = []
+    timed = []
+    for name in names:
+        try:
+            made[name]
+            timed.append(name)
+        except (RuntimeError, ImportError) as exc:  # an optional engine absent: listed, not timed
+            rows.append({"build": name, "skipped": str(exc).splitlines()[0]})
+    rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, precision, repeats)))(
+        made.subset(timed), sizes, served.threads
+    )
+    profile = load_profile()
+    labels = "data" if served.checkpoint else "teacher"
+    small, large = sizes[0], sizes[-1]
+    for name in timed:
+        ms = {n: rates[name][n] for n in sizes}
+        per_sample_ms = max(ms[large] - ms[small], 0.0) / (large - small)
+        computes_in = build_named(name).dense_precision or precision
+        gemm = "bf16" if computes_in == "int8" else computes_in  # the probe has no int8 GEMM peak: the bf16 one
+        stored = 1.0 if computes_in == "int8" else 4.0 if name == "eager" else float(DTYPES[precision].itemsize)
+        roof = batch_roof(served.spec, served.table_precision, peaks_for(profile, "cpu", gemm, served.threads),
+                          stored)(large)  # fmt: skip
+        check = check_accuracy(model, made[name], name, held_out, precision=judged_precision(name, precision),
+                               table_precision=served.table_precision, labels=labels)  # fmt: skip
+        rows.append({
+            "build": name, "precision": computes_in, "table_precision": served.table_precision,
+            "threads": served.threads, "batch_ms": ms, "per_batch_ms": max(ms[small] - small * per_sample_ms, 0.0),
+            "per_sample_us": per_sample_ms * 1e3, "roof_ms": roof,
+            "fraction_of_roof": roof / ms[large] if roof else None,
+            "auc": check.auc, "auc_fp32": check.auc_fp32, "auc_kept": check.kept, "rule": check.rule,
+            "accuracy_passed": check.passed, "labels": labels, "skipped": None,
+        })  # fmt: skip
+        say(f"{name}: {rows[-1]['per_batch_ms']:.3f} ms a batch + {rows[-1]['per_sample_us']:.2f} us a sample")
+    order = {b: i for i, b in enumerate(names)}
+    return sorted(rows, key=lambda r: order[r["build"]])

@@ -1,0 +1,115 @@
+"""`aoti_int8`: `aoti` with the dense part quantised to int8: static, calibrated, lowered to oneDNN's int8 kernels.
+
+The dense part (bottom MLP, interaction, top MLP, DCNv2's cross layers) is exported, quantised by torchao's
+PT2E flow with `X86InductorQuantizer` (int8 weights per channel, int8 activations per tensor, observed over
+CALIBRATION_SAMPLES samples of the preset's own data), and compiled by AOTInductor with freezing, which lowers
+the quantised patterns to oneDNN int8 (AMX where the CPU has it, VNNI elsewhere). The package is cached like
+`aoti`'s. Its scores are judged by the reduced-precision rule (AUC kept within 0.1% of fp32's), never by fp32's.
+
+torchao is an optional extra (`pip install 'dlrm-lab[int8]'`): without it `auto` says so and does not try it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlrm_lab.families import family_of
+from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts
+from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, load_package
+from dlrm_lab.infer.builds.compiled import too_small_to_compile
+
+CALIBRATION_SAMPLES = 2048  # observed, in batches of CALIBRATION_BATCH, before the scales are fixed
+CALIBRATION_BATCH = 256
+CALIBRATION_SEED = 0
+
+
+def torchao_missing() -> str | None:
+    """Why the build cannot be made here (torchao absent), or None."""
+    try:
+        # torchao logs a warning for each CUDA kernel library it cannot load on a CPU-only host: not ours to show
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
+    except ImportError as exc:
+        return f"torchao is not installed ({exc}): pip install 'dlrm-lab[int8]'"
+    return None
+
+
+def calibration_inputs(module: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The dense part's inputs (dense features, pooled embeddings) for CALIBRATION_SAMPLES samples of the preset's
+    own synthetic data: what the int8 scales are observed over."""
+    from dlrm_lab.data import synthetic_generator
+    from dlrm_lab.infer.batches import QueryRef, gather_batch, kernel_batch
+    from dlrm_lab.infer.library import PackedLibrary
+
+    block = synthetic_generator(module.spec, None, seed=CALIBRATION_SEED).samples(0, CALIBRATION_SAMPLES)
+    library = PackedLibrary.from_block(block)
+    out = []
+    with torch.inference_mode():
+        for at in range(0, CALIBRATION_SAMPLES, CALIBRATION_BATCH):
+            dense, ids, offsets = kernel_batch(*gather_batch(library, [QueryRef(-1, CALIBRATION_BATCH, at)]))
+            out.append((dense.clone(), module.lookup(ids, offsets).clone()))
+    return out
+
+
+def quantise_and_export(module: Any, path: Path) -> None:
+    """PT2E int8 of `module.dense` (fp32), calibrated, then compiled by AOTInductor into the package `path`."""
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    inputs = calibration_inputs(module)
+    example = tuple(t[:EXAMPLE_BATCH] for t in inputs[0])
+    batch = torch.export.Dim("batch", min=1)
+    shapes = ({0: batch}, {0: batch})
+    with torch.no_grad():
+        graph = torch.export.export(module.dense, example, dynamic_shapes=shapes).module()
+        quantizer = x86.X86InductorQuantizer()
+        quantizer.set_global(x86.get_default_x86_inductor_quantization_config())
+        prepared = prepare_pt2e(graph, quantizer)
+        for dense, pooled in inputs:
+            prepared(dense, pooled)
+        quantised = convert_pt2e(prepared)
+        exported = torch.export.export(quantised, example, dynamic_shapes=shapes)
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs={"freezing": True})
+
+
+class AOTIInt8Build:
+    name = "aoti_int8"
+    order = 4
+    base = None  # made from an fp32 fused build of its own: PT2E quantises an fp32 graph
+    about = "fused, its dense part int8 (torchao PT2E, X86InductorQuantizer, calibrated) in an AOTInductor package"
+    dense_precision = "int8"  # what its accuracy rule judges (infer.accuracy): never fp32's exact rule
+
+    def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
+        if why := torchao_missing():
+            raise RuntimeError(why)
+        module = family_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
+        key = content_key(
+            {"build": self.name, "spec": model.spec.to_dict(), "calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES],
+             **machine_parts()},
+            module.dense.state_dict().values(),
+        )  # fmt: skip
+        artefact = cached_artefact(key, ".pt2", lambda path: quantise_and_export(module, path),
+                                   {"build": self.name, "model": model.spec.name, "precision": "int8"})  # fmt: skip
+        module.package, module.package_reason = str(artefact.path), artefact.reason
+        module.compiled = load_package(module.package)
+        return module
+
+    def skip(self, base_dense_ms: float | None) -> str | None:
+        return torchao_missing() or too_small_to_compile(base_dense_ms, "a quantised package build of seconds")
+
+    def for_snapshot(self, module: Any) -> Any:
+        module.compiled = None  # a loaded package does not pickle; each instance loads it
+        return module
+
+    def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
+        if device.type == "cuda":  # the package holds CPU kernels
+            raise RuntimeError("the aoti_int8 build is made for the CPU: on a GPU serve eager, fused or compiled")
+        module.compiled = load_package(module.package)
+        return module
+
+
+BUILD = AOTIInt8Build()
