@@ -19,7 +19,7 @@ from dlrm_lab.infer.build import make_build
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.model.checkpoint import TRAINED, read_checkpoint
+from dlrm_lab.model.checkpoint import TRAINED, check_spec, read_checkpoint
 from dlrm_lab.train import train
 
 
@@ -116,6 +116,8 @@ def test_a_checkpoint_that_is_not_the_served_models_is_refused_in_one_line(train
     )
     with pytest.raises(UserError, match=mismatch):
         _served(root, preset={"table_scale": 0.5})
+    moved = read_checkpoint(root)
+    check_spec(moved, {**dlrm_lab.load_preset("tiny").to_dict(), "source": "/elsewhere/tiny.toml"})  # another checkout
     with pytest.raises(UserError, match=r"^checkpoint /.*nowhere: no such directory"):
         _served(tmp_path / "nowhere")
     with pytest.raises(UserError, match=r"^checkpoint /.*: no complete checkpoint \(expected a 'latest' file"):

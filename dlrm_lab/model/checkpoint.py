@@ -94,6 +94,10 @@ def load_weights(model: Any, checkpoint: TrainedCheckpoint, field: str = "checkp
         raise FieldError(field, f"{checkpoint.path}: its weights do not fit the served model ({first})") from None
 
 
+# A spec's fields that say where it came from, not what the weights are: a checkpoint serves from any checkout
+PROVENANCE = ("source", "description")
+
+
 def check_spec(checkpoint: TrainedCheckpoint, spec: dict[str, Any], field: str = "checkpoint",
                ignore: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Refuse, in one line naming the first difference, to serve a checkpoint's weights as another model."""
@@ -102,7 +106,7 @@ def check_spec(checkpoint: TrainedCheckpoint, spec: dict[str, Any], field: str =
     def first_difference(a: Any, b: Any, where: str) -> str | None:
         if isinstance(a, dict) and isinstance(b, dict):
             for key in sorted(set(a) | set(b)):
-                if where == "" and key in ignore:
+                if where == "" and (key in ignore or key in PROVENANCE or key.startswith("reference")):
                     continue
                 found = first_difference(a.get(key), b.get(key), f"{where}.{key}" if where else key)
                 if found:
