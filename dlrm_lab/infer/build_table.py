@@ -52,7 +52,7 @@ def compare_builds(
     choice = choose_precision(served.precision, served.spec, allowed=PRECISIONS, threads=served.threads,
                               rows=max(sizes), log=say)  # fmt: skip
     precision = choice.precision
-    say(f"{served.name}: precision {choice.line}")
+    say(f"{served.name}: {choice.line}")
     served = replace(served, precision=precision, max_batch=max(served.max_batch, max(sizes)))
     model, served, _ = family.serving_model(served, seed, say)
     library = generate_library(served, seed, library_samples(served.max_batch, served.library_samples))
