@@ -2,7 +2,7 @@
 
 PyPI's torch has no MPI backend, so ranks started by mpiexec used gloo for every collective. On
 one host MPICH moves data through shared memory, which the machine probe measured several times
-faster than gloo's TCP loopback for the few-MB messages of a DLRM step (BENCHMARKS.md, issue 18).
+faster than gloo's TCP loopback for the few-MB messages of a DLRM step (docs/benchmarks-history.md, issue 18).
 `MpiProcessGroup` is a Python `ProcessGroup` whose collectives call MPI on the tensors' memory
 (CPU tensors, zero-copy numpy views): TorchRec's all-to-alls, reduce-scatters and all-gathers and
 DDP's bucketed all-reduce run over it unchanged. Registered as the c10d backend `mpi4py`.

@@ -95,7 +95,7 @@ def _constraints(
     """Allowed sharding types and kernels per table. `auto` on one rank is table_wise: every
     type then keeps each whole table on rank 0, but the planner, whose estimates are made
     for several ranks, picks row_wise for large tables, which adds an id-bucketing pass and
-    a larger output distribution to every step for nothing (BENCHMARKS.md, issue 13)."""
+    a larger output distribution to every step for nothing (docs/benchmarks-history.md, issue 13)."""
     out = {}
     auto = ShardingType.TABLE_WISE.value if world_size == 1 else None
     for t in model.spec.tables:

@@ -278,7 +278,7 @@ def torchrec_distribution(
     """TorchRec's input distribution (`KJTAllToAll`: splits, lengths and ids) and pooled all-to-all
     (`PooledEmbeddingsAllToAll`, forward and backward) over `pg`, per samples a rank, as a step runs
     them: the collectives with the permutes, awaitables and concatenations around them, which the
-    raw collectives above do not hold (3-3.5 ms of a 2-rank kaggle step over MPI, BENCHMARKS.md).
+    raw collectives above do not hold (3-3.5 ms of a 2-rank kaggle step over MPI, docs/benchmarks-history.md).
     Rows in the cost model's bus bytes (`model.cost.step_communication_bytes`: ids 8 B and a length
     4 B per sample and feature; pooled rows 4 B a dim, forward and backward; x (N-1)/N). The pooled
     row's `forward_share` is the forward's part of its time (mean over ranks of each rank's median):

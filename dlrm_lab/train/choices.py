@@ -97,7 +97,7 @@ def choose_prefetch(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     each rank is interrupted at a different point of its step, so the others wait at the next
     collective. Measured (kaggle 100k rows, batch 2048 per rank, one pinned core per rank, MPI
     collectives, 3 alternated pairs): per-rank step 101.6-104.8 ms inline against 103.8-108.8 ms with
-    the thread at 1 rank, 114.2-118.2 against 119.7-123.2 ms at 2 ranks (BENCHMARKS.md, issue 18)."""
+    the thread at 1 rank, 114.2-118.2 against 119.7-123.2 ms at 2 ranks (docs/benchmarks-history.md, issue 18)."""
     threads = torch.get_num_threads()
     if cfg.prefetch != "auto":
         depth = int(cfg.prefetch)

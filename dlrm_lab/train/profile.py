@@ -4,7 +4,7 @@ The phase timers cannot split a phase into the collectives it waits on and the l
 around them (fbgemm's row bucketising inside the input distribution, a reduce-scatter inside
 backward). This records, on every rank, each operator's calls and CPU time per profiled
 step (self: its own; total: with what it calls), so the gap of a multi-rank run can be named
-operator by operator (BENCHMARKS.md, issue 18). Written to the run's profile.parquet, and rank 0's
+operator by operator (docs/benchmarks-history.md, issue 18). Written to the run's profile.parquet, and rank 0's
 operators as a Chrome/Perfetto trace (trace.json, `metrics.trace.training_trace`) in which each
 profiled step is a `step <n>` span carrying its phases.
 """

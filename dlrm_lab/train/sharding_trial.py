@@ -4,7 +4,7 @@ Which plan is fast is a property of the machine. TorchRec's planner ranks plans 
 model calibrated for GPUs (NVLink-class links, fused CUDA kernels). On CPU ranks over gloo it
 picked table-row-wise for most tables, whose id bucketing and reduce-scattered outputs cost
 more here than the load imbalance it avoids: table-wise was 11-21% faster in every
-interleaved pair (BENCHMARKS.md, issue 18). Feeding the planner this machine's bandwidths did
+interleaved pair (docs/benchmarks-history.md, issue 18). Feeding the planner this machine's bandwidths did
 not change its choice, because its model has no term for those costs. So on CPU the lab
 times each candidate plan for a few steps on the real ranks and keeps the fastest:
 

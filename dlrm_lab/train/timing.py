@@ -111,7 +111,7 @@ def _instrument_output_dist_backward(ebc: Any, timer: StepTimer, state: dict[str
 
     Inside `loss.backward()` no phase timer runs, and TorchRec's backward of the pooled all-to-all
     (its recat of the gradient, the collective, the wait) was the largest unnamed part of a 2-rank
-    kaggle step (3.1-3.4 ms of 46, timed by hand: BENCHMARKS.md, issue 18). Tensor hooks mark its
+    kaggle step (3.1-3.4 ms of 46, timed by hand: docs/benchmarks-history.md, issue 18). Tensor hooks mark its
     two ends: the gradient of an output distribution's result arrives (the phase starts: backward
     until then) and the gradient of its input, the lookup's output, is complete (it ends). Where
     the distribution passes its input through (data-parallel tables, one rank) both hooks sit on
