@@ -31,7 +31,7 @@ class ModelFamily(Protocol):
     label: str  # in words: "DLRM", "HSTU ranker"
     called: str  # as a sentence names one of its models: "a DLRM", "the HSTU ranker"
     spec_type: type  # its typed spec
-    builds: tuple[str, ...]  # the serving builds it has (infer.build)
+    builds: tuple[str, ...]  # the serving builds it has (infer.builds, by name)
     no_compiled_build: str  # why it has no `compiled` build ("" when it has one)
     attention_paths: tuple[str, ...]  # attention paths to choose between; () for none
     wire_samples: bool  # whether the gRPC transports carry its samples

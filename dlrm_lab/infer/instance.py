@@ -120,9 +120,6 @@ def map_library(directory: Path, spec: Any) -> Any:
     return family_of(spec).library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
-# ----------------------------------------------------------------------------- batches
-
-
 # ----------------------------------------------------------------------------- process
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
-
-
 TABLE_WEIGHT_DTYPES = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
 
 
