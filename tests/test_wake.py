@@ -65,3 +65,43 @@ def test_the_latency_floor_includes_the_wake_and_a_floor_below_the_timer_has_no_
     tiny = latency_floor_columns(dlrm_lab.load_preset("tiny"), "fp32", 1, 1, 256,
                                  {"latency_floor_samples": 1, "sla_latency_ms": 4.0}, fast)  # fmt: skip
     assert tiny["latency_floor_ms"] < 1e-3 and tiny["latency_floor_ratio"] is None
+
+
+def test_the_cold_probe_is_the_work_after_idling_over_the_work_back_to_back():
+    from dlrm_lab.metrics.wake import cold_factors
+
+    now, idle = [0.0], [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        idle[0] = seconds
+
+    def work() -> None:  # 1 ms back to back; after an idle of s seconds, 1 ms + 20 ms x s
+        now[0] += 1e-3 + 0.02 * idle[0]
+        idle[0] = 0.0
+
+    def clock() -> float:
+        return now[0]
+
+    factors = cold_factors(work, 4, sleep=sleep, clock=clock)
+    assert factors == pytest.approx({"1": 1.02, "10": 1.2, "100": 3.0}, rel=1e-6)  # (1 + 20 x idle s) / 1 ms
+
+
+def test_the_floor_reads_memory_as_slowly_as_it_is_after_the_instances_gap():
+    import dlrm_lab
+    from dlrm_lab.infer.records import latency_floor_columns
+    from dlrm_lab.metrics.roofline import Peaks
+    from dlrm_lab.metrics.wake import cold_factor_for_gap
+
+    cold = {"1": 1.1, "10": 1.5, "100": 4.0}
+    assert cold_factor_for_gap(cold, 333.0) == 4.0 and cold_factor_for_gap(cold, 0.5) == 1.0
+    spec = dlrm_lab.load_preset("kaggle", max_rows=1000)
+    memory_bound = Peaks(1e15, 1e9, 1e9, None, "x")  # compute free: the floor is the memory reads
+    row = {"latency_floor_samples": 270, "sla_latency_ms": 8.0, "queries_per_s": 3.0}
+    warm = latency_floor_columns(spec, "fp32", 1, 1, 256, row, memory_bound)
+    slow = latency_floor_columns(spec, "fp32", 1, 1, 256, row, Peaks(1e15, 1e9, 1e9, None, "x", None, cold))
+    assert slow["latency_floor_cold_factor"] == 4.0 and warm["latency_floor_cold_factor"] == 1.0
+    assert slow["latency_floor_ms"] == pytest.approx(4.0 * warm["latency_floor_ms"], rel=1e-6)
+    busy = latency_floor_columns(spec, "fp32", 1, 1, 256, {**row, "queries_per_s": 5000.0},
+                                 Peaks(1e15, 1e9, 1e9, None, "x", None, cold))  # fmt: skip
+    assert busy["latency_floor_cold_factor"] == 1.0  # an instance idle 0.2 ms between queries is warm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGES
 from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.stats import percentile
-from dlrm_lab.metrics.wake import wake_ms_for_gap
+from dlrm_lab.metrics.wake import cold_factor_for_gap, wake_ms_for_gap
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
@@ -293,25 +294,32 @@ def latency_floor_columns(
     of one piece (ceil(q / pieces) samples: forward FLOPs and embedding rows as in
     `roofline_columns`, the dense weights read once), plus the machine's wake of a thread idle as long as
     an instance sits between its queries at this rate (`latency_floor_wake_ms`, `metrics.wake`: the
-    probe's p50 at the nearest idle time at or below instances / rate; 0 for an instance never idle 1 ms).
+    probe's p50 at the nearest idle time at or below instances / rate; 0 for an instance never idle 1 ms), its
+    memory bandwidths divided by how much slower the machine reads memory gone cold over that gap
+    (`latency_floor_cold_factor`, `metrics.wake.probe_cold_gather`; 1 for an instance never idle 1 ms).
     `latency_floor_ratio` is the measured latency at that percentile over the floor: 1 would be a query
     served at the machine's peaks with no queueing, batching delay or overhead. Nulls when the floor cannot
     be placed (no profile) or nothing completed.
     """
     out: dict[str, Any] = {"latency_floor_cores": None, "latency_floor_ms": None, "latency_floor_ratio": None,
-                           "latency_floor_wake_ms": None}  # fmt: skip
+                           "latency_floor_wake_ms": None, "latency_floor_cold_factor": None}  # fmt: skip
     q = row.get("latency_floor_samples")
     if not q or isinstance(peaks, str):
         return out
     pieces = max(1, min(instances, max(math.ceil(q / max_batch), q // min_piece if min_piece else 0)))
-    floor_ms = batch_roof(spec, table_precision, peaks, dense_bytes_per_parameter)(math.ceil(q / pieces))
     rate = row.get("queries_per_s") or row.get("target_qps")
-    wake_ms = wake_ms_for_gap(peaks.wake, 1e3 * instances / rate if rate else None)
+    gap_ms = 1e3 * instances / rate if rate else None  # how long an instance sits idle between its queries
+    cold = cold_factor_for_gap(peaks.cold, gap_ms)
+    memory_then = replace(peaks, gather_bytes_per_s=peaks.gather_bytes_per_s / cold,
+                          memory_bytes_per_s=peaks.memory_bytes_per_s / cold)  # fmt: skip
+    floor_ms = batch_roof(spec, table_precision, memory_then, dense_bytes_per_parameter)(math.ceil(q / pieces))
+    wake_ms = wake_ms_for_gap(peaks.wake, gap_ms)
     if floor_ms is not None:
         floor_ms += wake_ms
     out["latency_floor_cores"] = pieces * threads
     out["latency_floor_ms"] = floor_ms
     out["latency_floor_wake_ms"] = wake_ms
+    out["latency_floor_cold_factor"] = cold
     measured = row.get("sla_latency_ms")
     if measured is not None and floor_ms and floor_ms >= FLOOR_RESOLUTION_MS:  # below it a ratio means nothing
         out["latency_floor_ratio"] = measured / floor_ms

@@ -382,6 +382,7 @@ _table(
     _c("latency_floor_cores", I32, "cores serving that query", "cores", "d"),
     _c("latency_floor_ms", F64, "latency floor (that query at the roofline)", "ms", ".2f", short="floor ms"),
     _c("latency_floor_wake_ms", F64),  # of which the wake of an instance idle between queries (metrics.wake)
+    _c("latency_floor_cold_factor", F64),  # its memory read that many times slower after that idle (metrics.wake)
     _c("latency_floor_ratio", F64, "latency at the bound's percentile over the floor", "x", ".1f", LOWER, "x floor"),
     _c("batch_samples_mean", F64, "batch mean", "samples", ".1f", short="batch"),
     _c("batch_samples_p50", F64),

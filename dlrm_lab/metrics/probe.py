@@ -40,7 +40,7 @@ from dlrm_lab.metrics.ceiling import measure_ceiling
 from dlrm_lab.metrics.cpu import LoadWatch
 from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
 from dlrm_lab.metrics.trust import judge
-from dlrm_lab.metrics.wake import probe_wake
+from dlrm_lab.metrics.wake import probe_cold_gather, probe_wake
 
 Log = Callable[[str], None]
 
@@ -417,10 +417,13 @@ def probe_machine(
             else:
                 profile["devices"]["cpu"] = probe_device(torch.device("cpu"), sizes, log)
                 profile["wake"] = probe_wake(quick)  # the low-load latency floor's wake (metrics.wake)
+                profile["cold_gather"] = probe_cold_gather(quick)  # ... and its memory gone cold
                 if log:
                     log("wake of an idle thread: " + "; ".join(
                         f"after {idle} ms idle p50 {w['p50_us']:.0f} us, p99 {w['p99_us']:.0f} us"
                         for idle, w in profile["wake"].items()))  # fmt: skip
+                    log("an embedding gather after idling, against back to back: " + "; ".join(
+                        f"{idle} ms {f:.2f}x" for idle, f in profile["cold_gather"].items()))  # fmt: skip
     if profile["devices"]:
         spread = max((s for p in _peak_tables(profile) for s in p.get("gemm_spread", {}).values()), default=1.0)
         profile["load"] = judge(watch.seconds, watch.other_cores, watch.steal_share, spread).to_dict()

@@ -60,7 +60,7 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
 # What a run carries of the profile it was placed against (`Run.create`): enough for reports and comparisons made
 # anywhere (peaks, ceilings, collectives, price); the caches of measured choices stay on the machine.
 RUN_PROFILE_KEYS = ("fingerprint_id", "hardware", "probed_at", "quick", "devices", "comms", "load", "price",
-                    "instance_type", "wake")  # fmt: skip
+                    "instance_type", "wake", "cold_gather")  # fmt: skip
 
 
 def profile_for_run(fingerprint_id: str | None = None) -> dict[str, Any] | None:
@@ -229,6 +229,8 @@ class Peaks:
     basis: str  # what was picked from the profile, for the summary
     # the wake of an idle thread by idle ms (`metrics.wake`: "1", "10", "100" -> p50_us, p99_us, ...); None: unprobed
     wake: dict[str, dict[str, float]] | None = None
+    # an embedding gather's time after idling 1, 10, 100 ms over back to back (`metrics.wake`); None: unprobed
+    cold: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,7 @@ def peaks_for(
         comm_bytes_per_s=comm,
         basis=f"{basis} {precision}, profile {profile.get('fingerprint_id')} of {profile.get('probed_at')}",
         wake=profile.get("wake") if device == "cpu" else None,
+        cold=profile.get("cold_gather") if device == "cpu" else None,
     )
 
 

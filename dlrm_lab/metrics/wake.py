@@ -1,4 +1,6 @@
-"""How long this machine takes to wake an idle thread: part of every low-load latency floor.
+"""What idling costs on this machine: a thread's wake, and a fresh batch's memory reads after a gap.
+
+Two probes, both part of every low-load latency floor.
 
 A served query at low load finds its instance asleep: blocked on its pipe, its core perhaps in a deep idle
 state. The probe measures that wake as a server meets it: a thread blocked on a condition for 1, 10 and
@@ -6,7 +8,14 @@ state. The probe measures that wake as a server meets it: a thread blocked on a 
 p99, max per idle time). A latency floor at low load adds the wake at the idle nearest the query gap
 (`wake_ms_for_gap`), and the query's latency parts name it.
 
-Hand-written: no library measures a thread's wake-up latency from Python (cyclictest measures a timer's, in C).
+The second: the same embedding gather (fbgemm's TBE forward, random rows) timed back to back and after
+sleeping 1, 10 and 100 ms. On these KVM guests a gather after 100 ms idle ran several times slower than back to
+back (memory gone cold: the last-level cache is the host's, shared), and spinning instead of sleeping did not
+keep it warm; a low-load floor that assumed warm memory was not a floor this machine has. The ratio
+(`cold_factor_for_gap`) divides the floor's memory bandwidths at the gap an instance sits idle.
+
+Hand-written: no library measures a thread's wake-up latency from Python (cyclictest measures a timer's, in C),
+nor how fast memory goes cold between a server's batches.
 """
 
 from __future__ import annotations
@@ -78,3 +87,56 @@ def wake_ms_for_gap(wake: dict[str, dict[str, float]] | None, gap_ms: float | No
     at or below the gap (none below 1 ms of idle: a busy instance never sleeps long); 0 without a probe."""
     known = [i for i in IDLE_MS if gap_ms is not None and i <= gap_ms and f"{i:g}" in (wake or {})]
     return wake[f"{max(known):g}"][stat] / 1e3 if wake and known else 0.0
+
+
+def measure_cold(work: Callable[[], Any], idle_ms: float, repeats: int, sleep: Callable[[float], Any] = time.sleep,
+                 clock: Callable[[], float] = time.perf_counter) -> list[float]:  # fmt: skip
+    """Milliseconds of `work` after sleeping `idle_ms` each time (0: back to back)."""
+    out = []
+    for _ in range(repeats):
+        if idle_ms:
+            sleep(idle_ms / 1e3)
+        t = clock()
+        work()
+        out.append((clock() - t) * 1e3)
+    return out
+
+
+def cold_factors(work: Callable[[], Any], repeats: int, **how: Any) -> dict[str, float]:
+    """`work`'s median time after each of IDLE_MS of idle over its median back to back (>= 1), keyed as the wake."""
+    for _ in range(3):  # warm-up: allocation, first faults
+        work()
+    warm = float(np.median(measure_cold(work, 0.0, repeats * 2, **how)))
+    return {f"{idle:g}": max(1.0, float(np.median(measure_cold(work, idle, repeats, **how))) / warm)
+            for idle in IDLE_MS}  # fmt: skip
+
+
+def probe_cold_gather(quick: bool = False) -> dict[str, float]:
+    """`cold_factors` of an embedding gather the size of a served batch: fbgemm's TBE forward over 8 tables of
+    250,000 rows x 64 (fp32, 512 MB), 256 samples a table, one id each (random)."""
+    import torch
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tables, rows, dim, batch = 8, 250_000, 64, 256
+    tbe = SplitTableBatchedEmbeddingBagsCodegen([(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * tables,
+                                                pooling_mode=PoolingMode.SUM, device=torch.device("cpu"))  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    offsets = torch.arange(0, tables * batch + 1, dtype=torch.int64)
+
+    def work() -> None:  # other rows each time, as a server's next batch
+        ids = torch.randint(0, rows, (tables * batch,), generator=generator, dtype=torch.int64)
+        with torch.no_grad():
+            tbe(ids, offsets)
+
+    return cold_factors(work, 8 if quick else 30)
+
+
+def cold_factor_for_gap(cold: dict[str, float] | None, gap_ms: float | None) -> float:
+    """How many times slower memory reads a batch after `gap_ms` idle than back to back: the probe's at the nearest
+    idle time at or below the gap; 1 below 1 ms or without a probe."""
+    known = [i for i in IDLE_MS if gap_ms is not None and i <= gap_ms and f"{i:g}" in (cold or {})]
+    return cold[f"{max(known):g}"] if cold and known else 1.0
