@@ -7,6 +7,7 @@ search grid's layouts. The CLI parses text into these and prints; the rules live
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -351,6 +352,18 @@ class InferConfig:
                           seed=self.seed)  # fmt: skip
 
 
+@dataclass
+class SearchGrid:
+    """Configurations to search: every (instances, threads) x max_batch x max_delay_ms."""
+
+    layouts: list[tuple[int, int]]  # (instances, threads per instance)
+    max_batch: list[int]
+    max_delay_ms: list[float]
+
+    def configs(self) -> list[tuple[int, int, int, float]]:
+        return [(i, t, b, d) for (i, t), b, d in itertools.product(self.layouts, self.max_batch, self.max_delay_ms)]
+
+
 @dataclass(frozen=True)
 class BuildTableOptions:
     """What `infer builds` compares (`infer.build_table.compare_builds`); each field is also its option."""
@@ -443,9 +456,7 @@ class SearchSpace:
     )
 
     def grid(self) -> Any:
-        """The configurations tried (`infer.search.SearchGrid`)."""
-        from dlrm_lab.infer.search import SearchGrid
-
+        """The configurations tried (`SearchGrid`)."""
         grid = SearchGrid(parse_layouts(self.layouts), number_list(self.max_batch, int, "max_batch"),
                           number_list(self.max_delay_ms, float, "max_delay_ms"))  # fmt: skip
         if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):

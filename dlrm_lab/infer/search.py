@@ -22,7 +22,6 @@ from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.drivers import scenario
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.lab import (
-    InferConfig,
     Log,
     OnProgress,
     Point,
@@ -33,7 +32,7 @@ from dlrm_lab.infer.lab import (
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.loadgen import loadgen_duration, queries_needed
 from dlrm_lab.infer.memory import check_fits
-from dlrm_lab.infer.options import SearchOptions
+from dlrm_lab.infer.options import InferConfig, SearchGrid, SearchOptions
 from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
@@ -47,19 +46,6 @@ from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.stats import nearest_rank
 from dlrm_lab.metrics.trust import check_stored_profile
-
-
-@dataclass
-class SearchGrid:
-    """Configurations to search: every (instances, threads) x max_batch x max_delay_ms."""
-
-    layouts: list[tuple[int, int]]  # (instances, threads per instance)
-    max_batch: list[int]
-    max_delay_ms: list[float]
-
-    def configs(self) -> list[tuple[int, int, int, float]]:
-        return [(i, t, b, d) for (i, t), b, d in itertools.product(self.layouts, self.max_batch, self.max_delay_ms)]
-
 
 # Repeats of one probed rate whose percentiles all lie this far on one side of the bound
 # settle it (tiny, 2 s probes on 2 cores: repeats of one rate differed by up to ~20%).
