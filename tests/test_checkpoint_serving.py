@@ -134,6 +134,15 @@ def test_a_checkpoint_that_is_not_the_served_models_is_refused_in_one_line(train
         family_of(dlrm_lab.load_preset("tiny")).serving_model(_served(step), 0, lambda _line: None)
 
 
+def test_keep_warm_is_checked_and_refused_for_the_ranker():
+    with pytest.raises(UserError, match=r"^keep_warm_ms 0.5: must be 0 \(off\) or in \[1, 10000\]"):
+        ServedModel("tiny", dlrm_lab.load_preset("tiny"), keep_warm_ms=0.5)
+    from dlrm_lab.config import load_any_preset
+
+    with pytest.raises(UserError, match="^keep_warm_ms 10: for DLRM presets"):
+        ServedModel("hstu-tiny", load_any_preset("hstu-tiny"), keep_warm_ms=10.0)
+
+
 def test_one_checkpoint_per_model_is_asked_for_by_the_command_line():
     from dlrm_lab.infer.options import ServingOptions
 

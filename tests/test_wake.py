@@ -105,3 +105,36 @@ def test_the_floor_reads_memory_as_slowly_as_it_is_after_the_instances_gap():
     busy = latency_floor_columns(spec, "fp32", 1, 1, 256, {**row, "queries_per_s": 5000.0},
                                  Peaks(1e15, 1e9, 1e9, None, "x", None, cold))  # fmt: skip
     assert busy["latency_floor_cold_factor"] == 1.0  # an instance idle 0.2 ms between queries is warm
+
+
+def test_an_idle_instance_kept_warm_runs_a_batch_of_other_samples_until_its_next_message():
+    from dlrm_lab.infer.instance import KeepWarm
+
+    class Conn:  # the next message arrives after three polls
+        def __init__(self):
+            self.polls: list[float] = []
+
+        def poll(self, timeout: float) -> bool:
+            self.polls.append(timeout)
+            return len(self.polls) > 3
+
+    ran = []
+    conn = Conn()
+    KeepWarm(lambda refs: ran.append((refs[0].size, refs[0].offset)), 200, 10.0).until_ready(conn)
+    assert conn.polls == [0.01] * 4 and ran == [(1, 0), (1, 97), (1, 194)]  # 1-sample batches of other rows
+    off = Conn()
+    KeepWarm(lambda refs: ran.append(refs), 200, 0.0).until_ready(off)
+    assert off.polls == [] and len(ran) == 3  # off: the instance blocks on its pipe as before
+
+
+def test_the_floor_of_an_instance_kept_warm_reads_memory_at_its_warming_gap():
+    import dlrm_lab
+    from dlrm_lab.infer.records import latency_floor_columns
+    from dlrm_lab.metrics.roofline import Peaks
+
+    peaks = Peaks(1e15, 1e9, 1e9, None, "x", None, {"1": 1.1, "10": 1.5, "100": 4.0})
+    row = {"latency_floor_samples": 270, "sla_latency_ms": 8.0, "queries_per_s": 3.0}
+    spec = dlrm_lab.load_preset("kaggle", max_rows=1000)
+    cold = latency_floor_columns(spec, "fp32", 1, 1, 256, row, peaks)
+    warmed = latency_floor_columns(spec, "fp32", 1, 1, 256, {**row, "keep_warm_ms": 10.0}, peaks)
+    assert cold["latency_floor_cold_factor"] == 4.0 and warmed["latency_floor_cold_factor"] == 1.5

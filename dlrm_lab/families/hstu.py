@@ -307,6 +307,9 @@ class HSTUFamily:
                              "requests with {data_overrides} KEY=VALUE", "data_overrides")  # fmt: skip
         if served.attention not in ("auto", *self.attention_paths):
             raise FieldError("attention", f"{served.attention!r}: allowed: auto, {', '.join(self.attention_paths)}")
+        if served.keep_warm_ms:
+            raise FieldError("keep_warm_ms", f"{served.keep_warm_ms:g}: for DLRM presets; {served.spec.name}'s "
+                             "requests take too long to run idle ones")  # fmt: skip
         if served.checkpoint:
             from dlrm_lab.model.checkpoint import check_spec, read_checkpoint
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dlrm_lab.families import family_of, spec_from_dict
-from dlrm_lab.infer.batches import make_runner
+from dlrm_lab.infer.batches import QueryRef, make_runner
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
 
@@ -73,6 +73,7 @@ class InstancePlan:
     table_precision: str
     warmup_batch: int
     spin_ms: float = 0.0  # poll for the next batch this long before blocking
+    keep_warm_ms: float = 0.0  # while idle, a 1-sample batch of the library this often (0: off)
     history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
     build: str = "eager"  # the inference form served (infer.build)
     # Instances yield to the serving process: when they fill every core, the batcher and
@@ -159,6 +160,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         conn.send(("ready", f"{type(exc).__name__}: {exc}", None))
         return
     spin_s = plan.spin_ms / 1e3
+    keep_warm = KeepWarm(runner, library.size, plan.keep_warm_ms)
     profiler: Any = None
     while True:
         try:
@@ -166,6 +168,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
                 deadline = time.monotonic() + spin_s
                 while not conn.poll(0) and time.monotonic() < deadline:
                     pass
+            keep_warm.until_ready(conn)
             msg = conn.recv()
         except (EOFError, OSError, KeyboardInterrupt):
             return
@@ -195,6 +198,26 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, counts, stages))
         except (EOFError, OSError):
             return
+
+
+class KeepWarm:
+    """While its instance waits, a 1-sample batch of the library every `every_ms`, each from the next samples: the
+    tables' rows and the weights stay in cache (on these hosts memory idle 100 ms reads ~5x slower,
+    `metrics.wake.probe_cold_gather`; a core kept busy by spinning does not keep it)."""
+
+    def __init__(self, runner: Any, library_size: int, every_ms: float) -> None:
+        self.runner, self.size, self.every_s, self.at = runner, max(1, library_size), every_ms / 1e3, 0
+
+    def until_ready(self, conn: Any) -> None:
+        """Return once `conn` has a message, running a warming batch every `every_ms` until then (off: at once)."""
+        if not self.every_s:
+            return
+        while not conn.poll(self.every_s):
+            try:
+                self.runner([QueryRef(-1, 1, self.at)])
+            except Exception:  # noqa: BLE001 - a warming batch that fails must not end the instance
+                return
+            self.at = (self.at + 97) % self.size  # other rows each time
 
 
 def _trace(profiler: Any, path: str | None, index: int, conn: Any) -> Any:

@@ -296,7 +296,8 @@ def latency_floor_columns(
     an instance sits between its queries at this rate (`latency_floor_wake_ms`, `metrics.wake`: the
     probe's p50 at the nearest idle time at or below instances / rate; 0 for an instance never idle 1 ms), its
     memory bandwidths divided by how much slower the machine reads memory gone cold over that gap
-    (`latency_floor_cold_factor`, `metrics.wake.probe_cold_gather`; 1 for an instance never idle 1 ms).
+    (`latency_floor_cold_factor`, `metrics.wake.probe_cold_gather`; at `keep_warm_ms` where the instance keeps its
+    memory warm that often; 1 for an instance never idle 1 ms).
     `latency_floor_ratio` is the measured latency at that percentile over the floor: 1 would be a query
     served at the machine's peaks with no queueing, batching delay or overhead. Nulls when the floor cannot
     be placed (no profile) or nothing completed.
@@ -309,7 +310,8 @@ def latency_floor_columns(
     pieces = max(1, min(instances, max(math.ceil(q / max_batch), q // min_piece if min_piece else 0)))
     rate = row.get("queries_per_s") or row.get("target_qps")
     gap_ms = 1e3 * instances / rate if rate else None  # how long an instance sits idle between its queries
-    cold = cold_factor_for_gap(peaks.cold, gap_ms)
+    warmed = row.get("keep_warm_ms") or None  # an idle instance that runs a batch this often: its memory's gap
+    cold = cold_factor_for_gap(peaks.cold, min(gap_ms, warmed) if gap_ms and warmed else gap_ms)
     memory_then = replace(peaks, gather_bytes_per_s=peaks.gather_bytes_per_s / cold,
                           memory_bytes_per_s=peaks.memory_bytes_per_s / cold)  # fmt: skip
     floor_ms = batch_roof(spec, table_precision, memory_then, dense_bytes_per_parameter)(math.ceil(q / pieces))

@@ -32,6 +32,8 @@ class ServedModel:
     min_piece: int = 0
     # An idle instance busy-polls its pipe this long before blocking (see infer.instance).
     spin_ms: float = 0.0
+    # An idle instance runs a 1-sample batch every this many ms to keep its working set in cache (0: off)
+    keep_warm_ms: float = 0.0
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
@@ -66,6 +68,8 @@ class ServedModel:
             raise FieldError("min_piece", f"{self.min_piece!r}: must be a whole number >= 0 (0: measured)")
         if not 0 <= self.spin_ms <= 10_000:
             raise FieldError("spin_ms", f"{self.spin_ms!r}: must be in [0, 10000]")
+        if not (self.keep_warm_ms == 0 or 1 <= self.keep_warm_ms <= 10_000):
+            raise FieldError("keep_warm_ms", f"{self.keep_warm_ms!r}: must be 0 (off) or in [1, 10000]")
         if not self.max_delay_ms >= 0:
             raise FieldError("max_delay_ms", f"{self.max_delay_ms!r}: must be >= 0")
         if self.precision not in (AUTO, *PRECISIONS):
@@ -89,6 +93,7 @@ class ServedModel:
             "max_queue": self.max_queue,
             "min_piece": self.min_piece,
             "spin_ms": self.spin_ms,
+            "keep_warm_ms": self.keep_warm_ms,
             "precision": self.precision,
             "table_precision": self.table_precision,
             "history_cache_mb": self.history_cache_mb,

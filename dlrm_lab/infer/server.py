@@ -192,6 +192,7 @@ class InferenceServer:
             model=m.name, index=place.index, snapshot_dir=str(snap), spec=m.spec.to_dict(), threads=m.threads,
             cores=place.cores, device=place.device, precision=m.precision, table_precision=m.table_precision,
             warmup_batch=warmup_batch, spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
+            keep_warm_ms=m.keep_warm_ms,
         )  # fmt: skip
         mine_end, theirs = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
