@@ -93,7 +93,8 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     code, stdout, stderr = run_cli_in_process(
         "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
         "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "3",
-        "--capacity-duration", "0.5", "--min-queries", "20", "--certify-duration", "1", "--metrics-dir", str(tmp_path),
+        "--capacity-duration", "0.5", "--min-queries", "20", "--certify-duration", "1", "--certify-tries", "2",
+        "--metrics-dir", str(tmp_path),
     )  # fmt: skip
     assert code == 0, stderr
     progress = [line for line in stderr.splitlines() if line.startswith("search: ")]

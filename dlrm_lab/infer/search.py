@@ -448,9 +448,15 @@ def _disagreement(winner: dict[str, Any], held: dict[str, Any], failed: dict[str
         parts.append(f"({failed['loadgen_reason']})")
     lg_p99, ours = failed.get("loadgen_p99_ms"), failed.get("sla_latency_ms")
     if lg_p99 is not None and ours is not None:
-        side = ("LoadGen's clock is the slower: it counts from its schedule to its completion callback, so its issue "
-                "and completion callbacks per query in the serving process (Python, the GIL) are in its figure and "
-                "not in the lab's") if lg_p99 > ours else "the lab's clock is the slower"  # fmt: skip
+        if abs(lg_p99 - ours) <= 0.1 * ours:
+            side = ("both clocks agree: the server itself held less under LoadGen's load, whose issue and completion "
+                    "callbacks run in the serving process (Python, the GIL), than under the open loop's")  # fmt: skip
+        elif lg_p99 > ours:
+            side = ("LoadGen's clock is the slower: it counts from its schedule to its completion callback, so its "
+                    "issue and completion callbacks per query in the serving process (Python, the GIL) are in its "
+                    "figure and not in the lab's")  # fmt: skip
+        else:
+            side = "the lab's clock is the slower"
         parts.append(f"with LoadGen's p99 {lg_p99:.2f} ms against the lab's {ours:.2f} ms for the same queries: {side}")
     return f"{line}: {' '.join(parts)}"
 

@@ -75,7 +75,7 @@ class AOTIBuild:
 
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
         if device.type == "cuda":  # the package holds CPU kernels
-            raise RuntimeError("the aoti build is made for the CPU: on a GPU serve eager, fused or compiled")
+            raise RuntimeError(f"the {self.name} build is made for the CPU: on a GPU serve eager, fused or compiled")
         module.compiled = load_package(module.package)
         return module
 

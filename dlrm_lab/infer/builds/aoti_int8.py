@@ -19,7 +19,7 @@ import torch
 
 from dlrm_lab.families import family_of
 from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts
-from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, load_package
+from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, AOTIBuild, load_package
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 CALIBRATION_SAMPLES = 2048  # observed, in batches of CALIBRATION_BATCH, before the scales are fixed
@@ -30,8 +30,10 @@ CALIBRATION_SEED = 0
 def torchao_missing() -> str | None:
     """Why the build cannot be made here (torchao absent), or None."""
     try:
-        # torchao logs a warning for each CUDA kernel library it cannot load on a CPU-only host: not ours to show
+        # torchao logs a warning for each CUDA kernel library it cannot load on a CPU-only host, and torch one for
+        # an enum torchao registers: neither is ours to show
         logging.getLogger("torchao").setLevel(logging.ERROR)
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
         import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
     except ImportError as exc:
         return f"torchao is not installed ({exc}): pip install 'dlrm-lab[int8]'"
@@ -76,7 +78,9 @@ def quantise_and_export(module: Any, path: Path) -> None:
     torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs={"freezing": True})
 
 
-class AOTIInt8Build:
+class AOTIInt8Build(AOTIBuild):
+    """`aoti`'s package, loaded the same way by instances; made from a quantised graph."""
+
     name = "aoti_int8"
     order = 4
     base = None  # made from an fp32 fused build of its own: PT2E quantises an fp32 graph
@@ -100,16 +104,6 @@ class AOTIInt8Build:
 
     def skip(self, base_dense_ms: float | None) -> str | None:
         return torchao_missing() or too_small_to_compile(base_dense_ms, "a quantised package build of seconds")
-
-    def for_snapshot(self, module: Any) -> Any:
-        module.compiled = None  # a loaded package does not pickle; each instance loads it
-        return module
-
-    def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
-        if device.type == "cuda":  # the package holds CPU kernels
-            raise RuntimeError("the aoti_int8 build is made for the CPU: on a GPU serve eager, fused or compiled")
-        module.compiled = load_package(module.package)
-        return module
 
 
 BUILD = AOTIInt8Build()
