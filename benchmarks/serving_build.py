@@ -42,10 +42,11 @@ from dlrm_lab.data import synthetic_generator
 from dlrm_lab.families import family_of
 from dlrm_lab.infer import accuracy
 from dlrm_lab.infer import build as builds
+from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.records import batch_roof
 from dlrm_lab.metrics.columns import LATENCY_PARTS
-from dlrm_lab.metrics.precision import AUTO, DTYPES, choose_precision
+from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
 from dlrm_lab.model.dlrm import build_model
 
@@ -67,8 +68,7 @@ def batch_part() -> dict[str, Any]:
                    for b in family_of(spec).builds}  # fmt: skip
         times = builds.time_builds(modules, SIZES, 1, library, precision, repeats=15)
         for b, module in modules.items():
-            dense_bytes = 4.0 if b == "eager" else float(DTYPES[precision].itemsize)
-            roof = batch_roof(spec, table_precision, peaks, dense_bytes)
+            roof = batch_roof(spec, table_precision, peaks, dense_weight_bytes(b, precision))
             check = accuracy.check_accuracy(model, module, b, held_out, precision=precision,
                                           table_precision=table_precision)  # fmt: skip
             per_sample_us = (times[b][max(SIZES)] - times[b][1]) / (max(SIZES) - 1) * 1e3

@@ -325,3 +325,12 @@ def test_the_plan_of_an_hstu_ranker_keeps_its_measured_attention_path(monkeypatc
     chosen = plan.precision_choices["h"]["attention_choice"]["attention"]
     assert m.attention in ("padded", "jagged") and m.attention == chosen
     assert m.build in family_of(m.spec).builds and m.describe()["attention"] == m.attention
+
+
+def test_the_roof_reads_each_builds_dense_weights_as_it_stores_them():
+    from dlrm_lab.infer.builds import dense_weight_bytes
+
+    assert dense_weight_bytes("eager", "bf16") == 4.0  # the trained fp32 weights, cast per call under autocast
+    assert [dense_weight_bytes(b, "bf16") for b in ("fused", "compiled", "aoti")] == [2.0, 2.0, 2.0]
+    assert dense_weight_bytes("aoti_int8", "bf16") == 1.0 and dense_weight_bytes("aoti", "fp32") == 4.0
+    assert dense_weight_bytes("a remote server's", "bf16") == 4.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,24 +79,30 @@ def _inline(library: PackedLibrary, refs: list[QueryRef], features: int) -> tupl
     return np.concatenate([p[0] for p in parts]), np.concatenate(lengths, axis=1).ravel(), values
 
 
-def _batch_cost(run: Any, large: int, repeats: int, library_size: int | None = None) -> BatchCost:
+def next_samples(sizes: Sequence[int], library_size: int) -> list[int]:
+    """Where each of a run of timed batches of `sizes` starts in the library: each takes the samples after the
+    last one's, from the start again where the library ends. As served queries do: the same samples again would
+    find their embedding rows in the cache, and a warm batch's time would be too fast."""
+    starts, at = [], 0
+    for n in sizes:
+        at = 0 if at + n > library_size else at
+        starts.append(at)
+        at += n
+    return starts
+
+
+def _batch_cost(run: Any, large: int, repeats: int, library_size: int) -> BatchCost:
     """An instance's batch time as fixed + per-sample cost, from the medians of a 1-sample batch
     and a `large` one (`run(n, offset)` serves n library samples from `offset`) timed alternately, after
-    warm-up. Each batch takes the library's next samples, as served queries do: the same samples again
-    would find their embedding rows in the cache, and the model of a warm batch would be too fast."""
+    warm-up, each on the library's next samples (`next_samples`)."""
     times: dict[int, list[float]] = {1: [], large: []}
-    offset = 0
-    for _ in range(repeats):
-        for n in times:
-            if library_size is not None and offset + n > library_size:
-                offset = 0
-            t = time.perf_counter()
-            run(n, offset)
-            times[n].append(time.perf_counter() - t)
-            offset += n
+    sizes = [n for _ in range(repeats) for n in times]
+    for n, offset in zip(sizes, next_samples(sizes, library_size), strict=True):
+        t = time.perf_counter()
+        run(n, offset)
+        times[n].append(time.perf_counter() - t)
     one, big = (float(np.median(times[n])) * 1e3 for n in (1, large))
-    per_sample = max(big - one, 0.0) / max(large - 1, 1)
-    return BatchCost(fixed_ms=max(one - per_sample, 0.0), per_sample_ms=per_sample)
+    return BatchCost.between(1, one, large, big)
 
 
 def bucket(n: int) -> int:

@@ -43,6 +43,13 @@ class BatchCost:
     fixed_ms: float
     per_sample_ms: float
 
+    @classmethod
+    def between(cls, small: int, small_ms: float, large: int, large_ms: float) -> BatchCost:
+        """The line through a `small`-sample batch's time and a `large` one's (per sample: their difference over
+        the samples between; fixed: what the small batch took beyond its samples), neither part below 0."""
+        per_sample = max(large_ms - small_ms, 0.0) / max(large - small, 1)
+        return cls(fixed_ms=max(small_ms - small * per_sample, 0.0), per_sample_ms=per_sample)
+
     def break_even(self) -> int:
         """The batch whose per-sample time equals the fixed time: a piece smaller than this
         spends more on the per-batch cost than on its samples."""

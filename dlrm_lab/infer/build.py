@@ -30,7 +30,7 @@ from torch import nn
 from dlrm_lab.errors import FieldError
 from dlrm_lab.families import family_of
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
-from dlrm_lab.infer.batches import QueryRef, make_runner
+from dlrm_lab.infer.batches import QueryRef, make_runner, next_samples
 from dlrm_lab.infer.builds import build_named, builds
 
 AUTO = "auto"
@@ -92,14 +92,8 @@ def time_builds(modules: Mapping[str, nn.Module], sizes: Sequence[int], threads:
             r.warm_up(max(sizes))
         times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sizes} for b in runners}
         dense: list[float] = []
-        # each repeat takes the library's next samples (as served queries do: the same ones again would be
-        # cache-hot); every build sees the same samples
-        starts, at = [], 0
-        for _ in range(repeats):
-            for n in sizes:
-                at = 0 if at + n > library.size else at
-                starts.append(at)
-                at += n
+        # each repeat takes the library's next samples; every build sees the same ones
+        starts = next_samples([n for _ in range(repeats) for n in sizes], library.size)
         for rep in range(repeats):
             for b, r in runners.items():
                 for i, n in enumerate(sizes):

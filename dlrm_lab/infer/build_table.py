@@ -16,14 +16,15 @@ from typing import Any
 from dlrm_lab.errors import FieldError
 from dlrm_lab.families import family_of
 from dlrm_lab.infer.accuracy import check_accuracy
+from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.build import BuildSet, Measure, judged_precision, time_builds
-from dlrm_lab.infer.builds import build_named
+from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import library_samples
 from dlrm_lab.infer.records import batch_roof
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.metrics.precision import DTYPES, choose_precision
+from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
 
 Log = Callable[[str], None]
@@ -74,18 +75,17 @@ def compare_builds(
     small, large = sizes[0], sizes[-1]
     for name in timed:
         ms = {n: rates[name][n] for n in sizes}
-        per_sample_ms = max(ms[large] - ms[small], 0.0) / (large - small)
-        computes_in = build_named(name).dense_precision or precision
+        cost = BatchCost.between(small, ms[small], large, ms[large])
+        computes_in = judged_precision(name, precision)
         gemm = "bf16" if computes_in == "int8" else computes_in  # the probe has no int8 GEMM peak: the bf16 one
-        stored = 1.0 if computes_in == "int8" else 4.0 if name == "eager" else float(DTYPES[precision].itemsize)
         roof = batch_roof(served.spec, served.table_precision, peaks_for(profile, "cpu", gemm, served.threads),
-                          stored)(large)  # fmt: skip
+                          dense_weight_bytes(name, precision))(large)  # fmt: skip
         check = check_accuracy(model, made[name], name, held_out, precision=judged_precision(name, precision),
                                table_precision=served.table_precision, labels=labels)  # fmt: skip
         rows.append({
             "build": name, "precision": computes_in, "table_precision": served.table_precision,
-            "threads": served.threads, "batch_ms": ms, "per_batch_ms": max(ms[small] - small * per_sample_ms, 0.0),
-            "per_sample_us": per_sample_ms * 1e3, "roof_ms": roof,
+            "threads": served.threads, "batch_ms": ms, "per_batch_ms": cost.fixed_ms,
+            "per_sample_us": cost.per_sample_ms * 1e3, "roof_ms": roof,
             "fraction_of_roof": roof / ms[large] if roof else None,
             "auc": check.auc, "auc_fp32": check.auc_fp32, "auc_kept": check.kept, "rule": check.rule,
             "accuracy_passed": check.passed, "labels": labels, "skipped": None,

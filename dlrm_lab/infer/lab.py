@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.errors import FieldError, RemoteFailure, ServerLost, ServingFault, UserError
+from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import check_scenario, drive, make_driver, scenario
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream, check_planned
@@ -46,7 +47,6 @@ from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.cost import Price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
-from dlrm_lab.metrics.precision import DTYPES
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.sensors import open_power_sources
@@ -327,10 +327,8 @@ def _peaks(profile: dict[str, Any] | None, device: str, served: ModelDescription
 
 
 def _dense_bytes(served: ModelDescription) -> float:
-    """Bytes per dense parameter an instance reads per batch: the build's stored precision (the eager
-    build keeps fp32 weights and casts them per call)."""
-    stored = served.build in ("fused", "compiled") and served.precision in DTYPES
-    return float(DTYPES[served.precision].itemsize) if stored else 4.0
+    """Bytes per dense parameter an instance reads per batch: as its build stores them (`infer.builds`)."""
+    return dense_weight_bytes(served.build, served.precision)
 
 
 @contextmanager

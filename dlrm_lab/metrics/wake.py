@@ -85,8 +85,14 @@ def probe_wake(quick: bool = False, **how: Any) -> dict[str, dict[str, float]]:
 def wake_ms_for_gap(wake: dict[str, dict[str, float]] | None, gap_ms: float | None, stat: str = "p50_us") -> float:
     """The wake (ms) of an instance idle for `gap_ms` between its batches: the probe's at the nearest idle time
     at or below the gap (none below 1 ms of idle: a busy instance never sleeps long); 0 without a probe."""
-    known = [i for i in IDLE_MS if gap_ms is not None and i <= gap_ms and f"{i:g}" in (wake or {})]
-    return wake[f"{max(known):g}"][stat] / 1e3 if wake and known else 0.0
+    entry = _at_gap(wake, gap_ms)
+    return entry[stat] / 1e3 if entry is not None else 0.0
+
+
+def _at_gap(table: dict[str, Any] | None, gap_ms: float | None) -> Any:
+    """A probe's entry at the longest idle time it measured at or below `gap_ms`; None below 1 ms or unprobed."""
+    known = [i for i in IDLE_MS if gap_ms is not None and i <= gap_ms and f"{i:g}" in (table or {})]
+    return table[f"{max(known):g}"] if table and known else None
 
 
 def measure_cold(work: Callable[[], Any], idle_ms: float, repeats: int, sleep: Callable[[float], Any] = time.sleep,
@@ -138,5 +144,5 @@ def probe_cold_gather(quick: bool = False) -> dict[str, float]:
 def cold_factor_for_gap(cold: dict[str, float] | None, gap_ms: float | None) -> float:
     """How many times slower memory reads a batch after `gap_ms` idle than back to back: the probe's at the nearest
     idle time at or below the gap; 1 below 1 ms or without a probe."""
-    known = [i for i in IDLE_MS if gap_ms is not None and i <= gap_ms and f"{i:g}" in (cold or {})]
-    return cold[f"{max(known):g}"] if cold and known else 1.0
+    factor = _at_gap(cold, gap_ms)
+    return factor if factor is not None else 1.0

@@ -29,6 +29,7 @@ class Build(Protocol):
     base: str | None  # the build it is made from (sharing its tables), or None: made from the model itself
     about: str  # one line: what it is, for `--help` and the docs
     dense_precision: str | None  # the dense part's precision where the build fixes it (int8), else None: as served
+    weight_precision: str | None  # what its dense weights are stored in where not the served precision (eager: fp32)
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         """The module served, from the float model (and `base`'s module, made first, where it has one)."""
@@ -56,6 +57,17 @@ def builds() -> dict[str, Build]:
         if build is not None:
             found.append(build)
     return {b.name: b for b in sorted(found, key=lambda b: b.order)}
+
+
+def dense_weight_bytes(name: str, precision: str) -> float:
+    """Bytes per dense weight a build reads each batch, for the roof: stored in `weight_precision`, else in the
+    precision served (int8: 1); 4 for a build this registry does not know (a remote server's)."""
+    from dlrm_lab.metrics.precision import DTYPES
+
+    if name not in builds():
+        return 4.0
+    stored = builds()[name].weight_precision or precision
+    return 1.0 if stored == "int8" else float(DTYPES[stored].itemsize) if stored in DTYPES else 4.0
 
 
 def build_names() -> tuple[str, ...]:

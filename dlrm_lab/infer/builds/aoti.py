@@ -53,15 +53,19 @@ class AOTIBuild:
     base = "fused"
     about = "fused, its dense part an AOTInductor package built once (cached on disk) and loaded"
     dense_precision = None
+    weight_precision = None
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
-        key = content_key(
-            {"build": self.name, "spec": model.spec.to_dict(), "precision": precision, **machine_parts()},
-            module.dense.state_dict().values(),
-        )
-        artefact = cached_artefact(key, ".pt2", lambda path: export_dense(module, path),
-                                   {"build": self.name, "model": model.spec.name, "precision": precision})  # fmt: skip
+        return self.packaged(module, export_dense, precision, {"precision": precision})
+
+    def packaged(self, module: Any, export: Any, precision: str, made_by: dict[str, Any]) -> Any:
+        """`module` with its dense part served from the package `export(module, path)` writes: cached under a key of
+        the dense weights, the spec, `made_by` and the machine (`infer.artefacts`), then loaded."""
+        key = content_key({"build": self.name, "spec": module.spec.to_dict(), **made_by, **machine_parts()},
+                          module.dense.state_dict().values())  # fmt: skip
+        artefact = cached_artefact(key, ".pt2", lambda path: export(module, path),
+                                   {"build": self.name, "model": module.spec.name, "precision": precision})  # fmt: skip
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.compiled = load_package(module.package)
         return module

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.families import family_of
-from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts
-from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, AOTIBuild, load_package
+from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, AOTIBuild
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 CALIBRATION_SAMPLES = 2048  # observed, in batches of CALIBRATION_BATCH, before the scales are fixed
@@ -86,21 +85,14 @@ class AOTIInt8Build(AOTIBuild):
     base = None  # made from an fp32 fused build of its own: PT2E quantises an fp32 graph
     about = "fused, its dense part int8 (torchao PT2E, X86InductorQuantizer, calibrated) in an AOTInductor package"
     dense_precision = "int8"  # what its accuracy rule judges (infer.accuracy): never fp32's exact rule
+    weight_precision = "int8"
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         if why := torchao_missing():
             raise RuntimeError(why)
         module = family_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
-        key = content_key(
-            {"build": self.name, "spec": model.spec.to_dict(), "calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES],
-             **machine_parts()},
-            module.dense.state_dict().values(),
-        )  # fmt: skip
-        artefact = cached_artefact(key, ".pt2", lambda path: quantise_and_export(module, path),
-                                   {"build": self.name, "model": model.spec.name, "precision": "int8"})  # fmt: skip
-        module.package, module.package_reason = str(artefact.path), artefact.reason
-        module.compiled = load_package(module.package)
-        return module
+        return self.packaged(module, quantise_and_export, "int8",
+                             {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES]})  # fmt: skip
 
     def skip(self, base_dense_ms: float | None) -> str | None:
         return torchao_missing() or too_small_to_compile(base_dense_ms, "a quantised package build of seconds")

@@ -27,6 +27,7 @@ class CompiledBuild:
     base = "fused"
     about = "fused, its dense part compiled by Inductor in each instance"
     dense_precision = None
+    weight_precision = None
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy

@@ -14,6 +14,7 @@ class EagerBuild:
     base = None
     about = "the trained module as it is (autocast below fp32)"
     dense_precision = None
+    weight_precision = "fp32"  # the trained weights; autocast casts them per call
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         return quantize_tables(model, table_precision) if table_precision != "fp32" else model

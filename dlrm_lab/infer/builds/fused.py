@@ -149,6 +149,7 @@ class FusedBuild:
     base = None
     about = "fused fbgemm table lookups, dense weights stored in the served precision"
     dense_precision = None
+    weight_precision = None
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         return family_of(model.spec).make_fused(model, precision=precision, table_precision=table_precision).eval()
