@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from dlrm_lab.errors import UserError
-from dlrm_lab.infer.load import MLPERF_MAX, MLPERF_MIN, Arrivals, QuerySizes
+from dlrm_lab.infer.load import MLPERF_MAX, MLPERF_MIN, MLPERF_QUANTILE, Arrivals, QuerySizes
 from dlrm_lab.infer.records import LATENCY_FIELDS, percentile, summarize
 
 # ---------------------------------------------------------------------------- QuerySizes.parse
@@ -31,7 +31,7 @@ from dlrm_lab.infer.records import LATENCY_FIELDS, percentile, summarize
         ("lognormal:20,0.5", "lognormal", 20, 0.5, 20 * math.exp(0.125), 65536, "lognormal:20,0.5"),
         ("uniform:3,9", "uniform", 3, 9, 6.0, 9, "uniform:3,9"),
         ("uniform:7,7", "uniform", 7, 7, 7.0, 7, "uniform:7,7"),
-        ("mlperf", "uniform", 100, 700, 400.0, 700, "uniform:100,700"),
+        ("mlperf", "mlperf", 100, 700, 270.0, 700, "mlperf"),
     ],
 )
 def test_query_sizes_parse(text, kind, a, b, mean, largest, as_text):
@@ -43,8 +43,11 @@ def test_query_sizes_parse(text, kind, a, b, mean, largest, as_text):
     assert QuerySizes.parse(str(q)) == q  # the text form round-trips
 
 
-def test_query_sizes_mlperf_bounds_are_mlperf_dlrm():
-    assert (MLPERF_MIN, MLPERF_MAX) == (100, 700)
+def test_query_sizes_mlperf_is_mlperf_dlrmv2s_quantile_table():
+    # tools/dist_quantile.txt of MLPerf Inference's DLRMv2 reference: 20 steps of 0.05, mean 270
+    assert (MLPERF_MIN, MLPERF_MAX) == (100, 700) and len(MLPERF_QUANTILE) == 20 and sum(MLPERF_QUANTILE) == 5400
+    q = QuerySizes.parse("mlperf")
+    assert [q.quantile(p) for p in (0.05, 0.1, 0.11, 0.7, 0.75, 0.85, 0.999)] == [100, 100, 200, 200, 300, 400, 700]
 
 
 @pytest.mark.parametrize(
@@ -114,10 +117,12 @@ def test_query_sizes_draw_clips_to_one_and_max():
     assert np.issubdtype(wide.dtype, np.integer)
 
 
-def test_query_sizes_draw_mlperf_range_reaches_both_ends():
+def test_query_sizes_draw_mlperf_follows_the_quantile_table():
     sizes = QuerySizes.parse("mlperf").draw(100_000, np.random.default_rng(3))
-    assert sizes.min() == MLPERF_MIN and sizes.max() == MLPERF_MAX
-    assert len(np.unique(sizes)) == MLPERF_MAX - MLPERF_MIN + 1  # uniform over every integer, ends included
+    values, counts = np.unique(sizes, return_counts=True)
+    assert values.tolist() == [100, 200, 300, 400, 500, 600, 700]
+    assert counts / len(sizes) == pytest.approx([0.1, 0.6, 0.1, 0.05, 0.05, 0.05, 0.05], abs=0.01)
+    assert sizes.mean() == pytest.approx(270, rel=0.01)
 
 
 def test_query_sizes_draw_fixed_all_equal():

@@ -21,7 +21,11 @@ from dlrm_lab.metrics.stats import percentile
 SIZE_KINDS = ("fixed", "normal", "lognormal", "uniform", "mlperf")
 ARRIVAL_KINDS = ("poisson", "constant", "bursty")
 SAMPLE_ORDERS = ("random", "time")
-MLPERF_MIN, MLPERF_MAX = 100, 700  # samples per query of MLPerf Inference DLRM
+# MLPerf Inference DLRMv2's samples per query: the inverse CDF in steps of 0.05 that its reference and every
+# submission's run script pass as `--samples-to-aggregate-quantile-file` (tools/dist_quantile.txt), one of the
+# 20 drawn uniformly per query: 100 to 700, mean 270.
+MLPERF_QUANTILE = (100, 100, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 300, 300, 400, 500, 600, 700)
+MLPERF_MIN, MLPERF_MAX = MLPERF_QUANTILE[0], MLPERF_QUANTILE[-1]
 # Memory a point holds per planned query: its place in the schedule (time, model, size, offset and their
 # temporaries, ~100 B) and its row until the point is summarised (a dict of ~50 fields, ~2.3 KB measured)
 BYTES_PER_QUERY = 2500
@@ -54,8 +58,8 @@ class QuerySizes:
     - `fixed:N`
     - `normal:MEAN,STD` and `lognormal:MEDIAN,SIGMA` (rounded, at least 1, at most `max`)
     - `uniform:LO,HI` (integers, both ends included)
-    - `mlperf`: MLPerf Inference DLRM's 100 to 700 samples per query, drawn uniformly as
-      the reference implementation does when no quantile file is given.
+    - `mlperf`: MLPerf Inference DLRMv2's 100 to 700 samples per query (mean 270), drawn from
+      the quantile table its reference and submissions run with (`MLPERF_QUANTILE`).
     """
 
     kind: str
@@ -80,7 +84,7 @@ class QuerySizes:
                      "uniform": "uniform:LO,HI", "mlperf": "mlperf"}[kind]  # fmt: skip
             raise FieldError(field, f"{text!r}: expected {usage}")
         if kind == "mlperf":
-            return cls("uniform", MLPERF_MIN, MLPERF_MAX)
+            return cls("mlperf", MLPERF_MIN, MLPERF_MAX)
         if kind in ("fixed", "lognormal", "normal") and values[0] < 1:
             raise FieldError(field, f"{text!r}: the size must be at least 1 sample")
         if kind == "uniform" and not 1 <= values[0] <= values[1]:
@@ -96,6 +100,8 @@ class QuerySizes:
             return f"fixed:{int(self.a)}"
         if self.kind == "uniform":
             return f"uniform:{int(self.a)},{int(self.b)}"
+        if self.kind == "mlperf":
+            return "mlperf"
         return f"{self.kind}:{self.a:g},{self.b:g}"
 
     @property
@@ -105,6 +111,8 @@ class QuerySizes:
             return self.a
         if self.kind == "uniform":
             return (self.a + self.b) / 2
+        if self.kind == "mlperf":
+            return float(np.mean(MLPERF_QUANTILE))
         if self.kind == "normal":
             return self.a
         return self.a * float(np.exp(self.b**2 / 2))
@@ -115,13 +123,15 @@ class QuerySizes:
             return int(self.a)
         if self.kind == "uniform":
             return int(np.ceil(self.a + q * (self.b - self.a)))
+        if self.kind == "mlperf":  # the table is the inverse CDF itself: x such that F(x) >= q
+            return MLPERF_QUANTILE[min(max(int(np.ceil(q * len(MLPERF_QUANTILE))) - 1, 0), len(MLPERF_QUANTILE) - 1)]
         return int(percentile(self.draw(100_000, np.random.default_rng(0)), 100 * q))
 
     @property
     def largest(self) -> int:
         if self.kind == "fixed":
             return int(self.a)
-        if self.kind == "uniform":
+        if self.kind in ("uniform", "mlperf"):
             return int(self.b)
         return self.max
 
@@ -130,6 +140,8 @@ class QuerySizes:
             sizes = np.full(n, self.a)
         elif self.kind == "uniform":
             sizes = rng.integers(int(self.a), int(self.b), endpoint=True, size=n)
+        elif self.kind == "mlperf":
+            sizes = np.asarray(MLPERF_QUANTILE)[rng.integers(0, len(MLPERF_QUANTILE), size=n)]
         elif self.kind == "normal":
             sizes = rng.normal(self.a, self.b, size=n)
         else:

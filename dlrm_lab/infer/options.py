@@ -206,7 +206,7 @@ class LoadOptions:
     )
     query_size: list[str] | None = option(
         None,
-        "Samples per query: fixed:N, normal:MEAN,STD, lognormal:MEDIAN,SIGMA, uniform:LO,HI or mlperf (100-700). "
+        "Samples per query: fixed:N, normal:MEAN,STD, lognormal:MEDIAN,SIGMA, uniform:LO,HI or mlperf (MLPerf DLRMv2's table: 100-700, mean 270). "
         "One, or one per --model. Default: fixed:1.",
     )
     arrival: str = option(
