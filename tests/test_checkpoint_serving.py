@@ -4,6 +4,7 @@ held-out samples as training evaluated them, and judges reduced-precision builds
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +63,8 @@ def test_a_served_checkpoint_scores_as_training_evaluated_it_in_every_build(trai
     for build in (b for b in family.builds if b != "compiled"):
         module = make_build(model, build, precision="fp32", table_precision="fp32")
         scores = accuracy.score_build(module, first, "fp32")
-        if build == "aoti":
-            _package_is_cached_and_never_served_damaged(model, module)
+        if build in ("aoti", "openvino"):
+            _package_is_cached_and_never_served_damaged(model, module, build)
         if build_named(build).dense_precision is None:
             assert np.abs(scores - eager).max() <= accuracy.FP32_SCORE_TOLERANCE, build
             continue
@@ -73,19 +74,20 @@ def test_a_served_checkpoint_scores_as_training_evaluated_it_in_every_build(trai
         assert check.passed and "AUC within 0.1%" in check.rule and check.max_abs_diff > 0, check.to_dict()
 
 
-def _package_is_cached_and_never_served_damaged(model, module) -> None:
-    """The `aoti` package of these weights is found in the cache the second time; an instance refuses it once its
-    bytes on disk differ from its record (the serving process would build it again: tests/test_artefacts.py)."""
-    again = make_build(model, "aoti", precision="fp32", table_precision="fp32")
+def _package_is_cached_and_never_served_damaged(model, module, build) -> None:
+    """A build's package of these weights (aoti's `.pt2`, openvino's IR) is found in the cache the second time; an
+    instance refuses it once its bytes on disk differ from its record (the serving process would build it again:
+    tests/test_artefacts.py)."""
+    again = make_build(model, build, precision="fp32", table_precision="fp32")
     assert again.package == module.package and again.package_reason.startswith("found in the cache")
-    snapshot = build_named("aoti").for_snapshot(again)
+    snapshot = build_named(build).for_snapshot(again)
     assert snapshot.compiled is None  # instances load the package themselves
     package = Path(module.package)
     data = package.read_bytes()
     package.write_bytes(data[:-16])  # truncated on disk after it was built
     try:
         with pytest.raises(RuntimeError, match="partial or corrupt"):
-            build_named("aoti").in_instance(snapshot, torch.device("cpu"), precision="fp32", table_precision="fp32")
+            build_named(build).in_instance(snapshot, torch.device("cpu"), precision="fp32", table_precision="fp32")
     finally:
         package.write_bytes(data)
 
@@ -183,3 +185,34 @@ def test_infer_builds_refuses_an_unknown_build_or_one_size_in_one_line():
         code, _, stderr = run_cli_in_process("infer", "builds", "--model", "tiny", *args)
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith(message), stderr
+
+
+def test_openvinos_bf16_build_is_held_to_the_auc_rule_on_the_datas_labels_and_runs_on_the_instances_threads(trained):
+    pytest.importorskip("openvino", reason="the openvino build needs the optional extra dlrm-lab[openvino]")
+    root, _ = trained
+    served = _served(root)
+    family = family_of(served.spec)
+    model, _, _ = family.serving_model(served, 0, lambda _line: None)
+    module = make_build(model, "openvino", precision="bf16", table_precision="fp32")
+    check = accuracy.check_accuracy(model, module, "openvino", family.held_out(served, None, 0), precision="bf16",
+                                    table_precision="fp32", labels="data")  # fmt: skip
+    assert check.passed and check.to_dict()["passes_99_9"] and "AUC within 0.1%" in check.rule
+    assert 0 < check.max_abs_diff < 0.05  # bf16: not fp32's scores, close to them
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        pooled = torch.zeros(3, len(served.spec.feature_names) * served.spec.embedding_dim)
+        assert module.compiled(torch.zeros(3, served.spec.num_dense), pooled).shape == (3,)
+        assert module.compiled.threads == 1  # compiled for the threads the instance gave torch
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_the_openvino_build_without_openvino_names_the_extra_to_install(monkeypatch):
+    from dlrm_lab.infer.builds.openvino import openvino_missing
+
+    monkeypatch.setitem(sys.modules, "openvino", None)  # `import openvino` now fails as if it were not installed
+    assert openvino_missing().endswith("pip install 'dlrm-lab[openvino]'")
+    assert build_named("openvino").skip(100.0) == openvino_missing()
+    with pytest.raises(RuntimeError, match=r"dlrm-lab\[openvino\]"):
+        build_named("openvino").make(None, None, precision="fp32", table_precision="fp32")

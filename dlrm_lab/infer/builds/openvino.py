@@ -1,0 +1,129 @@
+"""`openvino`: the `fused` build with its dense part run by OpenVINO's CPU plugin (the optional extra `openvino`).
+
+An engine none of the lab's code writes, beside the lab's own builds: where it is faster, the lab's builds are
+the bottleneck, not the machine. The dense part (bottom MLP, interaction, top MLP) is exported with
+`torch.export` in fp32 with a dynamic batch dimension, converted by `openvino.convert_model`, and kept as one
+file (the IR's XML and weights in an `.npz`, no pickle) in the content-keyed cache (`infer.artefacts`, its key
+naming OpenVINO's version). Each instance reads it and compiles it for the CPU plugin (a fraction of a second:
+OpenVINO compiles no code, it picks its kernels), executing in the served precision (`INFERENCE_PRECISION_HINT`:
+bf16 runs on AMX or AVX-512 bf16 where the CPU has them) on the instance's threads, unpinned (the lab pins the
+instance). The tables stay in fbgemm's inference TBE, called as in `fused`.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts, verified
+from dlrm_lab.infer.builds.compiled import too_small_to_compile
+
+EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension is exported as dynamic
+# the served precision -> OpenVINO's execution precision for the CPU plugin
+OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+
+def openvino_missing() -> str | None:
+    """Why the build cannot be made here (OpenVINO absent), or None."""
+    try:
+        import openvino  # noqa: F401
+    except ImportError as exc:
+        return f"OpenVINO is not installed ({exc}): pip install 'dlrm-lab[openvino]'"
+    return None
+
+
+def convert_dense(module: Any, path: Path) -> None:
+    """Export `module.dense` (a FusedDLRM's dense part) in fp32, convert it with OpenVINO and write its IR to `path`."""
+    import openvino as ov
+
+    dense = copy.deepcopy(module.dense).float().eval()  # OpenVINO lowers the precision itself, at compile
+    features, pooled_width = module.spec.num_dense, len(module.spec.feature_names) * module.spec.embedding_dim
+    example = (torch.zeros(EXAMPLE_BATCH, features), torch.zeros(EXAMPLE_BATCH, pooled_width))
+    batch = torch.export.Dim("batch", min=1)
+    with torch.no_grad():
+        exported = torch.export.export(dense, example, dynamic_shapes=({0: batch}, {0: batch}))
+    xml = path.with_name(path.name + ".xml")  # OpenVINO writes an IR as two files: kept as one here
+    try:
+        # save_model compresses the weights to fp16 unless told not to
+        ov.save_model(ov.convert_model(exported), str(xml), compress_to_fp16=False)
+        with open(path, "wb") as f:
+            np.savez(f, xml=np.frombuffer(xml.read_bytes(), np.uint8),
+                     weights=np.frombuffer(xml.with_suffix(".bin").read_bytes(), np.uint8))  # fmt: skip
+    finally:
+        xml.unlink(missing_ok=True)
+        xml.with_suffix(".bin").unlink(missing_ok=True)
+
+
+class OpenVINODense:
+    """The dense part as OpenVINO serves it: `(dense rows, pooled embeddings) -> logits`, like the module it
+    replaces. Compiled for the threads torch has when first called (and again if they change), so that the
+    instance's intra-op threads are OpenVINO's too."""
+
+    def __init__(self, path: str, precision: str) -> None:
+        import openvino as ov
+
+        why = verified(Path(path))
+        if why is not None:
+            raise RuntimeError(f"serving package {path}: {why}")
+        with np.load(path, allow_pickle=False) as ir:
+            self.model = ov.Core().read_model(model=ir["xml"].tobytes(), weights=ov.Tensor(ir["weights"].copy()))
+        self.precision, self.threads, self.request = precision, 0, None
+
+    def compile(self, threads: int) -> None:
+        import openvino as ov
+
+        config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
+                  "INFERENCE_PRECISION_HINT": OV_PRECISION[self.precision], "ENABLE_CPU_PINNING": False}  # fmt: skip
+        self.request = ov.Core().compile_model(self.model, "CPU", config).create_infer_request()
+        self.threads = threads
+
+    def __call__(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        if self.threads != torch.get_num_threads():
+            self.compile(torch.get_num_threads())
+        inputs = [dense.float().numpy(), pooled.float().numpy()]  # fp32 in; the plugin converts as it computes
+        out = self.request.infer(inputs, share_inputs=True, share_outputs=False)
+        return torch.from_numpy(out[0])
+
+
+class OpenVINOBuild:
+    name = "openvino"
+    order = 5
+    base = "fused"
+    about = "fused, its dense part converted by OpenVINO and run by its CPU plugin (optional extra `openvino`)"
+    dense_precision = None
+    weight_precision = None  # the plugin stores the weights in the precision it computes in
+
+    def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
+        if why := openvino_missing():
+            raise RuntimeError(why)
+        import openvino as ov
+
+        module = base.sibling()  # the same tables, not a copy
+        key = content_key({"build": self.name, "spec": module.spec.to_dict(), "openvino": ov.__version__,
+                           **machine_parts()}, module.dense.state_dict().values())  # fmt: skip
+        artefact = cached_artefact(key, ".npz", lambda path: convert_dense(module, path),
+                                   {"build": self.name, "model": module.spec.name, "openvino": ov.__version__})  # fmt: skip
+        module.package, module.package_reason = str(artefact.path), artefact.reason
+        module.compiled = OpenVINODense(module.package, precision)
+        return module
+
+    def skip(self, base_dense_ms: float | None) -> str | None:
+        return openvino_missing() or too_small_to_compile(base_dense_ms, "an export and conversion of seconds")
+
+    def for_snapshot(self, module: Any) -> Any:
+        module.compiled = None  # an OpenVINO model does not pickle; each instance reads the file
+        return module
+
+    def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
+        if device.type == "cuda":
+            raise RuntimeError(f"the {self.name} build is made for OpenVINO's CPU plugin: on a GPU serve eager, fused "
+                               "or compiled")  # fmt: skip
+        module.compiled = OpenVINODense(module.package, precision)
+        return module
+
+
+BUILD = OpenVINOBuild()
