@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -302,6 +303,35 @@ def test_loadgen_issues_only_samples_its_qsl_loaded_and_unloads_them(tmp_path, m
     assert library.load_calls == library.unload_calls == 1 and library.loaded == 0 and not library.held
     assert recording.submitted and not recording.not_loaded  # every query's samples were loaded when issued
     assert sorted(issued) == [1000 + k for k in range(0, LIBRARY, 7)]  # each LoadGen sample completed once
+
+
+def test_an_offline_run_that_ends_before_its_duration_says_which_qps_to_give(tmp_path, monkeypatch):
+    """LoadGen's Offline issues qps x duration x 1.1 queries at once; a server faster than that qps finishes them
+    early and LoadGen says only "min duration not met". The reason names the rate to give instead."""
+    summary = "Result is : INVALID\n  Min duration satisfied : NO\n  Min queries satisfied : Yes\nSamples per second: 40.0\n"
+
+    def start_test(sut, qsl, settings, log):
+        Path(log.log_output.outdir, "mlperf_log_summary.txt").write_text(summary)
+
+    lg = types.SimpleNamespace(
+        TestSettings=types.SimpleNamespace, TestMode=types.SimpleNamespace(PerformanceOnly=0),
+        TestScenario=types.SimpleNamespace(Offline="Offline"), LogSettings=lambda: types.SimpleNamespace(
+            log_output=types.SimpleNamespace()),
+        ConstructSUT=lambda issue, flush: None, ConstructQSL=lambda total, performance, load, unload: None,
+        StartTestWithLogSettings=start_test, DestroyQSL=lambda q: None, DestroySUT=lambda s: None,
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "mlperf_loadgen", lg)
+    recording = FakeSut(RecordingLibrary())
+    try:
+        driver = make_driver(recording, [Stream("m", 20.0, QuerySizes.parse("fixed:2"))],
+                             LoadSettings("offline", duration_s=0.1, log_dir=tmp_path))  # fmt: skip
+        assert drive(recording, driver, drain_s=10, poll_s=0.05)
+    finally:
+        recording.close()
+    assert driver.stats.loadgen["loadgen_reason"] == (
+        "min duration not met (Offline issued its queries for 20 queries/s and they completed at 40.0: give --qps 48 "
+        "or more)"
+    )
 
 
 # ---------------------------------------------------------------------------- measure

@@ -196,6 +196,14 @@ class LoadGenDriver:
             why = f"the server dropped or failed {self.dropped} queries"
             prior = self.stats.loadgen.get("loadgen_reason")
             self.stats.loadgen |= {"loadgen_result": "INVALID", "loadgen_reason": f"{why}; {prior}" if prior else why}
+        reason = self.stats.loadgen.get("loadgen_reason") or ""
+        done = self.stats.loadgen.get("loadgen_queries_per_s")
+        if self.settings.scenario == "offline" and "min duration not met" in reason and done:
+            # Offline issues qps x duration x 1.1 queries at once: a server faster than the qps given ends early
+            self.stats.loadgen["loadgen_reason"] = (
+                f"{reason} (Offline issued its queries for {self.stream.qps:g} queries/s and they completed at "
+                f"{done:.1f}: give --qps {math.ceil(1.2 * done)} or more)"
+            )
 
 
 EARLY_STOPPING_CONFIDENCE = 0.99  # LoadGen's early-stopping estimate of a latency percentile
