@@ -89,12 +89,12 @@ def test_kernel_batches_pad_with_samples_that_have_no_ids():
 class FakeTimes:
     """Batch times per build (ms, the same at every size) and the fused build's dense part."""
 
-    def __init__(self, dense_ms: float = 0.1, **ms: float) -> None:
-        self.ms, self.dense_ms, self.calls = ms, dense_ms, []
+    def __init__(self, dense_ms: float = 0.1, spread: float = 0.0, **ms: float) -> None:
+        self.ms, self.dense_ms, self.spread, self.calls = ms, dense_ms, spread, []
 
     def __call__(self, modules, sizes, threads):
         self.calls.append(sorted(modules))
-        out = {b: {n: self.ms[b] for n in sizes} for b in modules}
+        out = {b: {n: self.ms[b] for n in sizes} | {builds.SPREAD: self.spread} for b in modules}
         if "fused" in out:
             out["fused"][-1] = self.dense_ms
         return out
@@ -163,6 +163,20 @@ def test_build_times_are_cached_in_the_machine_profile(monkeypatch, tmp_path):
     assert second.build == "fused"
     _choose("auto", times, threads=2)  # another thread count is another measurement
     assert len(times.calls) == 2
+    # a timing taken while the machine was noisy is used once and measured again next time, never kept
+    noisy = FakeTimes(eager=1.0, fused=2.0, spread=0.6)
+    for _ in range(2):
+        choice, _ = _choose("auto", noisy, threads=3)
+        assert choice.build == "eager" and "not stored: the machine was noisy" in choice.source
+    assert len(noisy.calls) == 2 and len(load_profile()["build_rates"]) == 2
+
+
+def test_build_timings_carry_their_spread():
+    model = _model()
+    library = PackedLibrary.generate(model.spec, None, SEED, 256)
+    made = builds.BuildSet(model, "fp32", "fp32")
+    rates = builds.time_builds(made.subset(["fused"]), [4, 16], 1, library, "fp32", repeats=5)
+    assert rates["fused"][builds.SPREAD] >= 0 and rates["fused"][16] > 0 and -1 in rates["fused"]
 
 
 def test_a_compiled_build_scores_as_the_eager_model_and_is_timed_where_the_dense_part_is_large(monkeypatch, tmp_path):

@@ -103,6 +103,10 @@ def time_builds(modules: Mapping[str, nn.Module], sizes: Sequence[int], threads:
                     if b == "fused" and n == max(sizes) and r.stages is not None:
                         dense.append(r.stages[2] + (r.stages[3] or 0.0))
         out = {b: {n: statistics.median(v) for n, v in per.items()} for b, per in times.items()}
+        for b, per in times.items():  # how noisy the machine was: the interquartile range over the median, largest
+            ordered = sorted(per[max(sizes)])
+            q1, q3 = ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
+            out[b][SPREAD] = (q3 - q1) / max(statistics.median(ordered), 1e-9)
         if dense:
             out["fused"][-1] = statistics.median(dense)
         return out
@@ -258,6 +262,10 @@ class _Subset(Mapping):
         return len(self.names)
 
 
+SPREAD = -2  # key of a build's timing spread in `time_builds`' result (-1: the fused build's dense ms)
+NOISY_SPREAD = 0.25  # a timing whose interquartile range exceeds this share of its median is used, not cached
+
+
 def _public(rates: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
     return {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}
 
@@ -279,7 +287,12 @@ def _rates(
     rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, builds.precision)))(modules, sizes, threads)
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     source = f"measured now ({measured_at}) on this machine"
-    if profile is not None:
+    noisy = {b: per[SPREAD] for b, per in rates.items() if per.get(SPREAD, 0.0) > NOISY_SPREAD}
+    if noisy:  # a choice made in a noisy minute must not stick to the machine: measured again next time
+        worst = max(noisy, key=lambda b: noisy[b])
+        source += (f", not stored: the machine was noisy ({worst}'s batch times spread {noisy[worst]:.0%} of their "
+                   f"median, over {NOISY_SPREAD:.0%})")  # fmt: skip
+    elif profile is not None:
         merged = {
             **(cached or {}).get("batch_ms", {}),
             **{b: {str(n): v for n, v in per.items()} for b, per in rates.items()},

@@ -163,6 +163,7 @@ def choose_policy(
     *,
     sla_ms: float,
     percentile: float = 99.0,
+    whole_load_queued: bool = False,
     probe_s: float = 1.0,
     repeats: int = 2,
     seed: int = 0,
@@ -185,7 +186,9 @@ def choose_policy(
             choice.reasons.append(f"max batch {served.max_batch} as given (no batch cost was measured)")
         else:
             largest = max(served.largest_query, int(stream.sizes.quantile(0.999)))
-            choice.max_batch, why = auto_max_batch(cost, -(-largest // max(1, served.instances)), sla_ms)
+            # a scenario that queues its whole load (Offline) has no latency bound for a batch to fit in
+            bound = None if whole_load_queued else sla_ms
+            choice.max_batch, why = auto_max_batch(cost, -(-largest // max(1, served.instances)), bound)
             server.configure(model, max_batch=choice.max_batch)
             choice.reasons.append(why)
     seconds = min(max(probe_s, MIN_QUERIES / stream.qps if stream.qps > 0 else probe_s), 4 * probe_s)
