@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--table-scale", type=float, default=0.05)
     ap.add_argument("--duration", type=float, default=30.0)
     # LoadGen's Offline issues qps x duration x 1.1 queries at once: above the rate served, or the run ends early
-    ap.add_argument("--qps", type=float, default=100.0, help="LoadGen's expected Offline queries/s")
+    ap.add_argument("--qps", type=float, default=300.0, help="LoadGen's expected Offline queries/s")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--checkpoint", help="a `train --preset dcnv2 --table-scale S --checkpoint-dir` directory")
     ap.add_argument("--max-batch", default="auto")

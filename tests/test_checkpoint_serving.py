@@ -216,3 +216,7 @@ def test_the_openvino_build_without_openvino_names_the_extra_to_install(monkeypa
     assert build_named("openvino").skip(100.0) == openvino_missing()
     with pytest.raises(RuntimeError, match=r"dlrm-lab\[openvino\]"):
         build_named("openvino").make(None, None, precision="fp32", table_precision="fp32")
+    monkeypatch.delitem(sys.modules, "openvino")
+    monkeypatch.setitem(sys.modules, "nncf", None)  # OpenVINO without its quantiser: only the int8 build is missing
+    assert build_named("openvino").skip(100.0) is None
+    assert build_named("openvino_int8").skip(100.0).startswith("NNCF is not installed")

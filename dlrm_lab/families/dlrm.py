@@ -40,7 +40,7 @@ class DLRMFamily:
     label = "DLRM"
     called = "a DLRM"
     spec_type = ModelSpec
-    builds = ("eager", "fused", "compiled", "aoti", "aoti_int8", "openvino")
+    builds = ("eager", "fused", "compiled", "aoti", "aoti_int8", "openvino", "openvino_int8")
     no_compiled_build = ""
     attention_paths: tuple[str, ...] = ()
     wire_samples = True

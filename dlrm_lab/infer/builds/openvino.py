@@ -13,6 +13,7 @@ instance). The tables stay in fbgemm's inference TBE, called as in `fused`.
 from __future__ import annotations
 
 import copy
+import io
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts, verified
+from dlrm_lab.infer.builds.aoti_int8 import CALIBRATION_SAMPLES, CALIBRATION_SEED, calibration_inputs
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension is exported as dynamic
@@ -27,17 +29,22 @@ EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 
 
-def openvino_missing() -> str | None:
-    """Why the build cannot be made here (OpenVINO absent), or None."""
+def openvino_missing(quantiser: bool = False) -> str | None:
+    """Why the build cannot be made here (OpenVINO, or for int8 NNCF, absent), or None."""
     try:
         import openvino  # noqa: F401
+
+        if quantiser:
+            import nncf  # noqa: F401
     except ImportError as exc:
-        return f"OpenVINO is not installed ({exc}): pip install 'dlrm-lab[openvino]'"
+        return f"{'NNCF' if quantiser else 'OpenVINO'} is not installed ({exc}): pip install 'dlrm-lab[openvino]'"
     return None
 
 
-def convert_dense(module: Any, path: Path) -> None:
-    """Export `module.dense` (a FusedDLRM's dense part) in fp32, convert it with OpenVINO and write its IR to `path`."""
+def convert_dense(module: Any, path: Path, quantise: bool = False) -> None:
+    """Export `module.dense` (a FusedDLRM's dense part) in fp32, convert it with OpenVINO (and, with `quantise`,
+    quantise it to int8 with NNCF's post-training quantisation, calibrated on the preset's own data) and write its
+    IR to `path`."""
     import openvino as ov
 
     dense = copy.deepcopy(module.dense).float().eval()  # OpenVINO lowers the precision itself, at compile
@@ -46,16 +53,33 @@ def convert_dense(module: Any, path: Path) -> None:
     batch = torch.export.Dim("batch", min=1)
     with torch.no_grad():
         exported = torch.export.export(dense, example, dynamic_shapes=({0: batch}, {0: batch}))
+    model = ov.convert_model(exported)
+    if quantise:
+        model = _quantised(model, module)
     xml = path.with_name(path.name + ".xml")  # OpenVINO writes an IR as two files: kept as one here
     try:
         # save_model compresses the weights to fp16 unless told not to
-        ov.save_model(ov.convert_model(exported), str(xml), compress_to_fp16=False)
+        ov.save_model(model, str(xml), compress_to_fp16=False)
         with open(path, "wb") as f:
             np.savez(f, xml=np.frombuffer(xml.read_bytes(), np.uint8),
                      weights=np.frombuffer(xml.with_suffix(".bin").read_bytes(), np.uint8))  # fmt: skip
     finally:
         xml.unlink(missing_ok=True)
         xml.with_suffix(".bin").unlink(missing_ok=True)
+
+
+def _quantised(model: Any, module: Any) -> Any:
+    """NNCF's static int8 post-training quantisation of the converted dense part (its default preset: int8 weights
+    per channel, activations per tensor), over the same calibration samples as `aoti_int8`."""
+    import contextlib
+    import logging
+
+    import nncf
+
+    nncf.set_log_level(logging.ERROR)
+    batches = [(dense.float().numpy(), pooled.float().numpy()) for dense, pooled in calibration_inputs(module)]
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress bars are not the lab's output
+        return nncf.quantize(model, nncf.Dataset(batches), subset_size=len(batches), fast_bias_correction=True)
 
 
 class OpenVINODense:
@@ -97,22 +121,30 @@ class OpenVINOBuild:
     dense_precision = None
     weight_precision = None  # the plugin stores the weights in the precision it computes in
 
+    quantise = False
+
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
-        if why := openvino_missing():
+        if why := openvino_missing(self.quantise):
             raise RuntimeError(why)
         import openvino as ov
 
         module = base.sibling()  # the same tables, not a copy
-        key = content_key({"build": self.name, "spec": module.spec.to_dict(), "openvino": ov.__version__,
-                           **machine_parts()}, module.dense.state_dict().values())  # fmt: skip
-        artefact = cached_artefact(key, ".npz", lambda path: convert_dense(module, path),
-                                   {"build": self.name, "model": module.spec.name, "openvino": ov.__version__})  # fmt: skip
+        engine = {"openvino": ov.__version__}
+        if self.quantise:
+            import nncf
+
+            engine |= {"nncf": nncf.__version__, "calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES]}
+        key = content_key({"build": self.name, "spec": module.spec.to_dict(), **engine, **machine_parts()},
+                          module.dense.state_dict().values())  # fmt: skip
+        artefact = cached_artefact(key, ".npz", lambda path: convert_dense(module, path, self.quantise),
+                                   {"build": self.name, "model": module.spec.name, **engine})  # fmt: skip
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.compiled = OpenVINODense(module.package, precision)
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
-        return openvino_missing() or too_small_to_compile(base_dense_ms, "an export and conversion of seconds")
+        return openvino_missing(self.quantise) or too_small_to_compile(base_dense_ms,
+                                                                       "an export and conversion of seconds")
 
     def for_snapshot(self, module: Any) -> Any:
         module.compiled = None  # an OpenVINO model does not pickle; each instance reads the file
