@@ -7,8 +7,8 @@ scaled by `--table-scale` to fit the machine, served from a checkpoint `train --
 that shape (without one: the untrained model, said in the output), MLPerf DLRMv2's query sizes (its quantile
 table: 100-700 samples, mean 270), LoadGen's Offline scenario, one instance per core x 1 thread,
 `--precision auto`, `--build auto`, `--max-batch auto` (Offline has no bound: the batch that amortises its fixed
-cost), int8 and fp32 tables alternated. Reported per run: samples/s, queries/s (an MLPerf DLRM "sample" is one of our queries) per
-core, the fraction of the roof, and Intel's published ~72 per core (MLPerf Inference v4.0-v5.1, int8 on
+cost), int8 and fp32 tables alternated. Reported per run: samples/s, queries/s (an MLPerf DLRM "sample" is one of
+our queries) per core, the fraction of the roof, and Intel's published ~72 per core (MLPerf Inference v4.0-v5.1, int8 on
 AMX, full tables) beside them.
 """
 

@@ -38,8 +38,8 @@ import torch
 from common import header, lab_run, results_path, write_results
 
 import dlrm_lab
+from dlrm_lab.config.family import family_of
 from dlrm_lab.data import synthetic_generator
-from dlrm_lab.families import family_of
 from dlrm_lab.infer import accuracy
 from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.builds import dense_weight_bytes

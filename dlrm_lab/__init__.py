@@ -21,3 +21,7 @@ def build_model(*args, **kwargs):  # noqa: ANN002, ANN003 - see dlrm_lab.model.b
 
 
 __all__ = ["ModelSpec", "TableSpec", "UserError", "available_presets", "build_model", "load_preset"]
+
+# The families' implementations register themselves with `config.family` (and their columns with the shared
+# tables) as they are imported: here, so that no room that asks the registry finds it empty.
+import dlrm_lab.families  # noqa: E402, F401

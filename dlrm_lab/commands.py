@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from dlrm_lab.config import TrainConfig
+from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.options import Declared, PresetChoice, build, given, options_of
 from dlrm_lab.errors import FieldError
-from dlrm_lab.families import Spec
 from dlrm_lab.infer.options import (
     RUN_KNOBS,
     SEARCH_CHANGES,
@@ -106,7 +106,6 @@ def train_setup(options: Mapping[str, Any]) -> tuple[Spec, TrainConfig]:
     o = given(options, TRAIN, "train", CLI_ONLY)
     spec = build(PresetChoice, TRAIN, o).load()  # either family: DLRM or the HSTU ranker
     cfg = build(TrainConfig, TRAIN, o)
-    from dlrm_lab.families import family_of
 
     # where --set changes the samples (the ranker's requests) the size line shows them (train() keeps them)
     return family_of(spec).with_data_overrides(spec, cfg.data_overrides, serving=False), cfg

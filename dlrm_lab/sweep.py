@@ -423,14 +423,13 @@ def stop_orphans(slot: Path, grace_s: float = ORPHAN_GRACE_S) -> list[int]:
 
 def _record_death(slot: Path, code: int) -> None:
     """Say in point.log how the point's process ended; a run it left `running` (it died by a signal and
-    could not close it) is recovered and marked failed with that reason."""
+    could not close it) is recovered and marked failed with that reason (with the recovery its kind registered:
+    whoever sweeps training runs imports `train.records`, which registers one)."""
     how = f"the point's process {exit_description(code)}"
     with open(slot / "point.log", "a") as log:
         log.write(f"sweep: {how}\n")
     if code > 0:
         return  # it ended itself: its run says why
-    import dlrm_lab.train.records  # noqa: F401 - a training run's recovery (its summary) registers itself
-
     for found in discover_runs(slot):
         if (found.manifest or {}).get("status") == "running":
             with contextlib.suppress(OSError, ValueError):

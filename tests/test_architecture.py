@@ -77,3 +77,36 @@ def test_no_module_imports_itself_through_others():
 
 def test_the_walk_finds_a_circle_where_there_is_one():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _rooms(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between rooms: a room is a top-level module or subpackage of `dlrm_lab` (its package root, which
+    imports the families' implementations to register them, stands above every room and is left out)."""
+
+    def room(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    rooms: dict[str, set[str]] = collections.defaultdict(set)
+    for source, targets in edges.items():
+        if (a := room(source)) is None:
+            continue
+        rooms[a]  # a room that imports no other room still stands on a floor
+        rooms[a].update(b for t in targets if (b := room(t)) is not None and b != a)
+    return dict(rooms)
+
+
+def test_every_import_between_rooms_runs_downhill():
+    """No room reaches itself through others: the rooms stack into floors (docs/architecture.md), a concept that many
+    rooms need (the model family's protocol and registry: `config.family`) stands low and its implementations
+    register from above."""
+    rooms = _rooms(_imports())
+    assert {"config", "infer", "families", "metrics", "cli"} <= set(rooms)
+    assert _circles(rooms) == []
+    assert "families" not in set().union(*(t for r, t in rooms.items() if r != "families"))  # asked of by no room
+
+
+def test_the_room_walk_finds_an_uphill_import():
+    edges = {"dlrm_lab.config.a": {"dlrm_lab.metrics.b"}, "dlrm_lab.metrics.b": {"dlrm_lab.config.c"},
+             "dlrm_lab.config.c": set(), "dlrm_lab": {"dlrm_lab.config.a"}}  # fmt: skip
+    assert _circles(_rooms(edges)) == [["config", "metrics"]]

@@ -13,8 +13,8 @@ import torch
 
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import UserError
-from dlrm_lab.families import family_of
 from dlrm_lab.infer import accuracy
 from dlrm_lab.infer.build import make_build
 from dlrm_lab.infer.builds import build_named

@@ -172,7 +172,7 @@ def test_a_familys_columns_join_a_shared_table_where_it_places_them(monkeypatch)
 def test_hstus_columns_are_its_own_and_sit_where_the_files_have_them():
     """HSTU's query and summary columns come from its family's registration (`families/hstu.py`), not the
     shared layout."""
-    from dlrm_lab.families import family_named
+    from dlrm_lab.config.family import family_named
 
     hstu = {c if isinstance(c, str) else c.name for _, _, cols in family_named("hstu").columns for c in cols}
     assert hstu == {"history_reused", "history_tokens_reused", "history_cache_mb", "history_affinity", "attention",

@@ -191,7 +191,7 @@ def test_two_rank_resume_continues_the_same_trajectory(tmp_path):
     # served by one process with whole tables: DCP reshards the two ranks' row-wise shards, and the served model
     # scores the held-out samples as the two ranks evaluated them together
     import dlrm_lab
-    from dlrm_lab.families import family_of
+    from dlrm_lab.config.family import family_of
     from dlrm_lab.infer.accuracy import auc, score_build
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.model.checkpoint import read_checkpoint

@@ -74,7 +74,7 @@ def tiny_v4(tmp_path_factory):
 
 
 def test_the_preset_has_the_published_shapes_and_recipe():
-    from dlrm_lab.families import spec_from_dict
+    from dlrm_lab.config.family import spec_from_dict
     from dlrm_lab.model.hstu import build_ranker
 
     v4 = load_any_preset("dlrmv4")

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 import dlrm_lab
-from dlrm_lab import families
+from dlrm_lab.config import family as families
 from dlrm_lab.config import load_any_preset
+from dlrm_lab.config.family import ModelFamily, family_named, family_of, spec_from_dict
 from dlrm_lab.errors import UserError
-from dlrm_lab.families import ModelFamily, family_named, family_of, spec_from_dict
 
 PACKAGE = Path(dlrm_lab.__file__).parent
 SPEC_TYPES = {"ModelSpec", "HSTUSpec"}
@@ -89,12 +89,11 @@ class _ToyFamily:
 
 def test_a_third_family_plugs_in_without_an_edit_elsewhere(tmp_path, monkeypatch):
     """The registry, the preset loader, the cost model and the precision check's shapes reach a family that
-    only registered itself (here through the registry's cache, as a module in dlrm_lab/families/ would)."""
+    only registered itself (as a module in dlrm_lab/families/ does through `register_family`)."""
     from dlrm_lab.metrics.precision import MAX_ROWS, model_gemm_shapes
     from dlrm_lab.model.cost import sample_cost
 
-    found = {**families.families(), "toy": _ToyFamily()}
-    monkeypatch.setattr(families, "families", lambda: found)
+    monkeypatch.setitem(families.families(), "toy", _ToyFamily())  # as `register_family` does, undone after
     path = tmp_path / "toy.toml"
     path.write_text('name = "toy-small"\nfamily = "toy"\nwidth = 8\n')
     spec = load_any_preset(str(path))

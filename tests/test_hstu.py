@@ -182,7 +182,7 @@ def test_hstu_presets_load_scale_and_refuse_bad_fields(tmp_path):
     assert v3.shape.request_flops(6400, 2048) == pytest.approx(5 * STUShape().layer_flops(6401, 2048), rel=0.05)
     with pytest.raises(UserError, match="is of family hstu: this command runs DLRM presets"):
         dlrm_lab.load_preset("dlrmv3")
-    from dlrm_lab.families import spec_from_dict
+    from dlrm_lab.config.family import spec_from_dict
 
     assert spec_from_dict(small.to_dict()) == small  # as a run's manifest holds it (scale sweeps read it back)
     assert spec_from_dict(dlrm_lab.load_preset("tiny").to_dict()) == dlrm_lab.load_preset("tiny")

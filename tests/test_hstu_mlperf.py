@@ -12,8 +12,8 @@ import torch
 
 from dlrm_lab.commands import infer_setup, search_setup
 from dlrm_lab.config import load_any_preset
+from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.errors import UserError
-from dlrm_lab.families import family_of, spec_from_dict
 from dlrm_lab.metrics.ranking import ranking_metrics
 
 MODELS = Path(__file__).resolve().parents[1] / "models"

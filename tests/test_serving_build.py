@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import dlrm_lab
+from dlrm_lab.config.family import family_of
 from dlrm_lab.data import synthetic_generator
 from dlrm_lab.errors import UserError
-from dlrm_lab.families import family_of
 from dlrm_lab.infer import accuracy
 from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.batches import QueryRef, kernel_batch, make_runner, pad_kernel_batch
@@ -181,9 +181,11 @@ def test_build_timings_carry_their_spread():
 
 def test_a_compiled_build_scores_as_the_eager_model_and_is_timed_where_the_dense_part_is_large(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
-    times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0, aoti=1.5, aoti_int8=1.6, openvino=1.7, openvino_int8=1.8)
+    times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0, aoti=1.5, aoti_int8=1.6, openvino=1.7,
+                      openvino_int8=1.8)  # fmt: skip
     choice, module = _choose("auto", times)
-    assert times.calls == [["eager", "fused"], ["aoti", "aoti_int8", "compiled", "openvino", "openvino_int8"]] and choice.build == "compiled"
+    assert times.calls == [["eager", "fused"], ["aoti", "aoti_int8", "compiled", "openvino", "openvino_int8"]]
+    assert choice.build == "compiled"
     assert choice.accuracy.passed and choice.accuracy.build == "compiled"  # checked compiled, scores within 1e-5
     assert isinstance(module, FusedDLRM) and module.compiled is None  # each instance compiles its own
 

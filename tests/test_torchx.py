@@ -1,4 +1,4 @@
-"""TorchX: the lab's components (dlrm_lab/distributed/torchx.py) on TorchX's schedulers."""
+"""TorchX: the lab's components (dlrm_lab/torchx.py) on TorchX's schedulers."""
 
 import importlib
 import importlib.util
@@ -15,14 +15,14 @@ from conftest import ROOT
 from dlrm_lab.distributed.context import detect_launch
 from dlrm_lab.errors import UserError
 
-COMPONENT = "dlrm_lab/distributed/torchx.py"
+COMPONENT = "dlrm_lab/torchx.py"
 
 
 def test_without_torchx_the_components_say_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchx", None)  # `import torchx` now fails as if it were not installed
-    monkeypatch.delitem(sys.modules, "dlrm_lab.distributed.torchx", raising=False)
+    monkeypatch.delitem(sys.modules, "dlrm_lab.torchx", raising=False)
     with pytest.raises(UserError, match=r"need torchx: pip install 'dlrm-lab\[torchx\]'"):
-        importlib.import_module("dlrm_lab.distributed.torchx")
+        importlib.import_module("dlrm_lab.torchx")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def tx():
     """The components module; its tests are skipped where torchx could not be installed (no package index)."""
     if importlib.util.find_spec("torchx") is None:
         pytest.skip("torchx is not installed: pip install 'dlrm-lab[torchx]' (needs PyPI)")
-    return importlib.import_module("dlrm_lab.distributed.torchx")
+    return importlib.import_module("dlrm_lab.torchx")
 
 
 def _command(app) -> list[str]:

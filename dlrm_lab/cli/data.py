@@ -12,6 +12,7 @@ from rich.table import Table
 from dlrm_lab.cli.format import LineProgress, console, progress
 from dlrm_lab.cli.options import MaxRows, TableScale
 from dlrm_lab.config import load_any_preset, load_preset
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import UserError
 
 app = typer.Typer(help="Synthetic and Criteo click-log datasets (Parquet).", no_args_is_help=True)
@@ -62,8 +63,6 @@ def gen(
     window: Annotated[str, typer.Option(help="HSTU presets: the train or eval window's requests.")] = "train",
 ) -> None:
     """Generate a synthetic dataset for a model preset (an HSTU preset: its time-ordered requests)."""
-    from dlrm_lab.families import family_of
-
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: allowed: {', '.join(FORMATS)}")
     if rows < 1:

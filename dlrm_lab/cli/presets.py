@@ -10,7 +10,7 @@ from rich.table import Table
 from dlrm_lab.cli.format import console
 from dlrm_lab.cli.options import MaxRows, TableScale
 from dlrm_lab.config import available_presets, load_any_preset
-from dlrm_lab.families import Spec, families, family_of
+from dlrm_lab.config.family import Spec, families, family_of
 
 app = typer.Typer(help="Model presets (models/*.toml).", invoke_without_command=True, no_args_is_help=False)
 

@@ -28,6 +28,7 @@ def sweep_command(
 ) -> None:
     """Run every point x repeat of a grid, each as its own run; resume where a previous
     invocation stopped (finished point-repeats are skipped, unfinished ones repeated)."""
+    import dlrm_lab.train.records  # noqa: F401 - a dead training point's summary is rebuilt by its recovery
     from dlrm_lab.sweep import load_spec, point_args, run_sweep
 
     raise_on_sigterm()

@@ -59,7 +59,7 @@ def train_command(options: dict[str, Any]) -> None:
 
 
 def print_plan(plan: dict[str, Any]) -> None:
-    from dlrm_lab.families.words import human_bytes
+    from dlrm_lab.config.words import human_bytes
 
     table = Table(title="sharding plan")
     for col in ("table", "sharding", "kernel", "ranks", "bytes"):

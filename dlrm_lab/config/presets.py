@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.family import families, preset_family_name
 from dlrm_lab.config.rules import bad, int_list_problem, row_scaler
 from dlrm_lab.config.specs import ModelSpec, TableSpec
 from dlrm_lab.config.toml import read_toml
@@ -56,8 +57,6 @@ def preset_family(name_or_path: str | Path) -> str:
 
 def _family(raw: dict[str, Any], path: Path) -> Any:
     """The family a parsed preset names; one line naming the known ones otherwise."""
-    from dlrm_lab.families import families, preset_family_name
-
     name = preset_family_name(raw)
     if name not in families():
         raise UserError(f"{path}: family = {name!r}: allowed: {', '.join(families())}")

@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.config.options import by_field, option
+from dlrm_lab.config.prices import check_currency, check_price
 from dlrm_lab.errors import FieldError
 
 PRECISIONS = ("fp32", "bf16")
@@ -153,8 +155,6 @@ class TrainConfig:
     currency: str | None = option(None, "Currency of --price-per-hour (default: USD).")
 
     def __post_init__(self) -> None:
-        from dlrm_lab.metrics.cost import check_currency, check_price
-
         if self.price_per_hour is not None:
             by_field("price_per_hour", check_price, self.price_per_hour)
         if self.currency is not None:
@@ -252,7 +252,6 @@ def embedding_lr_for(spec: Any, cfg: TrainConfig) -> tuple[float, str]:
     rm3 (20) unchanged; one-hot presets keep 0.05."""
     if cfg.embedding_lr is not None:
         return cfg.embedding_lr, "given (--embedding-lr)"
-    from dlrm_lab.families import family_of
 
     return family_of(spec).embedding_lr(spec, DEFAULT_EMBEDDING_LR)
 

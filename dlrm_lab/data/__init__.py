@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.config.family import family_of
 from dlrm_lab.data.parquet import ParquetSource
 from dlrm_lab.data.source import SyntheticSource
 from dlrm_lab.data.spec import DataSpec, load_data_spec
@@ -45,8 +46,6 @@ def check_data_options(
     """The data spec a run on `data` generates from, checked (None for a dataset on disk,
     where `--data-spec`/`--set` cannot apply, and for a family whose samples its preset
     describes, as the HSTU ranker's requests): callers check before they start anything."""
-    from dlrm_lab.families import family_of
-
     return family_of(model).check_data_options(model, data, data_spec, overrides)
 
 
@@ -75,8 +74,6 @@ def open_sources(
     generator far past any training sample; for a dataset without a generator spec
     (converted Criteo) they are the dataset's first batches, and the description says so.
     """
-    from dlrm_lab.families import family_of
-
     how = {"rank": rank, "world_size": world_size, "eval_batches": eval_batches, "data_spec": data_spec,
            "overrides": overrides, "seed": seed, "start_batch": start_batch}  # fmt: skip
     return family_of(model).open_sources(model, data, batch_size, **how)

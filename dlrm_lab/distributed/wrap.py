@@ -22,6 +22,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import PlannerStages, check_sharding, plan_sharding
 
@@ -68,8 +69,6 @@ class SequenceSharder(EmbeddingCollectionSharder):
 def table_sharder(spec: Any) -> ModuleSharder[Any]:
     """The sharder of a model's tables, as its family shards them (a DLRM's pooled tables: `AnyDeviceSharder`;
     the HSTU ranker's sequence tables: `SequenceSharder`)."""
-    from dlrm_lab.families import family_of
-
     return family_of(spec).sharder(spec)
 
 

@@ -68,7 +68,7 @@ class DLRMFamily:
         return spec  # training: --set applies to the data spec (data.resolve_data_spec)
 
     def size_line(self, spec: ModelSpec) -> str:
-        from dlrm_lab.families.words import human_bytes, human_count
+        from dlrm_lab.config.words import human_bytes, human_count
 
         scale = []
         if spec.table_scale != 1.0:
@@ -83,7 +83,7 @@ class DLRMFamily:
         )
 
     def describe(self, spec: ModelSpec) -> tuple[list[str], tuple[list[str], list[list[str]]] | None]:
-        from dlrm_lab.families.words import human_bytes
+        from dlrm_lab.config.words import human_bytes
 
         cross = f" ({spec.dcn_num_layers} cross layers, low rank {spec.dcn_low_rank})" if spec.interaction == "dcnv2" \
             else ""  # fmt: skip
@@ -102,7 +102,7 @@ class DLRMFamily:
         return lines, (columns, rows)
 
     def preset_table(self, specs: Sequence[ModelSpec]) -> tuple[str, list[str], list[list[str]]]:
-        from dlrm_lab.families.words import human_bytes, human_count
+        from dlrm_lab.config.words import human_bytes, human_count
 
         rows = []
         for spec in specs:

@@ -93,7 +93,7 @@ class HSTUFamily:
         return with_overrides(spec, tuple(overrides))
 
     def size_line(self, spec: HSTUSpec) -> str:
-        from dlrm_lab.families.words import human_bytes, human_count
+        from dlrm_lab.config.words import human_bytes, human_count
 
         h = round(spec.mean_history)
         return (
@@ -105,7 +105,7 @@ class HSTUFamily:
         )
 
     def describe(self, spec: HSTUSpec) -> tuple[list[str], None]:
-        from dlrm_lab.families.words import human_bytes
+        from dlrm_lab.config.words import human_bytes
 
         shape, data, h = spec.shape, spec.data, round(spec.mean_history)
         (tower_hidden, tower_out), (head_hidden, _) = shape.tower_widths
@@ -143,7 +143,7 @@ class HSTUFamily:
         return lines, None
 
     def preset_table(self, specs: Sequence[HSTUSpec]) -> tuple[str, list[str], list[list[str]]]:
-        from dlrm_lab.families.words import human_bytes, human_count
+        from dlrm_lab.config.words import human_bytes, human_count
 
         rows = [[
             h.name, str(h.shape.layers), str(h.shape.stu.dim), str(h.shape.stu.heads), human_count(h.shape.items),

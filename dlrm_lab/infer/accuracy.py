@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlrm_lab.families import family_of
+from dlrm_lab.config.family import family_of
 
 FP32_SCORE_TOLERANCE = 1e-5  # an fp32 build's scores against the eager model's
 AUC_RELATIVE_TOLERANCE = 1e-3  # a reduced-precision build's AUC against fp32's (MLPerf: 99.9% of the reference)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_lab.families import family_of
+from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.metrics.precision import DTYPES

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError
-from dlrm_lab.families import family_of
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, make_runner, next_samples
 from dlrm_lab.infer.builds import build_named, builds

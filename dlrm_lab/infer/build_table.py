@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError
-from dlrm_lab.families import family_of
 from dlrm_lab.infer.accuracy import check_accuracy
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.build import BuildSet, Measure, judged_precision, time_builds

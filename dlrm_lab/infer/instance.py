@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_lab.families import family_of, spec_from_dict
+from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.infer.batches import QueryRef, make_runner
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary

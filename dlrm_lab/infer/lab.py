@@ -467,7 +467,8 @@ def run_inference(
             if cfg.tune:
                 policies = {s.model: choose_policy(
                     server, s, cfg.tune, sla_ms=s.sla_ms or cfg.sla_ms, percentile=cfg.sla_percentile,
-                    whole_load_queued=load.queues_whole_load, probe_s=cfg.calibrate_s / 2, seed=cfg.seed, drain_s=cfg.drain_timeout_s, log=log,
+                    whole_load_queued=load.queues_whole_load, probe_s=cfg.calibrate_s / 2, seed=cfg.seed,
+                    drain_s=cfg.drain_timeout_s, log=log,
                 ).to_dict() for s in streams}  # fmt: skip
                 run.update_manifest(policy_choices=policies)
             points = [Point(0, streams, "together", cfg.scenario)]

@@ -197,12 +197,12 @@ class LoadGenDriver:
             prior = self.stats.loadgen.get("loadgen_reason")
             self.stats.loadgen |= {"loadgen_result": "INVALID", "loadgen_reason": f"{why}; {prior}" if prior else why}
         reason = self.stats.loadgen.get("loadgen_reason") or ""
-        done = self.stats.loadgen.get("loadgen_queries_per_s")
-        if self.settings.scenario == "offline" and "min duration not met" in reason and done:
+        served = self.stats.loadgen.get("loadgen_queries_per_s")
+        if self.settings.scenario == "offline" and "min duration not met" in reason and served:
             # Offline issues qps x duration x 1.1 queries at once: a server faster than the qps given ends early
             self.stats.loadgen["loadgen_reason"] = (
                 f"{reason} (Offline issued its queries for {self.stream.qps:g} queries/s and they completed at "
-                f"{done:.1f}: give --qps {math.ceil(1.2 * done)} or more)"
+                f"{served:.1f}: give --qps {math.ceil(1.2 * served)} or more)"
             )
 
 

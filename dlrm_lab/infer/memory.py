@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import UserError
 
 # Private memory of an idle instance process (USS: torch, torchrec and fbgemm loaded), as
@@ -58,8 +59,6 @@ def library_samples(max_batch: int, library_samples: int = 0) -> int:
 
 def model_memory(served: Any) -> ModelMemory:
     """What `served` (an `infer.served.ServedModel`) needs, from its spec alone."""
-    from dlrm_lab.families import family_of
-
     return family_of(served.spec).memory(served)
 
 

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 from dlrm_lab.config import load_any_preset
+from dlrm_lab.config.family import family_of
 from dlrm_lab.config.options import ModelScaling, by_field, option
+from dlrm_lab.config.prices import check_currency, check_price
 from dlrm_lab.errors import FieldError
 
 DEFAULT_MODEL = "tiny"
@@ -87,7 +89,6 @@ class ServingOptions(ModelScaling):
 
     def served(self, models: Sequence[str] | None) -> list[Any]:
         """One ServedModel per preset named (default: tiny), DLRM or HSTU; a preset served twice is `name-2`."""
-        from dlrm_lab.families import family_of
         from dlrm_lab.infer.served import ServedModel
 
         out, seen = [], {}
@@ -206,8 +207,8 @@ class LoadOptions:
     )
     query_size: list[str] | None = option(
         None,
-        "Samples per query: fixed:N, normal:MEAN,STD, lognormal:MEDIAN,SIGMA, uniform:LO,HI or mlperf (MLPerf DLRMv2's table: 100-700, mean 270). "
-        "One, or one per --model. Default: fixed:1.",
+        "Samples per query: fixed:N, normal:MEAN,STD, lognormal:MEDIAN,SIGMA, uniform:LO,HI or mlperf "
+        "(MLPerf DLRMv2's table: 100-700, mean 270). One, or one per --model. Default: fixed:1.",
     )
     arrival: str = option(
         "poisson",
@@ -310,7 +311,6 @@ class InferConfig:
         from dlrm_lab.infer.drivers import SCENARIOS, scenario
         from dlrm_lab.infer.targets import check_connection, parse_target
         from dlrm_lab.infer.tune import KNOBS, PROBED
-        from dlrm_lab.metrics.cost import check_currency, check_price
 
         if self.scenario not in SCENARIOS:
             raise FieldError("scenario", f"{self.scenario!r}: allowed: {', '.join(SCENARIOS)}")

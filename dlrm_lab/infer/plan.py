@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.distributed.context import resolve_device
-from dlrm_lab.families import family_of
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.config.family import families
 from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGES
 from dlrm_lab.metrics.roofline import Peaks, Work, place
@@ -225,8 +226,6 @@ def _remote_latency_parts(record: dict[str, Any], roof_ms: float | None, out: di
 
 def _family_summaries(records: list[dict[str, Any]], ok: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
     """Every family's own summary columns (null where its query columns are absent: another family's rows)."""
-    from dlrm_lab.families import families
-
     out: dict[str, Any] = {}
     for family in families().values():
         out.update(family.summarize_queries(records, ok, samples))

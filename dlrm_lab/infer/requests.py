@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.library import LoadedSamples
 
 REQUEST_ARRAYS = (
@@ -116,6 +117,4 @@ class RequestLibrary(LoadedSamples):
 
 def generate_library(served: Any, seed: int, samples: int) -> Any:
     """A served model's sample library, of its family's kind."""
-    from dlrm_lab.families import family_of
-
     return family_of(served.spec).sample_library(served, seed, samples)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.families import family_of
 from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.sut import ModelDescription

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import ServingFault, UserError, exit_description
-from dlrm_lab.families import family_of
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.instance import (

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError
 
 AUTO = "auto"
@@ -56,8 +57,6 @@ def gflops(flops_per_s: float) -> str:
 
 def model_gemm_shapes(spec: Any, rows: int) -> list[Shape]:
     """The dense matrix products of one forward pass: (rows, in, out) per layer, as the spec's family has them."""
-    from dlrm_lab.families import family_of
-
     return family_of(spec).gemm_shapes(spec, rows, MAX_ROWS)
 
 

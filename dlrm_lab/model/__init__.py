@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.config.family import family_of
 from dlrm_lab.model.dlrm import DLRM
 from dlrm_lab.model.dlrm import build_model as build_dlrm
 
@@ -24,8 +25,6 @@ def build_model(
     attention: str = "padded",
 ) -> torch.nn.Module:
     """The model of `spec`, as its family builds it (`families`; `attention` is the HSTU ranker's path)."""
-    from dlrm_lab.families import family_of
-
     return family_of(spec).build(spec, device, table_device, table_precision, attention)
 
 

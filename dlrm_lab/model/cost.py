@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.config.family import family_of
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,6 @@ def sample_cost(
 ) -> SampleCost:
     """FLOPs and embedding bytes per sample (see the module docstring for what counts), as the spec's
     family counts them (`families`; the HSTU ranker's sample is a request of `window`)."""
-    from dlrm_lab.families import family_of
-
     return family_of(spec).sample_cost(spec, table_precision, optimizer, window)
 
 
@@ -75,7 +74,6 @@ def step_communication_bytes(
     zero = dict.fromkeys(COMM_ITEMS, 0.0)
     if world_size <= 1:
         return zero
-    from dlrm_lab.families import family_of
 
     return family_of(spec).communication_bytes(spec, global_batch, world_size, sharding or {})
 

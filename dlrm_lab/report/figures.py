@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.roofline import run_profile
 from dlrm_lab.report import plots
@@ -155,8 +156,6 @@ def _phases(data: ReportData, out: Path) -> Made:
 
 
 def _request_flops(data: ReportData, out: Path) -> Made:
-    from dlrm_lab.families import family_of, spec_from_dict
-
     models, runs = {}, {}
     for r in data.train:
         model = (r["_run"].manifest.get("config") or {}).get("model") or {}

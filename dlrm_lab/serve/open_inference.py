@@ -29,7 +29,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.families import family_of
+from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.serve.protocol import (
     DENSE_DTYPE,

@@ -45,6 +45,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import BadAnswer, FieldError, ServerLost
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.sut import ModelDescription, SutDescription, query_row
@@ -208,7 +209,6 @@ def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator
     live, ready, and serving each model (the URL's name, else the preset's) with the lab's tensors
     (`serve.open_inference.tensors`: dense, lengths, ids in; scores out), checked before any load; the
     samples are the preset's, generated here. It says nothing of how it serves them."""
-    from dlrm_lab.families import family_of
     from dlrm_lab.infer.memory import library_samples
 
     if target.model_name and len(models) > 1:

@@ -33,8 +33,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, ServingFault, UserError
-from dlrm_lab.families import family_of
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from dlrm_lab.config import PRECISIONS, TrainConfig
+from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.families import Spec
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 
 
@@ -43,8 +43,6 @@ def choose_run_precision(spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Ca
 def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any) -> dict[str, Any] | None:
     """The attention path of a family that has them (the HSTU ranker's, `model.hstu.choose_attention`):
     rank 0 times, every rank runs it; None for a family without attention."""
-    from dlrm_lab.families import family_of
-
     if not family_of(spec).attention_paths:
         return None
     from dlrm_lab.model.hstu import choose_attention

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import TrainConfig
+from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.train import dense_lr_for, dense_recipe_for, embedding_lr_for, target_auc_for
 from dlrm_lab.data import BatchSource, DataSpec, check_data_options, open_sources
 from dlrm_lab.data.prefetch import Prefetcher
@@ -38,7 +39,6 @@ from dlrm_lab.distributed.plan import check_table_types, describe_plan, parse_ta
 from dlrm_lab.distributed.tables import init_tables
 from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model, table_sharder
 from dlrm_lab.errors import FieldError
-from dlrm_lab.families import Spec, family_of
 from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.metrics.cost import price_of, training_cost_columns
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries, telemetry_schema

@@ -18,11 +18,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.distributed.launch import threads_per_rank as default_threads
 from dlrm_lab.distributed.mpi import probed_transport
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.columns import PHASES, schema_of
 from dlrm_lab.sweep import SweepResult, SweepSpec, check_points, run_sweep
+from dlrm_lab.train import records  # noqa: F401 - a dead rank count's training run is rebuilt by its recovery
 
 MODES = ("weak", "strong")
 
@@ -148,7 +150,6 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
     the sweep's gap.parquet; nothing when the one-rank point did not end ok."""
     import json
 
-    from dlrm_lab.families import spec_from_dict
     from dlrm_lab.metrics.ceiling import ceiling_efficiency
     from dlrm_lab.metrics.roofline import load_profile
     from dlrm_lab.model.cost import step_communication_bytes
@@ -245,7 +246,6 @@ def projection(
     from torchrec.distributed.planner.types import PlannerError
 
     from dlrm_lab.config import load_preset
-    from dlrm_lab.families import family_of, spec_from_dict
     from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
     from dlrm_lab.train.fabrics import planner_choice, project
 

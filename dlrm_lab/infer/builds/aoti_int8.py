@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.families import family_of
+from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, AOTIBuild
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 

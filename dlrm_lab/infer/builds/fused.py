@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlrm_lab.families import family_of
+from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.tables import quantize_tables
 from dlrm_lab.metrics.precision import DTYPES
 

@@ -143,8 +143,9 @@ class OpenVINOBuild:
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
-        return openvino_missing(self.quantise) or too_small_to_compile(base_dense_ms,
-                                                                       "an export and conversion of seconds")
+        return openvino_missing(self.quantise) or too_small_to_compile(
+            base_dense_ms, "an export and conversion of seconds"
+        )
 
     def for_snapshot(self, module: Any) -> Any:
         module.compiled = None  # an OpenVINO model does not pickle; each instance reads the file

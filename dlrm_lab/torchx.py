@@ -1,7 +1,7 @@
 """TorchX components: `dlrm-lab train`, `scale` and `sweep` as jobs on any TorchX scheduler.
 
-    torchx run -s local_cwd dlrm_lab/distributed/torchx.py:train --nproc_per_node 2 -- --preset tiny --steps 20
-    torchx run -s slurm -cfg partition=gpu dlrm_lab/distributed/torchx.py:train --nnodes 2 --nproc_per_node 8 \
+    torchx run -s local_cwd dlrm_lab/torchx.py:train --nproc_per_node 2 -- --preset tiny --steps 20
+    torchx run -s slurm -cfg partition=gpu dlrm_lab/torchx.py:train --nnodes 2 --nproc_per_node 8 \
         --gpu 8 -- --device cuda --preset dcnv2 --table-scale 0.1
 
 From Python: `torchx.runner.get_runner().run(train("--preset", "tiny", nproc_per_node=2), "local_cwd")`.
@@ -182,7 +182,7 @@ def _check_train_options(words: list[str]) -> None:
     """A typo fails here, in one line, not on the cluster after the job waited in its queue."""
     import typer
 
-    from dlrm_lab.cli.scale import train_options
+    from dlrm_lab.cli.scale import train_options  # train's own parser; the CLI loads typer and rich: only when checking
 
     try:
         train_options(words)
