@@ -40,10 +40,8 @@ $(DATA)/kaggle/_dataset.json: | $(STAMP)
 	rm -rf $(DATA)/kaggle
 	$(BIN)/dlrm-lab data gen $(KAGGLE) --rows 614400 --shards 4 --seed 0 --out $(DATA)/kaggle
 
-# Two pytest workers (pytest-xdist): most tests wait on servers, ranks and subprocesses, so two share the CI
-# machine's 2 cores well (7 min 40 s against 12 min 13 s serially, same machine, same afternoon)
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check dlrm_lab tests benchmarks
