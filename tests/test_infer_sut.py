@@ -268,6 +268,30 @@ def test_the_query_sample_library_counts_loads_and_unloads_library_samples():
         library.load([(500, 600)])
 
 
+def _stand_in_loadgen(start_test, complete) -> types.SimpleNamespace:
+    """What the driver uses of mlperf_loadgen, with `start_test` as the test and `complete` taking completions."""
+    return types.SimpleNamespace(
+        TestSettings=types.SimpleNamespace, TestMode=types.SimpleNamespace(PerformanceOnly=0),
+        TestScenario=types.SimpleNamespace(Server="Server", Offline="Offline"),
+        LogSettings=lambda: types.SimpleNamespace(log_output=types.SimpleNamespace()),
+        ConstructSUT=lambda issue, flush: types.SimpleNamespace(issue=issue),
+        ConstructQSL=lambda total, performance, load, unload: types.SimpleNamespace(
+            total=total, performance=performance, load=load, unload=unload),
+        StartTestWithLogSettings=start_test, DestroyQSL=lambda q: None, DestroySUT=lambda s: None,
+        QuerySampleResponse=lambda sample_id, data, size: sample_id, QuerySamplesComplete=complete,
+    )  # fmt: skip
+
+
+def _driven(recording: FakeSut, stream: Stream, scenario: str, tmp_path) -> FakeSut:
+    """`recording` after a 0.1 s LoadGen `scenario` of `stream` drove it (its driver kept as `.driver`), closed."""
+    try:
+        recording.driver = make_driver(recording, [stream], LoadSettings(scenario, duration_s=0.1, log_dir=tmp_path))
+        assert drive(recording, recording.driver, drain_s=10, poll_s=0.05)
+    finally:
+        recording.close()
+    return recording
+
+
 def test_loadgen_issues_only_samples_its_qsl_loaded_and_unloads_them(tmp_path, monkeypatch):
     """With a stand-in for mlperf_loadgen that does what LoadGen does with a QSL: load the
     performance samples, issue queries of them, unload them."""
@@ -281,25 +305,9 @@ def test_loadgen_issues_only_samples_its_qsl_loaded_and_unloads_them(tmp_path, m
             time.sleep(0.01)
         qsl.unload(list(range(qsl.performance)))
 
-    lg = types.SimpleNamespace(
-        TestSettings=types.SimpleNamespace, TestMode=types.SimpleNamespace(PerformanceOnly=0),
-        TestScenario=types.SimpleNamespace(Server="Server"), LogSettings=lambda: types.SimpleNamespace(
-            log_output=types.SimpleNamespace()),
-        ConstructSUT=lambda issue, flush: types.SimpleNamespace(issue=issue),
-        ConstructQSL=lambda total, performance, load, unload: types.SimpleNamespace(
-            total=total, performance=performance, load=load, unload=unload),
-        StartTestWithLogSettings=start_test, DestroyQSL=lambda q: None, DestroySUT=lambda s: None,
-        QuerySampleResponse=lambda sample_id, data, size: sample_id, QuerySamplesComplete=issued.extend,
-    )  # fmt: skip
-    monkeypatch.setitem(sys.modules, "mlperf_loadgen", lg)
+    monkeypatch.setitem(sys.modules, "mlperf_loadgen", _stand_in_loadgen(start_test, issued.extend))
     library = RecordingLibrary()
-    recording = FakeSut(library)
-    try:
-        driver = make_driver(recording, [Stream("m", 50.0, QuerySizes.parse("uniform:1,64"))],
-                             LoadSettings("server", duration_s=0.1, log_dir=tmp_path))  # fmt: skip
-        assert drive(recording, driver, drain_s=10, poll_s=0.05)
-    finally:
-        recording.close()
+    recording = _driven(FakeSut(library), Stream("m", 50.0, QuerySizes.parse("uniform:1,64")), "server", tmp_path)
     assert library.load_calls == library.unload_calls == 1 and library.loaded == 0 and not library.held
     assert recording.submitted and not recording.not_loaded  # every query's samples were loaded when issued
     assert sorted(issued) == [1000 + k for k in range(0, LIBRARY, 7)]  # each LoadGen sample completed once
@@ -314,22 +322,10 @@ def test_an_offline_run_that_ends_before_its_duration_says_which_qps_to_give(tmp
     def start_test(sut, qsl, settings, log):
         Path(log.log_output.outdir, "mlperf_log_summary.txt").write_text(summary)
 
-    lg = types.SimpleNamespace(
-        TestSettings=types.SimpleNamespace, TestMode=types.SimpleNamespace(PerformanceOnly=0),
-        TestScenario=types.SimpleNamespace(Offline="Offline"), LogSettings=lambda: types.SimpleNamespace(
-            log_output=types.SimpleNamespace()),
-        ConstructSUT=lambda issue, flush: None, ConstructQSL=lambda total, performance, load, unload: None,
-        StartTestWithLogSettings=start_test, DestroyQSL=lambda q: None, DestroySUT=lambda s: None,
-    )  # fmt: skip
-    monkeypatch.setitem(sys.modules, "mlperf_loadgen", lg)
-    recording = FakeSut(RecordingLibrary())
-    try:
-        driver = make_driver(recording, [Stream("m", 20.0, QuerySizes.parse("fixed:2"))],
-                             LoadSettings("offline", duration_s=0.1, log_dir=tmp_path))  # fmt: skip
-        assert drive(recording, driver, drain_s=10, poll_s=0.05)
-    finally:
-        recording.close()
-    assert driver.stats.loadgen["loadgen_reason"] == (
+    monkeypatch.setitem(sys.modules, "mlperf_loadgen", _stand_in_loadgen(start_test, lambda responses: None))
+    stream = Stream("m", 20.0, QuerySizes.parse("fixed:2"))
+    recording = _driven(FakeSut(RecordingLibrary()), stream, "offline", tmp_path)
+    assert recording.driver.stats.loadgen["loadgen_reason"] == (
         "min duration not met (Offline issued its queries for 20 queries/s and they completed at 40.0: give --qps 48 "
         "or more)"
     )
