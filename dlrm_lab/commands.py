@@ -21,14 +21,12 @@ from dlrm_lab.config.options import Declared, PresetChoice, build, given, option
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.options import (
     RUN_KNOBS,
-    SEARCH_CHANGES,
     BuildTableOptions,
     InferConfig,
     LoadOptions,
-    SearchOptions,
-    SearchSpace,
     ServingOptions,
 )
+from dlrm_lab.infer.search_options import SEARCH_CHANGES, SearchOptions, SearchSpace
 from dlrm_lab.serve.options import CLIENT_CHANGES, ClientOptions, ServeOptions
 
 # Options of the command line only: where results go and how progress shows.

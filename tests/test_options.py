@@ -19,7 +19,8 @@ from dlrm_lab.cli import app
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.options import REQUIRED, build, coerce, given, option, options_of
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.infer.options import InferConfig, SearchOptions, ServingOptions
+from dlrm_lab.infer.options import InferConfig, ServingOptions
+from dlrm_lab.infer.search_options import SearchOptions
 from dlrm_lab.serve.options import ClientOptions, ServeOptions
 from dlrm_lab.sweep import load_spec
 

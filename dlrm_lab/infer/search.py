@@ -32,8 +32,9 @@ from dlrm_lab.infer.lab import (
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.loadgen import loadgen_duration, queries_needed
 from dlrm_lab.infer.memory import check_fits
-from dlrm_lab.infer.options import InferConfig, SearchGrid, SearchOptions
+from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.plan import plan_serving
+from dlrm_lab.infer.search_options import SearchGrid, SearchOptions
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription
