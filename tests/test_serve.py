@@ -800,3 +800,25 @@ def test_infer_run_drives_kserves_own_model_server_and_gets_the_models_scores(ks
     rows = pq.read_table(run_dir / "queries.parquet").to_pandas()
     assert (rows.rpc_status == "BAD_RESPONSE").any() and set(rows.status[rows.rpc_status == "BAD_RESPONSE"]) == {
         "failed"}  # fmt: skip
+
+
+def test_a_refused_request_declaring_an_absurd_size_is_recorded_without_its_size(tmp_path):
+    """An Open Inference Protocol request declaring shape [2^62, 4] is refused; its row must still fit the queries
+    table (an int32 `samples`), or writing it would end the server (issue 44)."""
+    import types
+
+    from dlrm_lab.metrics.columns import schema_of
+    from dlrm_lab.metrics.tables import TableWriter
+    from dlrm_lab.serve.protocol import Refused
+    from dlrm_lab.serve.server import InferenceService
+
+    inference = types.SimpleNamespace(models={}, epoch_ns=time.monotonic_ns(), take_records=list)
+    service = InferenceService(inference)
+    refused = Refused(grpc.StatusCode.INVALID_ARGUMENT, "model 'm': 4611686018427387904 samples: too many", "rejected")
+    for samples in (2**62, 3):
+        service.record_refused(types.SimpleNamespace(model="m", samples=samples), time.monotonic_ns(), refused)
+    writer = TableWriter(tmp_path, "queries", schema_of("queries"), "run-0")
+    service.pump(writer)
+    writer.close()
+    rows = pq.read_table(tmp_path / "queries.parquet", columns=["samples", "status"]).to_pylist()
+    assert rows == [{"samples": None, "status": "rejected"}, {"samples": 3, "status": "rejected"}]

@@ -63,6 +63,9 @@ PUMP_S = 0.5  # records move to the queries table this often ...
 FLUSH_S = 2.0  # ... and are on disk (a part file) at most this late
 
 
+MAX_RECORDED_SAMPLES = 2**31 - 1  # the queries table's `samples` is an int32
+
+
 class InferenceService:
     """The `Inference` service over one InferenceServer; handlers run on the asyncio loop."""
 
@@ -265,8 +268,10 @@ class InferenceService:
     def record_refused(self, req: Any, receive: int, exc: Refused) -> None:
         if exc.status is None:
             return
+        # a refused request's size is what it declared: one no int32 column holds (a shape of 2^62) is not recorded
+        samples = None if req is None or not 0 <= req.samples <= MAX_RECORDED_SAMPLES else req.samples
         self._refused.append(query_row(
-            next(self._ids), None if req is None else req.model, None if req is None else req.samples, exc.status,
+            next(self._ids), None if req is None else req.model, samples, exc.status,
             epoch_ns=self.inference.epoch_ns, scheduled_ns=receive, issued_ns=receive, end_ns=time.monotonic_ns(),
             error=str(exc), pieces=0,
         ))  # fmt: skip
