@@ -424,7 +424,7 @@ def stop_orphans(slot: Path, grace_s: float = ORPHAN_GRACE_S) -> list[int]:
 def _record_death(slot: Path, code: int) -> None:
     """Say in point.log how the point's process ended; a run it left `running` (it died by a signal and
     could not close it) is recovered and marked failed with that reason (with the recovery its kind registered:
-    whoever sweeps training runs imports `train.records`, which registers one)."""
+    whoever sweeps training runs registers training's, `train.records.recovered_summary`)."""
     how = f"the point's process {exit_description(code)}"
     with open(slot / "point.log", "a") as log:
         log.write(f"sweep: {how}\n")

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 
 import duckdb
 import pyarrow as pa
@@ -293,6 +294,19 @@ def test_a_kind_registers_its_own_recovery_and_the_run_layer_imports_no_kind(tmp
     assert manifest["status"] == "failed" and rebuilt and seen == [(dead["probed"], "probed")]
     manifest, rebuilt = runs.recover_run_and_summary(dead["other"])  # no kind registered: merged and marked only
     assert manifest["status"] == "failed" and not rebuilt and len(seen) == 1
+    # by name: imported only when a run of the kind is recovered; a name never replaces a registered function
+    monkeypatch.setitem(sys.modules, "named_recovery", None)  # importing it now would fail
+    runs.register_recovery("named", "named_recovery:recover")
+    runs.register_recovery("probed", "named_recovery:recover")
+    assert runs._RECOVERIES == {"probed": runs._RECOVERIES["probed"], "named": "named_recovery:recover"}
+    assert callable(runs._RECOVERIES["probed"])
+    named = types.ModuleType("named_recovery")
+    named.recover = lambda run_dir, manifest: seen.append((run_dir, manifest["kind"])) or "written"
+    monkeypatch.setitem(sys.modules, "named_recovery", named)
+    created = Run.create(tmp_path, kind="named", config={})
+    created.update_manifest(pid=_dead_pid())
+    manifest, rebuilt = runs.recover_run_and_summary(created.dir)
+    assert rebuilt and seen[-1] == (created.dir, "named")
 
     import dlrm_lab.train.records as records  # the training kind registers itself where it is defined
 

@@ -28,8 +28,10 @@ def sweep_command(
 ) -> None:
     """Run every point x repeat of a grid, each as its own run; resume where a previous
     invocation stopped (finished point-repeats are skipped, unfinished ones repeated)."""
-    import dlrm_lab.train.records  # noqa: F401 - a dead training point's summary is rebuilt by its recovery
+    from dlrm_lab.metrics.run import register_recovery
     from dlrm_lab.sweep import load_spec, point_args, run_sweep
+
+    register_recovery("train", "dlrm_lab.train.records:recovered_summary")  # a dead training point's summary
 
     raise_on_sigterm()
     spec = load_spec(grid, repeats=repeats, out=out)

@@ -8,6 +8,7 @@ recognisable as one still `running` with no live process.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import secrets
@@ -349,10 +350,15 @@ def pid_alive(pid: int | None) -> bool:
 # parts are merged, and returns None when there was nothing to write. The module that owns the kind registers it
 # (training: `train.records`); this module knows no kind.
 Recovery = Callable[[Path, dict[str, Any]], Any]
-_RECOVERIES: dict[str, Recovery] = {}
+_RECOVERIES: dict[str, Recovery | str] = {}
 
 
-def register_recovery(kind: str, recover: Recovery) -> None:
+def register_recovery(kind: str, recover: Recovery | str) -> None:
+    """`recover`, or its name "module:function", imported only when a run of `kind` needs recovering: a caller that
+    may meet such a run (a sweep) need not load the kind's module (training's: torch, seconds) to start. A name never
+    replaces the function the kind's own module registered."""
+    if isinstance(recover, str) and callable(_RECOVERIES.get(kind)):
+        return
     _RECOVERIES[kind] = recover
 
 
@@ -361,6 +367,9 @@ def recover_run_and_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
     it died before writing, rebuilt from its steps). (manifest, something rebuilt)."""
     manifest = recover_run(run_dir)
     recover = _RECOVERIES.get(str(manifest.get("kind")))
+    if isinstance(recover, str):
+        module, _, name = recover.partition(":")
+        recover = getattr(importlib.import_module(module), name)
     return manifest, recover is not None and recover(Path(run_dir), manifest) is not None
 
 
