@@ -109,3 +109,22 @@ def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about:
         finally:
             tmp.unlink(missing_ok=True)
         return Artefact(path, sha, True, f"built ({why})")
+
+
+def dense_package(build: str, module: Any, suffix: str, write: Callable[[Any, Path], None],
+                  made_by: dict[str, Any]) -> Artefact:  # fmt: skip
+    """The package of a served module's dense part that `write(module, path)` makes, from the cache or made now:
+    keyed by the build, the model's spec, `made_by` (precision, engine versions, calibration), the machine and the
+    dense weights themselves."""
+    key = content_key({"build": build, "spec": module.spec.to_dict(), **made_by, **machine_parts()},
+                      module.dense.state_dict().values())  # fmt: skip
+    return cached_artefact(key, suffix, lambda path: write(module, path),
+                           {"build": build, "model": module.spec.name, **made_by})  # fmt: skip
+
+
+def require_verified(path: str | Path) -> Path:
+    """`path`, whole (`verified`); else a RuntimeError naming why it is not served."""
+    why = verified(Path(path))
+    if why is not None:
+        raise RuntimeError(f"serving package {path}: {why}")
+    return Path(path)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts, verified
+from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension is exported as dynamic
@@ -41,10 +41,7 @@ def export_dense(module: Any, path: Path) -> None:
 
 def load_package(path: str) -> Any:
     """The package's runner, after checking its bytes against its record (a corrupt file is not served)."""
-    why = verified(Path(path))
-    if why is not None:
-        raise RuntimeError(f"serving package {path}: {why}")
-    return torch._inductor.aoti_load_package(path)
+    return torch._inductor.aoti_load_package(str(require_verified(path)))
 
 
 class AOTIBuild:
@@ -57,15 +54,12 @@ class AOTIBuild:
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
-        return self.packaged(module, export_dense, precision, {"precision": precision})
+        return self.packaged(module, export_dense, {"precision": precision})
 
-    def packaged(self, module: Any, export: Any, precision: str, made_by: dict[str, Any]) -> Any:
+    def packaged(self, module: Any, export: Any, made_by: dict[str, Any]) -> Any:
         """`module` with its dense part served from the package `export(module, path)` writes: cached under a key of
         the dense weights, the spec, `made_by` and the machine (`infer.artefacts`), then loaded."""
-        key = content_key({"build": self.name, "spec": module.spec.to_dict(), **made_by, **machine_parts()},
-                          module.dense.state_dict().values())  # fmt: skip
-        artefact = cached_artefact(key, ".pt2", lambda path: export(module, path),
-                                   {"build": self.name, "model": module.spec.name, "precision": precision})  # fmt: skip
+        artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.compiled = load_package(module.package)
         return module

@@ -91,8 +91,7 @@ class AOTIInt8Build(AOTIBuild):
         if why := torchao_missing():
             raise RuntimeError(why)
         module = family_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
-        return self.packaged(module, quantise_and_export, "int8",
-                             {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES]})  # fmt: skip
+        return self.packaged(module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES]})
 
     def skip(self, base_dense_ms: float | None) -> str | None:
         return torchao_missing() or too_small_to_compile(base_dense_ms, "a quantised package build of seconds")

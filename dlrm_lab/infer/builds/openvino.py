@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_lab.infer.artefacts import cached_artefact, content_key, machine_parts, verified
+from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.aoti_int8 import CALIBRATION_SAMPLES, CALIBRATION_SEED, calibration_inputs
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
@@ -90,19 +90,15 @@ class OpenVINODense:
     def __init__(self, path: str, precision: str) -> None:
         import openvino as ov
 
-        why = verified(Path(path))
-        if why is not None:
-            raise RuntimeError(f"serving package {path}: {why}")
-        with np.load(path, allow_pickle=False) as ir:
-            self.model = ov.Core().read_model(model=ir["xml"].tobytes(), weights=ov.Tensor(ir["weights"].copy()))
+        self.core = ov.Core()
+        with np.load(require_verified(path), allow_pickle=False) as ir:
+            self.model = self.core.read_model(model=ir["xml"].tobytes(), weights=ov.Tensor(ir["weights"].copy()))
         self.precision, self.threads, self.request = precision, 0, None
 
     def compile(self, threads: int) -> None:
-        import openvino as ov
-
         config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
                   "INFERENCE_PRECISION_HINT": OV_PRECISION[self.precision], "ENABLE_CPU_PINNING": False}  # fmt: skip
-        self.request = ov.Core().compile_model(self.model, "CPU", config).create_infer_request()
+        self.request = self.core.compile_model(self.model, "CPU", config).create_infer_request()
         self.threads = threads
 
     def __call__(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -134,10 +130,9 @@ class OpenVINOBuild:
             import nncf
 
             engine |= {"nncf": nncf.__version__, "calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES]}
-        key = content_key({"build": self.name, "spec": module.spec.to_dict(), **engine, **machine_parts()},
-                          module.dense.state_dict().values())  # fmt: skip
-        artefact = cached_artefact(key, ".npz", lambda path: convert_dense(module, path, self.quantise),
-                                   {"build": self.name, "model": module.spec.name, **engine})  # fmt: skip
+        artefact = dense_package(
+            self.name, module, ".npz", lambda m, path: convert_dense(m, path, self.quantise), engine
+        )
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.compiled = OpenVINODense(module.package, precision)
         return module
