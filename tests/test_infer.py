@@ -217,12 +217,18 @@ def test_an_instance_killed_during_a_run_is_one_line_naming_it_and_the_queries_a
 
 
 @pytest.mark.parametrize("scenario", ["offline", "single-stream", "multi-stream"])
-def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario):
+def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario, monkeypatch):
+    import mlperf_loadgen as lg
+
     from dlrm_lab.infer.lab import InferConfig, Point, measure, queue_room
     from dlrm_lab.infer.load import QuerySizes, Stream
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
+    reports = []  # the number of queries in each of LoadGen's QuerySamplesComplete calls
+    complete = lg.QuerySamplesComplete
+    monkeypatch.setattr(lg, "QuerySamplesComplete", lambda responses: (reports.append(len(responses)),
+                                                                       complete(responses))[1])  # fmt: skip
     cfg = InferConfig(scenario=scenario, duration_s=0.5, sla_ms=50)
     stream = Stream("tiny", 200.0, QuerySizes.parse("fixed:2"))
     point = Point(0, [stream], scenario=scenario)
@@ -234,8 +240,9 @@ def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario):
     assert row["queries"] == row["completed_queries"] and row["loadgen_p99_ms"] > 0
     if scenario != "multi-stream":  # LoadGen reports no rate for multi-stream
         assert row["loadgen_queries_per_s"] > 0
-    if scenario == "offline":  # every query issued at once, then served in full batches
-        assert row["batch_samples_mean"] > 16
+    assert sum(reports) == row["completed_queries"]  # every query reported to LoadGen once
+    if scenario == "offline":  # every query issued at once, then served in full batches, each reported at once
+        assert row["batch_samples_mean"] > 16 and len(reports) < sum(reports) / 4
     if scenario == "single-stream":  # one query at a time: never batched with another
         assert row["batch_queries_mean"] == 1.0
     assert server.models["tiny"].max_queue == 4096  # restored after an offline point

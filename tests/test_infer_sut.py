@@ -23,7 +23,15 @@ from dlrm_lab.infer.drivers import DRIVERS, SCENARIOS, drive, make_driver
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
 from dlrm_lab.infer.loadgen import LOADGEN_SCENARIOS, QuerySampleLibrary
-from dlrm_lab.infer.sut import LoadDriver, Query, SampleLibrary, SutDescription, SystemUnderTest
+from dlrm_lab.infer.sut import (
+    LoadDriver,
+    Query,
+    SampleLibrary,
+    SutDescription,
+    SystemUnderTest,
+    finishing_together,
+    report_after,
+)
 
 LIBRARY = 512  # samples
 
@@ -202,6 +210,25 @@ def test_in_time_order_every_driver_issues_consecutive_library_samples(sut, tmp_
     assert len(queries) > 20 and queries[0].offset == 0 and not sut.outside
     for before, q in zip(queries, queries[1:], strict=False):  # each starts where the last ended, or wraps to 0
         assert q.offset == (before.offset + before.size if before.offset + before.size + q.size <= LIBRARY else 0)
+
+
+def test_completions_finished_together_are_reported_once_per_reporter():
+    calls: list[str] = []
+    report_after("a", lambda: calls.append("a"))  # outside a batch: at once
+    assert calls == ["a"]
+    with finishing_together():
+        for _ in range(3):
+            report_after("a", lambda: calls.append("a"))
+            with finishing_together():  # nested: the outermost reports
+                report_after("b", lambda: calls.append("b"))
+        assert calls == ["a"]
+    assert calls == ["a", "a", "b"]
+    seen = []  # another thread finishing queries meanwhile reports its own at once
+    with finishing_together():
+        t = threading.Thread(target=report_after, args=("c", lambda: seen.append("c")))
+        t.start()
+        t.join()
+        assert seen == ["c"]
 
 
 def test_time_goes_on_from_one_load_to_the_next_and_wraps_at_the_librarys_end():

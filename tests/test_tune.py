@@ -111,14 +111,14 @@ def test_only_the_knobs_given_as_auto_are_chosen():
     finally:
         sut.close()
     assert c.probes == [] and (c.max_delay_ms, c.spin_ms) == (1.5, 0.5) and sut.configured == [{"max_batch": 192}]
-    # Offline queues its whole load: no bound for a batch to fit in, the fixed cost alone sizes it (1 ms at 10%)
+    # Offline queues its whole load: no bound for a batch to fit in, the fixed cost alone sizes it (1 ms at 3%)
     sut = PolicySut(served, 9.0)
     try:
         c = choose_policy(sut, Stream("m", 500.0, QuerySizes.parse("fixed:2")), ("max_batch",), sla_ms=10.0,
                           whole_load_queued=True)  # fmt: skip
     finally:
         sut.close()
-    assert c.max_batch == 960 and "is 10% of a batch of 900" in c.reasons[0]
+    assert c.max_batch == 3264 and "is 3% of a batch of 3234" in c.reasons[0]
     with pytest.raises(UserError, match="auto is not allowed for threads"):
         choose_policy(sut, Stream("m", 1.0, QuerySizes.parse("fixed:2")), ("threads",), sla_ms=10.0)
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Scenario, Stream
-from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest
+from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest, report_after
 
 # LoadGen's TestSettings of each scenario: its TestScenario, the samples in one LoadGen query,
 # and which of the run's quantities (see `LoadGenDriver.test_settings`) sets which field.
@@ -102,7 +102,7 @@ class LoadGenDriver:
         self.stats = DriverStats(duration_s=settings.duration_s, arrival={self.stream.model: "loadgen"})
         self._ids = itertools.count()  # LoadGen issues from its own threads; next() is atomic
         self.dropped = 0
-        self._dropped_lock = threading.Lock()  # drops are finished in whichever thread submits
+        self._finished_lock = threading.Lock()  # queries are finished in whichever thread submits or completes
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -148,11 +148,21 @@ class LoadGenDriver:
         self.stats.issued[model] = 0
         self.stats.lag_ms[model] = []
 
+        finished: list[Any] = []  # responses not yet reported to LoadGen
+
+        def report() -> None:
+            with self._finished_lock:
+                responses = finished[:]
+                finished.clear()
+            if responses:
+                lg.QuerySamplesComplete(responses)
+
         def done(q: Query, status: str, _scores: Any) -> None:
-            if status != "ok":  # dropped, failed, or a gRPC error code from a remote server
-                with self._dropped_lock:
+            with self._finished_lock:
+                if status != "ok":  # dropped, failed, or a gRPC error code from a remote server
                     self.dropped += 1
-            lg.QuerySamplesComplete([lg.QuerySampleResponse(q.tag, 0, 0)])
+                finished.append(lg.QuerySampleResponse(q.tag, 0, 0))
+            report_after(self, report)  # once for a batch's queries, where the server finishes them together
 
         in_time_order = self.stream.order == "time"
 

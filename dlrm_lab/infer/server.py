@@ -53,7 +53,7 @@ from dlrm_lab.infer.placement import Placement, place_instances
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.infer.sut import Query, SutDescription, query_row
+from dlrm_lab.infer.sut import Query, SutDescription, finishing_together, query_row
 from dlrm_lab.metrics.columns import BATCH_STAGES
 
 # A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
@@ -501,18 +501,19 @@ class InferenceServer:
                     with self._idle:
                         self._idle.notify_all()
                 continue
-            for conn in ready:
-                try:
-                    msg: BatchResult = conn.recv()
-                except (EOFError, OSError):
-                    del conns[id(conn)]  # instance gone; check() names it
-                    continue
-                if isinstance(msg, tuple) and msg[0] == TRACE:
-                    with self._traced_cond:
-                        self._traced[msg[1]] = msg[2]
-                        self._traced_cond.notify_all()
-                    continue
-                self._complete(msg)
+            with finishing_together():  # the batches that arrived together are reported together
+                for conn in ready:
+                    try:
+                        msg: BatchResult = conn.recv()
+                    except (EOFError, OSError):
+                        del conns[id(conn)]  # instance gone; check() names it
+                        continue
+                    if isinstance(msg, tuple) and msg[0] == TRACE:
+                        with self._traced_cond:
+                            self._traced[msg[1]] = msg[2]
+                            self._traced_cond.notify_all()
+                        continue
+                    self._complete(msg)
 
     # ------------------------------------------------------------------ tracing
 

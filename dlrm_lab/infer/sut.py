@@ -18,7 +18,9 @@ Torch-free: a client process imports it without loading torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -88,6 +90,36 @@ def query_row(
         "error": error,
         **columns,
     }
+
+
+_together = threading.local()
+
+
+@contextmanager
+def finishing_together() -> Iterator[None]:
+    """A system under test finishing several queries at once (a batch's) calls their `on_done` inside this: a
+    driver that reports completions in bulk (`report_after`) then reports them once, after the last. MLPerf
+    LoadGen's `QuerySamplesComplete` takes a list for this: one call per batch, not per query."""
+    if getattr(_together, "flushes", None) is not None:  # nested: the outermost reports
+        yield
+        return
+    _together.flushes = {}
+    try:
+        yield
+    finally:
+        flushes, _together.flushes = _together.flushes, None
+        for flush in flushes.values():
+            flush()
+
+
+def report_after(key: object, flush: Callable[[], None]) -> None:
+    """Call `flush` once when the queries this thread is finishing together are finished (`finishing_together`),
+    or now where it finishes them one by one. `key` names the reporter: one call per key."""
+    flushes = getattr(_together, "flushes", None)
+    if flushes is None:
+        flush()
+    else:
+        flushes.setdefault(id(key), flush)
 
 
 @dataclass(frozen=True)

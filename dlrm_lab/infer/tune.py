@@ -44,6 +44,9 @@ PROBED = ("max_delay_ms", "spin_ms")  # chosen by probes of one model's open-loo
 DELAYS_MS = (0.0, 0.5, 1.0, 2.0)  # batching delays probed (those above a quarter of the bound are not)
 MARGIN = 1.05  # a spin must lower the percentile by this factor to be kept (it costs cores)
 FIXED_SHARE = 0.1  # auto max batch: large enough that the per-batch cost is at most this share of a batch
+# ... where the whole load is queued at once (Offline): no bound waits on a batch, and each percent of fixed cost
+# left in a batch is a percent of throughput
+QUEUED_FIXED_SHARE = 0.03
 BATCH_SHARE_OF_BOUND = 0.25  # ... and short enough that a full batch takes at most this share of the bound
 MAX_AUTO_BATCH = 4096  # a cap on the rule: a model this cheap per sample needs no larger batch to amortise
 MAX_SPIN_MS = 10.0
@@ -66,18 +69,20 @@ def parse_knob(name: str, value: Any) -> float | None:
     return number
 
 
-def auto_max_batch(cost: BatchCost, largest_piece: int, sla_ms: float | None) -> tuple[int, str]:
+def auto_max_batch(
+    cost: BatchCost, largest_piece: int, sla_ms: float | None, fixed_share: float = FIXED_SHARE
+) -> tuple[int, str]:
     """The max batch from the measured batch cost: the smallest batch whose fixed cost is at most
-    FIXED_SHARE of it, but a full batch at most BATCH_SHARE_OF_BOUND of the bound, and never below
+    `fixed_share` of it, but a full batch at most BATCH_SHARE_OF_BOUND of the bound, and never below
     `largest_piece` (one instance's share of the largest query: such a query then runs as parallel
     pieces, one per instance); in multiples of 64."""
     if cost.per_sample_ms <= 0:
         amortised = MAX_AUTO_BATCH
     else:
-        amortised = math.ceil(cost.fixed_ms * (1 - FIXED_SHARE) / (FIXED_SHARE * cost.per_sample_ms))
-    n, why = amortised, f"the per-batch cost ({cost.fixed_ms:.2f} ms) is {FIXED_SHARE:.0%} of a batch of {amortised}"
+        amortised = math.ceil(cost.fixed_ms * (1 - fixed_share) / (fixed_share * cost.per_sample_ms))
+    n, why = amortised, f"the per-batch cost ({cost.fixed_ms:.2f} ms) is {fixed_share:.0%} of a batch of {amortised}"
     if n > MAX_AUTO_BATCH:
-        n, why = MAX_AUTO_BATCH, f"the cap (the per-batch cost would be {FIXED_SHARE:.0%} of a batch of {amortised})"
+        n, why = MAX_AUTO_BATCH, f"the cap (the per-batch cost would be {fixed_share:.0%} of a batch of {amortised})"
     if sla_ms is not None and cost.per_sample_ms > 0:
         bounded = int((BATCH_SHARE_OF_BOUND * sla_ms - cost.fixed_ms) / cost.per_sample_ms)
         if bounded < n:
@@ -187,8 +192,8 @@ def choose_policy(
         else:
             largest = max(served.largest_query, int(stream.sizes.quantile(0.999)))
             # a scenario that queues its whole load (Offline) has no latency bound for a batch to fit in
-            bound = None if whole_load_queued else sla_ms
-            choice.max_batch, why = auto_max_batch(cost, -(-largest // max(1, served.instances)), bound)
+            bound, share = (None, QUEUED_FIXED_SHARE) if whole_load_queued else (sla_ms, FIXED_SHARE)
+            choice.max_batch, why = auto_max_batch(cost, -(-largest // max(1, served.instances)), bound, share)
             server.configure(model, max_batch=choice.max_batch)
             choice.reasons.append(why)
     seconds = min(max(probe_s, MIN_QUERIES / stream.qps if stream.qps > 0 else probe_s), 4 * probe_s)
