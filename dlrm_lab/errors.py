@@ -66,7 +66,8 @@ class Terminated(Exception):
 
 
 def raise_on_sigterm() -> None:
-    """Turn SIGTERM (a launcher or a user stopping the job) into `Terminated`, so the run
+    """Turn SIGTERM (a launcher or a user stopping the job) and SIGHUP (its terminal closed, an ssh session
+    dropped) into `Terminated`, so the run
     directory is marked failed, the rows measured so far are flushed and resources (serving
     snapshots, worker processes) are released, instead of dying silently."""
     import os
@@ -76,9 +77,11 @@ def raise_on_sigterm() -> None:
     who = "a launcher stopped the job" if launched else "sent by another process: a user, a scheduler or a supervisor"
 
     def handler(signum: int, frame: object) -> None:
-        raise Terminated(f"terminated by signal {signal.Signals(signum).name} ({who})")
+        why = "its terminal closed or its session ended" if signum == signal.SIGHUP else who
+        raise Terminated(f"terminated by signal {signal.Signals(signum).name} ({why})")
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
 
 
 class RankFailure(RuntimeError):
@@ -110,6 +113,10 @@ class RemoteFailure(RuntimeError):
 
 class ServerLost(RemoteFailure):
     """... it stopped answering (only UNAVAILABLE for longer than the client allows)."""
+
+
+class ClientLost(RemoteFailure):
+    """... one of the lab's own client processes (`--concurrency`) died: the server is not to blame."""
 
 
 class BadAnswer(RemoteFailure):

@@ -152,6 +152,16 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
         (["--qps", "auto", "--model", "tiny", "--model", "tiny"], "--qps auto: one --model"),
         (["--qps", "auto", "--scenario", "offline"], "--qps auto: one --model, with open-loop or server load"),
         (["--data-spec", "nosuch"], "unknown data spec 'nosuch'; available: criteo"),
+        # non-finite numbers: refused where the option is declared, before anything starts
+        (["--max-batch", "nan"], "--max-batch nan: must be a finite number or auto"),
+        (["--max-batch", "inf"], "--max-batch inf: must be a finite number or auto"),
+        (["--max-delay-ms", "-inf"], "--max-delay-ms -inf: must be a finite number or auto"),
+        (["--sla-ms", "inf"], "--sla-ms"),
+        (["--qps", "inf"], "--qps"),
+        (["--timeout", "inf"], "--timeout inf: must be a finite number"),
+        (["--connect-timeout", "inf"], "--connect-timeout inf: must be a finite number"),
+        (["--scenario", "closed-loop", "--duration", "inf"], "--duration inf: must be a finite number"),
+        (["--warmup", "nan"], "--warmup nan: must be a finite number"),
     ],
 )
 def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):
@@ -162,7 +172,10 @@ def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):
     assert not list(tmp_path.iterdir())  # no run directory for a refused command
 
 
-def test_sigterm_fails_the_run_keeps_its_rows_and_frees_the_snapshot(tmp_path):
+@pytest.mark.parametrize(("signal_name", "scenario"), [("SIGTERM", "open-loop"), ("SIGHUP", "server")])
+def test_sigterm_fails_the_run_keeps_its_rows_and_frees_the_snapshot(tmp_path, signal_name, scenario):
+    """SIGTERM, or SIGHUP (a closed terminal), ends a run failed with one line; under LoadGen (whose threads cannot
+    be stopped) the process still exits 1, not by SIGABRT."""
     import signal
     import subprocess
     import sys
@@ -173,18 +186,19 @@ def test_sigterm_fails_the_run_keeps_its_rows_and_frees_the_snapshot(tmp_path):
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlrm_lab", "infer", "run", "--model", "tiny", "--qps", "50", "--duration", "60",
-         "--metrics-dir", str(tmp_path)],
+         "--scenario", scenario, "--metrics-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert wait_for_files(tmp_path, "*/_parts/queries/*.parquet", timeout_s=120), "no rows flushed"
         assert list(Path("/dev/shm").glob(f"dlrm-lab-{proc.pid}-*"))
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, signal_name))
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 1, err
-    assert "terminated by signal SIGTERM" in err.strip().splitlines()[-1]
+    assert f"terminated by signal {signal_name}" in err.strip().splitlines()[-1]
+    assert "Fatal Python error" not in err and "terminate called" not in err
     run_dir = _run_dir(tmp_path)
     assert read_manifest(run_dir)["status"] == "failed"
     assert len(pq.read_table(run_dir / "queries.parquet")) > 0  # rows measured before the signal kept

@@ -759,3 +759,35 @@ def test_closed_loop_and_bursty_arrivals_are_reachable_from_a_sweep_point():
     assert cfg.scenario == "closed-loop"
     a = load.streams[0].arrivals
     assert (a.kind, a.burst_factor, a.burst_share, a.burst_length_s) == ("bursty", 3.0, 0.2, 0.04)
+
+
+class _DyingClient:
+    """A client worker's connection that kills its own process at its first query."""
+
+    epoch_ns = 0
+
+    def submit(self, q: Query) -> None:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dying_client(worker: int) -> _DyingClient:
+    return _DyingClient()
+
+
+def test_a_client_worker_that_dies_is_named_with_its_signal_and_the_server_is_not_blamed():
+    from dlrm_lab.errors import ClientLost
+    from dlrm_lab.serve.pool import ClientPool, WorkerPlan
+
+    pool = ClientPool([WorkerPlan(0, _dying_client, time.monotonic_ns())], {"m": small_library()},
+                      SutDescription(models={}), unavailable_s=1.0)  # fmt: skip
+    try:
+        pool.submit(Query(1, "m", 1))
+        assert not pool.drain(30)
+        with pytest.raises(ClientLost, match=r"^the lab's client worker 0 \(pid \d+\) was killed by signal SIGKILL; "
+                           "the server was not at fault$"):  # fmt: skip
+            pool.check()
+    finally:
+        pool.close()

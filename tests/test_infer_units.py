@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.infer.load import MLPERF_MAX, MLPERF_MIN, MLPERF_QUANTILE, Arrivals, QuerySizes
 from dlrm_lab.infer.records import LATENCY_FIELDS, percentile, summarize
 
@@ -992,3 +992,14 @@ def test_infer_runs_and_sweep_points_take_a_target():
         infer_setup({"model": ["tiny"], "qps": ["5"], "target": "grpc:/x"})
     with pytest.raises(UserError, match="--max-delay-ms auto: --target grpc://h:1: the server's own serving policy"):
         infer_setup({"model": ["tiny"], "qps": ["5"], "target": "grpc://h:1", "max_delay_ms": "auto"})
+
+
+def test_client_processes_beyond_the_machines_memory_are_refused_naming_how_many_fit():
+    from dlrm_lab.serve.pool import WORKER_RUNTIME_BYTES, check_workers_fit
+
+    each = WORKER_RUNTIME_BYTES + (96 << 20)
+    check_workers_fit(10, 96 << 20, available_bytes=10 * each)
+    with pytest.raises(FieldError, match=r"^concurrency 200: 200 client processes need 50.00 GiB \(256 MiB each: "
+                       r"the runtime and the sample libraries\) but this machine has 2.50 GiB available: at most 10 "
+                       "here$"):  # fmt: skip
+        check_workers_fit(200, 96 << 20, available_bytes=10 * each)

@@ -49,6 +49,28 @@ def test_a_metrics_dir_that_cannot_be_written_is_refused_before_anything_starts(
     assert "precision" not in err  # refused before anything was measured
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("train", "--preset", "tiny", "--steps", "1", "--no-progress", "--metrics-dir"),
+        ("infer", "run", "--model", "tiny", "--duration", "0.1", "--no-progress", "--metrics-dir"),
+        ("report", ".", "--out"),
+    ],
+)
+def test_a_path_that_is_not_utf8_is_refused_in_one_line(tmp_path, args):
+    bad = os.fsdecode(os.fsencode(tmp_path) + b"/runs-\xff\xfe")  # a name made under another encoding
+    code, _, err = run_cli_in_process(*args, bad)
+    assert code == 2 and "Traceback" not in err, err
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "/runs-\\xff\\xfe: not UTF-8" in line and list(tmp_path.iterdir()) == []
+
+
+def test_a_probe_timeout_that_is_no_number_of_seconds_is_one_line():
+    for value in ("inf", "nan", "0"):
+        code, _, err = run_cli_in_process("machine", "probe", "--timeout", value)
+        assert code == 2 and err.strip().endswith(": must be a finite number of seconds above 0"), err
+
+
 def test_the_read_only_reason_is_named(tmp_path, monkeypatch):
     from dlrm_lab.metrics import run as run_module
 
@@ -400,6 +422,20 @@ def test_a_model_whose_dense_part_cannot_fit_is_refused_before_it_is_built(tmp_p
     code, _, err = run_cli_in_process("train", "--preset", str(preset), "--steps", "1", "--metrics-dir",
                                       str(tmp_path / "r"), "--no-progress")  # fmt: skip
     assert code == 2 and "Traceback" not in err and "before its tables" in err and not (tmp_path / "r").exists()
+
+
+def test_a_ranker_too_big_for_this_machine_is_refused_before_it_is_built(tmp_path):
+    from dlrm_lab.config import TrainConfig, load_any_preset
+    from dlrm_lab.families.hstu import check_ranker_fits
+
+    dlrmv4 = load_any_preset("dlrmv4")
+    with pytest.raises(UserError, match=r"^training dlrmv4 needs [\d,.]+ GiB before its activations: tables [\d,.]+ "
+                       r"GiB at fp32, dense part [\d.]+ GiB .* 16.0 GiB available: scale the tables"):  # fmt: skip
+        check_ranker_fits(dlrmv4, TrainConfig(), available_bytes=16 * 2**30)
+    check_ranker_fits(load_any_preset("hstu-tiny"), TrainConfig(), available_bytes=16 * 2**30)
+    code, _, err = run_cli_in_process("train", "--preset", "dlrmv4", "--steps", "1", "--metrics-dir",
+                                      str(tmp_path / "r"), "--no-progress")  # fmt: skip
+    assert code == 2 and "Traceback" not in err and "before its activations" in err and not (tmp_path / "r").exists()
 
 
 def test_a_sweep_killed_takes_its_point_with_it_and_a_resume_stops_a_live_orphan(tmp_path):

@@ -97,6 +97,70 @@ def test_profiles_are_stored_per_fingerprint_and_merged(tmp_path, monkeypatch):
         load_profile("bad")
 
 
+GOOD_BUILDS = {"batch_ms": {"eager": {"1": 0.7, "256": 3.1, "-2": 0.0}, "fused": {"1": 0.4, "256": 2.0, "-1": 0.3}},
+               "measured_at": "2026-11-27T00:00:00+00:00"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("section", "damage", "field"),
+    [
+        ("build_rates", ["not", "a", "table"], "build_rates = ['not', 'a', 'table']: must be a table of measured"),
+        ("build_rates", {"k": "fast"}, "build_rates.k = 'fast': must be a table"),
+        (
+            "build_rates",
+            {"k": {**GOOD_BUILDS, "batch_ms": {"fused": {"1": "0.4"}}}},
+            "build_rates.k.batch_ms.fused.1 = '0.4': must be a number > 0",
+        ),
+        ("build_rates", {"k": {"batch_ms": GOOD_BUILDS["batch_ms"]}}, "build_rates.k.measured_at = None: must be the"),
+        ("build_rates", {"k": {"measured_at": "2026-11-27"}}, "build_rates.k.batch_ms = None: must be a table"),
+        (
+            "build_rates",
+            {"k": {**GOOD_BUILDS, "batch_ms": {"fused": {"1": -10.0}}}},
+            "build_rates.k.batch_ms.fused.1 = -10.0: must be a number > 0",
+        ),
+        (
+            "build_rates",
+            {"k": {**GOOD_BUILDS, "batch_ms": {"fused": {"1": float("nan")}}}},
+            "build_rates.k.batch_ms.fused.1 = nan: must be a number > 0",
+        ),
+        (
+            "build_rates",
+            {"k": {**GOOD_BUILDS, "batch_ms": {"fused": {"one": 1.0}}}},
+            "build_rates.k.batch_ms.fused.one: must be a batch size",
+        ),
+        (
+            "precision_rates",
+            {"k": {"flops_per_s": {"bf16": 0}, "measured_at": "x"}},
+            "precision_rates.k.flops_per_s.bf16 = 0: must be a number > 0",
+        ),
+        (
+            "sharding_trials",
+            {"k": {"step_ms": {"table_wise": 3.0}, "measured_at": "x"}},
+            "sharding_trials.k.skipped = None: must be a table",
+        ),
+    ],
+)
+def test_a_damaged_cached_choice_is_discarded_with_one_line_and_replaced(tmp_path, monkeypatch, section, damage,
+                                                                         field):  # fmt: skip
+    from dlrm_lab.metrics.roofline import cached_choice, store_measured
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    save_profile({**fake_profile(), section: damage})
+    profile = load_profile("f00d")
+    lines: list[str] = []
+    assert cached_choice(profile, section, "k", lines.append) is None
+    (line,) = lines
+    assert line.startswith(f"warning: {tmp_path / 'f00d.json'}: {field}")
+    assert line.endswith("; discarded, measuring again")
+    good = {
+        "build_rates": GOOD_BUILDS,
+        "precision_rates": {"flops_per_s": {"bf16": 1e12}, "measured_at": "x"},
+        "sharding_trials": {"step_ms": {"table_wise": 3.0}, "skipped": {}, "measured_at": "x"},
+    }[section]
+    store_measured(profile, section, "k", good)  # the new measurement replaces the bad one
+    assert cached_choice(load_profile("f00d"), section, "k", lines.append) == good and len(lines) == 1
+
+
 def test_probe_kernels_measure_positive_rates_at_small_sizes():
     gemm = gemm_flops_per_s(CPU, torch.float32, (64, 128), repeats=2, min_flops=1e7)
     assert gemm["flops_per_s"] > 1e8 and gemm["size"] in (64, 128)

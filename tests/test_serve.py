@@ -328,9 +328,11 @@ def test_the_client_command_is_infer_run_against_the_server(server, tmp_path):
     assert (q.round_trip_ms > q.compute_ms).all()  # LoadGen's latency holds the network too
 
 
-def test_bad_remote_targets_are_one_line(server):
-    """A URL, an RPC kind, a model a server does not serve, a v2 model whose tensors are not the lab's."""
+def test_bad_remote_targets_are_one_line(server, tmp_path):
+    """A URL, an RPC kind, a model a server does not serve, a v2 model whose tensors are not the lab's; refused
+    before a run directory exists."""
     from dlrm_lab.errors import UserError
+    from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.infer.targets import Connection, check_connection, open_target, parse_target
     from dlrm_lab.serve.protocol import v2
@@ -355,11 +357,17 @@ def test_bad_remote_targets_are_one_line(server):
     with pytest.raises(UserError, match="model 'kaggle': not ready"):
         with open_target(parse_target(f"kserve://{server.target}"), [kaggle], Connection()):
             pass
+    from dlrm_lab.infer.lab import InferConfig, run_inference
+
+    for url in (f"grpc://{server.target}", f"kserve://{server.target}"):
+        with pytest.raises(UserError, match="kaggle"):
+            run_inference([kaggle], [Stream("kaggle", 10.0, QuerySizes.parse("fixed:1"))],
+                          InferConfig(target=url, duration_s=1.0), metrics_dir=tmp_path)  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # no run directory of a mistake in --target
     # samples made for another model than the server's (tables 100x larger): the first refusal ends the load
     from dlrm_lab.config import ModelSpec
     from dlrm_lab.errors import BadAnswer
     from dlrm_lab.infer.drivers import drive, make_driver
-    from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
 
     wide = load_preset("tiny").to_dict()
     wide["tables"] = [{**t, "num_embeddings": 100 * t["num_embeddings"]} for t in wide["tables"]]
@@ -611,6 +619,8 @@ def test_the_server_speaks_the_open_inference_protocol(server, library):
         assert resp.id == "7" and resp.outputs[0].name == "scores" and list(resp.outputs[0].shape) == [64]
         np.testing.assert_allclose(np.frombuffer(resp.raw_output_contents[0], dtype="<f4"), _expected(library, 100, 64),
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+        for odd in ("\u00b2", "9" * 40, "q-1 \u00e9"):  # any id is echoed: one int() rejects is no server error
+            assert stub.ModelInfer(_v2_request(library.slice(0, 2), query_id=odd), timeout=30).id == odd
         bad = _v2_request(library.slice(0, 4))
         bad.inputs[0].shape[:] = [4, 5]
         with pytest.raises(grpc.RpcError) as refused:

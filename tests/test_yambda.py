@@ -287,6 +287,28 @@ def test_resuming_with_other_options_is_refused(inputs, tmp_path):
         convert_yambda(inputs["events"], inputs["artists"], tmp_path / "full", SMALL)
 
 
+def test_a_damaged_conversion_says_which_file_and_how_to_start_over(inputs, tmp_path):
+    def stop_in_pass_two(what: str) -> None:
+        if what.startswith("window"):
+            raise Interrupted(what)
+
+    with pytest.raises(UserError, match=r"^out .*: not a directory; give a new directory"):
+        convert_yambda(inputs["events"], inputs["artists"], inputs["events"], SMALL)
+    out = tmp_path / "o"
+    with pytest.raises(Interrupted):
+        convert_yambda(inputs["events"], inputs["artists"], out, SMALL, on_commit=stop_in_pass_two)
+    progress = (out / PROGRESS_FILE).read_bytes()
+    spill = sorted((out / ".spill").rglob("w*.parquet"))[-1]
+    spill.write_bytes(spill.read_bytes()[:100])  # truncated
+    with pytest.raises(UserError, match=rf"^{spill}: a damaged spill file .*; delete {out} and convert again"):
+        convert_yambda(inputs["events"], inputs["artists"], out, SMALL)
+    for damaged in (progress[: len(progress) // 2], b'{"chunks": []}'):
+        (out / PROGRESS_FILE).write_bytes(damaged)
+        with pytest.raises(UserError, match=rf"^{out / PROGRESS_FILE}: a damaged conversion's progress record .*; "
+                           f"delete {out} and convert again"):  # fmt: skip
+            convert_yambda(inputs["events"], inputs["artists"], out, SMALL)
+
+
 # -- bad input ----------------------------------------------------------------------------------------------------
 def _broken(rows, case):
     rows = [list(r) for r in rows]
@@ -342,6 +364,10 @@ def test_a_bad_mapping_and_a_bad_option_are_one_line(inputs, tmp_path):
     pq.write_table(pa.table({"item_id": pa.array([1], pa.uint32()), "genre_id": pa.array([1], pa.uint32())}), bad)
     code, _, err = convert_cli(inputs["events"], "--categories", bad, "--out", tmp_path / "o")
     assert code == 2 and str(bad) in err and "artist_id or album_id" in err, err
+    for item in (2**40, 500_000_000):  # one id would size an 8 TiB (4 GB) lookup and table: refused at once
+        pq.write_table(pa.table({"item_id": pa.array([1, item], pa.uint64()), "artist_id": pa.array([1, 2])}), bad)
+        code, _, err = convert_cli(inputs["events"], "--categories", bad, "--out", tmp_path / "o")
+        assert (code, err.count("\n")) == (2, 1) and f"column item_id: {item} at row 1 is beyond the largest id" in err
     for option, value in (("--window-s", "0"), ("--max-history", "0")):
         code, _, err = convert_cli(inputs["events"], "--categories", inputs["artists"], "--out", tmp_path / "o",
                                    option, value)  # fmt: skip

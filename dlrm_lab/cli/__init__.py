@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -101,4 +102,10 @@ def run() -> None:
     # (it stops the other ranks once one died) would raise Terminated inside an interpreter
     # exit hook and print a traceback after the one-line error: let the exit finish instead.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    loadgen = sys.modules.get("dlrm_lab.infer.loadgen")
+    if loadgen is not None and loadgen.running():  # stopped mid-test: LoadGen's threads would abort the teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

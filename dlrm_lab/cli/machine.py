@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -50,6 +51,8 @@ def probe_command(
     """
     from dlrm_lab.metrics.probe import run_probe
 
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise UserError(f"--timeout {timeout:g}: must be a finite number of seconds above 0")
     outcome = run_probe(quick=quick, device=device, comms_only=comms_only, timeout_s=timeout, if_missing=if_missing,
                         force=force, log=console().print)  # fmt: skip
     if outcome.refused:

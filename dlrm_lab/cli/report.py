@@ -21,9 +21,12 @@ def report_command(
     ] = None,
 ) -> None:
     """Plot every run found under DIRS and write OUT/index.html (tables, plots, manifests)."""
-    from dlrm_lab.metrics.run import find_runs
+    from dlrm_lab.metrics.run import find_runs, undecodable
     from dlrm_lab.report.html import write_report
 
+    for given in (*dirs, out):
+        if (name := undecodable(given.absolute())) is not None:
+            raise UserError(f"{name}: not UTF-8; a report names its runs' paths in UTF-8: rename it")
     paths: list[Path] = list(dirs)
     if last is not None:
         if last < 1:

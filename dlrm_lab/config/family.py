@@ -148,6 +148,9 @@ class ModelFamily(Protocol):
 _REGISTRY: dict[str, ModelFamily] = {}
 
 
+TRAINING_MEMORY_SHARE = 0.9  # of the memory available: what a family's training on this host may plan to hold
+
+
 def register_family(family: ModelFamily) -> None:
     """Make `family` known by its name (an implementation registers itself when imported)."""
     _REGISTRY[family.name] = family

@@ -10,6 +10,7 @@ errors (`FieldError`); the command line names them by flag (`Declared.flag`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -134,10 +135,12 @@ def coerce_as(field: str, value: Any, kind: Any) -> Any:
             raise FieldError(field, f"{value!r}: {what}")
         try:
             number = kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) overflows
             raise FieldError(field, f"{value!r}: {what}") from None
         if kind is int and isinstance(value, float) and value != number:
             raise FieldError(field, f"{value!r}: must be a whole number")
+        if kind is float and not math.isfinite(number):  # no option means anything by nan or inf
+            raise FieldError(field, f"{value!r}: must be a finite number")
         return number
     return str(value)
 

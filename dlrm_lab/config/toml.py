@@ -8,18 +8,14 @@ from typing import Any
 import tomllib
 
 from dlrm_lab.errors import UserError
+from dlrm_lab.resources import read_bounded
 
 
 def read_toml(path: str | Path, what: str = "TOML file") -> dict[str, Any]:
-    """The parsed file; one UserError naming the file for a missing or unreadable one, text that is not
-    UTF-8 (TOML's encoding) and invalid TOML."""
+    """The parsed file; one UserError naming the file for a missing, unreadable or irregular one (`read_bounded`),
+    text that is not UTF-8 (TOML's encoding) and invalid TOML."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such {what}") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read this {what}: {exc.strerror or exc}") from None
+    data = read_bounded(path, what)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -58,6 +58,7 @@ from dlrm_lab.data.parquet import DATASET_FILE, FORMAT_VERSION
 from dlrm_lab.data.request_files import KIND, ROW_GROUP_REQUESTS, SCHEMA
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.run import check_writable
+from dlrm_lab.resources import read_bounded
 
 EVENT_TYPES = ("listen", "like", "dislike", "unlike", "undislike")  # codes 0..4, the reference's encoding
 LISTEN, LIKE, DISLIKE, UNLIKE, UNDISLIKE = range(len(EVENT_TYPES))
@@ -68,6 +69,9 @@ EVENT_COLUMNS = ("uid", "timestamp", "item_id", "is_organic", "event_type", "pla
 CATEGORY_COLUMNS = {"artist_id": "artist", "album_id": "album"}
 PROGRESS_FILE = "_progress.json"
 SPILL_DIR = ".spill"
+# Item and category ids index their tables' rows (and the category lookup, 8 bytes per item id): an id this large
+# is a table of 2^27 rows, 14x Yambda's catalogue, and 1 GiB of lookup
+MAX_ITEM_ID = 1 << 27
 MAX_OPEN_WINDOWS = 1024  # windows a chunk writes at once (one spill file each)
 SOURCE = "yambda"
 
@@ -195,6 +199,11 @@ def load_categories(path: str | Path, batch_rows: int = 1 << 20) -> Categories:
                 if v.size and v.min() < 0:
                     row = int(np.argmax(v < 0))
                     raise UserError(f"{where}, column {name}: {int(v[row])} at row {row0 + row} is negative")
+                if v.size and v.max() >= MAX_ITEM_ID:
+                    row = int(np.argmax(v >= MAX_ITEM_ID))
+                    raise UserError(f"{where}, column {name}: {int(v[row])} at row {row0 + row} is beyond the "
+                                    f"largest id a table row can take here ({MAX_ITEM_ID - 1:,}; Yambda's are below "
+                                    "10M): renumber the ids densely")  # fmt: skip
             if items.size and items.max() >= lookup.size:
                 grown = np.full(max(2 * lookup.size, int(items.max()) + 1), np.iinfo(np.int64).max, dtype=np.int64)
                 grown[: lookup.size] = lookup
@@ -593,15 +602,21 @@ def convert_yambda(
     lookup = mapping.of_item
     fingerprint = json.loads(json.dumps({"inputs": {"events": _describe(events), "categories": _describe(categories)},
                                          "options": asdict(opts)}))  # fmt: skip
+    if out.exists() and not out.is_dir():
+        raise FieldError("out", f"{out}: not a directory; give a new directory to convert into")
     sidecar, progress_path = out / DATASET_FILE, out / PROGRESS_FILE
     if sidecar.is_file():
-        done = json.loads(sidecar.read_text())
+        done = _record(sidecar, out, "dataset record")
         if done.get("source") != SOURCE or _differences(fingerprint, done):
             raise FieldError("out", f"{out}: holds another dataset; choose a new directory")
         _clean(out)
         return done
     if progress_path.is_file():
-        progress = json.loads(progress_path.read_text())
+        progress = _record(progress_path, out, "conversion's progress record")
+        if not all(isinstance(progress.get(k), t) for k, t in (("chunks", list), ("chunk_counts", list),
+                                                                ("windows_done", int))):  # fmt: skip
+            raise UserError(f"{progress_path}: a damaged conversion's progress record (chunks, chunk_counts or "
+                            f"windows_done missing); {_start_over(out)}")  # fmt: skip
         changed = _differences(fingerprint, progress.get("fingerprint", {}))
         if changed:
             raise FieldError("out", f"{out}: holds a conversion of other inputs or options ({', '.join(changed)}); "
@@ -647,7 +662,7 @@ def convert_yambda(
             spills.setdefault(int(f.stem[1:]), []).append(f)
     files, first = [], 0
     for k, step in enumerate(sorted(spills)):
-        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in spills[step])
+        rows = sum(_spill_rows(f, out) for f in spills[step])
         name = f"part-{k:05d}.parquet"
         if k >= progress["windows_done"]:
             _write_window(spills[step], out / name, first, opts.row_group_requests)
@@ -670,6 +685,29 @@ def convert_yambda(
     _save(sidecar, manifest)
     _clean(out)
     return manifest
+
+
+def _start_over(out: Path) -> str:
+    return f"delete {out} and convert again (an interrupted conversion resumes; a damaged one cannot)"
+
+
+def _record(path: Path, out: Path, what: str) -> dict[str, Any]:
+    """A conversion's JSON record, or one line naming the damaged file and how to start over."""
+    try:
+        record = json.loads(read_bounded(path, what))
+    except ValueError as exc:  # truncated or not JSON
+        raise UserError(f"{path}: a damaged {what} ({exc}); {_start_over(out)}") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: a damaged {what} (not a JSON object); {_start_over(out)}")
+    return record
+
+
+def _spill_rows(path: Path, out: Path) -> int:
+    """The requests in one spill file, or one line naming it where it is damaged."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise UserError(f"{path}: a damaged spill file ({exc}); {_start_over(out)}") from None
 
 
 def _clean(out: Path) -> None:

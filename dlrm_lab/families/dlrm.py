@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.family import TRAINING_MEMORY_SHARE
 from dlrm_lab.config.specs import ModelSpec
 from dlrm_lab.errors import FieldError, UserError
 
@@ -415,9 +416,6 @@ class DLRMFamily:
 
     def id_rows(self, spec: ModelSpec) -> list[int]:
         return list(spec.rows_per_feature)
-
-
-TRAINING_MEMORY_SHARE = 0.9  # of the memory available: what the ranks of this host may plan to hold
 
 
 def check_training_fits(spec: ModelSpec, cfg: Any, available_bytes: int | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dlrm_lab.config.family import TRAINING_MEMORY_SHARE
 from dlrm_lab.config.hstu import HSTUSpec
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS, STR, define
@@ -225,6 +226,7 @@ class HSTUFamily:
         if cfg.pipeline:
             raise FieldError("pipeline", f": {spec.name} (an HSTU ranker) trains unpipelined only")
         spec.check_table_precision(cfg.table_precision)
+        check_ranker_fits(spec, cfg)
 
     def stream(self, spec: HSTUSpec, global_batch: int) -> Any:
         """`--protocol streaming`'s walk through the windows (`data.sequences.Stream`), checked."""
@@ -448,6 +450,37 @@ def _refuse_v4_layout(spec: HSTUSpec, command: str, where: str) -> None:
     if spec.shape.item_tables or spec.shape.cross_tables:
         raise UserError(f"{command}: {spec.name} has item attribute and cross-hash tables, which {where} does not "
                         "carry yet (it trains: `dlrm-lab train`)")  # fmt: skip
+
+
+# bytes per dense parameter while training: weight and gradient, and the optimizer's state (per parameter)
+DENSE_TRAINING_FLOATS = {"sgd": 2, "adagrad": 3, "adam": 4}
+
+
+def check_ranker_fits(spec: HSTUSpec, cfg: Any, available_bytes: int | None = None) -> None:
+    """Refuse, before anything is built, a ranker whose tables (this host's share of them, with row-wise Adagrad's
+    state) and dense part (with gradients and optimizer state, on each rank here) cannot fit this host's available
+    memory: dlrmv4 at its published size is hundreds of GiB, and would otherwise allocate until the kernel kills
+    it. Activations are not counted: this is the floor."""
+    import os
+
+    import psutil
+
+    gib = 2.0**30
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    world = max(local, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    row_bytes = {"fp32": 4, "fp16": 2}.get(cfg.table_precision, 4)
+    rows = sum(spec.shape.table_rows.values())
+    tables = (spec.embedding_parameters * row_bytes + rows * 4) * local / world  # the tables are sharded over ranks
+    dense = local * 4 * DENSE_TRAINING_FLOATS.get(cfg.dense_optimizer, 4) * spec.shape.dense_parameters
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if tables + dense > TRAINING_MEMORY_SHARE * available:
+        share = f" (this host's {local} of {world} ranks)" if world > 1 else ""
+        raise UserError(
+            f"training {spec.name} needs {(tables + dense) / gib:,.1f} GiB before its activations: tables "
+            f"{tables / gib:,.1f} GiB at {cfg.table_precision}{share}, dense part {dense / gib:,.2f} GiB with "
+            f"gradients and {cfg.dense_optimizer} state; this machine has {available / gib:.1f} GiB available: scale "
+            "the tables (--table-scale, --max-rows) or train over more hosts"
+        )
 
 
 FAMILY = HSTUFamily()

@@ -151,7 +151,7 @@ def choose_build(
     skipped: dict[str, str] = {b: f"not a build of {family.called}: {family.no_compiled_build}"
                                for b in builds() if b not in family.builds}  # fmt: skip
     first = [b for b in ("eager", "fused") if b in family.builds]  # the fused build's dense time gates the rest
-    rates, source = _rates(first, modules, sizes, threads, library, measure)
+    rates, source = _rates(first, modules, sizes, threads, library, measure, log)
     dense_ms = rates.get("fused", {}).get(-1)
     later = []
     for name in (b for b in builds() if b in family.builds and b not in first):
@@ -161,7 +161,7 @@ def choose_build(
         else:
             later.append(name)
     if later:
-        more, later_source = _rates(later, modules, sizes, threads, library, measure)
+        more, later_source = _rates(later, modules, sizes, threads, library, measure, log)
         rates.update(more)
         if later_source != source:
             source = f"{source}; {', '.join(later)}: {later_source}"
@@ -271,14 +271,20 @@ def _public(rates: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
 
 
 def _rates(
-    names: Sequence[str], builds: BuildSet, sizes: Sequence[int], threads: int, library: Any, measure: Measure | None
+    names: Sequence[str],
+    builds: BuildSet,
+    sizes: Sequence[int],
+    threads: int,
+    library: Any,
+    measure: Measure | None,
+    log: Log | None = None,
 ) -> tuple[dict[str, dict[int, float]], str]:
     """Batch times of the builds `names`, from this machine's profile when measured before there."""
-    from dlrm_lab.metrics.roofline import load_profile, profile_path, store_measured
+    from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path, store_measured
 
     profile = load_profile()
     key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes)
-    cached = (profile or {}).get("build_rates", {}).get(key)
+    cached = cached_choice(profile, "build_rates", key, log)
     if cached and all(b in cached["batch_ms"] for b in names):
         where = profile_path(profile["fingerprint_id"]) if profile else "?"
         rates = {b: {int(n): v for n, v in cached["batch_ms"][b].items()} for b in names}

@@ -15,12 +15,12 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.errors import FieldError, RemoteFailure, ServerLost, ServingFault, UserError
+from dlrm_lab.errors import ClientLost, FieldError, RemoteFailure, ServerLost, ServingFault, UserError
 from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import check_scenario, drive, make_driver, scenario
@@ -253,9 +253,12 @@ def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription,
     cost = sut.batch_costs.get(stream.model)
     error = None
     if failure is not None:
-        lost = isinstance(failure, ServerLost)
-        error = f"{'lost the server at' if lost else 'the server at'} {sut.target}{'' if lost else ' answered badly'}: "
-        error += str(failure)
+        if isinstance(failure, ServerLost):
+            error = f"lost the server at {sut.target}: {failure}"
+        elif isinstance(failure, ClientLost):
+            error = f"{sut.target}: {failure}"
+        else:
+            error = f"the server at {sut.target} answered badly: {failure}"
     row = {
         "point": point.index,
         "mode": point.mode,
@@ -428,65 +431,70 @@ def run_inference(
         "models": [m.describe() for m in models],
         "streams": [{**stream_config(s), **({"qps": "auto"} if cfg.qps_auto else {})} for s in streams],
     }
-    run = Run.create(metrics_dir, "infer", config, argv=argv)
-    with faults_name_the_run(run), run:
-        queries = run.table("queries", schema_of("queries"))
-        summary = run.table("summary", schema_of("infer summary"))
-        telemetry = run.table("telemetry", telemetry_schema("point"))
-        with open_target(target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed,
-                         log=log) as server:  # fmt: skip
-            if isinstance(server, InferenceServer):
-                run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
-            else:
-                sut = server.describe()
-                if log:
-                    log(f"connected to {target.url}: {sut.concurrency} connection(s), rpc {sut.rpc}")
-                models_said = {n: dict(d.columns) for n, d in sut.models.items()}  # what the server said of them
-                run.update_manifest(target={"url": target.url, "rpc": sut.rpc, "concurrency": sut.concurrency,
-                                            "models": models_said})  # fmt: skip
-            if cfg.qps_auto:
-                (stream,) = streams
-                if log:
-                    log("choosing the load: closed-loop capacity, one query at a time, then a short bisection")
-                choice = choose_load(
-                    server, stream, sla_ms=None if cfg.sla_auto else (stream.sla_ms or cfg.sla_ms),
-                    percentile=cfg.sla_percentile, probe_s=cfg.calibrate_s, seed=cfg.seed,
-                    drain_s=cfg.drain_timeout_s,
-                )  # fmt: skip
-                streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
-                cfg = replace(cfg, sla_ms=choice.sla_ms)
-                if load.sized_by_early_stopping:
-                    seconds = loadgen_duration(choice.qps, cfg.duration_s, cfg.sla_percentile)
-                    if seconds > cfg.duration_s and log:
-                        log(f"--duration {cfg.duration_s:g} s sized up to {seconds:g} s: at {choice.qps:.1f} queries/s "
-                            "LoadGen's early-stopping estimate needs that many queries")  # fmt: skip
-                    cfg = replace(cfg, duration_s=seconds)
-                run.update_manifest(load_choice=choice.to_dict())
-                if log:
-                    log(choice.reason)
-            if cfg.tune:
-                policies = {s.model: choose_policy(
-                    server, s, cfg.tune, sla_ms=s.sla_ms or cfg.sla_ms, percentile=cfg.sla_percentile,
-                    whole_load_queued=load.queues_whole_load, probe_s=cfg.calibrate_s / 2, seed=cfg.seed,
-                    drain_s=cfg.drain_timeout_s, log=log,
-                ).to_dict() for s in streams}  # fmt: skip
-                run.update_manifest(policy_choices=policies)
-            points = [Point(0, streams, "together", cfg.scenario)]
-            if len(streams) > 1 and cfg.compare_alone:
-                points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
-            for point in points:
-                with queue_room(server, point, cfg.duration_s) if not target.remote else nullcontext():
-                    rows = measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress,
-                                   trace=cfg.trace and point.index == 0)  # fmt: skip
-                summary.extend(rows)
-                if stopped := next((r["issue_stopped"] for r in rows if r.get("issue_stopped")), None):
-                    run.fails_at_end(f"point {point.index}: {stopped}")
-                if failed := next((r["error"] for r in rows if r.get("error")), None):
+    opened = open_target(target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed,
+                         log=log)  # fmt: skip
+    with ExitStack() as connected:
+        # a remote target is reached, and its models checked, before the run directory exists: a mistake in
+        # --target leaves none; the lab's own server starts inside its run, which records how that went
+        remote = connected.enter_context(opened) if target.remote else None
+        run = Run.create(metrics_dir, "infer", config, argv=argv)
+        with faults_name_the_run(run), run:
+            queries = run.table("queries", schema_of("queries"))
+            summary = run.table("summary", schema_of("infer summary"))
+            telemetry = run.table("telemetry", telemetry_schema("point"))
+            with nullcontext(remote) if target.remote else opened as server:
+                if isinstance(server, InferenceServer):
+                    run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
+                else:
+                    sut = server.describe()
+                    if log:
+                        log(f"connected to {target.url}: {sut.concurrency} connection(s), rpc {sut.rpc}")
+                    models_said = {n: dict(d.columns) for n, d in sut.models.items()}  # what the server said of them
+                    run.update_manifest(target={"url": target.url, "rpc": sut.rpc, "concurrency": sut.concurrency,
+                                                "models": models_said})  # fmt: skip
+                if cfg.qps_auto:
+                    (stream,) = streams
+                    if log:
+                        log("choosing the load: closed-loop capacity, one query at a time, then a short bisection")
+                    choice = choose_load(
+                        server, stream, sla_ms=None if cfg.sla_auto else (stream.sla_ms or cfg.sla_ms),
+                        percentile=cfg.sla_percentile, probe_s=cfg.calibrate_s, seed=cfg.seed,
+                        drain_s=cfg.drain_timeout_s,
+                    )  # fmt: skip
+                    streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
+                    cfg = replace(cfg, sla_ms=choice.sla_ms)
+                    if load.sized_by_early_stopping:
+                        seconds = loadgen_duration(choice.qps, cfg.duration_s, cfg.sla_percentile)
+                        if seconds > cfg.duration_s and log:
+                            log(f"--duration {cfg.duration_s:g} s sized up to {seconds:g} s: at {choice.qps:.1f} "
+                                "queries/s LoadGen's early-stopping estimate needs that many queries")  # fmt: skip
+                        cfg = replace(cfg, duration_s=seconds)
+                    run.update_manifest(load_choice=choice.to_dict())
+                    if log:
+                        log(choice.reason)
+                if cfg.tune:
+                    policies = {s.model: choose_policy(
+                        server, s, cfg.tune, sla_ms=s.sla_ms or cfg.sla_ms, percentile=cfg.sla_percentile,
+                        whole_load_queued=load.queues_whole_load, probe_s=cfg.calibrate_s / 2, seed=cfg.seed,
+                        drain_s=cfg.drain_timeout_s, log=log,
+                    ).to_dict() for s in streams}  # fmt: skip
+                    run.update_manifest(policy_choices=policies)
+                points = [Point(0, streams, "together", cfg.scenario)]
+                if len(streams) > 1 and cfg.compare_alone:
+                    points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
+                for point in points:
+                    with queue_room(server, point, cfg.duration_s) if not target.remote else nullcontext():
+                        rows = measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress,
+                                       trace=cfg.trace and point.index == 0)  # fmt: skip
+                    summary.extend(rows)
+                    if stopped := next((r["issue_stopped"] for r in rows if r.get("issue_stopped")), None):
+                        run.fails_at_end(f"point {point.index}: {stopped}")
+                    if failed := next((r["error"] for r in rows if r.get("error")), None):
+                        summary.flush()
+                        raise RemoteFailure(f"point {point.index}: {failed}; rows kept in {run.dir}")
+                    if cfg.trace and point.index == 0 and (run.dir / "trace.json").exists():
+                        run.update_manifest(trace="trace.json")
                     summary.flush()
-                    raise RemoteFailure(f"point {point.index}: {failed}; rows kept in {run.dir}")
-                if cfg.trace and point.index == 0 and (run.dir / "trace.json").exists():
-                    run.update_manifest(trace="trace.json")
-                summary.flush()
     return run.dir
 
 

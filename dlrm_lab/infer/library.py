@@ -38,6 +38,11 @@ class LoadedSamples:
     def size(self) -> int:
         raise NotImplementedError
 
+    @property
+    def nbytes(self) -> int:
+        """The memory its arrays hold (a copy of it costs as much)."""
+        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
+
     def in_time_order(self, sizes: np.ndarray) -> np.ndarray:
         """Offsets of queries of these sizes (each at most `size`) that take the library's samples
         in order, continuing where the last call ended (time goes on from a warm-up to its point and

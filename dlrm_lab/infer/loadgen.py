@@ -38,6 +38,14 @@ SCENARIO_SETTINGS: dict[str, tuple[str, int, dict[str, str]]] = {
                                        "multi_stream_target_latency_percentile": "percentile"}),
 }  # fmt: skip
 LOADGEN_SCENARIOS = tuple(SCENARIO_SETTINGS)
+_running = 0  # LoadGen tests in progress in this process (`running`)
+_running_lock = threading.Lock()
+
+
+def running() -> bool:
+    """A LoadGen test is still in progress here. It cannot be stopped, and an interpreter that exits with its C++
+    threads alive aborts (`terminate called without an active exception`): the process must end by `os._exit`."""
+    return _running > 0
 
 
 class QuerySampleLibrary:
@@ -189,8 +197,11 @@ class LoadGenDriver:
                                  qsl.unload_samples)  # fmt: skip
         # Everything alive now (a search's earlier probes' rows) is kept out of the collections during the run:
         # a full collection over them pauses every thread, LoadGen's issue and completion callbacks included.
+        global _running
         gc.collect()
         gc.freeze()
+        with _running_lock:
+            _running += 1
         try:
             start = time.monotonic()
             lg.StartTestWithLogSettings(sut, lg_qsl, self.test_settings(), log)
@@ -198,6 +209,8 @@ class LoadGenDriver:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             self.error = exc
         finally:
+            with _running_lock:
+                _running -= 1
             gc.unfreeze()
             lg.DestroyQSL(lg_qsl)
             lg.DestroySUT(sut)

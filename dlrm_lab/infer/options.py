@@ -7,6 +7,7 @@ options: `infer.search_options`). The CLI parses text into these and prints; the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
@@ -127,6 +128,8 @@ def numbers(values: Sequence[Any], field: str) -> list[float]:
             out.append(float(v))
         except ValueError:
             raise FieldError(field, f"{v!r}: expected a number (or auto, given alone)") from None
+        if not math.isfinite(out[-1]):
+            raise FieldError(field, f"{v!r}: must be a finite number (or auto, given alone)")
     return out
 
 
@@ -138,6 +141,8 @@ def number_list(text: str, kind: type, field: str) -> list[Any]:
         raise FieldError(field, f"{text!r}: expected a comma-separated list of numbers") from None
     if not values:
         raise FieldError(field, ": empty list")
+    if not all(math.isfinite(v) for v in values):
+        raise FieldError(field, f"{text!r}: every value must be a finite number")
     return values
 
 

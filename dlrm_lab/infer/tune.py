@@ -64,6 +64,8 @@ def parse_knob(name: str, value: Any) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         raise UserError(f"{flag} {value}: must be a number or auto") from None
+    if not math.isfinite(number):
+        raise UserError(f"{flag} {value}: must be a finite number or auto")
     if name == "max_batch" and number != int(number):
         raise UserError(f"{flag} {value}: must be a whole number or auto")
     return number

@@ -185,12 +185,12 @@ def gemm_rates(
 ) -> tuple[dict[str, float], str, tuple[Shape, ...]]:
     """FLOP/s of the model's products in each precision, from this machine's profile (measured
     and stored there on first use); with where they came from, and the shapes."""
-    from dlrm_lab.metrics.roofline import load_profile, profile_path, store_measured
+    from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path, store_measured
 
     shapes = tuple(model_gemm_shapes(spec, rows))
     profile = _ensure_profile(device, log) if probe else load_profile()
     key = _rate_key(device, threads, shapes)
-    cached = (profile or {}).get("precision_rates", {}).get(key)
+    cached = cached_choice(profile, "precision_rates", key, log)
     if cached and all(p in cached["flops_per_s"] for p in precisions):
         where = profile_path(profile["fingerprint_id"]) if profile else "?"
         return dict(cached["flops_per_s"]), f"cached in {where} (measured {cached['measured_at']})", shapes

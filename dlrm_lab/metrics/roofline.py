@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import ROOFLINE_PLACED
 from dlrm_lab.metrics.hardware import hardware_fingerprint
+from dlrm_lab.resources import read_bounded
 
 MACHINE_DIR_ENV = "DLRM_LAB_MACHINE_DIR"
 
@@ -45,8 +47,8 @@ def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        profile = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        profile = json.loads(read_bounded(path, "machine profile"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(
             f"{path}: unreadable machine profile ({exc}); delete it and run 'dlrm-lab machine probe'"
         ) from None
@@ -91,15 +93,18 @@ def run_profile(manifest: dict[str, Any]) -> dict[str, Any] | None:
 _PEAK_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s")
 
 
+def _not_positive(where: str, value: Any) -> str | None:
+    """`where = value: rule` unless `value` is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        return f"{where} = {value!r}: must be a number > 0"
+    return None
+
+
 def profile_problem(profile: dict[str, Any]) -> str | None:
     """The first field of a profile's device peaks that is not a finite number > 0 (every floor,
     roof and precision choice divides by them), as `field = value: rule`; None when all are."""
 
-    def bad(where: str, value: Any) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            return f"{where} = {value!r}: must be a number > 0"
-        return None
-
+    bad = _not_positive
     devices = profile.get("devices")
     if not isinstance(devices, dict):
         return f"devices = {devices!r}: must be a table of devices"
@@ -124,6 +129,69 @@ def profile_problem(profile: dict[str, Any]) -> str | None:
 # (metrics.precision), step times of sharding plans (train.sharding_trial), batch times of serving builds
 # (infer.build).
 MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates")
+# What an entry of each holds: its table of measurements (keys per level: names, or batch sizes as whole numbers;
+# every leaf a number > 0), and the other tables it carries
+CACHED_TABLES: dict[str, tuple[str, tuple[type, ...], tuple[str, ...]]] = {
+    "precision_rates": ("flops_per_s", (str,), ()),
+    "sharding_trials": ("step_ms", (str,), ("skipped",)),
+    "build_rates": ("batch_ms", (str, int), ()),
+}
+
+
+def _section(profile: dict[str, Any], section: str) -> dict[str, Any]:
+    table = profile.get(section)
+    return table if isinstance(table, dict) else {}
+
+
+def cached_problem(section: str, key: str, entry: Any) -> str | None:
+    """What is wrong with an entry of a MEASURED_CHOICES section, as `field = value: rule`; None when nothing."""
+    name, levels, tables = CACHED_TABLES[section]
+    where = f"{section}.{key}"
+    if not isinstance(entry, dict):
+        return f"{where} = {entry!r:.80}: must be a table"
+    if not isinstance(entry.get("measured_at"), str):
+        return f"{where}.measured_at = {entry.get('measured_at')!r:.80}: must be the date it was measured"
+    for extra in tables:
+        if not isinstance(entry.get(extra), dict):
+            return f"{where}.{extra} = {entry.get(extra)!r:.80}: must be a table"
+
+    def walk(value: Any, at: str, depth: int, key: str = "") -> str | None:
+        if depth == len(levels):
+            if key.startswith("-"):  # a build's own figures beside its batch times (its spread): 0 is one
+                return None if _not_positive(at, value) is None or value == 0 else f"{at} = {value!r}: must be >= 0"
+            return _not_positive(at, value)
+        if not isinstance(value, dict) or not value:
+            return f"{at} = {value!r:.80}: must be a table"
+        for k, v in value.items():
+            if levels[depth] is int and not str(k).removeprefix("-").isdigit():
+                return f"{at}.{k}: must be a batch size (a whole number)"
+            if problem := walk(v, f"{at}.{k}", depth + 1, str(k)):
+                return problem
+        return None
+
+    return walk(entry.get(name), f"{where}.{name}", 0)
+
+
+def cached_choice(
+    profile: dict[str, Any] | None, section: str, key: str, log: Callable[[str], None] | None = None
+) -> dict[str, Any] | None:
+    """The entry `key` of a MEASURED_CHOICES section of `profile`: None where there is none, or where it is damaged
+    (a hand edit, a partial write: one warning line naming the file and the field; the caller measures again and
+    its new entry replaces the bad one)."""
+    if profile is None or profile.get(section) is None:
+        return None
+    table = profile[section]
+    if not isinstance(table, dict):
+        problem: str | None = f"{section} = {table!r:.80}: must be a table of measured entries"
+    elif (entry := table.get(key)) is None:
+        return None
+    elif (problem := cached_problem(section, key, entry)) is None:
+        return entry
+    if log is not None:
+        log(f"warning: {profile_path(profile['fingerprint_id'])}: {problem}; discarded, measuring again")
+    return None
+
+
 # Profile keys a user gives rather than a probe measures: the machine's price (metrics.cost), the instance type.
 GIVEN_BY_USER = ("price", "instance_type")
 
@@ -132,7 +200,7 @@ def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[
     """Add one entry to a MEASURED_CHOICES section of `profile` and save it; where it went (or, where the
     profile cannot be written, why not: the choice stands, it is only measured again next time)."""
     try:
-        return save_profile({**profile, section: {**(profile.get(section) or {}), key: entry}})
+        return save_profile({**profile, section: {**_section(profile, section), key: entry}})
     except ProfileNotStored as exc:
         return f"nowhere ({exc})"
 
@@ -157,7 +225,7 @@ def save_profile(profile: dict[str, Any], keep_better: bool = False) -> Path:
         merged["comms"] = {**old.get("comms", {}), **profile["comms"]}
         # choices measured on this machine (precision rates, sharding trials) stay valid across probes
         for section in MEASURED_CHOICES:
-            merged[section] = {**(old.get(section) or {}), **(profile.get(section) or {})}
+            merged[section] = {**_section(old, section), **_section(profile, section)}
         for key in GIVEN_BY_USER:  # not measured: a probe has none of its own and must not drop the user's
             if key not in profile and key in old:
                 merged[key] = old[key]

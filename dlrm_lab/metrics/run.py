@@ -37,11 +37,25 @@ SPACE_RESERVE_BYTES = 256 << 10
 STATUSES = ("running", "ok", "failed", "interrupted")
 
 
+def undecodable(path: str | Path) -> str | None:
+    """`path` as it can be printed (bytes that are not UTF-8 as \\xNN) where it is not UTF-8 (a name made on a
+    system of another encoding); None where it is."""
+    text = os.fspath(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return None
+
+
 def check_writable(path: str | Path, field: str, remedy: str = "choose another") -> None:
     """Refuse, in one line naming `field` (a config's field, or an environment variable), a directory (or the
     nearest existing one above it, where it is still to be made) that this process cannot write: called before a
     command starts its work."""
     target = Path(path)
+    if (name := undecodable(target.absolute())) is not None:
+        raise FieldError(field, f"{name}: not UTF-8; the lab's manifests and Parquet files name their paths in UTF-8: "
+                         f"{remedy}")  # fmt: skip
     where = target
     while not where.exists() and where.parent != where:
         where = where.parent

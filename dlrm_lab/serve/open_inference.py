@@ -264,5 +264,6 @@ class OpenInferenceService:
             size = int(np.prod(shapes[name])) * _DTYPES[_WANTED[name]].itemsize
             if len(raw[name]) != size:
                 raise refuse(f"input {name}: {len(raw[name])} bytes for shape {shapes[name]} ({size} expected)")
-        query_id = int(req.id) if req.id.isdigit() else 0
+        # any id is echoed as sent; a plain number (one an int64 holds) also names the query in the rows
+        query_id = int(req.id) if req.id.isascii() and req.id.isdigit() and len(req.id) <= 18 else 0
         return _Request(req.model_name, query_id, n, raw["dense"], raw["lengths"], raw["ids"])

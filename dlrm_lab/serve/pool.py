@@ -21,10 +21,29 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.errors import BadAnswer, FieldError, RemoteFailure, ServerLost
+from dlrm_lab.errors import BadAnswer, ClientLost, FieldError, RemoteFailure, ServerLost, exit_description
 from dlrm_lab.infer.sut import Query, SutDescription
 
 START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
+# A client worker's own memory before its sample libraries (RSS: Python, numpy, pyarrow and grpc loaded, its
+# channel open), measured with the tiny preset on 2026-11-27, rounded up
+WORKER_RUNTIME_BYTES = 160 << 20
+
+
+def check_workers_fit(concurrency: int, library_bytes: int, available_bytes: int | None = None) -> None:
+    """Refuse, naming --concurrency and the most that fit, client workers that would not fit in this machine's
+    available memory (each holds its runtime and its own copy of the sample libraries), as serving's instances
+    are refused (`infer.memory.check_fits`)."""
+    import psutil
+
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    each = WORKER_RUNTIME_BYTES + library_bytes
+    if concurrency * each > available:
+        fit = max(1, int(available // each))
+        raise FieldError("concurrency", f"{concurrency}: {concurrency} client processes need "
+                         f"{concurrency * each / 2**30:.2f} GiB ({each / 2**20:.0f} MiB each: the runtime and the "
+                         f"sample libraries) but this machine has {available / 2**30:.2f} GiB available: at most "
+                         f"{fit} here")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -142,9 +161,13 @@ class ClientPool:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
+                proc = self._workers[k][0] if k < len(self._workers) else None
+                if proc is not None:
+                    proc.join(timeout=1.0)  # its exit code says how it ended
                 with self._idle:
                     if self._waiting and self._lost is None:
-                        self._lost = ServerLost(f"client worker {k} exited")
+                        how = "ended" if proc is None else f"(pid {proc.pid}) {exit_description(proc.exitcode)}"
+                        self._lost = ClientLost(f"the lab's client worker {k} {how}; the server was not at fault")
                     self._idle.notify_all()
                 return
             if message[0] == "done":

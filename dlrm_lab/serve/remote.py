@@ -271,7 +271,9 @@ def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dic
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
     if conn.concurrency > 1:
-        from dlrm_lab.serve.pool import ClientPool, WorkerPlan
+        from dlrm_lab.serve.pool import ClientPool, WorkerPlan, check_workers_fit
+
+        check_workers_fit(conn.concurrency, sum(lib.nbytes for lib in libraries.values()))
 
         connect = functools.partial(connect_worker, target.address, recipes, names, rpc, conn.timeout_s,
                                     conn.unavailable_s, conn.connect_timeout_s)  # fmt: skip

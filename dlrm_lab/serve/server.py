@@ -11,7 +11,7 @@ answered in-band and the stream goes on).
 Bad requests are refused (INVALID_ARGUMENT) before the batcher, so the instances never see
 them: fields of the wrong size in the handler, bad values by the InferenceServer's one check at
 submit; a full queue is RESOURCE_EXHAUSTED at once (the InferenceServer drops the query at
-submit); an instance failure is INTERNAL. SIGTERM or Ctrl-C: stop accepting, let queries
+submit); an instance failure is INTERNAL. SIGTERM, SIGHUP or Ctrl-C: stop accepting, let queries
 in flight finish (up to the grace period), then stop the instances. Every query (also
 refused ones) is a row of the server's own run directory (kind `serve`).
 """
@@ -64,6 +64,7 @@ FLUSH_S = 2.0  # ... and are on disk (a part file) at most this late
 
 
 MAX_RECORDED_SAMPLES = 2**31 - 1  # the queries table's `samples` is an int32
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a closed terminal or ssh session stops it too
 
 
 class InferenceService:
@@ -323,7 +324,7 @@ def serve(
     argv: list[str] | None = None,
     log: Log | None = None,
 ) -> Path:
-    """Serve `models` until SIGTERM or Ctrl-C; returns the server's run directory."""
+    """Serve `models` until SIGTERM, SIGHUP or Ctrl-C; returns the server's run directory."""
     log = log or (lambda _msg: None)
     if not grace_s >= 0:
         raise FieldError("grace_s", f"{grace_s!r}: must be >= 0 seconds")
@@ -408,7 +409,7 @@ async def _serve(
             asyncio.ensure_future(server.stop(None))
         stopping.set()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
     losses = 0
     while not stopping.is_set():
@@ -428,6 +429,6 @@ async def _serve(
     log(f"stopping: refusing new queries, finishing those in flight (grace {grace_s:g} s)")
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.remove_signal_handler(signum)
     log("stopped")

@@ -171,15 +171,15 @@ def summarize_trials(trials: dict[str, Trial]) -> tuple[dict[str, float], dict[s
     return step_ms, skipped
 
 
-def cached_trials(key: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The cached entry for `key` in this machine's profile, and the profile's path."""
-    from dlrm_lab.metrics.roofline import load_profile, profile_path
+def cached_trials(key: str, log: Callable[[str], None] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """The cached entry for `key` in this machine's profile (None where it is damaged: `log` hears why), and the
+    profile's path."""
+    from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path
 
     profile = load_profile()
     if profile is None:
         return None, None
-    entry = (profile.get("sharding_trials") or {}).get(key)
-    return entry, str(profile_path(profile["fingerprint_id"]))
+    return cached_choice(profile, "sharding_trials", key, log), str(profile_path(profile["fingerprint_id"]))
 
 
 def store_trials(key: str, step_ms: dict[str, float], skipped: dict[str, str]) -> str:
@@ -210,7 +210,7 @@ def choose_sharding(
     shared: list[Any] = [None]
     if ctx.rank == 0:
         try:
-            shared[0] = cached_trials(key)
+            shared[0] = cached_trials(key, log)
         except UserError as exc:  # a corrupt profile: every rank says so, none waits in the broadcast
             shared[0] = str(exc)
     dist.broadcast_object_list(shared, src=0)  # every rank takes the same path
