@@ -179,12 +179,16 @@ def _check_counts(**counts: int) -> None:
 
 
 def _check_train_options(words: list[str]) -> None:
-    """A typo fails here, in one line, not on the cluster after the job waited in its queue."""
+    """A typo or a bad value (an unknown preset, --steps 0) fails here, in one line, not on the cluster after the
+    job waited in its queue: train's own parser, then the preset and the training config it would build."""
     import typer
 
     from dlrm_lab.cli.scale import train_options  # train's own parser; the CLI loads typer and rich: only when checking
+    from dlrm_lab.commands import train_setup
 
     try:
-        train_options(words)
+        train_setup(train_options(words))
     except typer.TyperException as exc:
         raise ComponentArgumentError(f"train options {shlex.join(words)!r}: {exc.format_message()}") from None
+    except UserError as exc:
+        raise ComponentArgumentError(f"train options {shlex.join(words)!r}: {exc}") from None

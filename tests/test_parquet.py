@@ -436,6 +436,38 @@ def test_negative_id_and_null_label_are_refused(tiny, one_file, tmp_path):
     assert str(tmp_path / "nul/a.parquet") in msg and "column label" in msg and "null" in msg
 
 
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("label", float("nan"), "column label: nan at row 5 (1 such); labels are 0 or 1"),
+        ("label", 2.0, "column label: 2.0 at row 5 (1 such); labels are 0 or 1"),
+        ("label", 0.5, "column label: 0.5 at row 5 (1 such); labels are 0 or 1"),
+        ("dense", float("inf"), "column dense: inf at row 1, value 1 (1 such); dense features must be finite numbers"),
+        ("dense", float("nan"), "column dense: nan at row 1, value 1 (1 such); dense features must be finite numbers"),
+    ],
+)
+def test_labels_other_than_0_and_1_and_non_finite_dense_values_are_refused(tiny, one_file, tmp_path, column, value,
+                                                                           message):  # fmt: skip
+    from dlrm_lab.data.stats import dataset_problems
+
+    if column == "label":
+        labels = one_file.column("label").to_numpy().copy()
+        labels[5] = value
+        table = one_file.set_column(0, pa.field("label", pa.float32(), nullable=False), pa.array(labels, pa.float32()))
+    else:
+        dense = one_file.column("dense").combine_chunks()
+        values = dense.values.to_numpy().copy()
+        values[tiny.num_dense + 1] = value  # row 1, its second value
+        arr = pa.FixedSizeListArray.from_arrays(pa.array(values, pa.float32()), tiny.num_dense)
+        table = one_file.set_column(1, one_file.schema.field("dense"), arr)
+    (tmp_path / "bad").mkdir()
+    pq.write_table(table, tmp_path / "bad/a.parquet")
+    with pytest.raises(UserError) as exc:
+        list(ParquetSource(tmp_path / "bad", tiny, 64, epochs=1))
+    assert one_line_error(exc) == f"{tmp_path / 'bad/a.parquet'}: row group 0: {message}"
+    assert any(message in p for p in dataset_problems(tmp_path / "bad"))  # data stats names it the same way
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_unreadable_parquet_file_is_named(tiny, dataset, tmp_path, damage):
     path, _ = dataset

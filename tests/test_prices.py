@@ -293,3 +293,14 @@ def test_without_a_price_every_cost_column_is_null_and_the_columns_are_the_field
     assert len(names) == len(set(names)) and set(names) == {n for n, _ in SERVING_COST_FIELDS + TRAINING_COST_FIELDS}
     ranked = [n for n in names if n.startswith(("cost_per", "cost_to", "energy_cost"))]
     assert all(columns.COLUMNS[n].better == columns.LOWER for n in ranked)
+
+
+def test_a_damaged_stored_price_is_refused_before_a_run_starts(profile, tmp_path):
+    save_profile({**profile, "price": {"per_hour": -3, "currency": "USD"}})
+    for args in (
+        ("infer", "run", "--model", "tiny", "--duration", "0.5"),
+        ("train", "--preset", "tiny", "--steps", "1"),
+    ):
+        code, _, err = run_cli_in_process(*args, "--metrics-dir", str(tmp_path / "r"), "--no-progress")
+        assert code == 2 and "price.per_hour -3: must be a finite number > 0" in err, err
+        assert not (tmp_path / "r").exists() or list((tmp_path / "r").iterdir()) == []  # before the run

@@ -147,6 +147,28 @@ def test_a_file_that_is_not_utf8_is_named_in_one_line(tmp_path, kind):
     assert line == f"error: {bad}: not UTF-8 text (byte 0xe9 on line 1); TOML files are UTF-8: save it as UTF-8"
 
 
+def test_files_that_are_not_regular_or_are_huge_are_named_before_they_are_read(tmp_path):
+    fifo = tmp_path / "catalogue.toml"
+    os.mkfifo(fifo)  # a read of it would wait for a writer forever
+    huge = tmp_path / "huge.toml"
+    with open(huge, "wb") as f:
+        f.truncate(65 << 20)  # sparse: no disk spent
+    for args, line in (
+        (("machine", "prices", "--catalogue", "/dev/zero"),
+         "error: /dev/zero: a character device, which may never end, not a price catalogue: give a regular file"),
+        (("machine", "prices", "--catalogue", str(fifo)),
+         f"error: {fifo}: a FIFO, which may never end, not a price catalogue: give a regular file"),
+        (("presets", "show", "/dev/zero"),
+         "error: /dev/zero: a character device, which may never end, not a preset file: give a regular file"),
+        (("train", "--preset", str(tmp_path), "--steps", "1"),
+         f"error: {tmp_path}: a directory, not a preset file: give a regular file"),
+        (("train", "--preset", str(huge), "--steps", "1"),
+         f"error: {huge}: 68,157,440 bytes, more than any preset file holds (at most 67,108,864)"),
+    ):  # fmt: skip
+        code, _, err = run_cli_in_process(*args)
+        assert (code, err.strip()) == (2, line)
+
+
 def test_a_bad_flush_interval_leaves_no_run_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("DLRM_LAB_FLUSH_SECONDS", "-1")
     code, _, err = run_cli_in_process("train", "--preset", "tiny", "--steps", "1", "--metrics-dir", str(tmp_path / "r"),

@@ -116,6 +116,10 @@ def test_bad_options_fail_before_the_job_is_submitted(tx, monkeypatch):
         runner.dryrun_component(f"{COMPONENT}:train", ["--nproc_per_node", "2", "--", "--stepz", "4"], "local_cwd")
     with pytest.raises(UserError, match="train options '--stepz 4': No such option: --stepz"):
         tx.train("--stepz", "4")
+    with pytest.raises(UserError, match="train options '--preset kagle': unknown model preset 'kagle'"):
+        tx.train("--preset", "kagle")
+    with pytest.raises(UserError, match="train options '--preset tiny --steps 0': --steps 0: must be"):
+        tx.train("--preset", "tiny", "--steps", "0")
     with pytest.raises(UserError, match="--nproc_per_node 0: must be a whole number >= 1"):
         tx.train("--preset", "tiny", nproc_per_node=0)
     with pytest.raises(UserError, match="--cpu 0"):

@@ -252,11 +252,23 @@ def check_schema(path: Path, schema: pa.Schema, model: ModelSpec) -> None:
 
 
 def validate_table(table: pa.Table, model: ModelSpec, where: str) -> None:
-    """Refuse nulls and ids outside their table, naming file, row group and column."""
+    """Refuse nulls, labels other than 0 and 1, non-finite dense values and ids outside their table, naming file,
+    row group, column and row: a NaN trains to a NaN loss and an AUC of 0.5 without a word."""
     for name in table.column_names:
         nulls = table.column(name).null_count
         if nulls:
             raise UserError(f"{where}: column {name} has {nulls} null value(s)")
+    labels = table.column("label").to_numpy() if "label" in table.column_names else np.zeros(0)
+    if (bad := np.flatnonzero((labels != 0) & (labels != 1))).size:
+        raise UserError(f"{where}: column label: {float(labels[bad[0]])!r} at row {int(bad[0])} ({bad.size} such); labels "
+                        "are 0 or 1")  # fmt: skip
+    flat = pc.list_flatten(table.column("dense")) if "dense" in table.column_names else None
+    if flat is not None and pa.types.is_floating(flat.type):
+        dense = flat.to_numpy(zero_copy_only=False)
+        if (bad := np.flatnonzero(~np.isfinite(dense))).size:
+            row, k = divmod(int(bad[0]), max(1, model.num_dense))
+            raise UserError(f"{where}: column dense: {float(dense[bad[0]])!r} at row {row}, value {k} ({bad.size} such); "
+                            "dense features must be finite numbers")  # fmt: skip
     for t in model.tables:
         for name in t.feature_names:
             values = pc.list_flatten(table.column(name))

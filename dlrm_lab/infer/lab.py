@@ -426,6 +426,8 @@ def run_inference(
     if not target.remote:  # a remote server holds its models in its own memory
         check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
     check_stored_profile(log)
+    # a damaged stored price is refused now, not after the load (the server's only where it runs here)
+    price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)
     config = {
         "infer": cfg.to_dict(),
         "models": [m.describe() for m in models],

@@ -258,6 +258,7 @@ def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[st
     spec, cfg = run.spec, run.cfg
     if metrics_dir:
         check_writable(metrics_dir, "metrics_dir")
+    price_of(load_profile(), cfg.price_per_hour, cfg.currency)  # a damaged stored price: refused now, not at the end
     if (family := family_of(spec)).samples_in_spec:  # --set changes the samples, so the cost and the manifest too
         spec, cfg = family.with_data_overrides(spec, cfg.data_overrides, serving=False), replace(cfg, data_overrides=())
     launch = detect_launch()
