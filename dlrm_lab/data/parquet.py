@@ -260,15 +260,15 @@ def validate_table(table: pa.Table, model: ModelSpec, where: str) -> None:
             raise UserError(f"{where}: column {name} has {nulls} null value(s)")
     labels = table.column("label").to_numpy() if "label" in table.column_names else np.zeros(0)
     if (bad := np.flatnonzero((labels != 0) & (labels != 1))).size:
-        raise UserError(f"{where}: column label: {float(labels[bad[0]])!r} at row {int(bad[0])} ({bad.size} such); labels "
-                        "are 0 or 1")  # fmt: skip
+        raise UserError(f"{where}: column label: {float(labels[bad[0]])!r} at row {int(bad[0])} ({bad.size} such); "
+                        "labels are 0 or 1")  # fmt: skip
     flat = pc.list_flatten(table.column("dense")) if "dense" in table.column_names else None
     if flat is not None and pa.types.is_floating(flat.type):
         dense = flat.to_numpy(zero_copy_only=False)
         if (bad := np.flatnonzero(~np.isfinite(dense))).size:
             row, k = divmod(int(bad[0]), max(1, model.num_dense))
-            raise UserError(f"{where}: column dense: {float(dense[bad[0]])!r} at row {row}, value {k} ({bad.size} such); "
-                            "dense features must be finite numbers")  # fmt: skip
+            raise UserError(f"{where}: column dense: {float(dense[bad[0]])!r} at row {row}, value {k} "
+                            f"({bad.size} such); dense features must be finite numbers")  # fmt: skip
     for t in model.tables:
         for name in t.feature_names:
             values = pc.list_flatten(table.column(name))
