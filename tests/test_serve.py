@@ -62,10 +62,10 @@ class Process:
 
 
 class Server(Process):
-    def __init__(self, metrics_dir, *options: str) -> None:
+    def __init__(self, metrics_dir, *options: str, prefix: tuple[str, ...] = ()) -> None:
         self.metrics_dir = metrics_dir
         super().__init__("serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", "0", "--seed", str(SEED),
-                         "--metrics-dir", str(metrics_dir), *options)  # fmt: skip
+                         "--metrics-dir", str(metrics_dir), *options, prefix=prefix)  # fmt: skip
         self.target = ""
 
     def ready(self) -> "Server":
@@ -85,11 +85,26 @@ class Server(Process):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+FULL_DISK = """
+import errno
+import pyarrow.parquet as pq
+_write = pq.write_table
+def _full(table, where, *args, **kwargs):  # the disk under the queries table is full
+    if "_parts/queries" in str(where):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _write(table, where, *args, **kwargs)
+pq.write_table = _full
+"""
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """The servers of this module, started together so that their start-ups overlap."""
     root = tmp_path_factory.mktemp("serve")
+    (root / "full_disk_site").mkdir()
+    (root / "full_disk_site" / "sitecustomize.py").write_text(FULL_DISK)
     started = {
+        "full_disk": Server(root / "full_disk", prefix=("env", f"PYTHONPATH={root / 'full_disk_site'}")),
         "main": Server(root / "main", "--max-batch", "64"),
         # one waiting query at most, and it waits 300 ms for its batch to fill
         "small_queue": Server(root / "small_queue", "--max-queue", "1", "--max-delay-ms", "300"),
@@ -140,6 +155,19 @@ def test_scores_over_grpc_equal_the_models_scores(server, library):
             server_ns = resp.server_send_ns - resp.server_receive_ns
             assert min(resp.parse_ns, resp.queue_ns, resp.compute_ns) >= 0
             assert resp.parse_ns + resp.queue_ns + resp.compute_ns <= server_ns
+
+
+def test_a_full_disk_under_serve_ends_it_in_one_line_and_nothing_after(servers, library):
+    full = servers["full_disk"].ready()
+    with full.channel() as channel:
+        pb_grpc.InferenceStub(channel).Infer(pb.InferRequest.FromString(_request(library.slice(0, 4))), timeout=30)
+    full.proc.wait(timeout=60)
+    time.sleep(0.2)  # the last lines read
+    err = "".join(full.err)
+    assert full.proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "No space left on device" in last and "_parts/queries" in last, err
+    assert "Exception ignored" not in err and "never awaited" not in err and "Traceback" not in err, err
 
 
 def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(server, library):
@@ -710,6 +738,38 @@ def test_an_open_inference_answer_without_stage_times_leaves_them_null():
     raw.parameters["queue_ns"].int64_param = 5
     answer = open_inference_answer(raw.SerializeToString())
     assert np.frombuffer(answer.scores, dtype="<f4").tolist() == [0.75] and answer.queue_ns == 5
+
+
+def test_an_answer_that_is_not_one_is_a_failed_query_named_and_the_point_fails():
+    """A broken v2 server: bytes that do not decode, NaN scores; each query fails (BAD_RESPONSE, counted) and the
+    point fails naming the first, as BadAnswer."""
+    import grpc
+
+    from dlrm_lab.errors import BadAnswer
+    from dlrm_lab.infer.sut import Query
+    from dlrm_lab.serve.protocol import v2
+    from dlrm_lab.serve.remote import RemoteServer
+
+    class Call:  # a finished unary call, as grpc hands it to the done callback
+        def __init__(self, body: bytes) -> None:
+            self.body = body
+
+        def result(self) -> bytes:
+            return self.body
+
+    out = v2.ModelInferResponse.InferOutputTensor
+    nan = v2.ModelInferResponse(outputs=[out(name="scores")], raw_output_contents=[np.float32([0.5, np.nan]).tobytes()])
+    for body, why in ((b"\xff\xfe\x00garbage", "an undecodable answer (10 bytes: "),
+                      (nan.SerializeToString(), "1 of its 2 scores NaN or infinite")):  # fmt: skip
+        with grpc.insecure_channel("127.0.0.1:1") as channel:
+            remote = RemoteServer(channel, {"tiny": None}, rpc="oip")
+            done: list[str] = []
+            q = Query(3, "tiny", 2, on_done=lambda q, status, scores: done.append(status))
+            remote._done(q, (0, 0, 0), 10, Call(body))
+            (row,) = remote.take_records()
+            assert row["rpc_status"] == "BAD_RESPONSE" and row["status"] == "failed" and why in row["error"]
+            with pytest.raises(BadAnswer, match=f"query 3 was answered with {re.escape(why)}"):
+                remote.check()
 
 
 KSERVE = "kserve==0.21.0"  # needs protobuf < 7 (and pandas < 3, psutil < 6): its own environment, made once and cached

@@ -44,6 +44,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import BadAnswer, FieldError, ServerLost
@@ -423,14 +424,19 @@ class RemoteServer:
         try:
             for body in responses:
                 receive = time.monotonic_ns()
-                resp = pb.InferResponse.FromString(body)
+                try:
+                    resp = pb.InferResponse.FromString(body)
+                except DecodeError as exc:  # which query it answers is unknown: the stream's queries fail
+                    status, error = "BAD_RESPONSE", f"an undecodable answer on the stream ({len(body)} bytes: {exc})"
+                    break
                 with self._lock:
                     sent = self._waiting.pop(resp.query_id, None)
                 if sent is not None:  # else: one this client never sent (an undecodable request's answer)
                     q, stamps, request_bytes = sent
                     self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status=resp.status or "ok",
                                  error=resp.error or None)  # fmt: skip
-            status, error = "UNAVAILABLE", "the server ended the stream"
+            else:
+                status, error = "UNAVAILABLE", "the server ended the stream"
         except grpc.RpcError as exc:
             status, error = exc.code().name, exc.details()
         receive = time.monotonic_ns()
@@ -469,8 +475,13 @@ class RemoteServer:
         except grpc.FutureCancelledError:
             self._record(q, stamps, request_bytes, receive, status="CANCELLED")
         else:
-            resp = open_inference_answer(body) if self.rpc == "oip" else pb.InferResponse.FromString(body)
-            self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status="ok")
+            try:
+                resp = open_inference_answer(body) if self.rpc == "oip" else pb.InferResponse.FromString(body)
+            except (DecodeError, ValueError) as exc:  # not an answer: a failed query, counted and named
+                self._record(q, stamps, request_bytes, receive, status="BAD_RESPONSE",
+                             error=f"an undecodable answer ({len(body)} bytes: {exc})")  # fmt: skip
+            else:
+                self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status="ok")
 
     def _record(
         self,
@@ -501,7 +512,11 @@ class RemoteServer:
             if len(scores) != q.size:
                 status, scores = "BAD_RESPONSE", None
                 error = f"{len(resp.scores)} score bytes for {q.size} samples"
-                self._bad = self._bad or f"query {q.query_id} was answered with {error}"
+            elif not np.isfinite(scores).all():
+                error = f"{int(np.count_nonzero(~np.isfinite(scores)))} of its {q.size} scores NaN or infinite"
+                status, scores = "BAD_RESPONSE", None
+        if status == "BAD_RESPONSE":
+            self._bad = self._bad or f"query {q.query_id} was answered with {error}"
         if status == "ok" and resp.server_send_ns:  # the server reported its stages (any lab server)
             server_ns = resp.server_send_ns - resp.server_receive_ns
             respond_ns = server_ns - resp.parse_ns - resp.queue_ns - resp.compute_ns

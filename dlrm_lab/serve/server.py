@@ -412,23 +412,28 @@ async def _serve(
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
     losses = 0
-    while not stopping.is_set():
-        try:
-            await asyncio.wait_for(stopping.wait(), PUMP_S)
-        except asyncio.TimeoutError:
-            pass
-        # Parquet writes happen off the loop (pyarrow releases the GIL while encoding),
-        # so that requests are not held up behind them.
-        await asyncio.to_thread(service.pump, queries)
-        if len(service.inference.lost) != losses:  # an instance died; its model is served on by the others
-            losses = len(service.inference.lost)
-            run.update_manifest(instance_losses=list(service.inference.lost))
-        if service.failure is None and not service.check(log):  # the last instance of a model just died
-            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    log(f"stopping: refusing new queries, finishing those in flight (grace {grace_s:g} s)")
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace_s)
-    for signum in STOP_SIGNALS:
-        loop.remove_signal_handler(signum)
+    try:
+        while not stopping.is_set():
+            try:
+                await asyncio.wait_for(stopping.wait(), PUMP_S)
+            except asyncio.TimeoutError:
+                pass
+            # Parquet writes happen off the loop (pyarrow releases the GIL while encoding),
+            # so that requests are not held up behind them.
+            await asyncio.to_thread(service.pump, queries)
+            if len(service.inference.lost) != losses:  # an instance died; its model is served on by the others
+                losses = len(service.inference.lost)
+                run.update_manifest(instance_losses=list(service.inference.lost))
+            if service.failure is None and not service.check(log):  # the last instance of a model just died
+                await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log(f"stopping: refusing new queries, finishing those in flight (grace {grace_s:g} s)")
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_s)
+    except BaseException:  # a fault (a full disk under the records): stopped now, while its event loop runs
+        await server.stop(None)
+        raise
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
     log("stopped")
