@@ -763,9 +763,7 @@ def test_an_answer_that_is_not_one_is_a_failed_query_named_and_the_point_fails()
                       (nan.SerializeToString(), "1 of its 2 scores NaN or infinite")):  # fmt: skip
         with grpc.insecure_channel("127.0.0.1:1") as channel:
             remote = RemoteServer(channel, {"tiny": None}, rpc="oip")
-            done: list[str] = []
-            q = Query(3, "tiny", 2, on_done=lambda q, status, scores: done.append(status))
-            remote._done(q, (0, 0, 0), 10, Call(body))
+            remote._done(Query(3, "tiny", 2), (0, 0, 0), 10, Call(body))
             (row,) = remote.take_records()
             assert row["rpc_status"] == "BAD_RESPONSE" and row["status"] == "failed" and why in row["error"]
             with pytest.raises(BadAnswer, match=f"query 3 was answered with {re.escape(why)}"):
