@@ -48,3 +48,24 @@ def test_a_profile_with_no_recorded_batch_is_left_out_and_said(tmp_path):
     assert info["instances_unaligned"] == [0]
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert not any(e["name"] == "aten::mm" for e in events)
+
+
+def test_an_instance_profiles_at_most_its_first_batches_then_keeps_them(tmp_path, monkeypatch):
+    import torch
+
+    from dlrm_lab.infer import instance
+
+    monkeypatch.setattr(instance, "MAX_TRACED_BATCHES", 3)
+    tracer = instance.Tracer()
+    with tracer.batch(99):  # not started: nothing recorded
+        pass
+    tracer.start()
+    for batch in range(5):
+        with tracer.batch(batch):
+            torch.ones(4) @ torch.ones(4)
+    assert not tracer.running and tracer.batches == 3  # stopped at the cap
+    path = str(tmp_path / "i.json")
+    assert tracer.export(path) == path
+    names = {e.get("name") for e in json.loads((tmp_path / "i.json").read_text())["traceEvents"]}
+    assert {"batch 0", "batch 1", "batch 2"} <= names and not {"batch 3", "batch 4", "batch 99"} & names
+    assert tracer.export(path).startswith("error: RuntimeError: tracing was not started")

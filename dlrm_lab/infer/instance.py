@@ -22,6 +22,8 @@ import os
 import shutil
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,7 +163,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         return
     spin_s = plan.spin_ms / 1e3
     keep_warm = KeepWarm(runner, library.size, plan.keep_warm_ms)
-    profiler: Any = None
+    tracer = Tracer()
     while True:
         try:
             if spin_s:  # stay on the core (a core that slept runs the next batch up to 1.6x slower)
@@ -174,8 +176,11 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             return
         if msg is None:
             return
-        if msg[0] == TRACE:
-            profiler = _trace(profiler, msg[1], plan.index, conn)
+        if msg[0] == TRACE:  # start, or stop and write to the path given
+            if msg[1] is None:
+                tracer.start()
+            else:
+                conn.send((TRACE, plan.index, tracer.export(msg[1])))
             continue
         if msg[0] == SPIN:
             spin_s = msg[1] / 1e3
@@ -184,10 +189,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         start = time.monotonic_ns()
         scores, error, counts, stages = None, None, None, None
         try:
-            if profiler is not None:  # the mark that puts this trace on the server's clock (metrics.trace)
-                with torch.profiler.record_function(f"batch {batch_id}"):
-                    scores = runner(refs)
-            else:
+            with tracer.batch(batch_id):
                 scores = runner(refs)
             counts = runner.counts
             stages = runner.stages
@@ -220,26 +222,55 @@ class KeepWarm:
             self.at = (self.at + 97) % self.size  # other rows each time
 
 
-def _trace(profiler: Any, path: str | None, index: int, conn: Any) -> Any:
-    """Start torch.profiler (`path` None) or stop it and export its Chrome trace to `path`, telling the
-    parent when written (or why not); returns the running profiler, or None."""
-    from torch.profiler import ProfilerActivity, profile
+# An instance's profile holds its first this many batches: each is a few hundred operator events, and a long point
+# at a high rate profiled whole took GBs of memory and a 427 MB trace.json
+MAX_TRACED_BATCHES = 1000
 
-    if path is None:
-        if profiler is None:
-            profiler = profile(activities=[ProfilerActivity.CPU])
-            profiler.__enter__()
-        return profiler
-    done: str = path
-    try:
-        if profiler is None:
-            raise RuntimeError("tracing was not started")
-        profiler.__exit__(None, None, None)
-        profiler.export_chrome_trace(path)
-    except Exception as exc:  # noqa: BLE001 - a trace that cannot be written must not end the instance
-        done = f"error: {type(exc).__name__}: {exc}"
-    conn.send((TRACE, index, done))
-    return None
+
+class Tracer:
+    """torch.profiler over an instance's batches, each marked `batch <id>` (what puts the profile on the server's
+    clock, `metrics.trace`), for at most MAX_TRACED_BATCHES of them: then the profiler stops, its events kept."""
+
+    def __init__(self) -> None:
+        self.profiler: Any = None
+        self.running, self.batches = False, 0
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.profiler is None:
+            self.profiler = profile(activities=[ProfilerActivity.CPU])
+            self.profiler.__enter__()
+            self.running, self.batches = True, 0
+
+    def _stop(self) -> None:
+        if self.running:
+            self.profiler.__exit__(None, None, None)
+            self.running = False
+
+    @contextmanager
+    def batch(self, batch_id: int) -> Iterator[None]:
+        if not self.running:
+            yield
+            return
+        with torch.profiler.record_function(f"batch {batch_id}"):
+            yield
+        self.batches += 1
+        if self.batches >= MAX_TRACED_BATCHES:
+            self._stop()
+
+    def export(self, path: str) -> str:
+        """Stop and write the Chrome trace to `path`: `path`, or why not (`error: ...`)."""
+        try:
+            if self.profiler is None:
+                raise RuntimeError("tracing was not started")
+            self._stop()
+            self.profiler.export_chrome_trace(path)
+            return path
+        except Exception as exc:  # noqa: BLE001 - a trace that cannot be written must not end the instance
+            return f"error: {type(exc).__name__}: {exc}"
+        finally:
+            self.profiler = None
 
 
 def _touch_pages(model: torch.nn.Module) -> None:

@@ -308,6 +308,7 @@ def _write_trace(
     """Collect the instances' profiles and write the point's trace.json beside its records."""
     import shutil
 
+    from dlrm_lab.infer.instance import MAX_TRACED_BATCHES
     from dlrm_lab.metrics.trace import serving_trace
 
     parts = run_dir / "trace-instances"
@@ -317,7 +318,9 @@ def _write_trace(
     if log:
         gaps = "".join(f"; instance {k}: {why}" for k, why in missing.items())
         gaps += "".join(f"; instance {k}: no served batch to align its profile by" for k in info["instances_unaligned"])
-        log(f"trace: {run_dir / 'trace.json'} ({info['events']:,} events; open in ui.perfetto.dev){gaps}")
+        log(f"trace: {run_dir / 'trace.json'} ({info['events']:,} events: every query and batch, and torch.profiler's "
+            f"operators of at most the first {MAX_TRACED_BATCHES:,} batches of each instance; open in "
+            f"ui.perfetto.dev){gaps}")  # fmt: skip
 
 
 def _peaks(profile: dict[str, Any] | None, device: str, served: ModelDescription) -> Any:
