@@ -431,7 +431,9 @@ def _record_death(slot: Path, code: int) -> None:
     if code > 0:
         return  # it ended itself: its run says why
     for found in discover_runs(slot):
-        if (found.manifest or {}).get("status") == "running":
+        manifest = found.manifest or {}
+        # left open by the process (no end time): `running`, or already marked by its watcher (`metrics.watch`)
+        if manifest.get("status") in ("running", "failed") and manifest.get("end_time") is None:
             with contextlib.suppress(OSError, ValueError):
                 recover_run_and_summary(found.dir)
                 amend_manifest(found.dir, status="failed", error=how)

@@ -231,10 +231,10 @@ def test_an_embedding_dim_the_kernels_cannot_run_is_refused_when_the_preset_is_r
     from dlrm_lab.config.specs import MAX_EMBEDDING_DIM
 
     text = (Path(__file__).parents[1] / "models" / "tiny.toml").read_text()
-    for dim in (32_768, 30):  # past fbgemm's CPU Adagrad backward (SIGSEGV); not a multiple of 4 (an assert)
+    for dim in (32_684, 16_388, 30):  # near fbgemm's CPU Adagrad backward's SIGSEGV; not a multiple of 4 (an assert)
         preset = tmp_path / f"wide{dim}.toml"
         preset.write_text(text.replace("embedding_dim = 8", f"embedding_dim = {dim}"))
-        with pytest.raises(UserError, match=rf"embedding_dim = {dim}: must be a multiple of 4 up to 32,684"):
+        with pytest.raises(UserError, match=rf"embedding_dim = {dim}: must be a multiple of 4 up to 16,384"):
             load_preset(preset)
     assert MAX_EMBEDDING_DIM % 4 == 0
 
@@ -257,6 +257,25 @@ def test_a_sweep_point_killed_by_a_signal_names_it_and_its_run_is_failed(tmp_pat
     (run_dir,) = [p for p in slot.iterdir() if p.is_dir()]
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "failed" and manifest["error"] == "the point's process was killed by signal SIGSEGV"
+
+
+def test_a_run_whose_process_dies_of_a_signal_is_marked_failed_at_once_by_its_watcher(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from dlrm_lab.metrics.run import read_manifest
+
+    child = ("import os, signal; from dlrm_lab.metrics.run import Run; "
+             f"Run.create({str(tmp_path)!r}, 'train', {{}}); os.kill(os.getpid(), signal.SIGSEGV)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", child], capture_output=True).returncode == -11
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    deadline = time.monotonic() + 30
+    while read_manifest(run_dir)["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)  # no recovery asked for: the watcher marks it
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed", manifest
+    assert manifest["error"] == "process killed by signal SIGSEGV (Segmentation fault); Python's report in fault.log"
 
 
 def test_a_probe_is_judged_by_what_else_the_machine_did():

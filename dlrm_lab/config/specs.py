@@ -21,8 +21,10 @@ BYTES_PER_FP32 = 4
 
 
 # fbgemm's fused tables: TorchRec's sharded tables need a multiple of 4 columns (it asserts, mid-run); the CPU
-# row-wise Adagrad backward (fbgemm-gpu-cpu 1.8.0) segfaults from 32,688 columns (measured, in steps of 4)
-MAX_EMBEDDING_DIM = 32_684
+# row-wise Adagrad backward (fbgemm-gpu-cpu 1.8.0) segfaults from 32,672 columns in one preset (bf16, 2 tables,
+# batch 32; 32,688 in another), so the bound is half that: 16,384 ran at fp32 and bf16, batches 1 to 2,048, 2 and 6
+# tables (2026-11-27)
+MAX_EMBEDDING_DIM = 16_384
 
 
 @dataclass(frozen=True)

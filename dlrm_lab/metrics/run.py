@@ -13,7 +13,9 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +120,7 @@ class Run:
         self._tables: dict[str, TableWriter] = {}
         self._t0 = time.monotonic()
         self._before_finish: list[Any] = []
+        self._open_marker: Path | None = None  # listed with this process's watcher while open (`_watch`)
 
     @classmethod
     def attach(cls, run_dir: str | Path, rank: int) -> Run:
@@ -183,7 +186,9 @@ class Run:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise DiskFull.at(run_dir / SPACE_RESERVE, exc) if is_disk_full(exc) else exc from None
         _fault_log(run_dir)
-        return cls(run_dir, manifest)
+        run = cls(run_dir, manifest)
+        run._open_marker = _watch(run_dir)
+        return run
 
     def table(self, name: str, schema: pa.Schema, **kwargs: Any) -> TableWriter:
         writer = TableWriter(self.dir, name, schema, self.run_id, rank=self.rank, **kwargs)
@@ -238,6 +243,8 @@ class Run:
             duration_s=round(time.monotonic() - self._t0, 3),
             error=error,
         )
+        if self._open_marker is not None:  # closed: nothing for the watcher to mark
+            self._open_marker.unlink(missing_ok=True)
 
     def __enter__(self) -> Run:
         return self
@@ -432,6 +439,32 @@ def _close_fault_log(run_dir: Path) -> None:
     with contextlib.suppress(OSError):
         if (run_dir / FAULT_LOG).stat().st_size == 0:
             (run_dir / FAULT_LOG).unlink()
+
+
+_watcher: tuple[int, Path] | None = None  # this process's watcher: (pid it watches, its directory of open runs)
+
+
+def _watch(run_dir: Path) -> Path | None:
+    """List `run_dir` as open with this process's watcher (`metrics.watch`, started with its first run): should
+    this process die without closing the run (a kernel's SIGSEGV, SIGKILL), the run is marked failed at once, not
+    only at the next `runs recover`. The marker file, removed when the run closes; None where none could be made
+    (the run is then marked at recovery, as before)."""
+    global _watcher
+    try:
+        if _watcher is None or _watcher[0] != os.getpid():  # a forked child watches for itself
+            directory = Path(tempfile.gettempdir()) / f"dlrm-lab-open-runs-{os.getpid()}-{secrets.token_hex(3)}"
+            directory.mkdir()
+            subprocess.Popen(
+                [sys.executable, "-P", str(Path(__file__).with_name("watch.py")), str(os.getpid()), str(directory)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, close_fds=True,
+            )  # fmt: skip
+            _watcher = (os.getpid(), directory)
+        marker = _watcher[1] / run_dir.name
+        marker.write_text(str(run_dir.absolute()))
+        return marker
+    except OSError:
+        return None
 
 
 def _crash_reason(run_dir: Path) -> str:
