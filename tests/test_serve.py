@@ -186,6 +186,8 @@ def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(server, 
         _request(block, ids=ids.tobytes()): "feature cat_0: id 100 outside its table [0, 100)",
         _request(block, dense=nan.tobytes()): "dense features: not finite",
         _request(block, samples=65_537): "65537 samples: this server takes at most 65536 a query (--max-query-samples)",
+        # a name the refusal repeats is cut: 10 KB of it would not fit gRPC's status metadata (RESOURCE_EXHAUSTED)
+        _request(block, model="m" * 10_000): f"model {'m' * 100!r}... (10,000 characters): not served here",
     }
     with server.channel() as channel:
         infer = channel.unary_unary(INFER_METHOD)  # raw bytes: anything can be sent

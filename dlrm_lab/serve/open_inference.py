@@ -39,6 +39,7 @@ from dlrm_lab.serve.protocol import (
     SCORE_DTYPE,
     Refused,
     client_deadline,
+    echoed,
     v2,
 )
 
@@ -131,10 +132,10 @@ class OpenInferenceService:
 
     async def _model(self, name: str, version: str, context: Any) -> ServedModel:
         if name not in self.models:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name!r}: not served here; served: "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {echoed(name)}: not served here; served: "
                                 f"{', '.join(self.models) or 'no DLRM'}")  # fmt: skip
         if version not in ("", VERSION):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name} version {version!r}: only {VERSION}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name} version {echoed(version)}: only {VERSION}")
         return self.models[name]
 
     async def model_metadata(self, request: Any, context: Any) -> Any:
@@ -226,11 +227,11 @@ class OpenInferenceService:
         rules as the lab's own protocol."""
 
         def refuse(message: str) -> Refused:
-            return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"model {req.model_name!r}: {message}", "rejected")
+            return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"model {echoed(req.model_name)}: {message}", "rejected")
 
         m = self.models.get(req.model_name)
         if m is None:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"model {req.model_name!r}: not served here; served: "
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"model {echoed(req.model_name)}: not served here; served: "
                           f"{', '.join(self.models) or 'no DLRM'}", "rejected")  # fmt: skip
         wanted = [o.name for o in req.outputs]
         if wanted and wanted != [OUTPUT]:

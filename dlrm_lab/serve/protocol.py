@@ -107,6 +107,12 @@ def decode_samples(req: Any, spec: ModelSpec) -> Any:
     )
 
 
+def echoed(text: str, limit: int = 100) -> str:
+    """A client's string as an error message repeats it: quoted, and cut at `limit` characters (gRPC's status
+    details travel in 8 KB of metadata: a longer echo would turn the refusal into RESOURCE_EXHAUSTED)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def encode_samples(dense: np.ndarray, lengths: list[np.ndarray], values: list[np.ndarray]) -> tuple[bytes, ...]:
     """(dense, lengths, ids) bytes of samples given per feature, as `decode_samples` reads them."""
     return (

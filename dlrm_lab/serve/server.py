@@ -54,6 +54,7 @@ from dlrm_lab.serve.protocol import (
     Refused,
     client_deadline,
     decode_samples,
+    echoed,
     model_info,
     pb,
 )
@@ -176,7 +177,7 @@ class InferenceService:
         if served is None:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"model {req.model!r}: not served here; served: {', '.join(self.inference.models)}",
+                f"model {echoed(req.model)}: not served here; served: {', '.join(self.inference.models)}",
                 "rejected",
             )
         if req.samples > served.max_query_samples:  # before its payload is decoded

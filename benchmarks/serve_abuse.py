@@ -1,0 +1,195 @@
+"""`dlrm-lab serve` under abuse (issue 44's "done when"): malicious requests, then 2,000 streams at once.
+
+    python benchmarks/serve_abuse.py [--streams 2000] [--queries-per-stream 3]
+
+One server (tiny, one instance) is started through the CLI. Then:
+  malicious  Open Inference Protocol and lab requests that lie about their shapes, sizes, ids and
+             datatypes (a shape of 2^62 with no contents, negative and empty shapes, a datatype the
+             tensor is not, a body that is no message, a lab query of 2^31 - 1 samples, ids of any text):
+             each must be answered (refused, or served where it is valid) and the server must keep serving.
+  streams    `--streams` InferStream calls open at once (grpc.aio, one channel), each sending
+             `--queries-per-stream` good queries and reading their answers.
+After each part a good query is served and its scores compared with the first answer; the serving process's
+RSS (with its instances') is read before and after each part. Passes when the server is alive, answers right
+and its RSS grew by at most `--rss-growth-mb`; whether every stream was answered in full is reported beside it.
+The verdict and figures go to results-serve_abuse-DATE.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+from common import header, results_path, write_results
+
+from dlrm_lab.config import load_preset
+from dlrm_lab.data import synthetic_generator
+from dlrm_lab.serve.protocol import CHANNEL_OPTIONS, INFER_METHOD, encode_samples, pb, pb_grpc, v2
+from dlrm_lab.serve.remote import open_inference_request
+
+ROOT = Path(__file__).resolve().parents[1]
+OIP_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def start_server(metrics_dir: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlrm_lab", "serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", "0",
+         "--metrics-dir", str(metrics_dir)],
+        cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "serving tiny on " in line:
+            return proc, line.split(" on ")[1].strip()
+    raise RuntimeError(f"the server did not start (exit {proc.wait()})")
+
+
+def rss_mb(pid: int) -> float:
+    """The serving process's RSS with its instances' (MB)."""
+    proc = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+
+
+def lab_request(block: Any, query_id: int = 1, **fields: Any) -> bytes:
+    dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
+    base = {"model": "tiny", "query_id": query_id, "samples": block.size, "dense": dense, "lengths": lengths,
+            "ids": ids}  # fmt: skip
+    return pb.InferRequest(**{**base, **fields}).SerializeToString()
+
+
+def oip_request(block: Any, query_id: str = "1") -> Any:
+    body = open_inference_request("tiny", query_id, block.size, *encode_samples(block.dense, block.lengths,
+                                                                               block.values))  # fmt: skip
+    return v2.ModelInferRequest.FromString(body)
+
+
+def malicious(target: str, block: Any) -> dict[str, Any]:
+    """Send every malicious request; how each was answered (its gRPC status, or OK)."""
+    cases: dict[str, bytes] = {}
+    huge = oip_request(block)
+    huge.inputs[0].shape[:] = [2**62, 4]
+    huge.ClearField("raw_input_contents")
+    cases["oip: dense shape [2^62, 4], no contents"] = huge.SerializeToString()
+    negative = oip_request(block)
+    negative.inputs[0].shape[:] = [-5, 4]
+    cases["oip: negative shape"] = negative.SerializeToString()
+    empty = oip_request(block)
+    empty.inputs[1].shape[:] = []
+    cases["oip: empty shape"] = empty.SerializeToString()
+    wrong = oip_request(block)
+    wrong.inputs[2].datatype = "BYTES"
+    cases["oip: ids declared BYTES"] = wrong.SerializeToString()
+    missing = oip_request(block)
+    del missing.inputs[2]
+    cases["oip: no ids tensor"] = missing.SerializeToString()
+    for text in ("\u00b2", "9" * 40, "x" * 10_000, ""):
+        cases[f"oip: id {text[:12]!r} ({len(text)} chars)"] = oip_request(block, text).SerializeToString()
+    cases["oip: not a message"] = b"\xff\xff\xff\xff\x00garbage"
+    lab: dict[str, bytes] = {
+        "lab: 2^31 - 1 samples (the field's largest)": lab_request(block, samples=2**31 - 1),
+        "lab: -1 samples": lab_request(block, samples=-1),
+        "lab: not a message": b"\xff\xfe\x00",
+        "lab: model of 10 KB name": lab_request(block, model="m" * 10_000),
+    }
+    long_name = oip_request(block)
+    long_name.model_name = "m" * 10_000
+    cases["oip: model of 10 KB name"] = long_name.SerializeToString()
+    answers: dict[str, str] = {}
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        for calls, method in ((cases, OIP_INFER), (lab, INFER_METHOD)):
+            call = channel.unary_unary(method)  # raw bytes: anything can be sent
+            for name, body in calls.items():
+                try:
+                    call(body, timeout=30)
+                    answers[name] = "OK"
+                except grpc.RpcError as exc:
+                    answers[name] = exc.code().name
+    return answers
+
+
+async def _streams(target: str, requests: list[bytes], streams: int) -> tuple[int, dict[str, int], float]:
+    """`streams` InferStream calls at once, each sending `requests`; (answered, failed streams by why, seconds)."""
+    answered, failed = 0, {}
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        async def one() -> int:
+            call = stub.InferStream(iter([pb.InferRequest.FromString(r) for r in requests]), timeout=300)
+            return sum([1 async for _ in call])
+
+        start = time.monotonic()
+        for got in await asyncio.gather(*(one() for _ in range(streams)), return_exceptions=True):
+            if isinstance(got, BaseException):
+                why = got.code().name if isinstance(got, grpc.RpcError) else type(got).__name__
+                failed[why] = failed.get(why, 0) + 1
+            else:
+                answered += got
+        return answered, failed, time.monotonic() - start
+
+
+def still_serving(target: str, block: Any, want: bytes | None) -> tuple[bool, bytes]:
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        resp = pb.InferResponse.FromString(channel.unary_unary(INFER_METHOD)(lab_request(block), timeout=30))
+    return want is None or resp.scores == want, resp.scores
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=2000)
+    ap.add_argument("--queries-per-stream", type=int, default=3)
+    ap.add_argument("--rss-growth-mb", type=float, default=300.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    block = synthetic_generator(load_preset("tiny"), seed=0).samples(0, 8)
+    results = header(streams=args.streams, queries_per_stream=args.queries_per_stream)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, target = start_server(Path(tmp))
+        try:
+            ok, want = still_serving(target, block, None)
+            rss = {"start": rss_mb(proc.pid)}
+            answers = malicious(target, block)
+            alive_after_malicious = proc.poll() is None and still_serving(target, block, want)[0]
+            rss["after_malicious"] = rss_mb(proc.pid)
+            requests = [lab_request(block, query_id=k) for k in range(args.queries_per_stream)]
+            answered, failed, seconds = asyncio.run(_streams(target, requests, args.streams))
+            alive_after_streams = proc.poll() is None and still_serving(target, block, want)[0]
+            time.sleep(2.0)  # the streams' state released
+            rss["after_streams"] = rss_mb(proc.pid)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    growth = max(rss.values()) - rss["start"]
+    results.update(answers=answers, alive_after_malicious=alive_after_malicious, streams_answered=answered,
+                   streams_failed=failed, streams_seconds=seconds, alive_after_streams=alive_after_streams,
+                   rss_mb=rss, rss_growth_mb=growth, exit_code=code)  # fmt: skip
+    # the issue's rule: serve keeps serving with its RSS bounded; every stream answered in full is reported apart
+    passed = alive_after_malicious and alive_after_streams and growth <= args.rss_growth_mb and code == 0
+    results["passed"] = bool(passed)
+    results["all_streams_answered"] = not failed and answered == args.streams * args.queries_per_stream
+    for name, status in answers.items():
+        print(f"  {name}: {status}")
+    print(f"malicious: server alive {alive_after_malicious}; {args.streams} streams x {args.queries_per_stream}: "
+          f"{answered:,} answered, streams failed {failed or 'none'} in {seconds:.1f} s; alive {alive_after_streams}; "
+          "RSS "
+          + ", ".join(f"{k} {v:.0f} MB" for k, v in rss.items()) + f" (grew {growth:.0f} MB); exit {code}")  # fmt: skip
+    print(
+        ("PASS: serve kept serving, its RSS bounded" if passed else "FAIL")
+        + ("" if results["all_streams_answered"] else f"; NOT every stream answered in full ({failed})")
+    )
+    write_results(results_path("serve_abuse", args.out), results)
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    main()
