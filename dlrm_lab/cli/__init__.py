@@ -93,16 +93,16 @@ def run() -> None:
     import signal
 
     code = main()
+    # The command is over and its error, if any, printed. A launcher's SIGTERM from here on
+    # (it stops the other ranks once one died) would raise Terminated inside the process group's
+    # shutdown or an interpreter exit hook and print a traceback after the one-line error: let the exit finish.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if "torch.distributed" in sys.modules:  # a distributed command: end its process group while Python is whole
         # (left to interpreter teardown, gloo's threads can abort the rank after its work is done: pytorch#179291)
         from dlrm_lab.distributed.context import shutdown_distributed
 
         shutdown_distributed()
-    # The command is over and its error, if any, printed. A launcher's SIGTERM from here on
-    # (it stops the other ranks once one died) would raise Terminated inside an interpreter
-    # exit hook and print a traceback after the one-line error: let the exit finish instead.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     loadgen = sys.modules.get("dlrm_lab.infer.loadgen")
     if loadgen is not None and loadgen.running():  # stopped mid-test: LoadGen's threads would abort the teardown
         sys.stdout.flush()

@@ -444,6 +444,13 @@ def _close_fault_log(run_dir: Path) -> None:
 _watcher: tuple[int, Path] | None = None  # this process's watcher: (pid it watches, its directory of open runs)
 
 
+def _watcher_env() -> dict[str, str]:
+    """What a watcher needs of the environment to find Python and the lab; not a launcher's variables (RANK, ...):
+    tools that find a job's ranks by them must not take the watcher for one."""
+    keep = ("PATH", "PYTHONPATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "VIRTUAL_ENV")
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
 def _watch(run_dir: Path) -> Path | None:
     """List `run_dir` as open with this process's watcher (`metrics.watch`, started with its first run): should
     this process die without closing the run (a kernel's SIGSEGV, SIGKILL), the run is marked failed at once, not
@@ -457,7 +464,7 @@ def _watch(run_dir: Path) -> Path | None:
             subprocess.Popen(
                 [sys.executable, "-P", str(Path(__file__).with_name("watch.py")), str(os.getpid()), str(directory)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True, close_fds=True,
+                start_new_session=True, close_fds=True, env=_watcher_env(),
             )  # fmt: skip
             _watcher = (os.getpid(), directory)
         marker = _watcher[1] / run_dir.name
