@@ -223,6 +223,18 @@ def test_completions_finished_together_are_reported_once_per_reporter():
                 report_after("b", lambda: calls.append("b"))
         assert calls == ["a"]
     assert calls == ["a", "a", "b"]
+    def broken() -> None:
+        raise RuntimeError("LoadGen said no")
+
+    errors: list[Exception] = []  # a report that raises goes to on_error; the others are still made
+    with finishing_together(errors.append):
+        report_after("x", broken)
+        report_after("y", lambda: calls.append("y"))
+    assert [str(e) for e in errors] == ["LoadGen said no"] and calls[-1] == "y"
+    with pytest.raises(RuntimeError, match="LoadGen said no"), finishing_together():  # without: raised after all
+        report_after("x", broken)
+        report_after("z", lambda: calls.append("z"))
+    assert calls[-1] == "z"
     seen = []  # another thread finishing queries meanwhile reports its own at once
     with finishing_together():
         t = threading.Thread(target=report_after, args=("c", lambda: seen.append("c")))

@@ -501,7 +501,7 @@ class InferenceServer:
                     with self._idle:
                         self._idle.notify_all()
                 continue
-            with finishing_together():  # the batches that arrived together are reported together
+            with finishing_together(self._callback_failed):  # the batches that arrived together are reported together
                 for conn in ready:
                     try:
                         msg: BatchResult = conn.recv()
@@ -601,6 +601,9 @@ class InferenceServer:
         for q in finished:
             self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
 
+    def _callback_failed(self, exc: Exception) -> None:
+        self._error = f"completion callback failed: {type(exc).__name__}: {exc}"
+
     def _finish(
         self,
         q: Query,
@@ -651,7 +654,7 @@ class InferenceServer:
             try:
                 q.on_done(q, status, scores)
             except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
-                self._error = f"completion callback failed: {type(exc).__name__}: {exc}"
+                self._callback_failed(exc)
         with self._idle:
             self._outstanding -= 1
             if self._outstanding == 0:

@@ -96,10 +96,11 @@ _together = threading.local()
 
 
 @contextmanager
-def finishing_together() -> Iterator[None]:
+def finishing_together(on_error: Callable[[Exception], None] | None = None) -> Iterator[None]:
     """A system under test finishing several queries at once (a batch's) calls their `on_done` inside this: a
     driver that reports completions in bulk (`report_after`) then reports them once, after the last. MLPerf
-    LoadGen's `QuerySamplesComplete` takes a list for this: one call per batch, not per query."""
+    LoadGen's `QuerySamplesComplete` takes a list for this: one call per batch, not per query. A report that
+    raises goes to `on_error` (a system's completions must go on), the others still made; without it, it is raised."""
     if getattr(_together, "flushes", None) is not None:  # nested: the outermost reports
         yield
         return
@@ -108,8 +109,17 @@ def finishing_together() -> Iterator[None]:
         yield
     finally:
         flushes, _together.flushes = _together.flushes, None
+        failed: Exception | None = None
         for flush in flushes.values():
-            flush()
+            try:
+                flush()
+            except Exception as exc:  # noqa: BLE001 - handed to on_error, or raised once all reported
+                if on_error is None:
+                    failed = failed or exc
+                else:
+                    on_error(exc)
+        if failed is not None:
+            raise failed
 
 
 def report_after(key: object, flush: Callable[[], None]) -> None:

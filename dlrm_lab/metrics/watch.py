@@ -27,8 +27,10 @@ def wait_for_exit(pid: int) -> None:
     except (AttributeError, OSError):
         fd = None
     if fd is not None:
-        with os.fdopen(fd) as handle:
-            select.select([handle], [], [])
+        try:
+            select.select([fd], [], [])  # a pidfd turns readable when its process ends
+        finally:
+            os.close(fd)
         return
     while True:
         try:
