@@ -223,6 +223,7 @@ def test_completions_finished_together_are_reported_once_per_reporter():
                 report_after("b", lambda: calls.append("b"))
         assert calls == ["a"]
     assert calls == ["a", "a", "b"]
+
     def broken() -> None:
         raise RuntimeError("LoadGen said no")
 
