@@ -999,7 +999,7 @@ def test_client_processes_beyond_the_machines_memory_are_refused_naming_how_many
 
     each = WORKER_RUNTIME_BYTES + (96 << 20)
     check_workers_fit(10, 96 << 20, available_bytes=10 * each)
-    with pytest.raises(FieldError, match=r"^concurrency 200: 200 client processes need 50.00 GiB \(256 MiB each: "
-                       r"the runtime and the sample libraries\) but this machine has 2.50 GiB available: at most 10 "
-                       "here$"):  # fmt: skip
+    with pytest.raises(FieldError, match=rf"^concurrency 200: 200 client processes need {200 * each / 2**30:.2f} GiB "
+                       rf"\({each / 2**20:.0f} MiB each: the runtime and the sample libraries\) but this machine has "
+                       rf"{10 * each / 2**30:.2f} GiB available: at most 10 here$"):  # fmt: skip
         check_workers_fit(200, 96 << 20, available_bytes=10 * each)

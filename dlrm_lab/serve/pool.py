@@ -25,9 +25,9 @@ from dlrm_lab.errors import BadAnswer, ClientLost, FieldError, RemoteFailure, Se
 from dlrm_lab.infer.sut import Query, SutDescription
 
 START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
-# A client worker's own memory before its sample libraries (RSS: Python, numpy, pyarrow and grpc loaded, its
-# channel open), measured with the tiny preset on 2026-11-27, rounded up
-WORKER_RUNTIME_BYTES = 160 << 20
+# A client worker's private memory (USS: its imports, torch among them, and its channel; shared pages counted
+# once), measured with the tiny preset on 2026-11-27 (267 MB; RSS 398 MB), rounded up
+WORKER_RUNTIME_BYTES = 288 << 20
 
 
 def check_workers_fit(concurrency: int, library_bytes: int, available_bytes: int | None = None) -> None:
