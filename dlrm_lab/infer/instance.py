@@ -222,8 +222,8 @@ class KeepWarm:
             self.at = (self.at + 97) % self.size  # other rows each time
 
 
-# An instance's profile holds its first this many batches: each is a few hundred operator events, and a long point
-# at a high rate profiled whole took GBs of memory and a 427 MB trace.json
+# An instance's profile holds its first this many batches: a 40 s point at 1,500 queries/s profiled whole held
+# 6.18 GB (1.05 GB untraced) and wrote a 427 MB trace.json (issue 44)
 MAX_TRACED_BATCHES = 1000
 
 
