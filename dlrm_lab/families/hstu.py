@@ -452,10 +452,6 @@ def _refuse_v4_layout(spec: HSTUSpec, command: str, where: str) -> None:
                         "carry yet (it trains: `dlrm-lab train`)")  # fmt: skip
 
 
-# bytes per dense parameter while training: weight and gradient, and the optimizer's state (per parameter)
-DENSE_TRAINING_FLOATS = {"sgd": 2, "adagrad": 3, "adam": 4}
-
-
 def check_ranker_fits(spec: HSTUSpec, cfg: Any, available_bytes: int | None = None) -> None:
     """Refuse, before anything is built, a ranker whose tables (this host's share of them, with row-wise Adagrad's
     state) and dense part (with gradients and optimizer state, on each rank here) cannot fit this host's available
@@ -465,13 +461,15 @@ def check_ranker_fits(spec: HSTUSpec, cfg: Any, available_bytes: int | None = No
 
     import psutil
 
+    from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE, dense_training_bytes
+
     gib = 2.0**30
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     world = max(local, int(os.environ.get("WORLD_SIZE", "1") or 1))
-    row_bytes = {"fp32": 4, "fp16": 2}.get(cfg.table_precision, 4)
     rows = sum(spec.shape.table_rows.values())
-    tables = (spec.embedding_parameters * row_bytes + rows * 4) * local / world  # the tables are sharded over ranks
-    dense = local * 4 * DENSE_TRAINING_FLOATS.get(cfg.dense_optimizer, 4) * spec.shape.dense_parameters
+    values = spec.embedding_parameters * TABLE_BYTES_PER_VALUE[cfg.table_precision]
+    tables = (values + rows * 4) * local / world  # the tables are sharded over ranks; one Adagrad float per row
+    dense = local * dense_training_bytes(spec.shape.dense_parameters, cfg.dense_optimizer)
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     if tables + dense > TRAINING_MEMORY_SHARE * available:
         share = f" (this host's {local} of {world} ranks)" if world > 1 else ""

@@ -15,7 +15,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -438,10 +438,9 @@ def run_inference(
     }
     opened = open_target(target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed,
                          log=log)  # fmt: skip
-    with ExitStack() as connected:
-        # a remote target is reached, and its models checked, before the run directory exists: a mistake in
-        # --target leaves none; the lab's own server starts inside its run, which records how that went
-        remote = connected.enter_context(opened) if target.remote else None
+    # a remote target is reached, and its models checked, before the run directory exists: a mistake in --target
+    # leaves none; the lab's own server starts inside its run, which records how that went
+    with opened if target.remote else nullcontext() as remote:
         run = Run.create(metrics_dir, "infer", config, argv=argv)
         with faults_name_the_run(run), run:
             queries = run.table("queries", schema_of("queries"))

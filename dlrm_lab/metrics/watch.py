@@ -42,21 +42,19 @@ def wait_for_exit(pid: int) -> None:
         time.sleep(0.5)
 
 
-def mark_left_open(directory: Path) -> list[Path]:
-    """Mark each run still listed in `directory` failed (`recover_run`); the runs marked."""
-    marked = []
+def mark_left_open(directory: Path) -> None:
+    """Mark each run still listed in `directory` failed (`recover_run`), and take it off the list."""
     for entry in sorted(directory.glob("*")):
-        run_dir = Path(entry.read_text().strip())
-        if run_dir.is_dir():
-            from dlrm_lab.metrics.run import recover_run  # only now: pyarrow and the lab
+        try:
+            run_dir = Path(entry.read_text().strip())
+            if run_dir.is_dir():
+                from dlrm_lab.metrics.run import recover_run  # only now: pyarrow and the lab
 
-            try:
                 recover_run(run_dir)
-                marked.append(run_dir)
-            except Exception:  # noqa: BLE001, S112 - another run may still be marked; `runs recover` sees this one
-                continue
-        entry.unlink(missing_ok=True)
-    return marked
+        except Exception:  # noqa: BLE001, S110 - another run may still be marked; `runs recover` sees this one
+            pass
+        finally:
+            entry.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> None:
@@ -64,8 +62,6 @@ def main(argv: list[str]) -> None:
     wait_for_exit(pid)
     if directory.is_dir():
         mark_left_open(directory)
-        for entry in directory.glob("*"):
-            entry.unlink(missing_ok=True)
         directory.rmdir()
 
 

@@ -91,6 +91,13 @@ def row_bytes(embedding_dim: int, table_precision: str = "fp32") -> float:
     return embedding_dim * TABLE_BYTES_PER_VALUE[table_precision] + _QUANTISED_ROW_EXTRA_BYTES.get(table_precision, 0)
 
 
+def dense_training_bytes(dense_parameters: int, optimizer: str = "adagrad", distributed: bool = False) -> float:
+    """Bytes the dense parameters take while training (fp32): weights, gradients, the optimizer's states and, on
+    several ranks, DDP's gradient buckets."""
+    states = _DENSE_OPTIMIZER_STATES.get(optimizer, 1)
+    return 4.0 * dense_parameters * (2 + states + (1 if distributed else 0))
+
+
 def lookup_bytes_per_sample(spec: ModelSpec, table_precision: str = "fp32") -> float:
     """Bytes of embedding rows one sample's lookups read, at the tables' storage precision."""
     return float(
@@ -128,8 +135,7 @@ def training_memory(spec: ModelSpec, batch_size: int, dense_optimizer: str = "ad
                     distributed: bool = False) -> TrainingMemory:  # fmt: skip
     """What a rank holds while it trains `spec` at `batch_size` samples (fp32): a lower bound, since the
     framework's own workspaces come on top."""
-    states = _DENSE_OPTIMIZER_STATES.get(dense_optimizer, 1)
-    dense = 4.0 * spec.dense_parameters * (2 + states + (1 if distributed else 0))
+    dense = dense_training_bytes(spec.dense_parameters, dense_optimizer, distributed)
     outputs = sum(spec.bottom_mlp) + spec.pooled_width + spec.over_arch_in_features + sum(spec.top_mlp)
     if spec.interaction == "dot":
         outputs += (spec.num_features + 1) ** 2  # the pairwise products before the upper triangle is taken
