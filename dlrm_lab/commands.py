@@ -17,7 +17,7 @@ from typing import Any
 
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec, family_of
-from dlrm_lab.config.options import Declared, PresetChoice, build, given, options_of
+from dlrm_lab.config.options import Declared, PresetChoice, build, given, options_of, parse_words
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.options import (
     RUN_KNOBS,
@@ -31,6 +31,9 @@ from dlrm_lab.serve.options import CLIENT_CHANGES, ClientOptions, ServeOptions
 
 # Options of the command line only: where results go and how progress shows.
 CLI_ONLY = frozenset({"metrics_dir", "progress"})
+# ... as words a command line may give (`cli.options` declares them for Typer): a library parser reads them too
+_CLI_WORDS = [Declared(object, "metrics_dir", "metrics_dir", str, "runs", "Directory that receives the run directory."),
+              Declared(object, "progress", "progress", bool, True, "Show a progress bar.")]  # fmt: skip
 
 TRAIN: list[Declared] = [*options_of(PresetChoice), *options_of(TrainConfig)]
 INFER_RUN: list[Declared] = [
@@ -96,6 +99,13 @@ def _by_flag() -> Iterator[None]:
         yield
     except FieldError as exc:
         raise exc.spelt(flag) from None
+
+
+@_by_flag()
+def train_words(words: list[str]) -> dict[str, Any]:
+    """The `dlrm-lab train` options in a command line's words (after `scale --`, or a TorchX component's), keyed
+    as a sweep's options are (`batch-size`, `set`): those given, each checked as `train` checks it."""
+    return parse_words([*TRAIN, *_CLI_WORDS], words, "train")
 
 
 @_by_flag()

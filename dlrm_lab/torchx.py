@@ -180,15 +180,10 @@ def _check_counts(**counts: int) -> None:
 
 def _check_train_options(words: list[str]) -> None:
     """A typo or a bad value (an unknown preset, --steps 0) fails here, in one line, not on the cluster after the
-    job waited in its queue: train's own parser, then the preset and the training config it would build."""
-    import typer
-
-    from dlrm_lab.cli.scale import train_options  # train's own parser; the CLI loads typer and rich: only when checking
-    from dlrm_lab.commands import train_setup
+    job waited in its queue: train's own options, then the preset and the training config they would build."""
+    from dlrm_lab.commands import train_setup, train_words
 
     try:
-        train_setup(train_options(words))
-    except typer.TyperException as exc:
-        raise ComponentArgumentError(f"train options {shlex.join(words)!r}: {exc.format_message()}") from None
+        train_setup(train_words(words))
     except UserError as exc:
         raise ComponentArgumentError(f"train options {shlex.join(words)!r}: {exc}") from None

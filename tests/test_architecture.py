@@ -104,6 +104,9 @@ def test_every_import_between_rooms_runs_downhill():
     assert {"config", "infer", "families", "metrics", "cli"} <= set(rooms)
     assert _circles(rooms) == []
     assert "families" not in set().union(*(t for r, t in rooms.items() if r != "families"))  # asked of by no room
+    # the command line is the top floor: only the entry point imports it (a TorchX component parses train's words
+    # with the library's parser, `commands.train_words`)
+    assert {r for r, t in rooms.items() if "cli" in t} == {"__main__"}
 
 
 def test_the_room_walk_finds_an_uphill_import():

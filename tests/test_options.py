@@ -5,6 +5,7 @@ the fields the configs declare (`config.options.option`); sweeps accept exactly 
 them by building the same configs; the library names a bad field, the command line names its flag.
 """
 
+import inspect
 import json
 import pickle
 from dataclasses import dataclass
@@ -222,14 +223,27 @@ def test_one_declaration_makes_the_option_the_coercion_and_the_config():
     assert seen == {"rate": 3.0, "names": ["x"]}
 
 
-def test_scale_passes_its_train_options_through_trains_own_parser():
-    from dlrm_lab.cli.scale import train_options
+def test_the_library_parser_knows_the_command_lines_own_words():
+    from dlrm_lab import commands
+    from dlrm_lab.cli.train import train_command
+
+    assert {d.name for d in commands._CLI_WORDS} == commands.CLI_ONLY
+    typer_params = set(inspect.signature(train_command).parameters)
+    assert typer_params == {d.name for d in [*commands.TRAIN, *commands._CLI_WORDS]}  # the same words, both parsers
+
+
+def test_scale_passes_its_train_options_through_trains_own_declarations():
+    """The library parses train's words from train's declarations (a TorchX component checks them too, and the
+    library stands below the command line)."""
+    from dlrm_lab.commands import train_words
 
     words = ["-p", "kaggle", "--steps=12", "--no-pin-cores", "--set", "a=1", "--set", "b=2", "--prefetch", "0"]
-    assert train_options(words) == {"preset": "kaggle", "steps": 12, "pin-cores": False, "set": ["a=1", "b=2"],
-                                    "prefetch": "0"}  # fmt: skip
-    code, _, stderr = run_cli_in_process("scale", "--ranks", "1", "--", "--stepz", "3")
-    assert code == 2 and "No such option: --stepz" in stderr and "dlrm-lab train --help" in stderr
+    assert train_words(words) == {"preset": "kaggle", "steps": 12, "pin-cores": False, "set": ["a=1", "b=2"],
+                                  "prefetch": "0"}  # fmt: skip
+    for bad, said in ((["--stepz", "3"], "unrecognized arguments: --stepz 3"), (["--steps", "x"], "--steps 'x'"),
+                      (["--steps"], "argument --steps: expected one argument")):  # fmt: skip
+        code, _, stderr = run_cli_in_process("scale", "--ranks", "1", "--", *bad)
+        assert code != 0 and said in stderr and "Traceback" not in stderr, stderr
 
 
 def test_help_shows_declared_text_as_written():

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.options import MetricsDir
+from dlrm_lab.commands import train_words
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import columns
 
@@ -52,7 +53,7 @@ def scale_command(
         raise UserError(f"--project {project}: projects the one-rank run; include 1 in --ranks (got {ranks})")
     if plan_up_to < 1:
         raise UserError(f"--plan-up-to {plan_up_to}: must be an integer >= 1")
-    spec = scaling_spec(parse_ranks(ranks), mode, batch_size, train_options(ctx.args), metrics_dir, launcher,
+    spec = scaling_spec(parse_ranks(ranks), mode, batch_size, train_words(ctx.args), metrics_dir, launcher,
                         threads_per_rank, repeats)  # fmt: skip
     err = console(stderr=True)
     with say_interrupted(err):
@@ -73,18 +74,6 @@ def scale_command(
     console().print(f"sweep directory: {sweep_dir}")
     if any(p["point_status"] != "ok" for p in points):
         raise typer.Exit(1)
-
-
-def train_options(words: list[str]) -> dict[str, Any]:
-    """The `dlrm-lab train` options after `scale --`, parsed by train's own command line: those given,
-    keyed as a sweep's options are (`batch-size`, `set`); a bad one fails as it would for `train`."""
-    from dlrm_lab.cli.train import train_command
-
-    alone = typer.Typer()
-    alone.command()(train_command)
-    parsed = typer.main.get_command(alone).make_context("dlrm-lab train", list(words))
-    given = [n for n in parsed.params if parsed.get_parameter_source(n).name == "COMMANDLINE"]
-    return {name.replace("_", "-"): parsed.params[name] for name in given}
 
 
 def _print_gaps(sweep_dir, points) -> None:

@@ -9,6 +9,7 @@ errors (`FieldError`); the command line names them by flag (`Declared.flag`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import types
@@ -157,6 +158,35 @@ def given(
         names = ", ".join(sorted(d.flag for d in declared))
         raise UserError(f"{command}: unknown option --{unknown[0].replace('_', '-')}; allowed: {names}")
     return {k: coerce(by_name[k], v) for k, v in values.items()}
+
+
+def parse_words(declared: list[Declared], words: list[str], command: str) -> dict[str, Any]:
+    """The options given in `words` (a command line's, after the command), keyed as a sweep's options are
+    (`batch-size`), each coerced to its declared type; an unknown flag or a bad value is one UserError naming it.
+    The library's own parser, so that a TorchX component or a scaling run checks a command's words without the
+    command line (which stands above the library); stdlib argparse, set up from the declarations as Typer is."""
+    parser = _WordParser(prog=command, add_help=False, allow_abbrev=False)
+    for d in declared:
+        dest = dict(dest=d.name, default=argparse.SUPPRESS)
+        spellings = list(d.flags) or ["--" + d.name.replace("_", "-")]
+        kind = next((a for a in typing.get_args(d.type) if a is not type(None)), d.type)  # Optional[X]: X
+        if typing.get_origin(d.type) not in (typing.Union, types.UnionType):
+            kind = d.type
+        if kind is bool:
+            action = argparse.BooleanOptionalAction if d.negatable else "store_true"
+            parser.add_argument(*spellings, action=action, **dest)
+        elif typing.get_origin(kind) in (list, tuple):
+            parser.add_argument(*spellings, action="append", **dest)
+        else:
+            parser.add_argument(*spellings, **dest)
+    values = vars(parser.parse_args(list(words)))
+    by_name = {d.name: d for d in declared}
+    return {name.replace("_", "-"): coerce(by_name[name], value) for name, value in values.items()}
+
+
+class _WordParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and exit
+        raise UserError(f"{self.prog}: {message}; see dlrm-lab {self.prog} --help")
 
 
 def build(config: type, declared: list[Declared], values: Mapping[str, Any], **fixed: Any) -> Any:
