@@ -13,7 +13,7 @@ import pytest
 
 import dlrm_lab.families  # noqa: E402,F401 - registers every family's columns, as the writers' imports do
 from dlrm_lab.metrics import columns
-from dlrm_lab.metrics.columns import schema_of
+from dlrm_lab.metrics.columns import registry, schema_of
 
 ROOT = Path(__file__).parent.parent
 # the pages that document columns (the benchmarks' history quotes old figures, which documents none)
@@ -86,7 +86,7 @@ def test_every_registered_column_is_documented():
 def test_registered_units_agree_with_the_naming_convention():
     """A name that carries a unit (`_ms`, `samples_per_s`) is registered with that unit."""
     for c in columns.COLUMNS.values():
-        suffix_unit = next((u for s, u in columns._SUFFIX_UNITS if c.name.endswith(s)), None)
+        suffix_unit = next((u for s, u in registry._SUFFIX_UNITS if c.name.endswith(s)), None)
         if suffix_unit is not None:
             assert c.unit == suffix_unit, c.name
 
@@ -130,7 +130,7 @@ def test_tables_keep_their_files_column_order():
     assert columns.names_of("search summary") == (*columns.names_of("infer summary"), "repeat", "probe", "passed")
     assert columns.names_of("train telemetry") == ("rank", *columns.names_of("telemetry"))
     assert columns.names_of("infer telemetry") == ("point", *columns.names_of("telemetry"))
-    for table in columns._LAYOUTS:
+    for table in registry._LAYOUTS:
         names = columns.names_of(table)
         assert len(names) == len(set(names)), table
 
@@ -138,7 +138,7 @@ def test_tables_keep_their_files_column_order():
 def test_no_module_writes_a_run_tables_schema_by_hand():
     """Every schema of a run's tables is `schema_of(table)`. Aside: the data files' own formats (data/), the
     `run_id` every table leads with (metrics/tables.py), and a sweep's per-metric aggregates, named at run time."""
-    allowed = {"dlrm_lab/metrics/columns.py", "dlrm_lab/metrics/tables.py", "dlrm_lab/sweep.py"}
+    allowed = {"dlrm_lab/metrics/columns/registry.py", "dlrm_lab/metrics/tables.py", "dlrm_lab/sweep.py"}
     by_hand = [
         rel
         for path in sorted((ROOT / "dlrm_lab").rglob("*.py"))
@@ -149,15 +149,15 @@ def test_no_module_writes_a_run_tables_schema_by_hand():
 
 
 def test_a_familys_columns_join_a_shared_table_where_it_places_them(monkeypatch):
-    monkeypatch.setattr(columns, "COLUMNS", dict(columns.COLUMNS))
-    monkeypatch.setattr(columns, "_LAYOUTS", {t: list(c) for t, c in columns._LAYOUTS.items()})
+    monkeypatch.setattr(registry, "COLUMNS", dict(registry.COLUMNS))
+    monkeypatch.setattr(registry, "_LAYOUTS", {t: list(c) for t, c in registry._LAYOUTS.items()})
     reuse = columns.define("candidates_scored", pa.int64())
     columns.register_columns("queries", [reuse], after="samples")
     columns.register_columns("infer summary", ["history_cache_mb", columns.define("candidates_mean", pa.float64())])
     assert columns.names_of("queries")[3:5] == ("samples", "candidates_scored")
     assert schema_of("queries").field("candidates_scored").type == pa.int64()
     assert columns.names_of("search summary")[-4:] == ("candidates_mean", "repeat", "probe", "passed")
-    assert columns.COLUMNS["candidates_scored"].tables == ("queries",)
+    assert registry.COLUMNS["candidates_scored"].tables == ("queries",)
     before = columns.names_of("queries")
     columns.register_columns("queries", [reuse], after="samples")  # the family's module imported again
     assert columns.names_of("queries") == before

@@ -1,0 +1,237 @@
+"""The inference lab's tables: a query per row (`queries`), a load point per row (`infer summary`), a search's
+probes (`search summary`) and its serving configurations (`frontier`)."""
+
+from __future__ import annotations
+
+from dlrm_lab.metrics.columns.groups import ENERGY, ROOFLINE, ROOFLINE_PLACED, SERVING_COST
+from dlrm_lab.metrics.columns.registry import (
+    BATCH_STAGES,
+    BOOL,
+    F64,
+    HIGHER,
+    I32,
+    I64,
+    LATENCY_PARTS,
+    LOWER,
+    STR,
+    TRANSFER_STAGES,
+    _c,
+    _table,
+)  # fmt: skip
+
+# queries.parquet: one row per query (`infer.records.query_row`)
+_table(
+    "queries",
+    _c("point", I32, "point", fmt="d"),
+    _c("query_id", I64),
+    _c("model", STR, "model", fmt="s"),
+    _c("samples", I32),
+    _c("status", STR),
+    _c("scheduled_ms", F64),
+    _c("issued_ms", F64),
+    _c("start_ms", F64),
+    _c("end_ms", F64),
+    _c("latency_ms", F64),
+    _c("queue_ms", F64),
+    _c("compute_ms", F64),
+    _c("batch_id", I64),
+    _c("batch_samples", I32),
+    _c("batch_queries", I32),
+    _c("instance", I32),
+    _c("batch_compute_ms", F64),  # that batch's time on its instance
+    _c("batch_expected_ms", F64),  # ... as the instance's warm batch-cost model has it
+    _c("pieces", I32),
+    _c("late", BOOL),
+    _c("error", STR),
+    # (the HSTU family registers its history columns here: families/hstu.py COLUMNS)
+    # the batch of the query's last piece: when it began on its instance, its stages there, and its
+    # result's trip back to the serving process (docs/metrics.md)
+    _c("batch_start_ms", F64),
+    *[_c(f"batch_{stage}_ms", F64) for stage in BATCH_STAGES],
+    _c("batch_completion_ms", F64),
+    # the query's latency in parts that sum to it (`latency_parts`)
+    *[_c(f"lat_{part}_ms", F64) for part in LATENCY_PARTS],
+    # a query that crossed a network (`serve.remote`; null in process): the client connection that sent it,
+    # the RPC's own status code, and its transfer stages (they and issue, queue, compute sum to the latency)
+    _c("worker", I32),
+    _c("rpc_status", STR),
+    *[_c(f"{stage}_ms", F64) for stage in TRANSFER_STAGES],
+    _c("round_trip_ms", F64),  # client send -> receive
+    _c("server_ms", F64),  # server receive -> send (its clock; a duration only)
+    _c("instance_compute_ms", F64),  # instance time summed over the query's pieces
+    _c("request_bytes", I64),
+    _c("response_bytes", I64),
+)
+
+# summary.parquet of `infer run`: one row per model and load point (`infer.records.summarize` and `infer.lab`)
+_table(
+    "infer summary",
+    "point",
+    "model",
+    _c("mode", STR, "mode", fmt="s"),  # "together" (all models served at once) or "alone"
+    _c("scenario", STR),
+    _c("preset", STR, "preset", fmt="s"),
+    _c("instances", I32, "instances", fmt="d"),
+    _c("threads_per_instance", I32, "threads per instance", fmt="d", short="threads"),
+    _c("max_batch", I32, "max batch", "samples", "d", short="max batch"),
+    _c("max_delay_ms", F64, "max batching delay", "ms", "g", short="delay ms"),
+    _c("max_queue", I32),
+    _c("min_piece", I32),  # smallest split piece (resolved: measured when 0 was asked)
+    _c("spin_ms", F64),  # an idle instance polls this long before it sleeps
+    _c("keep_warm_ms", F64),  # an idle instance runs a 1-sample batch this often (0: off)
+    _c("max_query_samples", I64),  # the largest query accepted
+    _c("precision", STR, "precision", fmt="s"),
+    _c("table_precision", STR, "table precision", fmt="s"),
+    _c("build", STR, "inference build", fmt="s"),  # the inference form served (infer.build)
+    _c("checkpoint", STR),  # the trained weights served (a train --checkpoint-dir step); null: untrained
+    _c("checkpoint_step", I64),  # the training steps behind them
+    _c("checkpoint_auc", F64, "trained model's held-out AUC", fmt=".4f"),  # at that step, as training measured it
+    _c("batch_fixed_ms", F64, "warm batch cost: fixed", "ms", ".3f"),  # the instances' warm batch cost: fixed ...
+    _c("batch_per_sample_us", F64),  # ... and per sample (measured back to back at start)
+    # (the HSTU family registers its serving columns here: families/hstu.py COLUMNS)
+    _c("query_sizes", STR),
+    _c("arrival", STR),
+    _c("target_qps", F64, "offered load", "queries/s", ".1f", short="target q/s"),
+    _c("duration_s", F64, "duration", "s", ".1f", short="secs"),
+    _c("warmup_s", F64),  # untimed load before the point (infer.lab.warm_up)
+    _c("queries", I64),
+    _c("completed_queries", I64),
+    _c("dropped_queries", I64, "dropped", "queries", "d", LOWER, "drop"),
+    _c("rejected_queries", I64),
+    _c("failed_queries", I64),
+    _c("unfinished_queries", I64),
+    _c("expired_queries", I64),  # their sender's deadline passed before they were computed
+    _c("late_queries", I64, "late", "queries", "d", LOWER, "late"),
+    _c("queries_per_s", F64, "throughput", "queries/s", ",.1f", HIGHER, "queries/s"),
+    _c("samples_per_s", F64, "throughput", "samples/s", ",.0f", HIGHER, "samples/s"),
+    # nearest-rank percentiles over completed queries (`infer.records.LATENCY_FIELDS`)
+    _c("latency_p50_ms", F64, "latency p50", "ms", ".2f", LOWER, "p50 ms"),
+    _c("latency_p90_ms", F64),
+    _c("latency_p95_ms", F64),
+    _c("latency_p99_ms", F64, "latency p99", "ms", ".2f", LOWER, "p99 ms"),
+    _c("latency_p99_9_ms", F64, "latency p99.9", "ms", ".2f", LOWER, "p99.9 ms"),
+    _c("latency_mean_ms", F64),
+    _c("latency_max_ms", F64, "latency max", "ms", ".2f", LOWER, "max ms"),
+    _c("sla_ms", F64, "latency bound", "ms", "g"),
+    _c("sla_percentile", F64, "latency bound percentile", fmt="g"),
+    # latency at sla_percentile, dropped/failed counted as infinite
+    _c("sla_latency_ms", F64, "latency at the bound's percentile", "ms", ".2f", LOWER),
+    _c("sla_met", BOOL, "SLA met", fmt="met|missed", short="SLA"),
+    _c("load_stopped_early", BOOL),  # ended once its verdict was decided (search probes)
+    # the query at the bound's percentile, its roofline time on the cores serving it, and the measured latency over it
+    _c("latency_floor_samples", I64, "samples of the query at the bound's percentile", "samples", "d"),
+    _c("latency_floor_cores", I32, "cores serving that query", "cores", "d"),
+    _c("latency_floor_ms", F64, "latency floor (that query at the roofline)", "ms", ".2f", short="floor ms"),
+    _c("latency_floor_wake_ms", F64),  # of which the wake of an instance idle between queries (metrics.wake)
+    _c("latency_floor_cold_factor", F64),  # its memory read that many times slower after that idle (metrics.wake)
+    _c("latency_floor_ratio", F64, "latency at the bound's percentile over the floor", "x", ".1f", LOWER, "x floor"),
+    _c("batch_samples_mean", F64, "batch mean", "samples", ".1f", short="batch"),
+    _c("batch_samples_p50", F64),
+    _c("batch_samples_p99", F64),
+    _c("batch_queries_mean", F64),
+    _c("batches", I64),
+    _c("queue_share", F64, "queue share", "fraction", ".0%", short="queue"),
+    _c("compute_slowdown_p50", F64),  # batch time over the warm batch-cost model, median of batches
+    _c("compute_slowdown_p99", F64),  # ... 99th percentile (a noisy host, cold cores)
+    _c("queue_mean_ms", F64),
+    _c("compute_mean_ms", F64),
+    # mean ms per batch in each stage on its instance, and its result's trip back
+    *[_c(f"batch_{stage}_mean_ms", F64) for stage in (*BATCH_STAGES, "completion")],
+    # the latency parts of the tail: mean over the queries at or above the bound's percentile
+    *[
+        _c(f"tail_{p}_ms", F64, f"tail latency: {p.replace('_', ' ')}", "ms", ".3f", short=p.replace("_", " "))
+        for p in LATENCY_PARTS
+    ],  # fmt: skip
+    # (the HSTU family registers its history reuse columns here: families/hstu.py COLUMNS)
+    _c("achieved_rate_ratio", F64),  # issued / target queries (the load was what it claims)
+    _c("issue_lag_p50_ms", F64),
+    _c("issue_lag_p99_ms", F64),
+    _c("issue_lag_max_ms", F64),
+    _c("issue_stopped", STR),  # why the open loop stopped issuing early (--max-issue-lag-ms)
+    _c("instance_stalls", I32),  # batches an instance held >= 0.5 s and >= 20x their warm time
+    _c("longest_stall_s", F64),
+    _c("stalled_instances", STR),  # which instances, comma-separated
+    _c("cpu_utilization", F64),  # of all cores this process may use, 0..1
+    _c("instance_cpu_utilization", F64),  # instance processes' CPU time / (wall x their threads)
+    _c("server_cpu_s", F64),  # CPU seconds of the parent (load generator, batcher, completions)
+    _c("snapshot_mb", F64),
+    _c("loadgen_result", STR),  # VALID / INVALID (MLPerf LoadGen scenarios)
+    _c("loadgen_reason", STR),  # INVALID: what LoadGen found unmet (its summary's words)
+    _c("loadgen_queries_per_s", F64),  # LoadGen's "samples" are our queries
+    _c("loadgen_p99_ms", F64),
+    # the system under test (`infer.targets`) and, over a network, what crossing it cost (null in process)
+    _c("target", STR, "system under test", fmt="s", short="target"),  # in-process, grpc://HOST:PORT or kserve://...
+    _c("rpc", STR, "RPC", fmt="s", short="rpc"),  # stream, unary or oip (the Open Inference Protocol's ModelInfer)
+    _c("concurrency", I32, "client connections", "", "d", short="conns"),  # each in its own process beyond one
+    _c("round_trip_p50_ms", F64, "round trip p50", "ms", ".3f", LOWER, "rtt p50"),
+    _c("round_trip_p99_ms", F64, "round trip p99", "ms", ".3f", LOWER, "rtt p99"),
+    *[_c(f"{stage}_mean_ms", F64) for stage in TRANSFER_STAGES],
+    # the transfer stages together, over completed queries; over their mean latency; over the server's compute
+    _c("transfer_mean_ms", F64, "transfer per query", "ms", ".3f", LOWER, "transfer ms/query"),
+    _c("transfer_share", F64, "transfer share of latency", "fraction", ".1%", LOWER, "transfer share"),
+    _c("transfer_per_sample_us", F64),
+    _c("transfer_to_compute", F64, "transfer over the server's compute", "ratio", ".3f", LOWER, "transfer/compute"),
+    _c("request_bytes_mean", F64),
+    _c("response_bytes_mean", F64),
+    _c("request_bytes_per_sample", F64, "request bytes per sample", "B", ",.0f", LOWER, "B/sample"),
+    _c("server_lost", BOOL),  # the server answered only UNAVAILABLE until the load ended
+    "error",  # why the point ended early (a lost server, a bad answer): the run then fails
+    # roofline of one batch on one instance, energy of the whole point (docs/metrics.md)
+    _c("batch_compute_mean_ms", F64),
+    *ROOFLINE,
+    *ROOFLINE_PLACED,
+    *ENERGY,
+    _c("energy_per_query_j", F64, "energy per query", "J", ".3g", LOWER),
+    _c("energy_per_sample_j", F64, "energy per sample", "J", ".3g", LOWER),
+    _c("samples_per_s_per_w", F64, "efficiency", "samples/s/W", ".3g", HIGHER),
+    # what the point's rate costs on this machine where its price is known (`metrics.cost`, docs/metrics.md)
+    *SERVING_COST,
+)
+# summary.parquet of `infer search`: its load points, each probe's repeat, which probe, and its verdict
+_table("search summary", _c("repeat", I32), _c("probe", I32), _c("passed", BOOL), extends="infer summary")
+
+# frontier.parquet of `infer search`: one row per serving configuration
+_table(
+    "frontier",
+    "model",
+    "preset",
+    "instances",
+    "threads_per_instance",
+    "max_batch",
+    "max_delay_ms",
+    "min_piece",  # smallest split piece (measured by the layout's instances when 0 was asked)
+    "spin_ms",
+    "max_query_samples",
+    "precision",  # dense compute of this configuration
+    "build",
+    # (the HSTU family registers its history cache here: families/hstu.py COLUMNS)
+    _c("capacity_queries_per_s", F64, "capacity", "queries/s", ".1f", HIGHER, "capacity q/s"),  # closed loop, no bound
+    # highest probed rate that met the bound (0: none did)
+    _c("best_qps", F64, "best rate", "queries/s", ".1f", HIGHER, "best q/s"),
+    # half the final bracket [best, lowest failing rate]
+    _c("best_qps_uncertainty", F64, "best rate uncertainty", "queries/s", ".1f", short="+/-"),
+    _c("best_samples_per_s", F64, "best throughput", "samples/s", ",.0f", HIGHER, "samples/s"),
+    _c("best_sla_latency_ms", F64, "latency at the bound's percentile", "ms", ".2f", LOWER),
+    _c("best_sla_latency_spread_ms", F64),  # max - min over the repeats at best_qps
+    # (the HSTU family registers its hit rate at the best rate here: families/hstu.py COLUMNS)
+    # the repeats at best_qps (dlrm_lab.metrics.stats: CI needs >= 3 repeats)
+    _c("best_samples_per_s_ci_low", F64),
+    _c("best_samples_per_s_ci_high", F64),
+    _c("best_samples_per_s_cv", F64),
+    _c("best_samples_per_s_unstable", BOOL),
+    "sla_ms",
+    "sla_percentile",
+    _c("probes", I32),
+    _c("probe_points", I32),  # load points run (repeats), those stopped early included
+    _c("best", BOOL, "best", fmt="*|"),  # the configuration with the highest best_samples_per_s
+    # the best configuration's rate as a longer LoadGen Server run held it (`certify`): the rate that
+    # held (0: none of the tries; null: not certified), that run's verdict, its p99 and its length
+    _c("certified_qps", F64, "certified rate (LoadGen Server)", "queries/s", ".1f", HIGHER, "certified q/s"),
+    _c("certified_samples_per_s", F64),
+    _c("certified_result", STR),
+    _c("certified_sla_latency_ms", F64),
+    _c("certify_s", F64),
+    _c("outcome", STR, "why not the best", fmt="s", short="outcome"),  # pruned, lower rate, no rate met the bound
+    # its cost at the certified rate (else the best probed) where the machine's price is known (`metrics.cost`)
+    *SERVING_COST,
+)
