@@ -5,7 +5,7 @@ import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from dlrm_lab.config.hstu import SequenceSpec
+from dlrm_lab.config.sequence_spec import SequenceSpec
 from dlrm_lab.data.sequences import LIKE_RATING, SequenceGenerator
 from dlrm_lab.errors import UserError
 

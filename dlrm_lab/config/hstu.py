@@ -8,7 +8,7 @@ A preset file of this family says `family = "hstu"` and holds two tables::
     [model]            # RankerShape: table rows (items, categories, users), layers, dim, heads,
     items = 20000      # qk_dim, v_dim, hidden, position_buckets, time_buckets, dropouts
     ...
-    [data]             # SequenceSpec (the generator's, data/sequences.py) without the table rows, which come from
+    [data]             # SequenceSpec (config/sequence_spec.py) without the table rows, which come from
     candidates = 16    # [model]; `users` may be fewer than the user table's rows
     ...
     [mlperf]           # optional, MLPerfRules: the Server bound and the accuracy rule of an MLPerf benchmark
@@ -30,236 +30,26 @@ table's rows scale alike.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.mlperf import HSTURecipe, MLPerfRules
+from dlrm_lab.config.request_features import (
+    CATEGORY_TABLE,
+    RequestFeatures,
+    Tables,
+    _tables,
+    candidate_feature,
+    history_feature,
+)
 from dlrm_lab.config.rules import row_scaler
+from dlrm_lab.config.sequence_spec import SequenceSpec
 from dlrm_lab.config.specs import TableSpec
 from dlrm_lab.errors import FieldError, UserError
 
-WINDOWS = ("train", "eval")  # the requests a model trains on, and the later ones it is evaluated on
 ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
 ACTION_DIM = 8  # per action type
-CATEGORY_TABLE = "item_category"  # DLRMv3's one item attribute, when a preset names no item tables
-# what a cross-hash table may cross, besides the item's attribute tables (DLRMv4: artist, album): the user, the
-# anchor (the request's first candidate) item, the request's hour of day, and whether the anchor was organic
-CROSS_KEYS = ("user", "item", "hour", "is_organic")
-
-Tables = tuple[tuple[str, int], ...]  # (name, rows) in order
-
-
-def history_feature(table: str) -> str:
-    """A history token's id feature of an item table: item_id, item_category_id, artist_id."""
-    return f"{table}_id"
-
-
-def candidate_feature(table: str) -> str:
-    """A candidate's id feature of an item table: item_candidate_id, item_candidate_category_id, ..._artist_id."""
-    return "item_candidate_id" if table == "item" else f"item_candidate_{table.removeprefix('item_')}_id"
-
-
-def cross_keys(name: str) -> tuple[str, ...]:
-    """The features a cross-hash table's name crosses (`user_x_artist_x_hour` -> user, artist, hour)."""
-    return tuple(name.split("_x_"))
-
-
-@dataclass(frozen=True)
-class RequestFeatures:
-    """The sparse features of a request, in the order a batch lists them: per history token, per candidate,
-    per request (the contextual tokens: the user, then each cross)."""
-
-    history: tuple[str, ...]
-    candidates: tuple[str, ...]
-    contextual: tuple[str, ...]
-
-    @classmethod
-    def of(cls, attributes: tuple[str, ...], crosses: tuple[str, ...]) -> RequestFeatures:
-        tables = ("item", *attributes)
-        return cls(tuple(map(history_feature, tables)), tuple(map(candidate_feature, tables)), ("user_id", *crosses))
-
-    @property
-    def all(self) -> tuple[str, ...]:
-        return (*self.history, *self.candidates, *self.contextual)
-
-
-def _tables(raw: Any) -> Tables:
-    """(name, rows) pairs from a TOML table, a manifest's lists or pairs already."""
-    items = raw.items() if isinstance(raw, dict) else raw
-    return tuple((str(name), rows) for name, rows in items)
-
-
-@dataclass(frozen=True)
-class SequenceSpec:
-    """The generator's parameters (a preset's [data] table); `check()` names a bad one."""
-
-    users: int = 1000
-    items: int = 100_000
-    categories: int = 32
-    timestamps: int = 100  # steps of time in all
-    train_timestamps: int = 90  # steps [warmup_timestamps, train_timestamps) train, the rest evaluate
-    warmup_timestamps: int = 10  # steps before the first request (histories start filled)
-    timestamp_s: float = 86400.0
-    active_share: float = 0.7
-    interactions_mean: float = 20.0
-    interactions_sd: float = 5.0
-    candidates: int = 32
-    max_history: int = 4096
-    interests: int = 4
-    interest_share: float = 0.8
-    item_popularity_alpha: float = 1.05
-    rating_noise: float = 0.5
-    drift_amplitude: float = 1.0
-    drift_period: float = 30.0  # timestamps
-    # items an active user meets at a step, at most (0: the candidates, so every item met is one of the request's
-    # candidates, as in DLRMv3's generator); more lets histories outgrow few candidates (DLRMv4: one a request)
-    interactions_max: int = 0
-    # the model's item attribute tables (name, rows) beside the category (DLRMv4: artist, album), and its cross-hash
-    # contextual tables; set by [model], not [data]
-    attributes: Tables = ()
-    crosses: Tables = ()
-
-    def check(self, where: str = "data") -> SequenceSpec:
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise UserError(f"{where}: {name} = {getattr(self, name)!r}: {rule}")
-
-        def integer(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        for name in ("users", "items", "categories", "timestamps", "candidates", "max_history", "interests"):
-            need(integer(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
-        for name in ("train_timestamps", "warmup_timestamps"):
-            need(integer(getattr(self, name)), name, "an integer")
-        for f in fields(self):
-            if f.type in ("float", float):
-                v = getattr(self, f.name)
-                need(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), f.name, "a number")
-        need(self.items >= self.categories, "items", f"at least one per category ({self.categories})")
-        need(self.interests <= self.categories, "interests", f"at most the categories ({self.categories})")
-        need(0 <= self.warmup_timestamps < self.train_timestamps, "warmup_timestamps", "0 .. train_timestamps - 1")
-        need(self.train_timestamps < self.timestamps, "train_timestamps", f"below timestamps ({self.timestamps})")
-        need(0 < self.active_share <= 1, "active_share", "in (0, 1]")
-        need(0 <= self.interest_share <= 1, "interest_share", "in [0, 1]")
-        need(self.interactions_mean >= 1 and self.interactions_sd >= 0, "interactions_mean", ">= 1 (sd >= 0)")
-        need(self.rating_noise > 0, "rating_noise", "> 0")
-        need(self.item_popularity_alpha > 0, "item_popularity_alpha", "> 0")
-        need(self.drift_period > 0 and self.drift_amplitude >= 0, "drift_period", "> 0 (amplitude >= 0)")
-        need(self.timestamp_s > 0, "timestamp_s", "> 0")
-        need(integer(self.interactions_max) and self.interactions_max >= 0, "interactions_max",
-             "an integer >= 0 (0: the candidates)")  # fmt: skip
-        for name in ("attributes", "crosses"):
-            for table, rows in getattr(self, name):
-                need(isinstance(table, str) and table != "" and integer(rows) and rows >= 1, name,
-                     "(name, rows >= 1) pairs")  # fmt: skip
-        keys = {*CROSS_KEYS, *self.attribute_names}
-        for table, _ in self.crosses:
-            parts = cross_keys(table)
-            if len(parts) < 2 or not set(parts) <= keys:
-                raise UserError(f"{where}: cross table {table!r}: its name crosses two or more of "
-                                f"{', '.join(sorted(keys))}, joined by _x_")  # fmt: skip
-        return self
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], where: str = "data") -> SequenceSpec:
-        known = {f.name: f.type for f in fields(cls)}
-        for key in raw:
-            if key not in known:
-                raise UserError(f"{where}: unknown key {key!r}; allowed: {', '.join(known)}")
-        tables = {k: _tables(raw[k]) for k in ("attributes", "crosses") if k in raw}
-        return cls(**{**raw, **tables}).check(where)
-
-    @property
-    def attribute_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.attributes)
-
-    @property
-    def features(self) -> RequestFeatures:
-        """A request's features in the batch's order (DLRMv3's five without attribute and cross tables)."""
-        attributes = self.attribute_names or (CATEGORY_TABLE,)
-        return RequestFeatures.of(attributes, tuple(name for name, _ in self.crosses))
-
-    @property
-    def met_max(self) -> int:
-        """Items an active user meets at a step, at most."""
-        return self.interactions_max or self.candidates
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def active_users(self) -> int:
-        """Users active at each step, and so requests per step."""
-        return max(1, round(self.active_share * self.users))
-
-    def window(self, name: str) -> tuple[int, int]:
-        """Steps [first, stop) of the `train` or `eval` window."""
-        if name not in WINDOWS:
-            raise FieldError("window", f"{name!r}: allowed: {', '.join(WINDOWS)}")
-        return (self.warmup_timestamps, self.train_timestamps) if name == "train" else (
-            self.train_timestamps, self.timestamps)  # fmt: skip
-
-
-MLPERF_METRICS = ("ne", "accuracy", "auc")  # DLRMv3's: torchrec's lifetime NE, accuracy and per-request AUC (GAUC)
-_MLPERF_KEYS = ("benchmark", "server_latency_ms", "accuracy_share", "reference", "source")
-
-
-@dataclass(frozen=True)
-class MLPerfRules:
-    """A preset's MLPerf Inference rules (its [mlperf] table). `server_latency_ms` is the Server scenario's
-    bound at p99 (MLPerf's Server percentile for every benchmark, and the lab's `--percentile` default): the
-    default `--sla-ms` of `infer run` and `infer search` for the preset. A served build keeps
-    `accuracy_share` of each metric of the fp32 model (MLPerf: of the FP32 reference checkpoint's
-    `reference`, fractions: the rules' NE 86.687% is 0.86687)."""
-
-    benchmark: str
-    server_latency_ms: float
-    accuracy_share: float
-    reference: dict[str, float]
-    source: str = ""
-
-    @classmethod
-    def from_dict(cls, raw: Any, where: str = "mlperf") -> MLPerfRules:
-        def number(v: Any) -> bool:
-            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-        if not isinstance(raw, dict):
-            raise UserError(f"{where}: must be a table with {', '.join(_MLPERF_KEYS)}")
-        if unknown := sorted(set(raw) - set(_MLPERF_KEYS)):
-            raise UserError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(_MLPERF_KEYS)}")
-        if missing := [k for k in _MLPERF_KEYS[:4] if k not in raw]:
-            raise UserError(f"{where}: missing {missing[0]!r} (required: {', '.join(_MLPERF_KEYS[:4])})")
-        bench, bound, share, ref = (raw[k] for k in _MLPERF_KEYS[:4])
-        if not isinstance(bench, str) or not bench:
-            raise UserError(f"{where}: benchmark = {bench!r}: a benchmark name, e.g. 'dlrm-v3'")
-        if not number(bound) or bound <= 0:
-            raise UserError(f"{where}: server_latency_ms = {bound!r}: a number of ms > 0")
-        if not number(share) or not 0 < share <= 1:
-            raise UserError(f"{where}: accuracy_share = {share!r}: in (0, 1], e.g. 0.999 for 99.9%")
-        if not isinstance(ref, dict) or sorted(ref) != sorted(MLPERF_METRICS):
-            raise UserError(f"{where}: reference = {ref!r}: a table of {', '.join(MLPERF_METRICS)}")
-        for name in MLPERF_METRICS:
-            if not number(ref[name]) or not 0 < ref[name] <= 1:
-                raise UserError(f"{where}: reference.{name} = {ref[name]!r}: a fraction in (0, 1] (86.687% is 0.86687)")
-        return cls(bench, float(bound), float(share), {k: float(ref[k]) for k in MLPERF_METRICS},
-                   str(raw.get("source", "")))  # fmt: skip
-
-    @property
-    def accuracy_rule(self) -> str:
-        return (f"MLPerf {self.benchmark}: NE, accuracy and per-request AUC each within {self.accuracy_share:.1%} of "
-                "the fp32 eager model's")  # fmt: skip
-
-    def accuracy_kept(self, build: dict[str, float], fp32: dict[str, float]) -> dict[str, bool]:
-        """Per metric, whether `build` keeps `accuracy_share` of `fp32`'s, each in its own direction: NE is
-        a loss (lower is better: at most fp32's / share), accuracy and AUC at least share x fp32's. (The
-        submission checker compares all three as floors, found >= share x reference, NE included.)"""
-        share = self.accuracy_share
-        return {
-            "ne": build["ne"] <= fp32["ne"] / share,
-            "accuracy": build["accuracy"] >= share * fp32["accuracy"],
-            "auc": build["auc"] >= share * fp32["auc"],
-        }
 
 
 def attention_pairs(history: int, candidates: int) -> int:
@@ -381,67 +171,6 @@ class RankerShape:
         """Embedding rows read for one request: the item and its attributes per token, one row per contextual token."""
         rows = (1 + len(self.attribute_tables)) * (history + candidates) + self.contextual_tokens
         return rows * self.stu.dim * bytes_per_value
-
-
-@dataclass(frozen=True)
-class HSTURecipe:
-    """A preset's published training recipe and target (its [reference] table). The keys DLRM presets have
-    (`batch_size`, global; `dense_lr` at that batch; `target_auc`; `source`) mean what they mean there (the
-    lab's `dense_lr_for` scales the rate to a run's batch); the rest are recorded as published:
-    the optimizers and their settings, the warm-up and clipping, the evaluation cadence (a share of the
-    training stream), the sequence budget `max_seq_len` the FLOP count charges (`reference_training_flops`),
-    the published FLOPs per training sample, the mean samples to the target and the runs a result needs."""
-
-    source: str = ""
-    batch_size: int | None = None
-    dense_lr: float | None = None
-    target_auc: float | None = None
-    dense_optimizer: str | None = None
-    adam_betas: tuple[float, float] | None = None
-    embedding_optimizer: str | None = None
-    embedding_lr: float | None = None
-    lr_warmup_steps: int | None = None
-    grad_clip_norm: float | None = None
-    eval_every_share: float | None = None
-    max_seq_len: int | None = None
-    flops_per_sample: float | None = None
-    samples_to_target: float | None = None
-    runs: int | None = None
-
-    @classmethod
-    def from_dict(cls, raw: Any, where: str = "[reference]") -> HSTURecipe:
-        if not isinstance(raw, dict):
-            raise UserError(f"{where}: must be a table")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(raw) - known):
-            raise UserError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
-        ints = {"batch_size", "lr_warmup_steps", "max_seq_len", "runs"}
-        texts = {"source", "dense_optimizer", "embedding_optimizer"}
-        out = dict(raw)
-        for key, value in raw.items():
-            if key in texts:
-                ok = isinstance(value, str) and value != ""
-            elif key == "adam_betas":
-                ok = isinstance(value, list | tuple) and len(value) == 2 and all(_fraction(b) for b in value)
-                out[key] = tuple(float(b) for b in value) if ok else value
-            elif key in ints:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if "steps" in key else 1)
-            else:
-                ok = _number(value) and value > 0 and (key != "target_auc" or value < 1)
-            if not ok:
-                rule = ("a name" if key in texts else "two numbers in [0, 1)" if key == "adam_betas"
-                        else "an integer >= 0" if key == "lr_warmup_steps" else "an integer >= 1" if key in ints
-                        else "a number in (0, 1)" if key == "target_auc" else "a number > 0")  # fmt: skip
-                raise UserError(f"{where}: {key} = {value!r}: must be {rule}")
-        return cls(**out)
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _fraction(v: Any) -> bool:
-    return _number(v) and 0 <= v < 1
 
 
 def reference_training_flops(shape: RankerShape, seq_len: int) -> float:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dlrm_lab.config.hstu import SequenceSpec
+from dlrm_lab.config.sequence_spec import SequenceSpec
 from dlrm_lab.data.check import Check
 from dlrm_lab.data.parquet import FORMAT_VERSION, write_shards
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 from scipy.special import ndtr, ndtri
 
-from dlrm_lab.config.hstu import RequestFeatures, SequenceSpec, cross_keys
+from dlrm_lab.config.request_features import RequestFeatures, cross_keys
+from dlrm_lab.config.sequence_spec import SequenceSpec
 from dlrm_lab.data.synthetic import expected_auc
 from dlrm_lab.errors import FieldError
 
