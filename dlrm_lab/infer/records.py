@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.config.family import families
 from dlrm_lab.infer.requests import SERVED_WINDOW
-from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGES
+from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGES, InferSummaryRow, QueryRow
 from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.metrics.wake import cold_factor_for_gap, wake_ms_for_gap
@@ -28,7 +27,7 @@ def _pct_name(p: float) -> str:
 LATENCY_FIELDS = [f"latency_{_pct_name(p)}_ms" for p in PERCENTILES]
 
 
-def compute_slowdown(records: list[dict[str, Any]]) -> dict[str, float | None]:
+def compute_slowdown(records: list[QueryRow]) -> dict[str, float | None]:
     """Batch times over what the instances' warm model predicts (their back-to-back batch
     cost measured at start), median and p99 over the point's batches: the machine's own
     disturbances (cores that slept, a noisy host) apart from queueing. 1 is warm speed."""
@@ -40,12 +39,12 @@ def compute_slowdown(records: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def summarize(
-    records: list[dict[str, Any]],
+    records: list[QueryRow],
     *,
     duration_s: float,
     sla_ms: float,
     sla_percentile: float,
-) -> dict[str, Any]:
+) -> InferSummaryRow:
     """Throughput, latency percentiles, batching and queueing of one model at one point.
 
     Throughput counts completed queries over `duration_s`, the span of the load. Latency
@@ -73,7 +72,7 @@ def summarize(
                      dtype=np.float64)  # fmt: skip
     compute = np.array([r["compute_ms"] for r in records if r["status"] == "ok" and r.get("compute_ms") is not None],
                        dtype=np.float64)  # fmt: skip
-    out: dict[str, Any] = {
+    out = InferSummaryRow({
         "queries": len(records),
         "completed_queries": int(ok.sum()),
         "dropped_queries": int((status == "dropped").sum()),
@@ -102,7 +101,7 @@ def summarize(
         **batch_stage_means(records),
         **tail_parts(records, sla_percentile),
         **transfer_columns(records),
-    }
+    })  # fmt: skip
     for name, p in zip(LATENCY_FIELDS, PERCENTILES, strict=True):
         out[name] = percentile(lat, p)
     sla_value = percentile(sla_lat, sla_percentile)
@@ -113,12 +112,12 @@ def summarize(
     return out
 
 
-def transfer_columns(records: list[dict[str, Any]]) -> dict[str, Any]:
+def transfer_columns(records: list[QueryRow]) -> InferSummaryRow:
     """What crossing a network cost the completed queries (`serve.remote`'s stages): round trips, each
     transfer stage's mean, their sum against the latency and the server's compute, and the bytes moved.
     Nulls in process; a stage a server did not report is null, and so are the sums that need it."""
     ok = [r for r in records if r["status"] == "ok" and r.get("round_trip_ms") is not None]
-    out: dict[str, Any] = {name: None for name in TRANSFER_SUMMARY}
+    out = InferSummaryRow({name: None for name in TRANSFER_SUMMARY})
     if not ok:
         return out
 
@@ -153,7 +152,7 @@ TRANSFER_SUMMARY = ("round_trip_p50_ms", "round_trip_p99_ms", *[f"{s}_mean_ms" f
                     "request_bytes_mean", "response_bytes_mean", "request_bytes_per_sample")  # fmt: skip
 
 
-def batch_stage_means(records: list[dict[str, Any]]) -> dict[str, float | None]:
+def batch_stage_means(records: list[QueryRow]) -> dict[str, float | None]:
     """Mean ms per batch in each stage (over the point's batches that recorded it)."""
     batches = {r["batch_id"]: r for r in records if r.get("batch_id") is not None and r["status"] == "ok"}
     out: dict[str, float | None] = {}
@@ -163,7 +162,7 @@ def batch_stage_means(records: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
-def tail_parts(records: list[dict[str, Any]], percentile_: float) -> dict[str, float | None]:
+def tail_parts(records: list[QueryRow], percentile_: float) -> dict[str, float | None]:
     """The latency parts of the tail: each part's mean over the completed queries whose latency is at
     or above the `percentile_` latency (so they add up to those queries' mean latency)."""
     ok = [r for r in records if r["status"] == "ok" and r.get("lat_queue_ms") is not None]
@@ -178,7 +177,7 @@ def tail_parts(records: list[dict[str, Any]], percentile_: float) -> dict[str, f
     return out
 
 
-def latency_parts(record: dict[str, Any], roof_ms: float | None, transport_ms: float | None = None) -> dict[str, Any]:
+def latency_parts(record: QueryRow, roof_ms: float | None, transport_ms: float | None = None) -> QueryRow:
     """A completed query's latency in LATENCY_PARTS, which add up to `latency_ms` (nulls for a query that
     never ran). With the batch that finished it taking T on its instance, E as the instance's warm
     batch-cost model has it and R at the roofline (`roof_ms`; 0 without a machine profile):
@@ -187,7 +186,7 @@ def latency_parts(record: dict[str, Any], roof_ms: float | None, transport_ms: f
         - roof;  slowdown = T - roof - beyond_roof (a batch slower than warm);  completion = end - that
         batch's end (its scores' trip back);  transport: the network, where the query crossed one
         (`transport_ms`, already outside the other parts' span: it is added to the latency's own)."""
-    out: dict[str, Any] = {f"lat_{part}_ms": None for part in LATENCY_PARTS}
+    out = QueryRow({f"lat_{part}_ms": None for part in LATENCY_PARTS})
     start, took = record.get("batch_start_ms"), record.get("batch_compute_ms")
     if record.get("status") == "ok" and record.get("round_trip_ms") is not None:
         return _remote_latency_parts(record, roof_ms, out)
@@ -208,7 +207,7 @@ def latency_parts(record: dict[str, Any], roof_ms: float | None, transport_ms: f
     return out
 
 
-def _remote_latency_parts(record: dict[str, Any], roof_ms: float | None, out: dict[str, Any]) -> dict[str, Any]:
+def _remote_latency_parts(record: QueryRow, roof_ms: float | None, out: QueryRow) -> QueryRow:
     """A query answered over a network, in LATENCY_PARTS from its client stages and the server's reported
     ones: issue, transport (the transfer stages), queue, and the server's compute as roof and beyond;
     the in-service slowdown and the completion are not told apart there (null). A server that reported
@@ -224,15 +223,15 @@ def _remote_latency_parts(record: dict[str, Any], roof_ms: float | None, out: di
     return out
 
 
-def _family_summaries(records: list[dict[str, Any]], ok: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
+def _family_summaries(records: list[QueryRow], ok: np.ndarray, samples: np.ndarray) -> InferSummaryRow:
     """Every family's own summary columns (null where its query columns are absent: another family's rows)."""
-    out: dict[str, Any] = {}
+    out = InferSummaryRow()
     for family in families().values():
         out.update(family.summarize_queries(records, ok, samples))
     return out
 
 
-def with_late_flags(records: list[dict[str, Any]], sla_ms: dict[str, float], point: int) -> list[dict[str, Any]]:
+def with_late_flags(records: list[QueryRow], sla_ms: dict[str, float], point: int) -> list[QueryRow]:
     """Tag rows with their point and whether they missed their model's bound."""
     for r in records:
         r["point"] = point
@@ -243,17 +242,17 @@ def with_late_flags(records: list[dict[str, Any]], sla_ms: dict[str, float], poi
 def roofline_columns(
     spec: ModelSpec,
     table_precision: str,
-    row: dict[str, Any],
+    row: InferSummaryRow,
     peaks: Peaks | str,
     dense_bytes_per_parameter: float = 4.0,
-) -> dict[str, Any]:
+) -> InferSummaryRow:
     """The point's achieved FLOP/s and bytes/s (whole machine) and its mean batch on one
     instance against the roofline: forward FLOPs and embedding rows at the tables' storage
     precision per sample, the dense weights read once per batch, against the peaks at the
     instance's thread count. The measured time is the instance's compute time per batch."""
     cost = sample_cost(spec, window=SERVED_WINDOW)  # HSTU: the requests a server scores
     row_bytes = lookup_bytes_per_sample(spec, table_precision)
-    out: dict[str, Any] = {"flops_per_sample": float(cost.forward_flops), "bytes_per_sample": row_bytes}
+    out = InferSummaryRow(flops_per_sample=float(cost.forward_flops), bytes_per_sample=row_bytes)
     rate = row.get("samples_per_s")
     if rate is not None:
         out["achieved_flops_per_s"] = rate * cost.forward_flops
@@ -279,11 +278,11 @@ def latency_floor_columns(
     instances: int,
     threads: int,
     max_batch: int,
-    row: dict[str, Any],
+    row: InferSummaryRow,
     peaks: Peaks | str,
     min_piece: int = 0,
     dense_bytes_per_parameter: float = 4.0,
-) -> dict[str, Any]:
+) -> InferSummaryRow:
     """The latency floor of the point: the roofline time of its query at the bound's
     percentile (`latency_floor_samples`, from summarize) on the cores that would serve it.
 
@@ -301,8 +300,8 @@ def latency_floor_columns(
     served at the machine's peaks with no queueing, batching delay or overhead. Nulls when the floor cannot
     be placed (no profile) or nothing completed.
     """
-    out: dict[str, Any] = {"latency_floor_cores": None, "latency_floor_ms": None, "latency_floor_ratio": None,
-                           "latency_floor_wake_ms": None, "latency_floor_cold_factor": None}  # fmt: skip
+    out = InferSummaryRow(latency_floor_cores=None, latency_floor_ms=None, latency_floor_ratio=None,
+                          latency_floor_wake_ms=None, latency_floor_cold_factor=None)  # fmt: skip
     q = row.get("latency_floor_samples")
     if not q or isinstance(peaks, str):
         return out
@@ -346,11 +345,11 @@ def batch_roof(spec: ModelSpec, table_precision: str, peaks: Peaks | str,
     return roof
 
 
-def energy_columns(energy: dict[str, Any], point_rows: list[dict[str, Any]]) -> dict[str, Any]:
+def energy_columns(energy: InferSummaryRow, point_rows: list[InferSummaryRow]) -> InferSummaryRow:
     """Energy of a point, shared by every model served in it: per query and per sample over
     all of the point's completed queries (mean power / throughput, so the drain after the
     load does not count as idle samples)."""
-    out = {**energy, "energy_per_query_j": None, "energy_per_sample_j": None, "samples_per_s_per_w": None}
+    out = InferSummaryRow(energy, energy_per_query_j=None, energy_per_sample_j=None, samples_per_s_per_w=None)
     power = energy.get("power_w_mean")
     qps = sum(r.get("queries_per_s") or 0.0 for r in point_rows)
     sps = sum(r.get("samples_per_s") or 0.0 for r in point_rows)

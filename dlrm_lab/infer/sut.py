@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from dlrm_lab.metrics.columns import QueryRow
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -46,7 +48,7 @@ class Query:
     issued_ns: int = 0  # when it reached submit()
     on_done: Callable[[Query, str, np.ndarray | None], None] | None = None  # (query, status, scores)
     tag: Any = None  # the driver's own reference (e.g. LoadGen's sample id)
-    record: dict[str, Any] | None = None  # the row a remote transport made of it, set before on_done
+    record: QueryRow | None = None  # the row a remote transport made of it, set before on_done
     # Progress through the server (a query larger than max_batch is served in pieces).
     dispatched: int = 0  # samples sent to instances
     pieces: int = 0
@@ -74,11 +76,11 @@ def query_row(
     end_ns: int,
     error: str | None = None,
     **columns: Any,
-) -> dict[str, Any]:
+) -> QueryRow:
     """A finished query's row of `queries` (`metrics.columns`; columns not given are null), as every system
     under test records it (`take_records`): its times in ms since the load's epoch, its latency from its
     scheduled arrival (open loop: a late issue counts) to its end, and the table's other `columns` by name."""
-    return {
+    return QueryRow({
         "query_id": query_id,
         "model": model,
         "samples": samples,
@@ -89,7 +91,7 @@ def query_row(
         "latency_ms": (end_ns - scheduled_ns) / 1e6,
         "error": error,
         **columns,
-    }
+    })  # fmt: skip
 
 
 _together = threading.local()
@@ -202,7 +204,7 @@ class SystemUnderTest(Protocol):
 
     def drain(self, timeout_s: float) -> bool: ...  # every submitted query finished; False on timeout
 
-    def take_records(self) -> list[dict[str, Any]]: ...  # one row per finished query since the last call
+    def take_records(self) -> list[QueryRow]: ...  # one row per finished query since the last call
 
     def check(self) -> None: ...  # raise when the system failed (its records cannot be trusted beyond)
 

@@ -44,6 +44,18 @@ from dlrm_lab.metrics.columns.registry import (
     table_columns,
     unit_of,
 )
+from dlrm_lab.metrics.columns.rows import (
+    EvalRow,
+    FrontierRow,
+    InferSummaryRow,
+    PointRow,
+    QueryRow,
+    Row,
+    ScaleRow,
+    SearchSummaryRow,
+    StepRow,
+    TrainSummaryRow,
+)
 from dlrm_lab.metrics.columns.views import (
     COMPARED,
     ENERGY_READ,
@@ -67,6 +79,16 @@ from dlrm_lab.metrics.columns.views import (
 )
 
 __all__ = [
+    "EvalRow",
+    "FrontierRow",
+    "InferSummaryRow",
+    "PointRow",
+    "QueryRow",
+    "Row",
+    "ScaleRow",
+    "SearchSummaryRow",
+    "StepRow",
+    "TrainSummaryRow",
     "BATCH_STAGES",
     "BOOL",
     "COLUMNS",

@@ -123,6 +123,7 @@ STR, BOOL, I32, I64, F64 = pa.string(), pa.bool_(), pa.int32(), pa.int64(), pa.f
 COLUMNS: dict[str, Column] = {}  # every column a table writes, by name
 _LAYOUTS: dict[str, list[Column]] = {}  # every table's columns, in file order
 _EXTENDS: dict[str, str] = {}  # a table that is another's columns followed by its own
+_CHANGES = [0]  # how many times a table's layout changed (`rows` caches each table's names until the next)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ def _group(*columns: Column) -> tuple[str, ...]:
 
 def _table(name: str, *entries: Column | str | _Local, extends: str | None = None) -> None:
     _LAYOUTS[name] = _resolve(name, entries)
+    _CHANGES[0] += 1
     if extends is not None:
         _EXTENDS[name] = extends
 
@@ -211,6 +213,7 @@ def register_columns(table: str, columns: Sequence[Column | str], *, after: str 
             raise ValueError(f"table {table!r} has no column {after!r} to place {[c.name for c in new]} after")
         at = names.index(after) + 1
     layout[at:at] = new
+    _CHANGES[0] += 1
 
 
 def column(name: str) -> Column:
