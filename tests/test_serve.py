@@ -401,8 +401,8 @@ def test_bad_remote_targets_are_one_line(server, tmp_path):
     from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.infer.targets import Connection, check_connection, open_target, parse_target
+    from dlrm_lab.serve.connect import check_open_inference_model
     from dlrm_lab.serve.protocol import v2
-    from dlrm_lab.serve.remote import check_open_inference_model
 
     for url, why in (
         ("http://h:1", "allowed: in-process, grpc://HOST:PORT or kserve://HOST:PORT[/MODEL]"),

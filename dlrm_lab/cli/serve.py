@@ -43,7 +43,7 @@ def client_command(options: dict[str, Any]) -> None:
     from dlrm_lab.cli.infer import run_command
     from dlrm_lab.infer.options import InferConfig
     from dlrm_lab.infer.targets import parse_target
-    from dlrm_lab.serve.remote import describe_server
+    from dlrm_lab.serve.connect import describe_server
 
     o = build(ClientOptions, CLIENT, options)
     if (o.qps is None) == (not o.closed_loop):

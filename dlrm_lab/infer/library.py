@@ -12,7 +12,7 @@ so a query's samples are one slice of `dense` and one contiguous slice of ids pe
 and a batch of many queries is gathered with a few numpy operations. The server generates
 it once and writes it to its snapshot (`infer.instance.write_snapshot`); the instances and
 the serving process map that file, a gRPC client generates the same samples from what
-Describe reports (`serve.remote.library_from_info`), and LoadGen's QSL loads and unloads
+Describe reports (`serve.connect.library_from_info`), and LoadGen's QSL loads and unloads
 ranges of it. Torch-free.
 """
 

@@ -28,8 +28,8 @@ from dlrm_lab.errors import FieldError
 IN_PROCESS = "in-process"
 TRANSPORTS: dict[str, str] = {
     IN_PROCESS: "dlrm_lab.infer.targets:open_in_process",
-    "grpc": "dlrm_lab.serve.remote:open_lab_server",
-    "kserve": "dlrm_lab.serve.remote:open_inference_server",
+    "grpc": "dlrm_lab.serve.connect:open_lab_server",
+    "kserve": "dlrm_lab.serve.connect:open_inference_server",
 }
 RPC_OF = {"grpc": ("stream", "unary"), "kserve": ("oip",)}  # the RPC kinds each remote scheme speaks, first default
 

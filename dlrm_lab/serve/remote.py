@@ -3,7 +3,7 @@
 exactly as they drive an in-process one.
 
 A query names samples of the model's sample library; the client holds the same library as
-the server (`library_from_info`: generated from Describe's spec and seed), sends those
+the server (`serve.connect.library_from_info`: generated from Describe's spec and seed), sends those
 samples' bytes, and calls `query.on_done(query, status, scores)` when the answer is decoded.
 Every query becomes a row of `queries` (`infer.sut.query_row`), as in process, with its transfer
 columns filled: a query's latency (scheduled arrival -> scores decoded) splits into stages that
@@ -32,13 +32,11 @@ query on it with its status, and the next query opens a new one.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +44,10 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from dlrm_lab.config.family import family_of
-from dlrm_lab.errors import BadAnswer, FieldError, ServerLost
+from dlrm_lab.errors import BadAnswer, ServerLost
 from dlrm_lab.infer.library import PackedLibrary
-from dlrm_lab.infer.sut import ModelDescription, SutDescription, query_row
+from dlrm_lab.infer.sut import SutDescription, query_row
 from dlrm_lab.serve.protocol import (
-    CHANNEL_OPTIONS,
     DENSE_DTYPE,
     ID_DTYPE,
     INFER_METHOD,
@@ -63,9 +59,7 @@ from dlrm_lab.serve.protocol import (
     STAGE_PARAMETERS,
     encode_samples,
     pb,
-    pb_grpc,
     v2,
-    v2_grpc,
 )
 
 EXPIRE_POLL_S = 0.25  # a draining stream client looks for queries past their timeout this often
@@ -126,191 +120,6 @@ LAB_STATUS = {"OK": "ok", "ok": "ok", "RESOURCE_EXHAUSTED": "dropped", "INVALID_
 
 def lab_status(code: str) -> str:
     return LAB_STATUS.get(code, "failed")
-
-
-def library_from_info(info: Any) -> PackedLibrary:
-    """The server's sample library (info: its pb.ModelInfo): samples [0, library_samples) of
-    its generator and seed."""
-    from dlrm_lab.config import ModelSpec
-
-    spec = ModelSpec.from_dict(json.loads(info.spec_json))
-    return PackedLibrary.generate(spec, info.data_spec or None, info.library_seed, info.library_samples)
-
-
-@dataclass(frozen=True)
-class LibraryRecipe:
-    """How a client makes the sample library a query's samples are read from (picklable: each client
-    worker makes its own): the generator's samples [0, samples) of `spec` at `seed`."""
-
-    spec: dict[str, Any]  # ModelSpec.to_dict()
-    data_spec: str | None
-    seed: int
-    samples: int
-
-    def library(self) -> PackedLibrary:
-        from dlrm_lab.config import ModelSpec
-
-        return PackedLibrary.generate(ModelSpec.from_dict(self.spec), self.data_spec, self.seed, self.samples)
-
-
-def ready_channel(target: Any, timeout_s: float) -> grpc.Channel:
-    """A channel to `target` (`infer.targets.Target`) once its server answers; one line naming the target when
-    none does within `timeout_s`."""
-    channel = grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise FieldError("target", f"{target.url}: no server answered within {timeout_s:g} s") from None
-    return channel
-
-
-def describe_server(target: Any, timeout_s: float) -> list[Any]:
-    """The models a `dlrm-lab serve` serves (pb.ModelInfo), waiting up to `timeout_s` for it."""
-    channel = ready_channel(target, timeout_s)
-    try:
-        return list(pb_grpc.InferenceStub(channel).Describe(pb.DescribeRequest(), timeout=timeout_s).models)
-    except grpc.RpcError as exc:
-        raise FieldError("target", f"{target.url}: Describe failed: {exc.code().name}: {exc.details()}") from None
-    finally:
-        channel.close()
-
-
-@contextmanager
-def open_lab_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]:
-    """A `dlrm-lab serve` at grpc://HOST:PORT (`infer.targets`): its models as its Describe reports them
-    (spec, sample library, how it serves them), matched by name."""
-    from dlrm_lab.config import ModelSpec
-
-    infos = {info.name: info for info in describe_server(target, conn.connect_timeout_s)}
-    recipes, descriptions = {}, {}
-    unplaced = None if target.on_this_host else f"served on {target.address}, not this machine: its profile is not ours"
-    for m in models:
-        info = infos.get(m.name)
-        if info is None:
-            raise FieldError("model", f"{m.name}: not served at {target.url}; it serves: "
-                             f"{', '.join(infos) or 'nothing'}")  # fmt: skip
-        spec = ModelSpec.from_dict(json.loads(info.spec_json))
-        recipes[m.name] = LibraryRecipe(spec.to_dict(), info.data_spec or None, info.library_seed,
-                                        info.library_samples)  # fmt: skip
-        descriptions[m.name] = ModelDescription(
-            name=m.name, spec=spec, instances=info.instances or None, threads=info.threads or None,
-            max_batch=info.max_batch or None, max_delay_ms=info.max_delay_ms, min_piece=info.min_piece,
-            precision=info.precision or None, table_precision=info.table_precision or None, build=info.build or None,
-            on_this_host=target.on_this_host, unplaced=unplaced,
-            columns=json.loads(info.columns_json) if info.columns_json else {},
-        )  # fmt: skip
-    with _connected(target, recipes, descriptions, {}, conn.rpc or "stream", conn) as sut:
-        yield sut
-
-
-@contextmanager
-def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]:
-    """Any Open Inference Protocol (KServe v2) gRPC server at kserve://HOST:PORT[/MODEL] (`infer.targets`):
-    live, ready, and serving each model (the URL's name, else the preset's) with the lab's tensors
-    (`serve.open_inference.tensors`: dense, lengths, ids in; scores out), checked before any load; the
-    samples are the preset's, generated here. It says nothing of how it serves them."""
-    from dlrm_lab.infer.memory import library_samples
-
-    if target.model_name and len(models) > 1:
-        raise FieldError("target", f"{target.url}: names one model; {len(models)} {{model}} given", "model")
-    names = {m.name: target.model_name or m.spec.name for m in models}
-    channel = ready_channel(target, conn.connect_timeout_s)
-    try:
-        stub = v2_grpc.GRPCInferenceServiceStub(channel)
-        for m in models:
-            if not (family := family_of(m.spec)).wire_samples:
-                raise FieldError("model", f"{m.name}: {family.label} presets are served from their server's "
-                                 "own library; a remote target takes DLRM samples")  # fmt: skip
-            check_open_inference_model(target, stub, names[m.name], m.spec, conn.connect_timeout_s)
-    finally:
-        channel.close()
-    recipes = {m.name: LibraryRecipe(m.spec.to_dict(), m.data_spec, conn.seed,
-                                     library_samples(m.max_batch, m.library_samples)) for m in models}  # fmt: skip
-    why = "a third-party server: it does not say how it serves (instances, threads, precision)"
-    descriptions = {m.name: ModelDescription(name=m.name, spec=m.spec, on_this_host=target.on_this_host, unplaced=why)
-                    for m in models}  # fmt: skip
-    with _connected(target, recipes, descriptions, names, "oip", conn) as sut:
-        yield sut
-
-
-def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, timeout_s: float) -> None:
-    """The server is live and ready, serves `name`, and its metadata has the lab's tensors for `spec`."""
-    from dlrm_lab.serve.open_inference import tensors
-
-    where = f"{target.url}: model {name!r}"
-    try:
-        if not stub.ServerReady(v2.ServerReadyRequest(), timeout=timeout_s).ready:
-            raise FieldError("target", f"{target.url}: the server is not ready")
-        if not stub.ModelReady(v2.ModelReadyRequest(name=name), timeout=timeout_s).ready:
-            raise FieldError("target", f"{where}: not ready (is it served under that name? kserve://HOST:PORT/MODEL "
-                             "names it)")  # fmt: skip
-        meta = stub.ModelMetadata(v2.ModelMetadataRequest(name=name), timeout=timeout_s)
-    except grpc.RpcError as exc:
-        raise FieldError("target", f"{where}: {exc.code().name}: {exc.details()}") from None
-    inputs, outputs = tensors(spec)
-    for kind, wanted, got in (("input", inputs, meta.inputs), ("output", outputs, meta.outputs)):
-        have = {t.name: t for t in got}
-        for tensor, datatype, shape in wanted:
-            t = have.get(tensor)
-            if t is None:
-                raise FieldError("target", f"{where}: no {kind} tensor {tensor!r} (it has: "
-                                 f"{', '.join(have) or 'none'})")  # fmt: skip
-            if t.datatype != datatype:
-                raise FieldError("target", f"{where}: {kind} {tensor!r} is {t.datatype}, the lab sends {datatype}")
-            dims = list(t.shape)
-            fits = len(dims) == len(shape) and all(a == b or -1 in (a, b) for a, b in zip(dims, shape, strict=False))
-            if not fits:
-                raise FieldError("target", f"{where}: {kind} {tensor!r} has shape {list(t.shape)}, {spec.name} needs "
-                                 f"{shape} (-1: any)")  # fmt: skip
-
-
-@contextmanager
-def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dict[str, Any], names: dict[str, str],
-               rpc: str, conn: Any) -> Iterator[Any]:  # fmt: skip
-    """One RemoteServer on a channel of this process, or (`conn.concurrency` > 1) a pool of client processes."""
-    libraries = {m: recipe.library() for m, recipe in recipes.items()}
-    description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
-    if conn.concurrency > 1:
-        from dlrm_lab.serve.pool import ClientPool, WorkerPlan, check_workers_fit
-
-        check_workers_fit(conn.concurrency, sum(lib.nbytes for lib in libraries.values()))
-
-        connect = functools.partial(connect_worker, target.address, recipes, names, rpc, conn.timeout_s,
-                                    conn.unavailable_s, conn.connect_timeout_s)  # fmt: skip
-        epoch = time.monotonic_ns()
-        pool = ClientPool([WorkerPlan(k, connect, epoch) for k in range(conn.concurrency)], libraries, description,
-                          conn.unavailable_s)  # fmt: skip
-        try:
-            yield pool
-        finally:
-            pool.close()
-        return
-    channel = ready_channel(target, conn.connect_timeout_s)
-    try:
-        remote = RemoteServer(channel, libraries, models=descriptions, timeout_s=conn.timeout_s, rpc=rpc,
-                              unavailable_s=conn.unavailable_s, description=description, names=names)  # fmt: skip
-        try:
-            yield remote
-        finally:
-            remote.drain(conn.timeout_s)
-            remote.close()
-    finally:
-        channel.close()
-
-
-def connect_worker(address: str, recipes: dict[str, LibraryRecipe], names: dict[str, str], rpc: str, timeout_s: float,
-                   unavailable_s: float, connect_timeout_s: float, worker: int) -> RemoteServer:  # fmt: skip
-    """A client worker's own connection (`serve.pool`): its channel, its libraries, its RemoteServer."""
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise ConnectionError(f"no server answered within {connect_timeout_s:g} s") from None
-    libraries = {m: recipe.library() for m, recipe in recipes.items()}
-    return RemoteServer(channel, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc,
-                        names=names)  # fmt: skip
 
 
 def encode_library_samples(library: PackedLibrary, offset: int, size: int) -> tuple[bytes, bytes, bytes]:
