@@ -151,6 +151,7 @@ def test_no_module_writes_a_run_tables_schema_by_hand():
 def test_a_familys_columns_join_a_shared_table_where_it_places_them(monkeypatch):
     monkeypatch.setattr(registry, "COLUMNS", dict(registry.COLUMNS))
     monkeypatch.setattr(registry, "_LAYOUTS", {t: list(c) for t, c in registry._LAYOUTS.items()})
+    monkeypatch.setattr(rows, "_NAMES", {})  # the rows' cache of each table's names, as the test leaves them
     reuse = columns.define("candidates_scored", pa.int64())
     columns.register_columns("queries", [reuse], after="samples")
     columns.register_columns("infer summary", ["history_cache_mb", columns.define("candidates_mean", pa.float64())])
@@ -181,3 +182,53 @@ def test_hstus_columns_are_its_own_and_sit_where_the_files_have_them():
     queries = columns.names_of("queries")
     after_error = queries[queries.index("error") + 1 :][:2]
     assert after_error == ("history_reused", "history_tokens_reused")
+
+
+def test_a_rows_wrong_key_fails_where_it_is_written():
+    """A row that crosses rooms is typed by its table: a key its table does not have fails at the line that wrote
+    it (not silently dropped by the Parquet writer, which keeps only the schema's columns)."""
+    import pickle
+
+    from dlrm_lab.infer.sut import query_row
+
+    row = query_row(7, "m", 3, "ok", epoch_ns=0, scheduled_ns=0, issued_ns=1_000_000, end_ns=3_000_000)
+    assert isinstance(row, columns.QueryRow) and row["latency_ms"] == 3.0
+    row["late"] = False  # a column of its table
+    row.update(point=1, lat_issue_ms=1.0)
+    with pytest.raises(KeyError, match="QueryRow: table 'queries' has no column 'lattency_ms'"):
+        row["lattency_ms"] = 1.0
+    with pytest.raises(KeyError, match="no column 'stepp' \\(nor 'x'\\)"):
+        columns.StepRow(stepp=1, x=2)
+    with pytest.raises(KeyError, match="'queue'"):
+        row.update({"queue": 1.0})
+    with pytest.raises(KeyError, match="'nope'"):
+        row.setdefault("nope", 0)
+    with pytest.raises(KeyError, match="'nope'"):
+        query_row(1, "m", 1, "ok", epoch_ns=0, scheduled_ns=0, issued_ns=0, end_ns=0, nope=1)
+    assert "lattency_ms" not in row and "queue" not in row
+    again = pickle.loads(pickle.dumps(row))  # between processes (a co-located worker's records)
+    assert type(again) is columns.QueryRow and again == row and type(row.copy()) is columns.QueryRow
+    table = pa.Table.from_pylist([row], schema=schema_of("queries"))
+    assert table.column("latency_ms").to_pylist() == [3.0] and table.column("late").to_pylist() == [False]
+    assert columns.QueryRow({"run_id": "r"})["run_id"] == "r"  # every writer leads with it
+
+
+def test_a_row_knows_a_familys_columns_once_registered(monkeypatch):
+    monkeypatch.setattr(registry, "COLUMNS", dict(registry.COLUMNS))
+    monkeypatch.setattr(registry, "_LAYOUTS", {t: list(c) for t, c in registry._LAYOUTS.items()})
+    monkeypatch.setattr(rows, "_NAMES", {})  # the rows' cache of each table's names, as the test leaves them
+    with pytest.raises(KeyError):
+        columns.QueryRow(widgets_scored=1)
+    columns.register_columns("queries", [columns.define("widgets_scored", pa.int64())])
+    assert columns.QueryRow(widgets_scored=1)["widgets_scored"] == 1
+    with pytest.raises(KeyError, match="no table 'querys'"):
+
+        class Misspelt(columns.Row, table="querys"):
+            pass
+
+
+def test_every_row_type_names_a_registered_table():
+    types = [columns.QueryRow, columns.StepRow, columns.EvalRow, columns.TrainSummaryRow, columns.InferSummaryRow,
+             columns.SearchSummaryRow, columns.FrontierRow, columns.ScaleRow, columns.PointRow]  # fmt: skip
+    assert {t.table for t in types} <= set(registry._LAYOUTS)
+    assert columns.SearchSummaryRow(latency_p99_ms=1.0, probe=2)["probe"] == 2  # its table extends another's
