@@ -13,7 +13,7 @@ import pytest
 
 import dlrm_lab.families  # noqa: E402,F401 - registers every family's columns, as the writers' imports do
 from dlrm_lab.metrics import columns
-from dlrm_lab.metrics.columns import registry, schema_of
+from dlrm_lab.metrics.columns import registry, rows, schema_of
 
 ROOT = Path(__file__).parent.parent
 # the pages that document columns (the benchmarks' history quotes old figures, which documents none)
