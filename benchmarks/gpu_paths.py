@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import header, results_path, write_results  # noqa: E402
 
 from dlrm_lab.config import load_any_preset  # noqa: E402
-from dlrm_lab.metrics import probe  # noqa: E402
+from dlrm_lab.metrics import device_peaks  # noqa: E402
 from dlrm_lab.metrics.energy import EnergySampler  # noqa: E402
 from dlrm_lab.metrics.precision import measure_shape_rates, model_gemm_shapes  # noqa: E402
 from dlrm_lab.metrics.sensors import open_power_sources  # noqa: E402
@@ -60,18 +60,18 @@ def step_timer_class() -> Any:
 
 def peaks(device: torch.device, quick: bool) -> dict[str, Any]:
     """What `dlrm-lab machine probe` measures of a GPU, less the embedding gather (fbgemm)."""
-    sizes = probe.ProbeSizes.preset(quick)
+    sizes = device_peaks.ProbeSizes.preset(quick)
     out: dict[str, Any] = {"gemm_flops_per_s": {}, "gemm_size": {}, "gemm_spread": {}}
-    for name, dtype in {**dict(probe.GEMM_DTYPES), "tf32": torch.float32}.items():
+    for name, dtype in {**dict(device_peaks.GEMM_DTYPES), "tf32": torch.float32}.items():
         torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-        gemm = probe.gemm_flops_per_s(device, dtype, sizes.gpu_gemm_sizes, sizes.repeats, sizes.gemm_min_flops)
+        gemm = device_peaks.gemm_flops_per_s(device, dtype, sizes.gpu_gemm_sizes, sizes.repeats, sizes.gemm_min_flops)
         out["gemm_flops_per_s"][name] = gemm["flops_per_s"]
         out["gemm_size"][name] = gemm["size"]
         out["gemm_spread"][name] = gemm["spread"]
         print(f"  GEMM {name}: {gemm['flops_per_s'] / 1e12:,.1f} TFLOP/s (n={gemm['size']})", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    out["memory_bytes_per_s"] = probe.copy_bytes_per_s(device, sizes.copy_bytes, sizes.repeats)
-    out.update(probe.host_device_bytes_per_s(device, sizes.copy_bytes // 4, sizes.repeats))
+    out["memory_bytes_per_s"] = device_peaks.copy_bytes_per_s(device, sizes.copy_bytes, sizes.repeats)
+    out.update(device_peaks.host_device_bytes_per_s(device, sizes.copy_bytes // 4, sizes.repeats))
     rates = out["gemm_flops_per_s"]
     check("gemm peaks", all(v > 0 for v in rates.values()) and rates["bf16"] > rates["fp32"],
           ", ".join(f"{k} {v / 1e12:,.1f}" for k, v in rates.items()) + " TFLOP/s")  # fmt: skip
@@ -166,7 +166,7 @@ def pinned(device: torch.device) -> dict[str, Any]:
     dev = torch.empty(nbytes // 4, device=device)
     rate = {}
     for name, host in (("pageable", pageable), ("pinned", pinned_host)):
-        seconds = probe._timed(lambda h=host: dev.copy_(h, non_blocking=True), 5, device)
+        seconds = device_peaks._timed(lambda h=host: dev.copy_(h, non_blocking=True), 5, device)
         rate[name] = nbytes / seconds
     check("pinned h2d", rate["pinned"] > rate["pageable"],
           f"pinned {rate['pinned'] / 1e9:,.1f} GB/s, pageable {rate['pageable'] / 1e9:,.1f} GB/s")  # fmt: skip

@@ -8,8 +8,8 @@ import torch
 
 import dlrm_lab
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.device_peaks import ProbeSizes, copy_bytes_per_s, gather_bytes_per_s, gemm_flops_per_s
 from dlrm_lab.metrics.hardware import hardware_fingerprint
-from dlrm_lab.metrics.probe import ProbeSizes, copy_bytes_per_s, gather_bytes_per_s, gemm_flops_per_s
 from dlrm_lab.metrics.roofline import Peaks, Work, load_profile, peaks_for, place, save_profile
 from dlrm_lab.model.cost import dense_step_bytes, lookup_bytes_per_sample
 
@@ -174,7 +174,7 @@ def test_gemm_climb_is_not_cut_by_a_launch_bound_pilot(monkeypatch):
     """A GPU-like product: 100 us to launch, then 500 TFLOP/s. The pilot (n=256) predicts ~0.3
     TFLOP/s, under which n=8192 would take 3.3 s; the climb must still reach it (the rates timed at
     the smaller sizes predict it), while a slow kernel (20 GFLOP/s) stops after the smallest size."""
-    from dlrm_lab.metrics import probe
+    from dlrm_lab.metrics import device_peaks
 
     def fake(launch_s: float, rate: float) -> list[int]:
         now = [0.0]
@@ -185,9 +185,9 @@ def test_gemm_climb_is_not_cut_by_a_launch_bound_pilot(monkeypatch):
             now[0] += launch_s + 2 * a.shape[0] ** 3 / rate
             return a
 
-        monkeypatch.setattr(probe.torch, "mm", mm)
-        monkeypatch.setattr(probe.torch, "randn", lambda n, m, **kw: torch.empty(n, 1))
-        monkeypatch.setattr(probe.time, "perf_counter", lambda: now[0])
+        monkeypatch.setattr(device_peaks.torch, "mm", mm)
+        monkeypatch.setattr(device_peaks.torch, "randn", lambda n, m, **kw: torch.empty(n, 1))
+        monkeypatch.setattr(device_peaks.time, "perf_counter", lambda: now[0])
         return seen
 
     seen = fake(100e-6, 500e12)

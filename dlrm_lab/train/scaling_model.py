@@ -156,7 +156,7 @@ class MeasuredCollective:
         return t1 + (nbytes - b1) * per_byte
 
 
-# TorchRec's distribution as a step runs it (`metrics.probe.torchrec_distribution`), where probed
+# TorchRec's distribution as a step runs it (`metrics.collectives.torchrec_distribution`), where probed
 TORCHREC_PATH = ("torchrec_input_dist", "torchrec_pooled")
 
 

@@ -1,0 +1,158 @@
+"""One device's peak measurements, each a function the machine probe (`metrics.probe`) calls: GEMM FLOP/s, copy
+(memory) bandwidth, fbgemm's embedding gather bandwidth and host-device copy bandwidth; with how big and how often the
+probe measures (`ProbeSizes`) and its clock (`_timed`): the median of repeats after warm-up, CUDA work synchronised
+before the clock is read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """How big and how often; `quick` fits a test or a first look (seconds, not minutes)."""
+
+    gemm_sizes: tuple[int, ...]
+    copy_bytes: int
+    gather_tables: int
+    gather_rows: int
+    gather_dim: int
+    gather_batch: int
+    gather_pooling: int
+    comm_bytes: tuple[int, ...]
+    repeats: int
+    gemm_min_flops: float  # per timing: small products are repeated up to this much work
+    # samples a rank at which TorchRec's distribution is timed (`torchrec_distribution`)
+    torchrec_batches: tuple[int, ...] = (512, 2048)
+    # a GPU reaches its peak only on larger products (an H200's bf16: 430 TFLOP/s at 2048, 667 at 8192)
+    gpu_gemm_sizes: tuple[int, ...] = (2048, 8192)
+
+    @classmethod
+    def preset(cls, quick: bool) -> ProbeSizes:
+        if quick:
+            return cls((256, 1024), 64 << 20, 2, 250_000, 64, 1024, 20, (1 << 10, 1 << 16, 1 << 20), 3, 2e8)
+        return cls(
+            (1024, 2048, 4096), 1 << 30, 4, 1_000_000, 64, 4096, 20,
+            tuple(1 << k for k in range(10, 27, 2)), 7, 2e9, (512, 2048, 8192), (2048, 4096, 8192, 16384),
+        )  # fmt: skip
+
+
+def _timed(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:
+    """Median seconds of `fn()` after warm-up."""
+    return statistics.median(_timed_all(fn, repeats, device, warmup))
+
+
+def _timed_all(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn()` after warm-up."""
+    for _ in range(warmup):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def gemm_flops_per_s(
+    device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int, min_flops: float = 2e9
+) -> dict[str, Any]:
+    """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each)."""
+    best: dict[str, Any] = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    # A slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs) would take seconds per
+    # product at these sizes. A pilot product decides only whether the smallest size is
+    # affordable (its size stands in when not); each larger size is predicted from the best
+    # rate timed so far and the first predicted to take over 0.25 s ends the climb. The pilot
+    # is a floor, not a forecast: on a GPU one small product is launch-bound (an H200's pilot
+    # cut bf16 at n=2048: 430 of the 667 TFLOP/s it sustains at n=8192).
+    pilot = min(256, *sizes)
+    a = torch.randn(pilot, pilot, device=device).to(dtype)
+    torch.mm(a, a)  # first call: kernel selection
+    sync(device)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    sync(device)
+    pilot_rate = 2 * pilot**3 / max(time.perf_counter() - t0, 1e-9)
+    climb = sorted(sizes) if 2 * min(sizes) ** 3 / pilot_rate <= 0.25 else [pilot]
+    for n in climb:
+        if best["size"] is not None and 2 * n**3 / best["flops_per_s"] > 0.25:
+            break
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        single = time.perf_counter() - t0
+        # repeat small products so that one timing holds enough work, but keep it under ~0.1 s
+        inner = max(1, min(int(min_flops // (2 * n**3)), int(0.1 / max(single, 1e-6))))
+
+        def step(a: torch.Tensor = a, b: torch.Tensor = b, inner: int = inner) -> None:
+            for _ in range(inner):
+                torch.mm(a, b)
+
+        times = _timed_all(step, repeats, device)
+        rate = inner * 2 * n**3 / statistics.median(times)
+        if rate > best["flops_per_s"]:
+            best = {"flops_per_s": rate, "size": n, "spread": max(times) / max(min(times), 1e-12)}
+    return best
+
+
+def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes read plus written per second by a large copy."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), repeats, device)
+    return 2 * src.numel() * 4 / seconds
+
+
+def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int) -> dict[str, Any]:
+    """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    t, r, d, b, pool = (
+        sizes.gather_tables,
+        sizes.gather_rows,
+        sizes.gather_dim,
+        sizes.gather_batch,
+        sizes.gather_pooling,
+    )
+    if device.type == "cuda":
+        location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
+    else:
+        location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, location, compute)] * t, pooling_mode=PoolingMode.SUM, device=device
+    )
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, r, (t * b * pool,), generator=generator, dtype=torch.int64).to(device)
+    offsets = torch.arange(0, t * b * pool + 1, pool, dtype=torch.int64).to(device)
+    with torch.no_grad():
+        seconds = _timed(lambda: tbe(ids, offsets), repeats, device)
+    table_bytes = t * r * d * 4
+    return {"bytes_per_s": t * b * pool * d * 4 / seconds, "table_bytes": table_bytes}
+
+
+def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+    """Pinned host -> device and device -> host copy bandwidth."""
+    host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+    dev = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), repeats, device)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), repeats, device)
+    return {"h2d_bytes_per_s": nbytes / h2d, "d2h_bytes_per_s": nbytes / d2h}
