@@ -1,0 +1,21 @@
+"""What a dict holds where its keys are a file's or a command's, not a table's (a table's rows are
+`metrics.columns.Row`s, checked against its columns):
+
+- `JsonObject`: a JSON object as the lab writes or reads it (a manifest's section, a machine profile's entry, a
+  plan, a TOML table): its values are JSON's (null, true/false, a number, a string, an array, an object);
+- `OptionValues`: a command's option values by name, as the command line or a sweep's TOML gives them.
+
+Named here, low, because every room reads or writes them; Python checks neither at run time (JSON's own encoder and
+the options' declarations do), so these say what a value may be to the reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+# One level deep: the nested values are JSON's too, but a recursive alias would make typing.get_type_hints of
+# every config holding one resolve a forward reference in that config's module.
+JsonValue = Union[None, bool, int, float, str, list[Any], dict[str, Any]]
+JsonObject = dict[str, JsonValue]
+OptionValue = Union[None, bool, int, float, str, list[Any], tuple[Any, ...]]
+OptionValues = dict[str, OptionValue]
