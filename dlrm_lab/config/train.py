@@ -28,7 +28,7 @@ TABLE_UPDATES = ("auto", "fbgemm", "batched")
 # table-wise tables (`distributed.lean`), only when asked
 DISTRIBUTIONS = ("torchrec", "lean")
 # holdout: train on the training samples, evaluate on held-out ones; streaming (time-ordered families, MLPerf
-# Training DLRMv4's): train on window T, evaluate on window T + 1 before training on it (data.sequences.Stream)
+# Training DLRMv4's): train on window T, evaluate on window T + 1 before training on it (data.streaming.Stream)
 PROTOCOLS = ("holdout", "streaming")
 
 

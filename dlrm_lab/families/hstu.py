@@ -229,14 +229,15 @@ class HSTUFamily:
         check_ranker_fits(spec, cfg)
 
     def stream(self, spec: HSTUSpec, global_batch: int) -> Any:
-        """`--protocol streaming`'s walk through the windows (`data.sequences.Stream`), checked."""
-        from dlrm_lab.data.sequences import Stream
+        """`--protocol streaming`'s walk through the windows (`data.streaming.Stream`), checked."""
+        from dlrm_lab.data.streaming import Stream
 
         return Stream(spec.data, global_batch)
 
     def open_stream(self, spec: HSTUSpec, batch_size: int, **how: Any) -> tuple[Any, Any]:
         """`--protocol streaming`'s sources: the windows in time order, and after each step the next window."""
-        from dlrm_lab.data.sequences import NextWindowSource, SequenceGenerator, StreamSource
+        from dlrm_lab.data.sequences import SequenceGenerator
+        from dlrm_lab.data.streaming import NextWindowSource, StreamSource
 
         requests = SequenceGenerator(spec.data, how["seed"])
         rank, world = how["rank"], how["world_size"]
@@ -261,7 +262,8 @@ class HSTUFamily:
 
     def open_sources(self, spec: HSTUSpec, data: str, batch_size: int, **how: Any) -> tuple[Any, Any]:
         """Requests in time order; held out: the later window."""
-        from dlrm_lab.data.sequences import SequenceGenerator, SequenceSource
+        from dlrm_lab.data.request_batches import SequenceSource
+        from dlrm_lab.data.sequences import SequenceGenerator
 
         self.check_data_options(spec, data, how["data_spec"], how["overrides"])
         requests = SequenceGenerator(spec.data, how["seed"])

@@ -80,7 +80,7 @@ def score_requests(
     """Logits of every candidate of `block`'s requests (flat, request by request) and, per request,
     the history tokens reused from `cache` (0 on a miss; zeros without a cache). Call under
     inference mode; the model's layers must be in eval mode."""
-    from dlrm_lab.data.sequences import RequestBatch
+    from dlrm_lab.data.request_batches import RequestBatch
 
     device = device or torch.device("cpu")
     if cache is None:
