@@ -536,12 +536,12 @@ def test_energy_sampler_cpu_utilisation_goes_through_the_cpu_meter(monkeypatch):
 
 def test_one_cpu_meter_in_the_package():
     import dlrm_lab
-    from dlrm_lab.infer import lab
+    from dlrm_lab.infer import load_point
 
     root = Path(dlrm_lab.__file__).parent
     sources = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*.py")}
     assert {name for name, text in sources.items() if "cpu_times(" in text} == {"metrics/cpu.py"}
     meters = {name for name, text in sources.items() if re.search(r"^class \w*Cpu\w*Meter\b", text, re.M)}
     assert meters == {"metrics/cpu.py"}
-    assert not hasattr(lab, "_CpuMeter")
-    assert energy.CpuMeter is cpu.CpuMeter and lab.CpuMeter is cpu.CpuMeter
+    assert not hasattr(load_point, "_CpuMeter")
+    assert energy.CpuMeter is cpu.CpuMeter and load_point.CpuMeter is cpu.CpuMeter

@@ -220,8 +220,9 @@ def test_an_instance_killed_during_a_run_is_one_line_naming_it_and_the_queries_a
 def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario, monkeypatch):
     import mlperf_loadgen as lg
 
-    from dlrm_lab.infer.lab import InferConfig, Point, measure, queue_room
+    from dlrm_lab.infer.lab import InferConfig, queue_room
     from dlrm_lab.infer.load import QuerySizes, Stream
+    from dlrm_lab.infer.load_point import Point, measure
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
@@ -268,7 +269,7 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
     import pyarrow.parquet as pq
     from conftest import ConstantPower, store_profile
 
-    from dlrm_lab.infer import lab
+    from dlrm_lab.infer import load_point
     from dlrm_lab.infer.load import QuerySizes, Stream
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.energy import telemetry_schema
@@ -277,13 +278,19 @@ def test_a_point_is_placed_on_the_roofline_with_its_energy_per_query(server, tmp
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
     store_profile(tmp_path / "machines", gflops=50.0, gather_gb=4.0)
-    monkeypatch.setattr(lab, "open_power_sources", lambda *a, **k: ([ConstantPower(25.0)], {}))
-    cfg = lab.InferConfig(duration_s=1.0, sla_ms=50)
+    monkeypatch.setattr(load_point, "open_power_sources", lambda *a, **k: ([ConstantPower(25.0)], {}))
+    cfg = load_point.InferConfig(duration_s=1.0, sla_ms=50)
     stream = Stream("tiny", 150.0, QuerySizes.parse("fixed:4"))
     with Run.create(tmp_path, "infer", {}) as run:
         telemetry = run.table("telemetry", telemetry_schema("point"))
-        (row,) = lab.measure(server, lab.Point(0, [stream]), cfg, run.table("queries", schema_of("queries")), run.dir,
-                             telemetry=telemetry)  # fmt: skip
+        (row,) = load_point.measure(
+            server,
+            load_point.Point(0, [stream]),
+            cfg,
+            run.table("queries", schema_of("queries")),
+            run.dir,
+            telemetry=telemetry,
+        )
     spec = server.models["tiny"].spec
     assert row["flops_per_sample"] == sample_cost(spec).forward_flops == 1392
     assert row["bytes_per_sample"] == lookup_bytes_per_sample(spec) == 224
@@ -398,15 +405,15 @@ def test_a_traced_point_is_chrome_trace_json_with_the_labs_spans_on_the_servers_
     server's clock by the batch marks they carry."""
     import json
 
-    from dlrm_lab.infer import lab
+    from dlrm_lab.infer import load_point
     from dlrm_lab.infer.load import QuerySizes, Stream
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
-    cfg = lab.InferConfig(duration_s=0.5, sla_ms=50, warmup_s=0.1)
+    cfg = load_point.InferConfig(duration_s=0.5, sla_ms=50, warmup_s=0.1)
     with Run.create(tmp_path, "infer", {}) as run:
-        lab.measure(server, lab.Point(0, [Stream("tiny", 200.0, QuerySizes.parse("fixed:8"))]), cfg,
-                    run.table("queries", schema_of("queries")), run.dir, trace=True)  # fmt: skip
+        load_point.measure(server, load_point.Point(0, [Stream("tiny", 200.0, QuerySizes.parse("fixed:8"))]), cfg,
+                           run.table("queries", schema_of("queries")), run.dir, trace=True)  # fmt: skip
     trace = json.loads((run.dir / "trace.json").read_text())
     events = trace["traceEvents"]
     assert isinstance(events, list) and trace["otherData"]["instances_aligned"] == [0, 1]
@@ -429,7 +436,7 @@ def test_a_traced_point_is_chrome_trace_json_with_the_labs_spans_on_the_servers_
 def test_an_instance_stopped_inside_a_point_is_a_stall_the_point_names(server):
     import signal
 
-    from dlrm_lab.infer.lab import point_line, stall_columns
+    from dlrm_lab.infer.load_point import point_line, stall_columns
     from dlrm_lab.infer.server import STALL_MS
 
     server.take_stalls()

@@ -376,7 +376,8 @@ def test_an_offline_run_that_ends_before_its_duration_says_which_qps_to_give(tmp
 
 @pytest.mark.parametrize("scenario", ["offline", "server"])
 def test_an_offline_point_gets_a_queue_that_holds_all_its_queries_then_the_bound_is_restored(scenario):
-    from dlrm_lab.infer.lab import Point, queue_room
+    from dlrm_lab.infer.lab import queue_room
+    from dlrm_lab.infer.load_point import Point
 
     models = {"m": types.SimpleNamespace(max_queue=16)}
     server = types.SimpleNamespace(
@@ -395,7 +396,8 @@ def test_a_point_is_measured_through_the_interface_alone(tmp_path):
     import pyarrow.parquet as pq
 
     from dlrm_lab.config import load_preset
-    from dlrm_lab.infer.lab import InferConfig, Point, measure
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.load_point import Point, measure
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
@@ -433,7 +435,8 @@ def test_a_points_cost_is_its_rate_at_the_machines_price_and_a_remote_hosts_pric
     from conftest import store_profile
 
     from dlrm_lab.config import load_preset
-    from dlrm_lab.infer.lab import InferConfig, Point, measure, point_price
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.load_point import Point, measure, point_price
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
@@ -697,7 +700,8 @@ def test_a_querys_latency_parts_sum_to_it_on_a_system_of_known_times(tmp_path, m
     from conftest import store_profile
 
     from dlrm_lab.config import load_preset
-    from dlrm_lab.infer.lab import InferConfig, Point, measure
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.load_point import Point, measure
     from dlrm_lab.infer.records import batch_roof
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.metrics.columns import LATENCY_PARTS, schema_of

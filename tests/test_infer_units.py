@@ -622,7 +622,7 @@ ProcTimes = namedtuple("ProcTimes", "user system children_user children_system")
 
 
 def test_point_cpu_columns_come_from_the_cpu_meter(monkeypatch):
-    from dlrm_lab.infer import lab
+    from dlrm_lab.infer import load_point
     from dlrm_lab.infer.sut import SutDescription
     from dlrm_lab.metrics.cpu import CpuMeter
 
@@ -631,14 +631,14 @@ def test_point_cpu_columns_come_from_the_cpu_meter(monkeypatch):
     procs = {instance: (1.0, 0.0), me: (2.0, 0.0)}
     monkeypatch.setattr(psutil, "cpu_times", lambda percpu=False: list(cores))
     monkeypatch.setattr(psutil.Process, "cpu_times", lambda p: ProcTimes(*procs[p.pid], 0.0, 0.0))
-    monkeypatch.setattr(lab, "usable_cores", lambda: [1])  # this process may use core 1 only
+    monkeypatch.setattr(load_point, "usable_cores", lambda: [1])  # this process may use core 1 only
     # an unpinned instance (no cores listed) of a model with 2 threads per instance, as the SUT describes it
     sut = SutDescription(
         models={"m": SimpleNamespace(threads=2)},
         processes=[{"instance": 0, "model": "m", "pid": instance, "cores": []}],
     )
     now = [0.0]
-    meter = lab._cpu_meter(sut, clock=lambda: now[0])
+    meter = load_point._cpu_meter(sut, clock=lambda: now[0])
     assert isinstance(meter, CpuMeter)
     meter.start()
 
@@ -648,10 +648,10 @@ def test_point_cpu_columns_come_from_the_cpu_meter(monkeypatch):
     procs.update({instance: (1.5, 0.1), me: (2.3, 0.0)})
     use = meter.stop()
 
-    assert {c: use[c] for c in lab.CPU_COLUMNS} == pytest.approx(
+    assert {c: use[c] for c in load_point.CPU_COLUMNS} == pytest.approx(
         {"cpu_utilization": 1.0, "instance_cpu_utilization": 0.6 / (1.0 * 2), "server_cpu_s": 0.3}
     )
-    assert not hasattr(lab, "_CpuMeter")
+    assert not hasattr(load_point, "_CpuMeter")
 
 
 # -- memory: a model too big to serve is refused before anything is allocated -----------------

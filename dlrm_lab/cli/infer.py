@@ -29,7 +29,8 @@ _REFRESH_PER_S = 1.0
 def run_command(options: dict[str, Any]) -> None:
     """Serve one load point (or several models together) and record every query."""
     from dlrm_lab.commands import infer_setup
-    from dlrm_lab.infer.lab import PointProgress, run_inference
+    from dlrm_lab.infer.lab import run_inference
+    from dlrm_lab.infer.load_point import PointProgress
 
     served, load, cfg = infer_setup(options)  # the one construction (sweeps check their points with it too)
     streams, n = load.streams, len(served)
@@ -98,7 +99,7 @@ def _print_points(run_dir: Any) -> tuple[list[tuple[str, str | None]], str | Non
 def search_command(options: dict[str, Any]) -> None:
     """Find, per configuration, the highest queries/s whose latency percentile meets the bound."""
     from dlrm_lab.commands import search_setup
-    from dlrm_lab.infer.lab import PointProgress
+    from dlrm_lab.infer.load_point import PointProgress
     from dlrm_lab.infer.search import search
 
     if len(options["model"] or []) > 1:

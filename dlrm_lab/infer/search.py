@@ -1,6 +1,6 @@
 """Latency-bounded search: the highest rate each serving configuration sustains under a bound.
 
-One run directory (kind `infer-search`): every probe is a load point of `infer.lab.measure`
+One run directory (kind `infer-search`): every probe is a load point of `infer.load_point.measure`
 (`queries.parquet`, `summary.parquet`), and `frontier.parquet` holds the best rate of every
 configuration that meets the latency bound.
 """
@@ -21,15 +21,9 @@ from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.drivers import scenario
 from dlrm_lab.infer.instance import PRECISIONS
-from dlrm_lab.infer.lab import (
-    Log,
-    OnProgress,
-    Point,
-    faults_name_the_run,
-    measure,
-    stream_config,
-)
+from dlrm_lab.infer.lab import faults_name_the_run, stream_config
 from dlrm_lab.infer.load import Stream
+from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
 from dlrm_lab.infer.loadgen import loadgen_duration, queries_needed
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.options import InferConfig

@@ -63,7 +63,7 @@ _table(
     _c("response_bytes", I64),
 )
 
-# summary.parquet of `infer run`: one row per model and load point (`infer.records.summarize` and `infer.lab`)
+# summary.parquet of `infer run`: one row per model and load point (`infer.records.summarize` and `infer.load_point`)
 _table(
     "infer summary",
     "point",
@@ -93,7 +93,7 @@ _table(
     _c("arrival", STR),
     _c("target_qps", F64, "offered load", "queries/s", ".1f", short="target q/s"),
     _c("duration_s", F64, "duration", "s", ".1f", short="secs"),
-    _c("warmup_s", F64),  # untimed load before the point (infer.lab.warm_up)
+    _c("warmup_s", F64),  # untimed load before the point (infer.load_point.warm_up)
     _c("queries", I64),
     _c("completed_queries", I64),
     _c("dropped_queries", I64, "dropped", "queries", "d", LOWER, "drop"),

@@ -1,0 +1,366 @@
+"""A load point: streams of queries driven against the system under test for a while, metered, and summarised per
+model (one `summary.parquet` row each: its rates, latency percentiles and parts, roofline and latency floor, energy,
+CPU use, cost and stalls).
+
+A point is measured (`measure`) through the system-under-test interface alone
+(`infer.sut.SystemUnderTest`): its driver comes from the scenario (`infer.drivers.make_driver`)
+and what is recorded about the served models comes from `describe()`. An inference run (`infer.lab`) and a
+search's probes (`infer.search`) are made of points.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dlrm_lab.errors import ClientLost, RemoteFailure, ServerLost
+from dlrm_lab.infer.builds import dense_weight_bytes
+from dlrm_lab.infer.drivers import drive, make_driver, scenario
+from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
+from dlrm_lab.infer.options import InferConfig
+from dlrm_lab.infer.records import (
+    FLOOR_RESOLUTION_MS,
+    batch_roof,
+    energy_columns,
+    latency_floor_columns,
+    latency_parts,
+    roofline_columns,
+    summarize,
+    with_late_flags,
+)
+from dlrm_lab.infer.sut import ModelDescription, SutDescription, SystemUnderTest
+from dlrm_lab.metrics.cost import Price, price_of, serving_cost_columns
+from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
+from dlrm_lab.metrics.energy import EnergySampler
+from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
+from dlrm_lab.metrics.sensors import open_power_sources
+from dlrm_lab.metrics.tables import TableWriter
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class PointProgress:
+    """How far a load point is: reported about every 0.25 s while its load runs, and once
+    (`finished`) when its queries are in. The caller shows it; this module prints nothing."""
+
+    point: int  # index of the point in the run (a search: over all its probes)
+    elapsed_s: float  # since the load started
+    duration_s: float  # of load planned (LoadGen scenarios may run a little past it)
+    queries: int  # finished so far in this point
+    finished: bool = False
+
+
+OnProgress = Callable[[PointProgress], None]
+
+
+CPU_COLUMNS = ("cpu_utilization", "instance_cpu_utilization", "server_cpu_s")
+
+
+def _cpu_meter(sut: SutDescription, clock: Callable[[], float] = time.monotonic) -> CpuMeter:
+    """CPU use over a point (CPU_COLUMNS): the cores this process may use, the instances at their
+    threads (pinned or not), and this serving process."""
+    instances = [(p["pid"], sut.models[p["model"]].threads or 1) for p in sut.processes]
+    groups = {"instance": instances, "server": [(os.getpid(), 1)]}
+    return CpuMeter(usable_cores(), groups, clock=clock)
+
+
+@dataclass
+class Point:
+    """One load point: these streams against the server, for `duration_s` (default: the config's)."""
+
+    index: int
+    streams: list[Stream]
+    mode: str = "together"
+    scenario: str = "open-loop"
+    extra: dict[str, Any] = field(default_factory=dict)  # columns added to each summary row
+    duration_s: float | None = None
+
+
+def warm_up(server: SystemUnderTest, streams: list[Stream], seconds: float, *, seed: int, drain_s: float) -> None:
+    """Untimed open-loop load of these streams for `seconds`; its records are dropped by the caller."""
+    if seconds <= 0:
+        return
+    settings = LoadSettings("open-loop", duration_s=seconds, seed=seed + 1_000_003, max_issue_lag_ms=None)
+    drive(server, make_driver(server, streams, settings), drain_s=drain_s, take=lambda _rows: None)
+
+
+def measure(
+    server: SystemUnderTest,
+    point: Point,
+    cfg: InferConfig,
+    queries: TableWriter,
+    run_dir: Path,
+    log: Log | None = None,
+    telemetry: TableWriter | None = None,
+    on_progress: OnProgress | None = None,
+    decided: Callable[[list[dict[str, Any]]], bool] | None = None,
+    trace: bool = False,
+) -> list[dict[str, Any]]:
+    """Drive one point and summarise it per model. Query rows are written as they finish;
+    power and host samples of the point go to `telemetry`; `on_progress` hears how far the
+    load is (see `PointProgress`). What the rows say about each model (its serving
+    configuration, spec, processes) is what `server.describe()` reports.
+
+    `decided(records so far)` is asked every `drivers.POLL_S` while the load runs: True ends the
+    load there (a search probe whose verdict can no longer change); the rows then say
+    `load_stopped_early` and their rates count the time the load actually ran. `trace`: the point's
+    load (not its warm-up) is profiled in every instance and written with the lab's spans to
+    `trace.json` in `run_dir` (a server that cannot trace says so in `log`)."""
+    if point.duration_s is not None:
+        cfg = replace(cfg, duration_s=point.duration_s)
+    sut = server.describe()
+    warmup_s = min(cfg.warmup_s, cfg.duration_s / 4)
+    try:
+        warm_up(server, point.streams, warmup_s, seed=cfg.seed + point.index, drain_s=cfg.drain_timeout_s)
+    except RemoteFailure as exc:  # before any row counts: nothing of the point to keep
+        raise type(exc)(f"point {point.index}, warming up: the server at {sut.target}: {exc}") from None
+    server.take_records()  # nothing from a previous point (or the warm-up) leaks in
+    profile = load_profile()
+    peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
+    seen = _drive_point(server, point, cfg, sut, peaks, queries, run_dir, log, telemetry, on_progress, decided, trace)
+    rows = [_summary_row(point, stream, seen, sut, cfg, peaks[stream.model], warmup_s) for stream in point.streams]
+    price = point_price(profile, cfg, sut)
+    for row in rows:
+        row.update(energy_columns(seen.energy, rows))
+    for row in rows:  # after every row's rate and energy: a co-located point shares the machine's price
+        row.update(serving_cost_columns(row, price, rows))
+        if log:
+            log(point_line(row))
+    return rows
+
+
+@dataclass
+class _Seen:
+    """What one point's load left: its query records and what metered it."""
+
+    records: list[dict[str, Any]]
+    stats: DriverStats
+    energy: dict[str, Any]
+    cpu: dict[str, Any]
+    stalls: list[dict[str, Any]]
+    slas: dict[str, float]
+    stopped_after_s: float | None  # the load ended early (`decided`)
+    failure: RemoteFailure | None  # a remote system under test failed: the point as far as it went
+
+
+def _drive_point(
+    server: SystemUnderTest, point: Point, cfg: InferConfig, sut: SutDescription, peaks: dict[str, Any],
+    queries: TableWriter, run_dir: Path, log: Log | None, telemetry: TableWriter | None,
+    on_progress: OnProgress | None, decided: Callable[[list[dict[str, Any]]], bool] | None, trace: bool,
+) -> _Seen:  # fmt: skip
+    """The point's load, metered (energy, CPU, the trace): every finished query a row with its latency parts."""
+    slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
+    settings = LoadSettings(
+        point.scenario, duration_s=cfg.duration_s, seed=cfg.seed + point.index, sla_ms=slas[point.streams[0].model],
+        sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
+        max_issue_lag_ms=cfg.max_issue_lag_ms, concurrency=cfg.concurrency,
+    )  # fmt: skip
+    driver = make_driver(server, point.streams, settings)
+    records: list[dict[str, Any]] = []
+    roofs = {m: batch_roof(sut.models[m].spec, sut.models[m].table_precision or "fp32", p,
+                           _dense_bytes(sut.models[m])) for m, p in peaks.items()}  # fmt: skip
+
+    def pump(finished: list[dict[str, Any]]) -> None:
+        rows = with_late_flags(finished, slas, point.index)
+        for r in rows:
+            n = r.get("batch_samples")
+            r.update(latency_parts(r, roofs[r["model"]](n) if n else None))
+        records.extend(rows)
+        queries.extend(rows)
+
+    meter = _cpu_meter(sut)
+    # Records are plain dicts without cycles; a full collection over them pauses every
+    # thread of this process for tens of ms, which is then measured as tail latency.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    sources, missing = open_power_sources(cfg.device)
+    sampler = EnergySampler(
+        sources, interval_s=0.1, unavailable=missing, pids=lambda: [p["pid"] for p in sut.processes]
+    ).start()
+    meter.start()
+    window = [sampler.mark()]
+    tracing = trace and hasattr(server, "start_trace")
+    if trace and not tracing and log:
+        log("--trace: this system under test cannot be profiled (no instances in this process); no trace")
+    if tracing:
+        server.start_trace()
+    load_start = time.monotonic()
+    stopped_after_s: float | None = None
+
+    def report(finished: bool = False) -> bool:
+        nonlocal stopped_after_s
+        elapsed = time.monotonic() - load_start
+        if on_progress is not None:
+            on_progress(PointProgress(point.index, elapsed, cfg.duration_s, len(records), finished))
+        if not finished and decided is not None and decided(records):
+            stopped_after_s = elapsed
+            return True
+        return False
+
+    failure: RemoteFailure | None = None
+    try:
+        if not drive(server, driver, drain_s=cfg.drain_timeout_s, take=pump, poll=report) and log:
+            log(f"point {point.index}: queries still unfinished {cfg.drain_timeout_s:.0f} s after the load")
+    except RemoteFailure as exc:  # the point is summarised as far as it went; the run then fails
+        failure = exc
+        server.drain(cfg.drain_timeout_s)
+    finally:
+        window.append(sampler.mark())
+        sampler.stop()
+        if telemetry is not None:
+            telemetry.extend([{**r, "point": point.index} for r in sampler.rows()])
+        if gc_was_enabled:
+            gc.enable()
+    pump(server.take_records())
+    stalls = server.take_stalls() if hasattr(server, "take_stalls") else []
+    use = meter.stop()
+    if tracing:
+        _write_trace(server, records, sut, run_dir, log)
+    report(finished=True)
+    return _Seen(records, driver.stats, sampler.summary(window[0], window[1]),
+                 {column: use[column] for column in CPU_COLUMNS}, stalls, slas, stopped_after_s, failure)  # fmt: skip
+
+
+def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription, cfg: InferConfig, peaks: Any,
+                 warmup_s: float) -> dict[str, Any]:  # fmt: skip
+    """One model's summary row of a point (`infer summary`, less energy and cost: those are shared by the point)."""
+    stats, failure = seen.stats, seen.failure
+    mine = [r for r in seen.records if r["model"] == stream.model]
+    span = seen.stopped_after_s or stats.duration_s or cfg.duration_s  # LoadGen's: measured; ours: as planned
+    if mine:  # a backlog drained after the load ends lowers throughput instead of hiding
+        last_end = max(r["end_ms"] for r in mine) / 1e3
+        first = min(r["scheduled_ms"] for r in mine) / 1e3
+        span = last_end - first if stats.issue_stopped or failure else max(span, last_end - first)
+    served = sut.models[stream.model]
+    cost = sut.batch_costs.get(stream.model)
+    error = None
+    if failure is not None:
+        if isinstance(failure, ServerLost):
+            error = f"lost the server at {sut.target}: {failure}"
+        elif isinstance(failure, ClientLost):
+            error = f"{sut.target}: {failure}"
+        else:
+            error = f"the server at {sut.target} answered badly: {failure}"
+    row = {
+        "point": point.index,
+        "mode": point.mode,
+        "scenario": point.scenario,
+        "model": stream.model,
+        "preset": served.spec.name,
+        **served.columns,
+        "query_sizes": str(stream.sizes),
+        "arrival": stats.arrival[stream.model],
+        "target_qps": stream.qps if scenario(point.scenario).rate else None,  # a closed loop has no rate
+        "duration_s": span,
+        "warmup_s": warmup_s,
+        **summarize(mine, duration_s=span, sla_ms=seen.slas[stream.model], sla_percentile=cfg.sla_percentile),
+        **stats.accuracy(stream.model),
+        **seen.cpu,
+        "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
+        **stats.loadgen,
+        "load_stopped_early": seen.stopped_after_s is not None,
+        "target": sut.target,
+        "rpc": sut.rpc,
+        "concurrency": sut.concurrency,
+        "server_lost": None if sut.rpc is None else isinstance(failure, ServerLost),
+        "error": error,
+        "batch_fixed_ms": None if cost is None else cost.fixed_ms,
+        "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
+        **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
+        **point.extra,
+    }
+    dense_bytes, tables = _dense_bytes(served), served.table_precision or "fp32"
+    row.update(roofline_columns(served.spec, tables, row, peaks, dense_bytes))
+    row.update(latency_floor_columns(served.spec, tables, served.instances or 1, served.threads or 1,
+                                     served.max_batch or 1, row, peaks, served.min_piece or 0,
+                                     dense_bytes))  # fmt: skip
+    return row
+
+
+def point_price(profile: dict[str, Any] | None, cfg: InferConfig, sut: SutDescription) -> Price | None:
+    """The price a point's costs are at: `--price-per-hour`, else the price stored with this machine's profile, which
+    is the server's only where the server runs on this machine (a remote host's is given, or there is none)."""
+    here = all(d.on_this_host for d in sut.models.values())
+    return price_of(profile if here else None, cfg.price_per_hour, cfg.currency)
+
+
+def _write_trace(
+    server: Any, records: list[dict[str, Any]], sut: SutDescription, run_dir: Path, log: Log | None
+) -> None:
+    """Collect the instances' profiles and write the point's trace.json beside its records."""
+    import shutil
+
+    from dlrm_lab.infer.instance import MAX_TRACED_BATCHES
+    from dlrm_lab.metrics.trace import serving_trace
+
+    parts = run_dir / "trace-instances"
+    written, missing = server.stop_trace(parts)
+    info = serving_trace(records, written, sut.processes, run_dir / "trace.json")
+    shutil.rmtree(parts, ignore_errors=True)  # merged into trace.json
+    if log:
+        gaps = "".join(f"; instance {k}: {why}" for k, why in missing.items())
+        gaps += "".join(f"; instance {k}: no served batch to align its profile by" for k in info["instances_unaligned"])
+        log(f"trace: {run_dir / 'trace.json'} ({info['events']:,} events: every query and batch, and torch.profiler's "
+            f"operators of at most the first {MAX_TRACED_BATCHES:,} batches of each instance; open in "
+            f"ui.perfetto.dev){gaps}")  # fmt: skip
+
+
+def _peaks(profile: dict[str, Any] | None, device: str, served: ModelDescription) -> Any:
+    """The peaks one instance of `served` is placed against: its device, threads and GEMM precision (a
+    reason instead where its instances are not on this machine, or their precision and threads are unknown)."""
+    if not served.on_this_host or served.precision is None or served.threads is None:
+        return served.unplaced or "the server did not say how it serves this model"
+    precision = gemm_precision(device, served.precision)
+    return peaks_for(profile, "cuda:0" if device == "cuda" else "cpu", precision, served.threads)
+
+
+def _dense_bytes(served: ModelDescription) -> float:
+    """Bytes per dense parameter an instance reads per batch: as its build stores them (`infer.builds`)."""
+    return dense_weight_bytes(served.build, served.precision)
+
+
+def stall_columns(stalls: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many batches an instance held far beyond their warm time, the longest, and which instances."""
+    if not stalls:
+        return {"instance_stalls": 0, "longest_stall_s": None, "stalled_instances": None}
+    return {"instance_stalls": len(stalls), "longest_stall_s": max(s["took_ms"] for s in stalls) / 1e3,
+            "stalled_instances": ",".join(str(i) for i in sorted({s["instance"] for s in stalls}))}  # fmt: skip
+
+
+def point_line(row: dict[str, Any]) -> str:
+    p99, floor = row.get("latency_p99_ms"), row.get("latency_floor_ms")
+    lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
+    ratio = row.get("latency_floor_ratio")
+    if floor is not None and floor < FLOOR_RESOLUTION_MS:
+        beside = f" (floor < {FLOOR_RESOLUTION_MS:g} ms: below what a query's timestamps resolve)"
+    else:
+        beside = (
+            "" if floor is None else f" (floor {floor:.3g} ms" + ("" if ratio is None else f", {ratio:,.1f}x") + ")"
+        )
+    slow = row.get("compute_slowdown_p99")
+    beside += "" if slow is None else f", batches at p99 {slow:.2f}x their warm time"
+    load = "closed loop" if row["target_qps"] is None else f"target {row['target_qps']:.1f} queries/s"
+    return (
+        f"{row['model']} [{row['mode']}] {load}: "
+        f"{row['queries_per_s']:.1f} queries/s, {row['samples_per_s']:.0f} samples/s, "
+        f"p99 {'-' if p99 is None else f'{p99:.2f}'} ms{beside}, "
+        f"dropped {row['dropped_queries']}, late {row['late_queries']}, "
+        f"SLA {'met' if row['sla_met'] else 'missed'}{lg}"
+        + (
+            f", {row['cost_per_1m_samples']:,.4g} {row['currency']} per 1M samples"
+            if row.get("cost_per_1m_samples") is not None
+            else ""
+        )  # fmt: skip
+        + (
+            f"; instance {row['stalled_instances']} stalled: {row['instance_stalls']} batch(es) held up to "
+            f"{row['longest_stall_s']:.1f} s (a stopped or starved process)"
+            if row.get("instance_stalls")
+            else ""
+        )
+    )
