@@ -16,9 +16,13 @@ registry finds it empty.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 Spec = Any  # a family's typed preset (config.specs.ModelSpec, config.hstu.HSTUSpec, ...)
 
@@ -42,11 +46,9 @@ class ModelFamily(Protocol):
     max_warmup_batch: int | None  # the largest batch an instance warms up with (None: the largest it serves)
 
     # ----- presets and specs (config)
-    def parse_preset(
-        self, raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None
-    ) -> Any: ...
+    def parse_preset(self, raw: JsonObject, *, where: str, table_scale: float | None, max_rows: int | None) -> Any: ...
 
-    def spec_from_dict(self, data: dict[str, Any]) -> Any: ...
+    def spec_from_dict(self, data: JsonObject) -> Any: ...
 
     def with_data_overrides(self, spec: Any, overrides: Sequence[str], *, serving: bool) -> Any:
         """The spec with `--set KEY=VALUE` applied where a family's samples are part of its spec
@@ -103,14 +105,14 @@ class ModelFamily(Protocol):
     # ----- serving (infer/, serve/)
     def check_served(self, served: Any) -> None: ...
 
-    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:
+    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
         """The model an instance will serve, with the server's seed: the model, `served` with any measured
         choice resolved (the ranker's attention path), and that choice's record (None for none)."""
         ...
 
     def sample_library(self, served: Any, seed: int, samples: int) -> Any: ...
 
-    def library_from_arrays(self, arrays: dict[str, Any]) -> Any:
+    def library_from_arrays(self, arrays: dict[str, np.ndarray]) -> Any:
         """Its sample library from the arrays of a snapshot (mapped, shared by every instance)."""
         ...
 
@@ -120,11 +122,11 @@ class ModelFamily(Protocol):
 
     def memory(self, served: Any) -> Any: ...
 
-    def count_columns(self, served: Any, counts: Any) -> dict[str, Any]:
+    def count_columns(self, served: Any, counts: Any) -> dict[str, int | None]:
         """A served query's row columns from what its instances counted of it (`BatchResult.counts`)."""
         ...
 
-    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, Any]:
+    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, float | None]:
         """Its summary columns of a point's query rows (`ok`: the completed ones; `samples` per row)."""
         ...
 
@@ -181,12 +183,12 @@ def family_of(spec: Any) -> ModelFamily:
     raise TypeError(f"no model family has specs of type {type(spec).__name__} (family {name!r})")
 
 
-def preset_family_name(raw: dict[str, Any]) -> str:
+def preset_family_name(raw: JsonObject) -> str:
     """The family a parsed preset (or a spec's `to_dict`) names: DLRM where it names none."""
     return str(raw.get("family", "dlrm"))
 
 
-def spec_from_dict(data: dict[str, Any]) -> Any:
+def spec_from_dict(data: JsonObject) -> Any:
     """A model spec of any family from its `to_dict` form (as run manifests hold it)."""
     return family_named(preset_family_name(data)).spec_from_dict(data)
 

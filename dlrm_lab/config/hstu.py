@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
 
 from dlrm_lab.config.mlperf import HSTURecipe, MLPerfRules
 from dlrm_lab.config.request_features import (
@@ -46,6 +45,7 @@ from dlrm_lab.config.request_features import (
 from dlrm_lab.config.rules import row_scaler
 from dlrm_lab.config.sequence_spec import SequenceSpec
 from dlrm_lab.config.specs import TableSpec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
 
 ACTION_BITS = 5  # the reference's action weights 1, 2, 4, 8, 16: one bit per action type
@@ -284,13 +284,13 @@ class HSTUSpec:
         steps = (first + stop - 1) / 2  # the window's mean step
         return min(float(d.max_history), steps * d.active_share * d.interactions_mean)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         out = asdict(self)
         out["num_parameters"] = self.num_parameters
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HSTUSpec:
+    def from_dict(cls, data: JsonObject) -> HSTUSpec:
         """The spec of `to_dict`'s form (a run's manifest), checked as a preset is."""
         where = f"model spec {data.get('name', '?')}"
         try:
@@ -317,9 +317,9 @@ _TABLE_KEYS = ("item_tables", "cross_tables")  # [model.item_tables], [model.cro
 _TOWER_KEYS = ("item_tower", "head")  # [hidden, out]
 
 
-def _parse_layout(model: dict[str, Any], where: str) -> dict[str, Any]:
+def _parse_layout(model: JsonObject, where: str) -> dict[str, Tables | tuple[int, ...]]:
     """[model]'s tables of tables and tower widths, checked: (name, rows) pairs and (hidden, out) pairs."""
-    out: dict[str, Any] = {}
+    out: dict[str, Tables | tuple[int, ...]] = {}
     for key in _TABLE_KEYS:
         if key not in model:
             continue
@@ -343,7 +343,7 @@ def _parse_layout(model: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def parse_hstu(
-    raw: dict[str, Any], *, where: str, table_scale: float | None = None, max_rows: int | None = None
+    raw: JsonObject, *, where: str, table_scale: float | None = None, max_rows: int | None = None
 ) -> HSTUSpec:
     """An HSTU preset's parsed TOML -> HSTUSpec, scaled; each bad field is one UserError naming it."""
     allowed = {"name", "family", "description", "model", "data", "mlperf", "reference"}

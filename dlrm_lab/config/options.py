@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+from dlrm_lab.config.values import OptionValues
 from dlrm_lab.errors import FieldError, UserError
 
 SAME: Any = type("Same", (), {"__repr__": lambda self: "SAME"})()  # the command's default is the config's
@@ -148,7 +149,7 @@ def coerce_as(field: str, value: Any, kind: Any) -> Any:
 
 def given(
     options: Mapping[str, Any], declared: list[Declared], command: str, ignored: Iterable[str] = ()
-) -> dict[str, Any]:
+) -> OptionValues:
     """Option values keyed by name (`batch-size` or `batch_size`), each coerced to its declared
     type; a name the command does not declare names the ones it does."""
     by_name = {d.name: d for d in declared}
@@ -160,7 +161,7 @@ def given(
     return {k: coerce(by_name[k], v) for k, v in values.items()}
 
 
-def parse_words(declared: list[Declared], words: list[str], command: str) -> dict[str, Any]:
+def parse_words(declared: list[Declared], words: list[str], command: str) -> OptionValues:
     """The options given in `words` (a command line's, after the command), keyed as a sweep's options are
     (`batch-size`), each coerced to its declared type; an unknown flag or a bad value is one UserError naming it.
     The library's own parser, so that a TorchX component or a scaling run checks a command's words without the

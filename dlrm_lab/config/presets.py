@@ -26,6 +26,7 @@ from dlrm_lab.config.family import families, preset_family_name
 from dlrm_lab.config.rules import bad, int_list_problem, row_scaler
 from dlrm_lab.config.specs import ModelSpec, TableSpec
 from dlrm_lab.config.toml import read_toml
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
 from dlrm_lab.resources import available, find_preset
 
@@ -55,7 +56,7 @@ def preset_family(name_or_path: str | Path) -> str:
     return _family(read_toml(path, "preset file"), path).name
 
 
-def _family(raw: dict[str, Any], path: Path) -> Any:
+def _family(raw: JsonObject, path: Path) -> Any:
     """The family a parsed preset names; one line naming the known ones otherwise."""
     name = preset_family_name(raw)
     if name not in families():
@@ -108,7 +109,7 @@ def load_preset(
     return parse_model(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
 
 
-def parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None) -> ModelSpec:
+def parse_model(raw: JsonObject, *, where: str, table_scale: float | None, max_rows: int | None) -> ModelSpec:
     unknown = set(raw) - _MODEL_KEYS
     if unknown:
         raise UserError(
@@ -184,7 +185,7 @@ class _Checker:
     def fail(self, name: str, value: Any, rule: str) -> UserError:
         return bad(self.where, name, value, rule)
 
-    def required(self, raw: dict[str, Any], name: str, prefix: str = "") -> Any:
+    def required(self, raw: JsonObject, name: str, prefix: str = "") -> Any:
         if name not in raw:
             raise UserError(f"{self.where}: missing required field '{prefix}{name}'")
         return raw[name]

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dlrm_lab.config.request_features import CATEGORY_TABLE, CROSS_KEYS, RequestFeatures, Tables, _tables, cross_keys
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
 
 WINDOWS = ("train", "eval")  # the requests a model trains on, and the later ones it is evaluated on
@@ -88,7 +89,7 @@ class SequenceSpec:
         return self
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], where: str = "data") -> SequenceSpec:
+    def from_dict(cls, raw: JsonObject, where: str = "data") -> SequenceSpec:
         known = {f.name: f.type for f in fields(cls)}
         for key in raw:
             if key not in known:
@@ -111,7 +112,7 @@ class SequenceSpec:
         """Items an active user meets at a step, at most."""
         return self.interactions_max or self.candidates
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     @property

@@ -14,6 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from dlrm_lab.config.rules import bad, int_list_problem, is_name, is_number, is_positive_int
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
 
 INTERACTIONS = ("dot", "cat", "dcnv2")
@@ -241,12 +242,12 @@ class ModelSpec:
         """fp32 bytes of all parameters (optimizer state not included)."""
         return self.num_parameters * BYTES_PER_FP32
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain JSON-able form, as recorded in run manifests."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+    def from_dict(cls, data: JsonObject) -> ModelSpec:
         """The spec of `to_dict`'s form (e.g. sent by a server as JSON), checked like a preset:
         unknown or missing fields and broken invariants are `UserError`s naming them."""
         where = _spec_where(*(data.get(k) for k in ("source", "name"))) if isinstance(data, dict) else "model spec"

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import tomllib
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
 from dlrm_lab.resources import read_bounded
 
 
-def read_toml(path: str | Path, what: str = "TOML file") -> dict[str, Any]:
+def read_toml(path: str | Path, what: str = "TOML file") -> JsonObject:
     """The parsed file; one UserError naming the file for a missing, unreadable or irregular one (`read_bounded`),
     text that is not UTF-8 (TOML's encoding) and invalid TOML."""
     path = Path(path)
