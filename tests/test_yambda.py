@@ -16,7 +16,9 @@ import pytest
 from conftest import run_cli_in_process
 
 from dlrm_lab.data.stats import dataset_stats
-from dlrm_lab.data.yambda import EVENT_TYPES, PROGRESS_FILE, YambdaOptions, convert_yambda
+from dlrm_lab.data.yambda import PROGRESS_FILE, convert_yambda
+from dlrm_lab.data.yambda_events import EVENT_TYPES
+from dlrm_lab.data.yambda_requests import YambdaOptions
 from dlrm_lab.errors import UserError
 
 # the dataset card's types

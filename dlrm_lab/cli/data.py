@@ -157,7 +157,8 @@ def convert_yambda_command(
     chunk_events: Annotated[int, typer.Option(help="Events per resumable chunk.")] = 50_000_000,
 ) -> None:
     """Convert Yambda (Yandex Music, MLPerf DLRMv4's data) into time-ordered HSTU requests; rerun to resume."""
-    from dlrm_lab.data.yambda import YambdaOptions, convert_yambda
+    from dlrm_lab.data.yambda import convert_yambda
+    from dlrm_lab.data.yambda_requests import YambdaOptions
     from dlrm_lab.errors import FieldError
 
     if max_history is None:

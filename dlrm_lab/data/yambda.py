@@ -1,28 +1,9 @@
 """Yambda (Yandex Music, 2025: Hugging Face `yandex/yambda`, arXiv 2505.22238), the data MLPerf Training
 v6.1's DLRMv4 trains on, converted into the lab's time-ordered requests (`data/request_files.py`).
 
-Input: the flat `multi_event.parquet` of any size (50m, 500m, 5b): one row per event, sorted by uid then
-timestamp, columns uid, timestamp, item_id, is_organic, event_type (listen, like, dislike, unlike,
-undislike) and played_ratio_pct (null for all but listens); and one item mapping,
-`artist_item_mapping.parquet` (item_id, artist_id) or `album_item_mapping.parquet` (item_id, album_id),
-whose id becomes each item's category (an item in several: the smallest id). Timestamps are seconds on
-5-second boundaries (the DLRMv4 reference's preprocessing: "1 unit = 1 second"); `timestamp_unit_s`
-scales another unit.
-
-The rule (MLPerf DLRMv4's streaming windows; every number an option of `YambdaOptions`):
-
-- time is cut into windows of `window_s` seconds (default a day, the reference's streaming window);
-  window `step` = timestamp x timestamp_unit_s // window_s, written per request so that a protocol can
-  train on window T and evaluate on T + 1;
-- a request is one (user, window) with at least one listen: its candidates are the window's listens in
-  time order (the first `max_candidates`), label 1 when played_ratio_pct >= `listen_plus_pct` (the
-  reference's listen+) or, with `like_is_positive`, when the user likes the same item later in the
-  window; its history is the user's events of earlier windows (never the window's own), oldest first,
-  the newest `max_history` kept; a request with fewer than `min_history` of them is dropped;
-- history tokens are listens, likes and dislikes (unlikes and undislikes are counted, not kept), their
-  action bits YAMBDA_ACTION_BITS (the ranker's five), their ages in seconds before the request's
-  first listen;
-- click_probability is NaN: real data has no teacher.
+The input files are read and checked in `data/yambda_events.py`; the rule that makes a user's events into
+requests, and its options (`YambdaOptions`), is `data/yambda_requests.py`. Here: the conversion of a whole
+file, in bounded memory and resumable.
 
 Memory is bounded whatever the file's length or its number of users: the file is read by row groups in
 batches of `batch_rows` events (`ParquetFile.iter_batches`, never a whole file); since it is sorted by
@@ -45,7 +26,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -55,320 +36,27 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.data.parquet import DATASET_FILE, FORMAT_VERSION
-from dlrm_lab.data.request_files import KIND, ROW_GROUP_REQUESTS, SCHEMA
+from dlrm_lab.data.request_files import KIND, SCHEMA
+from dlrm_lab.data.yambda_events import (
+    DISLIKE,
+    EVENT_COLUMNS,
+    _batches,
+    _check_columns,
+    _check_order,
+    _decode,
+    _Events,
+    _open,
+    load_categories,
+)
+from dlrm_lab.data.yambda_requests import YAMBDA_ACTION_BITS, YambdaOptions, _Request, _User
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.run import check_writable
 from dlrm_lab.resources import read_bounded
 
-EVENT_TYPES = ("listen", "like", "dislike", "unlike", "undislike")  # codes 0..4, the reference's encoding
-LISTEN, LIKE, DISLIKE, UNLIKE, UNDISLIKE = range(len(EVENT_TYPES))
-# history action bits, lowest first: the synthetic requests' four (sequences.ACTION_BITS) with Yambda's
-# meanings, and is_organic in the ranker's fifth
-YAMBDA_ACTION_BITS = ("listened", "listen+ or liked", "liked", "disliked", "organic")
-EVENT_COLUMNS = ("uid", "timestamp", "item_id", "is_organic", "event_type", "played_ratio_pct")
-CATEGORY_COLUMNS = {"artist_id": "artist", "album_id": "album"}
 PROGRESS_FILE = "_progress.json"
 SPILL_DIR = ".spill"
-# Item and category ids index their tables' rows (and the category lookup, 8 bytes per item id): an id this large
-# is a table of 2^27 rows, 14x Yambda's catalogue, and 1 GiB of lookup
-MAX_ITEM_ID = 1 << 27
 MAX_OPEN_WINDOWS = 1024  # windows a chunk writes at once (one spill file each)
 SOURCE = "yambda"
-
-
-@dataclass(frozen=True)
-class YambdaOptions:
-    """The conversion's rule and its bounds (module docstring); `check()` names a bad one."""
-
-    window_s: int = 86_400
-    timestamp_unit_s: int = 1
-    max_history: int = 4096
-    max_candidates: int = 32
-    min_history: int = 1
-    listen_plus_pct: int = 50
-    like_is_positive: bool = True
-    first_window: int | None = None  # windows whose requests are written (histories use all earlier events)
-    last_window: int | None = None
-    unmapped: str = "error"  # an event's item without a category: "error" or "drop" (its events)
-    batch_rows: int = 65_536
-    chunk_events: int = 50_000_000
-    buffer_tokens: int = 1 << 24
-    row_group_requests: int = ROW_GROUP_REQUESTS
-
-    def check(self) -> YambdaOptions:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("like_is_positive", "unmapped") or (f.name.endswith("_window") and v is None):
-                continue
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise FieldError(f.name, f"{v!r}: must be an integer")
-        for name in ("window_s", "timestamp_unit_s", "max_history", "max_candidates", "batch_rows", "chunk_events",
-                     "buffer_tokens", "row_group_requests"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise FieldError(name, f"{getattr(self, name)}: must be >= 1")
-        if not 0 <= self.min_history <= self.max_history:
-            raise FieldError("min_history", f"{self.min_history}: must be in 0 .. {{max_history}} ({self.max_history})",
-                             "max_history")  # fmt: skip
-        if self.listen_plus_pct < 0:
-            raise FieldError("listen_plus_pct", f"{self.listen_plus_pct}: must be >= 0 (a share of the track, %)")
-        if self.unmapped not in ("error", "drop"):
-            raise FieldError("unmapped", f"{self.unmapped!r}: allowed: error, drop")
-        lo, hi = self.first_window, self.last_window
-        if lo is not None and hi is not None and hi < lo:
-            raise FieldError("last_window", f"{hi}: before {{first_window}} ({lo})", "first_window")
-        return self
-
-    def wanted(self, step: int) -> bool:
-        return (self.first_window is None or step >= self.first_window) and (
-            self.last_window is None or step <= self.last_window)  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- reading and checking
-
-
-def _open(path: Path, what: str) -> pq.ParquetFile:
-    if not path.is_file():
-        raise UserError(f"{path}: no such file ({what})")
-    try:
-        return pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
-
-
-def _is_text(t: pa.DataType) -> bool:
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
-def _check_columns(path: Path, schema: pa.Schema, columns: tuple[str, ...], what: str) -> None:
-    missing = [c for c in columns if c not in schema.names]
-    if missing:
-        raise UserError(f"{path}: column {', '.join(missing)} missing ({what} needs {', '.join(columns)})")
-    for c in columns:
-        t = schema.field(c).type
-        ok = _is_text(t) if c == "event_type" else pa.types.is_integer(t)
-        if not ok:
-            want = "a string (listen, like, dislike, unlike, undislike)" if c == "event_type" else "an integer"
-            raise UserError(f"{path}: column {c} has type {t}; expected {want} (Yambda's published schema)")
-
-
-def _batches(pf: pq.ParquetFile, rg: int, rows: int, columns: list[str], path: Path) -> Iterator[pa.RecordBatch]:
-    try:
-        yield from pf.iter_batches(batch_size=rows, row_groups=[rg], columns=columns)
-    except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{path}: row group {rg} unreadable ({str(exc).splitlines()[0]})") from None
-
-
-def _no_nulls(arr: pa.Array, where: str, column: str) -> None:
-    if arr.null_count:
-        row = int(np.argmax(arr.is_null().to_numpy(zero_copy_only=False)))
-        raise UserError(f"{where}, column {column}: null at row {row}")
-
-
-@dataclass(frozen=True)
-class Categories:
-    """A Yambda item mapping: each item id's category (-1: none), their kind and the category table's rows."""
-
-    of_item: np.ndarray
-    kind: str  # "artist" or "album"
-    rows: int  # the largest category id in the mapping, plus one
-
-
-def load_categories(path: str | Path, batch_rows: int = 1 << 20) -> Categories:
-    """A Yambda item mapping, streamed by batches. An item in several artists or albums takes the smallest id."""
-    path = Path(path)
-    pf = _open(path, "an item mapping")
-    names = pf.schema_arrow.names
-    found = [c for c in CATEGORY_COLUMNS if c in names]
-    if len(found) != 1:
-        raise UserError(f"{path}: column artist_id or album_id missing (an item mapping: item_id and one of them)")
-    column = found[0]
-    _check_columns(path, pf.schema_arrow, ("item_id", column), "an item mapping")
-    lookup = np.full(0, np.iinfo(np.int64).max, dtype=np.int64)
-    rows = 0
-    for rg in range(pf.num_row_groups):
-        row0 = 0
-        for batch in _batches(pf, rg, batch_rows, ["item_id", column], path):
-            where = f"{path}: row group {rg}"
-            items, cats = batch.column("item_id"), batch.column(column)
-            _no_nulls(items, where, "item_id")
-            _no_nulls(cats, where, column)
-            items, cats = items.to_numpy().astype(np.int64), cats.to_numpy().astype(np.int64)
-            for name, v in (("item_id", items), (column, cats)):
-                if v.size and v.min() < 0:
-                    row = int(np.argmax(v < 0))
-                    raise UserError(f"{where}, column {name}: {int(v[row])} at row {row0 + row} is negative")
-                if v.size and v.max() >= MAX_ITEM_ID:
-                    row = int(np.argmax(v >= MAX_ITEM_ID))
-                    raise UserError(f"{where}, column {name}: {int(v[row])} at row {row0 + row} is beyond the "
-                                    f"largest id a table row can take here ({MAX_ITEM_ID - 1:,}; Yambda's are below "
-                                    "10M): renumber the ids densely")  # fmt: skip
-            if items.size and items.max() >= lookup.size:
-                grown = np.full(max(2 * lookup.size, int(items.max()) + 1), np.iinfo(np.int64).max, dtype=np.int64)
-                grown[: lookup.size] = lookup
-                lookup = grown
-            np.minimum.at(lookup, items, cats)
-            rows = max(rows, int(cats.max()) + 1 if cats.size else 0)
-            row0 += batch.num_rows
-    if not lookup.size:
-        raise UserError(f"{path}: no rows (an empty item mapping)")
-    mapped = lookup != np.iinfo(np.int64).max
-    lookup = np.where(mapped, lookup, -1)[: int(np.flatnonzero(mapped)[-1]) + 1]
-    return Categories(lookup, CATEGORY_COLUMNS[column], rows)
-
-
-@dataclass
-class _Events:
-    """One batch of events as numpy arrays (int64 but `code`, `organic`, `played`)."""
-
-    uid: np.ndarray
-    ts: np.ndarray
-    item: np.ndarray
-    cat: np.ndarray
-    code: np.ndarray  # int8, index in EVENT_TYPES
-    organic: np.ndarray  # bool
-    played: np.ndarray  # int64, -1 where null
-
-    def take(self, sel: Any) -> _Events:
-        return _Events(*(getattr(self, f.name)[sel] for f in fields(self)))
-
-
-def _decode(batch: pa.RecordBatch, where: str, row0: int, lookup: np.ndarray) -> _Events:
-    """Decode and check one batch: nulls, event types, played_ratio_pct of listens, items with a category."""
-    for c in ("uid", "timestamp", "item_id", "is_organic", "event_type"):
-        _no_nulls(batch.column(c), where, c)
-    kinds = batch.column("event_type")
-    if pa.types.is_dictionary(kinds.type):
-        kinds = kinds.dictionary_decode()
-    code = pc.index_in(kinds, value_set=pa.array(EVENT_TYPES))
-    if code.null_count:
-        row = int(np.argmax(code.is_null().to_numpy(zero_copy_only=False)))
-        raise UserError(f"{where}, column event_type: {kinds[row].as_py()!r} at row {row0 + row}; "
-                        f"allowed: {', '.join(EVENT_TYPES)}")  # fmt: skip
-    code = code.to_numpy().astype(np.int8)
-    ratio = batch.column("played_ratio_pct")
-    played = pc.fill_null(ratio, 0).to_numpy().astype(np.int64)
-    played[ratio.is_null().to_numpy(zero_copy_only=False)] = -1
-    bad = (code == LISTEN) & (played < 0)
-    if bad.any():
-        raise UserError(f"{where}, column played_ratio_pct: null for the listen at row {row0 + int(np.argmax(bad))}")
-    item = batch.column("item_id").to_numpy().astype(np.int64)
-    cat = np.full(item.size, -1, dtype=np.int64)
-    known = (item >= 0) & (item < lookup.size)
-    cat[known] = lookup[item[known]]
-    uid, ts = (batch.column(c).to_numpy().astype(np.int64) for c in ("uid", "timestamp"))
-    return _Events(uid, ts, item, cat, code, batch.column("is_organic").to_numpy().astype(bool), played)
-
-
-def _check_order(ev: _Events, last: tuple[int, int] | None, where: str, row0: int) -> None:
-    """The flat files are sorted by uid, then timestamp: refuse a uid or a user's timestamp that goes back."""
-    uid, ts = ev.uid, ev.ts
-    if last is not None:
-        uid, ts = np.concatenate([[last[0]], uid]), np.concatenate([[last[1]], ts])
-        row0 -= 1
-    du, dt = np.diff(uid), np.diff(ts)
-    back = np.flatnonzero(du < 0)
-    if back.size:
-        i = int(back[0])
-        raise UserError(f"{where}, column uid: {int(uid[i + 1])} at row {row0 + i + 1} follows {int(uid[i])} "
-                        "(the flat files are sorted by uid, then timestamp)")  # fmt: skip
-    back = np.flatnonzero((du == 0) & (dt < 0))
-    if back.size:
-        i = int(back[0])
-        raise UserError(f"{where}, column timestamp: user {int(uid[i])}'s timestamp goes back from {int(ts[i])} "
-                        f"to {int(ts[i + 1])} at row {row0 + i + 1} (the flat files are sorted by uid, then "
-                        "timestamp)")  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- requests of one user
-
-
-@dataclass
-class _Request:
-    user: int
-    step: int
-    history: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # items, categories, actions, ages_s
-    candidates: tuple[np.ndarray, np.ndarray, np.ndarray]  # items, categories, labels
-
-    @property
-    def tokens(self) -> int:
-        return len(self.history[0]) + len(self.candidates[0])
-
-
-def _actions(ev: _Events, listen_plus_pct: int) -> np.ndarray:
-    """YAMBDA_ACTION_BITS of each event."""
-    listen, like = ev.code == LISTEN, ev.code == LIKE
-    bits = [listen, (listen & (ev.played >= listen_plus_pct)) | like, like, ev.code == DISLIKE, ev.organic]
-    return sum(b.astype(np.uint8) << i for i, b in enumerate(bits)).astype(np.uint8)
-
-
-class _User:
-    """One user's state while their events stream by: the history of closed windows (newest max_history),
-    the open window's newest max_history history events and its first max_candidates listens."""
-
-    def __init__(self, uid: int, opts: YambdaOptions, emit: Callable[[_Request], None], counts: dict[str, int]):
-        self.uid, self.opts, self.emit, self.counts = uid, opts, emit, counts
-        empty = np.zeros(0, dtype=np.int64)
-        self.hist = (empty, empty, np.zeros(0, dtype=np.uint8), empty)  # items, categories, actions, timestamps
-        self.win: tuple[np.ndarray, ...] = self.hist
-        self.step: int | None = None
-        self.cands: list[np.ndarray] = [empty, empty, np.zeros(0, dtype=np.float32), empty]  # items, cats, labels, ts
-        self.cand_seq = empty  # each candidate's place in the user's events (a like marks only earlier listens)
-        self.seen = 0
-
-    @property
-    def tokens(self) -> int:
-        return len(self.hist[0]) + len(self.win[0]) + len(self.cands[0])
-
-    def feed(self, ev: _Events) -> None:
-        """Events of this user, in time order."""
-        steps = ev.ts * self.opts.timestamp_unit_s // self.opts.window_s
-        cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps)) + 1, [len(steps)]])
-        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-            step = int(steps[a])
-            if self.step is not None and step != self.step:
-                self.close()
-            self.step = step
-            self._add(ev.take(slice(a, b)))
-        self.counts["peak_state_tokens"] = max(self.counts["peak_state_tokens"], self.tokens)
-
-    def _add(self, ev: _Events) -> None:
-        o, n = self.opts, len(ev.ts)
-        seq = self.seen + np.arange(n)
-        self.seen += n
-        kept = ev.code <= DISLIKE
-        self.counts["unlike_undislike_events"] += int(n - kept.sum())
-        h = ev.take(kept)
-        self.win = tuple(np.concatenate([w, v])[-o.max_history :] for w, v in
-                         zip(self.win, (h.item, h.cat, _actions(h, o.listen_plus_pct), h.ts), strict=True))  # fmt: skip
-        if not o.wanted(self.step):
-            return
-        listens = np.flatnonzero(ev.code == LISTEN)
-        room = o.max_candidates - len(self.cands[0])
-        self.counts["candidates_over_max"] += max(0, len(listens) - room)
-        take = listens[: max(0, room)]
-        new = (ev.item[take], ev.cat[take], (ev.played[take] >= o.listen_plus_pct).astype(np.float32), ev.ts[take])
-        self.cands = [np.concatenate([c, v]) for c, v in zip(self.cands, new, strict=True)]
-        self.cand_seq = np.concatenate([self.cand_seq, seq[take]])
-        if o.like_is_positive:
-            for i in np.flatnonzero(ev.code == LIKE):
-                self.cands[2][(self.cands[0] == ev.item[i]) & (self.cand_seq < seq[i])] = 1.0
-
-    def close(self) -> None:
-        """End the open window: its request (if it has one), then its events join the history."""
-        o = self.opts
-        if len(self.cands[0]):
-            if len(self.hist[0]) >= o.min_history:
-                now = self.cands[3][0]
-                ages = ((now - self.hist[3]) * o.timestamp_unit_s).astype(np.float32)
-                self.emit(_Request(self.uid, self.step, (*self.hist[:3], ages), tuple(self.cands[:3])))
-            else:
-                self.counts["requests_short_history"] += 1
-        self.hist = tuple(np.concatenate([h, w])[-o.max_history :] for h, w in zip(self.hist, self.win, strict=True))
-        self.win = tuple(w[:0] for w in self.win)
-        self.cands = [c[:0] for c in self.cands]
-        self.cand_seq = self.cand_seq[:0]
 
 
 # ----------------------------------------------------------------------------- pass 1: chunks to spills
