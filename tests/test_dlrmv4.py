@@ -237,7 +237,7 @@ def test_streaming_stops_at_the_target_and_records_the_time_to_it():
 
 
 def test_what_the_protocol_and_the_layout_refuse_is_one_line(tiny_v4, tmp_path):
-    from dlrm_lab.train.loop import preflight
+    from dlrm_lab.train.preflight import preflight
 
     spec = load_any_preset(tiny_v4)
     with pytest.raises(UserError, match="protocol streaming: tiny .*has no time windows"):

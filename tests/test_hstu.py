@@ -302,7 +302,7 @@ def test_hstu_options_the_family_cannot_take_are_refused_in_one_line():
     from dlrm_lab.config import TrainConfig, load_any_preset
     from dlrm_lab.data.sequences import with_overrides
     from dlrm_lab.errors import UserError
-    from dlrm_lab.train.loop import preflight
+    from dlrm_lab.train.preflight import preflight
 
     spec = load_any_preset("hstu-tiny")
     for cfg, message in (

@@ -1,0 +1,248 @@
+"""A training run's setup, everything before its first step.
+
+The ranks joined and the collectives, precision and attention chosen by measurement (`_prepare`); then the sharding
+chosen (timed where it must be), the model built and sharded with its optimizers, resumed from a checkpoint, its
+click logit started at the data's base rate, the data opened, and every choice written down with its reason for the
+manifest (`_build`). What the steps need comes back as one `_Setup`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlrm_lab.config import TrainConfig
+from dlrm_lab.config.family import Spec, family_of
+from dlrm_lab.config.train import dense_lr_for, dense_recipe_for, embedding_lr_for, target_auc_for
+from dlrm_lab.data import BatchSource
+from dlrm_lab.data.prefetch import Prefetcher
+from dlrm_lab.distributed.context import DistContext, detect_launch, init_distributed, pin_to_cores
+from dlrm_lab.distributed.lean import use_lean_distribution
+from dlrm_lab.distributed.plan import describe_plan
+from dlrm_lab.distributed.tables import init_tables
+from dlrm_lab.distributed.wrap import EmbeddingOptimizer, shard_model
+from dlrm_lab.errors import FieldError
+from dlrm_lab.metrics.cost import price_of
+from dlrm_lab.metrics.roofline import load_profile
+from dlrm_lab.metrics.run import check_writable
+from dlrm_lab.metrics.trust import check_stored_profile
+from dlrm_lab.model import build_model
+from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
+from dlrm_lab.train.checkpoint import load_checkpoint
+from dlrm_lab.train.choices import (
+    choose_prefetch,
+    choose_run_attention,
+    choose_run_collectives,
+    choose_run_interaction,
+    choose_run_precision,
+    choose_run_table_update,
+)
+from dlrm_lab.train.pipeline import BatchLoss
+from dlrm_lab.train.preflight import ResolvedRun
+from dlrm_lab.train.sharding_trial import resolve_sharding
+from dlrm_lab.train.step import RecipeOptimizer, dense_optimizer, model_inputs
+
+
+def _init_output_bias(model: torch.nn.Module, click_rate: float | None) -> float | None:
+    """Start the click logit at the data's base rate (the logit of its click rate), so the
+    first steps do not spend themselves, and Adagrad's first sign-sized step on every
+    weight, moving every logit from 0 to the prior together. None when the rate is unknown."""
+    if click_rate is None or not 0 < click_rate < 1:
+        return None
+    linears = [
+        m
+        for name, m in model.named_modules()
+        if ("over_arch" in name or ".head." in f".{name}.") and isinstance(m, torch.nn.Linear)
+    ]  # a DLRM's top MLP, the HSTU ranker's head
+    if not linears or linears[-1].out_features != 1 or linears[-1].bias is None:
+        return None
+    bias = math.log(click_rate / (1 - click_rate))
+    with torch.no_grad():
+        linears[-1].bias.fill_(bias)  # every rank sets the same value: DDP replicas stay equal
+    return bias
+
+
+@dataclass
+class _Setup:
+    """Everything a training run's steps need, resolved and built (`_prepare`, `_build`)."""
+
+    spec: Spec
+    cfg: TrainConfig  # with its precision and target AUC resolved
+    ctx: Any  # the process group's DistContext
+    dmp: Any  # the sharded model
+    optimizer: Any
+    source: BatchSource
+    eval_source: BatchSource
+    start_step: int
+    config: dict[str, Any]  # the manifest's config: every choice and why
+
+
+def _output_bias_rule(output_bias: float | None, click_rate: float | None, start_step: int) -> str:
+    if output_bias is not None:
+        return f"logit of the training data's click rate {click_rate:g}"
+    return "resumed from a checkpoint" if start_step else "0: the data states no click rate"
+
+
+@dataclass
+class _Prepared:
+    """A run joined to its ranks, every measured choice but the sharding's made (`_prepare`)."""
+
+    run: ResolvedRun  # as it trains: its precision resolved, --set applied where it changes the samples
+    ctx: DistContext
+    choices: dict[str, Any]  # collectives, precision and attention, each with its reason (the manifest's)
+
+
+def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[str], None] | None) -> _Prepared:
+    """Join the ranks and choose the collectives, precision and attention by measurement (`train`'s first part;
+    `preflight` checked the options)."""
+    spec, cfg = run.spec, run.cfg
+    if metrics_dir:
+        check_writable(metrics_dir, "metrics_dir")
+    price_of(load_profile(), cfg.price_per_hour, cfg.currency)  # a damaged stored price: refused now, not at the end
+    if (family := family_of(spec)).samples_in_spec:  # --set changes the samples, so the cost and the manifest too
+        spec, cfg = family.with_data_overrides(spec, cfg.data_overrides, serving=False), replace(cfg, data_overrides=())
+    launch = detect_launch()
+    if launch.world_size == 1:  # ranks starting beside it would disturb the check itself
+        check_stored_profile(log)
+    collectives = choose_run_collectives(spec, cfg, launch)
+    ctx = init_distributed(cfg.device, cfg.timeout_s, collectives["collectives"], launch)
+    if cfg.pin_cores:
+        pin_to_cores(ctx)
+    precision_choice = choose_run_precision(spec, cfg, ctx, log)
+    cfg = replace(cfg, precision=precision_choice.precision)
+    attention = choose_run_attention(spec, cfg, ctx, log)
+    choices = {"precision_choice": precision_choice.to_dict(), "attention_choice": attention,
+               "collectives_choice": collectives}  # fmt: skip
+    if cfg.protocol == "streaming":
+        cfg, choices["stream"] = _stream_steps(spec, cfg, ctx.world_size)
+    return _Prepared(replace(run, spec=spec, cfg=cfg), ctx, choices)
+
+
+def _stream_steps(spec: Spec, cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, dict[str, Any]]:
+    """`--protocol streaming`: the run's steps (at most the stream's) and its evaluation cadence (--eval-every, else
+    one every --eval-every-share of the stream's steps), and the stream's record for the manifest."""
+    stream = family_of(spec).stream(spec, cfg.batch_size * world_size)
+    every = cfg.eval_every or stream.eval_every(cfg.eval_every_share)
+    steps = min(cfg.steps, stream.steps)
+    rule = f"--eval-every {cfg.eval_every}" if cfg.eval_every else f"every {cfg.eval_every_share:g} of its steps"
+    record = {**stream.describe(), "run_steps": steps, "eval_every": every, "eval_every_rule": rule}
+    return replace(cfg, steps=steps, eval_every=every), record
+
+
+def _build(
+    prepared: _Prepared, source: BatchSource | None, eval_source: BatchSource | None, log: Callable[[str], None] | None
+) -> _Setup:
+    """Choose the sharding (timed where it must be), build and shard the model with its optimizers, resume, open
+    the data from what `preflight` read and write down every choice and why (the manifest's config)."""
+    run, ctx = prepared.run, prepared.ctx
+    spec, cfg, attention = run.spec, run.cfg, prepared.choices["attention_choice"]
+    torch.manual_seed(cfg.seed)
+    embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
+    # identical initial rows whatever the sharding and rank count, spread as in the published model
+    init_bounds = {t.name: t.init_bound for t in spec.tables}
+    distribution: dict[str, Any] = {}  # the last built model's (the run's)
+
+    def build(sharding: str, pipelined: bool = False) -> tuple[Any, Any]:
+        torch.manual_seed(cfg.seed)  # the same dense weights for every plan the sharding trial builds, and the run's
+        model = build_model(
+            spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision,
+            attention=attention["attention"] if attention else "padded",
+        )  # fmt: skip
+        dmp, plan = shard_model(
+            model,
+            ctx,
+            EmbeddingOptimizer(cfg.embedding_optimizer, embedding_lr),
+            sharding=sharding,
+            per_table=run.per_table,
+            batch_size=cfg.batch_size,
+            wrapper=BatchLoss(model) if pipelined else None,
+        )
+        init_tables(dmp, cfg.seed, init_bounds)
+        distribution["record"] = _distribution(dmp, cfg, ctx)
+        return dmp, plan
+
+    sharding_choice = resolve_sharding(spec, cfg, ctx, lambda: source or run.open_data(ctx, 1)[0], build, log)
+    gc.collect()  # the trial's models freed before the run's is planned against the memory left
+    dmp, plan = build(sharding_choice.sharding, cfg.pipeline)
+    dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
+    recipe = dense_recipe_for(spec, cfg)
+    optimizer = dense_optimizer(dmp, cfg, dense_lr, recipe)
+    start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
+    if isinstance(optimizer, RecipeOptimizer):
+        optimizer.resume_at(start_step)
+    if start_step >= cfg.steps:
+        raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
+                         "to do", "steps")  # fmt: skip
+    table_update = choose_run_table_update(
+        cfg, ctx, dmp, lambda: next(iter(source or run.open_data(ctx, 1)[0])),
+        (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))), log,
+    )  # fmt: skip
+    cfg = replace(cfg, table_update=table_update["table_update"])
+    interaction = choose_run_interaction(spec, cfg, ctx, dmp, log)
+    plan_info = describe_plan(
+        plan, spec, ctx.world_size, bytes_per_value=int(TABLE_BYTES_PER_VALUE[cfg.table_precision])
+    )
+
+    if source is None or eval_source is None:
+        default_train, default_eval = run.open_data(ctx, cfg.eval_batches, start_step)
+        source, eval_source = source or default_train, eval_source or default_eval
+    described = source.describe()  # synthetic: its spec's rate; a generated dataset: its sidecar's
+    target_auc, target_auc_rule = target_auc_for(spec, cfg, described)
+    cfg = replace(cfg, target_auc=target_auc)
+    sidecar = (described.get("dataset") or {}).get("teacher") or {}
+    click_rate = described.get("click_rate") or sidecar.get("click_rate")
+    output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None
+    prefetch = choose_prefetch(cfg, ctx)
+    if prefetch["prefetch"]:
+        source = Prefetcher(source, depth=prefetch["prefetch"], pin_memory=ctx.device.type == "cuda")
+    config = {
+        "model": spec.to_dict(),
+        "train": cfg.to_dict(),
+        "data": source.describe(),
+        "eval_data": eval_source.describe(),
+        "sharding_plan": plan_info,
+        "sharding_choice": sharding_choice.to_dict(),
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "launcher": ctx.launcher,
+        "resumed_from_step": start_step if cfg.resume else None,
+        "pipelined": cfg.pipeline,
+        "torch_threads": torch.get_num_threads(),
+        **prepared.choices,  # precision, attention, collectives
+        "prefetch_choice": prefetch,
+        "table_update_choice": table_update,
+        "distribution_choice": distribution["record"],
+        "interaction_choice": interaction,
+        # what the scaled model shares with the full one (docs/metrics.md, "numerics")
+        "numerics": {
+            "table_init": "uniform +-sqrt(1 / rows of the published table)",
+            "table_init_bounds": init_bounds,
+            "dense_lr": dense_lr,
+            "dense_lr_rule": dense_lr_reason,
+            "dense_recipe": recipe.to_dict(),
+            "embedding_lr": embedding_lr,
+            "embedding_lr_rule": embedding_lr_reason,
+            "output_bias": output_bias,
+            "target_auc": target_auc,
+            "target_auc_rule": target_auc_rule,
+            "output_bias_rule": _output_bias_rule(output_bias, click_rate, start_step),
+        },
+        "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+    return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config)
+
+
+def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    """The pooled embeddings' distribution between ranks (`--distribution`), put in place on `dmp`."""
+    if cfg.distribution == "torchrec":
+        return {"distribution": "torchrec", "reason": "TorchRec's own (the default: the lab measures it as deployed)"}
+    if ctx.world_size == 1:
+        return {"distribution": "torchrec", "reason": "--distribution lean: one rank, nothing to distribute"}
+    return {**use_lean_distribution(dmp), "reason": "--distribution lean"}
