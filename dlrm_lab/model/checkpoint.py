@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 
 LATEST = "latest"  # names the newest complete step-N directory, moved last
@@ -35,17 +36,17 @@ class TrainedCheckpoint:
 
     path: Path  # the step-N directory
     step: int
-    about: dict[str, Any]  # trained.json
+    about: JsonObject  # trained.json
 
     @property
-    def model(self) -> dict[str, Any]:
+    def model(self) -> JsonObject:
         return self.about["model"]
 
     @property
     def held_out_auc(self) -> float | None:
         return (self.about.get("eval") or {}).get("auc")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         """What a run's manifest says of the weights it served."""
         return {
             "path": str(self.path), "step": self.step, "held_out_auc": self.held_out_auc,
@@ -98,7 +99,7 @@ def load_weights(model: Any, checkpoint: TrainedCheckpoint, field: str = "checkp
 PROVENANCE = ("source", "description")
 
 
-def check_spec(checkpoint: TrainedCheckpoint, spec: dict[str, Any], field: str = "checkpoint",
+def check_spec(checkpoint: TrainedCheckpoint, spec: JsonObject, field: str = "checkpoint",
                ignore: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Refuse, in one line naming the first difference, to serve a checkpoint's weights as another model."""
     trained, spec = checkpoint.model, json.loads(json.dumps(spec, default=str))  # tuples as the JSON's lists

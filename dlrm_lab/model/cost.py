@@ -19,7 +19,6 @@ Conventions (what a number counts, so that runs can be placed on a roofline):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.config.family import family_of
@@ -42,7 +41,7 @@ class SampleCost:
     def training_flops(self) -> int:
         return self.forward_flops + self.backward_flops
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "training_flops": self.training_flops}
 
 

@@ -26,7 +26,6 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +34,7 @@ from torch.nn import functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrm_lab.config.hstu import ACTION_BITS, ACTION_DIM, HSTUSpec, RankerShape, STUShape, attention_pairs
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 
 __all__ = ["HSTURanker", "RankerShape", "STULayer", "STUShape", "attention_pairs", "valid_attention"]
@@ -437,7 +437,7 @@ class AttentionChoice:
     reason: str
     seconds: dict[str, float]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"attention": self.path, "reason": self.reason, "layer_seconds": self.seconds}
 
 
