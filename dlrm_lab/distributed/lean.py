@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dlrm_lab.config.values import JsonObject
+
 
 class _LeanPooled(torch.autograd.Function):
     """Pooled embeddings of this rank's tables for every rank's samples -> every table's for this rank's."""
@@ -65,7 +67,7 @@ class LeanPooledAllToAll(torch.nn.Module):
         return NoWait(_LeanPooled.apply(local_embs, self.pg, self.dims))
 
 
-def use_lean_distribution(model: torch.nn.Module) -> dict[str, Any]:
+def use_lean_distribution(model: torch.nn.Module) -> JsonObject:
     """Put every table-wise pooled output distribution of `model` (a sharded DLRM) on `LeanPooledAllToAll`;
     the other sharding types keep TorchRec's. Returns the manifest's record: how many were replaced, and why
     any were not."""

@@ -32,6 +32,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ShardingPlan, ShardingType
 
 from dlrm_lab.config import SHARDING_CHOICES, SHARDING_TYPES
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
 
@@ -223,13 +224,13 @@ def machine_topology(ctx: DistContext) -> Topology:
     )
 
 
-def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int, bytes_per_value: int = 4) -> dict[str, Any]:
+def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int, bytes_per_value: int = 4) -> JsonObject:
     """Per table: sharding type, ranks and bytes; per rank: total table bytes.
 
     `bytes_per_value` is the stored row precision (4 for fp32 tables, 2 for fp16).
     """
     rows = {t.name: t for t in model_spec.tables}
-    tables: list[dict[str, Any]] = []
+    tables: list[JsonObject] = []
     per_rank = [0] * world_size
     for module_plan in plan.plan.values():
         for name, p in module_plan.items():  # type: ignore[union-attr]

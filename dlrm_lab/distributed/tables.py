@@ -19,7 +19,7 @@ def gather_tables(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     (data-parallel) tables are taken as they are. Meant for checks and exports of
     tables that fit in one process's memory.
     """
-    local: dict[str, Any] = {}
+    local: dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]] = {}  # size, shards
     for key, value in model.state_dict().items():
         if not _is_table(key):
             continue
