@@ -538,8 +538,9 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
     """The claimed rate is run again under LoadGen's Server scenario; where it does not hold, 0.85x the
     rate before until one holds, then the bracket is bisected until within 5%: the answer is within 5% of
     the rate LoadGen holds; a rate that never held is not the answer."""
-    from dlrm_lab.infer import search as search_module
-    from dlrm_lab.infer.search import CERTIFY_BACKOFF, SearchOptions
+    from dlrm_lab.infer import certify as certify_module
+    from dlrm_lab.infer.certify import CERTIFY_BACKOFF
+    from dlrm_lab.infer.search import SearchOptions
 
     runs = []
     far: dict = {}  # where set, a failed run's p99s lie this far beyond the bound; or LoadGen asks for more queries
@@ -561,7 +562,7 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
                  "loadgen_reason": None if ok else "early stopping not met", "sla_met": ok,
                  "sla_latency_ms": 5.0 if ok else 10.5, "loadgen_p99_ms": 6.0 if ok else 11.0}]  # fmt: skip
 
-    monkeypatch.setattr(search_module, "measure", fake_measure)
+    monkeypatch.setattr(certify_module, "measure", fake_measure)
 
     class Table:
         def extend(self, rows):
@@ -575,8 +576,9 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
                   "best_qps": best_qps, "outcome": "best"}  # fmt: skip
         runs.clear()
         options = SearchOptions(certify_s=30.0, certify_tries=tries)
-        search_module.certify(winner, base, stream, cfg, options, lambda m: ServiceSut(small_library(), m, {8: (0, 0)}),
-                              None, Table(), None, tmp_path, 0, log, None)  # fmt: skip
+        certify_module.certify(winner, base, stream, cfg, options,
+                               lambda m: ServiceSut(small_library(), m, {8: (0, 0)}),
+                               None, Table(), None, tmp_path, 0, log, None)  # fmt: skip
         return winner
 
     from dlrm_lab.config import load_preset

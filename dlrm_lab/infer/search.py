@@ -19,12 +19,13 @@ import numpy as np
 
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.calibrate import capacity_qps
+from dlrm_lab.infer.certify import certify
 from dlrm_lab.infer.drivers import scenario
+from dlrm_lab.infer.frontier import _frontier_row, _judge, _label, _pruned
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.lab import faults_name_the_run, stream_config
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
-from dlrm_lab.infer.loadgen import loadgen_duration, queries_needed
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.plan import plan_serving
@@ -203,33 +204,6 @@ def search(
     return run.dir
 
 
-def _pruned(served: ModelDescription, capacity: float, capacity_sps: float, best_sps: float, cfg: InferConfig,
-            log: Log | None) -> dict[str, Any]:  # fmt: skip
-    """The frontier row of a configuration not bisected: its capacity cannot beat the best rate under the bound."""
-    why = f"pruned: capacity {capacity_sps:,.0f} samples/s cannot beat {best_sps:,.0f} under the bound"
-    if log:
-        log(f"{_label(served)}: {why}")
-    return {**_frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None, "best_qps_uncertainty": None,
-            "best_samples_per_s": None, "probe_points": 0, "outcome": why}  # fmt: skip
-
-
-def _judge(frontier: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Mark the configuration with the highest rate under the bound `best`, say of every other why not; the best."""
-    searched = [r for r in frontier if r["best_samples_per_s"] is not None]
-    best = max(searched, key=lambda r: r["best_samples_per_s"], default=None)
-    for r in frontier:
-        r["best"] = r is best and bool(best["best_qps"])
-        if r["best"]:
-            r["outcome"] = "best"
-        elif r.get("outcome") is None:
-            r["outcome"] = (
-                "no probed rate met the bound" if not r["best_qps"] else
-                f"lower: {r['best_samples_per_s']:,.0f} samples/s under the bound, the best "
-                f"{best['best_samples_per_s']:,.0f}"  # type: ignore[index]
-            )  # fmt: skip
-    return next((r for r in frontier if r["best"]), None)
-
-
 @dataclass
 class _Probing:
     """The bisection of one configuration's rate under the bound (`search`), its probes written as it goes."""
@@ -320,142 +294,6 @@ class _Probing:
         return row
 
 
-CERTIFY_BACKOFF = 0.85  # each try after a failed certification, until one holds, runs at most this share of the last
-CERTIFY_BACKOFF_MAX = 0.5  # ... and at least this share: far beyond the bound, by the bound over LoadGen's p99
-CERTIFY_TOLERANCE = 0.05  # then bisected until the lowest failing rate is within this of the highest holding one
-# A run whose only failing is LoadGen's early-stopping estimate (its p99 near the bound) is run again at the same rate
-# for as many more queries as LoadGen asked for, where that takes at most this long
-CERTIFY_MAX_S = 60.0
-
-
-def certify(
-    winner: dict[str, Any],
-    base: ServedModel,
-    stream: Stream,
-    cfg: InferConfig,
-    options: SearchOptions,
-    serve: Callable[[ServedModel], AbstractContextManager[Any]],
-    queries: Any,
-    summary: Any,
-    telemetry: Any,
-    run_dir: Any,
-    point_index: int,
-    log: Log | None,
-    on_progress: OnProgress | None,
-) -> int:
-    """Run the best configuration under LoadGen's Server scenario (its verdict, with early stopping, and the
-    lab's percentile within the bound) at its claimed rate; where that does not hold, back off by
-    CERTIFY_BACKOFF until a rate holds, then bisect between the highest that held and the lowest that
-    failed until they are within CERTIFY_TOLERANCE: the answer is within 5% of the rate LoadGen certifies,
-    and a rate that did not hold is never the answer. Each run lasts `options.certify_s`, or longer where
-    LoadGen's early-stopping estimate needs more queries at that rate; at most `options.certify_tries` runs.
-    Fills in `winner`'s certified columns; returns the next point index."""
-    served = base if parse_target(cfg.target).remote else replace(
-        base, instances=winner["instances"], threads=winner["threads_per_instance"], precision=winner["precision"],
-        max_batch=winner["max_batch"], max_delay_ms=winner["max_delay_ms"])  # fmt: skip
-    certify_cfg = replace(cfg, scenario="server", duration_s=options.certify_s)
-    claimed = float(winner["best_qps"])
-    held: dict[str, Any] | None = None
-    failed: dict[str, Any] | None = None  # the lowest rate that did not hold
-    last: dict[str, Any] | None = None
-    qps, longer = claimed, 0.0
-    with serve(served) as server:
-        label = _label(server.describe().models[base.name])  # as it serves (remote: as its server says)
-        for attempt in range(options.certify_tries):
-            # long enough for a verdict, or as long as LoadGen's early stopping asked for at this rate
-            seconds = max(loadgen_duration(qps, options.certify_s, cfg.sla_percentile), longer)
-            point = Point(point_index, [replace(stream, qps=qps)], "together", "server",
-                          extra={"repeat": 0, "probe": -1 - attempt}, duration_s=seconds)  # fmt: skip
-            point_index += 1
-            (row,) = measure(server, point, certify_cfg, queries, run_dir, telemetry=telemetry,
-                             on_progress=on_progress)  # fmt: skip
-            ok = row["loadgen_result"] == "VALID" and bool(row["sla_met"])
-            row["passed"] = ok
-            summary.extend([row])
-            summary.flush()
-            last = row
-            if log:
-                log(_certify_line(label, qps, seconds, row, cfg, ok))
-            more = queries_needed(row.get("loadgen_reason"))
-            lg_p99 = row.get("loadgen_p99_ms")
-            if not ok and more and lg_p99 is not None and lg_p99 <= cfg.sla_ms and row["sla_met"] and not longer:
-                longer = seconds + math.ceil(1.1 * more / qps)
-                if longer <= CERTIFY_MAX_S:  # only the estimate's confidence failed: the same rate, longer
-                    continue
-            longer = 0.0
-            if ok:
-                held = row if held is None or qps > held["target_qps"] else held
-            else:
-                failed = row if failed is None or qps < failed["target_qps"] else failed
-            if held is not None and (failed is None or failed["target_qps"] <= held["target_qps"] *
-                                     (1 + CERTIFY_TOLERANCE)):  # fmt: skip
-                break  # the claim held, or the bracket is narrow enough
-            qps = (math.sqrt(held["target_qps"] * failed["target_qps"]) if held is not None and failed is not None
-                   else qps * _backoff(row, cfg.sla_ms))  # fmt: skip
-    winner["certify_s"] = options.certify_s
-    if held is not None:
-        winner.update(certified_qps=held["target_qps"], certified_samples_per_s=held["samples_per_s"],
-                      certified_result=held["loadgen_result"],
-                      certified_sla_latency_ms=held["sla_latency_ms"])  # fmt: skip
-        if held["target_qps"] < claimed:
-            winner["outcome"] = f"best; certified at {held['target_qps']:,.1f} queries/s (claimed {claimed:,.1f})"
-            if held["target_qps"] < 0.9 * claimed and log:
-                log(_disagreement(winner, held, failed))
-    else:
-        winner.update(certified_qps=0.0, certified_samples_per_s=0.0,
-                      certified_result=last["loadgen_result"] if last else None,
-                      certified_sla_latency_ms=last["sla_latency_ms"] if last else None)  # fmt: skip
-        tries = f"{options.certify_tries} LoadGen Server run(s) of {options.certify_s:g} s or more"
-        winner["outcome"] = f"best probed, not certified: no rate from {claimed:,.1f} queries/s down held {tries}"
-    return point_index
-
-
-def _backoff(row: dict[str, Any], sla_ms: float) -> float:
-    """The share of a failed rate the next certification tries, before any rate held: CERTIFY_BACKOFF near the
-    bound, down to CERTIFY_BACKOFF_MAX where LoadGen's p99 (or the lab's) lies far beyond it (latency grows
-    steeply past the knee: a rate at bound / p99 of the failed one lands near it)."""
-    p99 = max(row.get("loadgen_p99_ms") or 0.0, row.get("sla_latency_ms") or 0.0)
-    if p99 <= sla_ms:
-        return CERTIFY_BACKOFF
-    return min(CERTIFY_BACKOFF, max(CERTIFY_BACKOFF_MAX, sla_ms / p99))
-
-
-def _certify_line(label: str, qps: float, seconds: float, row: dict[str, Any], cfg: InferConfig, ok: bool) -> str:
-    """One certification run in a line, with LoadGen's own reason where it said INVALID."""
-    p = "-" if row["sla_latency_ms"] is None else f"{row['sla_latency_ms']:.2f}"
-    verdict = row["loadgen_result"]
-    if verdict != "VALID" and row.get("loadgen_reason"):
-        verdict = f"{verdict} ({row['loadgen_reason']})"
-    return (f"certify {label} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen Server: {verdict}, "
-            f"p{cfg.sla_percentile:g} {p} ms: {'holds' if ok else 'does not hold'}")  # fmt: skip
-
-
-def _disagreement(winner: dict[str, Any], held: dict[str, Any], failed: dict[str, Any] | None) -> str:
-    """Why LoadGen certified more than 10% below the open-loop probes: which side was slower, from the runs'
-    own latency parts (the issuer's lag, the queue) and LoadGen's reason."""
-    claimed, certified = float(winner["best_qps"]), float(held["target_qps"])
-    line = (f"LoadGen certified {certified:,.1f} queries/s, {1 - certified / claimed:.0%} below the open-loop "
-            f"probes' {claimed:,.1f}")  # fmt: skip
-    if failed is None:
-        return line
-    parts = [f"at {failed['target_qps']:,.1f} queries/s LoadGen said {failed['loadgen_result']}"]
-    if failed.get("loadgen_reason"):
-        parts.append(f"({failed['loadgen_reason']})")
-    lg_p99, ours = failed.get("loadgen_p99_ms"), failed.get("sla_latency_ms")
-    if lg_p99 is not None and ours is not None:
-        if abs(lg_p99 - ours) <= 0.1 * ours:
-            side = ("both clocks agree: the server itself held less under LoadGen's load, whose issue and completion "
-                    "callbacks run in the serving process (Python, the GIL), than under the open loop's")  # fmt: skip
-        elif lg_p99 > ours:
-            side = ("LoadGen's clock is the slower: it counts from its schedule to its completion callback, so its "
-                    "issue and completion callbacks per query in the serving process (Python, the GIL) are in its "
-                    "figure and not in the lab's")  # fmt: skip
-        else:
-            side = "the lab's clock is the slower"
-        parts.append(f"with LoadGen's p99 {lg_p99:.2f} ms against the lab's {ours:.2f} ms for the same queries: {side}")
-    return f"{line}: {' '.join(parts)}"
-
-
 def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None,
                        choices: dict[str, Any]) -> list[str]:  # fmt: skip
     """The precisions a layout is searched in: the one asked for, or with `auto` every
@@ -471,47 +309,3 @@ def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferCon
     if log:
         log(f"{threads} thread{'s' if threads != 1 else ''}: searching precision {', '.join(kept)} ({choice.reason})")
     return kept
-
-
-def _label(m: ModelDescription) -> str:
-    if m.instances is None or m.max_delay_ms is None:
-        return f"{m.name} as its server serves it"
-    return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
-
-
-def _frontier_row(served: ModelDescription, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
-                  probes: int, cfg: InferConfig) -> dict[str, Any]:  # fmt: skip
-    from dlrm_lab.metrics.stats import estimate
-
-    lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
-    hits = [r["history_hit_rate"] for r in rows if r.get("history_hit_rate") is not None]
-    rate = estimate([r["samples_per_s"] for r in rows])
-    return {
-        "best_samples_per_s_ci_low": rate.ci_low,
-        "best_samples_per_s_ci_high": rate.ci_high,
-        "best_samples_per_s_cv": rate.cv,
-        "best_samples_per_s_unstable": rate.unstable,
-        "model": served.name,
-        "preset": served.spec.name,
-        "instances": served.instances,
-        "threads_per_instance": served.threads,
-        "max_batch": served.max_batch,
-        "max_delay_ms": served.max_delay_ms,
-        "min_piece": served.min_piece,
-        "spin_ms": served.spin_ms,
-        "precision": served.precision,
-        "build": served.build,
-        "history_cache_mb": served.columns.get("history_cache_mb"),
-        "capacity_queries_per_s": capacity,
-        "best_qps": lo,
-        "best_qps_uncertainty": (hi - lo) / 2,
-        "best_samples_per_s": float(np.median([r["samples_per_s"] for r in rows])) if rows else 0.0,
-        "best_sla_latency_ms": float(np.median(lat)) if lat else None,
-        "best_sla_latency_spread_ms": float(max(lat) - min(lat)) if lat else None,
-        "best_history_hit_rate": float(np.median(hits)) if hits else None,
-        "sla_ms": cfg.sla_ms,
-        "sla_percentile": cfg.sla_percentile,
-        "probes": probes,
-        "best": False,
-        "outcome": None,
-    }

@@ -51,7 +51,7 @@ class SearchOptions:
         "when all lie 25% or more on one side of the bound.",
     )
     # The best rate is certified under MLPerf LoadGen's Server scenario (0: not certified): at that rate, backed
-    # off until one holds, then bisected to 5% (infer.search.certify); each run this long, or as long as
+    # off until one holds, then bisected to 5% (infer.certify.certify); each run this long, or as long as
     # LoadGen's early-stopping estimate needs at its rate
     certify_s: float = option(
         5.0,
