@@ -6,7 +6,7 @@
 1. `write_report` over 100 training runs (300 step rows, 3 evaluations, a summary each),
    written with the project's own run writers.
 2. `write_report` over an inference sweep of 10 points x 1 repeat, 1,000 queries each
-   (10,000 query rows), its tables built by `dlrm_lab.sweep.write_sweep_tables`.
+   (10,000 query rows), its tables built by `dlrm_lab.sweep.tables.write_sweep_tables`.
 3. The statistics' overhead on a real sweep (`dlrm-lab sweep`, tiny training, 2 points x 3
    repeats): time spent in the sweep's tables and bootstrap statistics against the wall
    time of the sweep.
@@ -26,11 +26,14 @@ from typing import Any
 import numpy as np
 from common import header, write_results
 
-from dlrm_lab import sweep as sweep_module
 from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.report.html import write_report
-from dlrm_lab.sweep import PointResult, SweepResult, SweepSpec, load_spec, run_sweep, write_sweep_tables
+from dlrm_lab.sweep import run as sweep_run
+from dlrm_lab.sweep.grid import SweepSpec, load_spec
+from dlrm_lab.sweep.results import PointResult, SweepResult
+from dlrm_lab.sweep.run import run_sweep
+from dlrm_lab.sweep.tables import aggregate, write_sweep_tables
 from dlrm_lab.train.records import EVAL_SCHEMA, PHASES, STEP_SCHEMA, SUMMARY_SCHEMA
 
 
@@ -97,22 +100,22 @@ def stats_overhead(tmp: Path) -> dict[str, Any]:
     grid.write_text('command = "train"\nrepeats = 3\n[options]\npreset = "tiny"\nsteps = 30\nbatch-size = 64\n'
                     'eval-batches = 1\nprogress = false\n[grid]\nseed = [1, 2]\n')  # fmt: skip
     spent: list[float] = []
-    original = sweep_module.write_sweep_tables
+    original = sweep_run.write_sweep_tables
 
     def timed_tables(*args: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()
         original(*args, **kwargs)
         spent.append(time.perf_counter() - t0)
 
-    sweep_module.write_sweep_tables = timed_tables  # type: ignore[assignment]
+    sweep_run.write_sweep_tables = timed_tables  # type: ignore[assignment]
     try:
         t0 = time.perf_counter()
         result = run_sweep(load_spec(grid, out=tmp / "real-sweep"))
         wall = time.perf_counter() - t0
     finally:
-        sweep_module.write_sweep_tables = original  # type: ignore[assignment]
+        sweep_run.write_sweep_tables = original  # type: ignore[assignment]
     t0 = time.perf_counter()
-    sweep_module.aggregate(result, load_spec(grid))
+    aggregate(result, load_spec(grid))
     aggregate_s = time.perf_counter() - t0
     return {"sweep_wall_s": wall, "tables_and_stats_s": sum(spent), "calls": len(spent),
             "overhead_share": sum(spent) / wall, "one_aggregate_s": aggregate_s,

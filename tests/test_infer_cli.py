@@ -243,7 +243,7 @@ def test_ctrl_c_of_infer_run_and_sweep_prints_one_line_naming_the_run_and_exits_
     """The CLI's side (the library's marking the run interrupted: test_run_records, test_cli's
     real SIGINT of train): the run directory the library names on the interrupt is printed."""
     import dlrm_lab.infer.lab
-    import dlrm_lab.sweep
+    import dlrm_lab.sweep.run
 
     def interrupted(*_, **__):
         exc = KeyboardInterrupt()
@@ -258,7 +258,7 @@ def test_ctrl_c_of_infer_run_and_sweep_prints_one_line_naming_the_run_and_exits_
     )
 
     # a sweep whose point was interrupted: the point's child exited 130, the sweep is marked and named
-    monkeypatch.setattr(dlrm_lab.sweep, "_run_point", lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(dlrm_lab.sweep.run, "_run_point", lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     grid = tmp_path / "grid.toml"
     grid.write_text('command = "train"\nout = "%s"\n[options]\npreset = "tiny"\n[grid]\nsteps = [2, 3]\n'
                     % (tmp_path / "sweep"))  # fmt: skip

@@ -23,7 +23,7 @@ from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.infer.options import InferConfig, ServingOptions
 from dlrm_lab.infer.search_options import SearchOptions
 from dlrm_lab.serve.options import ClientOptions, ServeOptions
-from dlrm_lab.sweep import load_spec
+from dlrm_lab.sweep.grid import load_spec
 
 COMMANDS = sorted(commands.COMMANDS)
 

@@ -242,8 +242,8 @@ def test_an_embedding_dim_the_kernels_cannot_run_is_refused_when_the_preset_is_r
 def test_a_sweep_point_killed_by_a_signal_names_it_and_its_run_is_failed(tmp_path, monkeypatch):
     import sys
 
-    from dlrm_lab import sweep
     from dlrm_lab.metrics.run import read_manifest
+    from dlrm_lab.sweep import run as sweep
 
     slot = tmp_path / "p0000-r00"
     child = ("import os, signal; from dlrm_lab.metrics.run import Run; "
@@ -485,13 +485,13 @@ def test_a_sweep_killed_takes_its_point_with_it_and_a_resume_stops_a_live_orphan
     import time
 
     from dlrm_lab.metrics.run import Run, read_manifest
-    from dlrm_lab.sweep import stop_orphans
+    from dlrm_lab.sweep.run import stop_orphans
 
     child_pid = tmp_path / "child.pid"
     sweep = f"""
 import sys
 from pathlib import Path
-from dlrm_lab import sweep
+from dlrm_lab.sweep import run as sweep
 child = "import os, time; open({str(child_pid)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
 sweep.point_command = lambda spec, params, slot: ([sys.executable, "-c", child], {{}})
 sweep._run_point(None, {{}}, Path({str(tmp_path / "slot")!r}))

@@ -477,7 +477,9 @@ def test_cli_prints_index_path(lab, tmp_path):
 def test_sweep_written_by_the_sweep_module(tmp_path):
     """A sweep's own tables (dlrm_lab.sweep): two models per child run give two rows per point;
     each point's repeats link their child manifests; abandoned attempts are not runs."""
-    from dlrm_lab.sweep import PointResult, SweepResult, SweepSpec, write_sweep_tables
+    from dlrm_lab.sweep.grid import SweepSpec
+    from dlrm_lab.sweep.results import PointResult, SweepResult
+    from dlrm_lab.sweep.tables import write_sweep_tables
 
     spec = SweepSpec(tmp_path / "grid.toml", "infer run", {}, {"qps": [100, 200]}, {}, repeats=2)
     with Run.create(tmp_path / "runs", kind="sweep", config={}) as sweep:

@@ -16,7 +16,9 @@ from conftest import ROOT, run_cli_in_process
 
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.run import Run
-from dlrm_lab.sweep import PointResult, SweepResult, aggregate, load_spec, point_args
+from dlrm_lab.sweep.grid import load_spec, point_args
+from dlrm_lab.sweep.results import PointResult, SweepResult
+from dlrm_lab.sweep.tables import aggregate
 from dlrm_lab.train.records import SUMMARY_SCHEMA
 
 
@@ -186,7 +188,7 @@ def test_the_ibench_sweep_in_docs_is_valid_and_holds_the_samples_per_second():
 
 
 def test_repeats_run_interleaved_so_compared_points_share_the_hosts_drift(tmp_path, monkeypatch):
-    import dlrm_lab.sweep as sweep
+    import dlrm_lab.sweep.run as sweep
 
     spec = load_spec(grid_file(tmp_path, 'command = "train"\nrepeats = 3\n[grid]\nbatch-size = [32, 64]'))
     spec = dataclasses.replace(spec, out=tmp_path / "sweep")

@@ -29,7 +29,8 @@ def sweep_command(
     """Run every point x repeat of a grid, each as its own run; resume where a previous
     invocation stopped (finished point-repeats are skipped, unfinished ones repeated)."""
     from dlrm_lab.metrics.run import register_recovery
-    from dlrm_lab.sweep import load_spec, point_args, run_sweep
+    from dlrm_lab.sweep.grid import load_spec, point_args
+    from dlrm_lab.sweep.run import run_sweep
 
     register_recovery("train", "dlrm_lab.train.records:recovered_summary")  # a dead training point's summary
 

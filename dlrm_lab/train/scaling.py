@@ -23,7 +23,9 @@ from dlrm_lab.distributed.launch import threads_per_rank as default_threads
 from dlrm_lab.distributed.mpi import probed_transport
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.columns import PHASES, schema_of
-from dlrm_lab.sweep import SweepResult, SweepSpec, check_points, run_sweep
+from dlrm_lab.sweep.grid import SweepSpec, check_points
+from dlrm_lab.sweep.results import SweepResult
+from dlrm_lab.sweep.run import run_sweep
 from dlrm_lab.train import records  # noqa: F401 - a dead rank count's training run is rebuilt by its recovery
 
 MODES = ("weak", "strong")
