@@ -13,6 +13,7 @@ from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import METRICS_DIR, CliOnly, command
 from dlrm_lab.commands import INFER_BUILDS, INFER_RUN, INFER_SEARCH
+from dlrm_lab.config.values import OptionValues
 from dlrm_lab.errors import UserError, raise_on_sigterm
 from dlrm_lab.metrics import columns
 
@@ -26,7 +27,7 @@ _REFRESH_PER_S = 1.0
 
 @app.command("run")
 @command(*INFER_RUN, METRICS_DIR, PROGRESS)
-def run_command(options: dict[str, Any]) -> None:
+def run_command(options: OptionValues) -> None:
     """Serve one load point (or several models together) and record every query."""
     from dlrm_lab.commands import infer_setup
     from dlrm_lab.infer.lab import run_inference
@@ -96,7 +97,7 @@ def _print_points(run_dir: Any) -> tuple[list[tuple[str, str | None]], str | Non
 
 @app.command("search")
 @command(*INFER_SEARCH, METRICS_DIR, PROGRESS)
-def search_command(options: dict[str, Any]) -> None:
+def search_command(options: OptionValues) -> None:
     """Find, per configuration, the highest queries/s whose latency percentile meets the bound."""
     from dlrm_lab.commands import search_setup
     from dlrm_lab.infer.load_point import PointProgress
@@ -135,7 +136,7 @@ def search_command(options: dict[str, Any]) -> None:
     console().print(f"run directory: {run_dir}")
 
 
-def _answer(frontier: list[dict[str, Any]], percentile: float, sla_ms: float) -> str:
+def _answer(frontier: list[dict[str, str | float | bool | None]], percentile: float, sla_ms: float) -> str:
     """The search's answer: the rate a LoadGen Server run certified, never a rate that did not hold."""
     best = next((r for r in frontier if r["best"]), None)
     bound = f"p{percentile:g} <= {sla_ms:g} ms"
@@ -153,7 +154,7 @@ def _answer(frontier: list[dict[str, Any]], percentile: float, sla_ms: float) ->
 
 @app.command("builds")
 @command(*INFER_BUILDS)
-def builds_command(options: dict[str, Any]) -> None:
+def builds_command(options: OptionValues) -> None:
     """Every serving build of one model side by side on this machine: cost per batch and per sample, fraction of
     roof, accuracy. Which engine serves this model best here."""
     from dlrm_lab.commands import builds_setup

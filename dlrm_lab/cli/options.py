@@ -13,6 +13,7 @@ import typer
 from rich.markup import escape
 
 from dlrm_lab.config.options import Declared, ModelScaling, options_of
+from dlrm_lab.config.values import OptionValues
 
 
 def annotation(decl: Declared) -> Any:
@@ -37,7 +38,7 @@ class CliOnly:
     default: Any
 
 
-def command(*options: Declared | CliOnly) -> Callable[[Callable[[dict[str, Any]], Any]], Callable[..., Any]]:
+def command(*options: Declared | CliOnly) -> Callable[[Callable[[OptionValues], Any]], Callable[..., Any]]:
     """A Typer command taking `options`: its signature is generated from them, and the body receives
     every option's value by name (a Python caller may pass a few; the rest take their defaults)."""
     params = [
@@ -47,7 +48,7 @@ def command(*options: Declared | CliOnly) -> Callable[[Callable[[dict[str, Any]]
     ]  # fmt: skip
     defaults = {p.name: p.default for p in params}
 
-    def wrap(body: Callable[[dict[str, Any]], Any]) -> Callable[..., Any]:
+    def wrap(body: Callable[[OptionValues], Any]) -> Callable[..., Any]:
         @functools.wraps(body, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
         def run(**given: Any) -> Any:
             if unknown := sorted(set(given) - set(defaults)):

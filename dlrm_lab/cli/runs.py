@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.run import FoundRun, discover_runs, one_line, pid_alive, recover_run_and_summary
 from dlrm_lab.metrics.tables import PARTS_DIR
@@ -20,7 +21,7 @@ from dlrm_lab.metrics.tables import PARTS_DIR
 app = typer.Typer(help="Run directories written by train, scale and infer.", no_args_is_help=True)
 
 
-def _liveness(manifest: dict[str, Any]) -> str:
+def _liveness(manifest: JsonObject) -> str:
     """For a manifest saying `running`: `alive`, `dead` (its process is gone: it crashed or
     was killed) or `elsewhere` (started on another host, whose pids cannot be checked here)."""
     host = (manifest.get("hardware") or {}).get("hostname")
@@ -42,8 +43,8 @@ def _part_files(run_dir: Path) -> dict[str, list[Path]]:
 class _Row:
     run_id: str
     status: str
-    manifest: dict[str, Any]
-    summary: dict[str, Any] = field(default_factory=dict)
+    manifest: JsonObject
+    summary: dict[str, str | float | bool | None] = field(default_factory=dict)  # summary.parquet's row
     steps: int | None = None
     notes: list[str] = field(default_factory=list)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
-from typing import Any
 
 from dlrm_lab.cli.format import console
 from dlrm_lab.cli.options import METRICS_DIR, command
 from dlrm_lab.commands import CLIENT, INFER_RUN, SERVE
 from dlrm_lab.config.options import build
+from dlrm_lab.config.values import OptionValues
 from dlrm_lab.errors import UserError, raise_on_sigterm
 from dlrm_lab.serve.options import ClientOptions
 
@@ -17,7 +17,7 @@ RPCS = ("stream", "unary", "oip")
 
 
 @command(*SERVE, METRICS_DIR)
-def serve_command(options: dict[str, Any]) -> None:
+def serve_command(options: OptionValues) -> None:
     """Serve models over gRPC until SIGTERM or Ctrl-C (every query recorded in a `serve` run)."""
     from dlrm_lab.commands import serve_setup
     from dlrm_lab.serve.server import serve
@@ -37,7 +37,7 @@ def serve_command(options: dict[str, Any]) -> None:
 
 
 @command(*CLIENT, METRICS_DIR)
-def client_command(options: dict[str, Any]) -> None:
+def client_command(options: OptionValues) -> None:
     """`infer run --target grpc://HOST:PORT` (kserve:// with --rpc oip) under its former name: drive a remote
     `dlrm-lab serve` and record every query's stages."""
     from dlrm_lab.cli.infer import run_command

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -13,12 +13,14 @@ from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import METRICS_DIR, CliOnly, command
 from dlrm_lab.cli.presets import size_line
 from dlrm_lab.commands import TRAIN
+from dlrm_lab.config.values import JsonObject, OptionValues
 from dlrm_lab.errors import raise_on_sigterm
 from dlrm_lab.metrics import columns
+from dlrm_lab.metrics.columns import StepRow, TrainSummaryRow
 
 
 @command(*TRAIN, METRICS_DIR, CliOnly("progress", Annotated[bool, typer.Option(help="Show a progress bar.")], True))
-def train_command(options: dict[str, Any]) -> None:
+def train_command(options: OptionValues) -> None:
     """Train a DLRM preset on synthetic clicks or a Parquet dataset, and record the run."""
     from dlrm_lab.commands import train_setup
 
@@ -36,7 +38,7 @@ def train_command(options: dict[str, Any]) -> None:
     task = bar.add_task("train", total=cfg.steps, rate="", loss="")
     shown = False
 
-    def on_step(row: dict[str, Any]) -> None:
+    def on_step(row: StepRow) -> None:
         nonlocal shown
         if not shown:  # only once the model is built and the first step ran (also after --resume)
             shown = True
@@ -58,7 +60,7 @@ def train_command(options: dict[str, Any]) -> None:
         print_summary(result.summary, str(result.run_dir))
 
 
-def print_plan(plan: dict[str, Any]) -> None:
+def print_plan(plan: JsonObject) -> None:
     from dlrm_lab.config.words import human_bytes
 
     table = Table(title="sharding plan")
@@ -72,7 +74,7 @@ def print_plan(plan: dict[str, Any]) -> None:
     console().print(f"table bytes per rank: {per_rank}")
 
 
-def print_summary(summary: dict[str, Any], run_dir: str) -> None:
+def print_summary(summary: TrainSummaryRow, run_dir: str) -> None:
     table = Table(title=f"train {summary['preset']}: {summary['status']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
