@@ -18,6 +18,7 @@ from typing import Any
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.options import Declared, PresetChoice, build, given, options_of, parse_words
+from dlrm_lab.config.values import OptionValue, OptionValues
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.options import (
     RUN_KNOBS,
@@ -102,14 +103,14 @@ def _by_flag() -> Iterator[None]:
 
 
 @_by_flag()
-def train_words(words: list[str]) -> dict[str, Any]:
+def train_words(words: list[str]) -> OptionValues:
     """The `dlrm-lab train` options in a command line's words (after `scale --`, or a TorchX component's), keyed
     as a sweep's options are (`batch-size`, `set`): those given, each checked as `train` checks it."""
     return parse_words([*TRAIN, *_CLI_WORDS], words, "train")
 
 
 @_by_flag()
-def train_setup(options: Mapping[str, Any]) -> tuple[Spec, TrainConfig]:
+def train_setup(options: Mapping[str, OptionValue]) -> tuple[Spec, TrainConfig]:
     """The model and the training config of `dlrm-lab train` with these options (the rest default)."""
     o = given(options, TRAIN, "train", CLI_ONLY)
     spec = build(PresetChoice, TRAIN, o).load()  # either family: DLRM or the HSTU ranker
@@ -120,7 +121,7 @@ def train_setup(options: Mapping[str, Any]) -> tuple[Spec, TrainConfig]:
 
 
 @_by_flag()
-def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, InferConfig]:
+def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, InferConfig]:
     """The served models, the load plan and the config of `dlrm-lab infer run` with these options."""
     from dlrm_lab.infer.targets import parse_target
     from dlrm_lab.infer.tune import KNOBS, parse_knob
@@ -146,7 +147,7 @@ def infer_setup(options: Mapping[str, Any]) -> tuple[list[Any], Any, InferConfig
 
 
 @_by_flag()
-def search_setup(options: Mapping[str, Any]) -> tuple[Any, Any, Any, InferConfig, SearchOptions]:
+def search_setup(options: Mapping[str, OptionValue]) -> tuple[Any, Any, Any, InferConfig, SearchOptions]:
     """The served model, its load stream, the grid, the config and the probing of `dlrm-lab infer search`."""
     from dlrm_lab.infer.options import default_sla_ms, plan_load
 
@@ -163,7 +164,7 @@ def search_setup(options: Mapping[str, Any]) -> tuple[Any, Any, Any, InferConfig
 
 
 @_by_flag()
-def builds_setup(options: Mapping[str, Any]) -> tuple[Any, BuildTableOptions, int]:
+def builds_setup(options: Mapping[str, OptionValue]) -> tuple[Any, BuildTableOptions, int]:
     """The served model, what to compare and the seed of `dlrm-lab infer builds` with these options."""
     o = given(options, INFER_BUILDS, "infer builds", CLI_ONLY)
     models = o.get("model") or []
@@ -176,7 +177,7 @@ def builds_setup(options: Mapping[str, Any]) -> tuple[Any, BuildTableOptions, in
 
 
 @_by_flag()
-def serve_setup(options: Mapping[str, Any]) -> tuple[list[Any], ServeOptions]:
+def serve_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], ServeOptions]:
     """The served models and the gRPC front of `dlrm-lab serve` with these options."""
     o = given(options, SERVE, "serve", CLI_ONLY)
     return build(ServingOptions, SERVE, o).served(o.get("model")), build(ServeOptions, SERVE, o)
