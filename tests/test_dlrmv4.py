@@ -11,7 +11,8 @@ from conftest import ROOT, run_cli_in_process
 
 from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.config.hstu import reference_training_flops
-from dlrm_lab.data.sequences import SequenceGenerator, Stream
+from dlrm_lab.data.sequences import SequenceGenerator
+from dlrm_lab.data.streaming import Stream
 from dlrm_lab.errors import UserError
 
 # DLRMv4's layout (the same tables, crosses and towers' structure) at a size tests train in seconds

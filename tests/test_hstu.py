@@ -335,7 +335,8 @@ def test_sequence_tables_send_every_ids_row():
 @pytest.mark.gpu
 def test_request_batches_pin_for_the_cuda_prefetcher():
     from dlrm_lab.config import load_any_preset
-    from dlrm_lab.data.sequences import RequestBatch, SequenceGenerator
+    from dlrm_lab.data.request_batches import RequestBatch
+    from dlrm_lab.data.sequences import SequenceGenerator
 
     batch = RequestBatch.from_block(SequenceGenerator(load_any_preset("hstu-tiny").data).requests(0, 4)).pin_memory()
     assert batch.actions.is_pinned() and batch.labels.is_pinned()
