@@ -11,11 +11,16 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlrm_lab.config.family import TRAINING_MEMORY_SHARE
 from dlrm_lab.config.specs import ModelSpec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.metrics.columns import InferSummaryRow, QueryRow
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -52,13 +57,13 @@ class DLRMFamily:
     max_warmup_batch: int | None = None  # an instance warms up at the largest batch it will serve
 
     # ----- presets and specs
-    def parse_preset(self, raw: dict[str, Any], *, where: str, table_scale: float | None,
+    def parse_preset(self, raw: JsonObject, *, where: str, table_scale: float | None,
                      max_rows: int | None) -> ModelSpec:  # fmt: skip
         from dlrm_lab.config.presets import parse_model
 
         return parse_model(raw, where=where, table_scale=table_scale, max_rows=max_rows)
 
-    def spec_from_dict(self, data: dict[str, Any]) -> ModelSpec:
+    def spec_from_dict(self, data: JsonObject) -> ModelSpec:
         return ModelSpec.from_dict(data)
 
     def with_data_overrides(self, spec: ModelSpec, overrides: Sequence[str], *, serving: bool) -> ModelSpec:
@@ -294,7 +299,7 @@ class DLRMFamily:
 
             check_spec(read_checkpoint(served.checkpoint), served.spec.to_dict())
 
-    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:
+    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
         import torch
 
         from dlrm_lab.model.dlrm import build_model
@@ -312,7 +317,7 @@ class DLRMFamily:
 
         return PackedLibrary.generate(served.spec, served.data_spec, seed, samples)
 
-    def library_from_arrays(self, arrays: dict[str, Any]) -> Any:
+    def library_from_arrays(self, arrays: dict[str, np.ndarray]) -> Any:
         from dlrm_lab.infer.library import PackedLibrary
 
         return PackedLibrary(**arrays)
@@ -395,11 +400,11 @@ class DLRMFamily:
             device_per_instance=fp32 + stored + dense + activations,
         )
 
-    def count_columns(self, served: Any, counts: Any) -> dict[str, Any]:
-        return {}  # nothing counted per query
+    def count_columns(self, served: Any, counts: Any) -> QueryRow:
+        return QueryRow()  # nothing counted per query
 
-    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, Any]:
-        return {}
+    def summarize_queries(self, records: list[QueryRow], ok: Any, samples: Any) -> InferSummaryRow:
+        return InferSummaryRow()
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
         from dlrm_lab.infer.builds.fused import FusedDLRM

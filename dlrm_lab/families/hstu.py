@@ -9,12 +9,16 @@ Its spec is `config.hstu.HSTUSpec`, its model `model.hstu.HSTURanker`, its reque
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlrm_lab.config.family import TRAINING_MEMORY_SHARE
 from dlrm_lab.config.hstu import HSTUSpec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS, STR, define
+from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS, STR, InferSummaryRow, QueryRow, define
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Its columns in the shared inference tables (history reuse, its attention path), each placed after a
 # column of the table (`metrics.columns.register_columns`): null in other families' rows.
@@ -78,13 +82,13 @@ class HSTUFamily:
     max_warmup_batch: int | None = 8
 
     # ----- presets and specs
-    def parse_preset(self, raw: dict[str, Any], *, where: str, table_scale: float | None,
+    def parse_preset(self, raw: JsonObject, *, where: str, table_scale: float | None,
                      max_rows: int | None) -> HSTUSpec:  # fmt: skip
         from dlrm_lab.config.hstu import parse_hstu
 
         return parse_hstu(raw, where=where, table_scale=table_scale, max_rows=max_rows)
 
-    def spec_from_dict(self, data: dict[str, Any]) -> HSTUSpec:
+    def spec_from_dict(self, data: JsonObject) -> HSTUSpec:
         return HSTUSpec.from_dict(data)
 
     def with_data_overrides(self, spec: HSTUSpec, overrides: Sequence[str], *, serving: bool) -> HSTUSpec:
@@ -319,7 +323,7 @@ class HSTUFamily:
 
             check_spec(read_checkpoint(served.checkpoint), served.spec.to_dict(), ignore=("data",))
 
-    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, dict[str, Any] | None]:
+    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
         """The ranker with its attention path (`auto`: both timed over the first requests the model will
         serve, forward only): the model, `served` with the path resolved, and the timing's record."""
         from dataclasses import replace
@@ -347,7 +351,7 @@ class HSTUFamily:
 
         return RequestLibrary.generate(served.spec, seed, samples)
 
-    def library_from_arrays(self, arrays: dict[str, Any]) -> Any:
+    def library_from_arrays(self, arrays: dict[str, np.ndarray]) -> Any:
         from dlrm_lab.infer.requests import RequestLibrary
 
         return RequestLibrary(arrays)
@@ -413,25 +417,25 @@ class HSTUFamily:
 
     query_counts = ("history_reused", "history_tokens_reused")  # per query, from `RequestRunner.counts`
 
-    def count_columns(self, served: Any, counts: Any) -> dict[str, Any]:
+    def count_columns(self, served: Any, counts: Any) -> QueryRow:
         """With history reuse: how many of the query's requests reused a cached history, and their tokens
         (0 for a query never served); null without reuse."""
         on = served.history_cache_mb > 0
-        return {name: (int(counts[k]) if counts is not None else 0) if on else None
-                for k, name in enumerate(self.query_counts)}  # fmt: skip
+        return QueryRow({name: (int(counts[k]) if counts is not None else 0) if on else None
+                         for k, name in enumerate(self.query_counts)})  # fmt: skip
 
-    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, Any]:
+    def summarize_queries(self, records: list[QueryRow], ok: Any, samples: Any) -> InferSummaryRow:
         """With history reuse: the share of completed requests that reused a cached history, and the history
         tokens not encoded again per request; null without (or for another family's rows)."""
         import numpy as np
 
         reused = [r.get("history_reused") for r in records]
         if not ok.any() or any(v is None for v in reused):
-            return {"history_hit_rate": None, "history_tokens_reused_mean": None}
+            return InferSummaryRow(history_hit_rate=None, history_tokens_reused_mean=None)
         hits = np.array(reused, dtype=np.float64)[ok].sum()
         tokens = np.array([r["history_tokens_reused"] for r in records], dtype=np.float64)[ok].sum()
         served = samples[ok].sum()
-        return {"history_hit_rate": float(hits / served), "history_tokens_reused_mean": float(tokens / served)}
+        return InferSummaryRow(history_hit_rate=float(hits / served), history_tokens_reused_mean=float(tokens / served))
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
         from dlrm_lab.infer.builds.fused import fused_ranker
