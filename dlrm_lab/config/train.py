@@ -10,6 +10,7 @@ from typing import Any, Optional
 from dlrm_lab.config.family import family_of
 from dlrm_lab.config.options import by_field, option
 from dlrm_lab.config.prices import check_currency, check_price
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 
 PRECISIONS = ("fp32", "bf16")
@@ -229,7 +230,7 @@ class TrainConfig:
             return self.eval_every
         return max(1, self.steps // 20)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             **asdict(self),
             "eval_every": self.resolved_eval_every,
@@ -285,7 +286,7 @@ class DenseRecipe:
     grad_clip_norm: float | None = None
     rule: str = "none"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"adam_betas": list(self.betas) if self.betas else None, "lr_warmup_steps": self.lr_warmup_steps,
                 "grad_clip_norm": self.grad_clip_norm, "rule": self.rule}  # fmt: skip
 
@@ -331,7 +332,7 @@ def dense_recipe_for(spec: Any, cfg: TrainConfig) -> DenseRecipe:
     return DenseRecipe(betas, int(warmup), clip, rule or "none (the optimizer's defaults)")
 
 
-def target_auc_for(spec: Any, cfg: TrainConfig, data: dict[str, Any]) -> tuple[float | None, str]:
+def target_auc_for(spec: Any, cfg: TrainConfig, data: JsonObject) -> tuple[float | None, str]:
     """The run's target AUC and why: `--target-auc` when given; else, on real data converted
     from Criteo (`data` is the training source's description), the preset's published target
     (its `[reference] target_auc`, MLPerf's 0.80275 for dcnv2). Synthetic data has its own
