@@ -436,8 +436,8 @@ def test_a_traced_point_is_chrome_trace_json_with_the_labs_spans_on_the_servers_
 def test_an_instance_stopped_inside_a_point_is_a_stall_the_point_names(server):
     import signal
 
+    from dlrm_lab.infer.completions import STALL_MS
     from dlrm_lab.infer.load_point import point_line, stall_columns
-    from dlrm_lab.infer.server import STALL_MS
 
     server.take_stalls()
     pid = server.instance_info[0]["pid"]

@@ -13,6 +13,10 @@ query is dropped at once (recorded), so memory stays bounded under overload.
 `InferenceServer` implements `infer.sut.SystemUnderTest`: the lab's drivers reach it only
 through that interface. Each model's sample library is generated once here, written to the
 snapshot with its tables, and mapped by its instances and by this process (`library(model)`).
+
+Here are the server's queues, their batchers and its lifecycle; its side of the instance processes (spawning them,
+their readiness, a death, tracing) is `infer.instance_processes`, and what comes back through their pipes (batch
+results made query records, stalls) is `infer.completions`.
 """
 
 from __future__ import annotations
@@ -27,39 +31,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from dlrm_lab.config.family import family_of
-from dlrm_lab.errors import ServingFault, UserError, exit_description
+from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.batches import QueryRef
-from dlrm_lab.infer.batching import BatchClock, BatchCost, take_batch, whole_enough
-from dlrm_lab.infer.instance import (
-    SPIN,
-    TRACE,
-    BatchResult,
-    InstancePlan,
-    instance_main,
-    map_library,
-    remove_stale_snapshots,
-    snapshot_dir_for,
-    write_snapshot,
-)
+from dlrm_lab.infer.batching import BatchClock, take_batch, whole_enough
+from dlrm_lab.infer.completions import BatchCompletions
+from dlrm_lab.infer.instance import SPIN, map_library, remove_stale_snapshots, snapshot_dir_for, write_snapshot
+from dlrm_lab.infer.instance_processes import InstanceProcesses
 from dlrm_lab.infer.library import PackedLibrary, payload_for
-from dlrm_lab.infer.placement import Placement, place_instances
+from dlrm_lab.infer.placement import place_instances
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.infer.sut import Query, SutDescription, finishing_together, query_row
-from dlrm_lab.metrics.columns import BATCH_STAGES
-
-# A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
-# starved of its core), not a slow batch: said per point
-STALL_MS = 500.0
-STALL_FACTOR = 20.0
+from dlrm_lab.infer.sut import Query, SutDescription
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
@@ -85,7 +72,7 @@ class _Pool:
         self.rows = family_of(self.served.spec).id_rows(self.served.spec)
 
 
-class InferenceServer:
+class InferenceServer(InstanceProcesses, BatchCompletions):
     """Serve one or more models; `with InferenceServer([...]) as server: server.submit(q)`.
 
     Records (one dict per finished query, `infer.sut.query_row`) accumulate
@@ -185,65 +172,6 @@ class InferenceServer:
             pool.thread.start()
         self.epoch_ns = time.monotonic_ns()
         return self
-
-    def _spawn(self, m: ServedModel, place: Placement, snap: Path, warmup_batch: int) -> None:
-        """Start one instance of `m` where `place` says, serving the snapshot `snap`; it joins its model's pool."""
-        instance = InstancePlan(
-            model=m.name, index=place.index, snapshot_dir=str(snap), spec=m.spec.to_dict(), threads=m.threads,
-            cores=place.cores, device=place.device, precision=m.precision, table_precision=m.table_precision,
-            warmup_batch=warmup_batch, spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
-            keep_warm_ms=m.keep_warm_ms,
-        )  # fmt: skip
-        mine_end, theirs = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=instance_main, args=(instance, theirs), daemon=True, name=f"dlrm-lab-instance-{place.index}"
-        )
-        proc.start()
-        theirs.close()
-        self._conns[place.index] = mine_end
-        self._send_locks[place.index] = threading.Lock()
-        pool = self._pools[m.name]
-        pool.free.append(place.index)
-        if m.history_cache_mb and m.history_affinity and m.instances > 1:
-            pool.homes.append(place.index)
-        self._procs.append(proc)
-        self.instance_info.append(
-            {"instance": place.index, "model": m.name, "pid": proc.pid, "cores": list(place.cores)}
-        )
-
-    def _count_columns(self, q: Query) -> dict[str, Any]:
-        """What the query's model's family counted of it, as its query columns (none for a DLRM)."""
-        served = self.models[q.model]
-        return family_of(served.spec).count_columns(served, q.counts)
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        waiting = dict(self._conns)
-        costs: dict[str, list[BatchCost]] = {name: [] for name in self._pools}
-        while waiting:
-            for conn in wait_connections(list(waiting.values()), timeout=0.5):
-                index = next(i for i, c in waiting.items() if c is conn)
-                try:
-                    _, error, cost = conn.recv()
-                except (EOFError, OSError):
-                    error = exit_description(self._procs[index].exitcode)
-                if error:
-                    raise ServingFault(f"instance {index} (pid {self._procs[index].pid}) failed to start: {error}")
-                del waiting[index]
-                costs[self.instance_info[index]["model"]].append(cost)
-                self.log(f"instance {index} ready: a batch takes {cost.fixed_ms:.2f} ms + "
-                         f"{cost.per_sample_ms * 1e3:.1f} us per sample")  # fmt: skip
-            if time.monotonic() > deadline:
-                raise ServingFault(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")
-        for name, measured in costs.items():
-            pool = self._pools[name]
-            pool.clock.cost = BatchCost(
-                fixed_ms=float(np.median([c.fixed_ms for c in measured])),
-                per_sample_ms=float(np.median([c.per_sample_ms for c in measured])),
-            )
-            if not pool.served.min_piece:
-                self.configure(name, min_piece=0)
-                self.log(f"{name}: queries split over idle instances in pieces of >= {pool.served.min_piece} samples")
 
     def stop(self) -> None:
         """Stop batchers and instances; queries still waiting are recorded as unfinished."""
@@ -386,58 +314,9 @@ class InferenceServer:
                 self._idle.wait(min(left, 0.5))
         return True
 
-    def take_records(self) -> list[dict[str, Any]]:
-        with self._records_lock:
-            out, self._records = self._records, []
-        return out
-
-    def take_stalls(self) -> list[dict[str, Any]]:
-        """Batches since the last call that an instance held far beyond their warm time (STALL_MS, STALL_FACTOR):
-        its process was stopped, or starved of its core."""
-        with self._records_lock:
-            out, self._stalls = self._stalls, []
-        return out
-
     @property
     def error(self) -> str | None:
         return self._error
-
-    def check(self) -> None:
-        """Raise if an instance died (the run cannot be trusted beyond that point)."""
-        if self._error is None:
-            for info, proc in zip(self.instance_info, self._procs, strict=True):
-                if proc.exitcode is not None and not self._stopping and info["instance"] not in self._lost:
-                    how = f"instance {info['instance']} (pid {proc.pid}) {exit_description(proc.exitcode)}"
-                    if self.route_around_dead:
-                        self._lose(info["instance"], how)
-                    else:
-                        self._error = how
-        if self._error is not None:
-            raise ServingFault(self._error)
-
-    def _lose(self, index: int, how: str) -> None:
-        """Serve on without instance `index` (`route_around_dead`): it gets no more batches, its batch in flight
-        fails naming it; with no instance of its model left, the server fails."""
-        with self._loss_lock:
-            if index in self._lost:
-                return
-            self._lost[index] = how
-        info = self.instance_info[index]
-        name, pool = info["model"], self._pools[info["model"]]
-        with pool.cond:
-            if index in pool.free:
-                pool.free.remove(index)
-        live = [i["instance"] for i in self.instance_info if i["model"] == name and i["instance"] not in self._lost]
-        self.lost.append({"instance": index, "pid": info["pid"], "model": name, "how": how,
-                          "at_ms": (time.monotonic_ns() - self.epoch_ns) / 1e6, "live_instances": live})  # fmt: skip
-        if not live:
-            self._error = f"{how}; no instance of {name} is left"
-        else:
-            self.log(f"warning: {how}; {name} is served on by instance(s) {', '.join(map(str, live))}")
-        now = time.monotonic_ns()
-        for batch_id, (_, _, instance) in list(self._in_flight.items()):
-            if instance == index:
-                self._complete(BatchResult(batch_id, index, now, now, None, f"{how} with this batch"))
 
     # ------------------------------------------------------------------ threads
 
@@ -489,176 +368,6 @@ class InferenceServer:
                 self._lose(instance, f"instance {instance} (pid {info['pid']}) stopped answering (its pipe closed)")
                 if self._error is not None:
                     return
-
-    def _complete_loop(self) -> None:
-        conns = {id(c): c for c in self._conns.values()}
-        while not self._stopping and conns:
-            ready = wait_connections(list(conns.values()), timeout=0.5)
-            if not ready:
-                try:
-                    self.check()
-                except RuntimeError:
-                    with self._idle:
-                        self._idle.notify_all()
-                continue
-            with finishing_together(self._callback_failed):  # the batches that arrived together are reported together
-                for conn in ready:
-                    try:
-                        msg: BatchResult = conn.recv()
-                    except (EOFError, OSError):
-                        del conns[id(conn)]  # instance gone; check() names it
-                        continue
-                    if isinstance(msg, tuple) and msg[0] == TRACE:
-                        with self._traced_cond:
-                            self._traced[msg[1]] = msg[2]
-                            self._traced_cond.notify_all()
-                        continue
-                    self._complete(msg)
-
-    # ------------------------------------------------------------------ tracing
-
-    def start_trace(self) -> None:
-        """Every instance starts torch.profiler; each batch it serves is marked `batch <id>`."""
-        for index, conn in self._conns.items():
-            with self._send_locks[index]:
-                conn.send((TRACE, None))
-
-    def stop_trace(self, directory: Path, timeout_s: float = 120.0) -> tuple[dict[int, Path], dict[int, str]]:
-        """Every instance stops its profiler and exports its Chrome trace to `directory/instance-<k>.json`:
-        the files written, and per instance why none was (an error, or no answer in `timeout_s`)."""
-        directory.mkdir(parents=True, exist_ok=True)
-        with self._traced_cond:
-            self._traced.clear()
-        for index, conn in self._conns.items():
-            with self._send_locks[index]:
-                conn.send((TRACE, str(directory / f"instance-{index}.json")))
-        deadline = time.monotonic() + timeout_s
-        with self._traced_cond:
-            while len(self._traced) < len(self._conns) and time.monotonic() < deadline:
-                self._traced_cond.wait(0.5)
-            answers = dict(self._traced)
-        written = {k: Path(v) for k, v in answers.items() if not v.startswith("error:")}
-        missing = {k: answers.get(k, f"no answer in {timeout_s:.0f} s") for k in self._conns if k not in written}
-        return written, missing
-
-    def _complete(self, msg: BatchResult) -> None:
-        now = time.monotonic_ns()
-        entry = self._in_flight.pop(msg.batch_id, None)
-        if entry is None:  # failed already, with the instance that died holding it
-            return
-        name, pieces, _ = entry
-        pool = self._pools[name]
-        samples = sum(hi - lo for _, lo, hi in pieces)
-        batch = {
-            "batch_id": msg.batch_id,
-            "batch_samples": samples,
-            "batch_queries": len(pieces),
-            "instance": msg.instance,
-            "batch_compute_ms": (msg.end_ns - msg.start_ns) / 1e6,
-            "batch_start_ns": msg.start_ns,
-            "batch_stages": msg.stages,
-            "batch_completion_ms": (now - msg.end_ns) / 1e6,
-        }
-        pos = 0  # into the batch's scores
-        for k, (q, lo, hi) in enumerate(pieces):
-            if q.first_start_ns is None or msg.start_ns < q.first_start_ns:
-                q.first_start_ns = msg.start_ns
-            q.compute_ns += msg.end_ns - msg.start_ns
-            if msg.error is not None:
-                q.status, q.error = "failed", msg.error
-            else:
-                if msg.scores is not None:
-                    if pool.one_score_per_sample:
-                        total, a, n = q.size, lo, hi - lo
-                    else:  # HSTU: one score per candidate of each request
-                        counts = pool.library.output_counts(q.offset, q.size)
-                        total, a, n = int(counts.sum()), int(counts[:lo].sum()), int(counts[lo:hi].sum())
-                    if q.scores is None:
-                        q.scores = np.empty(total, dtype=np.float32)
-                    q.scores[a : a + n] = msg.scores[pos : pos + n]
-                    pos += n
-                if msg.counts is not None:
-                    q.counts = msg.counts[k] if q.counts is None else q.counts + msg.counts[k]
-        with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
-            if msg.instance not in self._lost:
-                pool.free.append(msg.instance)
-            sent_ns = pool.clock.busy.get(msg.instance, (msg.start_ns, 0))[0]
-            batch["batch_expected_ms"] = pool.clock.finished(
-                msg.instance, now, samples, None if msg.error is not None else batch["batch_compute_ms"]
-            )
-            pool.cond.notify()
-            finished = []
-            for q, _, _ in pieces:
-                q.done_pieces += 1
-                if q.dispatched == q.size and q.done_pieces == q.pieces:
-                    finished.append(q)
-        took_ms = (msg.end_ns - sent_ns) / 1e6  # sent to answered, on the instance's side
-        expected = batch["batch_expected_ms"]
-        if expected is not None and took_ms > max(STALL_MS, STALL_FACTOR * expected):
-            with self._records_lock:
-                self._stalls.append({"instance": msg.instance, "model": name, "took_ms": took_ms,
-                                     "expected_ms": expected, "at_ms": (sent_ns - self.epoch_ns) / 1e6})  # fmt: skip
-        for q in finished:
-            self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
-
-    def _callback_failed(self, exc: Exception) -> None:
-        self._error = f"completion callback failed: {type(exc).__name__}: {exc}"
-
-    def _finish(
-        self,
-        q: Query,
-        status: str,
-        *,
-        now: int,
-        error: str | None = None,
-        scores: np.ndarray | None = None,
-        batch_id: int | None = None,
-        batch_samples: int | None = None,
-        batch_queries: int | None = None,
-        instance: int | None = None,
-        batch_compute_ms: float | None = None,
-        batch_expected_ms: float | None = None,
-        batch_start_ns: int | None = None,
-        batch_stages: tuple[float | None, ...] | None = None,
-        batch_completion_ms: float | None = None,
-    ) -> None:
-        """Record a finished query (the batch fields are those of its last piece)."""
-        # for on_done (the gRPC response carries them)
-        q.status, q.error, q.batch_samples, q.instance = status, error, batch_samples, instance
-        e = self.epoch_ns
-        start_ns = q.first_start_ns
-        record = query_row(
-            q.query_id, q.model, q.size, status, epoch_ns=e, scheduled_ns=q.scheduled_ns, issued_ns=q.issued_ns,
-            end_ns=now, error=error,
-            start_ms=None if start_ns is None else (start_ns - e) / 1e6,
-            queue_ms=None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
-            compute_ms=q.compute_ns / 1e6 if start_ns is not None else None,
-            pieces=q.pieces,
-            batch_id=batch_id,
-            batch_samples=batch_samples,
-            batch_queries=batch_queries,
-            instance=instance,
-            batch_compute_ms=batch_compute_ms,
-            batch_expected_ms=batch_expected_ms,
-            **self._count_columns(q),
-            batch_start_ms=None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
-            **{
-                f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]
-                for k, stage in enumerate(BATCH_STAGES)
-            },
-            batch_completion_ms=batch_completion_ms,
-        )  # fmt: skip
-        with self._records_lock:
-            self._records.append(record)
-        if q.on_done is not None:
-            try:
-                q.on_done(q, status, scores)
-            except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
-                self._callback_failed(exc)
-        with self._idle:
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self._idle.notify_all()
 
 
 def _drop_expired(pool: _Pool, now_ns: int) -> list[Query]:
