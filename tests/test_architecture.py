@@ -113,3 +113,11 @@ def test_the_room_walk_finds_an_uphill_import():
     edges = {"dlrm_lab.config.a": {"dlrm_lab.metrics.b"}, "dlrm_lab.metrics.b": {"dlrm_lab.config.c"},
              "dlrm_lab.config.c": set(), "dlrm_lab": {"dlrm_lab.config.a"}}  # fmt: skip
     assert _circles(_rooms(edges)) == [["config", "metrics"]]
+
+
+def test_no_module_is_over_500_lines():
+    """A file holds one concept: past 500 lines it holds several (split it along them, not at a line count).
+    gRPC's generated code aside."""
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500 and "_pb2" not in p.name}  # fmt: skip
+    assert long == {}
