@@ -121,3 +121,21 @@ def test_no_module_is_over_500_lines():
     long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500 and "_pb2" not in p.name}  # fmt: skip
     assert long == {}
+
+
+def test_the_architecture_page_draws_the_floors_the_code_has():
+    """docs/architecture.md's table of floors is the one the imports give (a room's floor: one above the highest
+    room it imports), so the page a newcomer reads cannot drift from the code."""
+    import functools
+    import re
+
+    rooms = _rooms(_imports())
+
+    @functools.cache
+    def floor(room: str) -> int:
+        return 1 + max(map(floor, rooms[room])) if rooms[room] else 0
+
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    drawn = {room: int(n) for n, cell in re.findall(r"^\| (\d+) \| ([^|]+) \|", page, re.M)
+             for room in re.findall(r"`([a-z_]+)`", cell)}  # fmt: skip
+    assert drawn == {room: floor(room) for room in rooms}
