@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dlrm_lab.config.values import JsonObject
+
 KINDS = ("gemm", "copy")
 
 
@@ -55,7 +57,7 @@ def _worker(core: int | None, size: int, inbox: Any, outbox: Any) -> None:
         outbox.put(done * units / (time.perf_counter() - t0))
 
 
-def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size: int = 512) -> dict[str, Any]:
+def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size: int = 512) -> JsonObject:
     """The N-process ceiling for matrix products and copies: medians of `repeats` rounds of
     (process 0 alone, then all N at once), alternated so that drift of a noisy host hits both.
     The N processes are started once (spawned: importing torch takes seconds) and kept."""
@@ -76,7 +78,7 @@ def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size
             inboxes[k].put((kind, start_at, seconds))
         return [outboxes[k].get(timeout=60 + 2 * seconds) for k in who]
 
-    out: dict[str, Any] = {"processes": processes, "threads_per_process": 1, "seconds": seconds, "size": size}
+    out: JsonObject = {"processes": processes, "threads_per_process": 1, "seconds": seconds, "size": size}
     try:
         for box in outboxes:
             box.get(timeout=120)  # every process ready
@@ -103,7 +105,7 @@ def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size
     return out
 
 
-def ceiling_efficiency(profile: dict[str, Any] | None, processes: int, kind: str = "gemm") -> float | None:
+def ceiling_efficiency(profile: JsonObject | None, processes: int, kind: str = "gemm") -> float | None:
     """The stored N-process efficiency (1.0 for one process); None when it was not probed."""
     if processes <= 1:
         return 1.0

@@ -10,9 +10,10 @@ import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import psutil
+
+from dlrm_lab.config.values import JsonObject
 
 _PACKAGES = (
     "dlrm-lab",
@@ -54,7 +55,7 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def gpus() -> dict[str, Any]:
+def gpus() -> JsonObject:
     """GPU names, memory and driver through NVML; an explanation where there is none."""
     try:
         import pynvml  # nvidia-ml-py
@@ -81,9 +82,9 @@ def gpus() -> dict[str, Any]:
         pynvml.nvmlShutdown()
 
 
-def hardware_fingerprint() -> dict[str, Any]:
+def hardware_fingerprint() -> JsonObject:
     """What the machine is; `fingerprint_id` is stable across runs on the same machine."""
-    info: dict[str, Any] = {
+    info: JsonObject = {
         "hostname": socket.gethostname(),
         "cpu_model": cpu_model(),
         "cpu_flags": cpu_flags(),
@@ -111,7 +112,7 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def git_state(path: Path | None = None) -> dict[str, Any]:
+def git_state(path: Path | None = None) -> dict[str, str | bool | None]:
     """Commit and dirtiness of the source tree dlrm_lab runs from (null outside a checkout)."""
     where = path or Path(__file__).resolve().parents[2]
     try:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 
 AUTO = "auto"
@@ -130,7 +131,7 @@ class PrecisionChoice:
         """What to tell the user: the warning if there is one, else what runs and why."""
         return f"warning: {self.warning}" if self.warning else f"precision {self.precision}: {self.reason}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "requested": self.requested,
             "precision": self.precision,
@@ -152,7 +153,7 @@ def _rate_key(device: torch.device, threads: int, shapes: Sequence[Shape]) -> st
     return f"{where}/{shapes[0][0]}rows/{digest}"
 
 
-def _ensure_profile(device: torch.device, log: Log | None) -> dict[str, Any]:
+def _ensure_profile(device: torch.device, log: Log | None) -> JsonObject:
     """This machine's profile; a quick probe (stored) when the machine was never seen."""
     from dlrm_lab.metrics.probe import probe_machine
     from dlrm_lab.metrics.roofline import ProfileNotStored, load_profile, save_profile

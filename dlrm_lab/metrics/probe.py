@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.metrics.ceiling import measure_ceiling
 from dlrm_lab.metrics.collectives import _slowest_over, comm_bandwidth, mpi_bandwidth, torchrec_distribution
@@ -58,15 +58,15 @@ def _cpu_threads() -> list[int]:
     return sorted({1, cores})
 
 
-def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None) -> dict[str, Any]:
+def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None) -> JsonObject:
     """Peaks of one device. CPU peaks are keyed by thread count ("1", "<all cores>")."""
     say = log or (lambda _: None)
     dtypes = dict(GEMM_DTYPES)
     if device.type == "cuda":
         dtypes["tf32"] = torch.float32
 
-    def peaks() -> dict[str, Any]:
-        out: dict[str, Any] = {"gemm_flops_per_s": {}, "gemm_size": {}, "gemm_spread": {}}
+    def peaks() -> JsonObject:
+        out: JsonObject = {"gemm_flops_per_s": {}, "gemm_size": {}, "gemm_spread": {}}
         for name, dtype in dtypes.items():
             if device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
@@ -94,7 +94,7 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             f"{result['d2h_bytes_per_s'] / 1e9:,.2f} GB/s")  # fmt: skip
         return result
     saved = torch.get_num_threads()
-    by_threads: dict[str, Any] = {}
+    by_threads: dict[str, JsonObject] = {}
     try:
         for threads in _cpu_threads():
             torch.set_num_threads(threads)
@@ -102,7 +102,7 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             by_threads[str(threads)] = peaks()
     finally:
         torch.set_num_threads(saved)
-    result: dict[str, Any] = {"threads": by_threads}
+    result: JsonObject = {"threads": by_threads}
     if (cores := max(_cpu_threads())) > 1:
         # what N ranks pinned one per core can do at best (dlrm_lab.metrics.ceiling)
         result["ceiling"] = {}
@@ -117,14 +117,14 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
 
 def probe_machine(
     quick: bool = False, devices: list[str] | None = None, log: Log | None = None, comms: bool = True
-) -> dict[str, Any]:
+) -> JsonObject:
     """A machine profile: every device's peaks plus, under a multi-rank launch, collective
     bandwidths. Under a launcher only rank 0's device peaks are kept (ranks share a machine
     kind); every rank takes part in the collectives (`comms=False`: none are probed, for a
     probe that rank 0 alone runs while the others wait)."""
     sizes = ProbeSizes.preset(quick)
     wanted = devices if devices is not None else (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
-    profile: dict[str, Any] = {
+    profile: JsonObject = {
         "hardware": hardware_fingerprint(),
         "probed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "quick": quick,
@@ -186,7 +186,7 @@ def probe_machine(
     return profile
 
 
-def _peak_tables(profile: dict[str, Any]) -> list[dict[str, Any]]:
+def _peak_tables(profile: JsonObject) -> list[JsonObject]:
     """Every table of peaks in a profile: one per CPU thread count, one per GPU."""
     out = []
     for dev in profile.get("devices", {}).values():

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import ROOFLINE_PLACED
 from dlrm_lab.metrics.hardware import hardware_fingerprint
@@ -41,7 +42,7 @@ def profile_path(fingerprint_id: str) -> Path:
     return machine_dir() / f"{fingerprint_id}.json"
 
 
-def load_profile(fingerprint_id: str | None = None) -> dict[str, Any] | None:
+def load_profile(fingerprint_id: str | None = None) -> JsonObject | None:
     """This machine's profile (or the one of `fingerprint_id`); None when never probed."""
     path = profile_path(fingerprint_id or hardware_fingerprint()["fingerprint_id"])
     if not path.is_file():
@@ -65,7 +66,7 @@ RUN_PROFILE_KEYS = ("fingerprint_id", "hardware", "probed_at", "quick", "devices
                     "instance_type", "wake", "cold_gather")  # fmt: skip
 
 
-def profile_for_run(fingerprint_id: str | None = None) -> dict[str, Any] | None:
+def profile_for_run(fingerprint_id: str | None = None) -> JsonObject | None:
     """This machine's profile as a run's manifest carries it (RUN_PROFILE_KEYS); None when there is none or it
     cannot be read (the run goes on; its roofline columns already say why)."""
     try:
@@ -75,7 +76,7 @@ def profile_for_run(fingerprint_id: str | None = None) -> dict[str, Any] | None:
     return None if profile is None else {k: profile[k] for k in RUN_PROFILE_KEYS if k in profile}
 
 
-def run_profile(manifest: dict[str, Any]) -> dict[str, Any] | None:
+def run_profile(manifest: JsonObject) -> JsonObject | None:
     """The machine profile a run was placed against: the one its manifest carries, else (runs made before runs
     carried it) the profile of its fingerprint on this machine, if any."""
     carried = manifest.get("machine")
@@ -100,7 +101,7 @@ def _not_positive(where: str, value: Any) -> str | None:
     return None
 
 
-def profile_problem(profile: dict[str, Any]) -> str | None:
+def profile_problem(profile: JsonObject) -> str | None:
     """The first field of a profile's device peaks that is not a finite number > 0 (every floor,
     roof and precision choice divides by them), as `field = value: rule`; None when all are."""
 
@@ -138,7 +139,7 @@ CACHED_TABLES: dict[str, tuple[str, tuple[type, ...], tuple[str, ...]]] = {
 }
 
 
-def _section(profile: dict[str, Any], section: str) -> dict[str, Any]:
+def _section(profile: JsonObject, section: str) -> JsonObject:
     table = profile.get(section)
     return table if isinstance(table, dict) else {}
 
@@ -173,8 +174,8 @@ def cached_problem(section: str, key: str, entry: Any) -> str | None:
 
 
 def cached_choice(
-    profile: dict[str, Any] | None, section: str, key: str, log: Callable[[str], None] | None = None
-) -> dict[str, Any] | None:
+    profile: JsonObject | None, section: str, key: str, log: Callable[[str], None] | None = None
+) -> JsonObject | None:
     """The entry `key` of a MEASURED_CHOICES section of `profile`: None where there is none, or where it is damaged
     (a hand edit, a partial write: one warning line naming the file and the field; the caller measures again and
     its new entry replaces the bad one)."""
@@ -196,7 +197,7 @@ def cached_choice(
 GIVEN_BY_USER = ("price", "instance_type")
 
 
-def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[str, Any]) -> Path | str:
+def store_measured(profile: JsonObject, section: str, key: str, entry: JsonObject) -> Path | str:
     """Add one entry to a MEASURED_CHOICES section of `profile` and save it; where it went (or, where the
     profile cannot be written, why not: the choice stands, it is only measured again next time)."""
     try:
@@ -205,7 +206,7 @@ def store_measured(profile: dict[str, Any], section: str, key: str, entry: dict[
         return f"nowhere ({exc})"
 
 
-def save_profile(profile: dict[str, Any], keep_better: bool = False) -> Path:
+def save_profile(profile: JsonObject, keep_better: bool = False) -> Path:
     """Store a probe's result, keeping what an earlier probe measured and this one did not
     (a probe under a 2-rank launch adds its collectives to the single-process peaks). With
     `keep_better`, each peak keeps the higher of the stored and the new measurement (a peak is
@@ -251,12 +252,12 @@ def save_profile(profile: dict[str, Any], keep_better: bool = False) -> Path:
 _BETTER_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s")
 
 
-def _keep_better(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def _keep_better(old: JsonObject, new: JsonObject) -> list[str]:
     """Raise every peak in `new` (devices, changed in place) to the stored one in `old` where that was higher;
     the fields kept from `old`."""
     kept = []
 
-    def tables(devices: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def tables(devices: JsonObject) -> dict[str, JsonObject]:
         out = {}
         for name, dev in devices.items():
             if isinstance(dev, dict) and "threads" in dev:
@@ -311,7 +312,7 @@ class Work:
     comm_bytes: float = 0.0  # sent by one rank
 
 
-def _cpu_peaks(cpu: dict[str, Any], threads: int) -> dict[str, Any]:
+def _cpu_peaks(cpu: JsonObject, threads: int) -> JsonObject:
     """Peaks at `threads`: measured if probed at that count, otherwise the one-thread peaks
     scaled by the thread count and capped at the all-core peaks."""
     by = {int(k): v for k, v in cpu["threads"].items()}
@@ -344,7 +345,7 @@ def gemm_precision(device_type: str, precision: str) -> str:
 
 
 def peaks_for(
-    profile: dict[str, Any] | None,
+    profile: JsonObject | None,
     device: str,
     precision: str,
     threads: int = 1,
@@ -389,9 +390,9 @@ def peaks_for(
 ROOFLINE_COLUMNS = ROOFLINE_PLACED
 
 
-def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str, Any]:
+def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str, float | str | None]:
     """Roofline columns for `work` that took `measured_s`; nulls with a note when it cannot be placed."""
-    out: dict[str, Any] = dict.fromkeys(ROOFLINE_COLUMNS)
+    out: dict[str, float | str | None] = dict.fromkeys(ROOFLINE_COLUMNS)
     if isinstance(peaks, str):
         out["roofline_note"] = peaks
         return out

@@ -25,6 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.elastic import RUN_RECORD_ENV
 from dlrm_lab.errors import DiskFull, FieldError, UserError, is_disk_full
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
@@ -95,7 +96,7 @@ def record_run_dir(run_dir: Path) -> None:
         pass  # the launcher's note is a courtesy; the run itself is unaffected
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+def _write_json_atomic(path: Path, data: JsonObject) -> None:
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
@@ -113,7 +114,7 @@ class Run:
     closed (merged to their final Parquet files) in every case.
     """
 
-    def __init__(self, run_dir: Path, manifest: dict[str, Any], rank: int = 0) -> None:
+    def __init__(self, run_dir: Path, manifest: JsonObject, rank: int = 0) -> None:
         self.dir = run_dir
         self.manifest = manifest
         self.rank = rank
@@ -143,7 +144,7 @@ class Run:
         cls,
         metrics_dir: str | Path,
         kind: str,
-        config: dict[str, Any],
+        config: JsonObject,
         argv: list[str] | None = None,
         run_id: str | None = None,
     ) -> Run:
@@ -195,7 +196,9 @@ class Run:
         self._tables[name] = writer
         return writer
 
-    def write_summary(self, rows: list[dict[str, Any]], schema: pa.Schema, name: str = "summary") -> Path:
+    def write_summary(
+        self, rows: list[dict[str, str | float | bool | None]], schema: pa.Schema, name: str = "summary"
+    ) -> Path:
         return write_table(self.dir, name, rows, schema, self.run_id)
 
     def update_manifest(self, **fields: Any) -> None:
@@ -272,11 +275,11 @@ class Run:
         return False
 
 
-def read_manifest(run_dir: Path) -> dict[str, Any]:
+def read_manifest(run_dir: Path) -> JsonObject:
     return json.loads((Path(run_dir) / MANIFEST).read_text())
 
 
-def amend_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:
+def amend_manifest(run_dir: Path, **fields: Any) -> JsonObject:
     """Rewrite a closed run's manifest with `fields` changed (atomically), from outside the run."""
     manifest = read_manifest(run_dir)
     manifest.update(fields)
@@ -289,7 +292,7 @@ class FoundRun:
     """A run directory as found on disk: its manifest, or why that could not be read."""
 
     dir: Path
-    manifest: dict[str, Any] | None  # None: unreadable (see `error`)
+    manifest: JsonObject | None  # None: unreadable (see `error`)
     error: str | None = None  # "manifest.json: <error>", one line
     parent: Path | None = None  # the enclosing run's directory (nested discovery: sweep/scale points)
 
@@ -370,7 +373,7 @@ def pid_alive(pid: int | None) -> bool:
 # A kind's recovery: `recover(run_dir, manifest)` writes what a run of that kind died before writing, once its
 # parts are merged, and returns None when there was nothing to write. The module that owns the kind registers it
 # (training: `train.records`); this module knows no kind.
-Recovery = Callable[[Path, dict[str, Any]], Any]
+Recovery = Callable[[Path, JsonObject], Any]
 _RECOVERIES: dict[str, Recovery | str] = {}
 
 
@@ -383,7 +386,7 @@ def register_recovery(kind: str, recover: Recovery | str) -> None:
     _RECOVERIES[kind] = recover
 
 
-def recover_run_and_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
+def recover_run_and_summary(run_dir: Path) -> tuple[JsonObject, bool]:
     """`recover_run`, then the recovery its kind registered (`register_recovery`; a training run: the summary
     it died before writing, rebuilt from its steps). (manifest, something rebuilt)."""
     manifest = recover_run(run_dir)
@@ -394,7 +397,7 @@ def recover_run_and_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
     return manifest, recover is not None and recover(Path(run_dir), manifest) is not None
 
 
-def recover_run(run_dir: Path) -> dict[str, Any]:
+def recover_run(run_dir: Path) -> JsonObject:
     """Make a crashed run readable: merge its part files and mark it `failed`.
 
     A run still `running` whose process is gone crashed (or was killed) without

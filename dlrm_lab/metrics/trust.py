@@ -18,7 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+
+from dlrm_lab.config.values import JsonObject
 
 OTHER_CORES_LIMIT = 0.25  # other processes' CPU time while probing, in cores: beyond it the probe competed
 STEAL_LIMIT = 0.05  # the hypervisor's share of the cores' time taken for other guests
@@ -38,7 +39,7 @@ class Load:
     trusted: bool
     why: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float | bool | str]:
         return asdict(self)
 
 
@@ -77,7 +78,7 @@ def quick_gemm_flops(threads: int = 1, size: int = CHECK_SIZE, repeats: int = 7)
         torch.set_num_threads(saved)
 
 
-def quick_check(profile: dict[str, Any] | None, measure: Callable[[], float] = quick_gemm_flops) -> str | None:
+def quick_check(profile: JsonObject | None, measure: Callable[[], float] = quick_gemm_flops) -> str | None:
     """One warning line when the profile's one-thread fp32 GEMM peak and one timed now differ by more than
     AGREEMENT_MARGIN (None when they agree, or there is no CPU peak to compare)."""
     try:
