@@ -22,7 +22,7 @@ CollectivesAt = Callable[[int], tuple[tuple[str, Callable[[], Any], float], ...]
 
 def _collective_rows(
     n: int, sizes: tuple[int, ...], collectives_at: CollectivesAt, slowest_seconds: Callable[[Callable[[], Any]], float]
-) -> list[dict[str, Any]]:
+) -> list[dict[str, float | str]]:
     """One row per size and collective: `collectives_at(numel)` gives (name, call, bus-bytes
     factor) over buffers of numel floats; `slowest_seconds(call)` its time on the slowest rank."""
     rows = []
@@ -57,7 +57,7 @@ def _slowest_over(pg: Any, repeats: int, device: torch.device | None = None) -> 
     return slowest_seconds
 
 
-def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[str, float | str]]:
     """All-to-all and all-reduce over the default process group at each size in bytes per rank."""
     n = dist.get_world_size()
 
@@ -72,7 +72,7 @@ def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -
     return _collective_rows(n, sizes, collectives_at, _slowest_over(dist.group.WORLD, repeats, device))
 
 
-def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, float | str]]:
     """The same collectives through MPI (mpi4py on numpy buffers), for ranks started by
     mpiexec: PyPI torch has no MPI backend, so this is what a custom process group over
     MPI could reach (with MPICH's shared-memory transport between ranks of one host)."""
@@ -103,7 +103,7 @@ TORCHREC_FEATURES, TORCHREC_DIM = 26, 16
 
 def torchrec_distribution(
     pg: Any, batches: tuple[int, ...], slowest_seconds: Callable[[Callable[[], Any]], float]
-) -> list[dict[str, Any]]:
+) -> list[dict[str, float | str]]:
     """TorchRec's input distribution (`KJTAllToAll`: splits, lengths and ids) and pooled all-to-all
     (`PooledEmbeddingsAllToAll`, forward and backward) over `pg`, per samples a rank, as a step runs
     them: the collectives with the permutes, awaitables and concatenations around them, which the

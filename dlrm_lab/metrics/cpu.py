@@ -82,7 +82,7 @@ class CpuMeter:
         self._last = self._read()
         return self
 
-    def lap(self) -> dict[str, Any]:
+    def lap(self) -> dict[str, float | dict[int, float] | None]:
         """CPU use since start() or the previous lap(); the next window starts here."""
         if self._last is None:
             raise RuntimeError("CpuMeter: lap() or stop() before start()")
@@ -90,7 +90,12 @@ class CpuMeter:
         (t0, cores0, procs0), (t1, cores1, procs1) = self._last, now
         self._last = now
         wall = t1 - t0
-        out: dict[str, Any] = {"wall_s": wall, "cpu_busy_s": None, "cpu_total_s": None, "cpu_utilization": None}
+        out: dict[str, float | dict[int, float] | None] = {
+            "wall_s": wall,
+            "cpu_busy_s": None,
+            "cpu_total_s": None,
+            "cpu_utilization": None,
+        }
         per_core: dict[int, float] = {}
         if len(cores0) == len(cores1):  # a CPU hot-plug shifts the indices: no comparable baseline
             busy = total = 0.0
@@ -111,7 +116,7 @@ class CpuMeter:
             out[f"{name}_cpu_utilization"] = cpu_s / (wall * threads) if cpu_s is not None and wall > 0 else None
         return out
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> dict[str, float | dict[int, float] | None]:
         """CPU use since start() (or the last lap()); the meter can be started again."""
         out = self.lap()
         self._last = None

@@ -68,9 +68,9 @@ def _timed_all(fn: Callable[[], Any], repeats: int, device: torch.device, warmup
 
 def gemm_flops_per_s(
     device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int, min_flops: float = 2e9
-) -> dict[str, Any]:
+) -> dict[str, float | None]:
     """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each)."""
-    best: dict[str, Any] = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
+    best: dict[str, float | None] = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     # A slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs) would take seconds per
     # product at these sizes. A pilot product decides only whether the smallest size is
@@ -118,7 +118,7 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int) -> dict[str, Any]:
+def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int) -> dict[str, float]:
     """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (

@@ -16,7 +16,6 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
 import pyarrow as pa
@@ -279,7 +278,7 @@ class EnergySampler:
                 if (h := self._health[id(s)]).reads and h.failures == h.reads
             ]
 
-    def summary(self, t0: float | None = None, t1: float | None = None) -> dict[str, Any]:
+    def summary(self, t0: float | None = None, t1: float | None = None) -> dict[str, float | str | None]:
         """Energy, mean power, CPU utilisation and peak memory over the window, as run summary columns."""
         window = self._window(t0, t1)
         per_channel = self._energy_spans(window)
@@ -319,10 +318,10 @@ class EnergySampler:
         samples = self._host_in(window)
         return max(h.rss_bytes for h in samples) / 1e6 if samples else None
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, float | str]]:
         """Every sample in long form (TELEMETRY_SCHEMA), ordered by time."""
         off = self._unix_offset
-        out: list[tuple[float, int, dict[str, Any]]] = []
+        out: list[tuple[float, int, dict[str, float | str]]] = []
         with self._lock:
             for s in self._series.values():
                 for t, v in zip(s.t, s.v, strict=True):
@@ -335,11 +334,11 @@ class EnergySampler:
         return [r for _, _, r in out]
 
 
-def _row(t: float, source: str, channel: str, quantity: str, value: float) -> dict[str, Any]:
+def _row(t: float, source: str, channel: str, quantity: str, value: float) -> dict[str, float | str]:
     return {"time_unix_s": t, "source": source, "channel": channel, "quantity": quantity, "value": float(value)}
 
 
-def combine_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def combine_summaries(parts: list[dict[str, float | str | None]]) -> dict[str, float | str | None]:
     """One summary from several ranks' samplers over the same window: energies add up (each
     sensor is read by one rank only), memory adds up, CPU utilisation is averaged; energy is
     unavailable only when no rank read any."""

@@ -92,7 +92,7 @@ class Estimate:
     unstable: bool | None
     statistic: str = "median"
 
-    def to_columns(self, prefix: str) -> dict[str, Any]:
+    def to_columns(self, prefix: str) -> dict[str, float | bool | None]:
         return {
             f"{prefix}_median": self.median,
             f"{prefix}_ci_low": self.ci_low,

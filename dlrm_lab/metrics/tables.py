@@ -103,7 +103,7 @@ class TableWriter:
         self.flush_rows = flush_rows
         # the most a SIGKILL can lose, in seconds of rows: 5 unless DLRM_LAB_FLUSH_SECONDS says
         self.flush_seconds = flush_seconds if flush_seconds is not None else flush_interval_s()
-        self._rows: list[dict[str, Any]] = []
+        self._rows: list[dict[str, str | float | bool | None]] = []
         self._parts_dir = self.run_dir / PARTS_DIR / name
         self._parts_dir.mkdir(parents=True, exist_ok=True)
         self._prefix = f"part-r{rank:05d}-"  # ranks of one job write side by side
@@ -114,7 +114,7 @@ class TableWriter:
         self.rows_written = 0
         _initialise_parquet_writer()
 
-    def append(self, row: dict[str, Any]) -> None:
+    def append(self, row: dict[str, str | float | bool | None]) -> None:
         unknown = set(row) - set(self.schema.names)
         if unknown:
             raise KeyError(f"table {self.name}: columns not in schema: {sorted(unknown)}")
@@ -122,7 +122,7 @@ class TableWriter:
         if len(self._rows) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
-    def extend(self, rows: list[dict[str, Any]]) -> None:
+    def extend(self, rows: list[dict[str, str | float | bool | None]]) -> None:
         for row in rows:
             self.append(row)
 
@@ -190,7 +190,9 @@ def consolidate_run(run_dir: Path) -> list[str]:
     return names
 
 
-def write_table(run_dir: Path, name: str, rows: list[dict[str, Any]], schema: pa.Schema, run_id: str) -> Path:
+def write_table(
+    run_dir: Path, name: str, rows: list[dict[str, str | float | bool | None]], schema: pa.Schema, run_id: str
+) -> Path:
     """Write a small table (a summary) in one atomic step."""
     if "run_id" not in schema.names:
         schema = pa.schema([pa.field("run_id", pa.string()), *schema])

@@ -23,9 +23,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+_Entry = TypeVar("_Entry")  # what a probe's table holds per idle time: its wake statistics, or a cold factor
 
 IDLE_MS = (1.0, 10.0, 100.0)  # how long the waiter sleeps before each wake
 
@@ -89,7 +91,7 @@ def wake_ms_for_gap(wake: dict[str, dict[str, float]] | None, gap_ms: float | No
     return entry[stat] / 1e3 if entry is not None else 0.0
 
 
-def _at_gap(table: dict[str, Any] | None, gap_ms: float | None) -> Any:
+def _at_gap(table: dict[str, _Entry] | None, gap_ms: float | None) -> _Entry | None:
     """A probe's entry at the longest idle time it measured at or below `gap_ms`; None below 1 ms or unprobed."""
     known = [i for i in IDLE_MS if gap_ms is not None and i <= gap_ms and f"{i:g}" in (table or {})]
     return table[f"{max(known):g}"] if table and known else None
