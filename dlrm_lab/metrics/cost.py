@@ -16,12 +16,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dlrm_lab.config.prices import check_currency, check_energy_price, check_price
 from dlrm_lab.config.toml import read_toml
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.metrics.columns import COLUMNS, SERVING_COST, TRAINING_COST
+from dlrm_lab.metrics.columns import (
+    COLUMNS,
+    SERVING_COST,
+    TRAINING_COST,
+    FrontierRow,
+    InferSummaryRow,
+    TrainSummaryRow,
+)
 from dlrm_lab.metrics.roofline import save_profile
 from dlrm_lab.resources import preset_dir
 
@@ -110,7 +117,7 @@ def _read_catalogue(path: Path) -> dict[str, CatalogueEntry]:
     return out
 
 
-def _entry(item: dict[str, Any], path: Path, name: str) -> CatalogueEntry:
+def _entry(item: JsonObject, path: Path, name: str) -> CatalogueEntry:
     def bad(field: str, rule: str) -> UserError:
         shown = f" = {item[field]!r}" if field in item else ""
         return UserError(f"{path}: {name}: {field}{shown}: {rule}")
@@ -186,7 +193,7 @@ def catalogue_entry(instance_type: str, catalogue: dict[str, CatalogueEntry]) ->
 
 
 def store_price(
-    profile: dict[str, Any],
+    profile: JsonObject,
     per_hour: float,
     currency: str = "USD",
     instance_type: str | None = None,
@@ -207,7 +214,7 @@ def store_price(
     return save_profile({**profile, "price": entry})
 
 
-def stored_price(profile: dict[str, Any] | None) -> Price | None:
+def stored_price(profile: JsonObject | None) -> Price | None:
     """The price stored in `profile` (None where none was given); a hand-edited one that is not a
     price raises a UserError naming the field."""
     entry = (profile or {}).get("price")
@@ -230,7 +237,7 @@ def stored_price(profile: dict[str, Any] | None) -> Price | None:
 
 
 def price_of(
-    profile: dict[str, Any] | None,
+    profile: JsonObject | None,
     override_per_hour: float | None = None,
     currency: str | None = None,
     *,
@@ -266,7 +273,7 @@ def price_of(
 
 
 def give_price(
-    profile: dict[str, Any],
+    profile: JsonObject,
     per_hour: float | None = None,
     currency: str | None = None,
     instance_type: str | None = None,
@@ -313,12 +320,12 @@ def _energy_cost(joules_per_sample: float | None, price: Price) -> float | None:
     return joules_per_sample * 1e6 / J_PER_KWH * price.energy_per_kwh
 
 
-def _price_columns(price: Price, machines: int = 1) -> dict[str, Any]:
+def _price_columns(price: Price, machines: int = 1) -> dict[str, float | str]:
     source = price.source if machines == 1 else f"{price.source}, x {machines} machines"
     return {"price_per_hour": price.per_hour * machines, "currency": price.currency, "price_source": source}
 
 
-def _serving_rate(row: dict[str, Any]) -> tuple[float | None, float | None, str | None]:
+def _serving_rate(row: InferSummaryRow | FrontierRow) -> tuple[float | None, float | None, str | None]:
     """(queries/s, samples/s, which) of a point row, or of a search row at its certified or best rate."""
     if "best_qps" not in row:
         return row.get("queries_per_s"), row.get("samples_per_s"), "measured"
@@ -330,8 +337,8 @@ def _serving_rate(row: dict[str, Any]) -> tuple[float | None, float | None, str 
 
 
 def serving_cost_columns(
-    row: dict[str, Any], price: Price | None, point_rows: Sequence[dict[str, Any]] | None = None
-) -> dict[str, Any]:
+    row: InferSummaryRow | FrontierRow, price: Price | None, point_rows: Sequence[InferSummaryRow] | None = None
+) -> dict[str, float | str | None]:
     """Cost columns of an inference summary row (a point, or a search's frontier row); nulls without a price.
 
     Rule: cost per 1M samples (queries) = price_per_hour / 3600 / samples_per_s (queries_per_s) x 1e6, at
@@ -345,7 +352,7 @@ def serving_cost_columns(
     sample is the row's `energy_per_sample_j` (mean power / the point's samples/s), else energy_j /
     duration_s / samples_per_s. Never where energy was not measured: null, not 0.
     """
-    out: dict[str, Any] = dict.fromkeys(name for name, _ in SERVING_COST_FIELDS)
+    out: dict[str, float | str | None] = dict.fromkeys(name for name, _ in SERVING_COST_FIELDS)
     if price is None:
         return out
     out.update(_price_columns(price))
@@ -365,7 +372,7 @@ def serving_cost_columns(
     return out
 
 
-def training_cost_columns(row: dict[str, Any], price: Price | None, machines: int = 1) -> dict[str, Any]:
+def training_cost_columns(row: TrainSummaryRow, price: Price | None, machines: int = 1) -> TrainSummaryRow:
     """Cost columns of a training summary row; nulls without a price.
 
     Rules, at price_per_hour = the machine's price x `machines` (the machines the run's ranks used):
@@ -375,7 +382,7 @@ def training_cost_columns(row: dict[str, Any], price: Price | None, machines: in
     - energy_cost_per_1m_training_samples = energy_per_sample_j x 1e6 / 3.6e6 x energy_per_kwh, only where
       `energy_j` was measured and the price has an energy price.
     """
-    out: dict[str, Any] = dict.fromkeys(name for name, _ in TRAINING_COST_FIELDS)
+    out = TrainSummaryRow(dict.fromkeys(name for name, _ in TRAINING_COST_FIELDS))
     if price is None:
         return out
     if isinstance(machines, bool) or not isinstance(machines, int) or machines < 1:

@@ -17,20 +17,22 @@ import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.metrics.columns import QueryRow, StepRow
 
 BATCH_SPAN = "batch {}"  # the record_function an instance wraps each served batch in
 QUERY_PID = 0  # the queries' track (the serving process's events are its own pid)
 
 
-def _load(path: Path) -> list[dict[str, Any]]:
+def _load(path: Path) -> list[JsonObject]:
     try:
         return list(json.loads(path.read_text()).get("traceEvents", []))
     except (OSError, json.JSONDecodeError, AttributeError):
         return []
 
 
-def _shift_to_server_clock(events: list[dict[str, Any]], batch_start_us: dict[int, float]) -> float | None:
+def _shift_to_server_clock(events: list[JsonObject], batch_start_us: dict[int, float]) -> float | None:
     """The us to add to this trace's times to put them on the server's clock: the median gap between
     its batch marks and the batches' recorded starts; None when none of its batches were recorded."""
     gaps = []
@@ -43,7 +45,7 @@ def _shift_to_server_clock(events: list[dict[str, Any]], batch_start_us: dict[in
     return statistics.median(gaps) if gaps else None
 
 
-def _async(name: str, cat: str, ident: str, start_us: float, end_us: float, args: dict[str, Any] | None = None):
+def _async(name: str, cat: str, ident: str, start_us: float, end_us: float, args: JsonObject | None = None):
     """An async slice (Perfetto draws those of one id as a nested track)."""
     begin = {"ph": "b", "cat": cat, "name": name, "id": ident, "pid": QUERY_PID, "tid": 0, "ts": start_us}
     if args:
@@ -51,10 +53,10 @@ def _async(name: str, cat: str, ident: str, start_us: float, end_us: float, args
     return [begin, {"ph": "e", "cat": cat, "name": name, "id": ident, "pid": QUERY_PID, "tid": 0, "ts": end_us}]
 
 
-def query_spans(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def query_spans(records: Sequence[QueryRow]) -> list[JsonObject]:
     """Each completed query as a slice from its scheduled arrival to its end (ms on the server's clock,
     as queries.parquet has them), with its issue lag, queueing, batch and completion nested in it."""
-    out: list[dict[str, Any]] = []
+    out: list[JsonObject] = []
     for r in records:
         if r.get("status") != "ok" or r.get("batch_start_ms") is None:
             continue
@@ -74,10 +76,10 @@ def query_spans(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def batch_spans(records: Sequence[dict[str, Any]], instance_pids: dict[int, int]) -> list[dict[str, Any]]:
+def batch_spans(records: Sequence[QueryRow], instance_pids: dict[int, int]) -> list[JsonObject]:
     """Each recorded batch on its instance's track (a thread of its own beside the profiler's), with
     its samples, queries and stages."""
-    seen: dict[int, dict[str, Any]] = {}
+    seen: dict[int, QueryRow] = {}
     for r in records:
         if r.get("batch_id") is not None and r.get("batch_start_ms") is not None:
             seen.setdefault(r["batch_id"], r)
@@ -90,18 +92,18 @@ def batch_spans(records: Sequence[dict[str, Any]], instance_pids: dict[int, int]
     return out
 
 
-def _process_name(pid: int, name: str, sort: int) -> list[dict[str, Any]]:
+def _process_name(pid: int, name: str, sort: int) -> list[JsonObject]:
     return [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
             {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": sort}},
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "dlrm-lab spans"}}]  # fmt: skip
 
 
 def serving_trace(
-    records: Sequence[dict[str, Any]],
+    records: Sequence[QueryRow],
     instance_traces: dict[int, Path],
-    processes: Sequence[dict[str, Any]],
+    processes: Sequence[JsonObject],
     out: Path,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write one Chrome trace of a served point: the queries (their own track), each instance's
     profile shifted onto the server's clock, and the lab's batches on each instance's track.
     Returns what went in (for the manifest)."""
@@ -132,7 +134,7 @@ def serving_trace(
     return {"path": out.name, "events": len(events), "instances_aligned": aligned, "instances_unaligned": unaligned}
 
 
-def training_trace(profiler_trace: Path, steps: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
+def training_trace(profiler_trace: Path, steps: Sequence[StepRow], out: Path) -> JsonObject:
     """Write one rank's Chrome trace of its profiled steps: torch.profiler's export, in which each
     profiled step is a `step <n>` span (`record_function`), with the step's phases from steps.parquet
     in that span's arguments."""
