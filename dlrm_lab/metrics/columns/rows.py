@@ -109,5 +109,13 @@ class ScaleRow(Row, table="scale summary"):
     """A rank count of `scale`."""
 
 
+class ScaleGapRow(Row, table="scale gap"):
+    """An item of the per-rank step beyond one rank's at a rank count of `scale`: `train.scaling`."""
+
+
+class ProfileRow(Row, table="profile"):
+    """An operator of `train --profile-steps` on one rank: `train.profile`."""
+
+
 class PointRow(Row, table="sweep points"):
     """A sweep's point and repeat."""
