@@ -126,8 +126,11 @@ class ModelFamily(Protocol):
         """A served query's row columns from what its instances counted of it (`BatchResult.counts`)."""
         ...
 
-    def summarize_queries(self, records: list[dict[str, Any]], ok: Any, samples: Any) -> dict[str, float | None]:
-        """Its summary columns of a point's query rows (`ok`: the completed ones; `samples` per row)."""
+    def summarize_queries(
+        self, records: list[dict[str, str | float | bool | None]], ok: Any, samples: Any
+    ) -> dict[str, float | None]:
+        """Its summary columns of a point's query rows (`metrics.columns.QueryRow`s, their columns' scalars; `ok`: the
+        completed ones; `samples` per row)."""
         ...
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any: ...
