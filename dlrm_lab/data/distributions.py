@@ -9,11 +9,38 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 ZIPF_HEAD_RANKS = 1 << 16
+
+
+class _Distribution(TypedDict):
+    distribution: str
+
+
+class IdDistribution(_Distribution, total=False):
+    """A feature's resolved id distribution (`data.spec`): its name and the parameters it takes."""
+
+    alpha: float  # zipf
+    hot_fraction: float  # hot_set
+    hot_mass: float  # hot_set
+    distances: list[int]  # reuse
+    probabilities: list[float]  # reuse
+
+
+class PoolingDistribution(_Distribution, total=False):
+    """A feature's resolved pooling distribution (`data.spec`; "model" is resolved to "fixed")."""
+
+    value: int  # fixed
+    values: list[int]  # histogram
+    weights: list[float]  # histogram
+    mean: float  # normal, lognormal
+    std: float  # normal
+    sigma: float  # lognormal
+    min: int  # uniform, normal, lognormal
+    max: int  # uniform, normal, lognormal
 
 
 _GUIDE_PER_RANK = 4  # guide entries per tabulated rank: walks past the guided rank are rare
@@ -140,7 +167,7 @@ def reuse_ranks(
 
 
 def sample_ranks(
-    rng: np.random.Generator, n: int, rows: int, ids: dict[str, Any], keep: np.ndarray | None = None
+    rng: np.random.Generator, n: int, rows: int, ids: IdDistribution, keep: np.ndarray | None = None
 ) -> np.ndarray:
     """`n` id ranks from `rng`; with `keep` (sorted positions among the n) only those, with the same
     values and the stream consumed as for all n: the costly transforms run on the kept draws alone."""
@@ -159,7 +186,7 @@ def sample_ranks(
     return ranks if keep is None else ranks[keep]
 
 
-def sample_pooling(rng: np.random.Generator, n: int, pooling: dict[str, Any]) -> np.ndarray:
+def sample_pooling(rng: np.random.Generator, n: int, pooling: PoolingDistribution) -> np.ndarray:
     """Ids per sample for `n` samples (int32)."""
     dist = pooling["distribution"]
     if dist == "fixed":
@@ -179,7 +206,7 @@ def sample_pooling(rng: np.random.Generator, n: int, pooling: dict[str, Any]) ->
     return np.clip(np.rint(x), lo, hi).astype(np.int32)
 
 
-def expected_pooling(pooling: dict[str, Any]) -> float:
+def expected_pooling(pooling: PoolingDistribution) -> float:
     """Mean ids per sample, clipping and rounding included (numerically where needed)."""
     dist = pooling["distribution"]
     if dist == "fixed":
@@ -193,7 +220,7 @@ def expected_pooling(pooling: dict[str, Any]) -> float:
     return float(sample_pooling(np.random.default_rng(12345), 400_000, pooling).mean())
 
 
-def expected_top_share(ids: dict[str, Any], rows: int, top: int) -> float | None:
+def expected_top_share(ids: IdDistribution, rows: int, top: int) -> float | None:
     """Expected share of lookups going to the `top` most frequent rows (None if unknown)."""
     dist = ids["distribution"]
     if dist == "uniform":

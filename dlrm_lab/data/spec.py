@@ -38,12 +38,14 @@ import copy
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import tomllib
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.config.toml import read_toml
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.data.distributions import IdDistribution, PoolingDistribution, expected_pooling
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.resources import available, find_preset
 
@@ -69,6 +71,14 @@ _POOLING_PARAMS = {
 }
 
 
+class DenseDistribution(TypedDict):
+    """The resolved [dense] table: lognormal or gaussian, with its mu and sigma."""
+
+    distribution: str
+    mu: float
+    sigma: float
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """How one sparse feature's ids are drawn, resolved against its table."""
@@ -76,16 +86,14 @@ class FeatureSpec:
     name: str
     table: str
     rows: int
-    ids: dict[str, Any]
-    pooling: dict[str, Any]
+    ids: IdDistribution
+    pooling: PoolingDistribution
     permute: bool = True
     drift_every: int | None = None
 
     @property
     def mean_pooling(self) -> float:
         """Expected ids per sample (clipping included, by exact sum where it matters)."""
-        from dlrm_lab.data.distributions import expected_pooling
-
         return expected_pooling(self.pooling)
 
 
@@ -94,7 +102,7 @@ class DataSpec:
     name: str
     model: str
     click_rate: float
-    dense: dict[str, Any]
+    dense: DenseDistribution
     dense_weight: float
     sparse_weight: float
     num_dense: int
@@ -107,11 +115,11 @@ class DataSpec:
     def feature_names(self) -> list[str]:
         return [f.name for f in self.features]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DataSpec:
+    def from_dict(cls, data: JsonObject) -> DataSpec:
         features = tuple(FeatureSpec(**f) for f in data["features"])
         return cls(**{**data, "features": features, "overrides": tuple(data.get("overrides", ()))})
 
@@ -161,7 +169,7 @@ def load_data_spec(name_or_path: str | Path, model: ModelSpec, overrides: list[s
         raise
 
 
-def _with_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...], path: Path) -> dict[str, Any]:
+def _with_overrides(raw: JsonObject, overrides: list[str] | tuple[str, ...], path: Path) -> JsonObject:
     raw = copy.deepcopy(raw)
     for text in overrides:
         keys, value = parse_override(text)
@@ -205,7 +213,7 @@ def _integer(where: str, name: str, value: Any, low: int) -> int:
     return value
 
 
-def _check_params(where: str, name: str, table: dict[str, Any], allowed: dict[str, set[str]], kinds: tuple) -> str:
+def _check_params(where: str, name: str, table: JsonObject, allowed: dict[str, set[str]], kinds: tuple) -> str:
     if not isinstance(table, dict):
         raise _fail(where, name, table, "must be a table like { distribution = ... }")
     dist = table.get("distribution")
@@ -224,9 +232,9 @@ def _check_params(where: str, name: str, table: dict[str, Any], allowed: dict[st
     return dist
 
 
-def _resolve_ids(where: str, name: str, ids: dict[str, Any]) -> dict[str, Any]:
+def _resolve_ids(where: str, name: str, ids: JsonObject) -> IdDistribution:
     dist = _check_params(where, name, ids, _ID_PARAMS, ID_DISTRIBUTIONS)
-    out: dict[str, Any] = {"distribution": dist}
+    out: IdDistribution = {"distribution": dist}
     if dist == "zipf":
         out["alpha"] = _number(where, f"{name}.alpha", ids["alpha"], 0, 10, low_open=True)
     elif dist == "hot_set":
@@ -243,11 +251,11 @@ def _resolve_ids(where: str, name: str, ids: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _resolve_pooling(where: str, name: str, pooling: dict[str, Any], model_pooling: float) -> dict[str, Any]:
+def _resolve_pooling(where: str, name: str, pooling: JsonObject, model_pooling: float) -> PoolingDistribution:
     dist = _check_params(where, name, pooling, _POOLING_PARAMS, POOLING_DISTRIBUTIONS)
     if dist == "model":
         return {"distribution": "fixed", "value": max(1, round(model_pooling))}
-    out: dict[str, Any] = {"distribution": dist}
+    out: PoolingDistribution = {"distribution": dist}
     if dist == "fixed":
         out["value"] = _integer(where, f"{name}.value", pooling["value"], 0)
     elif dist == "histogram":
@@ -277,7 +285,7 @@ def _resolve_pooling(where: str, name: str, pooling: dict[str, Any], model_pooli
     return out
 
 
-def _resolve(raw: dict[str, Any], model: ModelSpec, where: str, overrides: tuple[str, ...]) -> DataSpec:
+def _resolve(raw: JsonObject, model: ModelSpec, where: str, overrides: tuple[str, ...]) -> DataSpec:
     unknown = set(raw) - _TOP_KEYS
     if unknown:
         raise UserError(
@@ -295,7 +303,7 @@ def _resolve(raw: dict[str, Any], model: ModelSpec, where: str, overrides: tuple
         )
     if set(dense) - {"distribution", "mu", "sigma"}:
         raise UserError(f"{where}: [dense] may hold only distribution, mu, sigma")
-    dense_out = {
+    dense_out: DenseDistribution = {
         "distribution": dense["distribution"],
         "mu": _number(where, "dense.mu", dense.get("mu", 0.0)),
         "sigma": _number(where, "dense.sigma", dense.get("sigma", 1.0), 0, low_open=True),
