@@ -23,7 +23,7 @@ import copy
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
@@ -39,6 +39,17 @@ CALIBRATION_OFFSET = 1 << 50  # calibration samples lie far beyond any data samp
 _IDS, _DENSE, _LABEL, _PERMUTE, _DRIFT, _ROW_SCORE, _DENSE_W = range(7)
 _HASH_M1 = np.uint64(0x9E3779B97F4A7C15)
 _HASH_M2 = np.uint64(0xBF58476D1CE4E5B9)
+
+
+class _RawBlock(TypedDict):
+    """A block's samples (those kept, n of them) before labelling (`SyntheticGenerator._raw_block`)."""
+
+    dense: np.ndarray  # float64 [n, num_dense]
+    counts: np.ndarray | None  # float64 [n, num_dense]: dense before log1p (lognormal dense), else None
+    lengths: list[np.ndarray]  # int32 [n] per feature
+    values: list[np.ndarray]  # int64 [sum(lengths)] per feature
+    z_dense: np.ndarray  # float64 [n]: the teacher's dense score, unscaled
+    z_sparse: np.ndarray  # float64 [n]: the teacher's sparse score, unscaled
 
 
 @dataclass
@@ -198,7 +209,7 @@ class SyntheticGenerator:
         return expected_auc(self._calibration_probability)
 
     @property
-    def teacher(self) -> dict[str, Any]:
+    def teacher(self) -> dict[str, float]:
         return {
             "bias": self._bias,
             "click_rate": self.spec.click_rate,
@@ -248,7 +259,7 @@ class SyntheticGenerator:
             ranks = (ranks * a + b) % feature.rows  # < 2^63 for tables below 3e9 rows
         return ranks
 
-    def _raw_block(self, block: int, n: int | None = None, keep: np.ndarray | None = None) -> dict[str, Any]:
+    def _raw_block(self, block: int, n: int | None = None, keep: np.ndarray | None = None) -> _RawBlock:
         """The block's samples before labelling; with `keep` (sorted positions in the block) only those:
         every stream is drawn as for the whole block, the transforms run on the kept samples alone."""
         n = n or self.block_size
