@@ -40,13 +40,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 from scipy.special import ndtr, ndtri
 
 from dlrm_lab.config.request_features import RequestFeatures, cross_keys
 from dlrm_lab.config.sequence_spec import SequenceSpec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.synthetic import expected_auc
 from dlrm_lab.errors import FieldError
 
@@ -110,6 +111,16 @@ class RequestBlock:
     @property
     def size(self) -> int:
         return len(self.request)
+
+
+class SequenceTeacher(TypedDict):
+    """What `SequenceGenerator.teacher` measures on evaluation requests: the teacher's AUC (the best reachable),
+    its mean click probability, the requests measured, and the AUC of a ranking by each part of the rating alone."""
+
+    teacher_auc: float
+    click_rate: float
+    requests: int
+    signal_auc: dict[str, float]
 
 
 class SequenceGenerator:
@@ -300,7 +311,7 @@ class SequenceGenerator:
         c_users, c_steps = users[c_req], steps[c_req]
         c_items, c_cats = self._items(c_users, c_steps, c_slot)
         c_rating, prob = self._ratings(c_users, c_steps, c_slot, c_items, c_cats)
-        layout: dict[str, Any] = {}
+        layout: dict[str, np.ndarray | RequestFeatures] = {}
         if s.attributes or s.crosses:  # DLRMv4's layout
             c_attrs = self.item_attributes(c_items, c_cats)
             anchor = np.arange(len(k)) * s.candidates  # each request's first candidate
@@ -317,7 +328,7 @@ class SequenceGenerator:
 
     # ----------------------------------------------------------------- the teacher
     @cached_property
-    def teacher(self) -> dict[str, Any]:
+    def teacher(self) -> SequenceTeacher:
         """The teacher's AUC (the best reachable) and label rate, on evenly spread evaluation requests."""
         total = self.num_requests("eval")
         chunk = max(1, min(total, CALIBRATION_REQUESTS) // 16)  # 16 runs of requests spread over the window
@@ -338,7 +349,7 @@ class SequenceGenerator:
         return {"teacher_auc": expected_auc(probs), "click_rate": float(probs.mean()), "requests": len(starts) * chunk,
                 "signal_auc": signals}  # fmt: skip
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {"source": "synthetic sequences", "seed": self.seed, "spec": self.spec.to_dict(), **self.teacher}
 
 
@@ -371,7 +382,7 @@ def with_overrides(spec: Any, overrides: tuple[str, ...] | list[str]) -> Any:
 
     if not overrides:
         return spec
-    changes: dict[str, Any] = {}
+    changes: JsonObject = {}
     known = {f.name for f in fields(SequenceSpec)} - {"items", "categories", "attributes", "crosses"}
     for text in overrides:
         path, value = parse_override(text)
