@@ -14,6 +14,7 @@ from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.parquet import ParquetSource
 from dlrm_lab.data.source import SyntheticSource
 from dlrm_lab.data.spec import DataSpec, load_data_spec
@@ -25,7 +26,7 @@ HELD_OUT_OFFSET = 1 << 40  # held-out samples start far beyond any training samp
 class BatchSource(Protocol):
     def __iter__(self) -> Iterator[Batch]: ...
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> JsonObject: ...
 
 
 def resolve_data_spec(
@@ -88,7 +89,7 @@ class FirstBatches:
     def __iter__(self) -> Iterator[Batch]:
         return iter(self.source)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {**self.source.describe(), "held_out": False, "note": "evaluated on the dataset's first batches"}
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from torchrec.datasets.utils import Batch
 
+from dlrm_lab.config.values import JsonObject
+
 _DONE = object()
 
 
@@ -30,7 +32,7 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._fill, name="dlrm-lab-prefetch", daemon=True)
         self._thread.start()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         inner = self.source.describe() if hasattr(self.source, "describe") else {}
         return {**inner, "prefetch_depth": self.depth, "pin_memory": self.pin_memory}
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator
 
 REQUEST_FEATURES = ("item_id", "item_category_id", "item_candidate_id", "item_candidate_category_id", "user_id")
@@ -97,7 +98,7 @@ class SequenceSource:
     num_batches: int | None = None
     start_batch: int = 0
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {
             **self.generator.describe(),
             "window": self.window,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
 
 
@@ -85,7 +85,7 @@ class SyntheticSource:
             g = self.batch_size * self.world_size
             self.generator = self.generator.restricted(g, self.offset + self.rank * self.batch_size, self.batch_size)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {
             "source": "synthetic",
             "data_spec": self.generator.spec.name,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlrm_lab.config.sequence_spec import SequenceSpec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.request_batches import RequestBatch
 from dlrm_lab.data.sequences import SequenceGenerator
 from dlrm_lab.errors import FieldError
@@ -59,7 +60,7 @@ class Stream:
         same way: round(share x steps), at least 1)."""
         return max(1, round(share * self.steps))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         first, stop = self.windows
         return {"protocol": "streaming", "train_windows": [first, stop], "eval_windows": [first + 1, stop + 1],
                 "steps": self.steps, "steps_per_window": self.per_window, "global_batch": self.global_batch,
@@ -94,7 +95,7 @@ class StreamSource:
         for k in range(self.stream.steps - self.start_batch):
             yield self.batch(k)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {**self.generator.describe(), "window": "stream", **self.stream.describe(),
                 "batch_size_per_rank": self.batch_size, "world_size": self.world_size}  # fmt: skip
 
@@ -135,7 +136,7 @@ class NextWindowSource:
         window = self.stream.window_of(step)
         return WindowBatches(self, window, window + 1, min(self.num_batches, self.stream.per_window))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {**self.generator.describe(), "window": "next", **self.stream.describe(),
                 "batches_per_evaluation": min(self.num_batches, self.stream.per_window),
                 "batch_size_per_rank": self.batch_size, "world_size": self.world_size}  # fmt: skip
