@@ -14,7 +14,6 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +22,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.parquet import DATASET_FILE, FORMAT_VERSION, all_or_nothing, block_to_table, dataset_schema
 from dlrm_lab.data.spec import DataSpec
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
@@ -144,7 +144,7 @@ def convert_criteo(
     model: ModelSpec,
     out: str | Path,
     on_progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Convert Criteo TSV files into a Parquet dataset (one shard per input file)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.source import block_to_batch
 from dlrm_lab.data.synthetic import SampleBlock, SyntheticGenerator
 from dlrm_lab.errors import FieldError, UserError
@@ -45,7 +46,7 @@ LEGACY_DATASET_FILE = "dataset.json"  # its name before; still read (Arrow takes
 ROW_GROUP_SAMPLES = 65_536
 
 
-def dataset_schema(num_dense: int, feature_names: list[str], metadata: dict[str, Any] | None = None) -> pa.Schema:
+def dataset_schema(num_dense: int, feature_names: list[str], metadata: JsonObject | None = None) -> pa.Schema:
     fields = [
         pa.field("label", pa.float32(), nullable=False),
         pa.field("dense", pa.list_(pa.float32(), num_dense), nullable=False),
@@ -77,7 +78,7 @@ def write_dataset(
     first_sample: int = 0,
     row_group_samples: int = ROW_GROUP_SAMPLES,
     on_progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write samples [first_sample, first_sample + rows) as `shards` Parquet files.
 
     Shard k holds a contiguous range, so the shards in order are the whole. Each file is
@@ -107,7 +108,7 @@ def write_dataset(
 
 def write_shards(
     out: str | Path,
-    meta: dict[str, Any],
+    meta: JsonObject,
     rows: range,
     shards: int,
     *,
@@ -116,7 +117,7 @@ def write_shards(
     row_group: int,
     first_key: str,
     on_progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write rows `rows` (indices of the generator's stream) as `shards` Parquet files of contiguous ranges into
     the new directory `out`, all or nothing, then the sidecar (DATASET_FILE: `meta`, the shards and each file's
     rows and first row under `first_key`). `schema_of(shard, first row)` gives a file's schema, `table_of(a, b,
@@ -172,7 +173,7 @@ def all_or_nothing(out: Path) -> Iterator[Callable[[int], Any]]:
         raise
 
 
-def read_dataset_info(path: str | Path) -> dict[str, Any]:
+def read_dataset_info(path: str | Path) -> JsonObject:
     """The dataset's JSON description (from its sidecar, else the first file's metadata)."""
     path = Path(path)
     if not path.exists():
@@ -320,7 +321,7 @@ class ParquetSource:
             check_schema(f, _read_schema(f), self.model)
         self.info = read_dataset_info(self.path)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {
             "source": "parquet",
             "path": str(self.path),

@@ -28,13 +28,13 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.parquet import DATASET_FILE, FORMAT_VERSION
 from dlrm_lab.data.request_files import KIND, SCHEMA
 from dlrm_lab.data.yambda_events import (
@@ -251,19 +251,19 @@ def _write_window(spills: list[Path], path: Path, first: int, rows: int) -> int:
 # ----------------------------------------------------------------------------- the conversion
 
 
-def _describe(path: Path) -> dict[str, Any]:
+def _describe(path: Path) -> dict[str, str | int]:
     meta = pq.ParquetFile(path).metadata
     return {"path": str(path.resolve()), "bytes": path.stat().st_size, "rows": meta.num_rows,
             "row_groups": meta.num_row_groups}  # fmt: skip
 
 
-def _save(path: Path, record: dict[str, Any]) -> None:
+def _save(path: Path, record: JsonObject) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
 
 
-def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def _differences(a: JsonObject, b: JsonObject) -> list[str]:
     keys = [f"options.{k}" for k in a["options"] if a["options"][k] != b.get("options", {}).get(k)]
     return keys + [f"inputs.{k}" for k in a["inputs"] if a["inputs"][k] != b.get("inputs", {}).get(k)]
 
@@ -276,7 +276,7 @@ def convert_yambda(
     *,
     on_events: Callable[[int], None] | None = None,
     on_commit: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Convert Yambda's flat `multi_event.parquet` (`events`) with an item mapping (`categories`) into
     requests in the new directory `out`, or resume the conversion begun there (module docstring). Returns
     the sidecar. `on_events(n)`: n more events read; `on_commit(what)`: a chunk or a window was committed."""
@@ -379,7 +379,7 @@ def _start_over(out: Path) -> str:
     return f"delete {out} and convert again (an interrupted conversion resumes; a damaged one cannot)"
 
 
-def _record(path: Path, out: Path, what: str) -> dict[str, Any]:
+def _record(path: Path, out: Path, what: str) -> JsonObject:
     """A conversion's JSON record, or one line naming the damaged file and how to start over."""
     try:
         record = json.loads(read_bounded(path, what))
