@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config.sequence_spec import SequenceSpec
-from dlrm_lab.data.check import Check
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.data.check import Check, DatasetStats
 from dlrm_lab.data.parquet import FORMAT_VERSION, write_shards
 from dlrm_lab.data.sequences import RequestBlock, SequenceGenerator
 from dlrm_lab.errors import FieldError, UserError
@@ -60,7 +60,7 @@ def write_requests(
     requests: int | None = None,
     shards: int = 1,
     on_progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write the first `requests` of a window (default: all of it) as `shards` files of contiguous ranges."""
     total = generator.num_requests(window)  # a window other than train / eval is refused there
     rows = total if requests is None else requests
@@ -76,7 +76,7 @@ def write_requests(
     )  # fmt: skip
 
 
-def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> dict[str, Any]:
+def request_stats(path: str | Path, info: JsonObject, files: list[Path]) -> DatasetStats:
     """Structure, measured quantities and checks against the stored spec of a requests dataset
     (the shape `data.stats.dataset_stats` returns, with "quantities" in place of "features"). Requests of
     real data (`data convert-yambda`) have no spec: their sidecar's `tables` bound the ids, nothing is checked."""
@@ -127,7 +127,7 @@ def request_stats(path: str | Path, info: dict[str, Any], files: list[Path]) -> 
         return {"path": str(path), "kind": KIND, "problems": problems, "quantities": [], "checks": []}
     h_len, c_len = hist["history_items"], cand["candidate_items"]
     labels, prob = flat["labels"], flat["click_probability"]
-    quantities = {
+    quantities: dict[str, int | float | str | None] = {
         "requests": n,
         "users": int(np.unique(table["user"].to_numpy()).size),
         "steps": f"{int(step.min())}..{int(step.max())}" if n else "-",

@@ -24,7 +24,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.data.check import Check
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.data.check import Check, DatasetStats, FeatureStats
 from dlrm_lab.data.distributions import expected_pooling, expected_top_share, fit_zipf_alpha
 from dlrm_lab.data.parquet import check_schema, dataset_files, dataset_sidecar, read_dataset_info, validate_table
 from dlrm_lab.data.request_files import request_stats
@@ -91,7 +92,7 @@ class DatasetLayout:
         return cls(f"like {where} (none stored)", num_dense, tables, sized=False)
 
 
-def dataset_layout(info: dict[str, Any], files: list[Path], where: str) -> tuple[DatasetLayout, list[str]]:
+def dataset_layout(info: JsonObject, files: list[Path], where: str) -> tuple[DatasetLayout, list[str]]:
     """The layout the dataset declares (its data spec, else its model, else its first file's
     columns) and the problem, if any, met reading the stored description (`where`)."""
     problem = None
@@ -123,7 +124,7 @@ def dataset_problems(path: str | Path) -> list[str]:
     return _inspect(path)[3]
 
 
-def _requests_info(path: str | Path) -> dict[str, Any] | None:
+def _requests_info(path: str | Path) -> JsonObject | None:
     """The description of a dataset of HSTU requests, else None (an unreadable one `_inspect` reports)."""
     try:
         info = read_dataset_info(path)
@@ -132,7 +133,7 @@ def _requests_info(path: str | Path) -> dict[str, Any] | None:
     return info if info.get("kind") == "requests" else None
 
 
-def _inspect(path: str | Path) -> tuple[dict[str, Any], list[Path], DatasetLayout, list[str]]:
+def _inspect(path: str | Path) -> tuple[JsonObject, list[Path], DatasetLayout, list[str]]:
     files = dataset_files(path)
     problems: list[str] = []
     try:
@@ -181,7 +182,7 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def _sidecar_problems(path: str | Path, sidecar: Path | None, info: dict[str, Any], files: list[Path]) -> list[str]:
+def _sidecar_problems(path: str | Path, sidecar: Path | None, info: JsonObject, files: list[Path]) -> list[str]:
     """Files and rows the sidecar lists against what the directory holds."""
     if sidecar is None or not isinstance(info.get("files"), list):
         return []
@@ -209,7 +210,7 @@ def _sidecar_problems(path: str | Path, sidecar: Path | None, info: dict[str, An
     return problems
 
 
-def dataset_stats(path: str | Path) -> dict[str, Any]:
+def dataset_stats(path: str | Path) -> DatasetStats:
     """Measure every feature of a dataset; compare with its stored spec where it has one.
 
     A dataset with structural problems (`dataset_problems`) is not measured: the result
@@ -243,7 +244,7 @@ def dataset_stats(path: str | Path) -> dict[str, Any]:
         top = max(1, math.ceil(rows / 100))
         top_share = float(np.partition(counts, rows - top)[rows - top :].sum() / max(ids.size, 1))
         alpha = fit_zipf_alpha(counts)
-        row = {
+        row: FeatureStats = {
             "feature": name,
             "table_rows": rows,
             "samples": n,
@@ -274,7 +275,9 @@ def dataset_stats(path: str | Path) -> dict[str, Any]:
     }
 
 
-def _feature_checks(spec: DataSpec, name: str, row: dict[str, Any], lengths: np.ndarray, rows: int, top: int):
+def _feature_checks(
+    spec: DataSpec, name: str, row: FeatureStats, lengths: np.ndarray, rows: int, top: int
+) -> list[Check]:
     by_name = {f.name: f for f in spec.features}
     if name not in by_name:
         return [Check(name, "present in spec", 0.0, 1.0, 0.0)]
