@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.model.checkpoint import LATEST, TRAINED, latest_checkpoint
 
@@ -29,7 +30,7 @@ def _state(model: torch.nn.Module, optimizer: Any, step: int) -> dict[str, Any]:
 
 
 def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any, step: int, is_main: bool,
-                    about: dict[str, Any] | None = None) -> Path:  # fmt: skip
+                    about: JsonObject | None = None) -> Path:  # fmt: skip
     """Save after `step` steps (a collective: every rank calls it); `about`: what the weights were trained on
     (`model.checkpoint.TRAINED`), written by rank 0 beside them."""
     path = Path(root) / f"step-{step:08d}"

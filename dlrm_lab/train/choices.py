@@ -7,13 +7,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 
 from dlrm_lab.config import PRECISIONS, TrainConfig
 from dlrm_lab.config.family import Spec, family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
@@ -40,7 +41,7 @@ def choose_run_precision(spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Ca
     return choice
 
 
-def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any) -> dict[str, Any] | None:
+def choose_run_attention(spec: Any, cfg: TrainConfig, ctx: DistContext, log: Any) -> JsonObject | None:
     """The attention path of a family that has them (the HSTU ranker's, `model.hstu.choose_attention`):
     rank 0 times, every rank runs it; None for a family without attention."""
     if not family_of(spec).attention_paths:
@@ -88,7 +89,14 @@ def choose_run_collectives(spec: Any, cfg: TrainConfig, launch: Any) -> dict[str
 PREFETCH_DEPTH = 2  # batches a background thread keeps ready when there is a core for it
 
 
-def choose_prefetch(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+class PrefetchChoice(TypedDict):
+    """Batches a background thread keeps ready (0: made inline), and why (the manifest's `prefetch_choice`)."""
+
+    prefetch: int
+    reason: str
+
+
+def choose_prefetch(cfg: TrainConfig, ctx: DistContext) -> PrefetchChoice:
     """Where this rank makes its batches: on a background thread only where a core of the rank's own
     is left free by its compute threads (or the compute runs on a GPU); else inline, at the start of
     each step. A data thread on the compute thread's core only time-slices it, and at several ranks
@@ -115,7 +123,7 @@ def choose_prefetch(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
 def choose_run_table_update(
     cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, first_batch: Callable[[], Any], forward: Any,
     log: Callable[[str], None] | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> JsonObject:  # fmt: skip
     """The tables' backward-and-update path (`train.table_update`): every rank times its own table groups on
     the run's first batch (the forward is collective over ranks), rank 0's choice runs everywhere."""
     from dlrm_lab.train.table_update import choose_table_update, install
@@ -170,7 +178,7 @@ def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.de
 
 def choose_run_interaction(
     spec: Spec, cfg: TrainConfig, ctx: DistContext, model: torch.nn.Module, log: Callable[[str], None] | None
-) -> dict[str, Any] | None:
+) -> JsonObject | None:
     """Where a dot interaction computes its Gram matrix when the run's dense part is in bf16: in bf16 as autocast
     casts its `bmm` (a product of 16-wide rows, too small for bf16's rate to pay for the casts around it), or
     in fp32 out of autocast. Rank 0 times both at the run's batch, every rank runs its choice; None where

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from dlrm_lab.train.scaling_model import INPUT_DIST_COLLECTIVES
 
@@ -76,6 +76,21 @@ FABRICS = {
 }  # fmt: skip
 
 
+class ProjectedRow(TypedDict):
+    """A rank count of `project`: one rank's step on the fabric, its parts (ms), throughput and efficiency."""
+
+    ranks: int
+    batch_size_per_rank: int
+    compute_ms: float
+    input_dist_ms: float
+    pooled_all_to_all_ms: float
+    all_reduce_ms: float
+    step_ms: float
+    samples_per_s: float
+    efficiency: float  # against N x one rank on the fabric
+    all_to_all_dominates: bool  # the all-to-alls take longer than the compute
+
+
 def project(
     work: dict[str, float],
     one_rank_fraction: float | None,
@@ -84,7 +99,7 @@ def project(
     fabric: Fabric,
     batch_size_per_rank: int,
     mode: str,
-) -> tuple[list[dict[str, Any]], list[str]]:
+) -> tuple[list[ProjectedRow], list[str]]:
     """Per rank count on `fabric`: compute at the GPU's roofline divided by the fraction of
     its roof one rank reached here, every collective on the fabric, and the efficiency
     against N x one rank. `work` is one rank's step at `batch_size_per_rank` (flops,
@@ -106,7 +121,7 @@ def project(
         return max(max(flops_s, bytes_s) / fraction, fabric.step_floor_s)
 
     base = batch_size_per_rank / compute_s(1.0)  # one rank's samples/s on the fabric's GPU
-    rows = []
+    rows: list[ProjectedRow] = []
     for n in ranks:
         per_rank = batch_size_per_rank if mode == "weak" else max(1, batch_size_per_rank // n)
         compute = compute_s(per_rank / batch_size_per_rank)

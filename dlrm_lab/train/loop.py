@@ -22,10 +22,11 @@ from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data import BatchSource
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure
-from dlrm_lab.metrics.columns import PHASES, schema_of
+from dlrm_lab.metrics.columns import PHASES, EvalRow, StepRow, TrainSummaryRow, schema_of
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.sensors import open_power_sources
@@ -37,23 +38,23 @@ from dlrm_lab.train.profile import StepProfiler, profile_window
 from dlrm_lab.train.records import STEP_SCHEMA
 from dlrm_lab.train.setup import _build, _prepare, _Setup
 from dlrm_lab.train.step import autocast, train_step
-from dlrm_lab.train.summary import _Steps, _summarise
+from dlrm_lab.train.summary import Reached, _Steps, _summarise
 from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases
 from dlrm_lab.train.watchdog import Watchdog
 
 
 @dataclass
 class TrainResult:
-    summary: dict[str, Any]
-    steps: list[dict[str, Any]]
-    evals: list[dict[str, Any]]
-    plan: dict[str, Any]
+    summary: TrainSummaryRow
+    steps: list[StepRow]
+    evals: list[EvalRow]
+    plan: JsonObject  # the sharding plan's description (`distributed.plan.describe_plan`)
     run_dir: Path | None = None
     model: torch.nn.Module | None = field(default=None, repr=False)
     reports: bool = True  # this process reports the run (rank 0; every rank returns a result)
 
 
-def _open_run(metrics_dir: str | Path | None, config: dict[str, Any], argv: list[str] | None, ctx: DistContext):
+def _open_run(metrics_dir: str | Path | None, config: JsonObject, argv: list[str] | None, ctx: DistContext):
     """Rank 0 creates the run directory; the other ranks attach to it and write their own
     step rows; a barrier before rank 0 merges makes sure every rank's rows are on disk."""
     if not metrics_dir:
@@ -93,7 +94,7 @@ def _energy_sampler(ctx: DistContext) -> EnergySampler:
 
 
 def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: Any, t_start: float,
-               evals: list[dict[str, Any]], reached: dict[str, Any]) -> Callable[[int], bool]:  # fmt: skip
+               evals: list[EvalRow], reached: Reached) -> Callable[[int], bool]:  # fmt: skip
     """`run_eval(step)` of `_loop`: evaluate on the held-out batches and record it in `evals` (and `table`); True
     when the target AUC is reached (training stops there; `reached` gets its steps and seconds)."""
     dmp, eval_source, ctx, cfg = setup.dmp, setup.eval_source, setup.ctx, setup.cfg
@@ -108,14 +109,16 @@ def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: A
             pipeline.detach()
             auc, loss, n = evaluate(dmp.module.model, batches, ctx.device)
             pipeline.attach(dmp)
-        row = {
-            "step": step,
-            "num_samples": n,
-            "auc": auc,
-            "loss": loss,
-            "eval_time_ms": (time.perf_counter() - t0) * 1000,
-            **getattr(batches, "columns", {}),  # a stream's: the windows trained on and scored
-        }
+        row = EvalRow(
+            {
+                "step": step,
+                "num_samples": n,
+                "auc": auc,
+                "loss": loss,
+                "eval_time_ms": (time.perf_counter() - t0) * 1000,
+                **getattr(batches, "columns", {}),  # a stream's: the windows trained on and scored
+            }
+        )
         evals.append(row)
         if watchdog is not None:
             watchdog.beat()
@@ -130,7 +133,7 @@ def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: A
 
 
 def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
-          on_step: Callable[[dict[str, Any]], None] | None) -> _Steps:  # fmt: skip
+          on_step: Callable[[StepRow], None] | None) -> _Steps:  # fmt: skip
     """The steps, timed by phase, each row written as it is taken; evaluations every `eval_every` steps and at the
     end (training stops once the target AUC is reached); checkpoints. Ctrl-C ends it `interrupted`; a collective
     that failed is a RankFailure. `stack` stops the sampler, the watchdog, the phase hooks and the profiler."""
@@ -138,10 +141,10 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
     steps_table = record.table("steps", STEP_SCHEMA) if record else None
     # its schema read now: the families' columns (a stream's windows) are registered by the time a run starts
     eval_table = record.table("eval", schema_of("eval")) if record and ctx.is_main else None
-    steps: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
+    steps: list[StepRow] = []
+    evals: list[EvalRow] = []
 
-    reached: dict[str, Any] = {}
+    reached: Reached = {}
     sampler = _energy_sampler(ctx).start()
     telemetry = record.table("telemetry", telemetry_schema("rank")) if record else None
 
@@ -193,19 +196,21 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
                 if timer.cuda:
                     step_ms = sum(phases.values())
             global_samples = cfg.batch_size * ctx.world_size
-            row = {
-                "step": step,
-                "rank": ctx.rank,
-                "world_size": ctx.world_size,
-                "batch_size": cfg.batch_size,
-                "global_samples": global_samples,
-                "warmup": None,  # known at the end (detected): steps.parquet derives it as it is merged
-                "loss": loss.item(),
-                "step_time_ms": step_ms,
-                **{f"{k}_ms": v for k, v in phases.items()},
-                "samples_per_s": global_samples / (step_ms / 1000),
-                "time_unix_s": time.time(),
-            }
+            row = StepRow(
+                {
+                    "step": step,
+                    "rank": ctx.rank,
+                    "world_size": ctx.world_size,
+                    "batch_size": cfg.batch_size,
+                    "global_samples": global_samples,
+                    "warmup": None,  # known at the end (detected): steps.parquet derives it as it is merged
+                    "loss": loss.item(),
+                    "step_time_ms": step_ms,
+                    **{f"{k}_ms": v for k, v in phases.items()},
+                    "samples_per_s": global_samples / (step_ms / 1000),
+                    "time_unix_s": time.time(),
+                }
+            )
             steps.append(row)
             if watchdog is not None:
                 watchdog.beat()
@@ -236,7 +241,7 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
     return _Steps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
 
 
-def _trained(setup: _Setup, record: Run | None, evals: list[dict[str, Any]]) -> dict[str, Any]:
+def _trained(setup: _Setup, record: Run | None, evals: list[EvalRow]) -> JsonObject:
     """What a checkpoint's weights were trained on (`model.checkpoint.TRAINED`): serving reads it to check the
     spec it serves and to draw the run's held-out samples again for a build's accuracy rule."""
     cfg, last = setup.cfg, (evals[-1] if evals else None)
@@ -259,7 +264,7 @@ def train(
     argv: list[str] | None = None,
     source: BatchSource | None = None,
     eval_source: BatchSource | None = None,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
+    on_step: Callable[[StepRow], None] | None = None,
     keep_model: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dlrm_lab.metrics.columns import schema_of
+from dlrm_lab.metrics.columns import ProfileRow, StepRow, schema_of
 
 PROFILE_SCHEMA = schema_of("profile")  # `metrics.columns`
 TOP_OPS = 60  # per rank, by self time
@@ -35,7 +35,7 @@ class StepProfiler:
         self._prof: Any = None
         self._span: Any = None  # the running step's record_function
         self.profiled = 0
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[ProfileRow] = []  # this rank's operators (their rank set as they are written)
         self.trace: Path | None = None  # the profiler's own Chrome trace export, once stopped
 
     def step(self, i: int) -> None:
@@ -71,13 +71,13 @@ class StepProfiler:
         events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP_OPS]
         n = max(1, self.profiled)
         self.rows = [
-            {
-                "op": e.key,
-                "calls_per_step": e.count / n,
-                "self_ms_per_step": e.self_cpu_time_total / 1e3 / n,
-                "total_ms_per_step": e.cpu_time_total / 1e3 / n,
-                "steps": n,
-            }
+            ProfileRow(
+                op=e.key,
+                calls_per_step=e.count / n,
+                self_ms_per_step=e.self_cpu_time_total / 1e3 / n,
+                total_ms_per_step=e.cpu_time_total / 1e3 / n,
+                steps=n,
+            )
             for e in events
         ]
 
@@ -89,11 +89,11 @@ def profile_window(start_step: int, steps: int, count: int) -> tuple[int, int]:
     return first, count
 
 
-def write_profile(run: Any, rows: list[dict[str, Any]], ctx: Any, trace: Path | None = None,
-                  steps: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
+def write_profile(run: Any, rows: list[ProfileRow], ctx: Any, trace: Path | None = None,
+                  steps: list[StepRow] | None = None) -> None:  # fmt: skip
     """Every rank's operator rows into rank 0's profile.parquet (a collective: every rank calls it), and
     rank 0's trace (`trace`: the profiler's export; `steps`: the run's step rows) into trace.json."""
-    mine = [{"rank": ctx.rank, **r} for r in rows]
+    mine = [ProfileRow(rank=ctx.rank, **r) for r in rows]
     every = mine
     if ctx.world_size > 1:
         gathered: list[Any] = [None] * ctx.world_size

@@ -15,7 +15,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrm_lab.config import ModelSpec, TrainConfig
-from dlrm_lab.metrics.columns import PHASES, schema_of
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.metrics.columns import PHASES, StepRow, TrainSummaryRow, schema_of
 from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.run import register_recovery
 from dlrm_lab.metrics.stats import percentile
@@ -54,7 +55,7 @@ def detect_warmup(step_times_ms: list[float]) -> int:
     return n // 2
 
 
-def flag_warmup(rows: list[dict[str, Any]], first_step: int, warmup: int | None = None) -> int:
+def flag_warmup(rows: list[StepRow], first_step: int, warmup: int | None = None) -> int:
     """Set every row's `warmup` flag (rows of all ranks): the first `warmup` steps, or as many
     as `detect_warmup` finds, but never all of them (a run stopped early still measures its
     last step). Returns the number of warm-up steps."""
@@ -66,7 +67,7 @@ def flag_warmup(rows: list[dict[str, Any]], first_step: int, warmup: int | None 
     return warmup
 
 
-def global_step_times(rows: list[dict[str, Any]]) -> list[float]:
+def global_step_times(rows: list[StepRow]) -> list[float]:
     """Per step (in order) the slowest rank's step time: when the step ended for the job."""
     by_step: dict[int, float] = {}
     for r in rows:
@@ -80,7 +81,7 @@ def warmup_column(first_measured_step: int) -> Callable[[pa.Table], pa.ChunkedAr
     return lambda steps: pc.less(steps["step"], pa.scalar(first_measured_step, pa.int64()))
 
 
-def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_steps(rows: list[StepRow]) -> TrainSummaryRow:
     """Throughput, step-time percentiles, phase shares and loss trend of a run.
 
     `rows` may hold every rank's rows. A step takes as long as its slowest rank, so the
@@ -89,11 +90,11 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
     Per-rank throughput is each rank's samples over its own time, averaged over ranks;
     the loss of a step is the mean over ranks (equal local batches: the global loss).
     """
-    by_step: dict[int, list[dict[str, Any]]] = {}
+    by_step: dict[int, list[StepRow]] = {}
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)
     steps = [by_step[k] for k in sorted(by_step)]
-    out: dict[str, Any] = {"measured_steps": sum(1 for s in steps if not s[0]["warmup"])}
+    out = TrainSummaryRow(measured_steps=sum(1 for s in steps if not s[0]["warmup"]))
     losses = [float(np.mean([r["loss"] for r in s])) for s in steps]
     if losses:
         out["loss_first"] = float(np.mean(losses[:_LOSS_WINDOW]))
@@ -138,37 +139,39 @@ def summary_row(
     batch_size: int | None,
     steps: int,
     warmup: int,
-    step_rows: list[dict[str, Any]],
+    step_rows: list[StepRow],
     **columns: Any,
-) -> dict[str, Any]:
+) -> TrainSummaryRow:
     """A training run's row of `train summary` (`metrics.columns`; columns not given are null), as a finished run
     and a recovered one record it: what ran, its `steps` and `warmup` steps, what its every rank's `step_rows`
     measured (`summarize_steps`), then the table's other `columns` by name."""
-    return {
-        "kind": "train",
-        "status": status,
-        "preset": preset,
-        "interaction": interaction,
-        "device": device,
-        "precision": precision,
-        "table_precision": table_precision,
-        "world_size": world_size,
-        "batch_size": batch_size,
-        "global_batch_size": batch_size * world_size if batch_size else None,
-        "steps": steps,
-        "warmup_steps": warmup,
-        **summarize_steps(step_rows),
-        **columns,
-    }
+    return TrainSummaryRow(
+        {
+            "kind": "train",
+            "status": status,
+            "preset": preset,
+            "interaction": interaction,
+            "device": device,
+            "precision": precision,
+            "table_precision": table_precision,
+            "world_size": world_size,
+            "batch_size": batch_size,
+            "global_batch_size": batch_size * world_size if batch_size else None,
+            "steps": steps,
+            "warmup_steps": warmup,
+            **summarize_steps(step_rows),
+            **columns,
+        }
+    )
 
 
 def roofline_columns(
     spec: ModelSpec,
     cfg: TrainConfig,
-    summary: dict[str, Any],
+    summary: TrainSummaryRow,
     world_size: int,
     peaks: Peaks | str,
-) -> dict[str, Any]:
+) -> TrainSummaryRow:
     """Analytic work of the run, what it achieved, and one rank's step on the roofline.
 
     Per sample: training FLOPs (forward + backward) and embedding-row bytes (rows read,
@@ -182,11 +185,9 @@ def roofline_columns(
     """
     cost = sample_cost(spec, table_precision=cfg.table_precision, optimizer=cfg.embedding_optimizer)
     row_bytes = cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes
-    out: dict[str, Any] = {
-        "flops_per_sample": float(cost.training_flops),
-        "bytes_per_sample": row_bytes,
-        "valid_flops_per_s": None,
-    }
+    out = TrainSummaryRow(
+        flops_per_sample=float(cost.training_flops), bytes_per_sample=row_bytes, valid_flops_per_s=None
+    )
     rate = summary.get("samples_per_s")
     if rate:
         out["achieved_flops_per_s"] = rate * cost.training_flops
@@ -204,14 +205,14 @@ def roofline_columns(
     return out
 
 
-def energy_columns(energy: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+def energy_columns(energy: dict[str, float | str | None], summary: TrainSummaryRow) -> TrainSummaryRow:
     """Energy over the measured steps, per sample and per watt.
 
     Joules per sample is the mean power over the measured window divided by the measured
     throughput, so evaluation pauses inside the window do not count as training samples'
     energy. Null (with `energy_unavailable` saying why) where no sensor is readable.
     """
-    out = {**energy, "energy_per_sample_j": None, "samples_per_s_per_w": None, "valid_flops_per_s_per_w": None}
+    out = TrainSummaryRow(energy, energy_per_sample_j=None, samples_per_s_per_w=None, valid_flops_per_s_per_w=None)
     power, rate = energy.get("power_w_mean"), summary.get("samples_per_s")
     if power and rate:
         out["energy_per_sample_j"] = power / rate
@@ -222,7 +223,7 @@ def energy_columns(energy: dict[str, Any], summary: dict[str, Any]) -> dict[str,
     return out
 
 
-def recovered_summary(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+def recovered_summary(run_dir: Path, manifest: JsonObject) -> TrainSummaryRow | None:
     """Write the summary a training run died before writing (SIGKILL, out of memory), from
     the steps recovery merged: throughput, step times, phase shares and loss trend, status
     failed; evaluation, roofline and energy stay null (they were never measured). None when
@@ -234,7 +235,7 @@ def recovered_summary(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]
     steps = pq.read_table(steps_path)
     if steps.num_rows == 0 or not set(STEP_SCHEMA.names) <= set(steps.column_names):
         return None  # not the training loop's steps table: nothing to summarise
-    rows = steps.to_pylist()
+    rows = [StepRow(r) for r in steps.select(STEP_SCHEMA.names).to_pylist()]  # the table's columns, as written
     warmup = flag_warmup(rows, min(r["step"] for r in rows))
     config = manifest.get("config", {})
     model, cfg = config.get("model", {}), config.get("train", {})

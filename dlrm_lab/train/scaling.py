@@ -19,14 +19,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dlrm_lab.config.family import family_of, spec_from_dict
+from dlrm_lab.config.values import OptionValues
 from dlrm_lab.distributed.launch import threads_per_rank as default_threads
 from dlrm_lab.distributed.mpi import probed_transport
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.metrics.columns import PHASES, schema_of
+from dlrm_lab.metrics.columns import PHASES, ScaleGapRow, ScaleRow, schema_of
 from dlrm_lab.sweep.grid import SweepSpec, check_points
 from dlrm_lab.sweep.results import SweepResult
 from dlrm_lab.sweep.run import run_sweep
 from dlrm_lab.train import records  # noqa: F401 - a dead rank count's training run is rebuilt by its recovery
+from dlrm_lab.train.fabrics import ProjectedRow
 
 MODES = ("weak", "strong")
 
@@ -47,7 +49,7 @@ def scaling_spec(
     ranks: list[int],
     mode: str,
     batch_size: int,
-    train_options: dict[str, Any],
+    train_options: OptionValues,
     metrics_dir: str | Path,
     launcher: str = "torchrun",
     threads_per_rank: int | None = None,
@@ -86,11 +88,11 @@ def scaling_spec(
     return replace(spec, out=Path(metrics_dir) / f"scale-{mode}-{'-'.join(map(str, ranks))}-{spec.fingerprint()[:8]}")
 
 
-def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[dict[str, Any]], pa.Schema]:
+def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[ScaleRow], pa.Schema]:
     """One row per rank count: medians over its repeats, speedup and efficiency."""
     from dlrm_lab.metrics.stats import estimate
 
-    rows: list[dict[str, Any]] = []
+    rows: list[ScaleRow] = []
     base: float | None = None  # samples/s of one rank
     for k, params in enumerate(spec.points[: len(table_points(spec))]):
         n, per_rank = int(params["ranks"]), int(params["batch-size"])
@@ -98,7 +100,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[di
         ok = [p for p in done if p.status == "ok" and p.child_dir and (p.child_dir / "summary.parquet").is_file()]
         summaries = [pq.read_table(p.child_dir / "summary.parquet").to_pylist()[0] for p in ok]  # type: ignore[operator]
 
-        def median(column: str, values: list[dict[str, Any]] = summaries) -> float | None:
+        def median(column: str, values: list[dict[str, str | float | bool | None]] = summaries) -> float | None:
             found = [v[column] for v in values if isinstance(v.get(column), (int, float))]
             return estimate(found).median if found else None
 
@@ -108,32 +110,34 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[di
         speedup = rate.median / base if rate.median and base else None
         last = done[-1].status if done else "failed"  # pending, failed or interrupted when no repeat ended ok
         rows.append(
-            {
-                "kind": "scale",
-                "mode": mode,
-                "ranks": n,
-                "threads_per_rank": int(spec.options["threads-per-rank"]),
-                "batch_size_per_rank": per_rank,
-                "global_batch_size": per_rank * n,
-                "repeats": len(done),
-                "repeats_ok": len(ok),
-                "samples_per_s": rate.median,
-                "samples_per_s_ci_low": rate.ci_low,
-                "samples_per_s_ci_high": rate.ci_high,
-                "samples_per_s_per_rank": median("samples_per_s_per_rank"),
-                "step_time_ms_p50": median("step_time_ms_p50"),
-                "speedup": speedup,
-                "efficiency": speedup / n if speedup else None,
-                **{f"{p}_share": median(f"{p}_share") for p in PHASES},
-                "point_run_id": ok[0].child_dir.name if ok else None,  # type: ignore[union-attr]
-                "point_status": "ok" if ok else last,
-            }
+            ScaleRow(
+                {
+                    "kind": "scale",
+                    "mode": mode,
+                    "ranks": n,
+                    "threads_per_rank": int(spec.options["threads-per-rank"]),
+                    "batch_size_per_rank": per_rank,
+                    "global_batch_size": per_rank * n,
+                    "repeats": len(done),
+                    "repeats_ok": len(ok),
+                    "samples_per_s": rate.median,
+                    "samples_per_s_ci_low": rate.ci_low,
+                    "samples_per_s_ci_high": rate.ci_high,
+                    "samples_per_s_per_rank": median("samples_per_s_per_rank"),
+                    "step_time_ms_p50": median("step_time_ms_p50"),
+                    "speedup": speedup,
+                    "efficiency": speedup / n if speedup else None,
+                    **{f"{p}_share": median(f"{p}_share") for p in PHASES},
+                    "point_run_id": ok[0].child_dir.name if ok else None,  # type: ignore[union-attr]
+                    "point_status": "ok" if ok else last,
+                }
+            )
         )
     _against_the_model(rows, spec, result)
     return rows, POINT_SCHEMA
 
 
-def table_points(spec: SweepSpec) -> list[dict[str, Any]]:
+def table_points(spec: SweepSpec) -> list[OptionValues]:
     """The points that are rows of the table: all but a strong sweep's calibration point (one rank
     again at the smallest per-rank batch, the last point)."""
     points = spec.points
@@ -147,7 +151,7 @@ def _point_dir(result: SweepResult, k: int) -> Path | None:
     return ok[0].child_dir if ok else None
 
 
-def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: SweepResult) -> None:
+def _against_the_model(rows: list[ScaleRow], spec: SweepSpec, result: SweepResult) -> None:
     """Ceiling, prediction and gap columns of each row (in place), and the itemised gaps in
     the sweep's gap.parquet; nothing when the one-rank point did not end ok."""
     import json
@@ -178,7 +182,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
             small = StepTimes.from_run(there)
         except ValueError:
             small = None
-    gaps: list[dict[str, Any]] = []
+    gaps: list[ScaleGapRow] = []
     for k, row in enumerate(rows):
         n = row["ranks"]
         ceiling = ceiling_efficiency(profile, n)
@@ -224,7 +228,7 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
         gap = gap_breakdown(one, many, comm, fits, ceiling, small)
         row["gap_ms"], row["gap_named_ms"] = gap["gap_ms"], gap["named_ms"]
         note = "; ".join(gap["assumptions"])
-        gaps += [{"ranks": n, "item": item, "ms": ms, "note": note} for item, ms in gap["items_ms"].items()]
+        gaps += [ScaleGapRow(ranks=n, item=item, ms=ms, note=note) for item, ms in gap["items_ms"].items()]
     if gaps:
         pq.write_table(pa.Table.from_pylist(gaps, schema=GAP_SCHEMA), result.dir / "gap.parquet")
 
@@ -232,15 +236,22 @@ def _against_the_model(rows: list[dict[str, Any]], spec: SweepSpec, result: Swee
 GAP_SCHEMA = schema_of("scale gap")
 
 
-def scaling_sweep(spec: SweepSpec, *, argv: list[str] | None = None) -> tuple[Path, list[dict[str, Any]]]:
-    """Run (or resume) the scaling sweep; return its directory and its per-rank-count rows."""
+def scaling_sweep(
+    spec: SweepSpec, *, argv: list[str] | None = None
+) -> tuple[Path, list[dict[str, str | float | bool | None]]]:
+    """Run (or resume) the scaling sweep; return its directory and its per-rank-count rows (read back)."""
     result = run_sweep(spec, argv=argv)
     return result.dir, pq.read_table(result.dir / "summary.parquet").to_pylist()
 
 
 def projection(
-    sweep_dir: Path, points: list[dict[str, Any]], ranks: list[int], fabric: Any, mode: str, plan_up_to: int
-) -> tuple[list[dict[str, Any]], list[str], dict[int, str]]:
+    sweep_dir: Path,
+    points: list[dict[str, str | float | bool | None]],
+    ranks: list[int],
+    fabric: Any,
+    mode: str,
+    plan_up_to: int,
+) -> tuple[list[ProjectedRow], list[str], dict[int, str]]:
     """The sweep's one-rank run projected to `ranks` on `fabric` (fabrics.project), and
     the TorchRec planner's sharding at each count up to `plan_up_to` (beyond: the last plan)."""
     import json

@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import pyarrow.parquet as pq
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics.columns import PHASES
 
 COMPUTE_PHASES = ("data_wait", "embedding_lookup", "dense_forward", "optimizer")
@@ -93,7 +94,7 @@ class StepTimes:
         )
 
 
-def _late_ms(rows: list[dict[str, Any]], ranks: int) -> dict[str, float]:
+def _late_ms(rows: list[dict[str, str | float | bool | None]], ranks: int) -> dict[str, float]:
     """The wait in each collective phase, measured: each of these phases ends in a collective that
     every rank leaves together, so a rank's time in it beyond the fastest rank's at the same step
     is how much earlier it arrived, i.e. how long it waited for the last one (which did not wait).
@@ -103,7 +104,7 @@ def _late_ms(rows: list[dict[str, Any]], ranks: int) -> dict[str, float]:
     backward apart (`embedding_all_to_all_backward`) measure that wait exactly; their backward
     phase starts and ends unsynchronised, so its figure is jitter, not a wait (`gap_breakdown`
     leaves it out)."""
-    by_step: dict[int, list[dict[str, Any]]] = {}
+    by_step: dict[int, list[dict[str, str | float | bool | None]]] = {}  # steps.parquet's rows, read back
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)
     steps = [s for s in by_step.values() if len(s) == ranks]
@@ -160,7 +161,7 @@ class MeasuredCollective:
 TORCHREC_PATH = ("torchrec_input_dist", "torchrec_pooled")
 
 
-def fit_collectives(profile: dict[str, Any] | None, key: str) -> dict[str, MeasuredCollective] | None:
+def fit_collectives(profile: JsonObject | None, key: str) -> dict[str, MeasuredCollective] | None:
     """All-to-all and all-reduce of a probed transport (`gloo/2`, `mpi/2`), as probed, and TorchRec's
     input distribution and pooled all-to-all over it where the probe timed them."""
     rows = ((profile or {}).get("comms") or {}).get(key)
@@ -213,14 +214,14 @@ def _waits_ms(one: StepTimes, ranks: int, ratio: float) -> dict[str, float]:
     return {c: ratio * sum(one.slowest_of(p, ranks) for p in after) for c, after in WAITED_IN.items()}
 
 
-def communication_seconds(profile: dict[str, Any] | None, transport: str, comm_bytes: dict[str, float]) -> float | None:
+def communication_seconds(profile: JsonObject | None, transport: str, comm_bytes: dict[str, float]) -> float | None:
     """Seconds of one step's communication (`model.cost.step_communication_bytes`) at a probed
     transport's speed (`gloo/2`, `mpi/2`); None when it was not probed."""
     fits = fit_collectives(profile, transport)
     return None if fits is None else sum(_comm_seconds(comm_bytes, fits).values())
 
 
-def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[str, float]:
+def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, MeasuredCollective]) -> dict[str, float]:
     """Seconds of each communication of one step: input distribution, the pooled all-to-all's
     forward and backward halves, the dense-gradient all-reduce."""
     a2a, ar = fits["all_to_all"], fits["all_reduce"]
@@ -244,14 +245,26 @@ def _comm_seconds(comm_bytes: dict[str, float], fits: dict[str, Any]) -> dict[st
     }
 
 
+class GapBreakdown(TypedDict):
+    """`gap_breakdown`'s account of an N-rank step against one rank's (ms per step per rank)."""
+
+    one_rank_step_ms: float  # one rank's step, scaled to the N-rank run's per-rank work
+    step_ms: float  # the N-rank run's per-rank step
+    gap_ms: float  # the difference
+    ceiling: float  # the N-process compute ceiling used (1 where none was probed)
+    items_ms: dict[str, float]  # the gap item by item
+    named_ms: float  # their sum
+    assumptions: list[str]
+
+
 def gap_breakdown(
     one: StepTimes,
     many: StepTimes,
     comm_bytes: dict[str, float],
-    fits: dict[str, Any] | None,
+    fits: dict[str, MeasuredCollective] | None,
     ceiling: float | None,
     small: StepTimes | None = None,
-) -> dict[str, Any]:
+) -> GapBreakdown:
     """Every ms of `many`'s per-rank step beyond `one`'s (scaled to the same per-rank work).
 
     Items (ms per step per rank) sum to `gap_ms`. Without probed collectives the
@@ -349,10 +362,10 @@ def predict(
     batch_size_per_rank: int,
     world_size: int,
     comm_bytes: dict[str, float],
-    fits: dict[str, Any] | None,
+    fits: dict[str, MeasuredCollective] | None,
     ceiling: float | None,
     small: StepTimes | None = None,
-) -> dict[str, Any] | str:
+) -> dict[str, float] | str:
     """The per-rank step at `world_size` ranks on this machine: one rank's phases scaled to
     the per-rank batch and slowed by the N-process ceiling, plus every collective at the
     probed latency and bandwidth. A reason (str) when the profile lacks what it needs."""
@@ -383,7 +396,7 @@ def roof(
     batch_size_per_rank: int,
     world_size: int,
     comm_bytes: dict[str, float],
-    fits: dict[str, Any] | None,
+    fits: dict[str, MeasuredCollective] | None,
     ceiling: float | None,
     small: StepTimes | None = None,
 ) -> dict[str, float] | None:

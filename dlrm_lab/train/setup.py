@@ -21,6 +21,7 @@ import torch
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.train import dense_lr_for, dense_recipe_for, embedding_lr_for, target_auc_for
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data import BatchSource
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, detect_launch, init_distributed, pin_to_cores
@@ -81,7 +82,7 @@ class _Setup:
     source: BatchSource
     eval_source: BatchSource
     start_step: int
-    config: dict[str, Any]  # the manifest's config: every choice and why
+    config: JsonObject  # the manifest's config: every choice and why
 
 
 def _output_bias_rule(output_bias: float | None, click_rate: float | None, start_step: int) -> str:
@@ -96,7 +97,7 @@ class _Prepared:
 
     run: ResolvedRun  # as it trains: its precision resolved, --set applied where it changes the samples
     ctx: DistContext
-    choices: dict[str, Any]  # collectives, precision and attention, each with its reason (the manifest's)
+    choices: JsonObject  # collectives, precision and attention, each with its reason (the manifest's)
 
 
 def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[str], None] | None) -> _Prepared:
@@ -125,7 +126,7 @@ def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[st
     return _Prepared(replace(run, spec=spec, cfg=cfg), ctx, choices)
 
 
-def _stream_steps(spec: Spec, cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, dict[str, Any]]:
+def _stream_steps(spec: Spec, cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, JsonObject]:
     """`--protocol streaming`: the run's steps (at most the stream's) and its evaluation cadence (--eval-every, else
     one every --eval-every-share of the stream's steps), and the stream's record for the manifest."""
     stream = family_of(spec).stream(spec, cfg.batch_size * world_size)
@@ -147,7 +148,7 @@ def _build(
     embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
     # identical initial rows whatever the sharding and rank count, spread as in the published model
     init_bounds = {t.name: t.init_bound for t in spec.tables}
-    distribution: dict[str, Any] = {}  # the last built model's (the run's)
+    distribution: dict[str, JsonObject] = {}  # "record": the last built model's (the run's)
 
     def build(sharding: str, pipelined: bool = False) -> tuple[Any, Any]:
         torch.manual_seed(cfg.seed)  # the same dense weights for every plan the sharding trial builds, and the run's
@@ -239,7 +240,7 @@ def _build(
     return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config)
 
 
-def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> JsonObject:
     """The pooled embeddings' distribution between ranks (`--distribution`), put in place on `dmp`."""
     if cfg.distribution == "torchrec":
         return {"distribution": "torchrec", "reason": "TorchRec's own (the default: the lab measures it as deployed)"}

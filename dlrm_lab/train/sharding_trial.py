@@ -43,6 +43,7 @@ from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import SHARDING_TYPES, ModelSpec, TrainConfig
 from dlrm_lab.config.train import dense_lr_for
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data import BatchSource
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import describe_plan
@@ -73,7 +74,7 @@ class ShardingChoice:
         cached = " (times cached in this machine's profile)" if (self.source or "").startswith("cached") else ""
         return f"sharding {self.sharding}: {self.reason}{cached}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "sharding": self.sharding,
             "reason": self.reason,
@@ -171,7 +172,7 @@ def summarize_trials(trials: dict[str, Trial]) -> tuple[dict[str, float], dict[s
     return step_ms, skipped
 
 
-def cached_trials(key: str, log: Callable[[str], None] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+def cached_trials(key: str, log: Callable[[str], None] | None = None) -> tuple[JsonObject | None, str | None]:
     """The cached entry for `key` in this machine's profile (None where it is damaged: `log` hears why), and the
     profile's path."""
     from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path
@@ -243,7 +244,7 @@ def resolve_sharding(
     built and timed on the run's first batches (`first_batches()`, every rank), unless this machine's
     profile has their times."""
 
-    def trial() -> dict[str, Any]:
+    def trial() -> dict[str, Trial]:
         batches = [b.to(ctx.device) for b in itertools.islice(iter(first_batches()), WARMUP_STEPS + TIMED_STEPS)]
 
         def built(candidate: str) -> tuple[Any, Any, str]:

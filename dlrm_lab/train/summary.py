@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec
 from dlrm_lab.distributed.context import DistContext
+from dlrm_lab.metrics.columns import EvalRow, StepRow, TrainSummaryRow
 from dlrm_lab.metrics.cost import price_of, training_cost_columns
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries
 from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
@@ -33,18 +34,25 @@ from dlrm_lab.train.records import (
 from dlrm_lab.train.setup import _Setup
 
 
-def _quality(cfg: TrainConfig, reached: dict[str, Any]) -> dict[str, Any]:
+class Reached(TypedDict, total=False):
+    """The steps and seconds to the target AUC: empty until it is reached."""
+
+    steps: int
+    seconds: float
+
+
+def _quality(cfg: TrainConfig, reached: Reached) -> TrainSummaryRow:
     if cfg.target_auc is None:
-        return {}
-    return {
-        "target_auc": cfg.target_auc,
-        "target_reached": bool(reached),
-        "steps_to_target": reached.get("steps"),
-        "time_to_target_s": reached.get("seconds"),
-    }
+        return TrainSummaryRow()
+    return TrainSummaryRow(
+        target_auc=cfg.target_auc,
+        target_reached=bool(reached),
+        steps_to_target=reached.get("steps"),
+        time_to_target_s=reached.get("seconds"),
+    )
 
 
-def _gather_rows(rows: list[dict[str, Any]], ctx: DistContext) -> list[dict[str, Any]]:
+def _gather_rows(rows: list[StepRow], ctx: DistContext) -> list[StepRow]:
     """Every rank's step rows, on every rank (the summary needs the slowest rank per step)."""
     if ctx.world_size == 1:
         return rows
@@ -53,7 +61,7 @@ def _gather_rows(rows: list[dict[str, Any]], ctx: DistContext) -> list[dict[str,
     return [r for part in gathered for r in part]
 
 
-def _gather_energy(energy: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
+def _gather_energy(energy: dict[str, float | str | None], ctx: DistContext) -> dict[str, float | str | None]:
     if ctx.world_size == 1:
         return energy
     gathered: list[Any] = [None] * ctx.world_size
@@ -67,9 +75,9 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
     return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
-def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[dict[str, Any]],
-             all_steps: list[dict[str, Any]], evals: list[dict[str, Any]], warmup: int, reached: dict[str, Any],
-             energy: dict[str, Any], teacher_auc: float | None, wall_time_s: float) -> dict[str, Any]:  # fmt: skip
+def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[StepRow], all_steps: list[StepRow],
+             evals: list[EvalRow], warmup: int, reached: Reached, energy: dict[str, float | str | None],
+             teacher_auc: float | None, wall_time_s: float) -> TrainSummaryRow:  # fmt: skip
     """The run's summary row (`train.records.summary_row`): its throughput, quality, roofline, energy and cost."""
     summary = summary_row(
         status=status, preset=spec.name, interaction=spec.interaction, device=ctx.device.type,
@@ -100,9 +108,9 @@ def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[di
 class _Steps:
     """What the step loop measured (`_loop`), for `_summarise`."""
 
-    steps: list[dict[str, Any]]  # this rank's rows
-    evals: list[dict[str, Any]]
-    reached: dict[str, Any]  # the steps and seconds to the target AUC, once reached
+    steps: list[StepRow]  # this rank's rows
+    evals: list[EvalRow]
+    reached: Reached  # the steps and seconds to the target AUC, once reached
     status: str  # ok, or interrupted (Ctrl-C)
     t_start: float  # perf_counter at the first step
     step_starts: list[float]  # sampler clock at each step's start: the energy window starts after the warm-up
@@ -111,7 +119,7 @@ class _Steps:
     steps_table: Any  # this rank's steps.parquet writer (None: no run directory)
 
 
-def _summarise(setup: _Setup, record: Run | None, measured: _Steps) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _summarise(setup: _Setup, record: Run | None, measured: _Steps) -> tuple[TrainSummaryRow, list[StepRow]]:
     """Every rank's rows gathered and their warm-up found (flagged in memory now; in steps.parquet as it is merged
     at the run's close), the energy of the measured steps, the summary row (written by rank 0). (summary, rows)"""
     spec, cfg, ctx, start_step = setup.spec, setup.cfg, setup.ctx, setup.start_step

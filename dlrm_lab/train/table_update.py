@@ -24,6 +24,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
+from dlrm_lab.config.values import JsonObject
+
 MARGIN = 1.10  # the batched update is chosen when fbgemm's takes at least this much longer
 PROFILE_LABEL = "dlrm_lab::batched_table_update"
 REPEATS = 5  # timed lookups-with-backward of each path, interleaved, after one warm-up each
@@ -179,7 +181,7 @@ class TableUpdateChoice:
     reason: str
     backward_ms: dict[str, float] = field(default_factory=dict)  # per path, a step's lookups with backward
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"requested": self.requested, "table_update": self.path, "reason": self.reason,
                 "backward_ms": {k: round(v, 3) for k, v in self.backward_ms.items()}, "margin": MARGIN}  # fmt: skip
 

@@ -10,9 +10,16 @@ and after the embeddings) accumulates.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+
+
+class _HookState(TypedDict):
+    """What an embedding collection's hooks share within a step."""
+
+    first: bool  # the next lookup is the step's first (its input distribution ends there)
+    pending: int  # output distributions whose backward has started and not yet ended
 
 
 class StepTimer:
@@ -84,13 +91,13 @@ def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> lis
             ebc = getattr(parent, "tables", None)  # the HSTU ranker's sequence tables
             if not isinstance(ebc, ShardedEmbeddingCollection):
                 continue
-        state: dict[str, Any] = {"first": True, "pending": 0}
+        state: _HookState = {"first": True, "pending": 0}
 
-        def ebc_pre(module: Any, args: Any, state: dict = state) -> None:
+        def ebc_pre(module: Any, args: Any, state: _HookState = state) -> None:
             state["first"], state["pending"] = True, 0
             timer.mark("dense_forward")
 
-        def lookup_pre(module: Any, args: Any, state: dict = state) -> None:
+        def lookup_pre(module: Any, args: Any, state: _HookState = state) -> None:
             timer.mark("input_dist" if state["first"] else "embedding_all_to_all")
             state["first"] = False
 
@@ -106,7 +113,7 @@ def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> lis
     return handles
 
 
-def _instrument_output_dist_backward(ebc: Any, timer: StepTimer, state: dict[str, Any]) -> list[Any]:
+def _instrument_output_dist_backward(ebc: Any, timer: StepTimer, state: _HookState) -> list[Any]:
     """Split backward at the output distribution's backward (`embedding_all_to_all_backward`).
 
     Inside `loss.backward()` no phase timer runs, and TorchRec's backward of the pooled all-to-all
