@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import pyarrow as pa
 
 from dlrm_lab.config.toml import read_toml
+from dlrm_lab.config.values import JsonObject, OptionValues
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import columns
 from dlrm_lab.sweep.results import SweepResult
@@ -55,21 +56,21 @@ class SweepSpec:
 
     path: Path
     command: str
-    options: dict[str, Any]
+    options: OptionValues
     grid: dict[str, list[Any]]
     zipped: dict[str, list[Any]]
     repeats: int = 1
     metrics: tuple[str, ...] = ()
     out: Path | None = None
     kind: str = "sweep"  # the sweep directory's run kind (`scale`: a sweep over rank counts)
-    # Rows of summary.parquet from the finished points, instead of the per-metric aggregates
-    # (scaling: speedup and efficiency against the fewest ranks).
-    summarise: Callable[[SweepSpec, SweepResult], tuple[list[dict[str, Any]], pa.Schema]] | None = field(
+    # Rows of summary.parquet from the finished points, instead of the per-metric aggregates: rows of a
+    # registered table and its schema (scaling: `scale summary`, speedup and efficiency against the fewest ranks).
+    summarise: Callable[[SweepSpec, SweepResult], tuple[Sequence[columns.Row], pa.Schema]] | None = field(
         default=None, compare=False, repr=False
     )
 
     @property
-    def points(self) -> list[dict[str, Any]]:
+    def points(self) -> list[OptionValues]:
         """Every point's parameters: the grid's cartesian product, crossed with the zipped rows."""
         names = list(self.grid)
         product = [dict(zip(names, values, strict=True)) for values in itertools.product(*self.grid.values())]
@@ -87,7 +88,7 @@ class SweepSpec:
                 "kind": self.kind}  # fmt: skip
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         d = asdict(replace(self, summarise=None))
         d["path"], d["out"] = str(self.path), str(self.out) if self.out else None
         del d["summarise"]
@@ -104,12 +105,12 @@ def _option_args(name: str, value: Any, where: str) -> list[str]:
     raise UserError(f"{where}: {name} = {value!r}: a value must be a string, number, boolean or list of them")
 
 
-def _launch_params(spec: SweepSpec, params: dict[str, Any]) -> dict[str, Any]:
+def _launch_params(spec: SweepSpec, params: OptionValues) -> OptionValues:
     merged = {**spec.options, **params}
     return {k: merged[k] for k in LAUNCH_PARAMS if k in merged}
 
 
-def point_args(spec: SweepSpec, params: dict[str, Any]) -> list[str]:
+def point_args(spec: SweepSpec, params: OptionValues) -> list[str]:
     """The command line of one point (without --metrics-dir)."""
     args = list(COMMANDS[spec.command])
     for name, value in {**spec.options, **params}.items():
@@ -173,7 +174,7 @@ def check_points(spec: SweepSpec) -> None:
         _check_point(spec, params, f"{spec.path}: point {k} ({_label(params)})")
 
 
-def _check_point(spec: SweepSpec, params: dict[str, Any], where: str) -> None:
+def _check_point(spec: SweepSpec, params: OptionValues, where: str) -> None:
     """Build the point's typed configs, as its run will (no run): unknown options and bad values."""
     from dlrm_lab.commands import SETUPS
     from dlrm_lab.config.options import coerce_as
@@ -194,5 +195,5 @@ def _check_point(spec: SweepSpec, params: dict[str, Any], where: str) -> None:
         raise UserError(f"{where}: {exc}") from None
 
 
-def _label(params: dict[str, Any]) -> str:
+def _label(params: OptionValues) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "no parameters"

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from dlrm_lab.config.values import OptionValues
 
 
 @dataclass
 class PointResult:
     point: int
     repeat: int
-    params: dict[str, Any]
+    params: OptionValues  # the point's: option values by name, as its grid gives them
     status: str  # ok | failed | interrupted | pending
     child_dir: Path | None = None
     seconds: float | None = None

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
+from dlrm_lab.config.values import OptionValues
 from dlrm_lab.errors import UserError, exit_description
 from dlrm_lab.metrics.run import MANIFEST, Run, amend_manifest, discover_runs, read_manifest, recover_run_and_summary
 from dlrm_lab.sweep.grid import SweepSpec, _launch_params, point_args
@@ -33,7 +33,7 @@ from dlrm_lab.sweep.results import PointResult, SweepResult
 from dlrm_lab.sweep.tables import write_sweep_tables
 
 
-def point_command(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[list[str], dict[str, str]]:
+def point_command(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[list[str], dict[str, str]]:
     """The point's process: `python -m dlrm_lab COMMAND ...`, or with `ranks`, the launcher
     starting that many ranks of it (`launcher`, default torchrun; OMP threads per rank
     `threads-per-rank`, default cores / ranks); and the environment it adds."""
@@ -145,7 +145,7 @@ def run_sweep(
     return result
 
 
-def _run_point(spec: SweepSpec, params: dict[str, Any], slot: Path) -> tuple[str, float]:
+def _run_point(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[str, float]:
     """One point-repeat in its own process (or its launcher's); output goes to `<slot>/point.log`."""
     slot.mkdir(parents=True, exist_ok=True)
     cmd, env = point_command(spec, params, slot)

@@ -29,16 +29,18 @@ def write_sweep_tables(run: Run, spec: SweepSpec, result: SweepResult) -> None:
     for pr in result.points:
         child = pr.child_dir
         rows.append(
-            {
-                "point": pr.point,
-                "repeat": pr.repeat,
-                "params_json": json.dumps(pr.params, sort_keys=True),
-                "status": pr.status,
-                "child_run_id": child.name if child else None,
-                "child_dir": str(child.relative_to(run.dir)) if child else None,
-                "seconds": pr.seconds if pr.seconds is not None else _run_seconds(child),
-                "attempts": pr.attempts,
-            }
+            columns.PointRow(
+                {
+                    "point": pr.point,
+                    "repeat": pr.repeat,
+                    "params_json": json.dumps(pr.params, sort_keys=True),
+                    "status": pr.status,
+                    "child_run_id": child.name if child else None,
+                    "child_dir": str(child.relative_to(run.dir)) if child else None,
+                    "seconds": pr.seconds if pr.seconds is not None else _run_seconds(child),
+                    "attempts": pr.attempts,
+                }
+            )
         )
     write_table(run.dir, "points", rows, POINTS_SCHEMA, run.run_id)
     if spec.summarise is not None:
@@ -53,9 +55,10 @@ def _run_seconds(child: Path | None) -> float | None:
     return read_manifest(child).get("duration_s") if child else None
 
 
-def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, Any]]:
+def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, str | float | bool | None]]:
     """Per point (and per inference point/model/mode inside it), each metric's median, 95%
-    bootstrap CI, coefficient of variation and unstable flag over the finished repeats."""
+    bootstrap CI, coefficient of variation and unstable flag over the finished repeats: a row's names are the
+    grid's and the metrics' (`summary_schema`), not a registered table's."""
     from dlrm_lab.metrics.stats import estimate
 
     by_point: dict[int, list[PointResult]] = {}
@@ -63,7 +66,7 @@ def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, Any]]:
         by_point.setdefault(pr.point, []).append(pr)
     out = []
     for point, prs in sorted(by_point.items()):
-        groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        groups: dict[tuple[Any, ...], list[dict[str, str | float | bool | None]]] = {}  # child rows, read back
         for pr in prs:
             if pr.status != "ok" or pr.child_dir is None or not (pr.child_dir / "summary.parquet").is_file():
                 continue
@@ -84,7 +87,7 @@ def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, Any]]:
     return out
 
 
-def summary_schema(spec: SweepSpec, rows: list[dict[str, Any]]) -> pa.Schema:
+def summary_schema(spec: SweepSpec, rows: list[dict[str, str | float | bool | None]]) -> pa.Schema:
     """A point's registered columns (`metrics.columns`) with its grid's `param_*` and the child row's keys, then
     each metric's aggregates (`metrics.stats.Estimate.to_columns`): names the grid gives at run time."""
     typed = columns.COLUMNS
