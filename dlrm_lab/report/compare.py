@@ -116,7 +116,7 @@ class MetricComparison:
     def label(self) -> str:
         return f"{self.group}: {self.metric}" if self.group else self.metric
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | float | bool | None]:
         return {
             "kind": self.kind,
             "group": self.group,

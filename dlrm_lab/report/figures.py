@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from dlrm_lab.config.family import family_of, spec_from_dict
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.roofline import run_profile
 from dlrm_lab.report import plots
 from dlrm_lab.report.load import (
+    Ceilings,
     ReportData,
+    ReportRow,
     RunInfo,
     ceilings,
     config_label,
@@ -39,7 +41,7 @@ TITLES = {
 }
 
 
-Made = dict[str, tuple[Any, list[str]]] | str  # plots drawn with their notes, or why none was
+Made = dict[str, tuple[plots.Drawn, list[str]]] | str  # plots drawn with their notes, or why none was
 
 
 def _latency(data: ReportData, out: Path) -> Made:
@@ -84,7 +86,7 @@ def _qps(data: ReportData, out: Path) -> Made:
         for r in [*s.frontier, *s.probes]:
             bounds.update([r["sla_ms"]] if r.get("sla_ms") else [])
             percentiles.update([r["sla_percentile"]] if r.get("sla_percentile") else [])
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+    groups: dict[tuple, list[ReportRow]] = {}
     for r in data.infer:  # several rates of one configuration: the same curve from plain runs
         if r.get("point") is not None:
             groups.setdefault((r.get("model"), r.get("mode"), *config_of(r)), []).append(r)
@@ -181,7 +183,7 @@ def _scaling(data: ReportData, out: Path) -> Made:
     return {"scaling": (plots.scaling_efficiency(rows, out / "scaling.png"), [])}
 
 
-def _point_rows(data: ReportData) -> list[dict[str, Any]]:
+def _point_rows(data: ReportData) -> list[ReportRow]:
     """Runs and inference points placed on the roofline and the energy plot: each train run,
     each infer point and model, each search's chosen configuration at its best probe."""
     rows = [{**r, "label": f"{r['_run'].short} {r.get('preset')}"} for r in data.train]
@@ -196,7 +198,7 @@ def _point_rows(data: ReportData) -> list[dict[str, Any]]:
 
 def _roofline(data: ReportData, out: Path) -> Made:
     points, roofs, reasons = [], {}, []
-    cache: dict[tuple, Any] = {}
+    cache: dict[tuple, Ceilings | str] = {}
     for r in _point_rows(data):
         if not (r.get("flops_per_sample") and r.get("bytes_per_sample") and r.get("achieved_flops_per_s")):
             continue
@@ -222,12 +224,12 @@ def _roofline(data: ReportData, out: Path) -> Made:
 
 def _collectives(data: ReportData, out: Path) -> Made:
     """The probed collectives of the machines the runs ran on, every transport side by side."""
-    profiles: dict[str, dict[str, Any] | None] = {}
+    profiles: dict[str, JsonObject | None] = {}
     for run in data.runs:  # each machine's profile as its runs carry it (else this machine's cache of it)
         if (fid := (run.manifest.get("hardware") or {}).get("fingerprint_id")) and profiles.get(fid) is None:
             profiles[fid] = run_profile(run.manifest)
     fingerprints = set(profiles)
-    transports: dict[str, list[dict[str, Any]]] = {}
+    transports: dict[str, list[JsonObject]] = {}  # the profiles' probed collectives
     for fid in sorted(fingerprints):
         profile = profiles[fid]
         for key, rows in ((profile or {}).get("comms") or {}).items():

@@ -23,6 +23,7 @@ from dlrm_lab.report.figures import BUILDERS, TITLES
 from dlrm_lab.report.load import (
     MANIFEST,
     ReportData,
+    ReportRow,
     RunInfo,
     collect,
     config_label,
@@ -36,7 +37,7 @@ class ReportResult:
     plots: dict[str, Path] = field(default_factory=dict)  # plot name -> PNG
     skipped: dict[str, str] = field(default_factory=dict)  # plot name -> why it was not drawn
     notes: dict[str, list[str]] = field(default_factory=dict)  # plot name -> caveats shown under it
-    drawn: dict[str, Any] = field(default_factory=dict)  # plot name -> what the plot function returned
+    drawn: dict[str, plots.Drawn] = field(default_factory=dict)  # plot name -> what the plot function returned
     runs: list[RunInfo] = field(default_factory=list)
 
 
@@ -183,7 +184,7 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
 
     def table(
         names: tuple[str, ...],
-        rows: list[dict[str, Any]],
+        rows: list[ReportRow],
         run: str = "run (manifest)",
         tail: tuple[str, ...] = ("notes",),
     ) -> str:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.run import MANIFEST, discover_runs, one_line
@@ -28,7 +29,7 @@ class RunInfo:
     """One run directory: its manifest, kind, the run it is nested in, and reading notes."""
 
     dir: Path
-    manifest: dict[str, Any]
+    manifest: JsonObject
     kind: str
     run_id: str
     parent: str | None = None  # run_id of the enclosing scale or sweep run
@@ -46,6 +47,11 @@ class RunInfo:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+
+# A row the report read back from a run's table (summary, frontier, probes): its scalars by name, and the report's
+# own keys beside them: `run_id`, `_run` (the RunInfo it came from) and, where a figure adds them, `label`, `ceiling`
+ReportRow = dict[str, str | float | bool | RunInfo | None]
 
 
 def discover(paths: list[str | Path] | str | Path) -> list[RunInfo]:
@@ -84,7 +90,7 @@ def read_table(
         return None
 
 
-def _rows(run: RunInfo, name: str, wanted: tuple[str, ...]) -> list[dict[str, Any]] | None:
+def _rows(run: RunInfo, name: str, wanted: tuple[str, ...]) -> list[ReportRow] | None:
     table = read_table(run, name, list(wanted))
     if table is None:
         return None
@@ -101,15 +107,15 @@ class SearchRun:
     """A latency-bounded search: its frontier (one row per configuration) and probe rows."""
 
     run: RunInfo
-    frontier: list[dict[str, Any]]
-    probes: list[dict[str, Any]]
+    frontier: list[ReportRow]
+    probes: list[ReportRow]
 
-    def best_row(self) -> dict[str, Any] | None:
+    def best_row(self) -> ReportRow | None:
         return next((r for r in self.frontier if r.get("best")), None)
 
-    def best_probe_points(self) -> dict[tuple, list[dict[str, Any]]]:
+    def best_probe_points(self) -> dict[tuple, list[ReportRow]]:
         """Per configuration, the summary rows (all repeats) of its highest passing probe."""
-        out: dict[tuple, list[dict[str, Any]]] = {}
+        out: dict[tuple, list[ReportRow]] = {}
         for key, rows in group_by_config(self.probes).items():
             passing = [r for r in rows if r.get("passed") and r.get("target_qps") is not None]
             if passing:
@@ -121,10 +127,10 @@ class SearchRun:
 @dataclass
 class ReportData:
     runs: list[RunInfo]
-    train: list[dict[str, Any]] = field(default_factory=list)  # one row per train run
-    infer: list[dict[str, Any]] = field(default_factory=list)  # one row per infer run, point and model
+    train: list[ReportRow] = field(default_factory=list)  # one row per train run
+    infer: list[ReportRow] = field(default_factory=list)  # one row per infer run, point and model
     search: list[SearchRun] = field(default_factory=list)
-    scale: list[dict[str, Any]] = field(default_factory=list)  # one row per point of each scale run
+    scale: list[ReportRow] = field(default_factory=list)  # one row per point of each scale run
     sweeps: list[tuple[RunInfo, pa.Table]] = field(default_factory=list)
     sweep_children: dict[str, dict[int, list[str]]] = field(default_factory=dict)  # sweep -> point -> child run ids
 
@@ -158,18 +164,18 @@ def collect(runs: list[RunInfo]) -> ReportData:
     return data
 
 
-def config_of(row: dict[str, Any]) -> tuple:
+def config_of(row: ReportRow) -> tuple:
     return tuple(row.get(k) for k in CONFIG_KEYS)
 
 
-def config_label(row: dict[str, Any]) -> str:
+def config_label(row: ReportRow) -> str:
     i, t, b, d = config_of(row)
     delay = "?" if d is None else f"{d:g}"
     return f"{i}x{t} threads, batch {b}, delay {delay} ms"
 
 
-def group_by_config(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    out: dict[tuple, list[dict[str, Any]]] = {}
+def group_by_config(rows: list[ReportRow]) -> dict[tuple, list[ReportRow]]:
+    out: dict[tuple, list[ReportRow]] = {}
     for r in rows:
         out.setdefault(config_of(r), []).append(r)
     return out
@@ -186,7 +192,7 @@ class Curves:
     floors: dict[str, float] = field(default_factory=dict)  # label -> median latency_floor_ms of its rows
 
 
-def median_floor(rows: list[dict[str, Any]]) -> float | None:
+def median_floor(rows: list[ReportRow]) -> float | None:
     """The latency floor of a curve drawn from several summary rows (one configuration)."""
     found = [f for r in rows if isinstance(f := r.get("latency_floor_ms"), (int, float)) and np.isfinite(f)]
     return float(np.median(found)) if found else None
@@ -196,7 +202,7 @@ def latency_curves(data: ReportData, limit: int = 12) -> Curves:
     """Completed queries' latencies: one curve per (infer run, point, model) and, for searches,
     per configuration at its highest passing probe. Candidates come from the summaries, so
     queries.parquet is read only for the `limit` curves drawn (best configurations first)."""
-    wanted: list[tuple[RunInfo, str, list[int], str | None, list[dict[str, Any]]]] = []
+    wanted: list[tuple[RunInfo, str, list[int], str | None, list[ReportRow]]] = []
     notes: list[str] = []
     for s in data.search:
         by_config = s.best_probe_points()
@@ -243,13 +249,21 @@ def latency_curves(data: ReportData, limit: int = 12) -> Curves:
     return Curves(latencies, left_out, bounds, notes, floors)
 
 
-def device_of(run: RunInfo, row: dict[str, Any]) -> str:
+def device_of(run: RunInfo, row: ReportRow) -> str:
     """The device a row ran on: the training summary says; inference has it in its config."""
     infer = (run.manifest.get("config") or {}).get("infer") or {}
     return str(row.get("device") or infer.get("device") or "cpu")
 
 
-def ceilings(fingerprint_id: str | None, device: str, profile: dict[str, Any] | None = None) -> dict[str, Any] | str:
+class Ceilings(TypedDict):
+    """A machine's roofline ceilings (`ceilings`): what `report.plots.roofline` draws a run under."""
+
+    compute: dict[str, float]  # GEMM FLOP/s per precision
+    gather_bytes_per_s: float  # the embedding gather bandwidth
+    basis: str  # the profile and the device (or thread count) they are of
+
+
+def ceilings(fingerprint_id: str | None, device: str, profile: JsonObject | None = None) -> Ceilings | str:
     """The roofline's ceilings from a machine profile (`profile`: the one a run carries; else this machine's cache
     of that fingerprint): the all-core (or GPU) GEMM peak per precision and the embedding gather bandwidth; a reason
     (str) when there are none."""

@@ -12,11 +12,12 @@ machines are ranked by cost per 1M inferences (unpriced last).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
+from dlrm_lab.metrics.columns import InferSummaryRow
 from dlrm_lab.metrics.cost import serving_cost_columns, stored_price
 from dlrm_lab.metrics.roofline import run_profile
-from dlrm_lab.report.load import ReportData, RunInfo
+from dlrm_lab.report.load import ReportData, ReportRow, RunInfo
 
 # The flags that decide a CPU's GEMM speed (AVX2 only, AVX-512 bf16, AMX), shown beside its model
 GEMM_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
@@ -29,10 +30,39 @@ class Candidate:
     queries_per_s: float
     samples_per_s: float
     source: str  # "search (certified)", "search (best probe)", "point"
-    row: dict[str, Any]
+    row: ReportRow
 
 
-def machine_of(run: RunInfo) -> dict[str, Any]:
+class Machine(TypedDict):
+    """What a run's manifest says of its machine (`machine_of`)."""
+
+    machine: str  # its hardware fingerprint, shortened
+    cpu_model: str | None
+    gemm_flags: str  # those of GEMM_FLAGS it has, or "-"
+    cores: int | None  # physical, else logical
+    gpus: str  # their names, or "-"
+
+
+class MachineRow(Machine):
+    """A machine, model and bound of `machine_rows`: the best rate that met the bound there, and its cost."""
+
+    model: str | None  # the run's preset, or the model it served
+    sla_ms: float | None
+    sla_percentile: float | None
+    queries_per_s: float
+    samples_per_s: float
+    samples_per_s_per_core: float | None
+    roofline_fraction: float | None
+    cost_per_1m_queries: float | None
+    cost_per_1m_samples: float | None
+    currency: str | None
+    energy_per_query_j: float | None
+    source: str
+    run_id: str
+    rank: int | None  # within its model and bound, by cost per 1M inferences (None: no price)
+
+
+def machine_of(run: RunInfo) -> Machine:
     """What a run's manifest says of its machine."""
     hw = run.manifest.get("hardware") or {}
     flags = set(hw.get("cpu_flags") or [])
@@ -46,7 +76,7 @@ def machine_of(run: RunInfo) -> dict[str, Any]:
     }
 
 
-def _candidates(data: ReportData) -> list[tuple[RunInfo, dict[str, Any], Candidate]]:
+def _candidates(data: ReportData) -> list[tuple[RunInfo, ReportRow, Candidate]]:
     out = []
     for s in data.search:
         best = s.best_row()
@@ -68,10 +98,10 @@ def _candidates(data: ReportData) -> list[tuple[RunInfo, dict[str, Any], Candida
     return out
 
 
-def machine_rows(data: ReportData) -> list[dict[str, Any]]:
+def machine_rows(data: ReportData) -> list[MachineRow]:
     """One row per machine, model and bound (module docstring), ranked within each model and bound by cost per
     1M inferences. Empty when the runs come from fewer than two machines."""
-    best: dict[tuple, tuple[RunInfo, dict[str, Any], Candidate]] = {}
+    best: dict[tuple, tuple[RunInfo, ReportRow, Candidate]] = {}
     for run, row, c in _candidates(data):
         key = (machine_of(run)["machine"], row.get("preset") or row.get("model"), row.get("sla_ms"),
                row.get("sla_percentile"))  # fmt: skip
@@ -79,13 +109,13 @@ def machine_rows(data: ReportData) -> list[dict[str, Any]]:
             best[key] = (run, row, c)
     if len({k[0] for k in best}) < 2:
         return []
-    rows = []
+    rows: list[MachineRow] = []
     for (_, model, sla_ms, pct), (run, row, c) in best.items():
         info = machine_of(run)
         cost = {k: row.get(k) for k in ("cost_per_1m_queries", "cost_per_1m_samples", "currency")}
         if cost["cost_per_1m_queries"] is None:  # recorded without a price: the price its carried profile holds
             price = stored_price(run_profile(run.manifest))
-            priced = serving_cost_columns({"queries_per_s": c.queries_per_s, "samples_per_s": c.samples_per_s},
+            priced = serving_cost_columns(InferSummaryRow(queries_per_s=c.queries_per_s, samples_per_s=c.samples_per_s),
                                           price)  # fmt: skip
             cost = {k: priced.get(k) for k in cost}
         rows.append({
@@ -94,6 +124,7 @@ def machine_rows(data: ReportData) -> list[dict[str, Any]]:
             "samples_per_s_per_core": c.samples_per_s / info["cores"] if info["cores"] else None,
             "roofline_fraction": row.get("roofline_fraction"), **cost,
             "energy_per_query_j": row.get("energy_per_query_j"), "source": c.source, "run_id": run.run_id,
+            "rank": None,  # once every row is placed
         })  # fmt: skip
     rows.sort(key=lambda r: (str(r["model"]), r["sla_ms"] or 0, r["cost_per_1m_queries"] is None,
                              r["cost_per_1m_queries"] or 0.0))  # fmt: skip

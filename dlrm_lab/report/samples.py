@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics import run as metrics_run
 
 CONTAINER_KINDS = ("scale", "sweep")  # their points are runs of their own, found below them
@@ -28,14 +29,14 @@ CONTAINER_KINDS = ("scale", "sweep")  # their points are runs of their own, foun
 @dataclass
 class _Run:
     dir: Path
-    manifest: dict[str, Any]
+    manifest: JsonObject
 
     @property
     def kind(self) -> str:
         return str(self.manifest.get("kind") or "?")
 
     @cached_property
-    def summary(self) -> list[dict[str, Any]]:
+    def summary(self) -> list[dict[str, str | float | bool | None]]:  # summary.parquet's rows, read back
         path = self.dir / "summary.parquet"
         return pq.read_table(path).to_pylist() if path.is_file() else []
 
@@ -109,10 +110,12 @@ def _train_steps(runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate(rates) if rates else empty, np.concatenate(times) if times else empty)
 
 
-def _infer_groups(runs: list[_Run]) -> dict[tuple[str, str], list[tuple[_Run, list[dict[str, Any]]]]]:
-    groups: dict[tuple[str, str], list[tuple[_Run, list[dict[str, Any]]]]] = defaultdict(list)
+def _infer_groups(
+    runs: list[_Run],
+) -> dict[tuple[str, str], list[tuple[_Run, list[dict[str, str | float | bool | None]]]]]:
+    groups: dict[tuple[str, str], list[tuple[_Run, list[dict[str, str | float | bool | None]]]]] = defaultdict(list)
     for run in runs:
-        by_key: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        by_key: dict[tuple[str, str], list[dict[str, str | float | bool | None]]] = defaultdict(list)
         for row in run.summary:
             by_key[(str(row.get("model")), str(row.get("mode") or "-"))].append(row)
         for key, rows in by_key.items():
@@ -123,7 +126,9 @@ def _infer_groups(runs: list[_Run]) -> dict[tuple[str, str], list[tuple[_Run, li
 _QUERY_COLUMNS = ["latency_ms", "end_ms", "samples"]
 
 
-def _ok_queries(group: list[tuple[_Run, list[dict[str, Any]]]], model: str) -> list[dict[str, np.ndarray]]:
+def _ok_queries(
+    group: list[tuple[_Run, list[dict[str, str | float | bool | None]]]], model: str
+) -> list[dict[str, np.ndarray]]:
     """Per run and point of the group: the model's ok queries (latency, end time, samples)."""
     out = []
     for run, rows in group:

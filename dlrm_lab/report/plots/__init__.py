@@ -6,6 +6,8 @@ The returned dataclasses hold the drawn values, so tests check content, not just
 One module per family of figures; this package is where the report finds them all.
 """
 
+from typing import Union
+
 from dlrm_lab.report.plots.common import MAX_BARS, MAX_CURVES, MAX_LABELS, MAX_PANELS
 from dlrm_lab.report.plots.machine import (
     CollectivesPlot,
@@ -40,9 +42,15 @@ from dlrm_lab.report.plots.training import (
     training_phases,
 )
 
+# What a plot function returned, kept by plot name (`report.html.ReportResult.drawn`)
+Drawn = Union[
+    CdfPlot, CollectivesPlot, CostPlot, EnergyPlot, Heatmap, LatencyParts, PhaseBars, QpsPlot, RequestFlopsPlot,
+    RooflinePlot, ScalingPlot, SweepPlot,
+]  # fmt: skip
+
 __all__ = [
     "MAX_BARS", "MAX_CURVES", "MAX_LABELS", "MAX_PANELS", "SEGMENTS", "CdfPlot", "CollectivesPlot", "EnergyPlot",
-    "Heatmap", "LatencyParts", "collectives", "latency_parts",
+    "Drawn", "Heatmap", "LatencyParts", "collectives", "latency_parts",
     "PhaseBars", "QpsPlot", "RequestFlopsPlot", "request_flops",
     "RooflinePlot", "RooflinePoint", "ScalingPlot", "SweepPlot", "batching_heatmap",
     "energy", "latency_cdf", "point_labels", "qps_latency", "roof_at", "roofline", "scaling_efficiency",

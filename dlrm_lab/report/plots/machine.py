@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from dlrm_lab.report.plots.common import MAX_LABELS, _num, _save, _text
+
+if TYPE_CHECKING:
+    from dlrm_lab.config.values import JsonObject
+    from dlrm_lab.report.load import Ceilings, ReportRow
+    from dlrm_lab.report.machines import MachineRow
 
 # ----------------------------------------------------------------------------- 6. roofline
 
@@ -30,16 +35,16 @@ class RooflinePoint:
 class RooflinePlot:
     path: Path
     points: list[RooflinePoint]
-    ceilings: dict[str, dict[str, Any]]
+    ceilings: dict[str, Ceilings]
 
 
-def roof_at(ceiling: dict[str, Any], intensity: float, precision: str | None) -> float:
+def roof_at(ceiling: Ceilings, intensity: float, precision: str | None) -> float:
     compute = ceiling["compute"]
     peak = compute.get(precision or "fp32") or compute.get("fp32") or max(compute.values())
     return min(peak, ceiling["gather_bytes_per_s"] * intensity)
 
 
-def roofline(points: Sequence[dict[str, Any]], ceilings: dict[str, dict[str, Any]], out: Path) -> RooflinePlot:
+def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Path) -> RooflinePlot:
     """Each run at (flops_per_sample / bytes_per_sample, achieved_flops_per_s), log-log,
     under the ceilings of its machine profile: per precision min(GEMM peak, gather x I).
     `points[i]["ceiling"]` names its entry of `ceilings` (None: no profile, no roof)."""
@@ -123,7 +128,7 @@ class EnergyPlot:
     energy_per_query_j: dict[str, float]
 
 
-def energy(rows: Sequence[dict[str, Any]], out: Path) -> EnergyPlot:
+def energy(rows: Sequence[ReportRow], out: Path) -> EnergyPlot:
     """Samples/s per watt per run or point, and joules per query where it is inference."""
     eff = {str(r["label"]): v for r in rows if (v := _num(r.get("samples_per_s_per_w"))) is not None}
     per_query = {str(r["label"]): v for r in rows if (v := _num(r.get("energy_per_query_j"))) is not None}
@@ -155,7 +160,7 @@ class CollectivesPlot:
     lines: dict[str, dict[str, list[tuple[int, float]]]]  # collective -> transport -> (bytes, bus GB/s)
 
 
-def collectives(transports: dict[str, list[dict[str, Any]]], out: Path) -> CollectivesPlot:
+def collectives(transports: dict[str, list[JsonObject]], out: Path) -> CollectivesPlot:
     """Bus bandwidth against message size, one line per transport (`gloo/2`, `mpi/2`, `nccl/8`),
     all-to-all and all-reduce side by side (the machine probe's rows, PARAM/nccl-tests style)."""
     names = ("all_to_all", "all_reduce")
@@ -189,7 +194,7 @@ class CostPlot:
     lines: dict[str, list[tuple[float, float]]]  # "machine model" -> (bound ms, cost per 1M inferences)
 
 
-def cost_per_bound(rows: Sequence[dict[str, Any]], out: Path) -> CostPlot:
+def cost_per_bound(rows: Sequence[MachineRow], out: Path) -> CostPlot:
     """Cost per 1M inferences against the latency bound, one line per machine and model (`report.machines`)."""
     lines: dict[str, list[tuple[float, float]]] = {}
     for r in rows:

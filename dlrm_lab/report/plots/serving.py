@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from dlrm_lab.report.plots.common import MAX_CURVES, _num, _save, _text
+
+if TYPE_CHECKING:
+    from dlrm_lab.report.load import ReportRow
 
 
 def _floor_line(draw: Any, label: str, floors: dict[str, float] | None, color: Any, drawn: dict[str, float]) -> None:
@@ -162,7 +165,7 @@ class Heatmap:
     best: tuple[str, int, float] | None = None  # the frontier's chosen (layout, max_batch, delay)
 
 
-def batching_heatmap(frontier: Sequence[dict[str, Any]], out: Path, title: str = "") -> Heatmap:
+def batching_heatmap(frontier: Sequence[ReportRow], out: Path, title: str = "") -> Heatmap:
     """Latency-bounded samples/s per layout (rows) and max batch (columns), one panel per
     max delay: the delay is a third axis, and a best-over-delays panel would hide it."""
     rows_key = sorted({(r["instances"], r["threads_per_instance"]) for r in frontier})
@@ -224,7 +227,7 @@ class LatencyParts:
     floors: list[float | None]
 
 
-def latency_parts(rows: Sequence[dict[str, Any]], parts: Sequence[str], out: Path) -> LatencyParts:
+def latency_parts(rows: Sequence[ReportRow], parts: Sequence[str], out: Path) -> LatencyParts:
     """One bar per point: the mean latency of its tail queries (at or above the bound's percentile) cut
     into `parts` (`tail_<part>_ms`, which add up to it), the point's latency floor marked on the bar."""
     from dlrm_lab.report.plots.common import MAX_BARS

@@ -27,7 +27,7 @@ class SweepPlot:
     empty: list[str] = field(default_factory=list)  # metrics without a single median (not drawn)
 
 
-def point_labels(rows: Sequence[dict[str, Any]]) -> list[str]:
+def point_labels(rows: Sequence[dict[str, str | float | bool | None]]) -> list[str]:  # summary.parquet's
     """Short x labels of sweep summary rows: the parameters that differ between points (all
     of them if none do), plus the child's point/model/mode when a point has several rows
     (an inference point serving several models, or alone and together)."""
@@ -58,7 +58,9 @@ def _fmt(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
 
 
-def sweep_medians(table: pa.Table | Sequence[dict[str, Any]], out: Path, title: str = "") -> SweepPlot:
+def sweep_medians(
+    table: pa.Table | Sequence[dict[str, str | float | bool | None]], out: Path, title: str = ""
+) -> SweepPlot:
     """Per metric with `<metric>_median`: the median and its CI against the point's
     parameters; points flagged `_unstable` drawn as red open markers."""
     rows = table.to_pylist() if isinstance(table, pa.Table) else list(table)

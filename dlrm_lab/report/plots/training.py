@@ -6,13 +6,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.report.plots.common import MAX_BARS, _num, _save, _text
+
+if TYPE_CHECKING:
+    from dlrm_lab.config.hstu import RankerShape
+    from dlrm_lab.report.load import ReportRow
 
 # ----------------------------------------------------------------------------- 4. training phases
 
@@ -30,7 +34,7 @@ class PhaseBars:
 SEGMENTS = (*PHASES, "other", "unattributed")
 
 
-def training_phases(rows: Sequence[dict[str, Any]], out: Path) -> PhaseBars:
+def training_phases(rows: Sequence[ReportRow], out: Path) -> PhaseBars:
     """One bar per run: ms per step in each phase = `<phase>_share` x step_time_ms_mean.
 
     Time the shares do not cover is `other`; a pipelined run (phases overlap, shares
@@ -87,7 +91,7 @@ class ScalingPlot:
     lines: dict[str, dict[str, list[float]]]  # label -> ranks, efficiency, speedup, predicted, ceiling (by ranks)
 
 
-def scaling_efficiency(rows: Sequence[dict[str, Any]], out: Path) -> ScalingPlot:
+def scaling_efficiency(rows: Sequence[ReportRow], out: Path) -> ScalingPlot:
     """Efficiency (and speedup) against ranks, one line per `label` (the sweep's mode)."""
     lines: dict[str, dict[str, list[float]]] = {}
     for r in sorted(rows, key=lambda r: r["ranks"]):
@@ -142,7 +146,9 @@ class RequestFlopsPlot:
     marks: dict[str, tuple[float, float]]  # run label -> (its mean history, its GFLOP at it)
 
 
-def request_flops(models: dict[str, Any], runs: dict[str, tuple[str, float]], out: Path) -> RequestFlopsPlot:
+def request_flops(
+    models: dict[str, tuple[RankerShape, int, int]], runs: dict[str, tuple[str, float]], out: Path
+) -> RequestFlopsPlot:
     """Forward GFLOP of one request against its history (log-log), per HSTU model (`models`: label ->
     (RankerShape, candidates, longest history)): valid attention pairs (jagged) and the padded n x n;
     each run (`runs`: label -> (model label, mean history)) marked where its requests sit."""
