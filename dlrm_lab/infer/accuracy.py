@@ -9,13 +9,14 @@ an untrained model's are drawn from its own ranking (`reference_labels`), said s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
 from torch import nn
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 
 FP32_SCORE_TOLERANCE = 1e-5  # an fp32 build's scores against the eager model's
 AUC_RELATIVE_TOLERANCE = 1e-3  # a reduced-precision build's AUC against fp32's (MLPerf: 99.9% of the reference)
@@ -38,6 +39,15 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(binary_auroc(torch.from_numpy(scores.astype(np.float32)), torch.from_numpy(labels).long()).item())
 
 
+class MLPerfMetrics(TypedDict):
+    """A build's and the fp32 eager model's NE, accuracy and per-request AUC under a preset's MLPerf rule, and per
+    metric whether the build keeps its share of fp32's (`config.mlperf.MLPerfRules.accuracy_kept`)."""
+
+    build: dict[str, float]
+    fp32: dict[str, float]
+    kept: dict[str, bool]
+
+
 @dataclass(frozen=True)
 class AccuracyCheck:
     """A build's scores against the fp32 eager model's on held-out samples."""
@@ -54,7 +64,7 @@ class AccuracyCheck:
     data_auc: float | None = None  # the build's on the samples' own labels (an untrained model: ~0.5)
     data_auc_fp32: float | None = None
     # under a preset's MLPerf rule ([mlperf]): NE, accuracy and per-request AUC, the build's and fp32's
-    mlperf: dict[str, dict[str, Any]] | None = None
+    mlperf: MLPerfMetrics | None = None
     # the rule's labels: "data", the held-out samples' own (a trained model, `--checkpoint`), or "teacher", drawn
     # from the fp32 model's ranking (an untrained model's: its AUC on the data's labels is ~0.5)
     labels: str = "teacher"
@@ -64,7 +74,7 @@ class AccuracyCheck:
         """The share of the fp32 model's AUC this build keeps."""
         return self.auc / self.auc_fp32 if self.auc_fp32 else float("nan")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "build": self.build, "precision": self.precision, "table_precision": self.table_precision,
             "samples": self.samples, "max_abs_score_diff": self.max_abs_diff, "auc": self.auc,
@@ -138,9 +148,10 @@ def check_accuracy(
         from dlrm_lab.metrics.ranking import ranking_metrics
 
         candidates = np.asarray(block.candidate_lengths)
-        mlperf = {"build": ranking_metrics(scores, rule_labels, candidates),
-                  "fp32": ranking_metrics(reference, rule_labels, candidates)}  # fmt: skip
-        mlperf["kept"] = rules.accuracy_kept(mlperf["build"], mlperf["fp32"])
+        build_metrics = ranking_metrics(scores, rule_labels, candidates)
+        fp32_metrics = ranking_metrics(reference, rule_labels, candidates)
+        mlperf = MLPerfMetrics(build=build_metrics, fp32=fp32_metrics,
+                               kept=rules.accuracy_kept(build_metrics, fp32_metrics))  # fmt: skip
         rule, passed = rules.accuracy_rule, all(mlperf["kept"].values())
     else:
         rule = f"AUC within {AUC_RELATIVE_TOLERANCE:.1%} (relative) of the fp32 eager model's"

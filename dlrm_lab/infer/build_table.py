@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TypedDict
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError
@@ -30,6 +30,30 @@ from dlrm_lab.metrics.roofline import load_profile, peaks_for
 Log = Callable[[str], None]
 
 
+class _BuildNamed(TypedDict):
+    build: str
+    skipped: str | None  # why it was not made here (an optional engine missing); None: timed
+
+
+class BuildRow(_BuildNamed, total=False):
+    """One build's row of `compare_builds` (a build not made has only its name and why)."""
+
+    precision: str  # what it computes in
+    table_precision: str
+    threads: int
+    batch_ms: dict[int, float]  # batch size -> median ms
+    per_batch_ms: float
+    per_sample_us: float
+    roof_ms: float | None
+    fraction_of_roof: float | None
+    auc: float
+    auc_fp32: float
+    auc_kept: float
+    rule: str
+    accuracy_passed: bool
+    labels: str
+
+
 def compare_builds(
     served: ServedModel,
     *,
@@ -39,7 +63,7 @@ def compare_builds(
     seed: int = 0,
     measure: Measure | None = None,
     log: Log | None = None,
-) -> list[dict[str, Any]]:
+) -> list[BuildRow]:
     """One row per build of `served` (all its family's, or `builds`): batch ms at each of `sizes`, cost per batch
     and per sample, fraction of roof at the largest size, and the accuracy check."""
     say = log or (lambda _line: None)
@@ -59,14 +83,14 @@ def compare_builds(
     library = generate_library(served, seed, library_samples(served.max_batch, served.library_samples))
     held_out = family.held_out(served, library, seed)
     made = BuildSet(model, precision, served.table_precision)
-    rows: list[dict[str, Any]] = []
+    rows: list[BuildRow] = []
     timed = []
     for name in names:
         try:
             made[name]
             timed.append(name)
         except (RuntimeError, ImportError) as exc:  # an optional engine absent: listed, not timed
-            rows.append({"build": name, "skipped": str(exc).splitlines()[0]})
+            rows.append(BuildRow(build=name, skipped=str(exc).splitlines()[0]))
     rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, precision, repeats)))(
         made.subset(timed), sizes, served.threads
     )
@@ -82,14 +106,14 @@ def compare_builds(
                           dense_weight_bytes(name, precision))(large)  # fmt: skip
         check = check_accuracy(model, made[name], name, held_out, precision=judged_precision(name, precision),
                                table_precision=served.table_precision, labels=labels)  # fmt: skip
-        rows.append({
-            "build": name, "precision": computes_in, "table_precision": served.table_precision,
-            "threads": served.threads, "batch_ms": ms, "per_batch_ms": cost.fixed_ms,
-            "per_sample_us": cost.per_sample_ms * 1e3, "roof_ms": roof,
-            "fraction_of_roof": roof / ms[large] if roof else None,
-            "auc": check.auc, "auc_fp32": check.auc_fp32, "auc_kept": check.kept, "rule": check.rule,
-            "accuracy_passed": check.passed, "labels": labels, "skipped": None,
-        })  # fmt: skip
+        rows.append(BuildRow(
+            build=name, precision=computes_in, table_precision=served.table_precision,
+            threads=served.threads, batch_ms=ms, per_batch_ms=cost.fixed_ms,
+            per_sample_us=cost.per_sample_ms * 1e3, roof_ms=roof,
+            fraction_of_roof=roof / ms[large] if roof else None,
+            auc=check.auc, auc_fp32=check.auc_fp32, auc_kept=check.kept, rule=check.rule,
+            accuracy_passed=check.passed, labels=labels, skipped=None,
+        ))  # fmt: skip
         say(f"{name}: {rows[-1]['per_batch_ms']:.3f} ms a batch + {rows[-1]['per_sample_us']:.2f} us a sample")
     order = {b: i for i, b in enumerate(names)}
     return sorted(rows, key=lambda r: order[r["build"]])

@@ -24,14 +24,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.drivers import drive, make_driver
 from dlrm_lab.infer.load import LoadSettings, Stream
 from dlrm_lab.infer.records import summarize
 from dlrm_lab.infer.sut import LoadDriver, SystemUnderTest
+from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.metrics.stats import percentile as nearest_rank
 
 HEADROOM = 0.8  # the measured point runs at this share of the highest passing probe rate
@@ -48,12 +50,12 @@ def capacity_qps(server: SystemUnderTest, stream: Stream, seconds: float, seed: 
     return _closed_loop(server, stream, concurrency, seconds, seed, drain_s)[0]
 
 
-def drive_records(server: SystemUnderTest, driver: LoadDriver, drain_s: float) -> tuple[list[dict[str, Any]], float]:
+def drive_records(server: SystemUnderTest, driver: LoadDriver, drain_s: float) -> tuple[list[QueryRow], float]:
     """Run `driver` against `server` to its end and drain: the records of its queries alone,
     and the seconds from its start to the last completion."""
     server.take_records()  # nothing from before
     t0 = time.monotonic()
-    records: list[dict[str, Any]] = []
+    records: list[QueryRow] = []
     drive(server, driver, drain_s=drain_s, take=records.extend)
     records += server.take_records()
     return records, time.monotonic() - t0
@@ -61,7 +63,7 @@ def drive_records(server: SystemUnderTest, driver: LoadDriver, drain_s: float) -
 
 def _closed_loop(
     server: SystemUnderTest, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
-) -> tuple[float, list[dict[str, Any]]]:
+) -> tuple[float, list[QueryRow]]:
     settings = LoadSettings("closed-loop", duration_s=seconds, seed=seed, concurrency=concurrency)
     records, wall = drive_records(server, make_driver(server, [stream], settings), drain_s)
     done = [r for r in records if r["status"] == "ok"]
@@ -82,6 +84,15 @@ def _open_loop_percentile(
     return math.inf if value is None else float(value)
 
 
+class LoadProbe(TypedDict):
+    """One open-loop rate `choose_load` probed: its latency percentile (None: none completed) against the bound."""
+
+    qps: float
+    latency_ms: float | None
+    passed: bool
+    seconds: float
+
+
 @dataclass
 class LoadChoice:
     """The load point the lab chose, and the measurements that chose it."""
@@ -93,10 +104,10 @@ class LoadChoice:
     capacity_qps: float
     unloaded_latency_ms: float
     best_passing_qps: float
-    probes: list[dict[str, Any]] = field(default_factory=list)
+    probes: list[LoadProbe] = field(default_factory=list)
     reason: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {**asdict(self), "headroom": HEADROOM, "sla_factor": SLA_FACTOR if self.sla_chosen else None}
 
 
@@ -125,7 +136,7 @@ def choose_load(
     if sla_chosen:
         sla_ms = float(math.ceil(SLA_FACTOR * unloaded)) if math.isfinite(unloaded) else 1000.0
     lo, hi = 0.0, capacity
-    tried: list[dict[str, Any]] = []
+    tried: list[LoadProbe] = []
     for k in range(probes):
         qps = hi / 2 if lo == 0 else (lo + hi) / 2
         if qps <= 0:
@@ -133,7 +144,7 @@ def choose_load(
         span = min(max(probe_s, min_queries / qps), 4 * probe_s)
         p = _open_loop_percentile(server, stream, qps, span, percentile, sla_ms, seed + 2 + k, drain_s)
         passed = p <= sla_ms
-        tried.append({"qps": qps, "latency_ms": None if math.isinf(p) else p, "passed": passed, "seconds": span})
+        tried.append(LoadProbe(qps=qps, latency_ms=None if math.isinf(p) else p, passed=passed, seconds=span))
         lo, hi = (qps, hi) if passed else (lo, qps)
     where = f"p{percentile:g} <= {sla_ms:g} ms"
     bound = (

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import time
 from multiprocessing.connection import wait as wait_connections
-from typing import Any
 
 import numpy as np
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.instance import TRACE, BatchResult
-from dlrm_lab.infer.sut import Query, finishing_together, query_row
-from dlrm_lab.metrics.columns import BATCH_STAGES
+from dlrm_lab.infer.sut import Query, Stall, finishing_together, query_row
+from dlrm_lab.metrics.columns import BATCH_STAGES, QueryRow
 
 # A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
 # starved of its core), not a slow batch: said per point
@@ -28,17 +27,17 @@ STALL_FACTOR = 20.0
 class BatchCompletions:
     """The server's completion thread and the query records it writes (see the module's docstring)."""
 
-    def _count_columns(self, q: Query) -> dict[str, Any]:
+    def _count_columns(self, q: Query) -> dict[str, int | None]:
         """What the query's model's family counted of it, as its query columns (none for a DLRM)."""
         served = self.models[q.model]
         return family_of(served.spec).count_columns(served, q.counts)
 
-    def take_records(self) -> list[dict[str, Any]]:
+    def take_records(self) -> list[QueryRow]:
         with self._records_lock:
             out, self._records = self._records, []
         return out
 
-    def take_stalls(self) -> list[dict[str, Any]]:
+    def take_stalls(self) -> list[Stall]:
         """Batches since the last call that an instance held far beyond their warm time (STALL_MS, STALL_FACTOR):
         its process was stopped, or starved of its core."""
         with self._records_lock:
@@ -125,8 +124,8 @@ class BatchCompletions:
         expected = batch["batch_expected_ms"]
         if expected is not None and took_ms > max(STALL_MS, STALL_FACTOR * expected):
             with self._records_lock:
-                self._stalls.append({"instance": msg.instance, "model": name, "took_ms": took_ms,
-                                     "expected_ms": expected, "at_ms": (sent_ns - self.epoch_ns) / 1e6})  # fmt: skip
+                self._stalls.append(Stall(instance=msg.instance, model=name, took_ms=took_ms, expected_ms=expected,
+                                          at_ms=(sent_ns - self.epoch_ns) / 1e6))  # fmt: skip
         for q in finished:
             self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
 

@@ -11,6 +11,7 @@ import threading
 import time
 from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
@@ -19,6 +20,18 @@ from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.instance import TRACE, BatchResult, InstancePlan, instance_main
 from dlrm_lab.infer.placement import Placement
 from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.sut import ServingProcess
+
+
+class LostInstance(TypedDict):
+    """An instance the server served on without (`route_around_dead`), for the manifest's `instance_losses`."""
+
+    instance: int
+    pid: int
+    model: str
+    how: str  # how it ended
+    at_ms: float  # since the server's epoch
+    live_instances: list[int]  # its model's instances left
 
 
 class InstanceProcesses:
@@ -46,7 +59,7 @@ class InstanceProcesses:
             pool.homes.append(place.index)
         self._procs.append(proc)
         self.instance_info.append(
-            {"instance": place.index, "model": m.name, "pid": proc.pid, "cores": list(place.cores)}
+            ServingProcess(instance=place.index, model=m.name, pid=proc.pid, cores=list(place.cores))
         )
 
     def _wait_ready(self) -> None:
@@ -104,8 +117,9 @@ class InstanceProcesses:
             if index in pool.free:
                 pool.free.remove(index)
         live = [i["instance"] for i in self.instance_info if i["model"] == name and i["instance"] not in self._lost]
-        self.lost.append({"instance": index, "pid": info["pid"], "model": name, "how": how,
-                          "at_ms": (time.monotonic_ns() - self.epoch_ns) / 1e6, "live_instances": live})  # fmt: skip
+        self.lost.append(LostInstance(instance=index, pid=info["pid"], model=name, how=how,
+                                      at_ms=(time.monotonic_ns() - self.epoch_ns) / 1e6,
+                                      live_instances=live))  # fmt: skip
         if not live:
             self._error = f"{how}; no instance of {name} is left"
         else:

@@ -35,18 +35,20 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.batching import BatchClock, take_batch, whole_enough
 from dlrm_lab.infer.completions import BatchCompletions
 from dlrm_lab.infer.instance import SPIN, map_library, remove_stale_snapshots, snapshot_dir_for, write_snapshot
-from dlrm_lab.infer.instance_processes import InstanceProcesses
+from dlrm_lab.infer.instance_processes import InstanceProcesses, LostInstance
 from dlrm_lab.infer.library import PackedLibrary, payload_for
 from dlrm_lab.infer.placement import place_instances
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.infer.sut import Query, SutDescription
+from dlrm_lab.infer.sut import Query, ServingProcess, Stall, SutDescription
+from dlrm_lab.metrics.columns import QueryRow
 
 GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
 
@@ -114,10 +116,10 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         self.route_around_dead = route_around_dead
         self._lost: dict[int, str] = {}  # instance -> how it ended
         self._loss_lock = threading.Lock()
-        self.lost: list[dict[str, Any]] = []  # the instances routed around, for the records
-        self._records: list[dict[str, Any]] = []
+        self.lost: list[LostInstance] = []  # the instances routed around, for the records
+        self._records: list[QueryRow] = []
         self._records_lock = threading.Lock()
-        self._stalls: list[dict[str, Any]] = []
+        self._stalls: list[Stall] = []
         self._batch_ids = itertools.count()  # shared by every batcher thread; next() is atomic
         self._outstanding = 0  # submitted, not yet finished
         self._idle = threading.Condition()
@@ -125,9 +127,9 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         self._error: str | None = None
         self._completion: threading.Thread | None = None
         self._snapshots: list[Path] = []
-        self.instance_info: list[dict[str, Any]] = []
+        self.instance_info: list[ServingProcess] = []
         self.snapshot_bytes: dict[str, int] = {}
-        self.precision_choices: dict[str, dict[str, Any]] = {}  # per model: what ran and why (manifest)
+        self.precision_choices: dict[str, JsonObject] = {}  # per model: what ran and why (manifest)
         self._switch_interval: float | None = None  # the process's GIL switch interval before start()
         self._send_locks: dict[int, threading.Lock] = {}  # one writer at a time per instance pipe
         self._traced: dict[int, str] = {}  # instance -> its trace file (or why none), as it answers

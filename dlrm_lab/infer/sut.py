@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 from dlrm_lab.metrics.columns import QueryRow
 
@@ -159,6 +159,25 @@ class ModelDescription:
     columns: Mapping[str, Any] = field(default_factory=dict)  # what its summary rows say of it (`infer summary`)
 
 
+class ServingProcess(TypedDict):
+    """One serving process on this host (an instance of a model), for the CPU meter, the trace and the manifest."""
+
+    instance: int
+    model: str
+    pid: int
+    cores: list[int]  # empty: not pinned
+
+
+class Stall(TypedDict):
+    """A batch an instance held far beyond its warm time (`take_stalls`): its process was stopped or starved."""
+
+    instance: int
+    model: str
+    took_ms: float  # sent to answered, on the instance's side
+    expected_ms: float  # its warm batch-cost model's time
+    at_ms: float  # when it was sent, since the load's epoch
+
+
 @dataclass(frozen=True)
 class SutDescription:
     """What a system under test says about itself, for the records; never needed to drive it."""
@@ -167,7 +186,7 @@ class SutDescription:
     target: str = "in-process"  # where it is (`infer.targets`)
     rpc: str | None = None  # over a network: how queries go (stream, unary, oip)
     concurrency: int | None = None  # ... over how many client connections
-    processes: Sequence[Mapping[str, Any]] = ()  # serving processes on this host: instance, model, pid, cores
+    processes: Sequence[ServingProcess] = ()  # serving processes on this host
     snapshot_bytes: Mapping[str, int] = field(default_factory=dict)  # per model, shared by its instances
     # per model, its instances' warm batch cost (`infer.batching.BatchCost`, measured at start)
     batch_costs: Mapping[str, Any] = field(default_factory=dict)

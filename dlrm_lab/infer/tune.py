@@ -27,10 +27,11 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.calibrate import drive_records
@@ -102,6 +103,23 @@ def spin_candidates(qps: float, instances: int) -> list[float]:
     return sorted({0.0, 1.0, round(min(max(gap, 1.0), MAX_SPIN_MS), 2)})
 
 
+class _Setting(TypedDict, total=False):
+    """The knob a candidate sets, by name (one of them)."""
+
+    max_delay_ms: float
+    spin_ms: float
+
+
+class PolicyProbe(_Setting):
+    """One candidate setting of a knob, probed `repeats` times (`_compare`): its latency percentiles (None: none
+    completed), their median, and the share of a query's latency that was in-service slowdown."""
+
+    knob: str
+    latency_ms: list[float | None]
+    slowdown_share: list[float]
+    median_ms: float | None
+
+
 @dataclass
 class PolicyChoice:
     """The serving policy chosen, and the probes that chose it."""
@@ -113,7 +131,7 @@ class PolicyChoice:
     max_delay_ms: float
     spin_ms: float
     tuned: list[str]  # the knobs chosen here (the others as given)
-    probes: list[dict[str, Any]] = field(default_factory=list)  # each candidate: its percentiles, median
+    probes: list[PolicyProbe] = field(default_factory=list)  # each candidate: its percentiles, median
     reasons: list[str] = field(default_factory=list)
 
     @property
@@ -122,7 +140,7 @@ class PolicyChoice:
             self.reasons
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {**asdict(self), "margin": MARGIN, "delays_ms": list(DELAYS_MS)}
 
 
@@ -143,7 +161,7 @@ def _probe(server: SystemUnderTest, stream: Stream, seconds: float, percentile: 
 
 def _compare(server: SystemUnderTest, stream: Stream, model: str, candidates: list[dict[str, float]], *,
              repeats: int, seconds: float, percentile: float, sla_ms: float, seed: int, drain_s: float,
-             knob: str) -> list[dict[str, Any]]:  # fmt: skip
+             knob: str) -> list[PolicyProbe]:  # fmt: skip
     """Each candidate setting probed `repeats` times, interleaved (a noisy host's drift falls on all)."""
     results = [{**c, "knob": knob, "latency_ms": [], "slowdown_share": []} for c in candidates]
     for r in range(repeats):
@@ -159,7 +177,7 @@ def _compare(server: SystemUnderTest, stream: Stream, model: str, candidates: li
     return results
 
 
-def _median(res: dict[str, Any]) -> float:
+def _median(res: PolicyProbe) -> float:
     return math.inf if res["median_ms"] is None else res["median_ms"]
 
 
@@ -224,10 +242,10 @@ def choose_policy(
     return choice
 
 
-def _versus(results: list[dict[str, Any]], knob: str, percentile: float) -> str:
+def _versus(results: list[PolicyProbe], knob: str, percentile: float) -> str:
     """The candidates' median percentiles, in one clause."""
 
-    def fmt(res: dict[str, Any]) -> str:
+    def fmt(res: PolicyProbe) -> str:
         m = res["median_ms"]
         return f"{res[knob]:g} ms: {'none completed' if m is None else f'{m:.2f} ms'}"
 
