@@ -20,6 +20,7 @@ from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.search_options import SearchOptions
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.targets import parse_target
+from dlrm_lab.metrics.columns import FrontierRow, SearchSummaryRow
 
 CERTIFY_BACKOFF = 0.85  # each try after a failed certification, until one holds, runs at most this share of the last
 CERTIFY_BACKOFF_MAX = 0.5  # ... and at least this share: far beyond the bound, by the bound over LoadGen's p99
@@ -30,7 +31,7 @@ CERTIFY_MAX_S = 60.0
 
 
 def certify(
-    winner: dict[str, Any],
+    winner: FrontierRow,
     base: ServedModel,
     stream: Stream,
     cfg: InferConfig,
@@ -56,22 +57,21 @@ def certify(
         max_batch=winner["max_batch"], max_delay_ms=winner["max_delay_ms"])  # fmt: skip
     certify_cfg = replace(cfg, scenario="server", duration_s=options.certify_s)
     claimed = float(winner["best_qps"])
-    held: dict[str, Any] | None = None
-    failed: dict[str, Any] | None = None  # the lowest rate that did not hold
-    last: dict[str, Any] | None = None
+    held: SearchSummaryRow | None = None
+    failed: SearchSummaryRow | None = None  # the lowest rate that did not hold
+    last: SearchSummaryRow | None = None
     qps, longer = claimed, 0.0
     with serve(served) as server:
         label = _label(server.describe().models[base.name])  # as it serves (remote: as its server says)
         for attempt in range(options.certify_tries):
             # long enough for a verdict, or as long as LoadGen's early stopping asked for at this rate
             seconds = max(loadgen_duration(qps, options.certify_s, cfg.sla_percentile), longer)
-            point = Point(point_index, [replace(stream, qps=qps)], "together", "server",
-                          extra={"repeat": 0, "probe": -1 - attempt}, duration_s=seconds)  # fmt: skip
+            point = Point(point_index, [replace(stream, qps=qps)], "together", "server", duration_s=seconds)
             point_index += 1
-            (row,) = measure(server, point, certify_cfg, queries, run_dir, telemetry=telemetry,
-                             on_progress=on_progress)  # fmt: skip
-            ok = row["loadgen_result"] == "VALID" and bool(row["sla_met"])
-            row["passed"] = ok
+            (measured,) = measure(server, point, certify_cfg, queries, run_dir, telemetry=telemetry,
+                                  on_progress=on_progress)  # fmt: skip
+            ok = measured["loadgen_result"] == "VALID" and bool(measured["sla_met"])
+            row = SearchSummaryRow(measured, repeat=0, probe=-1 - attempt, passed=ok)
             summary.extend([row])
             summary.flush()
             last = row
@@ -111,7 +111,7 @@ def certify(
     return point_index
 
 
-def _backoff(row: dict[str, Any], sla_ms: float) -> float:
+def _backoff(row: SearchSummaryRow, sla_ms: float) -> float:
     """The share of a failed rate the next certification tries, before any rate held: CERTIFY_BACKOFF near the
     bound, down to CERTIFY_BACKOFF_MAX where LoadGen's p99 (or the lab's) lies far beyond it (latency grows
     steeply past the knee: a rate at bound / p99 of the failed one lands near it)."""
@@ -121,7 +121,7 @@ def _backoff(row: dict[str, Any], sla_ms: float) -> float:
     return min(CERTIFY_BACKOFF, max(CERTIFY_BACKOFF_MAX, sla_ms / p99))
 
 
-def _certify_line(label: str, qps: float, seconds: float, row: dict[str, Any], cfg: InferConfig, ok: bool) -> str:
+def _certify_line(label: str, qps: float, seconds: float, row: SearchSummaryRow, cfg: InferConfig, ok: bool) -> str:
     """One certification run in a line, with LoadGen's own reason where it said INVALID."""
     p = "-" if row["sla_latency_ms"] is None else f"{row['sla_latency_ms']:.2f}"
     verdict = row["loadgen_result"]
@@ -131,7 +131,7 @@ def _certify_line(label: str, qps: float, seconds: float, row: dict[str, Any], c
             f"p{cfg.sla_percentile:g} {p} ms: {'holds' if ok else 'does not hold'}")  # fmt: skip
 
 
-def _disagreement(winner: dict[str, Any], held: dict[str, Any], failed: dict[str, Any] | None) -> str:
+def _disagreement(winner: FrontierRow, held: SearchSummaryRow, failed: SearchSummaryRow | None) -> str:
     """Why LoadGen certified more than 10% below the open-loop probes: which side was slower, from the runs'
     own latency parts (the issuer's lag, the queue) and LoadGen's reason."""
     claimed, certified = float(winner["best_qps"]), float(held["target_qps"])

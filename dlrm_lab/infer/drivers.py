@@ -24,6 +24,7 @@ from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Scenario, Stream
 from dlrm_lab.infer.loadgen import SCENARIOS as LOADGEN
 from dlrm_lab.infer.sut import LoadDriver, Query, SystemUnderTest
+from dlrm_lab.metrics.columns import QueryRow
 
 START_LEAD_S = 0.02  # the first arrival is scheduled this far ahead of the driver's start
 POLL_S = 0.25  # `drive` takes records and checks the system this often
@@ -203,7 +204,7 @@ def drive(
     driver: LoadDriver,
     *,
     drain_s: float,
-    take: Callable[[list[dict[str, Any]]], None] | None = None,
+    take: Callable[[list[QueryRow]], None] | None = None,
     poll: Callable[[], bool | None] | None = None,
     poll_s: float = POLL_S,
 ) -> bool:

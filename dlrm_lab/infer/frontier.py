@@ -6,27 +6,27 @@ search's lines (`_label`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from dlrm_lab.infer.load_point import Log
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.sut import ModelDescription
+from dlrm_lab.metrics.columns import FrontierRow, SearchSummaryRow
 from dlrm_lab.metrics.stats import estimate
 
 
 def _pruned(served: ModelDescription, capacity: float, capacity_sps: float, best_sps: float, cfg: InferConfig,
-            log: Log | None) -> dict[str, Any]:  # fmt: skip
+            log: Log | None) -> FrontierRow:  # fmt: skip
     """The frontier row of a configuration not bisected: its capacity cannot beat the best rate under the bound."""
     why = f"pruned: capacity {capacity_sps:,.0f} samples/s cannot beat {best_sps:,.0f} under the bound"
     if log:
         log(f"{_label(served)}: {why}")
-    return {**_frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None, "best_qps_uncertainty": None,
-            "best_samples_per_s": None, "probe_points": 0, "outcome": why}  # fmt: skip
+    return FrontierRow({**_frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None,
+                        "best_qps_uncertainty": None, "best_samples_per_s": None, "probe_points": 0,
+                        "outcome": why})  # fmt: skip
 
 
-def _judge(frontier: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _judge(frontier: list[FrontierRow]) -> FrontierRow | None:
     """Mark the configuration with the highest rate under the bound `best`, say of every other why not; the best."""
     searched = [r for r in frontier if r["best_samples_per_s"] is not None]
     best = max(searched, key=lambda r: r["best_samples_per_s"], default=None)
@@ -49,12 +49,12 @@ def _label(m: ModelDescription) -> str:
     return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
 
 
-def _frontier_row(served: ModelDescription, capacity: float, lo: float, hi: float, rows: list[dict[str, Any]],
-                  probes: int, cfg: InferConfig) -> dict[str, Any]:  # fmt: skip
+def _frontier_row(served: ModelDescription, capacity: float, lo: float, hi: float, rows: list[SearchSummaryRow],
+                  probes: int, cfg: InferConfig) -> FrontierRow:  # fmt: skip
     lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
     hits = [r["history_hit_rate"] for r in rows if r.get("history_hit_rate") is not None]
     rate = estimate([r["samples_per_s"] for r in rows])
-    return {
+    return FrontierRow({
         "best_samples_per_s_ci_low": rate.ci_low,
         "best_samples_per_s_ci_high": rate.ci_high,
         "best_samples_per_s_cv": rate.cv,
@@ -82,4 +82,4 @@ def _frontier_row(served: ModelDescription, capacity: float, lo: float, hi: floa
         "probes": probes,
         "best": False,
         "outcome": None,
-    }
+    })  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.metrics.columns import InferSummaryRow
 from dlrm_lab.metrics.stats import percentile
 
 SIZE_KINDS = ("fixed", "normal", "lognormal", "uniform", "mlperf")
@@ -290,17 +291,17 @@ class DriverStats:
     issued: dict[str, int] = field(default_factory=dict)
     lag_ms: dict[str, list[float]] = field(default_factory=dict)
     duration_s: float = 0.0
-    loadgen: dict[str, Any] = field(default_factory=dict)
+    loadgen: InferSummaryRow = field(default_factory=InferSummaryRow)  # LoadGen's verdict, as summary columns
     arrival: dict[str, str] = field(default_factory=dict)  # per model: the arrival process, or who scheduled it
     issue_stopped: str | None = None  # why the load stopped before its schedule ended (issue lag)
 
-    def accuracy(self, model: str) -> dict[str, Any]:
+    def accuracy(self, model: str) -> InferSummaryRow:
         lag = np.asarray(self.lag_ms.get(model, []), dtype=np.float64)
         target = self.target_queries.get(model)
-        return {
+        return InferSummaryRow({
             "achieved_rate_ratio": self.issued.get(model, 0) / target if target else None,
             "issue_lag_p50_ms": percentile(lag, 50),
             "issue_lag_p99_ms": percentile(lag, 99),
             "issue_lag_max_ms": float(lag.max()) if len(lag) else None,
             "issue_stopped": self.issue_stopped,
-        }
+        })  # fmt: skip

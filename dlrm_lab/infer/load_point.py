@@ -14,10 +14,11 @@ import gc
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import ClientLost, RemoteFailure, ServerLost
 from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.drivers import drive, make_driver, scenario
@@ -33,11 +34,12 @@ from dlrm_lab.infer.records import (
     summarize,
     with_late_flags,
 )
-from dlrm_lab.infer.sut import ModelDescription, SutDescription, SystemUnderTest
+from dlrm_lab.infer.sut import ModelDescription, Stall, SutDescription, SystemUnderTest
+from dlrm_lab.metrics.columns import InferSummaryRow, QueryRow
 from dlrm_lab.metrics.cost import Price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler
-from dlrm_lab.metrics.roofline import gemm_precision, load_profile, peaks_for
+from dlrm_lab.metrics.roofline import Peaks, gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.metrics.tables import TableWriter
 
@@ -78,7 +80,6 @@ class Point:
     streams: list[Stream]
     mode: str = "together"
     scenario: str = "open-loop"
-    extra: dict[str, Any] = field(default_factory=dict)  # columns added to each summary row
     duration_s: float | None = None
 
 
@@ -99,9 +100,9 @@ def measure(
     log: Log | None = None,
     telemetry: TableWriter | None = None,
     on_progress: OnProgress | None = None,
-    decided: Callable[[list[dict[str, Any]]], bool] | None = None,
+    decided: Callable[[list[QueryRow]], bool] | None = None,
     trace: bool = False,
-) -> list[dict[str, Any]]:
+) -> list[InferSummaryRow]:
     """Drive one point and summarise it per model. Query rows are written as they finish;
     power and host samples of the point go to `telemetry`; `on_progress` hears how far the
     load is (see `PointProgress`). What the rows say about each model (its serving
@@ -139,20 +140,20 @@ def measure(
 class _Seen:
     """What one point's load left: its query records and what metered it."""
 
-    records: list[dict[str, Any]]
+    records: list[QueryRow]
     stats: DriverStats
-    energy: dict[str, Any]
-    cpu: dict[str, Any]
-    stalls: list[dict[str, Any]]
+    energy: InferSummaryRow  # the point's energy columns, shared by its rows (`energy_columns`)
+    cpu: InferSummaryRow  # CPU_COLUMNS
+    stalls: list[Stall]
     slas: dict[str, float]
     stopped_after_s: float | None  # the load ended early (`decided`)
     failure: RemoteFailure | None  # a remote system under test failed: the point as far as it went
 
 
 def _drive_point(
-    server: SystemUnderTest, point: Point, cfg: InferConfig, sut: SutDescription, peaks: dict[str, Any],
+    server: SystemUnderTest, point: Point, cfg: InferConfig, sut: SutDescription, peaks: dict[str, Peaks | str],
     queries: TableWriter, run_dir: Path, log: Log | None, telemetry: TableWriter | None,
-    on_progress: OnProgress | None, decided: Callable[[list[dict[str, Any]]], bool] | None, trace: bool,
+    on_progress: OnProgress | None, decided: Callable[[list[QueryRow]], bool] | None, trace: bool,
 ) -> _Seen:  # fmt: skip
     """The point's load, metered (energy, CPU, the trace): every finished query a row with its latency parts."""
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
@@ -162,11 +163,11 @@ def _drive_point(
         max_issue_lag_ms=cfg.max_issue_lag_ms, concurrency=cfg.concurrency,
     )  # fmt: skip
     driver = make_driver(server, point.streams, settings)
-    records: list[dict[str, Any]] = []
+    records: list[QueryRow] = []
     roofs = {m: batch_roof(sut.models[m].spec, sut.models[m].table_precision or "fp32", p,
                            _dense_bytes(sut.models[m])) for m, p in peaks.items()}  # fmt: skip
 
-    def pump(finished: list[dict[str, Any]]) -> None:
+    def pump(finished: list[QueryRow]) -> None:
         rows = with_late_flags(finished, slas, point.index)
         for r in rows:
             n = r.get("batch_samples")
@@ -223,12 +224,13 @@ def _drive_point(
     if tracing:
         _write_trace(server, records, sut, run_dir, log)
     report(finished=True)
-    return _Seen(records, driver.stats, sampler.summary(window[0], window[1]),
-                 {column: use[column] for column in CPU_COLUMNS}, stalls, slas, stopped_after_s, failure)  # fmt: skip
+    return _Seen(records, driver.stats, InferSummaryRow(sampler.summary(window[0], window[1])),
+                 InferSummaryRow({column: use[column] for column in CPU_COLUMNS}), stalls, slas, stopped_after_s,
+                 failure)  # fmt: skip
 
 
-def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription, cfg: InferConfig, peaks: Any,
-                 warmup_s: float) -> dict[str, Any]:  # fmt: skip
+def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription, cfg: InferConfig,
+                 peaks: Peaks | str, warmup_s: float) -> InferSummaryRow:  # fmt: skip
     """One model's summary row of a point (`infer summary`, less energy and cost: those are shared by the point)."""
     stats, failure = seen.stats, seen.failure
     mine = [r for r in seen.records if r["model"] == stream.model]
@@ -247,7 +249,7 @@ def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription,
             error = f"{sut.target}: {failure}"
         else:
             error = f"the server at {sut.target} answered badly: {failure}"
-    row = {
+    row = InferSummaryRow({
         "point": point.index,
         "mode": point.mode,
         "scenario": point.scenario,
@@ -273,8 +275,7 @@ def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription,
         "batch_fixed_ms": None if cost is None else cost.fixed_ms,
         "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
         **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
-        **point.extra,
-    }
+    })  # fmt: skip
     dense_bytes, tables = _dense_bytes(served), served.table_precision or "fp32"
     row.update(roofline_columns(served.spec, tables, row, peaks, dense_bytes))
     row.update(latency_floor_columns(served.spec, tables, served.instances or 1, served.threads or 1,
@@ -283,16 +284,14 @@ def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription,
     return row
 
 
-def point_price(profile: dict[str, Any] | None, cfg: InferConfig, sut: SutDescription) -> Price | None:
+def point_price(profile: JsonObject | None, cfg: InferConfig, sut: SutDescription) -> Price | None:
     """The price a point's costs are at: `--price-per-hour`, else the price stored with this machine's profile, which
     is the server's only where the server runs on this machine (a remote host's is given, or there is none)."""
     here = all(d.on_this_host for d in sut.models.values())
     return price_of(profile if here else None, cfg.price_per_hour, cfg.currency)
 
 
-def _write_trace(
-    server: Any, records: list[dict[str, Any]], sut: SutDescription, run_dir: Path, log: Log | None
-) -> None:
+def _write_trace(server: Any, records: list[QueryRow], sut: SutDescription, run_dir: Path, log: Log | None) -> None:
     """Collect the instances' profiles and write the point's trace.json beside its records."""
     import shutil
 
@@ -311,7 +310,7 @@ def _write_trace(
             f"ui.perfetto.dev){gaps}")  # fmt: skip
 
 
-def _peaks(profile: dict[str, Any] | None, device: str, served: ModelDescription) -> Any:
+def _peaks(profile: JsonObject | None, device: str, served: ModelDescription) -> Peaks | str:
     """The peaks one instance of `served` is placed against: its device, threads and GEMM precision (a
     reason instead where its instances are not on this machine, or their precision and threads are unknown)."""
     if not served.on_this_host or served.precision is None or served.threads is None:
@@ -325,15 +324,16 @@ def _dense_bytes(served: ModelDescription) -> float:
     return dense_weight_bytes(served.build, served.precision)
 
 
-def stall_columns(stalls: list[dict[str, Any]]) -> dict[str, Any]:
+def stall_columns(stalls: list[Stall]) -> InferSummaryRow:
     """How many batches an instance held far beyond their warm time, the longest, and which instances."""
     if not stalls:
-        return {"instance_stalls": 0, "longest_stall_s": None, "stalled_instances": None}
-    return {"instance_stalls": len(stalls), "longest_stall_s": max(s["took_ms"] for s in stalls) / 1e3,
-            "stalled_instances": ",".join(str(i) for i in sorted({s["instance"] for s in stalls}))}  # fmt: skip
+        return InferSummaryRow(instance_stalls=0, longest_stall_s=None, stalled_instances=None)
+    instances = ",".join(str(i) for i in sorted({s["instance"] for s in stalls}))
+    return InferSummaryRow(instance_stalls=len(stalls), longest_stall_s=max(s["took_ms"] for s in stalls) / 1e3,
+                           stalled_instances=instances)  # fmt: skip
 
 
-def point_line(row: dict[str, Any]) -> str:
+def point_line(row: InferSummaryRow) -> str:
     p99, floor = row.get("latency_p99_ms"), row.get("latency_floor_ms")
     lg = f", LoadGen {row['loadgen_result']}" if row.get("loadgen_result") else ""
     ratio = row.get("latency_floor_ratio")

@@ -24,6 +24,7 @@ import numpy as np
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Scenario, Stream
 from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest, report_after
+from dlrm_lab.metrics.columns import InferSummaryRow
 
 # LoadGen's TestSettings of each scenario: its TestScenario, the samples in one LoadGen query,
 # and which of the run's quantities (see `LoadGenDriver.test_settings`) sets which field.
@@ -272,10 +273,11 @@ def queries_needed(reason: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def parse_loadgen_summary(path: Path) -> dict[str, Any]:
-    """VALID/INVALID, LoadGen's throughput and its p99 from `mlperf_log_summary.txt`."""
+def parse_loadgen_summary(path: Path) -> InferSummaryRow:
+    """VALID/INVALID, LoadGen's throughput and its p99 from `mlperf_log_summary.txt`, as summary columns."""
     if not path.exists():
-        return {"loadgen_result": None, "loadgen_queries_per_s": None, "loadgen_p99_ms": None, "loadgen_reason": None}
+        return InferSummaryRow(loadgen_result=None, loadgen_queries_per_s=None, loadgen_p99_ms=None,
+                               loadgen_reason=None)  # fmt: skip
     text = path.read_text()
 
     def grab(pattern: str) -> str | None:
@@ -297,12 +299,12 @@ def parse_loadgen_summary(path: Path) -> dict[str, Any]:
     reason = "; ".join(f"{u.replace(' satisfied', '')} not met" for u in unmet) or None
     if reason and more:
         reason += f" (processed {processed} queries, would need at least {more} more, all within the bound)"
-    return {
+    return InferSummaryRow({
         "loadgen_reason": reason,
         "loadgen_result": grab(r"^Result is\s*:\s*(\w+)"),
         "loadgen_queries_per_s": float(rate) if rate else None,
         "loadgen_p99_ms": int(p99) / 1e6 if p99 else None,
-    }
+    })  # fmt: skip
 
 
 # LoadGen's scenarios as the lab runs them: one model each; the server's rate can be probed open loop and

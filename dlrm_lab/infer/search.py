@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.certify import certify
@@ -34,7 +35,7 @@ from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.targets import open_target, parse_target
-from dlrm_lab.metrics.columns import schema_of
+from dlrm_lab.metrics.columns import FrontierRow, QueryRow, SearchSummaryRow, schema_of
 from dlrm_lab.metrics.cost import price_of, serving_cost_columns
 from dlrm_lab.metrics.energy import telemetry_schema
 from dlrm_lab.metrics.precision import AUTO, choose_precision, contenders
@@ -55,14 +56,14 @@ def late_budget(qps: float, seconds: float, percentile: float) -> int:
     return n - nearest_rank(percentile, n)
 
 
-def fails_already(model: str, sla_ms: float, budget: int) -> Callable[[list[dict[str, Any]]], bool]:
+def fails_already(model: str, sla_ms: float, budget: int) -> Callable[[list[QueryRow]], bool]:
     """A probe's `decided` test: more queries already late, dropped or failed than its budget
     (more queries cannot undo that: the percentile is already beyond the bound). The records
     only grow during a point, so each call counts just the ones added since the last: the
     test runs in the serving process while the load is measured."""
     seen = late = 0
 
-    def decided(records: list[dict[str, Any]]) -> bool:
+    def decided(records: list[QueryRow]) -> bool:
         nonlocal seen, late
         for r in records[seen:]:
             if r["model"] == model and r["status"] != "rejected" and (r["status"] != "ok" or r["latency_ms"] > sla_ms):
@@ -150,13 +151,13 @@ def search(
 
     check_stored_profile(log)
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)
-    frontier: list[dict[str, Any]] = []
+    frontier: list[FrontierRow] = []
     with faults_name_the_run(run), run:
         queries = run.table("queries", schema_of("queries"))
         summary = run.table("summary", schema_of("search summary"))
         telemetry = run.table("telemetry", telemetry_schema("point"))
         point_index = 0
-        choices: dict[str, Any] = {}
+        choices: dict[str, JsonObject] = {}
         layouts = [(layout, list(group)) for layout, group in itertools.groupby(grid.configs(), key=lambda c: c[:2])]
         runs = [
             (layout, precision, group)
@@ -221,7 +222,7 @@ class _Probing:
     on_progress: OnProgress | None
     point_index: int  # the next point's number (the search's points are numbered over every probe)
 
-    def bisect(self, served: ModelDescription, capacity: float, best_sps: float) -> dict[str, Any]:
+    def bisect(self, served: ModelDescription, capacity: float, best_sps: float) -> FrontierRow:
         """The highest rate of `served` in (0, 1.05 x capacity] whose latency percentile meets the bound (search's
         docstring): its frontier row. `best_sps`: the best rate found under the bound so far (samples/s)."""
         server, base, stream, cfg, options = self.server, self.base, self.stream, self.cfg, self.options
@@ -229,7 +230,7 @@ class _Probing:
         mean_size = stream.sizes.mean
         point_index = self.point_index
         lo, hi = 0.0, capacity * 1.05
-        best_rows: list[dict[str, Any]] = []
+        best_rows: list[SearchSummaryRow] = []
         probes = points = 0
         # With a rate found under the bound already, the first probe asks whether this
         # configuration can come near it: failing there, it cannot win (one probe spent).
@@ -249,15 +250,15 @@ class _Probing:
             decided = (fails_already(base.name, cfg.sla_ms,
                                      late_budget(qps, seconds, cfg.sla_percentile))
                        if options.early_stop and scenario(cfg.scenario).stops_early else None)  # fmt: skip
-            rows: list[dict[str, Any]] = []
+            rows: list[SearchSummaryRow] = []
             lat: list[float] = []
             passed: bool | None = None
             for rep in range(options.repeats):
-                point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario,
-                              extra={"repeat": rep, "probe": probes}, duration_s=seconds)  # fmt: skip
+                point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario, duration_s=seconds)
                 point_index += 1
-                (row,) = measure(server, point, cfg, queries, self.run_dir, telemetry=telemetry,
-                                 on_progress=self.on_progress, decided=decided)  # fmt: skip
+                (measured,) = measure(server, point, cfg, queries, self.run_dir, telemetry=telemetry,
+                                      on_progress=self.on_progress, decided=decided)  # fmt: skip
+                row = SearchSummaryRow(measured, repeat=rep, probe=probes)
                 rows.append(row)
                 # a load cut short (decided, or its issuer fell behind) did not hold the rate
                 stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
@@ -295,7 +296,7 @@ class _Probing:
 
 
 def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None,
-                       choices: dict[str, Any]) -> list[str]:  # fmt: skip
+                       choices: dict[str, JsonObject]) -> list[str]:  # fmt: skip
     """The precisions a layout is searched in: the one asked for, or with `auto` every
     precision whose measured GEMM rate is close enough to the fastest to win (a clear loser
     is left out of the grid, and so costs no search time)."""

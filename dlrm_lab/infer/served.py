@@ -11,6 +11,7 @@ from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.tables import TABLE_PRECISIONS
+from dlrm_lab.metrics.columns import InferSummaryRow
 from dlrm_lab.metrics.precision import AUTO
 
 DEFAULT_MAX_QUERY_SAMPLES = 65_536  # ~100x MLPerf's largest DLRM query (700 samples)
@@ -82,8 +83,9 @@ class ServedModel:
             raise FieldError("build", f"{self.build!r}: allowed: {AUTO}, {', '.join(build_names())}")
         family_of(self.spec).check_served(self)
 
-    def describe(self) -> dict[str, Any]:
-        return {
+    def describe(self) -> InferSummaryRow:
+        """How it is served, as its summary rows' columns (and the run manifest's record of it)."""
+        return InferSummaryRow({
             "model": self.name,
             "preset": self.spec.name,
             "instances": self.instances,
@@ -102,17 +104,17 @@ class ServedModel:
             "build": self.build,
             "max_query_samples": self.max_query_samples,
             **self.checkpoint_columns(),
-        }
+        })  # fmt: skip
 
-    def checkpoint_columns(self) -> dict[str, Any]:
+    def checkpoint_columns(self) -> InferSummaryRow:
         trained = self.trained()
         if trained is None:
-            return {"checkpoint": None, "checkpoint_step": None, "checkpoint_auc": None}
-        return {
-            "checkpoint": str(trained.path),
-            "checkpoint_step": trained.step,
-            "checkpoint_auc": trained.held_out_auc,
-        }
+            return InferSummaryRow(checkpoint=None, checkpoint_step=None, checkpoint_auc=None)
+        return InferSummaryRow(
+            checkpoint=str(trained.path),
+            checkpoint_step=trained.step,
+            checkpoint_auc=trained.held_out_auc,
+        )
 
     def trained(self) -> Any:
         """The checkpoint served (`model.checkpoint.TrainedCheckpoint`); None without one."""
