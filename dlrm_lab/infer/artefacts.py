@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from dlrm_lab.config.values import JsonObject
+
 BUILD_DIR_ENV = "DLRM_LAB_BUILD_DIR"
 RECORD = ".json"  # beside each artefact: its hash and what made it
 
@@ -34,7 +36,7 @@ def artefact_dir() -> Path:
     return Path(os.environ.get(BUILD_DIR_ENV) or Path.home() / ".cache" / "dlrm-lab" / "builds")
 
 
-def content_key(parts: dict[str, Any], tensors: Iterable[torch.Tensor] = ()) -> str:
+def content_key(parts: JsonObject, tensors: Iterable[torch.Tensor] = ()) -> str:
     """A hash of `parts` (JSON-able) and of the bytes of `tensors`, in order."""
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode())
     for t in tensors:
@@ -44,7 +46,7 @@ def content_key(parts: dict[str, Any], tensors: Iterable[torch.Tensor] = ()) -> 
     return digest.hexdigest()[:32]
 
 
-def machine_parts() -> dict[str, Any]:
+def machine_parts() -> dict[str, str]:
     """What ties a compiled artefact to this machine: its fingerprint (CPU model and flags) and the engine."""
     from dlrm_lab.metrics.hardware import hardware_fingerprint
 
@@ -84,7 +86,7 @@ def verified(path: Path) -> str | None:
     return None
 
 
-def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about: dict[str, Any]) -> Artefact:
+def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about: JsonObject) -> Artefact:
     """The artefact of `key` from the cache, checked; else `build(path)` writes it to a temporary path, which is
     recorded and renamed into place. Concurrent callers of one key build it once."""
     directory = artefact_dir()
@@ -112,7 +114,7 @@ def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about:
 
 
 def dense_package(build: str, module: Any, suffix: str, write: Callable[[Any, Path], None],
-                  made_by: dict[str, Any]) -> Artefact:  # fmt: skip
+                  made_by: JsonObject) -> Artefact:  # fmt: skip
     """The package of a served module's dense part that `write(module, path)` makes, from the cache or made now:
     keyed by the build, the model's spec, `made_by` (precision, engine versions, calibration), the machine and the
     dense weights themselves."""

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, make_runner, next_samples
@@ -66,7 +67,7 @@ class BuildChoice:
     def line(self) -> str:
         return f"warning: {self.warning}" if self.warning else f"build {self.build}: {self.reason}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "requested": self.requested, "build": self.build, "reason": self.reason,
             "batch_ms": {b: {str(n): round(ms, 4) for n, ms in sizes.items()} for b, sizes in self.batch_ms.items()},

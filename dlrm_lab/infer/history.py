@@ -126,7 +126,7 @@ def score_requests(
     return logits, reused
 
 
-def reuse_accuracy(model: Any, library: Any, batch: int = 64, cache_mb: float = 1024.0) -> dict[str, Any]:
+def reuse_accuracy(model: Any, library: Any, batch: int = 64, cache_mb: float = 1024.0) -> dict[str, float]:
     """Scores of the library's requests in time order, `batch` at a time, without and with history
     reuse: the AUC of each against the labels, the largest score difference, and the hit rate."""
     from torchmetrics.functional.classification import binary_auroc

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dlrm_lab.config.family import family_of, spec_from_dict
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.batches import QueryRef, make_runner
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
@@ -67,7 +68,7 @@ class InstancePlan:
     model: str  # served model name
     index: int  # instance number within the whole server
     snapshot_dir: str
-    spec: dict[str, Any]
+    spec: JsonObject  # its spec's to_dict()
     threads: int
     cores: tuple[int, ...]  # empty: not pinned
     device: str  # "cpu" or "cuda:N"

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, RemoteFailure, ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import check_scenario, scenario
@@ -176,7 +176,7 @@ def for_load(served: ServedModel, stream: Stream) -> ServedModel:
     return replace(served, build_batches=(min(stream.sizes.quantile(0.5), served.max_batch), served.piece_limit()))
 
 
-def stream_config(s: Stream) -> dict[str, Any]:
+def stream_config(s: Stream) -> JsonObject:
     return {
         "model": s.model,
         "qps": s.qps,

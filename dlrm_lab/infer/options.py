@@ -16,6 +16,7 @@ from dlrm_lab.config import load_any_preset
 from dlrm_lab.config.family import family_of
 from dlrm_lab.config.options import ModelScaling, by_field, option
 from dlrm_lab.config.prices import check_currency, check_price
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 
 DEFAULT_MODEL = "tiny"
@@ -348,7 +349,7 @@ class InferConfig:
             raise FieldError(probed[0], "auto: needs open-loop or server load (chosen at the point's rate); "
                              f"{{scenario}} {self.scenario}: give a number", "scenario")  # fmt: skip
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     def connection(self) -> Any:

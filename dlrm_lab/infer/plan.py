@@ -23,11 +23,13 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
+from dlrm_lab.infer.sut import SampleLibrary
 from dlrm_lab.metrics.cpu import usable_cores
 from dlrm_lab.metrics.precision import choose_precision
 
@@ -40,8 +42,8 @@ class ServingPlan:
 
     models: dict[str, ServedModel]  # as served: no `auto` left
     modules: dict[str, torch.nn.Module] = field(default_factory=dict)  # the build each model's instances serve
-    libraries: dict[str, Any] = field(default_factory=dict)  # each model's sample library
-    precision_choices: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model: what and why (manifest)
+    libraries: dict[str, SampleLibrary] = field(default_factory=dict)  # each model's sample library
+    precision_choices: dict[str, JsonObject] = field(default_factory=dict)  # per model: what and why (manifest)
     device: str = "cpu"
     seed: int = 0
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
@@ -56,7 +57,7 @@ class AOTIBuild:
         module = base.sibling()  # the same tables, not a copy
         return self.packaged(module, export_dense, {"precision": precision})
 
-    def packaged(self, module: Any, export: Any, made_by: dict[str, Any]) -> Any:
+    def packaged(self, module: Any, export: Any, made_by: JsonObject) -> Any:
         """`module` with its dense part served from the package `export(module, path)` writes: cached under a key of
         the dense weights, the spec, `made_by` and the machine (`infer.artefacts`), then loaded."""
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
