@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.sut import ModelDescription, SutDescription
@@ -40,7 +41,7 @@ class LibraryRecipe:
     """How a client makes the sample library a query's samples are read from (picklable: each client
     worker makes its own): the generator's samples [0, samples) of `spec` at `seed`."""
 
-    spec: dict[str, Any]  # ModelSpec.to_dict()
+    spec: JsonObject  # ModelSpec.to_dict()
     data_spec: str | None
     seed: int
     samples: int
@@ -164,8 +165,8 @@ def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, tim
 
 
 @contextmanager
-def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dict[str, Any], names: dict[str, str],
-               rpc: str, conn: Any) -> Iterator[Any]:  # fmt: skip
+def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dict[str, ModelDescription],
+               names: dict[str, str], rpc: str, conn: Any) -> Iterator[Any]:  # fmt: skip
     """One RemoteServer on a channel of this process, or (`conn.concurrency` > 1) a pool of client processes."""
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)

@@ -23,6 +23,7 @@ from typing import Any
 
 from dlrm_lab.errors import BadAnswer, ClientLost, FieldError, RemoteFailure, ServerLost, exit_description
 from dlrm_lab.infer.sut import Query, SutDescription
+from dlrm_lab.metrics.columns import QueryRow
 
 START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
 # A client worker's private memory (USS: its imports, torch among them, and its channel; shared pages counted
@@ -70,7 +71,7 @@ class ClientPool:
         self._idle = threading.Condition(self._lock)
         self._waiting: dict[int, tuple[Query, int]] = {}  # pool id -> (query, worker)
         self._outstanding = [0] * len(plans)
-        self._rows: list[dict[str, Any]] = []
+        self._rows: list[QueryRow] = []
         self._lost: RemoteFailure | None = None
         self._next = 0
         try:
@@ -123,7 +124,7 @@ class ClientPool:
                 self._idle.wait(min(0.25, max(0.0, deadline - time.monotonic())))
             return not self._waiting
 
-    def take_records(self) -> list[dict[str, Any]]:
+    def take_records(self) -> list[QueryRow]:
         with self._lock:
             out, self._rows = self._rows, []
         return out

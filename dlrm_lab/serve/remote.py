@@ -47,6 +47,7 @@ from google.protobuf.message import DecodeError
 from dlrm_lab.errors import BadAnswer, ServerLost
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.sut import SutDescription, query_row
+from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.serve.protocol import (
     DENSE_DTYPE,
     ID_DTYPE,
@@ -172,7 +173,7 @@ class RemoteServer:
         self._open_stream = channel.stream_stream(INFER_STREAM_METHOD)
         self._stream: queue.SimpleQueue | None = None  # requests of the open stream (None ends it)
         self._waiting: dict[int, tuple[Any, tuple[int, int, int], int]] = {}  # stream: query id -> its send
-        self._rows: list[dict[str, Any]] = []
+        self._rows: list[QueryRow] = []
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0
@@ -307,7 +308,7 @@ class RemoteServer:
         """The query's row (`query_row`, its transfer columns filled) and its on_done: `resp` is the decoded
         answer when the server sent one."""
         start, serialised, send = stamps
-        columns: dict[str, Any] = {
+        columns: dict[str, float | None] = {  # its transfer columns of `queries`
             "worker": self.worker,
             "round_trip_ms": (receive - send) / 1e6,
             "serialise_ms": (send - start) / 1e6,
@@ -368,7 +369,7 @@ class RemoteServer:
                 if self._outstanding == 0:
                     self._idle.notify_all()
 
-    def take_records(self) -> list[dict[str, Any]]:
+    def take_records(self) -> list[QueryRow]:
         with self._lock:
             out, self._rows = self._rows, []
         return out

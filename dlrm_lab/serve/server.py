@@ -40,7 +40,7 @@ from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Query, query_row
-from dlrm_lab.metrics.columns import schema_of
+from dlrm_lab.metrics.columns import QueryRow, schema_of
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.tables import TableWriter
 from dlrm_lab.metrics.trust import check_stored_profile
@@ -83,7 +83,7 @@ class InferenceService:
         self.failure: str | None = None  # an instance died: every query is INTERNAL from then on
         self._ids = itertools.count()  # server-side query ids (clients' ids may collide)
         self._pending: dict[int, asyncio.Future] = {}
-        self._refused: collections.deque[dict[str, Any]] = collections.deque()
+        self._refused: collections.deque[QueryRow] = collections.deque()
         self._flushed = time.monotonic()
 
     def handler(self) -> grpc.GenericRpcHandler:
