@@ -1,6 +1,7 @@
 """Single-process training: it learns, it records, it stops cleanly."""
 
 import math
+from collections.abc import Callable
 
 import duckdb
 import pyarrow.parquet as pq
@@ -513,3 +514,77 @@ def test_a_bf16_run_times_its_dot_interaction_both_ways_and_runs_the_choice(tmp_
     # fp32 runs have nothing to choose
     fp32 = train(spec, TrainConfig(steps=2, batch_size=64, seed=2), metrics_dir=tmp_path)
     assert read_manifest(fp32.run_dir)["config"]["interaction_choice"] is None
+
+
+def _trial_ranks(step_ms: Callable[[int, str], float], world: int = 2) -> list[dict]:
+    """`world` ranks, each a thread running a StepTrial of the table update over the same steps at once, their
+    medians gathered as `all_gather_object` would (a barrier, then every rank's); `step_ms(rank, way)` is the
+    fake clock: what a step takes on that rank with that way while the others run theirs."""
+    import threading
+
+    from dlrm_lab.train.step_trial import StepTrial, trial_window
+
+    (first,) = trial_window(0, 40, 1)
+    posted: list[dict | None] = [None] * world
+    barrier = threading.Barrier(world)
+    installed: list[list[str]] = [[] for _ in range(world)]
+    decided: list[dict | None] = [None] * world
+
+    def rank(r: int) -> None:
+        def gather(mine: dict[str, float]) -> list[dict[str, float]]:
+            posted[r] = mine
+            barrier.wait()
+            return list(posted)
+
+        trial = StepTrial("table_update", "table_update_choice", ("batched", "fbgemm"), installed[r].append, first,
+                          gather, {"ranks": world})  # fmt: skip
+        for step in range(40):
+            trial.before(step)
+            way = installed[r][-1] if trial.way_at(step) else "settled"
+            if (record := trial.after(step, step_ms(r, way))) is not None:
+                decided[r] = record
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert all(d is not None for d in decided)
+    for r in range(world):  # ABBA over the window, then the choice put in place
+        assert installed[r][:4] == ["batched", "fbgemm", "fbgemm", "batched"] and len(installed[r]) == 2 * 4 + 1
+        assert installed[r][-1] == decided[r]["table_update"]
+    return decided  # type: ignore[return-value]
+
+
+def test_a_choice_is_timed_with_the_ranks_competing_not_alone():
+    """The batched table update wins alone (1.0 ms against fbgemm's 1.6: what the timing apart saw) but, with both
+    ranks stepping at once on shared cores, its steps take longer than fbgemm's: the trial over the run's own steps
+    keeps fbgemm, on every rank alike, and says under which conditions."""
+    alone = {"batched": 1.0, "fbgemm": 1.6}
+    assert alone["fbgemm"] >= 1.10 * alone["batched"]  # the choice apart: batched
+
+    contended = {"batched": 118.0, "fbgemm": 101.0}  # the step, both ranks running: the paths swap rank
+    decided = _trial_ranks(lambda rank, way: contended.get(way, 100.0) + rank * 0.5)
+    assert [d["table_update"] for d in decided] == ["fbgemm", "fbgemm"]
+    assert decided[0] == decided[1]  # every rank decided from the same gathered medians
+    assert decided[0]["ms"] == {"batched": 118.25, "fbgemm": 101.25} and len(decided[0]["ranks_ms"]) == 2
+    assert decided[0]["steps"] == [2, 9] and decided[0]["conditions"] == {"ranks": 2}
+    assert "on all 2 rank(s) at once" in decided[0]["reason"] and "fbgemm kept" in decided[0]["reason"]
+
+    # where batched does win under contention it is kept; within the margin, fbgemm stays
+    assert _trial_ranks(lambda rank, way: {"batched": 80.0, "fbgemm": 100.0}.get(way, 90.0))[0]["table_update"] == (
+        "batched"
+    )
+    assert _trial_ranks(lambda rank, way: {"batched": 95.0, "fbgemm": 100.0}.get(way, 90.0))[0]["table_update"] == (
+        "fbgemm"
+    )
+
+
+def test_a_trial_needs_as_many_steps_after_it_as_it_takes():
+    from dlrm_lab.train.step_trial import TRIAL_REPEATS, TRIAL_WARMUP_STEPS, trial_window
+
+    window = 2 * TRIAL_REPEATS
+    need = TRIAL_WARMUP_STEPS + 2 * window * 2
+    assert trial_window(0, need - 1, 2) is None
+    assert trial_window(0, need, 2) == [TRIAL_WARMUP_STEPS, TRIAL_WARMUP_STEPS + window]
+    assert trial_window(100, 100 + need, 2) == [100 + TRIAL_WARMUP_STEPS, 100 + TRIAL_WARMUP_STEPS + window]

@@ -18,6 +18,7 @@ from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
+from dlrm_lab.train.step_trial import StepTrial, trial_window
 
 
 def choose_run_precision(spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None):
@@ -215,3 +216,50 @@ def choose_run_interaction(
     if log and ctx.is_main:
         log(f"dot interaction {shared[0]['gram_dtype']}: {shared[0]['reason']}")
     return shared[0]
+
+
+def run_step_trials(
+    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, start_step: int, table_update: JsonObject,
+    interaction: JsonObject | None,
+) -> list[StepTrial]:  # fmt: skip
+    """The choices this run decides again on its own steps (`train.step_trial`): at several ranks, the table update
+    and the dot interaction's Gram dtype, each first timed apart (one rank's phase on its own), are tried over a
+    window of the run's steps with every rank running them. One rank keeps its timing apart: it is the run's layout
+    (the same process, threads and cores). Each provisional record says which conditions it was timed under."""
+    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.train.table_update import MARGIN, install
+
+    conditions: JsonObject = {"ranks": ctx.world_size, "threads_per_rank": torch.get_num_threads(),
+                              "launcher": ctx.launcher, "backend": ctx.backend, "pinned": cfg.pin_cores}  # fmt: skip
+    wanted: list[tuple[str, str, tuple[str, str], float, Callable[[str], None]]] = []
+    if table_update.get("backward_ms") and table_update.get("requested") == "auto":
+        wanted.append(("table_update", "table_update_choice", ("batched", "fbgemm"), MARGIN,
+                       lambda way: install(dmp, way)))  # fmt: skip
+    if interaction is not None and "ms" in interaction:
+        arches = [m for m in dmp.modules() if isinstance(m, DotInteractionArch)]
+
+        def gram(way: str) -> None:
+            for arch in arches:
+                arch.gram_dtype = torch.float32 if way == "fp32" else None
+
+        wanted.append(("gram_dtype", "interaction_choice", ("fp32", "autocast"), INTERACTION_MARGIN, gram))
+    for record in (table_update, interaction):
+        if record is not None:
+            record["conditions"] = {**conditions, "timed": "apart: this rank's phase alone, before the run"}
+    if ctx.world_size == 1 or not wanted:
+        return []
+    firsts = trial_window(start_step, cfg.steps, len(wanted))
+    if firsts is None:
+        for _, key, *_ in wanted:
+            record = table_update if key == "table_update_choice" else interaction
+            record["trial"] = (f"none: {cfg.steps - start_step} steps are too few for a trial over the run's own "
+                               "steps and as many measured after it; the choice timed apart stands")  # fmt: skip
+        return []
+
+    def gather(mine: dict[str, float]) -> list[dict[str, float]]:
+        out: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(out, mine)
+        return out
+
+    return [StepTrial(name, key, ways, apply, first, gather, conditions, margin=margin)
+            for (name, key, ways, margin, apply), first in zip(wanted, firsts, strict=True)]  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from dlrm_lab.train.profile import StepProfiler, profile_window
 from dlrm_lab.train.records import STEP_SCHEMA
 from dlrm_lab.train.setup import _build, _prepare, _Setup
 from dlrm_lab.train.step import autocast, train_step
+from dlrm_lab.train.step_trial import StepTrial
 from dlrm_lab.train.summary import Reached, _Steps, _summarise
 from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases
 from dlrm_lab.train.watchdog import Watchdog
@@ -133,7 +134,7 @@ def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: A
 
 
 def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
-          on_step: Callable[[StepRow], None] | None) -> _Steps:  # fmt: skip
+          on_step: Callable[[StepRow], None] | None, log: Callable[[str], None] | None = None) -> _Steps:  # fmt: skip
     """The steps, timed by phase, each row written as it is taken; evaluations every `eval_every` steps and at the
     end (training stops once the target AUC is reached); checkpoints. Ctrl-C ends it `interrupted`; a collective
     that failed is a RankFailure. `stack` stops the sampler, the watchdog, the phase hooks and the profiler."""
@@ -174,6 +175,8 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
     try:
         for step in range(start_step, cfg.steps):
             profiler.step(step)
+            for trial in setup.trials:
+                trial.before(step)
             step_starts.append(time.monotonic())
             t0 = time.perf_counter()
             if pipeline is not None:
@@ -195,6 +198,9 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
                 timer.stop()
                 if timer.cuda:
                     step_ms = sum(phases.values())
+            for trial in setup.trials:
+                if (decided := trial.after(step, step_ms)) is not None:
+                    _decided(setup, record, trial, decided, log)
             global_samples = cfg.batch_size * ctx.world_size
             row = StepRow(
                 {
@@ -239,6 +245,23 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
             f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
         ) from exc
     return _Steps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
+
+
+def _decided(setup: _Setup, record: Run | None, trial: StepTrial, decided: JsonObject,
+             log: Callable[[str], None] | None) -> None:  # fmt: skip
+    """A choice decided on the run's steps: its record in the manifest's config (beside the timing apart that it
+    replaced), and the run's config where the summary reads it."""
+    before = setup.config[trial.manifest_key] or {}
+    setup.config[trial.manifest_key] = {**before, trial.name: decided[trial.name], "reason": decided["reason"],
+                                        "apart": {k: v for k, v in before.items() if k not in ("apart", "trial")},
+                                        "trial": decided}  # fmt: skip
+    if trial.name == "table_update":
+        setup.cfg = replace(setup.cfg, table_update=decided["table_update"])
+        setup.config["train"] = setup.cfg.to_dict()
+    if record is not None and setup.ctx.is_main:
+        record.update_manifest(config=setup.config)
+    if log is not None and setup.ctx.is_main:
+        log(f"{trial.name} {decided[trial.name]}: {decided['reason']}")
 
 
 def _trained(setup: _Setup, record: Run | None, evals: list[EvalRow]) -> JsonObject:
@@ -291,7 +314,7 @@ def train(
             stack.enter_context(record)
         if isinstance(setup.source, Prefetcher):
             stack.callback(setup.source.close)
-        measured = _loop(setup, record, stack, on_step)
+        measured = _loop(setup, record, stack, on_step, log)
         summary, all_steps = _summarise(setup, record, measured)
         if measured.status == "interrupted":
             raise KeyboardInterrupt

@@ -12,7 +12,7 @@ import gc
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,13 @@ from dlrm_lab.train.choices import (
     choose_run_interaction,
     choose_run_precision,
     choose_run_table_update,
+    run_step_trials,
 )
 from dlrm_lab.train.pipeline import BatchLoss
 from dlrm_lab.train.preflight import ResolvedRun
 from dlrm_lab.train.sharding_trial import resolve_sharding
 from dlrm_lab.train.step import RecipeOptimizer, dense_optimizer, model_inputs
+from dlrm_lab.train.step_trial import StepTrial
 
 
 def _init_output_bias(model: torch.nn.Module, click_rate: float | None) -> float | None:
@@ -83,6 +85,7 @@ class _Setup:
     eval_source: BatchSource
     start_step: int
     config: JsonObject  # the manifest's config: every choice and why
+    trials: list[StepTrial] = field(default_factory=list)  # choices decided again on the run's own steps
 
 
 def _output_bias_rule(output_bias: float | None, click_rate: float | None, start_step: int) -> str:
@@ -187,6 +190,7 @@ def _build(
     )  # fmt: skip
     cfg = replace(cfg, table_update=table_update["table_update"])
     interaction = choose_run_interaction(spec, cfg, ctx, dmp, log)
+    trials = run_step_trials(cfg, ctx, dmp, start_step, table_update, interaction)
     plan_info = describe_plan(
         plan, spec, ctx.world_size, bytes_per_value=int(TABLE_BYTES_PER_VALUE[cfg.table_precision])
     )
@@ -237,7 +241,7 @@ def _build(
         },
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
-    return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config)
+    return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config, trials)
 
 
 def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> JsonObject:
