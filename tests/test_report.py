@@ -451,6 +451,14 @@ def test_plot_functions_on_plain_data(tmp_path):
         tmp_path / "bars.png",
     )
     assert bars.ms["backward"] == [5.0] and bars.ms["other"] == [pytest.approx(3.0)]
+    assert bars.floor_ms is None  # never placed on the machine's peaks: no floors drawn
+    placed = plots.training_phases(
+        [{"label": "x", "step_time_ms_mean": 10.0, "backward_share": 0.5, "backward_floor_ms": 1.5,
+          "embedding_lookup_floor_ms": 0.5, "phase_floor_ms": 2.0, "phase_floor_fraction": 0.2}],
+        tmp_path / "placed.png",
+    )  # fmt: skip
+    assert placed.floor_ms["backward"] == [1.5] and placed.floor_ms["embedding_lookup"] == [0.5]
+    assert placed.floor_ms["optimizer"] == [0.0] and placed.path.read_bytes()[:8] == PNG_MAGIC
     energy = plots.energy(
         [{"label": "r", "samples_per_s_per_w": 10.0}, {"label": "q", "samples_per_s_per_w": 2.0,
                                                        "energy_per_query_j": 0.5}], tmp_path / "e.png"

@@ -8,10 +8,11 @@ import torch
 
 import dlrm_lab
 from dlrm_lab.errors import UserError
+from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.metrics.device_peaks import ProbeSizes, copy_bytes_per_s, gather_bytes_per_s, gemm_flops_per_s
 from dlrm_lab.metrics.hardware import hardware_fingerprint
 from dlrm_lab.metrics.roofline import Peaks, Work, load_profile, peaks_for, place, save_profile
-from dlrm_lab.model.cost import dense_step_bytes, lookup_bytes_per_sample
+from dlrm_lab.model.cost import dense_step_bytes, lookup_bytes_per_sample, sample_cost
 
 CPU = torch.device("cpu")
 
@@ -246,6 +247,19 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     assert s["roofline_bound_by"] == "memory" and s["roofline_bound_ms"] == pytest.approx(memory_ms)
     assert s["roofline_fraction"] == pytest.approx(memory_ms / s["step_time_ms_mean"])
     assert "cpu" in s["roofline_basis"] and s["roofline_note"] is None
+    # phase by phase: the lookup reads the rows (7 x 8 fp32 values), the backward runs its FLOPs or rereads the rows
+    # with their state and writes both, whichever is longer; one rank sends nothing; the floors add up
+    cost = sample_cost(spec)
+    weights_ms = 4 * spec.dense_parameters / 20e9 * 1e3
+    assert s["embedding_lookup_floor_ms"] == pytest.approx(128 * 7 * 8 * 4 / 5e9 * 1e3)
+    assert s["dense_forward_floor_ms"] == pytest.approx(max(128 * cost.forward_flops / 100e9 * 1e3, weights_ms))
+    update_ms = 128 * s["bytes_per_sample"] / 5e9 * 1e3 + 2 * weights_ms
+    assert s["backward_floor_ms"] == pytest.approx(max(128 * cost.backward_flops / 100e9 * 1e3, update_ms))
+    assert s["optimizer_floor_ms"] == pytest.approx(weights_ms * (3 + 2))  # adagrad: one state
+    assert s["input_dist_floor_ms"] == s["embedding_all_to_all_floor_ms"] == s["data_wait_floor_ms"] == 0.0
+    floors = [s[f"{p}_floor_ms"] for p in PHASES]
+    assert s["phase_floor_ms"] == pytest.approx(sum(floors)) and s["phase_floor_ms"] > s["roofline_bound_ms"]
+    assert s["phase_floor_fraction"] == pytest.approx(s["phase_floor_ms"] / s["step_time_ms_mean"])
     assert s["target_reached"] is False and s["valid_flops_per_s"] == 0.0  # no credit without quality
     # 40 W for the whole measured window: J/sample = W / (samples/s)
     assert s["power_w_mean"] == pytest.approx(40.0) and s["energy_scope"] == "fake:dev0"
@@ -336,3 +350,44 @@ def test_run_probe_rules_without_measuring(tmp_path, monkeypatch):
     outcome = run_probe(quick=True, if_missing=True)  # a stored profile: nothing measured, nothing written
     assert outcome.written is None and outcome.fingerprint_id == stored["fingerprint_id"]
     assert "not probing again (--if-missing)" in outcome.kept
+
+
+def test_the_phase_sum_floor_bounds_each_phase_by_its_own_resource():
+    """A step of known phases: a compute-bound one, a gather-bound one, one bound by its collective and one that
+    mixes rows and dense bytes. The whole-step roof takes the largest resource as if all overlapped; the phases run
+    in sequence, so their floors add, and a collective never probed leaves its phase (and the sum) unbounded."""
+    from dlrm_lab.metrics.roofline import phase_floors
+
+    peaks = Peaks(flops_per_s=1e12, memory_bytes_per_s=1e10, gather_bytes_per_s=5e9, comm_bytes_per_s=2e9, basis="x")
+    phases = {
+        "dense_forward": Work(flops=4e9, gather_bytes=0.0, stream_bytes=1e7),  # 4 ms of FLOPs, 1 ms of weights
+        "embedding_lookup": Work(flops=0.0, gather_bytes=1e7, stream_bytes=0.0),  # 2 ms of rows
+        "embedding_all_to_all": Work(0.0, 0.0, 0.0, comm_bytes=4e6),  # 2 ms on the wire
+        "backward": Work(flops=1e9, gather_bytes=1e7, stream_bytes=2e7, comm_bytes=2e6),  # 1, 2 + 2, 1 ms: 4
+    }
+    floors = phase_floors(phases, peaks)
+    assert floors == pytest.approx({"dense_forward": 4.0, "embedding_lookup": 2.0, "embedding_all_to_all": 2.0,
+                                    "backward": 4.0})  # fmt: skip
+    whole = place(Work(flops=5e9, gather_bytes=2e7, stream_bytes=3e7, comm_bytes=6e6), None, peaks)
+    assert whole["roofline_bound_ms"] == pytest.approx(7.0) and sum(floors.values()) == pytest.approx(12.0)
+    unprobed = phase_floors(phases, Peaks(1e12, 1e10, 5e9, comm_bytes_per_s=None, basis="x"))
+    assert unprobed["embedding_all_to_all"] is None and unprobed["backward"] is None
+    assert unprobed["dense_forward"] == pytest.approx(4.0)
+
+
+def test_a_steps_phases_hold_the_whole_steps_work():
+    """`step_phase_work` splits the step the whole-step roof counts: the same FLOPs and collective bytes, the rows
+    read twice (the lookup, then the update rereads them with their state) and the dense bytes of each phase."""
+    from dlrm_lab.model.cost import step_communication_bytes, step_phase_work
+
+    spec = dlrm_lab.load_preset("kaggle")
+    phases = step_phase_work(spec, 2048, 2)
+    assert list(phases) == list(PHASES)
+    cost = sample_cost(spec)
+    assert sum(w.flops for w in phases.values()) == 2048 * cost.training_flops
+    assert sum(w.comm_bytes for w in phases.values()) == pytest.approx(
+        sum(step_communication_bytes(spec, 4096, 2).values())
+    )
+    rows = cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes
+    assert sum(w.gather_bytes for w in phases.values()) == pytest.approx(2048 * (cost.embedding_bytes_read + rows))
+    assert phases["optimizer"].stream_bytes == 4 * spec.dense_parameters * 5  # adagrad: grad, param r/w, state r/w

@@ -20,7 +20,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -417,4 +417,23 @@ def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str,
     )
     if measured_s and measured_s > 0:
         out["roofline_fraction"] = times[bound_by] / measured_s
+    return out
+
+
+def phase_floors(phases: Mapping[str, Work], peaks: Peaks) -> dict[str, float | None]:
+    """Each phase of a step at its own bound (ms): the larger of its FLOPs at the GEMM peak, its bytes at the
+    bandwidths they meet (rows and optimizer state at the gather bandwidth, dense weights and states at the copy
+    bandwidth) and its collectives' bytes at the probed collective bandwidth. Phases run in sequence, so their sum
+    is the step's floor (`place` takes the largest of the whole step's resources instead: it assumes every phase
+    overlaps every other). A phase with collective bytes but no probed bandwidth is None (not bounded)."""
+    out: dict[str, float | None] = {}
+    for name, w in phases.items():
+        times = [w.flops / peaks.flops_per_s,
+                 w.gather_bytes / peaks.gather_bytes_per_s + w.stream_bytes / peaks.memory_bytes_per_s]  # fmt: skip
+        if w.comm_bytes > 0:
+            if not peaks.comm_bytes_per_s:
+                out[name] = None
+                continue
+            times.append(w.comm_bytes / peaks.comm_bytes_per_s)
+        out[name] = max(times) * 1e3
     return out

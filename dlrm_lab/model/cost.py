@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from dlrm_lab.config import ModelSpec
 from dlrm_lab.config.family import family_of
+from dlrm_lab.metrics.roofline import Work
 
 
 @dataclass(frozen=True)
@@ -141,3 +142,36 @@ def training_memory(spec: ModelSpec, batch_size: int, dense_optimizer: str = "ad
     activations = 2 * 4.0 * batch_size * outputs  # kept for backward, and their gradients
     tables = float(sum(t.num_embeddings * (row_bytes(t.embedding_dim) + 4) for t in spec.tables))
     return TrainingMemory(tables=tables, dense=dense, activations=activations)
+
+
+def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_precision: str = "fp32",
+                    embedding_optimizer: str = "rowwise_adagrad", dense_optimizer: str = "adagrad",
+                    sharding: dict[str, str] | None = None) -> dict[str, Work]:  # fmt: skip
+    """One rank's training step, phase by phase (`metrics.columns.PHASES`, in the order the step runs them):
+    what each phase does, so that each is bound by its own resource (`metrics.roofline.phase_floors`).
+
+    The lookup reads the rows; the backward runs the dense part's backward GEMMs and then the tables' update, which
+    reads each looked-up row again with its optimizer state and writes both (in place: fbgemm's fused backward or
+    the batched update); the all-to-alls and the input distribution carry their collectives' bytes (the pooled
+    exchange half forward, half backward; reduce-scatter where the tables are row-sharded); DDP's gradient
+    all-reduce runs under the backward. The dense forward and backward read the weights once each, the optimizer
+    streams the parameters, gradients and states. A model-parallel rank does `batch_size` samples' lookups on
+    average, as the whole-step roof counts them."""
+    cost = sample_cost(spec, table_precision=table_precision, optimizer=embedding_optimizer)
+    comm = step_communication_bytes(spec, batch_size * world_size, world_size, sharding)
+    pooled = comm["pooled_all_to_all"] + comm["pooled_reduce_scatter"]
+    weights = 4.0 * spec.dense_parameters
+    states = _DENSE_OPTIMIZER_STATES.get(dense_optimizer, 1)
+    update_bytes = cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes
+    return {
+        "data_wait": Work(0.0, 0.0, 0.0),  # the batch is made apart (a thread, or ahead): no bound of the step's
+        "input_dist": Work(0.0, 0.0, 0.0, comm["input_dist"]),
+        "embedding_lookup": Work(0.0, batch_size * cost.embedding_bytes_read, 0.0),
+        "embedding_all_to_all": Work(0.0, 0.0, 0.0, pooled / 2),
+        "dense_forward": Work(batch_size * cost.forward_flops, 0.0, weights),
+        "backward": Work(
+            batch_size * cost.backward_flops, batch_size * update_bytes, 2 * weights, comm["gradient_all_reduce"]
+        ),  # fmt: skip
+        "embedding_all_to_all_backward": Work(0.0, 0.0, 0.0, pooled / 2),
+        "optimizer": Work(0.0, 0.0, weights * (3 + 2 * states)),
+    }

@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 from dlrm_lab.config import ModelSpec, TrainConfig
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics.columns import PHASES, StepRow, TrainSummaryRow, schema_of
-from dlrm_lab.metrics.roofline import Peaks, Work, place
+from dlrm_lab.metrics.roofline import Peaks, Work, phase_floors, place
 from dlrm_lab.metrics.run import register_recovery
 from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.metrics.tables import write_table
-from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes
+from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes, step_phase_work
 
 # The training tables, from the column registry (`metrics.columns`, which docs/metrics.md explains)
 STEP_SCHEMA = schema_of("steps")
@@ -200,6 +200,15 @@ def roofline_columns(
     )
     step_ms = summary.get("step_time_ms_mean")
     out.update(place(work, step_ms / 1e3 if step_ms else None, peaks))
+    if not isinstance(peaks, str):
+        phases = step_phase_work(spec, cfg.batch_size, world_size, cfg.table_precision, cfg.embedding_optimizer,
+                                 cfg.dense_optimizer)  # fmt: skip
+        floors = phase_floors(phases, peaks)
+        out.update({f"{p}_floor_ms": floors[p] for p in PHASES})
+        if all(v is not None for v in floors.values()):  # a collective unbounded leaves the sum unknown
+            out["phase_floor_ms"] = sum(v for v in floors.values() if v is not None)
+            if step_ms:
+                out["phase_floor_fraction"] = out["phase_floor_ms"] / step_ms
     if cfg.target_auc is not None:
         out["valid_flops_per_s"] = out.get("achieved_flops_per_s") if summary.get("target_reached") else 0.0
     return out

@@ -80,6 +80,11 @@ _table(
     _c("wall_time_s", F64),
     *ROOFLINE,  # docs/metrics.md, "Roofline and energy"
     *ROOFLINE_PLACED,
+    # each phase at its own bound, and their sum: the floor of a step whose phases run in sequence
+    # (`metrics.roofline.phase_floors`, docs/metrics.md "Roofline and energy")
+    *[_c(f"{p}_floor_ms", F64) for p in PHASES],
+    _c("phase_floor_ms", F64, "phase-sum floor", "ms", ".2f"),
+    _c("phase_floor_fraction", F64, "fraction of the phase-sum floor", "fraction", ".3f", HIGHER),
     _c("valid_flops_per_s", F64),
     *ENERGY,
     "energy_per_sample_j",

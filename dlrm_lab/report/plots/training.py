@@ -29,6 +29,7 @@ class PhaseBars:
     step_time_ms: list[float]
     samples_per_s: list[float | None]
     left_out: int = 0
+    floor_ms: dict[str, list[float]] | None = None  # phase -> its floor (`<phase>_floor_ms`), where a profile placed it
 
 
 SEGMENTS = (*PHASES, "other", "unattributed")
@@ -38,7 +39,9 @@ def training_phases(rows: Sequence[ReportRow], out: Path) -> PhaseBars:
     """One bar per run: ms per step in each phase = `<phase>_share` x step_time_ms_mean.
 
     Time the shares do not cover is `other`; a pipelined run (phases overlap, shares
-    null) is one `unattributed` segment. Each bar is therefore its step_time_ms_mean."""
+    null) is one `unattributed` segment. Each bar is therefore its step_time_ms_mean. Where the runs were placed
+    on the machine's peaks, a hatched bar beside each stacks its phases' floors (`<phase>_floor_ms`, each phase at its
+    own bound): each phase against its bound, and the phase-sum floor's fraction on top."""
     rows = [r for r in rows if _num(r.get("step_time_ms_mean"))][:MAX_BARS]
     ms: dict[str, list[float]] = {s: [] for s in SEGMENTS}
     for r in rows:
@@ -50,23 +53,41 @@ def training_phases(rows: Sequence[ReportRow], out: Path) -> PhaseBars:
         ms["other"].append(max(0.0, step - sum(ms[p][-1] for p in PHASES)) if known else 0.0)
         ms["unattributed"].append(0.0 if known else step)
     labels = [str(r.get("label", r.get("run_id"))) for r in rows]
+    floors = {p: [_num(r.get(f"{p}_floor_ms")) or 0.0 for r in rows] for p in PHASES}
+    placed = any(_num(r.get("phase_floor_ms")) for r in rows)
     fig = Figure(figsize=(max(7, 1 + 0.7 * len(rows)), 6), layout="constrained")
     ax = fig.subplots()
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
     colors = {"other": "#bbbbbb", "unattributed": "#dddddd"}
+    width = 0.4 if placed else 0.8
+    measured_x = x - 0.2 if placed else x
+    drawn: dict[str, str] = {}
     for seg in SEGMENTS:
         vals = np.array(ms[seg])
         if not vals.any():
             continue
-        ax.bar(x, vals, bottom=bottom, label=seg.replace("_", " "), color=colors.get(seg))
+        bars = ax.bar(measured_x, vals, width, bottom=bottom, label=seg.replace("_", " "), color=colors.get(seg))
+        drawn[seg] = bars.patches[0].get_facecolor()
         bottom += vals
+    if placed:
+        floor_bottom = np.zeros(len(rows))
+        for p in PHASES:
+            vals = np.array(floors[p])
+            if vals.any():
+                ax.bar(x + 0.2, vals, width, bottom=floor_bottom, color=drawn.get(p, "#888888"), hatch="//",
+                       alpha=0.6, edgecolor="black", linewidth=0.3)  # fmt: skip
+                floor_bottom += vals
+        for i, r in enumerate(rows):
+            if (fraction := _num(r.get("phase_floor_fraction"))) is not None:
+                ax.annotate(f"floor\n{fraction:.2f}", (x[i] + 0.2, floor_bottom[i]), textcoords="offset points",
+                            xytext=(0, 3), ha="center", fontsize=6)  # fmt: skip
     sps = [_num(r.get("samples_per_s")) for r in rows]
     for i, v in enumerate(sps):
         if v is not None:
             ax.annotate(
                 f"{v:,.0f}\nsamples/s",
-                (i, bottom[i]),
+                (measured_x[i], bottom[i]),
                 textcoords="offset points",
                 xytext=(0, 3),
                 ha="center",
@@ -75,11 +96,13 @@ def training_phases(rows: Sequence[ReportRow], out: Path) -> PhaseBars:
     ax.set_xticks(x, [_text(lb) for lb in labels], rotation=30 if len(rows) > 4 else 0, ha="right", fontsize=8)
     ax.set_ylabel("ms per step (mean over measured steps)")
     ax.set_ylim(0, max(bottom.max() * 1.2 if len(rows) else 1.0, 1e-9))
-    ax.set_title("Training step time by phase, throughput on top")
+    ax.set_title("Training step time by phase, throughput on top"
+                 + (" (hatched: each phase at its own bound, the phase-sum floor's fraction on top)" if placed else ""),
+                 fontsize=9 if placed else None)  # fmt: skip
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     steps = [float(r["step_time_ms_mean"]) for r in rows]
-    return PhaseBars(_save(fig, out), labels, ms, steps, sps)
+    return PhaseBars(_save(fig, out), labels, ms, steps, sps, floor_ms=floors if placed else None)
 
 
 # ----------------------------------------------------------------------------- 5. scaling
