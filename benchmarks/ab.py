@@ -46,9 +46,13 @@ def main() -> None:
     ap.add_argument("--head", default="HEAD")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--build", default=None,
+                    help="serve this build on both sides (each side otherwise times the builds once, in its own "
+                         "minute, and may serve another: a noisy host then decides the p99, not the change)")  # fmt: skip
     opts = ap.parse_args()
     revs = {side: subprocess.check_output(["git", "rev-parse", "--short", rev], cwd=ROOT, text=True).strip()
             for side, rev in (("base", opts.base), ("head", opts.head))}  # fmt: skip
+    infer_args = [*INFER, "--build", opts.build] if opts.build else INFER
     figures: dict[str, dict[str, list[float]]] = {s: {"samples_per_s": [], "latency_p99_ms": []} for s in revs}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
@@ -61,7 +65,7 @@ def main() -> None:
             for k in range(opts.rounds):
                 for side in ("base", "head") if k % 2 == 0 else ("head", "base"):
                     train = _run(trees[side], TRAIN, tmp / f"m-{side}-{k}-train")
-                    infer = _run(trees[side], INFER, tmp / f"m-{side}-{k}-infer")
+                    infer = _run(trees[side], infer_args, tmp / f"m-{side}-{k}-infer")
                     figures[side]["samples_per_s"].append(train["samples_per_s"])
                     figures[side]["latency_p99_ms"].append(infer["latency_p99_ms"])
                     print(
@@ -79,7 +83,7 @@ def main() -> None:
         f"infer p99 {ratios['latency_p99_ms']:.3f}"
     )
     write_results(results_path("ab", opts.out),
-                  header(base=revs["base"], head=revs["head"], train=TRAIN, infer=INFER, figures=figures,
+                  header(base=revs["base"], head=revs["head"], train=TRAIN, infer=infer_args, figures=figures,
                          ratios=ratios))  # fmt: skip
 
 
