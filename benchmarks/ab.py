@@ -46,9 +46,11 @@ def main() -> None:
     ap.add_argument("--head", default="HEAD")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--build", default=None,
-                    help="serve this build on both sides (each side otherwise times the builds once, in its own "
-                         "minute, and may serve another: a noisy host then decides the p99, not the change)")  # fmt: skip
+    one_build = (
+        "serve this build on both sides (each side otherwise times the builds once, in its own minute, "
+        "and may serve another: a noisy host then decides the p99, not the change)"
+    )
+    ap.add_argument("--build", default=None, help=one_build)
     opts = ap.parse_args()
     revs = {side: subprocess.check_output(["git", "rev-parse", "--short", rev], cwd=ROOT, text=True).strip()
             for side, rev in (("base", opts.base), ("head", opts.head))}  # fmt: skip
