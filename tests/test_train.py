@@ -588,3 +588,18 @@ def test_a_trial_needs_as_many_steps_after_it_as_it_takes():
     assert trial_window(0, need - 1, 2) is None
     assert trial_window(0, need, 2) == [TRIAL_WARMUP_STEPS, TRIAL_WARMUP_STEPS + window]
     assert trial_window(100, 100 + need, 2) == [100 + TRIAL_WARMUP_STEPS, 100 + TRIAL_WARMUP_STEPS + window]
+
+
+def test_one_rank_decides_its_table_update_on_its_own_steps(tmp_path):
+    """One rank too: the timing apart (its lookups alone, a zero gradient) is provisional, the run's own steps
+    decide, and what the run summarises is what it ran after them."""
+    spec = dlrm_lab.load_preset("tiny")
+    cfg = TrainConfig(steps=20, batch_size=64, seed=4, prefetch=0, eval_batches=2, table_update="auto")
+    result = train(spec, cfg, metrics_dir=tmp_path)
+    config = read_manifest(result.run_dir)["config"]
+    update = config["table_update_choice"]
+    assert set(update["apart"]["backward_ms"]) == {"fbgemm", "batched"}
+    assert update["apart"]["conditions"] == {**update["trial"]["conditions"], "timed": update["apart"]["conditions"]
+                                             ["timed"]} and update["trial"]["conditions"]["ranks"] == 1  # fmt: skip
+    assert update["trial"]["steps"] == [2, 9] and len(update["trial"]["ranks_ms"]) == 1
+    assert result.summary["table_update"] == update["table_update"] == config["train"]["table_update"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.progress import Progress
@@ -14,6 +14,9 @@ from dlrm_lab.cli.options import MaxRows, TableScale
 from dlrm_lab.config import load_any_preset, load_preset
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import UserError
+
+if TYPE_CHECKING:  # the data room loads torch: the command line imports it only when a command runs
+    from dlrm_lab.data.check import DatasetStats
 
 app = typer.Typer(help="Synthetic and Criteo click-log datasets (Parquet).", no_args_is_help=True)
 
@@ -77,7 +80,7 @@ def gen(
     console().print(f"wrote {writer.rows:,} {writer.unit} to {out}")
 
 
-def _print_request_stats(result: dict[str, Any], strict: bool) -> None:
+def _print_request_stats(result: DatasetStats, strict: bool) -> None:
     out = console()
     teacher = result["teacher_auc"]
     out.print(

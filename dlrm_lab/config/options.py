@@ -50,6 +50,17 @@ def option(
     return dataclasses.field(default=MISSING if default is REQUIRED else default, metadata={"option": opt})
 
 
+class OptionChange(typing.TypedDict, total=False):
+    """How one command declares an option another config holds, where its words differ (`options_of(**changes)`):
+    the `Declared` fields it replaces."""
+
+    help: str
+    default: Any  # the option's own type's value
+    type: Any  # a type, as a dataclass field's annotation
+    flags: tuple[str, ...]
+    negatable: bool
+
+
 @dataclass(frozen=True)
 class Declared:
     """One option of a command: the config field it sets and how it is given."""
@@ -69,7 +80,7 @@ class Declared:
 
 
 def options_of(
-    config: type, *, exclude: Iterable[str] = (), only: Iterable[str] | None = None, **changes: Mapping[str, Any]
+    config: type, *, exclude: Iterable[str] = (), only: Iterable[str] | None = None, **changes: OptionChange
 ) -> list[Declared]:
     """The options `config` declares, in field order; `changes` adjusts one per command by name
     (e.g. `duration={"default": 1.0}`), `exclude` leaves some out and `only` keeps those named."""

@@ -56,7 +56,8 @@ class TrainConfig:
     embedding_optimizer: str = option("rowwise_adagrad", "Fused table optimizer: rowwise_adagrad or sgd.")
     table_update: str = option(
         "fbgemm",
-        "The tables' CPU backward and update: auto (both timed on the first batch, the faster kept), fbgemm "
+        "The tables' CPU backward and update: auto (both timed on the first batch, then on the run's own steps "
+        "with every rank running them where the run is long enough; the faster kept), fbgemm "
         "(TorchRec's fused kernel) or batched (the same exact update as batched torch ops on all cores).",
         cli_default="auto",
     )

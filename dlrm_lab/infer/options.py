@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dlrm_lab.config import load_any_preset
 from dlrm_lab.config.family import family_of
-from dlrm_lab.config.options import ModelScaling, by_field, option
+from dlrm_lab.config.options import ModelScaling, OptionChange, by_field, option
 from dlrm_lab.config.prices import check_currency, check_price
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
@@ -386,7 +386,7 @@ class BuildTableOptions:
 
 
 # `infer run` also takes auto for these serving options (infer.tune.KNOBS): chosen on the running server
-RUN_KNOBS: dict[str, dict[str, Any]] = {
+RUN_KNOBS: dict[str, OptionChange] = {
     "max_batch": {"type": str, "default": AUTO, "help": (
         "Largest batch in samples, or auto: from the batch cost the instances measure, large enough that the "
         "per-batch cost is at most 10% of a batch, a full batch at most a quarter of the bound.")},

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.config.options import option
+from dlrm_lab.config.options import OptionChange, option
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.options import number_list
 
@@ -103,7 +103,7 @@ class SearchSpace:
 
 
 # `infer search`'s own words for options it shares with `infer run`
-SEARCH_CHANGES: dict[str, dict[str, Any]] = {
+SEARCH_CHANGES: dict[str, OptionChange] = {
     "scenario": {"help": "Load of each probe: open-loop (our generator) or server (MLPerf LoadGen)."},
     "target": {"help": (
         "The system under test (see `infer run --help`); a remote server is searched as it serves: its rate alone, "

@@ -7,9 +7,8 @@ these, `infer.options.ServingOptions` and `InferConfig`, and their Typer signatu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from dlrm_lab.config.options import REQUIRED, option
+from dlrm_lab.config.options import REQUIRED, OptionChange, option
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class ClientOptions:
 
 
 # `client`'s own words (and duration) for the options it passes on to `infer run` unchanged
-CLIENT_CHANGES: dict[str, dict[str, Any]] = {
+CLIENT_CHANGES: dict[str, OptionChange] = {
     "concurrency": {"help": "Client connections, each beyond one a process of its own."},
     "duration": {"default": 10.0},
     "seed": {"help": "Seed of the load."},
