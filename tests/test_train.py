@@ -569,7 +569,7 @@ def test_a_choice_is_timed_with_the_ranks_competing_not_alone():
     assert decided[0] == decided[1]  # every rank decided from the same gathered medians
     assert decided[0]["ms"] == {"batched": 118.25, "fbgemm": 101.25} and len(decided[0]["ranks_ms"]) == 2
     assert decided[0]["steps"] == [2, 9] and decided[0]["conditions"] == {"ranks": 2}
-    assert "on all 2 rank(s) at once" in decided[0]["reason"] and "fbgemm kept" in decided[0]["reason"]
+    assert "on all 2 ranks at once" in decided[0]["reason"] and "fbgemm kept" in decided[0]["reason"]
 
     # where batched does win under contention it is kept; within the margin, fbgemm stays
     assert _trial_ranks(lambda rank, way: {"batched": 80.0, "fbgemm": 100.0}.get(way, 90.0))[0]["table_update"] == (

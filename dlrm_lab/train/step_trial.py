@@ -72,11 +72,13 @@ class StepTrial:
         verdict = (
             f"{proved} is faster" if chosen == proved else f"{proved} is not {self.margin:.2f}x faster: {kept} kept"
         )
+        where = "on its one rank" if len(ranks) == 1 else f"on all {len(ranks)} ranks at once"
+        of = f"of {self.repeats} steps each"
+        medians = f"medians {of}" if len(ranks) == 1 else f"medians over ranks of each rank's medians {of}"
         return {
             self.name: chosen,
-            "reason": f"the run's steps {self.first_step}-{self.last_step} on all {len(ranks)} rank(s) at once, the "
-            f"ways interleaved: {ms[proved]:.2f} ms a step with {proved} against {ms[kept]:.2f} ms with {kept} "
-            f"(medians over ranks of each rank's median of {self.repeats}); {verdict}",
+            "reason": f"the run's steps {self.first_step}-{self.last_step} {where}, the ways interleaved: "
+            f"{ms[proved]:.2f} ms a step with {proved} against {ms[kept]:.2f} ms with {kept} ({medians}); {verdict}",
             "ms": {w: round(v, 3) for w, v in ms.items()},
             "ranks_ms": [{w: round(v, 3) for w, v in r.items()} for r in ranks],
             "steps": [self.first_step, self.last_step],
