@@ -282,7 +282,7 @@ def test_two_ranks_decide_the_table_update_on_their_own_steps(tmp_path):
     the run's steps with both ranks running them; the manifest keeps both timings and the conditions of each."""
     from dlrm_lab.metrics.run import read_manifest
 
-    out = torchrun("-m", "dlrm_lab", "train", "--preset", "tiny", "--sharding", "table_wise", "--steps", "20",
+    out = torchrun("-m", "dlrm_lab", "train", "--preset", "tiny", "--sharding", "table_wise", "--steps", "40",
                    "--batch-size", "16", "--metrics-dir", str(tmp_path), "--no-progress")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = list(tmp_path.iterdir())
@@ -292,7 +292,7 @@ def test_two_ranks_decide_the_table_update_on_their_own_steps(tmp_path):
     assert set(apart["backward_ms"]) == {"batched", "fbgemm"} and apart["conditions"]["ranks"] == 2
     assert apart["conditions"]["timed"].startswith("apart")
     assert update["table_update"] == trial["table_update"] in ("batched", "fbgemm") and len(trial["ranks_ms"]) == 2
-    assert trial["steps"] == [2, 9] and trial["conditions"]["ranks"] == 2 and "at once" in update["reason"]
+    assert trial["steps"] == [2, 17] and trial["conditions"]["ranks"] == 2 and "at once" in update["reason"]
     assert config["train"]["table_update"] == update["table_update"]
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
     assert summary["table_update"] == update["table_update"]

@@ -551,7 +551,7 @@ def _trial_ranks(step_ms: Callable[[int, str], float], world: int = 2) -> list[d
         t.join(timeout=10)
     assert all(d is not None for d in decided)
     for r in range(world):  # ABBA over the window, then the choice put in place
-        assert installed[r][:4] == ["batched", "fbgemm", "fbgemm", "batched"] and len(installed[r]) == 2 * 4 + 1
+        assert installed[r][:4] == ["batched", "fbgemm", "fbgemm", "batched"] and len(installed[r]) == 2 * 8 + 1
         assert installed[r][-1] == decided[r]["table_update"]
     return decided  # type: ignore[return-value]
 
@@ -568,16 +568,33 @@ def test_a_choice_is_timed_with_the_ranks_competing_not_alone():
     assert [d["table_update"] for d in decided] == ["fbgemm", "fbgemm"]
     assert decided[0] == decided[1]  # every rank decided from the same gathered medians
     assert decided[0]["ms"] == {"batched": 118.25, "fbgemm": 101.25} and len(decided[0]["ranks_ms"]) == 2
-    assert decided[0]["steps"] == [2, 9] and decided[0]["conditions"] == {"ranks": 2}
+    assert decided[0]["steps"] == [2, 17] and decided[0]["conditions"] == {"ranks": 2}
+    assert (decided[0]["wins"], decided[0]["pairs"], decided[0]["p_value"]) == (0, 16, 1.0)
     assert "on all 2 ranks at once" in decided[0]["reason"] and "fbgemm kept" in decided[0]["reason"]
 
-    # where batched does win under contention it is kept; within the margin, fbgemm stays
+    # where batched does win under contention it is taken, even by 5% of a step, once it wins surely enough
     assert _trial_ranks(lambda rank, way: {"batched": 80.0, "fbgemm": 100.0}.get(way, 90.0))[0]["table_update"] == (
         "batched"
     )
-    assert _trial_ranks(lambda rank, way: {"batched": 95.0, "fbgemm": 100.0}.get(way, 90.0))[0]["table_update"] == (
-        "fbgemm"
-    )
+    close = _trial_ranks(lambda rank, way: {"batched": 95.0, "fbgemm": 100.0}.get(way, 90.0))[0]
+    assert close["table_update"] == "batched" and close["wins"] == 16 and close["p_value"] < 0.05
+    # a faster median from noise alone (batched 80 or 104 ms in turn against 100: it wins half the pairs) is not
+    seen: dict[tuple[int, str], int] = {}
+
+    def noisy(rank: int, way: str) -> float:
+        k = seen[rank, way] = seen.get((rank, way), -1) + 1
+        return (80.0 if k % 2 == 0 else 104.0) if way == "batched" else 100.0
+
+    noise = _trial_ranks(noisy)[0]
+    assert noise["ms"]["batched"] < noise["ms"]["fbgemm"] and noise["wins"] == 8 and noise["p_value"] > 0.5
+    assert noise["table_update"] == "fbgemm" and "not surely faster" in noise["reason"]
+
+
+def test_the_sign_test_is_the_binomial_tail():
+    from dlrm_lab.train.step_trial import sign_test
+
+    assert sign_test(8, 8) == 1 / 256 and sign_test(0, 8) == 1.0
+    assert sign_test(7, 8) == pytest.approx(9 / 256) and sign_test(12, 16) == pytest.approx(0.0384, abs=1e-4)
 
 
 def test_a_trial_needs_as_many_steps_after_it_as_it_takes():
@@ -594,12 +611,12 @@ def test_one_rank_decides_its_table_update_on_its_own_steps(tmp_path):
     """One rank too: the timing apart (its lookups alone, a zero gradient) is provisional, the run's own steps
     decide, and what the run summarises is what it ran after them."""
     spec = dlrm_lab.load_preset("tiny")
-    cfg = TrainConfig(steps=20, batch_size=64, seed=4, prefetch=0, eval_batches=2, table_update="auto")
+    cfg = TrainConfig(steps=40, batch_size=64, seed=4, prefetch=0, eval_batches=2, table_update="auto")
     result = train(spec, cfg, metrics_dir=tmp_path)
     config = read_manifest(result.run_dir)["config"]
     update = config["table_update_choice"]
     assert set(update["apart"]["backward_ms"]) == {"fbgemm", "batched"}
     assert update["apart"]["conditions"] == {**update["trial"]["conditions"], "timed": update["apart"]["conditions"]
                                              ["timed"]} and update["trial"]["conditions"]["ranks"] == 1  # fmt: skip
-    assert update["trial"]["steps"] == [2, 9] and len(update["trial"]["ranks_ms"]) == 1
+    assert update["trial"]["steps"] == [2, 17] and len(update["trial"]["ranks_ms"]) == 1
     assert result.summary["table_update"] == update["table_update"] == config["train"]["table_update"]

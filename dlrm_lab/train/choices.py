@@ -229,14 +229,13 @@ def run_step_trials(
     the batched update apart at one rank, 4 of 5 kept by the margin; 1.12-1.29x in two ranks' real steps). Each
     record says which conditions it was timed under."""
     from dlrm_lab.model.dlrm import DotInteractionArch
-    from dlrm_lab.train.table_update import MARGIN, install
+    from dlrm_lab.train.table_update import install
 
     conditions: JsonObject = {"ranks": ctx.world_size, "threads_per_rank": torch.get_num_threads(),
                               "launcher": ctx.launcher, "backend": ctx.backend, "pinned": cfg.pin_cores}  # fmt: skip
-    wanted: list[tuple[str, str, tuple[str, str], float, Callable[[str], None]]] = []
+    wanted: list[tuple[str, str, tuple[str, str], Callable[[str], None]]] = []
     if table_update.get("backward_ms") and table_update.get("requested") == "auto":
-        wanted.append(("table_update", "table_update_choice", ("batched", "fbgemm"), MARGIN,
-                       lambda way: install(dmp, way)))  # fmt: skip
+        wanted.append(("table_update", "table_update_choice", ("batched", "fbgemm"), lambda way: install(dmp, way)))
     if interaction is not None and "ms" in interaction:
         arches = [m for m in dmp.modules() if isinstance(m, DotInteractionArch)]
 
@@ -244,7 +243,7 @@ def run_step_trials(
             for arch in arches:
                 arch.gram_dtype = torch.float32 if way == "fp32" else None
 
-        wanted.append(("gram_dtype", "interaction_choice", ("fp32", "autocast"), INTERACTION_MARGIN, gram))
+        wanted.append(("gram_dtype", "interaction_choice", ("fp32", "autocast"), gram))
     for record in (table_update, interaction):
         if record is not None:
             record["conditions"] = {**conditions, "timed": "apart: this rank's phase alone, before the run"}
@@ -265,5 +264,5 @@ def run_step_trials(
         dist.all_gather_object(out, mine)
         return out
 
-    return [StepTrial(name, key, ways, apply, first, gather, conditions, margin=margin)
-            for (name, key, ways, margin, apply), first in zip(wanted, firsts, strict=True)]  # fmt: skip
+    return [StepTrial(name, key, ways, apply, first, gather, conditions)
+            for (name, key, ways, apply), first in zip(wanted, firsts, strict=True)]  # fmt: skip
