@@ -126,14 +126,20 @@ def coerce(decl: Declared, value: Any) -> Any:
     return coerce_as(decl.field, value, decl.type)
 
 
+def _given(kind: Any) -> Any:
+    """The type a value given for `kind` has: X for Optional[X] (None is the option left unset)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
 def coerce_as(field: str, value: Any, kind: Any) -> Any:
     """`value` as the command line would parse it into `kind`; a mismatch is a FieldError of `field`."""
     if value is None:
         return None
+    kind = _given(kind)
     args = typing.get_args(kind)
     origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        return coerce_as(field, value, next(a for a in args if a is not type(None)))
     if origin in (list, tuple):
         items = value if isinstance(value, list | tuple) else [value]
         converted = [coerce_as(field, v, args[0]) for v in items]
@@ -180,10 +186,8 @@ def parse_words(declared: list[Declared], words: list[str], command: str) -> Opt
     parser = _WordParser(prog=command, add_help=False, allow_abbrev=False)
     for d in declared:
         dest = dict(dest=d.name, default=argparse.SUPPRESS)
-        spellings = list(d.flags) or ["--" + d.name.replace("_", "-")]
-        kind = next((a for a in typing.get_args(d.type) if a is not type(None)), d.type)  # Optional[X]: X
-        if typing.get_origin(d.type) not in (typing.Union, types.UnionType):
-            kind = d.type
+        spellings = list(d.flags) or [d.flag]
+        kind = _given(d.type)
         if kind is bool:
             action = argparse.BooleanOptionalAction if d.negatable else "store_true"
             parser.add_argument(*spellings, action=action, **dest)

@@ -390,22 +390,27 @@ def peaks_for(
 ROOFLINE_COLUMNS = ROOFLINE_PLACED
 
 
+def _seconds(work: Work, peaks: Peaks) -> dict[str, float]:
+    """`work`'s time on each resource at the peaks; communication only where it sends and its bandwidth was probed."""
+    times = {
+        "compute": work.flops / peaks.flops_per_s,
+        "memory": work.gather_bytes / peaks.gather_bytes_per_s + work.stream_bytes / peaks.memory_bytes_per_s,
+    }
+    if work.comm_bytes > 0 and peaks.comm_bytes_per_s:
+        times["communication"] = work.comm_bytes / peaks.comm_bytes_per_s
+    return times
+
+
 def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str, float | str | None]:
     """Roofline columns for `work` that took `measured_s`; nulls with a note when it cannot be placed."""
     out: dict[str, float | str | None] = dict.fromkeys(ROOFLINE_COLUMNS)
     if isinstance(peaks, str):
         out["roofline_note"] = peaks
         return out
-    times = {
-        "compute": work.flops / peaks.flops_per_s,
-        "memory": work.gather_bytes / peaks.gather_bytes_per_s + work.stream_bytes / peaks.memory_bytes_per_s,
-    }
-    if work.comm_bytes > 0:
-        if peaks.comm_bytes_per_s:
-            times["communication"] = work.comm_bytes / peaks.comm_bytes_per_s
-        else:
-            out["roofline_note"] = "no collective bandwidth in the profile for this backend and rank count: " \
-                "run 'dlrm-lab machine probe' under the same launcher; communication not bounded"  # fmt: skip
+    times = _seconds(work, peaks)
+    if work.comm_bytes > 0 and "communication" not in times:
+        out["roofline_note"] = "no collective bandwidth in the profile for this backend and rank count: " \
+            "run 'dlrm-lab machine probe' under the same launcher; communication not bounded"  # fmt: skip
     bound_by = max(times, key=lambda k: times[k])
     out.update(
         roofline_compute_ms=times["compute"] * 1e3,
@@ -428,12 +433,6 @@ def phase_floors(phases: Mapping[str, Work], peaks: Peaks) -> dict[str, float | 
     overlaps every other). A phase with collective bytes but no probed bandwidth is None (not bounded)."""
     out: dict[str, float | None] = {}
     for name, w in phases.items():
-        times = [w.flops / peaks.flops_per_s,
-                 w.gather_bytes / peaks.gather_bytes_per_s + w.stream_bytes / peaks.memory_bytes_per_s]  # fmt: skip
-        if w.comm_bytes > 0:
-            if not peaks.comm_bytes_per_s:
-                out[name] = None
-                continue
-            times.append(w.comm_bytes / peaks.comm_bytes_per_s)
-        out[name] = max(times) * 1e3
+        times = _seconds(w, peaks)
+        out[name] = None if w.comm_bytes > 0 and "communication" not in times else max(times.values()) * 1e3
     return out

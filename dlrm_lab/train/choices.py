@@ -177,6 +177,12 @@ def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.de
     return timed
 
 
+def _put_gram(arches: list[Any], way: str) -> None:
+    """Every dot interaction computes its Gram matrix `way`: in fp32, or as autocast casts it."""
+    for arch in arches:
+        arch.gram_dtype = torch.float32 if way == "fp32" else None
+
+
 def choose_run_interaction(
     spec: Spec, cfg: TrainConfig, ctx: DistContext, model: torch.nn.Module, log: Callable[[str], None] | None
 ) -> JsonObject | None:
@@ -211,8 +217,7 @@ def choose_run_interaction(
         }
     if ctx.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
-    for arch in arches:
-        arch.gram_dtype = torch.float32 if shared[0]["gram_dtype"] == "fp32" else None
+    _put_gram(arches, shared[0]["gram_dtype"])
     if log and ctx.is_main:
         log(f"dot interaction {shared[0]['gram_dtype']}: {shared[0]['reason']}")
     return shared[0]
@@ -233,17 +238,16 @@ def run_step_trials(
 
     conditions: JsonObject = {"ranks": ctx.world_size, "threads_per_rank": torch.get_num_threads(),
                               "launcher": ctx.launcher, "backend": ctx.backend, "pinned": cfg.pin_cores}  # fmt: skip
-    wanted: list[tuple[str, str, tuple[str, str], Callable[[str], None]]] = []
+    # each choice to try: its name, its record and that record's key in the manifest's config, its ways (the one to
+    # prove first), and how to put one in place
+    wanted: list[tuple[str, JsonObject, str, tuple[str, str], Callable[[str], None]]] = []
     if table_update.get("backward_ms") and table_update.get("requested") == "auto":
-        wanted.append(("table_update", "table_update_choice", ("batched", "fbgemm"), lambda way: install(dmp, way)))
+        wanted.append(("table_update", table_update, "table_update_choice", ("batched", "fbgemm"),
+                       lambda way: install(dmp, way)))  # fmt: skip
     if interaction is not None and "ms" in interaction:
         arches = [m for m in dmp.modules() if isinstance(m, DotInteractionArch)]
-
-        def gram(way: str) -> None:
-            for arch in arches:
-                arch.gram_dtype = torch.float32 if way == "fp32" else None
-
-        wanted.append(("gram_dtype", "interaction_choice", ("fp32", "autocast"), gram))
+        wanted.append(("gram_dtype", interaction, "interaction_choice", ("fp32", "autocast"),
+                       lambda way: _put_gram(arches, way)))  # fmt: skip
     for record in (table_update, interaction):
         if record is not None:
             record["conditions"] = {**conditions, "timed": "apart: this rank's phase alone, before the run"}
@@ -251,8 +255,7 @@ def run_step_trials(
         return []
     firsts = trial_window(start_step, cfg.steps, len(wanted))
     if firsts is None:
-        for _, key, *_ in wanted:
-            record = table_update if key == "table_update_choice" else interaction
+        for _, record, *_ in wanted:
             record["trial"] = (f"none: {cfg.steps - start_step} steps are too few for a trial over the run's own "
                                "steps and as many measured after it; the choice timed apart stands")  # fmt: skip
         return []
@@ -265,4 +268,4 @@ def run_step_trials(
         return out
 
     return [StepTrial(name, key, ways, apply, first, gather, conditions)
-            for (name, key, ways, apply), first in zip(wanted, firsts, strict=True)]  # fmt: skip
+            for (name, _, key, ways, apply), first in zip(wanted, firsts, strict=True)]  # fmt: skip
