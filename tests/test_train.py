@@ -409,6 +409,9 @@ def test_profile_steps_record_operators_per_step(tmp_path):
     assert (
         profile_window(0, 10, 3) == (5, 3) and profile_window(0, 4, 3) == (1, 3) and profile_window(0, 3, 3) == (0, 3)
     )
+    # a run's choice trials (steps 2-33) alternate two ways: the profile starts after them, not across them
+    assert profile_window(0, 60, 10, after=33) == (39, 10) and profile_window(0, 40, 10, after=33) == (34, 6)
+    assert profile_window(0, 30, 3, after=33) == (5, 3)  # no step after the trials: the usual window
     with pytest.raises(UserError, match=r"profile_steps 11: must be an integer in \[0, steps=10\]"):
         TrainConfig(steps=10, profile_steps=11)
 
@@ -477,6 +480,16 @@ def test_the_batched_table_update_takes_fbgemms_steps_and_resumes_from_its_check
     assert [r["loss"] for r in batched.steps] == pytest.approx([r["loss"] for r in fbgemm.steps], rel=1e-5)
     assert batched.summary["eval_auc"] == pytest.approx(fbgemm.summary["eval_auc"], abs=1e-4)
     assert batched.summary["table_update"] == "batched" and fbgemm.summary["table_update"] == "fbgemm"
+    # the tables' backward and update, timed apart inside backward on either path (its node's hooks)
+    for run in (fbgemm, batched):
+        assert all(0 < r["table_update_ms"] < r["backward_ms"] for r in run.steps)
+        measured = [r["table_update_ms"] for r in run.steps if not r["warmup"]]
+        assert run.summary["table_update_ms_mean"] == pytest.approx(sum(measured) / len(measured))
+        floor = run.summary.get("table_update_floor_ms")
+        if floor is not None:  # a machine profile gives the gather bandwidth it is bound by
+            assert run.summary["table_update_floor_fraction"] == pytest.approx(
+                floor / run.summary["table_update_ms_mean"]
+            )
     config = read_manifest(batched.run_dir)["config"]
     assert config["train"]["table_update"] == "batched"
     assert config["table_update_choice"]["reason"] == "--table-update batched"
@@ -485,6 +498,22 @@ def test_the_batched_table_update_takes_fbgemms_steps_and_resumes_from_its_check
     train(spec, TrainConfig(steps=6, **ckpt))
     resumed = train(spec, TrainConfig(steps=12, resume=True, **ckpt))
     assert [r["loss"] for r in resumed.steps] == pytest.approx([r["loss"] for r in fbgemm.steps[6:]], rel=1e-5)
+
+
+def test_tables_on_huge_pages_take_the_same_steps_as_on_small_ones(tmp_path):
+    from dlrm_lab.metrics.huge_pages import unsupported
+
+    spec = dlrm_lab.load_preset("kaggle", max_rows=100_000)  # 40 MB of rows in one fused group: 2 MiB pages fit
+    base = dict(steps=5, batch_size=128, seed=3, prefetch=0, eval_batches=1, table_update="batched")
+    small = train(spec, TrainConfig(table_pages="base", **base))
+    huge = train(spec, TrainConfig(table_pages="huge", **base), metrics_dir=tmp_path)
+    assert [r["loss"] for r in huge.steps] == [r["loss"] for r in small.steps]
+    choice = read_manifest(huge.run_dir)["config"]["table_pages_choice"]
+    if unsupported() is None:
+        assert choice["table_pages"] == "huge" and choice["reason"].startswith("--table-pages huge")
+        assert choice["huge_bytes"] > 30e6 or "stay on 4 KiB pages" in choice["reason"]
+    else:
+        assert choice["table_pages"] == "base" and choice["reason"].startswith(unsupported())
 
 
 @pytest.mark.parametrize("overrides", [{"pipeline": True}, {"embedding_optimizer": "sgd", "embedding_lr": 0.1}])

@@ -25,6 +25,9 @@ EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
 # The tables' CPU backward and update: fbgemm's kernel, the same update batched on all cores, or the faster
 # measured on the run's first batch (`train.table_update`)
 TABLE_UPDATES = ("auto", "fbgemm", "batched")
+# The CPU tables' memory pages: 4 KiB (as allocated), 2 MiB (`metrics.huge_pages`), or huge where this machine's
+# probe measured a gather on them faster (`train.choices.choose_table_pages`)
+TABLE_PAGES = ("auto", "base", "huge")
 # The pooled embeddings' output distribution between ranks: TorchRec's, or the lab's leaner all-to-all for
 # table-wise tables (`distributed.lean`), only when asked
 DISTRIBUTIONS = ("torchrec", "lean")
@@ -59,6 +62,12 @@ class TrainConfig:
         "The tables' CPU backward and update: auto (both timed on the first batch, then on the run's own steps "
         "with every rank running them where the run is long enough; the faster kept), fbgemm "
         "(TorchRec's fused kernel) or batched (the same exact update as batched torch ops on all cores).",
+        cli_default="auto",
+    )
+    table_pages: str = option(
+        "base",
+        "The CPU tables' memory pages: auto (2 MiB pages where this machine's embedding gather measured faster on "
+        "them), base (4 KiB, as allocated) or huge (2 MiB, transparent huge pages collapsed in place).",
         cli_default="auto",
     )
     distribution: str = option(
@@ -168,6 +177,7 @@ class TrainConfig:
         _choice("table_precision", self.table_precision, TABLE_PRECISIONS)
         _choice("embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
         _choice("table_update", self.table_update, TABLE_UPDATES)
+        _choice("table_pages", self.table_pages, TABLE_PAGES)
         _choice("distribution", self.distribution, DISTRIBUTIONS)
         _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
         for name, lr in (("embedding_lr", self.embedding_lr), ("dense_lr", self.dense_lr)):

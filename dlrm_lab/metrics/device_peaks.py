@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.metrics.huge_pages import back_with_huge_pages
+
 GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -118,8 +121,9 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int) -> dict[str, float]:
-    """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward."""
+def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, huge_pages: bool = False) -> JsonObject:
+    """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward; with
+    `huge_pages`, its tables put on 2 MiB pages first (`metrics.huge_pages`; `huge_error` says why not)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -141,12 +145,16 @@ def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int) ->
         [(r, d, location, compute)] * t, pooling_mode=PoolingMode.SUM, device=device
     )
     generator = torch.Generator().manual_seed(0)
+    pages = back_with_huge_pages([tbe.weights_host]) if huge_pages and device.type == "cpu" else None
     ids = torch.randint(0, r, (t * b * pool,), generator=generator, dtype=torch.int64).to(device)
     offsets = torch.arange(0, t * b * pool + 1, pool, dtype=torch.int64).to(device)
     with torch.no_grad():
         seconds = _timed(lambda: tbe(ids, offsets), repeats, device)
     table_bytes = t * r * d * 4
-    return {"bytes_per_s": t * b * pool * d * 4 / seconds, "table_bytes": table_bytes}
+    out: JsonObject = {"bytes_per_s": t * b * pool * d * 4 / seconds, "table_bytes": table_bytes}
+    if pages is not None:
+        out["huge_bytes"], out["huge_error"] = pages.huge_bytes, pages.error
+    return out
 
 
 def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:

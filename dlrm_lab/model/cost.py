@@ -144,6 +144,15 @@ def training_memory(spec: ModelSpec, batch_size: int, dense_optimizer: str = "ad
     return TrainingMemory(tables=tables, dense=dense, activations=activations)
 
 
+def table_update_work(spec: ModelSpec, batch_size: int, table_precision: str = "fp32",
+                      embedding_optimizer: str = "rowwise_adagrad") -> Work:  # fmt: skip
+    """The tables' backward and update inside a step's backward: each looked-up row read again with its
+    optimizer state and both written, random rows at the gather bandwidth."""
+    cost = sample_cost(spec, table_precision=table_precision, optimizer=embedding_optimizer)
+    return Work(0.0, batch_size * (cost.embedding_bytes_read + cost.embedding_bytes_written
+                                   + cost.optimizer_state_bytes), 0.0)  # fmt: skip
+
+
 def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_precision: str = "fp32",
                     embedding_optimizer: str = "rowwise_adagrad", dense_optimizer: str = "adagrad",
                     sharding: dict[str, str] | None = None) -> dict[str, Work]:  # fmt: skip
@@ -162,7 +171,7 @@ def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_pre
     pooled = comm["pooled_all_to_all"] + comm["pooled_reduce_scatter"]
     weights = 4.0 * spec.dense_parameters
     states = _DENSE_OPTIMIZER_STATES.get(dense_optimizer, 1)
-    update_bytes = cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes
+    update = table_update_work(spec, batch_size, table_precision, embedding_optimizer)
     return {
         "data_wait": Work(0.0, 0.0, 0.0),  # the batch is made apart (a thread, or ahead): no bound of the step's
         "input_dist": Work(0.0, 0.0, 0.0, comm["input_dist"]),
@@ -170,7 +179,7 @@ def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_pre
         "embedding_all_to_all": Work(0.0, 0.0, 0.0, pooled / 2),
         "dense_forward": Work(batch_size * cost.forward_flops, 0.0, weights),
         "backward": Work(
-            batch_size * cost.backward_flops, batch_size * update_bytes, 2 * weights, comm["gradient_all_reduce"]
+            batch_size * cost.backward_flops, update.gather_bytes, 2 * weights, comm["gradient_all_reduce"]
         ),  # fmt: skip
         "embedding_all_to_all_backward": Work(0.0, 0.0, 0.0, pooled / 2),
         "optimizer": Work(0.0, 0.0, weights * (3 + 2 * states)),

@@ -269,3 +269,85 @@ def run_step_trials(
 
     return [StepTrial(name, key, ways, apply, first, gather, conditions)
             for (name, _, key, ways, apply), first in zip(wanted, firsts, strict=True)]  # fmt: skip
+
+
+PAGES_MARGIN = 1.05  # huge pages are taken where this machine's gather on them was at least this much faster
+
+
+class PagesChoice(TypedDict):
+    """The CPU tables' pages (`--table-pages`), why, and what was put on them (the manifest's `table_pages_choice`)."""
+
+    requested: str
+    table_pages: str
+    reason: str
+    huge_bytes: int
+    collapse_ms: float
+
+
+def _gather_rates(threads: int) -> tuple[JsonObject | None, str]:
+    """This machine's embedding gather on 4 KiB and on 2 MiB pages at `threads` threads: the probe's figures
+    (`metrics.probe`, `gather_pages`), or measured now at the quick probe's sizes where the profile has none."""
+    from dlrm_lab.metrics.device_peaks import ProbeSizes, gather_bytes_per_s
+    from dlrm_lab.metrics.huge_pages import thp_mode
+    from dlrm_lab.metrics.roofline import load_profile
+
+    try:
+        profile = load_profile() or {}
+    except UserError:
+        profile = {}
+    by_threads = ((profile.get("devices") or {}).get("cpu") or {}).get("threads") or {}
+    pages = (by_threads.get(str(threads)) or {}).get("gather_pages")
+    if isinstance(pages, dict) and pages.get("base_bytes_per_s"):
+        return pages, f"the machine probe of {profile.get('probed_at')} at {threads} thread(s)"
+    sizes = ProbeSizes.preset(quick=True)
+    base = gather_bytes_per_s(torch.device("cpu"), sizes, sizes.repeats)
+    huge = gather_bytes_per_s(torch.device("cpu"), sizes, sizes.repeats, huge_pages=True)
+    measured: JsonObject = {"base_bytes_per_s": base["bytes_per_s"], "thp": thp_mode(),
+                            "huge_bytes_per_s": huge["bytes_per_s"] if huge["huge_bytes"] else None,
+                            "huge_error": huge["huge_error"]}  # fmt: skip
+    return measured, f"measured now ({sizes.gather_tables} tables of {sizes.gather_rows:,} rows; the probe has none)"
+
+
+def choose_table_pages(cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module,
+                       log: Callable[[str], None] | None) -> PagesChoice:  # fmt: skip
+    """Put this rank's CPU tables (rows and row-wise optimizer state) on 2 MiB pages where asked, or, with
+    "auto", where this machine's embedding gather measured at least PAGES_MARGIN faster on them. Rank 0 decides,
+    every rank applies; collapsing is in place (`metrics.huge_pages`), so TorchRec's views stay valid."""
+    from dlrm_lab.metrics.huge_pages import back_with_huge_pages, unsupported
+    from dlrm_lab.train.table_update import fused_table_groups
+
+    groups = [t for t in fused_table_groups(dmp) if getattr(t, "use_cpu", False)]
+    shared: list[Any] = [None]
+    if ctx.is_main:
+        if cfg.table_pages == "base":
+            shared[0] = ("base", "--table-pages base")
+        elif ctx.device.type == "cuda":
+            shared[0] = ("base", "the tables are in the GPU's memory")
+        elif (why := unsupported()) is not None:
+            shared[0] = ("base", f"{why}" + (" (--table-pages huge asked)" if cfg.table_pages == "huge" else ""))
+        elif cfg.table_pages == "huge":
+            shared[0] = ("huge", "--table-pages huge")
+        else:
+            rates, source = _gather_rates(torch.get_num_threads())
+            base, huge = (rates or {}).get("base_bytes_per_s"), (rates or {}).get("huge_bytes_per_s")
+            if not huge:
+                shared[0] = ("base", f"no gather on 2 MiB pages could be measured ({(rates or {}).get('huge_error')})")
+            else:
+                faster = huge >= PAGES_MARGIN * base
+                shared[0] = ("huge" if faster else "base",
+                             f"an embedding gather ran {huge / 1e9:.2f} GB/s on 2 MiB pages against {base / 1e9:.2f} "
+                             f"on 4 KiB ({source}): " + ("huge pages are faster" if faster else
+                                                         f"huge pages not {PAGES_MARGIN:.2f}x faster"))  # fmt: skip
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    pages, reason = shared[0]
+    choice = PagesChoice(requested=cfg.table_pages, table_pages=pages, reason=reason, huge_bytes=0, collapse_ms=0.0)
+    if pages == "huge":
+        tensors = [t for g in groups for t in (g.weights_host, getattr(g, "momentum1_host", None)) if t is not None]
+        done = back_with_huge_pages(tensors)
+        choice.update(huge_bytes=done.huge_bytes, collapse_ms=round(done.ms, 1))
+        if done.error:
+            choice["reason"] += f"; {done.asked_bytes - done.huge_bytes:,} bytes stay on 4 KiB pages: {done.error}"
+    if log and ctx.is_main:
+        log(f"table pages {pages}: {choice['reason']}")
+    return choice

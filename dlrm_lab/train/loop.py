@@ -40,7 +40,8 @@ from dlrm_lab.train.setup import _build, _prepare, _Setup
 from dlrm_lab.train.step import autocast, train_step
 from dlrm_lab.train.step_trial import StepTrial
 from dlrm_lab.train.summary import Reached, _Steps, _summarise
-from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases
+from dlrm_lab.train.table_update import fused_table_groups
+from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases, instrument_table_update
 from dlrm_lab.train.watchdog import Watchdog
 
 
@@ -167,10 +168,11 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
     run_eval = _evaluator(setup, pipeline, watchdog, eval_table, t_start, evals, reached)
     timer = StepTimer(ctx.device)
     if pipeline is None:
-        for handle in instrument_embedding_phases(dmp, timer):
+        for handle in instrument_embedding_phases(dmp, timer) + instrument_table_update(fused_table_groups(dmp), timer):
             stack.callback(handle.remove)
     dmp.train()
-    profiler = StepProfiler(*profile_window(start_step, cfg.steps, cfg.profile_steps), cuda=timer.cuda)
+    trials_end = max((trial.last_step for trial in setup.trials), default=None)
+    profiler = StepProfiler(*profile_window(start_step, cfg.steps, cfg.profile_steps, trials_end), cuda=timer.cuda)
     stack.callback(profiler.stop)
     try:
         for step in range(start_step, cfg.steps):
@@ -186,6 +188,7 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
                 if timer.cuda:
                     torch.cuda.synchronize(ctx.device)
                 phases: dict[str, float | None] = {p: None for p in PHASES}
+                parts: dict[str, float] = {}
                 step_ms = (time.perf_counter() - t0) * 1000
             else:
                 timer.start()
@@ -195,6 +198,7 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
                 timer.mark("optimizer")  # the step's tail (its frame and last tensors freed, 10-20 us) is named too
                 step_ms = (time.perf_counter() - t0) * 1000  # before the lab's own bookkeeping below
                 phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
+                parts = timer.parts_ms()
                 timer.stop()
                 if timer.cuda:
                     step_ms = sum(phases.values())
@@ -213,6 +217,7 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
                     "loss": loss.item(),
                     "step_time_ms": step_ms,
                     **{f"{k}_ms": v for k, v in phases.items()},
+                    "table_update_ms": parts.get("table_update"),
                     "samples_per_s": global_samples / (step_ms / 1000),
                     "time_unix_s": time.time(),
                 }

@@ -82,10 +82,13 @@ class StepProfiler:
         ]
 
 
-def profile_window(start_step: int, steps: int, count: int) -> tuple[int, int]:
-    """The profiled steps: `count` steps after a short warm-up (5 steps, fewer in short runs)."""
-    count = min(count, steps - start_step)
-    first = start_step + min(5, max(0, steps - start_step - count))
+def profile_window(start_step: int, steps: int, count: int, after: int | None = None) -> tuple[int, int]:
+    """The profiled steps: `count` steps after a short warm-up (5 steps, fewer in short runs), and after step
+    `after` where given (the last step of the run's choice trials: a profile of the steps that alternate two ways
+    would mix them)."""
+    start = max(start_step, after + 1) if after is not None and after + 1 < steps else start_step
+    count = min(count, steps - start)
+    first = start + min(5, max(0, steps - start - count))
     return first, count
 
 

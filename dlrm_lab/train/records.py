@@ -21,7 +21,13 @@ from dlrm_lab.metrics.roofline import Peaks, Work, phase_floors, place
 from dlrm_lab.metrics.run import register_recovery
 from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.metrics.tables import write_table
-from dlrm_lab.model.cost import dense_step_bytes, sample_cost, step_communication_bytes, step_phase_work
+from dlrm_lab.model.cost import (
+    dense_step_bytes,
+    sample_cost,
+    step_communication_bytes,
+    step_phase_work,
+    table_update_work,
+)
 
 # The training tables, from the column registry (`metrics.columns`, which docs/metrics.md explains)
 STEP_SCHEMA = schema_of("steps")
@@ -124,6 +130,9 @@ def summarize_steps(rows: list[StepRow]) -> TrainSummaryRow:
     for phase in PHASES:  # null when the phases overlap (pipelined training)
         if all(r.get(f"{phase}_ms") is not None for r in flat):
             out[f"{phase}_share"] = float(sum(r[f"{phase}_ms"] for r in flat) / rank_time)
+    updates = [r.get("table_update_ms") for r in flat]
+    if updates and all(v is not None for v in updates):
+        out["table_update_ms_mean"] = float(np.mean(updates))
     return out
 
 
@@ -209,6 +218,11 @@ def roofline_columns(
             out["phase_floor_ms"] = sum(v for v in floors.values() if v is not None)
             if step_ms:
                 out["phase_floor_fraction"] = out["phase_floor_ms"] / step_ms
+        tables = table_update_work(spec, cfg.batch_size, cfg.table_precision, cfg.embedding_optimizer)
+        update = phase_floors({"table_update": tables}, peaks)["table_update"]
+        out["table_update_floor_ms"] = update
+        if update and summary.get("table_update_ms_mean"):
+            out["table_update_floor_fraction"] = update / summary["table_update_ms_mean"]
     if cfg.target_auc is not None:
         out["valid_flops_per_s"] = out.get("achieved_flops_per_s") if summary.get("target_reached") else 0.0
     return out

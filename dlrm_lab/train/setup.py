@@ -44,6 +44,7 @@ from dlrm_lab.train.choices import (
     choose_run_interaction,
     choose_run_precision,
     choose_run_table_update,
+    choose_table_pages,
     run_step_trials,
 )
 from dlrm_lab.train.pipeline import BatchLoss
@@ -184,6 +185,7 @@ def _build(
     if start_step >= cfg.steps:
         raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
                          "to do", "steps")  # fmt: skip
+    table_pages = choose_table_pages(cfg, ctx, dmp, log)  # before the update's timing, which reads the rows
     table_update = choose_run_table_update(
         cfg, ctx, dmp, lambda: next(iter(source or run.open_data(ctx, 1)[0])),
         (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))), log,
@@ -223,6 +225,7 @@ def _build(
         **prepared.choices,  # precision, attention, collectives
         "prefetch_choice": prefetch,
         "table_update_choice": table_update,
+        "table_pages_choice": table_pages,
         "distribution_choice": distribution["record"],
         "interaction_choice": interaction,
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")

@@ -37,6 +37,8 @@ class StepTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._marks: list[tuple[str, object]] = []
+        self._spans: list[tuple[str, object, object]] = []  # parts timed inside a phase (not in the phases' sum)
+        self._open: dict[str, object] = {}
 
     def _stamp(self) -> object:
         if self.cuda:
@@ -47,10 +49,20 @@ class StepTimer:
 
     def start(self) -> None:
         self._marks = [("start", self._stamp())]
+        self._spans, self._open = [], {}
 
     def mark(self, phase: str) -> None:
         if self._marks:  # marks outside a step (evaluation) are ignored
             self._marks.append((phase, self._stamp()))
+
+    def begin(self, part: str) -> None:
+        """A part inside a phase starts (the tables' update inside backward): timed apart by `parts_ms`."""
+        if self._marks:
+            self._open[part] = self._stamp()
+
+    def end(self, part: str) -> None:
+        if self._marks and (begun := self._open.pop(part, None)) is not None:
+            self._spans.append((part, begun, self._stamp()))
 
     def stop(self) -> None:
         """End the step: marks until the next `start()` are ignored."""
@@ -68,6 +80,29 @@ class StepTimer:
                 ms = (after - before) * 1000.0  # type: ignore[operator]
             out[name] = out.get(name, 0.0) + ms
         return out
+
+    def parts_ms(self) -> dict[str, float]:
+        """Each part's time in the step (ms), summed over its spans; read after `phases_ms()`."""
+        out: dict[str, float] = {}
+        for name, before, after in self._spans:
+            ms = before.elapsed_time(after) if self.cuda else (after - before) * 1000.0  # type: ignore[attr-defined,operator]
+            out[name] = out.get(name, 0.0) + ms
+        return out
+
+
+def instrument_table_update(tables: list[Any], timer: StepTimer) -> list[Any]:
+    """Time the tables' backward-and-update (`table_update`, a part of the backward phase) apart: on each fused
+    table group's lookup, the autograd node that makes its output runs the update (fbgemm's fused backward, or
+    the lab's batched one); hooks before and after that node mark it. Returns the hook handles."""
+
+    def on_lookup(module: Any, args: Any, out: Any) -> None:
+        node = getattr(out, "grad_fn", None)
+        if node is None or not torch.is_grad_enabled():
+            return
+        node.register_prehook(lambda grads: timer.begin("table_update"))
+        node.register_hook(lambda grads_in, grads_out: timer.end("table_update"))
+
+    return [tbe.register_forward_hook(on_lookup) for tbe in tables]
 
 
 def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> list[Any]:

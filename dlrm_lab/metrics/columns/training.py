@@ -33,6 +33,8 @@ _table(
     _c("loss", F64),
     _c("step_time_ms", F64),
     *[_c(f"{p}_ms", F64) for p in PHASES],
+    # the tables' backward and update, a part of `backward_ms` timed apart (`train.timing.instrument_table_update`)
+    _c("table_update_ms", F64),
     "samples_per_s",
     "time_unix_s",
 )
@@ -85,6 +87,11 @@ _table(
     *[_c(f"{p}_floor_ms", F64) for p in PHASES],
     _c("phase_floor_ms", F64, "phase-sum floor", "ms", ".2f"),
     _c("phase_floor_fraction", F64, "fraction of the phase-sum floor", "fraction", ".3f", HIGHER),
+    # the tables' backward and update (inside backward): its mean, its bound (rows and state read and written at
+    # the gather bandwidth) and the fraction of it reached
+    _c("table_update_ms_mean", F64, "table update mean", "ms", ".2f", LOWER),
+    _c("table_update_floor_ms", F64),
+    _c("table_update_floor_fraction", F64, "table update, fraction of its bound", "fraction", ".3f", HIGHER),
     _c("valid_flops_per_s", F64),
     *ENERGY,
     "energy_per_sample_j",

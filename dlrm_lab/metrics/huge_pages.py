@@ -1,0 +1,103 @@
+"""Embedding tables on huge pages: a random row gather over tables far beyond the TLB's reach costs a page walk
+per row on 4 KiB pages (two-dimensional under a hypervisor), which 2 MiB pages all but remove.
+
+Linux backs anonymous memory with transparent huge pages only where asked (`madvise` mode, the usual default),
+and tensors already written sit on 4 KiB pages. `madvise(MADV_HUGEPAGE)` marks a range, and `MADV_COLLAPSE`
+(Linux 6.1) rebuilds it on huge pages in place, synchronously: the tensor keeps its address, so the views
+TorchRec and fbgemm hold of a table (its state dict, the optimizer's state) stay valid. Called through libc
+because neither torch nor the standard library exposes either advice for an existing tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = THP_ENABLED) -> str | None:
+    """The kernel's transparent huge page mode (`always`, `madvise` or `never`), None off Linux or unreadable."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    chosen = [w.strip("[]") for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def unsupported(path: Path = THP_ENABLED) -> str | None:
+    """Why tables cannot be put on huge pages here, or None where they can."""
+    if not sys.platform.startswith("linux"):
+        return f"huge pages are asked of Linux's madvise; this is {sys.platform}"
+    mode = thp_mode(path)
+    if mode is None:
+        return f"{path} is unreadable: the kernel has no transparent huge pages"
+    if mode == "never":
+        return f"transparent huge pages are off ({path}: never)"
+    return None
+
+
+@dataclass
+class PagesResult:
+    """What `back_with_huge_pages` did: bytes asked, bytes now on huge pages, the time it took, and why any
+    range stayed on small pages."""
+
+    asked_bytes: int = 0
+    huge_bytes: int = 0
+    ms: float = 0.0
+    error: str | None = None
+
+
+_libc: Any = None
+
+
+def _madvise() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    return _libc.madvise
+
+
+def _why(code: int) -> str:
+    if code == errno.EINVAL:
+        return "the kernel refused MADV_COLLAPSE (EINVAL: older than Linux 6.1, or huge pages off)"
+    if code in (errno.EAGAIN, errno.ENOMEM):
+        return f"no free huge page for part of the range ({errno.errorcode[code]}: memory too fragmented or short)"
+    return f"madvise failed: {errno.errorcode.get(code, code)}"
+
+
+def back_with_huge_pages(tensors: list[Any]) -> PagesResult:
+    """Put each CPU tensor's whole 2 MiB pages on huge pages, in place (a tensor under two pages is left).
+    Never raises: a range the kernel cannot collapse stays on small pages, and the result says why."""
+    out = PagesResult()
+    if (why := unsupported()) is not None:
+        out.error = why
+        return out
+    madvise = _madvise()
+    start_s = time.perf_counter()
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        lo, hi = -(-begin // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+        if hi - lo < 2 * HUGE_PAGE:
+            continue
+        out.asked_bytes += hi - lo
+        if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0 or madvise(lo, hi - lo, MADV_COLLAPSE) != 0:
+            out.error = out.error or _why(ctypes.get_errno())
+            continue
+        out.huge_bytes += hi - lo
+    out.ms = (time.perf_counter() - start_s) * 1e3
+    return out
