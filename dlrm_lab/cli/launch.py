@@ -1,7 +1,9 @@
-"""`dlrm-lab launch`: start N ranks of a dlrm-lab command with torchrun or mpiexec."""
+"""`dlrm-lab launch`: start N ranks of a dlrm-lab command with torchrun or mpiexec, or write the Kubernetes
+manifests that start them on a cluster (`--emit kubernetes`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -9,16 +11,53 @@ import typer
 
 def launch_command(
     ctx: typer.Context,
-    nproc: Annotated[int, typer.Option(help="Ranks per node.")] = 2,
+    nproc: Annotated[int, typer.Option(help="Ranks per node (per pod with --emit).")] = 2,
     launcher: Annotated[str, typer.Option(help="torchrun or mpi (mpiexec; mpi4py bootstraps the ranks).")] = "torchrun",
-    nnodes: Annotated[int, typer.Option(help="Nodes (torchrun; run the same command on each).")] = 1,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT of the c10d rendezvous (nnodes > 1).")] = None,
+    nnodes: Annotated[int, typer.Option(help="Nodes (torchrun; run the same command on each), or pods.")] = 1,
+    rdzv_endpoint: Annotated[
+        Optional[str], typer.Option(help="HOST:PORT of the c10d rendezvous (nnodes > 1; --emit: pod 0's name).")
+    ] = None,
+    emit: Annotated[
+        Optional[str], typer.Option(help="kubernetes: write the manifests of the job instead of launching it.")
+    ] = None,
+    kind: Annotated[
+        str, typer.Option(help="--emit: job (indexed Job + headless Service) or trainjob (Kubeflow).")
+    ] = "job",
+    image: Annotated[Optional[str], typer.Option(help="--emit: the pods' image, with the lab installed.")] = None,
+    name: Annotated[str, typer.Option(help="--emit: the job's name (and its Service's).")] = "dlrm-lab",
+    namespace: Annotated[Optional[str], typer.Option(help="--emit: the namespace (else kubectl's).")] = None,
+    gpus: Annotated[int, typer.Option(help="--emit: GPUs a pod (nvidia.com/gpu); pass --device cuda to train.")] = 0,
+    cpu: Annotated[Optional[int], typer.Option(help="--emit: cores a pod; threads a rank = cpu / nproc.")] = None,
+    memory: Annotated[Optional[str], typer.Option(help="--emit: memory a pod, a quantity (e.g. 64Gi).")] = None,
+    metrics_volume: Annotated[
+        str, typer.Option(help="--emit: PersistentVolumeClaim mounted at the command's --metrics-dir.")
+    ] = "dlrm-lab-runs",
+    out: Annotated[Optional[Path], typer.Option(help="--emit: write the manifests here (else stdout).")] = None,
 ) -> None:
     """Run `dlrm-lab <command>` as N ranks: dlrm-lab launch --nproc 2 -- train --preset tiny.
 
     Threads per rank default to this node's cores divided by the ranks (OMP_NUM_THREADS
-    overrides). The exit code is non-zero when any rank failed.
+    overrides). The exit code is non-zero when any rank failed. With --emit kubernetes
+    nothing runs: the manifests are written (launch/kubernetes.md).
     """
+    if emit is not None:
+        from dlrm_lab.distributed.kubernetes import emit as emit_manifests
+        from dlrm_lab.errors import FieldError, UserError
+
+        try:
+            text = emit_manifests(
+                emit, list(ctx.args), launcher, kind=kind, image=image, name=name, namespace=namespace, nnodes=nnodes,
+                nproc=nproc, gpus=gpus, cpu=cpu, memory=memory, metrics_volume=metrics_volume,
+                rdzv_endpoint=rdzv_endpoint,
+            )  # fmt: skip
+        except FieldError as exc:  # every field here is one of this command's flags
+            raise UserError(exc.named(lambda field: "--" + field.replace("_", "-"))) from None
+        if out is None:
+            typer.echo(text, nl=False)
+        else:
+            out.write_text(text)
+            typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
+        return
     from dlrm_lab.distributed.launch import launch
 
     code = launch(nproc, launcher, list(ctx.args), nnodes, rdzv_endpoint)

@@ -13,9 +13,14 @@ from dlrm_lab.errors import FieldError, UserError
 LAUNCHERS = ("torchrun", "mpi")
 
 
+def threads_for(cores: int, nproc: int) -> int:
+    """Threads per rank (OMP_NUM_THREADS) where `nproc` ranks share `cores`: at least one each."""
+    return max(1, cores // nproc)
+
+
 def threads_per_rank(nproc: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // nproc)
+    return threads_for(cores, nproc)
 
 
 def launch_command(
