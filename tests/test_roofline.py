@@ -391,3 +391,28 @@ def test_a_steps_phases_hold_the_whole_steps_work():
     rows = cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes
     assert sum(w.gather_bytes for w in phases.values()) == pytest.approx(2048 * (cost.embedding_bytes_read + rows))
     assert phases["optimizer"].stream_bytes == 4 * spec.dense_parameters * 5  # adagrad: grad, param r/w, state r/w
+
+
+def test_rows_of_one_line_are_bound_by_their_count_not_their_bytes():
+    """The gather's two ceilings: bytes at the bandwidth probed on wide rows, and row accesses at the rate rows of
+    one cache line are gathered. Narrow rows meet the second; wide rows the first; a profile without the row rate
+    keeps the byte ceiling alone."""
+    from dlrm_lab.metrics.roofline import phase_floors
+
+    peaks = Peaks(flops_per_s=1e12, memory_bytes_per_s=1e10, gather_bytes_per_s=8e9, comm_bytes_per_s=None,
+                  basis="x", gather_rows_per_s=2e7)  # fmt: skip
+    narrow = Work(0.0, gather_bytes=53_248 * 64.0, stream_bytes=0.0, gather_rows=53_248)  # kaggle's lookup
+    wide = Work(0.0, gather_bytes=10_000 * 1024.0, stream_bytes=0.0, gather_rows=10_000)
+    floors = phase_floors({"narrow": narrow, "wide": wide}, peaks)
+    assert floors["narrow"] == pytest.approx(53_248 / 2e7 * 1e3)  # 2.66 ms of rows, not 0.43 of bytes
+    assert floors["wide"] == pytest.approx(10_000 * 1024 / 8e9 * 1e3)  # 1.28 ms of bytes over 0.5 of rows
+    no_rate = Peaks(1e12, 1e10, 8e9, comm_bytes_per_s=None, basis="x")
+    assert phase_floors({"narrow": narrow}, no_rate)["narrow"] == pytest.approx(53_248 * 64 / 8e9 * 1e3)
+    # the phases count kaggle's rows: the lookup's, then the update's again with their row-wise state
+    from dlrm_lab.model.cost import step_phase_work, table_update_work
+
+    spec = dlrm_lab.load_preset("kaggle")
+    phases, ids = step_phase_work(spec, 2048, 1), 2048 * 26
+    assert phases["embedding_lookup"].gather_rows == ids and table_update_work(spec, 2048).gather_rows == 2 * ids
+    assert phases["backward"].gather_rows == 2 * ids
+    assert table_update_work(spec, 2048, embedding_optimizer="sgd").gather_rows == ids  # no state of its own

@@ -160,6 +160,7 @@ class DLRMFamily:
             backward_flops=bottom_bwd + inter_bwd + top_bwd,
             embedding_bytes_read=float(bytes_read),
             embedding_bytes_written=float(bytes_read),  # the update rewrites every looked-up row
+            embedding_rows_read=float(rows_read),
             optimizer_state_bytes=float(state),
         )
 

@@ -184,6 +184,7 @@ class HSTUFamily:
             embedding_bytes_read=bytes_read,
             embedding_bytes_written=bytes_read,
             optimizer_state_bytes=2 * 4 * rows if optimizer == "rowwise_adagrad" else 0.0,
+            embedding_rows_read=float(rows),
         )
 
     def communication_bytes(self, spec: HSTUSpec, global_batch: int, world_size: int,

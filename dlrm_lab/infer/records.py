@@ -262,7 +262,8 @@ def roofline_columns(
         out["roofline_note"] = "no batch completed"
         return out
     work = Work(flops=batch * cost.forward_flops, gather_bytes=batch * row_bytes,
-                stream_bytes=dense_bytes_per_parameter * spec.dense_parameters)  # fmt: skip
+                stream_bytes=dense_bytes_per_parameter * spec.dense_parameters,
+                gather_rows=batch * cost.embedding_rows_read)  # fmt: skip
     out.update(place(work, ms / 1e3 if ms else None, peaks))
     return out
 
@@ -311,6 +312,7 @@ def latency_floor_columns(
     warmed = row.get("keep_warm_ms") or None  # an idle instance that runs a batch this often: its memory's gap
     cold = cold_factor_for_gap(peaks.cold, min(gap_ms, warmed) if gap_ms and warmed else gap_ms)
     memory_then = replace(peaks, gather_bytes_per_s=peaks.gather_bytes_per_s / cold,
+                          gather_rows_per_s=peaks.gather_rows_per_s / cold if peaks.gather_rows_per_s else None,
                           memory_bytes_per_s=peaks.memory_bytes_per_s / cold)  # fmt: skip
     floor_ms = batch_roof(spec, table_precision, memory_then, dense_bytes_per_parameter)(math.ceil(q / pieces))
     wake_ms = wake_ms_for_gap(peaks.wake, gap_ms)
@@ -333,14 +335,14 @@ def batch_roof(spec: ModelSpec, table_precision: str, peaks: Peaks | str,
     build stores them in); None without peaks."""
     if isinstance(peaks, str):
         return lambda n: None
-    flops = sample_cost(spec, window=SERVED_WINDOW).forward_flops  # HSTU: the requests a server scores
+    cost = sample_cost(spec, window=SERVED_WINDOW)  # HSTU: the requests a server scores
+    flops, rows = cost.forward_flops, cost.embedding_rows_read
     row_bytes = lookup_bytes_per_sample(spec, table_precision)
     stream = dense_bytes_per_parameter * spec.dense_parameters
 
     def roof(n: int) -> float | None:
-        return place(Work(flops=n * flops, gather_bytes=n * row_bytes, stream_bytes=stream), None, peaks)[
-            "roofline_bound_ms"
-        ]
+        work = Work(flops=n * flops, gather_bytes=n * row_bytes, stream_bytes=stream, gather_rows=n * rows)
+        return place(work, None, peaks)["roofline_bound_ms"]
 
     return roof
 

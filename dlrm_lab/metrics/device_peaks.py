@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -155,6 +155,17 @@ def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, hu
     if pages is not None:
         out["huge_bytes"], out["huge_error"] = pages.huge_bytes, pages.error
     return out
+
+
+LINE_DIM = 16  # fp32 values in a row of one 64-byte cache line
+
+
+def gather_rows_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, huge_pages: bool = False) -> float:
+    """Random rows of one cache line gathered per second: the same tables' bytes as `gather_bytes_per_s` cut
+    into 64-byte rows. A row this small is bound by its count (a line fetched and a page walked each), not by its
+    bytes: the gather's second ceiling (`metrics.roofline._gather_seconds`)."""
+    narrow = replace(sizes, gather_dim=LINE_DIM, gather_rows=sizes.gather_rows * sizes.gather_dim // LINE_DIM)
+    return gather_bytes_per_s(device, narrow, repeats, huge_pages)["bytes_per_s"] / (LINE_DIM * 4)
 
 
 def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:

@@ -43,6 +43,7 @@ from dlrm_lab.metrics.device_peaks import (
     ProbeSizes,
     copy_bytes_per_s,
     gather_bytes_per_s,
+    gather_rows_per_s,
     gemm_flops_per_s,
     host_device_bytes_per_s,
 )
@@ -95,6 +96,10 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
                 out["gather_bytes_per_s"] = max(gather["bytes_per_s"], huge["bytes_per_s"])
             else:
                 say(f"  embedding gather on 2 MiB pages: not measured ({huge['huge_error']})")
+        on_huge = device.type == "cpu" and out["gather_bytes_per_s"] > gather["bytes_per_s"]
+        out["gather_rows_per_s"] = gather_rows_per_s(device, sizes, sizes.repeats, huge_pages=on_huge)
+        say(f"  embedding gather of 64-byte rows: {out['gather_rows_per_s'] / 1e6:,.1f} M rows/s"
+            + (" (2 MiB pages)" if on_huge else ""))  # fmt: skip
         return out
 
     if device.type == "cuda":

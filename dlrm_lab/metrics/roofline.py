@@ -296,6 +296,8 @@ class Peaks:
     gather_bytes_per_s: float
     comm_bytes_per_s: float | None
     basis: str  # what was picked from the profile, for the summary
+    # random rows of one cache line gathered per second (`metrics.device_peaks`); None: unprobed, no row ceiling
+    gather_rows_per_s: float | None = None
     # the wake of an idle thread by idle ms (`metrics.wake`: "1", "10", "100" -> p50_us, p99_us, ...); None: unprobed
     wake: dict[str, dict[str, float]] | None = None
     # an embedding gather's time after idling 1, 10, 100 ms over back to back (`metrics.wake`); None: unprobed
@@ -310,6 +312,7 @@ class Work:
     gather_bytes: float  # embedding rows, optimizer state: random row accesses
     stream_bytes: float  # dense parameters and their state: sequential
     comm_bytes: float = 0.0  # sent by one rank
+    gather_rows: float = 0.0  # the random row accesses behind gather_bytes (their own ceiling: a row costs a line)
 
 
 def _cpu_peaks(cpu: JsonObject, threads: int) -> JsonObject:
@@ -330,7 +333,9 @@ def _cpu_peaks(cpu: JsonObject, threads: int) -> JsonObject:
         },
         "memory_bytes_per_s": pick(one["memory_bytes_per_s"], most["memory_bytes_per_s"]),
         "gather_bytes_per_s": pick(one["gather_bytes_per_s"], most["gather_bytes_per_s"]),
-    }
+        **({"gather_rows_per_s": pick(one["gather_rows_per_s"], most["gather_rows_per_s"])}
+           if one.get("gather_rows_per_s") and most.get("gather_rows_per_s") else {}),
+    }  # fmt: skip
 
 
 def gemm_precision(device_type: str, precision: str) -> str:
@@ -379,6 +384,7 @@ def peaks_for(
         flops_per_s=flops,
         memory_bytes_per_s=peaks["memory_bytes_per_s"],
         gather_bytes_per_s=peaks["gather_bytes_per_s"],
+        gather_rows_per_s=peaks.get("gather_rows_per_s"),
         comm_bytes_per_s=comm,
         basis=f"{basis} {precision}, profile {profile.get('fingerprint_id')} of {profile.get('probed_at')}",
         wake=profile.get("wake") if device == "cpu" else None,
@@ -390,11 +396,21 @@ def peaks_for(
 ROOFLINE_COLUMNS = ROOFLINE_PLACED
 
 
+def _gather_seconds(work: Work, peaks: Peaks) -> float:
+    """Random row accesses at the larger of two ceilings: their bytes at the gather bandwidth (probed on rows of
+    several lines), and their count at the rate rows of one cache line are gathered (a row smaller than a line
+    still costs a line and a page walk: at 64-byte rows the byte ceiling alone is several times too high)."""
+    seconds = work.gather_bytes / peaks.gather_bytes_per_s
+    if work.gather_rows and peaks.gather_rows_per_s:
+        seconds = max(seconds, work.gather_rows / peaks.gather_rows_per_s)
+    return seconds
+
+
 def _seconds(work: Work, peaks: Peaks) -> dict[str, float]:
     """`work`'s time on each resource at the peaks; communication only where it sends and its bandwidth was probed."""
     times = {
         "compute": work.flops / peaks.flops_per_s,
-        "memory": work.gather_bytes / peaks.gather_bytes_per_s + work.stream_bytes / peaks.memory_bytes_per_s,
+        "memory": _gather_seconds(work, peaks) + work.stream_bytes / peaks.memory_bytes_per_s,
     }
     if work.comm_bytes > 0 and peaks.comm_bytes_per_s:
         times["communication"] = work.comm_bytes / peaks.comm_bytes_per_s

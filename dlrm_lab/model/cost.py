@@ -37,6 +37,7 @@ class SampleCost:
     embedding_bytes_read: float
     embedding_bytes_written: float
     optimizer_state_bytes: float
+    embedding_rows_read: float = 0.0  # rows looked up (random accesses: the gather's row ceiling counts them)
 
     @property
     def training_flops(self) -> int:
@@ -149,8 +150,10 @@ def table_update_work(spec: ModelSpec, batch_size: int, table_precision: str = "
     """The tables' backward and update inside a step's backward: each looked-up row read again with its
     optimizer state and both written, random rows at the gather bandwidth."""
     cost = sample_cost(spec, table_precision=table_precision, optimizer=embedding_optimizer)
+    state = 2 if cost.optimizer_state_bytes else 1  # a row, and its row-wise state in an array of its own
     return Work(0.0, batch_size * (cost.embedding_bytes_read + cost.embedding_bytes_written
-                                   + cost.optimizer_state_bytes), 0.0)  # fmt: skip
+                                   + cost.optimizer_state_bytes), 0.0,
+                gather_rows=batch_size * cost.embedding_rows_read * state)  # fmt: skip
 
 
 def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_precision: str = "fp32",
@@ -175,11 +178,17 @@ def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_pre
     return {
         "data_wait": Work(0.0, 0.0, 0.0),  # the batch is made apart (a thread, or ahead): no bound of the step's
         "input_dist": Work(0.0, 0.0, 0.0, comm["input_dist"]),
-        "embedding_lookup": Work(0.0, batch_size * cost.embedding_bytes_read, 0.0),
+        "embedding_lookup": Work(
+            0.0, batch_size * cost.embedding_bytes_read, 0.0, gather_rows=batch_size * cost.embedding_rows_read
+        ),  # fmt: skip
         "embedding_all_to_all": Work(0.0, 0.0, 0.0, pooled / 2),
         "dense_forward": Work(batch_size * cost.forward_flops, 0.0, weights),
         "backward": Work(
-            batch_size * cost.backward_flops, update.gather_bytes, 2 * weights, comm["gradient_all_reduce"]
+            batch_size * cost.backward_flops,
+            update.gather_bytes,
+            2 * weights,
+            comm["gradient_all_reduce"],
+            update.gather_rows,
         ),  # fmt: skip
         "embedding_all_to_all_backward": Work(0.0, 0.0, 0.0, pooled / 2),
         "optimizer": Work(0.0, 0.0, weights * (3 + 2 * states)),

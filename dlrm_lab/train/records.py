@@ -206,6 +206,8 @@ def roofline_columns(
         gather_bytes=cfg.batch_size * row_bytes,
         stream_bytes=dense_step_bytes(spec, cfg.dense_optimizer),
         comm_bytes=sum(step_communication_bytes(spec, cfg.batch_size * world_size, world_size).values()),
+        # the lookup's rows, then the update's: each row again, and its row-wise state in an array of its own
+        gather_rows=cfg.batch_size * cost.embedding_rows_read * (2 + (1 if cost.optimizer_state_bytes else 0)),
     )
     step_ms = summary.get("step_time_ms_mean")
     out.update(place(work, step_ms / 1e3 if step_ms else None, peaks))
