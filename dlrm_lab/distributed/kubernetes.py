@@ -3,9 +3,10 @@
 Two kinds, each a list of plain dicts (`dump` writes them as one YAML stream):
 - `job`: an indexed `batch/v1` Job (one pod a node, `completionMode: Indexed`, parallelism = completions =
   nnodes) and a headless `v1` Service of the same name, so that pod i resolves as `<name>-<i>.<name>`. Each
-  pod runs the lab's torchrun wrapper with torchrun's c10d rendezvous on pod 0 (`<name>-0.<name>:29500`);
-  its node rank is the pod's `JOB_COMPLETION_INDEX`, and pod 0 is told it hosts the rendezvous
-  (`--rdzv-conf is_host=1`) rather than left to find its own name in DNS;
+  pod runs the lab's torchrun wrapper with torchrun's c10d rendezvous on pod 0 (`<name>-0.<name>:29500`).
+  The pod's `JOB_COMPLETION_INDEX` tells pod 0 it hosts the rendezvous (`--rdzv-conf is_host=1`) rather than
+  leaving it to find its own name in DNS; the c10d rendezvous then numbers the nodes itself, in the order of
+  their names (torchrun ignores --node-rank but for its static rendezvous), which puts rank 0 on pod 0;
 - `trainjob`: a Kubeflow Trainer v2 `TrainJob` (trainer.kubeflow.org/v1alpha1) on the `torch-distributed`
   runtime: Trainer starts numNodes pods and gives each torchrun's settings as PET_* variables (nodes, ranks a
   node, node rank, master address and port), which torchrun reads as its own options.
@@ -89,7 +90,6 @@ def manifests(
     endpoint = rdzv_endpoint or f"{name}-0.{name}:{RENDEZVOUS_PORT}"
     rendezvous = [
         *(shlex.quote(word) for word in (f"--nnodes={nnodes}", f"--nproc-per-node={nproc}")),
-        '--node-rank="$JOB_COMPLETION_INDEX"',
         *(shlex.quote(word) for word in ("--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={name}")),
         '--rdzv-conf=is_host="$is_host"',
     ]
