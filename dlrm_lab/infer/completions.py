@@ -9,7 +9,9 @@ and its caller's callback; the records and stalls are taken from here, point by 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_connections
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,8 +26,38 @@ STALL_MS = 500.0
 STALL_FACTOR = 20.0
 
 
+class InstanceStates(NamedTuple):
+    """A model's instances and queue at one moment (`instance_states`)."""
+
+    alive: int  # started and not lost
+    busy: int  # holding a batch
+    # holding one beyond STALL_MS and STALL_FACTOR x its warm time (beyond STALL_MS where none was measured)
+    stalled: int
+    waiting: int  # queries queued for a batch
+
+
 class BatchCompletions:
     """The server's completion thread and the query records it writes (see the module's docstring)."""
+
+    # Told each batch's model and samples as it comes back, on the completion thread (`serve --metrics-port`): one
+    # call a batch, which must be cheap and must not raise
+    batch_observer: Callable[[str, int], None] | None = None
+
+    def instance_states(self) -> dict[str, InstanceStates]:
+        """Per model, its instances alive, busy and stalled now, and its queries waiting (read when scraped)."""
+        now = time.monotonic_ns()
+        out: dict[str, InstanceStates] = {}
+        for name, pool in self._pools.items():
+            mine = [info["instance"] for info in self.instance_info if info["model"] == name]
+            with pool.cond:
+                busy = [(sent, n) for i, (sent, n) in pool.clock.busy.items() if i not in self._lost]
+                cost, waiting = pool.clock.cost, len(pool.waiting)
+            stalled = sum(
+                (now - sent) / 1e6 > max(STALL_MS, STALL_FACTOR * (cost.ms(n) if cost is not None else 0.0))
+                for sent, n in busy
+            )
+            out[name] = InstanceStates(sum(i not in self._lost for i in mine), len(busy), stalled, waiting)
+        return out
 
     def _count_columns(self, q: Query) -> dict[str, int | None]:
         """What the query's model's family counted of it, as its query columns (none for a DLRM)."""
@@ -126,6 +158,8 @@ class BatchCompletions:
             with self._records_lock:
                 self._stalls.append(Stall(instance=msg.instance, model=name, took_ms=took_ms, expected_ms=expected,
                                           at_ms=(sent_ns - self.epoch_ns) / 1e6))  # fmt: skip
+        if self.batch_observer is not None:
+            self.batch_observer(name, samples)
         for q in finished:
             self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
 

@@ -1,0 +1,191 @@
+"""`serve --metrics-port`: the server's live metrics at `/metrics`, in Prometheus's text format (docs/serving.md,
+"Live metrics in Prometheus's format").
+
+    InferenceService.pump (every 0.5 s, off the event loop) -> ServingMetrics.observe(rows): counters, histograms
+    completion thread, once a batch -> ServingMetrics.observe_batch: the batch-size histogram
+    a scrape -> _StateCollector: instances alive, busy, stalled; queries waiting; what each model is served as
+
+Queries are counted from the very rows the server writes to its queries table, as they move there: the counters and
+histograms are sums over the run's `queries.parquet` (at most one pump, 0.5 s, behind it), and nothing is added to
+the completion path of a query (only a batch's size is observed there, one histogram observation a batch). The state
+of the instances is read when Prometheus asks. A registry of its own (not prometheus-client's global one) holds it all,
+served by prometheus-client's threaded HTTP server on `--host`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dlrm_lab.errors import FieldError
+from dlrm_lab.infer.server import InferenceServer
+from dlrm_lab.metrics.columns import QueryRow
+from dlrm_lab.metrics.run import Run
+
+# ms-scale serving: 0.1 ms (a small batch's compute) to 10 s (a query waiting out a stall); seconds, Prometheus's unit
+LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0)  # fmt: skip
+BATCH_BUCKETS = tuple(float(2**k) for k in range(15))  # 1 .. 16384 samples
+# The lab's query statuses (docs/serving.md, "Server run directory"): each model's series exist from the start, at 0
+STATUSES = ("ok", "dropped", "rejected", "failed", "expired", "unfinished")
+# A refused query naming no served model: one label however many names clients make up
+OTHER_MODEL = "_other"
+
+
+def _transport_ms(r: QueryRow) -> float | None:
+    # the transfer the server sees: decode the message, check it, submit it (server_parse: receive -> submitted)
+    return r["issued_ms"] - r["scheduled_ms"]
+
+
+# name -> (help, the queries row's value in ms): observed for each query answered ok
+STAGES: dict[str, tuple[str, Callable[[QueryRow], float | None]]] = {
+    "latency": ("Server time of a query answered ok: received -> scores back in the serving process (latency_ms).",
+                lambda r: r.get("latency_ms")),
+    "queue": ("Submitted -> its first batch began on an instance: batching delay, waiting for an instance (queue_ms).",
+              lambda r: r.get("queue_ms")),
+    "compute": ("Instance time of a query answered ok, summed over its pieces (compute_ms).",
+                lambda r: r.get("compute_ms")),
+    "transport": ("The server's share of the transfer: decode, check and submit the request (server_parse).",
+                  _transport_ms),
+}  # fmt: skip
+
+
+class ServingMetrics:
+    """The metrics of one InferenceServer, in a registry of their own; `serve` feeds them and `close`s them."""
+
+    def __init__(self, inference: InferenceServer) -> None:
+        self.inference = inference
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.models = list(inference.models)
+        self.queries = Counter("dlrm_lab_queries", "Queries answered, by the lab's status (ok, dropped, rejected, "
+                               "failed, expired, unfinished).", ["model", "status"], registry=r)  # fmt: skip
+        self.samples = Counter("dlrm_lab_samples", "Samples scored (of queries answered ok).", ["model"], registry=r)
+        self.stalls = Counter("dlrm_lab_instance_stalls", "Batches an instance held beyond 500 ms and 20x their warm "
+                              "time (stopped or starved of its core).", ["model"], registry=r)  # fmt: skip
+        self.stages = {
+            stage: Histogram(f"dlrm_lab_query_{stage}_seconds", text, ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+            for stage, (text, _) in STAGES.items()
+        }
+        batches = Histogram("dlrm_lab_batch_samples", "Samples of each batch an instance ran (its count: batches).",
+                            ["model"], buckets=BATCH_BUCKETS, registry=r)  # fmt: skip
+        for model in self.models:  # every series at 0 before the first query, so that rate() sees the first one
+            for status in STATUSES:
+                self.queries.labels(model, status)
+            for metric in (self.samples, self.stalls, *self.stages.values()):
+                metric.labels(model)
+        self._batches = {model: batches.labels(model) for model in self.models}  # bound once: the per-batch call
+        self._stages = {(stage, m): h.labels(m) for stage, h in self.stages.items() for m in self.models}
+        r.register(_StateCollector(inference))
+        self._server: Any = None
+        self._thread: Any = None
+
+    def observe_batch(self, model: str, samples: int) -> None:
+        """A batch came back (the completion thread): one observation."""
+        self._batches[model].observe(samples)
+
+    def observe(self, rows: Iterable[QueryRow]) -> None:
+        """Finished queries' rows, as they move to the queries table."""
+        counts: dict[tuple[str, str], int] = {}
+        samples: dict[str, int] = {}
+        for row in rows:
+            model = row.get("model") if row.get("model") in self._batches else OTHER_MODEL
+            status = str(row.get("status"))
+            counts[model, status] = counts.get((model, status), 0) + 1
+            if status != "ok" or model == OTHER_MODEL:  # (an answered query's model is a served one)
+                continue
+            samples[model] = samples.get(model, 0) + (row.get("samples") or 0)
+            for stage, (_, value) in STAGES.items():
+                ms = value(row)
+                if ms is not None:
+                    self._stages[stage, model].observe(ms / 1e3)
+        for (model, status), n in counts.items():
+            self.queries.labels(model, status).inc(n)
+        for model, n in samples.items():
+            self.samples.labels(model).inc(n)
+        for stall in self.inference.take_stalls():  # serve takes them nowhere else
+            self.stalls.labels(stall["model"]).inc()
+
+    def start(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0: a free port); returns the port bound."""
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise FieldError("metrics_port", f"{port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        self.inference.batch_observer = self.observe_batch
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        self.inference.batch_observer = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = None
+
+
+class _StateCollector(Collector):
+    """What the server is now, read at each scrape: its instances, its queues, what each model is served as."""
+
+    def __init__(self, inference: InferenceServer) -> None:
+        self.inference = inference
+
+    def collect(self) -> Iterator[Metric]:
+        from dlrm_lab import __version__
+
+        states = self.inference.instance_states()
+        gauges = {
+            "alive": GaugeMetricFamily("dlrm_lab_instances_alive", "Instances started and not lost.", labels=["model"]),
+            "busy": GaugeMetricFamily("dlrm_lab_instances_busy", "Instances holding a batch.", labels=["model"]),
+            "stalled": GaugeMetricFamily(
+                "dlrm_lab_instances_stalled",
+                "Instances holding a batch beyond 500 ms and 20x its warm time.",
+                labels=["model"],
+            ),
+            "waiting": GaugeMetricFamily("dlrm_lab_queries_waiting", "Queries queued for a batch.", labels=["model"]),
+        }
+        labels = ["model", "preset", "build", "precision", "table_precision", "version"]
+        info = InfoMetricFamily("dlrm_lab_model", "What each model is served as.", labels=labels)
+        for name, state in states.items():
+            for key, gauge in gauges.items():
+                gauge.add_metric([name], getattr(state, key))
+            m = self.inference.models[name]
+            info.add_metric([name, m.spec.name, m.build, m.precision, m.table_precision, __version__],
+                            {"threads": str(m.threads), "max_batch": str(m.max_batch)})  # fmt: skip
+        yield from gauges.values()
+        yield info
+
+
+def check_metrics_port(host: str, port: int, *others: int | None) -> None:
+    """Before the instances take their time to start: `port` is one to listen on, free on `host`, and not the
+    server's other ports (`others`)."""
+    if not 0 <= port < 65536:
+        raise FieldError("metrics_port", f"{port}: must be in [0, 65535] (0: any free port)")
+    if port and port in others:
+        raise FieldError("metrics_port", f"{port}: must differ from {{port}} and {{http_port}}", "port", "http_port")
+    with contextlib.suppress(socket.gaierror):  # a bad host is said of --host
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(sockaddr)
+        except OSError as exc:
+            raise FieldError("metrics_port", f"{port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def start_metrics(
+    inference: InferenceServer, host: str, port: int, run: Run, log: Callable[[str], None]
+) -> ServingMetrics:
+    """The server's /metrics, served from now on; said in one line and in the run's manifest (`metrics_address`)."""
+    metrics = ServingMetrics(inference)
+    bound = metrics.start(host, port)
+    address = (f"[{host}]" if ":" in host else host) + f":{bound}"
+    run.update_manifest(metrics_address=address)
+    log(f"Prometheus metrics on http://{address}/metrics")
+    return metrics

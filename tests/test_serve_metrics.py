@@ -1,0 +1,129 @@
+"""`serve --metrics-port`'s /metrics (dlrm_lab/serve/prometheus.py) without a server: the text Prometheus reads is the
+rows summed, the batches observed and the instances' state at the scrape; a bad port is one line. Against a live
+server and a real Prometheus: tests/test_serve.py."""
+
+import socket
+import urllib.request
+
+import pytest
+from conftest import run_cli_in_process
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dlrm_lab.config import load_preset
+from dlrm_lab.infer.completions import InstanceStates
+from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.sut import Stall
+from dlrm_lab.serve.prometheus import ServingMetrics
+
+
+class FakeInference:
+    """What ServingMetrics reads of an InferenceServer."""
+
+    batch_observer = None
+
+    def __init__(self) -> None:
+        self.models = {"tiny": ServedModel("tiny", load_preset("tiny"), instances=3, build="fused", precision="bf16")}
+        self.states = InstanceStates(alive=2, busy=2, stalled=1, waiting=5)
+        self.stalls = [Stall(instance=1, model="tiny", took_ms=900.0, expected_ms=1.0, at_ms=0.0)]
+
+    def instance_states(self):
+        return {"tiny": self.states}
+
+    def take_stalls(self):
+        out, self.stalls = self.stalls, []
+        return out
+
+
+def _row(status: str, samples: int, model: str = "tiny", **ms: float) -> dict:
+    return {"model": model, "status": status, "samples": samples, "scheduled_ms": 10.0,
+            "issued_ms": 10.0 + ms.get("parse", 0.0), "latency_ms": ms.get("latency"), "queue_ms": ms.get("queue"),
+            "compute_ms": ms.get("compute")}  # fmt: skip
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_metrics_text_is_the_rows_summed_the_batches_and_the_instances_now():
+    inference = FakeInference()
+    metrics = ServingMetrics(inference)
+    before = _samples(generate_latest(metrics.registry).decode())
+    tiny = (("model", "tiny"),)
+    # every series of a served model is there, at 0, before its first query
+    assert before["dlrm_lab_queries_total", (("model", "tiny"), ("status", "failed"))] == 0
+    assert before["dlrm_lab_query_queue_seconds_count", tiny] == 0
+    metrics.observe([
+        _row("ok", 4, latency=2.0, queue=0.5, compute=1.0, parse=0.1),
+        _row("ok", 6, latency=40.0, queue=30.0, compute=8.0, parse=0.2),
+        _row("dropped", 3),
+        _row("rejected", 2, model="made-up-by-a-client"),
+        _row("rejected", 1, model=None),
+    ])  # fmt: skip
+    for n in (4, 6, 6):
+        metrics.observe_batch("tiny", n)
+    got = _samples(generate_latest(metrics.registry).decode())
+
+    def counted(status: str, model: str = "tiny") -> float:
+        return got["dlrm_lab_queries_total", (("model", model), ("status", status))]
+
+    assert (counted("ok"), counted("dropped"), counted("rejected"), counted("failed")) == (2, 1, 0, 0)
+    assert counted("rejected", "_other") == 2  # a client's made-up model names are one label
+    assert got["dlrm_lab_samples_total", tiny] == 10  # scored only
+    for stage, total_ms in (("latency", 42.0), ("queue", 30.5), ("compute", 9.0), ("transport", 0.3)):
+        assert got[f"dlrm_lab_query_{stage}_seconds_count", tiny] == 2
+        assert got[f"dlrm_lab_query_{stage}_seconds_sum", tiny] == pytest.approx(total_ms / 1e3)
+    # ms-scale buckets, in seconds: the 2 ms query is under 2.5 ms, the 40 ms one is not
+    assert got["dlrm_lab_query_latency_seconds_bucket", (("le", "0.0025"), ("model", "tiny"))] == 1
+    assert got["dlrm_lab_query_latency_seconds_bucket", (("le", "0.05"), ("model", "tiny"))] == 2
+    assert got["dlrm_lab_batch_samples_count", tiny] == 3 and got["dlrm_lab_batch_samples_sum", tiny] == 16
+    assert got["dlrm_lab_batch_samples_bucket", (("le", "4.0"), ("model", "tiny"))] == 1
+    assert got["dlrm_lab_instance_stalls_total", tiny] == 1
+    states = {k: got[f"dlrm_lab_instances_{k}", tiny] for k in ("alive", "busy", "stalled")}
+    assert states == {"alive": 2, "busy": 2, "stalled": 1} and got["dlrm_lab_queries_waiting", tiny] == 5
+    ((name, labels),) = [key for key in got if key[0] == "dlrm_lab_model_info"]
+    labels = dict(labels)
+    assert (labels["model"], labels["preset"], labels["build"], labels["precision"]) == (
+        "tiny",
+        "tiny",
+        "fused",
+        "bf16",
+    )
+    # the state is read at each scrape
+    inference.states = InstanceStates(alive=1, busy=0, stalled=0, waiting=0)
+    assert _samples(generate_latest(metrics.registry).decode())["dlrm_lab_instances_alive", tiny] == 1
+
+
+def test_the_metrics_are_served_over_http_from_a_registry_of_their_own():
+    from prometheus_client import REGISTRY
+
+    inference = FakeInference()
+    metrics = ServingMetrics(inference)
+    port = metrics.start("127.0.0.1", 0)
+    try:
+        assert inference.batch_observer == metrics.observe_batch  # the completion thread tells it of each batch
+        metrics.observe([_row("ok", 4, latency=2.0, queue=0.5, compute=1.0)])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            got = _samples(resp.read().decode())
+        assert got["dlrm_lab_queries_total", (("model", "tiny"), ("status", "ok"))] == 1
+        assert REGISTRY.get_sample_value("dlrm_lab_queries_total", {"model": "tiny", "status": "ok"}) is None
+    finally:
+        metrics.close()
+    assert inference.batch_observer is None
+
+
+@pytest.mark.parametrize("case", ["range", "in use", "the grpc port"])
+def test_a_bad_metrics_port_is_one_line_naming_it_before_anything_starts(case, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = {"range": 70000, "in use": busy.getsockname()[1], "the grpc port": 50999}[case]
+        where = ("--host", "127.0.0.1", "--port", "50999", "--metrics-dir", str(tmp_path / "runs"))
+        code, _, err = run_cli_in_process("serve", "--preset", "tiny", *where, "--metrics-port", str(port))
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --metrics-port {port}: "), err
+    why = {"range": "must be in [0, 65535]", "in use": "Address already in use", "the grpc port": "must differ from"}
+    assert why[case] in err and not (tmp_path / "runs").exists()
