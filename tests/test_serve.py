@@ -105,7 +105,7 @@ def servers(tmp_path_factory):
     (root / "full_disk_site" / "sitecustomize.py").write_text(FULL_DISK)
     started = {
         "full_disk": Server(root / "full_disk", prefix=("env", f"PYTHONPATH={root / 'full_disk_site'}")),
-        "main": Server(root / "main", "--max-batch", "64"),
+        "main": Server(root / "main", "--max-batch", "64", "--metrics-port", "0"),
         # one waiting query at most, and it waits 300 ms for its batch to fill
         "small_queue": Server(root / "small_queue", "--max-queue", "1", "--max-delay-ms", "300"),
         "doomed": Server(root / "doomed"),
@@ -303,6 +303,162 @@ def test_health_is_serving_and_reflection_describes_the_service(server):
         assert SERVICE in reflected.get_services()
         infer = DescriptorPool(reflected).FindServiceByName(SERVICE).methods_by_name["Infer"]
         assert {"dense", "lengths", "ids"} <= set(infer.input_type.fields_by_name)
+
+def _metrics_series(server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The server's /metrics (`serve --metrics-port`), scraped now: (name, labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = server.wait_for("Prometheus metrics on ").split(" on ")[1].strip()
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def _send_metered_queries(server, library) -> int:
+    """20 queries of 1-20 samples and one for a model not served (rejected); their samples."""
+    with server.channel() as channel:
+        infer = channel.unary_unary(INFER_METHOD)
+        for k in range(20):
+            infer(_request(library.slice(k, 2 * k + 1), query_id=k), timeout=30)
+        with pytest.raises(grpc.RpcError):
+            infer(_request(library.slice(0, 2), model="not-served"), timeout=30)
+    return sum(k + 1 for k in range(20))
+
+
+def _agree_with_the_rows(server, read, timeout_s: float = 30) -> dict:
+    """`read()`'s counts by (metric, status or stage), once they equal the server's rows on disk (the queries table's
+    parts, flushed every 2 s; the metrics are at most a pump, 0.5 s, and a scrape behind): they must get there."""
+    import pandas as pd
+
+    (run_dir,) = server.metrics_dir.iterdir()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        parts = sorted((run_dir / "_parts" / "queries").glob("*.parquet"))
+        rows = pd.concat([pq.read_table(p).to_pandas() for p in parts]) if parts else pd.DataFrame()
+        got = read()
+        ok = rows[rows.status == "ok"] if len(rows) else rows
+        want = {("queries", s): float(n) for s, n in rows.status.value_counts().items()} if len(rows) else {}
+        want |= {("samples", "ok"): float(ok.samples.sum()) if len(ok) else 0.0}
+        want |= {
+            (stage, "sum"): float(ok[column].sum()) / 1e3 if len(ok) else 0.0
+            for stage, column in (("latency", "latency_ms"), ("queue", "queue_ms"), ("compute", "compute_ms"))
+        }
+        counts = {k: v for k, v in got.items() if k[0] in ("queries", "samples") and v}
+        if {k: v for k, v in want.items() if k[0] in ("queries", "samples")} == counts or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert counts == {k: v for k, v in want.items() if k[0] in ("queries", "samples")}
+    for stage in ("latency", "queue", "compute"):  # the histograms' sums: the same rows' values, summed
+        assert got[stage, "sum"] == pytest.approx(want[stage, "sum"], rel=1e-6)
+        assert got[stage, "count"] == want["queries", "ok"]
+    return got
+
+
+def _summed(series: dict) -> dict[tuple[str, str], float]:
+    """Prometheus's series as the rows' counts: queries by status, samples, each stage's sum and count."""
+    out: dict[tuple[str, str], float] = {}
+    for (name, labels), value in series.items():
+        labels = dict(labels)
+        if name == "dlrm_lab_queries_total":
+            out["queries", labels["status"]] = out.get(("queries", labels["status"]), 0.0) + value
+        elif name == "dlrm_lab_samples_total":
+            out["samples", "ok"] = out.get(("samples", "ok"), 0.0) + value
+        elif name.startswith("dlrm_lab_query_") and name.endswith(("_seconds_sum", "_seconds_count")):
+            stage, what = name.removeprefix("dlrm_lab_query_").split("_seconds_")
+            out[stage, what] = out.get((stage, what), 0.0) + value
+        elif name.startswith("dlrm_lab_instances_") or name in ("dlrm_lab_batch_samples_count", "dlrm_lab_model_info"):
+            out[name, labels.get("build", "")] = value
+    return out
+
+
+def test_the_servers_metrics_are_its_rows_summed_and_its_instances_now(server, library):
+    """`serve --metrics-port`'s /metrics, parsed as Prometheus would: the counters and the histograms' sums equal
+    the run's queries table; the one instance is alive and idle."""
+    sent = _send_metered_queries(server, library)
+    got = _agree_with_the_rows(server, lambda: _summed(_metrics_series(server)))
+    assert got["samples", "ok"] >= sent and got["queries", "rejected"] >= 1
+    assert got["dlrm_lab_batch_samples_count", ""] >= 1
+    assert [got[f"dlrm_lab_instances_{k}", ""] for k in ("alive", "busy", "stalled")] == [1, 0, 0]
+    ((build, _),) = [(k[1], v) for k, v in got.items() if k[0] == "dlrm_lab_model_info"]
+    assert build in ("eager", "fused", "compiled")
+
+
+def _prometheus() -> str | None:
+    """Prometheus's binary: $DLRM_LAB_PROMETHEUS, on PATH (Debian's `prometheus`), or the Debian package extracted
+    under ~/.cache/dlrm-lab/prometheus (.ci/run: `apt-get download prometheus` and `dpkg -x`)."""
+    import shutil
+    from pathlib import Path
+
+    cached = Path.home() / ".cache" / "dlrm-lab" / "prometheus" / "usr" / "bin" / "prometheus"
+    found = os.environ.get("DLRM_LAB_PROMETHEUS") or shutil.which("prometheus") or str(cached)
+    return found if os.access(found, os.X_OK) else None
+
+
+def test_a_real_prometheus_scrapes_the_server_and_its_series_agree_with_the_rows(server, library, tmp_path):
+    """Prometheus (Debian's package) scrapes `serve --metrics-port` every second; after two scrapes, queries; its
+    series, read back through its HTTP API, agree with the run's queries table within a scrape."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    binary = _prometheus()
+    if binary is None:
+        pytest.skip("no prometheus binary: apt-get install prometheus, or set DLRM_LAB_PROMETHEUS")
+    target = server.wait_for("Prometheus metrics on ").split("http://")[1].split("/")[0]
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: dlrm-lab, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    api = f"http://127.0.0.1:{_free_port()}/api/v1/query"
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below, after it
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}", "--web.listen-address=" +
+                             api.split("/")[2], f"--storage.tsdb.path={tmp_path / 'data'}"], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def query(promql: str) -> list[dict]:
+        with urllib.request.urlopen(f"{api}?{urllib.parse.urlencode({'query': promql})}", timeout=10) as resp:
+            answer = json.load(resp)
+        assert answer["status"] == "success", answer
+        return answer["data"]["result"]
+
+    def scraped() -> float:
+        try:
+            (up,) = query('count_over_time(up{job="dlrm-lab"}[1m]) and on() up{job="dlrm-lab"} == 1') or [None]
+        except OSError:  # not listening yet
+            return 0
+        return 0 if up is None else float(up["value"][1])
+
+    try:
+        deadline = time.monotonic() + 60
+        while scraped() < 2:  # two scrapes, the last one up
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            time.sleep(0.25)
+        sent = _send_metered_queries(server, library)
+
+        def read() -> dict[tuple[str, str], float]:
+            series = {}
+            for r in query('{__name__=~"dlrm_lab_.*", job="dlrm-lab"}'):
+                labels = {k: v for k, v in r["metric"].items() if k not in ("__name__", "job", "instance")}
+                series[r["metric"]["__name__"], tuple(sorted(labels.items()))] = float(r["value"][1])
+            return _summed(series)
+
+        got = _agree_with_the_rows(server, read)
+        assert got["samples", "ok"] >= sent and got["queries", "rejected"] >= 1
+        assert got["dlrm_lab_instances_alive", ""] == 1
+        # Triton's averages from ours, in PromQL (docs/serving.md): the mean queue time of a query, in us
+        (mean,) = query("1e6 * sum(dlrm_lab_query_queue_seconds_sum) / sum(dlrm_lab_query_queue_seconds_count)")
+        assert float(mean["value"][1]) == pytest.approx(1e6 * got["queue", "sum"] / got["queue", "count"], rel=1e-6)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
 
 
 TRANSFER = ("serialise", "network", "server_parse", "server_respond", "deserialise")

@@ -247,14 +247,16 @@ class InferConfig:
     # `concurrency` client connections (a closed loop keeps that many queries outstanding in process too)
     target: str = option(
         "in-process",
-        "The system under test: in-process (the lab's server, here), grpc://HOST:PORT (a dlrm-lab serve), or "
-        "kserve://HOST:PORT[/MODEL] (any Open Inference Protocol v2 gRPC server: Triton, KServe, ours). Remote targets "
+        "The system under test: in-process (the lab's server, here), grpc://HOST:PORT (a dlrm-lab serve), "
+        "kserve://HOST:PORT[/MODEL] (any Open Inference Protocol v2 gRPC server: Triton, KServe, ours) or "
+        "http://HOST:PORT[/MODEL] (the same over HTTP/REST). Remote targets "
         "serve with their own settings: --instances, --threads, --precision ... apply in process only.",
     )
     rpc: str | None = option(
         None,
         "grpc:// targets: stream (one InferStream per connection, the default) or unary (an Infer call per query); "
-        "kserve:// targets: oip (a ModelInfer call per query).",
+        "kserve:// targets: oip (a ModelInfer call per query); http:// targets: rest (binary tensors, Triton's "
+        "extension; the default where the server lists it) or rest-json (JSON tensors).",
     )
     concurrency: int = option(
         1,

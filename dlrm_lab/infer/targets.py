@@ -6,6 +6,9 @@
                          any Open Inference Protocol (KServe v2) gRPC server: the lab's own, Triton,
                          KServe's model server. MODEL is the name it serves the model under (default:
                          the preset's name); the samples are the preset's, generated here.
+    http://HOST:PORT[/MODEL]
+                         any Open Inference Protocol (KServe v2) HTTP/REST server, as kserve:// (`serve.rest_remote`:
+                         binary tensors where the server lists Triton's binary_tensor_data extension, else JSON).
 
 A transport is one opener in `TRANSPORTS`, named "module:function" (imported only when its scheme is
 used: the in-process runner never loads gRPC). An opener takes the parsed target, the served models
@@ -30,8 +33,11 @@ TRANSPORTS: dict[str, str] = {
     IN_PROCESS: "dlrm_lab.infer.targets:open_in_process",
     "grpc": "dlrm_lab.serve.connect:open_lab_server",
     "kserve": "dlrm_lab.serve.connect:open_inference_server",
+    "http": "dlrm_lab.serve.rest_remote:open_rest_server",
 }
-RPC_OF = {"grpc": ("stream", "unary"), "kserve": ("oip",)}  # the RPC kinds each remote scheme speaks, first default
+# the RPC kinds each remote scheme speaks, first default (http://: chosen by the server's extensions)
+RPC_OF = {"grpc": ("stream", "unary"), "kserve": ("oip",), "http": ("rest", "rest-json")}
+NAMED_MODEL = ("kserve", "http")  # schemes whose URL may name the served model
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class Target:
     url: str
     scheme: str
     address: str | None = None  # HOST:PORT
-    model_name: str | None = None  # kserve: the name the server knows the model by
+    model_name: str | None = None  # kserve, http: the name the server knows the model by
 
     @property
     def remote(self) -> bool:
@@ -75,7 +81,7 @@ class Connection:
 
 def parse_target(url: str) -> Target:
     """`url` as a Target; a bad one is one line naming it and what is allowed."""
-    allowed = f"{IN_PROCESS}, grpc://HOST:PORT or kserve://HOST:PORT[/MODEL]"
+    allowed = f"{IN_PROCESS}, grpc://HOST:PORT, kserve://HOST:PORT[/MODEL] or http://HOST:PORT[/MODEL]"
     if url in (IN_PROCESS, ""):
         return Target(IN_PROCESS, IN_PROCESS)
     scheme, sep, rest = url.partition("://")
@@ -85,8 +91,8 @@ def parse_target(url: str) -> Target:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise FieldError("target", f"{url!r}: expected {scheme}://HOST:PORT (a port in 1-65535)")
-    if model and scheme != "kserve":
-        raise FieldError("target", f"{url!r}: only a kserve:// target names its model in the URL")
+    if model and scheme not in NAMED_MODEL:
+        raise FieldError("target", f"{url!r}: only a kserve:// or http:// target names its model in the URL")
     return Target(url, scheme, address, model or None)
 
 

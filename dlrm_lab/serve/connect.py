@@ -135,8 +135,6 @@ def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator
 
 def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, timeout_s: float) -> None:
     """The server is live and ready, serves `name`, and its metadata has the lab's tensors for `spec`."""
-    from dlrm_lab.serve.open_inference import tensors
-
     where = f"{target.url}: model {name!r}"
     try:
         if not stub.ServerReady(v2.ServerReadyRequest(), timeout=timeout_s).ready:
@@ -147,20 +145,29 @@ def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, tim
         meta = stub.ModelMetadata(v2.ModelMetadataRequest(name=name), timeout=timeout_s)
     except grpc.RpcError as exc:
         raise FieldError("target", f"{where}: {exc.code().name}: {exc.details()}") from None
-    inputs, outputs = tensors(spec)
-    for kind, wanted, got in (("input", inputs, meta.inputs), ("output", outputs, meta.outputs)):
-        have = {t.name: t for t in got}
+    check_tensor_metadata(where, spec, [(t.name, t.datatype, list(t.shape)) for t in meta.inputs],
+                          [(t.name, t.datatype, list(t.shape)) for t in meta.outputs])  # fmt: skip
+
+
+def check_tensor_metadata(where: str, spec: Any, inputs: list[tuple], outputs: list[tuple]) -> None:
+    """A v2 server's (name, datatype, shape) inputs and outputs of a model (either binding's metadata) hold the lab's
+    tensors for `spec` (`serve.v2_tensors.tensors`); one line naming the first that does not."""
+    from dlrm_lab.serve.v2_tensors import tensors
+
+    want_in, want_out = tensors(spec)
+    for kind, wanted, got in (("input", want_in, inputs), ("output", want_out, outputs)):
+        have = {name: (datatype, dims) for name, datatype, dims in got}
         for tensor, datatype, shape in wanted:
-            t = have.get(tensor)
-            if t is None:
+            if tensor not in have:
                 raise FieldError("target", f"{where}: no {kind} tensor {tensor!r} (it has: "
                                  f"{', '.join(have) or 'none'})")  # fmt: skip
-            if t.datatype != datatype:
-                raise FieldError("target", f"{where}: {kind} {tensor!r} is {t.datatype}, the lab sends {datatype}")
-            dims = list(t.shape)
+            got_type, dims = have[tensor]
+            if got_type != datatype:
+                raise FieldError("target", f"{where}: {kind} {tensor!r} is {got_type}, the lab sends {datatype}")
+            dims = list(dims)
             fits = len(dims) == len(shape) and all(a == b or -1 in (a, b) for a, b in zip(dims, shape, strict=False))
             if not fits:
-                raise FieldError("target", f"{where}: {kind} {tensor!r} has shape {list(t.shape)}, {spec.name} needs "
+                raise FieldError("target", f"{where}: {kind} {tensor!r} has shape {dims}, {spec.name} needs "
                                  f"{shape} (-1: any)")  # fmt: skip
 
 

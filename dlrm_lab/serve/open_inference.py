@@ -11,8 +11,10 @@ and one output, all little-endian and row-major, in `raw_input_contents` (or typ
 
 ModelConfig (Triton's extension, asked for by perf_analyzer before it starts) says max_batch_size 0: the
 shapes are given whole, with -1 for the sample count, since the lab batches behind the protocol.
-ModelStatistics counts, per model, the queries answered over this protocol and their time in queue and
-compute. An HSTU ranker's requests are not expressed as v2 tensors here: its models are not listed.
+ModelStatistics counts, per model, the queries answered over this protocol (gRPC and HTTP/REST, `serve.rest`)
+and their time in queue and compute. The tensors are checked by the rules both bindings share (`serve.v2_tensors`),
+and `OpenInferenceService.score` runs a query for either. An HSTU ranker's requests are not expressed as v2
+tensors here: its models are not listed.
 
 Hand-written over grpc's generic handlers: the servicer classes KServe and Triton ship need their own
 protobuf runtimes, older than this package's.
@@ -21,6 +23,7 @@ protobuf runtimes, older than this package's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,38 +31,32 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from dlrm_lab.config import ModelSpec
 from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.serve.protocol import (
-    DENSE_DTYPE,
-    ID_DTYPE,
-    LENGTH_DTYPE,
     OPEN_INFERENCE_SERVICE,
     SCORE_DTYPE,
     Refused,
     client_deadline,
-    echoed,
     v2,
 )
+from dlrm_lab.serve.v2_tensors import (
+    DTYPES,
+    OUTPUT,
+    VERSION,
+    V2Request,
+    check_tensors,
+    packed_request,
+    refuse,
+    served_model,
+    tensors,
+)
+
+__all__ = ["EXTENSIONS", "SERVICE", "VERSION", "OpenInferenceService", "tensors"]
 
 SERVICE = OPEN_INFERENCE_SERVICE  # inference.GRPCInferenceService
-VERSION = "1"  # the one version of each model a lab server holds
 EXTENSIONS = ["model_configuration", "statistics"]
-INPUTS = ("dense", "lengths", "ids")
-OUTPUT = "scores"
-_DTYPES = {"FP32": DENSE_DTYPE, "INT32": LENGTH_DTYPE, "INT64": ID_DTYPE}
 _CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
-_WANTED = {"dense": "FP32", "lengths": "INT32", "ids": "INT64"}
-
-
-def tensors(spec: ModelSpec) -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
-    """The model's (name, datatype, shape) inputs and outputs; -1: the number of samples or ids."""
-    return (
-        [("dense", "FP32", [-1, spec.num_dense]), ("lengths", "INT32", [spec.num_features, -1]),
-         ("ids", "INT64", [-1])],
-        [(OUTPUT, "FP32", [-1])],
-    )  # fmt: skip
 
 
 @dataclass
@@ -74,15 +71,6 @@ class _Stats:
     queue_ns: int = 0
     compute_ns: int = 0
     last_ms: int = 0
-
-
-class _Request:
-    """A v2 request in the shape the lab's checks read (`InferenceService.samples`, `submit`)."""
-
-    def __init__(self, model: str, query_id: int, samples: int, dense: bytes, lengths: bytes, ids: bytes) -> None:
-        self.model, self.query_id, self.samples = model, query_id, samples
-        self.dense, self.lengths, self.ids = dense, lengths, ids
-        self.client_send_ns = 0
 
 
 class OpenInferenceService:
@@ -131,12 +119,11 @@ class OpenInferenceService:
         return v2.ServerMetadataResponse(name="dlrm-lab", version=__version__, extensions=EXTENSIONS)
 
     async def _model(self, name: str, version: str, context: Any) -> ServedModel:
-        if name not in self.models:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {echoed(name)}: not served here; served: "
-                                f"{', '.join(self.models) or 'no DLRM'}")  # fmt: skip
-        if version not in ("", VERSION):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name} version {echoed(version)}: only {VERSION}")
-        return self.models[name]
+        try:
+            return served_model(self.models, name, version)
+        except Refused as exc:
+            await context.abort(exc.code, str(exc))
+            raise  # not reached: abort raises
 
     async def model_metadata(self, request: Any, context: Any) -> Any:
         m = await self._model(request.name, request.version, context)
@@ -162,15 +149,18 @@ class OpenInferenceService:
         return v2.ModelConfigResponse(config=config)
 
     async def model_statistics(self, request: Any, context: Any) -> Any:
-        names = [request.name] if request.name else list(self.models)
         if request.name:
             await self._model(request.name, request.version, context)
+        return self.statistics(request.name)
+
+    def statistics(self, name: str = "") -> Any:
+        """Triton's ModelStatisticsResponse of one model (`name`) or all, over both bindings of this protocol."""
         out = []
-        for name in names:
-            s = self.stats[name]
+        for model in [name] if name else list(self.models):
+            s = self.stats[model]
             duration = v2.StatisticDuration
             out.append(v2.ModelStatistics(
-                name=name, version=VERSION, last_inference=s.last_ms, inference_count=s.samples,
+                name=model, version=VERSION, last_inference=s.last_ms, inference_count=s.samples,
                 execution_count=s.queries,
                 inference_stats=v2.InferStatistics(
                     success=duration(count=s.queries, ns=s.success_ns), fail=duration(count=s.failures, ns=s.fail_ns),
@@ -182,24 +172,54 @@ class OpenInferenceService:
 
     async def model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         receive = time.monotonic_ns()
-        shim: _Request | None = None
         req = None
-        try:
+
+        def read() -> V2Request:
+            nonlocal req
             try:
                 req = v2.ModelInferRequest.FromString(body)
             except DecodeError as exc:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a ModelInferRequest ({exc})",
                               "rejected") from None  # fmt: skip
-            shim = self._request(req)
-            q, done = self.service.submit(shim, self.service.samples(shim), receive, client_deadline(context))
-            scores, done_ns = await self.service.result(shim, q, done)
+            return self._request(req)
+
+        try:
+            shim, scores, stages = await self.score(lambda: None if req is None else req.model_name, read, receive,
+                                                    client_deadline(context))  # fmt: skip
         except Refused as exc:
-            if req is not None and req.model_name in self.stats:
-                s = self.stats[req.model_name]
-                s.failures, s.fail_ns = s.failures + 1, s.fail_ns + time.monotonic_ns() - receive
-            self.service.record_refused(shim, receive, exc)
             await context.abort(exc.code, str(exc))
             raise  # not reached: abort raises
+        out = v2.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype="FP32", shape=[shim.samples])
+        resp = v2.ModelInferResponse(
+            model_name=shim.model, model_version=VERSION, id=req.id, outputs=[out],
+            raw_output_contents=[np.asarray(scores, dtype=SCORE_DTYPE).tobytes()],
+        )  # fmt: skip
+        for key, value in stages.items():  # the lab's stage times, for a client that reads them (protocol.STAGE_...)
+            resp.parameters[key].int64_param = int(value)
+        resp.parameters["server_send_ns"].int64_param = time.monotonic_ns()  # its serialisation follows
+        return resp.SerializeToString()
+
+    async def score(
+        self, model: Callable[[], str | None], read: Callable[[], V2Request], receive: int, deadline_ns: int | None
+    ) -> tuple[V2Request, np.ndarray, dict[str, int]]:
+        """One v2 query through the server, whichever binding carried it: `read()` gives its checked request (or
+        raises Refused), which the batcher and instances score. Returns the request, its scores and the server's
+        stage times (the response parameters of `protocol.STAGE_PARAMETERS` but server_send_ns); a refusal is
+        counted in the statistics, recorded as a row of the serve run (as the lab's own protocol records it) and
+        raised. `model()`: the model the request named, once read (None: unknown)."""
+        shim: V2Request | None = None
+        try:
+            shim = read()
+            if shim.timeout_ns is not None:  # the request's own deadline, where its binding carries one
+                deadline_ns = receive + shim.timeout_ns
+            q, done = self.service.submit(shim, self.service.samples(shim), receive, deadline_ns)
+            scores, done_ns = await self.service.result(shim, q, done)
+        except Refused as exc:
+            if (name := model()) in self.stats:
+                s = self.stats[name]
+                s.failures, s.fail_ns = s.failures + 1, s.fail_ns + time.monotonic_ns() - receive
+            self.service.record_refused(shim, receive, exc)
+            raise
         start = q.first_start_ns if q.first_start_ns is not None else done_ns
         s = self.stats[shim.model]
         s.samples, s.queries = s.samples + shim.samples, s.queries + 1
@@ -207,64 +227,26 @@ class OpenInferenceService:
         s.queue_ns += start - q.issued_ns
         s.compute_ns += done_ns - start
         s.last_ms = int(time.time() * 1e3)
-        out = v2.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype="FP32", shape=[shim.samples])
-        resp = v2.ModelInferResponse(
-            model_name=shim.model, model_version=VERSION, id=req.id, outputs=[out],
-            raw_output_contents=[np.asarray(scores, dtype=SCORE_DTYPE).tobytes()],
-        )  # fmt: skip
         stages = {"server_receive_ns": receive, "parse_ns": q.issued_ns - receive, "queue_ns": start - q.issued_ns,
                   "compute_ns": done_ns - start, "batch_samples": q.batch_samples or 0,
                   "instance": -1 if q.instance is None else q.instance, "pieces": q.pieces,
                   "instance_compute_ns": q.compute_ns}  # fmt: skip
-        for key, value in stages.items():  # the lab's stage times, for a client that reads them (protocol.STAGE_...)
-            resp.parameters[key].int64_param = int(value)
-        resp.parameters["server_send_ns"].int64_param = time.monotonic_ns()  # its serialisation follows
-        return resp.SerializeToString()
+        return shim, scores, stages
 
-    def _request(self, req: Any) -> _Request:
-        """The request's three tensors as the lab's packed fields, or Refused (INVALID_ARGUMENT) naming the
-        tensor that is missing, mistyped or misshapen. Sizes against the model are checked after, by the same
-        rules as the lab's own protocol."""
-
-        def refuse(message: str) -> Refused:
-            return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"model {echoed(req.model_name)}: {message}", "rejected")
-
-        m = self.models.get(req.model_name)
-        if m is None:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"model {echoed(req.model_name)}: not served here; served: "
-                          f"{', '.join(self.models) or 'no DLRM'}", "rejected")  # fmt: skip
-        wanted = [o.name for o in req.outputs]
-        if wanted and wanted != [OUTPUT]:
-            raise refuse(f"outputs {wanted}: the model has one, {OUTPUT!r}")
-        names = [t.name for t in req.inputs]
-        if sorted(names) != sorted(INPUTS):
-            raise refuse(f"inputs {names}: expected {', '.join(INPUTS)} (see ModelMetadata)")
+    def _request(self, req: Any) -> V2Request:
+        """The ModelInferRequest's three tensors (raw_input_contents, else typed contents) as the lab's packed
+        request, checked by the rules both bindings share (`serve.v2_tensors`)."""
+        m = served_model(self.models, req.model_name)
+        shapes = check_tensors(req.model_name, m.spec, [(t.name, t.datatype, list(t.shape)) for t in req.inputs],
+                               [o.name for o in req.outputs])  # fmt: skip
         if req.raw_input_contents and len(req.raw_input_contents) != len(req.inputs):
-            raise refuse(f"{len(req.raw_input_contents)} raw_input_contents for {len(req.inputs)} inputs")
+            raise refuse(req.model_name, f"{len(req.raw_input_contents)} raw_input_contents for {len(req.inputs)} "
+                         "inputs")  # fmt: skip
         raw: dict[str, bytes] = {}
-        shapes: dict[str, list[int]] = {}
         for k, t in enumerate(req.inputs):
-            if t.datatype != _WANTED[t.name]:
-                raise refuse(f"input {t.name}: datatype {t.datatype}, expected {_WANTED[t.name]}")
-            shapes[t.name] = list(t.shape)
             if req.raw_input_contents:
                 raw[t.name] = req.raw_input_contents[k]
             else:
                 values = getattr(t.contents, _CONTENTS[t.datatype])
-                raw[t.name] = np.asarray(values, dtype=_DTYPES[t.datatype]).tobytes()
-        spec = m.spec
-        dense, lengths = shapes["dense"], shapes["lengths"]
-        if len(dense) != 2 or dense[1] != spec.num_dense or dense[0] < 1:
-            raise refuse(f"input dense: shape {dense}, expected [N, {spec.num_dense}]")
-        n = dense[0]
-        if lengths != [spec.num_features, n]:
-            raise refuse(f"input lengths: shape {lengths}, expected [{spec.num_features}, {n}]")
-        if len(shapes["ids"]) != 1:
-            raise refuse(f"input ids: shape {shapes['ids']}, expected [sum of lengths]")
-        for name in INPUTS:
-            size = int(np.prod(shapes[name])) * _DTYPES[_WANTED[name]].itemsize
-            if len(raw[name]) != size:
-                raise refuse(f"input {name}: {len(raw[name])} bytes for shape {shapes[name]} ({size} expected)")
-        # any id is echoed as sent; a plain number (one an int64 holds) also names the query in the rows
-        query_id = int(req.id) if req.id.isascii() and req.id.isdigit() and len(req.id) <= 18 else 0
-        return _Request(req.model_name, query_id, n, raw["dense"], raw["lengths"], raw["ids"])
+                raw[t.name] = np.asarray(values, dtype=DTYPES[t.datatype]).tobytes()
+        return packed_request(req.model_name, req.id, shapes, raw)

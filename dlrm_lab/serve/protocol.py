@@ -37,8 +37,9 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # dlrm_lab.serv
 INFER_METHOD = f"/{SERVICE}/Infer"
 INFER_STREAM_METHOD = f"/{SERVICE}/InferStream"
 # How a client sends its queries: one InferStream, an Infer call each, or a ModelInfer call each of the Open
-# Inference Protocol (KServe v2, `serve.open_inference`)
-RPC_KINDS = ("stream", "unary", "oip")
+# Inference Protocol (KServe v2, `serve.open_inference`); over its HTTP/REST binding (`serve.rest_remote`), a POST
+# each with binary tensors (Triton's extension) or JSON ones
+RPC_KINDS = ("stream", "unary", "oip", "rest", "rest-json")
 DESCRIBE_METHOD = f"/{SERVICE}/Describe"
 # The Open Inference Protocol (KServe v2): its service, and the response parameters (int64) in which a lab server
 # reports a query's stages, as its own protocol does (`serve.open_inference`)

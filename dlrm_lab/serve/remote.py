@@ -144,7 +144,7 @@ class RemoteServer:
 
     def __init__(
         self,
-        channel: grpc.Channel,
+        channel: grpc.Channel | None,
         libraries: dict[str, PackedLibrary],
         *,
         models: Mapping[str, Any] | None = None,
@@ -167,10 +167,11 @@ class RemoteServer:
         self.worker = worker
         self.epoch_ns = time.monotonic_ns() if epoch_ns is None else epoch_ns
         self.timeout_s = timeout_s
-        # Raw bytes in and out: serialising and decoding the messages are client stages.
-        self._infer = channel.unary_unary(INFER_METHOD)
-        self._model_infer = channel.unary_unary(MODEL_INFER_METHOD)  # rpc "oip": the Open Inference Protocol
-        self._open_stream = channel.stream_stream(INFER_STREAM_METHOD)
+        if channel is not None:  # None: a subclass sends its queries itself (HTTP/REST, `serve.rest_remote`)
+            # Raw bytes in and out: serialising and decoding the messages are client stages.
+            self._infer = channel.unary_unary(INFER_METHOD)
+            self._model_infer = channel.unary_unary(MODEL_INFER_METHOD)  # rpc "oip": the Open Inference Protocol
+            self._open_stream = channel.stream_stream(INFER_STREAM_METHOD)
         self._stream: queue.SimpleQueue | None = None  # requests of the open stream (None ends it)
         self._waiting: dict[int, tuple[Any, tuple[int, int, int], int]] = {}  # stream: query id -> its send
         self._rows: list[QueryRow] = []

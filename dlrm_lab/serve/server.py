@@ -85,6 +85,7 @@ class InferenceService:
         self._pending: dict[int, asyncio.Future] = {}
         self._refused: collections.deque[QueryRow] = collections.deque()
         self._flushed = time.monotonic()
+        self.metrics: Any = None  # serve.prometheus.ServingMetrics: told every row as it moves to the table
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Infer takes and returns raw bytes so that decoding and encoding the protobuf
@@ -290,6 +291,8 @@ class InferenceService:
         for r in rows:
             r["point"] = 0
         queries.extend(rows)
+        if self.metrics is not None:
+            self.metrics.observe(rows)
         if time.monotonic() - self._flushed >= FLUSH_S:
             queries.flush()
             self._flushed = time.monotonic()
@@ -325,6 +328,7 @@ def serve(
     pin_cores: bool = True,
     seed: int = 0,
     grace_s: float = 10.0,
+    metrics_port: int | None = None,
     metrics_dir: str | Path = "runs",
     argv: list[str] | None = None,
     log: Log | None = None,
@@ -340,6 +344,10 @@ def serve(
             raise FieldError("model", f"{m.spec.name}: {family.label} presets are served in process only (`infer run`, "
                             "`infer search`); gRPC carries DLRM samples")  # fmt: skip
     _check_address(host, port)  # before the instances take their time to start
+    if metrics_port is not None:  # /metrics (serve.prometheus): checked here, served once the instances are up
+        from dlrm_lab.serve.prometheus import check_metrics_port, start_metrics
+
+        check_metrics_port(host, metrics_port, port)
     check_writable(metrics_dir, "metrics_dir")
     check_stored_profile(log)
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
@@ -357,6 +365,8 @@ def serve(
             with InferenceServer(plan, pin_cores=pin_cores, log=log, route_around_dead=True) as inference:
                 run.update_manifest(instances=inference.instance_info, precision_choices=inference.precision_choices)
                 service = InferenceService(inference)
+                if metrics_port is not None:
+                    service.metrics = start_metrics(inference, host, metrics_port, run, log)
                 asyncio.run(_serve(service, queries, host, port, grace_s, log, run))
                 if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed
                     raise ServingFault(
@@ -364,6 +374,8 @@ def serve(
                     )
         finally:
             if service is not None:  # after stop(): queries it found unfinished are recorded too
+                if service.metrics is not None:  # nothing scrapes a stopped server
+                    service.metrics.close()
                 service.pump(queries)
     return run.dir
 

@@ -1,0 +1,404 @@
+"""The Open Inference Protocol's HTTP/REST binding (KServe v2) on `dlrm-lab serve --http-port PORT`: what curl,
+KServe's InferenceService probes and `tritonclient.http` speak, driving the same batcher, instances and records as
+the gRPC binding (`OpenInferenceService.score`; the tensors checked by `serve.v2_tensors`).
+
+    GET  /v2/health/live, /v2/health/ready          200 {"live"|"ready": true}; not ready: 503 {"ready": false}
+    GET  /v2                                        server metadata (extensions: binary_tensor_data, ...)
+    GET  /v2/models/{name}[/versions/1]             model metadata: the tensors
+    GET  /v2/models/{name}[/versions/1]/ready       200 {"name", "ready": true}; 503 while not
+    GET  /v2/models/{name}[/versions/1]/config      Triton's model configuration (max_batch_size 0)
+    GET  /v2/models[/{name}[/versions/1]]/stats     Triton's statistics
+    POST /v2/models/{name}[/versions/1]/infer       JSON tensors, or Triton's binary-data extension
+
+Binary-data extension (Triton's, what `tritonclient.http` sends): the body is a JSON header of
+`Inference-Header-Content-Length` bytes, then each input whose parameters hold `binary_data_size` as that many raw
+little-endian bytes, in the inputs' order. The scores come back binary (the same layout, the header's length in
+the response's `Inference-Header-Content-Length`) when the request's `binary_data_output` parameter or the output's
+own `binary_data` parameter is true, else as a JSON `data` list. A request's `timeout` parameter (microseconds, as
+tritonclient sends it) is its deadline. The response's `parameters` hold the lab's stage times as the gRPC binding's
+do (`protocol.STAGE_PARAMETERS`).
+
+Errors are a 4xx (a refused query) or 5xx (the server's failure) with `{"error": "..."}`, one line naming the field:
+400 malformed JSON, a missing, mistyped or misshapen tensor, a bad value; 404 an unknown model or path; 405 another
+method; 411 a body without Content-Length (chunked); 413 a body over `max_body_bytes` (derived from the largest query
+the models take); 415 a compressed body; 429 the model's queue is full; 500 an instance failed; 503 stopping; 504 past
+the request's timeout. The connection stays open (HTTP/1.1 keep-alive) but after 411, 413 or a request it could not
+parse.
+
+Hand-written over asyncio streams on the server's own event loop: no maintained library implements the v2 REST
+server without pulling kserve's protobuf pin (< 7; this package's generated code needs 7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.parse
+from typing import Any
+
+import grpc
+import numpy as np
+
+from dlrm_lab.serve.open_inference import EXTENSIONS, OpenInferenceService
+from dlrm_lab.serve.protocol import SCORE_DTYPE, Refused, echoed
+from dlrm_lab.serve.v2_tensors import (
+    DTYPES,
+    OUTPUT,
+    VERSION,
+    Declared,
+    V2Request,
+    check_tensors,
+    nbytes,
+    packed_request,
+    refuse,
+    served_model,
+    tensors,
+)
+
+REST_EXTENSIONS = [*EXTENSIONS, "binary_tensor_data"]
+HEADER_LIMIT = 64 << 10  # request line and headers
+JSON_VALUE_BYTES = 24  # the widest JSON number of a tensor (an int64, a float's repr), with its separator
+BODY_SLACK = 1 << 20  # the JSON around the tensors
+MAX_BODY_CAP = 1 << 30
+STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED:
+          429, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503,
+          grpc.StatusCode.DEADLINE_EXCEEDED: 504}  # fmt: skip
+REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+           411: "Length Required", 413: "Content Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
+           431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
+           504: "Gateway Timeout"}  # fmt: skip
+
+Response = tuple[int, dict[str, str], bytes]
+
+
+def max_body_bytes(models: dict[str, Any]) -> int:
+    """The largest body a request may have: its largest query (--max-query-samples) as JSON numbers of its dense
+    values, lengths and ids at 8 times the tables' mean pooling, plus 1 MiB; at most 1 GiB."""
+    widest = 0
+    for m in models.values():
+        spec = m.spec
+        ids = 8 * sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
+        widest = max(widest, int(m.max_query_samples * (spec.num_dense + spec.num_features + ids) * JSON_VALUE_BYTES))
+    return min(BODY_SLACK + widest, MAX_BODY_CAP)
+
+
+def _json(status: int, value: Any, headers: dict[str, str] | None = None) -> Response:
+    return status, {"Content-Type": "application/json", **(headers or {})}, json.dumps(value).encode()
+
+
+def error(status: int, message: str) -> Response:
+    return _json(status, {"error": " ".join(message.split())})  # one line, whatever the message held
+
+
+class RestFront:
+    """KServe v2's REST binding over an `OpenInferenceService` (its models, statistics and `score`)."""
+
+    def __init__(self, v2: OpenInferenceService, max_body: int | None = None) -> None:
+        self.v2 = v2
+        self.max_body = max_body_bytes(v2.models) if max_body is None else max_body
+        self.stopping = False
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._busy = 0  # requests being answered
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port; the bound port."""
+        self._server = await asyncio.start_server(self._connection, host, port, limit=HEADER_LIMIT, reuse_address=True)
+        return self._server.sockets[0].getsockname()[1]
+
+    def stop_accepting(self) -> None:
+        self.stopping = True  # ready turns false, queries are refused UNAVAILABLE
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self, grace_s: float) -> None:
+        """Stop accepting, let requests being answered finish (up to `grace_s`), close every connection."""
+        self.stop_accepting()
+        deadline = time.monotonic() + grace_s
+        while self._busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for writer in list(self._writers):
+            writer.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Read one request, answer it; whether the connection stays open."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return False  # closed between requests
+        except asyncio.LimitOverrunError:
+            await self._write(writer, error(431, f"request head: over {HEADER_LIMIT} bytes"), close=True)
+            return False
+        try:
+            line, *fields = head.decode("latin-1").split("\r\n")
+            method, target, version = line.split(" ")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields if f)}
+        except ValueError:
+            await self._write(writer, error(400, f"request line {echoed(head[:80].decode('latin-1'))}: not HTTP"),
+                              close=True)  # fmt: skip
+            return False
+        keep = headers.get("connection", "").lower() != "close" and (
+            version == "HTTP/1.1" or headers.get("connection", "").lower() == "keep-alive"
+        )
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            await self._write(writer, error(411, "Transfer-Encoding: chunked: give the body's Content-Length"), True)
+            return False
+        length = headers.get("content-length", "0")
+        if not length.isdigit():
+            await self._write(writer, error(400, f"Content-Length {echoed(length)}: not a number of bytes"), True)
+            return False
+        if int(length) > self.max_body:
+            over = Refused(grpc.StatusCode.INVALID_ARGUMENT, f"body: {length} bytes, over {self.max_body}", "rejected")
+            self.v2.service.record_refused(Declared(_model_of(target)), time.monotonic_ns(), over)
+            await self._write(writer, error(413, f"Content-Length {length}: over this server's {self.max_body} bytes "
+                                            "(its largest query as JSON)"), close=True)  # fmt: skip
+            return False
+        if int(length) and headers.get("expect", "").lower() == "100-continue":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for it before a body over 1 KiB
+        body = await reader.readexactly(int(length))
+        self._busy += 1
+        try:
+            status, out_headers, payload = await self.respond(method, target, headers, body)
+        finally:
+            self._busy -= 1
+        await self._write(writer, (status, out_headers, payload), close=not keep)
+        return keep
+
+    @staticmethod
+    async def _write(writer: asyncio.StreamWriter, response: Response, close: bool = False) -> None:
+        status, headers, payload = response
+        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}", f"Content-Length: {len(payload)}",
+                 *(f"{k}: {v}" for k, v in headers.items()), *(["Connection: close"] if close else [])]  # fmt: skip
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
+        await writer.drain()
+
+    async def respond(self, method: str, target: str, headers: dict[str, str], body: bytes) -> Response:
+        """The answer to one request (headers: lower-case names)."""
+        receive = time.monotonic_ns()
+        path = urllib.parse.urlsplit(target).path.rstrip("/")
+        parts = [urllib.parse.unquote(p) for p in path.split("/")[1:]]
+        if parts[:1] != ["v2"]:
+            return error(404, f"path {echoed(path)}: not an endpoint of this server (/v2/...)")
+        rest = parts[1:]
+        route, name, version = _route(rest)
+        if route is None:
+            return error(404, f"path {echoed(path)}: not an Open Inference Protocol endpoint")
+        wanted = "POST" if route == "infer" else "GET"
+        if method != wanted:
+            return error(405, f"method {echoed(method)}: {path} takes {wanted}")
+        if route == "infer":
+            return await self.infer(name, version, headers, body, receive)
+        return self.get(route, name, version)
+
+    def get(self, route: str, name: str, version: str) -> Response:
+        ready = self.v2.service.failure is None and not self.stopping
+        if route == "live":
+            return _json(200, {"live": True})
+        if route == "ready":
+            return _json(200 if ready else 503, {"ready": ready})
+        if route == "server":
+            from dlrm_lab import __version__
+
+            return _json(200, {"name": "dlrm-lab", "version": __version__, "extensions": REST_EXTENSIONS})
+        if route == "stats" and not name:
+            return _json(200, _numbers(self.v2.statistics()))
+        try:
+            m = served_model(self.v2.models, name, version)
+        except Refused as exc:
+            return error(STATUS[exc.code], str(exc))
+        if route == "model_ready":
+            return _json(200 if ready else 503, {"name": name, "ready": ready})
+        if route == "stats":
+            return _json(200, _numbers(self.v2.statistics(name)))
+        inputs, outputs = tensors(m.spec)
+        if route == "config":
+            return _json(200, {"name": name, "platform": "pytorch_torchrec", "backend": "dlrm-lab",
+                               "max_batch_size": 0,
+                               "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s} for n, t, s in inputs],
+                               "output": [{"name": n, "data_type": f"TYPE_{t}", "dims": s} for n, t, s in outputs],
+                               "instance_group": [{"name": name, "count": m.instances,
+                                                   "kind": "KIND_CPU"}]})  # fmt: skip
+        meta = [[{"name": n, "datatype": t, "shape": s} for n, t, s in group] for group in (inputs, outputs)]
+        return _json(200, {"name": name, "versions": [VERSION], "platform": "pytorch_torchrec", "inputs": meta[0],
+                           "outputs": meta[1]})  # fmt: skip
+
+    async def infer(self, name: str, version: str, headers: dict[str, str], body: bytes, receive: int) -> Response:
+        if self.stopping:
+            return error(503, "the server is stopping")
+        request: dict[str, Any] = {}
+
+        def read() -> V2Request:
+            nonlocal request
+            if headers.get("content-encoding", "identity").lower() != "identity":
+                raise _refused(name, f"Content-Encoding {echoed(headers['content-encoding'])}: send the body "
+                               "uncompressed")  # fmt: skip
+            served_model(self.v2.models, name, version)
+            request, blobs = _split(name, headers, body)
+            return _tensors(self.v2.models[name].spec, name, request, blobs)
+
+        params = {}
+        try:
+            try:
+                shim, scores, stages = await self.v2.score(lambda: name, read, receive, None)
+            except _Unsupported as exc:
+                return error(415, str(exc))
+            params = request.get("parameters") or {}
+        except Refused as exc:
+            return error(STATUS.get(exc.code, 500), str(exc))
+        wanted = (request.get("outputs") or [{}])[0]
+        binary = (wanted.get("parameters") or {}).get("binary_data", params.get("binary_data_output", False))
+        scores = np.asarray(scores, dtype=SCORE_DTYPE)
+        output: dict[str, Any] = {"name": OUTPUT, "datatype": "FP32", "shape": [shim.samples]}
+        if binary is True:
+            output["parameters"] = {"binary_data_size": scores.nbytes}
+        else:
+            output["data"] = scores.tolist()
+        answer = {"model_name": name, "model_version": VERSION, "outputs": [output], "parameters": stages}
+        if "id" in request:
+            answer["id"] = request["id"]
+        stages["server_send_ns"] = time.monotonic_ns()  # its encoding follows, as the gRPC binding's
+        head = json.dumps(answer).encode()
+        if binary is not True:
+            return 200, {"Content-Type": "application/json"}, head
+        return 200, {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}, (
+            head + scores.tobytes())  # fmt: skip
+
+
+class _Unsupported(Refused):
+    pass
+
+
+def _refused(model: str, message: str) -> Refused:
+    return _Unsupported(grpc.StatusCode.INVALID_ARGUMENT, f"model {echoed(model)}: {message}", "rejected")
+
+
+def _model_of(target: str) -> str | None:
+    parts = urllib.parse.urlsplit(target).path.strip("/").split("/")
+    return urllib.parse.unquote(parts[2]) if len(parts) > 2 and parts[:2] == ["v2", "models"] else None
+
+
+def _route(rest: list[str]) -> tuple[str | None, str, str]:
+    """(route, model, version) of a path under /v2; route None: no endpoint."""
+    fixed = {(): "server", ("health", "live"): "live", ("health", "ready"): "ready", ("models", "stats"): "stats"}
+    if tuple(rest) in fixed:
+        return fixed[tuple(rest)], "", ""
+    if len(rest) < 2 or rest[0] != "models":
+        return None, "", ""
+    name, tail, version = rest[1], rest[2:], ""
+    if tail[:1] == ["versions"] and len(tail) >= 2:
+        version, tail = tail[1], tail[2:]
+    routes = {(): "metadata", ("ready",): "model_ready", ("config",): "config", ("stats",): "stats",
+              ("infer",): "infer"}  # fmt: skip
+    return routes.get(tuple(tail)), name, version
+
+
+def _split(model: str, headers: dict[str, str], body: bytes) -> tuple[dict[str, Any], memoryview]:
+    """The request's JSON and the binary data after it (Triton's extension: Inference-Header-Content-Length)."""
+    size = headers.get("inference-header-content-length")
+    if size is not None and (not size.isdigit() or int(size) > len(body)):
+        raise refuse(model, f"Inference-Header-Content-Length {echoed(size)}: not a length within the body's "
+                     f"{len(body)} bytes")  # fmt: skip
+    cut = len(body) if size is None else int(size)
+    try:
+        request = json.loads(bytes(body[:cut]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise refuse(model, f"request body: not JSON ({exc})") from None
+    if not isinstance(request, dict):
+        raise refuse(model, f"request body: a JSON object expected, not {type(request).__name__}")
+    return request, memoryview(body)[cut:]
+
+
+def _tensors(spec: Any, model: str, request: dict[str, Any], blobs: memoryview) -> V2Request:
+    """The request's tensors, JSON `data` or binary, as the lab's packed request (checked as the gRPC binding's)."""
+    if not isinstance(request.get("id", ""), str):
+        raise refuse(model, f"id {echoed(json.dumps(request['id']))}: must be a string")
+    for key in ("parameters",):
+        if not isinstance(request.get(key) or {}, dict):
+            raise refuse(model, f"{key}: must be a JSON object")
+    inputs, outputs = request.get("inputs"), request.get("outputs") or []
+    if not isinstance(inputs, list) or not all(isinstance(t, dict) for t in inputs):
+        raise refuse(model, "inputs: a list of tensor objects expected (name, datatype, shape, data)")
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
+        raise refuse(model, "outputs: a list of objects with a name expected")
+    triples = []
+    for k, t in enumerate(inputs):
+        name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")
+        where = f"inputs[{k}]" if not isinstance(name, str) else f"input {name}"
+        if not isinstance(name, str) or not isinstance(datatype, str):
+            raise refuse(model, f"{where}: name and datatype must be strings")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise refuse(model, f"{where}: shape {echoed(json.dumps(shape))}: a list of whole numbers expected")
+        if not isinstance(t.get("parameters") or {}, dict):
+            raise refuse(model, f"{where}: parameters must be a JSON object")
+        triples.append((name, datatype, shape))
+    shapes = check_tensors(model, spec, triples, [o.get("name") for o in outputs])
+    raw: dict[str, bytes] = {}
+    at = 0
+    for name, datatype, shape in triples:
+        t = next(t for t in inputs if t["name"] == name)
+        size = (t.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or at + size > len(blobs):
+                raise refuse(model, f"input {name}: binary_data_size {echoed(json.dumps(size))}: not a size within "
+                             f"the {len(blobs) - at} bytes left after the JSON header")  # fmt: skip
+            raw[name], at = bytes(blobs[at : at + size]), at + size
+        elif "data" in t:
+            raw[name] = _values(model, name, datatype, t["data"], shape)
+        else:
+            raise refuse(model, f"input {name}: no data (give `data`, or binary data with `binary_data_size`)")
+    if at != len(blobs):
+        raise refuse(model, f"binary data: {len(blobs)} bytes after the JSON header, the inputs' binary_data_size "
+                     f"sum to {at}")  # fmt: skip
+    shim = packed_request(model, request.get("id", ""), shapes, raw)
+    timeout = (request.get("parameters") or {}).get("timeout")  # microseconds, as tritonclient sends it
+    if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
+        shim.timeout_ns = timeout * 1000
+    return shim
+
+
+def _values(model: str, name: str, datatype: str, data: Any, shape: list[int]) -> bytes:
+    """A JSON `data` list (flat, row-major, or nested to the shape) as the tensor's bytes."""
+    want = nbytes(name, shape) // DTYPES[datatype].itemsize
+    try:
+        values = np.asarray(data)
+        if values.size == 0:
+            values = values.astype(DTYPES[datatype])
+        if values.dtype.kind not in ("iu" if datatype != "FP32" else "iuf"):
+            raise ValueError(f"{datatype} values expected, got {values.dtype.kind!r} kind")
+        if datatype == "INT32" and values.size and not (-(2**31) <= values.min() and values.max() < 2**31):
+            raise ValueError("a value outside int32")
+        values = values.astype(DTYPES[datatype])
+    except (ValueError, TypeError, OverflowError) as exc:
+        why = " ".join(str(exc).split())[:200]
+        raise refuse(model, f"input {name}: data: not {datatype} numbers ({why})") from None
+    if values.size != want:
+        raise refuse(model, f"input {name}: {values.size} values in data for shape {shape} ({want} expected)")
+    return values.tobytes()
+
+
+def _numbers(message: Any) -> dict[str, Any]:
+    """A protobuf message as Triton's JSON: int64 fields as numbers, not protobuf's strings."""
+    from google.protobuf.json_format import MessageToDict
+
+    def walk(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: walk(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, key) for v in value]
+        if isinstance(value, str) and key not in ("name", "version") and value.lstrip("-").isdigit():
+            return int(value)
+        return value
+
+    return walk(MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))

@@ -1,0 +1,347 @@
+"""The Open Inference Protocol over HTTP/REST (KServe v2's REST binding): `dlrm-lab serve --http-port` answers curl,
+`tritonclient.http` and the lab's runner (`infer run --target http://...`) with the model's scores, JSON or binary
+(Triton's extension), through the same batcher and records as gRPC; malformed requests are a 4xx naming the field,
+and the server goes on. The runner against KServe's own ModelServer over REST is in test_serve.py (its fixture)."""
+
+import asyncio
+import http.client
+import json
+import re
+import shutil
+import subprocess
+import time
+import types
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from conftest import run_cli
+from test_serve import SEED, TRITONCLIENT, Server, _expected, _third_party_python
+
+from dlrm_lab.config import load_preset
+from dlrm_lab.data import synthetic_generator
+from dlrm_lab.serve.protocol import encode_samples
+
+
+@pytest.fixture(scope="module")
+def rest(tmp_path_factory):
+    """One server for the module, gRPC and HTTP/REST; its HTTP address."""
+    server = Server(tmp_path_factory.mktemp("serve_http"), "--max-batch", "64", "--http-port", "0")
+    try:
+        line = server.wait_for("Open Inference Protocol over HTTP/REST on ")
+        server.ready()
+        server.http = line.rsplit(" on ", 1)[1].strip()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def library():
+    return synthetic_generator(load_preset("tiny"), seed=SEED).samples(0, 4096)
+
+
+def _arrays(library, offset: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    block = library.slice(offset, offset + size)
+    dense, lengths, ids = encode_samples(block.dense, block.lengths, block.values)
+    return (np.frombuffer(dense, "<f4").reshape(size, 4), np.frombuffer(lengths, "<i4").reshape(4, size),
+            np.frombuffer(ids, "<i8"))  # fmt: skip
+
+
+def _json_request(library, offset: int, size: int, **extra) -> dict:
+    dense, lengths, ids = _arrays(library, offset, size)
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": [size, 4], "data": dense.ravel().tolist()},
+              {"name": "lengths", "datatype": "INT32", "shape": [4, size], "data": lengths.ravel().tolist()},
+              {"name": "ids", "datatype": "INT64", "shape": [len(ids)], "data": ids.tolist()}]  # fmt: skip
+    return {"inputs": inputs, **extra}
+
+
+def _call(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None, headers=None):
+    conn.request(method, path, body, headers or {})
+    resp = conn.getresponse()
+    return resp, resp.read()
+
+
+def test_the_rest_binding_answers_health_metadata_and_scores_json_and_binary(rest, library):
+    conn = http.client.HTTPConnection(*rest.http.rsplit(":", 1), timeout=30)  # one keep-alive connection throughout
+    for path, want in (("/v2/health/live", {"live": True}), ("/v2/health/ready", {"ready": True}),
+                       ("/v2/models/tiny/ready", {"name": "tiny", "ready": True})):  # fmt: skip
+        resp, body = _call(conn, "GET", path)
+        assert resp.status == 200 and json.loads(body) == want
+    resp, body = _call(conn, "GET", "/v2")
+    assert json.loads(body)["name"] == "dlrm-lab" and "binary_tensor_data" in json.loads(body)["extensions"]
+    meta = json.loads(_call(conn, "GET", "/v2/models/tiny/versions/1")[1])
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
+        ("dense", "FP32", [-1, 4]), ("lengths", "INT32", [4, -1]), ("ids", "INT64", [-1])]  # fmt: skip
+    assert json.loads(_call(conn, "GET", "/v2/models/tiny/config")[1])["max_batch_size"] == 0
+
+    resp, body = _call(conn, "POST", "/v2/models/tiny/infer", json.dumps(_json_request(library, 100, 64, id="q7")))
+    answer = json.loads(body)
+    assert resp.status == 200 and answer["id"] == "q7" and answer["outputs"][0]["shape"] == [64]
+    np.testing.assert_allclose(answer["outputs"][0]["data"], _expected(library, 100, 64), rtol=1e-5, atol=1e-6)
+    stages = answer["parameters"]
+    assert stages["server_send_ns"] >= stages["server_receive_ns"] and stages["batch_samples"] >= 1
+
+    dense, lengths, ids = _arrays(library, 200, 30)  # Triton's binary extension, both ways
+    head = json.dumps({"inputs": [{"name": n, "datatype": t, "shape": list(a.shape),
+                                   "parameters": {"binary_data_size": a.nbytes}}
+                                  for n, t, a in (("dense", "FP32", dense), ("lengths", "INT32", lengths),
+                                                  ("ids", "INT64", ids))],
+                       "parameters": {"binary_data_output": True}}).encode()  # fmt: skip
+    resp, body = _call(conn, "POST", "/v2/models/tiny/infer", head + dense.tobytes() + lengths.tobytes() +
+                       ids.tobytes(), {"Inference-Header-Content-Length": str(len(head))})  # fmt: skip
+    cut = int(resp.getheader("Inference-Header-Content-Length"))
+    assert json.loads(body[:cut])["outputs"][0]["parameters"]["binary_data_size"] == 120
+    np.testing.assert_allclose(np.frombuffer(body[cut:], "<f4"), _expected(library, 200, 30), rtol=1e-5, atol=1e-6)
+    stats = json.loads(_call(conn, "GET", "/v2/models/tiny/stats")[1])["model_stats"][0]
+    assert stats["name"] == "tiny" and stats["inference_count"] >= 94 and stats["execution_count"] >= 2
+    conn.close()
+
+
+def test_curl_scores_samples_equal_to_the_model(rest, library, tmp_path):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on this machine")
+    path = tmp_path / "request.json"  # 40 samples: over 1 KiB, so curl sends Expect: 100-continue
+    path.write_text(json.dumps(_json_request(library, 500, 40)))
+    out = subprocess.run([curl, "-sS", "-X", "POST", "-H", "Content-Type: application/json", "--data-binary",
+                          f"@{path}", f"http://{rest.http}/v2/models/tiny/infer"], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    scores = json.loads(out.stdout)["outputs"][0]["data"]
+    np.testing.assert_allclose(scores, _expected(library, 500, 40), rtol=1e-5, atol=1e-6)
+    out = subprocess.run([curl, "-s", "-o", "/dev/null", "-w", "%{http_code}", f"http://{rest.http}/v2/health/ready"],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.stdout == "200"
+
+
+TRITON_HTTP_SCRIPT = """
+import json, sys
+import numpy as np
+import tritonclient.http as tc
+target, dense, lengths, ids = sys.argv[1], *(np.load(p) for p in sys.argv[2:5])
+client = tc.InferenceServerClient(url=target)
+assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny")
+meta = client.get_model_metadata("tiny")
+config = client.get_model_config("tiny")
+out = {"inputs": [i["name"] for i in meta["inputs"]], "max_batch_size": config["max_batch_size"]}
+for binary in (True, False):  # Triton's binary extension, then JSON tensors and a JSON answer
+    inputs = [tc.InferInput("dense", list(dense.shape), "FP32"), tc.InferInput("lengths", list(lengths.shape), "INT32"),
+              tc.InferInput("ids", list(ids.shape), "INT64")]
+    for tensor, values in zip(inputs, (dense, lengths, ids)):
+        tensor.set_data_from_numpy(values, binary_data=binary)
+    result = client.infer("tiny", inputs, outputs=[tc.InferRequestedOutput("scores", binary_data=binary)])
+    out[f"scores_{binary}"] = result.as_numpy("scores").tolist()
+out["default"] = client.infer("tiny", inputs).as_numpy("scores").tolist()  # no outputs named: binary_data_output
+out["stats"] = client.get_inference_statistics("tiny")["model_stats"][0]["name"]
+print(json.dumps(out))
+"""
+
+
+def test_nvidias_tritonclient_http_scores_samples_equal_to_the_model(rest, library, tmp_path):
+    python = _third_party_python(TRITONCLIENT)
+    paths = []
+    for name, values in zip(("dense", "lengths", "ids"), _arrays(library, 300, 50), strict=True):
+        np.save(tmp_path / f"{name}.npy", values)
+        paths.append(str(tmp_path / f"{name}.npy"))
+    out = subprocess.run([python, "-c", TRITON_HTTP_SCRIPT, rest.http, *paths], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["inputs"] == ["dense", "lengths", "ids"] and got["max_batch_size"] == 0 and got["stats"] == "tiny"
+    for key in ("scores_True", "scores_False", "default"):
+        np.testing.assert_allclose(np.array(got[key], dtype=np.float32), _expected(library, 300, 50), rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+
+
+def test_infer_run_against_the_rest_binding_records_stages_that_add_up(rest, tmp_path):
+    """The one runner over HTTP/REST: binary tensors (the server lists the extension), two client processes; the
+    stages the server reports add up to each query's latency as over gRPC."""
+    result = run_cli("infer", "run", "--model", "tiny", "--target", f"http://{rest.http}/tiny", "--qps", "60",
+                     "--query-size", "uniform:1,16", "--duration", "1.5", "--sla-ms", "500", "--concurrency", "2",
+                     "--no-progress", "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "rpc rest" in result.stdout + result.stderr
+    (run_dir,) = tmp_path.iterdir()
+    q = pq.read_table(run_dir / "queries.parquet").to_pandas()
+    assert len(q) > 20 and (q.status == "ok").all() and set(q.worker) == {0, 1}
+    np.testing.assert_allclose(q.lat_issue_ms + q.serialise_ms + q.round_trip_ms + q.deserialise_ms, q.latency_ms,
+                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(q.network_ms + q.server_parse_ms + q.queue_ms + q.compute_ms + q.server_respond_ms,
+                               q.round_trip_ms, atol=1e-6)  # fmt: skip
+    assert (q.network_ms > 0).all() and (q.request_bytes > 0).all()
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["rpc"] == "rest" and s["target"] == f"http://{rest.http}/tiny" and s["transfer_share"] > 0
+
+
+def test_a_json_query_through_the_runners_system_under_test_scores_like_the_model(rest, library):
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.sut import Query
+    from dlrm_lab.infer.targets import Connection, open_target, parse_target
+
+    answers = []
+    block = library.slice(0, 12)
+    with open_target(parse_target(f"http://{rest.http}/tiny"), [ServedModel("tiny", load_preset("tiny"))],
+                     Connection(rpc="rest-json")) as sut:  # fmt: skip
+        assert sut.describe().rpc == "rest-json"
+        sut.submit(Query(1, "tiny", 12, payload=block, on_done=lambda q, status, scores: answers.append(
+            (status, scores))))  # fmt: skip
+        assert sut.drain(30)
+        (row,) = sut.take_records()
+    ((status, scores),) = answers
+    assert status == "ok" and row["rpc_status"] == "ok" and row["server_parse_ms"] is not None
+    np.testing.assert_allclose(scores, _expected(library, 0, 12), rtol=1e-5, atol=1e-6)
+
+
+BAD = [  # (body, headers, status, the one line's words)
+    (b"{not json", {}, 400, "request body: not JSON"),
+    (b"[1, 2]", {}, 400, "request body: a JSON object expected"),
+    (json.dumps({"inputs": 3}).encode(), {}, 400, "inputs: a list of tensor objects"),
+    ("dtype", {}, 400, "input dense: datatype 'FP64', expected FP32"),
+    ("shape", {}, 400, "input dense: shape [4, 5], expected [N, 4]"),
+    ("count", {}, 400, "input lengths: 15 values in data for shape [4, 4] (16 expected)"),
+    ("strings", {}, 400, "input ids: data: not INT64 numbers"),
+    ("floats", {}, 400, "input ids: data: not INT64 numbers"),
+    ("id", {}, 400, "id '7': must be a string"),
+    ("output", {}, 400, "outputs ['probabilities']: the model has one, 'scores'"),
+    ("binary", {"Inference-Header-Content-Length": "HEAD"}, 400, "input dense: binary_data_size '999': not a size within the 0 bytes"),
+    ("table", {}, 400, "outside its table"),  # the lab's own value checks, as over gRPC
+]
+
+
+def _bad_body(library, kind: str) -> bytes:
+    request = _json_request(library, 0, 4)
+    dense, lengths, ids = request["inputs"]
+    if kind == "dtype":
+        dense["datatype"] = "FP64"
+    elif kind == "shape":
+        dense["shape"] = [4, 5]
+    elif kind == "count":
+        lengths["data"] = lengths["data"][:-1]
+    elif kind == "strings":
+        ids["data"] = ["a"] * len(ids["data"])
+    elif kind == "floats":
+        ids["data"] = [0.5] * len(ids["data"])
+    elif kind == "id":
+        request["id"] = 7
+    elif kind == "output":
+        request["outputs"] = [{"name": "probabilities"}]
+    elif kind == "binary":
+        del dense["data"]
+        dense["parameters"] = {"binary_data_size": 999}
+    elif kind == "table":
+        ids["data"] = [10**9] * len(ids["data"])
+    return json.dumps(request).encode()
+
+
+def test_malformed_requests_are_a_4xx_naming_the_field_and_the_server_goes_on(rest, library):
+    """Over the wire, on one keep-alive connection: each refusal one JSON line naming the field; an unknown model
+    404; then a good query on the same connection; an oversized body 413 (and that connection closed); the serve
+    run records every refused query as rejected, as over gRPC."""
+    conn = http.client.HTTPConnection(*rest.http.rsplit(":", 1), timeout=30)
+    for body, headers, status, words in BAD:
+        body = body if isinstance(body, bytes) else _bad_body(library, body)
+        if headers.get("Inference-Header-Content-Length") == "HEAD":
+            headers = {"Inference-Header-Content-Length": str(len(body))}
+        resp, answer = _call(conn, "POST", "/v2/models/tiny/infer", body, headers)
+        assert resp.status == status and words in json.loads(answer)["error"], (words, answer)
+        assert answer.count(b"\n") == 0 and list(json.loads(answer)) == ["error"]
+    resp, answer = _call(conn, "POST", "/v2/models/rm9/infer", json.dumps(_json_request(library, 0, 4)).encode())
+    assert resp.status == 404 and "model 'rm9': not served here; served: tiny" in json.loads(answer)["error"]
+    resp, answer = _call(conn, "GET", "/v2/models/rm9")
+    assert resp.status == 404 and "model 'rm9'" in json.loads(answer)["error"]
+    resp, answer = _call(conn, "POST", "/v2/models/tiny/infer", json.dumps(_json_request(library, 8, 4)).encode())
+    assert resp.status == 200
+    np.testing.assert_allclose(json.loads(answer)["outputs"][0]["data"], _expected(library, 8, 4), rtol=1e-5, atol=1e-6)
+    conn.close()
+
+    big = http.client.HTTPConnection(*rest.http.rsplit(":", 1), timeout=30)
+    big.putrequest("POST", "/v2/models/tiny/infer")
+    big.putheader("Content-Length", str(10**10))  # nothing sent beyond it: refused from the header
+    big.endheaders()
+    resp = big.getresponse()
+    assert resp.status == 413 and "Content-Length 10000000000: over this server's" in json.loads(resp.read())["error"]
+    big.close()
+    conn = http.client.HTTPConnection(*rest.http.rsplit(":", 1), timeout=30)
+    assert _call(conn, "GET", "/v2/health/ready")[0].status == 200
+    conn.close()
+
+    time.sleep(2.5)  # the serve run's rows are on disk every 2 s
+    parts = list((next(rest.metrics_dir.iterdir()) / "_parts").rglob("*.parquet"))
+    rows = pq.read_table(parts).to_pandas() if parts else None
+    assert rows is not None
+    refused = rows[rows.status == "rejected"]
+    assert len(refused) >= len(BAD) + 2 and refused.error.str.contains("input dense: shape \\[4, 5\\]").any()
+
+
+def _front(max_body: int | None = None):
+    """A REST front over a service whose batcher is never reached (the refusals come first)."""
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.serve.open_inference import OpenInferenceService
+    from dlrm_lab.serve.rest import RestFront
+    from dlrm_lab.serve.server import InferenceService
+
+    inference = types.SimpleNamespace(models={"tiny": ServedModel("tiny", load_preset("tiny"))}, seed=0,
+                                      epoch_ns=time.monotonic_ns(), take_records=list,
+                                      library=lambda name: types.SimpleNamespace(size=0))  # fmt: skip
+    return RestFront(OpenInferenceService(InferenceService(inference)), max_body)
+
+
+def test_the_rest_refusals_in_process_name_their_field():
+    front = _front()
+    request = json.dumps({"inputs": []}).encode()
+    cases = [
+        ("GET", "/v2/models/tiny/infer", {}, b"", 405, "method 'GET': /v2/models/tiny/infer takes POST"),
+        ("POST", "/v2/health/ready", {}, b"", 405, "takes GET"),
+        ("GET", "/v1/models/tiny", {}, b"", 404, "path '/v1/models/tiny': not an endpoint"),
+        ("GET", "/v2/models/tiny/explain", {}, b"", 404, "not an Open Inference Protocol endpoint"),
+        ("GET", "/v2/models/tiny/versions/2", {}, b"", 404, "model tiny version '2': only 1"),
+        ("GET", "/v2/models/rm9/ready", {}, b"", 404, "model 'rm9': not served here"),
+        ("POST", "/v2/models/tiny/infer", {"content-encoding": "gzip"}, request, 415, "Content-Encoding 'gzip'"),
+        ("POST", "/v2/models/tiny/infer", {}, request, 400, "inputs []: expected dense, lengths, ids"),
+        ("POST", "/v2/models/tiny/infer", {"inference-header-content-length": "99"}, request, 400,
+         "Inference-Header-Content-Length '99': not a length within the body's 14 bytes"),
+    ]  # fmt: skip
+    for method, path, headers, body, status, words in cases:
+        got, _, answer = asyncio.run(front.respond(method, path, headers, body))
+        assert got == status and words in json.loads(answer)["error"], (path, answer)
+    rows = front.v2.service._refused
+    assert [r["status"] for r in rows] == ["rejected"] * 3  # the refused queries, not the bad paths
+
+
+def test_the_rest_front_keeps_connections_alive_and_closes_them_after_a_bad_frame():
+    """Raw HTTP/1.1 on one socket: two requests kept alive; a chunked body is 411, a body over the limit 413 and an
+    unreadable request line 400, each then closing the connection; a header over the limit is 431."""
+    front = _front(max_body=1000)
+
+    async def exchange(raw: bytes) -> list[bytes]:
+        port = await front.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+        writer.close()
+        await front.close(0)
+        return re.findall(rb"HTTP/1\.1 \d+ [A-Za-z ]+", data)  # the status lines, bodies between them
+
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert asyncio.run(exchange(live * 2 + b"GET /v2/health/live HTTP/1.1\r\nConnection: close\r\n\r\n")) == [
+        b"HTTP/1.1 200 OK"] * 3  # fmt: skip
+    chunked = b"POST /v2/models/tiny/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert asyncio.run(exchange(live + chunked + live)) == [b"HTTP/1.1 200 OK", b"HTTP/1.1 411 Length Required"]
+    over = b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 1001\r\n\r\n"
+    assert asyncio.run(exchange(over + live)) == [b"HTTP/1.1 413 Content Too Large"]
+    assert asyncio.run(exchange(b"NONSENSE\r\n\r\n")) == [b"HTTP/1.1 400 Bad Request"]
+    huge = b"GET /v2/health/live HTTP/1.1\r\nX-Pad: " + b"a" * 70_000 + b"\r\n\r\n"
+    assert asyncio.run(exchange(huge)) == [b"HTTP/1.1 431 Request Header Fields Too Large"]
+
+
+def test_the_body_limit_follows_the_largest_query():
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.serve.rest import BODY_SLACK, max_body_bytes
+
+    tiny = load_preset("tiny")
+    small = max_body_bytes({"tiny": ServedModel("tiny", tiny, max_query_samples=100)})
+    ids = 8 * sum(t.pooling_factor * len(t.feature_names) for t in tiny.tables)  # 8x the mean ids of a sample
+    assert small == BODY_SLACK + int(100 * (tiny.num_dense + tiny.num_features + ids) * 24)
+    assert max_body_bytes({"tiny": ServedModel("tiny", tiny)}) > small
