@@ -561,9 +561,9 @@ def test_bad_remote_targets_are_one_line(server, tmp_path):
     from dlrm_lab.serve.protocol import v2
 
     for url, why in (
-        ("http://h:1", "allowed: in-process, grpc://HOST:PORT or kserve://HOST:PORT[/MODEL]"),
+        ("https://h:1", "allowed: in-process, grpc://HOST:PORT, kserve://HOST:PORT[/MODEL] or http://HOST:PORT"),
         ("grpc://h", "expected grpc://HOST:PORT"),
-        ("grpc://h:1/m", "only a kserve:// target names"),
+        ("grpc://h:1/m", "only a kserve:// or http:// target names"),
     ):
         with pytest.raises(UserError, match=re.escape(why)):
             parse_target(url)
@@ -856,7 +856,8 @@ def test_the_server_speaks_the_open_inference_protocol(server, library):
         assert stats.inference_count >= 64 and stats.execution_count >= 1 and stats.inference_stats.fail.count >= 1
 
 
-TRITONCLIENT = "tritonclient[grpc]==2.73.0"  # needs protobuf < 7: its own environment, made once and cached
+# needs protobuf < 7 (grpc), urllib3 >= 2 (http; torchx pins < 1.27): its own environment, made once and cached
+TRITONCLIENT = "tritonclient[grpc,http]==2.73.0"
 TRITON_SCRIPT = """
 import json, sys
 import numpy as np
@@ -883,7 +884,7 @@ def _third_party_python(requirement: str) -> str:
     import venv
     from pathlib import Path
 
-    name = requirement.split("[")[0].replace("==", "-")
+    name = re.sub(r"[\[\],=]+", "-", requirement).strip("-")  # tritonclient-grpc-http-2.73.0
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlrm-lab" / "venvs" / name
     python = root / "bin" / "python"
     if (root / ".installed").exists():
@@ -995,15 +996,15 @@ def kserve_server(tmp_path_factory):
     for f, table in enumerate(spec.tables):
         weights[f"table_{f}"] = bags[table.name].weight.detach().numpy()
     np.savez(root / "tiny.npz", **weights)
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     log = open(root / "kserve.log", "w")  # noqa: SIM115 - closed below, after the server
     proc = subprocess.Popen([python, str(ROOT / "tests" / "kserve_predictor.py"), "tiny", str(root / "tiny.npz"),
-                             str(port), str(_free_port())], stdout=log, stderr=subprocess.STDOUT,
+                             str(port), str(http_port)], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(timeout=120)
-        yield f"127.0.0.1:{port}", model
+        yield f"127.0.0.1:{port}", model, f"127.0.0.1:{http_port}"
     finally:
         proc.terminate()
         try:
@@ -1022,7 +1023,7 @@ def test_infer_run_drives_kserves_own_model_server_and_gets_the_models_scores(ks
     from dlrm_lab.infer.sut import Query
     from dlrm_lab.infer.targets import Connection, open_target, parse_target
 
-    address, model = kserve_server
+    address, model, _ = kserve_server
     answers: list[tuple[str, np.ndarray]] = []
     done = threading.Event()
     with open_target(parse_target(f"kserve://{address}/tiny"), [ServedModel("tiny", model.spec)],
@@ -1062,6 +1063,38 @@ def test_infer_run_drives_kserves_own_model_server_and_gets_the_models_scores(ks
     rows = pq.read_table(run_dir / "queries.parquet").to_pandas()
     assert (rows.rpc_status == "BAD_RESPONSE").any() and set(rows.status[rows.rpc_status == "BAD_RESPONSE"]) == {
         "failed"}  # fmt: skip
+
+
+def test_infer_run_drives_kserves_model_server_over_rest_and_gets_the_models_scores(kserve_server, tmp_path):
+    """The same ModelServer over its HTTP/REST binding (`--target http://...`): it lists no binary_tensor_data
+    extension, so the tensors go as JSON (rpc rest-json); the model's scores back, the stages it does not report
+    null."""
+    from dlrm_lab.infer.batches import QueryRef, make_runner
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.sut import Query
+    from dlrm_lab.infer.targets import Connection, open_target, parse_target
+
+    _, model, address = kserve_server
+    answers: list[tuple[str, np.ndarray]] = []
+    with open_target(parse_target(f"http://{address}/tiny"), [ServedModel("tiny", model.spec)],
+                     Connection(seed=SEED, connect_timeout_s=60)) as sut:  # fmt: skip
+        assert sut.describe().rpc == "rest-json"
+        sut.submit(Query(1, "tiny", 40, 100, on_done=lambda q, status, scores: answers.append((status, scores))))
+        assert sut.drain(30)
+        expected = make_runner(model, sut.library("tiny"), torch.device("cpu"), "fp32")([QueryRef(-1, 40, 100)])
+    ((status, scores),) = answers
+    assert status == "ok"
+    np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
+
+    result = run_cli("infer", "run", "--model", "tiny", "--target", f"http://{address}/tiny", "--qps", "40",
+                     "--query-size", "uniform:1,8", "--duration", "1.5", "--sla-ms", "200", "--no-progress",
+                     "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = tmp_path.iterdir()
+    q = pq.read_table(run_dir / "queries.parquet").to_pandas()
+    assert len(q) > 10 and (q.status == "ok").all() and q.queue_ms.isna().all() and q.round_trip_ms.notna().all()
+    (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert s["rpc"] == "rest-json" and s["completed_queries"] == len(q)
 
 
 def test_a_refused_request_declaring_an_absurd_size_is_recorded_without_its_size(tmp_path):

@@ -21,6 +21,9 @@ class ServeOptions:
     grace_s: float = option(
         10.0, "On SIGTERM/Ctrl-C, seconds queries in flight may take to finish.", flags=("--grace",)
     )
+    http_port: int | None = option(
+        None, "Also answer the Open Inference Protocol over HTTP/REST (KServe v2) on this port (0: any free port)."
+    )
     metrics_port: int | None = option(
         None, "Serve live metrics in Prometheus's format at /metrics on this port (0: any free port; default: off)."
     )

@@ -328,6 +328,7 @@ def serve(
     pin_cores: bool = True,
     seed: int = 0,
     grace_s: float = 10.0,
+    http_port: int | None = None,
     metrics_port: int | None = None,
     metrics_dir: str | Path = "runs",
     argv: list[str] | None = None,
@@ -343,17 +344,21 @@ def serve(
         if not (family := family_of(m.spec)).wire_samples:  # the wire format carries DLRM samples
             raise FieldError("model", f"{m.spec.name}: {family.label} presets are served in process only (`infer run`, "
                             "`infer search`); gRPC carries DLRM samples")  # fmt: skip
+    if http_port is not None and (not 0 <= http_port < 65536 or (http_port == port and port)):
+        raise FieldError("http_port", f"{http_port}: must be in [0, 65535] and not --port (0: any free port)")
     _check_address(host, port)  # before the instances take their time to start
+    if http_port is not None:
+        _check_address(host, http_port)
     if metrics_port is not None:  # /metrics (serve.prometheus): checked here, served once the instances are up
         from dlrm_lab.serve.prometheus import check_metrics_port, start_metrics
 
-        check_metrics_port(host, metrics_port, port)
+        check_metrics_port(host, metrics_port, port, http_port)
     check_writable(metrics_dir, "metrics_dir")
     check_stored_profile(log)
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
     config = {
         "serve": {"host": host, "port": port, "device": device, "pin_cores": pin_cores, "seed": seed,
-                  "grace_s": grace_s},
+                  "grace_s": grace_s, "http_port": http_port},
         "models": [m.describe() for m in models],
     }  # fmt: skip
     run = Run.create(metrics_dir, "serve", config, argv=argv)
@@ -367,7 +372,7 @@ def serve(
                 service = InferenceService(inference)
                 if metrics_port is not None:
                     service.metrics = start_metrics(inference, host, metrics_port, run, log)
-                asyncio.run(_serve(service, queries, host, port, grace_s, log, run))
+                asyncio.run(_serve(service, queries, host, port, grace_s, log, run, http_port))
                 if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed
                     raise ServingFault(
                         f"an instance failed while serving: {service.failure}; run {run.dir} marked failed"
@@ -393,7 +398,14 @@ def _check_address(host: str, port: int) -> None:
 
 
 async def _serve(
-    service: InferenceService, queries: TableWriter, host: str, port: int, grace_s: float, log: Log, run: Run
+    service: InferenceService,
+    queries: TableWriter,
+    host: str,
+    port: int,
+    grace_s: float,
+    log: Log,
+    run: Run,
+    http_port: int | None = None,
 ) -> None:
     # Without so_reuseport=0 a second server on a busy port would bind it too and share its traffic.
     server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
@@ -417,6 +429,14 @@ async def _serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = address.rsplit(":", 1)[0] + f":{bound}"
     run.update_manifest(address=address)
+    rest = None
+    if http_port is not None:  # the Open Inference Protocol over HTTP/REST, the same service behind it
+        from dlrm_lab.serve.rest import RestFront
+
+        rest = RestFront(open_inference)
+        http_address = address.rsplit(":", 1)[0] + f":{await rest.start(host, http_port)}"
+        run.update_manifest(http_address=http_address)
+        log(f"Open Inference Protocol over HTTP/REST on {http_address}")
     log(f"serving {', '.join(service.inference.models)} on {address}")
 
     loop = asyncio.get_running_loop()
@@ -448,9 +468,15 @@ async def _serve(
                 await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         log(f"stopping: refusing new queries, finishing those in flight (grace {grace_s:g} s)")
         await health_servicer.enter_graceful_shutdown()
+        if rest is not None:
+            rest.stop_accepting()
         await server.stop(grace_s)
+        if rest is not None:
+            await rest.close(grace_s)
     except BaseException:  # a fault (a full disk under the records): stopped now, while its event loop runs
         await server.stop(None)
+        if rest is not None:
+            await rest.close(0)
         raise
     finally:
         for signum in STOP_SIGNALS:
