@@ -304,6 +304,7 @@ def test_health_is_serving_and_reflection_describes_the_service(server):
         infer = DescriptorPool(reflected).FindServiceByName(SERVICE).methods_by_name["Infer"]
         assert {"dense", "lengths", "ids"} <= set(infer.input_type.fields_by_name)
 
+
 def _metrics_series(server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The server's /metrics (`serve --metrics-port`), scraped now: (name, labels) -> value."""
     import urllib.request
@@ -458,7 +459,6 @@ def test_a_real_prometheus_scrapes_the_server_and_its_series_agree_with_the_rows
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-
 
 
 TRANSFER = ("serialise", "network", "server_parse", "server_respond", "deserialise")
