@@ -26,6 +26,11 @@ Parts (each through the real CLI, `dlrm-lab serve` + `dlrm-lab client`, or the l
             each: `infer run --target kserve://... --scenario closed-loop` against tritonclient's own
             perf_counter around `client.infer()`, interleaved, medians of 3 (issue 33: within 10%).
             `--only triton` runs this part alone.
+  rest      the transfer share at 256 samples over the Open Inference Protocol's HTTP/REST binding next to its
+            gRPC one (issue 47): `infer run --target kserve://...` (gRPC), `http://...` with binary tensors (rpc
+            rest, Triton's extension) and with JSON tensors (rpc rest-json), one `serve --http-port` answering all
+            three; closed loop and open loop at 20 queries/s, runs interleaved, medians of 3. `--only rest` runs
+            this part alone (`--samples N --repeats 1 --quick` checks it at a small size).
 The model is the Criteo Kaggle shape with tables capped at 100k rows, one instance.
 """
 
@@ -82,17 +87,20 @@ def codec(repeats: int) -> list[dict[str, Any]]:
 
 
 class Server:
-    def __init__(self, root: Path, prefix: list[str] | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, root: Path, prefix: list[str] | None = None, host: str = "127.0.0.1", *extra: str) -> None:
         self.log = root / "server.log"
         root.mkdir(parents=True, exist_ok=True)
         cmd = [*(prefix or []), sys.executable, "-m", "dlrm_lab", "serve", *SERVER, "--host", host, "--port", "0",
-               "--metrics-dir", str(root)]  # fmt: skip
+               "--metrics-dir", str(root), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"), start_new_session=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            hits = [ln for ln in self.log.read_text().splitlines() if " on " in ln and "serving" in ln]
+            # the start line, "serving MODELS on HOST:PORT" (not a plan line that says "serving ... on ...")
+            hits = [ln for ln in self.log.read_text().splitlines() if ln.startswith("serving ") and " on " in ln]
             if hits:
                 self.target = hits[0].split(" on ")[1].strip()
+                rest = [ln for ln in self.log.read_text().splitlines() if "HTTP/REST on " in ln]
+                self.http = rest[0].split(" on ")[1].strip() if rest else None  # `serve --http-port`
                 return
             if self.proc.poll() is not None:
                 break
@@ -164,6 +172,38 @@ def rpc_compare(root: Path, target: str, duration: str, repeats: int = 3) -> dic
             print(f"  rpc {rpc:>6} {load:>7}: transfer/compute {med['transfer_to_compute']:.3f} (runs {each}), "
                   f"network+gRPC {med['network_mean_ms']:.3f} ms, compute {med['compute_mean_ms']:.3f} ms, "
                   f"p99 {med['latency_p99_ms']:.2f} ms", flush=True)  # fmt: skip
+    return out
+
+
+def rest_compare(root: Path, server: Server, duration: str, samples: int = 256, repeats: int = 3) -> dict[str, Any]:
+    """The Open Inference Protocol over gRPC, REST with binary tensors and REST with JSON ones, `samples` per query,
+    interleaved through `infer run`; medians of `repeats` (issue 47: the REST transfer share next to gRPC's)."""
+    targets = {"grpc": f"kserve://{server.target}/kaggle", "rest": f"http://{server.http}/kaggle",
+               "rest-json": f"http://{server.http}/kaggle"}  # fmt: skip
+    loads = {"closed": ["--scenario", "closed-loop"], "open_20": ["--qps", "20"]}
+    runs: dict[str, list[dict[str, Any]]] = {f"{load}_{way}": [] for load in loads for way in targets}
+    for k in range(repeats):
+        for load, how in loads.items():
+            for way, target in targets.items():
+                out = root / f"rest-{load}-{way}-{k}"
+                cmd = [sys.executable, "-m", "dlrm_lab", "infer", "run", *MODEL, "--target", target, *how,
+                       "--query-size", f"fixed:{samples}", "--duration", duration, "--sla-ms", "1000",
+                       "--no-progress", "--metrics-dir", str(out)]  # fmt: skip
+                cmd += ["--rpc", way] if way != "grpc" else []
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"infer run failed ({way}, {load}):\n{done.stderr[-3000:]}")
+                (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+                (summary,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+                runs[f"{load}_{way}"].append(pick(summary))
+    out: dict[str, Any] = {"samples": samples, "repeats": repeats}
+    for key, rows in runs.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in KEYS if isinstance(rows[0][k], (int, float))}
+        out[key] = {**med, "transfer_share_runs": [r["transfer_share"] for r in rows]}
+        print(f"  {key:>17}: transfer share {med['transfer_share']:.3f}, transfer {med['transfer_mean_ms']:.3f} ms "
+              f"(serialise {med['serialise_mean_ms']:.3f}, network {med['network_mean_ms']:.3f}, parse "
+              f"{med['server_parse_mean_ms']:.3f}), compute {med['compute_mean_ms']:.3f} ms, "
+              f"{med['request_bytes_mean']:,.0f} B a request", flush=True)  # fmt: skip
     return out
 
 
@@ -292,7 +332,9 @@ def triton_compare(root: Path, target: str, duration: str, repeats: int = 3) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["rpc", "triton"], help="run one part alone")
+    parser.add_argument("--only", choices=["rpc", "triton", "rest"], help="run one part alone")
+    parser.add_argument("--samples", type=int, default=256, help="rest: samples per query")
+    parser.add_argument("--repeats", type=int, default=3, help="rest: interleaved repeats")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     duration = "3" if args.quick else "8"
@@ -302,6 +344,16 @@ def main() -> None:
             server = Server(Path(tmp_dir) / "loopback")
             try:
                 results["triton_256"] = triton_compare(Path(tmp_dir), server.target, duration)
+            finally:
+                server.stop()
+        if args.json:
+            write_results(args.json, results)
+        return
+    if args.only == "rest":
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            server = Server(Path(tmp_dir) / "loopback", None, "127.0.0.1", "--http-port", "0")
+            try:
+                results["rest"] = rest_compare(Path(tmp_dir), server, duration, args.samples, args.repeats)
             finally:
                 server.stop()
         if args.json:
