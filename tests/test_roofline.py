@@ -233,7 +233,7 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     from dlrm_lab.train import loop, train
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
-    store_profile(tmp_path / "machines", gflops=100.0, gather_gb=5.0)
+    store_profile(tmp_path / "machines", gflops=100.0, gather_gb=1.0)
     monkeypatch.setattr(loop, "open_power_sources", lambda *a, **k: ([ConstantPower(40.0)], {}))
     spec = dlrm_lab.load_preset("tiny")
     cfg = TrainConfig(steps=12, batch_size=128, target_auc=0.99)  # tiny cannot reach 0.99
@@ -242,7 +242,12 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     assert s["achieved_flops_per_s"] == pytest.approx(s["samples_per_s"] * 4048)
     compute_ms = 128 * 4048 / 100e9 * 1e3
     assert s["roofline_compute_ms"] == pytest.approx(compute_ms)
-    memory_ms = (128 * s["bytes_per_sample"] / 5e9 + dense_step_bytes(spec, "adagrad") / 20e9) * 1e3
+    # the rows a batch gathers are its distinct ones (measured on the run's first batch; a repeat is a cache hit)
+    run_dir = next((tmp_path / "runs").iterdir())
+    distinct = json.loads((run_dir / "manifest.json").read_text())["config"]["distinct_rows"]
+    share = distinct["share"]
+    assert 0 < share < 1 and share == distinct["rows"] / distinct["ids"] and distinct["ids"] >= 128 * 7
+    memory_ms = (128 * share * s["bytes_per_sample"] / 1e9 + dense_step_bytes(spec, "adagrad") / 20e9) * 1e3
     assert s["roofline_memory_ms"] == pytest.approx(memory_ms)
     assert s["roofline_bound_by"] == "memory" and s["roofline_bound_ms"] == pytest.approx(memory_ms)
     assert s["roofline_fraction"] == pytest.approx(memory_ms / s["step_time_ms_mean"])
@@ -251,9 +256,10 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     # with their state and writes both, whichever is longer; one rank sends nothing; the floors add up
     cost = sample_cost(spec)
     weights_ms = 4 * spec.dense_parameters / 20e9 * 1e3
-    assert s["embedding_lookup_floor_ms"] == pytest.approx(128 * 7 * 8 * 4 / 5e9 * 1e3)
+    assert s["embedding_lookup_floor_ms"] == pytest.approx(128 * share * 7 * 8 * 4 / 1e9 * 1e3)
     assert s["dense_forward_floor_ms"] == pytest.approx(max(128 * cost.forward_flops / 100e9 * 1e3, weights_ms))
-    update_ms = 128 * s["bytes_per_sample"] / 5e9 * 1e3 + 2 * weights_ms
+    update_ms = 128 * share * s["bytes_per_sample"] / 1e9 * 1e3 + 2 * weights_ms
+    assert s["table_update_floor_ms"] == pytest.approx(128 * share * s["bytes_per_sample"] / 1e9 * 1e3)
     assert s["backward_floor_ms"] == pytest.approx(max(128 * cost.backward_flops / 100e9 * 1e3, update_ms))
     assert s["optimizer_floor_ms"] == pytest.approx(weights_ms * (3 + 2))  # adagrad: one state
     assert s["input_dist_floor_ms"] == s["embedding_all_to_all_floor_ms"] == s["data_wait_floor_ms"] == 0.0
@@ -268,7 +274,6 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     assert s["cpu_utilization_mean"] is not None and s["process_rss_max_mb"] > 0
     import pyarrow.parquet as pq
 
-    run_dir = next((tmp_path / "runs").iterdir())
     telemetry = pq.read_table(run_dir / "telemetry.parquet").to_pylist()
     assert {r["quantity"] for r in telemetry} >= {"power_w", "cpu_percent", "rss_bytes"}
     assert {r["rank"] for r in telemetry} == {0}  # several ranks' samples stay apart

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.values import JsonObject
-from dlrm_lab.metrics.huge_pages import back_with_huge_pages
+from dlrm_lab.metrics.huge_pages import back_with_huge_pages, thp_mode
 
 GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -121,9 +121,9 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, huge_pages: bool = False) -> JsonObject:
-    """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward; with
-    `huge_pages`, its tables put on 2 MiB pages first (`metrics.huge_pages`; `huge_error` says why not)."""
+def _gather_bench(device: torch.device, sizes: ProbeSizes, huge_pages: bool = False) -> tuple[Any, JsonObject]:
+    """fbgemm's table-batched embedding-bag forward over the probe's tables (on 2 MiB pages with `huge_pages`:
+    `metrics.huge_pages`), fed one batch of random ids: (a call that gathers it, what it gathers)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -145,16 +145,54 @@ def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, hu
         [(r, d, location, compute)] * t, pooling_mode=PoolingMode.SUM, device=device
     )
     generator = torch.Generator().manual_seed(0)
+    # rows written, as a trained table's are: never-touched memory reads as the kernel's one zero page, faulted in
+    # page by page on first touch, which is neither a table's cost nor its pages'
+    with torch.no_grad():
+        (tbe.weights_host if device.type == "cpu" else tbe.weights_dev).uniform_(-0.01, 0.01)
     pages = back_with_huge_pages([tbe.weights_host]) if huge_pages and device.type == "cpu" else None
     ids = torch.randint(0, r, (t * b * pool,), generator=generator, dtype=torch.int64).to(device)
     offsets = torch.arange(0, t * b * pool + 1, pool, dtype=torch.int64).to(device)
-    with torch.no_grad():
-        seconds = _timed(lambda: tbe(ids, offsets), repeats, device)
-    table_bytes = t * r * d * 4
-    out: JsonObject = {"bytes_per_s": t * b * pool * d * 4 / seconds, "table_bytes": table_bytes}
+    what: JsonObject = {"bytes": t * b * pool * d * 4, "rows": t * b * pool, "table_bytes": t * r * d * 4}
     if pages is not None:
-        out["huge_bytes"], out["huge_error"] = pages.huge_bytes, pages.error
+        what["huge_bytes"], what["huge_error"] = pages.huge_bytes, pages.error
+
+    def gather() -> None:
+        with torch.no_grad():
+            tbe(ids, offsets)
+
+    return gather, what
+
+
+def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, huge_pages: bool = False) -> JsonObject:
+    """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward; with
+    `huge_pages`, its tables put on 2 MiB pages first (`metrics.huge_pages`; `huge_error` says why not)."""
+    gather, what = _gather_bench(device, sizes, huge_pages)
+    seconds = _timed(gather, repeats, device)
+    out: JsonObject = {"bytes_per_s": what["bytes"] / seconds, "table_bytes": what["table_bytes"]}
+    if "huge_bytes" in what:
+        out["huge_bytes"], out["huge_error"] = what["huge_bytes"], what["huge_error"]
     return out
+
+
+def gather_on_pages(sizes: ProbeSizes, repeats: int) -> JsonObject:
+    """The CPU gather on 4 KiB pages and on 2 MiB pages, the two tables built side by side and timed in turn
+    (a noisy host drifts between two probes taken one after the other): `base_bytes_per_s`, `huge_bytes_per_s`
+    (None where the kernel put nothing on huge pages, `huge_error` says why), `thp` (the kernel's mode)."""
+    cpu = torch.device("cpu")
+    base, base_what = _gather_bench(cpu, sizes)
+    huge, huge_what = _gather_bench(cpu, sizes, huge_pages=True)
+    times: dict[str, list[float]] = {"base": [], "huge": []}
+    for k in range(repeats):
+        for name, fn in (("base", base), ("huge", huge)) if k % 2 == 0 else (("huge", huge), ("base", base)):
+            times[name].append(statistics.median(_timed_all(fn, 3, cpu, warmup=1)))  # a round: 3 calls, warm
+    on_huge = bool(huge_what.get("huge_bytes"))
+    return {
+        "base_bytes_per_s": base_what["bytes"] / statistics.median(times["base"]),
+        "huge_bytes_per_s": huge_what["bytes"] / statistics.median(times["huge"]) if on_huge else None,
+        "huge_error": huge_what.get("huge_error"),
+        "thp": thp_mode(),
+        "table_bytes": base_what["table_bytes"],
+    }
 
 
 LINE_DIM = 16  # fp32 values in a row of one 64-byte cache line

@@ -43,12 +43,12 @@ from dlrm_lab.metrics.device_peaks import (
     ProbeSizes,
     copy_bytes_per_s,
     gather_bytes_per_s,
+    gather_on_pages,
     gather_rows_per_s,
     gemm_flops_per_s,
     host_device_bytes_per_s,
 )
 from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
-from dlrm_lab.metrics.huge_pages import thp_mode
 from dlrm_lab.metrics.trust import judge
 from dlrm_lab.metrics.wake import probe_cold_gather, probe_wake
 
@@ -82,21 +82,22 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             torch.backends.cuda.matmul.allow_tf32 = False
         out["memory_bytes_per_s"] = copy_bytes_per_s(device, sizes.copy_bytes, sizes.repeats)
         say(f"  memory (copy, read+write): {out['memory_bytes_per_s'] / 1e9:,.2f} GB/s")
-        gather = gather_bytes_per_s(device, sizes, sizes.repeats)
-        out["gather_bytes_per_s"] = gather["bytes_per_s"]
-        out["gather_table_bytes"] = gather["table_bytes"]
-        say(f"  embedding gather (fbgemm TBE forward): {out['gather_bytes_per_s'] / 1e9:,.2f} GB/s")
-        if device.type == "cpu":  # the same tables on 2 MiB pages: the roof is the better, the lab's tables follow
-            huge = gather_bytes_per_s(device, sizes, sizes.repeats, huge_pages=True)
-            out["gather_pages"] = {"base_bytes_per_s": gather["bytes_per_s"], "thp": thp_mode(),
-                                   "huge_bytes_per_s": huge["bytes_per_s"] if huge["huge_bytes"] else None,
-                                   "huge_error": huge["huge_error"]}  # fmt: skip
-            if huge["huge_bytes"]:
-                say(f"  embedding gather on 2 MiB pages: {huge['bytes_per_s'] / 1e9:,.2f} GB/s")
-                out["gather_bytes_per_s"] = max(gather["bytes_per_s"], huge["bytes_per_s"])
-            else:
-                say(f"  embedding gather on 2 MiB pages: not measured ({huge['huge_error']})")
-        on_huge = device.type == "cpu" and out["gather_bytes_per_s"] > gather["bytes_per_s"]
+        if device.type == "cpu":  # on 4 KiB and on 2 MiB pages, in turn: the roof is the better, the tables follow
+            pages = gather_on_pages(sizes, sizes.repeats)
+            out["gather_pages"] = {k: v for k, v in pages.items() if k != "table_bytes"}
+            out["gather_bytes_per_s"] = max(pages["base_bytes_per_s"], pages["huge_bytes_per_s"] or 0.0)
+            out["gather_table_bytes"] = pages["table_bytes"]
+            huge = pages["huge_bytes_per_s"]
+            say(
+                f"  embedding gather (fbgemm TBE forward): {pages['base_bytes_per_s'] / 1e9:,.2f} GB/s; on 2 MiB "
+                + (f"pages {huge / 1e9:,.2f} GB/s" if huge else f"pages not measured ({pages['huge_error']})")
+            )
+            on_huge = bool(huge and huge > pages["base_bytes_per_s"])
+        else:
+            gather = gather_bytes_per_s(device, sizes, sizes.repeats)
+            out["gather_bytes_per_s"], out["gather_table_bytes"] = gather["bytes_per_s"], gather["table_bytes"]
+            say(f"  embedding gather (fbgemm TBE forward): {out['gather_bytes_per_s'] / 1e9:,.2f} GB/s")
+            on_huge = False
         out["gather_rows_per_s"] = gather_rows_per_s(device, sizes, sizes.repeats, huge_pages=on_huge)
         say(f"  embedding gather of 64-byte rows: {out['gather_rows_per_s'] / 1e6:,.1f} M rows/s"
             + (" (2 MiB pages)" if on_huge else ""))  # fmt: skip

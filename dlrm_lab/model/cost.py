@@ -146,19 +146,23 @@ def training_memory(spec: ModelSpec, batch_size: int, dense_optimizer: str = "ad
 
 
 def table_update_work(spec: ModelSpec, batch_size: int, table_precision: str = "fp32",
-                      embedding_optimizer: str = "rowwise_adagrad") -> Work:  # fmt: skip
-    """The tables' backward and update inside a step's backward: each looked-up row read again with its
-    optimizer state and both written, random rows at the gather bandwidth."""
+                      embedding_optimizer: str = "rowwise_adagrad", distinct_share: float = 1.0) -> Work:  # fmt: skip
+    """The tables' backward and update inside a step's backward: each distinct looked-up row read again with its
+    optimizer state and both written, random rows at the gather bandwidth. `distinct_share`: the batch's distinct
+    rows over its ids (a repeated id's row is summed once and found in cache: only distinct rows are compulsory)."""
     cost = sample_cost(spec, table_precision=table_precision, optimizer=embedding_optimizer)
     state = 2 if cost.optimizer_state_bytes else 1  # a row, and its row-wise state in an array of its own
-    return Work(0.0, batch_size * (cost.embedding_bytes_read + cost.embedding_bytes_written
-                                   + cost.optimizer_state_bytes), 0.0,
-                gather_rows=batch_size * cost.embedding_rows_read * state)  # fmt: skip
+    rows = batch_size * distinct_share
+    return Work(0.0, rows * (cost.embedding_bytes_read + cost.embedding_bytes_written
+                             + cost.optimizer_state_bytes), 0.0,
+                gather_rows=rows * cost.embedding_rows_read * state)  # fmt: skip
 
 
-def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_precision: str = "fp32",
-                    embedding_optimizer: str = "rowwise_adagrad", dense_optimizer: str = "adagrad",
-                    sharding: dict[str, str] | None = None) -> dict[str, Work]:  # fmt: skip
+def step_phase_work(
+    spec: ModelSpec, batch_size: int, world_size: int, table_precision: str = "fp32",
+    embedding_optimizer: str = "rowwise_adagrad", dense_optimizer: str = "adagrad",
+    sharding: dict[str, str] | None = None, distinct_share: float = 1.0,
+) -> dict[str, Work]:  # fmt: skip
     """One rank's training step, phase by phase (`metrics.columns.PHASES`, in the order the step runs them):
     what each phase does, so that each is bound by its own resource (`metrics.roofline.phase_floors`).
 
@@ -168,18 +172,20 @@ def step_phase_work(spec: ModelSpec, batch_size: int, world_size: int, table_pre
     exchange half forward, half backward; reduce-scatter where the tables are row-sharded); DDP's gradient
     all-reduce runs under the backward. The dense forward and backward read the weights once each, the optimizer
     streams the parameters, gradients and states. A model-parallel rank does `batch_size` samples' lookups on
-    average, as the whole-step roof counts them."""
+    average, as the whole-step roof counts them. The lookup and the update gather the batch's distinct rows
+    (`distinct_share` of its ids; a repeated id is a cache hit)."""
     cost = sample_cost(spec, table_precision=table_precision, optimizer=embedding_optimizer)
     comm = step_communication_bytes(spec, batch_size * world_size, world_size, sharding)
     pooled = comm["pooled_all_to_all"] + comm["pooled_reduce_scatter"]
     weights = 4.0 * spec.dense_parameters
     states = _DENSE_OPTIMIZER_STATES.get(dense_optimizer, 1)
-    update = table_update_work(spec, batch_size, table_precision, embedding_optimizer)
+    update = table_update_work(spec, batch_size, table_precision, embedding_optimizer, distinct_share)
+    looked_up = batch_size * distinct_share
     return {
         "data_wait": Work(0.0, 0.0, 0.0),  # the batch is made apart (a thread, or ahead): no bound of the step's
         "input_dist": Work(0.0, 0.0, 0.0, comm["input_dist"]),
         "embedding_lookup": Work(
-            0.0, batch_size * cost.embedding_bytes_read, 0.0, gather_rows=batch_size * cost.embedding_rows_read
+            0.0, looked_up * cost.embedding_bytes_read, 0.0, gather_rows=looked_up * cost.embedding_rows_read
         ),  # fmt: skip
         "embedding_all_to_all": Work(0.0, 0.0, 0.0, pooled / 2),
         "dense_forward": Work(batch_size * cost.forward_flops, 0.0, weights),

@@ -287,8 +287,7 @@ class PagesChoice(TypedDict):
 def _gather_rates(threads: int) -> tuple[JsonObject | None, str]:
     """This machine's embedding gather on 4 KiB and on 2 MiB pages at `threads` threads: the probe's figures
     (`metrics.probe`, `gather_pages`), or measured now at the quick probe's sizes where the profile has none."""
-    from dlrm_lab.metrics.device_peaks import ProbeSizes, gather_bytes_per_s
-    from dlrm_lab.metrics.huge_pages import thp_mode
+    from dlrm_lab.metrics.device_peaks import ProbeSizes, gather_on_pages
     from dlrm_lab.metrics.roofline import load_profile
 
     try:
@@ -300,11 +299,7 @@ def _gather_rates(threads: int) -> tuple[JsonObject | None, str]:
     if isinstance(pages, dict) and pages.get("base_bytes_per_s"):
         return pages, f"the machine probe of {profile.get('probed_at')} at {threads} thread(s)"
     sizes = ProbeSizes.preset(quick=True)
-    base = gather_bytes_per_s(torch.device("cpu"), sizes, sizes.repeats)
-    huge = gather_bytes_per_s(torch.device("cpu"), sizes, sizes.repeats, huge_pages=True)
-    measured: JsonObject = {"base_bytes_per_s": base["bytes_per_s"], "thp": thp_mode(),
-                            "huge_bytes_per_s": huge["bytes_per_s"] if huge["huge_bytes"] else None,
-                            "huge_error": huge["huge_error"]}  # fmt: skip
+    measured = gather_on_pages(sizes, 2 * sizes.repeats + 1)
     return measured, f"measured now ({sizes.gather_tables} tables of {sizes.gather_rows:,} rows; the probe has none)"
 
 

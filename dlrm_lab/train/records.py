@@ -180,6 +180,7 @@ def roofline_columns(
     summary: TrainSummaryRow,
     world_size: int,
     peaks: Peaks | str,
+    distinct_share: float | None = None,
 ) -> TrainSummaryRow:
     """Analytic work of the run, what it achieved, and one rank's step on the roofline.
 
@@ -188,6 +189,9 @@ def roofline_columns(
     `batch_size` samples' worth of both (model-parallel tables split the lookups of the
     global batch evenly on average), touches the dense parameters once and sends its share
     of the input distribution, pooled-embedding all-to-all and gradient all-reduce.
+
+    The roofs gather a batch's distinct rows only (`distinct_share` of its ids, measured on the run's first
+    batch; None: every id): a repeated id is summed once by the update and found in cache by the lookup.
 
     Valid FLOPS (HPC AI500 V2.0, as MLPerf counts time to quality): the achieved FLOP/s
     when the run reached --target-auc, 0 when it did not, null without a target.
@@ -201,26 +205,27 @@ def roofline_columns(
     if rate:
         out["achieved_flops_per_s"] = rate * cost.training_flops
         out["achieved_bytes_per_s"] = rate * row_bytes
+    share = 1.0 if distinct_share is None else distinct_share
     work = Work(
         flops=cfg.batch_size * cost.training_flops,
-        gather_bytes=cfg.batch_size * row_bytes,
+        gather_bytes=cfg.batch_size * share * row_bytes,
         stream_bytes=dense_step_bytes(spec, cfg.dense_optimizer),
         comm_bytes=sum(step_communication_bytes(spec, cfg.batch_size * world_size, world_size).values()),
         # the lookup's rows, then the update's: each row again, and its row-wise state in an array of its own
-        gather_rows=cfg.batch_size * cost.embedding_rows_read * (2 + (1 if cost.optimizer_state_bytes else 0)),
+        gather_rows=cfg.batch_size * share * cost.embedding_rows_read * (2 + (1 if cost.optimizer_state_bytes else 0)),
     )
     step_ms = summary.get("step_time_ms_mean")
     out.update(place(work, step_ms / 1e3 if step_ms else None, peaks))
     if not isinstance(peaks, str):
         phases = step_phase_work(spec, cfg.batch_size, world_size, cfg.table_precision, cfg.embedding_optimizer,
-                                 cfg.dense_optimizer)  # fmt: skip
+                                 cfg.dense_optimizer, distinct_share=share)  # fmt: skip
         floors = phase_floors(phases, peaks)
         out.update({f"{p}_floor_ms": floors[p] for p in PHASES})
         if all(v is not None for v in floors.values()):  # a collective unbounded leaves the sum unknown
             out["phase_floor_ms"] = sum(v for v in floors.values() if v is not None)
             if step_ms:
                 out["phase_floor_fraction"] = out["phase_floor_ms"] / step_ms
-        tables = table_update_work(spec, cfg.batch_size, cfg.table_precision, cfg.embedding_optimizer)
+        tables = table_update_work(spec, cfg.batch_size, cfg.table_precision, cfg.embedding_optimizer, share)
         update = phase_floors({"table_update": tables}, peaks)["table_update"]
         out["table_update_floor_ms"] = update
         if update and summary.get("table_update_ms_mean"):

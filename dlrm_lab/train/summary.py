@@ -77,7 +77,8 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
 
 def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[StepRow], all_steps: list[StepRow],
              evals: list[EvalRow], warmup: int, reached: Reached, energy: dict[str, float | str | None],
-             teacher_auc: float | None, wall_time_s: float) -> TrainSummaryRow:  # fmt: skip
+             teacher_auc: float | None, wall_time_s: float,
+             distinct_share: float | None = None) -> TrainSummaryRow:  # fmt: skip
     """The run's summary row (`train.records.summary_row`): its throughput, quality, roofline, energy and cost."""
     summary = summary_row(
         status=status, preset=spec.name, interaction=spec.interaction, device=ctx.device.type,
@@ -95,7 +96,7 @@ def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[St
     )  # fmt: skip
     if cfg.target_auc is not None:  # MLPerf's rule: throughput only counts when quality was reached
         summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
-    summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg)))
+    summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg), distinct_share))
     summary.update(energy_columns(energy, summary))
     # every host of the run is paid for: ranks / ranks per host machines at this machine's price
     machines = max(1, ctx.world_size // max(1, ctx.local_world_size))
@@ -136,7 +137,8 @@ def _summarise(setup: _Setup, record: Run | None, measured: _Steps) -> tuple[Tra
     energy = _gather_energy(sampler.summary(t_measured, t_end), ctx)
     summary = _summary(spec, cfg, ctx, measured.status, steps, all_steps, measured.evals, warmup, measured.reached,
                        energy, setup.config["eval_data"].get("teacher_auc"),
-                       time.perf_counter() - measured.t_start)  # fmt: skip
+                       time.perf_counter() - measured.t_start,
+                       (setup.config.get("distinct_rows") or {}).get("share"))  # fmt: skip
     if record is not None and ctx.is_main:
         record.write_summary([summary], SUMMARY_SCHEMA)
     return summary, all_steps
