@@ -421,3 +421,24 @@ def test_rows_of_one_line_are_bound_by_their_count_not_their_bytes():
     assert phases["embedding_lookup"].gather_rows == ids and table_update_work(spec, 2048).gather_rows == 2 * ids
     assert phases["backward"].gather_rows == 2 * ids
     assert table_update_work(spec, 2048, embedding_optimizer="sgd").gather_rows == ids  # no state of its own
+
+
+def test_a_gather_of_another_probe_method_is_never_kept_over_a_new_one():
+    """Re-probing keeps the better of each peak, but an earlier gather read tables never written (the kernel's one
+    zero page, several times faster than rows): a figure of another method, replaced by the new one."""
+    from dlrm_lab.metrics.roofline import GATHER_PROBE, _keep_better
+
+    old = {"cpu": {"threads": {"1": {"gemm_flops_per_s": {"fp32": 2e11}, "memory_bytes_per_s": 1.3e10,
+                                     "gather_bytes_per_s": 9.3e9}}}}  # fmt: skip
+    new = {"cpu": {"threads": {"1": {"gemm_flops_per_s": {"fp32": 1.4e11}, "memory_bytes_per_s": 8e9,
+                                     "gather_bytes_per_s": 5.4e9, "gather_rows_per_s": 4e7,
+                                     "gather_probe": GATHER_PROBE}}}}  # fmt: skip
+    kept = _keep_better(old, new)
+    peaks = new["cpu"]["threads"]["1"]
+    assert peaks["gather_bytes_per_s"] == 5.4e9 and peaks["gather_rows_per_s"] == 4e7  # the new method's
+    assert peaks["gemm_flops_per_s"]["fp32"] == 2e11 and peaks["memory_bytes_per_s"] == 1.3e10  # the better kept
+    assert sorted(kept) == ["cpu.threads.1.gemm_flops_per_s.fp32", "cpu.threads.1.memory_bytes_per_s"]
+    # two probes of the same method: the better gather is kept as any peak
+    again = {"cpu": {"threads": {"1": {**peaks, "gather_bytes_per_s": 4e9, "gather_rows_per_s": 5e7}}}}
+    assert _keep_better(new, again) == ["cpu.threads.1.gather_bytes_per_s"]
+    assert again["cpu"]["threads"]["1"]["gather_rows_per_s"] == 5e7

@@ -49,6 +49,7 @@ from dlrm_lab.metrics.device_peaks import (
     host_device_bytes_per_s,
 )
 from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
+from dlrm_lab.metrics.roofline import GATHER_PROBE
 from dlrm_lab.metrics.trust import judge
 from dlrm_lab.metrics.wake import probe_cold_gather, probe_wake
 
@@ -99,6 +100,7 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             say(f"  embedding gather (fbgemm TBE forward): {out['gather_bytes_per_s'] / 1e9:,.2f} GB/s")
             on_huge = False
         out["gather_rows_per_s"] = gather_rows_per_s(device, sizes, sizes.repeats, huge_pages=on_huge)
+        out["gather_probe"] = GATHER_PROBE
         say(f"  embedding gather of 64-byte rows: {out['gather_rows_per_s'] / 1e6:,.1f} M rows/s"
             + (" (2 MiB pages)" if on_huge else ""))  # fmt: skip
         return out

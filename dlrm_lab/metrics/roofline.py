@@ -249,7 +249,11 @@ def save_profile(profile: JsonObject, keep_better: bool = False) -> Path:
     return path
 
 
-_BETTER_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s")
+_BETTER_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s", "gather_rows_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s")
+# The gather probe as it is now (`metrics.device_peaks`): rows written before they are read, on both page sizes.
+# An earlier probe's gather read tables never written (one zero page): a figure of another method, never kept.
+GATHER_PROBE = 2
+_GATHER_FIELDS = ("gather_bytes_per_s", "gather_rows_per_s")
 
 
 def _keep_better(old: JsonObject, new: JsonObject) -> list[str]:
@@ -277,6 +281,8 @@ def _keep_better(old: JsonObject, new: JsonObject) -> list[str]:
                 peaks["gemm_flops_per_s"][precision] = earlier
                 kept.append(f"{where}.gemm_flops_per_s.{precision}")
         for key in _BETTER_FIELDS:
+            if key in _GATHER_FIELDS and prior.get("gather_probe") != peaks.get("gather_probe"):
+                continue
             if key in peaks and prior.get(key) and prior[key] > peaks[key]:
                 peaks[key] = prior[key]
                 kept.append(f"{where}.{key}")

@@ -132,6 +132,8 @@ def probe_cold_gather(quick: bool = False) -> dict[str, float]:
     tables, rows, dim, batch = 8, 250_000, 64, 256
     tbe = SplitTableBatchedEmbeddingBagsCodegen([(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * tables,
                                                 pooling_mode=PoolingMode.SUM, device=torch.device("cpu"))  # fmt: skip
+    with torch.no_grad():  # rows written, as a served table's are (never-touched memory reads one zero page)
+        tbe.weights_host.uniform_(-0.01, 0.01)
     generator = torch.Generator().manual_seed(0)
     offsets = torch.arange(0, tables * batch + 1, dtype=torch.int64)
 
