@@ -302,12 +302,12 @@ class Peaks:
     gather_bytes_per_s: float
     comm_bytes_per_s: float | None
     basis: str  # what was picked from the profile, for the summary
-    # random rows of one cache line gathered per second (`metrics.device_peaks`); None: unprobed, no row ceiling
-    gather_rows_per_s: float | None = None
     # the wake of an idle thread by idle ms (`metrics.wake`: "1", "10", "100" -> p50_us, p99_us, ...); None: unprobed
     wake: dict[str, dict[str, float]] | None = None
     # an embedding gather's time after idling 1, 10, 100 ms over back to back (`metrics.wake`); None: unprobed
     cold: dict[str, float] | None = None
+    # random rows of one cache line gathered per second (`metrics.device_peaks`); None: unprobed, no row ceiling
+    gather_rows_per_s: float | None = None
 
 
 @dataclass(frozen=True)

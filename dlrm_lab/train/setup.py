@@ -235,7 +235,7 @@ def _build(
         "table_pages_choice": table_pages,
         "distribution_choice": distribution["record"],
         "interaction_choice": interaction,
-        "distinct_rows": distinct_rows(first_batch()),
+        "distinct_rows": None,  # measured on the loop's first batch (`train.loop`): drawing one here would take it
         # what the scaled model shares with the full one (docs/metrics.md, "numerics")
         "numerics": {
             "table_init": "uniform +-sqrt(1 / rows of the published table)",
