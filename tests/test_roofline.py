@@ -216,11 +216,17 @@ def test_machine_show_prints_a_stored_profile_and_errors_without_one(tmp_path):
     env_dir = tmp_path / "machines"
     env_dir.mkdir()
     fid = hardware_fingerprint()["fingerprint_id"]
-    (env_dir / f"{fid}.json").write_text(json.dumps(fake_profile(fid)))
+    profile = fake_profile(fid)
+    profile["devices"]["cpu"]["threads"]["2"].update(
+        gather_pages={"base_bytes_per_s": 3.28e9, "huge_bytes_per_s": 6.11e9, "huge_error": None, "thp": "madvise"},
+        gather_rows_per_s=7.6e7,
+    )
+    (env_dir / f"{fid}.json").write_text(json.dumps(profile))
     env = {"DLRM_LAB_MACHINE_DIR": str(env_dir)}
     shown = run_cli("machine", "show", env=env)
     assert shown.returncode == 0, shown.stderr
     assert "cpu x2 threads" in shown.stdout and "90.00" in shown.stdout
+    assert "gather cpu x2 threads: 3.28 GB/s on 4 KiB pages, 6.11 on 2 MiB; 76.0 M rows/s of 64 bytes" in shown.stdout
     missing = run_cli("machine", "show", "nosuchmachine", env=env)
     assert missing.returncode == 2 and "dlrm-lab machine probe" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1

@@ -120,6 +120,15 @@ def show_command(
             _gb(p.get("memory_bytes_per_s")), _gb(p.get("gather_bytes_per_s")), _gb(p.get("h2d_bytes_per_s")),
         )  # fmt: skip
     out.print(table)
+    for label, p in rows:  # the gather on both page sizes, and its row ceiling (`metrics.device_peaks`)
+        pages, line_rows = p.get("gather_pages") or {}, p.get("gather_rows_per_s")
+        if pages or line_rows:
+            huge = pages.get("huge_bytes_per_s")
+            out.print(f"gather {label}: " + "; ".join(filter(None, [
+                pages and f"{_gb(pages.get('base_bytes_per_s'))} GB/s on 4 KiB pages, "
+                + (f"{_gb(huge)} on 2 MiB" if huge else f"2 MiB not measured ({pages.get('huge_error')})"),
+                line_rows and f"{line_rows / 1e6:,.1f} M rows/s of 64 bytes",
+            ])))  # fmt: skip
     ceiling = (profile.get("devices", {}).get("cpu") or {}).get("ceiling") or {}
     for n, entry in sorted(ceiling.items(), key=lambda kv: int(kv[0])):
         out.print(f"ceiling: {n} pinned processes at once reach {entry['gemm']['efficiency']:.0%} of {n} x one alone "
