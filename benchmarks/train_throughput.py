@@ -129,15 +129,18 @@ class ListSource(CycleSource):
 # tables and MLPs), "adagrad" the lab's default (fused row-wise Adagrad tables, Adagrad MLPs).
 LAB_OPTIMIZERS = ("sgd", "adagrad")
 TABLE_UPDATE = "auto"  # --table-update fbgemm: the lab on TorchRec's fused kernel, as before issue 37
+TABLE_PAGES = "auto"  # --table-pages base: the tables on 4 KiB pages, as before issue 46
 PLAIN_LR = 4.0  # best held-out AUC of lr in {0.1, 1, 4, 10} after 150 steps at batch 2048
 
 
 def optimizer_options(name: str) -> dict[str, Any]:
-    """The lab as `dlrm-lab train` runs it: its tables' update chosen by timing (`--table-update auto`)."""
+    """The lab as `dlrm-lab train` runs it: its tables' update and pages chosen by measurement (`--table-update auto`,
+    `--table-pages auto`)."""
     if name == "sgd":
         return dict(embedding_optimizer="sgd", embedding_lr=PLAIN_LR, dense_optimizer="sgd", dense_lr=PLAIN_LR,
-                    table_update=TABLE_UPDATE)  # fmt: skip
-    return dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad", table_update=TABLE_UPDATE)
+                    table_update=TABLE_UPDATE, table_pages=TABLE_PAGES)  # fmt: skip
+    return dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad", table_update=TABLE_UPDATE,
+                table_pages=TABLE_PAGES)  # fmt: skip
 
 
 def run_lab(
@@ -231,9 +234,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the lab step's top operators at batch 2048 and exit")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--table-update", default="auto", help="the lab's --table-update (auto, fbgemm, batched)")
+    ap.add_argument("--table-pages", default="auto", help="the lab's --table-pages (auto, base, huge)")
     args = ap.parse_args()
-    global TABLE_UPDATE
-    TABLE_UPDATE = args.table_update
+    global TABLE_UPDATE, TABLE_PAGES
+    TABLE_UPDATE, TABLE_PAGES = args.table_update, args.table_pages
     if args.quick:
         args.steps, args.repeats, args.quality_steps, args.max_rows = 5, 1, 20, 10_000
 
