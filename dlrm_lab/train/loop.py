@@ -36,7 +36,7 @@ from dlrm_lab.train.pipeline import make_pipeline
 from dlrm_lab.train.preflight import ResolvedRun, preflight
 from dlrm_lab.train.profile import StepProfiler, profile_window
 from dlrm_lab.train.records import STEP_SCHEMA
-from dlrm_lab.train.setup import _build, _prepare, _Setup, distinct_rows
+from dlrm_lab.train.setup import _build, _prepare, _Setup
 from dlrm_lab.train.step import autocast, train_step
 from dlrm_lab.train.step_trial import StepTrial
 from dlrm_lab.train.summary import Reached, _Steps, _summarise
@@ -255,8 +255,23 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
     return _Steps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
 
 
+def distinct_rows(batch: Any) -> JsonObject | None:
+    """A batch's distinct rows over its ids, feature by feature (a repeated id is summed once by the update and
+    found in cache by the lookup: the roofs gather only distinct rows, `train.records.roofline_columns`); None
+    where the batch has no pooled sparse features (the HSTU ranker's requests)."""
+    kjt = getattr(batch, "sparse_features", None)
+    if kjt is None or not hasattr(kjt, "to_dict"):
+        return None
+    ids = rows = 0
+    for jagged in kjt.to_dict().values():
+        values = jagged.values()
+        ids += values.numel()
+        rows += int(torch.unique(values).numel())
+    return {"ids": ids, "rows": rows, "share": rows / ids if ids else 1.0, "batch": "the run's first, this rank's"}
+
+
 def _distinct_rows(setup: _Setup, record: Run | None, batch: Any) -> None:
-    """The run's first batch's distinct rows over its ids (`train.setup.distinct_rows`: the roofs gather those), in
+    """The run's first batch's distinct rows over its ids (`distinct_rows`: the roofs gather those), in
     the manifest's config. Timed as data wait (once: 1-2 ms at kaggle's 53k ids)."""
     setup.config["distinct_rows"] = distinct_rows(batch) or {"share": None, "reason": "no pooled sparse features"}
     if record is not None and setup.ctx.is_main:

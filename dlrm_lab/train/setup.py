@@ -186,15 +186,8 @@ def _build(
         raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
                          "to do", "steps")  # fmt: skip
     table_pages = choose_table_pages(cfg, ctx, dmp, log)  # before the update's timing, which reads the rows
-    first: list[Any] = []  # the run's first batch, opened once for the choices and the distinct rows below
-
-    def first_batch() -> Any:
-        if not first:
-            first.append(next(iter(source or run.open_data(ctx, 1)[0])))
-        return first[0]
-
     table_update = choose_run_table_update(
-        cfg, ctx, dmp, first_batch,
+        cfg, ctx, dmp, lambda: next(iter(source or run.open_data(ctx, 1)[0])),
         (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))), log,
     )  # fmt: skip
     cfg = replace(cfg, table_update=table_update["table_update"])
@@ -262,18 +255,3 @@ def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> JsonObject:
     if ctx.world_size == 1:
         return {"distribution": "torchrec", "reason": "--distribution lean: one rank, nothing to distribute"}
     return {**use_lean_distribution(dmp), "reason": "--distribution lean"}
-
-
-def distinct_rows(batch: Any) -> JsonObject | None:
-    """A batch's distinct rows over its ids, feature by feature (a repeated id is summed once by the update and
-    found in cache by the lookup: the roofs gather only distinct rows, `train.records.roofline_columns`); None
-    where the batch has no pooled sparse features (the HSTU ranker's requests)."""
-    kjt = getattr(batch, "sparse_features", None)
-    if kjt is None or not hasattr(kjt, "to_dict"):
-        return None
-    ids = rows = 0
-    for jagged in kjt.to_dict().values():
-        values = jagged.values()
-        ids += values.numel()
-        rows += int(torch.unique(values).numel())
-    return {"ids": ids, "rows": rows, "share": rows / ids if ids else 1.0, "batch": "the run's first, this rank's"}
