@@ -178,31 +178,46 @@ def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dic
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
     if conn.concurrency > 1:
-        from dlrm_lab.serve.pool import ClientPool, WorkerPlan, check_workers_fit
-
-        check_workers_fit(conn.concurrency, sum(lib.nbytes for lib in libraries.values()))
-
         connect = functools.partial(connect_worker, target.address, recipes, names, rpc, conn.timeout_s,
                                     conn.unavailable_s, conn.connect_timeout_s)  # fmt: skip
-        epoch = time.monotonic_ns()
-        pool = ClientPool([WorkerPlan(k, connect, epoch) for k in range(conn.concurrency)], libraries, description,
-                          conn.unavailable_s)  # fmt: skip
-        try:
+        with client_pool(conn, libraries, description, connect) as pool:
             yield pool
-        finally:
-            pool.close()
         return
     channel = ready_channel(target, conn.connect_timeout_s)
     try:
         remote = RemoteServer(channel, libraries, models=descriptions, timeout_s=conn.timeout_s, rpc=rpc,
                               unavailable_s=conn.unavailable_s, description=description, names=names)  # fmt: skip
-        try:
+        with drained(remote, conn.timeout_s):
             yield remote
-        finally:
-            remote.drain(conn.timeout_s)
-            remote.close()
     finally:
         channel.close()
+
+
+@contextmanager
+def client_pool(conn: Any, libraries: dict[str, PackedLibrary], description: SutDescription,
+                connect: Any) -> Iterator[Any]:  # fmt: skip
+    """`conn.concurrency` client processes (`serve.pool`), each making its own connection with `connect(worker)`:
+    any remote target's clients, whatever its protocol."""
+    from dlrm_lab.serve.pool import ClientPool, WorkerPlan, check_workers_fit
+
+    check_workers_fit(conn.concurrency, sum(lib.nbytes for lib in libraries.values()))
+    epoch = time.monotonic_ns()
+    pool = ClientPool([WorkerPlan(k, connect, epoch) for k in range(conn.concurrency)], libraries, description,
+                      conn.unavailable_s)  # fmt: skip
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@contextmanager
+def drained(remote: RemoteServer, timeout_s: float) -> Iterator[RemoteServer]:
+    """A client of this process that lets its queries in flight finish (up to `timeout_s`) before it closes."""
+    try:
+        yield remote
+    finally:
+        remote.drain(timeout_s)
+        remote.close()
 
 
 def connect_worker(address: str, recipes: dict[str, LibraryRecipe], names: dict[str, str], rpc: str, timeout_s: float,

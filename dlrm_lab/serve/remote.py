@@ -189,17 +189,21 @@ class RemoteServer:
     def describe(self) -> SutDescription:
         return self.description or SutDescription(models=self.models)
 
-    def submit(self, q: Any) -> None:
-        """Serialise and send `q` (an infer.sut.Query); its samples are `q.payload` (a
-        SampleBlock) when given, else library samples [q.offset, q.offset + q.size)."""
+    def _issue(self, q: Any) -> tuple[int, tuple[bytes, ...]]:
+        """`q` issued now (and scheduled now, where its load generator set no time): (the time, its samples'
+        dense, lengths and ids bytes), from `q.payload` (a SampleBlock) or the library's [q.offset, + q.size)."""
         start = time.monotonic_ns()
         q.issued_ns = start
         if not q.scheduled_ns:
             q.scheduled_ns = start
         if q.payload is None:
-            dense, lengths, ids = encode_library_samples(self.libraries[q.model], q.offset, q.size)
-        else:
-            dense, lengths, ids = encode_samples(q.payload.dense, q.payload.lengths, q.payload.values)
+            return start, encode_library_samples(self.libraries[q.model], q.offset, q.size)
+        return start, encode_samples(q.payload.dense, q.payload.lengths, q.payload.values)
+
+    def submit(self, q: Any) -> None:
+        """Serialise and send `q` (an infer.sut.Query); its samples are `q.payload` (a
+        SampleBlock) when given, else library samples [q.offset, q.offset + q.size)."""
+        start, (dense, lengths, ids) = self._issue(q)
         query_id = (self.worker << 40) | q.query_id  # unique across the workers of a client
         model = self.names.get(q.model, q.model)
         if self.rpc == "oip":

@@ -32,9 +32,9 @@ import numpy as np
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.sut import ModelDescription, SutDescription
-from dlrm_lab.serve.connect import LibraryRecipe, check_tensor_metadata
-from dlrm_lab.serve.protocol import SCORE_DTYPE, STAGE_PARAMETERS, encode_samples
-from dlrm_lab.serve.remote import OpenInferenceAnswer, RemoteServer, encode_library_samples
+from dlrm_lab.serve.connect import LibraryRecipe, check_tensor_metadata, client_pool, drained
+from dlrm_lab.serve.protocol import SCORE_DTYPE, STAGE_PARAMETERS
+from dlrm_lab.serve.remote import OpenInferenceAnswer, RemoteServer
 
 MAX_CONNECTIONS = 64  # keep-alive connections of one client process
 BINARY = "binary_tensor_data"
@@ -158,14 +158,7 @@ class RestServer(RemoteServer):
 
     def _send(self, conn: http.client.HTTPConnection | None, q: Any) -> http.client.HTTPConnection | None:
         """Serialise and send `q`, read its answer, record it; the connection to keep (None: closed)."""
-        start = time.monotonic_ns()
-        q.issued_ns = start
-        if not q.scheduled_ns:
-            q.scheduled_ns = start
-        if q.payload is None:
-            dense, lengths, ids = encode_library_samples(self.libraries[q.model], q.offset, q.size)
-        else:
-            dense, lengths, ids = encode_samples(q.payload.dense, q.payload.lengths, q.payload.values)
+        start, (dense, lengths, ids) = self._issue(q)
         model = self.names.get(q.model, q.model)
         body, headers = rest_request(model, str((self.worker << 40) | q.query_id), q.size, dense, lengths, ids,
                                      binary=self.rpc == "rest", timeout_us=int(self.timeout_s * 1e6))  # fmt: skip
@@ -292,26 +285,15 @@ def open_rest_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
     if conn.concurrency > 1:
-        from dlrm_lab.serve.pool import ClientPool, WorkerPlan, check_workers_fit
-
-        check_workers_fit(conn.concurrency, sum(lib.nbytes for lib in libraries.values()))
         connect = functools.partial(connect_rest_worker, target.address, recipes, names, rpc, conn.timeout_s,
                                     conn.unavailable_s)  # fmt: skip
-        epoch = time.monotonic_ns()
-        pool = ClientPool([WorkerPlan(k, connect, epoch) for k in range(conn.concurrency)], libraries, description,
-                          conn.unavailable_s)  # fmt: skip
-        try:
+        with client_pool(conn, libraries, description, connect) as pool:
             yield pool
-        finally:
-            pool.close()
         return
     remote = RestServer(target.address, libraries, models=descriptions, timeout_s=conn.timeout_s, rpc=rpc,
                         unavailable_s=conn.unavailable_s, description=description, names=names)  # fmt: skip
-    try:
+    with drained(remote, conn.timeout_s):
         yield remote
-    finally:
-        remote.drain(conn.timeout_s)
-        remote.close()
 
 
 def connect_rest_worker(address: str, recipes: dict[str, LibraryRecipe], names: dict[str, str], rpc: str,
