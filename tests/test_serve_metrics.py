@@ -4,6 +4,7 @@ server and a real Prometheus: tests/test_serve.py."""
 
 import socket
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from conftest import run_cli_in_process
@@ -15,6 +16,7 @@ from dlrm_lab.infer.completions import InstanceStates
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Stall
 from dlrm_lab.serve.prometheus import ServingMetrics
+from dlrm_lab.serve.server import InferenceService
 
 
 class FakeInference:
@@ -32,6 +34,17 @@ class FakeInference:
 
     def take_stalls(self):
         out, self.stalls = self.stalls, []
+        return out
+
+    # what serve's InferenceService reads besides
+    seed = 0
+    records: list = []
+
+    def library(self, name):
+        return SimpleNamespace(size=64)
+
+    def take_records(self):
+        out, self.records = self.records, []
         return out
 
 
@@ -63,7 +76,7 @@ def test_the_metrics_text_is_the_rows_summed_the_batches_and_the_instances_now()
         _row("dropped", 3),
         _row("rejected", 2, model="made-up-by-a-client"),
         _row("rejected", 1, model=None),
-    ])  # fmt: skip
+    ], inference.take_stalls())  # fmt: skip
     for n in (4, 6, 6):
         metrics.observe_batch("tiny", n)
     got = _samples(generate_latest(metrics.registry).decode())
@@ -127,3 +140,34 @@ def test_a_bad_metrics_port_is_one_line_naming_it_before_anything_starts(case, t
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --metrics-port {port}: "), err
     why = {"range": "must be in [0, 65535]", "in use": "Address already in use", "the grpc port": "must differ from"}
     assert why[case] in err and not (tmp_path / "runs").exists()
+
+
+class FakeTable:
+    def __init__(self) -> None:
+        self.rows: list = []
+
+    def extend(self, rows) -> None:
+        self.rows.extend(rows)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("with_metrics", [False, True])
+def test_serve_drains_the_stalls_at_every_pump_with_or_without_metrics(with_metrics):
+    inference = FakeInference()
+    service = InferenceService(inference)
+    if with_metrics:
+        service.metrics = ServingMetrics(inference)
+    inference.records = [_row("ok", 4, latency=2.0, queue=0.5, compute=1.0)]
+    table = FakeTable()
+    service.pump(table)
+    # a long serve without --metrics-port used to keep every stall it ever saw
+    assert inference.stalls == [] and service.stalls == 1 and service.longest_stall_ms == 900.0
+    assert [r["point"] for r in table.rows] == [0]
+    inference.stalls = [Stall(instance=0, model="tiny", took_ms=1200.0, expected_ms=2.0, at_ms=5.0)]
+    service.pump(table)
+    assert inference.stalls == [] and service.stalls == 2 and service.longest_stall_ms == 1200.0
+    if with_metrics:
+        got = _samples(generate_latest(service.metrics.registry).decode())
+        assert got["dlrm_lab_instance_stalls_total", (("model", "tiny"),)] == 2

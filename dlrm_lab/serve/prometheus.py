@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.server import InferenceServer
+from dlrm_lab.infer.sut import Stall
 from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.metrics.run import Run
 
@@ -90,8 +91,8 @@ class ServingMetrics:
         """A batch came back (the completion thread): one observation."""
         self._batches[model].observe(samples)
 
-    def observe(self, rows: Iterable[QueryRow]) -> None:
-        """Finished queries' rows, as they move to the queries table."""
+    def observe(self, rows: Iterable[QueryRow], stalls: Iterable[Stall] = ()) -> None:
+        """Finished queries' rows, as they move to the queries table, and the stalls found meanwhile."""
         counts: dict[tuple[str, str], int] = {}
         samples: dict[str, int] = {}
         for row in rows:
@@ -109,7 +110,7 @@ class ServingMetrics:
             self.queries.labels(model, status).inc(n)
         for model, n in samples.items():
             self.samples.labels(model).inc(n)
-        for stall in self.inference.take_stalls():  # serve takes them nowhere else
+        for stall in stalls:
             self.stalls.labels(stall["model"]).inc()
 
     def start(self, host: str, port: int) -> int:

@@ -86,6 +86,8 @@ class InferenceService:
         self._refused: collections.deque[QueryRow] = collections.deque()
         self._flushed = time.monotonic()
         self.metrics: Any = None  # serve.prometheus.ServingMetrics: told every row as it moves to the table
+        self.stalls = 0  # batches an instance held far beyond their warm time (drained by every pump)
+        self.longest_stall_ms = 0.0
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Infer takes and returns raw bytes so that decoding and encoding the protobuf
@@ -291,8 +293,11 @@ class InferenceService:
         for r in rows:
             r["point"] = 0
         queries.extend(rows)
+        stalls = self.inference.take_stalls()  # taken every time: a long serve would otherwise pile them up
+        self.stalls += len(stalls)
+        self.longest_stall_ms = max([self.longest_stall_ms, *(s["took_ms"] for s in stalls)])
         if self.metrics is not None:
-            self.metrics.observe(rows)
+            self.metrics.observe(rows, stalls)
         if time.monotonic() - self._flushed >= FLUSH_S:
             queries.flush()
             self._flushed = time.monotonic()
@@ -382,6 +387,8 @@ def serve(
                 if service.metrics is not None:  # nothing scrapes a stopped server
                     service.metrics.close()
                 service.pump(queries)
+                if service.stalls:
+                    run.update_manifest(instance_stalls=service.stalls, longest_stall_ms=service.longest_stall_ms)
     return run.dir
 
 
