@@ -1107,7 +1107,7 @@ def test_a_refused_request_declaring_an_absurd_size_is_recorded_without_its_size
     from dlrm_lab.serve.protocol import Refused
     from dlrm_lab.serve.server import InferenceService
 
-    inference = types.SimpleNamespace(models={}, epoch_ns=time.monotonic_ns(), take_records=list)
+    inference = types.SimpleNamespace(models={}, epoch_ns=time.monotonic_ns(), take_records=list, take_stalls=list)
     service = InferenceService(inference)
     refused = Refused(grpc.StatusCode.INVALID_ARGUMENT, "model 'm': 4611686018427387904 samples: too many", "rejected")
     for samples in (2**62, 3):
