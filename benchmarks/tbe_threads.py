@@ -47,6 +47,9 @@ def main() -> None:
         twins[path] = SplitTableBatchedEmbeddingBagsCodegen(
             tables, optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05, eps=1e-8
         )
+        # fbgemm leaves its rows untouched: a forward over them would read the kernel's one zero page, not the tables
+        with torch.no_grad():
+            twins[path].weights_host.uniform_(-0.01, 0.01, generator=torch.Generator().manual_seed(0))
         install(torch.nn.ModuleList([twins[path]]), path)
     batch = next(iter(SyntheticSource(synthetic_generator(spec, seed=0), opts.batch_size, 0, 1)))
     ids, offsets = batch.sparse_features.values(), batch.sparse_features.offsets()
