@@ -387,6 +387,24 @@ def test_a_report_made_elsewhere_keeps_the_runs_machine_profile(tmp_path, monkey
     assert "collectives" in result.drawn
 
 
+def test_the_roofline_draws_the_gather_on_both_page_sizes_and_the_row_rate(tmp_path, monkeypatch):
+    """The probe times the gather on 4 KiB and 2 MiB pages and counts 64-byte rows a second: the plot draws the
+    roof of tables left on small pages beside the best one, and names the row ceiling."""
+    here = tmp_path / "profiles"
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(here))
+    profile = store_profile(here, gflops=80.0, gather_gb=6.0)
+    for peaks in profile["devices"]["cpu"]["threads"].values():
+        peaks.update(gather_pages={"base_bytes_per_s": 3e9, "huge_bytes_per_s": 6e9}, gather_rows_per_s=76e6)
+    (path,) = here.glob("*.json")
+    path.write_text(json.dumps(profile))
+    train_run(tmp_path / "runs")
+    drawn = write_report([tmp_path / "runs"], tmp_path / "out").drawn["roofline"]
+    (roof,) = drawn.ceilings.values()
+    assert (roof["gather_bytes_per_s"], roof["gather_base_bytes_per_s"], roof["gather_rows_per_s"]) == (6e9, 3e9, 76e6)
+    assert any("gather 6.0 GB/s, 76 M rows/s" in line for line in drawn.lines)
+    assert any("gather on 4 KiB pages 3.0 GB/s" in line for line in drawn.lines)
+
+
 def test_sweep_medians_with_ci_and_unstable(lab):
     drawn = lab["result"].drawn[f"sweep-{lab['dirs']['sweep'].name}"]
     assert drawn.labels == ["max_batch=32", "max_batch=64", "max_batch=128"]  # qps does not vary

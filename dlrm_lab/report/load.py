@@ -259,7 +259,9 @@ class Ceilings(TypedDict):
     """A machine's roofline ceilings (`ceilings`): what `report.plots.roofline` draws a run under."""
 
     compute: dict[str, float]  # GEMM FLOP/s per precision
-    gather_bytes_per_s: float  # the embedding gather bandwidth
+    gather_bytes_per_s: float  # the embedding gather bandwidth (on 2 MiB pages where the probe found them faster)
+    gather_base_bytes_per_s: float | None  # the same gather on 4 KiB pages: tables the kernel left there
+    gather_rows_per_s: float | None  # random 64-byte rows a second: the ceiling of narrow rows, whatever their bytes
     basis: str  # the profile and the device (or thread count) they are of
 
 
@@ -293,4 +295,14 @@ def ceilings(fingerprint_id: str | None, device: str, profile: JsonObject | None
         return f"the machine profile {fingerprint_id} has no {device} GEMM and gather peaks"
     if not compute or not gather > 0:
         return f"the machine profile {fingerprint_id} has no {device} GEMM and gather peaks"
-    return {"compute": compute, "gather_bytes_per_s": gather, "basis": f"{fingerprint_id[:8]} {basis}"}
+    pages = peaks.get("gather_pages") or {}
+    base, rows = _positive(pages.get("base_bytes_per_s")), _positive(peaks.get("gather_rows_per_s"))
+    return {"compute": compute, "gather_bytes_per_s": gather, "gather_base_bytes_per_s": base,
+            "gather_rows_per_s": rows, "basis": f"{fingerprint_id[:8]} {basis}"}  # fmt: skip
+
+
+def _positive(value: Any) -> float | None:
+    try:
+        return float(value) if value is not None and float(value) > 0 else None
+    except (TypeError, ValueError):
+        return None

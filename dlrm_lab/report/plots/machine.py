@@ -36,6 +36,7 @@ class RooflinePlot:
     path: Path
     points: list[RooflinePoint]
     ceilings: dict[str, Ceilings]
+    lines: list[str]  # the ceilings drawn, as the legend names them
 
 
 def roof_at(ceiling: Ceilings, intensity: float, precision: str | None) -> float:
@@ -77,6 +78,7 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
     grid = np.logspace(np.log10(lo), np.log10(hi), 200)
     styles = ["-", "--", ":", "-."]
     for k, (cid, c) in enumerate(ceilings.items()):
+        rows = c.get("gather_rows_per_s")
         for prec, peak in sorted(c["compute"].items()):
             ax.plot(
                 grid,
@@ -85,7 +87,18 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
                 linewidth=1.3,
                 label=_text(
                     f"{cid} {prec}: {peak / 1e9:,.0f} GFLOP/s, gather {c['gather_bytes_per_s'] / 1e9:,.1f} GB/s"
+                    + (f", {rows / 1e6:,.0f} M rows/s" if rows else "")
                 ),
+            )
+        base = c.get("gather_base_bytes_per_s")
+        if base and base < c["gather_bytes_per_s"] / 1.05:  # tables left on 4 KiB pages meet a lower roof
+            ax.plot(
+                grid,
+                np.minimum(max(c["compute"].values()), base * grid),
+                linestyle=":",
+                color="grey",
+                linewidth=1.0,
+                label=_text(f"{cid}: gather on 4 KiB pages {base / 1e9:,.1f} GB/s"),
             )
     ax.scatter(xs, [pt.flops_per_s for pt in placed], color="crimson", zorder=5, label="runs")
     for (x, y), group in _coincident(placed[:MAX_LABELS]).items():
@@ -106,7 +119,8 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="lower right")
-    return RooflinePlot(_save(fig, out), placed, dict(ceilings))
+    lines = [str(line.get_label()) for line in ax.get_lines()]
+    return RooflinePlot(_save(fig, out), placed, dict(ceilings), lines)
 
 
 def _coincident(points: list[RooflinePoint]) -> dict[tuple[float, float], list[RooflinePoint]]:
