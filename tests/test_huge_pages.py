@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
+from conftest import store_profile
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     EmbeddingLocation,
@@ -122,3 +124,18 @@ def test_a_bad_table_pages_is_refused_in_one_line():
 
     with pytest.raises(UserError, match=r"table_pages 'giant'.*auto, base, huge"):
         TrainConfig(table_pages="giant")
+
+
+def test_the_gather_rates_come_from_the_nearest_thread_count_the_probe_measured(monkeypatch, tmp_path):
+    """A run on 3 threads of a machine probed at 1 and 4: the two pages' ratio is read at 4, not measured again."""
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    profile = store_profile(tmp_path)
+    one, four = ({"base_bytes_per_s": b, "huge_bytes_per_s": 2 * b, "huge_error": None} for b in (1e9, 3e9))
+    peaks = profile["devices"]["cpu"]["threads"]["1"]
+    profile["devices"]["cpu"]["threads"] = {"1": {**peaks, "gather_pages": one}, "4": {**peaks, "gather_pages": four}}
+    (path,) = tmp_path.glob("*.json")
+    path.write_text(json.dumps(profile))
+    monkeypatch.setattr("dlrm_lab.metrics.device_peaks.gather_on_pages", lambda *a: pytest.fail("measured again"))
+    rates, source = choices._gather_rates(3)
+    assert rates == four and source.endswith("at 4 thread(s)")
+    assert choices._gather_rates(1)[0] == one

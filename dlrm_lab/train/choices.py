@@ -295,9 +295,14 @@ def _gather_rates(threads: int) -> tuple[JsonObject | None, str]:
     except UserError:
         profile = {}
     by_threads = ((profile.get("devices") or {}).get("cpu") or {}).get("threads") or {}
-    pages = (by_threads.get(str(threads)) or {}).get("gather_pages")
-    if isinstance(pages, dict) and pages.get("base_bytes_per_s"):
-        return pages, f"the machine probe of {profile.get('probed_at')} at {threads} thread(s)"
+    probed = {
+        int(n): p["gather_pages"]
+        for n, p in by_threads.items()
+        if isinstance((p or {}).get("gather_pages"), dict) and p["gather_pages"].get("base_bytes_per_s")
+    }
+    if probed:  # the choice reads the two pages' ratio: the nearest thread count probed tells it
+        near = min(probed, key=lambda n: (abs(n - threads), -n))
+        return probed[near], f"the machine probe of {profile.get('probed_at')} at {near} thread(s)"
     sizes = ProbeSizes.preset(quick=True)
     measured = gather_on_pages(sizes, 2 * sizes.repeats + 1)
     return measured, f"measured now ({sizes.gather_tables} tables of {sizes.gather_rows:,} rows; the probe has none)"
