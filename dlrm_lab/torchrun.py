@@ -11,15 +11,16 @@ import sys
 from pathlib import Path
 
 from dlrm_lab.distributed.elastic import main as launch
-from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run_and_summary
+from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run_and_summary, register_recovery
 
 
 def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
     """Give each run the ranks created the launcher's reason. A run still `running` (its rank 0
     died without closing it) is recovered first. A run whose own error already names the cause
     keeps it unless a rank was killed by a signal: the run then only knows it was stopped."""
-    import dlrm_lab.train.records  # noqa: F401 - a training run's recovery registers itself (torch: on failure only)
-
+    # a training run's recovery, imported only for a run still `running` (training's modules load torchrec: seconds
+    # before the failure line, where the ranks closed their runs themselves)
+    register_recovery("train", "dlrm_lab.train.records:recovered_summary")
     runs = []
     try:
         lines = record.read_text().splitlines()
