@@ -9,6 +9,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 # a training run that only a signal ends (fault tests): tiny, small batches, a million steps
 ENDLESS_TRAIN = ("train", "--preset", "tiny", "--steps", "1000000", "--batch-size", "32", "--no-progress")
+# every choice a training run on several CPU ranks would otherwise time at start-up, given: for the tests of
+# launching, failing and scaling ranks, whose property is none of these choices (their own tests time them)
+DECIDED = ("--sharding", "table_wise", "--precision", "fp32", "--table-pages", "base", "--table-update", "fbgemm",
+           "--prefetch", "0", "--collectives", "gloo")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,11 +2,15 @@
 
 torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR STEPS PRESET:GLOBAL_BATCH:TYPE,TYPE ...
 writes OUT_DIR/<preset>-<type>.json (losses, plan) and .pt (tables, dense weights); one process runs them all.
+Two more kinds of job share the process (and its start-up) with them:
+- `resume`: 16 straight steps against 8, a checkpoint and 8 resumed, in OUT_DIR/resume (`straight_and_resumed`);
+- `cli:ARGS`: `dlrm-lab ARGS` through the CLI's entry point, as each rank runs it under a launcher.
 """
 
 import faulthandler
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -54,10 +58,7 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
             distribution=distribution or "torchrec",
         )
         result = train(spec, cfg, keep_model=True)
-        by_step: dict[int, list[float]] = {}
-        for row in result.steps:
-            by_step.setdefault(row["step"], []).append(row["loss"])
-        losses = [sum(v) / len(v) for _, v in sorted(by_step.items())]
+        losses = global_losses(result)
         tables = gather_tables(result.model)
         dense = {k: v.detach().cpu() for k, v in result.model.state_dict().items() if "embedding" not in k}
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -77,14 +78,52 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
         )
 
 
+def global_losses(result) -> list[float]:
+    """The run's loss a step, averaged over the ranks."""
+    by_step: dict[int, list[float]] = {}
+    for row in result.steps:
+        by_step.setdefault(row["step"], []).append(row["loss"])
+    return [sum(v) / len(v) for _, v in sorted(by_step.items())]
+
+
+def straight_and_resumed(out: Path) -> None:
+    """16 straight steps vs 8 steps, a checkpoint, and a resume to 16: OUT/losses.json and OUT/ckpt."""
+    import dlrm_lab
+
+    world = init_distributed("cpu").world_size
+    spec = dlrm_lab.load_preset("tiny")
+    base = dict(batch_size=64 // world, seed=5, prefetch=0, eval_batches=2, sharding="row_wise")
+    straight = train(spec, TrainConfig(steps=16, **base))
+    train(spec, TrainConfig(steps=8, checkpoint_dir=str(out / "ckpt"), **base))
+    resumed = train(spec, TrainConfig(steps=16, checkpoint_dir=str(out / "ckpt"), resume=True, **base))
+    if dist.get_rank() == 0:
+        (out / "losses.json").write_text(
+            json.dumps({"straight": global_losses(straight), "resumed": global_losses(resumed)})
+        )
+
+
+def cli(args: list[str]) -> None:
+    from dlrm_lab.cli import main
+
+    code = main(args)
+    if code:
+        raise SystemExit(f"dlrm-lab {shlex.join(args)}: exit code {code}")
+
+
 if __name__ == "__main__":
     # A rank has twice ended in "terminate called without an active exception" (SIGABRT) on CI, not reproduced
     # here: the Python stacks of every thread are printed if it happens again, with how far the runs got.
     faulthandler.enable()
     try:
         for item in sys.argv[3:]:
-            preset, batch, kinds = item.split(":")
-            run(Path(sys.argv[1]), int(sys.argv[2]), preset, int(batch), kinds.split(","))
+            if item == "resume":
+                (Path(sys.argv[1]) / "resume").mkdir(exist_ok=True)
+                straight_and_resumed(Path(sys.argv[1]) / "resume")
+            elif item.startswith("cli:"):
+                cli(shlex.split(item.removeprefix("cli:")))
+            else:
+                preset, batch, kinds = item.split(":")
+                run(Path(sys.argv[1]), int(sys.argv[2]), preset, int(batch), kinds.split(","))
     finally:
         shutdown_distributed()
     # Everything is written: leave without interpreter teardown, where gloo's worker threads can still hold work

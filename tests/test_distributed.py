@@ -2,25 +2,20 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ENDLESS_TRAIN, ROOT, wait_for_files
+from conftest import DECIDED, ENDLESS_TRAIN, ROOT, wait_for_files
 
 import dlrm_lab
 from dlrm_lab.config import SHARDING_TYPES
 from dlrm_lab.distributed.tables import gather_tables, init_tables
 
 GLOBAL_BATCH, STEPS = 64, 6
-
-
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 HSTU_SHARDINGS = ("table_wise", "row_wise", "column_wise")
@@ -33,19 +28,25 @@ JOBS = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One process on one rank and one 2-rank job under torchrun, run side by side, each running every job in
+    turn; the 2-rank job also runs the resume test's trajectory and the table-update test's `dlrm-lab train`."""
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    ref = subprocess.run(
-        [sys.executable, "tests/dist_worker.py", str(one), str(STEPS), *JOBS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    table_update = ["train", "--preset", "tiny", "--sharding", "table_wise", "--steps", "40", "--batch-size", "16",
+                    "--precision", "fp32", "--table-pages", "base",  # not measured: only the table update is
+                    "--metrics-dir", str(two / "table-update"), "--no-progress"]  # fmt: skip
+    two_only = ["resume", "cli:" + shlex.join(table_update)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/dist_worker.py"]
+    pair = subprocess.Popen([*cmd, str(two), str(STEPS), *JOBS, *two_only], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        ref = subprocess.run([sys.executable, "tests/dist_worker.py", str(one), str(STEPS), *JOBS], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        _, err = pair.communicate(timeout=300)
+    finally:
+        pair.kill()
     assert ref.returncode == 0, ref.stderr[-3000:]
-    out = torchrun("tests/dist_worker.py", str(two), str(STEPS), *JOBS)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert pair.returncode == 0, err[-3000:]
     return one, two
 
 
@@ -146,7 +147,7 @@ def _two_ranks_training(tmp_path, timeout_s: int, grace_s: int | None = None):
     cmd = launch_command(
         2,
         "torchrun",
-        [*ENDLESS_TRAIN, "--timeout", str(timeout_s), "--metrics-dir", str(tmp_path)],
+        [*ENDLESS_TRAIN, *DECIDED, "--timeout", str(timeout_s), "--metrics-dir", str(tmp_path)],
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_files(tmp_path, "*/_parts/steps/part-r00001-*.parquet")
@@ -182,13 +183,12 @@ def test_killing_one_rank_ends_the_job_and_keeps_the_steps(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_two_rank_resume_continues_the_same_trajectory(tmp_path):
-    out = torchrun("tests/resume_worker.py", str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses = json.loads((tmp_path / "losses.json").read_text())
+def test_two_rank_resume_continues_the_same_trajectory(runs):
+    out = runs[1] / "resume"  # 16 straight steps, then 8, a checkpoint and 8 resumed (dist_worker.py)
+    losses = json.loads((out / "losses.json").read_text())
     assert len(losses["resumed"]) == 8
     assert losses["resumed"] == pytest.approx(losses["straight"][8:], rel=1e-5)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-00000008", "step-00000016"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000008", "step-00000016"]
     # served by one process with whole tables: DCP reshards the two ranks' row-wise shards, and the served model
     # scores the held-out samples as the two ranks evaluated them together
     import dlrm_lab
@@ -197,9 +197,9 @@ def test_two_rank_resume_continues_the_same_trajectory(tmp_path):
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.model.checkpoint import read_checkpoint
 
-    checkpoint = read_checkpoint(tmp_path / "ckpt")
+    checkpoint = read_checkpoint(out / "ckpt")
     assert checkpoint.step == 16 and checkpoint.about["world_size"] == 2
-    served = ServedModel("tiny", dlrm_lab.load_preset("tiny"), checkpoint=str(tmp_path / "ckpt"))
+    served = ServedModel("tiny", dlrm_lab.load_preset("tiny"), checkpoint=str(out / "ckpt"))
     family = family_of(served.spec)
     model = family.serving_model(served, 0, lambda _line: None)[0]
     scored = family.held_out(served, None, 0).slice(0, checkpoint.about["eval"]["samples"])
@@ -214,7 +214,7 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
 
     from dlrm_lab.metrics import read_manifest
 
-    proc, victim = _two_ranks_training(tmp_path, timeout_s=5, grace_s=2)
+    proc, victim = _two_ranks_training(tmp_path, timeout_s=3, grace_s=1)
     (rank0,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "0"]
     try:
         victim.send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end this
@@ -225,7 +225,7 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
     assert proc.returncode == 1
     assert not victim.is_running()
     # either the collective's own timeout or the watchdog ends rank 0, naming it; the launcher names rank 0 too
-    assert "error: rank 0: " in err and "--timeout 5s" in err, err[-2000:]
+    assert "error: rank 0: " in err and "--timeout 3s" in err, err[-2000:]
     assert f"error: launcher: rank 0 (pid {rank0.pid}) exited with code 1" in err, err[-2000:]
     (run_dir,) = list(tmp_path.iterdir())
     manifest = read_manifest(run_dir)
@@ -277,15 +277,13 @@ def test_a_planner_stage_plugs_in_through_planner_stages():
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_decide_the_table_update_on_their_own_steps(tmp_path):
+def test_two_ranks_decide_the_table_update_on_their_own_steps(runs):
     """Timed apart (each rank's tables alone, before the run), the table update is decided again over a window of
     the run's steps with both ranks running them; the manifest keeps both timings and the conditions of each."""
     from dlrm_lab.metrics.run import read_manifest
 
-    out = torchrun("-m", "dlrm_lab", "train", "--preset", "tiny", "--sharding", "table_wise", "--steps", "40",
-                   "--batch-size", "16", "--metrics-dir", str(tmp_path), "--no-progress")  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    (run_dir,) = list(tmp_path.iterdir())
+    # `dlrm-lab train --preset tiny --sharding table_wise --steps 40 --batch-size 16` on both ranks (`runs`)
+    (run_dir,) = list((runs[1] / "table-update").iterdir())
     config = read_manifest(run_dir)["config"]
     update = config["table_update_choice"]
     apart, trial = update["apart"], update["trial"]
