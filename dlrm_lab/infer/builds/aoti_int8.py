@@ -94,7 +94,8 @@ class AOTIInt8Build(AOTIBuild):
         return self.packaged(module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES]})
 
     def skip(self, base_dense_ms: float | None) -> str | None:
-        return torchao_missing() or too_small_to_compile(base_dense_ms, "a quantised package build of seconds")
+        # the size first: a dense part too small to compile is skipped without importing torchao (seconds)
+        return too_small_to_compile(base_dense_ms, "a quantised package build of seconds") or torchao_missing()
 
 
 BUILD = AOTIInt8Build()

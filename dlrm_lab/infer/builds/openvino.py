@@ -138,8 +138,9 @@ class OpenVINOBuild:
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
-        return openvino_missing(self.quantise) or too_small_to_compile(
-            base_dense_ms, "an export and conversion of seconds"
+        # the size first: a dense part too small to convert is skipped without importing OpenVINO (seconds)
+        return too_small_to_compile(base_dense_ms, "an export and conversion of seconds") or openvino_missing(
+            self.quantise
         )
 
     def for_snapshot(self, module: Any) -> Any:
