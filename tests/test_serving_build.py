@@ -281,6 +281,10 @@ def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_bac
         return check if precision == "fp32" else builds.AccuracyCheck(**{**check.__dict__, "passed": False})
 
     monkeypatch.setattr(builds, "check_accuracy", bf16_fails)
+    # the builds' times injected: every build alike, the fused dense part too small to compile (measured, a busy
+    # machine's or a slow bf16's timing opened that gate and every package was compiled only to be timed)
+    times = FakeTimes(eager=1.0, fused=1.0)
+    monkeypatch.setattr(builds, "time_builds", lambda modules, sizes, threads, *_: times(modules, sizes, threads))
     spec = dlrm_lab.load_preset("tiny")
     torch.manual_seed(0)
     model = build_model(spec).eval()
@@ -300,6 +304,7 @@ def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_bac
             assert lines[-1].startswith("tiny: precision bf16 fails the accuracy rule with --build eager (AUC within")
         else:
             assert "accuracy_fallback" not in record and record["precision"] == "bf16"
+    assert all(timed == ["eager", "fused"] for timed in times.calls)  # nothing compiled to be timed
 
 
 def test_a_server_executes_a_resolved_plan_and_chooses_nothing(monkeypatch, tmp_path):
