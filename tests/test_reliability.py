@@ -378,6 +378,7 @@ def test_a_run_whose_load_stopped_early_is_marked_failed_with_the_reason(tmp_pat
         def __exit__(self, *exc) -> None: ...
 
     monkeypatch.setattr(lab, "InferenceServer", NoServer)
+    monkeypatch.setattr(lab, "open_target", NoServer)  # nothing planned or started: the load's end is what is tested
     monkeypatch.setattr(lab, "measure", lambda *a, **k: [{"point": 0, "model": "tiny", "issue_stopped": why}])
     served = [ServedModel("tiny", load_preset("tiny"))]
     run_dir = lab.run_inference(served, [Stream("tiny", 10.0, QuerySizes.parse("fixed:1"))],
