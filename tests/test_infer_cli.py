@@ -67,13 +67,13 @@ def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path):
 def test_two_models_served_together_and_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "5")
     code, _, stderr = run_cli_in_process(
-        "infer", "run", "--model", "tiny", "--model", "tiny", "--qps", "100", "--qps", "50", "--duration", "1",
+        "infer", "run", "--model", "tiny", "--model", "tiny", "--qps", "100", "--qps", "50", "--duration", "0.5",
         "--sla-ms", "20", "--sla-ms", "0.001", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
     assert code == 0, stderr
     # stderr is no terminal: progress as plain lines, the last one at the end of the third point's load
     progress = [line for line in stderr.splitlines() if line.startswith("infer: ")]
-    assert progress and progress[-1].startswith("infer: 3/3 s of load (100%), elapsed "), stderr
+    assert progress and progress[-1].startswith("infer: 1.5/1.5 s of load (100%), elapsed "), stderr
     assert progress[-1].endswith(" queries") and ", point 3/3, " in progress[-1]
     rows = pq.read_table(_run_dir(tmp_path) / "summary.parquet").to_pylist()
     got = sorted((r["model"], r["mode"], r["target_qps"]) for r in rows)
@@ -179,6 +179,7 @@ def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):
 def test_sigterm_fails_the_run_keeps_its_rows_and_frees_the_snapshot(tmp_path, signal_name, scenario):
     """SIGTERM, or SIGHUP (a closed terminal), ends a run failed with one line; under LoadGen (whose threads cannot
     be stopped) the process still exits 1, not by SIGABRT."""
+    import os
     import signal
     import subprocess
     import sys
@@ -187,10 +188,12 @@ def test_sigterm_fails_the_run_keeps_its_rows_and_frees_the_snapshot(tmp_path, s
 
     from conftest import ROOT, wait_for_files
 
+    # rows flushed every 0.5 s, not 5: the signal comes once some are on disk (no warm-up, no precision measured)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlrm_lab", "infer", "run", "--model", "tiny", "--qps", "50", "--duration", "60",
-         "--scenario", scenario, "--metrics-dir", str(tmp_path)],
+         "--scenario", scenario, "--precision", "fp32", "--warmup", "0", "--metrics-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DLRM_LAB_FLUSH_SECONDS": "0.5"},
     )  # fmt: skip
     try:
         assert wait_for_files(tmp_path, "*/_parts/queries/*.parquet", timeout_s=120), "no rows flushed"
