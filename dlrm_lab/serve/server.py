@@ -431,21 +431,6 @@ async def _serve(
         raise UserError(f"cannot listen on {address}: {exc}") from None
     if not bound:
         raise UserError(f"cannot listen on {address} (in use, or not an address of this host)")
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = address.rsplit(":", 1)[0] + f":{bound}"
-    run.update_manifest(address=address)
-    rest = None
-    if http_port is not None:  # the Open Inference Protocol over HTTP/REST, the same service behind it
-        from dlrm_lab.serve.rest import RestFront
-
-        rest = RestFront(open_inference)
-        http_address = address.rsplit(":", 1)[0] + f":{await rest.start(host, http_port)}"
-        run.update_manifest(http_address=http_address)
-        log(f"Open Inference Protocol over HTTP/REST on {http_address}")
-    log(f"serving {', '.join(service.inference.models)} on {address}")
-
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
 
@@ -455,10 +440,26 @@ async def _serve(
             asyncio.ensure_future(server.stop(None))
         stopping.set()
 
+    # Taken before the server starts: a stop signal sent as soon as the start line is out (a supervisor's) stops it as
+    # any other does, where it used to end the event loop under the started server, whose threads then never ended.
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
+    rest = None
     losses = 0
     try:
+        await server.start()
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        address = address.rsplit(":", 1)[0] + f":{bound}"
+        run.update_manifest(address=address)
+        if http_port is not None:  # the Open Inference Protocol over HTTP/REST, the same service behind it
+            from dlrm_lab.serve.rest import RestFront
+
+            rest = RestFront(open_inference)
+            http_address = address.rsplit(":", 1)[0] + f":{await rest.start(host, http_port)}"
+            run.update_manifest(http_address=http_address)
+            log(f"Open Inference Protocol over HTTP/REST on {http_address}")
+        log(f"serving {', '.join(service.inference.models)} on {address}")
         while not stopping.is_set():
             try:
                 await asyncio.wait_for(stopping.wait(), PUMP_S)
