@@ -38,8 +38,9 @@ def library_from_info(info: Any) -> PackedLibrary:
 
 @dataclass(frozen=True)
 class LibraryRecipe:
-    """How a client makes the sample library a query's samples are read from (picklable: each client
-    worker makes its own): the generator's samples [0, samples) of `spec` at `seed`."""
+    """How a client makes the sample library a query's samples are read from: the generator's samples
+    [0, samples) of `spec` at `seed`. Made once, in the runner's process; its client workers are handed a copy
+    (numpy arrays: a worker imports no torch, which the generator's package does)."""
 
     spec: JsonObject  # ModelSpec.to_dict()
     data_spec: str | None
@@ -178,7 +179,7 @@ def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dic
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
     if conn.concurrency > 1:
-        connect = functools.partial(connect_worker, target.address, recipes, names, rpc, conn.timeout_s,
+        connect = functools.partial(connect_worker, target.address, libraries, names, rpc, conn.timeout_s,
                                     conn.unavailable_s, conn.connect_timeout_s)  # fmt: skip
         with client_pool(conn, libraries, description, connect) as pool:
             yield pool
@@ -220,15 +221,15 @@ def drained(remote: RemoteServer, timeout_s: float) -> Iterator[RemoteServer]:
         remote.close()
 
 
-def connect_worker(address: str, recipes: dict[str, LibraryRecipe], names: dict[str, str], rpc: str, timeout_s: float,
-                   unavailable_s: float, connect_timeout_s: float, worker: int) -> RemoteServer:  # fmt: skip
-    """A client worker's own connection (`serve.pool`): its channel, its libraries, its RemoteServer."""
+def connect_worker(address: str, libraries: dict[str, PackedLibrary], names: dict[str, str], rpc: str,
+                   timeout_s: float, unavailable_s: float, connect_timeout_s: float,
+                   worker: int) -> RemoteServer:  # fmt: skip
+    """A client worker's own connection (`serve.pool`): its channel, its copy of the libraries, its RemoteServer."""
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
         grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
     except grpc.FutureTimeoutError:
         channel.close()
         raise ConnectionError(f"no server answered within {connect_timeout_s:g} s") from None
-    libraries = {m: recipe.library() for m, recipe in recipes.items()}
     return RemoteServer(channel, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc,
                         names=names)  # fmt: skip

@@ -25,10 +25,11 @@ from dlrm_lab.errors import BadAnswer, ClientLost, FieldError, RemoteFailure, Se
 from dlrm_lab.infer.sut import Query, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
 
-START_TIMEOUT_S = 300.0  # a worker imports its libraries and generates its samples before it is ready
-# A client worker's private memory (USS: its imports, torch among them, and its channel; shared pages counted
-# once), measured with the tiny preset on 2026-11-27 (267 MB; RSS 398 MB), rounded up
-WORKER_RUNTIME_BYTES = 288 << 20
+START_TIMEOUT_S = 300.0  # a worker imports its libraries and unpickles its samples before it is ready
+# A client worker's private memory (USS: its imports, no torch since it is handed its sample libraries, and its
+# channel; shared pages counted once), measured with the tiny preset on 2026-11-28 (36 MiB; RSS 87 MiB; 267 MB while
+# it imported torch to generate them), rounded up
+WORKER_RUNTIME_BYTES = 48 << 20
 
 
 def check_workers_fit(concurrency: int, library_bytes: int, available_bytes: int | None = None) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError
+from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.sut import ModelDescription, SutDescription
 from dlrm_lab.serve.connect import LibraryRecipe, check_tensor_metadata, client_pool, drained
 from dlrm_lab.serve.protocol import SCORE_DTYPE, STAGE_PARAMETERS
@@ -285,7 +286,7 @@ def open_rest_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
     if conn.concurrency > 1:
-        connect = functools.partial(connect_rest_worker, target.address, recipes, names, rpc, conn.timeout_s,
+        connect = functools.partial(connect_rest_worker, target.address, libraries, names, rpc, conn.timeout_s,
                                     conn.unavailable_s)  # fmt: skip
         with client_pool(conn, libraries, description, connect) as pool:
             yield pool
@@ -296,9 +297,8 @@ def open_rest_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]
         yield remote
 
 
-def connect_rest_worker(address: str, recipes: dict[str, LibraryRecipe], names: dict[str, str], rpc: str,
+def connect_rest_worker(address: str, libraries: dict[str, PackedLibrary], names: dict[str, str], rpc: str,
                         timeout_s: float, unavailable_s: float, worker: int) -> RestServer:  # fmt: skip
-    """A client worker's own connections (`serve.pool`): its libraries, its RestServer."""
-    libraries = {m: recipe.library() for m, recipe in recipes.items()}
+    """A client worker's own connections (`serve.pool`): its copy of the libraries, its RestServer."""
     return RestServer(address, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc,
                       names=names)  # fmt: skip
