@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, run_cli, run_cli_in_process
+from conftest import ROOT, run_cli_in_process, store_profile
 
 from dlrm_lab.config import load_preset
 from dlrm_lab.data import synthetic_generator
@@ -62,27 +62,40 @@ class Process:
 
 
 class Server(Process):
-    def __init__(self, metrics_dir, *options: str, prefix: tuple[str, ...] = ()) -> None:
+    """`serve --preset tiny` on a free port. In fp32: its scores are compared with the fp32 model's, and an `auto`
+    precision would time the machine's GEMMs at start (probing its peaks first where no profile is stored yet)."""
+
+    def __init__(self, metrics_dir, *options: str, prefix: tuple[str, ...] = (), host: str = "127.0.0.1") -> None:
         self.metrics_dir = metrics_dir
-        super().__init__("serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", "0", "--seed", str(SEED),
-                         "--metrics-dir", str(metrics_dir), *options, prefix=prefix)  # fmt: skip
+        super().__init__("serve", "--preset", "tiny", "--host", host, "--port", "0", "--seed", str(SEED),
+                         "--precision", "fp32", "--metrics-dir", str(metrics_dir), *options, prefix=prefix)  # fmt: skip
         self.target = ""
+        self.http = ""  # with --http-port: its HTTP/REST address
+        self.terminated = False
+        self.link = None  # in another network namespace: the veth link to it
 
     def ready(self) -> "Server":
-        if not self.target:  # "serving tiny on 127.0.0.1:PORT"
+        if not self.target:  # "serving tiny on 127.0.0.1:PORT", after the REST front's line
             self.target = self.wait_for("serving tiny on ").split(" on ")[1].strip()
+            rest = next((line for line in self.err if "Open Inference Protocol over HTTP/REST on " in line), "")
+            self.http = rest.rsplit(" on ", 1)[-1].strip() if rest else ""
         return self
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.ready().target, options=CHANNEL_OPTIONS)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one would cancel the queries in flight."""
+        if self.proc.poll() is None and not self.terminated:
+            self.terminated = True
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 FULL_DISK = """
@@ -97,28 +110,138 @@ pq.write_table = _full
 """
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The servers of this module, started together so that their start-ups overlap."""
-    root = tmp_path_factory.mktemp("serve")
-    (root / "full_disk_site").mkdir()
-    (root / "full_disk_site" / "sitecustomize.py").write_text(FULL_DISK)
-    started = {
-        "full_disk": Server(root / "full_disk", prefix=("env", f"PYTHONPATH={root / 'full_disk_site'}")),
-        "main": Server(root / "main", "--max-batch", "64", "--metrics-port", "0"),
-        # one waiting query at most, and it waits 300 ms for its batch to fill
-        "small_queue": Server(root / "small_queue", "--max-queue", "1", "--max-delay-ms", "300"),
-        "doomed": Server(root / "doomed"),
-        "two": Server(root / "two", "--instances", "2", "--no-pin-cores"),
-    }
-    yield started
-    for s in started.values():
-        s.stop()
+# The servers of this module and of test_serve_http.py: the fixture a test names -> its server's options (`netns`: a
+# server in another network namespace; `rest`, test_serve_http.py's, is `server`'s HTTP port). A test that ends its
+# server (a full disk, SIGKILL, SIGTERM) has one to itself.
+SERVER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "server": ("--max-batch", "64", "--metrics-port", "0", "--http-port", "0"),  # shared: tests that leave it serving
+    "full_disk": (),
+    # one waiting query at most, and it waits 300 ms for its batch to fill; two instances, one of them to kill
+    "queue_server": ("--max-queue", "1", "--max-delay-ms", "300", "--instances", "2", "--no-pin-cores"),
+    "doomed": (),
+}
+FLEET_MODULES = ("test_serve", "test_serve_http")
+FLEET_FIXTURES = {*SERVER_OPTIONS, "netns", "rest", "prometheus"}
+SERVED_BY = {"rest": "server", "prometheus": "server"}  # fixtures on another's server (Prometheus: scraping it)
+
+
+class Fleet:
+    """The servers that the selected tests of FLEET_MODULES name, started on first use: the shared one first, alone
+    (the first tests need it alone), then the others together, their start-ups overlapping those tests. Stopped
+    once no test left to run names one. pytest makes a module's fixture once per module that defines or imports
+    it: the modules' fixtures all take this one fleet."""
+
+    def __init__(self) -> None:
+        self.servers: dict[str, Server] = {}
+        self.prometheus: Prometheus | None = None
+        self.link = None
+
+    @staticmethod
+    def named(items) -> set[str]:
+        """The fleet's fixtures that `items` of FLEET_MODULES name."""
+        return FLEET_FIXTURES & {n for item in items if item.module.__name__ in FLEET_MODULES
+                                 for n in item.fixturenames}  # fmt: skip
+
+    def start(self, request, tmp_path_factory) -> dict[str, Server]:
+        """Start the servers that the session's selected tests name and are not started yet."""
+        from dlrm_lab.serve.netns import VethLink
+
+        wanted = {SERVED_BY.get(n, n) for n in self.named(request.session.items)}
+        root = tmp_path_factory.mktemp("serve")
+        if "server" in wanted and "server" not in self.servers:
+            self.servers["server"] = Server(root / "server", *SERVER_OPTIONS["server"])
+            self.servers["server"].ready()
+        for name, options in SERVER_OPTIONS.items():
+            if name not in wanted or name in self.servers:
+                continue
+            prefix: tuple[str, ...] = ()
+            if name == "full_disk":
+                (root / "full_disk_site").mkdir()
+                (root / "full_disk_site" / "sitecustomize.py").write_text(FULL_DISK)
+                prefix = ("env", f"PYTHONPATH={root / 'full_disk_site'}")
+            self.servers[name] = Server(root / name, *options, prefix=prefix)
+        if "netns" in wanted and self.link is None and VethLink.available() is None:
+            self.link = VethLink("dlrm-lab-test", server_ip="10.232.0.1", client_ip="10.232.0.2").__enter__()
+            self.servers["netns"] = Server(root / "netns", host=self.link.server_ip, prefix=tuple(self.link.prefix()))
+            self.servers["netns"].link = self.link
+        return self.servers
+
+    def release(self, request) -> None:
+        """Stop every server (and Prometheus) unless a test after this module's last names one."""
+        items = request.session.items
+        last = max(k for k, item in enumerate(items) if item.module is request.module)
+        if not self.named(items[last + 1 :]):
+            self.stop()
+
+    def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+            self.prometheus = None
+        for s in self.servers.values():  # all told at once, then each waited for
+            s.terminate()
+        for s in self.servers.values():
+            s.stop()
+        self.servers = {}
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+
+FLEET = Fleet()
 
 
 @pytest.fixture(scope="module")
-def server(servers):
-    return servers["main"].ready()
+def servers(request, tmp_path_factory):
+    """The fleet's servers (`Fleet`), each taken by its fixture once ready."""
+    try:
+        yield FLEET.start(request, tmp_path_factory)
+    finally:
+        FLEET.release(request)
+
+
+@pytest.fixture(scope="module")
+def server(request, servers, tmp_path_factory):
+    """The shared server. Where a selected test reads Prometheus (`prometheus`), it scrapes this one from now on, so
+    that its scrapes are there when that test comes."""
+    main = servers["server"].ready()
+    binary = _prometheus()
+    if FLEET.prometheus is None and binary and "prometheus" in FLEET.named(request.session.items):
+        FLEET.prometheus = Prometheus(binary, main, tmp_path_factory.mktemp("prometheus"))
+    return main
+
+
+@pytest.fixture(scope="module")
+def prometheus(server):
+    """Prometheus (Debian's package) scraping `server` every second since it was ready."""
+    if FLEET.prometheus is None:
+        pytest.skip("no prometheus binary: apt-get install prometheus, or set DLRM_LAB_PROMETHEUS")
+    return FLEET.prometheus
+
+
+@pytest.fixture(scope="module")
+def full_disk(servers):
+    return servers["full_disk"].ready()
+
+
+@pytest.fixture(scope="module")
+def queue_server(servers):
+    return servers["queue_server"].ready()
+
+
+@pytest.fixture(scope="module")
+def doomed(servers):
+    return servers["doomed"].ready()
+
+
+@pytest.fixture(scope="module")
+def netns(servers):
+    """A server in another network namespace, joined to this one by a veth link (`serve.netns`); skipped where
+    no namespace can be made here."""
+    from dlrm_lab.serve.netns import VethLink
+
+    if "netns" not in servers:
+        pytest.skip(f"cannot join two network namespaces here: {VethLink.available()}")
+    return servers["netns"].ready()
 
 
 @pytest.fixture(scope="module")
@@ -155,19 +278,6 @@ def test_scores_over_grpc_equal_the_models_scores(server, library):
             server_ns = resp.server_send_ns - resp.server_receive_ns
             assert min(resp.parse_ns, resp.queue_ns, resp.compute_ns) >= 0
             assert resp.parse_ns + resp.queue_ns + resp.compute_ns <= server_ns
-
-
-def test_a_full_disk_under_serve_ends_it_in_one_line_and_nothing_after(servers, library):
-    full = servers["full_disk"].ready()
-    with full.channel() as channel:
-        pb_grpc.InferenceStub(channel).Infer(pb.InferRequest.FromString(_request(library.slice(0, 4))), timeout=30)
-    full.proc.wait(timeout=60)
-    time.sleep(0.2)  # the last lines read
-    err = "".join(full.err)
-    assert full.proc.returncode == 1, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "No space left on device" in last and "_parts/queries" in last, err
-    assert "Exception ignored" not in err and "never awaited" not in err and "Traceback" not in err, err
 
 
 STREAMS_CLIENT = """
@@ -268,18 +378,19 @@ def test_junk_on_the_port_is_closed_and_the_server_keeps_serving(server, library
 
     host, port = server.target.rsplit(":", 1)
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-    junk = [
-        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-        preface + b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + os.urandom(64),  # GOAWAY-ish nonsense
-        os.urandom(4096),
-        preface,  # and then the client goes away
+    junk = [  # (bytes, whether the client waits for the server to close)
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", True),
+        (preface + b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + os.urandom(64), True),  # GOAWAY-ish nonsense
+        (os.urandom(4096), True),
+        (preface, False),  # the server's settings back, and then the client goes away (the server would wait)
     ]
-    for body in junk:
+    for body, until_closed in junk:
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(body)
             sock.settimeout(10)
             try:
-                while sock.recv(4096):  # the server answers (an HTTP/2 error) and closes, or just closes
+                # the server answers (an HTTP/2 error) and closes, or just closes
+                while sock.recv(4096) and until_closed:
                     pass
             except (ConnectionResetError, TimeoutError):
                 pass
@@ -329,9 +440,11 @@ def _send_metered_queries(server, library) -> int:
     return sum(k + 1 for k in range(20))
 
 
-def _agree_with_the_rows(server, read, timeout_s: float = 30) -> dict:
-    """`read()`'s counts by (metric, status or stage), once they equal the server's rows on disk (the queries table's
-    parts, flushed every 2 s; the metrics are at most a pump, 0.5 s, and a scrape behind): they must get there."""
+def _agree_with_the_rows(server, read, before: dict, sent: int, timeout_s: float = 30) -> dict:
+    """`read()`'s counts by (metric, status or stage), once they hold the queries sent since `before` (a `read()`:
+    `sent` samples and a rejected query) and equal the server's rows on disk (the queries table's parts, flushed
+    every 2 s; the metrics are at most a pump, 0.5 s, and a scrape behind): they must get there. (Without the first
+    condition, a server still pumping the rows of a burst agreed with its disk on neither holding them.)"""
     import pandas as pd
 
     (run_dir,) = server.metrics_dir.iterdir()
@@ -348,14 +461,22 @@ def _agree_with_the_rows(server, read, timeout_s: float = 30) -> dict:
             for stage, column in (("latency", "latency_ms"), ("queue", "queue_ms"), ("compute", "compute_ms"))
         }
         counts = {k: v for k, v in got.items() if k[0] in ("queries", "samples") and v}
-        if {k: v for k, v in want.items() if k[0] in ("queries", "samples")} == counts or time.monotonic() > deadline:
+        agree = {k: v for k, v in want.items() if k[0] in ("queries", "samples")} == counts
+        if (agree and _holds_sent(got, before, sent)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    assert _holds_sent(got, before, sent), (got, before)
     assert counts == {k: v for k, v in want.items() if k[0] in ("queries", "samples")}
     for stage in ("latency", "queue", "compute"):  # the histograms' sums: the same rows' values, summed
         assert got[stage, "sum"] == pytest.approx(want[stage, "sum"], rel=1e-6)
         assert got[stage, "count"] == want["queries", "ok"]
     return got
+
+
+def _holds_sent(got: dict, before: dict, sent: int) -> bool:
+    """Whether counts `got` hold `sent` samples and a rejected query more than `before`."""
+    more = {("samples", "ok"): sent, ("queries", "rejected"): 1}
+    return all(got.get(k, 0.0) >= before.get(k, 0.0) + n for k, n in more.items())
 
 
 def _summed(series: dict) -> dict[tuple[str, str], float]:
@@ -378,8 +499,13 @@ def _summed(series: dict) -> dict[tuple[str, str], float]:
 def test_the_servers_metrics_are_its_rows_summed_and_its_instances_now(server, library):
     """`serve --metrics-port`'s /metrics, parsed as Prometheus would: the counters and the histograms' sums equal
     the run's queries table; the one instance is alive and idle."""
+
+    def read() -> dict[tuple[str, str], float]:
+        return _summed(_metrics_series(server))
+
+    before = read()
     sent = _send_metered_queries(server, library)
-    got = _agree_with_the_rows(server, lambda: _summed(_metrics_series(server)))
+    got = _agree_with_the_rows(server, read, before, sent)
     assert got["samples", "ok"] >= sent and got["queries", "rejected"] >= 1
     assert got["dlrm_lab_batch_samples_count", ""] >= 1
     assert [got[f"dlrm_lab_instances_{k}", ""] for k in ("alive", "busy", "stalled")] == [1, 0, 0]
@@ -398,91 +524,101 @@ def _prometheus() -> str | None:
     return found if os.access(found, os.X_OK) else None
 
 
-def test_a_real_prometheus_scrapes_the_server_and_its_series_agree_with_the_rows(server, library, tmp_path):
-    """Prometheus (Debian's package) scrapes `serve --metrics-port` every second; after two scrapes, queries; its
-    series, read back through its HTTP API, agree with the run's queries table within a scrape."""
-    import json
-    import urllib.parse
-    import urllib.request
+class Prometheus:
+    """Prometheus (`binary`) scraping `server`'s /metrics every second; queried through its HTTP API."""
 
-    binary = _prometheus()
-    if binary is None:
-        pytest.skip("no prometheus binary: apt-get install prometheus, or set DLRM_LAB_PROMETHEUS")
-    target = server.wait_for("Prometheus metrics on ").split("http://")[1].split("/")[0]
-    (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"scrape_configs: [{{job_name: dlrm-lab, static_configs: [{{targets: ['{target}']}}]}}]\n"
-    )
-    api = f"http://127.0.0.1:{_free_port()}/api/v1/query"
-    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below, after it
-    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}", "--web.listen-address=" +
-                             api.split("/")[2], f"--storage.tsdb.path={tmp_path / 'data'}"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    def __init__(self, binary: str, server: "Server", root) -> None:
+        self.root = root
+        target = server.wait_for("Prometheus metrics on ").split("http://")[1].split("/")[0]
+        (root / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            f"scrape_configs: [{{job_name: dlrm-lab, static_configs: [{{targets: ['{target}']}}]}}]\n"
+        )
+        self.api = f"http://127.0.0.1:{_free_port()}/api/v1/query"
+        self.log = open(root / "prometheus.log", "w")  # noqa: SIM115 - closed in stop(), after it
+        self.proc = subprocess.Popen([binary, f"--config.file={root / 'prometheus.yml'}", "--web.listen-address=" +
+                                      self.api.split("/")[2], f"--storage.tsdb.path={root / 'data'}"], stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
-    def query(promql: str) -> list[dict]:
-        with urllib.request.urlopen(f"{api}?{urllib.parse.urlencode({'query': promql})}", timeout=10) as resp:
+    def query(self, promql: str) -> list[dict]:
+        import json
+        import urllib.parse
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.api}?{urllib.parse.urlencode({'query': promql})}", timeout=10) as resp:
             answer = json.load(resp)
         assert answer["status"] == "success", answer
         return answer["data"]["result"]
 
-    def scraped() -> float:
+    def scraped(self) -> float:
+        """Its scrapes of the server in the last minute, 0 unless the last one found it up."""
         try:
-            (up,) = query('count_over_time(up{job="dlrm-lab"}[1m]) and on() up{job="dlrm-lab"} == 1') or [None]
+            (up,) = self.query('count_over_time(up{job="dlrm-lab"}[1m]) and on() up{job="dlrm-lab"} == 1') or [None]
         except OSError:  # not listening yet
             return 0
         return 0 if up is None else float(up["value"][1])
 
-    try:
-        deadline = time.monotonic() + 60
-        while scraped() < 2:  # two scrapes, the last one up
-            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "prometheus.log").read_text()
-            time.sleep(0.25)
-        sent = _send_metered_queries(server, library)
-
-        def read() -> dict[tuple[str, str], float]:
-            series = {}
-            for r in query('{__name__=~"dlrm_lab_.*", job="dlrm-lab"}'):
-                labels = {k: v for k, v in r["metric"].items() if k not in ("__name__", "job", "instance")}
-                series[r["metric"]["__name__"], tuple(sorted(labels.items()))] = float(r["value"][1])
-            return _summed(series)
-
-        got = _agree_with_the_rows(server, read)
-        assert got["samples", "ok"] >= sent and got["queries", "rejected"] >= 1
-        assert got["dlrm_lab_instances_alive", ""] == 1
-        # Triton's averages from ours, in PromQL (docs/serving.md): the mean queue time of a query, in us
-        (mean,) = query("1e6 * sum(dlrm_lab_query_queue_seconds_sum) / sum(dlrm_lab_query_queue_seconds_count)")
-        assert float(mean["value"][1]) == pytest.approx(1e6 * got["queue", "sum"] / got["queue", "count"], rel=1e-6)
-    finally:
-        proc.terminate()
+    def stop(self) -> None:
+        self.proc.terminate()
         try:
-            proc.wait(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def test_a_real_prometheus_scrapes_the_server_and_its_series_agree_with_the_rows(prometheus, server, library):
+    """Prometheus (Debian's package) scrapes `serve --metrics-port` every second; after two scrapes, queries; its
+    series, read back through its HTTP API, agree with the run's queries table within a scrape."""
+    deadline = time.monotonic() + 60
+    while prometheus.scraped() < 2:  # two scrapes, the last one up
+        assert time.monotonic() < deadline and prometheus.proc.poll() is None, (
+            prometheus.root / "prometheus.log").read_text()  # fmt: skip
+        time.sleep(0.25)
+
+    def read() -> dict[tuple[str, str], float]:
+        series = {}
+        for r in prometheus.query('{__name__=~"dlrm_lab_.*", job="dlrm-lab"}'):
+            labels = {k: v for k, v in r["metric"].items() if k not in ("__name__", "job", "instance")}
+            series[r["metric"]["__name__"], tuple(sorted(labels.items()))] = float(r["value"][1])
+        return _summed(series)
+
+    before = read()
+    sent = _send_metered_queries(server, library)
+    got = _agree_with_the_rows(server, read, before, sent)
+    assert got["samples", "ok"] >= sent and got["queries", "rejected"] >= 1
+    assert got["dlrm_lab_instances_alive", ""] == 1
+    # Triton's averages from ours, in PromQL (docs/serving.md): the mean queue time of a query, in us
+    (mean,) = prometheus.query("1e6 * sum(dlrm_lab_query_queue_seconds_sum) / sum(dlrm_lab_query_queue_seconds_count)")
+    assert float(mean["value"][1]) == pytest.approx(1e6 * got["queue", "sum"] / got["queue", "count"], rel=1e-6)
 
 
 TRANSFER = ("serialise", "network", "server_parse", "server_respond", "deserialise")
 
 
 @pytest.mark.parametrize("target", ["grpc", "kserve"])  # kserve: the Open Inference Protocol, stages as parameters
-def test_infer_run_against_a_remote_target_records_stages_that_add_up(server, tmp_path, target):
+def test_infer_run_against_a_remote_target_records_stages_that_add_up(server, tmp_path, target, monkeypatch):
     """The one runner drives a remote server over two client connections (processes): the rows are the
     in-process schema with their transfer columns, the stages and latency parts add up, the summary is the
-    one summariser's with the transfer columns."""
+    one summariser's with the transfer columns (the latency floor placed with a profile of this machine)."""
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
+    store_profile(tmp_path / "machines")
     url = f"grpc://{server.target}" if target == "grpc" else f"kserve://{server.target}/tiny"
     extra = ["--rpc", "unary"] if target == "grpc" else []
-    result = run_cli("infer", "run", "--model", "tiny", "--target", url, *extra, "--concurrency", "2", "--qps", "60",
-                     "--query-size", "uniform:1,8", "--duration", "2", "--sla-ms", "200", "--no-progress",
-                     "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert f"connected to {url}: 2 connection(s)" in result.stderr
-    (run_dir,) = tmp_path.iterdir()
+    # the command in this process (its second connection is a process of its own all the same)
+    code, out, err = run_cli_in_process("infer", "run", "--model", "tiny", "--target", url, *extra, "--concurrency",
+                                        "2", "--qps", "120", "--query-size", "uniform:1,8", "--duration", "1",
+                                        "--sla-ms", "200", "--no-progress", "--metrics-dir",
+                                        str(tmp_path / "runs"))  # fmt: skip
+    assert code == 0, err
+    assert f"connected to {url}: 2 connection(s)" in err
+    (run_dir,) = (tmp_path / "runs").iterdir()
     manifest = read_manifest(run_dir)
     assert manifest["kind"] == "infer" and manifest["status"] == "ok" and manifest["target"]["url"] == url
     q = pq.read_table(run_dir / "queries.parquet").to_pandas()
     q = q[q.point == 0]
     assert set(q.worker) == {0, 1} and (q.status == "ok").all() and (q.rpc_status == "ok").all()
-    assert 60 <= len(q) <= 190  # 120 Poisson arrivals expected
+    assert 60 <= len(q) <= 190  # 120 Poisson arrivals expected (1 s at 120 queries/s)
     assert (q[[f"{s}_ms" for s in TRANSFER]] >= 0).all().all()
     server_side = q.server_parse_ms + q.queue_ms + q.compute_ms + q.server_respond_ms
     np.testing.assert_allclose(q.network_ms + server_side, q.round_trip_ms, atol=1e-6)
@@ -503,7 +639,7 @@ def test_infer_run_against_a_remote_target_records_stages_that_add_up(server, tm
         assert s["instances"] == 1 and s["max_batch"] == 64 and s["latency_floor_ms"] > 0
     else:
         assert s["instances"] is None and s["latency_floor_ms"] is None
-    assert "over the network" in result.stdout
+    assert "over the network" in out
 
 
 def test_a_search_against_a_remote_server_finds_its_rate_as_it_serves(server, tmp_path):
@@ -536,14 +672,15 @@ def test_a_search_against_a_remote_server_finds_its_rate_as_it_serves(server, tm
 def test_the_client_command_is_infer_run_against_the_server(server, tmp_path):
     """`dlrm-lab client` is an alias: MLPerf LoadGen's system under test is the remote server, every
     query crosses gRPC, and the run is an `infer` run."""
-    result = run_cli("client", "--target", server.target, "--scenario", "single-stream", "--qps", "100",
-                     "--duration", "1", "--sla-ms", "50", "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
+    code, _, err = run_cli_in_process("client", "--target", server.target, "--scenario", "single-stream", "--qps",
+                                      "100", "--duration", "1", "--sla-ms", "50", "--metrics-dir",
+                                      str(tmp_path))  # fmt: skip
     (run_dir,) = tmp_path.iterdir()
     assert read_manifest(run_dir)["kind"] == "infer"
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert s["scenario"] == "single-stream" and s["loadgen_result"] in ("VALID", "INVALID")
     # as infer run: an INVALID verdict (1 s is below LoadGen's minimum duration) fails the command
-    assert result.returncode == (0 if s["loadgen_result"] == "VALID" else 1), result.stderr
+    assert code == (0 if s["loadgen_result"] == "VALID" else 1), err
     assert s["loadgen_p99_ms"] > 0 and s["completed_queries"] > 10 and s["failed_queries"] == 0
     assert (run_dir / "loadgen" / "point-0" / "mlperf_log_summary.txt").is_file()
     q = pq.read_table(run_dir / "queries.parquet").to_pandas()
@@ -627,11 +764,24 @@ def test_bad_remote_targets_are_one_line(server, tmp_path):
             check_open_inference_model(where, Stub(inputs), "m", tiny, 1.0)
 
 
-def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(servers, library):
+def test_a_full_disk_under_serve_ends_it_in_one_line_and_nothing_after(full_disk, library):
+    full = full_disk
+    with full.channel() as channel:
+        pb_grpc.InferenceStub(channel).Infer(pb.InferRequest.FromString(_request(library.slice(0, 4))), timeout=30)
+    full.proc.wait(timeout=60)
+    time.sleep(0.2)  # the last lines read
+    err = "".join(full.err)
+    assert full.proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "No space left on device" in last and "_parts/queries" in last, err
+    assert "Exception ignored" not in err and "never awaited" not in err and "Traceback" not in err, err
+
+
+def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(queue_server, library):
     from dlrm_lab.infer.drivers import drive, make_driver
     from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
 
-    server = servers["small_queue"].ready()
+    server = queue_server
     body = _request(library.slice(0, 1))
     with server.channel() as channel:
         infer = channel.unary_unary(INFER_METHOD)
@@ -673,30 +823,15 @@ def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(se
     assert s["queries"] == s["completed_queries"] + s["dropped_queries"] and not s["sla_met"]
 
 
-def test_sigterm_answers_queries_in_flight_then_exits_0(servers, library):
-    server = servers["small_queue"].ready()
-    with server.channel() as channel:
-        call = channel.unary_unary(INFER_METHOD).future(_request(library.slice(0, 3), query_id=42), timeout=30)
-        time.sleep(0.1)  # the query now waits in the batcher (300 ms max delay)
-        server.proc.send_signal(signal.SIGTERM)
-        resp = pb.InferResponse.FromString(call.result())
-    assert resp.query_id == 42 and len(resp.scores) == 3 * 4 and resp.queue_ns >= 0.25e9
-    assert server.proc.wait(timeout=60) == 0
-    assert any("stopping: refusing new queries" in line for line in server.err)
-    (run_dir,) = server.metrics_dir.iterdir()
-    assert read_manifest(run_dir)["kind"] == "serve" and read_manifest(run_dir)["status"] == "ok"
-    rows = pq.read_table(run_dir / "queries.parquet").to_pylist()
-    assert any(r["samples"] == 3 and r["status"] == "ok" for r in rows)  # the server's own record of it
-
-
-def test_a_run_whose_server_is_killed_exits_nonzero_and_keeps_its_rows(servers, tmp_path):
-    server = servers["doomed"].ready()
+def test_a_run_whose_server_is_killed_exits_nonzero_and_keeps_its_rows(doomed, tmp_path):
+    server = doomed
     url = f"grpc://{server.target}"
     client = Process("infer", "run", "--model", "tiny", "--target", url, "--scenario", "closed-loop", "--duration",
-                     "60", "--unavailable-s", "1", "--no-progress", "--metrics-dir", str(tmp_path))  # fmt: skip
+                     "60", "--warmup", "0", "--unavailable-s", "1", "--no-progress", "--metrics-dir",
+                     str(tmp_path))  # fmt: skip
     try:
         client.wait_for("connected to")
-        time.sleep(1.5)  # past the point's warm-up: the load itself
+        time.sleep(0.5)  # the load itself (no warm-up): rows to keep
         os.killpg(server.proc.pid, signal.SIGKILL)  # the server and its instances, as when its host dies
         code = client.proc.wait(timeout=60)
     finally:
@@ -718,29 +853,19 @@ def test_a_run_whose_server_is_killed_exits_nonzero_and_keeps_its_rows(servers, 
 
 
 @pytest.mark.multiprocess
-def test_a_server_in_another_network_namespace_is_reached_over_a_veth_link(tmp_path):
-    from dlrm_lab.serve.netns import VethLink
-
-    why = VethLink.available()
-    if why is not None:
-        pytest.skip(f"cannot join two network namespaces here: {why}")
-    with VethLink("dlrm-lab-test", server_ip="10.232.0.1", client_ip="10.232.0.2") as link:
-        server = Process("serve", "--preset", "tiny", "--host", link.server_ip, "--port", "0", "--metrics-dir",
-                         str(tmp_path / "server"), prefix=tuple(link.prefix()))  # fmt: skip
-        try:
-            target = server.wait_for("serving tiny on ").split(" on ")[1].strip()
-            assert target.startswith(link.server_ip)
-            code, _, err = run_cli_in_process("client", "--target", target, "--closed-loop", "--query-size",
-                                              "fixed:16", "--duration", "1", "--metrics-dir",
-                                              str(tmp_path / "client"))  # fmt: skip
-            assert code == 0, err
-        finally:
-            server.proc.send_signal(signal.SIGTERM)
-            assert server.proc.wait(timeout=60) == 0
-    (run_dir,) = (tmp_path / "client").iterdir()
+def test_a_server_in_another_network_namespace_is_reached_over_a_veth_link(netns, tmp_path):
+    assert netns.target.startswith(netns.link.server_ip)
+    try:
+        code, _, err = run_cli_in_process("client", "--target", netns.target, "--closed-loop", "--query-size",
+                                          "fixed:16", "--duration", "1", "--metrics-dir", str(tmp_path))  # fmt: skip
+        assert code == 0, err
+    finally:
+        netns.terminate()
+        assert netns.proc.wait(timeout=60) == 0
+    (run_dir,) = tmp_path.iterdir()
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert s["completed_queries"] > 5 and s["failed_queries"] == 0
-    assert s["network_mean_ms"] > 0 and s["target"] == f"grpc://{target}"
+    assert s["network_mean_ms"] > 0 and s["target"] == f"grpc://{netns.target}"
 
 
 def test_a_stream_query_unanswered_past_its_timeout_ends_deadline_exceeded():
@@ -774,10 +899,11 @@ def test_an_unknown_rpc_kind_is_one_line():
     assert code == 2 and err.strip().splitlines() == ["error: --rpc 'http': allowed: stream, unary, oip"]
 
 
-def test_a_killed_instance_is_routed_around_and_the_server_ends_cleanly(servers, library):
+def test_a_killed_instance_is_routed_around_and_sigterm_answers_queries_in_flight_then_exits_0(queue_server, library):
     """`serve --instances 2`, one instance SIGKILLed: later queries are answered by the other; the loss is said in
-    one line and recorded in the manifest; SIGTERM then ends the server with exit 0 and no traceback."""
-    server = servers["two"].ready()
+    one line and recorded in the manifest. SIGTERM then answers the query waiting in the batcher (300 ms) and ends
+    the server with exit 0 and no traceback, the query in its rows."""
+    server = queue_server
     (run_dir,) = server.metrics_dir.iterdir()
     victim = read_manifest(run_dir)["instances"][1]
     os.kill(victim["pid"], signal.SIGKILL)
@@ -794,10 +920,19 @@ def test_a_killed_instance_is_routed_around_and_the_server_ends_cleanly(servers,
         time.sleep(0.2)
     (loss,) = read_manifest(run_dir)["instance_losses"]
     assert loss["instance"] == 1 and loss["live_instances"] == [0] and "SIGKILL" in loss["how"]
-    server.proc.send_signal(signal.SIGTERM)
+
+    with server.channel() as channel:
+        call = channel.unary_unary(INFER_METHOD).future(_request(library.slice(0, 3), query_id=42), timeout=30)
+        time.sleep(0.1)  # the query now waits in the batcher (300 ms max delay)
+        server.terminate()
+        resp = pb.InferResponse.FromString(call.result())
+    assert resp.query_id == 42 and len(resp.scores) == 3 * 4 and resp.queue_ns >= 0.25e9
     assert server.proc.wait(timeout=60) == 0
+    assert any("stopping: refusing new queries" in line for line in server.err)
     assert not any("Traceback" in line for line in server.err)
-    assert read_manifest(run_dir)["status"] == "ok"
+    assert read_manifest(run_dir)["kind"] == "serve" and read_manifest(run_dir)["status"] == "ok"
+    rows = pq.read_table(run_dir / "queries.parquet").to_pylist()
+    assert any(r["samples"] == 3 and r["status"] == "ok" for r in rows)  # the server's own record of it
 
 
 def _v2_request(block, model: str = "tiny", query_id: str = "7"):
@@ -1036,10 +1171,10 @@ def test_infer_run_drives_kserves_own_model_server_and_gets_the_models_scores(ks
     assert status == "ok"
     np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
 
-    result = run_cli("infer", "run", "--model", "tiny", "--target", f"kserve://{address}/tiny", "--qps", "40",
-                     "--query-size", "uniform:1,8", "--duration", "1.5", "--sla-ms", "200", "--no-progress",
-                     "--metrics-dir", str(tmp_path / "ok"), timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_cli_in_process("infer", "run", "--model", "tiny", "--target", f"kserve://{address}/tiny",
+                                      "--qps", "60", "--query-size", "uniform:1,8", "--duration", "1", "--sla-ms",
+                                      "200", "--no-progress", "--metrics-dir", str(tmp_path / "ok"))  # fmt: skip
+    assert code == 0, err
     (run_dir,) = (tmp_path / "ok").iterdir()
     q = pq.read_table(run_dir / "queries.parquet").to_pandas()
     assert len(q) > 10 and (q.status == "ok").all() and (q.rpc_status == "ok").all()
@@ -1086,10 +1221,10 @@ def test_infer_run_drives_kserves_model_server_over_rest_and_gets_the_models_sco
     assert status == "ok"
     np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
 
-    result = run_cli("infer", "run", "--model", "tiny", "--target", f"http://{address}/tiny", "--qps", "40",
-                     "--query-size", "uniform:1,8", "--duration", "1.5", "--sla-ms", "200", "--no-progress",
-                     "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_cli_in_process("infer", "run", "--model", "tiny", "--target", f"http://{address}/tiny",
+                                      "--qps", "60", "--query-size", "uniform:1,8", "--duration", "1", "--sla-ms",
+                                      "200", "--no-progress", "--metrics-dir", str(tmp_path))  # fmt: skip
+    assert code == 0, err
     (run_dir,) = tmp_path.iterdir()
     q = pq.read_table(run_dir / "queries.parquet").to_pandas()
     assert len(q) > 10 and (q.status == "ok").all() and q.queue_ms.isna().all() and q.round_trip_ms.notna().all()

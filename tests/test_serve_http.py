@@ -13,10 +13,11 @@ import time
 import types
 
 import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli
-from test_serve import SEED, TRITONCLIENT, Server, _expected, _third_party_python
+from conftest import run_cli_in_process
+from test_serve import FLEET, SEED, TRITONCLIENT, _expected, _third_party_python
 
 from dlrm_lab.config import load_preset
 from dlrm_lab.data import synthetic_generator
@@ -24,16 +25,13 @@ from dlrm_lab.serve.protocol import encode_samples
 
 
 @pytest.fixture(scope="module")
-def rest(tmp_path_factory):
-    """One server for the module, gRPC and HTTP/REST; its HTTP address."""
-    server = Server(tmp_path_factory.mktemp("serve_http"), "--max-batch", "64", "--http-port", "0")
+def rest(request, tmp_path_factory):
+    """test_serve.py's shared server (`--max-batch 64`, gRPC and HTTP/REST), started with that module's servers
+    (`test_serve.Fleet`); its HTTP address is `rest.http`."""
     try:
-        line = server.wait_for("Open Inference Protocol over HTTP/REST on ")
-        server.ready()
-        server.http = line.rsplit(" on ", 1)[1].strip()
-        yield server
+        yield FLEET.start(request, tmp_path_factory)["server"].ready()
     finally:
-        server.stop()
+        FLEET.release(request)
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +155,12 @@ def test_nvidias_tritonclient_http_scores_samples_equal_to_the_model(rest, libra
 def test_infer_run_against_the_rest_binding_records_stages_that_add_up(rest, tmp_path):
     """The one runner over HTTP/REST: binary tensors (the server lists the extension), two client processes; the
     stages the server reports add up to each query's latency as over gRPC."""
-    result = run_cli("infer", "run", "--model", "tiny", "--target", f"http://{rest.http}/tiny", "--qps", "60",
-                     "--query-size", "uniform:1,16", "--duration", "1.5", "--sla-ms", "500", "--concurrency", "2",
-                     "--no-progress", "--metrics-dir", str(tmp_path), timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "rpc rest" in result.stdout + result.stderr
+    code, out, err = run_cli_in_process("infer", "run", "--model", "tiny", "--target", f"http://{rest.http}/tiny",
+                                        "--qps", "90", "--query-size", "uniform:1,16", "--duration", "1", "--sla-ms",
+                                        "500", "--concurrency", "2", "--no-progress", "--metrics-dir",
+                                        str(tmp_path))  # fmt: skip
+    assert code == 0, err
+    assert "rpc rest" in out + err
     (run_dir,) = tmp_path.iterdir()
     q = pq.read_table(run_dir / "queries.parquet").to_pandas()
     assert len(q) > 20 and (q.status == "ok").all() and set(q.worker) == {0, 1}
@@ -239,6 +238,10 @@ def test_malformed_requests_are_a_4xx_naming_the_field_and_the_server_goes_on(re
     404; then a good query on the same connection; an oversized body 413 (and that connection closed); the serve
     run records every refused query as rejected, as over gRPC."""
     conn = http.client.HTTPConnection(*rest.http.rsplit(":", 1), timeout=30)
+    # the server is test_serve.py's too: the rows of this test are those after this refusal's
+    mark = "model 'rows-from-here': not served here"
+    resp, answer = _call(conn, "POST", "/v2/models/rows-from-here/infer", json.dumps(_json_request(library, 0, 4)))
+    assert resp.status == 404 and mark in json.loads(answer)["error"]
     for body, headers, status, words in BAD:
         body = body if isinstance(body, bytes) else _bad_body(library, body)
         if headers.get("Inference-Header-Content-Length") == "HEAD":
@@ -266,12 +269,19 @@ def test_malformed_requests_are_a_4xx_naming_the_field_and_the_server_goes_on(re
     assert _call(conn, "GET", "/v2/health/ready")[0].status == 200
     conn.close()
 
-    time.sleep(2.5)  # the serve run's rows are on disk every 2 s
-    parts = list((next(rest.metrics_dir.iterdir()) / "_parts").rglob("*.parquet"))
-    rows = pq.read_table(parts).to_pandas() if parts else None
-    assert rows is not None
-    refused = rows[rows.status == "rejected"]
-    assert len(refused) >= len(BAD) + 2 and refused.error.str.contains("input dense: shape \\[4, 5\\]").any()
+    def refused() -> pd.DataFrame:  # the serve run's rejected rows since the mark, as on disk now (every 2 s)
+        parts = list((next(rest.metrics_dir.iterdir()) / "_parts").rglob("*.parquet"))
+        if not parts:
+            return pd.DataFrame({"status": [], "error": [], "scheduled_ms": []})
+        rows = pq.read_table(parts).to_pandas()
+        rows = rows[rows.status == "rejected"]
+        since = rows.scheduled_ms[rows.error.str.contains(mark, regex=False)]
+        return rows[rows.scheduled_ms > since.iloc[0]] if len(since) else rows.iloc[:0]
+
+    deadline = time.monotonic() + 30
+    while len(rows := refused()) < len(BAD) + 2 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert len(rows) >= len(BAD) + 2 and rows.error.str.contains("input dense: shape \\[4, 5\\]").any()
 
 
 def _front(max_body: int | None = None):
