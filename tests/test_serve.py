@@ -1172,7 +1172,7 @@ def test_infer_run_drives_kserves_own_model_server_and_gets_the_models_scores(ks
     np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
 
     code, _, err = run_cli_in_process("infer", "run", "--model", "tiny", "--target", f"kserve://{address}/tiny",
-                                      "--qps", "60", "--query-size", "uniform:1,8", "--duration", "1", "--sla-ms",
+                                      "--qps", "40", "--query-size", "uniform:1,8", "--duration", "1", "--sla-ms",
                                       "200", "--no-progress", "--metrics-dir", str(tmp_path / "ok"))  # fmt: skip
     assert code == 0, err
     (run_dir,) = (tmp_path / "ok").iterdir()
@@ -1222,7 +1222,7 @@ def test_infer_run_drives_kserves_model_server_over_rest_and_gets_the_models_sco
     np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
 
     code, _, err = run_cli_in_process("infer", "run", "--model", "tiny", "--target", f"http://{address}/tiny",
-                                      "--qps", "60", "--query-size", "uniform:1,8", "--duration", "1", "--sla-ms",
+                                      "--qps", "40", "--query-size", "uniform:1,8", "--duration", "1", "--sla-ms",
                                       "200", "--no-progress", "--metrics-dir", str(tmp_path))  # fmt: skip
     assert code == 0, err
     (run_dir,) = tmp_path.iterdir()
