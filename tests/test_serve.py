@@ -146,6 +146,8 @@ class Fleet:
         """Start the servers that the session's selected tests name and are not started yet."""
         from dlrm_lab.serve.netns import VethLink
 
+        if not self.servers:  # and stop them when the session ends, whatever ended it (-x, a failed fixture)
+            request.config.add_cleanup(self.stop)
         wanted = {SERVED_BY.get(n, n) for n in self.named(request.session.items)}
         root = tmp_path_factory.mktemp("serve")
         if "server" in wanted and "server" not in self.servers:
@@ -167,10 +169,10 @@ class Fleet:
         return self.servers
 
     def release(self, request) -> None:
-        """Stop every server (and Prometheus) unless a test after this module's last names one."""
+        """Stop every server (and Prometheus) unless a test after this module's last names one and will run."""
         items = request.session.items
         last = max(k for k, item in enumerate(items) if item.module is request.module)
-        if not self.named(items[last + 1 :]):
+        if request.session.shouldstop or request.session.shouldfail or not self.named(items[last + 1 :]):
             self.stop()
 
     def stop(self) -> None:
