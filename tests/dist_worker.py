@@ -1,7 +1,8 @@
 """Run under torchrun by tests: train presets under sharding types, dump losses and tables.
 
 torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR STEPS PRESET:GLOBAL_BATCH:TYPE,TYPE ...
-writes OUT_DIR/<preset>-<type>.json (losses, plan) and .pt (tables, dense weights); one process runs them all.
+writes OUT_DIR/<preset>-<type>.json (losses, plan) and .pt (tables, dense weights); one process runs them all
+(one rank: `run_jobs`, in the test's own process).
 Two more kinds of job share the process (and its start-up) with them:
 - `resume`: 16 straight steps against 8, a checkpoint and 8 resumed, in OUT_DIR/resume (`straight_and_resumed`);
 - `cli:ARGS`: `dlrm-lab ARGS` through the CLI's entry point, as each rank runs it under a launcher.
@@ -110,22 +111,27 @@ def cli(args: list[str]) -> None:
         raise SystemExit(f"dlrm-lab {shlex.join(args)}: exit code {code}")
 
 
-if __name__ == "__main__":
-    # A rank has twice ended in "terminate called without an active exception" (SIGABRT) on CI, not reproduced
-    # here: the Python stacks of every thread are printed if it happens again, with how far the runs got.
-    faulthandler.enable()
+def run_jobs(out: Path, steps: int, items: list[str]) -> None:
+    """Every job in turn (the module's docstring), then the process group ended."""
     try:
-        for item in sys.argv[3:]:
+        for item in items:
             if item == "resume":
-                (Path(sys.argv[1]) / "resume").mkdir(exist_ok=True)
-                straight_and_resumed(Path(sys.argv[1]) / "resume")
+                (out / "resume").mkdir(exist_ok=True)
+                straight_and_resumed(out / "resume")
             elif item.startswith("cli:"):
                 cli(shlex.split(item.removeprefix("cli:")))
             else:
                 preset, batch, kinds = item.split(":")
-                run(Path(sys.argv[1]), int(sys.argv[2]), preset, int(batch), kinds.split(","))
+                run(out, steps, preset, int(batch), kinds.split(","))
     finally:
         shutdown_distributed()
+
+
+if __name__ == "__main__":
+    # A rank has twice ended in "terminate called without an active exception" (SIGABRT) on CI, not reproduced
+    # here: the Python stacks of every thread are printed if it happens again, with how far the runs got.
+    faulthandler.enable()
+    run_jobs(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
     # Everything is written: leave without interpreter teardown, where gloo's worker threads can still hold work
     # whose tensors need the GIL (pytorch/pytorch#179291), which is not what this test checks.
     sys.stderr.flush()
