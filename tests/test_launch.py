@@ -8,7 +8,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli, run_cli_in_process, store_profile
+from conftest import DECIDED, ROOT, run_cli, run_cli_in_process, store_profile
 
 from dlrm_lab.distributed.context import detect_launch, first_slurm_node
 from dlrm_lab.distributed.launch import launch_command
@@ -103,6 +103,7 @@ def test_dlrm_lab_launch_with_mpiexec(tmp_path):
         "--no-progress",
         "--collectives",
         "mpi",
+        *("--precision", "fp32", "--table-pages", "base", "--table-update", "fbgemm", "--prefetch", "0"),  # not timed
     )
     assert out.returncode == 0, out.stderr[-2000:]
     (run_dir,) = list(tmp_path.iterdir())
@@ -135,6 +136,7 @@ def test_torchrun_recipe_runs_as_is(tmp_path):
             "--metrics-dir",
             str(tmp_path),
             "--no-progress",
+            *DECIDED,
         ],
         cwd=ROOT,
         capture_output=True,
@@ -148,7 +150,7 @@ def test_torchrun_recipe_runs_as_is(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_weak_scaling_sweep_reports_efficiency(tmp_path):
+def test_weak_scaling_sweep_reports_efficiency(tmp_path, monkeypatch):
     """One real 1-and-2-rank sweep: efficiency, the ceiling, the prediction, the named gap
     (gap.parquet, summing to the measured gap) and a projection to a published fabric."""
     comms = {
@@ -159,32 +161,15 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
         ]
     }
     store_profile(tmp_path / "machines", comms=comms, ceiling={2: 0.8})
-    out = run_cli(
-        "scale",
-        "--ranks",
-        "1,2",
-        "--mode",
-        "weak",
-        "--batch-size",
-        "64",
-        "--metrics-dir",
-        str(tmp_path),
-        "--project",
-        "8,64",
-        "--plan-up-to",
-        "8",
-        "--",
-        "--preset",
-        "tiny",
-        "--steps",
-        "12",
-        "--prefetch",
-        "0",
-        "--profile-steps",
-        "2",
-        env={"DLRM_LAB_MACHINE_DIR": str(tmp_path / "machines")},
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
+    # the sweep in this process (its points are the processes: one rank, then two under torchrun)
+    code, stdout, stderr = run_cli_in_process(
+        "scale", "--ranks", "1,2", "--mode", "weak", "--batch-size", "64", "--metrics-dir", str(tmp_path),
+        "--project", "8,64", "--plan-up-to", "8",
+        "--", "--preset", "tiny", "--steps", "12", "--profile-steps", "2",
+        *DECIDED,  # both points: the steps, not the choices a 2-rank run would time at start-up
+    )  # fmt: skip
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
     (sweep,) = [p for p in tmp_path.iterdir() if p.name.startswith("scale-")]
     one, two = pq.read_table(sweep / "summary.parquet").to_pylist()
     assert one["ceiling_efficiency"] == 1.0 and two["ceiling_efficiency"] == 0.8
@@ -196,7 +181,7 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     assert 0 < two["roof_efficiency"] < 0.8 and one["roof_efficiency"] is None
     assert two["library_roof_efficiency"] == two["roof_efficiency"]  # no TorchRec rows in this profile
     assert two["efficiency_vs_roof"] == pytest.approx(two["efficiency"] / two["roof_efficiency"])
-    assert "this machine allows" in out.stdout
+    assert "this machine allows" in stdout
     gap = pq.read_table(sweep / "gap.parquet").to_pylist()
     assert {g["ranks"] for g in gap} == {2} and sum(g["ms"] for g in gap) == pytest.approx(two["gap_ms"])
     assert two["gap_named_ms"] == pytest.approx(two["gap_ms"])
@@ -205,9 +190,9 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     profiled = pq.read_table(two_rank_run / "profile.parquet").to_pylist()
     assert {r["rank"] for r in profiled} == {0, 1} and all(r["steps"] == 2 for r in profiled)
     assert any("alltoall" in r["op"] or "all_to_all" in r["op"].lower() or "allreduce" in r["op"] for r in profiled)
-    assert "2 ranks: the per-rank step beyond one rank's" in out.stdout
-    assert "projected on h100-nvlink-ndr" in out.stdout and "assumed: compute" in out.stdout
-    assert re.search(r"\b(TW|RW|CW|TRW|TCW|DP) \d+", out.stdout), out.stdout[-3000:]  # the planner's pick, per type
+    assert "2 ranks: the per-rank step beyond one rank's" in stdout
+    assert "projected on h100-nvlink-ndr" in stdout and "assumed: compute" in stdout
+    assert re.search(r"\b(TW|RW|CW|TRW|TCW|DP) \d+", stdout), stdout[-3000:]  # the planner's pick, per type
     points = pq.read_table(sweep / "summary.parquet").to_pylist()
     assert [p["ranks"] for p in points] == [1, 2]
     assert [p["global_batch_size"] for p in points] == [64, 128] and points[1]["batch_size_per_rank"] == 64
@@ -217,7 +202,7 @@ def test_weak_scaling_sweep_reports_efficiency(tmp_path):
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
     launched = (sweep / "points" / "p0001-r0" / "point.log").read_text().splitlines()[0]
     assert launched.startswith("$ OMP_NUM_THREADS=") and "dlrm_lab.torchrun" in launched  # 2 ranks: torchrun
-    assert "weak scaling" in out.stdout and "efficiency" in out.stdout
+    assert "weak scaling" in stdout and "efficiency" in stdout
 
 
 def test_scale_refuses_bad_sweeps():
