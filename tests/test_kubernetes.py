@@ -12,15 +12,12 @@ import sys
 
 import jsonschema
 import pytest
-from conftest import ROOT, run_cli_in_process
+from conftest import DECIDED, ROOT, run_cli_in_process
 
 from dlrm_lab.distributed.kubernetes import dump, manifests
 
 SCHEMAS = ROOT / "launch" / "schemas"
 TRAIN = ["train", "--preset", "tiny", "--steps", "4", "--batch-size", "16", "--no-progress"]
-# every choice the lab would time on 2 ranks given, so the 2-pod run is only its steps
-FIXED = ["--sharding", "table_wise", "--precision", "fp32", "--table-pages", "base", "--prefetch", "0"]
-FIXED += ["--collectives", "gloo"]
 VARIANTS = {
     "job, one pod, defaults": dict(kind="job"),
     "job, 2 pods x 8 GPUs": dict(kind="job", nnodes=2, nproc=8, gpus=8, cpu=64, memory="480Gi", namespace="recsys"),
@@ -211,7 +208,7 @@ def test_the_job_pod_command_runs_as_two_pods_and_the_ranks_read_torchrun(tmp_pa
     """The Job's container command, run here as its two pods run it (JOB_COMPLETION_INDEX 0 and 1, the
     rendezvous on this host): one rank each, world size 2, and the lab reads the launcher as torchrun."""
     service, job = manifests(
-        [*TRAIN, *FIXED, "--metrics-dir", str(tmp_path)], image="x", nnodes=2, nproc=1, cpu=2,
+        [*TRAIN, *DECIDED, "--metrics-dir", str(tmp_path)], image="x", nnodes=2, nproc=1, cpu=2,
         rdzv_endpoint=f"localhost:{_free_port()}", python=sys.executable,
     )  # fmt: skip
     assert service["spec"]["clusterIP"] == "None" and job["spec"]["completionMode"] == "Indexed"

@@ -10,7 +10,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT
+from conftest import DECIDED, ROOT
 
 from dlrm_lab.distributed.context import detect_launch
 from dlrm_lab.errors import UserError
@@ -135,7 +135,7 @@ def test_torchx_local_cwd_runs_two_ranks_the_lab_discovers(tx, tmp_path):
     out = subprocess.run(
         [os.path.join(bin_dir, "torchx"), "run", "-s", "local_cwd", "-cfg", f"log_dir={logs}", f"{COMPONENT}:train",
          "--nproc_per_node", "2", "--cpu", "2", "--", "--preset", "tiny", "--steps", "4", "--batch-size", "16",
-         "--metrics-dir", str(runs), "--no-progress"],
+         "--metrics-dir", str(runs), "--no-progress", *DECIDED],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
