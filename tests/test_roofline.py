@@ -210,8 +210,8 @@ def test_inference_row_bytes_follow_the_table_precision():
     assert dense_step_bytes(tiny, "sgd") == 4 * 6 * tiny.dense_parameters
 
 
-def test_machine_show_prints_a_stored_profile_and_errors_without_one(tmp_path):
-    from conftest import run_cli
+def test_machine_show_prints_a_stored_profile_and_errors_without_one(tmp_path, monkeypatch):
+    from conftest import run_cli_in_process
 
     env_dir = tmp_path / "machines"
     env_dir.mkdir()
@@ -222,14 +222,14 @@ def test_machine_show_prints_a_stored_profile_and_errors_without_one(tmp_path):
         gather_rows_per_s=7.6e7,
     )
     (env_dir / f"{fid}.json").write_text(json.dumps(profile))
-    env = {"DLRM_LAB_MACHINE_DIR": str(env_dir)}
-    shown = run_cli("machine", "show", env=env)
-    assert shown.returncode == 0, shown.stderr
-    assert "cpu x2 threads" in shown.stdout and "90.00" in shown.stdout
-    assert "gather cpu x2 threads: 3.28 GB/s on 4 KiB pages, 6.11 on 2 MiB; 76.0 M rows/s of 64 bytes" in shown.stdout
-    missing = run_cli("machine", "show", "nosuchmachine", env=env)
-    assert missing.returncode == 2 and "dlrm-lab machine probe" in missing.stderr
-    assert len(missing.stderr.strip().splitlines()) == 1
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(env_dir))
+    code, shown, err = run_cli_in_process("machine", "show")
+    assert code == 0, err
+    assert "cpu x2 threads" in shown and "90.00" in shown
+    assert "gather cpu x2 threads: 3.28 GB/s on 4 KiB pages, 6.11 on 2 MiB; 76.0 M rows/s of 64 bytes" in shown
+    code, _, err = run_cli_in_process("machine", "show", "nosuchmachine")
+    assert code == 2 and "dlrm-lab machine probe" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monkeypatch):
@@ -300,11 +300,11 @@ def test_without_sensors_energy_is_null_with_a_reason_never_zero(tmp_path, monke
 
 @pytest.mark.multiprocess
 def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, monkeypatch):
-    from conftest import run_cli
+    from conftest import run_cli, run_cli_in_process
 
-    env = {"DLRM_LAB_MACHINE_DIR": str(tmp_path)}
-    out = run_cli("machine", "probe", "--quick", env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    code, _, err = run_cli_in_process("machine", "probe", "--quick")  # its 2-process ceiling: processes of its own
+    assert code == 0, err[-2000:]
     (path,) = tmp_path.glob("*.json")
     profile = json.loads(path.read_text())
     assert path.stem == profile["fingerprint_id"] == hardware_fingerprint()["fingerprint_id"]
@@ -321,8 +321,7 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, mon
             ceiling["gemm"]["all_flops_per_s"] / (2 * ceiling["gemm"]["one_flops_per_s"])
         )
     # started by mpiexec: gloo's collectives and MPI's own, side by side
-    out = run_cli("launch", "--nproc", "2", "--launcher", "mpi", "--", "machine", "probe", "--quick", "--comms-only",
-                  env=env)  # fmt: skip
+    out = run_cli("launch", "--nproc", "2", "--launcher", "mpi", "--", "machine", "probe", "--quick", "--comms-only")
     assert out.returncode == 0, out.stderr[-2000:]
     merged = json.loads(path.read_text())
     assert merged["devices"] == profile["devices"]  # kept from the first probe
@@ -336,9 +335,6 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, mon
             factor = 0.5 if r["collective"] == "all_to_all" else 1.0  # TorchRec's rows are in bus bytes already
             assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)
             assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3))
-    from conftest import run_cli_in_process
-
-    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     code, shown, _ = run_cli_in_process("machine", "show", fingerprint_of(path))
     assert code == 0 and "collectives gloo/2" in shown and "all_to_all" in shown
     code, _, err = run_cli_in_process("machine", "probe", "--comms-only")
