@@ -120,6 +120,11 @@ preset = "tiny"
 steps = 6
 batch-size = 32
 eval-batches = 1
+# the choices a run would measure at start-up, given: a point here is its steps
+precision = "fp32"
+table-pages = "base"
+table-update = "fbgemm"
+prefetch = 0
 [grid]
 seed = [1, 2]
 """,
