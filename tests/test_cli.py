@@ -9,17 +9,17 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ENDLESS_TRAIN, ROOT, run_cli, run_cli_in_process, wait_for_files
+from conftest import ENDLESS_TRAIN, ROOT, run_cli_in_process, wait_for_files
 
 from dlrm_lab.metrics import read_manifest
 
 
 def test_presets_lists_every_preset_with_sizes():
-    out = run_cli("presets")
-    assert out.returncode == 0, out.stderr
+    code, stdout, stderr = run_cli_in_process("presets")
+    assert code == 0, stderr
     for name in ("tiny", "kaggle", "terabyte", "dcnv2", "rm1", "rm2", "rm3"):
-        assert name in out.stdout
-    assert "89.5 GiB" in out.stdout  # terabyte at full size
+        assert name in stdout
+    assert "89.5 GiB" in stdout  # terabyte at full size
 
 
 def test_presets_show_resolves_scaling():
@@ -72,33 +72,33 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
 def test_bad_preset_file_exits_2_naming_file_and_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("num_dense = 3\nnum_embeddings = [5]\nembedding_dim = 4\nbottom_mlp = [8, 2]\ntop_mlp = [1]\n")
-    out = run_cli("train", "--preset", str(bad))
-    assert out.returncode == 2
-    assert out.stderr.strip() == (
+    code, _, stderr = run_cli_in_process("train", "--preset", str(bad))
+    assert code == 2
+    assert stderr.strip() == (
         f"error: {bad}: bottom_mlp ends at 2 but embedding_dim is 4; interaction 'dot' needs them equal"
     )
 
 
-def test_train_writes_a_run_that_runs_list_shows(tmp_path):
-    out = run_cli(
-        "train", "--preset", "tiny", "--steps", "12", "--batch-size", "64", "--metrics-dir", str(tmp_path),
-        env={"DLRM_LAB_PROGRESS_INTERVAL_S": "0"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "tiny: 4 tables, 380 rows, 3.58k parameters" in out.stderr  # size printed before building
-    # stderr is a pipe, not a terminal: plain progress lines instead of a bar (a line per step at interval 0)
-    progress = [line for line in out.stderr.splitlines() if line.startswith("train: ")]
-    assert [line.split(" steps")[0] for line in progress] == [f"train: {k}/12" for k in range(1, 13)], out.stderr
+def test_train_writes_a_run_that_runs_list_shows(tmp_path, monkeypatch):
+    """In-process: the real process (its argv recorded as the command line) is the ctrl-c test's."""
+    monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "0")
+    code, stdout, stderr = run_cli_in_process(
+        "train", "--preset", "tiny", "--steps", "12", "--batch-size", "64", "--metrics-dir", str(tmp_path)
+    )
+    assert code == 0, stderr
+    assert "tiny: 4 tables, 380 rows, 3.58k parameters" in stderr  # size printed before building
+    # stderr is not a terminal (a pipe for a user's `| tee`): plain progress lines instead of a bar (a line per
+    # step at interval 0)
+    progress = [line for line in stderr.splitlines() if line.startswith("train: ")]
+    assert [line.split(" steps")[0] for line in progress] == [f"train: {k}/12" for k in range(1, 13)], stderr
     assert progress[-1].startswith("train: 12/12 steps (100%), ") and "elapsed " in progress[-1]
     assert " samples/s, loss " in progress[-1]
-    assert "samples/s" in out.stdout and "held-out AUC" in out.stdout
+    assert "samples/s" in stdout and "held-out AUC" in stdout
     (run_dir,) = list(tmp_path.iterdir())
-    manifest = read_manifest(run_dir)
-    assert manifest["status"] == "ok"
-    assert manifest["command_line"][:3] == ["dlrm-lab", "train", "--preset"]
+    assert read_manifest(run_dir)["status"] == "ok"
     assert pq.read_table(run_dir / "steps.parquet").num_rows == 12
-    listing = run_cli("runs", "list", str(tmp_path))
-    assert listing.returncode == 0 and run_dir.name in listing.stdout and " ok " in listing.stdout
+    code, listing, _ = run_cli_in_process("runs", "list", str(tmp_path))
+    assert code == 0 and run_dir.name in listing and " ok " in listing
 
 
 def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
@@ -110,8 +110,8 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
         text=True,
         # as for a command a script starts in the background: SIGINT inherited as ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-        # a line per step, were it not --no-progress; rows on disk within a second
-        env={**os.environ, "DLRM_LAB_PROGRESS_INTERVAL_S": "0", "DLRM_LAB_FLUSH_SECONDS": "1"},
+        # a line per step, were it not --no-progress; rows on disk within 0.2 s of training
+        env={**os.environ, "DLRM_LAB_PROGRESS_INTERVAL_S": "0", "DLRM_LAB_FLUSH_SECONDS": "0.2"},
     )
     assert wait_for_files(tmp_path, "*/_parts/steps/*.parquet"), "training never flushed a step"
     proc.send_signal(signal.SIGINT)
@@ -119,7 +119,9 @@ def test_ctrl_c_marks_the_run_interrupted_and_exits_130(tmp_path):
     assert proc.returncode == 130, err
     assert "tiny: 4 tables" in err and not [line for line in err.splitlines() if line.startswith("train: ")], err
     (run_dir,) = list(tmp_path.iterdir())
-    assert read_manifest(run_dir)["status"] == "interrupted"
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "interrupted"
+    assert manifest["command_line"] == ["dlrm-lab", *ENDLESS_TRAIN, "--metrics-dir", str(tmp_path)]  # as typed
     assert f"interrupted: run {run_dir} marked interrupted, its rows kept" in err.splitlines(), err
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
     assert summary["status"] == "interrupted" and summary["steps"] > 0
