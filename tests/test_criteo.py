@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli, run_cli_in_process
+from conftest import run_cli_in_process
 
 import dlrm_lab
 from dlrm_lab.data import ParquetSource, synthetic_generator
@@ -213,15 +213,15 @@ def test_writer_refuses_specs_tsv_cannot_hold(tmp_path):
 # -- (d), (e) the CLI ------------------------------------------------------------------------
 def test_cli_gen_convert_stats_train(tmp_path):
     tsv, ds, runs = tmp_path / "day_0", tmp_path / "ds", tmp_path / "runs"
-    out = run_cli(
+    # in-process, through the CLI's entry point (a real `dlrm-lab` process: tests/test_cli.py's ctrl-c test)
+    code, _, stderr = run_cli_in_process(
         "data", "gen", "--preset", "kaggle", "--max-rows", "1000", "--rows", "3000",
         "--format", "criteo-tsv", "--out", str(tsv),
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    assert code == 0, stderr
     lines = tsv.read_text().splitlines()
     assert len(lines) == 3000 and all(line.count("\t") == 39 for line in lines)
 
-    # in-process: the real process is exercised by gen here and by train elsewhere
     code, stdout, stderr = run_cli_in_process(
         "data", "convert-criteo", str(tsv), "--out", str(ds), "--preset", "kaggle", "--max-rows", "1000"
     )

@@ -2,30 +2,17 @@
 
 import json
 
-from conftest import run_cli, run_cli_in_process
+from conftest import run_cli_in_process
 
 
 def test_generated_dataset_passes_its_own_checks_and_trains(tmp_path):
+    """In-process, through the CLI's entry point (a real `dlrm-lab` process: tests/test_cli.py's ctrl-c test)."""
     ds = tmp_path / "ds"
-    out = run_cli(
-        "data",
-        "gen",
-        "--preset",
-        "kaggle",
-        "--max-rows",
-        "50000",
-        "--rows",
-        "120000",
-        "--shards",
-        "2",
-        "--seed",
-        "4",
-        "--out",
-        str(ds),
-    )
-    assert out.returncode == 0, out.stderr
-    assert "teacher AUC" in out.stderr and "wrote 120,000 samples" in out.stdout
-    code, stdout, stderr = run_cli_in_process("data", "stats", str(ds), "--strict")  # the process: gen, train
+    code, stdout, stderr = run_cli_in_process("data", "gen", "--preset", "kaggle", "--max-rows", "50000", "--rows",
+                                              "120000", "--shards", "2", "--seed", "4", "--out", str(ds))  # fmt: skip
+    assert code == 0, stderr
+    assert "teacher AUC" in stderr and "wrote 120,000 samples" in stdout
+    code, stdout, stderr = run_cli_in_process("data", "stats", str(ds), "--strict")
     assert code == 0, stdout + stderr
     assert "120,000 samples" in stdout and "77 of 77 checks against the spec within tolerance" in stdout
 
