@@ -284,16 +284,31 @@ def test_what_the_protocol_and_the_layout_refuse_is_one_line(tiny_v4, tmp_path):
     assert code == 2 and "the served request library" in err
 
 
-def test_the_scaled_benchmark_command_trains_on_the_stream(tmp_path):
-    """benchmarks/dlrmv4.py's run, at a size a test affords: the published layers and tables (scaled), streaming."""
-    import subprocess
+def test_the_scaled_benchmark_command_trains_on_the_stream(tmp_path, monkeypatch):
+    """benchmarks/dlrmv4.py's run, at a size a test affords: the published layers and tables (scaled), streaming.
+    The script in this process, its `dlrm-lab train` through the CLI's entry point where `lab_run` would start
+    it as a process (a real `dlrm-lab` process: tests/test_cli.py's ctrl-c test)."""
+    import importlib.util
     import sys
 
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its `from common import ...`
+    found = importlib.util.spec_from_file_location("benchmark_dlrmv4", ROOT / "benchmarks" / "dlrmv4.py")
+    benchmark = importlib.util.module_from_spec(found)
+    found.loader.exec_module(benchmark)
+
+    def lab_run(tmp, *args):  # benchmarks/common.py's, without the process
+        root = tmp / "run-0"
+        code, _, err = run_cli_in_process(*args, "--metrics-dir", str(root), "--no-progress")
+        assert code == 0, err
+        (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+        return run_dir
+
     out = tmp_path / "r.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dlrmv4.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setattr(benchmark, "lab_run", lab_run)
+    monkeypatch.setattr(sys, "argv", ["dlrmv4.py", "--smoke", "--out", str(out)])
+    benchmark.main()
     result = json.loads(out.read_text())
+    assert result["command"] == "dlrm-lab " + " ".join(benchmark.command("smoke"))
     run = result["run"]
     assert run["protocol"] == "streaming" and run["evals"] and run["steps"] > 0 and run["teacher_auc"] > 0.5
     assert all(e["eval_window"] == e["train_window"] + 1 for e in run["evals"])
