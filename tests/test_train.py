@@ -16,16 +16,34 @@ from dlrm_lab.train import train
 from dlrm_lab.train.records import PHASES
 
 
+class _Counted:
+    """A batch source that counts the times it is iterated (`made`)."""
+
+    def __init__(self, source):
+        self.source, self.made = source, 0
+
+    def describe(self):
+        return self.source.describe()
+
+    def __iter__(self):
+        self.made += 1
+        return iter(self.source)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    from dlrm_lab.data import open_sources
+
     root = tmp_path_factory.mktemp("runs")
     spec = dlrm_lab.load_preset("tiny")
-    result = train(spec, TrainConfig(steps=60, batch_size=256, eval_every=20, seed=1), metrics_dir=root)
-    return spec, result
+    cfg = TrainConfig(steps=60, batch_size=256, eval_every=20, seed=1)
+    held_out = _Counted(open_sources(spec, "synthetic", 256, eval_batches=cfg.eval_batches, seed=1)[1])  # the default
+    result = train(spec, cfg, metrics_dir=root, eval_source=held_out, keep_model=True)
+    return spec, result, held_out
 
 
 def test_training_reduces_loss_and_learns_the_teacher(tiny_run):
-    _, result = tiny_run
+    _, result, _ = tiny_run
     s = result.summary
     assert s["status"] == "ok" and s["steps"] == 60
     assert s["loss_last"] < s["loss_first"] - 0.05
@@ -34,7 +52,7 @@ def test_training_reduces_loss_and_learns_the_teacher(tiny_run):
 
 
 def test_run_directory_holds_manifest_steps_eval_and_summary(tiny_run):
-    spec, result = tiny_run
+    spec, result, _ = tiny_run
     d = result.run_dir
     manifest = read_manifest(d)
     assert manifest["status"] == "ok"
@@ -72,7 +90,7 @@ def test_a_summary_rebuilt_from_the_steps_is_the_runs_own(tiny_run, tmp_path):
 
     from dlrm_lab.train.records import recovered_summary
 
-    _, result = tiny_run
+    _, result, _ = tiny_run
     dead = tmp_path / result.run_dir.name
     shutil.copytree(result.run_dir, dead)
     (dead / "summary.parquet").unlink()
@@ -85,6 +103,22 @@ def test_a_summary_rebuilt_from_the_steps_is_the_runs_own(tiny_run, tmp_path):
     assert {k: rebuilt[k] for k in same} == pytest.approx({k: result.summary[k] for k in same})
     (row,) = pq.read_table(dead / "summary.parquet").to_pylist()
     assert row["samples_per_s"] == rebuilt["samples_per_s"]
+
+
+def test_every_evaluation_scores_the_same_held_out_batches_made_once(tiny_run):
+    """The held-out set is generated at the first evaluation and kept for the others (rm2's took twice as long as
+    the forward that scores it); a set past the memory bound is generated again at each, the same samples."""
+    from dlrm_lab.train.evaluate import HeldOut, evaluate
+
+    _, result, held_out = tiny_run
+    assert held_out.made == 1 and len(result.evals) == 3
+    auc, loss, n = evaluate(result.model, held_out.source, torch.device("cpu"))  # generated afresh
+    assert (auc, loss, n) == (result.evals[-1]["auc"], result.evals[-1]["loss"], result.evals[-1]["num_samples"])
+    counted = _Counted(held_out.source)
+    too_big = HeldOut(counted, limit=1000)
+    first, second = list(too_big), list(too_big)
+    assert counted.made == 2 and too_big.kept is None
+    assert [b.labels.tolist() for b in first] == [b.labels.tolist() for b in second]
 
 
 def test_same_seed_same_losses():
@@ -339,18 +373,22 @@ def test_every_preset_learns_to_90_percent_of_its_teacher(tmp_path, preset, scal
     held-out AUC reaches 90% of the teacher's within the stated steps. dcnv2's first loss was
     10,228 at scale 0.0005 (MLPerf's dense rate at a small batch, a logit starting at 0), rm2's
     1.4 (its 120-id sum pooling at the one-hot embedding rate)."""
-    from dlrm_lab.data import synthetic_generator
+    from dlrm_lab.data import open_sources
 
     spec = dlrm_lab.load_preset(preset, **scaling)
-    teacher_auc = synthetic_generator(spec, seed=0).teacher_auc
+    # the run's own default data (seed 0), opened here for its teacher: one generator, calibrated once (rm3's
+    # calibration draws 40,960 samples of 2,560 dense features: seconds)
+    source, held_out = open_sources(spec, "synthetic", batch, eval_batches=EVAL_SAMPLES // batch, seed=0)
+    teacher_auc = source.generator.teacher_auc
     cfg = TrainConfig(
         steps=budget,
         batch_size=batch,
         eval_every=max(25, budget // 20),
         eval_batches=EVAL_SAMPLES // batch,
         target_auc=0.9 * teacher_auc,
+        seed=0,
     )
-    result = train(spec, cfg, metrics_dir=tmp_path)
+    result = train(spec, cfg, metrics_dir=tmp_path, source=source, eval_source=held_out)
     manifest = read_manifest(result.run_dir)
     numerics, p = manifest["config"]["numerics"], manifest["config"]["data"]["click_rate"]
     assert result.summary["loss_first"] < 2 * _entropy(p), [s["loss"] for s in result.steps[:10]]

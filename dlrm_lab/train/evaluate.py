@@ -2,14 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
+from torchrec.datasets.utils import Batch
 
 from dlrm_lab.train.step import model_inputs
+
+HELD_OUT_KEPT_BYTES = 256 * 2**20  # a held-out set up to this size is kept in memory after its first evaluation
+
+
+class HeldOut:
+    """A run's held-out batches, the same samples at every evaluation: generated (or read) at the first and kept
+    in memory for the others while they are DLRM batches of at most `limit` bytes in all; past it, or of another
+    kind, each evaluation iterates `source` again. Generating rm2's 8 held-out batches of 256 samples (32 tables
+    of 120 ids each) took about twice as long as the forward passes that score them."""
+
+    def __init__(self, source: Iterable[Any], limit: int = HELD_OUT_KEPT_BYTES) -> None:
+        self.source, self.limit = source, limit
+        self.kept: list[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.kept is not None:
+            yield from self.kept
+            return
+        kept: list[Any] | None = []
+        size = 0
+        for batch in self.source:
+            if kept is not None:
+                size += _batch_bytes(batch) if isinstance(batch, Batch) else self.limit + 1
+                if size <= self.limit:
+                    kept.append(batch)
+                else:
+                    kept = None
+            yield batch
+        self.kept = kept  # only once the whole set was seen
+
+
+def _batch_bytes(batch: Batch) -> int:
+    kjt = batch.sparse_features
+    tensors = [batch.dense_features, batch.labels, kjt.values(), kjt.lengths(), kjt.weights_or_none()]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @torch.no_grad()

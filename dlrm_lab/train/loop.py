@@ -31,7 +31,7 @@ from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.train.checkpoint import save_checkpoint
-from dlrm_lab.train.evaluate import evaluate
+from dlrm_lab.train.evaluate import HeldOut, evaluate
 from dlrm_lab.train.pipeline import make_pipeline
 from dlrm_lab.train.preflight import ResolvedRun, preflight
 from dlrm_lab.train.profile import StepProfiler, profile_window
@@ -101,10 +101,11 @@ def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: A
     when the target AUC is reached (training stops there; `reached` gets its steps and seconds)."""
     dmp, eval_source, ctx, cfg = setup.dmp, setup.eval_source, setup.ctx, setup.cfg
     follow = getattr(eval_source, "after_step", None)  # a stream's held-out batches follow its training
+    held_out = HeldOut(eval_source)  # else the same batches every time: made once
 
     def run_eval(step: int) -> bool:
         t0 = time.perf_counter()
-        batches = follow(step) if follow is not None else eval_source
+        batches = follow(step) if follow is not None else held_out
         if pipeline is None:
             auc, loss, n = evaluate(dmp, batches, ctx.device)
         else:  # the pipeline's rewritten forward only runs inside it: undo it meanwhile
