@@ -1,8 +1,7 @@
 """Run under torchrun by tests: train presets under sharding types, dump losses and tables.
 
 torchrun --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR STEPS PRESET:GLOBAL_BATCH:TYPE,TYPE ...
-writes OUT_DIR/<preset>-<type>.json (losses, plan) and .pt (tables, dense weights); one process runs them all
-(one rank: `run_jobs`, in the test's own process).
+writes OUT_DIR/<preset>-<type>.json (losses, plan) and .pt (tables, dense weights); one process runs them all.
 Two more kinds of job share the process (and its start-up) with them:
 - `resume`: 16 straight steps against 8, a checkpoint and 8 resumed, in OUT_DIR/resume (`straight_and_resumed`);
 - `cli:ARGS`: `dlrm-lab ARGS` through the CLI's entry point, as each rank runs it under a launcher.

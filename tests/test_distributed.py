@@ -5,7 +5,6 @@ import os
 import shlex
 import subprocess
 import sys
-import warnings
 
 import pyarrow.parquet as pq
 import pytest
@@ -29,11 +28,8 @@ JOBS = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A 2-rank job under torchrun and, meanwhile, one rank in this process (one thread, as each rank has), each
-    running every job in turn; the 2-rank job also runs the resume test's trajectory and the table-update test's
-    `dlrm-lab train`."""
-    from dist_worker import run_jobs
-
+    """One process on one rank and a 2-rank job under torchrun, side by side, each running every job in turn; the
+    2-rank job also runs the resume test's trajectory and the table-update test's `dlrm-lab train`."""
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     table_update = ["train", "--preset", "tiny", "--sharding", "table_wise", "--steps", "40", "--batch-size", "16",
@@ -41,20 +37,17 @@ def runs(tmp_path_factory):
                     "--metrics-dir", str(two / "table-update"), "--no-progress"]  # fmt: skip
     two_only = ["resume", "cli:" + shlex.join(table_update)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/dist_worker.py"]
-    log = two / "ranks.log"  # a file, not a pipe: nothing reads it while this process trains
+    log = two / "ranks.log"  # a file, not a pipe: nothing reads it while the one-rank process runs
     with open(log, "w") as ranks_log:
         pair = subprocess.Popen([*cmd, str(two), str(STEPS), *JOBS, *two_only], cwd=ROOT, env=env,
                                 stdout=ranks_log, stderr=subprocess.STDOUT)  # fmt: skip
-    threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        with warnings.catch_warnings():  # as the ranks run (PYTHONWARNINGS=ignore)
-            warnings.simplefilter("ignore")
-            run_jobs(one, STEPS, JOBS)
+        ref = subprocess.run([sys.executable, "tests/dist_worker.py", str(one), str(STEPS), *JOBS], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
         pair.wait(timeout=300)
     finally:
-        torch.set_num_threads(threads)
         pair.kill()
+    assert ref.returncode == 0, ref.stderr[-3000:]
     assert pair.returncode == 0, log.read_text()[-3000:]
     return one, two
 
@@ -142,11 +135,8 @@ def test_hstu_two_ranks_match_one_rank(runs):
     assert set(initial) == set(first) and not torch.equal(first["item"], initial["item"])
 
 
-def _two_ranks_training(tmp_path, timeout_s: int, grace_s: int | None = None):
-    """Start a long 2-rank run as `dlrm-lab launch` does; return (launcher process, rank 1's
-    process) once both flushed steps."""
-    import psutil
-
+def _start_two_ranks(metrics_dir, timeout_s: int, grace_s: int | None = None) -> subprocess.Popen:
+    """A long 2-rank run started as `dlrm-lab launch` starts it."""
     from dlrm_lab.distributed.launch import launch_command
 
     # rows flushed every second: the victim is chosen once both ranks have some on disk
@@ -156,34 +146,54 @@ def _two_ranks_training(tmp_path, timeout_s: int, grace_s: int | None = None):
     cmd = launch_command(
         2,
         "torchrun",
-        [*ENDLESS_TRAIN, *DECIDED, "--timeout", str(timeout_s), "--metrics-dir", str(tmp_path)],
+        [*ENDLESS_TRAIN, *DECIDED, "--timeout", str(timeout_s), "--metrics-dir", str(metrics_dir)],
     )
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_files(tmp_path, "*/_parts/steps/part-r00001-*.parquet")
-    victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-    if not victims:
-        proc.kill()
-        raise AssertionError("rank 1 not found")
-    return proc, victims[0]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def failed_jobs(tmp_path_factory):
+    """Two long 2-rank runs, started together; once both ranks of both flushed steps, rank 1 of one is killed
+    (SIGKILL) and rank 1 of the other stopped (SIGSTOP: alive but silent, so only the timeout can end that job,
+    `--timeout 3`, and its launcher then kills the stopped rank after a 1 s grace; torch's is 30 s). Side by side,
+    the stopped job's wait for its timeout is the killed job's end. kind -> (metrics dir, launcher, its stderr,
+    {rank: process})."""
+    import signal
+
+    import psutil
+
+    dirs = {kind: tmp_path_factory.mktemp(kind) for kind in ("killed", "stuck")}
+    jobs = {"killed": _start_two_ranks(dirs["killed"], timeout_s=60),
+            "stuck": _start_two_ranks(dirs["stuck"], timeout_s=3, grace_s=1)}  # fmt: skip
+    try:
+        ranks = {}
+        for kind, proc in jobs.items():
+            wait_for_files(dirs[kind], "*/_parts/steps/part-r00001-*.parquet")
+            children = psutil.Process(proc.pid).children(recursive=True)
+            ranks[kind] = {int(p.environ()["RANK"]): p for p in children if "RANK" in p.environ()}
+            assert set(ranks[kind]) == {0, 1}, f"{kind}: ranks {sorted(ranks[kind])} found"
+        ranks["stuck"][1].send_signal(signal.SIGSTOP)
+        ranks["killed"][1].kill()
+        errs = {kind: proc.communicate(timeout=120)[1] for kind, proc in jobs.items()}
+    finally:
+        for proc in jobs.values():
+            _kill_tree(proc)
+    return {kind: (dirs[kind], jobs[kind], errs[kind], ranks[kind]) for kind in jobs}
 
 
 @pytest.mark.multiprocess
-def test_killing_one_rank_ends_the_job_and_keeps_the_steps(tmp_path):
+def test_killing_one_rank_ends_the_job_and_keeps_the_steps(failed_jobs):
     import pyarrow.parquet as pq
 
     from dlrm_lab.metrics import recover_run
 
-    proc, victim = _two_ranks_training(tmp_path, timeout_s=60)
-    try:
-        victim.kill()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        _kill_tree(proc)
+    metrics_dir, proc, err, ranks = failed_jobs["killed"]
+    victim = ranks[1]
     assert proc.returncode == 1
     # the launcher's failure is one line naming the dead rank and its signal, not torchrun's traceback
     line = f"error: launcher: rank 1 (pid {victim.pid}) was killed by signal SIGKILL"
     assert line in err and "Traceback" not in err and "ChildFailedError" not in err, err[-2000:]
-    (run_dir,) = list(tmp_path.iterdir())
+    (run_dir,) = list(metrics_dir.iterdir())
     manifest = recover_run(run_dir)  # a no-op: the launcher closed it
     assert manifest["status"] == "failed", manifest["status"]
     assert manifest["error"].startswith(f"RankFailure: rank 1 (pid {victim.pid}) was killed by signal SIGKILL")
@@ -216,27 +226,17 @@ def test_two_rank_resume_continues_the_same_trajectory(runs):
 
 
 @pytest.mark.multiprocess
-def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(tmp_path):
-    import signal
-
-    import psutil
-
+def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_the_rank(failed_jobs):
     from dlrm_lab.metrics import read_manifest
 
-    proc, victim = _two_ranks_training(tmp_path, timeout_s=3, grace_s=1)
-    (rank0,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "0"]
-    try:
-        victim.send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end this
-        rank0.wait(timeout=120)  # rank 0 ends itself, naming the rank and the timeout; the launcher
-        _, err = proc.communicate(timeout=60)  # then kills the stopped rank after its short grace (torch's: 30 s)
-    finally:
-        _kill_tree(proc)
+    # rank 1 stopped: rank 0 ends itself, naming the rank and the timeout; the launcher then kills the stopped rank
+    metrics_dir, proc, err, ranks = failed_jobs["stuck"]
     assert proc.returncode == 1
-    assert not victim.is_running()
+    assert not ranks[1].is_running()
     # either the collective's own timeout or the watchdog ends rank 0, naming it; the launcher names rank 0 too
     assert "error: rank 0: " in err and "--timeout 3s" in err, err[-2000:]
-    assert f"error: launcher: rank 0 (pid {rank0.pid}) exited with code 1" in err, err[-2000:]
-    (run_dir,) = list(tmp_path.iterdir())
+    assert f"error: launcher: rank 0 (pid {ranks[0].pid}) exited with code 1" in err, err[-2000:]
+    (run_dir,) = list(metrics_dir.iterdir())
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "failed" and "RankFailure: rank 0: " in manifest["error"]  # its own reason kept
 
