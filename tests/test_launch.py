@@ -8,7 +8,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import DECIDED, ROOT, run_cli, run_cli_in_process, store_profile
+from conftest import DECIDED, ROOT, run_cli_in_process, store_profile
 
 from dlrm_lab.distributed.context import detect_launch, first_slurm_node
 from dlrm_lab.distributed.launch import launch_command
@@ -82,31 +82,43 @@ def _two_rank_run(run_dir):
     return manifest
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """This module's 2-process jobs, independent of each other, started together (one after another, each left a
+    core idle while its launcher and ranks started): `dlrm-lab launch --launcher mpi -- train`, the torchrun recipe
+    launch/torchrun.sh, and mpiexec of the MPI process group's check. name -> (exit code, output, metrics dir)."""
+    tmp = tmp_path_factory.mktemp("launched")
+    # --sharding auto stays (its test checks the choice); the other choices are given, not timed
+    mpi_train = [sys.executable, "-m", "dlrm_lab", "launch", "--nproc", "2", "--launcher", "mpi", "--", "train",
+                 "--preset", "tiny", "--steps", "4", "--batch-size", "16", "--metrics-dir", str(tmp / "mpi"),
+                 "--no-progress", "--collectives", "mpi", "--precision", "fp32", "--table-pages", "base",
+                 "--table-update", "fbgemm", "--prefetch", "0"]  # fmt: skip
+    recipe = ["bash", "launch/torchrun.sh", "2", "--preset", "tiny", "--steps", "4", "--batch-size", "16",
+              "--metrics-dir", str(tmp / "recipe"), "--no-progress", *DECIDED]  # fmt: skip
+    mpiexec = launch_command(2, "mpi", ["train"])[0]
+    check = [mpiexec, "-n", "2", sys.executable, str(ROOT / "tests" / "mpi_collectives_worker.py")]
+    jobs = {
+        "mpi": (mpi_train, {**os.environ, "PYTHONWARNINGS": "ignore"}),
+        "recipe": (recipe, {**os.environ, "PYTHON": sys.executable}),
+        "mpi collectives": (check, None),
+    }
+    procs = {}
+    try:
+        for name, (cmd, env) in jobs.items():
+            with open(tmp / f"{name}.log", "w") as log:  # files, not pipes: the jobs write while others are waited
+                procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        codes = {name: proc.wait(timeout=300) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return {name: (codes[name], (tmp / f"{name}.log").read_text(), tmp / name) for name in jobs}
+
+
 @pytest.mark.multiprocess
-def test_dlrm_lab_launch_with_mpiexec(tmp_path):
-    out = run_cli(
-        "launch",
-        "--nproc",
-        "2",
-        "--launcher",
-        "mpi",
-        "--",
-        "train",
-        "--preset",
-        "tiny",
-        "--steps",
-        "4",
-        "--batch-size",
-        "16",
-        "--metrics-dir",
-        str(tmp_path),
-        "--no-progress",
-        "--collectives",
-        "mpi",
-        *("--precision", "fp32", "--table-pages", "base", "--table-update", "fbgemm", "--prefetch", "0"),  # not timed
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    (run_dir,) = list(tmp_path.iterdir())
+def test_dlrm_lab_launch_with_mpiexec(launched):
+    code, output, metrics_dir = launched["mpi"]
+    assert code == 0, output[-2000:]
+    (run_dir,) = list(metrics_dir.iterdir())
     manifest = _two_rank_run(run_dir)
     assert manifest["config"]["launcher"] == "mpi"
     # every collective of the trial and the run (all-to-all, reduce-scatter, DDP's all-reduce) over MPI
@@ -120,32 +132,10 @@ def test_dlrm_lab_launch_with_mpiexec(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_torchrun_recipe_runs_as_is(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable}
-    out = subprocess.run(
-        [
-            "bash",
-            "launch/torchrun.sh",
-            "2",
-            "--preset",
-            "tiny",
-            "--steps",
-            "4",
-            "--batch-size",
-            "16",
-            "--metrics-dir",
-            str(tmp_path),
-            "--no-progress",
-            *DECIDED,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    (run_dir,) = list(tmp_path.iterdir())
+def test_torchrun_recipe_runs_as_is(launched):
+    code, output, metrics_dir = launched["recipe"]
+    assert code == 0, output[-2000:]
+    (run_dir,) = list(metrics_dir.iterdir())
     assert _two_rank_run(run_dir)["config"]["launcher"] == "torchrun"
 
 
@@ -275,12 +265,10 @@ def test_the_launcher_writes_its_reason_into_the_runs_the_ranks_created(tmp_path
 
 
 @pytest.mark.multiprocess
-def test_the_mpi_process_group_gives_every_collectives_answer():
-    mpiexec = launch_command(2, "mpi", ["train"])[0]
-    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(ROOT / "tests" / "mpi_collectives_worker.py")],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
+def test_the_mpi_process_group_gives_every_collectives_answer(launched):
+    code, output, _ = launched["mpi collectives"]  # mpiexec -n 2 tests/mpi_collectives_worker.py
+    assert code == 0, output[-4000:]
+    assert "rank 0 ok" in output and "rank 1 ok" in output
 
 
 def test_collectives_are_chosen_by_the_probed_speeds_or_refused_in_one_line():
