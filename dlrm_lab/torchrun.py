@@ -11,16 +11,13 @@ import sys
 from pathlib import Path
 
 from dlrm_lab.distributed.elastic import main as launch
-from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run_and_summary, register_recovery
+from dlrm_lab.metrics.run import amend_manifest, read_manifest, recover_run_and_summary
 
 
 def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
     """Give each run the ranks created the launcher's reason. A run still `running` (its rank 0
     died without closing it) is recovered first. A run whose own error already names the cause
     keeps it unless a rank was killed by a signal: the run then only knows it was stopped."""
-    # a training run's recovery, imported only for a run still `running` (training's modules load torchrec: seconds
-    # before the failure line, where the ranks closed their runs themselves)
-    register_recovery("train", "dlrm_lab.train.records:recovered_summary")
     runs = []
     try:
         lines = record.read_text().splitlines()
@@ -31,6 +28,10 @@ def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
         try:
             manifest = read_manifest(run_dir)
             if manifest.get("status") == "running":
+                # a training run's recovery registers itself; imported only here, for a run left running (training
+                # loads torchrec: seconds before the failure line, where the ranks closed their runs themselves)
+                import dlrm_lab.train.records  # noqa: F401
+
                 manifest, _ = recover_run_and_summary(run_dir)
             if manifest.get("status") == "ok":
                 continue
