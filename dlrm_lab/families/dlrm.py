@@ -46,7 +46,7 @@ class DLRMFamily:
     label = "DLRM"
     called = "a DLRM"
     spec_type = ModelSpec
-    builds = ("eager", "fused", "compiled", "aoti", "aoti_int8", "openvino", "openvino_int8")
+    builds = ("eager", "fused", "compiled", "aoti", "aoti_tuned", "aoti_int8", "openvino", "openvino_int8")
     no_compiled_build = ""
     attention_paths: tuple[str, ...] = ()
     wire_samples = True
@@ -413,10 +413,12 @@ class DLRMFamily:
         return FusedDLRM(model, precision=precision, table_precision=table_precision)
 
     def make_runner(self, model: Any, library: Any, device: Any, precision: str, history_cache_mb: float) -> Any:
-        from dlrm_lab.infer.batches import FusedRunner, Runner
+        from dlrm_lab.infer.batches import FusedRunner, PackagedRunner, Runner
         from dlrm_lab.infer.builds.fused import FusedDLRM
 
         if isinstance(model, FusedDLRM):
+            if model.whole is not None and device.type == "cpu":  # the whole batch is one native call
+                return PackagedRunner(model, library, device)
             return FusedRunner(model, library, device)
         return Runner(model, library, list(model.spec.feature_names), device, precision)
 

@@ -37,11 +37,15 @@ class QueryRef:
 def gather_batch(library: PackedLibrary, refs: list[QueryRef]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The samples of these queries (library samples, or a query's own payload) as (dense [n, d],
     lengths feature-major, ids feature-major)."""
-    if any(r.payload is not None for r in refs):
+    if any([r.payload is not None for r in refs]):
         return _inline(library, refs, library.lengths.shape[0])
-    sizes = np.fromiter((r.size for r in refs), dtype=np.int64, count=len(refs))
-    offsets = np.fromiter((r.offset for r in refs), dtype=np.int64, count=len(refs))
-    return library.gather(sizes, offsets)
+    return library.gather(*query_ranges(refs))
+
+
+def query_ranges(refs: list[QueryRef]) -> tuple[np.ndarray, np.ndarray]:
+    """(sizes, offsets) of library queries. List comprehensions, not generators: one Python frame a batch, where a
+    generator resumes once per query."""
+    return np.array([r.size for r in refs], dtype=np.int64), np.array([r.offset for r in refs], dtype=np.int64)
 
 
 def assemble_batch(library: PackedLibrary, refs: list[QueryRef], keys: list[str]) -> tuple[torch.Tensor, Any]:
@@ -210,6 +214,58 @@ class FusedRunner(_BucketedRunner):
             else:
                 scores, parts = self.model.score_in_stages(dense, ids, offsets_t)
         self.stages = (_ms(t1 - t0), *(_ms(p) for p in parts))
+        return scores.numpy()[:n]
+
+
+class PackagedRunner(_BucketedRunner):
+    """A FusedDLRM served whole by one native call (the `aoti` builds' package: lookup, dense part and sigmoid).
+
+    Library queries are gathered straight into the runner's own buffers (dense rows, int32 ids, int32 bag offsets,
+    grown to the largest batch seen, padded in place to the bucket), then the package's C++ runner is called once
+    with views of them: the Python a batch costs does not grow with its samples, queries or tables. Queries that
+    carry their own samples are gathered as `FusedRunner` does. The stages are not told apart (one call)."""
+
+    def __init__(self, model: Any, library: PackedLibrary, device: torch.device) -> None:
+        self.model, self.library, self.device = model, library, device
+        self.features = library.lengths.shape[0]
+        self.pad = model.precision != "fp32"
+        self.native, self.tables = model.whole.run, model.whole.tables
+        self.most_ids_per_sample = int(library.lengths.max(initial=0)) * self.features  # the buffers' bound
+        self._grow(1, 1)
+
+    def _grow(self, samples: int, ids: int) -> None:
+        self.dense = np.zeros((samples, self.library.dense.shape[1]), dtype=np.float32)
+        self.offsets = np.zeros(self.features * samples + 1, dtype=np.int32)
+        self.ids = np.zeros(ids, dtype=np.int32)
+        self.views = tuple(torch.from_numpy(a) for a in (self.dense, self.ids, self.offsets))
+
+    def __call__(self, refs: list[QueryRef]) -> np.ndarray:
+        t0 = time.perf_counter()
+        if any([r.payload is not None for r in refs]):
+            dense, ids, offsets = kernel_batch(*gather_batch(self.library, refs))
+            n = dense.shape[0]
+            if self.pad:
+                dense, ids, offsets = pad_kernel_batch(dense, ids, offsets, self.features, bucket(n))
+        else:
+            sizes, starts = query_ranges(refs)
+            n = int(sizes.sum())
+            size = bucket(n) if self.pad else n
+            most_ids = self.most_ids_per_sample * n
+            if size > self.dense.shape[0] or most_ids > len(self.ids):
+                self._grow(max(size, 2 * self.dense.shape[0]), max(most_ids, 2 * len(self.ids)))
+            n, m = self.library.gather_into(sizes, starts, self.dense, self.offsets, self.ids)
+            bags = self.features * n
+            if size > n:  # padding samples: zero dense features, and empty bags (each ends where its feature's did)
+                self.dense[n:size] = 0
+                ends = self.offsets[1 : bags + 1].reshape(self.features, n).copy()  # bags are feature-major
+                padded = self.offsets[1 : self.features * size + 1].reshape(self.features, size)
+                padded[:, :n], padded[:, n:] = ends, ends[:, -1:]
+            dense_t, ids_t, offsets_t = self.views
+            dense, ids, offsets = dense_t[:size], ids_t[:m], offsets_t[: self.features * size + 1]
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            scores = self.native([dense, ids, offsets, self.tables])[0]
+        self.stages = (_ms(t1 - t0), None, None, None)
         return scores.numpy()[:n]
 
 

@@ -1,15 +1,21 @@
-"""`aoti`: the `fused` build with its dense part an AOTInductor package, made once and loaded by instances.
+"""`aoti`: the whole batch, table lookup included, in one AOTInductor package made once and loaded by instances.
 
-The dense part (bottom MLP, interaction, top MLP) is exported with `torch.export` at the served precision
-(a dynamic batch dimension), compiled by AOTInductor with freezing (oneDNN prepacks the weights) and the
-C++ wrapper, and packaged as one `.pt2` file cached on disk under a content key (`infer.artefacts`: the
-weights, the preset, the precision, torch's version and the machine). An instance loads the package; it
-compiles nothing at start, unlike `compiled`.
+From assembled ids and dense features to scores, a batch is one call of the package's C++ runner: fbgemm's
+inference lookup (`int_nbit_split_embedding_codegen_lookup_function`, which AOTInductor runs as a fallback op),
+the bottom MLP, the interaction, the top MLP and the sigmoid. The graph is exported with `torch.export` at the
+served precision (a dynamic batch dimension), compiled with freezing (oneDNN prepacks the dense weights) and the
+C++ wrapper, and cached on disk under a content key (`infer.artefacts`).
 
-The tables stay in fbgemm's inference TBE, called as in `fused`, and are not in the package: the TBE holds
-fbgemm's `AtomicCounter` script objects, which have no fake class for `torch.export` to trace through, and
-a package that froze the tables in would give every co-located instance its own copy of them, where the
-snapshot lets them share one.
+The lookup is called directly with the TBE's layout held as buffers, not through the TBE module: the module
+carries fbgemm's `AtomicCounter`/`TensorQueue` script objects, which export only with torchrec's fake classes and
+AOTInductor then has to carry; the op alone needs neither. The tables themselves are not in the package: they are
+an input of every call, the tensor each instance mapped from the snapshot, so co-located instances share one copy
+(the package holds only the small dense weights, frozen and prepacked; `package_constants_in_so=False` with
+user-managed buffers would share them too, but loses the frozen constants that freezing makes at compile time).
+
+`aoti_tuned` is the same graph compiled with `max_autotune` and Inductor's C++ GEMM template beside ATen's
+(AMX and AVX-512 micro-kernels generated for these shapes, epilogues fused): measured against `aoti`, as every
+build is.
 """
 
 from __future__ import annotations
@@ -18,64 +24,119 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
-EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension is exported as dynamic
+EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is exported as dynamic
+# the TBE's layout (which table is where, in which type): small, constant, frozen into the package
+LAYOUT_BUFFERS = ("weights_placements", "weights_offsets", "weights_tys", "D_offsets")
+LAYOUT_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
+               "output_dtype", "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias")  # fmt: skip
 
 
-def export_dense(module: Any, path: Path) -> None:
-    """Export `module.dense` (a FusedDLRM's dense part) and compile it by AOTInductor into the package `path`."""
-    dtype, dense = module.dtype, module.dense
-    features = module.spec.num_dense
-    no_ids = torch.zeros(len(module.spec.feature_names) * EXAMPLE_BATCH + 1, dtype=torch.int32)  # empty bags
-    with torch.inference_mode():
-        pooled = module.lookup(torch.zeros(0, dtype=torch.int32), no_ids)
-    example = (torch.zeros(EXAMPLE_BATCH, features, dtype=dtype), pooled)
-    batch = torch.export.Dim("batch", min=1)
+def table_weights(tables: Any) -> torch.Tensor:
+    """The bytes of every table of a fused lookup (fbgemm's inference TBE on the host): what the package takes as
+    an input, the tensor the instances share."""
+    return tables.weights_host if tables.host_size > 0 else tables.weights_dev
+
+
+class WholeBatch(nn.Module):
+    """A FusedDLRM's batch as one graph: `forward(dense [B, num_dense] fp32, ids int32, offsets int32 [F * B + 1],
+    tables uint8) -> scores [B] fp32`. `dense` replaces the model's dense part (aoti_int8: its quantised graph)."""
+
+    def __init__(self, module: Any, dense: nn.Module | None = None) -> None:
+        super().__init__()
+        tables = module.tables
+        for name in LAYOUT_BUFFERS:
+            self.register_buffer(name, getattr(tables, name).clone())
+        self.layout = {name: getattr(tables, name) for name in LAYOUT_INTS}
+        self.pooling_mode = int(tables.pooling_mode)
+        self.dense = module.dense if dense is None else dense
+        self.dtype = module.dtype
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor
+                ) -> torch.Tensor:  # fmt: skip
+        pooled = torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            dev_weights=tables, uvm_weights=tables.new_empty(0), weights_placements=self.weights_placements,
+            weights_offsets=self.weights_offsets, weights_tys=self.weights_tys, D_offsets=self.D_offsets,
+            indices=ids, offsets=offsets, pooling_mode=self.pooling_mode, indice_weights=None,
+            lxu_cache_weights=None, lxu_cache_locations=None, **self.layout,
+        )  # fmt: skip
+        return torch.sigmoid(self.dense(dense.to(self.dtype), pooled).float())
+
+
+def example_batch(module: Any, size: int = EXAMPLE_BATCH) -> tuple[torch.Tensor, ...]:
+    """A batch of `size` samples of one id per bag (ids 0): what the graph is traced at."""
+    features = len(module.spec.feature_names)
+    ids = torch.zeros(features * size, dtype=torch.int32)
+    offsets = torch.arange(features * size + 1, dtype=torch.int32)
+    return torch.zeros(size, module.spec.num_dense), ids, offsets, table_weights(module.tables)
+
+
+def export_whole(module: Any, path: Path, dense: nn.Module | None = None,
+                 inductor_configs: JsonObject | None = None) -> None:  # fmt: skip
+    """Export a FusedDLRM's whole batch (`WholeBatch`) and compile it by AOTInductor into the package `path`."""
+    whole = WholeBatch(module, dense).eval()
+    batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
+    features = len(module.spec.feature_names)
+    shapes = ({0: batch}, {0: ids}, {0: features * batch + 1}, None)
     with torch.no_grad():
-        exported = torch.export.export(dense, example, dynamic_shapes=({0: batch}, {0: batch}))
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs={"freezing": True})
+        exported = torch.export.export(whole, example_batch(module), dynamic_shapes=shapes, strict=False)
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
+                                             inductor_configs={"freezing": True, **(inductor_configs or {})})
 
 
-def load_package(path: str) -> Any:
-    """The package's runner, after checking its bytes against its record (a corrupt file is not served)."""
-    return torch._inductor.aoti_load_package(str(require_verified(path)))
+class PackagedBatch:
+    """A loaded whole-batch package: `run([dense, ids, offsets, tables])` is the C++ runner itself (one native
+    call, no Python between the inputs and the scores); `tables` is the input every call hands it."""
+
+    def __init__(self, path: str, tables: torch.Tensor) -> None:
+        self.run = torch._inductor.aoti_load_package(str(require_verified(path))).loader.run
+        self.tables = tables
+
+    def __call__(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.run([dense, ids, offsets, self.tables])[0]
 
 
 class AOTIBuild:
     name = "aoti"
     order = 3
     base = "fused"
-    about = "fused, its dense part an AOTInductor package built once (cached on disk) and loaded"
+    about = "the whole batch (fbgemm's lookup and the dense part) in one AOTInductor package, cached on disk"
     dense_precision = None
     weight_precision = None
+    inductor_configs: JsonObject = {}
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
-        return self.packaged(module, export_dense, {"precision": precision})
+        return self.packaged(
+            module, lambda m, path: export_whole(m, path, inductor_configs=self.inductor_configs),
+            {"precision": precision, "table_precision": table_precision, "graph": "whole batch",
+             **({"inductor": self.inductor_configs} if self.inductor_configs else {})},
+        )  # fmt: skip
 
     def packaged(self, module: Any, export: Any, made_by: JsonObject) -> Any:
-        """`module` with its dense part served from the package `export(module, path)` writes: cached under a key of
-        the dense weights, the spec, `made_by` and the machine (`infer.artefacts`), then loaded."""
+        """`module` served whole by the package `export(module, path)` writes: cached under a key of the dense
+        weights, the spec, `made_by` and the machine (`infer.artefacts`), then loaded."""
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
-        module.compiled = load_package(module.package)
+        module.whole = PackagedBatch(module.package, table_weights(module.tables))
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
         return too_small_to_compile(base_dense_ms, "a package build of seconds per weights")
 
     def for_snapshot(self, module: Any) -> Any:
-        module.compiled = None  # a loaded package does not pickle; each instance loads it
+        module.whole = None  # a loaded package does not pickle; each instance loads it
         return module
 
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
         if device.type == "cuda":  # the package holds CPU kernels
             raise RuntimeError(f"the {self.name} build is made for the CPU: on a GPU serve eager, fused or compiled")
-        module.compiled = load_package(module.package)
+        module.whole = PackagedBatch(module.package, table_weights(module.tables))  # the mapped tables, shared
         return module
 
 

@@ -2,7 +2,8 @@
 
 The dense part (bottom MLP, interaction, top MLP, DCNv2's cross layers) is exported, quantised by torchao's
 PT2E flow with `X86InductorQuantizer` (int8 weights per channel, int8 activations per tensor, observed over
-CALIBRATION_SAMPLES samples of the preset's own data), and compiled by AOTInductor with freezing, which lowers
+CALIBRATION_SAMPLES samples of the preset's own data); the quantised graph takes the dense part's place in
+`aoti`'s whole batch (the lookup inside, the tables an input), compiled by AOTInductor with freezing, which lowers
 the quantised patterns to oneDNN int8 (AMX where the CPU has it, VNNI elsewhere). The package is cached like
 `aoti`'s. Its scores are judged by the reduced-precision rule (AUC kept within 0.1% of fp32's), never by fp32's.
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.family import family_of
-from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, AOTIBuild
+from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, AOTIBuild, export_whole
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 CALIBRATION_SAMPLES = 2048  # observed, in batches of CALIBRATION_BATCH, before the scales are fixed
@@ -57,7 +58,8 @@ def calibration_inputs(module: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def quantise_and_export(module: Any, path: Path) -> None:
-    """PT2E int8 of `module.dense` (fp32), calibrated, then compiled by AOTInductor into the package `path`."""
+    """PT2E int8 of `module.dense` (fp32), calibrated, then the whole batch around it compiled by AOTInductor into
+    the package `path`."""
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -73,17 +75,16 @@ def quantise_and_export(module: Any, path: Path) -> None:
         for dense, pooled in inputs:
             prepared(dense, pooled)
         quantised = convert_pt2e(prepared)
-        exported = torch.export.export(quantised, example, dynamic_shapes=shapes)
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs={"freezing": True})
+    export_whole(module, path, dense=quantised)
 
 
 class AOTIInt8Build(AOTIBuild):
     """`aoti`'s package, loaded the same way by instances; made from a quantised graph."""
 
     name = "aoti_int8"
-    order = 4
+    order = 5
     base = None  # made from an fp32 fused build of its own: PT2E quantises an fp32 graph
-    about = "fused, its dense part int8 (torchao PT2E, X86InductorQuantizer, calibrated) in an AOTInductor package"
+    about = "aoti with its dense part int8 (torchao PT2E, X86InductorQuantizer, calibrated)"
     dense_precision = "int8"  # what its accuracy rule judges (infer.accuracy): never fp32's exact rule
     weight_precision = "int8"
 

@@ -74,7 +74,9 @@ class FusedDLRM(nn.Module):
             model.sparse_arch = sparse
         self.dense = _DensePart(dense, shape).to(dtype)
         self.dtype = dtype
-        self.compiled: Callable[..., torch.Tensor] | None = None
+        self.compiled: Callable[..., torch.Tensor] | None = None  # the dense part compiled (compiled, openvino)
+        # the whole batch, lookup included, as one native call (aoti's package): (dense, ids, offsets) -> scores
+        self.whole: Callable[..., torch.Tensor] | None = None
 
     def sibling(self) -> FusedDLRM:
         """A copy sharing every tensor (tables included) but not the module's registries: a build made from this
@@ -94,6 +96,8 @@ class FusedDLRM(nn.Module):
         return self.tables(ids, offsets)
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.whole is not None:
+            return self.whole(dense, ids, offsets)
         pooled = self.lookup(ids, offsets)
         part = self.dense if self.compiled is None else self.compiled
         return torch.sigmoid(part(dense.to(self.dtype), pooled).float())

@@ -111,7 +111,7 @@ class OpenVINODense:
 
 class OpenVINOBuild:
     name = "openvino"
-    order = 5
+    order = 6
     base = "fused"
     about = "fused, its dense part converted by OpenVINO and run by its CPU plugin (optional extra `openvino`)"
     dense_precision = None

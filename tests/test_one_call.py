@@ -1,0 +1,145 @@
+"""A served batch is one native call: the `aoti` builds' package holds fbgemm's lookup and the dense part, its
+scores are the eager model's, the runner calls it once a batch with Python that does not grow with the batch, and
+the tables it reads are the snapshot's mapping that every instance shares, not a copy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dlrm_lab
+from dlrm_lab.infer import accuracy
+from dlrm_lab.infer.batches import PackagedRunner, QueryRef, make_runner
+from dlrm_lab.infer.build import make_build
+from dlrm_lab.infer.builds import build_named
+from dlrm_lab.infer.builds.aoti import table_weights
+from dlrm_lab.infer.instance import write_snapshot
+from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.model.dlrm import build_model
+
+SEED = 0
+ROWS = 250_000  # per table: 4 x 250k x 8 fp32 = 32 MB of tables, far above what a batch touches
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """tiny with large tables, its eager model, the `aoti` build of it at fp32 and a library."""
+    spec = dlrm_lab.load_preset("tiny", num_embeddings=[ROWS] * 4)
+    torch.manual_seed(SEED)
+    model = build_model(spec).eval()
+    library = PackedLibrary.generate(spec, None, SEED, 1024)
+    module = make_build(model, "aoti", precision="fp32", table_precision="fp32")
+    return model, module, library, tmp_path_factory.mktemp("snapshot")
+
+
+def _eager_scores(model, library, refs):
+    from dlrm_lab.infer.batches import assemble_batch
+
+    dense, kjt = assemble_batch(library, refs, list(model.spec.feature_names))
+    with torch.inference_mode():
+        return torch.sigmoid(model(dense, kjt)).numpy()
+
+
+def test_the_package_holds_the_lookup_and_scores_as_the_eager_model(served, monkeypatch):
+    model, module, library, _ = served
+    runner = make_runner(module, library, torch.device("cpu"), "fp32")
+    assert isinstance(runner, PackagedRunner)
+
+    def no_python_lookup(*_args, **_kw):
+        raise AssertionError("the TBE module was called from Python: the lookup is not in the package")
+
+    monkeypatch.setattr(type(module.tables), "forward", no_python_lookup)
+    for refs in ([QueryRef(0, 1, 3)], [QueryRef(0, 5, 10), QueryRef(1, 40, 200), QueryRef(2, 1, 999)]):
+        scores = runner(refs)
+        eager = _eager_scores(model, library, refs)
+        assert scores.shape == eager.shape and np.abs(scores - eager).max() <= accuracy.FP32_SCORE_TOLERANCE
+    assert runner.stages[0] is not None and runner.stages[1:] == (None, None, None)  # one call: no stages apart
+
+
+def test_a_reduced_precision_package_pads_in_place_and_keeps_each_querys_scores(served):
+    """bf16 pads batches to their bucket inside the runner's own buffers: a padded batch's scores are the unpadded
+    fused build's, query by query."""
+    model, _, library, _ = served
+    fused = make_build(model, "fused", precision="bf16", table_precision="fp16")
+    packaged = make_build(model, "aoti", precision="bf16", table_precision="fp16")
+    plain, whole = (make_runner(m, library, torch.device("cpu"), "bf16") for m in (fused, packaged))
+    for refs in ([QueryRef(0, 3, 7)], [QueryRef(0, 17, 0), QueryRef(1, 60, 500)], [QueryRef(0, 1, 1023)]):
+        assert np.abs(whole(refs) - plain(refs)).max() <= 1e-2
+    assert whole.dense.shape[0] >= 128  # grown to the largest bucket seen (77 samples -> 128), then reused
+
+
+def _python_calls(runner, refs) -> tuple[int, int]:
+    """(Python frames entered, calls of the package's native runner) during `runner(refs)`."""
+    frames, native = 0, 0
+    call = type(runner).__call__.__code__  # the package's C++ `run`, called from the runner itself
+
+    def profile(_frame, event, arg):
+        nonlocal frames, native
+        if event == "call":
+            frames += 1
+        elif event == "c_call" and getattr(arg, "__name__", "") == "run" and _frame.f_code is call:
+            native += 1
+
+    runner(refs)  # warm: buffers grown
+    sys.setprofile(profile)
+    try:
+        runner(refs)
+    finally:
+        sys.setprofile(None)
+    return frames, native
+
+
+def test_a_batch_is_one_native_call_and_its_python_does_not_grow_with_samples_or_queries(served):
+    _, module, library, _ = served
+    runner = make_runner(module, library, torch.device("cpu"), "fp32")
+    one = _python_calls(runner, [QueryRef(0, 1, 0)])
+    many_samples = _python_calls(runner, [QueryRef(0, 256, 0)])
+    many_queries = _python_calls(runner, [QueryRef(k, 8, 8 * k) for k in range(32)])
+    assert one[1] == many_samples[1] == many_queries[1] == 1  # the package, once a batch
+    assert one[0] == many_samples[0] == many_queries[0], (one, many_samples, many_queries)
+    assert one[0] <= 40  # the runner, the gather and numpy's own Python wrappers: a constant, whatever the batch
+
+
+def test_the_instances_package_reads_the_snapshots_tables_without_a_copy(served):
+    """An instance maps the snapshot and hands that mapping to the package: the tables' bytes stay in the shared
+    file mapping (no private copy), however many batches it serves."""
+    _, module, library, directory = served
+    build = build_named("aoti")
+    write_snapshot(directory / "s", build.for_snapshot(module), library)
+    try:
+        mapped = torch.load(directory / "s" / "model.pt", mmap=True, weights_only=False)
+        instance = build.in_instance(mapped, torch.device("cpu"), precision="fp32", table_precision="fp32")
+        runner = make_runner(instance, library, torch.device("cpu"), "fp32")
+        tables = table_weights(instance.tables)
+        assert runner.tables.data_ptr() == tables.data_ptr()
+        assert tables.numel() >= 4 * ROWS * 8 * 4
+        for k in range(20):
+            runner([QueryRef(k, 50, 50 * k)])
+        mapping = _mapping_of(tables.data_ptr())
+        assert mapping["path"] == str(directory / "s" / "model.pt")
+        # read through the file's own pages: none copied into this process (a copy-on-write copy is `Anonymous`)
+        assert mapping["Rss"] > 0 and mapping["Anonymous"] == 0, mapping
+    finally:
+        build.in_instance(module, torch.device("cpu"), precision="fp32", table_precision="fp32")  # the fixture's
+
+
+def _mapping_of(address: int) -> dict:
+    """The /proc/self/smaps entry holding `address`: its path and counters (kB)."""
+    entry: dict = {}
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            if found:
+                break
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            found = lo <= address < hi
+            entry = {"path": head[5] if len(head) > 5 else ""}
+        elif found and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+            entry[head[0][:-1]] = int(head[1])
+    assert found, "the tables' address is in no mapping"
+    return entry
