@@ -314,10 +314,10 @@ def _stand_in_loadgen(start_test, complete) -> types.SimpleNamespace:
         TestSettings=types.SimpleNamespace, TestMode=types.SimpleNamespace(PerformanceOnly=0),
         TestScenario=types.SimpleNamespace(Server="Server", Offline="Offline"),
         LogSettings=lambda: types.SimpleNamespace(log_output=types.SimpleNamespace()),
-        ConstructSUT=lambda issue, flush: types.SimpleNamespace(issue=issue),
+        ConstructFastSUT=lambda issue, flush: types.SimpleNamespace(issue=issue),
         ConstructQSL=lambda total, performance, load, unload: types.SimpleNamespace(
             total=total, performance=performance, load=load, unload=unload),
-        StartTestWithLogSettings=start_test, DestroyQSL=lambda q: None, DestroySUT=lambda s: None,
+        StartTestWithLogSettings=start_test, DestroyQSL=lambda q: None, DestroyFastSUT=lambda s: None,
         QuerySampleResponse=lambda sample_id, data, size: sample_id, QuerySamplesComplete=complete,
     )  # fmt: skip
 
@@ -339,9 +339,9 @@ def test_loadgen_issues_only_samples_its_qsl_loaded_and_unloads_them(tmp_path, m
 
     def start_test(sut, qsl, settings, log):
         qsl.load(list(range(qsl.performance)))
-        samples = [types.SimpleNamespace(id=1000 + k, index=k) for k in range(0, qsl.performance, 7)]
-        sut.issue(samples)
-        while len(issued) < len(samples):  # completions arrive from the system's thread
+        indices = list(range(0, qsl.performance, 7))
+        sut.issue([1000 + k for k in indices], indices)  # FastSUT's two lists: LoadGen's ids, its sample indices
+        while len(issued) < len(indices):  # completions arrive from the system's thread
             time.sleep(0.01)
         qsl.unload(list(range(qsl.performance)))
 
@@ -351,6 +351,49 @@ def test_loadgen_issues_only_samples_its_qsl_loaded_and_unloads_them(tmp_path, m
     assert library.load_calls == library.unload_calls == 1 and library.loaded == 0 and not library.held
     assert recording.submitted and not recording.not_loaded  # every query's samples were loaded when issued
     assert sorted(issued) == [1000 + k for k in range(0, LIBRARY, 7)]  # each LoadGen sample completed once
+
+
+class DroppingSut(FakeSut):
+    """Answers every `drop_every`-th query `dropped`, as a full queue does."""
+
+    drop_every = 0
+
+    def submit(self, q: Query) -> None:
+        if self.drop_every and q.query_id % self.drop_every == 0:
+            with self._idle:
+                self.submitted.append(q)
+            q.on_done(q, "dropped", None)
+            return
+        super().submit(q)
+
+
+@pytest.mark.parametrize("drop_every", [0, 5])
+def test_loadgens_fast_sut_coalesces_server_queries_and_its_verdict_counts_what_was_dropped(tmp_path, drop_every):
+    """Real LoadGen, through its FastSUT (ids and indices as two lists, queries that fell due together coalesced):
+    a system that answers at once is VALID at 500 queries/s; one that drops a fifth of them is INVALID, saying so."""
+    lg = pytest.importorskip("mlperf_loadgen")
+    constructed = []
+    fast = lg.ConstructFastSUT
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(lg, "ConstructFastSUT", lambda issue, flush: constructed.append(1) or fast(issue, flush))
+        m.setattr(lg, "ConstructSUT", None)  # the slow path is not taken
+        system = DroppingSut(small_library())
+        system.drop_every = drop_every
+        settings = LoadSettings("server", duration_s=1.0, seed=1, sla_ms=50.0, sla_percentile=99.0, log_dir=tmp_path)
+        try:
+            driver = make_driver(system, [Stream("m", 500.0, QuerySizes.parse("uniform:1,8"))], settings)
+            assert driver.test_settings().server_coalesce_queries
+            assert drive(system, driver, drain_s=30, poll_s=0.05)
+        finally:
+            system.close()
+    stats = driver.stats
+    assert constructed == [1] and stats.issued["m"] == len(system.submitted) >= 459
+    if drop_every:
+        assert stats.loadgen["loadgen_result"] == "INVALID"
+        assert stats.loadgen["loadgen_reason"].startswith(f"the server dropped or failed {driver.dropped}")
+        assert driver.dropped == sum(q.query_id % drop_every == 0 for q in system.submitted)
+    else:
+        assert stats.loadgen["loadgen_result"] == "VALID", stats.loadgen
 
 
 def test_an_offline_run_that_ends_before_its_duration_says_which_qps_to_give(tmp_path, monkeypatch):
