@@ -325,6 +325,7 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, mon
     assert out.returncode == 0, out.stderr[-2000:]
     merged = json.loads(path.read_text())
     assert merged["devices"] == profile["devices"]  # kept from the first probe
+    assert merged["wake"] == profile["wake"] and merged["cold_gather"] == profile["cold_gather"]  # the floor's too
     for transport in ("gloo/2", "mpi/2"):  # the raw collectives, and TorchRec's distribution over each
         rows = merged["comms"][transport]
         assert {r["collective"] for r in rows} == {"all_to_all", "all_reduce", "torchrec_input_dist", "torchrec_pooled"}
@@ -444,3 +445,24 @@ def test_a_gather_of_another_probe_method_is_never_kept_over_a_new_one():
     again = {"cpu": {"threads": {"1": {**peaks, "gather_bytes_per_s": 4e9, "gather_rows_per_s": 5e7}}}}
     assert _keep_better(new, again) == ["cpu.threads.1.gather_bytes_per_s"]
     assert again["cpu"]["threads"]["1"]["gather_rows_per_s"] == 5e7
+
+
+def test_a_later_probe_keeps_the_wake_and_cold_gather_figures_it_did_not_measure(tmp_path, monkeypatch):
+    """A collectives-only probe, a GPU-only one or a probe of fewer idle times measures no wake or cold gather of its
+    own: the earlier figures stay, so a later run never loses a term of its low-load floor."""
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    fid = hardware_fingerprint()["fingerprint_id"]
+    cpu = {"threads": {"1": {"gemm_flops_per_s": {"fp32": 1e11}, "memory_bytes_per_s": 1e10}}}
+    first = {"fingerprint_id": fid, "probed_at": "2026-11-28T00:00:00+00:00", "devices": {"cpu": cpu}, "comms": {},
+             "wake": {"1": {"p50_us": 20.0}, "100": {"p50_us": 90.0}}, "cold_gather": {"1": 1.03, "100": 5.18}}
+    save_profile(first)
+    save_profile({"fingerprint_id": fid, "probed_at": "2026-11-28T01:00:00+00:00", "devices": {},
+                  "comms": {"gloo/2": [{"collective": "all_reduce"}]}})  # collectives only
+    save_profile({"fingerprint_id": fid, "probed_at": "2026-11-28T02:00:00+00:00", "comms": {},
+                  "devices": {"cuda:0": {"gemm_flops_per_s": {"fp32": 5e13}}}})  # a GPU only
+    save_profile({"fingerprint_id": fid, "probed_at": "2026-11-28T03:00:00+00:00", "devices": {"cpu": cpu},
+                  "comms": {}, "wake": {"1": {"p50_us": 25.0}}, "cold_gather": {"1": 1.10}}, keep_better=True)
+    stored = load_profile(fid)
+    assert stored["wake"] == {"1": {"p50_us": 25.0}, "100": {"p50_us": 90.0}}  # the new figure, the old kept
+    assert stored["cold_gather"] == {"1": 1.10, "100": 5.18}
+    assert set(stored["devices"]) == {"cpu", "cuda:0"} and "gloo/2" in stored["comms"]

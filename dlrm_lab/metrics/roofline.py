@@ -219,6 +219,11 @@ def save_profile(profile: JsonObject, keep_better: bool = False) -> Path:
     except UserError:
         old = None
     if old is not None:
+        # every figure an earlier probe measured and this one did not stays (a collectives-only or GPU-only probe
+        # measures no wake and no cold gather; the low-load floor must not lose them)
+        merged = {**old, **profile}
+        for section in PER_FIGURE_SECTIONS:
+            merged[section] = {**_section(old, section), **_section(profile, section)}
         merged["devices"] = {**old.get("devices", {}), **profile["devices"]}
         if keep_better:
             kept = _keep_better(old.get("devices", {}), merged["devices"])
@@ -249,6 +254,8 @@ def save_profile(profile: JsonObject, keep_better: bool = False) -> Path:
     return path
 
 
+# sections of figures keyed by what was measured (ms idle): a probe that measured some keeps the others'
+PER_FIGURE_SECTIONS = ("wake", "cold_gather")
 _BETTER_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s", "gather_rows_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s")
 # The gather probe as it is now (`metrics.device_peaks`): rows written before they are read, on both page sizes.
 # An earlier probe's gather read tables never written (one zero page): a figure of another method, never kept.
