@@ -17,7 +17,7 @@ from dlrm_lab.infer.batches import PackagedRunner, QueryRef, make_runner
 from dlrm_lab.infer.build import make_build
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.builds.aoti import table_weights
-from dlrm_lab.infer.instance import write_snapshot
+from dlrm_lab.infer.instance import map_library, write_snapshot
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.model.dlrm import build_model
 
@@ -72,6 +72,18 @@ def test_a_reduced_precision_package_pads_in_place_and_keeps_each_querys_scores(
     assert whole.dense.shape[0] >= 128  # grown to the largest bucket seen (77 samples -> 128), then reused
 
 
+def test_queries_with_their_own_samples_go_through_the_same_package(served):
+    """A query that carries its samples (a gRPC or REST client's) is its own library for the package: its scores are
+    those of the same samples served from the instance's library, alone or batched with library queries."""
+    _, module, library, _ = served
+    runner = make_runner(module, library, torch.device("cpu"), "fp32")
+    own = PackedLibrary.from_columns(*library.columns(300, 12))
+    from_library = runner([QueryRef(0, 12, 300)])
+    assert np.abs(runner([QueryRef(0, 12, 0, own)]) - from_library).max() <= 1e-6
+    mixed = runner([QueryRef(0, 5, 40), QueryRef(1, 12, 0, own)])
+    assert np.abs(mixed[5:] - from_library).max() <= 1e-6 and np.abs(mixed[:5] - runner([QueryRef(0, 5, 40)])).max() <= 1e-6
+
+
 def _python_calls(runner, refs) -> tuple[int, int]:
     """(Python frames entered, calls of the package's native runner) during `runner(refs)`."""
     frames, native = 0, 0
@@ -98,10 +110,11 @@ def test_a_batch_is_one_native_call_and_its_python_does_not_grow_with_samples_or
     runner = make_runner(module, library, torch.device("cpu"), "fp32")
     one = _python_calls(runner, [QueryRef(0, 1, 0)])
     many_samples = _python_calls(runner, [QueryRef(0, 256, 0)])
+    two_queries = _python_calls(runner, [QueryRef(0, 8, 0), QueryRef(1, 8, 500)])
     many_queries = _python_calls(runner, [QueryRef(k, 8, 8 * k) for k in range(32)])
-    assert one[1] == many_samples[1] == many_queries[1] == 1  # the package, once a batch
-    assert one[0] == many_samples[0] == many_queries[0], (one, many_samples, many_queries)
-    assert one[0] <= 40  # the runner, the gather and numpy's own Python wrappers: a constant, whatever the batch
+    assert one[1] == many_samples[1] == two_queries[1] == many_queries[1] == 1  # the package, once a batch
+    assert one[0] == many_samples[0] and two_queries[0] == many_queries[0], (one, many_samples, many_queries)
+    assert many_queries[0] <= 40  # the runner, the gather and numpy's own Python wrappers: a constant, whatever the batch
 
 
 def test_the_instances_package_reads_the_snapshots_tables_without_a_copy(served):
@@ -113,16 +126,20 @@ def test_the_instances_package_reads_the_snapshots_tables_without_a_copy(served)
     try:
         mapped = torch.load(directory / "s" / "model.pt", mmap=True, weights_only=False)
         instance = build.in_instance(mapped, torch.device("cpu"), precision="fp32", table_precision="fp32")
-        runner = make_runner(instance, library, torch.device("cpu"), "fp32")
+        mapped_library = map_library(directory / "s", instance.spec)
+        runner = make_runner(instance, mapped_library, torch.device("cpu"), "fp32")
         tables = table_weights(instance.tables)
         assert runner.tables.data_ptr() == tables.data_ptr()
         assert tables.numel() >= 4 * ROWS * 8 * 4
         for k in range(20):
             runner([QueryRef(k, 50, 50 * k)])
-        mapping = _mapping_of(tables.data_ptr())
-        assert mapping["path"] == str(directory / "s" / "model.pt")
-        # read through the file's own pages: none copied into this process (a copy-on-write copy is `Anonymous`)
-        assert mapping["Rss"] > 0 and mapping["Anonymous"] == 0, mapping
+        # the tables and the library (rows, lengths, ids) are read through the files' own pages: none copied into
+        # this process (a copy-on-write copy is `Anonymous`)
+        arrays = [runner.library.dense, runner.library.lengths, runner.library.values]
+        for address, file in [(tables.data_ptr(), "model.pt"), *((a.ctypes.data, "library.pt") for a in arrays)]:
+            mapping = _mapping_of(address)
+            assert mapping["path"] == str(directory / "s" / file)
+            assert mapping["Rss"] > 0 and mapping["Anonymous"] == 0, mapping
     finally:
         build.in_instance(module, torch.device("cpu"), precision="fp32", table_precision="fp32")  # the fixture's
 

@@ -31,6 +31,8 @@ from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is exported as dynamic
+# what the package's graph is, in its cache key: a package of another graph (other inputs) is never loaded for it
+GRAPH = "whole batch: fused lookup and dense part, from assembled ids (1)"
 # the TBE's layout (which table is where, in which type): small, constant, frozen into the package
 LAYOUT_BUFFERS = ("weights_placements", "weights_offsets", "weights_tys", "D_offsets")
 LAYOUT_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
@@ -45,16 +47,16 @@ def table_weights(tables: Any) -> torch.Tensor:
 
 class WholeBatch(nn.Module):
     """A FusedDLRM's batch as one graph: `forward(dense [B, num_dense] fp32, ids int32, offsets int32 [F * B + 1],
-    tables uint8) -> scores [B] fp32`. `dense` replaces the model's dense part (aoti_int8: its quantised graph)."""
+    tables uint8) -> scores [B] fp32`. `dense_part` replaces the model's (aoti_int8: its quantised graph)."""
 
-    def __init__(self, module: Any, dense: nn.Module | None = None) -> None:
+    def __init__(self, module: Any, dense_part: nn.Module | None = None) -> None:
         super().__init__()
         tables = module.tables
         for name in LAYOUT_BUFFERS:
             self.register_buffer(name, getattr(tables, name).clone())
         self.layout = {name: getattr(tables, name) for name in LAYOUT_INTS}
         self.pooling_mode = int(tables.pooling_mode)
-        self.dense = module.dense if dense is None else dense
+        self.dense_part = module.dense if dense_part is None else dense_part
         self.dtype = module.dtype
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor
@@ -65,7 +67,7 @@ class WholeBatch(nn.Module):
             indices=ids, offsets=offsets, pooling_mode=self.pooling_mode, indice_weights=None,
             lxu_cache_weights=None, lxu_cache_locations=None, **self.layout,
         )  # fmt: skip
-        return torch.sigmoid(self.dense(dense.to(self.dtype), pooled).float())
+        return torch.sigmoid(self.dense_part(dense.to(self.dtype), pooled).float())
 
 
 def example_batch(module: Any, size: int = EXAMPLE_BATCH) -> tuple[torch.Tensor, ...]:
@@ -76,10 +78,11 @@ def example_batch(module: Any, size: int = EXAMPLE_BATCH) -> tuple[torch.Tensor,
     return torch.zeros(size, module.spec.num_dense), ids, offsets, table_weights(module.tables)
 
 
-def export_whole(module: Any, path: Path, dense: nn.Module | None = None,
+def export_whole(module: Any, path: Path, dense_part: nn.Module | None = None,
                  inductor_configs: JsonObject | None = None) -> None:  # fmt: skip
     """Export a FusedDLRM's whole batch (`WholeBatch`) and compile it by AOTInductor into the package `path`."""
-    whole = WholeBatch(module, dense).eval()
+    whole = WholeBatch(module, dense_part)
+    whole.training = False  # itself only: the dense part is in eval already (a PT2E graph refuses `.eval()`)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     features = len(module.spec.feature_names)
     shapes = ({0: batch}, {0: ids}, {0: features * batch + 1}, None)
@@ -114,7 +117,7 @@ class AOTIBuild:
         module = base.sibling()  # the same tables, not a copy
         return self.packaged(
             module, lambda m, path: export_whole(m, path, inductor_configs=self.inductor_configs),
-            {"precision": precision, "table_precision": table_precision, "graph": "whole batch",
+            {"precision": precision, "table_precision": table_precision, "graph": GRAPH,
              **({"inductor": self.inductor_configs} if self.inductor_configs else {})},
         )  # fmt: skip
 

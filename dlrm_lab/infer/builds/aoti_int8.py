@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.family import family_of
-from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, AOTIBuild, export_whole
+from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, GRAPH, AOTIBuild, export_whole
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 CALIBRATION_SAMPLES = 2048  # observed, in batches of CALIBRATION_BATCH, before the scales are fixed
@@ -75,7 +75,7 @@ def quantise_and_export(module: Any, path: Path) -> None:
         for dense, pooled in inputs:
             prepared(dense, pooled)
         quantised = convert_pt2e(prepared)
-    export_whole(module, path, dense=quantised)
+    export_whole(module, path, dense_part=quantised)
 
 
 class AOTIInt8Build(AOTIBuild):
@@ -92,7 +92,8 @@ class AOTIInt8Build(AOTIBuild):
         if why := torchao_missing():
             raise RuntimeError(why)
         module = family_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
-        return self.packaged(module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES]})
+        return self.packaged(module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES],
+                                                                 "graph": GRAPH})
 
     def skip(self, base_dense_ms: float | None) -> str | None:
         # the size first: a dense part too small to compile is skipped without importing torchao (seconds)
