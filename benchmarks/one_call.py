@@ -15,6 +15,8 @@ batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the prec
         Targets (AMX): <= 0.15 ms a batch, <= 1.5 us a sample.
 points  The low-load point (kaggle 100k rows, MLPerf sizes, 3 q/s, 1 x 1, 120 s; `--duration` to shorten) under
         the builds `fused`, `aoti` and `auto`, interleaved: p99 over its floor (target <= 3x).
+idle    The same point, build auto, under each route against an idle tail: none, keep-warm batches every 10 ms,
+        an instance that spins, /dev/cpu_dma_latency held at 0, the tables locked (`--idle-hold`), interleaved.
 """
 
 from __future__ import annotations
@@ -147,6 +149,32 @@ def points_part(duration: str, repeats: int) -> dict[str, Any]:
             for b, r in rows.items()}  # fmt: skip
 
 
+IDLE_ROUTES = {"none": [], "keep-warm 10 ms": ["--keep-warm-ms", "10"], "spin": ["--spin-ms", "1000"],
+               "cpu-latency": ["--idle-hold", "cpu-latency"], "lock-tables": ["--idle-hold", "lock-tables"]}
+
+
+def idle_part(duration: str, repeats: int) -> dict[str, Any]:
+    """The low-load point under each idle-tail route, interleaved: p99 over its floor (target <= 3x)."""
+    import pyarrow.parquet as pq
+    from common import lab_run
+
+    args = ["--model", "kaggle", "--max-rows", "100000", "--query-size", "mlperf", "--qps", "3", "--duration",
+            duration, "--instances", "1", "--threads", "1", "--sla-ms", "100", "--build", "auto"]  # fmt: skip
+    rows: dict[str, list[dict[str, Any]]] = {r: [] for r in IDLE_ROUTES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            for route, extra in IDLE_ROUTES.items():
+                run_dir = lab_run(Path(tmp), "infer", "run", *args, *extra)
+                (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+                keep = {k: row.get(k) for k in ("build", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio",
+                                                "queries", "idle_hold", "spin_ms", "keep_warm_ms")}  # fmt: skip
+                rows[route].append(keep)
+                print(f"  {route}: p99 {keep['sla_latency_ms']:.2f} ms, floor {keep['latency_floor_ms']:.3f} ms, "
+                      f"{keep['latency_floor_ratio']:.2f}x ({keep['build']})", flush=True)
+    return {r: {"runs": v, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in v)}
+            for r, v in rows.items()}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="batch,points")
@@ -161,6 +189,8 @@ def main() -> None:
         results["batch"] = batch_part(args.table_precisions.split(","))
     if "points" in parts:
         results["points"] = points_part(args.duration, args.repeats)
+    if "idle" in parts:
+        results["idle"] = idle_part(args.duration, args.repeats)
     write_results(results_path("one_call"), results)
 
 

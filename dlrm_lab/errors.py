@@ -61,8 +61,11 @@ class FieldError(UserError):
         return text
 
 
-class Terminated(Exception):
-    """The process was asked to stop (SIGTERM), e.g. by a launcher after another rank failed."""
+class Terminated(BaseException):
+    """The process was asked to stop (SIGTERM), e.g. by a launcher after another rank failed.
+
+    A BaseException, as KeyboardInterrupt is: libraries' own `except Exception` (Inductor's compile and
+    autotuning, a checkpoint reader) must not swallow a stop, nor turn it into their own error."""
 
 
 def raise_on_sigterm() -> None:

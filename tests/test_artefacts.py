@@ -67,3 +67,70 @@ def test_two_processes_building_one_key_at_once_build_it_once(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     assert calls.read_text() == "built\n"  # the second waited on the lock and found the first's
     assert (tmp_path / "out0").read_text() == (tmp_path / "out1").read_text()
+
+
+def test_a_cache_that_cannot_take_a_build_is_named_and_a_whole_artefact_is_served_from_it(monkeypatch, tmp_path):
+    """A read-only cache still serves what it holds whole; a build into it, or into a full disk, is one line
+    naming the directory, never a traceback (issue 57 C16, C17)."""
+    import os
+    import shutil
+
+    import pytest
+
+    from dlrm_lab.errors import DiskFull, UserError
+    from dlrm_lab.infer import artefacts
+
+    monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
+    built = cached_artefact("k", ".bin", _write("package"), {})
+    os.chmod(tmp_path, 0o555)
+    try:
+        if os.access(tmp_path, os.W_OK):  # root writes anyway: the check is the same one as for a read-only mount
+            monkeypatch.setattr(Path, "touch", lambda *_a, **_k: (_ for _ in ()).throw(OSError(30, "Read-only file "
+                                                                                                    "system")))
+        again = cached_artefact("k", ".bin", _write("other"), {})
+        assert not again.built and again.path == built.path  # served from the read-only cache, not rebuilt
+        with pytest.raises(UserError, match=f"^the build cache {tmp_path} is not writable .*DLRM_LAB_BUILD_DIR"):
+            cached_artefact("new", ".bin", _write("x"), {})
+    finally:
+        os.chmod(tmp_path, 0o755)
+    monkeypatch.undo()
+    monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(artefacts.shutil, "disk_usage", lambda _p: usage._replace(free=10 << 20))
+    with pytest.raises(DiskFull, match=r"^the build cache .* has 10 MiB free; this build needs about 2\d\d MiB"):
+        cached_artefact("new", ".bin", _write("x"), {})
+
+
+def test_a_build_waiting_on_anothers_lock_says_who_and_stops_at_its_bound(monkeypatch, tmp_path, capsys):
+    import fcntl
+
+    import pytest
+
+    from dlrm_lab.errors import ServingFault
+    from dlrm_lab.infer import artefacts
+
+    monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(artefacts, "BUILD_WAIT_S", 0.5)
+    with open(tmp_path / "k.lock", "a+") as held:  # another holder: its own open file, as another process has
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid 4242 since 2026-11-29T00:00:00+00:00")
+        held.flush()
+        with pytest.raises(ServingFault, match=r"^the build of k is held by pid 4242 since .* for \d s"):
+            cached_artefact("k", ".bin", _write("x"), {})
+    assert "waiting for pid 4242" in capsys.readouterr().err
+    assert cached_artefact("k", ".bin", _write("x"), {}).built  # released: built at once
+
+
+def test_temporaries_of_writers_that_died_are_removed_on_the_next_use(monkeypatch, tmp_path):
+    """A writer killed mid-build (OpenVINO's .xml and .bin parts included) leaves temporaries; the next use of the
+    cache removes those whose process is gone and keeps a live writer's (issue 57 A4)."""
+    import os
+
+    monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
+    dead = 2**22 + 17  # above any pid this kernel hands out
+    stale = [tmp_path / f".k1.{dead}.tmp.npz.xml", tmp_path / f".k1.{dead}.tmp.npz.bin", tmp_path / f".k2.{dead}.tmp.pt2"]
+    live = tmp_path / f".k3.{os.getppid()}.tmp.pt2"
+    for path in (*stale, live):
+        path.write_bytes(b"partial")
+    cached_artefact("k", ".bin", _write("package"), {})
+    assert not any(p.exists() for p in stale) and live.exists()

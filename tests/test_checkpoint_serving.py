@@ -4,6 +4,7 @@ held-out samples as training evaluated them, and judges reduced-precision builds
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -221,3 +222,83 @@ def test_the_openvino_build_without_openvino_names_the_extra_to_install(monkeypa
     monkeypatch.setitem(sys.modules, "nncf", None)  # OpenVINO without its quantiser: only the int8 build is missing
     assert build_named("openvino").skip(100.0) is None
     assert build_named("openvino_int8").skip(100.0).startswith("NNCF is not installed")
+
+
+@pytest.mark.parametrize(("damage", "said"), [
+    ({"eval": {"auc": "0.79", "step": 40}}, "eval.auc = '0.79': must be in [0, 1]"),
+    ({"eval": "good"}, "eval = 'good': must be the last evaluation, an object, or null"),
+    ({"data": None}, "data = missing: must be 'synthetic' or the training data's path"),
+    ({"seed": None}, "seed = missing: must be a whole number >= 0"),
+    ({"step": -1}, "step = -1: must be a whole number >= 0"),
+    ({"data_overrides": "a=1"}, "data_overrides = 'a=1': must be a list of KEY=VALUE strings"),
+])
+def test_a_damaged_sidecar_is_refused_whole_at_start_naming_the_field(trained, tmp_path, damage, said):
+    """Every field of trained.json that serving reads later is checked when it is read: one line naming the field,
+    before any load, never a KeyError after it (issue 57 A5, D22)."""
+    import shutil
+
+    root, _ = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(read_checkpoint(root).path, copy)
+    about = {**read_checkpoint(root).about}
+    about.update({k: v for k, v in damage.items() if v is not None})
+    for key in (k for k, v in damage.items() if v is None):
+        about.pop(key)
+    (copy / TRAINED).write_text(json.dumps(about))
+    with pytest.raises(UserError, match=r"^checkpoint /.*trained.json: " + re.escape(said)):
+        _served(copy)
+
+
+def test_a_second_run_writes_its_step_beside_the_first_and_a_killed_save_leaves_latest_whole(trained, tmp_path):
+    """A checkpoint is written into a partial directory and renamed into place whole; where an earlier run left the
+    same step, the new one takes another name and the earlier weights stay readable (issue 57 A1)."""
+    import shutil
+
+    import torch
+
+    from dlrm_lab.model.checkpoint import LATEST, load_weights
+    from dlrm_lab.train.checkpoint import save_checkpoint
+
+    root, _ = trained
+    copy = tmp_path / "run"
+    copy.mkdir()
+    first = read_checkpoint(root)
+    shutil.copytree(first.path, copy / first.path.name)
+    (copy / LATEST).write_text(first.path.name + "\n")
+    model = family_of(dlrm_lab.load_preset("tiny")).serving_model(_served(copy), 0, lambda _line: None)[0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = save_checkpoint(copy, model, optimizer, first.step, True, first.about)
+    assert path.name == f"{first.path.name}.1" and (copy / LATEST).read_text().strip() == path.name
+    assert read_checkpoint(copy).path == path
+    again = read_checkpoint(copy / first.path.name)  # the earlier run's weights, whole
+    assert again.step == first.step
+    load_weights(model, again)
+    assert not list(copy.glob(".step-*"))  # nothing partial left
+    # a save killed mid-write leaves its partial directory, never named by `latest`; the next save removes it
+    (copy / f".step-{41:08d}.partial").mkdir()
+    (copy / f".step-{41:08d}.partial" / "__0_0.distcp").write_bytes(b"")
+    assert read_checkpoint(copy).path == path
+    assert save_checkpoint(copy, model, optimizer, 41, True, first.about).name == f"step-{41:08d}"
+    assert not list(copy.glob(".step-*"))
+
+
+def test_a_stop_inside_the_checkpoint_reader_is_a_stop_not_a_damaged_checkpoint(trained, monkeypatch):
+    """DCP wraps whatever a reader raised in its own exception; Ctrl-C and SIGTERM come out as themselves (130 and
+    1), never as "its weights do not fit" (issue 57 A2)."""
+    import torch.distributed.checkpoint as dcp
+
+    from dlrm_lab.errors import Terminated
+    from dlrm_lab.model.checkpoint import load_weights
+
+    root, _ = trained
+    model = family_of(dlrm_lab.load_preset("tiny")).serving_model(_served(root), 0, lambda _line: None)[0]
+    for stop in (KeyboardInterrupt(), Terminated("terminated by signal SIGTERM")):
+        def interrupted_read(*_args, stop=stop, **_kw):
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            raise CheckpointException("load", {0: (stop, None)})
+
+        monkeypatch.setattr(dcp, "load", interrupted_read)
+        with pytest.raises(type(stop)):
+            load_weights(model, read_checkpoint(root))
+    assert not issubclass(Terminated, Exception)  # no library's `except Exception` swallows a SIGTERM

@@ -169,6 +169,14 @@ def test_the_cli_writes_the_manifests_and_refuses_bad_options_in_one_line(tmp_pa
         ("--image", "x", "--name", "DLRM_1"): "--name 'DLRM_1': must be a DNS label",
         ("--image", "x", "--launcher", "mpi"): "--launcher mpi: the pods start their ranks with torchrun",
         ("--image", "x", "--emit", "slurm"): "--emit 'slurm': allowed: kubernetes",
+        # matched whole: a final newline would reach the YAML (issue 57 E25), and counts no cluster holds
+        ("--image", "x", "--name", "lab\n"): "--name 'lab\\n': must be a DNS label",
+        ("--image", "x", "--memory", "64Gi\n"): "--memory '64Gi\\n': must be a Kubernetes quantity",
+        ("--image", "x", "--namespace", "Team_A"): "--namespace 'Team_A': must be a DNS label",
+        ("--image", "x", "--nproc", "1000000000"): "--nproc 1000000000: must be an integer in [1, 1024]",
+        ("--image", "x", "--nnodes", "1000000000"): "--nnodes 1000000000: must be an integer in [1, 10000]",
+        ("--image", "x", "--out", "/nonexistent/dir/job.yaml"): "--out /nonexistent/dir/job.yaml: cannot write the "
+                                                                  "manifests (No such file or directory)",
     }.items():
         emit = [] if "--emit" in bad else ["--emit", "kubernetes"]
         code, _, err = run_cli_in_process("launch", *emit, *bad, "--", *TRAIN)

@@ -160,3 +160,32 @@ def _mapping_of(address: int) -> dict:
             entry[head[0][:-1]] = int(head[1])
     assert found, "the tables' address is in no mapping"
     return entry
+
+
+def test_an_idle_hold_locks_the_tables_or_holds_the_cpu_latency_and_a_bad_one_is_refused(served):
+    """`--idle-hold lock-tables` locks the instance's tables and library in memory (their pages counted `Locked`);
+    `cpu-latency` holds /dev/cpu_dma_latency at 0, or says it needs root; anything else is refused by name."""
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.infer.instance import IdleHold
+    from dlrm_lab.infer.served import ServedModel
+
+    _, module, library, _ = served
+    hold = IdleHold.take("lock-tables", module, library)
+    try:
+        assert _mapping_of(table_weights(module.tables).data_ptr())["Locked"] > 0
+        assert _mapping_of(library.values.ctypes.data)["Locked"] > 0
+    finally:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        for address, size in hold.handle:
+            libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    try:
+        latency = IdleHold.take("cpu-latency", module, library)
+    except RuntimeError as exc:
+        assert "cpu_dma_latency" in str(exc) and "root" in str(exc)
+    else:
+        assert latency.handle.fileno() >= 0
+        latency.handle.close()  # released: the kernel drops the request with the file
+    with pytest.raises(UserError, match=r"idle_hold.*'sleep': allowed: none, cpu-latency, lock-tables"):
+        ServedModel("tiny", dlrm_lab.load_preset("tiny"), idle_hold="sleep")

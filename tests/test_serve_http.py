@@ -355,3 +355,70 @@ def test_the_body_limit_follows_the_largest_query():
     ids = 8 * sum(t.pooling_factor * len(t.feature_names) for t in tiny.tables)  # 8x the mean ids of a sample
     assert small == BODY_SLACK + int(100 * (tiny.num_dense + tiny.num_features + ids) * 24)
     assert max_body_bytes({"tiny": ServedModel("tiny", tiny)}) > small
+
+
+def test_a_taken_http_port_is_refused_before_anything_starts_and_a_free_one_is_held_from_then(tmp_path):
+    """The HTTP port is claimed before the run exists or an instance starts: taken, it is one line naming
+    --http-port and no run directory; claimed, no other process can bind it while the server starts (issue 57 A6)."""
+    import socket
+
+    import dlrm_lab
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.serve.server import _claim, serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"^http_port {busy}: cannot listen on 127.0.0.1:{busy}"):
+            serve([ServedModel("tiny", dlrm_lab.load_preset("tiny"))], host="127.0.0.1", port=0, http_port=busy,
+                  metrics_dir=tmp_path / "runs")  # fmt: skip
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    held = _claim("127.0.0.1", 0, "http_port")
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(held.getsockname())
+    finally:
+        held.close()
+
+
+def test_hostile_frames_get_an_answer_and_idle_or_trickling_connections_are_closed(monkeypatch):
+    """Raw HTTP on the in-process front (issue 57 B11, B13, B14): two different Content-Lengths are 400 (never a
+    wait for bytes that do not come); a Content-Length or Inference-Header-Content-Length of '²' is 400, not a
+    traceback; JSON nested 100,000 deep is 400; an output whose parameters are not an object is 400 before the query
+    is scored; an idle connection is closed after its timeout and a trickled body answered 408."""
+    from dlrm_lab.serve import rest as rest_module
+
+    monkeypatch.setattr(rest_module, "HEAD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(rest_module, "BODY_TIMEOUT_S", 0.3)
+    front = _front(max_body=10 << 20)
+
+    async def exchange(raw: bytes, then: bytes = b"", pause_s: float = 0.0) -> list[bytes]:
+        port = await front.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        await writer.drain()
+        if pause_s:
+            await asyncio.sleep(pause_s)
+            writer.write(then)
+        data = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+        writer.close()
+        await front.close(0)
+        return re.findall(rb"HTTP/1\.1 \d+ [A-Za-z ]+", data)
+
+    two = b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 50\r\n\r\nhello"
+    assert asyncio.run(exchange(two)) == [b"HTTP/1.1 400 Bad Request"]
+    odd = "POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: ²\r\n\r\n".encode()
+    assert asyncio.run(exchange(odd)) == [b"HTTP/1.1 400 Bad Request"]
+    assert asyncio.run(exchange(b"", pause_s=0.01)) == []  # idle: closed without a word, after the timeout
+    trickle = b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 100\r\n\r\nab"
+    assert asyncio.run(exchange(trickle, b"cd", pause_s=0.1)) == [b"HTTP/1.1 408 Request Timeout"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases = [({"inference-header-content-length": "²"}, b"{}", "Inference-Header-Content-Length '²'"),
+             ({}, deep, "JSON nested too deep"),
+             ({}, json.dumps({"inputs": [], "outputs": [{"name": "scores", "parameters": 7}]}).encode(),
+              "outputs[0]: parameters must be a JSON object")]  # fmt: skip
+    for headers, body, words in cases:
+        got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/infer", headers, body))
+        assert got == 400 and words in json.loads(answer)["error"], answer

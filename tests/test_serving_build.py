@@ -355,3 +355,16 @@ def test_the_roof_reads_each_builds_dense_weights_as_it_stores_them():
     assert [dense_weight_bytes(b, "bf16") for b in ("fused", "compiled", "aoti")] == [2.0, 2.0, 2.0]
     assert dense_weight_bytes("aoti_int8", "bf16") == 1.0 and dense_weight_bytes("aoti", "fp32") == 4.0
     assert dense_weight_bytes("a remote server's", "bf16") == 4.0
+
+
+def test_an_explicit_build_whose_engine_is_missing_is_one_line_naming_what_to_install(monkeypatch, tmp_path):
+    """`auto` skips a build whose engine cannot be imported; an explicit one says so in one line before anything
+    is built (issue 57 C18), as every build's own `skip` says it."""
+    from dlrm_lab.infer.builds import aoti_int8, openvino
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    monkeypatch.setattr(openvino, "openvino_missing", lambda quantise: "OpenVINO is not installed: pip install x")
+    monkeypatch.setattr(aoti_int8, "torchao_missing", lambda: "torchao is not installed: pip install y")
+    for build, said in (("openvino", "pip install x"), ("openvino_int8", "pip install x"), ("aoti_int8", "pip install y")):
+        with pytest.raises(UserError, match=f"^build {build}: cannot be made here: .*{said}"):
+            _choose(build, FakeTimes(eager=3.0, fused=1.0))

@@ -55,7 +55,10 @@ def launch_command(
         if out is None:
             typer.echo(text, nl=False)
         else:
-            out.write_text(text)
+            try:
+                out.write_text(text)
+            except OSError as exc:  # a missing directory, a read-only mount, a full disk
+                raise UserError(f"--out {out}: cannot write the manifests ({exc.strerror or exc})") from None
             typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
         return
     from dlrm_lab.distributed.launch import launch

@@ -36,8 +36,10 @@ TRAINER_RUNTIME = "torch-distributed"  # Kubeflow Trainer's ClusterTrainingRunti
 TRAINER_NODE = "node"  # the runtime's replicated job and container name
 TRAINER_PATCH_MANAGER = "dlrm-lab/launch"  # owns this job's entry in TrainJob.spec.runtimePatches
 CONTAINER = "dlrm-lab"
-_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
+# matched whole (`fullmatch`): `$` alone also matches before a final newline, which YAML would then carry
+_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?")
+MAX_NODES, MAX_RANKS_A_NODE = 10_000, 1_024  # beyond any cluster's pods and any node's cores
 Manifest = dict[str, Any]
 
 
@@ -62,7 +64,7 @@ def manifests(
     `cpu` (cores), `memory` (a Kubernetes quantity, e.g. 64Gi) and `gpus` are each pod's requests and limits;
     `metrics_volume` names the claim mounted at the command's --metrics-dir (added as /runs where absent);
     `rdzv_endpoint` (job only) overrides `<name>-0.<name>:29500`; `python` is the pods' interpreter."""
-    _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume)
+    _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume, namespace)
     args, metrics_dir = _with_metrics_dir(list(args))
     labels = {"app.kubernetes.io/name": "dlrm-lab", "app.kubernetes.io/instance": name}
     metadata = {"name": name, **({"namespace": namespace} if namespace else {}), "labels": labels}
@@ -181,22 +183,24 @@ def _resources(gpus: int, cpu: int | None, memory: str | None) -> dict[str, dict
     return {"requests": dict(given), "limits": dict(given)} if given else {}
 
 
-def _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume) -> None:
+def _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume, namespace=None) -> None:
     if kind not in KINDS:
         raise FieldError("kind", f"{kind!r}: allowed: {', '.join(KINDS)}")
     if not image:
         raise FieldError("image", "is needed: an image with the lab and its stack installed (launch/kubernetes.md)")
-    for field, value in (("name", name), ("metrics_volume", metrics_volume)):
-        if not _NAME.match(value) or len(value) > 50:
+    labels = [("name", name, 50), ("metrics_volume", metrics_volume, 50)]
+    for field, value, longest in labels + ([("namespace", namespace, 63)] if namespace is not None else []):
+        if not isinstance(value, str) or not _NAME.fullmatch(value) or len(value) > longest:
             raise FieldError(
-                field, f"{value!r}: must be a DNS label (a-z, 0-9, '-'; a letter first), 50 characters at most"
+                field, f"{value!r}: must be a DNS label (a-z, 0-9, '-'; a letter first), {longest} characters at most"
             )
-    for field, value, least in (("nnodes", nnodes, 1), ("nproc", nproc, 1), ("gpus", gpus, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise FieldError(field, f"{value!r}: must be an integer >= {least}")
+    for field, value, least, most in (("nnodes", nnodes, 1, MAX_NODES), ("nproc", nproc, 1, MAX_RANKS_A_NODE),
+                                      ("gpus", gpus, 0, MAX_RANKS_A_NODE)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+            raise FieldError(field, f"{value!r}: must be an integer in [{least}, {most}]")
     if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1):
         raise FieldError("cpu", f"{cpu!r}: must be an integer >= 1 (cores a pod)")
-    if memory is not None and not _QUANTITY.match(memory):
+    if memory is not None and not (isinstance(memory, str) and _QUANTITY.fullmatch(memory)):
         raise FieldError("memory", f"{memory!r}: must be a Kubernetes quantity, e.g. 64Gi or 500M")
     if gpus and nproc > gpus:
         raise FieldError(

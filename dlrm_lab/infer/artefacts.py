@@ -18,6 +18,9 @@ import hashlib
 import json
 import os
 import platform
+import shutil
+import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.errors import DiskFull, ServingFault, UserError, is_disk_full
 
 BUILD_DIR_ENV = "DLRM_LAB_BUILD_DIR"
 RECORD = ".json"  # beside each artefact: its hash and what made it
@@ -86,18 +90,32 @@ def verified(path: Path) -> str | None:
     return None
 
 
-def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about: JsonObject) -> Artefact:
+# How long a build waits for another process's build of the same key before it says so and stops
+BUILD_WAIT_S = float(os.environ.get("DLRM_LAB_BUILD_WAIT_S", "1800"))
+# Free space a build needs in the cache beyond its artefact's own estimate (the compiler's temporaries)
+BUILD_HEADROOM_BYTES = 256 << 20
+
+
+def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about: JsonObject,
+                    size_hint: int = 0) -> Artefact:  # fmt: skip
     """The artefact of `key` from the cache, checked; else `build(path)` writes it to a temporary path, which is
-    recorded and renamed into place. Concurrent callers of one key build it once."""
+    recorded and renamed into place. Concurrent callers of one key build it once.
+
+    A whole artefact is served from a cache it cannot write (read-only, full). A build first checks the cache can
+    take it (writable, `size_hint` bytes and headroom free), and names the directory where not; one that waits on
+    another process's build of the key says who holds it and stops after BUILD_WAIT_S; temporaries of writers that
+    died (their pid gone) are removed."""
     directory = artefact_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{key}{suffix}"
-    with open(directory / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, a killed holder's included
+    if verified(path) is None:  # no lock needed to read a whole artefact: a read-only cache serves it
+        return _found(path)
+    _check_writable(directory, size_hint)
+    remove_dead_temporaries(directory)
+    with open(directory / f"{key}.lock", "a+") as lock:
+        _take(lock, key)
         why = verified(path)
         if why is None:
-            return Artefact(path, json.loads(path.with_name(path.name + RECORD).read_text())["sha256"], False,
-                            "found in the cache, its hash checked")  # fmt: skip
+            return _found(path)
         tmp = directory / f".{key}.{os.getpid()}.tmp{suffix}"
         try:
             build(tmp)
@@ -108,9 +126,74 @@ def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about:
             record_tmp = directory / f".{key}.{os.getpid()}.tmp{RECORD}"
             record_tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
             os.replace(record_tmp, path.with_name(path.name + RECORD))
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise DiskFull(f"the build cache {directory} filled up while building {path.name}: free space or "
+                               f"set {BUILD_DIR_ENV} to a larger disk") from None  # fmt: skip
+            raise
         finally:
-            tmp.unlink(missing_ok=True)
+            for leftover in directory.glob(f".{key}.{os.getpid()}.tmp*"):  # the engines' own parts included
+                leftover.unlink(missing_ok=True)
         return Artefact(path, sha, True, f"built ({why})")
+
+
+def _found(path: Path) -> Artefact:
+    return Artefact(path, json.loads(path.with_name(path.name + RECORD).read_text())["sha256"], False,
+                    "found in the cache, its hash checked")  # fmt: skip
+
+
+def _check_writable(directory: Path, size_hint: int) -> None:
+    """Refuse, in one line naming the directory, a cache that cannot take a build."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-probe.{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"the build cache {directory} is not writable ({exc.strerror or exc}): set {BUILD_DIR_ENV} "
+                        "to a writable directory") from None  # fmt: skip
+    free = shutil.disk_usage(directory).free
+    need = size_hint + BUILD_HEADROOM_BYTES
+    if free < need:
+        raise DiskFull(f"the build cache {directory} has {free / 2**20:.0f} MiB free; this build needs about "
+                       f"{need / 2**20:.0f} MiB: free space or set {BUILD_DIR_ENV} to a larger disk")  # fmt: skip
+
+
+def _take(lock: Any, key: str) -> None:
+    """Take the key's lock; while another process holds it, say who once and wait, at most BUILD_WAIT_S."""
+    start, told = time.monotonic(), False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, a killed holder's too
+            break
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            waited = time.monotonic() - start
+            if waited > BUILD_WAIT_S:
+                raise ServingFault(f"the build of {key} is held by {holder} for {waited:.0f} s (its lock "
+                                   f"{lock.name}); stop that process, or set DLRM_LAB_BUILD_WAIT_S") from None
+            if not told:
+                print(f"waiting for {holder}, which is building {key} (lock {lock.name}; at most "
+                      f"{BUILD_WAIT_S:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+                told = True
+            time.sleep(0.2)
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} since {datetime.now(timezone.utc).isoformat(timespec='seconds')}")
+    lock.flush()
+
+
+def remove_dead_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporaries (`.KEY.PID.tmp*`, an engine's parts included) of writers whose process is gone."""
+    removed = []
+    for tmp in directory.glob(".*.*.tmp*"):
+        parts = tmp.name.split(".")
+        pid = parts[2] if len(parts) > 3 else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def dense_package(build: str, module: Any, suffix: str, write: Callable[[Any, Path], None],
@@ -120,8 +203,9 @@ def dense_package(build: str, module: Any, suffix: str, write: Callable[[Any, Pa
     dense weights themselves."""
     key = content_key({"build": build, "spec": module.spec.to_dict(), **made_by, **machine_parts()},
                       module.dense.state_dict().values())  # fmt: skip
+    size = sum(t.numel() * t.element_size() for t in module.dense.state_dict().values())
     return cached_artefact(key, suffix, lambda path: write(module, path),
-                           {"build": build, "model": module.spec.name, **made_by})  # fmt: skip
+                           {"build": build, "model": module.spec.name, **made_by}, size_hint=4 * size)  # fmt: skip
 
 
 def require_verified(path: str | Path) -> Path:

@@ -143,6 +143,8 @@ def choose_build(
     family = family_of(model.spec)
     if requested != AUTO and requested not in family.builds:
         raise FieldError("build", f"{requested!r}: allowed for {family.called}: {AUTO}, {', '.join(family.builds)}")
+    if requested != AUTO and (missing := build_named(requested).skip(None)):  # None: no size rule, what it needs
+        raise FieldError("build", f"{requested}: cannot be made here: {missing}")
     common = {"requested": requested, "threads": threads}
     if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
         build = "eager" if requested == AUTO else requested

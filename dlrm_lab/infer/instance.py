@@ -38,6 +38,7 @@ from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+IDLE_HOLDS = ("none", "cpu-latency", "lock-tables")  # what an idle instance holds while it waits (`IdleHold`)
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
 
 
@@ -77,6 +78,7 @@ class InstancePlan:
     warmup_batch: int
     spin_ms: float = 0.0  # poll for the next batch this long before blocking
     keep_warm_ms: float = 0.0  # while idle, a 1-sample batch of the library this often (0: off)
+    idle_hold: str = "none"  # IDLE_HOLDS: what it holds while it waits
     history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
     build: str = "eager"  # the inference form served (infer.build)
     # Instances yield to the serving process: when they fill every core, the batcher and
@@ -154,6 +156,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         )
         library = map_library(snapshot, spec)
         runner = make_runner(model, library, device, plan.precision, plan.history_cache_mb)
+        _hold = IdleHold.take(plan.idle_hold, model, library)  # held until the process ends
         runner.warm_up(min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch))
         cost = runner.batch_cost(min(family.cost_batch, library.size))
         gc.collect()
@@ -201,6 +204,46 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, counts, stages))
         except (EOFError, OSError):
             return
+
+
+class IdleHold:
+    """What an idle instance holds against memory and cores going cold between batches (these guests' idle vCPU
+    exits to the host at once), for as long as the instance lives:
+
+    - `cpu-latency`: /dev/cpu_dma_latency held open at 0 (the kernel's PM QoS): where a cpuidle driver runs, the
+      idle core polls instead of halting, so it neither exits to the host nor leaves its caches to other work;
+      released by the kernel when the file closes, however the process ends. Needs root;
+    - `lock-tables`: the tables and the sample library pre-faulted and locked (`mlock`): no page of them is ever
+      reclaimed or faulted again; unlocked when the process ends.
+
+    A hold that cannot be taken fails the instance's start with the reason (the server says it on one line)."""
+
+    def __init__(self, kind: str, handle: Any = None) -> None:
+        self.kind, self.handle = kind, handle
+
+    @classmethod
+    def take(cls, kind: str, model: torch.nn.Module, library: Any) -> IdleHold:
+        if kind == "cpu-latency":
+            try:
+                handle = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115 - held for the process's life
+                handle.write((0).to_bytes(4, "little", signed=True))
+            except OSError as exc:
+                raise RuntimeError(f"--idle-hold cpu-latency: cannot hold /dev/cpu_dma_latency at 0 "
+                                   f"({exc.strerror or exc}); it needs root") from None  # fmt: skip
+            return cls(kind, handle)
+        if kind == "lock-tables":
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in _tensors(model)]
+            regions += [(a.ctypes.data, a.nbytes) for a in vars(library).values() if isinstance(a, np.ndarray)]
+            for address, size in regions:
+                if size and libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) != 0:
+                    err = ctypes.get_errno()
+                    raise RuntimeError(f"--idle-hold lock-tables: mlock of {size:,} bytes failed ({os.strerror(err)});"
+                                       " raise the locked-memory limit (ulimit -l) or run as root")  # fmt: skip
+            return cls(kind, regions)
+        return cls(kind)
 
 
 class KeepWarm:
@@ -274,18 +317,23 @@ class Tracer:
             self.profiler = None
 
 
-def _touch_pages(model: torch.nn.Module) -> None:
-    """Map every page of the snapshot now (one byte per 4 KiB page): otherwise the first
-    lookups of each row page fault during the measurement."""
-    seen = set()
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every CPU tensor of a served module (its state and the fused tables' own), one per storage."""
+    seen, out = set(), []
     for t in list(model.state_dict().values()) + [
         b for m in model.modules() for b in vars(m).values() if isinstance(b, torch.Tensor)
     ]:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
             continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            out.append(t)
+    return out
+
+
+def _touch_pages(model: torch.nn.Module) -> None:
+    """Map every page of the snapshot now (one byte per 4 KiB page): otherwise the first
+    lookups of each row page fault during the measurement."""
+    for t in _tensors(model):
+        raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
         raw[::4096].sum()

@@ -43,7 +43,7 @@ class InstanceProcesses:
             model=m.name, index=place.index, snapshot_dir=str(snap), spec=m.spec.to_dict(), threads=m.threads,
             cores=place.cores, device=place.device, precision=m.precision, table_precision=m.table_precision,
             warmup_batch=warmup_batch, spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
-            keep_warm_ms=m.keep_warm_ms,
+            keep_warm_ms=m.keep_warm_ms, idle_hold=m.idle_hold,
         )  # fmt: skip
         mine_end, theirs = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(

@@ -52,6 +52,12 @@ class ServingOptions(ModelScaling):
         "An idle instance runs a 1-sample batch of its own every this many ms, keeping its tables and weights in "
         "cache: on these hosts memory idle 100 ms reads ~5x slower (0: off).",
     )
+    idle_hold: str = option(
+        "none",
+        "What an idle instance holds while it waits: none, cpu-latency (/dev/cpu_dma_latency held at 0: its core "
+        "polls in the kernel's idle loop instead of halting, where a cpuidle driver obeys it; needs root) or "
+        "lock-tables (its tables and sample library pre-faulted and locked in memory, mlock).",
+    )
     precision: str = option(
         AUTO,
         "Dense compute: auto (measured: a lower precision only where its GEMMs are faster), fp32, bf16 (autocast) or "
@@ -62,8 +68,9 @@ class ServingOptions(ModelScaling):
         AUTO,
         "Inference form served: auto (timed at start: the fastest whose scores pass the accuracy check), eager (the "
         "training module), fused (one fused fbgemm table lookup, weights stored in the served precision), compiled "
-        "(fused, dense part compiled by Inductor in each instance), aoti (fused, dense part an AOTInductor package "
-        "built once, cached on disk and loaded) or aoti_int8 (aoti, dense part int8 by torchao's PT2E).",
+        "(fused, dense part compiled by Inductor in each instance), aoti (the whole batch, lookup included, one call of "
+        "an AOTInductor package built once, cached on disk and loaded), aoti_tuned (aoti with max_autotune), "
+        "aoti_int8 (aoti, dense part int8 by torchao's PT2E), openvino or openvino_int8 (the dense part in OpenVINO).",
     )
     data_spec: str | None = option(None, "Synthetic data spec of the samples (default: the preset's).")
     history_cache_mb: float = option(  # per-instance history reuse (infer.history)

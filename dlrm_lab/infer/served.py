@@ -8,7 +8,7 @@ from typing import Any
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.infer.builds import build_names
-from dlrm_lab.infer.instance import PRECISIONS
+from dlrm_lab.infer.instance import IDLE_HOLDS, PRECISIONS
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.tables import TABLE_PRECISIONS
 from dlrm_lab.metrics.columns import InferSummaryRow
@@ -35,6 +35,8 @@ class ServedModel:
     spin_ms: float = 0.0
     # An idle instance runs a 1-sample batch every this many ms to keep its working set in cache (0: off)
     keep_warm_ms: float = 0.0
+    # What an idle instance holds while it waits (infer.instance.IDLE_HOLDS): none, cpu-latency, lock-tables
+    idle_hold: str = "none"
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
@@ -71,6 +73,8 @@ class ServedModel:
             raise FieldError("spin_ms", f"{self.spin_ms!r}: must be in [0, 10000]")
         if not (self.keep_warm_ms == 0 or 1 <= self.keep_warm_ms <= 10_000):
             raise FieldError("keep_warm_ms", f"{self.keep_warm_ms!r}: must be 0 (off) or in [1, 10000]")
+        if self.idle_hold not in IDLE_HOLDS:
+            raise FieldError("idle_hold", f"{self.idle_hold!r}: allowed: {', '.join(IDLE_HOLDS)}")
         if not self.max_delay_ms >= 0:
             raise FieldError("max_delay_ms", f"{self.max_delay_ms!r}: must be >= 0")
         if self.precision not in (AUTO, *PRECISIONS):
@@ -96,6 +100,7 @@ class ServedModel:
             "min_piece": self.min_piece,
             "spin_ms": self.spin_ms,
             "keep_warm_ms": self.keep_warm_ms,
+            "idle_hold": self.idle_hold,
             "precision": self.precision,
             "table_precision": self.table_precision,
             "history_cache_mb": self.history_cache_mb,

@@ -10,6 +10,7 @@ whole tables: DCP reshards from the training layout (any sharding, any rank coun
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,12 +72,55 @@ def read_checkpoint(root: str | Path, field: str = "checkpoint") -> TrainedCheck
                          "train again with --checkpoint-dir")  # fmt: skip
     try:
         about = json.loads(sidecar.read_text())
-        step = int(about["step"])
-        if not isinstance(about["model"], dict):
-            raise TypeError("model")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise FieldError(field, f"{sidecar}: unreadable ({type(exc).__name__}: {exc})") from None
-    return TrainedCheckpoint(path, step, about)
+    if problem := sidecar_problem(about):
+        raise FieldError(field, f"{sidecar}: {problem}: written by train --checkpoint-dir; train again") from None
+    return TrainedCheckpoint(path, about["step"], about)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any, lo: float = -math.inf, hi: float = math.inf) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and lo <= value <= hi
+
+
+def sidecar_problem(about: Any) -> str | None:
+    """What is wrong with a `trained.json` (`field = value: rule`), checked whole when it is read: every field
+    serving reads later (the held-out samples' data and seed, the AUC it records) is known good before any load
+    runs, so a damaged one costs one line at start, not a crash after the load."""
+    if not isinstance(about, dict):
+        return f"not an object but {type(about).__name__}"
+    rules: list[tuple[str, Any, bool, str]] = [
+        ("step", about.get("step"), _whole(about.get("step")), "a whole number >= 0"),
+        ("model", about.get("model"), isinstance(about.get("model"), dict), "the model's spec, an object"),
+        ("data", about.get("data"), isinstance(about.get("data"), str) and bool(about.get("data")),
+         "'synthetic' or the training data's path"),
+        ("seed", about.get("seed"), _whole(about.get("seed")), "a whole number >= 0"),
+        ("data_spec", about.get("data_spec"), about.get("data_spec") is None or isinstance(about["data_spec"], str),
+         "a data spec's name or null"),
+        ("data_overrides", about.get("data_overrides"), about.get("data_overrides") is None or (
+            isinstance(about["data_overrides"], list) and all(isinstance(o, str) for o in about["data_overrides"])),
+         "a list of KEY=VALUE strings"),
+        ("eval", about.get("eval"), about.get("eval") is None or isinstance(about["eval"], dict),
+         "the last evaluation, an object, or null"),
+    ]  # fmt: skip
+    last = about.get("eval")
+    if isinstance(last, dict):
+        rules += [
+            ("eval.auc", last.get("auc"), last.get("auc") is None or _number(last["auc"], 0.0, 1.0), "in [0, 1]"),
+            ("eval.step", last.get("step"), last.get("step") is None or _whole(last["step"]), "a whole number >= 0"),
+            ("eval.loss", last.get("loss"), last.get("loss") is None or _number(last["loss"]), "a finite number"),
+            ("eval.samples", last.get("samples"), last.get("samples") is None or _whole(last["samples"]),
+             "a whole number >= 0"),
+        ]  # fmt: skip
+    for name, value, good, rule in rules:
+        if not good:
+            shown = "missing" if value is None and name in ("step", "model", "data", "seed") else f"{value!r:.60}"
+            return f"{name} = {shown}: must be {rule}"
+    return None
 
 
 def load_weights(model: Any, checkpoint: TrainedCheckpoint, field: str = "checkpoint") -> None:
@@ -91,7 +135,8 @@ def load_weights(model: Any, checkpoint: TrainedCheckpoint, field: str = "checkp
             dcp.load(state, checkpoint_id=str(checkpoint.path), no_dist=True)
         model.load_state_dict(state["model"])
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - weights of another shape: a user mistake
-        first = _first_line(exc)
+        raise_interruption(exc)
+        first = first_line(exc)
         raise FieldError(field, f"{checkpoint.path}: its weights do not fit the served model ({first})") from None
 
 
@@ -125,7 +170,20 @@ def check_spec(checkpoint: TrainedCheckpoint, spec: JsonObject, field: str = "ch
                          f"({difference}); serve the preset and scaling it was trained with")  # fmt: skip
 
 
-def _first_line(exc: BaseException) -> str:
+def raise_interruption(exc: BaseException) -> None:
+    """Raise the stop inside `exc`, if it holds one: DCP wraps whatever a rank raised, Ctrl-C and SIGTERM included,
+    in its CheckpointException, which would otherwise read as a damaged checkpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dlrm_lab.errors import Terminated
+
+    if isinstance(exc, CheckpointException):
+        for wrapped, _trace in exc.failures.values():
+            if isinstance(wrapped, KeyboardInterrupt | Terminated):
+                raise wrapped from None
+
+
+def first_line(exc: BaseException) -> str:
     """The cause in one line: DCP wraps each rank's exception in a traceback whose last line names it."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     if isinstance(exc, Exception) and lines and not lines[0].startswith("CheckpointException"):

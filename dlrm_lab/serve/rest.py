@@ -58,6 +58,8 @@ from dlrm_lab.serve.v2_tensors import (
 
 REST_EXTENSIONS = [*EXTENSIONS, "binary_tensor_data"]
 HEADER_LIMIT = 64 << 10  # request line and headers
+HEAD_TIMEOUT_S = 30.0  # a connection idle this long between requests, or sending a head this slowly, is closed
+BODY_TIMEOUT_S, BODY_BYTES_PER_S = 30.0, 1 << 20  # a body must arrive within 30 s plus 1 s a MiB
 JSON_VALUE_BYTES = 24  # the widest JSON number of a tensor (an int64, a float's repr), with its separator
 BODY_SLACK = 1 << 20  # the JSON around the tensors
 MAX_BODY_CAP = 1 << 30
@@ -65,7 +67,7 @@ STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
           429, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503,
           grpc.StatusCode.DEADLINE_EXCEEDED: 504}  # fmt: skip
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           411: "Length Required", 413: "Content Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
+           408: "Request Timeout", 411: "Length Required", 413: "Content Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
            504: "Gateway Timeout"}  # fmt: skip
 
@@ -102,9 +104,14 @@ class RestFront:
         self._writers: set[asyncio.StreamWriter] = set()
         self._busy = 0  # requests being answered
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port; the bound port."""
-        self._server = await asyncio.start_server(self._connection, host, port, limit=HEADER_LIMIT, reuse_address=True)
+    async def start(self, host: str, port: int, sock: Any = None) -> int:
+        """Listen on host:port, or on `sock` (bound to it already: claimed before the server started); the bound
+        port."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._connection, sock=sock, limit=HEADER_LIMIT)
+        else:
+            self._server = await asyncio.start_server(self._connection, host, port, limit=HEADER_LIMIT,
+                                                      reuse_address=True)  # fmt: skip
         return self._server.sockets[0].getsockname()[1]
 
     def stop_accepting(self) -> None:
@@ -134,17 +141,18 @@ class RestFront:
 
     async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Read one request, answer it; whether the connection stays open."""
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError:
-            return False  # closed between requests
+        try:  # an idle keep-alive connection, or a head sent byte by byte, is closed after HEAD_TIMEOUT_S
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError):
+            return False  # closed between requests, or idle too long
         except asyncio.LimitOverrunError:
             await self._write(writer, error(431, f"request head: over {HEADER_LIMIT} bytes"), close=True)
             return False
         try:
             line, *fields = head.decode("latin-1").split("\r\n")
             method, target, version = line.split(" ")
-            headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields if f)}
+            pairs = [(k.strip().lower(), v.strip()) for k, _, v in (f.partition(":") for f in fields if f)]
+            headers = dict(pairs)
         except ValueError:
             await self._write(writer, error(400, f"request line {echoed(head[:80].decode('latin-1'))}: not HTTP"),
                               close=True)  # fmt: skip
@@ -155,8 +163,13 @@ class RestFront:
         if "chunked" in headers.get("transfer-encoding", "").lower():
             await self._write(writer, error(411, "Transfer-Encoding: chunked: give the body's Content-Length"), True)
             return False
+        lengths = {v for k, v in pairs if k == "content-length"}
+        if len(lengths) > 1:  # which one frames the body is ambiguous (request smuggling's way in): refused
+            await self._write(writer, error(400, f"Content-Length given {len(lengths)} times with other values "
+                                            f"({echoed(', '.join(sorted(lengths)))}): give one"), True)  # fmt: skip
+            return False
         length = headers.get("content-length", "0")
-        if not length.isdigit():
+        if not _whole_number(length):
             await self._write(writer, error(400, f"Content-Length {echoed(length)}: not a number of bytes"), True)
             return False
         if int(length) > self.max_body:
@@ -167,7 +180,12 @@ class RestFront:
             return False
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for it before a body over 1 KiB
-        body = await reader.readexactly(int(length))
+        try:  # a body trickled in is dropped: at least BODY_BYTES_PER_S after the first BODY_TIMEOUT_S
+            body = await asyncio.wait_for(reader.readexactly(int(length)),
+                                          BODY_TIMEOUT_S + int(length) / BODY_BYTES_PER_S)  # fmt: skip
+        except asyncio.TimeoutError:
+            await self._write(writer, error(408, f"body: {length} bytes not received in time"), True)
+            return False
         self._busy += 1
         try:
             status, out_headers, payload = await self.respond(method, target, headers, body)
@@ -304,10 +322,15 @@ def _route(rest: list[str]) -> tuple[str | None, str, str]:
     return routes.get(tuple(tail)), name, version
 
 
+def _whole_number(text: str) -> bool:
+    """ASCII digits only, at most 18 (`str.isdigit` also takes '²' and other scripts' digits, which `int` refuses)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def _split(model: str, headers: dict[str, str], body: bytes) -> tuple[dict[str, Any], memoryview]:
     """The request's JSON and the binary data after it (Triton's extension: Inference-Header-Content-Length)."""
     size = headers.get("inference-header-content-length")
-    if size is not None and (not size.isdigit() or int(size) > len(body)):
+    if size is not None and (not _whole_number(size) or int(size) > len(body)):
         raise refuse(model, f"Inference-Header-Content-Length {echoed(size)}: not a length within the body's "
                      f"{len(body)} bytes")  # fmt: skip
     cut = len(body) if size is None else int(size)
@@ -315,6 +338,8 @@ def _split(model: str, headers: dict[str, str], body: bytes) -> tuple[dict[str, 
         request = json.loads(bytes(body[:cut]))
     except (UnicodeDecodeError, ValueError) as exc:
         raise refuse(model, f"request body: not JSON ({exc})") from None
+    except RecursionError:
+        raise refuse(model, "request body: JSON nested too deep (a tensor's data nests as deep as its shape)") from None
     if not isinstance(request, dict):
         raise refuse(model, f"request body: a JSON object expected, not {type(request).__name__}")
     return request, memoryview(body)[cut:]
@@ -332,6 +357,9 @@ def _tensors(spec: Any, model: str, request: dict[str, Any], blobs: memoryview) 
         raise refuse(model, "inputs: a list of tensor objects expected (name, datatype, shape, data)")
     if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
         raise refuse(model, "outputs: a list of objects with a name expected")
+    for k, o in enumerate(outputs):  # checked before the query is scored: its answer reads them
+        if not isinstance(o.get("parameters") or {}, dict):
+            raise refuse(model, f"outputs[{k}]: parameters must be a JSON object")
     triples = []
     for k, t in enumerate(inputs):
         name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")

@@ -352,12 +352,26 @@ def serve(
     if http_port is not None and (not 0 <= http_port < 65536 or (http_port == port and port)):
         raise FieldError("http_port", f"{http_port}: must be in [0, 65535] and not --port (0: any free port)")
     _check_address(host, port)  # before the instances take their time to start
-    if http_port is not None:
-        _check_address(host, http_port)
     if metrics_port is not None:  # /metrics (serve.prometheus): checked here, served once the instances are up
         from dlrm_lab.serve.prometheus import check_metrics_port, start_metrics
 
         check_metrics_port(host, metrics_port, port, http_port)
+    # The HTTP port is claimed now and held until the REST front listens on that very socket: another process
+    # cannot take it while the instances start (gRPC binds its own; its port and /metrics' are checked).
+    http_socket = _claim(host, http_port, "http_port") if http_port is not None else None
+    try:
+        return _serve_run(models, host, port, device, pin_cores, seed, grace_s, http_port, http_socket, metrics_port,
+                          metrics_dir, argv, log)  # fmt: skip
+    finally:
+        if http_socket is not None:
+            http_socket.close()
+
+
+def _serve_run(models: list[ServedModel], host: str, port: int, device: str, pin_cores: bool, seed: int,
+               grace_s: float, http_port: int | None, http_socket: Any, metrics_port: int | None,
+               metrics_dir: str | Path, argv: list[str] | None, log: Log) -> Path:  # fmt: skip
+    if metrics_port is not None:
+        from dlrm_lab.serve.prometheus import start_metrics
     check_writable(metrics_dir, "metrics_dir")
     check_stored_profile(log)
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
@@ -377,7 +391,7 @@ def serve(
                 service = InferenceService(inference)
                 if metrics_port is not None:
                     service.metrics = start_metrics(inference, host, metrics_port, run, log)
-                asyncio.run(_serve(service, queries, host, port, grace_s, log, run, http_port))
+                asyncio.run(_serve(service, queries, host, port, grace_s, log, run, http_port, http_socket))
                 if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed
                     raise ServingFault(
                         f"an instance failed while serving: {service.failure}; run {run.dir} marked failed"
@@ -390,6 +404,25 @@ def serve(
                 if service.stalls:
                     run.update_manifest(instance_stalls=service.stalls, longest_stall_ms=service.longest_stall_ms)
     return run.dir
+
+
+def _claim(host: str, port: int, field: str) -> Any:
+    """A socket bound to host:port (not yet listening), held for the server that will listen on it; one line
+    naming the option where the port cannot be had."""
+    import socket
+
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+        sock.bind(sockaddr)
+    except OSError as exc:
+        sock.close()
+        raise FieldError(field, f"{port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _check_address(host: str, port: int) -> None:
@@ -413,6 +446,7 @@ async def _serve(
     log: Log,
     run: Run,
     http_port: int | None = None,
+    http_socket: Any = None,
 ) -> None:
     # Without so_reuseport=0 a second server on a busy port would bind it too and share its traffic.
     server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
@@ -456,7 +490,7 @@ async def _serve(
             from dlrm_lab.serve.rest import RestFront
 
             rest = RestFront(open_inference)
-            http_address = address.rsplit(":", 1)[0] + f":{await rest.start(host, http_port)}"
+            http_address = address.rsplit(":", 1)[0] + f":{await rest.start(host, http_port, http_socket)}"
             run.update_manifest(http_address=http_address)
             log(f"Open Inference Protocol over HTTP/REST on {http_address}")
         log(f"serving {', '.join(service.inference.models)} on {address}")

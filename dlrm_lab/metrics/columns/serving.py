@@ -79,6 +79,7 @@ _table(
     _c("min_piece", I32),  # smallest split piece (resolved: measured when 0 was asked)
     _c("spin_ms", F64),  # an idle instance polls this long before it sleeps
     _c("keep_warm_ms", F64),  # an idle instance runs a 1-sample batch this often (0: off)
+    _c("idle_hold", STR),  # what an idle instance holds while it waits: none, cpu-latency, lock-tables
     _c("max_query_samples", I64),  # the largest query accepted
     _c("precision", STR, "precision", fmt="s"),
     _c("table_precision", STR, "table precision", fmt="s"),
