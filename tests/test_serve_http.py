@@ -419,6 +419,7 @@ def test_hostile_frames_get_an_answer_and_idle_or_trickling_connections_are_clos
              ({}, deep, "JSON nested too deep"),
              ({}, json.dumps({"inputs": [], "outputs": [{"name": "scores", "parameters": 7}]}).encode(),
               "outputs[0]: parameters must be a JSON object")]  # fmt: skip
+    front = _front(max_body=10 << 20)  # the one above stopped with its last exchange
     for headers, body, words in cases:
         got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/infer", headers, body))
         assert got == 400 and words in json.loads(answer)["error"], answer
