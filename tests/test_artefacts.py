@@ -128,7 +128,8 @@ def test_temporaries_of_writers_that_died_are_removed_on_the_next_use(monkeypatc
 
     monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
     dead = 2**22 + 17  # above any pid this kernel hands out
-    stale = [tmp_path / f".k1.{dead}.tmp.npz.xml", tmp_path / f".k1.{dead}.tmp.npz.bin", tmp_path / f".k2.{dead}.tmp.pt2"]
+    stale = [tmp_path / f".k1.{dead}.tmp.npz.xml", tmp_path / f".k1.{dead}.tmp.npz.bin",
+             tmp_path / f".k2.{dead}.tmp.pt2"]
     live = tmp_path / f".k3.{os.getppid()}.tmp.pt2"
     for path in (*stale, live):
         path.write_bytes(b"partial")

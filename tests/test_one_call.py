@@ -81,7 +81,8 @@ def test_queries_with_their_own_samples_go_through_the_same_package(served):
     from_library = runner([QueryRef(0, 12, 300)])
     assert np.abs(runner([QueryRef(0, 12, 0, own)]) - from_library).max() <= 1e-6
     mixed = runner([QueryRef(0, 5, 40), QueryRef(1, 12, 0, own)])
-    assert np.abs(mixed[5:] - from_library).max() <= 1e-6 and np.abs(mixed[:5] - runner([QueryRef(0, 5, 40)])).max() <= 1e-6
+    assert np.abs(mixed[5:] - from_library).max() <= 1e-6
+    assert np.abs(mixed[:5] - runner([QueryRef(0, 5, 40)])).max() <= 1e-6
 
 
 def _python_calls(runner, refs) -> tuple[int, int]:
@@ -114,7 +115,7 @@ def test_a_batch_is_one_native_call_and_its_python_does_not_grow_with_samples_or
     many_queries = _python_calls(runner, [QueryRef(k, 8, 8 * k) for k in range(32)])
     assert one[1] == many_samples[1] == two_queries[1] == many_queries[1] == 1  # the package, once a batch
     assert one[0] == many_samples[0] and two_queries[0] == many_queries[0], (one, many_samples, many_queries)
-    assert many_queries[0] <= 40  # the runner, the gather and numpy's own Python wrappers: a constant, whatever the batch
+    assert many_queries[0] <= 40  # the runner, the gather and numpy's Python wrappers: a constant, whatever the batch
 
 
 def test_the_instances_package_reads_the_snapshots_tables_without_a_copy(served):

@@ -181,10 +181,11 @@ def test_build_timings_carry_their_spread():
 
 def test_a_compiled_build_scores_as_the_eager_model_and_is_timed_where_the_dense_part_is_large(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
-    times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0, aoti=1.5, aoti_tuned=1.55, aoti_int8=1.6, openvino=1.7,
-                      openvino_int8=1.8)  # fmt: skip
+    times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0, aoti=1.5, aoti_tuned=1.55, aoti_int8=1.6,
+                      openvino=1.7, openvino_int8=1.8)  # fmt: skip
     choice, module = _choose("auto", times)
-    assert times.calls == [["eager", "fused"], ["aoti", "aoti_int8", "aoti_tuned", "compiled", "openvino", "openvino_int8"]]
+    later = ["aoti", "aoti_int8", "aoti_tuned", "compiled", "openvino", "openvino_int8"]
+    assert times.calls == [["eager", "fused"], later]
     assert choice.build == "compiled"
     assert choice.accuracy.passed and choice.accuracy.build == "compiled"  # checked compiled, scores within 1e-5
     assert isinstance(module, FusedDLRM) and module.compiled is None  # each instance compiles its own
@@ -365,6 +366,21 @@ def test_an_explicit_build_whose_engine_is_missing_is_one_line_naming_what_to_in
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     monkeypatch.setattr(openvino, "openvino_missing", lambda quantise: "OpenVINO is not installed: pip install x")
     monkeypatch.setattr(aoti_int8, "torchao_missing", lambda: "torchao is not installed: pip install y")
-    for build, said in (("openvino", "pip install x"), ("openvino_int8", "pip install x"), ("aoti_int8", "pip install y")):
+    for build, said in (("openvino", "pip install x"), ("openvino_int8", "pip install x"),
+                        ("aoti_int8", "pip install y")):
         with pytest.raises(UserError, match=f"^build {build}: cannot be made here: .*{said}"):
             _choose(build, FakeTimes(eager=3.0, fused=1.0))
+
+
+def test_openvinos_telemetry_is_declined_even_where_its_consent_file_says_yes(monkeypatch, tmp_path):
+    """OpenVINO and NNCF share one telemetry singleton; the lab configures it first and declines it, so no build
+    sends usage data or starts a sender (issue 57 C19)."""
+    telemetry = pytest.importorskip("openvino_telemetry")
+    from dlrm_lab.infer.builds.openvino import telemetry_off
+
+    (tmp_path / "intel").mkdir()
+    (tmp_path / "intel" / "openvino_telemetry").write_text("1")  # a user who once said yes
+    monkeypatch.setenv("HOME", str(tmp_path))
+    telemetry_off()
+    later = telemetry.Telemetry(app_name="nncf", app_version="3.4.0", tid="G-0", backend="ga4")
+    assert later.consent is False

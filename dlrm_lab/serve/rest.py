@@ -67,9 +67,9 @@ STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
           429, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503,
           grpc.StatusCode.DEADLINE_EXCEEDED: 504}  # fmt: skip
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 411: "Length Required", 413: "Content Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
-           431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
-           504: "Gateway Timeout"}  # fmt: skip
+           408: "Request Timeout", 411: "Length Required", 413: "Content Too Large", 415: "Unsupported Media Type",
+           429: "Too Many Requests", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+           503: "Service Unavailable", 504: "Gateway Timeout"}  # fmt: skip
 
 Response = tuple[int, dict[str, str], bytes]
 

@@ -353,7 +353,7 @@ def serve(
         raise FieldError("http_port", f"{http_port}: must be in [0, 65535] and not --port (0: any free port)")
     _check_address(host, port)  # before the instances take their time to start
     if metrics_port is not None:  # /metrics (serve.prometheus): checked here, served once the instances are up
-        from dlrm_lab.serve.prometheus import check_metrics_port, start_metrics
+        from dlrm_lab.serve.prometheus import check_metrics_port
 
         check_metrics_port(host, metrics_port, port, http_port)
     # The HTTP port is claimed now and held until the REST front listens on that very socket: another process

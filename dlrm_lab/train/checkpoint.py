@@ -4,9 +4,9 @@ Each rank saves only its own shards (tables, their fused optimizer state, its re
 the dense part), into `<dir>/step-<N>/`, written by DCP as one file per rank plus
 metadata, and rank 0 adds `trained.json` (`model.checkpoint`: what serving reads of them); `latest`
 names the newest complete checkpoint and is updated last, so a crash while saving leaves the previous
-one current; a checkpoint is written beside the others and renamed into place whole (`save_checkpoint`). A resumed run loads the shards of its own
-plan (DCP reshards when the plan or rank count differs) and continues from step N with
-the batch that step N would have used, so its losses are those of an uninterrupted run.
+one current; a checkpoint is written beside the others and renamed into place whole (`save_checkpoint`).
+A resumed run loads the shards of its own plan (DCP reshards when the plan or rank count differs) and
+continues from step N with the batch that step N would have used, so its losses are those of an uninterrupted run.
 """
 
 from __future__ import annotations

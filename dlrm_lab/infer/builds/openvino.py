@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,29 @@ EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 
 
+def telemetry_off() -> None:
+    """Switch OpenVINO's and NNCF's usage telemetry off for this process, before either starts it: their telemetry
+    is one process-wide singleton (`openvino_telemetry.Telemetry`), configured by its first caller; made here first
+    and declined, every later caller gets it declined. A lab run sends nothing to an analytics host (a Ctrl-C during
+    an int8 build printed a traceback from its sender, trying to reach one)."""
+    try:
+        import openvino_telemetry
+    except ImportError:
+        return
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # it warns on the root logger that a telemetry without an id sends nothing
+    try:
+        telemetry = openvino_telemetry.Telemetry(app_name="dlrm-lab", app_version="0", tid=None, backend="ga4",
+                                                 enable_opt_in_dialog=False, disable_in_ci=True)  # fmt: skip
+    finally:
+        root.setLevel(level)
+    telemetry.consent = False
+
+
 def openvino_missing(quantiser: bool = False) -> str | None:
     """Why the build cannot be made here (OpenVINO, or for int8 NNCF, absent), or None."""
+    telemetry_off()
     try:
         import openvino  # noqa: F401
 
@@ -45,6 +67,7 @@ def convert_dense(module: Any, path: Path, quantise: bool = False) -> None:
     """Export `module.dense` (a FusedDLRM's dense part) in fp32, convert it with OpenVINO (and, with `quantise`,
     quantise it to int8 with NNCF's post-training quantisation, calibrated on the preset's own data) and write its
     IR to `path`."""
+    telemetry_off()
     import openvino as ov
 
     dense = copy.deepcopy(module.dense).float().eval()  # OpenVINO lowers the precision itself, at compile
