@@ -365,7 +365,8 @@ def test_a_taken_http_port_is_refused_before_anything_starts_and_a_free_one_is_h
     import dlrm_lab
     from dlrm_lab.errors import UserError
     from dlrm_lab.infer.served import ServedModel
-    from dlrm_lab.serve.server import _claim, serve
+    from dlrm_lab.serve.ports import claim_port
+    from dlrm_lab.serve.server import serve
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -375,7 +376,7 @@ def test_a_taken_http_port_is_refused_before_anything_starts_and_a_free_one_is_h
             serve([ServedModel("tiny", dlrm_lab.load_preset("tiny"))], host="127.0.0.1", port=0, http_port=busy,
                   metrics_dir=tmp_path / "runs")  # fmt: skip
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    held = _claim("127.0.0.1", 0, "http_port")
+    held = claim_port("127.0.0.1", 0, "http_port")
     try:
         with socket.socket() as other, pytest.raises(OSError):
             other.bind(held.getsockname())
@@ -423,3 +424,48 @@ def test_hostile_frames_get_an_answer_and_idle_or_trickling_connections_are_clos
     for headers, body, words in cases:
         got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/infer", headers, body))
         assert got == 400 and words in json.loads(answer)["error"], answer
+
+
+def test_large_bodies_are_parsed_off_the_loop_and_their_memory_is_bounded(monkeypatch):
+    """A body over SMALL_BODY is parsed in a worker thread, not on the event loop that serves every client; the bodies
+    held at once are bounded (BODIES_IN_FLIGHT x the largest allowed): one more is 503 at once, never buffered
+    (issue 57 B9, B10)."""
+    import threading
+
+    from dlrm_lab.serve import rest as rest_module
+
+    monkeypatch.setattr(rest_module, "SMALL_BODY", 10)
+    parsed_on: list[str] = []
+    split = rest_module._split
+
+    def recording_split(*args):
+        parsed_on.append(threading.current_thread().name)
+        return split(*args)
+
+    monkeypatch.setattr(rest_module, "_split", recording_split)
+    front = _front(max_body=100)
+    body = json.dumps({"inputs": []}).encode()  # 14 bytes: over SMALL_BODY, refused after parsing
+    got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/infer", {}, body))
+    assert got == 400 and "inputs []" in json.loads(answer)["error"]
+    assert parsed_on and parsed_on[0] != threading.main_thread().name  # a worker thread parsed it
+
+    async def three_uploads() -> list[bytes]:
+        port = await front.start("127.0.0.1", 0)
+        head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 90\r\n\r\n"
+        held = []
+        for _ in range(2):  # two bodies declared and not sent: 180 of the 200 bytes allowed in flight
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            await writer.drain()
+            held.append(writer)
+        await asyncio.sleep(0.2)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        for w in (*held, writer):
+            w.close()
+        await front.close(0)
+        return re.findall(rb"HTTP/1\.1 \d+ [A-Za-z ]+", data)
+
+    assert asyncio.run(three_uploads()) == [b"HTTP/1.1 503 Service Unavailable"]

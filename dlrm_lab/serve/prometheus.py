@@ -14,8 +14,6 @@ served by prometheus-client's threaded HTTP server on `--host`.
 
 from __future__ import annotations
 
-import contextlib
-import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,6 +26,7 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Stall
 from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.metrics.run import Run
+from dlrm_lab.serve.ports import check_port
 
 # ms-scale serving: 0.1 ms (a small batch's compute) to 10 s (a query waiting out a stall); seconds, Prometheus's unit
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -170,14 +169,7 @@ def check_metrics_port(host: str, port: int, *others: int | None) -> None:
         raise FieldError("metrics_port", f"{port}: must be in [0, 65535] (0: any free port)")
     if port and port in others:
         raise FieldError("metrics_port", f"{port}: must differ from {{port}} and {{http_port}}", "port", "http_port")
-    with contextlib.suppress(socket.gaierror):  # a bad host is said of --host
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        try:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind(sockaddr)
-        except OSError as exc:
-            raise FieldError("metrics_port", f"{port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    check_port(host, port, "metrics_port")
 
 
 def start_metrics(

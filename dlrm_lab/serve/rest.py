@@ -58,6 +58,8 @@ from dlrm_lab.serve.v2_tensors import (
 
 REST_EXTENSIONS = [*EXTENSIONS, "binary_tensor_data"]
 HEADER_LIMIT = 64 << 10  # request line and headers
+SMALL_BODY = 1 << 20  # a body above this is parsed in a worker thread, and counts against BODIES_IN_FLIGHT
+BODIES_IN_FLIGHT = 2  # large bodies held at once, in units of the largest body allowed
 HEAD_TIMEOUT_S = 30.0  # a connection idle this long between requests, or sending a head this slowly, is closed
 BODY_TIMEOUT_S, BODY_BYTES_PER_S = 30.0, 1 << 20  # a body must arrive within 30 s plus 1 s a MiB
 JSON_VALUE_BYTES = 24  # the widest JSON number of a tensor (an int64, a float's repr), with its separator
@@ -103,6 +105,7 @@ class RestFront:
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._busy = 0  # requests being answered
+        self._body_bytes = 0  # of the bodies being read or answered: at most BODIES_IN_FLIGHT x the largest body
 
     async def start(self, host: str, port: int, sock: Any = None) -> int:
         """Listen on host:port, or on `sock` (bound to it already: claimed before the server started); the bound
@@ -178,19 +181,28 @@ class RestFront:
             await self._write(writer, error(413, f"Content-Length {length}: over this server's {self.max_body} bytes "
                                             "(its largest query as JSON)"), close=True)  # fmt: skip
             return False
-        if int(length) and headers.get("expect", "").lower() == "100-continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for it before a body over 1 KiB
-        try:  # a body trickled in is dropped: at least BODY_BYTES_PER_S after the first BODY_TIMEOUT_S
-            body = await asyncio.wait_for(reader.readexactly(int(length)),
-                                          BODY_TIMEOUT_S + int(length) / BODY_BYTES_PER_S)  # fmt: skip
-        except asyncio.TimeoutError:
-            await self._write(writer, error(408, f"body: {length} bytes not received in time"), True)
+        size = int(length)
+        if size > SMALL_BODY and self._body_bytes + size > BODIES_IN_FLIGHT * self.max_body:
+            # memory for bodies is bounded: a large one waits for none, it is refused while others are held
+            await self._write(writer, error(503, f"body: {length} bytes while {self._body_bytes} bytes of other "
+                                            "bodies are in flight: retry"), close=True)  # fmt: skip
             return False
-        self._busy += 1
+        if size and headers.get("expect", "").lower() == "100-continue":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for it before a body over 1 KiB
+        self._body_bytes += size
         try:
-            status, out_headers, payload = await self.respond(method, target, headers, body)
+            try:  # a body trickled in is dropped: at least BODY_BYTES_PER_S after the first BODY_TIMEOUT_S
+                body = await asyncio.wait_for(reader.readexactly(size), BODY_TIMEOUT_S + size / BODY_BYTES_PER_S)
+            except asyncio.TimeoutError:
+                await self._write(writer, error(408, f"body: {length} bytes not received in time"), True)
+                return False
+            self._busy += 1
+            try:
+                status, out_headers, payload = await self.respond(method, target, headers, body)
+            finally:
+                self._busy -= 1
         finally:
-            self._busy -= 1
+            self._body_bytes -= size
         await self._write(writer, (status, out_headers, payload), close=not keep)
         return keep
 
@@ -266,10 +278,23 @@ class RestFront:
             request, blobs = _split(name, headers, body)
             return _tensors(self.v2.models[name].spec, name, request, blobs)
 
+        reader = read
+        if len(body) > SMALL_BODY:  # parsed off the event loop that serves every client, gRPC's included
+            outcome: list[Any] = []
+            try:
+                outcome.append(await asyncio.to_thread(read))
+            except Refused as refused:
+                outcome.append(refused)
+
+            def reader() -> V2Request:  # a refusal is raised inside `score`, which records it
+                if isinstance(outcome[0], Refused):
+                    raise outcome[0]
+                return outcome[0]
+
         params = {}
         try:
             try:
-                shim, scores, stages = await self.v2.score(lambda: name, read, receive, None)
+                shim, scores, stages = await self.v2.score(lambda: name, reader, receive, None)
             except _Unsupported as exc:
                 return error(415, str(exc))
             params = request.get("parameters") or {}

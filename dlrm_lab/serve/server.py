@@ -46,6 +46,7 @@ from dlrm_lab.metrics.tables import TableWriter
 from dlrm_lab.metrics.trust import check_stored_profile
 from dlrm_lab.serve.open_inference import SERVICE as OPEN_INFERENCE
 from dlrm_lab.serve.open_inference import OpenInferenceService
+from dlrm_lab.serve.ports import check_port, claim_port
 from dlrm_lab.serve.protocol import (
     CHANNEL_OPTIONS,
     SCORE_DTYPE,
@@ -351,14 +352,14 @@ def serve(
                             "`infer search`); gRPC carries DLRM samples")  # fmt: skip
     if http_port is not None and (not 0 <= http_port < 65536 or (http_port == port and port)):
         raise FieldError("http_port", f"{http_port}: must be in [0, 65535] and not --port (0: any free port)")
-    _check_address(host, port)  # before the instances take their time to start
+    check_port(host, port)  # before the instances take their time to start
     if metrics_port is not None:  # /metrics (serve.prometheus): checked here, served once the instances are up
         from dlrm_lab.serve.prometheus import check_metrics_port
 
         check_metrics_port(host, metrics_port, port, http_port)
     # The HTTP port is claimed now and held until the REST front listens on that very socket: another process
     # cannot take it while the instances start (gRPC binds its own; its port and /metrics' are checked).
-    http_socket = _claim(host, http_port, "http_port") if http_port is not None else None
+    http_socket = claim_port(host, http_port, "http_port") if http_port is not None else None
     try:
         return _serve_run(models, host, port, device, pin_cores, seed, grace_s, http_port, http_socket, metrics_port,
                           metrics_dir, argv, log)  # fmt: skip
@@ -404,37 +405,6 @@ def _serve_run(models: list[ServedModel], host: str, port: int, device: str, pin
                 if service.stalls:
                     run.update_manifest(instance_stalls=service.stalls, longest_stall_ms=service.longest_stall_ms)
     return run.dir
-
-
-def _claim(host: str, port: int, field: str) -> Any:
-    """A socket bound to host:port (not yet listening), held for the server that will listen on it; one line
-    naming the option where the port cannot be had."""
-    import socket
-
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
-        sock.bind(sockaddr)
-    except OSError as exc:
-        sock.close()
-        raise FieldError(field, f"{port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
-
-
-def _check_address(host: str, port: int) -> None:
-    import socket
-
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
-            probe.bind(sockaddr)
-    except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 async def _serve(
