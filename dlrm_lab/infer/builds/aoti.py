@@ -20,6 +20,7 @@ build is.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,10 @@ def export_whole(module: Any, path: Path, dense_part: nn.Module | None = None,
     shapes = ({0: batch}, {0: ids}, {0: features * batch + 1}, None)
     with torch.no_grad():
         exported = torch.export.export(whole, example_batch(module), dynamic_shapes=shapes, strict=False)
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
-                                             inductor_configs={"freezing": True, **(inductor_configs or {})})
+    with warnings.catch_warnings():  # torch 2.13's own compile deep-copies a graph holding a LeafSpec: its notice
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
+                                                 inductor_configs={"freezing": True, **(inductor_configs or {})})
 
 
 class PackagedBatch:
