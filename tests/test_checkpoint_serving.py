@@ -302,3 +302,16 @@ def test_a_stop_inside_the_checkpoint_reader_is_a_stop_not_a_damaged_checkpoint(
         with pytest.raises(type(stop)):
             load_weights(model, read_checkpoint(root))
     assert not issubclass(Terminated, Exception)  # no library's `except Exception` swallows a SIGTERM
+
+
+def test_a_checkpoint_with_a_remote_target_is_refused_before_anything_runs(trained, tmp_path):
+    """A remote server serves the weights it loaded itself: `--checkpoint` with `--target` would record weights the
+    run never served, so it is one line naming both, before any connection or run directory (issue 57 D23)."""
+    from dlrm_lab.infer.lab import InferConfig, run_inference
+    from dlrm_lab.infer.load import QuerySizes, Stream
+
+    root, _ = trained
+    with pytest.raises(UserError, match=r"^checkpoint .*: target grpc://127.0.0.1:1: a remote server serves"):
+        run_inference([_served(root)], [Stream("tiny", 10.0, QuerySizes.parse("fixed:1"))],
+                      InferConfig(target="grpc://127.0.0.1:1"), metrics_dir=tmp_path / "runs")  # fmt: skip
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -82,7 +82,7 @@ def test_a_users_catalogue_extends_the_shipped_one_and_replaces_a_type_it_lists(
 @pytest.mark.parametrize(
     ("text", "names"),
     [
-        (entry_toml(price_per_hour=0), "instance 1 (my.box): price_per_hour = 0: must be a finite number > 0"),
+        (entry_toml(price_per_hour=0), "instance 1 (my.box): price_per_hour = 0: must be a number in (0, 1e+09]"),
         (entry_toml(price_per_hour=None), "instance 1 (my.box): price_per_hour: missing"),
         (entry_toml(currency="dollars"), "instance 1 (my.box): currency = 'dollars': must be a 3-letter"),
         (entry_toml(price_per_hr=1.0), "instance 1 (my.box): price_per_hr = 1.0: unknown field; allowed:"),
@@ -158,10 +158,10 @@ def test_price_of_takes_the_override_then_the_stored_price_then_the_named_type(p
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"per_hour": 0.0}, "PER_HOUR 0.0: must be a finite number > 0"),
-        ({"per_hour": -1.0}, "PER_HOUR -1.0: must be a finite number > 0"),
-        ({"per_hour": math.inf}, "PER_HOUR inf: must be a finite number > 0"),
-        ({"per_hour": math.nan}, "PER_HOUR nan: must be a finite number > 0"),
+        ({"per_hour": 0.0}, "PER_HOUR 0.0: must be a number in (0, 1e+09]"),
+        ({"per_hour": -1.0}, "PER_HOUR -1.0: must be a number in (0, 1e+09]"),
+        ({"per_hour": math.inf}, "PER_HOUR inf: must be a number in (0, 1e+09]"),
+        ({"per_hour": math.nan}, "PER_HOUR nan: must be a number in (0, 1e+09]"),
         ({"per_hour": 1.0, "currency": "US$"}, "--currency 'US$': must be a 3-letter currency code"),
         ({"per_hour": 1.0, "currency": "EURO"}, "--currency 'EURO': must be a 3-letter currency code"),
         ({"per_hour": 1.0, "energy_per_kwh": -0.1}, "--energy-per-kwh -0.1: must be a finite number >= 0"),
@@ -182,9 +182,9 @@ def test_a_bad_price_is_refused_in_one_line_naming_the_option_and_value(profile,
 
 
 def test_override_price_is_checked_like_a_given_one():
-    with pytest.raises(UserError, match=r"^--price-per-hour 0: must be a finite number > 0$"):
+    with pytest.raises(UserError, match=r"^--price-per-hour 0: must be a number in \(0, 1e\+09\]$"):
         price_of(None, 0)
-    with pytest.raises(UserError, match="machine profile f: price.per_hour -2: must be a finite number > 0"):
+    with pytest.raises(UserError, match=r"machine profile f: price.per_hour -2: must be a number in \(0, 1e\+09\]"):
         stored_price({"fingerprint_id": "f", "price": {"per_hour": -2, "currency": "USD"}})
 
 
@@ -203,7 +203,7 @@ def test_machine_price_cli_stores_given_and_catalogue_prices_and_show_prints_the
     assert "price: 0.08925 USD/hour (catalogue: c7i.large)" in shown
 
     code, _, err = run_cli_in_process("machine", "price", "0")
-    assert code == 2 and err.strip() == "error: PER_HOUR 0.0: must be a finite number > 0"
+    assert code == 2 and err.strip() == "error: PER_HOUR 0.0: must be a number in (0, 1e+09]"
     code, _, err = run_cli_in_process("machine", "price", "1", "--fingerprint", "nosuchmachine")
     assert code == 2 and "run 'dlrm-lab machine probe' first" in err and len(err.strip().splitlines()) == 1
 
@@ -302,5 +302,15 @@ def test_a_damaged_stored_price_is_refused_before_a_run_starts(profile, tmp_path
         ("train", "--preset", "tiny", "--steps", "1"),
     ):
         code, _, err = run_cli_in_process(*args, "--metrics-dir", str(tmp_path / "r"), "--no-progress")
-        assert code == 2 and "price.per_hour -3: must be a finite number > 0" in err, err
+        assert code == 2 and "price.per_hour -3: must be a number in (0, 1e+09]" in err, err
         assert not (tmp_path / "r").exists() or list((tmp_path / "r").iterdir()) == []  # before the run
+
+
+def test_a_price_near_the_float_limit_is_refused_not_printed_as_infinite_costs():
+    """`--price-per-hour 1e308` made every cost `inf` (round 4's class, issue 57): a price is bounded where it is
+    given, and every cost a bounded price makes is finite."""
+    from dlrm_lab.config.prices import MAX_PRICE_PER_HOUR, check_price
+
+    with pytest.raises(UserError, match=r"^PER_HOUR 1e\+308: must be a number in \(0, 1e\+09\]"):
+        check_price(1e308)
+    assert math.isfinite(MAX_PRICE_PER_HOUR / 3600 / 1e-6 * 1e6)  # the dearest hour, one query an hour, per 1M

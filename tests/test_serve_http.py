@@ -469,3 +469,18 @@ def test_large_bodies_are_parsed_off_the_loop_and_their_memory_is_bounded(monkey
         return re.findall(rb"HTTP/1\.1 \d+ [A-Za-z ]+", data)
 
     assert asyncio.run(three_uploads()) == [b"HTTP/1.1 503 Service Unavailable"]
+
+
+def test_every_v2_endpoint_answers_only_the_versions_its_metadata_lists():
+    """ModelMetadata refuses version 'v7'; so does ModelInfer over gRPC and REST (round 4's class, issue 57): one
+    NOT_FOUND naming the version, never a query served for a model version that does not exist."""
+    import grpc
+
+    from dlrm_lab.serve.protocol import Refused, v2
+
+    front = _front()
+    with pytest.raises(Refused, match=r"model tiny version 'v7': only 1") as refused:
+        front.v2._request(v2.ModelInferRequest(model_name="tiny", model_version="v7"))
+    assert refused.value.code == grpc.StatusCode.NOT_FOUND
+    got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/versions/v7/infer", {}, b"{}"))
+    assert got == 404 and "version 'v7': only 1" in json.loads(answer)["error"]

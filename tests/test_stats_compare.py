@@ -286,3 +286,18 @@ def test_compare_by_machine_splits_the_runs_by_fingerprint_with_cis(tmp_path):
     rows = json.loads(out.stdout)
     assert {r["new"].rsplit("[", 1)[1] for r in rows} == {"machine bbbbbbbb: CPU b]", "machine cccccccc: CPU c]"}
     assert runner.invoke(_cli(), ["compare", str(root)]).exit_code != 0  # one path needs --by-machine
+
+
+def test_a_manifest_whose_hardware_is_not_an_object_is_an_unknown_machine_not_a_traceback(tmp_path):
+    """Round 4's class (issue 57): `compare --by-machine` over a manifest whose `hardware` is a string split the runs
+    with a traceback; every reader of a manifest's sections takes a damaged one as saying nothing there."""
+    root = tmp_path / "fleet"
+    _as_machine(train_run(root / "a", seed=1), "a")
+    damaged = train_run(root / "b", seed=2)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    manifest["hardware"] = "a box under the desk"
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    labels = [str(r.new).rsplit("[", 1)[1] for r in compare_machines(root, base_machine="aaa")]
+    assert labels == ["machine unknown: ?]"]
+    out = CliRunner().invoke(_cli(), ["compare", str(root), "--by-machine"])
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.exception

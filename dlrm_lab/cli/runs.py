@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from dlrm_lab.cli.format import console
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.run import FoundRun, discover_runs, one_line, pid_alive, recover_run_and_summary
 from dlrm_lab.metrics.tables import PARTS_DIR
@@ -24,7 +24,7 @@ app = typer.Typer(help="Run directories written by train, scale and infer.", no_
 def _liveness(manifest: JsonObject) -> str:
     """For a manifest saying `running`: `alive`, `dead` (its process is gone: it crashed or
     was killed) or `elsewhere` (started on another host, whose pids cannot be checked here)."""
-    host = (manifest.get("hardware") or {}).get("hostname")
+    host = section(manifest, "hardware").get("hostname")
     if host and host != socket.gethostname():
         return "elsewhere"
     return "alive" if pid_alive(manifest.get("pid")) else "dead"
@@ -122,7 +122,7 @@ def list_runs(
             **summary,
             "steps": row.steps,
             "duration_s": manifest.get("duration_s"),
-            "preset": summary.get("preset") or (manifest.get("config") or {}).get("model", {}).get("name", "?"),
+            "preset": summary.get("preset") or section(manifest, "config", "model").get("name", "?"),
         }
         table.add_row(row.run_id, str(manifest.get("kind", "?")), row.status,
                       *(columns.fmt(name, values.get(name)) for name in columns.RUNS_LISTED))  # fmt: skip

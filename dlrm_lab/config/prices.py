@@ -9,11 +9,17 @@ from typing import Any
 
 from dlrm_lab.errors import UserError
 
+# The dearest machine-hour taken: far above any cloud's (an 8-GPU node rents for ~100 USD an hour), and low enough
+# that every cost derived from it (per 1M inferences at one query an hour) stays a finite float
+MAX_PRICE_PER_HOUR = 1e9
+
 
 def check_price(value: Any, option: str = "PER_HOUR") -> float:
-    """A price per hour: a finite number > 0 (a free machine would make every cost 0, silently)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise UserError(f"{option} {value!r}: must be a finite number > 0")
+    """A price per hour: a number in (0, MAX_PRICE_PER_HOUR] (a free machine would make every cost 0, silently; a
+    price near the float limit makes them infinite)."""
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
+            or value > MAX_PRICE_PER_HOUR):  # fmt: skip
+        raise UserError(f"{option} {value!r}: must be a number in (0, {MAX_PRICE_PER_HOUR:g}]")
     return float(value)
 
 

@@ -19,3 +19,11 @@ JsonValue = Union[None, bool, int, float, str, list[Any], dict[str, Any]]
 JsonObject = dict[str, JsonValue]
 OptionValue = Union[None, bool, int, float, str, list[Any], tuple[Any, ...]]
 OptionValues = dict[str, OptionValue]
+
+
+def section(record: Any, *keys: str) -> JsonObject:
+    """`record[key][...]` where each step is an object, else {}: a manifest or profile edited by hand, or damaged
+    (a `hardware` that is a string), reads as one that says nothing there, never as a traceback in a report."""
+    for key in keys:
+        record = record.get(key) if isinstance(record, dict) else None
+    return record if isinstance(record, dict) else {}

@@ -23,7 +23,7 @@ from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
-from dlrm_lab.infer.targets import open_target, parse_target
+from dlrm_lab.infer.targets import check_remote_models, open_target, parse_target
 from dlrm_lab.infer.tune import PROBED, choose_policy
 from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.cost import price_of
@@ -81,6 +81,7 @@ def run_inference(
         if load.sized_by_early_stopping:
             check_loadgen_duration(streams[0].qps, cfg.duration_s, cfg.sla_percentile)
     models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
+    check_remote_models(target, models)
     if not target.remote:  # a remote server holds its models in its own memory
         check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
     check_stored_profile(log)

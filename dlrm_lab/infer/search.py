@@ -34,7 +34,7 @@ from dlrm_lab.infer.search_options import SearchGrid, SearchOptions
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription
-from dlrm_lab.infer.targets import open_target, parse_target
+from dlrm_lab.infer.targets import check_remote_models, open_target, parse_target
 from dlrm_lab.metrics.columns import FrontierRow, QueryRow, SearchSummaryRow, schema_of
 from dlrm_lab.metrics.cost import price_of, serving_cost_columns
 from dlrm_lab.metrics.energy import telemetry_schema
@@ -133,6 +133,7 @@ def search(
     target = parse_target(cfg.target)
     widest = max(grid.layouts, key=lambda layout: layout[0])[0]
     base = replace(base, largest_query=max(base.largest_query, stream.sizes.quantile(0.999)))
+    check_remote_models(target, [base])
     if not target.remote:  # a remote server's memory is its own
         check_fits([replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
     config = {

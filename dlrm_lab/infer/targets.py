@@ -108,6 +108,15 @@ def check_connection(target: Target, conn: Connection) -> None:
             raise FieldError(field, f"{value!r}: must be > 0 seconds")
 
 
+def check_remote_models(target: Target, models: list[Any]) -> None:
+    """Refuse what a remote target cannot honour but the run would record as served: trained weights (`--checkpoint`)
+    that only the remote server's own start can load."""
+    if target.remote and (trained := [m.checkpoint for m in models if m.checkpoint]):
+        raise FieldError("checkpoint", f"{trained[0]}: {{target}} {target.url}: a remote server serves the weights it "
+                         "loaded itself (give --checkpoint to its dlrm-lab serve); the run would claim weights it "
+                         "never served", "target")  # fmt: skip
+
+
 def open_target(target: Target, models: list[Any], conn: Connection, **in_process: Any) -> AbstractContextManager:
     """The system under test at `target` for `models` (infer.served.ServedModel: their names, presets and
     sample libraries; in process also how to serve them, with `in_process` the server's own options)."""

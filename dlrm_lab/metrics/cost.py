@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlrm_lab.config.prices import check_currency, check_energy_price, check_price
+from dlrm_lab.config.prices import MAX_PRICE_PER_HOUR, check_currency, check_energy_price, check_price
 from dlrm_lab.config.toml import read_toml
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
@@ -141,8 +141,9 @@ def _entry(item: JsonObject, path: Path, name: str) -> CatalogueEntry:
 
     def positive(field: str) -> float:
         value = item[field]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise bad(field, "must be a finite number > 0")
+        if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
+                or value > MAX_PRICE_PER_HOUR):  # fmt: skip
+            raise bad(field, f"must be a number in (0, {MAX_PRICE_PER_HOUR:g}]")
         return float(value)
 
     gpus = count("gpus", 0) or 0

@@ -87,10 +87,12 @@ def back_with_huge_pages(tensors: list[Any]) -> PagesResult:
         return out
     madvise = _madvise()
     start_s = time.perf_counter()
+    largest = 0
     for t in tensors:
         if t.device.type != "cpu":
             continue
         begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        largest = max(largest, end - begin)
         lo, hi = -(-begin // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
         if hi - lo < 2 * HUGE_PAGE:
             continue
@@ -100,4 +102,7 @@ def back_with_huge_pages(tensors: list[Any]) -> PagesResult:
             continue
         out.huge_bytes += hi - lo
     out.ms = (time.perf_counter() - start_s) * 1e3
+    if not out.asked_bytes and out.error is None:  # nothing was large enough: said, never reported as huge
+        out.error = (f"no table spans two whole 2 MiB pages (the largest holds {largest:,} bytes): every byte stays "
+                     "on 4 KiB pages")  # fmt: skip
     return out

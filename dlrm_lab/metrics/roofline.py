@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import ROOFLINE_PLACED
 from dlrm_lab.metrics.hardware import hardware_fingerprint
@@ -82,7 +82,7 @@ def run_profile(manifest: JsonObject) -> JsonObject | None:
     carried = manifest.get("machine")
     if isinstance(carried, dict) and "devices" in carried:
         return carried
-    fingerprint = (manifest.get("hardware") or {}).get("fingerprint_id")
+    fingerprint = section(manifest, "hardware").get("fingerprint_id")
     if not fingerprint:
         return None
     try:

@@ -279,6 +279,7 @@ def read_manifest(run_dir: Path) -> JsonObject:
     return json.loads((Path(run_dir) / MANIFEST).read_text())
 
 
+
 def amend_manifest(run_dir: Path, **fields: Any) -> JsonObject:
     """Rewrite a closed run's manifest with `fields` changed (atomically), from outside the run."""
     manifest = read_manifest(run_dir)

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from dlrm_lab.config.values import section
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.stats import (
@@ -298,7 +299,7 @@ def compare(
 
 
 def machine_of(run: _Run) -> str:
-    return str((run.manifest.get("hardware") or {}).get("fingerprint_id") or "unknown")
+    return str(section(run.manifest, "hardware").get("fingerprint_id") or "unknown")
 
 
 def compare_machines(
@@ -329,7 +330,7 @@ def compare_machines(
             raise FieldError("base_machine", f"{base_machine!r}: matches {len(hits)} of the machines under {path} "
                              f"({', '.join(m[:8] for m in machines)})")  # fmt: skip
         base_id = hits[0]
-    label = {m: f"{path} [machine {m[:8]}: {(rs[0].manifest.get('hardware') or {}).get('cpu_model', '?')}]"
+    label = {m: f"{path} [machine {m[:8]}: {section(rs[0].manifest, 'hardware').get('cpu_model', '?')}]"
              for m, rs in machines.items()}  # fmt: skip
     return [
         _compare_runs(

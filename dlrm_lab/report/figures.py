@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dlrm_lab.config.family import family_of, spec_from_dict
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.roofline import run_profile
 from dlrm_lab.report import plots
@@ -160,7 +160,7 @@ def _phases(data: ReportData, out: Path) -> Made:
 def _request_flops(data: ReportData, out: Path) -> Made:
     models, runs = {}, {}
     for r in data.train:
-        model = (r["_run"].manifest.get("config") or {}).get("model") or {}
+        model = section(r["_run"].manifest, "config", "model")
         spec = spec_from_dict(model) if model else None
         if spec is not None and (curve := family_of(spec).request_flops_curve(spec)) is not None:
             label, shape, mean_history = curve
@@ -203,7 +203,7 @@ def _roofline(data: ReportData, out: Path) -> Made:
         if not (r.get("flops_per_sample") and r.get("bytes_per_sample") and r.get("achieved_flops_per_s")):
             continue
         run: RunInfo = r["_run"]
-        key = ((run.manifest.get("hardware") or {}).get("fingerprint_id"), device_of(run, r))
+        key = (section(run.manifest, "hardware").get("fingerprint_id"), device_of(run, r))
         if key not in cache:  # the profile the run carries (made elsewhere, copied here), else this machine's
             cache[key] = ceilings(*key, profile=run_profile(run.manifest))
         c = cache[key]
@@ -226,7 +226,7 @@ def _collectives(data: ReportData, out: Path) -> Made:
     """The probed collectives of the machines the runs ran on, every transport side by side."""
     profiles: dict[str, JsonObject | None] = {}
     for run in data.runs:  # each machine's profile as its runs carry it (else this machine's cache of it)
-        if (fid := (run.manifest.get("hardware") or {}).get("fingerprint_id")) and profiles.get(fid) is None:
+        if (fid := section(run.manifest, "hardware").get("fingerprint_id")) and profiles.get(fid) is None:
             profiles[fid] = run_profile(run.manifest)
     fingerprints = set(profiles)
     transports: dict[str, list[JsonObject]] = {}  # the profiles' probed collectives

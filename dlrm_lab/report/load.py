@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import columns
 from dlrm_lab.metrics.run import MANIFEST, discover_runs, one_line
@@ -251,7 +251,7 @@ def latency_curves(data: ReportData, limit: int = 12) -> Curves:
 
 def device_of(run: RunInfo, row: ReportRow) -> str:
     """The device a row ran on: the training summary says; inference has it in its config."""
-    infer = (run.manifest.get("config") or {}).get("infer") or {}
+    infer = section(run.manifest, "config", "infer")
     return str(row.get("device") or infer.get("device") or "cpu")
 
 

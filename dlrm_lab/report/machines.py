@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
+from dlrm_lab.config.values import section
 from dlrm_lab.metrics.columns import InferSummaryRow
 from dlrm_lab.metrics.cost import serving_cost_columns, stored_price
 from dlrm_lab.metrics.roofline import run_profile
@@ -64,9 +65,10 @@ class MachineRow(Machine):
 
 def machine_of(run: RunInfo) -> Machine:
     """What a run's manifest says of its machine."""
-    hw = run.manifest.get("hardware") or {}
-    flags = set(hw.get("cpu_flags") or [])
-    gpus = [d.get("name") for d in (hw.get("gpus") or {}).get("devices", []) if isinstance(d, dict)]
+    hw = section(run.manifest, "hardware")
+    flags = set(hw.get("cpu_flags") or []) if isinstance(hw.get("cpu_flags"), list) else set()
+    devices = section(hw, "gpus").get("devices")
+    gpus = [d.get("name") for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
     return {
         "machine": str(hw.get("fingerprint_id") or "unknown")[:8],
         "cpu_model": hw.get("cpu_model"),

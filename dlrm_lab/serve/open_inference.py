@@ -236,7 +236,7 @@ class OpenInferenceService:
     def _request(self, req: Any) -> V2Request:
         """The ModelInferRequest's three tensors (raw_input_contents, else typed contents) as the lab's packed
         request, checked by the rules both bindings share (`serve.v2_tensors`)."""
-        m = served_model(self.models, req.model_name)
+        m = served_model(self.models, req.model_name, req.model_version)
         shapes = check_tensors(req.model_name, m.spec, [(t.name, t.datatype, list(t.shape)) for t in req.inputs],
                                [o.name for o in req.outputs])  # fmt: skip
         if req.raw_input_contents and len(req.raw_input_contents) != len(req.inputs):

@@ -59,8 +59,10 @@ def refuse(model: str, message: str) -> Refused:
     return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"model {echoed(model)}: {message}", "rejected")
 
 
-def served_model(models: Mapping[str, Any], name: str, version: str = "") -> Any:
-    """The served model (infer.served.ServedModel) a request names, or Refused NOT_FOUND."""
+def served_model(models: Mapping[str, Any], name: str, version: str) -> Any:
+    """The served model (infer.served.ServedModel) a request names at the version it names ("" or VERSION), or
+    Refused NOT_FOUND. The version has no default: every endpoint, inference included, answers only the versions
+    its metadata lists."""
     if name not in models:
         raise Refused(grpc.StatusCode.NOT_FOUND, f"model {echoed(name)}: not served here; served: "
                       f"{', '.join(models) or 'no DLRM'}", "rejected")  # fmt: skip

@@ -346,8 +346,11 @@ def choose_table_pages(cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module,
         tensors = [t for g in groups for t in (g.weights_host, getattr(g, "momentum1_host", None)) if t is not None]
         done = back_with_huge_pages(tensors)
         choice.update(huge_bytes=done.huge_bytes, collapse_ms=round(done.ms, 1))
-        if done.error:
+        if not done.huge_bytes:  # asked, and nothing is on huge pages: the record says base, and why
+            choice.update(table_pages="base")
+            choice["reason"] += f"; {done.error}"
+        elif done.error:
             choice["reason"] += f"; {done.asked_bytes - done.huge_bytes:,} bytes stay on 4 KiB pages: {done.error}"
     if log and ctx.is_main:
-        log(f"table pages {pages}: {choice['reason']}")
+        log(f"table pages {choice['table_pages']}: {choice['reason']}")
     return choice
