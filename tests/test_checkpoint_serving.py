@@ -315,3 +315,21 @@ def test_a_checkpoint_with_a_remote_target_is_refused_before_anything_runs(train
         run_inference([_served(root)], [Stream("tiny", 10.0, QuerySizes.parse("fixed:1"))],
                       InferConfig(target="grpc://127.0.0.1:1"), metrics_dir=tmp_path / "runs")  # fmt: skip
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_damaged_metadata_file_is_one_line_and_no_reader_traceback(trained, tmp_path, capfd):
+    """DCP's reader logged a traceback for each metadata it tried before the lab's line, and the line blamed the
+    model (issue 57 D21): the metadata is read first, and a damaged one is said to be that."""
+    import shutil
+
+    from dlrm_lab.model.checkpoint import load_weights
+
+    root, _ = trained
+    copy = tmp_path / "damaged"
+    shutil.copytree(read_checkpoint(root).path, copy)
+    (copy / ".metadata").write_bytes(b"garbage")
+    model = family_of(dlrm_lab.load_preset("tiny")).serving_model(_served(root), 0, lambda _line: None)[0]
+    capfd.readouterr()
+    with pytest.raises(UserError, match=r"^checkpoint /.*damaged: its .metadata is damaged or partial \("):
+        load_weights(model, read_checkpoint(copy))
+    assert "Traceback" not in capfd.readouterr().err

@@ -128,6 +128,7 @@ def load_weights(model: Any, checkpoint: TrainedCheckpoint, field: str = "checkp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    check_metadata(checkpoint.path, field)
     state = {"model": model.state_dict()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -168,6 +169,18 @@ def check_spec(checkpoint: TrainedCheckpoint, spec: JsonObject, field: str = "ch
     if difference := first_difference(trained, spec, ""):
         raise FieldError(field, f"{checkpoint.path}: trained {trained.get('name')!r}, not the model served "
                          f"({difference}); serve the preset and scaling it was trained with")  # fmt: skip
+
+
+def check_metadata(path: Path, field: str = "checkpoint") -> None:
+    """Refuse, in one line, a checkpoint whose DCP metadata cannot be read (damaged, truncated, a partial copy),
+    before DCP's reader tries its fallbacks and logs a traceback for each."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - pickle's, the file system's: a damaged checkpoint either way
+        raise FieldError(field, f"{path}: its .metadata is damaged or partial ({first_line(exc)}): train again, "
+                         "or serve another step") from None  # fmt: skip
 
 
 def raise_interruption(exc: BaseException) -> None:

@@ -23,7 +23,14 @@ import torch.distributed.checkpoint as dcp
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
-from dlrm_lab.model.checkpoint import LATEST, TRAINED, first_line, latest_checkpoint, raise_interruption
+from dlrm_lab.model.checkpoint import (
+    LATEST,
+    TRAINED,
+    check_metadata,
+    first_line,
+    latest_checkpoint,
+    raise_interruption,
+)
 
 
 def _state(model: torch.nn.Module, optimizer: Any, step: int) -> dict[str, Any]:
@@ -98,6 +105,7 @@ def load_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any) ->
         raise FieldError("resume", f": no checkpoint in {root} (expected a '{LATEST}' file naming step-N)")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    check_metadata(path, "resume")
     state = _state(model, optimizer, 0)
     try:
         dcp.load(state, checkpoint_id=str(path))
