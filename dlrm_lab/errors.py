@@ -87,6 +87,24 @@ def raise_on_sigterm() -> None:
     signal.signal(signal.SIGHUP, handler)
 
 
+def end_with_parent(signum: int | None = None, ignore_interrupt: bool = True) -> None:
+    """In a worker process the lab started (a probe's, a client's, a serving instance, a sweep's point): end it
+    with `signum` (default SIGKILL) when its parent dies, even by SIGKILL (Linux's parent-death signal), so that no
+    worker, and no resource tracker kept alive by one, outlives a killed command; and leave Ctrl-C to the parent,
+    which stops its workers itself (a worker's own KeyboardInterrupt was a traceback on the terminal)."""
+    import contextlib
+    import ctypes
+    import os
+    import signal
+
+    if ignore_interrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum or signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the signal was asked for
+        os.kill(os.getpid(), int(signum or signal.SIGKILL))
+
+
 class RankFailure(RuntimeError):
     """A collective failed: another rank died, or did not answer within the timeout."""
 

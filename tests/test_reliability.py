@@ -578,3 +578,54 @@ def test_torchs_is_fx_tracing_notice_is_filtered_and_nothing_else():
 
     assert not logger.filter(record("is_fx_tracing will return true for both fx.symbolic_trace and torch.export."))
     assert logger.filter(record("another warning"))
+
+
+def test_a_worker_of_the_lab_ends_with_its_parent_even_when_the_parent_is_killed(tmp_path):
+    """A probe killed by SIGKILL left its two workers and the resource tracker running (issue 57 A8). Every worker the
+    lab starts (a probe's, a client's, a serving instance, a sweep's point) asks for its parent's death as its own,
+    and leaves Ctrl-C to its parent (a worker's own KeyboardInterrupt was a traceback, E26). A process property:
+    the parent is a real process, killed."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp, os, signal, sys, time
+        from dlrm_lab.errors import end_with_parent
+
+        def child(out):
+            end_with_parent()
+            out.put((os.getpid(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
+            time.sleep(60)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            out = ctx.Queue()
+            ctx.Process(target=child, args=(out,)).start()
+            print(*out.get(timeout=60), flush=True)
+            time.sleep(60)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, ignores_interrupt = parent.stdout.readline().split()
+        assert ignores_interrupt == "True"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(int(pid)):
+            time.sleep(0.05)
+        assert not _alive(int(pid)), "the worker outlived its killed parent"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

@@ -33,6 +33,7 @@ import torch
 
 from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.errors import end_with_parent
 from dlrm_lab.infer.batches import QueryRef, make_runner
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
@@ -132,6 +133,9 @@ def map_library(directory: Path, spec: Any) -> Any:
 def instance_main(plan: InstancePlan, conn: Any) -> None:
     """Entry point of an instance process (spawned). Never dies on a bad batch: one whose forward
     raises is reported failed. Queries with their own samples were checked by the server at submit."""
+    # its pipe ends with the parent too, but a parent killed mid start-up must not leave it building; Ctrl-C still
+    # reaches it (it returns at its next wait, as the parent stops)
+    end_with_parent(ignore_interrupt=False)
     try:
         if plan.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, plan.cores)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.errors import end_with_parent
 
 KINDS = ("gemm", "copy")
 
@@ -38,6 +39,7 @@ def _work(kind: str, size: int) -> tuple[Any, float]:
 
 def _worker(core: int | None, size: int, inbox: Any, outbox: Any) -> None:
     """Runs rounds until told to stop: (kind, start at, seconds) -> the rate it measured."""
+    end_with_parent()  # a probe killed by SIGKILL leaves no worker (and no resource tracker) behind
     if core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, [core])
     torch.set_num_threads(1)

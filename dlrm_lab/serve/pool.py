@@ -14,14 +14,21 @@ Hand-written: no library fans a load generator's queries over client processes.
 from __future__ import annotations
 
 import multiprocessing as mp
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_lab.errors import BadAnswer, ClientLost, FieldError, RemoteFailure, ServerLost, exit_description
+from dlrm_lab.errors import (
+    BadAnswer,
+    ClientLost,
+    FieldError,
+    RemoteFailure,
+    ServerLost,
+    end_with_parent,
+    exit_description,
+)
 from dlrm_lab.infer.sut import Query, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
 
@@ -193,7 +200,7 @@ class ClientPool:
 
 def _worker_main(plan: WorkerPlan, conn: Any) -> None:
     """A client worker: its own connection; queries in from the pipe, rows and answers back."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    end_with_parent()  # Ctrl-C reaches the parent, which stops us; a killed parent takes us with it
     try:
         remote = plan.connect(plan.worker)
         remote.epoch_ns = plan.epoch_ns

@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dlrm_lab.config.values import OptionValues
-from dlrm_lab.errors import UserError, exit_description
+from dlrm_lab.errors import UserError, end_with_parent, exit_description
 from dlrm_lab.metrics.run import MANIFEST, Run, amend_manifest, discover_runs, read_manifest, recover_run_and_summary
 from dlrm_lab.sweep.grid import SweepSpec, _launch_params, point_args
 from dlrm_lab.sweep.results import PointResult, SweepResult
@@ -171,10 +171,7 @@ def _run_point(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[str, 
 def _end_with_parent() -> None:
     """In a point's process before it runs: SIGTERM it when the sweep dies, even by SIGKILL (Linux's
     parent-death signal), so that it closes its run instead of writing on as an orphan."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    end_with_parent(signal.SIGTERM, ignore_interrupt=False)  # Ctrl-C reaches the point itself: it marks its run
 
 
 ORPHAN_GRACE_S = 30.0  # an orphaned point's process gets this long to close its run after SIGTERM
