@@ -629,3 +629,35 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def test_sigterm_during_a_package_compile_stops_the_build(monkeypatch, tmp_path):
+    """Inductor's compile catches `Exception` in places; SIGTERM during an `aoti` build was lost there and the run
+    served its whole load with its record `ok` (issue 57 A3). `Terminated` is a BaseException, so it comes through."""
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    import dlrm_lab
+    from dlrm_lab.errors import Terminated, raise_on_sigterm
+    from dlrm_lab.infer.build import make_build
+    from dlrm_lab.model.dlrm import build_model
+
+    monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))  # nothing cached: it compiles
+    torch.manual_seed(1234)
+    model = build_model(dlrm_lab.load_preset("tiny")).eval()
+    make_build(model, "fused", precision="fp32", table_precision="fp32")  # the tables first: the signal meets the compile
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    raise_on_sigterm()
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(Terminated, match="terminated by signal SIGTERM"):
+            make_build(model, "aoti", precision="fp32", table_precision="fp32")
+            time.sleep(30)  # built before the signal came: it still must stop here, not pass
+    finally:
+        timer.cancel()
+        for s, handler in before.items():
+            signal.signal(s, handler)
