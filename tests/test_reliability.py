@@ -648,7 +648,7 @@ def test_sigterm_during_a_package_compile_stops_the_build(monkeypatch, tmp_path)
     monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))  # nothing cached: it compiles
     torch.manual_seed(1234)
     model = build_model(dlrm_lab.load_preset("tiny")).eval()
-    make_build(model, "fused", precision="fp32", table_precision="fp32")  # the tables first: the signal meets the compile
+    make_build(model, "fused", precision="fp32", table_precision="fp32")  # tables first: the signal hits the compile
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     raise_on_sigterm()
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
