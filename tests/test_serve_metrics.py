@@ -3,6 +3,7 @@ rows summed, the batches observed and the instances' state at the scrape; a bad 
 server and a real Prometheus: tests/test_serve.py."""
 
 import socket
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -171,3 +172,37 @@ def test_serve_drains_the_stalls_at_every_pump_with_or_without_metrics(with_metr
     if with_metrics:
         got = _samples(generate_latest(service.metrics.registry).decode())
         assert got["dlrm_lab_instance_stalls_total", (("model", "tiny"),)] == 2
+
+
+def test_idle_scrapers_cost_no_thread_and_are_closed_and_a_scrape_follows(monkeypatch):
+    """2,000 idle connections to /metrics were 2,011 threads, never timed out (issue 57 B12): /metrics is one event
+    loop in one thread; a connection beyond MAX_SCRAPERS is closed at once, an idle one after SCRAPE_TIMEOUT_S, and
+    a scrape after them is answered."""
+    import threading
+    import time
+
+    from dlrm_lab.serve import prometheus
+
+    monkeypatch.setattr(prometheus, "SCRAPE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(prometheus, "MAX_SCRAPERS", 8)
+    metrics = ServingMetrics(FakeInference())
+    port = metrics.start("127.0.0.1", 0)
+    threads = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+    try:
+        assert threading.active_count() == threads  # no thread a connection
+        for s in idle:
+            s.settimeout(5)
+        closed = [s.recv(1) == b"" for s in idle]  # every one ends: at once (beyond the cap) or after the timeout
+        assert all(closed)
+        deadline = time.monotonic() + 5
+        while metrics._scrapers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            assert resp.status == 200 and b"dlrm_lab_queries_total" in resp.read()
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+    finally:
+        for s in idle:
+            s.close()
+        metrics.close()

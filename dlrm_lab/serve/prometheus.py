@@ -14,10 +14,13 @@ served by prometheus-client's threaded HTTP server on `--host`.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -36,6 +39,9 @@ BATCH_BUCKETS = tuple(float(2**k) for k in range(15))  # 1 .. 16384 samples
 STATUSES = ("ok", "dropped", "rejected", "failed", "expired", "unfinished")
 # A refused query naming no served model: one label however many names clients make up
 OTHER_MODEL = "_other"
+SCRAPE_TIMEOUT_S = 10.0  # a scraper's request must arrive within this, and its answer leave
+MAX_SCRAPERS = 64  # connections to /metrics at once; more are closed at once (Prometheus keeps one a target)
+SCRAPE_HEAD_LIMIT = 16 << 10  # a scrape's request line and headers
 
 
 def _transport_ms(r: QueryRow) -> float | None:
@@ -85,6 +91,8 @@ class ServingMetrics:
         r.register(_StateCollector(inference))
         self._server: Any = None
         self._thread: Any = None
+        self._loop: Any = None
+        self._scrapers = 0  # connections open now (touched by the metrics thread's loop only)
 
     def observe_batch(self, model: str, samples: int) -> None:
         """A batch came back (the completion thread): one observation."""
@@ -112,22 +120,80 @@ class ServingMetrics:
         for stall in stalls:
             self.stalls.labels(stall["model"]).inc()
 
-    def start(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0: a free port); returns the port bound."""
-        try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:
-            raise FieldError("metrics_port", f"{port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Serve /metrics on host:port (0: a free port), or on `sock` (bound already: claimed before the server
+        started); returns the port bound. One thread runs an event loop for every scraper: a connection costs no
+        thread, waits at most SCRAPE_TIMEOUT_S for its request, and those beyond MAX_SCRAPERS are closed at once
+        (prometheus_client's own server gave each connection a thread, never timed out: 2,000 idle connections
+        were 2,011 threads)."""
+        started: dict[str, Any] = {}
+        ready = threading.Event()
+
+        async def main() -> None:
+            try:
+                if sock is not None:
+                    server = await asyncio.start_server(self._scrape, sock=sock, limit=SCRAPE_HEAD_LIMIT)
+                else:
+                    server = await asyncio.start_server(self._scrape, host, port, reuse_address=True,
+                                                        limit=SCRAPE_HEAD_LIMIT)  # fmt: skip
+            except OSError as exc:
+                started["error"] = exc
+                ready.set()
+                return
+            self._server, started["port"] = server, server.sockets[0].getsockname()[1]
+            ready.set()
+            async with server:
+                await server.serve_forever()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(main())
+            except asyncio.CancelledError:
+                pass
+            finally:
+                self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="dlrm-lab-metrics", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if "error" in started:
+            exc = started["error"]
+            raise FieldError("metrics_port", f"{port}: cannot listen on {host}:{port}: {exc.strerror or exc}")
         self.inference.batch_observer = self.observe_batch
-        return int(self._server.server_address[1])
+        return int(started["port"])
+
+    async def _scrape(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One scraper's connection: its request, the metrics (or 404), closed."""
+        if self._scrapers >= MAX_SCRAPERS:
+            writer.close()
+            return
+        self._scrapers += 1
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), SCRAPE_TIMEOUT_S)
+            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            path = target.split("?", 1)[0]
+            if method in ("GET", "HEAD") and path in ("/metrics", "/"):
+                status, kind, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
+            else:
+                status, kind, body = "404 Not Found", "text/plain", b"/metrics is the only path\n"
+            head_out = f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+            writer.write((head_out + "Connection: close\r\n\r\n").encode() + (body if method != "HEAD" else b""))
+            await asyncio.wait_for(writer.drain(), SCRAPE_TIMEOUT_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                ConnectionError):  # fmt: skip
+            pass  # an idle, slow, malformed or departed scraper: closed, nothing else to say
+        finally:
+            self._scrapers -= 1
+            writer.close()
 
     def close(self) -> None:
         self.inference.batch_observer = None
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._thread is not None and self._loop is not None and not self._loop.is_closed():
+            for task in asyncio.all_tasks(self._loop):
+                self._loop.call_soon_threadsafe(task.cancel)
             self._thread.join(timeout=5)
-            self._server = None
+        self._server, self._thread = None, None
 
 
 class _StateCollector(Collector):
@@ -173,11 +239,13 @@ def check_metrics_port(host: str, port: int, *others: int | None) -> None:
 
 
 def start_metrics(
-    inference: InferenceServer, host: str, port: int, run: Run, log: Callable[[str], None]
+    inference: InferenceServer, host: str, port: int, run: Run, log: Callable[[str], None],
+    sock: socket.socket | None = None,
 ) -> ServingMetrics:
-    """The server's /metrics, served from now on; said in one line and in the run's manifest (`metrics_address`)."""
+    """The server's /metrics, served from now on (on `sock` where the port was claimed before the start); said in
+    one line and in the run's manifest (`metrics_address`)."""
     metrics = ServingMetrics(inference)
-    bound = metrics.start(host, port)
+    bound = metrics.start(host, port, sock)
     address = (f"[{host}]" if ":" in host else host) + f":{bound}"
     run.update_manifest(metrics_address=address)
     log(f"Prometheus metrics on http://{address}/metrics")

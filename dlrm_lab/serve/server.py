@@ -357,19 +357,23 @@ def serve(
         from dlrm_lab.serve.prometheus import check_metrics_port
 
         check_metrics_port(host, metrics_port, port, http_port)
-    # The HTTP port is claimed now and held until the REST front listens on that very socket: another process
-    # cannot take it while the instances start (gRPC binds its own; its port and /metrics' are checked).
-    http_socket = claim_port(host, http_port, "http_port") if http_port is not None else None
+    # The HTTP and metrics ports are claimed now and held until their servers listen on those very sockets: another
+    # process cannot take them while the instances start (gRPC binds its own; its port is checked).
+    claimed: dict[str, Any] = {}
     try:
-        return _serve_run(models, host, port, device, pin_cores, seed, grace_s, http_port, http_socket, metrics_port,
+        if http_port is not None:
+            claimed["http"] = claim_port(host, http_port, "http_port")
+        if metrics_port is not None:
+            claimed["metrics"] = claim_port(host, metrics_port, "metrics_port")
+        return _serve_run(models, host, port, device, pin_cores, seed, grace_s, http_port, claimed, metrics_port,
                           metrics_dir, argv, log)  # fmt: skip
     finally:
-        if http_socket is not None:
-            http_socket.close()
+        for sock in claimed.values():
+            sock.close()
 
 
 def _serve_run(models: list[ServedModel], host: str, port: int, device: str, pin_cores: bool, seed: int,
-               grace_s: float, http_port: int | None, http_socket: Any, metrics_port: int | None,
+               grace_s: float, http_port: int | None, claimed: dict[str, Any], metrics_port: int | None,
                metrics_dir: str | Path, argv: list[str] | None, log: Log) -> Path:  # fmt: skip
     if metrics_port is not None:
         from dlrm_lab.serve.prometheus import start_metrics
@@ -391,8 +395,8 @@ def _serve_run(models: list[ServedModel], host: str, port: int, device: str, pin
                 run.update_manifest(instances=inference.instance_info, precision_choices=inference.precision_choices)
                 service = InferenceService(inference)
                 if metrics_port is not None:
-                    service.metrics = start_metrics(inference, host, metrics_port, run, log)
-                asyncio.run(_serve(service, queries, host, port, grace_s, log, run, http_port, http_socket))
+                    service.metrics = start_metrics(inference, host, metrics_port, run, log, claimed["metrics"])
+                asyncio.run(_serve(service, queries, host, port, grace_s, log, run, http_port, claimed.get("http")))
                 if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed
                     raise ServingFault(
                         f"an instance failed while serving: {service.failure}; run {run.dir} marked failed"
