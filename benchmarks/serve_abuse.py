@@ -1,8 +1,13 @@
-"""`dlrm-lab serve` under abuse (issue 44's "done when"): malicious requests, then 2,000 streams at once.
+"""`dlrm-lab serve` under abuse (issues 44 and 57): held connections, a maximal body, malicious requests, streams.
 
     python benchmarks/serve_abuse.py [--streams 2000] [--queries-per-stream 3]
 
-One server (tiny, one instance) is started through the CLI. Then:
+One server (tiny, one instance, its REST front and /metrics) is started through the CLI. Then:
+  held       `--idle` connections to the REST port that send nothing, as many sending half a head, and as many to
+             /metrics, all open at once: the server's RSS and threads (issue 57's B targets: at most 200 MB and 50
+             threads more) and a query answered while they are held;
+  body       the largest JSON body the REST front takes, sent while small gRPC queries run: their worst delay
+             (target: at most 50 ms);
   malicious  Open Inference Protocol and lab requests that lie about their shapes, sizes, ids and
              datatypes (a shape of 2^62 with no contents, negative and empty shapes, a datatype the
              tensor is not, a body that is no message, a lab query of 2^31 - 1 samples, ids of any text):
@@ -41,17 +46,109 @@ ROOT = Path(__file__).resolve().parents[1]
 OIP_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
-def start_server(metrics_dir: Path) -> tuple[subprocess.Popen[str], str]:
+def start_server(metrics_dir: Path) -> tuple[subprocess.Popen[str], str, dict[str, int]]:
+    """A tiny server with its REST front and /metrics; (its process, gRPC target, {"http": port, "metrics": port})."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlrm_lab", "serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", "0",
-         "--metrics-dir", str(metrics_dir)],
+         "--http-port", "0", "--metrics-port", "0", "--metrics-dir", str(metrics_dir)],
         cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     assert proc.stderr is not None
+    ports: dict[str, int] = {}
     for line in proc.stderr:
+        if "Prometheus metrics on http://" in line:
+            ports["metrics"] = int(line.rsplit(":", 1)[1].split("/")[0])
+        if "Open Inference Protocol over HTTP/REST on " in line:
+            ports["http"] = int(line.strip().rsplit(":", 1)[1])
         if "serving tiny on " in line:
-            return proc, line.split(" on ")[1].strip()
+            return proc, line.split(" on ")[1].strip(), ports
     raise RuntimeError(f"the server did not start (exit {proc.wait()})")
+
+
+def threads_of(pid: int) -> int:
+    return psutil.Process(pid).num_threads()
+
+
+def idle_connections(port: int, n: int, slow: bool) -> list[Any]:
+    """`n` connections to 127.0.0.1:port that send nothing, or (`slow`) half a request head and then nothing."""
+    import socket
+
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if slow:
+            s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Le")
+        out.append(s)
+    return out
+
+
+def held_connections(proc: Any, target: str, block: Any, want: bytes, ports: dict[str, int], n: int
+                     ) -> dict[str, Any]:  # fmt: skip
+    """`n` idle connections to the REST port, `n` slow ones, and `n` to /metrics, held at once: the server's RSS
+    and threads while they are open (B targets: at most 200 MB and 50 threads more), and a query answered then."""
+    before = {"rss_mb": rss_mb(proc.pid), "threads": threads_of(proc.pid)}
+    held = []
+    try:
+        held += idle_connections(ports["http"], n, slow=False)
+        held += idle_connections(ports["http"], n, slow=True)
+        held += idle_connections(ports["metrics"], n, slow=False)
+        time.sleep(1.0)
+        during = {"rss_mb": rss_mb(proc.pid), "threads": threads_of(proc.pid)}
+        answered = still_serving(target, block, want)[0]
+    finally:
+        for s in held:
+            s.close()
+    return {"connections": 3 * n, "before": before, "during": during, "answered_while_held": answered,
+            "rss_growth_mb": during["rss_mb"] - before["rss_mb"],
+            "thread_growth": during["threads"] - before["threads"]}
+
+
+def one_maximal_body(target: str, block: Any, ports: dict[str, int], queries: int = 200) -> dict[str, Any]:
+    """A small gRPC query's latency alone, then while the largest JSON body the REST front takes is sent and parsed:
+    the body's delay to other clients (B target: at most 50 ms at its worst)."""
+    import http.client
+    import json
+    import statistics
+    import threading
+
+    def latencies(n: int) -> list[float]:
+        out = []
+        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+            call = channel.unary_unary(INFER_METHOD)
+            for k in range(n):
+                t = time.perf_counter()
+                call(lab_request(block, query_id=k), timeout=30)
+                out.append((time.perf_counter() - t) * 1e3)
+        return out
+
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.serve.rest import max_body_bytes
+
+    alone = latencies(queries)
+    limit = max_body_bytes({"tiny": ServedModel("tiny", load_preset("tiny"))})
+    rows = int(0.95 * limit / (12 * 5))  # 12 numbers a row (dense 4, lengths 4, ids 4) of ~5 bytes: under the limit
+    body = json.dumps({"inputs": [
+        {"name": "dense", "datatype": "FP32", "shape": [rows, 4], "data": [0.5] * (rows * 4)},
+        {"name": "lengths", "datatype": "INT32", "shape": [4, rows], "data": [1] * (rows * 4)},
+        {"name": "ids", "datatype": "INT64", "shape": [rows * 4], "data": [1] * (rows * 4)}]}).encode()  # fmt: skip
+    assert len(body) <= limit, (len(body), limit)
+    sent: dict[str, Any] = {}
+
+    def send() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", ports["http"], timeout=300)
+        t = time.perf_counter()
+        conn.request("POST", "/v2/models/tiny/infer", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        sent.update(status=resp.status, seconds=time.perf_counter() - t, answer=resp.read()[:200].decode())
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    during = latencies(queries)
+    sender.join()
+    return {"body_mb": len(body) / 2**20, "body_status": sent.get("status"), "body_seconds": sent.get("seconds"),
+            "body_answer": sent.get("answer"), "alone_p50_ms": statistics.median(alone), "alone_max_ms": max(alone),
+            "during_p50_ms": statistics.median(during), "during_max_ms": max(during),
+            "worst_delay_ms": max(during) - statistics.median(alone)}  # fmt: skip
 
 
 def rss_mb(pid: int) -> float:
@@ -148,14 +245,17 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=2000)
     ap.add_argument("--queries-per-stream", type=int, default=3)
     ap.add_argument("--rss-growth-mb", type=float, default=300.0)
+    ap.add_argument("--idle", type=int, default=2000, help="idle, slow and /metrics connections held, each")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     block = synthetic_generator(load_preset("tiny"), seed=0).samples(0, 8)
     results = header(streams=args.streams, queries_per_stream=args.queries_per_stream)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, target = start_server(Path(tmp))
+        proc, target, ports = start_server(Path(tmp))
         try:
             ok, want = still_serving(target, block, None)
+            held = held_connections(proc, target, block, want, ports, args.idle)
+            body = one_maximal_body(target, block, ports)
             rss = {"start": rss_mb(proc.pid)}
             answers = malicious(target, block)
             alive_after_malicious = proc.poll() is None and still_serving(target, block, want)[0]
@@ -170,6 +270,16 @@ def main() -> None:
                 os.killpg(proc.pid, signal.SIGTERM)
             code = proc.wait(timeout=60)
     growth = max(rss.values()) - rss["start"]
+    results.update(held_connections=held, maximal_body=body)
+    b_targets = {"memory": held["rss_growth_mb"] <= 200, "threads": held["thread_growth"] <= 50,
+                 "served_while_held": held["answered_while_held"], "body_delay": body["worst_delay_ms"] <= 50}
+    results["b_targets"] = b_targets
+    print(f"{held['connections']:,} idle and slow connections held: RSS +{held['rss_growth_mb']:.0f} MB, threads "
+          f"+{held['thread_growth']}, a query answered meanwhile: {held['answered_while_held']}")
+    print(f"a {body['body_mb']:.0f} MB JSON body (HTTP {body['body_status']}, {body['body_seconds']:.1f} s): small "
+          f"gRPC queries p50 {body['alone_p50_ms']:.2f} ms alone, {body['during_p50_ms']:.2f} ms during it, worst "
+          f"{body['during_max_ms']:.1f} ms (delay {body['worst_delay_ms']:.1f} ms)")
+    print("B targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in b_targets.items()))
     results.update(answers=answers, alive_after_malicious=alive_after_malicious, streams_answered=answered,
                    streams_failed=failed, streams_seconds=seconds, alive_after_streams=alive_after_streams,
                    rss_mb=rss, rss_growth_mb=growth, exit_code=code)  # fmt: skip
