@@ -181,6 +181,10 @@ def test_the_cli_writes_the_manifests_and_refuses_bad_options_in_one_line(tmp_pa
         emit = [] if "--emit" in bad else ["--emit", "kubernetes"]
         code, _, err = run_cli_in_process("launch", *emit, *bad, "--", *TRAIN)
         assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    for inner, said in ((["train", "--preset", "kagle"], "unknown model preset 'kagle'"),
+                        (["train", "--preset", "tiny", "--steps", "0"], "--steps 0: must be an integer >= 1")):
+        code, _, err = run_cli_in_process("launch", "--emit", "kubernetes", "--image", "x", "--", *inner)
+        assert code == 2 and err.startswith("error: the pods' command 'train --preset ") and said in err, err
     code, _, err = run_cli_in_process(
         "launch", "--emit", "kubernetes", "--image", "x", "--", *TRAIN, "--metrics-dir", "runs"
     )

@@ -3,6 +3,7 @@ manifests that start them on a cluster (`--emit kubernetes`)."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -44,6 +45,14 @@ def launch_command(
         from dlrm_lab.distributed.kubernetes import emit as emit_manifests
         from dlrm_lab.errors import FieldError, UserError
 
+        inner = list(ctx.args)
+        if inner[:1] == ["train"]:  # a typo or a bad value fails here, not in the pods after the job was scheduled
+            from dlrm_lab.commands import train_setup, train_words
+
+            try:
+                train_setup(train_words(inner[1:]))
+            except UserError as exc:
+                raise UserError(f"the pods' command {shlex.join(inner)!r}: {exc}") from None
         try:
             text = emit_manifests(
                 emit, list(ctx.args), launcher, kind=kind, image=image, name=name, namespace=namespace, nnodes=nnodes,
