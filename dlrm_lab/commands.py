@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from dlrm_lab.config import TrainConfig
@@ -140,6 +141,11 @@ def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, Inf
                 tune.append(knob)
             o[knob] = None if value is None else (int(value) if knob == "max_batch" else value)
     served = build(ServingOptions, INFER_RUN, o).served(o.get("model"))
+    if "keep_warm_ms" in tune:  # auto probes a keep-warm: a family that takes none says so now
+        from dlrm_lab.infer.tune import KEEP_WARM_PROBE_MS
+
+        for m in served:
+            family_of(m.spec).check_served(replace(m, keep_warm_ms=KEEP_WARM_PROBE_MS))
     load = build(LoadOptions, INFER_RUN, o).plan(served)
     cfg = build(InferConfig, INFER_RUN, o, sla_ms=load.streams[0].sla_ms, qps_auto=load.qps_auto,
                 sla_auto=load.sla_auto, tune=tuple(tune))  # fmt: skip

@@ -141,3 +141,39 @@ def test_infer_run_options_say_which_knobs_are_auto_and_refuse_where_probes_cann
     streams = [Stream(m.name, 1.0, QuerySizes.parse("fixed:1")) for m in two]
     with pytest.raises(UserError, match="max_delay_ms auto: one model"):
         run_inference(two, streams, InferConfig(tune=("max_delay_ms",)), metrics_dir="/nonexistent")
+
+
+class WarmSut(PolicySut):
+    """Answers `10 x (keep_warm ? 3 : wake) ms` after each query: warming batches keep the memory warm."""
+
+    def service(self) -> int:
+        return int(10 * (3.0 if self.served.keep_warm_ms else self.wake_ms) * 1e6)
+
+
+@pytest.mark.parametrize(("wake_ms", "warms"), [(9.0, True), (3.0, False)])
+def test_keep_warm_is_chosen_by_measurement_only_where_it_beats_none_by_the_margin(wake_ms, warms):
+    """An idle-tail route chosen as the spin is (issue 56): none against a warming batch every 10 ms, interleaved;
+    kept only where its percentile beats none by MARGIN (it costs core time), recorded with its probes."""
+    from dlrm_lab.infer.tune import KEEP_WARM_PROBE_MS
+
+    served = ServedModel("m", load_preset("tiny"))
+    sut = WarmSut(served, wake_ms)
+    try:
+        c = choose_policy(sut, Stream("m", 1000.0, QuerySizes.parse("fixed:2")), ("keep_warm_ms",), sla_ms=200.0,
+                          probe_s=0.03, repeats=3)  # fmt: skip
+    finally:
+        sut.close()
+    probes = [p for p in c.probes if p["knob"] == "keep_warm_ms"]
+    assert [p["keep_warm_ms"] for p in probes] == [0.0, KEEP_WARM_PROBE_MS]
+    assert c.keep_warm_ms == (KEEP_WARM_PROBE_MS if warms else 0.0) and served.keep_warm_ms == c.keep_warm_ms
+    assert sut.configured[-1] == {"keep_warm_ms": c.keep_warm_ms} and "keep-warm" in c.line
+    assert c.to_dict()["keep_warm_ms"] == c.keep_warm_ms
+
+
+def test_keep_warm_auto_is_refused_for_a_family_that_takes_none():
+    from dlrm_lab.commands import infer_setup
+
+    served, _, cfg = infer_setup({"keep-warm-ms": "auto"})
+    assert "keep_warm_ms" in cfg.tune and served[0].keep_warm_ms == 0.0
+    with pytest.raises(UserError, match="--keep-warm-ms 10: for DLRM presets"):
+        infer_setup({"model": ["hstu-tiny"], "keep-warm-ms": "auto"})

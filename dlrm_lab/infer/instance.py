@@ -13,6 +13,7 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
     tracing (`--trace`): parent -> instance (TRACE, None) starts torch.profiler, (TRACE, path) stops
     it and exports its Chrome trace there; instance -> parent (TRACE, index, path or error) when written
     spin (`infer.tune`): parent -> instance (SPIN, ms) sets how long it polls before it blocks
+    keep-warm (`infer.tune`): parent -> instance (KEEP_WARM, ms) sets how often it warms itself while idle
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class BatchResult:
 
 TRACE = "trace"  # the control message of tracing (module docstring)
 SPIN = "spin"  # parent -> instance (SPIN, ms): poll this long for the next batch before blocking
+KEEP_WARM = "keep-warm"  # parent -> instance (KEEP_WARM, ms): a warming batch this often while idle (0: off)
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,9 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             continue
         if msg[0] == SPIN:
             spin_s = msg[1] / 1e3
+            continue
+        if msg[0] == KEEP_WARM:
+            keep_warm.every_s = msg[1] / 1e3
             continue
         batch_id, refs = msg
         start = time.monotonic_ns()

@@ -405,4 +405,7 @@ RUN_KNOBS: dict[str, OptionChange] = {
     "spin_ms": {"type": str, "default": "0", "help": (
         "An idle instance polls for its next batch this long before it sleeps (a core that slept runs the next "
         "batch slower), or auto: chosen like --max-delay-ms, kept only where it beats no spin by 5%.")},
+    "keep_warm_ms": {"type": str, "default": "0", "help": (
+        "An idle instance runs a 1-sample batch of its own every this many ms (0: off), or auto: none against "
+        "every 10 ms, probed like --spin-ms, kept only where it beats none by 5% (DLRM presets).")},
 }  # fmt: skip

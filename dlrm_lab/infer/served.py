@@ -131,9 +131,9 @@ class ServedModel:
         """This model as the runner reads it (`infer.sut.ModelDescription`)."""
         return ModelDescription(
             name=self.name, spec=self.spec, instances=self.instances, threads=self.threads, max_batch=self.max_batch,
-            max_delay_ms=self.max_delay_ms, spin_ms=self.spin_ms, min_piece=self.min_piece, max_queue=self.max_queue,
-            largest_query=self.largest_query, precision=self.precision, table_precision=self.table_precision,
-            build=self.build, columns=self.describe(),
+            max_delay_ms=self.max_delay_ms, spin_ms=self.spin_ms, keep_warm_ms=self.keep_warm_ms,
+            min_piece=self.min_piece, max_queue=self.max_queue, largest_query=self.largest_query,
+            precision=self.precision, table_precision=self.table_precision, build=self.build, columns=self.describe(),
         )  # fmt: skip
 
     def piece_limit(self) -> int:

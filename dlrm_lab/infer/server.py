@@ -40,7 +40,14 @@ from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.batching import BatchClock, take_batch, whole_enough
 from dlrm_lab.infer.completions import BatchCompletions
-from dlrm_lab.infer.instance import SPIN, map_library, remove_stale_snapshots, snapshot_dir_for, write_snapshot
+from dlrm_lab.infer.instance import (
+    KEEP_WARM,
+    SPIN,
+    map_library,
+    remove_stale_snapshots,
+    snapshot_dir_for,
+    write_snapshot,
+)
 from dlrm_lab.infer.instance_processes import InstanceProcesses, LostInstance
 from dlrm_lab.infer.library import PackedLibrary, payload_for
 from dlrm_lab.infer.placement import place_instances
@@ -240,16 +247,19 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         max_queue: int | None = None,
         min_piece: int | None = None,
         spin_ms: float | None = None,
+        keep_warm_ms: float | None = None,
     ) -> None:
         """Change a model's batching policy between load points (instances stay up)."""
         m = self.models[model]
         pool = self._pools[model]
-        if spin_ms is not None:
-            m.spin_ms = spin_ms
+        for kind, value, name in ((SPIN, spin_ms, "spin_ms"), (KEEP_WARM, keep_warm_ms, "keep_warm_ms")):
+            if value is None:
+                continue
+            setattr(m, name, value)
             for info in self.instance_info:
                 if info["model"] == model and info["instance"] not in self._lost:
                     with self._send_locks[info["instance"]], contextlib.suppress(OSError, ValueError):
-                        self._conns[info["instance"]].send((SPIN, spin_ms))  # a dead one: check() says so
+                        self._conns[info["instance"]].send((kind, value))  # a dead one: check() says so
         with pool.cond:
             if max_batch is not None:
                 m.max_batch = max_batch

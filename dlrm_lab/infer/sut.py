@@ -146,6 +146,7 @@ class ModelDescription:
     max_batch: int | None = None
     max_delay_ms: float | None = None
     spin_ms: float | None = None
+    keep_warm_ms: float | None = None
     min_piece: int | None = None
     max_queue: int | None = None
     largest_query: int = 0

@@ -1,4 +1,4 @@
-"""The serving policy chosen by measurement: max batch, batching delay and spin (`infer run ... auto`).
+"""The serving policy chosen by measurement: max batch, batching delay, spin and keep-warm (`infer run ... auto`).
 
 A batch runs slower in service than warm: a core that slept between batches wakes slowly and
 its caches are cold, and on a VM a halted vCPU waits for the host. The remedies trade against
@@ -9,13 +9,15 @@ each other and against the load, so none is right on every machine:
 - spin (`--spin-ms`): an idle instance polls for its next batch before it sleeps, keeping its
   core awake, but the polling takes the core from the serving process and other instances;
 - the max batch (`--max-batch`): large batches amortise the per-batch cost, long ones hold the
-  queries behind them.
+  queries behind them;
+- keep-warm (`--keep-warm-ms`): an idle instance runs a 1-sample batch every few ms, its tables and weights kept in
+  cache, at the cost of that core time.
 
 `infer run` with `auto` for any of them chooses on the running server, after the load is known:
 - the max batch from the batch cost every instance measured at start (`auto_max_batch`);
 - the delay, then the spin, by short open-loop probes at the point's own rate and query sizes,
   interleaved and repeated, keeping the lowest median latency percentile (`choose_policy`).
-  A spin must beat no spin by `MARGIN`, since spinning costs cores.
+  A spin and a keep-warm must beat none by `MARGIN`, since both cost cores.
 Threads per instance are fixed when instances start: `infer search` compares layouts.
 
 Hand-written: no serving framework tunes its own batching against the host's wake-up costs.
@@ -40,8 +42,10 @@ from dlrm_lab.infer.load import LoadSettings, Stream
 from dlrm_lab.infer.records import summarize
 from dlrm_lab.infer.sut import SystemUnderTest
 
-KNOBS = ("max_batch", "max_delay_ms", "spin_ms")  # what `auto` may be given for
-PROBED = ("max_delay_ms", "spin_ms")  # chosen by probes of one model's open-loop load (max_batch: by its batch cost)
+KNOBS = ("max_batch", "max_delay_ms", "spin_ms", "keep_warm_ms")  # what `auto` may be given for
+# chosen by probes of one model's open-loop load (max_batch: by its batch cost)
+PROBED = ("max_delay_ms", "spin_ms", "keep_warm_ms")
+KEEP_WARM_PROBE_MS = 10.0  # the keep-warm interval probed against none (a 1-sample batch: ~0.5 ms of 10, 5%)
 DELAYS_MS = (0.0, 0.5, 1.0, 2.0)  # batching delays probed (those above a quarter of the bound are not)
 MARGIN = 1.05  # a spin must lower the percentile by this factor to be kept (it costs cores)
 FIXED_SHARE = 0.1  # auto max batch: large enough that the per-batch cost is at most this share of a batch
@@ -108,6 +112,7 @@ class _Setting(TypedDict, total=False):
 
     max_delay_ms: float
     spin_ms: float
+    keep_warm_ms: float
 
 
 class PolicyProbe(_Setting):
@@ -131,6 +136,7 @@ class PolicyChoice:
     max_delay_ms: float
     spin_ms: float
     tuned: list[str]  # the knobs chosen here (the others as given)
+    keep_warm_ms: float = 0.0
     probes: list[PolicyProbe] = field(default_factory=list)  # each candidate: its percentiles, median
     reasons: list[str] = field(default_factory=list)
 
@@ -204,7 +210,8 @@ def choose_policy(
     sut = server.describe()
     served = sut.models[model]
     choice = PolicyChoice(model=model, qps=stream.qps, percentile=percentile, max_batch=served.max_batch,
-                          max_delay_ms=served.max_delay_ms, spin_ms=served.spin_ms, tuned=list(tune))  # fmt: skip
+                          max_delay_ms=served.max_delay_ms, spin_ms=served.spin_ms, tuned=list(tune),
+                          keep_warm_ms=served.keep_warm_ms or 0.0)  # fmt: skip
     if "max_batch" in tune:
         cost = sut.batch_costs.get(model)
         if cost is None:
@@ -237,6 +244,16 @@ def choose_policy(
         choice.probes += results
         choice.reasons.append(f"spin {best['spin_ms']:g} ms ({_versus(results, 'spin_ms', percentile)})")
         server.configure(model, spin_ms=choice.spin_ms)
+    if "keep_warm_ms" in tune:  # an idle-tail route: a warming batch every KEEP_WARM_PROBE_MS against none
+        results = _compare(server, stream, model, [{"keep_warm_ms": w} for w in (0.0, KEEP_WARM_PROBE_MS)],
+                           knob="keep_warm_ms", **common)  # fmt: skip
+        none, warm = results
+        best = warm if _median(warm) * MARGIN <= _median(none) else none  # it costs core time: must win by MARGIN
+        choice.keep_warm_ms = best["keep_warm_ms"]
+        choice.probes += results
+        choice.reasons.append(f"keep-warm {best['keep_warm_ms']:g} ms "
+                              f"({_versus(results, 'keep_warm_ms', percentile)})")  # fmt: skip
+        server.configure(model, keep_warm_ms=choice.keep_warm_ms)
     if log:
         log(choice.line)
     return choice
