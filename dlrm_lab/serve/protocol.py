@@ -70,6 +70,9 @@ class Refused(Exception):
         self.code = code
         self.status = status
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (a large REST body is read in a worker process)
+        return type(self), (self.code, str(self), self.status)
+
 
 def client_deadline(context: Any) -> int | None:
     """The client's deadline on this process's monotonic clock (None: it set none)."""

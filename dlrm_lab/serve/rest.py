@@ -42,16 +42,12 @@ import numpy as np
 
 from dlrm_lab.serve.open_inference import EXTENSIONS, OpenInferenceService
 from dlrm_lab.serve.protocol import SCORE_DTYPE, Refused, echoed
+from dlrm_lab.serve.rest_body import parse_body, read_body, whole_number
 from dlrm_lab.serve.v2_tensors import (
-    DTYPES,
     OUTPUT,
     VERSION,
     Declared,
     V2Request,
-    check_tensors,
-    nbytes,
-    packed_request,
-    refuse,
     served_model,
     tensors,
 )
@@ -106,6 +102,18 @@ class RestFront:
         self._writers: set[asyncio.StreamWriter] = set()
         self._busy = 0  # requests being answered
         self._body_bytes = 0  # of the bodies being read or answered: at most BODIES_IN_FLIGHT x the largest body
+        self._pool: Any = None  # the process that parses large bodies, started with the first of them
+
+    def _parser(self) -> Any:
+        if self._pool is None:
+            import concurrent.futures
+            import multiprocessing
+
+            from dlrm_lab.errors import end_with_parent
+
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=end_with_parent)
+        return self._pool
 
     async def start(self, host: str, port: int, sock: Any = None) -> int:
         """Listen on host:port, or on `sock` (bound to it already: claimed before the server started); the bound
@@ -130,6 +138,9 @@ class RestFront:
             await asyncio.sleep(0.02)
         for writer in list(self._writers):
             writer.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
@@ -172,7 +183,7 @@ class RestFront:
                                             f"({echoed(', '.join(sorted(lengths)))}): give one"), True)  # fmt: skip
             return False
         length = headers.get("content-length", "0")
-        if not _whole_number(length):
+        if not whole_number(length):
             await self._write(writer, error(400, f"Content-Length {echoed(length)}: not a number of bytes"), True)
             return False
         if int(length) > self.max_body:
@@ -267,22 +278,27 @@ class RestFront:
     async def infer(self, name: str, version: str, headers: dict[str, str], body: bytes, receive: int) -> Response:
         if self.stopping:
             return error(503, "the server is stopping")
-        request: dict[str, Any] = {}
+        request: dict[str, Any] = {}  # the JSON fields the answer reads (`rest_body.ANSWER_FIELDS`)
 
-        def read() -> V2Request:
-            nonlocal request
+        def check() -> Any:
+            """The served model's spec, once the body is one the lab reads and the model one it serves."""
             if headers.get("content-encoding", "identity").lower() != "identity":
                 raise _refused(name, f"Content-Encoding {echoed(headers['content-encoding'])}: send the body "
                                "uncompressed")  # fmt: skip
-            served_model(self.v2.models, name, version)
-            request, blobs = _split(name, headers, body)
-            return _tensors(self.v2.models[name].spec, name, request, blobs)
+            return served_model(self.v2.models, name, version).spec
+
+        def read() -> V2Request:
+            nonlocal request
+            shim, request = read_body(check(), name, headers, body)
+            return shim
 
         reader = read
-        if len(body) > SMALL_BODY:  # parsed off the event loop that serves every client, gRPC's included
+        if len(body) > SMALL_BODY:  # parsed in a process of its own: json.loads holds the GIL, even in a thread
             outcome: list[Any] = []
             try:
-                outcome.append(await asyncio.to_thread(read))
+                parsed, request = await asyncio.get_running_loop().run_in_executor(
+                    self._parser(), parse_body, check(), name, headers, bytes(body))
+                outcome.append(parsed)
             except Refused as refused:
                 outcome.append(refused)
 
@@ -345,100 +361,6 @@ def _route(rest: list[str]) -> tuple[str | None, str, str]:
     routes = {(): "metadata", ("ready",): "model_ready", ("config",): "config", ("stats",): "stats",
               ("infer",): "infer"}  # fmt: skip
     return routes.get(tuple(tail)), name, version
-
-
-def _whole_number(text: str) -> bool:
-    """ASCII digits only, at most 18 (`str.isdigit` also takes '²' and other scripts' digits, which `int` refuses)."""
-    return text.isascii() and text.isdigit() and len(text) <= 18
-
-
-def _split(model: str, headers: dict[str, str], body: bytes) -> tuple[dict[str, Any], memoryview]:
-    """The request's JSON and the binary data after it (Triton's extension: Inference-Header-Content-Length)."""
-    size = headers.get("inference-header-content-length")
-    if size is not None and (not _whole_number(size) or int(size) > len(body)):
-        raise refuse(model, f"Inference-Header-Content-Length {echoed(size)}: not a length within the body's "
-                     f"{len(body)} bytes")  # fmt: skip
-    cut = len(body) if size is None else int(size)
-    try:
-        request = json.loads(bytes(body[:cut]))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise refuse(model, f"request body: not JSON ({exc})") from None
-    except RecursionError:
-        raise refuse(model, "request body: JSON nested too deep (a tensor's data nests as deep as its shape)") from None
-    if not isinstance(request, dict):
-        raise refuse(model, f"request body: a JSON object expected, not {type(request).__name__}")
-    return request, memoryview(body)[cut:]
-
-
-def _tensors(spec: Any, model: str, request: dict[str, Any], blobs: memoryview) -> V2Request:
-    """The request's tensors, JSON `data` or binary, as the lab's packed request (checked as the gRPC binding's)."""
-    if not isinstance(request.get("id", ""), str):
-        raise refuse(model, f"id {echoed(json.dumps(request['id']))}: must be a string")
-    for key in ("parameters",):
-        if not isinstance(request.get(key) or {}, dict):
-            raise refuse(model, f"{key}: must be a JSON object")
-    inputs, outputs = request.get("inputs"), request.get("outputs") or []
-    if not isinstance(inputs, list) or not all(isinstance(t, dict) for t in inputs):
-        raise refuse(model, "inputs: a list of tensor objects expected (name, datatype, shape, data)")
-    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
-        raise refuse(model, "outputs: a list of objects with a name expected")
-    for k, o in enumerate(outputs):  # checked before the query is scored: its answer reads them
-        if not isinstance(o.get("parameters") or {}, dict):
-            raise refuse(model, f"outputs[{k}]: parameters must be a JSON object")
-    triples = []
-    for k, t in enumerate(inputs):
-        name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")
-        where = f"inputs[{k}]" if not isinstance(name, str) else f"input {name}"
-        if not isinstance(name, str) or not isinstance(datatype, str):
-            raise refuse(model, f"{where}: name and datatype must be strings")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-            raise refuse(model, f"{where}: shape {echoed(json.dumps(shape))}: a list of whole numbers expected")
-        if not isinstance(t.get("parameters") or {}, dict):
-            raise refuse(model, f"{where}: parameters must be a JSON object")
-        triples.append((name, datatype, shape))
-    shapes = check_tensors(model, spec, triples, [o.get("name") for o in outputs])
-    raw: dict[str, bytes] = {}
-    at = 0
-    for name, datatype, shape in triples:
-        t = next(t for t in inputs if t["name"] == name)
-        size = (t.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or at + size > len(blobs):
-                raise refuse(model, f"input {name}: binary_data_size {echoed(json.dumps(size))}: not a size within "
-                             f"the {len(blobs) - at} bytes left after the JSON header")  # fmt: skip
-            raw[name], at = bytes(blobs[at : at + size]), at + size
-        elif "data" in t:
-            raw[name] = _values(model, name, datatype, t["data"], shape)
-        else:
-            raise refuse(model, f"input {name}: no data (give `data`, or binary data with `binary_data_size`)")
-    if at != len(blobs):
-        raise refuse(model, f"binary data: {len(blobs)} bytes after the JSON header, the inputs' binary_data_size "
-                     f"sum to {at}")  # fmt: skip
-    shim = packed_request(model, request.get("id", ""), shapes, raw)
-    timeout = (request.get("parameters") or {}).get("timeout")  # microseconds, as tritonclient sends it
-    if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
-        shim.timeout_ns = timeout * 1000
-    return shim
-
-
-def _values(model: str, name: str, datatype: str, data: Any, shape: list[int]) -> bytes:
-    """A JSON `data` list (flat, row-major, or nested to the shape) as the tensor's bytes."""
-    want = nbytes(name, shape) // DTYPES[datatype].itemsize
-    try:
-        values = np.asarray(data)
-        if values.size == 0:
-            values = values.astype(DTYPES[datatype])
-        if values.dtype.kind not in ("iu" if datatype != "FP32" else "iuf"):
-            raise ValueError(f"{datatype} values expected, got {values.dtype.kind!r} kind")
-        if datatype == "INT32" and values.size and not (-(2**31) <= values.min() and values.max() < 2**31):
-            raise ValueError("a value outside int32")
-        values = values.astype(DTYPES[datatype])
-    except (ValueError, TypeError, OverflowError) as exc:
-        why = " ".join(str(exc).split())[:200]
-        raise refuse(model, f"input {name}: data: not {datatype} numbers ({why})") from None
-    if values.size != want:
-        raise refuse(model, f"input {name}: {values.size} values in data for shape {shape} ({want} expected)")
-    return values.tobytes()
 
 
 def _numbers(message: Any) -> dict[str, Any]:
