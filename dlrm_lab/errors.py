@@ -97,12 +97,13 @@ def end_with_parent(signum: int | None = None, ignore_interrupt: bool = True) ->
     import os
     import signal
 
+    signum = int(signum or signal.SIGKILL)
     if ignore_interrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum or signal.SIGKILL))  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:  # the parent died before the signal was asked for
-        os.kill(os.getpid(), int(signum or signal.SIGKILL))
+        os.kill(os.getpid(), signum)
 
 
 class RankFailure(RuntimeError):

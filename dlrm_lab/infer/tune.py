@@ -233,27 +233,21 @@ def choose_policy(
         choice.probes += results
         choice.reasons.append(f"delay {best['max_delay_ms']:g} ms ({_versus(results, 'max_delay_ms', percentile)})")
         server.configure(model, max_delay_ms=choice.max_delay_ms)
-    if "spin_ms" in tune:
-        spins = spin_candidates(stream.qps, served.instances)
-        results = _compare(server, stream, model, [{"spin_ms": s} for s in spins], knob="spin_ms", **common)
-        none = next(r for r in results if r["spin_ms"] == 0)
+    # the idle-tail routes: each costs core time, so it must beat none (0) by MARGIN to be kept
+    routes = {"spin_ms": ("spin", spin_candidates(stream.qps, served.instances)),
+              "keep_warm_ms": ("keep-warm", [0.0, KEEP_WARM_PROBE_MS])}  # fmt: skip
+    for knob, (label, values) in routes.items():
+        if knob not in tune:
+            continue
+        results = _compare(server, stream, model, [{knob: v} for v in values], knob=knob, **common)
+        none = next(r for r in results if r[knob] == 0)
         best = min(results, key=_median)
         if best is not none and not _median(best) * MARGIN <= _median(none):
             best = none
-        choice.spin_ms = best["spin_ms"]
+        setattr(choice, knob, best[knob])
         choice.probes += results
-        choice.reasons.append(f"spin {best['spin_ms']:g} ms ({_versus(results, 'spin_ms', percentile)})")
-        server.configure(model, spin_ms=choice.spin_ms)
-    if "keep_warm_ms" in tune:  # an idle-tail route: a warming batch every KEEP_WARM_PROBE_MS against none
-        results = _compare(server, stream, model, [{"keep_warm_ms": w} for w in (0.0, KEEP_WARM_PROBE_MS)],
-                           knob="keep_warm_ms", **common)  # fmt: skip
-        none, warm = results
-        best = warm if _median(warm) * MARGIN <= _median(none) else none  # it costs core time: must win by MARGIN
-        choice.keep_warm_ms = best["keep_warm_ms"]
-        choice.probes += results
-        choice.reasons.append(f"keep-warm {best['keep_warm_ms']:g} ms "
-                              f"({_versus(results, 'keep_warm_ms', percentile)})")  # fmt: skip
-        server.configure(model, keep_warm_ms=choice.keep_warm_ms)
+        choice.reasons.append(f"{label} {best[knob]:g} ms ({_versus(results, knob, percentile)})")
+        server.configure(model, **{knob: best[knob]})
     if log:
         log(choice.line)
     return choice

@@ -139,11 +139,6 @@ CACHED_TABLES: dict[str, tuple[str, tuple[type, ...], tuple[str, ...]]] = {
 }
 
 
-def _section(profile: JsonObject, section: str) -> JsonObject:
-    table = profile.get(section)
-    return table if isinstance(table, dict) else {}
-
-
 def cached_problem(section: str, key: str, entry: Any) -> str | None:
     """What is wrong with an entry of a MEASURED_CHOICES section, as `field = value: rule`; None when nothing."""
     name, levels, tables = CACHED_TABLES[section]
@@ -193,15 +188,11 @@ def cached_choice(
     return None
 
 
-# Profile keys a user gives rather than a probe measures: the machine's price (metrics.cost), the instance type.
-GIVEN_BY_USER = ("price", "instance_type")
-
-
-def store_measured(profile: JsonObject, section: str, key: str, entry: JsonObject) -> Path | str:
+def store_measured(profile: JsonObject, table: str, key: str, entry: JsonObject) -> Path | str:
     """Add one entry to a MEASURED_CHOICES section of `profile` and save it; where it went (or, where the
     profile cannot be written, why not: the choice stands, it is only measured again next time)."""
     try:
-        return save_profile({**profile, section: {**_section(profile, section), key: entry}})
+        return save_profile({**profile, table: {**section(profile, table), key: entry}})
     except ProfileNotStored as exc:
         return f"nowhere ({exc})"
 
@@ -220,21 +211,18 @@ def save_profile(profile: JsonObject, keep_better: bool = False) -> Path:
         old = None
     if old is not None:
         # every figure an earlier probe measured and this one did not stays (a collectives-only or GPU-only probe
-        # measures no wake and no cold gather; the low-load floor must not lose them)
+        # measures no wake and no cold gather; the low-load floor must not lose them), and what the user gave (the
+        # machine's price, its instance type: a probe has none of its own)
         merged = {**old, **profile}
-        for section in PER_FIGURE_SECTIONS:
-            merged[section] = {**_section(old, section), **_section(profile, section)}
+        # choices measured on this machine (precision rates, sharding trials) stay valid across probes, and the
+        # figures keyed by what was measured (ms idle) merge key by key
+        for table in (*PER_FIGURE_SECTIONS, *MEASURED_CHOICES):
+            merged[table] = {**section(old, table), **section(profile, table)}
         merged["devices"] = {**old.get("devices", {}), **profile["devices"]}
         if keep_better:
             kept = _keep_better(old.get("devices", {}), merged["devices"])
             merged["kept_from_earlier_probe"] = kept
         merged["comms"] = {**old.get("comms", {}), **profile["comms"]}
-        # choices measured on this machine (precision rates, sharding trials) stay valid across probes
-        for section in MEASURED_CHOICES:
-            merged[section] = {**_section(old, section), **_section(profile, section)}
-        for key in GIVEN_BY_USER:  # not measured: a probe has none of its own and must not drop the user's
-            if key not in profile and key in old:
-                merged[key] = old[key]
         if not profile["devices"]:  # a collectives-only probe: the device peaks' date stays
             merged["probed_at"] = old.get("probed_at")
             merged["quick"] = old.get("quick")

@@ -9,7 +9,7 @@ Queries are counted from the very rows the server writes to its queries table, a
 histograms are sums over the run's `queries.parquet` (at most one pump, 0.5 s, behind it), and nothing is added to
 the completion path of a query (only a batch's size is observed there, one histogram observation a batch). The state
 of the instances is read when Prometheus asks. A registry of its own (not prometheus-client's global one) holds it all,
-served by prometheus-client's threaded HTTP server on `--host`.
+served on `--host` by one event loop in a thread of its own (`ServingMetrics.start`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Stall
 from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.metrics.run import Run
-from dlrm_lab.serve.ports import check_port
 
 # ms-scale serving: 0.1 ms (a small batch's compute) to 10 s (a query waiting out a stall); seconds, Prometheus's unit
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -89,7 +88,6 @@ class ServingMetrics:
         self._batches = {model: batches.labels(model) for model in self.models}  # bound once: the per-batch call
         self._stages = {(stage, m): h.labels(m) for stage, h in self.stages.items() for m in self.models}
         r.register(_StateCollector(inference))
-        self._server: Any = None
         self._thread: Any = None
         self._loop: Any = None
         self._scrapers = 0  # connections open now (touched by the metrics thread's loop only)
@@ -140,7 +138,7 @@ class ServingMetrics:
                 started["error"] = exc
                 ready.set()
                 return
-            self._server, started["port"] = server, server.sockets[0].getsockname()[1]
+            started["port"] = server.sockets[0].getsockname()[1]
             ready.set()
             async with server:
                 await server.serve_forever()
@@ -193,7 +191,7 @@ class ServingMetrics:
             for task in asyncio.all_tasks(self._loop):
                 self._loop.call_soon_threadsafe(task.cancel)
             self._thread.join(timeout=5)
-        self._server, self._thread = None, None
+        self._thread = None
 
 
 class _StateCollector(Collector):
@@ -229,13 +227,12 @@ class _StateCollector(Collector):
 
 
 def check_metrics_port(host: str, port: int, *others: int | None) -> None:
-    """Before the instances take their time to start: `port` is one to listen on, free on `host`, and not the
-    server's other ports (`others`)."""
+    """Before the instances take their time to start: `port` is one to listen on and not the server's other ports
+    (`others`); `serve` then claims it (`serve.ports.claim_port`), which says where it is not free."""
     if not 0 <= port < 65536:
         raise FieldError("metrics_port", f"{port}: must be in [0, 65535] (0: any free port)")
     if port and port in others:
         raise FieldError("metrics_port", f"{port}: must differ from {{port}} and {{http_port}}", "port", "http_port")
-    check_port(host, port, "metrics_port")
 
 
 def start_metrics(

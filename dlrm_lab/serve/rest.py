@@ -54,7 +54,7 @@ from dlrm_lab.serve.v2_tensors import (
 
 REST_EXTENSIONS = [*EXTENSIONS, "binary_tensor_data"]
 HEADER_LIMIT = 64 << 10  # request line and headers
-SMALL_BODY = 1 << 20  # a body above this is parsed in a worker thread, and counts against BODIES_IN_FLIGHT
+SMALL_BODY = 1 << 20  # a body above this is parsed in a process of its own, and counts against BODIES_IN_FLIGHT
 BODIES_IN_FLIGHT = 2  # large bodies held at once, in units of the largest body allowed
 HEAD_TIMEOUT_S = 30.0  # a connection idle this long between requests, or sending a head this slowly, is closed
 BODY_TIMEOUT_S, BODY_BYTES_PER_S = 30.0, 1 << 20  # a body must arrive within 30 s plus 1 s a MiB
@@ -294,18 +294,17 @@ class RestFront:
 
         reader = read
         if len(body) > SMALL_BODY:  # parsed in a process of its own: json.loads holds the GIL, even in a thread
-            outcome: list[Any] = []
+            parsed: V2Request | Refused
             try:
                 parsed, request = await asyncio.get_running_loop().run_in_executor(
-                    self._parser(), parse_body, check(), name, headers, bytes(body))
-                outcome.append(parsed)
+                    self._parser(), parse_body, check(), name, headers, body)
             except Refused as refused:
-                outcome.append(refused)
+                parsed = refused
 
             def reader() -> V2Request:  # a refusal is raised inside `score`, which records it
-                if isinstance(outcome[0], Refused):
-                    raise outcome[0]
-                return outcome[0]
+                if isinstance(parsed, Refused):
+                    raise parsed
+                return parsed
 
         params = {}
         try:
