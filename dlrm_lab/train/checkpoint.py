@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
+from dlrm_lab.metrics.tables import atomic_file
 from dlrm_lab.model.checkpoint import (
     LATEST,
     TRAINED,
@@ -80,13 +81,12 @@ def _free_name(path: Path) -> Path:
 
 
 def _write_synced(path: Path, text: str) -> None:
-    """`text` into `path` through a synced temporary file renamed over it: a kill leaves the old file or the new."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    """`text` into `path` through a synced temporary file renamed over it (`metrics.tables.atomic_file`): a kill
+    leaves the old file or the new, and a full disk is one line naming the file."""
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
     _sync_directory(path.parent)
 
 
