@@ -172,9 +172,16 @@ def test_int8_tables_serve_close_to_fp32():
     spec = load_preset("tiny")
     got = Collector()
     served = ServedModel("int8", spec, max_delay_ms=0.0, library_samples=1024, table_precision="int8")
+    before = os.sched_getaffinity(0)
     with InferenceServer([served], seed=SEED) as s:
         s.submit(Query(1, "int8", 256, 0, on_done=got))
         assert s.drain(30)
+        # the serving process's threads (this one among them) keep off the one instance's core while it serves
+        (instance_core,) = s.instance_info[0]["cores"]
+        spare = before - {instance_core}
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+        assert all(os.sched_getaffinity(t) == (spare or before) for t in threads)
+    assert os.sched_getaffinity(0) == before  # given back when it stops
     torch.manual_seed(SEED)
     model = build_model(spec).eval()
     batch = block_to_batch(synthetic_generator(spec, seed=SEED).samples(0, 256), spec.feature_names)

@@ -92,9 +92,9 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "0")
     code, stdout, stderr = run_cli_in_process(
         "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
-        "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "3",
-        "--capacity-duration", "0.5", "--min-queries", "20", "--certify-duration", "1", "--certify-tries", "2",
-        "--metrics-dir", str(tmp_path),
+        "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "4",
+        "--tolerance", "0.01", "--capacity-duration", "0.5", "--min-queries", "20", "--certify-duration", "1",
+        "--certify-tries", "2", "--metrics-dir", str(tmp_path),
     )  # fmt: skip
     assert code == 0, stderr
     progress = [line for line in stderr.splitlines() if line.startswith("search: ")]
@@ -107,14 +107,14 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     (f,) = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     said = {k: f.get(k) for k in ("best", "best_qps", "capacity_queries_per_s", "probes", "certified_qps",
                                   "certification")}  # fmt: skip
-    assert f["best"] and 0 < f["best_qps"] <= f["capacity_queries_per_s"] * 1.05 and f["probes"] == 3, said
+    assert f["best"] and 0 < f["best_qps"] <= f["capacity_queries_per_s"] * 1.05 and f["probes"] == 4, said
     assert f["best_sla_latency_ms"] <= 20 and f["best_qps_uncertainty"] > 0
     assert f["best_samples_per_s_ci_low"] is None and f["best_samples_per_s_unstable"] is None  # 1 repeat: no CI
     probes = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert (
         len(probes) == int(done[1])
-        and len(probes) >= 4
-        and {p["probe"] for p in probes if p["probe"] >= 0} == {0, 1, 2}
+        and len(probes) >= 5
+        and {p["probe"] for p in probes if p["probe"] >= 0} == {0, 1, 2, 3}
     )
     passing = [p["target_qps"] for p in probes if p["passed"] and p["probe"] >= 0]
     assert max(passing) == f["best_qps"]

@@ -1,7 +1,7 @@
 """Where a server's instances run is decided before any is spawned (infer.placement): the server only executes it."""
 
 from dlrm_lab.config import load_preset
-from dlrm_lab.infer.placement import Placement, place_instances
+from dlrm_lab.infer.placement import Placement, place_instances, spare_cores
 from dlrm_lab.infer.served import ServedModel
 
 TINY = load_preset("tiny")
@@ -24,3 +24,12 @@ def test_unpinned_instances_get_no_cores_and_gpus_are_shared_in_turn():
     assert all(p.cores == () for p in place_instances([a], "cpu", pin_cores=False, cores=[0, 1])["a"])
     on_gpus = place_instances([a], "cuda", pin_cores=True, cores=[0, 1], gpus=2)["a"]
     assert [(p.device, p.cores) for p in on_gpus] == [("cuda:0", ()), ("cuda:1", ()), ("cuda:0", ())]
+
+
+def test_the_serving_process_gets_the_cores_no_pinned_instance_has():
+    a = ServedModel("a", TINY, instances=2, threads=1)
+    places = place_instances([a], "cpu", pin_cores=True, cores=[0, 1, 2])
+    assert spare_cores(places, cores=[0, 1, 2]) == (2,)
+    assert spare_cores(places, cores=[0, 1]) == ()  # the instances take every core: none spare
+    unpinned = place_instances([a], "cpu", pin_cores=False, cores=[0, 1, 2])
+    assert spare_cores(unpinned, cores=[0, 1, 2]) == ()  # an unpinned instance may run anywhere

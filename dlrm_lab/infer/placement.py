@@ -55,3 +55,51 @@ def place_instances(
             places[m.name].append(Placement(index, mine, where))
             index += 1
     return places
+
+
+def spare_cores(places: dict[str, list[Placement]], cores: Sequence[int] | None = None) -> tuple[int, ...]:
+    """This process's cores (`cores`, default its affinity) that no instance of `places` is pinned to: where the
+    serving process's own threads (load, batchers, completions, tables) run without preempting an instance. Empty
+    when the instances take them all, or when any instance is not pinned (it may run anywhere).
+
+    >>> one = {"m": [Placement(0, (0,), "cpu")]}
+    >>> spare_cores(one, cores=[0, 1]), spare_cores(one, cores=[0])
+    ((1,), ())
+    """
+    if cores is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    placed = [p for ps in places.values() for p in ps]
+    if not placed or any(not p.cores for p in placed):
+        return ()
+    taken = {c for p in placed for c in p.cores}
+    return tuple(c for c in cores if c not in taken)
+
+
+def pin_threads(cores: Sequence[int]) -> dict[int, set[int]]:
+    """Pin every thread of this process to `cores` (Linux: affinity is per thread; threads started later inherit
+    their starter's). Returns each thread's affinity before, for `unpin_threads`; nothing where not supported."""
+    if not cores or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return {}
+    before: dict[int, set[int]] = {}
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # ended meanwhile
+            before.pop(tid, None)
+    return before
+
+
+def unpin_threads(before: dict[int, set[int]]) -> None:
+    """Give the threads `pin_threads` pinned their affinity back (those still running); threads started since get
+    the widest of those."""
+    widest = max(before.values(), key=len, default=None)
+    if widest is None:
+        return
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            os.sched_setaffinity(tid, before.get(tid, widest))
+        except OSError:
+            pass

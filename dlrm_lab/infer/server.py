@@ -50,14 +50,14 @@ from dlrm_lab.infer.instance import (
 )
 from dlrm_lab.infer.instance_processes import InstanceProcesses, LostInstance
 from dlrm_lab.infer.library import PackedLibrary, payload_for
-from dlrm_lab.infer.placement import place_instances
+from dlrm_lab.infer.placement import pin_threads, place_instances, spare_cores, unpin_threads
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Query, ServingProcess, Stall, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
 
-GIL_SWITCH_S = 0.0005  # the serving process's GIL switch interval while it serves (see start)
+GIL_SWITCH_S = 0.00005  # the serving process's GIL switch interval while it serves (see start)
 
 
 @dataclass
@@ -138,6 +138,7 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         self.snapshot_bytes: dict[str, int] = {}
         self.precision_choices: dict[str, JsonObject] = {}  # per model: what ran and why (manifest)
         self._switch_interval: float | None = None  # the process's GIL switch interval before start()
+        self._threads_before: dict[int, set[int]] = {}  # this process's threads' affinity before start()
         self._send_locks: dict[int, threading.Lock] = {}  # one writer at a time per instance pipe
         self._traced: dict[int, str] = {}  # instance -> its trace file (or why none), as it answers
         self._traced_cond = threading.Condition()
@@ -171,9 +172,18 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         # The load generator, batcher and completion threads share this process's GIL: a
         # thread that wants it waits up to the switch interval (5 ms by default), which
         # becomes queueing in every query's latency (tiny, 4,000 queries/s, 2 instances on
-        # 2 cores: p99 18.3 -> 12.1 ms with 0.5 ms, medians of 3). Restored by stop().
+        # 2 cores: p99 18.3 -> 12.1 ms with 0.5 ms, medians of 3; tiny, aoti, 1x1, 8,000 queries/s: 17.7 and
+        # 13.5 ms at 0.1 ms, 12.9 and 9.6 at 0.05, interleaved). Restored by stop().
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_S)
+        # This process's threads on the cores no instance has: unpinned, the scheduler woke them on an instance's
+        # core and preempted its batch (tiny, aoti, 1x1 on 2 cores, 5,000 queries/s: batches at p99 4.35x their
+        # warm time, p99 37 ms). Restored by stop().
+        spare = spare_cores(places) if self.pin_cores else ()
+        if spare:
+            self._threads_before = pin_threads(spare)
+            self.log(f"serving process: its threads pinned to core{'s' if len(spare) > 1 else ''} "
+                     f"{', '.join(map(str, spare))}, beside the instances'")  # fmt: skip
         self._completion = threading.Thread(target=self._complete_loop, name="dlrm-lab-completion", daemon=True)
         self._completion.start()
         for name, pool in self._pools.items():
@@ -218,6 +228,8 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
+        unpin_threads(self._threads_before)
+        self._threads_before = {}
 
     def __enter__(self) -> InferenceServer:
         return self.start()
