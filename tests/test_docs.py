@@ -29,3 +29,21 @@ def test_every_fault_catalogue_row_names_tests_that_exist():
         cases.add(case)
     assert len(cases) == len(rows)  # one row per case
     assert "docs/faults.md" in (ROOT / "README.md").read_text()  # the catalogue is findable
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub writes it: lower case, punctuation dropped, spaces made hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_markdown_link_to_a_heading_finds_it():
+    pages = [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md")]
+    checked = 0
+    for page in pages:
+        for target, fragment in re.findall(r"\]\(([^)\s#]*)#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target) if target else page
+            assert linked.exists(), f"{page.name}: link to {target}, which does not exist"
+            anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", linked.read_text(), re.M)}
+            assert fragment in anchors, f"{page.name}: #{fragment} is no heading of {linked.name}"
+            checked += 1
+    assert checked > 50  # BENCHMARKS.md's dashboard alone links its sections
