@@ -7,7 +7,9 @@ it loads from, and both real systems (in process, gRPC) implement the interface.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -193,7 +195,8 @@ def test_every_scenario_drives_a_system_through_the_interface_alone(sut, tmp_pat
     records += sut.take_records()
     assert sut.submitted and not sut.outside  # queries name samples of the library, even those larger than it
     assert sorted(r["query_id"] for r in records) == sorted(q.query_id for q in sut.submitted)
-    assert driver.stats.arrival["m"] == {"open-loop": "poisson", "closed-loop": "closed-loop"}.get(scenario, "loadgen")
+    assert driver.stats.arrival["m"].startswith({"open-loop": "poisson", "closed-loop": "closed-loop"}.get(scenario,
+                                                                                                        "loadgen"))
     if scenario in LOADGEN_SCENARIOS:
         assert driver.stats.loadgen["loadgen_result"] in ("VALID", "INVALID")
         assert driver.stats.issued["m"] == len(sut.submitted)
@@ -326,6 +329,7 @@ def _driven(recording: FakeSut, stream: Stream, scenario: str, tmp_path) -> Fake
     """`recording` after a 0.1 s LoadGen `scenario` of `stream` drove it (its driver kept as `.driver`), closed."""
     try:
         recording.driver = make_driver(recording, [stream], LoadSettings(scenario, duration_s=0.1, log_dir=tmp_path))
+        recording.driver.own_process = False  # the stand-in LoadGen lives in this process only
         assert drive(recording, recording.driver, drain_s=10, poll_s=0.05)
     finally:
         recording.close()
@@ -367,10 +371,13 @@ class DroppingSut(FakeSut):
         super().submit(q)
 
 
-@pytest.mark.parametrize("drop_every", [0, 5])
-def test_loadgens_fast_sut_coalesces_server_queries_and_its_verdict_counts_what_was_dropped(tmp_path, drop_every):
-    """Real LoadGen, through its FastSUT (ids and indices as two lists, queries that fell due together coalesced):
-    a system that answers at once is VALID at 500 queries/s; one that drops a fifth of them is INVALID, saying so."""
+@pytest.mark.parametrize(("drop_every", "own_process"), [(0, False), (5, False), (0, True), (5, True)])
+def test_loadgens_fast_sut_coalesces_server_queries_and_its_verdict_counts_what_was_dropped(
+    tmp_path, drop_every, own_process
+):
+    """Real LoadGen, through its FastSUT (ids and indices as two lists, queries that fell due together coalesced),
+    in this process or in its own (the Server scenario's default): a system that answers at once is VALID at 500
+    queries/s; one that drops a fifth of them is INVALID, saying so."""
     lg = pytest.importorskip("mlperf_loadgen")
     constructed = []
     fast = lg.ConstructFastSUT
@@ -382,18 +389,50 @@ def test_loadgens_fast_sut_coalesces_server_queries_and_its_verdict_counts_what_
         settings = LoadSettings("server", duration_s=1.0, seed=1, sla_ms=50.0, sla_percentile=99.0, log_dir=tmp_path)
         try:
             driver = make_driver(system, [Stream("m", 500.0, QuerySizes.parse("uniform:1,8"))], settings)
+            # the Server scenario's LoadGen runs beside the serving process where two cores are free of instances
+            assert driver.own_process == (len(os.sched_getaffinity(0)) >= 2)  # (this system has none)
+            driver.own_process = own_process
             assert driver.test_settings().server_coalesce_queries
             assert drive(system, driver, drain_s=30, poll_s=0.05)
         finally:
             system.close()
     stats = driver.stats
-    assert constructed == [1] and stats.issued["m"] == len(system.submitted) >= 459
+    assert stats.issued["m"] == len(system.submitted) >= 459
+    if own_process:  # LoadGen ran elsewhere, and each query's latency counts from when LoadGen issued it there
+        assert driver.loadgen_pid not in (None, os.getpid()) and constructed == []
+        assert all(0 < q.scheduled_ns <= q.issued_ns for q in system.submitted if q.issued_ns)
+    else:
+        assert constructed == [1] and driver.loadgen_pid is None
     if drop_every:
         assert stats.loadgen["loadgen_result"] == "INVALID"
         assert stats.loadgen["loadgen_reason"].startswith(f"the server dropped or failed {driver.dropped}")
         assert driver.dropped == sum(q.query_id % drop_every == 0 for q in system.submitted)
     else:
         assert stats.loadgen["loadgen_result"] == "VALID", stats.loadgen
+
+
+def test_loadgens_own_process_killed_mid_test_is_one_error_naming_it(tmp_path):
+    """LoadGen in its own process, killed during its test: the run fails with one line naming that process, and no
+    process is left behind."""
+    pytest.importorskip("mlperf_loadgen")
+    from dlrm_lab.errors import ServingFault
+
+    system = DroppingSut(small_library())
+    settings = LoadSettings("server", duration_s=30.0, seed=1, sla_ms=50.0, sla_percentile=99.0, log_dir=tmp_path)
+    driver = make_driver(system, [Stream("m", 200.0, QuerySizes.parse("fixed:1"))], settings)
+    driver.own_process = True
+
+    def kill_once_issuing() -> bool:
+        if driver.loadgen_pid and system.submitted:
+            os.kill(driver.loadgen_pid, signal.SIGKILL)
+        return False
+
+    try:
+        with pytest.raises(ServingFault, match=r"MLPerf LoadGen's process \(pid \d+\) ended before its test did"):
+            drive(system, driver, drain_s=10, poll=kill_once_issuing, poll_s=0.05)
+    finally:
+        system.close()
+    assert driver.loadgen_pid and not Path(f"/proc/{driver.loadgen_pid}").exists()
 
 
 def test_an_offline_run_that_ends_before_its_duration_says_which_qps_to_give(tmp_path, monkeypatch):

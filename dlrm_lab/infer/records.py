@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -340,6 +341,7 @@ def batch_roof(spec: ModelSpec, table_precision: str, peaks: Peaks | str,
     row_bytes = lookup_bytes_per_sample(spec, table_precision)
     stream = dense_bytes_per_parameter * spec.dense_parameters
 
+    @functools.lru_cache(maxsize=4096)  # a batch's rows ask for one n, and batch sizes repeat: once each
     def roof(n: int) -> float | None:
         work = Work(flops=n * flops, gather_bytes=n * row_bytes, stream_bytes=stream, gather_rows=n * rows)
         return place(work, None, peaks)["roofline_bound_ms"]

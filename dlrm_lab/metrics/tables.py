@@ -100,6 +100,7 @@ class TableWriter:
         self.run_dir = Path(run_dir)
         self.name = name
         self.schema = schema
+        self._names = frozenset(schema.names)
         self.run_id = run_id
         self.flush_rows = flush_rows
         # the most a SIGKILL can lose, in seconds of rows: 5 unless DLRM_LAB_FLUSH_SECONDS says
@@ -116,9 +117,8 @@ class TableWriter:
         _initialise_parquet_writer()
 
     def append(self, row: dict[str, str | float | bool | None]) -> None:
-        unknown = set(row) - set(self.schema.names)
-        if unknown:
-            raise KeyError(f"table {self.name}: columns not in schema: {sorted(unknown)}")
+        if not self._names.issuperset(row):  # once a row: the set of names is built once (a serving hot path)
+            raise KeyError(f"table {self.name}: columns not in schema: {sorted(set(row) - self._names)}")
         self._rows.append({"run_id": self.run_id, **row})
         if len(self._rows) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
