@@ -2,9 +2,11 @@
 load at its queue bound, drains on SIGTERM; `infer run --target` (and `client`, its alias) measures
 every stage of a remote query through the one runner."""
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -118,8 +120,12 @@ SERVER_OPTIONS: dict[str, tuple[str, ...]] = {
     "full_disk": (),
     # one waiting query at most, and it waits 300 ms for its batch to fill; two instances, one of them to kill
     "queue_server": ("--max-queue", "1", "--max-delay-ms", "300", "--instances", "2", "--no-pin-cores"),
-    "doomed": (),
+    "doomed": ("--http-port", "0"),  # started at a file-descriptor limit of FD_LIMIT (FD_LIMITED)
 }
+FD_LIMIT = 400
+# a command's prefix that runs it with at most `limit` file descriptors, hard and soft
+FD_LIMITED = ("import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+              "os.execv(sys.argv[2], sys.argv[2:])")
 FLEET_MODULES = ("test_serve", "test_serve_http")
 FLEET_FIXTURES = {*SERVER_OPTIONS, "netns", "rest", "prometheus"}
 SERVED_BY = {"rest": "server", "prometheus": "server"}  # fixtures on another's server (Prometheus: scraping it)
@@ -161,6 +167,8 @@ class Fleet:
                 (root / "full_disk_site").mkdir()
                 (root / "full_disk_site" / "sitecustomize.py").write_text(FULL_DISK)
                 prefix = ("env", f"PYTHONPATH={root / 'full_disk_site'}")
+            if name == "doomed":
+                prefix = (sys.executable, "-c", FD_LIMITED, str(FD_LIMIT))
             self.servers[name] = Server(root / name, *options, prefix=prefix)
         if "netns" in wanted and self.link is None and VethLink.available() is None:
             self.link = VethLink("dlrm-lab-test", server_ip="10.232.0.1", client_ip="10.232.0.2").__enter__()
@@ -823,6 +831,46 @@ def test_beyond_its_queue_bound_the_server_answers_resource_exhausted_at_once(qu
     assert s["completed_queries"] >= 1 and s["dropped_queries"] >= 100
     assert {r["rpc_status"] for r in rows if r["status"] == "dropped"} == {"RESOURCE_EXHAUSTED"}
     assert s["queries"] == s["completed_queries"] + s["dropped_queries"] and not s["sla_met"]
+
+
+def test_at_its_file_descriptor_limit_the_server_turns_new_clients_away_and_serves_the_others(doomed, library):
+    """Issue 57 B11: a server started at a limit of FD_LIMIT descriptors, flooded with idle connections on both
+    ports past it: the HTTP client past its share is answered 503, gRPC closes the connections past its own, and a
+    query on a channel opened before goes on being answered; no traceback in the log."""
+    server = doomed
+    channel = server.channel()  # connected before the flood
+    stub = pb_grpc.InferenceStub(channel)
+    request = pb.InferRequest.FromString(_request(library.slice(0, 4)))
+    assert len(stub.Infer(request, timeout=30).scores) == 16  # 4 float32 scores
+    budget = read_manifest(next(server.metrics_dir.iterdir()))["connection_budget"]
+    assert budget["fd_limit"] == FD_LIMIT and 0 < budget["per_protocol"] < FD_LIMIT // 2
+    flood = []
+    try:
+        for address in (server.http, server.target):
+            host, port = address.rsplit(":", 1)
+            for _ in range(budget["per_protocol"] + 20):
+                flood.append(socket.create_connection((host, int(port)), timeout=10))
+        time.sleep(0.5)
+        host, port = server.http.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as late:
+            late.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = late.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"most connections" in answer, answer
+        assert len(stub.Infer(request, timeout=30).scores) == 16  # the client it had is served
+        grpc_flood = flood[budget["per_protocol"] + 20 :]
+        closed = 0
+        for sock in grpc_flood:  # gRPC closed those past its share before any handshake
+            sock.settimeout(0.05)
+            with contextlib.suppress(TimeoutError, socket.timeout):
+                closed += sock.recv(1) == b""
+        assert closed >= 20, closed
+    finally:
+        for sock in flood:
+            sock.close()
+        channel.close()
+    with server.channel() as fresh:  # and a new one once the flood is gone
+        assert len(pb_grpc.InferenceStub(fresh).Infer(request, timeout=30).scores) == 16
+    assert not any("Traceback" in line for line in server.err), "".join(server.err)[-3000:]
 
 
 def test_a_run_whose_server_is_killed_exits_nonzero_and_keeps_its_rows(doomed, tmp_path):

@@ -427,6 +427,52 @@ def test_hostile_frames_get_an_answer_and_idle_or_trickling_connections_are_clos
         assert got == 400 and words in json.loads(answer)["error"], answer
 
 
+def test_past_its_share_of_file_descriptors_a_client_is_answered_503_and_the_others_are_served():
+    """Issue 57 B11: each protocol accepts at most its share of the descriptors (serve.connections); the client past
+    it gets a 503 and a closed connection, while the clients already held are still answered."""
+    front = _front(max_body=1000)
+    front.max_connections = 3
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def scene() -> tuple[list[bytes], bytes]:
+        port = await front.start("127.0.0.1", 0)
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await asyncio.sleep(0.1)  # all three accepted
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        turned = await asyncio.wait_for(reader.read(), 10)  # answered, then closed
+        writer.close()
+        answers = []
+        for r, w in held:  # the held clients go on being served
+            w.write(live)
+            await w.drain()
+            answers.append(await asyncio.wait_for(r.readuntil(b"\r\n"), 10))
+            w.close()
+        await front.close(0)
+        return answers, turned
+
+    answers, turned = asyncio.run(scene())
+    assert answers == [b"HTTP/1.1 200 OK\r\n"] * 3
+    assert turned.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in turned and b"most connections (3)" in turned
+    assert front.turned_away == 1
+
+
+def test_the_connection_budget_raises_the_soft_limit_and_shares_what_is_left():
+    import resource
+
+    from dlrm_lab.serve.connections import RESERVE_FDS, connection_budget
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        if hard != resource.RLIM_INFINITY and hard > 512:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+        budget = connection_budget(protocols=2)
+        raised, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert raised == budget.fd_limit and (hard == resource.RLIM_INFINITY or raised == hard)
+        assert budget.per_protocol == max(1, (budget.fd_limit - budget.fds_at_start - RESERVE_FDS) // 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_large_bodies_are_parsed_off_the_loop_and_their_memory_is_bounded(monkeypatch):
     """A body over SMALL_BODY is parsed in a process of its own (`json.loads` holds the GIL for its whole parse, even
     in a thread, and stalled every client of the event loop), and its refusal comes back whole; a small one is read

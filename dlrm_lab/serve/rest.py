@@ -32,6 +32,7 @@ server without pulling kserve's protobuf pin (< 7; this package's generated code
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.parse
@@ -94,9 +95,12 @@ def error(status: int, message: str) -> Response:
 class RestFront:
     """KServe v2's REST binding over an `OpenInferenceService` (its models, statistics and `score`)."""
 
-    def __init__(self, v2: OpenInferenceService, max_body: int | None = None) -> None:
+    def __init__(self, v2: OpenInferenceService, max_body: int | None = None,
+                 max_connections: int | None = None) -> None:  # fmt: skip
         self.v2 = v2
         self.max_body = max_body_bytes(v2.models) if max_body is None else max_body
+        self.max_connections = max_connections  # beyond it a new client is answered 503 (serve.connections)
+        self.turned_away = 0  # clients answered 503 for want of a connection
         self.stopping = False
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -143,6 +147,13 @@ class RestFront:
             self._pool = None
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.max_connections is not None and len(self._writers) >= self.max_connections:
+            self.turned_away += 1
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+                message = f"the server holds its most connections ({self.max_connections}); retry later"
+                await asyncio.wait_for(self._write(writer, error(503, message), close=True), HEAD_TIMEOUT_S)
+            writer.close()
+            return
         self._writers.add(writer)
         try:
             while await self._one(reader, writer):

@@ -4,16 +4,14 @@
         -> batcher -> instances -> on_done (completion thread) -> loop.call_soon_threadsafe
         -> the awaiting handler answers with the scores and the server's timestamps
 
-Two methods: Infer (one call per query) and InferStream (one long-lived stream per
-client, queries and answers both ways, no call set-up per query; a refused query is
-answered in-band and the stream goes on).
+Two methods: Infer (one call per query) and InferStream (one long-lived stream per client, queries and answers
+both ways, no call set-up per query; a refused query is answered in-band and the stream goes on).
 
-Bad requests are refused (INVALID_ARGUMENT) before the batcher, so the instances never see
-them: fields of the wrong size in the handler, bad values by the InferenceServer's one check at
-submit; a full queue is RESOURCE_EXHAUSTED at once (the InferenceServer drops the query at
-submit); an instance failure is INTERNAL. SIGTERM, SIGHUP or Ctrl-C: stop accepting, let queries
-in flight finish (up to the grace period), then stop the instances. Every query (also
-refused ones) is a row of the server's own run directory (kind `serve`).
+Bad requests are refused (INVALID_ARGUMENT) before the batcher, so the instances never see them: fields of the wrong
+size in the handler, bad values by the InferenceServer's one check at submit; a full queue is RESOURCE_EXHAUSTED at
+once (the InferenceServer drops the query at submit); an instance failure is INTERNAL. SIGTERM, SIGHUP or Ctrl-C: stop
+accepting, let queries in flight finish (up to the grace period), then stop the instances. Every query (also refused
+ones) is a row of the server's own run directory (kind `serve`).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import itertools
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from dlrm_lab.metrics.columns import QueryRow, schema_of
 from dlrm_lab.metrics.run import Run, check_writable
 from dlrm_lab.metrics.tables import TableWriter
 from dlrm_lab.metrics.trust import check_stored_profile
+from dlrm_lab.serve.connections import connection_budget
 from dlrm_lab.serve.open_inference import SERVICE as OPEN_INFERENCE
 from dlrm_lab.serve.open_inference import OpenInferenceService
 from dlrm_lab.serve.ports import check_port, claim_port
@@ -422,16 +422,17 @@ async def _serve(
     http_port: int | None = None,
     http_socket: Any = None,
 ) -> None:
+    budget = connection_budget(protocols=2 if http_port is not None else 1)  # each its share of the descriptors
     # Without so_reuseport=0 a second server on a busy port would bind it too and share its traffic.
     server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
                                       ("grpc.server.max_pending_requests", PENDING_CALLS),
-                                      ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS)])  # fmt: skip
+                                      ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS),
+                                      ("grpc.max_allowed_incoming_connections", budget.per_protocol)])  # fmt: skip
     open_inference = OpenInferenceService(service)  # the Open Inference Protocol (KServe v2) on the same port
     server.add_generic_rpc_handlers((service.handler(), open_inference.handler()))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE, OPEN_INFERENCE, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                        server)  # fmt: skip
+    reflection.enable_server_reflection([SERVICE, OPEN_INFERENCE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
@@ -452,18 +453,17 @@ async def _serve(
     # any other does, where it used to end the event loop under the started server, whose threads then never ended.
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
-    rest = None
-    losses = 0
+    rest, losses = None, 0
     try:
         await server.start()
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         address = address.rsplit(":", 1)[0] + f":{bound}"
-        run.update_manifest(address=address)
+        run.update_manifest(address=address, connection_budget=asdict(budget))
         if http_port is not None:  # the Open Inference Protocol over HTTP/REST, the same service behind it
             from dlrm_lab.serve.rest import RestFront
 
-            rest = RestFront(open_inference)
+            rest = RestFront(open_inference, max_connections=budget.per_protocol)
             http_address = address.rsplit(":", 1)[0] + f":{await rest.start(host, http_port, http_socket)}"
             run.update_manifest(http_address=http_address)
             log(f"Open Inference Protocol over HTTP/REST on {http_address}")
