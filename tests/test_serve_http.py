@@ -456,6 +456,33 @@ def test_past_its_share_of_file_descriptors_a_client_is_answered_503_and_the_oth
     assert front.turned_away == 1
 
 
+def test_connections_cancelled_as_the_server_stops_end_without_a_traceback():
+    """Issue 57 B15: SIGTERM with kept-alive clients, one of them half-way through a body, printed a traceback per
+    connection as the loop cancelled their handlers; they end quietly."""
+    front = _front(max_body=1000)
+    told = []  # what the event loop's exception handler heard
+
+    async def scene() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: told.append(context))
+        port = await front.start("127.0.0.1", 0)
+        clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        for reader, writer in clients[:2]:  # kept alive after one answer
+            writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+        clients[2][1].write(b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 100\r\n\r\nab")
+        await asyncio.sleep(0.2)
+        front.stop_accepting()
+        for task in asyncio.all_tasks():  # as the loop's end cancels them
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.sleep(0.2)
+        for _, writer in clients:
+            writer.close()
+
+    asyncio.run(scene())
+    assert told == []
+
+
 def test_the_connection_budget_raises_the_soft_limit_and_shares_what_is_left():
     import resource
 

@@ -179,8 +179,10 @@ class ServingMetrics:
             writer.write((head_out + "Connection: close\r\n\r\n").encode() + (body if method != "HEAD" else b""))
             await asyncio.wait_for(writer.drain(), SCRAPE_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
-                ConnectionError):  # fmt: skip
-            pass  # an idle, slow, malformed or departed scraper: closed, nothing else to say
+                ConnectionError, asyncio.CancelledError):  # fmt: skip
+            # an idle, slow, malformed or departed scraper: closed, nothing else to say; cancelled, as the server
+            # stops: ended quietly (asyncio's stream callback prints a cancelled handler's traceback)
+            pass
         finally:
             self._scrapers -= 1
             writer.close()

@@ -160,6 +160,8 @@ class RestFront:
                 pass
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
+        except asyncio.CancelledError:  # the server stopping under a kept-alive or half-sent request (issue 57 B15):
+            pass  # ended quietly, where asyncio's stream callback printed a cancelled handler's traceback each
         finally:
             self._writers.discard(writer)
             writer.close()
