@@ -10,8 +10,10 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -506,16 +508,34 @@ def test_large_bodies_are_parsed_off_the_loop_and_their_memory_is_bounded(monkey
     in the serving process. The bodies held at once are bounded (BODIES_IN_FLIGHT x the largest allowed): one more is
     503 at once, never buffered (issue 57 B9, B10)."""
     from dlrm_lab.serve import rest as rest_module
+    from dlrm_lab.serve.rest_body import BodyFile
 
     front = _front(max_body=100)
     body = json.dumps({"inputs": []}).encode()  # 14 bytes, refused once parsed
     got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/infer", {}, body))
     assert got == 400 and "inputs []" in json.loads(answer)["error"] and front._pool is None  # read here
     monkeypatch.setattr(rest_module, "SMALL_BODY", 10)
-    got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/infer", {}, body))
-    assert got == 400 and "inputs []" in json.loads(answer)["error"]  # the refusal, whole, from the worker
+    dead = Path("/dev/shm") / f"{BodyFile.PREFIX}999999999-left"  # a killed server's body: removed at start
+    if Path("/dev/shm").is_dir():
+        dead.write_bytes(b"{}")
+
+    async def one_large() -> bytes:  # read to a file a slice at a time, parsed from it in the worker
+        port = await front.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        size = int(re.search(rb"Content-Length: (\d+)", head)[1])
+        answer = await reader.readexactly(size)
+        writer.close()
+        return head + answer
+
+    answer = asyncio.run(one_large())
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"inputs []" in answer  # the refusal, whole, from the worker
     (worker,) = front._pool._processes.values()
     assert worker.pid != os.getpid() and worker.is_alive()
+    assert not dead.exists() and not list(Path(tempfile.gettempdir()).glob(f"{BodyFile.PREFIX}{os.getpid()}-*"))
+    assert not list(Path("/dev/shm").glob(f"{BodyFile.PREFIX}{os.getpid()}-*"))  # its file gone with its answer
     asyncio.run(front.close(0))
     assert front._pool is None
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from dlrm_lab.serve.open_inference import EXTENSIONS, OpenInferenceService
 from dlrm_lab.serve.protocol import SCORE_DTYPE, Refused, echoed
-from dlrm_lab.serve.rest_body import parse_body, read_body, whole_number
+from dlrm_lab.serve.rest_body import BodyFile, parse_body_file, read_body, remove_dead_bodies, whole_number
 from dlrm_lab.serve.v2_tensors import (
     OUTPUT,
     VERSION,
@@ -61,6 +61,7 @@ HEAD_TIMEOUT_S = 30.0  # a connection idle this long between requests, or sendin
 BODY_TIMEOUT_S, BODY_BYTES_PER_S = 30.0, 1 << 20  # a body must arrive within 30 s plus 1 s a MiB
 JSON_VALUE_BYTES = 24  # the widest JSON number of a tensor (an int64, a float's repr), with its separator
 BODY_SLACK = 1 << 20  # the JSON around the tensors
+READ_SLICE = 256 << 10  # a large body is read to its file this much at a time
 MAX_BODY_CAP = 1 << 30
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED:
           429, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503,
@@ -82,6 +83,17 @@ def max_body_bytes(models: dict[str, Any]) -> int:
         ids = 8 * sum(t.pooling_factor * len(t.feature_names) for t in spec.tables)
         widest = max(widest, int(m.max_query_samples * (spec.num_dense + spec.num_features + ids) * JSON_VALUE_BYTES))
     return min(BODY_SLACK + widest, MAX_BODY_CAP)
+
+
+async def _read_to(reader: asyncio.StreamReader, body: BodyFile) -> None:
+    """The body into its file, a slice at a time (each a short hold of the loop; the write a system call)."""
+    left = body.size
+    while left:
+        chunk = await reader.read(min(left, READ_SLICE))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", left)
+        body.file.write(chunk)
+        left -= len(chunk)
 
 
 def _json(status: int, value: Any, headers: dict[str, str] | None = None) -> Response:
@@ -122,6 +134,7 @@ class RestFront:
     async def start(self, host: str, port: int, sock: Any = None) -> int:
         """Listen on host:port, or on `sock` (bound to it already: claimed before the server started); the bound
         port."""
+        remove_dead_bodies()
         if sock is not None:
             self._server = await asyncio.start_server(self._connection, sock=sock, limit=HEADER_LIMIT)
         else:
@@ -215,8 +228,13 @@ class RestFront:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for it before a body over 1 KiB
         self._body_bytes += size
         try:
-            try:  # a body trickled in is dropped: at least BODY_BYTES_PER_S after the first BODY_TIMEOUT_S
-                body = await asyncio.wait_for(reader.readexactly(size), BODY_TIMEOUT_S + size / BODY_BYTES_PER_S)
+            body: bytes | BodyFile = BodyFile(size) if size > SMALL_BODY else b""
+            allowed_s = BODY_TIMEOUT_S + size / BODY_BYTES_PER_S  # a body trickled in is dropped past it
+            try:
+                if isinstance(body, BodyFile):
+                    await asyncio.wait_for(_read_to(reader, body), allowed_s)
+                else:
+                    body = await asyncio.wait_for(reader.readexactly(size), allowed_s)
             except asyncio.TimeoutError:
                 await self._write(writer, error(408, f"body: {length} bytes not received in time"), True)
                 return False
@@ -227,6 +245,8 @@ class RestFront:
                 self._busy -= 1
         finally:
             self._body_bytes -= size
+            if isinstance(body, BodyFile):
+                body.remove()
         await self._write(writer, (status, out_headers, payload), close=not keep)
         return keep
 
@@ -306,11 +326,11 @@ class RestFront:
             return shim
 
         reader = read
-        if len(body) > SMALL_BODY:  # parsed in a process of its own: json.loads holds the GIL, even in a thread
+        if isinstance(body, BodyFile):  # parsed in a process of its own: json.loads holds the GIL, even in a thread
             parsed: V2Request | Refused
             try:
                 parsed, request = await asyncio.get_running_loop().run_in_executor(
-                    self._parser(), parse_body, check(), name, headers, body)
+                    self._parser(), parse_body_file, check(), name, headers, body.path)
             except Refused as refused:
                 parsed = refused
 
