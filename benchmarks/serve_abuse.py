@@ -6,6 +6,9 @@ One server (tiny, one instance, its REST front and /metrics) is started through 
   held       `--idle` connections to the REST port that send nothing, as many sending half a head, and as many to
              /metrics, all open at once: the server's RSS and threads (issue 57's B targets: at most 200 MB and 50
              threads more) and a query answered while they are held;
+  fd-limit   a second server started at `--fd-limit` descriptors, flooded on both ports past each one's share: a
+             late REST client is answered 503, gRPC closes what is past its share, the client it had is served; then
+             SIGTERM with the flood open: exit 0 and no traceback after "stopped";
   body       the largest JSON body the REST front takes, sent while small gRPC queries run: their worst delay
              (target: at most 50 ms);
   malicious  Open Inference Protocol and lab requests that lie about their shapes, sizes, ids and
@@ -46,10 +49,17 @@ ROOT = Path(__file__).resolve().parents[1]
 OIP_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
-def start_server(metrics_dir: Path) -> tuple[subprocess.Popen[str], str, dict[str, int]]:
-    """A tiny server with its REST front and /metrics; (its process, gRPC target, {"http": port, "metrics": port})."""
+# runs a command at most N file descriptors, hard and soft: python -c FD_LIMITED N COMMAND...
+FD_LIMITED = ("import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+              "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def start_server(metrics_dir: Path, fd_limit: int | None = None) -> tuple[subprocess.Popen[str], str, dict[str, int]]:
+    """A tiny server with its REST front and /metrics (at most `fd_limit` descriptors); (its process, gRPC target,
+    {"http": port, "metrics": port})."""
+    prefix = [sys.executable, "-c", FD_LIMITED, str(fd_limit)] if fd_limit else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dlrm_lab", "serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", "0",
+        [*prefix, sys.executable, "-m", "dlrm_lab", "serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", "0",
          "--http-port", "0", "--metrics-port", "0", "--metrics-dir", str(metrics_dir)],
         cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
@@ -234,6 +244,51 @@ async def _streams(target: str, requests: list[bytes], streams: int) -> tuple[in
         return answered, failed, time.monotonic() - start
 
 
+def at_fd_limit(block: Any, want: bytes, limit: int, tmp: Path) -> dict[str, Any]:
+    """A second server started at `limit` descriptors, flooded with idle connections on both ports past each one's
+    share (B target: a client at the limit gets a refusal and the others go on being served), then SIGTERM with the
+    flood's REST connections still open (B15: nothing after "stopped")."""
+    import json
+    import socket
+
+    proc, target, ports = start_server(tmp / "fd-limit", fd_limit=limit)
+    flood: list[Any] = []
+    out: dict[str, Any] = {"fd_limit": limit}
+    try:
+        (manifest,) = (tmp / "fd-limit").glob("*/manifest.json")
+        share = json.loads(manifest.read_text())["connection_budget"]["per_protocol"]
+        out["per_protocol"] = share
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)  # a client it had before the flood
+        call = channel.unary_unary(INFER_METHOD)
+        call(lab_request(block), timeout=30)
+        for port in (ports["http"], int(target.rsplit(":", 1)[1])):
+            flood += [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(share + 20)]
+        time.sleep(0.5)
+        with socket.create_connection(("127.0.0.1", ports["http"]), timeout=10) as late:
+            late.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            out["late_http_answer"] = late.recv(4096).split(b"\r\n", 1)[0].decode()
+        answer = pb.InferResponse.FromString(call(lab_request(block), timeout=30))
+        out["served_the_client_it_had"] = answer.scores == want
+        channel.close()
+        for sock in flood[share + 20 :]:  # the gRPC ones: those past its share closed before any handshake
+            sock.settimeout(0.05)
+            try:
+                out["grpc_closed"] = out.get("grpc_closed", 0) + (sock.recv(1) == b"")
+            except (TimeoutError, OSError):
+                pass
+        proc.send_signal(signal.SIGTERM)  # the flood's REST connections still open
+        out["exit_code"] = proc.wait(timeout=60)
+    finally:
+        for sock in flood:
+            sock.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.stderr is not None
+    after = proc.stderr.read()
+    out["traceback_after_stop"] = "Traceback" in after
+    return out
+
+
 def still_serving(target: str, block: Any, want: bytes | None) -> tuple[bool, bytes]:
     with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         resp = pb.InferResponse.FromString(channel.unary_unary(INFER_METHOD)(lab_request(block), timeout=30))
@@ -246,6 +301,7 @@ def main() -> None:
     ap.add_argument("--queries-per-stream", type=int, default=3)
     ap.add_argument("--rss-growth-mb", type=float, default=300.0)
     ap.add_argument("--idle", type=int, default=2000, help="idle, slow and /metrics connections held, each")
+    ap.add_argument("--fd-limit", type=int, default=400, help="descriptors of the second server, flooded past it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     block = synthetic_generator(load_preset("tiny"), seed=0).samples(0, 8)
@@ -255,6 +311,7 @@ def main() -> None:
         try:
             ok, want = still_serving(target, block, None)
             held = held_connections(proc, target, block, want, ports, args.idle)
+            limited = at_fd_limit(block, want, args.fd_limit, Path(tmp))
             body = one_maximal_body(target, block, ports)
             rss = {"start": rss_mb(proc.pid)}
             answers = malicious(target, block)
@@ -270,15 +327,22 @@ def main() -> None:
                 os.killpg(proc.pid, signal.SIGTERM)
             code = proc.wait(timeout=60)
     growth = max(rss.values()) - rss["start"]
-    results.update(held_connections=held, maximal_body=body)
+    results.update(held_connections=held, maximal_body=body, at_fd_limit=limited)
     b_targets = {"memory": held["rss_growth_mb"] <= 200, "threads": held["thread_growth"] <= 50,
-                 "served_while_held": held["answered_while_held"], "body_delay": body["worst_delay_ms"] <= 50}
+                 "served_while_held": held["answered_while_held"], "body_delay": body["worst_delay_ms"] <= 50,
+                 "fd_limit": limited["late_http_answer"].startswith("HTTP/1.1 503") and limited["grpc_closed"] >= 20
+                 and limited["served_the_client_it_had"],
+                 "quiet_stop": limited["exit_code"] == 0 and not limited["traceback_after_stop"]}  # fmt: skip
     results["b_targets"] = b_targets
     print(f"{held['connections']:,} idle and slow connections held: RSS +{held['rss_growth_mb']:.0f} MB, threads "
           f"+{held['thread_growth']}, a query answered meanwhile: {held['answered_while_held']}")
     print(f"a {body['body_mb']:.0f} MB JSON body (HTTP {body['body_status']}, {body['body_seconds']:.1f} s): small "
           f"gRPC queries p50 {body['alone_p50_ms']:.2f} ms alone, {body['during_p50_ms']:.2f} ms during it, worst "
           f"{body['during_max_ms']:.1f} ms (delay {body['worst_delay_ms']:.1f} ms)")
+    print(f"at {limited['fd_limit']} descriptors ({limited['per_protocol']} connections a protocol), flooded: a late "
+          f"REST client got {limited['late_http_answer']!r}, gRPC closed {limited.get('grpc_closed', 0)} past its "
+          f"share, the client it had served: {limited['served_the_client_it_had']}; SIGTERM with the flood open: "
+          f"exit {limited['exit_code']}, traceback after: {limited['traceback_after_stop']}")
     print("B targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in b_targets.items()))
     results.update(answers=answers, alive_after_malicious=alive_after_malicious, streams_answered=answered,
                    streams_failed=failed, streams_seconds=seconds, alive_after_streams=alive_after_streams,
