@@ -166,7 +166,7 @@ def pinned(device: torch.device) -> dict[str, Any]:
     dev = torch.empty(nbytes // 4, device=device)
     rate = {}
     for name, host in (("pageable", pageable), ("pinned", pinned_host)):
-        seconds = device_peaks._timed(lambda h=host: dev.copy_(h, non_blocking=True), 5, device)
+        seconds = device_peaks.timed(lambda h=host: dev.copy_(h, non_blocking=True), 5, device)
         rate[name] = nbytes / seconds
     check("pinned h2d", rate["pinned"] > rate["pageable"],
           f"pinned {rate['pinned'] / 1e9:,.1f} GB/s, pageable {rate['pageable'] / 1e9:,.1f} GB/s")  # fmt: skip

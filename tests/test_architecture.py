@@ -139,3 +139,14 @@ def test_the_architecture_page_draws_the_floors_the_code_has():
     drawn = {room: int(n) for n, cell in re.findall(r"^\| (\d+) \| ([^|]+) \|", page, re.M)
              for room in re.findall(r"`([a-z_]+)`", cell)}  # fmt: skip
     assert drawn == {room: floor(room) for room in rooms}
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A leading underscore means "this module's own": a name another module needs is public (issue 58)."""
+    crossing = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dlrm_lab"):
+                crossing += [f"{path.relative_to(ROOT.parent)}: {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+    assert crossing == []

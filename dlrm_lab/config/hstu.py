@@ -38,9 +38,9 @@ from dlrm_lab.config.request_features import (
     CATEGORY_TABLE,
     RequestFeatures,
     Tables,
-    _tables,
     candidate_feature,
     history_feature,
+    tables_of,
 )
 from dlrm_lab.config.rules import row_scaler
 from dlrm_lab.config.sequence_spec import SequenceSpec
@@ -297,7 +297,7 @@ class HSTUSpec:
             shape = dict(data["shape"])
             stu = STUShape(**shape.pop("stu"))
             for key in ("item_tables", "cross_tables"):
-                shape[key] = _tables(shape.get(key, ()))
+                shape[key] = tables_of(shape.get(key, ()))
             for key in ("item_tower", "head"):
                 shape[key] = tuple(shape.get(key, ()))
             known = {f.name for f in fields(cls)} - {"shape", "data"}
@@ -331,7 +331,7 @@ def _parse_layout(model: JsonObject, where: str) -> dict[str, Tables | tuple[int
                 raise UserError(f"{where}: [model.{key}] {name} = {rows!r}: must be an integer >= 1 (the table's rows)")
             if name in ("item", "user", CATEGORY_TABLE):
                 raise UserError(f"{where}: [model.{key}] {name}: a name the ranker's own tables use")
-        out[key] = _tables(raw)
+        out[key] = tables_of(raw)
     for key in _TOWER_KEYS:
         if key not in model:
             continue

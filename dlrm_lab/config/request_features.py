@@ -51,7 +51,7 @@ class RequestFeatures:
         return (*self.history, *self.candidates, *self.contextual)
 
 
-def _tables(raw: Any) -> Tables:
+def tables_of(raw: Any) -> Tables:
     """(name, rows) pairs from a TOML table, a manifest's lists or pairs already."""
     items = raw.items() if isinstance(raw, dict) else raw
     return tuple((str(name), rows) for name, rows in items)

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from dlrm_lab.config.request_features import CATEGORY_TABLE, CROSS_KEYS, RequestFeatures, Tables, _tables, cross_keys
+from dlrm_lab.config.request_features import CATEGORY_TABLE, CROSS_KEYS, RequestFeatures, Tables, cross_keys, tables_of
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
 
@@ -94,7 +94,7 @@ class SequenceSpec:
         for key in raw:
             if key not in known:
                 raise UserError(f"{where}: unknown key {key!r}; allowed: {', '.join(known)}")
-        tables = {k: _tables(raw[k]) for k in ("attributes", "crosses") if k in raw}
+        tables = {k: tables_of(raw[k]) for k in ("attributes", "crosses") if k in raw}
         return cls(**{**raw, **tables}).check(where)
 
     @property

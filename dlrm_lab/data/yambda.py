@@ -40,15 +40,15 @@ from dlrm_lab.data.request_files import KIND, SCHEMA
 from dlrm_lab.data.yambda_events import (
     DISLIKE,
     EVENT_COLUMNS,
-    _batches,
-    _check_columns,
-    _check_order,
-    _decode,
-    _Events,
-    _open,
+    Events,
+    check_columns,
+    check_order,
+    decode_events,
     load_categories,
+    open_events_file,
+    row_group_batches,
 )
-from dlrm_lab.data.yambda_requests import YAMBDA_ACTION_BITS, YambdaOptions, _Request, _User
+from dlrm_lab.data.yambda_requests import YAMBDA_ACTION_BITS, YambdaOptions, YambdaRequest, YambdaUser
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.run import check_writable
 from dlrm_lab.resources import read_bounded
@@ -62,7 +62,7 @@ SOURCE = "yambda"
 # ----------------------------------------------------------------------------- pass 1: chunks to spills
 
 
-def _requests_table(requests: list[_Request], first: int = -1) -> pa.Table:
+def _requests_table(requests: list[YambdaRequest], first: int = -1) -> pa.Table:
     def lists(parts: list[np.ndarray], kind: pa.DataType) -> pa.Array:
         offsets = np.zeros(len(parts) + 1, dtype=np.int32)
         np.cumsum([len(p) for p in parts], out=offsets[1:])
@@ -87,12 +87,12 @@ class _Spill:
 
     def __init__(self, directory: Path, opts: YambdaOptions):
         self.dir, self.opts = directory, opts
-        self.buffers: dict[int, list[_Request]] = {}
+        self.buffers: dict[int, list[YambdaRequest]] = {}
         self.tokens: dict[int, int] = {}
         self.waiting = 0  # tokens in all buffers
         self.writers: dict[int, pq.ParquetWriter] = {}
 
-    def add(self, r: _Request) -> None:
+    def add(self, r: YambdaRequest) -> None:
         self.buffers.setdefault(r.step, []).append(r)
         self.tokens[r.step] = self.tokens.get(r.step, 0) + r.tokens
         self.waiting += r.tokens
@@ -138,7 +138,7 @@ def _last_uid(pf: pq.ParquetFile, rg: int) -> int:
 
 
 def _chunk_events(pf: pq.ParquetFile, path: Path, rows: tuple[int, int], lookup: np.ndarray,
-                  opts: YambdaOptions) -> Iterator[tuple[_Events, str, int, int]]:  # fmt: skip
+                  opts: YambdaOptions) -> Iterator[tuple[Events, str, int, int]]:  # fmt: skip
     """(events, where they are, the first's row in its row group, rows read of the chunk's own) of the users
     whose first event lies in row groups [a, b): a user begun before `a` is skipped, the last user is read
     past `b` to their end. Every batch read is checked (nulls, types, order)."""
@@ -152,10 +152,10 @@ def _chunk_events(pf: pq.ParquetFile, path: Path, rows: tuple[int, int], lookup:
                 return
             tail = last[0] if last is not None else None
         row0 = 0
-        for batch in _batches(pf, rg, opts.batch_rows, list(EVENT_COLUMNS), path):
+        for batch in row_group_batches(pf, rg, opts.batch_rows, list(EVENT_COLUMNS), path):
             where = f"{path}: row group {rg}"
-            ev = _decode(batch, where, row0, lookup)
-            _check_order(ev, last, where, row0)
+            ev = decode_events(batch, where, row0, lookup)
+            check_order(ev, last, where, row0)
             last = (int(ev.uid[-1]), int(ev.ts[-1]))
             n = len(ev.uid)
             lo = 0 if lead is None else int(np.searchsorted(ev.uid, lead, side="right"))
@@ -180,13 +180,13 @@ class _ChunkConverter:
         self.opts, self.spill = opts, spill
         self.counts = dict.fromkeys(COUNTS, 0)
         self.counts["max_uid"] = -1
-        self.user: _User | None = None
+        self.user: YambdaUser | None = None
 
-    def emit(self, r: _Request) -> None:
+    def emit(self, r: YambdaRequest) -> None:
         self.counts["requests"] += 1
         self.spill.add(r)
 
-    def feed(self, ev: _Events, where: str, row0: int) -> None:
+    def feed(self, ev: Events, where: str, row0: int) -> None:
         self.counts["events"] += len(ev.uid)
         used = ev.code <= DISLIKE  # unlikes and undislikes need no category
         unmapped = used & (ev.cat < 0)
@@ -206,7 +206,7 @@ class _ChunkConverter:
             if self.user is None or self.user.uid != uid:
                 if self.user is not None:
                     self.user.close()
-                self.user = _User(uid, self.opts, self.emit, self.counts)
+                self.user = YambdaUser(uid, self.opts, self.emit, self.counts)
             self.user.feed(ev.take(slice(a, b)))
 
     def finish(self) -> dict[str, int]:
@@ -282,8 +282,8 @@ def convert_yambda(
     the sidecar. `on_events(n)`: n more events read; `on_commit(what)`: a chunk or a window was committed."""
     opts = (options or YambdaOptions()).check()
     events, categories, out = Path(events), Path(categories), Path(out)
-    pf = _open(events, "Yambda's flat multi_event.parquet")
-    _check_columns(events, pf.schema_arrow, EVENT_COLUMNS, "Yambda's flat multi_event.parquet")
+    pf = open_events_file(events, "Yambda's flat multi_event.parquet")
+    check_columns(events, pf.schema_arrow, EVENT_COLUMNS, "Yambda's flat multi_event.parquet")
     if pf.metadata.num_rows == 0:
         raise UserError(f"{events}: no rows (an empty file)")
     mapping = load_categories(categories)

@@ -34,7 +34,7 @@ CATEGORY_COLUMNS = {"artist_id": "artist", "album_id": "album"}
 MAX_ITEM_ID = 1 << 27
 
 
-def _open(path: Path, what: str) -> pq.ParquetFile:
+def open_events_file(path: Path, what: str) -> pq.ParquetFile:
     if not path.is_file():
         raise UserError(f"{path}: no such file ({what})")
     try:
@@ -49,7 +49,7 @@ def _is_text(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
-def _check_columns(path: Path, schema: pa.Schema, columns: tuple[str, ...], what: str) -> None:
+def check_columns(path: Path, schema: pa.Schema, columns: tuple[str, ...], what: str) -> None:
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise UserError(f"{path}: column {', '.join(missing)} missing ({what} needs {', '.join(columns)})")
@@ -61,7 +61,9 @@ def _check_columns(path: Path, schema: pa.Schema, columns: tuple[str, ...], what
             raise UserError(f"{path}: column {c} has type {t}; expected {want} (Yambda's published schema)")
 
 
-def _batches(pf: pq.ParquetFile, rg: int, rows: int, columns: list[str], path: Path) -> Iterator[pa.RecordBatch]:
+def row_group_batches(
+    pf: pq.ParquetFile, rg: int, rows: int, columns: list[str], path: Path
+) -> Iterator[pa.RecordBatch]:
     try:
         yield from pf.iter_batches(batch_size=rows, row_groups=[rg], columns=columns)
     except (pa.ArrowException, OSError) as exc:
@@ -86,18 +88,18 @@ class Categories:
 def load_categories(path: str | Path, batch_rows: int = 1 << 20) -> Categories:
     """A Yambda item mapping, streamed by batches. An item in several artists or albums takes the smallest id."""
     path = Path(path)
-    pf = _open(path, "an item mapping")
+    pf = open_events_file(path, "an item mapping")
     names = pf.schema_arrow.names
     found = [c for c in CATEGORY_COLUMNS if c in names]
     if len(found) != 1:
         raise UserError(f"{path}: column artist_id or album_id missing (an item mapping: item_id and one of them)")
     column = found[0]
-    _check_columns(path, pf.schema_arrow, ("item_id", column), "an item mapping")
+    check_columns(path, pf.schema_arrow, ("item_id", column), "an item mapping")
     lookup = np.full(0, np.iinfo(np.int64).max, dtype=np.int64)
     rows = 0
     for rg in range(pf.num_row_groups):
         row0 = 0
-        for batch in _batches(pf, rg, batch_rows, ["item_id", column], path):
+        for batch in row_group_batches(pf, rg, batch_rows, ["item_id", column], path):
             where = f"{path}: row group {rg}"
             items, cats = batch.column("item_id"), batch.column(column)
             _no_nulls(items, where, "item_id")
@@ -127,7 +129,7 @@ def load_categories(path: str | Path, batch_rows: int = 1 << 20) -> Categories:
 
 
 @dataclass
-class _Events:
+class Events:
     """One batch of events as numpy arrays (int64 but `code`, `organic`, `played`)."""
 
     uid: np.ndarray
@@ -138,11 +140,11 @@ class _Events:
     organic: np.ndarray  # bool
     played: np.ndarray  # int64, -1 where null
 
-    def take(self, sel: Any) -> _Events:
-        return _Events(*(getattr(self, f.name)[sel] for f in fields(self)))
+    def take(self, sel: Any) -> Events:
+        return Events(*(getattr(self, f.name)[sel] for f in fields(self)))
 
 
-def _decode(batch: pa.RecordBatch, where: str, row0: int, lookup: np.ndarray) -> _Events:
+def decode_events(batch: pa.RecordBatch, where: str, row0: int, lookup: np.ndarray) -> Events:
     """Decode and check one batch: nulls, event types, played_ratio_pct of listens, items with a category."""
     for c in ("uid", "timestamp", "item_id", "is_organic", "event_type"):
         _no_nulls(batch.column(c), where, c)
@@ -166,10 +168,10 @@ def _decode(batch: pa.RecordBatch, where: str, row0: int, lookup: np.ndarray) ->
     known = (item >= 0) & (item < lookup.size)
     cat[known] = lookup[item[known]]
     uid, ts = (batch.column(c).to_numpy().astype(np.int64) for c in ("uid", "timestamp"))
-    return _Events(uid, ts, item, cat, code, batch.column("is_organic").to_numpy().astype(bool), played)
+    return Events(uid, ts, item, cat, code, batch.column("is_organic").to_numpy().astype(bool), played)
 
 
-def _check_order(ev: _Events, last: tuple[int, int] | None, where: str, row0: int) -> None:
+def check_order(ev: Events, last: tuple[int, int] | None, where: str, row0: int) -> None:
     """The flat files are sorted by uid, then timestamp: refuse a uid or a user's timestamp that goes back."""
     uid, ts = ev.uid, ev.ts
     if last is not None:

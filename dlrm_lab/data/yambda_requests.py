@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from dlrm_lab.data.request_files import ROW_GROUP_REQUESTS
-from dlrm_lab.data.yambda_events import DISLIKE, LIKE, LISTEN, _Events
+from dlrm_lab.data.yambda_events import DISLIKE, LIKE, LISTEN, Events
 from dlrm_lab.errors import FieldError
 
 # history action bits, lowest first: the synthetic requests' four (sequences.ACTION_BITS) with Yambda's
@@ -81,7 +81,7 @@ class YambdaOptions:
 
 
 @dataclass
-class _Request:
+class YambdaRequest:
     user: int
     step: int
     history: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # items, categories, actions, ages_s
@@ -92,18 +92,18 @@ class _Request:
         return len(self.history[0]) + len(self.candidates[0])
 
 
-def _actions(ev: _Events, listen_plus_pct: int) -> np.ndarray:
+def _actions(ev: Events, listen_plus_pct: int) -> np.ndarray:
     """YAMBDA_ACTION_BITS of each event."""
     listen, like = ev.code == LISTEN, ev.code == LIKE
     bits = [listen, (listen & (ev.played >= listen_plus_pct)) | like, like, ev.code == DISLIKE, ev.organic]
     return sum(b.astype(np.uint8) << i for i, b in enumerate(bits)).astype(np.uint8)
 
 
-class _User:
+class YambdaUser:
     """One user's state while their events stream by: the history of closed windows (newest max_history),
     the open window's newest max_history history events and its first max_candidates listens."""
 
-    def __init__(self, uid: int, opts: YambdaOptions, emit: Callable[[_Request], None], counts: dict[str, int]):
+    def __init__(self, uid: int, opts: YambdaOptions, emit: Callable[[YambdaRequest], None], counts: dict[str, int]):
         self.uid, self.opts, self.emit, self.counts = uid, opts, emit, counts
         empty = np.zeros(0, dtype=np.int64)
         self.hist = (empty, empty, np.zeros(0, dtype=np.uint8), empty)  # items, categories, actions, timestamps
@@ -117,7 +117,7 @@ class _User:
     def tokens(self) -> int:
         return len(self.hist[0]) + len(self.win[0]) + len(self.cands[0])
 
-    def feed(self, ev: _Events) -> None:
+    def feed(self, ev: Events) -> None:
         """Events of this user, in time order."""
         steps = ev.ts * self.opts.timestamp_unit_s // self.opts.window_s
         cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps)) + 1, [len(steps)]])
@@ -129,7 +129,7 @@ class _User:
             self._add(ev.take(slice(a, b)))
         self.counts["peak_state_tokens"] = max(self.counts["peak_state_tokens"], self.tokens)
 
-    def _add(self, ev: _Events) -> None:
+    def _add(self, ev: Events) -> None:
         o, n = self.opts, len(ev.ts)
         seq = self.seen + np.arange(n)
         self.seen += n
@@ -158,7 +158,7 @@ class _User:
             if len(self.hist[0]) >= o.min_history:
                 now = self.cands[3][0]
                 ages = ((now - self.hist[3]) * o.timestamp_unit_s).astype(np.float32)
-                self.emit(_Request(self.uid, self.step, (*self.hist[:3], ages), tuple(self.cands[:3])))
+                self.emit(YambdaRequest(self.uid, self.step, (*self.hist[:3], ages), tuple(self.cands[:3])))
             else:
                 self.counts["requests_short_history"] += 1
         self.hist = tuple(np.concatenate([h, w])[-o.max_history :] for h, w in zip(self.hist, self.win, strict=True))

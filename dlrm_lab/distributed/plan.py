@@ -90,7 +90,7 @@ def check_table_types(model: str, kinds: list[str], sharding: str, per_table: di
             raise FieldError(field, f"{what}: {model}'s tables take {', '.join(kinds)}")
 
 
-def _constraints(
+def sharding_constraints(
     model: torch.nn.Module, sharding: str, per_table: dict[str, str], world_size: int = 2
 ) -> dict[str, ParameterConstraints]:
     """Allowed sharding types and kernels per table. `auto` on one rank is table_wise: every
@@ -168,7 +168,7 @@ def plan_sharding(
     names the tables).
     """
     check_table_types(model.spec.name, sharder.sharding_types(ctx.device.type), sharding, per_table or {})
-    constraints = _constraints(model, sharding, per_table or {}, ctx.world_size)
+    constraints = sharding_constraints(model, sharding, per_table or {}, ctx.world_size)
     topology = machine_topology(ctx)
     planner = EmbeddingShardingPlanner(
         topology=topology,

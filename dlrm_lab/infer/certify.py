@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
-from dlrm_lab.infer.frontier import _label
+from dlrm_lab.infer.frontier import label_of
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
 from dlrm_lab.infer.loadgen import loadgen_duration, queries_needed
@@ -62,7 +62,7 @@ def certify(
     last: SearchSummaryRow | None = None
     qps, longer = claimed, 0.0
     with serve(served) as server:
-        label = _label(server.describe().models[base.name])  # as it serves (remote: as its server says)
+        label = label_of(server.describe().models[base.name])  # as it serves (remote: as its server says)
         for attempt in range(options.certify_tries):
             # long enough for a verdict, or as long as LoadGen's early stopping asked for at this rate
             seconds = max(loadgen_duration(qps, options.certify_s, cfg.sla_percentile), longer)

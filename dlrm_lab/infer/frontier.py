@@ -1,7 +1,7 @@
 """The search's frontier (`frontier.parquet`): one row per serving configuration searched (its capacity, the highest
 rate it sustains under the latency bound with the final bracket's half-width as its uncertainty, or why it was not
 bisected), the judgement that marks the best and says of every other why not, and a configuration's name in the
-search's lines (`_label`).
+search's lines (`label_of`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from dlrm_lab.metrics.columns import FrontierRow, SearchSummaryRow
 from dlrm_lab.metrics.stats import estimate
 
 
-def _pruned(served: ModelDescription, capacity: float, capacity_sps: float, best_sps: float, cfg: InferConfig,
+def pruned_row(served: ModelDescription, capacity: float, capacity_sps: float, best_sps: float, cfg: InferConfig,
             log: Log | None) -> FrontierRow:  # fmt: skip
     """The frontier row of a configuration not bisected: its capacity cannot beat the best rate under the bound."""
     why = f"pruned: capacity {capacity_sps:,.0f} samples/s cannot beat {best_sps:,.0f} under the bound"
     if log:
-        log(f"{_label(served)}: {why}")
-    return FrontierRow({**_frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None,
+        log(f"{label_of(served)}: {why}")
+    return FrontierRow({**frontier_row(served, capacity, 0.0, 0.0, [], 0, cfg), "best_qps": None,
                         "best_qps_uncertainty": None, "best_samples_per_s": None, "probe_points": 0,
                         "outcome": why})  # fmt: skip
 
 
-def _judge(frontier: list[FrontierRow]) -> FrontierRow | None:
+def judge(frontier: list[FrontierRow]) -> FrontierRow | None:
     """Mark the configuration with the highest rate under the bound `best`, say of every other why not; the best."""
     searched = [r for r in frontier if r["best_samples_per_s"] is not None]
     best = max(searched, key=lambda r: r["best_samples_per_s"], default=None)
@@ -43,13 +43,13 @@ def _judge(frontier: list[FrontierRow]) -> FrontierRow | None:
     return next((r for r in frontier if r["best"]), None)
 
 
-def _label(m: ModelDescription) -> str:
+def label_of(m: ModelDescription) -> str:
     if m.instances is None or m.max_delay_ms is None:
         return f"{m.name} as its server serves it"
     return f"{m.instances}x{m.threads} threads, {m.precision}, batch {m.max_batch}, delay {m.max_delay_ms:g} ms"
 
 
-def _frontier_row(served: ModelDescription, capacity: float, lo: float, hi: float, rows: list[SearchSummaryRow],
+def frontier_row(served: ModelDescription, capacity: float, lo: float, hi: float, rows: list[SearchSummaryRow],
                   probes: int, cfg: InferConfig) -> FrontierRow:  # fmt: skip
     lat = [r["sla_latency_ms"] for r in rows if r["sla_latency_ms"] is not None]
     hits = [r["history_hit_rate"] for r in rows if r.get("history_hit_rate") is not None]

@@ -22,7 +22,7 @@ from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.certify import certify
 from dlrm_lab.infer.drivers import scenario
-from dlrm_lab.infer.frontier import _frontier_row, _judge, _label, _pruned
+from dlrm_lab.infer.frontier import frontier_row, judge, label_of, pruned_row
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.lab import faults_name_the_run, stream_config
 from dlrm_lab.infer.load import Stream
@@ -179,14 +179,14 @@ def search(
                     capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
                     measured.append((capacity, max_batch, delay))
                     if log:
-                        label = _label(server.describe().models[base.name])
+                        label = label_of(server.describe().models[base.name])
                         log(f"{label}: capacity {capacity:.1f} queries/s (closed loop)")
                 for capacity, max_batch, delay in sorted(measured, key=lambda m: -m[0]):
                     if not target.remote:
                         server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     served = server.describe().models[base.name]
                     if options.prune_margin >= 0 and capacity * mean_size * (1 + options.prune_margin) < best_sps:
-                        frontier.append(_pruned(served, capacity, capacity * mean_size, best_sps, cfg, log))
+                        frontier.append(pruned_row(served, capacity, capacity * mean_size, best_sps, cfg, log))
                         continue
                     probe = _Probing(server, base, stream, cfg, options, queries, summary, telemetry, run.dir, log,
                                      on_progress, point_index)  # fmt: skip
@@ -194,7 +194,7 @@ def search(
                     point_index = probe.point_index
                     frontier.append(row)
                     best_sps = max(best_sps, row["best_samples_per_s"] or 0.0)
-        winner = _judge(frontier)
+        winner = judge(frontier)
         if winner is not None and options.certify_s > 0:
             point_index = certify(winner, base, stream, cfg, options, serve, queries, summary, telemetry, run.dir,
                                   point_index, log, on_progress)  # fmt: skip
@@ -275,7 +275,7 @@ class _Probing:
             summary.flush()
             if log:
                 early = " (decided early)" if len(rows) < options.repeats or rows[-1]["load_stopped_early"] else ""
-                log(f"{_label(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
+                log(f"{label_of(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
                     f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}{early}")  # fmt: skip
             probes += 1
             if passed:
@@ -285,12 +285,12 @@ class _Probing:
                 lost = (f"lower: the bound missed at {qps:,.1f} queries/s, the best rate found "
                         f"/ (1 + prune margin)")  # fmt: skip
                 if log:
-                    log(f"{_label(served)}: {lost}")
+                    log(f"{label_of(served)}: {lost}")
                 break
             else:
                 hi = qps
         self.point_index = point_index
-        row = _frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
+        row = frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
         row["probe_points"] = points
         row["outcome"] = lost
         return row

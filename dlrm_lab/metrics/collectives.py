@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.metrics.device_peaks import _timed
+from dlrm_lab.metrics.device_peaks import timed
 
 CollectivesAt = Callable[[int], tuple[tuple[str, Callable[[], Any], float], ...]]
 
@@ -43,14 +43,14 @@ def _collective_rows(
     return rows
 
 
-def _slowest_over(pg: Any, repeats: int, device: torch.device | None = None) -> Callable[[Callable[[], Any]], float]:
+def slowest_over(pg: Any, repeats: int, device: torch.device | None = None) -> Callable[[Callable[[], Any]], float]:
     """A call's median time on the slowest rank of `pg` (CPU by default): the slowest rank decides how long a
     collective takes."""
     on = device or torch.device("cpu")
 
     def slowest_seconds(fn: Callable[[], Any]) -> float:
         dist.barrier(group=pg)
-        t = torch.tensor([_timed(fn, repeats, on)], dtype=torch.float64, device=on)
+        t = torch.tensor([timed(fn, repeats, on)], dtype=torch.float64, device=on)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
         return float(t.item())
 
@@ -69,7 +69,7 @@ def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -
             ("all_reduce", partial(dist.all_reduce, buf), 2 * (n - 1) / n),
         )
 
-    return _collective_rows(n, sizes, collectives_at, _slowest_over(dist.group.WORLD, repeats, device))
+    return _collective_rows(n, sizes, collectives_at, slowest_over(dist.group.WORLD, repeats, device))
 
 
 def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, float | str]]:
@@ -92,7 +92,7 @@ def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, float 
 
     def slowest_seconds(fn: Callable[[], Any]) -> float:
         comm.Barrier()
-        return comm.allreduce(_timed(fn, repeats, torch.device("cpu")), op=MPI.MAX)
+        return comm.allreduce(timed(fn, repeats, torch.device("cpu")), op=MPI.MAX)
 
     return _collective_rows(n, sizes, collectives_at, slowest_seconds)
 

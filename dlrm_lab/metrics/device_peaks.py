@@ -1,6 +1,6 @@
 """One device's peak measurements, each a function the machine probe (`metrics.probe`) calls: GEMM FLOP/s, copy
 (memory) bandwidth, fbgemm's embedding gather bandwidth and host-device copy bandwidth; with how big and how often the
-probe measures (`ProbeSizes`) and its clock (`_timed`): the median of repeats after warm-up, CUDA work synchronised
+probe measures (`ProbeSizes`) and its clock (`timed`): the median of repeats after warm-up, CUDA work synchronised
 before the clock is read.
 """
 
@@ -49,7 +49,7 @@ class ProbeSizes:
         )  # fmt: skip
 
 
-def _timed(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:
+def timed(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:
     """Median seconds of `fn()` after warm-up."""
     return statistics.median(_timed_all(fn, repeats, device, warmup))
 
@@ -117,7 +117,7 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
     """Bytes read plus written per second by a large copy."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), repeats, device)
+    seconds = timed(lambda: dst.copy_(src), repeats, device)
     return 2 * src.numel() * 4 / seconds
 
 
@@ -167,7 +167,7 @@ def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, hu
     """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward; with
     `huge_pages`, its tables put on 2 MiB pages first (`metrics.huge_pages`; `huge_error` says why not)."""
     gather, what = _gather_bench(device, sizes, huge_pages)
-    seconds = _timed(gather, repeats, device)
+    seconds = timed(gather, repeats, device)
     out: JsonObject = {"bytes_per_s": what["bytes"] / seconds, "table_bytes": what["table_bytes"]}
     if "huge_bytes" in what:
         out["huge_bytes"], out["huge_error"] = what["huge_bytes"], what["huge_error"]
@@ -210,6 +210,6 @@ def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> 
     """Pinned host -> device and device -> host copy bandwidth."""
     host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
     dev = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), repeats, device)
-    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), repeats, device)
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True), repeats, device)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True), repeats, device)
     return {"h2d_bytes_per_s": nbytes / h2d, "d2h_bytes_per_s": nbytes / d2h}

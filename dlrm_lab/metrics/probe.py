@@ -36,7 +36,7 @@ import torch.distributed as dist
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.metrics.ceiling import measure_ceiling
-from dlrm_lab.metrics.collectives import _slowest_over, comm_bandwidth, mpi_bandwidth, torchrec_distribution
+from dlrm_lab.metrics.collectives import comm_bandwidth, mpi_bandwidth, slowest_over, torchrec_distribution
 from dlrm_lab.metrics.cpu import LoadWatch
 from dlrm_lab.metrics.device_peaks import (
     GEMM_DTYPES,
@@ -186,7 +186,7 @@ def probe_machine(
         batches = sizes.torchrec_batches  # TorchRec's distribution, gloo's now and MPI's below
         if device.type == "cpu":  # as training runs it on CPU ranks
             profile["comms"][f"{backend}/{world}"] += torchrec_distribution(
-                dist.group.WORLD, batches, _slowest_over(dist.group.WORLD, sizes.repeats)
+                dist.group.WORLD, batches, slowest_over(dist.group.WORLD, sizes.repeats)
             )
         if detect_launch().launcher == "mpi":  # started by mpiexec: MPI's own collectives too
             from dlrm_lab.distributed.mpi import BACKEND, register
@@ -195,7 +195,7 @@ def probe_machine(
             over_mpi = dist.new_group(backend=BACKEND)  # the lab's process group on MPI (`--collectives mpi`)
             profile["comms"][f"mpi/{world}"] = [
                 *mpi_bandwidth(sizes.comm_bytes, sizes.repeats),
-                *torchrec_distribution(over_mpi, batches, _slowest_over(over_mpi, sizes.repeats)),
+                *torchrec_distribution(over_mpi, batches, slowest_over(over_mpi, sizes.repeats)),
             ]
         for key, rows in profile["comms"].items() if log and rank == 0 else ():
             for r in rows:

@@ -62,15 +62,15 @@ from dlrm_lab.metrics.stats import (
     ratio_estimate,
 )
 from dlrm_lab.report.samples import (
-    _count_finite,
-    _infer_groups,
-    _latencies,
-    _ok_queries,
-    _per_second,
-    _Run,
-    _summary_values,
-    _train_steps,
+    RunSamples,
+    count_finite,
     discover_runs,
+    infer_groups,
+    latencies_of,
+    ok_queries,
+    per_second,
+    summary_values,
+    train_steps,
 )
 
 DEFAULT_THRESHOLD = 0.02
@@ -213,21 +213,21 @@ class _Comparer:
 
     # -- training
 
-    def train(self, base: list[_Run], new: list[_Run]) -> None:
+    def train(self, base: list[RunSamples], new: list[RunSamples]) -> None:
         self._config_notes("train", base, new)
         repeats = len(base) >= MIN_REPEATS and len(new) >= MIN_REPEATS
-        steps = {} if repeats else {"BASE": _train_steps(base), "NEW": _train_steps(new)}
+        steps = {} if repeats else {"BASE": train_steps(base), "NEW": train_steps(new)}
         for metric in TRAIN_METRICS:
-            b, w = _summary_values(base, metric.name), _summary_values(new, metric.name)
+            b, w = summary_values(base, metric.name), summary_values(new, metric.name)
             if metric.name in ("samples_per_s", "step_time_ms_p50") and not repeats:
                 col = 0 if metric.name == "samples_per_s" else 1
                 self.add("train", "", metric, steps["BASE"][col], steps["NEW"][col], STEPS)
-            elif metric.name == "energy_per_sample_j" and (_count_finite(b) == 0 or _count_finite(w) == 0):
+            elif metric.name == "energy_per_sample_j" and (count_finite(b) == 0 or count_finite(w) == 0):
                 continue  # measured on one side only (or neither): nothing to compare
             else:
                 self.add("train", "", metric, b, w, REPEATS if repeats else NO_REPEATS)
 
-    def _config_notes(self, kind: str, base: list[_Run], new: list[_Run]) -> None:
+    def _config_notes(self, kind: str, base: list[RunSamples], new: list[RunSamples]) -> None:
         for name in _TRAIN_CONFIG:
             for side, runs in (("BASE", base), ("NEW", new)):
                 values = {str(r.summary[0].get(name)) for r in runs if r.summary}
@@ -240,8 +240,8 @@ class _Comparer:
 
     # -- inference
 
-    def infer(self, base: list[_Run], new: list[_Run]) -> None:
-        b_groups, w_groups = _infer_groups(base), _infer_groups(new)
+    def infer(self, base: list[RunSamples], new: list[RunSamples]) -> None:
+        b_groups, w_groups = infer_groups(base), infer_groups(new)
         for side, only in (("BASE", b_groups.keys() - w_groups.keys()), ("NEW", w_groups.keys() - b_groups.keys())):
             for key in sorted(only):
                 self.notes.append(f"infer {' '.join(key)}: only in {side}, not compared")
@@ -262,15 +262,15 @@ class _Comparer:
                     w = [r.get(metric.name) for _, rows in wg for r in rows]
                     self.add("infer", group, metric, b, w, REPEATS)
                 continue
-            b_queries, w_queries = _ok_queries(bg, key[0]), _ok_queries(wg, key[0])
+            b_queries, w_queries = ok_queries(bg, key[0]), ok_queries(wg, key[0])
             for metric in INFER_METRICS:
                 if metric.name in _LATENCY_PERCENTILE:
                     stat = nearest_rank_percentile(_LATENCY_PERCENTILE[metric.name])
-                    b, w = _latencies(b_queries), _latencies(w_queries)
+                    b, w = latencies_of(b_queries), latencies_of(w_queries)
                     self.add("infer", group, metric, b, w, QUERIES, statistic=stat)
                 else:
                     weight = metric.name == "samples_per_s"
-                    b, w = _per_second(b_queries, weight), _per_second(w_queries, weight)
+                    b, w = per_second(b_queries, weight), per_second(w_queries, weight)
                     self.add("infer", group, metric, b, w, BINS)
 
 
@@ -298,7 +298,7 @@ def compare(
     return _compare_runs(base, new, b_runs, w_runs, b_notes + w_notes, threshold, confidence, n_resamples, seed)
 
 
-def machine_of(run: _Run) -> str:
+def machine_of(run: RunSamples) -> str:
     return str(section(run.manifest, "hardware").get("fingerprint_id") or "unknown")
 
 
@@ -316,7 +316,7 @@ def compare_machines(
     if not threshold >= 0:
         raise FieldError("threshold", f"{threshold}: must be >= 0 (a fraction, 0.02 = 2%)")
     runs, notes = discover_runs(path)
-    machines: dict[str, list[_Run]] = {}
+    machines: dict[str, list[RunSamples]] = {}
     for run in runs:
         machines.setdefault(machine_of(run), []).append(run)
     if len(machines) < 2:
@@ -344,8 +344,8 @@ def compare_machines(
 def _compare_runs(
     base: Path | str,
     new: Path | str,
-    b_runs: list[_Run],
-    w_runs: list[_Run],
+    b_runs: list[RunSamples],
+    w_runs: list[RunSamples],
     notes: list[str],
     threshold: float,
     confidence: float,
@@ -369,7 +369,7 @@ def _compare_runs(
             comparer.notes.append(f"{kind} runs only in {'BASE' if kind in b_kinds else 'NEW'}, not compared")
         else:
             comparer.notes.append(f"{kind} runs are not compared")
-    handlers: dict[str, Callable[[list[_Run], list[_Run]], None]] = {
+    handlers: dict[str, Callable[[list[RunSamples], list[RunSamples]], None]] = {
         "train": comparer.train,
         "infer": comparer.infer,
     }

@@ -27,7 +27,7 @@ CONTAINER_KINDS = ("scale", "sweep")  # their points are runs of their own, foun
 
 
 @dataclass
-class _Run:
+class RunSamples:
     dir: Path
     manifest: JsonObject
 
@@ -58,7 +58,7 @@ class _Run:
         return out
 
 
-def discover_runs(path: str | Path) -> tuple[list[_Run], list[str]]:
+def discover_runs(path: str | Path) -> tuple[list[RunSamples], list[str]]:
     """Runs under `path` (a run, or a directory of runs at any depth), oldest first, and
     notes on what was skipped (sweep containers silently; unreadable or not-ok runs noted)."""
     runs, notes, not_ok = [], [], Counter()
@@ -71,7 +71,7 @@ def discover_runs(path: str | Path) -> tuple[list[_Run], list[str]]:
         if found.manifest.get("status") != "ok":
             not_ok[str(found.manifest.get("status"))] += 1
             continue
-        runs.append(_Run(found.dir, found.manifest))
+        runs.append(RunSamples(found.dir, found.manifest))
     if not_ok:
         notes.append(f"{path}: skipped runs that did not end ok: " + ", ".join(f"{n} {s}" for s, n in not_ok.items()))
     return runs, notes
@@ -80,15 +80,15 @@ def discover_runs(path: str | Path) -> tuple[list[_Run], list[str]]:
 # ----------------------------------------------------------------------------- samples
 
 
-def _count_finite(values: list[Any]) -> int:
+def count_finite(values: list[Any]) -> int:
     return sum(1 for v in values if v is not None and np.isfinite(v))
 
 
-def _summary_values(runs: list[_Run], name: str) -> list[Any]:
+def summary_values(runs: list[RunSamples], name: str) -> list[Any]:
     return [r.summary[0].get(name) for r in runs if r.summary]
 
 
-def _train_steps(runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
+def train_steps(runs: list[RunSamples]) -> tuple[np.ndarray, np.ndarray]:
     """Per measured step of every run: global throughput and the slowest rank's step time."""
     rates, times = [], []
     for run in runs:
@@ -110,10 +110,11 @@ def _train_steps(runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate(rates) if rates else empty, np.concatenate(times) if times else empty)
 
 
-def _infer_groups(
-    runs: list[_Run],
-) -> dict[tuple[str, str], list[tuple[_Run, list[dict[str, str | float | bool | None]]]]]:
-    groups: dict[tuple[str, str], list[tuple[_Run, list[dict[str, str | float | bool | None]]]]] = defaultdict(list)
+def infer_groups(
+    runs: list[RunSamples],
+) -> dict[tuple[str, str], list[tuple[RunSamples, list[dict[str, str | float | bool | None]]]]]:
+    groups: dict[tuple[str, str], list[tuple[RunSamples, list[dict[str, str | float | bool | None]]]]]
+    groups = defaultdict(list)
     for run in runs:
         by_key: dict[tuple[str, str], list[dict[str, str | float | bool | None]]] = defaultdict(list)
         for row in run.summary:
@@ -126,8 +127,8 @@ def _infer_groups(
 _QUERY_COLUMNS = ["latency_ms", "end_ms", "samples"]
 
 
-def _ok_queries(
-    group: list[tuple[_Run, list[dict[str, str | float | bool | None]]]], model: str
+def ok_queries(
+    group: list[tuple[RunSamples, list[dict[str, str | float | bool | None]]]], model: str
 ) -> list[dict[str, np.ndarray]]:
     """Per run and point of the group: the model's ok queries (latency, end time, samples)."""
     out = []
@@ -143,11 +144,11 @@ def _ok_queries(
     return out
 
 
-def _latencies(queries: list[dict[str, np.ndarray]]) -> np.ndarray:
+def latencies_of(queries: list[dict[str, np.ndarray]]) -> np.ndarray:
     return np.concatenate([q["latency_ms"] for q in queries]) if queries else np.empty(0)
 
 
-def _per_second(queries: list[dict[str, np.ndarray]], samples: bool) -> np.ndarray:
+def per_second(queries: list[dict[str, np.ndarray]], samples: bool) -> np.ndarray:
     """Completed queries (or samples) per 1-s bin of end_ms, first and last (partial) bins
     dropped; bins with no completion in between count as 0."""
     counts = []

@@ -105,7 +105,7 @@ def _option_args(name: str, value: Any, where: str) -> list[str]:
     raise UserError(f"{where}: {name} = {value!r}: a value must be a string, number, boolean or list of them")
 
 
-def _launch_params(spec: SweepSpec, params: OptionValues) -> OptionValues:
+def launch_params(spec: SweepSpec, params: OptionValues) -> OptionValues:
     merged = {**spec.options, **params}
     return {k: merged[k] for k in LAUNCH_PARAMS if k in merged}
 
@@ -182,7 +182,7 @@ def _check_point(spec: SweepSpec, params: OptionValues, where: str) -> None:
 
     merged = {**spec.options, **params}
     try:
-        launch = _launch_params(spec, params)
+        launch = launch_params(spec, params)
         if launch and spec.command != "train":
             raise UserError(f"{', '.join(launch)}: launch parameters apply to command = 'train' only")
         for name in ("ranks", "threads-per-rank"):

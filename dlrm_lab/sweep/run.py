@@ -28,7 +28,7 @@ from pathlib import Path
 from dlrm_lab.config.values import OptionValues
 from dlrm_lab.errors import UserError, end_with_parent, exit_description
 from dlrm_lab.metrics.run import MANIFEST, Run, amend_manifest, discover_runs, read_manifest, recover_run_and_summary
-from dlrm_lab.sweep.grid import SweepSpec, _launch_params, point_args
+from dlrm_lab.sweep.grid import SweepSpec, launch_params, point_args
 from dlrm_lab.sweep.results import PointResult, SweepResult
 from dlrm_lab.sweep.tables import write_sweep_tables
 
@@ -40,7 +40,7 @@ def point_command(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[li
     from dlrm_lab.distributed.launch import launch_command, threads_per_rank
 
     args = [*point_args(spec, params), "--metrics-dir", str(slot)]
-    launch = _launch_params(spec, params)
+    launch = launch_params(spec, params)
     plain = [sys.executable, "-m", "dlrm_lab", *args]
     if "ranks" not in launch:
         return plain, {}

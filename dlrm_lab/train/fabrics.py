@@ -156,7 +156,7 @@ def planner_choice(spec: Any, ranks: int, fabric: Fabric, batch_size_per_rank: i
 
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
-    from dlrm_lab.distributed.plan import AnyDeviceSharder, _constraints
+    from dlrm_lab.distributed.plan import AnyDeviceSharder, sharding_constraints
     from dlrm_lab.model.dlrm import build_model
 
     model = build_model(spec, table_device="meta")
@@ -168,7 +168,7 @@ def planner_choice(spec: Any, ranks: int, fabric: Fabric, batch_size_per_rank: i
         local_world_size=min(ranks, fabric.ranks_per_node),
     )
     planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch_size_per_rank, constraints=_constraints(model, "auto", {}, ranks)
+        topology=topology, batch_size=batch_size_per_rank, constraints=sharding_constraints(model, "auto", {}, ranks)
     )
     quiet = [logging.getLogger(), logging.getLogger("torchrec.distributed.planner.storage_reservations")]
     levels = [log.level for log in quiet]

@@ -36,10 +36,10 @@ from dlrm_lab.train.pipeline import make_pipeline
 from dlrm_lab.train.preflight import ResolvedRun, preflight
 from dlrm_lab.train.profile import StepProfiler, profile_window
 from dlrm_lab.train.records import STEP_SCHEMA
-from dlrm_lab.train.setup import _build, _prepare, _Setup
+from dlrm_lab.train.setup import TrainSetup, build_setup, prepare_run
 from dlrm_lab.train.step import autocast, train_step
 from dlrm_lab.train.step_trial import StepTrial
-from dlrm_lab.train.summary import Reached, _Steps, _summarise
+from dlrm_lab.train.summary import MeasuredSteps, Reached, summarise
 from dlrm_lab.train.table_update import fused_table_groups
 from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases, instrument_table_update
 from dlrm_lab.train.watchdog import Watchdog
@@ -95,7 +95,7 @@ def _energy_sampler(ctx: DistContext) -> EnergySampler:
     return EnergySampler(sources, unavailable=missing)
 
 
-def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: Any, t_start: float,
+def _evaluator(setup: TrainSetup, pipeline: Any, watchdog: Watchdog | None, table: Any, t_start: float,
                evals: list[EvalRow], reached: Reached) -> Callable[[int], bool]:  # fmt: skip
     """`run_eval(step)` of `_loop`: evaluate on the held-out batches and record it in `evals` (and `table`); True
     when the target AUC is reached (training stops there; `reached` gets its steps and seconds)."""
@@ -135,8 +135,13 @@ def _evaluator(setup: _Setup, pipeline: Any, watchdog: Watchdog | None, table: A
     return run_eval
 
 
-def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
-          on_step: Callable[[StepRow], None] | None, log: Callable[[str], None] | None = None) -> _Steps:  # fmt: skip
+def _loop(
+    setup: TrainSetup,
+    record: Run | None,
+    stack: contextlib.ExitStack,
+    on_step: Callable[[StepRow], None] | None,
+    log: Callable[[str], None] | None = None,
+) -> MeasuredSteps:
     """The steps, timed by phase, each row written as it is taken; evaluations every `eval_every` steps and at the
     end (training stops once the target AUC is reached); checkpoints. Ctrl-C ends it `interrupted`; a collective
     that failed is a RankFailure. `stack` stops the sampler, the watchdog, the phase hooks and the profiler."""
@@ -253,7 +258,7 @@ def _loop(setup: _Setup, record: Run | None, stack: contextlib.ExitStack,
             f"rank {ctx.rank}: a collective failed at step {len(steps)}: another rank died or did not answer "
             f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
         ) from exc
-    return _Steps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
+    return MeasuredSteps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
 
 
 def distinct_rows(batch: Any) -> JsonObject | None:
@@ -271,7 +276,7 @@ def distinct_rows(batch: Any) -> JsonObject | None:
     return {"ids": ids, "rows": rows, "share": rows / ids if ids else 1.0, "batch": "the run's first, this rank's"}
 
 
-def _distinct_rows(setup: _Setup, record: Run | None, batch: Any) -> None:
+def _distinct_rows(setup: TrainSetup, record: Run | None, batch: Any) -> None:
     """The run's first batch's distinct rows over its ids (`distinct_rows`: the roofs gather those), in
     the manifest's config. Timed as data wait (once: 1-2 ms at kaggle's 53k ids)."""
     setup.config["distinct_rows"] = distinct_rows(batch) or {"share": None, "reason": "no pooled sparse features"}
@@ -279,7 +284,7 @@ def _distinct_rows(setup: _Setup, record: Run | None, batch: Any) -> None:
         record.update_manifest(config=setup.config)
 
 
-def _decided(setup: _Setup, record: Run | None, trial: StepTrial, decided: JsonObject,
+def _decided(setup: TrainSetup, record: Run | None, trial: StepTrial, decided: JsonObject,
              log: Callable[[str], None] | None) -> None:  # fmt: skip
     """A choice decided on the run's steps: its record in the manifest's config (beside the timing apart that it
     replaced), and the run's config where the summary reads it."""
@@ -296,7 +301,7 @@ def _decided(setup: _Setup, record: Run | None, trial: StepTrial, decided: JsonO
         log(f"{trial.name} {decided[trial.name]}: {decided['reason']}")
 
 
-def _trained(setup: _Setup, record: Run | None, evals: list[EvalRow]) -> JsonObject:
+def _trained(setup: TrainSetup, record: Run | None, evals: list[EvalRow]) -> JsonObject:
     """What a checkpoint's weights were trained on (`model.checkpoint.TRAINED`): serving reads it to check the
     spec it serves and to draw the run's held-out samples again for a build's accuracy rule."""
     cfg, last = setup.cfg, (evals[-1] if evals else None)
@@ -339,7 +344,7 @@ def train(
         run = preflight(run, cfg, data=source is None)  # a bad option: one line, before anything starts
     elif cfg is not None:
         raise TypeError("train(run): a resolved run carries its config")
-    setup = _build(_prepare(run, metrics_dir, log), source, eval_source, log)
+    setup = build_setup(prepare_run(run, metrics_dir, log), source, eval_source, log)
     record = _open_run(metrics_dir, setup.config, argv, setup.ctx)
     with contextlib.ExitStack() as stack:
         if record is not None:
@@ -347,7 +352,7 @@ def train(
         if isinstance(setup.source, Prefetcher):
             stack.callback(setup.source.close)
         measured = _loop(setup, record, stack, on_step, log)
-        summary, all_steps = _summarise(setup, record, measured)
+        summary, all_steps = summarise(setup, record, measured)
         if measured.status == "interrupted":
             raise KeyboardInterrupt
     return TrainResult(

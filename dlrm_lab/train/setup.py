@@ -1,9 +1,9 @@
 """A training run's setup, everything before its first step.
 
-The ranks joined and the collectives, precision and attention chosen by measurement (`_prepare`); then the sharding
+The ranks joined and the collectives, precision and attention chosen by measurement (`prepare_run`); then the sharding
 chosen (timed where it must be), the model built and sharded with its optimizers, resumed from a checkpoint, its
 click logit started at the data's base rate, the data opened, and every choice written down with its reason for the
-manifest (`_build`). What the steps need comes back as one `_Setup`.
+manifest (`build_setup`). What the steps need comes back as one `TrainSetup`.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def _init_output_bias(model: torch.nn.Module, click_rate: float | None) -> float
 
 
 @dataclass
-class _Setup:
-    """Everything a training run's steps need, resolved and built (`_prepare`, `_build`)."""
+class TrainSetup:
+    """Everything a training run's steps need, resolved and built (`prepare_run`, `build_setup`)."""
 
     spec: Spec
     cfg: TrainConfig  # with its precision and target AUC resolved
@@ -97,14 +97,14 @@ def _output_bias_rule(output_bias: float | None, click_rate: float | None, start
 
 @dataclass
 class _Prepared:
-    """A run joined to its ranks, every measured choice but the sharding's made (`_prepare`)."""
+    """A run joined to its ranks, every measured choice but the sharding's made (`prepare_run`)."""
 
     run: ResolvedRun  # as it trains: its precision resolved, --set applied where it changes the samples
     ctx: DistContext
     choices: JsonObject  # collectives, precision and attention, each with its reason (the manifest's)
 
 
-def _prepare(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[str], None] | None) -> _Prepared:
+def prepare_run(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[str], None] | None) -> _Prepared:
     """Join the ranks and choose the collectives, precision and attention by measurement (`train`'s first part;
     `preflight` checked the options)."""
     spec, cfg = run.spec, run.cfg
@@ -141,9 +141,9 @@ def _stream_steps(spec: Spec, cfg: TrainConfig, world_size: int) -> tuple[TrainC
     return replace(cfg, steps=steps, eval_every=every), record
 
 
-def _build(
+def build_setup(
     prepared: _Prepared, source: BatchSource | None, eval_source: BatchSource | None, log: Callable[[str], None] | None
-) -> _Setup:
+) -> TrainSetup:
     """Choose the sharding (timed where it must be), build and shard the model with its optimizers, resume, open
     the data from what `preflight` read and write down every choice and why (the manifest's config)."""
     run, ctx = prepared.run, prepared.ctx
@@ -245,7 +245,7 @@ def _build(
         },
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
-    return _Setup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config, trials)
+    return TrainSetup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config, trials)
 
 
 def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> JsonObject:

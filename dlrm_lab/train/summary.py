@@ -2,7 +2,7 @@
 
 Every rank's step rows gathered and their warm-up found, the energy of the measured steps, and the summary row:
 throughput, quality against the target AUC (MLPerf's rule: throughput only counts when quality was reached),
-roofline, energy and cost, written by rank 0. `_Steps` is what the step loop hands over to it.
+roofline, energy and cost, written by rank 0. `MeasuredSteps` is what the step loop hands over to it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dlrm_lab.train.records import (
     summary_row,
     warmup_column,
 )
-from dlrm_lab.train.setup import _Setup
+from dlrm_lab.train.setup import TrainSetup
 
 
 class Reached(TypedDict, total=False):
@@ -106,8 +106,8 @@ def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[St
 
 
 @dataclass
-class _Steps:
-    """What the step loop measured (`_loop`), for `_summarise`."""
+class MeasuredSteps:
+    """What the step loop measured (`_loop`), for `summarise`."""
 
     steps: list[StepRow]  # this rank's rows
     evals: list[EvalRow]
@@ -120,7 +120,7 @@ class _Steps:
     steps_table: Any  # this rank's steps.parquet writer (None: no run directory)
 
 
-def _summarise(setup: _Setup, record: Run | None, measured: _Steps) -> tuple[TrainSummaryRow, list[StepRow]]:
+def summarise(setup: TrainSetup, record: Run | None, measured: MeasuredSteps) -> tuple[TrainSummaryRow, list[StepRow]]:
     """Every rank's rows gathered and their warm-up found (flagged in memory now; in steps.parquet as it is merged
     at the run's close), the energy of the measured steps, the summary row (written by rank 0). (summary, rows)"""
     spec, cfg, ctx, start_step = setup.spec, setup.cfg, setup.ctx, setup.start_step

@@ -1,7 +1,7 @@
 """The column registry's mechanism: what a column is (`Column`), how a table declares its columns in file order
-(`_c`, `_group`, `_table`), and how readers ask for them (`table_columns`, `schema_of`, `column`, `fmt`). The
-declarations themselves are data, in the modules beside this one; import the registry as `dlrm_lab.metrics.columns`,
-which holds every table once imported.
+(`col`, `column_group`, `register_table`), and how readers ask for them (`table_columns`, `schema_of`, `column`,
+`fmt`). The declarations themselves are data, in the modules beside this one; import the registry as
+`dlrm_lab.metrics.columns`, which holds every table once imported.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _unit_by_name(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- tables
-# Every table a run writes, its columns in file order. A column is defined (`_c`: name, Arrow type,
+# Every table a run writes, its columns in file order. A column is defined (`col`: name, Arrow type,
 # what a reader shows) where it first appears, and named by the tables after; `schema_of` derives
 # each Parquet schema from this, `run_id` aside (every writer puts it first).
 
@@ -123,17 +123,17 @@ STR, BOOL, I32, I64, F64 = pa.string(), pa.bool_(), pa.int32(), pa.int64(), pa.f
 COLUMNS: dict[str, Column] = {}  # every column a table writes, by name
 _LAYOUTS: dict[str, list[Column]] = {}  # every table's columns, in file order
 _EXTENDS: dict[str, str] = {}  # a table that is another's columns followed by its own
-_CHANGES = [0]  # how many times a table's layout changed (`rows` caches each table's names until the next)
+LAYOUT_CHANGES = [0]  # how many times a table's layout changed (`rows` caches each table's names until the next)
 
 
 @dataclass(frozen=True)
-class _Local:
+class LocalColumn:
     """A column of one table only, whose name a column of other tables also has (with another type)."""
 
     column: Column
 
 
-def _c(
+def col(
     name: str,
     type: pa.DataType,
     label: str = "",
@@ -146,15 +146,15 @@ def _c(
     return Column(name, label or name, _unit_by_name(name) if unit is None else unit, fmt, better, short, type)
 
 
-define = _c  # a column's one definition, for a model family's own columns (`register_columns`)
+define = col  # a column's one definition, for a model family's own columns (`register_columns`)
 
 
-def _resolve(table: str, entries: Sequence[Column | str | _Local], again: bool = False) -> list[Column]:
+def _resolve(table: str, entries: Sequence[Column | str | LocalColumn], again: bool = False) -> list[Column]:
     """A table's entries as columns: a Column defines one (once; `again` lets the same definition be
     given twice), a name places one defined before."""
     out = []
     for e in entries:
-        if isinstance(e, _Local):
+        if isinstance(e, LocalColumn):
             out.append(e.column)
         elif isinstance(e, str):
             if e not in COLUMNS:
@@ -167,14 +167,14 @@ def _resolve(table: str, entries: Sequence[Column | str | _Local], again: bool =
     return out
 
 
-def _group(*columns: Column) -> tuple[str, ...]:
+def column_group(*columns: Column) -> tuple[str, ...]:
     """Columns several tables write side by side: defined here, named in each table."""
     return tuple(c.name for c in _resolve("a group", columns))
 
 
-def _table(name: str, *entries: Column | str | _Local, extends: str | None = None) -> None:
+def register_table(name: str, *entries: Column | str | LocalColumn, extends: str | None = None) -> None:
     _LAYOUTS[name] = _resolve(name, entries)
-    _CHANGES[0] += 1
+    LAYOUT_CHANGES[0] += 1
     if extends is not None:
         _EXTENDS[name] = extends
 
@@ -213,7 +213,7 @@ def register_columns(table: str, columns: Sequence[Column | str], *, after: str 
             raise ValueError(f"table {table!r} has no column {after!r} to place {[c.name for c in new]} after")
         at = names.index(after) + 1
     layout[at:at] = new
-    _CHANGES[0] += 1
+    LAYOUT_CHANGES[0] += 1
 
 
 def column(name: str) -> Column:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
-from dlrm_lab.metrics.columns.registry import _CHANGES, names_of
+from dlrm_lab.metrics.columns.registry import LAYOUT_CHANGES, names_of
 
 _NAMES: dict[str, tuple[int, frozenset[str]]] = {}  # table -> (the registry's change count, its names)
 _LEAD = frozenset({"run_id"})  # every writer puts the run's id first (`metrics.tables`)
@@ -22,8 +22,8 @@ _LEAD = frozenset({"run_id"})  # every writer puts the run's id first (`metrics.
 def columns_of(table: str) -> frozenset[str]:
     """The names a row of `table` may have: its registered columns, and `run_id`."""
     cached = _NAMES.get(table)
-    if cached is None or cached[0] != _CHANGES[0]:
-        cached = _NAMES[table] = (_CHANGES[0], frozenset(names_of(table)) | _LEAD)
+    if cached is None or cached[0] != LAYOUT_CHANGES[0]:
+        cached = _NAMES[table] = (LAYOUT_CHANGES[0], frozenset(names_of(table)) | _LEAD)
     return cached[1]
 
 

@@ -15,18 +15,18 @@ MAX_PANELS = 12  # sweep metrics drawn
 DPI = 100
 
 
-def _text(s: Any) -> str:
+def as_text(s: Any) -> str:
     return str(s).replace("$", r"\$")  # a pair of $ would start matplotlib's mathtext
 
 
-def _save(fig: Figure, out: Path) -> Path:
+def save_figure(fig: Figure, out: Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=DPI)
     return out
 
 
-def _num(v: Any) -> float | None:
+def as_number(v: Any) -> float | None:
     """A finite float, or None (null, NaN, infinite)."""
     if v is None:
         return None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from matplotlib.figure import Figure
 
-from dlrm_lab.report.plots.common import MAX_LABELS, _num, _save, _text
+from dlrm_lab.report.plots.common import MAX_LABELS, as_number, as_text, save_figure
 
 if TYPE_CHECKING:
     from dlrm_lab.config.values import JsonObject
@@ -52,7 +52,7 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
     placed: list[RooflinePoint] = []
     for p in points:
         flops, nbytes, achieved = (
-            _num(p.get(k)) for k in ("flops_per_sample", "bytes_per_sample", "achieved_flops_per_s")
+            as_number(p.get(k)) for k in ("flops_per_sample", "bytes_per_sample", "achieved_flops_per_s")
         )
         if not flops or not nbytes or not achieved:
             continue
@@ -64,7 +64,7 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
                 str(p.get("label")),
                 intensity,
                 achieved,
-                _num(p.get("roofline_fraction")),
+                as_number(p.get("roofline_fraction")),
                 p.get("roofline_bound_by"),
                 cid,
                 roof,
@@ -85,7 +85,7 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
                 np.minimum(peak, c["gather_bytes_per_s"] * grid),
                 linestyle=styles[k % len(styles)],
                 linewidth=1.3,
-                label=_text(
+                label=as_text(
                     f"{cid} {prec}: {peak / 1e9:,.0f} GFLOP/s, gather {c['gather_bytes_per_s'] / 1e9:,.1f} GB/s"
                     + (f", {rows / 1e6:,.0f} M rows/s" if rows else "")
                 ),
@@ -98,7 +98,7 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
                 linestyle=":",
                 color="grey",
                 linewidth=1.0,
-                label=_text(f"{cid}: gather on 4 KiB pages {base / 1e9:,.1f} GB/s"),
+                label=as_text(f"{cid}: gather on 4 KiB pages {base / 1e9:,.1f} GB/s"),
             )
     ax.scatter(xs, [pt.flops_per_s for pt in placed], color="crimson", zorder=5, label="runs")
     for (x, y), group in _coincident(placed[:MAX_LABELS]).items():
@@ -110,7 +110,7 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
             extra.append(f"{pt.bound_by}-bound")
         names = ", ".join(p.label for p in group[:3]) + (f" +{len(group) - 3} more" if len(group) > 3 else "")
         text = names + (f"\n{', '.join(extra)}" if extra else "")
-        ax.annotate(_text(text), (x, y), textcoords="offset points", xytext=(6, -4), fontsize=7)
+        ax.annotate(as_text(text), (x, y), textcoords="offset points", xytext=(6, -4), fontsize=7)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte of embedding rows)")
@@ -120,7 +120,7 @@ def roofline(points: Sequence[ReportRow], ceilings: dict[str, Ceilings], out: Pa
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="lower right")
     lines = [str(line.get_label()) for line in ax.get_lines()]
-    return RooflinePlot(_save(fig, out), placed, dict(ceilings), lines)
+    return RooflinePlot(save_figure(fig, out), placed, dict(ceilings), lines)
 
 
 def _coincident(points: list[RooflinePoint]) -> dict[tuple[float, float], list[RooflinePoint]]:
@@ -144,8 +144,8 @@ class EnergyPlot:
 
 def energy(rows: Sequence[ReportRow], out: Path) -> EnergyPlot:
     """Samples/s per watt per run or point, and joules per query where it is inference."""
-    eff = {str(r["label"]): v for r in rows if (v := _num(r.get("samples_per_s_per_w"))) is not None}
-    per_query = {str(r["label"]): v for r in rows if (v := _num(r.get("energy_per_query_j"))) is not None}
+    eff = {str(r["label"]): v for r in rows if (v := as_number(r.get("samples_per_s_per_w"))) is not None}
+    per_query = {str(r["label"]): v for r in rows if (v := as_number(r.get("energy_per_query_j"))) is not None}
     panels = [("samples/s per W (higher is better)", eff)]
     if per_query:
         panels.append(("J per query (lower is better)", per_query))
@@ -155,14 +155,14 @@ def energy(rows: Sequence[ReportRow], out: Path) -> EnergyPlot:
     for ax, (name, values) in zip(axes, panels, strict=True):
         labels = list(values)
         ax.barh(range(len(labels)), [values[k] for k in labels], color="seagreen")
-        ax.set_yticks(range(len(labels)), [_text(lb) for lb in labels], fontsize=8)
+        ax.set_yticks(range(len(labels)), [as_text(lb) for lb in labels], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(name)
         ax.grid(True, axis="x", alpha=0.3)
         for i, k in enumerate(labels):
             ax.annotate(f"{values[k]:,.3g}", (values[k], i), textcoords="offset points", xytext=(3, -3), fontsize=7)
     fig.suptitle("Energy efficiency (measured sensors only)")
-    return EnergyPlot(_save(fig, out), eff, per_query)
+    return EnergyPlot(save_figure(fig, out), eff, per_query)
 
 
 # ----------------------------------------------------------------------------- 8. collectives
@@ -181,12 +181,12 @@ def collectives(transports: dict[str, list[JsonObject]], out: Path) -> Collectiv
     lines: dict[str, dict[str, list[tuple[int, float]]]] = {n: {} for n in names}
     for transport, rows in transports.items():
         for r in sorted(rows, key=lambda r: r["bytes"]):
-            if r.get("collective") in lines and _num(r.get("busbw_bytes_per_s")):
+            if r.get("collective") in lines and as_number(r.get("busbw_bytes_per_s")):
                 lines[r["collective"]].setdefault(transport, []).append((int(r["bytes"]), r["busbw_bytes_per_s"] / 1e9))
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     for ax, name in zip(fig.subplots(1, 2), names, strict=True):
         for transport, points in lines[name].items():
-            ax.plot([b for b, _ in points], [g for _, g in points], marker="o", label=_text(transport))
+            ax.plot([b for b, _ in points], [g for _, g in points], marker="o", label=as_text(transport))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("bytes per rank")
@@ -196,7 +196,7 @@ def collectives(transports: dict[str, list[JsonObject]], out: Path) -> Collectiv
         if lines[name]:
             ax.legend(fontsize=8)
     fig.suptitle("Collectives compared (machine probe)")
-    return CollectivesPlot(_save(fig, out), lines)
+    return CollectivesPlot(save_figure(fig, out), lines)
 
 
 # ----------------------------------------------------------------------------- 9. machines side by side
@@ -212,7 +212,7 @@ def cost_per_bound(rows: Sequence[MachineRow], out: Path) -> CostPlot:
     """Cost per 1M inferences against the latency bound, one line per machine and model (`report.machines`)."""
     lines: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        bound, cost = _num(r.get("sla_ms")), _num(r.get("cost_per_1m_queries"))
+        bound, cost = as_number(r.get("sla_ms")), as_number(r.get("cost_per_1m_queries"))
         if bound is not None and cost is not None:
             lines.setdefault(f"{r['machine']} {r['model']}", []).append((bound, cost))
     fig = Figure(figsize=(7, 4.5), layout="constrained")
@@ -220,11 +220,11 @@ def cost_per_bound(rows: Sequence[MachineRow], out: Path) -> CostPlot:
     currency = next((r.get("currency") for r in rows if r.get("currency")), "")
     for label, points in lines.items():
         points.sort()
-        ax.plot([b for b, _ in points], [c for _, c in points], marker="o", label=_text(label))
+        ax.plot([b for b, _ in points], [c for _, c in points], marker="o", label=as_text(label))
     ax.set_xlabel("latency bound (ms, at its percentile)")
-    ax.set_ylabel(f"cost per 1M inferences ({_text(currency)}, lower is better)")
+    ax.set_ylabel(f"cost per 1M inferences ({as_text(currency)}, lower is better)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7)
     ax.set_title("Cost per 1M inferences against the latency bound, per machine")
-    return CostPlot(_save(fig, out), lines)
+    return CostPlot(save_figure(fig, out), lines)

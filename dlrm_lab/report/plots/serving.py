@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from dlrm_lab.report.plots.common import MAX_CURVES, _num, _save, _text
+from dlrm_lab.report.plots.common import MAX_CURVES, as_number, as_text, save_figure
 
 if TYPE_CHECKING:
     from dlrm_lab.report.load import ReportRow
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def _floor_line(draw: Any, label: str, floors: dict[str, float] | None, color: Any, drawn: dict[str, float]) -> None:
     """A curve's latency floor as a dotted line in its colour (`draw`: the axes' axvline or
     axhline), noted in `drawn`; nothing for a missing or non-positive floor."""
-    floor = _num((floors or {}).get(label))
+    floor = as_number((floors or {}).get(label))
     if floor is not None and floor > 0:
         drawn[label] = floor
         draw(floor, color=color, linestyle=":", linewidth=1.2)
@@ -67,7 +67,7 @@ def latency_cdf(
             keep = np.unique(np.linspace(0, len(x) - 1, max_points).astype(np.int64))
             x, y = x[keep], y[keep]
         curves[label] = (x, y)
-        (line,) = ax.step(x, y, where="post", label=_text(f"{label} (n={len(latencies[label])})"))
+        (line,) = ax.step(x, y, where="post", label=as_text(f"{label} (n={len(latencies[label])})"))
         _floor_line(ax.axvline, label, floors, line.get_color(), drawn_floors)
     if drawn_floors:
         ax.plot([], [], color="gray", linestyle=":", label="latency floor (dotted, curve's colour)")
@@ -81,7 +81,7 @@ def latency_cdf(
     ax.set_title(f"Latency CDF of completed queries{more}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    return CdfPlot(_save(fig, out), curves, list(sla_ms), left_out, drawn_floors)
+    return CdfPlot(save_figure(fig, out), curves, list(sla_ms), left_out, drawn_floors)
 
 
 # ----------------------------------------------------------------------------- 2. QPS against p99
@@ -115,12 +115,14 @@ def qps_latency(
     drawn_floors: dict[str, float] = {}
     for label in labels:
         pts = sorted(
-            (x, y) for x, y in ((_num(a), _num(b)) for a, b in series[label]) if x is not None and y is not None
+            (x, y)
+            for x, y in ((as_number(a), as_number(b)) for a, b in series[label])
+            if x is not None and y is not None
         )
         if not pts:
             continue
         drawn[label] = pts
-        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=_text(label))
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=as_text(label))
         _floor_line(ax.axhline, label, floors, line.get_color(), drawn_floors)
     if drawn_floors:
         ax.plot([], [], color="gray", linestyle=":", label="latency floor (dotted, line's colour)")
@@ -128,7 +130,7 @@ def qps_latency(
         ax.axhline(b, color="red", linestyle="--", linewidth=1.2, label=f"bound {b:g} ms")
     marked = []
     for label, qps, lat in chosen:
-        if _num(qps) is None or _num(lat) is None:
+        if as_number(qps) is None or as_number(lat) is None:
             continue
         marked.append((label, float(qps), float(lat)))
         ax.plot(
@@ -139,7 +141,7 @@ def qps_latency(
             color="gold",
             markeredgecolor="black",
             linestyle="none",
-            label=_text(f"chosen: {label}"),
+            label=as_text(f"chosen: {label}"),
         )
         ax.annotate(f"{qps:,.1f} q/s, {lat:.2f} ms", (qps, lat), textcoords="offset points", xytext=(8, 8), fontsize=8)
     ax.set_xlabel("achieved throughput (queries/s)")
@@ -149,7 +151,7 @@ def qps_latency(
     ax.set_title(f"Throughput against tail latency{more}")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    return QpsPlot(_save(fig, out), drawn, marked, list(bounds), len(series) - len(labels), drawn_floors)
+    return QpsPlot(save_figure(fig, out), drawn, marked, list(bounds), len(series) - len(labels), drawn_floors)
 
 
 # ----------------------------------------------------------------------------- 3. batching x co-location
@@ -175,7 +177,7 @@ def batching_heatmap(frontier: Sequence[ReportRow], out: Path, title: str = "") 
     matrices = {d: np.full((len(rows_key), len(cols)), np.nan) for d in delays}
     best = None
     for r in frontier:
-        v = _num(r.get("best_samples_per_s"))
+        v = as_number(r.get("best_samples_per_s"))
         i, j = rows_key.index((r["instances"], r["threads_per_instance"])), cols.index(r["max_batch"])
         matrices[r["max_delay_ms"]][i, j] = np.nan if v is None else v
         if r.get("best"):
@@ -206,8 +208,8 @@ def batching_heatmap(frontier: Sequence[ReportRow], out: Path, title: str = "") 
     axes[0].set_ylabel("instances x threads")
     if image is not None:
         fig.colorbar(image, ax=list(axes), label="best samples/s under the bound")
-    fig.suptitle(_text(title or "Latency-bounded throughput by batching and co-location"), fontsize=11)
-    return Heatmap(_save(fig, out), row_names, cols, delays, matrices, best)
+    fig.suptitle(as_text(title or "Latency-bounded throughput by batching and co-location"), fontsize=11)
+    return Heatmap(save_figure(fig, out), row_names, cols, delays, matrices, best)
 
 
 def _box(x: int, y: int) -> Any:
@@ -232,10 +234,10 @@ def latency_parts(rows: Sequence[ReportRow], parts: Sequence[str], out: Path) ->
     into `parts` (`tail_<part>_ms`, which add up to it), the point's latency floor marked on the bar."""
     from dlrm_lab.report.plots.common import MAX_BARS
 
-    rows = [r for r in rows if any(_num(r.get(f"tail_{p}_ms")) for p in parts)][:MAX_BARS]
-    ms = {p: [_num(r.get(f"tail_{p}_ms")) or 0.0 for r in rows] for p in parts}
+    rows = [r for r in rows if any(as_number(r.get(f"tail_{p}_ms")) for p in parts)][:MAX_BARS]
+    ms = {p: [as_number(r.get(f"tail_{p}_ms")) or 0.0 for r in rows] for p in parts}
     labels = [str(r.get("label", r.get("run_id"))) for r in rows]
-    floors = [_num(r.get("latency_floor_ms")) for r in rows]
+    floors = [as_number(r.get("latency_floor_ms")) for r in rows]
     fig = Figure(figsize=(max(7, 1 + 0.8 * len(rows)), 6), layout="constrained")
     ax = fig.subplots()
     x = np.arange(len(rows))
@@ -248,9 +250,9 @@ def latency_parts(rows: Sequence[ReportRow], parts: Sequence[str], out: Path) ->
     for i, f in enumerate(floors):
         if f:
             ax.hlines(f, i - 0.4, i + 0.4, colors="black", linestyles=":", linewidth=1.5)
-    ax.set_xticks(x, [_text(lb) for lb in labels], rotation=30 if len(rows) > 4 else 0, ha="right", fontsize=8)
+    ax.set_xticks(x, [as_text(lb) for lb in labels], rotation=30 if len(rows) > 4 else 0, ha="right", fontsize=8)
     ax.set_ylabel("ms (mean over the tail's queries)")
     ax.set_title("Where the tail's latency went (dotted: the latency floor)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    return LatencyParts(_save(fig, out), labels, ms, floors)
+    return LatencyParts(save_figure(fig, out), labels, ms, floors)

@@ -13,7 +13,7 @@ import pyarrow as pa
 from matplotlib.figure import Figure
 
 from dlrm_lab.metrics.columns import unit_of
-from dlrm_lab.report.plots.common import MAX_PANELS, _num, _save, _text
+from dlrm_lab.report.plots.common import MAX_PANELS, as_number, as_text, save_figure
 
 # ----------------------------------------------------------------------------- 8. sweeps
 
@@ -66,7 +66,7 @@ def sweep_medians(
     rows = table.to_pylist() if isinstance(table, pa.Table) else list(table)
     names = list(rows[0]) if rows else []
     metrics = [c[: -len("_median")] for c in names if c.endswith("_median")]
-    empty = [m for m in metrics if all(_num(r.get(f"{m}_median")) is None for r in rows)]
+    empty = [m for m in metrics if all(as_number(r.get(f"{m}_median")) is None for r in rows)]
     with_values = [m for m in metrics if m not in empty]
     drawn, left_out = with_values[:MAX_PANELS], with_values[MAX_PANELS:]
     labels = point_labels(rows)
@@ -79,9 +79,9 @@ def sweep_medians(
     step = max(1, len(rows) // 30)  # at most ~30 tick labels
     result: dict[str, dict[str, list[Any]]] = {}
     for ax, m in zip(axes, drawn, strict=False):
-        med = [_num(r.get(f"{m}_median")) for r in rows]
-        low = [_num(r.get(f"{m}_ci_low")) for r in rows]
-        high = [_num(r.get(f"{m}_ci_high")) for r in rows]
+        med = [as_number(r.get(f"{m}_median")) for r in rows]
+        low = [as_number(r.get(f"{m}_ci_low")) for r in rows]
+        high = [as_number(r.get(f"{m}_ci_high")) for r in rows]
         unstable = [bool(r.get(f"{m}_unstable")) for r in rows]
         result[m] = {"median": med, "ci_low": low, "ci_high": high, "unstable": unstable}
         y = np.array([np.nan if v is None else v for v in med])
@@ -103,12 +103,12 @@ def sweep_medians(
                 markeredgewidth=1.5,
                 label="unstable",
             )
-        ax.set_title(_text(f"{m} ({unit_of(m)})" if unit_of(m) else m), fontsize=10)
-        ax.set_xticks(x[::step], [_text(lb) for lb in labels[::step]], rotation=45, ha="right", fontsize=7)
+        ax.set_title(as_text(f"{m} ({unit_of(m)})" if unit_of(m) else m), fontsize=10)
+        ax.set_xticks(x[::step], [as_text(lb) for lb in labels[::step]], rotation=45, ha="right", fontsize=7)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     for ax in axes[len(drawn) :]:
         ax.set_visible(False)
     more = f" ({len(left_out)} more metric(s) in the table only)" if left_out else ""
-    fig.suptitle(_text((title or "Sweep") + more), fontsize=11)
-    return SweepPlot(_save(fig, out), labels, result, left_out, empty)
+    fig.suptitle(as_text((title or "Sweep") + more), fontsize=11)
+    return SweepPlot(save_figure(fig, out), labels, result, left_out, empty)
