@@ -9,8 +9,9 @@ Library API (the CLI is a thin layer over it)::
 
 from dlrm_lab.config import ModelSpec, TableSpec, available_presets, load_preset
 from dlrm_lab.errors import UserError
+from dlrm_lab.resources import lab_version
 
-__version__ = "0.1.0"
+__version__ = lab_version()
 
 
 def build_model(*args, **kwargs):  # noqa: ANN002, ANN003 - see dlrm_lab.model.build_model
@@ -23,5 +24,7 @@ def build_model(*args, **kwargs):  # noqa: ANN002, ANN003 - see dlrm_lab.model.b
 __all__ = ["ModelSpec", "TableSpec", "UserError", "available_presets", "build_model", "load_preset"]
 
 # The families' implementations register themselves with `config.family` (and their columns with the shared
-# tables) as they are imported: here, so that no room that asks the registry finds it empty.
+# tables) as they are imported, and the remote transports with `infer.targets`: here, so that no room that asks a
+# registry finds it empty.
 import dlrm_lab.families  # noqa: E402, F401
+import dlrm_lab.serve.transports  # noqa: E402, F401

@@ -78,3 +78,13 @@ def read_bounded(path: str | Path, what: str, limit: int = MAX_TEXT_BYTES) -> by
     if len(data) > limit:  # it grew while read
         raise UserError(f"{path}: more than {limit:,} bytes, more than any {what} holds")
     return data
+
+
+def lab_version() -> str:
+    """This package's version as installed (its metadata: one place, pyproject.toml), for what the servers report."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dlrm-lab")
+    except PackageNotFoundError:  # a source tree on the path, never installed
+        return "0+unknown"

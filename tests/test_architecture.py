@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "dlrm_lab"
@@ -150,3 +151,21 @@ def test_no_private_name_is_imported_across_modules():
                 crossing += [f"{path.relative_to(ROOT.parent)}: {node.module}.{a.name}" for a in node.names
                              if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
     assert crossing == []
+
+
+def test_no_room_reaches_the_package_root_or_names_a_module_by_string():
+    """The package root stands above every room (it imports the registrations): a room importing a name from it, or
+    naming another module as "module:function" for importlib, is a dependency the graph above cannot see (issue 58)."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "dlrm_lab":
+                found += [f"{path.name}: from dlrm_lab import {a.name}" for a in node.names
+                          if not (ROOT / a.name).exists() and not (ROOT / f"{a.name}.py").exists()]  # fmt: skip
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(r"dlrm_lab(\.\w+)+:\w+", node.value):
+                    found.append(f"{path.name}: {node.value!r}")
+    assert found == []

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import types
 
 import duckdb
 import pyarrow as pa
@@ -294,28 +293,25 @@ def test_a_kind_registers_its_own_recovery_and_the_run_layer_imports_no_kind(tmp
     assert manifest["status"] == "failed" and rebuilt and seen == [(dead["probed"], "probed")]
     manifest, rebuilt = runs.recover_run_and_summary(dead["other"])  # no kind registered: merged and marked only
     assert manifest["status"] == "failed" and not rebuilt and len(seen) == 1
-    # by name: imported only when a run of the kind is recovered; a name never replaces a registered function
-    monkeypatch.setitem(sys.modules, "named_recovery", None)  # importing it now would fail
-    runs.register_recovery("named", "named_recovery:recover")
-    runs.register_recovery("probed", "named_recovery:recover")
-    assert runs._RECOVERIES == {"probed": runs._RECOVERIES["probed"], "named": "named_recovery:recover"}
-    assert callable(runs._RECOVERIES["probed"])
-    named = types.ModuleType("named_recovery")
-    named.recover = lambda run_dir, manifest: seen.append((run_dir, manifest["kind"])) or "written"
-    monkeypatch.setitem(sys.modules, "named_recovery", named)
-    created = Run.create(tmp_path, kind="named", config={})
-    created.update_manifest(pid=_dead_pid())
-    manifest, rebuilt = runs.recover_run_and_summary(created.dir)
-    assert rebuilt and seen[-1] == (created.dir, "named")
+    # the sweep's CLI registers training's as a function that imports training only when a dead point is met
+    from dlrm_lab.cli import sweep as sweep_cli
+
+    with monkeypatch.context() as blocked:
+        blocked.setitem(sys.modules, "dlrm_lab.train.records", None)  # importing it now fails
+        runs.register_recovery("train", sweep_cli._recovered_training_summary)  # registered without importing it
+        with pytest.raises(ImportError):  # called, it imports training
+            runs._RECOVERIES["train"](tmp_path, {"kind": "train"})
 
     import dlrm_lab.train.records as records  # the training kind registers itself where it is defined
 
     monkeypatch.undo()
     assert runs._RECOVERIES["train"] is records.recovered_summary
-    # the run directories and the launcher below them load no run kind (train, infer)
+    # the run directories and the launcher below them load no run kind (train, infer): only the transports' registry
+    # (infer.targets, torch- and gRPC-free), which the package root fills
     code = (
         "import sys, dlrm_lab.metrics.run, dlrm_lab.distributed.elastic; "
-        "print([m for m in sys.modules if m.startswith(('dlrm_lab.train', 'dlrm_lab.infer'))])"
+        "print([m for m in sys.modules if m.startswith(('dlrm_lab.train', 'dlrm_lab.infer'))"
+        " and m not in ('dlrm_lab.infer', 'dlrm_lab.infer.targets')])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

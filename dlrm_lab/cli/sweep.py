@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -32,7 +32,7 @@ def sweep_command(
     from dlrm_lab.sweep.grid import load_spec, point_args
     from dlrm_lab.sweep.run import run_sweep
 
-    register_recovery("train", "dlrm_lab.train.records:recovered_summary")  # a dead training point's summary
+    register_recovery("train", _recovered_training_summary)  # a dead training point's summary
 
     raise_on_sigterm()
     spec = load_spec(grid, repeats=repeats, out=out)
@@ -75,3 +75,10 @@ def sweep_command(
     )
     if result.failed:
         raise typer.Exit(1)
+
+
+def _recovered_training_summary(run_dir: Any, manifest: Any) -> Any:
+    """Training's recovery, its module (torch) imported only when a dead training point is met."""
+    from dlrm_lab.train.records import recovered_summary
+
+    return recovered_summary(run_dir, manifest)

@@ -10,15 +10,15 @@
                          any Open Inference Protocol (KServe v2) HTTP/REST server, as kserve:// (`serve.rest_remote`:
                          binary tensors where the server lists Triton's binary_tensor_data extension, else JSON).
 
-A transport is one opener in `TRANSPORTS`, named "module:function" (imported only when its scheme is
-used: the in-process runner never loads gRPC). An opener takes the parsed target, the served models
-(names, presets, sample libraries) and the connection options, and returns a context manager giving
-a `SystemUnderTest` whose `describe()` says what it knows of each model (`infer.sut.ModelDescription`).
+A transport is one opener registered in `TRANSPORTS` under its scheme (`register_transport`): the remote ones from
+above, by `serve.transports`, which imports gRPC only when their scheme is used (the in-process runner never loads
+it). An opener takes the parsed target, the served models (names, presets, sample libraries) and the connection
+options, and returns a context manager giving a `SystemUnderTest` whose `describe()` says what it knows of each model
+(`infer.sut.ModelDescription`).
 """
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
 import socket
 from collections.abc import Callable
@@ -29,15 +29,19 @@ from typing import Any
 from dlrm_lab.errors import FieldError
 
 IN_PROCESS = "in-process"
-TRANSPORTS: dict[str, str] = {
-    IN_PROCESS: "dlrm_lab.infer.targets:open_in_process",
-    "grpc": "dlrm_lab.serve.connect:open_lab_server",
-    "kserve": "dlrm_lab.serve.connect:open_inference_server",
-    "http": "dlrm_lab.serve.rest_remote:open_rest_server",
-}
-# the RPC kinds each remote scheme speaks, first default (http://: chosen by the server's extensions)
-RPC_OF = {"grpc": ("stream", "unary"), "kserve": ("oip",), "http": ("rest", "rest-json")}
-NAMED_MODEL = ("kserve", "http")  # schemes whose URL may name the served model
+Opener = Callable[..., AbstractContextManager]
+TRANSPORTS: dict[str, Opener] = {}  # remote scheme -> its opener
+RPC_OF: dict[str, tuple[str, ...]] = {}  # the RPC kinds each remote scheme speaks, its default first
+NAMED_MODEL: list[str] = []  # schemes whose URL may name the served model
+URL_FORMS: dict[str, str] = {IN_PROCESS: IN_PROCESS}  # each scheme's URL, as the refusal of a bad one lists them
+
+
+def register_transport(scheme: str, opener: Opener, rpcs: tuple[str, ...], names_model: bool = False) -> None:
+    """Serve `scheme://HOST:PORT[/MODEL]` targets with `opener`, speaking `rpcs` (the first by default)."""
+    TRANSPORTS[scheme], RPC_OF[scheme] = opener, rpcs
+    if names_model and scheme not in NAMED_MODEL:
+        NAMED_MODEL.append(scheme)
+    URL_FORMS[scheme] = f"{scheme}://HOST:PORT" + ("[/MODEL]" if names_model else "")
 
 
 @dataclass(frozen=True)
@@ -81,18 +85,20 @@ class Connection:
 
 def parse_target(url: str) -> Target:
     """`url` as a Target; a bad one is one line naming it and what is allowed."""
-    allowed = f"{IN_PROCESS}, grpc://HOST:PORT, kserve://HOST:PORT[/MODEL] or http://HOST:PORT[/MODEL]"
+    forms = list(URL_FORMS.values())
+    allowed = f"{', '.join(forms[:-1])} or {forms[-1]}" if len(forms) > 1 else forms[0]
     if url in (IN_PROCESS, ""):
         return Target(IN_PROCESS, IN_PROCESS)
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in TRANSPORTS or scheme == IN_PROCESS:
+    if not sep or scheme not in TRANSPORTS:
         raise FieldError("target", f"{url!r}: allowed: {allowed}")
     address, _, model = rest.partition("/")
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise FieldError("target", f"{url!r}: expected {scheme}://HOST:PORT (a port in 1-65535)")
     if model and scheme not in NAMED_MODEL:
-        raise FieldError("target", f"{url!r}: only a kserve:// or http:// target names its model in the URL")
+        named = " or ".join(f"{s}://" for s in NAMED_MODEL)
+        raise FieldError("target", f"{url!r}: only a {named} target names its model in the URL")
     return Target(url, scheme, address, model or None)
 
 
@@ -120,11 +126,9 @@ def check_remote_models(target: Target, models: list[Any]) -> None:
 def open_target(target: Target, models: list[Any], conn: Connection, **in_process: Any) -> AbstractContextManager:
     """The system under test at `target` for `models` (infer.served.ServedModel: their names, presets and
     sample libraries; in process also how to serve them, with `in_process` the server's own options)."""
-    module, _, name = TRANSPORTS[target.scheme].partition(":")
-    opener: Callable[..., AbstractContextManager] = getattr(importlib.import_module(module), name)
     if target.remote:
-        return opener(target, models, conn)
-    return opener(target, models, conn, **in_process)
+        return TRANSPORTS[target.scheme](target, models, conn)
+    return open_in_process(target, models, conn, **in_process)
 
 
 def open_in_process(target: Target, models: list[Any], conn: Connection, **options: Any) -> AbstractContextManager:

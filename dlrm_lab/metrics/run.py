@@ -8,7 +8,6 @@ recognisable as one still `running` with no live process.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import secrets
@@ -375,15 +374,13 @@ def pid_alive(pid: int | None) -> bool:
 # parts are merged, and returns None when there was nothing to write. The module that owns the kind registers it
 # (training: `train.records`); this module knows no kind.
 Recovery = Callable[[Path, JsonObject], Any]
-_RECOVERIES: dict[str, Recovery | str] = {}
+_RECOVERIES: dict[str, Recovery] = {}
 
 
-def register_recovery(kind: str, recover: Recovery | str) -> None:
-    """`recover`, or its name "module:function", imported only when a run of `kind` needs recovering: a caller that
-    may meet such a run (a sweep) need not load the kind's module (training's: torch, seconds) to start. A name never
-    replaces the function the kind's own module registered."""
-    if isinstance(recover, str) and callable(_RECOVERIES.get(kind)):
-        return
+def register_recovery(kind: str, recover: Recovery) -> None:
+    """`recover` rebuilds what a dead run of `kind` did not write. A caller that may meet such a run (a sweep) but
+    should not load the kind's module to start (training's: torch, seconds) registers a function that imports it
+    when called."""
     _RECOVERIES[kind] = recover
 
 
@@ -392,9 +389,6 @@ def recover_run_and_summary(run_dir: Path) -> tuple[JsonObject, bool]:
     it died before writing, rebuilt from its steps). (manifest, something rebuilt)."""
     manifest = recover_run(run_dir)
     recover = _RECOVERIES.get(str(manifest.get("kind")))
-    if isinstance(recover, str):
-        module, _, name = recover.partition(":")
-        recover = getattr(importlib.import_module(module), name)
     return manifest, recover is not None and recover(Path(run_dir), manifest) is not None
 
 

@@ -33,6 +33,7 @@ from google.protobuf.message import DecodeError
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.resources import lab_version
 from dlrm_lab.serve.protocol import (
     OPEN_INFERENCE_SERVICE,
     SCORE_DTYPE,
@@ -114,9 +115,7 @@ class OpenInferenceService:
         return v2.ModelReadyResponse(ready=request.name in self.models and self.service.failure is None)
 
     async def server_metadata(self, request: Any, context: Any) -> Any:
-        from dlrm_lab import __version__
-
-        return v2.ServerMetadataResponse(name="dlrm-lab", version=__version__, extensions=EXTENSIONS)
+        return v2.ServerMetadataResponse(name="dlrm-lab", version=lab_version(), extensions=EXTENSIONS)
 
     async def _model(self, name: str, version: str, context: Any) -> ServedModel:
         try:

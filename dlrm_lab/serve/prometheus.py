@@ -29,6 +29,7 @@ from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Stall
 from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.metrics.run import Run
+from dlrm_lab.resources import lab_version
 
 # ms-scale serving: 0.1 ms (a small batch's compute) to 10 s (a query waiting out a stall); seconds, Prometheus's unit
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -203,8 +204,6 @@ class _StateCollector(Collector):
         self.inference = inference
 
     def collect(self) -> Iterator[Metric]:
-        from dlrm_lab import __version__
-
         states = self.inference.instance_states()
         gauges = {
             "alive": GaugeMetricFamily("dlrm_lab_instances_alive", "Instances started and not lost.", labels=["model"]),
@@ -222,7 +221,7 @@ class _StateCollector(Collector):
             for key, gauge in gauges.items():
                 gauge.add_metric([name], getattr(state, key))
             m = self.inference.models[name]
-            info.add_metric([name, m.spec.name, m.build, m.precision, m.table_precision, __version__],
+            info.add_metric([name, m.spec.name, m.build, m.precision, m.table_precision, lab_version()],
                             {"threads": str(m.threads), "max_batch": str(m.max_batch)})  # fmt: skip
         yield from gauges.values()
         yield info

@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from dlrm_lab.resources import lab_version
 from dlrm_lab.serve.open_inference import EXTENSIONS, OpenInferenceService
 from dlrm_lab.serve.protocol import SCORE_DTYPE, Refused, echoed
 from dlrm_lab.serve.rest_body import BodyFile, parse_body_file, read_body, remove_dead_bodies, whole_number
@@ -283,9 +284,7 @@ class RestFront:
         if route == "ready":
             return _json(200 if ready else 503, {"ready": ready})
         if route == "server":
-            from dlrm_lab import __version__
-
-            return _json(200, {"name": "dlrm-lab", "version": __version__, "extensions": REST_EXTENSIONS})
+            return _json(200, {"name": "dlrm-lab", "version": lab_version(), "extensions": REST_EXTENSIONS})
         if route == "stats" and not name:
             return _json(200, _numbers(self.v2.statistics()))
         try:
