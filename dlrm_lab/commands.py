@@ -34,8 +34,10 @@ from dlrm_lab.serve.options import CLIENT_CHANGES, ClientOptions, ServeOptions
 # Options of the command line only: where results go and how progress shows.
 CLI_ONLY = frozenset({"metrics_dir", "progress"})
 # ... as words a command line may give (`cli.options` declares them for Typer): a library parser reads them too
-_CLI_WORDS = [Declared(object, "metrics_dir", "metrics_dir", str, "runs", "Directory that receives the run directory."),
-              Declared(object, "progress", "progress", bool, True, "Show a progress bar.")]  # fmt: skip
+_CLI_WORDS = [
+    Declared(object, "metrics_dir", "metrics_dir", str, "runs", "Directory that receives the run directory."),
+    Declared(object, "progress", "progress", bool, True, "Show a progress bar."),
+]
 
 TRAIN: list[Declared] = [*options_of(PresetChoice), *options_of(TrainConfig)]
 INFER_RUN: list[Declared] = [
@@ -58,7 +60,7 @@ INFER_BUILDS: list[Declared] = [
     *options_of(
         ServingOptions,
         only=("threads", "precision", "table_precision", "data_spec", "checkpoint", "table_scale", "max_rows"),
-    ),  # fmt: skip
+    ),
     *options_of(InferConfig, only=("seed",)),
 ]
 # The served models as `infer run` takes them, behind a gRPC front of their own
@@ -74,16 +76,51 @@ CLIENT: list[Declared] = [
     *options_of(LoadOptions, only=("arrival",)),
     *options_of(InferConfig, only=(*CLIENT_CHANGES, "percentile", "max_issue_lag_ms"), **CLIENT_CHANGES),
 ]
-COMMANDS = {"train": TRAIN, "infer run": INFER_RUN, "infer search": INFER_SEARCH, "infer builds": INFER_BUILDS,
-            "serve": SERVE, "client": CLIENT}  # fmt: skip
+COMMANDS = {
+    "train": TRAIN,
+    "infer run": INFER_RUN,
+    "infer search": INFER_SEARCH,
+    "infer builds": INFER_BUILDS,
+    "serve": SERVE,
+    "client": CLIENT,
+}
 # Every config field a command line sets, by the flag that sets it (`timeout_s`: --timeout)
-_CONFIGS = (PresetChoice, TrainConfig, LoadOptions, InferConfig, ServingOptions, SearchSpace, SearchOptions,
-            BuildTableOptions, ServeOptions, ClientOptions)  # fmt: skip
+_CONFIGS = (
+    PresetChoice,
+    TrainConfig,
+    LoadOptions,
+    InferConfig,
+    ServingOptions,
+    SearchSpace,
+    SearchOptions,
+    BuildTableOptions,
+    ServeOptions,
+    ClientOptions,
+)
 # What the library names by field of the commands whose options are not declared yet (`data gen`, `launch`,
 # `scale`, `compare`, `machine`, `report`) and of the command line alone (`--metrics-dir`): each is --field-name
-_UNDECLARED = ("metrics_dir", "out", "rows", "shards", "format", "spec", "window", "launcher", "nproc", "nnodes",
-               "rdzv_endpoint", "mode", "ranks", "project", "threshold", "by_machine", "base_machine",
-               "instance_type", "catalogue", "comms_only")  # fmt: skip
+_UNDECLARED = (
+    "metrics_dir",
+    "out",
+    "rows",
+    "shards",
+    "format",
+    "spec",
+    "window",
+    "launcher",
+    "nproc",
+    "nnodes",
+    "rdzv_endpoint",
+    "mode",
+    "ranks",
+    "project",
+    "threshold",
+    "by_machine",
+    "base_machine",
+    "instance_type",
+    "catalogue",
+    "comms_only",
+)
 FLAGS = {f: "--" + f.replace("_", "-") for f in _UNDECLARED} | {
     d.field: d.flag for config in _CONFIGS for d in options_of(config)
 }
@@ -147,8 +184,15 @@ def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, Inf
         for m in served:
             family_of(m.spec).check_served(replace(m, keep_warm_ms=KEEP_WARM_PROBE_MS))
     load = build(LoadOptions, INFER_RUN, o).plan(served)
-    cfg = build(InferConfig, INFER_RUN, o, sla_ms=load.streams[0].sla_ms, qps_auto=load.qps_auto,
-                sla_auto=load.sla_auto, tune=tuple(tune))  # fmt: skip
+    cfg = build(
+        InferConfig,
+        INFER_RUN,
+        o,
+        sla_ms=load.streams[0].sla_ms,
+        qps_auto=load.qps_auto,
+        sla_auto=load.sla_auto,
+        tune=tuple(tune),
+    )
     return served, load, cfg
 
 

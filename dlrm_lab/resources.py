@@ -47,9 +47,13 @@ def find_preset(kind: str, name_or_path: str | Path, what: str) -> Path:
 
 
 def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO, which may never end"),
-                       (stat.S_ISCHR, "a character device, which may never end"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):  # fmt: skip
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO, which may never end"),
+        (stat.S_ISCHR, "a character device, which may never end"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return kind
     return "not a regular file"

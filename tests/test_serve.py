@@ -1290,7 +1290,7 @@ def test_a_refused_request_declaring_an_absurd_size_is_recorded_without_its_size
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.tables import TableWriter
     from dlrm_lab.serve.protocol import Refused
-    from dlrm_lab.serve.server import InferenceService
+    from dlrm_lab.serve.service import InferenceService
 
     inference = types.SimpleNamespace(models={}, epoch_ns=time.monotonic_ns(), take_records=list, take_stalls=list)
     service = InferenceService(inference)

@@ -292,7 +292,7 @@ def _front(max_body: int | None = None):
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.serve.open_inference import OpenInferenceService
     from dlrm_lab.serve.rest import RestFront
-    from dlrm_lab.serve.server import InferenceService
+    from dlrm_lab.serve.service import InferenceService
 
     inference = types.SimpleNamespace(models={"tiny": ServedModel("tiny", load_preset("tiny"))}, seed=0,
                                       epoch_ns=time.monotonic_ns(), take_records=list,

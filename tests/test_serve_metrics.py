@@ -17,7 +17,7 @@ from dlrm_lab.infer.completions import InstanceStates
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Stall
 from dlrm_lab.serve.prometheus import ServingMetrics
-from dlrm_lab.serve.server import InferenceService
+from dlrm_lab.serve.service import InferenceService
 
 
 class FakeInference:

@@ -44,7 +44,7 @@ def compare_command(
             help="Compare the runs under BASE machine by machine (their hardware "
             "fingerprints): each machine against the base machine.",
         ),
-    ] = False,  # fmt: skip
+    ] = False,
     base_machine: Annotated[
         Optional[str],
         typer.Option(help="--by-machine: the base machine (a fingerprint prefix; default: the oldest run's)."),
@@ -72,8 +72,11 @@ def compare_command(
             raise UserError("give BASE and NEW, or one path with --by-machine")
         results = [compare(base, new, threshold=threshold)]
     if as_json:  # by machine, each row says which comparison it is of
-        rows = [{**({"base": str(r.base), "new": str(r.new)} if by_machine else {}), **row.to_dict()}
-                for r in results for row in r.rows]  # fmt: skip
+        rows = [
+            {**({"base": str(r.base), "new": str(r.new)} if by_machine else {}), **row.to_dict()}
+            for r in results
+            for row in r.rows
+        ]
         typer.echo(json.dumps(rows, indent=2))
         for note in dict.fromkeys(n for r in results for n in r.notes):
             typer.echo(f"note: {note}", err=True)

@@ -71,8 +71,9 @@ def gen(
     if rows < 1:
         raise UserError(f"--rows {rows}: must be an integer >= 1")
     model = load_any_preset(preset, table_scale=table_scale, max_rows=max_rows)
-    writer = family_of(model).dataset_writer(model, rows=rows, shards=shards, seed=seed, fmt=fmt, data_spec=spec,
-                                             overrides=tuple(set_ or ()), window=window)  # fmt: skip
+    writer = family_of(model).dataset_writer(
+        model, rows=rows, shards=shards, seed=seed, fmt=fmt, data_spec=spec, overrides=tuple(set_ or ()), window=window
+    )
     console(stderr=True).print(writer.headline)
     with _progress() as bar:
         task = bar.add_task("gen", total=writer.rows)
@@ -172,11 +173,19 @@ def convert_yambda_command(
                 raise UserError(f"--preset {preset}: not an HSTU preset (its [data] max_history bounds the histories)")
             max_history = model.data.max_history
     options = YambdaOptions(
-        window_s=window_s, timestamp_unit_s=timestamp_unit_s, max_history=max_history,
-        max_candidates=max_candidates, min_history=min_history, listen_plus_pct=listen_plus_pct,
-        like_is_positive=like_is_positive, first_window=first_window, last_window=last_window, unmapped=unmapped,
-        batch_rows=batch_rows, chunk_events=chunk_events,
-    )  # fmt: skip
+        window_s=window_s,
+        timestamp_unit_s=timestamp_unit_s,
+        max_history=max_history,
+        max_candidates=max_candidates,
+        min_history=min_history,
+        listen_plus_pct=listen_plus_pct,
+        like_is_positive=like_is_positive,
+        first_window=first_window,
+        last_window=last_window,
+        unmapped=unmapped,
+        batch_rows=batch_rows,
+        chunk_events=chunk_events,
+    )
     try:
         with progress(unit="events") as bar:
             task = bar.add_task("convert", total=None)

@@ -38,9 +38,15 @@ def run_command(options: OptionValues) -> None:
     raise_on_sigterm()
     out = console(stderr=True)
     points = 1 + (n if n > 1 and cfg.compare_alone else 0)
-    bar = progress_display("point {task.fields[point]}", "{task.fields[queries]:,} queries", unit="s of load",
-                           rate=False, to=out, enabled=options["progress"],
-                           refresh_per_second=_REFRESH_PER_S)  # fmt: skip
+    bar = progress_display(
+        "point {task.fields[point]}",
+        "{task.fields[queries]:,} queries",
+        unit="s of load",
+        rate=False,
+        to=out,
+        enabled=options["progress"],
+        refresh_per_second=_REFRESH_PER_S,
+    )
     task = bar.add_task("infer", total=points * cfg.duration_s, point=f"1/{points}", queries=0)
 
     def on_progress(p: PointProgress) -> None:
@@ -49,9 +55,14 @@ def run_command(options: OptionValues) -> None:
 
     with say_interrupted(out), bar:
         run_dir = run_inference(
-            served, streams, cfg, metrics_dir=options["metrics_dir"], argv=["dlrm-lab", *sys.argv[1:]],
-            log=lambda msg: out.print(msg, highlight=False), on_progress=on_progress,
-        )  # fmt: skip
+            served,
+            streams,
+            cfg,
+            metrics_dir=options["metrics_dir"],
+            argv=["dlrm-lab", *sys.argv[1:]],
+            log=lambda msg: out.print(msg, highlight=False),
+            on_progress=on_progress,
+        )
     invalid, stopped = _print_points(run_dir)
     console().print(f"run directory: {run_dir}")
     if stopped:  # the load was not what was asked: the numbers must not pass for it
@@ -59,8 +70,12 @@ def run_command(options: OptionValues) -> None:
         raise typer.Exit(1)
     if invalid:  # a failed verdict fails the command, as a regression fails `compare`: scripts gate on it
         reasons = "; ".join(f"{model}: {why}" if why else model for model, why in invalid)
-        out.print(f"error: MLPerf LoadGen's verdict is INVALID for {reasons} (LoadGen's summary: "
-                  f"{run_dir}/loadgen/point-*/mlperf_log_summary.txt)", highlight=False, soft_wrap=True)  # fmt: skip
+        out.print(
+            f"error: MLPerf LoadGen's verdict is INVALID for {reasons} (LoadGen's summary: "
+            f"{run_dir}/loadgen/point-*/mlperf_log_summary.txt)",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1)
 
 
@@ -108,8 +123,14 @@ def search_command(options: OptionValues) -> None:
     base, stream, grid, cfg, probing = search_setup(options)
     raise_on_sigterm()
     out = console(stderr=True)
-    bar = progress_display("{task.fields[probe]}", unit="probe points", rate=False, to=out,
-                           enabled=options["progress"], refresh_per_second=_REFRESH_PER_S)  # fmt: skip
+    bar = progress_display(
+        "{task.fields[probe]}",
+        unit="probe points",
+        rate=False,
+        to=out,
+        enabled=options["progress"],
+        refresh_per_second=_REFRESH_PER_S,
+    )
     task = bar.add_task("search", total=None, probe="")
 
     def on_progress(p: PointProgress) -> None:
@@ -118,9 +139,17 @@ def search_command(options: OptionValues) -> None:
         bar.update(task, completed=p.point + p.finished, probe=probe)
 
     with say_interrupted(out), bar:
-        run_dir = search(base, stream, grid, cfg, probing, metrics_dir=options["metrics_dir"],
-                         argv=["dlrm-lab", *sys.argv[1:]], log=lambda msg: out.print(msg, highlight=False),
-                         on_progress=on_progress)  # fmt: skip
+        run_dir = search(
+            base,
+            stream,
+            grid,
+            cfg,
+            probing,
+            metrics_dir=options["metrics_dir"],
+            argv=["dlrm-lab", *sys.argv[1:]],
+            log=lambda msg: out.print(msg, highlight=False),
+            on_progress=on_progress,
+        )
     rows = pq.read_table(run_dir / "frontier.parquet").to_pylist()
     percentile, sla_ms = cfg.sla_percentile, cfg.sla_ms
     table = Table(
@@ -147,9 +176,11 @@ def _answer(frontier: list[dict[str, str | float | bool | None]], percentile: fl
         return f"answer: {best['best_qps']:,.1f} queries/s under {bound}, not certified (--certify-duration 0)"
     if not best["certified_qps"]:
         return f"answer: no certified rate under {bound} ({claimed}; {best['outcome']})"
-    return (f"answer: {best['certified_qps']:,.1f} queries/s ({best['certified_samples_per_s']:,.0f} samples/s) "
-            f"under {bound}, certified by a {best['certify_s']:g} s MLPerf LoadGen Server run "
-            f"({best['certified_result']}; {claimed})")  # fmt: skip
+    return (
+        f"answer: {best['certified_qps']:,.1f} queries/s ({best['certified_samples_per_s']:,.0f} samples/s) "
+        f"under {bound}, certified by a {best['certify_s']:g} s MLPerf LoadGen Server run "
+        f"({best['certified_result']}; {claimed})"
+    )
 
 
 @app.command("builds")
@@ -162,20 +193,43 @@ def builds_command(options: OptionValues) -> None:
 
     served, table, seed = builds_setup(options)
     out = console(stderr=True)
-    rows = compare_builds(served, builds=table.build_list(), sizes=table.size_list(), repeats=table.repeats,
-                          seed=seed, log=lambda msg: out.print(msg, highlight=False))  # fmt: skip
+    rows = compare_builds(
+        served,
+        builds=table.build_list(),
+        sizes=table.size_list(),
+        repeats=table.repeats,
+        seed=seed,
+        log=lambda msg: out.print(msg, highlight=False),
+    )
     sizes = table.size_list()
-    view = Table(title=f"{served.name}: serving builds on this machine ({served.threads} thread"
-                 f"{'s' if served.threads != 1 else ''})")  # fmt: skip
-    for col in ("build", "computes in", *[f"{n} ms" for n in sorted(set(sizes))], "ms/batch", "us/sample",
-                "of roof", "AUC kept", "accuracy"):  # fmt: skip
+    view = Table(
+        title=f"{served.name}: serving builds on this machine ({served.threads} thread"
+        f"{'s' if served.threads != 1 else ''})"
+    )
+    for col in (
+        "build",
+        "computes in",
+        *[f"{n} ms" for n in sorted(set(sizes))],
+        "ms/batch",
+        "us/sample",
+        "of roof",
+        "AUC kept",
+        "accuracy",
+    ):
         view.add_column(col, justify="left" if col in ("build", "computes in", "accuracy") else "right")
     for r in rows:
         if r.get("skipped"):
             view.add_row(r["build"], "-", *["-"] * len(set(sizes)), "-", "-", "-", "-", f"not made: {r['skipped']}")
             continue
         roof = "-" if r["fraction_of_roof"] is None else f"{r['fraction_of_roof']:.2f}"
-        view.add_row(r["build"], r["precision"], *[f"{r['batch_ms'][n]:.3f}" for n in sorted(set(sizes))],
-                     f"{r['per_batch_ms']:.3f}", f"{r['per_sample_us']:.2f}", roof, f"{r['auc_kept']:.4%}",
-                     ("pass" if r["accuracy_passed"] else "FAIL") + f" ({r['labels']} labels)")  # fmt: skip
+        view.add_row(
+            r["build"],
+            r["precision"],
+            *[f"{r['batch_ms'][n]:.3f}" for n in sorted(set(sizes))],
+            f"{r['per_batch_ms']:.3f}",
+            f"{r['per_sample_us']:.2f}",
+            roof,
+            f"{r['auc_kept']:.4%}",
+            ("pass" if r["accuracy_passed"] else "FAIL") + f" ({r['labels']} labels)",
+        )
     console().print(view)

@@ -55,10 +55,21 @@ def launch_command(
                 raise UserError(f"the pods' command {shlex.join(inner)!r}: {exc}") from None
         try:
             text = emit_manifests(
-                emit, list(ctx.args), launcher, kind=kind, image=image, name=name, namespace=namespace, nnodes=nnodes,
-                nproc=nproc, gpus=gpus, cpu=cpu, memory=memory, metrics_volume=metrics_volume,
+                emit,
+                list(ctx.args),
+                launcher,
+                kind=kind,
+                image=image,
+                name=name,
+                namespace=namespace,
+                nnodes=nnodes,
+                nproc=nproc,
+                gpus=gpus,
+                cpu=cpu,
+                memory=memory,
+                metrics_volume=metrics_volume,
                 rdzv_endpoint=rdzv_endpoint,
-            )  # fmt: skip
+            )
         except FieldError as exc:  # every field here is one of this command's flags
             raise UserError(exc.named(lambda field: "--" + field.replace("_", "-"))) from None
         if out is None:

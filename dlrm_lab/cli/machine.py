@@ -53,8 +53,15 @@ def probe_command(
 
     if not (math.isfinite(timeout) and timeout > 0):
         raise UserError(f"--timeout {timeout:g}: must be a finite number of seconds above 0")
-    outcome = run_probe(quick=quick, device=device, comms_only=comms_only, timeout_s=timeout, if_missing=if_missing,
-                        force=force, log=console().print)  # fmt: skip
+    outcome = run_probe(
+        quick=quick,
+        device=device,
+        comms_only=comms_only,
+        timeout_s=timeout,
+        if_missing=if_missing,
+        force=force,
+        log=console().print,
+    )
     if outcome.refused:
         console(stderr=True).print(f"error: {outcome.refused}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
@@ -82,16 +89,20 @@ def show_command(
     profile = load_profile(fingerprint)
     if profile is None:
         which = fingerprint or "this machine"
-        raise UserError(f"no machine profile for {which} (looked for {profile_path(fingerprint or '<id>').parent}); "
-                        "run 'dlrm-lab machine probe'")  # fmt: skip
+        raise UserError(
+            f"no machine profile for {which} (looked for {profile_path(fingerprint or '<id>').parent}); "
+            "run 'dlrm-lab machine probe'"
+        )
     if as_json:
         typer.echo(json.dumps(profile, indent=2))
         return
     out = console()
     hw = profile.get("hardware", {})
     quick = " (quick)" if profile.get("quick") else ""
-    out.print(f"machine {profile['fingerprint_id']}: {hw.get('cpu_model')}, {hw.get('logical_cores')} cores, "
-              f"probed {profile.get('probed_at')}{quick}")  # fmt: skip
+    out.print(
+        f"machine {profile['fingerprint_id']}: {hw.get('cpu_model')}, {hw.get('logical_cores')} cores, "
+        f"probed {profile.get('probed_at')}{quick}"
+    )
     if load := profile.get("load"):
         out.print(f"while probing: {load['why']}" + ("" if load["trusted"] else " (not trusted)"), highlight=False)
     if price := stored_price(profile):
@@ -116,30 +127,52 @@ def show_command(
     for label, p in rows:
         g = p.get("gemm_flops_per_s", {})
         table.add_row(
-            label, _gb(g.get("fp32")), _gb(g.get("bf16")), _gb(g.get("fp16")), _gb(g.get("tf32")),
-            _gb(p.get("memory_bytes_per_s")), _gb(p.get("gather_bytes_per_s")), _gb(p.get("h2d_bytes_per_s")),
-        )  # fmt: skip
+            label,
+            _gb(g.get("fp32")),
+            _gb(g.get("bf16")),
+            _gb(g.get("fp16")),
+            _gb(g.get("tf32")),
+            _gb(p.get("memory_bytes_per_s")),
+            _gb(p.get("gather_bytes_per_s")),
+            _gb(p.get("h2d_bytes_per_s")),
+        )
     out.print(table)
     for label, p in rows:  # the gather on both page sizes, and its row ceiling (`metrics.device_peaks`)
         pages, line_rows = p.get("gather_pages") or {}, p.get("gather_rows_per_s")
         if pages or line_rows:
             huge = pages.get("huge_bytes_per_s")
-            out.print(f"gather {label}: " + "; ".join(filter(None, [
-                pages and f"{_gb(pages.get('base_bytes_per_s'))} GB/s on 4 KiB pages, "
-                + (f"{_gb(huge)} on 2 MiB" if huge else f"2 MiB not measured ({pages.get('huge_error')})"),
-                line_rows and f"{line_rows / 1e6:,.1f} M rows/s of 64 bytes",
-            ])))  # fmt: skip
+            out.print(
+                f"gather {label}: "
+                + "; ".join(
+                    filter(
+                        None,
+                        [
+                            pages
+                            and f"{_gb(pages.get('base_bytes_per_s'))} GB/s on 4 KiB pages, "
+                            + (f"{_gb(huge)} on 2 MiB" if huge else f"2 MiB not measured ({pages.get('huge_error')})"),
+                            line_rows and f"{line_rows / 1e6:,.1f} M rows/s of 64 bytes",
+                        ],
+                    )
+                )
+            )
     ceiling = (profile.get("devices", {}).get("cpu") or {}).get("ceiling") or {}
     for n, entry in sorted(ceiling.items(), key=lambda kv: int(kv[0])):
-        out.print(f"ceiling: {n} pinned processes at once reach {entry['gemm']['efficiency']:.0%} of {n} x one alone "
-                  f"(GEMM), {entry['copy']['efficiency']:.0%} (copy)")  # fmt: skip
+        out.print(
+            f"ceiling: {n} pinned processes at once reach {entry['gemm']['efficiency']:.0%} of {n} x one alone "
+            f"(GEMM), {entry['copy']['efficiency']:.0%} (copy)"
+        )
     for key, rows_ in profile.get("comms", {}).items():
         comm = Table(title=f"collectives {key}")
         for col in ("collective", "bytes/rank", "time ms", "algbw GB/s", "busbw GB/s"):
             comm.add_column(col, justify="left" if col == "collective" else "right")
         for r in rows_:
-            comm.add_row(r["collective"], f"{r['bytes']:,}", f"{r['time_ms']:.3f}", _gb(r["algbw_bytes_per_s"]),
-                         _gb(r["busbw_bytes_per_s"]))  # fmt: skip
+            comm.add_row(
+                r["collective"],
+                f"{r['bytes']:,}",
+                f"{r['time_ms']:.3f}",
+                _gb(r["algbw_bytes_per_s"]),
+                _gb(r["busbw_bytes_per_s"]),
+            )
         out.print(comm)
 
 
@@ -180,8 +213,10 @@ def price_command(
     profile = load_profile(fingerprint)
     if profile is None:
         which = fingerprint or "this machine"
-        raise UserError(f"no machine profile for {which} (looked in {profile_path(fingerprint or '<id>').parent}): "
-                        "the price is stored with it; run 'dlrm-lab machine probe' first")  # fmt: skip
+        raise UserError(
+            f"no machine profile for {which} (looked in {profile_path(fingerprint or '<id>').parent}): "
+            "the price is stored with it; run 'dlrm-lab machine probe' first"
+        )
     prices = load_price_catalogue(catalogue) if catalogue is not None else None
     price, path = give_price(profile, per_hour, currency, instance_type, energy_per_kwh, catalogue=prices)
     console().print(f"machine {profile['fingerprint_id']}: {_describe_price(price)}, stored in {path}", highlight=False)
@@ -197,12 +232,23 @@ def prices_command(
     entries = load_price_catalogue(catalogue)
     table = Table(title="on-demand list prices (check the source: prices change)")
     for col in ("type", "where", "cpu", "vCPUs/cores", "GiB", "GPU", "per hour", "retrieved"):
-        table.add_column(col, justify="right" if col in ("vCPUs/cores", "GiB", "per hour") else "left",
-                         no_wrap=col in ("type", "per hour", "retrieved"))  # fmt: skip
+        table.add_column(
+            col,
+            justify="right" if col in ("vCPUs/cores", "GiB", "per hour") else "left",
+            no_wrap=col in ("type", "per hour", "retrieved"),
+        )
     for e in entries.values():
         gpu = f"{e.gpus} x {e.gpu}" if e.gpus else "-"
-        table.add_row(e.instance_type, f"{e.provider} {e.region}", e.cpu or "-", f"{e.vcpus}/{e.cores or '-'}",
-                      f"{e.memory_gib:g}", gpu, f"{e.price_per_hour:g} {e.currency}", e.retrieved)  # fmt: skip
+        table.add_row(
+            e.instance_type,
+            f"{e.provider} {e.region}",
+            e.cpu or "-",
+            f"{e.vcpus}/{e.cores or '-'}",
+            f"{e.memory_gib:g}",
+            gpu,
+            f"{e.price_per_hour:g} {e.currency}",
+            e.retrieved,
+        )
     out = console()
     out.print(table)
     for source in sorted({e.source for e in entries.values()}):

@@ -42,10 +42,14 @@ def command(*options: Declared | CliOnly) -> Callable[[Callable[[OptionValues], 
     """A Typer command taking `options`: its signature is generated from them, and the body receives
     every option's value by name (a Python caller may pass a few; the rest take their defaults)."""
     params = [
-        inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
-                          annotation=annotation(o) if isinstance(o, Declared) else o.type)
+        inspect.Parameter(
+            o.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=o.default,
+            annotation=annotation(o) if isinstance(o, Declared) else o.type,
+        )
         for o in options
-    ]  # fmt: skip
+    ]
     defaults = {p.name: p.default for p in params}
 
     def wrap(body: Callable[[OptionValues], Any]) -> Callable[..., Any]:

@@ -124,8 +124,12 @@ def list_runs(
             "duration_s": manifest.get("duration_s"),
             "preset": summary.get("preset") or section(manifest, "config", "model").get("name", "?"),
         }
-        table.add_row(row.run_id, str(manifest.get("kind", "?")), row.status,
-                      *(columns.fmt(name, values.get(name)) for name in columns.RUNS_LISTED))  # fmt: skip
+        table.add_row(
+            row.run_id,
+            str(manifest.get("kind", "?")),
+            row.status,
+            *(columns.fmt(name, values.get(name)) for name in columns.RUNS_LISTED),
+        )
     out.print(table)
     for row in rows:
         for note in row.notes:

@@ -53,8 +53,9 @@ def scale_command(
         raise UserError(f"--project {project}: projects the one-rank run; include 1 in --ranks (got {ranks})")
     if plan_up_to < 1:
         raise UserError(f"--plan-up-to {plan_up_to}: must be an integer >= 1")
-    spec = scaling_spec(parse_ranks(ranks), mode, batch_size, train_words(ctx.args), metrics_dir, launcher,
-                        threads_per_rank, repeats)  # fmt: skip
+    spec = scaling_spec(
+        parse_ranks(ranks), mode, batch_size, train_words(ctx.args), metrics_dir, launcher, threads_per_rank, repeats
+    )
     err = console(stderr=True)
     with say_interrupted(err):
         sweep_dir, points = scaling_sweep(spec, argv=["dlrm-lab", *sys.argv[1:]])
@@ -107,26 +108,46 @@ def _print_gaps(sweep_dir, points) -> None:
 
 
 SHARDING_SHORT = {
-    "table_row_wise": "TRW", "table_column_wise": "TCW", "column_wise": "CW", "row_wise": "RW",
-    "table_wise": "TW", "data_parallel": "DP",
-}  # fmt: skip
+    "table_row_wise": "TRW",
+    "table_column_wise": "TCW",
+    "column_wise": "CW",
+    "row_wise": "RW",
+    "table_wise": "TW",
+    "data_parallel": "DP",
+}
 
 
 def _print_projection(fabric, rows, assumptions, plans) -> None:
     table = Table(title=f"projected on {fabric.name}: {fabric.description}")
-    for name in ("ranks", "batch/rank", "compute ms", "input dist ms", "pooled a2a ms", "all-reduce ms",
-                 "step ms", "samples/s", "efficiency", "planner's sharding"):  # fmt: skip
+    for name in (
+        "ranks",
+        "batch/rank",
+        "compute ms",
+        "input dist ms",
+        "pooled a2a ms",
+        "all-reduce ms",
+        "step ms",
+        "samples/s",
+        "efficiency",
+        "planner's sharding",
+    ):
         table.add_column(name, justify="right")
     for r in rows:
         plan = plans.get(r["ranks"], "")
         for long, short in SHARDING_SHORT.items():
             plan = plan.replace(long, short)
         table.add_row(
-            str(r["ranks"]), str(r["batch_size_per_rank"]), f"{r['compute_ms']:.2f}", f"{r['input_dist_ms']:.2f}",
+            str(r["ranks"]),
+            str(r["batch_size_per_rank"]),
+            f"{r['compute_ms']:.2f}",
+            f"{r['input_dist_ms']:.2f}",
             f"{r['pooled_all_to_all_ms']:.2f}" + (" *" if r["all_to_all_dominates"] else ""),
-            f"{r['all_reduce_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['samples_per_s'] / 1e6:,.2f}M",
-            f"{r['efficiency']:.3f}", plan,
-        )  # fmt: skip
+            f"{r['all_reduce_ms']:.2f}",
+            f"{r['step_ms']:.2f}",
+            f"{r['samples_per_s'] / 1e6:,.2f}M",
+            f"{r['efficiency']:.3f}",
+            plan,
+        )
     console().print(table)
     console().print(
         "  * all-to-all (input distribution and pooled embeddings) takes longer than compute; planner's "

@@ -30,9 +30,14 @@ def serve_command(options: OptionValues) -> None:
         out.print(msg, highlight=False, soft_wrap=True)
 
     run_dir = serve(
-        served, **asdict(front), device=options["device"], pin_cores=options["pin_cores"],
-        metrics_dir=options["metrics_dir"], argv=["dlrm-lab", *sys.argv[1:]], log=log,
-    )  # fmt: skip
+        served,
+        **asdict(front),
+        device=options["device"],
+        pin_cores=options["pin_cores"],
+        metrics_dir=options["metrics_dir"],
+        argv=["dlrm-lab", *sys.argv[1:]],
+        log=log,
+    )
     console().print(f"run directory: {run_dir}")
 
 
@@ -52,10 +57,14 @@ def client_command(options: OptionValues) -> None:
         raise UserError(f"--rpc {o.rpc!r}: allowed: {', '.join(RPCS)}")
     # infer run's options as given (the client shares their declarations), and the client's load in its words
     run = {d.name: options[d.name] for d in CLIENT if d.owner is not ClientOptions}
-    run |= {"target": f"{'kserve' if o.rpc == 'oip' else 'grpc'}://{o.target}",
-            "scenario": "closed-loop" if o.closed_loop else options["scenario"],
-            "rpc": None if o.rpc == "oip" else o.rpc, "qps": None if o.qps is None else [str(o.qps)],
-            "query_size": [o.query_size], "sla_ms": [str(o.sla_ms)]}  # fmt: skip
+    run |= {
+        "target": f"{'kserve' if o.rpc == 'oip' else 'grpc'}://{o.target}",
+        "scenario": "closed-loop" if o.closed_loop else options["scenario"],
+        "rpc": None if o.rpc == "oip" else o.rpc,
+        "qps": None if o.qps is None else [str(o.qps)],
+        "query_size": [o.query_size],
+        "sla_ms": [str(o.sla_ms)],
+    }
     build(InferConfig, INFER_RUN, run, sla_ms=o.sla_ms)  # the rules, before the server is asked
     served = describe_server(parse_target(f"grpc://{o.target}"), run["connect_timeout"])
     names = [m.name for m in served]
@@ -64,5 +73,11 @@ def client_command(options: OptionValues) -> None:
     info = served[names.index(o.model)] if o.model else served[0]
     if o.rpc == "oip":
         run["target"] += f"/{info.name}"
-    run_command(**run, model=[info.preset], max_rows=info.max_rows or None, table_scale=info.table_scale or None,
-                metrics_dir=options["metrics_dir"], progress=False)  # fmt: skip
+    run_command(
+        **run,
+        model=[info.preset],
+        max_rows=info.max_rows or None,
+        table_scale=info.table_scale or None,
+        metrics_dir=options["metrics_dir"],
+        progress=False,
+    )

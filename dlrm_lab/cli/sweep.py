@@ -21,7 +21,7 @@ def sweep_command(
     out: Annotated[
         Optional[Path],
         typer.Option(help="Sweep directory (default: the file's `out`, else METRICS_DIR/sweep-<file stem>)."),
-    ] = None,  # fmt: skip
+    ] = None,
     metrics_dir: MetricsDir = "runs",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every point's command line and stop.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -64,8 +64,9 @@ def sweep_command(
             bar.console.print(f"p{pr.point:04d}-r{pr.repeat}: {pr.status} (see its point.log)")
 
     with say_interrupted(), bar:
-        result = run_sweep(spec, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_start=started,
-                           on_done=done)  # fmt: skip
+        result = run_sweep(
+            spec, metrics_dir=metrics_dir, argv=["dlrm-lab", *sys.argv[1:]], on_start=started, on_done=done
+        )
     skipped = sum(p.skipped for p in result.points)
     out_console.print(
         f"sweep {result.dir}: {total - len(result.failed)}/{total} point-repeats ok"

@@ -33,8 +33,9 @@ def train_command(options: OptionValues) -> None:
     err.print(size_line(spec))
 
     # a live bar on a terminal, else a plain line every few seconds (`| tee log`)
-    bar = progress_display("{task.fields[rate]}", "loss {task.fields[loss]}", unit="steps", to=err,
-                           enabled=options["progress"])  # fmt: skip
+    bar = progress_display(
+        "{task.fields[rate]}", "loss {task.fields[loss]}", unit="steps", to=err, enabled=options["progress"]
+    )
     task = bar.add_task("train", total=cfg.steps, rate="", loss="")
     shown = False
 
@@ -50,9 +51,12 @@ def train_command(options: OptionValues) -> None:
     try:
         with say_interrupted(err):
             result = train(
-                run, metrics_dir=options["metrics_dir"], argv=["dlrm-lab", *sys.argv[1:]], on_step=on_step,
+                run,
+                metrics_dir=options["metrics_dir"],
+                argv=["dlrm-lab", *sys.argv[1:]],
+                on_step=on_step,
                 log=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
-            )  # fmt: skip
+            )
     finally:
         bar.stop()  # nothing when never started
     if result.reports:  # under a launcher every rank runs this command: one report

@@ -97,8 +97,18 @@ class ModelFamily(Protocol):
 
     def open_sources(self, spec: Any, data: str, batch_size: int, **how: Any) -> tuple[Any, Any]: ...
 
-    def dataset_writer(self, spec: Any, *, rows: int, shards: int, seed: int, fmt: str, data_spec: str | None,
-                       overrides: Sequence[str], window: str) -> Any:  # fmt: skip
+    def dataset_writer(
+        self,
+        spec: Any,
+        *,
+        rows: int,
+        shards: int,
+        seed: int,
+        fmt: str,
+        data_spec: str | None,
+        overrides: Sequence[str],
+        window: str,
+    ) -> Any:
         """`data gen`'s writer of this family's synthetic samples (`families.dlrm.DatasetWriter`), checked."""
         ...
 

@@ -259,13 +259,28 @@ class HSTUSpec:
         pub, s = self.published_rows, self.shape
         scaled = lambda key, rows: pub.get(key) if pub.get(key, rows) != rows else None  # noqa: E731
         return (
-            TableSpec("item", s.items, s.stu.dim, (history_feature("item"), candidate_feature("item")), per_token,
-                      scaled("items", s.items)),
-            *(TableSpec(name, rows, s.stu.dim, (history_feature(name), candidate_feature(name)), per_token,
-                        scaled(name, rows)) for name, rows in s.attribute_tables),
+            TableSpec(
+                "item",
+                s.items,
+                s.stu.dim,
+                (history_feature("item"), candidate_feature("item")),
+                per_token,
+                scaled("items", s.items),
+            ),
+            *(
+                TableSpec(
+                    name,
+                    rows,
+                    s.stu.dim,
+                    (history_feature(name), candidate_feature(name)),
+                    per_token,
+                    scaled(name, rows),
+                )
+                for name, rows in s.attribute_tables
+            ),
             TableSpec("user", s.users, s.stu.dim, ("user_id",), 1.0, scaled("users", s.users)),
             *(TableSpec(name, rows, s.stu.dim, (name,), 1.0, scaled(name, rows)) for name, rows in s.cross_tables),
-        )  # fmt: skip
+        )
 
     def check_table_precision(self, table_precision: str) -> None:
         """The ranker's sequence tables are fp32 only (training, serving and building alike)."""
@@ -305,8 +320,9 @@ class HSTUSpec:
             if rest.get("mlperf") is not None:
                 rest["mlperf"] = MLPerfRules.from_dict(rest["mlperf"], f"{where}: mlperf")
             recipe = rest.pop("reference", None) or {}
-            rest["reference"] = HSTURecipe.from_dict({k: v for k, v in recipe.items() if v not in (None, "")},
-                                                     f"{where}: reference")  # fmt: skip
+            rest["reference"] = HSTURecipe.from_dict(
+                {k: v for k, v in recipe.items() if v not in (None, "")}, f"{where}: reference"
+            )
             return cls(shape=RankerShape(**shape, stu=stu), data=SequenceSpec.from_dict(data["data"], where), **rest)
         except (KeyError, TypeError) as exc:
             raise UserError(f"{where}: not an HSTU spec ({exc})") from None
@@ -360,8 +376,12 @@ def parse_hstu(
         raise UserError(
             f"{where}: [model] unknown key(s) {', '.join(sorted(bad))}; allowed: {', '.join(sorted(_SHAPE_KEYS))}"
         )
-    for key, by in (("items", "[model] items"), ("categories", "[model] categories"),
-                    ("attributes", "[model.item_tables]"), ("crosses", "[model.cross_tables]")):  # fmt: skip
+    for key, by in (
+        ("items", "[model] items"),
+        ("categories", "[model] categories"),
+        ("attributes", "[model.item_tables]"),
+        ("crosses", "[model.cross_tables]"),
+    ):
         if key in data:
             raise UserError(f"{where}: [data] {key}: set by {by} (the table's rows)")
     layout = _parse_layout(model, where)
@@ -383,24 +403,37 @@ def parse_hstu(
     )
     (_, tower_out), (_, head_out) = shape.tower_widths
     if tower_out != shape.stu.dim or head_out != 1:
-        raise UserError(f"{where}: [model] item_tower ends at the width {shape.stu.dim} (dim) and head at 1: "
-                        f"got {tower_out} and {head_out}")  # fmt: skip
+        raise UserError(
+            f"{where}: [model] item_tower ends at the width {shape.stu.dim} (dim) and head at 1: "
+            f"got {tower_out} and {head_out}"
+        )
     scale, scaled = row_scaler(where, table_scale, max_rows)
     published = {"items": shape.items, "users": shape.users, **dict(shape.item_tables), **dict(shape.cross_tables)}
     items = max(scaled(shape.items), shape.categories)
     users = scaled(shape.users)
-    shape = replace(shape, items=items, users=users, item_tables=tuple((n, scaled(r)) for n, r in shape.item_tables),
-                    cross_tables=tuple((n, scaled(r)) for n, r in shape.cross_tables))  # fmt: skip
+    shape = replace(
+        shape,
+        items=items,
+        users=users,
+        item_tables=tuple((n, scaled(r)) for n, r in shape.item_tables),
+        cross_tables=tuple((n, scaled(r)) for n, r in shape.cross_tables),
+    )
     data_users = data.get("users", published["users"])
     if not isinstance(data_users, int) or not 1 <= data_users <= published["users"]:
         raise UserError(
             f"{where}: [data] users = {data_users!r}: must be 1 .. the user table's {published['users']} rows"
         )
     spec = SequenceSpec.from_dict(
-        {**data, "items": items, "categories": shape.categories, "users": min(users, scaled(data_users)),
-         "attributes": shape.item_tables, "crosses": shape.cross_tables},
+        {
+            **data,
+            "items": items,
+            "categories": shape.categories,
+            "users": min(users, scaled(data_users)),
+            "attributes": shape.item_tables,
+            "crosses": shape.cross_tables,
+        },
         where=f"{where}: [data]",
-    )  # fmt: skip
+    )
     return HSTUSpec(
         name=raw.get("name", Path(where).stem),
         shape=shape,

@@ -53,13 +53,16 @@ class MLPerfRules:
         for name in MLPERF_METRICS:
             if not number(ref[name]) or not 0 < ref[name] <= 1:
                 raise UserError(f"{where}: reference.{name} = {ref[name]!r}: a fraction in (0, 1] (86.687% is 0.86687)")
-        return cls(bench, float(bound), float(share), {k: float(ref[k]) for k in MLPERF_METRICS},
-                   str(raw.get("source", "")))  # fmt: skip
+        return cls(
+            bench, float(bound), float(share), {k: float(ref[k]) for k in MLPERF_METRICS}, str(raw.get("source", ""))
+        )
 
     @property
     def accuracy_rule(self) -> str:
-        return (f"MLPerf {self.benchmark}: NE, accuracy and per-request AUC each within {self.accuracy_share:.1%} of "
-                "the fp32 eager model's")  # fmt: skip
+        return (
+            f"MLPerf {self.benchmark}: NE, accuracy and per-request AUC each within {self.accuracy_share:.1%} of "
+            "the fp32 eager model's"
+        )
 
     def accuracy_kept(self, build: dict[str, float], fp32: dict[str, float]) -> dict[str, bool]:
         """Per metric, whether `build` keeps `accuracy_share` of `fp32`'s, each in its own direction: NE is
@@ -119,9 +122,19 @@ class HSTURecipe:
             else:
                 ok = _number(value) and value > 0 and (key != "target_auc" or value < 1)
             if not ok:
-                rule = ("a name" if key in texts else "two numbers in [0, 1)" if key == "adam_betas"
-                        else "an integer >= 0" if key == "lr_warmup_steps" else "an integer >= 1" if key in ints
-                        else "a number in (0, 1)" if key == "target_auc" else "a number > 0")  # fmt: skip
+                rule = (
+                    "a name"
+                    if key in texts
+                    else "two numbers in [0, 1)"
+                    if key == "adam_betas"
+                    else "an integer >= 0"
+                    if key == "lr_warmup_steps"
+                    else "an integer >= 1"
+                    if key in ints
+                    else "a number in (0, 1)"
+                    if key == "target_auc"
+                    else "a number > 0"
+                )
                 raise UserError(f"{where}: {key} = {value!r}: must be {rule}")
         return cls(**out)
 

@@ -17,8 +17,13 @@ MAX_PRICE_PER_HOUR = 1e9
 def check_price(value: Any, option: str = "PER_HOUR") -> float:
     """A price per hour: a number in (0, MAX_PRICE_PER_HOUR] (a free machine would make every cost 0, silently; a
     price near the float limit makes them infinite)."""
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
-            or value > MAX_PRICE_PER_HOUR):  # fmt: skip
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+        or value > MAX_PRICE_PER_HOUR
+    ):
         raise UserError(f"{option} {value!r}: must be a number in (0, {MAX_PRICE_PER_HOUR:g}]")
     return float(value)
 

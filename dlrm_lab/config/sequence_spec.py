@@ -74,18 +74,26 @@ class SequenceSpec:
         need(self.item_popularity_alpha > 0, "item_popularity_alpha", "> 0")
         need(self.drift_period > 0 and self.drift_amplitude >= 0, "drift_period", "> 0 (amplitude >= 0)")
         need(self.timestamp_s > 0, "timestamp_s", "> 0")
-        need(integer(self.interactions_max) and self.interactions_max >= 0, "interactions_max",
-             "an integer >= 0 (0: the candidates)")  # fmt: skip
+        need(
+            integer(self.interactions_max) and self.interactions_max >= 0,
+            "interactions_max",
+            "an integer >= 0 (0: the candidates)",
+        )
         for name in ("attributes", "crosses"):
             for table, rows in getattr(self, name):
-                need(isinstance(table, str) and table != "" and integer(rows) and rows >= 1, name,
-                     "(name, rows >= 1) pairs")  # fmt: skip
+                need(
+                    isinstance(table, str) and table != "" and integer(rows) and rows >= 1,
+                    name,
+                    "(name, rows >= 1) pairs",
+                )
         keys = {*CROSS_KEYS, *self.attribute_names}
         for table, _ in self.crosses:
             parts = cross_keys(table)
             if len(parts) < 2 or not set(parts) <= keys:
-                raise UserError(f"{where}: cross table {table!r}: its name crosses two or more of "
-                                f"{', '.join(sorted(keys))}, joined by _x_")  # fmt: skip
+                raise UserError(
+                    f"{where}: cross table {table!r}: its name crosses two or more of "
+                    f"{', '.join(sorted(keys))}, joined by _x_"
+                )
         return self
 
     @classmethod
@@ -124,5 +132,8 @@ class SequenceSpec:
         """Steps [first, stop) of the `train` or `eval` window."""
         if name not in WINDOWS:
             raise FieldError("window", f"{name!r}: allowed: {', '.join(WINDOWS)}")
-        return (self.warmup_timestamps, self.train_timestamps) if name == "train" else (
-            self.train_timestamps, self.timestamps)  # fmt: skip
+        return (
+            (self.warmup_timestamps, self.train_timestamps)
+            if name == "train"
+            else (self.train_timestamps, self.timestamps)
+        )

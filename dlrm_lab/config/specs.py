@@ -60,8 +60,12 @@ class TableSpec:
             if not is_positive_int(getattr(self, field)):
                 raise bad(where, field, getattr(self, field), "must be an integer >= 1")
         if self.embedding_dim % 4 or self.embedding_dim > MAX_EMBEDDING_DIM:
-            raise bad(where, "embedding_dim", self.embedding_dim,
-                      f"must be a multiple of 4 up to {MAX_EMBEDDING_DIM:,} (fbgemm's fused tables)")  # fmt: skip
+            raise bad(
+                where,
+                "embedding_dim",
+                self.embedding_dim,
+                f"must be a multiple of 4 up to {MAX_EMBEDDING_DIM:,} (fbgemm's fused tables)",
+            )
         names = self.feature_names
         if not isinstance(names, (list, tuple)) or not names or not all(map(is_name, names)):
             raise bad(where, "feature_names", _shown(names), "must be a non-empty list of non-empty strings")

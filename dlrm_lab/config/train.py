@@ -86,19 +86,18 @@ class TrainConfig:
         "the manifest says which).",
     )
     # None: the preset's published recipe (its [reference]: DLRMv4's Adam betas, warm-up and clipping), else none
-    adam_beta1: float | None = option(
-        None, "Adam's beta1 (default: the preset's published recipe, else torch's 0.9)."
-    )  # fmt: skip
+    adam_beta1: float | None = option(None, "Adam's beta1 (default: the preset's published recipe, else torch's 0.9).")
     adam_beta2: float | None = option(
         None, "Adam's beta2 (default: the preset's published recipe, else torch's 0.999)."
-    )  # fmt: skip
+    )
     lr_warmup_steps: int | None = option(
-        None, "Steps over which the MLP learning rate rises linearly from 0 (default: the preset's published "
-        "recipe, else none; 0: none)."
-    )  # fmt: skip
+        None,
+        "Steps over which the MLP learning rate rises linearly from 0 (default: the preset's published "
+        "recipe, else none; 0: none).",
+    )
     grad_clip_norm: float | None = option(
         None, "Clip the MLP gradients' total norm to this (default: the preset's published recipe, else none)."
-    )  # fmt: skip
+    )
     eval_every: int = option(0, "Steps between held-out AUC evaluations (0: at the end only).")
     eval_batches: int = option(8, "Held-out batches per evaluation.")
     protocol: str = option(
@@ -109,9 +108,10 @@ class TrainConfig:
     )
     # MLPerf DLRMv4 evaluates every 0.1% of its training stream (EVAL_EVERY_DATA_PCT=0.001)
     eval_every_share: float = option(
-        0.001, "--protocol streaming: evaluate every this share of the stream's steps (at least 1 step); "
-        "--eval-every N sets steps instead."
-    )  # fmt: skip
+        0.001,
+        "--protocol streaming: evaluate every this share of the stream's steps (at least 1 step); "
+        "--eval-every N sets steps instead.",
+    )
     warmup_steps: int | None = option(None, "Steps left out of throughput (default: 10%, at most 20).")
     seed: int = option(0, "Seed of the data and the initial weights.")
     data: str = option("synthetic", "'synthetic' or a Parquet dataset directory.")
@@ -119,9 +119,12 @@ class TrainConfig:
         None, "Synthetic data spec (data_gen/ name or .toml); default: the preset's."
     )
     data_overrides: tuple[str, ...] = option(  # synthetic only: key=value on the data spec
-        (), "Override a data spec field (repeatable), e.g. click_rate=0.1.", flags=("--set",),
-        type=Optional[list[str]], cli_default=None,
-    )  # fmt: skip
+        (),
+        "Override a data spec field (repeatable), e.g. click_rate=0.1.",
+        flags=("--set",),
+        type=Optional[list[str]],
+        cli_default=None,
+    )
     # a thread only where the rank has a core its compute threads do not use (`train.choices.choose_prefetch`)
     prefetch: str | int = option(
         "auto",
@@ -192,9 +195,10 @@ class TrainConfig:
         if self.lr_warmup_steps is not None and (isinstance(self.lr_warmup_steps, bool) or self.lr_warmup_steps < 0):
             raise FieldError("lr_warmup_steps", f"{self.lr_warmup_steps!r}: must be an integer >= 0")
         if self.grad_clip_norm is not None and not (
-            isinstance(self.grad_clip_norm, (int, float)) and math.isfinite(self.grad_clip_norm)
+            isinstance(self.grad_clip_norm, (int, float))
+            and math.isfinite(self.grad_clip_norm)
             and self.grad_clip_norm > 0
-        ):  # fmt: skip
+        ):
             raise FieldError("grad_clip_norm", f"{self.grad_clip_norm!r}: must be a number > 0")
         if self.eval_every < 0:
             raise FieldError("eval_every", f"{self.eval_every}: must be >= 0 (0: evaluate at the end only)")
@@ -223,8 +227,9 @@ class TrainConfig:
         if self.checkpoint_every < 0:
             raise FieldError("checkpoint_every", f"{self.checkpoint_every}: must be >= 0 (0: at the end only)")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
-            raise FieldError("resume", "and {checkpoint_every} need {checkpoint_dir}", "checkpoint_every",
-                             "checkpoint_dir")  # fmt: skip
+            raise FieldError(
+                "resume", "and {checkpoint_every} need {checkpoint_dir}", "checkpoint_every", "checkpoint_dir"
+            )
         if (
             isinstance(self.profile_steps, bool)
             or not isinstance(self.profile_steps, int)
@@ -298,8 +303,12 @@ class DenseRecipe:
     rule: str = "none"
 
     def to_dict(self) -> JsonObject:
-        return {"adam_betas": list(self.betas) if self.betas else None, "lr_warmup_steps": self.lr_warmup_steps,
-                "grad_clip_norm": self.grad_clip_norm, "rule": self.rule}  # fmt: skip
+        return {
+            "adam_betas": list(self.betas) if self.betas else None,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "grad_clip_norm": self.grad_clip_norm,
+            "rule": self.rule,
+        }
 
     def lr_scale(self, step: int) -> float:
         """The rate's share at `step` (0-based): linear from 1/warm-up to 1 over the warm-up, then 1."""
@@ -337,9 +346,13 @@ def dense_recipe_for(spec: Any, cfg: TrainConfig) -> DenseRecipe:
     clip = pick(cfg.grad_clip_norm, "grad_clip_norm")
     source = getattr(published, "source", "") or "the preset"
     rule = "; ".join(
-        part for part in (f"given: {', '.join(given)}" if given else "",
-                          f"published ({source}): {', '.join(taken)}" if taken else "") if part
-    )  # fmt: skip
+        part
+        for part in (
+            f"given: {', '.join(given)}" if given else "",
+            f"published ({source}): {', '.join(taken)}" if taken else "",
+        )
+        if part
+    )
     return DenseRecipe(betas, int(warmup), clip, rule or "none (the optimizer's defaults)")
 
 

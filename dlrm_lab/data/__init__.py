@@ -75,8 +75,15 @@ def open_sources(
     generator far past any training sample; for a dataset without a generator spec
     (converted Criteo) they are the dataset's first batches, and the description says so.
     """
-    how = {"rank": rank, "world_size": world_size, "eval_batches": eval_batches, "data_spec": data_spec,
-           "overrides": overrides, "seed": seed, "start_batch": start_batch}  # fmt: skip
+    how = {
+        "rank": rank,
+        "world_size": world_size,
+        "eval_batches": eval_batches,
+        "data_spec": data_spec,
+        "overrides": overrides,
+        "seed": seed,
+        "start_batch": start_batch,
+    }
     return family_of(model).open_sources(model, data, batch_size, **how)
 
 

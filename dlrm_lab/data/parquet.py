@@ -97,13 +97,18 @@ def write_dataset(
         "teacher": generator.teacher,
     }
     return write_shards(
-        out, meta, range(first_sample, first_sample + rows), shards,
+        out,
+        meta,
+        range(first_sample, first_sample + rows),
+        shards,
         schema_of=lambda k, lo: dataset_schema(
             spec.num_dense, spec.feature_names, {**meta, "shard": k, "shard_first_sample": lo}
         ),
         table_of=lambda a, b, schema: block_to_table(generator.samples(a, b), schema),
-        row_group=row_group_samples, first_key="first_sample", on_progress=on_progress,
-    )  # fmt: skip
+        row_group=row_group_samples,
+        first_key="first_sample",
+        on_progress=on_progress,
+    )
 
 
 def write_shards(
@@ -189,8 +194,10 @@ def read_dataset_info(path: str | Path) -> JsonObject:
         version = info.get("format_version", FORMAT_VERSION)  # datasets from before the field: version 1
         if version not in READABLE_FORMATS:
             readable = ", ".join(map(str, READABLE_FORMATS))
-            raise UserError(f"{sidecar}: format_version = {version!r}: this dlrm-lab reads {readable} (written by "
-                            "another version: regenerate it)")  # fmt: skip
+            raise UserError(
+                f"{sidecar}: format_version = {version!r}: this dlrm-lab reads {readable} (written by "
+                "another version: regenerate it)"
+            )
         return info
     files = dataset_files(path)
     meta = _read_schema(files[0]).metadata or {}
@@ -261,15 +268,19 @@ def validate_table(table: pa.Table, model: ModelSpec, where: str) -> None:
             raise UserError(f"{where}: column {name} has {nulls} null value(s)")
     labels = table.column("label").to_numpy() if "label" in table.column_names else np.zeros(0)
     if (bad := np.flatnonzero((labels != 0) & (labels != 1))).size:
-        raise UserError(f"{where}: column label: {float(labels[bad[0]])!r} at row {int(bad[0])} ({bad.size} such); "
-                        "labels are 0 or 1")  # fmt: skip
+        raise UserError(
+            f"{where}: column label: {float(labels[bad[0]])!r} at row {int(bad[0])} ({bad.size} such); "
+            "labels are 0 or 1"
+        )
     flat = pc.list_flatten(table.column("dense")) if "dense" in table.column_names else None
     if flat is not None and pa.types.is_floating(flat.type):
         dense = flat.to_numpy(zero_copy_only=False)
         if (bad := np.flatnonzero(~np.isfinite(dense))).size:
             row, k = divmod(int(bad[0]), max(1, model.num_dense))
-            raise UserError(f"{where}: column dense: {float(dense[bad[0]])!r} at row {row}, value {k} "
-                            f"({bad.size} such); dense features must be finite numbers")  # fmt: skip
+            raise UserError(
+                f"{where}: column dense: {float(dense[bad[0]])!r} at row {row}, value {k} "
+                f"({bad.size} such); dense features must be finite numbers"
+            )
     for t in model.tables:
         for name in t.feature_names:
             values = pc.list_flatten(table.column(name))

@@ -35,15 +35,22 @@ class RequestBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RequestBatch:
         return RequestBatch(
-            self.sparse.to(device, non_blocking=non_blocking), self.actions.to(device, non_blocking=non_blocking),
-            self.ages_s.to(device, non_blocking=non_blocking), self.labels.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.actions.to(device, non_blocking=non_blocking),
+            self.ages_s.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
             self.steps,
-        )  # fmt: skip
+        )
 
     def pin_memory(self) -> RequestBatch:
         """Page-locked copies, for asynchronous host-to-device copies (the prefetcher on CUDA)."""
-        return RequestBatch(self.sparse.pin_memory(), self.actions.pin_memory(), self.ages_s.pin_memory(),
-                            self.labels.pin_memory(), self.steps)  # fmt: skip
+        return RequestBatch(
+            self.sparse.pin_memory(),
+            self.actions.pin_memory(),
+            self.ages_s.pin_memory(),
+            self.labels.pin_memory(),
+            self.steps,
+        )
 
     def model_inputs(self) -> tuple[Any, ...]:
         """The ranker's forward arguments."""
@@ -66,10 +73,12 @@ class RequestBatch:
             history, candidates = list(block.history_attributes.T), list(block.candidate_attributes.T)
             contextual = list(block.crosses.T)
         per_history, per_candidate = 1 + len(history), 1 + len(candidates)
-        lengths = np.concatenate([*[h] * per_history, *[c] * per_candidate, *[np.ones(n, dtype=np.int64)] *
-                                  (1 + len(contextual))])  # fmt: skip
-        values = np.concatenate([block.history_items, *history, block.candidate_items, *candidates, block.user,
-                                 *contextual])  # fmt: skip
+        lengths = np.concatenate(
+            [*[h] * per_history, *[c] * per_candidate, *[np.ones(n, dtype=np.int64)] * (1 + len(contextual))]
+        )
+        values = np.concatenate(
+            [block.history_items, *history, block.candidate_items, *candidates, block.user, *contextual]
+        )
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=keys,
             values=torch.from_numpy(values.astype(np.int64)),

@@ -27,10 +27,18 @@ from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.stats import percentile
 
 KIND = "requests"
-HISTORY = {"history_items": pa.int64(), "history_categories": pa.int64(), "history_actions": pa.uint8(),
-           "history_ages_s": pa.float32()}  # fmt: skip
-CANDIDATES = {"candidate_items": pa.int64(), "candidate_categories": pa.int64(), "labels": pa.float32(),
-              "click_probability": pa.float32()}  # fmt: skip
+HISTORY = {
+    "history_items": pa.int64(),
+    "history_categories": pa.int64(),
+    "history_actions": pa.uint8(),
+    "history_ages_s": pa.float32(),
+}
+CANDIDATES = {
+    "candidate_items": pa.int64(),
+    "candidate_categories": pa.int64(),
+    "labels": pa.float32(),
+    "click_probability": pa.float32(),
+}
 SCHEMA = pa.schema(
     [pa.field(c, pa.int64()) for c in ("request", "user", "step")]
     + [pa.field(c, pa.list_(t)) for c, t in {**HISTORY, **CANDIDATES}.items()]
@@ -66,14 +74,28 @@ def write_requests(
     rows = total if requests is None else requests
     if not 1 <= rows <= total:
         raise FieldError("rows", f"{rows}: must be 1 .. the {window} window's {total:,} requests")
-    meta = {"format_version": FORMAT_VERSION, "kind": KIND, "family": "hstu", "source": "synthetic sequences",
-            "sequence_spec": generator.spec.to_dict(), "seed": generator.seed, "window": window, "rows": rows,
-            "teacher": generator.teacher}  # fmt: skip
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "kind": KIND,
+        "family": "hstu",
+        "source": "synthetic sequences",
+        "sequence_spec": generator.spec.to_dict(),
+        "seed": generator.seed,
+        "window": window,
+        "rows": rows,
+        "teacher": generator.teacher,
+    }
     return write_shards(
-        out, meta, range(rows), shards, schema_of=lambda k, lo: SCHEMA,
+        out,
+        meta,
+        range(rows),
+        shards,
+        schema_of=lambda k, lo: SCHEMA,
         table_of=lambda a, b, schema: _table(generator.requests(a, b, window)),
-        row_group=ROW_GROUP_REQUESTS, first_key="first_request", on_progress=on_progress,
-    )  # fmt: skip
+        row_group=ROW_GROUP_REQUESTS,
+        first_key="first_request",
+        on_progress=on_progress,
+    )
 
 
 def request_stats(path: str | Path, info: JsonObject, files: list[Path]) -> DatasetStats:
@@ -84,14 +106,20 @@ def request_stats(path: str | Path, info: JsonObject, files: list[Path]) -> Data
     try:
         real = "sequence_spec" not in info and isinstance(info.get("tables"), dict)
         spec = None if real else SequenceSpec.from_dict(info["sequence_spec"], where=f"{path}: sequence_spec")
-        items, categories = (info["tables"]["items"], info["tables"]["categories"]) if spec is None else (
-            spec.items, spec.categories)  # fmt: skip
+        items, categories = (
+            (info["tables"]["items"], info["tables"]["categories"]) if spec is None else (spec.items, spec.categories)
+        )
         table = pq.read_table(files)
     except (KeyError, UserError) as exc:
         return {"path": str(path), "kind": KIND, "problems": [str(exc)], "quantities": [], "checks": []}
     except Exception as exc:  # noqa: BLE001 - any read failure is a bad dataset
-        return {"path": str(path), "kind": KIND, "problems": [f"unreadable: {str(exc).splitlines()[0]}"],
-                "quantities": [], "checks": []}  # fmt: skip
+        return {
+            "path": str(path),
+            "kind": KIND,
+            "problems": [f"unreadable: {str(exc).splitlines()[0]}"],
+            "quantities": [],
+            "checks": [],
+        }
     missing = [c for c in SCHEMA.names if c not in table.column_names]
     if missing:
         problems.append(f"{path}: missing column(s) {', '.join(missing)}")
@@ -104,11 +132,17 @@ def request_stats(path: str | Path, info: JsonObject, files: list[Path]) -> Data
         for c, ln in lengths.items():
             bad = np.nonzero(ln != first)[0]
             if bad.size:
-                problems.append(f"{path}: request row {int(bad[0])}: {c} has {int(ln[bad[0]])} values, "
-                                f"its other {group} lists {int(first[bad[0]])}")  # fmt: skip
+                problems.append(
+                    f"{path}: request row {int(bad[0])}: {c} has {int(ln[bad[0]])} values, "
+                    f"its other {group} lists {int(first[bad[0]])}"
+                )
     flat = {c: pc.list_flatten(table[c]).to_numpy(zero_copy_only=False) for c in (*HISTORY, *CANDIDATES)}
-    for c, rows in (("history_items", items), ("candidate_items", items),
-                    ("history_categories", categories), ("candidate_categories", categories)):  # fmt: skip
+    for c, rows in (
+        ("history_items", items),
+        ("candidate_items", items),
+        ("history_categories", categories),
+        ("candidate_categories", categories),
+    ):
         v = flat[c]
         if v.size and (v.min() < 0 or v.max() >= rows):
             problems.append(f"{path}: {c}: ids {int(v.min())}..{int(v.max())} outside the table's 0..{rows - 1}")
@@ -117,8 +151,10 @@ def request_stats(path: str | Path, info: JsonObject, files: list[Path]) -> Data
         problems.append(f"{path}: the dataset has no requests")
     first_step, stop_step = spec.window(info.get("window", "train")) if spec else (0, np.iinfo(np.int64).max)
     if n and (step.min() < first_step or step.max() >= stop_step):
-        problems.append(f"{path}: steps {int(step.min())}..{int(step.max())} outside the "
-                        f"{info.get('window', 'train')} window's {first_step}..{stop_step - 1}")  # fmt: skip
+        problems.append(
+            f"{path}: steps {int(step.min())}..{int(step.max())} outside the "
+            f"{info.get('window', 'train')} window's {first_step}..{stop_step - 1}"
+        )
     if n and np.any(np.diff(step) < 0):
         problems.append(
             f"{path}: requests are not in time order (step decreases at row {int(np.argmax(np.diff(step) < 0)) + 1})"
@@ -137,9 +173,18 @@ def request_stats(path: str | Path, info: JsonObject, files: list[Path]) -> Data
         "label rate": float(labels.mean()),
     }
     if spec is None:
-        return {"path": str(path), "kind": KIND, "source": info.get("source", "unknown"), "problems": [], "samples": n,
-                "label_rate": float(labels.mean()), "teacher_auc": None, "quantities": quantities, "checks": [],
-                "features": []}  # fmt: skip
+        return {
+            "path": str(path),
+            "kind": KIND,
+            "source": info.get("source", "unknown"),
+            "problems": [],
+            "samples": n,
+            "label_rate": float(labels.mean()),
+            "teacher_auc": None,
+            "quantities": quantities,
+            "checks": [],
+            "features": [],
+        }
     ranks = flat["candidate_items"] // spec.categories
     per_category = spec.items // spec.categories
     top = max(1, math.ceil(per_category / 100))
@@ -166,15 +211,22 @@ def request_stats(path: str | Path, info: JsonObject, files: list[Path]) -> Data
                 )
             ),
             table.slice(int(i), 1),
-        )  # fmt: skip
+        )
         for i in picks
     )
     checks.append(Check("(requests)", "regenerated from spec and seed", float(replayed), float(len(picks)), 0.0))
     return {
-        "path": str(path), "kind": KIND, "source": info.get("source", "unknown"), "problems": [], "samples": n,
-        "label_rate": float(labels.mean()), "teacher_auc": (info.get("teacher") or {}).get("teacher_auc"),
-        "quantities": quantities, "checks": checks, "features": [],
-    }  # fmt: skip
+        "path": str(path),
+        "kind": KIND,
+        "source": info.get("source", "unknown"),
+        "problems": [],
+        "samples": n,
+        "label_rate": float(labels.mean()),
+        "teacher_auc": (info.get("teacher") or {}).get("teacher_auc"),
+        "quantities": quantities,
+        "checks": checks,
+        "features": [],
+    }
 
 
 def _same(a: pa.Table, b: pa.Table) -> bool:

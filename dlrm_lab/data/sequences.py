@@ -201,13 +201,19 @@ class SequenceGenerator:
         hour = (_uniform(self.seed, _HOUR, users, steps) * 24).astype(np.int64)
         return hour, (_uniform(self.seed, _ORGANIC, users, steps) < ORGANIC_SHARE).astype(np.int64)
 
-    def cross_ids(self, users: np.ndarray, steps: np.ndarray, anchors: np.ndarray,
-                  anchor_attributes: np.ndarray) -> np.ndarray:  # fmt: skip
+    def cross_ids(
+        self, users: np.ndarray, steps: np.ndarray, anchors: np.ndarray, anchor_attributes: np.ndarray
+    ) -> np.ndarray:
         """[n, K] each request's cross-hash ids: per cross table, a hash of the features its name crosses (the
         user, the anchor item and its attributes, the request's hour and organic flag) modulo its rows."""
         hour, organic = self.request_context(users, steps)
-        values = {"user": users, "item": anchors, "hour": hour, "is_organic": organic,
-                  **{name: anchor_attributes[:, k] for k, name in enumerate(self.spec.attribute_names)}}  # fmt: skip
+        values = {
+            "user": users,
+            "item": anchors,
+            "hour": hour,
+            "is_organic": organic,
+            **{name: anchor_attributes[:, k] for k, name in enumerate(self.spec.attribute_names)},
+        }
         out = np.empty((len(users), len(self.spec.crosses)), dtype=np.int64)
         for j, (name, rows) in enumerate(self.spec.crosses):
             h = _hash(self.seed, _CROSS, j, *(values[key] for key in cross_keys(name)))
@@ -315,16 +321,28 @@ class SequenceGenerator:
         if s.attributes or s.crosses:  # DLRMv4's layout
             c_attrs = self.item_attributes(c_items, c_cats)
             anchor = np.arange(len(k)) * s.candidates  # each request's first candidate
-            layout = dict(history_attributes=self.item_attributes(h_items, h_cats), candidate_attributes=c_attrs,
-                          crosses=self.cross_ids(users, steps, c_items[anchor], c_attrs[anchor]),
-                          features=s.features)  # fmt: skip
+            layout = dict(
+                history_attributes=self.item_attributes(h_items, h_cats),
+                candidate_attributes=c_attrs,
+                crosses=self.cross_ids(users, steps, c_items[anchor], c_attrs[anchor]),
+                features=s.features,
+            )
         return RequestBlock(
-            request=k, user=users, step=steps, history_lengths=total - drop,
-            history_items=h_items, history_categories=h_cats, history_actions=actions, history_ages_s=ages,
+            request=k,
+            user=users,
+            step=steps,
+            history_lengths=total - drop,
+            history_items=h_items,
+            history_categories=h_cats,
+            history_actions=actions,
+            history_ages_s=ages,
             candidate_lengths=np.full(len(k), s.candidates, dtype=np.int64),
-            candidate_items=c_items, candidate_categories=c_cats,
-            labels=(c_rating >= LIKE_RATING).astype(np.float32), click_probability=prob, **layout,
-        )  # fmt: skip
+            candidate_items=c_items,
+            candidate_categories=c_cats,
+            labels=(c_rating >= LIKE_RATING).astype(np.float32),
+            click_probability=prob,
+            **layout,
+        )
 
     # ----------------------------------------------------------------- the teacher
     @cached_property
@@ -346,8 +364,12 @@ class SequenceGenerator:
             "item + interest": scored_auc(base + 3.0 * interest, probs),
             "item + affinity without drift": scored_auc(base + self._affinity_level(users, cats), probs),
         }
-        return {"teacher_auc": expected_auc(probs), "click_rate": float(probs.mean()), "requests": len(starts) * chunk,
-                "signal_auc": signals}  # fmt: skip
+        return {
+            "teacher_auc": expected_auc(probs),
+            "click_rate": float(probs.mean()),
+            "requests": len(starts) * chunk,
+            "signal_auc": signals,
+        }
 
     def describe(self) -> JsonObject:
         return {"source": "synthetic sequences", "seed": self.seed, "spec": self.spec.to_dict(), **self.teacher}

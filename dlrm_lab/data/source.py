@@ -56,10 +56,12 @@ def batches_to_block(batches: Iterable[Batch], limit: int) -> SampleBlock:
         raise ValueError("no samples in the batches")
     features = lengths[0].shape[0]
     return SampleBlock(
-        0, np.concatenate(dense).astype(np.float32), np.concatenate(labels).astype(np.float32),
+        0,
+        np.concatenate(dense).astype(np.float32),
+        np.concatenate(labels).astype(np.float32),
         [np.concatenate([ln[f] for ln in lengths]) for f in range(features)],
         [np.concatenate([v[f] for v in values]) for f in range(features)],
-    )  # fmt: skip
+    )
 
 
 @dataclass

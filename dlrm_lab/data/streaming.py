@@ -30,8 +30,12 @@ class Stream:
 
     def __post_init__(self) -> None:
         if self.per_window < 1:
-            raise FieldError("protocol", f"streaming: a window holds {self.spec.active_users} requests, fewer than one "
-                             f"global batch of {self.global_batch} (lower {{batch_size}})", "batch_size")  # fmt: skip
+            raise FieldError(
+                "protocol",
+                f"streaming: a window holds {self.spec.active_users} requests, fewer than one "
+                f"global batch of {self.global_batch} (lower {{batch_size}})",
+                "batch_size",
+            )
 
     @property
     def windows(self) -> tuple[int, int]:
@@ -62,10 +66,16 @@ class Stream:
 
     def describe(self) -> JsonObject:
         first, stop = self.windows
-        return {"protocol": "streaming", "train_windows": [first, stop], "eval_windows": [first + 1, stop + 1],
-                "steps": self.steps, "steps_per_window": self.per_window, "global_batch": self.global_batch,
-                "requests_per_window": self.spec.active_users,
-                "requests_skipped_per_window": self.skipped_per_window}  # fmt: skip
+        return {
+            "protocol": "streaming",
+            "train_windows": [first, stop],
+            "eval_windows": [first + 1, stop + 1],
+            "steps": self.steps,
+            "steps_per_window": self.per_window,
+            "global_batch": self.global_batch,
+            "requests_per_window": self.spec.active_users,
+            "requests_skipped_per_window": self.skipped_per_window,
+        }
 
 
 def _rank_batch(source: Any, window: int, j: int) -> RequestBatch:
@@ -96,8 +106,13 @@ class StreamSource:
             yield self.batch(k)
 
     def describe(self) -> JsonObject:
-        return {**self.generator.describe(), "window": "stream", **self.stream.describe(),
-                "batch_size_per_rank": self.batch_size, "world_size": self.world_size}  # fmt: skip
+        return {
+            **self.generator.describe(),
+            "window": "stream",
+            **self.stream.describe(),
+            "batch_size_per_rank": self.batch_size,
+            "world_size": self.world_size,
+        }
 
 
 @dataclass
@@ -137,6 +152,11 @@ class NextWindowSource:
         return WindowBatches(self, window, window + 1, min(self.num_batches, self.stream.per_window))
 
     def describe(self) -> JsonObject:
-        return {**self.generator.describe(), "window": "next", **self.stream.describe(),
-                "batches_per_evaluation": min(self.num_batches, self.stream.per_window),
-                "batch_size_per_rank": self.batch_size, "world_size": self.world_size}  # fmt: skip
+        return {
+            **self.generator.describe(),
+            "window": "next",
+            **self.stream.describe(),
+            "batches_per_evaluation": min(self.num_batches, self.stream.per_window),
+            "batch_size_per_rank": self.batch_size,
+            "world_size": self.world_size,
+        }

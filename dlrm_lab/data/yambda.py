@@ -71,8 +71,11 @@ def _requests_table(requests: list[YambdaRequest], first: int = -1) -> pa.Table:
 
     n = len(requests)
     request = np.arange(first, first + n) if first >= 0 else np.full(n, -1)
-    columns = [pa.array(request, pa.int64()), pa.array([r.user for r in requests], pa.int64()),
-               pa.array([r.step for r in requests], pa.int64())]  # fmt: skip
+    columns = [
+        pa.array(request, pa.int64()),
+        pa.array([r.user for r in requests], pa.int64()),
+        pa.array([r.step for r in requests], pa.int64()),
+    ]
     for i, kind in enumerate((pa.int64(), pa.int64(), pa.uint8(), pa.float32())):
         columns.append(lists([r.history[i] for r in requests], kind))
     for i, kind in enumerate((pa.int64(), pa.int64(), pa.float32())):
@@ -103,8 +106,9 @@ class _Spill:
         if step not in self.writers:
             if len(self.writers) >= MAX_OPEN_WINDOWS:
                 detail = f"{self.opts.window_s}: more than {MAX_OPEN_WINDOWS} windows; raise it, or convert fewer "
-                raise FieldError("window_s", detail + "with {first_window} and {last_window}", "first_window",
-                                 "last_window")  # fmt: skip
+                raise FieldError(
+                    "window_s", detail + "with {first_window} and {last_window}", "first_window", "last_window"
+                )
             self.writers[step] = pq.ParquetWriter(self.dir / f"w{step:09d}.parquet", SCHEMA, compression="zstd")
         self.writers[step].write_table(_requests_table(self.buffers.pop(step)))
         self.waiting -= self.tokens.pop(step)
@@ -137,8 +141,9 @@ def _last_uid(pf: pq.ParquetFile, rg: int) -> int:
     return int(pc.max(pf.read_row_group(rg, columns=["uid"]).column("uid")).as_py())
 
 
-def _chunk_events(pf: pq.ParquetFile, path: Path, rows: tuple[int, int], lookup: np.ndarray,
-                  opts: YambdaOptions) -> Iterator[tuple[Events, str, int, int]]:  # fmt: skip
+def _chunk_events(
+    pf: pq.ParquetFile, path: Path, rows: tuple[int, int], lookup: np.ndarray, opts: YambdaOptions
+) -> Iterator[tuple[Events, str, int, int]]:
     """(events, where they are, the first's row in its row group, rows read of the chunk's own) of the users
     whose first event lies in row groups [a, b): a user begun before `a` is skipped, the last user is read
     past `b` to their end. Every batch read is checked (nulls, types, order)."""
@@ -168,8 +173,16 @@ def _chunk_events(pf: pq.ParquetFile, path: Path, rows: tuple[int, int], lookup:
             row0 += n
 
 
-COUNTS = ("events", "requests", "requests_short_history", "candidates_over_max", "unlike_undislike_events",
-          "unmapped_events_dropped", "peak_state_tokens", "max_uid")  # fmt: skip
+COUNTS = (
+    "events",
+    "requests",
+    "requests_short_history",
+    "candidates_over_max",
+    "unlike_undislike_events",
+    "unmapped_events_dropped",
+    "peak_state_tokens",
+    "max_uid",
+)
 MAXED = ("peak_state_tokens", "max_uid")  # summed over chunks but these
 
 
@@ -193,8 +206,10 @@ class _ChunkConverter:
         if unmapped.any():
             if self.opts.unmapped == "error":
                 row = int(np.argmax(unmapped))
-                raise UserError(f"{where}, column item_id: item {int(ev.item[row])} at row {row0 + row} has no "
-                                "category in the item mapping (--unmapped drop drops such events)")  # fmt: skip
+                raise UserError(
+                    f"{where}, column item_id: item {int(ev.item[row])} at row {row0 + row} has no "
+                    "category in the item mapping (--unmapped drop drops such events)"
+                )
             self.counts["unmapped_events_dropped"] += int(unmapped.sum())
             ev = ev.take(~unmapped)
         if not len(ev.uid):
@@ -253,8 +268,12 @@ def _write_window(spills: list[Path], path: Path, first: int, rows: int) -> int:
 
 def _describe(path: Path) -> dict[str, str | int]:
     meta = pq.ParquetFile(path).metadata
-    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "rows": meta.num_rows,
-            "row_groups": meta.num_row_groups}  # fmt: skip
+    return {
+        "path": str(path.resolve()),
+        "bytes": path.stat().st_size,
+        "rows": meta.num_rows,
+        "row_groups": meta.num_row_groups,
+    }
 
 
 def _save(path: Path, record: JsonObject) -> None:
@@ -288,8 +307,11 @@ def convert_yambda(
         raise UserError(f"{events}: no rows (an empty file)")
     mapping = load_categories(categories)
     lookup = mapping.of_item
-    fingerprint = json.loads(json.dumps({"inputs": {"events": _describe(events), "categories": _describe(categories)},
-                                         "options": asdict(opts)}))  # fmt: skip
+    fingerprint = json.loads(
+        json.dumps(
+            {"inputs": {"events": _describe(events), "categories": _describe(categories)}, "options": asdict(opts)}
+        )
+    )
     if out.exists() and not out.is_dir():
         raise FieldError("out", f"{out}: not a directory; give a new directory to convert into")
     sidecar, progress_path = out / DATASET_FILE, out / PROGRESS_FILE
@@ -301,21 +323,31 @@ def convert_yambda(
         return done
     if progress_path.is_file():
         progress = _record(progress_path, out, "conversion's progress record")
-        if not all(isinstance(progress.get(k), t) for k, t in (("chunks", list), ("chunk_counts", list),
-                                                                ("windows_done", int))):  # fmt: skip
-            raise UserError(f"{progress_path}: a damaged conversion's progress record (chunks, chunk_counts or "
-                            f"windows_done missing); {_start_over(out)}")  # fmt: skip
+        if not all(
+            isinstance(progress.get(k), t) for k, t in (("chunks", list), ("chunk_counts", list), ("windows_done", int))
+        ):
+            raise UserError(
+                f"{progress_path}: a damaged conversion's progress record (chunks, chunk_counts or "
+                f"windows_done missing); {_start_over(out)}"
+            )
         changed = _differences(fingerprint, progress.get("fingerprint", {}))
         if changed:
-            raise FieldError("out", f"{out}: holds a conversion of other inputs or options ({', '.join(changed)}); "
-                                    "rerun it as it was to resume, or choose a new directory")  # fmt: skip
+            raise FieldError(
+                "out",
+                f"{out}: holds a conversion of other inputs or options ({', '.join(changed)}); "
+                "rerun it as it was to resume, or choose a new directory",
+            )
     else:
         if out.exists() and any(out.iterdir()):
             raise FieldError("out", f"{out}: directory exists and is not empty; choose a new one")
         check_writable(out, "out")
         out.mkdir(parents=True, exist_ok=True)
-        progress = {"fingerprint": fingerprint, "chunks": [list(c) for c in _chunks(pf, opts.chunk_events)],
-                    "chunk_counts": [], "windows_done": 0}  # fmt: skip
+        progress = {
+            "fingerprint": fingerprint,
+            "chunks": [list(c) for c in _chunks(pf, opts.chunk_events)],
+            "chunk_counts": [],
+            "windows_done": 0,
+        }
         _save(progress_path, progress)
 
     # pass 1: chunks of users into per-window spills
@@ -339,9 +371,11 @@ def convert_yambda(
             on_commit(f"chunk {i}")
     totals = {k: (max if k in MAXED else sum)(c[k] for c in progress["chunk_counts"]) for k in COUNTS}
     if totals["requests"] == 0:
-        raise UserError(f"{events}: no requests (no window with a listen and >= {opts.min_history} history events"
-                        + ("" if opts.first_window is None and opts.last_window is None else " in the windows asked")
-                        + ")")  # fmt: skip
+        raise UserError(
+            f"{events}: no requests (no window with a listen and >= {opts.min_history} history events"
+            + ("" if opts.first_window is None and opts.last_window is None else " in the windows asked")
+            + ")"
+        )
 
     # pass 2: each window's spills, in chunk order, as one file
     spills: dict[int, list[Path]] = {}
@@ -361,15 +395,26 @@ def convert_yambda(
         files.append({"path": name, "rows": rows, "first_request": first, "step": step})
         first += rows
     manifest = {
-        "format_version": FORMAT_VERSION, "kind": KIND, "family": "hstu", "source": SOURCE,
-        "rule": (f"a request per (user, window of {opts.window_s} s) with a listen: candidates the window's first "
-                 f"{opts.max_candidates} listens, label played_ratio_pct >= {opts.listen_plus_pct}"
-                 + (" or a later like in the window" if opts.like_is_positive else "")
-                 + f"; history the user's earlier windows' listens, likes and dislikes, newest {opts.max_history}"),
-        "category": mapping.kind, "action_bits": list(YAMBDA_ACTION_BITS), **fingerprint,
+        "format_version": FORMAT_VERSION,
+        "kind": KIND,
+        "family": "hstu",
+        "source": SOURCE,
+        "rule": (
+            f"a request per (user, window of {opts.window_s} s) with a listen: candidates the window's first "
+            f"{opts.max_candidates} listens, label played_ratio_pct >= {opts.listen_plus_pct}"
+            + (" or a later like in the window" if opts.like_is_positive else "")
+            + f"; history the user's earlier windows' listens, likes and dislikes, newest {opts.max_history}"
+        ),
+        "category": mapping.kind,
+        "action_bits": list(YAMBDA_ACTION_BITS),
+        **fingerprint,
         "tables": {"items": int(lookup.size), "categories": mapping.rows, "users": totals["max_uid"] + 1},
-        "counts": totals, "teacher": None, "rows": first, "shards": len(files), "files": files,
-    }  # fmt: skip
+        "counts": totals,
+        "teacher": None,
+        "rows": first,
+        "shards": len(files),
+        "files": files,
+    }
     _save(sidecar, manifest)
     _clean(out)
     return manifest

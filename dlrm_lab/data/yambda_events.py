@@ -111,9 +111,11 @@ def load_categories(path: str | Path, batch_rows: int = 1 << 20) -> Categories:
                     raise UserError(f"{where}, column {name}: {int(v[row])} at row {row0 + row} is negative")
                 if v.size and v.max() >= MAX_ITEM_ID:
                     row = int(np.argmax(v >= MAX_ITEM_ID))
-                    raise UserError(f"{where}, column {name}: {int(v[row])} at row {row0 + row} is beyond the "
-                                    f"largest id a table row can take here ({MAX_ITEM_ID - 1:,}; Yambda's are below "
-                                    "10M): renumber the ids densely")  # fmt: skip
+                    raise UserError(
+                        f"{where}, column {name}: {int(v[row])} at row {row0 + row} is beyond the "
+                        f"largest id a table row can take here ({MAX_ITEM_ID - 1:,}; Yambda's are below "
+                        "10M): renumber the ids densely"
+                    )
             if items.size and items.max() >= lookup.size:
                 grown = np.full(max(2 * lookup.size, int(items.max()) + 1), np.iinfo(np.int64).max, dtype=np.int64)
                 grown[: lookup.size] = lookup
@@ -154,8 +156,9 @@ def decode_events(batch: pa.RecordBatch, where: str, row0: int, lookup: np.ndarr
     code = pc.index_in(kinds, value_set=pa.array(EVENT_TYPES))
     if code.null_count:
         row = int(np.argmax(code.is_null().to_numpy(zero_copy_only=False)))
-        raise UserError(f"{where}, column event_type: {kinds[row].as_py()!r} at row {row0 + row}; "
-                        f"allowed: {', '.join(EVENT_TYPES)}")  # fmt: skip
+        raise UserError(
+            f"{where}, column event_type: {kinds[row].as_py()!r} at row {row0 + row}; allowed: {', '.join(EVENT_TYPES)}"
+        )
     code = code.to_numpy().astype(np.int8)
     ratio = batch.column("played_ratio_pct")
     played = pc.fill_null(ratio, 0).to_numpy().astype(np.int64)
@@ -181,11 +184,15 @@ def check_order(ev: Events, last: tuple[int, int] | None, where: str, row0: int)
     back = np.flatnonzero(du < 0)
     if back.size:
         i = int(back[0])
-        raise UserError(f"{where}, column uid: {int(uid[i + 1])} at row {row0 + i + 1} follows {int(uid[i])} "
-                        "(the flat files are sorted by uid, then timestamp)")  # fmt: skip
+        raise UserError(
+            f"{where}, column uid: {int(uid[i + 1])} at row {row0 + i + 1} follows {int(uid[i])} "
+            "(the flat files are sorted by uid, then timestamp)"
+        )
     back = np.flatnonzero((du == 0) & (dt < 0))
     if back.size:
         i = int(back[0])
-        raise UserError(f"{where}, column timestamp: user {int(uid[i])}'s timestamp goes back from {int(ts[i])} "
-                        f"to {int(ts[i + 1])} at row {row0 + i + 1} (the flat files are sorted by uid, then "
-                        "timestamp)")  # fmt: skip
+        raise UserError(
+            f"{where}, column timestamp: user {int(uid[i])}'s timestamp goes back from {int(ts[i])} "
+            f"to {int(ts[i + 1])} at row {row0 + i + 1} (the flat files are sorted by uid, then "
+            "timestamp)"
+        )

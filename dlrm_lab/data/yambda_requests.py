@@ -59,13 +59,24 @@ class YambdaOptions:
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise FieldError(f.name, f"{v!r}: must be an integer")
-        for name in ("window_s", "timestamp_unit_s", "max_history", "max_candidates", "batch_rows", "chunk_events",
-                     "buffer_tokens", "row_group_requests"):  # fmt: skip
+        for name in (
+            "window_s",
+            "timestamp_unit_s",
+            "max_history",
+            "max_candidates",
+            "batch_rows",
+            "chunk_events",
+            "buffer_tokens",
+            "row_group_requests",
+        ):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"{getattr(self, name)}: must be >= 1")
         if not 0 <= self.min_history <= self.max_history:
-            raise FieldError("min_history", f"{self.min_history}: must be in 0 .. {{max_history}} ({self.max_history})",
-                             "max_history")  # fmt: skip
+            raise FieldError(
+                "min_history",
+                f"{self.min_history}: must be in 0 .. {{max_history}} ({self.max_history})",
+                "max_history",
+            )
         if self.listen_plus_pct < 0:
             raise FieldError("listen_plus_pct", f"{self.listen_plus_pct}: must be >= 0 (a share of the track, %)")
         if self.unmapped not in ("error", "drop"):
@@ -77,7 +88,8 @@ class YambdaOptions:
 
     def wanted(self, step: int) -> bool:
         return (self.first_window is None or step >= self.first_window) and (
-            self.last_window is None or step <= self.last_window)  # fmt: skip
+            self.last_window is None or step <= self.last_window
+        )
 
 
 @dataclass
@@ -136,8 +148,10 @@ class YambdaUser:
         kept = ev.code <= DISLIKE
         self.counts["unlike_undislike_events"] += int(n - kept.sum())
         h = ev.take(kept)
-        self.win = tuple(np.concatenate([w, v])[-o.max_history :] for w, v in
-                         zip(self.win, (h.item, h.cat, _actions(h, o.listen_plus_pct), h.ts), strict=True))  # fmt: skip
+        self.win = tuple(
+            np.concatenate([w, v])[-o.max_history :]
+            for w, v in zip(self.win, (h.item, h.cat, _actions(h, o.listen_plus_pct), h.ts), strict=True)
+        )
         if not o.wanted(self.step):
             return
         listens = np.flatnonzero(ev.code == LISTEN)

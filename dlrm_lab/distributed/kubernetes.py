@@ -194,8 +194,11 @@ def _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume, 
             raise FieldError(
                 field, f"{value!r}: must be a DNS label (a-z, 0-9, '-'; a letter first), {longest} characters at most"
             )
-    for field, value, least, most in (("nnodes", nnodes, 1, MAX_NODES), ("nproc", nproc, 1, MAX_RANKS_A_NODE),
-                                      ("gpus", gpus, 0, MAX_RANKS_A_NODE)):  # fmt: skip
+    for field, value, least, most in (
+        ("nnodes", nnodes, 1, MAX_NODES),
+        ("nproc", nproc, 1, MAX_RANKS_A_NODE),
+        ("gpus", gpus, 0, MAX_RANKS_A_NODE),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
             raise FieldError(field, f"{value!r}: must be an integer in [{least}, {most}]")
     if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1):

@@ -27,8 +27,9 @@ class _LeanPooled(torch.autograd.Function):
         world, me = pg.size(), pg.rank()
         b = local.shape[0] // world
         out = torch.empty(b * sum(dims), dtype=local.dtype, device=local.device)
-        dist.all_to_all_single(out, local.contiguous().view(-1), [b * d for d in dims], [b * dims[me]] * world,
-                               group=pg)  # fmt: skip
+        dist.all_to_all_single(
+            out, local.contiguous().view(-1), [b * d for d in dims], [b * dims[me]] * world, group=pg
+        )
         ctx.pg, ctx.dims, ctx.b = pg, dims, b
         blocks = out.split([b * d for d in dims])
         return torch.cat([blk.view(b, d) for blk, d in zip(blocks, dims, strict=True)], dim=1)

@@ -76,15 +76,24 @@ class AccuracyCheck:
 
     def to_dict(self) -> JsonObject:
         return {
-            "build": self.build, "precision": self.precision, "table_precision": self.table_precision,
-            "samples": self.samples, "max_abs_score_diff": self.max_abs_diff, "auc": self.auc,
-            "auc_fp32_eager": self.auc_fp32, "auc_relative_diff": abs(self.auc - self.auc_fp32) / self.auc_fp32,
-            "labels": LABELS[self.labels], "auc_kept": self.kept,
+            "build": self.build,
+            "precision": self.precision,
+            "table_precision": self.table_precision,
+            "samples": self.samples,
+            "max_abs_score_diff": self.max_abs_diff,
+            "auc": self.auc,
+            "auc_fp32_eager": self.auc_fp32,
+            "auc_relative_diff": abs(self.auc - self.auc_fp32) / self.auc_fp32,
+            "labels": LABELS[self.labels],
+            "auc_kept": self.kept,
             "passes_99_9": abs(self.auc - self.auc_fp32) <= AUC_RELATIVE_TOLERANCE * self.auc_fp32,
             "passes_99": abs(self.auc - self.auc_fp32) <= AUC_RELATIVE_TOLERANCE_99 * self.auc_fp32,
-            "data_label_auc": self.data_auc, "data_label_auc_fp32_eager": self.data_auc_fp32,
-            "mlperf_metrics": self.mlperf, "rule": self.rule, "passed": self.passed,
-        }  # fmt: skip
+            "data_label_auc": self.data_auc,
+            "data_label_auc_fp32_eager": self.data_auc_fp32,
+            "mlperf_metrics": self.mlperf,
+            "rule": self.rule,
+            "passed": self.passed,
+        }
 
 
 # The served model is freshly initialised: its AUC on the data's labels is ~0.51, and a bf16 cast of the
@@ -151,11 +160,25 @@ def check_accuracy(
         candidates = np.asarray(block.candidate_lengths)
         build_metrics = ranking_metrics(scores, rule_labels, candidates)
         fp32_metrics = ranking_metrics(reference, rule_labels, candidates)
-        mlperf = MLPerfMetrics(build=build_metrics, fp32=fp32_metrics,
-                               kept=rules.accuracy_kept(build_metrics, fp32_metrics))  # fmt: skip
+        mlperf = MLPerfMetrics(
+            build=build_metrics, fp32=fp32_metrics, kept=rules.accuracy_kept(build_metrics, fp32_metrics)
+        )
         rule, passed = rules.accuracy_rule, all(mlperf["kept"].values())
     else:
         rule = f"AUC within {AUC_RELATIVE_TOLERANCE:.1%} (relative) of the fp32 eager model's"
         passed = abs(ours - fp32) <= AUC_RELATIVE_TOLERANCE * fp32
-    return AccuracyCheck(build, precision, table_precision, len(rule_labels), diff, ours, fp32, rule, bool(passed),
-                         data_ours, data_fp32, mlperf, labels)  # fmt: skip
+    return AccuracyCheck(
+        build,
+        precision,
+        table_precision,
+        len(rule_labels),
+        diff,
+        ours,
+        fp32,
+        rule,
+        bool(passed),
+        data_ours,
+        data_fp32,
+        mlperf,
+        labels,
+    )

@@ -54,8 +54,11 @@ def machine_parts() -> dict[str, str]:
     """What ties a compiled artefact to this machine: its fingerprint (CPU model and flags) and the engine."""
     from dlrm_lab.metrics.hardware import hardware_fingerprint
 
-    return {"fingerprint": hardware_fingerprint()["fingerprint_id"], "torch": torch.__version__,
-            "python": platform.python_version()}  # fmt: skip
+    return {
+        "fingerprint": hardware_fingerprint()["fingerprint_id"],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def file_sha256(path: Path) -> str:
@@ -96,8 +99,9 @@ BUILD_WAIT_S = float(os.environ.get("DLRM_LAB_BUILD_WAIT_S", "1800"))
 BUILD_HEADROOM_BYTES = 256 << 20
 
 
-def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about: JsonObject,
-                    size_hint: int = 0) -> Artefact:  # fmt: skip
+def cached_artefact(
+    key: str, suffix: str, build: Callable[[Path], None], about: JsonObject, size_hint: int = 0
+) -> Artefact:
     """The artefact of `key` from the cache, checked; else `build(path)` writes it to a temporary path, which is
     recorded and renamed into place. Concurrent callers of one key build it once.
 
@@ -128,8 +132,10 @@ def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about:
             os.replace(record_tmp, path.with_name(path.name + RECORD))
         except OSError as exc:
             if is_disk_full(exc):
-                raise DiskFull(f"the build cache {directory} filled up while building {path.name}: free space or "
-                               f"set {BUILD_DIR_ENV} to a larger disk") from None  # fmt: skip
+                raise DiskFull(
+                    f"the build cache {directory} filled up while building {path.name}: free space or "
+                    f"set {BUILD_DIR_ENV} to a larger disk"
+                ) from None
             raise
         finally:
             for leftover in directory.glob(f".{key}.{os.getpid()}.tmp*"):  # the engines' own parts included
@@ -138,8 +144,12 @@ def cached_artefact(key: str, suffix: str, build: Callable[[Path], None], about:
 
 
 def _found(path: Path) -> Artefact:
-    return Artefact(path, json.loads(path.with_name(path.name + RECORD).read_text())["sha256"], False,
-                    "found in the cache, its hash checked")  # fmt: skip
+    return Artefact(
+        path,
+        json.loads(path.with_name(path.name + RECORD).read_text())["sha256"],
+        False,
+        "found in the cache, its hash checked",
+    )
 
 
 def _check_writable(directory: Path, size_hint: int) -> None:
@@ -150,13 +160,17 @@ def _check_writable(directory: Path, size_hint: int) -> None:
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise UserError(f"the build cache {directory} is not writable ({exc.strerror or exc}): set {BUILD_DIR_ENV} "
-                        "to a writable directory") from None  # fmt: skip
+        raise UserError(
+            f"the build cache {directory} is not writable ({exc.strerror or exc}): set {BUILD_DIR_ENV} "
+            "to a writable directory"
+        ) from None
     free = shutil.disk_usage(directory).free
     need = size_hint + BUILD_HEADROOM_BYTES
     if free < need:
-        raise DiskFull(f"the build cache {directory} has {free / 2**20:.0f} MiB free; this build needs about "
-                       f"{need / 2**20:.0f} MiB: free space or set {BUILD_DIR_ENV} to a larger disk")  # fmt: skip
+        raise DiskFull(
+            f"the build cache {directory} has {free / 2**20:.0f} MiB free; this build needs about "
+            f"{need / 2**20:.0f} MiB: free space or set {BUILD_DIR_ENV} to a larger disk"
+        )
 
 
 def _take(lock: Any, key: str) -> None:
@@ -171,11 +185,16 @@ def _take(lock: Any, key: str) -> None:
             holder = lock.read().strip() or "another process"
             waited = time.monotonic() - start
             if waited > BUILD_WAIT_S:
-                raise ServingFault(f"the build of {key} is held by {holder} for {waited:.0f} s (its lock "
-                                   f"{lock.name}); stop that process, or set DLRM_LAB_BUILD_WAIT_S") from None
+                raise ServingFault(
+                    f"the build of {key} is held by {holder} for {waited:.0f} s (its lock "
+                    f"{lock.name}); stop that process, or set DLRM_LAB_BUILD_WAIT_S"
+                ) from None
             if not told:
-                print(f"waiting for {holder}, which is building {key} (lock {lock.name}; at most "
-                      f"{BUILD_WAIT_S:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"waiting for {holder}, which is building {key} (lock {lock.name}; at most {BUILD_WAIT_S:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 told = True
             time.sleep(0.2)
     lock.seek(0)
@@ -196,16 +215,24 @@ def remove_dead_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-def dense_package(build: str, module: Any, suffix: str, write: Callable[[Any, Path], None],
-                  made_by: JsonObject) -> Artefact:  # fmt: skip
+def dense_package(
+    build: str, module: Any, suffix: str, write: Callable[[Any, Path], None], made_by: JsonObject
+) -> Artefact:
     """The package of a served module's dense part that `write(module, path)` makes, from the cache or made now:
     keyed by the build, the model's spec, `made_by` (precision, engine versions, calibration), the machine and the
     dense weights themselves."""
-    key = content_key({"build": build, "spec": module.spec.to_dict(), **made_by, **machine_parts()},
-                      module.dense.state_dict().values())  # fmt: skip
+    key = content_key(
+        {"build": build, "spec": module.spec.to_dict(), **made_by, **machine_parts()},
+        module.dense.state_dict().values(),
+    )
     size = sum(t.numel() * t.element_size() for t in module.dense.state_dict().values())
-    return cached_artefact(key, suffix, lambda path: write(module, path),
-                           {"build": build, "model": module.spec.name, **made_by}, size_hint=4 * size)  # fmt: skip
+    return cached_artefact(
+        key,
+        suffix,
+        lambda path: write(module, path),
+        {"build": build, "model": module.spec.name, **made_by},
+        size_hint=4 * size,
+    )
 
 
 def require_verified(path: str | Path) -> Path:

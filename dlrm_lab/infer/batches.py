@@ -294,8 +294,9 @@ class RequestRunner:
 
     def batch_cost(self, large: int, repeats: int = 5) -> BatchCost:
         """As `Runner.batch_cost`, per request, without the history cache (every history encoded)."""
-        return _batch_cost(lambda n, at: self([QueryRef(-1, n, at)], use_cache=False), large, repeats,
-                           self.library.size)  # fmt: skip
+        return _batch_cost(
+            lambda n, at: self([QueryRef(-1, n, at)], use_cache=False), large, repeats, self.library.size
+        )
 
     def __call__(self, refs: list[QueryRef], use_cache: bool = True) -> np.ndarray:
         from dlrm_lab.infer.history import score_requests
@@ -327,8 +328,11 @@ def kernel_batch(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> 
     offsets = np.empty(len(lengths) + 1, dtype=np.int32)
     offsets[0] = 0
     np.cumsum(lengths, out=offsets[1:])
-    return (torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(values.astype(np.int32)),
-            torch.from_numpy(offsets))  # fmt: skip
+    return (
+        torch.from_numpy(np.ascontiguousarray(dense)),
+        torch.from_numpy(values.astype(np.int32)),
+        torch.from_numpy(offsets),
+    )
 
 
 def pad_kernel_batch(

@@ -139,8 +139,15 @@ class BatchClock:
 
     def next_batch(self, waiting: int, free: int, now_ns: int, *, max_batch: int, min_piece: int) -> int:
         """`next_batch` with what this clock knows at `now_ns`."""
-        return next_batch(waiting, free, self.busy_left_ms(now_ns), max_batch=max_batch, min_piece=min_piece,
-                          cost=self.expected_cost(), utilisation=self.utilisation(now_ns))  # fmt: skip
+        return next_batch(
+            waiting,
+            free,
+            self.busy_left_ms(now_ns),
+            max_batch=max_batch,
+            min_piece=min_piece,
+            cost=self.expected_cost(),
+            utilisation=self.utilisation(now_ns),
+        )
 
     def sent(self, instance: int, now_ns: int, samples: int) -> None:
         self.busy[instance] = (now_ns, samples)

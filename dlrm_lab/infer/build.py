@@ -69,19 +69,26 @@ class BuildChoice:
 
     def to_dict(self) -> JsonObject:
         return {
-            "requested": self.requested, "build": self.build, "reason": self.reason,
+            "requested": self.requested,
+            "build": self.build,
+            "reason": self.reason,
             "batch_ms": {b: {str(n): round(ms, 4) for n, ms in sizes.items()} for b, sizes in self.batch_ms.items()},
-            "source": self.source, "warning": self.warning, "threads": self.threads, "margin": MARGIN,
-            "skipped": dict(self.skipped), "accuracy": self.accuracy.to_dict() if self.accuracy else None,
-        }  # fmt: skip
+            "source": self.source,
+            "warning": self.warning,
+            "threads": self.threads,
+            "margin": MARGIN,
+            "skipped": dict(self.skipped),
+            "accuracy": self.accuracy.to_dict() if self.accuracy else None,
+        }
 
 
 # (build, module) -> {batch size: ms per batch}; `dense_ms` of the fused build at the largest size
 Measure = Callable[[Mapping[str, nn.Module], Sequence[int], int], dict[str, dict[int, float]]]
 
 
-def time_builds(modules: Mapping[str, nn.Module], sizes: Sequence[int], threads: int, library: Any, precision: str,
-                repeats: int = 5) -> dict[str, dict[int, float]]:  # fmt: skip
+def time_builds(
+    modules: Mapping[str, nn.Module], sizes: Sequence[int], threads: int, library: Any, precision: str, repeats: int = 5
+) -> dict[str, dict[int, float]]:
     """Median ms per batch of each build at each batch size (library samples, taken in turn so that
     drift hits every build alike), at `threads` threads; `dense_ms` of the fused build is
     reported under the key -1 (its dense part alone at the largest size, its fastest repeat: what the part
@@ -148,13 +155,17 @@ def choose_build(
     common = {"requested": requested, "threads": threads}
     if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
         build = "eager" if requested == AUTO else requested
-        reason = "auto on a GPU: the eager model (the fused builds are timed on CPU only)" if requested == AUTO \
-            else f"asked for (--build {build}); not timed on a GPU"  # fmt: skip
+        reason = (
+            "auto on a GPU: the eager model (the fused builds are timed on CPU only)"
+            if requested == AUTO
+            else f"asked for (--build {build}); not timed on a GPU"
+        )
         return BuildChoice(build=build, reason=reason, **common), model
     sizes = sorted({max(1, int(n)) for n in sizes})
     modules = BuildSet(model, precision, table_precision)
-    skipped: dict[str, str] = {b: f"not a build of {family.called}: {family.no_compiled_build}"
-                               for b in builds() if b not in family.builds}  # fmt: skip
+    skipped: dict[str, str] = {
+        b: f"not a build of {family.called}: {family.no_compiled_build}" for b in builds() if b not in family.builds
+    }
     first = [b for b in ("eager", "fused") if b in family.builds]  # the fused build's dense time gates the rest
     rates, source = _rates(first, modules, sizes, threads, library, measure, log)
     dense_ms = rates.get("fused", {}).get(-1)
@@ -181,17 +192,34 @@ def choose_build(
         build, warning = requested, None
         fastest = min(total, key=lambda b: total[b])
         if build in total and total[fastest] * MARGIN < total[build]:
-            warning = (f"--build {build} is slower than {fastest} on this machine for {model.spec.name} "
-                       f"({vs(build, fastest)}, {threads} thread{'s' if threads != 1 else ''}); running {build} "
-                       "as asked (--build auto picks the faster)")  # fmt: skip
+            warning = (
+                f"--build {build} is slower than {fastest} on this machine for {model.spec.name} "
+                f"({vs(build, fastest)}, {threads} thread{'s' if threads != 1 else ''}); running {build} "
+                "as asked (--build auto picks the faster)"
+            )
         module = modules[build]
-        accuracy = check_accuracy(model, module, build, check_block, precision=judged_precision(build, precision),
-                                  table_precision=table_precision, labels=labels)  # fmt: skip
+        accuracy = check_accuracy(
+            model,
+            module,
+            build,
+            check_block,
+            precision=judged_precision(build, precision),
+            table_precision=table_precision,
+            labels=labels,
+        )
         reason = (
             f"asked for (--build {build}: {total[build]:.3f} ms)" if build in total else f"asked for (--build {build})"
         )
-        return BuildChoice(build=build, reason=reason, batch_ms=_public(rates), source=source, warning=warning,
-                           accuracy=accuracy, skipped=skipped, **common), modules.snapshot(build)  # fmt: skip
+        return BuildChoice(
+            build=build,
+            reason=reason,
+            batch_ms=_public(rates),
+            source=source,
+            warning=warning,
+            accuracy=accuracy,
+            skipped=skipped,
+            **common,
+        ), modules.snapshot(build)
     best = "eager"
     for b in ordered[1:]:
         if total[b] * MARGIN <= total[best]:
@@ -199,8 +227,15 @@ def choose_build(
     # the fastest that keeps the scores right; else the next fastest
     for b in [best] + sorted((o for o in ordered if o != best), key=lambda o: total[o]):
         module = modules[b]
-        accuracy = check_accuracy(model, module, b, check_block, precision=judged_precision(b, precision),
-                                  table_precision=table_precision, labels=labels)  # fmt: skip
+        accuracy = check_accuracy(
+            model,
+            module,
+            b,
+            check_block,
+            precision=judged_precision(b, precision),
+            table_precision=table_precision,
+            labels=labels,
+        )
         if accuracy.passed or b == "eager":
             best = b
             break
@@ -210,15 +245,19 @@ def choose_build(
     failed = [b for b in ordered if b in skipped and b != best]
     reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")
     if failed:
-        reason = (f"auto: {best}, the fastest that passed its accuracy check ({', '.join(failed)} failed it; "
-                  + ", ".join(f"{b} {total[b]:.3f} ms" for b in ordered) + ")")  # fmt: skip
+        reason = (
+            f"auto: {best}, the fastest that passed its accuracy check ({', '.join(failed)} failed it; "
+            + ", ".join(f"{b} {total[b]:.3f} ms" for b in ordered)
+            + ")"
+        )
     elif best == "eager":
         reason = (
             "auto: no build beats the eager model by "
             + f"{MARGIN:g}x ({', '.join(f'{b} {total[b]:.3f} ms' for b in ordered)})"
         )
-    return BuildChoice(build=best, reason=reason, batch_ms=_public(rates), source=source, accuracy=accuracy,
-                       skipped=skipped, **common), modules.snapshot(best)  # fmt: skip
+    return BuildChoice(
+        build=best, reason=reason, batch_ms=_public(rates), source=source, accuracy=accuracy, skipped=skipped, **common
+    ), modules.snapshot(best)
 
 
 def judged_precision(build: str, precision: str) -> str:
@@ -301,8 +340,10 @@ def _rates(
     noisy = {b: per[SPREAD] for b, per in rates.items() if per.get(SPREAD, 0.0) > NOISY_SPREAD}
     if noisy:  # a choice made in a noisy minute must not stick to the machine: measured again next time
         worst = max(noisy, key=lambda b: noisy[b])
-        source += (f", not stored: the machine was noisy ({worst}'s batch times spread {noisy[worst]:.0%} of their "
-                   f"median, over {NOISY_SPREAD:.0%})")  # fmt: skip
+        source += (
+            f", not stored: the machine was noisy ({worst}'s batch times spread {noisy[worst]:.0%} of their "
+            f"median, over {NOISY_SPREAD:.0%})"
+        )
     elif profile is not None:
         merged = {
             **(cached or {}).get("batch_ms", {}),

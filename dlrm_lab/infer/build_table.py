@@ -74,8 +74,9 @@ def compare_builds(
     sizes = sorted({max(1, int(n)) for n in sizes})
     if len(sizes) < 2:
         raise FieldError("sizes", f"{','.join(map(str, sizes))}: give two batch sizes or more (cost per sample)")
-    choice = choose_precision(served.precision, served.spec, allowed=PRECISIONS, threads=served.threads,
-                              rows=max(sizes), log=say)  # fmt: skip
+    choice = choose_precision(
+        served.precision, served.spec, allowed=PRECISIONS, threads=served.threads, rows=max(sizes), log=say
+    )
     precision = choice.precision
     say(f"{served.name}: {choice.line}")
     served = replace(served, precision=precision, max_batch=max(served.max_batch, max(sizes)))
@@ -102,18 +103,41 @@ def compare_builds(
         cost = BatchCost.between(small, ms[small], large, ms[large])
         computes_in = judged_precision(name, precision)
         gemm = "bf16" if computes_in == "int8" else computes_in  # the probe has no int8 GEMM peak: the bf16 one
-        roof = batch_roof(served.spec, served.table_precision, peaks_for(profile, "cpu", gemm, served.threads),
-                          dense_weight_bytes(name, precision))(large)  # fmt: skip
-        check = check_accuracy(model, made[name], name, held_out, precision=judged_precision(name, precision),
-                               table_precision=served.table_precision, labels=labels)  # fmt: skip
-        rows.append(BuildRow(
-            build=name, precision=computes_in, table_precision=served.table_precision,
-            threads=served.threads, batch_ms=ms, per_batch_ms=cost.fixed_ms,
-            per_sample_us=cost.per_sample_ms * 1e3, roof_ms=roof,
-            fraction_of_roof=roof / ms[large] if roof else None,
-            auc=check.auc, auc_fp32=check.auc_fp32, auc_kept=check.kept, rule=check.rule,
-            accuracy_passed=check.passed, labels=labels, skipped=None,
-        ))  # fmt: skip
+        roof = batch_roof(
+            served.spec,
+            served.table_precision,
+            peaks_for(profile, "cpu", gemm, served.threads),
+            dense_weight_bytes(name, precision),
+        )(large)
+        check = check_accuracy(
+            model,
+            made[name],
+            name,
+            held_out,
+            precision=judged_precision(name, precision),
+            table_precision=served.table_precision,
+            labels=labels,
+        )
+        rows.append(
+            BuildRow(
+                build=name,
+                precision=computes_in,
+                table_precision=served.table_precision,
+                threads=served.threads,
+                batch_ms=ms,
+                per_batch_ms=cost.fixed_ms,
+                per_sample_us=cost.per_sample_ms * 1e3,
+                roof_ms=roof,
+                fraction_of_roof=roof / ms[large] if roof else None,
+                auc=check.auc,
+                auc_fp32=check.auc_fp32,
+                auc_kept=check.kept,
+                rule=check.rule,
+                accuracy_passed=check.passed,
+                labels=labels,
+                skipped=None,
+            )
+        )
         say(f"{name}: {rows[-1]['per_batch_ms']:.3f} ms a batch + {rows[-1]['per_sample_us']:.2f} us a sample")
     order = {b: i for i, b in enumerate(names)}
     return sorted(rows, key=lambda r: order[r["build"]])

@@ -71,9 +71,15 @@ def _closed_loop(
 
 
 def _open_loop_percentile(
-    server: SystemUnderTest, stream: Stream, qps: float, seconds: float, percentile: float, sla_ms: float, seed: int,
+    server: SystemUnderTest,
+    stream: Stream,
+    qps: float,
+    seconds: float,
+    percentile: float,
+    sla_ms: float,
+    seed: int,
     drain_s: float,
-) -> float:  # fmt: skip
+) -> float:
     """The latency percentile of `seconds` of open-loop load at `qps` (dropped = inf)."""
     settings = LoadSettings("open-loop", duration_s=seconds, seed=seed)
     records, _ = drive_records(server, make_driver(server, [replace(stream, qps=qps)], settings), drain_s)
@@ -165,6 +171,13 @@ def choose_load(
             f"at a time p{percentile:g} {unloaded:.1f} ms): running at the lowest; {bound}"
         )
     return LoadChoice(
-        qps=qps, sla_ms=sla_ms, sla_chosen=sla_chosen, percentile=percentile, capacity_qps=capacity,
-        unloaded_latency_ms=unloaded, best_passing_qps=lo, probes=tried, reason=reason,
-    )  # fmt: skip
+        qps=qps,
+        sla_ms=sla_ms,
+        sla_chosen=sla_chosen,
+        percentile=percentile,
+        capacity_qps=capacity,
+        unloaded_latency_ms=unloaded,
+        best_passing_qps=lo,
+        probes=tried,
+        reason=reason,
+    )

@@ -52,9 +52,18 @@ def certify(
     and a rate that did not hold is never the answer. Each run lasts `options.certify_s`, or longer where
     LoadGen's early-stopping estimate needs more queries at that rate; at most `options.certify_tries` runs.
     Fills in `winner`'s certified columns; returns the next point index."""
-    served = base if parse_target(cfg.target).remote else replace(
-        base, instances=winner["instances"], threads=winner["threads_per_instance"], precision=winner["precision"],
-        max_batch=winner["max_batch"], max_delay_ms=winner["max_delay_ms"])  # fmt: skip
+    served = (
+        base
+        if parse_target(cfg.target).remote
+        else replace(
+            base,
+            instances=winner["instances"],
+            threads=winner["threads_per_instance"],
+            precision=winner["precision"],
+            max_batch=winner["max_batch"],
+            max_delay_ms=winner["max_delay_ms"],
+        )
+    )
     certify_cfg = replace(cfg, scenario="server", duration_s=options.certify_s)
     claimed = float(winner["best_qps"])
     held: SearchSummaryRow | None = None
@@ -68,8 +77,9 @@ def certify(
             seconds = max(loadgen_duration(qps, options.certify_s, cfg.sla_percentile), longer)
             point = Point(point_index, [replace(stream, qps=qps)], "together", "server", duration_s=seconds)
             point_index += 1
-            (measured,) = measure(server, point, certify_cfg, queries, run_dir, telemetry=telemetry,
-                                  on_progress=on_progress)  # fmt: skip
+            (measured,) = measure(
+                server, point, certify_cfg, queries, run_dir, telemetry=telemetry, on_progress=on_progress
+            )
             ok = measured["loadgen_result"] == "VALID" and bool(measured["sla_met"])
             row = SearchSummaryRow(measured, repeat=0, probe=-1 - attempt, passed=ok)
             summary.extend([row])
@@ -88,24 +98,34 @@ def certify(
                 held = row if held is None or qps > held["target_qps"] else held
             else:
                 failed = row if failed is None or qps < failed["target_qps"] else failed
-            if held is not None and (failed is None or failed["target_qps"] <= held["target_qps"] *
-                                     (1 + CERTIFY_TOLERANCE)):  # fmt: skip
+            if held is not None and (
+                failed is None or failed["target_qps"] <= held["target_qps"] * (1 + CERTIFY_TOLERANCE)
+            ):
                 break  # the claim held, or the bracket is narrow enough
-            qps = (math.sqrt(held["target_qps"] * failed["target_qps"]) if held is not None and failed is not None
-                   else qps * _backoff(row, cfg.sla_ms))  # fmt: skip
+            qps = (
+                math.sqrt(held["target_qps"] * failed["target_qps"])
+                if held is not None and failed is not None
+                else qps * _backoff(row, cfg.sla_ms)
+            )
     winner["certify_s"] = options.certify_s
     if held is not None:
-        winner.update(certified_qps=held["target_qps"], certified_samples_per_s=held["samples_per_s"],
-                      certified_result=held["loadgen_result"],
-                      certified_sla_latency_ms=held["sla_latency_ms"])  # fmt: skip
+        winner.update(
+            certified_qps=held["target_qps"],
+            certified_samples_per_s=held["samples_per_s"],
+            certified_result=held["loadgen_result"],
+            certified_sla_latency_ms=held["sla_latency_ms"],
+        )
         if held["target_qps"] < claimed:
             winner["outcome"] = f"best; certified at {held['target_qps']:,.1f} queries/s (claimed {claimed:,.1f})"
             if held["target_qps"] < 0.9 * claimed and log:
                 log(_disagreement(winner, held, failed))
     else:
-        winner.update(certified_qps=0.0, certified_samples_per_s=0.0,
-                      certified_result=last["loadgen_result"] if last else None,
-                      certified_sla_latency_ms=last["sla_latency_ms"] if last else None)  # fmt: skip
+        winner.update(
+            certified_qps=0.0,
+            certified_samples_per_s=0.0,
+            certified_result=last["loadgen_result"] if last else None,
+            certified_sla_latency_ms=last["sla_latency_ms"] if last else None,
+        )
         tries = f"{options.certify_tries} LoadGen Server run(s) of {options.certify_s:g} s or more"
         winner["outcome"] = f"best probed, not certified: no rate from {claimed:,.1f} queries/s down held {tries}"
     return point_index
@@ -127,16 +147,20 @@ def _certify_line(label: str, qps: float, seconds: float, row: SearchSummaryRow,
     verdict = row["loadgen_result"]
     if verdict != "VALID" and row.get("loadgen_reason"):
         verdict = f"{verdict} ({row['loadgen_reason']})"
-    return (f"certify {label} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen Server: {verdict}, "
-            f"p{cfg.sla_percentile:g} {p} ms: {'holds' if ok else 'does not hold'}")  # fmt: skip
+    return (
+        f"certify {label} at {qps:,.1f} queries/s for {seconds:g} s under LoadGen Server: {verdict}, "
+        f"p{cfg.sla_percentile:g} {p} ms: {'holds' if ok else 'does not hold'}"
+    )
 
 
 def _disagreement(winner: FrontierRow, held: SearchSummaryRow, failed: SearchSummaryRow | None) -> str:
     """Why LoadGen certified more than 10% below the open-loop probes: which side was slower, from the runs'
     own latency parts (the issuer's lag, the queue) and LoadGen's reason."""
     claimed, certified = float(winner["best_qps"]), float(held["target_qps"])
-    line = (f"LoadGen certified {certified:,.1f} queries/s, {1 - certified / claimed:.0%} below the open-loop "
-            f"probes' {claimed:,.1f}")  # fmt: skip
+    line = (
+        f"LoadGen certified {certified:,.1f} queries/s, {1 - certified / claimed:.0%} below the open-loop "
+        f"probes' {claimed:,.1f}"
+    )
     if failed is None:
         return line
     parts = [f"at {failed['target_qps']:,.1f} queries/s LoadGen said {failed['loadgen_result']}"]
@@ -145,12 +169,16 @@ def _disagreement(winner: FrontierRow, held: SearchSummaryRow, failed: SearchSum
     lg_p99, ours = failed.get("loadgen_p99_ms"), failed.get("sla_latency_ms")
     if lg_p99 is not None and ours is not None:
         if abs(lg_p99 - ours) <= 0.1 * ours:
-            side = ("both clocks agree: the server itself held less under LoadGen's load, whose issue and completion "
-                    "callbacks run in the serving process (Python, the GIL), than under the open loop's")  # fmt: skip
+            side = (
+                "both clocks agree: the server itself held less under LoadGen's load, whose issue and completion "
+                "callbacks run in the serving process (Python, the GIL), than under the open loop's"
+            )
         elif lg_p99 > ours:
-            side = ("LoadGen's clock is the slower: it counts from its schedule to its completion callback, so its "
-                    "issue and completion callbacks per query in the serving process (Python, the GIL) are in its "
-                    "figure and not in the lab's")  # fmt: skip
+            side = (
+                "LoadGen's clock is the slower: it counts from its schedule to its completion callback, so its "
+                "issue and completion callbacks per query in the serving process (Python, the GIL) are in its "
+                "figure and not in the lab's"
+            )
         else:
             side = "the lab's clock is the slower"
         parts.append(f"with LoadGen's p99 {lg_p99:.2f} ms against the lab's {ours:.2f} ms for the same queries: {side}")

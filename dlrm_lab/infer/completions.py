@@ -156,8 +156,15 @@ class BatchCompletions:
         expected = batch["batch_expected_ms"]
         if expected is not None and took_ms > max(STALL_MS, STALL_FACTOR * expected):
             with self._records_lock:
-                self._stalls.append(Stall(instance=msg.instance, model=name, took_ms=took_ms, expected_ms=expected,
-                                          at_ms=(sent_ns - self.epoch_ns) / 1e6))  # fmt: skip
+                self._stalls.append(
+                    Stall(
+                        instance=msg.instance,
+                        model=name,
+                        took_ms=took_ms,
+                        expected_ms=expected,
+                        at_ms=(sent_ns - self.epoch_ns) / 1e6,
+                    )
+                )
         if self.batch_observer is not None:
             self.batch_observer(name, samples)
         for q in finished:
@@ -190,8 +197,15 @@ class BatchCompletions:
         e = self.epoch_ns
         start_ns = q.first_start_ns
         record = query_row(
-            q.query_id, q.model, q.size, status, epoch_ns=e, scheduled_ns=q.scheduled_ns, issued_ns=q.issued_ns,
-            end_ns=now, error=error,
+            q.query_id,
+            q.model,
+            q.size,
+            status,
+            epoch_ns=e,
+            scheduled_ns=q.scheduled_ns,
+            issued_ns=q.issued_ns,
+            end_ns=now,
+            error=error,
             start_ms=None if start_ns is None else (start_ns - e) / 1e6,
             queue_ms=None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
             compute_ms=q.compute_ns / 1e6 if start_ns is not None else None,
@@ -209,7 +223,7 @@ class BatchCompletions:
                 for k, stage in enumerate(BATCH_STAGES)
             },
             batch_completion_ms=batch_completion_ms,
-        )  # fmt: skip
+        )
         with self._records_lock:
             self._records.append(record)
         if q.on_done is not None:

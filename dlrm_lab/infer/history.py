@@ -50,8 +50,11 @@ class HistoryCache:
     def prefix(self, user: int, items: np.ndarray) -> _Entry | None:
         """The user's cached encoding when it is a prefix of `items` (their history now), else None."""
         entry = self.entries.get(user)
-        ok = entry is not None and len(entry.items) <= len(items) and np.array_equal(items[: len(entry.items)],
-                                                                                     entry.items)  # fmt: skip
+        ok = (
+            entry is not None
+            and len(entry.items) <= len(items)
+            and np.array_equal(items[: len(entry.items)], entry.items)
+        )
         if ok:
             self.entries.move_to_end(user)
             self.hits += 1
@@ -95,10 +98,13 @@ def score_requests(
     # only the history after each cached prefix is looked up and encoded
     keep = np.arange(int(h.sum())) - np.repeat(starts, h) >= np.repeat(reused, h)
     tail = replace(
-        block, history_lengths=h - reused, history_items=block.history_items[keep],
-        history_categories=block.history_categories[keep], history_actions=block.history_actions[keep],
+        block,
+        history_lengths=h - reused,
+        history_items=block.history_items[keep],
+        history_categories=block.history_categories[keep],
+        history_actions=block.history_actions[keep],
         history_ages_s=block.history_ages_s[keep],
-    )  # fmt: skip
+    )
     batch = RequestBatch.from_block(tail).to(device)
     prefix = torch.tensor([0 if e is None else 1 + len(e.items) for e in entries], dtype=torch.long, device=device)
     shape = model.shape.stu

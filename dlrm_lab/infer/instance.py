@@ -237,8 +237,10 @@ class IdleHold:
                 handle = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115 - held for the process's life
                 handle.write((0).to_bytes(4, "little", signed=True))
             except OSError as exc:
-                raise RuntimeError(f"--idle-hold cpu-latency: cannot hold /dev/cpu_dma_latency at 0 "
-                                   f"({exc.strerror or exc}); it needs root") from None  # fmt: skip
+                raise RuntimeError(
+                    f"--idle-hold cpu-latency: cannot hold /dev/cpu_dma_latency at 0 "
+                    f"({exc.strerror or exc}); it needs root"
+                ) from None
             return cls(kind, handle)
         if kind == "lock-tables":
             import ctypes
@@ -249,8 +251,10 @@ class IdleHold:
             for address, size in regions:
                 if size and libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) != 0:
                     err = ctypes.get_errno()
-                    raise RuntimeError(f"--idle-hold lock-tables: mlock of {size:,} bytes failed ({os.strerror(err)});"
-                                       " raise the locked-memory limit (ulimit -l) or run as root")  # fmt: skip
+                    raise RuntimeError(
+                        f"--idle-hold lock-tables: mlock of {size:,} bytes failed ({os.strerror(err)});"
+                        " raise the locked-memory limit (ulimit -l) or run as root"
+                    )
             return cls(kind, regions)
         return cls(kind)
 

@@ -40,11 +40,22 @@ class InstanceProcesses:
     def _spawn(self, m: ServedModel, place: Placement, snap: Path, warmup_batch: int) -> None:
         """Start one instance of `m` where `place` says, serving the snapshot `snap`; it joins its model's pool."""
         instance = InstancePlan(
-            model=m.name, index=place.index, snapshot_dir=str(snap), spec=m.spec.to_dict(), threads=m.threads,
-            cores=place.cores, device=place.device, precision=m.precision, table_precision=m.table_precision,
-            warmup_batch=warmup_batch, spin_ms=m.spin_ms, history_cache_mb=m.history_cache_mb, build=m.build,
-            keep_warm_ms=m.keep_warm_ms, idle_hold=m.idle_hold,
-        )  # fmt: skip
+            model=m.name,
+            index=place.index,
+            snapshot_dir=str(snap),
+            spec=m.spec.to_dict(),
+            threads=m.threads,
+            cores=place.cores,
+            device=place.device,
+            precision=m.precision,
+            table_precision=m.table_precision,
+            warmup_batch=warmup_batch,
+            spin_ms=m.spin_ms,
+            history_cache_mb=m.history_cache_mb,
+            build=m.build,
+            keep_warm_ms=m.keep_warm_ms,
+            idle_hold=m.idle_hold,
+        )
         mine_end, theirs = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=instance_main, args=(instance, theirs), daemon=True, name=f"dlrm-lab-instance-{place.index}"
@@ -77,8 +88,10 @@ class InstanceProcesses:
                     raise ServingFault(f"instance {index} (pid {self._procs[index].pid}) failed to start: {error}")
                 del waiting[index]
                 costs[self.instance_info[index]["model"]].append(cost)
-                self.log(f"instance {index} ready: a batch takes {cost.fixed_ms:.2f} ms + "
-                         f"{cost.per_sample_ms * 1e3:.1f} us per sample")  # fmt: skip
+                self.log(
+                    f"instance {index} ready: a batch takes {cost.fixed_ms:.2f} ms + "
+                    f"{cost.per_sample_ms * 1e3:.1f} us per sample"
+                )
             if time.monotonic() > deadline:
                 raise ServingFault(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")
         for name, measured in costs.items():
@@ -117,9 +130,16 @@ class InstanceProcesses:
             if index in pool.free:
                 pool.free.remove(index)
         live = [i["instance"] for i in self.instance_info if i["model"] == name and i["instance"] not in self._lost]
-        self.lost.append(LostInstance(instance=index, pid=info["pid"], model=name, how=how,
-                                      at_ms=(time.monotonic_ns() - self.epoch_ns) / 1e6,
-                                      live_instances=live))  # fmt: skip
+        self.lost.append(
+            LostInstance(
+                instance=index,
+                pid=info["pid"],
+                model=name,
+                how=how,
+                at_ms=(time.monotonic_ns() - self.epoch_ns) / 1e6,
+                live_instances=live,
+            )
+        )
         if not live:
             self._error = f"{how}; no instance of {name} is left"
         else:

@@ -92,8 +92,9 @@ def run_inference(
         "models": [m.describe() for m in models],
         "streams": [{**stream_config(s), **({"qps": "auto"} if cfg.qps_auto else {})} for s in streams],
     }
-    opened = open_target(target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed,
-                         log=log)  # fmt: skip
+    opened = open_target(
+        target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log
+    )
     # a remote target is reached, and its models checked, before the run directory exists: a mistake in --target
     # leaves none; the lab's own server starts inside its run, which records how that went
     with opened if target.remote else nullcontext() as remote:
@@ -110,42 +111,73 @@ def run_inference(
                     if log:
                         log(f"connected to {target.url}: {sut.concurrency} connection(s), rpc {sut.rpc}")
                     models_said = {n: dict(d.columns) for n, d in sut.models.items()}  # what the server said of them
-                    run.update_manifest(target={"url": target.url, "rpc": sut.rpc, "concurrency": sut.concurrency,
-                                                "models": models_said})  # fmt: skip
+                    run.update_manifest(
+                        target={
+                            "url": target.url,
+                            "rpc": sut.rpc,
+                            "concurrency": sut.concurrency,
+                            "models": models_said,
+                        }
+                    )
                 if cfg.qps_auto:
                     (stream,) = streams
                     if log:
                         log("choosing the load: closed-loop capacity, one query at a time, then a short bisection")
                     choice = choose_load(
-                        server, stream, sla_ms=None if cfg.sla_auto else (stream.sla_ms or cfg.sla_ms),
-                        percentile=cfg.sla_percentile, probe_s=cfg.calibrate_s, seed=cfg.seed,
+                        server,
+                        stream,
+                        sla_ms=None if cfg.sla_auto else (stream.sla_ms or cfg.sla_ms),
+                        percentile=cfg.sla_percentile,
+                        probe_s=cfg.calibrate_s,
+                        seed=cfg.seed,
                         drain_s=cfg.drain_timeout_s,
-                    )  # fmt: skip
+                    )
                     streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
                     cfg = replace(cfg, sla_ms=choice.sla_ms)
                     if load.sized_by_early_stopping:
                         seconds = loadgen_duration(choice.qps, cfg.duration_s, cfg.sla_percentile)
                         if seconds > cfg.duration_s and log:
-                            log(f"--duration {cfg.duration_s:g} s sized up to {seconds:g} s: at {choice.qps:.1f} "
-                                "queries/s LoadGen's early-stopping estimate needs that many queries")  # fmt: skip
+                            log(
+                                f"--duration {cfg.duration_s:g} s sized up to {seconds:g} s: at {choice.qps:.1f} "
+                                "queries/s LoadGen's early-stopping estimate needs that many queries"
+                            )
                         cfg = replace(cfg, duration_s=seconds)
                     run.update_manifest(load_choice=choice.to_dict())
                     if log:
                         log(choice.reason)
                 if cfg.tune:
-                    policies = {s.model: choose_policy(
-                        server, s, cfg.tune, sla_ms=s.sla_ms or cfg.sla_ms, percentile=cfg.sla_percentile,
-                        whole_load_queued=load.queues_whole_load, probe_s=cfg.calibrate_s / 2, seed=cfg.seed,
-                        drain_s=cfg.drain_timeout_s, log=log,
-                    ).to_dict() for s in streams}  # fmt: skip
+                    policies = {
+                        s.model: choose_policy(
+                            server,
+                            s,
+                            cfg.tune,
+                            sla_ms=s.sla_ms or cfg.sla_ms,
+                            percentile=cfg.sla_percentile,
+                            whole_load_queued=load.queues_whole_load,
+                            probe_s=cfg.calibrate_s / 2,
+                            seed=cfg.seed,
+                            drain_s=cfg.drain_timeout_s,
+                            log=log,
+                        ).to_dict()
+                        for s in streams
+                    }
                     run.update_manifest(policy_choices=policies)
                 points = [Point(0, streams, "together", cfg.scenario)]
                 if len(streams) > 1 and cfg.compare_alone:
                     points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
                 for point in points:
                     with queue_room(server, point, cfg.duration_s) if not target.remote else nullcontext():
-                        rows = measure(server, point, cfg, queries, run.dir, log, telemetry, on_progress,
-                                       trace=cfg.trace and point.index == 0)  # fmt: skip
+                        rows = measure(
+                            server,
+                            point,
+                            cfg,
+                            queries,
+                            run.dir,
+                            log,
+                            telemetry,
+                            on_progress,
+                            trace=cfg.trace and point.index == 0,
+                        )
                     summary.extend(rows)
                     if stopped := next((r["issue_stopped"] for r in rows if r.get("issue_stopped")), None):
                         run.fails_at_end(f"point {point.index}: {stopped}")

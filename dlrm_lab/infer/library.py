@@ -169,8 +169,9 @@ class PackedLibrary(LoadedSamples):
         samples, lengths, where = self._ragged(sizes, offsets)
         return self.dense[samples], lengths, self.values[where]
 
-    def gather_into(self, sizes: np.ndarray, offsets: np.ndarray, dense: np.ndarray, bag_offsets: np.ndarray,
-                    ids: np.ndarray) -> tuple[int, int]:  # fmt: skip
+    def gather_into(
+        self, sizes: np.ndarray, offsets: np.ndarray, dense: np.ndarray, bag_offsets: np.ndarray, ids: np.ndarray
+    ) -> tuple[int, int]:
         """`gather`, written into a batch's own buffers as the fused lookup takes it: dense rows into `dense`, the
         bags' offsets (`[0]` and each bag's end, feature-major) into `bag_offsets`, the ids (cast to its type) into
         `ids`. Returns (samples, ids) written; the buffers must hold them."""

@@ -81,8 +81,13 @@ class QuerySizes:
             raise FieldError(field, f"{text!r}: parameters must be finite numbers")
         need = {"fixed": 1, "normal": 2, "lognormal": 2, "uniform": 2, "mlperf": 0}[kind]
         if len(values) != need:
-            usage = {"fixed": "fixed:N", "normal": "normal:MEAN,STD", "lognormal": "lognormal:MEDIAN,SIGMA",
-                     "uniform": "uniform:LO,HI", "mlperf": "mlperf"}[kind]  # fmt: skip
+            usage = {
+                "fixed": "fixed:N",
+                "normal": "normal:MEAN,STD",
+                "lognormal": "lognormal:MEDIAN,SIGMA",
+                "uniform": "uniform:LO,HI",
+                "mlperf": "mlperf",
+            }[kind]
             raise FieldError(field, f"{text!r}: expected {usage}")
         if kind == "mlperf":
             return cls("mlperf", MLPERF_MIN, MLPERF_MAX)
@@ -262,8 +267,9 @@ class Scenario:
         if self.one_model and models > 1:
             raise FieldError("scenario", f"{self.name}: LoadGen drives one model; use open-loop for several")
         if qps_auto and (models > 1 or not self.probes_rate):
-            raise FieldError("qps", f"auto: one {{model}}, with {' or '.join(probed)} load (the rate is probed open "
-                             "loop)", "model")  # fmt: skip
+            raise FieldError(
+                "qps", f"auto: one {{model}}, with {' or '.join(probed)} load (the rate is probed open loop)", "model"
+            )
 
 
 @dataclass(frozen=True)
@@ -298,10 +304,12 @@ class DriverStats:
     def accuracy(self, model: str) -> InferSummaryRow:
         lag = np.asarray(self.lag_ms.get(model, []), dtype=np.float64)
         target = self.target_queries.get(model)
-        return InferSummaryRow({
-            "achieved_rate_ratio": self.issued.get(model, 0) / target if target else None,
-            "issue_lag_p50_ms": percentile(lag, 50),
-            "issue_lag_p99_ms": percentile(lag, 99),
-            "issue_lag_max_ms": float(lag.max()) if len(lag) else None,
-            "issue_stopped": self.issue_stopped,
-        })  # fmt: skip
+        return InferSummaryRow(
+            {
+                "achieved_rate_ratio": self.issued.get(model, 0) / target if target else None,
+                "issue_lag_p50_ms": percentile(lag, 50),
+                "issue_lag_p99_ms": percentile(lag, 99),
+                "issue_lag_max_ms": float(lag.max()) if len(lag) else None,
+                "issue_stopped": self.issue_stopped,
+            }
+        )

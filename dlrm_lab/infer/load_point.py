@@ -151,21 +151,37 @@ class _Seen:
 
 
 def _drive_point(
-    server: SystemUnderTest, point: Point, cfg: InferConfig, sut: SutDescription, peaks: dict[str, Peaks | str],
-    queries: TableWriter, run_dir: Path, log: Log | None, telemetry: TableWriter | None,
-    on_progress: OnProgress | None, decided: Callable[[list[QueryRow]], bool] | None, trace: bool,
-) -> _Seen:  # fmt: skip
+    server: SystemUnderTest,
+    point: Point,
+    cfg: InferConfig,
+    sut: SutDescription,
+    peaks: dict[str, Peaks | str],
+    queries: TableWriter,
+    run_dir: Path,
+    log: Log | None,
+    telemetry: TableWriter | None,
+    on_progress: OnProgress | None,
+    decided: Callable[[list[QueryRow]], bool] | None,
+    trace: bool,
+) -> _Seen:
     """The point's load, metered (energy, CPU, the trace): every finished query a row with its latency parts."""
     slas = {s.model: s.sla_ms or cfg.sla_ms for s in point.streams}
     settings = LoadSettings(
-        point.scenario, duration_s=cfg.duration_s, seed=cfg.seed + point.index, sla_ms=slas[point.streams[0].model],
-        sla_percentile=cfg.sla_percentile, log_dir=run_dir / "loadgen" / f"point-{point.index}",
-        max_issue_lag_ms=cfg.max_issue_lag_ms, concurrency=cfg.concurrency,
-    )  # fmt: skip
+        point.scenario,
+        duration_s=cfg.duration_s,
+        seed=cfg.seed + point.index,
+        sla_ms=slas[point.streams[0].model],
+        sla_percentile=cfg.sla_percentile,
+        log_dir=run_dir / "loadgen" / f"point-{point.index}",
+        max_issue_lag_ms=cfg.max_issue_lag_ms,
+        concurrency=cfg.concurrency,
+    )
     driver = make_driver(server, point.streams, settings)
     records: list[QueryRow] = []
-    roofs = {m: batch_roof(sut.models[m].spec, sut.models[m].table_precision or "fp32", p,
-                           _dense_bytes(sut.models[m])) for m, p in peaks.items()}  # fmt: skip
+    roofs = {
+        m: batch_roof(sut.models[m].spec, sut.models[m].table_precision or "fp32", p, _dense_bytes(sut.models[m]))
+        for m, p in peaks.items()
+    }
 
     def pump(finished: list[QueryRow]) -> None:
         rows = with_late_flags(finished, slas, point.index)
@@ -224,13 +240,27 @@ def _drive_point(
     if tracing:
         _write_trace(server, records, sut, run_dir, log)
     report(finished=True)
-    return _Seen(records, driver.stats, InferSummaryRow(sampler.summary(window[0], window[1])),
-                 InferSummaryRow({column: use[column] for column in CPU_COLUMNS}), stalls, slas, stopped_after_s,
-                 failure)  # fmt: skip
+    return _Seen(
+        records,
+        driver.stats,
+        InferSummaryRow(sampler.summary(window[0], window[1])),
+        InferSummaryRow({column: use[column] for column in CPU_COLUMNS}),
+        stalls,
+        slas,
+        stopped_after_s,
+        failure,
+    )
 
 
-def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription, cfg: InferConfig,
-                 peaks: Peaks | str, warmup_s: float) -> InferSummaryRow:  # fmt: skip
+def _summary_row(
+    point: Point,
+    stream: Stream,
+    seen: _Seen,
+    sut: SutDescription,
+    cfg: InferConfig,
+    peaks: Peaks | str,
+    warmup_s: float,
+) -> InferSummaryRow:
     """One model's summary row of a point (`infer summary`, less energy and cost: those are shared by the point)."""
     stats, failure = seen.stats, seen.failure
     mine = [r for r in seen.records if r["model"] == stream.model]
@@ -249,38 +279,50 @@ def _summary_row(point: Point, stream: Stream, seen: _Seen, sut: SutDescription,
             error = f"{sut.target}: {failure}"
         else:
             error = f"the server at {sut.target} answered badly: {failure}"
-    row = InferSummaryRow({
-        "point": point.index,
-        "mode": point.mode,
-        "scenario": point.scenario,
-        "model": stream.model,
-        "preset": served.spec.name,
-        **served.columns,
-        "query_sizes": str(stream.sizes),
-        "arrival": stats.arrival[stream.model],
-        "target_qps": stream.qps if scenario(point.scenario).rate else None,  # a closed loop has no rate
-        "duration_s": span,
-        "warmup_s": warmup_s,
-        **summarize(mine, duration_s=span, sla_ms=seen.slas[stream.model], sla_percentile=cfg.sla_percentile),
-        **stats.accuracy(stream.model),
-        **seen.cpu,
-        "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
-        **stats.loadgen,
-        "load_stopped_early": seen.stopped_after_s is not None,
-        "target": sut.target,
-        "rpc": sut.rpc,
-        "concurrency": sut.concurrency,
-        "server_lost": None if sut.rpc is None else isinstance(failure, ServerLost),
-        "error": error,
-        "batch_fixed_ms": None if cost is None else cost.fixed_ms,
-        "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
-        **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
-    })  # fmt: skip
+    row = InferSummaryRow(
+        {
+            "point": point.index,
+            "mode": point.mode,
+            "scenario": point.scenario,
+            "model": stream.model,
+            "preset": served.spec.name,
+            **served.columns,
+            "query_sizes": str(stream.sizes),
+            "arrival": stats.arrival[stream.model],
+            "target_qps": stream.qps if scenario(point.scenario).rate else None,  # a closed loop has no rate
+            "duration_s": span,
+            "warmup_s": warmup_s,
+            **summarize(mine, duration_s=span, sla_ms=seen.slas[stream.model], sla_percentile=cfg.sla_percentile),
+            **stats.accuracy(stream.model),
+            **seen.cpu,
+            "snapshot_mb": sut.snapshot_bytes.get(stream.model, 0) / 1e6,
+            **stats.loadgen,
+            "load_stopped_early": seen.stopped_after_s is not None,
+            "target": sut.target,
+            "rpc": sut.rpc,
+            "concurrency": sut.concurrency,
+            "server_lost": None if sut.rpc is None else isinstance(failure, ServerLost),
+            "error": error,
+            "batch_fixed_ms": None if cost is None else cost.fixed_ms,
+            "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
+            **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
+        }
+    )
     dense_bytes, tables = _dense_bytes(served), served.table_precision or "fp32"
     row.update(roofline_columns(served.spec, tables, row, peaks, dense_bytes))
-    row.update(latency_floor_columns(served.spec, tables, served.instances or 1, served.threads or 1,
-                                     served.max_batch or 1, row, peaks, served.min_piece or 0,
-                                     dense_bytes))  # fmt: skip
+    row.update(
+        latency_floor_columns(
+            served.spec,
+            tables,
+            served.instances or 1,
+            served.threads or 1,
+            served.max_batch or 1,
+            row,
+            peaks,
+            served.min_piece or 0,
+            dense_bytes,
+        )
+    )
     return row
 
 
@@ -305,9 +347,11 @@ def _write_trace(server: Any, records: list[QueryRow], sut: SutDescription, run_
     if log:
         gaps = "".join(f"; instance {k}: {why}" for k, why in missing.items())
         gaps += "".join(f"; instance {k}: no served batch to align its profile by" for k in info["instances_unaligned"])
-        log(f"trace: {run_dir / 'trace.json'} ({info['events']:,} events: every query and batch, and torch.profiler's "
+        log(
+            f"trace: {run_dir / 'trace.json'} ({info['events']:,} events: every query and batch, and torch.profiler's "
             f"operators of at most the first {MAX_TRACED_BATCHES:,} batches of each instance; open in "
-            f"ui.perfetto.dev){gaps}")  # fmt: skip
+            f"ui.perfetto.dev){gaps}"
+        )
 
 
 def _peaks(profile: JsonObject | None, device: str, served: ModelDescription) -> Peaks | str:
@@ -329,8 +373,11 @@ def stall_columns(stalls: list[Stall]) -> InferSummaryRow:
     if not stalls:
         return InferSummaryRow(instance_stalls=0, longest_stall_s=None, stalled_instances=None)
     instances = ",".join(str(i) for i in sorted({s["instance"] for s in stalls}))
-    return InferSummaryRow(instance_stalls=len(stalls), longest_stall_s=max(s["took_ms"] for s in stalls) / 1e3,
-                           stalled_instances=instances)  # fmt: skip
+    return InferSummaryRow(
+        instance_stalls=len(stalls),
+        longest_stall_s=max(s["took_ms"] for s in stalls) / 1e3,
+        stalled_instances=instances,
+    )
 
 
 def point_line(row: InferSummaryRow) -> str:
@@ -356,7 +403,7 @@ def point_line(row: InferSummaryRow) -> str:
             f", {row['cost_per_1m_samples']:,.4g} {row['currency']} per 1M samples"
             if row.get("cost_per_1m_samples") is not None
             else ""
-        )  # fmt: skip
+        )
         + (
             f"; instance {row['stalled_instances']} stalled: {row['instance_stalls']} batch(es) held up to "
             f"{row['longest_stall_s']:.1f} s (a stopped or starved process)"

@@ -33,15 +33,34 @@ from dlrm_lab.metrics.columns import InferSummaryRow
 # LoadGen's TestSettings of each scenario: its TestScenario, the samples in one LoadGen query,
 # and which of the run's quantities (see `LoadGenDriver.test_settings`) sets which field.
 SCENARIO_SETTINGS: dict[str, tuple[str, int, dict[str, str]]] = {
-    "server": ("Server", 1, {"server_target_qps": "qps", "server_target_latency_ns": "sla_ns",
-                             "server_target_latency_percentile": "percentile"}),
+    "server": (
+        "Server",
+        1,
+        {
+            "server_target_qps": "qps",
+            "server_target_latency_ns": "sla_ns",
+            "server_target_latency_percentile": "percentile",
+        },
+    ),
     "offline": ("Offline", 1, {"offline_expected_qps": "qps"}),
-    "single-stream": ("SingleStream", 1, {"single_stream_expected_latency_ns": "expected_latency_ns",
-                                          "single_stream_target_latency_percentile": "percentile"}),
-    "multi-stream": ("MultiStream", 8, {"multi_stream_samples_per_query": "samples_per_query",
-                                       "multi_stream_expected_latency_ns": "expected_latency_ns",
-                                       "multi_stream_target_latency_percentile": "percentile"}),
-}  # fmt: skip
+    "single-stream": (
+        "SingleStream",
+        1,
+        {
+            "single_stream_expected_latency_ns": "expected_latency_ns",
+            "single_stream_target_latency_percentile": "percentile",
+        },
+    ),
+    "multi-stream": (
+        "MultiStream",
+        8,
+        {
+            "multi_stream_samples_per_query": "samples_per_query",
+            "multi_stream_expected_latency_ns": "expected_latency_ns",
+            "multi_stream_target_latency_percentile": "percentile",
+        },
+    ),
+}
 LOADGEN_SCENARIOS = tuple(SCENARIO_SETTINGS)
 OWN_PROCESS = frozenset({"server", "offline"})  # the scenarios whose LoadGen runs in its own process
 _running = 0  # LoadGen tests in progress in this process (`running`)
@@ -97,8 +116,9 @@ class LoadGenDriver:
     load never passes.
     """
 
-    def __init__(self, sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings,
-                 own_process: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings, own_process: bool | None = None
+    ) -> None:
         try:
             import mlperf_loadgen  # noqa: F401
         except ImportError:
@@ -112,8 +132,9 @@ class LoadGenDriver:
         if settings.log_dir is None:
             raise ValueError("LoadGenDriver: settings.log_dir is where LoadGen writes its logs; none given")
         self.sut, (self.stream,), self.settings = sut, streams, settings
-        self.qsl = QuerySampleLibrary(sut.library(self.stream.model), self.stream.sizes,
-                                      np.random.default_rng(settings.seed))  # fmt: skip
+        self.qsl = QuerySampleLibrary(
+            sut.library(self.stream.model), self.stream.sizes, np.random.default_rng(settings.seed)
+        )
         self.stats = DriverStats(duration_s=settings.duration_s, arrival={self.stream.model: "loadgen"})
         self._ids = itertools.count()  # LoadGen issues from its own threads; next() is atomic
         self.dropped = 0
@@ -224,8 +245,11 @@ class LoadGenDriver:
             # In time order LoadGen's sample index gives the query's size only: its requests are the
             # library's next (LoadGen picks indices at random; MLPerf's DLRMv3 harness likewise serves
             # its requests by timestamp). Every sample is loaded, so any range is.
-            starts = (self.qsl.library.in_time_order(np.array([sizes[k] for k in indices])).tolist()
-                      if in_time_order else [offsets[k] for k in indices])  # fmt: skip
+            starts = (
+                self.qsl.library.in_time_order(np.array([sizes[k] for k in indices])).tolist()
+                if in_time_order
+                else [offsets[k] for k in indices]
+            )
             at = scheduled_ns or 0
             for tag, k, start in zip(tags, indices, starts, strict=True):
                 submit(Query(next(self._ids), model, sizes[k], start, on_done=done, tag=tag, scheduled_ns=at))
@@ -240,8 +264,9 @@ class LoadGenDriver:
         issue = self._issuer(lambda tags: lg.QuerySamplesComplete([lg.QuerySampleResponse(t, 0, 0) for t in tags]))
         sut = lg.ConstructFastSUT(lambda tags, indices: issue(tags, indices, None), lambda: None)  # as Intel's runner
         qsl = self.qsl
-        lg_qsl = lg.ConstructQSL(qsl.total_sample_count, qsl.performance_sample_count, qsl.load_samples,
-                                 qsl.unload_samples)  # fmt: skip
+        lg_qsl = lg.ConstructQSL(
+            qsl.total_sample_count, qsl.performance_sample_count, qsl.load_samples, qsl.unload_samples
+        )
         global _running
         with _running_lock:
             _running += 1
@@ -282,8 +307,10 @@ class LoadGenDriver:
                     msg = issue_r.recv()
                 except (EOFError, OSError):
                     proc.join(5)
-                    raise ServingFault(f"MLPerf LoadGen's process (pid {proc.pid}) ended before its test did "
-                                       f"(exit code {proc.exitcode})") from None  # fmt: skip
+                    raise ServingFault(
+                        f"MLPerf LoadGen's process (pid {proc.pid}) ended before its test did "
+                        f"(exit code {proc.exitcode})"
+                    ) from None
                 if msg[0] == END:
                     _, error, self.stats.duration_s = msg
                     if error:
@@ -375,8 +402,9 @@ def queries_needed(reason: str | None) -> int | None:
 def parse_loadgen_summary(path: Path) -> InferSummaryRow:
     """VALID/INVALID, LoadGen's throughput and its p99 from `mlperf_log_summary.txt`, as summary columns."""
     if not path.exists():
-        return InferSummaryRow(loadgen_result=None, loadgen_queries_per_s=None, loadgen_p99_ms=None,
-                               loadgen_reason=None)  # fmt: skip
+        return InferSummaryRow(
+            loadgen_result=None, loadgen_queries_per_s=None, loadgen_p99_ms=None, loadgen_reason=None
+        )
     text = path.read_text()
 
     def grab(pattern: str) -> str | None:
@@ -398,18 +426,26 @@ def parse_loadgen_summary(path: Path) -> InferSummaryRow:
     reason = "; ".join(f"{u.replace(' satisfied', '')} not met" for u in unmet) or None
     if reason and more:
         reason += f" (processed {processed} queries, would need at least {more} more, all within the bound)"
-    return InferSummaryRow({
-        "loadgen_reason": reason,
-        "loadgen_result": grab(r"^Result is\s*:\s*(\w+)"),
-        "loadgen_queries_per_s": float(rate) if rate else None,
-        "loadgen_p99_ms": int(p99) / 1e6 if p99 else None,
-    })  # fmt: skip
+    return InferSummaryRow(
+        {
+            "loadgen_reason": reason,
+            "loadgen_result": grab(r"^Result is\s*:\s*(\w+)"),
+            "loadgen_queries_per_s": float(rate) if rate else None,
+            "loadgen_p99_ms": int(p99) / 1e6 if p99 else None,
+        }
+    )
 
 
 # LoadGen's scenarios as the lab runs them: one model each; the server's rate can be probed open loop and
 # its duration is sized to LoadGen's early-stopping estimate; offline issues every query at once.
 SCENARIOS = tuple(
-    Scenario(name, LoadGenDriver, one_model=True, probes_rate=name == "server",
-             sized_by_early_stopping=name == "server", queues_whole_load=name == "offline")
+    Scenario(
+        name,
+        LoadGenDriver,
+        one_model=True,
+        probes_rate=name == "server",
+        sized_by_early_stopping=name == "server",
+        queues_whole_load=name == "offline",
+    )
     for name in SCENARIO_SETTINGS
-)  # fmt: skip
+)

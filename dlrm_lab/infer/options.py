@@ -81,13 +81,19 @@ class ServingOptions(ModelScaling):
         True, "HSTU with history reuse: send a user's requests to the instance holding their history."
     )
     data_overrides: tuple[str, ...] = option(  # on their [data]: the requests
-        (), "HSTU presets: KEY=VALUE on the preset's [data] (its requests).", flags=("--set",),
-        type=Optional[list[str]], cli_default=None,
-    )  # fmt: skip
+        (),
+        "HSTU presets: KEY=VALUE on the preset's [data] (its requests).",
+        flags=("--set",),
+        type=Optional[list[str]],
+        cli_default=None,
+    )
     checkpoint: tuple[str, ...] = option(  # model.checkpoint: one per --model, in order
-        (), "Serve the weights a training run saved (its --checkpoint-dir); one per --model, in order (default: the "
-        "preset's untrained model).", type=Optional[list[str]], cli_default=None,
-    )  # fmt: skip
+        (),
+        "Serve the weights a training run saved (its --checkpoint-dir); one per --model, in order (default: the "
+        "preset's untrained model).",
+        type=Optional[list[str]],
+        cli_default=None,
+    )
     max_query_samples: int = option(
         65_536,  # infer.served.DEFAULT_MAX_QUERY_SAMPLES
         "The largest query accepted, in samples (larger: INVALID_ARGUMENT naming the bound); a query larger than one "
@@ -101,8 +107,9 @@ class ServingOptions(ModelScaling):
         out, seen = [], {}
         names = models or [DEFAULT_MODEL]
         if self.checkpoint and len(self.checkpoint) != len(names):
-            raise FieldError("checkpoint", f": give one per {{model}} ({len(names)}), in order; got "
-                             f"{len(self.checkpoint)}", "model")  # fmt: skip
+            raise FieldError(
+                "checkpoint", f": give one per {{model}} ({len(names)}), in order; got {len(self.checkpoint)}", "model"
+            )
         for name, checkpoint in zip(names, self.checkpoint or [None] * len(names), strict=True):
             spec = load_any_preset(name, table_scale=self.table_scale, max_rows=self.max_rows)
             spec = family_of(spec).with_data_overrides(spec, self.data_overrides, serving=True)
@@ -348,15 +355,24 @@ class InferConfig:
         target = parse_target(self.target)
         check_connection(target, self.connection())
         if target.remote and self.tune:
-            raise FieldError(self.tune[0], f"auto: {{target}} {self.target}: the server's own serving policy applies "
-                             "(auto knobs are chosen on a server in this process)", "target")  # fmt: skip
+            raise FieldError(
+                self.tune[0],
+                f"auto: {{target}} {self.target}: the server's own serving policy applies "
+                "(auto knobs are chosen on a server in this process)",
+                "target",
+            )
         if target.remote and self.trace:
-            raise FieldError("trace", f": {{target}} {self.target}: a trace profiles instances in this process",
-                             "target")  # fmt: skip
+            raise FieldError(
+                "trace", f": {{target}} {self.target}: a trace profiles instances in this process", "target"
+            )
         probed = [k for k in PROBED if k in self.tune]
         if probed and not scenario(self.scenario).probes_rate:
-            raise FieldError(probed[0], "auto: needs open-loop or server load (chosen at the point's rate); "
-                             f"{{scenario}} {self.scenario}: give a number", "scenario")  # fmt: skip
+            raise FieldError(
+                probed[0],
+                "auto: needs open-loop or server load (chosen at the point's rate); "
+                f"{{scenario}} {self.scenario}: give a number",
+                "scenario",
+            )
 
     def to_dict(self) -> JsonObject:
         return asdict(self)
@@ -365,9 +381,14 @@ class InferConfig:
         """How the load's clients reach a remote target (`infer.targets.Connection`)."""
         from dlrm_lab.infer.targets import Connection
 
-        return Connection(rpc=self.rpc, concurrency=self.concurrency, timeout_s=self.timeout_s,
-                          connect_timeout_s=self.connect_timeout_s, unavailable_s=self.unavailable_s,
-                          seed=self.seed)  # fmt: skip
+        return Connection(
+            rpc=self.rpc,
+            concurrency=self.concurrency,
+            timeout_s=self.timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            unavailable_s=self.unavailable_s,
+            seed=self.seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -396,16 +417,36 @@ class BuildTableOptions:
 
 # `infer run` also takes auto for these serving options (infer.tune.KNOBS): chosen on the running server
 RUN_KNOBS: dict[str, OptionChange] = {
-    "max_batch": {"type": str, "default": AUTO, "help": (
-        "Largest batch in samples, or auto: from the batch cost the instances measure, large enough that the "
-        "per-batch cost is at most 10% of a batch, a full batch at most a quarter of the bound.")},
-    "max_delay_ms": {"type": str, "default": "1", "help": (
-        "Longest a query waits for its batch to fill, or auto: the delay of 0-2 ms with the lowest latency "
-        "percentile in short probes at the point's own load.")},
-    "spin_ms": {"type": str, "default": "0", "help": (
-        "An idle instance polls for its next batch this long before it sleeps (a core that slept runs the next "
-        "batch slower), or auto: chosen like --max-delay-ms, kept only where it beats no spin by 5%.")},
-    "keep_warm_ms": {"type": str, "default": "0", "help": (
-        "An idle instance runs a 1-sample batch of its own every this many ms (0: off), or auto: none against "
-        "every 10 ms, probed like --spin-ms, kept only where it beats none by 5% (DLRM presets).")},
-}  # fmt: skip
+    "max_batch": {
+        "type": str,
+        "default": AUTO,
+        "help": (
+            "Largest batch in samples, or auto: from the batch cost the instances measure, large enough that the "
+            "per-batch cost is at most 10% of a batch, a full batch at most a quarter of the bound."
+        ),
+    },
+    "max_delay_ms": {
+        "type": str,
+        "default": "1",
+        "help": (
+            "Longest a query waits for its batch to fill, or auto: the delay of 0-2 ms with the lowest latency "
+            "percentile in short probes at the point's own load."
+        ),
+    },
+    "spin_ms": {
+        "type": str,
+        "default": "0",
+        "help": (
+            "An idle instance polls for its next batch this long before it sleeps (a core that slept runs the next "
+            "batch slower), or auto: chosen like --max-delay-ms, kept only where it beats no spin by 5%."
+        ),
+    },
+    "keep_warm_ms": {
+        "type": str,
+        "default": "0",
+        "help": (
+            "An idle instance runs a 1-sample batch of its own every this many ms (0: off), or auto: none against "
+            "every 10 ms, probed like --spin-ms, kept only where it beats none by 5% (DLRM presets)."
+        ),
+    },
+}

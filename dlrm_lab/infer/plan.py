@@ -84,9 +84,14 @@ class Planner:
         warn about an explicit precision that measures slower than fp32."""
         for name, m in list(self.models.items()):
             choice = choose_precision(
-                m.precision, m.spec, allowed=PRECISIONS, device=self.device, threads=m.threads, rows=m.max_batch,
+                m.precision,
+                m.spec,
+                allowed=PRECISIONS,
+                device=self.device,
+                threads=m.threads,
+                rows=m.max_batch,
                 log=self.log,
-            )  # fmt: skip
+            )
             self.log(choice.line if choice.warning else f"{name}: {choice.line}")
             self.precision_choices[name] = choice.to_dict()
             self.models[name] = replace(m, precision=choice.precision)
@@ -104,19 +109,24 @@ class Planner:
         once; recorded with the precision choice."""
         held_out = family_of(m.spec).held_out(m, library, self.seed)
         if not m.checkpoint:
-            self.log(f"{m.name}: no --checkpoint: serving an untrained model, its builds' accuracy judged on labels "
-                     "drawn from its own ranking")  # fmt: skip
+            self.log(
+                f"{m.name}: no --checkpoint: serving an untrained model, its builds' accuracy judged on labels "
+                "drawn from its own ranking"
+            )
         choice, model, m = self._checked_build(m, model, library, held_out)
         if choice.accuracy is not None and not choice.accuracy.passed:
-            self.log(f"warning: {m.name}: build {choice.build} failed its accuracy check "
-                     f"({choice.accuracy.rule}); served as asked")  # fmt: skip
+            self.log(
+                f"warning: {m.name}: build {choice.build} failed its accuracy check "
+                f"({choice.accuracy.rule}); served as asked"
+            )
         self.log(choice.line if choice.warning else f"{m.name}: {choice.line}")
         self.precision_choices[m.name]["build_choice"] = choice.to_dict()
         self.models[m.name] = replace(m, build=choice.build)
         return model
 
-    def _checked_build(self, m: ServedModel, source: torch.nn.Module, library: Any,
-                       held_out: Any) -> tuple[Any, torch.nn.Module, ServedModel]:  # fmt: skip
+    def _checked_build(
+        self, m: ServedModel, source: torch.nn.Module, library: Any, held_out: Any
+    ) -> tuple[Any, torch.nn.Module, ServedModel]:
         """`choose_build` at the model's precision; a reduced precision that `--precision auto` chose for its
         speed but that fails the accuracy rule in every build falls back to fp32 (said, and recorded with the
         precision choice). The choice, the module to serve and the model as served."""
@@ -124,10 +134,18 @@ class Planner:
 
         def choose(precision: str) -> tuple[Any, torch.nn.Module]:
             return choose_build(
-                m.build, source, precision=precision, table_precision=m.table_precision, threads=m.threads,
-                sizes=m.batches_to_time(), library=library, check_block=held_out, device=self.device, log=self.log,
+                m.build,
+                source,
+                precision=precision,
+                table_precision=m.table_precision,
+                threads=m.threads,
+                sizes=m.batches_to_time(),
+                library=library,
+                check_block=held_out,
+                device=self.device,
+                log=self.log,
                 labels="data" if m.checkpoint else "teacher",
-            )  # fmt: skip
+            )
 
         choice, model = choose(m.precision)
         record = self.precision_choices[m.name]
@@ -135,10 +153,15 @@ class Planner:
         if check is None or check.passed or m.precision == "fp32" or record.get("requested") != "auto":
             return choice, model, m
         where = "in every build" if m.build == "auto" else f"with --build {m.build}"
-        self.log(f"{m.name}: precision {m.precision} fails the accuracy rule {where} ({check.rule}: AUC "
-                 f"{check.auc:.5f} vs fp32 {check.auc_fp32:.5f}); served in fp32")  # fmt: skip
-        record.update(precision="fp32", accuracy_fallback=check.to_dict(),
-                      reason=f"{record['reason']}; then fp32: {m.precision} failed the accuracy rule")  # fmt: skip
+        self.log(
+            f"{m.name}: precision {m.precision} fails the accuracy rule {where} ({check.rule}: AUC "
+            f"{check.auc:.5f} vs fp32 {check.auc_fp32:.5f}); served in fp32"
+        )
+        record.update(
+            precision="fp32",
+            accuracy_fallback=check.to_dict(),
+            reason=f"{record['reason']}; then fp32: {m.precision} failed the accuracy rule",
+        )
         m = replace(m, precision="fp32")
         self.models[m.name] = m
         del model

@@ -32,10 +32,18 @@ def compute_slowdown(records: list[QueryRow]) -> dict[str, float | None]:
     """Batch times over what the instances' warm model predicts (their back-to-back batch
     cost measured at start), median and p99 over the point's batches: the machine's own
     disturbances (cores that slept, a noisy host) apart from queueing. 1 is warm speed."""
-    ratios = np.array(list({
-        r["batch_id"]: r["batch_compute_ms"] / r["batch_expected_ms"] for r in records
-        if r.get("batch_id") is not None and r.get("batch_compute_ms") is not None and r.get("batch_expected_ms")
-    }.values()), dtype=np.float64)  # fmt: skip
+    ratios = np.array(
+        list(
+            {
+                r["batch_id"]: r["batch_compute_ms"] / r["batch_expected_ms"]
+                for r in records
+                if r.get("batch_id") is not None
+                and r.get("batch_compute_ms") is not None
+                and r.get("batch_expected_ms")
+            }.values()
+        ),
+        dtype=np.float64,
+    )
     return {"compute_slowdown_p50": percentile(ratios, 50), "compute_slowdown_p99": percentile(ratios, 99)}
 
 
@@ -64,45 +72,54 @@ def summarize(
         r["batch_id"]: (r["batch_samples"], r["batch_queries"]) for r in records if r.get("batch_id") is not None
     }
     batch_compute = np.array(
-        list({r["batch_id"]: r["compute_ms"] for r in records if r["status"] == "ok" and r.get("batch_id") is not None}
-             .values()), dtype=np.float64)  # fmt: skip
+        list(
+            {
+                r["batch_id"]: r["compute_ms"] for r in records if r["status"] == "ok" and r.get("batch_id") is not None
+            }.values()
+        ),
+        dtype=np.float64,
+    )
     bsz = np.array([b[0] for b in batches.values()], dtype=np.float64)
     bq = np.array([b[1] for b in batches.values()], dtype=np.float64)
     # a server that reports no stage times (a third-party one) leaves queue and compute null
-    queue = np.array([r["queue_ms"] for r in records if r["status"] == "ok" and r.get("queue_ms") is not None],
-                     dtype=np.float64)  # fmt: skip
-    compute = np.array([r["compute_ms"] for r in records if r["status"] == "ok" and r.get("compute_ms") is not None],
-                       dtype=np.float64)  # fmt: skip
-    out = InferSummaryRow({
-        "queries": len(records),
-        "completed_queries": int(ok.sum()),
-        "dropped_queries": int((status == "dropped").sum()),
-        "rejected_queries": int((status == "rejected").sum()),
-        "failed_queries": int((status == "failed").sum()),
-        "unfinished_queries": int((status == "unfinished").sum()),
-        "expired_queries": int((status == "expired").sum()),
-        "late_queries": int((lat > sla_ms).sum()),
-        "queries_per_s": float(ok.sum() / duration_s) if duration_s > 0 else None,
-        "samples_per_s": float(samples[ok].sum() / duration_s) if duration_s > 0 else None,
-        "latency_mean_ms": float(lat.mean()) if len(lat) else None,
-        "latency_max_ms": float(lat.max()) if len(lat) else None,
-        "sla_ms": sla_ms,
-        "sla_percentile": sla_percentile,
-        "batch_samples_mean": float(bsz.mean()) if len(bsz) else None,
-        "batch_samples_p50": percentile(bsz, 50),
-        "batch_samples_p99": percentile(bsz, 99),
-        "batch_queries_mean": float(bq.mean()) if len(bq) else None,
-        "batches": len(batches),
-        "batch_compute_mean_ms": float(batch_compute.mean()) if len(batch_compute) else None,
-        "queue_mean_ms": float(queue.mean()) if len(queue) else None,
-        "compute_mean_ms": float(compute.mean()) if len(compute) else None,
-        "queue_share": float(queue.sum() / lat.sum()) if len(queue) and lat.sum() > 0 else None,
-        **compute_slowdown(records),
-        **_family_summaries(records, ok, samples),
-        **batch_stage_means(records),
-        **tail_parts(records, sla_percentile),
-        **transfer_columns(records),
-    })  # fmt: skip
+    queue = np.array(
+        [r["queue_ms"] for r in records if r["status"] == "ok" and r.get("queue_ms") is not None], dtype=np.float64
+    )
+    compute = np.array(
+        [r["compute_ms"] for r in records if r["status"] == "ok" and r.get("compute_ms") is not None], dtype=np.float64
+    )
+    out = InferSummaryRow(
+        {
+            "queries": len(records),
+            "completed_queries": int(ok.sum()),
+            "dropped_queries": int((status == "dropped").sum()),
+            "rejected_queries": int((status == "rejected").sum()),
+            "failed_queries": int((status == "failed").sum()),
+            "unfinished_queries": int((status == "unfinished").sum()),
+            "expired_queries": int((status == "expired").sum()),
+            "late_queries": int((lat > sla_ms).sum()),
+            "queries_per_s": float(ok.sum() / duration_s) if duration_s > 0 else None,
+            "samples_per_s": float(samples[ok].sum() / duration_s) if duration_s > 0 else None,
+            "latency_mean_ms": float(lat.mean()) if len(lat) else None,
+            "latency_max_ms": float(lat.max()) if len(lat) else None,
+            "sla_ms": sla_ms,
+            "sla_percentile": sla_percentile,
+            "batch_samples_mean": float(bsz.mean()) if len(bsz) else None,
+            "batch_samples_p50": percentile(bsz, 50),
+            "batch_samples_p99": percentile(bsz, 99),
+            "batch_queries_mean": float(bq.mean()) if len(bq) else None,
+            "batches": len(batches),
+            "batch_compute_mean_ms": float(batch_compute.mean()) if len(batch_compute) else None,
+            "queue_mean_ms": float(queue.mean()) if len(queue) else None,
+            "compute_mean_ms": float(compute.mean()) if len(compute) else None,
+            "queue_share": float(queue.sum() / lat.sum()) if len(queue) and lat.sum() > 0 else None,
+            **compute_slowdown(records),
+            **_family_summaries(records, ok, samples),
+            **batch_stage_means(records),
+            **tail_parts(records, sla_percentile),
+            **transfer_columns(records),
+        }
+    )
     for name, p in zip(LATENCY_FIELDS, PERCENTILES, strict=True):
         out[name] = percentile(lat, p)
     sla_value = percentile(sla_lat, sla_percentile)
@@ -139,8 +156,9 @@ def transfer_columns(records: list[QueryRow]) -> InferSummaryRow:
         out["transfer_mean_ms"] = float(transfer.mean())
         out["transfer_share"] = float(transfer.sum() / latency.sum()) if latency.sum() > 0 else None
         out["transfer_per_sample_us"] = float(transfer.sum() / samples * 1e3)
-        out["transfer_to_compute"] = None if compute is None or compute.mean() <= 0 else float(
-            transfer.mean() / compute.mean())  # fmt: skip
+        out["transfer_to_compute"] = (
+            None if compute is None or compute.mean() <= 0 else float(transfer.mean() / compute.mean())
+        )
     requests, responses = values("request_bytes"), values("response_bytes")
     out["request_bytes_mean"] = None if requests is None else float(requests.mean())
     out["request_bytes_per_sample"] = None if requests is None else float(requests.sum() / samples)
@@ -148,9 +166,18 @@ def transfer_columns(records: list[QueryRow]) -> InferSummaryRow:
     return out
 
 
-TRANSFER_SUMMARY = ("round_trip_p50_ms", "round_trip_p99_ms", *[f"{s}_mean_ms" for s in TRANSFER_STAGES],
-                    "transfer_mean_ms", "transfer_share", "transfer_per_sample_us", "transfer_to_compute",
-                    "request_bytes_mean", "response_bytes_mean", "request_bytes_per_sample")  # fmt: skip
+TRANSFER_SUMMARY = (
+    "round_trip_p50_ms",
+    "round_trip_p99_ms",
+    *[f"{s}_mean_ms" for s in TRANSFER_STAGES],
+    "transfer_mean_ms",
+    "transfer_share",
+    "transfer_per_sample_us",
+    "transfer_to_compute",
+    "request_bytes_mean",
+    "response_bytes_mean",
+    "request_bytes_per_sample",
+)
 
 
 def batch_stage_means(records: list[QueryRow]) -> dict[str, float | None]:
@@ -219,8 +246,12 @@ def _remote_latency_parts(record: QueryRow, roof_ms: float | None, out: QueryRow
     if any(t is None for t in transfer) or compute is None or record.get("queue_ms") is None:
         return out
     roof = min(roof_ms or 0.0, compute)
-    out.update(lat_transport_ms=sum(transfer), lat_queue_ms=record["queue_ms"], lat_roof_ms=roof,
-               lat_beyond_roof_ms=compute - roof)  # fmt: skip
+    out.update(
+        lat_transport_ms=sum(transfer),
+        lat_queue_ms=record["queue_ms"],
+        lat_roof_ms=roof,
+        lat_beyond_roof_ms=compute - roof,
+    )
     return out
 
 
@@ -262,9 +293,12 @@ def roofline_columns(
     if not batch:
         out["roofline_note"] = "no batch completed"
         return out
-    work = Work(flops=batch * cost.forward_flops, gather_bytes=batch * row_bytes,
-                stream_bytes=dense_bytes_per_parameter * spec.dense_parameters,
-                gather_rows=batch * cost.embedding_rows_read)  # fmt: skip
+    work = Work(
+        flops=batch * cost.forward_flops,
+        gather_bytes=batch * row_bytes,
+        stream_bytes=dense_bytes_per_parameter * spec.dense_parameters,
+        gather_rows=batch * cost.embedding_rows_read,
+    )
     out.update(place(work, ms / 1e3 if ms else None, peaks))
     return out
 
@@ -302,8 +336,13 @@ def latency_floor_columns(
     served at the machine's peaks with no queueing, batching delay or overhead. Nulls when the floor cannot
     be placed (no profile) or nothing completed.
     """
-    out = InferSummaryRow(latency_floor_cores=None, latency_floor_ms=None, latency_floor_ratio=None,
-                          latency_floor_wake_ms=None, latency_floor_cold_factor=None)  # fmt: skip
+    out = InferSummaryRow(
+        latency_floor_cores=None,
+        latency_floor_ms=None,
+        latency_floor_ratio=None,
+        latency_floor_wake_ms=None,
+        latency_floor_cold_factor=None,
+    )
     q = row.get("latency_floor_samples")
     if not q or isinstance(peaks, str):
         return out
@@ -312,9 +351,12 @@ def latency_floor_columns(
     gap_ms = 1e3 * instances / rate if rate else None  # how long an instance sits idle between its queries
     warmed = row.get("keep_warm_ms") or None  # an idle instance that runs a batch this often: its memory's gap
     cold = cold_factor_for_gap(peaks.cold, min(gap_ms, warmed) if gap_ms and warmed else gap_ms)
-    memory_then = replace(peaks, gather_bytes_per_s=peaks.gather_bytes_per_s / cold,
-                          gather_rows_per_s=peaks.gather_rows_per_s / cold if peaks.gather_rows_per_s else None,
-                          memory_bytes_per_s=peaks.memory_bytes_per_s / cold)  # fmt: skip
+    memory_then = replace(
+        peaks,
+        gather_bytes_per_s=peaks.gather_bytes_per_s / cold,
+        gather_rows_per_s=peaks.gather_rows_per_s / cold if peaks.gather_rows_per_s else None,
+        memory_bytes_per_s=peaks.memory_bytes_per_s / cold,
+    )
     floor_ms = batch_roof(spec, table_precision, memory_then, dense_bytes_per_parameter)(math.ceil(q / pieces))
     wake_ms = wake_ms_for_gap(peaks.wake, gap_ms)
     if floor_ms is not None:
@@ -329,8 +371,9 @@ def latency_floor_columns(
     return out
 
 
-def batch_roof(spec: ModelSpec, table_precision: str, peaks: Peaks | str,
-               dense_bytes_per_parameter: float = 4.0) -> Callable[[int], float | None]:  # fmt: skip
+def batch_roof(
+    spec: ModelSpec, table_precision: str, peaks: Peaks | str, dense_bytes_per_parameter: float = 4.0
+) -> Callable[[int], float | None]:
     """The roofline time (ms) of a batch of n samples on one instance: forward FLOPs at the GEMM peak,
     embedding rows at the gather bandwidth and the dense weights read once (at the precision the
     build stores them in); None without peaks."""

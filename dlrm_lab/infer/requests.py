@@ -24,10 +24,21 @@ from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.library import LoadedSamples
 
 REQUEST_ARRAYS = (
-    "user", "step", "history_lengths", "history_starts", "candidate_lengths", "candidate_starts",
-    "history_items", "history_categories", "history_actions", "history_ages_s",
-    "candidate_items", "candidate_categories", "labels", "click_probability",
-)  # fmt: skip
+    "user",
+    "step",
+    "history_lengths",
+    "history_starts",
+    "candidate_lengths",
+    "candidate_starts",
+    "history_items",
+    "history_categories",
+    "history_actions",
+    "history_ages_s",
+    "candidate_items",
+    "candidate_categories",
+    "labels",
+    "click_probability",
+)
 SERVED_WINDOW = "eval"
 
 
@@ -55,19 +66,24 @@ class RequestLibrary(LoadedSamples):
     def from_block(cls, block: Any) -> RequestLibrary:
         """Pack a `data.sequences.RequestBlock`."""
         h, c = block.history_lengths.astype(np.int64), block.candidate_lengths.astype(np.int64)
-        return cls({
-            "user": block.user.astype(np.int64), "step": block.step.astype(np.int64),
-            "history_lengths": h, "history_starts": np.cumsum(h) - h,
-            "candidate_lengths": c, "candidate_starts": np.cumsum(c) - c,
-            "history_items": block.history_items.astype(np.int64),
-            "history_categories": block.history_categories.astype(np.int64),
-            "history_actions": block.history_actions.astype(np.int64),
-            "history_ages_s": block.history_ages_s.astype(np.float32),
-            "candidate_items": block.candidate_items.astype(np.int64),
-            "candidate_categories": block.candidate_categories.astype(np.int64),
-            "labels": block.labels.astype(np.float32),
-            "click_probability": block.click_probability.astype(np.float32),
-        })  # fmt: skip
+        return cls(
+            {
+                "user": block.user.astype(np.int64),
+                "step": block.step.astype(np.int64),
+                "history_lengths": h,
+                "history_starts": np.cumsum(h) - h,
+                "candidate_lengths": c,
+                "candidate_starts": np.cumsum(c) - c,
+                "history_items": block.history_items.astype(np.int64),
+                "history_categories": block.history_categories.astype(np.int64),
+                "history_actions": block.history_actions.astype(np.int64),
+                "history_ages_s": block.history_ages_s.astype(np.float32),
+                "candidate_items": block.candidate_items.astype(np.int64),
+                "candidate_categories": block.candidate_categories.astype(np.int64),
+                "labels": block.labels.astype(np.float32),
+                "click_probability": block.click_probability.astype(np.float32),
+            }
+        )
 
     @classmethod
     def generate(cls, spec: Any, seed: int, samples: int) -> RequestLibrary:
@@ -106,13 +122,20 @@ class RequestLibrary(LoadedSamples):
         tokens = _ragged(self.history_starts[requests], h)
         cands = _ragged(self.candidate_starts[requests], c)
         return RequestBlock(
-            request=requests, user=self.user[requests], step=self.step[requests], history_lengths=h,
-            history_items=self.history_items[tokens], history_categories=self.history_categories[tokens],
-            history_actions=self.history_actions[tokens], history_ages_s=self.history_ages_s[tokens],
-            candidate_lengths=c, candidate_items=self.candidate_items[cands],
-            candidate_categories=self.candidate_categories[cands], labels=self.labels[cands],
+            request=requests,
+            user=self.user[requests],
+            step=self.step[requests],
+            history_lengths=h,
+            history_items=self.history_items[tokens],
+            history_categories=self.history_categories[tokens],
+            history_actions=self.history_actions[tokens],
+            history_ages_s=self.history_ages_s[tokens],
+            candidate_lengths=c,
+            candidate_items=self.candidate_items[cands],
+            candidate_categories=self.candidate_categories[cands],
+            labels=self.labels[cands],
             click_probability=self.click_probability[cands],
-        )  # fmt: skip
+        )
 
 
 def generate_library(served: Any, seed: int, samples: int) -> Any:

@@ -160,11 +160,15 @@ def search(
         point_index = 0
         choices: dict[str, JsonObject] = {}
         layouts = [(layout, list(group)) for layout, group in itertools.groupby(grid.configs(), key=lambda c: c[:2])]
-        runs = [
-            (layout, precision, group)
-            for layout, group in layouts
-            for precision in _search_precisions(base, layout[1], max(grid.max_batch), cfg, log, choices)
-        ] if not target.remote else [((None, None), None, [(None, None, None, None)])]  # fmt: skip
+        runs = (
+            [
+                (layout, precision, group)
+                for layout, group in layouts
+                for precision in _search_precisions(base, layout[1], max(grid.max_batch), cfg, log, choices)
+            ]
+            if not target.remote
+            else [((None, None), None, [(None, None, None, None)])]
+        )
         # A remote server is searched as it serves: the rate alone (neither protocol sets its layout or batching)
         run.update_manifest(precision_choices=choices)
         best_sps = 0.0  # the best rate found under the bound so far, samples/s
@@ -188,16 +192,41 @@ def search(
                     if options.prune_margin >= 0 and capacity * mean_size * (1 + options.prune_margin) < best_sps:
                         frontier.append(pruned_row(served, capacity, capacity * mean_size, best_sps, cfg, log))
                         continue
-                    probe = _Probing(server, base, stream, cfg, options, queries, summary, telemetry, run.dir, log,
-                                     on_progress, point_index)  # fmt: skip
+                    probe = _Probing(
+                        server,
+                        base,
+                        stream,
+                        cfg,
+                        options,
+                        queries,
+                        summary,
+                        telemetry,
+                        run.dir,
+                        log,
+                        on_progress,
+                        point_index,
+                    )
                     row = probe.bisect(served, capacity, best_sps)
                     point_index = probe.point_index
                     frontier.append(row)
                     best_sps = max(best_sps, row["best_samples_per_s"] or 0.0)
         winner = judge(frontier)
         if winner is not None and options.certify_s > 0:
-            point_index = certify(winner, base, stream, cfg, options, serve, queries, summary, telemetry, run.dir,
-                                  point_index, log, on_progress)  # fmt: skip
+            point_index = certify(
+                winner,
+                base,
+                stream,
+                cfg,
+                options,
+                serve,
+                queries,
+                summary,
+                telemetry,
+                run.dir,
+                point_index,
+                log,
+                on_progress,
+            )
         price = price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)
         for r in frontier:
             r.update(serving_cost_columns(r, price))
@@ -248,24 +277,33 @@ class _Probing:
             seconds = min(max(cfg.duration_s, options.min_queries / qps), options.max_duration_s)
             # LoadGen cannot be interrupted: ending its probe early would start the
             # next test while it still runs (it aborts the process)
-            decided = (fails_already(base.name, cfg.sla_ms,
-                                     late_budget(qps, seconds, cfg.sla_percentile))
-                       if options.early_stop and scenario(cfg.scenario).stops_early else None)  # fmt: skip
+            decided = (
+                fails_already(base.name, cfg.sla_ms, late_budget(qps, seconds, cfg.sla_percentile))
+                if options.early_stop and scenario(cfg.scenario).stops_early
+                else None
+            )
             rows: list[SearchSummaryRow] = []
             lat: list[float] = []
             passed: bool | None = None
             for rep in range(options.repeats):
                 point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario, duration_s=seconds)
                 point_index += 1
-                (measured,) = measure(server, point, cfg, queries, self.run_dir, telemetry=telemetry,
-                                      on_progress=self.on_progress, decided=decided)  # fmt: skip
+                (measured,) = measure(
+                    server,
+                    point,
+                    cfg,
+                    queries,
+                    self.run_dir,
+                    telemetry=telemetry,
+                    on_progress=self.on_progress,
+                    decided=decided,
+                )
                 row = SearchSummaryRow(measured, repeat=rep, probe=probes)
                 rows.append(row)
                 # a load cut short (decided, or its issuer fell behind) did not hold the rate
                 stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
                 lat.append(math.inf if stopped else row["sla_latency_ms"])
-                passed = verdict_settled(lat, options.repeats, cfg.sla_ms,
-                                         SETTLE_MARGIN if options.early_stop else 0.0)  # fmt: skip
+                passed = verdict_settled(lat, options.repeats, cfg.sla_ms, SETTLE_MARGIN if options.early_stop else 0.0)
                 if passed is not None:
                     break  # the repeats left cannot change the verdict
             points += len(rows)
@@ -275,15 +313,16 @@ class _Probing:
             summary.flush()
             if log:
                 early = " (decided early)" if len(rows) < options.repeats or rows[-1]["load_stopped_early"] else ""
-                log(f"{label_of(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
-                    f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}{early}")  # fmt: skip
+                log(
+                    f"{label_of(served)}: {qps:.1f} queries/s -> p{cfg.sla_percentile:g} "
+                    f"{np.median(lat):.2f} ms, {'pass' if passed else 'fail'}{early}"
+                )
             probes += 1
             if passed:
                 lo, best_rows = qps, rows
             elif challenged:
                 hi = qps
-                lost = (f"lower: the bound missed at {qps:,.1f} queries/s, the best rate found "
-                        f"/ (1 + prune margin)")  # fmt: skip
+                lost = f"lower: the bound missed at {qps:,.1f} queries/s, the best rate found / (1 + prune margin)"
                 if log:
                     log(f"{label_of(served)}: {lost}")
                 break
@@ -296,8 +335,9 @@ class _Probing:
         return row
 
 
-def _search_precisions(base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None,
-                       choices: dict[str, JsonObject]) -> list[str]:  # fmt: skip
+def _search_precisions(
+    base: ServedModel, threads: int, rows: int, cfg: InferConfig, log: Log | None, choices: dict[str, JsonObject]
+) -> list[str]:
     """The precisions a layout is searched in: the one asked for, or with `auto` every
     precision whose measured GEMM rate is close enough to the fastest to win (a clear loser
     is left out of the grid, and so costs no search time)."""

@@ -65,16 +65,27 @@ class SearchOptions:
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.steps < 1 or self.min_queries < 1:
-            raise FieldError("repeats", f"{self.repeats}, {{steps}} {self.steps}, {{min_queries}} {self.min_queries}: "
-                             "must be >= 1", "steps", "min_queries")  # fmt: skip
+            raise FieldError(
+                "repeats",
+                f"{self.repeats}, {{steps}} {self.steps}, {{min_queries}} {self.min_queries}: must be >= 1",
+                "steps",
+                "min_queries",
+            )
         if not 0 < self.tolerance < 1:
             raise FieldError("tolerance", f"{self.tolerance}: must be in (0, 1)")
         if not 0 <= self.certify_s <= 3600 or self.certify_tries < 1:
-            raise FieldError("certify_s", f"{self.certify_s}: must be in [0, 3600] s (0: no certification); "
-                             f"{{certify_tries}} {self.certify_tries}: must be >= 1", "certify_tries")  # fmt: skip
+            raise FieldError(
+                "certify_s",
+                f"{self.certify_s}: must be in [0, 3600] s (0: no certification); "
+                f"{{certify_tries}} {self.certify_tries}: must be >= 1",
+                "certify_tries",
+            )
         if not (self.capacity_s > 0 and self.max_duration_s > 0):
-            raise FieldError("capacity_s", f"{self.capacity_s}, {{max_duration_s}} {self.max_duration_s}: must be > 0",
-                             "max_duration_s")  # fmt: skip
+            raise FieldError(
+                "capacity_s",
+                f"{self.capacity_s}, {{max_duration_s}} {self.max_duration_s}: must be > 0",
+                "max_duration_s",
+            )
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,11 @@ class SearchSpace:
 
     def grid(self) -> Any:
         """The configurations tried (`SearchGrid`)."""
-        grid = SearchGrid(parse_layouts(self.layouts), number_list(self.max_batch, int, "max_batch"),
-                          number_list(self.max_delay_ms, float, "max_delay_ms"))  # fmt: skip
+        grid = SearchGrid(
+            parse_layouts(self.layouts),
+            number_list(self.max_batch, int, "max_batch"),
+            number_list(self.max_delay_ms, float, "max_delay_ms"),
+        )
         if any(b < 1 for b in grid.max_batch) or any(d < 0 for d in grid.max_delay_ms):
             raise FieldError("max_batch", "values must be >= 1 and {max_delay_ms} values >= 0", "max_delay_ms")
         return grid
@@ -105,11 +119,14 @@ class SearchSpace:
 # `infer search`'s own words for options it shares with `infer run`
 SEARCH_CHANGES: dict[str, OptionChange] = {
     "scenario": {"help": "Load of each probe: open-loop (our generator) or server (MLPerf LoadGen)."},
-    "target": {"help": (
-        "The system under test (see `infer run --help`); a remote server is searched as it serves: its rate alone, "
-        "--layouts, --max-batch and --max-delay-ms apply in process.")},
+    "target": {
+        "help": (
+            "The system under test (see `infer run --help`); a remote server is searched as it serves: its rate alone, "
+            "--layouts, --max-batch and --max-delay-ms apply in process."
+        )
+    },
     "duration": {"default": 1.0},
-}  # fmt: skip
+}
 
 
 def available_cores() -> int:

@@ -63,8 +63,13 @@ class ServedModel:
     checkpoint: str | None = None
 
     def __post_init__(self) -> None:
-        for name, value in (("instances", self.instances), ("threads", self.threads), ("max_batch", self.max_batch),
-                            ("max_queue", self.max_queue), ("max_query_samples", self.max_query_samples)):  # fmt: skip
+        for name, value in (
+            ("instances", self.instances),
+            ("threads", self.threads),
+            ("max_batch", self.max_batch),
+            ("max_queue", self.max_queue),
+            ("max_query_samples", self.max_query_samples),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise FieldError(name, f"{value!r}: must be a whole number >= 1")
         if not isinstance(self.min_piece, int) or self.min_piece < 0:
@@ -89,27 +94,29 @@ class ServedModel:
 
     def describe(self) -> InferSummaryRow:
         """How it is served, as its summary rows' columns (and the run manifest's record of it)."""
-        return InferSummaryRow({
-            "model": self.name,
-            "preset": self.spec.name,
-            "instances": self.instances,
-            "threads_per_instance": self.threads,
-            "max_batch": self.max_batch,
-            "max_delay_ms": self.max_delay_ms,
-            "max_queue": self.max_queue,
-            "min_piece": self.min_piece,
-            "spin_ms": self.spin_ms,
-            "keep_warm_ms": self.keep_warm_ms,
-            "idle_hold": self.idle_hold,
-            "precision": self.precision,
-            "table_precision": self.table_precision,
-            "history_cache_mb": self.history_cache_mb,
-            "history_affinity": self.history_affinity if self.history_cache_mb else None,
-            "attention": self.attention if family_of(self.spec).attention_paths else None,
-            "build": self.build,
-            "max_query_samples": self.max_query_samples,
-            **self.checkpoint_columns(),
-        })  # fmt: skip
+        return InferSummaryRow(
+            {
+                "model": self.name,
+                "preset": self.spec.name,
+                "instances": self.instances,
+                "threads_per_instance": self.threads,
+                "max_batch": self.max_batch,
+                "max_delay_ms": self.max_delay_ms,
+                "max_queue": self.max_queue,
+                "min_piece": self.min_piece,
+                "spin_ms": self.spin_ms,
+                "keep_warm_ms": self.keep_warm_ms,
+                "idle_hold": self.idle_hold,
+                "precision": self.precision,
+                "table_precision": self.table_precision,
+                "history_cache_mb": self.history_cache_mb,
+                "history_affinity": self.history_affinity if self.history_cache_mb else None,
+                "attention": self.attention if family_of(self.spec).attention_paths else None,
+                "build": self.build,
+                "max_query_samples": self.max_query_samples,
+                **self.checkpoint_columns(),
+            }
+        )
 
     def checkpoint_columns(self) -> InferSummaryRow:
         trained = self.trained()
@@ -130,11 +137,22 @@ class ServedModel:
     def description(self) -> ModelDescription:
         """This model as the runner reads it (`infer.sut.ModelDescription`)."""
         return ModelDescription(
-            name=self.name, spec=self.spec, instances=self.instances, threads=self.threads, max_batch=self.max_batch,
-            max_delay_ms=self.max_delay_ms, spin_ms=self.spin_ms, keep_warm_ms=self.keep_warm_ms,
-            min_piece=self.min_piece, max_queue=self.max_queue, largest_query=self.largest_query,
-            precision=self.precision, table_precision=self.table_precision, build=self.build, columns=self.describe(),
-        )  # fmt: skip
+            name=self.name,
+            spec=self.spec,
+            instances=self.instances,
+            threads=self.threads,
+            max_batch=self.max_batch,
+            max_delay_ms=self.max_delay_ms,
+            spin_ms=self.spin_ms,
+            keep_warm_ms=self.keep_warm_ms,
+            min_piece=self.min_piece,
+            max_queue=self.max_queue,
+            largest_query=self.largest_query,
+            precision=self.precision,
+            table_precision=self.table_precision,
+            build=self.build,
+            columns=self.describe(),
+        )
 
     def piece_limit(self) -> int:
         """The largest batch an instance serves: max_batch, or one instance's share of the largest query."""
@@ -161,7 +179,11 @@ def check_cores(models: list[ServedModel], cores: int, device: str = "cpu") -> s
         return None
     what = " + ".join(f"{m.name}: --instances {m.instances} x --threads {m.threads}" for m in models)
     if want > OVERSUBSCRIPTION_LIMIT * cores:
-        raise UserError(f"{what} = {want} threads on {cores} usable cores, more than {OVERSUBSCRIPTION_LIMIT}x: "
-                        "use fewer --instances or --threads")  # fmt: skip
-    return (f"warning: {what} = {want} threads on {cores} usable cores: instances will wait for each other's "
-            "cores, so latency measures the scheduler as much as the model")  # fmt: skip
+        raise UserError(
+            f"{what} = {want} threads on {cores} usable cores, more than {OVERSUBSCRIPTION_LIMIT}x: "
+            "use fewer --instances or --threads"
+        )
+    return (
+        f"warning: {what} = {want} threads on {cores} usable cores: instances will wait for each other's "
+        "cores, so latency measures the scheduler as much as the model"
+    )

@@ -182,8 +182,10 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         spare = spare_cores(places) if self.pin_cores else ()
         if spare:
             self._threads_before = pin_threads(spare)
-            self.log(f"serving process: its threads pinned to core{'s' if len(spare) > 1 else ''} "
-                     f"{', '.join(map(str, spare))}, beside the instances'")  # fmt: skip
+            self.log(
+                f"serving process: its threads pinned to core{'s' if len(spare) > 1 else ''} "
+                f"{', '.join(map(str, spare))}, beside the instances'"
+            )
         self._completion = threading.Thread(target=self._complete_loop, name="dlrm-lab-completion", daemon=True)
         self._completion.start()
         for name, pool in self._pools.items():
@@ -299,8 +301,12 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
             self._outstanding += 1
         if q.size > pool.served.max_query_samples:
             q.payload = None
-            self._finish(q, "rejected", now=q.issued_ns, error=f"{q.size} samples: at most "
-                         f"{pool.served.max_query_samples} a query (--max-query-samples)")  # fmt: skip
+            self._finish(
+                q,
+                "rejected",
+                now=q.issued_ns,
+                error=f"{q.size} samples: at most {pool.served.max_query_samples} a query (--max-query-samples)",
+            )
             return
         if q.payload is not None:
             packed = self._check_payload(q, pool)
@@ -371,8 +377,9 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 if expired:
                     continue  # finished at the loop's top, outside the lock
                 now = time.monotonic_ns()
-                size = pool.clock.next_batch(pool.waiting_samples, len(pool.free), now, max_batch=m.max_batch,
-                                             min_piece=m.min_piece)  # fmt: skip
+                size = pool.clock.next_batch(
+                    pool.waiting_samples, len(pool.free), now, max_batch=m.max_batch, min_piece=m.min_piece
+                )
                 size = whole_enough(size, pool.waiting[0], m.instances, m.piece_limit())
                 instance = pool.free.popleft()
                 pieces = take_batch(pool, size, instance)
@@ -380,8 +387,10 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 batch_id = next(self._batch_ids)
                 self._in_flight[batch_id] = (name, pieces, instance)
             # a query with its own samples sends them whole (a few arrays: one copy each), its piece by offset
-            refs = [QueryRef(q.query_id, hi - lo, lo if q.payload is not None else q.offset + lo, q.payload)
-                    for q, lo, hi in pieces]  # fmt: skip
+            refs = [
+                QueryRef(q.query_id, hi - lo, lo if q.payload is not None else q.offset + lo, q.payload)
+                for q, lo, hi in pieces
+            ]
             try:
                 with self._send_locks[instance]:
                     self._conns[instance].send((batch_id, refs))

@@ -80,18 +80,20 @@ def query_row(
     """A finished query's row of `queries` (`metrics.columns`; columns not given are null), as every system
     under test records it (`take_records`): its times in ms since the load's epoch, its latency from its
     scheduled arrival (open loop: a late issue counts) to its end, and the table's other `columns` by name."""
-    return QueryRow({
-        "query_id": query_id,
-        "model": model,
-        "samples": samples,
-        "status": status,
-        "scheduled_ms": (scheduled_ns - epoch_ns) / 1e6,
-        "issued_ms": (issued_ns - epoch_ns) / 1e6,
-        "end_ms": (end_ns - epoch_ns) / 1e6,
-        "latency_ms": (end_ns - scheduled_ns) / 1e6,
-        "error": error,
-        **columns,
-    })  # fmt: skip
+    return QueryRow(
+        {
+            "query_id": query_id,
+            "model": model,
+            "samples": samples,
+            "status": status,
+            "scheduled_ms": (scheduled_ns - epoch_ns) / 1e6,
+            "issued_ms": (issued_ns - epoch_ns) / 1e6,
+            "end_ms": (end_ns - epoch_ns) / 1e6,
+            "latency_ms": (end_ns - scheduled_ns) / 1e6,
+            "error": error,
+            **columns,
+        }
+    )
 
 
 _together = threading.local()

@@ -23,7 +23,10 @@ def quantize_tables(
     from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
     return quantize_embeddings(
-        model, dtype=TABLE_WEIGHT_DTYPES[table_precision], inplace=inplace, output_dtype=output_dtype,
+        model,
+        dtype=TABLE_WEIGHT_DTYPES[table_precision],
+        inplace=inplace,
+        output_dtype=output_dtype,
         additional_qconfig_spec_keys=[EmbeddingCollection],
         additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
-    )  # fmt: skip
+    )

@@ -108,8 +108,11 @@ def check_connection(target: Target, conn: Connection) -> None:
         raise FieldError("rpc", f"{conn.rpc!r}: {target.scheme}:// speaks {', '.join(RPC_OF[target.scheme])}")
     if not isinstance(conn.concurrency, int) or conn.concurrency < 1:
         raise FieldError("concurrency", f"{conn.concurrency!r}: must be a whole number >= 1")
-    for field, value in (("timeout_s", conn.timeout_s), ("connect_timeout_s", conn.connect_timeout_s),
-                         ("unavailable_s", conn.unavailable_s)):  # fmt: skip
+    for field, value in (
+        ("timeout_s", conn.timeout_s),
+        ("connect_timeout_s", conn.connect_timeout_s),
+        ("unavailable_s", conn.unavailable_s),
+    ):
         if not value > 0:
             raise FieldError(field, f"{value!r}: must be > 0 seconds")
 
@@ -118,9 +121,13 @@ def check_remote_models(target: Target, models: list[Any]) -> None:
     """Refuse what a remote target cannot honour but the run would record as served: trained weights (`--checkpoint`)
     that only the remote server's own start can load."""
     if target.remote and (trained := [m.checkpoint for m in models if m.checkpoint]):
-        raise FieldError("checkpoint", f"{trained[0]}: {{target}} {target.url}: a remote server serves the weights it "
-                         "loaded itself (give --checkpoint to its dlrm-lab serve); the run would claim weights it "
-                         "never served", "target")  # fmt: skip
+        raise FieldError(
+            "checkpoint",
+            f"{trained[0]}: {{target}} {target.url}: a remote server serves the weights it "
+            "loaded itself (give --checkpoint to its dlrm-lab serve); the run would claim weights it "
+            "never served",
+            "target",
+        )
 
 
 def open_target(target: Target, models: list[Any], conn: Connection, **in_process: Any) -> AbstractContextManager:

@@ -150,8 +150,9 @@ class PolicyChoice:
         return {**asdict(self), "margin": MARGIN, "delays_ms": list(DELAYS_MS)}
 
 
-def _probe(server: SystemUnderTest, stream: Stream, seconds: float, percentile: float, sla_ms: float, seed: int,
-           drain_s: float) -> tuple[float, float]:  # fmt: skip
+def _probe(
+    server: SystemUnderTest, stream: Stream, seconds: float, percentile: float, sla_ms: float, seed: int, drain_s: float
+) -> tuple[float, float]:
     """Open-loop load at the stream's rate: its latency percentile (dropped = inf) and the median
     share of a query's latency that was in-service slowdown."""
     settings = LoadSettings("open-loop", duration_s=seconds, seed=seed, max_issue_lag_ms=None)
@@ -160,14 +161,28 @@ def _probe(server: SystemUnderTest, stream: Stream, seconds: float, percentile: 
         return math.inf, 0.0
     row = summarize(records, duration_s=seconds, sla_ms=sla_ms, sla_percentile=percentile)
     value = row.get("sla_latency_ms")
-    shares = [r["lat_slowdown_ms"] / r["latency_ms"] for r in records
-              if r.get("lat_slowdown_ms") is not None and r.get("latency_ms")]  # fmt: skip
+    shares = [
+        r["lat_slowdown_ms"] / r["latency_ms"]
+        for r in records
+        if r.get("lat_slowdown_ms") is not None and r.get("latency_ms")
+    ]
     return (math.inf if value is None else float(value)), float(np.median(shares)) if shares else 0.0
 
 
-def _compare(server: SystemUnderTest, stream: Stream, model: str, candidates: list[dict[str, float]], *,
-             repeats: int, seconds: float, percentile: float, sla_ms: float, seed: int, drain_s: float,
-             knob: str) -> list[PolicyProbe]:  # fmt: skip
+def _compare(
+    server: SystemUnderTest,
+    stream: Stream,
+    model: str,
+    candidates: list[dict[str, float]],
+    *,
+    repeats: int,
+    seconds: float,
+    percentile: float,
+    sla_ms: float,
+    seed: int,
+    drain_s: float,
+    knob: str,
+) -> list[PolicyProbe]:
     """Each candidate setting probed `repeats` times, interleaved (a noisy host's drift falls on all)."""
     results = [{**c, "knob": knob, "latency_ms": [], "slowdown_share": []} for c in candidates]
     for r in range(repeats):
@@ -209,9 +224,16 @@ def choose_policy(
     model = stream.model
     sut = server.describe()
     served = sut.models[model]
-    choice = PolicyChoice(model=model, qps=stream.qps, percentile=percentile, max_batch=served.max_batch,
-                          max_delay_ms=served.max_delay_ms, spin_ms=served.spin_ms, tuned=list(tune),
-                          keep_warm_ms=served.keep_warm_ms or 0.0)  # fmt: skip
+    choice = PolicyChoice(
+        model=model,
+        qps=stream.qps,
+        percentile=percentile,
+        max_batch=served.max_batch,
+        max_delay_ms=served.max_delay_ms,
+        spin_ms=served.spin_ms,
+        tuned=list(tune),
+        keep_warm_ms=served.keep_warm_ms or 0.0,
+    )
     if "max_batch" in tune:
         cost = sut.batch_costs.get(model)
         if cost is None:
@@ -234,8 +256,10 @@ def choose_policy(
         choice.reasons.append(f"delay {best['max_delay_ms']:g} ms ({_versus(results, 'max_delay_ms', percentile)})")
         server.configure(model, max_delay_ms=choice.max_delay_ms)
     # the idle-tail routes: each costs core time, so it must beat none (0) by MARGIN to be kept
-    routes = {"spin_ms": ("spin", spin_candidates(stream.qps, served.instances)),
-              "keep_warm_ms": ("keep-warm", [0.0, KEEP_WARM_PROBE_MS])}  # fmt: skip
+    routes = {
+        "spin_ms": ("spin", spin_candidates(stream.qps, served.instances)),
+        "keep_warm_ms": ("keep-warm", [0.0, KEEP_WARM_PROBE_MS]),
+    }
     for knob, (label, values) in routes.items():
         if knob not in tune:
             continue

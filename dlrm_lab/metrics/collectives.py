@@ -147,8 +147,16 @@ def torchrec_distribution(
         ):
             seconds = slowest_seconds(fn)
             rate = bus / seconds
-            rows.append({"collective": name, "bytes": int(bus), "time_ms": seconds * 1e3, "algbw_bytes_per_s": rate,
-                         "busbw_bytes_per_s": rate, "samples_per_rank": b})  # fmt: skip
+            rows.append(
+                {
+                    "collective": name,
+                    "bytes": int(bus),
+                    "time_ms": seconds * 1e3,
+                    "algbw_bytes_per_s": rate,
+                    "busbw_bytes_per_s": rate,
+                    "samples_per_rank": b,
+                }
+            )
         share = torch.tensor([statistics.median(f for f, _ in halves) / statistics.median(t for _, t in halves)])
         dist.all_reduce(share, group=pg)
         rows[-1]["forward_share"] = share.item() / n

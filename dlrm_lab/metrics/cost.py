@@ -141,8 +141,13 @@ def _entry(item: JsonObject, path: Path, name: str) -> CatalogueEntry:
 
     def positive(field: str) -> float:
         value = item[field]
-        if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
-                or value > MAX_PRICE_PER_HOUR):  # fmt: skip
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+            or value > MAX_PRICE_PER_HOUR
+        ):
             raise bad(field, f"must be a number in (0, {MAX_PRICE_PER_HOUR:g}]")
         return float(value)
 
@@ -284,8 +289,10 @@ def give_price(
     """`dlrm-lab machine price`: store `per_hour`, or without it the catalogue's price of `instance_type`;
     the price stored and where."""
     if per_hour is None and instance_type is None:
-        raise UserError("give the price per hour (dlrm-lab machine price 3.06) or --instance-type T with a catalogue "
-                        "price (dlrm-lab machine prices lists them)")  # fmt: skip
+        raise UserError(
+            "give the price per hour (dlrm-lab machine price 3.06) or --instance-type T with a catalogue "
+            "price (dlrm-lab machine prices lists them)"
+        )
     source = GIVEN
     if per_hour is None:
         entry = catalogue_entry(instance_type, catalogue if catalogue is not None else load_price_catalogue())

@@ -44,9 +44,19 @@ class ProbeSizes:
         if quick:
             return cls((256, 1024), 64 << 20, 2, 250_000, 64, 1024, 20, (1 << 10, 1 << 16, 1 << 20), 3, 2e8)
         return cls(
-            (1024, 2048, 4096), 1 << 30, 4, 1_000_000, 64, 4096, 20,
-            tuple(1 << k for k in range(10, 27, 2)), 7, 2e9, (512, 2048, 8192), (2048, 4096, 8192, 16384),
-        )  # fmt: skip
+            (1024, 2048, 4096),
+            1 << 30,
+            4,
+            1_000_000,
+            64,
+            4096,
+            20,
+            tuple(1 << k for k in range(10, 27, 2)),
+            7,
+            2e9,
+            (512, 2048, 8192),
+            (2048, 4096, 8192, 16384),
+        )
 
 
 def timed(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:

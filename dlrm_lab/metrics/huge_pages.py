@@ -103,6 +103,8 @@ def back_with_huge_pages(tensors: list[Any]) -> PagesResult:
         out.huge_bytes += hi - lo
     out.ms = (time.perf_counter() - start_s) * 1e3
     if not out.asked_bytes and out.error is None:  # nothing was large enough: said, never reported as huge
-        out.error = (f"no table spans two whole 2 MiB pages (the largest holds {largest:,} bytes): every byte stays "
-                     "on 4 KiB pages")  # fmt: skip
+        out.error = (
+            f"no table spans two whole 2 MiB pages (the largest holds {largest:,} bytes): every byte stays "
+            "on 4 KiB pages"
+        )
     return out

@@ -101,16 +101,20 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             on_huge = False
         out["gather_rows_per_s"] = gather_rows_per_s(device, sizes, sizes.repeats, huge_pages=on_huge)
         out["gather_probe"] = GATHER_PROBE
-        say(f"  embedding gather of 64-byte rows: {out['gather_rows_per_s'] / 1e6:,.1f} M rows/s"
-            + (" (2 MiB pages)" if on_huge else ""))  # fmt: skip
+        say(
+            f"  embedding gather of 64-byte rows: {out['gather_rows_per_s'] / 1e6:,.1f} M rows/s"
+            + (" (2 MiB pages)" if on_huge else "")
+        )
         return out
 
     if device.type == "cuda":
         say(f"{device} ({torch.cuda.get_device_name(device)}):")
         result = {"name": torch.cuda.get_device_name(device), **peaks()}
         result.update(host_device_bytes_per_s(device, sizes.copy_bytes // 4, sizes.repeats))
-        say(f"  host->device {result['h2d_bytes_per_s'] / 1e9:,.2f} GB/s, device->host "
-            f"{result['d2h_bytes_per_s'] / 1e9:,.2f} GB/s")  # fmt: skip
+        say(
+            f"  host->device {result['h2d_bytes_per_s'] / 1e9:,.2f} GB/s, device->host "
+            f"{result['d2h_bytes_per_s'] / 1e9:,.2f} GB/s"
+        )
         return result
     saved = torch.get_num_threads()
     by_threads: dict[str, JsonObject] = {}
@@ -129,8 +133,10 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             quick = sizes.repeats < 5  # a first look: one round of 0.2 s each
             entry = measure_ceiling(n, repeats=1 if quick else 3, seconds=0.2 if quick else 1.0)
             result["ceiling"][str(n)] = entry
-            say(f"cpu, {n} processes x 1 thread at once: GEMM {entry['gemm']['efficiency']:.0%} and copy "
-                f"{entry['copy']['efficiency']:.0%} of {n} x one alone")  # fmt: skip
+            say(
+                f"cpu, {n} processes x 1 thread at once: GEMM {entry['gemm']['efficiency']:.0%} and copy "
+                f"{entry['copy']['efficiency']:.0%} of {n} x one alone"
+            )
     return result
 
 
@@ -165,11 +171,17 @@ def probe_machine(
                 profile["wake"] = probe_wake(quick)  # the low-load latency floor's wake (metrics.wake)
                 profile["cold_gather"] = probe_cold_gather(quick)  # ... and its memory gone cold
                 if log:
-                    log("wake of an idle thread: " + "; ".join(
-                        f"after {idle} ms idle p50 {w['p50_us']:.0f} us, p99 {w['p99_us']:.0f} us"
-                        for idle, w in profile["wake"].items()))  # fmt: skip
-                    log("an embedding gather after idling, against back to back: " + "; ".join(
-                        f"{idle} ms {f:.2f}x" for idle, f in profile["cold_gather"].items()))  # fmt: skip
+                    log(
+                        "wake of an idle thread: "
+                        + "; ".join(
+                            f"after {idle} ms idle p50 {w['p50_us']:.0f} us, p99 {w['p99_us']:.0f} us"
+                            for idle, w in profile["wake"].items()
+                        )
+                    )
+                    log(
+                        "an embedding gather after idling, against back to back: "
+                        + "; ".join(f"{idle} ms {f:.2f}x" for idle, f in profile["cold_gather"].items())
+                    )
     if profile["devices"]:
         spread = max((s for p in _peak_tables(profile) for s in p.get("gemm_spread", {}).values()), default=1.0)
         profile["load"] = judge(watch.seconds, watch.other_cores, watch.steal_share, spread).to_dict()
@@ -200,8 +212,10 @@ def probe_machine(
         for key, rows in profile["comms"].items() if log and rank == 0 else ():
             for r in rows:
                 algbw, busbw = r["algbw_bytes_per_s"] / 1e9, r["busbw_bytes_per_s"] / 1e9
-                log(f"  {key.replace('/', ' x')} {r['collective']} {r['bytes']:>10,} B: "
-                    f"algbw {algbw:.3f} GB/s, busbw {busbw:.3f} GB/s")  # fmt: skip
+                log(
+                    f"  {key.replace('/', ' x')} {r['collective']} {r['bytes']:>10,} B: "
+                    f"algbw {algbw:.3f} GB/s, busbw {busbw:.3f} GB/s"
+                )
     return profile
 
 
@@ -257,8 +271,10 @@ def run_probe(
         if stored is not None and stored.get("devices"):
             kind = "quick profile" if stored.get("quick") else "profile"
             where = profile_path(stored["fingerprint_id"])
-            return ProbeOutcome(stored["fingerprint_id"], kept=f"machine {kind} of {stored.get('probed_at')} in "
-                                f"{where}: not probing again (--if-missing)")  # fmt: skip
+            return ProbeOutcome(
+                stored["fingerprint_id"],
+                kept=f"machine {kind} of {stored.get('probed_at')} in {where}: not probing again (--if-missing)",
+            )
     if device == "cuda" and not torch.cuda.is_available():
         raise FieldError("device", f"cuda: no CUDA device is visible to this torch build (torch {torch.__version__})")
     check_writable(machine_dir(), MACHINE_DIR_ENV, remedy=f"set {MACHINE_DIR_ENV} to a writable directory")
@@ -283,10 +299,15 @@ def run_probe(
     if load and not load["trusted"] and not force:
         stored = load_profile(fid)
         if stored is not None and stored.get("devices"):
-            return ProbeOutcome(fid, refused=f"the machine was busy while probing ({load['why']}): not stored; the "
-                                f"profile of {stored.get('probed_at')} is kept (probe again on an idle machine, or "
-                                "--force to store it)")  # fmt: skip
-        warning = (f"warning: the machine was busy while probing ({load['why']}); stored, as this machine had no "
-                   "profile: probe again on an idle machine")  # fmt: skip
+            return ProbeOutcome(
+                fid,
+                refused=f"the machine was busy while probing ({load['why']}): not stored; the "
+                f"profile of {stored.get('probed_at')} is kept (probe again on an idle machine, or "
+                "--force to store it)",
+            )
+        warning = (
+            f"warning: the machine was busy while probing ({load['why']}); stored, as this machine had no "
+            "profile: probe again on an idle machine"
+        )
         return ProbeOutcome(fid, written=save_profile(profile), warning=warning)
     return ProbeOutcome(fid, written=save_profile(profile, keep_better=not force))

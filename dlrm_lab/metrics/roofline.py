@@ -62,8 +62,19 @@ def load_profile(fingerprint_id: str | None = None) -> JsonObject | None:
 
 # What a run carries of the profile it was placed against (`Run.create`): enough for reports and comparisons made
 # anywhere (peaks, ceilings, collectives, price); the caches of measured choices stay on the machine.
-RUN_PROFILE_KEYS = ("fingerprint_id", "hardware", "probed_at", "quick", "devices", "comms", "load", "price",
-                    "instance_type", "wake", "cold_gather")  # fmt: skip
+RUN_PROFILE_KEYS = (
+    "fingerprint_id",
+    "hardware",
+    "probed_at",
+    "quick",
+    "devices",
+    "comms",
+    "load",
+    "price",
+    "instance_type",
+    "wake",
+    "cold_gather",
+)
 
 
 def profile_for_run(fingerprint_id: str | None = None) -> JsonObject | None:
@@ -334,9 +345,12 @@ def _cpu_peaks(cpu: JsonObject, threads: int) -> JsonObject:
         },
         "memory_bytes_per_s": pick(one["memory_bytes_per_s"], most["memory_bytes_per_s"]),
         "gather_bytes_per_s": pick(one["gather_bytes_per_s"], most["gather_bytes_per_s"]),
-        **({"gather_rows_per_s": pick(one["gather_rows_per_s"], most["gather_rows_per_s"])}
-           if one.get("gather_rows_per_s") and most.get("gather_rows_per_s") else {}),
-    }  # fmt: skip
+        **(
+            {"gather_rows_per_s": pick(one["gather_rows_per_s"], most["gather_rows_per_s"])}
+            if one.get("gather_rows_per_s") and most.get("gather_rows_per_s")
+            else {}
+        ),
+    }
 
 
 def gemm_precision(device_type: str, precision: str) -> str:
@@ -426,8 +440,10 @@ def place(work: Work, measured_s: float | None, peaks: Peaks | str) -> dict[str,
         return out
     times = _seconds(work, peaks)
     if work.comm_bytes > 0 and "communication" not in times:
-        out["roofline_note"] = "no collective bandwidth in the profile for this backend and rank count: " \
-            "run 'dlrm-lab machine probe' under the same launcher; communication not bounded"  # fmt: skip
+        out["roofline_note"] = (
+            "no collective bandwidth in the profile for this backend and rank count: "
+            "run 'dlrm-lab machine probe' under the same launcher; communication not bounded"
+        )
     bound_by = max(times, key=lambda k: times[k])
     out.update(
         roofline_compute_ms=times["compute"] * 1e3,

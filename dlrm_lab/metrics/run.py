@@ -56,8 +56,9 @@ def check_writable(path: str | Path, field: str, remedy: str = "choose another")
     command starts its work."""
     target = Path(path)
     if (name := undecodable(target.absolute())) is not None:
-        raise FieldError(field, f"{name}: not UTF-8; the lab's manifests and Parquet files name their paths in UTF-8: "
-                         f"{remedy}")  # fmt: skip
+        raise FieldError(
+            field, f"{name}: not UTF-8; the lab's manifests and Parquet files name their paths in UTF-8: {remedy}"
+        )
     where = target
     while not where.exists() and where.parent != where:
         where = where.parent
@@ -278,7 +279,6 @@ def read_manifest(run_dir: Path) -> JsonObject:
     return json.loads((Path(run_dir) / MANIFEST).read_text())
 
 
-
 def amend_manifest(run_dir: Path, **fields: Any) -> JsonObject:
     """Rewrite a closed run's manifest with `fields` changed (atomically), from outside the run."""
     manifest = read_manifest(run_dir)
@@ -407,8 +407,13 @@ def recover_run(run_dir: Path) -> JsonObject:
 
 
 FAULT_LOG = "fault.log"  # Python's fault handler writes here if the run's process dies of a fatal signal
-_FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
-          "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}  # fmt: skip
+_FATAL = {
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+    "Bus error": "SIGBUS",
+    "Floating-point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
 _fault_files: dict[Path, Any] = {}
 
 
@@ -461,9 +466,13 @@ def _watch(run_dir: Path) -> Path | None:
             directory.mkdir()
             subprocess.Popen(
                 [sys.executable, "-P", str(Path(__file__).with_name("watch.py")), str(os.getpid()), str(directory)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True, close_fds=True, env=_watcher_env(),
-            )  # fmt: skip
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+                env=_watcher_env(),
+            )
             _watcher = (os.getpid(), directory)
         marker = _watcher[1] / run_dir.name
         marker.write_text(str(run_dir.absolute()))

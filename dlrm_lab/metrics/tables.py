@@ -134,10 +134,12 @@ class TableWriter:
         # In slices: one call converts while holding the GIL (10,000 query rows: tens of ms in which a serving
         # process's completion thread could not run, measured as tail latency); between slices it can
         table = pa.Table.from_batches(
-            [pa.RecordBatch.from_pylist(self._rows[i : i + CONVERT_ROWS], schema=self.schema)
-             for i in range(0, len(self._rows), CONVERT_ROWS)],
+            [
+                pa.RecordBatch.from_pylist(self._rows[i : i + CONVERT_ROWS], schema=self.schema)
+                for i in range(0, len(self._rows), CONVERT_ROWS)
+            ],
             schema=self.schema,
-        )  # fmt: skip
+        )
         atomic_write_parquet(table, self._parts_dir / f"{self._prefix}{self._next_part:06d}.parquet")
         self._next_part += 1
         self.rows_written += len(self._rows)

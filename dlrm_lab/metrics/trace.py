@@ -64,14 +64,24 @@ def query_spans(records: Sequence[QueryRow]) -> list[JsonObject]:
         us = {k: r[k] * 1e3 for k in ("scheduled_ms", "issued_ms", "batch_start_ms", "end_ms")}
         batch_end = us["batch_start_ms"] + r["batch_compute_ms"] * 1e3
         parts = {k: r[k] for k in r if k.startswith("lat_") and r[k] is not None}
-        args = {"model": r["model"], "samples": r["samples"], "latency_ms": r["latency_ms"], "batch": r["batch_id"],
-                "instance": r["instance"], "pieces": r["pieces"], **parts}  # fmt: skip
-        out += _async(f"query {r['query_id']} ({r['samples']} samples)", "query", ident, us["scheduled_ms"],
-                      us["end_ms"], args)  # fmt: skip
-        for name, a, b in (("issue", us["scheduled_ms"], us["issued_ms"]),
-                           ("queue", us["issued_ms"], us["batch_start_ms"]),
-                           (f"batch {r['batch_id']}", us["batch_start_ms"], batch_end),
-                           ("completion", batch_end, us["end_ms"])):  # fmt: skip
+        args = {
+            "model": r["model"],
+            "samples": r["samples"],
+            "latency_ms": r["latency_ms"],
+            "batch": r["batch_id"],
+            "instance": r["instance"],
+            "pieces": r["pieces"],
+            **parts,
+        }
+        out += _async(
+            f"query {r['query_id']} ({r['samples']} samples)", "query", ident, us["scheduled_ms"], us["end_ms"], args
+        )
+        for name, a, b in (
+            ("issue", us["scheduled_ms"], us["issued_ms"]),
+            ("queue", us["issued_ms"], us["batch_start_ms"]),
+            (f"batch {r['batch_id']}", us["batch_start_ms"], batch_end),
+            ("completion", batch_end, us["end_ms"]),
+        ):
             out += _async(name, "query", ident, a, max(a, b))
     return out
 
@@ -86,16 +96,27 @@ def batch_spans(records: Sequence[QueryRow], instance_pids: dict[int, int]) -> l
     out = []
     for batch, r in seen.items():
         stages = {k: r[k] for k in r if k.startswith("batch_") and k.endswith("_ms") and r[k] is not None}
-        out.append({"ph": "X", "cat": "batch", "name": f"batch {batch}", "pid": instance_pids.get(r["instance"], -1),
-                    "tid": 0, "ts": r["batch_start_ms"] * 1e3, "dur": r["batch_compute_ms"] * 1e3,
-                    "args": {"samples": r["batch_samples"], "queries": r["batch_queries"], **stages}})  # fmt: skip
+        out.append(
+            {
+                "ph": "X",
+                "cat": "batch",
+                "name": f"batch {batch}",
+                "pid": instance_pids.get(r["instance"], -1),
+                "tid": 0,
+                "ts": r["batch_start_ms"] * 1e3,
+                "dur": r["batch_compute_ms"] * 1e3,
+                "args": {"samples": r["batch_samples"], "queries": r["batch_queries"], **stages},
+            }
+        )
     return out
 
 
 def _process_name(pid: int, name: str, sort: int) -> list[JsonObject]:
-    return [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
-            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": sort}},
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "dlrm-lab spans"}}]  # fmt: skip
+    return [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": sort}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "dlrm-lab spans"}},
+    ]
 
 
 def serving_trace(
@@ -108,8 +129,11 @@ def serving_trace(
     profile shifted onto the server's clock, and the lab's batches on each instance's track.
     Returns what went in (for the manifest)."""
     pids = {p["instance"]: p["pid"] for p in processes}
-    starts = {r["batch_id"]: r["batch_start_ms"] * 1e3 for r in records
-              if r.get("batch_id") is not None and r.get("batch_start_ms") is not None}  # fmt: skip
+    starts = {
+        r["batch_id"]: r["batch_start_ms"] * 1e3
+        for r in records
+        if r.get("batch_id") is not None and r.get("batch_start_ms") is not None
+    }
     events = _process_name(QUERY_PID, "queries (dlrm-lab)", 0)
     aligned, unaligned = [], []
     for p in processes:
@@ -128,8 +152,11 @@ def serving_trace(
                 e = {**e, "ts": float(e["ts"]) + shift}
             events.append(e)
     events += query_spans(records) + batch_spans(records, pids)
-    other = {"clock": "us since the server's epoch (queries.parquet's ms x 1000)", "instances_aligned": aligned,
-             "instances_unaligned": unaligned}  # fmt: skip
+    other = {
+        "clock": "us since the server's epoch (queries.parquet's ms x 1000)",
+        "instances_aligned": aligned,
+        "instances_unaligned": unaligned,
+    }
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}))
     return {"path": out.name, "events": len(events), "instances_aligned": aligned, "instances_unaligned": unaligned}
 

@@ -90,14 +90,18 @@ def quick_check(profile: JsonObject | None, measure: Callable[[], float] = quick
         return None
     when = profile.get("probed_at") if profile else None
     if stored * AGREEMENT_MARGIN < now:
-        return (f"warning: the machine profile's fp32 GEMM peak ({stored / 1e9:,.1f} GFLOP/s, probed {when}) is "
-                f"{now / stored:.1f}x below what this machine does now ({now / 1e9:,.1f} GFLOP/s): it was probed "
-                "under load; every floor and roof reads it: run 'dlrm-lab machine probe --force' on an idle "
-                "machine")  # fmt: skip
+        return (
+            f"warning: the machine profile's fp32 GEMM peak ({stored / 1e9:,.1f} GFLOP/s, probed {when}) is "
+            f"{now / stored:.1f}x below what this machine does now ({now / 1e9:,.1f} GFLOP/s): it was probed "
+            "under load; every floor and roof reads it: run 'dlrm-lab machine probe --force' on an idle "
+            "machine"
+        )
     if now * AGREEMENT_MARGIN < stored:
-        return (f"warning: this machine does {now / 1e9:,.1f} GFLOP/s of fp32 GEMM now, {stored / now:.1f}x below "
-                f"its profile ({stored / 1e9:,.1f} GFLOP/s, probed {when}): it is busy with other work, so this "
-                "run's figures describe a shared machine")  # fmt: skip
+        return (
+            f"warning: this machine does {now / 1e9:,.1f} GFLOP/s of fp32 GEMM now, {stored / now:.1f}x below "
+            f"its profile ({stored / 1e9:,.1f} GFLOP/s, probed {when}): it is busy with other work, so this "
+            "run's figures describe a shared machine"
+        )
     return None
 
 

@@ -74,8 +74,12 @@ def measure_wake(
 
 def summarize_wakes(wakes_us: Sequence[float]) -> dict[str, float]:
     a = np.asarray(wakes_us, dtype=np.float64)
-    return {"samples": int(a.size), "p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99)),
-            "max_us": float(a.max())}  # fmt: skip
+    return {
+        "samples": int(a.size),
+        "p50_us": float(np.percentile(a, 50)),
+        "p99_us": float(np.percentile(a, 99)),
+        "max_us": float(a.max()),
+    }
 
 
 def probe_wake(quick: bool = False, **how: Any) -> dict[str, dict[str, float]]:
@@ -97,8 +101,13 @@ def _at_gap(table: dict[str, _Entry] | None, gap_ms: float | None) -> _Entry | N
     return table[f"{max(known):g}"] if table and known else None
 
 
-def measure_cold(work: Callable[[], Any], idle_ms: float, repeats: int, sleep: Callable[[float], Any] = time.sleep,
-                 clock: Callable[[], float] = time.perf_counter) -> list[float]:  # fmt: skip
+def measure_cold(
+    work: Callable[[], Any],
+    idle_ms: float,
+    repeats: int,
+    sleep: Callable[[float], Any] = time.sleep,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
     """Milliseconds of `work` after sleeping `idle_ms` each time (0: back to back)."""
     out = []
     for _ in range(repeats):
@@ -115,8 +124,9 @@ def cold_factors(work: Callable[[], Any], repeats: int, **how: Any) -> dict[str,
     for _ in range(3):  # warm-up: allocation, first faults
         work()
     warm = float(np.median(measure_cold(work, 0.0, repeats * 2, **how)))
-    return {f"{idle:g}": max(1.0, float(np.median(measure_cold(work, idle, repeats, **how))) / warm)
-            for idle in IDLE_MS}  # fmt: skip
+    return {
+        f"{idle:g}": max(1.0, float(np.median(measure_cold(work, idle, repeats, **how))) / warm) for idle in IDLE_MS
+    }
 
 
 def probe_cold_gather(quick: bool = False) -> dict[str, float]:
@@ -130,8 +140,11 @@ def probe_cold_gather(quick: bool = False) -> dict[str, float]:
     )
 
     tables, rows, dim, batch = 8, 250_000, 64, 256
-    tbe = SplitTableBatchedEmbeddingBagsCodegen([(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * tables,
-                                                pooling_mode=PoolingMode.SUM, device=torch.device("cpu"))  # fmt: skip
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * tables,
+        pooling_mode=PoolingMode.SUM,
+        device=torch.device("cpu"),
+    )
     with torch.no_grad():  # rows written, as a served table's are (never-touched memory reads one zero page)
         tbe.weights_host.uniform_(-0.01, 0.01)
     generator = torch.Generator().manual_seed(0)

@@ -50,10 +50,13 @@ class TrainedCheckpoint:
     def describe(self) -> JsonObject:
         """What a run's manifest says of the weights it served."""
         return {
-            "path": str(self.path), "step": self.step, "held_out_auc": self.held_out_auc,
-            "held_out_step": (self.about.get("eval") or {}).get("step"), "trained_by": self.about.get("run_id"),
+            "path": str(self.path),
+            "step": self.step,
+            "held_out_auc": self.held_out_auc,
+            "held_out_step": (self.about.get("eval") or {}).get("step"),
+            "trained_by": self.about.get("run_id"),
             "data": self.about.get("data"),
-        }  # fmt: skip
+        }
 
 
 def read_checkpoint(root: str | Path, field: str = "checkpoint") -> TrainedCheckpoint:
@@ -64,12 +67,18 @@ def read_checkpoint(root: str | Path, field: str = "checkpoint") -> TrainedCheck
         raise FieldError(field, f"{root}: no such directory (expected a train --checkpoint-dir)")
     path = root if (root / TRAINED).is_file() else latest_checkpoint(root)
     if path is None:
-        raise FieldError(field, f"{root}: no complete checkpoint (expected a '{LATEST}' file naming step-N, written by "
-                         "train --checkpoint-dir)")  # fmt: skip
+        raise FieldError(
+            field,
+            f"{root}: no complete checkpoint (expected a '{LATEST}' file naming step-N, written by "
+            "train --checkpoint-dir)",
+        )
     sidecar = path / TRAINED
     if not sidecar.is_file():
-        raise FieldError(field, f"{path}: no {TRAINED} beside the weights (written by train since 2026-11-27): "
-                         "train again with --checkpoint-dir")  # fmt: skip
+        raise FieldError(
+            field,
+            f"{path}: no {TRAINED} beside the weights (written by train since 2026-11-27): "
+            "train again with --checkpoint-dir",
+        )
     try:
         about = json.loads(sidecar.read_text())
     except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -96,26 +105,46 @@ def sidecar_problem(about: Any) -> str | None:
     rules: list[tuple[str, Any, bool, str]] = [
         ("step", about.get("step"), _whole(about.get("step")), "a whole number >= 0"),
         ("model", about.get("model"), isinstance(about.get("model"), dict), "the model's spec, an object"),
-        ("data", about.get("data"), isinstance(about.get("data"), str) and bool(about.get("data")),
-         "'synthetic' or the training data's path"),
+        (
+            "data",
+            about.get("data"),
+            isinstance(about.get("data"), str) and bool(about.get("data")),
+            "'synthetic' or the training data's path",
+        ),
         ("seed", about.get("seed"), _whole(about.get("seed")), "a whole number >= 0"),
-        ("data_spec", about.get("data_spec"), about.get("data_spec") is None or isinstance(about["data_spec"], str),
-         "a data spec's name or null"),
-        ("data_overrides", about.get("data_overrides"), about.get("data_overrides") is None or (
-            isinstance(about["data_overrides"], list) and all(isinstance(o, str) for o in about["data_overrides"])),
-         "a list of KEY=VALUE strings"),
-        ("eval", about.get("eval"), about.get("eval") is None or isinstance(about["eval"], dict),
-         "the last evaluation, an object, or null"),
-    ]  # fmt: skip
+        (
+            "data_spec",
+            about.get("data_spec"),
+            about.get("data_spec") is None or isinstance(about["data_spec"], str),
+            "a data spec's name or null",
+        ),
+        (
+            "data_overrides",
+            about.get("data_overrides"),
+            about.get("data_overrides") is None
+            or (isinstance(about["data_overrides"], list) and all(isinstance(o, str) for o in about["data_overrides"])),
+            "a list of KEY=VALUE strings",
+        ),
+        (
+            "eval",
+            about.get("eval"),
+            about.get("eval") is None or isinstance(about["eval"], dict),
+            "the last evaluation, an object, or null",
+        ),
+    ]
     last = about.get("eval")
     if isinstance(last, dict):
         rules += [
             ("eval.auc", last.get("auc"), last.get("auc") is None or _number(last["auc"], 0.0, 1.0), "in [0, 1]"),
             ("eval.step", last.get("step"), last.get("step") is None or _whole(last["step"]), "a whole number >= 0"),
             ("eval.loss", last.get("loss"), last.get("loss") is None or _number(last["loss"]), "a finite number"),
-            ("eval.samples", last.get("samples"), last.get("samples") is None or _whole(last["samples"]),
-             "a whole number >= 0"),
-        ]  # fmt: skip
+            (
+                "eval.samples",
+                last.get("samples"),
+                last.get("samples") is None or _whole(last["samples"]),
+                "a whole number >= 0",
+            ),
+        ]
     for name, value, good, rule in rules:
         if not good:
             shown = "missing" if value is None and name in ("step", "model", "data", "seed") else f"{value!r:.60}"
@@ -145,8 +174,9 @@ def load_weights(model: Any, checkpoint: TrainedCheckpoint, field: str = "checkp
 PROVENANCE = ("source", "description")
 
 
-def check_spec(checkpoint: TrainedCheckpoint, spec: JsonObject, field: str = "checkpoint",
-               ignore: tuple[str, ...] = ()) -> None:  # fmt: skip
+def check_spec(
+    checkpoint: TrainedCheckpoint, spec: JsonObject, field: str = "checkpoint", ignore: tuple[str, ...] = ()
+) -> None:
     """Refuse, in one line naming the first difference, to serve a checkpoint's weights as another model."""
     trained, spec = checkpoint.model, json.loads(json.dumps(spec, default=str))  # tuples as the JSON's lists
 
@@ -167,8 +197,11 @@ def check_spec(checkpoint: TrainedCheckpoint, spec: JsonObject, field: str = "ch
         return None if a == b else f"{where}: trained {_short(a)}, served {_short(b)}"
 
     if difference := first_difference(trained, spec, ""):
-        raise FieldError(field, f"{checkpoint.path}: trained {trained.get('name')!r}, not the model served "
-                         f"({difference}); serve the preset and scaling it was trained with")  # fmt: skip
+        raise FieldError(
+            field,
+            f"{checkpoint.path}: trained {trained.get('name')!r}, not the model served "
+            f"({difference}); serve the preset and scaling it was trained with",
+        )
 
 
 def check_metadata(path: Path, field: str = "checkpoint") -> None:
@@ -179,8 +212,10 @@ def check_metadata(path: Path, field: str = "checkpoint") -> None:
     try:
         FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - pickle's, the file system's: a damaged checkpoint either way
-        raise FieldError(field, f"{path}: its .metadata is damaged or partial ({first_line(exc)}): train again, "
-                         "or serve another step") from None  # fmt: skip
+        raise FieldError(
+            field,
+            f"{path}: its .metadata is damaged or partial ({first_line(exc)}): train again, or serve another step",
+        ) from None
 
 
 def raise_interruption(exc: BaseException) -> None:

@@ -132,8 +132,9 @@ class TrainingMemory:
         return self.tables + self.dense + self.activations
 
 
-def training_memory(spec: ModelSpec, batch_size: int, dense_optimizer: str = "adagrad",
-                    distributed: bool = False) -> TrainingMemory:  # fmt: skip
+def training_memory(
+    spec: ModelSpec, batch_size: int, dense_optimizer: str = "adagrad", distributed: bool = False
+) -> TrainingMemory:
     """What a rank holds while it trains `spec` at `batch_size` samples (fp32): a lower bound, since the
     framework's own workspaces come on top."""
     dense = dense_training_bytes(spec.dense_parameters, dense_optimizer, distributed)
@@ -145,24 +146,37 @@ def training_memory(spec: ModelSpec, batch_size: int, dense_optimizer: str = "ad
     return TrainingMemory(tables=tables, dense=dense, activations=activations)
 
 
-def table_update_work(spec: ModelSpec, batch_size: int, table_precision: str = "fp32",
-                      embedding_optimizer: str = "rowwise_adagrad", distinct_share: float = 1.0) -> Work:  # fmt: skip
+def table_update_work(
+    spec: ModelSpec,
+    batch_size: int,
+    table_precision: str = "fp32",
+    embedding_optimizer: str = "rowwise_adagrad",
+    distinct_share: float = 1.0,
+) -> Work:
     """The tables' backward and update inside a step's backward: each distinct looked-up row read again with its
     optimizer state and both written, random rows at the gather bandwidth. `distinct_share`: the batch's distinct
     rows over its ids (a repeated id's row is summed once and found in cache: only distinct rows are compulsory)."""
     cost = sample_cost(spec, table_precision=table_precision, optimizer=embedding_optimizer)
     state = 2 if cost.optimizer_state_bytes else 1  # a row, and its row-wise state in an array of its own
     rows = batch_size * distinct_share
-    return Work(0.0, rows * (cost.embedding_bytes_read + cost.embedding_bytes_written
-                             + cost.optimizer_state_bytes), 0.0,
-                gather_rows=rows * cost.embedding_rows_read * state)  # fmt: skip
+    return Work(
+        0.0,
+        rows * (cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes),
+        0.0,
+        gather_rows=rows * cost.embedding_rows_read * state,
+    )
 
 
 def step_phase_work(
-    spec: ModelSpec, batch_size: int, world_size: int, table_precision: str = "fp32",
-    embedding_optimizer: str = "rowwise_adagrad", dense_optimizer: str = "adagrad",
-    sharding: dict[str, str] | None = None, distinct_share: float = 1.0,
-) -> dict[str, Work]:  # fmt: skip
+    spec: ModelSpec,
+    batch_size: int,
+    world_size: int,
+    table_precision: str = "fp32",
+    embedding_optimizer: str = "rowwise_adagrad",
+    dense_optimizer: str = "adagrad",
+    sharding: dict[str, str] | None = None,
+    distinct_share: float = 1.0,
+) -> dict[str, Work]:
     """One rank's training step, phase by phase (`metrics.columns.PHASES`, in the order the step runs them):
     what each phase does, so that each is bound by its own resource (`metrics.roofline.phase_floors`).
 
@@ -186,7 +200,7 @@ def step_phase_work(
         "input_dist": Work(0.0, 0.0, 0.0, comm["input_dist"]),
         "embedding_lookup": Work(
             0.0, looked_up * cost.embedding_bytes_read, 0.0, gather_rows=looked_up * cost.embedding_rows_read
-        ),  # fmt: skip
+        ),
         "embedding_all_to_all": Work(0.0, 0.0, 0.0, pooled / 2),
         "dense_forward": Work(batch_size * cost.forward_flops, 0.0, weights),
         "backward": Work(
@@ -195,7 +209,7 @@ def step_phase_work(
             2 * weights,
             comm["gradient_all_reduce"],
             update.gather_rows,
-        ),  # fmt: skip
+        ),
         "embedding_all_to_all_backward": Work(0.0, 0.0, 0.0, pooled / 2),
         "optimizer": Work(0.0, 0.0, weights * (3 + 2 * states)),
     }

@@ -126,9 +126,10 @@ class STULayer(nn.Module):
         b, n, _ = x.shape
         s = self.shape
         u, v, q, k = torch.split(
-            self.uvqk(self.input_norm(x)), [s.heads * s.v_dim, s.heads * s.v_dim, s.heads * s.qk_dim,
-                                            s.heads * s.qk_dim], dim=-1,
-        )  # fmt: skip
+            self.uvqk(self.input_norm(x)),
+            [s.heads * s.v_dim, s.heads * s.v_dim, s.heads * s.qk_dim, s.heads * s.qk_dim],
+            dim=-1,
+        )
         q = q.view(b, n, s.heads, s.qk_dim).transpose(1, 2)
         k = k.view(b, n, s.heads, s.qk_dim).transpose(1, 2)
         v = v.view(b, n, s.heads, s.v_dim).transpose(1, 2)
@@ -222,15 +223,20 @@ class HSTURanker(nn.Module):
         tables = ("item", *(name for name, _ in shape.attribute_tables))
         self.tables = EmbeddingCollection(
             tables=[
-                *(EmbeddingConfig(name=name, num_embeddings=shape.table_rows[name], embedding_dim=d,
-                                  feature_names=[h, c])
-                  for name, h, c in zip(tables, history, candidates, strict=True)),
+                *(
+                    EmbeddingConfig(
+                        name=name, num_embeddings=shape.table_rows[name], embedding_dim=d, feature_names=[h, c]
+                    )
+                    for name, h, c in zip(tables, history, candidates, strict=True)
+                ),
                 EmbeddingConfig(name="user", num_embeddings=shape.users, embedding_dim=d, feature_names=["user_id"]),
-                *(EmbeddingConfig(name=name, num_embeddings=rows, embedding_dim=d, feature_names=[name])
-                  for name, rows in shape.cross_tables),
+                *(
+                    EmbeddingConfig(name=name, num_embeddings=rows, embedding_dim=d, feature_names=[name])
+                    for name, rows in shape.cross_tables
+                ),
             ],
             device=torch.device(table_device or device),
-        )  # fmt: skip
+        )
         attributes = len(shape.attribute_tables)
         (tower_hidden, tower_out), (head_hidden, head_out) = shape.tower_widths
         self.item_content = _tower(d, shape.hidden, d, nn.LayerNorm(d))
@@ -306,16 +312,24 @@ class HSTURanker(nn.Module):
         history = (
             self.item_content(hist_item) + self.attribute_content(hist_attr) + self.action_content(history_actions)
         )
-        candidates = (self.item_content(cand_item) + self.attribute_content(cand_attr)
-                      + self.action_content(self.target_action).expand(len(cand_item), d))  # fmt: skip
-        contextual = torch.stack([linear(emb[f].values()) for linear, f in zip(self.contextual, features.contextual,
-                                                                                strict=True)], dim=1)  # fmt: skip
+        candidates = (
+            self.item_content(cand_item)
+            + self.attribute_content(cand_attr)
+            + self.action_content(self.target_action).expand(len(cand_item), d)
+        )
+        contextual = torch.stack(
+            [linear(emb[f].values()) for linear, f in zip(self.contextual, features.contextual, strict=True)], dim=1
+        )
         return _Tokens(
-            history=history, candidates=candidates, contextual=contextual,
-            history_lengths=emb[features.history[0]].lengths(), candidate_lengths=emb[features.candidates[0]].lengths(),
+            history=history,
+            candidates=candidates,
+            contextual=contextual,
+            history_lengths=emb[features.history[0]].lengths(),
+            candidate_lengths=emb[features.candidates[0]].lengths(),
             age_buckets=torch.sqrt(ages_s.clamp(min=0) / 60.0).long().clamp(max=self.shape.time_buckets),
-            candidate_items=cand_item, candidate_attributes=cand_attr,
-        )  # fmt: skip
+            candidate_items=cand_item,
+            candidate_attributes=cand_attr,
+        )
 
     def _sequences(self, t: _Tokens, with_user: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """[contextual tokens?, history..., candidates...] per request, padded to the batch's longest:
@@ -465,8 +479,9 @@ def choose_attention(
     picks = np.linspace(0, gen.num_requests(window) - 1, batch_size).astype(np.int64)  # spread over the window
     h = np.array([int(gen.requests(int(i), int(i) + 1, window).history_lengths[0]) for i in picks])
     lengths = (1 + h + spec.data.candidates).tolist()
-    seconds = time_attention_paths(spec.shape.stu, lengths, [spec.data.candidates] * batch_size, device,
-                                   backward=backward)  # fmt: skip
+    seconds = time_attention_paths(
+        spec.shape.stu, lengths, [spec.data.candidates] * batch_size, device, backward=backward
+    )
     best = min(seconds, key=seconds.get)
     other = next(p for p in seconds if p != best)
     reason = (

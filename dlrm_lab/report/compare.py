@@ -320,22 +320,28 @@ def compare_machines(
     for run in runs:
         machines.setdefault(machine_of(run), []).append(run)
     if len(machines) < 2:
-        raise FieldError("by_machine", f": the runs under {path} come from {len(machines)} machine(s); need two or "
-                         "more")  # fmt: skip
+        raise FieldError(
+            "by_machine", f": the runs under {path} come from {len(machines)} machine(s); need two or more"
+        )
     if base_machine is None:
         base_id = next(iter(machines))
     else:
         hits = [m for m in machines if m.startswith(base_machine)]
         if len(hits) != 1:
-            raise FieldError("base_machine", f"{base_machine!r}: matches {len(hits)} of the machines under {path} "
-                             f"({', '.join(m[:8] for m in machines)})")  # fmt: skip
+            raise FieldError(
+                "base_machine",
+                f"{base_machine!r}: matches {len(hits)} of the machines under {path} "
+                f"({', '.join(m[:8] for m in machines)})",
+            )
         base_id = hits[0]
-    label = {m: f"{path} [machine {m[:8]}: {section(rs[0].manifest, 'hardware').get('cpu_model', '?')}]"
-             for m, rs in machines.items()}  # fmt: skip
+    label = {
+        m: f"{path} [machine {m[:8]}: {section(rs[0].manifest, 'hardware').get('cpu_model', '?')}]"
+        for m, rs in machines.items()
+    }
     return [
         _compare_runs(
             label[base_id], label[m], machines[base_id], rs, list(notes), threshold, confidence, n_resamples, seed
-        )  # fmt: skip
+        )
         for m, rs in machines.items()
         if m != base_id
     ]

@@ -104,8 +104,14 @@ def _qps(data: ReportData, out: Path) -> Made:
             "queries_per_s and sla_latency_ms"
         )
     pct = next(iter(percentiles)) if len(percentiles) == 1 else None
-    drawn = plots.qps_latency(series, out / "qps_vs_p99.png", sorted(bounds), chosen, pct,
-                              floors={k: v for k, v in floors.items() if v is not None})  # fmt: skip
+    drawn = plots.qps_latency(
+        series,
+        out / "qps_vs_p99.png",
+        sorted(bounds),
+        chosen,
+        pct,
+        floors={k: v for k, v in floors.items() if v is not None},
+    )
     notes = []
     if infinite:
         notes.append(
@@ -124,8 +130,11 @@ def _latency_parts(data: ReportData, out: Path) -> Made:
     if not rows:
         return "no infer run with the latency parts (tail_*_ms) in its summary.parquet"
     drawn = plots.latency_parts(rows, columns.LATENCY_PARTS, out / "latency_parts.png")
-    notes = [f"{len(rows) - len(drawn.labels)} more point(s) not drawn (at most {plots.MAX_BARS} bars)"] \
-        if len(rows) > len(drawn.labels) else []  # fmt: skip
+    notes = (
+        [f"{len(rows) - len(drawn.labels)} more point(s) not drawn (at most {plots.MAX_BARS} bars)"]
+        if len(rows) > len(drawn.labels)
+        else []
+    )
     return {"latency_parts": (drawn, notes)}
 
 

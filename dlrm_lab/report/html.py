@@ -216,26 +216,69 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
                 if unc is not None:
                     cells["best_qps"] += f" &plusmn; {_e(columns.fmt('best_qps_uncertainty', unc))}"
                 config = config_label(r) if r else "-"
-                rows.append([run_link(s.run), cells.pop("model"), _e(config), *cells.values(),
-                             "chosen" if r.get("best") else "", notes(s.run)])  # fmt: skip
+                rows.append(
+                    [
+                        run_link(s.run),
+                        cells.pop("model"),
+                        _e(config),
+                        *cells.values(),
+                        "chosen" if r.get("best") else "",
+                        notes(s.run),
+                    ]
+                )
         names = [n for n in columns.FRONTIER_TABLE if n != "model"]
-        headers = ["run (manifest)", columns.column("model").heading, "configuration",
-                   *(columns.column(n).heading for n in names), "best", "notes"]  # fmt: skip
+        headers = [
+            "run (manifest)",
+            columns.column("model").heading,
+            "configuration",
+            *(columns.column(n).heading for n in names),
+            "best",
+            "notes",
+        ]
         parts.append(_table(headers, rows))
     from dlrm_lab.report.machines import machine_rows
 
     if machines := machine_rows(data):
         parts.append("<h2>Machines side by side (ranked by cost per 1M inferences)</h2>")
-        headers = ["rank", "machine", "CPU", "GEMM flags", "cores", "GPUs", "model", "bound", "queries/s",
-                   "samples/s", "samples/s per core", "fraction of roof", "cost per 1M inferences",
-                   "cost per 1M samples", "J per inference", "from"]  # fmt: skip
-        body = [[_f(r["rank"], "d"), _e(r["machine"]), _e(r["cpu_model"]), _e(r["gemm_flags"]), _f(r["cores"], "d"),
-                 _e(r["gpus"]), _e(r["model"]), _e(f"p{r['sla_percentile']:g} <= {r['sla_ms']:g} ms"),
-                 _f(r["queries_per_s"]), _f(r["samples_per_s"], ",.0f"), _f(r["samples_per_s_per_core"], ",.1f"),
-                 _f(r["roofline_fraction"], ".2f"),
-                 f"{_f(r['cost_per_1m_queries'], ',.4g')} {_e(r['currency'] or '')}",
-                 _f(r["cost_per_1m_samples"], ",.4g"), _f(r["energy_per_query_j"], ".3g"),
-                 f"{_e(r['source'])}, {run_link(by_run[r['run_id']])}"] for r in machines]  # fmt: skip
+        headers = [
+            "rank",
+            "machine",
+            "CPU",
+            "GEMM flags",
+            "cores",
+            "GPUs",
+            "model",
+            "bound",
+            "queries/s",
+            "samples/s",
+            "samples/s per core",
+            "fraction of roof",
+            "cost per 1M inferences",
+            "cost per 1M samples",
+            "J per inference",
+            "from",
+        ]
+        body = [
+            [
+                _f(r["rank"], "d"),
+                _e(r["machine"]),
+                _e(r["cpu_model"]),
+                _e(r["gemm_flags"]),
+                _f(r["cores"], "d"),
+                _e(r["gpus"]),
+                _e(r["model"]),
+                _e(f"p{r['sla_percentile']:g} <= {r['sla_ms']:g} ms"),
+                _f(r["queries_per_s"]),
+                _f(r["samples_per_s"], ",.0f"),
+                _f(r["samples_per_s_per_core"], ",.1f"),
+                _f(r["roofline_fraction"], ".2f"),
+                f"{_f(r['cost_per_1m_queries'], ',.4g')} {_e(r['currency'] or '')}",
+                _f(r["cost_per_1m_samples"], ",.4g"),
+                _f(r["energy_per_query_j"], ".3g"),
+                f"{_e(r['source'])}, {run_link(by_run[r['run_id']])}",
+            ]
+            for r in machines
+        ]
         parts.append(_table(headers, body))
     if data.scale:
         parts.append("<h2>Scaling sweeps</h2>")

@@ -297,8 +297,13 @@ def ceilings(fingerprint_id: str | None, device: str, profile: JsonObject | None
         return f"the machine profile {fingerprint_id} has no {device} GEMM and gather peaks"
     pages = peaks.get("gather_pages") or {}
     base, rows = _positive(pages.get("base_bytes_per_s")), _positive(peaks.get("gather_rows_per_s"))
-    return {"compute": compute, "gather_bytes_per_s": gather, "gather_base_bytes_per_s": base,
-            "gather_rows_per_s": rows, "basis": f"{fingerprint_id[:8]} {basis}"}  # fmt: skip
+    return {
+        "compute": compute,
+        "gather_bytes_per_s": gather,
+        "gather_base_bytes_per_s": base,
+        "gather_rows_per_s": rows,
+        "basis": f"{fingerprint_id[:8]} {basis}",
+    }
 
 
 def _positive(value: Any) -> float | None:

@@ -105,8 +105,12 @@ def machine_rows(data: ReportData) -> list[MachineRow]:
     1M inferences. Empty when the runs come from fewer than two machines."""
     best: dict[tuple, tuple[RunInfo, ReportRow, Candidate]] = {}
     for run, row, c in _candidates(data):
-        key = (machine_of(run)["machine"], row.get("preset") or row.get("model"), row.get("sla_ms"),
-               row.get("sla_percentile"))  # fmt: skip
+        key = (
+            machine_of(run)["machine"],
+            row.get("preset") or row.get("model"),
+            row.get("sla_ms"),
+            row.get("sla_percentile"),
+        )
         if key not in best or c.samples_per_s > best[key][2].samples_per_s:
             best[key] = (run, row, c)
     if len({k[0] for k in best}) < 2:
@@ -117,19 +121,35 @@ def machine_rows(data: ReportData) -> list[MachineRow]:
         cost = {k: row.get(k) for k in ("cost_per_1m_queries", "cost_per_1m_samples", "currency")}
         if cost["cost_per_1m_queries"] is None:  # recorded without a price: the price its carried profile holds
             price = stored_price(run_profile(run.manifest))
-            priced = serving_cost_columns(InferSummaryRow(queries_per_s=c.queries_per_s, samples_per_s=c.samples_per_s),
-                                          price)  # fmt: skip
+            priced = serving_cost_columns(
+                InferSummaryRow(queries_per_s=c.queries_per_s, samples_per_s=c.samples_per_s), price
+            )
             cost = {k: priced.get(k) for k in cost}
-        rows.append({
-            **info, "model": model, "sla_ms": sla_ms, "sla_percentile": pct, "queries_per_s": c.queries_per_s,
-            "samples_per_s": c.samples_per_s,
-            "samples_per_s_per_core": c.samples_per_s / info["cores"] if info["cores"] else None,
-            "roofline_fraction": row.get("roofline_fraction"), **cost,
-            "energy_per_query_j": row.get("energy_per_query_j"), "source": c.source, "run_id": run.run_id,
-            "rank": None,  # once every row is placed
-        })  # fmt: skip
-    rows.sort(key=lambda r: (str(r["model"]), r["sla_ms"] or 0, r["cost_per_1m_queries"] is None,
-                             r["cost_per_1m_queries"] or 0.0))  # fmt: skip
+        rows.append(
+            {
+                **info,
+                "model": model,
+                "sla_ms": sla_ms,
+                "sla_percentile": pct,
+                "queries_per_s": c.queries_per_s,
+                "samples_per_s": c.samples_per_s,
+                "samples_per_s_per_core": c.samples_per_s / info["cores"] if info["cores"] else None,
+                "roofline_fraction": row.get("roofline_fraction"),
+                **cost,
+                "energy_per_query_j": row.get("energy_per_query_j"),
+                "source": c.source,
+                "run_id": run.run_id,
+                "rank": None,  # once every row is placed
+            }
+        )
+    rows.sort(
+        key=lambda r: (
+            str(r["model"]),
+            r["sla_ms"] or 0,
+            r["cost_per_1m_queries"] is None,
+            r["cost_per_1m_queries"] or 0.0,
+        )
+    )
     rank: dict[tuple, int] = {}
     for r in rows:
         key = (r["model"], r["sla_ms"], r["sla_percentile"])

@@ -88,18 +88,26 @@ def open_lab_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]:
     for m in models:
         info = infos.get(m.name)
         if info is None:
-            raise FieldError("model", f"{m.name}: not served at {target.url}; it serves: "
-                             f"{', '.join(infos) or 'nothing'}")  # fmt: skip
+            raise FieldError(
+                "model", f"{m.name}: not served at {target.url}; it serves: {', '.join(infos) or 'nothing'}"
+            )
         spec = ModelSpec.from_dict(json.loads(info.spec_json))
-        recipes[m.name] = LibraryRecipe(spec.to_dict(), info.data_spec or None, info.library_seed,
-                                        info.library_samples)  # fmt: skip
+        recipes[m.name] = LibraryRecipe(spec.to_dict(), info.data_spec or None, info.library_seed, info.library_samples)
         descriptions[m.name] = ModelDescription(
-            name=m.name, spec=spec, instances=info.instances or None, threads=info.threads or None,
-            max_batch=info.max_batch or None, max_delay_ms=info.max_delay_ms, min_piece=info.min_piece,
-            precision=info.precision or None, table_precision=info.table_precision or None, build=info.build or None,
-            on_this_host=target.on_this_host, unplaced=unplaced,
+            name=m.name,
+            spec=spec,
+            instances=info.instances or None,
+            threads=info.threads or None,
+            max_batch=info.max_batch or None,
+            max_delay_ms=info.max_delay_ms,
+            min_piece=info.min_piece,
+            precision=info.precision or None,
+            table_precision=info.table_precision or None,
+            build=info.build or None,
+            on_this_host=target.on_this_host,
+            unplaced=unplaced,
             columns=json.loads(info.columns_json) if info.columns_json else {},
-        )  # fmt: skip
+        )
     with _connected(target, recipes, descriptions, {}, conn.rpc or "stream", conn) as sut:
         yield sut
 
@@ -120,16 +128,23 @@ def open_inference_server(target: Any, models: list[Any], conn: Any) -> Iterator
         stub = v2_grpc.GRPCInferenceServiceStub(channel)
         for m in models:
             if not (family := family_of(m.spec)).wire_samples:
-                raise FieldError("model", f"{m.name}: {family.label} presets are served from their server's "
-                                 "own library; a remote target takes DLRM samples")  # fmt: skip
+                raise FieldError(
+                    "model",
+                    f"{m.name}: {family.label} presets are served from their server's "
+                    "own library; a remote target takes DLRM samples",
+                )
             check_open_inference_model(target, stub, names[m.name], m.spec, conn.connect_timeout_s)
     finally:
         channel.close()
-    recipes = {m.name: LibraryRecipe(m.spec.to_dict(), m.data_spec, conn.seed,
-                                     library_samples(m.max_batch, m.library_samples)) for m in models}  # fmt: skip
+    recipes = {
+        m.name: LibraryRecipe(m.spec.to_dict(), m.data_spec, conn.seed, library_samples(m.max_batch, m.library_samples))
+        for m in models
+    }
     why = "a third-party server: it does not say how it serves (instances, threads, precision)"
-    descriptions = {m.name: ModelDescription(name=m.name, spec=m.spec, on_this_host=target.on_this_host, unplaced=why)
-                    for m in models}  # fmt: skip
+    descriptions = {
+        m.name: ModelDescription(name=m.name, spec=m.spec, on_this_host=target.on_this_host, unplaced=why)
+        for m in models
+    }
     with _connected(target, recipes, descriptions, names, "oip", conn) as sut:
         yield sut
 
@@ -141,13 +156,18 @@ def check_open_inference_model(target: Any, stub: Any, name: str, spec: Any, tim
         if not stub.ServerReady(v2.ServerReadyRequest(), timeout=timeout_s).ready:
             raise FieldError("target", f"{target.url}: the server is not ready")
         if not stub.ModelReady(v2.ModelReadyRequest(name=name), timeout=timeout_s).ready:
-            raise FieldError("target", f"{where}: not ready (is it served under that name? kserve://HOST:PORT/MODEL "
-                             "names it)")  # fmt: skip
+            raise FieldError(
+                "target", f"{where}: not ready (is it served under that name? kserve://HOST:PORT/MODEL names it)"
+            )
         meta = stub.ModelMetadata(v2.ModelMetadataRequest(name=name), timeout=timeout_s)
     except grpc.RpcError as exc:
         raise FieldError("target", f"{where}: {exc.code().name}: {exc.details()}") from None
-    check_tensor_metadata(where, spec, [(t.name, t.datatype, list(t.shape)) for t in meta.inputs],
-                          [(t.name, t.datatype, list(t.shape)) for t in meta.outputs])  # fmt: skip
+    check_tensor_metadata(
+        where,
+        spec,
+        [(t.name, t.datatype, list(t.shape)) for t in meta.inputs],
+        [(t.name, t.datatype, list(t.shape)) for t in meta.outputs],
+    )
 
 
 def check_tensor_metadata(where: str, spec: Any, inputs: list[tuple], outputs: list[tuple]) -> None:
@@ -160,34 +180,58 @@ def check_tensor_metadata(where: str, spec: Any, inputs: list[tuple], outputs: l
         have = {name: (datatype, dims) for name, datatype, dims in got}
         for tensor, datatype, shape in wanted:
             if tensor not in have:
-                raise FieldError("target", f"{where}: no {kind} tensor {tensor!r} (it has: "
-                                 f"{', '.join(have) or 'none'})")  # fmt: skip
+                raise FieldError(
+                    "target", f"{where}: no {kind} tensor {tensor!r} (it has: {', '.join(have) or 'none'})"
+                )
             got_type, dims = have[tensor]
             if got_type != datatype:
                 raise FieldError("target", f"{where}: {kind} {tensor!r} is {got_type}, the lab sends {datatype}")
             dims = list(dims)
             fits = len(dims) == len(shape) and all(a == b or -1 in (a, b) for a, b in zip(dims, shape, strict=False))
             if not fits:
-                raise FieldError("target", f"{where}: {kind} {tensor!r} has shape {dims}, {spec.name} needs "
-                                 f"{shape} (-1: any)")  # fmt: skip
+                raise FieldError(
+                    "target", f"{where}: {kind} {tensor!r} has shape {dims}, {spec.name} needs {shape} (-1: any)"
+                )
 
 
 @contextmanager
-def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dict[str, ModelDescription],
-               names: dict[str, str], rpc: str, conn: Any) -> Iterator[Any]:  # fmt: skip
+def _connected(
+    target: Any,
+    recipes: dict[str, LibraryRecipe],
+    descriptions: dict[str, ModelDescription],
+    names: dict[str, str],
+    rpc: str,
+    conn: Any,
+) -> Iterator[Any]:
     """One RemoteServer on a channel of this process, or (`conn.concurrency` > 1) a pool of client processes."""
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
     if conn.concurrency > 1:
-        connect = functools.partial(connect_worker, target.address, libraries, names, rpc, conn.timeout_s,
-                                    conn.unavailable_s, conn.connect_timeout_s)  # fmt: skip
+        connect = functools.partial(
+            connect_worker,
+            target.address,
+            libraries,
+            names,
+            rpc,
+            conn.timeout_s,
+            conn.unavailable_s,
+            conn.connect_timeout_s,
+        )
         with client_pool(conn, libraries, description, connect) as pool:
             yield pool
         return
     channel = ready_channel(target, conn.connect_timeout_s)
     try:
-        remote = RemoteServer(channel, libraries, models=descriptions, timeout_s=conn.timeout_s, rpc=rpc,
-                              unavailable_s=conn.unavailable_s, description=description, names=names)  # fmt: skip
+        remote = RemoteServer(
+            channel,
+            libraries,
+            models=descriptions,
+            timeout_s=conn.timeout_s,
+            rpc=rpc,
+            unavailable_s=conn.unavailable_s,
+            description=description,
+            names=names,
+        )
         with drained(remote, conn.timeout_s):
             yield remote
     finally:
@@ -195,16 +239,18 @@ def _connected(target: Any, recipes: dict[str, LibraryRecipe], descriptions: dic
 
 
 @contextmanager
-def client_pool(conn: Any, libraries: dict[str, PackedLibrary], description: SutDescription,
-                connect: Any) -> Iterator[Any]:  # fmt: skip
+def client_pool(
+    conn: Any, libraries: dict[str, PackedLibrary], description: SutDescription, connect: Any
+) -> Iterator[Any]:
     """`conn.concurrency` client processes (`serve.pool`), each making its own connection with `connect(worker)`:
     any remote target's clients, whatever its protocol."""
     from dlrm_lab.serve.pool import ClientPool, WorkerPlan, check_workers_fit
 
     check_workers_fit(conn.concurrency, sum(lib.nbytes for lib in libraries.values()))
     epoch = time.monotonic_ns()
-    pool = ClientPool([WorkerPlan(k, connect, epoch) for k in range(conn.concurrency)], libraries, description,
-                      conn.unavailable_s)  # fmt: skip
+    pool = ClientPool(
+        [WorkerPlan(k, connect, epoch) for k in range(conn.concurrency)], libraries, description, conn.unavailable_s
+    )
     try:
         yield pool
     finally:
@@ -221,9 +267,16 @@ def drained(remote: RemoteServer, timeout_s: float) -> Iterator[RemoteServer]:
         remote.close()
 
 
-def connect_worker(address: str, libraries: dict[str, PackedLibrary], names: dict[str, str], rpc: str,
-                   timeout_s: float, unavailable_s: float, connect_timeout_s: float,
-                   worker: int) -> RemoteServer:  # fmt: skip
+def connect_worker(
+    address: str,
+    libraries: dict[str, PackedLibrary],
+    names: dict[str, str],
+    rpc: str,
+    timeout_s: float,
+    unavailable_s: float,
+    connect_timeout_s: float,
+    worker: int,
+) -> RemoteServer:
     """A client worker's own connection (`serve.pool`): its channel, its copy of the libraries, its RemoteServer."""
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
@@ -231,5 +284,6 @@ def connect_worker(address: str, libraries: dict[str, PackedLibrary], names: dic
     except grpc.FutureTimeoutError:
         channel.close()
         raise ConnectionError(f"no server answered within {connect_timeout_s:g} s") from None
-    return RemoteServer(channel, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc,
-                        names=names)  # fmt: skip
+    return RemoteServer(
+        channel, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc, names=names
+    )

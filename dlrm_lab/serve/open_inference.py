@@ -129,22 +129,26 @@ class OpenInferenceService:
         inputs, outputs = tensors(m.spec)
         meta = v2.ModelMetadataResponse.TensorMetadata
         return v2.ModelMetadataResponse(
-            name=m.name, versions=[VERSION], platform="pytorch_torchrec",
+            name=m.name,
+            versions=[VERSION],
+            platform="pytorch_torchrec",
             inputs=[meta(name=n, datatype=t, shape=s) for n, t, s in inputs],
             outputs=[meta(name=n, datatype=t, shape=s) for n, t, s in outputs],
-        )  # fmt: skip
+        )
 
     async def model_config(self, request: Any, context: Any) -> Any:
         m = await self._model(request.name, request.version, context)
         inputs, outputs = tensors(m.spec)
         kind = {"INT32": v2.TYPE_INT32, "INT64": v2.TYPE_INT64, "FP32": v2.TYPE_FP32}
         config = v2.ModelConfig(
-            name=m.name, platform="pytorch_torchrec", backend="dlrm-lab", max_batch_size=0,
+            name=m.name,
+            platform="pytorch_torchrec",
+            backend="dlrm-lab",
+            max_batch_size=0,
             input=[v2.ModelInput(name=n, data_type=kind[t], dims=s) for n, t, s in inputs],
             output=[v2.ModelOutput(name=n, data_type=kind[t], dims=s) for n, t, s in outputs],
-            instance_group=[v2.ModelInstanceGroup(name=m.name, count=m.instances,
-                                                  kind=v2.ModelInstanceGroup.KIND_CPU)],
-        )  # fmt: skip
+            instance_group=[v2.ModelInstanceGroup(name=m.name, count=m.instances, kind=v2.ModelInstanceGroup.KIND_CPU)],
+        )
         return v2.ModelConfigResponse(config=config)
 
     async def model_statistics(self, request: Any, context: Any) -> Any:
@@ -158,15 +162,21 @@ class OpenInferenceService:
         for model in [name] if name else list(self.models):
             s = self.stats[model]
             duration = v2.StatisticDuration
-            out.append(v2.ModelStatistics(
-                name=model, version=VERSION, last_inference=s.last_ms, inference_count=s.samples,
-                execution_count=s.queries,
-                inference_stats=v2.InferStatistics(
-                    success=duration(count=s.queries, ns=s.success_ns), fail=duration(count=s.failures, ns=s.fail_ns),
-                    queue=duration(count=s.queries, ns=s.queue_ns),
-                    compute_infer=duration(count=s.queries, ns=s.compute_ns),
-                ),
-            ))  # fmt: skip
+            out.append(
+                v2.ModelStatistics(
+                    name=model,
+                    version=VERSION,
+                    last_inference=s.last_ms,
+                    inference_count=s.samples,
+                    execution_count=s.queries,
+                    inference_stats=v2.InferStatistics(
+                        success=duration(count=s.queries, ns=s.success_ns),
+                        fail=duration(count=s.failures, ns=s.fail_ns),
+                        queue=duration(count=s.queries, ns=s.queue_ns),
+                        compute_infer=duration(count=s.queries, ns=s.compute_ns),
+                    ),
+                )
+            )
         return v2.ModelStatisticsResponse(model_stats=out)
 
     async def model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -178,21 +188,26 @@ class OpenInferenceService:
             try:
                 req = v2.ModelInferRequest.FromString(body)
             except DecodeError as exc:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a ModelInferRequest ({exc})",
-                              "rejected") from None  # fmt: skip
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"request: not a ModelInferRequest ({exc})", "rejected"
+                ) from None
             return self._request(req)
 
         try:
-            shim, scores, stages = await self.score(lambda: None if req is None else req.model_name, read, receive,
-                                                    client_deadline(context))  # fmt: skip
+            shim, scores, stages = await self.score(
+                lambda: None if req is None else req.model_name, read, receive, client_deadline(context)
+            )
         except Refused as exc:
             await context.abort(exc.code, str(exc))
             raise  # not reached: abort raises
         out = v2.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype="FP32", shape=[shim.samples])
         resp = v2.ModelInferResponse(
-            model_name=shim.model, model_version=VERSION, id=req.id, outputs=[out],
+            model_name=shim.model,
+            model_version=VERSION,
+            id=req.id,
+            outputs=[out],
             raw_output_contents=[np.asarray(scores, dtype=SCORE_DTYPE).tobytes()],
-        )  # fmt: skip
+        )
         for key, value in stages.items():  # the lab's stage times, for a client that reads them (protocol.STAGE_...)
             resp.parameters[key].int64_param = int(value)
         resp.parameters["server_send_ns"].int64_param = time.monotonic_ns()  # its serialisation follows
@@ -226,21 +241,32 @@ class OpenInferenceService:
         s.queue_ns += start - q.issued_ns
         s.compute_ns += done_ns - start
         s.last_ms = int(time.time() * 1e3)
-        stages = {"server_receive_ns": receive, "parse_ns": q.issued_ns - receive, "queue_ns": start - q.issued_ns,
-                  "compute_ns": done_ns - start, "batch_samples": q.batch_samples or 0,
-                  "instance": -1 if q.instance is None else q.instance, "pieces": q.pieces,
-                  "instance_compute_ns": q.compute_ns}  # fmt: skip
+        stages = {
+            "server_receive_ns": receive,
+            "parse_ns": q.issued_ns - receive,
+            "queue_ns": start - q.issued_ns,
+            "compute_ns": done_ns - start,
+            "batch_samples": q.batch_samples or 0,
+            "instance": -1 if q.instance is None else q.instance,
+            "pieces": q.pieces,
+            "instance_compute_ns": q.compute_ns,
+        }
         return shim, scores, stages
 
     def _request(self, req: Any) -> V2Request:
         """The ModelInferRequest's three tensors (raw_input_contents, else typed contents) as the lab's packed
         request, checked by the rules both bindings share (`serve.v2_tensors`)."""
         m = served_model(self.models, req.model_name, req.model_version)
-        shapes = check_tensors(req.model_name, m.spec, [(t.name, t.datatype, list(t.shape)) for t in req.inputs],
-                               [o.name for o in req.outputs])  # fmt: skip
+        shapes = check_tensors(
+            req.model_name,
+            m.spec,
+            [(t.name, t.datatype, list(t.shape)) for t in req.inputs],
+            [o.name for o in req.outputs],
+        )
         if req.raw_input_contents and len(req.raw_input_contents) != len(req.inputs):
-            raise refuse(req.model_name, f"{len(req.raw_input_contents)} raw_input_contents for {len(req.inputs)} "
-                         "inputs")  # fmt: skip
+            raise refuse(
+                req.model_name, f"{len(req.raw_input_contents)} raw_input_contents for {len(req.inputs)} inputs"
+            )
         raw: dict[str, bytes] = {}
         for k, t in enumerate(req.inputs):
             if req.raw_input_contents:

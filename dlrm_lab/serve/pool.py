@@ -49,10 +49,13 @@ def check_workers_fit(concurrency: int, library_bytes: int, available_bytes: int
     each = WORKER_RUNTIME_BYTES + library_bytes
     if concurrency * each > available:
         fit = max(1, int(available // each))
-        raise FieldError("concurrency", f"{concurrency}: {concurrency} client processes need "
-                         f"{concurrency * each / 2**30:.2f} GiB ({each / 2**20:.0f} MiB each: the runtime and the "
-                         f"sample libraries) but this machine has {available / 2**30:.2f} GiB available: at most "
-                         f"{fit} here")  # fmt: skip
+        raise FieldError(
+            "concurrency",
+            f"{concurrency}: {concurrency} client processes need "
+            f"{concurrency * each / 2**30:.2f} GiB ({each / 2**20:.0f} MiB each: the runtime and the "
+            f"sample libraries) but this machine has {available / 2**30:.2f} GiB available: at most "
+            f"{fit} here",
+        )
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,12 @@ class ClientPool:
     """`concurrency` RemoteServers in worker processes behind one SystemUnderTest (module docstring)."""
 
     def __init__(
-        self, plans: list[WorkerPlan], libraries: Mapping[str, Any], description: SutDescription,
+        self,
+        plans: list[WorkerPlan],
+        libraries: Mapping[str, Any],
+        description: SutDescription,
         unavailable_s: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.libraries, self._description, self.unavailable_s = dict(libraries), description, unavailable_s
         ctx = mp.get_context("spawn")
         self._workers: list[tuple[Any, Any]] = []
@@ -85,8 +91,9 @@ class ClientPool:
         try:
             for plan in plans:
                 parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(plan, child_end), daemon=True,
-                                   name=f"dlrm-lab-client-{plan.worker}")  # fmt: skip
+                proc = ctx.Process(
+                    target=_worker_main, args=(plan, child_end), daemon=True, name=f"dlrm-lab-client-{plan.worker}"
+                )
                 proc.start()
                 child_end.close()
                 self._workers.append((proc, parent_end))
@@ -100,8 +107,10 @@ class ClientPool:
         except BaseException:
             self.close()
             raise
-        self._readers = [threading.Thread(target=self._read, args=(k,), name=f"client-pool-{k}", daemon=True)
-                         for k in range(len(self._workers))]  # fmt: skip
+        self._readers = [
+            threading.Thread(target=self._read, args=(k,), name=f"client-pool-{k}", daemon=True)
+            for k in range(len(self._workers))
+        ]
         for t in self._readers:
             t.start()
 

@@ -32,8 +32,24 @@ from dlrm_lab.metrics.run import Run
 from dlrm_lab.resources import lab_version
 
 # ms-scale serving: 0.1 ms (a small batch's compute) to 10 s (a query waiting out a stall); seconds, Prometheus's unit
-LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                     10.0)  # fmt: skip
+LATENCY_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 BATCH_BUCKETS = tuple(float(2**k) for k in range(15))  # 1 .. 16384 samples
 # The lab's query statuses (docs/serving.md, "Server run directory"): each model's series exist from the start, at 0
 STATUSES = ("ok", "dropped", "rejected", "failed", "expired", "unfinished")
@@ -51,15 +67,23 @@ def _transport_ms(r: QueryRow) -> float | None:
 
 # name -> (help, the queries row's value in ms): observed for each query answered ok
 STAGES: dict[str, tuple[str, Callable[[QueryRow], float | None]]] = {
-    "latency": ("Server time of a query answered ok: received -> scores back in the serving process (latency_ms).",
-                lambda r: r.get("latency_ms")),
-    "queue": ("Submitted -> its first batch began on an instance: batching delay, waiting for an instance (queue_ms).",
-              lambda r: r.get("queue_ms")),
-    "compute": ("Instance time of a query answered ok, summed over its pieces (compute_ms).",
-                lambda r: r.get("compute_ms")),
-    "transport": ("The server's share of the transfer: decode, check and submit the request (server_parse).",
-                  _transport_ms),
-}  # fmt: skip
+    "latency": (
+        "Server time of a query answered ok: received -> scores back in the serving process (latency_ms).",
+        lambda r: r.get("latency_ms"),
+    ),
+    "queue": (
+        "Submitted -> its first batch began on an instance: batching delay, waiting for an instance (queue_ms).",
+        lambda r: r.get("queue_ms"),
+    ),
+    "compute": (
+        "Instance time of a query answered ok, summed over its pieces (compute_ms).",
+        lambda r: r.get("compute_ms"),
+    ),
+    "transport": (
+        "The server's share of the transfer: decode, check and submit the request (server_parse).",
+        _transport_ms,
+    ),
+}
 
 
 class ServingMetrics:
@@ -70,17 +94,30 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.models = list(inference.models)
-        self.queries = Counter("dlrm_lab_queries", "Queries answered, by the lab's status (ok, dropped, rejected, "
-                               "failed, expired, unfinished).", ["model", "status"], registry=r)  # fmt: skip
+        self.queries = Counter(
+            "dlrm_lab_queries",
+            "Queries answered, by the lab's status (ok, dropped, rejected, failed, expired, unfinished).",
+            ["model", "status"],
+            registry=r,
+        )
         self.samples = Counter("dlrm_lab_samples", "Samples scored (of queries answered ok).", ["model"], registry=r)
-        self.stalls = Counter("dlrm_lab_instance_stalls", "Batches an instance held beyond 500 ms and 20x their warm "
-                              "time (stopped or starved of its core).", ["model"], registry=r)  # fmt: skip
+        self.stalls = Counter(
+            "dlrm_lab_instance_stalls",
+            "Batches an instance held beyond 500 ms and 20x their warm time (stopped or starved of its core).",
+            ["model"],
+            registry=r,
+        )
         self.stages = {
             stage: Histogram(f"dlrm_lab_query_{stage}_seconds", text, ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
             for stage, (text, _) in STAGES.items()
         }
-        batches = Histogram("dlrm_lab_batch_samples", "Samples of each batch an instance ran (its count: batches).",
-                            ["model"], buckets=BATCH_BUCKETS, registry=r)  # fmt: skip
+        batches = Histogram(
+            "dlrm_lab_batch_samples",
+            "Samples of each batch an instance ran (its count: batches).",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         for model in self.models:  # every series at 0 before the first query, so that rate() sees the first one
             for status in STATUSES:
                 self.queries.labels(model, status)
@@ -133,8 +170,9 @@ class ServingMetrics:
                 if sock is not None:
                     server = await asyncio.start_server(self._scrape, sock=sock, limit=SCRAPE_HEAD_LIMIT)
                 else:
-                    server = await asyncio.start_server(self._scrape, host, port, reuse_address=True,
-                                                        limit=SCRAPE_HEAD_LIMIT)  # fmt: skip
+                    server = await asyncio.start_server(
+                        self._scrape, host, port, reuse_address=True, limit=SCRAPE_HEAD_LIMIT
+                    )
             except OSError as exc:
                 started["error"] = exc
                 ready.set()
@@ -179,8 +217,14 @@ class ServingMetrics:
             head_out = f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
             writer.write((head_out + "Connection: close\r\n\r\n").encode() + (body if method != "HEAD" else b""))
             await asyncio.wait_for(writer.drain(), SCRAPE_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
-                ConnectionError, asyncio.CancelledError):  # fmt: skip
+        except (
+            asyncio.TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+            ConnectionError,
+            asyncio.CancelledError,
+        ):
             # an idle, slow, malformed or departed scraper: closed, nothing else to say; cancelled, as the server
             # stops: ended quietly (asyncio's stream callback prints a cancelled handler's traceback)
             pass
@@ -221,8 +265,10 @@ class _StateCollector(Collector):
             for key, gauge in gauges.items():
                 gauge.add_metric([name], getattr(state, key))
             m = self.inference.models[name]
-            info.add_metric([name, m.spec.name, m.build, m.precision, m.table_precision, lab_version()],
-                            {"threads": str(m.threads), "max_batch": str(m.max_batch)})  # fmt: skip
+            info.add_metric(
+                [name, m.spec.name, m.build, m.precision, m.table_precision, lab_version()],
+                {"threads": str(m.threads), "max_batch": str(m.max_batch)},
+            )
         yield from gauges.values()
         yield info
 
@@ -237,7 +283,11 @@ def check_metrics_port(host: str, port: int, *others: int | None) -> None:
 
 
 def start_metrics(
-    inference: InferenceServer, host: str, port: int, run: Run, log: Callable[[str], None],
+    inference: InferenceServer,
+    host: str,
+    port: int,
+    run: Run,
+    log: Callable[[str], None],
     sock: socket.socket | None = None,
 ) -> ServingMetrics:
     """The server's /metrics, served from now on (on `sock` where the port was claimed before the start); said in

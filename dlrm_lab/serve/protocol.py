@@ -45,8 +45,17 @@ DESCRIBE_METHOD = f"/{SERVICE}/Describe"
 # reports a query's stages, as its own protocol does (`serve.open_inference`)
 OPEN_INFERENCE_SERVICE = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPC...
 MODEL_INFER_METHOD = f"/{OPEN_INFERENCE_SERVICE}/ModelInfer"
-STAGE_PARAMETERS = ("server_receive_ns", "parse_ns", "queue_ns", "compute_ns", "batch_samples", "instance", "pieces",
-                    "instance_compute_ns", "server_send_ns")  # fmt: skip
+STAGE_PARAMETERS = (
+    "server_receive_ns",
+    "parse_ns",
+    "queue_ns",
+    "compute_ns",
+    "batch_samples",
+    "instance",
+    "pieces",
+    "instance_compute_ns",
+    "server_send_ns",
+)
 
 # gRPC's default 4 MiB receive limit is below a 1024-sample query of a large preset.
 MAX_MESSAGE_BYTES = 256 << 20
@@ -57,8 +66,17 @@ CHANNEL_OPTIONS = [
 
 DENSE_DTYPE, LENGTH_DTYPE, ID_DTYPE, SCORE_DTYPE = np.dtype("<f4"), np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
 
-__all__ = ["pb", "pb_grpc", "v2", "v2_grpc", "PayloadError", "Refused", "client_deadline", "decode_samples",
-           "model_info"]  # fmt: skip
+__all__ = [
+    "pb",
+    "pb_grpc",
+    "v2",
+    "v2_grpc",
+    "PayloadError",
+    "Refused",
+    "client_deadline",
+    "decode_samples",
+    "model_info",
+]
 
 
 class Refused(Exception):

@@ -73,12 +73,15 @@ def open_inference_request(model: str, query_id: str, samples: int, dense: bytes
     tensor = v2.ModelInferRequest.InferInputTensor
     features = len(lengths) // (LENGTH_DTYPE.itemsize * samples)
     return v2.ModelInferRequest(
-        model_name=model, id=query_id,
-        inputs=[tensor(name="dense", datatype="FP32", shape=[samples, len(dense) // (DENSE_DTYPE.itemsize * samples)]),
-                tensor(name="lengths", datatype="INT32", shape=[features, samples]),
-                tensor(name="ids", datatype="INT64", shape=[len(ids) // ID_DTYPE.itemsize])],
+        model_name=model,
+        id=query_id,
+        inputs=[
+            tensor(name="dense", datatype="FP32", shape=[samples, len(dense) // (DENSE_DTYPE.itemsize * samples)]),
+            tensor(name="lengths", datatype="INT32", shape=[features, samples]),
+            tensor(name="ids", datatype="INT64", shape=[len(ids) // ID_DTYPE.itemsize]),
+        ],
         raw_input_contents=[dense, lengths, ids],
-    ).SerializeToString()  # fmt: skip
+    ).SerializeToString()
 
 
 @dataclass
@@ -115,8 +118,13 @@ def open_inference_answer(body: bytes) -> OpenInferenceAnswer:
 
 # What a gRPC status means in the lab's records (`infer.records.summarize` counts these); the code itself is
 # kept in `rpc_status`. Anything else that is not OK (UNAVAILABLE, INTERNAL, a bad answer) is a failed query.
-LAB_STATUS = {"OK": "ok", "ok": "ok", "RESOURCE_EXHAUSTED": "dropped", "INVALID_ARGUMENT": "rejected",
-              "DEADLINE_EXCEEDED": "expired"}  # fmt: skip
+LAB_STATUS = {
+    "OK": "ok",
+    "ok": "ok",
+    "RESOURCE_EXHAUSTED": "dropped",
+    "INVALID_ARGUMENT": "rejected",
+    "DEADLINE_EXCEEDED": "expired",
+}
 
 
 def lab_status(code: str) -> str:
@@ -210,9 +218,14 @@ class RemoteServer:
             body = open_inference_request(model, str(query_id), q.size, dense, lengths, ids)
         else:
             body = pb.InferRequest(
-                model=model, query_id=query_id, samples=q.size, dense=dense, lengths=lengths, ids=ids,
+                model=model,
+                query_id=query_id,
+                samples=q.size,
+                dense=dense,
+                lengths=lengths,
+                ids=ids,
                 client_send_ns=start,
-            ).SerializeToString()  # fmt: skip
+            ).SerializeToString()
         serialised = time.monotonic_ns()
         with self._lock:
             self._outstanding += 1
@@ -248,8 +261,16 @@ class RemoteServer:
                     sent = self._waiting.pop(resp.query_id, None)
                 if sent is not None:  # else: one this client never sent (an undecodable request's answer)
                     q, stamps, request_bytes = sent
-                    self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status=resp.status or "ok",
-                                 error=resp.error or None)  # fmt: skip
+                    self._record(
+                        q,
+                        stamps,
+                        request_bytes,
+                        receive,
+                        resp=resp,
+                        body=body,
+                        status=resp.status or "ok",
+                        error=resp.error or None,
+                    )
             else:
                 status, error = "UNAVAILABLE", "the server ended the stream"
         except grpc.RpcError as exc:
@@ -293,8 +314,14 @@ class RemoteServer:
             try:
                 resp = open_inference_answer(body) if self.rpc == "oip" else pb.InferResponse.FromString(body)
             except (DecodeError, ValueError) as exc:  # not an answer: a failed query, counted and named
-                self._record(q, stamps, request_bytes, receive, status="BAD_RESPONSE",
-                             error=f"an undecodable answer ({len(body)} bytes: {exc})")  # fmt: skip
+                self._record(
+                    q,
+                    stamps,
+                    request_bytes,
+                    receive,
+                    status="BAD_RESPONSE",
+                    error=f"an undecodable answer ({len(body)} bytes: {exc})",
+                )
             else:
                 self._record(q, stamps, request_bytes, receive, resp=resp, body=body, status="ok")
 
@@ -335,25 +362,40 @@ class RemoteServer:
         if status == "ok" and resp.server_send_ns:  # the server reported its stages (any lab server)
             server_ns = resp.server_send_ns - resp.server_receive_ns
             respond_ns = server_ns - resp.parse_ns - resp.queue_ns - resp.compute_ns
-            columns.update({
-                "network_ms": (receive - send - server_ns) / 1e6,
-                "server_parse_ms": resp.parse_ns / 1e6,
-                "queue_ms": resp.queue_ns / 1e6,
-                "compute_ms": resp.compute_ns / 1e6,
-                "server_respond_ms": respond_ns / 1e6,
-                "server_ms": server_ns / 1e6,
-                "instance_compute_ms": resp.instance_compute_ns / 1e6,
-                "batch_samples": resp.batch_samples,
-                "instance": resp.instance,
-                "pieces": resp.pieces,
-            })  # fmt: skip
+            columns.update(
+                {
+                    "network_ms": (receive - send - server_ns) / 1e6,
+                    "server_parse_ms": resp.parse_ns / 1e6,
+                    "queue_ms": resp.queue_ns / 1e6,
+                    "compute_ms": resp.compute_ns / 1e6,
+                    "server_respond_ms": respond_ns / 1e6,
+                    "server_ms": server_ns / 1e6,
+                    "instance_compute_ms": resp.instance_compute_ns / 1e6,
+                    "batch_samples": resp.batch_samples,
+                    "instance": resp.instance,
+                    "pieces": resp.pieces,
+                }
+            )
         if status == "INVALID_ARGUMENT" and q.payload is None and self._bad is None:
             # library samples refused: the server's model is not the one these samples were made for
-            self._bad = (f"query {q.query_id} was refused: {error} (its model is not {q.model} as given here: "
-                         "check --max-rows, --table-scale and the preset)")  # fmt: skip
-        row = query_row(q.query_id, q.model, q.size, lab_status(status), epoch_ns=self.epoch_ns,
-                        scheduled_ns=q.scheduled_ns, issued_ns=start, end_ns=end, error=error, rpc_status=status,
-                        deserialise_ms=(end - receive) / 1e6, **columns)  # fmt: skip
+            self._bad = (
+                f"query {q.query_id} was refused: {error} (its model is not {q.model} as given here: "
+                "check --max-rows, --table-scale and the preset)"
+            )
+        row = query_row(
+            q.query_id,
+            q.model,
+            q.size,
+            lab_status(status),
+            epoch_ns=self.epoch_ns,
+            scheduled_ns=q.scheduled_ns,
+            issued_ns=start,
+            end_ns=end,
+            error=error,
+            rpc_status=status,
+            deserialise_ms=(end - receive) / 1e6,
+            **columns,
+        )
         q.record = row
         with self._lock:
             self._rows.append(row)

@@ -64,13 +64,30 @@ JSON_VALUE_BYTES = 24  # the widest JSON number of a tensor (an int64, a float's
 BODY_SLACK = 1 << 20  # the JSON around the tensors
 READ_SLICE = 256 << 10  # a large body is read to its file this much at a time
 MAX_BODY_CAP = 1 << 30
-STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED:
-          429, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503,
-          grpc.StatusCode.DEADLINE_EXCEEDED: 504}  # fmt: skip
-REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 411: "Length Required", 413: "Content Too Large", 415: "Unsupported Media Type",
-           429: "Too Many Requests", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-           503: "Service Unavailable", 504: "Gateway Timeout"}  # fmt: skip
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+REASONS = {
+    100: "Continue",
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Content Too Large",
+    415: "Unsupported Media Type",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 Response = tuple[int, dict[str, str], bytes]
 
@@ -108,8 +125,9 @@ def error(status: int, message: str) -> Response:
 class RestFront:
     """KServe v2's REST binding over an `OpenInferenceService` (its models, statistics and `score`)."""
 
-    def __init__(self, v2: OpenInferenceService, max_body: int | None = None,
-                 max_connections: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, v2: OpenInferenceService, max_body: int | None = None, max_connections: int | None = None
+    ) -> None:
         self.v2 = v2
         self.max_body = max_body_bytes(v2.models) if max_body is None else max_body
         self.max_connections = max_connections  # beyond it a new client is answered 503 (serve.connections)
@@ -129,7 +147,8 @@ class RestFront:
             from dlrm_lab.errors import end_with_parent
 
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=end_with_parent)
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=end_with_parent
+            )
         return self._pool
 
     async def start(self, host: str, port: int, sock: Any = None) -> int:
@@ -139,8 +158,9 @@ class RestFront:
         if sock is not None:
             self._server = await asyncio.start_server(self._connection, sock=sock, limit=HEADER_LIMIT)
         else:
-            self._server = await asyncio.start_server(self._connection, host, port, limit=HEADER_LIMIT,
-                                                      reuse_address=True)  # fmt: skip
+            self._server = await asyncio.start_server(
+                self._connection, host, port, limit=HEADER_LIMIT, reuse_address=True
+            )
         return self._server.sockets[0].getsockname()[1]
 
     def stop_accepting(self) -> None:
@@ -195,8 +215,9 @@ class RestFront:
             pairs = [(k.strip().lower(), v.strip()) for k, _, v in (f.partition(":") for f in fields if f)]
             headers = dict(pairs)
         except ValueError:
-            await self._write(writer, error(400, f"request line {echoed(head[:80].decode('latin-1'))}: not HTTP"),
-                              close=True)  # fmt: skip
+            await self._write(
+                writer, error(400, f"request line {echoed(head[:80].decode('latin-1'))}: not HTTP"), close=True
+            )
             return False
         keep = headers.get("connection", "").lower() != "close" and (
             version == "HTTP/1.1" or headers.get("connection", "").lower() == "keep-alive"
@@ -206,8 +227,15 @@ class RestFront:
             return False
         lengths = {v for k, v in pairs if k == "content-length"}
         if len(lengths) > 1:  # which one frames the body is ambiguous (request smuggling's way in): refused
-            await self._write(writer, error(400, f"Content-Length given {len(lengths)} times with other values "
-                                            f"({echoed(', '.join(sorted(lengths)))}): give one"), True)  # fmt: skip
+            await self._write(
+                writer,
+                error(
+                    400,
+                    f"Content-Length given {len(lengths)} times with other values "
+                    f"({echoed(', '.join(sorted(lengths)))}): give one",
+                ),
+                True,
+            )
             return False
         length = headers.get("content-length", "0")
         if not whole_number(length):
@@ -216,14 +244,23 @@ class RestFront:
         if int(length) > self.max_body:
             over = Refused(grpc.StatusCode.INVALID_ARGUMENT, f"body: {length} bytes, over {self.max_body}", "rejected")
             self.v2.service.record_refused(Declared(_model_of(target)), time.monotonic_ns(), over)
-            await self._write(writer, error(413, f"Content-Length {length}: over this server's {self.max_body} bytes "
-                                            "(its largest query as JSON)"), close=True)  # fmt: skip
+            await self._write(
+                writer,
+                error(
+                    413,
+                    f"Content-Length {length}: over this server's {self.max_body} bytes (its largest query as JSON)",
+                ),
+                close=True,
+            )
             return False
         size = int(length)
         if size > SMALL_BODY and self._body_bytes + size > BODIES_IN_FLIGHT * self.max_body:
             # memory for bodies is bounded: a large one waits for none, it is refused while others are held
-            await self._write(writer, error(503, f"body: {length} bytes while {self._body_bytes} bytes of other "
-                                            "bodies are in flight: retry"), close=True)  # fmt: skip
+            await self._write(
+                writer,
+                error(503, f"body: {length} bytes while {self._body_bytes} bytes of other bodies are in flight: retry"),
+                close=True,
+            )
             return False
         if size and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for it before a body over 1 KiB
@@ -254,8 +291,12 @@ class RestFront:
     @staticmethod
     async def _write(writer: asyncio.StreamWriter, response: Response, close: bool = False) -> None:
         status, headers, payload = response
-        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}", f"Content-Length: {len(payload)}",
-                 *(f"{k}: {v}" for k, v in headers.items()), *(["Connection: close"] if close else [])]  # fmt: skip
+        lines = [
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
+            f"Content-Length: {len(payload)}",
+            *(f"{k}: {v}" for k, v in headers.items()),
+            *(["Connection: close"] if close else []),
+        ]
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
         await writer.drain()
 
@@ -297,15 +338,29 @@ class RestFront:
             return _json(200, _numbers(self.v2.statistics(name)))
         inputs, outputs = tensors(m.spec)
         if route == "config":
-            return _json(200, {"name": name, "platform": "pytorch_torchrec", "backend": "dlrm-lab",
-                               "max_batch_size": 0,
-                               "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s} for n, t, s in inputs],
-                               "output": [{"name": n, "data_type": f"TYPE_{t}", "dims": s} for n, t, s in outputs],
-                               "instance_group": [{"name": name, "count": m.instances,
-                                                   "kind": "KIND_CPU"}]})  # fmt: skip
+            return _json(
+                200,
+                {
+                    "name": name,
+                    "platform": "pytorch_torchrec",
+                    "backend": "dlrm-lab",
+                    "max_batch_size": 0,
+                    "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s} for n, t, s in inputs],
+                    "output": [{"name": n, "data_type": f"TYPE_{t}", "dims": s} for n, t, s in outputs],
+                    "instance_group": [{"name": name, "count": m.instances, "kind": "KIND_CPU"}],
+                },
+            )
         meta = [[{"name": n, "datatype": t, "shape": s} for n, t, s in group] for group in (inputs, outputs)]
-        return _json(200, {"name": name, "versions": [VERSION], "platform": "pytorch_torchrec", "inputs": meta[0],
-                           "outputs": meta[1]})  # fmt: skip
+        return _json(
+            200,
+            {
+                "name": name,
+                "versions": [VERSION],
+                "platform": "pytorch_torchrec",
+                "inputs": meta[0],
+                "outputs": meta[1],
+            },
+        )
 
     async def infer(self, name: str, version: str, headers: dict[str, str], body: bytes, receive: int) -> Response:
         if self.stopping:
@@ -315,8 +370,9 @@ class RestFront:
         def check() -> Any:
             """The served model's spec, once the body is one the lab reads and the model one it serves."""
             if headers.get("content-encoding", "identity").lower() != "identity":
-                raise _refused(name, f"Content-Encoding {echoed(headers['content-encoding'])}: send the body "
-                               "uncompressed")  # fmt: skip
+                raise _refused(
+                    name, f"Content-Encoding {echoed(headers['content-encoding'])}: send the body uncompressed"
+                )
             return served_model(self.v2.models, name, version).spec
 
         def read() -> V2Request:
@@ -329,7 +385,8 @@ class RestFront:
             parsed: V2Request | Refused
             try:
                 parsed, request = await asyncio.get_running_loop().run_in_executor(
-                    self._parser(), parse_body_file, check(), name, headers, body.path)
+                    self._parser(), parse_body_file, check(), name, headers, body.path
+                )
             except Refused as refused:
                 parsed = refused
 
@@ -362,8 +419,11 @@ class RestFront:
         head = json.dumps(answer).encode()
         if binary is not True:
             return 200, {"Content-Type": "application/json"}, head
-        return 200, {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}, (
-            head + scores.tobytes())  # fmt: skip
+        return (
+            200,
+            {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))},
+            (head + scores.tobytes()),
+        )
 
 
 class _Unsupported(Refused):
@@ -389,8 +449,13 @@ def _route(rest: list[str]) -> tuple[str | None, str, str]:
     name, tail, version = rest[1], rest[2:], ""
     if tail[:1] == ["versions"] and len(tail) >= 2:
         version, tail = tail[1], tail[2:]
-    routes = {(): "metadata", ("ready",): "model_ready", ("config",): "config", ("stats",): "stats",
-              ("infer",): "infer"}  # fmt: skip
+    routes = {
+        (): "metadata",
+        ("ready",): "model_ready",
+        ("config",): "config",
+        ("stats",): "stats",
+        ("infer",): "infer",
+    }
     return routes.get(tuple(tail)), name, version
 
 

@@ -33,8 +33,9 @@ def split_body(model: str, headers: dict[str, str], body: bytes) -> tuple[dict[s
     """The request's JSON and the binary data after it (Triton's extension: Inference-Header-Content-Length)."""
     size = headers.get("inference-header-content-length")
     if size is not None and (not whole_number(size) or int(size) > len(body)):
-        raise refuse(model, f"Inference-Header-Content-Length {echoed(size)}: not a length within the body's "
-                     f"{len(body)} bytes")  # fmt: skip
+        raise refuse(
+            model, f"Inference-Header-Content-Length {echoed(size)}: not a length within the body's {len(body)} bytes"
+        )
     cut = len(body) if size is None else int(size)
     try:
         request = json.loads(bytes(body[:cut]))
@@ -81,16 +82,20 @@ def body_tensors(spec: Any, model: str, request: dict[str, Any], blobs: memoryvi
         size = (t.get("parameters") or {}).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or at + size > len(blobs):
-                raise refuse(model, f"input {name}: binary_data_size {echoed(json.dumps(size))}: not a size within "
-                             f"the {len(blobs) - at} bytes left after the JSON header")  # fmt: skip
+                raise refuse(
+                    model,
+                    f"input {name}: binary_data_size {echoed(json.dumps(size))}: not a size within "
+                    f"the {len(blobs) - at} bytes left after the JSON header",
+                )
             raw[name], at = bytes(blobs[at : at + size]), at + size
         elif "data" in t:
             raw[name] = json_values(model, name, datatype, t["data"], shape)
         else:
             raise refuse(model, f"input {name}: no data (give `data`, or binary data with `binary_data_size`)")
     if at != len(blobs):
-        raise refuse(model, f"binary data: {len(blobs)} bytes after the JSON header, the inputs' binary_data_size "
-                     f"sum to {at}")  # fmt: skip
+        raise refuse(
+            model, f"binary data: {len(blobs)} bytes after the JSON header, the inputs' binary_data_size sum to {at}"
+        )
     shim = packed_request(model, request.get("id", ""), shapes, raw)
     timeout = (request.get("parameters") or {}).get("timeout")  # microseconds, as tritonclient sends it
     if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
@@ -118,7 +123,6 @@ def json_values(model: str, name: str, datatype: str, data: Any, shape: list[int
     return values.tobytes()
 
 
-
 def read_body(spec: Any, model: str, headers: dict[str, str], body: bytes | memoryview) -> tuple[V2Request, JsonObject]:
     """The request a body holds, checked as the gRPC binding's is, and the JSON fields its answer reads."""
     request, blobs = split_body(model, headers, body)
@@ -131,7 +135,6 @@ def parse_body(spec: Any, model: str, headers: dict[str, str], body: bytes) -> t
         return read_body(spec, model, headers, body)
     except Refused as refused:
         return refused, {}
-
 
 
 class BodyFile:

@@ -40,14 +40,28 @@ from dlrm_lab.serve.remote import OpenInferenceAnswer, RemoteServer
 MAX_CONNECTIONS = 64  # keep-alive connections of one client process
 BINARY = "binary_tensor_data"
 # What an HTTP status means in the lab's records (the gRPC code's name, as `serve.remote.lab_status` reads it)
-HTTP_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
-               500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}  # fmt: skip
+HTTP_STATUS = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
 
 
 def rest_request(
-    model: str, query_id: str, samples: int, dense: bytes, lengths: bytes, ids: bytes, *, binary: bool,
+    model: str,
+    query_id: str,
+    samples: int,
+    dense: bytes,
+    lengths: bytes,
+    ids: bytes,
+    *,
+    binary: bool,
     timeout_us: int | None = None,
-) -> tuple[bytes, dict[str, str]]:  # fmt: skip
+) -> tuple[bytes, dict[str, str]]:
     """The body and headers of a v2 REST infer request holding one query's tensors (`serve.v2_tensors`)."""
     features = len(lengths) // (4 * samples)
     shapes = {"dense": [samples, len(dense) // (4 * samples)], "lengths": [features, samples], "ids": [len(ids) // 8]}
@@ -61,8 +75,11 @@ def rest_request(
         else:
             tensor["data"] = np.frombuffer(raw[name], dtype=dtype).tolist()
         inputs.append(tensor)
-    request: dict[str, Any] = {"id": query_id, "inputs": inputs,
-                               "outputs": [{"name": "scores", "parameters": {"binary_data": binary}}]}  # fmt: skip
+    request: dict[str, Any] = {
+        "id": query_id,
+        "inputs": inputs,
+        "outputs": [{"name": "scores", "parameters": {"binary_data": binary}}],
+    }
     if timeout_us:
         request["parameters"] = {"timeout": timeout_us}
     head = json.dumps(request).encode()
@@ -161,8 +178,16 @@ class RestServer(RemoteServer):
         """Serialise and send `q`, read its answer, record it; the connection to keep (None: closed)."""
         start, (dense, lengths, ids) = self._issue(q)
         model = self.names.get(q.model, q.model)
-        body, headers = rest_request(model, str((self.worker << 40) | q.query_id), q.size, dense, lengths, ids,
-                                     binary=self.rpc == "rest", timeout_us=int(self.timeout_s * 1e6))  # fmt: skip
+        body, headers = rest_request(
+            model,
+            str((self.worker << 40) | q.query_id),
+            q.size,
+            dense,
+            lengths,
+            ids,
+            binary=self.rpc == "rest",
+            timeout_us=int(self.timeout_s * 1e6),
+        )
         serialised = time.monotonic_ns()
         path = f"/v2/models/{urllib.parse.quote(model, safe='')}/infer"
         status, error, data, resp = "ok", None, b"", None
@@ -204,8 +229,9 @@ class RestServer(RemoteServer):
             else:
                 status = HTTP_STATUS.get(resp.status, f"HTTP_{resp.status}")
                 error = f"HTTP {resp.status}: {_error_text(data)}"
-        self._record(q, (start, serialised, send), len(body), receive, resp=answer, body=data, status=status,
-                     error=error)  # fmt: skip
+        self._record(
+            q, (start, serialised, send), len(body), receive, resp=answer, body=data, status=status, error=error
+        )
         return conn
 
 
@@ -240,8 +266,11 @@ def check_rest_model(target: Any, name: str, spec: Any, timeout_s: float) -> Non
     try:
         status, _ = http_get(target.address, f"{path}/ready", timeout_s)
         if status != 200:
-            raise FieldError("target", f"{where}: not ready (GET {path}/ready answered {status}; is it served under "
-                             "that name? http://HOST:PORT/MODEL names it)")  # fmt: skip
+            raise FieldError(
+                "target",
+                f"{where}: not ready (GET {path}/ready answered {status}; is it served under "
+                "that name? http://HOST:PORT/MODEL names it)",
+            )
         status, meta = http_get(target.address, path, timeout_s)
     except (OSError, http.client.HTTPException) as exc:
         raise FieldError("target", f"{where}: {type(exc).__name__}: {exc}") from None
@@ -249,8 +278,9 @@ def check_rest_model(target: Any, name: str, spec: Any, timeout_s: float) -> Non
         raise FieldError("target", f"{where}: GET {path} answered {status}, not the model's metadata")
 
     def listed(key: str) -> list[tuple]:
-        return [(t.get("name"), t.get("datatype"), t.get("shape") or []) for t in meta.get(key) or []
-                if isinstance(t, dict)]  # fmt: skip
+        return [
+            (t.get("name"), t.get("datatype"), t.get("shape") or []) for t in meta.get(key) or [] if isinstance(t, dict)
+        ]
 
     check_tensor_metadata(where, spec, listed("inputs"), listed("outputs"))
 
@@ -266,8 +296,11 @@ def open_rest_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]
         raise FieldError("target", f"{target.url}: names one model; {len(models)} {{model}} given", "model")
     for m in models:
         if not (family := family_of(m.spec)).wire_samples:
-            raise FieldError("model", f"{m.name}: {family.label} presets are served from their server's own library; "
-                             "a remote target takes DLRM samples")  # fmt: skip
+            raise FieldError(
+                "model",
+                f"{m.name}: {family.label} presets are served from their server's own library; "
+                "a remote target takes DLRM samples",
+            )
     names = {m.name: target.model_name or m.spec.name for m in models}
     _wait_ready(target, conn.connect_timeout_s)
     try:
@@ -278,27 +311,48 @@ def open_rest_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]
     rpc = conn.rpc or ("rest" if isinstance(extensions, list) and BINARY in extensions else "rest-json")
     for m in models:
         check_rest_model(target, names[m.name], m.spec, conn.connect_timeout_s)
-    recipes = {m.name: LibraryRecipe(m.spec.to_dict(), m.data_spec, conn.seed,
-                                     library_samples(m.max_batch, m.library_samples)) for m in models}  # fmt: skip
+    recipes = {
+        m.name: LibraryRecipe(m.spec.to_dict(), m.data_spec, conn.seed, library_samples(m.max_batch, m.library_samples))
+        for m in models
+    }
     why = "a third-party server: it does not say how it serves (instances, threads, precision)"
-    descriptions = {m.name: ModelDescription(name=m.name, spec=m.spec, on_this_host=target.on_this_host, unplaced=why)
-                    for m in models}  # fmt: skip
+    descriptions = {
+        m.name: ModelDescription(name=m.name, spec=m.spec, on_this_host=target.on_this_host, unplaced=why)
+        for m in models
+    }
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
     description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
     if conn.concurrency > 1:
-        connect = functools.partial(connect_rest_worker, target.address, libraries, names, rpc, conn.timeout_s,
-                                    conn.unavailable_s)  # fmt: skip
+        connect = functools.partial(
+            connect_rest_worker, target.address, libraries, names, rpc, conn.timeout_s, conn.unavailable_s
+        )
         with client_pool(conn, libraries, description, connect) as pool:
             yield pool
         return
-    remote = RestServer(target.address, libraries, models=descriptions, timeout_s=conn.timeout_s, rpc=rpc,
-                        unavailable_s=conn.unavailable_s, description=description, names=names)  # fmt: skip
+    remote = RestServer(
+        target.address,
+        libraries,
+        models=descriptions,
+        timeout_s=conn.timeout_s,
+        rpc=rpc,
+        unavailable_s=conn.unavailable_s,
+        description=description,
+        names=names,
+    )
     with drained(remote, conn.timeout_s):
         yield remote
 
 
-def connect_rest_worker(address: str, libraries: dict[str, PackedLibrary], names: dict[str, str], rpc: str,
-                        timeout_s: float, unavailable_s: float, worker: int) -> RestServer:  # fmt: skip
+def connect_rest_worker(
+    address: str,
+    libraries: dict[str, PackedLibrary],
+    names: dict[str, str],
+    rpc: str,
+    timeout_s: float,
+    unavailable_s: float,
+    worker: int,
+) -> RestServer:
     """A client worker's own connections (`serve.pool`): its copy of the libraries, its RestServer."""
-    return RestServer(address, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc,
-                      names=names)  # fmt: skip
+    return RestServer(
+        address, libraries, worker=worker, timeout_s=timeout_s, unavailable_s=unavailable_s, rpc=rpc, names=names
+    )

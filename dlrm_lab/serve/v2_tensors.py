@@ -32,10 +32,13 @@ Tensor = tuple[str, str, list[int]]  # name, datatype, shape
 def tensors(spec: ModelSpec) -> tuple[list[Tensor], list[Tensor]]:
     """The model's (name, datatype, shape) inputs and outputs; -1: the number of samples or ids."""
     return (
-        [("dense", "FP32", [-1, spec.num_dense]), ("lengths", "INT32", [spec.num_features, -1]),
-         ("ids", "INT64", [-1])],
+        [
+            ("dense", "FP32", [-1, spec.num_dense]),
+            ("lengths", "INT32", [spec.num_features, -1]),
+            ("ids", "INT64", [-1]),
+        ],
         [(OUTPUT, "FP32", [-1])],
-    )  # fmt: skip
+    )
 
 
 class V2Request:
@@ -64,8 +67,11 @@ def served_model(models: Mapping[str, Any], name: str, version: str) -> Any:
     Refused NOT_FOUND. The version has no default: every endpoint, inference included, answers only the versions
     its metadata lists."""
     if name not in models:
-        raise Refused(grpc.StatusCode.NOT_FOUND, f"model {echoed(name)}: not served here; served: "
-                      f"{', '.join(models) or 'no DLRM'}", "rejected")  # fmt: skip
+        raise Refused(
+            grpc.StatusCode.NOT_FOUND,
+            f"model {echoed(name)}: not served here; served: {', '.join(models) or 'no DLRM'}",
+            "rejected",
+        )
     if version not in ("", VERSION):
         raise Refused(grpc.StatusCode.NOT_FOUND, f"model {name} version {echoed(version)}: only {VERSION}", "rejected")
     return models[name]

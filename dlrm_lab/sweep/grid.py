@@ -84,8 +84,13 @@ class SweepSpec:
 
     def fingerprint(self) -> str:
         """What makes two invocations the same sweep (the output directory aside)."""
-        what = {"command": self.command, "options": self.options, "points": self.points, "repeats": self.repeats,
-                "kind": self.kind}  # fmt: skip
+        what = {
+            "command": self.command,
+            "options": self.options,
+            "points": self.points,
+            "repeats": self.repeats,
+            "kind": self.kind,
+        }
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def to_dict(self) -> JsonObject:
@@ -145,8 +150,11 @@ def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | No
     if len({len(v) for v in tables["zip"].values()}) > 1:
         lengths = ", ".join(f"{k}: {len(v)}" for k, v in tables["zip"].items())
         raise UserError(f"{path}: [zip] lists must have equal lengths ({lengths})")
-    if both := sorted(set(tables["grid"]) & set(tables["zip"]) | set(tables["options"]) & set(tables["grid"])
-                      | set(tables["options"]) & set(tables["zip"])):  # fmt: skip
+    if both := sorted(
+        set(tables["grid"]) & set(tables["zip"])
+        | set(tables["options"]) & set(tables["grid"])
+        | set(tables["options"]) & set(tables["zip"])
+    ):
         raise UserError(f"{path}: {both[0]} appears in more than one of [options], [grid], [zip]")
     repeats = repeats if repeats is not None else raw.get("repeats", 1)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:

@@ -73,8 +73,11 @@ def _set_aside(sweep_dir: Path, slot_dir: Path) -> int:
 
 
 def _open_sweep(spec: SweepSpec, out: Path, argv: list[str] | None) -> Run:
-    config = {"grid": spec.to_dict(), "fingerprint": spec.fingerprint(),
-              "points": [{"point": k, "params": p} for k, p in enumerate(spec.points)]}  # fmt: skip
+    config = {
+        "grid": spec.to_dict(),
+        "fingerprint": spec.fingerprint(),
+        "points": [{"point": k, "params": p} for k, p in enumerate(spec.points)],
+    }
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest.get("kind") != spec.kind:
@@ -83,8 +86,9 @@ def _open_sweep(spec: SweepSpec, out: Path, argv: list[str] | None) -> Run:
             other = manifest["config"].get("grid", {}).get("path")
             raise UserError(f"{out}: holds a sweep of a different grid ({other}); change `out` or remove it")
         run = Run(out, manifest)
-        run.update_manifest(status="running", pid=os.getpid(), end_time=None, error=None,
-                            resumed=int(manifest.get("resumed", 0)) + 1)  # fmt: skip
+        run.update_manifest(
+            status="running", pid=os.getpid(), end_time=None, error=None, resumed=int(manifest.get("resumed", 0)) + 1
+        )
         return run
     if out.exists():
         raise UserError(f"{out}: exists and is not a sweep directory; choose another `out` (or --out)")
@@ -153,8 +157,14 @@ def _run_point(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[str, 
     with open(slot / "point.log", "ab") as log:
         log.write(("$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]) + "\n").encode())
         log.flush()
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, **env}, preexec_fn=_end_with_parent)  # fmt: skip
+        child = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
+            preexec_fn=_end_with_parent,
+        )
         try:
             code = child.wait()
         except BaseException:

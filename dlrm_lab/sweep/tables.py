@@ -72,9 +72,13 @@ def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, str | floa
                 continue
             for row in pq.read_table(pr.child_dir / "summary.parquet").to_pylist():
                 groups.setdefault(tuple(row.get(k) for k in _ROW_KEYS), []).append(row)
-        base = {"point": point, "params_json": json.dumps(prs[0].params, sort_keys=True),
-                **{f"param_{k}": str(v) for k, v in prs[0].params.items()},
-                "repeats_ok": sum(p.status == "ok" for p in prs), "repeats": len(prs)}  # fmt: skip
+        base = {
+            "point": point,
+            "params_json": json.dumps(prs[0].params, sort_keys=True),
+            **{f"param_{k}": str(v) for k, v in prs[0].params.items()},
+            "repeats_ok": sum(p.status == "ok" for p in prs),
+            "repeats": len(prs),
+        }
         if not groups:
             out.append(base)
             continue

@@ -38,8 +38,9 @@ def _state(model: torch.nn.Module, optimizer: Any, step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": torch.tensor(step)}
 
 
-def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: Any, step: int, is_main: bool,
-                    about: JsonObject | None = None) -> Path:  # fmt: skip
+def save_checkpoint(
+    root: str | Path, model: torch.nn.Module, optimizer: Any, step: int, is_main: bool, about: JsonObject | None = None
+) -> Path:
     """Save after `step` steps (a collective: every rank calls it); `about`: what the weights were trained on
     (`model.checkpoint.TRAINED`), written by rank 0 beside them.
 

@@ -27,9 +27,14 @@ def choose_run_precision(spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Ca
     if ctx.is_main:
         try:
             shared[0] = choose_precision(
-                cfg.precision, spec, allowed=PRECISIONS, device=ctx.device, threads=torch.get_num_threads(),
-                rows=cfg.batch_size, log=log,
-            )  # fmt: skip
+                cfg.precision,
+                spec,
+                allowed=PRECISIONS,
+                device=ctx.device,
+                threads=torch.get_num_threads(),
+                rows=cfg.batch_size,
+                log=log,
+            )
         except UserError as exc:  # every rank says so (the error itself: a FieldError names its field)
             shared[0] = exc
         if log and not isinstance(shared[0], UserError):
@@ -77,9 +82,12 @@ def choose_run_collectives(spec: Any, cfg: TrainConfig, launch: Any) -> dict[str
     comm_bytes = step_communication_bytes(spec, cfg.batch_size * world, world) if world > 1 else {}
     profile = load_profile() if world > 1 and launch.launcher == "mpi" and cfg.collectives == "auto" else None
     choice = choose_collectives(
-        cfg.collectives, launch.launcher, cfg.device, world,
+        cfg.collectives,
+        launch.launcher,
+        cfg.device,
+        world,
         lambda transport: communication_seconds(profile, transport, comm_bytes) if profile else None,
-    )  # fmt: skip
+    )
     if launch.launcher == "mpi" and world > 1:
         from mpi4py import MPI
 
@@ -115,16 +123,25 @@ def choose_prefetch(cfg: TrainConfig, ctx: DistContext) -> PrefetchChoice:
     # pinned: the rank's own cores; else the cores it may use, shared with the other ranks of its node
     cores = affinity if cfg.pin_cores else max(1, affinity // max(1, ctx.local_world_size))
     if cores > threads:
-        return {"prefetch": PREFETCH_DEPTH,
-                "reason": f"a thread: {cores} core(s) for this rank, {threads} compute thread(s)"}  # fmt: skip
-    return {"prefetch": 0, "reason": f"inline: this rank's {cores} core(s) all run its {threads} compute thread(s); "
-                                     "a data thread would only time-slice them"}  # fmt: skip
+        return {
+            "prefetch": PREFETCH_DEPTH,
+            "reason": f"a thread: {cores} core(s) for this rank, {threads} compute thread(s)",
+        }
+    return {
+        "prefetch": 0,
+        "reason": f"inline: this rank's {cores} core(s) all run its {threads} compute thread(s); "
+        "a data thread would only time-slice them",
+    }
 
 
 def choose_run_table_update(
-    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, first_batch: Callable[[], Any], forward: Any,
+    cfg: TrainConfig,
+    ctx: DistContext,
+    dmp: torch.nn.Module,
+    first_batch: Callable[[], Any],
+    forward: Any,
     log: Callable[[str], None] | None,
-) -> JsonObject:  # fmt: skip
+) -> JsonObject:
     """The tables' backward-and-update path (`train.table_update`): every rank times its own table groups on
     the run's first batch (the forward is collective over ranks), rank 0's choice runs everywhere."""
     from dlrm_lab.train.table_update import choose_table_update, install
@@ -224,9 +241,13 @@ def choose_run_interaction(
 
 
 def run_step_trials(
-    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, start_step: int, table_update: JsonObject,
+    cfg: TrainConfig,
+    ctx: DistContext,
+    dmp: torch.nn.Module,
+    start_step: int,
+    table_update: JsonObject,
     interaction: JsonObject | None,
-) -> list[StepTrial]:  # fmt: skip
+) -> list[StepTrial]:
     """The choices this run decides again on its own steps (`train.step_trial`): the table update and the dot
     interaction's Gram dtype, each first timed apart (one phase alone, before the run), are tried over a window of
     the run's real steps with every rank running them, one rank included: apart, the update's lookups with a zero
@@ -236,18 +257,25 @@ def run_step_trials(
     from dlrm_lab.model.dlrm import DotInteractionArch
     from dlrm_lab.train.table_update import install
 
-    conditions: JsonObject = {"ranks": ctx.world_size, "threads_per_rank": torch.get_num_threads(),
-                              "launcher": ctx.launcher, "backend": ctx.backend, "pinned": cfg.pin_cores}  # fmt: skip
+    conditions: JsonObject = {
+        "ranks": ctx.world_size,
+        "threads_per_rank": torch.get_num_threads(),
+        "launcher": ctx.launcher,
+        "backend": ctx.backend,
+        "pinned": cfg.pin_cores,
+    }
     # each choice to try: its name, its record and that record's key in the manifest's config, its ways (the one to
     # prove first), and how to put one in place
     wanted: list[tuple[str, JsonObject, str, tuple[str, str], Callable[[str], None]]] = []
     if table_update.get("backward_ms") and table_update.get("requested") == "auto":
-        wanted.append(("table_update", table_update, "table_update_choice", ("batched", "fbgemm"),
-                       lambda way: install(dmp, way)))  # fmt: skip
+        wanted.append(
+            ("table_update", table_update, "table_update_choice", ("batched", "fbgemm"), lambda way: install(dmp, way))
+        )
     if interaction is not None and "ms" in interaction:
         arches = [m for m in dmp.modules() if isinstance(m, DotInteractionArch)]
-        wanted.append(("gram_dtype", interaction, "interaction_choice", ("fp32", "autocast"),
-                       lambda way: _put_gram(arches, way)))  # fmt: skip
+        wanted.append(
+            ("gram_dtype", interaction, "interaction_choice", ("fp32", "autocast"), lambda way: _put_gram(arches, way))
+        )
     for record in (table_update, interaction):
         if record is not None:
             record["conditions"] = {**conditions, "timed": "apart: this rank's phase alone, before the run"}
@@ -256,8 +284,10 @@ def run_step_trials(
     firsts = trial_window(start_step, cfg.steps, len(wanted))
     if firsts is None:
         for _, record, *_ in wanted:
-            record["trial"] = (f"none: {cfg.steps - start_step} steps are too few for a trial over the run's own "
-                               "steps and as many measured after it; the choice timed apart stands")  # fmt: skip
+            record["trial"] = (
+                f"none: {cfg.steps - start_step} steps are too few for a trial over the run's own "
+                "steps and as many measured after it; the choice timed apart stands"
+            )
         return []
 
     def gather(mine: dict[str, float]) -> list[dict[str, float]]:
@@ -267,8 +297,10 @@ def run_step_trials(
         dist.all_gather_object(out, mine)
         return out
 
-    return [StepTrial(name, key, ways, apply, first, gather, conditions)
-            for (name, _, key, ways, apply), first in zip(wanted, firsts, strict=True)]  # fmt: skip
+    return [
+        StepTrial(name, key, ways, apply, first, gather, conditions)
+        for (name, _, key, ways, apply), first in zip(wanted, firsts, strict=True)
+    ]
 
 
 PAGES_MARGIN = 1.05  # huge pages are taken where this machine's gather on them was at least this much faster
@@ -308,8 +340,9 @@ def _gather_rates(threads: int) -> tuple[JsonObject | None, str]:
     return measured, f"measured now ({sizes.gather_tables} tables of {sizes.gather_rows:,} rows; the probe has none)"
 
 
-def choose_table_pages(cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module,
-                       log: Callable[[str], None] | None) -> PagesChoice:  # fmt: skip
+def choose_table_pages(
+    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, log: Callable[[str], None] | None
+) -> PagesChoice:
     """Put this rank's CPU tables (rows and row-wise optimizer state) on 2 MiB pages where asked, or, with
     "auto", where this machine's embedding gather measured at least PAGES_MARGIN faster on them. Rank 0 decides,
     every rank applies; collapsing is in place (`metrics.huge_pages`), so TorchRec's views stay valid."""
@@ -334,10 +367,12 @@ def choose_table_pages(cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module,
                 shared[0] = ("base", f"no gather on 2 MiB pages could be measured ({(rates or {}).get('huge_error')})")
             else:
                 faster = huge >= PAGES_MARGIN * base
-                shared[0] = ("huge" if faster else "base",
-                             f"an embedding gather ran {huge / 1e9:.2f} GB/s on 2 MiB pages against {base / 1e9:.2f} "
-                             f"on 4 KiB ({source}): " + ("huge pages are faster" if faster else
-                                                         f"huge pages not {PAGES_MARGIN:.2f}x faster"))  # fmt: skip
+                shared[0] = (
+                    "huge" if faster else "base",
+                    f"an embedding gather ran {huge / 1e9:.2f} GB/s on 2 MiB pages against {base / 1e9:.2f} "
+                    f"on 4 KiB ({source}): "
+                    + ("huge pages are faster" if faster else f"huge pages not {PAGES_MARGIN:.2f}x faster"),
+                )
     if ctx.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
     pages, reason = shared[0]

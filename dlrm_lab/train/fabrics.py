@@ -61,19 +61,35 @@ FABRICS = {
         Fabric(
             "h100-nvlink-ndr",
             "8 x H100 SXM per node, NVLink 4 inside, 8 x 400 Gb/s NDR InfiniBand between; TF32 dense",
-            8, ACHIEVED_SHARE * 450e9, ACHIEVED_SHARE * 50e9, 5e-6, 1e-6, STEP_FLOOR_S, 494.7e12, 3.35e12, 80e9,
+            8,
+            ACHIEVED_SHARE * 450e9,
+            ACHIEVED_SHARE * 50e9,
+            5e-6,
+            1e-6,
+            STEP_FLOOR_S,
+            494.7e12,
+            3.35e12,
+            80e9,
             "NVIDIA H100 datasheet (NVLink 900 GB/s both ways, TF32 494.7 TFLOP/s dense, HBM3 3.35 TB/s); "
             "ConnectX-7 400 Gb/s per GPU",
         ),
         Fabric(
             "a100-nvlink-hdr",
             "8 x A100 SXM 80GB per node, NVLink 3 inside, 8 x 200 Gb/s HDR InfiniBand between; TF32 dense",
-            8, ACHIEVED_SHARE * 300e9, ACHIEVED_SHARE * 25e9, 5e-6, 1e-6, STEP_FLOOR_S, 156e12, 2.039e12, 80e9,
+            8,
+            ACHIEVED_SHARE * 300e9,
+            ACHIEVED_SHARE * 25e9,
+            5e-6,
+            1e-6,
+            STEP_FLOOR_S,
+            156e12,
+            2.039e12,
+            80e9,
             "NVIDIA A100 datasheet (NVLink 600 GB/s both ways, TF32 156 TFLOP/s dense, HBM2e 2,039 GB/s); "
             "ConnectX-6 200 Gb/s per GPU",
         ),
     )
-}  # fmt: skip
+}
 
 
 class ProjectedRow(TypedDict):

@@ -95,8 +95,15 @@ def _energy_sampler(ctx: DistContext) -> EnergySampler:
     return EnergySampler(sources, unavailable=missing)
 
 
-def _evaluator(setup: TrainSetup, pipeline: Any, watchdog: Watchdog | None, table: Any, t_start: float,
-               evals: list[EvalRow], reached: Reached) -> Callable[[int], bool]:  # fmt: skip
+def _evaluator(
+    setup: TrainSetup,
+    pipeline: Any,
+    watchdog: Watchdog | None,
+    table: Any,
+    t_start: float,
+    evals: list[EvalRow],
+    reached: Reached,
+) -> Callable[[int], bool]:
     """`run_eval(step)` of `_loop`: evaluate on the held-out batches and record it in `evals` (and `table`); True
     when the target AUC is reached (training stops there; `reached` gets its steps and seconds)."""
     dmp, eval_source, ctx, cfg = setup.dmp, setup.eval_source, setup.ctx, setup.cfg
@@ -239,16 +246,18 @@ def _loop(
             if on_step is not None and ctx.is_main:  # one display under a launcher: rank 0's
                 on_step(row)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main,
-                                _trained(setup, record, evals))  # fmt: skip
+                save_checkpoint(
+                    cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main, _trained(setup, record, evals)
+                )
             every = cfg.resolved_eval_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
                 break
         else:
             run_eval(cfg.steps - 1)
         if cfg.checkpoint_dir:
-            save_checkpoint(cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main,
-                            _trained(setup, record, evals))  # fmt: skip
+            save_checkpoint(
+                cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main, _trained(setup, record, evals)
+            )
     except KeyboardInterrupt:
         status = "interrupted"
     except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
@@ -284,14 +293,19 @@ def _distinct_rows(setup: TrainSetup, record: Run | None, batch: Any) -> None:
         record.update_manifest(config=setup.config)
 
 
-def _decided(setup: TrainSetup, record: Run | None, trial: StepTrial, decided: JsonObject,
-             log: Callable[[str], None] | None) -> None:  # fmt: skip
+def _decided(
+    setup: TrainSetup, record: Run | None, trial: StepTrial, decided: JsonObject, log: Callable[[str], None] | None
+) -> None:
     """A choice decided on the run's steps: its record in the manifest's config (beside the timing apart that it
     replaced), and the run's config where the summary reads it."""
     before = setup.config[trial.manifest_key] or {}
-    setup.config[trial.manifest_key] = {**before, trial.name: decided[trial.name], "reason": decided["reason"],
-                                        "apart": {k: v for k, v in before.items() if k not in ("apart", "trial")},
-                                        "trial": decided}  # fmt: skip
+    setup.config[trial.manifest_key] = {
+        **before,
+        trial.name: decided[trial.name],
+        "reason": decided["reason"],
+        "apart": {k: v for k, v in before.items() if k not in ("apart", "trial")},
+        "trial": decided,
+    }
     if trial.name == "table_update":
         setup.cfg = replace(setup.cfg, table_update=decided["table_update"])
         setup.config["train"] = setup.cfg.to_dict()
@@ -307,13 +321,20 @@ def _trained(setup: TrainSetup, record: Run | None, evals: list[EvalRow]) -> Jso
     cfg, last = setup.cfg, (evals[-1] if evals else None)
     data = cfg.data if cfg.data in ("synthetic",) else str(Path(cfg.data).resolve())
     return {
-        "model": setup.spec.to_dict(), "run_id": record.run_id if record else None,
-        "data": data, "data_spec": cfg.data_spec, "data_overrides": list(cfg.data_overrides), "seed": cfg.seed,
-        "protocol": cfg.protocol, "eval_data": setup.config["eval_data"],
-        "eval": None if last is None else {"step": last["step"] + 1, "auc": last["auc"], "loss": last["loss"],
-                                           "samples": last["num_samples"]},
-        "precision": cfg.precision, "world_size": setup.ctx.world_size,
-    }  # fmt: skip
+        "model": setup.spec.to_dict(),
+        "run_id": record.run_id if record else None,
+        "data": data,
+        "data_spec": cfg.data_spec,
+        "data_overrides": list(cfg.data_overrides),
+        "seed": cfg.seed,
+        "protocol": cfg.protocol,
+        "eval_data": setup.config["eval_data"],
+        "eval": None
+        if last is None
+        else {"step": last["step"] + 1, "auc": last["auc"], "loss": last["loss"], "samples": last["num_samples"]},
+        "precision": cfg.precision,
+        "world_size": setup.ctx.world_size,
+    }
 
 
 def train(

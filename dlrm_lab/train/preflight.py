@@ -33,12 +33,28 @@ class ResolvedRun:
         `--protocol streaming`: the windows in time order and, at each evaluation, the window after."""
         cfg = self.cfg
         if cfg.protocol == "streaming":
-            return family_of(self.spec).open_stream(self.spec, cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
-                                                    eval_batches=eval_batches, seed=cfg.seed,
-                                                    start_batch=start_batch)  # fmt: skip
+            return family_of(self.spec).open_stream(
+                self.spec,
+                cfg.batch_size,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                eval_batches=eval_batches,
+                seed=cfg.seed,
+                start_batch=start_batch,
+            )
         data_spec, overrides = (cfg.data_spec, cfg.data_overrides) if self.data_spec is None else (self.data_spec, ())
-        return open_sources(self.spec, cfg.data, cfg.batch_size, ctx.rank, ctx.world_size, eval_batches, data_spec,
-                            overrides, cfg.seed, start_batch=start_batch)  # fmt: skip
+        return open_sources(
+            self.spec,
+            cfg.data,
+            cfg.batch_size,
+            ctx.rank,
+            ctx.world_size,
+            eval_batches,
+            data_spec,
+            overrides,
+            cfg.seed,
+            start_batch=start_batch,
+        )
 
 
 def preflight(spec: Spec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun:
@@ -50,8 +66,10 @@ def preflight(spec: Spec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun
     family = family_of(spec)
     family.check_training(spec, cfg)  # its own rules (the ranker's pipeline, a DLRM's memory)
     if cfg.protocol not in getattr(family, "protocols", ("holdout",)):
-        raise FieldError("protocol", f"{cfg.protocol}: {spec.name} ({family.called}) has no time windows to stream "
-                         "(allowed: holdout)")  # fmt: skip
+        raise FieldError(
+            "protocol",
+            f"{cfg.protocol}: {spec.name} ({family.called}) has no time windows to stream (allowed: holdout)",
+        )
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
     data_spec = check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides) if data else None

@@ -92,8 +92,9 @@ def profile_window(start_step: int, steps: int, count: int, after: int | None = 
     return first, count
 
 
-def write_profile(run: Any, rows: list[ProfileRow], ctx: Any, trace: Path | None = None,
-                  steps: list[StepRow] | None = None) -> None:  # fmt: skip
+def write_profile(
+    run: Any, rows: list[ProfileRow], ctx: Any, trace: Path | None = None, steps: list[StepRow] | None = None
+) -> None:
     """Every rank's operator rows into rank 0's profile.parquet (a collective: every rank calls it), and
     rank 0's trace (`trace`: the profiler's export; `steps`: the run's step rows) into trace.json."""
     mine = [ProfileRow(rank=ctx.rank, **r) for r in rows]

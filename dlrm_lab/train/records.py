@@ -217,8 +217,15 @@ def roofline_columns(
     step_ms = summary.get("step_time_ms_mean")
     out.update(place(work, step_ms / 1e3 if step_ms else None, peaks))
     if not isinstance(peaks, str):
-        phases = step_phase_work(spec, cfg.batch_size, world_size, cfg.table_precision, cfg.embedding_optimizer,
-                                 cfg.dense_optimizer, distinct_share=share)  # fmt: skip
+        phases = step_phase_work(
+            spec,
+            cfg.batch_size,
+            world_size,
+            cfg.table_precision,
+            cfg.embedding_optimizer,
+            cfg.dense_optimizer,
+            distinct_share=share,
+        )
         floors = phase_floors(phases, peaks)
         out.update({f"{p}_floor_ms": floors[p] for p in PHASES})
         if all(v is not None for v in floors.values()):  # a collective unbounded leaves the sum unknown
@@ -271,11 +278,19 @@ def recovered_summary(run_dir: Path, manifest: JsonObject) -> TrainSummaryRow | 
     model, cfg = config.get("model", {}), config.get("train", {})
     world = config.get("world_size") or 1
     summary = summary_row(
-        status="failed", preset=model.get("name"), interaction=model.get("interaction"), device=cfg.get("device"),
-        precision=cfg.get("precision"), table_precision=cfg.get("table_precision"),
-        table_update=cfg.get("table_update"), world_size=world,
-        batch_size=cfg.get("batch_size"), steps=len({r["step"] for r in rows}), warmup=warmup, step_rows=rows,
-    )  # fmt: skip
+        status="failed",
+        preset=model.get("name"),
+        interaction=model.get("interaction"),
+        device=cfg.get("device"),
+        precision=cfg.get("precision"),
+        table_precision=cfg.get("table_precision"),
+        table_update=cfg.get("table_update"),
+        world_size=world,
+        batch_size=cfg.get("batch_size"),
+        steps=len({r["step"] for r in rows}),
+        warmup=warmup,
+        step_rows=rows,
+    )
     write_table(run_dir, "summary", [summary], SUMMARY_SCHEMA, manifest.get("run_id") or run_dir.name)
     return summary
 

@@ -80,10 +80,15 @@ def scaling_spec(
         # model's calibration, `scaling_model.per_rank_work`); not a row of the table
         ranks, per_rank = [*ranks, 1], [*per_rank, min(per_rank)]
     spec = SweepSpec(
-        path=Path(f"scale-{mode}"), command="train", options=options, grid={},
-        zipped={"ranks": ranks, "batch-size": per_rank}, repeats=repeats, kind="scale",
+        path=Path(f"scale-{mode}"),
+        command="train",
+        options=options,
+        grid={},
+        zipped={"ranks": ranks, "batch-size": per_rank},
+        repeats=repeats,
+        kind="scale",
         summarise=partial(scale_rows, mode),
-    )  # fmt: skip
+    )
     check_points(spec)
     return replace(spec, out=Path(metrics_dir) / f"scale-{mode}-{'-'.join(map(str, ranks))}-{spec.fingerprint()[:8]}")
 
@@ -210,8 +215,12 @@ def _against_the_model(rows: list[ScaleRow], spec: SweepSpec, result: SweepResul
             if row.get("efficiency") is not None:
                 row["efficiency_vs_roof"] = row["efficiency"] / row["roof_efficiency"]
         mpi = fit_collectives(profile, f"mpi/{n}")
-        if comm and mpi and n > 1 and isinstance(with_mpi := predict(one, row["batch_size_per_rank"], n, comm, mpi,
-                                                                      ceiling, small), dict):  # fmt: skip
+        if (
+            comm
+            and mpi
+            and n > 1
+            and isinstance(with_mpi := predict(one, row["batch_size_per_rank"], n, comm, mpi, ceiling, small), dict)
+        ):
             row["predicted_step_ms_mpi"] = with_mpi["step_ms"]
         if where is not None and n == 1:
             row["rank_step_ms"] = one.step_ms
@@ -272,8 +281,10 @@ def projection(
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
     spec = spec_from_dict(manifest["config"]["model"])
     if not (family := family_of(spec)).projectable:
-        raise FieldError("project", f": {spec.name} is {family.called}: the scaling model projects DLRM presets "
-                         "only (not this family yet)")  # fmt: skip
+        raise FieldError(
+            "project",
+            f": {spec.name} is {family.called}: the scaling model projects DLRM presets only (not this family yet)",
+        )
     train_cfg = manifest["config"]["train"]
     cost = sample_cost(spec, table_precision=train_cfg["table_precision"], optimizer=train_cfg["embedding_optimizer"])
     batch = int(one["batch_size_per_rank"])

@@ -123,8 +123,11 @@ def prepare_run(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[
     precision_choice = choose_run_precision(spec, cfg, ctx, log)
     cfg = replace(cfg, precision=precision_choice.precision)
     attention = choose_run_attention(spec, cfg, ctx, log)
-    choices = {"precision_choice": precision_choice.to_dict(), "attention_choice": attention,
-               "collectives_choice": collectives}  # fmt: skip
+    choices = {
+        "precision_choice": precision_choice.to_dict(),
+        "attention_choice": attention,
+        "collectives_choice": collectives,
+    }
     if cfg.protocol == "streaming":
         cfg, choices["stream"] = _stream_steps(spec, cfg, ctx.world_size)
     return _Prepared(replace(run, spec=spec, cfg=cfg), ctx, choices)
@@ -157,9 +160,12 @@ def build_setup(
     def build(sharding: str, pipelined: bool = False) -> tuple[Any, Any]:
         torch.manual_seed(cfg.seed)  # the same dense weights for every plan the sharding trial builds, and the run's
         model = build_model(
-            spec, device=ctx.device, table_device="meta", table_precision=cfg.table_precision,
+            spec,
+            device=ctx.device,
+            table_device="meta",
+            table_precision=cfg.table_precision,
             attention=attention["attention"] if attention else "padded",
-        )  # fmt: skip
+        )
         dmp, plan = shard_model(
             model,
             ctx,
@@ -183,13 +189,18 @@ def build_setup(
     if isinstance(optimizer, RecipeOptimizer):
         optimizer.resume_at(start_step)
     if start_step >= cfg.steps:
-        raise FieldError("resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing "
-                         "to do", "steps")  # fmt: skip
+        raise FieldError(
+            "resume", f": the checkpoint is at step {start_step}; {{steps}} {cfg.steps} leaves nothing to do", "steps"
+        )
     table_pages = choose_table_pages(cfg, ctx, dmp, log)  # before the update's timing, which reads the rows
     table_update = choose_run_table_update(
-        cfg, ctx, dmp, lambda: next(iter(source or run.open_data(ctx, 1)[0])),
-        (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))), log,
-    )  # fmt: skip
+        cfg,
+        ctx,
+        dmp,
+        lambda: next(iter(source or run.open_data(ctx, 1)[0])),
+        (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))),
+        log,
+    )
     cfg = replace(cfg, table_update=table_update["table_update"])
     interaction = choose_run_interaction(spec, cfg, ctx, dmp, log)
     trials = run_step_trials(cfg, ctx, dmp, start_step, table_update, interaction)

@@ -75,16 +75,35 @@ def _peaks(ctx: DistContext, cfg: TrainConfig):
     return peaks_for(load_profile(), device, precision, torch.get_num_threads(), ctx.world_size, ctx.backend)
 
 
-def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[StepRow], all_steps: list[StepRow],
-             evals: list[EvalRow], warmup: int, reached: Reached, energy: dict[str, float | str | None],
-             teacher_auc: float | None, wall_time_s: float,
-             distinct_share: float | None = None) -> TrainSummaryRow:  # fmt: skip
+def _summary(
+    spec: Spec,
+    cfg: TrainConfig,
+    ctx: Any,
+    status: str,
+    steps: list[StepRow],
+    all_steps: list[StepRow],
+    evals: list[EvalRow],
+    warmup: int,
+    reached: Reached,
+    energy: dict[str, float | str | None],
+    teacher_auc: float | None,
+    wall_time_s: float,
+    distinct_share: float | None = None,
+) -> TrainSummaryRow:
     """The run's summary row (`train.records.summary_row`): its throughput, quality, roofline, energy and cost."""
     summary = summary_row(
-        status=status, preset=spec.name, interaction=spec.interaction, device=ctx.device.type,
-        precision=cfg.precision, table_precision=cfg.table_precision, table_update=cfg.table_update,
+        status=status,
+        preset=spec.name,
+        interaction=spec.interaction,
+        device=ctx.device.type,
+        precision=cfg.precision,
+        table_precision=cfg.table_precision,
+        table_update=cfg.table_update,
         world_size=ctx.world_size,
-        batch_size=cfg.batch_size, steps=len(steps), warmup=warmup, step_rows=all_steps,
+        batch_size=cfg.batch_size,
+        steps=len(steps),
+        warmup=warmup,
+        step_rows=all_steps,
         eval_auc=evals[-1]["auc"] if evals else None,
         eval_loss=evals[-1]["loss"] if evals else None,
         teacher_auc=teacher_auc,
@@ -93,7 +112,7 @@ def _summary(spec: Spec, cfg: TrainConfig, ctx: Any, status: str, steps: list[St
         embedding_parameters=spec.embedding_parameters,
         dense_parameters=spec.dense_parameters,
         wall_time_s=wall_time_s,
-    )  # fmt: skip
+    )
     if cfg.target_auc is not None:  # MLPerf's rule: throughput only counts when quality was reached
         summary["valid_samples_per_s"] = summary.get("samples_per_s") if reached else 0.0
     summary.update(roofline_columns(spec, cfg, summary, ctx.world_size, _peaks(ctx, cfg), distinct_share))
@@ -135,10 +154,21 @@ def summarise(setup: TrainSetup, record: Run | None, measured: MeasuredSteps) ->
         measured.steps_table.derive_on_close("warmup", warmup_column(start_step + warmup))
     t_measured = measured.step_starts[warmup] if len(measured.step_starts) > warmup else t_end
     energy = _gather_energy(sampler.summary(t_measured, t_end), ctx)
-    summary = _summary(spec, cfg, ctx, measured.status, steps, all_steps, measured.evals, warmup, measured.reached,
-                       energy, setup.config["eval_data"].get("teacher_auc"),
-                       time.perf_counter() - measured.t_start,
-                       (setup.config.get("distinct_rows") or {}).get("share"))  # fmt: skip
+    summary = _summary(
+        spec,
+        cfg,
+        ctx,
+        measured.status,
+        steps,
+        all_steps,
+        measured.evals,
+        warmup,
+        measured.reached,
+        energy,
+        setup.config["eval_data"].get("teacher_auc"),
+        time.perf_counter() - measured.t_start,
+        (setup.config.get("distinct_rows") or {}).get("share"),
+    )
     if record is not None and ctx.is_main:
         record.write_summary([summary], SUMMARY_SCHEMA)
     return summary, all_steps

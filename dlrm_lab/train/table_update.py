@@ -66,9 +66,14 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
     batch per feature, per-feature gradients, no gradient) are fbgemm's own."""
 
     def forward(  # type: ignore[override]
-        self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
-        feature_requires_grad: torch.Tensor | None = None, batch_size_per_feature_per_rank: Any = None, **rest: Any,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        feature_requires_grad: torch.Tensor | None = None,
+        batch_size_per_feature_per_rank: Any = None,
+        **rest: Any,
+    ) -> torch.Tensor:
         if (
             batch_size_per_feature_per_rank is not None
             or feature_requires_grad is not None
@@ -78,8 +83,9 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
             return super().forward(
                 indices, offsets, per_sample_weights, feature_requires_grad, batch_size_per_feature_per_rank, **rest
             )
-        return _LookupWithBatchedUpdate.apply(self.placeholder_autograd_tensor, self, indices, offsets,
-                                              per_sample_weights)  # fmt: skip
+        return _LookupWithBatchedUpdate.apply(
+            self.placeholder_autograd_tensor, self, indices, offsets, per_sample_weights
+        )
 
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """fbgemm's forward alone (no autograd record: called with gradients off)."""
@@ -120,9 +126,12 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         unique = unique.long()
         summed = torch.nn.functional.embedding_bag(
-            source.index_select(0, order), grad_rows, counts.cumsum(0) - counts, mode="sum",
+            source.index_select(0, order),
+            grad_rows,
+            counts.cumsum(0) - counts,
+            mode="sum",
             per_sample_weights=scale.index_select(0, order) if scale is not None else None,
-        )  # fmt: skip
+        )
         lr = float(self.learning_rate_tensor)
         if self.optimizer == OptimType.EXACT_SGD:
             table.index_add_(0, unique, summed, alpha=-lr)
@@ -137,8 +146,14 @@ class _LookupWithBatchedUpdate(torch.autograd.Function):
     fused backward: no gradient of a table ever exists). `anchor` is fbgemm's placeholder that needs grad."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, tbe: BatchedTableUpdate, indices: torch.Tensor,
-                offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        tbe: BatchedTableUpdate,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> torch.Tensor:
         ctx.tbe = tbe
         ctx.save_for_backward(indices, offsets, weights)
         return tbe.lookup(indices, offsets, weights)
@@ -182,8 +197,13 @@ class TableUpdateChoice:
     backward_ms: dict[str, float] = field(default_factory=dict)  # per path, a step's lookups with backward
 
     def to_dict(self) -> JsonObject:
-        return {"requested": self.requested, "table_update": self.path, "reason": self.reason,
-                "backward_ms": {k: round(v, 3) for k, v in self.backward_ms.items()}, "margin": MARGIN}  # fmt: skip
+        return {
+            "requested": self.requested,
+            "table_update": self.path,
+            "reason": self.reason,
+            "backward_ms": {k: round(v, 3) for k, v in self.backward_ms.items()},
+            "margin": MARGIN,
+        }
 
 
 def capture_lookups(model: torch.nn.Module, forward: Any) -> list[tuple[Any, tuple[Any, ...]]]:
@@ -192,7 +212,7 @@ def capture_lookups(model: torch.nn.Module, forward: Any) -> list[tuple[Any, tup
     hooks = [
         tbe.register_forward_pre_hook(
             lambda m, args, kwargs: seen.append((m, _lookup_args(args, kwargs))), with_kwargs=True
-        )  # fmt: skip
+        )
         for tbe in fused_table_groups(model)
     ]
     try:
@@ -248,11 +268,13 @@ def choose_table_update(requested: str, model: torch.nn.Module, forward: Any) ->
         ms = time_paths([(t, a) for t, a in lookups if unsupported(t) is None])
         faster = ms["fbgemm"] >= MARGIN * ms["batched"]
         path = "batched" if faster else "fbgemm"
-        reason = (f"the tables' backward and update took {ms['batched']:.2f} ms batched on all cores against "
-                  f"{ms['fbgemm']:.2f} ms in fbgemm's kernel (this run's first batch, medians of {REPEATS} "
-                  f"interleaved, a zero gradient: the model unchanged); "
-                  + ("batched is faster" if faster else f"batched is not {MARGIN:.2f}x faster: fbgemm kept")
-                  + (_partly(why_not, groups) if faster else ""))  # fmt: skip
+        reason = (
+            f"the tables' backward and update took {ms['batched']:.2f} ms batched on all cores against "
+            f"{ms['fbgemm']:.2f} ms in fbgemm's kernel (this run's first batch, medians of {REPEATS} "
+            f"interleaved, a zero gradient: the model unchanged); "
+            + ("batched is faster" if faster else f"batched is not {MARGIN:.2f}x faster: fbgemm kept")
+            + (_partly(why_not, groups) if faster else "")
+        )
         choice = TableUpdateChoice(requested, path, reason, ms)
     install(model, choice.path)
     return choice

@@ -36,8 +36,19 @@ EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is e
 GRAPH = "whole batch: fused lookup and dense part, from assembled ids (1)"
 # the TBE's layout (which table is where, in which type): small, constant, frozen into the package
 LAYOUT_BUFFERS = ("weights_placements", "weights_offsets", "weights_tys", "D_offsets")
-LAYOUT_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
-               "output_dtype", "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias")  # fmt: skip
+LAYOUT_INTS = (
+    "total_D",
+    "max_int2_D",
+    "max_int4_D",
+    "max_int8_D",
+    "max_float16_D",
+    "max_float32_D",
+    "output_dtype",
+    "row_alignment",
+    "max_float8_D",
+    "fp8_exponent_bits",
+    "fp8_exponent_bias",
+)
 
 
 def table_weights(tables: Any) -> torch.Tensor:
@@ -60,14 +71,24 @@ class WholeBatch(nn.Module):
         self.dense_part = module.dense if dense_part is None else dense_part
         self.dtype = module.dtype
 
-    def forward(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor
-                ) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor
+    ) -> torch.Tensor:
         pooled = torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=tables, uvm_weights=tables.new_empty(0), weights_placements=self.weights_placements,
-            weights_offsets=self.weights_offsets, weights_tys=self.weights_tys, D_offsets=self.D_offsets,
-            indices=ids, offsets=offsets, pooling_mode=self.pooling_mode, indice_weights=None,
-            lxu_cache_weights=None, lxu_cache_locations=None, **self.layout,
-        )  # fmt: skip
+            dev_weights=tables,
+            uvm_weights=tables.new_empty(0),
+            weights_placements=self.weights_placements,
+            weights_offsets=self.weights_offsets,
+            weights_tys=self.weights_tys,
+            D_offsets=self.D_offsets,
+            indices=ids,
+            offsets=offsets,
+            pooling_mode=self.pooling_mode,
+            indice_weights=None,
+            lxu_cache_weights=None,
+            lxu_cache_locations=None,
+            **self.layout,
+        )
         return torch.sigmoid(self.dense_part(dense.to(self.dtype), pooled).float())
 
 
@@ -79,8 +100,9 @@ def example_batch(module: Any, size: int = EXAMPLE_BATCH) -> tuple[torch.Tensor,
     return torch.zeros(size, module.spec.num_dense), ids, offsets, table_weights(module.tables)
 
 
-def export_whole(module: Any, path: Path, dense_part: nn.Module | None = None,
-                 inductor_configs: JsonObject | None = None) -> None:  # fmt: skip
+def export_whole(
+    module: Any, path: Path, dense_part: nn.Module | None = None, inductor_configs: JsonObject | None = None
+) -> None:
     """Export a FusedDLRM's whole batch (`WholeBatch`) and compile it by AOTInductor into the package `path`."""
     whole = WholeBatch(module, dense_part)
     whole.training = False  # itself only: the dense part is in eval already (a PT2E graph refuses `.eval()`)
@@ -91,8 +113,9 @@ def export_whole(module: Any, path: Path, dense_part: nn.Module | None = None,
         exported = torch.export.export(whole, example_batch(module), dynamic_shapes=shapes, strict=False)
     with warnings.catch_warnings():  # torch 2.13's own compile deep-copies a graph holding a LeafSpec: its notice
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
-                                                 inductor_configs={"freezing": True, **(inductor_configs or {})})
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(path), inductor_configs={"freezing": True, **(inductor_configs or {})}
+        )
 
 
 class PackagedBatch:
@@ -119,10 +142,15 @@ class AOTIBuild:
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
         return self.packaged(
-            module, lambda m, path: export_whole(m, path, inductor_configs=self.inductor_configs),
-            {"precision": precision, "table_precision": table_precision, "graph": GRAPH,
-             **({"inductor": self.inductor_configs} if self.inductor_configs else {})},
-        )  # fmt: skip
+            module,
+            lambda m, path: export_whole(m, path, inductor_configs=self.inductor_configs),
+            {
+                "precision": precision,
+                "table_precision": table_precision,
+                "graph": GRAPH,
+                **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
+            },
+        )
 
     def packaged(self, module: Any, export: Any, made_by: JsonObject) -> Any:
         """`module` served whole by the package `export(module, path)` writes: cached under a key of the dense

@@ -92,8 +92,9 @@ class AOTIInt8Build(AOTIBuild):
         if why := torchao_missing():
             raise RuntimeError(why)
         module = family_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
-        return self.packaged(module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES],
-                                                                 "graph": GRAPH})
+        return self.packaged(
+            module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES], "graph": GRAPH}
+        )
 
     def skip(self, base_dense_ms: float | None) -> str | None:
         # the size first: a dense part too small to compile is skipped without importing torchao (seconds)

@@ -17,8 +17,10 @@ def too_small_to_compile(base_dense_ms: float | None, cost: str) -> str | None:
     """Why `auto` does not try a build that compiles the dense part (`cost`: what compiling costs), or None."""
     if base_dense_ms is None or base_dense_ms >= COMPILE_MIN_DENSE_MS:
         return None
-    return (f"the dense part takes {base_dense_ms:.3f} ms of the largest batch: compiling cannot repay {cost} "
-            f"(tried from {COMPILE_MIN_DENSE_MS} ms)")  # fmt: skip
+    return (
+        f"the dense part takes {base_dense_ms:.3f} ms of the largest batch: compiling cannot repay {cost} "
+        f"(tried from {COMPILE_MIN_DENSE_MS} ms)"
+    )
 
 
 class CompiledBuild:

@@ -82,8 +82,11 @@ class FusedDLRM(nn.Module):
         """A copy sharing every tensor (tables included) but not the module's registries: a build made from this
         one (`compiled`, `aoti`) sets its own dense runner without touching this build's."""
         other = copy.copy(self)
-        other._modules, other._parameters, other._buffers = dict(self._modules), dict(self._parameters), \
-            dict(self._buffers)  # fmt: skip
+        other._modules, other._parameters, other._buffers = (
+            dict(self._modules),
+            dict(self._parameters),
+            dict(self._buffers),
+        )
         return other
 
     def compile_dense(self) -> None:

@@ -43,8 +43,14 @@ def telemetry_off() -> None:
     level = root.level
     root.setLevel(logging.ERROR)  # it warns on the root logger that a telemetry without an id sends nothing
     try:
-        telemetry = openvino_telemetry.Telemetry(app_name="dlrm-lab", app_version="0", tid=None, backend="ga4",
-                                                 enable_opt_in_dialog=False, disable_in_ci=True)  # fmt: skip
+        telemetry = openvino_telemetry.Telemetry(
+            app_name="dlrm-lab",
+            app_version="0",
+            tid=None,
+            backend="ga4",
+            enable_opt_in_dialog=False,
+            disable_in_ci=True,
+        )
     finally:
         root.setLevel(level)
     telemetry.consent = False
@@ -84,8 +90,11 @@ def convert_dense(module: Any, path: Path, quantise: bool = False) -> None:
         # save_model compresses the weights to fp16 unless told not to
         ov.save_model(model, str(xml), compress_to_fp16=False)
         with open(path, "wb") as f:
-            np.savez(f, xml=np.frombuffer(xml.read_bytes(), np.uint8),
-                     weights=np.frombuffer(xml.with_suffix(".bin").read_bytes(), np.uint8))  # fmt: skip
+            np.savez(
+                f,
+                xml=np.frombuffer(xml.read_bytes(), np.uint8),
+                weights=np.frombuffer(xml.with_suffix(".bin").read_bytes(), np.uint8),
+            )
     finally:
         xml.unlink(missing_ok=True)
         xml.with_suffix(".bin").unlink(missing_ok=True)
@@ -119,8 +128,13 @@ class OpenVINODense:
         self.precision, self.threads, self.request = precision, 0, None
 
     def compile(self, threads: int) -> None:
-        config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
-                  "INFERENCE_PRECISION_HINT": OV_PRECISION[self.precision], "ENABLE_CPU_PINNING": False}  # fmt: skip
+        config = {
+            "INFERENCE_NUM_THREADS": threads,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": OV_PRECISION[self.precision],
+            "ENABLE_CPU_PINNING": False,
+        }
         self.request = self.core.compile_model(self.model, "CPU", config).create_infer_request()
         self.threads = threads
 
@@ -172,8 +186,9 @@ class OpenVINOBuild:
 
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
         if device.type == "cuda":
-            raise RuntimeError(f"the {self.name} build is made for OpenVINO's CPU plugin: on a GPU serve eager, fused "
-                               "or compiled")  # fmt: skip
+            raise RuntimeError(
+                f"the {self.name} build is made for OpenVINO's CPU plugin: on a GPU serve eager, fused or compiled"
+            )
         module.compiled = OpenVINODense(module.package, precision)
         return module
 

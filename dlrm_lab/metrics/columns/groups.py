@@ -53,10 +53,11 @@ TRAINING_COST = (
     *column_group(
         col("cost_per_1m_training_samples", F64, "cost per 1M training samples", fmt=",.4g", better=LOWER),
         col("cost_to_target", F64, "cost to the target AUC", fmt=",.4g", better=LOWER),
-        col("energy_cost_per_1m_training_samples", F64, "energy cost per 1M training samples", fmt=",.4g",
-           better=LOWER),
+        col(
+            "energy_cost_per_1m_training_samples", F64, "energy cost per 1M training samples", fmt=",.4g", better=LOWER
+        ),
     ),
-)  # fmt: skip
+)
 # one telemetry reading (`metrics.energy`), in long form
 TELEMETRY = column_group(
     col("time_unix_s", F64),

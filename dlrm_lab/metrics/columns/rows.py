@@ -47,8 +47,10 @@ class Row(dict[str, Any]):
 
     def _refuse(self, keys: Iterable[str]) -> None:
         unknown = sorted(set(keys) - columns_of(self.table))
-        raise KeyError(f"{type(self).__name__}: table {self.table!r} has no column {unknown[0]!r}"
-                       + (f" (nor {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else ""))  # fmt: skip
+        raise KeyError(
+            f"{type(self).__name__}: table {self.table!r} has no column {unknown[0]!r}"
+            + (f" (nor {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else "")
+        )
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in columns_of(self.table):

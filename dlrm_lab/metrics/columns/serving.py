@@ -17,7 +17,7 @@ from dlrm_lab.metrics.columns.registry import (
     TRANSFER_STAGES,
     col,
     register_table,
-)  # fmt: skip
+)
 
 # queries.parquet: one row per query (`infer.records.query_row`)
 register_table(
@@ -142,7 +142,7 @@ register_table(
     *[
         col(f"tail_{p}_ms", F64, f"tail latency: {p.replace('_', ' ')}", "ms", ".3f", short=p.replace("_", " "))
         for p in LATENCY_PARTS
-    ],  # fmt: skip
+    ],
     # (the HSTU family registers its history reuse columns here: families/hstu.py COLUMNS)
     col("achieved_rate_ratio", F64),  # issued / target queries (the load was what it claims)
     col("issue_lag_p50_ms", F64),

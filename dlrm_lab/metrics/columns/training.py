@@ -19,7 +19,7 @@ from dlrm_lab.metrics.columns.registry import (
     LocalColumn,
     col,
     register_table,
-)  # fmt: skip
+)
 
 # steps.parquet: one row per training step and rank (`train.records.step_row`)
 register_table(
@@ -122,16 +122,33 @@ register_table(
     *[f"{p}_share" for p in PHASES],
     # against this machine's N-process compute ceiling and the scaling model (scaling_model)
     # probed: N pinned processes' GEMM rate / N x one alone
-    col("ceiling_efficiency", F64, "machine ceiling (N pinned processes' GEMM / N x one)", "fraction", ".3f",
-       short="ceil"),
+    col(
+        "ceiling_efficiency",
+        F64,
+        "machine ceiling (N pinned processes' GEMM / N x one)",
+        "fraction",
+        ".3f",
+        short="ceil",
+    ),
     col("efficiency_vs_ceiling", F64, "efficiency / ceiling", "fraction", ".3f", HIGHER, "eff/ceiling"),
     # the efficiency the machine allows (scaling_model.roof): compute at the ceiling, bytes at the raw
     # collectives' probed speed; and through TorchRec's probed distribution; the measured one over the first
-    col("roof_efficiency", F64,
-       "efficiency the machine allows (compute at the ceiling, bytes at the raw collectives' probed speed)",
-       "fraction", ".3f", short="roof"),
-    col("library_roof_efficiency", F64, "efficiency allowed through TorchRec's probed distribution", "fraction",
-       ".3f", short="TorchRec roof"),
+    col(
+        "roof_efficiency",
+        F64,
+        "efficiency the machine allows (compute at the ceiling, bytes at the raw collectives' probed speed)",
+        "fraction",
+        ".3f",
+        short="roof",
+    ),
+    col(
+        "library_roof_efficiency",
+        F64,
+        "efficiency allowed through TorchRec's probed distribution",
+        "fraction",
+        ".3f",
+        short="TorchRec roof",
+    ),
     col("efficiency_vs_roof", F64, "efficiency / the machine's roof", "fraction", ".3f", HIGHER, "eff/roof"),
     # mean per-rank step over the measured steps (first ok repeat)
     col("rank_step_ms", F64, "per-rank step (mean)", "ms", ".1f", LOWER, "rank step ms"),
@@ -140,15 +157,16 @@ register_table(
     # measured / predicted - 1 (mean per-rank step times)
     col("prediction_error", F64, "measured / predicted - 1", "fraction", "+.1%", short="pred. error"),
     # the same with MPI's probed collectives (PyPI torch has no MPI)
-    col("predicted_step_ms_mpi", F64, "predicted per-rank step with MPI's collectives", "ms", ".1f",
-       short="with MPI ms"),
+    col(
+        "predicted_step_ms_mpi", F64, "predicted per-rank step with MPI's collectives", "ms", ".1f", short="with MPI ms"
+    ),
     col("prediction_note", STR),
     # per-rank step beyond one rank's at the same per-rank work
     col("gap_ms", F64, "per-rank step beyond one rank's", "ms", ".1f", LOWER, "gap ms"),
     col("gap_named_ms", F64),  # the part named by the breakdown (gap.parquet): all of it
     col("point_run_id", STR, "point run", fmt="s"),  # the first repeat that ended ok
     col("point_status", STR, "point status", fmt="s"),  # ok when any repeat did
-)  # fmt: skip
+)
 
 # gap.parquet of `scale`: the per-rank step beyond one rank's, item by item (`train.scaling.gap_breakdown`)
 register_table("scale gap", "ranks", col("item", STR), col("ms", F64), col("note", STR))

@@ -62,15 +62,35 @@ FRONTIER_PRINTED = (
 )
 # `dlrm-lab infer run`'s transfer table, for a remote target (`--target`).
 TRANSFER_PRINTED = (
-    "target", "rpc", "concurrency", "round_trip_p50_ms", "round_trip_p99_ms", "transfer_mean_ms", "transfer_share",
-    "transfer_to_compute", "request_bytes_per_sample",
-)  # fmt: skip
+    "target",
+    "rpc",
+    "concurrency",
+    "round_trip_p50_ms",
+    "round_trip_p99_ms",
+    "transfer_mean_ms",
+    "transfer_share",
+    "transfer_to_compute",
+    "request_bytes_per_sample",
+)
 # `dlrm-lab scale`'s table.
 SCALE_PRINTED = (
-    "ranks", "batch_size_per_rank", "global_batch_size", "repeats_ok", "samples_per_s", "samples_per_s_per_rank",
-    "speedup", "efficiency", "ceiling_efficiency", "efficiency_vs_ceiling", "rank_step_ms", "predicted_step_ms",
-    "prediction_error", "predicted_step_ms_mpi", "gap_ms", "point_status",
-)  # fmt: skip
+    "ranks",
+    "batch_size_per_rank",
+    "global_batch_size",
+    "repeats_ok",
+    "samples_per_s",
+    "samples_per_s_per_rank",
+    "speedup",
+    "efficiency",
+    "ceiling_efficiency",
+    "efficiency_vs_ceiling",
+    "rank_step_ms",
+    "predicted_step_ms",
+    "prediction_error",
+    "predicted_step_ms_mpi",
+    "gap_ms",
+    "point_status",
+)
 # `dlrm-lab runs list`, from each run's first summary row.
 RUNS_LISTED = ("preset", "world_size", "global_batch_size", "steps", "samples_per_s", "eval_auc", "duration_s")
 
@@ -165,13 +185,21 @@ INFER_TABLE = (
     "sla_met",
     "energy_per_query_j",
 )
-FRONTIER_TABLE = (
-    "model", "capacity_queries_per_s", "best_qps", "best_samples_per_s", "best_sla_latency_ms", "outcome"
-)  # fmt: skip
+FRONTIER_TABLE = ("model", "capacity_queries_per_s", "best_qps", "best_samples_per_s", "best_sla_latency_ms", "outcome")
 SCALE_TABLE = (
-    "mode", "ranks", "samples_per_s", "speedup", "efficiency", "efficiency_vs_ceiling", "roof_efficiency",
-    "efficiency_vs_roof", "predicted_step_ms", "prediction_error", "point_run_id", "point_status",
-)  # fmt: skip
+    "mode",
+    "ranks",
+    "samples_per_s",
+    "speedup",
+    "efficiency",
+    "efficiency_vs_ceiling",
+    "roof_efficiency",
+    "efficiency_vs_roof",
+    "predicted_step_ms",
+    "prediction_error",
+    "point_run_id",
+    "point_status",
+)
 # what the report reads of a scale run: its table, and what the scaling plot draws besides
 SCALE_READ = (*SCALE_TABLE, "ceiling_efficiency", "rank_step_ms")
 

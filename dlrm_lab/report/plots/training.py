@@ -75,13 +75,28 @@ def training_phases(rows: Sequence[ReportRow], out: Path) -> PhaseBars:
         for p in PHASES:
             vals = np.array(floors[p])
             if vals.any():
-                ax.bar(x + 0.2, vals, width, bottom=floor_bottom, color=drawn.get(p, "#888888"), hatch="//",
-                       alpha=0.6, edgecolor="black", linewidth=0.3)  # fmt: skip
+                ax.bar(
+                    x + 0.2,
+                    vals,
+                    width,
+                    bottom=floor_bottom,
+                    color=drawn.get(p, "#888888"),
+                    hatch="//",
+                    alpha=0.6,
+                    edgecolor="black",
+                    linewidth=0.3,
+                )
                 floor_bottom += vals
         for i, r in enumerate(rows):
             if (fraction := as_number(r.get("phase_floor_fraction"))) is not None:
-                ax.annotate(f"floor\n{fraction:.2f}", (x[i] + 0.2, floor_bottom[i]), textcoords="offset points",
-                            xytext=(0, 3), ha="center", fontsize=6)  # fmt: skip
+                ax.annotate(
+                    f"floor\n{fraction:.2f}",
+                    (x[i] + 0.2, floor_bottom[i]),
+                    textcoords="offset points",
+                    xytext=(0, 3),
+                    ha="center",
+                    fontsize=6,
+                )
     sps = [as_number(r.get("samples_per_s")) for r in rows]
     for i, v in enumerate(sps):
         if v is not None:
@@ -96,9 +111,11 @@ def training_phases(rows: Sequence[ReportRow], out: Path) -> PhaseBars:
     ax.set_xticks(x, [as_text(lb) for lb in labels], rotation=30 if len(rows) > 4 else 0, ha="right", fontsize=8)
     ax.set_ylabel("ms per step (mean over measured steps)")
     ax.set_ylim(0, max(bottom.max() * 1.2 if len(rows) else 1.0, 1e-9))
-    ax.set_title("Training step time by phase, throughput on top"
-                 + (" (hatched: each phase at its own bound, the phase-sum floor's fraction on top)" if placed else ""),
-                 fontsize=9 if placed else None)  # fmt: skip
+    ax.set_title(
+        "Training step time by phase, throughput on top"
+        + (" (hatched: each phase at its own bound, the phase-sum floor's fraction on top)" if placed else ""),
+        fontsize=9 if placed else None,
+    )
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     steps = [float(r["step_time_ms_mean"]) for r in rows]
@@ -139,11 +156,24 @@ def scaling_efficiency(rows: Sequence[ReportRow], out: Path) -> ScalingPlot:
         sp_ax.plot(line["ranks"], line["speedup"], marker="o", label=as_text(label))
         colour = drawn[0].get_color()
         if any(not math.isnan(v) for v in line["predicted"]):
-            eff_ax.plot(line["ranks"], line["predicted"], marker="s", linestyle=":", color=colour,
-                        label=as_text(f"{label}: predicted"))  # fmt: skip
+            eff_ax.plot(
+                line["ranks"],
+                line["predicted"],
+                marker="s",
+                linestyle=":",
+                color=colour,
+                label=as_text(f"{label}: predicted"),
+            )
         if any(not math.isnan(v) for v in line["ceiling"]):
-            eff_ax.plot(line["ranks"], line["ceiling"], marker="_", markersize=14, linestyle="none", color=colour,
-                        label=as_text(f"{label}: machine ceiling"))  # fmt: skip
+            eff_ax.plot(
+                line["ranks"],
+                line["ceiling"],
+                marker="_",
+                markersize=14,
+                linestyle="none",
+                color=colour,
+                label=as_text(f"{label}: machine ceiling"),
+            )
     eff_ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ideal")
     if ranks:
         sp_ax.plot(ranks, ranks, color="black", linestyle="--", linewidth=1, label="ideal")
@@ -185,8 +215,7 @@ def request_flops(
         pad = [shape.request_flops(h, cands, path="padded") / 1e9 for h in history]
         curves[label] = {"jagged": jag, "padded": pad}
         line = ax.plot(history, jag, label=as_text(f"{label}: valid pairs (jagged)"))
-        ax.plot(history, pad, linestyle=":", color=line[0].get_color(),
-                label=as_text(f"{label}: padded n x n"))  # fmt: skip
+        ax.plot(history, pad, linestyle=":", color=line[0].get_color(), label=as_text(f"{label}: padded n x n"))
     for run, (model, mean) in runs.items():
         shape, cands, _ = models[model]
         y = shape.request_flops(round(mean), cands) / 1e9
