@@ -103,14 +103,19 @@ def test_a_cache_that_cannot_take_a_build_is_named_and_a_whole_artefact_is_serve
 
 def test_a_build_waiting_on_anothers_lock_says_who_and_stops_at_its_bound(monkeypatch, tmp_path, capsys):
     import fcntl
+    import re
 
     import pytest
 
-    from dlrm_lab.errors import ServingFault
+    from dlrm_lab.errors import ServingFault, UserError
     from dlrm_lab.infer import artefacts
 
     monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
-    monkeypatch.setattr(artefacts, "BUILD_WAIT_S", 0.5)
+    for bad in ("abc", "nan", "inf", "-5"):  # one line naming the variable, where a build would wait
+        monkeypatch.setenv("DLRM_LAB_BUILD_WAIT_S", bad)
+        with pytest.raises(UserError, match=rf"^DLRM_LAB_BUILD_WAIT_S='{re.escape(bad)}': expected seconds >= 0"):
+            artefacts.build_wait_s()
+    monkeypatch.setenv("DLRM_LAB_BUILD_WAIT_S", "0.5")
     with open(tmp_path / "k.lock", "a+") as held:  # another holder: its own open file, as another process has
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("pid 4242 since 2026-11-29T00:00:00+00:00")

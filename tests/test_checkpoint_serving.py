@@ -282,6 +282,38 @@ def test_a_second_run_writes_its_step_beside_the_first_and_a_killed_save_leaves_
     assert not list(copy.glob(".step-*"))
 
 
+def test_a_damaged_latest_or_shard_is_one_line_naming_the_file(trained, tmp_path):
+    """Issue 57 A1/D21 siblings: `latest` holding bytes that are no name, and a shard file truncated or emptied, are
+    each one line naming the file, for serving and for --resume alike (not a UnicodeDecodeError, nor "weights do not
+    fit (EOFError)")."""
+    import shutil
+
+    from dlrm_lab.errors import FieldError
+    from dlrm_lab.model.checkpoint import LATEST, check_metadata, latest_checkpoint
+
+    root, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(root, copy)
+    (copy / LATEST).write_bytes(b"\xff\xfe\x00step")
+    with pytest.raises(FieldError, match=r"latest: damaged .* names no step directory"):
+        latest_checkpoint(copy)
+    (copy / LATEST).write_text("../elsewhere\n")
+    with pytest.raises(FieldError, match=r"latest: damaged"):
+        latest_checkpoint(copy)
+    step = read_checkpoint(root).path.name
+    (copy / LATEST).write_text(step + "\n")
+    (shard,) = (copy / step).glob("*.distcp")
+    for cut in (shard.stat().st_size // 2, 0):
+        with open(shard, "r+b") as f:
+            f.truncate(cut)
+        for field in ("checkpoint", "resume"):
+            with pytest.raises(FieldError, match=rf"{shard.name}: has {cut:,} bytes of the [\d,]+ its metadata names"):
+                check_metadata(copy / step, field)
+    shard.unlink()
+    with pytest.raises(FieldError, match=rf"{shard.name}: is missing"):
+        check_metadata(copy / step)
+
+
 def test_a_stop_inside_the_checkpoint_reader_is_a_stop_not_a_damaged_checkpoint(trained, monkeypatch):
     """DCP wraps whatever a reader raised in its own exception; Ctrl-C and SIGTERM come out as themselves (130 and
     1), never as "its weights do not fit" (issue 57 A2)."""

@@ -1016,6 +1016,10 @@ def test_the_server_speaks_the_open_inference_protocol(server, library):
         assert stub.ServerLive(v2.ServerLiveRequest(), timeout=10).live
         assert stub.ServerReady(v2.ServerReadyRequest(), timeout=10).ready
         assert stub.ModelReady(v2.ModelReadyRequest(name="tiny"), timeout=10).ready
+        for name, version in (("tiny", "v7"), ("rm9", "")):  # as ModelMetadata answers them (issue 57, round 4)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelReady(v2.ModelReadyRequest(name=name, version=version), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value.details()
         assert "model_configuration" in stub.ServerMetadata(v2.ServerMetadataRequest(), timeout=10).extensions
         meta = stub.ModelMetadata(v2.ModelMetadataRequest(name="tiny"), timeout=10)
         assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [

@@ -322,6 +322,23 @@ def test_the_rest_refusals_in_process_name_their_field():
     assert [r["status"] for r in rows] == ["rejected"] * 3  # the refused queries, not the bad paths
 
 
+def test_a_client_string_utf8_cannot_hold_is_refused_and_recorded_escaped(tmp_path):
+    """A lone surrogate in a tensor's name (valid JSON, `"\\ud800"`): refused 400, and its row written to the queries
+    table escaped (it killed the server at the table's flush: UnicodeEncodeError)."""
+    import pyarrow.parquet as pq
+
+    from dlrm_lab.metrics.columns import schema_of
+    from dlrm_lab.metrics.tables import TableWriter
+
+    front = _front()
+    got, _, answer = asyncio.run(front.respond("POST", "/v2/models/tiny/infer", {}, b'{"inputs":[{"name":"\\ud800"}]}'))
+    assert got == 400 and "input '\\ud800': name and datatype must be strings" in json.loads(answer)["error"]
+    writer = TableWriter(tmp_path, "queries", schema_of("queries"), "run")
+    writer.extend([*front.v2.service._refused, {"error": "a message that kept one: \ud800", "query_id": 1}])
+    errors = pq.read_table(writer.close()).column("error").to_pylist()  # any such text: escaped, never fatal
+    assert errors[-1] == "a message that kept one: \\ud800"
+
+
 def test_the_rest_front_keeps_connections_alive_and_closes_them_after_a_bad_frame():
     """Raw HTTP/1.1 on one socket: two requests kept alive; a chunked body is 411, a body over the limit 413 and an
     unreadable request line 400, each then closing the connection; a header over the limit is 431."""

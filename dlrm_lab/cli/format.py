@@ -4,7 +4,6 @@ the raw values)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections import deque
@@ -25,7 +24,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from dlrm_lab.errors import UserError
+from dlrm_lab.config.values import env_seconds
 
 
 def console(stderr: bool = False) -> Console:
@@ -42,16 +41,7 @@ _SPEED_WINDOW_S = 30.0  # rich's speed estimate period: the rate (and time left)
 
 def progress_interval_s() -> float:
     """Seconds between plain progress lines: $DLRM_LAB_PROGRESS_INTERVAL_S, default 5."""
-    raw = os.environ.get(PROGRESS_INTERVAL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PROGRESS_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:  # also refuses nan
-        raise UserError(f"{PROGRESS_INTERVAL_ENV}={raw!r}: expected seconds >= 0, e.g. 5")
-    return value
+    return env_seconds(PROGRESS_INTERVAL_ENV, DEFAULT_PROGRESS_INTERVAL_S)
 
 
 def progress(

@@ -12,6 +12,7 @@ from dlrm_lab.errors import UserError
 # The dearest machine-hour taken: far above any cloud's (an 8-GPU node rents for ~100 USD an hour), and low enough
 # that every cost derived from it (per 1M inferences at one query an hour) stays a finite float
 MAX_PRICE_PER_HOUR = 1e9
+MAX_ENERGY_PRICE = 1e9  # per kWh
 
 
 def check_price(value: Any, option: str = "PER_HOUR") -> float:
@@ -36,7 +37,13 @@ def check_currency(value: Any, option: str = "--currency") -> str:
 
 
 def check_energy_price(value: Any, option: str = "--energy-per-kwh") -> float:
-    """A price per kWh: a finite number >= 0 (0: energy is free here, as opposed to not priced)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise UserError(f"{option} {value!r}: must be a finite number >= 0")
+    """A price per kWh: a number in [0, MAX_ENERGY_PRICE] (0: energy is free here, as opposed to not priced; a price
+    near the float limit makes every energy cost infinite)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_ENERGY_PRICE
+    ):
+        raise UserError(f"{option} {value!r}: must be a number in [0, {MAX_ENERGY_PRICE:g}]")
     return float(value)

@@ -27,3 +27,26 @@ def section(record: Any, *keys: str) -> JsonObject:
     for key in keys:
         record = record.get(key) if isinstance(record, dict) else None
     return record if isinstance(record, dict) else {}
+
+
+def env_seconds(name: str, default: float, *, minimum: float = 0.0, above: bool = False,
+                maximum: float = 7 * 24 * 3600) -> float:  # fmt: skip
+    """Seconds from the environment variable `name` (`default` where unset or empty): a finite number in
+    [minimum, maximum] (`above`: > minimum). Anything else is one line naming the variable, never a traceback."""
+    import math
+    import os
+
+    from dlrm_lab.errors import UserError
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    low_ok = value > minimum if above else value >= minimum
+    if not (math.isfinite(value) and low_ok and value <= maximum):
+        bound = f"> {minimum:g}" if above else f">= {minimum:g}"
+        raise UserError(f"{name}={raw!r}: expected seconds {bound} and <= {maximum:g}, e.g. {default:g}")
+    return value

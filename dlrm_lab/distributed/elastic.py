@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.values import env_seconds
+
 SHUTDOWN_TIMEOUT_S = 5
 # The launcher names a file here; each run created under it appends its directory (`metrics.run`)
 RUN_RECORD_ENV = "DLRM_LAB_RUN_RECORD"
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None, on_failure: Callable[[Path, str, bool], 
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    _cap_shutdown_grace(float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]))
+    _cap_shutdown_grace(env_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S))
     args = parse_args(sys.argv[1:] if argv is None else argv)
     fd, record_path = tempfile.mkstemp(prefix="dlrm-lab-launch-", suffix=".runs")
     os.close(fd)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, env_seconds
 from dlrm_lab.errors import DiskFull, ServingFault, UserError, is_disk_full
 
 BUILD_DIR_ENV = "DLRM_LAB_BUILD_DIR"
@@ -94,7 +94,15 @@ def verified(path: Path) -> str | None:
 
 
 # How long a build waits for another process's build of the same key before it says so and stops
-BUILD_WAIT_S = float(os.environ.get("DLRM_LAB_BUILD_WAIT_S", "1800"))
+BUILD_WAIT_ENV = "DLRM_LAB_BUILD_WAIT_S"
+
+
+def build_wait_s() -> float:
+    """At most this long a build waits for another's of the same key: 1,800 s, or DLRM_LAB_BUILD_WAIT_S (read when a
+    build waits, so that a bad value is one line there, not a traceback at import)."""
+    return env_seconds(BUILD_WAIT_ENV, 1800.0)
+
+
 # Free space a build needs in the cache beyond its artefact's own estimate (the compiler's temporaries)
 BUILD_HEADROOM_BYTES = 256 << 20
 
@@ -107,7 +115,7 @@ def cached_artefact(
 
     A whole artefact is served from a cache it cannot write (read-only, full). A build first checks the cache can
     take it (writable, `size_hint` bytes and headroom free), and names the directory where not; one that waits on
-    another process's build of the key says who holds it and stops after BUILD_WAIT_S; temporaries of writers that
+    another process's build of the key says who holds it and stops after `build_wait_s()`; temporaries of writers that
     died (their pid gone) are removed."""
     directory = artefact_dir()
     path = directory / f"{key}{suffix}"
@@ -174,7 +182,7 @@ def _check_writable(directory: Path, size_hint: int) -> None:
 
 
 def _take(lock: Any, key: str) -> None:
-    """Take the key's lock; while another process holds it, say who once and wait, at most BUILD_WAIT_S."""
+    """Take the key's lock; while another process holds it, say who once and wait, at most `build_wait_s()`."""
     start, told = time.monotonic(), False
     while True:
         try:
@@ -184,14 +192,14 @@ def _take(lock: Any, key: str) -> None:
             lock.seek(0)
             holder = lock.read().strip() or "another process"
             waited = time.monotonic() - start
-            if waited > BUILD_WAIT_S:
+            if waited > build_wait_s():
                 raise ServingFault(
                     f"the build of {key} is held by {holder} for {waited:.0f} s (its lock "
                     f"{lock.name}); stop that process, or set DLRM_LAB_BUILD_WAIT_S"
                 ) from None
             if not told:
                 print(
-                    f"waiting for {holder}, which is building {key} (lock {lock.name}; at most {BUILD_WAIT_S:.0f} s)",
+                    f"waiting for {holder}, which is building {key} (lock {lock.name}; at most {build_wait_s():.0f} s)",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -24,7 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dlrm_lab.errors import DiskFull, UserError, is_disk_full
+from dlrm_lab.config.values import env_seconds
+from dlrm_lab.errors import DiskFull, is_disk_full
 
 PARTS_DIR = "_parts"
 Derived = dict[str, Callable[[pa.Table], Any]]  # column -> its values from the merged table (`derive_on_close`)
@@ -64,18 +65,16 @@ FLUSH_SECONDS_ENV = "DLRM_LAB_FLUSH_SECONDS"
 CONVERT_ROWS = 256  # rows converted to Arrow in one call (TableWriter.flush)
 
 
+def _encodable(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with every string UTF-8 can hold: what it cannot (a lone surrogate) as a backslash escape."""
+    return {
+        k: v.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(v, str) else v for k, v in row.items()
+    }
+
+
 def flush_interval_s() -> float:
     """Seconds between a table's flushes: 5, or DLRM_LAB_FLUSH_SECONDS (a bad value is refused)."""
-    text = os.environ.get(FLUSH_SECONDS_ENV)
-    if text is None:
-        return 5.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise UserError(f"{FLUSH_SECONDS_ENV}={text!r}: must be a number of seconds > 0")
-    return value
+    return env_seconds(FLUSH_SECONDS_ENV, 5.0, above=True)
 
 
 class TableWriter:
@@ -134,16 +133,19 @@ class TableWriter:
         # In slices: one call converts while holding the GIL (10,000 query rows: tens of ms in which a serving
         # process's completion thread could not run, measured as tail latency); between slices it can
         table = pa.Table.from_batches(
-            [
-                pa.RecordBatch.from_pylist(self._rows[i : i + CONVERT_ROWS], schema=self.schema)
-                for i in range(0, len(self._rows), CONVERT_ROWS)
-            ],
+            [self._batch(self._rows[i : i + CONVERT_ROWS]) for i in range(0, len(self._rows), CONVERT_ROWS)],
             schema=self.schema,
         )
         atomic_write_parquet(table, self._parts_dir / f"{self._prefix}{self._next_part:06d}.parquet")
         self._next_part += 1
         self.rows_written += len(self._rows)
         self._rows = []
+
+    def _batch(self, rows: list[dict[str, Any]]) -> pa.RecordBatch:
+        try:
+            return pa.RecordBatch.from_pylist(rows, schema=self.schema)
+        except UnicodeEncodeError:  # a client's text (a lone surrogate) that UTF-8 cannot hold: escaped, not fatal
+            return pa.RecordBatch.from_pylist([_encodable(r) for r in rows], schema=self.schema)
 
     def derive_on_close(self, column: str, values: Callable[[pa.Table], Any]) -> None:
         """Compute `column` of the merged table from the table itself as it is merged: for a value known only once
@@ -205,7 +207,7 @@ def write_table(
     """Write a small table (a summary) in one atomic step."""
     if "run_id" not in schema.names:
         schema = pa.schema([pa.field("run_id", pa.string()), *schema])
-    table = pa.Table.from_pylist([{"run_id": run_id, **r} for r in rows], schema=schema)
+    table = pa.Table.from_pylist([_encodable({"run_id": run_id, **r}) for r in rows], schema=schema)
     path = Path(run_dir) / f"{name}.parquet"
     atomic_write_parquet(table, path)
     return path

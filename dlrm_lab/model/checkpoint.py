@@ -24,10 +24,20 @@ TRAINED = "trained.json"  # in a step-N directory: what the weights were trained
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete step-N directory `latest` names; None where there is none. A `latest` that names no
+    directory of the root (damaged: bytes that are no name, a path out of it) is one line naming the file."""
     marker = Path(root) / LATEST
     if not marker.is_file():
         return None
-    path = Path(root) / marker.read_text().strip()
+    raw = marker.read_bytes()[:256]
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or not name or "/" in name or name in (".", ".."):
+        raise FieldError("checkpoint", f"{marker}: damaged ({raw[:40]!r} names no step directory); remove it, or "
+                         "write the name of the newest complete step-N directory into it")  # fmt: skip
+    path = Path(root) / name
     return path if path.is_dir() else None
 
 
@@ -210,12 +220,24 @@ def check_metadata(path: Path, field: str = "checkpoint") -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        FileSystemReader(str(path)).read_metadata()
+        metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - pickle's, the file system's: a damaged checkpoint either way
         raise FieldError(
             field,
             f"{path}: its .metadata is damaged or partial ({first_line(exc)}): train again, or serve another step",
         ) from None
+    # every shard file as long as the metadata says its last item ends: a truncated or emptied shard is named, not
+    # read into a pickle error that reads as "weights of another model"
+    needed: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < end:
+            what = "is missing" if size is None else f"has {size:,} bytes of the {end:,} its metadata names"
+            raise FieldError(field, f"{shard}: {what} (damaged or partial): train again, or serve another step")
 
 
 def raise_interruption(exc: BaseException) -> None:

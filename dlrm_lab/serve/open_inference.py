@@ -112,7 +112,10 @@ class OpenInferenceService:
         return v2.ServerReadyResponse(ready=self.service.failure is None)
 
     async def model_ready(self, request: Any, context: Any) -> Any:
-        return v2.ModelReadyResponse(ready=request.name in self.models and self.service.failure is None)
+        """Ready: the model at the version asked (none: its only one) is served, and the server has not failed; a
+        version its metadata would refuse is NOT_FOUND there too (the REST binding's /versions/V/ready likewise)."""
+        await self._model(request.name, request.version, context)
+        return v2.ModelReadyResponse(ready=self.service.failure is None)
 
     async def server_metadata(self, request: Any, context: Any) -> Any:
         return v2.ServerMetadataResponse(name="dlrm-lab", version=lab_version(), extensions=EXTENSIONS)

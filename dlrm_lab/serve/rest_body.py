@@ -66,7 +66,7 @@ def body_tensors(spec: Any, model: str, request: dict[str, Any], blobs: memoryvi
     triples = []
     for k, t in enumerate(inputs):
         name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")
-        where = f"inputs[{k}]" if not isinstance(name, str) else f"input {name}"
+        where = f"inputs[{k}]" if not isinstance(name, str) else f"input {echoed(name)}"
         if not isinstance(name, str) or not isinstance(datatype, str):
             raise refuse(model, f"{where}: name and datatype must be strings")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
