@@ -234,3 +234,22 @@ def serve_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], ServeOpt
 
 
 SETUPS = {"train": train_setup, "infer run": infer_setup}
+_CHECKS: dict[str, Any] = {
+    "train": train_setup,
+    "infer run": infer_setup,
+    "infer search": search_setup,
+    "infer builds": builds_setup,
+    "serve": serve_setup,
+}
+
+
+def check_command_words(words: list[str]) -> str | None:
+    """A `dlrm-lab` command line of a command whose options the library declares (train, infer run|search|builds,
+    serve), checked as that command checks it before anything starts: one UserError naming the culprit. The
+    command's name, or None for another command (its own parser checks it where it runs)."""
+    name = " ".join(words[:2]) if words[:1] == ["infer"] else " ".join(words[:1])
+    if name not in _CHECKS:
+        return None
+    rest = words[len(name.split()) :]
+    _CHECKS[name](parse_words([*COMMANDS[name], *_CLI_WORDS], rest, name))
+    return name

@@ -175,16 +175,27 @@ def test_the_cli_writes_the_manifests_and_refuses_bad_options_in_one_line(tmp_pa
         ("--image", "x", "--namespace", "Team_A"): "--namespace 'Team_A': must be a DNS label",
         ("--image", "x", "--nproc", "1000000000"): "--nproc 1000000000: must be an integer in [1, 1024]",
         ("--image", "x", "--nnodes", "1000000000"): "--nnodes 1000000000: must be an integer in [1, 10000]",
+        ("--image", "x\n"): "--image 'x\\n': must be an image reference",
+        ("--image", "x", "--rdzv-endpoint", "host:1\n"): "--rdzv-endpoint 'host:1\\n': must be HOST:PORT",
+        ("--image", "x", "--rdzv-endpoint", "host:99999"): "--rdzv-endpoint 'host:99999': must be HOST:PORT",
+        ("--image", "x", "--cpu", "1000000000"): "--cpu 1000000000: must be an integer in [1, 4096]",
         ("--image", "x", "--out", "/nonexistent/dir/job.yaml"): "--out /nonexistent/dir/job.yaml: cannot write the "
                                                                   "manifests (No such file or directory)",
     }.items():
         emit = [] if "--emit" in bad else ["--emit", "kubernetes"]
         code, _, err = run_cli_in_process("launch", *emit, *bad, "--", *TRAIN)
         assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    # every command the library declares is checked as it checks itself, and the command must exist at all
     for inner, said in ((["train", "--preset", "kagle"], "unknown model preset 'kagle'"),
-                        (["train", "--preset", "tiny", "--steps", "0"], "--steps 0: must be an integer >= 1")):
+                        (["train", "--preset", "tiny", "--steps", "0"], "--steps 0: must be an integer >= 1"),
+                        (["infer", "run", "--preset", "kagle"], "unknown model preset 'kagle'"),
+                        (["infer", "search", "--preset", "tiny", "--sla-ms", "x"], "--sla-ms 'x': must be a number"),
+                        (["serve", "--preset", "tiny", "--port", "-3"], "--port -3: must be a TCP port"),
+                        (["frobnicate"], "'frobnicate': not a dlrm-lab command")):  # fmt: skip
         code, _, err = run_cli_in_process("launch", "--emit", "kubernetes", "--image", "x", "--", *inner)
-        assert code == 2 and err.startswith("error: the pods' command 'train --preset ") and said in err, err
+        assert code == 2 and err.startswith(f"error: the pods' command '{inner[0]}") and said in err, err
+    code, _, err = run_cli_in_process("launch", "--emit", "kubernetes", "--image", "x", "--", "sweep", "in-image.toml")
+    assert code == 0 and "note: the grid file in-image.toml is not on this machine" in err  # the pods' to read
     code, _, err = run_cli_in_process(
         "launch", "--emit", "kubernetes", "--image", "x", "--", *TRAIN, "--metrics-dir", "runs"
     )

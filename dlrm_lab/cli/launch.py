@@ -46,13 +46,12 @@ def launch_command(
         from dlrm_lab.errors import FieldError, UserError
 
         inner = list(ctx.args)
-        if inner[:1] == ["train"]:  # a typo or a bad value fails here, not in the pods after the job was scheduled
-            from dlrm_lab.commands import train_setup, train_words
-
-            try:
-                train_setup(train_words(inner[1:]))
-            except UserError as exc:
-                raise UserError(f"the pods' command {shlex.join(inner)!r}: {exc}") from None
+        try:  # a typo or a bad value fails here, not in the pods after the job was scheduled
+            note = check_pods_command(inner)
+        except UserError as exc:
+            raise UserError(f"the pods' command {shlex.join(inner)!r}: {exc}") from None
+        if note:
+            typer.echo(f"note: {note}", err=True)
         try:
             text = emit_manifests(
                 emit,
@@ -85,3 +84,23 @@ def launch_command(
 
     code = launch(nproc, launcher, list(ctx.args), nnodes, rdzv_endpoint)
     raise typer.Exit(code)
+
+
+def check_pods_command(words: list[str]) -> str | None:
+    """The command the pods will run, checked here as far as it can be without running it: a command this CLI has,
+    its options as that command checks them (`commands.check_command_words`), a sweep's grid file read and checked.
+    Where the file is not on this machine (only in the image), it is left to the pods: the note returned says so."""
+    from dlrm_lab.cli import app
+    from dlrm_lab.commands import check_command_words
+    from dlrm_lab.errors import UserError
+
+    known = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
+    if not words or words[0] not in known:
+        raise UserError(f"{words[0] if words else '(none)'!r}: not a dlrm-lab command ({', '.join(sorted(known))})")
+    if check_command_words(words) is None and words[0] == "sweep" and len(words) > 1:
+        if not Path(words[1]).is_file():
+            return f"the grid file {words[1]} is not on this machine: the pods read it from their image, unchecked here"
+        from dlrm_lab.sweep.grid import load_spec
+
+        load_spec(words[1])
+    return None

@@ -40,6 +40,9 @@ CONTAINER = "dlrm-lab"
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?")
 MAX_NODES, MAX_RANKS_A_NODE = 10_000, 1_024  # beyond any cluster's pods and any node's cores
+MAX_CORES_A_POD = 4_096
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")  # a container image reference: no space, no newline
+_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?):([0-9]{1,5})")
 Manifest = dict[str, Any]
 
 
@@ -65,6 +68,10 @@ def manifests(
     `metrics_volume` names the claim mounted at the command's --metrics-dir (added as /runs where absent);
     `rdzv_endpoint` (job only) overrides `<name>-0.<name>:29500`; `python` is the pods' interpreter."""
     _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume, namespace)
+    if rdzv_endpoint is not None and not (
+        isinstance(rdzv_endpoint, str) and (m := _ENDPOINT.fullmatch(rdzv_endpoint)) and 1 <= int(m.group(3)) <= 65535
+    ):
+        raise FieldError("rdzv_endpoint", f"{rdzv_endpoint!r}: must be HOST:PORT (a port in 1-65535)")
     args, metrics_dir = _with_metrics_dir(list(args))
     labels = {"app.kubernetes.io/name": "dlrm-lab", "app.kubernetes.io/instance": name}
     metadata = {"name": name, **({"namespace": namespace} if namespace else {}), "labels": labels}
@@ -188,6 +195,8 @@ def _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume, 
         raise FieldError("kind", f"{kind!r}: allowed: {', '.join(KINDS)}")
     if not image:
         raise FieldError("image", "is needed: an image with the lab and its stack installed (launch/kubernetes.md)")
+    if not isinstance(image, str) or not _IMAGE.fullmatch(image):
+        raise FieldError("image", f"{image!r}: must be an image reference (letters, digits, . _ / : @ + -; no space)")
     labels = [("name", name, 50), ("metrics_volume", metrics_volume, 50)]
     for field, value, longest in labels + ([("namespace", namespace, 63)] if namespace is not None else []):
         if not isinstance(value, str) or not _NAME.fullmatch(value) or len(value) > longest:
@@ -201,8 +210,8 @@ def _check(kind, image, name, nnodes, nproc, gpus, cpu, memory, metrics_volume, 
     ):
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
             raise FieldError(field, f"{value!r}: must be an integer in [{least}, {most}]")
-    if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1):
-        raise FieldError("cpu", f"{cpu!r}: must be an integer >= 1 (cores a pod)")
+    if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or not 1 <= cpu <= MAX_CORES_A_POD):
+        raise FieldError("cpu", f"{cpu!r}: must be an integer in [1, {MAX_CORES_A_POD}] (cores a pod)")
     if memory is not None and not (isinstance(memory, str) and _QUANTITY.fullmatch(memory)):
         raise FieldError("memory", f"{memory!r}: must be a Kubernetes quantity, e.g. 64Gi or 500M")
     if gpus and nproc > gpus:

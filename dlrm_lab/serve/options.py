@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlrm_lab.config.options import REQUIRED, OptionChange, option
+from dlrm_lab.errors import FieldError
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,14 @@ class ServeOptions:
     metrics_port: int | None = option(
         None, "Serve live metrics in Prometheus's format at /metrics on this port (0: any free port; default: off)."
     )
+
+    def __post_init__(self) -> None:
+        for field in ("port", "http_port", "metrics_port"):
+            value = getattr(self, field)
+            if value is not None and not 0 <= value <= 65535:
+                raise FieldError(field, f"{value}: must be a TCP port in [0, 65535] (0: any free one)")
+        if not 0 <= self.grace_s <= 3600:
+            raise FieldError("grace_s", f"{self.grace_s:g}: must be in [0, 3600] seconds")
 
 
 @dataclass(frozen=True)
