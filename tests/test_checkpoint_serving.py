@@ -231,6 +231,9 @@ def test_the_openvino_build_without_openvino_names_the_extra_to_install(monkeypa
     ({"seed": None}, "seed = missing: must be a whole number >= 0"),
     ({"step": -1}, "step = -1: must be a whole number >= 0"),
     ({"data_overrides": "a=1"}, "data_overrides = 'a=1': must be a list of KEY=VALUE strings"),
+    ({"precision": "fp7"}, "precision = 'fp7': must be one of auto, fp32, bf16, or null"),
+    ({"world_size": "1"}, "world_size = '1': must be a whole number >= 1, or null"),
+    ({"eval_data": "x"}, "eval_data = 'x': must be what the held-out samples were drawn from, an object, or null"),
 ])
 def test_a_damaged_sidecar_is_refused_whole_at_start_naming_the_field(trained, tmp_path, damage, said):
     """Every field of trained.json that serving reads later is checked when it is read: one line naming the field,

@@ -430,13 +430,19 @@ def test_hostile_frames_get_an_answer_and_idle_or_trickling_connections_are_clos
 
     two = b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 50\r\n\r\nhello"
     assert asyncio.run(exchange(two)) == [b"HTTP/1.1 400 Bad Request"]
+    split_twice = (b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 5\r\nInference-Header-Content-Length: 2\r\n"
+                   b"Inference-Header-Content-Length: 5\r\n\r\nhello")  # fmt: skip
+    assert asyncio.run(exchange(split_twice)) == [b"HTTP/1.1 400 Bad Request"]
     odd = "POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: ²\r\n\r\n".encode()
     assert asyncio.run(exchange(odd)) == [b"HTTP/1.1 400 Bad Request"]
     assert asyncio.run(exchange(b"", pause_s=0.01)) == []  # idle: closed without a word, after the timeout
     trickle = b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Length: 100\r\n\r\nab"
     assert asyncio.run(exchange(trickle, b"cd", pause_s=0.1)) == [b"HTTP/1.1 408 Request Timeout"]
     deep = b"[" * 100_000 + b"]" * 100_000
-    cases = [({"inference-header-content-length": "²"}, b"{}", "Inference-Header-Content-Length '²'"),
+    good = {"name": "dense", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}
+    timeouts = [({}, json.dumps({"inputs": [good], "parameters": {"timeout": t}}).replace('"T"', t).encode(),
+                 "parameters.timeout") for t in ('"x"', "NaN", "1e400", "-1", "0")]  # fmt: skip
+    cases = [*timeouts, ({"inference-header-content-length": "²"}, b"{}", "Inference-Header-Content-Length '²'"),
              ({}, deep, "JSON nested too deep"),
              ({}, json.dumps({"inputs": [], "outputs": [{"name": "scores", "parameters": 7}]}).encode(),
               "outputs[0]: parameters must be a JSON object")]  # fmt: skip

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrm_lab.config.train import PRECISIONS
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 
 LATEST = "latest"  # names the newest complete step-N directory, moved last
 TRAINED = "trained.json"  # in a step-N directory: what the weights were trained on (rank 0 writes it)
+TRAINED_PRECISIONS = ("auto", *PRECISIONS)  # what training's --precision can have recorded
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -140,6 +142,29 @@ def sidecar_problem(about: Any) -> str | None:
             about.get("eval"),
             about.get("eval") is None or isinstance(about["eval"], dict),
             "the last evaluation, an object, or null",
+        ),
+        # recorded beside every run that serves the checkpoint: a damaged one would be a wrong record
+        (
+            "precision",
+            about.get("precision"),
+            about.get("precision") is None or about["precision"] in TRAINED_PRECISIONS,
+            f"one of {', '.join(TRAINED_PRECISIONS)}, or null",
+        ),
+        (
+            "world_size",
+            about.get("world_size"),
+            about.get("world_size") is None or (_whole(about["world_size"]) and about["world_size"] >= 1),
+            "a whole number >= 1, or null",
+        ),
+        (
+            "eval_data",
+            about.get("eval_data"),
+            about.get("eval_data") is None or isinstance(about["eval_data"], dict),
+            "what the held-out samples were drawn from, an object, or null",
+        ),
+        *(
+            (key, about.get(key), about.get(key) is None or isinstance(about[key], str), "a string, or null")
+            for key in ("protocol", "run_id")
         ),
     ]
     last = about.get("eval")

@@ -225,13 +225,15 @@ class RestFront:
         if "chunked" in headers.get("transfer-encoding", "").lower():
             await self._write(writer, error(411, "Transfer-Encoding: chunked: give the body's Content-Length"), True)
             return False
-        lengths = {v for k, v in pairs if k == "content-length"}
+        framing = ("content-length", "inference-header-content-length")  # each splits the body: one value each
+        name, lengths = next(((n, vs) for n in framing if len(vs := {v for k, v in pairs if k == n}) > 1), ("", set()))
         if len(lengths) > 1:  # which one frames the body is ambiguous (request smuggling's way in): refused
+            shown = "-".join(w.capitalize() for w in name.split("-"))
             await self._write(
                 writer,
                 error(
                     400,
-                    f"Content-Length given {len(lengths)} times with other values "
+                    f"{shown} given {len(lengths)} times with other values "
                     f"({echoed(', '.join(sorted(lengths)))}): give one",
                 ),
                 True,

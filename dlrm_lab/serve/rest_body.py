@@ -22,6 +22,7 @@ from dlrm_lab.serve.protocol import Refused, echoed
 from dlrm_lab.serve.v2_tensors import DTYPES, V2Request, check_tensors, nbytes, packed_request, refuse
 
 ANSWER_FIELDS = ("id", "parameters", "outputs")  # what the answer reads of a request's JSON
+MAX_TIMEOUT_US = 3_600_000_000  # a request's own timeout: an hour at most
 
 
 def whole_number(text: str) -> bool:
@@ -55,6 +56,11 @@ def body_tensors(spec: Any, model: str, request: dict[str, Any], blobs: memoryvi
     for key in ("parameters",):
         if not isinstance(request.get(key) or {}, dict):
             raise refuse(model, f"{key}: must be a JSON object")
+    timeout = (request.get("parameters") or {}).get("timeout")  # microseconds, as tritonclient sends it
+    if timeout is not None and (  # a deadline the server cannot read is refused, never dropped silently
+        isinstance(timeout, bool) or not isinstance(timeout, int) or not 0 < timeout <= MAX_TIMEOUT_US
+    ):
+        raise refuse(model, f"parameters.timeout {echoed(json.dumps(timeout))}: microseconds in [1, {MAX_TIMEOUT_US}]")
     inputs, outputs = request.get("inputs"), request.get("outputs") or []
     if not isinstance(inputs, list) or not all(isinstance(t, dict) for t in inputs):
         raise refuse(model, "inputs: a list of tensor objects expected (name, datatype, shape, data)")
@@ -97,8 +103,7 @@ def body_tensors(spec: Any, model: str, request: dict[str, Any], blobs: memoryvi
             model, f"binary data: {len(blobs)} bytes after the JSON header, the inputs' binary_data_size sum to {at}"
         )
     shim = packed_request(model, request.get("id", ""), shapes, raw)
-    timeout = (request.get("parameters") or {}).get("timeout")  # microseconds, as tritonclient sends it
-    if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
+    if timeout is not None:
         shim.timeout_ns = timeout * 1000
     return shim
 
