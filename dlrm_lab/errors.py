@@ -87,6 +87,31 @@ def raise_on_sigterm() -> None:
     signal.signal(signal.SIGHUP, handler)
 
 
+@contextmanager
+def interrupt_blocked() -> Iterator[None]:
+    """Start the lab's workers inside this: the interpreter a worker is spawned as inherits Ctrl-C ignored (Python
+    keeps an inherited SIG_IGN), so that a Ctrl-C while it still imports, before `end_with_parent` could ignore it, is
+    not a KeyboardInterrupt traceback of its own. The parent holds Ctrl-C blocked meanwhile, so that one pressed then
+    is its own as soon as the start returns (blocked, not lost). Only the main thread may change a handler: started
+    from another thread, a worker gets the blocked mask alone."""
+    import signal
+    import threading
+
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a blocked signal is never discarded as ignored
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def end_with_parent(signum: int | None = None, ignore_interrupt: bool = True) -> None:
     """In a worker process the lab started (a probe's, a client's, a serving instance, a sweep's point): end it
     with `signum` (default SIGKILL) when its parent dies, even by SIGKILL (Linux's parent-death signal), so that no

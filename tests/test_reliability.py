@@ -661,3 +661,38 @@ def test_sigterm_during_a_package_compile_stops_the_build(monkeypatch, tmp_path)
         timer.cancel()
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def _nap() -> None:
+    import time
+
+    time.sleep(3)
+
+
+def test_a_worker_started_with_interrupt_blocked_outlives_a_ctrl_c_while_it_starts():
+    """Issue 57 E26's sibling: a Ctrl-C while a spawned worker still imports (before it can ignore it) was a
+    KeyboardInterrupt traceback per worker; started inside `interrupt_blocked` it ignores it from its first instruction,
+    and the parent's own mask and handler are given back."""
+    import multiprocessing
+    import signal
+
+    from dlrm_lab.errors import interrupt_blocked
+
+    ctx = multiprocessing.get_context("spawn")
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    handler = signal.getsignal(signal.SIGINT)
+    with interrupt_blocked():
+        worker = ctx.Process(target=_nap, daemon=True)
+        worker.start()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before and signal.getsignal(signal.SIGINT) is handler
+    try:
+        worker.join(0.05)
+        os.kill(worker.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole group, while it starts up
+        worker.join(1.0)
+        assert worker.is_alive()  # no KeyboardInterrupt ended it
+        status = Path(f"/proc/{worker.pid}/status").read_text()
+        ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))  # inherited ignored, and kept so by the interpreter
+    finally:
+        worker.kill()
+        worker.join(5)

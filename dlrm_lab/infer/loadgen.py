@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.errors import FieldError, ServingFault
+from dlrm_lab.errors import FieldError, ServingFault, interrupt_blocked
 from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Scenario, Stream
 from dlrm_lab.infer.loadgen_process import END, loadgen_main, log_settings, test_settings
 from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest, report_after
@@ -298,7 +298,8 @@ class LoadGenDriver:
         args = (self.test_fields(), self.qsl.total_sample_count, str(log_dir), issue_w, done_r)
         proc = ctx.Process(target=loadgen_main, args=args, name="dlrm-lab-loadgen", daemon=True)
         try:
-            proc.start()
+            with interrupt_blocked():  # a Ctrl-C while it imports is the run's to handle
+                proc.start()
             self.loadgen_pid = proc.pid
             issue_w.close()
             done_r.close()

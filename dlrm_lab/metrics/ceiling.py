@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.values import JsonObject
-from dlrm_lab.errors import end_with_parent
+from dlrm_lab.errors import end_with_parent, interrupt_blocked
 
 KINDS = ("gemm", "copy")
 
@@ -71,8 +71,9 @@ def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size
         ctx.Process(target=_worker, args=(cores[k] if k < len(cores) else None, size, inboxes[k], outboxes[k]))
         for k in range(processes)
     ]
-    for p in procs:
-        p.start()
+    with interrupt_blocked():  # a Ctrl-C while they import is the probe's, not a traceback of each
+        for p in procs:
+            p.start()
 
     def round_of(kind: str, who: range) -> list[float]:
         start_at = time.monotonic() + 0.05

@@ -28,6 +28,7 @@ from dlrm_lab.errors import (
     ServerLost,
     end_with_parent,
     exit_description,
+    interrupt_blocked,
 )
 from dlrm_lab.infer.sut import Query, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
@@ -94,7 +95,8 @@ class ClientPool:
                 proc = ctx.Process(
                     target=_worker_main, args=(plan, child_end), daemon=True, name=f"dlrm-lab-client-{plan.worker}"
                 )
-                proc.start()
+                with interrupt_blocked():  # a Ctrl-C while it imports is the parent's to handle
+                    proc.start()
                 child_end.close()
                 self._workers.append((proc, parent_end))
                 self._send_locks.append(threading.Lock())  # one sender at a time per pipe

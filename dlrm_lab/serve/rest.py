@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from dlrm_lab.errors import interrupt_blocked
 from dlrm_lab.resources import lab_version
 from dlrm_lab.serve.open_inference import EXTENSIONS, OpenInferenceService
 from dlrm_lab.serve.protocol import SCORE_DTYPE, Refused, echoed
@@ -386,9 +387,11 @@ class RestFront:
         if isinstance(body, BodyFile):  # parsed in a process of its own: json.loads holds the GIL, even in a thread
             parsed: V2Request | Refused
             try:
-                parsed, request = await asyncio.get_running_loop().run_in_executor(
-                    self._parser(), parse_body_file, check(), name, headers, body.path
-                )
+                with interrupt_blocked():  # the worker is spawned at the first large body: Ctrl-C stays the server's
+                    parsed_later = asyncio.get_running_loop().run_in_executor(
+                        self._parser(), parse_body_file, check(), name, headers, body.path
+                    )
+                parsed, request = await parsed_later
             except Refused as refused:
                 parsed = refused
 
