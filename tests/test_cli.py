@@ -184,7 +184,7 @@ def test_progress_prints_a_plain_line_every_interval_when_not_a_terminal(monkeyp
     monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "0.5")
     assert progress(to=Console(file=io.StringIO())).interval_s == 0.5
     monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "soon")
-    with pytest.raises(UserError, match="DLRM_LAB_PROGRESS_INTERVAL_S='soon': expected seconds"):
+    with pytest.raises(UserError, match="DLRM_LAB_PROGRESS_INTERVAL_S='soon': must be a number of seconds"):
         progress(to=Console(file=io.StringIO()))
 
 

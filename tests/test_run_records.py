@@ -279,8 +279,10 @@ def test_recovering_a_killed_training_run_rebuilds_its_summary_from_the_steps(tm
 
 
 def test_a_kind_registers_its_own_recovery_and_the_run_layer_imports_no_kind(tmp_path, monkeypatch):
+    import dlrm_lab.train.records as records  # the training kind registers itself where it is defined
     from dlrm_lab.metrics import run as runs
 
+    assert runs._RECOVERIES["train"] is records.recovered_summary
     monkeypatch.setattr(runs, "_RECOVERIES", {})
     seen = []
     runs.register_recovery("probed", lambda run_dir, manifest: seen.append((run_dir, manifest["kind"])) or "written")
@@ -302,10 +304,7 @@ def test_a_kind_registers_its_own_recovery_and_the_run_layer_imports_no_kind(tmp
         with pytest.raises(ImportError):  # called, it imports training
             runs._RECOVERIES["train"](tmp_path, {"kind": "train"})
 
-    import dlrm_lab.train.records as records  # the training kind registers itself where it is defined
-
     monkeypatch.undo()
-    assert runs._RECOVERIES["train"] is records.recovered_summary
     # the run directories and the launcher below them load no run kind (train, infer): only the transports' registry
     # (infer.targets, torch- and gRPC-free), which the package root fills
     code = (
