@@ -113,7 +113,8 @@ def test_a_build_waiting_on_anothers_lock_says_who_and_stops_at_its_bound(monkey
     monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
     for bad in ("abc", "nan", "inf", "-5"):  # one line naming the variable, where a build would wait
         monkeypatch.setenv("DLRM_LAB_BUILD_WAIT_S", bad)
-        with pytest.raises(UserError, match=rf"^DLRM_LAB_BUILD_WAIT_S='{re.escape(bad)}': must be a number of seconds >= 0"):
+        said = rf"^DLRM_LAB_BUILD_WAIT_S='{re.escape(bad)}': must be a number of seconds >= 0"
+        with pytest.raises(UserError, match=said):
             artefacts.build_wait_s()
     monkeypatch.setenv("DLRM_LAB_BUILD_WAIT_S", "0.5")
     with open(tmp_path / "k.lock", "a+") as held:  # another holder: its own open file, as another process has
