@@ -158,6 +158,32 @@ def train_setup(options: Mapping[str, OptionValue]) -> tuple[Spec, TrainConfig]:
     return family_of(spec).with_data_overrides(spec, cfg.data_overrides, serving=False), cfg
 
 
+# How the lab's own server serves: a remote server serves as its own start said (its `dlrm-lab serve` options)
+SERVER_SIDE = (
+    *("instances", "threads", "max_delay_ms", "max_queue", "min_piece", "spin_ms", "keep_warm_ms", "idle_hold"),
+    *("precision", "table_precision", "build", "history_cache_mb", "attention", "history_affinity", "pin_cores"),
+    "device",
+)
+
+
+def _refuse_server_side(o: OptionValues, declared: list[Declared]) -> None:
+    """With a remote --target, an option of how the lab's own server serves, set to other than its default, is
+    refused (as --checkpoint is, `infer.targets.check_remote_models`): the run would record what was never served."""
+    from dlrm_lab.infer.targets import parse_target
+
+    target = o.get("target") or "in-process"
+    if not parse_target(target).remote:
+        return
+    for d in declared:
+        if d.name in SERVER_SIDE and d.name in o and o[d.name] != d.default and o[d.name] is not None:
+            raise FieldError(
+                d.name,
+                f"{o[d.name]}: {{target}} {target}: a remote server serves as its own start said (give it to its "
+                "dlrm-lab serve); the run would record what it never served",
+                "target",
+            )
+
+
 @_by_flag()
 def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, InferConfig]:
     """The served models, the load plan and the config of `dlrm-lab infer run` with these options."""
@@ -165,6 +191,7 @@ def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, Inf
     from dlrm_lab.infer.tune import KNOBS, parse_knob
 
     o = given(options, INFER_RUN, "infer run", CLI_ONLY)
+    _refuse_server_side(o, INFER_RUN)
     for d in INFER_RUN:
         if d.name in KNOBS and o.get(d.name) is None:
             o[d.name] = d.default  # the command's (max_batch: auto, infer.tune)
@@ -202,6 +229,7 @@ def search_setup(options: Mapping[str, OptionValue]) -> tuple[Any, Any, Any, Inf
     from dlrm_lab.infer.options import default_sla_ms, plan_load
 
     o = given(options, INFER_SEARCH, "infer search", CLI_ONLY)
+    _refuse_server_side(o, INFER_SEARCH)
     space = build(SearchSpace, INFER_SEARCH, o)
     grid = space.grid()
     (base,) = build(ServingOptions, INFER_SEARCH, o).served(o.get("model"))

@@ -190,7 +190,7 @@ def test_the_cli_writes_the_manifests_and_refuses_bad_options_in_one_line(tmp_pa
                         (["train", "--preset", "tiny", "--steps", "0"], "--steps 0: must be an integer >= 1"),
                         (["infer", "run", "--preset", "kagle"], "unknown model preset 'kagle'"),
                         (["infer", "search", "--preset", "tiny", "--sla-ms", "x"], "--sla-ms 'x': must be a number"),
-                        (["serve", "--preset", "tiny", "--port", "-3"], "--port -3: must be a TCP port"),
+                        (["serve", "--preset", "tiny", "--port", "-3"], "--port -3: must be in [0, 65535]"),
                         (["frobnicate"], "'frobnicate': not a dlrm-lab command")):  # fmt: skip
         code, _, err = run_cli_in_process("launch", "--emit", "kubernetes", "--image", "x", "--", *inner)
         assert code == 2 and err.startswith(f"error: the pods' command '{inner[0]}") and said in err, err

@@ -696,3 +696,18 @@ def test_a_worker_started_with_interrupt_blocked_outlives_a_ctrl_c_while_it_star
     finally:
         worker.kill()
         worker.join(5)
+
+
+@pytest.mark.parametrize("option", [("--build", "aoti"), ("--instances", "2"), ("--precision", "bf16"),
+                                    ("--max-delay-ms", "3"), ("--idle-hold", "cpu-latency")])  # fmt: skip
+def test_how_the_labs_own_server_serves_is_refused_with_a_remote_target(tmp_path, option):
+    """Issue 57 D23's class: with a remote --target, an option of how the lab's own server would serve (its build,
+    instances, precision, batching) is one line before anything connects, as --checkpoint is: the run would record
+    what the remote server never served."""
+    for command in (["infer", "run"], ["infer", "search"]):
+        if command[1] == "search" and option[0] == "--instances":
+            continue  # a search's layouts are its own option
+        code, _, err = run_cli_in_process(*command, "--model", "tiny", "--target", "grpc://127.0.0.1:1", *option,
+                                          "--metrics-dir", str(tmp_path))  # fmt: skip
+        assert code == 2 and err.startswith(f"error: {option[0]} {option[1]}: --target grpc://127.0.0.1:1: a remote")
+        assert len(err.splitlines()) == 1 and not list(tmp_path.iterdir()), err

@@ -723,7 +723,7 @@ def test_bad_remote_targets_are_one_line(server, tmp_path):
     with pytest.raises(UserError, match="^model kaggle: not served at grpc://.*; it serves: tiny"):
         with open_target(parse_target(f"grpc://{server.target}"), [kaggle], Connection()):
             pass
-    with pytest.raises(UserError, match="model 'kaggle': not ready"):
+    with pytest.raises(UserError, match="model 'kaggle': NOT_FOUND: model 'kaggle': not served here"):
         with open_target(parse_target(f"kserve://{server.target}"), [kaggle], Connection()):
             pass
     from dlrm_lab.infer.lab import InferConfig, run_inference

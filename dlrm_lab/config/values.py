@@ -48,5 +48,7 @@ def env_seconds(name: str, default: float, *, minimum: float = 0.0, above: bool 
     low_ok = value > minimum if above else value >= minimum
     if not (math.isfinite(value) and low_ok and value <= maximum):
         bound = f"> {minimum:g}" if above else f">= {minimum:g}"
-        raise UserError(f"{name}={raw!r}: must be a number of seconds {bound} (at most {maximum:g}; unset: {default:g})")
+        raise UserError(
+            f"{name}={raw!r}: must be a number of seconds {bound} (at most {maximum:g}; unset: {default:g})"
+        )
     return value

@@ -33,7 +33,7 @@ class ServeOptions:
         for field in ("port", "http_port", "metrics_port"):
             value = getattr(self, field)
             if value is not None and not 0 <= value <= 65535:
-                raise FieldError(field, f"{value}: must be a TCP port in [0, 65535] (0: any free one)")
+                raise FieldError(field, f"{value}: must be in [0, 65535] (0: any free port)")
         if not 0 <= self.grace_s <= 3600:
             raise FieldError("grace_s", f"{self.grace_s:g}: must be in [0, 3600] seconds")
 
