@@ -711,3 +711,16 @@ def test_how_the_labs_own_server_serves_is_refused_with_a_remote_target(tmp_path
                                           "--metrics-dir", str(tmp_path))  # fmt: skip
         assert code == 2 and err.startswith(f"error: {option[0]} {option[1]}: --target grpc://127.0.0.1:1: a remote")
         assert len(err.splitlines()) == 1 and not list(tmp_path.iterdir()), err
+
+
+def test_a_build_this_machine_cannot_make_is_refused_before_any_run_directory(tmp_path, monkeypatch):
+    """Issue 57 C18's sibling: `serve` and `infer search` (as `infer run`) refuse an engine that is missing before
+    their run directory exists, where they used to leave a `failed` one behind the one line."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "openvino", None)  # not installed, as far as the lab can tell
+    for command in (["serve", "--preset", "tiny", "--port", "0"], ["infer", "search", "--model", "tiny"],
+                    ["infer", "run", "--model", "tiny", "--qps", "10"]):  # fmt: skip
+        code, _, err = run_cli_in_process(*command, "--build", "openvino", "--metrics-dir", str(tmp_path))
+        assert code == 2 and err.startswith("error: --build openvino: cannot be made here: OpenVINO is not"), err
+        assert not list(tmp_path.iterdir()), command

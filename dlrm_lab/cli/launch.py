@@ -47,7 +47,8 @@ def launch_command(
 
         inner = list(ctx.args)
         try:  # a typo or a bad value fails here, not in the pods after the job was scheduled
-            note = check_pods_command(inner)
+            root = ctx.find_root()
+            note = check_pods_command(inner, set(root.command.list_commands(root)))
         except UserError as exc:
             raise UserError(f"the pods' command {shlex.join(inner)!r}: {exc}") from None
         if note:
@@ -86,15 +87,13 @@ def launch_command(
     raise typer.Exit(code)
 
 
-def check_pods_command(words: list[str]) -> str | None:
-    """The command the pods will run, checked here as far as it can be without running it: a command this CLI has,
-    its options as that command checks them (`commands.check_command_words`), a sweep's grid file read and checked.
-    Where the file is not on this machine (only in the image), it is left to the pods: the note returned says so."""
-    from dlrm_lab.cli import app
+def check_pods_command(words: list[str], known: set[str]) -> str | None:
+    """The command the pods will run, checked here as far as it can be without running it: one of the CLI's `known`
+    commands, its options as that command checks them (`commands.check_command_words`), a sweep's grid file read and
+    checked. Where the file is not on this machine (only in the image), it is left to the pods: the note says so."""
     from dlrm_lab.commands import check_command_words
     from dlrm_lab.errors import UserError
 
-    known = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
     if not words or words[0] not in known:
         raise UserError(f"{words[0] if words else '(none)'!r}: not a dlrm-lab command ({', '.join(sorted(known))})")
     if check_command_words(words) is None and words[0] == "sweep" and len(words) > 1:

@@ -129,6 +129,16 @@ def _key(spec: Any, precision: str, table_precision: str, threads: int, sizes: S
     return f"cpu/{threads}t/{hashlib.sha1(shape.encode()).hexdigest()[:12]}"
 
 
+def check_build_request(requested: str, spec: Any) -> None:
+    """A build asked for by name that this model's family has not, or that cannot be made here (its engine missing):
+    one line, which the commands give before their run directory exists."""
+    family = family_of(spec)
+    if requested != AUTO and requested not in family.builds:
+        raise FieldError("build", f"{requested!r}: allowed for {family.called}: {AUTO}, {', '.join(family.builds)}")
+    if requested != AUTO and (missing := build_named(requested).skip(None)):  # None: no size rule, what it needs
+        raise FieldError("build", f"{requested}: cannot be made here: {missing}")
+
+
 def choose_build(
     requested: str,
     model: nn.Module,
@@ -148,10 +158,7 @@ def choose_build(
     ranker: requests) per batch: the choice, and the module to serve (checked for accuracy on
     `check_block`: samples, or the ranker's requests, against `labels`: `infer.accuracy.check_accuracy`)."""
     family = family_of(model.spec)
-    if requested != AUTO and requested not in family.builds:
-        raise FieldError("build", f"{requested!r}: allowed for {family.called}: {AUTO}, {', '.join(family.builds)}")
-    if requested != AUTO and (missing := build_named(requested).skip(None)):  # None: no size rule, what it needs
-        raise FieldError("build", f"{requested}: cannot be made here: {missing}")
+    check_build_request(requested, model.spec)
     common = {"requested": requested, "threads": threads}
     if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
         build = "eager" if requested == AUTO else requested

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, RemoteFailure, ServingFault, UserError
+from dlrm_lab.infer.build import check_build_request
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import check_scenario, scenario
 from dlrm_lab.infer.load import Stream, check_planned
@@ -84,6 +85,8 @@ def run_inference(
     check_remote_models(target, models)
     if not target.remote:  # a remote server holds its models in its own memory
         check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
+        for m in models:  # and a build this machine cannot make
+            check_build_request(m.build, m.spec)
     check_stored_profile(log)
     # a damaged stored price is refused now, not after the load (the server's only where it runs here)
     price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)

@@ -19,6 +19,7 @@ import numpy as np
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
+from dlrm_lab.infer.build import check_build_request
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.certify import certify
 from dlrm_lab.infer.drivers import scenario
@@ -151,6 +152,8 @@ def search(
             return InferenceServer(plan_serving([m], device=cfg.device, seed=cfg.seed), pin_cores=cfg.pin_cores)
 
     check_stored_profile(log)
+    if not target.remote:  # a build this machine cannot make is refused before the run directory exists
+        check_build_request(base.build, base.spec)
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)
     frontier: list[FrontierRow] = []
     with faults_name_the_run(run), run:

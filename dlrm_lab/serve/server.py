@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, ServingFault, UserError
+from dlrm_lab.infer.build import check_build_request
 from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel
@@ -134,6 +135,8 @@ def _serve_run(
     check_writable(metrics_dir, "metrics_dir")
     check_stored_profile(log)
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
+    for m in models:  # and a build this machine cannot make
+        check_build_request(m.build, m.spec)
     config = {
         "serve": {
             "host": host,
