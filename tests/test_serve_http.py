@@ -400,8 +400,21 @@ def test_a_taken_http_port_is_refused_before_anything_starts_and_a_free_one_is_h
     try:
         with socket.socket() as other, pytest.raises(OSError):
             other.bind(held.getsockname())
+        with socket.socket() as reusing, pytest.raises(OSError):  # as most servers bind: the claim holds them off too
+            reusing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            reusing.bind(held.getsockname())
     finally:
         held.close()
+    # gRPC's port too: claimed before the instances start, given up to gRPC as it binds (the run's start line names
+    # the port it took, the claimed one)
+    from dlrm_lab.serve.ports import release_to
+
+    claim = claim_port("127.0.0.1", 0, "port")
+    port = claim.getsockname()[1]
+    assert release_to(claim) == port and claim.fileno() == -1
+    with socket.socket() as after:  # free for its server the moment it is given up
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", port))
 
 
 def test_hostile_frames_get_an_answer_and_idle_or_trickling_connections_are_closed(monkeypatch):

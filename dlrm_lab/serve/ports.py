@@ -7,6 +7,8 @@ import socket
 
 from dlrm_lab.errors import FieldError, UserError
 
+CLAIM_BACKLOG = 128  # connections a claimed port queues before its server serves
+
 
 def _bound(host: str, port: int, field: str | None) -> socket.socket:
     """A socket bound to host:port (SO_REUSEADDR, as servers bind: TIME_WAIT is no conflict), not listening."""
@@ -25,11 +27,19 @@ def _bound(host: str, port: int, field: str | None) -> socket.socket:
     return sock
 
 
-def check_port(host: str, port: int, field: str | None = None) -> None:
-    """Refuse a port this host cannot listen on now (for a server that binds its own socket later: gRPC's)."""
-    _bound(host, port, field).close()
-
-
 def claim_port(host: str, port: int, field: str) -> socket.socket:
-    """The port, bound now and held for the server that will listen on this very socket (the REST front's)."""
-    return _bound(host, port, field)
+    """The port, bound and listening now, held for the server that will serve on this very socket (the REST front's,
+    /metrics') or until the one that binds its own is about to (gRPC's: `release_to`). Listening, it is exclusive:
+    Linux lets two SO_REUSEADDR sockets share a port while neither listens, so a claim bound alone was not held
+    against another server starting meanwhile. Connections made before the server starts wait in its backlog."""
+    sock = _bound(host, port, field)
+    sock.listen(CLAIM_BACKLOG)
+    return sock
+
+
+def release_to(claim: socket.socket) -> int:
+    """Give a claimed port up to a server that binds it itself next (gRPC's): its number (a claim of port 0 got a
+    free one, which that server must take)."""
+    port = int(claim.getsockname()[1])
+    claim.close()
+    return port

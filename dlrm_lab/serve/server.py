@@ -36,7 +36,7 @@ from dlrm_lab.metrics.trust import check_stored_profile
 from dlrm_lab.serve.connections import connection_budget
 from dlrm_lab.serve.open_inference import SERVICE as OPEN_INFERENCE
 from dlrm_lab.serve.open_inference import OpenInferenceService
-from dlrm_lab.serve.ports import check_port, claim_port
+from dlrm_lab.serve.ports import claim_port, release_to
 from dlrm_lab.serve.protocol import (
     CHANNEL_OPTIONS,
     SERVICE,
@@ -82,15 +82,15 @@ def serve(
             )
     if http_port is not None and (not 0 <= http_port < 65536 or (http_port == port and port)):
         raise FieldError("http_port", f"{http_port}: must be in [0, 65535] and not --port (0: any free port)")
-    check_port(host, port)  # before the instances take their time to start
     if metrics_port is not None:  # /metrics (serve.prometheus): checked here, served once the instances are up
         from dlrm_lab.serve.prometheus import check_metrics_port
 
         check_metrics_port(host, metrics_port, port, http_port)
-    # The HTTP and metrics ports are claimed now and held until their servers listen on those very sockets: another
-    # process cannot take them while the instances start (gRPC binds its own; its port is checked).
+    # Every port is claimed now, before the instances take their time to start, and held: the HTTP and metrics ones
+    # until their servers serve on those very sockets, gRPC's until it binds its own (`ports.release_to`)
     claimed: dict[str, Any] = {}
     try:
+        claimed["grpc"] = claim_port(host, port, "port")
         if http_port is not None:
             claimed["http"] = claim_port(host, http_port, "http_port")
         if metrics_port is not None:
@@ -160,7 +160,11 @@ def _serve_run(
                 service = InferenceService(inference)
                 if metrics_port is not None:
                     service.metrics = start_metrics(inference, host, metrics_port, run, log, claimed["metrics"])
-                asyncio.run(_serve(service, queries, host, port, grace_s, log, run, http_port, claimed.get("http")))
+                asyncio.run(
+                    _serve(
+                        service, queries, host, port, grace_s, log, run, http_port, claimed.get("http"), claimed["grpc"]
+                    )
+                )
                 if service.failure is not None:  # served on (INTERNAL) until stopped; the run failed
                     raise ServingFault(
                         f"an instance failed while serving: {service.failure}; run {run.dir} marked failed"
@@ -185,6 +189,7 @@ async def _serve(
     run: Run,
     http_port: int | None = None,
     http_socket: Any = None,
+    grpc_claim: Any = None,
 ) -> None:
     budget = connection_budget(protocols=2 if http_port is not None else 1)  # each its share of the descriptors
     # Without so_reuseport=0 a second server on a busy port would bind it too and share its traffic.
@@ -202,6 +207,8 @@ async def _serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, OPEN_INFERENCE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if grpc_claim is not None:  # held since before the instances started, given up now for gRPC to bind
+        port = release_to(grpc_claim)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
