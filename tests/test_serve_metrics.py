@@ -202,6 +202,16 @@ def test_idle_scrapers_cost_no_thread_and_are_closed_and_a_scrape_follows(monkey
             assert resp.status == 200 and b"dlrm_lab_queries_total" in resp.read()
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+        # at the cap with silent connections held open, a real scrape takes the oldest silent one's place at once
+        monkeypatch.setattr(prometheus, "SCRAPE_TIMEOUT_S", 30.0)
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+        idle += held
+        time.sleep(0.2)
+        started = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            assert resp.status == 200 and time.monotonic() - started < 5
+        held[0].settimeout(5)
+        assert held[0].recv(1) == b""  # the oldest silent one was closed for it
     finally:
         for s in idle:
             s.close()

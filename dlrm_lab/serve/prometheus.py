@@ -129,6 +129,7 @@ class ServingMetrics:
         self._thread: Any = None
         self._loop: Any = None
         self._scrapers = 0  # connections open now (touched by the metrics thread's loop only)
+        self._silent: dict[int, Any] = {}  # those not yet past their request's head, oldest first
 
     def observe_batch(self, model: str, samples: int) -> None:
         """A batch came back (the completion thread): one observation."""
@@ -188,7 +189,12 @@ class ServingMetrics:
                 self._loop.run_until_complete(main())
             except asyncio.CancelledError:
                 pass
-            finally:
+            finally:  # the scrapers still connected end here, in their loop, not when it is gone
+                left = asyncio.all_tasks(self._loop)
+                for task in left:
+                    task.cancel()
+                if left:
+                    self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
                 self._loop.close()
 
         self._thread = threading.Thread(target=run, name="dlrm-lab-metrics", daemon=True)
@@ -201,13 +207,19 @@ class ServingMetrics:
         return int(started["port"])
 
     async def _scrape(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One scraper's connection: its request, the metrics (or 404), closed."""
+        """One scraper's connection: its request, the metrics (or 404), closed. At MAX_SCRAPERS the oldest one still
+        silent is closed for it: a scraper sends its request as it connects, so idle connections held open (64,
+        renewed every 9 s) could otherwise keep every real scrape out."""
         if self._scrapers >= MAX_SCRAPERS:
-            writer.close()
-            return
+            if not self._silent:
+                writer.close()
+                return
+            self._silent.pop(next(iter(self._silent))).close()
         self._scrapers += 1
+        self._silent[id(writer)] = writer
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), SCRAPE_TIMEOUT_S)
+            self._silent.pop(id(writer), None)
             method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             path = target.split("?", 1)[0]
             if method in ("GET", "HEAD") and path in ("/metrics", "/"):
@@ -230,6 +242,7 @@ class ServingMetrics:
             pass
         finally:
             self._scrapers -= 1
+            self._silent.pop(id(writer), None)
             writer.close()
 
     def close(self) -> None:
