@@ -175,10 +175,12 @@ def _refuse_server_side(o: OptionValues, declared: list[Declared]) -> None:
     if not parse_target(target).remote:
         return
     for d in declared:
-        if d.name in SERVER_SIDE and d.name in o and o[d.name] != d.default and o[d.name] is not None:
+        value = o.get(d.name)
+        if d.name in SERVER_SIDE and value is not None and value != d.default and value != "auto":  # auto: the
+            # config's own refusal says why (its knobs are chosen on a server in this process)
             raise FieldError(
                 d.name,
-                f"{o[d.name]}: {{target}} {target}: a remote server serves as its own start said (give it to its "
+                f"{value}: {{target}} {target}: a remote server serves as its own start said (give it to its "
                 "dlrm-lab serve); the run would record what it never served",
                 "target",
             )

@@ -300,11 +300,13 @@ def test_a_kind_registers_its_own_recovery_and_the_run_layer_imports_no_kind(tmp
 
     with monkeypatch.context() as blocked:
         blocked.setitem(sys.modules, "dlrm_lab.train.records", None)  # importing it now fails
-        runs.register_recovery("train", sweep_cli._recovered_training_summary)  # registered without importing it
+        runs.register_recovery("train", sweep_cli._recovered_training_summary, fallback=True)  # not importing it
         with pytest.raises(ImportError):  # called, it imports training
             runs._RECOVERIES["train"](tmp_path, {"kind": "train"})
 
     monkeypatch.undo()
+    runs.register_recovery("train", sweep_cli._recovered_training_summary, fallback=True)
+    assert runs._RECOVERIES["train"] is records.recovered_summary  # a fallback never replaces the kind's own
     # the run directories and the launcher below them load no run kind (train, infer): only the transports' registry
     # (infer.targets, torch- and gRPC-free), which the package root fills
     code = (

@@ -32,7 +32,7 @@ def sweep_command(
     from dlrm_lab.sweep.grid import load_spec, point_args
     from dlrm_lab.sweep.run import run_sweep
 
-    register_recovery("train", _recovered_training_summary)  # a dead training point's summary
+    register_recovery("train", _recovered_training_summary, fallback=True)  # a dead training point's summary
 
     raise_on_sigterm()
     spec = load_spec(grid, repeats=repeats, out=out)

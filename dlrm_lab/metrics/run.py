@@ -377,10 +377,12 @@ Recovery = Callable[[Path, JsonObject], Any]
 _RECOVERIES: dict[str, Recovery] = {}
 
 
-def register_recovery(kind: str, recover: Recovery) -> None:
+def register_recovery(kind: str, recover: Recovery, *, fallback: bool = False) -> None:
     """`recover` rebuilds what a dead run of `kind` did not write. A caller that may meet such a run (a sweep) but
-    should not load the kind's module to start (training's: torch, seconds) registers a function that imports it
-    when called."""
+    should not load the kind's module to start (training's: torch, seconds) registers, as a `fallback`, a function
+    that imports it when called: a fallback never replaces the function the kind's own module registered."""
+    if fallback and kind in _RECOVERIES:
+        return
     _RECOVERIES[kind] = recover
 
 
