@@ -15,16 +15,17 @@ MAX_PRICE_PER_HOUR = 1e9
 MAX_ENERGY_PRICE = 1e9  # per kWh
 
 
+def in_range(value: Any, low: float, high: float, low_open: bool = False) -> bool:
+    """`value` a real number (not a bool) in [low, high], or (low, high] with `low_open`: what every price is."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return (low < value if low_open else low <= value) and value <= high
+
+
 def check_price(value: Any, option: str = "PER_HOUR") -> float:
     """A price per hour: a number in (0, MAX_PRICE_PER_HOUR] (a free machine would make every cost 0, silently; a
     price near the float limit makes them infinite)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-        or value > MAX_PRICE_PER_HOUR
-    ):
+    if not in_range(value, 0, MAX_PRICE_PER_HOUR, low_open=True):
         raise UserError(f"{option} {value!r}: must be a number in (0, {MAX_PRICE_PER_HOUR:g}]")
     return float(value)
 
@@ -39,11 +40,6 @@ def check_currency(value: Any, option: str = "--currency") -> str:
 def check_energy_price(value: Any, option: str = "--energy-per-kwh") -> float:
     """A price per kWh: a number in [0, MAX_ENERGY_PRICE] (0: energy is free here, as opposed to not priced; a price
     near the float limit makes every energy cost infinite)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not 0 <= value <= MAX_ENERGY_PRICE
-    ):
+    if not in_range(value, 0, MAX_ENERGY_PRICE):
         raise UserError(f"{option} {value!r}: must be a number in [0, {MAX_ENERGY_PRICE:g}]")
     return float(value)

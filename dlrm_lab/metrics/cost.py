@@ -11,13 +11,12 @@ and energy at an optional price per kWh only where energy was measured.
 from __future__ import annotations
 
 import datetime
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlrm_lab.config.prices import MAX_PRICE_PER_HOUR, check_currency, check_energy_price, check_price
+from dlrm_lab.config.prices import MAX_PRICE_PER_HOUR, check_currency, check_energy_price, check_price, in_range
 from dlrm_lab.config.toml import read_toml
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
@@ -141,13 +140,7 @@ def _entry(item: JsonObject, path: Path, name: str) -> CatalogueEntry:
 
     def positive(field: str) -> float:
         value = item[field]
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value <= 0
-            or value > MAX_PRICE_PER_HOUR
-        ):
+        if not in_range(value, 0, MAX_PRICE_PER_HOUR, low_open=True):
             raise bad(field, f"must be a number in (0, {MAX_PRICE_PER_HOUR:g}]")
         return float(value)
 
