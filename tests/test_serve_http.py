@@ -572,6 +572,16 @@ def test_large_bodies_are_parsed_off_the_loop_and_their_memory_is_bounded(monkey
     assert worker.pid != os.getpid() and worker.is_alive()
     assert not dead.exists() and not list(Path(tempfile.gettempdir()).glob(f"{BodyFile.PREFIX}{os.getpid()}-*"))
     assert not list(Path("/dev/shm").glob(f"{BodyFile.PREFIX}{os.getpid()}-*"))  # its file gone with its answer
+
+    class FullDisk(BodyFile):
+        def __init__(self, size: int) -> None:
+            import errno
+
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rest_module, "BodyFile", FullDisk)  # no room for its file: this request's 503 alone
+    answer = asyncio.run(one_large())
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"no room to hold it (No space left on device)" in answer
     asyncio.run(front.close(0))
     assert front._pool is None
 

@@ -269,15 +269,23 @@ class RestFront:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for it before a body over 1 KiB
         self._body_bytes += size
         try:
-            body: bytes | BodyFile = BodyFile(size) if size > SMALL_BODY else b""
+            body: bytes | BodyFile = b""
             allowed_s = BODY_TIMEOUT_S + size / BODY_BYTES_PER_S  # a body trickled in is dropped past it
             try:
-                if isinstance(body, BodyFile):
+                if size > SMALL_BODY:
+                    body = BodyFile(size)
                     await asyncio.wait_for(_read_to(reader, body), allowed_s)
                 else:
                     body = await asyncio.wait_for(reader.readexactly(size), allowed_s)
             except asyncio.TimeoutError:
                 await self._write(writer, error(408, f"body: {length} bytes not received in time"), True)
+                return False
+            except OSError as exc:  # no room for the body's file (a full or read-only disk): this request's alone
+                if isinstance(exc, ConnectionError):
+                    raise
+                await self._write(
+                    writer, error(503, f"body: {length} bytes: no room to hold it ({exc.strerror})"), True
+                )
                 return False
             self._busy += 1
             try:

@@ -12,6 +12,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -151,7 +152,10 @@ class BodyFile:
     PREFIX = "dlrm-lab-body-"  # then the serving process's pid: `remove_dead_bodies` knows whose it is
 
     def __init__(self, size: int) -> None:
-        where = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        where = None  # the temporary directory, where tmpfs is absent, read-only or too small (a container's 64 MB)
+        with contextlib.suppress(OSError):
+            if os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free > 2 * size:
+                where = "/dev/shm"
         fd, self.path = tempfile.mkstemp(prefix=f"{self.PREFIX}{os.getpid()}-", dir=where)
         self.file = os.fdopen(fd, "wb", buffering=0)
         self.size = size
