@@ -1003,3 +1003,20 @@ def test_client_processes_beyond_the_machines_memory_are_refused_naming_how_many
                        rf"\({each / 2**20:.0f} MiB each: the runtime and the sample libraries\) but this machine has "
                        rf"{10 * each / 2**30:.2f} GiB available: at most 10 here$"):  # fmt: skip
         check_workers_fit(200, 96 << 20, available_bytes=10 * each)
+
+
+def test_the_chosen_load_bisects_until_the_knee_is_within_its_tolerance(monkeypatch):
+    """Four fixed probes reported 7/16 of capacity wherever C/2 missed the bound (their resolution, not the knee):
+    the bisection goes on until the bracket round a passing rate is within KNEE_TOLERANCE of its top."""
+    from dlrm_lab.infer import calibrate
+
+    capacity, knee, sla = 1000.0, 470.0, 10.0
+    monkeypatch.setattr(calibrate, "capacity_qps", lambda *a, **k: capacity)
+    monkeypatch.setattr(calibrate, "_closed_loop", lambda *a, **k: (capacity, [{"latency_ms": 2.0}]))
+    monkeypatch.setattr(calibrate, "_open_loop_percentile",
+                        lambda _s, _st, qps, *a, **k: 5.0 if qps <= knee else math.inf)  # fmt: skip
+    described = SimpleNamespace(models={"m": SimpleNamespace(instances=1)})
+    server, stream = SimpleNamespace(describe=lambda: described), SimpleNamespace(model="m")
+    c = calibrate.choose_load(server, stream, sla_ms=sla)
+    assert [p["qps"] for p in c.probes] == [500.0, 250.0, 375.0, 437.5, 468.75]  # then within 10%: stop
+    assert c.best_passing_qps == 468.75 and (500 - 468.75) / 500 <= calibrate.KNEE_TOLERANCE

@@ -12,9 +12,11 @@ measurement). On the running server, before the measured point:
    (on 2 AVX2 cores with MLPerf-sized kaggle queries, p99 at a third of capacity was already
    1.6-1.9x the unloaded p99, with +-15% between 2 s probes: 2x left too little margin);
 4. the rate: a short bisection over open-loop rates in (0, capacity], each probe passing
-   when its percentile (dropped queries infinitely late) is within the bound; the point
-   then runs at `HEADROOM` x the highest passing rate, so that the noise between a probe and
-   the measured point does not decide the verdict.
+   when its percentile (dropped queries infinitely late) is within the bound, until the bracket
+   round a passing rate is within `KNEE_TOLERANCE` of its top (at most `probes`): four fixed
+   probes reported 7/16 of capacity wherever C/2 missed, their resolution rather than the knee;
+   the point then runs at `HEADROOM` x the highest passing rate, so that the noise between a
+   probe and the measured point does not decide the verdict.
 
 Each step is recorded (`LoadChoice.to_dict`, in the run's manifest) and said in one line.
 """
@@ -37,6 +39,7 @@ from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.metrics.stats import percentile as nearest_rank
 
 HEADROOM = 0.8  # the measured point runs at this share of the highest passing probe rate
+KNEE_TOLERANCE = 0.1  # the bisection stops once (failing - passing) / failing rate is this close
 SLA_FACTOR = 2.5  # --sla-ms auto: this multiple of the unloaded latency percentile
 
 
@@ -123,7 +126,7 @@ def choose_load(
     *,
     sla_ms: float | None,
     percentile: float = 99.0,
-    probes: int = 4,
+    probes: int = 7,
     probe_s: float = 2.0,
     min_queries: int = 300,
     seed: int = 0,
@@ -144,6 +147,8 @@ def choose_load(
     lo, hi = 0.0, capacity
     tried: list[LoadProbe] = []
     for k in range(probes):
+        if lo > 0 and (hi - lo) / hi <= KNEE_TOLERANCE:
+            break  # the knee is known to within the tolerance
         qps = hi / 2 if lo == 0 else (lo + hi) / 2
         if qps <= 0:
             break
