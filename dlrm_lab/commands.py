@@ -263,8 +263,8 @@ def serve_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], ServeOpt
     return build(ServingOptions, SERVE, o).served(o.get("model")), build(ServeOptions, SERVE, o)
 
 
-SETUPS = {"train": train_setup, "infer run": infer_setup}
-_CHECKS: dict[str, Any] = {
+# Each command's setup by its name: what builds its typed configs from its options, checking them as it runs would
+SETUPS: dict[str, Any] = {
     "train": train_setup,
     "infer run": infer_setup,
     "infer search": search_setup,
@@ -278,8 +278,8 @@ def check_command_words(words: list[str]) -> str | None:
     serve), checked as that command checks it before anything starts: one UserError naming the culprit. The
     command's name, or None for another command (its own parser checks it where it runs)."""
     name = " ".join(words[:2]) if words[:1] == ["infer"] else " ".join(words[:1])
-    if name not in _CHECKS:
+    if name not in SETUPS:
         return None
     rest = words[len(name.split()) :]
-    _CHECKS[name](parse_words([*COMMANDS[name], *_CLI_WORDS], rest, name))
+    SETUPS[name](parse_words([*COMMANDS[name], *_CLI_WORDS], rest, name))
     return name

@@ -65,6 +65,14 @@ FLUSH_SECONDS_ENV = "DLRM_LAB_FLUSH_SECONDS"
 CONVERT_ROWS = 256  # rows converted to Arrow in one call (TableWriter.flush)
 
 
+def _batch(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.RecordBatch:
+    """`rows` as Arrow, in `schema`; a client's text UTF-8 cannot hold (a lone surrogate) escaped, not fatal."""
+    try:
+        return pa.RecordBatch.from_pylist(rows, schema=schema)
+    except UnicodeEncodeError:
+        return pa.RecordBatch.from_pylist([_encodable(r) for r in rows], schema=schema)
+
+
 def _encodable(row: dict[str, Any]) -> dict[str, Any]:
     """`row` with every string UTF-8 can hold: what it cannot (a lone surrogate) as a backslash escape."""
     return {
@@ -133,19 +141,13 @@ class TableWriter:
         # In slices: one call converts while holding the GIL (10,000 query rows: tens of ms in which a serving
         # process's completion thread could not run, measured as tail latency); between slices it can
         table = pa.Table.from_batches(
-            [self._batch(self._rows[i : i + CONVERT_ROWS]) for i in range(0, len(self._rows), CONVERT_ROWS)],
+            [_batch(self._rows[i : i + CONVERT_ROWS], self.schema) for i in range(0, len(self._rows), CONVERT_ROWS)],
             schema=self.schema,
         )
         atomic_write_parquet(table, self._parts_dir / f"{self._prefix}{self._next_part:06d}.parquet")
         self._next_part += 1
         self.rows_written += len(self._rows)
         self._rows = []
-
-    def _batch(self, rows: list[dict[str, Any]]) -> pa.RecordBatch:
-        try:
-            return pa.RecordBatch.from_pylist(rows, schema=self.schema)
-        except UnicodeEncodeError:  # a client's text (a lone surrogate) that UTF-8 cannot hold: escaped, not fatal
-            return pa.RecordBatch.from_pylist([_encodable(r) for r in rows], schema=self.schema)
 
     def derive_on_close(self, column: str, values: Callable[[pa.Table], Any]) -> None:
         """Compute `column` of the merged table from the table itself as it is merged: for a value known only once
@@ -207,7 +209,7 @@ def write_table(
     """Write a small table (a summary) in one atomic step."""
     if "run_id" not in schema.names:
         schema = pa.schema([pa.field("run_id", pa.string()), *schema])
-    table = pa.Table.from_pylist([_encodable({"run_id": run_id, **r}) for r in rows], schema=schema)
+    table = pa.Table.from_batches([_batch([{"run_id": run_id, **r} for r in rows], schema)], schema=schema)
     path = Path(run_dir) / f"{name}.parquet"
     atomic_write_parquet(table, path)
     return path

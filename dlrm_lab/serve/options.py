@@ -12,6 +12,16 @@ from dlrm_lab.config.options import REQUIRED, OptionChange, option
 from dlrm_lab.errors import FieldError
 
 
+def check_ports(port: int, http_port: int | None = None, metrics_port: int | None = None) -> None:
+    """The server's ports, each a TCP port (0: any free one), the HTTP one not gRPC's: one line naming the first
+    wrong (the command's options and the library's `serve` alike)."""
+    for field, value in (("port", port), ("http_port", http_port), ("metrics_port", metrics_port)):
+        if value is not None and not 0 <= value <= 65535:
+            raise FieldError(field, f"{value}: must be in [0, 65535] (0: any free port)")
+    if http_port is not None and http_port == port and port:
+        raise FieldError("http_port", f"{http_port}: must be in [0, 65535] and not --port (0: any free port)")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """The gRPC front of `dlrm-lab serve` (`serve.server.serve` takes these by name)."""
@@ -30,10 +40,7 @@ class ServeOptions:
     )
 
     def __post_init__(self) -> None:
-        for field in ("port", "http_port", "metrics_port"):
-            value = getattr(self, field)
-            if value is not None and not 0 <= value <= 65535:
-                raise FieldError(field, f"{value}: must be in [0, 65535] (0: any free port)")
+        check_ports(self.port, self.http_port, self.metrics_port)
         if not 0 <= self.grace_s <= 3600:
             raise FieldError("grace_s", f"{self.grace_s:g}: must be in [0, 3600] seconds")
 

@@ -226,20 +226,13 @@ class RestFront:
         if "chunked" in headers.get("transfer-encoding", "").lower():
             await self._write(writer, error(411, "Transfer-Encoding: chunked: give the body's Content-Length"), True)
             return False
-        framing = ("content-length", "inference-header-content-length")  # each splits the body: one value each
-        name, lengths = next(((n, vs) for n in framing if len(vs := {v for k, v in pairs if k == n}) > 1), ("", set()))
-        if len(lengths) > 1:  # which one frames the body is ambiguous (request smuggling's way in): refused
-            shown = "-".join(w.capitalize() for w in name.split("-"))
-            await self._write(
-                writer,
-                error(
-                    400,
-                    f"{shown} given {len(lengths)} times with other values "
-                    f"({echoed(', '.join(sorted(lengths)))}): give one",
-                ),
-                True,
-            )
-            return False
+        for name in ("content-length", "inference-header-content-length"):  # each splits the body: one value each
+            values = {v for k, v in pairs if k == name}
+            if len(values) > 1:  # which one frames the body is ambiguous (request smuggling's way in): refused
+                shown = "-".join(w.capitalize() for w in name.split("-"))
+                said = f"{shown} given {len(values)} times with other values ({echoed(', '.join(sorted(values)))})"
+                await self._write(writer, error(400, f"{said}: give one"), True)
+                return False
         length = headers.get("content-length", "0")
         if not whole_number(length):
             await self._write(writer, error(400, f"Content-Length {echoed(length)}: not a number of bytes"), True)

@@ -36,6 +36,7 @@ from dlrm_lab.metrics.trust import check_stored_profile
 from dlrm_lab.serve.connections import connection_budget
 from dlrm_lab.serve.open_inference import SERVICE as OPEN_INFERENCE
 from dlrm_lab.serve.open_inference import OpenInferenceService
+from dlrm_lab.serve.options import check_ports
 from dlrm_lab.serve.ports import claim_port, release_to
 from dlrm_lab.serve.protocol import (
     CHANNEL_OPTIONS,
@@ -71,8 +72,7 @@ def serve(
     log = log or (lambda _msg: None)
     if not grace_s >= 0:
         raise FieldError("grace_s", f"{grace_s!r}: must be >= 0 seconds")
-    if not 0 <= port < 65536:
-        raise FieldError("port", f"{port}: must be in [0, 65535] (0: any free port)")
+    check_ports(port, http_port, metrics_port)
     for m in models:
         if not (family := family_of(m.spec)).wire_samples:  # the wire format carries DLRM samples
             raise FieldError(
@@ -80,8 +80,6 @@ def serve(
                 f"{m.spec.name}: {family.label} presets are served in process only (`infer run`, "
                 "`infer search`); gRPC carries DLRM samples",
             )
-    if http_port is not None and (not 0 <= http_port < 65536 or (http_port == port and port)):
-        raise FieldError("http_port", f"{http_port}: must be in [0, 65535] and not --port (0: any free port)")
     if metrics_port is not None:  # /metrics (serve.prometheus): checked here, served once the instances are up
         from dlrm_lab.serve.prometheus import check_metrics_port
 
