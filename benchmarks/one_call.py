@@ -16,7 +16,8 @@ batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the prec
 points  The low-load point (kaggle 100k rows, MLPerf sizes, 3 q/s, 1 x 1, 120 s; `--duration` to shorten) under
         the builds `fused`, `aoti` and `auto`, interleaved: p99 over its floor (target <= 3x).
 idle    The same point, build auto, under each route against an idle tail: none, keep-warm batches every 10 ms,
-        an instance that spins, /dev/cpu_dma_latency held at 0, the tables locked (`--idle-hold`), interleaved.
+        an instance that spins, /dev/cpu_dma_latency held at 0, the tables locked, malloc keeping freed memory, the
+        haltpoll window raised (`--idle-hold`), interleaved; `--idle-routes` names a subset.
 """
 
 from __future__ import annotations
@@ -150,20 +151,22 @@ def points_part(duration: str, repeats: int) -> dict[str, Any]:
 
 
 IDLE_ROUTES = {"none": [], "keep-warm 10 ms": ["--keep-warm-ms", "10"], "spin": ["--spin-ms", "1000"],
-               "cpu-latency": ["--idle-hold", "cpu-latency"], "lock-tables": ["--idle-hold", "lock-tables"]}
+               "cpu-latency": ["--idle-hold", "cpu-latency"], "lock-tables": ["--idle-hold", "lock-tables"],
+               "keep-memory": ["--idle-hold", "keep-memory"], "halt-poll": ["--idle-hold", "halt-poll"]}
 
 
-def idle_part(duration: str, repeats: int) -> dict[str, Any]:
+def idle_part(duration: str, repeats: int, names: list[str]) -> dict[str, Any]:
     """The low-load point under each idle-tail route, interleaved: p99 over its floor (target <= 3x)."""
     import pyarrow.parquet as pq
     from common import lab_run
 
     args = ["--model", "kaggle", "--max-rows", "100000", "--query-size", "mlperf", "--qps", "3", "--duration",
             duration, "--instances", "1", "--threads", "1", "--sla-ms", "100", "--build", "auto"]  # fmt: skip
-    rows: dict[str, list[dict[str, Any]]] = {r: [] for r in IDLE_ROUTES}
+    routes = {r: IDLE_ROUTES[r] for r in names}
+    rows: dict[str, list[dict[str, Any]]] = {r: [] for r in routes}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeats):
-            for route, extra in IDLE_ROUTES.items():
+            for route, extra in routes.items():
                 run_dir = lab_run(Path(tmp), "infer", "run", *args, *extra)
                 (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
                 keep = {k: row.get(k) for k in ("build", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio",
@@ -181,6 +184,7 @@ def main() -> None:
     parser.add_argument("--table-precisions", default="fp32,int8")
     parser.add_argument("--duration", default="120")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--idle-routes", default=",".join(IDLE_ROUTES))
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[str, Any] = {"header": header()}
@@ -190,7 +194,7 @@ def main() -> None:
     if "points" in parts:
         results["points"] = points_part(args.duration, args.repeats)
     if "idle" in parts:
-        results["idle"] = idle_part(args.duration, args.repeats)
+        results["idle"] = idle_part(args.duration, args.repeats, args.idle_routes.split(","))
     write_results(results_path("one_call"), results)
 
 

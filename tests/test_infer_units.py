@@ -833,6 +833,25 @@ def test_busy_instances_time_left_scales_with_the_measured_slowdown():
     assert clock.slowdown == pytest.approx(1.0 + SLOWDOWN_WEIGHT)
 
 
+def test_a_query_waits_for_companions_only_where_the_arrival_rate_expects_one_in_time():
+    """`--max-delay-ms` is the longest a query waits: with an instance free it waits only while the last second's
+    arrivals expect a companion within what is left of it (a lone query at 3 queries/s waits for nothing)."""
+    from dlrm_lab.infer.batching import BatchClock
+
+    clock = BatchClock(instances=1)
+    assert not clock.worth_waiting(0.001, 0)  # nothing has come yet
+    for k in range(3):  # 3 queries/s
+        clock.arrived(k * 333_000_000)
+    assert not clock.worth_waiting(0.001, 700_000_000)  # 3/s x 1 ms: 0.003 expected
+    for k in range(2000):  # then 2,000 queries/s for half a second
+        clock.arrived(1_000_000_000 + k * 250_000)
+    now = 1_500_000_000
+    assert clock.worth_waiting(0.001, now)  # ~2 expected within 1 ms
+    assert not clock.worth_waiting(0.0002, now)  # ... but not within 0.2 ms
+    assert len(clock.arrivals) <= 2001  # only the last second is kept
+    assert not clock.worth_waiting(0.001, now + 2_000_000_000)  # quiet again: forgotten
+
+
 def test_search_early_stop_and_settled_repeats_rules():
     from dlrm_lab.infer.search import fails_already, late_budget, verdict_settled
 

@@ -4,6 +4,7 @@ the tables it reads are the snapshot's mapping that every instance shares, not a
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -188,5 +189,76 @@ def test_an_idle_hold_locks_the_tables_or_holds_the_cpu_latency_and_a_bad_one_is
     else:
         assert latency.handle.fileno() >= 0
         latency.handle.close()  # released: the kernel drops the request with the file
-    with pytest.raises(UserError, match=r"idle_hold.*'sleep': allowed: none, cpu-latency, lock-tables"):
+    with pytest.raises(UserError, match=r"idle_hold.*'sleep': allowed: none, cpu-latency, lock-tables, keep-memory, halt-poll"):
         ServedModel("tiny", dlrm_lab.load_preset("tiny"), idle_hold="sleep")
+
+
+def test_keep_memory_keeps_a_freed_batch_buffer_mapped(served):
+    """`--idle-hold keep-memory`: after it, a large block freed stays in the process (no trim, no munmap), so the
+    next batch's buffers come back without page faults."""
+    import ctypes
+
+    import numpy as np
+    import psutil
+
+    from dlrm_lab.infer.instance import IdleHold
+
+    _, module, library, _ = served
+    me = psutil.Process()
+    IdleHold.take("keep-memory", module, library)
+    try:
+        block = np.ones(24 << 20, dtype=np.uint8)  # 24 MiB: over glibc's default mmap threshold, under ours
+        held = me.memory_info().rss
+        del block
+        assert me.memory_info().rss > held - (8 << 20)  # given back, it would drop by 24 MiB
+    finally:  # this test process: glibc's defaults back (128 KiB each)
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-1, 128 << 10), libc.mallopt(-3, 128 << 10)
+
+
+def test_halt_poll_is_raised_while_held_and_put_back_after_even_when_its_owner_was_killed(served, tmp_path, monkeypatch):
+    """`--idle-hold halt-poll`: the haltpoll window raised while an instance lives, the old value put back when it
+    ends; a value a killed owner left behind is put back by the next hold; a machine without the driver (or without
+    root) gets one line saying so."""
+    from dlrm_lab.infer import instance
+
+    _, module, library, _ = served
+    knob, saved = tmp_path / "guest_halt_poll_ns", tmp_path / "saved"
+    monkeypatch.setattr(instance, "HALT_POLL", knob)
+    monkeypatch.setattr(instance, "HALT_POLL_SAVED", saved)
+    with pytest.raises(RuntimeError, match=r"--idle-hold halt-poll: cannot set .*guest_halt_poll_ns.*root"):
+        instance.IdleHold.take("halt-poll", module, library)
+    knob.write_text("0\n")
+    owner = instance.IdleHold.take("halt-poll", module, library)
+    assert int(knob.read_text()) == instance.HALT_POLL_NS and saved.read_text() == f"{os.getpid()} 0"
+    second = instance.IdleHold.take("halt-poll", module, library)  # another instance: not the owner
+    second.handle.release()
+    assert int(knob.read_text()) == instance.HALT_POLL_NS
+    owner.handle.release()
+    assert knob.read_text() == "0" and not saved.exists()
+    saved.write_text("4194303 200000")  # an owner killed with the window raised
+    knob.write_text(str(instance.HALT_POLL_NS))
+    again = instance.IdleHold.take("halt-poll", module, library)
+    assert again.handle.old == 200000
+    again.handle.release()
+    assert knob.read_text() == "200000"
+
+
+def test_a_library_of_fixed_width_bags_gathers_as_the_ragged_path_does():
+    """Criteo's one id a feature: `gather_into` takes the fixed-width path (no ragged index), and writes the same
+    dense rows, bag offsets and ids as the general path, for one query and for several."""
+    spec = dlrm_lab.load_preset("kaggle", max_rows=1000)
+    library = PackedLibrary.generate(spec, None, SEED, 300)
+    assert library.bag_width == 1
+    general = PackedLibrary(library.dense, library.lengths, None, library.values)
+    general.__dict__["bag_width"] = None  # the ragged path, on the same samples
+    features = library.lengths.shape[0]
+    for sizes, offsets in (([1], [7]), ([3, 1, 40], [250, 0, 100])):
+        sizes, offsets = np.array(sizes), np.array(offsets)
+        n = int(sizes.sum())
+        out = [[np.zeros((n, spec.num_dense), np.float32), np.zeros(features * n + 1, np.int32),
+                np.zeros(features * n, np.int32)] for _ in range(2)]  # fmt: skip
+        assert library.gather_into(sizes, offsets, *out[0]) == general.gather_into(sizes, offsets, *out[1])
+        for fast, ragged in zip(*out, strict=True):
+            np.testing.assert_array_equal(fast, ragged)
+        assert out[0][1][-1] == features * n

@@ -116,6 +116,7 @@ class BatchClock:
     slowdown: float = 1.0  # measured batch times over `cost`'s (cores that slept run slower)
     done: collections.deque = field(default_factory=collections.deque)  # (ended at, took), ns: recent batches
     done_ns: int = 0  # their sum of took
+    arrivals: collections.deque = field(default_factory=collections.deque)  # when queries came, ns: the recent ones
 
     def expected_cost(self) -> BatchCost | None:
         c = self.cost
@@ -129,6 +130,23 @@ class BatchClock:
             self.done_ns -= self.done.popleft()[1]
         busy = self.done_ns + sum(now_ns - max(sent, since) for sent, _ in self.busy.values())
         return min(1.0, busy / (self.instances * UTILISATION_WINDOW_S * 1e9))
+
+    def arrived(self, now_ns: int) -> None:
+        self.arrivals.append(now_ns)
+        self._forget_arrivals(now_ns)
+
+    def worth_waiting(self, left_s: float, now_ns: int) -> bool:
+        """Whether a query at the head of the queue, with an instance free, should wait up to `left_s` more for
+        companions: only while the arrival rate of the last UTILISATION_WINDOW_S expects one within that time.
+        A lone query at 3 queries/s waits for nothing (it waited the whole delay, a floor's worth of p99); under
+        load the queue fills the batch as before."""
+        self._forget_arrivals(now_ns)
+        return len(self.arrivals) / UTILISATION_WINDOW_S * left_s >= 1.0
+
+    def _forget_arrivals(self, now_ns: int) -> None:
+        since = now_ns - int(UTILISATION_WINDOW_S * 1e9)
+        while self.arrivals and self.arrivals[0] < since:
+            self.arrivals.popleft()
 
     def busy_left_ms(self, now_ns: int) -> list[float]:
         """Expected time left of every busy instance's batch (0 when overdue)."""

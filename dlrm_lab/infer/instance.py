@@ -18,9 +18,12 @@ thread to wake, unlike multiprocessing queues); payloads are small for library q
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import os
 import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -40,7 +43,13 @@ from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-IDLE_HOLDS = ("none", "cpu-latency", "lock-tables")  # what an idle instance holds while it waits (`IdleHold`)
+IDLE_HOLDS = (
+    "none",
+    "cpu-latency",
+    "lock-tables",
+    "keep-memory",
+    "halt-poll",
+)  # what an idle instance holds while it waits (`IdleHold`)
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
 
 
@@ -225,6 +234,14 @@ class IdleHold:
     - `lock-tables`: the tables and the sample library pre-faulted and locked (`mlock`): no page of them is ever
       reclaimed or faulted again; unlocked when the process ends.
 
+    - `keep-memory`: glibc's malloc told never to give freed memory back (no trim, no mmap for large blocks): a
+      batch's buffers come back warm and mapped, not as fresh pages to fault in;
+    - `halt-poll`: the guest's haltpoll idle driver polls up to `HALT_POLL_NS` before it halts the vCPU (these
+      guests run it at 0: an idle vCPU exits to the host at once). Machine-wide and needs root: the first instance
+      to take it writes the old value to `HALT_POLL_SAVED` and puts it back when it ends; a value left behind by a
+      killed instance is put back by the next hold taken. It acts only where the haltpoll driver runs
+      (`/sys/devices/system/cpu/cpuidle/current_driver`), which the run records.
+
     A hold that cannot be taken fails the instance's start with the reason (the server says it on one line)."""
 
     def __init__(self, kind: str, handle: Any = None) -> None:
@@ -256,7 +273,74 @@ class IdleHold:
                         " raise the locked-memory limit (ulimit -l) or run as root"
                     )
             return cls(kind, regions)
+        if kind == "keep-memory":
+            import ctypes
+
+            mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+            # M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3, at most 32 MiB) of glibc's malloc.h
+            if mallopt is None or not (mallopt(-1, 1 << 30) and mallopt(-3, 1 << 25)):
+                raise RuntimeError("--idle-hold keep-memory: this C library's malloc takes no mallopt (not glibc)")
+            return cls(kind)
+        if kind == "halt-poll":
+            return cls(kind, HaltPoll.take())
         return cls(kind)
+
+
+HALT_POLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+HALT_POLL_NS = 10_000_000  # 10 ms: beyond the keep-warm interval, so a kept-warm instance never halts
+HALT_POLL_SAVED = Path(tempfile.gettempdir()) / "dlrm-lab-halt-poll"  # "pid old-value" of the hold's owner
+
+
+class HaltPoll:
+    """The haltpoll driver's poll window raised while an instance lives, and put back after (`IdleHold`)."""
+
+    def __init__(self, old: int | None) -> None:
+        self.old = old  # None: another instance owns the hold and puts it back
+        if old is not None:
+            atexit.register(self.release)
+
+    @classmethod
+    def take(cls) -> HaltPoll:
+        try:
+            cls.restore_left_behind()
+            old = int(HALT_POLL.read_text())
+            try:
+                fd = os.open(HALT_POLL_SAVED, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:  # another live instance owns it
+                hold = cls(None)
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(f"{os.getpid()} {old}")
+                hold = cls(old)
+            HALT_POLL.write_text(str(HALT_POLL_NS))
+            return hold
+        except OSError as exc:
+            raise RuntimeError(
+                f"--idle-hold halt-poll: cannot set {HALT_POLL} ({exc.strerror or exc}); it needs root and the "
+                "haltpoll module"
+            ) from None
+
+    @staticmethod
+    def restore_left_behind() -> None:
+        """Put back the value a killed owner left changed (its pid no longer runs)."""
+        try:
+            pid, old = HALT_POLL_SAVED.read_text().split()
+        except (OSError, ValueError):
+            return
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            HALT_POLL.write_text(old)
+            HALT_POLL_SAVED.unlink(missing_ok=True)
+        except PermissionError:
+            pass
+
+    def release(self) -> None:
+        if self.old is not None:
+            with contextlib.suppress(OSError):
+                HALT_POLL.write_text(str(self.old))
+                HALT_POLL_SAVED.unlink(missing_ok=True)
+            self.old = None
 
 
 class KeepWarm:

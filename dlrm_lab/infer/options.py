@@ -35,7 +35,11 @@ class ServingOptions(ModelScaling):
     instances: int = option(1, "Co-located instances (worker processes) per model.")
     threads: int = option(1, "Intra-op threads per instance.")
     max_batch: int = option(256, "Largest batch in samples (larger queries are split across instances).")
-    max_delay_ms: float = option(1.0, "Longest a query waits for its batch to fill.")
+    max_delay_ms: float = option(
+        1.0,
+        "Longest a query waits for its batch to fill (with an instance free, only while the arrival rate expects "
+        "another query within it).",
+    )
     max_queue: int = option(4096, "Waiting queries per model before new ones are dropped.")
     min_piece: int = option(
         0,
@@ -56,7 +60,9 @@ class ServingOptions(ModelScaling):
         "none",
         "What an idle instance holds while it waits: none, cpu-latency (/dev/cpu_dma_latency held at 0: its core "
         "polls in the kernel's idle loop instead of halting, where a cpuidle driver obeys it; needs root) or "
-        "lock-tables (its tables and sample library pre-faulted and locked in memory, mlock).",
+        "lock-tables (its tables and sample library pre-faulted and locked in memory, mlock), keep-memory (malloc never "
+        "gives freed memory back: a batch's buffers stay mapped) or halt-poll (the guest's haltpoll driver polls 10 ms "
+        "before it halts an idle vCPU; machine-wide, needs root, put back when the instance ends).",
     )
     precision: str = option(
         AUTO,

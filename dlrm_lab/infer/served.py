@@ -35,7 +35,7 @@ class ServedModel:
     spin_ms: float = 0.0
     # An idle instance runs a 1-sample batch every this many ms to keep its working set in cache (0: off)
     keep_warm_ms: float = 0.0
-    # What an idle instance holds while it waits (infer.instance.IDLE_HOLDS): none, cpu-latency, lock-tables
+    # What an idle instance holds while it waits (infer.instance.IDLE_HOLDS)
     idle_hold: str = "none"
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)

@@ -322,6 +322,7 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 dropped = False
                 pool.waiting.append(q)
                 pool.waiting_samples += q.size
+                pool.clock.arrived(q.issued_ns)
                 pool.cond.notify()
         if dropped:
             self._finish(q, "dropped", now=q.issued_ns, error=f"queue full ({pool.served.max_queue} queries)")
@@ -366,10 +367,11 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                     if expired:
                         break
                     if pool.waiting and pool.free:
-                        head = pool.waiting[0]
-                        waited_s = (time.monotonic_ns() - head.issued_ns) / 1e9
-                        left_s = m.max_delay_ms / 1e3 - waited_s
+                        head, now = pool.waiting[0], time.monotonic_ns()
+                        left_s = m.max_delay_ms / 1e3 - (now - head.issued_ns) / 1e9
                         if pool.waiting_samples >= m.max_batch or left_s <= 0 or head.dispatched:
+                            break
+                        if not pool.clock.worth_waiting(left_s, now):  # no companion expected in time
                             break
                         pool.cond.wait(left_s)
                     else:

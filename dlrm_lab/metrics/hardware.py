@@ -82,6 +82,25 @@ def gpus() -> JsonObject:
         pynvml.nvmlShutdown()
 
 
+IDLE_FILES = {  # how an idle core waits: what decides whether memory and caches go cold between queries
+    "cpuidle_driver": "/sys/devices/system/cpu/cpuidle/current_driver",
+    "cpuidle_governor": "/sys/devices/system/cpu/cpuidle/current_governor",
+    "guest_halt_poll_ns": "/sys/module/haltpoll/parameters/guest_halt_poll_ns",
+}
+
+
+def idle_facts() -> dict[str, str | None]:
+    """The machine's idle settings as read now (None: not there); not part of the fingerprint, since the lab's
+    `--idle-hold halt-poll` changes one of them while it serves."""
+    out: dict[str, str | None] = {}
+    for name, path in IDLE_FILES.items():
+        try:
+            out[name] = Path(path).read_text().strip()
+        except OSError:
+            out[name] = None
+    return out
+
+
 def hardware_fingerprint() -> JsonObject:
     """What the machine is; `fingerprint_id` is stable across runs on the same machine."""
     info: JsonObject = {
@@ -95,6 +114,7 @@ def hardware_fingerprint() -> JsonObject:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "gpus": gpus(),
+        "idle": idle_facts(),
     }
     stable = {k: info[k] for k in ("cpu_model", "cpu_flags", "logical_cores", "memory_bytes")}
     stable["gpus"] = [d["name"] for d in info["gpus"].get("devices", [])]

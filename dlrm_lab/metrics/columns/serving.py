@@ -79,7 +79,7 @@ register_table(
     col("min_piece", I32),  # smallest split piece (resolved: measured when 0 was asked)
     col("spin_ms", F64),  # an idle instance polls this long before it sleeps
     col("keep_warm_ms", F64),  # an idle instance runs a 1-sample batch this often (0: off)
-    col("idle_hold", STR),  # what an idle instance holds while it waits: none, cpu-latency, lock-tables
+    col("idle_hold", STR),  # what an idle instance holds while it waits (infer.instance.IDLE_HOLDS)
     col("max_query_samples", I64),  # the largest query accepted
     col("precision", STR, "precision", fmt="s"),
     col("table_precision", STR, "table precision", fmt="s"),
