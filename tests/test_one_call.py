@@ -189,7 +189,8 @@ def test_an_idle_hold_locks_the_tables_or_holds_the_cpu_latency_and_a_bad_one_is
     else:
         assert latency.handle.fileno() >= 0
         latency.handle.close()  # released: the kernel drops the request with the file
-    with pytest.raises(UserError, match=r"idle_hold.*'sleep': allowed: none, cpu-latency, lock-tables, keep-memory, halt-poll"):
+    allowed = "none, cpu-latency, lock-tables, keep-memory, halt-poll"
+    with pytest.raises(UserError, match=rf"idle_hold.*'sleep': allowed: {allowed}"):
         ServedModel("tiny", dlrm_lab.load_preset("tiny"), idle_hold="sleep")
 
 
@@ -216,7 +217,7 @@ def test_keep_memory_keeps_a_freed_batch_buffer_mapped(served):
         libc.mallopt(-1, 128 << 10), libc.mallopt(-3, 128 << 10)
 
 
-def test_halt_poll_is_raised_while_held_and_put_back_after_even_when_its_owner_was_killed(served, tmp_path, monkeypatch):
+def test_halt_poll_is_raised_while_held_and_put_back_after_its_owner_was_killed(served, tmp_path, monkeypatch):
     """`--idle-hold halt-poll`: the haltpoll window raised while an instance lives, the old value put back when it
     ends; a value a killed owner left behind is put back by the next hold; a machine without the driver (or without
     root) gets one line saying so."""

@@ -60,9 +60,9 @@ class ServingOptions(ModelScaling):
         "none",
         "What an idle instance holds while it waits: none, cpu-latency (/dev/cpu_dma_latency held at 0: its core "
         "polls in the kernel's idle loop instead of halting, where a cpuidle driver obeys it; needs root) or "
-        "lock-tables (its tables and sample library pre-faulted and locked in memory, mlock), keep-memory (malloc never "
-        "gives freed memory back: a batch's buffers stay mapped) or halt-poll (the guest's haltpoll driver polls 10 ms "
-        "before it halts an idle vCPU; machine-wide, needs root, put back when the instance ends).",
+        "lock-tables (its tables and sample library pre-faulted and locked in memory, mlock), keep-memory (malloc "
+        "never gives freed memory back: a batch's buffers stay mapped) or halt-poll (the guest's haltpoll driver "
+        "polls 10 ms before it halts an idle vCPU; machine-wide, needs root, put back when the instance ends).",
     )
     precision: str = option(
         AUTO,
