@@ -185,6 +185,7 @@ def main() -> None:
     parser.add_argument("--duration", default="120")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--idle-routes", default=",".join(IDLE_ROUTES))
+    parser.add_argument("--out", default=None, help="the results file (default: results/results-one_call-<date>.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[str, Any] = {"header": header()}
@@ -195,7 +196,7 @@ def main() -> None:
         results["points"] = points_part(args.duration, args.repeats)
     if "idle" in parts:
         results["idle"] = idle_part(args.duration, args.repeats, args.idle_routes.split(","))
-    write_results(results_path("one_call"), results)
+    write_results(results_path("one_call", args.out), results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""The fixed-width gather against the ragged one (issue 56), interleaved: ~3 min on 2 cores.
+
+    python benchmarks/fixed_width_ab.py [--builds aoti,aoti_tuned] [--rounds 7]
+
+Kaggle (one id a feature, tables capped at 1M rows), the precision `auto` picks, one thread. Each build's runner
+measures itself as an instance does at start (`batch_cost`: 1 and 256 samples alternated, median of 7) on two
+libraries of the same samples: one that takes `gather_into`'s fixed-width path (`bag_width` 1) and one made to take
+the ragged path; the two alternate in rounds. Prints each side's fixed ms a batch + us a sample, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from common import header, results_path, write_results
+
+import dlrm_lab
+from dlrm_lab.infer import build as builds
+from dlrm_lab.infer.batches import make_runner
+from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.metrics.precision import AUTO, choose_precision
+from dlrm_lab.model.dlrm import build_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--builds", default="aoti,aoti_tuned")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
+    precision = choose_precision(AUTO, spec, allowed=("fp32", "bf16", "fp16"), threads=1, rows=256).precision
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    fast = PackedLibrary.generate(spec, None, 0, 4096)
+    ragged = PackedLibrary(fast.dense, fast.lengths, None, fast.values)
+    ragged.__dict__["bag_width"] = None  # the general path on the same samples
+    results = {"header": header(), "precision": precision, "builds": {}}
+    for name in args.builds.split(","):
+        module = builds.make_build(model, name, precision=precision, table_precision="fp32")
+        runners = {side: make_runner(module, lib, torch.device("cpu"), precision) for side, lib in
+                   (("fixed-width", fast), ("ragged", ragged))}  # fmt: skip
+        for runner in runners.values():
+            runner.warm_up(256)
+        costs = {side: [] for side in runners}
+        for _ in range(args.rounds):
+            for side, runner in runners.items():
+                costs[side].append(runner.batch_cost(256, repeats=7))
+        row = {
+            side: {
+                "fixed_ms": statistics.median(c.fixed_ms for c in cs),
+                "per_sample_us": statistics.median(c.per_sample_ms for c in cs) * 1e3,
+            }
+            for side, cs in costs.items()
+        }
+        results["builds"][name] = row
+        f, r = row["fixed-width"], row["ragged"]
+        print(
+            f"{name}: fixed-width {f['fixed_ms']:.3f} ms + {f['per_sample_us']:.2f} us, ragged "
+            f"{r['fixed_ms']:.3f} ms + {r['per_sample_us']:.2f} us: {f['fixed_ms'] / r['fixed_ms']:.2f}x a batch, "
+            f"{f['per_sample_us'] / r['per_sample_us']:.2f}x a sample",
+            flush=True,
+        )
+    write_results(results_path("fixed_width_ab"), results)
+
+
+if __name__ == "__main__":
+    main()
