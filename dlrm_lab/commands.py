@@ -172,7 +172,7 @@ def _refuse_server_side(o: OptionValues, declared: list[Declared]) -> None:
     from dlrm_lab.infer.targets import parse_target
 
     target = o.get("target") or "in-process"
-    if not parse_target(target).remote:
+    if parse_target(target).sets_policy:
         return
     for d in declared:
         value = o.get(d.name)
@@ -197,7 +197,7 @@ def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, Inf
     for d in INFER_RUN:
         if d.name in KNOBS and o.get(d.name) is None:
             o[d.name] = d.default  # the command's (max_batch: auto, infer.tune)
-    if parse_target(o.get("target") or "in-process").remote and o["max_batch"] == "auto":
+    if not parse_target(o.get("target") or "in-process").sets_policy and o["max_batch"] == "auto":
         o["max_batch"] = None  # a remote server batches as it does: no max batch to choose here
     tune = []
     for knob in KNOBS:  # auto: chosen by measurement on the running server (infer.tune)

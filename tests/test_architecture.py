@@ -171,6 +171,23 @@ def test_no_room_reaches_the_package_root_or_names_a_module_by_string():
     assert found == []
 
 
+def test_only_the_targets_module_asks_whether_a_target_is_remote():
+    """The runner speaks to the system under test through its protocol (issue 58): where a target is, and what that
+    changes, is decided where targets are opened (`infer/targets.py`), and no code asks whether it holds the lab's
+    own server (`isinstance(..., InferenceServer)`)."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "infer" / "targets.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "remote" and isinstance(node.ctx, ast.Load):
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: .remote")
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2
+                    and "InferenceServer" in ast.unparse(node.args[1])):  # fmt: skip
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: isinstance InferenceServer")
+    assert found == []
+
+
 def test_the_formatter_writes_the_package():
     """`ruff format` is the style (issue 58): the package is as it writes it, `# fmt: skip` kept under 50 lines."""
     import subprocess

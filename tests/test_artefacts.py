@@ -85,8 +85,9 @@ def test_a_cache_that_cannot_take_a_build_is_named_and_a_whole_artefact_is_serve
     os.chmod(tmp_path, 0o555)
     try:
         if os.access(tmp_path, os.W_OK):  # root writes anyway: the check is the same one as for a read-only mount
-            monkeypatch.setattr(Path, "touch", lambda *_a, **_k: (_ for _ in ()).throw(OSError(30, "Read-only file "
-                                                                                                    "system")))
+            monkeypatch.setattr(
+                Path, "touch", lambda *_a, **_k: (_ for _ in ()).throw(OSError(30, "Read-only file system"))
+            )
         again = cached_artefact("k", ".bin", _write("other"), {})
         assert not again.built and again.path == built.path  # served from the read-only cache, not rebuilt
         with pytest.raises(UserError, match=f"^the build cache {tmp_path} is not writable .*DLRM_LAB_BUILD_DIR"):
@@ -134,8 +135,11 @@ def test_temporaries_of_writers_that_died_are_removed_on_the_next_use(monkeypatc
 
     monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
     dead = 2**22 + 17  # above any pid this kernel hands out
-    stale = [tmp_path / f".k1.{dead}.tmp.npz.xml", tmp_path / f".k1.{dead}.tmp.npz.bin",
-             tmp_path / f".k2.{dead}.tmp.pt2"]
+    stale = [
+        tmp_path / f".k1.{dead}.tmp.npz.xml",
+        tmp_path / f".k1.{dead}.tmp.npz.bin",
+        tmp_path / f".k2.{dead}.tmp.pt2",
+    ]
     live = tmp_path / f".k3.{os.getppid()}.tmp.pt2"
     for path in (*stale, live):
         path.write_bytes(b"partial")

@@ -36,7 +36,9 @@ def trained(tmp_path_factory):
 
 
 def _served(root, **kw):
-    return ServedModel("tiny", dlrm_lab.load_preset("tiny", **kw.pop("preset", {})), checkpoint=str(root), **kw)
+    return ServedModel(
+        "tiny", dlrm_lab.load_preset("tiny", **kw.pop("preset", {})), checkpoint=read_checkpoint(root), **kw
+    )
 
 
 def test_the_checkpoint_records_what_serving_needs(trained):
@@ -154,6 +156,27 @@ def test_one_checkpoint_per_model_is_asked_for_by_the_command_line():
         ServingOptions(checkpoint=("a",)).served(["tiny", "tiny"])
 
 
+def test_a_checkpoint_is_resolved_once_and_that_step_is_what_every_part_of_the_run_sees(trained, monkeypatch):
+    """The option is read into one TrainedCheckpoint where the command reads it: the served model's checks, copies,
+    plan, build check and records never read its sidecar again, so a training run still writing cannot hand them
+    different steps (issue 58: at least 8 reads a served model a run before)."""
+    from dataclasses import replace
+
+    from dlrm_lab.infer.options import ServingOptions
+    from dlrm_lab.model import checkpoint as checkpoints
+
+    root, _ = trained
+    reads = []
+    real = checkpoints.sidecar_problem
+    monkeypatch.setattr(checkpoints, "sidecar_problem", lambda about: reads.append(about["step"]) or real(about))
+    (served,) = ServingOptions(checkpoint=(str(root),), build="fused", max_batch=64).served(["tiny"])
+    assert reads == [40]
+    served = replace(replace(served, max_batch=32), largest_query=64)  # each copy re-runs __post_init__'s checks
+    plan = plan_serving([served])
+    assert plan.models["tiny"].describe()["checkpoint_step"] == 40 and plan.models["tiny"].checkpoint.step == 40
+    assert reads == [40]
+
+
 def test_torch_is_seeded_the_same_for_a_trained_and_an_untrained_server(trained):
     """The checkpoint replaces every weight: two servers of one checkpoint with other seeds serve one model."""
     root, _ = trained
@@ -224,17 +247,20 @@ def test_the_openvino_build_without_openvino_names_the_extra_to_install(monkeypa
     assert build_named("openvino_int8").skip(100.0).startswith("NNCF is not installed")
 
 
-@pytest.mark.parametrize(("damage", "said"), [
-    ({"eval": {"auc": "0.79", "step": 40}}, "eval.auc = '0.79': must be in [0, 1]"),
-    ({"eval": "good"}, "eval = 'good': must be the last evaluation, an object, or null"),
-    ({"data": None}, "data = missing: must be 'synthetic' or the training data's path"),
-    ({"seed": None}, "seed = missing: must be a whole number >= 0"),
-    ({"step": -1}, "step = -1: must be a whole number >= 0"),
-    ({"data_overrides": "a=1"}, "data_overrides = 'a=1': must be a list of KEY=VALUE strings"),
-    ({"precision": "fp7"}, "precision = 'fp7': must be one of auto, fp32, bf16, or null"),
-    ({"world_size": "1"}, "world_size = '1': must be a whole number >= 1, or null"),
-    ({"eval_data": "x"}, "eval_data = 'x': must be what the held-out samples were drawn from, an object, or null"),
-])
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ({"eval": {"auc": "0.79", "step": 40}}, "eval.auc = '0.79': must be in [0, 1]"),
+        ({"eval": "good"}, "eval = 'good': must be the last evaluation, an object, or null"),
+        ({"data": None}, "data = missing: must be 'synthetic' or the training data's path"),
+        ({"seed": None}, "seed = missing: must be a whole number >= 0"),
+        ({"step": -1}, "step = -1: must be a whole number >= 0"),
+        ({"data_overrides": "a=1"}, "data_overrides = 'a=1': must be a list of KEY=VALUE strings"),
+        ({"precision": "fp7"}, "precision = 'fp7': must be one of auto, fp32, bf16, or null"),
+        ({"world_size": "1"}, "world_size = '1': must be a whole number >= 1, or null"),
+        ({"eval_data": "x"}, "eval_data = 'x': must be what the held-out samples were drawn from, an object, or null"),
+    ],
+)
 def test_a_damaged_sidecar_is_refused_whole_at_start_naming_the_field(trained, tmp_path, damage, said):
     """Every field of trained.json that serving reads later is checked when it is read: one line naming the field,
     before any load, never a KeyError after it (issue 57 A5, D22)."""
@@ -328,6 +354,7 @@ def test_a_stop_inside_the_checkpoint_reader_is_a_stop_not_a_damaged_checkpoint(
     root, _ = trained
     model = family_of(dlrm_lab.load_preset("tiny")).serving_model(_served(root), 0, lambda _line: None)[0]
     for stop in (KeyboardInterrupt(), Terminated("terminated by signal SIGTERM")):
+
         def interrupted_read(*_args, stop=stop, **_kw):
             from torch.distributed.checkpoint.api import CheckpointException
 

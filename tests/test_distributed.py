@@ -218,7 +218,7 @@ def test_two_rank_resume_continues_the_same_trajectory(runs):
 
     checkpoint = read_checkpoint(out / "ckpt")
     assert checkpoint.step == 16 and checkpoint.about["world_size"] == 2
-    served = ServedModel("tiny", dlrm_lab.load_preset("tiny"), checkpoint=str(out / "ckpt"))
+    served = ServedModel("tiny", dlrm_lab.load_preset("tiny"), checkpoint=read_checkpoint(out / "ckpt"))
     family = family_of(served.spec)
     model = family.serving_model(served, 0, lambda _line: None)[0]
     scored = family.held_out(served, None, 0).slice(0, checkpoint.about["eval"]["samples"])

@@ -127,8 +127,9 @@ def test_huge_pages_asked_for_tables_too_small_for_one_record_base_and_say_why(m
     monkeypatch.setattr(huge_pages, "unsupported", lambda: None)
     monkeypatch.setattr(choices, "_gather_rates", lambda threads: pytest.fail("nothing to measure"))
     rows = [(1_000, 16, EmbeddingLocation.HOST, ComputeDevice.CPU)]  # 64 KB
-    small = torch.nn.ModuleList([SplitTableBatchedEmbeddingBagsCodegen(rows,
-                                                                       optimizer=OptimType.EXACT_ROWWISE_ADAGRAD)])
+    small = torch.nn.ModuleList(
+        [SplitTableBatchedEmbeddingBagsCodegen(rows, optimizer=OptimType.EXACT_ROWWISE_ADAGRAD)]
+    )
     choice = choices.choose_table_pages(TrainConfig(table_pages="huge"), ONE_RANK, small, None)
     assert choice["table_pages"] == "base" and choice["huge_bytes"] == 0
     assert choice["reason"].startswith("--table-pages huge; no table spans two whole 2 MiB pages (the largest holds ")

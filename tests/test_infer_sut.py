@@ -93,6 +93,10 @@ class FakeSut:
     def library(self, model: str) -> PackedLibrary:
         return self.lib
 
+    def configure(self, model: str, **policy: Any) -> None:
+        if asked := [k for k, v in policy.items() if v is not None]:
+            raise ValueError(f"the fake sets no {', '.join(asked)}")
+
     def submit(self, q: Query) -> None:
         q.issued_ns = time.monotonic_ns()
         q.scheduled_ns = q.scheduled_ns or q.issued_ns
@@ -195,8 +199,9 @@ def test_every_scenario_drives_a_system_through_the_interface_alone(sut, tmp_pat
     records += sut.take_records()
     assert sut.submitted and not sut.outside  # queries name samples of the library, even those larger than it
     assert sorted(r["query_id"] for r in records) == sorted(q.query_id for q in sut.submitted)
-    assert driver.stats.arrival["m"].startswith({"open-loop": "poisson", "closed-loop": "closed-loop"}.get(scenario,
-                                                                                                        "loadgen"))
+    assert driver.stats.arrival["m"].startswith(
+        {"open-loop": "poisson", "closed-loop": "closed-loop"}.get(scenario, "loadgen")
+    )
     if scenario in LOADGEN_SCENARIOS:
         assert driver.stats.loadgen["loadgen_result"] in ("VALID", "INVALID")
         assert driver.stats.issued["m"] == len(sut.submitted)
@@ -461,15 +466,23 @@ def test_an_offline_point_gets_a_queue_that_holds_all_its_queries_then_the_bound
     from dlrm_lab.infer.lab import queue_room
     from dlrm_lab.infer.load_point import Point
 
-    models = {"m": types.SimpleNamespace(max_queue=16)}
+    models = {"m": types.SimpleNamespace(max_queue=16)}  # a server that says its bound (`describe`) and sets it
     server = types.SimpleNamespace(
-        models=models, configure=lambda m, max_queue: setattr(models[m], "max_queue", max_queue)
+        describe=lambda: types.SimpleNamespace(models=models),
+        configure=lambda m, max_queue: setattr(models[m], "max_queue", max_queue),
     )
     point = Point(0, [Stream("m", 200.0, QuerySizes.parse("fixed:1"))], scenario=scenario)
     with queue_room(server, point, duration_s=2.0):
         held = models["m"].max_queue
     assert held >= 400 if scenario == "offline" else held == 16  # LoadGen's offline issues all 400 at once
     assert models["m"].max_queue == 16
+    silent = FakeSut(small_library())  # says no bound (a remote server's queue is its own): nothing is set
+    silent.describe = lambda: types.SimpleNamespace(models={"m": types.SimpleNamespace(max_queue=None)})
+    try:
+        with queue_room(silent, point, duration_s=2.0):
+            pass
+    finally:
+        silent.close()
 
 
 def test_a_point_is_measured_through_the_interface_alone(tmp_path):

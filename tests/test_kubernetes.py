@@ -180,7 +180,7 @@ def test_the_cli_writes_the_manifests_and_refuses_bad_options_in_one_line(tmp_pa
         ("--image", "x", "--rdzv-endpoint", "host:99999"): "--rdzv-endpoint 'host:99999': must be HOST:PORT",
         ("--image", "x", "--cpu", "1000000000"): "--cpu 1000000000: must be an integer in [1, 4096]",
         ("--image", "x", "--out", "/nonexistent/dir/job.yaml"): "--out /nonexistent/dir/job.yaml: cannot write the "
-                                                                  "manifests (No such file or directory)",
+        "manifests (No such file or directory)",
     }.items():
         emit = [] if "--emit" in bad else ["--emit", "kubernetes"]
         code, _, err = run_cli_in_process("launch", *emit, *bad, "--", *TRAIN)

@@ -366,19 +366,24 @@ def test_a_run_whose_load_stopped_early_is_marked_failed_with_the_reason(tmp_pat
 
     why = "the load stopped at query 7 of 30000: it was due 1.1 s ago (--max-issue-lag-ms 1000): ..."
 
+    from contextlib import contextmanager
+
+    from dlrm_lab.infer.sut import SutDescription
+
     class NoServer:
-        instance_info: list = []
-        precision_choices: dict = {}
-
-        def __init__(self, *args, **kwargs) -> None: ...
-
         def __enter__(self):
             return self
 
         def __exit__(self, *exc) -> None: ...
 
-    monkeypatch.setattr(lab, "InferenceServer", NoServer)
-    monkeypatch.setattr(lab, "open_target", NoServer)  # nothing planned or started: the load's end is what is tested
+        def describe(self) -> SutDescription:
+            return SutDescription(models={})
+
+    @contextmanager
+    def reach(*args, **kwargs):
+        yield NoServer
+
+    monkeypatch.setattr(lab, "reach", reach)  # nothing planned or started: the load's end is what is tested
     monkeypatch.setattr(lab, "measure", lambda *a, **k: [{"point": 0, "model": "tiny", "issue_stopped": why}])
     served = [ServedModel("tiny", load_preset("tiny"))]
     run_dir = lab.run_inference(served, [Stream("tiny", 10.0, QuerySizes.parse("fixed:1"))],
@@ -592,7 +597,8 @@ def test_a_worker_of_the_lab_ends_with_its_parent_even_when_the_parent_is_killed
     import time
 
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import multiprocessing as mp, os, signal, sys, time
         from dlrm_lab.errors import end_with_parent
 
@@ -607,7 +613,8 @@ def test_a_worker_of_the_lab_ends_with_its_parent_even_when_the_parent_is_killed
             ctx.Process(target=child, args=(out,)).start()
             print(*out.get(timeout=60), flush=True)
             time.sleep(60)
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pid, ignores_interrupt = parent.stdout.readline().split()

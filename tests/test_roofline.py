@@ -453,15 +453,42 @@ def test_a_later_probe_keeps_the_wake_and_cold_gather_figures_it_did_not_measure
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     fid = hardware_fingerprint()["fingerprint_id"]
     cpu = {"threads": {"1": {"gemm_flops_per_s": {"fp32": 1e11}, "memory_bytes_per_s": 1e10}}}
-    first = {"fingerprint_id": fid, "probed_at": "2026-11-28T00:00:00+00:00", "devices": {"cpu": cpu}, "comms": {},
-             "wake": {"1": {"p50_us": 20.0}, "100": {"p50_us": 90.0}}, "cold_gather": {"1": 1.03, "100": 5.18}}
+    first = {
+        "fingerprint_id": fid,
+        "probed_at": "2026-11-28T00:00:00+00:00",
+        "devices": {"cpu": cpu},
+        "comms": {},
+        "wake": {"1": {"p50_us": 20.0}, "100": {"p50_us": 90.0}},
+        "cold_gather": {"1": 1.03, "100": 5.18},
+    }
     save_profile(first)
-    save_profile({"fingerprint_id": fid, "probed_at": "2026-11-28T01:00:00+00:00", "devices": {},
-                  "comms": {"gloo/2": [{"collective": "all_reduce"}]}})  # collectives only
-    save_profile({"fingerprint_id": fid, "probed_at": "2026-11-28T02:00:00+00:00", "comms": {},
-                  "devices": {"cuda:0": {"gemm_flops_per_s": {"fp32": 5e13}}}})  # a GPU only
-    save_profile({"fingerprint_id": fid, "probed_at": "2026-11-28T03:00:00+00:00", "devices": {"cpu": cpu},
-                  "comms": {}, "wake": {"1": {"p50_us": 25.0}}, "cold_gather": {"1": 1.10}}, keep_better=True)
+    save_profile(
+        {
+            "fingerprint_id": fid,
+            "probed_at": "2026-11-28T01:00:00+00:00",
+            "devices": {},
+            "comms": {"gloo/2": [{"collective": "all_reduce"}]},
+        }
+    )  # collectives only
+    save_profile(
+        {
+            "fingerprint_id": fid,
+            "probed_at": "2026-11-28T02:00:00+00:00",
+            "comms": {},
+            "devices": {"cuda:0": {"gemm_flops_per_s": {"fp32": 5e13}}},
+        }
+    )  # a GPU only
+    save_profile(
+        {
+            "fingerprint_id": fid,
+            "probed_at": "2026-11-28T03:00:00+00:00",
+            "devices": {"cpu": cpu},
+            "comms": {},
+            "wake": {"1": {"p50_us": 25.0}},
+            "cold_gather": {"1": 1.10},
+        },
+        keep_better=True,
+    )
     stored = load_profile(fid)
     assert stored["wake"] == {"1": {"p50_us": 25.0}, "100": {"p50_us": 90.0}}  # the new figure, the old kept
     assert stored["cold_gather"] == {"1": 1.10, "100": 5.18}

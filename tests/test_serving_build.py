@@ -366,8 +366,11 @@ def test_an_explicit_build_whose_engine_is_missing_is_one_line_naming_what_to_in
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     monkeypatch.setattr(openvino, "openvino_missing", lambda quantise: "OpenVINO is not installed: pip install x")
     monkeypatch.setattr(aoti_int8, "torchao_missing", lambda: "torchao is not installed: pip install y")
-    for build, said in (("openvino", "pip install x"), ("openvino_int8", "pip install x"),
-                        ("aoti_int8", "pip install y")):
+    for build, said in (
+        ("openvino", "pip install x"),
+        ("openvino_int8", "pip install x"),
+        ("aoti_int8", "pip install y"),
+    ):
         with pytest.raises(UserError, match=f"^build {build}: cannot be made here: .*{said}"):
             _choose(build, FakeTimes(eager=3.0, fused=1.0))
 

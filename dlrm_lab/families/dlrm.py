@@ -296,9 +296,9 @@ class DLRMFamily:
                              f"{served.spec.name} is a DLRM")  # fmt: skip
         resolve_data_spec(served.spec, served.data_spec)  # a bad --data-spec is one line before anything starts
         if served.checkpoint:
-            from dlrm_lab.model.checkpoint import check_spec, read_checkpoint
+            from dlrm_lab.model.checkpoint import check_spec
 
-            check_spec(read_checkpoint(served.checkpoint), served.spec.to_dict())
+            check_spec(served.checkpoint, served.spec.to_dict())
 
     def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
         import torch
@@ -308,9 +308,9 @@ class DLRMFamily:
         torch.manual_seed(seed)
         model = build_model(served.spec).eval()
         if served.checkpoint:
-            from dlrm_lab.model.checkpoint import load_weights, read_checkpoint
+            from dlrm_lab.model.checkpoint import load_weights
 
-            load_weights(model, read_checkpoint(served.checkpoint))
+            load_weights(model, served.checkpoint)
         return model, served, None
 
     def sample_library(self, served: Any, seed: int, samples: int) -> Any:
@@ -334,12 +334,10 @@ class DLRMFamily:
         if not served.checkpoint:
             generator = synthetic_generator(served.spec, served.data_spec, seed=seed)
             return generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
-        from dlrm_lab.model.checkpoint import read_checkpoint
-
-        about = read_checkpoint(served.checkpoint).about
+        about = served.checkpoint.about
         data = about["data"]
         if data != "synthetic" and not Path(data).exists():
-            raise FieldError("checkpoint", f"{served.checkpoint}: its training data {data} is gone: the accuracy "
+            raise FieldError("checkpoint", f"{served.checkpoint.path}: its training data {data} is gone: the accuracy "
                              "rule scores that run's held-out samples")  # fmt: skip
         batch = 2048
         _, held_out = self.open_sources(served.spec, data, batch, rank=0, world_size=1,

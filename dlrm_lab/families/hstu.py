@@ -320,9 +320,9 @@ class HSTUFamily:
             raise FieldError("keep_warm_ms", f"{served.keep_warm_ms:g}: for DLRM presets; {served.spec.name}'s "
                              "requests take too long to run idle ones")  # fmt: skip
         if served.checkpoint:
-            from dlrm_lab.model.checkpoint import check_spec, read_checkpoint
+            from dlrm_lab.model.checkpoint import check_spec
 
-            check_spec(read_checkpoint(served.checkpoint), served.spec.to_dict(), ignore=("data",))
+            check_spec(served.checkpoint, served.spec.to_dict(), ignore=("data",))
 
     def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
         """The ranker with its attention path (`auto`: both timed over the first requests the model will
@@ -342,9 +342,9 @@ class HSTUFamily:
         torch.manual_seed(seed)
         model = build_ranker(served.spec, attention=served.attention).eval()
         if served.checkpoint:
-            from dlrm_lab.model.checkpoint import load_weights, read_checkpoint
+            from dlrm_lab.model.checkpoint import load_weights
 
-            load_weights(model, read_checkpoint(served.checkpoint))
+            load_weights(model, served.checkpoint)
         return model, served, choice.to_dict()
 
     def sample_library(self, served: Any, seed: int, samples: int) -> Any:
@@ -364,9 +364,7 @@ class HSTUFamily:
         from dlrm_lab.infer.accuracy import CHECK_REQUESTS
 
         if served.checkpoint:
-            from dlrm_lab.model.checkpoint import read_checkpoint
-
-            generator = SequenceGenerator(served.spec.data, seed=int(read_checkpoint(served.checkpoint).about["seed"]))
+            generator = SequenceGenerator(served.spec.data, seed=int(served.checkpoint.about["seed"]))
             return generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("eval")), "eval")
         generator = SequenceGenerator(served.spec.data, seed=seed)
         return generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")

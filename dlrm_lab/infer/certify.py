@@ -54,7 +54,7 @@ def certify(
     Fills in `winner`'s certified columns; returns the next point index."""
     served = (
         base
-        if parse_target(cfg.target).remote
+        if not parse_target(cfg.target).sets_policy
         else replace(
             base,
             instances=winner["instances"],

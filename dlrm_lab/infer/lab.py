@@ -8,23 +8,21 @@ every configuration that meets the latency bound).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, RemoteFailure, ServingFault, UserError
-from dlrm_lab.infer.build import check_build_request
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import check_scenario, scenario
 from dlrm_lab.infer.load import Stream, check_planned
 from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
 from dlrm_lab.infer.loadgen import check_loadgen_duration, loadgen_duration
-from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.infer.server import InferenceServer
-from dlrm_lab.infer.targets import check_remote_models, open_target, parse_target
+from dlrm_lab.infer.sut import SystemUnderTest
+from dlrm_lab.infer.targets import check_served_by, parse_target, reach
 from dlrm_lab.infer.tune import PROBED, choose_policy
 from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.cost import price_of
@@ -35,15 +33,17 @@ from dlrm_lab.metrics.trust import check_stored_profile
 
 
 @contextmanager
-def queue_room(server: InferenceServer, point: Point, duration_s: float) -> Iterator[None]:
+def queue_room(server: SystemUnderTest, point: Point, duration_s: float) -> Iterator[None]:
     """While a LoadGen offline point runs, each model's queue holds every query it issues at
-    once (with room to spare); the bounds are restored afterwards."""
+    once (with room to spare); the bounds are restored afterwards. A server that does not say its
+    bound (a remote one: its queue is its own) is left as it is."""
     restore = {}
     if scenario(point.scenario).queues_whole_load:
+        models = server.describe().models
         for s in point.streams:
             need = int(s.qps * duration_s * 1.5) + 64
-            if server.models[s.model].max_queue < need:
-                restore[s.model] = server.models[s.model].max_queue
+            if (bound := models[s.model].max_queue) is not None and bound < need:
+                restore[s.model] = bound
                 server.configure(s.model, max_queue=need)
     try:
         yield
@@ -82,11 +82,7 @@ def run_inference(
         if load.sized_by_early_stopping:
             check_loadgen_duration(streams[0].qps, cfg.duration_s, cfg.sla_percentile)
     models = [for_load(m, s) for m, s in zip(models, streams, strict=True)]
-    check_remote_models(target, models)
-    if not target.remote:  # a remote server holds its models in its own memory
-        check_fits(models, device=cfg.device)  # a model too big is refused before its run directory exists
-        for m in models:  # and a build this machine cannot make
-            check_build_request(m.build, m.spec)
+    check_served_by(target, models, device=cfg.device)  # before its run directory exists
     check_stored_profile(log)
     # a damaged stored price is refused now, not after the load (the server's only where it runs here)
     price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)
@@ -95,33 +91,20 @@ def run_inference(
         "models": [m.describe() for m in models],
         "streams": [{**stream_config(s), **({"qps": "auto"} if cfg.qps_auto else {})} for s in streams],
     }
-    opened = open_target(
+    reached = reach(
         target, models, cfg.connection(), device=cfg.device, pin_cores=cfg.pin_cores, seed=cfg.seed, log=log
     )
-    # a remote target is reached, and its models checked, before the run directory exists: a mistake in --target
-    # leaves none; the lab's own server starts inside its run, which records how that went
-    with opened if target.remote else nullcontext() as remote:
+    with reached as serving:
         run = Run.create(metrics_dir, "infer", config, argv=argv)
         with faults_name_the_run(run), run:
             queries = run.table("queries", schema_of("queries"))
             summary = run.table("summary", schema_of("infer summary"))
             telemetry = run.table("telemetry", telemetry_schema("point"))
-            with nullcontext(remote) if target.remote else opened as server:
-                if isinstance(server, InferenceServer):
-                    run.update_manifest(instances=server.instance_info, precision_choices=server.precision_choices)
-                else:
-                    sut = server.describe()
-                    if log:
-                        log(f"connected to {target.url}: {sut.concurrency} connection(s), rpc {sut.rpc}")
-                    models_said = {n: dict(d.columns) for n, d in sut.models.items()}  # what the server said of them
-                    run.update_manifest(
-                        target={
-                            "url": target.url,
-                            "rpc": sut.rpc,
-                            "concurrency": sut.concurrency,
-                            "models": models_said,
-                        }
-                    )
+            with serving() as server:
+                said = server.describe()
+                if log and said.about:
+                    log(said.about)
+                run.update_manifest(**said.record)
                 if cfg.qps_auto:
                     (stream,) = streams
                     if log:
@@ -169,7 +152,7 @@ def run_inference(
                 if len(streams) > 1 and cfg.compare_alone:
                     points += [Point(k + 1, [s], "alone", cfg.scenario) for k, s in enumerate(streams)]
                 for point in points:
-                    with queue_room(server, point, cfg.duration_s) if not target.remote else nullcontext():
+                    with queue_room(server, point, cfg.duration_s):
                         rows = measure(
                             server,
                             point,

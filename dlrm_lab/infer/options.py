@@ -109,6 +109,7 @@ class ServingOptions(ModelScaling):
     def served(self, models: Sequence[str] | None) -> list[Any]:
         """One ServedModel per preset named (default: tiny), DLRM or HSTU; a preset served twice is `name-2`."""
         from dlrm_lab.infer.served import ServedModel
+        from dlrm_lab.model.checkpoint import read_checkpoint
 
         out, seen = [], {}
         names = models or [DEFAULT_MODEL]
@@ -121,7 +122,8 @@ class ServingOptions(ModelScaling):
             spec = family_of(spec).with_data_overrides(spec, self.data_overrides, serving=True)
             seen[spec.name] = seen.get(spec.name, 0) + 1
             label = spec.name if seen[spec.name] == 1 else f"{spec.name}-{seen[spec.name]}"
-            out.append(ServedModel(label, spec, checkpoint=checkpoint, **{f: getattr(self, f) for f in _SERVED_FIELDS}))
+            trained = read_checkpoint(checkpoint) if checkpoint else None  # resolved once: its step is the run's
+            out.append(ServedModel(label, spec, checkpoint=trained, **{f: getattr(self, f) for f in _SERVED_FIELDS}))
         return out
 
 
@@ -360,14 +362,14 @@ class InferConfig:
             by_field("currency", check_currency, self.currency)
         target = parse_target(self.target)
         check_connection(target, self.connection())
-        if target.remote and self.tune:
+        if not target.sets_policy and self.tune:
             raise FieldError(
                 self.tune[0],
                 f"auto: {{target}} {self.target}: the server's own serving policy applies "
                 "(auto knobs are chosen on a server in this process)",
                 "target",
             )
-        if target.remote and self.trace:
+        if not target.sets_policy and self.trace:
             raise FieldError(
                 "trace", f": {{target}} {self.target}: a trace profiles instances in this process", "target"
             )

@@ -19,7 +19,6 @@ import numpy as np
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
-from dlrm_lab.infer.build import check_build_request
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.certify import certify
 from dlrm_lab.infer.drivers import scenario
@@ -28,14 +27,11 @@ from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.lab import faults_name_the_run, stream_config
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
-from dlrm_lab.infer.memory import check_fits
 from dlrm_lab.infer.options import InferConfig
-from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.search_options import SearchGrid, SearchOptions
 from dlrm_lab.infer.served import ServedModel
-from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import ModelDescription
-from dlrm_lab.infer.targets import check_remote_models, open_target, parse_target
+from dlrm_lab.infer.targets import check_served_by, open_target, parse_target
 from dlrm_lab.metrics.columns import FrontierRow, QueryRow, SearchSummaryRow, schema_of
 from dlrm_lab.metrics.cost import price_of, serving_cost_columns
 from dlrm_lab.metrics.energy import telemetry_schema
@@ -134,9 +130,8 @@ def search(
     target = parse_target(cfg.target)
     widest = max(grid.layouts, key=lambda layout: layout[0])[0]
     base = replace(base, largest_query=max(base.largest_query, stream.sizes.quantile(0.999)))
-    check_remote_models(target, [base])
-    if not target.remote:  # a remote server's memory is its own
-        check_fits([replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
+    # the widest layout's memory, and a build this machine cannot make, refused before the run directory exists
+    check_served_by(target, [replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
     config = {
         "infer": cfg.to_dict(),
         "model": base.describe(),
@@ -147,13 +142,9 @@ def search(
     if serve is None:
 
         def serve(m: ServedModel) -> AbstractContextManager[Any]:
-            if target.remote:
-                return open_target(target, [m], cfg.connection())
-            return InferenceServer(plan_serving([m], device=cfg.device, seed=cfg.seed), pin_cores=cfg.pin_cores)
+            return open_target(target, [m], cfg.connection(), device=cfg.device, seed=cfg.seed, pin_cores=cfg.pin_cores)
 
     check_stored_profile(log)
-    if not target.remote:  # a build this machine cannot make is refused before the run directory exists
-        check_build_request(base.build, base.spec)
     run = Run.create(metrics_dir, "infer-search", config, argv=argv)
     frontier: list[FrontierRow] = []
     with faults_name_the_run(run), run:
@@ -169,28 +160,27 @@ def search(
                 for layout, group in layouts
                 for precision in _search_precisions(base, layout[1], max(grid.max_batch), cfg, log, choices)
             ]
-            if not target.remote
+            if target.sets_policy
             else [((None, None), None, [(None, None, None, None)])]
         )
-        # A remote server is searched as it serves: the rate alone (neither protocol sets its layout or batching)
+        # A remote server is searched as it serves: the rate alone (neither protocol sets its layout or batching;
+        # its `configure` takes the group's Nones and sets nothing)
         run.update_manifest(precision_choices=choices)
         best_sps = 0.0  # the best rate found under the bound so far, samples/s
         mean_size = stream.sizes.mean
         for (instances, threads), precision, group in runs:
-            first = base if target.remote else replace(base, instances=instances, threads=threads, precision=precision)
+            first = replace(base, instances=instances, threads=threads, precision=precision) if precision else base
             with serve(first) as server:
                 measured = []  # capacities first: the most capable configuration is searched first
                 for _, _, max_batch, delay in group:
-                    if not target.remote:
-                        server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
+                    server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     capacity = capacity_qps(server, stream, options.capacity_s, cfg.seed, cfg.drain_timeout_s)
                     measured.append((capacity, max_batch, delay))
                     if log:
                         label = label_of(server.describe().models[base.name])
                         log(f"{label}: capacity {capacity:.1f} queries/s (closed loop)")
                 for capacity, max_batch, delay in sorted(measured, key=lambda m: -m[0]):
-                    if not target.remote:
-                        server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
+                    server.configure(base.name, max_batch=max_batch, max_delay_ms=delay)
                     served = server.describe().models[base.name]
                     if options.prune_margin >= 0 and capacity * mean_size * (1 + options.prune_margin) < best_sps:
                         frontier.append(pruned_row(served, capacity, capacity * mean_size, best_sps, cfg, log))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, UserError
@@ -13,6 +13,9 @@ from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.tables import TABLE_PRECISIONS
 from dlrm_lab.metrics.columns import InferSummaryRow
 from dlrm_lab.metrics.precision import AUTO
+
+if TYPE_CHECKING:
+    from dlrm_lab.model.checkpoint import TrainedCheckpoint
 
 DEFAULT_MAX_QUERY_SAMPLES = 65_536  # ~100x MLPerf's largest DLRM query (700 samples)
 
@@ -58,9 +61,9 @@ class ServedModel:
     largest_query: int = 0
     # The largest query accepted: one query of millions of samples would hold every instance for minutes
     max_query_samples: int = DEFAULT_MAX_QUERY_SAMPLES
-    # The trained weights served (a `train --checkpoint-dir` directory, `model.checkpoint`); None: the preset's
-    # freshly initialised model
-    checkpoint: str | None = None
+    # The trained weights served (`model.checkpoint.read_checkpoint` of a `train --checkpoint-dir`, resolved once
+    # where the option was read: its step, sidecar and path); None: the preset's freshly initialised model
+    checkpoint: TrainedCheckpoint | None = None
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -119,7 +122,7 @@ class ServedModel:
         )
 
     def checkpoint_columns(self) -> InferSummaryRow:
-        trained = self.trained()
+        trained = self.checkpoint
         if trained is None:
             return InferSummaryRow(checkpoint=None, checkpoint_step=None, checkpoint_auc=None)
         return InferSummaryRow(
@@ -127,12 +130,6 @@ class ServedModel:
             checkpoint_step=trained.step,
             checkpoint_auc=trained.held_out_auc,
         )
-
-    def trained(self) -> Any:
-        """The checkpoint served (`model.checkpoint.TrainedCheckpoint`); None without one."""
-        from dlrm_lab.model.checkpoint import read_checkpoint
-
-        return read_checkpoint(self.checkpoint) if self.checkpoint else None
 
     def description(self) -> ModelDescription:
         """This model as the runner reads it (`infer.sut.ModelDescription`)."""

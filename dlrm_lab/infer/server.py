@@ -250,6 +250,7 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
             processes=list(self.instance_info),
             snapshot_bytes=dict(self.snapshot_bytes),
             batch_costs={name: pool.clock.cost for name, pool in self._pools.items() if pool.clock.cost is not None},
+            record={"instances": self.instance_info, "precision_choices": self.precision_choices},
         )
 
     def configure(

@@ -193,6 +193,23 @@ class SutDescription:
     snapshot_bytes: Mapping[str, int] = field(default_factory=dict)  # per model, shared by its instances
     # per model, its instances' warm batch cost (`infer.batching.BatchCost`, measured at start)
     batch_costs: Mapping[str, Any] = field(default_factory=dict)
+    record: Mapping[str, Any] = field(default_factory=dict)  # what a run's manifest records of it
+    about: str | None = None  # one line a run says of it as it starts
+
+    @classmethod
+    def over_network(
+        cls, models: Mapping[str, ModelDescription], url: str, rpc: str, concurrency: int
+    ) -> SutDescription:
+        """A remote server as reached: where, how, and what it said of each model."""
+        said = {name: dict(d.columns) for name, d in models.items()}
+        return cls(
+            models=models,
+            target=url,
+            rpc=rpc,
+            concurrency=concurrency,
+            record={"target": {"url": url, "rpc": rpc, "concurrency": concurrency, "models": said}},
+            about=f"connected to {url}: {concurrency} connection(s), rpc {rpc}",
+        )
 
 
 @runtime_checkable
@@ -229,6 +246,9 @@ class SystemUnderTest(Protocol):
     def take_records(self) -> list[QueryRow]: ...  # one row per finished query since the last call
 
     def check(self) -> None: ...  # raise when the system failed (its records cannot be trusted beyond)
+
+    # a model's batching and queue, between load points (None: left as it is); what the system cannot set, it refuses
+    def configure(self, model: str, **policy: Any) -> None: ...
 
     def describe(self) -> SutDescription: ...
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,12 @@ class Target:
     @property
     def remote(self) -> bool:
         return self.scheme != IN_PROCESS
+
+    @property
+    def sets_policy(self) -> bool:
+        """Whether the runner sets the layout, batching and precision of the system here (the lab's own server); a
+        remote server is measured as it serves (neither protocol sets them)."""
+        return not self.remote
 
     @property
     def on_this_host(self) -> bool:
@@ -123,11 +129,41 @@ def check_remote_models(target: Target, models: list[Any]) -> None:
     if target.remote and (trained := [m.checkpoint for m in models if m.checkpoint]):
         raise FieldError(
             "checkpoint",
-            f"{trained[0]}: {{target}} {target.url}: a remote server serves the weights it "
+            f"{trained[0].path}: {{target}} {target.url}: a remote server serves the weights it "
             "loaded itself (give --checkpoint to its dlrm-lab serve); the run would claim weights it "
             "never served",
             "target",
         )
+
+
+def check_served_by(target: Target, models: list[Any], *, device: str) -> None:
+    """What the system at `target` must be able to serve, refused before any run directory exists: a remote server
+    serves only the weights it loaded itself (`check_remote_models`) and holds its models in its own memory; the
+    lab's own server must fit them in this machine's memory and make their builds here."""
+    check_remote_models(target, models)
+    if target.remote:
+        return
+    from dlrm_lab.infer.build import check_build_request  # torch: only where the lab's own server runs
+    from dlrm_lab.infer.memory import check_fits
+
+    check_fits(models, device=device)
+    for m in models:
+        check_build_request(m.build, m.spec)
+
+
+@contextmanager
+def reach(
+    target: Target, models: list[Any], conn: Connection, **in_process: Any
+) -> Iterator[Callable[[], AbstractContextManager]]:
+    """The system at `target` in the two steps a run takes: a remote server is reached (and its models checked) on
+    entering, before the run directory exists, so a mistake in --target leaves none; what it yields, `serving()`,
+    gives the system under test inside the run: that remote server, or the lab's own server, started there so the
+    run records how its start went."""
+    if target.remote:
+        with TRANSPORTS[target.scheme](target, models, conn) as sut:
+            yield lambda: nullcontext(sut)
+    else:
+        yield lambda: open_in_process(target, models, conn, **in_process)
 
 
 def open_target(target: Target, models: list[Any], conn: Connection, **in_process: Any) -> AbstractContextManager:

@@ -205,7 +205,7 @@ def _connected(
 ) -> Iterator[Any]:
     """One RemoteServer on a channel of this process, or (`conn.concurrency` > 1) a pool of client processes."""
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
-    description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
+    description = SutDescription.over_network(descriptions, target.url, rpc, conn.concurrency)
     if conn.concurrency > 1:
         connect = functools.partial(
             connect_worker,

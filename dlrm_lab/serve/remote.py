@@ -44,7 +44,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from dlrm_lab.errors import BadAnswer, ServerLost
+from dlrm_lab.errors import BadAnswer, ServerLost, UserError
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.sut import SutDescription, query_row
 from dlrm_lab.metrics.columns import QueryRow
@@ -196,6 +196,11 @@ class RemoteServer:
 
     def describe(self) -> SutDescription:
         return self.description or SutDescription(models=self.models)
+
+    def configure(self, model: str, **policy: Any) -> None:
+        """A remote server's batching and queue are its own: neither protocol sets them (None: nothing asked)."""
+        if asked := sorted(k for k, v in policy.items() if v is not None):
+            raise UserError(f"model {model}: a remote server's {', '.join(asked)} is set where it is served, not here")
 
     def _issue(self, q: Any) -> tuple[int, tuple[bytes, ...]]:
         """`q` issued now (and scheduled now, where its load generator set no time): (the time, its samples'

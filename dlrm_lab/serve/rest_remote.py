@@ -321,7 +321,7 @@ def open_rest_server(target: Any, models: list[Any], conn: Any) -> Iterator[Any]
         for m in models
     }
     libraries = {m: recipe.library() for m, recipe in recipes.items()}
-    description = SutDescription(models=descriptions, target=target.url, rpc=rpc, concurrency=conn.concurrency)
+    description = SutDescription.over_network(descriptions, target.url, rpc, conn.concurrency)
     if conn.concurrency > 1:
         connect = functools.partial(
             connect_rest_worker, target.address, libraries, names, rpc, conn.timeout_s, conn.unavailable_s
