@@ -46,6 +46,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check dlrm_lab tests benchmarks
 	$(BIN)/ruff format --check dlrm_lab
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from dlrm_lab.config.mlperf import HSTURecipe, MLPerfRules
 from dlrm_lab.config.request_features import (
@@ -137,8 +138,10 @@ class RankerShape:
         d, hid, s = self.stu.dim, self.hidden, self.stu
         (tower_hidden, tower_out), (head_hidden, head_out) = self.tower_widths
         attributes = len(self.attribute_tables)
-        # linear, swish norm, linear, norm
-        tower = lambda i, h, o, last=True: i * h + h + 2 * h + h * o + o + 2 * o * last  # noqa: E731
+
+        def tower(i: int, h: int, o: int, last: bool = True) -> int:  # linear, swish norm, linear, norm
+            return i * h + h + 2 * h + h * o + o + 2 * o * last
+
         action_in = ACTION_BITS * ACTION_DIM
         pre = tower(d, hid, d) + tower(attributes * d, hid, d) + tower(action_in, hid, d) + ACTION_BITS * ACTION_DIM
         pre += action_in + self.contextual_tokens * (d * d + d) + (self.position_buckets + self.time_buckets + 1) * d
@@ -155,7 +158,10 @@ class RankerShape:
         d, hid = self.stu.dim, self.hidden
         (tower_hidden, tower_out), (head_hidden, head_out) = self.tower_widths
         attributes = len(self.attribute_tables)
-        tower = lambda i, o, h=hid: 2 * (i * h + h * o)  # noqa: E731
+
+        def tower(i: int, o: int, h: int = hid) -> int:
+            return 2 * (i * h + h * o)
+
         content = tower(d, d) + tower(attributes * d, d)  # the item's and its attributes'
         pre = history * (content + tower(ACTION_BITS * ACTION_DIM, d)) + candidates * content
         pre += self.contextual_tokens * 2 * d * d
@@ -257,7 +263,10 @@ class HSTUSpec:
         here is its mean ids per request (sequence features are not pooled, every id keeps its own row)."""
         per_token = (self.mean_history + float(self.data.candidates)) / 2  # its two features, history and candidates
         pub, s = self.published_rows, self.shape
-        scaled = lambda key, rows: pub.get(key) if pub.get(key, rows) != rows else None  # noqa: E731
+
+        def scaled(key: str, rows: int) -> int | None:
+            return pub.get(key) if pub.get(key, rows) != rows else None
+
         return (
             TableSpec(
                 "item",
@@ -305,7 +314,7 @@ class HSTUSpec:
         return out
 
     @classmethod
-    def from_dict(cls, data: JsonObject) -> HSTUSpec:
+    def from_dict(cls, data: dict[str, Any]) -> HSTUSpec:
         """The spec of `to_dict`'s form (a run's manifest), checked as a preset is."""
         where = f"model spec {data.get('name', '?')}"
         try:
@@ -333,7 +342,7 @@ _TABLE_KEYS = ("item_tables", "cross_tables")  # [model.item_tables], [model.cro
 _TOWER_KEYS = ("item_tower", "head")  # [hidden, out]
 
 
-def _parse_layout(model: JsonObject, where: str) -> dict[str, Tables | tuple[int, ...]]:
+def _parse_layout(model: JsonObject, where: str) -> dict[str, Any]:
     """[model]'s tables of tables and tower widths, checked: (name, rows) pairs and (hidden, out) pairs."""
     out: dict[str, Tables | tuple[int, ...]] = {}
     for key in _TABLE_KEYS:
@@ -359,7 +368,7 @@ def _parse_layout(model: JsonObject, where: str) -> dict[str, Tables | tuple[int
 
 
 def parse_hstu(
-    raw: JsonObject, *, where: str, table_scale: float | None = None, max_rows: int | None = None
+    raw: dict[str, Any], *, where: str, table_scale: float | None = None, max_rows: int | None = None
 ) -> HSTUSpec:
     """An HSTU preset's parsed TOML -> HSTUSpec, scaled; each bad field is one UserError naming it."""
     allowed = {"name", "family", "description", "model", "data", "mlperf", "reference"}

@@ -95,7 +95,7 @@ def options_of(
         if f.default is not MISSING:
             default = f.default
         else:
-            default = REQUIRED if f.default_factory is MISSING else f.default_factory()  # type: ignore[misc]
+            default = REQUIRED if f.default_factory is MISSING else f.default_factory()
         name = opt.flags[0].lstrip("-").replace("-", "_") if opt.flags else f.name
         if opt.default is not SAME:
             default = opt.default
@@ -185,7 +185,7 @@ def parse_words(declared: list[Declared], words: list[str], command: str) -> Opt
     command line (which stands above the library); stdlib argparse, set up from the declarations as Typer is."""
     parser = _WordParser(prog=command, add_help=False, allow_abbrev=False)
     for d in declared:
-        dest = dict(dest=d.name, default=argparse.SUPPRESS)
+        dest: dict[str, Any] = {"dest": d.name, "default": argparse.SUPPRESS}
         spellings = list(d.flags) or [d.flag]
         kind = _given(d.type)
         if kind is bool:

@@ -53,7 +53,7 @@ _REFERENCE_KEYS = {"batch_size", "dense_lr", "source", "target_auc"}
 def preset_family(name_or_path: str | Path) -> str:
     """A preset file's `family` ("dlrm" when it names none), one of `families.families()`."""
     path = preset_path(name_or_path)
-    return _family(read_toml(path, "preset file"), path).name
+    return str(_family(read_toml(path, "preset file"), path).name)
 
 
 def _family(raw: JsonObject, path: Path) -> Any:
@@ -109,7 +109,7 @@ def load_preset(
     return parse_model(raw, where=str(path), table_scale=table_scale, max_rows=max_rows)
 
 
-def parse_model(raw: JsonObject, *, where: str, table_scale: float | None, max_rows: int | None) -> ModelSpec:
+def parse_model(raw: dict[str, Any], *, where: str, table_scale: float | None, max_rows: int | None) -> ModelSpec:
     unknown = set(raw) - _MODEL_KEYS
     if unknown:
         raise UserError(

@@ -97,13 +97,13 @@ class SequenceSpec:
         return self
 
     @classmethod
-    def from_dict(cls, raw: JsonObject, where: str = "data") -> SequenceSpec:
+    def from_dict(cls, raw: dict[str, Any], where: str = "data") -> SequenceSpec:
         known = {f.name: f.type for f in fields(cls)}
         for key in raw:
             if key not in known:
                 raise UserError(f"{where}: unknown key {key!r}; allowed: {', '.join(known)}")
-        tables = {k: tables_of(raw[k]) for k in ("attributes", "crosses") if k in raw}
-        return cls(**{**raw, **tables}).check(where)
+        given: dict[str, Any] = {**raw, **{k: tables_of(raw[k]) for k in ("attributes", "crosses") if k in raw}}
+        return cls(**given).check(where)
 
     @property
     def attribute_names(self) -> tuple[str, ...]:

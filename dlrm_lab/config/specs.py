@@ -84,7 +84,7 @@ class TableSpec:
     def init_bound(self) -> float:
         """Initial rows are uniform in +-init_bound: TorchRec's sqrt(1 / rows), of the
         published table (a table scaled 2,000x down would otherwise start 45x wider)."""
-        return (1.0 / (self.published_rows or self.num_embeddings)) ** 0.5
+        return float((1.0 / (self.published_rows or self.num_embeddings)) ** 0.5)
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,8 @@ class ModelSpec:
                 built.append(TableSpec(**table))
             except UserError as exc:
                 raise UserError(f"{where}: {exc}") from None
-        return cls(**{**data, "tables": tuple(built)})
+        given: dict[str, Any] = {**data, "tables": tuple(built)}  # checked by the spec's own __post_init__
+        return cls(**given)
 
 
 def _spec_where(source: Any, name: Any) -> str:

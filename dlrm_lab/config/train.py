@@ -356,7 +356,7 @@ def dense_recipe_for(spec: Any, cfg: TrainConfig) -> DenseRecipe:
     return DenseRecipe(betas, int(warmup), clip, rule or "none (the optimizer's defaults)")
 
 
-def target_auc_for(spec: Any, cfg: TrainConfig, data: JsonObject) -> tuple[float | None, str]:
+def target_auc_for(spec: Any, cfg: TrainConfig, data: dict[str, Any]) -> tuple[float | None, str]:
     """The run's target AUC and why: `--target-auc` when given; else, on real data converted
     from Criteo (`data` is the training source's description), the preset's published target
     (its `[reference] target_auc`, MLPerf's 0.80275 for dcnv2). Synthetic data has its own

@@ -57,7 +57,10 @@ class Row(dict[str, Any]):
             self._refuse([key])
         super().__setitem__(key, value)
 
-    def update(self, values: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), /, **columns: Any) -> None:
+    # one signature for every form dict.update takes (MutableMapping spells them as five overloads)
+    def update(  # type: ignore[override]
+        self, values: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), /, **columns: Any
+    ) -> None:
         more = dict(values, **columns)
         if not columns_of(self.table).issuperset(more):
             self._refuse(more)
