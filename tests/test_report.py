@@ -22,7 +22,7 @@ from dlrm_lab.report.html import write_report
 from dlrm_lab.report.load import discover
 from dlrm_lab.train.records import STEP_SCHEMA
 from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY
-from dlrm_lab.train.scaling import POINT_SCHEMA
+from dlrm_lab.scaling import POINT_SCHEMA
 
 SHARES = {
     "data_wait": 0.1,

@@ -202,7 +202,7 @@ def test_strong_scaling_compares_against_half_the_work():
 def test_strong_sweeps_calibrate_on_one_rank_at_the_smallest_batch(tmp_path):
     """A step has costs per step as well as per sample: a strong sweep runs one rank again at the
     smallest per-rank batch (not a row of the table), and the model draws each phase's line through both."""
-    from dlrm_lab.train.scaling import scaling_spec, table_points
+    from dlrm_lab.scaling import scaling_spec, table_points
 
     strong = scaling_spec([1, 2, 4], "strong", 256, {"preset": "tiny"}, tmp_path)
     assert [(p["ranks"], p["batch-size"]) for p in strong.points] == [(1, 256), (2, 128), (4, 64), (1, 64)]

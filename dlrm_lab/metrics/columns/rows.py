@@ -115,7 +115,7 @@ class ScaleRow(Row, table="scale summary"):
 
 
 class ScaleGapRow(Row, table="scale gap"):
-    """An item of the per-rank step beyond one rank's at a rank count of `scale`: `train.scaling`."""
+    """An item of the per-rank step beyond one rank's at a rank count of `scale`: `scaling`."""
 
 
 class ProfileRow(Row, table="profile"):

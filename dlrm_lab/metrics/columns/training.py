@@ -101,7 +101,7 @@ register_table(
     *TRAINING_COST,
 )
 
-# summary.parquet of `scale`: one row per rank count (`train.scaling`)
+# summary.parquet of `scale`: one row per rank count (`scaling`)
 register_table(
     "scale summary",
     "kind",
@@ -168,7 +168,7 @@ register_table(
     col("point_status", STR, "point status", fmt="s"),  # ok when any repeat did
 )
 
-# gap.parquet of `scale`: the per-rank step beyond one rank's, item by item (`train.scaling.gap_breakdown`)
+# gap.parquet of `scale`: the per-rank step beyond one rank's, item by item (`scaling.gap_breakdown`)
 register_table("scale gap", "ranks", col("item", STR), col("ms", F64), col("note", STR))
 
 # profile.parquet of `train --profile-steps`: the top operators per rank (`train.profile`)
