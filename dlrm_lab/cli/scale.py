@@ -43,8 +43,8 @@ def scale_command(
 
     A scaling run is a sweep over rank counts: the same command again resumes it.
     """
-    from dlrm_lab.train.fabrics import FABRICS
     from dlrm_lab.scaling import parse_ranks, projection, scaling_spec, scaling_sweep
+    from dlrm_lab.train.fabrics import FABRICS
 
     if fabric not in FABRICS:
         raise UserError(f"--fabric {fabric!r}: allowed: {', '.join(FABRICS)}")

@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dlrm_lab.config.family import family_of
-from dlrm_lab.infer.instance import TRACE, BatchResult
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.infer.instance import CANARY, TRACE, BatchResult
 from dlrm_lab.infer.sut import Query, Stall, finishing_together, query_row
 from dlrm_lab.metrics.columns import BATCH_STAGES, QueryRow
 
@@ -76,6 +77,13 @@ class BatchCompletions:
             out, self._stalls = self._stalls, []
         return out
 
+    def take_canary(self) -> list[JsonObject]:
+        """The instances' speed-canary readings since the last call (`metrics.canary`), each naming its model."""
+        with self._records_lock:
+            out = list(self._canary)
+            self._canary.clear()
+        return out
+
     def _complete_loop(self) -> None:
         conns = {id(c): c for c in self._conns.values()}
         while not self._stopping and conns:
@@ -93,6 +101,10 @@ class BatchCompletions:
                         msg: BatchResult = conn.recv()
                     except (EOFError, OSError):
                         del conns[id(conn)]  # instance gone; check() names it
+                        continue
+                    if isinstance(msg, tuple) and msg[0] == CANARY:
+                        with self._records_lock:
+                            self._canary.append({**msg[2], "model": self.instance_info[msg[1]]["model"]})
                         continue
                     if isinstance(msg, tuple) and msg[0] == TRACE:
                         with self._traced_cond:

@@ -41,6 +41,7 @@ from dlrm_lab.errors import end_with_parent
 from dlrm_lab.infer.batches import QueryRef, make_runner
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.metrics.canary import Canary
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 IDLE_HOLDS = (
@@ -72,6 +73,7 @@ class BatchResult:
 TRACE = "trace"  # the control message of tracing (module docstring)
 SPIN = "spin"  # parent -> instance (SPIN, ms): poll this long for the next batch before blocking
 KEEP_WARM = "keep-warm"  # parent -> instance (KEEP_WARM, ms): a warming batch this often while idle (0: off)
+CANARY = "canary"  # instance -> parent (CANARY, index, reading): the speed canary (`metrics.canary`), read while idle
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,11 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
     spin_s = plan.spin_ms / 1e3
     keep_warm = KeepWarm(runner, library.size, plan.keep_warm_ms)
     tracer = Tracer()
+    canary = Canary(None, f"instance {plan.index}")  # against quiet in the serving process, which has the profile
     while True:
         try:
+            if canary.due() and (not conn.poll(0) or canary.overdue()):  # idle, or busy since it was due
+                conn.send((CANARY, plan.index, canary.read()))
             if spin_s:  # stay on the core (a core that slept runs the next batch up to 1.6x slower)
                 deadline = time.monotonic() + spin_s
                 while not conn.poll(0) and time.monotonic() < deadline:

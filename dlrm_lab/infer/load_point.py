@@ -35,6 +35,7 @@ from dlrm_lab.infer.records import (
     with_late_flags,
 )
 from dlrm_lab.infer.sut import ModelDescription, Stall, SutDescription, SystemUnderTest
+from dlrm_lab.metrics.canary import as_telemetry, canary_columns, quiet_of
 from dlrm_lab.metrics.columns import InferSummaryRow, QueryRow
 from dlrm_lab.metrics.cost import Price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
@@ -122,6 +123,7 @@ def measure(
     except RemoteFailure as exc:  # before any row counts: nothing of the point to keep
         raise type(exc)(f"point {point.index}, warming up: the server at {sut.target}: {exc}") from None
     server.take_records()  # nothing from a previous point (or the warm-up) leaks in
+    take_canary(server)
     profile = load_profile()
     peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
     seen = _drive_point(server, point, cfg, sut, peaks, queries, run_dir, log, telemetry, on_progress, decided, trace)
@@ -133,6 +135,8 @@ def measure(
         row.update(serving_cost_columns(row, price, rows))
         if log:
             log(point_line(row))
+            if row.get("canary_phase"):
+                log(f"{row['model']}: {row['canary_phase']}")
     return rows
 
 
@@ -148,6 +152,7 @@ class _Seen:
     slas: dict[str, float]
     stopped_after_s: float | None  # the load ended early (`decided`)
     failure: RemoteFailure | None  # a remote system under test failed: the point as far as it went
+    canary: list[JsonObject]  # the instances' speed-canary readings over the point (`metrics.canary`), with their model
 
 
 def _drive_point(
@@ -236,6 +241,9 @@ def _drive_point(
             gc.enable()
     pump(server.take_records())
     stalls = server.take_stalls() if hasattr(server, "take_stalls") else []
+    canary = take_canary(server)
+    if telemetry is not None:
+        telemetry.extend([{**r, "point": point.index} for c in canary for r in as_telemetry(c)])
     use = meter.stop()
     if tracing:
         _write_trace(server, records, sut, run_dir, log)
@@ -249,7 +257,14 @@ def _drive_point(
         slas,
         stopped_after_s,
         failure,
+        canary,
     )
+
+
+def take_canary(server: Any) -> list[JsonObject]:
+    """The speed-canary readings the server's instances took since the last call (none from a remote server: its
+    host's speed is its own to measure)."""
+    return server.take_canary() if hasattr(server, "take_canary") else []
 
 
 def _summary_row(
@@ -306,6 +321,11 @@ def _summary_row(
             "batch_fixed_ms": None if cost is None else cost.fixed_ms,
             "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
             **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
+            **canary_columns(
+                [c for c in seen.canary if c["model"] in (stream.model, None)],  # None: the serving process's
+                quiet_of(load_profile(), served.threads or 1) if served.on_this_host else None,
+                span,
+            ),
         }
     )
     dense_bytes, tables = _dense_bytes(served), served.table_precision or "fp32"

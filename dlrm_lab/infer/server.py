@@ -58,6 +58,7 @@ from dlrm_lab.infer.sut import Query, ServingProcess, Stall, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
 
 GIL_SWITCH_S = 0.00005  # the serving process's GIL switch interval while it serves (see start)
+CANARY_KEPT = 10_000  # speed-canary readings held for the next `take_canary` (about 5 hours of one instance)
 
 
 @dataclass
@@ -127,6 +128,8 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         self._records: list[QueryRow] = []
         self._records_lock = threading.Lock()
         self._stalls: list[Stall] = []
+        # the instances' speed-canary readings, each with its model; a `serve` nobody takes them from keeps the last
+        self._canary: collections.deque[JsonObject] = collections.deque(maxlen=CANARY_KEPT)
         self._batch_ids = itertools.count()  # shared by every batcher thread; next() is atomic
         self._outstanding = 0  # submitted, not yet finished
         self._idle = threading.Condition()

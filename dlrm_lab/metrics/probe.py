@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
+from dlrm_lab.metrics.canary import quiet_canary
 from dlrm_lab.metrics.ceiling import measure_ceiling
 from dlrm_lab.metrics.collectives import comm_bandwidth, mpi_bandwidth, slowest_over, torchrec_distribution
 from dlrm_lab.metrics.cpu import LoadWatch
@@ -99,6 +100,12 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             out["gather_bytes_per_s"], out["gather_table_bytes"] = gather["bytes_per_s"], gather["table_bytes"]
             say(f"  embedding gather (fbgemm TBE forward): {out['gather_bytes_per_s'] / 1e9:,.2f} GB/s")
             on_huge = False
+        if device.type == "cpu":  # the speed canary's work measured quiet: every run's readings are over it
+            out["canary"] = quiet_canary()
+            say(
+                f"  speed canary, quiet: GEMM {out['canary']['gemm_flops_per_s'] / 1e9:,.1f} GFLOP/s, gather "
+                f"{out['canary']['gather_bytes_per_s'] / 1e9:,.2f} GB/s ({out['canary']['ms']:.2f} ms)"
+            )
         out["gather_rows_per_s"] = gather_rows_per_s(device, sizes, sizes.repeats, huge_pages=on_huge)
         out["gather_probe"] = GATHER_PROBE
         say(

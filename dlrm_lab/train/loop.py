@@ -26,8 +26,10 @@ from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data import BatchSource
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure
+from dlrm_lab.metrics.canary import Canary, as_telemetry, quiet_of
 from dlrm_lab.metrics.columns import PHASES, EvalRow, StepRow, TrainSummaryRow, schema_of
 from dlrm_lab.metrics.energy import EnergySampler, telemetry_schema
+from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.train.checkpoint import save_checkpoint
@@ -169,6 +171,8 @@ def _loop(
             telemetry.extend([{**r, "rank": ctx.rank} for r in sampler.rows()])
 
     stack.callback(stop_sampler)
+    # the host's speed beside the steps: read between them, outside the timed step (`metrics.canary`)
+    canary = Canary(quiet_of(load_profile(), torch.get_num_threads()), f"rank {ctx.rank}")
     status = "ok"
     t_start = time.perf_counter()
     step_starts: list[float] = []  # sampler clock: the energy window starts after the warm-up
@@ -245,6 +249,8 @@ def _loop(
                 steps_table.append(row)
             if on_step is not None and ctx.is_main:  # one display under a launcher: rank 0's
                 on_step(row)
+            if (reading := canary.maybe_read()) is not None and telemetry is not None:
+                telemetry.extend([{**r, "rank": ctx.rank} for r in as_telemetry(reading)])
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 save_checkpoint(
                     cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main, _trained(setup, record, evals)
@@ -267,7 +273,7 @@ def _loop(
             f"rank {ctx.rank}: a collective failed at step {len(steps)}: another rank died or did not answer "
             f"within --timeout {cfg.timeout_s:g}s ({str(exc).strip().splitlines()[0][:200]})"
         ) from exc
-    return MeasuredSteps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table)
+    return MeasuredSteps(steps, evals, reached, status, t_start, step_starts, sampler, profiler, steps_table, canary)
 
 
 def distinct_rows(batch: Any) -> JsonObject | None:
@@ -374,6 +380,8 @@ def train(
             stack.callback(setup.source.close)
         measured = _loop(setup, record, stack, on_step, log)
         summary, all_steps = summarise(setup, record, measured)
+        if log and setup.ctx.is_main and summary.get("canary_phase"):
+            log(str(summary["canary_phase"]))
         if measured.status == "interrupted":
             raise KeyboardInterrupt
     return TrainResult(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec
 from dlrm_lab.distributed.context import DistContext
+from dlrm_lab.metrics.canary import Canary, canary_columns
 from dlrm_lab.metrics.columns import EvalRow, StepRow, TrainSummaryRow
 from dlrm_lab.metrics.cost import price_of, training_cost_columns
 from dlrm_lab.metrics.energy import EnergySampler, combine_summaries
@@ -137,6 +138,7 @@ class MeasuredSteps:
     sampler: EnergySampler
     profiler: StepProfiler
     steps_table: Any  # this rank's steps.parquet writer (None: no run directory)
+    canary: Canary  # this rank's speed canary, read between steps (`metrics.canary`)
 
 
 def summarise(setup: TrainSetup, record: Run | None, measured: MeasuredSteps) -> tuple[TrainSummaryRow, list[StepRow]]:
@@ -169,6 +171,8 @@ def summarise(setup: TrainSetup, record: Run | None, measured: MeasuredSteps) ->
         time.perf_counter() - measured.t_start,
         (setup.config.get("distinct_rows") or {}).get("share"),
     )
+    elapsed_s = time.perf_counter() - measured.t_start
+    summary.update(canary_columns(measured.canary.readings, measured.canary.quiet, elapsed_s))
     if record is not None and ctx.is_main:
         record.write_summary([summary], SUMMARY_SCHEMA)
     return summary, all_steps

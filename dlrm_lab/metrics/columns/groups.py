@@ -3,7 +3,7 @@ here, named by each table that writes them."""
 
 from __future__ import annotations
 
-from dlrm_lab.metrics.columns.registry import F64, HIGHER, LOWER, STR, col, column_group
+from dlrm_lab.metrics.columns.registry import F64, HIGHER, I64, LOWER, STR, col, column_group
 
 # Columns that training summaries, inference points and search frontiers share (docs/metrics.md,
 # "Roofline and energy", "Cost").
@@ -65,4 +65,16 @@ TELEMETRY = column_group(
     col("channel", STR),
     col("quantity", STR),
     col("value", F64),
+)
+# the speed canary of a run or a point (`metrics.canary`): its readings against the same work measured quiet
+CANARY = column_group(
+    col("canary_readings", I64),
+    col("canary_ratio", F64, "machine speed (canary / quiet)", "fraction", ".2f", HIGHER, short="canary"),
+    col("canary_ratio_p10", F64),
+    col("canary_ratio_p90", F64),
+    col("canary_foreign", F64, "foreign CPU load (canary)", "fraction", ".2f", LOWER),  # other sessions' and the host's
+    col("canary_ms", F64),
+    col("canary_share", F64),  # the canary's time over the run's or point's
+    col("canary_basis", STR),
+    col("canary_phase", STR),
 )

@@ -3,7 +3,7 @@ probes (`search summary`) and its serving configurations (`frontier`)."""
 
 from __future__ import annotations
 
-from dlrm_lab.metrics.columns.groups import ENERGY, ROOFLINE, ROOFLINE_PLACED, SERVING_COST
+from dlrm_lab.metrics.columns.groups import CANARY, ENERGY, ROOFLINE, ROOFLINE_PLACED, SERVING_COST
 from dlrm_lab.metrics.columns.registry import (
     BATCH_STAGES,
     BOOL,
@@ -179,6 +179,7 @@ register_table(
     "error",  # why the point ended early (a lost server, a bad answer): the run then fails
     # roofline of one batch on one instance, energy of the whole point (docs/metrics.md)
     col("batch_compute_mean_ms", F64),
+    *CANARY,
     *ROOFLINE,
     *ROOFLINE_PLACED,
     *ENERGY,

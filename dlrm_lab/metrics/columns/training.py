@@ -5,7 +5,14 @@ columns (`point`, `model`, ...) some of them name."""
 from __future__ import annotations
 
 from dlrm_lab.metrics.columns import serving  # noqa: F401  # its columns are defined first; these tables name them
-from dlrm_lab.metrics.columns.groups import ENERGY, ROOFLINE, ROOFLINE_PLACED, TELEMETRY, TRAINING_COST
+from dlrm_lab.metrics.columns.groups import (
+    CANARY,
+    ENERGY,
+    ROOFLINE,
+    ROOFLINE_PLACED,
+    TELEMETRY,
+    TRAINING_COST,
+)
 from dlrm_lab.metrics.columns.registry import (
     BOOL,
     F64,
@@ -93,6 +100,7 @@ register_table(
     col("table_update_floor_ms", F64),
     col("table_update_floor_fraction", F64, "table update, fraction of its bound", "fraction", ".3f", HIGHER),
     col("valid_flops_per_s", F64),
+    *CANARY,
     *ENERGY,
     "energy_per_sample_j",
     "samples_per_s_per_w",

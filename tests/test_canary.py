@@ -1,0 +1,139 @@
+"""The speed canary (issue 60): its readings against quiet, the slow-phase line, its columns in a training run's and
+a serving point's summary, and a real CPU hog started halfway through a serving run, named by its line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from dlrm_lab.metrics.canary import (
+    SLOW_PHASE,
+    Canary,
+    canary_columns,
+    foreign_load,
+    quiet_canary,
+    shared_phase_line,
+    slow_phase_line,
+)
+
+
+def _reading(t: float, speed: float, foreign: float | None = 0.02) -> dict:
+    return {
+        "time_unix_s": 1e9 + t,
+        "source": "rank 0",
+        "canary_since_start_s": t,
+        "canary_gemm_flops_per_s": 100e9 * speed,
+        "canary_gather_bytes_per_s": 10e9 * min(1.0, speed * 1.1),
+        "canary_ms": 0.5,
+        "canary_foreign": foreign,
+    }
+
+
+def test_the_canary_reads_the_slower_of_its_gemm_and_gather_against_quiet_and_says_a_slow_phase():
+    quiet = {"gemm_flops_per_s": 100e9, "gather_bytes_per_s": 10e9, "ms": 0.5}
+    steady = [_reading(t, 1.0) for t in range(10)]
+    columns = canary_columns(steady, quiet, elapsed_s=10.0)
+    assert columns["canary_readings"] == 10 and columns["canary_ratio"] == pytest.approx(1.0)
+    assert columns["canary_phase"] is None and columns["canary_share"] == pytest.approx(0.0005)
+    assert columns["canary_basis"] == "the machine profile's quiet canary"
+    slow = canary_columns([_reading(t, 0.55) for t in range(10)], quiet, elapsed_s=10.0)
+    assert slow["canary_ratio"] == pytest.approx(0.55)
+    assert slow["canary_phase"].startswith("measured while this machine ran at 0.55 of its profiled speed (canary)")
+    # a hog from 6 s on: the line names when the machine slowed, and how far
+    halfway = [_reading(t, 1.0 if t < 6 else 0.5) for t in range(12)]
+    line = canary_columns(halfway, quiet, elapsed_s=12.0)["canary_phase"]
+    assert line.startswith("this machine slowed to 0.50 of its profiled speed (canary) from 6.0 s into the run")
+    # no quiet canary in the profile: against the run's own fastest reading, and said so
+    unprobed = canary_columns(halfway, None, elapsed_s=12.0)
+    assert "no quiet canary" in unprobed["canary_basis"] and unprobed["canary_phase"].startswith("this machine slowed")
+    assert slow_phase_line([SLOW_PHASE + 0.01] * 5, list(range(5))) is None
+    assert slow_phase_line([1.0, 1.0, 0.5, 1.0, 1.0, 1.0], list(range(6))) is None  # one slow reading is no phase
+    assert canary_columns([], quiet, elapsed_s=1.0)["canary_ratio"] is None
+
+
+def test_the_canary_says_when_other_processes_took_the_machine():
+    """A hog beside the run does not slow a burst (the scheduler runs a task that just woke first), but it takes the
+    machine's CPU: the readings' foreign load says from when, and how much."""
+    quiet = {"gemm_flops_per_s": 100e9, "gather_bytes_per_s": 10e9, "ms": 0.5}
+    hogged = [_reading(t, 1.0, 0.02 if t < 5 else 0.45) for t in range(10)]
+    columns = canary_columns(hogged, quiet, elapsed_s=10.0)
+    assert columns["canary_ratio"] == pytest.approx(1.0)
+    assert columns["canary_phase"].startswith("other processes took 0.45 of this machine's CPU from 5.0 s into the run")
+    assert shared_phase_line([0.3] * 4, list(range(4))).startswith("other processes took 0.30 of this machine's CPU")
+    assert shared_phase_line([0.05] * 4, list(range(4))) is None
+    assert canary_columns([_reading(t, 1.0, None) for t in range(4)], quiet, 4.0)["canary_foreign"] is None
+    share, state = foreign_load(None)
+    assert share is None and (state is None or state[0][2] > 0)  # the first read: a state to measure from
+
+
+def test_the_canary_keeps_its_cadence_and_its_quiet_baseline_is_a_reading_of_the_same_work():
+    canary = Canary(None, "rank 0", every_s=3600.0)
+    assert canary.due()
+    reading = canary.maybe_read()
+    assert reading is not None and reading["canary_gemm_flops_per_s"] > 0 and reading["canary_ms"] > 0
+    assert not canary.due() and canary.maybe_read() is None  # not again for an hour
+    assert Canary(None, "rank 0", every_s=0).work is None  # off
+    quiet = quiet_canary(repeats=3)
+    assert set(quiet) == {"gemm_flops_per_s", "gather_bytes_per_s", "ms"} and quiet["ms"] > 0
+
+
+def test_a_training_run_records_its_canary_beside_its_steps(tmp_path, monkeypatch):
+    import dlrm_lab
+    from dlrm_lab.config import TrainConfig
+    from dlrm_lab.train import train
+
+    monkeypatch.setenv("DLRM_LAB_CANARY_S", "0.01")
+    result = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=30, batch_size=256, prefetch=0, eval_batches=1),
+                   metrics_dir=str(tmp_path))  # fmt: skip
+    summary = result.summary
+    assert summary["canary_readings"] >= 2 and 0 < summary["canary_ratio"] <= 1.0 + 1e-9
+    assert 0 < summary["canary_share"] < 1
+    telemetry = pq.read_table(result.run_dir / "telemetry.parquet").to_pandas()
+    canary = telemetry[telemetry["channel"] == "canary"]
+    assert set(canary["quantity"]) == {"gemm_flops_per_s", "gather_bytes_per_s", "ms", "foreign"}
+    assert (canary["quantity"] == "ms").sum() == summary["canary_readings"] and set(canary["source"]) == {"rank 0"}
+    assert 0 <= summary["canary_foreign"] <= 1
+
+
+def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_line(tmp_path, monkeypatch):
+    """Real hog processes (one a core, a session of their own) start halfway through a busy point: the instance's
+    canary readings say other processes took the machine, and from when, in the point's line."""
+    import os
+
+    import dlrm_lab
+    from dlrm_lab.infer.lab import InferConfig, run_inference
+    from dlrm_lab.infer.load import QuerySizes, Stream
+    from dlrm_lab.infer.served import ServedModel
+
+    monkeypatch.setenv("DLRM_LAB_CANARY_S", "0.1")
+    hogs: list[subprocess.Popen] = []
+
+    def halfway(progress) -> None:  # another user's processes: a session of their own, one a core
+        if progress.elapsed_s >= 2.0 and not hogs:
+            for core in sorted(os.sched_getaffinity(0)):
+                hog = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+                hogs.append(subprocess.Popen([sys.executable, "-c", hog], start_new_session=True))
+
+    lines: list[str] = []
+    try:
+        run_dir = run_inference(
+            [ServedModel("tiny", dlrm_lab.load_preset("tiny"), instances=1)],
+            [Stream("tiny", 3000.0, QuerySizes.parse("fixed:64"))],  # the instance busy: a hog takes its turns
+            InferConfig(duration_s=4.0, warmup_s=1.0),
+            metrics_dir=tmp_path,
+            log=lines.append,
+            on_progress=halfway,
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    assert row["canary_readings"] >= 10
+    assert hogs and row["canary_phase"] is not None and "other processes took" in row["canary_phase"]
+    onset = float(row["canary_phase"].split(" s into the run")[0].rsplit(" ", 1)[1])
+    assert 1.0 <= onset <= 4.5  # from about when they started (after the 1 s warm-up and 2 s of the point)
+    assert any(line == f"tiny: {row['canary_phase']}" for line in lines)
