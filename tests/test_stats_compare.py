@@ -23,7 +23,9 @@ from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY_SCHEMA
 # ----------------------------------------------------------------------------- run builders
 
 
-def train_run(root: Path, seed: int, slowdown: float = 1.0, steps: int = 120, ranks: int = 2) -> Path:
+def train_run(
+    root: Path, seed: int, slowdown: float = 1.0, steps: int = 120, ranks: int = 2, canary: float | None = None
+) -> Path:
     """A training run of `ranks` ranks whose step times are 50 ms x slowdown with 3% noise."""
     rng = np.random.default_rng(seed)
     rows = []
@@ -48,6 +50,7 @@ def train_run(root: Path, seed: int, slowdown: float = 1.0, steps: int = 120, ra
         run.table("steps", STEP_SCHEMA).extend(rows)
         summary = {"kind": "train", "status": "ok", "preset": "tiny", "world_size": ranks, **summarize_steps(rows)}
         summary["eval_auc"] = 0.75 + 0.001 * rng.standard_normal()
+        summary["canary_ratio"] = canary
         run.write_summary([summary], TRAIN_SUMMARY_SCHEMA)
     return run.dir
 
@@ -168,6 +171,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "new3": root / "sweep3",
         "ibase": root / "ibase",
         "ilate": root / "ilate",
+        "apart3": root / "apart3",
+        "later3": root / "later3",
     }
     train_run(out["base"], seed=1)
     train_run(out["slow"], seed=2, slowdown=1.1)
@@ -176,6 +181,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         for i in range(3):
             train_run(out["base3"], seed=10 + i)
             train_run(sweep.dir / "points" / f"ranks-{i}", seed=20 + i)  # runs at any depth
+    for i in range(3):  # not alternated: BASE's three, then NEW's
+        train_run(out["apart3"], seed=40 + i)
+    for i in range(3):
+        train_run(out["later3"], seed=50 + i)
     infer_run(out["ibase"], seed=1)
     infer_run(out["ilate"], seed=2, latency_scale=1.3)
     return out
@@ -199,10 +208,17 @@ def test_training_equal_in_distribution_is_within_noise(runs):
     assert rows["step_time_ms_p50"].verdict == "within noise"
 
 
-def test_three_runs_a_side_use_run_to_run_repeats(runs):
+def test_three_runs_a_side_alternated_in_time_are_compared_pair_by_pair(runs):
     result = compare(runs["base3"], runs["new3"])
     rows = by_metric(result)
     assert result.base_kinds == {"train": 3} and result.new_kinds == {"train": 3}
+    assert {r.basis for r in rows.values()} == {"paired in time: 3 pairs"}
+    assert rows["samples_per_s"].ratio.n == 3 and rows["samples_per_s"].verdict != "regression"
+
+
+def test_three_runs_a_side_not_alternated_use_run_to_run_repeats(runs):
+    result = compare(runs["apart3"], runs["later3"])
+    rows = by_metric(result)
     assert {r.basis for r in rows.values()} == {"repeats"}
     assert rows["samples_per_s"].base.n == 3 and rows["samples_per_s"].ratio.ci_low is not None
     assert "energy_per_sample_j" not in rows  # measured on neither side
@@ -301,3 +317,24 @@ def test_a_manifest_whose_hardware_is_not_an_object_is_an_unknown_machine_not_a_
     assert labels == ["machine unknown: ?]"]
     out = CliRunner().invoke(_cli(), ["compare", str(root), "--by-machine"])
     assert out.exception is None or isinstance(out.exception, SystemExit), out.exception
+
+
+def test_paired_runs_report_a_15_percent_slowdown_every_time_and_nothing_against_themselves(tmp_path):
+    """Issue 60's targets in small: the same command interleaved with itself reports no regression; a deliberate 15%
+    slowdown on one side is a regression; a pair whose canaries are over 10% apart is left out, and said."""
+    for trial in range(3):
+        base, same, slow = (tmp_path / f"{name}{trial}" for name in ("base", "same", "slow"))
+        for i in range(4):  # A B C A B C ...: BASE against SAME and against SLOW, each adjacent in time
+            train_run(base, seed=100 * trial + 3 * i, canary=0.9)
+            train_run(same, seed=100 * trial + 3 * i + 1, canary=0.9)
+        rows = by_metric(compare(base, same))
+        assert rows["samples_per_s"].basis == "paired in time: 4 pairs"
+        assert not compare(base, same).regressions
+    base, slow = tmp_path / "pbase", tmp_path / "pslow"
+    for i in range(4):
+        train_run(base, seed=500 + i, canary=0.9)
+        train_run(slow, seed=600 + i, slowdown=1.15, canary=0.9 if i else 0.6)  # the first pair's host was slower
+    rows = by_metric(compare(base, slow))
+    assert rows["samples_per_s"].verdict == "regression"
+    assert rows["samples_per_s"].ratio.median == pytest.approx(1 / 1.15, abs=0.03)
+    assert rows["samples_per_s"].basis == "paired in time: 3 pairs, 1 left out (canaries over 10% apart)"

@@ -17,7 +17,11 @@ Metrics (and which way is better):
 
 Samples (the noise estimate), basis of each row:
 
-- `repeats`: both sides have >= 3 runs with the metric: each run's summary value is one
+- `paired in time`: the two sides' runs alternated (A B A B ..., at least 3 a side, by their start times): each
+  adjacent pair gives one ratio, and the ratio's median and CI are over the pairs, so the host's drift between
+  pairs cancels. A pair whose speed canaries (`canary_ratio`) differ by more than 10% is left out, and the basis says
+  how many ("paired in time: 4 pairs, 1 left out").
+- `repeats`: both sides have >= 3 runs with the metric, not alternated: each run's summary value is one
   sample, so the CI covers run-to-run variation.
 - otherwise, within-run data of every run of the side, pooled (the same kind of sample
   on both sides, so that the two medians estimate the same thing):
@@ -75,6 +79,9 @@ from dlrm_lab.report.samples import (
 
 DEFAULT_THRESHOLD = 0.02
 MIN_REPEATS = 3  # runs per side from which run-to-run variation is the noise estimate
+# a pair of runs (one a side, adjacent in time) whose speed canaries (`canary_ratio`) differ by more than this fraction
+# is left out of a paired comparison: the host changed speed between its two halves
+PAIR_CANARY_APART = 0.10
 HIGHER, LOWER = columns.HIGHER, columns.LOWER
 REGRESSION, IMPROVEMENT, WITHIN_NOISE, NO_NOISE_ESTIMATE = (
     "regression",
@@ -90,6 +97,7 @@ REPEATS, STEPS, QUERIES, BINS, NO_REPEATS = (
     "within-run: 1-s bins",
     "no repeats",
 )
+PAIRED = "paired in time"  # BASE and NEW alternated (`time_pairs`): one ratio a pair of adjacent runs
 
 
 TRAIN_METRICS = tuple(columns.column(name) for name in columns.COMPARED["train"])
@@ -211,10 +219,57 @@ class _Comparer:
             )
         )
 
+    def add_paired(
+        self, kind: str, group: str, metric: columns.Column, pairs: list[tuple[dict[str, Any], dict[str, Any]]]
+    ) -> None:
+        """`metric` over pairs of summary rows (BASE's, NEW's), each pair's two runs adjacent in time: the ratio is
+        each pair's own, their median and CI over the pairs, so the host's drift between pairs cancels; a pair whose
+        canaries differ by over PAIR_CANARY_APART is left out, and the basis says how many."""
+        kept, apart = [], 0
+        for b, w in pairs:
+            cb, cw = b.get("canary_ratio"), w.get("canary_ratio")
+            if isinstance(cb, float) and isinstance(cw, float) and abs(cb - cw) > PAIR_CANARY_APART * max(cb, cw):
+                apart += 1
+                continue
+            vb, vw = b.get(metric.name), w.get(metric.name)
+            if isinstance(vb, (int, float)) and isinstance(vw, (int, float)) and vb > 0 and vw > 0:
+                kept.append((float(vb), float(vw)))
+        if len(kept) < MIN_REPEATS:
+            self.notes.append(
+                f"{group or kind}: {metric.name}: {len(kept)} pairs in time ({apart} left out: canaries over "
+                f"{PAIR_CANARY_APART:.0%} apart), too few to compare"
+            )
+            return
+        ratios = [w / b if metric.better == HIGHER else b / w for b, w in kept]
+        basis = f"{PAIRED}: {len(kept)} pairs" + (
+            f", {apart} left out (canaries over {PAIR_CANARY_APART:.0%} apart)" if apart else ""
+        )
+        ratio = estimate(ratios, **self.opts)
+        self.rows.append(
+            MetricComparison(
+                kind=kind,
+                group=group,
+                metric=metric.name,
+                unit=metric.unit,
+                direction=metric.better or HIGHER,
+                base=estimate([b for b, _ in kept], **self.opts),
+                new=estimate([w for _, w in kept], **self.opts),
+                ratio=ratio,
+                verdict=verdict(ratio, self.threshold),
+                basis=basis,
+            )
+        )
+
     # -- training
 
     def train(self, base: list[RunSamples], new: list[RunSamples]) -> None:
         self._config_notes("train", base, new)
+        if (pairs := time_pairs(base, new)) is not None:
+            rows = [(b.summary[0], w.summary[0]) for b, w in pairs if b.summary and w.summary]
+            for metric in TRAIN_METRICS:
+                if metric.name != "energy_per_sample_j" or all(r[0].get(metric.name) for r in rows):
+                    self.add_paired("train", "", metric, rows)
+            return
         repeats = len(base) >= MIN_REPEATS and len(new) >= MIN_REPEATS
         steps = {} if repeats else {"BASE": train_steps(base), "NEW": train_steps(new)}
         for metric in TRAIN_METRICS:
@@ -242,6 +297,7 @@ class _Comparer:
 
     def infer(self, base: list[RunSamples], new: list[RunSamples]) -> None:
         b_groups, w_groups = infer_groups(base), infer_groups(new)
+        pairs = time_pairs(base, new)
         for side, only in (("BASE", b_groups.keys() - w_groups.keys()), ("NEW", w_groups.keys() - b_groups.keys())):
             for key in sorted(only):
                 self.notes.append(f"infer {' '.join(key)}: only in {side}, not compared")
@@ -255,6 +311,12 @@ class _Comparer:
                     f"{group}: target_qps differs (BASE {_set_text(b_rate)}, NEW {_set_text(w_rate)}): "
                     "open-loop throughput follows the offered load"
                 )
+            if pairs is not None:
+                b_of, w_of = {id(run): rows for run, rows in bg}, {id(run): rows for run, rows in wg}
+                rows = [(b_of[id(b)][0], w_of[id(w)][0]) for b, w in pairs if b_of.get(id(b)) and w_of.get(id(w))]
+                for metric in INFER_METRICS:
+                    self.add_paired("infer", group, metric, rows)
+                continue
             repeats = len(bg) >= MIN_REPEATS and len(wg) >= MIN_REPEATS
             if repeats:
                 for metric in INFER_METRICS:
@@ -272,6 +334,23 @@ class _Comparer:
                     weight = metric.name == "samples_per_s"
                     b, w = per_second(b_queries, weight), per_second(w_queries, weight)
                     self.add("infer", group, metric, b, w, BINS)
+
+
+def time_pairs(base: list[RunSamples], new: list[RunSamples]) -> list[tuple[RunSamples, RunSamples]] | None:
+    """BASE's and NEW's runs paired in the order they ran, where they alternate (A B A B ..., or B A A B ...: each
+    adjacent two are one of each side) with at least MIN_REPEATS pairs; None where they do not (then unpaired)."""
+    if len(base) != len(new) or len(base) < MIN_REPEATS:
+        return None
+    order = [(str(r.manifest.get("start_time") or ""), side, r) for side, runs in ((0, base), (1, new)) for r in runs]
+    if any(not t for t, _, _ in order):
+        return None
+    order.sort(key=lambda x: x[0])
+    pairs = []
+    for (_, s1, r1), (_, s2, r2) in zip(order[::2], order[1::2], strict=True):
+        if s1 == s2:
+            return None
+        pairs.append((r1, r2) if s1 == 0 else (r2, r1))
+    return pairs
 
 
 def _set_text(values: set[Any]) -> str:
