@@ -20,9 +20,9 @@ from dlrm_lab.metrics.run import Run
 from dlrm_lab.report import plots
 from dlrm_lab.report.html import write_report
 from dlrm_lab.report.load import discover
+from dlrm_lab.scaling import POINT_SCHEMA
 from dlrm_lab.train.records import STEP_SCHEMA
 from dlrm_lab.train.records import SUMMARY_SCHEMA as TRAIN_SUMMARY
-from dlrm_lab.scaling import POINT_SCHEMA
 
 SHARES = {
     "data_wait": 0.1,
