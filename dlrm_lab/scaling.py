@@ -10,6 +10,7 @@ comparison. Being a sweep, a scaling run repeats points and resumes where it sto
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -99,6 +100,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
 
     rows: list[ScaleRow] = []
     base: float | None = None  # samples/s of one rank
+    first: dict[int, tuple[int, dict[str, Any]]] = {}  # the first count's summary by repeat, with its ranks
     for k, params in enumerate(spec.points[: len(table_points(spec))]):
         n, per_rank = int(params["ranks"]), int(params["batch-size"])
         done = [p for p in result.points if p.point == k]
@@ -112,7 +114,11 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
         rate = estimate([s["samples_per_s"] for s in summaries if s.get("samples_per_s")])
         if k == 0 and rate.median:
             base = rate.median / n
+            first = {p.repeat: (n, s) for p, s in zip(ok, summaries, strict=True)}
         speedup = rate.median / base if rate.median and base else None
+        paired = paired_efficiencies(first, {p.repeat: s for p, s in zip(ok, summaries, strict=True)}, n)
+        if paired["efficiency_pairs"]:
+            speedup = paired.pop("efficiency") * n  # each repeat's own pair: the host's drift between them cancels
         last = done[-1].status if done else "failed"  # pending, failed or interrupted when no repeat ended ok
         rows.append(
             ScaleRow(
@@ -132,6 +138,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
                     "step_time_ms_p50": median("step_time_ms_p50"),
                     "speedup": speedup,
                     "efficiency": speedup / n if speedup else None,
+                    **paired,
                     **{f"{p}_share": median(f"{p}_share") for p in PHASES},
                     "point_run_id": ok[0].child_dir.name if ok else None,  # type: ignore[union-attr]
                     "point_status": "ok" if ok else last,
@@ -140,6 +147,36 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
         )
     _against_the_model(rows, spec, result)
     return rows, POINT_SCHEMA
+
+
+PAIR_CANARY_APART = 0.10  # a repeat's pair whose speed canaries differ by more than this fraction is left out
+
+
+def paired_efficiencies(
+    first: dict[int, tuple[int, dict[str, Any]]], mine: dict[int, dict[str, Any]], ranks: int
+) -> dict[str, Any]:
+    """The efficiency at `ranks` from each repeat's adjacent pair (the sweep runs every count's r-th repeat one after
+    another: `sweep.run`): its samples/s over `ranks / first ranks` x the first count's in the same repeat; their
+    median, count, spread ((max - min) / median), and the pairs left out because their canaries disagree."""
+    effs, apart = [], 0
+    for r, (n0, s0) in first.items():
+        s = mine.get(r)
+        if s is None or not s.get("samples_per_s") or not s0.get("samples_per_s"):
+            continue
+        c0, c = s0.get("canary_ratio"), s.get("canary_ratio")
+        if isinstance(c0, float) and isinstance(c, float) and abs(c0 - c) > PAIR_CANARY_APART * max(c0, c):
+            apart += 1
+            continue
+        effs.append(float(s["samples_per_s"]) / (float(s0["samples_per_s"]) * ranks / n0))
+    if not effs:
+        return {"efficiency_pairs": 0, "efficiency_pairs_left_out": apart, "efficiency_spread": None}
+    mid = statistics.median(effs)
+    return {
+        "efficiency": mid,
+        "efficiency_pairs": len(effs),
+        "efficiency_pairs_left_out": apart,
+        "efficiency_spread": (max(effs) - min(effs)) / mid if mid else None,
+    }
 
 
 def table_points(spec: SweepSpec) -> list[OptionValues]:

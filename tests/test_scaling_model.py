@@ -336,3 +336,18 @@ def test_step_times_come_from_the_measured_steps(tmp_path):
     assert times.step_ms == pytest.approx(105.0) and times.world_size == 2  # warm-up left out
     assert times.phases == pytest.approx({**PHASES_ONE, "embedding_all_to_all_backward": 0.0})  # not recorded: 0
     assert times.untimed_ms == pytest.approx(7.0)
+
+
+def test_scaling_takes_each_efficiency_from_its_repeats_adjacent_pair_and_leaves_out_a_drifted_one():
+    """Issue 60: a repeat's 1-rank and N-rank runs ran one after the other; each pair gives one efficiency, so a host
+    twice as fast in one repeat moves neither; a pair whose canaries disagree by over 10% is left out."""
+    from dlrm_lab.scaling import paired_efficiencies
+
+    first = {r: (1, {"samples_per_s": rate, "canary_ratio": 0.9}) for r, rate in enumerate((1000.0, 2000.0, 1000.0))}
+    two = {0: {"samples_per_s": 1800.0, "canary_ratio": 0.9}, 1: {"samples_per_s": 3600.0, "canary_ratio": 0.9},
+           2: {"samples_per_s": 1000.0, "canary_ratio": 0.5}}  # fmt: skip
+    paired = paired_efficiencies(first, two, ranks=2)
+    assert paired["efficiency"] == pytest.approx(0.9) and paired["efficiency_spread"] == pytest.approx(0.0)
+    assert paired["efficiency_pairs"] == 2 and paired["efficiency_pairs_left_out"] == 1
+    assert paired_efficiencies(first, {}, ranks=2) == {
+        "efficiency_pairs": 0, "efficiency_pairs_left_out": 0, "efficiency_spread": None}  # fmt: skip
