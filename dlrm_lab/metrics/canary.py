@@ -1,4 +1,4 @@
-"""A speed canary: a small fixed workload (a GEMM and a table gather, about half a millisecond on one core) timed at
+"""A speed canary: a small fixed workload (a GEMM and a table gather, under a millisecond on one core) timed at
 a fixed cadence beside a run, so that a figure measured while the host ran slow, or shared, says so.
 
 Shared cloud hosts move under a run (the same training command at 20-40k samples/s within 15 minutes on one guest):
@@ -34,7 +34,9 @@ CANARY_EVERY_S = 2.0  # the cadence: a reading at most this often (DLRM_LAB_CANA
 CANARY_ENV = "DLRM_LAB_CANARY_S"
 SLOW_PHASE = 0.8  # a run whose canary's median is below this fraction of quiet was measured in a slow phase
 GEMM_N = 256  # fp32 n x n x n: 33.5 MFLOP, ~0.2-0.35 ms on one core of these machines
-GATHER_ROWS, TABLE_ROWS, ROW_FLOATS = 32_768, 1 << 19, 16  # 2 MiB of 64-byte rows from a 32 MiB table
+# 4 x 8,192 64-byte rows from a 256 KiB table: in the core's own cache, so that the gather measures the core as the
+# GEMM does (a table beyond the caches read 2x slower after a training step than back to back, host or no host)
+GATHER_ROWS, TABLE_ROWS, ROW_FLOATS, GATHERS = 8_192, 4_096, 16, 4
 QUIET_READINGS = 15  # the probe's quiet baseline: the median of this many readings, back to back
 
 
@@ -51,14 +53,21 @@ class CanaryWorkload:
         self.rows = torch.empty(GATHER_ROWS, ROW_FLOATS)
 
     def time(self) -> tuple[float, float, float]:
-        """One reading: (GEMM FLOP/s, gather bytes/s, its ms in all)."""
+        """One reading: (GEMM FLOP/s, gather bytes/s, its ms in all), the rates of the work's second run back to back:
+        the first, after other work (a training step, a batch) or idle, pays for caches and sleeping threads, which
+        the quiet baseline, back to back, does not."""
+        first, second = self._once(), self._once()
+        return second[0], second[1], first[2] + second[2]  # its cost: both runs
+
+    def _once(self) -> tuple[float, float, float]:
         with torch.inference_mode():
             t0 = time.perf_counter()
             torch.mm(self.a, self.b, out=self.c)
             t1 = time.perf_counter()
-            torch.index_select(self.table, 0, self.ids, out=self.rows)
+            for _ in range(GATHERS):
+                torch.index_select(self.table, 0, self.ids, out=self.rows)
             t2 = time.perf_counter()
-        flops, moved = 2 * GEMM_N**3, GATHER_ROWS * ROW_FLOATS * 4
+        flops, moved = 2 * GEMM_N**3, GATHERS * GATHER_ROWS * ROW_FLOATS * 4
         return flops / max(t1 - t0, 1e-9), moved / max(t2 - t1, 1e-9), (t2 - t0) * 1e3
 
 
@@ -105,9 +114,11 @@ def cpu_ticks() -> tuple[int, int, int] | None:
 
 
 def session_ticks() -> int:
-    """CPU ticks used by the processes of this run's session (this process, its instances or ranks, their launcher):
-    what the machine's busy time holds that is the run's own."""
-    session, total = os.getsid(0), 0
+    """CPU ticks used by the run's own processes: those of this process's session and every process descended from
+    one of them (a launcher's ranks may start sessions of their own: mpirun's daemons do). What the machine's busy
+    time holds that is the run's own."""
+    session = os.getsid(0)
+    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (parent, session, ticks)
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -116,9 +127,24 @@ def session_ticks() -> int:
                 fields = f.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
         except OSError:
             continue  # ended meanwhile
-        if int(fields[3]) == session:  # from the state on: state ppid pgrp session ... utime (11) stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total
+        # from the state on: state (0) ppid (1) pgrp (2) session (3) ... utime (11) stime (12)
+        procs[int(pid)] = (int(fields[1]), int(fields[3]), int(fields[11]) + int(fields[12]))
+    ours: dict[int, bool] = {}
+
+    def own(pid: int) -> bool:
+        chain = []
+        while pid in procs and pid not in ours:
+            if procs[pid][1] == session:
+                ours[pid] = True
+                break
+            chain.append(pid)
+            pid = procs[pid][0]
+        found = ours.get(pid, False)
+        for p in chain:
+            ours[p] = found
+        return found
+
+    return sum(ticks for pid, (_, _, ticks) in procs.items() if own(pid))
 
 
 LoadState = tuple[tuple[int, int, int], int]  # the machine's CPU ticks and the session's, at one moment
