@@ -3,8 +3,11 @@ a serving point's summary, and a real CPU hog started halfway through a serving 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -109,13 +112,19 @@ def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_
     from dlrm_lab.infer.served import ServedModel
 
     monkeypatch.setenv("DLRM_LAB_CANARY_S", "0.1")
-    hogs: list[subprocess.Popen] = []
+    hogs: list[Path] = []  # each hog's pid file: another user's process, neither ours nor our descendant
 
-    def halfway(progress) -> None:  # another user's processes: a session of their own, one a core
+    def halfway(progress) -> None:
         if progress.elapsed_s >= 2.0 and not hogs:
-            for core in sorted(os.sched_getaffinity(0)):
-                hog = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
-                hogs.append(subprocess.Popen([sys.executable, "-c", hog], start_new_session=True))
+            for core in range(os.cpu_count() or 1):  # every core: this thread may be pinned to the spare one
+                pid_file = tmp_path / f"hog-{core}.pid"
+                hog = (
+                    "import os\nif os.fork(): os._exit(0)\nos.setsid()\n"  # reparented away from this process
+                    f"os.sched_setaffinity(0, {{{core}}})\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                    "while True: pass"
+                )
+                subprocess.run([sys.executable, "-c", hog], check=True)
+                hogs.append(pid_file)
 
     lines: list[str] = []
     try:
@@ -128,9 +137,12 @@ def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_
             on_progress=halfway,
         )
     finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+        for pid_file in hogs:
+            for _ in range(100):  # the grandchild writes its pid just after it starts
+                if pid_file.exists() and pid_file.read_text():
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                    break
+                time.sleep(0.01)
     (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert row["canary_readings"] >= 10
     assert hogs and row["canary_phase"] is not None and "other processes took" in row["canary_phase"]
