@@ -18,6 +18,7 @@ from dlrm_lab.errors import (
     UserError,
     fields_named_by,
 )
+from dlrm_lab.metrics.canary import mark_run_root
 
 app = typer.Typer(
     name="dlrm-lab",
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
 
+    mark_run_root()  # the canary's foreign load: the processes this command starts, however launched, are its own
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C (SIGINT) is how a run is stopped cleanly (status interrupted, rows kept; sweeps
         # pass it on to their point): honour it even where it was inherited as ignored, as

@@ -113,11 +113,20 @@ def cpu_ticks() -> tuple[int, int, int] | None:
     return user + nice + system + irq + softirq, steal, sum(fields)
 
 
+RUN_ROOT_ENV = "DLRM_LAB_RUN_ROOT"  # the pid of the command that started the run, inherited by all it starts
+
+
+def mark_run_root() -> None:
+    """Make this process the root of the run's processes (the command line does, once): every process it starts,
+    however launched (mpirun's daemons start sessions of their own), inherits the mark."""
+    os.environ.setdefault(RUN_ROOT_ENV, str(os.getpid()))
+
+
 def session_ticks() -> int:
-    """CPU ticks used by the run's own processes: those of this process's session and every process descended from
-    one of them (a launcher's ranks may start sessions of their own: mpirun's daemons do). What the machine's busy
-    time holds that is the run's own."""
+    """CPU ticks used by the run's own processes: those of this process's session, the run's root (`mark_run_root`)
+    and every process descended from either. What the machine's busy time holds that is the run's own."""
     session = os.getsid(0)
+    root = int(os.environ.get(RUN_ROOT_ENV, "0") or 0)
     procs: dict[int, tuple[int, int, int]] = {}  # pid -> (parent, session, ticks)
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -134,7 +143,7 @@ def session_ticks() -> int:
     def own(pid: int) -> bool:
         chain = []
         while pid in procs and pid not in ours:
-            if procs[pid][1] == session:
+            if pid == root or procs[pid][1] == session:
                 ours[pid] = True
                 break
             chain.append(pid)
