@@ -4,6 +4,7 @@ a serving point's summary, and a real CPU hog started halfway through a serving 
 from __future__ import annotations
 
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -99,6 +100,14 @@ def test_a_training_run_records_its_canary_beside_its_steps(tmp_path, monkeypatc
     assert set(canary["quantity"]) == {"gemm_flops_per_s", "gather_bytes_per_s", "ms", "foreign"}
     assert (canary["quantity"] == "ms").sum() == summary["canary_readings"] and set(canary["source"]) == {"rank 0"}
     assert 0 <= summary["canary_foreign"] <= 1
+    # the report draws the canary beside the run's own rate over the run's time
+    from dlrm_lab.report.html import write_report
+
+    report = write_report([result.run_dir], tmp_path / "report")
+    drawn = report.drawn["canary"]
+    (series,) = drawn.runs.values()
+    assert drawn.path.is_file() and len(series.ratios) == summary["canary_readings"] == len(series.times_s)
+    assert series.rates and statistics.median(series.rates) == pytest.approx(1.0)  # over its median
 
 
 def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_line(tmp_path, monkeypatch):

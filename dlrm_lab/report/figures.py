@@ -6,9 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
+
 from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.metrics import columns
+from dlrm_lab.metrics.canary import ratios as canary_ratios
 from dlrm_lab.metrics.roofline import run_profile
 from dlrm_lab.report import plots
 from dlrm_lab.report.load import (
@@ -38,6 +42,7 @@ TITLES = {
     "collectives": "Collectives compared: bus bandwidth per transport",
     "request_flops": "HSTU ranker: FLOPs per request against history length",
     "machines": "Machines side by side: cost per 1M inferences against the latency bound",
+    "canary": "The host's speed beside the run's (speed canary)",
 }
 
 
@@ -304,6 +309,79 @@ def _machines(data: ReportData, out: Path) -> Made:
     return {"machines": (plots.cost_per_bound(rows, out / "machines.png"), list(dict.fromkeys(notes)))}
 
 
+def _canary_readings(run: RunInfo) -> list[JsonObject]:
+    """A run's speed-canary readings (telemetry rows of channel `canary`), one dict each, in time order."""
+    path = run.dir / "telemetry.parquet"
+    if not path.is_file():
+        return []
+    table = pq.read_table(path, columns=["time_unix_s", "source", "channel", "quantity", "value"]).to_pylist()
+    by_moment: dict[tuple[float, str], JsonObject] = {}
+    for r in table:
+        if r["channel"] == "canary":
+            reading = by_moment.setdefault((r["time_unix_s"], r["source"]), {"time_unix_s": r["time_unix_s"],
+                                                                             "source": r["source"]})  # fmt: skip
+            reading[f"canary_{r['quantity']}"] = r["value"]
+    return [by_moment[k] for k in sorted(by_moment) if "canary_gemm_flops_per_s" in by_moment[k]]
+
+
+def _run_rate(run: RunInfo) -> tuple[list[float], list[float]]:
+    """The run's own rate over time (s, value): a training rank 0's steps (unix time), or a serving run's completed
+    samples per second (its queries' ends in 1-s bins, on the server's own clock)."""
+    if run.kind == "train" and (run.dir / "steps.parquet").is_file():
+        steps = pq.read_table(run.dir / "steps.parquet", columns=["rank", "time_unix_s", "samples_per_s"]).to_pylist()
+        rows = [r for r in steps if r["rank"] == 0 and r["time_unix_s"] and r["samples_per_s"]]
+        return [float(r["time_unix_s"]) for r in rows], [float(r["samples_per_s"]) for r in rows]
+    if run.kind == "infer" and (run.dir / "queries.parquet").is_file():
+        queries = pq.read_table(run.dir / "queries.parquet", columns=["end_ms", "samples", "status"]).to_pylist()
+        ends = [
+            (float(q["end_ms"]), int(q["samples"])) for q in queries if q["status"] == "ok" and q["end_ms"] is not None
+        ]
+        if not ends:
+            return [], []
+        bins: dict[int, int] = {}
+        for end, n in ends:
+            bins[int(end // 1000)] = bins.get(int(end // 1000), 0) + n
+        keys = sorted(bins)[1:-1]  # the first and last bins are partial
+        return [float(k) for k in keys], [float(bins[k]) for k in keys]  # seconds of the server's own clock
+    return [], []
+
+
+def _canary(data: ReportData, out: Path) -> Made:
+    series: dict[str, plots.CanarySeries] = {}
+    for run in data.runs:
+        if run.kind not in ("train", "infer") or not (readings := _canary_readings(run)):
+            continue
+        values, _ = canary_ratios(readings, None)  # each source against its own best in the run
+        first = float(readings[0]["time_unix_s"])
+        rate_t, rate = _run_rate(run)
+        mid = float(np.median(rate)) if rate else 0.0
+        times = [float(r["time_unix_s"]) - first for r in readings]
+        same_clock = run.kind == "train"  # a serving run's query times are its own clock's: drawn from 0
+        series[run.short] = plots.CanarySeries(
+            times_s=times,
+            ratios=values,
+            foreign=[r.get("canary_foreign") for r in readings],
+            rate_times_s=[t - (first if same_clock else (rate_t[0] if rate_t else 0.0)) for t in rate_t],
+            rates=[v / mid for v in rate] if mid else [],
+            phase=next(
+                (
+                    r.get("canary_phase")
+                    for r in data.train + data.infer
+                    if r.get("run_id") == run.run_id and r.get("canary_phase")
+                ),
+                None,
+            ),  # fmt: skip
+        )
+    if not series:
+        return "no run with speed-canary readings (telemetry.parquet, channel canary: runs since 2026-11-29)"
+    drawn = plots.canary_timeline(series, out / "canary.png")
+    notes = ["canary: each source (a rank, an instance) against its own fastest reading in the run; the summary's "
+             "canary_ratio is against the machine profile's quiet canary"]  # fmt: skip
+    if drawn.left_out:
+        notes.append(f"{drawn.left_out} more run(s) with canary readings not drawn (at most {plots.MAX_RUNS_CANARY})")
+    return {"canary": (drawn, notes)}
+
+
 BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
     ("latency_cdf", _latency),
     ("qps_vs_p99", _qps),
@@ -317,4 +395,5 @@ BUILDERS: list[tuple[str, Callable[[ReportData, Path], Made]]] = [
     ("collectives", _collectives),
     ("request_flops", _request_flops),
     ("machines", _machines),
+    ("canary", _canary),
 ]

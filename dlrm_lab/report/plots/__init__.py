@@ -8,6 +8,8 @@ One module per family of figures; this package is where the report finds them al
 
 from typing import Union
 
+from dlrm_lab.report.plots.canary import MAX_RUNS as MAX_RUNS_CANARY
+from dlrm_lab.report.plots.canary import CanaryPlot, CanarySeries, canary_timeline
 from dlrm_lab.report.plots.common import MAX_BARS, MAX_CURVES, MAX_LABELS, MAX_PANELS
 from dlrm_lab.report.plots.machine import (
     CollectivesPlot,
@@ -44,6 +46,7 @@ from dlrm_lab.report.plots.training import (
 
 # What a plot function returned, kept by plot name (`report.html.ReportResult.drawn`)
 Drawn = Union[
+    CanaryPlot,
     CdfPlot,
     CollectivesPlot,
     CostPlot,
@@ -60,10 +63,14 @@ Drawn = Union[
 
 __all__ = [
     "MAX_BARS",
+    "MAX_RUNS_CANARY",
     "MAX_CURVES",
     "MAX_LABELS",
     "MAX_PANELS",
     "SEGMENTS",
+    "CanaryPlot",
+    "CanarySeries",
+    "canary_timeline",
     "CdfPlot",
     "CollectivesPlot",
     "EnergyPlot",
