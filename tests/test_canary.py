@@ -158,3 +158,37 @@ def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_
     onset = float(row["canary_phase"].split(" s into the run")[0].rsplit(" ", 1)[1])
     assert 1.0 <= onset <= 4.5  # from about when they started (after the 1 s warm-up and 2 s of the point)
     assert any(line == f"tiny: {row['canary_phase']}" for line in lines)
+
+
+def test_a_choice_stored_in_a_slow_minute_is_measured_again_not_kept(monkeypatch):
+    """A measured choice (build, precision, sharding) carries the machine's speed when it was measured; one stored in
+    a slow phase, or at a speed far from now's, is measured again (one line says why); one without a canary (stored
+    before choices carried one) or at today's speed is kept."""
+    from dlrm_lab.metrics import roofline
+
+    monkeypatch.setattr(roofline, "canary_now", lambda profile: 0.9)
+    entry = {"batch_ms": {"aoti": {"1": 0.2}}, "measured_at": "2026-11-29T05:00:00+00:00"}
+    profile = {"fingerprint_id": "abc", "build_rates": {"k": {**entry, "canary_ratio": 0.5}}}
+    lines: list[str] = []
+    assert roofline.cached_choice(profile, "build_rates", "k", lines.append) is None
+    assert lines == ["build_rates.k: measured while the machine ran at 0.50 of its quiet speed (canary), now 0.90; "
+                     "measuring again"]  # fmt: skip
+    profile["build_rates"]["k"]["canary_ratio"] = 0.88
+    assert roofline.cached_choice(profile, "build_rates", "k") is profile["build_rates"]["k"]
+    profile["build_rates"]["k"] = entry
+    assert roofline.cached_choice(profile, "build_rates", "k") is entry
+    saved = []
+    monkeypatch.setattr(roofline, "save_profile", lambda p: saved.append(p) or "here")
+    assert roofline.store_measured(profile, "build_rates", "k2", entry) == "here"
+    assert saved[0]["build_rates"]["k2"]["canary_ratio"] == 0.9
+
+
+def test_the_canary_now_reads_against_the_profiles_quiet_term():
+    import torch
+
+    from dlrm_lab.metrics.roofline import canary_now
+
+    threads = torch.get_num_threads()
+    quiet = {"gemm_flops_per_s": 1e9, "gather_bytes_per_s": 1e8, "ms": 1.0}  # slower than any machine: ratio > 1
+    profile = {"devices": {"cpu": {"threads": {str(threads): {"canary": quiet}}}}}
+    assert canary_now(profile) > 1.0 and canary_now({"devices": {}}) is None

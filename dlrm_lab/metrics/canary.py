@@ -26,8 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from dlrm_lab.config.values import JsonObject
 
 CANARY_EVERY_S = 2.0  # the cadence: a reading at most this often (DLRM_LAB_CANARY_S: another; 0: off)
@@ -44,6 +42,8 @@ class CanaryWorkload:
     """The fixed work, its tensors made once (seeded: the same everywhere)."""
 
     def __init__(self) -> None:
+        import torch  # here: the module's rules and readers are read where torch is not loaded (`metrics.roofline`)
+
         rng = torch.Generator().manual_seed(0)
         self.a = torch.rand(GEMM_N, GEMM_N, generator=rng)
         self.b = torch.rand(GEMM_N, GEMM_N, generator=rng)
@@ -60,6 +60,8 @@ class CanaryWorkload:
         return second[0], second[1], first[2] + second[2]  # its cost: both runs
 
     def _once(self) -> tuple[float, float, float]:
+        import torch
+
         with torch.inference_mode():
             t0 = time.perf_counter()
             torch.mm(self.a, self.b, out=self.c)
