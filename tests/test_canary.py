@@ -164,9 +164,9 @@ def test_a_choice_stored_in_a_slow_minute_is_measured_again_not_kept(monkeypatch
     """A measured choice (build, precision, sharding) carries the machine's speed when it was measured; one stored in
     a slow phase, or at a speed far from now's, is measured again (one line says why); one without a canary (stored
     before choices carried one) or at today's speed is kept."""
-    from dlrm_lab.metrics import roofline
+    from dlrm_lab.metrics import canary, roofline
 
-    monkeypatch.setattr(roofline, "canary_now", lambda profile: 0.9)
+    monkeypatch.setattr(canary, "canary_now", lambda profile: 0.9)
     entry = {"batch_ms": {"aoti": {"1": 0.2}}, "measured_at": "2026-11-29T05:00:00+00:00"}
     profile = {"fingerprint_id": "abc", "build_rates": {"k": {**entry, "canary_ratio": 0.5}}}
     lines: list[str] = []
@@ -186,7 +186,7 @@ def test_a_choice_stored_in_a_slow_minute_is_measured_again_not_kept(monkeypatch
 def test_the_canary_now_reads_against_the_profiles_quiet_term():
     import torch
 
-    from dlrm_lab.metrics.roofline import canary_now
+    from dlrm_lab.metrics.canary import canary_now
 
     threads = torch.get_num_threads()
     quiet = {"gemm_flops_per_s": 1e9, "gather_bytes_per_s": 1e8, "ms": 1.0}  # slower than any machine: ratio > 1

@@ -367,3 +367,31 @@ CANARY_NAMES = (
     "canary_basis",
     "canary_phase",
 )
+
+
+def canary_now(profile: JsonObject | None) -> float | None:
+    """One speed-canary reading now against the profile's quiet canary (None without it): what a stored choice is
+    checked against (`metrics.roofline.cached_choice`)."""
+    import torch
+
+    quiet = quiet_of(profile, torch.get_num_threads())
+    if quiet is None:
+        return None
+    return ratios([Canary(quiet, "choice", every_s=1.0).read()], quiet)[0][0]
+
+
+def measured_slower(profile: JsonObject, entry: JsonObject) -> str | None:
+    """Why a stored choice is not kept blindly: the machine ran at a different speed when it was measured than it
+    does now (their canaries over CHOICE_CANARY_APART apart, or the stored one in a slow phase); None to keep it."""
+    then = entry.get("canary_ratio")
+    if not isinstance(then, float):
+        return None  # measured before choices carried a canary: kept as it was
+    now = canary_now(profile)
+    if now is None:
+        return None
+    if then < SLOW_PHASE or abs(now - then) > CHOICE_CANARY_APART * max(now, then):
+        return f"measured while the machine ran at {then:.2f} of its quiet speed (canary), now {now:.2f}"
+    return None
+
+
+CHOICE_CANARY_APART = 0.2  # a stored choice measured at a speed this far from now's is measured again

@@ -27,7 +27,7 @@ from typing import Any
 
 from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.errors import UserError
-from dlrm_lab.metrics.canary import SLOW_PHASE, Canary, quiet_of, ratios
+from dlrm_lab.metrics import canary
 from dlrm_lab.metrics.columns import ROOFLINE_PLACED
 from dlrm_lab.metrics.hardware import hardware_fingerprint
 from dlrm_lab.resources import read_bounded
@@ -194,7 +194,7 @@ def cached_choice(
     elif (entry := table.get(key)) is None:
         return None
     elif (problem := cached_problem(section, key, entry)) is None:
-        if (slower := _measured_slower(profile, entry)) is None:
+        if (slower := canary.measured_slower(profile, entry)) is None:
             return entry
         if log is not None:
             log(f"{section}.{key}: {slower}; measuring again")
@@ -204,39 +204,12 @@ def cached_choice(
     return None
 
 
-def canary_now(profile: JsonObject | None) -> float | None:
-    """One speed-canary reading now against the profile's quiet canary (`metrics.canary`; None without it)."""
-    import torch
-
-    quiet = quiet_of(profile, torch.get_num_threads())
-    if quiet is None:
-        return None
-    return ratios([Canary(quiet, "choice", every_s=1.0).read()], quiet)[0][0]
-
-
-def _measured_slower(profile: JsonObject, entry: JsonObject) -> str | None:
-    """Why a stored choice is not kept blindly: the machine ran at a different speed when it was measured than it
-    does now (their canaries over CHOICE_CANARY_APART apart, or the stored one in a slow phase); None to keep it."""
-    then = entry.get("canary_ratio")
-    if not isinstance(then, float):
-        return None  # measured before choices carried a canary: kept as it was
-    now = canary_now(profile)
-    if now is None:
-        return None
-    if then < SLOW_PHASE or abs(now - then) > CHOICE_CANARY_APART * max(now, then):
-        return f"measured while the machine ran at {then:.2f} of its quiet speed (canary), now {now:.2f}"
-    return None
-
-
-CHOICE_CANARY_APART = 0.2  # a stored choice measured at a speed this far from now's is measured again
-
-
 def store_measured(profile: JsonObject, table: str, key: str, entry: JsonObject) -> Path | str:
     """Add one entry to a MEASURED_CHOICES section of `profile` and save it, with the machine's speed then (a
     canary reading against quiet, `canary_ratio`: a choice made in a slow minute is measured again, not kept); where
     it went (or, where the profile cannot be written, why not: the choice stands, it is only measured again next
     time)."""
-    if (speed := canary_now(profile)) is not None:
+    if (speed := canary.canary_now(profile)) is not None:
         entry = {**entry, "canary_ratio": speed}
     try:
         return save_profile({**profile, table: {**section(profile, table), key: entry}})
