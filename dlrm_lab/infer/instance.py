@@ -44,13 +44,8 @@ from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.metrics.canary import Canary
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-IDLE_HOLDS = (
-    "none",
-    "cpu-latency",
-    "lock-tables",
-    "keep-memory",
-    "halt-poll",
-)  # what an idle instance holds while it waits (`IdleHold`)
+# what an idle instance holds while it waits (`IdleHold`)
+IDLE_HOLDS = ("none", "cpu-latency", "lock-tables", "keep-memory", "halt-poll")
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
 
 
@@ -237,8 +232,7 @@ class IdleHold:
       idle core polls instead of halting, so it neither exits to the host nor leaves its caches to other work;
       released by the kernel when the file closes, however the process ends. Needs root;
     - `lock-tables`: the tables and the sample library pre-faulted and locked (`mlock`): no page of them is ever
-      reclaimed or faulted again; unlocked when the process ends.
-
+      reclaimed or faulted again; unlocked when the process ends;
     - `keep-memory`: glibc's malloc told never to give freed memory back (no trim, no mmap for large blocks): a
       batch's buffers come back warm and mapped, not as fresh pages to fault in;
     - `halt-poll`: the guest's haltpoll idle driver polls up to `HALT_POLL_NS` before it halts the vCPU (these
