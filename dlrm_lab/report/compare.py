@@ -204,6 +204,12 @@ class _Comparer:
             ratio = ratio_estimate(base, new, statistic=statistic, **self.opts)
         else:
             ratio = ratio_estimate(new, base, statistic=statistic, **self.opts)
+        self._row(kind, group, metric, b, w, ratio, basis)
+
+    def _row(
+        self, kind: str, group: str, metric: columns.Column, b: Estimate, w: Estimate, ratio: Estimate, basis: str
+    ) -> None:
+        """One metric's comparison, its verdict from its ratio's interval."""
         self.rows.append(
             MetricComparison(
                 kind=kind,
@@ -244,21 +250,8 @@ class _Comparer:
         basis = f"{PAIRED}: {len(kept)} pairs" + (
             f", {apart} left out (canaries over {PAIR_CANARY_APART:.0%} apart)" if apart else ""
         )
-        ratio = estimate(ratios, **self.opts)
-        self.rows.append(
-            MetricComparison(
-                kind=kind,
-                group=group,
-                metric=metric.name,
-                unit=metric.unit,
-                direction=metric.better or HIGHER,
-                base=estimate([b for b, _ in kept], **self.opts),
-                new=estimate([w for _, w in kept], **self.opts),
-                ratio=ratio,
-                verdict=verdict(ratio, self.threshold),
-                basis=basis,
-            )
-        )
+        b, w = estimate([b for b, _ in kept], **self.opts), estimate([w for _, w in kept], **self.opts)
+        self._row(kind, group, metric, b, w, estimate(ratios, **self.opts), basis)
 
     # -- training
 
