@@ -149,7 +149,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
     return rows, POINT_SCHEMA
 
 
-PAIR_CANARY_APART = 0.10  # a repeat's pair whose speed canaries differ by more than this fraction is left out
+PAIR_CANARY_APART = 0.20  # a repeat's pair whose speed canaries differ by more than this fraction is left out
 
 
 def paired_efficiencies(

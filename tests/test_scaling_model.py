@@ -340,7 +340,7 @@ def test_step_times_come_from_the_measured_steps(tmp_path):
 
 def test_scaling_takes_each_efficiency_from_its_repeats_adjacent_pair_and_leaves_out_a_drifted_one():
     """Issue 60: a repeat's 1-rank and N-rank runs ran one after the other; each pair gives one efficiency, so a host
-    twice as fast in one repeat moves neither; a pair whose canaries disagree by over 10% is left out."""
+    twice as fast in one repeat moves neither; a pair whose canaries disagree by over 20% is left out."""
     from dlrm_lab.scaling import paired_efficiencies
 
     first = {r: (1, {"samples_per_s": rate, "canary_ratio": 0.9}) for r, rate in enumerate((1000.0, 2000.0, 1000.0))}

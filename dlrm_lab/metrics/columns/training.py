@@ -128,7 +128,7 @@ register_table(
     col("speedup", F64, "speedup", "x", ".2f", HIGHER),
     col("efficiency", F64, "efficiency", "fraction", ".3f", HIGHER),
     # the efficiency of each repeat from its adjacent pair (this count's run and one rank's of the same repeat, run
-    # one after the other): how many, how many left out (their speed canaries over 10% apart), their spread
+    # one after the other): how many, how many left out (their speed canaries over 20% apart), their spread
     col("efficiency_pairs", I64),
     col("efficiency_pairs_left_out", I64),
     col("efficiency_spread", F64, "efficiency spread over pairs", "fraction", ".2f", LOWER),
