@@ -322,7 +322,7 @@ def _summary_row(
             "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
             **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
             **canary_columns(
-                [c for c in seen.canary if c["model"] in (stream.model, None)],  # None: the serving process's
+                [c for c in seen.canary if c["model"] == stream.model],
                 quiet_of(load_profile(), served.threads or 1) if served.on_this_host else None,
                 span,
             ),
