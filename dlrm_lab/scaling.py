@@ -5,7 +5,10 @@ speedup(N) = throughput(N) / throughput(1) and efficiency(N) = speedup(N) / N, w
 throughput the median over repeats of the run's global samples/s after warm-up. (When the
 smallest count n0 is not 1, throughput(1) is taken as throughput(n0) / n0.) Every point
 uses the same threads per rank, so N ranks use N times the cores of one: the honest
-comparison. Being a sweep, a scaling run repeats points and resumes where it stopped.
+comparison. Being a sweep, a scaling run repeats points and resumes where it stopped. With repeats, the sweep
+runs every count's r-th repeat one after another, and each count's efficiency is the median of its repeats' own
+(`paired_efficiencies`: each over the smallest count's run of the same repeat), so the host's drift between repeats
+cancels; a pair whose speed canaries disagree is left out and counted.
 """
 
 from __future__ import annotations
