@@ -192,3 +192,16 @@ def test_the_canary_now_reads_against_the_profiles_quiet_term():
     quiet = {"gemm_flops_per_s": 1e9, "gather_bytes_per_s": 1e8, "ms": 1.0}  # slower than any machine: ratio > 1
     profile = {"devices": {"cpu": {"threads": {str(threads): {"canary": quiet}}}}}
     assert canary_now(profile) > 1.0 and canary_now({"devices": {}}) is None
+
+
+def test_one_source_slowing_alone_is_its_core_not_the_machine():
+    """Two instances, one of which slowed (its core shared with the run's own serving threads, or a neighbour): the
+    line names that instance's core, not the machine; both slowing is the machine."""
+    quiet = {"gemm_flops_per_s": 100e9, "gather_bytes_per_s": 10e9, "ms": 0.5}
+    one = [_reading(t, 1.0 if t < 5 else 0.5) | {"source": "instance 0"} for t in range(10)]
+    other = [_reading(t + 0.5, 1.0) | {"source": "instance 1"} for t in range(10)]
+    line = canary_columns(one + other, quiet, elapsed_s=10.0)["canary_phase"]
+    assert line.startswith("instance 0 alone (not instance 1): its core, not the machine: its core slowed to 0.50")
+    both = one + [_reading(t + 0.5, 1.0 if t < 5 else 0.5) | {"source": "instance 1"} for t in range(10)]
+    lines = canary_columns(both, quiet, elapsed_s=10.0)["canary_phase"]
+    assert lines.startswith("instance 0: this machine slowed to 0.50") and "instance 1: this machine slowed" in lines

@@ -328,14 +328,23 @@ def canary_columns(readings: Sequence[JsonObject], quiet: JsonObject | None, ela
     q = statistics.quantiles(values, n=10) if len(values) > 1 else [values[0]] * 9
     first = float(readings[0]["time_unix_s"])
     sources = sorted({str(r["source"]) for r in readings})
-    lines = []
+    said: dict[str, str] = {}
     for source in sources:
         mine = [
             (float(r["time_unix_s"]) - first, v) for r, v in zip(readings, values, strict=True) if r["source"] == source
         ]
         line = slow_phase_line([v for _, v in mine], [t for t, _ in mine])
         if line is not None:
-            lines.append(line if len(sources) == 1 else f"{source}: {line}")
+            said[source] = line
+    # the machine slowed where every source saw it; one source alone saw its own core shared (the run's own work
+    # there, or a neighbour on that core), and is said as such
+    lines = [line if len(sources) == 1 else f"{source}: {line}" for source, line in said.items()]
+    if 1 < len(sources) and len(said) < len(sources):
+        lines = [
+            f"{source} alone (not {', '.join(s for s in sources if s not in said)}): its core, not the machine: "
+            + line.replace("this machine", "its core")
+            for source, line in said.items()
+        ]
     loads = [
         (float(r["time_unix_s"]) - first, float(r["canary_foreign"]))
         for r in readings
