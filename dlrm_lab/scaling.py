@@ -27,6 +27,7 @@ from dlrm_lab.config.values import OptionValues
 from dlrm_lab.distributed.launch import threads_per_rank as default_threads
 from dlrm_lab.distributed.mpi import probed_transport
 from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.metrics.canary import apart as canaries_apart
 from dlrm_lab.metrics.columns import PHASES, ScaleGapRow, ScaleRow, schema_of
 from dlrm_lab.sweep.grid import SweepSpec, check_points
 from dlrm_lab.sweep.results import SweepResult
@@ -152,9 +153,6 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
     return rows, POINT_SCHEMA
 
 
-PAIR_CANARY_APART = 0.20  # a repeat's pair whose speed canaries differ by more than this fraction is left out
-
-
 def paired_efficiencies(
     first: dict[int, tuple[int, dict[str, Any]]], mine: dict[int, dict[str, Any]], ranks: int
 ) -> dict[str, Any]:
@@ -166,8 +164,7 @@ def paired_efficiencies(
         s = mine.get(r)
         if s is None or not s.get("samples_per_s") or not s0.get("samples_per_s"):
             continue
-        c0, c = s0.get("canary_ratio"), s.get("canary_ratio")
-        if isinstance(c0, float) and isinstance(c, float) and abs(c0 - c) > PAIR_CANARY_APART * max(c0, c):
+        if canaries_apart(s0.get("canary_ratio"), s.get("canary_ratio")):
             apart += 1
             continue
         effs.append(float(s["samples_per_s"]) / (float(s0["samples_per_s"]) * ranks / n0))

@@ -391,16 +391,24 @@ def canary_now(profile: JsonObject | None) -> float | None:
 
 def measured_slower(profile: JsonObject, entry: JsonObject) -> str | None:
     """Why a stored choice is not kept blindly: the machine ran at a different speed when it was measured than it
-    does now (their canaries over CHOICE_CANARY_APART apart, or the stored one in a slow phase); None to keep it."""
+    does now (their canaries `apart`, or the stored one in a slow phase); None to keep it."""
     then = entry.get("canary_ratio")
     if not isinstance(then, float):
         return None  # measured before choices carried a canary: kept as it was
     now = canary_now(profile)
     if now is None:
         return None
-    if then < SLOW_PHASE or abs(now - then) > CHOICE_CANARY_APART * max(now, then):
+    if then < SLOW_PHASE or apart(now, then):
         return f"measured while the machine ran at {then:.2f} of its quiet speed (canary), now {now:.2f}"
     return None
 
 
-CHOICE_CANARY_APART = 0.2  # a stored choice measured at a speed this far from now's is measured again
+# Two canary readings further apart than this fraction of the higher were taken at different speeds of the host: a
+# pair of runs (`compare`, `scale`) is left out, a stored choice measured again. A quiet host's runs differ by up to
+# ~15%: at 10%, 1-3 pairs of 5 were left out of a self-comparison (`benchmarks/drift.py`).
+CANARY_APART = 0.2
+
+
+def apart(a: Any, b: Any) -> bool:
+    """Whether two canary ratios (either may be missing: then not) were read at different speeds (CANARY_APART)."""
+    return isinstance(a, float) and isinstance(b, float) and abs(a - b) > CANARY_APART * max(a, b)

@@ -55,6 +55,8 @@ import numpy as np
 from dlrm_lab.config.values import section
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics import columns
+from dlrm_lab.metrics.canary import CANARY_APART
+from dlrm_lab.metrics.canary import apart as canaries_apart
 from dlrm_lab.metrics.stats import (
     CONFIDENCE,
     N_RESAMPLES,
@@ -79,10 +81,6 @@ from dlrm_lab.report.samples import (
 
 DEFAULT_THRESHOLD = 0.02
 MIN_REPEATS = 3  # runs per side from which run-to-run variation is the noise estimate
-# a pair of runs (one a side, adjacent in time) whose speed canaries (`canary_ratio`) differ by more than this fraction
-# is left out of a paired comparison: the host changed speed between its two halves (a quiet host's runs differ by up to
-# ~15%: at 10%, 1-3 pairs of 5 were left out of a self-comparison, `benchmarks/drift.py`)
-PAIR_CANARY_APART = 0.20
 HIGHER, LOWER = columns.HIGHER, columns.LOWER
 REGRESSION, IMPROVEMENT, WITHIN_NOISE, NO_NOISE_ESTIMATE = (
     "regression",
@@ -231,11 +229,11 @@ class _Comparer:
     ) -> None:
         """`metric` over pairs of summary rows (BASE's, NEW's), each pair's two runs adjacent in time: the ratio is
         each pair's own, their median and CI over the pairs, so the host's drift between pairs cancels; a pair whose
-        canaries differ by over PAIR_CANARY_APART is left out, and the basis says how many."""
+        canaries are `metrics.canary.apart` (the host changed speed between its two halves) is left out, and the
+        basis says how many."""
         kept, apart = [], 0
         for b, w in pairs:
-            cb, cw = b.get("canary_ratio"), w.get("canary_ratio")
-            if isinstance(cb, float) and isinstance(cw, float) and abs(cb - cw) > PAIR_CANARY_APART * max(cb, cw):
+            if canaries_apart(b.get("canary_ratio"), w.get("canary_ratio")):
                 apart += 1
                 continue
             vb, vw = b.get(metric.name), w.get(metric.name)
@@ -244,12 +242,12 @@ class _Comparer:
         if len(kept) < MIN_REPEATS:
             self.notes.append(
                 f"{group or kind}: {metric.name}: {len(kept)} pairs in time ({apart} left out: canaries over "
-                f"{PAIR_CANARY_APART:.0%} apart), too few to compare"
+                f"{CANARY_APART:.0%} apart), too few to compare"
             )
             return
         ratios = [w / b if metric.better == HIGHER else b / w for b, w in kept]
         basis = f"{PAIRED}: {len(kept)} pairs" + (
-            f", {apart} left out (canaries over {PAIR_CANARY_APART:.0%} apart)" if apart else ""
+            f", {apart} left out (canaries over {CANARY_APART:.0%} apart)" if apart else ""
         )
         b, w = estimate([b for b, _ in kept], **self.opts), estimate([w for _, w in kept], **self.opts)
         self._row(kind, group, metric, b, w, estimate(ratios, **self.opts), basis)
