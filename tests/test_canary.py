@@ -28,7 +28,6 @@ def _reading(t: float, speed: float, foreign: float | None = 0.02) -> dict:
     return {
         "time_unix_s": 1e9 + t,
         "source": "rank 0",
-        "canary_since_start_s": t,
         "canary_gemm_flops_per_s": 100e9 * speed,
         "canary_gather_bytes_per_s": 10e9 * min(1.0, speed * 1.1),
         "canary_ms": 0.5,

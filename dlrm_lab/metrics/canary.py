@@ -184,7 +184,6 @@ class Canary:
         every_s = canary_every_s() if every_s is None else every_s
         self.quiet, self.source, self.every_s = quiet, source, every_s
         self.work = CanaryWorkload() if every_s > 0 else None
-        self.epoch = time.time()
         self.next_at = 0.0  # monotonic: the first reading at the first chance
         self.readings: list[JsonObject] = []
         self.load: tuple[tuple[int, int, int], int] | None = foreign_load(None)[1]
@@ -200,14 +199,13 @@ class Canary:
         """Take one reading now (also where it is not yet due) and keep it."""
         assert self.work is not None
         if not self.readings:
-            self.work.time()  # its first call selects kernels and faults pages: not a reading
+            self.work.time()  # its first call selects kernels and faults pages: neither a reading nor its cost
         gemm, gather, ms = self.work.time()
         self.next_at = time.monotonic() + self.every_s
         foreign, self.load = foreign_load(self.load)
         reading: JsonObject = {
             "time_unix_s": time.time(),
             "source": self.source,
-            "canary_since_start_s": time.time() - self.epoch,
             "canary_gemm_flops_per_s": gemm,
             "canary_gather_bytes_per_s": gather,
             "canary_ms": ms,
