@@ -127,7 +127,9 @@ def measure(
     profile = load_profile()
     peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
     seen = _drive_point(server, point, cfg, sut, peaks, queries, run_dir, log, telemetry, on_progress, decided, trace)
-    rows = [_summary_row(point, stream, seen, sut, cfg, peaks[stream.model], warmup_s) for stream in point.streams]
+    rows = [
+        _summary_row(point, stream, seen, sut, cfg, peaks[stream.model], warmup_s, profile) for stream in point.streams
+    ]
     price = point_price(profile, cfg, sut)
     for row in rows:
         row.update(energy_columns(seen.energy, rows))
@@ -275,8 +277,10 @@ def _summary_row(
     cfg: InferConfig,
     peaks: Peaks | str,
     warmup_s: float,
+    profile: JsonObject | None,
 ) -> InferSummaryRow:
-    """One model's summary row of a point (`infer summary`, less energy and cost: those are shared by the point)."""
+    """One model's summary row of a point (`infer summary`, less energy and cost: those are shared by the point);
+    `profile`: the machine's, read once for the point (its peaks placed `peaks`; its quiet canary, the readings)."""
     stats, failure = seen.stats, seen.failure
     mine = [r for r in seen.records if r["model"] == stream.model]
     span = seen.stopped_after_s or stats.duration_s or cfg.duration_s  # LoadGen's: measured; ours: as planned
@@ -323,7 +327,7 @@ def _summary_row(
             **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
             **canary_columns(
                 [c for c in seen.canary if c["model"] == stream.model],
-                quiet_of(load_profile(), served.threads or 1) if served.on_this_host else None,
+                quiet_of(profile, served.threads or 1) if served.on_this_host else None,
                 span,
             ),
         }
