@@ -112,11 +112,12 @@ def interrupt_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-def end_with_parent(signum: int | None = None, ignore_interrupt: bool = True) -> None:
+def end_with_parent(signum: int | None = None, ignore_interrupt: bool = True, parent: int | None = None) -> None:
     """In a worker process the lab started (a probe's, a client's, a serving instance, a sweep's point): end it
     with `signum` (default SIGKILL) when its parent dies, even by SIGKILL (Linux's parent-death signal), so that no
     worker, and no resource tracker kept alive by one, outlives a killed command; and leave Ctrl-C to the parent,
-    which stops its workers itself (a worker's own KeyboardInterrupt was a traceback on the terminal)."""
+    which stops its workers itself (a worker's own KeyboardInterrupt was a traceback on the terminal). `parent`:
+    the pid that started it (default: multiprocessing's parent), to tell whether it already died."""
     import contextlib
     import ctypes
     import os
@@ -127,8 +128,21 @@ def end_with_parent(signum: int | None = None, ignore_interrupt: bool = True) ->
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before the signal was asked for
+    if parent_died(parent):  # before the signal was asked for
         os.kill(os.getpid(), signum)
+
+
+def parent_died(parent: int | None = None) -> bool:
+    """Whether this process's parent (`parent`, or multiprocessing's) is gone: its parent pid is no longer that
+    one. Not "its parent is PID 1": an orphan goes to the nearest subreaper, and a lab run as a container's PID 1
+    is the live parent of every worker."""
+    import multiprocessing
+    import os
+
+    if parent is None:
+        started_by = multiprocessing.parent_process()
+        parent = started_by.pid if started_by is not None else None
+    return parent is not None and os.getppid() != parent
 
 
 class RankFailure(RuntimeError):

@@ -19,6 +19,7 @@ from dlrm_lab.metrics.canary import (
     canary_columns,
     foreign_load,
     quiet_canary,
+    run_processes,
     shared_phase_line,
     slow_phase_line,
 )
@@ -153,7 +154,8 @@ def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_
                 time.sleep(0.01)
     (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert row["canary_readings"] >= 10
-    assert hogs and row["canary_phase"] is not None and "other processes took" in row["canary_phase"]
+    canary = {k: v for k, v in row.items() if k.startswith("canary")}
+    assert hogs and row["canary_phase"] is not None and "other processes took" in row["canary_phase"], canary
     onset = float(row["canary_phase"].split(" s into the run")[0].rsplit(" ", 1)[1])
     assert 1.0 <= onset <= 4.5  # from about when they started (after the 1 s warm-up and 2 s of the point)
     assert any(line == f"tiny: {row['canary_phase']}" for line in lines)
@@ -204,3 +206,36 @@ def test_one_source_slowing_alone_is_its_core_not_the_machine():
     both = one + [_reading(t + 0.5, 1.0 if t < 5 else 0.5) | {"source": "instance 1"} for t in range(10)]
     lines = canary_columns(both, quiet, elapsed_s=10.0)["canary_phase"]
     assert lines.startswith("instance 0: this machine slowed to 0.50") and "instance 1: this machine slowed" in lines
+
+
+def test_the_run_s_processes_are_its_session_and_its_descendants_not_every_orphan_of_pid_1():
+    """In a container PID 1 often shares the run's session; an orphaned process of another user (a daemon that left
+    for a session of its own) is its child, and is foreign, while the run's own daemons (mpirun's, sessions of
+    their own under the run's root) are the run's."""
+    procs = {
+        1: (0, 1),  # init, in the run's session (a container's)
+        10: (1, 1),  # the run's shell
+        11: (10, 1),  # the command: the run's root
+        12: (11, 12),  # mpirun's daemon: a session of its own, under the root
+        13: (12, 12),  # a rank under it
+        20: (1, 20),  # another user's daemon, reparented to init
+        21: (20, 20),  # its worker
+        30: (0, 30),  # a kernel thread
+    }
+    assert run_processes(procs, session=1, roots={11}) == {1, 10, 11, 12, 13}
+    assert run_processes(procs, session=1, roots={11, 0}) == {1, 10, 11, 12, 13}  # no root: not the kernel's 0
+    assert run_processes(procs, session=20, roots={20}) == {20, 21}
+
+
+def test_a_run_process_that_ends_between_two_readings_is_not_foreign_load(monkeypatch):
+    """The run's CPU is counted by process: a client that ran 400 ticks and ended between two readings took none of
+    the machine from the run, where a sum over the live ones lost its 400 and called them another user's."""
+    import dlrm_lab.metrics.canary as canary
+
+    machine = iter([(1000, 0, 4000), (1100, 0, 4200)])  # (busy, steal, all) ticks at each reading
+    run = iter([{10: 500, 11: 400}, {10: 580, 12: 20}])  # 11 ended; 12 started; 10 went on
+    monkeypatch.setattr(canary, "cpu_ticks", lambda: next(machine))
+    monkeypatch.setattr(canary, "session_ticks", lambda: next(run))
+    _, state = foreign_load(None)
+    share, _ = foreign_load(state)
+    assert share == 0.0  # 100 busy ticks, all the run's (80 + 20)

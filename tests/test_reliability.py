@@ -629,13 +629,21 @@ def test_a_worker_of_the_lab_ends_with_its_parent_even_when_the_parent_is_killed
         parent.kill()
 
 
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for a reaper)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+def test_a_worker_whose_parent_is_pid_1_is_not_an_orphan(monkeypatch):
+    """The lab run as a container's PID 1 is its workers' live parent; an orphan goes to the nearest subreaper,
+    not always PID 1: a worker tells its parent died by its parent pid changing, not by it being 1."""
+    import multiprocessing
+    import types
+
+    from dlrm_lab.errors import parent_died
+
+    assert not parent_died()  # this test's process: no multiprocessing parent, nothing to tell
+    monkeypatch.setattr("os.getppid", lambda: 1)
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: types.SimpleNamespace(pid=1))
+    assert not parent_died()  # started by PID 1, and it lives
+    assert parent_died(parent=4321)  # started by 4321, now under PID 1: orphaned
+    monkeypatch.setattr("os.getppid", lambda: 77)  # under a subreaper that is not PID 1
+    assert parent_died(parent=4321)
 
 
 def test_sigterm_during_a_package_compile_stops_the_build(monkeypatch, tmp_path):

@@ -124,11 +124,10 @@ def mark_run_root() -> None:
     os.environ.setdefault(RUN_ROOT_ENV, str(os.getpid()))
 
 
-def session_ticks() -> int:
-    """CPU ticks used by the run's own processes: those of this process's session, the run's root (`mark_run_root`)
-    and every process descended from either. What the machine's busy time holds that is the run's own."""
-    session = os.getsid(0)
-    root = int(os.environ.get(RUN_ROOT_ENV, "0") or 0)
+def session_ticks() -> dict[int, int]:
+    """CPU ticks used by each of the run's own processes (`run_processes`), by pid: what the machine's busy time
+    holds that is the run's own. By process, so that one that ends between two readings takes away only its own
+    time since the first (`foreign_load`), not its whole lifetime's."""
     procs: dict[int, tuple[int, int, int]] = {}  # pid -> (parent, session, ticks)
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -140,25 +139,33 @@ def session_ticks() -> int:
             continue  # ended meanwhile
         # from the state on: state (0) ppid (1) pgrp (2) session (3) ... utime (11) stime (12)
         procs[int(pid)] = (int(fields[1]), int(fields[3]), int(fields[11]) + int(fields[12]))
-    ours: dict[int, bool] = {}
+    roots = {os.getpid()} | ({int(root)} if (root := os.environ.get(RUN_ROOT_ENV)) else set())
+    mine = run_processes({pid: (parent, session) for pid, (parent, session, _) in procs.items()}, os.getsid(0), roots)
+    return {pid: procs[pid][2] for pid in mine}
 
-    def own(pid: int) -> bool:
+
+def run_processes(procs: dict[int, tuple[int, int]], session: int, roots: set[int]) -> set[int]:
+    """The run's processes among `procs` (pid -> (parent, session)): those of its session, and those descended
+    from one of `roots` (the run's root, this process). Descent from a mere member of the session is not enough:
+    in a container the session often holds PID 1, the parent of every orphan on the machine, another user's
+    daemonised processes among them."""
+    roots = roots - {0}  # the kernel's: every process descends from it
+    below: dict[int, bool] = {}  # pid -> descended from a root
+
+    def descended(pid: int) -> bool:
         chain = []
-        while pid in procs and pid not in ours:
-            if pid == root or procs[pid][1] == session:
-                ours[pid] = True
-                break
+        while pid in procs and pid not in below and pid not in roots:
             chain.append(pid)
             pid = procs[pid][0]
-        found = ours.get(pid, False)
+        found = pid in roots or below.get(pid, False)
         for p in chain:
-            ours[p] = found
+            below[p] = found
         return found
 
-    return sum(ticks for pid, (_, _, ticks) in procs.items() if own(pid))
+    return {pid for pid, (_, sid) in procs.items() if sid == session or descended(pid)}
 
 
-LoadState = tuple[tuple[int, int, int], int]  # the machine's CPU ticks and the session's, at one moment
+LoadState = tuple[tuple[int, int, int], dict[int, int]]  # the machine's CPU ticks and the run's, at one moment
 
 
 def foreign_load(before: LoadState | None) -> tuple[float | None, LoadState | None]:
@@ -173,7 +180,10 @@ def foreign_load(before: LoadState | None) -> tuple[float | None, LoadState | No
     (busy1, steal1, all1), own1 = now
     if all1 <= all0:
         return None, before  # under a tick since: measured over a longer span at the next reading
-    foreign = max(0, (busy1 - busy0) - (own1 - own0)) + (steal1 - steal0)
+    # a process that started since (a pid reused too) counts from zero; one that ended since shows its last moments
+    # (under a reading's interval) as foreign
+    own = sum(ticks - own0[pid] if ticks >= own0.get(pid, ticks + 1) else ticks for pid, ticks in own1.items())
+    foreign = max(0, (busy1 - busy0) - own) + (steal1 - steal0)
     return min(1.0, foreign / (all1 - all0)), now
 
 
@@ -186,7 +196,7 @@ class Canary:
         self.work = CanaryWorkload() if every_s > 0 else None
         self.next_at = 0.0  # monotonic: the first reading at the first chance
         self.readings: list[JsonObject] = []
-        self.load: tuple[tuple[int, int, int], int] | None = foreign_load(None)[1]
+        self.load: LoadState | None = foreign_load(None)[1]
 
     def due(self) -> bool:
         return self.work is not None and time.monotonic() >= self.next_at

@@ -15,6 +15,7 @@ per metric over the repeats) are rebuilt from the run directories after every po
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -163,7 +164,7 @@ def _run_point(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[str, 
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **env},
-            preexec_fn=_end_with_parent,
+            preexec_fn=functools.partial(_end_with_parent, os.getpid()),
         )
         try:
             code = child.wait()
@@ -178,10 +179,11 @@ def _run_point(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[str, 
     return ("ok" if code == 0 and _done_run(slot) else "failed"), seconds
 
 
-def _end_with_parent() -> None:
-    """In a point's process before it runs: SIGTERM it when the sweep dies, even by SIGKILL (Linux's
+def _end_with_parent(sweep: int) -> None:
+    """In a point's process before it runs: SIGTERM it when the sweep (pid `sweep`) dies, even by SIGKILL (Linux's
     parent-death signal), so that it closes its run instead of writing on as an orphan."""
-    end_with_parent(signal.SIGTERM, ignore_interrupt=False)  # Ctrl-C reaches the point itself: it marks its run
+    # Ctrl-C reaches the point itself: it marks its run
+    end_with_parent(signal.SIGTERM, ignore_interrupt=False, parent=sweep)
 
 
 ORPHAN_GRACE_S = 30.0  # an orphaned point's process gets this long to close its run after SIGTERM
