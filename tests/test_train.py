@@ -538,6 +538,60 @@ def test_the_batched_table_update_takes_fbgemms_steps_and_resumes_from_its_check
     assert [r["loss"] for r in resumed.steps] == pytest.approx([r["loss"] for r in fbgemm.steps[6:]], rel=1e-5)
 
 
+def test_the_update_path_fbgemm_took_is_observed_on_a_real_step_and_recorded(tmp_path):
+    """Which backward fbgemm ran is read off a real bf16 step (the gradient's dtype where it reached the tables'
+    update), not assumed: the fast path needs fp32 rows, an fp32 gradient and no shared table."""
+    spec = dlrm_lab.load_preset("tiny")
+    base = dict(steps=3, batch_size=64, seed=2, prefetch=0, eval_batches=1, precision="bf16")
+    for path in ("fbgemm", "batched"):
+        run = train(spec, TrainConfig(table_update=path, **base), metrics_dir=tmp_path / path)
+        observed = read_manifest(run.run_dir)["config"]["table_update_choice"]["update_path"]
+        expected = "fbgemm fast path (fp32 rows, fp32 gradient, no shared table)" if path == "fbgemm" else (
+            "batched (the lab's; gradient float32)")  # fmt: skip
+        assert observed["groups"] and set(observed["groups"]) == {expected}
+        assert observed["summary"] == f"{len(observed['groups'])} x {expected}"
+
+
+def test_every_way_of_stepping_the_dense_optimizer_takes_the_same_steps_and_auto_times_them(tmp_path):
+    """torch's per-tensor loop, foreach ops and fused kernel apply one update: the same losses; auto times each on
+    copies of the run's dense parameters (the model untouched: its steps are those of the way it chose)."""
+    from dlrm_lab.config.train import DENSE_UPDATES
+    from dlrm_lab.train.step import DENSE_UPDATE_ARGS
+
+    assert DENSE_UPDATES == ("auto", *DENSE_UPDATE_ARGS)
+    spec = dlrm_lab.load_preset("tiny")
+    base = dict(steps=6, batch_size=64, seed=5, prefetch=0, eval_batches=1)
+    losses = {w: [r["loss"] for r in train(spec, TrainConfig(dense_update=w, **base)).steps] for w in DENSE_UPDATE_ARGS}
+    for way in ("foreach", "fused"):
+        assert losses[way] == pytest.approx(losses["per_tensor"], rel=1e-5), way
+    auto = train(spec, TrainConfig(dense_update="auto", **base), metrics_dir=tmp_path)
+    choice = read_manifest(auto.run_dir)["config"]["dense_update_choice"]
+    assert set(choice["ms"]) | set(choice["not_available"]) == set(DENSE_UPDATE_ARGS)
+    assert choice["dense_update"] == min(choice["ms"], key=choice["ms"].get)
+    assert [r["loss"] for r in auto.steps] == pytest.approx(losses[choice["dense_update"]], rel=1e-5)
+    assert read_manifest(auto.run_dir)["config"]["train"]["dense_update"] == "auto"
+
+
+def test_what_takes_fbgemm_off_its_fast_path_is_named():
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        OptimType,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    from dlrm_lab.train.table_update import fbgemm_fallback
+
+    def group(optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, feature_table_map=None):
+        specs = [(20, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)] * 2
+        return SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=optimizer, feature_table_map=feature_table_map)
+
+    assert fbgemm_fallback(group(), torch.float32) is None
+    assert fbgemm_fallback(group(), torch.bfloat16) == "its gradient arrives in torch.bfloat16, its rows are torch.float32"
+    assert fbgemm_fallback(group(OptimType.EXACT_SGD), torch.float32).startswith("its optimizer is EXACT_SGD")
+    assert fbgemm_fallback(group(feature_table_map=[0, 0, 1]), torch.float32) == "table 0 is shared by 2 features"
+
+
 def test_tables_on_huge_pages_take_the_same_steps_as_on_small_ones(tmp_path):
     from dlrm_lab.metrics.huge_pages import unsupported
 

@@ -25,6 +25,9 @@ EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "sgd")
 # The tables' CPU backward and update: fbgemm's kernel, the same update batched on all cores, or the faster
 # measured on the run's first batch (`train.table_update`)
 TABLE_UPDATES = ("auto", "fbgemm", "batched")
+# How the dense optimizer steps: torch's per-tensor loop, its foreach ops, its fused kernel, or the fastest of them
+# timed before the run (`train.choices.choose_dense_update`)
+DENSE_UPDATES = ("auto", "per_tensor", "foreach", "fused")
 # The CPU tables' memory pages: 4 KiB (as allocated), 2 MiB (`metrics.huge_pages`), or huge where this machine's
 # probe measured a gather on them faster (`train.choices.choose_table_pages`)
 TABLE_PAGES = ("auto", "base", "huge")
@@ -62,6 +65,13 @@ class TrainConfig:
         "The tables' CPU backward and update: auto (both timed on the first batch, then on the run's own steps "
         "with every rank running them where the run is long enough; the faster kept), fbgemm "
         "(TorchRec's fused kernel) or batched (the same exact update as batched torch ops on all cores).",
+        cli_default="auto",
+    )
+    dense_update: str = option(
+        "per_tensor",
+        "How the dense optimizer steps: auto (each way timed on the run's dense parameters before it starts; the "
+        "fastest kept), per_tensor (torch's loop of small ops per tensor), foreach (the same ops over every tensor "
+        "at once) or fused (torch's one fused kernel).",
         cli_default="auto",
     )
     table_pages: str = option(
@@ -180,6 +190,7 @@ class TrainConfig:
         _choice("table_precision", self.table_precision, TABLE_PRECISIONS)
         _choice("embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
         _choice("table_update", self.table_update, TABLE_UPDATES)
+        _choice("dense_update", self.dense_update, DENSE_UPDATES)
         _choice("table_pages", self.table_pages, TABLE_PAGES)
         _choice("distribution", self.distribution, DISTRIBUTIONS)
         _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)

@@ -18,6 +18,7 @@ from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
+from dlrm_lab.train.step import DENSE_UPDATE_ARGS, dense_params, make_dense
 from dlrm_lab.train.step_trial import StepTrial, trial_window
 
 
@@ -154,6 +155,66 @@ def choose_run_table_update(
         shared[0] = {**shared[0], "this_rank": choice}
     if log and ctx.is_main:
         log(f"table update {choice['table_update']}: {choice['reason']}")
+    return shared[0]
+
+
+DENSE_UPDATE_REPEATS = 5  # timings of each way, interleaved, after one warm-up round
+DENSE_UPDATE_STEPS = 3  # optimizer steps a timing averages
+
+
+def choose_dense_update(
+    cfg: TrainConfig,
+    ctx: DistContext,
+    model: torch.nn.Module,
+    lr: float,
+    recipe: Any,
+    log: Callable[[str], None] | None,
+) -> JsonObject:
+    """How the dense optimizer steps (`train.step.DENSE_UPDATE_ARGS`; `--dense-update` where not auto): rank 0 times
+    each way on copies of this run's dense parameters with random gradients (the model untouched), medians of
+    interleaved repeats; every rank runs its choice. On a GPU: torch's default there (foreach), untimed."""
+    if cfg.dense_update != "auto":
+        return {"dense_update": cfg.dense_update, "reason": f"--dense-update {cfg.dense_update}", "ms": {}}
+    if ctx.device.type != "cpu":
+        return {"dense_update": "foreach", "reason": f"torch's default on {ctx.device.type} (not timed)", "ms": {}}
+    shared: list[Any] = [None]
+    if ctx.is_main:
+        originals = [p for p in dense_params(model).values() if p.requires_grad]
+        ms: dict[str, list[float]] = {}
+        stepped: dict[str, Any] = {}
+        failed: dict[str, str] = {}
+        for way in DENSE_UPDATE_ARGS:
+            copies = [p.detach().clone().requires_grad_() for p in originals]
+            for c in copies:
+                c.grad = torch.randn_like(c) * 1e-3
+            try:
+                stepped[way] = make_dense(copies, cfg, lr, recipe, way)
+                stepped[way].step()  # its state made, out of the timing
+            except (RuntimeError, ValueError) as e:  # a way this torch, device or dtype does not have
+                failed[way] = str(e).splitlines()[0]
+            else:
+                ms[way] = []
+        ways = list(ms)
+        for k in range(DENSE_UPDATE_REPEATS):
+            for way in ways if k % 2 == 0 else ways[::-1]:
+                start = time.perf_counter()
+                for _ in range(DENSE_UPDATE_STEPS):
+                    stepped[way].step()
+                ms[way].append((time.perf_counter() - start) * 1e3 / DENSE_UPDATE_STEPS)
+        med = {way: statistics.median(t) for way, t in ms.items()}
+        best = min(med, key=lambda w: med[w])
+        timed = ", ".join(f"{w} {m:.3f} ms" for w, m in sorted(med.items(), key=lambda wm: wm[1]))
+        shared[0] = {
+            "dense_update": best,
+            "reason": f"the fastest of the dense {cfg.dense_optimizer} step's ways: {timed} (medians of "
+            f"{DENSE_UPDATE_REPEATS} interleaved, {sum(p.numel() for p in originals):,} parameters)",
+            "ms": {w: round(m, 4) for w, m in med.items()},
+            "not_available": failed,
+        }
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    if log and ctx.is_main:
+        log(f"dense update {shared[0]['dense_update']}: {shared[0]['reason']}")
     return shared[0]
 
 

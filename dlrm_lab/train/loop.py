@@ -42,7 +42,7 @@ from dlrm_lab.train.setup import TrainSetup, build_setup, prepare_run
 from dlrm_lab.train.step import autocast, train_step
 from dlrm_lab.train.step_trial import StepTrial
 from dlrm_lab.train.summary import MeasuredSteps, Reached, summarise
-from dlrm_lab.train.table_update import fused_table_groups
+from dlrm_lab.train.table_update import UpdatePathWatch, fused_table_groups
 from dlrm_lab.train.timing import StepTimer, instrument_embedding_phases, instrument_table_update
 from dlrm_lab.train.watchdog import Watchdog
 
@@ -184,8 +184,9 @@ def _loop(
         stack.callback(watchdog.stop)
     run_eval = _evaluator(setup, pipeline, watchdog, eval_table, t_start, evals, reached)
     timer = StepTimer(ctx.device)
+    tables = fused_table_groups(dmp)
     if pipeline is None:
-        for handle in instrument_embedding_phases(dmp, timer) + instrument_table_update(fused_table_groups(dmp), timer):
+        for handle in instrument_embedding_phases(dmp, timer) + instrument_table_update(tables, timer):
             stack.callback(handle.remove)
     dmp.train()
     trials_end = max((trial.last_step for trial in setup.trials), default=None)
@@ -214,7 +215,11 @@ def _loop(
                 if setup.config.get("distinct_rows") is None:  # the run's first batch, before its step
                     _distinct_rows(setup, record, batch)
                     timer.mark("data_wait")
+                # the first step on each table-update path says which path fbgemm's backward took (observed)
+                watch = UpdatePathWatch(tables) if "update_path" not in setup.config["table_update_choice"] else None
                 loss = train_step(dmp, optimizer, batch, ctx, cfg, timer.mark)
+                if watch is not None:
+                    _update_path(setup, record, watch)
                 timer.mark("optimizer")  # the step's tail (its frame and last tensors freed, 10-20 us) is named too
                 step_ms = (time.perf_counter() - t0) * 1000  # before the lab's own bookkeeping below
                 phases = {p: 0.0 for p in PHASES} | timer.phases_ms()
@@ -299,6 +304,13 @@ def _distinct_rows(setup: TrainSetup, record: Run | None, batch: Any) -> None:
         record.update_manifest(config=setup.config)
 
 
+def _update_path(setup: TrainSetup, record: Run | None, watch: UpdatePathWatch) -> None:
+    """The path each table group's backward took on a real step (`UpdatePathWatch`), in the manifest's config."""
+    setup.config["table_update_choice"]["update_path"] = watch.record()
+    if record is not None and setup.ctx.is_main:
+        record.update_manifest(config=setup.config)
+
+
 def _decided(
     setup: TrainSetup, record: Run | None, trial: StepTrial, decided: JsonObject, log: Callable[[str], None] | None
 ) -> None:
@@ -314,6 +326,7 @@ def _decided(
     }
     if trial.name == "table_update":
         setup.cfg = replace(setup.cfg, table_update=decided["table_update"])
+        setup.config[trial.manifest_key].pop("update_path", None)  # observed again on the next step ("apart" keeps it)
         setup.config["train"] = setup.cfg.to_dict()
     if record is not None and setup.ctx.is_main:
         record.update_manifest(config=setup.config)

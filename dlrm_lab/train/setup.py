@@ -38,6 +38,7 @@ from dlrm_lab.model import build_model
 from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint
 from dlrm_lab.train.choices import (
+    choose_dense_update,
     choose_prefetch,
     choose_run_attention,
     choose_run_collectives,
@@ -184,7 +185,8 @@ def build_setup(
     dmp, plan = build(sharding_choice.sharding, cfg.pipeline)
     dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
     recipe = dense_recipe_for(spec, cfg)
-    optimizer = dense_optimizer(dmp, cfg, dense_lr, recipe)
+    dense_update = choose_dense_update(cfg, ctx, dmp, dense_lr, recipe, log)
+    optimizer = dense_optimizer(dmp, cfg, dense_lr, recipe, dense_update["dense_update"])
     start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
     if isinstance(optimizer, RecipeOptimizer):
         optimizer.resume_at(start_step)
@@ -236,6 +238,7 @@ def build_setup(
         **prepared.choices,  # precision, attention, collectives
         "prefetch_choice": prefetch,
         "table_update_choice": table_update,
+        "dense_update_choice": dense_update,
         "table_pages_choice": table_pages,
         "distribution_choice": distribution["record"],
         "interaction_choice": interaction,

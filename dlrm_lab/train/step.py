@@ -51,16 +51,40 @@ class RecipeOptimizer(CombinedOptimizer):
         return out
 
 
+# How torch steps a dense optimizer: a Python loop of small ops per tensor, the same ops over every tensor at once,
+# or one fused kernel (CPU kernels for Adagrad, Adam and SGD since torch 2.4). The same update; which is fastest is
+# measured (`train.choices.choose_dense_update`).
+DENSE_UPDATE_ARGS: dict[str, dict[str, bool]] = {
+    "per_tensor": {"foreach": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
+
+
+def dense_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters the dense optimizer steps (the tables' are updated in their backward)."""
+    return dict(in_backward_optimizer_filter(model.named_parameters()))
+
+
+def make_dense(
+    params: Any, cfg: TrainConfig, lr: float, recipe: DenseRecipe, update: str = "per_tensor"
+) -> torch.optim.Optimizer:
+    """The dense optimizer of `cfg` over `params`, stepped the `update` way (`DENSE_UPDATE_ARGS`)."""
+    extra = {"betas": recipe.betas} if recipe.betas is not None and cfg.dense_optimizer == "adam" else {}
+    return DENSE_OPTIMIZERS[cfg.dense_optimizer](params, lr=lr, **extra, **DENSE_UPDATE_ARGS[update])
+
+
 def dense_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, lr: float, recipe: DenseRecipe | None = None
+    model: torch.nn.Module,
+    cfg: TrainConfig,
+    lr: float,
+    recipe: DenseRecipe | None = None,
+    update: str = "per_tensor",
 ) -> CombinedOptimizer:
     """The dense optimizer beside the tables' fused one, combined for stepping and checkpoints; with a recipe
     that warms up or clips (`config.train.dense_recipe_for`), stepped by `RecipeOptimizer`."""
     recipe = recipe or DenseRecipe()
-    dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
-    make = DENSE_OPTIMIZERS[cfg.dense_optimizer]
-    extra = {"betas": recipe.betas} if recipe.betas is not None and cfg.dense_optimizer == "adam" else {}
-    dense = KeyedOptimizerWrapper(dense_params, lambda params: make(params, lr=lr, **extra))
+    dense = KeyedOptimizerWrapper(dense_params(model), lambda params: make_dense(params, cfg, lr, recipe, update))
     if recipe.lr_warmup_steps or recipe.grad_clip_norm is not None:
         return RecipeOptimizer(model.fused_optimizer, dense, lr, recipe)  # type: ignore[attr-defined]
     return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]

@@ -187,6 +187,60 @@ def install(model: torch.nn.Module, path: str) -> None:
             tbe.__class__ = SplitTableBatchedEmbeddingBagsCodegen
 
 
+def fbgemm_fallback(tbe: Any, grad_dtype: torch.dtype) -> str | None:
+    """Why fbgemm's CPU backward leaves its fast path for this table group, fed a gradient of `grad_dtype` (None:
+    it takes it). The fast path (a parallel csr2csc, a JIT SpMDM coalescing the gradients, a JIT row-wise Adagrad
+    in blocks) runs only for row-wise Adagrad on fp32 rows fed an fp32 gradient, table by table where no table is
+    shared by two features; anything else runs a serial scalar loop (fbgemm_gpu's
+    `embedding_backward_split_cpu_template.cpp`, `use_fbgemm && !is_shared_table`)."""
+    if tbe.optimizer != OptimType.EXACT_ROWWISE_ADAGRAD:
+        return f"its optimizer is {tbe.optimizer.name} (only row-wise Adagrad has the fast path)"
+    if tbe.weights_host.dtype != torch.float32:
+        return f"its rows are {tbe.weights_host.dtype}"
+    if grad_dtype != tbe.weights_host.dtype:
+        return f"its gradient arrives in {grad_dtype}, its rows are {tbe.weights_host.dtype}"
+    tables = list(tbe.feature_table_map)
+    if len(set(tables)) < len(tables):
+        shared = sorted({t for t in tables if tables.count(t) > 1})
+        return f"table {shared[0]} is shared by {tables.count(shared[0])} features"
+    return None
+
+
+class UpdatePathWatch:
+    """Which path each fused table group's backward took in a real step, observed (the gradient's dtype as it
+    reached the group's update), not assumed: `record()` after the step, for the manifest's
+    `table_update_choice.update_path`."""
+
+    def __init__(self, tables: list[Any]) -> None:
+        self.tables, self.seen = tables, {}
+        self.handles = [tbe.register_forward_hook(self._on_lookup) for tbe in tables]
+
+    def _on_lookup(self, module: Any, args: Any, out: Any) -> None:
+        node = getattr(out, "grad_fn", None)
+        if node is not None and torch.is_grad_enabled():
+            node.register_prehook(lambda grads: self.seen.setdefault(id(module), grads[0].dtype) and None)
+
+    def record(self) -> JsonObject:
+        """Per group, the path taken: "batched" (the lab's), "fbgemm fast path", or "fbgemm serial fallback: why";
+        the hooks removed."""
+        for handle in self.handles:
+            handle.remove()
+        paths = []
+        for tbe in self.tables:
+            if (dtype := self.seen.get(id(tbe))) is None:
+                paths.append("not observed (no gradient reached it)")
+            elif isinstance(tbe, BatchedTableUpdate):
+                paths.append(f"batched (the lab's; gradient {str(dtype).removeprefix('torch.')})")
+            elif not tbe.use_cpu:
+                paths.append("fbgemm on the GPU")
+            elif (why := fbgemm_fallback(tbe, dtype)) is None:
+                paths.append("fbgemm fast path (fp32 rows, fp32 gradient, no shared table)")
+            else:
+                paths.append(f"fbgemm serial fallback: {why}")
+        counts = {path: paths.count(path) for path in dict.fromkeys(paths)}
+        return {"groups": paths, "summary": "; ".join(f"{n} x {path}" for path, n in counts.items())}
+
+
 @dataclass
 class TableUpdateChoice:
     """What ran, what was asked, why, and the timings behind it (the manifest's `table_update_choice`)."""
