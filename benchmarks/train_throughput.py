@@ -133,18 +133,25 @@ TABLE_PAGES = "auto"  # --table-pages base: the tables on 4 KiB pages, as before
 PLAIN_LR = 4.0  # best held-out AUC of lr in {0.1, 1, 4, 10} after 150 steps at batch 2048
 
 
-def optimizer_options(name: str) -> dict[str, Any]:
-    """The lab as `dlrm-lab train` runs it: its tables' update and pages chosen by measurement (`--table-update auto`,
-    `--table-pages auto`)."""
+def optimizer_options(name: str, dense_update: str = "auto") -> dict[str, Any]:
+    """The lab as `dlrm-lab train` runs it: its tables' update and pages and its dense optimizer's step chosen by
+    measurement (`--table-update auto`, `--table-pages auto`, `--dense-update auto`)."""
+    chosen = dict(table_update=TABLE_UPDATE, table_pages=TABLE_PAGES, dense_update=dense_update)
     if name == "sgd":
         return dict(embedding_optimizer="sgd", embedding_lr=PLAIN_LR, dense_optimizer="sgd", dense_lr=PLAIN_LR,
-                    table_update=TABLE_UPDATE, table_pages=TABLE_PAGES)  # fmt: skip
-    return dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad", table_update=TABLE_UPDATE,
-                table_pages=TABLE_PAGES)  # fmt: skip
+                    **chosen)  # fmt: skip
+    return dict(embedding_optimizer="rowwise_adagrad", dense_optimizer="adagrad", **chosen)
 
 
 def run_lab(
-    spec: ModelSpec, batches: list, eval_batches: list, steps: int, warmup: int, precision: str, optimizer: str
+    spec: ModelSpec,
+    batches: list,
+    eval_batches: list,
+    steps: int,
+    warmup: int,
+    precision: str,
+    optimizer: str,
+    dense_update: str = "auto",
 ):
     cfg = TrainConfig(
         steps=warmup + steps,
@@ -152,7 +159,7 @@ def run_lab(
         precision=precision,
         warmup_steps=warmup,
         eval_batches=len(eval_batches),
-        **optimizer_options(optimizer),
+        **optimizer_options(optimizer, dense_update),
     )
     result = train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(eval_batches))
     return result.summary
@@ -235,9 +242,12 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--table-update", default="auto", help="the lab's --table-update (auto, fbgemm, batched)")
     ap.add_argument("--table-pages", default="auto", help="the lab's --table-pages (auto, base, huge)")
+    ap.add_argument("--dense-updates", default="auto", help="the lab's --dense-update, each interleaved: "
+                    "per_tensor,auto measures issue 59's route against the loop before it")  # fmt: skip
     args = ap.parse_args()
     global TABLE_UPDATE, TABLE_PAGES
     TABLE_UPDATE, TABLE_PAGES = args.table_update, args.table_pages
+    dense_updates = args.dense_updates.split(",")
     if args.quick:
         args.steps, args.repeats, args.quality_steps, args.max_rows = 5, 1, 20, 10_000
 
@@ -280,10 +290,14 @@ def main() -> None:
                 rate = run_plain(spec, batch_list, args.steps, args.warmup, prec, PLAIN_LR)["samples_per_s"]
                 samples.setdefault(f"plain {prec}", []).append(rate)
                 for opt in LAB_OPTIMIZERS:
-                    summary = run_lab(spec, batch_list, evals, args.steps, args.warmup, prec, opt)
-                    samples.setdefault(f"lab-{opt} {prec}", []).append(summary["samples_per_s"])
-                    fractions.setdefault(f"lab-{opt} {prec}", []).append(summary.get("roofline_fraction"))
-                    updates.setdefault(f"lab-{opt} {prec} table update", []).append(summary.get("table_update"))
+                    for du in dense_updates:
+                        key = f"lab-{opt} {prec}" + (f" dense {du}" if len(dense_updates) > 1 else "")
+                        summary = run_lab(spec, batch_list, evals, args.steps, args.warmup, prec, opt, du)
+                        samples.setdefault(key, []).append(summary["samples_per_s"])
+                        fractions.setdefault(key, []).append(summary.get("roofline_fraction"))
+                        updates.setdefault(f"{key} table update", []).append(summary.get("table_update"))
+                        for floor in ("phase_floor_fraction", "table_update_floor_fraction"):
+                            fractions.setdefault(f"{key} {floor}", []).append(summary.get(floor))
         med = {k: statistics.median(v) for k, v in samples.items()}
         point: dict[str, Any] = {"batch_size": batch, **updates}
         for k, v in med.items():
@@ -294,6 +308,9 @@ def main() -> None:
             known = [f for f in fractions.get(k, []) if f is not None]
             if known:  # of the step's roofline bound at this machine's probed peaks
                 point[f"{k} roofline fraction"] = statistics.median(known)
+            for floor in ("phase_floor_fraction", "table_update_floor_fraction"):
+                if known := [f for f in fractions.get(f"{k} {floor}", []) if f is not None]:
+                    point[f"{k} {floor}"] = statistics.median(known)
         if batch == 2048:  # the fused row-wise Adagrad's share of a step (issue 13: under 15%)
             for prec in precisions:
                 point[f"lab-adagrad {prec} fused update share"] = fused_update_share(spec, batch_list, prec)

@@ -34,12 +34,13 @@ def _pair(optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, pooling=PoolingMode.SUM, ro
     return made
 
 
-def _batch(rows, feature_table_map, batch=6, seed=1, weighted=False):
+def _batch(rows, feature_table_map, batch=6, seed=1, weighted=False, bag=None):
+    """Bags of 0-3 ids, or of `bag` ids each (every bag alike: the update's fixed-width path)."""
     g = torch.Generator().manual_seed(seed)
     ids, lengths = [], []
     for t in feature_table_map:
         for _ in range(batch):
-            n = int(torch.randint(0, 4, (1,), generator=g))  # empty bags too
+            n = int(torch.randint(0, 4, (1,), generator=g)) if bag is None else bag  # empty bags too
             lengths.append(n)
             # repeats within the batch: the update sums them
             ids.append(torch.randint(0, min(rows[t], 5), (n,), generator=g))
@@ -54,16 +55,20 @@ def _state(tbe):
 
 
 @pytest.mark.parametrize(
-    "optimizer,pooling,weighted,shared",
+    "optimizer,pooling,weighted,shared,bag",
     [
-        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, False, False),
-        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, False, True),  # two features read one table
-        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, False),  # per-id weights
-        (OptimType.EXACT_SGD, PoolingMode.SUM, False, True),
-        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.NONE, False, False),  # sequence tables
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, False, False, None),
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, False, True, None),  # two features read one table
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, False, None),  # per-id weights
+        (OptimType.EXACT_SGD, PoolingMode.SUM, False, True, None),
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.NONE, False, False, None),  # sequence tables
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, False, True, 1),  # one id a bag (Criteo)
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, True, False, 3),  # every bag of 3, weighted
+        (OptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, True, False, None),
+        (OptimType.EXACT_SGD, PoolingMode.MEAN, False, True, 2),
     ],
 )
-def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared):
+def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared, bag):
     rows = (50, 30, 7)
     feature_table_map = [0, 1, 1, 2] if shared else [0, 1, 2]
     fbgemm, batched = _pair(optimizer, pooling, rows, feature_table_map=feature_table_map)
@@ -71,7 +76,7 @@ def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared):
     assert type(batched) is BatchedTableUpdate and type(fbgemm) is SplitTableBatchedEmbeddingBagsCodegen
     before = _state(fbgemm)
     for step in range(3):  # the state carries over steps
-        indices, offsets, weights = _batch(rows, feature_table_map, seed=step, weighted=weighted)
+        indices, offsets, weights = _batch(rows, feature_table_map, seed=step, weighted=weighted, bag=bag)
         outs = [m(indices, offsets, weights) for m in (fbgemm, batched)]
         torch.testing.assert_close(outs[0], outs[1])  # the same forward
         grad = torch.randn_like(outs[0])
