@@ -351,24 +351,31 @@ def test_embedding_learning_rate_is_divided_by_the_pooling_factor():
 # rm2 625, rm3 200, dcnv2 50. rm2 and rm3 are capped at 100 rows: their teachers hold
 # 32 x 120 and 2,560 + 10 x 20 weights, learnt from 3% clicks, and need the most samples.
 # benchmarks/quality.py records the larger scales.
-TIME_TO_QUALITY = [
-    ("tiny", {}, 256, 100),
-    ("kaggle", {"max_rows": 1000}, 256, 200),
-    ("terabyte", {"max_rows": 1000}, 256, 200),
-    ("rm1", {"max_rows": 1000}, 256, 500),
-    ("rm2", {"max_rows": 100}, 256, 1000),
-    ("rm3", {"max_rows": 100}, 256, 400),
-    ("dcnv2", {"max_rows": 1000}, 256, 200),
-]
 EVAL_SAMPLES = 2048  # held-out samples per evaluation (about 60 clicks at 3%)
+# kaggle at three seeds, judged on 16,384 held-out samples (about 500 clicks: 2,048 left the AUC +-0.03 and decided
+# seed 0's 75 steps as much as its learning): 125, 200 and 275 steps on 2026-11-29, so the budget holds them all
+KAGGLE_SEEDS = [("kaggle", {"max_rows": 1000}, 256, 400, seed, 16384) for seed in (0, 1, 2)]
+TIME_TO_QUALITY = [
+    ("tiny", {}, 256, 100, 0, EVAL_SAMPLES),
+    *KAGGLE_SEEDS,
+    ("terabyte", {"max_rows": 1000}, 256, 200, 0, EVAL_SAMPLES),
+    ("rm1", {"max_rows": 1000}, 256, 500, 0, EVAL_SAMPLES),
+    ("rm2", {"max_rows": 100}, 256, 1000, 0, EVAL_SAMPLES),
+    ("rm3", {"max_rows": 100}, 256, 400, 0, EVAL_SAMPLES),
+    ("dcnv2", {"max_rows": 1000}, 256, 200, 0, EVAL_SAMPLES),
+]
 
 
 def _entropy(p: float) -> float:
     return -(p * math.log(p) + (1 - p) * math.log(1 - p))
 
 
-@pytest.mark.parametrize(("preset", "scaling", "batch", "budget"), TIME_TO_QUALITY, ids=[p[0] for p in TIME_TO_QUALITY])
-def test_every_preset_learns_to_90_percent_of_its_teacher(tmp_path, preset, scaling, batch, budget):
+@pytest.mark.parametrize(
+    ("preset", "scaling", "batch", "budget", "seed", "eval_samples"),
+    TIME_TO_QUALITY,
+    ids=[p[0] + (f"-seed{p[4]}" if p in KAGGLE_SEEDS else "") for p in TIME_TO_QUALITY],
+)
+def test_every_preset_learns_to_90_percent_of_its_teacher(tmp_path, preset, scaling, batch, budget, seed, eval_samples):
     """The first steps' loss (mean of 10) is within 2x of the click rate's entropy, and the
     held-out AUC reaches 90% of the teacher's within the stated steps. dcnv2's first loss was
     10,228 at scale 0.0005 (MLPerf's dense rate at a small batch, a logit starting at 0), rm2's
@@ -376,17 +383,17 @@ def test_every_preset_learns_to_90_percent_of_its_teacher(tmp_path, preset, scal
     from dlrm_lab.data import open_sources
 
     spec = dlrm_lab.load_preset(preset, **scaling)
-    # the run's own default data (seed 0), opened here for its teacher: one generator, calibrated once (rm3's
+    # the run's own default data (its seed), opened here for its teacher: one generator, calibrated once (rm3's
     # calibration draws 40,960 samples of 2,560 dense features: seconds)
-    source, held_out = open_sources(spec, "synthetic", batch, eval_batches=EVAL_SAMPLES // batch, seed=0)
+    source, held_out = open_sources(spec, "synthetic", batch, eval_batches=eval_samples // batch, seed=seed)
     teacher_auc = source.generator.teacher_auc
     cfg = TrainConfig(
         steps=budget,
         batch_size=batch,
         eval_every=max(25, budget // 20),
-        eval_batches=EVAL_SAMPLES // batch,
+        eval_batches=eval_samples // batch,
         target_auc=0.9 * teacher_auc,
-        seed=0,
+        seed=seed,
     )
     result = train(spec, cfg, metrics_dir=tmp_path, source=source, eval_source=held_out)
     manifest = read_manifest(result.run_dir)
