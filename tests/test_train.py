@@ -594,7 +594,8 @@ def test_what_takes_fbgemm_off_its_fast_path_is_named():
         return SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=optimizer, feature_table_map=feature_table_map)
 
     assert fbgemm_fallback(group(), torch.float32) is None
-    assert fbgemm_fallback(group(), torch.bfloat16) == "its gradient arrives in torch.bfloat16, its rows are torch.float32"
+    bf16 = fbgemm_fallback(group(), torch.bfloat16)
+    assert bf16 == "its gradient arrives in torch.bfloat16, its rows are torch.float32"
     assert fbgemm_fallback(group(OptimType.EXACT_SGD), torch.float32).startswith("its optimizer is EXACT_SGD")
     assert fbgemm_fallback(group(feature_table_map=[0, 0, 1]), torch.float32) == "table 0 is shared by 2 features"
 
