@@ -7,6 +7,10 @@ venv's Python with that worktree first on its path, so both sides use the same p
 the training command, then the serving command, on each side in turn (the order alternating between
 rounds), and the figures are their summaries' `samples_per_s` and `latency_p99_ms`. A refactor that
 changes no figure shows ratios within the rounds' spread (issue 35's constraint).
+
+The ratio is taken per round (its two sides ran adjacent in time, so the host's drift between rounds cancels), and
+the result is the rounds' median with its bootstrap interval; a round whose two sides' speed canaries are over
+`metrics.canary.CANARY_APART` apart (the host changed speed between them) is left out, and the result says how many.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from common import header, results_path, write_results
+
+from dlrm_lab.metrics.canary import CANARY_APART, apart
+from dlrm_lab.metrics.stats import estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ["train", "--preset", "kaggle", "--max-rows", "1000000", "--steps", "200", "--batch-size", "2048"]
@@ -56,6 +63,7 @@ def main() -> None:
             for side, rev in (("base", opts.base), ("head", opts.head))}  # fmt: skip
     infer_args = [*INFER, "--build", opts.build] if opts.build else INFER
     figures: dict[str, dict[str, list[float]]] = {s: {"samples_per_s": [], "latency_p99_ms": []} for s in revs}
+    canaries: dict[str, dict[str, list[float | None]]] = {s: {"train": [], "infer": []} for s in revs}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         trees = {}
@@ -70,6 +78,8 @@ def main() -> None:
                     infer = _run(trees[side], infer_args, tmp / f"m-{side}-{k}-infer")
                     figures[side]["samples_per_s"].append(train["samples_per_s"])
                     figures[side]["latency_p99_ms"].append(infer["latency_p99_ms"])
+                    canaries[side]["train"].append(train.get("canary_ratio"))
+                    canaries[side]["infer"].append(infer.get("canary_ratio"))
                     print(
                         f"round {k} {side} {revs[side]}: train {train['samples_per_s']:,.0f} samples/s, "
                         f"infer p99 {infer['latency_p99_ms']:.2f} ms",
@@ -78,15 +88,25 @@ def main() -> None:
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+    paired = {}
+    for metric, command in (("samples_per_s", "train"), ("latency_p99_ms", "infer")):
+        rounds = zip(figures["base"][metric], figures["head"][metric], canaries["base"][command],
+                     canaries["head"][command], strict=True)  # fmt: skip
+        kept = [head / base for base, head, cb, ch in rounds if not apart(cb, ch)]
+        ratio = estimate(kept)
+        paired[metric] = {"median": ratio.median, "ci_low": ratio.ci_low, "ci_high": ratio.ci_high,
+                          "rounds": len(kept), "left_out": opts.rounds - len(kept)}  # fmt: skip
+        print(f"head / base, {command} {metric}: {ratio.median} [{ratio.ci_low}, {ratio.ci_high}] over {len(kept)} "
+              f"rounds paired in time ({opts.rounds - len(kept)} left out: canaries over {CANARY_APART:.0%} apart)")
     ratios = {m: statistics.median(figures["head"][m]) / statistics.median(figures["base"][m])
               for m in ("samples_per_s", "latency_p99_ms")}  # fmt: skip
     print(
-        f"head / base (medians): train samples/s {ratios['samples_per_s']:.3f}, "
+        f"head / base (medians of each side, unpaired): train samples/s {ratios['samples_per_s']:.3f}, "
         f"infer p99 {ratios['latency_p99_ms']:.3f}"
     )
     write_results(results_path("ab", opts.out),
                   header(base=revs["base"], head=revs["head"], train=TRAIN, infer=infer_args, figures=figures,
-                         ratios=ratios))  # fmt: skip
+                         canaries=canaries, paired=paired, ratios=ratios))  # fmt: skip
 
 
 if __name__ == "__main__":
