@@ -133,10 +133,12 @@ TABLE_PAGES = "auto"  # --table-pages base: the tables on 4 KiB pages, as before
 PLAIN_LR = 4.0  # best held-out AUC of lr in {0.1, 1, 4, 10} after 150 steps at batch 2048
 
 
-def optimizer_options(name: str, dense_update: str = "auto") -> dict[str, Any]:
-    """The lab as `dlrm-lab train` runs it: its tables' update and pages and its dense optimizer's step chosen by
-    measurement (`--table-update auto`, `--table-pages auto`, `--dense-update auto`)."""
-    chosen = dict(table_update=TABLE_UPDATE, table_pages=TABLE_PAGES, dense_update=dense_update)
+def optimizer_options(name: str, variant: dict[str, str] | None = None) -> dict[str, Any]:
+    """The lab as `dlrm-lab train` runs it: its tables' update and pages, its dense optimizer's step and its dense
+    weights chosen by measurement (`--table-update auto`, `--table-pages auto`, `--dense-update auto`,
+    `--dense-weights auto`), or as `variant` fixes them."""
+    chosen = dict(table_update=TABLE_UPDATE, table_pages=TABLE_PAGES, dense_update="auto", dense_weights="auto")
+    chosen |= variant or {}
     if name == "sgd":
         return dict(embedding_optimizer="sgd", embedding_lr=PLAIN_LR, dense_optimizer="sgd", dense_lr=PLAIN_LR,
                     **chosen)  # fmt: skip
@@ -151,7 +153,7 @@ def run_lab(
     warmup: int,
     precision: str,
     optimizer: str,
-    dense_update: str = "auto",
+    variant: dict[str, str] | None = None,
 ):
     cfg = TrainConfig(
         steps=warmup + steps,
@@ -159,7 +161,7 @@ def run_lab(
         precision=precision,
         warmup_steps=warmup,
         eval_batches=len(eval_batches),
-        **optimizer_options(optimizer, dense_update),
+        **optimizer_options(optimizer, variant),
     )
     result = train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(eval_batches))
     return result.summary
@@ -242,12 +244,13 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--table-update", default="auto", help="the lab's --table-update (auto, fbgemm, batched)")
     ap.add_argument("--table-pages", default="auto", help="the lab's --table-pages (auto, base, huge)")
-    ap.add_argument("--dense-updates", default="auto", help="the lab's --dense-update, each interleaved: "
-                    "per_tensor,auto measures issue 59's route against the loop before it")  # fmt: skip
+    ap.add_argument("--variants", default="", help="the lab's runs, each interleaved: ';'-separated sets of "
+                    "option=value (TrainConfig's names), e.g. 'dense_update=per_tensor,dense_weights=fp32;"
+                    "dense_weights=bf16' measures issue 59's routes against the step before them")  # fmt: skip
     args = ap.parse_args()
     global TABLE_UPDATE, TABLE_PAGES
     TABLE_UPDATE, TABLE_PAGES = args.table_update, args.table_pages
-    dense_updates = args.dense_updates.split(",")
+    variants = [dict(kv.split("=", 1) for kv in v.split(",") if kv) for v in args.variants.split(";")] or [{}]
     if args.quick:
         args.steps, args.repeats, args.quality_steps, args.max_rows = 5, 1, 20, 10_000
 
@@ -290,9 +293,10 @@ def main() -> None:
                 rate = run_plain(spec, batch_list, args.steps, args.warmup, prec, PLAIN_LR)["samples_per_s"]
                 samples.setdefault(f"plain {prec}", []).append(rate)
                 for opt in LAB_OPTIMIZERS:
-                    for du in dense_updates:
-                        key = f"lab-{opt} {prec}" + (f" dense {du}" if len(dense_updates) > 1 else "")
-                        summary = run_lab(spec, batch_list, evals, args.steps, args.warmup, prec, opt, du)
+                    for variant in variants:
+                        named = " ".join(f"{k}={v}" for k, v in variant.items())
+                        key = f"lab-{opt} {prec}" + (f" {named}" if len(variants) > 1 else "")
+                        summary = run_lab(spec, batch_list, evals, args.steps, args.warmup, prec, opt, variant)
                         samples.setdefault(key, []).append(summary["samples_per_s"])
                         fractions.setdefault(key, []).append(summary.get("roofline_fraction"))
                         updates.setdefault(f"{key} table update", []).append(summary.get("table_update"))

@@ -28,6 +28,9 @@ TABLE_UPDATES = ("auto", "fbgemm", "batched")
 # How the dense optimizer steps: torch's per-tensor loop, its foreach ops, its fused kernel, or the fastest of them
 # timed before the run (`train.choices.choose_dense_update`)
 DENSE_UPDATES = ("auto", "per_tensor", "foreach", "fused")
+# The weights a bf16 step computes with: fp32 cast by autocast at every use, bf16 copies of fp32 masters refreshed
+# once a step, or the faster on the run's own steps (`train.dense_weights`)
+DENSE_WEIGHTS = ("auto", "fp32", "bf16")
 # The CPU tables' memory pages: 4 KiB (as allocated), 2 MiB (`metrics.huge_pages`), or huge where this machine's
 # probe measured a gather on them faster (`train.choices.choose_table_pages`)
 TABLE_PAGES = ("auto", "base", "huge")
@@ -72,6 +75,13 @@ class TrainConfig:
         "How the dense optimizer steps: auto (each way timed on the run's dense parameters before it starts; the "
         "fastest kept), per_tensor (torch's loop of small ops per tensor), foreach (the same ops over every tensor "
         "at once) or fused (torch's one fused kernel).",
+        cli_default="auto",
+    )
+    dense_weights: str = option(
+        "fp32",
+        "The weights a bf16 step computes with: auto (both ways tried on the run's own steps, the faster kept), fp32 "
+        "(autocast casts each weight at every use, every step) or bf16 (bf16 copies of the fp32 master weights the "
+        "optimizer keeps, refreshed once a step; only the dense input, the embeddings and the logits cast).",
         cli_default="auto",
     )
     table_pages: str = option(
@@ -191,6 +201,7 @@ class TrainConfig:
         _choice("embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
         _choice("table_update", self.table_update, TABLE_UPDATES)
         _choice("dense_update", self.dense_update, DENSE_UPDATES)
+        _choice("dense_weights", self.dense_weights, DENSE_WEIGHTS)
         _choice("table_pages", self.table_pages, TABLE_PAGES)
         _choice("distribution", self.distribution, DISTRIBUTIONS)
         _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)

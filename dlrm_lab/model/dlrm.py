@@ -308,16 +308,27 @@ class DLRM(nn.Module):
             if device is not None:
                 self.inter_arch.to(device)  # LowRankCrossNet takes no device argument
         self.over_arch = OverArch(in_features=over_in, layer_sizes=list(spec.top_mlp), device=device)
+        # None: the dense part computes in its weights' dtype as autocast casts them; a dtype: its weights are in that
+        # dtype (`train.dense_weights`) and the forward casts at the boundaries alone: the dense input, the pooled
+        # embeddings, the interaction's output (a Gram matrix kept in fp32) and the logits (back to fp32)
+        self.dense_dtype: torch.dtype | None = None
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
-        embedded_dense = self.dense_arch(dense_features)
+        dtype = self.dense_dtype
+        embedded_dense = self.dense_arch(dense_features if dtype is None else dense_features.to(dtype))
         if self.sparse_arch.any_order:  # the dot interaction: the embeddings as they come, and where the pairs lie
             embedded_sparse, triangle = self.sparse_arch(sparse_features)
+            if dtype is not None:
+                embedded_sparse = embedded_sparse.to(dtype)
             interaction = self.inter_arch(embedded_dense, embedded_sparse, triangle)
         else:
             embedded_sparse = self.sparse_arch(sparse_features)
+            if dtype is not None:
+                embedded_sparse = embedded_sparse.to(dtype)
             interaction = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
-        return self.over_arch(interaction).squeeze(-1)
+        if dtype is None:
+            return self.over_arch(interaction).squeeze(-1)
+        return self.over_arch(interaction.to(dtype)).squeeze(-1).float()
 
     def forward_in_stages(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor

@@ -18,6 +18,9 @@ from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
+from dlrm_lab.train.dense_weights import WAYS as WEIGHT_WAYS
+from dlrm_lab.train.dense_weights import DenseWeights
+from dlrm_lab.train.dense_weights import unsupported as unsupported_weights
 from dlrm_lab.train.step import DENSE_UPDATE_ARGS, dense_params, make_dense
 from dlrm_lab.train.step_trial import StepTrial, trial_window
 
@@ -301,6 +304,28 @@ def choose_run_interaction(
     return shared[0]
 
 
+def choose_dense_weights(
+    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, log: Callable[[str], None] | None
+) -> tuple[JsonObject, DenseWeights | None]:
+    """The weights a bf16 step computes with (`train.dense_weights`), its record, and the run's `DenseWeights`
+    (None where the run has only its fp32 weights). `auto` starts on fp32 and leaves the choice to a trial over the
+    run's own steps (`run_step_trials`): the two ways' gain depends on the widths, the batch and the class."""
+    record: JsonObject = {"requested": cfg.dense_weights}
+    if cfg.dense_weights == "fp32":
+        return {**record, "dense_weights": "fp32", "reason": "--dense-weights fp32"}, None
+    if (why := unsupported_weights(dmp, cfg, ctx.world_size)) is not None:
+        return {**record, "dense_weights": "fp32", "reason": f"fp32 weights under autocast: {why}"}, None
+    weights = DenseWeights(dmp, list(dense_params(dmp)))
+    if cfg.dense_weights == "bf16":
+        weights.use("bf16")
+        record |= {"dense_weights": "bf16", "reason": "--dense-weights bf16"}
+    else:
+        record |= {"dense_weights": "fp32", "reason": "auto: fp32 until the run's own steps decide (trial)"}
+    if log and ctx.is_main:
+        log(f"dense weights {record['dense_weights']}: {record['reason']}")
+    return record, weights
+
+
 def run_step_trials(
     cfg: TrainConfig,
     ctx: DistContext,
@@ -308,6 +333,7 @@ def run_step_trials(
     start_step: int,
     table_update: JsonObject,
     interaction: JsonObject | None,
+    dense_weights: tuple[JsonObject, DenseWeights | None] = ({}, None),
 ) -> list[StepTrial]:
     """The choices this run decides again on its own steps (`train.step_trial`): the table update and the dot
     interaction's Gram dtype, each first timed apart (one phase alone, before the run), are tried over a window of
@@ -337,6 +363,9 @@ def run_step_trials(
         wanted.append(
             ("gram_dtype", interaction, "interaction_choice", ("fp32", "autocast"), lambda way: _put_gram(arches, way))
         )
+    weights_record, weights = dense_weights
+    if weights is not None and weights_record.get("requested") == "auto":
+        wanted.append(("dense_weights", weights_record, "dense_weights_choice", WEIGHT_WAYS, weights.use))
     for record in (table_update, interaction):
         if record is not None:
             record["conditions"] = {**conditions, "timed": "apart: this rank's phase alone, before the run"}

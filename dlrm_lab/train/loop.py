@@ -185,6 +185,8 @@ def _loop(
     run_eval = _evaluator(setup, pipeline, watchdog, eval_table, t_start, evals, reached)
     timer = StepTimer(ctx.device)
     tables = fused_table_groups(dmp)
+    if setup.weights is not None:  # whatever the loop ends in, the model holds the fp32 weights the optimizer has
+        stack.callback(setup.weights.use, "fp32")
     if pipeline is None:
         for handle in instrument_embedding_phases(dmp, timer) + instrument_table_update(tables, timer):
             stack.callback(handle.remove)
@@ -217,7 +219,7 @@ def _loop(
                     timer.mark("data_wait")
                 # the first step on each table-update path says which path fbgemm's backward took (observed)
                 watch = UpdatePathWatch(tables) if "update_path" not in setup.config["table_update_choice"] else None
-                loss = train_step(dmp, optimizer, batch, ctx, cfg, timer.mark)
+                loss = train_step(dmp, optimizer, batch, ctx, cfg, timer.mark, setup.weights)
                 if watch is not None:
                     _update_path(setup, record, watch)
                 timer.mark("optimizer")  # the step's tail (its frame and last tensors freed, 10-20 us) is named too
@@ -257,18 +259,25 @@ def _loop(
             if (reading := canary.maybe_read()) is not None and telemetry is not None:
                 telemetry.extend([{**r, "rank": ctx.rank} for r in as_telemetry(reading)])
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                save_checkpoint(
-                    cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main, _trained(setup, record, evals)
-                )
+                with _as_trained(setup):
+                    save_checkpoint(
+                        cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main, _trained(setup, record, evals)
+                    )
             every = cfg.resolved_eval_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
                 break
         else:
             run_eval(cfg.steps - 1)
         if cfg.checkpoint_dir:
-            save_checkpoint(
-                cfg.checkpoint_dir, dmp, optimizer, steps[-1]["step"] + 1, ctx.is_main, _trained(setup, record, evals)
-            )
+            with _as_trained(setup):
+                save_checkpoint(
+                    cfg.checkpoint_dir,
+                    dmp,
+                    optimizer,
+                    steps[-1]["step"] + 1,
+                    ctx.is_main,
+                    _trained(setup, record, evals),
+                )
     except KeyboardInterrupt:
         status = "interrupted"
     except RuntimeError as exc:  # gloo/NCCL errors surface as RuntimeError subclasses
@@ -302,6 +311,11 @@ def _distinct_rows(setup: TrainSetup, record: Run | None, batch: Any) -> None:
     setup.config["distinct_rows"] = distinct_rows(batch) or {"share": None, "reason": "no pooled sparse features"}
     if record is not None and setup.ctx.is_main:
         record.update_manifest(config=setup.config)
+
+
+def _as_trained(setup: TrainSetup) -> contextlib.AbstractContextManager[Any]:
+    """The model with the weights the optimizer holds (the fp32 masters where the step computes with bf16 copies)."""
+    return setup.weights.as_trained() if setup.weights is not None else contextlib.nullcontext()
 
 
 def _update_path(setup: TrainSetup, record: Run | None, watch: UpdatePathWatch) -> None:

@@ -8,6 +8,7 @@ manifest (`build_setup`). What the steps need comes back as one `TrainSetup`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -39,6 +40,7 @@ from dlrm_lab.model.cost import TABLE_BYTES_PER_VALUE
 from dlrm_lab.train.checkpoint import load_checkpoint
 from dlrm_lab.train.choices import (
     choose_dense_update,
+    choose_dense_weights,
     choose_prefetch,
     choose_run_attention,
     choose_run_collectives,
@@ -48,6 +50,7 @@ from dlrm_lab.train.choices import (
     choose_table_pages,
     run_step_trials,
 )
+from dlrm_lab.train.dense_weights import DenseWeights
 from dlrm_lab.train.pipeline import BatchLoss
 from dlrm_lab.train.preflight import ResolvedRun
 from dlrm_lab.train.sharding_trial import resolve_sharding
@@ -88,6 +91,7 @@ class TrainSetup:
     start_step: int
     config: JsonObject  # the manifest's config: every choice and why
     trials: list[StepTrial] = field(default_factory=list)  # choices decided again on the run's own steps
+    weights: DenseWeights | None = None  # the dense part's bf16 copies of its masters, where the run has them
 
 
 def _output_bias_rule(output_bias: float | None, click_rate: float | None, start_step: int) -> str:
@@ -205,7 +209,8 @@ def build_setup(
     )
     cfg = replace(cfg, table_update=table_update["table_update"])
     interaction = choose_run_interaction(spec, cfg, ctx, dmp, log)
-    trials = run_step_trials(cfg, ctx, dmp, start_step, table_update, interaction)
+    dense_weights = choose_dense_weights(cfg, ctx, dmp, log)
+    trials = run_step_trials(cfg, ctx, dmp, start_step, table_update, interaction, dense_weights)
     plan_info = describe_plan(
         plan, spec, ctx.world_size, bytes_per_value=int(TABLE_BYTES_PER_VALUE[cfg.table_precision])
     )
@@ -218,7 +223,8 @@ def build_setup(
     cfg = replace(cfg, target_auc=target_auc)
     sidecar = (described.get("dataset") or {}).get("teacher") or {}
     click_rate = described.get("click_rate") or sidecar.get("click_rate")
-    output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None
+    with dense_weights[1].as_trained() if dense_weights[1] is not None else contextlib.nullcontext():
+        output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None  # on the fp32 masters
     prefetch = choose_prefetch(cfg, ctx)
     if prefetch["prefetch"]:
         source = Prefetcher(source, depth=prefetch["prefetch"], pin_memory=ctx.device.type == "cuda")
@@ -239,6 +245,7 @@ def build_setup(
         "prefetch_choice": prefetch,
         "table_update_choice": table_update,
         "dense_update_choice": dense_update,
+        "dense_weights_choice": dense_weights[0],
         "table_pages_choice": table_pages,
         "distribution_choice": distribution["record"],
         "interaction_choice": interaction,
@@ -259,7 +266,7 @@ def build_setup(
         },
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
-    return TrainSetup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config, trials)
+    return TrainSetup(spec, cfg, ctx, dmp, optimizer, source, eval_source, start_step, config, trials, dense_weights[1])
 
 
 def _distribution(dmp: Any, cfg: TrainConfig, ctx: DistContext) -> JsonObject:

@@ -90,8 +90,10 @@ def dense_optimizer(
     return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]
 
 
-def autocast(ctx: DistContext, cfg: TrainConfig) -> contextlib.AbstractContextManager[Any]:
-    if cfg.precision == "bf16":
+def autocast(ctx: DistContext, cfg: TrainConfig, weights: Any = None) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast for a bf16 run whose dense weights are fp32 (`weights`: its `train.dense_weights.DenseWeights`,
+    None where it has none); none where they are already bf16 or the run is fp32."""
+    if cfg.precision == "bf16" and (weights is None or weights.autocast):
         return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -104,16 +106,27 @@ def model_inputs(batch: Any) -> tuple[Any, ...]:
 
 
 def train_step(
-    dmp: torch.nn.Module, optimizer: Any, batch: Any, ctx: DistContext, cfg: TrainConfig, mark: Callable[[str], None]
+    dmp: torch.nn.Module,
+    optimizer: Any,
+    batch: Any,
+    ctx: DistContext,
+    cfg: TrainConfig,
+    mark: Callable[[str], None],
+    weights: Any = None,
 ) -> torch.Tensor:
-    """One unpipelined step on a batch already on the device; `mark` ends each phase."""
-    with autocast(ctx, cfg):
+    """One unpipelined step on a batch already on the device; `mark` ends each phase. `weights`: the run's
+    `train.dense_weights.DenseWeights` (bf16 copies of the masters the optimizer steps), or None."""
+    with autocast(ctx, cfg, weights):
         logits = dmp(*model_inputs(batch))
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
     mark("dense_forward")
     optimizer.zero_grad()
     loss.backward()  # also applies the fused table optimizer and DDP all-reduce
     mark("backward")
+    if weights is not None:
+        weights.to_masters()
     optimizer.step()
+    if weights is not None:
+        weights.after_step()
     mark("optimizer")
     return loss
