@@ -94,7 +94,7 @@ class FakeTimes:
 
     def __call__(self, modules, sizes, threads):
         self.calls.append(sorted(modules))
-        out = {b: {n: self.ms[b] for n in sizes} | {builds.SPREAD: self.spread} for b in modules}
+        out = {b: {n: self.ms.get(b, 9.0) for n in sizes} | {builds.SPREAD: self.spread} for b in modules}
         if "fused" in out:
             out["fused"][-1] = self.dense_ms
         return out
@@ -119,6 +119,13 @@ def test_auto_serves_the_fastest_build_and_records_why(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "b"))
     tie, module = _choose("auto", FakeTimes(eager=1.0, fused=0.97))  # within the margin: the model itself
     assert tie.build == "eager" and not isinstance(module, FusedDLRM)
+    # a more complex build faster by less than the margin: the simpler served, and not called "the fastest"
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "c"))
+    close, _ = _choose("auto", FakeTimes(dense_ms=10.0, eager=2.0, fused=1.0, openvino_int8=0.97))
+    assert close.build == "fused" and "openvino_int8" not in close.skipped
+    assert close.reason == ("auto: fused, the simplest of the fastest (fused 2.000 ms vs eager 4.000 ms over batches "
+                            "of 8, 64); openvino_int8 1.940 ms faster by less than 1.05x: not worth a more complex "
+                            "build")  # fmt: skip
 
 
 def test_an_explicit_slower_build_runs_with_one_warning_naming_both_times(monkeypatch, tmp_path):

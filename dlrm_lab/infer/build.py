@@ -251,6 +251,14 @@ def choose_build(
             log(f"build {b}: failed its accuracy check ({accuracy.rule}); not served")
     failed = [b for b in ordered if b in skipped and b != best]
     reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")
+    # a later build within the margin of it, or faster by less: the simpler kept, and said so (not "the fastest")
+    close = [b for b in ordered if b != best and b not in skipped and total[b] < total[best]]
+    if close:
+        reason = (
+            f"auto: {best}, the simplest of the fastest ({vs(best, 'eager')}); "
+            + ", ".join(f"{b} {total[b]:.3f} ms" for b in close)
+            + f" faster by less than {MARGIN:g}x: not worth a more complex build"
+        )
     if failed:
         reason = (
             f"auto: {best}, the fastest that passed its accuracy check ({', '.join(failed)} failed it; "
