@@ -1,6 +1,7 @@
 """Comparisons a drifting host cannot spoil (issue 60's targets): `compare` over runs paired in time. ~3 min on 2 cores.
 
     python benchmarks/drift.py [--trials 10] [--pairs 5] [--steps 300] [--preset tiny]
+    python benchmarks/drift.py --preset kaggle --max-rows 100000 --batch-size 2048 --steps 60   # make run's shape
 
 Each trial runs the same training command as BASE and NEW alternately (A B A B ..., `--pairs` of each), then
 `compare`s them: the target is no regression in any trial. Then as many trials where NEW sleeps an extra 15% of the
@@ -64,10 +65,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--max-rows", type=int, default=None, help="each table's rows capped (the preset's own)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--out", default=None, help="the results file (default results/results-drift-<date>.json)")
     args = parser.parse_args()
-    spec = dlrm_lab.load_preset(args.preset)
-    cfg = TrainConfig(steps=args.steps, batch_size=256, prefetch=0, eval_batches=1)
-    results: dict[str, Any] = {"header": header(), "itself": [], "slowed": []}
+    spec = dlrm_lab.load_preset(args.preset, **({"max_rows": args.max_rows} if args.max_rows else {}))
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, prefetch=0, eval_batches=1)
+    results: dict[str, Any] = {"header": header(**vars(args)), "itself": [], "slowed": []}
     with tempfile.TemporaryDirectory() as tmp:
         first = run(spec, cfg, Path(tmp) / "first")
         sleep_s = SLOWDOWN * first["step_time_ms_p50"] / 1e3
@@ -83,7 +87,7 @@ def main() -> None:
     slowed = sum(o["verdict"] == "regression" for o in results["slowed"])
     print(f"against itself: {itself} of {args.trials} reported a regression (target 0); 15% slower: {slowed} of "
           f"{args.trials} reported (target all)")  # fmt: skip
-    write_results(results_path("drift"), results)
+    write_results(results_path("drift", args.out), results)
 
 
 if __name__ == "__main__":
