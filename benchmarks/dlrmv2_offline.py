@@ -38,7 +38,8 @@ def run(tmp: Path, table_precision: str, args: argparse.Namespace, cores: int) -
     (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     keep = {k: row.get(k) for k in ("samples_per_s", "queries_per_s", "loadgen_result", "loadgen_queries_per_s",
                                     "roofline_fraction", "roofline_bound", "precision", "build", "batch_fixed_ms",
-                                    "batch_per_sample_us", "achieved_flops_per_s", "max_batch")}  # fmt: skip
+                                    "batch_per_sample_us", "achieved_flops_per_s", "max_batch", "canary_ratio",
+                                    "canary_phase")}  # fmt: skip
     manifest = json.loads((run_dir / "manifest.json").read_text())
     choice = manifest.get("precision_choices", {}).get("dcnv2", {}).get("build_choice") or {}
     keep["build_choice"] = {k: choice.get(k) for k in ("build", "reason", "batch_ms", "skipped")}

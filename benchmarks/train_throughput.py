@@ -300,7 +300,7 @@ def main() -> None:
                         samples.setdefault(key, []).append(summary["samples_per_s"])
                         fractions.setdefault(key, []).append(summary.get("roofline_fraction"))
                         updates.setdefault(f"{key} table update", []).append(summary.get("table_update"))
-                        for floor in ("phase_floor_fraction", "table_update_floor_fraction"):
+                        for floor in ("phase_floor_fraction", "table_update_floor_fraction", "canary_ratio"):
                             fractions.setdefault(f"{key} {floor}", []).append(summary.get(floor))
         med = {k: statistics.median(v) for k, v in samples.items()}
         point: dict[str, Any] = {"batch_size": batch, **updates}
@@ -312,7 +312,7 @@ def main() -> None:
             known = [f for f in fractions.get(k, []) if f is not None]
             if known:  # of the step's roofline bound at this machine's probed peaks
                 point[f"{k} roofline fraction"] = statistics.median(known)
-            for floor in ("phase_floor_fraction", "table_update_floor_fraction"):
+            for floor in ("phase_floor_fraction", "table_update_floor_fraction", "canary_ratio"):  # the host's speed
                 if known := [f for f in fractions.get(f"{k} {floor}", []) if f is not None]:
                     point[f"{k} {floor}"] = statistics.median(known)
         if batch == 2048:  # the fused row-wise Adagrad's share of a step (issue 13: under 15%)
