@@ -153,6 +153,29 @@ def test_no_private_name_is_imported_across_modules():
     assert crossing == []
 
 
+def _mixed_classes(sources: dict[str, str]) -> list[str]:
+    """Classes (module.Class) that inherit two or more classes defined in `sources` (module -> its code)."""
+    trees = {name: ast.parse(code) for name, code in sources.items()}
+    ours = {n.name for tree in trees.values() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    mixed = []
+    for name, tree in trees.items():
+        for node in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            bases = [
+                b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases
+            ]
+            if sum(b in ours for b in bases) >= 2:
+                mixed.append(f"{name}.{node.name}")
+    return mixed
+
+
+def test_no_class_inherits_two_of_the_labs_own():
+    """Parts are held as objects with their own state (docs/architecture.md, "Objects are composed"), not mixed into
+    one class whose `__init__` sets the state of halves defined elsewhere (the server was, issue 58)."""
+    sources = {str(path.relative_to(ROOT)): path.read_text() for path in ROOT.rglob("*.py")}
+    assert _mixed_classes(sources) == []
+    assert _mixed_classes({"a": "class P: ...\nclass Q: ...\nclass S(P, Q): ...\nclass T(P, dict): ..."}) == ["a.S"]
+
+
 def test_no_room_reaches_the_package_root_or_names_a_module_by_string():
     """The package root stands above every room (it imports the registrations): a room importing a name from it, or
     naming another module as "module:function" for importlib, is a dependency the graph above cannot see (issue 58)."""

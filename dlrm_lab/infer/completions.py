@@ -3,28 +3,38 @@ query, the instance goes back to its model's free list, the batch's time is set 
 held far beyond it is a stall), and each query whose last piece came back becomes one record (`infer.sut.query_row`)
 and its caller's callback; the records and stalls are taken from here, point by point.
 
-`BatchCompletions` is a part of `infer.server.InferenceServer`, whose `__init__` sets the state these methods share.
+`QueryRecords` holds what the server records of its queries; `BatchCompletions` runs the completion thread over the
+instances' pipes (`infer.instance_processes.InstanceProcesses`) and the server's pools; the server
+(`infer.server.InferenceServer`) holds one of each.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_connections
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.instance import CANARY, TRACE, BatchResult
+from dlrm_lab.infer.instance_processes import InstanceProcesses
+from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Query, Stall, finishing_together, query_row
 from dlrm_lab.metrics.columns import BATCH_STAGES, QueryRow
+
+if TYPE_CHECKING:
+    from dlrm_lab.infer.pools import Pool
 
 # A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
 # starved of its core), not a slow batch: said per point
 STALL_MS = 500.0
 STALL_FACTOR = 20.0
+CANARY_KEPT = 10_000  # speed-canary readings held for the next `take_canary` (about 5 hours of one instance)
 
 
 class InstanceStates(NamedTuple):
@@ -37,89 +47,212 @@ class InstanceStates(NamedTuple):
     waiting: int  # queries queued for a batch
 
 
-class BatchCompletions:
-    """The server's completion thread and the query records it writes (see the module's docstring)."""
+class QueryRecords:
+    """What the server records of its queries: a row for each as it finishes (and its caller's callback), the batches
+    an instance held far beyond their warm time, the instances' speed-canary readings; and how many queries are
+    still out (`drain`). `failed(why)` is told when a caller's callback raises."""
 
-    # Told each batch's model and samples as it comes back, on the completion thread (`serve --metrics-port`): one
-    # call a batch, which must be cheap and must not raise
-    batch_observer: Callable[[str, int], None] | None = None
+    def __init__(self, models: dict[str, ServedModel], failed: Callable[[str], None]) -> None:
+        self.models, self.failed = models, failed
+        self.epoch_ns = time.monotonic_ns()  # records' times are ms from here (the server resets it as it starts)
+        self._lock = threading.Lock()
+        self._records: list[QueryRow] = []
+        self._stalls: list[Stall] = []
+        # the instances' readings, each with its model; a `serve` nobody takes them from keeps the last
+        self._canary: collections.deque[JsonObject] = collections.deque(maxlen=CANARY_KEPT)
+        self._outstanding = 0  # submitted, not yet finished
+        self._idle = threading.Condition()
 
-    def instance_states(self) -> dict[str, InstanceStates]:
-        """Per model, its instances alive, busy and stalled now, and its queries waiting (read when scraped)."""
-        now = time.monotonic_ns()
-        out: dict[str, InstanceStates] = {}
-        for name, pool in self._pools.items():
-            mine = [info["instance"] for info in self.instance_info if info["model"] == name]
-            with pool.cond:
-                busy = [(sent, n) for i, (sent, n) in pool.clock.busy.items() if i not in self._lost]
-                cost, waiting = pool.clock.cost, len(pool.waiting)
-            stalled = sum(
-                (now - sent) / 1e6 > max(STALL_MS, STALL_FACTOR * (cost.ms(n) if cost is not None else 0.0))
-                for sent, n in busy
-            )
-            out[name] = InstanceStates(sum(i not in self._lost for i in mine), len(busy), stalled, waiting)
-        return out
+    def opened(self) -> None:
+        """One more query submitted, to be finished."""
+        with self._idle:
+            self._outstanding += 1
 
-    def _count_columns(self, q: Query) -> dict[str, int | None]:
-        """What the query's model's family counted of it, as its query columns (none for a DLRM)."""
-        served = self.models[q.model]
-        return family_of(served.spec).count_columns(served, q.counts)
+    def drain(self, timeout_s: float, broken: Callable[[], bool]) -> bool:
+        """Wait until every submitted query finished; False on timeout or as soon as `broken()`."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._outstanding > 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or broken():
+                    return False
+                self._idle.wait(min(left, 0.5))
+        return True
+
+    def wake(self) -> None:
+        """Wake a `drain` (the server broke)."""
+        with self._idle:
+            self._idle.notify_all()
+
+    def stall(self, stall: Stall) -> None:
+        with self._lock:
+            self._stalls.append(stall)
+
+    def canary(self, reading: JsonObject) -> None:
+        with self._lock:
+            self._canary.append(reading)
 
     def take_records(self) -> list[QueryRow]:
-        with self._records_lock:
+        with self._lock:
             out, self._records = self._records, []
         return out
 
     def take_stalls(self) -> list[Stall]:
         """Batches since the last call that an instance held far beyond their warm time (STALL_MS, STALL_FACTOR):
         its process was stopped, or starved of its core."""
-        with self._records_lock:
+        with self._lock:
             out, self._stalls = self._stalls, []
         return out
 
     def take_canary(self) -> list[JsonObject]:
         """The instances' speed-canary readings since the last call (`metrics.canary`), each naming its model."""
-        with self._records_lock:
+        with self._lock:
             out = list(self._canary)
             self._canary.clear()
         return out
 
-    def _complete_loop(self) -> None:
-        conns = {id(c): c for c in self._conns.values()}
-        while not self._stopping and conns:
+    def callback_failed(self, exc: Exception) -> None:
+        self.failed(f"completion callback failed: {type(exc).__name__}: {exc}")
+
+    def finish(
+        self,
+        q: Query,
+        status: str,
+        *,
+        now: int,
+        error: str | None = None,
+        scores: np.ndarray | None = None,
+        batch_id: int | None = None,
+        batch_samples: int | None = None,
+        batch_queries: int | None = None,
+        instance: int | None = None,
+        batch_compute_ms: float | None = None,
+        batch_expected_ms: float | None = None,
+        batch_start_ns: int | None = None,
+        batch_stages: tuple[float | None, ...] | None = None,
+        batch_completion_ms: float | None = None,
+    ) -> None:
+        """Record a finished query (the batch fields are those of its last piece)."""
+        # for on_done (the gRPC response carries them)
+        q.status, q.error, q.batch_samples, q.instance = status, error, batch_samples, instance
+        e = self.epoch_ns
+        start_ns = q.first_start_ns
+        served = self.models[q.model]
+        record = query_row(
+            q.query_id,
+            q.model,
+            q.size,
+            status,
+            epoch_ns=e,
+            scheduled_ns=q.scheduled_ns,
+            issued_ns=q.issued_ns,
+            end_ns=now,
+            error=error,
+            start_ms=None if start_ns is None else (start_ns - e) / 1e6,
+            queue_ms=None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
+            compute_ms=q.compute_ns / 1e6 if start_ns is not None else None,
+            pieces=q.pieces,
+            batch_id=batch_id,
+            batch_samples=batch_samples,
+            batch_queries=batch_queries,
+            instance=instance,
+            batch_compute_ms=batch_compute_ms,
+            batch_expected_ms=batch_expected_ms,
+            **family_of(served.spec).count_columns(served, q.counts),  # what the model's family counted of it
+            batch_start_ms=None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
+            **{
+                f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]
+                for k, stage in enumerate(BATCH_STAGES)
+            },
+            batch_completion_ms=batch_completion_ms,
+        )
+        with self._lock:
+            self._records.append(record)
+        if q.on_done is not None:
+            try:
+                q.on_done(q, status, scores)
+            except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
+                self.callback_failed(exc)
+        with self._idle:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
+
+
+InFlight = dict[int, tuple[str, list[tuple[Query, int, int]], int]]  # batch id -> its model, pieces and instance
+
+
+class BatchCompletions:
+    """The completion thread: each instance's answer to a batch into its queries, its instance back to its model's
+    pool, its time set against what the model expects; the instances' other messages (canary readings, trace
+    answers) to where they belong. `check()` (the server's) is run when no answer came for half a second."""
+
+    # Told each batch's model and samples as it comes back, on the completion thread (`serve --metrics-port`): one
+    # call a batch, which must be cheap and must not raise
+    batch_observer: Callable[[str, int], None] | None = None
+
+    def __init__(
+        self,
+        pools: dict[str, Pool],
+        in_flight: InFlight,
+        instances: InstanceProcesses,
+        records: QueryRecords,
+        check: Callable[[], None],
+    ) -> None:
+        self.pools, self.in_flight, self.instances, self.records, self.check = (
+            pools,
+            in_flight,
+            instances,
+            records,
+            check,
+        )
+
+    def instance_states(self) -> dict[str, InstanceStates]:
+        """Per model, its instances alive, busy and stalled now, and its queries waiting (read when scraped)."""
+        now = time.monotonic_ns()
+        out: dict[str, InstanceStates] = {}
+        for name, pool in self.pools.items():
+            with pool.cond:
+                busy = [(sent, n) for i, (sent, n) in pool.clock.busy.items() if not self.instances.is_lost(i)]
+                cost, waiting = pool.clock.cost, len(pool.waiting)
+            stalled = sum(
+                (now - sent) / 1e6 > max(STALL_MS, STALL_FACTOR * (cost.ms(n) if cost is not None else 0.0))
+                for sent, n in busy
+            )
+            out[name] = InstanceStates(len(self.instances.live(name)), len(busy), stalled, waiting)
+        return out
+
+    def loop(self, stopping: Callable[[], bool]) -> None:
+        conns = {id(c): c for c in self.instances.connections()}
+        while not stopping() and conns:
             ready = wait_connections(list(conns.values()), timeout=0.5)
             if not ready:
                 try:
                     self.check()
                 except RuntimeError:
-                    with self._idle:
-                        self._idle.notify_all()
+                    self.records.wake()
                 continue
-            with finishing_together(self._callback_failed):  # the batches that arrived together are reported together
+            with finishing_together(self.records.callback_failed):  # the batches that arrived together, together
                 for conn in ready:
                     try:
-                        msg: BatchResult = conn.recv()
+                        msg: Any = conn.recv()  # type: ignore[union-attr]
                     except (EOFError, OSError):
                         del conns[id(conn)]  # instance gone; check() names it
                         continue
                     if isinstance(msg, tuple) and msg[0] == CANARY:
-                        with self._records_lock:
-                            self._canary.append({**msg[2], "model": self.instance_info[msg[1]]["model"]})
-                        continue
-                    if isinstance(msg, tuple) and msg[0] == TRACE:
-                        with self._traced_cond:
-                            self._traced[msg[1]] = msg[2]
-                            self._traced_cond.notify_all()
-                        continue
-                    self._complete(msg)
+                        self.records.canary({**msg[2], "model": self.instances.info[msg[1]]["model"]})
+                    elif isinstance(msg, tuple) and msg[0] == TRACE:
+                        self.instances.traced(msg[1], msg[2])
+                    else:
+                        self.complete(msg)
 
-    def _complete(self, msg: BatchResult) -> None:
+    def complete(self, msg: BatchResult) -> None:
         now = time.monotonic_ns()
-        entry = self._in_flight.pop(msg.batch_id, None)
+        entry = self.in_flight.pop(msg.batch_id, None)
         if entry is None:  # failed already, with the instance that died holding it
             return
         name, pieces, _ = entry
-        pool = self._pools[name]
+        pool = self.pools[name]
         samples = sum(hi - lo for _, lo, hi in pieces)
         batch = {
             "batch_id": msg.batch_id,
@@ -143,7 +276,7 @@ class BatchCompletions:
                     if pool.one_score_per_sample:
                         total, a, n = q.size, lo, hi - lo
                     else:  # HSTU: one score per candidate of each request
-                        counts = pool.library.output_counts(q.offset, q.size)
+                        counts = pool.library.output_counts(q.offset, q.size)  # type: ignore[union-attr]
                         total, a, n = int(counts.sum()), int(counts[:lo].sum()), int(counts[lo:hi].sum())
                     if q.scores is None:
                         q.scores = np.empty(total, dtype=np.float32)
@@ -152,7 +285,7 @@ class BatchCompletions:
                 if msg.counts is not None:
                     q.counts = msg.counts[k] if q.counts is None else q.counts + msg.counts[k]
         with pool.cond:  # the batcher may be dispatching a query's next piece meanwhile
-            if msg.instance not in self._lost:
+            if not self.instances.is_lost(msg.instance):
                 pool.free.append(msg.instance)
             sent_ns = pool.clock.busy.get(msg.instance, (msg.start_ns, 0))[0]
             batch["batch_expected_ms"] = pool.clock.finished(
@@ -167,83 +300,16 @@ class BatchCompletions:
         took_ms = (msg.end_ns - sent_ns) / 1e6  # sent to answered, on the instance's side
         expected = batch["batch_expected_ms"]
         if expected is not None and took_ms > max(STALL_MS, STALL_FACTOR * expected):
-            with self._records_lock:
-                self._stalls.append(
-                    Stall(
-                        instance=msg.instance,
-                        model=name,
-                        took_ms=took_ms,
-                        expected_ms=expected,
-                        at_ms=(sent_ns - self.epoch_ns) / 1e6,
-                    )
+            self.records.stall(
+                Stall(
+                    instance=msg.instance,
+                    model=name,
+                    took_ms=took_ms,
+                    expected_ms=expected,
+                    at_ms=(sent_ns - self.records.epoch_ns) / 1e6,
                 )
+            )
         if self.batch_observer is not None:
             self.batch_observer(name, samples)
         for q in finished:
-            self._finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
-
-    def _callback_failed(self, exc: Exception) -> None:
-        self._error = f"completion callback failed: {type(exc).__name__}: {exc}"
-
-    def _finish(
-        self,
-        q: Query,
-        status: str,
-        *,
-        now: int,
-        error: str | None = None,
-        scores: np.ndarray | None = None,
-        batch_id: int | None = None,
-        batch_samples: int | None = None,
-        batch_queries: int | None = None,
-        instance: int | None = None,
-        batch_compute_ms: float | None = None,
-        batch_expected_ms: float | None = None,
-        batch_start_ns: int | None = None,
-        batch_stages: tuple[float | None, ...] | None = None,
-        batch_completion_ms: float | None = None,
-    ) -> None:
-        """Record a finished query (the batch fields are those of its last piece)."""
-        # for on_done (the gRPC response carries them)
-        q.status, q.error, q.batch_samples, q.instance = status, error, batch_samples, instance
-        e = self.epoch_ns
-        start_ns = q.first_start_ns
-        record = query_row(
-            q.query_id,
-            q.model,
-            q.size,
-            status,
-            epoch_ns=e,
-            scheduled_ns=q.scheduled_ns,
-            issued_ns=q.issued_ns,
-            end_ns=now,
-            error=error,
-            start_ms=None if start_ns is None else (start_ns - e) / 1e6,
-            queue_ms=None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
-            compute_ms=q.compute_ns / 1e6 if start_ns is not None else None,
-            pieces=q.pieces,
-            batch_id=batch_id,
-            batch_samples=batch_samples,
-            batch_queries=batch_queries,
-            instance=instance,
-            batch_compute_ms=batch_compute_ms,
-            batch_expected_ms=batch_expected_ms,
-            **self._count_columns(q),
-            batch_start_ms=None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
-            **{
-                f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]
-                for k, stage in enumerate(BATCH_STAGES)
-            },
-            batch_completion_ms=batch_completion_ms,
-        )
-        with self._records_lock:
-            self._records.append(record)
-        if q.on_done is not None:
-            try:
-                q.on_done(q, status, scores)
-            except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
-                self._callback_failed(exc)
-        with self._idle:
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self._idle.notify_all()
+            self.records.finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)

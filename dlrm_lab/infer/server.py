@@ -14,35 +14,36 @@ query is dropped at once (recorded), so memory stays bounded under overload.
 through that interface. Each model's sample library is generated once here, written to the
 snapshot with its tables, and mapped by its instances and by this process (`library(model)`).
 
-Here are the server's queues, their batchers and its lifecycle; its side of the instance processes (spawning them,
-their readiness, a death, tracing) is `infer.instance_processes`, and what comes back through their pipes (batch
-results made query records, stalls) is `infer.completions`.
+Here are the server's queues, their batchers, its lifecycle and what an instance's death means; it is composed of its
+instance processes (`infer.instance_processes.InstanceProcesses`: spawning them, their readiness, their pipes,
+tracing), its query records and completion thread (`infer.completions`: `QueryRecords`, `BatchCompletions`) and one
+`infer.pools.Pool` per model, each part holding its own state.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
-import multiprocessing as mp
 import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.config.family import family_of
+import numpy as np
+
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.batches import QueryRef
-from dlrm_lab.infer.batching import BatchClock, take_batch, whole_enough
-from dlrm_lab.infer.completions import BatchCompletions
+from dlrm_lab.infer.batching import BatchCost, take_batch, whole_enough
+from dlrm_lab.infer.completions import BatchCompletions, InFlight, InstanceStates, QueryRecords
 from dlrm_lab.infer.instance import (
     KEEP_WARM,
     SPIN,
+    BatchResult,
+    InstancePlan,
     map_library,
     remove_stale_snapshots,
     snapshot_dir_for,
@@ -50,39 +51,18 @@ from dlrm_lab.infer.instance import (
 )
 from dlrm_lab.infer.instance_processes import InstanceProcesses, LostInstance
 from dlrm_lab.infer.library import PackedLibrary, payload_for
-from dlrm_lab.infer.placement import pin_threads, place_instances, spare_cores, unpin_threads
+from dlrm_lab.infer.placement import Placement, pin_threads, place_instances, spare_cores, unpin_threads
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
+from dlrm_lab.infer.pools import Pool, drop_expired
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Query, ServingProcess, Stall, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
 
 GIL_SWITCH_S = 0.00005  # the serving process's GIL switch interval while it serves (see start)
-CANARY_KEPT = 10_000  # speed-canary readings held for the next `take_canary` (about 5 hours of one instance)
 
 
-@dataclass
-class _Pool:
-    served: ServedModel
-    library: PackedLibrary | RequestLibrary  # mapped from the snapshot the instances map
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    waiting: collections.deque = field(default_factory=collections.deque)
-    waiting_samples: int = 0
-    free: collections.deque = field(default_factory=collections.deque)  # idle instance numbers
-    thread: threading.Thread | None = None
-    clock: BatchClock = field(init=False)  # its batches in time (infer.batching)
-    # history affinity (HSTU with reuse, several instances): this model's instances, a user's home among them
-    homes: list[int] = field(default_factory=list)
-    one_score_per_sample: bool = field(init=False)  # DLRM; an HSTU request scores each candidate
-    rows: list[int] = field(init=False)  # per sparse feature, its table's rows (DLRM): what a sent id may be
-
-    def __post_init__(self) -> None:
-        self.clock = BatchClock(self.served.instances)
-        self.one_score_per_sample = isinstance(self.library, PackedLibrary)
-        self.rows = family_of(self.served.spec).id_rows(self.served.spec)
-
-
-class InferenceServer(InstanceProcesses, BatchCompletions):
+class InferenceServer:
     """Serve one or more models; `with InferenceServer([...]) as server: server.submit(q)`.
 
     Records (one dict per finished query, `infer.sut.query_row`) accumulate
@@ -113,38 +93,65 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         self.seed = seed
         self.start_timeout_s = start_timeout_s
         self.log = log or (lambda _msg: None)
-        self.epoch_ns = time.monotonic_ns()
-        self._ctx = mp.get_context("spawn")  # fork after torch's OpenMP pool was used can hang
-        self._conns: dict[int, Any] = {}  # instance -> parent end of its pipe
-        self._procs: list[Any] = []
-        self._pools: dict[str, _Pool] = {}
-        self._in_flight: dict[int, tuple[str, list[tuple[Query, int, int]], int]] = {}  # batch: model, pieces, instance
         # A dead instance fails the server (a measurement cannot be trusted beyond it), or, for a server that
         # serves on (`serve`), is routed around while its model has another: its batch in flight fails
         self.route_around_dead = route_around_dead
-        self._lost: dict[int, str] = {}  # instance -> how it ended
-        self._loss_lock = threading.Lock()
-        self.lost: list[LostInstance] = []  # the instances routed around, for the records
-        self._records: list[QueryRow] = []
-        self._records_lock = threading.Lock()
-        self._stalls: list[Stall] = []
-        # the instances' speed-canary readings, each with its model; a `serve` nobody takes them from keeps the last
-        self._canary: collections.deque[JsonObject] = collections.deque(maxlen=CANARY_KEPT)
-        self._batch_ids = itertools.count()  # shared by every batcher thread; next() is atomic
-        self._outstanding = 0  # submitted, not yet finished
-        self._idle = threading.Condition()
-        self._stopping = False
+        self._pools: dict[str, Pool] = {}
+        self._in_flight: InFlight = {}  # batch id -> its model, pieces and instance
         self._error: str | None = None
+        self._stopping = False
+        self.instances = InstanceProcesses(self.log, start_timeout_s)
+        self.records = QueryRecords(self.models, self._fail)
+        self.completions = BatchCompletions(self._pools, self._in_flight, self.instances, self.records, self.check)
         self._completion: threading.Thread | None = None
+        self._batch_ids = itertools.count()  # shared by every batcher thread; next() is atomic
         self._snapshots: list[Path] = []
-        self.instance_info: list[ServingProcess] = []
         self.snapshot_bytes: dict[str, int] = {}
         self.precision_choices: dict[str, JsonObject] = {}  # per model: what ran and why (manifest)
         self._switch_interval: float | None = None  # the process's GIL switch interval before start()
         self._threads_before: dict[int, set[int]] = {}  # this process's threads' affinity before start()
-        self._send_locks: dict[int, threading.Lock] = {}  # one writer at a time per instance pipe
-        self._traced: dict[int, str] = {}  # instance -> its trace file (or why none), as it answers
-        self._traced_cond = threading.Condition()
+
+    # ------------------------------------------------------------------ its parts, as the lab reads them
+
+    @property
+    def epoch_ns(self) -> int:
+        """Records' times are ms from here (set as the server starts serving)."""
+        return self.records.epoch_ns
+
+    @property
+    def instance_info(self) -> list[ServingProcess]:
+        return self.instances.info
+
+    @property
+    def lost(self) -> list[LostInstance]:
+        """The instances routed around (`route_around_dead`), for the records."""
+        return self.instances.losses
+
+    @property
+    def batch_observer(self) -> Callable[[str, int], None] | None:
+        return self.completions.batch_observer
+
+    @batch_observer.setter
+    def batch_observer(self, observe: Callable[[str, int], None] | None) -> None:
+        self.completions.batch_observer = observe
+
+    def instance_states(self) -> dict[str, InstanceStates]:
+        return self.completions.instance_states()
+
+    def take_records(self) -> list[QueryRow]:
+        return self.records.take_records()
+
+    def take_stalls(self) -> list[Stall]:
+        return self.records.take_stalls()
+
+    def take_canary(self) -> list[JsonObject]:
+        return self.records.take_canary()
+
+    def start_trace(self) -> None:
+        self.instances.start_trace()
+
+    def stop_trace(self, directory: Path, timeout_s: float = 120.0) -> tuple[dict[int, Path], dict[int, str]]:
+        return self.instances.stop_trace(directory, timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -165,7 +172,7 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 library = plan.libraries[m.name]  # mapped by the instances and, below, this process
                 self._snapshots.append(snap)
                 self.snapshot_bytes[m.name] = write_snapshot(snap, plan.modules.pop(m.name), library)
-                self._pools[m.name] = _Pool(served=m, library=map_library(snap, m.spec))
+                self._pools[m.name] = Pool(served=m, library=map_library(snap, m.spec))
                 for place in places[m.name]:
                     self._spawn(m, place, snap, warmup_batch=min(m.piece_limit(), library.size))
             self._wait_ready()
@@ -189,12 +196,14 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 f"serving process: its threads pinned to core{'s' if len(spare) > 1 else ''} "
                 f"{', '.join(map(str, spare))}, beside the instances'"
             )
-        self._completion = threading.Thread(target=self._complete_loop, name="dlrm-lab-completion", daemon=True)
+        self._completion = threading.Thread(
+            target=self.completions.loop, args=(lambda: self._stopping,), name="dlrm-lab-completion", daemon=True
+        )
         self._completion.start()
         for name, pool in self._pools.items():
             pool.thread = threading.Thread(target=self._batch_loop, args=(name,), name=f"batcher-{name}", daemon=True)
             pool.thread.start()
-        self.epoch_ns = time.monotonic_ns()
+        self.records.epoch_ns = time.monotonic_ns()
         return self
 
     def stop(self) -> None:
@@ -205,27 +214,15 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 pool.cond.notify_all()
             if pool.thread is not None:
                 pool.thread.join(timeout=5)
-        for conn in self._conns.values():
-            try:
-                conn.send(None)
-            except (OSError, ValueError):
-                pass
-        for proc in self._procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        if self._completion is not None:
-            self._completion.join(timeout=5)
-        for conn in self._conns.values():
-            conn.close()
+        completion = self._completion
+        self.instances.stop(before_close=lambda: completion.join(timeout=5) if completion is not None else None)
         now = time.monotonic_ns()
         unfinished = {id(q): q for pool in self._pools.values() for q in pool.waiting}
         unfinished.update({id(q): q for _, pieces, _ in self._in_flight.values() for q, _, _ in pieces})
         for pool in self._pools.values():
             pool.waiting.clear()
         for q in unfinished.values():
-            self._finish(q, "unfinished", now=now, error="server stopped")
+            self.records.finish(q, "unfinished", now=now, error="server stopped")
         self._in_flight.clear()
         for snap in self._snapshots:
             shutil.rmtree(snap, ignore_errors=True)
@@ -241,6 +238,80 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    def _spawn(self, m: ServedModel, place: Placement, snap: Path, warmup_batch: int) -> None:
+        """Start one instance of `m` where `place` says, serving the snapshot `snap`; it joins its model's pool."""
+        index = self.instances.spawn(
+            InstancePlan(
+                model=m.name,
+                index=place.index,
+                snapshot_dir=str(snap),
+                spec=m.spec.to_dict(),
+                threads=m.threads,
+                cores=place.cores,
+                device=place.device,
+                precision=m.precision,
+                table_precision=m.table_precision,
+                warmup_batch=warmup_batch,
+                spin_ms=m.spin_ms,
+                history_cache_mb=m.history_cache_mb,
+                build=m.build,
+                keep_warm_ms=m.keep_warm_ms,
+                idle_hold=m.idle_hold,
+            )
+        )
+        pool = self._pools[m.name]
+        pool.free.append(index)
+        if m.history_cache_mb and m.history_affinity and m.instances > 1:
+            pool.homes.append(index)
+
+    def _wait_ready(self) -> None:
+        """Every instance warmed up; each model's batch cost, the median of its instances' own."""
+        costs = self.instances.wait_ready()
+        for name, pool in self._pools.items():
+            measured = [costs[info["instance"]] for info in self.instances.info if info["model"] == name]
+            pool.clock.cost = BatchCost(
+                fixed_ms=float(np.median([c.fixed_ms for c in measured])),
+                per_sample_ms=float(np.median([c.per_sample_ms for c in measured])),
+            )
+            if not pool.served.min_piece:
+                self.configure(name, min_piece=0)
+                self.log(f"{name}: queries split over idle instances in pieces of >= {pool.served.min_piece} samples")
+
+    def check(self) -> None:
+        """Raise if an instance died (the run cannot be trusted beyond that point); a server that serves on
+        (`route_around_dead`) loses it instead, and fails only when its model has none left."""
+        if self._error is None and not self._stopping:
+            for index, how in self.instances.dead():
+                if self.route_around_dead:
+                    self._lose(index, how)
+                else:
+                    self._error = how
+        if self._error is not None:
+            raise ServingFault(self._error)
+
+    def _lose(self, index: int, how: str) -> None:
+        """Serve on without instance `index`: it gets no more batches, its batch in flight fails naming it; with no
+        instance of its model left, the server fails."""
+        lost = self.instances.lose(index, how, self.epoch_ns)
+        if lost is None:
+            return
+        pool = self._pools[lost["model"]]
+        with pool.cond:
+            if index in pool.free:
+                pool.free.remove(index)
+        if not lost["live_instances"]:
+            self._error = f"{how}; no instance of {lost['model']} is left"
+        else:
+            self.log(f"warning: {how}; {lost['model']} is served on by instance(s) "
+                     f"{', '.join(map(str, lost['live_instances']))}")  # fmt: skip
+        now = time.monotonic_ns()
+        for batch_id, (_, _, instance) in list(self._in_flight.items()):
+            if instance == index:
+                self.completions.complete(BatchResult(batch_id, index, now, now, None, f"{how} with this batch"))
+
+    def _fail(self, why: str) -> None:
+        self._error = why
 
     # ------------------------------------------------------------------ serving
 
@@ -274,10 +345,9 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
             if value is None:
                 continue
             setattr(m, name, value)
-            for info in self.instance_info:
-                if info["model"] == model and info["instance"] not in self._lost:
-                    with self._send_locks[info["instance"]], contextlib.suppress(OSError, ValueError):
-                        self._conns[info["instance"]].send((kind, value))  # a dead one: check() says so
+            for index in self.instances.live(model):
+                with contextlib.suppress(OSError, ValueError):
+                    self.instances.send(index, (kind, value))  # a dead one: check() says so
         with pool.cond:
             if max_batch is not None:
                 m.max_batch = max_batch
@@ -301,11 +371,10 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
             raise UserError(f"query {q.query_id}: unknown model {q.model!r}; served: {', '.join(self._pools)}")
         if pool.homes:  # the instance that served this user last holds their encoded history
             q.home = pool.homes[int(pool.library.user[q.offset]) % len(pool.homes)]
-        with self._idle:
-            self._outstanding += 1
+        self.records.opened()
         if q.size > pool.served.max_query_samples:
             q.payload = None
-            self._finish(
+            self.records.finish(
                 q,
                 "rejected",
                 now=q.issued_ns,
@@ -316,7 +385,7 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
             packed = self._check_payload(q, pool)
             if isinstance(packed, str):
                 q.payload = None
-                self._finish(q, "rejected", now=q.issued_ns, error=packed)
+                self.records.finish(q, "rejected", now=q.issued_ns, error=packed)
                 return
             q.payload = packed
         with pool.cond:
@@ -329,9 +398,9 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 pool.clock.arrived(q.issued_ns)
                 pool.cond.notify()
         if dropped:
-            self._finish(q, "dropped", now=q.issued_ns, error=f"queue full ({pool.served.max_queue} queries)")
+            self.records.finish(q, "dropped", now=q.issued_ns, error=f"queue full ({pool.served.max_queue} queries)")
 
-    def _check_payload(self, q: Query, pool: _Pool) -> PackedLibrary | str:
+    def _check_payload(self, q: Query, pool: Pool) -> PackedLibrary | str:
         """A query's own samples packed as its instance reads them, or why it cannot be served. Checked
         here, once, in the submitting thread: the instances trust what their server sends."""
         if not pool.one_score_per_sample:
@@ -340,14 +409,7 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted query finished; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while self._outstanding > 0:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._error is not None:
-                    return False
-                self._idle.wait(min(left, 0.5))
-        return True
+        return self.records.drain(timeout_s, lambda: self._error is not None)
 
     @property
     def error(self) -> str | None:
@@ -361,13 +423,13 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
         expired: list[Query] = []
         while True:
             for q in expired:  # outside the lock: their rows and answers
-                self._finish(q, "expired", now=time.monotonic_ns(), error=q.error)
+                self.records.finish(q, "expired", now=time.monotonic_ns(), error=q.error)
             expired = []
             with pool.cond:
                 while True:
                     if self._stopping:
                         return
-                    expired = _drop_expired(pool, time.monotonic_ns())
+                    expired = drop_expired(pool, time.monotonic_ns())
                     if expired:
                         break
                     if pool.waiting and pool.free:
@@ -398,8 +460,7 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 for q, lo, hi in pieces
             ]
             try:
-                with self._send_locks[instance]:
-                    self._conns[instance].send((batch_id, refs))
+                self.instances.send(instance, (batch_id, refs))
             except (OSError, ValueError):
                 if not self.route_around_dead:
                     return  # the instance is gone: check() reports it
@@ -407,19 +468,3 @@ class InferenceServer(InstanceProcesses, BatchCompletions):
                 self._lose(instance, f"instance {instance} (pid {info['pid']}) stopped answering (its pipe closed)")
                 if self._error is not None:
                     return
-
-
-def _drop_expired(pool: _Pool, now_ns: int) -> list[Query]:
-    """Take the queries at the head of `pool`'s queue whose sender's deadline has passed out of it (the pool's
-    lock held): their samples not yet sent are never computed. Returns those with no piece in flight, to be
-    finished `expired` now; the others end `expired` with their last piece."""
-    out = []
-    while pool.waiting and (deadline := pool.waiting[0].deadline_ns) is not None and deadline <= now_ns:
-        q = pool.waiting.popleft()
-        left = q.size - q.dispatched
-        pool.waiting_samples -= left
-        q.dispatched = q.size
-        q.status, q.error = "expired", f"its deadline passed with {left} of {q.size} samples not begun"
-        if q.done_pieces == q.pieces:
-            out.append(q)
-    return out
