@@ -125,8 +125,8 @@ def test_the_server_scores_each_candidate_of_a_request_as_the_model_does(spec, l
 
 def test_history_affinity_sends_a_users_requests_to_the_instance_holding_their_history(spec, library):
     from dlrm_lab.infer.batching import take_batch
-    from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.infer.pools import Pool
+    from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.infer.sut import Query
 
     pool = Pool(served=ServedModel("r", spec, instances=2, history_cache_mb=8), library=library)
