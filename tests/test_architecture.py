@@ -197,7 +197,8 @@ def test_no_room_reaches_the_package_root_or_names_a_module_by_string():
 def test_only_the_targets_module_asks_whether_a_target_is_remote():
     """The runner speaks to the system under test through its protocol (issue 58): where a target is, and what that
     changes, is decided where targets are opened (`infer/targets.py`), and no code asks whether it holds the lab's
-    own server (`isinstance(..., InferenceServer)`)."""
+    own server (`isinstance(..., InferenceServer)`) or what it happens to have (`hasattr(server, ...)`: stalls, canary
+    readings and tracing are the protocol's, `infer.sut.NoInstancesHere` for a system whose instances are elsewhere)."""
     found = []
     for path in ROOT.rglob("*.py"):
         if path == ROOT / "infer" / "targets.py":
@@ -208,6 +209,9 @@ def test_only_the_targets_module_asks_whether_a_target_is_remote():
             if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2
                     and "InferenceServer" in ast.unparse(node.args[1])):  # fmt: skip
                 found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: isinstance InferenceServer")
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr" and len(node.args) == 2
+                    and ast.unparse(node.args[0]) in ("server", "sut", "self.server", "self.inference")):  # fmt: skip
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: hasattr on the system under test")
     assert found == []
 
 

@@ -27,6 +27,7 @@ from dlrm_lab.infer.load import LoadSettings, QuerySizes, Stream
 from dlrm_lab.infer.loadgen import LOADGEN_SCENARIOS, QuerySampleLibrary
 from dlrm_lab.infer.sut import (
     LoadDriver,
+    NoInstancesHere,
     Query,
     SampleLibrary,
     SutDescription,
@@ -71,7 +72,7 @@ class RecordingLibrary(PackedLibrary):
         self.unload_calls += 1
 
 
-class FakeSut:
+class FakeSut(NoInstancesHere):
     """A system under test without a model: a thread answers each query with its samples'
     dense values as scores and records it as the InferenceServer does."""
 
@@ -905,3 +906,13 @@ def test_a_client_worker_that_dies_is_named_with_its_signal_and_the_server_is_no
             pool.check()
     finally:
         pool.close()
+
+
+def test_a_system_whose_instances_are_elsewhere_answers_the_protocol_with_nothing_to_report(sut, tmp_path):
+    """A remote server or a pool of its clients sees no stalls and takes no canary readings, and says it cannot
+    trace (the runner asks `describe().traces` before `start_trace`), as the protocol asks of every system."""
+    assert sut.take_stalls() == [] and sut.take_canary() == [] and not sut.describe().traces
+    with pytest.raises(RuntimeError, match="cannot be profiled"):
+        sut.start_trace()
+    with pytest.raises(RuntimeError, match="cannot be profiled"):
+        sut.stop_trace(tmp_path)

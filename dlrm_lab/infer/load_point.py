@@ -123,7 +123,7 @@ def measure(
     except RemoteFailure as exc:  # before any row counts: nothing of the point to keep
         raise type(exc)(f"point {point.index}, warming up: the server at {sut.target}: {exc}") from None
     server.take_records()  # nothing from a previous point (or the warm-up) leaks in
-    take_canary(server)
+    server.take_canary()
     profile = load_profile()
     peaks = {s.model: _peaks(profile, cfg.device, sut.models[s.model]) for s in point.streams}
     seen = _drive_point(server, point, cfg, sut, peaks, queries, run_dir, log, telemetry, on_progress, decided, trace)
@@ -209,7 +209,7 @@ def _drive_point(
     ).start()
     meter.start()
     window = [sampler.mark()]
-    tracing = trace and hasattr(server, "start_trace")
+    tracing = trace and sut.traces
     if trace and not tracing and log:
         log("--trace: this system under test cannot be profiled (no instances in this process); no trace")
     if tracing:
@@ -242,8 +242,8 @@ def _drive_point(
         if gc_was_enabled:
             gc.enable()
     pump(server.take_records())
-    stalls = server.take_stalls() if hasattr(server, "take_stalls") else []
-    canary = take_canary(server)
+    stalls = server.take_stalls()
+    canary = server.take_canary()
     if telemetry is not None:
         telemetry.extend([{**r, "point": point.index} for c in canary for r in as_telemetry(c)])
     use = meter.stop()
@@ -261,12 +261,6 @@ def _drive_point(
         failure,
         canary,
     )
-
-
-def take_canary(server: Any) -> list[JsonObject]:
-    """The speed-canary readings the server's instances took since the last call (none from a remote server: its
-    host's speed is its own to measure)."""
-    return server.take_canary() if hasattr(server, "take_canary") else []
 
 
 def _summary_row(

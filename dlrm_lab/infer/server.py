@@ -325,6 +325,7 @@ class InferenceServer:
             snapshot_bytes=dict(self.snapshot_bytes),
             batch_costs={name: pool.clock.cost for name, pool in self._pools.items() if pool.clock.cost is not None},
             record={"instances": self.instance_info, "precision_choices": self.precision_choices},
+            traces=True,
         )
 
     def configure(

@@ -22,8 +22,10 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics.columns import QueryRow
 
 if TYPE_CHECKING:
@@ -195,6 +197,7 @@ class SutDescription:
     batch_costs: Mapping[str, Any] = field(default_factory=dict)
     record: Mapping[str, Any] = field(default_factory=dict)  # what a run's manifest records of it
     about: str | None = None  # one line a run says of it as it starts
+    traces: bool = False  # its instances can profile the batches they serve (`start_trace`, `stop_trace`)
 
     @classmethod
     def over_network(
@@ -232,6 +235,24 @@ class SampleLibrary(Protocol):
     def unload(self, ranges: Iterable[tuple[int, int]]) -> None: ...
 
 
+class NoInstancesHere:
+    """The part of `SystemUnderTest` a system whose instances run elsewhere (a remote server, a pool of its clients)
+    answers alike: it sees no batch held, takes no canary reading (its host's speed is its own to measure) and
+    profiles nothing (`SutDescription.traces` False)."""
+
+    def take_stalls(self) -> list[Stall]:
+        return []
+
+    def take_canary(self) -> list[JsonObject]:
+        return []
+
+    def start_trace(self) -> None:
+        raise RuntimeError("this system under test's instances are not in this process: it cannot be profiled")
+
+    def stop_trace(self, directory: Path, timeout_s: float = 120.0) -> tuple[dict[int, Path], dict[int, str]]:
+        raise RuntimeError("this system under test's instances are not in this process: it cannot be profiled")
+
+
 @runtime_checkable
 class SystemUnderTest(Protocol):
     """What serves queries. `submit` returns at once (thread-safe); the query's `on_done` is
@@ -251,6 +272,17 @@ class SystemUnderTest(Protocol):
     def configure(self, model: str, **policy: Any) -> None: ...
 
     def describe(self) -> SutDescription: ...
+
+    # batches its instances held far beyond their warm time, since the last call (none where it cannot see its batches)
+    def take_stalls(self) -> list[Stall]: ...
+
+    # its instances' speed-canary readings since the last call (none from a remote server: its host's to measure)
+    def take_canary(self) -> list[JsonObject]: ...
+
+    # its instances' profiles of the batches they serve (only where `describe().traces`; refused elsewhere)
+    def start_trace(self) -> None: ...
+
+    def stop_trace(self, directory: Path, timeout_s: float = 120.0) -> tuple[dict[int, Path], dict[int, str]]: ...
 
 
 @runtime_checkable

@@ -30,7 +30,7 @@ from dlrm_lab.errors import (
     exit_description,
     interrupt_blocked,
 )
-from dlrm_lab.infer.sut import Query, SutDescription
+from dlrm_lab.infer.sut import NoInstancesHere, Query, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
 
 START_TIMEOUT_S = 300.0  # a worker imports its libraries and unpickles its samples before it is ready
@@ -68,7 +68,7 @@ class WorkerPlan:
     epoch_ns: int
 
 
-class ClientPool:
+class ClientPool(NoInstancesHere):
     """`concurrency` RemoteServers in worker processes behind one SystemUnderTest (module docstring)."""
 
     def __init__(

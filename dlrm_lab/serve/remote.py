@@ -46,7 +46,7 @@ from google.protobuf.message import DecodeError
 
 from dlrm_lab.errors import BadAnswer, ServerLost, UserError
 from dlrm_lab.infer.library import PackedLibrary
-from dlrm_lab.infer.sut import SutDescription, query_row
+from dlrm_lab.infer.sut import NoInstancesHere, SutDescription, query_row
 from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.serve.protocol import (
     DENSE_DTYPE,
@@ -141,7 +141,7 @@ def encode_library_samples(library: PackedLibrary, offset: int, size: int) -> tu
     )
 
 
-class RemoteServer:
+class RemoteServer(NoInstancesHere):
     """Queries to a `dlrm-lab serve` over one channel; thread-safe, `submit` returns at once.
 
     Times in rows are ms from `epoch_ns` (time.monotonic_ns, system-wide on Linux, so the
