@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--checkpoint", help="a `train --preset dcnv2 --table-scale S --checkpoint-dir` directory")
     ap.add_argument("--max-batch", default="auto")
+    ap.add_argument("--out", default=None, help="the results file (default results/results-dlrmv2_offline-<date>.json)")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     t0 = time.time()
@@ -81,7 +82,7 @@ def main() -> None:
     }
     out["wall_s"] = time.time() - t0
     print(f"median queries/s per core: {out['median_queries_per_s_per_core']} (Intel ~{INTEL_PER_CORE:g})")
-    write_results(results_path("dlrmv2_offline"), out)
+    write_results(results_path("dlrmv2_offline", args.out), out)
 
 
 if __name__ == "__main__":
