@@ -235,7 +235,7 @@ def test_a_run_process_that_ends_between_two_readings_is_not_foreign_load(monkey
     machine = iter([(1000, 0, 4000), (1100, 0, 4200)])  # (busy, steal, all) ticks at each reading
     run = iter([{10: 500, 11: 400}, {10: 580, 12: 20}])  # 11 ended; 12 started; 10 went on
     monkeypatch.setattr(canary, "cpu_ticks", lambda: next(machine))
-    monkeypatch.setattr(canary, "session_ticks", lambda: next(run))
+    monkeypatch.setattr(canary, "run_ticks", lambda: next(run))
     _, state = foreign_load(None)
     share, _ = foreign_load(state)
     assert share == 0.0  # 100 busy ticks, all the run's (80 + 20)

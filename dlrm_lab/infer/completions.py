@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_connections
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,12 +23,10 @@ from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.instance import CANARY, TRACE, BatchResult
 from dlrm_lab.infer.instance_processes import InstanceProcesses
+from dlrm_lab.infer.pools import Pool
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Query, Stall, finishing_together, query_row
 from dlrm_lab.metrics.columns import BATCH_STAGES, QueryRow
-
-if TYPE_CHECKING:
-    from dlrm_lab.infer.pools import Pool
 
 # A batch that an instance holds this long, and this many times its warm time, is a stall (the process was stopped or
 # starved of its core), not a slow batch: said per point
@@ -199,13 +197,8 @@ class BatchCompletions:
         records: QueryRecords,
         check: Callable[[], None],
     ) -> None:
-        self.pools, self.in_flight, self.instances, self.records, self.check = (
-            pools,
-            in_flight,
-            instances,
-            records,
-            check,
-        )
+        self.pools, self.in_flight, self.instances = pools, in_flight, instances
+        self.records, self.check = records, check
 
     def instance_states(self) -> dict[str, InstanceStates]:
         """Per model, its instances alive, busy and stalled now, and its queries waiting (read when scraped)."""

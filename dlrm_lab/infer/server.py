@@ -91,7 +91,6 @@ class InferenceServer:
         self.device = device
         self.pin_cores = pin_cores
         self.seed = seed
-        self.start_timeout_s = start_timeout_s
         self.log = log or (lambda _msg: None)
         # A dead instance fails the server (a measurement cannot be trusted beyond it), or, for a server that
         # serves on (`serve`), is routed around while its model has another: its batch in flight fails

@@ -246,11 +246,13 @@ class NoInstancesHere:
     def take_canary(self) -> list[JsonObject]:
         return []
 
+    CANNOT_TRACE = "this system under test's instances are not in this process: it cannot be profiled"
+
     def start_trace(self) -> None:
-        raise RuntimeError("this system under test's instances are not in this process: it cannot be profiled")
+        raise RuntimeError(self.CANNOT_TRACE)
 
     def stop_trace(self, directory: Path, timeout_s: float = 120.0) -> tuple[dict[int, Path], dict[int, str]]:
-        raise RuntimeError("this system under test's instances are not in this process: it cannot be profiled")
+        raise RuntimeError(self.CANNOT_TRACE)
 
 
 @runtime_checkable

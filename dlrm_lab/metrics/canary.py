@@ -124,7 +124,7 @@ def mark_run_root() -> None:
     os.environ.setdefault(RUN_ROOT_ENV, str(os.getpid()))
 
 
-def session_ticks() -> dict[int, int]:
+def run_ticks() -> dict[int, int]:
     """CPU ticks used by each of the run's own processes (`run_processes`), by pid: what the machine's busy time
     holds that is the run's own. By process, so that one that ends between two readings takes away only its own
     time since the first (`foreign_load`), not its whole lifetime's."""
@@ -173,7 +173,7 @@ def foreign_load(before: LoadState | None) -> tuple[float | None, LoadState | No
     ticks = cpu_ticks()
     if ticks is None:
         return None, None
-    now = (ticks, session_ticks())
+    now = (ticks, run_ticks())
     if before is None:
         return None, now
     (busy0, steal0, all0), own0 = before

@@ -45,7 +45,6 @@ class DenseWeights:
     state and checkpoints keep addressing them; in the bf16 way the model holds the copies instead."""
 
     def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
-        self.model = model
         params = dict(model.named_parameters())
         self.masters = [params[name] for name in names]
         # (module, attribute) of each weight: found by identity, as a wrapper (TorchRec's DMP) names them its own way
@@ -121,3 +120,9 @@ class DenseWeights:
             yield
         finally:
             self.use(way)
+
+
+def as_trained(weights: DenseWeights | None) -> contextlib.AbstractContextManager[None]:
+    """The model with the weights the optimizer holds for a while: the fp32 masters where the run has bf16 copies
+    (`weights`), the model as it is where it has none."""
+    return weights.as_trained() if weights is not None else contextlib.nullcontext()

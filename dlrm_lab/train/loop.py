@@ -33,6 +33,7 @@ from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.metrics.run import Run
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.train.checkpoint import save_checkpoint
+from dlrm_lab.train.dense_weights import as_trained
 from dlrm_lab.train.evaluate import HeldOut, evaluate
 from dlrm_lab.train.pipeline import make_pipeline
 from dlrm_lab.train.preflight import ResolvedRun, preflight
@@ -259,7 +260,7 @@ def _loop(
             if (reading := canary.maybe_read()) is not None and telemetry is not None:
                 telemetry.extend([{**r, "rank": ctx.rank} for r in as_telemetry(reading)])
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                with _as_trained(setup):
+                with as_trained(setup.weights):
                     save_checkpoint(
                         cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main, _trained(setup, record, evals)
                     )
@@ -269,7 +270,7 @@ def _loop(
         else:
             run_eval(cfg.steps - 1)
         if cfg.checkpoint_dir:
-            with _as_trained(setup):
+            with as_trained(setup.weights):
                 save_checkpoint(
                     cfg.checkpoint_dir,
                     dmp,
@@ -311,11 +312,6 @@ def _distinct_rows(setup: TrainSetup, record: Run | None, batch: Any) -> None:
     setup.config["distinct_rows"] = distinct_rows(batch) or {"share": None, "reason": "no pooled sparse features"}
     if record is not None and setup.ctx.is_main:
         record.update_manifest(config=setup.config)
-
-
-def _as_trained(setup: TrainSetup) -> contextlib.AbstractContextManager[Any]:
-    """The model with the weights the optimizer holds (the fp32 masters where the step computes with bf16 copies)."""
-    return setup.weights.as_trained() if setup.weights is not None else contextlib.nullcontext()
 
 
 def _update_path(setup: TrainSetup, record: Run | None, watch: UpdatePathWatch) -> None:

@@ -8,7 +8,6 @@ manifest (`build_setup`). What the steps need comes back as one `TrainSetup`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
@@ -50,7 +49,7 @@ from dlrm_lab.train.choices import (
     choose_table_pages,
     run_step_trials,
 )
-from dlrm_lab.train.dense_weights import DenseWeights
+from dlrm_lab.train.dense_weights import DenseWeights, as_trained
 from dlrm_lab.train.pipeline import BatchLoss
 from dlrm_lab.train.preflight import ResolvedRun
 from dlrm_lab.train.sharding_trial import resolve_sharding
@@ -227,7 +226,7 @@ def build_setup(
     cfg = replace(cfg, target_auc=target_auc)
     sidecar = (described.get("dataset") or {}).get("teacher") or {}
     click_rate = described.get("click_rate") or sidecar.get("click_rate")
-    with dense_weights[1].as_trained() if dense_weights[1] is not None else contextlib.nullcontext():
+    with as_trained(dense_weights[1]):
         output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None  # on the fp32 masters
     prefetch = choose_prefetch(cfg, ctx)
     if prefetch["prefetch"]:

@@ -25,6 +25,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.train.timing import on_table_update
 
 MARGIN = 1.10  # the batched update is chosen when fbgemm's takes at least this much longer
 PROFILE_LABEL = "dlrm_lab::batched_table_update"
@@ -226,12 +227,7 @@ class UpdatePathWatch:
 
     def __init__(self, tables: list[Any]) -> None:
         self.tables, self.seen = tables, {}
-        self.handles = [tbe.register_forward_hook(self._on_lookup) for tbe in tables]
-
-    def _on_lookup(self, module: Any, args: Any, out: Any) -> None:
-        node = getattr(out, "grad_fn", None)
-        if node is not None and torch.is_grad_enabled():
-            node.register_prehook(lambda grads: self.seen.setdefault(id(module), grads[0].dtype) and None)
+        self.handles = on_table_update(tables, lambda group, grads: self.seen.setdefault(id(group), grads[0].dtype))
 
     def record(self) -> JsonObject:
         """Per group, the path taken: "batched" (the lab's), "fbgemm fast path", or "fbgemm serial fallback: why";

@@ -10,6 +10,7 @@ and after the embeddings) accumulates.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, TypedDict
 
 import torch
@@ -90,19 +91,34 @@ class StepTimer:
         return out
 
 
-def instrument_table_update(tables: list[Any], timer: StepTimer) -> list[Any]:
-    """Time the tables' backward-and-update (`table_update`, a part of the backward phase) apart: on each fused
-    table group's lookup, the autograd node that makes its output runs the update (fbgemm's fused backward, or
-    the lab's batched one); hooks before and after that node mark it. Returns the hook handles."""
+def on_table_update(
+    tables: list[Any], before: Callable[[Any, tuple[Any, ...]], None], after: Callable[[Any], None] | None = None
+) -> list[Any]:
+    """Call `before(group, gradients)` as each fused table group's backward-and-update starts, and `after(group)` as
+    it ends: on each group's lookup, the autograd node that makes its output runs the update (fbgemm's fused
+    backward, or the lab's batched one), and hooks go before and after that node. Returns the hook handles."""
 
     def on_lookup(module: Any, args: Any, out: Any) -> None:
         node = getattr(out, "grad_fn", None)
         if node is None or not torch.is_grad_enabled():
             return
-        node.register_prehook(lambda grads: timer.begin("table_update"))
-        node.register_hook(lambda grads_in, grads_out: timer.end("table_update"))
+
+        def prehook(grads: tuple[Any, ...]) -> None:  # returns None: the gradients pass on as they are
+            before(module, grads)
+
+        node.register_prehook(prehook)
+        if after is not None:
+            node.register_hook(lambda grads_in, grads_out: after(module))
 
     return [tbe.register_forward_hook(on_lookup) for tbe in tables]
+
+
+def instrument_table_update(tables: list[Any], timer: StepTimer) -> list[Any]:
+    """Time the tables' backward-and-update (`table_update`, a part of the backward phase) apart
+    (`on_table_update`). Returns the hook handles."""
+    return on_table_update(
+        tables, lambda _group, _grads: timer.begin("table_update"), lambda _group: timer.end("table_update")
+    )
 
 
 def instrument_embedding_phases(model: torch.nn.Module, timer: StepTimer) -> list[Any]:
