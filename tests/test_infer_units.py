@@ -1034,8 +1034,68 @@ def test_the_chosen_load_bisects_until_the_knee_is_within_its_tolerance(monkeypa
     monkeypatch.setattr(calibrate, "_closed_loop", lambda *a, **k: (capacity, [{"latency_ms": 2.0}]))
     monkeypatch.setattr(calibrate, "_open_loop_percentile",
                         lambda _s, _st, qps, *a, **k: 5.0 if qps <= knee else math.inf)  # fmt: skip
-    described = SimpleNamespace(models={"m": SimpleNamespace(instances=1)})
+    described = SimpleNamespace(models={"m": SimpleNamespace(instances=1, max_batch=None)}, batch_costs={})
     server, stream = SimpleNamespace(describe=lambda: described), SimpleNamespace(model="m")
     c = calibrate.choose_load(server, stream, sla_ms=sla)
     assert [p["qps"] for p in c.probes] == [500.0, 250.0, 375.0, 437.5, 468.75]  # then within 10%: stop
     assert c.best_passing_qps == 468.75 and (500 - 468.75) / 500 <= calibrate.KNEE_TOLERANCE
+    assert c.queueing_roof is None and "no queueing roof" in c.roof_reason  # no batch cost measured
+
+
+def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_measured(monkeypatch):
+    """A max batch of 256 held while capacity was measured read 876 queries/s where the 576 then served held
+    1,337: the bound is found first (one query at a time), `settle` sets the policy from it, then capacity."""
+    from dlrm_lab.infer import calibrate
+    from dlrm_lab.infer.batching import BatchCost
+    from dlrm_lab.infer.load import Stream
+
+    order: list[str] = []
+    served = SimpleNamespace(instances=2, max_batch=256, min_piece=8, largest_query=64)
+
+    def closed_loop(_s, _st, concurrency, *a, **k):
+        order.append(f"closed loop x{concurrency} at max batch {served.max_batch}")
+        return 1000.0, [{"latency_ms": 2.0}]
+
+    def settle(bound):
+        order.append(f"settle {bound:g}")
+        served.max_batch = 512
+
+    monkeypatch.setattr(calibrate, "_closed_loop", closed_loop)
+    monkeypatch.setattr(calibrate, "_open_loop_percentile", lambda *a, **k: 1.0)
+    cost = BatchCost(0.2, 0.002)
+    described = SimpleNamespace(models={"m": served}, batch_costs={"m": cost})
+    server = SimpleNamespace(describe=lambda: described)
+    stream = Stream("m", 1.0, QuerySizes.parse("fixed:16"))
+    c = calibrate.choose_load(server, stream, sla_ms=None, probes=1, settle=settle)
+    # one query at a time (concurrency 1) gives the bound, 2.5 x 2 ms; capacity is then measured as settled
+    assert order == ["closed loop x1 at max batch 256", "settle 5", "closed loop x128 at max batch 512"]
+    assert c.sla_ms == 5.0 and c.capacity_qps == 1000.0
+    roof = c.queueing_roof
+    assert roof is not None and roof["max_batch"] == 512 and roof["instances"] == 2
+    assert 0 < roof["share"] <= 1 and "queueing roof" in c.roof_reason
+
+
+def test_the_queueing_roof_simulates_the_lab_batching_rule_as_queueing_theory_has_it():
+    """One instance, fixed-size queries and a max batch of one query: an M/D/1 queue, whose mean wait is
+    rho D / (2 (1 - rho)) (Pollaczek-Khinchine). A lone query takes its warm batch time, split over two
+    instances in two pieces ending together; and the roof falls as the bound tightens."""
+    from dlrm_lab.infer.batching import BatchCost
+    from dlrm_lab.infer.queueing import ideal_capacity_qps, queueing_roof, simulated_latencies
+
+    cost, sizes = BatchCost(0.3, 0.004), QuerySizes.parse("fixed:200")
+    service = cost.ms(200)
+    for rho in (0.3, 0.6):
+        lat = simulated_latencies(rho * 1000 / service, cost, sizes, instances=1, max_batch=200, min_piece=1)
+        wait = float(np.mean(lat)) - service
+        assert wait == pytest.approx(rho * service / (2 * (1 - rho)), rel=0.08)
+    lone = simulated_latencies(0.01, cost, sizes, instances=2, max_batch=256, min_piece=16, queries=50)
+    assert np.allclose(lone, cost.ms(100))  # two pieces of 100, ending together
+    mlperf = QuerySizes.parse("mlperf")
+    capacity = ideal_capacity_qps(cost, mlperf, 2, 640)
+    assert capacity == pytest.approx(2 * 640 / cost.ms(640) * 1000 / mlperf.mean)
+    roofs = [
+        queueing_roof(cost, mlperf, instances=2, max_batch=640, min_piece=64, sla_ms=bound, queries=3000)
+        for bound in (2.0, 4.0, 8.0)
+    ]
+    assert 0 < roofs[0].rate_qps < roofs[1].rate_qps < roofs[2].rate_qps < capacity
+    assert queueing_roof(cost, mlperf, instances=2, max_batch=640, min_piece=64, sla_ms=0.1).rate_qps == 0

@@ -4,19 +4,23 @@
 this machine may not sustain (a rate beyond capacity gives a tail of seconds, not a
 measurement). On the running server, before the measured point:
 
-1. capacity: completed queries/s of a closed loop that keeps every instance busy;
-2. unloaded latency: the latency percentile with one query in flight at a time (no
+1. unloaded latency: the latency percentile with one query in flight at a time (no
    queueing: the floor of what any load can reach on this server);
-3. the bound: the one given (`--sla-ms`), or with `--sla-ms auto` 2.5x the unloaded
+2. the bound: the one given (`--sla-ms`), or with `--sla-ms auto` 2.5x the unloaded
    percentile, rounded up to a whole ms: room for batching and queueing at a useful load
    (on 2 AVX2 cores with MLPerf-sized kaggle queries, p99 at a third of capacity was already
    1.6-1.9x the unloaded p99, with +-15% between 2 s probes: 2x left too little margin);
+   what of the serving policy depends on the bound (an auto max batch) is set now (`settle`),
+   so that what follows measures the policy served;
+3. capacity: completed queries/s of a closed loop that keeps every instance busy;
 4. the rate: a short bisection over open-loop rates in (0, capacity], each probe passing
    when its percentile (dropped queries infinitely late) is within the bound, until the bracket
    round a passing rate is within `KNEE_TOLERANCE` of its top (at most `probes`): four fixed
    probes reported 7/16 of capacity wherever C/2 missed, their resolution rather than the knee;
    the point then runs at `HEADROOM` x the highest passing rate, so that the noise between a
-   probe and the measured point does not decide the verdict.
+   probe and the measured point does not decide the verdict;
+5. its roof: the highest rate an ideal server with the instances' warm batch cost and the lab's
+   batching rule holds under the same bound (`infer.queueing`): what queueing alone allows.
 
 Each step is recorded (`LoadChoice.to_dict`, in the run's manifest) and said in one line.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TypedDict
 
@@ -33,6 +38,7 @@ import numpy as np
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.drivers import drive, make_driver
 from dlrm_lab.infer.load import LoadSettings, Stream
+from dlrm_lab.infer.queueing import queueing_roof, roof_line
 from dlrm_lab.infer.records import summarize
 from dlrm_lab.infer.sut import LoadDriver, SystemUnderTest
 from dlrm_lab.metrics.columns import QueryRow
@@ -115,6 +121,9 @@ class LoadChoice:
     best_passing_qps: float
     probes: list[LoadProbe] = field(default_factory=list)
     reason: str = ""
+    # what queueing alone allows under the bound (`infer.queueing`); None where the server measured no batch cost
+    queueing_roof: JsonObject | None = None
+    roof_reason: str = ""
 
     def to_dict(self) -> JsonObject:
         return {**asdict(self), "headroom": HEADROOM, "sla_factor": SLA_FACTOR if self.sla_chosen else None}
@@ -131,19 +140,29 @@ def choose_load(
     min_queries: int = 300,
     seed: int = 0,
     drain_s: float = 30.0,
+    settle: Callable[[float], object] | None = None,
 ) -> LoadChoice:
     """Pick a rate (and with `sla_ms` None, a bound) this server honours; see the module
-    docstring for the steps."""
-    capacity = capacity_qps(server, stream, probe_s, seed, drain_s)
-    # one query at a time: enough of them for the percentile to mean something
-    served = max(1.0, capacity / max(1, server.describe().models[stream.model].instances or 1))
-    seconds = min(max(probe_s, min_queries / served), 4 * probe_s)
+    docstring for the steps. `settle(bound)` sets what of the serving policy depends on the bound
+    (an auto max batch) before capacity is measured: capacity and probes are then of the policy
+    served, not of a placeholder (a max batch of 256 read 876 queries/s where 576 served 1,337)."""
+    described = server.describe()
+    served = described.models[stream.model]
+    instances = max(1, served.instances or 1)
+    # one query at a time, for long enough that the percentile means something: its rate from the warm
+    # batch cost (a query split over the instances) where the server measured one
+    cost = described.batch_costs.get(stream.model)
+    one_at_a_time = 1000.0 / cost.ms(math.ceil(stream.sizes.mean / instances)) if cost is not None else None
+    seconds = min(max(probe_s, min_queries / one_at_a_time), 4 * probe_s) if one_at_a_time else 2 * probe_s
     _, done = _closed_loop(server, stream, 1, seconds, seed + 1, drain_s)
     lat = np.array([r["latency_ms"] for r in done], dtype=np.float64)
     unloaded = nearest_rank(lat, percentile) if len(lat) else math.inf
     sla_chosen = sla_ms is None
     if sla_chosen:
         sla_ms = float(math.ceil(SLA_FACTOR * unloaded)) if math.isfinite(unloaded) else 1000.0
+    if settle is not None:
+        settle(sla_ms)
+    capacity = capacity_qps(server, stream, probe_s, seed, drain_s)
     lo, hi = 0.0, capacity
     tried: list[LoadProbe] = []
     for k in range(probes):
@@ -175,6 +194,7 @@ def choose_load(
             f"no probed rate met {where} (lowest {qps:.1f} queries/s; capacity {capacity:.1f} queries/s, one query "
             f"at a time p{percentile:g} {unloaded:.1f} ms): running at the lowest; {bound}"
         )
+    roof, roof_reason = _roof(server, stream, lo, capacity, sla_ms, percentile)
     return LoadChoice(
         qps=qps,
         sla_ms=sla_ms,
@@ -185,4 +205,29 @@ def choose_load(
         best_passing_qps=lo,
         probes=tried,
         reason=reason,
+        queueing_roof=roof,
+        roof_reason=roof_reason,
     )
+
+
+def _roof(
+    server: SystemUnderTest, stream: Stream, best_qps: float, capacity: float, sla_ms: float, percentile: float
+) -> tuple[JsonObject | None, str]:
+    """The queueing roof of the bounded rate under the policy served, and its line."""
+    described = server.describe()
+    cost, served = described.batch_costs.get(stream.model), described.models[stream.model]
+    if cost is None or not served.max_batch:
+        return None, "no queueing roof: the server measured no batch cost (a remote or third-party server)"
+    instances = max(1, served.instances or 1)
+    largest = max(served.largest_query, stream.sizes.largest)
+    roof = queueing_roof(
+        cost,
+        stream.sizes,
+        instances=instances,
+        max_batch=served.max_batch,
+        min_piece=served.min_piece or 1,
+        limit=max(served.max_batch, -(-largest // instances)),
+        sla_ms=sla_ms,
+        percentile=percentile,
+    )
+    return roof.to_dict(), roof_line(best_qps, capacity, roof)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 from dlrm_lab.config.values import JsonObject
@@ -23,7 +24,7 @@ from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import SystemUnderTest
 from dlrm_lab.infer.targets import check_served_by, parse_target, reach
-from dlrm_lab.infer.tune import PROBED, choose_policy
+from dlrm_lab.infer.tune import PROBED, choose_max_batch, choose_policy
 from dlrm_lab.metrics.columns import schema_of
 from dlrm_lab.metrics.cost import price_of
 from dlrm_lab.metrics.energy import telemetry_schema
@@ -108,7 +109,7 @@ def run_inference(
                 if cfg.qps_auto:
                     (stream,) = streams
                     if log:
-                        log("choosing the load: closed-loop capacity, one query at a time, then a short bisection")
+                        log("choosing the load: one query at a time, closed-loop capacity, then a short bisection")
                     choice = choose_load(
                         server,
                         stream,
@@ -117,6 +118,12 @@ def run_inference(
                         probe_s=cfg.calibrate_s,
                         seed=cfg.seed,
                         drain_s=cfg.drain_timeout_s,
+                        # a max batch that depends on the bound is set before capacity: measured as served
+                        settle=(
+                            partial(choose_max_batch, server, stream, whole_load_queued=load.queues_whole_load)
+                            if "max_batch" in cfg.tune
+                            else None
+                        ),
                     )
                     streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
                     cfg = replace(cfg, sla_ms=choice.sla_ms)
@@ -131,6 +138,7 @@ def run_inference(
                     run.update_manifest(load_choice=choice.to_dict())
                     if log:
                         log(choice.reason)
+                        log(choice.roof_reason)
                 if cfg.tune:
                     policies = {
                         s.model: choose_policy(

@@ -202,6 +202,24 @@ def _median(res: PolicyProbe) -> float:
     return math.inf if res["median_ms"] is None else res["median_ms"]
 
 
+def choose_max_batch(
+    server: SystemUnderTest, stream: Stream, sla_ms: float, *, whole_load_queued: bool = False
+) -> tuple[int | None, str]:
+    """The auto max batch of `stream`'s model under `sla_ms` (`auto_max_batch` on the batch cost its instances
+    measured), configured on `server`; the max batch and why. Where no cost was measured, the server's own."""
+    model = stream.model
+    sut = server.describe()
+    served, cost = sut.models[model], sut.batch_costs.get(model)
+    if cost is None:
+        return served.max_batch, f"max batch {served.max_batch} as given (no batch cost was measured)"
+    largest = max(served.largest_query, int(stream.sizes.quantile(0.999)))
+    # a scenario that queues its whole load (Offline) has no latency bound for a batch to fit in
+    bound, share = (None, QUEUED_FIXED_SHARE) if whole_load_queued else (sla_ms, FIXED_SHARE)
+    max_batch, why = auto_max_batch(cost, -(-largest // max(1, served.instances)), bound, share)
+    server.configure(model, max_batch=max_batch)
+    return max_batch, why
+
+
 def choose_policy(
     server: SystemUnderTest,
     stream: Stream,
@@ -235,16 +253,8 @@ def choose_policy(
         keep_warm_ms=served.keep_warm_ms or 0.0,
     )
     if "max_batch" in tune:
-        cost = sut.batch_costs.get(model)
-        if cost is None:
-            choice.reasons.append(f"max batch {served.max_batch} as given (no batch cost was measured)")
-        else:
-            largest = max(served.largest_query, int(stream.sizes.quantile(0.999)))
-            # a scenario that queues its whole load (Offline) has no latency bound for a batch to fit in
-            bound, share = (None, QUEUED_FIXED_SHARE) if whole_load_queued else (sla_ms, FIXED_SHARE)
-            choice.max_batch, why = auto_max_batch(cost, -(-largest // max(1, served.instances)), bound, share)
-            server.configure(model, max_batch=choice.max_batch)
-            choice.reasons.append(why)
+        choice.max_batch, why = choose_max_batch(server, stream, sla_ms, whole_load_queued=whole_load_queued)
+        choice.reasons.append(why)
     seconds = min(max(probe_s, MIN_QUERIES / stream.qps if stream.qps > 0 else probe_s), 4 * probe_s)
     common = dict(repeats=repeats, seconds=seconds, percentile=percentile, sla_ms=sla_ms, seed=seed, drain_s=drain_s)
     if "max_delay_ms" in tune:

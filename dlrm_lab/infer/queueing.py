@@ -1,0 +1,205 @@
+"""The queueing roof of a latency-bounded rate: what an ideal server could hold under a bound.
+
+A bounded rate is limited by two things: the machine's cost per batch, and queueing. Even a
+server with no overhead at all, whose batches always take their warm time, must let a query
+wait behind the one before it, and with MLPerf's 100-700-sample queries that wait grows long
+well before the instances are busy. So "0.4 of closed-loop capacity under p99 <= 8 ms" says
+nothing until it stands beside what queueing alone allows at that bound.
+
+`queueing_roof` simulates that ideal server: Poisson arrivals of the stream's query sizes, the
+instances' warm batch cost (`BatchCost`, measured at start), and the lab's own batching rule
+(`infer.batching.next_batch` and `whole_enough`: pieces sized to end together, the utilisation
+term, a query cut into at most one piece an instance), with nothing else: no assembly, no
+completion, no wake, no host. It bisects the highest rate whose latency percentile meets the
+bound. That rate is the roof of the measured bounded rate, and the roof over the ideal server's
+own capacity (full batches back to back) is the roof of the bounded rate's share of capacity.
+
+Why by hand: the roof must run the lab's own batching rule, a pure function here; an event
+simulation library would add a dependency and nothing the 40 lines below need.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dlrm_lab.config.values import JsonObject
+from dlrm_lab.infer.batching import UTILISATION_WINDOW_S, BatchCost, next_batch, whole_enough
+from dlrm_lab.infer.load import QuerySizes
+from dlrm_lab.metrics.stats import percentile as nearest_rank
+
+ROOF_QUERIES = 12_000  # queries a simulated rate runs: its p99 is then the 108th largest of the measured part
+ROOF_WARMUP = 0.1  # share of them left out of the percentile: the queue starts empty
+ROOF_STEPS = 12  # bisection steps: the roof to within capacity / 2^12
+
+
+@dataclass(frozen=True)
+class QueueingRoof:
+    """The ideal server's highest rate under a bound, and its own capacity (queries/s)."""
+
+    rate_qps: float
+    capacity_qps: float
+    sla_ms: float
+    percentile: float
+    cost: BatchCost
+    instances: int
+    max_batch: int
+    min_piece: int
+
+    @property
+    def share(self) -> float:
+        """The roof of a bounded rate's share of capacity: what queueing alone leaves."""
+        return self.rate_qps / self.capacity_qps if self.capacity_qps > 0 else 0.0
+
+    def to_dict(self) -> JsonObject:
+        return {**asdict(self), "cost": asdict(self.cost), "share": self.share}
+
+
+@dataclass
+class _Head:
+    """The oldest waiting query as `whole_enough` reads it."""
+
+    size: int
+    dispatched: int
+
+
+def ideal_capacity_qps(cost: BatchCost, sizes: QuerySizes, instances: int, max_batch: int) -> float:
+    """Queries/s of the ideal server with every instance running full batches back to back."""
+    return instances * max_batch / cost.ms(max_batch) * 1000.0 / sizes.mean
+
+
+def simulated_latencies(
+    qps: float,
+    cost: BatchCost,
+    sizes: QuerySizes,
+    *,
+    instances: int,
+    max_batch: int,
+    min_piece: int,
+    limit: int | None = None,
+    queries: int = ROOF_QUERIES,
+    seed: int = 0,
+) -> np.ndarray:
+    """Each query's latency (ms) on the ideal server at `qps` Poisson arrivals, the first
+    `ROOF_WARMUP` of them left out. The same `seed` gives the same arrivals, scaled by the rate,
+    so that latency grows with the rate and a bisection over it is stable. `limit`: the largest
+    piece `whole_enough` may cut (the server's largest warmed batch; default `max_batch`)."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0, queries)) * (1000.0 / qps)
+    drawn = sizes.draw(queries, rng).astype(np.int64)
+    finished = np.zeros(queries)
+    started_at, free_at = [0.0] * instances, [0.0] * instances
+    waiting: collections.deque[list[int]] = collections.deque()  # [query, samples left], oldest first
+    samples_waiting = 0
+    # the utilisation term as `BatchClock.utilisation` has it: batches ended in the window, whole, and those in flight
+    ended: collections.deque[tuple[float, float]] = collections.deque()  # (end, took), in order of their end
+    ended_ms = 0.0
+    window_ms = UTILISATION_WINDOW_S * 1000.0
+    nxt, now = 0, 0.0
+    while nxt < queries or waiting:
+        k = min(range(instances), key=free_at.__getitem__)
+        now = max(now, free_at[k] if waiting else max(free_at[k], arrivals[nxt]))  # an idle instance's is past
+        while nxt < queries and arrivals[nxt] <= now:
+            waiting.append([nxt, int(drawn[nxt])])
+            samples_waiting += int(drawn[nxt])
+            nxt += 1
+        for j in sorted(range(instances), key=free_at.__getitem__):
+            if started_at[j] < free_at[j] <= now:  # a batch that ended since the last event
+                ended.append((free_at[j], free_at[j] - started_at[j]))
+                ended_ms += free_at[j] - started_at[j]
+                started_at[j] = free_at[j]
+        since = now - window_ms
+        while ended and ended[0][0] < since:
+            ended_ms -= ended.popleft()[1]
+        busy = ended_ms + sum(now - max(started_at[j], since) for j in range(instances) if free_at[j] > now)
+        free = sum(1 for f in free_at if f <= now)
+        left = [f - now for f in free_at if f > now]
+        n = next_batch(
+            samples_waiting,
+            free,
+            left,
+            max_batch=max_batch,
+            min_piece=min_piece,
+            cost=cost,
+            utilisation=min(1.0, busy / (instances * window_ms)),
+        )
+        head = waiting[0]
+        n = min(
+            whole_enough(n, _Head(int(drawn[head[0]]), int(drawn[head[0]]) - head[1]), instances, limit or max_batch),
+            samples_waiting,
+        )
+        started_at[k], free_at[k] = now, now + cost.ms(n)
+        samples_waiting -= n
+        while n > 0:
+            head = waiting[0]
+            piece = min(head[1], n)
+            head[1] -= piece
+            n -= piece
+            if head[1] == 0:
+                finished[head[0]] = free_at[k]
+                waiting.popleft()
+    return (finished - arrivals)[int(ROOF_WARMUP * queries) :]
+
+
+def queueing_roof(
+    cost: BatchCost,
+    sizes: QuerySizes,
+    *,
+    instances: int,
+    max_batch: int,
+    min_piece: int,
+    sla_ms: float,
+    limit: int | None = None,
+    percentile: float = 99.0,
+    seed: int = 0,
+    queries: int = ROOF_QUERIES,
+) -> QueueingRoof:
+    """The highest Poisson rate at which the ideal server (module docstring) holds its latency
+    `percentile` within `sla_ms`, bisected to within its capacity / 2^ROOF_STEPS; 0 when even a
+    lone query misses the bound."""
+    capacity = ideal_capacity_qps(cost, sizes, instances, max_batch)
+
+    def meets(qps: float) -> bool:
+        lat = simulated_latencies(
+            qps,
+            cost,
+            sizes,
+            instances=instances,
+            max_batch=max_batch,
+            min_piece=min_piece,
+            limit=limit,
+            queries=queries,
+            seed=seed,
+        )
+        return nearest_rank(lat, percentile) <= sla_ms
+
+    lo, hi = 0.0, capacity
+    for _ in range(ROOF_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return QueueingRoof(
+        rate_qps=lo,
+        capacity_qps=capacity,
+        sla_ms=sla_ms,
+        percentile=percentile,
+        cost=cost,
+        instances=instances,
+        max_batch=max_batch,
+        min_piece=min_piece,
+    )
+
+
+def roof_line(measured_qps: float, capacity_qps: float, roof: QueueingRoof) -> str:
+    """One line: the bounded rate's share of capacity beside what queueing alone allows."""
+    share = measured_qps / capacity_qps if capacity_qps > 0 else math.nan
+    of_roof = measured_qps / roof.rate_qps if roof.rate_qps > 0 else math.inf
+    return (
+        f"queueing roof: an ideal server with the instances' warm batch cost ({roof.cost.fixed_ms:.3f} ms + "
+        f"{1000 * roof.cost.per_sample_ms:.2f} us a sample) and this batching rule holds {roof.rate_qps:.1f} queries/s "
+        f"under p{roof.percentile:g} <= {roof.sla_ms:g} ms, {roof.share:.2f} of its own capacity "
+        f"{roof.capacity_qps:.1f}; the bounded rate found here, {measured_qps:.1f} ({share:.2f} of capacity), is "
+        f"{of_roof:.2f} of that roof"
+    )
