@@ -389,10 +389,12 @@ def test_infer_run_with_auto_load_records_the_choice_and_runs_at_it(tmp_path):
     assert row["target_qps"] == pytest.approx(choice["qps"]) and choice["qps"] > 0
     assert row["sla_ms"] == choice["sla_ms"] and choice["sla_chosen"]
     assert any(line.startswith(("load chosen by the lab", "no probed rate met")) for line in lines)
-    # the policy is chosen at the chosen load, after it (the bound known), and the point runs with it
+    # the policy is chosen once the bound is known, at half of capacity where the bisection starts, so that the
+    # probes run it; the point runs with it
     policy = manifest["policy_choices"]["tiny"]
-    assert policy["qps"] == pytest.approx(choice["qps"]) and policy["tuned"] == ["max_batch", "spin_ms"]
-    assert [p["spin_ms"] for p in policy["probes"]] == spin_candidates(choice["qps"], 1)
+    assert policy["qps"] == pytest.approx(choice["capacity_qps"] / 2) == choice["probes"][0]["qps"]
+    assert policy["tuned"] == ["max_batch", "spin_ms"]
+    assert [p["spin_ms"] for p in policy["probes"]] == spin_candidates(policy["qps"], 1)
     assert (row["max_batch"], row["spin_ms"], row["max_delay_ms"]) == (policy["max_batch"], policy["spin_ms"], 1.0)
     assert policy["max_batch"] % 64 == 0 and any(line.startswith("tiny: serving policy chosen") for line in lines)
     assert manifest["precision_choices"]["tiny"]["precision"] == "fp32"  # ServedModel's default, not measured

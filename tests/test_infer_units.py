@@ -1044,7 +1044,8 @@ def test_the_chosen_load_bisects_until_the_knee_is_within_its_tolerance(monkeypa
 
 def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_measured(monkeypatch):
     """A max batch of 256 held while capacity was measured read 876 queries/s where the 576 then served held
-    1,337: the bound is found first (one query at a time), `settle` sets the policy from it, then capacity."""
+    1,337: the bound is found first (one query at a time), `settle` sets the policy from it, then capacity; the
+    delay and spin are chosen at half of capacity before the probes (a placeholder delay cost 1.2 ms of p99)."""
     from dlrm_lab.infer import calibrate
     from dlrm_lab.infer.batching import BatchCost
     from dlrm_lab.infer.load import Stream
@@ -1066,9 +1067,16 @@ def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_meas
     described = SimpleNamespace(models={"m": served}, batch_costs={"m": cost})
     server = SimpleNamespace(describe=lambda: described)
     stream = Stream("m", 1.0, QuerySizes.parse("fixed:16"))
-    c = calibrate.choose_load(server, stream, sla_ms=None, probes=1, settle=settle)
-    # one query at a time (concurrency 1) gives the bound, 2.5 x 2 ms; capacity is then measured as settled
-    assert order == ["closed loop x1 at max batch 256", "settle 5", "closed loop x128 at max batch 512"]
+    tune_at = lambda qps, bound: order.append(f"tune at {qps:g} q/s under {bound:g} ms")  # noqa: E731
+    c = calibrate.choose_load(server, stream, sla_ms=None, probes=1, settle=settle, tune_at=tune_at)
+    # one query at a time (concurrency 1) gives the bound, 2.5 x 2 ms; capacity is then measured as settled, and
+    # the load's knobs are chosen where the bisection starts, before its probes
+    assert order == [
+        "closed loop x1 at max batch 256",
+        "settle 5",
+        "closed loop x128 at max batch 512",
+        "tune at 500 q/s under 5 ms",
+    ]
     assert c.sla_ms == 5.0 and c.capacity_qps == 1000.0
     roof = c.queueing_roof
     assert roof is not None and roof["max_batch"] == 512 and roof["instances"] == 2

@@ -12,7 +12,8 @@ measurement). On the running server, before the measured point:
    1.6-1.9x the unloaded p99, with +-15% between 2 s probes: 2x left too little margin);
    what of the serving policy depends on the bound (an auto max batch) is set now (`settle`),
    so that what follows measures the policy served;
-3. capacity: completed queries/s of a closed loop that keeps every instance busy;
+3. capacity: completed queries/s of a closed loop that keeps every instance busy; what of the
+   policy depends on the load (auto delay and spin) is then chosen at half of it (`tune_at`);
 4. the rate: a short bisection over open-loop rates in (0, capacity], each probe passing
    when its percentile (dropped queries infinitely late) is within the bound, until the bracket
    round a passing rate is within `KNEE_TOLERANCE` of its top (at most `probes`): four fixed
@@ -141,11 +142,15 @@ def choose_load(
     seed: int = 0,
     drain_s: float = 30.0,
     settle: Callable[[float], object] | None = None,
+    tune_at: Callable[[float, float], object] | None = None,
 ) -> LoadChoice:
     """Pick a rate (and with `sla_ms` None, a bound) this server honours; see the module
     docstring for the steps. `settle(bound)` sets what of the serving policy depends on the bound
     (an auto max batch) before capacity is measured: capacity and probes are then of the policy
-    served, not of a placeholder (a max batch of 256 read 876 queries/s where 576 served 1,337)."""
+    served, not of a placeholder (a max batch of 256 read 876 queries/s where 576 served 1,337).
+    `tune_at(rate, bound)` then chooses what depends on the load (the batching delay, the spin) at half
+    of capacity, where the bisection starts, so that its probes too run the policy served (a placeholder
+    delay of 1 ms cost 1.2 ms of p99 at the knee where 0 was then chosen)."""
     described = server.describe()
     served = described.models[stream.model]
     instances = max(1, served.instances or 1)
@@ -163,6 +168,8 @@ def choose_load(
     if settle is not None:
         settle(sla_ms)
     capacity = capacity_qps(server, stream, probe_s, seed, drain_s)
+    if tune_at is not None and capacity > 0:
+        tune_at(capacity / 2, sla_ms)
     lo, hi = 0.0, capacity
     tried: list[LoadProbe] = []
     for k in range(probes):

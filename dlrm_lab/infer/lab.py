@@ -106,10 +106,28 @@ def run_inference(
                 if log and said.about:
                     log(said.about)
                 run.update_manifest(**said.record)
+                policies: dict[str, JsonObject] = {}
+
+                def tune(s: Stream, bound: float) -> None:
+                    policies[s.model] = choose_policy(
+                        server,
+                        s,
+                        cfg.tune,
+                        sla_ms=bound,
+                        percentile=cfg.sla_percentile,
+                        whole_load_queued=load.queues_whole_load,
+                        probe_s=cfg.calibrate_s / 2,
+                        seed=cfg.seed,
+                        drain_s=cfg.drain_timeout_s,
+                        log=log,
+                    ).to_dict()
+
                 if cfg.qps_auto:
                     (stream,) = streams
                     if log:
                         log("choosing the load: one query at a time, closed-loop capacity, then a short bisection")
+                    # what of the policy is auto is chosen inside: the bound's max batch before capacity, the rest at
+                    # half of it, so that capacity and the probes measure the policy then served
                     choice = choose_load(
                         server,
                         stream,
@@ -118,12 +136,12 @@ def run_inference(
                         probe_s=cfg.calibrate_s,
                         seed=cfg.seed,
                         drain_s=cfg.drain_timeout_s,
-                        # a max batch that depends on the bound is set before capacity: measured as served
                         settle=(
                             partial(choose_max_batch, server, stream, whole_load_queued=load.queues_whole_load)
                             if "max_batch" in cfg.tune
                             else None
                         ),
+                        tune_at=(lambda qps, bound: tune(replace(stream, qps=qps), bound)) if cfg.tune else None,
                     )
                     streams = [replace(stream, qps=choice.qps, sla_ms=choice.sla_ms)]
                     cfg = replace(cfg, sla_ms=choice.sla_ms)
@@ -139,22 +157,10 @@ def run_inference(
                     if log:
                         log(choice.reason)
                         log(choice.roof_reason)
-                if cfg.tune:
-                    policies = {
-                        s.model: choose_policy(
-                            server,
-                            s,
-                            cfg.tune,
-                            sla_ms=s.sla_ms or cfg.sla_ms,
-                            percentile=cfg.sla_percentile,
-                            whole_load_queued=load.queues_whole_load,
-                            probe_s=cfg.calibrate_s / 2,
-                            seed=cfg.seed,
-                            drain_s=cfg.drain_timeout_s,
-                            log=log,
-                        ).to_dict()
-                        for s in streams
-                    }
+                elif cfg.tune:
+                    for s in streams:
+                        tune(s, s.sla_ms or cfg.sla_ms)
+                if policies:
                     run.update_manifest(policy_choices=policies)
                 points = [Point(0, streams, "together", cfg.scenario)]
                 if len(streams) > 1 and cfg.compare_alone:

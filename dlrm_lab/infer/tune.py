@@ -13,9 +13,10 @@ each other and against the load, so none is right on every machine:
 - keep-warm (`--keep-warm-ms`): an idle instance runs a 1-sample batch every few ms, its tables and weights kept in
   cache, at the cost of that core time.
 
-`infer run` with `auto` for any of them chooses on the running server, after the load is known:
+`infer run` with `auto` for any of them chooses on the running server, once the bound is known:
 - the max batch from the batch cost every instance measured at start (`auto_max_batch`);
-- the delay, then the spin, by short open-loop probes at the point's own rate and query sizes,
+- the delay, then the spin, by short open-loop probes at the point's own rate and query sizes
+  (with `--qps auto`, at half of capacity, before the rate's bisection: `infer.calibrate`),
   interleaved and repeated, keeping the lowest median latency percentile (`choose_policy`).
   A spin and a keep-warm must beat none by `MARGIN`, since both cost cores.
 Threads per instance are fixed when instances start: `infer search` compares layouts.
