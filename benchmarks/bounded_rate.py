@@ -1,0 +1,98 @@
+"""`make run`'s latency-bounded rate against closed-loop capacity and its queueing roof (issue 56's target: the
+bounded rate >= 0.7 of capacity). ~1 min a repeat on 2 cores, after a trained checkpoint exists (`make run` makes it).
+
+    python benchmarks/bounded_rate.py [--repeats 3] [--checkpoint checkpoints/kaggle]
+
+Each repeat runs `make run`'s serving step (`infer run ... --qps auto --sla-ms auto`, the policy auto) in a metrics
+directory of its own and reads its `load_choice`: capacity, the highest probed rate under the bound, the queueing
+roof (`dlrm_lab.infer.queueing`: what an ideal server with the same batch cost and batching rule holds under the
+same bound), the point it then served and the speed canary of its phase. Prints one line a repeat and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from common import header, lab_run, results_path, write_results
+
+SERVE = [
+    "infer",
+    "run",
+    "--preset",
+    "kaggle",
+    "--max-rows",
+    "1000000",
+    "--query-size",
+    "mlperf",
+    "--qps",
+    "auto",
+    "--sla-ms",
+    "auto",
+    "--duration",
+    "10",
+    "--instances",
+    "2",
+    "--max-delay-ms",
+    "auto",
+    "--spin-ms",
+    "auto",
+]
+
+
+def repeat(tmp: Path, checkpoint: str) -> dict[str, object]:
+    run_dir = lab_run(tmp, *SERVE, "--checkpoint", checkpoint)
+    choice = json.loads((run_dir / "manifest.json").read_text())["load_choice"]
+    (point,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+    roof = choice["queueing_roof"] or {}
+    best, capacity = choice["best_passing_qps"], choice["capacity_qps"]
+    return {
+        "capacity_qps": capacity,
+        "bounded_qps": best,
+        "bounded_share": best / capacity if capacity else None,
+        "sla_ms": choice["sla_ms"],
+        "unloaded_latency_ms": choice["unloaded_latency_ms"],
+        "roof_qps": roof.get("rate_qps"),
+        "roof_share": roof.get("share"),
+        "of_roof": best / roof["rate_qps"] if roof.get("rate_qps") else None,
+        "point_qps": point["queries_per_s"],
+        "point_p99_ms": point["latency_p99_ms"],
+        "sla_met": point["sla_met"],
+        "canary_ratio": point.get("canary_ratio"),
+        "canary_foreign": point.get("canary_foreign"),
+        "probes": choice["probes"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--checkpoint", default="checkpoints/kaggle", help="a `train --checkpoint-dir` (make run's)")
+    ap.add_argument("--out", default=None)
+    opts = ap.parse_args()
+    if not Path(opts.checkpoint).is_dir():
+        raise SystemExit(f"checkpoint: {opts.checkpoint}: no such directory (run `make run` first, or give one)")
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for k in range(opts.repeats):
+            r = repeat(Path(d), opts.checkpoint)
+            rows.append(r)
+            print(
+                f"repeat {k + 1}: capacity {r['capacity_qps']:.0f} q/s, bounded {r['bounded_qps']:.0f} "
+                f"({r['bounded_share']:.2f} of capacity; target 0.7) under {r['sla_ms']:g} ms; queueing roof "
+                f"{r['roof_qps'] or 0:.0f} ({r['roof_share'] or 0:.2f}), bounded {r['of_roof'] or 0:.2f} of it; point "
+                f"{r['point_qps']:.0f} q/s p99 {r['point_p99_ms']:.2f} ms, SLA {'met' if r['sla_met'] else 'missed'}; "
+                f"canary r {r['canary_ratio'] or 0:.2f}",
+                flush=True,
+            )
+    med = {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in ("bounded_share", "of_roof")}
+    print(f"median: bounded {med['bounded_share']:.2f} of capacity, {med['of_roof']:.2f} of the queueing roof")
+    write_results(results_path("bounded_rate", opts.out), header(command=SERVE, repeats=rows, median=med))
+
+
+if __name__ == "__main__":
+    main()
