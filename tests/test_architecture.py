@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import collections
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "dlrm_lab"
@@ -231,9 +232,14 @@ def test_the_formatter_writes_the_package():
     assert skips < 50, skips
 
 
-def test_the_ground_floors_type_check_strictly():
-    """`mypy` (strict, `[tool.mypy]` in pyproject.toml) finds no error on the floors every room stands on (issue 58):
-    a new one fails here as in `make lint`."""
+MYPY_BASELINE = Path(__file__).parent / "mypy_baseline.json"  # errors per file still allowed: only ever lowered
+GROUND_FLOORS = ("dlrm_lab/errors.py", "dlrm_lab/resources.py", "dlrm_lab/config/", "dlrm_lab/metrics/columns/",
+                 "dlrm_lab/infer/sut.py", "dlrm_lab/infer/builds/__init__.py")  # fmt: skip
+
+
+def mypy_errors() -> dict[str, int]:
+    """`mypy` over the whole package (`[tool.mypy]` in pyproject.toml): errors per file."""
+    import collections
     import subprocess
     import sys
 
@@ -243,4 +249,30 @@ def test_the_ground_floors_type_check_strictly():
     if not mypy.exists():
         pytest.skip("mypy is not installed beside this interpreter")
     done = subprocess.run([str(mypy)], capture_output=True, text=True, cwd=ROOT.parent)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-1000:]  # 2: mypy itself failed
+    found = re.findall(r"^(dlrm_lab/[^:]+):\d+: error:", done.stdout, flags=re.MULTILINE)
+    return dict(collections.Counter(found))
+
+
+def test_the_package_type_checks_and_no_file_gains_an_error():
+    """`mypy` finds no error on the floors every room stands on (strict there), and no file has more errors than
+    `tests/mypy_baseline.json` allows (issue 58): a new error fails here as in `make lint`. The baseline only falls;
+    `python tests/test_architecture.py --lower-baseline` writes what mypy finds now, when it is no more anywhere."""
+    import json
+
+    found = mypy_errors()
+    floors = {f: n for f, n in found.items() if f.startswith(GROUND_FLOORS)}
+    assert not floors, f"type errors on the ground floors: {floors}"
+    allowed = json.loads(MYPY_BASELINE.read_text()) if MYPY_BASELINE.exists() else {}
+    grown = {f: f"{n} errors, baseline {allowed.get(f, 0)}" for f, n in found.items() if n > allowed.get(f, 0)}
+    assert not grown, f"new type errors (run mypy): {grown}"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--lower-baseline"]:
+    import json
+
+    found, allowed = mypy_errors(), json.loads(MYPY_BASELINE.read_text()) if MYPY_BASELINE.exists() else {}
+    if any(n > allowed.get(f, 0) for f, n in found.items()):
+        raise SystemExit("a file has more errors than its baseline: fix them rather than raise it")
+    MYPY_BASELINE.write_text(json.dumps(dict(sorted(found.items())), indent=1) + "\n")
+    print(f"{sum(found.values())} errors in {len(found)} files")

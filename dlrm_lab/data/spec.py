@@ -120,8 +120,9 @@ class DataSpec:
 
     @classmethod
     def from_dict(cls, data: JsonObject) -> DataSpec:
-        features = tuple(FeatureSpec(**f) for f in data["features"])
-        return cls(**{**data, "features": features, "overrides": tuple(data.get("overrides", ()))})
+        fields: dict[str, Any] = data  # `to_dict`'s record read back: its fields are the dataclass's
+        features = tuple(FeatureSpec(**f) for f in fields["features"])
+        return cls(**{**fields, "features": features, "overrides": tuple(fields.get("overrides", ()))})
 
 
 def available_data_specs() -> list[str]:
@@ -173,7 +174,7 @@ def _with_overrides(raw: JsonObject, overrides: list[str] | tuple[str, ...], pat
     raw = copy.deepcopy(raw)
     for text in overrides:
         keys, value = parse_override(text)
-        node = raw
+        node: dict[str, Any] = raw  # a TOML table: its values are tables (checked below) or values
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
@@ -217,7 +218,7 @@ def _check_params(where: str, name: str, table: JsonObject, allowed: dict[str, s
     if not isinstance(table, dict):
         raise _fail(where, name, table, "must be a table like { distribution = ... }")
     dist = table.get("distribution")
-    if dist not in kinds:
+    if not isinstance(dist, str) or dist not in kinds:  # `kinds` are strings: the same test, narrowed
         raise _fail(where, f"{name}.distribution", dist, f"allowed: {', '.join(kinds)}")
     extra = set(table) - allowed[dist] - {"distribution"}
     missing = allowed[dist] - set(table)
@@ -324,7 +325,7 @@ def _resolve(raw: JsonObject, model: ModelSpec, where: str, overrides: tuple[str
             f"{where}: [features.{sorted(unknown_features)[0]}]: model {model.name} has no such feature; "
             f"its features: {', '.join(model.feature_names[:6])}{', ...' if len(names) > 6 else ''}"
         )
-    default = {"ids": {"distribution": "uniform"}, "pooling": {"distribution": "model"}, "permute": True}
+    default: dict[str, Any] = {"ids": {"distribution": "uniform"}, "pooling": {"distribution": "model"}, "permute": True}
     default.update(features_raw.get("default", {}))
     features = []
     for table in model.tables:

@@ -25,9 +25,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -64,7 +65,7 @@ SOURCE = "yambda"
 
 def _requests_table(requests: list[YambdaRequest], first: int = -1) -> pa.Table:
     def lists(parts: list[np.ndarray], kind: pa.DataType) -> pa.Array:
-        offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+        offsets: np.ndarray = np.zeros(len(parts) + 1, dtype=np.int32)
         np.cumsum([len(p) for p in parts], out=offsets[1:])
         values = np.concatenate(parts) if parts else np.zeros(0)
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values).cast(kind))
@@ -282,7 +283,7 @@ def _save(path: Path, record: JsonObject) -> None:
     os.replace(tmp, path)
 
 
-def _differences(a: JsonObject, b: JsonObject) -> list[str]:
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     keys = [f"options.{k}" for k in a["options"] if a["options"][k] != b.get("options", {}).get(k)]
     return keys + [f"inputs.{k}" for k in a["inputs"] if a["inputs"][k] != b.get("inputs", {}).get(k)]
 
@@ -322,7 +323,8 @@ def convert_yambda(
         _clean(out)
         return done
     if progress_path.is_file():
-        progress = _record(progress_path, out, "conversion's progress record")
+        # the record read back from disk: its shape is checked below, field by field
+        progress: dict[str, Any] = _record(progress_path, out, "conversion's progress record")
         if not all(
             isinstance(progress.get(k), t) for k, t in (("chunks", list), ("chunk_counts", list), ("windows_done", int))
         ):

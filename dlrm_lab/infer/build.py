@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -80,6 +80,13 @@ class BuildChoice:
             "skipped": dict(self.skipped),
             "accuracy": self.accuracy.to_dict() if self.accuracy else None,
         }
+
+
+class _Common(TypedDict):
+    """The fields of a `BuildChoice` every answer of `choose_build` shares."""
+
+    requested: str
+    threads: int
 
 
 # (build, module) -> {batch size: ms per batch}; `dense_ms` of the fused build at the largest size
@@ -159,7 +166,7 @@ def choose_build(
     `check_block`: samples, or the ranker's requests, against `labels`: `infer.accuracy.check_accuracy`)."""
     family = family_of(model.spec)
     check_build_request(requested, model.spec)
-    common = {"requested": requested, "threads": threads}
+    common: _Common = {"requested": requested, "threads": threads}
     if device != "cpu":  # the fused inference tables on a GPU are built in the instance; not timed here
         build = "eager" if requested == AUTO else requested
         reason = (
@@ -341,9 +348,10 @@ def _rates(
     """Batch times of the builds `names`, from this machine's profile when measured before there."""
     from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path, store_measured
 
-    profile = load_profile()
+    # read from disk: a dynamic shape (`metrics.roofline.cached_problem` checked the entry's)
+    profile: dict[str, Any] | None = load_profile()
     key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes)
-    cached = cached_choice(profile, "build_rates", key, log)
+    cached: dict[str, Any] | None = cached_choice(profile, "build_rates", key, log)
     if cached and all(b in cached["batch_ms"] for b in names):
         where = profile_path(profile["fingerprint_id"]) if profile else "?"
         rates = {b: {int(n): v for n, v in cached["batch_ms"][b].items()} for b in names}
@@ -364,6 +372,6 @@ def _rates(
             **(cached or {}).get("batch_ms", {}),
             **{b: {str(n): v for n, v in per.items()} for b, per in rates.items()},
         }
-        entry = {"batch_ms": merged, "sizes": list(sizes), "measured_at": measured_at}
+        entry: JsonObject = {"batch_ms": merged, "sizes": list(sizes), "measured_at": measured_at}
         source += f", stored in {store_measured(profile, 'build_rates', key, entry)}"
     return rates, source
