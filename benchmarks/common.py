@@ -1,7 +1,8 @@
 """What every benchmark's results file starts with, and where it goes: one place for all the scripts.
 
-results = header(shape=...)           # date (UTC), the CPU and its GEMM-deciding flags, then yours
-write_results(results_path("serve", opts.out), results)
+results = header(shape=...)           # date (UTC), the CPU and its GEMM-deciding flags, a canary reading, then yours
+canary_mark(results, "after the fp32 repeats")   # another reading, named, where a benchmark moves between phases
+write_results(results_path("serve", opts.out), results)   # a last reading; the canary's median and spread
 run_dir = lab_run(tmp, "infer", "run", ...)   # one dlrm-lab command in its own metrics dir; its run
 """
 
@@ -22,13 +23,29 @@ HERE = Path(__file__).parent
 
 
 def header(**fields: Any) -> dict[str, Any]:
-    """The date (UTC, to the second), the CPU model and its avx/amx/fma flags, then `fields`."""
-    return {
+    """The date (UTC, to the second), the CPU model and its avx/amx/fma flags, a first speed-canary reading, then
+    `fields`."""
+    results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
+        "canary": {"readings": []},
         **fields,
     }
+    canary_mark(results, "start")
+    return results
+
+
+def canary_mark(results: dict[str, Any], label: str) -> float | None:
+    """One speed-canary reading now (`metrics.canary.canary_now`: a GEMM and a gather, ~1 ms, against the machine
+    profile's quiet reading), kept in `results["canary"]` under `label`: every figure a benchmark writes then sits
+    beside the host's speed in its phase (issue 60). None where the machine was never probed."""
+    from dlrm_lab.metrics.canary import canary_now
+    from dlrm_lab.metrics.roofline import load_profile
+
+    ratio = canary_now(load_profile())
+    results.setdefault("canary", {"readings": []})["readings"].append({"label": label, "ratio": ratio})
+    return ratio
 
 
 def lab_run(tmp: Path, *args: str) -> Path:
@@ -56,8 +73,19 @@ def results_path(name: str, out: str | Path | None = None) -> Path:
 
 
 def write_results(path: str | Path, results: dict[str, Any]) -> Path:
-    """`results` as indented JSON (numpy numbers as numbers, anything else unknown as its text)."""
+    """`results` as indented JSON (numpy numbers as numbers, anything else unknown as its text), after a last canary
+    reading: the readings' median and range beside the figures (`canary r` in BENCHMARKS.md)."""
     path = Path(path)
+    if "canary" in results:
+        canary_mark(results, "end")
+        ratios = [r["ratio"] for r in results["canary"]["readings"] if r["ratio"] is not None]
+        if ratios:
+            results["canary"].update(median=float(np.median(ratios)), low=min(ratios), high=max(ratios))
+            print(
+                f"canary r {results['canary']['median']:.2f} ({min(ratios):.2f}-{max(ratios):.2f}, "
+                f"{len(ratios)} readings): the host's speed against its quiet profile while this ran",
+                flush=True,
+            )
     path.write_text(json.dumps(results, indent=2, default=_plain) + "\n")
     print(f"wrote {path}", flush=True)
     return path

@@ -239,3 +239,26 @@ def test_a_run_process_that_ends_between_two_readings_is_not_foreign_load(monkey
     _, state = foreign_load(None)
     share, _ = foreign_load(state)
     assert share == 0.0  # 100 busy ticks, all the run's (80 + 20)
+
+
+def test_every_benchmark_results_file_carries_the_canary_of_its_phase(monkeypatch, tmp_path):
+    """benchmarks/common.py's header takes a first reading, `canary_mark` one more, named, and write_results a last
+    one with the readings' median and range (issue 60: a figure beside the host's speed when it was taken)."""
+    import importlib.util
+    import json
+
+    from dlrm_lab.metrics import canary
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    found = importlib.util.spec_from_file_location("benchmark_common", root / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(found)
+    found.loader.exec_module(common)
+    readings = iter([0.9, 0.6, 0.8])
+    monkeypatch.setattr(canary, "canary_now", lambda profile: next(readings))
+    results = common.header(shape="kaggle")
+    assert common.canary_mark(results, "after the fp32 repeats") == 0.6
+    written = json.loads(common.write_results(tmp_path / "r.json", results).read_text())
+    assert [r["label"] for r in written["canary"]["readings"]] == ["start", "after the fp32 repeats", "end"]
+    assert (written["canary"]["median"], written["canary"]["low"], written["canary"]["high"]) == (0.8, 0.6, 0.9)
+    assert written["shape"] == "kaggle" and written["cpu_flags"] is not None
