@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dlrm_lab.config.values import JsonObject
@@ -93,7 +93,7 @@ def canary_every_s() -> float:
     return env_seconds(CANARY_ENV, CANARY_EVERY_S, maximum=3600.0)
 
 
-def quiet_of(profile: JsonObject | None, threads: int) -> JsonObject | None:
+def quiet_of(profile: Mapping[str, Any] | None, threads: int) -> JsonObject | None:
     """The profile's quiet canary at this many threads (None: probed before the canary existed)."""
     if not profile:
         return None
@@ -228,7 +228,7 @@ class Canary:
         return self.read() if self.due() else None
 
 
-def as_telemetry(reading: JsonObject) -> list[JsonObject]:
+def as_telemetry(reading: Mapping[str, Any]) -> list[JsonObject]:
     """A reading as telemetry rows (`metrics.energy`'s long form: channel `canary`), beside the power and the CPU."""
     return [
         {
@@ -248,7 +248,7 @@ def as_telemetry(reading: JsonObject) -> list[JsonObject]:
     ]
 
 
-def ratios(readings: Sequence[JsonObject], quiet: JsonObject | None) -> tuple[list[float], str]:
+def ratios(readings: Sequence[Mapping[str, Any]], quiet: Mapping[str, Any] | None) -> tuple[list[float], str]:
     """Each reading's ratio (the slower of its GEMM and its gather, against quiet or, where the profile has no quiet
     canary, against its source's fastest reading in the run), and the basis said."""
     best: dict[str, tuple[float, float]] = {}
@@ -323,7 +323,9 @@ def shared_phase_line(foreign: Sequence[float], times_s: Sequence[float]) -> str
     return None
 
 
-def canary_columns(readings: Sequence[JsonObject], quiet: JsonObject | None, elapsed_s: float) -> dict[str, Any]:
+def canary_columns(
+    readings: Sequence[Mapping[str, Any]], quiet: Mapping[str, Any] | None, elapsed_s: float
+) -> dict[str, Any]:
     """A summary's canary columns (`metrics.columns.groups.CANARY`) from a run's or a point's readings over
     `elapsed_s` (their cost: their time over it). Its line (`canary_phase`) joins what each source (a rank, an
     instance) said of its speed, naming the source where there are several, and what the machine's foreign load

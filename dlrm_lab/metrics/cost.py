@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dlrm_lab.config.prices import MAX_PRICE_PER_HOUR, check_currency, check_energy_price, check_price, in_range
 from dlrm_lab.config.toml import read_toml
@@ -116,7 +117,9 @@ def _read_catalogue(path: Path) -> dict[str, CatalogueEntry]:
     return out
 
 
-def _entry(item: JsonObject, path: Path, name: str) -> CatalogueEntry:
+def _entry(item: dict[str, Any], path: Path, name: str) -> CatalogueEntry:
+    """One [[instance]] table as the TOML file has it: each field's type is checked here, as it is read."""
+
     def bad(field: str, rule: str) -> UserError:
         shown = f" = {item[field]!r}" if field in item else ""
         return UserError(f"{path}: {name}: {field}{shown}: {rule}")
@@ -288,6 +291,7 @@ def give_price(
         )
     source = GIVEN
     if per_hour is None:
+        assert instance_type is not None  # refused above where neither is given
         entry = catalogue_entry(instance_type, catalogue if catalogue is not None else load_price_catalogue())
         if currency is not None and check_currency(currency) != entry.currency:
             raise FieldError(

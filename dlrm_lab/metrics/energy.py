@@ -16,6 +16,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import psutil
 import pyarrow as pa
@@ -210,11 +211,13 @@ class EnergySampler:
                 series.v.append(float(reading.value))
 
     def _sample_host(self) -> None:
-        busy = total = None
+        busy: float | None = None
+        total: float | None = None
         cores: dict[int, float] = {}
         if self._cpu.started:
-            use = self._cpu.lap()
-            busy, total, cores = use["cpu_busy_s"], use["cpu_total_s"], use["core_utilization"]
+            use = self._cpu.lap()  # its values by key: these two seconds (or None), the per-core shares
+            busy, total = cast("float | None", use["cpu_busy_s"]), cast("float | None", use["cpu_total_s"])
+            cores = cast("dict[int, float]", use["core_utilization"])
         else:
             self._cpu.start()
         sample = _HostSample(self._clock(), busy, total, cores, self._rss_bytes())
@@ -338,21 +341,26 @@ def _row(t: float, source: str, channel: str, quantity: str, value: float) -> di
     return {"time_unix_s": t, "source": source, "channel": channel, "quantity": quantity, "value": float(value)}
 
 
+def _numbers(parts: list[dict[str, float | str | None]], key: str) -> list[float]:
+    """The ranks' values of one of a summary's number columns, where they have one."""
+    return [cast(float, p[key]) for p in parts if p.get(key) is not None]
+
+
 def combine_summaries(parts: list[dict[str, float | str | None]]) -> dict[str, float | str | None]:
     """One summary from several ranks' samplers over the same window: energies add up (each
     sensor is read by one rank only), memory adds up, CPU utilisation is averaged; energy is
     unavailable only when no rank read any."""
-    energies = [p["energy_j"] for p in parts if p.get("energy_j") is not None]
-    powers = [p["power_w_mean"] for p in parts if p.get("power_w_mean") is not None]
-    reasons = list(dict.fromkeys(p["energy_unavailable"] for p in parts if p.get("energy_unavailable")))
+    energies = _numbers(parts, "energy_j")
+    powers = _numbers(parts, "power_w_mean")
+    reasons = list(dict.fromkeys(cast(str, p["energy_unavailable"]) for p in parts if p.get("energy_unavailable")))
     if len(reasons) > 1 or energies:  # a rank that reads no sensor by design says only "no power source"
         reasons = [r for r in reasons if r != "no power source"]
-    cpu = [p["cpu_utilization_mean"] for p in parts if p.get("cpu_utilization_mean") is not None]
-    rss = [p["process_rss_max_mb"] for p in parts if p.get("process_rss_max_mb") is not None]
+    cpu = _numbers(parts, "cpu_utilization_mean")
+    rss = _numbers(parts, "process_rss_max_mb")
     return {
         "energy_j": sum(energies) if energies else None,
         "power_w_mean": sum(powers) if powers else None,
-        "energy_scope": "+".join(p["energy_scope"] for p in parts if p.get("energy_scope")) or None,
+        "energy_scope": "+".join(cast(str, p["energy_scope"]) for p in parts if p.get("energy_scope")) or None,
         "energy_unavailable": "; ".join(reasons) if reasons else None,
         "cpu_utilization_mean": sum(cpu) / len(cpu) if cpu else None,
         "process_rss_max_mb": sum(rss) if rss else None,

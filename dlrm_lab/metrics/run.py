@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import pyarrow as pa
 
@@ -137,7 +137,7 @@ class Run:
 
     @property
     def run_id(self) -> str:
-        return self.manifest["run_id"]
+        return cast(str, self.manifest["run_id"])  # written by `create` as a string
 
     @classmethod
     def create(
@@ -163,7 +163,7 @@ class Run:
             raise UserError(f"run directory {run_dir} already exists; choose another run id") from None
         except OSError as exc:
             raise FieldError("metrics_dir", f"{root}: cannot write in it: {exc.strerror or exc}") from None
-        manifest = {
+        manifest: JsonObject = {
             "run_id": rid,
             "kind": kind,
             "status": "running",
@@ -257,7 +257,7 @@ class Run:
         not what was asked (a load that stopped early)."""
         self._failure = error
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc_type is None:
             failure = getattr(self, "_failure", None)
             self.finish("failed" if failure else "ok", error=failure)
@@ -401,7 +401,8 @@ def recover_run(run_dir: Path) -> JsonObject:
     closing; what it flushed is kept.
     """
     manifest = read_manifest(run_dir)
-    if manifest.get("status") == "running" and not pid_alive(manifest.get("pid")):
+    # the pid is written by `create` (os.getpid())
+    if manifest.get("status") == "running" and not pid_alive(cast("int | None", manifest.get("pid"))):
         (Path(run_dir) / SPACE_RESERVE).unlink(missing_ok=True)  # its room first: a full disk may be why
         consolidate_run(Path(run_dir))
         manifest = amend_manifest(run_dir, status="failed", error=_crash_reason(Path(run_dir)))
@@ -439,7 +440,8 @@ def _close_fault_log(run_dir: Path) -> None:
     handle = _fault_files.pop(run_dir, None)
     if handle is None:
         return
-    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    # without a stderr at start (None) the handler takes sys.stderr, as it does when given None
+    faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)
     handle.close()
     with contextlib.suppress(OSError):
         if (run_dir / FAULT_LOG).stat().st_size == 0:

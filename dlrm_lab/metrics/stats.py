@@ -107,6 +107,7 @@ def finite_values(values: Iterable[Any] | None) -> np.ndarray:
     """The finite values as float64 (None, NaN and +-inf dropped)."""
     if values is None:
         return np.empty(0, dtype=np.float64)
+    arr: np.ndarray
     if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
         arr = values.astype(np.float64, copy=False).ravel()
     else:
@@ -184,7 +185,8 @@ def estimate(
         ci: tuple[float, float] | None = (point, point)
     else:
         ci = _bootstrap_ci((x,), statistic, confidence, n_resamples, seed)
-    return Estimate(n, point, *(ci or (None, None)), cv, _unstable(point, cv if spread_rule else None, ci), name)
+    low, high = ci or (None, None)
+    return Estimate(n, point, low, high, cv, _unstable(point, cv if spread_rule else None, ci), name)
 
 
 def ratio_estimate(
@@ -218,4 +220,5 @@ def ratio_estimate(
             return statistic(new_sample, axis=axis) / statistic(base_sample, axis=axis)
 
         ci = _bootstrap_ci((b, w), ratio, confidence, n_resamples, seed)
-    return Estimate(n, point, *(ci or (None, None)), None, _unstable(point, None, ci), name)
+    low, high = ci or (None, None)
+    return Estimate(n, point, low, high, None, _unstable(point, None, ci), name)

@@ -17,6 +17,7 @@ import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TypedDict
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics.columns import QueryRow, StepRow
@@ -24,18 +25,38 @@ from dlrm_lab.metrics.columns import QueryRow, StepRow
 BATCH_SPAN = "batch {}"  # the record_function an instance wraps each served batch in
 QUERY_PID = 0  # the queries' track (the serving process's events are its own pid)
 
+# A Chrome trace event: a profiler's export read from disk, its keys and values as that profiler wrote them
+TraceEvent = dict[str, Any]
 
-def _load(path: Path) -> list[JsonObject]:
+
+class TracedProcess(TypedDict):
+    """A serving process whose events the trace shows (what `serving_trace` reads of the server's processes)."""
+
+    instance: int
+    model: str
+    pid: int
+
+
+class ServingTraceInfo(TypedDict):
+    """What went into a served point's trace (`serving_trace`, for the manifest)."""
+
+    path: str
+    events: int
+    instances_aligned: list[int]
+    instances_unaligned: list[int]
+
+
+def _load(path: Path) -> list[TraceEvent]:
     try:
         return list(json.loads(path.read_text()).get("traceEvents", []))
     except (OSError, json.JSONDecodeError, AttributeError):
         return []
 
 
-def _shift_to_server_clock(events: list[JsonObject], batch_start_us: dict[int, float]) -> float | None:
+def _shift_to_server_clock(events: list[TraceEvent], batch_start_us: dict[int, float]) -> float | None:
     """The us to add to this trace's times to put them on the server's clock: the median gap between
     its batch marks and the batches' recorded starts; None when none of its batches were recorded."""
-    gaps = []
+    gaps: list[float] = []
     for e in events:
         name = e.get("name", "")
         if e.get("ph") == "X" and name.startswith("batch "):
@@ -45,18 +66,20 @@ def _shift_to_server_clock(events: list[JsonObject], batch_start_us: dict[int, f
     return statistics.median(gaps) if gaps else None
 
 
-def _async(name: str, cat: str, ident: str, start_us: float, end_us: float, args: JsonObject | None = None):
+def _async(
+    name: str, cat: str, ident: str, start_us: float, end_us: float, args: JsonObject | None = None
+) -> list[TraceEvent]:
     """An async slice (Perfetto draws those of one id as a nested track)."""
-    begin = {"ph": "b", "cat": cat, "name": name, "id": ident, "pid": QUERY_PID, "tid": 0, "ts": start_us}
+    begin: TraceEvent = {"ph": "b", "cat": cat, "name": name, "id": ident, "pid": QUERY_PID, "tid": 0, "ts": start_us}
     if args:
         begin["args"] = args
     return [begin, {"ph": "e", "cat": cat, "name": name, "id": ident, "pid": QUERY_PID, "tid": 0, "ts": end_us}]
 
 
-def query_spans(records: Sequence[QueryRow]) -> list[JsonObject]:
+def query_spans(records: Sequence[QueryRow]) -> list[TraceEvent]:
     """Each completed query as a slice from its scheduled arrival to its end (ms on the server's clock,
     as queries.parquet has them), with its issue lag, queueing, batch and completion nested in it."""
-    out: list[JsonObject] = []
+    out: list[TraceEvent] = []
     for r in records:
         if r.get("status") != "ok" or r.get("batch_start_ms") is None:
             continue
@@ -86,14 +109,14 @@ def query_spans(records: Sequence[QueryRow]) -> list[JsonObject]:
     return out
 
 
-def batch_spans(records: Sequence[QueryRow], instance_pids: dict[int, int]) -> list[JsonObject]:
+def batch_spans(records: Sequence[QueryRow], instance_pids: dict[int, int]) -> list[TraceEvent]:
     """Each recorded batch on its instance's track (a thread of its own beside the profiler's), with
     its samples, queries and stages."""
     seen: dict[int, QueryRow] = {}
     for r in records:
         if r.get("batch_id") is not None and r.get("batch_start_ms") is not None:
             seen.setdefault(r["batch_id"], r)
-    out = []
+    out: list[TraceEvent] = []
     for batch, r in seen.items():
         stages = {k: r[k] for k in r if k.startswith("batch_") and k.endswith("_ms") and r[k] is not None}
         out.append(
@@ -111,7 +134,7 @@ def batch_spans(records: Sequence[QueryRow], instance_pids: dict[int, int]) -> l
     return out
 
 
-def _process_name(pid: int, name: str, sort: int) -> list[JsonObject]:
+def _process_name(pid: int, name: str, sort: int) -> list[TraceEvent]:
     return [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
         {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": sort}},
@@ -122,9 +145,9 @@ def _process_name(pid: int, name: str, sort: int) -> list[JsonObject]:
 def serving_trace(
     records: Sequence[QueryRow],
     instance_traces: dict[int, Path],
-    processes: Sequence[JsonObject],
+    processes: Sequence[TracedProcess],
     out: Path,
-) -> JsonObject:
+) -> ServingTraceInfo:
     """Write one Chrome trace of a served point: the queries (their own track), each instance's
     profile shifted onto the server's clock, and the lab's batches on each instance's track.
     Returns what went in (for the manifest)."""
@@ -135,7 +158,8 @@ def serving_trace(
         if r.get("batch_id") is not None and r.get("batch_start_ms") is not None
     }
     events = _process_name(QUERY_PID, "queries (dlrm-lab)", 0)
-    aligned, unaligned = [], []
+    aligned: list[int] = []
+    unaligned: list[int] = []
     for p in processes:
         events += _process_name(p["pid"], f"instance {p['instance']} ({p['model']})", 1 + p["instance"])
     for index, path in sorted(instance_traces.items()):

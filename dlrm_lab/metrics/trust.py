@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from dlrm_lab.config.values import JsonObject
 
@@ -81,8 +82,9 @@ def quick_gemm_flops(threads: int = 1, size: int = CHECK_SIZE, repeats: int = 7)
 def quick_check(profile: JsonObject | None, measure: Callable[[], float] = quick_gemm_flops) -> str | None:
     """One warning line when the profile's one-thread fp32 GEMM peak and one timed now differ by more than
     AGREEMENT_MARGIN (None when they agree, or there is no CPU peak to compare)."""
+    read: Any = profile  # as read from disk: a step missing, or None, or of another type, is caught below
     try:
-        stored = float(profile["devices"]["cpu"]["threads"]["1"]["gemm_flops_per_s"]["fp32"])  # type: ignore[index]
+        stored = float(read["devices"]["cpu"]["threads"]["1"]["gemm_flops_per_s"]["fp32"])
     except (KeyError, TypeError, ValueError):
         return None
     now = measure()

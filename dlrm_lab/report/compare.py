@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -174,10 +174,18 @@ def _kinds_text(kinds: dict[str, int]) -> str:
 # ----------------------------------------------------------------------------- compare
 
 
+class _Resampling(TypedDict):
+    """How every estimate of a comparison resamples (`metrics.stats.estimate`'s keywords)."""
+
+    confidence: float
+    n_resamples: int
+    seed: int
+
+
 class _Comparer:
     def __init__(self, threshold: float, confidence: float, n_resamples: int, seed: int) -> None:
         self.threshold = threshold
-        self.opts = {"confidence": confidence, "n_resamples": n_resamples, "seed": seed}
+        self.opts: _Resampling = {"confidence": confidence, "n_resamples": n_resamples, "seed": seed}
         self.rows: list[MetricComparison] = []
         self.notes: list[str] = []
 
@@ -249,8 +257,8 @@ class _Comparer:
         basis = f"{PAIRED}: {len(kept)} pairs" + (
             f", {apart} left out (canaries over {CANARY_APART:.0%} apart)" if apart else ""
         )
-        b, w = estimate([b for b, _ in kept], **self.opts), estimate([w for _, w in kept], **self.opts)
-        self._row(kind, group, metric, b, w, estimate(ratios, **self.opts), basis)
+        b_est, w_est = estimate([b for b, _ in kept], **self.opts), estimate([w for _, w in kept], **self.opts)
+        self._row(kind, group, metric, b_est, w_est, estimate(ratios, **self.opts), basis)
 
     # -- training
 
@@ -312,8 +320,8 @@ class _Comparer:
             repeats = len(bg) >= MIN_REPEATS and len(wg) >= MIN_REPEATS
             if repeats:
                 for metric in INFER_METRICS:
-                    b = [r.get(metric.name) for _, rows in bg for r in rows]
-                    w = [r.get(metric.name) for _, rows in wg for r in rows]
+                    b: np.ndarray | list[Any] = [r.get(metric.name) for _, rows in bg for r in rows]
+                    w: np.ndarray | list[Any] = [r.get(metric.name) for _, rows in wg for r in rows]
                     self.add("infer", group, metric, b, w, REPEATS)
                 continue
             b_queries, w_queries = ok_queries(bg, key[0]), ok_queries(wg, key[0])

@@ -3,8 +3,9 @@ PNGs out through `report.plots`; `report.html` lays them out on the page."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -27,6 +28,7 @@ from dlrm_lab.report.load import (
     group_by_config,
     latency_curves,
     median_floor,
+    run_of,
 )
 
 TITLES = {
@@ -46,7 +48,8 @@ TITLES = {
 }
 
 
-Made = dict[str, tuple[plots.Drawn, list[str]]] | str  # plots drawn with their notes, or why none was
+Drawings = dict[str, tuple[plots.Drawn, list[str]]]  # plots drawn with their notes, by name
+Made = Drawings | str  # plots drawn with their notes, or why none was
 
 
 def _latency(data: ReportData, out: Path) -> Made:
@@ -68,8 +71,9 @@ def _latency(data: ReportData, out: Path) -> Made:
 
 
 def _qps(data: ReportData, out: Path) -> Made:
-    series: dict[str, list[tuple[float, float]]] = {}
-    chosen: list[tuple[str, float, float]] = []
+    # (queries/s, latency) as the rows hold them: `plots.qps_latency` draws the finite numbers
+    series: dict[str, Sequence[tuple[Any, Any]]] = {}
+    chosen: list[tuple[str, Any, Any]] = []
     floors: dict[str, float | None] = {}
     bounds: set[float] = set()
     percentiles: set[float] = set()
@@ -91,11 +95,11 @@ def _qps(data: ReportData, out: Path) -> Made:
         for r in [*s.frontier, *s.probes]:
             bounds.update([r["sla_ms"]] if r.get("sla_ms") else [])
             percentiles.update([r["sla_percentile"]] if r.get("sla_percentile") else [])
-    groups: dict[tuple, list[ReportRow]] = {}
+    by_config: dict[tuple, list[ReportRow]] = {}
     for r in data.infer:  # several rates of one configuration: the same curve from plain runs
         if r.get("point") is not None:
-            groups.setdefault((r.get("model"), r.get("mode"), *config_of(r)), []).append(r)
-    for (model, mode, *_), rows in groups.items():
+            by_config.setdefault((r.get("model"), r.get("mode"), *config_of(r)), []).append(r)
+    for (model, mode, *_), rows in by_config.items():
         if len(rows) >= 2:
             label = f"{model} ({mode}) {config_label(rows[0])}"
             series[label] = [(r.get("queries_per_s"), r.get("sla_latency_ms")) for r in rows]
@@ -130,7 +134,7 @@ def _qps(data: ReportData, out: Path) -> Made:
 
 
 def _latency_parts(data: ReportData, out: Path) -> Made:
-    rows = [{**r, "label": f"{r['_run'].short} p{r.get('point')} {r.get('model')}"} for r in data.infer]
+    rows = [{**r, "label": f"{run_of(r).short} p{r.get('point')} {r.get('model')}"} for r in data.infer]
     rows = [r for r in rows if r.get("tail_queue_ms") is not None]
     if not rows:
         return "no infer run with the latency parts (tail_*_ms) in its summary.parquet"
@@ -144,7 +148,7 @@ def _latency_parts(data: ReportData, out: Path) -> Made:
 
 
 def _heatmap(data: ReportData, out: Path) -> Made:
-    made: Made = {}
+    made: Drawings = {}
     for s in data.search:
         rows = [r for r in s.frontier if None not in config_of(r)]
         if rows:
@@ -158,7 +162,7 @@ def _phases(data: ReportData, out: Path) -> Made:
     rows = []
     for r in data.train:
         if r.get("step_time_ms_mean"):
-            label = f"{r['_run'].short}\n{r.get('preset')} {r.get('world_size')}r b{r.get('global_batch_size')}"
+            label = f"{run_of(r).short}\n{r.get('preset')} {r.get('world_size')}r b{r.get('global_batch_size')}"
             rows.append({**r, "label": label})
     if not rows:
         return "no train run with step_time_ms_mean in its summary.parquet"
@@ -174,12 +178,12 @@ def _phases(data: ReportData, out: Path) -> Made:
 def _request_flops(data: ReportData, out: Path) -> Made:
     models, runs = {}, {}
     for r in data.train:
-        model = section(r["_run"].manifest, "config", "model")
+        model = section(run_of(r).manifest, "config", "model")
         spec = spec_from_dict(model) if model else None
         if spec is not None and (curve := family_of(spec).request_flops_curve(spec)) is not None:
             label, shape, mean_history = curve
             models[label] = shape
-            runs[f"{r['_run'].short} {spec.name}"] = (label, mean_history)
+            runs[f"{run_of(r).short} {spec.name}"] = (label, mean_history)
     if not models:
         return "no train run of a preset whose sample is a request of a history (the HSTU ranker)"
     return {"request_flops": (plots.request_flops(models, runs, out / "request_flops.png"), [])}
@@ -189,23 +193,23 @@ def _scaling(data: ReportData, out: Path) -> Made:
     rows = [r for r in data.scale if r.get("efficiency") is not None and r.get("ranks") is not None]
     if not rows:
         return "no scale run with efficiency values in its summary.parquet"
-    runs_per_mode: dict[str, set[str]] = {}
+    runs_per_mode: dict[str | None, set[str]] = {}
     for r in rows:
         runs_per_mode.setdefault(r.get("mode"), set()).add(r["run_id"])
     for r in rows:  # one line per mode; per sweep when a mode was swept more than once
-        r["label"] = r.get("mode") if len(runs_per_mode[r.get("mode")]) == 1 else f"{r.get('mode')} ({r['_run'].short})"
+        r["label"] = r.get("mode") if len(runs_per_mode[r.get("mode")]) == 1 else f"{r.get('mode')} ({run_of(r).short})"
     return {"scaling": (plots.scaling_efficiency(rows, out / "scaling.png"), [])}
 
 
 def _point_rows(data: ReportData) -> list[ReportRow]:
     """Runs and inference points placed on the roofline and the energy plot: each train run,
     each infer point and model, each search's chosen configuration at its best probe."""
-    rows = [{**r, "label": f"{r['_run'].short} {r.get('preset')}"} for r in data.train]
-    rows += [{**r, "label": f"{r['_run'].short} p{r.get('point')} {r.get('model')}"} for r in data.infer]
+    rows = [{**r, "label": f"{run_of(r).short} {r.get('preset')}"} for r in data.train]
+    rows += [{**r, "label": f"{run_of(r).short} p{r.get('point')} {r.get('model')}"} for r in data.infer]
     for s in data.search:
         best = s.best_row()
         probe_rows = s.best_probe_points().get(config_of(best)) if best else None
-        if probe_rows:
+        if probe_rows and best is not None:  # best is set wherever probe_rows is
             rows.append({**probe_rows[0], "label": f"{s.run.short} {best.get('model')} best"})
     return rows
 
@@ -216,8 +220,9 @@ def _roofline(data: ReportData, out: Path) -> Made:
     for r in _point_rows(data):
         if not (r.get("flops_per_sample") and r.get("bytes_per_sample") and r.get("achieved_flops_per_s")):
             continue
-        run: RunInfo = r["_run"]
-        key = (section(run.manifest, "hardware").get("fingerprint_id"), device_of(run, r))
+        run = run_of(r)
+        fingerprint = cast("str | None", section(run.manifest, "hardware").get("fingerprint_id"))  # as recorded
+        key = (fingerprint, device_of(run, r))
         if key not in cache:  # the profile the run carries (made elsewhere, copied here), else this machine's
             cache[key] = ceilings(*key, profile=run_profile(run.manifest))
         c = cache[key]
@@ -240,13 +245,15 @@ def _collectives(data: ReportData, out: Path) -> Made:
     """The probed collectives of the machines the runs ran on, every transport side by side."""
     profiles: dict[str, JsonObject | None] = {}
     for run in data.runs:  # each machine's profile as its runs carry it (else this machine's cache of it)
-        if (fid := section(run.manifest, "hardware").get("fingerprint_id")) and profiles.get(fid) is None:
+        fid = cast("str | None", section(run.manifest, "hardware").get("fingerprint_id"))  # as recorded: a string
+        if fid and profiles.get(fid) is None:
             profiles[fid] = run_profile(run.manifest)
     fingerprints = set(profiles)
-    transports: dict[str, list[JsonObject]] = {}  # the profiles' probed collectives
+    transports: dict[str, list[dict[str, Any]]] = {}  # the profiles' probed collectives
     for fid in sorted(fingerprints):
         profile = profiles[fid]
-        for key, rows in ((profile or {}).get("comms") or {}).items():
+        comms: Any = (profile or {}).get("comms") or {}  # as the probe wrote it
+        for key, rows in comms.items():
             transports[key if len(fingerprints) == 1 else f"{fid[:8]} {key}"] = rows
     if not transports:
         return "no machine profile of these runs holds collectives (dlrm-lab launch --nproc 2 -- machine probe)"
@@ -259,8 +266,8 @@ def _energy(data: ReportData, out: Path) -> Made:
         key = (r["run_id"], r.get("point"))  # energy is per point, shared by its models
         if key not in seen:
             seen.add(key)
-            infer = r["_run"].kind == "infer"
-            rows.append({**r, "label": f"{r['_run'].short} p{r.get('point')}" if infer else r["label"]})
+            infer = run_of(r).kind == "infer"
+            rows.append({**r, "label": f"{run_of(r).short} p{r.get('point')}" if infer else r["label"]})
     measured = [r for r in rows if r.get("energy_j") is not None]
     reasons = list(
         dict.fromkeys(
@@ -281,7 +288,7 @@ def _energy(data: ReportData, out: Path) -> Made:
 
 
 def _sweeps(data: ReportData, out: Path) -> Made:
-    made: Made = {}
+    made: Drawings = {}
     for run, table in data.sweeps:
         medians = [c for c in table.column_names if c.endswith("_median")]
         if any(table[c].null_count < table.num_rows for c in medians):
@@ -309,13 +316,14 @@ def _machines(data: ReportData, out: Path) -> Made:
     return {"machines": (plots.cost_per_bound(rows, out / "machines.png"), list(dict.fromkeys(notes)))}
 
 
-def _canary_readings(run: RunInfo) -> list[JsonObject]:
-    """A run's speed-canary readings (telemetry rows of channel `canary`), one dict each, in time order."""
+def _canary_readings(run: RunInfo) -> list[dict[str, Any]]:
+    """A run's speed-canary readings (telemetry rows of channel `canary`), one dict each, in time order (the values
+    as telemetry.parquet holds them)."""
     path = run.dir / "telemetry.parquet"
     if not path.is_file():
         return []
     table = pq.read_table(path, columns=["time_unix_s", "source", "channel", "quantity", "value"]).to_pylist()
-    by_moment: dict[tuple[float, str], JsonObject] = {}
+    by_moment: dict[tuple[float, str], dict[str, Any]] = {}
     for r in table:
         if r["channel"] == "canary":
             reading = by_moment.setdefault((r["time_unix_s"], r["source"]), {"time_unix_s": r["time_unix_s"],

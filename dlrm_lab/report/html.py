@@ -28,7 +28,9 @@ from dlrm_lab.report.load import (
     collect,
     config_label,
     discover,
+    run_of,
 )
+from dlrm_lab.report.plots import Drawn
 
 
 @dataclass
@@ -37,7 +39,7 @@ class ReportResult:
     plots: dict[str, Path] = field(default_factory=dict)  # plot name -> PNG
     skipped: dict[str, str] = field(default_factory=dict)  # plot name -> why it was not drawn
     notes: dict[str, list[str]] = field(default_factory=dict)  # plot name -> caveats shown under it
-    drawn: dict[str, plots.Drawn] = field(default_factory=dict)  # plot name -> what the plot function returned
+    drawn: dict[str, Drawn] = field(default_factory=dict)  # plot name -> what the plot function returned
     runs: list[RunInfo] = field(default_factory=list)
 
 
@@ -192,9 +194,9 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
         headers = [run, *(columns.column(n).heading for n in names), *tail]
         body = [
             [
-                run_link(r["_run"]),
+                run_link(run_of(r)),
                 *(_e(columns.fmt(n, r.get(n))) for n in names),
-                *(_e(r["_run"].status) if t == "status" else notes(r["_run"]) for t in tail),
+                *(_e(run_of(r).status) if t == "status" else notes(run_of(r)) for t in tail),
             ]
             for r in rows
         ]
@@ -284,9 +286,9 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
         parts.append("<h2>Scaling sweeps</h2>")
         parts.append(table(columns.SCALE_TABLE, data.scale))
     by_id = {r.run_id: r for r in data.runs}
-    for run, table in data.sweeps:
-        metrics = [c[: -len("_median")] for c in table.column_names if c.endswith("_median")]
-        rows = table.to_pylist()
+    for run, summary in data.sweeps:
+        metrics = [c[: -len("_median")] for c in summary.column_names if c.endswith("_median")]
+        rows = summary.to_pylist()
         labels = plots.point_labels(rows)
         children = data.sweep_children.get(run.run_id, {})
         parts.append(f"<h2>Sweep {run_link(run)}</h2>")
@@ -298,7 +300,7 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
         for r, label in zip(rows, labels, strict=True):
             ids = children.get(r.get("point"), [])
             runs = " ".join(run_link(by_id[c]) if c in by_id else _e(c) for c in ids) or "-"
-            cells = [_f(r.get("point"), "d"), _e(label), runs]
+            point_cells = [_f(r.get("point"), "d"), _e(label), runs]
             for m in metrics:
                 cell = (
                     f"{_f(r.get(f'{m}_median'), '.4g')} [{_f(r.get(f'{m}_ci_low'), '.4g')}, "
@@ -306,7 +308,7 @@ def _kind_tables(data: ReportData, run_link: Callable[[RunInfo], str], notes: Ca
                 )
                 if r.get(f"{m}_unstable"):
                     cell += ' <span class="note">unstable</span>'
-                cells.append(cell)
-            body.append(cells)
+                point_cells.append(cell)
+            body.append(point_cells)
         parts.append(_table(headers, body))
     return parts

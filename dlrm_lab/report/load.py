@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import pyarrow as pa
@@ -37,7 +37,7 @@ class RunInfo:
 
     @property
     def status(self) -> str | None:
-        return self.manifest.get("status")
+        return cast("str | None", self.manifest.get("status"))  # as the manifest has it (`metrics.run.STATUSES`)
 
     @property
     def short(self) -> str:
@@ -49,9 +49,15 @@ class RunInfo:
             self.notes.append(text)
 
 
-# A row the report read back from a run's table (summary, frontier, probes): its scalars by name, and the report's
-# own keys beside them: `run_id`, `_run` (the RunInfo it came from) and, where a figure adds them, `label`, `ceiling`
-ReportRow = dict[str, str | float | bool | RunInfo | None]
+# A row the report read back from a run's table (summary, frontier, probes): its scalars by name, each of its
+# column's type (read from Parquet: known only at run time), and the report's own keys beside them: `run_id`, `_run`
+# (the RunInfo it came from: `run_of`) and, where a figure adds them, `label`, `ceiling`
+ReportRow = dict[str, Any]
+
+
+def run_of(row: ReportRow) -> RunInfo:
+    """The run a row was read from (its `_run`, which every row the report reads carries)."""
+    return cast(RunInfo, row["_run"])
 
 
 def discover(paths: list[str | Path] | str | Path) -> list[RunInfo]:
@@ -217,8 +223,8 @@ def latency_curves(data: ReportData, limit: int = 12) -> Curves:
     for r in data.infer:
         if r.get("point") is None:
             continue
-        label = f"{r['_run'].short} p{r['point']} {r.get('model')} ({r.get('mode')})"
-        wanted.append((r["_run"], label, [r["point"]], r.get("model"), [r]))
+        label = f"{run_of(r).short} p{r['point']} {r.get('model')} ({r.get('mode')})"
+        wanted.append((run_of(r), label, [r["point"]], r.get("model"), [r]))
     drawn, left_out = wanted[:limit], max(0, len(wanted) - limit)
     latencies: dict[str, np.ndarray] = {}
     by_run: dict[Path, list] = {}
@@ -280,7 +286,7 @@ def ceilings(fingerprint_id: str | None, device: str, profile: JsonObject | None
             return str(exc)
     if profile is None:
         return f"no machine profile for fingerprint {fingerprint_id} (run 'dlrm-lab machine probe' on that machine)"
-    devices = profile.get("devices") or {}
+    devices: Any = profile.get("devices") or {}  # as read from disk: a section of another shape is caught below
     try:
         if device.startswith("cuda"):
             key = device if ":" in device else next((k for k in sorted(devices) if k.startswith("cuda")), "cuda:0")

@@ -12,13 +12,13 @@ machines are ranked by cost per 1M inferences (unpriced last).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TypedDict, cast
 
 from dlrm_lab.config.values import section
 from dlrm_lab.metrics.columns import InferSummaryRow
 from dlrm_lab.metrics.cost import serving_cost_columns, stored_price
 from dlrm_lab.metrics.roofline import run_profile
-from dlrm_lab.report.load import ReportData, ReportRow, RunInfo
+from dlrm_lab.report.load import ReportData, ReportRow, RunInfo, run_of
 
 # The flags that decide a CPU's GEMM speed (AVX2 only, AVX-512 bf16, AMX), shown beside its model
 GEMM_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
@@ -66,14 +66,14 @@ class MachineRow(Machine):
 def machine_of(run: RunInfo) -> Machine:
     """What a run's manifest says of its machine."""
     hw = section(run.manifest, "hardware")
-    flags = set(hw.get("cpu_flags") or []) if isinstance(hw.get("cpu_flags"), list) else set()
+    flags = set(cpu_flags) if isinstance(cpu_flags := hw.get("cpu_flags"), list) else set()
     devices = section(hw, "gpus").get("devices")
     gpus = [d.get("name") for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
     return {
         "machine": str(hw.get("fingerprint_id") or "unknown")[:8],
-        "cpu_model": hw.get("cpu_model"),
+        "cpu_model": cast("str | None", hw.get("cpu_model")),  # as `metrics.hardware` records them
         "gemm_flags": " ".join(f for f in GEMM_FLAGS if f in flags) or "-",
-        "cores": hw.get("physical_cores") or hw.get("logical_cores"),
+        "cores": cast("int | None", hw.get("physical_cores") or hw.get("logical_cores")),
         "gpus": ", ".join(g for g in gpus if g) or "-",
     }
 
@@ -91,12 +91,12 @@ def _candidates(data: ReportData) -> list[tuple[RunInfo, ReportRow, Candidate]]:
         else:
             qps, sps, how = best["best_qps"], best.get("best_samples_per_s"), "search (best probe)"
         roof = [r.get("roofline_fraction") for rows in s.best_probe_points().values() for r in rows]
-        roof = [x for x in roof if x is not None]
-        row = {**best, "roofline_fraction": max(roof) if roof else None}
+        known = [x for x in roof if x is not None]
+        row = {**best, "roofline_fraction": max(known) if known else None}
         out.append((s.run, row, Candidate(float(qps), float(sps or 0.0), how, row)))
     for r in data.infer:
         if r.get("sla_met") and r.get("queries_per_s"):
-            out.append((r["_run"], r, Candidate(float(r["queries_per_s"]), float(r["samples_per_s"]), "point", r)))
+            out.append((run_of(r), r, Candidate(float(r["queries_per_s"]), float(r["samples_per_s"]), "point", r)))
     return out
 
 
@@ -135,7 +135,9 @@ def machine_rows(data: ReportData) -> list[MachineRow]:
                 "samples_per_s": c.samples_per_s,
                 "samples_per_s_per_core": c.samples_per_s / info["cores"] if info["cores"] else None,
                 "roofline_fraction": row.get("roofline_fraction"),
-                **cost,
+                "cost_per_1m_queries": cost["cost_per_1m_queries"],
+                "cost_per_1m_samples": cost["cost_per_1m_samples"],
+                "currency": cost["currency"],
                 "energy_per_query_j": row.get("energy_per_query_j"),
                 "source": c.source,
                 "run_id": run.run_id,
@@ -152,7 +154,7 @@ def machine_rows(data: ReportData) -> list[MachineRow]:
     )
     rank: dict[tuple, int] = {}
     for r in rows:
-        key = (r["model"], r["sla_ms"], r["sla_percentile"])
-        rank[key] = rank.get(key, 0) + 1
-        r["rank"] = rank[key] if r["cost_per_1m_queries"] is not None else None
+        bound = (r["model"], r["sla_ms"], r["sla_percentile"])
+        rank[bound] = rank.get(bound, 0) + 1
+        r["rank"] = rank[bound] if r["cost_per_1m_queries"] is not None else None
     return rows

@@ -61,7 +61,9 @@ class RunSamples:
 def discover_runs(path: str | Path) -> tuple[list[RunSamples], list[str]]:
     """Runs under `path` (a run, or a directory of runs at any depth), oldest first, and
     notes on what was skipped (sweep containers silently; unreadable or not-ok runs noted)."""
-    runs, notes, not_ok = [], [], Counter()
+    runs: list[RunSamples] = []
+    notes: list[str] = []
+    not_ok: Counter[str] = Counter()
     for found in metrics_run.discover_runs(path, nested=True):
         if found.manifest is None:
             notes.append(f"{found.dir}: unreadable, skipped ({found.error})")
@@ -95,7 +97,7 @@ def train_steps(runs: list[RunSamples]) -> tuple[np.ndarray, np.ndarray]:
         cols = run.columns("steps", ["step", "batch_size", "step_time_ms", "warmup"])
         if cols is None:
             continue
-        measured = ~cols["warmup"].astype(bool)  # null (warm-up never detected): measured
+        measured: np.ndarray = ~cols["warmup"].astype(bool)  # null (warm-up never detected): measured
         step = cols["step"][measured].astype(np.int64)
         if len(step) == 0:
             continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -13,7 +13,6 @@ from matplotlib.figure import Figure
 from dlrm_lab.report.plots.common import MAX_LABELS, as_number, as_text, save_figure
 
 if TYPE_CHECKING:
-    from dlrm_lab.config.values import JsonObject
     from dlrm_lab.report.load import Ceilings, ReportRow
     from dlrm_lab.report.machines import MachineRow
 
@@ -174,9 +173,10 @@ class CollectivesPlot:
     lines: dict[str, dict[str, list[tuple[int, float]]]]  # collective -> transport -> (bytes, bus GB/s)
 
 
-def collectives(transports: dict[str, list[JsonObject]], out: Path) -> CollectivesPlot:
+def collectives(transports: dict[str, list[dict[str, Any]]], out: Path) -> CollectivesPlot:
     """Bus bandwidth against message size, one line per transport (`gloo/2`, `mpi/2`, `nccl/8`),
-    all-to-all and all-reduce side by side (the machine probe's rows, PARAM/nccl-tests style)."""
+    all-to-all and all-reduce side by side (the machine probe's rows, PARAM/nccl-tests style, as the profile on
+    disk holds them)."""
     names = ("all_to_all", "all_reduce")
     lines: dict[str, dict[str, list[tuple[int, float]]]] = {n: {} for n in names}
     for transport, rows in transports.items():

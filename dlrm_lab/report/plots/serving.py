@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +38,7 @@ class CdfPlot:
 
 
 def latency_cdf(
-    latencies: dict[str, Sequence[float]],
+    latencies: Mapping[str, Sequence[float] | np.ndarray],
     out: Path,
     sla_ms: Sequence[float] = (),
     left_out: int = 0,
@@ -194,9 +194,9 @@ def batching_heatmap(frontier: Sequence[ReportRow], out: Path, title: str = "") 
         image = ax.imshow(m, cmap="viridis", vmin=0, vmax=vmax, aspect="auto")
         for i in range(m.shape[0]):
             for j in range(m.shape[1]):
-                v = m[i, j]
-                text = "-" if not np.isfinite(v) else f"{v:,.0f}"
-                dark = np.isfinite(v) and v < 0.6 * vmax
+                cell = m[i, j]
+                text = "-" if not np.isfinite(cell) else f"{cell:,.0f}"
+                dark = np.isfinite(cell) and cell < 0.6 * vmax
                 ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
         if best is not None and best[2] == d:
             bi, bj = row_names.index(best[0]), cols.index(best[1])

@@ -33,7 +33,7 @@ def point_labels(rows: Sequence[dict[str, str | float | bool | None]]) -> list[s
     (an inference point serving several models, or alone and together)."""
     params: list[Any] = []
     for r in rows:
-        raw = r.get("params_json")
+        raw: Any = r.get("params_json")  # a JSON string as the sweep wrote it; anything else is caught below
         try:
             params.append(json.loads(raw) if raw else None)
         except (TypeError, ValueError):

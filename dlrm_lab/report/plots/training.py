@@ -15,6 +15,8 @@ from dlrm_lab.metrics.columns import PHASES
 from dlrm_lab.report.plots.common import MAX_BARS, as_number, as_text, save_figure
 
 if TYPE_CHECKING:
+    from matplotlib.typing import ColorType
+
     from dlrm_lab.config.hstu import RankerShape
     from dlrm_lab.report.load import ReportRow
 
@@ -62,7 +64,7 @@ def training_phases(rows: Sequence[ReportRow], out: Path) -> PhaseBars:
     colors = {"other": "#bbbbbb", "unattributed": "#dddddd"}
     width = 0.4 if placed else 0.8
     measured_x = x - 0.2 if placed else x
-    drawn: dict[str, str] = {}
+    drawn: dict[str, ColorType] = {}
     for seg in SEGMENTS:
         vals = np.array(ms[seg])
         if not vals.any():
