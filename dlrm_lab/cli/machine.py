@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional, cast
 
 import typer
 from rich.table import Table
@@ -15,6 +15,7 @@ from dlrm_lab.errors import UserError
 
 if TYPE_CHECKING:
     from dlrm_lab.metrics.cost import Price
+    from dlrm_lab.metrics.hardware import MachineProfile
 
 app = typer.Typer(
     help="Machine profile: measured GEMM, memory, gather and collective peaks, and the machine's price.",
@@ -97,13 +98,14 @@ def show_command(
         typer.echo(json.dumps(profile, indent=2))
         return
     out = console()
-    hw = profile.get("hardware", {})
+    known = cast("MachineProfile", profile)  # its sections, as `machine probe` wrote them
+    hw = known.get("hardware", {})
     quick = " (quick)" if profile.get("quick") else ""
     out.print(
         f"machine {profile['fingerprint_id']}: {hw.get('cpu_model')}, {hw.get('logical_cores')} cores, "
         f"probed {profile.get('probed_at')}{quick}"
     )
-    if load := profile.get("load"):
+    if load := known.get("load"):
         out.print(f"while probing: {load['why']}" + ("" if load["trusted"] else " (not trusted)"), highlight=False)
     if price := stored_price(profile):
         out.print(f"price: {_describe_price(price)}", highlight=False)
@@ -116,7 +118,7 @@ def show_command(
     for col in ("device", "GEMM fp32 GFLOP/s", "bf16", "fp16", "tf32", "copy GB/s", "gather GB/s", "H2D GB/s"):
         table.add_column(col, justify="left" if col == "device" else "right")
     rows = []
-    for name, dev in profile.get("devices", {}).items():
+    for name, dev in known.get("devices", {}).items():
         if "threads" in dev:
             rows += [
                 (f"{name} x{k} thread{'s' if k != '1' else ''}", v)
@@ -147,21 +149,22 @@ def show_command(
                     filter(
                         None,
                         [
-                            pages
-                            and f"{_gb(pages.get('base_bytes_per_s'))} GB/s on 4 KiB pages, "
-                            + (f"{_gb(huge)} on 2 MiB" if huge else f"2 MiB not measured ({pages.get('huge_error')})"),
-                            line_rows and f"{line_rows / 1e6:,.1f} M rows/s of 64 bytes",
+                            f"{_gb(pages.get('base_bytes_per_s'))} GB/s on 4 KiB pages, "
+                            + (f"{_gb(huge)} on 2 MiB" if huge else f"2 MiB not measured ({pages.get('huge_error')})")
+                            if pages
+                            else None,
+                            f"{line_rows / 1e6:,.1f} M rows/s of 64 bytes" if line_rows else None,
                         ],
                     )
                 )
             )
-    ceiling = (profile.get("devices", {}).get("cpu") or {}).get("ceiling") or {}
+    ceiling = (known.get("devices", {}).get("cpu") or {}).get("ceiling") or {}
     for n, entry in sorted(ceiling.items(), key=lambda kv: int(kv[0])):
         out.print(
             f"ceiling: {n} pinned processes at once reach {entry['gemm']['efficiency']:.0%} of {n} x one alone "
             f"(GEMM), {entry['copy']['efficiency']:.0%} (copy)"
         )
-    for key, rows_ in profile.get("comms", {}).items():
+    for key, rows_ in known.get("comms", {}).items():
         comm = Table(title=f"collectives {key}")
         for col in ("collective", "bytes/rank", "time ms", "algbw GB/s", "busbw GB/s"):
             comm.add_column(col, justify="left" if col == "collective" else "right")

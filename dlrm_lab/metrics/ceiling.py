@@ -17,14 +17,26 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal, TypedDict
 
 import torch
 
-from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import end_with_parent, interrupt_blocked
 
-KINDS = ("gemm", "copy")
+KINDS: tuple[Literal["gemm"], Literal["copy"]] = ("gemm", "copy")
+
+
+class CeilingEntry(TypedDict, total=False):
+    """`measure_ceiling`'s result: how it measured, and per kind the rates of one process alone, of all at once and of
+    each (`one_flops_per_s`, ...: flops for gemm, bytes for copy) and `efficiency`."""
+
+    processes: int
+    threads_per_process: int
+    seconds: float
+    size: int
+    gemm: dict[str, Any]
+    copy: dict[str, Any]
 
 
 def _work(kind: str, size: int) -> tuple[Any, float]:
@@ -59,7 +71,7 @@ def _worker(core: int | None, size: int, inbox: Any, outbox: Any) -> None:
         outbox.put(done * units / (time.perf_counter() - t0))
 
 
-def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size: int = 512) -> JsonObject:
+def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size: int = 512) -> CeilingEntry:
     """The N-process ceiling for matrix products and copies: medians of `repeats` rounds of
     (process 0 alone, then all N at once), alternated so that drift of a noisy host hits both.
     The N processes are started once (spawned: importing torch takes seconds) and kept."""
@@ -81,7 +93,7 @@ def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size
             inboxes[k].put((kind, start_at, seconds))
         return [outboxes[k].get(timeout=60 + 2 * seconds) for k in who]
 
-    out: JsonObject = {"processes": processes, "threads_per_process": 1, "seconds": seconds, "size": size}
+    out: CeilingEntry = {"processes": processes, "threads_per_process": 1, "seconds": seconds, "size": size}
     try:
         for box in outboxes:
             box.get(timeout=120)  # every process ready
@@ -108,8 +120,9 @@ def measure_ceiling(processes: int, repeats: int = 3, seconds: float = 1.0, size
     return out
 
 
-def ceiling_efficiency(profile: JsonObject | None, processes: int, kind: str = "gemm") -> float | None:
-    """The stored N-process efficiency (1.0 for one process); None when it was not probed."""
+def ceiling_efficiency(profile: Mapping[str, Any] | None, processes: int, kind: str = "gemm") -> float | None:
+    """The stored N-process efficiency (1.0 for one process); None when it was not probed. `profile`: a machine
+    profile as read from JSON (`metrics.hardware.MachineProfile`), a section missing or null reading as none."""
     if processes <= 1:
         return 1.0
     cpu = ((profile or {}).get("devices") or {}).get("cpu") or {}

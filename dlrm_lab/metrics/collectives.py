@@ -10,7 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -20,12 +20,24 @@ from dlrm_lab.metrics.device_peaks import timed
 CollectivesAt = Callable[[int], tuple[tuple[str, Callable[[], Any], float], ...]]
 
 
+class CommRow(TypedDict, total=False):
+    """One measured collective at one size, as a machine profile's `comms` holds them (bytes per rank)."""
+
+    collective: str
+    bytes: int
+    time_ms: float
+    algbw_bytes_per_s: float
+    busbw_bytes_per_s: float
+    samples_per_rank: int  # TorchRec's rows
+    forward_share: float  # TorchRec's pooled row: the forward's share of its time
+
+
 def _collective_rows(
     n: int, sizes: tuple[int, ...], collectives_at: CollectivesAt, slowest_seconds: Callable[[Callable[[], Any]], float]
-) -> list[dict[str, float | str]]:
+) -> list[CommRow]:
     """One row per size and collective: `collectives_at(numel)` gives (name, call, bus-bytes
     factor) over buffers of numel floats; `slowest_seconds(call)` its time on the slowest rank."""
-    rows = []
+    rows: list[CommRow] = []
     for nbytes in sizes:
         numel = max(n, nbytes // 4 // n * n)  # all-to-all splits evenly over ranks
         for name, fn, factor in collectives_at(numel):
@@ -57,7 +69,7 @@ def slowest_over(pg: Any, repeats: int, device: torch.device | None = None) -> C
     return slowest_seconds
 
 
-def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[str, float | str]]:
+def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -> list[CommRow]:
     """All-to-all and all-reduce over the default process group at each size in bytes per rank."""
     n = dist.get_world_size()
 
@@ -72,7 +84,7 @@ def comm_bandwidth(device: torch.device, sizes: tuple[int, ...], repeats: int) -
     return _collective_rows(n, sizes, collectives_at, slowest_over(dist.group.WORLD, repeats, device))
 
 
-def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, float | str]]:
+def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[CommRow]:
     """The same collectives through MPI (mpi4py on numpy buffers), for ranks started by
     mpiexec: PyPI torch has no MPI backend, so this is what a custom process group over
     MPI could reach (with MPICH's shared-memory transport between ranks of one host)."""
@@ -83,7 +95,7 @@ def mpi_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict[str, float 
     n = comm.Get_size()
 
     def collectives_at(numel: int) -> tuple[tuple[str, Callable[[], Any], float], ...]:
-        buf = np.ones(numel, dtype=np.float32)
+        buf: np.ndarray[Any, Any] = np.ones(numel, dtype=np.float32)
         out = np.empty_like(buf)
         return (
             ("all_to_all", lambda: comm.Alltoall(buf, out), (n - 1) / n),
@@ -103,7 +115,7 @@ TORCHREC_FEATURES, TORCHREC_DIM = 26, 16
 
 def torchrec_distribution(
     pg: Any, batches: tuple[int, ...], slowest_seconds: Callable[[Callable[[], Any]], float]
-) -> list[dict[str, float | str]]:
+) -> list[CommRow]:
     """TorchRec's input distribution (`KJTAllToAll`: splits, lengths and ids) and pooled all-to-all
     (`PooledEmbeddingsAllToAll`, forward and backward) over `pg`, per samples a rank, as a step runs
     them: the collectives with the permutes, awaitables and concatenations around them, which the
@@ -120,7 +132,7 @@ def torchrec_distribution(
     features, remote = per_rank * n, (n - 1) / n
     ids_a2a = KJTAllToAll(pg, [per_rank] * n)
     pooled_a2a = PooledEmbeddingsAllToAll(pg, [per_rank * TORCHREC_DIM] * n)
-    rows = []
+    rows: list[CommRow] = []
     for b in batches:
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f{k}" for k in range(features)],

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import psutil
 
-Proc = int | psutil.Process  # a pid, or an open Process
+Proc: TypeAlias = int | psutil.Process  # a pid, or an open Process
 
 
 def usable_cores() -> list[int] | None:

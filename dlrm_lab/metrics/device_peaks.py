@@ -10,14 +10,85 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
 
-from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics.huge_pages import back_with_huge_pages, thp_mode
 
+if TYPE_CHECKING:
+    from dlrm_lab.metrics.ceiling import CeilingEntry
+
 GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class GemmPeak(TypedDict):
+    """`gemm_flops_per_s`: the best rate, the size it was timed at (None: none was), the spread of its timings."""
+
+    flops_per_s: float
+    size: int | None
+    spread: float
+
+
+class GatherWork(TypedDict, total=False):
+    """What one batch of `_gather_bench` gathers; `huge_*` where its tables were put on 2 MiB pages."""
+
+    bytes: int
+    rows: int
+    table_bytes: int
+    huge_bytes: int
+    huge_error: str | None
+
+
+class GatherRate(TypedDict, total=False):
+    """`gather_bytes_per_s`: the rate, the tables' size, and (with `huge_pages`) what went on 2 MiB pages."""
+
+    bytes_per_s: float
+    table_bytes: int
+    huge_bytes: int
+    huge_error: str | None
+
+
+class GatherPages(TypedDict):
+    """`gather_on_pages`: the CPU gather on 4 KiB and on 2 MiB pages."""
+
+    base_bytes_per_s: float
+    huge_bytes_per_s: float | None
+    huge_error: str | None
+    thp: str | None
+    table_bytes: int
+
+
+class DevicePeaks(TypedDict, total=False):
+    """One table of peaks in a machine profile (`metrics.probe.probe_device`): a GPU's, or the CPU's at one thread
+    count."""
+
+    name: str  # a GPU's
+    gemm_flops_per_s: dict[str, float]  # by precision
+    gemm_size: dict[str, int | None]
+    gemm_spread: dict[str, float]
+    memory_bytes_per_s: float
+    gather_pages: dict[str, Any]  # the CPU's: `gather_on_pages` less its table_bytes
+    gather_bytes_per_s: float
+    gather_table_bytes: int
+    canary: dict[str, Any]  # the CPU's: `metrics.canary.quiet_canary`
+    gather_rows_per_s: float
+    gather_probe: int
+    h2d_bytes_per_s: float  # a GPU's
+    d2h_bytes_per_s: float
+
+
+# the peaks of a table that are one rate each (`metrics.roofline` keeps a stored one higher than a new probe's)
+PeakRate = Literal[
+    "memory_bytes_per_s", "gather_bytes_per_s", "gather_rows_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"
+]
+
+
+class DeviceEntry(DevicePeaks, total=False):
+    """A device of a machine profile: a GPU's peaks, or the CPU's per thread count and its N-process ceilings."""
+
+    threads: dict[str, DevicePeaks]
+    ceiling: dict[str, CeilingEntry]  # by processes
 
 
 @dataclass(frozen=True)
@@ -81,9 +152,9 @@ def _timed_all(fn: Callable[[], Any], repeats: int, device: torch.device, warmup
 
 def gemm_flops_per_s(
     device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int, min_flops: float = 2e9
-) -> dict[str, float | None]:
+) -> GemmPeak:
     """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each)."""
-    best: dict[str, float | None] = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
+    best: GemmPeak = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     # A slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs) would take seconds per
     # product at these sizes. A pilot product decides only whether the smallest size is
@@ -131,7 +202,7 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def _gather_bench(device: torch.device, sizes: ProbeSizes, huge_pages: bool = False) -> tuple[Any, JsonObject]:
+def _gather_bench(device: torch.device, sizes: ProbeSizes, huge_pages: bool = False) -> tuple[Any, GatherWork]:
     """fbgemm's table-batched embedding-bag forward over the probe's tables (on 2 MiB pages with `huge_pages`:
     `metrics.huge_pages`), fed one batch of random ids: (a call that gathers it, what it gathers)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
@@ -162,7 +233,7 @@ def _gather_bench(device: torch.device, sizes: ProbeSizes, huge_pages: bool = Fa
     pages = back_with_huge_pages([tbe.weights_host]) if huge_pages and device.type == "cpu" else None
     ids = torch.randint(0, r, (t * b * pool,), generator=generator, dtype=torch.int64).to(device)
     offsets = torch.arange(0, t * b * pool + 1, pool, dtype=torch.int64).to(device)
-    what: JsonObject = {"bytes": t * b * pool * d * 4, "rows": t * b * pool, "table_bytes": t * r * d * 4}
+    what: GatherWork = {"bytes": t * b * pool * d * 4, "rows": t * b * pool, "table_bytes": t * r * d * 4}
     if pages is not None:
         what["huge_bytes"], what["huge_error"] = pages.huge_bytes, pages.error
 
@@ -173,18 +244,18 @@ def _gather_bench(device: torch.device, sizes: ProbeSizes, huge_pages: bool = Fa
     return gather, what
 
 
-def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, huge_pages: bool = False) -> JsonObject:
+def gather_bytes_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, huge_pages: bool = False) -> GatherRate:
     """Bytes of embedding rows read per second by fbgemm's table-batched embedding-bag forward; with
     `huge_pages`, its tables put on 2 MiB pages first (`metrics.huge_pages`; `huge_error` says why not)."""
     gather, what = _gather_bench(device, sizes, huge_pages)
     seconds = timed(gather, repeats, device)
-    out: JsonObject = {"bytes_per_s": what["bytes"] / seconds, "table_bytes": what["table_bytes"]}
+    out: GatherRate = {"bytes_per_s": what["bytes"] / seconds, "table_bytes": what["table_bytes"]}
     if "huge_bytes" in what:
         out["huge_bytes"], out["huge_error"] = what["huge_bytes"], what["huge_error"]
     return out
 
 
-def gather_on_pages(sizes: ProbeSizes, repeats: int) -> JsonObject:
+def gather_on_pages(sizes: ProbeSizes, repeats: int) -> GatherPages:
     """The CPU gather on 4 KiB pages and on 2 MiB pages, the two tables built side by side and timed in turn
     (a noisy host drifts between two probes taken one after the other): `base_bytes_per_s`, `huge_bytes_per_s`
     (None where the kernel put nothing on huge pages, `huge_error` says why), `thp` (the kernel's mode)."""
@@ -216,7 +287,14 @@ def gather_rows_per_s(device: torch.device, sizes: ProbeSizes, repeats: int, hug
     return gather_bytes_per_s(device, narrow, repeats, huge_pages)["bytes_per_s"] / (LINE_DIM * 4)
 
 
-def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+class HostDeviceRates(TypedDict):
+    """`host_device_bytes_per_s`: pinned host memory to the device and back."""
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+
+
+def host_device_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> HostDeviceRates:
     """Pinned host -> device and device -> host copy bandwidth."""
     host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
     dev = torch.empty(nbytes // 4, dtype=torch.float32, device=device)

@@ -1,4 +1,5 @@
-"""Hardware fingerprint and software versions pinned in every run manifest."""
+"""Hardware fingerprint and software versions pinned in every run manifest, and the machine profile measured under
+the fingerprint (`MachineProfile`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import psutil
 
 from dlrm_lab.config.values import JsonObject
+
+if TYPE_CHECKING:
+    from dlrm_lab.metrics.collectives import CommRow
+    from dlrm_lab.metrics.device_peaks import DeviceEntry
 
 _PACKAGES = (
     "dlrm-lab",
@@ -31,6 +37,24 @@ _PACKAGES = (
     "mpich",
     "mlcommons-loadgen",
 )
+
+
+class MachineProfile(TypedDict, total=False):
+    """A machine profile's sections, as `metrics.probe.probe_machine` writes them and `metrics.roofline` stores them
+    under `fingerprint_id`. A profile read from disk is passed on as its JsonObject (`metrics.roofline.load_profile`
+    checked its peaks); this is how its sections are read."""
+
+    fingerprint_id: str
+    hardware: JsonObject  # `hardware_fingerprint`
+    probed_at: str
+    quick: bool
+    packages: dict[str, str]  # `package_versions`, those installed
+    python: str
+    devices: dict[str, DeviceEntry]  # "cpu", "cuda:<index>"
+    comms: dict[str, list[CommRow]]  # by "<backend>/<ranks>"
+    load: dict[str, float | bool | str]  # `metrics.trust.Load.to_dict`
+    wake: dict[str, dict[str, float]]  # `metrics.wake.probe_wake`
+    cold_gather: dict[str, float]  # `metrics.wake.probe_cold_gather`
 
 
 def cpu_model() -> str:
@@ -117,7 +141,9 @@ def hardware_fingerprint() -> JsonObject:
         "idle": idle_facts(),
     }
     stable = {k: info[k] for k in ("cpu_model", "cpu_flags", "logical_cores", "memory_bytes")}
-    stable["gpus"] = [d["name"] for d in info["gpus"].get("devices", [])]
+    gpu = info["gpus"]  # `gpus` gives a table whose devices are a list, empty where there is no GPU
+    devices = gpu.get("devices", []) if isinstance(gpu, dict) else []
+    stable["gpus"] = [d["name"] for d in devices]
     info["fingerprint_id"] = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
     return info
 

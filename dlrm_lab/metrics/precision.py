@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Required, TypedDict, cast
 
 import torch
 
@@ -147,6 +147,17 @@ class PrecisionChoice:
         }
 
 
+class _Shared(TypedDict, total=False):
+    """What the precision choices of one `choose_precision` share: the request, then the rates it was made from."""
+
+    requested: Required[str]
+    threads: Required[int]
+    device: Required[str]
+    rates_flops_per_s: dict[str, float]
+    source: str
+    shapes: tuple[Shape, ...]
+
+
 def _rate_key(device: torch.device, threads: int, shapes: Sequence[Shape]) -> str:
     digest = hashlib.sha1(repr(list(shapes)).encode()).hexdigest()[:12]
     where = f"cpu/{threads}t" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
@@ -164,13 +175,13 @@ def _ensure_profile(device: torch.device, log: Log | None) -> JsonObject:
     if log:
         log("machine not seen before: quick probe of its peaks (seconds; 'dlrm-lab machine probe' for the full one)")
     devices = ["cpu", "cuda"] if device.type == "cuda" else ["cpu"]
-    profile = probe_machine(quick=True, devices=devices, comms=False)  # under a launcher rank 0 alone is here
+    probed = probe_machine(quick=True, devices=devices, comms=False)  # under a launcher rank 0 alone is here
     try:
-        save_profile(profile)
+        save_profile(probed)
     except ProfileNotStored as exc:  # the run goes on with the peaks just measured
         if log:
             log(f"warning: {exc}")
-    return profile
+    return cast(JsonObject, probed)  # a JSON object, passed on as load_profile passes one
 
 
 def gemm_rates(
@@ -192,14 +203,15 @@ def gemm_rates(
     profile = _ensure_profile(device, log) if probe else load_profile()
     key = _rate_key(device, threads, shapes)
     cached = cached_choice(profile, "precision_rates", key, log)
-    if cached and all(p in cached["flops_per_s"] for p in precisions):
-        where = profile_path(profile["fingerprint_id"]) if profile else "?"
-        return dict(cached["flops_per_s"]), f"cached in {where} (measured {cached['measured_at']})", shapes
+    # a cached entry's flops_per_s is a table (`roofline.cached_problem` checked it)
+    if cached and isinstance(stored := cached["flops_per_s"], dict) and all(p in stored for p in precisions):
+        where = profile_path(str(profile["fingerprint_id"])) if profile else "?"
+        return dict(stored), f"cached in {where} (measured {cached['measured_at']})", shapes
     rates = (measure or measure_shape_rates)(shapes, list(precisions), device, threads)
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     source = f"measured now ({measured_at}) on this machine"
     if profile is not None:
-        entry = {"flops_per_s": rates, "shapes": [list(s) for s in shapes], "measured_at": measured_at}
+        entry: JsonObject = {"flops_per_s": rates, "shapes": [list(s) for s in shapes], "measured_at": measured_at}
         source += f", stored in {store_measured(profile, 'precision_rates', key, entry)}"
     return rates, source, shapes
 
@@ -227,7 +239,7 @@ def choose_precision(
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         allowed = [p for p in allowed if p != "bf16"]  # pre-Ampere GPUs emulate it
     threads = threads or torch.get_num_threads()
-    common = {"requested": requested, "threads": threads, "device": str(device)}
+    common: _Shared = {"requested": requested, "threads": threads, "device": str(device)}
     if requested == "fp32":
         return PrecisionChoice(precision="fp32", reason="asked for (--precision fp32); not measured", **common)
     if requested != AUTO and requested not in allowed:
@@ -237,7 +249,7 @@ def choose_precision(
         spec, candidates, device=device, threads=threads, rows=rows, probe=requested == AUTO, measure=measure, log=log
     )
     fp32 = rates["fp32"]
-    common.update(rates_flops_per_s=rates, source=source, shapes=shapes)
+    common.update({"rates_flops_per_s": rates, "source": source, "shapes": shapes})
 
     def vs(p: str) -> str:
         return f"{p} {gflops(rates[p])} GFLOP/s vs fp32 {gflops(fp32)} GFLOP/s"

@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.metrics.canary import quiet_canary
 from dlrm_lab.metrics.ceiling import measure_ceiling
@@ -41,6 +41,8 @@ from dlrm_lab.metrics.collectives import comm_bandwidth, mpi_bandwidth, slowest_
 from dlrm_lab.metrics.cpu import LoadWatch
 from dlrm_lab.metrics.device_peaks import (
     GEMM_DTYPES,
+    DeviceEntry,
+    DevicePeaks,
     ProbeSizes,
     copy_bytes_per_s,
     gather_bytes_per_s,
@@ -49,7 +51,7 @@ from dlrm_lab.metrics.device_peaks import (
     gemm_flops_per_s,
     host_device_bytes_per_s,
 )
-from dlrm_lab.metrics.hardware import hardware_fingerprint, package_versions
+from dlrm_lab.metrics.hardware import MachineProfile, hardware_fingerprint, package_versions
 from dlrm_lab.metrics.roofline import GATHER_PROBE
 from dlrm_lab.metrics.trust import judge
 from dlrm_lab.metrics.wake import probe_cold_gather, probe_wake
@@ -62,15 +64,15 @@ def _cpu_threads() -> list[int]:
     return sorted({1, cores})
 
 
-def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None) -> JsonObject:
+def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None) -> DeviceEntry:
     """Peaks of one device. CPU peaks are keyed by thread count ("1", "<all cores>")."""
     say = log or (lambda _: None)
     dtypes = dict(GEMM_DTYPES)
     if device.type == "cuda":
         dtypes["tf32"] = torch.float32
 
-    def peaks() -> JsonObject:
-        out: JsonObject = {"gemm_flops_per_s": {}, "gemm_size": {}, "gemm_spread": {}}
+    def peaks() -> DevicePeaks:
+        out: DevicePeaks = {"gemm_flops_per_s": {}, "gemm_size": {}, "gemm_spread": {}}
         for name, dtype in dtypes.items():
             if device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
@@ -116,15 +118,15 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
 
     if device.type == "cuda":
         say(f"{device} ({torch.cuda.get_device_name(device)}):")
-        result = {"name": torch.cuda.get_device_name(device), **peaks()}
-        result.update(host_device_bytes_per_s(device, sizes.copy_bytes // 4, sizes.repeats))
+        gpu: DeviceEntry = {"name": torch.cuda.get_device_name(device), **peaks()}
+        gpu.update(host_device_bytes_per_s(device, sizes.copy_bytes // 4, sizes.repeats))
         say(
-            f"  host->device {result['h2d_bytes_per_s'] / 1e9:,.2f} GB/s, device->host "
-            f"{result['d2h_bytes_per_s'] / 1e9:,.2f} GB/s"
+            f"  host->device {gpu['h2d_bytes_per_s'] / 1e9:,.2f} GB/s, device->host "
+            f"{gpu['d2h_bytes_per_s'] / 1e9:,.2f} GB/s"
         )
-        return result
+        return gpu
     saved = torch.get_num_threads()
-    by_threads: dict[str, JsonObject] = {}
+    by_threads: dict[str, DevicePeaks] = {}
     try:
         for threads in _cpu_threads():
             torch.set_num_threads(threads)
@@ -132,7 +134,7 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             by_threads[str(threads)] = peaks()
     finally:
         torch.set_num_threads(saved)
-    result: JsonObject = {"threads": by_threads}
+    result: DeviceEntry = {"threads": by_threads}
     if (cores := max(_cpu_threads())) > 1:
         # what N ranks pinned one per core can do at best (dlrm_lab.metrics.ceiling)
         result["ceiling"] = {}
@@ -149,14 +151,14 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
 
 def probe_machine(
     quick: bool = False, devices: list[str] | None = None, log: Log | None = None, comms: bool = True
-) -> JsonObject:
+) -> MachineProfile:
     """A machine profile: every device's peaks plus, under a multi-rank launch, collective
     bandwidths. Under a launcher only rank 0's device peaks are kept (ranks share a machine
     kind); every rank takes part in the collectives (`comms=False`: none are probed, for a
     probe that rank 0 alone runs while the others wait)."""
     sizes = ProbeSizes.preset(quick)
     wanted = devices if devices is not None else (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
-    profile: JsonObject = {
+    profile: MachineProfile = {
         "hardware": hardware_fingerprint(),
         "probed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "quick": quick,
@@ -165,7 +167,7 @@ def probe_machine(
         "devices": {},
         "comms": {},
     }
-    profile["fingerprint_id"] = profile["hardware"]["fingerprint_id"]
+    profile["fingerprint_id"] = cast(str, profile["hardware"]["fingerprint_id"])  # a hex digest
     rank = dist.get_rank() if dist.is_initialized() else 0
     # ranks of one launch share the machine: peaks measured by all at once would be halved
     with LoadWatch() as watch:
@@ -217,6 +219,7 @@ def probe_machine(
                 *torchrec_distribution(over_mpi, batches, slowest_over(over_mpi, sizes.repeats)),
             ]
         for key, rows in profile["comms"].items() if log and rank == 0 else ():
+            assert log is not None  # the loop runs only with a log
             for r in rows:
                 algbw, busbw = r["algbw_bytes_per_s"] / 1e9, r["busbw_bytes_per_s"] / 1e9
                 log(
@@ -226,9 +229,9 @@ def probe_machine(
     return profile
 
 
-def _peak_tables(profile: JsonObject) -> list[JsonObject]:
+def _peak_tables(profile: MachineProfile) -> list[DevicePeaks]:
     """Every table of peaks in a profile: one per CPU thread count, one per GPU."""
-    out = []
+    out: list[DevicePeaks] = []
     for dev in profile.get("devices", {}).values():
         out += list(dev["threads"].values()) if "threads" in dev else [dev]
     return out
@@ -274,7 +277,7 @@ def run_probe(
     if device not in PROBE_DEVICES:
         raise FieldError("device", f"{device!r}: allowed: {', '.join(PROBE_DEVICES)}")
     if if_missing:
-        stored = load_profile()
+        stored = cast("MachineProfile | None", load_profile())  # as probe_machine wrote it
         if stored is not None and stored.get("devices"):
             kind = "quick profile" if stored.get("quick") else "profile"
             where = profile_path(stored["fingerprint_id"])
@@ -304,7 +307,7 @@ def run_probe(
     load = profile.get("load")
     fid = profile["fingerprint_id"]
     if load and not load["trusted"] and not force:
-        stored = load_profile(fid)
+        stored = cast("MachineProfile | None", load_profile(fid))
         if stored is not None and stored.get("devices"):
             return ProbeOutcome(
                 fid,

@@ -23,14 +23,17 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import canary
 from dlrm_lab.metrics.columns import ROOFLINE_PLACED
-from dlrm_lab.metrics.hardware import hardware_fingerprint
+from dlrm_lab.metrics.hardware import MachineProfile, hardware_fingerprint
 from dlrm_lab.resources import read_bounded
+
+if TYPE_CHECKING:
+    from dlrm_lab.metrics.device_peaks import DeviceEntry, DevicePeaks, PeakRate
 
 MACHINE_DIR_ENV = "DLRM_LAB_MACHINE_DIR"
 
@@ -45,7 +48,7 @@ def profile_path(fingerprint_id: str) -> Path:
 
 def load_profile(fingerprint_id: str | None = None) -> JsonObject | None:
     """This machine's profile (or the one of `fingerprint_id`); None when never probed."""
-    path = profile_path(fingerprint_id or hardware_fingerprint()["fingerprint_id"])
+    path = profile_path(fingerprint_id or str(hardware_fingerprint()["fingerprint_id"]))
     if not path.is_file():
         return None
     try:
@@ -98,7 +101,7 @@ def run_profile(manifest: JsonObject) -> JsonObject | None:
     if not fingerprint:
         return None
     try:
-        return load_profile(fingerprint)
+        return load_profile(str(fingerprint))  # as profile_path formats it
     except UserError:
         return None
 
@@ -200,7 +203,7 @@ def cached_choice(
             log(f"{section}.{key}: {slower}; measuring again")
         return None
     if log is not None:
-        log(f"warning: {profile_path(profile['fingerprint_id'])}: {problem}; discarded, measuring again")
+        log(f"warning: {profile_path(str(profile['fingerprint_id']))}: {problem}; discarded, measuring again")
     return None
 
 
@@ -217,16 +220,17 @@ def store_measured(profile: JsonObject, table: str, key: str, entry: JsonObject)
         return f"nowhere ({exc})"
 
 
-def save_profile(profile: JsonObject, keep_better: bool = False) -> Path:
+def save_profile(profile: JsonObject | MachineProfile, keep_better: bool = False) -> Path:
     """Store a probe's result, keeping what an earlier probe measured and this one did not
     (a probe under a 2-rank launch adds its collectives to the single-process peaks). With
     `keep_better`, each peak keeps the higher of the stored and the new measurement (a peak is
     what the machine can do: a lower figure is a disturbed measurement, never a better one).
     A stored profile that is unreadable or impossible is replaced whole."""
-    path = profile_path(profile["fingerprint_id"])
-    merged = dict(profile)
+    new = cast(MachineProfile, profile)
+    path = profile_path(new["fingerprint_id"])
+    merged: dict[str, Any] = dict(profile)
     try:
-        old = load_profile(profile["fingerprint_id"]) if path.is_file() else None
+        old = cast("MachineProfile | None", load_profile(new["fingerprint_id"]) if path.is_file() else None)
     except UserError:
         old = None
     if old is not None:
@@ -238,15 +242,15 @@ def save_profile(profile: JsonObject, keep_better: bool = False) -> Path:
         # figures keyed by what was measured (ms idle) merge key by key
         for table in (*PER_FIGURE_SECTIONS, *MEASURED_CHOICES):
             merged[table] = {**section(old, table), **section(profile, table)}
-        merged["devices"] = {**old.get("devices", {}), **profile["devices"]}
+        merged["devices"] = {**old.get("devices", {}), **new["devices"]}
         if keep_better:
             kept = _keep_better(old.get("devices", {}), merged["devices"])
             merged["kept_from_earlier_probe"] = kept
-        merged["comms"] = {**old.get("comms", {}), **profile["comms"]}
-        if not profile["devices"]:  # a collectives-only probe: the device peaks' date stays
+        merged["comms"] = {**old.get("comms", {}), **new["comms"]}
+        if not new["devices"]:  # a collectives-only probe: the device peaks' date stays
             merged["probed_at"] = old.get("probed_at")
             merged["quick"] = old.get("quick")
-            merged["comms_probed_at"] = profile["probed_at"]
+            merged["comms_probed_at"] = new["probed_at"]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -271,13 +275,13 @@ GATHER_PROBE = 2
 _GATHER_FIELDS = ("gather_bytes_per_s", "gather_rows_per_s")
 
 
-def _keep_better(old: JsonObject, new: JsonObject) -> list[str]:
+def _keep_better(old: dict[str, DeviceEntry], new: dict[str, DeviceEntry]) -> list[str]:
     """Raise every peak in `new` (devices, changed in place) to the stored one in `old` where that was higher;
     the fields kept from `old`."""
     kept = []
 
-    def tables(devices: JsonObject) -> dict[str, JsonObject]:
-        out = {}
+    def tables(devices: dict[str, DeviceEntry]) -> dict[str, DevicePeaks]:
+        out: dict[str, DevicePeaks] = {}
         for name, dev in devices.items():
             if isinstance(dev, dict) and "threads" in dev:
                 out.update({f"{name}.threads.{k}": v for k, v in dev["threads"].items()})
@@ -295,7 +299,7 @@ def _keep_better(old: JsonObject, new: JsonObject) -> list[str]:
             if earlier and earlier > value:
                 peaks["gemm_flops_per_s"][precision] = earlier
                 kept.append(f"{where}.gemm_flops_per_s.{precision}")
-        for key in _BETTER_FIELDS:
+        for key in cast("tuple[PeakRate, ...]", _BETTER_FIELDS):  # its names, as the TypedDict knows them
             if key in _GATHER_FIELDS and prior.get("gather_probe") != peaks.get("gather_probe"):
                 continue
             if key in peaks and prior.get(key) and prior[key] > peaks[key]:
@@ -336,7 +340,7 @@ class Work:
     gather_rows: float = 0.0  # the random row accesses behind gather_bytes (their own ceiling: a row costs a line)
 
 
-def _cpu_peaks(cpu: JsonObject, threads: int) -> JsonObject:
+def _cpu_peaks(cpu: DeviceEntry, threads: int) -> DevicePeaks:
     """Peaks at `threads`: measured if probed at that count, otherwise the one-thread peaks
     scaled by the thread count and capped at the all-core peaks."""
     by = {int(k): v for k, v in cpu["threads"].items()}
@@ -385,7 +389,8 @@ def peaks_for(
     (str) when the profile cannot place it."""
     if profile is None:
         return "no machine profile for this machine: run 'dlrm-lab machine probe'"
-    devices = profile.get("devices", {})
+    known = cast(MachineProfile, profile)
+    devices = known.get("devices", {})
     if device == "cpu":
         if "cpu" not in devices:
             return "the machine profile has no cpu peaks"
@@ -401,7 +406,7 @@ def peaks_for(
         return f"the machine profile has no {precision} GEMM peak for {basis}"
     comm = None
     if world_size > 1:
-        rows = profile.get("comms", {}).get(f"{backend}/{world_size}", [])
+        rows = known.get("comms", {}).get(f"{backend}/{world_size}", [])
         a2a = [r["busbw_bytes_per_s"] for r in rows if r["collective"] == "all_to_all"]
         comm = max(a2a) if a2a else None
     return Peaks(
@@ -411,8 +416,8 @@ def peaks_for(
         gather_rows_per_s=peaks.get("gather_rows_per_s"),
         comm_bytes_per_s=comm,
         basis=f"{basis} {precision}, profile {profile.get('fingerprint_id')} of {profile.get('probed_at')}",
-        wake=profile.get("wake") if device == "cpu" else None,
-        cold=profile.get("cold_gather") if device == "cpu" else None,
+        wake=known.get("wake") if device == "cpu" else None,
+        cold=known.get("cold_gather") if device == "cpu" else None,
     )
 
 
