@@ -59,12 +59,12 @@ def assemble_batch(library: PackedLibrary, refs: list[QueryRef], keys: list[str]
     return torch.from_numpy(np.ascontiguousarray(dense)), kjt
 
 
-def _inline(library: PackedLibrary, refs: list[QueryRef], features: int) -> tuple[np.ndarray, ...]:
+def _inline(library: PackedLibrary, refs: list[QueryRef], features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Queries that carry their own samples (and library queries mixed with them): each run of
     pieces from one source is gathered as library queries are, then the runs are merged feature-major."""
-    parts = []
-    for _, run in itertools.groupby(refs, key=lambda r: id(r.payload)):  # id(None): the library's run
-        run = list(run)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for _, group in itertools.groupby(refs, key=lambda r: id(r.payload)):  # id(None): the library's run
+        run = list(group)
         source = library if run[0].payload is None else run[0].payload
         sizes = np.fromiter((r.size for r in run), dtype=np.int64, count=len(run))
         offsets = np.fromiter((r.offset for r in run), dtype=np.int64, count=len(run))
@@ -145,6 +145,7 @@ class _BucketedRunner:
     to a few bucket sizes (`pad`), each compiled during warm-up."""
 
     pad: bool
+    library: PackedLibrary  # set by each runner
     counts = None  # nothing counted per query (`BatchResult.counts`)
     stages: tuple[float | None, ...] | None = None  # of the last batch (BATCH_STAGES), ms
 
@@ -236,7 +237,7 @@ class PackagedRunner(_BucketedRunner):
     def _grow(self, samples: int, ids: int) -> None:
         self.dense = np.zeros((samples, self.library.dense.shape[1]), dtype=np.float32)
         self.offsets = np.zeros(self.features * samples + 1, dtype=np.int32)
-        self.ids = np.zeros(ids, dtype=np.int32)
+        self.ids: np.ndarray = np.zeros(ids, dtype=np.int32)
         self.views = tuple(torch.from_numpy(a) for a in (self.dense, self.ids, self.offsets))
 
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
@@ -309,7 +310,7 @@ class RequestRunner:
             logits, reused = score_requests(self.model, block, cache, self.device)
             scores = torch.sigmoid(logits.float()).cpu()  # .cpu() waits for the GPU: end time is honest
         if cache is not None:
-            query = np.repeat(np.arange(len(refs)), sizes)
+            query: np.ndarray = np.repeat(np.arange(len(refs)), sizes)
             self.counts = np.stack(
                 [
                     np.bincount(query, weights=reused > 0, minlength=len(refs)),
@@ -325,7 +326,7 @@ class RequestRunner:
 def kernel_batch(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> tuple[torch.Tensor, ...]:
     """A gathered batch (dense [n, d], lengths feature-major [F * n], ids feature-major) as the fused
     lookup takes it: (dense, int32 ids, int32 offsets [F * n + 1])."""
-    offsets = np.empty(len(lengths) + 1, dtype=np.int32)
+    offsets: np.ndarray = np.empty(len(lengths) + 1, dtype=np.int32)
     offsets[0] = 0
     np.cumsum(lengths, out=offsets[1:])
     return (

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from dlrm_lab.infer.sut import Query
@@ -86,9 +86,9 @@ def next_batch(
         return max_batch
     if waiting > free * max_batch:  # more than the free instances take: full batches
         return max_batch
-    min_piece = max(1, min_piece) / max(1.0 - utilisation, MIN_IDLE_SHARE)
+    smallest = max(1, min_piece) / max(1.0 - utilisation, MIN_IDLE_SHARE)  # the smallest piece worth an instance
     if cost is None or cost.per_sample_ms <= 0:
-        pieces = max(1, min(free, int(waiting // min_piece)))
+        pieces = max(1, min(free, int(waiting // smallest)))
         return min(max_batch, -(-waiting // pieces))
     fixed, per = cost.fixed_ms, cost.per_sample_ms
     ready = [0.0] * free + sorted(max(0.0, b) for b in busy_left_ms)
@@ -97,7 +97,7 @@ def next_batch(
     for k in range(2, len(ready) + 1):
         total += ready[k - 1] + fixed
         t_k = (per * waiting + total) / k
-        if (t_k - ready[k - 1] - fixed) / per < min_piece:  # the last instance's piece
+        if (t_k - ready[k - 1] - fixed) / per < smallest:  # the last instance's piece
             break
         finish = t_k
     piece = math.ceil((finish - fixed) / per - 1e-9)
@@ -185,7 +185,14 @@ class BatchClock:
         return expected
 
 
-def whole_enough(size: int, head: Query, instances: int, limit: int) -> int:
+class QueryProgress(Protocol):
+    """What `whole_enough` reads of the oldest waiting query (`infer.sut.Query`, or the ideal server's)."""
+
+    size: int
+    dispatched: int
+
+
+def whole_enough(size: int, head: QueryProgress, instances: int, limit: int) -> int:
     """The batch size, grown so that the oldest query is cut into no more pieces than there are
     instances: pieces beyond that would run one after another, each paying the batch's fixed cost
     (a 700-sample query on one instance at max batch 256 ran as 3 batches, 7.9 ms against 2.45 ms
@@ -225,7 +232,8 @@ def take_batch(pool: Any, max_batch: int, instance: int | None = None) -> list[t
         if head.size > served.instances * served.piece_limit() and len(pool.waiting) > 1:
             pool.waiting.rotate(-1)  # an oversized query takes its turns behind the others: it cannot starve them
         return [(head, lo, lo + max_batch)]
-    pieces, samples = [], 0
+    pieces: list[tuple[Query, int, int]] = []
+    samples = 0
     while pool.waiting:
         q = pool.waiting[0]
         rest = q.size - q.dispatched

@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import TypedDict
+from typing import TypedDict, cast
 
 import numpy as np
 
@@ -161,9 +161,10 @@ def choose_load(
     seconds = min(max(probe_s, min_queries / one_at_a_time), 4 * probe_s) if one_at_a_time else 2 * probe_s
     _, done = _closed_loop(server, stream, 1, seconds, seed + 1, drain_s)
     lat = np.array([r["latency_ms"] for r in done], dtype=np.float64)
-    unloaded = nearest_rank(lat, percentile) if len(lat) else math.inf
+    # a percentile of some values is a number (None only of none)
+    unloaded = cast(float, nearest_rank(lat, percentile)) if len(lat) else math.inf
     sla_chosen = sla_ms is None
-    if sla_chosen:
+    if sla_ms is None:
         sla_ms = float(math.ceil(SLA_FACTOR * unloaded)) if math.isfinite(unloaded) else 1000.0
     if settle is not None:
         settle(sla_ms)

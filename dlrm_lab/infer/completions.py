@@ -14,8 +14,9 @@ import collections
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict, cast
 
 import numpy as np
 
@@ -180,6 +181,20 @@ class QueryRecords:
 InFlight = dict[int, tuple[str, list[tuple[Query, int, int]], int]]  # batch id -> its model, pieces and instance
 
 
+class _BatchFields(TypedDict, total=False):
+    """What a finished batch tells each of its queries' records (`QueryRecords.finish`'s batch fields)."""
+
+    batch_id: int
+    batch_samples: int
+    batch_queries: int
+    instance: int
+    batch_compute_ms: float
+    batch_start_ns: int
+    batch_stages: tuple[float | None, ...] | None
+    batch_completion_ms: float
+    batch_expected_ms: float | None  # set once the batch's instance is free again
+
+
 class BatchCompletions:
     """The completion thread: each instance's answer to a batch into its queries, its instance back to its model's
     pool, its time set against what the model expects; the instances' other messages (canary readings, trace
@@ -218,7 +233,7 @@ class BatchCompletions:
     def loop(self, stopping: Callable[[], bool]) -> None:
         conns = {id(c): c for c in self.instances.connections()}
         while not stopping() and conns:
-            ready = wait_connections(list(conns.values()), timeout=0.5)
+            ready = cast(list[Connection], wait_connections(list(conns.values()), timeout=0.5))  # of those given
             if not ready:
                 try:
                     self.check()
@@ -228,7 +243,7 @@ class BatchCompletions:
             with finishing_together(self.records.callback_failed):  # the batches that arrived together, together
                 for conn in ready:
                     try:
-                        msg: Any = conn.recv()  # type: ignore[union-attr]
+                        msg: Any = conn.recv()
                     except (EOFError, OSError):
                         del conns[id(conn)]  # instance gone; check() names it
                         continue
@@ -247,7 +262,7 @@ class BatchCompletions:
         name, pieces, _ = entry
         pool = self.pools[name]
         samples = sum(hi - lo for _, lo, hi in pieces)
-        batch = {
+        batch: _BatchFields = {
             "batch_id": msg.batch_id,
             "batch_samples": samples,
             "batch_queries": len(pieces),
@@ -269,7 +284,7 @@ class BatchCompletions:
                     if pool.one_score_per_sample:
                         total, a, n = q.size, lo, hi - lo
                     else:  # HSTU: one score per candidate of each request
-                        counts = pool.library.output_counts(q.offset, q.size)  # type: ignore[union-attr]
+                        counts = pool.library.output_counts(q.offset, q.size)
                         total, a, n = int(counts.sum()), int(counts[:lo].sum()), int(counts[lo:hi].sum())
                     if q.scores is None:
                         q.scores = np.empty(total, dtype=np.float32)

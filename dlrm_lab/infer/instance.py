@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from dlrm_lab.infer.batches import QueryRef, make_runner
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.metrics.canary import Canary
+
+if TYPE_CHECKING:
+    from dlrm_lab.infer.requests import RequestLibrary
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # what an idle instance holds while it waits (`IdleHold`)
@@ -119,7 +122,7 @@ def remove_stale_snapshots(base: Path | None = None) -> list[Path]:
     return removed
 
 
-def write_snapshot(directory: Path, model: torch.nn.Module, library: PackedLibrary) -> int:
+def write_snapshot(directory: Path, model: torch.nn.Module, library: PackedLibrary | RequestLibrary) -> int:
     """Write the model as served (its build, `infer.build`: tables already quantised on CPU; on GPU each
     instance quantises on its device) and the sample library for instances to map; returns bytes."""
     directory.mkdir(parents=True, exist_ok=False)

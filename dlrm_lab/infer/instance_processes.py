@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from dlrm_lab.errors import ServingFault, exit_description
 from dlrm_lab.infer.batching import BatchCost
@@ -62,7 +62,8 @@ class InstanceProcesses:
         self._conns[plan.index] = mine_end
         self._send_locks[plan.index] = threading.Lock()
         self._procs.append(proc)
-        self.info.append(ServingProcess(instance=plan.index, model=plan.model, pid=proc.pid, cores=list(plan.cores)))
+        pid = cast(int, proc.pid)  # started: it has one
+        self.info.append(ServingProcess(instance=plan.index, model=plan.model, pid=pid, cores=list(plan.cores)))
         return plan.index
 
     def wait_ready(self) -> dict[int, BatchCost]:
@@ -71,10 +72,11 @@ class InstanceProcesses:
         waiting = dict(self._conns)
         costs: dict[int, BatchCost] = {}
         while waiting:
-            for conn in wait_connections(list(waiting.values()), timeout=0.5):
+            # of the connections given, those ready
+            for conn in cast(list[Connection], wait_connections(list(waiting.values()), timeout=0.5)):
                 index = next(i for i, c in waiting.items() if c is conn)
                 try:
-                    _, error, cost = conn.recv()  # type: ignore[union-attr]
+                    _, error, cost = conn.recv()
                 except (EOFError, OSError):
                     error = exit_description(self._procs[index].exitcode)
                 if error:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, RemoteFailure, ServingFault, UserError
@@ -87,7 +88,7 @@ def run_inference(
     check_stored_profile(log)
     # a damaged stored price is refused now, not after the load (the server's only where it runs here)
     price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)
-    config = {
+    config: JsonObject = {
         "infer": cfg.to_dict(),
         "models": [m.describe() for m in models],
         "streams": [{**stream_config(s), **({"qps": "auto"} if cfg.qps_auto else {})} for s in streams],
@@ -178,7 +179,7 @@ def run_inference(
                             on_progress,
                             trace=cfg.trace and point.index == 0,
                         )
-                    summary.extend(rows)
+                    summary.extend(cast(list[dict[str, str | float | bool | None]], rows))  # rows (list: invariant)
                     if stopped := next((r["issue_stopped"] for r in rows if r.get("issue_stopped")), None):
                         run.fails_at_end(f"point {point.index}: {stopped}")
                     if failed := next((r["error"] for r in rows if r.get("error")), None):

@@ -48,7 +48,7 @@ class LoadedSamples:
         """Offsets of queries of these sizes (each at most `size`) that take the library's samples
         in order, continuing where the last call ended (time goes on from a warm-up to its point and
         from one point to the next), wrapping to 0 where a query would run past the end."""
-        out = np.empty(len(sizes), dtype=np.int64)
+        out: np.ndarray = np.empty(len(sizes), dtype=np.int64)
         with self._cursor_lock:
             at = self._cursor
             for k, n in enumerate(sizes.tolist()):  # a loop: a wrap depends on where the last query ended
@@ -81,7 +81,7 @@ class LoadedSamples:
         if bad.any():
             k = int(np.argmax(bad))
             raise ValueError(f"sample range [{lo[k]}, {hi[k]}) is not a non-empty range of [0, {self.size})")
-        delta = np.zeros(self.size + 1, dtype=np.int64)
+        delta: np.ndarray = np.zeros(self.size + 1, dtype=np.int64)
         np.add.at(delta, lo, 1)
         np.add.at(delta, hi, -1)
         return np.cumsum(delta[:-1])
@@ -212,7 +212,7 @@ class PackedLibrary(LoadedSamples):
             self._bags = np.arange(max(bags, 2 * len(self._bags)), dtype=np.int32)
         return self._bags[:bags]
 
-    _bags = np.zeros(0, dtype=np.int32)
+    _bags: np.ndarray = np.zeros(0, dtype=np.int32)
 
     @staticmethod
     def _samples(sizes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -281,7 +281,7 @@ def validate_payload(p: PackedLibrary, spec: Any, rows: list[int] | None = None)
     if int(totals.sum()) != len(p.values):
         return f"sparse features: the lengths sum to {int(totals.sum())} but {len(p.values)} ids given"
     if len(p.values):
-        limits = np.repeat(np.asarray(rows, dtype=np.int64), totals)
+        limits: np.ndarray = np.repeat(np.asarray(rows, dtype=np.int64), totals)
         outside = (p.values < 0) | (p.values >= limits)
         if outside.any():
             k = int(np.argmax(outside))

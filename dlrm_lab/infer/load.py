@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -99,7 +99,7 @@ class QuerySizes:
             raise FieldError(field, f"{text!r}: the spread must be >= 0")
         if kind == "fixed" and values[0] != int(values[0]):
             raise FieldError(field, f"{text!r}: the size must be a whole number of samples")
-        return cls(kind, *values)
+        return cls(kind, values[0]) if len(values) == 1 else cls(kind, values[0], values[1])  # `need` of them
 
     def __str__(self) -> str:
         if self.kind == "fixed":
@@ -131,7 +131,7 @@ class QuerySizes:
             return int(np.ceil(self.a + q * (self.b - self.a)))
         if self.kind == "mlperf":  # the table is the inverse CDF itself: x such that F(x) >= q
             return MLPERF_QUANTILE[min(max(int(np.ceil(q * len(MLPERF_QUANTILE))) - 1, 0), len(MLPERF_QUANTILE) - 1)]
-        return int(percentile(self.draw(100_000, np.random.default_rng(0)), 100 * q))
+        return int(cast(float, percentile(self.draw(100_000, np.random.default_rng(0)), 100 * q)))  # of 100,000
 
     @property
     def largest(self) -> int:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import ClientLost, RemoteFailure, ServerLost
@@ -196,7 +196,7 @@ def _drive_point(
             n = r.get("batch_samples")
             r.update(latency_parts(r, roofs[r["model"]](n) if n else None))
         records.extend(rows)
-        queries.extend(rows)
+        queries.extend(cast(list[dict[str, str | float | bool | None]], rows))  # a list of rows (list is invariant)
 
     meter = _cpu_meter(sut)
     # Records are plain dicts without cycles; a full collection over them pauses every
@@ -245,7 +245,9 @@ def _drive_point(
     stalls = server.take_stalls()
     canary = server.take_canary()
     if telemetry is not None:
-        telemetry.extend([{**r, "point": point.index} for c in canary for r in as_telemetry(c)])
+        # a reading's telemetry rows hold scalars (`as_telemetry`: the long form's columns)
+        readings = [cast(dict[str, str | float | bool | None], r) for c in canary for r in as_telemetry(c)]
+        telemetry.extend([{**r, "point": point.index} for r in readings])
     use = meter.stop()
     if tracing:
         _write_trace(server, records, sut, run_dir, log)
@@ -383,7 +385,8 @@ def _peaks(profile: JsonObject | None, device: str, served: ModelDescription) ->
 
 def _dense_bytes(served: ModelDescription) -> float:
     """Bytes per dense parameter an instance reads per batch: as its build stores them (`infer.builds`)."""
-    return dense_weight_bytes(served.build, served.precision)
+    # None (a remote server's, unknown) is taken: 4 bytes, as for a build the registry does not know
+    return dense_weight_bytes(cast(str, served.build), cast(str, served.precision))
 
 
 def stall_columns(stalls: list[Stall]) -> InferSummaryRow:

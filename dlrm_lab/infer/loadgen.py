@@ -335,7 +335,9 @@ class LoadGenDriver:
         if self.dropped and self.stats.loadgen.get("loadgen_result"):
             why = f"the server dropped or failed {self.dropped} queries"
             prior = self.stats.loadgen.get("loadgen_reason")
-            self.stats.loadgen |= {"loadgen_result": "INVALID", "loadgen_reason": f"{why}; {prior}" if prior else why}
+            self.stats.loadgen.update(
+                {"loadgen_result": "INVALID", "loadgen_reason": f"{why}; {prior}" if prior else why}
+            )  # as |= does (Row.__ior__: update, then itself)
         reason = self.stats.loadgen.get("loadgen_reason") or ""
         served = self.stats.loadgen.get("loadgen_queries_per_s")
         if self.settings.scenario == "offline" and "min duration not met" in reason and served:

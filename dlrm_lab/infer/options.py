@@ -111,7 +111,8 @@ class ServingOptions(ModelScaling):
         from dlrm_lab.infer.served import ServedModel
         from dlrm_lab.model.checkpoint import read_checkpoint
 
-        out, seen = [], {}
+        out: list[Any] = []
+        seen: dict[str, int] = {}  # spec name -> how many served so far
         names = models or [DEFAULT_MODEL]
         if self.checkpoint and len(self.checkpoint) != len(names):
             raise FieldError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,9 +29,12 @@ from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
-from dlrm_lab.infer.sut import SampleLibrary
 from dlrm_lab.metrics.cpu import usable_cores
 from dlrm_lab.metrics.precision import choose_precision
+
+if TYPE_CHECKING:
+    from dlrm_lab.infer.library import PackedLibrary
+    from dlrm_lab.infer.requests import RequestLibrary
 
 Log = Callable[[str], None]
 
@@ -42,7 +45,8 @@ class ServingPlan:
 
     models: dict[str, ServedModel]  # as served: no `auto` left
     modules: dict[str, torch.nn.Module] = field(default_factory=dict)  # the build each model's instances serve
-    libraries: dict[str, SampleLibrary] = field(default_factory=dict)  # each model's sample library
+    # each model's sample library (`generate_library`: of its family's kind)
+    libraries: dict[str, PackedLibrary | RequestLibrary] = field(default_factory=dict)
     precision_choices: dict[str, JsonObject] = field(default_factory=dict)  # per model: what and why (manifest)
     device: str = "cpu"
     seed: int = 0

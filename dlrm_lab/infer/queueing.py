@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import numpy as np
 
@@ -89,7 +90,7 @@ def simulated_latencies(
     piece `whole_enough` may cut (the server's largest warmed batch; default `max_batch`)."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0, queries)) * (1000.0 / qps)
-    drawn = sizes.draw(queries, rng).astype(np.int64)
+    drawn: np.ndarray = sizes.draw(queries, rng).astype(np.int64)
     finished = np.zeros(queries)
     started_at, free_at = [0.0] * instances, [0.0] * instances
     waiting: collections.deque[list[int]] = collections.deque()  # [query, samples left], oldest first
@@ -174,7 +175,7 @@ def queueing_roof(
             queries=queries,
             seed=seed,
         )
-        return nearest_rank(lat, percentile) <= sla_ms
+        return cast(float, nearest_rank(lat, percentile)) <= sla_ms  # of `queries` latencies: a number
 
     lo, hi = 0.0, capacity
     for _ in range(ROOF_STEPS):

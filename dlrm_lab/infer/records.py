@@ -6,6 +6,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 import numpy as np
 
@@ -150,7 +151,8 @@ def transfer_columns(records: list[QueryRow]) -> InferSummaryRow:
         out[f"{stage}_mean_ms"] = None if v is None else float(v.mean())
     samples = float(sum(r["samples"] for r in ok))
     if all(v is not None for v in stages.values()):
-        transfer = sum(stages.values())
+        # every stage reported (checked above): the sum of their arrays, an array
+        transfer = cast(np.ndarray, sum(v for v in stages.values() if v is not None))
         latency = np.array([r["latency_ms"] for r in ok], dtype=np.float64)
         compute = values("compute_ms")
         out["transfer_mean_ms"] = float(transfer.mean())
@@ -387,7 +389,7 @@ def batch_roof(
     @functools.lru_cache(maxsize=4096)  # a batch's rows ask for one n, and batch sizes repeat: once each
     def roof(n: int) -> float | None:
         work = Work(flops=n * flops, gather_bytes=n * row_bytes, stream_bytes=stream, gather_rows=n * rows)
-        return place(work, None, peaks)["roofline_bound_ms"]
+        return cast("float | None", place(work, None, peaks)["roofline_bound_ms"])  # a time (the note is the str)
 
     return roof
 

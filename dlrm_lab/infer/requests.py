@@ -51,6 +51,22 @@ def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 class RequestLibrary(LoadedSamples):
     """Requests packed flat (see the module docstring); `size` of them."""
 
+    # REQUEST_ARRAYS, set by name in __init__
+    user: np.ndarray
+    step: np.ndarray
+    history_lengths: np.ndarray
+    history_starts: np.ndarray
+    candidate_lengths: np.ndarray
+    candidate_starts: np.ndarray
+    history_items: np.ndarray
+    history_categories: np.ndarray
+    history_actions: np.ndarray
+    history_ages_s: np.ndarray
+    candidate_items: np.ndarray
+    candidate_categories: np.ndarray
+    labels: np.ndarray
+    click_probability: np.ndarray
+
     def __init__(self, arrays: dict[str, np.ndarray]) -> None:
         missing = [k for k in REQUEST_ARRAYS if k not in arrays]
         if missing:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -132,7 +132,7 @@ def search(
     base = replace(base, largest_query=max(base.largest_query, stream.sizes.quantile(0.999)))
     # the widest layout's memory, and a build this machine cannot make, refused before the run directory exists
     check_served_by(target, [replace(base, instances=widest, max_batch=max(grid.max_batch))], device=cfg.device)
-    config = {
+    config: JsonObject = {
         "infer": cfg.to_dict(),
         "model": base.describe(),
         "stream": stream_config(stream),
@@ -169,7 +169,12 @@ def search(
         best_sps = 0.0  # the best rate found under the bound so far, samples/s
         mean_size = stream.sizes.mean
         for (instances, threads), precision, group in runs:
-            first = replace(base, instances=instances, threads=threads, precision=precision) if precision else base
+            # with a precision, a layout of the grid (a remote server's one run has neither): whole numbers
+            first = (
+                replace(base, instances=cast(int, instances), threads=cast(int, threads), precision=precision)
+                if precision
+                else base
+            )
             with serve(first) as server:
                 measured = []  # capacities first: the most capable configuration is searched first
                 for _, _, max_batch, delay in group:
@@ -223,7 +228,10 @@ def search(
         price = price_of(load_profile() if target.on_this_host else None, cfg.price_per_hour, cfg.currency)
         for r in frontier:
             r.update(serving_cost_columns(r, price))
-        run.write_summary(frontier, schema_of("frontier"), name="frontier")
+        # a list of rows (list is invariant: `Run.write_summary` would take a Sequence of them)
+        run.write_summary(
+            cast(list[dict[str, str | float | bool | None]], frontier), schema_of("frontier"), name="frontier"
+        )
         run.update_manifest(best=winner)
     return run.dir
 
@@ -322,10 +330,10 @@ class _Probing:
             else:
                 hi = qps
         self.point_index = point_index
-        row = frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
-        row["probe_points"] = points
-        row["outcome"] = lost
-        return row
+        result = frontier_row(served, capacity, lo, hi, best_rows, probes, cfg)
+        result["probe_points"] = points
+        result["outcome"] = lost
+        return result
 
 
 def _search_precisions(

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -82,8 +82,9 @@ class InferenceServer:
     ) -> None:
         # a resolved plan (`infer.plan`) is served as it is; models alone are planned at start()
         self._plan = models if isinstance(models, ServingPlan) else None
-        if self._plan is not None:
-            models, device, seed = list(self._plan.models.values()), self._plan.device, self._plan.seed
+        if isinstance(models, ServingPlan):  # as `self._plan`: the plan itself
+            device, seed = models.device, models.seed
+            models = list(models.models.values())
         names = [m.name for m in models]
         if not models or len(set(names)) != len(names):
             raise UserError(f"served models need distinct names, got {names}")
@@ -370,7 +371,8 @@ class InferenceServer:
         if pool is None:
             raise UserError(f"query {q.query_id}: unknown model {q.model!r}; served: {', '.join(self._pools)}")
         if pool.homes:  # the instance that served this user last holds their encoded history
-            q.home = pool.homes[int(pool.library.user[q.offset]) % len(pool.homes)]
+            user = cast(RequestLibrary, pool.library).user  # homes: the HSTU ranker's, whose library is of requests
+            q.home = pool.homes[int(user[q.offset]) % len(pool.homes)]
         self.records.opened()
         if q.size > pool.served.max_query_samples:
             q.payload = None

@@ -30,7 +30,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict, cast
 
 import numpy as np
 
@@ -108,12 +108,26 @@ def spin_candidates(qps: float, instances: int) -> list[float]:
     return sorted({0.0, 1.0, round(min(max(gap, 1.0), MAX_SPIN_MS), 2)})
 
 
+_Probed = Literal["max_delay_ms", "spin_ms", "keep_warm_ms"]  # a knob of PROBED
+
+
 class _Setting(TypedDict, total=False):
     """The knob a candidate sets, by name (one of them)."""
 
     max_delay_ms: float
     spin_ms: float
     keep_warm_ms: float
+
+
+class _ProbeRun(TypedDict):
+    """How `_compare` probes each candidate (`choose_policy`'s, the same for every knob)."""
+
+    repeats: int
+    seconds: float
+    percentile: float
+    sla_ms: float
+    seed: int
+    drain_s: float
 
 
 class PolicyProbe(_Setting):
@@ -133,9 +147,9 @@ class PolicyChoice:
     model: str
     qps: float
     percentile: float
-    max_batch: int
-    max_delay_ms: float
-    spin_ms: float
+    max_batch: int | None  # None: as the server's own (a transport that cannot say)
+    max_delay_ms: float | None
+    spin_ms: float | None
     tuned: list[str]  # the knobs chosen here (the others as given)
     keep_warm_ms: float = 0.0
     probes: list[PolicyProbe] = field(default_factory=list)  # each candidate: its percentiles, median
@@ -174,7 +188,7 @@ def _compare(
     server: SystemUnderTest,
     stream: Stream,
     model: str,
-    candidates: list[dict[str, float]],
+    candidates: list[_Setting],
     *,
     repeats: int,
     seconds: float,
@@ -182,10 +196,12 @@ def _compare(
     sla_ms: float,
     seed: int,
     drain_s: float,
-    knob: str,
+    knob: _Probed,
 ) -> list[PolicyProbe]:
     """Each candidate setting probed `repeats` times, interleaved (a noisy host's drift falls on all)."""
-    results = [{**c, "knob": knob, "latency_ms": [], "slowdown_share": []} for c in candidates]
+    results: list[PolicyProbe] = [
+        {**c, "knob": knob, "latency_ms": [], "slowdown_share": [], "median_ms": None} for c in candidates
+    ]
     for r in range(repeats):
         for k, c in enumerate(candidates):
             server.configure(model, **c)
@@ -193,9 +209,10 @@ def _compare(
             results[k]["latency_ms"].append(p)
             results[k]["slowdown_share"].append(share)
     for res in results:
-        res["median_ms"] = statistics.median(res["latency_ms"])
-        res["latency_ms"] = [None if math.isinf(v) else v for v in res["latency_ms"]]
-        res["median_ms"] = None if math.isinf(res["median_ms"]) else res["median_ms"]
+        latencies = cast(list[float], res["latency_ms"])  # every probe's percentile until here (inf: none completed)
+        median = statistics.median(latencies)
+        res["latency_ms"] = [None if math.isinf(v) else v for v in latencies]
+        res["median_ms"] = None if math.isinf(median) else median
     return results
 
 
@@ -213,6 +230,7 @@ def choose_max_batch(
     served, cost = sut.models[model], sut.batch_costs.get(model)
     if cost is None:
         return served.max_batch, f"max batch {served.max_batch} as given (no batch cost was measured)"
+    assert served.instances is not None  # its instances measured the cost: they are this server's own
     largest = max(served.largest_query, int(stream.sizes.quantile(0.999)))
     # a scenario that queues its whole load (Offline) has no latency bound for a batch to fit in
     bound, share = (None, QUEUED_FIXED_SHARE) if whole_load_queued else (sla_ms, FIXED_SHARE)
@@ -257,7 +275,9 @@ def choose_policy(
         choice.max_batch, why = choose_max_batch(server, stream, sla_ms, whole_load_queued=whole_load_queued)
         choice.reasons.append(why)
     seconds = min(max(probe_s, MIN_QUERIES / stream.qps if stream.qps > 0 else probe_s), 4 * probe_s)
-    common = dict(repeats=repeats, seconds=seconds, percentile=percentile, sla_ms=sla_ms, seed=seed, drain_s=drain_s)
+    common = _ProbeRun(
+        repeats=repeats, seconds=seconds, percentile=percentile, sla_ms=sla_ms, seed=seed, drain_s=drain_s
+    )
     if "max_delay_ms" in tune:
         delays = [d for d in DELAYS_MS if d <= BATCH_SHARE_OF_BOUND * sla_ms] or [0.0]
         results = _compare(server, stream, model, [{"max_delay_ms": d} for d in delays], knob="max_delay_ms", **common)
@@ -267,14 +287,16 @@ def choose_policy(
         choice.reasons.append(f"delay {best['max_delay_ms']:g} ms ({_versus(results, 'max_delay_ms', percentile)})")
         server.configure(model, max_delay_ms=choice.max_delay_ms)
     # the idle-tail routes: each costs core time, so it must beat none (0) by MARGIN to be kept
-    routes = {
-        "spin_ms": ("spin", spin_candidates(stream.qps, served.instances)),
+    routes: dict[_Probed, tuple[str, list[float]]] = {
+        # a target whose policy auto may set describes its instances (`InferConfig` refuses auto for the others)
+        "spin_ms": ("spin", spin_candidates(stream.qps, cast(int, served.instances))),
         "keep_warm_ms": ("keep-warm", [0.0, KEEP_WARM_PROBE_MS]),
     }
     for knob, (label, values) in routes.items():
         if knob not in tune:
             continue
-        results = _compare(server, stream, model, [{knob: v} for v in values], knob=knob, **common)
+        settings = [cast(_Setting, {knob: v}) for v in values]  # `knob` is a key of _Setting (a literal of _Probed)
+        results = _compare(server, stream, model, settings, knob=knob, **common)
         none = next(r for r in results if r[knob] == 0)
         best = min(results, key=_median)
         if best is not none and not _median(best) * MARGIN <= _median(none):
@@ -288,7 +310,7 @@ def choose_policy(
     return choice
 
 
-def _versus(results: list[PolicyProbe], knob: str, percentile: float) -> str:
+def _versus(results: list[PolicyProbe], knob: _Probed, percentile: float) -> str:
     """The candidates' median percentiles, in one clause."""
 
     def fmt(res: PolicyProbe) -> str:

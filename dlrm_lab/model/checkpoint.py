@@ -14,7 +14,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from dlrm_lab.config.train import PRECISIONS
 from dlrm_lab.config.values import JsonObject
@@ -53,11 +53,16 @@ class TrainedCheckpoint:
 
     @property
     def model(self) -> JsonObject:
-        return self.about["model"]
+        return cast(JsonObject, self.about["model"])  # an object (`sidecar_problem` checked it when read)
+
+    @property
+    def last_eval(self) -> JsonObject:
+        """The last evaluation trained.json records (an object or null: `sidecar_problem`); {} where none."""
+        return cast("JsonObject | None", self.about.get("eval")) or {}
 
     @property
     def held_out_auc(self) -> float | None:
-        return (self.about.get("eval") or {}).get("auc")
+        return cast("float | None", self.last_eval.get("auc"))  # a number in [0, 1] or null (`sidecar_problem`)
 
     def describe(self) -> JsonObject:
         """What a run's manifest says of the weights it served."""
@@ -65,7 +70,7 @@ class TrainedCheckpoint:
             "path": str(self.path),
             "step": self.step,
             "held_out_auc": self.held_out_auc,
-            "held_out_step": (self.about.get("eval") or {}).get("step"),
+            "held_out_step": self.last_eval.get("step"),
             "trained_by": self.about.get("run_id"),
             "data": self.about.get("data"),
         }

@@ -482,7 +482,7 @@ def choose_attention(
     seconds = time_attention_paths(
         spec.shape.stu, lengths, [spec.data.candidates] * batch_size, device, backward=backward
     )
-    best = min(seconds, key=seconds.get)
+    best = min(seconds, key=seconds.__getitem__)
     other = next(p for p in seconds if p != best)
     reason = (
         f"auto: one layer over {batch_size} of the run's requests ({min(lengths)}-{max(lengths)} tokens): {best} "

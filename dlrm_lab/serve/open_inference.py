@@ -184,7 +184,7 @@ class OpenInferenceService:
 
     async def model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         receive = time.monotonic_ns()
-        req = None
+        req: v2.ModelInferRequest | None = None
 
         def read() -> V2Request:
             nonlocal req
@@ -203,6 +203,7 @@ class OpenInferenceService:
         except Refused as exc:
             await context.abort(exc.code, str(exc))
             raise  # not reached: abort raises
+        assert req is not None  # parsed: `score` answers only a request `read` gave it
         out = v2.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype="FP32", shape=[shim.samples])
         resp = v2.ModelInferResponse(
             model_name=shim.model,

@@ -140,7 +140,7 @@ class ServingMetrics:
         counts: dict[tuple[str, str], int] = {}
         samples: dict[str, int] = {}
         for row in rows:
-            model = row.get("model") if row.get("model") in self._batches else OTHER_MODEL
+            model: str = row["model"] if row.get("model") in self._batches else OTHER_MODEL
             status = str(row.get("status"))
             counts[model, status] = counts.get((model, status), 0) + 1
             if status != "ok" or model == OTHER_MODEL:  # (an answered query's model is a served one)

@@ -36,7 +36,7 @@ import contextlib
 import json
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -304,7 +304,7 @@ class RestFront:
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
         await writer.drain()
 
-    async def respond(self, method: str, target: str, headers: dict[str, str], body: bytes) -> Response:
+    async def respond(self, method: str, target: str, headers: dict[str, str], body: bytes | BodyFile) -> Response:
         """The answer to one request (headers: lower-case names)."""
         receive = time.monotonic_ns()
         path = urllib.parse.urlsplit(target).path.rstrip("/")
@@ -366,7 +366,9 @@ class RestFront:
             },
         )
 
-    async def infer(self, name: str, version: str, headers: dict[str, str], body: bytes, receive: int) -> Response:
+    async def infer(
+        self, name: str, version: str, headers: dict[str, str], body: bytes | BodyFile, receive: int
+    ) -> Response:
         if self.stopping:
             return error(503, "the server is stopping")
         request: dict[str, Any] = {}  # the JSON fields the answer reads (`rest_body.ANSWER_FIELDS`)
@@ -381,7 +383,7 @@ class RestFront:
 
         def read() -> V2Request:
             nonlocal request
-            shim, request = read_body(check(), name, headers, body)
+            shim, request = read_body(check(), name, headers, cast(bytes, body))  # a BodyFile is read by `reader` below
             return shim
 
         reader = read
@@ -401,7 +403,7 @@ class RestFront:
                     raise parsed
                 return parsed
 
-        params = {}
+        params: dict[str, Any] = {}
         try:
             try:
                 shim, scores, stages = await self.v2.score(lambda: name, reader, receive, None)

@@ -31,7 +31,7 @@ def whole_number(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= 18
 
 
-def split_body(model: str, headers: dict[str, str], body: bytes) -> tuple[dict[str, Any], memoryview]:
+def split_body(model: str, headers: dict[str, str], body: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
     """The request's JSON and the binary data after it (Triton's extension: Inference-Header-Content-Length)."""
     size = headers.get("inference-header-content-length")
     if size is not None and (not whole_number(size) or int(size) > len(body)):

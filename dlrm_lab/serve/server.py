@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, ServingFault, UserError
 from dlrm_lab.infer.build import check_build_request
 from dlrm_lab.infer.memory import check_fits
@@ -135,7 +136,7 @@ def _serve_run(
     check_fits(models, device=device)  # a model too big is refused before its run directory exists
     for m in models:  # and a build this machine cannot make
         check_build_request(m.build, m.spec)
-    config = {
+    config: JsonObject = {
         "serve": {
             "host": host,
             "port": port,

@@ -15,7 +15,7 @@ import collections
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -281,7 +281,7 @@ class InferenceService:
             rows.append(self._refused.popleft())
         for r in rows:
             r["point"] = 0
-        queries.extend(rows)
+        queries.extend(cast(list[dict[str, str | float | bool | None]], rows))  # rows (list is invariant)
         stalls = self.inference.take_stalls()  # taken every time: a long serve would otherwise pile them up
         self.stalls += len(stalls)
         self.longest_stall_ms = max([self.longest_stall_ms, *(s["took_ms"] for s in stalls)])

@@ -133,10 +133,10 @@ class PackagedBatch:
 class AOTIBuild:
     name = "aoti"
     order = 3
-    base = "fused"
+    base: str | None = "fused"
     about = "the whole batch (fbgemm's lookup and the dense part) in one AOTInductor package, cached on disk"
-    dense_precision = None
-    weight_precision = None
+    dense_precision: str | None = None
+    weight_precision: str | None = None
     inductor_configs: JsonObject = {}
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:

@@ -119,6 +119,8 @@ class OpenVINODense:
     replaces. Compiled for the threads torch has when first called (and again if they change), so that the
     instance's intra-op threads are OpenVINO's too."""
 
+    request: Any  # OpenVINO's infer request: None until the first call compiles the model
+
     def __init__(self, path: str, precision: str) -> None:
         import openvino as ov
 
@@ -149,10 +151,10 @@ class OpenVINODense:
 class OpenVINOBuild:
     name = "openvino"
     order = 6
-    base = "fused"
+    base: str | None = "fused"
     about = "fused, its dense part converted by OpenVINO and run by its CPU plugin (optional extra `openvino`)"
-    dense_precision = None
-    weight_precision = None  # the plugin stores the weights in the precision it computes in
+    dense_precision: str | None = None
+    weight_precision: str | None = None  # the plugin stores the weights in the precision it computes in
 
     quantise = False
 
