@@ -11,10 +11,10 @@ checked by the very construction that will run it, without importing the CLI.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec, family_of
@@ -171,7 +171,7 @@ def _refuse_server_side(o: OptionValues, declared: list[Declared]) -> None:
     refused (as --checkpoint is, `infer.targets.check_remote_models`): the run would record what was never served."""
     from dlrm_lab.infer.targets import parse_target
 
-    target = o.get("target") or "in-process"
+    target = cast(str, o.get("target") or "in-process")  # --target: a string option
     if parse_target(target).sets_policy:
         return
     for d in declared:
@@ -197,7 +197,8 @@ def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, Inf
     for d in INFER_RUN:
         if d.name in KNOBS and o.get(d.name) is None:
             o[d.name] = d.default  # the command's (max_batch: auto, infer.tune)
-    if not parse_target(o.get("target") or "in-process").sets_policy and o["max_batch"] == "auto":
+    target = cast(str, o.get("target") or "in-process")  # --target: a string option
+    if not parse_target(target).sets_policy and o["max_batch"] == "auto":
         o["max_batch"] = None  # a remote server batches as it does: no max batch to choose here
     tune = []
     for knob in KNOBS:  # auto: chosen by measurement on the running server (infer.tune)
@@ -247,7 +248,7 @@ def search_setup(options: Mapping[str, OptionValue]) -> tuple[Any, Any, Any, Inf
 def builds_setup(options: Mapping[str, OptionValue]) -> tuple[Any, BuildTableOptions, int]:
     """The served model, what to compare and the seed of `dlrm-lab infer builds` with these options."""
     o = given(options, INFER_BUILDS, "infer builds", CLI_ONLY)
-    models = o.get("model") or []
+    models = cast("Sequence[str]", o.get("model") or [])  # --model: a list option of names
     if len(models) > 1:
         raise FieldError("model", f"{', '.join(models)}: one model's builds at a time")
     (served,) = build(ServingOptions, INFER_BUILDS, o).served(models)

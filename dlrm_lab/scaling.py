@@ -17,7 +17,7 @@ import statistics
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -106,7 +106,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
     base: float | None = None  # samples/s of one rank
     first: dict[int, tuple[int, dict[str, Any]]] = {}  # the first count's summary by repeat, with its ranks
     for k, params in enumerate(spec.points[: len(table_points(spec))]):
-        n, per_rank = int(params["ranks"]), int(params["batch-size"])
+        n, per_rank = _whole(params["ranks"]), _whole(params["batch-size"])
         done = [p for p in result.points if p.point == k]
         ok = [p for p in done if p.status == "ok" and p.child_dir and (p.child_dir / "summary.parquet").is_file()]
         summaries = [pq.read_table(p.child_dir / "summary.parquet").to_pylist()[0] for p in ok]  # type: ignore[operator]
@@ -130,7 +130,7 @@ def scale_rows(mode: str, spec: SweepSpec, result: SweepResult) -> tuple[list[Sc
                     "kind": "scale",
                     "mode": mode,
                     "ranks": n,
-                    "threads_per_rank": int(spec.options["threads-per-rank"]),
+                    "threads_per_rank": _whole(spec.options["threads-per-rank"]),
                     "batch_size_per_rank": per_rank,
                     "global_batch_size": per_rank * n,
                     "repeats": len(done),
@@ -179,11 +179,17 @@ def paired_efficiencies(
     }
 
 
+def _whole(value: object) -> int:
+    """`int(value)` of a number this module set (a point's ranks and batch size, the threads per rank: the
+    sweep's own options) or read back (a summary row's integer column)."""
+    return int(cast("int | float | str", value))
+
+
 def table_points(spec: SweepSpec) -> list[OptionValues]:
     """The points that are rows of the table: all but a strong sweep's calibration point (one rank
     again at the smallest per-rank batch, the last point)."""
     points = spec.points
-    if len(points) > 1 and int(points[-1]["ranks"]) == 1 and int(points[0]["ranks"]) == 1:
+    if len(points) > 1 and _whole(points[-1]["ranks"]) == 1 and _whole(points[0]["ranks"]) == 1:
         return points[:-1]
     return points
 
@@ -324,7 +330,7 @@ def projection(
         )
     train_cfg = manifest["config"]["train"]
     cost = sample_cost(spec, table_precision=train_cfg["table_precision"], optimizer=train_cfg["embedding_optimizer"])
-    batch = int(one["batch_size_per_rank"])
+    batch = _whole(one["batch_size_per_rank"])
     work = {
         "flops": batch * cost.training_flops,
         "gather_bytes": batch * (cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes),

@@ -18,7 +18,7 @@ def mark_runs_failed(record: Path, reason: str, killed: bool) -> list[Path]:
     """Give each run the ranks created the launcher's reason. A run still `running` (its rank 0
     died without closing it) is recovered first. A run whose own error already names the cause
     keeps it unless a rank was killed by a signal: the run then only knows it was stopped."""
-    runs = []
+    runs: list[Path] = []
     try:
         lines = record.read_text().splitlines()
     except OSError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional, cast
 
 import typer
 from rich.progress import Progress
@@ -91,7 +91,9 @@ def _print_request_stats(result: DatasetStats, strict: bool) -> None:
     table = Table()
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    for name, value in result["quantities"].items():
+    quantities = result["quantities"]
+    assert isinstance(quantities, dict)  # measured: a dataset with problems is reported before this
+    for name, value in quantities.items():
         table.add_row(
             name,
             f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value),
@@ -192,7 +194,7 @@ def convert_yambda_command(
             manifest = convert_yambda(events, categories, out, options, on_events=lambda n: bar.update(task, advance=n))
     except FieldError as exc:  # named by this command's flags, which `commands.flag` does not know
         raise UserError(exc.named(lambda f: "--" + f.replace("_", "-"))) from None
-    counts = manifest["counts"]
+    counts = cast("dict[str, int]", manifest["counts"])  # `convert_yambda`'s counts, by name
     console().print(
         f"converted {counts['events']:,} events to {manifest['rows']:,} requests in {manifest['shards']} "
         f"window(s) to {out}"

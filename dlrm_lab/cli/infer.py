@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, Any, cast
 
 import pyarrow.parquet as pq
 import typer
@@ -44,7 +45,7 @@ def run_command(options: OptionValues) -> None:
         unit="s of load",
         rate=False,
         to=out,
-        enabled=options["progress"],
+        enabled=cast(bool, options["progress"]),  # --progress: a flag
         refresh_per_second=_REFRESH_PER_S,
     )
     task = bar.add_task("infer", total=points * cfg.duration_s, point=f"1/{points}", queries=0)
@@ -58,7 +59,7 @@ def run_command(options: OptionValues) -> None:
             served,
             streams,
             cfg,
-            metrics_dir=options["metrics_dir"],
+            metrics_dir=cast(str, options["metrics_dir"]),  # --metrics-dir: a directory
             argv=["dlrm-lab", *sys.argv[1:]],
             log=lambda msg: out.print(msg, highlight=False),
             on_progress=on_progress,
@@ -118,7 +119,7 @@ def search_command(options: OptionValues) -> None:
     from dlrm_lab.infer.load_point import PointProgress
     from dlrm_lab.infer.search import search
 
-    if len(options["model"] or []) > 1:
+    if len(cast("Sequence[str]", options["model"] or [])) > 1:  # --model: a list option of names
         raise UserError("infer search: one --model at a time")
     base, stream, grid, cfg, probing = search_setup(options)
     raise_on_sigterm()
@@ -128,7 +129,7 @@ def search_command(options: OptionValues) -> None:
         unit="probe points",
         rate=False,
         to=out,
-        enabled=options["progress"],
+        enabled=cast(bool, options["progress"]),  # --progress: a flag
         refresh_per_second=_REFRESH_PER_S,
     )
     task = bar.add_task("search", total=None, probe="")
@@ -145,7 +146,7 @@ def search_command(options: OptionValues) -> None:
             grid,
             cfg,
             probing,
-            metrics_dir=options["metrics_dir"],
+            metrics_dir=cast(str, options["metrics_dir"]),  # --metrics-dir: a directory
             argv=["dlrm-lab", *sys.argv[1:]],
             log=lambda msg: out.print(msg, highlight=False),
             on_progress=on_progress,

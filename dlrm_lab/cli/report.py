@@ -27,7 +27,7 @@ def report_command(
     for given in (*dirs, out):
         if (name := undecodable(given.absolute())) is not None:
             raise UserError(f"{name}: not UTF-8; a report names its runs' paths in UTF-8: rename it")
-    paths: list[Path] = list(dirs)
+    paths: list[str | Path] = list(dirs)
     if last is not None:
         if last < 1:
             raise UserError(f"--last {last}: must be >= 1")

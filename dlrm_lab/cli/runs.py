@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import pyarrow.parquet as pq
 import typer
@@ -27,7 +27,7 @@ def _liveness(manifest: JsonObject) -> str:
     host = section(manifest, "hardware").get("hostname")
     if host and host != socket.gethostname():
         return "elsewhere"
-    return "alive" if pid_alive(manifest.get("pid")) else "dead"
+    return "alive" if pid_alive(cast("int | None", manifest.get("pid"))) else "dead"  # its process id, as recorded
 
 
 def _part_files(run_dir: Path) -> dict[str, list[Path]]:
@@ -82,7 +82,7 @@ def _read_row(found: FoundRun) -> _Row:
             )
         elif liveness == "elsewhere":
             row.notes.append(
-                f"running on host {manifest['hardware']['hostname']} (pid {manifest.get('pid')}), "
+                f"running on host {section(manifest, 'hardware')['hostname']} (pid {manifest.get('pid')}), "
                 "whose process cannot be checked from here"
             )
     summary_path = found.dir / "summary.parquet"
@@ -93,7 +93,7 @@ def _read_row(found: FoundRun) -> _Row:
         except Exception as exc:  # noqa: BLE001 - a corrupt file is a note on its run, not a crash
             row.notes.append(f"unreadable: summary.parquet: {one_line(exc)} (manifest status {row.status})")
             row.status = "unreadable"
-    row.steps = row.summary.get("steps")
+    row.steps = cast("int | None", row.summary.get("steps"))  # the summary's steps: a count, or null
     if row.steps is None:  # no summary (crashed, or still running): count the steps flushed so far
         row.steps = _steps_read_only(found.dir, row)
     return row
@@ -159,7 +159,9 @@ def recover_runs(
         liveness = _liveness(run.manifest)
         pid = run.manifest.get("pid")
         if liveness != "dead":
-            where = "is alive" if liveness == "alive" else f"runs on host {run.manifest['hardware']['hostname']}"
+            where = (
+                "is alive" if liveness == "alive" else f"runs on host {section(run.manifest, 'hardware')['hostname']}"
+            )
             out.print(f"left alone {run.run_id}: pid {pid} {where}", markup=False, highlight=False, soft_wrap=True)
             continue
         parts = _part_files(run.dir)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Optional, cast
 
 import typer
 from rich.table import Table
@@ -65,7 +65,7 @@ def scale_command(
     for p in points:
         table.add_row(*(columns.fmt(name, p.get(name)) for name in columns.SCALE_PRINTED))
     console().print(table)
-    notes = sorted({p["prediction_note"] for p in points if p.get("prediction_note")})
+    notes = sorted({cast(str, p["prediction_note"]) for p in points if p.get("prediction_note")})  # words
     for note in notes:
         console().print(f"prediction: {note}")
     _print_gaps(sweep_dir, points)

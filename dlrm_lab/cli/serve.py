@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
+from typing import cast
 
 from dlrm_lab.cli.format import console
 from dlrm_lab.cli.options import METRICS_DIR, command
@@ -32,9 +33,9 @@ def serve_command(options: OptionValues) -> None:
     run_dir = serve(
         served,
         **asdict(front),
-        device=options["device"],
-        pin_cores=options["pin_cores"],
-        metrics_dir=options["metrics_dir"],
+        device=cast(str, options["device"]),  # --device: a string option
+        pin_cores=cast(bool, options["pin_cores"]),  # --pin-cores: a flag
+        metrics_dir=cast(str, options["metrics_dir"]),  # --metrics-dir: a directory
         argv=["dlrm-lab", *sys.argv[1:]],
         log=log,
     )
@@ -66,13 +67,14 @@ def client_command(options: OptionValues) -> None:
         "sla_ms": [str(o.sla_ms)],
     }
     build(InferConfig, INFER_RUN, run, sla_ms=o.sla_ms)  # the rules, before the server is asked
-    served = describe_server(parse_target(f"grpc://{o.target}"), run["connect_timeout"])
+    connect_timeout = cast(float, run["connect_timeout"])  # --connect-timeout: seconds
+    served = describe_server(parse_target(f"grpc://{o.target}"), connect_timeout)
     names = [m.name for m in served]
     if o.model is not None and o.model not in names:
         raise UserError(f"--model {o.model!r}: not served at {o.target}; served: {', '.join(names)}")
     info = served[names.index(o.model)] if o.model else served[0]
     if o.rpc == "oip":
-        run["target"] += f"/{info.name}"
+        run["target"] = cast(str, run["target"]) + f"/{info.name}"  # the grpc:// or kserve:// target above
     run_command(
         **run,
         model=[info.preset],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -13,6 +13,9 @@ from dlrm_lab.cli.format import console, say_interrupted
 from dlrm_lab.cli.format import progress as progress_display
 from dlrm_lab.cli.options import MetricsDir
 from dlrm_lab.errors import raise_on_sigterm
+
+if TYPE_CHECKING:
+    from dlrm_lab.sweep.results import PointResult
 
 
 def sweep_command(
@@ -49,14 +52,14 @@ def sweep_command(
     task = bar.add_task("sweep", total=total, per_point="")
     times: list[float] = []
 
-    def started(pr, i: int, todo: int) -> None:  # type: ignore[no-untyped-def]
+    def started(pr: PointResult, i: int, todo: int) -> None:
         if i == 0:
             bar.update(task, completed=total - todo)  # finished by an earlier invocation
         label = ", ".join(f"{k}={v}" for k, v in pr.params.items())
         bar.update(task, description=f"p{pr.point:04d}-r{pr.repeat} {label}"[:60])
         started.t0 = time.monotonic()  # type: ignore[attr-defined]
 
-    def done(pr) -> None:  # type: ignore[no-untyped-def]
+    def done(pr: PointResult) -> None:
         times.append(time.monotonic() - started.t0)  # type: ignore[attr-defined]
         mean = sum(times) / len(times)
         bar.update(task, advance=1, per_point=f"{mean:.1f} s/point")

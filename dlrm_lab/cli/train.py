@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import typer
 from rich.table import Table
@@ -34,7 +34,11 @@ def train_command(options: OptionValues) -> None:
 
     # a live bar on a terminal, else a plain line every few seconds (`| tee log`)
     bar = progress_display(
-        "{task.fields[rate]}", "loss {task.fields[loss]}", unit="steps", to=err, enabled=options["progress"]
+        "{task.fields[rate]}",
+        "loss {task.fields[loss]}",
+        unit="steps",
+        to=err,
+        enabled=cast(bool, options["progress"]),  # --progress: a flag
     )
     task = bar.add_task("train", total=cfg.steps, rate="", loss="")
     shown = False
@@ -52,7 +56,7 @@ def train_command(options: OptionValues) -> None:
         with say_interrupted(err):
             result = train(
                 run,
-                metrics_dir=options["metrics_dir"],
+                metrics_dir=cast("str | None", options["metrics_dir"]),  # --metrics-dir: a directory
                 argv=["dlrm-lab", *sys.argv[1:]],
                 on_step=on_step,
                 log=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
@@ -70,11 +74,13 @@ def print_plan(plan: JsonObject) -> None:
     table = Table(title="sharding plan")
     for col in ("table", "sharding", "kernel", "ranks", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
-    for t in plan["tables"]:
+    # `distributed.plan.describe_plan`'s record: a row per table, the bytes on each rank
+    for t in cast("list[dict[str, Any]]", plan["tables"]):
         ranks = ",".join(map(str, sorted(set(t["ranks"]))))
         table.add_row(t["table"], t["sharding_type"], t["compute_kernel"], ranks, human_bytes(t["bytes"]))
     console().print(table)
-    per_rank = ", ".join(f"rank {r}: {human_bytes(b)}" for r, b in enumerate(plan["bytes_per_rank"]))
+    bytes_per_rank = cast("list[int]", plan["bytes_per_rank"])
+    per_rank = ", ".join(f"rank {r}: {human_bytes(b)}" for r, b in enumerate(bytes_per_rank))
     console().print(f"table bytes per rank: {per_rank}")
 
 

@@ -64,7 +64,7 @@ def open_sources(
     rank: int = 0,
     world_size: int = 1,
     eval_batches: int = 8,
-    data_spec: str | None = None,
+    data_spec: str | DataSpec | None = None,  # a data spec preset or file, or one already read
     overrides: tuple[str, ...] = (),
     seed: int = 0,
     start_batch: int = 0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ INT_COLUMNS = [f"I{i}" for i in range(1, NUM_INT + 1)]
 CAT_COLUMNS = [f"C{i}" for i in range(1, NUM_CAT + 1)]
 COLUMNS = ["label", *INT_COLUMNS, *CAT_COLUMNS]
 
-_HEX_VALUE = np.full(256, 255, dtype=np.uint8)
+_HEX_VALUE: np.ndarray = np.full(256, 255, dtype=np.uint8)
 for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_VALUE[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
@@ -68,7 +68,7 @@ def _parse_hex(column: pa.ChunkedArray, path: Path, first_line: int, name: str) 
         raise UserError(
             f"{path}: line {first_line + row}, column {name}: categorical value {arr[row].as_py()!r} is not hexadecimal"
         )
-    shifts = np.arange(28, -1, -4, dtype=np.uint64)
+    shifts: np.ndarray = np.arange(28, -1, -4, dtype=np.uint64)
     return (digits.astype(np.uint64) << shifts).sum(axis=1)
 
 
@@ -140,7 +140,7 @@ def read_criteo_tsv(path: str | Path, model: ModelSpec, block_rows: int = 1 << 1
 
 
 def convert_criteo(
-    inputs: list[str | Path],
+    inputs: Sequence[str | Path],
     model: ModelSpec,
     out: str | Path,
     on_progress: Callable[[int], None] | None = None,
@@ -150,8 +150,14 @@ def convert_criteo(
     if out.exists() and any(out.iterdir()):
         raise FieldError("out", f"{out}: directory exists and is not empty; choose a new one")
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format_version": FORMAT_VERSION, "source": "criteo-tsv", "model": model.to_dict(), "data_spec": None}
-    files, total = [], 0
+    meta: JsonObject = {
+        "format_version": FORMAT_VERSION,
+        "source": "criteo-tsv",
+        "model": model.to_dict(),
+        "data_spec": None,
+    }
+    files: list[JsonObject] = []
+    total = 0
     with all_or_nothing(out) as part_path:
         for k, src in enumerate(inputs):
             schema = dataset_schema(model.num_dense, model.feature_names, {**meta, "input": str(src), "shard": k})
@@ -166,16 +172,16 @@ def convert_criteo(
                     raise UserError(f"{src}: no rows (an empty file)")
             files.append({"path": path.name, "rows": rows, "input": str(src)})
             total += rows
-        manifest = {**meta, "rows": total, "shards": len(files), "files": files}
+        manifest: JsonObject = {**meta, "rows": total, "shards": len(files), "files": files}
         (out / DATASET_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
 def _hex8(values: np.ndarray) -> pa.Array:
     """uint values < 2^32 -> 8-digit lowercase hex strings, without a per-value loop."""
-    shifts = np.arange(28, -1, -4, dtype=np.uint64)
+    shifts: np.ndarray = np.arange(28, -1, -4, dtype=np.uint64)
     digits = _HEX_DIGITS[((values.astype(np.uint64)[:, None] >> shifts) & np.uint64(15)).astype(np.intp)]
-    offsets = np.arange(0, 8 * len(values) + 1, 8, dtype=np.int32)
+    offsets: np.ndarray = np.arange(0, 8 * len(values) + 1, 8, dtype=np.int32)
     return pa.StringArray.from_buffers(len(values), pa.py_buffer(offsets), pa.py_buffer(digits.tobytes()))
 
 
@@ -197,6 +203,7 @@ def write_criteo_tsv(
             b = min(a + generator.block_size, first_sample + rows)
             block = generator.samples(a, b)
             cols = [pa.array(block.labels.astype(np.int32))]
+            assert block.counts is not None  # a lognormal-dense spec (check_tsv_spec): its blocks keep their counts
             cols += [pa.array(block.counts[:, i]) for i in range(NUM_INT)]
             cols += [_hex8(v) for v in block.values]
             writer.write_table(pa.Table.from_arrays(cols, schema=_tsv_schema()))

@@ -59,7 +59,7 @@ def _zipf_head(rows: int, alpha: float) -> tuple[np.ndarray, np.ndarray, int]:
         cdf[-1] = 1.0  # no tail: absorb rounding
     cdf = np.append(cdf, np.inf)
     m = _GUIDE_PER_RANK * k
-    guide = np.searchsorted(cdf, np.arange(m, dtype=np.float64) / m, side="right").astype(np.int32)
+    guide: np.ndarray = np.searchsorted(cdf, np.arange(m, dtype=np.float64) / m, side="right").astype(np.int32)
     return cdf, guide, k
 
 
@@ -92,7 +92,7 @@ def zipf_ranks(rng: np.random.Generator, n: int, rows: int, alpha: float, keep: 
     tail = np.flatnonzero(k == head)
     if tail.size and keep is None:
         k[tail] = _zipf_tail(rng, tail.size, head + 1, rows, alpha) - 1
-    elif tail.size:
+    elif tail.size and keep is not None:  # keep is None with a tail: the branch above
         k[tail] = tail_ranks[np.searchsorted(tails, keep[tail])]
     return k
 
@@ -113,7 +113,7 @@ def _zipf_tail(rng: np.random.Generator, n: int, first: int, rows: int, s: float
     lo = float(h_integral(first - 0.5))
     hi = float(h_integral(rows + 0.5))
     sliver = 2.0 - float(h_integral_inverse(np.array([h_integral(2.5) - 2.0**-s]))[0])
-    out = np.empty(n, dtype=np.int64)
+    out: np.ndarray = np.empty(n, dtype=np.int64)
     todo = np.arange(n)
     while todo.size:
         u = lo + rng.random(todo.size) * (hi - lo)
@@ -156,7 +156,7 @@ def reuse_ranks(
     u = rng.random(n)
     choice = np.searchsorted(cdf, u, side="right")  # == len(cdf) means fresh
     dist = np.concatenate([np.asarray(distances, dtype=np.int64), [0]])[choice]
-    pos = np.arange(n, dtype=np.int64)
+    pos: np.ndarray = np.arange(n, dtype=np.int64)
     src = np.where((dist > 0) & (dist <= pos), pos - dist, pos)
     while True:
         nxt = src[src]

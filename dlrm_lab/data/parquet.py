@@ -20,10 +20,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -58,13 +58,13 @@ def dataset_schema(num_dense: int, feature_names: list[str], metadata: JsonObjec
 
 def block_to_table(block: SampleBlock, schema: pa.Schema) -> pa.Table:
     n = block.size
-    dense = block.dense.astype(np.float32, copy=False).ravel()
+    dense: np.ndarray = block.dense.astype(np.float32, copy=False).ravel()
     columns: list[pa.Array] = [
         pa.array(block.labels.astype(np.float32, copy=False)),
         pa.FixedSizeListArray.from_arrays(pa.array(dense), block.dense.shape[1]),
     ]
     for lengths, values in zip(block.lengths, block.values, strict=True):
-        offsets = np.zeros(n + 1, dtype=np.int64)
+        offsets: np.ndarray = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         columns.append(pa.LargeListArray.from_arrays(offsets, values).cast(pa.list_(pa.int64())))
     return pa.Table.from_arrays(columns, schema=schema)
@@ -87,7 +87,7 @@ def write_dataset(
     if rows < 1:
         raise FieldError("rows", f"{rows}: must be an integer >= 1")
     spec = generator.spec
-    meta = {
+    meta: JsonObject = {
         "format_version": FORMAT_VERSION,
         "source": "synthetic",
         "data_spec": spec.to_dict(),
@@ -231,7 +231,31 @@ def _read_schema(path: Path) -> pa.Schema:
         raise UserError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
 
 
-def check_schema(path: Path, schema: pa.Schema, model: ModelSpec) -> None:
+class TableColumns(Protocol):
+    """What `check_schema` and `validate_table` read of a table: a `TableSpec` or `stats.DatasetTable`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def num_embeddings(self) -> int: ...
+    @property
+    def feature_names(self) -> Sequence[str]: ...
+
+
+class ModelColumns(Protocol):
+    """What `check_schema` and `validate_table` read of a model: a `ModelSpec` or `stats.DatasetLayout`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def num_dense(self) -> int: ...
+    @property
+    def tables(self) -> Sequence[TableColumns]: ...
+    @property
+    def feature_names(self) -> list[str]: ...
+
+
+def check_schema(path: Path, schema: pa.Schema, model: ModelColumns) -> None:
     """Refuse a file whose columns do not match `model`: one line naming file and column."""
     expected = ["label", "dense", *model.feature_names]
     names = schema.names
@@ -259,7 +283,7 @@ def check_schema(path: Path, schema: pa.Schema, model: ModelSpec) -> None:
             raise UserError(f"{path}: column {name} has type {t}; expected list<int64>")
 
 
-def validate_table(table: pa.Table, model: ModelSpec, where: str) -> None:
+def validate_table(table: pa.Table, model: ModelColumns, where: str) -> None:
     """Refuse nulls, labels other than 0 and 1, non-finite dense values and ids outside their table, naming file,
     row group, column and row: a NaN trains to a NaN loss and an AUC of 0.5 without a word."""
     for name in table.column_names:

@@ -70,6 +70,9 @@ class RequestBatch:
             history, candidates, contextual = [block.history_categories], [block.candidate_categories], []
         else:
             keys = list(block.features.all)
+            # DLRMv4's layout: a block with its features has its attributes and crosses too
+            assert block.history_attributes is not None and block.candidate_attributes is not None
+            assert block.crosses is not None
             history, candidates = list(block.history_attributes.T), list(block.candidate_attributes.T)
             contextual = list(block.crosses.T)
         per_history, per_candidate = 1 + len(history), 1 + len(candidates)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import numpy as np
 from scipy.special import ndtr, ndtri
@@ -113,6 +113,15 @@ class RequestBlock:
         return len(self.request)
 
 
+class _Layout(TypedDict, total=False):
+    """`RequestBlock`'s DLRMv4 fields, where a block has them."""
+
+    history_attributes: np.ndarray
+    candidate_attributes: np.ndarray
+    crosses: np.ndarray
+    features: RequestFeatures
+
+
 class SequenceTeacher(TypedDict):
     """What `SequenceGenerator.teacher` measures on evaluation requests: the teacher's AUC (the best reachable),
     its mean click probability, the requests measured, and the AUC of a ranking by each part of the rating alone."""
@@ -164,8 +173,10 @@ class SequenceGenerator:
     def user_interests(self, users: np.ndarray) -> np.ndarray:
         """[n, interests] categories of each user's interests (distinct)."""
         s = self.spec
-        start = (_uniform(self.seed, _INTERESTS, users) * s.categories).astype(np.int64)
-        stride = 1 + (_uniform(self.seed, _INTERESTS, users, 1) * max(1, s.categories // s.interests)).astype(np.int64)
+        start: np.ndarray = (_uniform(self.seed, _INTERESTS, users) * s.categories).astype(np.int64)
+        stride: np.ndarray = 1 + (
+            _uniform(self.seed, _INTERESTS, users, 1) * max(1, s.categories // s.interests)
+        ).astype(np.int64)
         return (start[:, None] + stride[:, None] * np.arange(s.interests)) % s.categories
 
     def _items(self, users: np.ndarray, steps: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -173,8 +184,8 @@ class SequenceGenerator:
         s = self.spec
         pick = _uniform(self.seed, _INTEREST, users, steps, slots)
         interests = self.user_interests(users)
-        which = (_uniform(self.seed, _CATEGORY, users, steps, slots) * s.interests).astype(np.int64)
-        anywhere = (_uniform(self.seed, _CATEGORY, users, steps, slots, 1) * s.categories).astype(np.int64)
+        which: np.ndarray = (_uniform(self.seed, _CATEGORY, users, steps, slots) * s.interests).astype(np.int64)
+        anywhere: np.ndarray = (_uniform(self.seed, _CATEGORY, users, steps, slots, 1) * s.categories).astype(np.int64)
         category = np.where(pick < s.interest_share, interests[np.arange(len(users)), which], anywhere)
         rank = _zipf_rank(_uniform(self.seed, _RANK, users, steps, slots), self._per_category, s.item_popularity_alpha)
         return category + s.categories * rank, category
@@ -184,7 +195,7 @@ class SequenceGenerator:
         in the item's category): parent + parent rows x (a hash of the item, below rows // parent rows), so an
         album is one artist's and an artist plays one category (the last rows mod parent rows stay unused: 0.78M
         of DLRMv4's 3.37M albums); a table with fewer rows than its parent takes the parent's id modulo its rows."""
-        out = np.empty((len(items), len(self.spec.attributes)), dtype=np.int64)
+        out: np.ndarray = np.empty((len(items), len(self.spec.attributes)), dtype=np.int64)
         parent, parent_rows = np.asarray(categories, dtype=np.int64), self.spec.categories
         for k, (_, rows) in enumerate(self.spec.attributes):
             if rows >= parent_rows:
@@ -198,7 +209,7 @@ class SequenceGenerator:
 
     def request_context(self, users: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(hour of day, organic 0/1) of each request: hashes of (user, step), not read by the rating."""
-        hour = (_uniform(self.seed, _HOUR, users, steps) * 24).astype(np.int64)
+        hour: np.ndarray = (_uniform(self.seed, _HOUR, users, steps) * 24).astype(np.int64)
         return hour, (_uniform(self.seed, _ORGANIC, users, steps) < ORGANIC_SHARE).astype(np.int64)
 
     def cross_ids(
@@ -214,7 +225,7 @@ class SequenceGenerator:
             "is_organic": organic,
             **{name: anchor_attributes[:, k] for k, name in enumerate(self.spec.attribute_names)},
         }
-        out = np.empty((len(users), len(self.spec.crosses)), dtype=np.int64)
+        out: np.ndarray = np.empty((len(users), len(self.spec.crosses)), dtype=np.int64)
         for j, (name, rows) in enumerate(self.spec.crosses):
             h = _hash(self.seed, _CROSS, j, *(values[key] for key in cross_keys(name)))
             out[:, j] = (h % np.uint64(rows)).astype(np.int64)
@@ -254,7 +265,7 @@ class SequenceGenerator:
     def request_users(self, k: np.ndarray, window: str = "train") -> tuple[np.ndarray, np.ndarray]:
         """(user, step) of a window's requests `k` (indices within it), in time order."""
         first, _ = self.spec.window(window)
-        steps = first + k // self.spec.active_users
+        steps: np.ndarray = first + k // self.spec.active_users
         users = np.empty_like(k)
         for t in np.unique(steps):
             a, b, _ = self._orders[int(t)]
@@ -274,7 +285,7 @@ class SequenceGenerator:
         first, last = self.spec.window(window)
         if not (first <= step < last and 0 <= start <= stop <= self.spec.active_users):
             raise ValueError(f"step {step} requests [{start}, {stop}): outside the stream")
-        k = (step - first) * self.spec.active_users + np.arange(start, stop, dtype=np.int64)
+        k: np.ndarray = (step - first) * self.spec.active_users + np.arange(start, stop, dtype=np.int64)
         return self._blocks(k, window)
 
     def _blocks(self, k: np.ndarray, window: str) -> RequestBlock:
@@ -300,8 +311,8 @@ class SequenceGenerator:
         # token lists: (request, step, slot) per history item, then the oldest `drop` of each request cut
         rows, cols = np.nonzero(met)
         counts = met[rows, cols]
-        req = np.repeat(rows, counts)
-        step_of = np.repeat(cols, counts)
+        req: np.ndarray = np.repeat(rows, counts)
+        step_of: np.ndarray = np.repeat(cols, counts)
         slot = np.arange(len(req)) - np.repeat(np.cumsum(counts) - counts, counts)
         token = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(total)[:-1]]), total)
         keep = token >= drop[req]
@@ -312,16 +323,16 @@ class SequenceGenerator:
         actions = (1 | (rating >= LIKE_RATING) << 1 | (rating >= 4.5) << 2 | (rating < 2.5) << 3).astype(np.uint8)
         ages = (steps[req] - step_of).astype(np.float64) * s.timestamp_s
         # candidates: the request step's first `candidates` slots (its met items lead)
-        c_req = np.repeat(np.arange(len(k)), s.candidates)
+        c_req: np.ndarray = np.repeat(np.arange(len(k)), s.candidates)
         c_slot = np.tile(np.arange(s.candidates), len(k))
         c_users, c_steps = users[c_req], steps[c_req]
         c_items, c_cats = self._items(c_users, c_steps, c_slot)
         c_rating, prob = self._ratings(c_users, c_steps, c_slot, c_items, c_cats)
-        layout: dict[str, np.ndarray | RequestFeatures] = {}
+        layout: _Layout = {}
         if s.attributes or s.crosses:  # DLRMv4's layout
             c_attrs = self.item_attributes(c_items, c_cats)
-            anchor = np.arange(len(k)) * s.candidates  # each request's first candidate
-            layout = dict(
+            anchor: np.ndarray = np.arange(len(k)) * s.candidates  # each request's first candidate
+            layout = _Layout(
                 history_attributes=self.item_attributes(h_items, h_cats),
                 candidate_attributes=c_attrs,
                 crosses=self.cross_ids(users, steps, c_items[anchor], c_attrs[anchor]),
@@ -372,7 +383,8 @@ class SequenceGenerator:
         }
 
     def describe(self) -> JsonObject:
-        return {"source": "synthetic sequences", "seed": self.seed, "spec": self.spec.to_dict(), **self.teacher}
+        teacher = cast(JsonObject, self.teacher)  # a SequenceTeacher: its values are JSON's
+        return {"source": "synthetic sequences", "seed": self.seed, "spec": self.spec.to_dict(), **teacher}
 
 
 def _zipf_rank(u: np.ndarray, n: int, alpha: float) -> np.ndarray:

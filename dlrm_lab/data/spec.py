@@ -325,7 +325,11 @@ def _resolve(raw: JsonObject, model: ModelSpec, where: str, overrides: tuple[str
             f"{where}: [features.{sorted(unknown_features)[0]}]: model {model.name} has no such feature; "
             f"its features: {', '.join(model.feature_names[:6])}{', ...' if len(names) > 6 else ''}"
         )
-    default: dict[str, Any] = {"ids": {"distribution": "uniform"}, "pooling": {"distribution": "model"}, "permute": True}
+    default: dict[str, Any] = {
+        "ids": {"distribution": "uniform"},
+        "pooling": {"distribution": "model"},
+        "permute": True,
+    }
     default.update(features_raw.get("default", {}))
     features = []
     for table in model.tables:

@@ -92,9 +92,10 @@ class DatasetLayout:
         return cls(f"like {where} (none stored)", num_dense, tables, sized=False)
 
 
-def dataset_layout(info: JsonObject, files: list[Path], where: str) -> tuple[DatasetLayout, list[str]]:
+def dataset_layout(info: dict[str, Any], files: list[Path], where: str) -> tuple[DatasetLayout, list[str]]:
     """The layout the dataset declares (its data spec, else its model, else its first file's
-    columns) and the problem, if any, met reading the stored description (`where`)."""
+    columns) and the problem, if any, met reading the stored description (`where`): `info` as stored, any shape
+    (a damaged data_spec or model is that problem)."""
     problem = None
     try:
         if info.get("data_spec"):
@@ -133,9 +134,10 @@ def _requests_info(path: str | Path) -> JsonObject | None:
     return info if info.get("kind") == "requests" else None
 
 
-def _inspect(path: str | Path) -> tuple[JsonObject, list[Path], DatasetLayout, list[str]]:
+def _inspect(path: str | Path) -> tuple[dict[str, Any], list[Path], DatasetLayout, list[str]]:
     files = dataset_files(path)
     problems: list[str] = []
+    info: dict[str, Any]  # the description as stored: any shape (what it lacks or mistypes is reported)
     try:
         info = read_dataset_info(path)
     except UserError as exc:  # the path exists: a bad sidecar or first file is the dataset's fault
@@ -184,10 +186,11 @@ def _first_line(exc: BaseException) -> str:
 
 def _sidecar_problems(path: str | Path, sidecar: Path | None, info: JsonObject, files: list[Path]) -> list[str]:
     """Files and rows the sidecar lists against what the directory holds."""
-    if sidecar is None or not isinstance(info.get("files"), list):
+    entries = info.get("files")
+    if sidecar is None or not isinstance(entries, list):
         return []
     problems = []
-    listed = {str(e.get("path")): e for e in info["files"] if isinstance(e, dict)}
+    listed = {str(e.get("path")): e for e in entries if isinstance(e, dict)}
     on_disk = {f.name: f for f in files}
     for name in listed:
         if name not in on_disk:

@@ -23,7 +23,7 @@ import copy
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -116,7 +116,8 @@ class _Streams:
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._gens: dict[tuple[int, int], tuple[np.random.PCG64, np.random.Generator, dict]] = {}
+        # each generator's state record (numpy's PCG64 state dict), rewritten in place and set back
+        self._gens: dict[tuple[int, int], tuple[np.random.PCG64, np.random.Generator, Any]] = {}
 
     def __call__(self, purpose: int, feature: int, block: int) -> np.random.Generator:
         key = (purpose, feature)
@@ -245,8 +246,8 @@ class SyntheticGenerator:
         ranks = sample_ranks(rng, int(lengths.sum()) if draws is None else draws, feature.rows, feature.ids, keep)
         if feature.drift_every:
             at = np.arange(len(lengths), dtype=np.int64) if samples is None else samples
-            sample_index = np.repeat(first + at, lengths)
-            epochs = sample_index // feature.drift_every
+            sample_index: np.ndarray = np.repeat(first + at, lengths)
+            epochs: np.ndarray = sample_index // feature.drift_every
             unique_epochs, inverse = np.unique(epochs, return_inverse=True)
             shifts = np.array(
                 [self._rng(_DRIFT, index, int(e)).integers(0, feature.rows) for e in unique_epochs],
@@ -330,7 +331,7 @@ class SyntheticGenerator:
         if self._share is None:
             return None
         period, first, length = self._share
-        at = block * self.block_size + np.arange(self.block_size, dtype=np.int64)
+        at: np.ndarray = block * self.block_size + np.arange(self.block_size, dtype=np.int64)
         keep = np.flatnonzero((at - first) % period < length)
         return None if len(keep) in (0, self.block_size) else keep
 
@@ -373,6 +374,7 @@ class SyntheticGenerator:
         """Positions [lo, hi) of block b from its generated share, or None when they are not all in it."""
         if self._share is None:
             return None
+        keep: np.ndarray | None
         if self._cache is not None and self._cache[0] == b and self._cache[2] is not None:
             keep = self._cache[2]
         else:
@@ -415,5 +417,5 @@ def expected_auc(p: np.ndarray) -> float:
     pos_g = np.add.reduceat(pos, starts)
     neg_g = np.add.reduceat(neg, starts)
     neg_below = np.concatenate([[0.0], np.cumsum(neg_g)[:-1]])
-    wins = np.sum(pos_g * (neg_below + 0.5 * neg_g))
+    wins: np.ndarray = np.sum(pos_g * (neg_below + 0.5 * neg_g))
     return float(wins / (pos.sum() * neg.sum()))

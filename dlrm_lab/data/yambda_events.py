@@ -95,7 +95,7 @@ def load_categories(path: str | Path, batch_rows: int = 1 << 20) -> Categories:
         raise UserError(f"{path}: column artist_id or album_id missing (an item mapping: item_id and one of them)")
     column = found[0]
     check_columns(path, pf.schema_arrow, ("item_id", column), "an item mapping")
-    lookup = np.full(0, np.iinfo(np.int64).max, dtype=np.int64)
+    lookup: np.ndarray = np.full(0, np.iinfo(np.int64).max, dtype=np.int64)
     rows = 0
     for rg in range(pf.num_row_groups):
         row0 = 0
@@ -117,7 +117,9 @@ def load_categories(path: str | Path, batch_rows: int = 1 << 20) -> Categories:
                         "10M): renumber the ids densely"
                     )
             if items.size and items.max() >= lookup.size:
-                grown = np.full(max(2 * lookup.size, int(items.max()) + 1), np.iinfo(np.int64).max, dtype=np.int64)
+                grown: np.ndarray = np.full(
+                    max(2 * lookup.size, int(items.max()) + 1), np.iinfo(np.int64).max, dtype=np.int64
+                )
                 grown[: lookup.size] = lookup
                 lookup = grown
             np.minimum.at(lookup, items, cats)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import cast
 
 import numpy as np
 
@@ -117,8 +118,13 @@ class YambdaUser:
 
     def __init__(self, uid: int, opts: YambdaOptions, emit: Callable[[YambdaRequest], None], counts: dict[str, int]):
         self.uid, self.opts, self.emit, self.counts = uid, opts, emit, counts
-        empty = np.zeros(0, dtype=np.int64)
-        self.hist = (empty, empty, np.zeros(0, dtype=np.uint8), empty)  # items, categories, actions, timestamps
+        empty: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.hist: tuple[np.ndarray, ...] = (
+            empty,
+            empty,
+            np.zeros(0, dtype=np.uint8),
+            empty,
+        )  # items, categories, actions, timestamps
         self.win: tuple[np.ndarray, ...] = self.hist
         self.step: int | None = None
         self.cands: list[np.ndarray] = [empty, empty, np.zeros(0, dtype=np.float32), empty]  # items, cats, labels, ts
@@ -131,19 +137,20 @@ class YambdaUser:
 
     def feed(self, ev: Events) -> None:
         """Events of this user, in time order."""
-        steps = ev.ts * self.opts.timestamp_unit_s // self.opts.window_s
+        steps: np.ndarray = ev.ts * self.opts.timestamp_unit_s // self.opts.window_s
         cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps)) + 1, [len(steps)]])
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             step = int(steps[a])
             if self.step is not None and step != self.step:
                 self.close()
             self.step = step
-            self._add(ev.take(slice(a, b)))
+            self._add(ev.take(slice(a, b)), step)
         self.counts["peak_state_tokens"] = max(self.counts["peak_state_tokens"], self.tokens)
 
-    def _add(self, ev: Events) -> None:
+    def _add(self, ev: Events, step: int) -> None:
+        """Events of the open window, `step` (`self.step`)."""
         o, n = self.opts, len(ev.ts)
-        seq = self.seen + np.arange(n)
+        seq: np.ndarray = self.seen + np.arange(n)
         self.seen += n
         kept = ev.code <= DISLIKE
         self.counts["unlike_undislike_events"] += int(n - kept.sum())
@@ -152,7 +159,7 @@ class YambdaUser:
             np.concatenate([w, v])[-o.max_history :]
             for w, v in zip(self.win, (h.item, h.cat, _actions(h, o.listen_plus_pct), h.ts), strict=True)
         )
-        if not o.wanted(self.step):
+        if not o.wanted(step):
             return
         listens = np.flatnonzero(ev.code == LISTEN)
         room = o.max_candidates - len(self.cands[0])
@@ -172,7 +179,9 @@ class YambdaUser:
             if len(self.hist[0]) >= o.min_history:
                 now = self.cands[3][0]
                 ages = ((now - self.hist[3]) * o.timestamp_unit_s).astype(np.float32)
-                self.emit(YambdaRequest(self.uid, self.step, (*self.hist[:3], ages), tuple(self.cands[:3])))
+                step = cast(int, self.step)  # set: a window with candidates was fed (`feed`)
+                history = (self.hist[0], self.hist[1], self.hist[2], ages)
+                self.emit(YambdaRequest(self.uid, step, history, (self.cands[0], self.cands[1], self.cands[2])))
             else:
                 self.counts["requests_short_history"] += 1
         self.hist = tuple(np.concatenate([h, w])[-o.max_history :] for h, w in zip(self.hist, self.win, strict=True))

@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -131,7 +132,7 @@ def detect_launch(environ: dict[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo("none", 0, 1, 0, 1, "127.0.0.1", 0)
 
 
-def _mpi_launch(env: dict[str, str]) -> LaunchInfo:
+def _mpi_launch(env: Mapping[str, str]) -> LaunchInfo:
     try:
         from mpi4py import MPI
     except ImportError:

@@ -85,7 +85,12 @@ def manifests(
     target = [python, "-m", "dlrm_lab.torchrun"]
     if kind == "trainjob":
         script = _script(cpu, nproc, shlex.join([*target, "-m", "dlrm_lab", *args]))
-        trainer = {"image": image, "command": ["/bin/sh", "-c", script], "numNodes": nnodes, "numProcPerNode": nproc}
+        trainer: dict[str, Any] = {
+            "image": image,
+            "command": ["/bin/sh", "-c", script],
+            "numNodes": nnodes,
+            "numProcPerNode": nproc,
+        }
         trainer |= {"resourcesPerNode": resources} if resources else {}
         trainer |= {"env": env} if env else {}
         pod = {"containers": [{"name": TRAINER_NODE, "volumeMounts": mounts}], "volumes": volumes}
@@ -103,7 +108,7 @@ def manifests(
         '--rdzv-conf=is_host="$is_host"',
     ]
     script = _script(cpu, nproc, shlex.join(target), *rendezvous, shlex.join(["-m", "dlrm_lab", *args]), indexed=True)
-    container = {
+    container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
         "command": ["/bin/sh", "-c", script],

@@ -23,7 +23,7 @@ class _LeanPooled(torch.autograd.Function):
     """Pooled embeddings of this rank's tables for every rank's samples -> every table's for this rank's."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, pg: Any, dims: list[int]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, pg: Any, dims: list[int]) -> torch.Tensor:
         world, me = pg.size(), pg.rank()
         b = local.shape[0] // world
         out = torch.empty(b * sum(dims), dtype=local.dtype, device=local.device)
@@ -35,7 +35,7 @@ class _LeanPooled(torch.autograd.Function):
         return torch.cat([blk.view(b, d) for blk, d in zip(blocks, dims, strict=True)], dim=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         from torchrec.distributed import comm_ops
 
         pg, dims, b = ctx.pg, ctx.dims, ctx.b

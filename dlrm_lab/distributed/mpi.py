@@ -41,7 +41,7 @@ def _mpi() -> Any:
 
 
 def _done(result: Any) -> Any:
-    from torch._C._distributed_c10d import _create_work_from_future
+    from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # not in its stubs
     from torch.futures import Future
 
     future: Future = Future()

@@ -233,7 +233,7 @@ def describe_plan(plan: ShardingPlan, model_spec: Any, world_size: int, bytes_pe
     tables: list[JsonObject] = []
     per_rank = [0] * world_size
     for module_plan in plan.plan.values():
-        for name, p in module_plan.items():  # type: ignore[union-attr]
+        for name, p in module_plan.items():
             table = rows[name]
             shards = p.sharding_spec.shards if p.sharding_spec is not None else []
             ranks: list[int] = []

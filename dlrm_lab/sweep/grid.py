@@ -32,7 +32,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 
@@ -156,9 +156,9 @@ def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | No
         | set(tables["options"]) & set(tables["zip"])
     ):
         raise UserError(f"{path}: {both[0]} appears in more than one of [options], [grid], [zip]")
-    repeats = repeats if repeats is not None else raw.get("repeats", 1)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise UserError(f"{path}: repeats = {repeats!r}: must be a whole number >= 1")
+    count = repeats if repeats is not None else raw.get("repeats", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UserError(f"{path}: repeats = {count!r}: must be a whole number >= 1")
     metrics = raw.get("metrics", [])
     if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
         raise UserError(f"{path}: metrics = {metrics!r}: must be a list of summary column names")
@@ -168,9 +168,10 @@ def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | No
         options=tables["options"],
         grid=tables["grid"],
         zipped=tables["zip"],
-        repeats=repeats,
+        repeats=count,
         metrics=tuple(metrics),
-        out=Path(out) if out else Path(raw["out"]) if raw.get("out") else None,
+        # the file's `out`: a path (its type is not checked here: another value is Path's TypeError)
+        out=Path(out) if out else Path(cast(str, raw["out"])) if raw.get("out") else None,
     )
     check_points(spec)
     return spec

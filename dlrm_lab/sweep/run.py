@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any, cast
 
-from dlrm_lab.config.values import OptionValues
+from dlrm_lab.config.values import JsonObject, OptionValues
 from dlrm_lab.errors import UserError, end_with_parent, exit_description
 from dlrm_lab.metrics.run import MANIFEST, Run, amend_manifest, discover_runs, read_manifest, recover_run_and_summary
 from dlrm_lab.sweep.grid import SweepSpec, launch_params, point_args
@@ -45,8 +46,10 @@ def point_command(spec: SweepSpec, params: OptionValues, slot: Path) -> tuple[li
     plain = [sys.executable, "-m", "dlrm_lab", *args]
     if "ranks" not in launch:
         return plain, {}
-    ranks = int(launch["ranks"])
-    env = {"OMP_NUM_THREADS": str(int(launch.get("threads-per-rank") or threads_per_rank(ranks)))}
+    # whole numbers, or their text (`grid._check_point` coerced each to an int >= 1)
+    ranks = int(cast("int | str", launch["ranks"]))
+    threads = cast("int | str", launch.get("threads-per-rank") or threads_per_rank(ranks))
+    env = {"OMP_NUM_THREADS": str(int(threads))}
     if ranks == 1:  # one rank needs no launcher (its process group of one is made in-process)
         return plain, env
     return launch_command(ranks, str(launch.get("launcher", "torchrun")), args), env
@@ -74,13 +77,13 @@ def _set_aside(sweep_dir: Path, slot_dir: Path) -> int:
 
 
 def _open_sweep(spec: SweepSpec, out: Path, argv: list[str] | None) -> Run:
-    config = {
+    config: JsonObject = {
         "grid": spec.to_dict(),
         "fingerprint": spec.fingerprint(),
         "points": [{"point": k, "params": p} for k, p in enumerate(spec.points)],
     }
     if (out / MANIFEST).is_file():
-        manifest = read_manifest(out)
+        manifest: dict[str, Any] = read_manifest(out)  # as stored: any shape
         if manifest.get("kind") != spec.kind:
             raise UserError(f"{out}: a run of kind {manifest.get('kind')!r} is there, not a sweep; choose another out")
         if manifest.get("config", {}).get("fingerprint") != spec.fingerprint():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,10 +22,12 @@ _ROW_KEYS = ("point", "model", "mode")
 
 POINTS_SCHEMA = columns.schema_of("sweep points")
 
+_Row = dict[str, str | float | bool | None]  # a row as `metrics.tables.write_table` takes it
+
 
 def write_sweep_tables(run: Run, spec: SweepSpec, result: SweepResult) -> None:
     """points.parquet and summary.parquet, rebuilt from what is on disk (never appended to)."""
-    rows = []
+    rows: list[_Row] = []
     for pr in result.points:
         child = pr.child_dir
         rows.append(
@@ -43,8 +45,10 @@ def write_sweep_tables(run: Run, spec: SweepSpec, result: SweepResult) -> None:
             )
         )
     write_table(run.dir, "points", rows, POINTS_SCHEMA, run.run_id)
+    summary: list[_Row]
     if spec.summarise is not None:
-        summary, schema = spec.summarise(spec, result)
+        made, schema = spec.summarise(spec, result)
+        summary = cast("list[_Row]", made)  # its rows, as made (a list): `write_table` only reads them
     else:
         summary = aggregate(result, spec)
         schema = summary_schema(spec, summary)
@@ -52,7 +56,7 @@ def write_sweep_tables(run: Run, spec: SweepSpec, result: SweepResult) -> None:
 
 
 def _run_seconds(child: Path | None) -> float | None:
-    return read_manifest(child).get("duration_s") if child else None
+    return cast("float | None", read_manifest(child).get("duration_s")) if child else None  # seconds, or null
 
 
 def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, str | float | bool | None]]:
@@ -64,15 +68,15 @@ def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, str | floa
     by_point: dict[int, list[PointResult]] = {}
     for pr in result.points:
         by_point.setdefault(pr.point, []).append(pr)
-    out = []
+    out: list[_Row] = []
     for point, prs in sorted(by_point.items()):
         groups: dict[tuple[Any, ...], list[dict[str, str | float | bool | None]]] = {}  # child rows, read back
         for pr in prs:
             if pr.status != "ok" or pr.child_dir is None or not (pr.child_dir / "summary.parquet").is_file():
                 continue
-            for row in pq.read_table(pr.child_dir / "summary.parquet").to_pylist():
-                groups.setdefault(tuple(row.get(k) for k in _ROW_KEYS), []).append(row)
-        base = {
+            for child_row in pq.read_table(pr.child_dir / "summary.parquet").to_pylist():
+                groups.setdefault(tuple(child_row.get(k) for k in _ROW_KEYS), []).append(child_row)
+        base: _Row = {
             "point": point,
             "params_json": json.dumps(prs[0].params, sort_keys=True),
             **{f"param_{k}": str(v) for k, v in prs[0].params.items()},
@@ -83,7 +87,7 @@ def aggregate(result: SweepResult, spec: SweepSpec) -> list[dict[str, str | floa
             out.append(base)
             continue
         for key, rows in groups.items():
-            row = {**base, **{f"child_{k}": v for k, v in zip(_ROW_KEYS, key, strict=True) if v is not None}}
+            row: _Row = {**base, **{f"child_{k}": v for k, v in zip(_ROW_KEYS, key, strict=True) if v is not None}}
             for metric in spec.all_metrics:
                 values = [r[metric] for r in rows if isinstance(r.get(metric), (int, float))]
                 row.update(estimate(values).to_columns(metric))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any, TypedDict
+from collections.abc import Callable, Mapping
+from typing import Any, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -154,7 +154,7 @@ def choose_run_table_update(
     shared = [choice]
     if ctx.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
-        install(dmp, shared[0]["table_update"])
+        install(dmp, cast(str, shared[0]["table_update"]))  # rank 0's `TableUpdateChoice.to_dict()`
         shared[0] = {**shared[0], "this_rank": choice}
     if log and ctx.is_main:
         log(f"table update {choice['table_update']}: {choice['reason']}")
@@ -406,7 +406,7 @@ class PagesChoice(TypedDict):
     collapse_ms: float
 
 
-def _gather_rates(threads: int) -> tuple[JsonObject | None, str]:
+def _gather_rates(threads: int) -> tuple[Mapping[str, Any] | None, str]:
     """This machine's embedding gather on 4 KiB and on 2 MiB pages at `threads` threads: the probe's figures
     (`metrics.probe`, `gather_pages`), or measured now at the quick probe's sizes where the profile has none."""
     from dlrm_lab.metrics.device_peaks import ProbeSizes, gather_on_pages
@@ -416,7 +416,8 @@ def _gather_rates(threads: int) -> tuple[JsonObject | None, str]:
         profile = load_profile() or {}
     except UserError:
         profile = {}
-    by_threads = ((profile.get("devices") or {}).get("cpu") or {}).get("threads") or {}
+    devices = cast("dict[str, Any]", profile.get("devices") or {})  # the profile's devices: an object
+    by_threads = (devices.get("cpu") or {}).get("threads") or {}
     probed = {
         int(n): p["gather_pages"]
         for n, p in by_threads.items()
@@ -456,6 +457,7 @@ def choose_table_pages(
             if not huge:
                 shared[0] = ("base", f"no gather on 2 MiB pages could be measured ({(rates or {}).get('huge_error')})")
             else:
+                base = cast(float, base)  # measured with the 2 MiB gather: probed rows are kept on it (above)
                 faster = huge >= PAGES_MARGIN * base
                 shared[0] = (
                     "huge" if faster else "base",
@@ -470,9 +472,9 @@ def choose_table_pages(
     if pages == "huge":
         tensors = [t for g in groups for t in (g.weights_host, getattr(g, "momentum1_host", None)) if t is not None]
         done = back_with_huge_pages(tensors)
-        choice.update(huge_bytes=done.huge_bytes, collapse_ms=round(done.ms, 1))
+        choice["huge_bytes"], choice["collapse_ms"] = done.huge_bytes, round(done.ms, 1)
         if not done.huge_bytes:  # asked, and nothing is on huge pages: the record says base, and why
-            choice.update(table_pages="base")
+            choice["table_pages"] = "base"
             choice["reason"] += f"; {done.error}"
         elif done.error:
             choice["reason"] += f"; {done.asked_bytes - done.huge_bytes:,} bytes stay on 4 KiB pages: {done.error}"

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ def _open_run(metrics_dir: str | Path | None, config: JsonObject, argv: list[str
         return run
     shared = [str(run.dir) if run else None]
     dist.broadcast_object_list(shared, src=0)
-    run = run or Run.attach(shared[0], ctx.rank)
+    run = run or Run.attach(cast(str, shared[0]), ctx.rank)  # rank 0 created it: a directory
     run.before_finish(dist.barrier)
     return run
 
@@ -138,7 +138,7 @@ def _evaluator(
         if table is not None:
             table.append(row)
         if cfg.target_auc is not None and auc >= cfg.target_auc and not reached:
-            reached.update(steps=step + 1, seconds=time.perf_counter() - t_start)
+            reached["steps"], reached["seconds"] = step + 1, time.perf_counter() - t_start
             return True
         return False
 
@@ -208,7 +208,7 @@ def _loop(
                     loss = pipeline.progress(batches)[0]
                 if timer.cuda:
                     torch.cuda.synchronize(ctx.device)
-                phases: dict[str, float | None] = {p: None for p in PHASES}
+                phases: Mapping[str, float | None] = {p: None for p in PHASES}
                 parts: dict[str, float] = {}
                 step_ms = (time.perf_counter() - t0) * 1000
             else:
@@ -258,11 +258,17 @@ def _loop(
             if on_step is not None and ctx.is_main:  # one display under a launcher: rank 0's
                 on_step(row)
             if (reading := canary.maybe_read()) is not None and telemetry is not None:
-                telemetry.extend([{**r, "rank": ctx.rank} for r in as_telemetry(reading)])
+                canary_rows = cast("list[dict[str, Any]]", as_telemetry(reading))  # flat rows of scalars
+                telemetry.extend([{**r, "rank": ctx.rank} for r in canary_rows])
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 with as_trained(setup.weights):
-                    save_checkpoint(
-                        cfg.checkpoint_dir, dmp, optimizer, step + 1, ctx.is_main, _trained(setup, record, evals)
+                    save_checkpoint(  # --checkpoint-every comes with --checkpoint-dir (`TrainConfig`)
+                        cast(str, cfg.checkpoint_dir),
+                        dmp,
+                        optimizer,
+                        step + 1,
+                        ctx.is_main,
+                        _trained(setup, record, evals),
                     )
             every = cfg.resolved_eval_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.steps and run_eval(step):
@@ -335,7 +341,7 @@ def _decided(
         "trial": decided,
     }
     if trial.name == "table_update":
-        setup.cfg = replace(setup.cfg, table_update=decided["table_update"])
+        setup.cfg = replace(setup.cfg, table_update=cast(str, decided["table_update"]))  # the path's name
         setup.config[trial.manifest_key].pop("update_path", None)  # observed again on the next step ("apart" keeps it)
         setup.config["train"] = setup.cfg.to_dict()
     if record is not None and setup.ctx.is_main:

@@ -109,6 +109,6 @@ def write_profile(
         if run is not None and ctx.is_main:
             from dlrm_lab.metrics.trace import training_trace
 
-            mine = [s for s in steps or [] if s.get("rank", 0) == ctx.rank]
-            run.update_manifest(trace=training_trace(trace, mine, run.dir / "trace.json"))
+            my_steps = [s for s in steps or [] if s.get("rank", 0) == ctx.rank]
+            run.update_manifest(trace=training_trace(trace, my_steps, run.dir / "trace.json"))
         trace.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -274,7 +274,7 @@ def recovered_summary(run_dir: Path, manifest: JsonObject) -> TrainSummaryRow | 
         return None  # not the training loop's steps table: nothing to summarise
     rows = [StepRow(r) for r in steps.select(STEP_SCHEMA.names).to_pylist()]  # the table's columns, as written
     warmup = flag_warmup(rows, min(r["step"] for r in rows))
-    config = manifest.get("config", {})
+    config = cast("dict[str, Any]", manifest.get("config", {}))  # the run's config as recorded: an object
     model, cfg = config.get("model", {}), config.get("train", {})
     world = config.get("world_size") or 1
     summary = summary_row(
@@ -291,7 +291,8 @@ def recovered_summary(run_dir: Path, manifest: JsonObject) -> TrainSummaryRow | 
         warmup=warmup,
         step_rows=rows,
     )
-    write_table(run_dir, "summary", [summary], SUMMARY_SCHEMA, manifest.get("run_id") or run_dir.name)
+    run_id = cast(str, manifest.get("run_id") or run_dir.name)  # the manifest's run_id: a string
+    write_table(run_dir, "summary", [summary], SUMMARY_SCHEMA, run_id)
     return summary
 
 

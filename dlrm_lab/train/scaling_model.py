@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict, cast
 
 import pyarrow.parquet as pq
 
@@ -94,7 +94,7 @@ class StepTimes:
         )
 
 
-def _late_ms(rows: list[dict[str, str | float | bool | None]], ranks: int) -> dict[str, float]:
+def _late_ms(rows: list[dict[str, Any]], ranks: int) -> dict[str, float]:
     """The wait in each collective phase, measured: each of these phases ends in a collective that
     every rank leaves together, so a rank's time in it beyond the fastest rank's at the same step
     is how much earlier it arrived, i.e. how long it waited for the last one (which did not wait).
@@ -104,7 +104,7 @@ def _late_ms(rows: list[dict[str, str | float | bool | None]], ranks: int) -> di
     backward apart (`embedding_all_to_all_backward`) measure that wait exactly; their backward
     phase starts and ends unsynchronised, so its figure is jitter, not a wait (`gap_breakdown`
     leaves it out)."""
-    by_step: dict[int, list[dict[str, str | float | bool | None]]] = {}  # steps.parquet's rows, read back
+    by_step: dict[int, list[dict[str, Any]]] = {}  # steps.parquet's rows, read back (`to_pylist`)
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)
     steps = [s for s in by_step.values() if len(s) == ranks]
@@ -164,7 +164,8 @@ TORCHREC_PATH = ("torchrec_input_dist", "torchrec_pooled")
 def fit_collectives(profile: JsonObject | None, key: str) -> dict[str, MeasuredCollective] | None:
     """All-to-all and all-reduce of a probed transport (`gloo/2`, `mpi/2`), as probed, and TorchRec's
     input distribution and pooled all-to-all over it where the probe timed them."""
-    rows = ((profile or {}).get("comms") or {}).get(key)
+    comms = cast("dict[str, Any]", (profile or {}).get("comms") or {})  # a profile's probes, by transport
+    rows = comms.get(key)
     if not rows:
         return None
     out = {}

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -88,7 +88,8 @@ class TrainSetup:
     source: BatchSource
     eval_source: BatchSource
     start_step: int
-    config: JsonObject  # the manifest's config: every choice and why
+    # the manifest's config: every choice and why (sections of many shapes, read and updated in place by the loop)
+    config: dict[str, Any]
     trials: list[StepTrial] = field(default_factory=list)  # choices decided again on the run's own steps
     weights: DenseWeights | None = None  # the dense part's bf16 copies of its masters, where the run has them
 
@@ -154,7 +155,8 @@ def build_setup(
     """Choose the sharding (timed where it must be), build and shard the model with its optimizers, resume, open
     the data from what `preflight` read and write down every choice and why (the manifest's config)."""
     run, ctx = prepared.run, prepared.ctx
-    spec, cfg, attention = run.spec, run.cfg, prepared.choices["attention_choice"]
+    spec, cfg = run.spec, run.cfg
+    attention = cast("JsonObject | None", prepared.choices["attention_choice"])  # `choose_run_attention`'s
     torch.manual_seed(cfg.seed)
     embedding_lr, embedding_lr_reason = embedding_lr_for(spec, cfg)
     # identical initial rows whatever the sharding and rank count, spread as in the published model
@@ -171,7 +173,7 @@ def build_setup(
             device=ctx.device,
             table_device="meta",
             table_precision=cfg.table_precision,
-            attention=attention["attention"] if attention else "padded",
+            attention=cast(str, attention["attention"]) if attention else "padded",  # the path's name
         )
         dmp, plan = shard_model(
             model,
@@ -193,8 +195,9 @@ def build_setup(
     dense_lr, dense_lr_reason = dense_lr_for(spec, cfg, ctx.world_size)
     recipe = dense_recipe_for(spec, cfg)
     dense_update = choose_dense_update(cfg, ctx, dmp, dense_lr, recipe, log)
-    optimizer = dense_optimizer(dmp, cfg, dense_lr, recipe, dense_update["dense_update"])
-    start_step = load_checkpoint(cfg.checkpoint_dir, dmp, optimizer) if cfg.resume else 0
+    optimizer = dense_optimizer(dmp, cfg, dense_lr, recipe, cast(str, dense_update["dense_update"]))  # a way's name
+    # --resume comes with --checkpoint-dir (`TrainConfig` refuses one without the other)
+    start_step = load_checkpoint(cast(str, cfg.checkpoint_dir), dmp, optimizer) if cfg.resume else 0
     if isinstance(optimizer, RecipeOptimizer):
         optimizer.resume_at(start_step)
     if start_step >= cfg.steps:
@@ -210,7 +213,7 @@ def build_setup(
         (lambda batch: dmp(batch)) if cfg.pipeline else (lambda batch: dmp(*model_inputs(batch))),
         log,
     )
-    cfg = replace(cfg, table_update=table_update["table_update"])
+    cfg = replace(cfg, table_update=cast(str, table_update["table_update"]))  # the path chosen, by name
     interaction = choose_run_interaction(spec, cfg, ctx, dmp, log)
     dense_weights = choose_dense_weights(cfg, ctx, dmp, log)
     trials = run_step_trials(cfg, ctx, dmp, start_step, table_update, interaction, dense_weights)
@@ -224,8 +227,9 @@ def build_setup(
     described = source.describe()  # synthetic: its spec's rate; a generated dataset: its sidecar's
     target_auc, target_auc_rule = target_auc_for(spec, cfg, described)
     cfg = replace(cfg, target_auc=target_auc)
-    sidecar = (described.get("dataset") or {}).get("teacher") or {}
-    click_rate = described.get("click_rate") or sidecar.get("click_rate")
+    dataset = cast("dict[str, Any]", described.get("dataset") or {})  # a dataset's sidecar, where it has one
+    sidecar = dataset.get("teacher") or {}
+    click_rate = cast("float | None", described.get("click_rate") or sidecar.get("click_rate"))  # a rate, or none
     with as_trained(dense_weights[1]):
         output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None  # on the fp32 masters
     prefetch = choose_prefetch(cfg, ctx)

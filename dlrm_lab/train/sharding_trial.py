@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,8 @@ def cached_trials(key: str, log: Callable[[str], None] | None = None) -> tuple[J
     profile = load_profile()
     if profile is None:
         return None, None
-    return cached_choice(profile, "sharding_trials", key, log), str(profile_path(profile["fingerprint_id"]))
+    fingerprint_id = cast(str, profile["fingerprint_id"])  # a loaded profile's id: a string
+    return cached_choice(profile, "sharding_trials", key, log), str(profile_path(fingerprint_id))
 
 
 def store_trials(key: str, step_ms: dict[str, float], skipped: dict[str, str]) -> str:
@@ -191,7 +192,7 @@ def store_trials(key: str, step_ms: dict[str, float], skipped: dict[str, str]) -
     source = f"measured now ({measured_at}) on these ranks"
     profile = load_profile()
     if profile is not None:
-        entry = {"step_ms": step_ms, "skipped": skipped, "measured_at": measured_at}
+        entry: JsonObject = {"step_ms": step_ms, "skipped": skipped, "measured_at": measured_at}
         source += f", stored in {store_measured(profile, 'sharding_trials', key, entry)}"
     return source
 

@@ -86,8 +86,8 @@ def dense_optimizer(
     recipe = recipe or DenseRecipe()
     dense = KeyedOptimizerWrapper(dense_params(model), lambda params: make_dense(params, cfg, lr, recipe, update))
     if recipe.lr_warmup_steps or recipe.grad_clip_norm is not None:
-        return RecipeOptimizer(model.fused_optimizer, dense, lr, recipe)  # type: ignore[attr-defined]
-    return CombinedOptimizer([model.fused_optimizer, dense])  # type: ignore[attr-defined]
+        return RecipeOptimizer(model.fused_optimizer, dense, lr, recipe)
+    return CombinedOptimizer([model.fused_optimizer, dense])
 
 
 def autocast(ctx: DistContext, cfg: TrainConfig, weights: Any = None) -> contextlib.AbstractContextManager[Any]:

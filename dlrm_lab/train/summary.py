@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -156,6 +156,9 @@ def summarise(setup: TrainSetup, record: Run | None, measured: MeasuredSteps) ->
         measured.steps_table.derive_on_close("warmup", warmup_column(start_step + warmup))
     t_measured = measured.step_starts[warmup] if len(measured.step_starts) > warmup else t_end
     energy = _gather_energy(sampler.summary(t_measured, t_end), ctx)
+    # the manifest's config as `build_setup` wrote it: the held-out data's record, the loop's distinct rows (or None)
+    eval_data = cast("dict[str, Any]", setup.config["eval_data"])
+    distinct_rows = cast("dict[str, Any]", setup.config.get("distinct_rows") or {})
     summary = _summary(
         spec,
         cfg,
@@ -167,9 +170,9 @@ def summarise(setup: TrainSetup, record: Run | None, measured: MeasuredSteps) ->
         warmup,
         measured.reached,
         energy,
-        setup.config["eval_data"].get("teacher_auc"),
+        eval_data.get("teacher_auc"),
         time.perf_counter() - measured.t_start,
-        (setup.config.get("distinct_rows") or {}).get("share"),
+        distinct_rows.get("share"),
     )
     elapsed_s = time.perf_counter() - measured.t_start
     summary.update(canary_columns(measured.canary.readings, measured.canary.quiet, elapsed_s))

@@ -66,7 +66,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
     an existing module's class; nothing is constructed). Lookups other than a plain training one (variable
     batch per feature, per-feature gradients, no gradient) are fbgemm's own."""
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         indices: torch.Tensor,
         offsets: torch.Tensor,
@@ -226,7 +226,8 @@ class UpdatePathWatch:
     `table_update_choice.update_path`."""
 
     def __init__(self, tables: list[Any]) -> None:
-        self.tables, self.seen = tables, {}
+        self.tables = tables
+        self.seen: dict[int, Any] = {}  # id of a table group: the dtype of its gradient (a torch.dtype)
         self.handles = on_table_update(tables, lambda group, grads: self.seen.setdefault(id(group), grads[0].dtype))
 
     def record(self) -> JsonObject:
