@@ -331,7 +331,7 @@ def test_dense_learning_rate_follows_the_published_recipe_scaled_to_the_batch():
 
 
 def test_embedding_learning_rate_is_divided_by_the_pooling_factor():
-    from dlrm_lab.config.train import embedding_lr_for
+    from dlrm_lab.train.setup import embedding_lr_for
 
     assert embedding_lr_for(dlrm_lab.load_preset("rm2"), TrainConfig()) == (
         0.05 / 120,

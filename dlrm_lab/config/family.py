@@ -15,91 +15,129 @@ registry finds it empty.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
+from dlrm_lab.config.hstu import HSTUSpec, RankerShape
+from dlrm_lab.config.specs import ModelSpec
 from dlrm_lab.config.values import JsonObject
-from dlrm_lab.errors import UserError
+from dlrm_lab.errors import FieldError, UserError
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
 
-Spec = Any  # a family's typed preset (config.specs.ModelSpec, config.hstu.HSTUSpec, ...)
+Spec = ModelSpec | HSTUSpec  # a family's typed preset
+# One family's typed preset: each role below is generic in it, and `family_of(spec)` gives the family of that type
+SpecT = TypeVar("SpecT", bound="ModelSpec | HSTUSpec")
+SpecIn = TypeVar("SpecIn", bound="ModelSpec | HSTUSpec", contravariant=True)  # a role that only takes specs
+SpecOut = TypeVar("SpecOut", bound="ModelSpec | HSTUSpec", covariant=True)  # what only gives one
+Log = Callable[[str], None]
 
 
-class ModelFamily(Protocol):
-    """What one model family provides. `Spec` is its typed preset (ModelSpec, HSTUSpec, ...)."""
+class FamilyTraits(Protocol):
+    """What the lab reads of a family without calling it: its names and what it has."""
 
-    name: str  # the preset's `family` value
-    label: str  # in words: "DLRM", "HSTU ranker"
-    called: str  # as a sentence names one of its models: "a DLRM", "the HSTU ranker"
-    spec_type: type  # its typed spec
-    builds: tuple[str, ...]  # the serving builds it has (infer.builds, by name)
-    no_compiled_build: str  # why it has no `compiled` build ("" when it has one)
-    attention_paths: tuple[str, ...]  # attention paths to choose between; () for none
-    wire_samples: bool  # whether the gRPC transports carry its samples
+    @property
+    def name(self) -> str: ...  # the preset's `family` value
+    @property
+    def label(self) -> str: ...  # in words: "DLRM", "HSTU ranker"
+    @property
+    def called(self) -> str: ...  # as a sentence names one of its models: "a DLRM", "the HSTU ranker"
+    @property
+    def spec_type(self) -> type: ...  # its typed spec
+    @property
+    def builds(self) -> tuple[str, ...]: ...  # the serving builds it has (infer.builds, by name)
+    @property
+    def no_compiled_build(self) -> str: ...  # why it has no `compiled` build ("" when it has one)
+    @property
+    def attention_paths(self) -> tuple[str, ...]: ...  # attention paths to choose between; () for none
+    @property
+    def wire_samples(self) -> bool: ...  # whether the gRPC transports carry its samples
     # its own columns in shared tables: (table, after column, [Column or name]) each (`metrics.columns`)
-    columns: tuple[tuple[str, str, list[Any]], ...]
-    samples_in_spec: bool  # whether its preset describes its samples (then `--set` changes the spec)
-    projectable: bool  # whether `scale --project` projects it (train.scaling_model)
-    cost_batch: int  # samples (a request for a ranker) an instance times its batch cost over, at most
-    max_warmup_batch: int | None  # the largest batch an instance warms up with (None: the largest it serves)
+    @property
+    def columns(self) -> tuple[tuple[str, str, list[Any]], ...]: ...
+    @property
+    def samples_in_spec(self) -> bool: ...  # whether its preset describes its samples (then `--set` changes the spec)
+    @property
+    def projectable(self) -> bool: ...  # whether `scale --project` projects it (train.scaling_model)
+    @property
+    def cost_batch(self) -> int: ...  # samples (a request for a ranker) an instance times its batch cost over
+    @property
+    def max_warmup_batch(self) -> int | None: ...  # the largest batch an instance warms up with (None: its largest)
 
-    # ----- presets and specs (config)
-    def parse_preset(self, raw: JsonObject, *, where: str, table_scale: float | None, max_rows: int | None) -> Any: ...
 
-    def spec_from_dict(self, data: JsonObject) -> Any: ...
+class PresetParts(Protocol[SpecT]):
+    """Its presets and specs (config, `presets`)."""
 
-    def with_data_overrides(self, spec: Any, overrides: Sequence[str], *, serving: bool) -> Any:
+    def parse_preset(
+        self, raw: JsonObject, *, where: str, table_scale: float | None, max_rows: int | None
+    ) -> SpecT: ...
+
+    def spec_from_dict(self, data: JsonObject) -> SpecT: ...
+
+    def with_data_overrides(self, spec: SpecT, overrides: Sequence[str], *, serving: bool) -> SpecT:
         """The spec with `--set KEY=VALUE` applied where a family's samples are part of its spec
         (the ranker's requests); a DLRM's overrides go to its data spec (train) or are refused (serving)."""
         ...
 
-    def size_line(self, spec: Any) -> str: ...
+    def size_line(self, spec: SpecT) -> str: ...
 
-    def describe(self, spec: Any) -> tuple[list[str], tuple[list[str], list[list[str]]] | None]:
+    def describe(self, spec: SpecT) -> tuple[list[str], tuple[list[str], list[list[str]]] | None]:
         """`presets show`: lines (the shapes, the cost per sample, the data) and a table (columns, rows) or None."""
         ...
 
-    def preset_table(self, specs: Sequence[Any]) -> tuple[str, list[str], list[list[str]]]:
+    def preset_table(self, specs: Sequence[SpecT]) -> tuple[str, list[str], list[list[str]]]:
         """`presets`: the title, columns and one row per preset of this family."""
         ...
 
-    # ----- the model and its cost (model/, metrics/)
-    def build(self, spec: Any, device: Any, table_device: Any, table_precision: str, attention: str) -> Any: ...
 
-    def sample_cost(self, spec: Any, table_precision: str, optimizer: str, window: str) -> Any: ...
+class CostModel(Protocol[SpecIn]):
+    """What a sample of its models costs, computes and sends (model/, metrics/, the report)."""
+
+    def sample_cost(self, spec: SpecIn, table_precision: str, optimizer: str, window: str) -> Any: ...
 
     def communication_bytes(
-        self, spec: Any, global_batch: int, world_size: int, sharding: dict[str, str]
+        self, spec: SpecIn, global_batch: int, world_size: int, sharding: dict[str, str]
     ) -> dict[str, float]: ...
 
-    def gemm_shapes(self, spec: Any, rows: int, max_rows: int) -> list[tuple[int, int, int]]:
+    def gemm_shapes(self, spec: SpecIn, rows: int, max_rows: int) -> list[tuple[int, int, int]]:
         """The dense matrix products of one forward pass of `rows` samples: (rows, in, out) each, at most
         `max_rows` tall (a taller product runs at the same rate per FLOP)."""
         ...
 
-    def embedding_lr(self, spec: Any, default: float) -> tuple[float, str]:
-        """The tables' learning rate when none is given, and why."""
-        ...
-
-    def sharder(self, spec: Any) -> Any: ...
-
-    def request_flops_curve(self, spec: Any) -> tuple[str, tuple[Any, int, int], float] | None:
+    def request_flops_curve(self, spec: SpecIn) -> tuple[str, tuple[RankerShape, int, int], float] | None:
         """The report's FLOPs-per-request curve (label, (shape, candidates, longest history), mean history),
         for a family whose sample is a request of a history; None otherwise."""
         ...
 
-    # ----- training (train/, data/)
-    def check_training(self, spec: Any, cfg: Any) -> None: ...
+    def id_rows(self, spec: SpecIn) -> list[int]:
+        """Per sparse feature a query may send, its table's rows ([] where queries carry no ids)."""
+        ...
 
-    def check_data_options(self, spec: Any, data: str, data_spec: str | None, overrides: Sequence[str]) -> Any: ...
 
-    def open_sources(self, spec: Any, data: str, batch_size: int, **how: Any) -> tuple[Any, Any]: ...
+class TrainingParts(Protocol[SpecIn]):
+    """How its models are built and trained (model/, train/, data/, distributed/)."""
+
+    def build(
+        self, spec: SpecIn, device: torch.device, table_device: torch.device, table_precision: str, attention: str
+    ) -> torch.nn.Module: ...
+
+    def embedding_lr(self, spec: SpecIn, default: float) -> tuple[float, str]:
+        """The tables' learning rate when none is given, and why."""
+        ...
+
+    def sharder(self, spec: SpecIn) -> Any: ...
+
+    def check_training(self, spec: SpecIn, cfg: Any) -> None: ...
+
+    def check_data_options(self, spec: SpecIn, data: str, data_spec: str | None, overrides: Sequence[str]) -> Any: ...
+
+    def open_sources(self, spec: SpecIn, data: str, batch_size: int, **how: Any) -> tuple[Any, Any]: ...
 
     def dataset_writer(
         self,
-        spec: Any,
+        spec: SpecIn,
         *,
         rows: int,
         shards: int,
@@ -112,10 +150,27 @@ class ModelFamily(Protocol):
         """`data gen`'s writer of this family's synthetic samples (`families.dlrm.DatasetWriter`), checked."""
         ...
 
-    # ----- serving (infer/, serve/)
+
+@runtime_checkable
+class StreamingParts(Protocol[SpecIn]):
+    """`--protocol streaming` (MLPerf Training's DLRMv4): a family whose samples are windows in time order has it;
+    `streaming_of(family)` asks."""
+
+    def stream(self, spec: SpecIn, global_batch: int) -> Any:
+        """The walk through the windows (`data.streaming.Stream`), checked."""
+        ...
+
+    def open_stream(self, spec: SpecIn, batch_size: int, **how: Any) -> tuple[Any, Any]:
+        """The windows in time order, and after each step the next window."""
+        ...
+
+
+class ServingParts(Protocol):
+    """How an instance serves its models (infer/, serve/)."""
+
     def check_served(self, served: Any) -> None: ...
 
-    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
+    def serving_model(self, served: Any, seed: int, log: Log | None) -> tuple[torch.nn.Module, Any, JsonObject | None]:
         """The model an instance will serve, with the server's seed: the model, `served` with any measured
         choice resolved (the ranker's attention path), and that choice's record (None for none)."""
         ...
@@ -132,67 +187,91 @@ class ModelFamily(Protocol):
 
     def memory(self, served: Any) -> Any: ...
 
-    def count_columns(self, served: Any, counts: Any) -> dict[str, int | None]:
+    def count_columns(self, served: Any, counts: Any) -> Mapping[str, int | None]:
         """A served query's row columns from what its instances counted of it (`BatchResult.counts`)."""
         ...
 
     def summarize_queries(
-        self, records: list[dict[str, str | float | bool | None]], ok: Any, samples: Any
-    ) -> dict[str, float | None]:
-        """Its summary columns of a point's query rows (`metrics.columns.QueryRow`s, their columns' scalars; `ok`: the
-        completed ones; `samples` per row)."""
+        self, records: Sequence[Mapping[str, Any]], ok: np.ndarray, samples: np.ndarray
+    ) -> Mapping[str, float | None]:
+        """Its summary columns of a point's query rows (`metrics.columns.QueryRow`s; `ok`: the completed ones;
+        `samples` per row)."""
         ...
 
-    def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any: ...
+    def make_fused(self, model: torch.nn.Module, *, precision: str, table_precision: str) -> torch.nn.Module: ...
 
     def check_samples(self, block: Any) -> Any:
         """Held-out samples as both models of a build's accuracy check score them."""
         ...
 
-    def score(self, module: Any, samples: Any, precision: str, autocast: bool) -> Any:
+    def score(self, module: torch.nn.Module, samples: Any, precision: str, autocast: bool) -> np.ndarray:
         """A build's scores (numpy) of held-out samples."""
         ...
 
-    def make_runner(self, model: Any, library: Any, device: Any, precision: str, history_cache_mb: float) -> Any: ...
-
-    def id_rows(self, spec: Any) -> list[int]:
-        """Per sparse feature a query may send, its table's rows ([] where queries carry no ids)."""
-        ...
+    def make_runner(
+        self, model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float
+    ) -> Any: ...
 
 
-_REGISTRY: dict[str, ModelFamily] = {}
+class ModelFamily(
+    FamilyTraits, PresetParts[SpecT], CostModel[SpecT], TrainingParts[SpecT], ServingParts, Protocol[SpecT]
+):
+    """What one model family provides, composed of its roles: its traits, its presets, its cost model, its training
+    and its serving (each generic in its typed preset, `SpecT`). A family may have more roles, asked for where
+    they are needed (`streaming_of`)."""
+
+
+def streaming_of(family: ModelFamily[SpecT], model: str = "") -> StreamingParts[SpecT]:
+    """`family`'s streaming role; one line naming the model (`model`) and its family where it has none."""
+    if not isinstance(family, StreamingParts):
+        raise FieldError(
+            "protocol",
+            f"streaming: {model or family.label} ({family.called}) has no time windows to stream (allowed: holdout)",
+        )
+    return cast("StreamingParts[SpecT]", family)
+
+
+class HasSpec(Protocol[SpecOut]):
+    """A model, a served model, or anything else carrying its typed preset."""
+
+    @property
+    def spec(self) -> SpecOut: ...
+
+
+_REGISTRY: dict[str, ModelFamily[ModelSpec] | ModelFamily[HSTUSpec]] = {}
 
 
 TRAINING_MEMORY_SHARE = 0.9  # of the memory available: what a family's training on this host may plan to hold
 
 
-def register_family(family: ModelFamily) -> None:
+def register_family(family: ModelFamily[ModelSpec] | ModelFamily[HSTUSpec]) -> None:
     """Make `family` known by its name (an implementation registers itself when imported)."""
     _REGISTRY[family.name] = family
 
 
-def families() -> dict[str, ModelFamily]:
+def families() -> dict[str, ModelFamily[ModelSpec] | ModelFamily[HSTUSpec]]:
     """Every registered family by name."""
     return _REGISTRY
 
 
-def family_named(name: str, where: str = "family") -> ModelFamily:
+def family_named(name: str, where: str = "family") -> ModelFamily[ModelSpec] | ModelFamily[HSTUSpec]:
     try:
         return families()[name]
     except KeyError:
         raise UserError(f"{where}: unknown model family {name!r}; known: {', '.join(sorted(families()))}") from None
 
 
-def family_of(spec: Any) -> ModelFamily:
-    """The family of a typed spec (or of a model, a served model or anything carrying `.spec`)."""
+def family_of(spec: SpecT | HasSpec[SpecT]) -> ModelFamily[SpecT]:
+    """The family of a typed spec (or of a model, a served model or anything carrying `.spec`): the one whose
+    spec type it is, so a family only ever meets its own specs."""
     spec = getattr(spec, "spec", spec)
-    for family in families().values():
-        if isinstance(spec, family.spec_type):
-            return family
+    found = next((f for f in families().values() if isinstance(spec, f.spec_type)), None)
     # a spec-like object (its fields, not its type: tests of a model's own checks) names its family, or is a DLRM
     name = getattr(spec, "family", "dlrm")
-    if name in families():
-        return families()[name]
+    if found is None and name in families():
+        found = families()[name]
+    if found is not None:
+        return cast("ModelFamily[SpecT]", found)  # the registry dispatches on the spec's type: it is SpecT's family
     raise TypeError(f"no model family has specs of type {type(spec).__name__} (family {name!r})")
 
 
@@ -201,7 +280,7 @@ def preset_family_name(raw: JsonObject) -> str:
     return str(raw.get("family", "dlrm"))
 
 
-def spec_from_dict(data: JsonObject) -> Any:
+def spec_from_dict(data: JsonObject) -> Spec:
     """A model spec of any family from its `to_dict` form (as run manifests hold it)."""
     return family_named(preset_family_name(data)).spec_from_dict(data)
 

@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.config.options import by_field, option
 from dlrm_lab.config.prices import check_currency, check_price
 from dlrm_lab.config.values import JsonObject
@@ -95,7 +94,7 @@ class TrainConfig:
         "The pooled embeddings' distribution between ranks: torchrec (TorchRec's, as deployed) or lean (the same "
         "all-to-all straight from the lookup's output, one copy each way; table-wise tables; never the default).",
     )
-    # None: 0.05 / the tables' mean pooling factor (`embedding_lr_for`)
+    # None: 0.05 / the tables' mean pooling factor (`train.setup.embedding_lr_for`)
     embedding_lr: float | None = option(
         None, "Table learning rate (default: 0.05 / the mean pooling factor; the manifest says which)."
     )
@@ -206,7 +205,7 @@ class TrainConfig:
         _choice("distribution", self.distribution, DISTRIBUTIONS)
         _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)
         for name, lr in (("embedding_lr", self.embedding_lr), ("dense_lr", self.dense_lr)):
-            if lr is None:  # the rule's rate (`dense_lr_for`, `embedding_lr_for`)
+            if lr is None:  # the rule's rate (`dense_lr_for`, `train.setup.embedding_lr_for`)
                 continue
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise FieldError(name, f"{lr!r}: must be a number > 0")
@@ -279,20 +278,6 @@ class TrainConfig:
 
 DEFAULT_DENSE_LR = 0.005  # Adagrad, for presets without a published recipe
 DEFAULT_EMBEDDING_LR = 0.05  # row-wise Adagrad, for one id per feature
-
-
-def embedding_lr_for(spec: Any, cfg: TrainConfig) -> tuple[float, str]:
-    """The tables' learning rate and why: `--embedding-lr` when given, else 0.05 divided by
-    the mean pooling factor over features. Row-wise Adagrad moves every row a sample looks
-    up by about the rate; a feature sum-pooling P ids then moves its pooled vector P times
-    as far as a one-hot feature's, so the rate is divided by P to keep that step. Measured
-    2026-11-23 (batch 256, 100 steps): rm2 (120 ids per feature) first-steps loss 1.42 ->
-    0.14 and AUC 0.49 -> 0.75; rm1 (80) AUC 0.60 -> 0.74; dcnv2 (8.3 on average) 0.853 -> 0.866;
-    rm3 (20) unchanged; one-hot presets keep 0.05."""
-    if cfg.embedding_lr is not None:
-        return cfg.embedding_lr, "given (--embedding-lr)"
-
-    return family_of(spec).embedding_lr(spec, DEFAULT_EMBEDDING_LR)
 
 
 def dense_lr_for(spec: Any, cfg: TrainConfig, world_size: int) -> tuple[float, str]:

@@ -8,16 +8,15 @@ TorchRec modules; its serving builds `infer.builds.fused.FusedDLRM`; its sample 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from dlrm_lab.config.family import TRAINING_MEMORY_SHARE
+from dlrm_lab.config.family import TRAINING_MEMORY_SHARE, ModelFamily
 from dlrm_lab.config.specs import ModelSpec
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.metrics.columns import InferSummaryRow, QueryRow
 
 if TYPE_CHECKING:
     import numpy as np
@@ -213,7 +212,7 @@ class DLRMFamily:
     def embedding_lr(self, spec: ModelSpec, default: float) -> tuple[float, str]:
         """Row-wise Adagrad moves every row a sample looks up by about the rate; a feature sum-pooling P ids
         then moves its pooled vector P times as far as a one-hot feature's, so the rate is divided by P to keep
-        that step (measured in config.train.embedding_lr_for)."""
+        that step (measured in train.setup.embedding_lr_for)."""
         pooling = [t.pooling_factor for t in spec.tables for _ in t.feature_names]
         mean = sum(pooling) / len(pooling)
         if mean <= 1:
@@ -254,11 +253,12 @@ class DLRMFamily:
             gen = SyntheticGenerator(data_spec, how["seed"])
             train = SyntheticSource(gen, batch_size, rank, world, start_batch=start)
             return train, SyntheticSource(gen.clone(), batch_size, rank, world, evals, offset=HELD_OUT_OFFSET)
-        train = ParquetSource(data, spec, batch_size, rank, world, start_batch=start)
-        if train.info.get("data_spec") is not None:
-            gen = SyntheticGenerator(DataSpec.from_dict(train.info["data_spec"]), int(train.info.get("seed", 0)))
-            return train, SyntheticSource(gen, batch_size, rank, world, evals, offset=HELD_OUT_OFFSET)
-        return train, FirstBatches(ParquetSource(data, spec, batch_size, rank, world, evals, epochs=1))
+        files = ParquetSource(data, spec, batch_size, rank, world, start_batch=start)
+        if (recorded := files.info.get("data_spec")) is not None:  # its _dataset.json, checked as it was read
+            seed = cast(int, files.info.get("seed", 0))
+            gen = SyntheticGenerator(DataSpec.from_dict(cast(JsonObject, recorded)), int(seed))
+            return files, SyntheticSource(gen, batch_size, rank, world, evals, offset=HELD_OUT_OFFSET)
+        return files, FirstBatches(ParquetSource(data, spec, batch_size, rank, world, evals, epochs=1))
 
     def dataset_writer(self, spec: ModelSpec, *, rows: int, shards: int, seed: int, fmt: str,
                        data_spec: str | None, overrides: Sequence[str], window: str) -> Any:  # fmt: skip
@@ -399,11 +399,13 @@ class DLRMFamily:
             device_per_instance=fp32 + stored + dense + activations,
         )
 
-    def count_columns(self, served: Any, counts: Any) -> QueryRow:
-        return QueryRow()  # nothing counted per query
+    def count_columns(self, served: Any, counts: Any) -> dict[str, int | None]:
+        return {}  # nothing counted per query
 
-    def summarize_queries(self, records: list[QueryRow], ok: Any, samples: Any) -> InferSummaryRow:
-        return InferSummaryRow()
+    def summarize_queries(
+        self, records: Sequence[Mapping[str, Any]], ok: np.ndarray, samples: np.ndarray
+    ) -> dict[str, float | None]:
+        return {}
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
         from dlrm_lab.infer.builds.fused import FusedDLRM
@@ -447,4 +449,4 @@ def check_training_fits(spec: ModelSpec, cfg: Any, available_bytes: int | None =
         )
 
 
-FAMILY = DLRMFamily()
+FAMILY: ModelFamily[ModelSpec] = DLRMFamily()  # checked against the protocol here

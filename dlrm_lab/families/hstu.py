@@ -8,14 +8,14 @@ Its spec is `config.hstu.HSTUSpec`, its model `model.hstu.HSTURanker`, its reque
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dlrm_lab.config.family import TRAINING_MEMORY_SHARE
+from dlrm_lab.config.family import TRAINING_MEMORY_SHARE, ModelFamily
 from dlrm_lab.config.hstu import HSTUSpec
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError, UserError
-from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS, STR, InferSummaryRow, QueryRow, define
+from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS, STR, define
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,7 +70,6 @@ class HSTUFamily:
     no_compiled_build = ("its batches are jagged sequences of every length, and its attention path is chosen by "
                          "measurement already")  # fmt: skip
     attention_paths = ("padded", "jagged")
-    protocols = ("holdout", "streaming")  # --protocol: its requests are time-ordered windows
     samples_in_spec = True  # its requests are its preset's [data] table: --set changes the spec
     columns = COLUMNS
     wire_samples = False  # the gRPC transports carry DLRM samples (dense + pooled ids)
@@ -416,25 +415,27 @@ class HSTUFamily:
 
     query_counts = ("history_reused", "history_tokens_reused")  # per query, from `RequestRunner.counts`
 
-    def count_columns(self, served: Any, counts: Any) -> QueryRow:
+    def count_columns(self, served: Any, counts: Any) -> dict[str, int | None]:
         """With history reuse: how many of the query's requests reused a cached history, and their tokens
         (0 for a query never served); null without reuse."""
         on = served.history_cache_mb > 0
-        return QueryRow({name: (int(counts[k]) if counts is not None else 0) if on else None
-                         for k, name in enumerate(self.query_counts)})  # fmt: skip
+        return {name: (int(counts[k]) if counts is not None else 0) if on else None
+                for k, name in enumerate(self.query_counts)}  # fmt: skip
 
-    def summarize_queries(self, records: list[QueryRow], ok: Any, samples: Any) -> InferSummaryRow:
+    def summarize_queries(
+        self, records: Sequence[Mapping[str, Any]], ok: np.ndarray, samples: np.ndarray
+    ) -> dict[str, float | None]:
         """With history reuse: the share of completed requests that reused a cached history, and the history
         tokens not encoded again per request; null without (or for another family's rows)."""
         import numpy as np
 
         reused = [r.get("history_reused") for r in records]
         if not ok.any() or any(v is None for v in reused):
-            return InferSummaryRow(history_hit_rate=None, history_tokens_reused_mean=None)
+            return {"history_hit_rate": None, "history_tokens_reused_mean": None}
         hits = np.array(reused, dtype=np.float64)[ok].sum()
         tokens = np.array([r["history_tokens_reused"] for r in records], dtype=np.float64)[ok].sum()
         served = samples[ok].sum()
-        return InferSummaryRow(history_hit_rate=float(hits / served), history_tokens_reused_mean=float(tokens / served))
+        return {"history_hit_rate": float(hits / served), "history_tokens_reused_mean": float(tokens / served)}
 
     def make_fused(self, model: Any, *, precision: str, table_precision: str) -> Any:
         from dlrm_lab.infer.builds.fused import fused_ranker
@@ -486,4 +487,4 @@ def check_ranker_fits(spec: HSTUSpec, cfg: Any, available_bytes: int | None = No
         )
 
 
-FAMILY = HSTUFamily()
+FAMILY: ModelFamily[HSTUSpec] = HSTUFamily()  # checked against the protocol here

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.config.family import family_of
+from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.metrics.roofline import Work
 
 
@@ -48,7 +48,7 @@ class SampleCost:
 
 
 def sample_cost(
-    spec: ModelSpec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad", window: str = "train"
+    spec: Spec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad", window: str = "train"
 ) -> SampleCost:
     """FLOPs and embedding bytes per sample (see the module docstring for what counts), as the spec's
     family counts them (`families`; the HSTU ranker's sample is a request of `window`)."""
@@ -62,7 +62,7 @@ COMM_ITEMS = ("input_dist", "pooled_all_to_all", "pooled_reduce_scatter", "gradi
 
 
 def step_communication_bytes(
-    spec: ModelSpec, global_batch: int, world_size: int, sharding: dict[str, str] | None = None
+    spec: Spec, global_batch: int, world_size: int, sharding: dict[str, str] | None = None
 ) -> dict[str, float]:
     """Bytes one rank sends per training step with model-parallel tables and DDP MLPs.
 
@@ -99,7 +99,7 @@ def dense_training_bytes(dense_parameters: int, optimizer: str = "adagrad", dist
     return 4.0 * dense_parameters * (2 + states + (1 if distributed else 0))
 
 
-def lookup_bytes_per_sample(spec: ModelSpec, table_precision: str = "fp32") -> float:
+def lookup_bytes_per_sample(spec: Spec, table_precision: str = "fp32") -> float:
     """Bytes of embedding rows one sample's lookups read, at the tables' storage precision."""
     return float(
         sum(t.pooling_factor * len(t.feature_names) * row_bytes(t.embedding_dim, table_precision) for t in spec.tables)
@@ -111,7 +111,7 @@ def stored_table_bytes(spec: ModelSpec, table_precision: str = "fp32") -> float:
     return float(sum(t.num_embeddings * row_bytes(t.embedding_dim, table_precision) for t in spec.tables))
 
 
-def dense_step_bytes(spec: ModelSpec, optimizer: str = "adagrad") -> float:
+def dense_step_bytes(spec: Spec, optimizer: str = "adagrad") -> float:
     """Bytes of dense (MLP) parameters, gradients and optimizer state touched by one training
     step (fp32): independent of the batch, so it matters at small batches only."""
     states = _DENSE_OPTIMIZER_STATES.get(optimizer, 1)
@@ -147,7 +147,7 @@ def training_memory(
 
 
 def table_update_work(
-    spec: ModelSpec,
+    spec: Spec,
     batch_size: int,
     table_precision: str = "fp32",
     embedding_optimizer: str = "rowwise_adagrad",
@@ -168,7 +168,7 @@ def table_update_work(
 
 
 def step_phase_work(
-    spec: ModelSpec,
+    spec: Spec,
     batch_size: int,
     world_size: int,
     table_precision: str = "fp32",

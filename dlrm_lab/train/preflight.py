@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.config.family import Spec, family_of
+from dlrm_lab.config.family import Spec, family_of, streaming_of
 from dlrm_lab.data import BatchSource, DataSpec, check_data_options, open_sources
 from dlrm_lab.distributed.context import DistContext, detect_launch, resolve_device
 from dlrm_lab.distributed.plan import check_table_types, parse_table_sharding
 from dlrm_lab.distributed.wrap import table_sharder
-from dlrm_lab.errors import FieldError
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class ResolvedRun:
         `--protocol streaming`: the windows in time order and, at each evaluation, the window after."""
         cfg = self.cfg
         if cfg.protocol == "streaming":
-            return family_of(self.spec).open_stream(
+            return streaming_of(family_of(self.spec)).open_stream(
                 self.spec,
                 cfg.batch_size,
                 rank=ctx.rank,
@@ -65,15 +64,12 @@ def preflight(spec: Spec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun
     device = resolve_device(cfg.device)
     family = family_of(spec)
     family.check_training(spec, cfg)  # its own rules (the ranker's pipeline, a DLRM's memory)
-    if cfg.protocol not in getattr(family, "protocols", ("holdout",)):
-        raise FieldError(
-            "protocol",
-            f"{cfg.protocol}: {spec.name} ({family.called}) has no time windows to stream (allowed: holdout)",
-        )
+    if cfg.protocol == "streaming":
+        streaming_of(family, spec.name)  # one line where its family has no time windows
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])
     check_table_types(spec.name, table_sharder(spec).sharding_types(device.type), cfg.sharding, per_table)
     data_spec = check_data_options(spec, cfg.data, cfg.data_spec, cfg.data_overrides) if data else None
     if cfg.protocol == "streaming" and data:  # the stream holds a global batch a window: checked before any work
         streamed = family.with_data_overrides(spec, cfg.data_overrides, serving=False)
-        family.stream(streamed, cfg.batch_size * detect_launch().world_size)
+        streaming_of(family).stream(streamed, cfg.batch_size * detect_launch().world_size)
     return ResolvedRun(spec, cfg, per_table, data_spec)

@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dlrm_lab.config import ModelSpec, TrainConfig
+from dlrm_lab.config import TrainConfig
+from dlrm_lab.config.family import Spec
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.metrics.columns import PHASES, StepRow, TrainSummaryRow, schema_of
 from dlrm_lab.metrics.roofline import Peaks, Work, phase_floors, place
@@ -175,7 +176,7 @@ def summary_row(
 
 
 def roofline_columns(
-    spec: ModelSpec,
+    spec: Spec,
     cfg: TrainConfig,
     summary: TrainSummaryRow,
     world_size: int,

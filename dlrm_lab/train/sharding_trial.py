@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config import SHARDING_TYPES, ModelSpec, TrainConfig
+from dlrm_lab.config import SHARDING_TYPES, TrainConfig
+from dlrm_lab.config.family import Spec
 from dlrm_lab.config.train import dense_lr_for
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data import BatchSource
@@ -234,7 +235,7 @@ def choose_sharding(
 
 
 def resolve_sharding(
-    spec: ModelSpec,
+    spec: Spec,
     cfg: TrainConfig,
     ctx: DistContext,
     first_batches: Callable[[], BatchSource],
