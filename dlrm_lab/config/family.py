@@ -26,6 +26,7 @@ from dlrm_lab.errors import FieldError, UserError
 if TYPE_CHECKING:
     import numpy as np
     import torch
+    from torchrec.distributed.types import ModuleSharder
 
 Spec = ModelSpec | HSTUSpec  # a family's typed preset
 # One family's typed preset: each role below is generic in it, and `family_of(spec)` gives the family of that type
@@ -127,7 +128,7 @@ class TrainingParts(Protocol[SpecIn]):
         """The tables' learning rate when none is given, and why."""
         ...
 
-    def sharder(self, spec: SpecIn) -> Any: ...
+    def sharder(self, spec: SpecIn) -> ModuleSharder[torch.nn.Module]: ...
 
     def check_training(self, spec: SpecIn, cfg: Any) -> None: ...
 
@@ -192,7 +193,7 @@ class ServingParts(Protocol):
         ...
 
     def summarize_queries(
-        self, records: Sequence[Mapping[str, Any]], ok: np.ndarray, samples: np.ndarray
+        self, records: Sequence[Mapping[str, object]], ok: np.ndarray, samples: np.ndarray
     ) -> Mapping[str, float | None]:
         """Its summary columns of a point's query rows (`metrics.columns.QueryRow`s; `ok`: the completed ones;
         `samples` per row)."""

@@ -20,6 +20,8 @@ from dlrm_lab.errors import FieldError, UserError
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
+    from torchrec.distributed.types import ModuleSharder
 
 
 def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -204,7 +206,7 @@ class DLRMFamily:
     def request_flops_curve(self, spec: ModelSpec) -> None:
         return None  # a sample's FLOPs do not depend on a history length
 
-    def sharder(self, spec: ModelSpec) -> Any:
+    def sharder(self, spec: ModelSpec) -> ModuleSharder[torch.nn.Module]:
         from dlrm_lab.distributed.plan import AnyDeviceSharder
 
         return AnyDeviceSharder()
@@ -403,7 +405,7 @@ class DLRMFamily:
         return {}  # nothing counted per query
 
     def summarize_queries(
-        self, records: Sequence[Mapping[str, Any]], ok: np.ndarray, samples: np.ndarray
+        self, records: Sequence[Mapping[str, object]], ok: np.ndarray, samples: np.ndarray
     ) -> dict[str, float | None]:
         return {}
 

@@ -19,6 +19,8 @@ from dlrm_lab.metrics.columns import BOOL, F64, HIGHER, I32, I64, LATENCY_PARTS,
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
+    from torchrec.distributed.types import ModuleSharder
 
 # Its columns in the shared inference tables (history reuse, its attention path), each placed after a
 # column of the table (`metrics.columns.register_columns`): null in other families' rows.
@@ -217,7 +219,7 @@ class HSTUFamily:
         label = f"{spec.name} ({spec.shape.layers}x{spec.shape.stu.dim}, {spec.data.candidates} candidates)"
         return label, (spec.shape, spec.data.candidates, spec.data.max_history), spec.mean_history
 
-    def sharder(self, spec: HSTUSpec) -> Any:
+    def sharder(self, spec: HSTUSpec) -> ModuleSharder[torch.nn.Module]:
         from dlrm_lab.distributed.wrap import SequenceSharder
 
         return SequenceSharder()
@@ -423,7 +425,7 @@ class HSTUFamily:
                 for k, name in enumerate(self.query_counts)}  # fmt: skip
 
     def summarize_queries(
-        self, records: Sequence[Mapping[str, Any]], ok: np.ndarray, samples: np.ndarray
+        self, records: Sequence[Mapping[str, object]], ok: np.ndarray, samples: np.ndarray
     ) -> dict[str, float | None]:
         """With history reuse: the share of completed requests that reused a cached history, and the history
         tokens not encoded again per request; null without (or for another family's rows)."""
