@@ -289,7 +289,7 @@ def choose_policy(
     # the idle-tail routes: each costs core time, so it must beat none (0) by MARGIN to be kept
     routes: dict[_Probed, tuple[str, list[float]]] = {
         # a target whose policy auto may set describes its instances (`InferConfig` refuses auto for the others)
-        "spin_ms": ("spin", spin_candidates(stream.qps, cast(int, served.instances))),
+        "spin_ms": ("spin", spin_candidates(stream.qps, served.instances or 1)),
         "keep_warm_ms": ("keep-warm", [0.0, KEEP_WARM_PROBE_MS]),
     }
     for knob, (label, values) in routes.items():

@@ -32,7 +32,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pyarrow as pa
 
@@ -162,6 +162,9 @@ def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | No
     metrics = raw.get("metrics", [])
     if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
         raise UserError(f"{path}: metrics = {metrics!r}: must be a list of summary column names")
+    written = raw.get("out")
+    if written is not None and (not isinstance(written, str) or not written):
+        raise UserError(f"{path}: out = {written!r}: must be a directory's path (a non-empty string)")
     spec = SweepSpec(
         path=path,
         command=command,
@@ -170,8 +173,7 @@ def load_spec(path: str | Path, repeats: int | None = None, out: str | Path | No
         zipped=tables["zip"],
         repeats=count,
         metrics=tuple(metrics),
-        # the file's `out`: a path (its type is not checked here: another value is Path's TypeError)
-        out=Path(out) if out else Path(cast(str, raw["out"])) if raw.get("out") else None,
+        out=Path(out) if out else Path(written) if written else None,
     )
     check_points(spec)
     return spec
