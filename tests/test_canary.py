@@ -262,3 +262,7 @@ def test_every_benchmark_results_file_carries_the_canary_of_its_phase(monkeypatc
     assert [r["label"] for r in written["canary"]["readings"]] == ["start", "after the fp32 repeats", "end"]
     assert (written["canary"]["median"], written["canary"]["low"], written["canary"]["high"]) == (0.8, 0.6, 0.9)
     assert written["shape"] == "kaggle" and written["cpu_flags"] is not None
+    readings = iter([0.7, 0.9])
+    nested = {"header": common.header(), "figures": [1.0]}  # a script that keeps its header under "header"
+    written = json.loads(common.write_results(tmp_path / "n.json", nested).read_text())
+    assert written["header"]["canary"]["median"] == 0.8 and written["figures"] == [1.0]
