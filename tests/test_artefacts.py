@@ -33,6 +33,23 @@ def test_a_key_names_everything_that_makes_the_artefact():
     assert base != content_key({"precision": "bf16", "torch": "2.13.0"}, [w.view(2, 3)])  # other shape
 
 
+def test_a_package_is_keyed_by_the_precisions_its_module_serves_in_whatever_its_build_says(monkeypatch):
+    """`aoti_int8`'s package, made for fp32 tables, was served for int8 ones (its key named no table precision) and
+    scored AUC 0.50: every dense package is keyed by its module's precisions, not by what each build passes."""
+    from types import SimpleNamespace
+
+    from dlrm_lab.infer import artefacts
+
+    keys = []
+    monkeypatch.setattr(artefacts, "cached_artefact", lambda key, *a, **k: keys.append(key))
+    spec = SimpleNamespace(to_dict=lambda: {"name": "tiny"}, name="tiny")
+    dense = torch.nn.Linear(2, 1)
+    for precision, tables in (("fp32", "fp32"), ("fp32", "int8"), ("bf16", "int8"), ("fp32", "fp32")):
+        module = SimpleNamespace(spec=spec, precision=precision, table_precision=tables, dense=dense)
+        artefacts.dense_package("aoti_int8", module, ".pt2", lambda m, path: None, {"calibration": [0, 2048]})
+    assert len(set(keys[:3])) == 3 and keys[3] == keys[0]
+
+
 def test_a_partial_or_corrupt_artefact_is_rebuilt_never_served(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
     first = cached_artefact("k", ".bin", _write("package"), {})

@@ -227,10 +227,12 @@ def dense_package(
     build: str, module: Any, suffix: str, write: Callable[[Any, Path], None], made_by: JsonObject
 ) -> Artefact:
     """The package of a served module's dense part that `write(module, path)` makes, from the cache or made now:
-    keyed by the build, the model's spec, `made_by` (precision, engine versions, calibration), the machine and the
-    dense weights themselves."""
+    keyed by the build, the model's spec, the precisions the module serves in (its tables' shape a whole-batch
+    package's lookup: `aoti_int8`'s, made for fp32 tables and reused for int8 ones, scored AUC 0.50), `made_by`
+    (engine versions, calibration), the machine and the dense weights themselves."""
+    served_in = {"precision": module.precision, "table_precision": module.table_precision}
     key = content_key(
-        {"build": build, "spec": module.spec.to_dict(), **made_by, **machine_parts()},
+        {"build": build, "spec": module.spec.to_dict(), **served_in, **made_by, **machine_parts()},
         module.dense.state_dict().values(),
     )
     size = sum(t.numel() * t.element_size() for t in module.dense.state_dict().values())
