@@ -12,7 +12,7 @@ import pytest
 import dlrm_lab
 from dlrm_lab.config import family as families
 from dlrm_lab.config import load_any_preset
-from dlrm_lab.config.family import ModelFamily, family_named, family_of, spec_from_dict, streaming_of
+from dlrm_lab.config.family import ModelFamily, family_named, family_of, spec_from_dict
 from dlrm_lab.errors import UserError
 
 PACKAGE = Path(dlrm_lab.__file__).parent
@@ -20,8 +20,14 @@ SPEC_TYPES = {"ModelSpec", "HSTUSpec"}
 
 
 def _protocol_members() -> set[str]:
-    """The members of ModelFamily and of the role protocols it is composed of."""
+    """The members of ModelFamily, of the role protocols it is composed of, and of the roles in the rooms whose
+    types they speak in (every family has each; the ranker alone streams)."""
+    from dlrm_lab.data import DataParts
+    from dlrm_lab.model.cost import SampleCostParts
+    from dlrm_lab.train.preflight import TrainingChecks
+
     roles = [c for c in ModelFamily.__mro__ if c.__module__ == ModelFamily.__module__]
+    roles += [DataParts, SampleCostParts, TrainingChecks]
     own = {name for c in roles for name in (*c.__dict__, *getattr(c, "__annotations__", {}))}
     return {name for name in own if not name.startswith("_")}
 
@@ -35,6 +41,8 @@ def test_every_family_provides_the_whole_protocol():
         missing = sorted(m for m in members if not hasattr(family, m))
         assert not missing, f"family {family.name} lacks {missing}"
     # a role asked for where it is needed: the ranker streams its time windows, a DLRM has none (one line)
+    from dlrm_lab.data.streaming import streaming_of
+
     assert streaming_of(families.families()["hstu"]) is families.families()["hstu"]
     with pytest.raises(UserError, match="tiny .*has no time windows"):
         streaming_of(families.families()["dlrm"], "tiny")

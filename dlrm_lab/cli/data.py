@@ -12,7 +12,7 @@ from rich.table import Table
 from dlrm_lab.cli.format import LineProgress, console, progress
 from dlrm_lab.cli.options import MaxRows, TableScale
 from dlrm_lab.config import load_any_preset, load_preset
-from dlrm_lab.config.family import family_of
+from dlrm_lab.data import data_parts
 from dlrm_lab.errors import UserError
 
 if TYPE_CHECKING:  # the data room loads torch: the command line imports it only when a command runs
@@ -71,7 +71,7 @@ def gen(
     if rows < 1:
         raise UserError(f"--rows {rows}: must be an integer >= 1")
     model = load_any_preset(preset, table_scale=table_scale, max_rows=max_rows)
-    writer = family_of(model).dataset_writer(
+    writer = data_parts(model).dataset_writer(
         model, rows=rows, shards=shards, seed=seed, fmt=fmt, data_spec=spec, overrides=tuple(set_ or ()), window=window
     )
     console(stderr=True).print(writer.headline)

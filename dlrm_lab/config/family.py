@@ -16,12 +16,12 @@ registry finds it empty.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from dlrm_lab.config.hstu import HSTUSpec, RankerShape
 from dlrm_lab.config.specs import ModelSpec
 from dlrm_lab.config.values import JsonObject
-from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.errors import UserError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -55,9 +55,6 @@ class FamilyTraits(Protocol):
     def attention_paths(self) -> tuple[str, ...]: ...  # attention paths to choose between; () for none
     @property
     def wire_samples(self) -> bool: ...  # whether the gRPC transports carry its samples
-    # its own columns in shared tables: (table, after column, [Column or name]) each (`metrics.columns`)
-    @property
-    def columns(self) -> tuple[tuple[str, str, list[Any]], ...]: ...
     @property
     def samples_in_spec(self) -> bool: ...  # whether its preset describes its samples (then `--set` changes the spec)
     @property
@@ -94,9 +91,8 @@ class PresetParts(Protocol[SpecT]):
 
 
 class CostModel(Protocol[SpecIn]):
-    """What a sample of its models costs, computes and sends (model/, metrics/, the report)."""
-
-    def sample_cost(self, spec: SpecIn, table_precision: str, optimizer: str, window: str) -> Any: ...
+    """What a sample of its models computes and sends (metrics/, distributed/, the report); what a sample costs in
+    all is `model.cost.SampleCostParts`'s."""
 
     def communication_bytes(
         self, spec: SpecIn, global_batch: int, world_size: int, sharding: dict[str, str]
@@ -118,7 +114,9 @@ class CostModel(Protocol[SpecIn]):
 
 
 class TrainingParts(Protocol[SpecIn]):
-    """How its models are built and trained (model/, train/, data/, distributed/)."""
+    """How its models are built and sharded (model/, distributed/, train/). Its data (`data.DataParts`, and
+    `data.streaming.StreamingParts` where its samples are windows in time) and its training checks
+    (`train.preflight.TrainingChecks`) are roles of the rooms whose types they speak in."""
 
     def build(
         self, spec: SpecIn, device: torch.device, table_device: torch.device, table_precision: str, attention: str
@@ -129,41 +127,6 @@ class TrainingParts(Protocol[SpecIn]):
         ...
 
     def sharder(self, spec: SpecIn) -> ModuleSharder[torch.nn.Module]: ...
-
-    def check_training(self, spec: SpecIn, cfg: Any) -> None: ...
-
-    def check_data_options(self, spec: SpecIn, data: str, data_spec: str | None, overrides: Sequence[str]) -> Any: ...
-
-    def open_sources(self, spec: SpecIn, data: str, batch_size: int, **how: Any) -> tuple[Any, Any]: ...
-
-    def dataset_writer(
-        self,
-        spec: SpecIn,
-        *,
-        rows: int,
-        shards: int,
-        seed: int,
-        fmt: str,
-        data_spec: str | None,
-        overrides: Sequence[str],
-        window: str,
-    ) -> Any:
-        """`data gen`'s writer of this family's synthetic samples (`families.dlrm.DatasetWriter`), checked."""
-        ...
-
-
-@runtime_checkable
-class StreamingParts(Protocol[SpecIn]):
-    """`--protocol streaming` (MLPerf Training's DLRMv4): a family whose samples are windows in time order has it;
-    `streaming_of(family)` asks."""
-
-    def stream(self, spec: SpecIn, global_batch: int) -> Any:
-        """The walk through the windows (`data.streaming.Stream`), checked."""
-        ...
-
-    def open_stream(self, spec: SpecIn, batch_size: int, **how: Any) -> tuple[Any, Any]:
-        """The windows in time order, and after each step the next window."""
-        ...
 
 
 class ServingParts(Protocol):
@@ -218,18 +181,10 @@ class ModelFamily(
     FamilyTraits, PresetParts[SpecT], CostModel[SpecT], TrainingParts[SpecT], ServingParts, Protocol[SpecT]
 ):
     """What one model family provides, composed of its roles: its traits, its presets, its cost model, its training
-    and its serving (each generic in its typed preset, `SpecT`). A family may have more roles, asked for where
-    they are needed (`streaming_of`)."""
-
-
-def streaming_of(family: ModelFamily[SpecT], model: str = "") -> StreamingParts[SpecT]:
-    """`family`'s streaming role; one line naming the model (`model`) and its family where it has none."""
-    if not isinstance(family, StreamingParts):
-        raise FieldError(
-            "protocol",
-            f"streaming: {model or family.label} ({family.called}) has no time windows to stream (allowed: holdout)",
-        )
-    return cast("StreamingParts[SpecT]", family)
+    and its serving (each generic in its typed preset, `SpecT`). The roles that speak in a higher room's types are
+    that room's (`model.cost.SampleCostParts`, `data.DataParts`, `data.streaming.StreamingParts`,
+    `train.preflight.TrainingChecks`): each asks for its role of the family of a spec, and each family is checked
+    against every role where it is defined."""
 
 
 class HasSpec(Protocol[SpecOut]):

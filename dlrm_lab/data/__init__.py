@@ -7,13 +7,14 @@ that can `describe()` itself for the run manifest.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, cast
 
 from torchrec.datasets.utils import Batch
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.config.family import family_of
+from dlrm_lab.config.family import SpecIn, SpecT, family_of
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data.parquet import ParquetSource
 from dlrm_lab.data.source import SyntheticSource
@@ -27,6 +28,63 @@ class BatchSource(Protocol):
     def __iter__(self) -> Iterator[Batch]: ...
 
     def describe(self) -> JsonObject: ...
+
+
+class DatasetWriter(Protocol):
+    """`data gen`'s writer of a family's synthetic samples: what it will write, then the writing."""
+
+    @property
+    def headline(self) -> str: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def unit(self) -> str: ...  # what a row is, in words: "samples", "requests"
+
+    def write(self, out: str | Path, on_progress: Callable[[int], None]) -> None: ...
+
+
+class DataParts(Protocol[SpecIn]):
+    """A family's data: what its runs generate or read, and `data gen`'s writer (a role of `config.family`'s
+    families that speaks in this room's types; `data_parts` asks for it)."""
+
+    def check_data_options(
+        self, spec: SpecIn, data: str, data_spec: str | None, overrides: Sequence[str]
+    ) -> DataSpec | None: ...
+
+    def open_sources(
+        self,
+        spec: SpecIn,
+        data: str,
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        eval_batches: int,
+        data_spec: str | DataSpec | None,
+        overrides: Sequence[str],
+        seed: int,
+        start_batch: int,
+    ) -> tuple[BatchSource, BatchSource]: ...
+
+    def dataset_writer(
+        self,
+        spec: SpecIn,
+        *,
+        rows: int,
+        shards: int,
+        seed: int,
+        fmt: str,
+        data_spec: str | None,
+        overrides: Sequence[str],
+        window: str,
+    ) -> DatasetWriter:
+        """`data gen`'s writer of this family's synthetic samples, checked."""
+        ...
+
+
+def data_parts(spec: SpecT) -> DataParts[SpecT]:
+    """The data role of `spec`'s family (every family has it: each is checked against it where it is defined)."""
+    return cast("DataParts[SpecT]", family_of(spec))
 
 
 def resolve_data_spec(
@@ -47,7 +105,7 @@ def check_data_options(
     """The data spec a run on `data` generates from, checked (None for a dataset on disk,
     where `--data-spec`/`--set` cannot apply, and for a family whose samples its preset
     describes, as the HSTU ranker's requests): callers check before they start anything."""
-    return family_of(model).check_data_options(model, data, data_spec, overrides)
+    return data_parts(model).check_data_options(model, data, data_spec, overrides)
 
 
 def synthetic_generator(
@@ -75,16 +133,18 @@ def open_sources(
     generator far past any training sample; for a dataset without a generator spec
     (converted Criteo) they are the dataset's first batches, and the description says so.
     """
-    how = {
-        "rank": rank,
-        "world_size": world_size,
-        "eval_batches": eval_batches,
-        "data_spec": data_spec,
-        "overrides": overrides,
-        "seed": seed,
-        "start_batch": start_batch,
-    }
-    return family_of(model).open_sources(model, data, batch_size, **how)
+    return data_parts(model).open_sources(
+        model,
+        data,
+        batch_size,
+        rank=rank,
+        world_size=world_size,
+        eval_batches=eval_batches,
+        data_spec=data_spec,
+        overrides=overrides,
+        seed=seed,
+        start_batch=start_batch,
+    )
 
 
 class FirstBatches:

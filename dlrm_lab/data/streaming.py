@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
+from dlrm_lab.config.family import ModelFamily, SpecIn, SpecT
 from dlrm_lab.config.sequence_spec import SequenceSpec
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.data import BatchSource
 from dlrm_lab.data.request_batches import RequestBatch
 from dlrm_lab.data.sequences import SequenceGenerator
 from dlrm_lab.errors import FieldError
@@ -160,3 +162,37 @@ class NextWindowSource:
             "batch_size_per_rank": self.batch_size,
             "world_size": self.world_size,
         }
+
+
+@runtime_checkable
+class StreamingParts(Protocol[SpecIn]):
+    """`--protocol streaming` (MLPerf Training's DLRMv4): a family whose samples are windows in time order has this
+    role of `config.family`'s families; `streaming_of(family)` asks, and a family without it is one line."""
+
+    def stream(self, spec: SpecIn, global_batch: int) -> Stream:
+        """The walk through the windows, checked."""
+        ...
+
+    def open_stream(
+        self,
+        spec: SpecIn,
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        eval_batches: int,
+        seed: int,
+        start_batch: int,
+    ) -> tuple[BatchSource, BatchSource]:
+        """The windows in time order, and after each step the next window."""
+        ...
+
+
+def streaming_of(family: ModelFamily[SpecT], model: str = "") -> StreamingParts[SpecT]:
+    """`family`'s streaming role; one line naming the model (`model`) and its family where it has none."""
+    if not isinstance(family, StreamingParts):
+        raise FieldError(
+            "protocol",
+            f"streaming: {model or family.label} ({family.called}) has no time windows to stream (allowed: holdout)",
+        )
+    return cast("StreamingParts[SpecT]", family)

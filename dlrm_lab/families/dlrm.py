@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     import torch
     from torchrec.distributed.types import ModuleSharder
 
+    from dlrm_lab.data import DataParts
+    from dlrm_lab.model.cost import SampleCostParts
+    from dlrm_lab.train.preflight import TrainingChecks
+
 
 def _mlp(in_features: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
     layers, prev = [], in_features
@@ -451,4 +455,7 @@ def check_training_fits(spec: ModelSpec, cfg: Any, available_bytes: int | None =
         )
 
 
-FAMILY: ModelFamily[ModelSpec] = DLRMFamily()  # checked against the protocol here
+_FAMILY = DLRMFamily()
+FAMILY: ModelFamily[ModelSpec] = _FAMILY  # checked against the protocol here, and its rooms' roles below
+_ROLES: tuple[SampleCostParts[ModelSpec], DataParts[ModelSpec], TrainingChecks[ModelSpec]]
+_ROLES = (_FAMILY, _FAMILY, _FAMILY)

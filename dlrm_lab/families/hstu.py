@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     import torch
     from torchrec.distributed.types import ModuleSharder
 
+    from dlrm_lab.data import DataParts
+    from dlrm_lab.data.streaming import StreamingParts
+    from dlrm_lab.model.cost import SampleCostParts
+    from dlrm_lab.train.preflight import TrainingChecks
+
 # Its columns in the shared inference tables (history reuse, its attention path), each placed after a
 # column of the table (`metrics.columns.register_columns`): null in other families' rows.
 COLUMNS = (
@@ -489,4 +494,7 @@ def check_ranker_fits(spec: HSTUSpec, cfg: Any, available_bytes: int | None = No
         )
 
 
-FAMILY: ModelFamily[HSTUSpec] = HSTUFamily()  # checked against the protocol here
+_FAMILY = HSTUFamily()
+FAMILY: ModelFamily[HSTUSpec] = _FAMILY  # checked against the protocol here, and its rooms' roles below
+_ROLES: tuple[SampleCostParts[HSTUSpec], DataParts[HSTUSpec], TrainingChecks[HSTUSpec], StreamingParts[HSTUSpec]]
+_ROLES = (_FAMILY, _FAMILY, _FAMILY, _FAMILY)

@@ -19,9 +19,10 @@ Conventions (what a number counts, so that runs can be placed on a roofline):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol, cast
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.config.family import Spec, family_of
+from dlrm_lab.config.family import Spec, SpecIn, family_of
 from dlrm_lab.metrics.roofline import Work
 
 
@@ -47,12 +48,20 @@ class SampleCost:
         return {**asdict(self), "training_flops": self.training_flops}
 
 
+class SampleCostParts(Protocol[SpecIn]):
+    """What a sample of a family's models costs (a role of `config.family`'s families in this room's types)."""
+
+    def sample_cost(self, spec: SpecIn, table_precision: str, optimizer: str, window: str) -> SampleCost: ...
+
+
 def sample_cost(
     spec: Spec, table_precision: str = "fp32", optimizer: str = "rowwise_adagrad", window: str = "train"
 ) -> SampleCost:
     """FLOPs and embedding bytes per sample (see the module docstring for what counts), as the spec's
     family counts them (`families`; the HSTU ranker's sample is a request of `window`)."""
-    return family_of(spec).sample_cost(spec, table_precision, optimizer, window)
+    # every family has this role: each is checked against it where it is defined
+    costs = cast("SampleCostParts[Spec]", family_of(spec))
+    return costs.sample_cost(spec, table_precision, optimizer, window)
 
 
 ROW_SHARDED = ("row_wise", "table_row_wise")  # pooled outputs reduce-scattered: partial sums of every sample

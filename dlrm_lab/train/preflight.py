@@ -7,13 +7,22 @@ synthetic data's spec) is what `train` starts from, so that nothing is checked o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.config.family import Spec, family_of, streaming_of
+from dlrm_lab.config.family import Spec, SpecIn, family_of
 from dlrm_lab.data import BatchSource, DataSpec, check_data_options, open_sources
+from dlrm_lab.data.streaming import streaming_of
 from dlrm_lab.distributed.context import DistContext, detect_launch, resolve_device
 from dlrm_lab.distributed.plan import check_table_types, parse_table_sharding
 from dlrm_lab.distributed.wrap import table_sharder
+
+
+class TrainingChecks(Protocol[SpecIn]):
+    """A family's own rules for a training run (a role of `config.family`'s families in this room's types: every
+    family has it, each checked against it where it is defined)."""
+
+    def check_training(self, spec: SpecIn, cfg: TrainConfig) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ def preflight(spec: Spec, cfg: TrainConfig, *, data: bool = True) -> ResolvedRun
     what the checks read, is what `train(run)` starts from."""
     device = resolve_device(cfg.device)
     family = family_of(spec)
-    family.check_training(spec, cfg)  # its own rules (the ranker's pipeline, a DLRM's memory)
+    cast("TrainingChecks[Spec]", family).check_training(spec, cfg)  # its rules (the ranker's pipeline, a DLRM's memory)
     if cfg.protocol == "streaming":
         streaming_of(family, spec.name)  # one line where its family has no time windows
     per_table = parse_table_sharding(cfg.shard, [t.name for t in spec.tables])

@@ -19,11 +19,12 @@ from typing import Any, cast
 import torch
 
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.config.family import Spec, family_of, streaming_of
+from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.train import DEFAULT_EMBEDDING_LR, dense_lr_for, dense_recipe_for, target_auc_for
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data import BatchSource
 from dlrm_lab.data.prefetch import Prefetcher
+from dlrm_lab.data.streaming import streaming_of
 from dlrm_lab.distributed.context import DistContext, detect_launch, init_distributed, pin_to_cores
 from dlrm_lab.distributed.lean import use_lean_distribution
 from dlrm_lab.distributed.plan import describe_plan
