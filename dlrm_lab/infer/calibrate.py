@@ -45,7 +45,10 @@ from dlrm_lab.infer.sut import LoadDriver, SystemUnderTest
 from dlrm_lab.metrics.columns import QueryRow
 from dlrm_lab.metrics.stats import percentile as nearest_rank
 
-HEADROOM = 0.8  # the measured point runs at this share of the highest passing probe rate
+# The measured point runs at this share of the highest passing probe rate. Since capacity and the probes are of the
+# policy served, the knee lies near capacity, where p99 climbs steeply: at 0.8, 7 of 8 make-run points met the
+# bound and one, in a slow phase (canary 0.75), missed it (p99 10.19 ms under 9)
+HEADROOM = 0.7
 KNEE_TOLERANCE = 0.1  # the bisection stops once (failing - passing) / failing rate is this close
 SLA_FACTOR = 2.5  # --sla-ms auto: this multiple of the unloaded latency percentile
 
