@@ -391,13 +391,15 @@ class InferenceServer:
                 return
             q.payload = packed
         with pool.cond:
+            # an arrival whether or not it finds room: a burst that fills the queue says companions are coming (the
+            # batcher's wait for them reads the arrival rate; counting only the admitted hid a burst of 12 behind 2)
+            pool.clock.arrived(q.issued_ns)
             if len(pool.waiting) >= pool.served.max_queue:
                 dropped = True
             else:
                 dropped = False
                 pool.waiting.append(q)
                 pool.waiting_samples += q.size
-                pool.clock.arrived(q.issued_ns)
                 pool.cond.notify()
         if dropped:
             self.records.finish(q, "dropped", now=q.issued_ns, error=f"queue full ({pool.served.max_queue} queries)")
