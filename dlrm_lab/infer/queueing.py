@@ -7,14 +7,14 @@ well before the instances are busy. So "0.4 of closed-loop capacity under p99 <=
 nothing until it stands beside what queueing alone allows at that bound.
 
 `queueing_roof` simulates that ideal server: Poisson arrivals of the stream's query sizes, the
-instances' warm batch cost (`BatchCost`, measured at start), and the lab's own batching rule
-(`infer.batching.next_batch` and `whole_enough`: pieces sized to end together, the utilisation
+instances' warm batch cost (`BatchCost`, measured at start), and the lab's own batching rule, run by the server's
+own `BatchClock` (`next_batch` and `whole_enough`: pieces sized to end together, the utilisation
 term, a query cut into at most one piece an instance), with nothing else: no assembly, no
 completion, no wake, no host. It bisects the highest rate whose latency percentile meets the
 bound. That rate is the roof of the measured bounded rate, and the roof over the ideal server's
 own capacity (full batches back to back) is the roof of the bounded rate's share of capacity.
 
-Why by hand: the roof must run the lab's own batching rule, a pure function here; an event
+Why by hand: the roof must run the lab's own batching rule and clock; an event
 simulation library would add a dependency and nothing the 40 lines below need.
 """
 
@@ -28,7 +28,7 @@ from typing import cast
 import numpy as np
 
 from dlrm_lab.config.values import JsonObject
-from dlrm_lab.infer.batching import UTILISATION_WINDOW_S, BatchCost, next_batch, whole_enough
+from dlrm_lab.infer.batching import BatchClock, BatchCost, whole_enough
 from dlrm_lab.infer.load import QuerySizes
 from dlrm_lab.metrics.stats import percentile as nearest_rank
 
@@ -92,13 +92,11 @@ def simulated_latencies(
     arrivals = np.cumsum(rng.exponential(1.0, queries)) * (1000.0 / qps)
     drawn: np.ndarray = sizes.draw(queries, rng).astype(np.int64)
     finished = np.zeros(queries)
-    started_at, free_at = [0.0] * instances, [0.0] * instances
+    free_at = [0.0] * instances  # ms: when each instance's batch ends
     waiting: collections.deque[list[int]] = collections.deque()  # [query, samples left], oldest first
     samples_waiting = 0
-    # the utilisation term as `BatchClock.utilisation` has it: batches ended in the window, whole, and those in flight
-    ended: collections.deque[tuple[float, float]] = collections.deque()  # (end, took), in order of their end
-    ended_ms = 0.0
-    window_ms = UTILISATION_WINDOW_S * 1000.0
+    # the server's own clock of its instances' batches: their time left and the utilisation term, as it batches
+    clock = BatchClock(instances, cost=cost)
     nxt, now = 0, 0.0
     while nxt < queries or waiting:
         k = min(range(instances), key=free_at.__getitem__)
@@ -107,32 +105,20 @@ def simulated_latencies(
             waiting.append([nxt, int(drawn[nxt])])
             samples_waiting += int(drawn[nxt])
             nxt += 1
-        for j in sorted(range(instances), key=free_at.__getitem__):
-            if started_at[j] < free_at[j] <= now:  # a batch that ended since the last event
-                ended.append((free_at[j], free_at[j] - started_at[j]))
-                ended_ms += free_at[j] - started_at[j]
-                started_at[j] = free_at[j]
-        since = now - window_ms
-        while ended and ended[0][0] < since:
-            ended_ms -= ended.popleft()[1]
-        busy = ended_ms + sum(now - max(started_at[j], since) for j in range(instances) if free_at[j] > now)
-        free = sum(1 for f in free_at if f <= now)
-        left = [f - now for f in free_at if f > now]
-        n = next_batch(
-            samples_waiting,
-            free,
-            left,
-            max_batch=max_batch,
-            min_piece=min_piece,
-            cost=cost,
-            utilisation=min(1.0, busy / (instances * window_ms)),
+        for j in sorted(clock.busy, key=free_at.__getitem__):  # batches that ended since, in the order they did
+            if free_at[j] <= now:
+                clock.finished(j, int(free_at[j] * 1e6), clock.busy[j][1], None)
+        now_ns = int(now * 1e6)
+        n = clock.next_batch(
+            samples_waiting, instances - len(clock.busy), now_ns, max_batch=max_batch, min_piece=min_piece
         )
         head = waiting[0]
         n = min(
             whole_enough(n, _Head(int(drawn[head[0]]), int(drawn[head[0]]) - head[1]), instances, limit or max_batch),
             samples_waiting,
         )
-        started_at[k], free_at[k] = now, now + cost.ms(n)
+        free_at[k] = now + cost.ms(n)
+        clock.sent(k, now_ns, n)
         samples_waiting -= n
         while n > 0:
             head = waiting[0]
