@@ -29,6 +29,7 @@ from dlrm_lab.infer.options import (
     ServingOptions,
 )
 from dlrm_lab.infer.search_options import SEARCH_CHANGES, SearchOptions, SearchSpace
+from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.serve.options import CLIENT_CHANGES, ClientOptions, ServeOptions
 
 # Options of the command line only: where results go and how progress shows.
@@ -212,7 +213,7 @@ def infer_setup(options: Mapping[str, OptionValue]) -> tuple[list[Any], Any, Inf
         from dlrm_lab.infer.tune import KEEP_WARM_PROBE_MS
 
         for m in served:
-            family_of(m.spec).check_served(replace(m, keep_warm_ms=KEEP_WARM_PROBE_MS))
+            serving_of(m.spec).check_served(replace(m, keep_warm_ms=KEEP_WARM_PROBE_MS))
     load = build(LoadOptions, INFER_RUN, o).plan(served)
     cfg = build(
         InferConfig,

@@ -154,6 +154,19 @@ def test_no_private_name_is_imported_across_modules():
     assert crossing == []
 
 
+def test_the_family_protocol_and_its_roles_name_no_any():
+    """Every role a family plays is typed (issue 58): the protocol on the ground floor names no `Any`, and no role
+    protocol a room defines takes or gives one (its signatures: a role's vocabulary may still hold loose data)."""
+    assert "Any" not in {n.id for n in ast.walk(ast.parse((ROOT / "config" / "family.py").read_text()))
+                         if isinstance(n, ast.Name)}  # fmt: skip
+    tree = ast.parse((ROOT / "infer" / "serving_parts.py").read_text())
+    (role,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServingParts"]
+    methods = [f for f in role.body if isinstance(f, ast.FunctionDef)]
+    annotated = [(*[x.annotation for x in f.args.args + f.args.kwonlyargs], f.returns) for f in methods]
+    signatures = [a for each in annotated for a in each if a is not None]
+    assert signatures and not [ast.unparse(a) for a in signatures if "Any" in ast.unparse(a)]
+
+
 def _base_name(base: ast.expr) -> str:
     base = base.value if isinstance(base, ast.Subscript) else base  # Role[SpecT]: Role
     return base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""

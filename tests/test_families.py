@@ -23,11 +23,12 @@ def _protocol_members() -> set[str]:
     """The members of ModelFamily, of the role protocols it is composed of, and of the roles in the rooms whose
     types they speak in (every family has each; the ranker alone streams)."""
     from dlrm_lab.data import DataParts
+    from dlrm_lab.infer.serving_parts import ServingParts
     from dlrm_lab.model.cost import SampleCostParts
     from dlrm_lab.train.preflight import TrainingChecks
 
     roles = [c for c in ModelFamily.__mro__ if c.__module__ == ModelFamily.__module__]
-    roles += [DataParts, SampleCostParts, TrainingChecks]
+    roles += [DataParts, SampleCostParts, TrainingChecks, ServingParts]
     own = {name for c in roles for name in (*c.__dict__, *getattr(c, "__annotations__", {}))}
     return {name for name in own if not name.startswith("_")}
 

@@ -1210,8 +1210,9 @@ def test_infer_run_drives_kserves_own_model_server_and_gets_the_models_scores(ks
     """A third-party Open Inference Protocol server (KServe's Python model server, a predictor written here): its
     metadata checked, the model's scores back, the one runner's rows with the stages it does not report null; an
     answer short of one score per sample ends the run in one line."""
-    from dlrm_lab.infer.batches import QueryRef, make_runner
+    from dlrm_lab.infer.batches import QueryRef
     from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.serving_parts import make_runner
     from dlrm_lab.infer.sut import Query
     from dlrm_lab.infer.targets import Connection, open_target, parse_target
 
@@ -1261,8 +1262,9 @@ def test_infer_run_drives_kserves_model_server_over_rest_and_gets_the_models_sco
     """The same ModelServer over its HTTP/REST binding (`--target http://...`): it lists no binary_tensor_data
     extension, so the tensors go as JSON (rpc rest-json); the model's scores back, the stages it does not report
     null."""
-    from dlrm_lab.infer.batches import QueryRef, make_runner
+    from dlrm_lab.infer.batches import QueryRef
     from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.serving_parts import make_runner
     from dlrm_lab.infer.sut import Query
     from dlrm_lab.infer.targets import Connection, open_target, parse_target
 

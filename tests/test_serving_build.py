@@ -14,10 +14,11 @@ from dlrm_lab.data import synthetic_generator
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer import accuracy
 from dlrm_lab.infer import build as builds
-from dlrm_lab.infer.batches import QueryRef, kernel_batch, make_runner, pad_kernel_batch
+from dlrm_lab.infer.batches import QueryRef, kernel_batch, pad_kernel_batch
 from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.builds.fused import FusedDLRM
 from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.model.dlrm import build_model
 
 SEED = 0

@@ -3,7 +3,7 @@
 A family is what a preset's `family` key names (a preset without one is a DLRM). Everything that
 differs between families (how a preset parses, how the model is built, what a sample costs,
 which data and sample library it uses, how an instance serves it, what it holds in memory, how it
-is described) is a method of its `ModelFamily`; the rest of the lab asks `family_of(spec)` and
+is described) is a method of one of its roles; the rest of the lab asks `family_of(spec)` and
 never branches on the family itself.
 
 The protocol and the registry stand on the ground floor (they import nothing of the lab above `errors`), so that
@@ -15,8 +15,8 @@ registry finds it empty.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from dlrm_lab.config.hstu import HSTUSpec, RankerShape
 from dlrm_lab.config.specs import ModelSpec
@@ -24,7 +24,6 @@ from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import UserError
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
     from torchrec.distributed.types import ModuleSharder
 
@@ -129,62 +128,12 @@ class TrainingParts(Protocol[SpecIn]):
     def sharder(self, spec: SpecIn) -> ModuleSharder[torch.nn.Module]: ...
 
 
-class ServingParts(Protocol):
-    """How an instance serves its models (infer/, serve/)."""
-
-    def check_served(self, served: Any) -> None: ...
-
-    def serving_model(self, served: Any, seed: int, log: Log | None) -> tuple[torch.nn.Module, Any, JsonObject | None]:
-        """The model an instance will serve, with the server's seed: the model, `served` with any measured
-        choice resolved (the ranker's attention path), and that choice's record (None for none)."""
-        ...
-
-    def sample_library(self, served: Any, seed: int, samples: int) -> Any: ...
-
-    def library_from_arrays(self, arrays: dict[str, np.ndarray]) -> Any:
-        """Its sample library from the arrays of a snapshot (mapped, shared by every instance)."""
-        ...
-
-    def held_out(self, served: Any, library: Any, seed: int) -> Any:
-        """Samples beyond the served ones that a serving build's accuracy check scores."""
-        ...
-
-    def memory(self, served: Any) -> Any: ...
-
-    def count_columns(self, served: Any, counts: Any) -> Mapping[str, int | None]:
-        """A served query's row columns from what its instances counted of it (`BatchResult.counts`)."""
-        ...
-
-    def summarize_queries(
-        self, records: Sequence[Mapping[str, object]], ok: np.ndarray, samples: np.ndarray
-    ) -> Mapping[str, float | None]:
-        """Its summary columns of a point's query rows (`metrics.columns.QueryRow`s; `ok`: the completed ones;
-        `samples` per row)."""
-        ...
-
-    def make_fused(self, model: torch.nn.Module, *, precision: str, table_precision: str) -> torch.nn.Module: ...
-
-    def check_samples(self, block: Any) -> Any:
-        """Held-out samples as both models of a build's accuracy check score them."""
-        ...
-
-    def score(self, module: torch.nn.Module, samples: Any, precision: str, autocast: bool) -> np.ndarray:
-        """A build's scores (numpy) of held-out samples."""
-        ...
-
-    def make_runner(
-        self, model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float
-    ) -> Any: ...
-
-
-class ModelFamily(
-    FamilyTraits, PresetParts[SpecT], CostModel[SpecT], TrainingParts[SpecT], ServingParts, Protocol[SpecT]
-):
-    """What one model family provides, composed of its roles: its traits, its presets, its cost model, its training
-    and its serving (each generic in its typed preset, `SpecT`). The roles that speak in a higher room's types are
-    that room's (`model.cost.SampleCostParts`, `data.DataParts`, `data.streaming.StreamingParts`,
-    `train.preflight.TrainingChecks`): each asks for its role of the family of a spec, and each family is checked
-    against every role where it is defined."""
+class ModelFamily(FamilyTraits, PresetParts[SpecT], CostModel[SpecT], TrainingParts[SpecT], Protocol[SpecT]):
+    """What one model family provides, composed of its roles: its traits, its presets, its cost model and its
+    training (each generic in its typed preset, `SpecT`). The roles that speak in a higher room's types are that
+    room's (`model.cost.SampleCostParts`, `data.DataParts`, `data.streaming.StreamingParts`,
+    `train.preflight.TrainingChecks`, `infer.serving_parts.ServingParts`): each asks for its role of the family of a
+    spec, and each family is checked against every role where it is defined."""
 
 
 class HasSpec(Protocol[SpecOut]):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torchrec.distributed.types import ModuleSharder
 
     from dlrm_lab.data import DataParts
+    from dlrm_lab.infer.serving_parts import Served, ServingParts
     from dlrm_lab.model.cost import SampleCostParts
     from dlrm_lab.train.preflight import TrainingChecks
 
@@ -294,7 +295,7 @@ class DLRMFamily:
         return DatasetWriter(rows=rows, unit="samples", headline=headline, write=write)
 
     # ----- serving
-    def check_served(self, served: Any) -> None:
+    def check_served(self, served: Served[ModelSpec]) -> None:
         from dlrm_lab.data import resolve_data_spec
 
         if served.history_cache_mb:
@@ -306,7 +307,9 @@ class DLRMFamily:
 
             check_spec(served.checkpoint, served.spec.to_dict())
 
-    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
+    def serving_model(
+        self, served: Served[ModelSpec], seed: int, log: Any
+    ) -> tuple[Any, str | None, JsonObject | None]:
         import torch
 
         from dlrm_lab.model.dlrm import build_model
@@ -317,9 +320,9 @@ class DLRMFamily:
             from dlrm_lab.model.checkpoint import load_weights
 
             load_weights(model, served.checkpoint)
-        return model, served, None
+        return model, None, None
 
-    def sample_library(self, served: Any, seed: int, samples: int) -> Any:
+    def sample_library(self, served: Served[ModelSpec], seed: int, samples: int) -> Any:
         from dlrm_lab.infer.library import PackedLibrary
 
         return PackedLibrary.generate(served.spec, served.data_spec, seed, samples)
@@ -329,7 +332,7 @@ class DLRMFamily:
 
         return PackedLibrary(**arrays)
 
-    def held_out(self, served: Any, library: Any, seed: int) -> Any:
+    def held_out(self, served: Served[ModelSpec], library: Any, seed: int) -> Any:
         """A trained model's: its training run's own held-out samples, drawn again as that run drew them (the
         first of them are the ones its last evaluation scored); an untrained one's: its generator's samples
         beyond the served ones."""
@@ -340,16 +343,15 @@ class DLRMFamily:
         if not served.checkpoint:
             generator = synthetic_generator(served.spec, served.data_spec, seed=seed)
             return generator.samples(library.size, library.size + CHECK_SAMPLES)  # beyond the served samples
-        about = served.checkpoint.about
-        data = about["data"]
+        trained = served.checkpoint
+        data = trained.data
         if data != "synthetic" and not Path(data).exists():
             raise FieldError("checkpoint", f"{served.checkpoint.path}: its training data {data} is gone: the accuracy "
                              "rule scores that run's held-out samples")  # fmt: skip
         batch = 2048
         _, held_out = self.open_sources(served.spec, data, batch, rank=0, world_size=1,
-                                        eval_batches=-(-CHECK_SAMPLES // batch), data_spec=about.get("data_spec"),
-                                        overrides=tuple(about.get("data_overrides") or ()), seed=int(about["seed"]),
-                                        start_batch=0)  # fmt: skip
+                                        eval_batches=-(-CHECK_SAMPLES // batch), data_spec=trained.data_spec,
+                                        overrides=trained.data_overrides, seed=trained.seed, start_batch=0)  # fmt: skip
         return batches_to_block(held_out, CHECK_SAMPLES)
 
     def check_samples(self, block: Any) -> Any:
@@ -377,11 +379,12 @@ class DLRMFamily:
             with torch.autocast("cpu", dtype=DTYPES[precision], enabled=autocast):
                 return torch.sigmoid(module(dense, kjt).float()).numpy()
 
-    def memory(self, served: Any) -> Any:
+    def memory(self, served: Served[ModelSpec]) -> Any:
         """Tables at fp32 and at the served precision, the library's packed samples, one batch's
         activations per instance; making a fused build copies the model (TorchRec's quantize_embeddings) and
         fills one TBE at the table precision beside the fp32 tables: the parent's peak while it is chosen."""
-        from dlrm_lab.infer.memory import INSTANCE_RUNTIME_BYTES, ModelMemory, library_samples
+        from dlrm_lab.infer.memory import INSTANCE_RUNTIME_BYTES, library_samples
+        from dlrm_lab.infer.serving_parts import ModelMemory
         from dlrm_lab.model.cost import stored_table_bytes
 
         spec = served.spec
@@ -400,12 +403,12 @@ class DLRMFamily:
             build_peak=build_peak,
             snapshot=stored,
             library=int(per_sample * library_samples(served.max_batch, served.library_samples)),
-            per_instance=INSTANCE_RUNTIME_BYTES + dense + activations,
+            per_instance=int(INSTANCE_RUNTIME_BYTES + dense + activations),
             instances=served.instances,
-            device_per_instance=fp32 + stored + dense + activations,
+            device_per_instance=int(fp32 + stored + dense + activations),
         )
 
-    def count_columns(self, served: Any, counts: Any) -> dict[str, int | None]:
+    def count_columns(self, served: Served[ModelSpec], counts: Any) -> dict[str, int | None]:
         return {}  # nothing counted per query
 
     def summarize_queries(
@@ -457,5 +460,5 @@ def check_training_fits(spec: ModelSpec, cfg: Any, available_bytes: int | None =
 
 _FAMILY = DLRMFamily()
 FAMILY: ModelFamily[ModelSpec] = _FAMILY  # checked against the protocol here, and its rooms' roles below
-_ROLES: tuple[SampleCostParts[ModelSpec], DataParts[ModelSpec], TrainingChecks[ModelSpec]]
-_ROLES = (_FAMILY, _FAMILY, _FAMILY)
+_ROLES: tuple[SampleCostParts[ModelSpec], DataParts[ModelSpec], TrainingChecks[ModelSpec], ServingParts[ModelSpec]]
+_ROLES = (_FAMILY, _FAMILY, _FAMILY, _FAMILY)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from dlrm_lab.data import DataParts
     from dlrm_lab.data.streaming import StreamingParts
+    from dlrm_lab.infer.serving_parts import Served, ServingParts
     from dlrm_lab.model.cost import SampleCostParts
     from dlrm_lab.train.preflight import TrainingChecks
 
@@ -309,7 +310,7 @@ class HSTUFamily:
         return DatasetWriter(rows=rows, unit="requests", headline=headline, write=write)
 
     # ----- serving
-    def check_served(self, served: Any) -> None:
+    def check_served(self, served: Served[HSTUSpec]) -> None:
         from dlrm_lab.infer.build import AUTO
 
         if served.build not in (AUTO, *self.builds):
@@ -330,11 +331,9 @@ class HSTUFamily:
 
             check_spec(served.checkpoint, served.spec.to_dict(), ignore=("data",))
 
-    def serving_model(self, served: Any, seed: int, log: Any) -> tuple[Any, Any, JsonObject | None]:
+    def serving_model(self, served: Served[HSTUSpec], seed: int, log: Any) -> tuple[Any, str | None, JsonObject | None]:
         """The ranker with its attention path (`auto`: both timed over the first requests the model will
-        serve, forward only): the model, `served` with the path resolved, and the timing's record."""
-        from dataclasses import replace
-
+        serve, forward only): the model, the path, and the timing's record."""
         import torch
 
         from dlrm_lab.infer.requests import SERVED_WINDOW
@@ -344,16 +343,15 @@ class HSTUFamily:
         choice = choose_attention(served.attention, served.spec, min(served.max_batch, ATTENTION_BATCH),
                                   torch.device("cpu"), seed, backward=False, window=SERVED_WINDOW)  # fmt: skip
         log(f"{served.name}: attention {choice.reason}")
-        served = replace(served, attention=choice.path)
         torch.manual_seed(seed)
-        model = build_ranker(served.spec, attention=served.attention).eval()
+        model = build_ranker(served.spec, attention=choice.path).eval()
         if served.checkpoint:
             from dlrm_lab.model.checkpoint import load_weights
 
             load_weights(model, served.checkpoint)
-        return model, served, choice.to_dict()
+        return model, choice.path, choice.to_dict()
 
-    def sample_library(self, served: Any, seed: int, samples: int) -> Any:
+    def sample_library(self, served: Served[HSTUSpec], seed: int, samples: int) -> Any:
         from dlrm_lab.infer.requests import RequestLibrary
 
         return RequestLibrary.generate(served.spec, seed, samples)
@@ -363,14 +361,14 @@ class HSTUFamily:
 
         return RequestLibrary(arrays)
 
-    def held_out(self, served: Any, library: Any, seed: int) -> Any:
+    def held_out(self, served: Served[HSTUSpec], library: Any, seed: int) -> Any:
         """An untrained ranker's: the training window's first requests (the library is the evaluation
         window's); a trained one's: the evaluation window of the requests it was trained on (its seed)."""
         from dlrm_lab.data.sequences import SequenceGenerator
         from dlrm_lab.infer.accuracy import CHECK_REQUESTS
 
         if served.checkpoint:
-            generator = SequenceGenerator(served.spec.data, seed=int(served.checkpoint.about["seed"]))
+            generator = SequenceGenerator(served.spec.data, seed=served.checkpoint.seed)
             return generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("eval")), "eval")
         generator = SequenceGenerator(served.spec.data, seed=seed)
         return generator.requests(0, min(CHECK_REQUESTS, generator.num_requests("train")), "train")
@@ -395,11 +393,12 @@ class HSTUFamily:
                 parts.append(torch.sigmoid(score_requests(module, block, None)[0].float()).numpy())
         return np.concatenate(parts)
 
-    def memory(self, served: Any) -> Any:
+    def memory(self, served: Served[HSTUSpec]) -> Any:
         """A request's history and candidates in the library (ids, actions, ages, labels; `infer.requests`),
         the activations of the largest batch (every layer's tokens at width D, its u/v/q/k, and the [H, N, N]
         attention of the padded path), and the history cache of each instance."""
-        from dlrm_lab.infer.memory import INSTANCE_RUNTIME_BYTES, ModelMemory, library_samples
+        from dlrm_lab.infer.memory import INSTANCE_RUNTIME_BYTES, library_samples
+        from dlrm_lab.infer.serving_parts import ModelMemory
         from dlrm_lab.model.cost import stored_table_bytes
 
         spec, d = served.spec, served.spec.shape.stu
@@ -422,7 +421,7 @@ class HSTUFamily:
 
     query_counts = ("history_reused", "history_tokens_reused")  # per query, from `RequestRunner.counts`
 
-    def count_columns(self, served: Any, counts: Any) -> dict[str, int | None]:
+    def count_columns(self, served: Served[HSTUSpec], counts: Any) -> dict[str, int | None]:
         """With history reuse: how many of the query's requests reused a cached history, and their tokens
         (0 for a query never served); null without reuse."""
         on = served.history_cache_mb > 0
@@ -496,5 +495,5 @@ def check_ranker_fits(spec: HSTUSpec, cfg: Any, available_bytes: int | None = No
 
 _FAMILY = HSTUFamily()
 FAMILY: ModelFamily[HSTUSpec] = _FAMILY  # checked against the protocol here, and its rooms' roles below
-_ROLES: tuple[SampleCostParts[HSTUSpec], DataParts[HSTUSpec], TrainingChecks[HSTUSpec], StreamingParts[HSTUSpec]]
-_ROLES = (_FAMILY, _FAMILY, _FAMILY, _FAMILY)
+_ROLES: tuple[SampleCostParts[HSTUSpec], DataParts[HSTUSpec], TrainingChecks[HSTUSpec]] = (_FAMILY, _FAMILY, _FAMILY)
+_SERVING_ROLES: tuple[StreamingParts[HSTUSpec], ServingParts[HSTUSpec]] = (_FAMILY, _FAMILY)

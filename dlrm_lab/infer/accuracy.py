@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.infer.serving_parts import serving_of
 
 FP32_SCORE_TOLERANCE = 1e-5  # an fp32 build's scores against the eager model's
 AUC_RELATIVE_TOLERANCE = 1e-3  # a reduced-precision build's AUC against fp32's (MLPerf: 99.9% of the reference)
@@ -30,7 +30,7 @@ def score_build(module: nn.Module, samples: Any, precision: str) -> np.ndarray:
     SampleBlock in one batch as an instance assembles it; the HSTU ranker: one per candidate of a
     RequestBlock's requests); the eager model under autocast below fp32."""
     autocast = precision != "fp32" and getattr(module, "served_precision", None) is None
-    return family_of(module.spec).score(module, samples, precision, autocast)
+    return serving_of(module.spec).score(module, samples, precision, autocast)
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -138,7 +138,7 @@ def check_accuracy(
     the AUCs on the samples' own labels are recorded beside them either way."""
     if labels not in LABELS:
         raise ValueError(f"labels {labels!r}: one of {', '.join(LABELS)}")
-    packed = family_of(model.spec).check_samples(block)  # once, for both models
+    packed = serving_of(model.spec).check_samples(block)  # once, for both models
     reference = score_build(model, packed, "fp32")
     # the eager build at fp32 is the reference itself: its scores are not computed twice (the ranker's take seconds)
     scores = reference if module is model and precision == "fp32" else score_build(module, packed, precision)

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.metrics.precision import DTYPES
@@ -125,14 +124,6 @@ def pad_batch(dense: torch.Tensor, kjt: Any, size: int) -> tuple[torch.Tensor, A
     padded = torch.cat([lengths, lengths.new_zeros(len(kjt.keys()), size - n)], dim=1).flatten()
     dense = torch.cat([dense, dense.new_zeros(size - n, dense.shape[1])])
     return dense, KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values(), lengths=padded)
-
-
-def make_runner(
-    model: torch.nn.Module, library: Any, device: torch.device, precision: str, history_cache_mb: float = 0.0
-) -> Any:
-    """The batch runner of a build: the HSTU ranker's (`history_cache_mb`: its history reuse), a fused or
-    compiled DLRM, or the eager DLRM."""
-    return family_of(model.spec).make_runner(model, library, device, precision, history_cache_mb)
 
 
 def _ms(seconds: float | None) -> float | None:

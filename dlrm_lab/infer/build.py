@@ -31,8 +31,9 @@ from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
-from dlrm_lab.infer.batches import QueryRef, make_runner, next_samples
+from dlrm_lab.infer.batches import QueryRef, next_samples
 from dlrm_lab.infer.builds import build_named, builds
+from dlrm_lab.infer.serving_parts import make_runner
 
 AUTO = "auto"
 MARGIN = 1.05  # a build must be this much faster than the next simpler one to be chosen (beyond timing noise)
@@ -118,7 +119,7 @@ def time_builds(
                     r([QueryRef(-1, n, starts[rep * len(sizes) + i])])
                     times[b][n].append((time.perf_counter() - t) * 1e3)
                     if b == "fused" and n == max(sizes) and r.stages is not None:
-                        dense.append(r.stages[2] + (r.stages[3] or 0.0))
+                        dense.append((r.stages[2] or 0.0) + (r.stages[3] or 0.0))
         out = {b: {n: statistics.median(v) for n, v in per.items()} for b, per in times.items()}
         for b, per in times.items():  # how noisy the machine was: the interquartile range over the median, largest
             ordered = sorted(per[max(sizes)])

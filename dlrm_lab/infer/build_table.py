@@ -24,6 +24,7 @@ from dlrm_lab.infer.memory import library_samples
 from dlrm_lab.infer.records import batch_roof
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
 
@@ -80,9 +81,11 @@ def compare_builds(
     precision = choice.precision
     say(f"{served.name}: {choice.line}")
     served = replace(served, precision=precision, max_batch=max(served.max_batch, max(sizes)))
-    model, served, _ = family.serving_model(served, seed, say)
+    serving = serving_of(served.spec)
+    model, attention, _ = serving.serving_model(served, seed, say)
+    served = served if attention is None else replace(served, attention=attention)
     library = generate_library(served, seed, library_samples(served.max_batch, served.library_samples))
-    held_out = family.held_out(served, library, seed)
+    held_out = serving.held_out(served, library, seed)
     made = BuildSet(model, precision, served.table_precision)
     rows: list[BuildRow] = []
     timed = []

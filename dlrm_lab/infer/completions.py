@@ -20,12 +20,12 @@ from typing import Any, NamedTuple, TypedDict, cast
 
 import numpy as np
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.instance import CANARY, TRACE, BatchResult
 from dlrm_lab.infer.instance_processes import InstanceProcesses
 from dlrm_lab.infer.pools import Pool
 from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.infer.sut import Query, Stall, finishing_together, query_row
 from dlrm_lab.metrics.columns import BATCH_STAGES, QueryRow
 
@@ -157,7 +157,7 @@ class QueryRecords:
             instance=instance,
             batch_compute_ms=batch_compute_ms,
             batch_expected_ms=batch_expected_ms,
-            **family_of(served.spec).count_columns(served, q.counts),  # what the model's family counted of it
+            **serving_of(served.spec).count_columns(served, q.counts),  # what the model's family counted of it
             batch_start_ms=None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
             **{
                 f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]

@@ -38,13 +38,14 @@ import torch
 from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import end_with_parent
-from dlrm_lab.infer.batches import QueryRef, make_runner
+from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.builds import build_named
-from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.infer.library import LoadedSamples
+from dlrm_lab.infer.serving_parts import make_runner, serving_of
 from dlrm_lab.metrics.canary import Canary
 
 if TYPE_CHECKING:
-    from dlrm_lab.infer.requests import RequestLibrary
+    pass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # what an idle instance holds while it waits (`IdleHold`)
@@ -122,7 +123,7 @@ def remove_stale_snapshots(base: Path | None = None) -> list[Path]:
     return removed
 
 
-def write_snapshot(directory: Path, model: torch.nn.Module, library: PackedLibrary | RequestLibrary) -> int:
+def write_snapshot(directory: Path, model: torch.nn.Module, library: LoadedSamples) -> int:
     """Write the model as served (its build, `infer.build`: tables already quantised on CPU; on GPU each
     instance quantises on its device) and the sample library for instances to map; returns bytes."""
     directory.mkdir(parents=True, exist_ok=False)
@@ -131,11 +132,11 @@ def write_snapshot(directory: Path, model: torch.nn.Module, library: PackedLibra
     return sum(p.stat().st_size for p in directory.iterdir())
 
 
-def map_library(directory: Path, spec: Any) -> Any:
+def map_library(directory: Path, spec: Any) -> LoadedSamples:
     """The sample library of a snapshot of `spec`'s model, of its family's kind (a PackedLibrary, an HSTU
     RequestLibrary), mapped: every process that maps it shares its pages."""
     arrays = torch.load(directory / LIBRARY_FILE, mmap=True)
-    return family_of(spec).library_from_arrays({k: v.numpy() for k, v in arrays.items()})
+    return serving_of(spec).library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
 # ----------------------------------------------------------------------------- process

@@ -39,6 +39,18 @@ class LoadedSamples:
     def size(self) -> int:
         raise NotImplementedError
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Its arrays by name: what a snapshot writes and an instance maps back (`library_from_arrays`)."""
+        raise NotImplementedError
+
+    def output_counts(self, offset: int, size: int) -> np.ndarray:
+        """Scores each of `size` samples from `offset` yields (one a sample; the ranker's: one a candidate)."""
+        raise NotImplementedError
+
+    def block(self, offset: int, size: int) -> Any:
+        """Samples [offset, offset + size) as its family's block (`data.SampleBlock`, `data.RequestBlock`)."""
+        raise NotImplementedError
+
     @property
     def nbytes(self) -> int:
         """The memory its arrays hold (a copy of it costs as much)."""

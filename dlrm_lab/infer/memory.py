@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import UserError
+from dlrm_lab.infer.serving_parts import ModelMemory, Served, serving_of
 
 # Private memory of an idle instance process (USS: torch, torchrec and fbgemm loaded), as
 # measured with the tiny preset on 2026-11-23 (268 MB), rounded up.
@@ -34,32 +33,14 @@ INSTANCE_RUNTIME_BYTES = 320 << 20
 GiB = float(1 << 30)
 
 
-@dataclass(frozen=True)
-class ModelMemory:
-    """Bytes one served model needs (host RAM unless `device_per_instance`)."""
-
-    name: str
-    fp32_tables: int
-    snapshot: int
-    library: int
-    per_instance: int  # private host memory of one instance
-    instances: int
-    device_per_instance: int  # on a GPU: device memory of one instance
-    build_peak: int = 0  # while the parent makes and times its serving build (0: its fp32 tables)
-
-    @property
-    def steady(self) -> int:
-        return self.snapshot + self.library + self.instances * self.per_instance
-
-
 def library_samples(max_batch: int, library_samples: int = 0) -> int:
     """Samples in a served model's sample library (the server's rule)."""
     return library_samples or max(8192, 16 * min(max_batch, 4096))
 
 
-def model_memory(served: Any) -> ModelMemory:
+def model_memory(served: Served[Any]) -> ModelMemory:
     """What `served` (an `infer.served.ServedModel`) needs, from its spec alone."""
-    return family_of(served.spec).memory(served)
+    return serving_of(served.spec).memory(served)
 
 
 def check_fits(

@@ -22,19 +22,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
+from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.metrics.cpu import usable_cores
 from dlrm_lab.metrics.precision import choose_precision
 
 if TYPE_CHECKING:
-    from dlrm_lab.infer.library import PackedLibrary
-    from dlrm_lab.infer.requests import RequestLibrary
+    from dlrm_lab.infer.library import LoadedSamples
 
 Log = Callable[[str], None]
 
@@ -46,7 +45,7 @@ class ServingPlan:
     models: dict[str, ServedModel]  # as served: no `auto` left
     modules: dict[str, torch.nn.Module] = field(default_factory=dict)  # the build each model's instances serve
     # each model's sample library (`generate_library`: of its family's kind)
-    libraries: dict[str, PackedLibrary | RequestLibrary] = field(default_factory=dict)
+    libraries: dict[str, LoadedSamples] = field(default_factory=dict)
     precision_choices: dict[str, JsonObject] = field(default_factory=dict)  # per model: what and why (manifest)
     device: str = "cpu"
     seed: int = 0
@@ -103,7 +102,9 @@ class Planner:
     def _build(self, m: ServedModel) -> torch.nn.Module:
         """The served model with the server's seed, as its family builds it (the HSTU ranker with its attention
         path: `auto` times both over the first requests the model will serve, forward only)."""
-        model, self.models[m.name], chosen = family_of(m.spec).serving_model(m, self.seed, self.log)
+        model, attention, chosen = serving_of(m.spec).serving_model(m, self.seed, self.log)
+        if attention is not None:
+            self.models[m.name] = replace(m, attention=attention)
         if chosen is not None:
             self.precision_choices[m.name]["attention_choice"] = chosen
         return model
@@ -111,7 +112,7 @@ class Planner:
     def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
         """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
         once; recorded with the precision choice."""
-        held_out = family_of(m.spec).held_out(m, library, self.seed)
+        held_out = serving_of(m.spec).held_out(m, library, self.seed)
         if not m.checkpoint:
             self.log(
                 f"{m.name}: no --checkpoint: serving an untrained model, its builds' accuracy judged on labels "

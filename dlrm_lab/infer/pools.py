@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.batching import BatchClock
-from dlrm_lab.infer.library import PackedLibrary
-from dlrm_lab.infer.requests import RequestLibrary
+from dlrm_lab.infer.library import LoadedSamples, PackedLibrary
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import Query
 
@@ -19,7 +18,7 @@ from dlrm_lab.infer.sut import Query
 @dataclass
 class Pool:
     served: ServedModel
-    library: PackedLibrary | RequestLibrary  # mapped from the snapshot the instances map
+    library: LoadedSamples  # mapped from the snapshot the instances map
     cond: threading.Condition = field(default_factory=threading.Condition)
     waiting: collections.deque = field(default_factory=collections.deque)
     waiting_samples: int = 0

@@ -11,8 +11,8 @@ from typing import cast
 import numpy as np
 
 from dlrm_lab.config import ModelSpec
-from dlrm_lab.config.family import families
 from dlrm_lab.infer.requests import SERVED_WINDOW
+from dlrm_lab.infer.serving_parts import every_serving
 from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGES, InferSummaryRow, QueryRow
 from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.stats import percentile
@@ -260,8 +260,8 @@ def _remote_latency_parts(record: QueryRow, roof_ms: float | None, out: QueryRow
 def _family_summaries(records: list[QueryRow], ok: np.ndarray, samples: np.ndarray) -> InferSummaryRow:
     """Every family's own summary columns (null where its query columns are absent: another family's rows)."""
     out = InferSummaryRow()
-    for family in families().values():
-        out.update(family.summarize_queries(records, ok, samples))
+    for serving in every_serving():
+        out.update(serving.summarize_queries(records, ok, samples))
     return out
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.library import LoadedSamples
+from dlrm_lab.infer.serving_parts import Served, serving_of
 
 REQUEST_ARRAYS = (
     "user",
@@ -154,6 +154,6 @@ class RequestLibrary(LoadedSamples):
         )
 
 
-def generate_library(served: Any, seed: int, samples: int) -> Any:
+def generate_library(served: Served[Any], seed: int, samples: int) -> LoadedSamples:
     """A served model's sample library, of its family's kind."""
-    return family_of(served.spec).sample_library(served, seed, samples)
+    return serving_of(served.spec).sample_library(served, seed, samples)

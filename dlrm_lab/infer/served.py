@@ -9,6 +9,7 @@ from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.instance import IDLE_HOLDS, PRECISIONS
+from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.tables import TABLE_PRECISIONS
 from dlrm_lab.metrics.columns import InferSummaryRow
@@ -93,7 +94,7 @@ class ServedModel:
             raise FieldError("history_cache_mb", f"{self.history_cache_mb!r}: must be in [0, 1e7] MB")
         if self.build not in (AUTO, *build_names()):
             raise FieldError("build", f"{self.build!r}: allowed: {AUTO}, {', '.join(build_names())}")
-        family_of(self.spec).check_served(self)
+        serving_of(self.spec).check_served(self)
 
     def describe(self) -> InferSummaryRow:
         """How it is served, as its summary rows' columns (and the run manifest's record of it)."""

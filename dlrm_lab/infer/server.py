@@ -50,7 +50,7 @@ from dlrm_lab.infer.instance import (
     write_snapshot,
 )
 from dlrm_lab.infer.instance_processes import InstanceProcesses, LostInstance
-from dlrm_lab.infer.library import PackedLibrary, payload_for
+from dlrm_lab.infer.library import LoadedSamples, PackedLibrary, payload_for
 from dlrm_lab.infer.placement import Placement, pin_threads, place_instances, spare_cores, unpin_threads
 from dlrm_lab.infer.plan import ServingPlan, plan_serving
 from dlrm_lab.infer.pools import Pool, drop_expired
@@ -315,7 +315,7 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ serving
 
-    def library(self, model: str) -> PackedLibrary | RequestLibrary:
+    def library(self, model: str) -> LoadedSamples:
         return self._pools[model].library
 
     def describe(self) -> SutDescription:

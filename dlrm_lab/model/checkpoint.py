@@ -60,6 +60,23 @@ class TrainedCheckpoint:
         """The last evaluation trained.json records (an object or null: `sidecar_problem`); {} where none."""
         return cast("JsonObject | None", self.about.get("eval")) or {}
 
+    # what the run trained on, as `sidecar_problem` checked it when read: the held-out samples are drawn again from it
+    @property
+    def data(self) -> str:
+        return cast(str, self.about["data"])  # 'synthetic' or the training data's path
+
+    @property
+    def seed(self) -> int:
+        return cast(int, self.about["seed"])
+
+    @property
+    def data_spec(self) -> str | None:
+        return cast("str | None", self.about.get("data_spec"))
+
+    @property
+    def data_overrides(self) -> tuple[str, ...]:
+        return tuple(cast("list[str] | None", self.about.get("data_overrides")) or ())
+
     @property
     def held_out_auc(self) -> float | None:
         return cast("float | None", self.last_eval.get("auc"))  # a number in [0, 1] or null (`sidecar_problem`)

@@ -115,7 +115,7 @@ def lookup_bytes_per_sample(spec: Spec, table_precision: str = "fp32") -> float:
     )
 
 
-def stored_table_bytes(spec: ModelSpec, table_precision: str = "fp32") -> float:
+def stored_table_bytes(spec: Spec, table_precision: str = "fp32") -> float:
     """Bytes of every table of `spec` stored at `table_precision`."""
     return float(sum(t.num_embeddings * row_bytes(t.embedding_dim, table_precision) for t in spec.tables))
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from dlrm_lab.config.family import family_of
 from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, GRAPH, AOTIBuild, export_whole
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
+from dlrm_lab.infer.serving_parts import serving_of
 
 CALIBRATION_SAMPLES = 2048  # observed, in batches of CALIBRATION_BATCH, before the scales are fixed
 CALIBRATION_BATCH = 256
@@ -91,7 +91,7 @@ class AOTIInt8Build(AOTIBuild):
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         if why := torchao_missing():
             raise RuntimeError(why)
-        module = family_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
+        module = serving_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
         return self.packaged(
             module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES], "graph": GRAPH}
         )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlrm_lab.config.family import family_of
+from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.infer.tables import quantize_tables
 from dlrm_lab.metrics.precision import DTYPES
 
@@ -159,7 +159,7 @@ class FusedBuild:
     weight_precision = None
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
-        return family_of(model.spec).make_fused(model, precision=precision, table_precision=table_precision).eval()
+        return serving_of(model.spec).make_fused(model, precision=precision, table_precision=table_precision).eval()
 
     def skip(self, base_dense_ms: float | None) -> str | None:
         return None
