@@ -62,14 +62,14 @@ def plan_serving(
     if warning := check_cores(list(planner.models.values()), usable, device):
         planner.log(warning)
     check_fits(planner.models.values(), device=device)
-    planner._choose_precisions()
+    planner.choose_precisions()
     for name in list(planner.models):
         m = planner.models[name]
         # the one sample library of this model: generated here, snapshotted and mapped by the server's instances
         library = generate_library(m, seed, library_samples(m.max_batch, m.library_samples))
-        module = planner._build(m)
+        module = planner.build_model(m)
         m = planner.models[name]  # with its attention path resolved (the HSTU ranker)
-        planner.plan.modules[name] = planner._serving_build(m, module, library)
+        planner.plan.modules[name] = planner.serving_build(m, module, library)
         planner.plan.libraries[name] = library
     return planner.plan
 
@@ -82,7 +82,7 @@ class Planner:
         self.models, self.precision_choices = self.plan.models, self.plan.precision_choices
         self.device, self.seed, self.log = device, seed, log or (lambda _msg: None)
 
-    def _choose_precisions(self) -> None:
+    def choose_precisions(self) -> None:
         """Resolve `auto` by measurement at each model's instance threads and batch size;
         warn about an explicit precision that measures slower than fp32."""
         for name, m in list(self.models.items()):
@@ -99,7 +99,7 @@ class Planner:
             self.precision_choices[name] = choice.to_dict()
             self.models[name] = replace(m, precision=choice.precision)
 
-    def _build(self, m: ServedModel) -> torch.nn.Module:
+    def build_model(self, m: ServedModel) -> torch.nn.Module:
         """The served model with the server's seed, as its family builds it (the HSTU ranker with its attention
         path: `auto` times both over the first requests the model will serve, forward only)."""
         model, attention, chosen = serving_of(m.spec).serving_model(m, self.seed, self.log)
@@ -109,7 +109,7 @@ class Planner:
             self.precision_choices[m.name]["attention_choice"] = chosen
         return model
 
-    def _serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
+    def serving_build(self, m: ServedModel, model: torch.nn.Module, library: Any) -> torch.nn.Module:
         """The inference form of the model its instances serve (`infer.build`), chosen and checked here,
         once; recorded with the precision choice."""
         held_out = serving_of(m.spec).held_out(m, library, self.seed)
