@@ -96,8 +96,10 @@ def main() -> None:
         ratio = estimate(kept)
         paired[metric] = {"median": ratio.median, "ci_low": ratio.ci_low, "ci_high": ratio.ci_high,
                           "rounds": len(kept), "left_out": opts.rounds - len(kept)}  # fmt: skip
-        print(f"head / base, {command} {metric}: {ratio.median} [{ratio.ci_low}, {ratio.ci_high}] over {len(kept)} "
-              f"rounds paired in time ({opts.rounds - len(kept)} left out: canaries over {CANARY_APART:.0%} apart)")
+        print(
+            f"head / base, {command} {metric}: {ratio.median} [{ratio.ci_low}, {ratio.ci_high}] over {len(kept)} "
+            f"rounds paired in time ({opts.rounds - len(kept)} left out: canaries over {CANARY_APART:.0%} apart)"
+        )
     ratios = {m: statistics.median(figures["head"][m]) / statistics.median(figures["base"][m])
               for m in ("samples_per_s", "latency_p99_ms")}  # fmt: skip
     print(

@@ -31,7 +31,7 @@ from dlrm_lab.config import TrainConfig
 from dlrm_lab.data import ParquetSource, synthetic_generator
 from dlrm_lab.data.parquet import write_dataset
 from dlrm_lab.data.source import SyntheticSource
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 
 def generation_rate(preset: str, samples: int, max_rows: int | None) -> float:
@@ -62,7 +62,7 @@ def parquet_rates(preset: str, samples: int, max_rows: int | None, tmp: Path) ->
 def loader_share(data: str, prefetch: int, steps: int) -> dict[str, Any]:
     model = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
     cfg = TrainConfig(steps=steps, batch_size=2048, precision="bf16", data=data, prefetch=prefetch, eval_batches=1)
-    s = train(model, cfg).summary
+    s = train(preflight(model, cfg)).summary
     return {"data_wait_share": s["data_wait_share"], "samples_per_s": s["samples_per_s"]}
 
 

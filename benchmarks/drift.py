@@ -25,7 +25,7 @@ import dlrm_lab
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.metrics.canary import CANARY_ENV
 from dlrm_lab.report.compare import compare
-from dlrm_lab.train import loop, train
+from dlrm_lab.train import loop, preflight, train
 
 SLOWDOWN = 0.15
 
@@ -40,7 +40,7 @@ def run(spec: Any, cfg: TrainConfig, where: Path, sleep_s: float = 0.0) -> dict[
 
     loop.train_step = slowed if sleep_s else real
     try:
-        return train(spec, cfg, metrics_dir=str(where)).summary
+        return train(preflight(spec, cfg), metrics_dir=str(where)).summary
     finally:
         loop.train_step = real
 

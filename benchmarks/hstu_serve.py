@@ -37,7 +37,7 @@ from dlrm_lab.data.sequences import with_overrides
 from dlrm_lab.infer.history import reuse_accuracy
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.model.hstu import build_ranker
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 SHAPE = ["users=100", "timestamps=20", "train_timestamps=16", "warmup_timestamps=2", "interactions_mean=4",
          "interactions_sd=1", "candidates=32", "max_history=256"]  # fmt: skip
@@ -65,7 +65,9 @@ def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def reuse_accuracy_case() -> dict[str, Any]:
     spec = with_overrides(load_any_preset("hstu-tiny"), ["max_history=256"])
-    result = train(spec, TrainConfig(steps=400, batch_size=32, eval_every=400, eval_batches=16), keep_model=True)
+    result = train(
+        preflight(spec, TrainConfig(steps=400, batch_size=32, eval_every=400, eval_batches=16)), keep_model=True
+    )
     ranker = build_ranker(spec).eval()
     ranker.load_state_dict(plain_state(result.model))
     library = RequestLibrary.generate(spec, 0, 100_000)

@@ -28,7 +28,7 @@ from common import header, results_path, write_results
 
 from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.data.sequences import with_overrides
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 KEEP = ("samples_per_s", "step_time_ms_mean", "eval_auc", "teacher_auc", "flops_per_sample", "achieved_flops_per_s",
         "roofline_fraction", "roofline_bound_by", "loss_first", "loss_last")  # fmt: skip
@@ -37,7 +37,7 @@ KEEP = ("samples_per_s", "step_time_ms_mean", "eval_auc", "teacher_auc", "flops_
 def run_case(name: str, preset: str, overrides: list[str], cfg: TrainConfig, **scaling: Any) -> dict[str, Any]:
     spec = with_overrides(load_any_preset(preset, **scaling), overrides)
     t0 = time.perf_counter()
-    result = train(spec, cfg)
+    result = train(preflight(spec, cfg))
     out = {k: result.summary.get(k) for k in KEEP}
     out.update(name=name, preset=preset, set=overrides, scaling=scaling, wall_s=time.perf_counter() - t0,
                batch_size=cfg.batch_size, steps=cfg.steps, mean_history=spec.mean_history,

@@ -74,8 +74,12 @@ class Buckets:
         for n in sizes:
             whole = WholeBatch(fused).eval()
             with torch.no_grad():
-                exported = torch.export.export(whole, example_batch(fused, n), strict=False,
-                                               dynamic_shapes=(None, {0: torch.export.Dim("ids", min=0)}, None, None))
+                exported = torch.export.export(
+                    whole,
+                    example_batch(fused, n),
+                    strict=False,
+                    dynamic_shapes=(None, {0: torch.export.Dim("ids", min=0)}, None, None),
+                )
             path = directory / f"bucket-{n}.pt2"
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=TUNED)
             self.runs[n] = torch._inductor.aoti_load_package(str(path)).loader.run
@@ -143,16 +147,25 @@ def points_part(duration: str, repeats: int) -> dict[str, Any]:
                 keep = {k: row.get(k) for k in ("build", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio",
                                                 "batch_fixed_ms", "batch_per_sample_us", "queries")}  # fmt: skip
                 rows[b].append(keep)
-                print(f"  --build {b} ({keep['build']}): p99 {keep['sla_latency_ms']:.2f} ms, floor "
-                      f"{keep['latency_floor_ms']:.3f} ms, {keep['latency_floor_ratio']:.2f}x; batch "
-                      f"{keep['batch_fixed_ms']:.3f} ms + {keep['batch_per_sample_us']:.2f} us", flush=True)
+                print(
+                    f"  --build {b} ({keep['build']}): p99 {keep['sla_latency_ms']:.2f} ms, floor "
+                    f"{keep['latency_floor_ms']:.3f} ms, {keep['latency_floor_ratio']:.2f}x; batch "
+                    f"{keep['batch_fixed_ms']:.3f} ms + {keep['batch_per_sample_us']:.2f} us",
+                    flush=True,
+                )
     return {b: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
             for b, r in rows.items()}  # fmt: skip
 
 
-IDLE_ROUTES = {"none": [], "keep-warm 10 ms": ["--keep-warm-ms", "10"], "spin": ["--spin-ms", "1000"],
-               "cpu-latency": ["--idle-hold", "cpu-latency"], "lock-tables": ["--idle-hold", "lock-tables"],
-               "keep-memory": ["--idle-hold", "keep-memory"], "halt-poll": ["--idle-hold", "halt-poll"]}
+IDLE_ROUTES = {
+    "none": [],
+    "keep-warm 10 ms": ["--keep-warm-ms", "10"],
+    "spin": ["--spin-ms", "1000"],
+    "cpu-latency": ["--idle-hold", "cpu-latency"],
+    "lock-tables": ["--idle-hold", "lock-tables"],
+    "keep-memory": ["--idle-hold", "keep-memory"],
+    "halt-poll": ["--idle-hold", "halt-poll"],
+}
 
 
 def idle_part(duration: str, repeats: int, names: list[str]) -> dict[str, Any]:
@@ -172,8 +185,11 @@ def idle_part(duration: str, repeats: int, names: list[str]) -> dict[str, Any]:
                 keep = {k: row.get(k) for k in ("build", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio",
                                                 "queries", "idle_hold", "spin_ms", "keep_warm_ms")}  # fmt: skip
                 rows[route].append(keep)
-                print(f"  {route}: p99 {keep['sla_latency_ms']:.2f} ms, floor {keep['latency_floor_ms']:.3f} ms, "
-                      f"{keep['latency_floor_ratio']:.2f}x ({keep['build']})", flush=True)
+                print(
+                    f"  {route}: p99 {keep['sla_latency_ms']:.2f} ms, floor {keep['latency_floor_ms']:.3f} ms, "
+                    f"{keep['latency_floor_ratio']:.2f}x ({keep['build']})",
+                    flush=True,
+                )
     return {r: {"runs": v, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in v)}
             for r, v in rows.items()}  # fmt: skip
 

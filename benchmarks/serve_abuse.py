@@ -50,8 +50,10 @@ OIP_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 # runs a command at most N file descriptors, hard and soft: python -c FD_LIMITED N COMMAND...
-FD_LIMITED = ("import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
-              "os.execv(sys.argv[2], sys.argv[2:])")
+FD_LIMITED = (
+    "import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def start_server(metrics_dir: Path, fd_limit: int | None = None) -> tuple[subprocess.Popen[str], str, dict[str, int]]:
@@ -108,9 +110,14 @@ def held_connections(proc: Any, target: str, block: Any, want: bytes, ports: dic
     finally:
         for s in held:
             s.close()
-    return {"connections": 3 * n, "before": before, "during": during, "answered_while_held": answered,
-            "rss_growth_mb": during["rss_mb"] - before["rss_mb"],
-            "thread_growth": during["threads"] - before["threads"]}
+    return {
+        "connections": 3 * n,
+        "before": before,
+        "during": during,
+        "answered_while_held": answered,
+        "rss_growth_mb": during["rss_mb"] - before["rss_mb"],
+        "thread_growth": during["threads"] - before["threads"],
+    }
 
 
 def one_maximal_body(target: str, block: Any, ports: dict[str, int], queries: int = 200) -> dict[str, Any]:
@@ -334,15 +341,21 @@ def main() -> None:
                  and limited["served_the_client_it_had"],
                  "quiet_stop": limited["exit_code"] == 0 and not limited["traceback_after_stop"]}  # fmt: skip
     results["b_targets"] = b_targets
-    print(f"{held['connections']:,} idle and slow connections held: RSS +{held['rss_growth_mb']:.0f} MB, threads "
-          f"+{held['thread_growth']}, a query answered meanwhile: {held['answered_while_held']}")
-    print(f"a {body['body_mb']:.0f} MB JSON body (HTTP {body['body_status']}, {body['body_seconds']:.1f} s): small "
-          f"gRPC queries p50 {body['alone_p50_ms']:.2f} ms alone, {body['during_p50_ms']:.2f} ms during it, worst "
-          f"{body['during_max_ms']:.1f} ms (delay {body['worst_delay_ms']:.1f} ms)")
-    print(f"at {limited['fd_limit']} descriptors ({limited['per_protocol']} connections a protocol), flooded: a late "
-          f"REST client got {limited['late_http_answer']!r}, gRPC closed {limited.get('grpc_closed', 0)} past its "
-          f"share, the client it had served: {limited['served_the_client_it_had']}; SIGTERM with the flood open: "
-          f"exit {limited['exit_code']}, traceback after: {limited['traceback_after_stop']}")
+    print(
+        f"{held['connections']:,} idle and slow connections held: RSS +{held['rss_growth_mb']:.0f} MB, threads "
+        f"+{held['thread_growth']}, a query answered meanwhile: {held['answered_while_held']}"
+    )
+    print(
+        f"a {body['body_mb']:.0f} MB JSON body (HTTP {body['body_status']}, {body['body_seconds']:.1f} s): small "
+        f"gRPC queries p50 {body['alone_p50_ms']:.2f} ms alone, {body['during_p50_ms']:.2f} ms during it, worst "
+        f"{body['during_max_ms']:.1f} ms (delay {body['worst_delay_ms']:.1f} ms)"
+    )
+    print(
+        f"at {limited['fd_limit']} descriptors ({limited['per_protocol']} connections a protocol), flooded: a late "
+        f"REST client got {limited['late_http_answer']!r}, gRPC closed {limited.get('grpc_closed', 0)} past its "
+        f"share, the client it had served: {limited['served_the_client_it_had']}; SIGTERM with the flood open: "
+        f"exit {limited['exit_code']}, traceback after: {limited['traceback_after_stop']}"
+    )
     print("B targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in b_targets.items()))
     results.update(answers=answers, alive_after_malicious=alive_after_malicious, streams_answered=answered,
                    streams_failed=failed, streams_seconds=seconds, alive_after_streams=alive_after_streams,

@@ -23,7 +23,7 @@ import dlrm_lab
 import dlrm_lab.train.loop as loop
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.model.dlrm import DLRM, DotInteractionArch
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 TARGETS = {"interaction": DotInteractionArch, "model": DLRM}
 
@@ -43,7 +43,7 @@ def run(spec: Any, cfg: TrainConfig, compiled: type | None) -> tuple[float, floa
     loop.build_setup = compiling
     try:
         start = time.monotonic()
-        summary = train(spec, cfg).summary
+        summary = train(preflight(spec, cfg)).summary
         return summary["step_time_ms_p50"], time.monotonic() - start
     finally:
         loop.build_setup = real

@@ -31,7 +31,7 @@ from dlrm_lab.config import PRECISIONS, ModelSpec, TrainConfig
 from dlrm_lab.data import HELD_OUT_OFFSET, SyntheticSource, synthetic_generator
 from dlrm_lab.metrics.precision import choose_precision, contenders
 from dlrm_lab.model.cost import sample_cost
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 
 class PlainDLRM(nn.Module):
@@ -163,7 +163,7 @@ def run_lab(
         eval_batches=len(eval_batches),
         **optimizer_options(optimizer, variant),
     )
-    result = train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(eval_batches))
+    result = train(preflight(spec, cfg, data=False), source=CycleSource(batches), eval_source=ListSource(eval_batches))
     return result.summary
 
 
@@ -197,7 +197,12 @@ def _profiled_train(spec: ModelSpec, batches: list, precision: str, optimizer: s
         if row["step"] == steps - 1:
             holder["prof"].__exit__(None, None, None)
 
-    train(spec, cfg, source=CycleSource(batches), eval_source=ListSource(batches[:1]), on_step=around)
+    train(
+        preflight(spec, cfg, data=False),
+        source=CycleSource(batches),
+        eval_source=ListSource(batches[:1]),
+        on_step=around,
+    )
     return holder["prof"], holder["ms"]
 
 

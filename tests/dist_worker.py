@@ -21,7 +21,7 @@ from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.distributed.context import init_distributed, shutdown_distributed
 from dlrm_lab.distributed.tables import gather_tables
 from dlrm_lab.metrics.columns import PHASES
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 
 def lean_dists(model: torch.nn.Module) -> int:
@@ -57,7 +57,7 @@ def run(out: Path, steps: int, preset: str, global_batch: int, shardings: list[s
             table_update=table_update,
             distribution=distribution or "torchrec",
         )
-        result = train(spec, cfg, keep_model=True)
+        result = train(preflight(spec, cfg), keep_model=True)
         losses = global_losses(result)
         tables = gather_tables(result.model)
         dense = {k: v.detach().cpu() for k, v in result.model.state_dict().items() if "embedding" not in k}
@@ -93,9 +93,9 @@ def straight_and_resumed(out: Path) -> None:
     world = init_distributed("cpu").world_size
     spec = dlrm_lab.load_preset("tiny")
     base = dict(batch_size=64 // world, seed=5, prefetch=0, eval_batches=2, sharding="row_wise")
-    straight = train(spec, TrainConfig(steps=16, **base))
-    train(spec, TrainConfig(steps=8, checkpoint_dir=str(out / "ckpt"), **base))
-    resumed = train(spec, TrainConfig(steps=16, checkpoint_dir=str(out / "ckpt"), resume=True, **base))
+    straight = train(preflight(spec, TrainConfig(steps=16, **base)))
+    train(preflight(spec, TrainConfig(steps=8, checkpoint_dir=str(out / "ckpt"), **base)))
+    resumed = train(preflight(spec, TrainConfig(steps=16, checkpoint_dir=str(out / "ckpt"), resume=True, **base)))
     if dist.get_rank() == 0:
         (out / "losses.json").write_text(
             json.dumps({"straight": global_losses(straight), "resumed": global_losses(resumed)})

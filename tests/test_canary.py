@@ -87,11 +87,13 @@ def test_the_canary_keeps_its_cadence_and_its_quiet_baseline_is_a_reading_of_the
 def test_a_training_run_records_its_canary_beside_its_steps(tmp_path, monkeypatch):
     import dlrm_lab
     from dlrm_lab.config import TrainConfig
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     monkeypatch.setenv("DLRM_LAB_CANARY_S", "0.01")
-    result = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=30, batch_size=256, prefetch=0, eval_batches=1),
-                   metrics_dir=str(tmp_path))  # fmt: skip
+    result = train(
+        preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=30, batch_size=256, prefetch=0, eval_batches=1)),
+        metrics_dir=str(tmp_path),
+    )
     summary = result.summary
     assert summary["canary_readings"] >= 2 and 0 < summary["canary_ratio"] <= 1.0 + 1e-9
     assert 0 < summary["canary_share"] < 1

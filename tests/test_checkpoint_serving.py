@@ -22,7 +22,7 @@ from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.model.checkpoint import TRAINED, check_spec, read_checkpoint
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,8 @@ def trained(tmp_path_factory):
     """tiny, trained 40 steps with its checkpoint written at the end."""
     root = tmp_path_factory.mktemp("checkpoint")
     spec = dlrm_lab.load_preset("tiny")
-    result = train(spec, TrainConfig(steps=40, batch_size=256, seed=3, prefetch=0, eval_batches=4,
-                                     checkpoint_dir=str(root)))  # fmt: skip
+    result = train(preflight(spec, TrainConfig(steps=40, batch_size=256, seed=3, prefetch=0, eval_batches=4,
+                                     checkpoint_dir=str(root))))  # fmt: skip
     return root, result
 
 

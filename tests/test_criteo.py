@@ -264,7 +264,7 @@ def test_training_on_converted_criteo_targets_the_presets_published_auc(tmp_path
     """terabyte publishes MLPerf's 0.8025: on data converted from Criteo it is the default
     --target-auc (recorded with its rule); on synthetic data there is no default target."""
     from dlrm_lab.config.train import TrainConfig, target_auc_for
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     terabyte = dlrm_lab.load_preset("terabyte", max_rows=1000)
     assert terabyte.reference_target_auc == 0.8025
@@ -272,7 +272,7 @@ def test_training_on_converted_criteo_targets_the_presets_published_auc(tmp_path
     gen = synthetic_generator(terabyte, seed=SEED)
     convert_criteo([write_criteo_tsv(gen, 512, tmp_path / "day_0")], terabyte, tmp_path / "ds")
     cfg = TrainConfig(steps=2, batch_size=64, eval_batches=1, data=str(tmp_path / "ds"), prefetch=0)
-    result = train(terabyte, cfg, metrics_dir=tmp_path / "runs")
+    result = train(preflight(terabyte, cfg), metrics_dir=tmp_path / "runs")
     numerics = read_manifest(result.run_dir)["config"]["numerics"]
     assert numerics["target_auc"] == 0.8025
     assert numerics["target_auc_rule"].startswith("published 0.8025")

@@ -12,7 +12,7 @@ from dlrm_lab.data import open_sources
 from dlrm_lab.metrics.hardware import cpu_flags
 from dlrm_lab.metrics.run import read_manifest
 from dlrm_lab.model import build_model
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 from dlrm_lab.train.dense_weights import DenseWeights
 
 
@@ -64,22 +64,24 @@ def test_the_bf16_copies_equal_their_masters_after_every_step_and_the_masters_ta
 def test_a_bf16_weights_run_checkpoints_its_masters_and_auto_decides_on_its_own_steps(tmp_path):
     spec = dlrm_lab.load_preset("tiny")
     base = dict(batch_size=64, seed=3, prefetch=0, eval_batches=2, precision="bf16")
-    fixed = train(spec, TrainConfig(steps=8, dense_weights="bf16", checkpoint_dir=str(tmp_path / "ck"), **base),
-                  metrics_dir=tmp_path / "runs")  # fmt: skip
+    fixed = train(
+        preflight(spec, TrainConfig(steps=8, dense_weights="bf16", checkpoint_dir=str(tmp_path / "ck"), **base)),
+        metrics_dir=tmp_path / "runs",
+    )
     choice = read_manifest(fixed.run_dir)["config"]["dense_weights_choice"]
     assert choice["dense_weights"] == "bf16" and choice["reason"] == "--dense-weights bf16"
     # its checkpoint holds the fp32 masters: a resume takes the same steps as the run that went on
-    longer = train(spec, TrainConfig(steps=12, dense_weights="bf16", **base))
-    resumed = train(spec, TrainConfig(steps=12, dense_weights="bf16", resume=True,
-                                      checkpoint_dir=str(tmp_path / "ck"), **base))  # fmt: skip
+    longer = train(preflight(spec, TrainConfig(steps=12, dense_weights="bf16", **base)))
+    resumed = train(preflight(spec, TrainConfig(steps=12, dense_weights="bf16", resume=True,
+                                      checkpoint_dir=str(tmp_path / "ck"), **base)))  # fmt: skip
     assert [r["loss"] for r in resumed.steps] == pytest.approx([r["loss"] for r in longer.steps[8:]], rel=1e-4)
     # auto: both ways over a window of the run's own steps, the choice and its evidence recorded
-    auto = train(spec, TrainConfig(steps=80, dense_weights="auto", **base), metrics_dir=tmp_path / "auto")
+    auto = train(preflight(spec, TrainConfig(steps=80, dense_weights="auto", **base)), metrics_dir=tmp_path / "auto")
     record = read_manifest(auto.run_dir)["config"]["dense_weights_choice"]
     assert record["requested"] == "auto" and record["dense_weights"] in ("bf16", "fp32")
     assert set(record["trial"]["ms"]) == {"bf16", "fp32"} and record["trial"]["pairs"] == 8
     # where the run cannot take them: fp32 weights, and why
-    fp32 = train(spec, TrainConfig(steps=2, dense_weights="auto", **{**base, "precision": "fp32"}),
+    fp32 = train(preflight(spec, TrainConfig(steps=2, dense_weights="auto", **{**base, "precision": "fp32"})),
                  metrics_dir=tmp_path / "fp32")  # fmt: skip
     why = read_manifest(fp32.run_dir)["config"]["dense_weights_choice"]
     assert why["dense_weights"] == "fp32" and "nothing to cast" in why["reason"]
@@ -99,5 +101,5 @@ def test_bf16_weights_reach_the_held_out_auc_of_autocast_at_every_seed(seed):
         source, held_out = open_sources(spec, "synthetic", 256, eval_batches=64, seed=seed)
         cfg = TrainConfig(steps=150, batch_size=256, eval_batches=64, eval_every=150, seed=seed, precision="bf16",
                           dense_weights=way)  # fmt: skip
-        auc[way] = train(spec, cfg, source=source, eval_source=held_out).summary["eval_auc"]
+        auc[way] = train(preflight(spec, cfg, data=False), source=source, eval_source=held_out).summary["eval_auc"]
     assert auc["bf16"] >= auc["fp32"] - 0.005, auc  # no worse (the two ways' roundings differ: either may lead)

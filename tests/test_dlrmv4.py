@@ -185,7 +185,7 @@ def test_streaming_never_scores_a_request_before_one_it_trained_on(tiny_v4, tmp_
     """--protocol streaming walks the windows in time order: at every evaluation, every scored request is later
     than every request trained on so far (the next window), and the eval table records both windows."""
     import dlrm_lab.train.loop as loop
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     trained: list[int] = []  # each trained request's time step, in training order
     scored: list[tuple[int, list[int]]] = []  # (requests trained before it, the scored requests' steps)
@@ -205,7 +205,7 @@ def test_streaming_never_scores_a_request_before_one_it_trained_on(tiny_v4, tmp_
     spec = load_any_preset(tiny_v4)
     cfg = TrainConfig(steps=45, batch_size=16, protocol="streaming", eval_every_share=0.05, eval_batches=2,
                       dense_optimizer="adam", dense_lr=3e-3, prefetch=2)  # fmt: skip
-    result = train(spec, cfg, metrics_dir=tmp_path)
+    result = train(preflight(spec, cfg), metrics_dir=tmp_path)
     stream = Stream(spec.data, 16)
     assert (stream.steps, stream.per_window, stream.skipped_per_window) == (150, 10, 0)
     assert trained == sorted(trained) and trained[0] == 8 and len(trained) == 45 * 16  # wall-clock order
@@ -225,12 +225,12 @@ def test_streaming_never_scores_a_request_before_one_it_trained_on(tiny_v4, tmp_
 
 def test_streaming_stops_at_the_target_and_records_the_time_to_it():
     """Time to quality on the stream: the run stops at the first evaluation that reaches the target AUC."""
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     spec = load_any_preset("hstu-tiny")
     cfg = TrainConfig(steps=150, batch_size=28, protocol="streaming", eval_every_share=0.04, eval_batches=5,
                       target_auc=0.7, prefetch=0)  # fmt: skip
-    result = train(spec, cfg)
+    result = train(preflight(spec, cfg))
     s, evals = result.summary, result.evals
     assert s["target_reached"] and evals[-1]["auc"] >= 0.7 and all(e["auc"] < 0.7 for e in evals[:-1])
     assert s["steps_to_target"] == evals[-1]["step"] + 1 == s["steps"] < 150 and s["time_to_target_s"] > 0

@@ -10,7 +10,7 @@ from dlrm_lab.config import TrainConfig
 from dlrm_lab.data import SyntheticGenerator, SyntheticSource, load_data_spec, synthetic_generator
 from dlrm_lab.data.distributions import expected_pooling, expected_top_share, fit_zipf_alpha, sample_pooling
 from dlrm_lab.data.synthetic import expected_auc
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 
 ONE_TABLE = """
 num_dense = 2
@@ -155,7 +155,7 @@ def test_expected_auc_of_known_cases():
 
 def test_training_tiny_reaches_ninety_percent_of_the_teacher_auc():
     model = dlrm_lab.load_preset("tiny")
-    result = train(model, TrainConfig(steps=120, batch_size=256, eval_batches=16, seed=1))
+    result = train(preflight(model, TrainConfig(steps=120, batch_size=256, eval_batches=16, seed=1)))
     teacher = synthetic_generator(model, seed=1).teacher_auc
     assert teacher > 0.8
     assert result.summary["eval_auc"] >= 0.9 * teacher

@@ -216,10 +216,12 @@ def test_hstu_tiny_learns_through_the_training_loop(tmp_path):
     from dlrm_lab.config import TrainConfig, load_any_preset
     from dlrm_lab.errors import UserError
     from dlrm_lab.model.cost import sample_cost
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     spec = load_any_preset("hstu-tiny")
-    result = train(spec, TrainConfig(steps=100, batch_size=32, eval_every=50, eval_batches=6), metrics_dir=tmp_path)
+    result = train(
+        preflight(spec, TrainConfig(steps=100, batch_size=32, eval_every=50, eval_batches=6)), metrics_dir=tmp_path
+    )
     s = result.summary
     assert s["interaction"] == "hstu" and s["num_parameters"] == spec.num_parameters
     assert s["loss_last"] < s["loss_first"] and result.evals[-1]["auc"] > 0.75  # random ranking is 0.5
@@ -243,9 +245,9 @@ def test_hstu_tiny_learns_through_the_training_loop(tmp_path):
     ((mean, gflop),) = drawn.marks.values()
     assert mean == spec.mean_history and gflop == pytest.approx(s["flops_per_sample"] / 3 / 1e9)
     with pytest.raises(UserError, match="^pipeline: hstu-tiny"):
-        train(spec, TrainConfig(steps=2, pipeline=True))
+        train(preflight(spec, TrainConfig(steps=2, pipeline=True)))
     with pytest.raises(UserError, match="hstu-tiny trains on its synthetic requests"):
-        train(spec, TrainConfig(steps=2, data=str(tmp_path)))
+        train(preflight(spec, TrainConfig(steps=2, data=str(tmp_path))))
 
 
 def test_set_changes_an_hstu_presets_requests(tmp_path):

@@ -100,13 +100,14 @@ def test_the_cache_keeps_to_its_bytes_and_drops_a_history_that_changed(model, li
 
 
 def test_the_server_scores_each_candidate_of_a_request_as_the_model_does(spec, library):
+    from dlrm_lab.infer.plan import plan_serving
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.infer.server import InferenceServer
     from dlrm_lab.infer.sut import Query
 
     served = ServedModel("r", spec, max_batch=8, attention="padded", precision="fp32", library_samples=64)
     done = {}
-    with InferenceServer([served], pin_cores=False) as server:
+    with InferenceServer(plan_serving([served]), pin_cores=False) as server:
         for k, (size, offset) in enumerate(((3, 0), (1, 10), (20, 30))):  # 20 > max batch: split in pieces
             server.submit(Query(k, "r", size, offset, on_done=lambda q, status, s: done.update({q.query_id: s})))
         assert server.drain(60)

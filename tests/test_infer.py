@@ -12,6 +12,7 @@ import torch
 from dlrm_lab.config import load_preset
 from dlrm_lab.data import synthetic_generator
 from dlrm_lab.data.source import block_to_batch
+from dlrm_lab.infer.plan import plan_serving
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Query
@@ -38,7 +39,7 @@ def server():
     served = ServedModel(
         "tiny", spec, instances=2, max_batch=64, max_delay_ms=2.0, library_samples=4096, spin_ms=2.0
     )  # instances poll 2 ms before they sleep: the spin path serves every test here
-    with InferenceServer([served], seed=SEED) as s:
+    with InferenceServer(plan_serving([served], seed=SEED)) as s:
         yield s
 
 
@@ -173,7 +174,7 @@ def test_int8_tables_serve_close_to_fp32():
     got = Collector()
     served = ServedModel("int8", spec, max_delay_ms=0.0, library_samples=1024, table_precision="int8")
     before = os.sched_getaffinity(0)
-    with InferenceServer([served], seed=SEED) as s:
+    with InferenceServer(plan_serving([served], seed=SEED)) as s:
         s.submit(Query(1, "int8", 256, 0, on_done=got))
         assert s.drain(30)
         # the serving process's threads (this one among them) keep off the one instance's core while it serves

@@ -175,11 +175,13 @@ def test_in_process_and_grpc_servers_are_systems_under_test():
     import grpc
 
     from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.plan import ServingPlan
     from dlrm_lab.infer.served import ServedModel
     from dlrm_lab.infer.server import InferenceServer
     from dlrm_lab.serve.remote import RemoteServer
 
-    in_process = InferenceServer([ServedModel("tiny", load_preset("tiny"))])  # not started: no processes
+    plan = ServingPlan({"tiny": ServedModel("tiny", load_preset("tiny"))})  # not started: nothing built, no processes
+    in_process = InferenceServer(plan)
     with grpc.insecure_channel("127.0.0.1:1") as channel:  # connects lazily: no server needed
         remote = RemoteServer(channel, {"tiny": small_library()})
         assert isinstance(remote, SystemUnderTest) and remote.library("tiny").size == LIBRARY

@@ -1107,3 +1107,23 @@ def test_the_queueing_roof_simulates_the_lab_batching_rule_as_queueing_theory_ha
     ]
     assert 0 < roofs[0].rate_qps < roofs[1].rate_qps < roofs[2].rate_qps < capacity
     assert queueing_roof(cost, mlperf, instances=2, max_batch=640, min_piece=64, sla_ms=0.1).rate_qps == 0
+
+
+def test_a_server_has_one_way_in_a_plan_served_once():
+    """A server serves a plan (`plan_serving`: models with distinct names, every choice made), once: its modules are
+    dropped as they are snapshotted, so a second start is refused in one line rather than served without them."""
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.plan import ServingPlan, plan_serving
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.server import InferenceServer
+
+    tiny = ServedModel("tiny", load_preset("tiny"))
+    with pytest.raises(UserError, match=r"distinct names, got \['tiny', 'tiny'\]"):
+        plan_serving([tiny, tiny])
+    with pytest.raises(UserError, match="needs a model"):
+        InferenceServer(ServingPlan({}))
+    server = InferenceServer(ServingPlan({"tiny": tiny}, device="cpu", seed=7))
+    assert server.seed == 7 and server.device == "cpu" and list(server.models) == ["tiny"]
+    server._plan = None  # as after a start: its modules snapshotted and dropped
+    with pytest.raises(RuntimeError, match="served once"):
+        server.start()

@@ -136,12 +136,14 @@ def test_model_runs_on_cuda():
 def test_built_and_trained_tables_have_the_requested_precision(precision, dtype):
     from dlrm_lab.config import TrainConfig
     from dlrm_lab.model import build_model
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     spec = dlrm_lab.load_preset("tiny")
     built = build_model(spec, table_precision=precision)
     assert {p.dtype for p in built.sparse_arch.embedding_bag_collection.parameters()} == {dtype}
-    trained = train(spec, TrainConfig(steps=2, batch_size=32, table_precision=precision), keep_model=True).model
+    trained = train(
+        preflight(spec, TrainConfig(steps=2, batch_size=32, table_precision=precision)), keep_model=True
+    ).model
     tables = {k: v for k, v in trained.state_dict().items() if "embedding_bags" in k}
     assert tables and {v.local_shards()[0].tensor.dtype if hasattr(v, "local_shards") else v.dtype
                        for v in tables.values()} == {dtype}  # fmt: skip

@@ -147,13 +147,13 @@ def test_measure_shape_rates_times_every_precision_on_this_cpu():
 
 def test_training_with_auto_runs_and_records_the_measured_choice(machine, monkeypatch, tmp_path):
     from dlrm_lab.config import TrainConfig
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     # an AMX-like machine, slowed down so that tiny's small products count
     monkeypatch.setattr(prec, "measure_shape_rates", FakeRates(fp32=0.001, bf16=0.004))
     log = []
     result = train(
-        dlrm_lab.load_preset("tiny"), TrainConfig(steps=3, batch_size=32, precision="auto"),
+        preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=3, batch_size=32, precision="auto")),
         metrics_dir=tmp_path / "runs", log=log.append,
     )  # fmt: skip
     assert result.summary["precision"] == "bf16"

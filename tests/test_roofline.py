@@ -236,14 +236,14 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
     from conftest import ConstantPower, store_profile
 
     from dlrm_lab.config import TrainConfig
-    from dlrm_lab.train import loop, train
+    from dlrm_lab.train import loop, preflight, train
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
     store_profile(tmp_path / "machines", gflops=100.0, gather_gb=1.0)
     monkeypatch.setattr(loop, "open_power_sources", lambda *a, **k: ([ConstantPower(40.0)], {}))
     spec = dlrm_lab.load_preset("tiny")
     cfg = TrainConfig(steps=12, batch_size=128, target_auc=0.99)  # tiny cannot reach 0.99
-    s = train(spec, cfg, metrics_dir=tmp_path / "runs").summary
+    s = train(preflight(spec, cfg), metrics_dir=tmp_path / "runs").summary
     assert s["flops_per_sample"] == 4048 and s["bytes_per_sample"] == 7 * 8 * 4 * 2 + 2 * 4 * 7
     assert s["achieved_flops_per_s"] == pytest.approx(s["samples_per_s"] * 4048)
     compute_ms = 128 * 4048 / 100e9 * 1e3
@@ -287,11 +287,13 @@ def test_a_training_run_is_placed_on_the_roofline_with_its_energy(tmp_path, monk
 
 def test_without_sensors_energy_is_null_with_a_reason_never_zero(tmp_path, monkeypatch):
     from dlrm_lab.config import TrainConfig
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "never-probed"))
 
-    s = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=6, batch_size=64), metrics_dir=tmp_path).summary
+    s = train(
+        preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=6, batch_size=64)), metrics_dir=tmp_path
+    ).summary
     assert s["energy_j"] is None and s["energy_per_sample_j"] is None and s["samples_per_s_per_w"] is None
     assert s["energy_unavailable"]  # e.g. "RAPL not readable: ..." on this machine
     assert s["roofline_fraction"] is None and "machine probe" in s["roofline_note"]  # no profile stored

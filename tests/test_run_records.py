@@ -257,9 +257,9 @@ def test_recovering_a_killed_training_run_rebuilds_its_summary_from_the_steps(tm
 
     import dlrm_lab
     from dlrm_lab.config import TrainConfig
-    from dlrm_lab.train import train
+    from dlrm_lab.train import preflight, train
 
-    result = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=12, batch_size=32), metrics_dir=tmp_path)
+    result = train(preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=12, batch_size=32)), metrics_dir=tmp_path)
     want = result.summary
     run_dir = result.run_dir
     (run_dir / "summary.parquet").unlink()  # as a SIGKILL before the end leaves it: steps, no summary

@@ -12,7 +12,7 @@ from conftest import assert_tables_registered, make_batch
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.metrics import read_manifest
-from dlrm_lab.train import train
+from dlrm_lab.train import preflight, train
 from dlrm_lab.train.records import PHASES
 
 
@@ -38,7 +38,7 @@ def tiny_run(tmp_path_factory):
     spec = dlrm_lab.load_preset("tiny")
     cfg = TrainConfig(steps=60, batch_size=256, eval_every=20, seed=1)
     held_out = _Counted(open_sources(spec, "synthetic", 256, eval_batches=cfg.eval_batches, seed=1)[1])  # the default
-    result = train(spec, cfg, metrics_dir=root, eval_source=held_out, keep_model=True)
+    result = train(preflight(spec, cfg), metrics_dir=root, eval_source=held_out, keep_model=True)
     return spec, result, held_out
 
 
@@ -124,8 +124,8 @@ def test_every_evaluation_scores_the_same_held_out_batches_made_once(tiny_run):
 def test_same_seed_same_losses():
     spec = dlrm_lab.load_preset("tiny")
     cfg = TrainConfig(steps=8, batch_size=64, seed=3)
-    a = [r["loss"] for r in train(spec, cfg).steps]
-    b = [r["loss"] for r in train(spec, cfg).steps]
+    a = [r["loss"] for r in train(preflight(spec, cfg)).steps]
+    b = [r["loss"] for r in train(preflight(spec, cfg)).steps]
     assert a == b
 
 
@@ -140,7 +140,7 @@ def test_same_seed_same_losses():
 )
 def test_precisions_and_optimizers_train(overrides):
     spec = dlrm_lab.load_preset("tiny")
-    result = train(spec, TrainConfig(steps=40, batch_size=256, seed=2, **overrides))
+    result = train(preflight(spec, TrainConfig(steps=40, batch_size=256, seed=2, **overrides)))
     assert result.summary["loss_last"] < result.summary["loss_first"]
     assert result.summary["eval_auc"] > 0.6
 
@@ -150,7 +150,7 @@ def test_trained_tables_move_and_stay_consistent_with_the_model():
 
     spec = dlrm_lab.load_preset("tiny")
     batch = make_batch(spec, 64, offset=10**9)
-    result = train(spec, TrainConfig(steps=5, batch_size=64, seed=4), keep_model=True)
+    result = train(preflight(spec, TrainConfig(steps=5, batch_size=64, seed=4)), keep_model=True)
     trained = gather_tables(result.model)
     # movement: every table left its initial rows, only in rows the training batches looked up
     fresh = dlrm_lab.build_model(spec)
@@ -184,7 +184,7 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(spec, TrainConfig(steps=50, batch_size=32), metrics_dir=tmp_path, on_step=interrupt_at_step_4)
+        train(preflight(spec, TrainConfig(steps=50, batch_size=32)), metrics_dir=tmp_path, on_step=interrupt_at_step_4)
     (run_dir,) = list(tmp_path.iterdir())
     assert read_manifest(run_dir)["status"] == "interrupted"
     summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
@@ -198,23 +198,21 @@ def test_training_starts_from_the_run_preflight_resolved_and_reads_its_data_spec
     from conftest import run_cli_in_process
 
     import dlrm_lab.data.spec as data_spec
-    from dlrm_lab.train import loop
 
-    read_toml, preflight = data_spec.read_toml, loop.preflight
-    reads, checks = [], []
+    read_toml = data_spec.read_toml
+    reads = []
     monkeypatch.setattr(data_spec, "read_toml", lambda path, what="": reads.append(path) or read_toml(path, what))
-    monkeypatch.setattr(loop, "preflight", lambda *args, **kw: checks.append(args) or preflight(*args, **kw))
     code, _, err = run_cli_in_process("train", "--preset", "tiny", "--steps", "3", "--batch-size", "32", "--set",
                                       "click_rate=0.3", "--metrics-dir", str(tmp_path), "--no-progress")  # fmt: skip
     assert code == 0, err
-    assert [p.name for p in reads] == ["tiny.toml"] and checks == []  # the CLI's own preflight is the one check
+    assert [p.name for p in reads] == ["tiny.toml"]  # the CLI's own preflight is the one check (train takes its run)
     (run_dir,) = list(tmp_path.iterdir())
     assert read_manifest(run_dir)["config"]["data"]["click_rate"] == 0.3  # the spec read once is the one trained on
 
     resolved = preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=2, batch_size=32, shard=("t_cat_0=row_wise",)))
     assert resolved.per_table == {"t_cat_0": "row_wise"} and resolved.data_spec.name == "tiny" and len(reads) == 2
-    result = train(resolved)  # the library's way: what preflight returned, as it is
-    assert result.summary["steps"] == 2 and len(reads) == 2 and checks == []
+    result = train(resolved)  # the library's one way in: what preflight returned, as it is
+    assert result.summary["steps"] == 2 and len(reads) == 2
     assert "row_wise" in str(result.plan)  # the --shard parsed by preflight is the one the tables were sharded by
 
 
@@ -225,7 +223,7 @@ def test_the_warmup_flag_is_written_with_the_steps_table_not_patched_in_after(tm
 
     atomic_file, written = tables.atomic_file, []
     monkeypatch.setattr(tables, "atomic_file", lambda path: written.append(path.name) or atomic_file(path))
-    result = train(dlrm_lab.load_preset("tiny"), TrainConfig(steps=30, batch_size=32), metrics_dir=tmp_path)
+    result = train(preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=30, batch_size=32)), metrics_dir=tmp_path)
     assert written.count("steps.parquet") == 1  # merged once at the close, never read back and rewritten
     on_disk = pq.read_table(result.run_dir / "steps.parquet", columns=["step", "warmup"]).to_pylist()
     assert on_disk == [{"step": r["step"], "warmup": r["warmup"]} for r in result.steps]
@@ -235,20 +233,26 @@ def test_the_warmup_flag_is_written_with_the_steps_table_not_patched_in_after(tm
 def test_tables_that_cannot_fit_are_refused_before_allocation():
     spec = dlrm_lab.load_preset("terabyte")  # 89 GiB of tables
     with pytest.raises(dlrm_lab.UserError, match="do not fit"):
-        train(spec, TrainConfig(steps=1, batch_size=8))
+        train(preflight(spec, TrainConfig(steps=1, batch_size=8)))
 
 
 @pytest.mark.gpu
 def test_training_on_cuda():
     spec = dlrm_lab.load_preset("tiny")
-    result = train(spec, TrainConfig(steps=10, batch_size=64, device="cuda"))
+    result = train(preflight(spec, TrainConfig(steps=10, batch_size=64, device="cuda")))
     assert result.summary["device"] == "cuda"
 
 
 def test_a_training_runs_cost_is_its_rate_and_its_time_to_target_at_the_price():
     spec = dlrm_lab.load_preset("tiny")
-    s = train(spec, TrainConfig(steps=40, batch_size=256, eval_every=10, target_auc=0.6, warmup_steps=2, seed=1,
-                                price_per_hour=7.2)).summary  # fmt: skip
+    s = train(
+        preflight(
+            spec,
+            TrainConfig(
+                steps=40, batch_size=256, eval_every=10, target_auc=0.6, warmup_steps=2, seed=1, price_per_hour=7.2
+            ),
+        )
+    ).summary
     assert s["price_per_hour"] == 7.2 and s["currency"] == "USD" and s["price_source"] == "--price-per-hour"
     assert s["cost_per_1m_training_samples"] == pytest.approx(7.2 / 3600 / s["samples_per_s"] * 1e6)
     assert s["target_reached"] and s["cost_to_target"] == pytest.approx(7.2 * s["time_to_target_s"] / 3600)
@@ -258,12 +262,14 @@ def test_a_training_runs_cost_is_its_rate_and_its_time_to_target_at_the_price():
 
 def test_target_auc_stops_training_and_counts_valid_throughput(tmp_path):
     spec = dlrm_lab.load_preset("tiny")
-    hit = train(spec, TrainConfig(steps=400, batch_size=256, eval_every=10, target_auc=0.75, warmup_steps=2, seed=1))
+    hit = train(
+        preflight(spec, TrainConfig(steps=400, batch_size=256, eval_every=10, target_auc=0.75, warmup_steps=2, seed=1))
+    )
     s = hit.summary
     assert s["target_reached"] and s["steps_to_target"] < 400 and s["steps"] == s["steps_to_target"]
     assert s["eval_auc"] >= 0.75 and s["time_to_target_s"] > 0
     assert s["valid_samples_per_s"] == s["samples_per_s"]
-    missed = train(spec, TrainConfig(steps=6, batch_size=32, target_auc=0.99, seed=1), metrics_dir=tmp_path)
+    missed = train(preflight(spec, TrainConfig(steps=6, batch_size=32, target_auc=0.99, seed=1)), metrics_dir=tmp_path)
     m = missed.summary
     assert not m["target_reached"] and m["steps_to_target"] is None and m["valid_samples_per_s"] == 0.0
     assert m["steps"] == 6
@@ -274,23 +280,23 @@ def test_target_auc_stops_training_and_counts_valid_throughput(tmp_path):
 def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
     spec = dlrm_lab.load_preset("tiny")
     base = dict(batch_size=64, seed=2, prefetch=0, eval_batches=2)
-    straight = train(spec, TrainConfig(steps=16, **base))
-    train(spec, TrainConfig(steps=8, checkpoint_dir=str(tmp_path), **base))
+    straight = train(preflight(spec, TrainConfig(steps=16, **base)))
+    train(preflight(spec, TrainConfig(steps=8, checkpoint_dir=str(tmp_path), **base)))
     assert (tmp_path / "latest").read_text().strip() == "step-00000008"
-    resumed = train(spec, TrainConfig(steps=16, checkpoint_dir=str(tmp_path), resume=True, **base))
+    resumed = train(preflight(spec, TrainConfig(steps=16, checkpoint_dir=str(tmp_path), resume=True, **base)))
     assert [r["step"] for r in resumed.steps] == list(range(8, 16))
     assert [r["loss"] for r in resumed.steps] == pytest.approx([r["loss"] for r in straight.steps[8:]], rel=1e-6)
     with pytest.raises(dlrm_lab.UserError, match="leaves nothing to do"):
-        train(spec, TrainConfig(steps=16, checkpoint_dir=str(tmp_path), resume=True, **base))
+        train(preflight(spec, TrainConfig(steps=16, checkpoint_dir=str(tmp_path), resume=True, **base)))
     with pytest.raises(dlrm_lab.UserError, match="no checkpoint in"):
-        train(spec, TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True, **base))
+        train(preflight(spec, TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True, **base)))
 
 
 def test_pipelined_training_takes_the_same_steps_as_the_plain_loop(tmp_path):
     spec = dlrm_lab.load_preset("tiny")
     base = dict(steps=12, batch_size=64, seed=4, prefetch=0, eval_every=6, eval_batches=2)
-    plain = train(spec, TrainConfig(**base))
-    piped = train(spec, TrainConfig(pipeline=True, **base), metrics_dir=tmp_path)
+    plain = train(preflight(spec, TrainConfig(**base)))
+    piped = train(preflight(spec, TrainConfig(pipeline=True, **base)), metrics_dir=tmp_path)
     assert [r["loss"] for r in piped.steps] == pytest.approx([r["loss"] for r in plain.steps], rel=1e-5)
     assert [e["auc"] for e in piped.evals] == pytest.approx([e["auc"] for e in plain.evals], rel=1e-5)
     assert piped.summary["samples_per_s"] > 0 and piped.summary.get("backward_share") is None
@@ -395,7 +401,7 @@ def test_every_preset_learns_to_90_percent_of_its_teacher(tmp_path, preset, scal
         target_auc=0.9 * teacher_auc,
         seed=seed,
     )
-    result = train(spec, cfg, metrics_dir=tmp_path, source=source, eval_source=held_out)
+    result = train(preflight(spec, cfg, data=False), metrics_dir=tmp_path, source=source, eval_source=held_out)
     manifest = read_manifest(result.run_dir)
     numerics, p = manifest["config"]["numerics"], manifest["config"]["data"]["click_rate"]
     assert result.summary["loss_first"] < 2 * _entropy(p), [s["loss"] for s in result.steps[:10]]
@@ -414,7 +420,7 @@ def test_dcnv2_starts_near_the_entropy_of_its_click_rate_at_every_table_scale(tm
     """Tables start at the published sizes' spread and the dense rate follows the published
     recipe, so the scale of the tables does not change the first steps."""
     spec = dlrm_lab.load_preset("dcnv2", table_scale=table_scale)
-    result = train(spec, TrainConfig(steps=10, batch_size=64, eval_batches=1), metrics_dir=tmp_path)
+    result = train(preflight(spec, TrainConfig(steps=10, batch_size=64, eval_batches=1)), metrics_dir=tmp_path)
     manifest = read_manifest(result.run_dir)
     numerics, p = manifest["config"]["numerics"], manifest["config"]["data"]["click_rate"]
     assert result.summary["loss_first"] < 2 * _entropy(p), [s["loss"] for s in result.steps]
@@ -432,7 +438,9 @@ def test_profile_steps_record_operators_per_step(tmp_path):
     from dlrm_lab.train.profile import profile_window
 
     spec = dlrm_lab.load_preset("tiny")
-    result = train(spec, TrainConfig(steps=10, batch_size=64, eval_batches=1, profile_steps=3), metrics_dir=tmp_path)
+    result = train(
+        preflight(spec, TrainConfig(steps=10, batch_size=64, eval_batches=1, profile_steps=3)), metrics_dir=tmp_path
+    )
     rows = pq.read_table(result.run_dir / "profile.parquet").to_pylist()
     ops = {r["op"]: r for r in rows}
     assert {r["rank"] for r in rows} == {0} and all(r["steps"] == 3 for r in rows)
@@ -520,8 +528,10 @@ def test_bad_prefetch_is_refused_in_one_line(bad):
 def test_the_batched_table_update_takes_fbgemms_steps_and_resumes_from_its_checkpoints(tmp_path):
     spec = dlrm_lab.load_preset("tiny")
     base = dict(batch_size=64, seed=2, prefetch=0, eval_batches=2)
-    fbgemm = train(spec, TrainConfig(steps=12, table_update="fbgemm", **base))
-    batched = train(spec, TrainConfig(steps=12, table_update="batched", **base), metrics_dir=tmp_path / "runs")
+    fbgemm = train(preflight(spec, TrainConfig(steps=12, table_update="fbgemm", **base)))
+    batched = train(
+        preflight(spec, TrainConfig(steps=12, table_update="batched", **base)), metrics_dir=tmp_path / "runs"
+    )
     assert [r["loss"] for r in batched.steps] == pytest.approx([r["loss"] for r in fbgemm.steps], rel=1e-5)
     assert batched.summary["eval_auc"] == pytest.approx(fbgemm.summary["eval_auc"], abs=1e-4)
     assert batched.summary["table_update"] == "batched" and fbgemm.summary["table_update"] == "fbgemm"
@@ -540,8 +550,8 @@ def test_the_batched_table_update_takes_fbgemms_steps_and_resumes_from_its_check
     assert config["table_update_choice"]["reason"] == "--table-update batched"
     # its row-wise state is the fused optimizer's: a checkpoint taken on it resumes the same trajectory
     ckpt = dict(checkpoint_dir=str(tmp_path / "ckpt"), table_update="batched", **base)
-    train(spec, TrainConfig(steps=6, **ckpt))
-    resumed = train(spec, TrainConfig(steps=12, resume=True, **ckpt))
+    train(preflight(spec, TrainConfig(steps=6, **ckpt)))
+    resumed = train(preflight(spec, TrainConfig(steps=12, resume=True, **ckpt)))
     assert [r["loss"] for r in resumed.steps] == pytest.approx([r["loss"] for r in fbgemm.steps[6:]], rel=1e-5)
 
 
@@ -551,7 +561,7 @@ def test_the_update_path_fbgemm_took_is_observed_on_a_real_step_and_recorded(tmp
     spec = dlrm_lab.load_preset("tiny")
     base = dict(steps=3, batch_size=64, seed=2, prefetch=0, eval_batches=1, precision="bf16")
     for path in ("fbgemm", "batched"):
-        run = train(spec, TrainConfig(table_update=path, **base), metrics_dir=tmp_path / path)
+        run = train(preflight(spec, TrainConfig(table_update=path, **base)), metrics_dir=tmp_path / path)
         observed = read_manifest(run.run_dir)["config"]["table_update_choice"]["update_path"]
         expected = "fbgemm fast path (fp32 rows, fp32 gradient, no shared table)" if path == "fbgemm" else (
             "batched (the lab's; gradient float32)")  # fmt: skip
@@ -568,10 +578,13 @@ def test_every_way_of_stepping_the_dense_optimizer_takes_the_same_steps_and_auto
     assert DENSE_UPDATES == ("auto", *DENSE_UPDATE_ARGS)
     spec = dlrm_lab.load_preset("tiny")
     base = dict(steps=6, batch_size=64, seed=5, prefetch=0, eval_batches=1)
-    losses = {w: [r["loss"] for r in train(spec, TrainConfig(dense_update=w, **base)).steps] for w in DENSE_UPDATE_ARGS}
+    losses = {
+        w: [r["loss"] for r in train(preflight(spec, TrainConfig(dense_update=w, **base))).steps]
+        for w in DENSE_UPDATE_ARGS
+    }
     for way in ("foreach", "fused"):
         assert losses[way] == pytest.approx(losses["per_tensor"], rel=1e-5), way
-    auto = train(spec, TrainConfig(dense_update="auto", **base), metrics_dir=tmp_path)
+    auto = train(preflight(spec, TrainConfig(dense_update="auto", **base)), metrics_dir=tmp_path)
     choice = read_manifest(auto.run_dir)["config"]["dense_update_choice"]
     assert set(choice["ms"]) | set(choice["not_available"]) == set(DENSE_UPDATE_ARGS)
     assert choice["dense_update"] == min(choice["ms"], key=choice["ms"].get)
@@ -605,8 +618,8 @@ def test_tables_on_huge_pages_take_the_same_steps_as_on_small_ones(tmp_path):
 
     spec = dlrm_lab.load_preset("kaggle", max_rows=100_000)  # 40 MB of rows in one fused group: 2 MiB pages fit
     base = dict(steps=5, batch_size=128, seed=3, prefetch=0, eval_batches=1, table_update="batched")
-    small = train(spec, TrainConfig(table_pages="base", **base))
-    huge = train(spec, TrainConfig(table_pages="huge", **base), metrics_dir=tmp_path)
+    small = train(preflight(spec, TrainConfig(table_pages="base", **base)))
+    huge = train(preflight(spec, TrainConfig(table_pages="huge", **base)), metrics_dir=tmp_path)
     assert [r["loss"] for r in huge.steps] == [r["loss"] for r in small.steps]
     choice = read_manifest(huge.run_dir)["config"]["table_pages_choice"]
     if unsupported() is None:
@@ -620,8 +633,8 @@ def test_tables_on_huge_pages_take_the_same_steps_as_on_small_ones(tmp_path):
 def test_auto_table_update_times_both_and_trains_as_fbgemm_does(tmp_path, overrides):
     spec = dlrm_lab.load_preset("tiny")
     base = dict(steps=6, batch_size=64, seed=4, prefetch=0, eval_batches=2, **overrides)
-    plain = train(spec, TrainConfig(table_update="fbgemm", **base))
-    auto = train(spec, TrainConfig(table_update="auto", **base), metrics_dir=tmp_path)
+    plain = train(preflight(spec, TrainConfig(table_update="fbgemm", **base)))
+    auto = train(preflight(spec, TrainConfig(table_update="auto", **base)), metrics_dir=tmp_path)
     choice = read_manifest(auto.run_dir)["config"]["table_update_choice"]
     assert choice["requested"] == "auto" and set(choice["backward_ms"]) == {"fbgemm", "batched"}
     assert auto.summary["table_update"] == choice["table_update"] in ("fbgemm", "batched")
@@ -633,7 +646,7 @@ def test_a_bf16_run_times_its_dot_interaction_both_ways_and_runs_the_choice(tmp_
     from dlrm_lab.model.dlrm import DotInteractionArch
 
     spec = dlrm_lab.load_preset("tiny")
-    result = train(spec, TrainConfig(steps=4, batch_size=64, precision="bf16", seed=2), metrics_dir=tmp_path,
+    result = train(preflight(spec, TrainConfig(steps=4, batch_size=64, precision="bf16", seed=2)), metrics_dir=tmp_path,
                    keep_model=True)  # fmt: skip
     choice = read_manifest(result.run_dir)["config"]["interaction_choice"]
     assert choice["gram_dtype"] in ("fp32", "autocast") and set(choice["ms"]) == {"fp32", "autocast"}
@@ -641,7 +654,7 @@ def test_a_bf16_run_times_its_dot_interaction_both_ways_and_runs_the_choice(tmp_
     arch = next(m for m in result.model.modules() if isinstance(m, DotInteractionArch))
     assert arch.gram_dtype == (torch.float32 if choice["gram_dtype"] == "fp32" else None)
     # fp32 runs have nothing to choose
-    fp32 = train(spec, TrainConfig(steps=2, batch_size=64, seed=2), metrics_dir=tmp_path)
+    fp32 = train(preflight(spec, TrainConfig(steps=2, batch_size=64, seed=2)), metrics_dir=tmp_path)
     assert read_manifest(fp32.run_dir)["config"]["interaction_choice"] is None
 
 
@@ -741,7 +754,7 @@ def test_one_rank_decides_its_table_update_on_its_own_steps(tmp_path):
     decide, and what the run summarises is what it ran after them."""
     spec = dlrm_lab.load_preset("tiny")
     cfg = TrainConfig(steps=40, batch_size=64, seed=4, prefetch=0, eval_batches=2, table_update="auto")
-    result = train(spec, cfg, metrics_dir=tmp_path)
+    result = train(preflight(spec, cfg), metrics_dir=tmp_path)
     config = read_manifest(result.run_dir)["config"]
     update = config["table_update_choice"]
     assert set(update["apart"]["backward_ms"]) == {"fbgemm", "batched"}

@@ -24,6 +24,7 @@ import torch
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.context import resolve_device
+from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
@@ -57,6 +58,9 @@ def plan_serving(
     """Resolve and check how `models` are served on this machine (module docstring); refuses, before any table is
     allocated, models that do not fit or whose instances oversubscribe the cores (one line each)."""
     resolve_device(device)  # one-line error for an unknown device or a missing GPU
+    names = [m.name for m in models]
+    if not models or len(set(names)) != len(names):
+        raise UserError(f"served models need distinct names, got {names}")
     planner = Planner(models, device=device, seed=seed, log=log)
     usable = len(usable_cores() or range(os.cpu_count() or 1))
     if warning := check_cores(list(planner.models.values()), usable, device):

@@ -52,7 +52,7 @@ from dlrm_lab.infer.instance import (
 from dlrm_lab.infer.instance_processes import InstanceProcesses, LostInstance
 from dlrm_lab.infer.library import LoadedSamples, PackedLibrary, payload_for
 from dlrm_lab.infer.placement import Placement, pin_threads, place_instances, spare_cores, unpin_threads
-from dlrm_lab.infer.plan import ServingPlan, plan_serving
+from dlrm_lab.infer.plan import ServingPlan
 from dlrm_lab.infer.pools import Pool, drop_expired
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
@@ -63,7 +63,8 @@ GIL_SWITCH_S = 0.00005  # the serving process's GIL switch interval while it ser
 
 
 class InferenceServer:
-    """Serve one or more models; `with InferenceServer([...]) as server: server.submit(q)`.
+    """Serve the models of a plan (`infer.plan.plan_serving`: every choice made); `with InferenceServer(plan) as
+    server: server.submit(q)`.
 
     Records (one dict per finished query, `infer.sut.query_row`) accumulate
     until `take_records()`; times are ms from `server.epoch_ns`.
@@ -71,27 +72,20 @@ class InferenceServer:
 
     def __init__(
         self,
-        models: list[ServedModel] | ServingPlan,
+        plan: ServingPlan,
         *,
-        device: str = "cpu",
         pin_cores: bool = True,
-        seed: int = 0,
         start_timeout_s: float = 300.0,
         log: Callable[[str], None] | None = None,
         route_around_dead: bool = False,
     ) -> None:
-        # a resolved plan (`infer.plan`) is served as it is; models alone are planned at start()
-        self._plan = models if isinstance(models, ServingPlan) else None
-        if isinstance(models, ServingPlan):  # as `self._plan`: the plan itself
-            device, seed = models.device, models.seed
-            models = list(models.models.values())
-        names = [m.name for m in models]
-        if not models or len(set(names)) != len(names):
-            raise UserError(f"served models need distinct names, got {names}")
-        self.models = {m.name: m for m in models}
-        self.device = device
+        self._plan: ServingPlan | None = plan  # served as it is, once (its modules are dropped once snapshotted)
+        if not plan.models:
+            raise UserError("a server needs a model to serve")
+        self.models = dict(plan.models)
+        self.device = plan.device
         self.pin_cores = pin_cores
-        self.seed = seed
+        self.seed = plan.seed
         self.log = log or (lambda _msg: None)
         # A dead instance fails the server (a measurement cannot be trusted beyond it), or, for a server that
         # serves on (`serve`), is routed around while its model has another: its batch in flight fails
@@ -156,13 +150,14 @@ class InferenceServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> InferenceServer:
-        """Execute the serving plan (made by `infer.plan` before, or here for a server given models alone): snapshot
-        each model, spawn its instances where `infer.placement` puts them, wait until they are ready, start the
-        batcher and completion threads. Policy is the plan's and the placement's; this is the mechanism."""
+        """Execute the serving plan (`infer.plan`): snapshot each model, spawn its instances where `infer.placement`
+        puts them, wait until they are ready, start the batcher and completion threads. Policy is the plan's and the
+        placement's; this is the mechanism."""
         for stale in remove_stale_snapshots():
             self.log(f"removed {stale}, left by a serving process that was killed")
-        plan = self._plan or plan_serving(list(self.models.values()), device=self.device, seed=self.seed, log=self.log)
-        self._plan = None  # its modules are snapshotted below and then dropped: a plan is served once
+        if self._plan is None:
+            raise RuntimeError("a server's plan is served once: make a new plan (`plan_serving`) for another start")
+        plan, self._plan = self._plan, None  # its modules are snapshotted below and then dropped
         self.models.update(plan.models)
         self.precision_choices.update(plan.precision_choices)
         places = place_instances(self.models.values(), self.device, self.pin_cores)

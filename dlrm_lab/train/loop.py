@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config import TrainConfig
-from dlrm_lab.config.family import Spec
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.data import BatchSource
 from dlrm_lab.data.prefetch import Prefetcher
@@ -36,7 +34,7 @@ from dlrm_lab.train.checkpoint import save_checkpoint
 from dlrm_lab.train.dense_weights import as_trained
 from dlrm_lab.train.evaluate import HeldOut, evaluate
 from dlrm_lab.train.pipeline import make_pipeline
-from dlrm_lab.train.preflight import ResolvedRun, preflight
+from dlrm_lab.train.preflight import ResolvedRun
 from dlrm_lab.train.profile import StepProfiler, profile_window
 from dlrm_lab.train.records import STEP_SCHEMA
 from dlrm_lab.train.setup import TrainSetup, build_setup, prepare_run
@@ -373,8 +371,7 @@ def _trained(setup: TrainSetup, record: Run | None, evals: list[EvalRow]) -> Jso
 
 
 def train(
-    run: ResolvedRun | Spec,
-    cfg: TrainConfig | None = None,
+    run: ResolvedRun,
     *,
     metrics_dir: str | Path | None = None,
     argv: list[str] | None = None,
@@ -386,20 +383,14 @@ def train(
 ) -> TrainResult:
     """Train for `cfg.steps` steps; record steps, evaluations and a summary.
 
-    `run` is what `preflight` returned (its checks made, its inputs read: they are not made or read
-    again), or a spec with its `cfg` (checked here). With `metrics_dir`, rank 0 creates a run directory
+    `run` is what `preflight(spec, cfg)` returned (its checks made, its inputs read: they are not made or read
+    again; `data=False` where the caller brings its own `source`). With `metrics_dir`, rank 0 creates a run directory
     (manifest, steps.parquet, eval.parquet, summary.parquet) and the other ranks add their step rows to
     it. Ctrl-C stops at the current step, writes the summary of what was measured, marks the run
     `interrupted` and re-raises KeyboardInterrupt. `cfg.precision` "auto" is resolved by
     measurement (`dlrm_lab.metrics.precision`); the choice and its reason go into the
     manifest, and `log` (rank 0) receives the quick-probe notice and any slow-precision warning.
     """
-    if not isinstance(run, ResolvedRun):
-        if cfg is None:
-            raise TypeError("train(spec, cfg): the config is missing")
-        run = preflight(run, cfg, data=source is None)  # a bad option: one line, before anything starts
-    elif cfg is not None:
-        raise TypeError("train(run): a resolved run carries its config")
     setup = build_setup(prepare_run(run, metrics_dir, log), source, eval_source, log)
     record = _open_run(metrics_dir, setup.config, argv, setup.ctx)
     with contextlib.ExitStack() as stack:
