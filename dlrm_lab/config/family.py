@@ -15,7 +15,7 @@ registry finds it empty.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from dlrm_lab.config.hstu import HSTUSpec, RankerShape
@@ -32,7 +32,6 @@ Spec = ModelSpec | HSTUSpec  # a family's typed preset
 SpecT = TypeVar("SpecT", bound="ModelSpec | HSTUSpec")
 SpecIn = TypeVar("SpecIn", bound="ModelSpec | HSTUSpec", contravariant=True)  # a role that only takes specs
 SpecOut = TypeVar("SpecOut", bound="ModelSpec | HSTUSpec", covariant=True)  # what only gives one
-Log = Callable[[str], None]
 
 
 class FamilyTraits(Protocol):

@@ -11,6 +11,7 @@ the options' declarations do), so these say what a value may be to the reader.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Union
 
 # One level deep: the nested values are JSON's too, but a recursive alias would make typing.get_type_hints of
@@ -19,6 +20,7 @@ JsonValue = Union[None, bool, int, float, str, list[Any], dict[str, Any]]
 JsonObject = dict[str, JsonValue]
 OptionValue = Union[None, bool, int, float, str, list[Any], tuple[Any, ...]]
 OptionValues = dict[str, OptionValue]
+Log = Callable[[str], None]  # where a lab's one-line messages go (a console, a list in a test)
 
 
 def section(record: Any, *keys: str) -> JsonObject:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dlrm_lab.config.family import family_of
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
@@ -37,8 +37,6 @@ from dlrm_lab.infer.serving_parts import make_runner
 
 AUTO = "auto"
 MARGIN = 1.05  # a build must be this much faster than the next simpler one to be chosen (beyond timing noise)
-
-Log = Callable[[str], None]
 
 
 def make_build(model: nn.Module, build: str, *, precision: str, table_precision: str) -> nn.Module:

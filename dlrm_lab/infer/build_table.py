@@ -9,11 +9,12 @@ A build that cannot be made here (an optional engine missing) is listed with the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TypedDict
 
 from dlrm_lab.config.family import family_of
+from dlrm_lab.config.values import Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import check_accuracy
 from dlrm_lab.infer.batching import BatchCost
@@ -27,8 +28,6 @@ from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.metrics.precision import choose_precision
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
-
-Log = Callable[[str], None]
 
 
 class _BuildNamed(TypedDict):

@@ -12,9 +12,10 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
+from dlrm_lab.config.values import Log
 from dlrm_lab.infer.frontier import label_of
 from dlrm_lab.infer.load import Stream
-from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
+from dlrm_lab.infer.load_point import OnProgress, Point, measure
 from dlrm_lab.infer.loadgen import loadgen_duration, queries_needed
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.search_options import SearchOptions

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlrm_lab.infer.load_point import Log
+from dlrm_lab.config.values import Log
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.metrics.columns import FrontierRow, SearchSummaryRow

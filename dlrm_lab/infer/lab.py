@@ -14,12 +14,12 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError, RemoteFailure, ServingFault, UserError
 from dlrm_lab.infer.calibrate import choose_load
 from dlrm_lab.infer.drivers import check_scenario, scenario
 from dlrm_lab.infer.load import Stream, check_planned
-from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
+from dlrm_lab.infer.load_point import OnProgress, Point, measure
 from dlrm_lab.infer.loadgen import check_loadgen_duration, loadgen_duration
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.served import ServedModel

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import ClientLost, RemoteFailure, ServerLost
 from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.drivers import drive, make_driver, scenario
@@ -43,8 +43,6 @@ from dlrm_lab.metrics.energy import EnergySampler
 from dlrm_lab.metrics.roofline import Peaks, gemm_precision, load_profile, peaks_for
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.metrics.tables import TableWriter
-
-Log = Callable[[str], None]
 
 
 @dataclass

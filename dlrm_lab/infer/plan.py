@@ -16,13 +16,12 @@ sample library, and the record of every choice (the manifest's `precision_choice
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.instance import PRECISIONS
@@ -35,8 +34,6 @@ from dlrm_lab.metrics.precision import choose_precision
 
 if TYPE_CHECKING:
     from dlrm_lab.infer.library import LoadedSamples
-
-Log = Callable[[str], None]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.calibrate import capacity_qps
 from dlrm_lab.infer.certify import certify
@@ -26,7 +26,7 @@ from dlrm_lab.infer.frontier import frontier_row, judge, label_of, pruned_row
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.lab import faults_name_the_run, stream_config
 from dlrm_lab.infer.load import Stream
-from dlrm_lab.infer.load_point import Log, OnProgress, Point, measure
+from dlrm_lab.infer.load_point import OnProgress, Point, measure
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.search_options import SearchGrid, SearchOptions
 from dlrm_lab.infer.served import ServedModel

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
-from dlrm_lab.config.family import HasSpec, Log, ModelFamily, SpecIn, SpecOut, SpecT, families, family_of
+from dlrm_lab.config.family import HasSpec, ModelFamily, SpecIn, SpecOut, SpecT, families, family_of
+from dlrm_lab.config.values import Log
 
 if TYPE_CHECKING:
     import numpy as np

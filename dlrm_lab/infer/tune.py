@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypedDict, cast
 
 import numpy as np
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.calibrate import drive_records
@@ -57,8 +57,6 @@ BATCH_SHARE_OF_BOUND = 0.25  # ... and short enough that a full batch takes at m
 MAX_AUTO_BATCH = 4096  # a cap on the rule: a model this cheap per sample needs no larger batch to amortise
 MAX_SPIN_MS = 10.0
 MIN_QUERIES = 200  # a probe runs until about this many queries arrived (a percentile of a few is noise)
-
-Log = Callable[[str], None]
 
 
 def parse_knob(name: str, value: Any) -> float | None:

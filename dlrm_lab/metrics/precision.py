@@ -34,7 +34,7 @@ from typing import Any, Required, TypedDict, cast
 import torch
 
 from dlrm_lab.config.family import family_of
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 
 AUTO = "auto"
@@ -45,7 +45,6 @@ MAX_ROWS = 512  # GEMM rows timed: a larger batch runs at the same rate per FLOP
 NEGLIGIBLE_S = 100e-6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-Log = Callable[[str], None]
 Shape = tuple[int, int, int]  # rows x in x out of one product
 Measure = Callable[[Sequence[Shape], Sequence[str], torch.device, int], dict[str, float]]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dlrm_lab.config.family import family_of
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError, ServingFault, UserError
 from dlrm_lab.infer.build import check_build_request
 from dlrm_lab.infer.memory import check_fits
@@ -45,7 +44,6 @@ from dlrm_lab.serve.protocol import (
 )
 from dlrm_lab.serve.service import FLUSH_S, InferenceService
 
-Log = Callable[[str], None]
 PUMP_S = 0.5  # records move to the queries table this often (on disk within service.FLUSH_S)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a closed terminal or ssh session stops it too
 # Calls gRPC's core holds before the server has taken them. Its default (1,000) ended 4-7% of 2,000 streams opened at

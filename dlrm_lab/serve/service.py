@@ -14,13 +14,14 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from dlrm_lab.config.values import Log
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Query, query_row
 from dlrm_lab.metrics.columns import QueryRow
@@ -37,7 +38,6 @@ from dlrm_lab.serve.protocol import (
     pb,
 )
 
-Log = Callable[[str], None]
 FLUSH_S = 2.0  # records are on disk (a part file) at most this late
 MAX_RECORDED_SAMPLES = 2**31 - 1  # the queries table's `samples` is an int32
 
