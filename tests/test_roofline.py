@@ -2,6 +2,7 @@
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,13 @@ import torch
 import dlrm_lab
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics.columns import PHASES
-from dlrm_lab.metrics.device_peaks import ProbeSizes, copy_bytes_per_s, gather_bytes_per_s, gemm_flops_per_s
+from dlrm_lab.metrics.device_peaks import (
+    CACHED_TABLE_BYTES,
+    ProbeSizes,
+    copy_bytes_per_s,
+    gather_bytes_per_s,
+    gemm_flops_per_s,
+)
 from dlrm_lab.metrics.hardware import hardware_fingerprint
 from dlrm_lab.metrics.roofline import Peaks, Work, load_profile, peaks_for, place, save_profile
 from dlrm_lab.model.cost import dense_step_bytes, lookup_bytes_per_sample, sample_cost
@@ -315,6 +322,9 @@ def test_probe_stores_peaks_then_a_two_rank_probe_adds_collectives(tmp_path, mon
     for peaks in cpu.values():
         assert peaks["gemm_flops_per_s"]["fp32"] > 1e8 and peaks["gemm_flops_per_s"]["bf16"] > 0
         assert peaks["memory_bytes_per_s"] > 1e8 and peaks["gather_bytes_per_s"] > 1e7
+        # the gather again from tables that stay in cache: smaller than the probe's, a ceiling of its own
+        assert peaks["gather_cached_table_bytes"] <= CACHED_TABLE_BYTES < peaks["gather_table_bytes"]
+        assert peaks["gather_cached_bytes_per_s"] > 1e7
     if len(os.sched_getaffinity(0)) > 1:  # N pinned processes at once against one alone (issue 18)
         ceiling = profile["devices"]["cpu"]["ceiling"]["2"]
         assert ceiling["processes"] == 2 and len(ceiling["gemm"]["each_flops_per_s"]) == 2
@@ -426,6 +436,28 @@ def test_rows_of_one_line_are_bound_by_their_count_not_their_bytes():
     assert phases["embedding_lookup"].gather_rows == ids and table_update_work(spec, 2048).gather_rows == 2 * ids
     assert phases["backward"].gather_rows == 2 * ids
     assert table_update_work(spec, 2048, embedding_optimizer="sgd").gather_rows == ids  # no state of its own
+
+
+def test_tables_smaller_than_the_probes_are_bound_by_the_cache_resident_gather():
+    """A gather is faster the smaller its tables: the DRAM probe's rate bounds tables at least as large as its own,
+    and smaller ones (rm2 at 0.5% of its rows: 20 MB) meet the cache-resident probe's rate, where a row costs no page
+    walk (no row ceiling). A profile without that probe, or work whose tables are unknown, keeps the DRAM bound."""
+    from dlrm_lab.infer.records import batch_roof
+    from dlrm_lab.metrics.roofline import phase_floors
+
+    dram = Peaks(flops_per_s=1e15, memory_bytes_per_s=1e12, gather_bytes_per_s=8e9, comm_bytes_per_s=None,
+                 basis="x", gather_rows_per_s=2e7, gather_table_bytes=128e6)  # fmt: skip
+    cached = replace(dram, gather_cached_bytes_per_s=32e9)
+    rows = dict(gather_bytes=10_000 * 256.0, stream_bytes=0.0, gather_rows=10_000)
+    small, large, unknown = (Work(0.0, **rows, table_bytes=b) for b in (20e6, 1e9, 0.0))
+    floors = phase_floors({"small": small, "large": large, "unknown": unknown}, cached)
+    assert floors["small"] == pytest.approx(10_000 * 256 / 32e9 * 1e3)  # from cache: bytes alone, at its rate
+    assert floors["large"] == floors["unknown"] == pytest.approx(10_000 / 2e7 * 1e3)  # DRAM: the row ceiling
+    assert phase_floors({"small": small}, dram)["small"] == floors["large"]  # not probed: the DRAM bound
+    # a served batch of rm2 at 0.5% of its rows is bounded by the cached rate, at the full size by DRAM's
+    rm2, full = dlrm_lab.load_preset("rm2", table_scale=0.005), dlrm_lab.load_preset("rm2")
+    assert batch_roof(rm2, "fp32", cached)(256) < batch_roof(rm2, "fp32", dram)(256)
+    assert batch_roof(full, "fp32", cached)(256) == batch_roof(full, "fp32", dram)(256)
 
 
 def test_a_gather_of_another_probe_method_is_never_kept_over_a_new_one():

@@ -17,7 +17,7 @@ from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGE
 from dlrm_lab.metrics.roofline import Peaks, Work, place
 from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.metrics.wake import cold_factor_for_gap, wake_ms_for_gap
-from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost
+from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost, stored_table_bytes
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
 
@@ -300,6 +300,7 @@ def roofline_columns(
         gather_bytes=batch * row_bytes,
         stream_bytes=dense_bytes_per_parameter * spec.dense_parameters,
         gather_rows=batch * cost.embedding_rows_read,
+        table_bytes=stored_table_bytes(spec, table_precision),
     )
     out.update(place(work, ms / 1e3 if ms else None, peaks))
     return out
@@ -357,6 +358,7 @@ def latency_floor_columns(
         peaks,
         gather_bytes_per_s=peaks.gather_bytes_per_s / cold,
         gather_rows_per_s=peaks.gather_rows_per_s / cold if peaks.gather_rows_per_s else None,
+        gather_cached_bytes_per_s=peaks.gather_cached_bytes_per_s / cold if peaks.gather_cached_bytes_per_s else None,
         memory_bytes_per_s=peaks.memory_bytes_per_s / cold,
     )
     floor_ms = batch_roof(spec, table_precision, memory_then, dense_bytes_per_parameter)(math.ceil(q / pieces))
@@ -385,10 +387,11 @@ def batch_roof(
     flops, rows = cost.forward_flops, cost.embedding_rows_read
     row_bytes = lookup_bytes_per_sample(spec, table_precision)
     stream = dense_bytes_per_parameter * spec.dense_parameters
+    tables = stored_table_bytes(spec, table_precision)
 
     @functools.lru_cache(maxsize=4096)  # a batch's rows ask for one n, and batch sizes repeat: once each
     def roof(n: int) -> float | None:
-        work = Work(flops=n * flops, gather_bytes=n * row_bytes, stream_bytes=stream, gather_rows=n * rows)
+        work = Work(n * flops, n * row_bytes, stream, gather_rows=n * rows, table_bytes=tables)
         return cast("float | None", place(work, None, peaks)["roofline_bound_ms"])  # a time (the note is the str)
 
     return roof

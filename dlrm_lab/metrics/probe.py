@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,18 +33,21 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from dlrm_lab.config.values import Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.metrics.canary import quiet_canary
 from dlrm_lab.metrics.ceiling import measure_ceiling
 from dlrm_lab.metrics.collectives import comm_bandwidth, mpi_bandwidth, slowest_over, torchrec_distribution
 from dlrm_lab.metrics.cpu import LoadWatch
 from dlrm_lab.metrics.device_peaks import (
+    CACHED_TABLE_BYTES,
     GEMM_DTYPES,
     DeviceEntry,
     DevicePeaks,
     ProbeSizes,
     copy_bytes_per_s,
     gather_bytes_per_s,
+    gather_cached_bytes_per_s,
     gather_on_pages,
     gather_rows_per_s,
     gemm_flops_per_s,
@@ -55,8 +57,6 @@ from dlrm_lab.metrics.hardware import MachineProfile, hardware_fingerprint, pack
 from dlrm_lab.metrics.roofline import GATHER_PROBE
 from dlrm_lab.metrics.trust import judge
 from dlrm_lab.metrics.wake import probe_cold_gather, probe_wake
-
-Log = Callable[[str], None]
 
 
 def _cpu_threads() -> list[int]:
@@ -114,6 +114,16 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             f"  embedding gather of 64-byte rows: {out['gather_rows_per_s'] / 1e6:,.1f} M rows/s"
             + (" (2 MiB pages)" if on_huge else "")
         )
+        if device.type == "cpu" and out["gather_table_bytes"] > CACHED_TABLE_BYTES:
+            cached = gather_cached_bytes_per_s(device, sizes, sizes.repeats)
+            out["gather_cached_bytes_per_s"], out["gather_cached_table_bytes"] = (
+                cached["bytes_per_s"],
+                cached["table_bytes"],
+            )
+            say(
+                f"  embedding gather from {cached['table_bytes'] / 2**20:,.0f} MiB of tables (cache-resident): "
+                f"{cached['bytes_per_s'] / 1e9:,.2f} GB/s"
+            )
         return out
 
     if device.type == "cuda":

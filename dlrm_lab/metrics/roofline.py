@@ -268,11 +268,11 @@ def save_profile(profile: JsonObject | MachineProfile, keep_better: bool = False
 
 # sections of figures keyed by what was measured (ms idle): a probe that measured some keeps the others'
 PER_FIGURE_SECTIONS = ("wake", "cold_gather")
-_BETTER_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s", "gather_rows_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s")
 # The gather probe as it is now (`metrics.device_peaks`): rows written before they are read, on both page sizes.
 # An earlier probe's gather read tables never written (one zero page): a figure of another method, never kept.
 GATHER_PROBE = 2
-_GATHER_FIELDS = ("gather_bytes_per_s", "gather_rows_per_s")
+_GATHER_FIELDS = ("gather_bytes_per_s", "gather_rows_per_s", "gather_cached_bytes_per_s")
+_BETTER_FIELDS = ("memory_bytes_per_s", *_GATHER_FIELDS, "h2d_bytes_per_s", "d2h_bytes_per_s")  # `PeakRate`'s
 
 
 def _keep_better(old: dict[str, DeviceEntry], new: dict[str, DeviceEntry]) -> list[str]:
@@ -327,6 +327,10 @@ class Peaks:
     cold: dict[str, float] | None = None
     # random rows of one cache line gathered per second (`metrics.device_peaks`); None: unprobed, no row ceiling
     gather_rows_per_s: float | None = None
+    # the probe's tables (`gather_bytes_per_s` holds for tables at least this large), and the gather from tables that
+    # stay in the last-level cache (`gather_cached_bytes_per_s`, probed on `gather_cached_table_bytes`); None: unprobed
+    gather_table_bytes: float | None = None
+    gather_cached_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,7 @@ class Work:
     stream_bytes: float  # dense parameters and their state: sequential
     comm_bytes: float = 0.0  # sent by one rank
     gather_rows: float = 0.0  # the random row accesses behind gather_bytes (their own ceiling: a row costs a line)
+    table_bytes: float = 0.0  # the tables the rows are gathered from (0: unknown, as large as the probe's)
 
 
 def _cpu_peaks(cpu: DeviceEntry, threads: int) -> DevicePeaks:
@@ -352,18 +357,20 @@ def _cpu_peaks(cpu: DeviceEntry, threads: int) -> DevicePeaks:
     def pick(a: float, b: float) -> float:
         return min(a * scale, b) if threads < max(by) else b
 
-    return {
+    out: DevicePeaks = {
         "gemm_flops_per_s": {
             k: pick(v, most["gemm_flops_per_s"].get(k, v)) for k, v in one["gemm_flops_per_s"].items()
         },
         "memory_bytes_per_s": pick(one["memory_bytes_per_s"], most["memory_bytes_per_s"]),
         "gather_bytes_per_s": pick(one["gather_bytes_per_s"], most["gather_bytes_per_s"]),
-        **(
-            {"gather_rows_per_s": pick(one["gather_rows_per_s"], most["gather_rows_per_s"])}
-            if one.get("gather_rows_per_s") and most.get("gather_rows_per_s")
-            else {}
-        ),
     }
+    if one.get("gather_rows_per_s") and most.get("gather_rows_per_s"):
+        out["gather_rows_per_s"] = pick(one["gather_rows_per_s"], most["gather_rows_per_s"])
+    if one.get("gather_cached_bytes_per_s") and most.get("gather_cached_bytes_per_s"):
+        out["gather_cached_bytes_per_s"] = pick(one["gather_cached_bytes_per_s"], most["gather_cached_bytes_per_s"])
+    if one.get("gather_table_bytes"):
+        out["gather_table_bytes"] = one["gather_table_bytes"]
+    return out
 
 
 def gemm_precision(device_type: str, precision: str) -> str:
@@ -414,6 +421,8 @@ def peaks_for(
         memory_bytes_per_s=peaks["memory_bytes_per_s"],
         gather_bytes_per_s=peaks["gather_bytes_per_s"],
         gather_rows_per_s=peaks.get("gather_rows_per_s"),
+        gather_table_bytes=peaks.get("gather_table_bytes"),
+        gather_cached_bytes_per_s=peaks.get("gather_cached_bytes_per_s"),
         comm_bytes_per_s=comm,
         basis=f"{basis} {precision}, profile {profile.get('fingerprint_id')} of {profile.get('probed_at')}",
         wake=known.get("wake") if device == "cpu" else None,
@@ -428,7 +437,13 @@ ROOFLINE_COLUMNS = ROOFLINE_PLACED
 def _gather_seconds(work: Work, peaks: Peaks) -> float:
     """Random row accesses at the larger of two ceilings: their bytes at the gather bandwidth (probed on rows of
     several lines), and their count at the rate rows of one cache line are gathered (a row smaller than a line
-    still costs a line and a page walk: at 64-byte rows the byte ceiling alone is several times too high)."""
+    still costs a line and a page walk: at 64-byte rows the byte ceiling alone is several times too high).
+
+    A gather is faster the smaller its tables: the probe's rate bounds tables at least as large as its own; smaller
+    ones meet the cache-resident probe's rate (no row ceiling there), where it was probed."""
+    cached, probed = peaks.gather_cached_bytes_per_s, peaks.gather_table_bytes
+    if cached and probed and 0 < work.table_bytes < probed:
+        return work.gather_bytes / max(cached, peaks.gather_bytes_per_s)
     seconds = work.gather_bytes / peaks.gather_bytes_per_s
     if work.gather_rows and peaks.gather_rows_per_s:
         seconds = max(seconds, work.gather_rows / peaks.gather_rows_per_s)

@@ -173,6 +173,7 @@ def table_update_work(
         rows * (cost.embedding_bytes_read + cost.embedding_bytes_written + cost.optimizer_state_bytes),
         0.0,
         gather_rows=rows * cost.embedding_rows_read * state,
+        table_bytes=stored_table_bytes(spec, table_precision),
     )
 
 
@@ -208,7 +209,11 @@ def step_phase_work(
         "data_wait": Work(0.0, 0.0, 0.0),  # the batch is made apart (a thread, or ahead): no bound of the step's
         "input_dist": Work(0.0, 0.0, 0.0, comm["input_dist"]),
         "embedding_lookup": Work(
-            0.0, looked_up * cost.embedding_bytes_read, 0.0, gather_rows=looked_up * cost.embedding_rows_read
+            0.0,
+            looked_up * cost.embedding_bytes_read,
+            0.0,
+            gather_rows=looked_up * cost.embedding_rows_read,
+            table_bytes=update.table_bytes,
         ),
         "embedding_all_to_all": Work(0.0, 0.0, 0.0, pooled / 2),
         "dense_forward": Work(batch_size * cost.forward_flops, 0.0, weights),
@@ -218,6 +223,7 @@ def step_phase_work(
             2 * weights,
             comm["gradient_all_reduce"],
             update.gather_rows,
+            update.table_bytes,
         ),
         "embedding_all_to_all_backward": Work(0.0, 0.0, 0.0, pooled / 2),
         "optimizer": Work(0.0, 0.0, weights * (3 + 2 * states)),

@@ -27,6 +27,7 @@ from dlrm_lab.model.cost import (
     sample_cost,
     step_communication_bytes,
     step_phase_work,
+    stored_table_bytes,
     table_update_work,
 )
 
@@ -214,6 +215,7 @@ def roofline_columns(
         comm_bytes=sum(step_communication_bytes(spec, cfg.batch_size * world_size, world_size).values()),
         # the lookup's rows, then the update's: each row again, and its row-wise state in an array of its own
         gather_rows=cfg.batch_size * share * cost.embedding_rows_read * (2 + (1 if cost.optimizer_state_bytes else 0)),
+        table_bytes=stored_table_bytes(spec, cfg.table_precision),
     )
     step_ms = summary.get("step_time_ms_mean")
     out.update(place(work, step_ms / 1e3 if step_ms else None, peaks))
