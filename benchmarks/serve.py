@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import header, write_results
+from common import header, results_path, write_results
 
 MODEL = ["--preset", "kaggle", "--max-rows", "100000"]
 SERVER = [*MODEL, "--instances", "1", "--threads", "1", "--max-batch", "1024", "--max-delay-ms", "0.5"]
@@ -288,7 +288,9 @@ def triton_compare(root: Path, target: str, duration: str, repeats: int = 3) -> 
     import dlrm_lab
     from dlrm_lab.data import synthetic_generator
 
-    python = Path.home() / ".cache" / "dlrm-lab" / "venvs" / "tritonclient-2.73.0" / "bin" / "python"
+    # the venv `tests/test_serve.py` makes (`_third_party_python("tritonclient[grpc,http]==2.73.0")`), where it makes it
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    python = cache / "dlrm-lab" / "venvs" / "tritonclient-grpc-http-2.73.0" / "bin" / "python"
     if not python.exists():
         return {"skipped": f"no tritonclient venv at {python} (tests/test_serve.py makes it)"}
     spec = dlrm_lab.load_preset("kaggle", max_rows=100_000)
@@ -335,7 +337,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["rpc", "triton", "rest"], help="run one part alone")
     parser.add_argument("--samples", type=int, default=256, help="rest: samples per query")
     parser.add_argument("--repeats", type=int, default=3, help="rest: interleaved repeats")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--json", type=Path, help="results file (default: results/results-serve[-PART]-DATE.json, canary beside)"
+    )
     args = parser.parse_args()
     duration = "3" if args.quick else "8"
     results: dict[str, Any] = header()
@@ -346,8 +350,7 @@ def main() -> None:
                 results["triton_256"] = triton_compare(Path(tmp_dir), server.target, duration)
             finally:
                 server.stop()
-        if args.json:
-            write_results(args.json, results)
+        write_results(results_path(f"serve-{args.only}", args.json), results)
         return
     if args.only == "rest":
         with tempfile.TemporaryDirectory() as tmp_dir:
@@ -356,8 +359,7 @@ def main() -> None:
                 results["rest"] = rest_compare(Path(tmp_dir), server, duration, args.samples, args.repeats)
             finally:
                 server.stop()
-        if args.json:
-            write_results(args.json, results)
+        write_results(results_path(f"serve-{args.only}", args.json), results)
         return
     if args.only == "rpc":
         with tempfile.TemporaryDirectory() as tmp_dir:
@@ -374,8 +376,7 @@ def main() -> None:
             rpc[f"{load}_grpc_floor"] = {"round_trip_ms": floor, "over_compute": floor / compute}
             print(f"  gRPC floor {load:>7}: echo round trip {floor:.3f} ms ({request:,} B request) = "
                   f"{floor / compute:.3f} of the compute", flush=True)  # fmt: skip
-        if args.json:
-            write_results(args.json, results)
+        write_results(results_path(f"serve-{args.only}", args.json), results)
         return
     print("codec (in-process):", flush=True)
     results["codec"] = codec(20 if args.quick else 100)
@@ -435,8 +436,7 @@ def main() -> None:
         else:
             results["veth_skipped"] = why
             print(f"  veth skipped: {why}", flush=True)
-    if args.json:
-        write_results(args.json, results)
+    write_results(results_path("serve", args.json), results)
 
 
 if __name__ == "__main__":
