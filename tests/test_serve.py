@@ -651,6 +651,8 @@ def test_infer_run_against_a_remote_target_records_stages_that_add_up(server, tm
         assert s["instances"] == 1 and s["max_batch"] == 64 and s["latency_floor_ms"] > 0
     else:
         assert s["instances"] is None and s["latency_floor_ms"] is None
+    # the server elsewhere measures its own host; this one's, the client's, stands beside the figures
+    assert s["canary_readings"] >= 1 and s["canary_ratio"] > 0 and s["canary_share"] < 0.05
     assert "over the network" in out
 
 

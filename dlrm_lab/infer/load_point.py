@@ -35,7 +35,7 @@ from dlrm_lab.infer.records import (
     with_late_flags,
 )
 from dlrm_lab.infer.sut import ModelDescription, Stall, SutDescription, SystemUnderTest
-from dlrm_lab.metrics.canary import as_telemetry, canary_columns, quiet_of
+from dlrm_lab.metrics.canary import Canary, as_telemetry, canary_columns, quiet_of
 from dlrm_lab.metrics.columns import InferSummaryRow, QueryRow
 from dlrm_lab.metrics.cost import Price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
@@ -214,9 +214,14 @@ def _drive_point(
         server.start_trace()
     load_start = time.monotonic()
     stopped_after_s: float | None = None
+    # a server elsewhere measures its own host; the load generator's host is this one, and its speed is the
+    # client's part of every latency: read between polls (a reading costs under a ms every few seconds)
+    client = Canary(None, "client") if not sut.processes else None
 
     def report(finished: bool = False) -> bool:
         nonlocal stopped_after_s
+        if client is not None:
+            client.maybe_read()
         elapsed = time.monotonic() - load_start
         if on_progress is not None:
             on_progress(PointProgress(point.index, elapsed, cfg.duration_s, len(records), finished))
@@ -242,6 +247,8 @@ def _drive_point(
     pump(server.take_records())
     stalls = server.take_stalls()
     canary = server.take_canary()
+    if client is not None:  # the client's readings stand beside every model it drove
+        canary += [{**r, "model": s.model} for r in client.readings for s in point.streams]
     if telemetry is not None:
         # a reading's telemetry rows hold scalars (`as_telemetry`: the long form's columns)
         readings = [cast(dict[str, str | float | bool | None], r) for c in canary for r in as_telemetry(c)]
