@@ -299,6 +299,13 @@ def _summary_row(
             error = f"{sut.target}: {failure}"
         else:
             error = f"the server at {sut.target} answered badly: {failure}"
+    readings = [c for c in seen.canary if c["model"] == stream.model]
+    if readings and all(r["source"] == "client" for r in readings):  # the load generator's, at its own threads
+        import torch
+
+        quiet = quiet_of(profile, torch.get_num_threads())
+    else:  # the instances', at theirs (a server elsewhere: against its fastest reading)
+        quiet = quiet_of(profile, served.threads or 1) if served.on_this_host else None
     row = InferSummaryRow(
         {
             "point": point.index,
@@ -326,11 +333,7 @@ def _summary_row(
             "batch_fixed_ms": None if cost is None else cost.fixed_ms,
             "batch_per_sample_us": None if cost is None else cost.per_sample_ms * 1e3,
             **stall_columns([s for s in seen.stalls if s["model"] == stream.model]),
-            **canary_columns(
-                [c for c in seen.canary if c["model"] == stream.model],
-                quiet_of(profile, served.threads or 1) if served.on_this_host else None,
-                span,
-            ),
+            **canary_columns(readings, quiet, span),
         }
     )
     dense_bytes, tables = _dense_bytes(served), served.table_precision or "fp32"
