@@ -281,3 +281,21 @@ def test_every_benchmark_results_file_carries_the_canary_of_its_phase(monkeypatc
     nested = {"header": common.header(), "figures": [1.0]}  # a script that keeps its header under "header"
     written = json.loads(common.write_results(tmp_path / "n.json", nested).read_text())
     assert written["header"]["canary"]["median"] == 0.8 and written["figures"] == [1.0]
+
+
+def test_a_points_readings_are_read_against_the_quiet_reading_of_their_own_thread_count(monkeypatch):
+    """The instances' readings against the quiet canary at the instances' threads; the load generator's (source
+    `client`: a server elsewhere) at the client process's own, which reads faster than one thread's quiet and would
+    say the host ran at 1.6 of its speed; a server elsewhere's own readings against nothing here."""
+    import torch
+
+    from dlrm_lab.infer.load_point import canary_quiet
+
+    quiet = {str(n): {"canary": {"gemm_flops_per_s": n * 1e11, "gather_bytes_per_s": n * 1e10}} for n in (1, 2)}
+    profile = {"devices": {"cpu": {"threads": quiet}}}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    instance, client = [{"source": "instance 0"}], [{"source": "client"}, {"source": "client"}]
+    assert canary_quiet(instance, profile, 1, True) == quiet["1"]["canary"]
+    assert canary_quiet(client, profile, 1, True) == quiet["2"]["canary"]
+    assert canary_quiet(client, profile, 1, False) == quiet["2"]["canary"]  # this host's, wherever the server is
+    assert canary_quiet(instance, profile, 1, False) is None

@@ -140,6 +140,19 @@ def measure(
     return rows
 
 
+def canary_quiet(
+    readings: list[JsonObject], profile: JsonObject | None, threads: int, on_this_host: bool
+) -> JsonObject | None:
+    """The quiet reading a point's canary readings are read against: the load generator's own (source `client`, a
+    server elsewhere) at the client's thread count; the instances' at theirs; none for a server elsewhere's (each
+    against its run's fastest reading)."""
+    if readings and all(r["source"] == "client" for r in readings):
+        import torch
+
+        return quiet_of(profile, torch.get_num_threads())
+    return quiet_of(profile, threads) if on_this_host else None
+
+
 @dataclass
 class _Seen:
     """What one point's load left: its query records and what metered it."""
@@ -300,12 +313,7 @@ def _summary_row(
         else:
             error = f"the server at {sut.target} answered badly: {failure}"
     readings = [c for c in seen.canary if c["model"] == stream.model]
-    if readings and all(r["source"] == "client" for r in readings):  # the load generator's, at its own threads
-        import torch
-
-        quiet = quiet_of(profile, torch.get_num_threads())
-    else:  # the instances', at theirs (a server elsewhere: against its fastest reading)
-        quiet = quiet_of(profile, served.threads or 1) if served.on_this_host else None
+    quiet = canary_quiet(readings, profile, served.threads or 1, served.on_this_host)
     row = InferSummaryRow(
         {
             "point": point.index,
