@@ -1127,3 +1127,34 @@ def test_a_server_has_one_way_in_a_plan_served_once():
     server._plan = None  # as after a start: its modules snapshotted and dropped
     with pytest.raises(RuntimeError, match="served once"):
         server.start()
+
+
+def test_a_batchs_floor_gathers_only_its_distinct_rows():
+    """A row a batch looks up twice is read once, then found in cache: the library counts a batch's distinct rows by
+    its size, per feature (two features, four samples, ids chosen to repeat), and the latency floor gathers only
+    them, so a model whose batches repeat rows (rm2, under a fifth distinct at its p99 query) no longer beats it."""
+    import math
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.library import PackedLibrary
+    from dlrm_lab.infer.records import batch_roof, latency_floor_columns, summarize
+    from dlrm_lab.metrics.roofline import Peaks
+
+    # feature 0: samples [1, 2], [2], [3, 1], [4]; feature 1: [7], [7], [7], [7]
+    lengths = np.array([[2, 1, 2, 1], [1, 1, 1, 1]], dtype=np.int32)
+    values = np.array([1, 2, 2, 3, 1, 4, 7, 7, 7, 7], dtype=np.int64)
+    library = PackedLibrary(np.zeros((4, 1), dtype=np.float32), lengths, None, values)
+    looked, distinct = library.distinct_rows
+    assert looked.tolist() == [3, 5, 8, 10] and distinct.tolist() == [3, 3, 4, 5]
+    assert library.distinct_share(2) == pytest.approx(3 / 5) and library.distinct_share(99) == pytest.approx(5 / 10)
+    # the floor of a gather-bound batch scales with its distinct share; the latency floor passes it on
+    spec = load_preset("kaggle", max_rows=1000)
+    peaks = Peaks(flops_per_s=1e15, memory_bytes_per_s=1e15, gather_bytes_per_s=1e9, comm_bytes_per_s=None, basis="t")
+    every, half = batch_roof(spec, "fp32", peaks), batch_roof(spec, "fp32", peaks, distinct=lambda n: 0.5)
+    assert half(256) == pytest.approx(every(256) / 2, rel=1e-3)
+    row = summarize([{"status": "ok", "latency_ms": 9.0, "samples": 256, "batch_id": 0, "batch_samples": 256,
+                      "batch_queries": 1, "compute_ms": 1.0, "queue_ms": 0.5}], duration_s=1.0, sla_ms=50.0,
+                    sla_percentile=99.0)  # fmt: skip
+    floors = [latency_floor_columns(spec, "fp32", 1, 1, 256, row, peaks, distinct=d)["latency_floor_ms"]
+              for d in (None, lambda n: 0.5)]  # fmt: skip
+    assert floors[1] == pytest.approx(floors[0] / 2, rel=1e-3) and not math.isnan(floors[1])

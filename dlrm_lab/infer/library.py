@@ -99,6 +99,9 @@ class LoadedSamples:
         return np.cumsum(delta[:-1])
 
 
+DISTINCT_WINDOW = 4096  # samples read for a batch's distinct rows: the largest batches served, in well under a second
+
+
 class PackedLibrary(LoadedSamples):
     """Samples packed feature-major; `size` of them, all in memory (generated or mapped)."""
 
@@ -242,6 +245,31 @@ class PackedLibrary(LoadedSamples):
         starts = self.starts[:, samples].ravel()
         ids_before = np.cumsum(lengths) - lengths
         return samples, lengths, np.repeat(starts - ids_before, lengths) + np.arange(int(lengths.sum()))
+
+    @functools.cached_property
+    def distinct_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids looked up, distinct rows among them) by a batch's first n samples (index n - 1), over the library's
+        first DISTINCT_WINDOW samples: a row a batch repeats is read once and then found in cache, so a batch's
+        compulsory gather is its distinct rows, as training's floor counts them. Its samples are drawn alike, so
+        the first window stands for any (`distinct_share`)."""
+        k = min(self.size, DISTINCT_WINDOW)
+        looked: np.ndarray = np.zeros(k, dtype=np.int64)
+        distinct: np.ndarray = np.zeros(k, dtype=np.int64)
+        for f in range(self.lengths.shape[0]):
+            lengths = self.lengths[f, :k]
+            start = int(self.starts[f, 0])
+            ids = self.values[start : start + int(lengths.sum())]  # a feature's ids are contiguous, sample after sample
+            _, first = np.unique(ids, return_index=True)
+            sample_of: np.ndarray = np.repeat(np.arange(k), lengths)
+            looked += np.cumsum(lengths)
+            distinct += np.cumsum(np.bincount(sample_of[first], minlength=k))
+        return looked, distinct
+
+    def distinct_share(self, n: int) -> float:
+        """The share of a batch of `n` samples' looked-up ids that are distinct rows (beyond the window: its own)."""
+        looked, distinct = self.distinct_rows
+        at = min(max(n, 1), len(looked)) - 1
+        return float(distinct[at] / looked[at]) if looked[at] else 1.0
 
     def output_counts(self, offset: int, size: int) -> np.ndarray:
         """Scores each of samples [offset, offset + size) yields: one (a click probability)."""

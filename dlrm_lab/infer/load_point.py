@@ -22,6 +22,7 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import ClientLost, RemoteFailure, ServerLost
 from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.drivers import drive, make_driver, scenario
+from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
 from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.records import (
@@ -166,6 +167,8 @@ class _Seen:
     stopped_after_s: float | None  # the load ended early (`decided`)
     failure: RemoteFailure | None  # a remote system under test failed: the point as far as it went
     canary: list[JsonObject]  # the instances' speed-canary readings over the point (`metrics.canary`), with their model
+    # per model, the share of a batch's looked-up rows that are distinct (`PackedLibrary.distinct_share`; None: all)
+    distinct: dict[str, Callable[[int], float] | None]
 
 
 def _drive_point(
@@ -196,8 +199,11 @@ def _drive_point(
     )
     driver = make_driver(server, point.streams, settings)
     records: list[QueryRow] = []
+    distinct = {m: _distinct_share(server.library(m)) for m in peaks}  # read before the load, not during it
     roofs = {
-        m: batch_roof(sut.models[m].spec, sut.models[m].table_precision or "fp32", p, _dense_bytes(sut.models[m]))
+        m: batch_roof(
+            sut.models[m].spec, sut.models[m].table_precision or "fp32", p, _dense_bytes(sut.models[m]), distinct[m]
+        )
         for m, p in peaks.items()
     }
 
@@ -280,7 +286,16 @@ def _drive_point(
         stopped_after_s,
         failure,
         canary,
+        distinct,
     )
+
+
+def _distinct_share(library: object) -> Callable[[int], float] | None:
+    """A DLRM library's distinct-row share by batch size, read now (the ranker's requests: every row counted)."""
+    if not isinstance(library, PackedLibrary):
+        return None
+    library.distinct_rows  # noqa: B018 (read once, here: a cached property)
+    return library.distinct_share
 
 
 def _summary_row(
@@ -357,6 +372,7 @@ def _summary_row(
             peaks,
             served.min_piece or 0,
             dense_bytes,
+            seen.distinct.get(stream.model),
         )
     )
     return row

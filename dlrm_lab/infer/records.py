@@ -321,6 +321,7 @@ def latency_floor_columns(
     peaks: Peaks | str,
     min_piece: int = 0,
     dense_bytes_per_parameter: float = 4.0,
+    distinct: Callable[[int], float] | None = None,
 ) -> InferSummaryRow:
     """The latency floor of the point: the roofline time of its query at the bound's
     percentile (`latency_floor_samples`, from summarize) on the cores that would serve it.
@@ -361,7 +362,8 @@ def latency_floor_columns(
         gather_cached_bytes_per_s=peaks.gather_cached_bytes_per_s / cold if peaks.gather_cached_bytes_per_s else None,
         memory_bytes_per_s=peaks.memory_bytes_per_s / cold,
     )
-    floor_ms = batch_roof(spec, table_precision, memory_then, dense_bytes_per_parameter)(math.ceil(q / pieces))
+    piece = math.ceil(q / pieces)  # its distinct rows only (`batch_roof`'s `distinct`)
+    floor_ms = batch_roof(spec, table_precision, memory_then, dense_bytes_per_parameter, distinct)(piece)
     wake_ms = wake_ms_for_gap(peaks.wake, gap_ms)
     if floor_ms is not None:
         floor_ms += wake_ms
@@ -376,11 +378,16 @@ def latency_floor_columns(
 
 
 def batch_roof(
-    spec: ModelSpec, table_precision: str, peaks: Peaks | str, dense_bytes_per_parameter: float = 4.0
+    spec: ModelSpec,
+    table_precision: str,
+    peaks: Peaks | str,
+    dense_bytes_per_parameter: float = 4.0,
+    distinct: Callable[[int], float] | None = None,
 ) -> Callable[[int], float | None]:
     """The roofline time (ms) of a batch of n samples on one instance: forward FLOPs at the GEMM peak,
     embedding rows at the gather bandwidth and the dense weights read once (at the precision the
-    build stores them in); None without peaks."""
+    build stores them in); None without peaks. `distinct(n)`: the share of a batch's looked-up rows that are
+    distinct (`infer.library.PackedLibrary.distinct_share`: a repeated row is a cache hit); None: every row."""
     if isinstance(peaks, str):
         return lambda n: None
     cost = sample_cost(spec, window=SERVED_WINDOW)  # HSTU: the requests a server scores
@@ -391,7 +398,8 @@ def batch_roof(
 
     @functools.lru_cache(maxsize=4096)  # a batch's rows ask for one n, and batch sizes repeat: once each
     def roof(n: int) -> float | None:
-        work = Work(n * flops, n * row_bytes, stream, gather_rows=n * rows, table_bytes=tables)
+        share = distinct(n) if distinct is not None else 1.0
+        work = Work(n * flops, n * row_bytes * share, stream, gather_rows=n * rows * share, table_bytes=tables)
         return cast("float | None", place(work, None, peaks)["roofline_bound_ms"])  # a time (the note is the str)
 
     return roof
