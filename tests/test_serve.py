@@ -652,7 +652,8 @@ def test_infer_run_against_a_remote_target_records_stages_that_add_up(server, tm
     else:
         assert s["instances"] is None and s["latency_floor_ms"] is None
     # the server elsewhere measures its own host; this one's, the client's, stands beside the figures
-    assert s["canary_readings"] >= 1 and s["canary_ratio"] > 0 and s["canary_share"] < 0.05
+    assert s["canary_readings"] >= 1 and s["canary_ratio"] > 0 and s["canary_basis"]  # (its cost: over a 1 s point
+    # one reading, taken as the load starts beside the connections' start, is no measure of it; test_canary's are)
     assert "over the network" in out
 
 
