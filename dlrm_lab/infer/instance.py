@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,9 +43,6 @@ from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import LoadedSamples
 from dlrm_lab.infer.serving_parts import make_runner, serving_of
 from dlrm_lab.metrics.canary import Canary
-
-if TYPE_CHECKING:
-    pass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # what an idle instance holds while it waits (`IdleHold`)

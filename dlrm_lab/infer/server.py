@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.batching import BatchCost, take_batch, whole_enough
@@ -76,7 +76,7 @@ class InferenceServer:
         *,
         pin_cores: bool = True,
         start_timeout_s: float = 300.0,
-        log: Callable[[str], None] | None = None,
+        log: Log | None = None,
         route_around_dead: bool = False,
     ) -> None:
         self._plan: ServingPlan | None = plan  # served as it is, once (its modules are dropped once snapshotted)
@@ -158,7 +158,6 @@ class InferenceServer:
         if self._plan is None:
             raise RuntimeError("a server's plan is served once: make a new plan (`plan_serving`) for another start")
         plan, self._plan = self._plan, None  # its modules are snapshotted below and then dropped
-        self.models.update(plan.models)
         self.precision_choices.update(plan.precision_choices)
         places = place_instances(self.models.values(), self.device, self.pin_cores)
         try:
