@@ -17,6 +17,7 @@ from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
+from dlrm_lab.config.values import Log
 from dlrm_lab.errors import ServingFault, exit_description
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.instance import TRACE, InstancePlan, instance_main
@@ -38,7 +39,7 @@ class InstanceProcesses:
     """The instance processes of one server: `spawn` each, `wait_ready` for all, `send` them batches and orders,
     `dead` names those that ended, `lose` marks one served on without; `stop` ends them all."""
 
-    def __init__(self, log: Callable[[str], None], start_timeout_s: float) -> None:
+    def __init__(self, log: Log, start_timeout_s: float) -> None:
         self.log, self.start_timeout_s = log, start_timeout_s
         self._ctx = mp.get_context("spawn")  # fork after torch's OpenMP pool was used can hang
         self._conns: dict[int, Connection] = {}  # instance -> the server's end of its pipe

@@ -20,12 +20,12 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from dlrm_lab.config.values import JsonObject, section
+from dlrm_lab.config.values import JsonObject, Log, section
 from dlrm_lab.errors import UserError
 from dlrm_lab.metrics import canary
 from dlrm_lab.metrics.columns import ROOFLINE_PLACED
@@ -183,9 +183,7 @@ def cached_problem(section: str, key: str, entry: Any) -> str | None:
     return walk(entry.get(name), f"{where}.{name}", 0)
 
 
-def cached_choice(
-    profile: JsonObject | None, section: str, key: str, log: Callable[[str], None] | None = None
-) -> JsonObject | None:
+def cached_choice(profile: JsonObject | None, section: str, key: str, log: Log | None = None) -> JsonObject | None:
     """The entry `key` of a MEASURED_CHOICES section of `profile`: None where there is none, or where it is damaged
     (a hand edit, a partial write: one warning line naming the file and the field; the caller measures again and
     its new entry replaces the bad one)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 
 OTHER_CORES_LIMIT = 0.25  # other processes' CPU time while probing, in cores: beyond it the probe competed
 STEAL_LIMIT = 0.05  # the hypervisor's share of the cores' time taken for other guests
@@ -107,7 +107,7 @@ def quick_check(profile: JsonObject | None, measure: Callable[[], float] = quick
     return None
 
 
-def check_stored_profile(log: Callable[[str], None] | None) -> str | None:
+def check_stored_profile(log: Log | None) -> str | None:
     """`quick_check` of this machine's stored profile (none stored: nothing to check), said in `log`."""
     from dlrm_lab.metrics.roofline import load_profile
 

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dlrm_lab.config.values import Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.server import InferenceServer
 from dlrm_lab.infer.sut import Stall
@@ -300,7 +301,7 @@ def start_metrics(
     host: str,
     port: int,
     run: Run,
-    log: Callable[[str], None],
+    log: Log,
     sock: socket.socket | None = None,
 ) -> ServingMetrics:
     """The server's /metrics, served from now on (on `sock` where the port was claimed before the start); said in

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dlrm_lab.config import PRECISIONS, TrainConfig
 from dlrm_lab.config.family import Spec, family_of
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
@@ -25,7 +25,7 @@ from dlrm_lab.train.step import DENSE_UPDATE_ARGS, dense_params, make_dense
 from dlrm_lab.train.step_trial import StepTrial, trial_window
 
 
-def choose_run_precision(spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] | None):
+def choose_run_precision(spec: Spec, cfg: TrainConfig, ctx: DistContext, log: Log | None):
     """Rank 0 measures (or reads the cached rates) and every rank runs its choice."""
     shared: list[Any] = [None]
     if ctx.is_main:
@@ -144,7 +144,7 @@ def choose_run_table_update(
     dmp: torch.nn.Module,
     first_batch: Callable[[], Any],
     forward: Any,
-    log: Callable[[str], None] | None,
+    log: Log | None,
 ) -> JsonObject:
     """The tables' backward-and-update path (`train.table_update`): every rank times its own table groups on
     the run's first batch (the forward is collective over ranks), rank 0's choice runs everywhere."""
@@ -171,7 +171,7 @@ def choose_dense_update(
     model: torch.nn.Module,
     lr: float,
     recipe: Any,
-    log: Callable[[str], None] | None,
+    log: Log | None,
 ) -> JsonObject:
     """How the dense optimizer steps (`train.step.DENSE_UPDATE_ARGS`; `--dense-update` where not auto): rank 0 times
     each way on copies of this run's dense parameters with random gradients (the model untouched), medians of
@@ -265,7 +265,7 @@ def _put_gram(arches: list[Any], way: str) -> None:
 
 
 def choose_run_interaction(
-    spec: Spec, cfg: TrainConfig, ctx: DistContext, model: torch.nn.Module, log: Callable[[str], None] | None
+    spec: Spec, cfg: TrainConfig, ctx: DistContext, model: torch.nn.Module, log: Log | None
 ) -> JsonObject | None:
     """Where a dot interaction computes its Gram matrix when the run's dense part is in bf16: in bf16 as autocast
     casts its `bmm` (a product of 16-wide rows, too small for bf16's rate to pay for the casts around it), or
@@ -305,7 +305,7 @@ def choose_run_interaction(
 
 
 def choose_dense_weights(
-    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, log: Callable[[str], None] | None
+    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, log: Log | None
 ) -> tuple[JsonObject, DenseWeights | None]:
     """The weights a bf16 step computes with (`train.dense_weights`), its record, and the run's `DenseWeights`
     (None where the run has only its fp32 weights). `auto` starts on fp32 and leaves the choice to a trial over the
@@ -431,9 +431,7 @@ def _gather_rates(threads: int) -> tuple[Mapping[str, Any] | None, str]:
     return measured, f"measured now ({sizes.gather_tables} tables of {sizes.gather_rows:,} rows; the probe has none)"
 
 
-def choose_table_pages(
-    cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, log: Callable[[str], None] | None
-) -> PagesChoice:
+def choose_table_pages(cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, log: Log | None) -> PagesChoice:
     """Put this rank's CPU tables (rows and row-wise optimizer state) on 2 MiB pages where asked, or, with
     "auto", where this machine's embedding gather measured at least PAGES_MARGIN faster on them. Rank 0 decides,
     every rank applies; collapsing is in place (`metrics.huge_pages`), so TorchRec's views stay valid."""

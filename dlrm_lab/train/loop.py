@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.data import BatchSource
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.distributed.context import DistContext, RankFailure
@@ -148,7 +148,7 @@ def _loop(
     record: Run | None,
     stack: contextlib.ExitStack,
     on_step: Callable[[StepRow], None] | None,
-    log: Callable[[str], None] | None = None,
+    log: Log | None = None,
 ) -> MeasuredSteps:
     """The steps, timed by phase, each row written as it is taken; evaluations every `eval_every` steps and at the
     end (training stops once the target AUC is reached); checkpoints. Ctrl-C ends it `interrupted`; a collective
@@ -325,9 +325,7 @@ def _update_path(setup: TrainSetup, record: Run | None, watch: UpdatePathWatch) 
         record.update_manifest(config=setup.config)
 
 
-def _decided(
-    setup: TrainSetup, record: Run | None, trial: StepTrial, decided: JsonObject, log: Callable[[str], None] | None
-) -> None:
+def _decided(setup: TrainSetup, record: Run | None, trial: StepTrial, decided: JsonObject, log: Log | None) -> None:
     """A choice decided on the run's steps: its record in the manifest's config (beside the timing apart that it
     replaced), and the run's config where the summary reads it."""
     before = setup.config[trial.manifest_key] or {}
@@ -379,7 +377,7 @@ def train(
     eval_source: BatchSource | None = None,
     on_step: Callable[[StepRow], None] | None = None,
     keep_model: bool = False,
-    log: Callable[[str], None] | None = None,
+    log: Log | None = None,
 ) -> TrainResult:
     """Train for `cfg.steps` steps; record steps, evaluations and a summary.
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +20,7 @@ import torch
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.train import DEFAULT_EMBEDDING_LR, dense_lr_for, dense_recipe_for, target_auc_for
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.data import BatchSource
 from dlrm_lab.data.prefetch import Prefetcher
 from dlrm_lab.data.streaming import streaming_of
@@ -124,7 +123,7 @@ class _Prepared:
     choices: JsonObject  # collectives, precision and attention, each with its reason (the manifest's)
 
 
-def prepare_run(run: ResolvedRun, metrics_dir: str | Path | None, log: Callable[[str], None] | None) -> _Prepared:
+def prepare_run(run: ResolvedRun, metrics_dir: str | Path | None, log: Log | None) -> _Prepared:
     """Join the ranks and choose the collectives, precision and attention by measurement (`train`'s first part;
     `preflight` checked the options)."""
     spec, cfg = run.spec, run.cfg
@@ -165,7 +164,7 @@ def _stream_steps(spec: Spec, cfg: TrainConfig, world_size: int) -> tuple[TrainC
 
 
 def build_setup(
-    prepared: _Prepared, source: BatchSource | None, eval_source: BatchSource | None, log: Callable[[str], None] | None
+    prepared: _Prepared, source: BatchSource | None, eval_source: BatchSource | None, log: Log | None
 ) -> TrainSetup:
     """Choose the sharding (timed where it must be), build and shard the model with its optimizers, resume, open
     the data from what `preflight` read and write down every choice and why (the manifest's config)."""

@@ -44,7 +44,7 @@ from torchrec.datasets.utils import Batch
 from dlrm_lab.config import SHARDING_TYPES, TrainConfig
 from dlrm_lab.config.family import Spec
 from dlrm_lab.config.train import dense_lr_for
-from dlrm_lab.config.values import JsonObject
+from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.data import BatchSource
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.distributed.plan import describe_plan
@@ -173,7 +173,7 @@ def summarize_trials(trials: dict[str, Trial]) -> tuple[dict[str, float], dict[s
     return step_ms, skipped
 
 
-def cached_trials(key: str, log: Callable[[str], None] | None = None) -> tuple[JsonObject | None, str | None]:
+def cached_trials(key: str, log: Log | None = None) -> tuple[JsonObject | None, str | None]:
     """The cached entry for `key` in this machine's profile (None where it is damaged: `log` hears why), and the
     profile's path."""
     from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path
@@ -199,7 +199,7 @@ def store_trials(key: str, step_ms: dict[str, float], skipped: dict[str, str]) -
 
 
 def choose_sharding(
-    requested: str, ctx: Any, key: str, trial: Callable[[], dict[str, Trial]], log: Callable[[str], None] | None = None
+    requested: str, ctx: Any, key: str, trial: Callable[[], dict[str, Trial]], log: Log | None = None
 ) -> ShardingChoice:
     """Resolve `--sharding` into what the planner is asked for. `trial()` times the candidates (`run_trials`);
     it runs on every rank (a collective), only for `auto` on several CPU ranks and when nothing is cached."""
