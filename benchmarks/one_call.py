@@ -34,7 +34,7 @@ from common import header, results_path, write_results
 
 import dlrm_lab
 from dlrm_lab.infer import build as builds
-from dlrm_lab.infer.batches import make_runner
+from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.builds import build_names, dense_weight_bytes
 from dlrm_lab.infer.builds.aoti import WholeBatch, example_batch, table_weights
 from dlrm_lab.infer.library import PackedLibrary
@@ -59,8 +59,8 @@ def dense_package(fused: Any, directory: Path) -> Any:
     with torch.no_grad():
         exported = torch.export.export(dense, (torch.zeros(64, features, dtype=module.dtype), pooled),
                                        dynamic_shapes=({0: batch}, {0: batch}))  # fmt: skip
-    path = directory / "dense.pt2"
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs={"freezing": True})
+        path = directory / "dense.pt2"  # compiled with grad off: Inductor freezes only then
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs={"freezing": True})
     module.compiled = torch._inductor.aoti_load_package(str(path))
     return module
 
@@ -80,8 +80,8 @@ class Buckets:
                     strict=False,
                     dynamic_shapes=(None, {0: torch.export.Dim("ids", min=0)}, None, None),
                 )
-            path = directory / f"bucket-{n}.pt2"
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=TUNED)
+                path = directory / f"bucket-{n}.pt2"
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=TUNED)
             self.runs[n] = torch._inductor.aoti_load_package(str(path)).loader.run
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

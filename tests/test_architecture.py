@@ -264,3 +264,22 @@ def test_the_package_type_checks():
         pytest.skip("mypy is not installed beside this interpreter")
     done = subprocess.run([str(mypy)], capture_output=True, text=True, cwd=ROOT.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+
+
+def test_every_name_a_benchmark_or_a_test_imports_from_the_package_exists():
+    """A name moved between modules broke `benchmarks/one_call.py` and `fixed_width_ab.py` for a session (they
+    imported `make_runner` from where it no longer was): no test imports a benchmark, so check every
+    `from dlrm_lab... import name` of the scripts and the tests against the package as it is, inside functions too."""
+    import importlib
+
+    missing = []
+    for path in [*(ROOT.parent / "benchmarks").glob("*.py"), *(ROOT.parent / "tests").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dlrm_lab":
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    submodule = hasattr(module, "__path__") and importlib.util.find_spec(name) is not None
+                    if not hasattr(module, alias.name) and not submodule:
+                        missing.append(f"{path.name}:{node.lineno}: {name}")
+    assert not missing, missing

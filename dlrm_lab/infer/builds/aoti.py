@@ -33,7 +33,7 @@ from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is exported as dynamic
 # what the package's graph is, in its cache key: a package of another graph (other inputs) is never loaded for it
-GRAPH = "whole batch: fused lookup and dense part, from assembled ids (1)"
+GRAPH = "whole batch: fused lookup and dense part, from assembled ids, frozen (2)"
 # the TBE's layout (which table is where, in which type): small, constant, frozen into the package
 LAYOUT_BUFFERS = ("weights_placements", "weights_offsets", "weights_tys", "D_offsets")
 LAYOUT_INTS = (
@@ -109,9 +109,11 @@ def export_whole(
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     features = len(module.spec.feature_names)
     shapes = ({0: batch}, {0: ids}, {0: features * batch + 1}, None)
-    with torch.no_grad():
+    # grad off through the compile too: Inductor freezes (prepacks oneDNN weights, lowers PT2E's int8 patterns)
+    # only where grad is disabled, and otherwise silently compiles unfrozen
+    with torch.no_grad(), warnings.catch_warnings():
         exported = torch.export.export(whole, example_batch(module), dynamic_shapes=shapes, strict=False)
-    with warnings.catch_warnings():  # torch 2.13's own compile deep-copies a graph holding a LeafSpec: its notice
+        # torch 2.13's own compile deep-copies a graph holding a LeafSpec: its notice
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         torch._inductor.aoti_compile_and_package(
             exported, package_path=str(path), inductor_configs={"freezing": True, **(inductor_configs or {})}
