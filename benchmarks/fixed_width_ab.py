@@ -18,8 +18,8 @@ from common import header, results_path, write_results
 
 import dlrm_lab
 from dlrm_lab.infer import build as builds
-from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.library import PackedLibrary
+from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.model.dlrm import build_model
 
