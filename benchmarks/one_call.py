@@ -9,6 +9,7 @@ batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the prec
           fused        fbgemm's TBE from Python, then the dense part from Python (stages apart);
           dense_pkg    the last round's `aoti`: the dense part alone in an AOTInductor package, the lookup from Python;
           aoti         the whole batch (lookup inside) in one package, dynamic batch, one call;
+          aoti_frozen  the same, compiled with Inductor's freezing (the dense weights prepacked at build time);
           aoti_tuned   the same, compiled with max_autotune and Inductor's C++ GEMM template beside ATen's;
           aoti_int8    the whole batch with its dense part int8 (torchao PT2E);
           buckets      one static-shape package per batch size (1 and 256 here), max_autotune: the bucket route.
@@ -100,7 +101,7 @@ def batch_part(table_precisions: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for table_precision in table_precisions:
             modules = {b: builds.make_build(model, b, precision=precision, table_precision=table_precision)
-                       for b in ("fused", "aoti", "aoti_tuned", "aoti_int8")}  # fmt: skip
+                       for b in ("fused", "aoti", "aoti_frozen", "aoti_tuned", "aoti_int8")}  # fmt: skip
             modules["dense_pkg"] = dense_package(modules["fused"], Path(tmp))
             bucketed = modules["fused"].sibling()
             bucketed.whole = copy.copy(modules["aoti"].whole)

@@ -52,7 +52,17 @@ class DLRMFamily:
     label = "DLRM"
     called = "a DLRM"
     spec_type = ModelSpec
-    builds = ("eager", "fused", "compiled", "aoti", "aoti_tuned", "aoti_int8", "openvino", "openvino_int8")
+    builds = (
+        "eager",
+        "fused",
+        "compiled",
+        "aoti",
+        "aoti_frozen",
+        "aoti_tuned",
+        "aoti_int8",
+        "openvino",
+        "openvino_int8",
+    )
     no_compiled_build = ""
     attention_paths: tuple[str, ...] = ()
     wire_samples = True

@@ -3,15 +3,18 @@
 From assembled ids and dense features to scores, a batch is one call of the package's C++ runner: fbgemm's
 inference lookup (`int_nbit_split_embedding_codegen_lookup_function`, which AOTInductor runs as a fallback op),
 the bottom MLP, the interaction, the top MLP and the sigmoid. The graph is exported with `torch.export` at the
-served precision (a dynamic batch dimension), compiled with freezing (oneDNN prepacks the dense weights) and the
-C++ wrapper, and cached on disk under a content key (`infer.artefacts`).
+served precision (a dynamic batch dimension), compiled with the C++ wrapper, and cached on disk under a content key
+(`infer.artefacts`). `aoti` keeps the dense weights as plain constants (each GEMM packs them as it runs);
+`aoti_frozen` compiles the same graph with Inductor's freezing (the weights prepacked for oneDNN at build time, the
+post-ops fused), which wins at small batches and loses at large ones on some shapes and precisions (kaggle bf16 at
+256 samples 0.70 against 0.74 ms; DLRMv2 fp16 at 2,048 89 against 72 ms, AMX): `auto` measures both.
 
 The lookup is called directly with the TBE's layout held as buffers, not through the TBE module: the module
 carries fbgemm's `AtomicCounter`/`TensorQueue` script objects, which export only with torchrec's fake classes and
 AOTInductor then has to carry; the op alone needs neither. The tables themselves are not in the package: they are
 an input of every call, the tensor each instance mapped from the snapshot, so co-located instances share one copy
-(the package holds only the small dense weights, frozen and prepacked; `package_constants_in_so=False` with
-user-managed buffers would share them too, but loses the frozen constants that freezing makes at compile time).
+(the package holds only the small dense weights; `package_constants_in_so=False` with user-managed buffers would
+share them too, but loses the prepacked constants that `aoti_frozen`'s freezing makes at compile time).
 
 `aoti_tuned` is the same graph compiled with `max_autotune` and Inductor's C++ GEMM template beside ATen's
 (AMX and AVX-512 micro-kernels generated for these shapes, epilogues fused): measured against `aoti`, as every
@@ -33,7 +36,7 @@ from dlrm_lab.infer.builds.compiled import too_small_to_compile
 
 EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is exported as dynamic
 # what the package's graph is, in its cache key: a package of another graph (other inputs) is never loaded for it
-GRAPH = "whole batch: fused lookup and dense part, from assembled ids, frozen (2)"
+GRAPH = "whole batch: fused lookup and dense part, from assembled ids (1)"
 # the TBE's layout (which table is where, in which type): small, constant, frozen into the package
 LAYOUT_BUFFERS = ("weights_placements", "weights_offsets", "weights_tys", "D_offsets")
 LAYOUT_INTS = (
@@ -101,22 +104,27 @@ def example_batch(module: Any, size: int = EXAMPLE_BATCH) -> tuple[torch.Tensor,
 
 
 def export_whole(
-    module: Any, path: Path, dense_part: nn.Module | None = None, inductor_configs: JsonObject | None = None
+    module: Any,
+    path: Path,
+    dense_part: nn.Module | None = None,
+    inductor_configs: JsonObject | None = None,
+    frozen: bool = False,
 ) -> None:
-    """Export a FusedDLRM's whole batch (`WholeBatch`) and compile it by AOTInductor into the package `path`."""
+    """Export a FusedDLRM's whole batch (`WholeBatch`) and compile it by AOTInductor into the package `path`,
+    `frozen` with Inductor's freezing or not."""
     whole = WholeBatch(module, dense_part)
     whole.training = False  # itself only: the dense part is in eval already (a PT2E graph refuses `.eval()`)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     features = len(module.spec.feature_names)
     shapes = ({0: batch}, {0: ids}, {0: features * batch + 1}, None)
     # grad off through the compile too: Inductor freezes (prepacks oneDNN weights, lowers PT2E's int8 patterns)
-    # only where grad is disabled, and otherwise silently compiles unfrozen
+    # only where grad is disabled, and otherwise compiles unfrozen without a word (every package was, for days)
     with torch.no_grad(), warnings.catch_warnings():
         exported = torch.export.export(whole, example_batch(module), dynamic_shapes=shapes, strict=False)
         # torch 2.13's own compile deep-copies a graph holding a LeafSpec: its notice
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(path), inductor_configs={"freezing": True, **(inductor_configs or {})}
+            exported, package_path=str(path), inductor_configs={"freezing": frozen, **(inductor_configs or {})}
         )
 
 
@@ -140,17 +148,19 @@ class AOTIBuild:
     dense_precision: str | None = None
     weight_precision: str | None = None
     inductor_configs: JsonObject = {}
+    frozen = False  # compiled with Inductor's freezing (the weights prepacked at build time)
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
         return self.packaged(
             module,
-            lambda m, path: export_whole(m, path, inductor_configs=self.inductor_configs),
+            lambda m, path: export_whole(m, path, inductor_configs=self.inductor_configs, frozen=self.frozen),
             {
                 "precision": precision,
                 "table_precision": table_precision,
                 "graph": GRAPH,
                 **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
+                **({"frozen": True} if self.frozen else {}),
             },
         )
 

@@ -75,14 +75,14 @@ def quantise_and_export(module: Any, path: Path) -> None:
         for dense, pooled in inputs:
             prepared(dense, pooled)
         quantised = convert_pt2e(prepared)
-    export_whole(module, path, dense_part=quantised)
+    export_whole(module, path, dense_part=quantised, frozen=True)  # unfrozen, the int8 weights run dequantised
 
 
 class AOTIInt8Build(AOTIBuild):
     """`aoti`'s package, loaded the same way by instances; made from a quantised graph."""
 
     name = "aoti_int8"
-    order = 5
+    order = 6
     base = None  # made from an fp32 fused build of its own: PT2E quantises an fp32 graph
     about = "aoti with its dense part int8 (torchao PT2E, X86InductorQuantizer, calibrated)"
     dense_precision = "int8"  # what its accuracy rule judges (infer.accuracy): never fp32's exact rule
@@ -93,7 +93,9 @@ class AOTIInt8Build(AOTIBuild):
             raise RuntimeError(why)
         module = serving_of(model.spec).make_fused(model, precision="fp32", table_precision=table_precision).eval()
         return self.packaged(
-            module, quantise_and_export, {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES], "graph": GRAPH}
+            module,
+            quantise_and_export,
+            {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES], "graph": GRAPH, "frozen": True},
         )
 
     def skip(self, base_dense_ms: float | None) -> str | None:

@@ -16,9 +16,10 @@ from dlrm_lab.infer.builds.aoti import AOTIBuild
 
 class AOTITunedBuild(AOTIBuild):
     name = "aoti_tuned"
-    order = 4
+    order = 5
     about = "aoti compiled with max_autotune: Inductor's C++ GEMM template (AMX, AVX-512) beside oneDNN's, per GEMM"
     inductor_configs: JsonObject = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    frozen = True  # the template packs weights only where they are constants: frozen
 
 
 BUILD = AOTITunedBuild()
