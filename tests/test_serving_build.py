@@ -4,6 +4,8 @@ accuracy, caches the rates in the machine profile, and warns about an explicit s
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -395,3 +397,23 @@ def test_openvinos_telemetry_is_declined_even_where_its_consent_file_says_yes(mo
     telemetry_off()
     later = telemetry.Telemetry(app_name="nncf", app_version="3.4.0", tid="G-0", backend="ga4")
     assert later.consent is False
+
+
+def test_a_build_is_timed_at_the_batches_the_load_will_make_thousands_where_offline_chooses_its_max_batch():
+    """DLRMv2 at fp16 served Offline chose `aoti_frozen` timed at 200 and 256 samples (11.8 against `aoti`'s 14.2
+    ms), then batched 2,496 samples, where it is the slower (89 against 72 ms at 2,048): 55.9 queries/s a core where
+    `aoti` served 72.6. Where the whole load is queued and the max batch is auto, the largest batch timed is the
+    auto rule's cap; elsewhere the largest batch served, as before."""
+    from dlrm_lab.infer.drivers import scenario
+    from dlrm_lab.infer.lab import for_load
+    from dlrm_lab.infer.load import QuerySizes, Stream
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.tune import MAX_AUTO_BATCH
+
+    served = ServedModel(name="tiny", spec=dlrm_lab.load_preset("tiny"), instances=2, max_batch=256)
+    stream = Stream("tiny", 300.0, QuerySizes.parse("fixed:200"))
+    assert scenario("offline").queues_whole_load and not scenario("server").queues_whole_load
+    assert for_load(served, stream, auto_batch_queued=True).batches_to_time() == [200, MAX_AUTO_BATCH]
+    assert for_load(served, stream).batches_to_time() == [200, 256]
+    given = dataclasses.replace(served, build_batches=(7, 9))
+    assert for_load(given, stream, auto_batch_queued=True).batches_to_time() == [7, 9]

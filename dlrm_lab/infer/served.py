@@ -157,10 +157,9 @@ class ServedModel:
         return max(self.max_batch, -(-self.largest_query // self.instances))
 
     def batches_to_time(self) -> list[int]:
-        """The batch sizes a build is timed at: those given, else an eighth of max_batch and max_batch."""
-        return sorted(
-            {min(self.max_batch, n) for n in self.build_batches} or {max(1, self.max_batch // 8), self.max_batch}
-        )
+        """The batch sizes a build is timed at: those given (`infer.lab.for_load`: what the load will batch), else an
+        eighth of max_batch and max_batch."""
+        return sorted({int(n) for n in self.build_batches} or {max(1, self.max_batch // 8), self.max_batch})
 
 
 OVERSUBSCRIPTION_LIMIT = 4  # instance threads per core beyond which a server is refused
