@@ -139,3 +139,21 @@ def test_auto_times_both_paths_and_leaves_the_model_unchanged():
     assert fixed.path == "fbgemm" and fixed.reason == "--table-update fbgemm" and not fixed.backward_ms
     assert type(batched) is SplitTableBatchedEmbeddingBagsCodegen
     assert time_paths([(batched, (indices, offsets, None))], repeats=1).keys() == {"fbgemm", "batched"}
+
+
+def test_a_batch_looked_up_before_another_batchs_update_is_updated_from_the_rows_as_they_are_then():
+    """The batched update reads a batch's rows at its lookup, while they are in the cache; a second lookup before
+    the first batch's backward (a pipeline's next batch, gradient accumulation) would then update rows read before
+    the first update: it reads them again, and the two steps leave what fbgemm's two backwards leave."""
+    rows, feature_table_map = (50, 30, 7), [0, 1, 2]
+    fbgemm, batched = _pair(rows=rows, feature_table_map=feature_table_map)
+    install(torch.nn.ModuleList([batched]), "batched")
+    first, second = _batch(rows, feature_table_map, seed=0, bag=1), _batch(rows, feature_table_map, seed=1, bag=1)
+    for m in (fbgemm, batched):
+        outs = [m(*first), m(*second)]  # both looked up, then both updated: they share rows (ids below 5)
+        for k, out in enumerate(outs):
+            out.backward(torch.full_like(out, 0.5 + k))
+    assert batched.updates_applied == 2
+    after_fbgemm, after_batched = _state(fbgemm), _state(batched)
+    torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after_batched[1], after_fbgemm[1], rtol=1e-5, atol=1e-7)
