@@ -142,9 +142,9 @@ def test_auto_times_both_paths_and_leaves_the_model_unchanged():
 
 
 def test_a_batch_looked_up_before_another_batchs_update_is_updated_from_the_rows_as_they_are_then():
-    """The batched update reads a batch's rows at its lookup, while they are in the cache; a second lookup before
-    the first batch's backward (a pipeline's next batch, gradient accumulation) would then update rows read before
-    the first update: it reads them again, and the two steps leave what fbgemm's two backwards leave."""
+    """A second lookup before the first batch's backward (a pipeline's next batch, gradient accumulation): the two
+    updates leave what fbgemm's two backwards leave (a version that read a batch's rows at its lookup, while they
+    were in the cache, had to read them again here; it was measured and not kept)."""
     rows, feature_table_map = (50, 30, 7), [0, 1, 2]
     fbgemm, batched = _pair(rows=rows, feature_table_map=feature_table_map)
     install(torch.nn.ModuleList([batched]), "batched")
@@ -153,7 +153,6 @@ def test_a_batch_looked_up_before_another_batchs_update_is_updated_from_the_rows
         outs = [m(*first), m(*second)]  # both looked up, then both updated: they share rows (ids below 5)
         for k, out in enumerate(outs):
             out.backward(torch.full_like(out, 0.5 + k))
-    assert batched.updates_applied == 2
     after_fbgemm, after_batched = _state(fbgemm), _state(batched)
     torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(after_batched[1], after_fbgemm[1], rtol=1e-5, atol=1e-7)

@@ -92,20 +92,18 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         """fbgemm's forward alone (no autograd record: called with gradients off)."""
         return super().forward(indices, offsets, weights)
 
-    updates_applied = 0  # bumped by each update: a plan gathered before another update applied is stale
-
     @torch.no_grad()
-    def plan_update(
-        self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
-    ) -> _UpdatePlan | None:
-        """Everything of a batch's update that its ids decide, made at its lookup: each id's gradient row and
-        table row, the rows sorted into runs of equal rows, and the unique rows' weights and state read while
-        the lookup has just brought them into the cache (read after the backward, from a 1.7 GB kaggle table,
-        the same rows took 1.4 ms of a 16 ms step). None: no ids."""
+    def apply_update(
+        self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+    ) -> None:
+        """The exact update fbgemm's backward applies, from the pooled gradient (`grad`, batch x features'
+        widths; nobag: one row per id): duplicates summed, then row-wise Adagrad (state += mean(g^2), row -= lr
+        g / (sqrt(state) + eps)) or SGD (row -= lr g)."""
         features = len(self.feature_table_map)
         width = int(self.D_offsets[1] - self.D_offsets[0])
         if indices.numel() == 0:
-            return None
+            return
+        grad_rows = grad.float().reshape(-1, width)  # pooled: a row per (sample, feature); nobag: per id
         scale = weights.float() if weights is not None else None
         # fbgemm keeps each feature's first element (its table's), so a feature's first row is that over the width
         first_row = torch.div(self.weights_offsets, width, rounding_mode="floor")
@@ -138,59 +136,23 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         keys, order = torch.sort(rows.int() if len(table) < 2**31 else rows)
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         unique = unique.long()
-        adagrad = self.optimizer != OptimType.EXACT_SGD
-        return _UpdatePlan(
-            width=width,
-            unique=unique,
-            sources=source.index_select(0, order),
-            starts=counts.cumsum(0) - counts,
-            scale=scale.index_select(0, order) if scale is not None else None,
-            rows=table.index_select(0, unique),
-            state=self.momentum1_host.index_select(0, unique) if adagrad else None,
-            applied=self.updates_applied,
-        )
-
-    @torch.no_grad()
-    def apply_update(self, grad: torch.Tensor, plan: _UpdatePlan | None) -> None:
-        """The exact update fbgemm's backward applies, from the pooled gradient (`grad`, batch x features'
-        widths; nobag: one row per id) and the batch's plan: duplicates summed, then row-wise Adagrad
-        (state += mean(g^2), row -= lr g / (sqrt(state) + eps)) or SGD (row -= lr g)."""
-        if plan is None:
-            return
-        table = self.weights_host.view(-1, plan.width)
-        rows, state = plan.rows, plan.state
-        if plan.applied != self.updates_applied:  # another batch's update came between its lookup and now
-            rows = table.index_select(0, plan.unique)
-            state = self.momentum1_host.index_select(0, plan.unique) if state is not None else None
-        self.updates_applied += 1
-        grad_rows = grad.float().reshape(-1, plan.width)  # pooled: a row per (sample, feature); nobag: per id
         summed = torch.nn.functional.embedding_bag(
-            plan.sources, grad_rows, plan.starts, mode="sum", per_sample_weights=plan.scale
+            source.index_select(0, order),
+            grad_rows,
+            counts.cumsum(0) - counts,
+            mode="sum",
+            per_sample_weights=scale.index_select(0, order) if scale is not None else None,
         )
         lr = float(self.learning_rate_tensor)
-        # each unique row updated and written back once: index_add_ over the whole table's rows runs as a
-        # scatter_add (0.37 ms for kaggle's 10k rows) where index_copy_ of the read rows takes a third of it
-        if state is None:
-            table.index_copy_(0, plan.unique, rows.add_(summed, alpha=-lr))
+        # each unique row read once, updated, written back: index_add_ over the whole table's rows runs as a
+        # scatter_add (0.37 ms for kaggle's 10k rows) where index_select + index_copy_ take a third of it
+        if self.optimizer == OptimType.EXACT_SGD:
+            table.index_copy_(0, unique, table.index_select(0, unique).add_(summed, alpha=-lr))
             return
-        state.add_((summed * summed).mean(1))
-        self.momentum1_host.index_copy_(0, plan.unique, state)
+        state = self.momentum1_host.index_select(0, unique).add_((summed * summed).mean(1))
+        self.momentum1_host.index_copy_(0, unique, state)
         step = state.sqrt_().add_(self.optimizer_args.eps).reciprocal_().mul_(-lr).unsqueeze(1)
-        table.index_copy_(0, plan.unique, rows.addcmul_(summed, step))
-
-
-@dataclass
-class _UpdatePlan:
-    """A batch's update as its ids decide it (`BatchedTableUpdate.plan_update`), and the rows it read then."""
-
-    width: int
-    unique: torch.Tensor  # the batch's table rows, each once, sorted
-    sources: torch.Tensor  # each id's gradient row, in the rows' sorted order
-    starts: torch.Tensor  # where each unique row's run of ids starts in `sources`
-    scale: torch.Tensor | None  # each id's weight on its gradient row (weighted or mean pooling), sorted alike
-    rows: torch.Tensor  # the unique rows' weights, read at the lookup
-    state: torch.Tensor | None  # their row-wise Adagrad state (None: SGD)
-    applied: int  # the table's `updates_applied` when read
+        table.index_copy_(0, unique, table.index_select(0, unique).addcmul_(summed, step))
 
 
 class _LookupWithBatchedUpdate(torch.autograd.Function):
@@ -207,15 +169,14 @@ class _LookupWithBatchedUpdate(torch.autograd.Function):
         weights: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.tbe = tbe
-        pooled = tbe.lookup(indices, offsets, weights)
-        ctx.plan = tbe.plan_update(indices, offsets, weights)  # right after the lookup: its rows are in the cache
-        return pooled
+        ctx.save_for_backward(indices, offsets, weights)
+        return tbe.lookup(indices, offsets, weights)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        indices, offsets, weights = ctx.saved_tensors
         with torch.profiler.record_function(PROFILE_LABEL):  # a profile names the update as it names fbgemm's
-            ctx.tbe.apply_update(grad, ctx.plan)
-        ctx.plan = None
+            ctx.tbe.apply_update(grad, indices, offsets, weights)
         return None, None, None, None, None
 
 
