@@ -275,17 +275,31 @@ def _compiled_calls(package: str) -> set[str]:
     return set(re.findall(r"aoti_torch_cpu_\w+", source))
 
 
-def test_a_frozen_package_prepacks_its_dense_layers_and_lowers_int8_to_onednn_and_aoti_keeps_plain_weights(served):
+def test_a_frozen_package_prepacks_its_dense_layers_and_lowers_int8_to_onednn_and_aoti_keeps_plain_weights(
+    served, monkeypatch, tmp_path
+):
     """Inductor freezes a graph only with grad off, and otherwise compiles it unfrozen without a word: the packages
     were made so for days (`aoti_int8` dequantised its int8 weights each call to run fp32 GEMMs: 7.4 us a kaggle
     sample against 2.2 frozen). Frozen or not is now each build's own, checked in the package it wrote: a frozen one
     calls oneDNN's prepacked layers and never `addmm`; `aoti` keeps plain weights (`addmm`, packed as it runs)."""
+    from dlrm_lab.infer.builds import aoti
+
     model, module, _, _ = served
     calls = _compiled_calls(module.package)
     assert "aoti_torch_cpu_addmm_out" in calls and "aoti_torch_cpu__linear_pointwise" not in calls, calls
-    frozen = make_build(model, "aoti_frozen", precision="fp32", table_precision="fp32")
-    calls = _compiled_calls(frozen.package)
-    assert "aoti_torch_cpu__linear_pointwise" in calls and not any("addmm" in c for c in calls), calls
-    int8 = make_build(model, "aoti_int8", precision="fp32", table_precision="fp32")
+    int8 = make_build(model, "aoti_int8", precision="fp32", table_precision="fp32")  # made by export_whole, frozen
     calls = _compiled_calls(int8.package)
     assert "aoti_torch_cpu__qlinear_pointwise_tensor" in calls and not any("addmm" in c for c in calls), calls
+
+    class Exported(Exception):  # `aoti_frozen` asks export_whole for a frozen package (its compile: int8's above)
+        pass
+
+    def record(_module, _path, **kw):
+        raise Exported(kw)
+
+    monkeypatch.setenv("DLRM_LAB_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(aoti, "export_whole", record)
+    for build, frozen in (("aoti_frozen", True), ("aoti_tuned", True), ("aoti", False)):
+        with pytest.raises(Exported) as asked:
+            make_build(model, build, precision="fp32", table_precision="fp32")
+        assert asked.value.args[0]["frozen"] is frozen, build
