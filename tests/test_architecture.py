@@ -271,6 +271,7 @@ def test_every_name_a_benchmark_or_a_test_imports_from_the_package_exists():
     imported `make_runner` from where it no longer was): no test imports a benchmark, so check every
     `from dlrm_lab... import name` of the scripts and the tests against the package as it is, inside functions too."""
     import importlib
+    import importlib.util
 
     missing = []
     for path in [*(ROOT.parent / "benchmarks").glob("*.py"), *(ROOT.parent / "tests").glob("*.py")]:

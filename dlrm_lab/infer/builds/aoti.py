@@ -160,13 +160,13 @@ class AOTIBuild:
                 "table_precision": table_precision,
                 "graph": GRAPH,
                 **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
-                **({"frozen": True} if self.frozen else {}),
             },
         )
 
     def packaged(self, module: Any, export: Any, made_by: JsonObject) -> Any:
         """`module` served whole by the package `export(module, path)` writes: cached under a key of the dense
-        weights, the spec, `made_by` and the machine (`infer.artefacts`), then loaded."""
+        weights, the spec, `made_by`, whether it is frozen and the machine (`infer.artefacts`), then loaded."""
+        made_by = {**made_by, **({"frozen": True} if self.frozen else {})}
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.whole = PackagedBatch(module.package, table_weights(module.tables))
