@@ -234,7 +234,7 @@ class IdleHold:
       released by the kernel when the file closes, however the process ends. Needs root;
     - `lock-tables`: the tables and the sample library pre-faulted and locked (`mlock`): no page of them is ever
       reclaimed or faulted again; unlocked when the process ends;
-    - `keep-memory`: glibc's malloc told never to give freed memory back (no trim, no mmap for large blocks): a
+    - `keep-memory`: glibc's malloc told never to give freed memory back (no trim, no block mapped on its own): a
       batch's buffers come back warm and mapped, not as fresh pages to fault in;
     - `halt-poll`: the guest's haltpoll idle driver polls up to `HALT_POLL_NS` before it halts the vCPU (these
       guests run it at 0: an idle vCPU exits to the host at once). Machine-wide and needs root: the first instance
@@ -277,8 +277,10 @@ class IdleHold:
             import ctypes
 
             mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-            # M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3, at most 32 MiB) of glibc's malloc.h
-            if mallopt is None or not (mallopt(-1, 1 << 30) and mallopt(-3, 1 << 25)):
+            # M_TRIM_THRESHOLD (-1) and M_MMAP_MAX (-4) of glibc's malloc.h: no block mapped on its own. A mmap
+            # threshold (at most 32 MiB) left larger blocks mapped, faulted and zeroed again every batch: DLRMv2's
+            # 4,096-sample batch has several over it (16% of its time, BENCHMARKS.md)
+            if mallopt is None or not (mallopt(-1, 1 << 30) and mallopt(-4, 0)):
                 raise RuntimeError("--idle-hold keep-memory: this C library's malloc takes no mallopt (not glibc)")
             return cls(kind)
         if kind == "halt-poll":
