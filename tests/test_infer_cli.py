@@ -40,6 +40,12 @@ def test_open_loop_point_records_every_query(tmp_path):
     assert 0.8 < s["achieved_rate_ratio"] < 1.2 and s["issue_lag_p99_ms"] is not None
     assert assert_tables_registered(run_dir) == ["queries", "infer summary", "infer telemetry"]
     assert s["instances"] == 2 and s["cpu_utilization"] is not None and s["snapshot_mb"] > 0
+    # --batch-memory auto (the command's default): each instance timed its largest batch both ways and said so
+    for instance in read_manifest(run_dir)["instances"]:
+        memory = instance["batch_memory"]
+        assert memory["batch_memory"] in ("release", "keep") and memory["samples"] == 32, memory
+        assert memory["reason"].startswith("auto: memory ") and set(memory["ms"]) == {"release", "keep"}
+    assert s["batch_memory"] in ("release", "keep", "auto")  # auto: the instances chose differently
     # DuckDB reads the run directly
     n = duckdb.sql(f"select count(*) from '{run_dir}/queries.parquet' where status = 'ok'").fetchall()[0][0]
     assert n == len(q)

@@ -221,6 +221,51 @@ def test_keep_memory_keeps_a_freed_batch_buffer_mapped(served):
         libc.mallopt(-1, 128 << 10), libc.mallopt(-3, 128 << 10), libc.mallopt(-4, 65536)
 
 
+def test_batch_memory_auto_keeps_memory_only_where_the_largest_batch_is_faster_by_the_margin(monkeypatch):
+    """`--batch-memory auto`: an instance's largest batch timed as glibc gives memory back, then as it keeps it
+    (each way after an untimed batch); kept only where 5% faster, else glibc's own rule for a large block put back
+    (its mmap count and trim threshold); keep and release as asked, untimed; a bad value is one line."""
+    from types import SimpleNamespace
+
+    from dlrm_lab.errors import UserError
+    from dlrm_lab.infer import batch_memory
+    from dlrm_lab.infer.served import ServedModel
+
+    for keep_ms, chosen in ((90.0, "keep"), (97.0, "release")):
+        clock, state, told = [0.0], {"kept": False}, []
+        monkeypatch.setattr(batch_memory, "time", SimpleNamespace(perf_counter=lambda clock=clock: clock[0]))
+        monkeypatch.setattr(batch_memory, "keep_batch_memory", lambda state=state: state.update(kept=True))
+        monkeypatch.setattr(
+            batch_memory, "_mallopt", lambda told=told: lambda option, value: told.append((option, value)) or 1
+        )
+        batches = []
+
+        def batch(clock=clock, state=state, keep_ms=keep_ms, batches=batches):
+            batches.append(state["kept"])
+            clock[0] += (keep_ms if state["kept"] else 100.0) / 1e3
+
+        choice = batch_memory.choose("auto", batch, 4096)
+        assert batches == [False] * 4 + [True] * 4  # given back first: glibc's defaults cannot be put back after
+        assert choice["batch_memory"] == chosen and choice["samples"] == 4096
+        assert choice["ms"] == pytest.approx({"release": 100.0, "keep": keep_ms})
+        if chosen == "keep":
+            assert (
+                told == []
+                and choice["reason"] == "auto: memory kept: a 4,096-sample batch 90.00 ms kept vs 100.00 ms given back"
+            )
+        else:
+            assert told == [(batch_memory.M_MMAP_MAX, 65536), (batch_memory.M_TRIM_THRESHOLD, 64 << 20)]
+            assert choice["reason"].startswith("auto: memory given back (kept is not 1.05x faster)")
+    for asked in ("keep", "release"):
+        state = {"kept": False}
+        monkeypatch.setattr(batch_memory, "keep_batch_memory", lambda state=state: state.update(kept=True))
+        choice = batch_memory.choose(asked, lambda: pytest.fail("timed"), 4096)
+        assert choice == {"batch_memory": asked, "reason": f"--batch-memory {asked}", "samples": None, "ms": {}}
+        assert state["kept"] == (asked == "keep")
+    with pytest.raises(UserError, match=r"batch_memory 'sometimes': allowed: auto, release, keep$"):
+        ServedModel("tiny", dlrm_lab.load_preset("tiny"), batch_memory="sometimes")
+
+
 def test_halt_poll_is_raised_while_held_and_put_back_after_its_owner_was_killed(served, tmp_path, monkeypatch):
     """`--idle-hold halt-poll`: the haltpoll window raised while an instance lives, the old value put back when it
     ends; a value a killed owner left behind is put back by the next hold; a machine without the driver (or without

@@ -8,7 +8,8 @@ modules, whose empty cache buffers fail to map, hence the file.)
 
 Messages go through one duplex pipe per instance (sent by the caller's thread: no feeder
 thread to wake, unlike multiprocessing queues); payloads are small for library queries:
-    instance -> parent: ("ready", error or None) once, then BatchResult per batch
+    instance -> parent: ("ready", error or None, its BatchCost, its BatchMemoryChoice) once, then BatchResult per
+    batch
     parent -> instance: (batch_id, [QueryRef, ...]) or None to stop
     tracing (`--trace`): parent -> instance (TRACE, None) starts torch.profiler, (TRACE, path) stops
     it and exports its Chrome trace there; instance -> parent (TRACE, index, path or error) when written
@@ -38,6 +39,7 @@ import torch
 from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import end_with_parent
+from dlrm_lab.infer import batch_memory
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import LoadedSamples
@@ -89,6 +91,7 @@ class InstancePlan:
     spin_ms: float = 0.0  # poll for the next batch this long before blocking
     keep_warm_ms: float = 0.0  # while idle, a 1-sample batch of the library this often (0: off)
     idle_hold: str = "none"  # IDLE_HOLDS: what it holds while it waits
+    batch_memory: str = "release"  # infer.batch_memory.BATCH_MEMORY: whether malloc keeps a batch's freed buffers
     history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
     build: str = "eager"  # the inference form served (infer.build)
     # Instances yield to the serving process: when they fill every core, the batcher and
@@ -170,13 +173,19 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         library = map_library(snapshot, spec)
         runner = make_runner(model, library, device, plan.precision, plan.history_cache_mb)
         _hold = IdleHold.take(plan.idle_hold, model, library)  # held until the process ends
-        runner.warm_up(min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch))
+        largest = min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch)
+        runner.warm_up(largest)
+        memory = batch_memory.choose(
+            plan.batch_memory if device.type == "cpu" else "release",
+            lambda: runner([QueryRef(-1, largest, 0)]),
+            largest,
+        )
         cost = runner.batch_cost(min(family.cost_batch, library.size))
         gc.collect()
         gc.freeze()  # the model's objects never die: keep them out of every later collection
-        conn.send(("ready", None, cost))
+        conn.send(("ready", None, cost, memory))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
-        conn.send(("ready", f"{type(exc).__name__}: {exc}", None))
+        conn.send(("ready", f"{type(exc).__name__}: {exc}", None, None))
         return
     spin_s = plan.spin_ms / 1e3
     keep_warm = KeepWarm(runner, library.size, plan.keep_warm_ms)
@@ -274,14 +283,10 @@ class IdleHold:
                     )
             return cls(kind, regions)
         if kind == "keep-memory":
-            import ctypes
-
-            mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-            # M_TRIM_THRESHOLD (-1) and M_MMAP_MAX (-4) of glibc's malloc.h: no block mapped on its own. A mmap
-            # threshold (at most 32 MiB) left larger blocks mapped, faulted and zeroed again every batch: DLRMv2's
-            # 4,096-sample batch has several over it (16% of its time, BENCHMARKS.md)
-            if mallopt is None or not (mallopt(-1, 1 << 30) and mallopt(-4, 0)):
-                raise RuntimeError("--idle-hold keep-memory: this C library's malloc takes no mallopt (not glibc)")
+            try:
+                batch_memory.keep_batch_memory()  # as --batch-memory keep: no trim, no block mapped on its own
+            except RuntimeError as exc:
+                raise RuntimeError(f"--idle-hold keep-memory: {exc}") from None
             return cls(kind)
         if kind == "halt-poll":
             return cls(kind, HaltPoll.take())

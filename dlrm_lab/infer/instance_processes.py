@@ -77,16 +77,18 @@ class InstanceProcesses:
             for conn in cast(list[Connection], wait_connections(list(waiting.values()), timeout=0.5)):
                 index = next(i for i, c in waiting.items() if c is conn)
                 try:
-                    _, error, cost = conn.recv()
+                    _, error, cost, memory = conn.recv()
                 except (EOFError, OSError):
                     error = exit_description(self._procs[index].exitcode)
                 if error:
                     raise ServingFault(f"instance {index} (pid {self._procs[index].pid}) failed to start: {error}")
                 del waiting[index]
                 costs[index] = cost
+                self.info[index]["batch_memory"] = memory
+                said = f"; batch memory {memory['reason']}" if memory["ms"] else ""  # what auto measured
                 self.log(
                     f"instance {index} ready: a batch takes {cost.fixed_ms:.2f} ms + "
-                    f"{cost.per_sample_ms * 1e3:.1f} us per sample"
+                    f"{cost.per_sample_ms * 1e3:.1f} us per sample{said}"
                 )
             if time.monotonic() > deadline:
                 raise ServingFault(f"instances {sorted(waiting)} not ready after {self.start_timeout_s:.0f} s")

@@ -64,6 +64,13 @@ class ServingOptions(ModelScaling):
         "never gives freed memory back: a batch's buffers stay mapped) or halt-poll (the guest's haltpoll driver "
         "polls 10 ms before it halts an idle vCPU; machine-wide, needs root, put back when the instance ends).",
     )
+    batch_memory: str = option(
+        "release",
+        "Whether an instance's malloc keeps a batch's freed buffers for the next batch: auto (each instance times "
+        "its largest batch both ways at start; kept where 5% faster), release (glibc's defaults: blocks over its "
+        "mmap threshold, 32 MiB at most, are mapped, faulted in and zeroed again every batch) or keep.",
+        cli_default=AUTO,
+    )
     precision: str = option(
         AUTO,
         "Dense compute: auto (measured: a lower precision only where its GEMMs are faster), fp32, bf16 (autocast) or "

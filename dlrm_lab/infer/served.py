@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.infer.batch_memory import BATCH_MEMORY
 from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.instance import IDLE_HOLDS, PRECISIONS
 from dlrm_lab.infer.serving_parts import serving_of
@@ -41,6 +42,8 @@ class ServedModel:
     keep_warm_ms: float = 0.0
     # What an idle instance holds while it waits (infer.instance.IDLE_HOLDS)
     idle_hold: str = "none"
+    # Whether its instances' malloc keeps a batch's freed buffers (infer.batch_memory); auto: each instance times it
+    batch_memory: str = "release"
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
@@ -84,6 +87,8 @@ class ServedModel:
             raise FieldError("keep_warm_ms", f"{self.keep_warm_ms!r}: must be 0 (off) or in [1, 10000]")
         if self.idle_hold not in IDLE_HOLDS:
             raise FieldError("idle_hold", f"{self.idle_hold!r}: allowed: {', '.join(IDLE_HOLDS)}")
+        if self.batch_memory not in BATCH_MEMORY:
+            raise FieldError("batch_memory", f"{self.batch_memory!r}: allowed: {', '.join(BATCH_MEMORY)}")
         if not self.max_delay_ms >= 0:
             raise FieldError("max_delay_ms", f"{self.max_delay_ms!r}: must be >= 0")
         if self.precision not in (AUTO, *PRECISIONS):
@@ -111,6 +116,7 @@ class ServedModel:
                 "spin_ms": self.spin_ms,
                 "keep_warm_ms": self.keep_warm_ms,
                 "idle_hold": self.idle_hold,
+                "batch_memory": self.batch_memory,
                 "precision": self.precision,
                 "table_precision": self.table_precision,
                 "history_cache_mb": self.history_cache_mb,

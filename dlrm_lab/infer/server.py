@@ -252,6 +252,7 @@ class InferenceServer:
                 build=m.build,
                 keep_warm_ms=m.keep_warm_ms,
                 idle_hold=m.idle_hold,
+                batch_memory=m.batch_memory,
             )
         )
         pool = self._pools[m.name]
@@ -264,6 +265,9 @@ class InferenceServer:
         costs = self.instances.wait_ready()
         for name, pool in self._pools.items():
             measured = [costs[info["instance"]] for info in self.instances.info if info["model"] == name]
+            chosen = {i["batch_memory"]["batch_memory"] for i in self.instances.info if i["model"] == name}
+            if len(chosen) == 1:  # served as its instances chose (auto: where they differ, each says in the manifest)
+                pool.served.batch_memory = chosen.pop()
             pool.clock.cost = BatchCost(
                 fixed_ms=float(np.median([c.fixed_ms for c in measured])),
                 per_sample_ms=float(np.median([c.per_sample_ms for c in measured])),

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.infer.batch_memory import BatchMemoryChoice
 from dlrm_lab.metrics.columns import QueryRow
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ class ServingProcess(TypedDict):
     model: str
     pid: int
     cores: list[int]  # empty: not pinned
+    # once ready: whether its malloc keeps a batch's freed buffers, and why (`infer.batch_memory.choose`)
+    batch_memory: NotRequired[BatchMemoryChoice]
 
 
 class Stall(TypedDict):
