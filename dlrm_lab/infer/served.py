@@ -162,6 +162,12 @@ class ServedModel:
         """The largest batch an instance serves: max_batch, or one instance's share of the largest query."""
         return max(self.max_batch, -(-self.largest_query // self.instances))
 
+    def largest_batch(self) -> int:
+        """The largest batch an instance may serve, what it warms up to and judges its memory at: its piece limit,
+        or the largest its build is timed at where that is larger (Offline's auto max batch, chosen after the
+        instances start, runs to its cap: `infer.lab.for_load`)."""
+        return max(self.piece_limit(), *self.batches_to_time())
+
     def batches_to_time(self) -> list[int]:
         """The batch sizes a build is timed at: those given (`infer.lab.for_load`: what the load will batch), else an
         eighth of max_batch and max_batch."""

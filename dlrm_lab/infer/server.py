@@ -168,7 +168,7 @@ class InferenceServer:
                 self.snapshot_bytes[m.name] = write_snapshot(snap, plan.modules.pop(m.name), library)
                 self._pools[m.name] = Pool(served=m, library=map_library(snap, m.spec))
                 for place in places[m.name]:
-                    self._spawn(m, place, snap, warmup_batch=min(m.piece_limit(), library.size))
+                    self._spawn(m, place, snap, warmup_batch=min(m.largest_batch(), library.size))
             self._wait_ready()
         except BaseException:
             self.stop()
