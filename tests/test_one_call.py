@@ -262,6 +262,11 @@ def test_batch_memory_auto_keeps_memory_only_where_the_largest_batch_is_faster_b
         choice = batch_memory.choose(asked, lambda: pytest.fail("timed"), 4096)
         assert choice == {"batch_memory": asked, "reason": f"--batch-memory {asked}", "samples": None, "ms": {}}
         assert state["kept"] == (asked == "keep")
+    # memory kept by the idle hold is never given back by auto's trial; on a GPU malloc is not asked
+    held = batch_memory.choose("auto", lambda: pytest.fail("timed"), 4096, held=True)
+    assert held["batch_memory"] == "keep" and held["reason"] == "kept by --idle-hold keep-memory"
+    gpu = batch_memory.choose("auto", lambda: pytest.fail("timed"), 4096, device="cuda")
+    assert gpu["batch_memory"] == "release" and gpu["reason"] == "on cuda: a batch's buffers are the device's"
     with pytest.raises(UserError, match=r"batch_memory 'sometimes': allowed: auto, release, keep$"):
         ServedModel("tiny", dlrm_lab.load_preset("tiny"), batch_memory="sometimes")
 

@@ -54,11 +54,20 @@ def keep_batch_memory() -> None:
         raise RuntimeError("this C library's malloc takes no mallopt (not glibc): it cannot be told to keep memory")
 
 
-def choose(requested: str, batch: Callable[[], object], samples: int) -> BatchMemoryChoice:
+def choose(
+    requested: str, batch: Callable[[], object], samples: int, *, device: str = "cpu", held: bool = False
+) -> BatchMemoryChoice:
     """Apply `requested` (`BATCH_MEMORY`) in this process (`release`: glibc's defaults, untouched); for auto, time
     `batch` (one batch of `samples`) `ROUNDS` times as glibc gives memory back, then as it keeps it (each after
     an untimed batch: what the way maps, mapped), and keep memory only where its median is faster by `MARGIN`.
-    Not interleaved: the defaults cannot be put back once changed."""
+    Not interleaved: the defaults cannot be put back once changed. On a GPU a batch's buffers are the device's:
+    nothing is asked of malloc. `held`: `--idle-hold keep-memory` keeps memory already, and nothing gives it back."""
+    if device != "cpu":
+        return BatchMemoryChoice(
+            batch_memory="release", reason=f"on {device}: a batch's buffers are the device's", samples=None, ms={}
+        )
+    if held:
+        return BatchMemoryChoice(batch_memory="keep", reason="kept by --idle-hold keep-memory", samples=None, ms={})
     if requested == "keep":
         keep_batch_memory()
     if requested != "auto":

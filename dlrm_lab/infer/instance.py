@@ -176,9 +176,11 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         largest = min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch)
         runner.warm_up(largest)
         memory = batch_memory.choose(
-            plan.batch_memory if device.type == "cpu" else "release",
+            plan.batch_memory,
             lambda: runner([QueryRef(-1, largest, 0)]),
             largest,
+            device=device.type,
+            held=plan.idle_hold == "keep-memory",
         )
         cost = runner.batch_cost(min(family.cost_batch, library.size))
         gc.collect()
