@@ -211,7 +211,7 @@ def for_load(served: ServedModel, stream: Stream, auto_batch_queued: bool = Fals
     if served.build_batches:
         return served
     median = min(stream.sizes.quantile(0.5), served.max_batch)
-    largest = MAX_AUTO_BATCH if auto_batch_queued else min(served.piece_limit(), served.max_batch)
+    largest = MAX_AUTO_BATCH if auto_batch_queued else served.max_batch
     return replace(served, build_batches=(median, largest))
 
 
