@@ -168,11 +168,13 @@ def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_
     foreign = readings[readings["quantity"] == "foreign"].sort_values("time_unix_s")
     first = readings["time_unix_s"].min()
     start = started[0] - first
-    onset = float(row["canary_phase"].split(" s into the run")[0].rsplit(" ", 1)[1])
+    # the foreign load's part of the line: a slower speed (the hogs share the canary's core) may be said first
+    (shared,) = [part for part in row["canary_phase"].split("; ") if part.startswith("other processes took")]
+    onset = float(shared.split(" s into the run")[0].rsplit(" ", 1)[1])
     timeline = [
         (round(t - first, 2), round(v, 2)) for t, v in zip(foreign["time_unix_s"], foreign["value"], strict=True)
     ]
-    assert start - 0.5 <= onset <= start + 1.0, (start, onset, timeline)
+    assert start - 0.5 <= onset <= start + 1.0, (start, onset, row["canary_phase"], timeline)
     assert any(line == f"tiny: {row['canary_phase']}" for line in lines)
 
 
