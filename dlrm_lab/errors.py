@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 class UserError(Exception):
@@ -67,6 +68,13 @@ class Terminated(BaseException):
     A BaseException, as KeyboardInterrupt is: libraries' own `except Exception` (Inductor's compile and
     autotuning, a checkpoint reader) must not swallow a stop, nor turn it into their own error."""
 
+    def __init__(self, message: str, signum: int | None = None) -> None:
+        super().__init__(message)
+        self.signum = signum  # the signal that asked, sent again where a finaliser swallowed it
+
+    def __reduce__(self) -> tuple[type, tuple[str, int | None]]:  # to cross a process boundary
+        return Terminated, (str(self), self.signum)
+
 
 def raise_on_sigterm() -> None:
     """Turn SIGTERM (a launcher or a user stopping the job) and SIGHUP (its terminal closed, an ssh session
@@ -81,10 +89,39 @@ def raise_on_sigterm() -> None:
 
     def handler(signum: int, frame: object) -> None:
         why = "its terminal closed or its session ended" if signum == signal.SIGHUP else who
-        raise Terminated(f"terminated by signal {signal.Signals(signum).name} ({why})")
+        raise Terminated(f"terminated by signal {signal.Signals(signum).name} ({why})", signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
+    redeliver_lost_stops()
+
+
+def redeliver_lost_stops() -> None:
+    """A stop (`Terminated`, Ctrl-C's KeyboardInterrupt) raised while Python runs a finaliser (a `__del__`, a weakref
+    callback: the signal handler runs wherever the main thread is) is printed and ignored, and the run went on as if
+    never stopped (a SIGTERM during an `aoti` compile was lost in a WeakSet's callback): the hook sends the signal
+    again, so the stop is raised at the next line outside it. Other unraisable exceptions go to the hook before."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    if getattr(sys.unraisablehook, "redelivers_stops", False):
+        return
+    before = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        if not isinstance(exc, (Terminated, KeyboardInterrupt)) or signum is None:
+            before(unraisable)
+            return
+        # sent from a thread a moment later: sent from here, it would be raised in this hook and be lost again; lost
+        # in another finaliser, it comes back here and is sent once more
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+
+    hook.redelivers_stops = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 @contextmanager

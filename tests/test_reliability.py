@@ -678,6 +678,50 @@ def test_sigterm_during_a_package_compile_stops_the_build(monkeypatch, tmp_path)
             signal.signal(s, handler)
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_stop_that_lands_in_a_finaliser_is_raised_after_it_not_lost(monkeypatch, signum):
+    """The signal handler runs wherever the main thread is: a stop raised inside a `__del__` or a weakref callback is
+    printed and ignored by Python, and the run went on (the compile test above lost its SIGTERM in a WeakSet's
+    callback). The lab's hook sends it again: the stop is raised at the next line; other unraisable errors still
+    reach the hook before it."""
+    import signal
+    import sys
+    import time
+
+    from dlrm_lab.errors import Terminated, raise_on_sigterm
+
+    seen: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise_on_sigterm()
+    raise_on_sigterm()  # twice: one hook, not a chain of them
+    sig = getattr(signal, signum)
+
+    class StoppedWhileFinalised:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), sig)  # delivered here: the handler raises inside the finaliser
+            for _ in range(1000):
+                pass
+
+    class Broken:
+        def __del__(self) -> None:
+            raise ValueError("a finaliser's own error")
+
+    try:
+        broken = Broken()
+        del broken
+        assert [type(e) for e in seen] == [ValueError]  # passed on, not resent as a signal
+        stopped = StoppedWhileFinalised()
+        with pytest.raises(Terminated if signum == "SIGTERM" else KeyboardInterrupt):
+            del stopped
+            time.sleep(5)  # lost, it would sleep and pass
+        assert len(seen) == 1  # the stop was not printed as an ignored error
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def _nap() -> None:
     import time
 
