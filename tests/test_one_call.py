@@ -271,6 +271,74 @@ def test_batch_memory_auto_keeps_memory_only_where_the_largest_batch_is_faster_b
         ServedModel("tiny", dlrm_lab.load_preset("tiny"), batch_memory="sometimes")
 
 
+def test_an_instance_serves_the_fastest_of_its_finalists_by_the_builds_margin(monkeypatch):
+    """`infer.finalists.choose`: each finalist's largest batch timed in turn after an untimed one each; the simplest
+    kept unless a later build is 5% faster, as the serving process's rule; nothing timed without a runner-up."""
+    from types import SimpleNamespace
+
+    from dlrm_lab.infer import finalists
+
+    for frozen_ms, chosen in ((90.0, "aoti_frozen"), (97.0, "aoti")):
+        clock, calls = [0.0], []
+        monkeypatch.setattr(finalists, "time", SimpleNamespace(perf_counter=lambda clock=clock: clock[0]))
+
+        def batch(build, ms, clock=clock, calls=calls):
+            calls.append(build)
+            clock[0] += ms / 1e3
+
+        batches = {"aoti_frozen": lambda ms=frozen_ms: batch("aoti_frozen", ms), "aoti": lambda: batch("aoti", 100.0)}
+        choice = finalists.choose("aoti_frozen", batches, 4096)
+        assert calls == ["aoti_frozen", "aoti"] * 4  # in turn: a phase of the host slows both alike
+        assert choice["build"] == chosen and choice["samples"] == 4096
+        assert choice["ms"] == pytest.approx({"aoti": 100.0, "aoti_frozen": frozen_ms})
+        verdict = "as the serving process chose" if chosen == "aoti_frozen" else "not aoti_frozen, which"
+        assert choice["reason"].startswith(f"{chosen} in this process, {verdict}"), choice["reason"]
+    alone = finalists.choose("aoti", {"aoti": lambda: pytest.fail("timed")}, 4096)
+    assert alone == {"build": "aoti", "reason": "no finalist: served as the serving process chose", "samples": None,
+                     "ms": {}}  # fmt: skip
+
+
+def test_a_finalist_package_serves_from_the_instances_own_tables(served):
+    """In an instance, a finalist is its package loaded beside the tables the instance mapped (a sibling module, no
+    copy of them), and scores as the build it replaces; a build served from more than one file has no artefact."""
+    model, module, library, _ = served
+    other = build_named("aoti_frozen").from_artefact(module, module.package)
+    assert other is not module and other.package == module.package and other.whole is not module.whole
+    assert table_weights(other.tables).data_ptr() == table_weights(module.tables).data_ptr()
+    refs = [QueryRef(0, 64, 0)]
+    runners = [make_runner(m, library, torch.device("cpu"), "fp32") for m in (module, other)]
+    np.testing.assert_array_equal(runners[0](refs), runners[1](refs))
+    assert build_named("aoti").artefact(module) == module.package
+    for name in ("eager", "fused", "compiled", "openvino"):
+        assert build_named(name).artefact(module) is None
+        with pytest.raises(NotImplementedError, match=f"{name} is not served from one file"):
+            build_named(name).from_artefact(module, module.package)
+
+
+def test_an_instance_times_its_finalists_where_it_serves_and_the_server_serves_what_it_chose(served):
+    """A plan's finalists reach each instance, which times them against the plan's build at its largest batch and
+    serves the faster (its choice and both times in the manifest's record of it); the server then serves, and
+    describes, the build its instances chose."""
+    from dlrm_lab.infer.plan import ServingPlan
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.infer.server import InferenceServer
+
+    model, module, library, _ = served
+    m = ServedModel("tiny", model.spec, max_batch=64, build="aoti", finalists=(("aoti_frozen", module.package),))
+    snapshot = build_named("aoti").for_snapshot(module.sibling())  # the fixture's own module keeps its package
+    plan = ServingPlan({"tiny": m}, modules={"tiny": snapshot}, libraries={"tiny": library},
+                       precision_choices={"tiny": {}})  # fmt: skip
+    lines: list[str] = []
+    with InferenceServer(plan, pin_cores=False, log=lines.append) as server:
+        (info,) = server.instances.info
+        chosen = info["build"]
+        assert set(chosen["ms"]) == {"aoti", "aoti_frozen"} and chosen["samples"] == 64, chosen
+        assert server.describe().models["tiny"].build == chosen["build"]
+        assert any(f"build {chosen['reason']}" in line for line in lines), lines
+    if chosen["build"] == "aoti_frozen":
+        assert "tiny: served as aoti_frozen: every instance timed it faster than aoti" in lines
+
+
 def test_halt_poll_is_raised_while_held_and_put_back_after_its_owner_was_killed(served, tmp_path, monkeypatch):
     """`--idle-hold halt-poll`: the haltpoll window raised while an instance lives, the old value put back when it
     ends; a value a killed owner left behind is put back by the next hold; a machine without the driver (or without

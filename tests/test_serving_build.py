@@ -131,6 +131,42 @@ def test_auto_serves_the_fastest_build_and_records_why(monkeypatch, tmp_path):
                             "build")  # fmt: skip
 
 
+def test_auto_hands_its_instances_the_runners_up_close_to_its_choice_that_share_its_tables(monkeypatch, tmp_path):
+    """Some builds' speed is drawn per process (`infer.finalists`): `auto` names, beside its choice, the runners-up
+    within 1.25x of it that are made from the same base build and served from one file (a package), each checked
+    for accuracy; none where the choice is not a package, or nothing is close."""
+    from dlrm_lab.infer.builds.aoti import AOTIBuild
+
+    def packaged(self, module, export, made_by):  # no compile: the package's path only, the fused path serves
+        module.package, module.package_reason = f"/packages/{self.name}.pt2", "made"
+        return module
+
+    monkeypatch.setattr(AOTIBuild, "packaged", packaged)
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "a"))
+    times = FakeTimes(dense_ms=10.0, eager=4.0, fused=3.0, compiled=2.9, aoti=1.2, aoti_frozen=1.0, aoti_tuned=1.3,
+                      aoti_int8=1.1, openvino=2.0, openvino_int8=2.0)  # fmt: skip
+    choice, _ = _choose("auto", times)
+    # aoti_tuned 1.3 > 1.25 x 1.0; aoti_int8 is made from a fused build of its own; openvino is not one file
+    assert choice.build == "aoti_frozen" and choice.finalists == {"aoti": "/packages/aoti.pt2"}
+    assert choice.to_dict()["finalists"] == {"aoti": "/packages/aoti.pt2"}
+    assert choice.reason.endswith("its instances time it again against aoti (infer.finalists)")
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "b"))
+    alone, _ = _choose("auto", FakeTimes(dense_ms=10.0, eager=4.0, fused=3.0, aoti=1.0, aoti_frozen=1.3))
+    assert alone.build == "aoti" and alone.finalists == {}
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "c"))
+    fused, _ = _choose("auto", FakeTimes(dense_ms=10.0, eager=4.0, fused=1.0, aoti=1.1))
+    assert fused.build == "fused" and fused.finalists == {}  # the choice itself is no package to switch from
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "d"))
+    real = builds.check_accuracy
+    monkeypatch.setattr(builds, "check_accuracy", lambda model, module, build, *a, **k: (
+        builds.AccuracyCheck(**{**real(model, module, build, *a, **k).__dict__, "passed": build != "aoti"})))  # fmt: skip
+    failed, _ = _choose("auto", times)
+    assert failed.build == "aoti_frozen" and failed.finalists == {} and "failed its accuracy" in failed.skipped["aoti"]
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "e"))
+    asked, _ = _choose("aoti_frozen", times)
+    assert asked.finalists == {}  # asked for by name: served as asked
+
+
 def test_an_explicit_slower_build_runs_with_one_warning_naming_both_times(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     choice, module = _choose("eager", FakeTimes(eager=3.0, fused=1.0))

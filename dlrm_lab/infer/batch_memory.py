@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable
 from typing import TypedDict
 
+from dlrm_lab.infer.builds import MARGIN  # the builds' rule: keep memory only for a batch this much faster
+
 BATCH_MEMORY = ("auto", "release", "keep")
-MARGIN = 1.05  # keep memory only for a batch at least this much faster (the builds' rule, `infer.build.MARGIN`)
 ROUNDS = 3  # timed pairs (release, keep) after one untimed batch each way
 
 # glibc's malloc.h. Any of them turns off glibc's own rule that raises the mmap threshold (to 32 MiB at most) and the

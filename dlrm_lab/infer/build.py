@@ -32,11 +32,11 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
-from dlrm_lab.infer.builds import build_named, builds
+from dlrm_lab.infer.builds import MARGIN, build_named, builds
+from dlrm_lab.infer.finalists import finalists_of
 from dlrm_lab.infer.serving_parts import make_runner
 
 AUTO = "auto"
-MARGIN = 1.05  # a build must be this much faster than the next simpler one to be chosen (beyond timing noise)
 
 
 def make_build(model: nn.Module, build: str, *, precision: str, table_precision: str) -> nn.Module:
@@ -61,6 +61,8 @@ class BuildChoice:
     threads: int = 1
     accuracy: AccuracyCheck | None = None
     skipped: dict[str, str] = field(default_factory=dict)  # build -> why it was not timed or not chosen
+    # auto: runners-up its instances time again, each in its own process (`infer.finalists`): build -> artefact
+    finalists: dict[str, str] = field(default_factory=dict)
 
     @property
     def line(self) -> str:
@@ -77,6 +79,7 @@ class BuildChoice:
             "threads": self.threads,
             "margin": MARGIN,
             "skipped": dict(self.skipped),
+            "finalists": dict(self.finalists),
             "accuracy": self.accuracy.to_dict() if self.accuracy else None,
         }
 
@@ -255,6 +258,7 @@ def choose_build(
         skipped[b] = f"failed its accuracy check ({accuracy.rule}): {accuracy.to_dict()}"
         if log:
             log(f"build {b}: failed its accuracy check ({accuracy.rule}); not served")
+    finalists = _finalists(best, total, modules, skipped, model, check_block, precision, table_precision, labels)
     failed = [b for b in ordered if b in skipped and b != best]
     reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")
     # a later build within the margin of it, or faster by less: the simpler kept, and said so (not "the fastest")
@@ -276,9 +280,53 @@ def choose_build(
             "auto: no build beats the eager model by "
             + f"{MARGIN:g}x ({', '.join(f'{b} {total[b]:.3f} ms' for b in ordered)})"
         )
+    if finalists:
+        reason += f"; its instances time it again against {', '.join(finalists)} (infer.finalists)"
     return BuildChoice(
-        build=best, reason=reason, batch_ms=_public(rates), source=source, accuracy=accuracy, skipped=skipped, **common
+        build=best,
+        reason=reason,
+        batch_ms=_public(rates),
+        source=source,
+        accuracy=accuracy,
+        skipped=skipped,
+        finalists=finalists,
+        **common,
     ), modules.snapshot(best)
+
+
+def _finalists(
+    best: str,
+    total: Mapping[str, float],
+    modules: BuildSet,
+    skipped: dict[str, str],
+    model: nn.Module,
+    check_block: Any,
+    precision: str,
+    table_precision: str,
+    labels: str,
+) -> dict[str, str]:
+    """The runners-up of `best` its instances time again (`infer.finalists`): close to it, made from the same base
+    build (the same tables), each a file an instance loads, and each passing its own accuracy check."""
+    base = build_named(best).base
+
+    def artefact(b: str) -> str | None:
+        return build_named(b).artefact(modules[b]) if build_named(b).base == base else None
+
+    finalists = finalists_of(best, {b: t for b, t in total.items() if b not in skipped}, artefact)
+    for b in list(finalists):
+        check = check_accuracy(
+            model,
+            modules[b],
+            b,
+            check_block,
+            precision=judged_precision(b, precision),
+            table_precision=table_precision,
+            labels=labels,
+        )
+        if not check.passed:
+            skipped[b] = f"failed its accuracy check ({check.rule}): {check.to_dict()}"
+            del finalists[b]
+    return finalists
 
 
 def judged_precision(build: str, precision: str) -> str:

@@ -8,8 +8,8 @@ modules, whose empty cache buffers fail to map, hence the file.)
 
 Messages go through one duplex pipe per instance (sent by the caller's thread: no feeder
 thread to wake, unlike multiprocessing queues); payloads are small for library queries:
-    instance -> parent: ("ready", error or None, its BatchCost, its BatchMemoryChoice) once, then BatchResult per
-    batch
+    instance -> parent: ("ready", error or None, its BatchCost, its BatchMemoryChoice, its FinalChoice) once, then
+    BatchResult per batch
     parent -> instance: (batch_id, [QueryRef, ...]) or None to stop
     tracing (`--trace`): parent -> instance (TRACE, None) starts torch.profiler, (TRACE, path) stops
     it and exports its Chrome trace there; instance -> parent (TRACE, index, path or error) when written
@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ import torch
 from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import end_with_parent
-from dlrm_lab.infer import batch_memory
+from dlrm_lab.infer import batch_memory, finalists
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import LoadedSamples
@@ -94,6 +95,7 @@ class InstancePlan:
     batch_memory: str = "release"  # infer.batch_memory.BATCH_MEMORY: whether malloc keeps a batch's freed buffers
     history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
     build: str = "eager"  # the inference form served (infer.build)
+    finalists: tuple[tuple[str, str], ...] = ()  # (build, artefact) timed against it here (infer.finalists)
     # Instances yield to the serving process: when they fill every core, the batcher and
     # completion threads would otherwise wait a scheduler slice (ms) to run.
     nice: int = 5
@@ -171,10 +173,9 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             .eval()
         )
         library = map_library(snapshot, spec)
-        runner = make_runner(model, library, device, plan.precision, plan.history_cache_mb)
-        _hold = IdleHold.take(plan.idle_hold, model, library)  # held until the process ends
         largest = min(plan.warmup_batch, family.max_warmup_batch or plan.warmup_batch)
-        runner.warm_up(largest)
+        model, runner, served = _final_build(plan, model, library, device, largest)
+        _hold = IdleHold.take(plan.idle_hold, model, library)  # held until the process ends
         memory = batch_memory.choose(
             plan.batch_memory,
             lambda: runner([QueryRef(-1, largest, 0)]),
@@ -185,9 +186,9 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
         cost = runner.batch_cost(min(family.cost_batch, library.size))
         gc.collect()
         gc.freeze()  # the model's objects never die: keep them out of every later collection
-        conn.send(("ready", None, cost, memory))
+        conn.send(("ready", None, cost, memory, served))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
-        conn.send(("ready", f"{type(exc).__name__}: {exc}", None, None))
+        conn.send(("ready", f"{type(exc).__name__}: {exc}", None, None, None))
         return
     spin_s = plan.spin_ms / 1e3
     keep_warm = KeepWarm(runner, library.size, plan.keep_warm_ms)
@@ -234,6 +235,22 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             conn.send(BatchResult(batch_id, plan.index, start, time.monotonic_ns(), scores, error, counts, stages))
         except (EOFError, OSError):
             return
+
+
+def _final_build(
+    plan: InstancePlan, model: torch.nn.Module, library: LoadedSamples, device: torch.device, largest: int
+) -> tuple[torch.nn.Module, Any, finalists.FinalChoice]:
+    """The module and runner this instance serves, warmed up to its `largest` batch: the plan's build, or the
+    fastest here of it and its finalists (`infer.finalists`); the others are dropped."""
+    modules = {plan.build: model}
+    for name, artefact in plan.finalists:
+        modules[name] = build_named(name).from_artefact(model, artefact)
+    runners = {b: make_runner(m, library, device, plan.precision, plan.history_cache_mb) for b, m in modules.items()}
+    for runner in runners.values():
+        runner.warm_up(largest)
+    largest_batch = [QueryRef(-1, largest, 0)]
+    chosen = finalists.choose(plan.build, {b: partial(r, largest_batch) for b, r in runners.items()}, largest)
+    return modules[chosen["build"]], runners[chosen["build"]], chosen
 
 
 class IdleHold:

@@ -77,7 +77,7 @@ class InstanceProcesses:
             for conn in cast(list[Connection], wait_connections(list(waiting.values()), timeout=0.5)):
                 index = next(i for i, c in waiting.items() if c is conn)
                 try:
-                    _, error, cost, memory = conn.recv()
+                    _, error, cost, memory, served = conn.recv()
                 except (EOFError, OSError):
                     error = exit_description(self._procs[index].exitcode)
                 if error:
@@ -85,7 +85,9 @@ class InstanceProcesses:
                 del waiting[index]
                 costs[index] = cost
                 self.info[index]["batch_memory"] = memory
+                self.info[index]["build"] = served
                 said = f"; batch memory {memory['reason']}" if memory["ms"] else ""  # what auto measured
+                said += f"; build {served['reason']}" if served["ms"] else ""  # what its finalists measured
                 self.log(
                     f"instance {index} ready: a batch takes {cost.fixed_ms:.2f} ms + "
                     f"{cost.per_sample_ms * 1e3:.1f} us per sample{said}"

@@ -127,7 +127,7 @@ class Planner:
             )
         self.log(choice.line if choice.warning else f"{m.name}: {choice.line}")
         self.precision_choices[m.name]["build_choice"] = choice.to_dict()
-        self.models[m.name] = replace(m, build=choice.build)
+        self.models[m.name] = replace(m, build=choice.build, finalists=tuple(choice.finalists.items()))
         return model
 
     def _checked_build(

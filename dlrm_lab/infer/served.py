@@ -57,6 +57,9 @@ class ServedModel:
     history_affinity: bool = True
     # The inference form served (infer.builds): auto (timed at start, infer.build), or a build's name
     build: str = "auto"
+    # Runners-up of an auto build that each instance times again in its own process before it serves
+    # (`infer.finalists`), as (build, artefact) pairs; set by the plan, not by a user
+    finalists: tuple[tuple[str, str], ...] = ()
     # Batch sizes the build is timed at (auto); empty: an eighth of max_batch and max_batch
     build_batches: tuple[int, ...] = ()
     # The largest query the load will send (its 99.9th percentile; 0: unknown): a query is cut only into

@@ -250,6 +250,7 @@ class InferenceServer:
                 spin_ms=m.spin_ms,
                 history_cache_mb=m.history_cache_mb,
                 build=m.build,
+                finalists=m.finalists,
                 keep_warm_ms=m.keep_warm_ms,
                 idle_hold=m.idle_hold,
                 batch_memory=m.batch_memory,
@@ -268,6 +269,7 @@ class InferenceServer:
             chosen = {i["batch_memory"]["batch_memory"] for i in self.instances.info if i["model"] == name}
             if len(chosen) == 1:  # served as its instances chose (auto: where they differ, each says in the manifest)
                 pool.served.batch_memory = chosen.pop()
+            self._final_build(pool.served)
             pool.clock.cost = BatchCost(
                 fixed_ms=float(np.median([c.fixed_ms for c in measured])),
                 per_sample_ms=float(np.median([c.per_sample_ms for c in measured])),
@@ -275,6 +277,22 @@ class InferenceServer:
             if not pool.served.min_piece:
                 self.configure(name, min_piece=0)
                 self.log(f"{name}: queries split over idle instances in pieces of >= {pool.served.min_piece} samples")
+
+    def _final_build(self, served: ServedModel) -> None:
+        """The build `served` is served in once its instances chose between the plan's and its finalists
+        (`infer.finalists`): theirs where they agree; where they differ, the plan's stays the model's, and each
+        instance's is said here and in the manifest."""
+        if not served.finalists:
+            return
+        chosen = {i["instance"]: i["build"]["build"] for i in self.instances.info if i["model"] == served.name}
+        if len(set(chosen.values())) == 1:
+            (build,) = set(chosen.values())
+            if build != served.build:
+                self.log(f"{served.name}: served as {build}: every instance timed it faster than {served.build}")
+            served.build = build
+        else:
+            each = ", ".join(f"instance {i} {b}" for i, b in sorted(chosen.items()))
+            self.log(f"{served.name}: its instances serve different builds, each the faster in its process: {each}")
 
     def check(self) -> None:
         """Raise if an instance died (the run cannot be trusted beyond that point); a server that serves on

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.batch_memory import BatchMemoryChoice
+from dlrm_lab.infer.finalists import FinalChoice
 from dlrm_lab.metrics.columns import QueryRow
 
 if TYPE_CHECKING:
@@ -174,6 +175,8 @@ class ServingProcess(TypedDict):
     cores: list[int]  # empty: not pinned
     # once ready: whether its malloc keeps a batch's freed buffers, and why (`infer.batch_memory.choose`)
     batch_memory: NotRequired[BatchMemoryChoice]
+    # once ready: the build it serves of the plan's choice and its finalists, and why (`infer.finalists.choose`)
+    build: NotRequired[FinalChoice]
 
 
 class Stall(TypedDict):

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 from dlrm_lab.errors import FieldError
 
+MARGIN = 1.05  # a build must be this much faster than the next simpler one to be chosen (beyond timing noise)
+
 
 class Build(Protocol):
     """How one serving build is made in the serving process and brought up in an instance."""
@@ -45,6 +47,15 @@ class Build(Protocol):
 
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
         """The module as an instance serves it, after it mapped the snapshot (on a GPU: built there)."""
+        ...
+
+    def artefact(self, module: Any) -> str | None:
+        """The one file an instance loads to serve `module` in this build beside the tables it maps (a package), or
+        None where the build is more than that: what lets an instance switch between builds (`infer.finalists`)."""
+        ...
+
+    def from_artefact(self, module: Any, artefact: str) -> Any:
+        """In an instance: a sibling of `module` (the same tables, mapped) serving this build's `artefact`."""
         ...
 
 

@@ -185,5 +185,14 @@ class AOTIBuild:
         module.whole = PackagedBatch(module.package, table_weights(module.tables))  # the mapped tables, shared
         return module
 
+    def artefact(self, module: Any) -> str | None:
+        return str(module.package)
+
+    def from_artefact(self, module: Any, artefact: str) -> Any:
+        other = module.sibling()  # the tables this instance mapped, not a copy
+        other.package = artefact
+        other.whole = PackagedBatch(artefact, table_weights(other.tables))
+        return other
+
 
 BUILD = AOTIBuild()

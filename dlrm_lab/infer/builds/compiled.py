@@ -48,5 +48,11 @@ class CompiledBuild:
         module.compile_dense()  # compiled by the instance's warm-up, before it says it is ready
         return module
 
+    def artefact(self, module: Any) -> str | None:
+        return None  # compiled in each instance, not loaded
+
+    def from_artefact(self, module: Any, artefact: str) -> Any:
+        raise NotImplementedError(f"{self.name} is not served from one file")
+
 
 BUILD = CompiledBuild()

@@ -30,5 +30,11 @@ class EagerBuild:
             return quantize_tables(module, table_precision)
         return module
 
+    def artefact(self, module: Any) -> str | None:
+        return None  # the module itself, tables and all
+
+    def from_artefact(self, module: Any, artefact: str) -> Any:
+        raise NotImplementedError(f"{self.name} is not served from one file")
+
 
 BUILD = EagerBuild()

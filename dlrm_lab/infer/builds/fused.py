@@ -172,5 +172,11 @@ class FusedBuild:
             return self.make(module, None, precision=precision, table_precision=table_precision)
         return module
 
+    def artefact(self, module: Any) -> str | None:
+        return None  # the module itself: fbgemm's tables and its dense part
+
+    def from_artefact(self, module: Any, artefact: str) -> Any:
+        raise NotImplementedError(f"{self.name} is not served from one file")
+
 
 BUILD = FusedBuild()

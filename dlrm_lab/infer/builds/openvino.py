@@ -194,5 +194,11 @@ class OpenVINOBuild:
         module.compiled = OpenVINODense(module.package, precision)
         return module
 
+    def artefact(self, module: Any) -> str | None:
+        return None  # an IR compiled in the instance for its threads
+
+    def from_artefact(self, module: Any, artefact: str) -> Any:
+        raise NotImplementedError(f"{self.name} is not served from one file")
+
 
 BUILD = OpenVINOBuild()
