@@ -172,3 +172,36 @@ def assert_tables_registered(run_dir: Path) -> list[str]:
         assert written.equals(expected), f"{path.name}: {written} is not {table!r}: {expected}"
         checked.append(table)
     return checked
+
+
+
+def _process_state() -> dict:
+    """What a test must leave as it found it in this shared process: each later test would run under it (a test
+    that told glibc's malloc to keep memory made rm2's training 40 s instead of 17; malloc's options cannot be read
+    back, so that one is kept out by running it in a process of its own)."""
+    import sys
+
+    # (a command run in-process installs its signal handlers for the process's life, as the real command does)
+    return {
+        "cpu affinity": os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
+        "torch threads": torch.get_num_threads(),
+        "GIL switch interval": int(sys.getswitchinterval() * 1e6),  # whole microseconds, as the interpreter keeps it
+        "cwd": os.getcwd(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _leaves_the_process_as_it_found_it(request):
+    import sys
+
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = {k: (before[k], after[k]) for k in before if after[k] != before[k]}
+    if changed:  # put back, so that later tests are not slowed or changed by it, then fail this one
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, before["cpu affinity"])
+        torch.set_num_threads(before["torch threads"])
+        sys.setswitchinterval(before["GIL switch interval"] / 1e6)
+        os.chdir(before["cwd"])
+        pytest.fail(f"{request.node.nodeid} left this process changed: {changed}", pytrace=False)
