@@ -198,6 +198,20 @@ def choose_build(
         if later_source != source:
             source = f"{source}; {', '.join(later)}: {later_source}"
     total = {b: sum(v for n, v in per.items() if n > 0) for b, per in rates.items()}
+
+    measured: Any = {"batch_ms": _public(rates), "source": source, "skipped": skipped, **common}
+
+    def checked(b: str) -> AccuracyCheck:
+        return check_accuracy(
+            model,
+            modules[b],
+            b,
+            check_block,
+            precision=judged_precision(b, precision),
+            table_precision=table_precision,
+            labels=labels,
+        )
+
     ordered = [b for b in builds() if b in total]  # simplest first: each must beat the one before by MARGIN
 
     def vs(b: str, other: str) -> str:
@@ -213,28 +227,12 @@ def choose_build(
                 f"({vs(build, fastest)}, {threads} thread{'s' if threads != 1 else ''}); running {build} "
                 "as asked (--build auto picks the faster)"
             )
-        module = modules[build]
-        accuracy = check_accuracy(
-            model,
-            module,
-            build,
-            check_block,
-            precision=judged_precision(build, precision),
-            table_precision=table_precision,
-            labels=labels,
-        )
+        accuracy = checked(build)
         reason = (
             f"asked for (--build {build}: {total[build]:.3f} ms)" if build in total else f"asked for (--build {build})"
         )
         return BuildChoice(
-            build=build,
-            reason=reason,
-            batch_ms=_public(rates),
-            source=source,
-            warning=warning,
-            accuracy=accuracy,
-            skipped=skipped,
-            **common,
+            build=build, reason=reason, warning=warning, accuracy=accuracy, **measured
         ), modules.snapshot(build)
     best = "eager"
     for b in ordered[1:]:
@@ -242,23 +240,14 @@ def choose_build(
             best = b
     # the fastest that keeps the scores right; else the next fastest
     for b in [best] + sorted((o for o in ordered if o != best), key=lambda o: total[o]):
-        module = modules[b]
-        accuracy = check_accuracy(
-            model,
-            module,
-            b,
-            check_block,
-            precision=judged_precision(b, precision),
-            table_precision=table_precision,
-            labels=labels,
-        )
+        accuracy = checked(b)
         if accuracy.passed or b == "eager":
             best = b
             break
         skipped[b] = f"failed its accuracy check ({accuracy.rule}): {accuracy.to_dict()}"
         if log:
             log(f"build {b}: failed its accuracy check ({accuracy.rule}); not served")
-    finalists = _finalists(best, total, modules, skipped, model, check_block, precision, table_precision, labels)
+    finalists = _finalists(best, total, modules, skipped, checked)
     failed = [b for b in ordered if b in skipped and b != best]
     reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")
     # a later build within the margin of it, or faster by less: the simpler kept, and said so (not "the fastest")
@@ -282,16 +271,9 @@ def choose_build(
         )
     if finalists:
         reason += f"; its instances time it again against {', '.join(finalists)} (infer.finalists)"
-    return BuildChoice(
-        build=best,
-        reason=reason,
-        batch_ms=_public(rates),
-        source=source,
-        accuracy=accuracy,
-        skipped=skipped,
-        finalists=finalists,
-        **common,
-    ), modules.snapshot(best)
+    return BuildChoice(build=best, reason=reason, accuracy=accuracy, finalists=finalists, **measured), modules.snapshot(
+        best
+    )
 
 
 def _finalists(
@@ -299,14 +281,10 @@ def _finalists(
     total: Mapping[str, float],
     modules: BuildSet,
     skipped: dict[str, str],
-    model: nn.Module,
-    check_block: Any,
-    precision: str,
-    table_precision: str,
-    labels: str,
+    checked: Callable[[str], AccuracyCheck],
 ) -> dict[str, str]:
     """The runners-up of `best` its instances time again (`infer.finalists`): close to it, made from the same base
-    build (the same tables), each a file an instance loads, and each passing its own accuracy check."""
+    build (the same tables), each a file an instance loads, and each passing its own accuracy check (`checked`)."""
     base = build_named(best).base
 
     def artefact(b: str) -> str | None:
@@ -314,16 +292,7 @@ def _finalists(
 
     finalists = finalists_of(best, {b: t for b, t in total.items() if b not in skipped}, artefact)
     for b in list(finalists):
-        check = check_accuracy(
-            model,
-            modules[b],
-            b,
-            check_block,
-            precision=judged_precision(b, precision),
-            table_precision=table_precision,
-            labels=labels,
-        )
-        if not check.passed:
+        if not (check := checked(b)).passed:
             skipped[b] = f"failed its accuracy check ({check.rule}): {check.to_dict()}"
             del finalists[b]
     return finalists
