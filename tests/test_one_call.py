@@ -305,6 +305,26 @@ def test_an_instance_serves_the_fastest_of_its_finalists_by_the_builds_margin(mo
                      "ms": {}}  # fmt: skip
 
 
+def test_finalists_are_the_close_runners_up_served_from_one_file_and_only_those_are_made():
+    """`finalists_of`: within 1.25x of the choice (summed batch times), a file each (None: not), the choice a file
+    too; the artefact is asked only of builds close enough (asking may make the build); nothing for a choice that
+    was not timed."""
+    from dlrm_lab.infer.finalists import finalists_of
+
+    asked: list[str] = []
+
+    def artefact(b):
+        asked.append(b)
+        return None if b in ("fused", "openvino") else f"/{b}.pt2"
+
+    total = {"eager": 5.0, "fused": 1.2, "aoti": 1.2, "aoti_frozen": 1.0, "aoti_tuned": 1.3, "openvino": 1.1}
+    assert finalists_of("aoti_frozen", total, artefact) == {"aoti": "/aoti.pt2"}
+    assert sorted(asked) == ["aoti", "aoti_frozen", "fused", "openvino"]  # not eager (5x), not aoti_tuned (1.3x)
+    assert finalists_of("fused", total, artefact) == {}  # the choice is no file to switch from
+    assert finalists_of("aoti", {"aoti": 1.0, "eager": 2.0}, artefact) == {}  # nothing close
+    assert finalists_of("compiled", total, artefact) == {}  # not among the timed
+
+
 def test_a_finalist_package_serves_from_the_instances_own_tables(served):
     """In an instance, a finalist is its package loaded beside the tables the instance mapped (a sibling module, no
     copy of them), and scores as the build it replaces; a build served from more than one file has no artefact."""

@@ -36,8 +36,10 @@ def finalists_of(best: str, total: Mapping[str, float], artefact: Callable[[str]
     """The runners-up of `best` an instance can switch to, and their artefacts: builds within `SPREAD` of its summed
     batch time (`total`: the builds timed and kept) served from one file (`artefact(build)`, asked only of those
     close enough: it may make the build; None where there is no such file), where `best` is served from one too."""
+    if best not in total:
+        return {}
     close = [b for b in total if b != best and total[b] <= SPREAD * total[best]]
-    if not close or best not in total or artefact(best) is None:
+    if not close or artefact(best) is None:
         return {}
     found = {b: artefact(b) for b in close}
     return {b: path for b, path in found.items() if path is not None}
