@@ -174,7 +174,6 @@ def assert_tables_registered(run_dir: Path) -> list[str]:
     return checked
 
 
-
 def _process_state() -> dict:
     """What a test must leave as it found it in this shared process: each later test would run under it (a test
     that told glibc's malloc to keep memory made rm2's training 40 s instead of 17; malloc's options cannot be read
