@@ -40,8 +40,10 @@ $(DATA)/kaggle/_dataset.json: | $(STAMP)
 	rm -rf $(DATA)/kaggle
 	$(BIN)/dlrm-lab data gen $(KAGGLE) --rows 614400 --shards 4 --seed 0 --out $(DATA)/kaggle
 
+# One pytest worker per core (pytest-xdist), a file's tests on one worker: 5 min 21 s against 8 min 21 s in one
+# process on 2 cores (2026-11-29). `$(BIN)/python -m pytest tests/FILE.py` runs a file alone, in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check dlrm_lab tests benchmarks

@@ -7,6 +7,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # make test runs a worker per core: two workers of two OpenMP threads each on two cores spin against each other
+    # (a 3 s test took 42 s). The product's own runs set their threads; this is the tests' in-process default.
+    torch.set_num_threads(1)
 # a training run that only a signal ends (fault tests): tiny, small batches, a million steps
 ENDLESS_TRAIN = ("train", "--preset", "tiny", "--steps", "1000000", "--batch-size", "32", "--no-progress")
 # every choice a training run on several CPU ranks would otherwise time at start-up, given: for the tests of
