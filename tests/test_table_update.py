@@ -14,6 +14,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from dlrm_lab.train.table_update import (
     BatchedTableUpdate,
+    _gradient_rows,
     choose_table_update,
     install,
     time_paths,
@@ -88,6 +89,29 @@ def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared, bag
     if optimizer == OptimType.EXACT_ROWWISE_ADAGRAD:
         assert (after_fbgemm[1] > 0).any()
         torch.testing.assert_close(after_batched[1], after_fbgemm[1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("pooling,bag", [(PoolingMode.SUM, 1), (PoolingMode.MEAN, None)])
+def test_a_gradient_sliced_from_the_interactions_is_read_in_place_and_updates_as_fbgemm(pooling, bag):
+    """In a model the lookup's gradient is a column slice of the interaction's (its dense output first): the
+    update reads it as rows of the wider tensor, no copy, and applies fbgemm's update all the same."""
+    rows, feature_table_map, dim = (50, 30, 7), [0, 1, 2], 8
+    fbgemm, batched = _pair(pooling=pooling, rows=rows, feature_table_map=feature_table_map, dim=dim)
+    install(torch.nn.ModuleList([batched]), "batched")
+    for step in range(3):
+        indices, offsets, weights = _batch(rows, feature_table_map, seed=step, bag=bag)
+        outs = [m(indices, offsets, weights) for m in (fbgemm, batched)]
+        wide = torch.randn(len(outs[0]), dim + outs[0].size(1))
+        for out in outs:
+            torch.cat((torch.zeros(len(out), dim), out), dim=1).backward(wide)  # out's gradient: wide[:, dim:]
+    torch.testing.assert_close(batched.weights_host, fbgemm.weights_host, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batched.momentum1_host, fbgemm.momentum1_host, rtol=1e-5, atol=1e-7)
+    sliced = wide[:, dim:]
+    found, per_sample = _gradient_rows(sliced, dim, len(feature_table_map), pooled=True)
+    assert not sliced.is_contiguous() and found.data_ptr() == sliced.data_ptr() and per_sample == 4  # not copied
+    for b in range(len(sliced)):
+        for f in range(len(feature_table_map)):
+            assert torch.equal(found[b * per_sample + f], sliced[b, f * dim : (f + 1) * dim])
 
 
 def test_learning_rate_changes_reach_the_batched_update():

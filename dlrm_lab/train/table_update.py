@@ -66,6 +66,8 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
     an existing module's class; nothing is constructed). Lookups other than a plain training one (variable
     batch per feature, per-feature gradients, no gradient) are fbgemm's own."""
 
+    _bag_rows: dict[tuple[int, int, int, int], torch.Tensor]  # a fixed-width batch's gradient row per id, by shape
+
     def forward(
         self,
         indices: torch.Tensor,
@@ -103,7 +105,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         width = int(self.D_offsets[1] - self.D_offsets[0])
         if indices.numel() == 0:
             return
-        grad_rows = grad.float().reshape(-1, width)  # pooled: a row per (sample, feature); nobag: per id
+        grad_rows, per_sample = _gradient_rows(grad, width, features, pooled=self.pooling_mode != PoolingMode.NONE)
         scale = weights.float() if weights is not None else None
         # fbgemm keeps each feature's first element (its table's), so a feature's first row is that over the width
         first_row = torch.div(self.weights_offsets, width, rounding_mode="floor")
@@ -111,9 +113,15 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         bag = int(offsets[1] - offsets[0]) if self.pooling_mode != PoolingMode.NONE else 0
         if bag and int(offsets[-1]) == bag * features * batch and bool((offsets.diff() == bag).all()):
             # every bag holds `bag` ids (Criteo's one a bag): each id's bag and row follow from its position alone,
-            # without the ragged index (repeat_interleave, a division, an index_select: 0.3 of a kaggle update)
-            sample_major = torch.arange(batch * features).view(batch, features).t()  # bag (f, b) -> row b*F + f
-            source = sample_major.reshape(-1, 1).expand(-1, bag).reshape(-1)
+            # without the ragged index (repeat_interleave, a division, an index_select: 0.3 of a kaggle update);
+            # the same every step of a shape, so made once
+            key = (batch, features, bag, per_sample)
+            source = self._bag_rows.get(key) if hasattr(self, "_bag_rows") else None
+            if source is None:
+                # bag (f, b) -> gradient row b * per_sample + f
+                sample_major = (torch.arange(batch).view(-1, 1) * per_sample + torch.arange(features)).t()
+                source = sample_major.reshape(-1, 1).expand(-1, bag).reshape(-1)
+                self._bag_rows = {key: source}  # one shape at a time: a run's last batch may differ
             rows = (indices.view(features, -1).long() + first_row.view(-1, 1)).reshape(-1)
             if self.pooling_mode == PoolingMode.MEAN and scale is None and bag > 1:
                 scale = torch.full((indices.numel(),), 1.0 / bag)
@@ -125,7 +133,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
                 lengths = offsets.diff()
                 segment = torch.repeat_interleave(lengths)  # each id's bag, feature-major
                 feature = torch.div(segment, batch, rounding_mode="floor")
-                source = (segment - feature * batch) * features + feature  # its bag's row of the sample-major grad
+                source = (segment - feature * batch) * per_sample + feature  # its bag's row of the sample-major grad
                 if self.pooling_mode == PoolingMode.MEAN and scale is None:  # weighted: fbgemm takes no mean
                     scale = 1.0 / lengths.index_select(0, segment).float()
             rows = first_row.index_select(0, feature) + indices.long()
@@ -153,6 +161,23 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         self.momentum1_host.index_copy_(0, unique, state)
         step = state.sqrt_().add_(self.optimizer_args.eps).reciprocal_().mul_(-lr).unsqueeze(1)
         table.index_copy_(0, unique, table.index_select(0, unique).addcmul_(summed, step))
+
+
+def _gradient_rows(grad: torch.Tensor, width: int, features: int, pooled: bool) -> tuple[torch.Tensor, int]:
+    """The pooled gradient as rows of `width` (fp32), and how many rows apart two samples' first features lie.
+    The lookup's gradient is usually a column slice of the interaction's (the dense output comes first): read in
+    place as rows of the wider tensor, not copied (the copy was a tenth of a kaggle update). nobag: a row per id."""
+    if (
+        pooled
+        and grad.dtype == torch.float32
+        and grad.dim() == 2
+        and grad.size(0) > 0
+        and grad.stride(1) == 1
+        and grad.stride(0) % width == 0
+    ):
+        per_sample = grad.stride(0) // width
+        return grad.as_strided(((grad.size(0) - 1) * per_sample + features, width), (width, 1)), per_sample
+    return grad.float().reshape(-1, width), features
 
 
 class _LookupWithBatchedUpdate(torch.autograd.Function):
