@@ -248,6 +248,37 @@ def test_dot_interaction_over_embeddings_in_any_order_matches_feature_order():
     torch.testing.assert_close(want, inter(dense, torch.stack([by_name[n] for n in names], 1)), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_gram_pairs_own_backward_gives_autograds_gradients_in_one_gemm(autocast):
+    """The interaction's pairs with their own backward (`_GramPairs`: one GEMM of both triangles' gradient) against
+    autograd through the plain ops, for the default triangle and a sharded collection's order; untracked calls
+    (no grad, as a served model runs) take the plain ops."""
+    from dlrm_lab.model.dlrm import _triangle_index, gram_pairs
+
+    torch.manual_seed(0)
+    n, D = 6, 16
+    combined = torch.randn(32, n, D)
+    weights = torch.randn(n * (n - 1) // 2)
+    rows, cols = torch.triu_indices(n, n, offset=1)
+    names = tuple(f"f{k}" for k in range(n - 1))
+    for pairs in (rows * n + cols, _triangle_index(tuple(reversed(names)), names, torch.device("cpu"))):
+        mirrored = pairs % n * n + pairs // n
+        got, want = combined.clone().requires_grad_(), combined.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = gram_pairs(got, pairs, mirrored)
+            plain = torch.bmm(want, want.transpose(1, 2)).flatten(1).index_select(1, pairs)
+        assert type(out.grad_fn).__name__ == "_GramPairsBackward" and out.dtype == plain.dtype
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)  # the same GEMM forward
+        (out.float() * weights).sum().backward()
+        (plain.float() * weights).sum().backward()
+        assert got.grad.dtype == torch.float32
+        # bf16: autograd adds two bf16 GEMMs' outputs in bf16, the one GEMM accumulates in fp32
+        tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+        torch.testing.assert_close(got.grad, want.grad, **tolerance)
+    with torch.no_grad():
+        assert gram_pairs(got, pairs, mirrored).grad_fn is None
+
+
 def test_docstring_examples_run():
     import doctest
 
