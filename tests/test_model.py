@@ -262,10 +262,9 @@ def test_the_gram_pairs_own_backward_gives_autograds_gradients_in_one_gemm(autoc
     rows, cols = torch.triu_indices(n, n, offset=1)
     names = tuple(f"f{k}" for k in range(n - 1))
     for pairs in (rows * n + cols, _triangle_index(tuple(reversed(names)), names, torch.device("cpu"))):
-        mirrored = pairs % n * n + pairs // n
         got, want = combined.clone().requires_grad_(), combined.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = gram_pairs(got, pairs, mirrored)
+            out = gram_pairs(got, pairs)
             plain = torch.bmm(want, want.transpose(1, 2)).flatten(1).index_select(1, pairs)
         assert type(out.grad_fn).__name__ == "_GramPairsBackward" and out.dtype == plain.dtype
         torch.testing.assert_close(out, plain, rtol=0, atol=0)  # the same GEMM forward
@@ -276,7 +275,7 @@ def test_the_gram_pairs_own_backward_gives_autograds_gradients_in_one_gemm(autoc
         tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
         torch.testing.assert_close(got.grad, want.grad, **tolerance)
     with torch.no_grad():
-        assert gram_pairs(got, pairs, mirrored).grad_fn is None
+        assert gram_pairs(got, pairs).grad_fn is None
 
 
 def test_docstring_examples_run():

@@ -166,7 +166,6 @@ class DotInteractionArch(nn.Module):
         self.F: int = num_sparse_features
         rows, cols = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
         self.register_buffer("triu_flat_indices", rows * (self.F + 1) + cols, persistent=False)
-        self.register_buffer("triu_flat_mirrored", cols * (self.F + 1) + rows, persistent=False)
         # None: the Gram matrix in autocast's dtype where autocast is on (bmm: bf16); a dtype: in that one, out of
         # autocast (set by a training run's measured choice, `train.choices.choose_run_interaction`)
         self.gram_dtype: torch.dtype | None = None
@@ -184,19 +183,16 @@ class DotInteractionArch(nn.Module):
 
     def _pairs(self, dense: torch.Tensor, sparse: torch.Tensor, triangle: torch.Tensor | None) -> torch.Tensor:
         combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
-        if triangle is None:
-            pairs, mirrored = self.triu_flat_indices, self.triu_flat_mirrored
-        else:
-            pairs, mirrored = triangle, triangle % (self.F + 1) * (self.F + 1) + triangle // (self.F + 1)
-        return torch.cat((dense, gram_pairs(combined, pairs, mirrored)), dim=1)
+        pairs = self.triu_flat_indices if triangle is None else triangle
+        return torch.cat((dense, gram_pairs(combined, pairs)), dim=1)
 
 
-def gram_pairs(combined: torch.Tensor, pairs: torch.Tensor, mirrored: torch.Tensor) -> torch.Tensor:
-    """The entries `pairs` of each sample's Gram matrix `combined @ combined^T`, flattened (B X n X D -> B X
-    pairs); `mirrored`: the same pairs transposed (each pair once, off the diagonal). Training in eager mode takes
-    `_GramPairs`' backward; traced, exported and no-grad calls the plain ops."""
+def gram_pairs(combined: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The entries `pairs` (each pair once, off the diagonal) of each sample's Gram matrix `combined @ combined^T`,
+    flattened (B X n X D -> B X pairs). Training in eager mode takes `_GramPairs`' backward; traced, exported and
+    no-grad calls the plain ops."""
     if combined.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _GramPairs.apply(combined, pairs, mirrored)
+        return _GramPairs.apply(combined, pairs)
     return torch.bmm(combined, combined.transpose(1, 2)).flatten(1).index_select(1, pairs)
 
 
@@ -207,28 +203,29 @@ torch.fx.wrap("gram_pairs")
 class _GramPairs(torch.autograd.Function):
     """The Gram pairs with their own backward. Autograd's backward of `C @ C^T` runs two batched GEMMs (one for each
     use of C) and adds them, and the pairs' `index_select` backs up through a zero fill and a scatter-add; the
-    gradient is one GEMM, `(G + G^T) @ C`, whose G + G^T is the pairs' gradient copied to both triangles: 1.49x
-    forward and backward at kaggle's batch of 2048 under bf16 autocast, 1.11x in fp32 (2 cores, AMX)."""
+    gradient is one GEMM, `(G + G^T) @ C`, whose G + G^T is the pairs' gradient copied into both triangles: 1.49-1.58x
+    forward and backward at kaggle's batch of 2048 under bf16 autocast, 1.05-1.11x in fp32 (2 cores, AMX). Copied, not
+    gathered: `index_select` along dim 1 of a bf16 gradient took 1.8 ms more than the two `index_copy_`."""
 
     @staticmethod
-    def forward(ctx: Any, combined: torch.Tensor, pairs: torch.Tensor, mirrored: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, combined: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         device = combined.device.type
         # autocast runs bmm in its lower precision: the same here, the cast made once and kept for the backward
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else combined.dtype
         with torch.autocast(device, enabled=False):
             cast = combined.to(dtype)
             gram = torch.bmm(cast, cast.transpose(1, 2)).flatten(1)
-        ctx.save_for_backward(cast, pairs, mirrored)
+        ctx.save_for_backward(cast, pairs)
         return gram.index_select(1, pairs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        cast, pairs, mirrored = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        cast, pairs = ctx.saved_tensors
         batch, n, _ = cast.shape
         grad = grad.to(cast.dtype)
         both = torch.zeros(batch, n * n, dtype=cast.dtype, device=cast.device)
-        both.index_copy_(1, pairs, grad).index_copy_(1, mirrored, grad)
-        return torch.bmm(both.view(batch, n, n), cast), None, None  # autograd casts it to `combined`'s dtype
+        both.index_copy_(1, pairs, grad).index_copy_(1, pairs % n * n + pairs // n, grad)  # G, then G^T
+        return torch.bmm(both.view(batch, n, n), cast), None  # autograd casts it to `combined`'s dtype
 
 
 class ConcatInteractionArch(nn.Module):
