@@ -40,10 +40,12 @@ $(DATA)/kaggle/_dataset.json: | $(STAMP)
 	rm -rf $(DATA)/kaggle
 	$(BIN)/dlrm-lab data gen $(KAGGLE) --rows 614400 --shards 4 --seed 0 --out $(DATA)/kaggle
 
-# One pytest worker per core (pytest-xdist), a file's tests on one worker: 5 min 21 s against 8 min 21 s in one
-# process on 2 cores (2026-11-29). `$(BIN)/python -m pytest tests/FILE.py` runs a file alone, in one process.
+# One pytest worker per core (pytest-xdist), a file's tests on one worker; then the tests that launch ranks
+# (`multiprocess`), alone: their ranks take every core, and beside another worker they starved its servers
+# (a remote search's probes at 270-680 ms). `$(BIN)/python -m pytest tests/FILE.py` runs a file in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --dist loadfile
+	$(BIN)/python -m pytest -n auto --dist loadfile -m "not multiprocess"
+	$(BIN)/python -m pytest -m multiprocess
 
 lint: $(STAMP)
 	$(BIN)/ruff check dlrm_lab tests benchmarks
