@@ -90,6 +90,9 @@ def test_a_training_run_records_its_canary_beside_its_steps(tmp_path, monkeypatc
     from dlrm_lab.train import preflight, train
 
     monkeypatch.setenv("DLRM_LAB_CANARY_S", "0.01")
+    # no stored profile: each reading against the run's fastest (<= 1). Another test's profile, probed while the
+    # machine was busier than now, put this run at 1.17 of it
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "machines"))
     result = train(
         preflight(dlrm_lab.load_preset("tiny"), TrainConfig(steps=30, batch_size=256, prefetch=0, eval_batches=1)),
         metrics_dir=str(tmp_path),

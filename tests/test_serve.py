@@ -876,8 +876,9 @@ def test_at_its_file_descriptor_limit_the_server_turns_new_clients_away_and_serv
         for sock in flood:
             sock.close()
         channel.close()
-    with server.channel() as fresh:  # and a new one once the flood is gone
-        assert len(pb_grpc.InferenceStub(fresh).Infer(request, timeout=30).scores) == 16
+    with server.channel() as fresh:  # and a new one once the flood is gone (once the server has seen it go: a busy
+        # machine's server closed the first attempt, still at its limit, so the call waits for the channel to connect)
+        assert len(pb_grpc.InferenceStub(fresh).Infer(request, timeout=30, wait_for_ready=True).scores) == 16
     assert not any("Traceback" in line for line in server.err), "".join(server.err)[-3000:]
 
 
