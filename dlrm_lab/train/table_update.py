@@ -172,7 +172,9 @@ def _gradient_rows(grad: torch.Tensor, width: int, features: int, pooled: bool) 
         and grad.dtype == torch.float32
         and grad.dim() == 2
         and grad.size(0) > 0
+        and grad.size(1) == features * width
         and grad.stride(1) == 1
+        and grad.stride(0) >= grad.size(1)
         and grad.stride(0) % width == 0
     ):
         per_sample = grad.stride(0) // width
