@@ -32,7 +32,7 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
-from dlrm_lab.infer.builds import MARGIN, build_named, builds
+from dlrm_lab.infer.builds import MARGIN, build_named, builds, simplest_fast
 from dlrm_lab.infer.finalists import finalists_of
 from dlrm_lab.infer.serving_parts import make_runner
 
@@ -212,7 +212,7 @@ def choose_build(
             labels=labels,
         )
 
-    ordered = [b for b in builds() if b in total]  # simplest first: each must beat the one before by MARGIN
+    ordered = [b for b in builds() if b in total]  # simplest first (the choice among them: `simplest_fast`)
 
     def vs(b: str, other: str) -> str:
         return f"{b} {total[b]:.3f} ms vs {other} {total[other]:.3f} ms over batches of {', '.join(map(str, sizes))}"
@@ -234,10 +234,7 @@ def choose_build(
         return BuildChoice(
             build=build, reason=reason, warning=warning, accuracy=accuracy, **measured
         ), modules.snapshot(build)
-    best = "eager"
-    for b in ordered[1:]:
-        if total[b] * MARGIN <= total[best]:
-            best = b
+    best = simplest_fast(total)
     # the fastest that keeps the scores right; else the next fastest
     for b in [best] + sorted((o for o in ordered if o != best), key=lambda o: total[o]):
         accuracy = checked(b)

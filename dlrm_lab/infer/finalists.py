@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TypedDict
 
-from dlrm_lab.infer.builds import MARGIN, builds
+from dlrm_lab.infer.builds import MARGIN, builds, simplest_fast
 
 SPREAD = 1.25  # a runner-up this close to the choice (its batch times summed) is timed again in each instance
 ROUNDS = 3  # timed rounds (each finalist once, in turn) after one untimed batch each
@@ -67,12 +67,8 @@ def choose(
             batch()
             times[b].append((clock() - start) * 1e3)
     ms = {b: statistics.median(v) for b, v in times.items()}
-    order: Sequence[str] = sorted(ms, key=lambda b: builds()[b].order)
-    best = order[0]
-    for b in order[1:]:
-        if ms[b] * MARGIN <= ms[best]:
-            best = b
-    said = ", ".join(f"{b} {ms[b]:.2f} ms" for b in order)
+    best = simplest_fast(ms)
+    said = ", ".join(f"{b} {ms[b]:.2f} ms" for b in builds() if b in ms)
     verdict = "as the serving process chose" if best == served else f"not {served}, which the serving process chose"
     return FinalChoice(
         build=best,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
 from functools import cache
 from typing import Any, Protocol
 
@@ -68,6 +69,17 @@ def builds() -> dict[str, Build]:
         if build is not None:
             found.append(build)
     return {b.name: b for b in sorted(found, key=lambda b: b.order)}
+
+
+def simplest_fast(ms: Mapping[str, float]) -> str:
+    """Of the builds timed (build -> ms), the one served: the simplest, unless a later one is faster than the one
+    kept so far by `MARGIN` (the serving process's choice and each instance's among its finalists)."""
+    order = [b for b in builds() if b in ms]
+    best = order[0]
+    for b in order[1:]:
+        if ms[b] * MARGIN <= ms[best]:
+            best = b
+    return best
 
 
 def dense_weight_bytes(name: str, precision: str) -> float:
