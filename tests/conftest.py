@@ -182,8 +182,6 @@ def _process_state() -> dict:
     """What a test must leave as it found it in this shared process: each later test would run under it (a test
     that told glibc's malloc to keep memory made rm2's training 40 s instead of 17; malloc's options cannot be read
     back, so that one is kept out by running it in a process of its own)."""
-    import sys
-
     # (a command run in-process installs its signal handlers for the process's life, as the real command does)
     return {
         "cpu affinity": os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
@@ -195,8 +193,6 @@ def _process_state() -> dict:
 
 @pytest.fixture(autouse=True)
 def _leaves_the_process_as_it_found_it(request):
-    import sys
-
     before = _process_state()
     yield
     after = _process_state()

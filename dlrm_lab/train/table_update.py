@@ -116,7 +116,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
             # without the ragged index (repeat_interleave, a division, an index_select: 0.3 of a kaggle update);
             # the same every step of a shape, so made once
             key = (batch, features, bag, per_sample)
-            source = self._bag_rows.get(key) if hasattr(self, "_bag_rows") else None
+            source = getattr(self, "_bag_rows", {}).get(key)  # none yet: `install` swaps the class, no __init__
             if source is None:
                 # bag (f, b) -> gradient row b * per_sample + f
                 sample_major = (torch.arange(batch).view(-1, 1) * per_sample + torch.arange(features)).t()
