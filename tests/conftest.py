@@ -83,9 +83,11 @@ def wait_for_files(root: Path, pattern: str, timeout_s: float = 120) -> list[Pat
 @pytest.fixture(scope="session", autouse=True)
 def isolated_machine_profiles(tmp_path_factory):
     """Tests never read or write this machine's real profile (~/.cache/dlrm-lab/machines) or its serving
-    packages: runs see an empty profile directory unless a test stores one there."""
+    packages, nor run its other C allocators: runs see an empty profile directory unless a test stores one there."""
     os.environ["DLRM_LAB_MACHINE_DIR"] = str(tmp_path_factory.mktemp("machines"))
     os.environ["DLRM_LAB_BUILD_DIR"] = str(tmp_path_factory.mktemp("builds"))  # serving packages: one per session
+    # no C allocator but glibc's, as on CI's machines (a test that wants one points this at a directory of its own)
+    os.environ["DLRM_LAB_ALLOCATOR_DIRS"] = ""
     yield
 
 
@@ -204,3 +206,13 @@ def _leaves_the_process_as_it_found_it(request):
         sys.setswitchinterval(before["GIL switch interval"] / 1e6)
         os.chdir(before["cwd"])
         pytest.fail(f"{request.node.nodeid} left this process changed: {changed}", pytrace=False)
+
+
+def fake_shared_library(directory: Path, name: str) -> Path:
+    """A shared library under another's file name (an allocator's: what it is called is what the lab checks)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "empty.c"
+    source.write_text("int dlrm_lab_fake_library = 1;\n")
+    out = directory / name
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(source)], check=True, capture_output=True)
+    return out

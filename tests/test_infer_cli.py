@@ -5,7 +5,7 @@ import re
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from conftest import assert_tables_registered, run_cli_in_process
+from conftest import assert_tables_registered, fake_shared_library, run_cli_in_process
 
 from dlrm_lab.metrics import read_manifest
 from dlrm_lab.metrics.columns import schema_of
@@ -46,17 +46,27 @@ def test_open_loop_point_records_every_query(tmp_path):
         assert memory["batch_memory"] in ("release", "keep") and memory["samples"] == 32, memory
         assert memory["reason"].startswith("auto: memory ") and set(memory["ms"]) == {"release", "keep"}
     assert s["batch_memory"] in ("release", "keep", "auto")  # auto: the instances chose differently
+    # --allocator auto (the command's default) where glibc's malloc is the only one (as on CI): no trial, said why
+    choice = read_manifest(run_dir)["precision_choices"]["tiny"]["allocator_choice"]
+    assert choice["allocator"] == "glibc" and "the only one installed" in choice["reason"], choice
+    assert s["allocator"] == "glibc" and {i["allocator"] for i in read_manifest(run_dir)["instances"]} == {"glibc"}
     # DuckDB reads the run directly
     n = duckdb.sql(f"select count(*) from '{run_dir}/queries.parquet' where status = 'ok'").fetchall()[0][0]
     assert n == len(q)
 
 
-def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path):
+def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path, monkeypatch):
+    # its instances spawned under an allocator named (a library under jemalloc's name: CI has no allocator)
+    monkeypatch.setenv("DLRM_LAB_ALLOCATOR_DIRS", str(tmp_path / "lib"))
+    fake_shared_library(tmp_path / "lib", "libjemalloc.so.2")
     code, _, stderr = run_cli_in_process(
         "infer", "run", "--model", "tiny", "--scenario", "server", "--qps", "100", "--query-size", "fixed:4",
-        "--duration", "1", "--percentile", "90", "--metrics-dir", str(tmp_path),
+        "--duration", "1", "--percentile", "90", "--allocator", "jemalloc", "--metrics-dir", str(tmp_path / "runs"),
     )  # fmt: skip
-    run_dir = _run_dir(tmp_path)
+    run_dir = _run_dir(tmp_path / "runs")
+    manifest = read_manifest(run_dir)
+    assert [i["allocator"] for i in manifest["instances"]] == ["jemalloc"]  # each checked it runs what it was told
+    assert manifest["instances"][0]["batch_memory"]["reason"] == "jemalloc's own (mallopt is glibc's)"
     logs = run_dir / "loadgen" / "point-0"
     assert (logs / "mlperf_log_summary.txt").exists() and (logs / "mlperf_log_detail.txt").exists()
     (s,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
@@ -67,7 +77,7 @@ def test_loadgen_server_scenario_keeps_its_logs_and_verdict(tmp_path):
     assert errors == ([] if code == 0 else [errors[0]]) and (code == 0 or "verdict is INVALID for tiny" in errors[0])
     assert read_manifest(run_dir)["status"] == "ok"  # the measurement itself succeeded
     assert s["loadgen_queries_per_s"] == pytest.approx(100, rel=0.2)
-    assert s["completed_queries"] > 50 and s["loadgen_p99_ms"] > 0
+    assert s["completed_queries"] > 50 and s["loadgen_p99_ms"] > 0 and s["allocator"] == "jemalloc"
 
 
 def test_two_models_served_together_and_alone(tmp_path, monkeypatch):
@@ -173,6 +183,9 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
         (["--connect-timeout", "inf"], "--connect-timeout inf: must be a finite number"),
         (["--scenario", "closed-loop", "--duration", "inf"], "--duration inf: must be a finite number"),
         (["--warmup", "nan"], "--warmup nan: must be a finite number"),
+        (["--allocator", "hoard"], "--allocator 'hoard': allowed: auto, glibc, jemalloc, tcmalloc"),
+        (["--allocator", "tcmalloc"], "--allocator 'tcmalloc': not installed on this machine"),
+        (["--allocator", "jemalloc", "--batch-memory", "keep"], "--batch-memory keep is told to glibc's malloc"),
     ],
 )
 def test_bad_infer_options_exit_2_with_one_line(tmp_path, args, message):

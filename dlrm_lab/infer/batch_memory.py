@@ -56,16 +56,27 @@ def keep_batch_memory() -> None:
 
 
 def choose(
-    requested: str, batch: Callable[[], object], samples: int, *, device: str = "cpu", held: bool = False
+    requested: str,
+    batch: Callable[[], object],
+    samples: int,
+    *,
+    device: str = "cpu",
+    held: bool = False,
+    allocator: str = "glibc",
 ) -> BatchMemoryChoice:
     """Apply `requested` (`BATCH_MEMORY`) in this process (`release`: glibc's defaults, untouched); for auto, time
     `batch` (one batch of `samples`) `ROUNDS` times as glibc gives memory back, then as it keeps it (each after
     an untimed batch: what the way maps, mapped), and keep memory only where its median is faster by `MARGIN`.
     Not interleaved: the defaults cannot be put back once changed. On a GPU a batch's buffers are the device's:
-    nothing is asked of malloc. `held`: `--idle-hold keep-memory` keeps memory already, and nothing gives it back."""
+    nothing is asked of malloc. `held`: `--idle-hold keep-memory` keeps memory already, and nothing gives it back.
+    Under another `allocator` than glibc's (`infer.allocator`), that allocator's own rules stand."""
     if device != "cpu":
         return BatchMemoryChoice(
             batch_memory="release", reason=f"on {device}: a batch's buffers are the device's", samples=None, ms={}
+        )
+    if allocator != "glibc":  # mallopt would tell glibc's malloc, which this process does not run
+        return BatchMemoryChoice(
+            batch_memory="release", reason=f"{allocator}'s own (mallopt is glibc's)", samples=None, ms={}
         )
     if held:
         return BatchMemoryChoice(batch_memory="keep", reason="kept by --idle-hold keep-memory", samples=None, ms={})

@@ -40,7 +40,7 @@ import torch
 from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import end_with_parent
-from dlrm_lab.infer import batch_memory, finalists
+from dlrm_lab.infer import allocator, batch_memory, finalists
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import LoadedSamples
@@ -93,6 +93,8 @@ class InstancePlan:
     keep_warm_ms: float = 0.0  # while idle, a 1-sample batch of the library this often (0: off)
     idle_hold: str = "none"  # IDLE_HOLDS: what it holds while it waits
     batch_memory: str = "release"  # infer.batch_memory.BATCH_MEMORY: whether malloc keeps a batch's freed buffers
+    allocator: str = "glibc"  # the C allocator it runs (infer.allocator), preloaded as it was spawned
+    allocator_library: str = ""  # ... its library, LD_PRELOAD's first ("": glibc's malloc)
     history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
     build: str = "eager"  # the inference form served (infer.build)
     finalists: tuple[tuple[str, str], ...] = ()  # (build, artefact) timed against it here (infer.finalists)
@@ -144,6 +146,15 @@ def map_library(directory: Path, spec: Any) -> LoadedSamples:
 # ----------------------------------------------------------------------------- process
 
 
+def check_allocator(planned: str, maps: str | None = None) -> None:
+    """Refuse to serve under another C allocator than the plan's (`infer.allocator`): one that LD_PRELOAD did not
+    load (a library gone since the plan, an environment that strips it) would serve another figure than chosen."""
+    if (running := allocator.in_use(maps)) != planned:
+        raise RuntimeError(
+            f"runs {running}'s malloc where its plan says {planned} (LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r})"
+        )
+
+
 def instance_main(plan: InstancePlan, conn: Any) -> None:
     """Entry point of an instance process (spawned). Never dies on a bad batch: one whose forward
     raises is reported failed. Queries with their own samples were checked by the server at submit."""
@@ -151,6 +162,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
     # reaches it (it returns at its next wait, as the parent stops)
     end_with_parent(ignore_interrupt=False)
     try:
+        check_allocator(plan.allocator)
         if plan.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, plan.cores)
         if plan.nice:
@@ -182,6 +194,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
             largest,
             device=device.type,
             held=plan.idle_hold == "keep-memory",
+            allocator=plan.allocator,
         )
         cost = runner.batch_cost(min(family.cost_batch, library.size))
         gc.collect()

@@ -19,6 +19,7 @@ from typing import Any, TypedDict, cast
 
 from dlrm_lab.config.values import Log
 from dlrm_lab.errors import ServingFault, exit_description
+from dlrm_lab.infer.allocator import preloaded
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.instance import TRACE, InstancePlan, instance_main
 from dlrm_lab.infer.sut import ServingProcess
@@ -58,13 +59,18 @@ class InstanceProcesses:
         proc = self._ctx.Process(
             target=instance_main, args=(plan, theirs), daemon=True, name=f"dlrm-lab-instance-{plan.index}"
         )
-        proc.start()
+        with preloaded(plan.allocator_library):  # the allocator it runs: a process takes it only as it starts
+            proc.start()
         theirs.close()
         self._conns[plan.index] = mine_end
         self._send_locks[plan.index] = threading.Lock()
         self._procs.append(proc)
         pid = cast(int, proc.pid)  # started: it has one
-        self.info.append(ServingProcess(instance=plan.index, model=plan.model, pid=pid, cores=list(plan.cores)))
+        self.info.append(
+            ServingProcess(
+                instance=plan.index, model=plan.model, pid=pid, cores=list(plan.cores), allocator=plan.allocator
+            )
+        )
         return plan.index
 
     def wait_ready(self) -> dict[int, BatchCost]:

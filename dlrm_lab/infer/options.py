@@ -71,6 +71,13 @@ class ServingOptions(ModelScaling):
         "mmap threshold, 32 MiB at most, are mapped, faulted in and zeroed again every batch) or keep.",
         cli_default=AUTO,
     )
+    allocator: str = option(
+        "glibc",
+        "The C allocator an instance runs: auto (where jemalloc or tcmalloc is installed, each timed against glibc's "
+        "malloc on the model's dense layers in trial processes, once per machine; glibc's kept unless another is 5% "
+        "faster), glibc, jemalloc or tcmalloc (loaded first, LD_PRELOAD).",
+        cli_default=AUTO,
+    )
     precision: str = option(
         AUTO,
         "Dense compute: auto (measured: a lower precision only where its GEMMs are faster), fp32, bf16 (autocast) or "

@@ -7,7 +7,9 @@ was left `auto` by measurement on this machine and checks it, in this order per 
 - the HSTU ranker's attention path (`model.hstu.choose_attention`, timed over the first requests);
 - the inference build (`infer.build.choose_build`: timed at the batches it will serve, checked for
   accuracy on held-out samples; an `auto` precision that fails the accuracy rule in every build falls
-  back to fp32).
+  back to fp32);
+- the C allocator its instances run (`infer.allocator.choose`: each installed one timed on the model's dense
+  layers in trial processes, once per machine and shape).
 
 The plan holds each model as it will be served (no `auto` left), the module its instances serve, its
 sample library, and the record of every choice (the manifest's `precision_choices`).
@@ -21,16 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
+from dlrm_lab.infer import allocator
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
 from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.metrics.cpu import usable_cores
-from dlrm_lab.metrics.precision import choose_precision
+from dlrm_lab.metrics.precision import AUTO, choose_precision
 
 if TYPE_CHECKING:
     from dlrm_lab.infer.library import LoadedSamples
@@ -72,6 +76,7 @@ def plan_serving(
         m = planner.models[name]  # with its attention path resolved (the HSTU ranker)
         planner.plan.modules[name] = planner.serving_build(m, module, library)
         planner.plan.libraries[name] = library
+        planner.choose_allocator(planner.models[name])
     return planner.plan
 
 
@@ -99,6 +104,29 @@ class Planner:
             self.log(choice.line if choice.warning else f"{name}: {choice.line}")
             self.precision_choices[name] = choice.to_dict()
             self.models[name] = replace(m, precision=choice.precision)
+
+    def choose_allocator(self, m: ServedModel) -> None:
+        """The C allocator `m`'s instances run (`infer.allocator`): auto timed at one row and at its max batch of
+        its dense layers, in the precision and threads it is served at."""
+        only_glibc = None
+        if self.device != "cpu":
+            only_glibc = f"served on {self.device}: the trial times host layers"
+        elif m.batch_memory == "keep" or m.idle_hold == "keep-memory":
+            only_glibc = "keeping a batch's memory is told to glibc's malloc (mallopt)"
+        shapes = family_of(m.spec).gemm_shapes(m.spec, m.max_batch, m.max_batch)
+        choice = allocator.choose(
+            m.allocator,
+            [(k, n) for _, k, n in shapes],
+            m.precision,
+            m.threads,
+            sorted({1, m.max_batch}),
+            only_glibc=only_glibc,
+            log=self.log,
+        )
+        if m.allocator == AUTO:
+            self.log(f"{m.name}: allocator {choice.reason}")
+        self.precision_choices[m.name]["allocator_choice"] = choice.to_dict()
+        self.models[m.name] = replace(m, allocator=choice.allocator)
 
     def build_model(self, m: ServedModel) -> torch.nn.Module:
         """The served model with the server's seed, as its family builds it (the HSTU ranker with its attention

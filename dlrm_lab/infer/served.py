@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.infer.allocator import GLIBC, library_of
 from dlrm_lab.infer.batch_memory import BATCH_MEMORY
 from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.instance import IDLE_HOLDS, PRECISIONS
@@ -44,6 +45,8 @@ class ServedModel:
     idle_hold: str = "none"
     # Whether its instances' malloc keeps a batch's freed buffers (infer.batch_memory); auto: each instance times it
     batch_memory: str = "release"
+    # The C allocator its instances run (infer.allocator): glibc, jemalloc, tcmalloc, or auto (chosen by the plan)
+    allocator: str = "glibc"
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
@@ -92,6 +95,13 @@ class ServedModel:
             raise FieldError("idle_hold", f"{self.idle_hold!r}: allowed: {', '.join(IDLE_HOLDS)}")
         if self.batch_memory not in BATCH_MEMORY:
             raise FieldError("batch_memory", f"{self.batch_memory!r}: allowed: {', '.join(BATCH_MEMORY)}")
+        if self.allocator not in (AUTO, GLIBC) and (self.batch_memory == "keep" or self.idle_hold == "keep-memory"):
+            asked = "--batch-memory keep" if self.batch_memory == "keep" else "--idle-hold keep-memory"
+            raise FieldError(
+                "allocator", f"{self.allocator!r}: {asked} is told to glibc's malloc (mallopt): use glibc or auto"
+            )
+        if self.allocator != AUTO:
+            library_of(self.allocator)  # named: allowed and installed here, or one line saying which are
         if not self.max_delay_ms >= 0:
             raise FieldError("max_delay_ms", f"{self.max_delay_ms!r}: must be >= 0")
         if self.precision not in (AUTO, *PRECISIONS):
@@ -120,6 +130,7 @@ class ServedModel:
                 "keep_warm_ms": self.keep_warm_ms,
                 "idle_hold": self.idle_hold,
                 "batch_memory": self.batch_memory,
+                "allocator": self.allocator,
                 "precision": self.precision,
                 "table_precision": self.table_precision,
                 "history_cache_mb": self.history_cache_mb,

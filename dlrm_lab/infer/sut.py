@@ -175,6 +175,7 @@ class ServingProcess(TypedDict):
     cores: list[int]  # empty: not pinned
     # once ready: whether its malloc keeps a batch's freed buffers, and why (`infer.batch_memory.choose`)
     batch_memory: NotRequired[BatchMemoryChoice]
+    allocator: NotRequired[str]  # the C allocator it runs (infer.allocator), checked by it at start
     # once ready: the build it serves of the plan's choice and its finalists, and why (`infer.finalists.choose`)
     build: NotRequired[FinalChoice]
 

@@ -143,14 +143,15 @@ def profile_problem(profile: JsonObject) -> str | None:
 
 # Profile sections of measurements the lab's choices are made from, each {key: entry}: GEMM rates of model shapes
 # (metrics.precision), step times of sharding plans (train.sharding_trial), batch times of serving builds
-# (infer.build).
-MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates")
+# (infer.build), batch times of the dense layers under each C allocator (infer.allocator).
+MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates", "allocator_rates")
 # What an entry of each holds: its table of measurements (keys per level: names, or batch sizes as whole numbers;
 # every leaf a number > 0), and the other tables it carries
 CACHED_TABLES: dict[str, tuple[str, tuple[type, ...], tuple[str, ...]]] = {
     "precision_rates": ("flops_per_s", (str,), ()),
     "sharding_trials": ("step_ms", (str,), ("skipped",)),
     "build_rates": ("batch_ms", (str, int), ()),
+    "allocator_rates": ("batch_ms", (str, int), ()),
 }
 
 

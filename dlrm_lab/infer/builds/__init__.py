@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any, Protocol
 
@@ -71,10 +71,11 @@ def builds() -> dict[str, Build]:
     return {b.name: b for b in sorted(found, key=lambda b: b.order)}
 
 
-def simplest_fast(ms: Mapping[str, float]) -> str:
+def simplest_fast(ms: Mapping[str, float], simplest_first: Sequence[str] | None = None) -> str:
     """Of the builds timed (build -> ms), the one served: the simplest, unless a later one is faster than the one
-    kept so far by `MARGIN` (the serving process's choice and each instance's among its finalists)."""
-    order = [b for b in builds() if b in ms]
+    kept so far by `MARGIN` (the serving process's choice and each instance's among its finalists; the instances'
+    allocator, with its own `simplest_first` order)."""
+    order = [b for b in (builds() if simplest_first is None else simplest_first) if b in ms]
     best = order[0]
     for b in order[1:]:
         if ms[b] * MARGIN <= ms[best]:

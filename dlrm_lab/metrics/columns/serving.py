@@ -81,6 +81,7 @@ register_table(
     col("keep_warm_ms", F64),  # an idle instance runs a 1-sample batch this often (0: off)
     col("idle_hold", STR),  # what an idle instance holds while it waits (infer.instance.IDLE_HOLDS)
     col("batch_memory", STR),  # whether its instances' malloc keeps a batch's freed buffers (infer.batch_memory)
+    col("allocator", STR),  # the C allocator its instances run: glibc, jemalloc or tcmalloc (infer.allocator)
     col("max_query_samples", I64),  # the largest query accepted
     col("precision", STR, "precision", fmt="s"),
     col("table_precision", STR, "table precision", fmt="s"),
