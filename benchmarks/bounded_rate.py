@@ -1,12 +1,14 @@
 """`make run`'s latency-bounded rate against closed-loop capacity and its queueing roof (issue 56's target: the
 bounded rate >= 0.7 of capacity). ~1 min a repeat on 2 cores, after a trained checkpoint exists (`make run` makes it).
 
-    python benchmarks/bounded_rate.py [--repeats 3] [--checkpoint checkpoints/kaggle]
+    python benchmarks/bounded_rate.py [--repeats 3] [--checkpoint checkpoints/kaggle] [--allocators glibc,auto]
 
 Each repeat runs `make run`'s serving step (`infer run ... --qps auto --sla-ms auto`, the policy auto) in a metrics
 directory of its own and reads its `load_choice`: capacity, the highest probed rate under the bound, the queueing
 roof (`dlrm_lab.infer.queueing`: what an ideal server with the same batch cost and batching rule holds under the
 same bound), the point it then served and the speed canary of its phase. Prints one line a repeat and the medians.
+With `--allocators`, each repeat runs once under each `--allocator` named, in turn (paired in time), and the medians
+are per allocator.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ SERVE = [
 ]
 
 
-def repeat(tmp: Path, checkpoint: str) -> dict[str, object]:
-    run_dir = lab_run(tmp, *SERVE, "--checkpoint", checkpoint)
+def repeat(tmp: Path, checkpoint: str, allocator: str) -> dict[str, object]:
+    run_dir = lab_run(tmp, *SERVE, "--checkpoint", checkpoint, "--allocator", allocator)
     choice = json.loads((run_dir / "manifest.json").read_text())["load_choice"]
     (point,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     roof = choice["queueing_roof"] or {}
@@ -65,6 +67,9 @@ def repeat(tmp: Path, checkpoint: str) -> dict[str, object]:
         "canary_ratio": point.get("canary_ratio"),
         "canary_foreign": point.get("canary_foreign"),
         "probes": choice["probes"],
+        "allocator": point.get("allocator"),
+        "batch_fixed_ms": point.get("batch_fixed_ms"),
+        "batch_per_sample_us": point.get("batch_per_sample_us"),
     }
 
 
@@ -72,25 +77,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--checkpoint", default="checkpoints/kaggle", help="a `train --checkpoint-dir` (make run's)")
+    ap.add_argument("--allocators", default="auto", help="each repeat once under each (--allocator), in turn")
     ap.add_argument("--out", default=None)
     opts = ap.parse_args()
     if not Path(opts.checkpoint).is_dir():
         raise SystemExit(f"checkpoint: {opts.checkpoint}: no such directory (run `make run` first, or give one)")
-    rows = []
+    allocators = opts.allocators.split(",")
+    rows: dict[str, list[dict[str, object]]] = {a: [] for a in allocators}
     with tempfile.TemporaryDirectory() as d:
         for k in range(opts.repeats):
-            r = repeat(Path(d), opts.checkpoint)
-            rows.append(r)
-            print(
-                f"repeat {k + 1}: capacity {r['capacity_qps']:.0f} q/s, bounded {r['bounded_qps']:.0f} "
-                f"({r['bounded_share']:.2f} of capacity; target 0.7) under {r['sla_ms']:g} ms; queueing roof "
-                f"{r['roof_qps'] or 0:.0f} ({r['roof_share'] or 0:.2f}), bounded {r['of_roof'] or 0:.2f} of it; point "
-                f"{r['point_qps']:.0f} q/s p99 {r['point_p99_ms']:.2f} ms, SLA {'met' if r['sla_met'] else 'missed'}; "
-                f"canary r {r['canary_ratio'] or 0:.2f}",
-                flush=True,
-            )
-    med = {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in ("bounded_share", "of_roof")}
-    print(f"median: bounded {med['bounded_share']:.2f} of capacity, {med['of_roof']:.2f} of the queueing roof")
+            for a in allocators:
+                r = repeat(Path(d), opts.checkpoint, a)
+                rows[a].append(r)
+                print(
+                    f"repeat {k + 1} --allocator {a} ({r['allocator']}): capacity {r['capacity_qps']:.0f} q/s, "
+                    f"bounded {r['bounded_qps']:.0f} ({r['bounded_share']:.2f} of capacity; target 0.7) under "
+                    f"{r['sla_ms']:g} ms; queueing roof {r['roof_qps'] or 0:.0f} ({r['roof_share'] or 0:.2f}), "
+                    f"bounded {r['of_roof'] or 0:.2f} of it; point {r['point_qps']:.0f} q/s p99 "
+                    f"{r['point_p99_ms']:.2f} ms, SLA {'met' if r['sla_met'] else 'missed'}; batch "
+                    f"{r['batch_fixed_ms'] or 0:.3f} ms + {r['batch_per_sample_us'] or 0:.2f} us; canary r "
+                    f"{r['canary_ratio'] or 0:.2f}",
+                    flush=True,
+                )
+    med = {
+        a: {
+            k: statistics.median(r[k] for r in rs if r[k] is not None)
+            for k in ("bounded_share", "of_roof", "capacity_qps")
+        }
+        for a, rs in rows.items()
+    }
+    for a, m in med.items():
+        print(
+            f"median --allocator {a}: bounded {m['bounded_share']:.2f} of capacity ({m['capacity_qps']:.0f} q/s), "
+            f"{m['of_roof']:.2f} of the queueing roof"
+        )
     write_results(results_path("bounded_rate", opts.out), header(command=SERVE, repeats=rows, median=med))
 
 

@@ -69,10 +69,14 @@ def dense_package(fused: Any, directory: Path) -> Any:
 class Buckets:
     """One static-shape package per batch size, called by the size of the batch it is handed (the bucket route)."""
 
-    def __init__(self, fused: Any, sizes: tuple[int, ...], directory: Path, other: Any) -> None:
+    def __init__(self, fused: Any, sizes: tuple[int, ...], directory: Path, other: Any, reuse: bool = False) -> None:
         self.tables, self.other = table_weights(fused.tables), other  # `other`: sizes without a bucket (warm-up)
         self.runs = {}
         for n in sizes:
+            path = directory / f"bucket-{n}.pt2"
+            if reuse and path.is_file():  # made by an earlier process of the same benchmark
+                self.runs[n] = torch._inductor.aoti_load_package(str(path)).loader.run
+                continue
             whole = WholeBatch(fused).eval()
             with torch.no_grad():
                 exported = torch.export.export(
@@ -81,7 +85,6 @@ class Buckets:
                     strict=False,
                     dynamic_shapes=(None, {0: torch.export.Dim("ids", min=0)}, None, None),
                 )
-                path = directory / f"bucket-{n}.pt2"
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=TUNED)
             self.runs[n] = torch._inductor.aoti_load_package(str(path)).loader.run
 

@@ -1,0 +1,176 @@
+"""The C allocator an instance runs (issue 56): each installed allocator against glibc's malloc, interleaved.
+
+    python benchmarks/allocator_ab.py [--parts batch,points] [--rounds 3] [--duration 120]
+
+batch   kaggle (tables capped at 1M rows), one thread, the precision `auto` picks: each route's batch as an instance
+        measures itself at start (1 and 256 samples alternated on its own weights, median of 7, three times), in a
+        fresh process per allocator (its library first in LD_PRELOAD, `infer.allocator.preloaded`; the process
+        checks its own mappings), the allocators interleaved over rounds: `fixed ms a batch + us a sample`, and each
+        against glibc's in the same round. Routes: aoti, aoti_frozen (as served) and buckets (one static package
+        per size, frozen and max-autotuned: `one_call.py`'s). Targets (AMX): <= 0.15 ms a batch, <= 1.5 us a sample.
+points  The low-load point (kaggle 100k rows, MLPerf sizes, 3 q/s, 1 x 1, `--duration` s, build auto) under
+        `--allocator glibc` and each other installed one, interleaved: p99 over its floor (target <= 3x).
+
+`make run`'s bounded rate under each allocator: `bounded_rate.py --allocators glibc,auto`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import header, lab_run, results_path, write_results
+
+from dlrm_lab.infer import allocator
+
+ROUTES = ("aoti", "aoti_frozen", "buckets")
+SIZES = (1, 256)
+
+
+def child(routes: list[str], bucket_dir: str) -> None:
+    """One process's measurement of `routes` (printed as one JSON line), under whatever allocator it was started."""
+    import copy
+
+    import torch
+    from one_call import Buckets
+
+    import dlrm_lab
+    from dlrm_lab.infer import build as builds
+    from dlrm_lab.infer.library import PackedLibrary
+    from dlrm_lab.infer.serving_parts import make_runner
+    from dlrm_lab.metrics.precision import AUTO, choose_precision
+    from dlrm_lab.model.dlrm import build_model
+
+    torch.set_num_threads(1)
+    spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
+    precision = choose_precision(AUTO, spec, allowed=("fp32", "bf16", "fp16"), threads=1, rows=256).precision
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    library = PackedLibrary.generate(spec, None, 0, 4096)
+    modules: dict[str, Any] = {}
+    for route in routes:
+        if route == "buckets":
+            fused = builds.make_build(model, "fused", precision=precision, table_precision="fp32")
+            aoti = modules.get("aoti") or builds.make_build(model, "aoti", precision=precision, table_precision="fp32")
+            bucketed = fused.sibling()
+            bucketed.whole = copy.copy(aoti.whole)
+            bucketed.whole.run = Buckets(fused, SIZES, Path(bucket_dir), aoti.whole.run, reuse=True).run
+            modules[route] = bucketed
+        else:
+            modules[route] = builds.make_build(model, route, precision=precision, table_precision="fp32")
+    runners = {r: make_runner(m, library, torch.device("cpu"), precision) for r, m in modules.items()}
+    for runner in runners.values():
+        runner.warm_up(max(SIZES))
+    costs: dict[str, list[Any]] = {r: [] for r in runners}
+    for _ in range(3):
+        for route, runner in runners.items():
+            costs[route].append(runner.batch_cost(max(SIZES), repeats=7))
+    out = {
+        r: {
+            "per_batch_ms": statistics.median(c.fixed_ms for c in cs),
+            "per_sample_us": statistics.median(c.per_sample_ms for c in cs) * 1e3,
+        }
+        for r, cs in costs.items()
+    }
+    print(json.dumps({"allocator": allocator.in_use(), "precision": precision, "routes": out}), flush=True)
+
+
+def batch_part(found: dict[str, str], rounds: int, routes: list[str]) -> dict[str, Any]:
+    rows: dict[str, list[dict[str, Any]]] = {a: [] for a in found}
+    with tempfile.TemporaryDirectory() as buckets:
+        # the packages made once, before any round (each later process loads them from the cache)
+        command = [sys.executable, __file__, "--child", ",".join(routes), buckets]
+        subprocess.run(command, check=True, capture_output=True)
+        for k in range(rounds):
+            for name, library in found.items():
+                with allocator.preloaded(library):
+                    out = subprocess.run(command, capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{name}: failed:\n{out.stderr[-3000:]}")
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                if got["allocator"] != name:
+                    raise SystemExit(f"{name}: the process ran {got['allocator']}")
+                rows[name].append(got)
+                said = "; ".join(
+                    f"{r} {v['per_batch_ms']:.3f} ms + {v['per_sample_us']:.2f} us" for r, v in got["routes"].items()
+                )
+                print(f"  round {k + 1} {name}: {said}", flush=True)
+    summary: dict[str, Any] = {}
+    for name, runs in rows.items():
+        for route in routes:
+            fixed = [r["routes"][route]["per_batch_ms"] for r in runs]
+            sample = [r["routes"][route]["per_sample_us"] for r in runs]
+            base_fixed = [r["routes"][route]["per_batch_ms"] for r in rows["glibc"]]
+            base_sample = [r["routes"][route]["per_sample_us"] for r in rows["glibc"]]
+            summary[f"{route}/{name}"] = {
+                "per_batch_ms": statistics.median(fixed),
+                "per_sample_us": statistics.median(sample),
+                "per_batch_vs_glibc": statistics.median(f / b for f, b in zip(fixed, base_fixed, strict=True)),
+                "per_sample_vs_glibc": statistics.median(s / b for s, b in zip(sample, base_sample, strict=True)),
+            }
+            s = summary[f"{route}/{name}"]
+            print(
+                f"{route:12s} {name:9s} {s['per_batch_ms']:.3f} ms a batch ({s['per_batch_vs_glibc']:.3f}x glibc's) + "
+                f"{s['per_sample_us']:.2f} us a sample ({s['per_sample_vs_glibc']:.3f}x)",
+                flush=True,
+            )
+    return {"rounds": rows, "summary": summary}
+
+
+def points_part(found: dict[str, str], rounds: int, duration: str) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    args = ["--model", "kaggle", "--max-rows", "100000", "--query-size", "mlperf", "--qps", "3", "--duration",
+            duration, "--instances", "1", "--threads", "1", "--sla-ms", "100", "--build", "auto"]  # fmt: skip
+    rows: dict[str, list[dict[str, Any]]] = {a: [] for a in found}
+    keys = ("build", "allocator", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio", "batch_fixed_ms",
+            "batch_per_sample_us", "queries", "canary_ratio")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for name in found:
+                run_dir = lab_run(Path(tmp), "infer", "run", *args, "--allocator", name)
+                (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
+                keep = {k: row.get(k) for k in keys}
+                rows[name].append(keep)
+                print(
+                    f"  {name} ({keep['build']}): p99 {keep['sla_latency_ms']:.2f} ms, floor "
+                    f"{keep['latency_floor_ms']:.3f} ms, {keep['latency_floor_ratio']:.2f}x; batch "
+                    f"{keep['batch_fixed_ms']:.3f} ms + {keep['batch_per_sample_us']:.2f} us; canary "
+                    f"{keep['canary_ratio'] or 0:.2f}",
+                    flush=True,
+                )
+    return {a: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
+            for a, r in rows.items()}  # fmt: skip
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2].split(","), sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="batch,points")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--duration", default="120")
+    parser.add_argument("--out", default=None, help="the results file (default: results/results-allocator_ab-...)")
+    args = parser.parse_args()
+    found = allocator.installed()
+    if len(found) == 1:
+        raise SystemExit("only glibc's malloc is installed: nothing to compare (apt-get install libjemalloc2 ...)")
+    results: dict[str, Any] = header(installed=found)
+    parts = args.parts.split(",")
+    if "batch" in parts:
+        results["batch"] = batch_part(found, args.rounds, args.routes.split(","))
+    if "points" in parts:
+        results["points"] = points_part(found, args.rounds, args.duration)
+    write_results(results_path("allocator_ab", args.out), results)
+
+
+if __name__ == "__main__":
+    main()
