@@ -163,8 +163,12 @@ def train_setup(options: Mapping[str, OptionValue]) -> tuple[Spec, TrainConfig]:
 SERVER_SIDE = (
     *("instances", "threads", "max_delay_ms", "max_queue", "min_piece", "spin_ms", "keep_warm_ms", "idle_hold"),
     *("precision", "table_precision", "build", "history_cache_mb", "attention", "history_affinity", "pin_cores"),
-    "device",
+    *("device", "batch_memory", "allocator"),
 )
+# The serving options a client with a remote --target uses too: the model its queries are for (its tables, its
+# samples: the library is made from them and the max batch) and what it sends (the largest query); --checkpoint is
+# refused apart (`infer.targets.check_remote_models`). Every serving option is in one of the two (a test).
+CLIENT_SIDE = ("table_scale", "max_rows", "data_spec", "data_overrides", "max_batch", "max_query_samples", "checkpoint")
 
 
 def _refuse_server_side(o: OptionValues, declared: list[Declared]) -> None:

@@ -757,8 +757,22 @@ def test_a_worker_started_with_interrupt_blocked_outlives_a_ctrl_c_while_it_star
         worker.join(5)
 
 
+def test_every_serving_option_is_either_the_servers_or_the_clients_with_a_remote_target():
+    """Where a serving option is added, it is said whether a remote target refuses it (`--batch-memory` was not,
+    until `--allocator` came beside it)."""
+    from dataclasses import fields
+
+    from dlrm_lab.commands import CLIENT_SIDE, SERVER_SIDE
+    from dlrm_lab.infer.options import ServingOptions
+
+    names = {f.name for f in fields(ServingOptions)}
+    assert names <= set(SERVER_SIDE) | set(CLIENT_SIDE), names - set(SERVER_SIDE) - set(CLIENT_SIDE)
+    assert not set(SERVER_SIDE) & set(CLIENT_SIDE)
+
+
 @pytest.mark.parametrize("option", [("--build", "aoti"), ("--instances", "2"), ("--precision", "bf16"),
-                                    ("--max-delay-ms", "3"), ("--idle-hold", "cpu-latency")])  # fmt: skip
+                                    ("--max-delay-ms", "3"), ("--idle-hold", "cpu-latency"),
+                                    ("--batch-memory", "keep"), ("--allocator", "glibc")])  # fmt: skip
 def test_how_the_labs_own_server_serves_is_refused_with_a_remote_target(tmp_path, option):
     """Issue 57 D23's class: with a remote --target, an option of how the lab's own server would serve (its build,
     instances, precision, batching) is one line before anything connects, as --checkpoint is: the run would record
