@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import header, lab_run, results_path, write_results
+from common import header, results_path, write_results
 
 from dlrm_lab.infer import allocator
 
@@ -38,21 +38,13 @@ def child(routes: list[str], bucket_dir: str) -> None:
     import copy
 
     import torch
-    from one_call import Buckets
+    from one_call import Buckets, kaggle_setup
 
-    import dlrm_lab
     from dlrm_lab.infer import build as builds
-    from dlrm_lab.infer.library import PackedLibrary
     from dlrm_lab.infer.serving_parts import make_runner
-    from dlrm_lab.metrics.precision import AUTO, choose_precision
-    from dlrm_lab.model.dlrm import build_model
 
     torch.set_num_threads(1)
-    spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
-    precision = choose_precision(AUTO, spec, allowed=("fp32", "bf16", "fp16"), threads=1, rows=256).precision
-    torch.manual_seed(0)
-    model = build_model(spec).eval()
-    library = PackedLibrary.generate(spec, None, 0, 4096)
+    _, precision, model, library = kaggle_setup()
     modules: dict[str, Any] = {}
     for route in routes:
         if route == "buckets":
@@ -124,29 +116,9 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str]) -> dict[st
 
 
 def points_part(found: dict[str, str], rounds: int, duration: str) -> dict[str, Any]:
-    import pyarrow.parquet as pq
+    from one_call import low_load
 
-    args = ["--model", "kaggle", "--max-rows", "100000", "--query-size", "mlperf", "--qps", "3", "--duration",
-            duration, "--instances", "1", "--threads", "1", "--sla-ms", "100", "--build", "auto"]  # fmt: skip
-    rows: dict[str, list[dict[str, Any]]] = {a: [] for a in found}
-    keys = ("build", "allocator", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio", "batch_fixed_ms",
-            "batch_per_sample_us", "queries", "canary_ratio")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(rounds):
-            for name in found:
-                run_dir = lab_run(Path(tmp), "infer", "run", *args, "--allocator", name)
-                (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
-                keep = {k: row.get(k) for k in keys}
-                rows[name].append(keep)
-                print(
-                    f"  {name} ({keep['build']}): p99 {keep['sla_latency_ms']:.2f} ms, floor "
-                    f"{keep['latency_floor_ms']:.3f} ms, {keep['latency_floor_ratio']:.2f}x; batch "
-                    f"{keep['batch_fixed_ms']:.3f} ms + {keep['batch_per_sample_us']:.2f} us; canary "
-                    f"{keep['canary_ratio'] or 0:.2f}",
-                    flush=True,
-                )
-    return {a: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
-            for a, r in rows.items()}  # fmt: skip
+    return low_load({a: ["--build", "auto", "--allocator", a] for a in found}, duration, rounds)
 
 
 def main() -> None:

@@ -15,13 +15,11 @@ import statistics
 
 import torch
 from common import header, results_path, write_results
+from one_call import kaggle_setup
 
-import dlrm_lab
 from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.serving_parts import make_runner
-from dlrm_lab.metrics.precision import AUTO, choose_precision
-from dlrm_lab.model.dlrm import build_model
 
 
 def main() -> None:
@@ -30,11 +28,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
-    precision = choose_precision(AUTO, spec, allowed=("fp32", "bf16", "fp16"), threads=1, rows=256).precision
-    torch.manual_seed(0)
-    model = build_model(spec).eval()
-    fast = PackedLibrary.generate(spec, None, 0, 4096)
+    _, precision, model, fast = kaggle_setup()
     ragged = PackedLibrary(fast.dense, fast.lengths, None, fast.values)
     ragged.__dict__["bag_width"] = None  # the general path on the same samples
     results = {"header": header(), "precision": precision, "builds": {}}

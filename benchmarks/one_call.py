@@ -93,12 +93,17 @@ class Buckets:
         return bucket(inputs) if bucket is not None else self.other(inputs)
 
 
-def batch_part(table_precisions: list[str]) -> dict[str, Any]:
+def kaggle_setup() -> tuple[Any, str, Any, PackedLibrary]:
+    """The batch benchmarks' model (kaggle, tables capped at 1M rows, seed 0), the precision `auto` picks at one
+    thread, and a sample library of 4,096: (spec, precision, model, library)."""
     spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
     precision = choose_precision(AUTO, spec, allowed=("fp32", "bf16", "fp16"), threads=1, rows=256).precision
     torch.manual_seed(0)
-    model = build_model(spec).eval()
-    library = PackedLibrary.generate(spec, None, 0, 4096)
+    return spec, precision, build_model(spec).eval(), PackedLibrary.generate(spec, None, 0, 4096)
+
+
+def batch_part(table_precisions: list[str]) -> dict[str, Any]:
+    spec, precision, model, library = kaggle_setup()
     peaks = peaks_for(load_profile(), "cpu", precision, 1)
     out: dict[str, Any] = {"precision": precision, "routes": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,29 +141,40 @@ def batch_part(table_precisions: list[str]) -> dict[str, Any]:
     return out
 
 
-def points_part(duration: str, repeats: int) -> dict[str, Any]:
+LOW_LOAD = ["--model", "kaggle", "--max-rows", "100000", "--query-size", "mlperf", "--qps", "3", "--instances", "1",
+            "--threads", "1", "--sla-ms", "100"]  # fmt: skip
+LOW_LOAD_KEYS = ("build", "allocator", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio", "batch_fixed_ms",
+                 "batch_per_sample_us", "queries", "idle_hold", "spin_ms", "keep_warm_ms", "canary_ratio")  # fmt: skip
+
+
+def low_load(routes: dict[str, list[str]], duration: str, repeats: int) -> dict[str, Any]:
+    """The low-load point (kaggle 100k rows, MLPerf sizes, 3 q/s, 1 x 1) under each route's extra options,
+    interleaved `repeats` times: each run's summary and the median p99 over its floor (target <= 3x)."""
     import pyarrow.parquet as pq
     from common import lab_run
 
-    args = ["--model", "kaggle", "--max-rows", "100000", "--query-size", "mlperf", "--qps", "3", "--duration",
-            duration, "--instances", "1", "--threads", "1", "--sla-ms", "100"]  # fmt: skip
-    rows: dict[str, list[dict[str, Any]]] = {b: [] for b in ("fused", "aoti", "auto")}
+    rows: dict[str, list[dict[str, Any]]] = {r: [] for r in routes}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeats):
-            for b in rows:
-                run_dir = lab_run(Path(tmp), "infer", "run", *args, "--build", b)
+            for route, extra in routes.items():
+                run_dir = lab_run(Path(tmp), "infer", "run", *LOW_LOAD, "--duration", duration, *extra)
                 (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
-                keep = {k: row.get(k) for k in ("build", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio",
-                                                "batch_fixed_ms", "batch_per_sample_us", "queries")}  # fmt: skip
-                rows[b].append(keep)
+                keep = {k: row.get(k) for k in LOW_LOAD_KEYS}
+                rows[route].append(keep)
                 print(
-                    f"  --build {b} ({keep['build']}): p99 {keep['sla_latency_ms']:.2f} ms, floor "
+                    f"  {route} ({keep['build']}, {keep['allocator']}): p99 {keep['sla_latency_ms']:.2f} ms, floor "
                     f"{keep['latency_floor_ms']:.3f} ms, {keep['latency_floor_ratio']:.2f}x; batch "
-                    f"{keep['batch_fixed_ms']:.3f} ms + {keep['batch_per_sample_us']:.2f} us",
+                    f"{keep['batch_fixed_ms']:.3f} ms + {keep['batch_per_sample_us']:.2f} us; canary "
+                    f"{keep['canary_ratio'] or 0:.2f}",
                     flush=True,
                 )
-    return {b: {"runs": r, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in r)}
-            for b, r in rows.items()}  # fmt: skip
+    return {r: {"runs": v, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in v)}
+            for r, v in rows.items()}  # fmt: skip
+
+
+def points_part(duration: str, repeats: int) -> dict[str, Any]:
+    """The low-load point under the builds `fused`, `aoti` and `auto`, interleaved."""
+    return low_load({f"--build {b}": ["--build", b] for b in ("fused", "aoti", "auto")}, duration, repeats)
 
 
 IDLE_ROUTES = {
@@ -173,29 +189,8 @@ IDLE_ROUTES = {
 
 
 def idle_part(duration: str, repeats: int, names: list[str]) -> dict[str, Any]:
-    """The low-load point under each idle-tail route, interleaved: p99 over its floor (target <= 3x)."""
-    import pyarrow.parquet as pq
-    from common import lab_run
-
-    args = ["--model", "kaggle", "--max-rows", "100000", "--query-size", "mlperf", "--qps", "3", "--duration",
-            duration, "--instances", "1", "--threads", "1", "--sla-ms", "100", "--build", "auto"]  # fmt: skip
-    routes = {r: IDLE_ROUTES[r] for r in names}
-    rows: dict[str, list[dict[str, Any]]] = {r: [] for r in routes}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(repeats):
-            for route, extra in routes.items():
-                run_dir = lab_run(Path(tmp), "infer", "run", *args, *extra)
-                (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
-                keep = {k: row.get(k) for k in ("build", "sla_latency_ms", "latency_floor_ms", "latency_floor_ratio",
-                                                "queries", "idle_hold", "spin_ms", "keep_warm_ms")}  # fmt: skip
-                rows[route].append(keep)
-                print(
-                    f"  {route}: p99 {keep['sla_latency_ms']:.2f} ms, floor {keep['latency_floor_ms']:.3f} ms, "
-                    f"{keep['latency_floor_ratio']:.2f}x ({keep['build']})",
-                    flush=True,
-                )
-    return {r: {"runs": v, "floor_ratio_median": statistics.median(x["latency_floor_ratio"] for x in v)}
-            for r, v in rows.items()}  # fmt: skip
+    """The low-load point, build auto, under each idle-tail route, interleaved."""
+    return low_load({r: ["--build", "auto", *IDLE_ROUTES[r]] for r in names}, duration, repeats)
 
 
 def main() -> None:
