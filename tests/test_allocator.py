@@ -11,7 +11,6 @@ from conftest import fake_shared_library
 
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer import allocator, batch_memory
-from dlrm_lab.infer.instance import check_allocator
 
 LAYERS = [(13, 64), (64, 16), (40, 32), (32, 1)]
 
@@ -39,9 +38,9 @@ def test_the_allocator_a_process_runs_is_read_from_its_mappings():
     )
     assert allocator.in_use(line.format("/opt/j/lib/libjemalloc.so.2") + glibc) == "jemalloc"
     assert allocator.in_use() == "glibc"  # this test process: nothing preloaded
-    check_allocator("glibc", glibc)
+    allocator.check_running("glibc", glibc)
     with pytest.raises(RuntimeError, match="runs glibc's malloc where its plan says jemalloc"):
-        check_allocator("jemalloc", glibc)
+        allocator.check_running("jemalloc", glibc)
 
 
 def test_preloaded_puts_the_chosen_library_first_drops_other_allocators_and_restores(monkeypatch):

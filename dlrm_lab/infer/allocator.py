@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import sysconfig
 import threading
 import time
@@ -73,6 +72,14 @@ def installed(dirs: Sequence[Path] | None = None) -> dict[str, str]:
     return found
 
 
+def _stem(path: str) -> str:
+    """A library's name without its directory and its `.so` version: libjemalloc.so.2 -> libjemalloc."""
+    return Path(path).name.split(".so")[0]
+
+
+STEMS = {_stem(f): name for name, files in LIBRARIES.items() for f in files}  # library stem -> allocator
+
+
 def in_use(maps: str | None = None) -> str:
     """The allocator this process runs, from its mappings (`maps`: /proc/self/maps's text): a preloaded allocator's
     library is mapped; glibc's otherwise."""
@@ -81,19 +88,22 @@ def in_use(maps: str | None = None) -> str:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return GLIBC
-    mapped = {Path(line.split()[-1]).name for line in maps.splitlines() if line.count("/")}
-    for name, files in LIBRARIES.items():
-        stems = {f.split(".so")[0] for f in files}
-        if any(m.split(".so")[0] in stems for m in mapped):
-            return name
-    return GLIBC
+    mapped = {_stem(line.split()[-1]) for line in maps.splitlines() if "/" in line}
+    return next((name for stem, name in STEMS.items() if stem in mapped), GLIBC)
+
+
+def check_running(planned: str, maps: str | None = None) -> None:
+    """Refuse to serve under another C allocator than the plan's: one that LD_PRELOAD did not load (a library gone
+    since the plan, an environment that strips it) would serve another figure than was chosen."""
+    if (running := in_use(maps)) != planned:
+        raise RuntimeError(
+            f"runs {running}'s malloc where its plan says {planned} (LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r})"
+        )
 
 
 def _without_allocators(preload: str) -> list[str]:
     """LD_PRELOAD's entries (colon or space separated), less any allocator's library: the one chosen goes first."""
-    stems = {f.split(".so")[0] for files in LIBRARIES.values() for f in files}
-    entries = preload.replace(" ", ":").split(":")
-    return [e for e in entries if e and Path(e).name.split(".so")[0] not in stems]
+    return [e for e in preload.replace(" ", ":").split(":") if e and _stem(e) not in STEMS]
 
 
 @contextlib.contextmanager
@@ -265,8 +275,10 @@ def _trial_main(layers: list[tuple[int, int]], dtype: str, threads: int, rows: l
     try:
         import torch
 
+        from dlrm_lab.metrics.precision import DTYPES
+
         torch.set_num_threads(threads)
-        kind = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype))
+        kind = DTYPES[dtype]
         torch.manual_seed(0)
         weights = [(torch.randn(o, i, dtype=kind) / i**0.5, torch.zeros(o, dtype=kind)) for i, o in layers]
         # a layer whose input is not the layer before's output (the top MLP after the interaction) starts afresh
@@ -292,4 +304,3 @@ def _trial_main(layers: list[tuple[int, int]], dtype: str, threads: int, rows: l
         conn.send((None, f"{type(exc).__name__}: {exc}"))
     finally:
         conn.close()
-        sys.stdout.flush()

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TypedDict
 
+from dlrm_lab.infer.allocator import GLIBC
 from dlrm_lab.infer.builds import MARGIN  # the builds' rule: keep memory only for a batch this much faster
 
 BATCH_MEMORY = ("auto", "release", "keep")
@@ -62,7 +63,7 @@ def choose(
     *,
     device: str = "cpu",
     held: bool = False,
-    allocator: str = "glibc",
+    allocator: str = GLIBC,
 ) -> BatchMemoryChoice:
     """Apply `requested` (`BATCH_MEMORY`) in this process (`release`: glibc's defaults, untouched); for auto, time
     `batch` (one batch of `samples`) `ROUNDS` times as glibc gives memory back, then as it keeps it (each after
@@ -74,7 +75,7 @@ def choose(
         return BatchMemoryChoice(
             batch_memory="release", reason=f"on {device}: a batch's buffers are the device's", samples=None, ms={}
         )
-    if allocator != "glibc":  # mallopt would tell glibc's malloc, which this process does not run
+    if allocator != GLIBC:  # mallopt would tell glibc's malloc, which this process does not run
         return BatchMemoryChoice(
             batch_memory="release", reason=f"{allocator}'s own (mallopt is glibc's)", samples=None, ms={}
         )

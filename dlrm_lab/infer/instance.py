@@ -94,7 +94,6 @@ class InstancePlan:
     idle_hold: str = "none"  # IDLE_HOLDS: what it holds while it waits
     batch_memory: str = "release"  # infer.batch_memory.BATCH_MEMORY: whether malloc keeps a batch's freed buffers
     allocator: str = "glibc"  # the C allocator it runs (infer.allocator), preloaded as it was spawned
-    allocator_library: str = ""  # ... its library, LD_PRELOAD's first ("": glibc's malloc)
     history_cache_mb: float = 0.0  # HSTU: keep users' encoded histories (infer.history); 0: off
     build: str = "eager"  # the inference form served (infer.build)
     finalists: tuple[tuple[str, str], ...] = ()  # (build, artefact) timed against it here (infer.finalists)
@@ -146,15 +145,6 @@ def map_library(directory: Path, spec: Any) -> LoadedSamples:
 # ----------------------------------------------------------------------------- process
 
 
-def check_allocator(planned: str, maps: str | None = None) -> None:
-    """Refuse to serve under another C allocator than the plan's (`infer.allocator`): one that LD_PRELOAD did not
-    load (a library gone since the plan, an environment that strips it) would serve another figure than chosen."""
-    if (running := allocator.in_use(maps)) != planned:
-        raise RuntimeError(
-            f"runs {running}'s malloc where its plan says {planned} (LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r})"
-        )
-
-
 def instance_main(plan: InstancePlan, conn: Any) -> None:
     """Entry point of an instance process (spawned). Never dies on a bad batch: one whose forward
     raises is reported failed. Queries with their own samples were checked by the server at submit."""
@@ -162,7 +152,7 @@ def instance_main(plan: InstancePlan, conn: Any) -> None:
     # reaches it (it returns at its next wait, as the parent stops)
     end_with_parent(ignore_interrupt=False)
     try:
-        check_allocator(plan.allocator)
+        allocator.check_running(plan.allocator)
         if plan.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, plan.cores)
         if plan.nice:

@@ -19,7 +19,7 @@ from typing import Any, TypedDict, cast
 
 from dlrm_lab.config.values import Log
 from dlrm_lab.errors import ServingFault, exit_description
-from dlrm_lab.infer.allocator import preloaded
+from dlrm_lab.infer.allocator import library_of, preloaded
 from dlrm_lab.infer.batching import BatchCost
 from dlrm_lab.infer.instance import TRACE, InstancePlan, instance_main
 from dlrm_lab.infer.sut import ServingProcess
@@ -59,7 +59,7 @@ class InstanceProcesses:
         proc = self._ctx.Process(
             target=instance_main, args=(plan, theirs), daemon=True, name=f"dlrm-lab-instance-{plan.index}"
         )
-        with preloaded(plan.allocator_library):  # the allocator it runs: a process takes it only as it starts
+        with preloaded(library_of(plan.allocator)):  # the allocator it runs: a process takes it only as it starts
             proc.start()
         theirs.close()
         self._conns[plan.index] = mine_end

@@ -36,7 +36,6 @@ import numpy as np
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import ServingFault, UserError
-from dlrm_lab.infer import allocator
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.batching import BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.completions import BatchCompletions, InFlight, InstanceStates, QueryRecords
@@ -256,7 +255,6 @@ class InferenceServer:
                 idle_hold=m.idle_hold,
                 batch_memory=m.batch_memory,
                 allocator=m.allocator,
-                allocator_library=allocator.library_of(m.allocator),
             )
         )
         pool = self._pools[m.name]
