@@ -169,6 +169,49 @@ def test_a_damaged_cached_choice_is_discarded_with_one_line_and_replaced(tmp_pat
     assert cached_choice(load_profile("f00d"), section, "k", lines.append) == good and len(lines) == 1
 
 
+def test_a_measured_choice_is_read_where_complete_measured_where_not_and_stored_unless_its_entry_says_why_not(
+    tmp_path, monkeypatch
+):
+    """One sequence for every measured choice (builds, precisions, allocators): read the profile's entry where it
+    holds all it needs, else measure, then store it with its date or say why it was not stored."""
+    from dlrm_lab.metrics.roofline import measured_choice
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    save_profile(fake_profile())
+    measured: list[str] = []
+
+    def choose(wanted: str, noisy: bool = False) -> tuple[dict[str, float], str]:
+        def read(entry: dict) -> dict[str, float] | None:
+            return dict(entry["flops_per_s"]) if wanted in entry["flops_per_s"] else None
+
+        def measure() -> dict[str, float]:
+            measured.append(wanted)
+            return {wanted: 2e12}
+
+        def entry(rates: dict[str, float], found: dict | None) -> dict | str:
+            earlier = found["flops_per_s"] if found else {}
+            return "the machine was noisy" if noisy else {"flops_per_s": {**earlier, **rates}}
+
+        return measured_choice(load_profile("f00d"), "precision_rates", "k", read=read, measure=measure, entry=entry)
+
+    rates, source = choose("bf16")
+    assert rates == {"bf16": 2e12} and measured == ["bf16"]
+    assert source.startswith("measured now (") and source.endswith(
+        f"on this machine, stored in {tmp_path / 'f00d.json'}"
+    )
+    stored = load_profile("f00d")["precision_rates"]["k"]
+    assert stored["flops_per_s"] == {"bf16": 2e12} and isinstance(stored["measured_at"], str)
+    rates, source = choose("bf16")  # complete: read, not measured
+    assert rates == {"bf16": 2e12} and measured == ["bf16"]
+    assert source == f"cached in {tmp_path / 'f00d.json'} (measured {stored['measured_at']})"
+    rates, source = choose("fp16", noisy=True)  # incomplete: measured; its entry says why it is not stored
+    assert rates == {"fp16": 2e12} and measured == ["bf16", "fp16"]
+    assert source.endswith("on this machine, not stored: the machine was noisy")
+    assert load_profile("f00d")["precision_rates"]["k"] == stored
+    rates, _ = choose("fp16")  # stored now, beside what the entry found
+    assert load_profile("f00d")["precision_rates"]["k"]["flops_per_s"] == {"bf16": 2e12, "fp16": 2e12}
+
+
 def test_probe_kernels_measure_positive_rates_at_small_sizes():
     gemm = gemm_flops_per_s(CPU, torch.float32, (64, 128), repeats=2, min_flops=1e7)
     assert gemm["flops_per_s"] > 1e8 and gemm["size"] in (64, 128)

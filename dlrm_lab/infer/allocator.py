@@ -28,9 +28,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
@@ -219,29 +218,28 @@ def _rates(
     trial: Trial,
     log: Log | None,
 ) -> tuple[dict[str, dict[int, float]], str]:
-    from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path, store_measured
+    from dlrm_lab.metrics.roofline import load_profile, measured_choice
 
-    profile: dict[str, Any] | None = load_profile()
-    key = _key(found, layers, dtype, threads, rows)
-    cached: dict[str, Any] | None = cached_choice(profile, "allocator_rates", key, log)
-    if cached and all(a in cached["batch_ms"] for a in found):
-        where = profile_path(profile["fingerprint_id"]) if profile else "?"
-        return (
-            {a: {int(n): v for n, v in cached["batch_ms"][a].items()} for a in found},
-            f"cached in {where} (measured {cached['measured_at']})",
-        )
-    if log:
-        log(f"timing the allocators {', '.join(found)} in trial processes (once per machine and model shape)")
-    ms = trial(found, layers, dtype, threads, rows)
-    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    source = f"measured now ({measured_at}) on this machine"
-    if profile is not None:
-        entry: JsonObject = {
-            "batch_ms": {a: {str(n): v for n, v in per.items()} for a, per in ms.items()},
-            "measured_at": measured_at,
-        }
-        source += f", stored in {store_measured(profile, 'allocator_rates', key, entry)}"
-    return ms, source
+    def read(cached: JsonObject) -> dict[str, dict[int, float]] | None:
+        stored = cast(dict[str, Any], cached["batch_ms"])  # a table of tables (`roofline.cached_problem` checked it)
+        if not all(a in stored for a in found):
+            return None
+        return {a: {int(n): v for n, v in stored[a].items()} for a in found}
+
+    def measure() -> dict[str, dict[int, float]]:
+        if log:
+            log(f"timing the allocators {', '.join(found)} in trial processes (once per machine and model shape)")
+        return trial(found, layers, dtype, threads, rows)
+
+    return measured_choice(
+        load_profile(),
+        "allocator_rates",
+        _key(found, layers, dtype, threads, rows),
+        read=read,
+        measure=measure,
+        entry=lambda ms, _: {"batch_ms": {a: {str(n): v for n, v in per.items()} for a, per in ms.items()}},
+        log=log,
+    )
 
 
 def run_trials(

@@ -21,8 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -359,32 +358,31 @@ def _rates(
     log: Log | None = None,
 ) -> tuple[dict[str, dict[int, float]], str]:
     """Batch times of the builds `names`, from this machine's profile when measured before there."""
-    from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path, store_measured
+    from dlrm_lab.metrics.roofline import load_profile, measured_choice
 
-    # read from disk: a dynamic shape (`metrics.roofline.cached_problem` checked the entry's)
-    profile: dict[str, Any] | None = load_profile()
+    def read(cached: JsonObject) -> dict[str, dict[int, float]] | None:
+        stored = cast(dict[str, Any], cached["batch_ms"])  # a table of tables (`roofline.cached_problem` checked it)
+        if not all(b in stored for b in names):
+            return None
+        return {b: {int(n): v for n, v in stored[b].items()} for b in names}
+
+    def time_now() -> dict[str, dict[int, float]]:
+        modules = builds.subset(names)  # made as the timing asks for them (compiling takes seconds)
+        return (measure or (lambda m, s, t: time_builds(m, s, t, library, builds.precision)))(modules, sizes, threads)
+
+    def entry(rates: dict[str, dict[int, float]], cached: JsonObject | None) -> JsonObject | str:
+        noisy = {b: per[SPREAD] for b, per in rates.items() if per.get(SPREAD, 0.0) > NOISY_SPREAD}
+        if noisy:  # a choice made in a noisy minute must not stick to the machine: measured again next time
+            worst = max(noisy, key=lambda b: noisy[b])
+            return (
+                f"the machine was noisy ({worst}'s batch times spread {noisy[worst]:.0%} of their median, over "
+                f"{NOISY_SPREAD:.0%})"
+            )
+        # the builds measured before and not now stay beside the new ones
+        earlier = cast(dict[str, Any], (cached or {}).get("batch_ms", {}))
+        merged = {**earlier, **{b: {str(n): v for n, v in per.items()} for b, per in rates.items()}}
+        return {"batch_ms": merged, "sizes": list(sizes)}
+
+    # read from disk: a dynamic shape (`metrics.roofline.cached_problem` checks the entry's)
     key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes)
-    cached: dict[str, Any] | None = cached_choice(profile, "build_rates", key, log)
-    if cached and all(b in cached["batch_ms"] for b in names):
-        where = profile_path(profile["fingerprint_id"]) if profile else "?"
-        rates = {b: {int(n): v for n, v in cached["batch_ms"][b].items()} for b in names}
-        return rates, f"cached in {where} (measured {cached['measured_at']})"
-    modules = builds.subset(names)  # made as the timing asks for them (compiling takes seconds)
-    rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, builds.precision)))(modules, sizes, threads)
-    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    source = f"measured now ({measured_at}) on this machine"
-    noisy = {b: per[SPREAD] for b, per in rates.items() if per.get(SPREAD, 0.0) > NOISY_SPREAD}
-    if noisy:  # a choice made in a noisy minute must not stick to the machine: measured again next time
-        worst = max(noisy, key=lambda b: noisy[b])
-        source += (
-            f", not stored: the machine was noisy ({worst}'s batch times spread {noisy[worst]:.0%} of their "
-            f"median, over {NOISY_SPREAD:.0%})"
-        )
-    elif profile is not None:
-        merged = {
-            **(cached or {}).get("batch_ms", {}),
-            **{b: {str(n): v for n, v in per.items()} for b, per in rates.items()},
-        }
-        entry: JsonObject = {"batch_ms": merged, "sizes": list(sizes), "measured_at": measured_at}
-        source += f", stored in {store_measured(profile, 'build_rates', key, entry)}"
-    return rates, source
+    return measured_choice(load_profile(), "build_rates", key, read=read, measure=time_now, entry=entry, log=log)

@@ -28,7 +28,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Required, TypedDict, cast
 
 import torch
@@ -196,22 +195,25 @@ def gemm_rates(
 ) -> tuple[dict[str, float], str, tuple[Shape, ...]]:
     """FLOP/s of the model's products in each precision, from this machine's profile (measured
     and stored there on first use); with where they came from, and the shapes."""
-    from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path, store_measured
+    from dlrm_lab.metrics.roofline import load_profile, measured_choice
 
     shapes = tuple(model_gemm_shapes(spec, rows))
     profile = _ensure_profile(device, log) if probe else load_profile()
-    key = _rate_key(device, threads, shapes)
-    cached = cached_choice(profile, "precision_rates", key, log)
-    # a cached entry's flops_per_s is a table (`roofline.cached_problem` checked it)
-    if cached and isinstance(stored := cached["flops_per_s"], dict) and all(p in stored for p in precisions):
-        where = profile_path(str(profile["fingerprint_id"])) if profile else "?"
-        return dict(stored), f"cached in {where} (measured {cached['measured_at']})", shapes
-    rates = (measure or measure_shape_rates)(shapes, list(precisions), device, threads)
-    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    source = f"measured now ({measured_at}) on this machine"
-    if profile is not None:
-        entry: JsonObject = {"flops_per_s": rates, "shapes": [list(s) for s in shapes], "measured_at": measured_at}
-        source += f", stored in {store_measured(profile, 'precision_rates', key, entry)}"
+
+    def read(cached: JsonObject) -> dict[str, float] | None:
+        # a cached entry's flops_per_s is a table (`roofline.cached_problem` checked it)
+        stored = cached["flops_per_s"]
+        return dict(stored) if isinstance(stored, dict) and all(p in stored for p in precisions) else None
+
+    rates, source = measured_choice(
+        profile,
+        "precision_rates",
+        _rate_key(device, threads, shapes),
+        read=read,
+        measure=lambda: (measure or measure_shape_rates)(shapes, list(precisions), device, threads),
+        entry=lambda rates, _: {"flops_per_s": rates, "shapes": [list(s) for s in shapes]},
+        log=log,
+    )
     return rates, source, shapes
 
 

@@ -20,10 +20,11 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from dlrm_lab.config.values import JsonObject, Log, section
 from dlrm_lab.errors import UserError
@@ -217,6 +218,38 @@ def store_measured(profile: JsonObject, table: str, key: str, entry: JsonObject)
         return save_profile({**profile, table: {**section(profile, table), key: entry}})
     except ProfileNotStored as exc:
         return f"nowhere ({exc})"
+
+
+Figures = TypeVar("Figures")
+
+
+def measured_choice(
+    profile: JsonObject | None,
+    table: str,
+    key: str,
+    *,
+    read: Callable[[JsonObject], Figures | None],
+    measure: Callable[[], Figures],
+    entry: Callable[[Figures, JsonObject | None], JsonObject | str],
+    log: Log | None = None,
+) -> tuple[Figures, str]:
+    """The figures a measured choice rests on (a MEASURED_CHOICES section's `key`), with where they came from in one
+    clause: `read` from `profile`'s entry where it holds all it needs (`cached_choice` checked it), else `measure()`d
+    now and stored as `entry(figures, the entry found)` with the date (a string instead: not stored, and why)."""
+    cached = cached_choice(profile, table, key, log)
+    if profile is not None and cached is not None and (figures := read(cached)) is not None:
+        where = profile_path(str(profile["fingerprint_id"]))
+        return figures, f"cached in {where} (measured {cached['measured_at']})"
+    figures = measure()
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    source = f"measured now ({measured_at}) on this machine"
+    if profile is not None:
+        made = entry(figures, cached)
+        if isinstance(made, str):
+            source += f", not stored: {made}"
+        else:
+            source += f", stored in {store_measured(profile, table, key, {**made, 'measured_at': measured_at})}"
+    return figures, source
 
 
 def save_profile(profile: JsonObject | MachineProfile, keep_better: bool = False) -> Path:
