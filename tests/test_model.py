@@ -248,34 +248,41 @@ def test_dot_interaction_over_embeddings_in_any_order_matches_feature_order():
     torch.testing.assert_close(want, inter(dense, torch.stack([by_name[n] for n in names], 1)), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_the_gram_pairs_own_backward_gives_autograds_gradients_in_one_gemm(autocast):
-    """The interaction's pairs with their own backward (`_GramPairs`: one GEMM of both triangles' gradient) against
-    autograd through the plain ops, for the default triangle and a sharded collection's order; untracked calls
-    (no grad, as a served model runs) take the plain ops."""
-    from dlrm_lab.model.dlrm import _triangle_index, gram_pairs
+@pytest.mark.parametrize("autocast,gram_dtype", [(False, None), (True, None), (True, torch.float32)])
+def test_the_dot_interactions_own_forward_and_backward_equal_autograds_through_the_plain_ops(autocast, gram_dtype):
+    """The interaction trained with its own forward and backward (`_DotInteraction`: one buffer, the pairs gathered
+    into the output, one GEMM of both triangles' gradient) against autograd through the plain ops, for the default
+    triangle and a sharded collection's order, in fp32, under bf16 autocast and with the Gram matrix told fp32;
+    untracked calls (no grad, as a served model runs) take the plain ops."""
+    from dlrm_lab.model.dlrm import _plain_interaction, _triangle_index, dot_interaction
 
     torch.manual_seed(0)
     n, D = 6, 16
-    combined = torch.randn(32, n, D)
-    weights = torch.randn(n * (n - 1) // 2)
+    dense, sparse = torch.randn(32, D), torch.randn(32, n - 1, D)
     rows, cols = torch.triu_indices(n, n, offset=1)
+    weights = torch.randn(D + n * (n - 1) // 2)
     names = tuple(f"f{k}" for k in range(n - 1))
     for pairs in (rows * n + cols, _triangle_index(tuple(reversed(names)), names, torch.device("cpu"))):
-        got, want = combined.clone().requires_grad_(), combined.clone().requires_grad_()
+        got = [dense.clone().requires_grad_(), sparse.clone().requires_grad_()]
+        want = [dense.clone().requires_grad_(), sparse.clone().requires_grad_()]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = gram_pairs(got, pairs)
-            plain = torch.bmm(want, want.transpose(1, 2)).flatten(1).index_select(1, pairs)
-        assert type(out.grad_fn).__name__ == "_GramPairsBackward" and out.dtype == plain.dtype
+            out = dot_interaction(*got, pairs, gram_dtype)
+            if gram_dtype is None:
+                plain = _plain_interaction(*want, pairs)
+            else:
+                with torch.autocast("cpu", enabled=False):
+                    plain = _plain_interaction(want[0].to(gram_dtype), want[1].to(gram_dtype), pairs)
+        assert type(out.grad_fn).__name__ == "_DotInteractionBackward" and out.dtype == plain.dtype
         torch.testing.assert_close(out, plain, rtol=0, atol=0)  # the same GEMM forward
         (out.float() * weights).sum().backward()
         (plain.float() * weights).sum().backward()
-        assert got.grad.dtype == torch.float32
         # bf16: autograd adds two bf16 GEMMs' outputs in bf16, the one GEMM accumulates in fp32
-        tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
-        torch.testing.assert_close(got.grad, want.grad, **tolerance)
+        tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast and gram_dtype is None else {"rtol": 1e-5, "atol": 1e-5}
+        for g, w in zip(got, want, strict=True):
+            assert g.grad.dtype == w.grad.dtype == torch.float32
+            torch.testing.assert_close(g.grad, w.grad, **tolerance)
     with torch.no_grad():
-        assert gram_pairs(got, pairs).grad_fn is None
+        assert dot_interaction(*got, pairs, gram_dtype).grad_fn is None
 
 
 def test_docstring_examples_run():
