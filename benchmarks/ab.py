@@ -1,6 +1,6 @@
 """A/B of two commits on this machine: training samples/s and serving p99, interleaved rounds.
 
-    python benchmarks/ab.py --base de9f02e [--head HEAD] [--rounds 3]
+    python benchmarks/ab.py --base de9f02e [--head HEAD] [--rounds 3] [--parts train,infer]
 
 Each commit is checked out in a worktree of its own (under a temporary directory) and run by this
 venv's Python with that worktree first on its path, so both sides use the same packages. A round runs
@@ -58,10 +58,13 @@ def main() -> None:
         "and may serve another: a noisy host then decides the p99, not the change)"
     )
     ap.add_argument("--build", default=None, help=one_build)
+    ap.add_argument("--parts", default="train,infer", help="the commands each side runs a round: train, infer")
     opts = ap.parse_args()
     revs = {side: subprocess.check_output(["git", "rev-parse", "--short", rev], cwd=ROOT, text=True).strip()
             for side, rev in (("base", opts.base), ("head", opts.head))}  # fmt: skip
     infer_args = [*INFER, "--build", opts.build] if opts.build else INFER
+    parts = {p: {"train": TRAIN, "infer": infer_args}[p] for p in opts.parts.split(",")}
+    metrics = {"train": "samples_per_s", "infer": "latency_p99_ms"}
     figures: dict[str, dict[str, list[float]]] = {s: {"samples_per_s": [], "latency_p99_ms": []} for s in revs}
     canaries: dict[str, dict[str, list[float | None]]] = {s: {"train": [], "infer": []} for s in revs}
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -74,22 +77,20 @@ def main() -> None:
         try:
             for k in range(opts.rounds):
                 for side in ("base", "head") if k % 2 == 0 else ("head", "base"):
-                    train = _run(trees[side], TRAIN, tmp / f"m-{side}-{k}-train")
-                    infer = _run(trees[side], infer_args, tmp / f"m-{side}-{k}-infer")
-                    figures[side]["samples_per_s"].append(train["samples_per_s"])
-                    figures[side]["latency_p99_ms"].append(infer["latency_p99_ms"])
-                    canaries[side]["train"].append(train.get("canary_ratio"))
-                    canaries[side]["infer"].append(infer.get("canary_ratio"))
-                    print(
-                        f"round {k} {side} {revs[side]}: train {train['samples_per_s']:,.0f} samples/s, "
-                        f"infer p99 {infer['latency_p99_ms']:.2f} ms",
-                        flush=True,
-                    )
+                    done = {p: _run(trees[side], args, tmp / f"m-{side}-{k}-{p}") for p, args in parts.items()}
+                    for p, row in done.items():
+                        figures[side][metrics[p]].append(row[metrics[p]])
+                        canaries[side][p].append(row.get("canary_ratio"))
+                    said = {"train": lambda r: f"train {r['samples_per_s']:,.0f} samples/s",
+                            "infer": lambda r: f"infer p99 {r['latency_p99_ms']:.2f} ms"}  # fmt: skip
+                    line = ", ".join(said[p](r) for p, r in done.items())
+                    print(f"round {k} {side} {revs[side]}: {line}", flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     paired = {}
-    for metric, command in (("samples_per_s", "train"), ("latency_p99_ms", "infer")):
+    for command in parts:
+        metric = metrics[command]
         rounds = zip(figures["base"][metric], figures["head"][metric], canaries["base"][command],
                      canaries["head"][command], strict=True)  # fmt: skip
         kept = [head / base for base, head, cb, ch in rounds if not apart(cb, ch)]
@@ -100,12 +101,9 @@ def main() -> None:
             f"head / base, {command} {metric}: {ratio.median} [{ratio.ci_low}, {ratio.ci_high}] over {len(kept)} "
             f"rounds paired in time ({opts.rounds - len(kept)} left out: canaries over {CANARY_APART:.0%} apart)"
         )
-    ratios = {m: statistics.median(figures["head"][m]) / statistics.median(figures["base"][m])
-              for m in ("samples_per_s", "latency_p99_ms")}  # fmt: skip
-    print(
-        f"head / base (medians of each side, unpaired): train samples/s {ratios['samples_per_s']:.3f}, "
-        f"infer p99 {ratios['latency_p99_ms']:.3f}"
-    )
+    medians = {side: {m: statistics.median(v) for m, v in figures[side].items() if v} for side in revs}
+    ratios = {m: medians["head"][m] / medians["base"][m] for m in medians["head"]}
+    print("head / base (medians of each side, unpaired): " + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()))
     write_results(results_path("ab", opts.out),
                   header(base=revs["base"], head=revs["head"], train=TRAIN, infer=infer_args, figures=figures,
                          canaries=canaries, paired=paired, ratios=ratios))  # fmt: skip
