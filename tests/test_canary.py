@@ -185,22 +185,22 @@ def test_a_choice_stored_in_a_slow_minute_is_measured_again_not_kept(monkeypatch
     """A measured choice (build, precision, sharding) carries the machine's speed when it was measured; one stored in
     a slow phase, or at a speed far from now's, is measured again (one line says why); one without a canary (stored
     before choices carried one) or at today's speed is kept."""
-    from dlrm_lab.metrics import canary, roofline
+    from dlrm_lab.metrics import canary, measured
 
     monkeypatch.setattr(canary, "canary_now", lambda profile: 0.9)
     entry = {"batch_ms": {"aoti": {"1": 0.2}}, "measured_at": "2026-11-29T05:00:00+00:00"}
     profile = {"fingerprint_id": "abc", "build_rates": {"k": {**entry, "canary_ratio": 0.5}}}
     lines: list[str] = []
-    assert roofline.cached_choice(profile, "build_rates", "k", lines.append) is None
+    assert measured.cached_choice(profile, "build_rates", "k", lines.append) is None
     assert lines == ["build_rates.k: measured while the machine ran at 0.50 of its quiet speed (canary), now 0.90; "
                      "measuring again"]  # fmt: skip
     profile["build_rates"]["k"]["canary_ratio"] = 0.88
-    assert roofline.cached_choice(profile, "build_rates", "k") is profile["build_rates"]["k"]
+    assert measured.cached_choice(profile, "build_rates", "k") is profile["build_rates"]["k"]
     profile["build_rates"]["k"] = entry
-    assert roofline.cached_choice(profile, "build_rates", "k") is entry
+    assert measured.cached_choice(profile, "build_rates", "k") is entry
     saved = []
-    monkeypatch.setattr(roofline, "save_profile", lambda p: saved.append(p) or "here")
-    assert roofline.store_measured(profile, "build_rates", "k2", entry) == "here"
+    monkeypatch.setattr(measured, "save_profile", lambda p: saved.append(p) or "here")
+    assert measured.store_measured(profile, "build_rates", "k2", entry) == "here"
     assert saved[0]["build_rates"]["k2"]["canary_ratio"] == 0.9
 
 

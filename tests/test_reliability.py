@@ -121,7 +121,8 @@ def test_a_machine_profile_with_impossible_peaks_is_refused_naming_file_and_fiel
 
 
 def test_a_profile_directory_that_cannot_be_written_is_one_line_and_runs_go_on(tmp_path, monkeypatch):
-    from dlrm_lab.metrics.roofline import ProfileNotStored, save_profile, store_measured
+    from dlrm_lab.metrics.measured import store_measured
+    from dlrm_lab.metrics.roofline import ProfileNotStored, save_profile
 
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")

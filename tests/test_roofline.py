@@ -150,7 +150,7 @@ GOOD_BUILDS = {"batch_ms": {"eager": {"1": 0.7, "256": 3.1, "-2": 0.0}, "fused":
 )
 def test_a_damaged_cached_choice_is_discarded_with_one_line_and_replaced(tmp_path, monkeypatch, section, damage,
                                                                          field):  # fmt: skip
-    from dlrm_lab.metrics.roofline import cached_choice, store_measured
+    from dlrm_lab.metrics.measured import cached_choice, store_measured
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     save_profile({**fake_profile(), section: damage})
@@ -174,7 +174,7 @@ def test_a_measured_choice_is_read_where_complete_measured_where_not_and_stored_
 ):
     """One sequence for every measured choice (builds, precisions, allocators): read the profile's entry where it
     holds all it needs, else measure, then store it with its date or say why it was not stored."""
-    from dlrm_lab.metrics.roofline import measured_choice
+    from dlrm_lab.metrics.measured import measured_choice
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     save_profile(fake_profile())

@@ -218,10 +218,11 @@ def _rates(
     trial: Trial,
     log: Log | None,
 ) -> tuple[dict[str, dict[int, float]], str]:
-    from dlrm_lab.metrics.roofline import load_profile, measured_choice
+    from dlrm_lab.metrics.measured import measured_choice
+    from dlrm_lab.metrics.roofline import load_profile
 
     def read(cached: JsonObject) -> dict[str, dict[int, float]] | None:
-        stored = cast(dict[str, Any], cached["batch_ms"])  # a table of tables (`roofline.cached_problem` checked it)
+        stored = cast(dict[str, Any], cached["batch_ms"])  # a table of tables (`measured.cached_problem` checked it)
         if not all(a in stored for a in found):
             return None
         return {a: {int(n): v for n, v in stored[a].items()} for a in found}

@@ -390,7 +390,7 @@ CANARY_NAMES = (
 
 def canary_now(profile: JsonObject | None) -> float | None:
     """One speed-canary reading now against the profile's quiet canary (None without it): what a stored choice is
-    checked against (`metrics.roofline.cached_choice`)."""
+    checked against (`metrics.measured.cached_choice`)."""
     import torch
 
     quiet = quiet_of(profile, torch.get_num_threads())

@@ -195,13 +195,14 @@ def gemm_rates(
 ) -> tuple[dict[str, float], str, tuple[Shape, ...]]:
     """FLOP/s of the model's products in each precision, from this machine's profile (measured
     and stored there on first use); with where they came from, and the shapes."""
-    from dlrm_lab.metrics.roofline import load_profile, measured_choice
+    from dlrm_lab.metrics.measured import measured_choice
+    from dlrm_lab.metrics.roofline import load_profile
 
     shapes = tuple(model_gemm_shapes(spec, rows))
     profile = _ensure_profile(device, log) if probe else load_profile()
 
     def read(cached: JsonObject) -> dict[str, float] | None:
-        # a cached entry's flops_per_s is a table (`roofline.cached_problem` checked it)
+        # a cached entry's flops_per_s is a table (`measured.cached_problem` checked it)
         stored = cached["flops_per_s"]
         return dict(stored) if isinstance(stored, dict) and all(p in stored for p in precisions) else None
 

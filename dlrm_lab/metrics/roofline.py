@@ -20,15 +20,13 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from dlrm_lab.config.values import JsonObject, Log, section
+from dlrm_lab.config.values import JsonObject, section
 from dlrm_lab.errors import UserError
-from dlrm_lab.metrics import canary
 from dlrm_lab.metrics.columns import ROOFLINE_PLACED
 from dlrm_lab.metrics.hardware import MachineProfile, hardware_fingerprint
 from dlrm_lab.resources import read_bounded
@@ -110,7 +108,7 @@ def run_profile(manifest: JsonObject) -> JsonObject | None:
 _PEAK_FIELDS = ("memory_bytes_per_s", "gather_bytes_per_s")
 
 
-def _not_positive(where: str, value: Any) -> str | None:
+def not_positive(where: str, value: Any) -> str | None:
     """`where = value: rule` unless `value` is a finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
         return f"{where} = {value!r}: must be a number > 0"
@@ -121,7 +119,7 @@ def profile_problem(profile: JsonObject) -> str | None:
     """The first field of a profile's device peaks that is not a finite number > 0 (every floor,
     roof and precision choice divides by them), as `field = value: rule`; None when all are."""
 
-    bad = _not_positive
+    bad = not_positive
     devices = profile.get("devices")
     if not isinstance(devices, dict):
         return f"devices = {devices!r}: must be a table of devices"
@@ -146,110 +144,6 @@ def profile_problem(profile: JsonObject) -> str | None:
 # (metrics.precision), step times of sharding plans (train.sharding_trial), batch times of serving builds
 # (infer.build), batch times of the dense layers under each C allocator (infer.allocator).
 MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates", "allocator_rates")
-# What an entry of each holds: its table of measurements (keys per level: names, or batch sizes as whole numbers;
-# every leaf a number > 0), and the other tables it carries
-CACHED_TABLES: dict[str, tuple[str, tuple[type, ...], tuple[str, ...]]] = {
-    "precision_rates": ("flops_per_s", (str,), ()),
-    "sharding_trials": ("step_ms", (str,), ("skipped",)),
-    "build_rates": ("batch_ms", (str, int), ()),
-    "allocator_rates": ("batch_ms", (str, int), ()),
-}
-
-
-def cached_problem(section: str, key: str, entry: Any) -> str | None:
-    """What is wrong with an entry of a MEASURED_CHOICES section, as `field = value: rule`; None when nothing."""
-    name, levels, tables = CACHED_TABLES[section]
-    where = f"{section}.{key}"
-    if not isinstance(entry, dict):
-        return f"{where} = {entry!r:.80}: must be a table"
-    if not isinstance(entry.get("measured_at"), str):
-        return f"{where}.measured_at = {entry.get('measured_at')!r:.80}: must be the date it was measured"
-    for extra in tables:
-        if not isinstance(entry.get(extra), dict):
-            return f"{where}.{extra} = {entry.get(extra)!r:.80}: must be a table"
-
-    def walk(value: Any, at: str, depth: int, key: str = "") -> str | None:
-        if depth == len(levels):
-            if key.startswith("-"):  # a build's own figures beside its batch times (its spread): 0 is one
-                return None if _not_positive(at, value) is None or value == 0 else f"{at} = {value!r}: must be >= 0"
-            return _not_positive(at, value)
-        if not isinstance(value, dict) or not value:
-            return f"{at} = {value!r:.80}: must be a table"
-        for k, v in value.items():
-            if levels[depth] is int and not str(k).removeprefix("-").isdigit():
-                return f"{at}.{k}: must be a batch size (a whole number)"
-            if problem := walk(v, f"{at}.{k}", depth + 1, str(k)):
-                return problem
-        return None
-
-    return walk(entry.get(name), f"{where}.{name}", 0)
-
-
-def cached_choice(profile: JsonObject | None, section: str, key: str, log: Log | None = None) -> JsonObject | None:
-    """The entry `key` of a MEASURED_CHOICES section of `profile`: None where there is none, or where it is damaged
-    (a hand edit, a partial write: one warning line naming the file and the field; the caller measures again and
-    its new entry replaces the bad one)."""
-    if profile is None or profile.get(section) is None:
-        return None
-    table = profile[section]
-    if not isinstance(table, dict):
-        problem: str | None = f"{section} = {table!r:.80}: must be a table of measured entries"
-    elif (entry := table.get(key)) is None:
-        return None
-    elif (problem := cached_problem(section, key, entry)) is None:
-        if (slower := canary.measured_slower(profile, entry)) is None:
-            return entry
-        if log is not None:
-            log(f"{section}.{key}: {slower}; measuring again")
-        return None
-    if log is not None:
-        log(f"warning: {profile_path(str(profile['fingerprint_id']))}: {problem}; discarded, measuring again")
-    return None
-
-
-def store_measured(profile: JsonObject, table: str, key: str, entry: JsonObject) -> Path | str:
-    """Add one entry to a MEASURED_CHOICES section of `profile` and save it, with the machine's speed then (a
-    canary reading against quiet, `canary_ratio`: a choice made in a slow minute is measured again, not kept); where
-    it went (or, where the profile cannot be written, why not: the choice stands, it is only measured again next
-    time)."""
-    if (speed := canary.canary_now(profile)) is not None:
-        entry = {**entry, "canary_ratio": speed}
-    try:
-        return save_profile({**profile, table: {**section(profile, table), key: entry}})
-    except ProfileNotStored as exc:
-        return f"nowhere ({exc})"
-
-
-Figures = TypeVar("Figures")
-
-
-def measured_choice(
-    profile: JsonObject | None,
-    table: str,
-    key: str,
-    *,
-    read: Callable[[JsonObject], Figures | None],
-    measure: Callable[[], Figures],
-    entry: Callable[[Figures, JsonObject | None], JsonObject | str],
-    log: Log | None = None,
-) -> tuple[Figures, str]:
-    """The figures a measured choice rests on (a MEASURED_CHOICES section's `key`), with where they came from in one
-    clause: `read` from `profile`'s entry where it holds all it needs (`cached_choice` checked it), else `measure()`d
-    now and stored as `entry(figures, the entry found)` with the date (a string instead: not stored, and why)."""
-    cached = cached_choice(profile, table, key, log)
-    if profile is not None and cached is not None and (figures := read(cached)) is not None:
-        where = profile_path(str(profile["fingerprint_id"]))
-        return figures, f"cached in {where} (measured {cached['measured_at']})"
-    figures = measure()
-    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    source = f"measured now ({measured_at}) on this machine"
-    if profile is not None:
-        made = entry(figures, cached)
-        if isinstance(made, str):
-            source += f", not stored: {made}"
-        else:
-            source += f", stored in {store_measured(profile, table, key, {**made, 'measured_at': measured_at})}"
-    return figures, source
 
 
 def save_profile(profile: JsonObject | MachineProfile, keep_better: bool = False) -> Path:

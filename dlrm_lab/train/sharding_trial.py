@@ -176,7 +176,8 @@ def summarize_trials(trials: dict[str, Trial]) -> tuple[dict[str, float], dict[s
 def cached_trials(key: str, log: Log | None = None) -> tuple[JsonObject | None, str | None]:
     """The cached entry for `key` in this machine's profile (None where it is damaged: `log` hears why), and the
     profile's path."""
-    from dlrm_lab.metrics.roofline import cached_choice, load_profile, profile_path
+    from dlrm_lab.metrics.measured import cached_choice
+    from dlrm_lab.metrics.roofline import load_profile, profile_path
 
     profile = load_profile()
     if profile is None:
@@ -187,7 +188,8 @@ def cached_trials(key: str, log: Log | None = None) -> tuple[JsonObject | None, 
 
 def store_trials(key: str, step_ms: dict[str, float], skipped: dict[str, str]) -> str:
     """Cache the times in this machine's profile (when there is one); where they went."""
-    from dlrm_lab.metrics.roofline import load_profile, store_measured
+    from dlrm_lab.metrics.measured import store_measured
+    from dlrm_lab.metrics.roofline import load_profile
 
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     source = f"measured now ({measured_at}) on these ranks"
