@@ -451,3 +451,28 @@ def test_a_frozen_package_prepacks_its_dense_layers_and_lowers_int8_to_onednn_an
         with pytest.raises(Exported) as asked:
             make_build(model, build, precision="fp32", table_precision="fp32")
         assert asked.value.args[0]["frozen"] is frozen, build
+
+
+def test_a_batch_shapes_package_inputs_are_made_once_bounded_in_number_and_remade_when_the_buffers_grow(
+    served, monkeypatch
+):
+    """The package's inputs (views of the runner's buffers, and the tables) are made once a batch shape, not three
+    tensor slices a batch; a shape served again reuses them and scores the same; at most MAX_SHAPES are kept (a
+    ragged library's batches differ in ids); buffers grown for a larger batch are viewed afresh."""
+    from dlrm_lab.infer import batches
+
+    _, module, library, _ = served
+    runner = make_runner(module, library, torch.device("cpu"), "fp32")
+    runner.warm_up(8)  # buffers for 8 samples, so that the shapes below fit them
+    first = runner([QueryRef(0, 3, 10)])
+    (shape, inputs), *_ = [(k, v) for k, v in runner.inputs.items() if k[0] == 3]
+    runner([QueryRef(0, 5, 100)])
+    assert np.array_equal(runner([QueryRef(0, 3, 10)]), first) and runner.inputs[shape] is inputs
+    assert inputs[0].data_ptr() == runner.views[0].data_ptr() and inputs[3] is runner.tables
+    monkeypatch.setattr(batches, "MAX_SHAPES", 2)
+    for n in (1, 2, 4, 6):
+        runner([QueryRef(0, n, 50)])
+        assert len(runner.inputs) <= 2
+    grown = runner([QueryRef(0, 600, 0)])  # past the buffers: grown, every kept shape dropped with the old ones
+    assert all(v[0].data_ptr() == runner.views[0].data_ptr() for v in runner.inputs.values())
+    assert np.abs(grown[:3] - runner([QueryRef(0, 3, 0)])).max() <= 1e-6
