@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
@@ -218,14 +218,8 @@ def _rates(
     trial: Trial,
     log: Log | None,
 ) -> tuple[dict[str, dict[int, float]], str]:
-    from dlrm_lab.metrics.measured import measured_choice
+    from dlrm_lab.metrics.measured import batch_times, measured_choice, stored_batch_times
     from dlrm_lab.metrics.roofline import load_profile
-
-    def read(cached: JsonObject) -> dict[str, dict[int, float]] | None:
-        stored = cast(dict[str, Any], cached["batch_ms"])  # a table of tables (`measured.cached_problem` checked it)
-        if not all(a in stored for a in found):
-            return None
-        return {a: {int(n): v for n, v in stored[a].items()} for a in found}
 
     def measure() -> dict[str, dict[int, float]]:
         if log:
@@ -236,9 +230,9 @@ def _rates(
         load_profile(),
         "allocator_rates",
         _key(found, layers, dtype, threads, rows),
-        read=read,
+        read=batch_times(list(found)),
         measure=measure,
-        entry=lambda ms, _: {"batch_ms": {a: {str(n): v for n, v in per.items()} for a, per in ms.items()}},
+        entry=lambda ms, _: {"batch_ms": stored_batch_times(ms)},
         log=log,
     )
 

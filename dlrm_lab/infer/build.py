@@ -358,14 +358,8 @@ def _rates(
     log: Log | None = None,
 ) -> tuple[dict[str, dict[int, float]], str]:
     """Batch times of the builds `names`, from this machine's profile when measured before there."""
-    from dlrm_lab.metrics.measured import measured_choice
+    from dlrm_lab.metrics.measured import batch_times, measured_choice, stored_batch_times
     from dlrm_lab.metrics.roofline import load_profile
-
-    def read(cached: JsonObject) -> dict[str, dict[int, float]] | None:
-        stored = cast(dict[str, Any], cached["batch_ms"])  # a table of tables (`measured.cached_problem` checked it)
-        if not all(b in stored for b in names):
-            return None
-        return {b: {int(n): v for n, v in stored[b].items()} for b in names}
 
     def time_now() -> dict[str, dict[int, float]]:
         modules = builds.subset(names)  # made as the timing asks for them (compiling takes seconds)
@@ -381,9 +375,9 @@ def _rates(
             )
         # the builds measured before and not now stay beside the new ones
         earlier = cast(dict[str, Any], (cached or {}).get("batch_ms", {}))
-        merged = {**earlier, **{b: {str(n): v for n, v in per.items()} for b, per in rates.items()}}
-        return {"batch_ms": merged, "sizes": list(sizes)}
+        return {"batch_ms": {**earlier, **stored_batch_times(rates)}, "sizes": list(sizes)}
 
     # read from disk: a dynamic shape (`metrics.measured.cached_problem` checks the entry's)
     key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes)
+    read = batch_times(names)
     return measured_choice(load_profile(), "build_rates", key, read=read, measure=time_now, entry=entry, log=log)

@@ -9,10 +9,10 @@ warning line; measured again and replaced) or was measured at another speed than
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from dlrm_lab.config.values import JsonObject, Log, section
 from dlrm_lab.metrics import canary
@@ -122,3 +122,24 @@ def measured_choice(
         else:
             source += f", stored in {store_measured(profile, table, key, {**made, 'measured_at': measured_at})}"
     return figures, source
+
+
+BatchTimes = dict[str, dict[int, float]]  # ms a batch, by what was timed (a build, an allocator) and batch size
+
+
+def batch_times(names: Sequence[str]) -> Callable[[JsonObject], BatchTimes | None]:
+    """`measured_choice`'s `read` of a `batch_ms` entry (build and allocator rates): the batch times of every one of
+    `names`, None where one is missing."""
+
+    def read(cached: JsonObject) -> BatchTimes | None:
+        stored = cast(dict[str, Any], cached["batch_ms"])  # a table of tables (`cached_problem` checked it)
+        if not all(name in stored for name in names):
+            return None
+        return {name: {int(n): v for n, v in stored[name].items()} for name in names}
+
+    return read
+
+
+def stored_batch_times(times: BatchTimes) -> JsonObject:
+    """Batch times as an entry's `batch_ms` holds them (batch sizes as strings: JSON's keys)."""
+    return {name: {str(n): v for n, v in per.items()} for name, per in times.items()}
