@@ -24,6 +24,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from common import header, lab_run, results_path, write_results
 
+from dlrm_lab.infer.calibrate import knee_found
+
 SERVE = [
     "infer",
     "run",
@@ -53,7 +55,7 @@ def settled_at(probes: list[dict[str, object]], capacity: float, tolerance: floa
     (its probes being a prefix of a finer one's: the same rates in the same order)."""
     lo, hi = 0.0, capacity
     for p in probes:
-        if lo > 0 and (hi - lo) / hi <= tolerance:
+        if knee_found(lo, hi, tolerance):
             break
         qps = float(p["qps"])  # type: ignore[arg-type]
         lo, hi = (qps, hi) if p["passed"] else (lo, qps)

@@ -56,6 +56,12 @@ KNEE_TOLERANCE = 0.05
 SLA_FACTOR = 2.5  # --sla-ms auto: this multiple of the unloaded latency percentile
 
 
+def knee_found(passing: float, failing: float, tolerance: float = KNEE_TOLERANCE) -> bool:
+    """Whether the bisection's bracket (the highest passing rate, the lowest failing one) holds the knee to within
+    `tolerance` of its top: where `choose_load` stops probing."""
+    return passing > 0 and (failing - passing) / failing <= tolerance
+
+
 def capacity_qps(server: SystemUnderTest, stream: Stream, seconds: float, seed: int, drain_s: float = 30.0) -> float:
     """Completed queries/s of a closed loop with enough queries outstanding to keep every
     instance's batches full (no latency bound: the ceiling a bounded rate is sought under)."""
@@ -180,8 +186,8 @@ def choose_load(
     lo, hi = 0.0, capacity
     tried: list[LoadProbe] = []
     for k in range(probes):
-        if lo > 0 and (hi - lo) / hi <= KNEE_TOLERANCE:
-            break  # the knee is known to within the tolerance
+        if knee_found(lo, hi):
+            break
         qps = hi / 2 if lo == 0 else (lo + hi) / 2
         if qps <= 0:
             break

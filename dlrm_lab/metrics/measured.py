@@ -113,15 +113,21 @@ def measured_choice(
         where = profile_path(str(profile["fingerprint_id"]))
         return figures, f"cached in {where} (measured {cached['measured_at']})"
     figures = measure()
+    return figures, record_measured(profile, table, key, entry(figures, cached) if profile is not None else None)
+
+
+def record_measured(
+    profile: JsonObject | None, table: str, key: str, entry: JsonObject | str | None, on: str = "this machine"
+) -> str:
+    """Figures measured just now, stored as `entry` with the date under `key` of `profile`'s MEASURED_CHOICES section
+    `table` (`entry` a string: not stored, and why; no profile or no entry: nowhere); where they went, in one clause."""
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    source = f"measured now ({measured_at}) on this machine"
-    if profile is not None:
-        made = entry(figures, cached)
-        if isinstance(made, str):
-            source += f", not stored: {made}"
-        else:
-            source += f", stored in {store_measured(profile, table, key, {**made, 'measured_at': measured_at})}"
-    return figures, source
+    source = f"measured now ({measured_at}) on {on}"
+    if profile is None or entry is None:
+        return source
+    if isinstance(entry, str):
+        return f"{source}, not stored: {entry}"
+    return f"{source}, stored in {store_measured(profile, table, key, {**entry, 'measured_at': measured_at})}"
 
 
 BatchTimes = dict[str, dict[int, float]]  # ms a batch, by what was timed (a build, an allocator) and batch size

@@ -34,7 +34,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, cast
 
 import torch
@@ -188,16 +187,11 @@ def cached_trials(key: str, log: Log | None = None) -> tuple[JsonObject | None, 
 
 def store_trials(key: str, step_ms: dict[str, float], skipped: dict[str, str]) -> str:
     """Cache the times in this machine's profile (when there is one); where they went."""
-    from dlrm_lab.metrics.measured import store_measured
+    from dlrm_lab.metrics.measured import record_measured
     from dlrm_lab.metrics.roofline import load_profile
 
-    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    source = f"measured now ({measured_at}) on these ranks"
-    profile = load_profile()
-    if profile is not None:
-        entry: JsonObject = {"step_ms": step_ms, "skipped": skipped, "measured_at": measured_at}
-        source += f", stored in {store_measured(profile, 'sharding_trials', key, entry)}"
-    return source
+    entry: JsonObject = {"step_ms": step_ms, "skipped": skipped}
+    return record_measured(load_profile(), "sharding_trials", key, entry, on="these ranks")
 
 
 def choose_sharding(
