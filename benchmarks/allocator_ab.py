@@ -6,8 +6,10 @@ batch   kaggle (tables capped at 1M rows), one thread, the precision `auto` pick
         measures itself at start (1 and 256 samples alternated on its own weights, median of 7, three times), in a
         fresh process per allocator (its library first in LD_PRELOAD, `infer.allocator.preloaded`; the process
         checks its own mappings), the allocators interleaved over rounds: `fixed ms a batch + us a sample`, and each
-        against glibc's in the same round. Routes: aoti, aoti_frozen (as served) and buckets (one static package
-        per size, frozen and max-autotuned: `one_call.py`'s). Targets (AMX): <= 0.15 ms a batch, <= 1.5 us a sample.
+        against glibc's in the same round. Routes: aoti, aoti_frozen, aoti_tuned, by_size (as an instance of
+        `--build auto` serves when aoti_frozen is chosen: each of its finalists timed at every batch size it serves
+        and each size served by the fastest, `infer.finalists`) and buckets (one static package per size, frozen
+        and max-autotuned: `one_call.py`'s). Targets (AMX): <= 0.15 ms a batch, <= 1.5 us a sample.
 points  The low-load point (kaggle 100k rows, MLPerf sizes, 3 q/s, 1 x 1, `--duration` s, build auto) under
         `--allocator glibc` and each other installed one, interleaved: p99 over its floor (target <= 3x).
 
@@ -29,18 +31,21 @@ from common import header, results_path, write_results
 
 from dlrm_lab.infer import allocator
 
-ROUTES = ("aoti", "aoti_frozen", "buckets")
+ROUTES = ("aoti", "aoti_frozen", "aoti_tuned", "by_size", "buckets")
+FINALISTS = ("aoti_frozen", "aoti_tuned", "aoti")  # by_size: the build served first, then its finalists
 SIZES = (1, 256)
 
 
 def child(routes: list[str], bucket_dir: str) -> None:
     """One process's measurement of `routes` (printed as one JSON line), under whatever allocator it was started."""
     import copy
+    from types import SimpleNamespace
 
     import torch
     from one_call import Buckets, kaggle_setup
 
     from dlrm_lab.infer import build as builds
+    from dlrm_lab.infer.instance import _final_build
     from dlrm_lab.infer.serving_parts import make_runner
 
     torch.set_num_threads(1)
@@ -54,11 +59,19 @@ def child(routes: list[str], bucket_dir: str) -> None:
             bucketed.whole = copy.copy(aoti.whole)
             bucketed.whole.run = Buckets(fused, SIZES, Path(bucket_dir), aoti.whole.run, reuse=True).run
             modules[route] = bucketed
-        else:
+        elif route != "by_size":
             modules[route] = builds.make_build(model, route, precision=precision, table_precision="fp32")
     runners = {r: make_runner(m, library, torch.device("cpu"), precision) for r, m in modules.items()}
     for runner in runners.values():
         runner.warm_up(max(SIZES))
+    chosen: dict[str, Any] = {}
+    if "by_size" in routes:  # as an instance serves it: its finalists timed at each size, routed (`_final_build`)
+        made = {b: builds.make_build(model, b, precision=precision, table_precision="fp32") for b in FINALISTS}
+        plan = SimpleNamespace(build=FINALISTS[0], finalists=tuple((b, made[b].package) for b in FINALISTS[1:]),
+                               precision=precision, history_cache_mb=0)  # fmt: skip
+        _, runner, chosen = _final_build(plan, made[FINALISTS[0]], library, torch.device("cpu"), max(SIZES))
+        runners["by_size"] = runner
+        runners = {r: runners[r] for r in routes}  # the order asked: interleaved as given
     costs: dict[str, list[Any]] = {r: [] for r in runners}
     for _ in range(3):
         for route, runner in runners.items():
@@ -70,7 +83,8 @@ def child(routes: list[str], bucket_dir: str) -> None:
         }
         for r, cs in costs.items()
     }
-    print(json.dumps({"allocator": allocator.in_use(), "precision": precision, "routes": out}), flush=True)
+    got = {"allocator": allocator.in_use(), "precision": precision, "routes": out, "by_size": chosen}
+    print(json.dumps(got), flush=True)
 
 
 def batch_part(found: dict[str, str], rounds: int, routes: list[str]) -> dict[str, Any]:
@@ -93,6 +107,8 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str]) -> dict[st
                     f"{r} {v['per_batch_ms']:.3f} ms + {v['per_sample_us']:.2f} us" for r, v in got["routes"].items()
                 )
                 print(f"  round {k + 1} {name}: {said}", flush=True)
+                if got["by_size"]:
+                    print(f"    by_size served {got['by_size']['build']}: {got['by_size']['reason']}", flush=True)
     summary: dict[str, Any] = {}
     for name, runs in rows.items():
         for route in routes:

@@ -279,36 +279,78 @@ def test_batch_memory_auto_keeps_memory_only_where_the_largest_batch_is_faster_b
 
 
 def test_an_instance_serves_the_fastest_of_its_finalists_by_the_builds_margin(monkeypatch):
-    """`infer.finalists.choose`: each finalist's largest batch timed in turn after an untimed one each; the simplest
-    kept unless a later build is 5% faster, as the serving process's rule; nothing timed without a runner-up."""
+    """`infer.finalists.choose`: each finalist timed in turn at each size after an untimed batch each; at each size
+    the simplest kept unless a later build is 5% faster, as the serving process's rule; the build served is the
+    largest size's, the sizes another won named (`by_size`); nothing timed without a runner-up."""
     from types import SimpleNamespace
 
     from dlrm_lab.infer import finalists
 
+    assert finalists.sizes_to_time(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert finalists.sizes_to_time(200) == [1, 2, 4, 8, 16, 32, 64, 128, 200]
+    assert finalists.sizes_to_time(1) == [1]
     for frozen_ms, chosen in ((90.0, "aoti_frozen"), (97.0, "aoti")):
         clock, calls = [0.0], []
         monkeypatch.setattr(finalists, "time", SimpleNamespace(perf_counter=lambda clock=clock: clock[0]))
 
-        def batch(build, ms, clock=clock, calls=calls):
-            calls.append(build)
+        def batch(build, ms, n, clock=clock, calls=calls):
+            calls.append((build, n))
             clock[0] += ms / 1e3
 
-        batches = {"aoti_frozen": lambda ms=frozen_ms: batch("aoti_frozen", ms), "aoti": lambda: batch("aoti", 100.0)}
-        choice = finalists.choose("aoti_frozen", batches, 4096)
-        assert calls == ["aoti_frozen", "aoti"] * 4  # in turn: a phase of the host slows both alike
-        assert choice["build"] == chosen and choice["samples"] == 4096
+        batches = {"aoti_frozen": lambda n, ms=frozen_ms: batch("aoti_frozen", ms, n),
+                   "aoti": lambda n: batch("aoti", 100.0, n)}  # fmt: skip
+        choice = finalists.choose("aoti_frozen", batches, [4096])
+        assert calls == [("aoti_frozen", 4096), ("aoti", 4096)] * 4  # in turn: a phase of the host slows both alike
+        assert choice["build"] == chosen and choice["samples"] == 4096 and choice["by_size"] == {}
         assert choice["ms"] == pytest.approx({"aoti": 100.0, "aoti_frozen": frozen_ms})
         verdict = "as the serving process chose" if chosen == "aoti_frozen" else "not aoti_frozen, which"
         assert choice["reason"].startswith(f"{chosen} in this process, {verdict}"), choice["reason"]
-    alone = finalists.choose("aoti", {"aoti": lambda: pytest.fail("timed")}, 4096)
+    # by size: aoti_tuned (a later build) 0.6x at a few samples, 1.3x at the largest
+    clock = [0.0]
+    monkeypatch.setattr(finalists, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cost = {"aoti_frozen": lambda n: 0.5 + 0.002 * n, "aoti_tuned": lambda n: 0.3 + 0.004 * n}
+
+    def timed(build, n):
+        clock[0] += cost[build](n) / 1e3
+
+    by = finalists.choose("aoti_frozen", {b: lambda n, b=b: timed(b, n) for b in cost}, [1, 8, 64, 256])
+    assert by["build"] == "aoti_frozen" and by["samples"] == 256
+    assert by["by_size"] == {1: "aoti_tuned", 8: "aoti_tuned", 64: "aoti_tuned"}  # 64: 0.556 against 0.628 ms
+    assert by["ms"] == pytest.approx({"aoti_frozen": 1.012, "aoti_tuned": 1.324})
+    assert "; up to 1 samples aoti_tuned (0.304 against 0.502 ms), 8 samples aoti_tuned" in by["reason"]
+    alone = finalists.choose("aoti", {"aoti": lambda n: pytest.fail("timed")}, [4096])
     assert alone == {"build": "aoti", "reason": "no finalist: served as the serving process chose", "samples": None,
-                     "ms": {}}  # fmt: skip
+                     "ms": {}, "by_size": {}}  # fmt: skip
+
+
+def test_a_packaged_runner_serves_each_batch_size_by_the_package_routed_to_it(served):
+    """`PackagedRunner.route`: a batch goes to the run of the smallest routed size that holds it (padded sizes and
+    batches of a query's own samples alike), one beyond the largest routed size to the runner's own package; one
+    run a batch, its scores as the runner's own."""
+    _, module, library, _ = served
+    runner = make_runner(module, library, torch.device("cpu"), "fp32")
+    expected = runner([QueryRef(0, 5, 0)])
+    called: list[tuple[str, int]] = []
+
+    def via(name, run):
+        return lambda inputs: called.append((name, inputs[0].shape[0])) or run(inputs)
+
+    own = runner.native
+    runner.native = via("own", own)
+    runner.route({1: via("one", own), 8: via("eight", own)})
+    np.testing.assert_array_equal(runner([QueryRef(0, 5, 0)]), expected)
+    for n in (1, 8, 9, 64):
+        runner([QueryRef(0, n, 0)])
+    assert called == [("eight", 5), ("one", 1), ("eight", 8), ("own", 9), ("own", 64)]
+    payload = PackedLibrary.from_columns(*library.columns(0, 3))
+    np.testing.assert_array_equal(runner([QueryRef(0, 3, 0, payload)]), expected[:3])
+    assert called[-1] == ("eight", 3)
 
 
 def test_finalists_are_the_close_runners_up_served_from_one_file_and_only_those_are_made():
-    """`finalists_of`: within 1.25x of the choice (summed batch times), a file each (None: not), the choice a file
-    too; the artefact is asked only of builds close enough (asking may make the build); nothing for a choice that
-    was not timed."""
+    """`finalists_of`: within 1.25x of the choice (summed batch times) or 5% faster at one size timed, a file each
+    (None: not), the choice a file too; the artefact is asked only of builds close enough (asking may make the
+    build); nothing for a choice that was not timed."""
     from dlrm_lab.infer.finalists import finalists_of
 
     asked: list[str] = []
@@ -323,6 +365,14 @@ def test_finalists_are_the_close_runners_up_served_from_one_file_and_only_those_
     assert finalists_of("fused", total, artefact) == {}  # the choice is no file to switch from
     assert finalists_of("aoti", {"aoti": 1.0, "eager": 2.0}, artefact) == {}  # nothing close
     assert finalists_of("compiled", total, artefact) == {}  # not among the timed
+    # beyond 1.25x in all, but 5% faster at one size timed: a finalist (an instance may serve it at that size)
+    per_size = {"aoti_frozen": {1: 0.5, 256: 0.5}, "aoti_tuned": {1: 0.3, 256: 1.0}, "aoti": {1: 0.49, 256: 0.71}}
+    assert finalists_of("aoti_frozen", total, artefact, per_size) == {
+        "aoti": "/aoti.pt2",
+        "aoti_tuned": "/aoti_tuned.pt2",
+    }
+    per_size["aoti_tuned"][1] = 0.48  # faster by less than the margin
+    assert finalists_of("aoti_frozen", total, artefact, per_size) == {"aoti": "/aoti.pt2"}
 
 
 def test_a_finalist_package_serves_from_the_instances_own_tables(served):
@@ -340,6 +390,32 @@ def test_a_finalist_package_serves_from_the_instances_own_tables(served):
         assert build_named(name).artefact(module) is None
         with pytest.raises(NotImplementedError, match=f"{name} is not served from one file"):
             build_named(name).from_artefact(module, module.package)
+
+
+def test_an_instance_routes_the_sizes_another_finalist_won_to_its_package(served, monkeypatch):
+    """`instance._final_build`: package runners are timed at every size the instance serves (`sizes_to_time`), and
+    the sizes another finalist won go to that finalist's package within the runner served."""
+    from types import SimpleNamespace
+
+    from dlrm_lab.infer import finalists, instance
+
+    _, module, library, _ = served
+    asked: list[list[int]] = []
+
+    def choose(served_build, batches, sizes):
+        asked.append(list(sizes))
+        return finalists.FinalChoice(build="aoti", reason="", samples=64, ms={}, by_size={1: "aoti_frozen"})
+
+    monkeypatch.setattr(finalists, "choose", choose)
+    plan = SimpleNamespace(build="aoti", finalists=(("aoti_frozen", module.package),), precision="fp32",
+                           history_cache_mb=0)  # fmt: skip
+    served_module, runner, chosen = instance._final_build(plan, module, library, torch.device("cpu"), 64)
+    assert asked == [[1, 2, 4, 8, 16, 32, 64]] and served_module is module and chosen["by_size"] == {1: "aoti_frozen"}
+    assert runner.limits == [1, 2, 4, 8, 16, 32, 64]
+    assert runner.runs[0] is not runner.native and all(run is runner.native for run in runner.runs[1:])
+    np.testing.assert_array_equal(
+        runner([QueryRef(0, 1, 0)]), make_runner(module, library, torch.device("cpu"), "fp32")([QueryRef(0, 1, 0)])
+    )
 
 
 def test_an_instance_times_its_finalists_where_it_serves_and_the_server_serves_what_it_chose(served):

@@ -7,9 +7,10 @@ builds and the instance process that use them.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,15 +219,32 @@ class PackagedRunner(_BucketedRunner):
     Library queries are gathered straight into the runner's own buffers (dense rows, int32 ids, int32 bag offsets,
     grown to the largest batch seen, padded in place to the bucket), then the package's C++ runner is called once
     with views of them: the Python a batch costs does not grow with its samples, queries or tables. Queries that
-    carry their own samples are gathered as `FusedRunner` does. The stages are not told apart (one call)."""
+    carry their own samples are gathered as `FusedRunner` does. The stages are not told apart (one call).
+    Another package with the same inputs may serve some batch sizes (`route`)."""
 
     def __init__(self, model: Any, library: PackedLibrary, device: torch.device) -> None:
         self.model, self.library, self.device = model, library, device
         self.features = library.lengths.shape[0]
         self.pad = model.precision != "fp32"
         self.native, self.tables = model.whole.run, model.whole.tables
+        self.limits: list[int] = []  # batch sizes routed (`route`), ascending, and the package run up to each
+        self.runs: list[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = []
+        self.native_at: dict[int, Callable[[list[torch.Tensor]], list[torch.Tensor]]] = {}
         self.most_ids_per_sample = int(library.lengths.max(initial=0)) * self.features  # the buffers' bound
         self._grow(1, 1)
+
+    def route(self, runs: Mapping[int, Callable[[list[torch.Tensor]], list[torch.Tensor]]]) -> None:
+        """Serve each batch by the package run chosen for its size (`infer.finalists`): `runs` maps batch sizes to
+        package runs taking this runner's inputs; a batch goes to the run of the smallest size that holds it, one
+        beyond the largest to this runner's own."""
+        self.limits, self.runs = sorted(runs), [runs[n] for n in sorted(runs)]
+        self.native_at = {}
+
+    def _native(self, size: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        if (run := self.native_at.get(size)) is None:
+            at = bisect.bisect_left(self.limits, size)
+            run = self.native_at[size] = self.runs[at] if at < len(self.runs) else self.native
+        return run
 
     def _grow(self, samples: int, ids: int) -> None:
         self.dense = np.zeros((samples, self.library.dense.shape[1]), dtype=np.float32)
@@ -254,7 +272,7 @@ class PackagedRunner(_BucketedRunner):
             n = dense.shape[0]
             if self.pad:
                 dense, ids, offsets = pad_kernel_batch(dense, ids, offsets, self.features, bucket(n))
-            inputs = [dense, ids, offsets, self.tables]
+            inputs, size = [dense, ids, offsets, self.tables], dense.shape[0]
         else:
             sizes, starts = query_ranges(refs)
             n = int(sizes.sum())
@@ -272,7 +290,7 @@ class PackagedRunner(_BucketedRunner):
             inputs = self._inputs(size, m)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            scores = self.native(inputs)[0]
+            scores = (self._native(size) if self.limits else self.native)(inputs)[0]
         self.stages = (_ms(t1 - t0), None, None, None)
         return scores.numpy()[:n]
 

@@ -243,7 +243,8 @@ def choose_build(
         skipped[b] = f"failed its accuracy check ({accuracy.rule}): {accuracy.to_dict()}"
         if log:
             log(f"build {b}: failed its accuracy check ({accuracy.rule}); not served")
-    finalists = _finalists(best, total, modules, skipped, checked)
+    timed = {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}
+    finalists = _finalists(best, total, timed, modules, skipped, checked)
     failed = [b for b in ordered if b in skipped and b != best]
     reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")
     # a later build within the margin of it, or faster by less: the simpler kept, and said so (not "the fastest")
@@ -275,18 +276,20 @@ def choose_build(
 def _finalists(
     best: str,
     total: Mapping[str, float],
+    timed: Mapping[str, Mapping[int, float]],
     modules: BuildSet,
     skipped: dict[str, str],
     checked: Callable[[str], AccuracyCheck],
 ) -> dict[str, str]:
-    """The runners-up of `best` its instances time again (`infer.finalists`): close to it, made from the same base
-    build (the same tables), each a file an instance loads, and each passing its own accuracy check (`checked`)."""
+    """The runners-up of `best` its instances time again (`infer.finalists`): close to it or faster at a size timed
+    (`timed`: build -> size -> ms), made from the same base build (the same tables), each a file an instance loads,
+    and each passing its own accuracy check (`checked`)."""
     base = build_named(best).base
 
     def artefact(b: str) -> str | None:
         return build_named(b).artefact(modules[b]) if build_named(b).base == base else None
 
-    finalists = finalists_of(best, {b: t for b, t in total.items() if b not in skipped}, artefact)
+    finalists = finalists_of(best, {b: t for b, t in total.items() if b not in skipped}, artefact, timed)
     for b in list(finalists):
         if not (check := checked(b)).passed:
             skipped[b] = f"failed its accuracy check ({check.rule}): {check.to_dict()}"

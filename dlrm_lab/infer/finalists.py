@@ -4,17 +4,23 @@
 some builds' speed is drawn per process: the same `aoti_frozen` package of DLRMv2, at one thread and 4,096 samples,
 ran at 187-233 ms in some processes and 258-323 in others, while `aoti` held 187-241 in every one (BENCHMARKS.md,
 2026-11-29). A choice timed in one process and served in others then served the slow draw. So the serving process
-hands its instances the choice and every runner-up within `SPREAD` of it that serves from the same tables (the
-package builds: each a file an instance loads beside the tables it maps), and each instance times them at its
-largest batch, in turn, and serves the fastest by the builds' own rule (`infer.builds.MARGIN`): measured where it
-is served.
+hands its instances the choice and every runner-up within `SPREAD` of it, or faster than it at one of the sizes
+timed, that serves from the same tables (the package builds: each a file an instance loads beside the tables it
+maps), and each instance times them in turn at the batch sizes it serves (`sizes_to_time`) and serves the fastest
+by the builds' own rule (`infer.builds.MARGIN`): measured where it is served.
+
+The packages take the same inputs, so an instance may serve each batch size by another: `max_autotune`'s
+templates (`aoti_tuned`) cost least at a few samples and oneDNN's prepacked kernels (`aoti_frozen`) at hundreds
+(kaggle bf16, AMX, one thread: 0.33 against 0.53 ms at one sample; BENCHMARKS.md, 2026-11-30). Where the fastest
+differs by size the runner calls, for each batch, the package chosen at the smallest size timed that holds it
+(`by_size`): still one native call a batch.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypedDict
 
 from dlrm_lab.infer.builds import MARGIN, builds, simplest_fast
@@ -26,19 +32,37 @@ ROUNDS = 3  # timed rounds (each finalist once, in turn) after one untimed batch
 class FinalChoice(TypedDict):
     """What an instance serves of its finalists, why, and each one's median ms at its largest batch."""
 
-    build: str
+    build: str  # served at the largest batch (and at every size `by_size` does not name)
     reason: str
-    samples: int | None  # the batch timed; None where there was nothing to choose
-    ms: dict[str, float]
+    samples: int | None  # the largest batch timed; None where there was nothing to choose
+    ms: dict[str, float]  # at the largest batch
+    by_size: dict[int, str]  # batch sizes timed -> the build served up to that size, where not `build`
 
 
-def finalists_of(best: str, total: Mapping[str, float], artefact: Callable[[str], str | None]) -> dict[str, str]:
+def sizes_to_time(largest: int) -> list[int]:
+    """The batch sizes an instance times its finalists at: the powers of two below its largest batch, and it."""
+    return sorted({1 << k for k in range(max(1, largest).bit_length()) if 1 << k < largest} | {max(1, largest)})
+
+
+def finalists_of(
+    best: str,
+    total: Mapping[str, float],
+    artefact: Callable[[str], str | None],
+    per_size: Mapping[str, Mapping[int, float]] | None = None,
+) -> dict[str, str]:
     """The runners-up of `best` an instance can switch to, and their artefacts: builds within `SPREAD` of its summed
-    batch time (`total`: the builds timed and kept) served from one file (`artefact(build)`, asked only of those
-    close enough: it may make the build; None where there is no such file), where `best` is served from one too."""
+    batch time (`total`: the builds timed and kept), or faster than it by `MARGIN` at one size timed (`per_size`:
+    build -> size -> ms), served from one file (`artefact(build)`, asked only of those close enough: it may make the
+    build; None where there is no such file), where `best` is served from one too."""
     if best not in total:
         return {}
-    close = [b for b in total if b != best and total[b] <= SPREAD * total[best]]
+    per_size = per_size or {}
+    mine = per_size.get(best, {})
+
+    def faster_somewhere(b: str) -> bool:
+        return any(n in mine and ms * MARGIN <= mine[n] for n, ms in per_size.get(b, {}).items())
+
+    close = [b for b in total if b != best and (total[b] <= SPREAD * total[best] or faster_somewhere(b))]
     if not close or artefact(best) is None:
         return {}
     found = {b: artefact(b) for b in close}
@@ -46,34 +70,48 @@ def finalists_of(best: str, total: Mapping[str, float], artefact: Callable[[str]
 
 
 def unchosen(served: str) -> FinalChoice:
-    return FinalChoice(build=served, reason="no finalist: served as the serving process chose", samples=None, ms={})
+    return FinalChoice(
+        build=served, reason="no finalist: served as the serving process chose", samples=None, ms={}, by_size={}
+    )
 
 
 def choose(
-    served: str, batches: Mapping[str, Callable[[], object]], samples: int, clock: Callable[[], float] | None = None
+    served: str,
+    batches: Mapping[str, Callable[[int], object]],
+    sizes: Sequence[int],
+    clock: Callable[[], float] | None = None,
 ) -> FinalChoice:
-    """Time `batches` (build -> one batch of `samples` in that build; `served` among them) in turn, `ROUNDS` times
-    after one untimed batch each, and keep the simplest unless a later build is faster by `MARGIN`, as
-    `infer.build.choose_build` does in the serving process."""
+    """Time `batches` (build -> one batch of n samples in that build; `served` among them) at each of `sizes`, the
+    builds in turn at each size, `ROUNDS` times after one untimed batch each, and keep at each size the simplest
+    unless a later build is faster by `MARGIN`, as `infer.build.choose_build` does in the serving process. The
+    build served is the one kept at the largest size; `by_size` names the sizes where another was kept."""
     if len(batches) < 2:
         return unchosen(served)
     clock = clock or time.perf_counter
-    for batch in batches.values():
-        batch()
-    times: dict[str, list[float]] = {b: [] for b in batches}
+    sizes = sorted(set(sizes))
+    for n in sizes:
+        for batch in batches.values():
+            batch(n)
+    times: dict[int, dict[str, list[float]]] = {n: {b: [] for b in batches} for n in sizes}
     for _ in range(ROUNDS):
-        for b, batch in batches.items():
-            start = clock()
-            batch()
-            times[b].append((clock() - start) * 1e3)
-    ms = {b: statistics.median(v) for b, v in times.items()}
-    best = simplest_fast(ms)
-    said = ", ".join(f"{b} {ms[b]:.2f} ms" for b in builds() if b in ms)
+        for n in sizes:
+            for b, batch in batches.items():
+                start = clock()
+                batch(n)
+                times[n][b].append((clock() - start) * 1e3)
+    ms = {n: {b: statistics.median(v) for b, v in at.items()} for n, at in times.items()}
+    kept = {n: simplest_fast(at) for n, at in ms.items()}
+    largest = sizes[-1]
+    best = kept[largest]
+    by_size = {n: b for n, b in kept.items() if b != best}
+    said = ", ".join(f"{b} {ms[largest][b]:.2f} ms" for b in builds() if b in ms[largest])
     verdict = "as the serving process chose" if best == served else f"not {served}, which the serving process chose"
-    return FinalChoice(
-        build=best,
-        reason=f"{best} in this process, {verdict} (a {samples:,}-sample batch: {said}; a later build kept only "
-        f"where {MARGIN:g}x faster)",
-        samples=samples,
-        ms=ms,
+    reason = (
+        f"{best} in this process, {verdict} (a {largest:,}-sample batch: {said}; a later build kept only "
+        f"where {MARGIN:g}x faster)"
     )
+    if by_size:
+        reason += "; up to " + ", ".join(
+            f"{n:,} samples {b} ({ms[n][b]:.3f} against {ms[n][best]:.3f} ms)" for n, b in sorted(by_size.items())
+        )
+    return FinalChoice(build=best, reason=reason, samples=largest, ms=ms[largest], by_size=by_size)

@@ -41,7 +41,7 @@ from dlrm_lab.config.family import family_of, spec_from_dict
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.errors import end_with_parent
 from dlrm_lab.infer import allocator, batch_memory, finalists
-from dlrm_lab.infer.batches import QueryRef
+from dlrm_lab.infer.batches import PackagedRunner, QueryRef
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import LoadedSamples
 from dlrm_lab.infer.serving_parts import make_runner, serving_of
@@ -244,16 +244,26 @@ def _final_build(
     plan: InstancePlan, model: torch.nn.Module, library: LoadedSamples, device: torch.device, largest: int
 ) -> tuple[torch.nn.Module, Any, finalists.FinalChoice]:
     """The module and runner this instance serves, warmed up to its `largest` batch: the plan's build, or the
-    fastest here of it and its finalists (`infer.finalists`); the others are dropped."""
+    fastest here of it and its finalists (`infer.finalists`), at each batch size where the runners can take each
+    other's packages (the others' modules are kept only for the sizes they serve)."""
     modules = {plan.build: model}
     for name, artefact in plan.finalists:
         modules[name] = build_named(name).from_artefact(model, artefact)
     runners = {b: make_runner(m, library, device, plan.precision, plan.history_cache_mb) for b, m in modules.items()}
     for runner in runners.values():
         runner.warm_up(largest)
-    largest_batch = [QueryRef(-1, largest, 0)]
-    chosen = finalists.choose(plan.build, {b: partial(r, largest_batch) for b, r in runners.items()}, largest)
-    return modules[chosen["build"]], runners[chosen["build"]], chosen
+    # package runners take each other's packages by batch size; others are chosen at the largest batch alone
+    packaged = {b: r for b, r in runners.items() if isinstance(r, PackagedRunner)}
+    sizes = finalists.sizes_to_time(largest) if len(packaged) == len(runners) else [largest]
+    chosen = finalists.choose(plan.build, {b: partial(_one_batch, r) for b, r in runners.items()}, sizes)
+    runner = runners[chosen["build"]]
+    if chosen["by_size"] and isinstance(runner, PackagedRunner):
+        runner.route({n: packaged[chosen["by_size"].get(n, chosen["build"])].native for n in sizes})
+    return modules[chosen["build"]], runner, chosen
+
+
+def _one_batch(runner: Any, samples: int) -> None:
+    runner([QueryRef(-1, samples, 0)])
 
 
 class IdleHold:
