@@ -236,12 +236,18 @@ def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario, monkeypa
     from dlrm_lab.metrics.columns import schema_of
     from dlrm_lab.metrics.run import Run
 
-    # the number of queries in each report to LoadGen (one QuerySamplesComplete, here or in LoadGen's process)
-    reports = []
+    # the number of queries in each report to LoadGen (one QuerySamplesComplete, here or in LoadGen's process), and
+    # how many queries had no row yet when it was made: LoadGen hears before the rows are built (its clock runs on)
+    reports, unrecorded = [], []
     issuer = LoadGenDriver._issuer
 
     def counted(driver, respond):
-        return issuer(driver, lambda tags: (reports.append(len(tags)), respond(tags)))
+        def told(tags):
+            reports.append(len(tags))
+            unrecorded.append(server.records._outstanding)
+            respond(tags)
+
+        return issuer(driver, told)
 
     monkeypatch.setattr(LoadGenDriver, "_issuer", counted)
     cfg = InferConfig(scenario=scenario, duration_s=0.5, sla_ms=50)
@@ -257,6 +263,7 @@ def test_loadgen_scenarios_drive_the_server(server, tmp_path, scenario, monkeypa
     if scenario != "multi-stream":  # LoadGen reports no rate for multi-stream
         assert row["loadgen_queries_per_s"] > 0
     assert sum(reports) == row["completed_queries"]  # every query reported to LoadGen once
+    assert all(n >= k for n, k in zip(unrecorded, reports, strict=True)), (unrecorded, reports)
     if scenario == "offline":  # every query issued at once, then served in full batches, each reported at once
         assert row["batch_samples_mean"] > 16 and len(reports) < sum(reports) / 4
     if scenario == "single-stream":  # one query at a time: never batched with another

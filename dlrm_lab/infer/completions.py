@@ -121,6 +121,40 @@ class QueryRecords:
         now: int,
         error: str | None = None,
         scores: np.ndarray | None = None,
+        batch_samples: int | None = None,
+        instance: int | None = None,
+        **batch: Any,
+    ) -> None:
+        """A finished query told to its driver, then recorded (the batch fields are those of its last piece)."""
+        self.tell(q, status, error=error, scores=scores, batch_samples=batch_samples, instance=instance)
+        self.record(q, status, now=now, error=error, batch_samples=batch_samples, instance=instance, **batch)
+
+    def tell(
+        self,
+        q: Query,
+        status: str,
+        *,
+        error: str | None = None,
+        scores: np.ndarray | None = None,
+        batch_samples: int | None = None,
+        instance: int | None = None,
+    ) -> None:
+        """A finished query's driver told (`on_done`), before its row is built: a driver's clock (MLPerf LoadGen's)
+        runs until it hears, and the rows of a batch's queries cost tens of us each (`record`)."""
+        q.status, q.error, q.batch_samples, q.instance = status, error, batch_samples, instance  # the gRPC answer's
+        if q.on_done is not None:
+            try:
+                q.on_done(q, status, scores)
+            except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
+                self.callback_failed(exc)
+
+    def record(
+        self,
+        q: Query,
+        status: str,
+        *,
+        now: int,
+        error: str | None = None,
         batch_id: int | None = None,
         batch_samples: int | None = None,
         batch_queries: int | None = None,
@@ -131,9 +165,7 @@ class QueryRecords:
         batch_stages: tuple[float | None, ...] | None = None,
         batch_completion_ms: float | None = None,
     ) -> None:
-        """Record a finished query (the batch fields are those of its last piece)."""
-        # for on_done (the gRPC response carries them)
-        q.status, q.error, q.batch_samples, q.instance = status, error, batch_samples, instance
+        """A told query's row (`tell` first); the last one's wakes whoever waits for every query to finish."""
         e = self.epoch_ns
         start_ns = q.first_start_ns
         served = self.models[q.model]
@@ -167,11 +199,6 @@ class QueryRecords:
         )
         with self._lock:
             self._records.append(record)
-        if q.on_done is not None:
-            try:
-                q.on_done(q, status, scores)
-            except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
-                self.callback_failed(exc)
         with self._idle:
             self._outstanding -= 1
             if self._outstanding == 0:
@@ -240,6 +267,7 @@ class BatchCompletions:
                 except RuntimeError:
                     self.records.wake()
                 continue
+            told: list[tuple[Query, int, _BatchFields]] = []  # recorded once every driver heard
             with finishing_together(self.records.callback_failed):  # the batches that arrived together, together
                 for conn in ready:
                     try:
@@ -252,13 +280,25 @@ class BatchCompletions:
                     elif isinstance(msg, tuple) and msg[0] == TRACE:
                         self.instances.traced(msg[1], msg[2])
                     else:
-                        self.complete(msg)
+                        told.extend(self.answer(msg))
+            self.record(told)
 
     def complete(self, msg: BatchResult) -> None:
+        """A batch's answer into its queries, each finished one told to its driver and recorded."""
+        self.record(self.answer(msg))
+
+    def record(self, told: list[tuple[Query, int, _BatchFields]]) -> None:
+        for q, now, batch in told:
+            self.records.record(q, q.status, now=now, error=q.error, **batch)
+
+    def answer(self, msg: BatchResult) -> list[tuple[Query, int, _BatchFields]]:
+        """A batch's answer into its queries, each finished one told to its driver (`QueryRecords.tell`); returns
+        those queries, with the time and batch fields their rows take, for `record` once the batches that arrived
+        together were told: their rows cost tens of us a query, which a driver's clock would count."""
         now = time.monotonic_ns()
         entry = self.in_flight.pop(msg.batch_id, None)
         if entry is None:  # failed already, with the instance that died holding it
-            return
+            return []
         name, pieces, _ = entry
         pool = self.pools[name]
         samples = sum(hi - lo for _, lo, hi in pieces)
@@ -320,4 +360,5 @@ class BatchCompletions:
         if self.batch_observer is not None:
             self.batch_observer(name, samples)
         for q in finished:
-            self.records.finish(q, q.status, now=now, error=q.error, scores=q.scores, **batch)
+            self.records.tell(q, q.status, error=q.error, scores=q.scores, batch_samples=samples, instance=msg.instance)
+        return [(q, now, batch) for q in finished]
