@@ -14,7 +14,7 @@ import torch
 
 import dlrm_lab
 from dlrm_lab.infer import accuracy
-from dlrm_lab.infer.batches import PackagedRunner, QueryRef
+from dlrm_lab.infer.batches import PackagedRunner, QueryRef, bucket
 from dlrm_lab.infer.build import make_build
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.builds.aoti import table_weights
@@ -118,6 +118,29 @@ def test_a_batch_is_one_native_call_and_its_python_does_not_grow_with_samples_or
     assert one[1] == many_samples[1] == two_queries[1] == many_queries[1] == 1  # the package, once a batch
     assert one[0] == many_samples[0] and two_queries[0] == many_queries[0], (one, many_samples, many_queries)
     assert many_queries[0] <= 40  # the runner, the gather and numpy's Python wrappers: a constant, whatever the batch
+
+
+def test_one_query_of_fixed_width_bags_is_copied_in_slices_and_scores_as_gathered(served):
+    """A batch of one library query whose bags all hold one id (Criteo's) takes the slice path (its dense rows and
+    ids copied, the offsets written when the batch's shape changes): scores equal to the eager model's and to the
+    gathered path's, padded or not, as shapes change and come back."""
+    model, module, library, _ = served
+    features, samples = library.lengths.shape[0], 300
+    ids = np.random.default_rng(SEED).integers(0, ROWS, features * samples)
+    fixed = PackedLibrary.from_columns(library.dense[:samples], np.ones((features, samples), np.int32), ids)
+    assert fixed.bag_width == 1
+    runner = make_runner(module, fixed, torch.device("cpu"), "fp32")
+    for pad in (False, True):  # padded to the bucket, as below fp32
+        runner.pad = pad
+        for at, n in ((0, 1), (5, 3), (100, 37), (7, 3), (200, 64), (9, 37)):
+            one = runner([QueryRef(0, n, at)])
+            size = bucket(n) if pad else n
+            assert runner.shape == (n, size)  # the slice path ran
+            np.testing.assert_allclose(one, _eager_scores(model, fixed, [QueryRef(0, n, at)]), rtol=1e-5, atol=1e-6)
+            if n > 1:  # the same samples as two queries: the gathered path
+                two = runner([QueryRef(0, 1, at), QueryRef(1, n - 1, at + 1)])
+                assert runner.shape is None
+                np.testing.assert_array_equal(one, two)
 
 
 def test_the_instances_package_reads_the_snapshots_tables_without_a_copy(served):

@@ -197,8 +197,8 @@ class PackedLibrary(LoadedSamples):
             n = len(samples)
             m = n * width * self.lengths.shape[0]
             np.take(self.dense, samples, axis=0, out=dense[:n])
-            np.take(self._by_sample, samples, axis=1, out=ids[:m].reshape(-1, n, width))
-            np.multiply(self._bag_ends(n), width, out=bag_offsets[: len(self.lengths) * n + 1])
+            np.take(self.by_sample, samples, axis=1, out=ids[:m].reshape(-1, n, width))
+            np.multiply(self.bag_ends(n), width, out=bag_offsets[: len(self.lengths) * n + 1])
             return n, m
         samples, lengths, where = self._ragged(sizes, offsets)
         n, m = len(samples), len(where)
@@ -216,11 +216,11 @@ class PackedLibrary(LoadedSamples):
         return int(self.lengths.flat[0])
 
     @functools.cached_property
-    def _by_sample(self) -> np.ndarray:
+    def by_sample(self) -> np.ndarray:
         """`values` as [features, samples, bag_width]: a view, where every bag holds `bag_width` ids."""
         return self.values.reshape(self.lengths.shape[0], self.size, -1)
 
-    def _bag_ends(self, samples: int) -> np.ndarray:
+    def bag_ends(self, samples: int) -> np.ndarray:
         """0, 1, ... features * samples: a batch's bag count, grown as needed (one allocation, not one a batch)."""
         bags = self.lengths.shape[0] * samples + 1
         if len(self._bags) < bags:
