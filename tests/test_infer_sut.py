@@ -646,8 +646,9 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
     def fake_measure(server, point, cfg, *a, **k):  # LoadGen holds up to 80 queries/s
         (stream,) = point.streams
         runs.append((point.scenario, point.duration_s, stream.qps))
-        if far.get("more") and len(runs) == 1:  # the p99 within the bound, LoadGen's estimate unsure
-            unsure = "early stopping not met (processed 100 queries, would need at least 500 more)"
+        if far.get("more") and len(runs) <= far["more"]:  # the p99 within the bound, LoadGen's estimate unsure
+            need = far.get("need", 500 // len(runs))
+            unsure = f"early stopping not met (processed 100 queries, would need at least {need} more)"
             return [{"target_qps": stream.qps, "samples_per_s": stream.qps, "loadgen_result": "INVALID",
                      "loadgen_reason": unsure, "sla_met": True, "sla_latency_ms": 9,
                      "loadgen_p99_ms": 9.5}]  # fmt: skip
@@ -701,9 +702,15 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
     certify(300.0, 8)
     assert [q for _, _, q in runs][:3] == pytest.approx([300.0, 150.0, 75.0])
     far.clear()
-    far.update(more=True)  # the same rate again, for the queries LoadGen asked for (5 more s at 75 queries/s, +10%)
+    far.update(more=1)  # the same rate again, for the queries LoadGen asked for (500 more at 75 queries/s, +10%)
     again = certify(75.0, 8)
     assert [(q, s) for _, s, q in runs] == [(75.0, 30.0), (75.0, 30.0 + 8)] and again["certified_qps"] == 75.0
+    far.update(more=2)  # and again while it asks for more (250 at 38 s: 4 s more), within CERTIFY_MAX_S
+    again = certify(75.0, 8)
+    assert [(q, s) for _, s, q in runs] == [(75.0, 30.0), (75.0, 38.0), (75.0, 42.0)] and again["certified_qps"] == 75.0
+    far.update(more=8, need=3000)  # not where the run would last beyond CERTIFY_MAX_S (74 s): a failure, backed off
+    certify(75.0, 8)
+    assert [(q, s) for _, s, q in runs][:2] == [(75.0, 30.0), (75.0 * CERTIFY_BACKOFF, 30.0)]
     far.clear()
     never = certify(200.0, 2)
     assert never["certified_qps"] == 0 and never["certified_result"] == "INVALID"
