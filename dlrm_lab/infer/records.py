@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -20,6 +20,10 @@ from dlrm_lab.metrics.wake import cold_factor_for_gap, wake_ms_for_gap
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost, stored_table_bytes
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
+# A load whose later half (by scheduled arrival) read its percentile this much above its earlier half's was still
+# queueing up: a longer load at that rate reads higher (tiny at 8,867 queries/s, 2 x 1: p99 10.9 ms over 2 s, 21.5
+# over 5 s), so a probe judges it by its later half (`sustained_latency`)
+GROWTH = 1.25
 
 
 def _pct_name(p: float) -> str:
@@ -126,9 +130,26 @@ def summarize(
     sla_value = percentile(sla_lat, sla_percentile)
     out["sla_latency_ms"] = None if sla_value is None or not np.isfinite(sla_value) else sla_value
     out["sla_met"] = bool(sla_value is not None and sla_value <= sla_ms)
+    # the same percentile over each half of the load, by scheduled arrival, where each half has the queries for it
+    scheduled = np.array([r.get("scheduled_ms", math.nan) for r in records], dtype=np.float64)[counted]
+    if len(sla_lat) >= 2 * math.ceil(100 / max(100 - sla_percentile, 1e-9)) and not np.isnan(scheduled).any():
+        later = scheduled > np.median(scheduled)
+        for name, half in (("first", sla_lat[~later]), ("last", sla_lat[later])):
+            value = percentile(half, sla_percentile) if len(half) else None
+            out[f"sla_latency_{name}_half_ms"] = None if value is None or not np.isfinite(value) else value
     floor_query = percentile(samples[counted].astype(np.float64), sla_percentile)
     out["latency_floor_samples"] = None if floor_query is None else int(floor_query)
     return out
+
+
+def sustained_latency(row: Mapping[str, Any]) -> float | None:
+    """The latency at the bound's percentile a load held: its whole span's, unless its later half read above its
+    earlier half's by GROWTH (a queue still growing), then the later half's; None where it is infinite (dropped)."""
+    whole = row.get("sla_latency_ms")
+    first, last = row.get("sla_latency_first_half_ms"), row.get("sla_latency_last_half_ms")
+    if whole is not None and first is not None and last is not None and last > GROWTH * first:
+        return max(whole, last)
+    return whole
 
 
 def transfer_columns(records: list[QueryRow]) -> InferSummaryRow:

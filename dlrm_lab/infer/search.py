@@ -28,6 +28,7 @@ from dlrm_lab.infer.lab import faults_name_the_run, stream_config
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.load_point import OnProgress, Point, measure
 from dlrm_lab.infer.options import InferConfig
+from dlrm_lab.infer.records import sustained_latency
 from dlrm_lab.infer.search_options import SearchGrid, SearchOptions
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import ModelDescription
@@ -303,7 +304,8 @@ class _Probing:
                 rows.append(row)
                 # a load cut short (decided, or its issuer fell behind) did not hold the rate
                 stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
-                lat.append(math.inf if stopped else row["sla_latency_ms"])
+                held = None if stopped else sustained_latency(row)  # a queue still growing: its later half
+                lat.append(math.inf if held is None else held)
                 passed = verdict_settled(lat, options.repeats, cfg.sla_ms, SETTLE_MARGIN if options.early_stop else 0.0)
                 if passed is not None:
                     break  # the repeats left cannot change the verdict
