@@ -158,6 +158,7 @@ def test_auto_hands_its_instances_the_runners_up_close_to_its_choice_that_share_
     assert fused.build == "fused" and fused.finalists == {}  # the choice itself is no package to switch from
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "d"))
     real = builds.check_accuracy
+
     def aoti_fails(model, module, build, *a, **k):
         return builds.AccuracyCheck(**{**real(model, module, build, *a, **k).__dict__, "passed": build != "aoti"})
 

@@ -120,10 +120,10 @@ register_table(
     # latency at sla_percentile, dropped/failed counted as infinite
     col("sla_latency_ms", F64, "latency at the bound's percentile", "ms", ".2f", LOWER),
     col("sla_met", BOOL, "SLA met", fmt="met|missed", short="SLA"),
-    # the same over the earlier and the later half of the load (by scheduled arrival): a queue still growing reads
-    # higher in the later (`infer.records.sustained_latency`)
-    col("sla_latency_first_half_ms", F64),
+    # the same over the later half of the load (by scheduled arrival), and that half's median latency over the earlier
+    # half's: a queue still growing (`infer.records.sustained_latency`)
     col("sla_latency_last_half_ms", F64),
+    col("latency_growth", F64),
     col("load_stopped_early", BOOL),  # ended once its verdict was decided (search probes)
     # the query at the bound's percentile, its roofline time on the cores serving it, and the measured latency over it
     col("latency_floor_samples", I64, "samples of the query at the bound's percentile", "samples", "d"),
