@@ -196,7 +196,8 @@ def choose_build(
         rates.update(more)
         if later_source != source:
             source = f"{source}; {', '.join(later)}: {later_source}"
-    total = {b: sum(v for n, v in per.items() if n > 0) for b, per in rates.items()}
+    timed = {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}  # batch sizes only
+    total = {b: sum(per.values()) for b, per in timed.items()}
 
     measured: Any = {"batch_ms": _public(rates), "source": source, "skipped": skipped, **common}
 
@@ -243,7 +244,6 @@ def choose_build(
         skipped[b] = f"failed its accuracy check ({accuracy.rule}): {accuracy.to_dict()}"
         if log:
             log(f"build {b}: failed its accuracy check ({accuracy.rule}); not served")
-    timed = {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}
     finalists = _finalists(best, total, timed, modules, skipped, checked)
     failed = [b for b in ordered if b in skipped and b != best]
     reason = f"auto: {best} is the fastest" + ("" if best == "eager" else f" ({vs(best, 'eager')})")

@@ -93,7 +93,7 @@ def certify(
             if not ok and more and lg_p99 is not None and lg_p99 <= cfg.sla_ms and row["sla_met"]:
                 # only the estimate's confidence failed: the same rate, longer, for as long as LoadGen asks for more
                 # (near the knee a longer run's answer is often "a few more" again) and the run stays within the cap
-                longer = max(seconds + math.ceil(1.1 * more / qps), seconds + 1.0)
+                longer = seconds + math.ceil(1.1 * more / qps)  # at least 1 s more: `more` >= 1
                 if longer <= CERTIFY_MAX_S:
                     continue
             longer = 0.0
