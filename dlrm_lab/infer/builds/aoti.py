@@ -23,11 +23,13 @@ build is.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dlrm_lab.config.values import JsonObject
@@ -101,6 +103,32 @@ class WholeBatch(nn.Module):
         return torch.sigmoid(self.dense_part(dense.to(self.dtype), pooled).float())
 
 
+class EvenK(nn.Module):
+    """A `Linear` whose input gains a zero column and whose weight a zero column to meet it: the same outputs, over
+    an even K. Inductor's C++ GEMM template takes its AMX micro-kernel only where K is a whole number of VNNI pairs
+    (`check_amx_extra`: K % 2 for bf16 and fp16) and falls back to an fp32 vector kernel elsewhere; kaggle's first
+    bottom layer (13 dense features) and first top layer (367 = 16 + 351 pairs) have odd K. The pad is fused into
+    the kernel that makes the input (the cast, the interaction's gather)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(F.pad(linear.weight.detach(), (0, 1)), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.pad(x, (0, 1)), self.weight, self.bias)
+
+
+def even_k(dense_part: nn.Module) -> nn.Module:
+    """A copy of `dense_part` with every `Linear` of an odd number of inputs made `EvenK` (the original untouched)."""
+    padded = copy.deepcopy(dense_part)
+    for parent in list(padded.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % 2:
+                setattr(parent, name, EvenK(child))
+    return padded
+
+
 def example_batch(module: Any, size: int = EXAMPLE_BATCH) -> tuple[torch.Tensor, ...]:
     """A batch of `size` samples of one id per bag (ids 0): what the graph is traced at."""
     features = len(module.spec.feature_names)
@@ -157,17 +185,25 @@ class AOTIBuild:
     weight_precision: str | None = None
     inductor_configs: JsonObject = {}
     frozen = False  # compiled with Inductor's freezing (the weights prepacked at build time)
+    even_k = False  # every GEMM given an even K where the precision is 16-bit (`EvenK`: the template's AMX kernel)
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
+        padded = self.even_k and precision in ("bf16", "fp16")
+
+        def export(m: Any, path: Path) -> None:
+            dense_part = even_k(m.dense) if padded else None
+            export_whole(m, path, dense_part, inductor_configs=self.inductor_configs, frozen=self.frozen)
+
         return self.packaged(
             module,
-            lambda m, path: export_whole(m, path, inductor_configs=self.inductor_configs, frozen=self.frozen),
+            export,
             {
                 "precision": precision,
                 "table_precision": table_precision,
                 "graph": GRAPH,
                 **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
+                **({"k": "even"} if padded else {}),
             },
         )
 
