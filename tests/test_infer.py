@@ -367,6 +367,7 @@ def test_the_lab_chooses_a_bound_and_a_rate_it_measured_this_server_can_honour(s
     assert c.to_dict()["sla_ms"] == c.sla_ms and c.to_dict()["headroom"] == HEADROOM
     roof = c.queueing_roof  # the ideal server with these instances' warm batch cost, under the same bound
     assert roof is not None and roof["sla_ms"] == c.sla_ms and 0 <= roof["rate_qps"] <= roof["capacity_qps"]
+    assert roof["capacity_qps"] >= c.capacity_qps * (1 - 1e-9)  # never below the server's own closed loop
     assert "queueing roof" in c.roof_reason and c.to_dict()["queueing_roof"] == roof
 
     impossible = choose_load(server, stream, sla_ms=1e-3, probes=2, probe_s=0.15, min_queries=25, seed=SEED)

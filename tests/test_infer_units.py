@@ -1110,7 +1110,7 @@ def test_the_queueing_roof_simulates_the_lab_batching_rule_as_queueing_theory_ha
     rho D / (2 (1 - rho)) (Pollaczek-Khinchine). A lone query takes its warm batch time, split over two
     instances in two pieces ending together; and the roof falls as the bound tightens."""
     from dlrm_lab.infer.batching import BatchCost
-    from dlrm_lab.infer.queueing import ideal_capacity_qps, queueing_roof, simulated_latencies
+    from dlrm_lab.infer.queueing import ideal_capacity_qps, queueing_roof, roof_line, simulated_latencies
 
     cost, sizes = BatchCost(0.3, 0.004), QuerySizes.parse("fixed:200")
     service = cost.ms(200)
@@ -1129,6 +1129,20 @@ def test_the_queueing_roof_simulates_the_lab_batching_rule_as_queueing_theory_ha
     ]
     assert 0 < roofs[0].rate_qps < roofs[1].rate_qps < roofs[2].rate_qps < capacity
     assert queueing_roof(cost, mlperf, instances=2, max_batch=640, min_piece=64, sla_ms=0.1).rate_qps == 0
+    # a closed loop that outran the ideal server on the start-up cost: that cost was of a slower phase, scaled to it
+    faster = queueing_roof(
+        cost, mlperf, instances=2, max_batch=640, min_piece=64, sla_ms=8.0, queries=3000,
+        measured_capacity_qps=1.5 * capacity,
+    )  # fmt: skip
+    assert faster.slowdown == pytest.approx(1.5) and faster.capacity_qps == pytest.approx(1.5 * capacity)
+    assert faster.cost.per_sample_ms == pytest.approx(cost.per_sample_ms / 1.5) and faster.rate_qps > roofs[2].rate_qps
+    assert "start-up cost over 1.50" in roof_line(faster.rate_qps, 1.5 * capacity, faster)
+    slower = queueing_roof(  # the server's own overheads below the ideal: never scaled away
+        cost, mlperf, instances=2, max_batch=640, min_piece=64, sla_ms=8.0, queries=3000,
+        measured_capacity_qps=0.5 * capacity,
+    )  # fmt: skip
+    assert slower.slowdown == 1.0 and slower.rate_qps == roofs[2].rate_qps
+    assert "start-up cost over" not in roof_line(slower.rate_qps, 0.5 * capacity, slower)
 
 
 def test_a_server_has_one_way_in_a_plan_served_once():

@@ -250,5 +250,6 @@ def _roof(
         limit=max(served.max_batch, -(-largest // instances)),
         sla_ms=sla_ms,
         percentile=percentile,
+        measured_capacity_qps=capacity,
     )
     return roof.to_dict(), roof_line(best_qps, capacity, roof)

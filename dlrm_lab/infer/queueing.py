@@ -13,6 +13,9 @@ term, a query cut into at most one piece an instance), with nothing else: no ass
 completion, no wake, no host. It bisects the highest rate whose latency percentile meets the
 bound. That rate is the roof of the measured bounded rate, and the roof over the ideal server's
 own capacity (full batches back to back) is the roof of the bounded rate's share of capacity.
+The start-up cost is of the host's phase at start; where the real server's closed loop then outruns the ideal
+server built on it, the cost was of a slower phase than the probes', and it is scaled to the capacity measured
+(`phase_scaled`, its factor told): a run that beats its roof means the roof is wrong.
 
 Why by hand: the roof must run the lab's own batching rule and clock; an event
 simulation library would add a dependency and nothing the 40 lines below need.
@@ -49,6 +52,9 @@ class QueueingRoof:
     instances: int
     max_batch: int
     min_piece: int
+    # the instances' start-up cost over the one the roof ran (`phase_scaled`): above 1 where the measured closed loop
+    # outran the ideal server built on that cost (the cost was of a slower phase of the host than the probes')
+    slowdown: float = 1.0
 
     @property
     def share(self) -> float:
@@ -143,10 +149,14 @@ def queueing_roof(
     percentile: float = 99.0,
     seed: int = 0,
     queries: int = ROOF_QUERIES,
+    measured_capacity_qps: float | None = None,
 ) -> QueueingRoof:
     """The highest Poisson rate at which the ideal server (module docstring) holds its latency
     `percentile` within `sla_ms`, bisected to within its capacity / 2^ROOF_STEPS; 0 when even a
-    lone query misses the bound."""
+    lone query misses the bound. With `measured_capacity_qps` (the real server's closed loop), a cost slower than
+    that run's phase is scaled to it first (`phase_scaled`): a roof never sits below what the server measured."""
+    slowdown = phase_scaled(cost, sizes, instances, max_batch, measured_capacity_qps) if measured_capacity_qps else 1.0
+    cost = BatchCost(cost.fixed_ms / slowdown, cost.per_sample_ms / slowdown)
     capacity = ideal_capacity_qps(cost, sizes, instances, max_batch)
 
     def meets(qps: float) -> bool:
@@ -176,17 +186,32 @@ def queueing_roof(
         instances=instances,
         max_batch=max_batch,
         min_piece=min_piece,
+        slowdown=slowdown,
     )
+
+
+def phase_scaled(cost: BatchCost, sizes: QuerySizes, instances: int, max_batch: int, capacity_qps: float) -> float:
+    """How much slower the start-up `cost` is than the phase a closed loop measured `capacity_qps` in: the ideal
+    server on that cost holding less than the real server held means the cost is stale (measured at start, in a
+    slower phase of a drifting host), and a roof built on it would sit below the run; 1 where the ideal holds
+    at least as much (a real server's own overheads are never scaled away)."""
+    ideal = ideal_capacity_qps(cost, sizes, instances, max_batch)
+    return max(1.0, capacity_qps / ideal) if ideal > 0 else 1.0
 
 
 def roof_line(measured_qps: float, capacity_qps: float, roof: QueueingRoof) -> str:
     """One line: the bounded rate's share of capacity beside what queueing alone allows."""
     share = measured_qps / capacity_qps if capacity_qps > 0 else math.nan
     of_roof = measured_qps / roof.rate_qps if roof.rate_qps > 0 else math.inf
+    scaled = (
+        f", their start-up cost over {roof.slowdown:.2f}: the closed loop outran an ideal server on it"
+        if roof.slowdown > 1
+        else ""
+    )
     return (
         f"queueing roof: an ideal server with the instances' warm batch cost ({roof.cost.fixed_ms:.3f} ms + "
-        f"{1000 * roof.cost.per_sample_ms:.2f} us a sample) and this batching rule holds {roof.rate_qps:.1f} queries/s "
-        f"under p{roof.percentile:g} <= {roof.sla_ms:g} ms, {roof.share:.2f} of its own capacity "
-        f"{roof.capacity_qps:.1f}; the bounded rate found here, {measured_qps:.1f} ({share:.2f} of capacity), is "
-        f"{of_roof:.2f} of that roof"
+        f"{1000 * roof.cost.per_sample_ms:.2f} us a sample{scaled}) and this batching rule holds "
+        f"{roof.rate_qps:.1f} queries/s under p{roof.percentile:g} <= {roof.sla_ms:g} ms, {roof.share:.2f} of its "
+        f"own capacity {roof.capacity_qps:.1f}; the bounded rate found here, {measured_qps:.1f} ({share:.2f} of "
+        f"capacity), is {of_roof:.2f} of that roof"
     )
