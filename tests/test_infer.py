@@ -98,8 +98,13 @@ def test_batcher_packs_queries_up_to_max_batch_and_splits_larger_ones(server):
 
 
 def test_max_delay_sends_a_lone_query_once_it_expires(server):
+    """A query waits for companions only where the recent arrivals expect one within its delay
+    (`BatchClock.worth_waiting`): after a burst, a query that finds none waits its 50 ms, then goes alone."""
     server.configure("tiny", max_batch=64, max_delay_ms=50.0)
     try:
+        for k in range(40):  # 40 arrivals in the last second: ~2 expected within 50 ms
+            server.submit(Query(100 + k, "tiny", 64, k))  # full batches: none waits
+        _drain(server)
         server.submit(Query(0, "tiny", 1, 0))
         (r,) = _drain(server)
     finally:

@@ -969,11 +969,6 @@ def test_a_killed_instance_is_routed_around_and_sigterm_answers_queries_in_fligh
     server.wait_for(
         f"instance 1 (pid {victim['pid']}) was killed by signal SIGKILL; tiny is served on by instance(s) 0"
     )
-    with server.channel() as channel:
-        infer = channel.unary_unary(INFER_METHOD)
-        for k in range(6):
-            resp = pb.InferResponse.FromString(infer(_request(library.slice(4 * k, 4 * k + 4), query_id=k), timeout=30))
-            assert resp.query_id == k and len(resp.scores) == 4 * 4 and resp.instance == 0
     deadline = time.monotonic() + 30
     while not read_manifest(run_dir).get("instance_losses") and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -981,7 +976,17 @@ def test_a_killed_instance_is_routed_around_and_sigterm_answers_queries_in_fligh
     assert loss["instance"] == 1 and loss["live_instances"] == [0] and "SIGKILL" in loss["how"]
 
     with server.channel() as channel:
-        call = channel.unary_unary(INFER_METHOD).future(_request(library.slice(0, 3), query_id=42), timeout=30)
+        infer = channel.unary_unary(INFER_METHOD)
+        for k in range(6):
+            resp = pb.InferResponse.FromString(infer(_request(library.slice(4 * k, 4 * k + 4), query_id=k), timeout=30))
+            assert resp.query_id == k and len(resp.scores) == 4 * 4 and resp.instance == 0
+        # a lone query waits for no companion (`BatchClock.worth_waiting`: one is expected within its 300 ms only
+        # after 4 arrivals in the last second; queries sent one after another, each waiting 300 ms, come at 3 a
+        # second), so the query the SIGTERM finds waiting comes right after a burst (its refusals count as arrivals)
+        burst = [infer.future(_request(library.slice(k, k + 1), query_id=100 + k), timeout=30) for k in range(6)]
+        for sent in burst:
+            sent.exception()  # answered or refused (the queue holds one)
+        call = infer.future(_request(library.slice(0, 3), query_id=42), timeout=30)
         time.sleep(0.1)  # the query now waits in the batcher (300 ms max delay)
         server.terminate()
         resp = pb.InferResponse.FromString(call.result())
