@@ -104,10 +104,15 @@ def test_two_models_served_together_and_alone(tmp_path, monkeypatch):
     assert set(q[q.point == 1].model) == {"tiny"} and set(q[q.point == 2].model) == {"tiny-2"}
 
 
+# the search's bound: tiny's 2-sample queries take ~1 ms alone, but beside the suite's other worker compiling packages
+# on the same 2 cores its p99 read 22-29 ms at 180-720 queries/s (no probe met a 20 ms bound): loose enough for that
+BOUND_MS = 100
+
+
 def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     monkeypatch.setenv("DLRM_LAB_PROGRESS_INTERVAL_S", "0")
     code, stdout, stderr = run_cli_in_process(
-        "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", "20", "--layouts", "1x1",
+        "infer", "search", "--model", "tiny", "--query-size", "fixed:2", "--sla-ms", str(BOUND_MS), "--layouts", "1x1",
         "--max-batch", "16", "--max-delay-ms", "1", "--duration", "0.6", "--repeats", "1", "--steps", "4",
         "--tolerance", "0.01", "--capacity-duration", "0.5", "--min-queries", "20", "--certify-duration", "1",
         "--certify-tries", "2", "--metrics-dir", str(tmp_path),
@@ -124,7 +129,7 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     said = {k: f.get(k) for k in ("best", "best_qps", "capacity_queries_per_s", "probes", "certified_qps",
                                   "certification")}  # fmt: skip
     assert f["best"] and 0 < f["best_qps"] <= f["capacity_queries_per_s"] * 1.05 and f["probes"] == 4, said
-    assert f["best_sla_latency_ms"] <= 20 and f["best_qps_uncertainty"] > 0
+    assert f["best_sla_latency_ms"] <= BOUND_MS and f["best_qps_uncertainty"] > 0
     assert f["best_samples_per_s_ci_low"] is None and f["best_samples_per_s_unstable"] is None  # 1 repeat: no CI
     probes = pq.read_table(run_dir / "summary.parquet").to_pylist()
     assert (
