@@ -163,7 +163,7 @@ def train_setup(options: Mapping[str, OptionValue]) -> tuple[Spec, TrainConfig]:
 SERVER_SIDE = (
     *("instances", "threads", "max_delay_ms", "max_queue", "min_piece", "spin_ms", "keep_warm_ms", "idle_hold"),
     *("precision", "table_precision", "build", "history_cache_mb", "attention", "history_affinity", "pin_cores"),
-    *("device", "batch_memory", "allocator"),
+    *("device", "batch_memory", "allocator", "table_pages"),
 )
 # The serving options a client with a remote --target uses too: the model its queries are for (its tables, its
 # samples: the library is made from them and the max batch) and what it sends (the largest query); --checkpoint is

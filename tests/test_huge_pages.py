@@ -17,7 +17,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from dlrm_lab.config import TrainConfig
 from dlrm_lab.distributed.context import DistContext
-from dlrm_lab.metrics import huge_pages
+from dlrm_lab.metrics import gather_pages, huge_pages
 from dlrm_lab.metrics.huge_pages import HUGE_PAGE, back_with_huge_pages, thp_mode, unsupported
 from dlrm_lab.train import choices
 
@@ -91,7 +91,7 @@ ONE_RANK = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("
 @pytest.mark.parametrize("huge_rate, chosen", [(10e9, "huge"), (8.2e9, "base"), (None, "base")])
 def test_auto_takes_huge_pages_only_where_the_gather_measured_faster_on_them(monkeypatch, huge_rate, chosen):
     rates = {"base_bytes_per_s": 8e9, "huge_bytes_per_s": huge_rate, "huge_error": None if huge_rate else "EAGAIN"}
-    monkeypatch.setattr(choices, "_gather_rates", lambda threads: (rates, "the machine probe"))
+    monkeypatch.setattr(gather_pages, "gather_page_rates", lambda threads, measure=True: (rates, "the machine probe"))
     if unsupported() is not None:
         pytest.skip(f"no huge pages here: {unsupported()}")
     tables = _tables()
@@ -109,7 +109,9 @@ def test_auto_takes_huge_pages_only_where_the_gather_measured_faster_on_them(mon
 
 
 def test_base_and_huge_are_taken_as_asked_and_a_gpu_keeps_its_own_memory(monkeypatch):
-    monkeypatch.setattr(choices, "_gather_rates", lambda threads: pytest.fail("nothing to measure"))
+    monkeypatch.setattr(
+        gather_pages, "gather_page_rates", lambda threads, measure=True: pytest.fail("nothing to measure")
+    )
     base = choices.choose_table_pages(TrainConfig(table_pages="base"), ONE_RANK, _tables(), None)
     assert (base["table_pages"], base["reason"], base["huge_bytes"]) == ("base", "--table-pages base", 0)
     gpu = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="nccl")
@@ -125,7 +127,9 @@ def test_huge_pages_asked_for_tables_too_small_for_one_record_base_and_say_why(m
     """`--table-pages huge` on tables that span no two whole 2 MiB pages put no byte on a huge page while the run
     said "huge" (issue 57 A7): the record says base, and the reason names the largest table's size."""
     monkeypatch.setattr(huge_pages, "unsupported", lambda: None)
-    monkeypatch.setattr(choices, "_gather_rates", lambda threads: pytest.fail("nothing to measure"))
+    monkeypatch.setattr(
+        gather_pages, "gather_page_rates", lambda threads, measure=True: pytest.fail("nothing to measure")
+    )
     rows = [(1_000, 16, EmbeddingLocation.HOST, ComputeDevice.CPU)]  # 64 KB
     small = torch.nn.ModuleList(
         [SplitTableBatchedEmbeddingBagsCodegen(rows, optimizer=OptimType.EXACT_ROWWISE_ADAGRAD)]
@@ -152,6 +156,6 @@ def test_the_gather_rates_come_from_the_nearest_thread_count_the_probe_measured(
     (path,) = tmp_path.glob("*.json")
     path.write_text(json.dumps(profile))
     monkeypatch.setattr("dlrm_lab.metrics.device_peaks.gather_on_pages", lambda *a: pytest.fail("measured again"))
-    rates, source = choices._gather_rates(3)
+    rates, source = gather_pages.gather_page_rates(3)
     assert rates == four and source.endswith("at 4 thread(s)")
-    assert choices._gather_rates(1)[0] == one
+    assert gather_pages.gather_page_rates(1)[0] == one

@@ -280,7 +280,7 @@ def test_snapshots_of_killed_servers_are_removed_and_live_ones_kept(tmp_path):
     import subprocess
     import sys
 
-    from dlrm_lab.infer.instance import remove_stale_snapshots
+    from dlrm_lab.infer.snapshot import remove_stale_snapshots
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"dlrm-lab-{dead.stdout.strip()}-rm2-1"

@@ -23,7 +23,6 @@ import atexit
 import contextlib
 import gc
 import os
-import shutil
 import tempfile
 import time
 import traceback
@@ -44,13 +43,13 @@ from dlrm_lab.infer import allocator, batch_memory, finalists
 from dlrm_lab.infer.batches import PackagedRunner, QueryRef
 from dlrm_lab.infer.builds import build_named
 from dlrm_lab.infer.library import LoadedSamples
-from dlrm_lab.infer.serving_parts import make_runner, serving_of
+from dlrm_lab.infer.serving_parts import make_runner
+from dlrm_lab.infer.snapshot import map_library
 from dlrm_lab.metrics.canary import Canary
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # what an idle instance holds while it waits (`IdleHold`)
 IDLE_HOLDS = ("none", "cpu-latency", "lock-tables", "keep-memory", "halt-poll")
-LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
 
 
 @dataclass
@@ -100,46 +99,6 @@ class InstancePlan:
     # Instances yield to the serving process: when they fill every core, the batcher and
     # completion threads would otherwise wait a scheduler slice (ms) to run.
     nice: int = 5
-
-
-# ----------------------------------------------------------------------------- snapshot
-
-
-def snapshot_base() -> Path:
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-
-
-def snapshot_dir_for(tag: str) -> Path:
-    return snapshot_base() / f"dlrm-lab-{os.getpid()}-{tag}"
-
-
-def remove_stale_snapshots(base: Path | None = None) -> list[Path]:
-    """Delete snapshots left by serving processes that were killed (their pid is gone):
-    each holds a copy of the tables in RAM. Returns what was removed."""
-    removed = []
-    for path in (base or snapshot_base()).glob("dlrm-lab-*-*"):
-        pid = path.name.split("-")[2]
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def write_snapshot(directory: Path, model: torch.nn.Module, library: LoadedSamples) -> int:
-    """Write the model as served (its build, `infer.build`: tables already quantised on CPU; on GPU each
-    instance quantises on its device) and the sample library for instances to map; returns bytes."""
-    directory.mkdir(parents=True, exist_ok=False)
-    torch.save(model, directory / "model.pt")
-    torch.save({k: torch.from_numpy(v) for k, v in library.arrays().items()}, directory / LIBRARY_FILE)
-    return sum(p.stat().st_size for p in directory.iterdir())
-
-
-def map_library(directory: Path, spec: Any) -> LoadedSamples:
-    """The sample library of a snapshot of `spec`'s model, of its family's kind (a PackedLibrary, an HSTU
-    RequestLibrary), mapped: every process that maps it shares its pages."""
-    arrays = torch.load(directory / LIBRARY_FILE, mmap=True)
-    return serving_of(spec).library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
 # ----------------------------------------------------------------------------- process

@@ -80,7 +80,7 @@ def check_fits(
             f"[{parts}]: {advice}"
         )
     if shared_free_bytes is None and device == "cpu":
-        from dlrm_lab.infer.instance import snapshot_base
+        from dlrm_lab.infer.snapshot import snapshot_base
 
         shared_free_bytes = shutil.disk_usage(shared_dir or snapshot_base()).free
     shared = sum(n.snapshot + n.library for n in needs)

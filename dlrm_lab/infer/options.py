@@ -78,6 +78,13 @@ class ServingOptions(ModelScaling):
         "faster), glibc, jemalloc or tcmalloc (loaded first, LD_PRELOAD).",
         cli_default=AUTO,
     )
+    table_pages: str = option(
+        "base",
+        "The snapshot's memory pages, where every instance maps the tables: auto (2 MiB pages where this machine's "
+        "embedding gather measured faster on them and this process may mount a tmpfs of them: root), base (4 KiB, "
+        "/dev/shm) or huge (2 MiB: a tmpfs the server mounts with huge=within_size, unmounted when it stops).",
+        cli_default=AUTO,
+    )
     precision: str = option(
         AUTO,
         "Dense compute: auto (measured: a lower precision only where its GEMMs are faster), fp32, bf16 (autocast) or "

@@ -9,7 +9,8 @@ was left `auto` by measurement on this machine and checks it, in this order per 
   accuracy on held-out samples; an `auto` precision that fails the accuracy rule in every build falls
   back to fp32);
 - the C allocator its instances run (`infer.allocator.choose`: each installed one timed on the model's dense
-  layers in trial processes, once per machine and shape).
+  layers in trial processes, once per machine and shape);
+- the snapshot's pages (`Planner.choose_table_pages`: 2 MiB where the machine's gather measured faster on them).
 
 The plan holds each model as it will be served (no `auto` left), the module its instances serve, its
 sample library, and the record of every choice (the manifest's `precision_choices`).
@@ -33,7 +34,9 @@ from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
 from dlrm_lab.infer.serving_parts import serving_of
+from dlrm_lab.metrics import huge_pages
 from dlrm_lab.metrics.cpu import usable_cores
+from dlrm_lab.metrics.gather_pages import pages_faster
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 
 if TYPE_CHECKING:
@@ -77,6 +80,7 @@ def plan_serving(
         planner.plan.modules[name] = planner.serving_build(m, module, library)
         planner.plan.libraries[name] = library
         planner.choose_allocator(planner.models[name])
+        planner.choose_table_pages(planner.models[name])
     return planner.plan
 
 
@@ -127,6 +131,30 @@ class Planner:
             self.log(f"{m.name}: allocator {choice.reason}")
         self.precision_choices[m.name]["allocator_choice"] = choice.to_dict()
         self.models[m.name] = replace(m, allocator=choice.allocator)
+
+    def choose_table_pages(self, m: ServedModel) -> None:
+        """The pages of `m`'s snapshot, where its instances map the tables: auto takes 2 MiB pages where Linux has
+        transparent huge pages and this machine's profile measured an embedding gather at least
+        `metrics.gather_pages.PAGES_MARGIN` faster on them (never measured here: a server's start stays short); the
+        server then mounts them (`infer.instance.write_snapshot`), and serves on base pages, saying why, where it
+        may not."""
+        if m.table_pages != AUTO:
+            pages, reason = m.table_pages, f"--table-pages {m.table_pages}"
+        elif self.device != "cpu":
+            pages, reason = "base", f"served on {self.device}: the instances build their tables there"
+        elif (why := huge_pages.unsupported()) is not None:
+            pages, reason = "base", why
+        else:
+            faster, reason = pages_faster(m.threads, measure=False)
+            pages = "huge" if faster else "base"
+        if m.table_pages == AUTO:
+            self.log(f"{m.name}: table pages {pages}: {reason}")
+        self.precision_choices[m.name]["table_pages_choice"] = {
+            "requested": m.table_pages,
+            "table_pages": pages,
+            "reason": reason,
+        }
+        self.models[m.name] = replace(m, table_pages=pages)
 
     def build_model(self, m: ServedModel) -> torch.nn.Module:
         """The served model with the server's seed, as its family builds it (the HSTU ranker with its attention

@@ -12,6 +12,7 @@ from dlrm_lab.infer.batch_memory import BATCH_MEMORY
 from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.instance import IDLE_HOLDS, PRECISIONS
 from dlrm_lab.infer.serving_parts import serving_of
+from dlrm_lab.infer.snapshot import TABLE_PAGES
 from dlrm_lab.infer.sut import ModelDescription
 from dlrm_lab.infer.tables import TABLE_PRECISIONS
 from dlrm_lab.metrics.columns import InferSummaryRow
@@ -47,6 +48,9 @@ class ServedModel:
     batch_memory: str = "release"
     # The C allocator its instances run (infer.allocator): glibc, jemalloc, tcmalloc, or auto (chosen by the plan)
     allocator: str = "glibc"
+    # The snapshot's pages, where its instances map the tables (infer.instance.TABLE_PAGES): base (4 KiB), huge
+    # (a tmpfs of 2 MiB pages the server mounts), or auto (chosen by the plan)
+    table_pages: str = "base"
     precision: str = "fp32"  # dense compute: fp32, bf16, fp16, or auto (measured: dlrm_lab.metrics.precision)
     table_precision: str = "fp32"  # fp32, fp16, int8, int4 (quantised row-wise, fbgemm)
     data_spec: str | None = None
@@ -100,6 +104,8 @@ class ServedModel:
             raise FieldError(
                 "allocator", f"{self.allocator!r}: {asked} is told to glibc's malloc (mallopt): use glibc or auto"
             )
+        if self.table_pages not in (AUTO, *TABLE_PAGES):
+            raise FieldError("table_pages", f"{self.table_pages!r}: allowed: {AUTO}, {', '.join(TABLE_PAGES)}")
         if self.allocator != AUTO:
             library_of(self.allocator)  # named: allowed and installed here, or one line saying which are
         if not self.max_delay_ms >= 0:
@@ -131,6 +137,7 @@ class ServedModel:
                 "idle_hold": self.idle_hold,
                 "batch_memory": self.batch_memory,
                 "allocator": self.allocator,
+                "table_pages": self.table_pages,
                 "precision": self.precision,
                 "table_precision": self.table_precision,
                 "history_cache_mb": self.history_cache_mb,

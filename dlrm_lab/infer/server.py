@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,16 +39,7 @@ from dlrm_lab.errors import ServingFault, UserError
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.batching import BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.completions import BatchCompletions, InFlight, InstanceStates, QueryRecords
-from dlrm_lab.infer.instance import (
-    KEEP_WARM,
-    SPIN,
-    BatchResult,
-    InstancePlan,
-    map_library,
-    remove_stale_snapshots,
-    snapshot_dir_for,
-    write_snapshot,
-)
+from dlrm_lab.infer.instance import KEEP_WARM, SPIN, BatchResult, InstancePlan
 from dlrm_lab.infer.instance_processes import InstanceProcesses, LostInstance
 from dlrm_lab.infer.library import LoadedSamples, PackedLibrary, payload_for
 from dlrm_lab.infer.placement import Placement, pin_threads, place_instances, spare_cores, unpin_threads
@@ -56,6 +47,15 @@ from dlrm_lab.infer.plan import ServingPlan
 from dlrm_lab.infer.pools import Pool, drop_expired
 from dlrm_lab.infer.requests import RequestLibrary
 from dlrm_lab.infer.served import ServedModel
+from dlrm_lab.infer.snapshot import (
+    map_library,
+    refused_pages,
+    remove_snapshot,
+    remove_stale_snapshots,
+    say_pages,
+    snapshot_dir_for,
+    write_snapshot,
+)
 from dlrm_lab.infer.sut import Query, ServingProcess, Stall, SutDescription
 from dlrm_lab.metrics.columns import QueryRow
 
@@ -165,7 +165,12 @@ class InferenceServer:
                 snap = snapshot_dir_for(f"{m.name}-{id(self)}")
                 library = plan.libraries[m.name]  # mapped by the instances and, below, this process
                 self._snapshots.append(snap)
-                self.snapshot_bytes[m.name] = write_snapshot(snap, plan.modules.pop(m.name), library)
+                self.snapshot_bytes[m.name], no_huge = write_snapshot(
+                    snap, plan.modules.pop(m.name), library, m.table_pages
+                )
+                if no_huge is not None:  # asked, and refused at the mount: served on the directory's pages, said
+                    self.models[m.name] = m = replace(m, table_pages="base")
+                    refused_pages(self.precision_choices.setdefault(m.name, {}), m.name, no_huge, self.log)
                 self._pools[m.name] = Pool(served=m, library=map_library(snap, m.spec))
                 for place in places[m.name]:
                     self._spawn(m, place, snap, warmup_batch=min(m.largest_batch(), library.size))
@@ -173,6 +178,10 @@ class InferenceServer:
         except BaseException:
             self.stop()
             raise
+        for m, snap in zip(self.models.values(), self._snapshots, strict=True):
+            if m.table_pages == "huge":
+                pids = [info["pid"] for info in self.instances.info if info["model"] == m.name]
+                say_pages(m.name, snap, pids, self.snapshot_bytes[m.name], self.precision_choices[m.name], self.log)
         # The load generator, batcher and completion threads share this process's GIL: a
         # thread that wants it waits up to the switch interval (5 ms by default), which
         # becomes queueing in every query's latency (tiny, 4,000 queries/s, 2 instances on
@@ -219,7 +228,7 @@ class InferenceServer:
             self.records.finish(q, "unfinished", now=now, error="server stopped")
         self._in_flight.clear()
         for snap in self._snapshots:
-            shutil.rmtree(snap, ignore_errors=True)
+            remove_snapshot(snap)
         self._snapshots.clear()
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)

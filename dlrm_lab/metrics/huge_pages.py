@@ -1,6 +1,11 @@
 """Embedding tables on huge pages: a random row gather over tables far beyond the TLB's reach costs a page walk
 per row on 4 KiB pages (two-dimensional under a hypervisor), which 2 MiB pages all but remove.
 
+Tables shared by processes live in files of a tmpfs (a serving snapshot), whose pages Linux puts on huge pages only
+where the mount says so (`huge=`) or `shmem_enabled` allows it; `mount_huge_tmpfs` mounts a tmpfs of its own with
+`huge=within_size` where this process may mount (root), and every process that maps a file written there maps its
+2 MiB pages whole (`pmd_mapped_bytes` reads how much).
+
 Linux backs anonymous memory with transparent huge pages only where asked (`madvise` mode, the usual default),
 and tensors already written sit on 4 KiB pages. `madvise(MADV_HUGEPAGE)` marks a range, and `MADV_COLLAPSE`
 (Linux 6.1) rebuilds it on huge pages in place, synchronously: the tensor keeps its address, so the views
@@ -23,6 +28,9 @@ HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH = 2
+HUGE_TMPFS = "huge=within_size,mode=0700"  # the file's 2 MiB pages within its size on huge pages
 
 
 def thp_mode(path: Path = THP_ENABLED) -> str | None:
@@ -61,13 +69,62 @@ class PagesResult:
 _libc: Any = None
 
 
-def _madvise() -> Any:
+def _c() -> Any:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise
+        _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        _libc.mount.restype = ctypes.c_int
+        _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _libc.umount2.restype = ctypes.c_int
+    return _libc
+
+
+def _madvise() -> Any:
+    return _c().madvise
+
+
+def mount_huge_tmpfs(directory: Path) -> str | None:
+    """Mount a tmpfs of 2 MiB pages (`HUGE_TMPFS`) on the empty `directory`; None where it did, else why not (one
+    line). Called through libc: neither torch nor the standard library mounts."""
+    if not sys.platform.startswith("linux"):
+        return f"a tmpfs on huge pages is Linux's; this is {sys.platform}"
+    if (why := unsupported()) is not None:
+        return why
+    rc = _c().mount(b"dlrm-lab-tables", str(directory).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, HUGE_TMPFS.encode())
+    if rc == 0:
+        return None
+    code = ctypes.get_errno()
+    if code == errno.EPERM:
+        return "mounting a tmpfs on huge pages needs root (CAP_SYS_ADMIN); this process has not"
+    if code == errno.EINVAL:
+        return "this kernel's tmpfs refused huge=within_size (no transparent huge pages for shared memory)"
+    return f"mount failed: {errno.errorcode.get(code, code)}"
+
+
+def unmount(directory: Path) -> None:
+    """Detach a tmpfs `mount_huge_tmpfs` mounted (its memory goes when the last process mapping it exits)."""
+    _c().umount2(str(directory).encode(), MNT_DETACH)
+
+
+def pmd_mapped_bytes(pid: int | str, under: Path) -> int:
+    """Bytes process `pid` maps on whole 2 MiB pages from files under `under` (its smaps' `ShmemPmdMapped` and
+    `FilePmdMapped`); 0 where none, or unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return 0
+    total, inside = 0, False
+    prefix = str(under).rstrip("/") + "/"
+    for line in text.splitlines():
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+            inside = len(head) == 6 and head[5].startswith(prefix)
+        elif inside and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:")):
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def _why(code: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypedDict, cast
 
 import torch
@@ -393,9 +393,6 @@ def run_step_trials(
     ]
 
 
-PAGES_MARGIN = 1.05  # huge pages are taken where this machine's gather on them was at least this much faster
-
-
 class PagesChoice(TypedDict):
     """The CPU tables' pages (`--table-pages`), why, and what was put on them (the manifest's `table_pages_choice`)."""
 
@@ -406,35 +403,11 @@ class PagesChoice(TypedDict):
     collapse_ms: float
 
 
-def _gather_rates(threads: int) -> tuple[Mapping[str, Any] | None, str]:
-    """This machine's embedding gather on 4 KiB and on 2 MiB pages at `threads` threads: the probe's figures
-    (`metrics.probe`, `gather_pages`), or measured now at the quick probe's sizes where the profile has none."""
-    from dlrm_lab.metrics.device_peaks import ProbeSizes, gather_on_pages
-    from dlrm_lab.metrics.roofline import load_profile
-
-    try:
-        profile = load_profile() or {}
-    except UserError:
-        profile = {}
-    devices = cast("dict[str, Any]", profile.get("devices") or {})  # the profile's devices: an object
-    by_threads = (devices.get("cpu") or {}).get("threads") or {}
-    probed = {
-        int(n): p["gather_pages"]
-        for n, p in by_threads.items()
-        if isinstance((p or {}).get("gather_pages"), dict) and p["gather_pages"].get("base_bytes_per_s")
-    }
-    if probed:  # the choice reads the two pages' ratio: the nearest thread count probed tells it
-        near = min(probed, key=lambda n: (abs(n - threads), -n))
-        return probed[near], f"the machine probe of {profile.get('probed_at')} at {near} thread(s)"
-    sizes = ProbeSizes.preset(quick=True)
-    measured = gather_on_pages(sizes, 2 * sizes.repeats + 1)
-    return measured, f"measured now ({sizes.gather_tables} tables of {sizes.gather_rows:,} rows; the probe has none)"
-
-
 def choose_table_pages(cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module, log: Log | None) -> PagesChoice:
     """Put this rank's CPU tables (rows and row-wise optimizer state) on 2 MiB pages where asked, or, with
     "auto", where this machine's embedding gather measured at least PAGES_MARGIN faster on them. Rank 0 decides,
     every rank applies; collapsing is in place (`metrics.huge_pages`), so TorchRec's views stay valid."""
+    from dlrm_lab.metrics.gather_pages import pages_faster
     from dlrm_lab.metrics.huge_pages import back_with_huge_pages, unsupported
     from dlrm_lab.train.table_update import fused_table_groups
 
@@ -450,19 +423,8 @@ def choose_table_pages(cfg: TrainConfig, ctx: DistContext, dmp: torch.nn.Module,
         elif cfg.table_pages == "huge":
             shared[0] = ("huge", "--table-pages huge")
         else:
-            rates, source = _gather_rates(torch.get_num_threads())
-            base, huge = (rates or {}).get("base_bytes_per_s"), (rates or {}).get("huge_bytes_per_s")
-            if not huge:
-                shared[0] = ("base", f"no gather on 2 MiB pages could be measured ({(rates or {}).get('huge_error')})")
-            else:
-                base = cast(float, base)  # measured with the 2 MiB gather: probed rows are kept on it (above)
-                faster = huge >= PAGES_MARGIN * base
-                shared[0] = (
-                    "huge" if faster else "base",
-                    f"an embedding gather ran {huge / 1e9:.2f} GB/s on 2 MiB pages against {base / 1e9:.2f} "
-                    f"on 4 KiB ({source}): "
-                    + ("huge pages are faster" if faster else f"huge pages not {PAGES_MARGIN:.2f}x faster"),
-                )
+            faster, said = pages_faster(torch.get_num_threads())
+            shared[0] = ("huge" if faster else "base", said)
     if ctx.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
     pages, reason = shared[0]

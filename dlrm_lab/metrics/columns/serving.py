@@ -82,6 +82,7 @@ register_table(
     col("idle_hold", STR),  # what an idle instance holds while it waits (infer.instance.IDLE_HOLDS)
     col("batch_memory", STR),  # whether its instances' malloc keeps a batch's freed buffers (infer.batch_memory)
     col("allocator", STR),  # the C allocator its instances run: glibc, jemalloc or tcmalloc (infer.allocator)
+    col("table_pages", STR),  # the snapshot's pages, where its instances map the tables: base or huge
     col("max_query_samples", I64),  # the largest query accepted
     col("precision", STR, "precision", fmt="s"),
     col("table_precision", STR, "table precision", fmt="s"),
