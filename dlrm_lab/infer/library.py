@@ -10,7 +10,7 @@ like a KeyedJaggedTensor (all ids of feature 0, then feature 1, ...):
 
 so a query's samples are one slice of `dense` and one contiguous slice of ids per feature,
 and a batch of many queries is gathered with a few numpy operations. The server generates
-it once and writes it to its snapshot (`infer.instance.write_snapshot`); the instances and
+it once and writes it to its snapshot (`infer.snapshot.write_snapshot`); the instances and
 the serving process map that file, a gRPC client generates the same samples from what
 Describe reports (`serve.connect.library_from_info`), and LoadGen's QSL loads and unloads
 ranges of it. Torch-free.

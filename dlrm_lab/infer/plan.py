@@ -136,7 +136,7 @@ class Planner:
         """The pages of `m`'s snapshot, where its instances map the tables: auto takes 2 MiB pages where Linux has
         transparent huge pages and this machine's profile measured an embedding gather at least
         `metrics.gather_pages.PAGES_MARGIN` faster on them (never measured here: a server's start stays short); the
-        server then mounts them (`infer.instance.write_snapshot`), and serves on base pages, saying why, where it
+        server then mounts them (`infer.snapshot.write_snapshot`), and serves on base pages, saying why, where it
         may not."""
         if m.table_pages != AUTO:
             pages, reason = m.table_pages, f"--table-pages {m.table_pages}"
