@@ -115,3 +115,20 @@ def test_a_server_on_huge_pages_maps_its_tables_whole_and_unmounts_when_it_stops
     (stale / "model.pt").write_bytes(b"x" * (4 << 20))
     assert remove_stale_snapshots(tmp_path) == [stale]
     assert not stale.exists()
+
+
+def test_the_servers_record_of_the_pages_keeps_the_plans_and_adds_what_the_start_found(tmp_path):
+    """A refused mount turns the plan's huge into base with why; the bytes mapped whole are added beside it; a model
+    the plan recorded nothing for gets a record of its own."""
+    from dlrm_lab.infer.snapshot import refused_pages, say_pages
+
+    said: list[str] = []
+    choices = {"kaggle": {"table_pages_choice": {"requested": "auto", "table_pages": "huge", "reason": "faster"}}}
+    refused_pages(choices, "kaggle", "needs root", said.append)
+    kept = {"requested": "auto", "table_pages": "base", "reason": "needs root"}
+    assert choices["kaggle"]["table_pages_choice"] == kept
+    say_pages("tiny", tmp_path, [os.getpid()], 2 << 20, choices, said.append)  # nothing of tmp_path mapped here
+    assert choices["tiny"] == {"table_pages_choice": {"huge_bytes": 0}}
+    assert said == ["kaggle: table pages base: needs root",
+                    f"tiny: its snapshot on 2 MiB pages ({tmp_path}): 0 MiB of 2 mapped whole by each instance after "
+                    "its warm-up"]  # fmt: skip

@@ -170,7 +170,7 @@ class InferenceServer:
                 )
                 if no_huge is not None:  # asked, and refused at the mount: served on the directory's pages, said
                     self.models[m.name] = m = replace(m, table_pages="base")
-                    refused_pages(self.precision_choices.setdefault(m.name, {}), m.name, no_huge, self.log)
+                    refused_pages(self.precision_choices, m.name, no_huge, self.log)
                 self._pools[m.name] = Pool(served=m, library=map_library(snap, m.spec))
                 for place in places[m.name]:
                     self._spawn(m, place, snap, warmup_batch=min(m.largest_batch(), library.size))
@@ -181,7 +181,7 @@ class InferenceServer:
         for m, snap in zip(self.models.values(), self._snapshots, strict=True):
             if m.table_pages == "huge":
                 pids = [info["pid"] for info in self.instances.info if info["model"] == m.name]
-                say_pages(m.name, snap, pids, self.snapshot_bytes[m.name], self.precision_choices[m.name], self.log)
+                say_pages(m.name, snap, pids, self.snapshot_bytes[m.name], self.precision_choices, self.log)
         # The load generator, batcher and completion threads share this process's GIL: a
         # thread that wants it waits up to the switch interval (5 ms by default), which
         # becomes queueing in every query's latency (tiny, 4,000 queries/s, 2 instances on

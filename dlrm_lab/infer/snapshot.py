@@ -72,26 +72,27 @@ def map_library(directory: Path, spec: Any) -> LoadedSamples:
     return serving_of(spec).library_from_arrays({k: v.numpy() for k, v in arrays.items()})
 
 
-def say_pages(name: str, directory: Path, pids: list[int], size: int, choices: JsonObject, log: Log) -> None:
+def say_pages(name: str, directory: Path, pids: list[int], size: int, choices: dict[str, JsonObject], log: Log) -> None:
     """Where model `name`'s snapshot is on 2 MiB pages: how much of it each of its instances (`pids`) maps whole,
-    the least of them, recorded in its `choices`' `table_pages_choice` (`huge_bytes`) and said: the kernel maps a
+    the least of them, recorded in `choices` (the server's, by model: `huge_bytes`) and said: the kernel maps a
     huge page whole only where the mapping lets it."""
     mapped = min((pmd_mapped_bytes(pid, directory) for pid in pids), default=0)
-    before = choices.get("table_pages_choice")
-    choices["table_pages_choice"] = {**(before if isinstance(before, dict) else {}), "huge_bytes": mapped}
+    _record(choices, name, huge_bytes=mapped)
     log(
         f"{name}: its snapshot on 2 MiB pages ({directory}): {mapped / 2**20:,.0f} MiB of {size / 2**20:,.0f} mapped "
         "whole by each instance after its warm-up"
     )
 
 
-def refused_pages(choices: JsonObject, name: str, why: str, log: Log) -> None:
-    """Huge pages chosen for model `name` and the mount refused at start: said, and recorded in its `choices` as
-    base pages, with why."""
+def refused_pages(choices: dict[str, JsonObject], name: str, why: str, log: Log) -> None:
+    """Huge pages chosen for model `name` and the mount refused at start: said, and recorded in `choices` (the
+    server's, by model) as base pages, with why."""
     log(f"{name}: table pages base: {why}")
-    before = choices.get("table_pages_choice")
-    choices["table_pages_choice"] = {
-        **(before if isinstance(before, dict) else {}),
-        "table_pages": "base",
-        "reason": why,
-    }
+    _record(choices, name, table_pages="base", reason=why)
+
+
+def _record(choices: dict[str, JsonObject], name: str, **fields: Any) -> None:
+    """`fields` set in model `name`'s `table_pages_choice` (the plan's record, kept where it has one)."""
+    mine = choices.setdefault(name, {})
+    before = mine.get("table_pages_choice")
+    mine["table_pages_choice"] = {**(before if isinstance(before, dict) else {}), **fields}
