@@ -96,6 +96,79 @@ def raise_on_sigterm() -> None:
     redeliver_lost_stops()
 
 
+@contextmanager
+def stops_deferred() -> Iterator[None]:
+    """Within: a stop (SIGTERM, SIGHUP, Ctrl-C) waits until the block ends and is then raised as it would have been
+    (sent again to this process). For clean-up that must run whole: a stop raised in the middle of a server's stop
+    skipped the rest of it (a SIGTERM arriving as an Offline run ended: its instances' join interrupted, the
+    snapshot's tmpfs of 2 MiB pages left mounted, its tables in RAM). Python runs signal handlers in the main
+    thread only: elsewhere the block runs as it is, as it does for a signal whose handler is not Python's."""
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    before: dict[signal.Signals, Any] = {}
+    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        handler = signal.getsignal(stop)
+        if handler is None or handler == signal.SIG_IGN:
+            continue  # set outside Python (cannot be put back) or ignored: left as it is
+        before[stop] = signal.signal(stop, hold)
+    try:
+        yield
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+        if caught:
+            os.kill(os.getpid(), caught[0])  # raised by the handler put back, at the next line
+
+
+_SIGNAL_STACK: list[Any] = []  # the lab's alternate signal stack: never freed (the kernel writes signal frames there)
+_SIGNAL_STACK_MIN = 1 << 16
+
+
+def keep_signal_stack() -> bool:
+    """Make the calling thread's alternate signal stack one the lab owns for the process's life, where another
+    is set: call it after native code that may have set one it frees later. Python's handlers (SIGTERM's, Ctrl-C's)
+    run on that stack (CPython installs them with SA_ONSTACK), so a stack that points at freed memory turns every
+    stop into a kernel-forced SIGSEGV: no handler, no closed run, the snapshot left mounted. OpenVINO's CPU plugin
+    sets its own on the thread that creates its engine and, when the engine goes, puts back the one it found if
+    its own is still set, although that one may be another engine's, already unmapped (two engines made and freed
+    in the order they were made: a kaggle serving start stopped by SIGTERM died that way in half the tries). With
+    the lab's stack set, no engine finds its own there and none puts a freed one back. Returns whether it changed
+    the thread's stack (False off Linux, where it was already the lab's, or where none was set)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+
+    class StackT(ctypes.Structure):
+        _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    current = StackT()
+    if libc.sigaltstack(None, ctypes.byref(current)) != 0 or current.ss_sp is None or current.ss_flags & 2:
+        return False  # none set (or SS_DISABLE): signals run on the thread's own stack, which nothing frees
+    if _SIGNAL_STACK and current.ss_sp == ctypes.addressof(_SIGNAL_STACK[0]):
+        return False
+    if not _SIGNAL_STACK:
+        libc.getauxval.restype = ctypes.c_ulong
+        at_minsigstksz = 51  # the kernel's minimum for this CPU's signal frame (AMX tiles: ~12 KB)
+        size = max(_SIGNAL_STACK_MIN, 4 * int(libc.getauxval(at_minsigstksz)))
+        _SIGNAL_STACK.append(ctypes.create_string_buffer(size))
+    buffer = _SIGNAL_STACK[0]
+    mine = StackT(ctypes.addressof(buffer), 0, ctypes.sizeof(buffer))
+    return bool(libc.sigaltstack(ctypes.byref(mine), None) == 0)
+
+
 def redeliver_lost_stops() -> None:
     """A stop (`Terminated`, Ctrl-C's KeyboardInterrupt) raised while Python runs a finaliser (a `__del__`, a weakref
     callback: the signal handler runs wherever the main thread is) is printed and ignored, and the run went on as if

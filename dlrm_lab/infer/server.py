@@ -35,7 +35,7 @@ from typing import Any, cast
 import numpy as np
 
 from dlrm_lab.config.values import JsonObject, Log
-from dlrm_lab.errors import ServingFault, UserError
+from dlrm_lab.errors import ServingFault, UserError, stops_deferred
 from dlrm_lab.infer.batches import QueryRef
 from dlrm_lab.infer.batching import BatchCost, take_batch, whole_enough
 from dlrm_lab.infer.completions import BatchCompletions, InFlight, InstanceStates, QueryRecords
@@ -210,7 +210,12 @@ class InferenceServer:
         return self
 
     def stop(self) -> None:
-        """Stop batchers and instances; queries still waiting are recorded as unfinished."""
+        """Stop batchers and instances; queries still waiting are recorded as unfinished. Runs whole: a stop signal
+        meanwhile is raised after it (`stops_deferred`), the snapshot removed first."""
+        with stops_deferred():
+            self._stop()
+
+    def _stop(self) -> None:
         self._stopping = True
         for pool in self._pools.values():
             with pool.cond:

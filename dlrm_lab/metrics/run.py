@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.elastic import RUN_RECORD_ENV
-from dlrm_lab.errors import DiskFull, FieldError, UserError, is_disk_full
+from dlrm_lab.errors import DiskFull, FieldError, UserError, is_disk_full, stops_deferred
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
 from dlrm_lab.metrics.roofline import profile_for_run
 from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, flush_interval_s, write_table
@@ -208,9 +208,11 @@ class Run:
     def finish(self, status: str, error: str | None = None) -> None:
         """Flush and merge the tables, then write the final manifest. On a full disk the space
         reserved at creation is given up for the manifest, the run is marked failed with the
-        reason, and `DiskFull` is raised (the part files written stay readable)."""
+        reason, and `DiskFull` is raised (the part files written stay readable). Runs whole: a stop signal meanwhile
+        is raised after it (`stops_deferred`), the run closed first."""
         try:
-            self._finish(status, error)
+            with stops_deferred():
+                self._finish(status, error)
         except DiskFull as full:
             if self.rank == 0:
                 (self.dir / SPACE_RESERVE).unlink(missing_ok=True)  # the room kept for this manifest

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dlrm_lab.errors import keep_signal_stack
 from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.aoti_int8 import CALIBRATION_SAMPLES, CALIBRATION_SEED, calibration_inputs
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
@@ -85,6 +86,7 @@ def convert_dense(module: Any, path: Path, quantise: bool = False) -> None:
     model = ov.convert_model(exported)
     if quantise:
         model = _quantised(model, module)
+        keep_signal_stack()  # NNCF compiled the model on OpenVINO's CPU plugin to calibrate (`keep_signal_stack`)
     xml = path.with_name(path.name + ".xml")  # OpenVINO writes an IR as two files: kept as one here
     try:
         # save_model compresses the weights to fp16 unless told not to
@@ -138,6 +140,7 @@ class OpenVINODense:
             "ENABLE_CPU_PINNING": False,
         }
         self.request = self.core.compile_model(self.model, "CPU", config).create_infer_request()
+        keep_signal_stack()  # the plugin's engine set its own signal stack, freed with it (`keep_signal_stack`)
         self.threads = threads
 
     def __call__(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
