@@ -9,6 +9,7 @@ import math
 import os
 import re
 from collections import namedtuple
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -713,7 +714,14 @@ def test_a_model_too_big_for_memory_or_shared_memory_is_refused_naming_the_sizes
     assert "2 instance(s)" in message and "--table-scale" in message
     check_fits([served], available_bytes=total, shared_free_bytes=1 << 40)  # exactly enough is enough
     with pytest.raises(UserError, match=f"in {tmp_path} but it has 0.00 GiB free"):
-        check_fits([served], available_bytes=1 << 40, shared_free_bytes=1000, shared_dir=tmp_path)
+        check_fits([served], available_bytes=1 << 40, shared_free_bytes=1000, shared_dir=tmp_path, own_tmpfs=True)
+    # on 2 MiB pages the snapshot gets a tmpfs of its own where one can be mounted: only RAM is asked of then
+    huge = replace(served, table_pages="huge")
+    check_fits([huge], available_bytes=total, shared_free_bytes=1000, shared_dir=tmp_path, own_tmpfs=True)
+    with pytest.raises(UserError, match="but it has 0.00 GiB free"):  # refused here: on the directory's pages
+        check_fits([huge], available_bytes=total, shared_free_bytes=1000, shared_dir=tmp_path, own_tmpfs=False)
+    with pytest.raises(UserError, match="but it has 0.00 GiB free"):  # `auto` may choose base pages: counted
+        check_fits([replace(served, table_pages="auto")], available_bytes=total, shared_free_bytes=1000, own_tmpfs=True)
     gpu = need.device_per_instance
     with pytest.raises(UserError, match="the instances on cuda:1 need"):  # 2 instances: one per GPU
         check_fits([served], device="cuda", available_bytes=1 << 40, device_free_bytes=[2 * gpu, gpu - 1])

@@ -51,13 +51,16 @@ def check_fits(
     shared_free_bytes: int | None = None,
     shared_dir: Path | None = None,
     device_free_bytes: list[int] | None = None,
+    own_tmpfs: bool | None = None,
 ) -> list[ModelMemory]:
     """Raise a one-line UserError naming the sizes when `models` cannot be served here;
     return their needs otherwise. The `*_bytes` arguments default to this machine's
     (`psutil` available memory, free space of the snapshot directory, free memory of each
-    visible GPU) and are there for tests."""
+    visible GPU) and are there for tests, as is `own_tmpfs` (whether a snapshot on 2 MiB pages gets a tmpfs of its
+    own here: `infer.snapshot.own_tmpfs_here`)."""
     import psutil
 
+    models = list(models)
     needs = [model_memory(m) for m in models]
     if not needs:
         return needs
@@ -79,11 +82,18 @@ def check_fits(
             f"serving needs {total / GiB:.2f} GiB of memory but this machine has {available / GiB:.2f} GiB available "
             f"[{parts}]: {advice}"
         )
-    if shared_free_bytes is None and device == "cpu":
-        from dlrm_lab.infer.snapshot import snapshot_base
+    from dlrm_lab.infer.snapshot import own_tmpfs_here, snapshot_base
 
+    if shared_free_bytes is None and device == "cpu":
         shared_free_bytes = shutil.disk_usage(shared_dir or snapshot_base()).free
-    shared = sum(n.snapshot + n.library for n in needs)
+    # a snapshot asked on 2 MiB pages is written to a tmpfs of its own where one can be mounted here, in RAM (counted
+    # above), not in the snapshot directory's room (a container's /dev/shm: 64 MiB); `auto` may choose base pages
+    own = own_tmpfs_here() if own_tmpfs is None else own_tmpfs
+    shared = sum(
+        n.snapshot + n.library
+        for n, m in zip(needs, models, strict=True)
+        if not (own and getattr(m, "table_pages", "base") == "huge")
+    )
     if shared_free_bytes is not None and shared > shared_free_bytes:
         where = shared_dir or "the snapshot directory"
         raise UserError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,19 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.infer.library import LoadedSamples
 from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.metrics.huge_pages import mount_huge_tmpfs, pmd_mapped_bytes, unmount
+from dlrm_lab.metrics.huge_pages import unsupported as huge_pages_unsupported
 
 # The snapshot's pages (`write_snapshot`): base (4 KiB, the snapshot directory's tmpfs) or huge (a tmpfs of 2 MiB
 # pages mounted on the snapshot directory: a random row's page walk, two-dimensional under a hypervisor, all but
 # gone; kaggle bf16, 1M-row tables, one thread: a sample 0.28x, a 1-sample batch 0.80x, BENCHMARKS.md 2026-11-30)
 TABLE_PAGES = ("base", "huge")
 LIBRARY_FILE = "library.pt"  # in a snapshot, next to model.pt
+
+
+def own_tmpfs_here() -> bool:
+    """Whether a snapshot asked on 2 MiB pages gets its own tmpfs here (`write_snapshot`: Linux, root, transparent
+    huge pages on): it then takes nothing of `snapshot_base()`'s room, only RAM."""
+    return sys.platform.startswith("linux") and os.geteuid() == 0 and huge_pages_unsupported() is None
 
 
 def snapshot_base() -> Path:

@@ -30,7 +30,9 @@ MADV_COLLAPSE = 25
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
-HUGE_TMPFS = "huge=within_size,mode=0700"  # the file's 2 MiB pages within its size on huge pages
+# the file's 2 MiB pages within its size on huge pages; up to all of RAM (tmpfs's default is half: a larger snapshot
+# failed to write), what serving may take of it being checked before (`infer.memory.check_fits`)
+HUGE_TMPFS = "huge=within_size,mode=0700,size=100%"
 
 
 def thp_mode(path: Path = THP_ENABLED) -> str | None:
