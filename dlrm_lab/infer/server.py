@@ -209,13 +209,9 @@ class InferenceServer:
         self.records.epoch_ns = time.monotonic_ns()
         return self
 
+    @stops_deferred()  # runs whole: a stop signal meanwhile is raised after it, the snapshot removed first
     def stop(self) -> None:
-        """Stop batchers and instances; queries still waiting are recorded as unfinished. Runs whole: a stop signal
-        meanwhile is raised after it (`stops_deferred`), the snapshot removed first."""
-        with stops_deferred():
-            self._stop()
-
-    def _stop(self) -> None:
+        """Stop batchers and instances; queries still waiting are recorded as unfinished."""
         self._stopping = True
         for pool in self._pools.values():
             with pool.cond:
@@ -232,9 +228,8 @@ class InferenceServer:
         for q in unfinished.values():
             self.records.finish(q, "unfinished", now=now, error="server stopped")
         self._in_flight.clear()
-        for snap in self._snapshots:
-            remove_snapshot(snap)
-        self._snapshots.clear()
+        while self._snapshots:
+            remove_snapshot(self._snapshots.pop())
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
