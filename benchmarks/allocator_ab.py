@@ -9,7 +9,10 @@ batch   kaggle (tables capped at 1M rows), one thread, the precision `auto` pick
         against glibc's in the same round. Routes: aoti, aoti_frozen, aoti_tuned, by_size (as an instance of
         `--build auto` serves when aoti_frozen is chosen: each of its finalists timed at every batch size it serves
         and each size served by the fastest, `infer.finalists`) and buckets (one static package per size, frozen
-        and max-autotuned: `one_call.py`'s). Targets (AMX): <= 0.15 ms a batch, <= 1.5 us a sample.
+        and max-autotuned: `one_call.py`'s). The tables on the pages serving maps them on (`--table-pages`, default
+        auto: 2 MiB where the machine's profile measured the gather faster on them, as `infer run`'s default
+        chooses; here anonymous memory collapsed onto them, where instances map a tmpfs of them). Targets (AMX):
+        <= 0.15 ms a batch, <= 1.5 us a sample.
 points  The low-load point (kaggle 100k rows, MLPerf sizes, 3 q/s, 1 x 1, `--duration` s, build auto) under
         `--allocator glibc` and each other installed one, interleaved: p99 over its floor (target <= 3x).
 
@@ -30,14 +33,17 @@ from typing import Any
 from common import header, results_path, write_results
 
 from dlrm_lab.infer import allocator
+from dlrm_lab.metrics import huge_pages
+from dlrm_lab.metrics.gather_pages import pages_faster
 
 ROUTES = ("aoti", "aoti_frozen", "aoti_tuned", "by_size", "buckets")
 FINALISTS = ("aoti_frozen", "aoti_tuned", "aoti")  # by_size: the build served first, then its finalists
 SIZES = (1, 256)
 
 
-def child(routes: list[str], bucket_dir: str) -> None:
-    """One process's measurement of `routes` (printed as one JSON line), under whatever allocator it was started."""
+def child(routes: list[str], bucket_dir: str, pages: str) -> None:
+    """One process's measurement of `routes` (printed as one JSON line), under whatever allocator it was started,
+    the tables on `pages` (base or huge)."""
     import copy
     from types import SimpleNamespace
 
@@ -45,8 +51,10 @@ def child(routes: list[str], bucket_dir: str) -> None:
     from one_call import Buckets, kaggle_setup
 
     from dlrm_lab.infer import build as builds
+    from dlrm_lab.infer.builds.aoti import table_weights
     from dlrm_lab.infer.instance import _final_build
     from dlrm_lab.infer.serving_parts import make_runner
+    from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 
     torch.set_num_threads(1)
     _, precision, model, library = kaggle_setup()
@@ -61,12 +69,18 @@ def child(routes: list[str], bucket_dir: str) -> None:
             modules[route] = bucketed
         elif route != "by_size":
             modules[route] = builds.make_build(model, route, precision=precision, table_precision="fp32")
+    made = {}
+    if "by_size" in routes:
+        made = {b: builds.make_build(model, b, precision=precision, table_precision="fp32") for b in FINALISTS}
+    huge = None
+    if pages == "huge":  # each distinct table tensor once (siblings share their base's)
+        tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in [*modules.values(), *made.values()])}
+        huge = back_with_huge_pages(list(tables.values()))
     runners = {r: make_runner(m, library, torch.device("cpu"), precision) for r, m in modules.items()}
     for runner in runners.values():
         runner.warm_up(max(SIZES))
     chosen: dict[str, Any] = {}
     if "by_size" in routes:  # as an instance serves it: its finalists timed at each size, routed (`_final_build`)
-        made = {b: builds.make_build(model, b, precision=precision, table_precision="fp32") for b in FINALISTS}
         plan = SimpleNamespace(build=FINALISTS[0], finalists=tuple((b, made[b].package) for b in FINALISTS[1:]),
                                precision=precision, history_cache_mb=0)  # fmt: skip
         _, runner, chosen = _final_build(plan, made[FINALISTS[0]], library, torch.device("cpu"), max(SIZES))
@@ -83,15 +97,17 @@ def child(routes: list[str], bucket_dir: str) -> None:
         }
         for r, cs in costs.items()
     }
-    got = {"allocator": allocator.in_use(), "precision": precision, "routes": out, "by_size": chosen}
+    got = {"allocator": allocator.in_use(), "precision": precision, "routes": out, "by_size": chosen, "pages": pages}
+    if huge is not None:
+        got["huge_bytes"], got["huge_error"] = huge.huge_bytes, huge.error
     print(json.dumps(got), flush=True)
 
 
-def batch_part(found: dict[str, str], rounds: int, routes: list[str]) -> dict[str, Any]:
+def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {a: [] for a in found}
     with tempfile.TemporaryDirectory() as buckets:
         # the packages made once, before any round (each later process loads them from the cache)
-        command = [sys.executable, __file__, "--child", ",".join(routes), buckets]
+        command = [sys.executable, __file__, "--child", ",".join(routes), buckets, pages]
         subprocess.run(command, check=True, capture_output=True)
         for k in range(rounds):
             for name, library in found.items():
@@ -139,13 +155,14 @@ def points_part(found: dict[str, str], rounds: int, duration: str) -> dict[str, 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        child(sys.argv[2].split(","), sys.argv[3])
+        child(sys.argv[2].split(","), sys.argv[3], sys.argv[4])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="batch,points")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--routes", default=",".join(ROUTES))
     parser.add_argument("--duration", default="120")
+    parser.add_argument("--table-pages", default="auto", choices=("auto", "base", "huge"))
     parser.add_argument("--out", default=None, help="the results file (default: results/results-allocator_ab-...)")
     args = parser.parse_args()
     found = allocator.installed()
@@ -153,8 +170,14 @@ def main() -> None:
         raise SystemExit("only glibc's malloc is installed: nothing to compare (apt-get install libjemalloc2 ...)")
     results: dict[str, Any] = header(installed=found)
     parts = args.parts.split(",")
+    pages = args.table_pages
+    if pages == "auto":  # as `infer run`'s default chooses (`infer.plan.Planner.choose_table_pages`)
+        faster, why = pages_faster(1, measure=False)
+        pages = "huge" if faster and huge_pages.unsupported() is None else "base"
+        print(f"table pages {pages}: {why}", flush=True)
+    results["table_pages"] = pages
     if "batch" in parts:
-        results["batch"] = batch_part(found, args.rounds, args.routes.split(","))
+        results["batch"] = batch_part(found, args.rounds, args.routes.split(","), pages)
     if "points" in parts:
         results["points"] = points_part(found, args.rounds, args.duration)
     write_results(results_path("allocator_ab", args.out), results)
