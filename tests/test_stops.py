@@ -145,21 +145,46 @@ def test_a_sigterm_while_the_server_stops_still_removes_its_snapshot_and_ends_it
     assert not snapshot.exists() and not any(p.is_alive() for p in procs)
 
 
-def test_a_sigterm_while_a_run_closes_still_closes_it(tmp_path):
-    """The run's tables merged and its manifest written before the stop is raised: never a run left `running`."""
+def test_a_sigterm_while_a_run_closes_still_closes_it(tmp_path, monkeypatch):
+    """The run's tables merged and its manifest written before the stop is raised: never a run left `running`; a
+    stop while it waits for its peers (a barrier that may never return) ends the wait and closes it failed."""
+    import time
+
     import pyarrow as pa
 
+    import dlrm_lab.metrics.run as run_module
     from dlrm_lab.metrics.run import Run, read_manifest
 
-    run = Run.create(tmp_path / "runs", kind="infer", config={})
     schema = pa.schema([("query_id", pa.int64()), ("latency_ms", pa.float64())])
-    run.table("queries", schema).append({"query_id": 1, "latency_ms": 2.5})
-    run.before_finish(lambda: os.kill(os.getpid(), signal.SIGTERM))  # the stop arrives as the run closes
     before = signal.getsignal(signal.SIGTERM)
+    real_consolidate = run_module.consolidate_run
+
+    def consolidate_and_signalled(path):
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop arrives as the run closes
+        return real_consolidate(path)
+
+    def barrier_never_returning():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
     try:
         raise_on_sigterm()
+        closing = Run.create(tmp_path / "runs", kind="infer", config={})
+        closing.table("queries", schema).append({"query_id": 1, "latency_ms": 2.5})
+        monkeypatch.setattr(run_module, "consolidate_run", consolidate_and_signalled)
         with pytest.raises(Terminated):
-            run.finish("ok")
+            closing.finish("ok")
+        monkeypatch.setattr(run_module, "consolidate_run", real_consolidate)
+        waiting = Run.create(tmp_path / "runs", kind="train", config={})
+        waiting.table("queries", schema).append({"query_id": 2, "latency_ms": 1.0})
+        waiting.before_finish(barrier_never_returning)
+        started = time.monotonic()
+        with pytest.raises(Terminated):
+            waiting.finish("ok")
+        assert time.monotonic() - started < 30  # the wait ended by the stop, not deferred over it
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert read_manifest(run.dir)["status"] == "ok" and (run.dir / "queries.parquet").exists()
+    assert read_manifest(closing.dir)["status"] == "ok" and (closing.dir / "queries.parquet").exists()
+    manifest = read_manifest(waiting.dir)
+    assert manifest["status"] == "failed" and manifest["error"].startswith("Terminated: terminated by signal SIGTERM")
+    assert (waiting.dir / "queries.parquet").exists()

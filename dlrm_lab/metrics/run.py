@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.elastic import RUN_RECORD_ENV
-from dlrm_lab.errors import DiskFull, FieldError, UserError, is_disk_full, stops_deferred
+from dlrm_lab.errors import DiskFull, FieldError, Terminated, UserError, is_disk_full, stops_deferred
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
 from dlrm_lab.metrics.roofline import profile_for_run
 from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, flush_interval_s, write_table
@@ -208,11 +208,11 @@ class Run:
     def finish(self, status: str, error: str | None = None) -> None:
         """Flush and merge the tables, then write the final manifest. On a full disk the space
         reserved at creation is given up for the manifest, the run is marked failed with the
-        reason, and `DiskFull` is raised (the part files written stay readable). Runs whole: a stop signal meanwhile
-        is raised after it (`stops_deferred`), the run closed first."""
+        reason, and `DiskFull` is raised (the part files written stay readable). A stop signal meanwhile is raised
+        once the run is closed (`stops_deferred`); one that ends the wait for peers (`before_finish`: a barrier)
+        closes the run failed, with it."""
         try:
-            with stops_deferred():
-                self._finish(status, error)
+            self._finish(status, error)
         except DiskFull as full:
             if self.rank == 0:
                 (self.dir / SPACE_RESERVE).unlink(missing_ok=True)  # the room kept for this manifest
@@ -226,14 +226,28 @@ class Run:
 
     def _finish(self, status: str, error: str | None) -> None:
         assert status in STATUSES, status
-        for writer in self._tables.values():
-            writer.flush()
+        with stops_deferred():
+            for writer in self._tables.values():
+                writer.flush()
+        stopped: BaseException | None = None
         if status == "ok":  # after a failure a peer may be dead: do not wait for it
             for callback in self._before_finish:
                 try:
-                    callback()
+                    callback()  # may wait on peers: a stop ends the wait (never deferred over it)
                 except Exception:  # noqa: BLE001 - a dead peer must not stop us keeping our rows
                     pass
+                except KeyboardInterrupt as stop:
+                    stopped, status, error = stop, "interrupted", "KeyboardInterrupt"
+                    break
+                except Terminated as stop:
+                    stopped, status, error = stop, "failed", f"Terminated: {stop}"
+                    break
+        with stops_deferred():
+            self._close(status, error)
+        if stopped is not None:
+            raise stopped
+
+    def _close(self, status: str, error: str | None) -> None:
         if self.rank != 0:
             for writer in self._tables.values():
                 writer.close(merge=False)
