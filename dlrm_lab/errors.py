@@ -141,7 +141,7 @@ def keep_signal_stack() -> bool:
     stop into a kernel-forced SIGSEGV: no handler, no closed run, the snapshot left mounted. OpenVINO's CPU plugin
     sets its own on the thread that creates its engine and, when the engine goes, puts back the one it found if
     its own is still set, although that one may be another engine's, already unmapped (two engines made and freed
-    in the order they were made: a kaggle serving start stopped by SIGTERM died that way in half the tries). With
+    in the order they were made: a kaggle serving start stopped by SIGTERM died that way in 8 of 19 tries). With
     the lab's stack set, no engine finds its own there and none puts a freed one back. Returns whether it changed
     the thread's stack (False off Linux, where it was already the lab's, or where none was set)."""
     import ctypes

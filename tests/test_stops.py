@@ -69,7 +69,7 @@ def test_a_foreign_signal_stack_is_replaced_by_the_labs_own_once(own_altstack):
 def test_openvino_engines_freed_in_the_order_made_leave_a_valid_signal_stack(own_altstack, tmp_path):
     """OpenVINO's CPU plugin sets a signal stack on the thread that makes its engine and, when the engine goes,
     puts back the one it found there: two engines freed in the order they were made put back the first's, already
-    unmapped, and the next SIGTERM died of a kernel-forced SIGSEGV (a kaggle serving start, half the tries)."""
+    unmapped, and the next SIGTERM died of a kernel-forced SIGSEGV (a kaggle serving start, 8 of 19 tries)."""
     pytest.importorskip("openvino", reason="the openvino build needs the optional extra dlrm-lab[openvino]")
     import torch
 
