@@ -556,7 +556,8 @@ def test_a_run_whose_process_dies_of_a_fatal_signal_is_marked_with_it(tmp_path):
     import subprocess
     import sys
 
-    from dlrm_lab.metrics.run import FAULT_LOG, Run, read_manifest, recover_run
+    from dlrm_lab.metrics.fault_log import FAULT_LOG
+    from dlrm_lab.metrics.run import Run, read_manifest, recover_run
 
     crash = (f"from dlrm_lab.metrics.run import Run; Run.create({str(tmp_path)!r}, 'train', {{}}); "
              "import ctypes; ctypes.string_at(0)")  # fmt: skip

@@ -7,7 +7,6 @@ recognisable as one still `running` with no live process.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -27,6 +26,7 @@ import pyarrow as pa
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.distributed.elastic import RUN_RECORD_ENV
 from dlrm_lab.errors import DiskFull, FieldError, Terminated, UserError, is_disk_full, stops_deferred
+from dlrm_lab.metrics.fault_log import close_fault_log, crash_reason, open_fault_log
 from dlrm_lab.metrics.hardware import git_state, hardware_fingerprint, package_versions
 from dlrm_lab.metrics.roofline import profile_for_run
 from dlrm_lab.metrics.tables import TableWriter, atomic_file, consolidate_run, flush_interval_s, write_table
@@ -186,7 +186,7 @@ class Run:
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise DiskFull.at(run_dir / SPACE_RESERVE, exc) if is_disk_full(exc) else exc from None
-        _fault_log(run_dir)
+        open_fault_log(run_dir)
         run = cls(run_dir, manifest)
         run._open_marker = _watch(run_dir)
         return run
@@ -255,7 +255,7 @@ class Run:
         for writer in self._tables.values():
             writer.close()
         consolidate_run(self.dir)  # parts of other ranks' tables this rank never opened
-        _close_fault_log(self.dir)
+        close_fault_log(self.dir)
         self.update_manifest(
             status=status,
             end_time=_now_iso(),
@@ -421,47 +421,8 @@ def recover_run(run_dir: Path) -> JsonObject:
     if manifest.get("status") == "running" and not pid_alive(cast("int | None", manifest.get("pid"))):
         (Path(run_dir) / SPACE_RESERVE).unlink(missing_ok=True)  # its room first: a full disk may be why
         consolidate_run(Path(run_dir))
-        manifest = amend_manifest(run_dir, status="failed", error=_crash_reason(Path(run_dir)))
+        manifest = amend_manifest(run_dir, status="failed", error=crash_reason(Path(run_dir)))
     return manifest
-
-
-FAULT_LOG = "fault.log"  # Python's fault handler writes here if the run's process dies of a fatal signal
-_FATAL = {
-    "Segmentation fault": "SIGSEGV",
-    "Aborted": "SIGABRT",
-    "Bus error": "SIGBUS",
-    "Floating-point exception": "SIGFPE",
-    "Illegal instruction": "SIGILL",
-}
-_fault_files: dict[Path, Any] = {}
-
-
-def _fault_log(run_dir: Path) -> None:
-    """Have Python's fault handler write its report of a fatal signal (a kernel's SIGSEGV) into the run, so that
-    a run whose process died that way is marked with the signal (`recover_run`), not only as gone."""
-    import faulthandler
-
-    try:
-        handle = open(run_dir / FAULT_LOG, "w")  # noqa: SIM115 - open for the run's life: the handler needs the fd
-    except OSError:
-        return
-    _fault_files[run_dir] = handle
-    faulthandler.enable(file=handle, all_threads=True)
-
-
-def _close_fault_log(run_dir: Path) -> None:
-    """The run closed: the fault handler goes back to stderr (where Python and pytest keep it), an empty log away."""
-    import faulthandler
-
-    handle = _fault_files.pop(run_dir, None)
-    if handle is None:
-        return
-    # without a stderr at start (None) the handler takes sys.stderr, as it does when given None
-    faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)
-    handle.close()
-    with contextlib.suppress(OSError):
-        if (run_dir / FAULT_LOG).stat().st_size == 0:
-            (run_dir / FAULT_LOG).unlink()
 
 
 _watcher: tuple[int, Path] | None = None  # this process's watcher: (pid it watches, its directory of open runs)
@@ -499,15 +460,3 @@ def _watch(run_dir: Path) -> Path | None:
         return marker
     except OSError:
         return None
-
-
-def _crash_reason(run_dir: Path) -> str:
-    """Why a run's process ended without closing it: the fatal signal its fault log names, or a crash or kill."""
-    try:
-        first = (run_dir / FAULT_LOG).read_text(errors="replace").strip().splitlines()[0]
-    except (OSError, IndexError):
-        return "process ended without closing the run (crash or kill)"
-    what = first.removeprefix("Fatal Python error: ").strip()
-    signal_name = _FATAL.get(what)
-    named = f"killed by signal {signal_name} ({what})" if signal_name else what
-    return f"process {named}; Python's report in {FAULT_LOG}"
