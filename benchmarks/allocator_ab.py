@@ -33,8 +33,7 @@ from typing import Any
 from common import header, results_path, write_results
 
 from dlrm_lab.infer import allocator
-from dlrm_lab.metrics import huge_pages
-from dlrm_lab.metrics.gather_pages import pages_faster
+from dlrm_lab.metrics.gather_pages import auto_pages
 
 ROUTES = ("aoti", "aoti_frozen", "aoti_tuned", "by_size", "buckets")
 FINALISTS = ("aoti_frozen", "aoti_tuned", "aoti")  # by_size: the build served first, then its finalists
@@ -172,8 +171,7 @@ def main() -> None:
     parts = args.parts.split(",")
     pages = args.table_pages
     if pages == "auto":  # as `infer run`'s default chooses (`infer.plan.Planner.choose_table_pages`)
-        faster, why = pages_faster(1, measure=False)
-        pages = "huge" if faster and huge_pages.unsupported() is None else "base"
+        pages, why = auto_pages(1, measure=False)
         print(f"table pages {pages}: {why}", flush=True)
     results["table_pages"] = pages
     if "batch" in parts:

@@ -34,9 +34,8 @@ from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
 from dlrm_lab.infer.serving_parts import serving_of
-from dlrm_lab.metrics import huge_pages
 from dlrm_lab.metrics.cpu import usable_cores
-from dlrm_lab.metrics.gather_pages import pages_faster
+from dlrm_lab.metrics.gather_pages import auto_pages
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 
 if TYPE_CHECKING:
@@ -142,11 +141,8 @@ class Planner:
             pages, reason = m.table_pages, f"--table-pages {m.table_pages}"
         elif self.device != "cpu":
             pages, reason = "base", f"served on {self.device}: the instances build their tables there"
-        elif (why := huge_pages.unsupported()) is not None:
-            pages, reason = "base", why
         else:
-            faster, reason = pages_faster(m.threads, measure=False)
-            pages = "huge" if faster else "base"
+            pages, reason = auto_pages(m.threads, measure=False)
         if m.table_pages == AUTO:
             self.log(f"{m.name}: table pages {pages}: {reason}")
         self.precision_choices[m.name]["table_pages_choice"] = {

@@ -52,3 +52,14 @@ def pages_faster(threads: int, measure: bool = True) -> tuple[bool, str]:
         f"an embedding gather ran {huge / 1e9:.2f} GB/s on 2 MiB pages against {base / 1e9:.2f} on 4 KiB "
         f"({source}): " + ("huge pages are faster" if faster else f"huge pages not {PAGES_MARGIN:.2f}x faster")
     )
+
+
+def auto_pages(threads: int, measure: bool = True) -> tuple[str, str]:
+    """`--table-pages auto`'s pages where the tables are in host memory: huge where Linux has transparent huge pages
+    and `pages_faster`, else base; and the line saying why."""
+    from dlrm_lab.metrics.huge_pages import unsupported
+
+    if (why := unsupported()) is not None:
+        return "base", why
+    faster, reason = pages_faster(threads, measure)
+    return ("huge" if faster else "base"), reason
