@@ -327,3 +327,53 @@ def test_the_interaction_choice_times_both_ways_on_cuda():
     assert set(choice["ms"]) == {"fp32", "autocast"} and all(v > 0 for v in choice["ms"].values())
     arch = next(m for m in model.modules() if isinstance(m, DotInteractionArch))
     assert arch.gram_dtype == (torch.float32 if choice["gram_dtype"] == "fp32" else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(dtype):
+    """`model.native`'s kernel against autograd through the plain ops in float64: whole and partial blocks of
+    samples (a vector's lanes each), the default triangle and a sharded collection's order, and the interaction's
+    own module run with `native` set; its sums are fp32 whatever the dtype (bf16: one rounding of the output)."""
+    from dlrm_lab.model import native
+    from dlrm_lab.model.dlrm import DotInteractionArch, _plain_interaction, _triangle_index
+
+    assert native.load() is None, native.load()  # CI builds it: a test, not an option
+    torch.manual_seed(0)
+    n, D = 7, 16
+    rows, cols = torch.triu_indices(n, n, offset=1)
+    names = tuple(f"f{k}" for k in range(n - 1))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-1}
+    for batch in (1, 16, 37):
+        dense, sparse = torch.randn(batch, D).to(dtype), torch.randn(batch, n - 1, D).to(dtype)
+        for pairs in (rows * n + cols, _triangle_index(tuple(reversed(names)), names, torch.device("cpu"))):
+            want = [dense.double().requires_grad_(), sparse.double().requires_grad_()]
+            got = [dense.clone().requires_grad_(), sparse.clone().requires_grad_()]
+            plain = _plain_interaction(*want, pairs)
+            out = torch.ops.dlrm_lab.dot_interaction(*got, pairs)
+            assert out.dtype == dtype and out.shape == plain.shape
+            torch.testing.assert_close(out.double(), plain.detach(), **tolerance)
+            weights = torch.randn(plain.shape[1], dtype=torch.float64)
+            (plain * weights).sum().backward()
+            (out.double() * weights).sum().backward()
+            for g, w in zip(got, want, strict=True):
+                assert g.grad.dtype == dtype
+                torch.testing.assert_close(g.grad.double(), w.grad, **tolerance)
+    arch = DotInteractionArch(num_sparse_features=n - 1)
+    arch.native = True
+    dense, sparse = torch.randn(5, D, dtype=torch.bfloat16), torch.randn(5, n - 1, D)  # autocast's mixed inputs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = arch(dense, sparse)
+    assert out.dtype == torch.bfloat16 and out.grad_fn is None
+    torch.testing.assert_close(
+        out.float(), _plain_interaction(dense.float(), sparse, arch.triu_flat_indices), **{"rtol": 2e-2, "atol": 1e-1}
+    )
+
+
+def test_the_labs_interaction_kernel_refuses_pairs_outside_the_gram_matrix():
+    from dlrm_lab.model import native
+
+    assert native.load() is None
+    with pytest.raises(RuntimeError, match="outside the 3 x 3 Gram matrix"):
+        torch.ops.dlrm_lab.dot_interaction(torch.randn(2, 4), torch.randn(2, 2, 4), torch.tensor([1, 9]))
+    with pytest.raises(RuntimeError, match="disagree"):
+        torch.ops.dlrm_lab.dot_interaction(torch.randn(2, 4), torch.randn(3, 2, 4), torch.tensor([1]))

@@ -603,3 +603,45 @@ def test_a_batch_shapes_package_inputs_are_made_once_bounded_in_number_and_remad
     grown = runner([QueryRef(0, 600, 0)])  # past the buffers: grown, every kept shape dropped with the old ones
     assert all(v[0].data_ptr() == runner.views[0].data_ptr() for v in runner.inputs.values())
     assert np.abs(grown[:3] - runner([QueryRef(0, 3, 0)])).max() <= 1e-6
+
+
+def test_a_package_with_the_labs_interaction_kernel_calls_it_and_scores_as_the_eager_model(served):
+    """The interaction as the lab's kernel (`model.native`) exports into the package as one op (its name in the
+    package's graph, asserted), keys a package of its own, loads in a process that builds the kernel, and scores as
+    the eager model."""
+    import copy
+    import zipfile
+
+    from dlrm_lab.infer.interaction import put, uses_native
+
+    model, module, library, _ = served
+    with_kernel = copy.deepcopy(model)
+    put(with_kernel, "native")
+    packaged = make_build(with_kernel, "aoti", precision="fp32", table_precision="fp32")
+    assert uses_native(packaged) and not uses_native(module) and packaged.package != module.package
+    with zipfile.ZipFile(packaged.package) as z:
+        assert any(b"dlrm_lab::dot_interaction" in z.read(name) for name in z.namelist() if not name.endswith(".so"))
+    runner = make_runner(packaged, library, torch.device("cpu"), "fp32")
+    for refs in ([QueryRef(0, 1, 3)], [QueryRef(0, 5, 10), QueryRef(1, 40, 200)]):
+        assert np.abs(runner(refs) - _eager_scores(model, library, refs)).max() <= accuracy.FP32_SCORE_TOLERANCE
+
+
+def test_the_serving_plan_times_the_interaction_both_ways_and_puts_its_choice_in_the_model(served, monkeypatch):
+    import copy
+
+    from dlrm_lab.infer import interaction
+
+    model = copy.deepcopy(served[0])
+    lines = []
+    record = interaction.choose_interaction(
+        model, precision="fp32", sizes=[1, 64], threads=1, device="cpu", log=lines.append
+    )
+    assert set(record["ms"]) == {"torch", "native"} and set(record["ms"]["native"]) == {"1", "64"}
+    assert all(v > 0 for by in record["ms"].values() for v in by.values())
+    assert interaction.uses_native(model) == (record["interaction"] == "native") and lines[-1].startswith("dot")
+    # a kernel that does not build: torch's ops, and why
+    monkeypatch.setattr(interaction.native, "load", lambda: "the lab's C++ kernels did not build: no compiler")
+    record = interaction.choose_interaction(
+        model, precision="fp32", sizes=[8], threads=1, device="cpu", log=lines.append
+    )
+    assert record["interaction"] == "torch" and "no compiler" in record["reason"] and not interaction.uses_native(model)

@@ -30,6 +30,7 @@ from dlrm_lab.distributed.context import resolve_device
 from dlrm_lab.errors import UserError
 from dlrm_lab.infer import allocator
 from dlrm_lab.infer.instance import PRECISIONS
+from dlrm_lab.infer.interaction import choose_interaction
 from dlrm_lab.infer.memory import check_fits, library_samples
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel, check_cores
@@ -171,6 +172,11 @@ class Planner:
                 f"{m.name}: no --checkpoint: serving an untrained model, its builds' accuracy judged on labels "
                 "drawn from its own ranking"
             )
+        interaction = choose_interaction(
+            model, precision=m.precision, sizes=m.batches_to_time(), threads=m.threads, device=self.device, log=self.log
+        )
+        if interaction is not None:
+            self.precision_choices[m.name]["interaction_choice"] = interaction
         choice, model, m = self._checked_build(m, model, library, held_out)
         if choice.accuracy is not None and not choice.accuracy.passed:
             self.log(

@@ -169,6 +169,9 @@ class DotInteractionArch(nn.Module):
         # None: the Gram matrix in autocast's dtype where autocast is on (bmm: bf16); a dtype: in that one, out of
         # autocast (set by a training run's measured choice, `train.choices.choose_run_interaction`)
         self.gram_dtype: torch.dtype | None = None
+        # the lab's C++ kernel (`model.native`) in place of torch's ops: set only by a measured choice (training's,
+        # the serving plan's), never by default
+        self.native = False
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: torch.Tensor, triangle: torch.Tensor | None = None
@@ -176,16 +179,23 @@ class DotInteractionArch(nn.Module):
         """`triangle`: where the pairs lie when `sparse_features` come in another order than the
         features' (`pooled_with_triangle`); by default they come in order."""
         pairs = self.triu_flat_indices if triangle is None else triangle
-        return dot_interaction(dense_features, sparse_features, pairs, self.gram_dtype)
+        return dot_interaction(dense_features, sparse_features, pairs, self.gram_dtype, self.native)
 
 
 def dot_interaction(
-    dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None
+    dense: torch.Tensor,
+    sparse: torch.Tensor,
+    pairs: torch.Tensor,
+    gram_dtype: torch.dtype | None,
+    native: bool = False,
 ) -> torch.Tensor:
     """`[dense, the entries `pairs` of each sample's Gram matrix of [dense, sparse...]]` (B X D, B X F X D -> B X
     (D + pairs)), the Gram matrix in `gram_dtype` out of autocast where one is given (a training run's measured
-    choice), else in autocast's dtype where it is on. Training in eager mode takes `_DotInteraction`'s forward and
+    choice), else in autocast's dtype where it is on. `native`: the lab's kernel (one op, its own backward; it
+    exports and compiles as one call). Otherwise training in eager mode takes `_DotInteraction`'s forward and
     backward; traced, exported and no-grad calls the plain ops."""
+    if native:
+        return _native_interaction(dense, sparse, pairs, gram_dtype)
     trained = dense.requires_grad or sparse.requires_grad
     if trained and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         device = dense.device.type
@@ -200,6 +210,26 @@ def dot_interaction(
         with torch.autocast(dense.device.type, enabled=False):
             return _plain_interaction(dense.to(gram_dtype), sparse.to(gram_dtype), pairs)
     return _plain_interaction(dense, sparse, pairs)
+
+
+def _native_interaction(
+    dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """The lab's kernel over both inputs in one dtype: `gram_dtype`, else autocast's where it is on (as its bmm
+    would be), else the wider input's. Sums are fp32 inside the kernel whatever the dtype."""
+    from dlrm_lab.model import native
+
+    if (why := native.load()) is not None:
+        raise RuntimeError(why)
+    device = dense.device.type
+    if gram_dtype is not None:
+        dtype = gram_dtype
+    elif torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(dense.dtype, sparse.dtype)
+    with torch.autocast(device, enabled=False):
+        return torch.ops.dlrm_lab.dot_interaction(dense.to(dtype), sparse.to(dtype), pairs)
 
 
 def _plain_interaction(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

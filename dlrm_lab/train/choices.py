@@ -240,8 +240,9 @@ def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.de
             out = arch(dense, sparse)
         out.backward(grad)
 
-    def timed(gram_dtype: Any) -> float:
-        before, arch.gram_dtype = arch.gram_dtype, gram_dtype
+    def timed(way: str) -> float:
+        before = arch.gram_dtype, arch.native
+        _put_gram([arch], way)
         try:
             once()  # allocations of this way's first call out of the timing
             if device.type == "cuda":
@@ -253,24 +254,36 @@ def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.de
                 torch.cuda.synchronize(device)
             return (time.perf_counter() - start) * 1e3 / INTERACTION_CALLS
         finally:
-            arch.gram_dtype = before
+            arch.gram_dtype, arch.native = before
 
     return timed
 
 
 def _put_gram(arches: list[Any], way: str) -> None:
-    """Every dot interaction computes its Gram matrix `way`: in fp32, or as autocast casts it."""
+    """Every dot interaction computes its Gram matrix `way`: in fp32, as autocast casts it, or by the lab's kernel
+    (`model.native`) in autocast's dtype."""
     for arch in arches:
         arch.gram_dtype = torch.float32 if way == "fp32" else None
+        arch.native = way == "native"
+
+
+def interaction_ways(device: torch.device) -> tuple[tuple[str, ...], str | None]:
+    """The ways a dot interaction can run here, and why the lab's kernel is not among them (None where it is)."""
+    from dlrm_lab.model import native
+
+    if device.type != "cpu":
+        return ("autocast", "fp32"), f"the lab's interaction kernel is for the CPU, not {device.type}"
+    why = native.load()
+    return (("autocast", "fp32") if why else ("autocast", "fp32", "native")), why
 
 
 def choose_run_interaction(
     spec: Spec, cfg: TrainConfig, ctx: DistContext, model: torch.nn.Module, log: Log | None
 ) -> JsonObject | None:
     """Where a dot interaction computes its Gram matrix when the run's dense part is in bf16: in bf16 as autocast
-    casts its `bmm` (a product of 16-wide rows, too small for bf16's rate to pay for the casts around it), or
-    in fp32 out of autocast. Rank 0 times both at the run's batch, every rank runs its choice; None where
-    there is no dot interaction or the run is fp32."""
+    casts its `bmm` (a product of 16-wide rows, too small for bf16's rate to pay for the casts around it), in
+    fp32 out of autocast, or by the lab's kernel (`model.native`, on the CPU where it builds). Rank 0 times each at
+    the run's batch, every rank runs its choice; None where there is no dot interaction or the run is fp32."""
     from dlrm_lab.model.dlrm import DotInteractionArch
 
     arches = [m for m in model.modules() if isinstance(m, DotInteractionArch)]
@@ -278,21 +291,29 @@ def choose_run_interaction(
         return None
     shared: list[Any] = [None]
     if ctx.is_main:
-        ms: dict[str, list[float]] = {"autocast": [], "fp32": []}
+        ways, not_native = interaction_ways(ctx.device)
+        ms: dict[str, list[float]] = {way: [] for way in ways}
         timed = _interaction_timer(arches[0], spec.tables[0].embedding_dim, cfg, ctx.device)
         for k in range(INTERACTION_REPEATS + 1):
-            for way in ("autocast", "fp32") if k % 2 == 0 else ("fp32", "autocast"):
-                took = timed(None if way == "autocast" else torch.float32)
+            for way in ways if k % 2 == 0 else ways[::-1]:
+                took = timed(way)
                 if k:  # the first round warms up
                     ms[way].append(took)
         med = {way: statistics.median(t) for way, t in ms.items()}
-        way = "fp32" if med["autocast"] >= INTERACTION_MARGIN * med["fp32"] else "autocast"
+        # autocast unless another way is faster by the margin; of those, the fastest
+        way = min(
+            (w for w in ways if med["autocast"] >= INTERACTION_MARGIN * med[w]),
+            key=lambda w: med[w],
+            default="autocast",
+        )
+        timings = ", ".join(f"{w} {med[w]:.2f} ms" for w in ways)
         shared[0] = {
             "gram_dtype": way,
-            "reason": f"the dot interaction's forward and backward took {med['fp32']:.2f} ms with its Gram matrix "
-            f"in fp32 against {med['autocast']:.2f} ms under bf16 autocast (batch {cfg.batch_size}, medians of "
-            f"{INTERACTION_REPEATS} interleaved); "
-            + ("fp32 kept" if way == "fp32" else f"fp32 is not {INTERACTION_MARGIN:.2f}x faster: autocast kept"),
+            "reason": f"the dot interaction's forward and backward took {timings} (autocast: bf16 autocast's bmm; "
+            f"fp32: the Gram matrix in fp32; native: the lab's kernel) at batch {cfg.batch_size}, medians of "
+            f"{INTERACTION_REPEATS} interleaved; "
+            + (f"{way} kept" if way != "autocast" else f"none is {INTERACTION_MARGIN:.2f}x faster: autocast kept")
+            + (f" (native not timed: {not_native})" if not_native else ""),
             "ms": {k: round(v, 3) for k, v in med.items()},
             "margin": INTERACTION_MARGIN,
         }
@@ -360,8 +381,10 @@ def run_step_trials(
         )
     if interaction is not None and "ms" in interaction:
         arches = [m for m in dmp.modules() if isinstance(m, DotInteractionArch)]
+        # the way timed apart proved against autocast's; autocast chosen apart: fp32 proved against it
+        proved = str(interaction["gram_dtype"]) if interaction["gram_dtype"] != "autocast" else "fp32"
         wanted.append(
-            ("gram_dtype", interaction, "interaction_choice", ("fp32", "autocast"), lambda way: _put_gram(arches, way))
+            ("gram_dtype", interaction, "interaction_choice", (proved, "autocast"), lambda way: _put_gram(arches, way))
         )
     weights_record, weights = dense_weights
     if weights is not None and weights_record.get("requested") == "auto":

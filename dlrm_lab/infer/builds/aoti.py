@@ -35,6 +35,8 @@ from torch import nn
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
+from dlrm_lab.infer.interaction import uses_native
+from dlrm_lab.model import native
 
 EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is exported as dynamic
 # what the package's graph is and how its kernels are compiled, in its cache key: a package of another graph (other
@@ -168,7 +170,9 @@ class PackagedBatch:
     """A loaded whole-batch package: `run([dense, ids, offsets, tables])` is the C++ runner itself (one native
     call, no Python between the inputs and the scores); `tables` is the input every call hands it."""
 
-    def __init__(self, path: str, tables: torch.Tensor) -> None:
+    def __init__(self, path: str, tables: torch.Tensor, native_ops: bool = False) -> None:
+        if native_ops and (why := native.load()) is not None:  # the package calls the lab's kernel by name
+            raise RuntimeError(f"{path}: {why}")
         self.run = torch._inductor.aoti_load_package(str(require_verified(path))).loader.run
         self.tables = tables
 
@@ -202,6 +206,7 @@ class AOTIBuild:
                 "precision": precision,
                 "table_precision": table_precision,
                 "graph": GRAPH,
+                **({"interaction": "native"} if uses_native(module) else {}),
                 **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
                 **({"k": "even"} if padded else {}),
             },
@@ -213,7 +218,7 @@ class AOTIBuild:
         made_by = {**made_by, **({"frozen": True} if self.frozen else {})}
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
-        module.whole = PackagedBatch(module.package, table_weights(module.tables))
+        module.whole = PackagedBatch(module.package, table_weights(module.tables), uses_native(module))
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
@@ -226,7 +231,7 @@ class AOTIBuild:
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
         if device.type == "cuda":  # the package holds CPU kernels
             raise RuntimeError(f"the {self.name} build is made for the CPU: on a GPU serve eager, fused or compiled")
-        module.whole = PackagedBatch(module.package, table_weights(module.tables))  # the mapped tables, shared
+        module.whole = PackagedBatch(module.package, table_weights(module.tables), uses_native(module))  # shared
         return module
 
     def artefact(self, module: Any) -> str | None:
@@ -235,7 +240,7 @@ class AOTIBuild:
     def from_artefact(self, module: Any, artefact: str) -> Any:
         other = module.sibling()  # the tables this instance mapped, not a copy
         other.package = artefact
-        other.whole = PackagedBatch(artefact, table_weights(other.tables))
+        other.whole = PackagedBatch(artefact, table_weights(other.tables), uses_native(other))
         return other
 
 

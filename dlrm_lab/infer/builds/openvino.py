@@ -25,6 +25,7 @@ from dlrm_lab.errors import keep_signal_stack
 from dlrm_lab.infer.artefacts import dense_package, require_verified
 from dlrm_lab.infer.builds.aoti_int8 import CALIBRATION_SAMPLES, CALIBRATION_SEED, calibration_inputs
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
+from dlrm_lab.infer.interaction import put as put_interaction
 
 EXAMPLE_BATCH = 64  # the batch the dense part is traced at; the batch dimension is exported as dynamic
 # the served precision -> OpenVINO's execution precision for the CPU plugin
@@ -78,6 +79,7 @@ def convert_dense(module: Any, path: Path, quantise: bool = False) -> None:
     import openvino as ov
 
     dense = copy.deepcopy(module.dense).float().eval()  # OpenVINO lowers the precision itself, at compile
+    put_interaction(dense, "torch")  # OpenVINO converts torch's ops, not the lab's kernel
     features, pooled_width = module.spec.num_dense, len(module.spec.feature_names) * module.spec.embedding_dim
     example = (torch.zeros(EXAMPLE_BATCH, features), torch.zeros(EXAMPLE_BATCH, pooled_width))
     batch = torch.export.Dim("batch", min=1)

@@ -1,0 +1,63 @@
+"""The lab's own CPU kernels, in C++ where torch's ops are the wrong shape for the work (each file says why).
+
+They are built once per machine, at first use (`load`), by torch's extension builder with the vector ISA Inductor
+picks on this machine (AVX2 on Zen 3, AVX-512 elsewhere), and cached by it (`~/.cache/torch_extensions`, keyed by
+the source and the flags). Where no build is possible (no compiler), `load` says why and the lab keeps torch's ops:
+a kernel here is one way among those the lab measures, never the only one.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import torch
+
+_SOURCES = [pathlib.Path(__file__).with_name("dot_interaction.cpp")]
+
+
+def _flags() -> list[str]:
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    if not isa:  # no vector ISA Inductor knows: ATen's portable vectors
+        return ["-O3"]
+    return ["-O3", *(f"-D{macro}" for macro in isa.build_macro()), *str(isa.build_arch_flags()).split()]
+
+
+@functools.cache
+def load() -> str | None:
+    """Build (first time on this machine) and load the kernels: None once their ops are registered
+    (`torch.ops.dlrm_lab.*`), else why they could not be."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="dlrm_lab_native",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=_flags(),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves torch's ops in place
+        first = str(exc).strip().splitlines()
+        return f"the lab's C++ kernels did not build: {type(exc).__name__}: {first[0] if first else ''}"[:300]
+    _register_python_parts()
+    return None
+
+
+def available() -> bool:
+    return load() is None
+
+
+def _register_python_parts() -> None:
+    """The ops' shapes for tracing and export (their autograd is in C++, beside the kernels)."""
+
+    @torch.library.register_fake("dlrm_lab::dot_interaction")
+    def _(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        return dense.new_empty(dense.shape[0], dense.shape[1] + pairs.shape[0])
+
+    @torch.library.register_fake("dlrm_lab::dot_interaction_backward")
+    def _(
+        grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(dense), torch.empty_like(sparse)

@@ -1,0 +1,316 @@
+// The DLRM dot interaction on CPU: each sample's pairwise dot products of [dense, sparse...] (F + 1 vectors of
+// width D), the pairs chosen by flat index into the (F + 1) x (F + 1) Gram matrix. Written by hand because
+// torch's ways are a batched GEMM of tiny matrices (27 x 16 at kaggle: oneDNN, MKL and Inductor's template pack
+// each sample's operands) followed by a gather of the triangle, about 1 us a sample on one AMX core; here a block
+// of samples is transposed so that a vector holds one coordinate of as many samples as it has lanes, and every
+// pair is D fused multiply-adds on full vectors (no packing, no horizontal sums, no gather).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();  // samples a block holds: one fp32 vector's lanes
+
+struct Shape {
+  int64_t batch, features, width, pairs;  // features: F + 1 (dense first)
+};
+
+Shape check(const at::Tensor& dense, const at::Tensor& sparse, const at::Tensor& pairs) {
+  TORCH_CHECK(dense.dim() == 2 && sparse.dim() == 3, "dot_interaction: dense B x D and sparse B x F x D expected, got ",
+              dense.sizes(), " and ", sparse.sizes());
+  TORCH_CHECK(sparse.size(0) == dense.size(0) && sparse.size(2) == dense.size(1),
+              "dot_interaction: dense ", dense.sizes(), " and sparse ", sparse.sizes(), " disagree");
+  TORCH_CHECK(dense.scalar_type() == sparse.scalar_type(), "dot_interaction: dense ", dense.scalar_type(),
+              " and sparse ", sparse.scalar_type(), " differ");
+  TORCH_CHECK(pairs.dim() == 1 && pairs.scalar_type() == at::kLong, "dot_interaction: pairs must be 1-D int64");
+  return {dense.size(0), sparse.size(1) + 1, dense.size(1), pairs.size(0)};
+}
+
+// Each pair's two rows of the Gram matrix, checked against its size once. The row by a multiply, not a division:
+// (p + 0.5) / n lies at least 0.5 / n from a whole number, far beyond a double's error at these sizes; 351
+// integer divisions took as long as the products of a one-sample batch.
+void split_pairs(const at::Tensor& pairs, int64_t n, std::vector<int64_t>& first, std::vector<int64_t>& second) {
+  auto flat = pairs.contiguous();
+  const int64_t* p = flat.data_ptr<int64_t>();
+  const int64_t count = flat.numel();
+  first.resize(count);
+  second.resize(count);
+  int64_t low = 0, high = 0;
+  const double inv = 1.0 / static_cast<double>(n);
+  for (int64_t k = 0; k < count; ++k) {
+    low = std::min(low, p[k]);
+    high = std::max(high, p[k]);
+    first[k] = static_cast<int64_t>((static_cast<double>(p[k]) + 0.5) * inv);
+    second[k] = p[k] - first[k] * n;
+  }
+  TORCH_CHECK(low >= 0 && high < n * n, "dot_interaction: pair indices from ", low, " to ", high, " outside the ", n,
+              " x ", n, " Gram matrix");
+}
+
+// A thread's scratch, kept between calls (a call allocates and zeroes nothing it need not).
+std::vector<float>& scratch(int which, size_t size) {
+  thread_local std::vector<float> buffers[5];
+  auto& b = buffers[which];
+  if (b.size() < size) b.resize(size);
+  return b;
+}
+
+// dst[j * ldd + i] = src[i * lds + j] for i < M, j < N. ATen's `transpose_mxn` copies its register arrays through
+// memory (`rep movsq`) in this build: twice the pairs' own time; here 16 x 16 tiles stay in registers.
+void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t M, int64_t N) {
+  int64_t i0 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i0 + 16 <= M; i0 += 16) {
+    int64_t j0 = 0;
+    for (; j0 + 16 <= N; j0 += 16) {
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * lds + j0);
+      for (int m = 0; m < 16; m += 2) {  // within each 4-column lane: rows paired
+        t[m] = _mm512_unpacklo_ps(r[m], r[m + 1]);
+        t[m + 1] = _mm512_unpackhi_ps(r[m], r[m + 1]);
+      }
+      for (int q = 0; q < 16; q += 4) {  // r[q + c], lane k: column 4k + c of rows q..q + 3
+        const __m512d a = _mm512_castps_pd(t[q]), b = _mm512_castps_pd(t[q + 2]);
+        const __m512d c = _mm512_castps_pd(t[q + 1]), d = _mm512_castps_pd(t[q + 3]);
+        r[q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+      }
+      for (int c = 0; c < 4; ++c) {  // column 4k + c: lane k of r[c], r[4 + c], r[8 + c], r[12 + c]
+        const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+        const __m512 w0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+        float* to = dst + (j0 + c) * ldd + i0;
+        _mm512_storeu_ps(to, _mm512_shuffle_f32x4(v0, w0, 0x88));
+        _mm512_storeu_ps(to + 4 * ldd, _mm512_shuffle_f32x4(v0, w0, 0xDD));
+        _mm512_storeu_ps(to + 8 * ldd, _mm512_shuffle_f32x4(v1, w1, 0x88));
+        _mm512_storeu_ps(to + 12 * ldd, _mm512_shuffle_f32x4(v1, w1, 0xDD));
+      }
+    }
+    for (int64_t i = i0; i < i0 + 16; ++i)
+      for (int64_t j = j0; j < N; ++j) dst[j * ldd + i] = src[i * lds + j];
+  }
+#endif
+  for (int64_t i = i0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+// Rows [count x cols] of T (leading dimension ld) as float into `to` [count x cols] (leading dimension cols).
+template <typename T>
+const float* as_float(const T* rows, int64_t ld, int64_t count, int64_t cols, float* to) {
+  if constexpr (std::is_same_v<T, float>) {
+    return rows;  // read in place: the caller's transpose takes `ld`
+  } else {
+    for (int64_t k = 0; k < count; ++k) at::vec::convert(rows + k * ld, to + k * cols, cols);
+    return to;
+  }
+}
+
+// A block of up to kLanes samples of [dense, sparse...] as float, coordinate-major: block[(f * D + d) * kLanes + s]
+// (lanes past `count` hold zeros). `stage`: count x (F + 1) * D floats of room for a conversion.
+template <typename T>
+void load_block(const T* dense, const T* sparse, int64_t b0, int64_t count, const Shape& s, float* stage,
+                float* block) {
+  const int64_t F = s.features - 1, D = s.width;
+  if (count < kLanes) std::fill(block, block + s.features * D * kLanes, 0.f);
+  const float* dn = as_float(dense + b0 * D, D, count, D, stage);
+  transpose(dn, D, block, kLanes, count, D);
+  const float* sp = as_float(sparse + b0 * F * D, F * D, count, F * D, stage);
+  transpose(sp, F * D, block + D * kLanes, kLanes, count, F * D);
+}
+
+// Each listed pair's dot product, for every lane: dots[p * kLanes + s]. Four pairs at a time, each its own
+// accumulator, so that the fused multiply-adds do not wait on one another.
+void pair_dots(const float* block, const int64_t* first, const int64_t* second, int64_t P, int64_t D, float* dots) {
+  int64_t p = 0;
+  const int64_t stride = D * kLanes;
+  for (; p + 4 <= P; p += 4) {
+    const float *a0 = block + first[p] * stride, *b0 = block + second[p] * stride;
+    const float *a1 = block + first[p + 1] * stride, *b1 = block + second[p + 1] * stride;
+    const float *a2 = block + first[p + 2] * stride, *b2 = block + second[p + 2] * stride;
+    const float *a3 = block + first[p + 3] * stride, *b3 = block + second[p + 3] * stride;
+    Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+    for (int64_t d = 0; d < stride; d += kLanes) {
+      s0 = at::vec::fmadd(Vec::loadu(a0 + d), Vec::loadu(b0 + d), s0);
+      s1 = at::vec::fmadd(Vec::loadu(a1 + d), Vec::loadu(b1 + d), s1);
+      s2 = at::vec::fmadd(Vec::loadu(a2 + d), Vec::loadu(b2 + d), s2);
+      s3 = at::vec::fmadd(Vec::loadu(a3 + d), Vec::loadu(b3 + d), s3);
+    }
+    s0.store(dots + p * kLanes);
+    s1.store(dots + (p + 1) * kLanes);
+    s2.store(dots + (p + 2) * kLanes);
+    s3.store(dots + (p + 3) * kLanes);
+  }
+  for (; p < P; ++p) {
+    const float *a = block + first[p] * stride, *b = block + second[p] * stride;
+    Vec acc(0.f);
+    for (int64_t d = 0; d < stride; d += kLanes) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+    acc.store(dots + p * kLanes);
+  }
+}
+
+// Rows [count x cols] of float (leading dimension cols) into T rows (leading dimension ld).
+template <typename T>
+void store_rows(const float* rows, int64_t count, int64_t cols, T* to, int64_t ld) {
+  for (int64_t k = 0; k < count; ++k) at::vec::convert(rows + k * cols, to + k * ld, cols);
+}
+
+template <typename T>
+void forward_kernel(const at::Tensor& dense, const at::Tensor& sparse, const std::vector<int64_t>& first,
+                    const std::vector<int64_t>& second, const Shape& s, at::Tensor& out) {
+  const T* dn = dense.data_ptr<T>();
+  const T* sp = sparse.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t D = s.width, P = s.pairs, row = D + P, blocks = (s.batch + kLanes - 1) / kLanes;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float* block = scratch(0, s.features * D * kLanes).data();
+    float* dots = scratch(1, P * kLanes).data();
+    float* stage = scratch(2, kLanes * std::max(s.features * D, P)).data();
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t b0 = blk * kLanes, count = std::min(kLanes, s.batch - b0);
+      load_block(dn, sp, b0, count, s, stage, block);
+      pair_dots(block, first.data(), second.data(), P, D, dots);
+      for (int64_t k = 0; k < count; ++k) std::copy(dn + (b0 + k) * D, dn + (b0 + k + 1) * D, o + (b0 + k) * row);
+      if constexpr (std::is_same_v<T, float>) {
+        transpose(dots, kLanes, o + b0 * row + D, row, P, count);
+      } else {
+        transpose(dots, kLanes, stage, P, P, count);
+        store_rows(stage, count, P, o + b0 * row + D, row);
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward_kernel(const at::Tensor& grad, const at::Tensor& dense, const at::Tensor& sparse,
+                     const std::vector<int64_t>& first, const std::vector<int64_t>& second, const Shape& s,
+                     at::Tensor& grad_dense, at::Tensor& grad_sparse) {
+  const T* g = grad.data_ptr<T>();
+  const T* dn = dense.data_ptr<T>();
+  const T* sp = sparse.data_ptr<T>();
+  T* gd = grad_dense.data_ptr<T>();
+  T* gs = grad_sparse.data_ptr<T>();
+  const int64_t D = s.width, P = s.pairs, F = s.features - 1, row = D + P, blocks = (s.batch + kLanes - 1) / kLanes;
+  const int64_t stride = D * kLanes, n = s.features;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float* block = scratch(0, n * stride).data();
+    float* to = scratch(1, n * stride).data();
+    float* pair_grad = scratch(2, P * kLanes).data();
+    float* stage = scratch(3, kLanes * std::max(n * D, row)).data();
+    float* rows = scratch(4, kLanes * n * D).data();
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t b0 = blk * kLanes, count = std::min(kLanes, s.batch - b0);
+      load_block(dn, sp, b0, count, s, stage, block);
+      const float* gf = as_float(g + b0 * row, row, count, row, stage);
+      if (count < kLanes) std::fill(pair_grad, pair_grad + P * kLanes, 0.f);
+      transpose(gf + D, row, pair_grad, kLanes, count, P);
+      std::fill(to, to + n * stride, 0.f);
+      for (int64_t p = 0; p < P; ++p) {  // d<a, b>/da = b, d<a, b>/db = a
+        const Vec gp = Vec::loadu(pair_grad + p * kLanes);
+        const float* a = block + first[p] * stride;
+        const float* b = block + second[p] * stride;
+        float* ta = to + first[p] * stride;
+        float* tb = to + second[p] * stride;
+        for (int64_t d = 0; d < stride; d += kLanes) {
+          at::vec::fmadd(gp, Vec::loadu(b + d), Vec::loadu(ta + d)).store(ta + d);
+          at::vec::fmadd(gp, Vec::loadu(a + d), Vec::loadu(tb + d)).store(tb + d);
+        }
+      }
+      transpose(to, kLanes, rows, n * D, n * D, count);
+      for (int64_t k = 0; k < count; ++k) {  // the dense part's own gradient passes through
+        float* r = rows + k * n * D;
+        for (int64_t d = 0; d < D; ++d) r[d] += gf[k * row + d];
+      }
+      for (int64_t k = 0; k < count; ++k) {
+        at::vec::convert(rows + k * n * D, gd + (b0 + k) * D, D);
+        at::vec::convert(rows + k * n * D + D, gs + (b0 + k) * F * D, F * D);
+      }
+    }
+  });
+}
+
+at::Tensor dot_interaction(const at::Tensor& dense_in, const at::Tensor& sparse_in, const at::Tensor& pairs) {
+  const Shape s = check(dense_in, sparse_in, pairs);
+  auto dense = dense_in.contiguous();
+  auto sparse = sparse_in.contiguous();
+  std::vector<int64_t> first, second;
+  split_pairs(pairs, s.features, first, second);
+  auto out = at::empty({s.batch, s.width + s.pairs}, dense.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dense.scalar_type(), "dot_interaction", [&] {
+    forward_kernel<scalar_t>(dense, sparse, first, second, s, out);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> dot_interaction_backward(const at::Tensor& grad_in, const at::Tensor& dense_in,
+                                                            const at::Tensor& sparse_in, const at::Tensor& pairs) {
+  const Shape s = check(dense_in, sparse_in, pairs);
+  TORCH_CHECK(grad_in.dim() == 2 && grad_in.size(0) == s.batch && grad_in.size(1) == s.width + s.pairs,
+              "dot_interaction_backward: grad ", grad_in.sizes(), " is not the output's shape");
+  auto dense = dense_in.contiguous();
+  auto sparse = sparse_in.contiguous();
+  auto grad = grad_in.to(dense.scalar_type()).contiguous();
+  std::vector<int64_t> first, second;
+  split_pairs(pairs, s.features, first, second);
+  auto grad_dense = at::empty_like(dense);
+  auto grad_sparse = at::empty_like(sparse);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dense.scalar_type(), "dot_interaction_backward", [&] {
+    backward_kernel<scalar_t>(grad, dense, sparse, first, second, s, grad_dense, grad_sparse);
+  });
+  return {grad_dense, grad_sparse};
+}
+
+// Autograd in C++: a kernel registered from Python (torch.library.register_autograd) would take the GIL on every
+// call, from an AOTInductor package's C++ too (30 us of a one-sample batch's 100).
+class DotInteractionFunction : public torch::autograd::Function<DotInteractionFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& dense, const at::Tensor& sparse,
+                            const at::Tensor& pairs) {
+    ctx->save_for_backward({dense, sparse, pairs});
+    at::AutoDispatchBelowADInplaceOrView guard;  // through the dispatcher: a fake tensor (export) meets its fake kernel
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("dlrm_lab::dot_interaction", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    return op.call(dense, sparse, pairs);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    static auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("dlrm_lab::dot_interaction_backward", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&)>();
+    auto [grad_dense, grad_sparse] = op.call(grads[0], saved[0], saved[1], saved[2]);
+    return {grad_dense, grad_sparse, at::Tensor()};
+  }
+};
+
+at::Tensor dot_interaction_autograd(const at::Tensor& dense, const at::Tensor& sparse, const at::Tensor& pairs) {
+  return DotInteractionFunction::apply(dense, sparse, pairs);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dlrm_lab, m) {
+  m.def("dot_interaction(Tensor dense, Tensor sparse, Tensor pairs) -> Tensor");
+  m.def("dot_interaction_backward(Tensor grad, Tensor dense, Tensor sparse, Tensor pairs) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dlrm_lab, CPU, m) {
+  m.impl("dot_interaction", &dot_interaction);
+  m.impl("dot_interaction_backward", &dot_interaction_backward);
+}
+
+TORCH_LIBRARY_IMPL(dlrm_lab, Autograd, m) { m.impl("dot_interaction", &dot_interaction_autograd); }
