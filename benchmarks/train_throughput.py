@@ -327,24 +327,29 @@ def main() -> None:
         print(json.dumps(point), flush=True)
 
     # Equal quality: the same learnable data, the same steps, both models scored on held-out samples.
+    if args.quality_steps > 0:  # none asked: the speed alone
+        quality(spec, args.quality_steps, precisions, results)
+    print(json.dumps({k: v for k, v in results.items() if k not in ("points", "quality")}), flush=True)
+    if args.json:
+        write_results(args.json, results)
+
+
+def quality(spec: Any, steps: int, precisions: list[str], results: dict[str, Any]) -> None:
     batch = 2048
-    train_batches = batches(spec, batch, args.quality_steps, seed=1)
+    train_batches = batches(spec, batch, steps, seed=1)
     evals = batches(spec, batch, 4, seed=1, offset=HELD_OUT_OFFSET)
-    plain = run_plain(spec, train_batches, args.quality_steps, 0, "fp32", PLAIN_LR)
+    plain = run_plain(spec, train_batches, steps, 0, "fp32", PLAIN_LR)
     results["quality"] = {
-        "steps": args.quality_steps,
+        "steps": steps,
         "batch_size": batch,
         "plain fp32 AUC": plain_auc(plain["model"], evals),
         **{
-            f"lab-{opt} {prec} AUC": run_lab(spec, train_batches, evals, args.quality_steps, 0, prec, opt)["eval_auc"]
+            f"lab-{opt} {prec} AUC": run_lab(spec, train_batches, evals, steps, 0, prec, opt)["eval_auc"]
             for opt in LAB_OPTIMIZERS
             for prec in precisions
         },
     }
     print(json.dumps(results["quality"]), flush=True)
-    print(json.dumps({k: v for k, v in results.items() if k not in ("points", "quality")}), flush=True)
-    if args.json:
-        write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from conftest import assert_tables_registered, make_batch
 
 import dlrm_lab
 from dlrm_lab.config import TrainConfig
+from dlrm_lab.errors import FieldError
 from dlrm_lab.metrics import read_manifest
 from dlrm_lab.train import preflight, train
 from dlrm_lab.train.records import PHASES
@@ -651,26 +652,43 @@ def test_auto_table_update_times_both_and_trains_as_fbgemm_does(tmp_path, overri
     assert [r["loss"] for r in auto.steps] == pytest.approx([r["loss"] for r in plain.steps], rel=1e-5)
 
 
-def test_a_bf16_run_times_its_dot_interaction_both_ways_and_runs_the_choice(tmp_path):
+def test_a_run_times_its_dot_interaction_each_way_and_runs_the_choice_or_the_way_asked(tmp_path, monkeypatch):
+    from dlrm_lab.model import native
     from dlrm_lab.model.dlrm import DotInteractionArch
+
+    def arch_of(result):
+        return next(m for m in result.model.modules() if isinstance(m, DotInteractionArch))
 
     spec = dlrm_lab.load_preset("tiny")
     result = train(preflight(spec, TrainConfig(steps=4, batch_size=64, precision="bf16", seed=2)), metrics_dir=tmp_path,
                    keep_model=True)  # fmt: skip
     choice = read_manifest(result.run_dir)["config"]["interaction_choice"]
     # the lab's kernel is one of the ways wherever it builds (CI builds it)
-    assert choice["gram_dtype"] in ("fp32", "autocast", "native") and set(choice["ms"]) == {
-        "fp32",
-        "autocast",
-        "native",
-    }
-    assert "forward and backward" in choice["reason"]
-    arch = next(m for m in result.model.modules() if isinstance(m, DotInteractionArch))
+    assert choice["gram_dtype"] in choice["ms"] and set(choice["ms"]) == {"fp32", "autocast", "native"}
+    assert "forward and backward" in choice["reason"] and choice["requested"] == "auto"
+    arch = arch_of(result)
     assert arch.gram_dtype == (torch.float32 if choice["gram_dtype"] == "fp32" else None)
     assert arch.native == (choice["gram_dtype"] == "native")
-    # fp32 runs have nothing to choose
-    fp32 = train(preflight(spec, TrainConfig(steps=2, batch_size=64, seed=2)), metrics_dir=tmp_path)
-    assert read_manifest(fp32.run_dir)["config"]["interaction_choice"] is None
+    # an fp32 run chooses between torch's ops and the kernel
+    fp32 = train(preflight(spec, TrainConfig(steps=2, batch_size=64, seed=2)), metrics_dir=tmp_path, keep_model=True)
+    choice = read_manifest(fp32.run_dir)["config"]["interaction_choice"]
+    assert set(choice["ms"]) == {"torch", "native"} and arch_of(fp32).native == (choice["gram_dtype"] == "native")
+    # asked: run as asked, nothing timed; the kernel asked where it cannot build: the option named, no run
+    cfg = TrainConfig(steps=2, batch_size=64, precision="bf16", dot_interaction="native", seed=2)
+    asked = train(preflight(spec, cfg), metrics_dir=tmp_path, keep_model=True)
+    choice = read_manifest(asked.run_dir)["config"]["interaction_choice"]
+    assert (choice["requested"], choice["gram_dtype"], choice["reason"]) == (
+        "native",
+        "native",
+        "--dot-interaction native",
+    )
+    assert "ms" not in choice and "trial" not in choice
+    assert arch_of(asked).native and torch.isfinite(torch.tensor([r["loss"] for r in asked.steps])).all()
+    monkeypatch.setattr(native, "load", lambda: "the lab's C++ kernels did not build: no compiler")
+    with pytest.raises(FieldError, match="dot_interaction.*no compiler"):
+        train(
+            preflight(spec, TrainConfig(steps=2, batch_size=64, dot_interaction="native", seed=2)), metrics_dir=tmp_path
+        )
 
 
 def _trial_ranks(step_ms: Callable[[int, str], float], world: int = 2) -> list[dict]:

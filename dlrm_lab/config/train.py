@@ -30,6 +30,9 @@ DENSE_UPDATES = ("auto", "per_tensor", "foreach", "fused")
 # The weights a bf16 step computes with: fp32 cast by autocast at every use, bf16 copies of fp32 masters refreshed
 # once a step, or the faster on the run's own steps (`train.dense_weights`)
 DENSE_WEIGHTS = ("auto", "fp32", "bf16")
+# How a dot interaction computes its Gram matrix: torch's ops as autocast casts them, in fp32, the lab's kernel
+# (`model.native`), or the fastest timed before the run and proved on its steps (`train.choices`)
+DOT_INTERACTIONS = ("auto", "autocast", "fp32", "native")
 # The CPU tables' memory pages: 4 KiB (as allocated), 2 MiB (`metrics.huge_pages`), or huge where this machine's
 # probe measured a gather on them faster (`train.choices.choose_table_pages`)
 TABLE_PAGES = ("auto", "base", "huge")
@@ -82,6 +85,12 @@ class TrainConfig:
         "(autocast casts each weight at every use, every step) or bf16 (bf16 copies of the fp32 master weights the "
         "optimizer keeps, refreshed once a step; only the dense input, the embeddings and the logits cast).",
         cli_default="auto",
+    )
+    dot_interaction: str = option(
+        "auto",
+        "How a dot interaction computes its Gram matrix: auto (each way timed before the run at its batch, the "
+        "fastest proved on its own steps), autocast (torch's ops, in bf16 where the run is), fp32 (torch's ops in "
+        "fp32) or native (the lab's C++ kernel, CPU only; built on first use).",
     )
     table_pages: str = option(
         "base",
@@ -201,6 +210,7 @@ class TrainConfig:
         _choice("table_update", self.table_update, TABLE_UPDATES)
         _choice("dense_update", self.dense_update, DENSE_UPDATES)
         _choice("dense_weights", self.dense_weights, DENSE_WEIGHTS)
+        _choice("dot_interaction", self.dot_interaction, DOT_INTERACTIONS)
         _choice("table_pages", self.table_pages, TABLE_PAGES)
         _choice("distribution", self.distribution, DISTRIBUTIONS)
         _choice("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS)

@@ -227,16 +227,19 @@ INTERACTION_CALLS = 3  # forward-and-backward calls a timing averages
 
 
 def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.device) -> Callable[[Any], float]:
-    """Milliseconds of the dot interaction's forward and backward at the run's batch under bf16 autocast, as
-    the step runs it (the bottom MLP's output in bf16, the pooled embeddings fp32), with its Gram matrix in
-    a dtype (None: autocast's); the inputs made once, so only the interaction is timed."""
-    dense = torch.randn(cfg.batch_size, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    """Milliseconds of the dot interaction's forward and backward at the run's batch as the step runs it (a bf16
+    run: under bf16 autocast, the bottom MLP's output in bf16, the pooled embeddings fp32; an fp32 run: fp32 both),
+    one way (`_put_gram`); the inputs made once, so only the interaction is timed."""
+    bf16 = cfg.precision != "fp32"
+    dense = torch.randn(
+        cfg.batch_size, width, device=device, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True
+    )
     sparse = torch.randn(cfg.batch_size, arch.F, width, device=device, requires_grad=True)
     with torch.no_grad():
         grad = torch.randn_like(arch(dense.float(), sparse))
 
     def once() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             out = arch(dense, sparse)
         out.backward(grad)
 
@@ -260,38 +263,55 @@ def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.de
 
 
 def _put_gram(arches: list[Any], way: str) -> None:
-    """Every dot interaction computes its Gram matrix `way`: in fp32, as autocast casts it, or by the lab's kernel
-    (`model.native`) in autocast's dtype."""
+    """Every dot interaction computes its Gram matrix `way`: in fp32, by the lab's kernel (`model.native`) in
+    autocast's dtype, or by torch's ops as autocast casts them ("autocast"; "torch" in an fp32 run)."""
     for arch in arches:
         arch.gram_dtype = torch.float32 if way == "fp32" else None
         arch.native = way == "native"
 
 
-def interaction_ways(device: torch.device) -> tuple[tuple[str, ...], str | None]:
-    """The ways a dot interaction can run here, and why the lab's kernel is not among them (None where it is)."""
+def interaction_ways(device: torch.device, precision: str) -> tuple[tuple[str, ...], str | None]:
+    """The ways a dot interaction can run here, torch's own first, and why the lab's kernel is not among them (None
+    where it is). An fp32 run's torch ways are one ("torch")."""
     from dlrm_lab.model import native
 
+    torch_ways = ("torch",) if precision == "fp32" else ("autocast", "fp32")
     if device.type != "cpu":
-        return ("autocast", "fp32"), f"the lab's interaction kernel is for the CPU, not {device.type}"
+        return torch_ways, f"the lab's interaction kernel is for the CPU, not {device.type}"
     why = native.load()
-    return (("autocast", "fp32") if why else ("autocast", "fp32", "native")), why
+    return (torch_ways if why else (*torch_ways, "native")), why
 
 
 def choose_run_interaction(
     spec: Spec, cfg: TrainConfig, ctx: DistContext, model: torch.nn.Module, log: Log | None
 ) -> JsonObject | None:
-    """Where a dot interaction computes its Gram matrix when the run's dense part is in bf16: in bf16 as autocast
-    casts its `bmm` (a product of 16-wide rows, too small for bf16's rate to pay for the casts around it), in
-    fp32 out of autocast, or by the lab's kernel (`model.native`, on the CPU where it builds). Rank 0 times each at
-    the run's batch, every rank runs its choice; None where there is no dot interaction or the run is fp32."""
+    """How a dot interaction computes its Gram matrix (`--dot-interaction`): with `auto`, rank 0 times each way at
+    the run's batch (in a bf16 run: bf16 as autocast casts its `bmm`, fp32 out of autocast, the lab's kernel; in an
+    fp32 run: torch's ops or the kernel), every rank runs its choice; None where there is no dot interaction, or an
+    fp32 run with only torch's way."""
     from dlrm_lab.model.dlrm import DotInteractionArch
 
     arches = [m for m in model.modules() if isinstance(m, DotInteractionArch)]
-    if not arches or cfg.precision == "fp32":
+    if not arches:
+        return None
+    precision = "fp32" if cfg.precision == "fp32" else "bf16"
+    ways, not_native = interaction_ways(ctx.device, precision)
+    if cfg.dot_interaction != "auto":
+        way = cfg.dot_interaction
+        if way == "native" and not_native:
+            raise FieldError("dot_interaction", f"native: {not_native}")
+        if precision == "fp32" and way != "native":
+            way = "torch"  # autocast and fp32 are torch's fp32 ops in an fp32 run
+        _put_gram(arches, way)
+        return {
+            "requested": cfg.dot_interaction,
+            "gram_dtype": way,
+            "reason": f"--dot-interaction {cfg.dot_interaction}",
+        }
+    if len(ways) == 1:
         return None
     shared: list[Any] = [None]
     if ctx.is_main:
-        ways, not_native = interaction_ways(ctx.device)
         ms: dict[str, list[float]] = {way: [] for way in ways}
         timed = _interaction_timer(arches[0], spec.tables[0].embedding_dim, cfg, ctx.device)
         for k in range(INTERACTION_REPEATS + 1):
@@ -300,19 +320,17 @@ def choose_run_interaction(
                 if k:  # the first round warms up
                     ms[way].append(took)
         med = {way: statistics.median(t) for way, t in ms.items()}
-        # autocast unless another way is faster by the margin; of those, the fastest
-        way = min(
-            (w for w in ways if med["autocast"] >= INTERACTION_MARGIN * med[w]),
-            key=lambda w: med[w],
-            default="autocast",
-        )
+        base = ways[0]
+        # torch's own way unless another is faster by the margin; of those, the fastest
+        way = min((w for w in ways if med[base] >= INTERACTION_MARGIN * med[w]), key=lambda w: med[w], default=base)
         timings = ", ".join(f"{w} {med[w]:.2f} ms" for w in ways)
         shared[0] = {
+            "requested": "auto",
             "gram_dtype": way,
-            "reason": f"the dot interaction's forward and backward took {timings} (autocast: bf16 autocast's bmm; "
-            f"fp32: the Gram matrix in fp32; native: the lab's kernel) at batch {cfg.batch_size}, medians of "
-            f"{INTERACTION_REPEATS} interleaved; "
-            + (f"{way} kept" if way != "autocast" else f"none is {INTERACTION_MARGIN:.2f}x faster: autocast kept")
+            "reason": f"the dot interaction's forward and backward took {timings} ({precision}; autocast: autocast's "
+            f"bmm, fp32: the Gram matrix in fp32, torch: torch's ops, native: the lab's kernel) at batch "
+            f"{cfg.batch_size}, medians of {INTERACTION_REPEATS} interleaved; "
+            + (f"{way} kept" if way != base else f"none is {INTERACTION_MARGIN:.2f}x faster: {base} kept")
             + (f" (native not timed: {not_native})" if not_native else ""),
             "ms": {k: round(v, 3) for k, v in med.items()},
             "margin": INTERACTION_MARGIN,
@@ -381,10 +399,13 @@ def run_step_trials(
         )
     if interaction is not None and "ms" in interaction:
         arches = [m for m in dmp.modules() if isinstance(m, DotInteractionArch)]
-        # the way timed apart proved against autocast's; autocast chosen apart: fp32 proved against it
-        proved = str(interaction["gram_dtype"]) if interaction["gram_dtype"] != "autocast" else "fp32"
+        # the way timed apart proved against torch's own; that one chosen apart: the next fastest proved against it
+        timed_ms: dict[str, float] = interaction["ms"]  # type: ignore[assignment]
+        base = "torch" if "torch" in timed_ms else "autocast"
+        chosen = str(interaction["gram_dtype"])
+        proved = chosen if chosen != base else min((w for w in timed_ms if w != base), key=lambda w: timed_ms[w])
         wanted.append(
-            ("gram_dtype", interaction, "interaction_choice", (proved, "autocast"), lambda way: _put_gram(arches, way))
+            ("gram_dtype", interaction, "interaction_choice", (proved, base), lambda way: _put_gram(arches, way))
         )
     weights_record, weights = dense_weights
     if weights is not None and weights_record.get("requested") == "auto":
