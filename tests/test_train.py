@@ -786,7 +786,10 @@ def test_one_rank_decides_its_table_update_on_its_own_steps(tmp_path):
     """One rank too: the timing apart (its lookups alone, a zero gradient) is provisional, the run's own steps
     decide, and what the run summarises is what it ran after them."""
     spec = dlrm_lab.load_preset("tiny")
-    cfg = TrainConfig(steps=40, batch_size=64, seed=4, prefetch=0, eval_batches=2, table_update="auto")
+    # the interaction's way fixed: its own trial would share the run's steps with this one
+    cfg = TrainConfig(
+        steps=40, batch_size=64, seed=4, prefetch=0, eval_batches=2, table_update="auto", dot_interaction="autocast"
+    )
     result = train(preflight(spec, cfg), metrics_dir=tmp_path)
     config = read_manifest(result.run_dir)["config"]
     update = config["table_update_choice"]
