@@ -52,11 +52,16 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     from dlrm_lab.infer import build as builds
     from dlrm_lab.infer.builds.aoti import table_weights
     from dlrm_lab.infer.instance import _final_build
+    from dlrm_lab.infer.interaction import choose_interaction
     from dlrm_lab.infer.serving_parts import make_runner
     from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 
     torch.set_num_threads(1)
     _, precision, model, library = kaggle_setup()
+    # the interaction's way as the serving plan chooses it, before any build (`infer.interaction`)
+    interaction = choose_interaction(
+        model, precision=precision, sizes=list(SIZES), threads=1, device="cpu", log=lambda _: None
+    )
     modules: dict[str, Any] = {}
     for route in routes:
         if route == "buckets":
@@ -97,6 +102,7 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
         for r, cs in costs.items()
     }
     got = {"allocator": allocator.in_use(), "precision": precision, "routes": out, "by_size": chosen, "pages": pages}
+    got["interaction"] = interaction["interaction"] if interaction else None
     if huge is not None:
         got["huge_bytes"], got["huge_error"] = huge.huge_bytes, huge.error
     print(json.dumps(got), flush=True)

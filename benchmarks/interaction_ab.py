@@ -158,8 +158,7 @@ def main() -> None:
         canary_mark(results, "after alone")
     if "packages" in parts:
         results["packages"] = packages(args.builds.split(","), args.rounds)
-    path = write_results(results_path("interaction_ab", args.out), results)
-    print(f"wrote {path}")
+    write_results(results_path("interaction_ab", args.out), results)
 
 
 if __name__ == "__main__":
