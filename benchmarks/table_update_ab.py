@@ -1,6 +1,6 @@
 """The batched table update of a base revision against this tree's (issue 59), interleaved: ~20 s on 2 cores.
 
-    python benchmarks/table_update_ab.py [--base HEAD~1] [--rounds 40]
+    python benchmarks/table_update_ab.py [--base HEAD~1] [--rounds 40] [--table-pages huge|base]
 
 kaggle's 26 tables (capped at 1M rows, row-wise Adagrad, fbgemm's layout), batch 2048, one id a bag drawn with
 Criteo's skew (a few thousand distinct rows a feature). The gradient reaching the tables is a column slice of the
@@ -31,6 +31,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 import dlrm_lab
 import dlrm_lab.train.table_update as tree
+from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = 4
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD~1")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--table-pages", choices=("base", "huge"), default="huge",
+                        help="the tables on 4 KiB or 2 MiB pages (a run's auto: huge where faster)")  # fmt: skip
     args = parser.parse_args()
     base = base_module(args.base)
     spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
@@ -63,6 +66,10 @@ def main() -> None:
         [(r, width, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows],
         optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8, pooling_mode=PoolingMode.SUM,
     )  # fmt: skip
+    with torch.no_grad():  # every page touched before timing: a run's pages are, after its first steps
+        tbe.momentum1_host.fill_(0.0)
+    if args.table_pages == "huge":
+        print(back_with_huge_pages([tbe.weights_host, tbe.momentum1_host]))
     features, batch = len(rows), 2048
     generator = torch.Generator()
     wide = torch.randn(batch, (features + 1) * width)  # the interaction's gradient: the dense output first
@@ -84,7 +91,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     ratio = statistics.median(b / t for b, t in zip(times["base"], times["tree"], strict=True))
     results = {
-        "header": header(threads=torch.get_num_threads(), base=args.base, rounds=args.rounds),
+        "header": header(threads=torch.get_num_threads(), base=args.base, rounds=args.rounds, pages=args.table_pages),
         "ids": features * batch, "distinct_rows_median": statistics.median(distinct),
         "ms": {name: statistics.median(v) * 1e3 for name, v in times.items()}, "base_over_tree": ratio,
     }  # fmt: skip

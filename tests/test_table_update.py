@@ -12,6 +12,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
+from dlrm_lab.model import native
 from dlrm_lab.train.table_update import (
     BatchedTableUpdate,
     _gradient_rows,
@@ -69,20 +70,30 @@ def _state(tbe):
         (OptimType.EXACT_SGD, PoolingMode.MEAN, False, True, 2),
     ],
 )
-def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared, bag):
+@pytest.mark.parametrize("rows_kernel", [True, False], ids=["the lab's row kernel", "torch's ops"])
+def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared, bag, rows_kernel, monkeypatch):
+    """Both ways of the batched update (the lab's kernel over the distinct rows, `model.native`, where it builds;
+    torch's ops where it does not) apply fbgemm's update; the kernel's op is seen running, not assumed."""
     rows = (50, 30, 7)
     feature_table_map = [0, 1, 1, 2] if shared else [0, 1, 2]
     fbgemm, batched = _pair(optimizer, pooling, rows, feature_table_map=feature_table_map)
     install(torch.nn.ModuleList([batched]), "batched")
     assert type(batched) is BatchedTableUpdate and type(fbgemm) is SplitTableBatchedEmbeddingBagsCodegen
+    if rows_kernel:
+        assert native.load() is None, native.load()  # CI builds it
+    else:
+        monkeypatch.setattr(native, "load", lambda: "the lab's C++ kernels did not build: no compiler")
     before = _state(fbgemm)
     for step in range(3):  # the state carries over steps
         indices, offsets, weights = _batch(rows, feature_table_map, seed=step, weighted=weighted, bag=bag)
         outs = [m(indices, offsets, weights) for m in (fbgemm, batched)]
         torch.testing.assert_close(outs[0], outs[1])  # the same forward
         grad = torch.randn_like(outs[0])
-        for out in outs:
-            out.backward(grad)
+        outs[0].backward(grad)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs[1].backward(grad)
+        ran = {e.name for e in prof.events()}
+        assert ("dlrm_lab::rowwise_update" in ran) == rows_kernel
     after_fbgemm, after_batched = _state(fbgemm), _state(batched)
     assert (after_fbgemm[0] - before[0]).abs().max() > 1e-3  # rows moved
     torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)

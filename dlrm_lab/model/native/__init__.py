@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import pathlib
+
 import torch
 
-_SOURCES = [pathlib.Path(__file__).with_name("dot_interaction.cpp")]
+_SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("dot_interaction.cpp", "table_update.cpp")]
 
 
 def _flags() -> list[str]:

@@ -1,0 +1,103 @@
+// A training step's update of its tables' rows, after the batch's ids are sorted: for each distinct row, its ids'
+// gradient rows summed, then row-wise Adagrad (state += mean(g^2), row -= lr g / (sqrt(state) + eps)) or SGD
+// (row -= lr g), in place. Written by hand because torch's ops take five passes over the batch's rows for this
+// (a pooled sum, the rows and their state gathered, updated, scattered back) where one suffices; fbgemm's own CPU
+// update runs table by table on one core (train/table_update.py says more).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kAhead = 32;  // distinct rows fetched ahead of the one updated
+
+void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& unique,
+                    const at::Tensor& starts, const at::Tensor& sources, const at::Tensor& grad_rows,
+                    const std::optional<at::Tensor>& scale, double lr, double eps) {
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.stride(1) == 1,
+              "rowwise_update: the table must be fp32 rows, got ", table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK(grad_rows.scalar_type() == at::kFloat && grad_rows.dim() == 2 && grad_rows.stride(1) == 1 &&
+                  grad_rows.size(1) == table.size(1),
+              "rowwise_update: gradient rows ", grad_rows.sizes(), " do not meet the table's width ", table.size(1));
+  TORCH_CHECK(unique.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
+                  sources.scalar_type() == at::kLong && unique.is_contiguous() && starts.is_contiguous() &&
+                  sources.is_contiguous() && starts.numel() == unique.numel() + 1,
+              "rowwise_update: unique, starts (one more) and sources must be contiguous int64");
+  const int64_t rows = table.size(0), width = table.size(1), count = unique.numel();
+  const int64_t* uq = unique.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* src = sources.data_ptr<int64_t>();
+  TORCH_CHECK(count == 0 || (st[0] == 0 && st[count] == sources.numel()), "rowwise_update: starts do not span sources");
+  float* tp = table.data_ptr<float>();
+  const float* gp = grad_rows.data_ptr<float>();
+  const int64_t tstride = table.stride(0), gstride = grad_rows.stride(0), grows = grad_rows.size(0);
+  float* sp = nullptr;
+  if (state.has_value()) {
+    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->numel() >= rows,
+                "rowwise_update: the state must be one fp32 value a row");
+    sp = state->data_ptr<float>();
+  }
+  const float* sc = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == sources.numel(),
+                "rowwise_update: one fp32 scale an id");
+    sc = scale->data_ptr<float>();
+  }
+  const float rate = static_cast<float>(lr), epsilon = static_cast<float>(eps);
+  const int64_t whole = width - width % Vec::size();
+  at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(width);
+    for (int64_t u = begin; u < end; ++u) {
+      if (u + kAhead < end) {  // rows far apart in tables far larger than the caches: fetched ahead, not waited on
+        const int64_t next = u + kAhead;
+        if (uq[next] >= 0 && uq[next] < rows) {
+          __builtin_prefetch(tp + uq[next] * tstride, 1);
+          if (sp) __builtin_prefetch(sp + uq[next], 1);
+        }
+        if (src[st[next]] >= 0 && src[st[next]] < grows) __builtin_prefetch(gp + src[st[next]] * gstride, 0);
+      }
+      const int64_t row = uq[u];
+      TORCH_CHECK(row >= 0 && row < rows, "rowwise_update: row ", row, " outside the table's ", rows);
+      std::fill(g.begin(), g.end(), 0.f);
+      for (int64_t k = st[u]; k < st[u + 1]; ++k) {
+        TORCH_CHECK(src[k] >= 0 && src[k] < grows, "rowwise_update: gradient row ", src[k], " of ", grows);
+        const float* from = gp + src[k] * gstride;
+        const Vec s(sc ? sc[k] : 1.f);
+        int64_t d = 0;
+        for (; d < whole; d += Vec::size())
+          at::vec::fmadd(s, Vec::loadu(from + d), Vec::loadu(g.data() + d)).store(g.data() + d);
+        for (; d < width; ++d) g[d] += (sc ? sc[k] : 1.f) * from[d];
+      }
+      float step = -rate;
+      if (sp) {
+        float squares = 0.f;
+        for (int64_t d = 0; d < width; ++d) squares += g[d] * g[d];
+        const float value = sp[row] + squares / static_cast<float>(width);
+        sp[row] = value;
+        step = -rate / (std::sqrt(value) + epsilon);
+      }
+      float* to = tp + row * tstride;
+      const Vec sv(step);
+      int64_t d = 0;
+      for (; d < whole; d += Vec::size())
+        at::vec::fmadd(sv, Vec::loadu(g.data() + d), Vec::loadu(to + d)).store(to + d);
+      for (; d < width; ++d) to[d] += step * g[d];
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlrm_lab, m) {
+  m.def(
+      "rowwise_update(Tensor(a!) table, Tensor(b!)? state, Tensor unique, Tensor starts, Tensor sources, "
+      "Tensor grad_rows, Tensor? scale, float lr, float eps) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dlrm_lab, CPU, m) { m.impl("rowwise_update", &rowwise_update); }
