@@ -798,3 +798,19 @@ def test_one_rank_decides_its_table_update_on_its_own_steps(tmp_path):
                                              ["timed"]} and update["trial"]["conditions"]["ranks"] == 1  # fmt: skip
     assert update["trial"]["steps"] == [2, 17] and len(update["trial"]["ranks_ms"]) == 1
     assert result.summary["table_update"] == update["table_update"] == config["train"]["table_update"]
+
+
+def test_the_interaction_kernel_asked_where_it_cannot_build_is_one_error_line(tmp_path, monkeypatch):
+    from conftest import run_cli_in_process
+
+    from dlrm_lab.model import native
+
+    monkeypatch.setattr(native, "load", lambda: "the lab's C++ kernels did not build: no compiler")
+    code, out, err = run_cli_in_process(
+        "train", "--preset", "tiny", "--steps", "2", "--batch-size", "64", "--dot-interaction", "native",
+        "--metrics-dir", str(tmp_path),
+    )  # fmt: skip
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == ["error: --dot-interaction native: the lab's C++ kernels did not build: no compiler"], err
+    assert code == 2 and "Traceback" not in err + out
+    assert not any(tmp_path.iterdir())  # no run directory
