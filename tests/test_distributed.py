@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     table_update = ["train", "--preset", "tiny", "--sharding", "table_wise", "--steps", "40", "--batch-size", "16",
                     "--precision", "fp32", "--table-pages", "base",  # not measured: only the table update is
+                    "--dot-interaction", "autocast",  # fixed: its own trial would share the window of steps
                     "--metrics-dir", str(two / "table-update"), "--no-progress"]  # fmt: skip
     two_only = ["resume", "cli:" + shlex.join(table_update)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/dist_worker.py"]

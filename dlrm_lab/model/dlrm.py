@@ -219,7 +219,8 @@ def _native_interaction(
     would be), else the wider input's. Sums are fp32 inside the kernel whatever the dtype."""
     from dlrm_lab.model import native
 
-    if (why := native.load()) is not None:
+    # loaded before any trace (`infer.interaction.put`, training's choice): a compile does not trace the loader
+    if not torch.compiler.is_compiling() and (why := native.load()) is not None:
         raise RuntimeError(why)
     device = dense.device.type
     if gram_dtype is not None:

@@ -17,12 +17,13 @@ _SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("dot_interaction
 
 
 def _flags() -> list[str]:
+    """-fopenmp: ATen's `parallel_for` is a header of OpenMP pragmas, serial in a build without it."""
     from torch._inductor import cpu_vec_isa
 
     isa = cpu_vec_isa.pick_vec_isa()
     if not isa:  # no vector ISA Inductor knows: ATen's portable vectors
-        return ["-O3"]
-    return ["-O3", *(f"-D{macro}" for macro in isa.build_macro()), *str(isa.build_arch_flags()).split()]
+        return ["-O3", "-fopenmp"]
+    return ["-O3", "-fopenmp", *(f"-D{macro}" for macro in isa.build_macro()), *str(isa.build_arch_flags()).split()]
 
 
 @functools.cache
@@ -36,6 +37,7 @@ def load() -> str | None:
             name="dlrm_lab_native",
             sources=[str(s) for s in _SOURCES],
             extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
