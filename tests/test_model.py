@@ -377,3 +377,24 @@ def test_the_labs_interaction_kernel_refuses_pairs_outside_the_gram_matrix():
         torch.ops.dlrm_lab.dot_interaction(torch.randn(2, 4), torch.randn(2, 2, 4), torch.tensor([1, 9]))
     with pytest.raises(RuntimeError, match="disagree"):
         torch.ops.dlrm_lab.dot_interaction(torch.randn(2, 4), torch.randn(3, 2, 4), torch.tensor([1]))
+
+
+def test_a_lock_left_by_a_killed_kernel_build_is_cleared_and_a_live_ones_kept(tmp_path):
+    """torch's builder waits on its lock file while it exists: one left by a killed build would stop every later
+    load; one younger than any build is a build under way and stays."""
+    import os
+    import time
+    import types
+
+    from dlrm_lab.model import native
+
+    builder = types.SimpleNamespace(_get_build_directory=lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.touch()
+    native._clear_stale_lock(builder)
+    assert lock.exists()  # a build under way
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(builder)
+    assert not lock.exists()
+    native._clear_stale_lock(builder)  # no lock: nothing to do

@@ -1,6 +1,7 @@
 """The lab's own CPU kernels, in C++ where torch's ops are the wrong shape for the work (each file says why).
 
-They are built once per machine, at first use (`load`), by torch's extension builder with the vector ISA Inductor
+They are built once per machine (`make install` runs `python -m dlrm_lab.model.native`; else at first use, `load`)
+by torch's extension builder with the vector ISA Inductor
 picks on this machine (AVX2 on Zen 3, AVX-512 elsewhere), and cached by it (`~/.cache/torch_extensions`, keyed by
 the source and the flags). Where no build is possible (no compiler), `load` says why and the lab keeps torch's ops:
 a kernel here is one way among those the lab measures, never the only one.
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import time
+from typing import Any
 
 import torch
 
+NAME = "dlrm_lab_native"
 _SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("dot_interaction.cpp", "table_update.cpp")]
 
 
@@ -33,8 +37,9 @@ def load() -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        _clear_stale_lock(cpp_extension)
         cpp_extension.load(
-            name="dlrm_lab_native",
+            name=NAME,
             sources=[str(s) for s in _SOURCES],
             extra_cflags=_flags(),
             extra_ldflags=["-fopenmp"],
@@ -46,6 +51,20 @@ def load() -> str | None:
         return f"the lab's C++ kernels did not build: {type(exc).__name__}: {first[0] if first else ''}"[:300]
     _register_python_parts()
     return None
+
+
+STALE_LOCK_S = 600  # a build takes under a minute: a lock this old was left by a build that was killed
+
+
+def _clear_stale_lock(cpp_extension: Any) -> None:
+    """torch's builder waits for the build directory's lock file as long as it exists, and a build killed midway
+    (a stopped run, a test's SIGTERM) leaves it behind: every later load would wait forever."""
+    try:
+        lock = pathlib.Path(cpp_extension._get_build_directory(NAME, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except (OSError, AttributeError):  # no lock (the usual case), or a torch that names its directory otherwise
+        pass
 
 
 def available() -> bool:
