@@ -2,8 +2,9 @@
 
 They are built once per machine (`make install` runs `python -m dlrm_lab.model.native`; else at first use, `load`)
 by torch's extension builder with the vector ISA Inductor picks on this machine (AVX2 on Zen 3, AVX-512 elsewhere),
-and cached by it (`~/.cache/torch_extensions`, keyed by the source and the flags). Where no build is possible (no compiler), `load` says why and the lab keeps torch's ops:
-a kernel here is one way among those the lab measures, never the only one.
+and cached by it (`~/.cache/torch_extensions`, keyed by the source and the flags). Where no build is possible (no
+compiler), `load` says why and the lab keeps torch's ops: a kernel here is one way among those the lab measures,
+never the only one.
 """
 
 from __future__ import annotations
