@@ -24,21 +24,17 @@ REPEATS = 5  # timings of each way at each size, interleaved, after one warm-up 
 CALLS_PER_SIZE = 2048  # samples a timing covers (at least one call)
 
 
-def dot_arches(model: torch.nn.Module) -> list[DotInteractionArch]:
-    return [m for m in model.modules() if isinstance(m, DotInteractionArch)]
-
-
 def uses_native(model: Any) -> bool:
     """Whether a model (or a build's module) runs the lab's kernel: its process must load it before a package."""
-    return isinstance(model, torch.nn.Module) and any(arch.native for arch in dot_arches(model))
+    return isinstance(model, torch.nn.Module) and any(arch.native for arch in DotInteractionArch.within(model))
 
 
 def put(model: torch.nn.Module, way: str) -> None:
     """Every dot interaction of `model` runs `way` ("native": the lab's kernel, loaded here, before any trace)."""
     if way == "native" and (why := native.load()) is not None:
         raise RuntimeError(why)
-    for arch in dot_arches(model):
-        arch.native = way == "native"
+    for arch in DotInteractionArch.within(model):
+        arch.use(way)
 
 
 def _timer(arch: DotInteractionArch, width: int, dtype: torch.dtype, size: int) -> Any:
@@ -67,13 +63,11 @@ def choose_interaction(
     """Time the interaction both ways at each of `sizes` on `threads` threads and put the faster in `model` (the
     kernel only where torch's ops take MARGIN longer, summed over the sizes); its record. None: no dot
     interaction."""
-    arches = dot_arches(model)
+    arches = DotInteractionArch.within(model)
     if not arches:
         return None
     record: JsonObject = {"interaction": "torch", "margin": MARGIN}
-    if (kind := torch.device(device).type) != "cpu":
-        record["reason"] = f"the lab's interaction kernel is for the CPU, not {kind}"
-    elif (why := native.load()) is not None:
+    if (why := native.unavailable(device)) is not None:
         record["reason"] = why
     else:
         arch, width = arches[0], int(model.spec.embedding_dim)

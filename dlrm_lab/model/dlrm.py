@@ -173,6 +173,15 @@ class DotInteractionArch(nn.Module):
         # the serving plan's), never by default
         self.native = False
 
+    def use(self, way: str) -> None:
+        """The Gram matrix by the lab's kernel ("native"), torch's ops in fp32 ("fp32") or as autocast casts them."""
+        self.gram_dtype = torch.float32 if way == "fp32" else None
+        self.native = way == "native"
+
+    @staticmethod
+    def within(model: nn.Module) -> list[DotInteractionArch]:
+        return [m for m in model.modules() if isinstance(m, DotInteractionArch)]
+
     def forward(
         self, dense_features: torch.Tensor, sparse_features: torch.Tensor, triangle: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -198,14 +207,7 @@ def dot_interaction(
         return _native_interaction(dense, sparse, pairs, gram_dtype)
     trained = dense.requires_grad or sparse.requires_grad
     if trained and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        device = dense.device.type
-        if gram_dtype is not None:
-            dtype = gram_dtype
-        elif torch.is_autocast_enabled(device):  # autocast runs bmm in its lower precision: the same here
-            dtype = torch.get_autocast_dtype(device)
-        else:
-            dtype = torch.promote_types(dense.dtype, sparse.dtype)
-        return _DotInteraction.apply(dense, sparse, pairs, dtype)
+        return _DotInteraction.apply(dense, sparse, pairs, _compute_dtype(dense, sparse, gram_dtype))
     if gram_dtype is not None:  # the measured choice: out of autocast, in this dtype
         with torch.autocast(dense.device.type, enabled=False):
             return _plain_interaction(dense.to(gram_dtype), sparse.to(gram_dtype), pairs)
@@ -215,22 +217,25 @@ def dot_interaction(
 def _native_interaction(
     dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """The lab's kernel over both inputs in one dtype: `gram_dtype`, else autocast's where it is on (as its bmm
-    would be), else the wider input's. Sums are fp32 inside the kernel whatever the dtype."""
+    """The lab's kernel over both inputs in one dtype (`_compute_dtype`); its sums are fp32 whatever the dtype."""
     from dlrm_lab.model import native
 
     # loaded before any trace (`infer.interaction.put`, training's choice): a compile does not trace the loader
     if not torch.compiler.is_compiling() and (why := native.load()) is not None:
         raise RuntimeError(why)
-    device = dense.device.type
-    if gram_dtype is not None:
-        dtype = gram_dtype
-    elif torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-    else:
-        dtype = torch.promote_types(dense.dtype, sparse.dtype)
-    with torch.autocast(device, enabled=False):
+    dtype = _compute_dtype(dense, sparse, gram_dtype)
+    with torch.autocast(dense.device.type, enabled=False):
         return torch.ops.dlrm_lab.dot_interaction(dense.to(dtype), sparse.to(dtype), pairs)
+
+
+def _compute_dtype(dense: torch.Tensor, sparse: torch.Tensor, gram_dtype: torch.dtype | None) -> torch.dtype:
+    """A trained or native interaction's dtype: `gram_dtype`, else autocast's where it is on (as it runs bmm),
+    else the wider input's."""
+    if gram_dtype is not None:
+        return gram_dtype
+    if torch.is_autocast_enabled(device := dense.device.type):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(dense.dtype, sparse.dtype)
 
 
 def _plain_interaction(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

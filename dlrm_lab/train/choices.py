@@ -263,11 +263,9 @@ def _interaction_timer(arch: Any, width: int, cfg: TrainConfig, device: torch.de
 
 
 def _put_gram(arches: list[Any], way: str) -> None:
-    """Every dot interaction computes its Gram matrix `way`: in fp32, by the lab's kernel (`model.native`) in
-    autocast's dtype, or by torch's ops as autocast casts them ("autocast"; "torch" in an fp32 run)."""
+    """Every dot interaction computes its Gram matrix `way` (`DotInteractionArch.use`)."""
     for arch in arches:
-        arch.gram_dtype = torch.float32 if way == "fp32" else None
-        arch.native = way == "native"
+        arch.use(way)
 
 
 def interaction_ways(device: torch.device, precision: str) -> tuple[tuple[str, ...], str | None]:
@@ -276,9 +274,7 @@ def interaction_ways(device: torch.device, precision: str) -> tuple[tuple[str, .
     from dlrm_lab.model import native
 
     torch_ways = ("torch",) if precision == "fp32" else ("autocast", "fp32")
-    if device.type != "cpu":
-        return torch_ways, f"the lab's interaction kernel is for the CPU, not {device.type}"
-    why = native.load()
+    why = native.unavailable(device)
     return (torch_ways if why else (*torch_ways, "native")), why
 
 
@@ -291,7 +287,7 @@ def choose_run_interaction(
     fp32 run with only torch's way."""
     from dlrm_lab.model.dlrm import DotInteractionArch
 
-    arches = [m for m in model.modules() if isinstance(m, DotInteractionArch)]
+    arches = DotInteractionArch.within(model)
     if not arches:
         return None
     precision = "fp32" if cfg.precision == "fp32" else "bf16"
@@ -398,7 +394,7 @@ def run_step_trials(
             ("table_update", table_update, "table_update_choice", ("batched", "fbgemm"), lambda way: install(dmp, way))
         )
     if interaction is not None and "ms" in interaction:
-        arches = [m for m in dmp.modules() if isinstance(m, DotInteractionArch)]
+        arches = DotInteractionArch.within(dmp)
         # the way timed apart proved against torch's own; that one chosen apart: the next fastest proved against it
         timed_ms: dict[str, float] = interaction["ms"]  # type: ignore[assignment]
         base = "torch" if "torch" in timed_ms else "autocast"

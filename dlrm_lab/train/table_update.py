@@ -149,6 +149,8 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         unique = unique.long()
         lr = float(self.learning_rate_tensor)
+        sources = source.index_select(0, order)  # each sorted id's gradient row
+        scales = scale.index_select(0, order) if scale is not None else None
         if native.load() is None:  # the rest in one pass over the distinct rows (`model.native`)
             starts = torch.zeros(len(counts) + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=starts[1:])
@@ -157,19 +159,15 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
                 self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None,
                 unique,
                 starts,
-                source.index_select(0, order),
+                sources,
                 grad_rows,
-                scale.index_select(0, order) if scale is not None else None,
+                scales,
                 lr,
                 float(self.optimizer_args.eps),
             )
             return
         summed = torch.nn.functional.embedding_bag(
-            source.index_select(0, order),
-            grad_rows,
-            counts.cumsum(0) - counts,
-            mode="sum",
-            per_sample_weights=scale.index_select(0, order) if scale is not None else None,
+            sources, grad_rows, counts.cumsum(0) - counts, mode="sum", per_sample_weights=scales
         )
         # each unique row read once, updated, written back: index_add_ over the whole table's rows runs as a
         # scatter_add (0.37 ms for kaggle's 10k rows) where index_select + index_copy_ take a third of it

@@ -206,7 +206,6 @@ class AOTIBuild:
                 "precision": precision,
                 "table_precision": table_precision,
                 "graph": GRAPH,
-                **({"interaction": "native"} if uses_native(module) else {}),
                 **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
                 **({"k": "even"} if padded else {}),
             },
@@ -215,7 +214,11 @@ class AOTIBuild:
     def packaged(self, module: Any, export: Any, made_by: JsonObject) -> Any:
         """`module` served whole by the package `export(module, path)` writes: cached under a key of the dense
         weights, the spec, `made_by`, whether it is frozen and the machine (`infer.artefacts`), then loaded."""
-        made_by = {**made_by, **({"frozen": True} if self.frozen else {})}
+        made_by = {
+            **made_by,
+            **({"frozen": True} if self.frozen else {}),
+            **({"interaction": "native"} if uses_native(module) else {}),  # the package calls the kernel by name
+        }
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.whole = PackagedBatch(module.package, table_weights(module.tables), uses_native(module))

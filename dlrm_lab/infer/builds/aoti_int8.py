@@ -20,7 +20,6 @@ import torch
 
 from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, GRAPH, AOTIBuild, export_whole
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
-from dlrm_lab.infer.interaction import uses_native
 from dlrm_lab.infer.serving_parts import serving_of
 
 CALIBRATION_SAMPLES = 2048  # observed, in batches of CALIBRATION_BATCH, before the scales are fixed
@@ -97,11 +96,7 @@ class AOTIInt8Build(AOTIBuild):
         return self.packaged(
             module,
             quantise_and_export,
-            {
-                "calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES],
-                "graph": GRAPH,
-                **({"interaction": "native"} if uses_native(module) else {}),
-            },
+            {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES], "graph": GRAPH},
         )
 
     def skip(self, base_dense_ms: float | None) -> str | None:

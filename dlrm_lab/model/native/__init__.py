@@ -67,8 +67,11 @@ def _clear_stale_lock(cpp_extension: Any) -> None:
         pass
 
 
-def available() -> bool:
-    return load() is None
+def unavailable(device: str | torch.device) -> str | None:
+    """Why the lab's kernels cannot run on `device` (they are CPU kernels, built here), or None where they can."""
+    if (kind := torch.device(device).type) != "cpu":
+        return f"the lab's kernels are for the CPU, not {kind}"
+    return load()
 
 
 def _register_python_parts() -> None:
