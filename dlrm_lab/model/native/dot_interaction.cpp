@@ -56,24 +56,30 @@ void split_pairs(const at::Tensor& pairs, int64_t n, std::vector<int64_t>& first
               " x ", n, " Gram matrix");
 }
 
-// A thread's scratch, kept between calls (a call allocates and zeroes nothing it need not).
-std::vector<float>& scratch(int which, size_t size) {
+// A thread's scratch, kept between calls (a call allocates and zeroes nothing it need not), on a cache line: a
+// vector load from malloc's 16-byte alignment spans two lines, and the pairs' loads are most of the kernel.
+float* scratch(int which, size_t size) {
+  constexpr size_t kLine = 64 / sizeof(float);
   thread_local std::vector<float> buffers[5];
   auto& b = buffers[which];
-  if (b.size() < size) b.resize(size);
-  return b;
+  if (b.size() < size + kLine) b.resize(size + kLine);
+  const auto at = reinterpret_cast<uintptr_t>(b.data());
+  return b.data() + (kLine - (at / sizeof(float)) % kLine) % kLine;
 }
 
 // dst[j * ldd + i] = src[i * lds + j] for i < M, j < N. ATen's `transpose_mxn` copies its register arrays through
 // memory (`rep movsq`) in this build: twice the pairs' own time; here 16 x 16 tiles stay in registers.
-void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t M, int64_t N) {
+// E: float, or a 32-bit word holding two bf16 (moved, never computed on: the shuffles keep every bit).
+template <typename E>
+void transpose(const E* src, int64_t lds, E* dst, int64_t ldd, int64_t M, int64_t N) {
+  static_assert(sizeof(E) == 4);
   int64_t i0 = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   for (; i0 + 16 <= M; i0 += 16) {
     int64_t j0 = 0;
     for (; j0 + 16 <= N; j0 += 16) {
       __m512 r[16], t[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * lds + j0);
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src + (i0 + i) * lds + j0));
       for (int m = 0; m < 16; m += 2) {  // within each 4-column lane: rows paired
         t[m] = _mm512_unpacklo_ps(r[m], r[m + 1]);
         t[m + 1] = _mm512_unpackhi_ps(r[m], r[m + 1]);
@@ -90,7 +96,7 @@ void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t M
         const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
         const __m512 w0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
         const __m512 w1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-        float* to = dst + (j0 + c) * ldd + i0;
+        float* to = reinterpret_cast<float*>(dst + (j0 + c) * ldd + i0);
         _mm512_storeu_ps(to, _mm512_shuffle_f32x4(v0, w0, 0x88));
         _mm512_storeu_ps(to + 4 * ldd, _mm512_shuffle_f32x4(v0, w0, 0xDD));
         _mm512_storeu_ps(to + 8 * ldd, _mm512_shuffle_f32x4(v1, w1, 0x88));
@@ -159,6 +165,56 @@ void pair_dots(const float* block, const int64_t* first, const int64_t* second, 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// bf16 served: a block as 32-bit words, block[(f * D / 2 + k) * kLanes + s] the k-th pair of coordinates of feature
+// f in sample s, so that one `vdpbf16ps` takes two coordinates of 16 samples: half the instructions and half the
+// bytes of the fp32 block, and no conversion in (each product of two bf16 is exact in fp32; the sums are rounded
+// as fused multiply-adds round them, in another order).
+__attribute__((target("avx512bf16"))) inline __m512 dot(__m512 acc, const uint32_t* a, const uint32_t* b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
+}
+
+__attribute__((target("avx512bf16"))) void pair_dots_bf16(const uint32_t* block, const int64_t* first,
+                                                            const int64_t* second, int64_t P, int64_t words,
+                                                            float* dots) {
+  const int64_t stride = words * 16;
+  int64_t p = 0;
+  for (; p + 4 <= P; p += 4) {
+    const uint32_t *a0 = block + first[p] * stride, *b0 = block + second[p] * stride;
+    const uint32_t *a1 = block + first[p + 1] * stride, *b1 = block + second[p + 1] * stride;
+    const uint32_t *a2 = block + first[p + 2] * stride, *b2 = block + second[p + 2] * stride;
+    const uint32_t *a3 = block + first[p + 3] * stride, *b3 = block + second[p + 3] * stride;
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t k = 0; k < stride; k += 16) {
+      s0 = dot(s0, a0 + k, b0 + k);
+      s1 = dot(s1, a1 + k, b1 + k);
+      s2 = dot(s2, a2 + k, b2 + k);
+      s3 = dot(s3, a3 + k, b3 + k);
+    }
+    _mm512_storeu_ps(dots + p * 16, s0);
+    _mm512_storeu_ps(dots + (p + 1) * 16, s1);
+    _mm512_storeu_ps(dots + (p + 2) * 16, s2);
+    _mm512_storeu_ps(dots + (p + 3) * 16, s3);
+  }
+  for (; p < P; ++p) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < stride; k += 16) acc = dot(acc, block + first[p] * stride + k, block + second[p] * stride + k);
+    _mm512_storeu_ps(dots + p * 16, acc);
+  }
+}
+#endif
+
+// Whether a bf16 forward takes `pair_dots_bf16`: a CPU with AVX512_BF16 (Inductor's AVX-512 flags leave it out on
+// Zen 4), 16 lanes, an even width.
+bool bf16_dots(const Shape& s) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu && kLanes == 16 && s.width % 2 == 0;
+#else
+  return false;
+#endif
+}
+
 // Rows [count x cols] of float (leading dimension cols) into T rows (leading dimension ld).
 template <typename T>
 void store_rows(const float* rows, int64_t count, int64_t cols, T* to, int64_t ld) {
@@ -172,14 +228,29 @@ void forward_kernel(const at::Tensor& dense, const at::Tensor& sparse, const std
   const T* sp = sparse.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t D = s.width, P = s.pairs, row = D + P, blocks = (s.batch + kLanes - 1) / kLanes;
+  bool words = false;
+  if constexpr (std::is_same_v<T, at::BFloat16>)  // words read whole: the rows must start on a word
+    words = bf16_dots(s) && reinterpret_cast<uintptr_t>(dn) % 4 == 0 && reinterpret_cast<uintptr_t>(sp) % 4 == 0;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    float* block = scratch(0, s.features * D * kLanes).data();
-    float* dots = scratch(1, P * kLanes).data();
-    float* stage = scratch(2, kLanes * std::max(s.features * D, P)).data();
+    float* block = scratch(0, s.features * D * kLanes);
+    float* dots = scratch(1, P * kLanes);
+    float* stage = scratch(2, kLanes * std::max(s.features * D, P));
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t b0 = blk * kLanes, count = std::min(kLanes, s.batch - b0);
-      load_block(dn, sp, b0, count, s, stage, block);
-      pair_dots(block, first.data(), second.data(), P, D, dots);
+#if defined(CPU_CAPABILITY_AVX512)
+      if (words) {  // two bf16 a word: the block is [F + 1][D / 2][kLanes] words
+        const int64_t W = D / 2, F = s.features - 1;
+        auto* w = reinterpret_cast<uint32_t*>(block);
+        if (count < kLanes) std::fill(w, w + s.features * W * kLanes, 0u);
+        transpose(reinterpret_cast<const uint32_t*>(dn + b0 * D), W, w, kLanes, count, W);
+        transpose(reinterpret_cast<const uint32_t*>(sp + b0 * F * D), F * W, w + W * kLanes, kLanes, count, F * W);
+        pair_dots_bf16(w, first.data(), second.data(), P, W, dots);
+      } else
+#endif
+      {
+        load_block(dn, sp, b0, count, s, stage, block);
+        pair_dots(block, first.data(), second.data(), P, D, dots);
+      }
       for (int64_t k = 0; k < count; ++k) std::copy(dn + (b0 + k) * D, dn + (b0 + k + 1) * D, o + (b0 + k) * row);
       if constexpr (std::is_same_v<T, float>) {
         transpose(dots, kLanes, o + b0 * row + D, row, P, count);
@@ -203,11 +274,11 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& dense, const at::
   const int64_t D = s.width, P = s.pairs, F = s.features - 1, row = D + P, blocks = (s.batch + kLanes - 1) / kLanes;
   const int64_t stride = D * kLanes, n = s.features;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    float* block = scratch(0, n * stride).data();
-    float* to = scratch(1, n * stride).data();
-    float* pair_grad = scratch(2, P * kLanes).data();
-    float* stage = scratch(3, kLanes * std::max(n * D, row)).data();
-    float* rows = scratch(4, kLanes * n * D).data();
+    float* block = scratch(0, n * stride);
+    float* to = scratch(1, n * stride);
+    float* pair_grad = scratch(2, P * kLanes);
+    float* stage = scratch(3, kLanes * std::max(n * D, row));
+    float* rows = scratch(4, kLanes * n * D);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t b0 = blk * kLanes, count = std::min(kLanes, s.batch - b0);
       load_block(dn, sp, b0, count, s, stage, block);
