@@ -93,7 +93,7 @@ def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared, bag
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             outs[1].backward(grad)
         ran = {e.name for e in prof.events()}
-        assert ("dlrm_lab::rowwise_update" in ran) == rows_kernel
+        assert ("dlrm_lab::rowwise_update" in ran) == rows_kernel == ("dlrm_lab::group_rows" in ran)
     after_fbgemm, after_batched = _state(fbgemm), _state(batched)
     assert (after_fbgemm[0] - before[0]).abs().max() > 1e-3  # rows moved
     torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)
@@ -191,3 +191,24 @@ def test_a_batch_looked_up_before_another_batchs_update_is_updated_from_the_rows
     after_fbgemm, after_batched = _state(fbgemm), _state(batched)
     torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(after_batched[1], after_fbgemm[1], rtol=1e-5, atol=1e-7)
+
+
+def test_the_ids_grouped_by_row_are_a_stable_sort_and_a_bad_row_is_refused():
+    """`group_rows` (a radix sort of the rows' bits only) against torch's stable sort, at sizes that take one, two
+    and three of its passes, with every row repeated and none; a row outside the table is one error, not a write."""
+    assert native.load() is None, native.load()
+    g = torch.Generator().manual_seed(0)
+    for num_rows, n in ((1, 5), (7, 300), (3000, 5000), (26_000_000, 53_248), (2**32, 1000)):
+        rows = torch.randint(0, num_rows, (n,), generator=g)
+        for kind in (torch.long, torch.int) if num_rows < 2**31 else (torch.long,):
+            unique, starts, order = torch.ops.dlrm_lab.group_rows(rows.to(kind), num_rows)
+            keys, want_order = torch.sort(rows, stable=True)
+            want_unique, counts = torch.unique_consecutive(keys, return_counts=True)
+            assert torch.equal(order, want_order) and torch.equal(unique, want_unique)
+            assert torch.equal(starts, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    empty = torch.ops.dlrm_lab.group_rows(torch.empty(0, dtype=torch.long), 10)
+    assert [t.tolist() for t in empty] == [[], [0], []]
+    with pytest.raises(RuntimeError, match="row 10 outside the table's 10"):
+        torch.ops.dlrm_lab.group_rows(torch.tensor([3, 10]), 10)
+    with pytest.raises(RuntimeError, match="must each fit 32 bits"):
+        torch.ops.dlrm_lab.group_rows(torch.tensor([3]), 2**32 + 1)

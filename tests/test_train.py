@@ -574,7 +574,7 @@ def test_the_update_path_fbgemm_took_is_observed_on_a_real_step_and_recorded(tmp
         run = train(preflight(spec, TrainConfig(table_update=path, **base)), metrics_dir=tmp_path / path)
         observed = read_manifest(run.run_dir)["config"]["table_update_choice"]["update_path"]
         expected = "fbgemm fast path (fp32 rows, fp32 gradient, no shared table)" if path == "fbgemm" else (
-            "batched (the lab's, its rows in one pass of the lab's kernel; gradient float32)")  # fmt: skip
+            "batched (the lab's, its ids grouped and its rows updated in one pass by the lab's kernels; gradient float32)")  # fmt: skip
         assert observed["groups"] and set(observed["groups"]) == {expected}
         assert observed["summary"] == f"{len(observed['groups'])} x {expected}"
 

@@ -6,9 +6,10 @@ on one core whatever the thread count (benchmarks/tbe_threads.py: 7.75 ms on 1 t
 tables at batch 2048), and on a machine whose GEMMs are fast it is a third of a step. The update it applies is
 a few gather-reduce-scatter steps over the batch's rows, which torch's own ops run on all the cores: written by
 hand here because neither fbgemm nor torch ships a multi-threaded CPU table update (fbgemm's is the one being
-replaced). After the sort, the duplicates' sum and the row-wise update run as one pass over the distinct rows in
-the lab's kernel (`model.native`, rows fetched ahead, on every core) where it builds: 1.6-2.6x torch's five passes
-over kaggle's rows on 2 MiB pages (benchmarks/table_update_ab.py); torch's ops where it does not. The forward
+replaced). Where the lab's kernels build (`model.native`), the ids are grouped by row with a radix sort, then the
+duplicates' sum and the row-wise update run as one pass over the distinct rows (rows fetched ahead, on every
+core): 1.6-2.6x torch's sort and five passes over kaggle's rows on 2 MiB pages (benchmarks/table_update_ab.py);
+torch's ops where they do not. The forward
 stays fbgemm's; only the backward differs, and it writes the same tensors (the rows and the row-wise state
 TorchRec's fused optimizer, state dict and checkpoints read), so nothing else changes.
 """
@@ -141,31 +142,31 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
                 if self.pooling_mode == PoolingMode.MEAN and scale is None:  # weighted: fbgemm takes no mean
                     scale = 1.0 / lengths.index_select(0, segment).float()
             rows = first_row.index_select(0, feature) + indices.long()
-        # Duplicates summed by sorting the rows and pooling each run of equal rows with embedding_bag (fbgemm's
-        # multi-threaded CPU sum): 0.78 ms against 1.55 for unique + index_add_ (kaggle's 53k ids, 2 threads);
-        # 32-bit keys sort faster than 64-bit (0.41 against 0.73 ms)
         table = self.weights_host.view(-1, width)
-        keys, order = torch.sort(rows.int() if len(table) < 2**31 else rows)
-        unique, counts = torch.unique_consecutive(keys, return_counts=True)
-        unique = unique.long()
         lr = float(self.learning_rate_tensor)
-        sources = source.index_select(0, order)  # each sorted id's gradient row
-        scales = scale.index_select(0, order) if scale is not None else None
-        if native.load() is None:  # the rest in one pass over the distinct rows (`model.native`)
-            starts = torch.zeros(len(counts) + 1, dtype=torch.long)
-            torch.cumsum(counts, 0, out=starts[1:])
+        if native.load() is None and len(table) <= 2**32:
+            # the ids grouped by row (a radix sort), then one pass over the distinct rows (`model.native`)
+            unique, starts, order = torch.ops.dlrm_lab.group_rows(rows, len(table))
             torch.ops.dlrm_lab.rowwise_update(
                 table,
                 self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None,
                 unique,
                 starts,
-                sources,
+                source.index_select(0, order),  # each grouped id's gradient row
                 grad_rows,
-                scales,
+                scale.index_select(0, order) if scale is not None else None,
                 lr,
                 float(self.optimizer_args.eps),
             )
             return
+        # Duplicates summed by sorting the rows and pooling each run of equal rows with embedding_bag (fbgemm's
+        # multi-threaded CPU sum): 0.78 ms against 1.55 for unique + index_add_ (kaggle's 53k ids, 2 threads);
+        # 32-bit keys sort faster than 64-bit (0.41 against 0.73 ms)
+        keys, order = torch.sort(rows.int() if len(table) < 2**31 else rows)
+        unique, counts = torch.unique_consecutive(keys, return_counts=True)
+        unique = unique.long()
+        sources = source.index_select(0, order)  # each sorted id's gradient row
+        scales = scale.index_select(0, order) if scale is not None else None
         summed = torch.nn.functional.embedding_bag(
             sources, grad_rows, counts.cumsum(0) - counts, mode="sum", per_sample_weights=scales
         )
@@ -284,7 +285,8 @@ class UpdatePathWatch:
             if (dtype := self.seen.get(id(tbe))) is None:
                 paths.append("not observed (no gradient reached it)")
             elif isinstance(tbe, BatchedTableUpdate):
-                rows = "its rows in one pass of the lab's kernel" if native.load() is None else "torch's ops"
+                rows = "its ids grouped and its rows updated in one pass by the lab's kernels"
+                rows = rows if native.load() is None else "torch's ops"
                 paths.append(f"batched (the lab's, {rows}; gradient {str(dtype).removeprefix('torch.')})")
             elif not tbe.use_cpu:
                 paths.append("fbgemm on the GPU")

@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -92,12 +94,66 @@ void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& st
   });
 }
 
+// The batch's ids grouped by row, for `rowwise_update`: (unique rows ascending, starts: where each row's ids
+// begin in `order` (one more), order: the ids' positions, grouped, in their own order within a row). A stable LSD
+// radix sort of (row, position) packed in 64 bits, 11 bits a pass over the rows' bits only: kaggle's 53k ids in
+// 26M rows take three passes over 0.4 MB, where torch's comparison sort and unique_consecutive took 0.6-1.0 ms.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& rows_in, int64_t num_rows) {
+  TORCH_CHECK(rows_in.dim() == 1 && (rows_in.scalar_type() == at::kLong || rows_in.scalar_type() == at::kInt),
+              "group_rows: rows must be 1-D int32 or int64, got ", rows_in.scalar_type(), " ", rows_in.sizes());
+  TORCH_CHECK(num_rows > 0 && num_rows <= (int64_t{1} << 32) && rows_in.numel() < (int64_t{1} << 32),
+              "group_rows: ", num_rows, " rows and ", rows_in.numel(), " ids must each fit 32 bits");
+  const auto rows = rows_in.to(at::kLong).contiguous();
+  const int64_t n = rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  std::vector<uint64_t> a(n), b(n);
+  for (int64_t k = 0; k < n; ++k) {
+    TORCH_CHECK(r[k] >= 0 && r[k] < num_rows, "group_rows: row ", r[k], " outside the table's ", num_rows);
+    a[k] = (static_cast<uint64_t>(r[k]) << 32) | static_cast<uint64_t>(k);
+  }
+  constexpr int kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  int bits = 0;
+  while (bits < 32 && (int64_t{1} << bits) < num_rows) ++bits;
+  std::vector<int64_t> count(kBuckets);
+  for (int shift = 32; shift < 32 + bits; shift += kBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (const uint64_t v : a) ++count[(v >> shift) & (kBuckets - 1)];
+    int64_t total = 0;
+    for (auto& c : count) total += std::exchange(c, total);
+    for (const uint64_t v : a) b[count[(v >> shift) & (kBuckets - 1)]++] = v;
+    a.swap(b);
+  }
+  int64_t distinct = 0;
+  for (int64_t k = 0; k < n; ++k) distinct += k == 0 || (a[k] >> 32) != (a[k - 1] >> 32);
+  auto unique = at::empty({distinct}, rows.options());
+  auto starts = at::empty({distinct + 1}, rows.options());
+  auto order = at::empty({n}, rows.options());
+  int64_t* uq = unique.data_ptr<int64_t>();
+  int64_t* st = starts.data_ptr<int64_t>();
+  int64_t* od = order.data_ptr<int64_t>();
+  int64_t u = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    if (k == 0 || (a[k] >> 32) != (a[k - 1] >> 32)) {
+      uq[u] = static_cast<int64_t>(a[k] >> 32);
+      st[u++] = k;
+    }
+    od[k] = static_cast<int64_t>(a[k] & 0xffffffffu);
+  }
+  st[distinct] = n;
+  return {unique, starts, order};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlrm_lab, m) {
+  m.def("group_rows(Tensor rows, int num_rows) -> (Tensor, Tensor, Tensor)");
   m.def(
       "rowwise_update(Tensor(a!) table, Tensor(b!)? state, Tensor unique, Tensor starts, Tensor sources, "
       "Tensor grad_rows, Tensor? scale, float lr, float eps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(dlrm_lab, CPU, m) { m.impl("rowwise_update", &rowwise_update); }
+TORCH_LIBRARY_IMPL(dlrm_lab, CPU, m) {
+  m.impl("rowwise_update", &rowwise_update);
+  m.impl("group_rows", &group_rows);
+}
