@@ -8,6 +8,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -96,8 +97,9 @@ void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& st
 
 // The batch's ids grouped by row, for `rowwise_update`: (unique rows ascending, starts: where each row's ids
 // begin in `order` (one more), order: the ids' positions, grouped, in their own order within a row). A stable LSD
-// radix sort of (row, position) packed in 64 bits, 11 bits a pass over the rows' bits only: kaggle's 53k ids in
-// 26M rows take three passes over 0.4 MB, where torch's comparison sort and unique_consecutive took 0.6-1.0 ms.
+// radix sort of (row, position) packed in 64 bits, over the rows' bits only, in as few passes of at most 13 bits
+// as they need (kaggle's 26M rows: two), its buffers kept between calls: where torch's comparison sort and
+// unique_consecutive took 0.6-1.0 ms for kaggle's 53k ids.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& rows_in, int64_t num_rows) {
   TORCH_CHECK(rows_in.dim() == 1 && (rows_in.scalar_type() == at::kLong || rows_in.scalar_type() == at::kInt),
               "group_rows: rows must be 1-D int32 or int64, got ", rows_in.scalar_type(), " ", rows_in.sizes());
@@ -106,41 +108,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& rows
   const auto rows = rows_in.to(at::kLong).contiguous();
   const int64_t n = rows.numel();
   const int64_t* r = rows.data_ptr<int64_t>();
-  std::vector<uint64_t> a(n), b(n);
-  for (int64_t k = 0; k < n; ++k) {
-    TORCH_CHECK(r[k] >= 0 && r[k] < num_rows, "group_rows: row ", r[k], " outside the table's ", num_rows);
-    a[k] = (static_cast<uint64_t>(r[k]) << 32) | static_cast<uint64_t>(k);
+  thread_local std::vector<uint64_t> a, b;
+  if (static_cast<int64_t>(a.size()) < n) {
+    a.resize(n);
+    b.resize(n);
   }
-  constexpr int kBits = 11;
-  constexpr size_t kBuckets = size_t{1} << kBits;
   int bits = 0;
   while (bits < 32 && (int64_t{1} << bits) < num_rows) ++bits;
-  std::vector<int64_t> count(kBuckets);
-  for (int shift = 32; shift < 32 + bits; shift += kBits) {
-    std::fill(count.begin(), count.end(), 0);
-    for (const uint64_t v : a) ++count[(v >> shift) & (kBuckets - 1)];
+  const int passes = (bits + 12) / 13, width = passes ? (bits + passes - 1) / passes : 0;
+  const uint64_t mask = (uint64_t{1} << width) - 1;
+  std::vector<int64_t> count(passes << width);  // every pass's histogram, counted in the one read of the rows
+  int64_t low = 0, high = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t row = r[k];
+    low = std::min(low, row);
+    high = std::max(high, row);
+    a[k] = (static_cast<uint64_t>(row) << 32) | static_cast<uint64_t>(k);
+    for (int pass = 0; pass < passes; ++pass) ++count[(pass << width) + ((row >> (pass * width)) & mask)];
+  }
+  TORCH_CHECK(low >= 0 && high < num_rows, "group_rows: row ", low < 0 ? low : high, " outside the table's ",
+              num_rows);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 32 + pass * width;
+    int64_t* c = count.data() + (pass << width);
     int64_t total = 0;
-    for (auto& c : count) total += std::exchange(c, total);
-    for (const uint64_t v : a) b[count[(v >> shift) & (kBuckets - 1)]++] = v;
+    for (uint64_t v = 0; v <= mask; ++v) total += std::exchange(c[v], total);
+    for (int64_t k = 0; k < n; ++k) b[c[(a[k] >> shift) & mask]++] = a[k];
     a.swap(b);
   }
-  int64_t distinct = 0;
-  for (int64_t k = 0; k < n; ++k) distinct += k == 0 || (a[k] >> 32) != (a[k - 1] >> 32);
-  auto unique = at::empty({distinct}, rows.options());
-  auto starts = at::empty({distinct + 1}, rows.options());
+  // at most n distinct rows: their tensors made that long and cut to the count found
+  auto unique = at::empty({n}, rows.options());
+  auto starts = at::empty({n + 1}, rows.options());
   auto order = at::empty({n}, rows.options());
   int64_t* uq = unique.data_ptr<int64_t>();
   int64_t* st = starts.data_ptr<int64_t>();
   int64_t* od = order.data_ptr<int64_t>();
-  int64_t u = 0;
+  int64_t distinct = 0;
   for (int64_t k = 0; k < n; ++k) {
     if (k == 0 || (a[k] >> 32) != (a[k - 1] >> 32)) {
-      uq[u] = static_cast<int64_t>(a[k] >> 32);
-      st[u++] = k;
+      uq[distinct] = static_cast<int64_t>(a[k] >> 32);
+      st[distinct++] = k;
     }
     od[k] = static_cast<int64_t>(a[k] & 0xffffffffu);
   }
   st[distinct] = n;
+  unique = unique.narrow(0, 0, distinct);
+  starts = starts.narrow(0, 0, distinct + 1);
   return {unique, starts, order};
 }
 
