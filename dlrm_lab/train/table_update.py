@@ -116,18 +116,21 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         first_row = torch.div(self.weights_offsets, width, rounding_mode="floor")
         batch = (offsets.numel() - 1) // features
         bag = int(offsets[1] - offsets[0]) if self.pooling_mode != PoolingMode.NONE else 0
-        if bag and int(offsets[-1]) == bag * features * batch and bool((offsets.diff() == bag).all()):
+        regular = bag > 0 and int(offsets[-1]) == bag * features * batch
+        key = (batch, features, bag, per_sample, offsets.dtype)
+        fixed = getattr(self, "_bag_rows", {}).get(key) if regular else None  # `install` swaps the class: no __init__
+        if regular and fixed is None:
+            # bag (f, b) -> gradient row b * per_sample + f; the offsets of bags all `bag` long
+            sample_major = (torch.arange(batch).view(-1, 1) * per_sample + torch.arange(features)).t()
+            source = sample_major.reshape(-1, 1).expand(-1, bag).reshape(-1)
+            fixed = (source, torch.arange(offsets.numel(), dtype=offsets.dtype) * bag)
+            self._bag_rows = {key: fixed}  # one shape at a time: a run's last batch may differ
+        if fixed is not None and torch.equal(offsets, fixed[1]):
             # every bag holds `bag` ids (Criteo's one a bag): each id's bag and row follow from its position alone,
             # without the ragged index (repeat_interleave, a division, an index_select: 0.3 of a kaggle update);
-            # the same every step of a shape, so made once
-            key = (batch, features, bag, per_sample)
-            source = getattr(self, "_bag_rows", {}).get(key)  # none yet: `install` swaps the class, no __init__
-            if source is None:
-                # bag (f, b) -> gradient row b * per_sample + f
-                sample_major = (torch.arange(batch).view(-1, 1) * per_sample + torch.arange(features)).t()
-                source = sample_major.reshape(-1, 1).expand(-1, bag).reshape(-1)
-                self._bag_rows = {key: source}  # one shape at a time: a run's last batch may differ
-            rows = (indices.view(features, -1).long() + first_row.view(-1, 1)).reshape(-1)
+            # the same every step of a shape, so made once, and the offsets checked in one comparison
+            source = fixed[0]
+            rows = torch.add(indices.view(features, -1), first_row.view(-1, 1)).view(-1)  # int64 in one pass
             if self.pooling_mode == PoolingMode.MEAN and scale is None and bag > 1:
                 scale = torch.full((indices.numel(),), 1.0 / bag)
         else:
