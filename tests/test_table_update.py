@@ -201,14 +201,24 @@ def test_the_ids_grouped_by_row_are_a_stable_sort_and_a_bad_row_is_refused():
     for num_rows, n in ((1, 5), (7, 300), (3000, 5000), (26_000_000, 53_248), (2**32, 1000)):
         rows = torch.randint(0, num_rows, (n,), generator=g)
         for kind in (torch.long, torch.int) if num_rows < 2**31 else (torch.long,):
-            unique, starts, order = torch.ops.dlrm_lab.group_rows(rows.to(kind), num_rows)
+            unique, starts, order = torch.ops.dlrm_lab.group_rows(rows.to(kind), None, num_rows)
             keys, want_order = torch.sort(rows, stable=True)
             want_unique, counts = torch.unique_consecutive(keys, return_counts=True)
             assert torch.equal(order, want_order) and torch.equal(unique, want_unique)
             assert torch.equal(starts, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
-    empty = torch.ops.dlrm_lab.group_rows(torch.empty(0, dtype=torch.long), 10)
+    # each segment's ids offset by its base (a feature's ids by its table's first row)
+    ids, bases = torch.tensor([4, 0, 4, 1, 0, 2], dtype=torch.int32), torch.tensor([0, 3, 5])
+    unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, 9)
+    assert (
+        unique.tolist() == [0, 4, 5, 7] and starts.tolist() == [0, 1, 3, 4, 6] and order.tolist() == [1, 0, 3, 4, 2, 5]
+    )
+    empty = torch.ops.dlrm_lab.group_rows(torch.empty(0, dtype=torch.long), None, 10)
     assert [t.tolist() for t in empty] == [[], [0], []]
     with pytest.raises(RuntimeError, match="row 10 outside the table's 10"):
-        torch.ops.dlrm_lab.group_rows(torch.tensor([3, 10]), 10)
+        torch.ops.dlrm_lab.group_rows(torch.tensor([3, 10]), None, 10)
+    with pytest.raises(RuntimeError, match="row 10 outside the table's 10"):
+        torch.ops.dlrm_lab.group_rows(torch.tensor([3, 4]), torch.tensor([0, 6]), 10)
+    with pytest.raises(RuntimeError, match="5 ids in 2 equal segments"):
+        torch.ops.dlrm_lab.group_rows(torch.arange(5), torch.tensor([0, 6]), 10)
     with pytest.raises(RuntimeError, match="must each fit 32 bits"):
-        torch.ops.dlrm_lab.group_rows(torch.tensor([3]), 2**32 + 1)
+        torch.ops.dlrm_lab.group_rows(torch.tensor([3]), None, 2**32 + 1)

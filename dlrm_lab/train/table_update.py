@@ -130,7 +130,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
             # without the ragged index (repeat_interleave, a division, an index_select: 0.3 of a kaggle update);
             # the same every step of a shape, so made once, and the offsets checked in one comparison
             source = fixed[0]
-            rows = torch.add(indices.view(features, -1), first_row.view(-1, 1)).view(-1)  # int64 in one pass
+            ids, bases = indices, first_row  # an id's row: the id plus its feature's first row
             if self.pooling_mode == PoolingMode.MEAN and scale is None and bag > 1:
                 scale = torch.full((indices.numel(),), 1.0 / bag)
         else:
@@ -144,12 +144,12 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
                 source = (segment - feature * batch) * per_sample + feature  # its bag's row of the sample-major grad
                 if self.pooling_mode == PoolingMode.MEAN and scale is None:  # weighted: fbgemm takes no mean
                     scale = 1.0 / lengths.index_select(0, segment).float()
-            rows = first_row.index_select(0, feature) + indices.long()
+            ids, bases = first_row.index_select(0, feature) + indices.long(), None
         table = self.weights_host.view(-1, width)
         lr = float(self.learning_rate_tensor)
         if native.load() is None and len(table) <= 2**32:
             # the ids grouped by row (a radix sort), then one pass over the distinct rows (`model.native`)
-            unique, starts, order = torch.ops.dlrm_lab.group_rows(rows, len(table))
+            unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, len(table))
             torch.ops.dlrm_lab.rowwise_update(
                 table,
                 self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None,
@@ -165,6 +165,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         # Duplicates summed by sorting the rows and pooling each run of equal rows with embedding_bag (fbgemm's
         # multi-threaded CPU sum): 0.78 ms against 1.55 for unique + index_add_ (kaggle's 53k ids, 2 threads);
         # 32-bit keys sort faster than 64-bit (0.41 against 0.73 ms)
+        rows = ids if bases is None else (ids.view(len(bases), -1).long() + bases.view(-1, 1)).view(-1)
         keys, order = torch.sort(rows.int() if len(table) < 2**31 else rows)
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         unique = unique.long()

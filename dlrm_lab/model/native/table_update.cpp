@@ -96,38 +96,63 @@ void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& st
 }
 
 // The batch's ids grouped by row, for `rowwise_update`: (unique rows ascending, starts: where each row's ids
-// begin in `order` (one more), order: the ids' positions, grouped, in their own order within a row). A stable LSD
-// radix sort of (row, position) packed in 64 bits, over the rows' bits only, in as few passes of at most 13 bits
-// as they need (kaggle's 26M rows: two), its buffers kept between calls: where torch's comparison sort and
-// unique_consecutive took 0.6-1.0 ms for kaggle's 53k ids.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& rows_in, int64_t num_rows) {
-  TORCH_CHECK(rows_in.dim() == 1 && (rows_in.scalar_type() == at::kLong || rows_in.scalar_type() == at::kInt),
-              "group_rows: rows must be 1-D int32 or int64, got ", rows_in.scalar_type(), " ", rows_in.sizes());
-  TORCH_CHECK(num_rows > 0 && num_rows <= (int64_t{1} << 32) && rows_in.numel() < (int64_t{1} << 32),
-              "group_rows: ", num_rows, " rows and ", rows_in.numel(), " ids must each fit 32 bits");
-  const auto rows = rows_in.to(at::kLong).contiguous();
-  const int64_t n = rows.numel();
-  const int64_t* r = rows.data_ptr<int64_t>();
+// begin in `order` (one more), order: the ids' positions, grouped, in their own order within a row). An id's row is
+// the id plus its segment's base where `bases` is given (the ids in as many equal segments as bases: one a feature,
+// its table's first row). A stable LSD radix sort of (row, position) packed in 64 bits, over the rows' bits only, in
+// as few passes of at most 13 bits as they need (kaggle's 26M rows: two), its buffers kept between calls: where
+// torch's comparison sort and unique_consecutive took 0.6-1.0 ms for kaggle's 53k ids.
+template <typename I>
+void pack_rows(const I* ids, const int64_t* bases, int64_t segments, int64_t n, int64_t* low, int64_t* high,
+               uint64_t* packed) {
+  const int64_t each = segments ? n / segments : n;
+  for (int64_t seg = 0, k = 0; seg < std::max<int64_t>(segments, 1); ++seg) {
+    const int64_t base = bases ? bases[seg] : 0;
+    for (const int64_t end = k + each; k < end; ++k) {
+      const int64_t row = static_cast<int64_t>(ids[k]) + base;
+      *low = std::min(*low, row);
+      *high = std::max(*high, row);
+      packed[k] = (static_cast<uint64_t>(row) << 32) | static_cast<uint64_t>(k);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_in,
+                                                          const std::optional<at::Tensor>& bases_in,
+                                                          int64_t num_rows) {
+  TORCH_CHECK(ids_in.dim() == 1 && (ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt),
+              "group_rows: ids must be 1-D int32 or int64, got ", ids_in.scalar_type(), " ", ids_in.sizes());
+  TORCH_CHECK(num_rows > 0 && num_rows <= (int64_t{1} << 32) && ids_in.numel() < (int64_t{1} << 32),
+              "group_rows: ", num_rows, " rows and ", ids_in.numel(), " ids must each fit 32 bits");
+  const auto ids = ids_in.contiguous();
+  const int64_t n = ids.numel();
+  at::Tensor bases;
+  int64_t segments = 0;
+  if (bases_in.has_value()) {
+    bases = bases_in->to(at::kLong).contiguous();
+    segments = bases.numel();
+    TORCH_CHECK(bases.dim() == 1 && segments > 0 && n % segments == 0, "group_rows: ", n, " ids in ", segments,
+                " equal segments");
+  }
   thread_local std::vector<uint64_t> a, b;
   if (static_cast<int64_t>(a.size()) < n) {
     a.resize(n);
     b.resize(n);
   }
+  int64_t low = 0, high = 0;
+  const int64_t* base = segments ? bases.data_ptr<int64_t>() : nullptr;
+  if (ids.scalar_type() == at::kInt)
+    pack_rows(ids.data_ptr<int32_t>(), base, segments, n, &low, &high, a.data());
+  else
+    pack_rows(ids.data_ptr<int64_t>(), base, segments, n, &low, &high, a.data());
+  TORCH_CHECK(low >= 0 && high < num_rows, "group_rows: row ", low < 0 ? low : high, " outside the table's ",
+              num_rows);
   int bits = 0;
   while (bits < 32 && (int64_t{1} << bits) < num_rows) ++bits;
   const int passes = (bits + 12) / 13, width = passes ? (bits + passes - 1) / passes : 0;
   const uint64_t mask = (uint64_t{1} << width) - 1;
-  std::vector<int64_t> count(passes << width);  // every pass's histogram, counted in the one read of the rows
-  int64_t low = 0, high = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t row = r[k];
-    low = std::min(low, row);
-    high = std::max(high, row);
-    a[k] = (static_cast<uint64_t>(row) << 32) | static_cast<uint64_t>(k);
-    for (int pass = 0; pass < passes; ++pass) ++count[(pass << width) + ((row >> (pass * width)) & mask)];
-  }
-  TORCH_CHECK(low >= 0 && high < num_rows, "group_rows: row ", low < 0 ? low : high, " outside the table's ",
-              num_rows);
+  std::vector<int64_t> count(passes << width);  // every pass's histogram, counted in one read
+  for (int64_t k = 0; k < n; ++k)
+    for (int pass = 0; pass < passes; ++pass) ++count[(pass << width) + ((a[k] >> (32 + pass * width)) & mask)];
   for (int pass = 0; pass < passes; ++pass) {
     const int shift = 32 + pass * width;
     int64_t* c = count.data() + (pass << width);
@@ -137,9 +162,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& rows
     a.swap(b);
   }
   // at most n distinct rows: their tensors made that long and cut to the count found
-  auto unique = at::empty({n}, rows.options());
-  auto starts = at::empty({n + 1}, rows.options());
-  auto order = at::empty({n}, rows.options());
+  const auto options = ids.options().dtype(at::kLong);
+  auto unique = at::empty({n}, options);
+  auto starts = at::empty({n + 1}, options);
+  auto order = at::empty({n}, options);
   int64_t* uq = unique.data_ptr<int64_t>();
   int64_t* st = starts.data_ptr<int64_t>();
   int64_t* od = order.data_ptr<int64_t>();
@@ -160,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& rows
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlrm_lab, m) {
-  m.def("group_rows(Tensor rows, int num_rows) -> (Tensor, Tensor, Tensor)");
+  m.def("group_rows(Tensor ids, Tensor? bases, int num_rows) -> (Tensor, Tensor, Tensor)");
   m.def(
       "rowwise_update(Tensor(a!) table, Tensor(b!)? state, Tensor unique, Tensor starts, Tensor sources, "
       "Tensor grad_rows, Tensor? scale, float lr, float eps) -> ()");
