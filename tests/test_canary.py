@@ -147,7 +147,7 @@ def test_a_cpu_hog_started_halfway_through_a_serving_run_is_named_by_the_canary_
     lines: list[str] = []
     try:
         run_dir = run_inference(
-            [ServedModel("tiny", dlrm_lab.load_preset("tiny"), instances=1)],
+            [ServedModel("tiny", dlrm_lab.load_preset("tiny"), instances=1, build="fused")],  # no builds compiled
             [Stream("tiny", 3000.0, QuerySizes.parse("fixed:64"))],  # the instance busy: a hog takes its turns
             InferConfig(duration_s=4.0, warmup_s=1.0),
             metrics_dir=tmp_path,

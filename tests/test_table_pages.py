@@ -98,7 +98,10 @@ def test_a_server_on_huge_pages_maps_its_tables_whole_and_unmounts_when_it_stops
     if (why := _may_mount(tmp_path)) is not None:
         pytest.skip(f"no tmpfs of huge pages here: {why}")
     spec = load_preset("tiny", num_embeddings=[ROWS] * 4)
-    served = ServedModel("tiny", spec, instances=1, max_batch=64, library_samples=1024, table_pages="huge")
+    # one build, not `auto`'s every build compiled (the pages are the property, not the build): 155 s on CI
+    served = ServedModel(
+        "tiny", spec, instances=1, max_batch=64, library_samples=1024, table_pages="huge", build="fused"
+    )
     with InferenceServer(plan_serving([served], seed=0)) as server:
         (snap,) = server._snapshots
         assert os.path.ismount(snap)
