@@ -573,8 +573,9 @@ def test_the_update_path_fbgemm_took_is_observed_on_a_real_step_and_recorded(tmp
     for path in ("fbgemm", "batched"):
         run = train(preflight(spec, TrainConfig(table_update=path, **base)), metrics_dir=tmp_path / path)
         observed = read_manifest(run.run_dir)["config"]["table_update_choice"]["update_path"]
+        kernels = "its ids grouped and its rows updated in one pass by the lab's kernels"
         expected = "fbgemm fast path (fp32 rows, fp32 gradient, no shared table)" if path == "fbgemm" else (
-            "batched (the lab's, its ids grouped and its rows updated in one pass by the lab's kernels; gradient float32)")  # fmt: skip
+            f"batched (the lab's, {kernels}; gradient float32)")  # fmt: skip
         assert observed["groups"] and set(observed["groups"]) == {expected}
         assert observed["summary"] == f"{len(observed['groups'])} x {expected}"
 

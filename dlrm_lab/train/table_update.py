@@ -71,7 +71,8 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
     an existing module's class; nothing is constructed). Lookups other than a plain training one (variable
     batch per feature, per-feature gradients, no gradient) are fbgemm's own."""
 
-    _bag_rows: dict[tuple[int, int, int, int], torch.Tensor]  # a fixed-width batch's gradient row per id, by shape
+    # a fixed-width batch's gradient row per id and its offsets, by shape (and the offsets' dtype)
+    _bag_rows: dict[tuple[int, int, int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
     def forward(
         self,
