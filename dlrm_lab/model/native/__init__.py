@@ -53,7 +53,7 @@ def load() -> str | None:
     return None
 
 
-STALE_LOCK_S = 600  # a build takes under a minute: a lock this old was left by a build that was killed
+STALE_LOCK_S = 600  # a build takes 0.5-5 minutes (as fast as the host is): a lock this old was left by a killed one
 
 
 def _clear_stale_lock(cpp_extension: Any) -> None:

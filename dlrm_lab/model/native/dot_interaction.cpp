@@ -135,6 +135,18 @@ void load_block(const T* dense, const T* sparse, int64_t b0, int64_t count, cons
   transpose(sp, F * D, block + D * kLanes, kLanes, count, F * D);
 }
 
+// `load_block` for bf16 (only: `words` says so) read as 32-bit words, two coordinates each, moved not converted:
+// block[(f * D / 2 + k) * kLanes + s] (lanes past `count` hold zeros). The rows must start on a word.
+template <typename T>
+const uint32_t* load_words(const T* dense, const T* sparse, int64_t b0, int64_t count, const Shape& s,
+                           uint32_t* block) {
+  const int64_t F = s.features - 1, D = s.width, W = D / 2;
+  if (count < kLanes) std::fill(block, block + s.features * W * kLanes, 0u);
+  transpose(reinterpret_cast<const uint32_t*>(dense + b0 * D), W, block, kLanes, count, W);
+  transpose(reinterpret_cast<const uint32_t*>(sparse + b0 * F * D), F * W, block + W * kLanes, kLanes, count, F * W);
+  return block;
+}
+
 // Each listed pair's dot product, for every lane: dots[p * kLanes + s]. Four pairs at a time, each its own
 // accumulator, so that the fused multiply-adds do not wait on one another.
 void pair_dots(const float* block, const int64_t* first, const int64_t* second, int64_t P, int64_t D, float* dots) {
@@ -238,13 +250,9 @@ void forward_kernel(const at::Tensor& dense, const at::Tensor& sparse, const std
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t b0 = blk * kLanes, count = std::min(kLanes, s.batch - b0);
 #if defined(CPU_CAPABILITY_AVX512)
-      if (words) {  // two bf16 a word: the block is [F + 1][D / 2][kLanes] words
-        const int64_t W = D / 2, F = s.features - 1;
-        auto* w = reinterpret_cast<uint32_t*>(block);
-        if (count < kLanes) std::fill(w, w + s.features * W * kLanes, 0u);
-        transpose(reinterpret_cast<const uint32_t*>(dn + b0 * D), W, w, kLanes, count, W);
-        transpose(reinterpret_cast<const uint32_t*>(sp + b0 * F * D), F * W, w + W * kLanes, kLanes, count, F * W);
-        pair_dots_bf16(w, first.data(), second.data(), P, W, dots);
+      if (words) {
+        const uint32_t* w = load_words(dn, sp, b0, count, s, reinterpret_cast<uint32_t*>(block));
+        pair_dots_bf16(w, first.data(), second.data(), P, D / 2, dots);
       } else
 #endif
       {
