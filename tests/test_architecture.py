@@ -284,3 +284,11 @@ def test_every_name_a_benchmark_or_a_test_imports_from_the_package_exists():
                     if not hasattr(module, alias.name) and not submodule:
                         missing.append(f"{path.name}:{node.lineno}: {name}")
     assert not missing, missing
+
+
+def test_every_gpu_test_lives_in_test_gpu():
+    """`-m gpu` collects tests/test_gpu.py alone (conftest): a GPU test elsewhere would never run on a GPU host."""
+    tests = Path(__file__).parent
+    marked = re.compile(r"^\s*(@pytest\.mark\.gpu|pytestmark\s*=.*\bgpu\b)", re.M)
+    stray = [p.name for p in tests.glob("test_*.py") if p.name != "test_gpu.py" and marked.search(p.read_text())]
+    assert stray == [] and marked.search((tests / "test_gpu.py").read_text())

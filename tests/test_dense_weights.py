@@ -103,3 +103,12 @@ def test_bf16_weights_reach_the_held_out_auc_of_autocast_at_every_seed(seed):
                           dense_weights=way)  # fmt: skip
         auc[way] = train(preflight(spec, cfg, data=False), source=source, eval_source=held_out).summary["eval_auc"]
     assert auc["bf16"] >= auc["fp32"] - 0.005, auc  # no worse (the two ways' roundings differ: either may lead)
+
+
+def test_the_copies_and_their_gradients_live_beside_their_masters():
+    """The CPU twin of a GPU run: copies made on the host while the masters sat on the GPU failed the first GEMM."""
+    from dlrm_lab.train.step import dense_params
+
+    model = build_model(dlrm_lab.load_preset("tiny"), device="meta")
+    weights = DenseWeights(model, list(dense_params(model)))
+    assert weights.copies and {t.device.type for t in [*weights.copies, *weights.master_grads]} == {"meta"}

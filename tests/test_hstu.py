@@ -334,12 +334,3 @@ def test_sequence_tables_send_every_ids_row():
     assert comm["pooled_all_to_all"] == 32 * 0.5 * 2 * 4 * 16 * (72 + 72 + 1) and comm["pooled_reduce_scatter"] == 0
 
 
-@pytest.mark.gpu
-def test_request_batches_pin_for_the_cuda_prefetcher():
-    from dlrm_lab.config import load_any_preset
-    from dlrm_lab.data.request_batches import RequestBatch
-    from dlrm_lab.data.sequences import SequenceGenerator
-
-    batch = RequestBatch.from_block(SequenceGenerator(load_any_preset("hstu-tiny").data).requests(0, 4)).pin_memory()
-    assert batch.actions.is_pinned() and batch.labels.is_pinned()
-    assert batch.to("cuda", non_blocking=True).labels.device.type == "cuda"

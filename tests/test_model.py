@@ -124,14 +124,6 @@ def test_tables_can_stay_unallocated_on_meta():
     assert not any(p.is_meta for p in model.dense_arch.parameters())
 
 
-@pytest.mark.gpu
-def test_model_runs_on_cuda():
-    spec = dlrm_lab.load_preset("tiny")
-    model = dlrm_lab.build_model(spec, device="cuda")
-    batch = make_batch(spec, 4, seed=0).to(torch.device("cuda"))
-    assert model(batch.dense_features, batch.sparse_features).device.type == "cuda"
-
-
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
 def test_built_and_trained_tables_have_the_requested_precision(precision, dtype):
     from dlrm_lab.config import TrainConfig
@@ -313,22 +305,6 @@ def test_a_dot_interaction_told_fp32_computes_its_gram_matrix_out_of_autocast():
     assert dense.grad.dtype == torch.bfloat16 and sparse.grad.dtype == torch.float32
 
 
-@pytest.mark.gpu
-def test_the_interaction_choice_times_both_ways_on_cuda():
-    from dlrm_lab.config import TrainConfig
-    from dlrm_lab.model.dlrm import DotInteractionArch
-    from dlrm_lab.train.choices import choose_run_interaction
-
-    spec = dlrm_lab.load_preset("tiny")
-    model = dlrm_lab.build_model(spec, device="cuda")
-    ctx = type("Ctx", (), {"is_main": True, "world_size": 1, "device": torch.device("cuda")})()
-    choice = choose_run_interaction(spec, TrainConfig(batch_size=256, precision="bf16", device="cuda"), ctx, model,
-                                    None)  # fmt: skip
-    assert set(choice["ms"]) == {"fp32", "autocast"} and all(v > 0 for v in choice["ms"].values())
-    arch = next(m for m in model.modules() if isinstance(m, DotInteractionArch))
-    assert arch.gram_dtype == (torch.float32 if choice["gram_dtype"] == "fp32" else None)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(dtype):
     """`model.native`'s kernel against autograd through the plain ops in float64: whole and partial blocks of
@@ -407,3 +383,15 @@ def test_a_lock_left_by_a_killed_kernel_build_is_cleared_and_a_live_ones_kept(tm
     native._clear_stale_lock(builder)
     assert not lock.exists()
     native._clear_stale_lock(builder)  # no lock: nothing to do
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dcnv2", "rm1", "hstu-tiny"])
+def test_every_parameter_and_buffer_is_built_on_the_requested_device(preset):
+    """The CPU twin of a GPU build: a module made without a device argument (the dot interaction's pairs, a
+    buffer) stayed on the CPU while the rest went to the GPU, and its first call on CUDA failed."""
+    from dlrm_lab.config import load_any_preset
+
+    spec = load_any_preset(preset)
+    model = dlrm_lab.build_model(spec, device="meta")
+    placed = {name: t.device.type for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert placed and {k: v for k, v in placed.items() if v != "meta"} == {}

@@ -195,9 +195,3 @@ def test_a_search_grids_every_precision_that_can_win_and_records_why(machine, mo
     assert _search_precisions(explicit, 2, 256, InferConfig(), None, choices) == ["bf16"]  # as asked
 
 
-@pytest.mark.gpu
-def test_gemm_rates_are_measured_on_the_gpu():
-    import torch
-
-    rates = prec.measure_shape_rates([(256, 512, 512)], ["fp32", "bf16", "fp16"], torch.device("cuda"), 1)
-    assert set(rates) == {"fp32", "bf16", "fp16"} and all(v > 0 for v in rates.values())

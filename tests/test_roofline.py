@@ -570,3 +570,15 @@ def test_a_later_probe_keeps_the_wake_and_cold_gather_figures_it_did_not_measure
     assert stored["wake"] == {"1": {"p50_us": 25.0}, "100": {"p50_us": 90.0}}  # the new figure, the old kept
     assert stored["cold_gather"] == {"1": 1.10, "100": 5.18}
     assert set(stored["devices"]) == {"cpu", "cuda:0"} and "gloo/2" in stored["comms"]
+
+
+def test_a_gpus_copy_and_gather_are_sized_past_its_cache_and_within_its_memory():
+    """A GPU is probed on its own sizes (a 64 MiB copy and a 10 MB gather read 0.65 and 0.01 of an H200's rates):
+    4 tables of up to 10M rows, at most a quarter of the free memory."""
+    from dlrm_lab.metrics.device_peaks import ProbeSizes
+
+    full = ProbeSizes.preset(False).for_gpu(140 << 30)
+    assert (full.gather_tables, full.gather_rows, full.gather_dim, full.copy_bytes) == (4, 10_000_000, 128, 4 << 30)
+    small = ProbeSizes.preset(True).for_gpu(8 << 30)
+    assert small.gather_rows * small.gather_tables * small.gather_dim * 4 <= 2 << 30 and small.gather_rows > 0
+    assert ProbeSizes.preset(True).gather_rows == 250_000  # the CPU's own sizes unchanged

@@ -238,13 +238,6 @@ def test_tables_that_cannot_fit_are_refused_before_allocation():
         train(preflight(spec, TrainConfig(steps=1, batch_size=8)))
 
 
-@pytest.mark.gpu
-def test_training_on_cuda():
-    spec = dlrm_lab.load_preset("tiny")
-    result = train(preflight(spec, TrainConfig(steps=10, batch_size=64, device="cuda")))
-    assert result.summary["device"] == "cuda"
-
-
 def test_a_training_runs_cost_is_its_rate_and_its_time_to_target_at_the_price():
     spec = dlrm_lab.load_preset("tiny")
     s = train(

@@ -78,8 +78,13 @@ def init_tables(model: torch.nn.Module, seed: int, bounds: dict[str, float] | No
         for (row0, col0), tensor in shards:
             n_rows, n_cols = tensor.shape
             for first in range(row0 - row0 % INIT_ROW_BLOCK, row0 + n_rows, INIT_ROW_BLOCK):
-                g = torch.Generator().manual_seed((table_seed + first) % (1 << 63))
-                block = torch.rand(min(INIT_ROW_BLOCK, rows - first), dim, generator=g) * (2 * bound) - bound
+                # drawn where the shard lives: a GPU's tables (24 GiB of dcnv2 at scale 0.25) drawn on the host
+                # took most of a minute; a device's generator draws its own stream, the same on every rank
+                g = torch.Generator(device=tensor.device).manual_seed((table_seed + first) % (1 << 63))
+                block = (
+                    torch.rand(min(INIT_ROW_BLOCK, rows - first), dim, generator=g, device=tensor.device) * (2 * bound)
+                    - bound
+                )
                 lo, hi = max(first, row0), min(first + INIT_ROW_BLOCK, row0 + n_rows)
                 part = block[lo - first : hi - first, col0 : col0 + n_cols]
                 tensor[lo - row0 : hi - row0].copy_(part.to(tensor.dtype))

@@ -117,6 +117,25 @@ class ProbeSizes:
     torchrec_batches: tuple[int, ...] = (512, 2048)
     # a GPU reaches its peak only on larger products (an H200's bf16: 430 TFLOP/s at 2048, 667 at 8192)
     gpu_gemm_sizes: tuple[int, ...] = (2048, 8192)
+    # and its memory only on work far past its L2 (an H200's: 60 MB) and its launch cost: the copy's bytes and the
+    # gather's (tables, rows, dim, batch, pooling). 64 MiB copies and 10 MB gathers read 2.7 TB/s and 35 GB/s on an
+    # H200 whose 4 GiB copy reads 4.3 TB/s and whose 4 x 10M-row gather 3.7 TB/s
+    gpu_copy_bytes: int = 1 << 30
+    gpu_gather: tuple[int, int, int, int, int] = (4, 2_500_000, 128, 16384, 20)
+
+    def for_gpu(self, free_bytes: int) -> ProbeSizes:
+        """These sizes with the GPU's copy and gather, the gather's tables at most a quarter of `free_bytes`."""
+        tables, rows, dim, batch, pooling = self.gpu_gather
+        rows = max(1, min(rows, free_bytes // 4 // (tables * dim * 4)))
+        return replace(
+            self,
+            copy_bytes=self.gpu_copy_bytes,
+            gather_tables=tables,
+            gather_rows=rows,
+            gather_dim=dim,
+            gather_batch=batch,
+            gather_pooling=pooling,
+        )
 
     @classmethod
     def preset(cls, quick: bool) -> ProbeSizes:
@@ -135,6 +154,8 @@ class ProbeSizes:
             2e9,
             (512, 2048, 8192),
             (2048, 4096, 8192, 16384),
+            4 << 30,
+            (4, 10_000_000, 128, 65536, 20),
         )
 
 

@@ -70,6 +70,7 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
     dtypes = dict(GEMM_DTYPES)
     if device.type == "cuda":
         dtypes["tf32"] = torch.float32
+        sizes = sizes.for_gpu(torch.cuda.mem_get_info(device)[0])
 
     def peaks() -> DevicePeaks:
         out: DevicePeaks = {"gemm_flops_per_s": {}, "gemm_size": {}, "gemm_spread": {}}

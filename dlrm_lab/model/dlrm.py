@@ -426,8 +426,8 @@ class DLRM(nn.Module):
         else:
             crossnet = LowRankCrossNet(in_features=over_in, num_layers=spec.dcn_num_layers, low_rank=spec.dcn_low_rank)
             self.inter_arch = InteractionDCNArch(num_sparse_features=num_features, crossnet=crossnet)
-            if device is not None:
-                self.inter_arch.to(device)  # LowRankCrossNet takes no device argument
+        if device is not None:  # none of the three takes a device argument (the dot one's pairs are a buffer)
+            self.inter_arch.to(device)
         self.over_arch = OverArch(in_features=over_in, layer_sizes=list(spec.top_mlp), device=device)
         # None: the dense part computes in its weights' dtype as autocast casts them; a dtype: its weights are in that
         # dtype (`train.dense_weights`) and the forward casts at the boundaries alone: the dense input, the pooled

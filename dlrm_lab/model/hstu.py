@@ -260,8 +260,9 @@ class HSTURanker(nn.Module):
         for name, child in self.named_children():
             if name != "tables":
                 child.to(device)
-        self.action_rows.data = self.action_rows.data.to(device)
-        self.target_action.data = self.target_action.data.to(device)
+        # new parameters rather than `.data` set in place, which no device of another tensor type (meta) takes
+        self.action_rows = nn.Parameter(self.action_rows.detach().to(device))
+        self.target_action = nn.Parameter(self.target_action.detach().to(device))
 
     def forward(self, sparse: KeyedJaggedTensor, actions: torch.Tensor, ages_s: torch.Tensor) -> torch.Tensor:
         tokens = self._tokens(sparse, actions, ages_s)

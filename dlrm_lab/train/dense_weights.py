@@ -51,8 +51,9 @@ class DenseWeights:
         owners = {id(p): (m, leaf) for m in model.modules() for leaf, p in m.named_parameters(recurse=False)}
         self.slots = [owners[id(p)] for p in self.masters]
         sizes = [p.numel() for p in self.masters]
-        low = torch.empty(sum(sizes), dtype=torch.bfloat16)
-        grads = torch.empty(sum(sizes), dtype=torch.float32)
+        device = self.masters[0].device if self.masters else None  # the copies beside their masters (a GPU's)
+        low = torch.empty(sum(sizes), dtype=torch.bfloat16, device=device)
+        grads = torch.empty(sum(sizes), dtype=torch.float32, device=device)
         self.copies = [
             torch.nn.Parameter(view.view_as(p)) for view, p in zip(low.split(sizes), self.masters, strict=True)
         ]
