@@ -332,5 +332,3 @@ def test_sequence_tables_send_every_ids_row():
     assert comm["input_dist"] == 32 * 0.5 * ((8 * 72 + 8) * 2 + (8 + 4))
     # every id's 16-float row comes back and its gradient goes out: no pooling, no reduce-scatter
     assert comm["pooled_all_to_all"] == 32 * 0.5 * 2 * 4 * 16 * (72 + 72 + 1) and comm["pooled_reduce_scatter"] == 0
-
-

@@ -193,5 +193,3 @@ def test_a_search_grids_every_precision_that_can_win_and_records_why(machine, mo
     assert _search_precisions(base, 2, 256, InferConfig(), None, choices) == ["fp32"]
     explicit = ServedModel("kaggle", base.spec, precision="bf16")
     assert _search_precisions(explicit, 2, 256, InferConfig(), None, choices) == ["bf16"]  # as asked
-
-
