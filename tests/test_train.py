@@ -514,10 +514,44 @@ def test_prefetch_auto_takes_a_thread_only_where_the_rank_has_a_free_core(monkey
     assert choose_prefetch(TrainConfig(prefetch=0), _ctx())["reason"] == "--prefetch 0 (inline)"
 
 
-def test_prefetch_auto_on_a_gpu_prepares_batches_on_a_thread():
+@pytest.mark.parametrize("cores, ranks, workers", [(16, 1, 8), (6, 1, 4), (16, 4, 2), (2, 1, 0)])
+def test_prefetch_auto_on_a_gpu_makes_batches_in_worker_processes(monkeypatch, cores, ranks, workers):
+    """Every host core of the rank's share but the step's and the pinning thread's, at most 8; none on a CPU."""
     from dlrm_lab.train.choices import choose_prefetch
 
-    assert choose_prefetch(TrainConfig(), _ctx("cuda"))["prefetch"] == 2
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    choice = choose_prefetch(TrainConfig(), _ctx("cuda", local_world_size=ranks))
+    assert choice["prefetch"] == 2 and choice["workers"] == workers
+    assert f"{workers} worker processes" in choice["reason"] if workers else "none for workers" in choice["reason"]
+    assert choose_prefetch(TrainConfig(data_workers="3"), _ctx("cuda"))["workers"] == 3
+    assert choose_prefetch(TrainConfig(), _ctx("cpu"))["workers"] == 0
+
+
+@pytest.mark.parametrize("bad", [-1, "two", 1.5, True])
+def test_bad_data_workers_are_refused_in_one_line(bad):
+    from dlrm_lab.errors import UserError
+
+    with pytest.raises(UserError, match=r"data_workers .*: must be auto or an integer >= 0"):
+        TrainConfig(data_workers=bad)
+
+
+def test_worker_processes_make_the_sources_batches_in_order():
+    """Two workers take batches in turn (k even, k odd) and the DataLoader returns them in k's order: the same
+    samples as the source's own iteration, and the workers end at close."""
+    from dlrm_lab.data import synthetic_generator
+    from dlrm_lab.data.prefetch import WorkerPrefetcher
+    from dlrm_lab.data.source import SyntheticSource
+
+    spec = dlrm_lab.load_preset("tiny")
+    source = SyntheticSource(synthetic_generator(spec), 32, num_batches=5, start_batch=3)
+    loader = WorkerPrefetcher(source, workers=2)
+    got = list(loader)
+    assert len(got) == 5 and loader.describe()["data_workers"] == 2
+    for mine, theirs in zip(got, source, strict=True):
+        assert torch.equal(mine.dense_features, theirs.dense_features) and torch.equal(mine.labels, theirs.labels)
+        assert torch.equal(mine.sparse_features.values(), theirs.sparse_features.values())
+    loader.close()
+    assert list(loader) == []
 
 
 @pytest.mark.parametrize("bad", [-1, "two", 1.5, True])

@@ -160,6 +160,13 @@ class TrainConfig:
         "a core its compute threads leave free (or computes on a GPU), else inline.",
         type=str,
     )
+    # processes only where the step runs on a GPU: on a CPU the host's cores run the step (`choose_prefetch`)
+    data_workers: str | int = option(
+        "auto",
+        "Processes that make synthetic batches ahead (0: none, the prefetch thread alone), or auto: on a GPU every "
+        "host core but two (at most 8), on a CPU none.",
+        type=str,
+    )
     sharding: str = option(
         "auto",
         "auto (several CPU ranks: the fastest of the planner's plan and each type, timed for a few steps and cached; "
@@ -246,6 +253,12 @@ class TrainConfig:
             isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0
         ):
             raise FieldError("prefetch", f"{self.prefetch!r}: must be auto or an integer >= 0")
+        if isinstance(self.data_workers, str) and self.data_workers.strip().isdigit():
+            object.__setattr__(self, "data_workers", int(self.data_workers))
+        if self.data_workers != "auto" and (
+            isinstance(self.data_workers, bool) or not isinstance(self.data_workers, int) or self.data_workers < 0
+        ):
+            raise FieldError("data_workers", f"{self.data_workers!r}: must be auto or an integer >= 0")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise FieldError("timeout_s", f"{self.timeout_s!r}: must be a number of seconds > 0")
         if self.target_auc is not None and not (

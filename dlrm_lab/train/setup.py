@@ -22,7 +22,8 @@ from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.train import DEFAULT_EMBEDDING_LR, dense_lr_for, dense_recipe_for, target_auc_for
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.data import BatchSource
-from dlrm_lab.data.prefetch import Prefetcher
+from dlrm_lab.data.prefetch import Prefetcher, WorkerPrefetcher
+from dlrm_lab.data.source import SyntheticSource
 from dlrm_lab.data.streaming import streaming_of
 from dlrm_lab.distributed.context import DistContext, detect_launch, init_distributed, pin_to_cores
 from dlrm_lab.distributed.lean import use_lean_distribution
@@ -247,7 +248,11 @@ def build_setup(
     with as_trained(dense_weights[1]):
         output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None  # on the fp32 masters
     prefetch = choose_prefetch(cfg, ctx)
-    if prefetch["prefetch"]:
+    if prefetch["prefetch"] and prefetch["workers"] and isinstance(source, SyntheticSource):
+        source = WorkerPrefetcher(
+            source, prefetch["workers"], depth=prefetch["prefetch"], pin_memory=ctx.device.type == "cuda"
+        )
+    elif prefetch["prefetch"]:
         source = Prefetcher(source, depth=prefetch["prefetch"], pin_memory=ctx.device.type == "cuda")
     config = {
         "model": spec.to_dict(),
