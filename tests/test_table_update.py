@@ -194,23 +194,29 @@ def test_a_batch_looked_up_before_another_batchs_update_is_updated_from_the_rows
 
 
 def test_the_ids_grouped_by_row_are_a_stable_sort_and_a_bad_row_is_refused():
-    """`group_rows` (a radix sort of the rows' bits only) against torch's stable sort, at sizes that take one, two
-    and three of its passes, with every row repeated and none; a row outside the table is one error, not a write."""
+    """`group_rows` (a hash of the rows seen) against torch's stable sort, its rows in the order first seen: each row
+    with all its ids in their order, at sizes from one row to kaggle's 26M and 2^32 rows, every row repeated and
+    none; given a source, each grouped id's source row in its place. A row outside the table is one error."""
     assert native.load() is None, native.load()
     g = torch.Generator().manual_seed(0)
     for num_rows, n in ((1, 5), (7, 300), (3000, 5000), (26_000_000, 53_248), (2**32, 1000)):
         rows = torch.randint(0, num_rows, (n,), generator=g)
         for kind in (torch.long, torch.int) if num_rows < 2**31 else (torch.long,):
             unique, starts, order = torch.ops.dlrm_lab.group_rows(rows.to(kind), None, num_rows)
-            keys, want_order = torch.sort(rows, stable=True)
-            want_unique, counts = torch.unique_consecutive(keys, return_counts=True)
-            assert torch.equal(order, want_order) and torch.equal(unique, want_unique)
-            assert torch.equal(starts, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+            first = {}
+            for k, row in enumerate(rows.tolist()):
+                first.setdefault(row, []).append(k)
+            assert unique.tolist() == list(first) and starts[-1] == n
+            groups = [order[a:b].tolist() for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
+            assert groups == list(first.values())
+            source = torch.randint(0, 10**6, (n,), generator=g)
+            _, _, sources = torch.ops.dlrm_lab.group_rows(rows.to(kind), None, num_rows, source)
+            assert torch.equal(sources, source.index_select(0, order))
     # each segment's ids offset by its base (a feature's ids by its table's first row)
     ids, bases = torch.tensor([4, 0, 4, 1, 0, 2], dtype=torch.int32), torch.tensor([0, 3, 5])
     unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, 9)
     assert (
-        unique.tolist() == [0, 4, 5, 7] and starts.tolist() == [0, 1, 3, 4, 6] and order.tolist() == [1, 0, 3, 4, 2, 5]
+        unique.tolist() == [4, 0, 7, 5] and starts.tolist() == [0, 2, 3, 5, 6] and order.tolist() == [0, 3, 1, 2, 5, 4]
     )
     empty = torch.ops.dlrm_lab.group_rows(torch.empty(0, dtype=torch.long), None, 10)
     assert [t.tolist() for t in empty] == [[], [0], []]
@@ -222,3 +228,5 @@ def test_the_ids_grouped_by_row_are_a_stable_sort_and_a_bad_row_is_refused():
         torch.ops.dlrm_lab.group_rows(torch.arange(5), torch.tensor([0, 6]), 10)
     with pytest.raises(RuntimeError, match="must each fit 32 bits"):
         torch.ops.dlrm_lab.group_rows(torch.tensor([3]), None, 2**32 + 1)
+    with pytest.raises(RuntimeError, match="a source row for each of the 2 ids"):
+        torch.ops.dlrm_lab.group_rows(torch.tensor([3, 4]), None, 10, torch.arange(3))

@@ -149,16 +149,21 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         table = self.weights_host.view(-1, width)
         lr = float(self.learning_rate_tensor)
         if native.load() is None and len(table) <= 2**32:
-            # the ids grouped by row (a radix sort), then one pass over the distinct rows (`model.native`)
-            unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, len(table))
+            # the ids grouped by row (a hash of the rows seen), then one pass over the distinct rows (`model.native`);
+            # unscaled, the grouping hands back each grouped id's gradient row itself
+            if scale is None:
+                unique, starts, sources = torch.ops.dlrm_lab.group_rows(ids, bases, len(table), source)
+            else:
+                unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, len(table))
+                sources, scale = source.index_select(0, order), scale.index_select(0, order)
             torch.ops.dlrm_lab.rowwise_update(
                 table,
                 self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None,
                 unique,
                 starts,
-                source.index_select(0, order),  # each grouped id's gradient row
+                sources,
                 grad_rows,
-                scale.index_select(0, order) if scale is not None else None,
+                scale,
                 lr,
                 float(self.optimizer_args.eps),
             )

@@ -95,37 +95,52 @@ void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& st
   });
 }
 
-// The batch's ids grouped by row, for `rowwise_update`: (unique rows ascending, starts: where each row's ids
-// begin in `order` (one more), order: the ids' positions, grouped, in their own order within a row). An id's row is
-// the id plus its segment's base where `bases` is given (the ids in as many equal segments as bases: one a feature,
-// its table's first row). A stable LSD radix sort of (row, position) packed in 64 bits, over the rows' bits only, in
-// as few passes of at most 13 bits as they need (kaggle's 26M rows: two), its buffers kept between calls: where
-// torch's comparison sort and unique_consecutive took 0.6-1.0 ms for kaggle's 53k ids.
+// The batch's ids grouped by row, for `rowwise_update`: (unique rows in the order first seen, starts: where each
+// row's ids begin in `order` (one more), order: the ids' positions, grouped, ascending within a row; or, given
+// `source`, source[position] for each, the gradient row each id takes, gathered here rather than by a second pass).
+// An id's row is the id plus its segment's base where `bases` is given (the ids in as many equal segments as bases:
+// one a feature, its table's first row). One probe of a hash table of the rows seen an id (open addressing, twice
+// the ids' count in slots), then a counting scatter: kaggle's 53k ids in one read and one write, where an LSD radix
+// sort of (row, position) took two scatters over 8,192 buckets and torch's sort and unique_consecutive 0.6-1.0 ms.
+// A row's ids keep their order, so its gradient sums in the same order as a sort's: the update is the same.
+constexpr uint64_t kEmpty = ~uint64_t{0};
+
 template <typename I>
-void pack_rows(const I* ids, const int64_t* bases, int64_t segments, int64_t n, int64_t* low, int64_t* high,
-               uint64_t* packed) {
+int64_t first_seen(const I* ids, const int64_t* bases, int64_t segments, int64_t n, int64_t num_rows,
+                   uint64_t* keys, int64_t* groups, uint64_t mask, int shift, int64_t* unique, int64_t* group_of,
+                   int64_t* count) {
   const int64_t each = segments ? n / segments : n;
+  int64_t distinct = 0;
   for (int64_t seg = 0, k = 0; seg < std::max<int64_t>(segments, 1); ++seg) {
     const int64_t base = bases ? bases[seg] : 0;
     for (const int64_t end = k + each; k < end; ++k) {
       const int64_t row = static_cast<int64_t>(ids[k]) + base;
-      *low = std::min(*low, row);
-      *high = std::max(*high, row);
-      packed[k] = (static_cast<uint64_t>(row) << 32) | static_cast<uint64_t>(k);
+      TORCH_CHECK(row >= 0 && row < num_rows, "group_rows: row ", row, " outside the table's ", num_rows);
+      uint64_t h = (static_cast<uint64_t>(row) * 0x9E3779B97F4A7C15ull) >> shift;
+      while (keys[h] != kEmpty && keys[h] != static_cast<uint64_t>(row)) h = (h + 1) & mask;
+      if (keys[h] == kEmpty) {
+        keys[h] = static_cast<uint64_t>(row);
+        groups[h] = distinct;
+        unique[distinct] = row;
+        count[distinct++] = 0;
+      }
+      ++count[group_of[k] = groups[h]];
     }
   }
+  return distinct;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_in,
                                                           const std::optional<at::Tensor>& bases_in,
-                                                          int64_t num_rows) {
+                                                          int64_t num_rows,
+                                                          const std::optional<at::Tensor>& source_in) {
   TORCH_CHECK(ids_in.dim() == 1 && (ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt),
               "group_rows: ids must be 1-D int32 or int64, got ", ids_in.scalar_type(), " ", ids_in.sizes());
   TORCH_CHECK(num_rows > 0 && num_rows <= (int64_t{1} << 32) && ids_in.numel() < (int64_t{1} << 32),
               "group_rows: ", num_rows, " rows and ", ids_in.numel(), " ids must each fit 32 bits");
   const auto ids = ids_in.contiguous();
   const int64_t n = ids.numel();
-  at::Tensor bases;
+  at::Tensor bases, source;
   int64_t segments = 0;
   if (bases_in.has_value()) {
     bases = bases_in->to(at::kLong).contiguous();
@@ -133,60 +148,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_
     TORCH_CHECK(bases.dim() == 1 && segments > 0 && n % segments == 0, "group_rows: ", n, " ids in ", segments,
                 " equal segments");
   }
-  thread_local std::vector<uint64_t> a, b;
-  if (static_cast<int64_t>(a.size()) < n) {
-    a.resize(n);
-    b.resize(n);
+  if (source_in.has_value()) {
+    source = source_in->to(at::kLong).contiguous();
+    TORCH_CHECK(source.dim() == 1 && source.numel() == n, "group_rows: a source row for each of the ", n,
+                " ids, got ", source.sizes());
   }
-  int64_t low = 0, high = 0;
-  const int64_t* base = segments ? bases.data_ptr<int64_t>() : nullptr;
-  if (ids.scalar_type() == at::kInt)
-    pack_rows(ids.data_ptr<int32_t>(), base, segments, n, &low, &high, a.data());
-  else
-    pack_rows(ids.data_ptr<int64_t>(), base, segments, n, &low, &high, a.data());
-  TORCH_CHECK(low >= 0 && high < num_rows, "group_rows: row ", low < 0 ? low : high, " outside the table's ",
-              num_rows);
-  int bits = 0;
-  while (bits < 32 && (int64_t{1} << bits) < num_rows) ++bits;
-  const int passes = (bits + 12) / 13, width = passes ? (bits + passes - 1) / passes : 0;
-  const uint64_t mask = (uint64_t{1} << width) - 1;
-  std::vector<int64_t> count(passes << width);  // every pass's histogram, counted in one read
-  for (int64_t k = 0; k < n; ++k)
-    for (int pass = 0; pass < passes; ++pass) ++count[(pass << width) + ((a[k] >> (32 + pass * width)) & mask)];
-  for (int pass = 0; pass < passes; ++pass) {
-    const int shift = 32 + pass * width;
-    int64_t* c = count.data() + (pass << width);
-    int64_t total = 0;
-    for (uint64_t v = 0; v <= mask; ++v) total += std::exchange(c[v], total);
-    for (int64_t k = 0; k < n; ++k) b[c[(a[k] >> shift) & mask]++] = a[k];
-    a.swap(b);
+  int bits = 10;  // at least 1,024 slots, at most half of them taken
+  while ((int64_t{1} << bits) < 2 * n) ++bits;
+  const uint64_t slots = uint64_t{1} << bits;
+  thread_local std::vector<uint64_t> keys;
+  thread_local std::vector<int64_t> groups, group_of, count;
+  keys.assign(slots, kEmpty);
+  if (groups.size() < slots) groups.resize(slots);
+  if (static_cast<int64_t>(group_of.size()) < n) {
+    group_of.resize(n);
+    count.resize(n);
   }
-  // at most n distinct rows: their tensors made that long and cut to the count found
   const auto options = ids.options().dtype(at::kLong);
   auto unique = at::empty({n}, options);
   auto starts = at::empty({n + 1}, options);
   auto order = at::empty({n}, options);
+  const int64_t* base = segments ? bases.data_ptr<int64_t>() : nullptr;
   int64_t* uq = unique.data_ptr<int64_t>();
+  const int shift = 64 - bits;
+  const int64_t distinct =
+      ids.scalar_type() == at::kInt
+          ? first_seen(ids.data_ptr<int32_t>(), base, segments, n, num_rows, keys.data(), groups.data(), slots - 1,
+                       shift, uq, group_of.data(), count.data())
+          : first_seen(ids.data_ptr<int64_t>(), base, segments, n, num_rows, keys.data(), groups.data(), slots - 1,
+                       shift, uq, group_of.data(), count.data());
   int64_t* st = starts.data_ptr<int64_t>();
-  int64_t* od = order.data_ptr<int64_t>();
-  int64_t distinct = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    if (k == 0 || (a[k] >> 32) != (a[k - 1] >> 32)) {
-      uq[distinct] = static_cast<int64_t>(a[k] >> 32);
-      st[distinct++] = k;
-    }
-    od[k] = static_cast<int64_t>(a[k] & 0xffffffffu);
+  int64_t total = 0;
+  for (int64_t g = 0; g < distinct; ++g) {
+    st[g] = total;
+    total += std::exchange(count[g], total);  // count[g]: the next free place of row g's ids
   }
   st[distinct] = n;
-  unique = unique.narrow(0, 0, distinct);
-  starts = starts.narrow(0, 0, distinct + 1);
-  return {unique, starts, order};
+  int64_t* od = order.data_ptr<int64_t>();
+  const int64_t* src = source.defined() ? source.data_ptr<int64_t>() : nullptr;
+  for (int64_t k = 0; k < n; ++k) od[count[group_of[k]]++] = src ? src[k] : k;
+  return {unique.narrow(0, 0, distinct), starts.narrow(0, 0, distinct + 1), order};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlrm_lab, m) {
-  m.def("group_rows(Tensor ids, Tensor? bases, int num_rows) -> (Tensor, Tensor, Tensor)");
+  m.def("group_rows(Tensor ids, Tensor? bases, int num_rows, Tensor? source=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "rowwise_update(Tensor(a!) table, Tensor(b!)? state, Tensor unique, Tensor starts, Tensor sources, "
       "Tensor grad_rows, Tensor? scale, float lr, float eps) -> ()");
