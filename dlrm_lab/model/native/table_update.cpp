@@ -103,28 +103,32 @@ void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& st
 // the ids' count in slots), then a counting scatter: kaggle's 53k ids in one read and one write, where an LSD radix
 // sort of (row, position) took two scatters over 8,192 buckets and torch's sort and unique_consecutive 0.6-1.0 ms.
 // A row's ids keep their order, so its gradient sums in the same order as a sort's: the update is the same.
-constexpr uint64_t kEmpty = ~uint64_t{0};
+// A slot of the hash table: a row (< 2^32) and its group, 8 bytes, so a probe touches one line
+struct Slot {
+  uint32_t row;
+  uint32_t group;  // kEmpty: no row yet
+};
+constexpr uint32_t kEmpty = ~uint32_t{0};
 
 template <typename I>
-int64_t first_seen(const I* ids, const int64_t* bases, int64_t segments, int64_t n, int64_t num_rows,
-                   uint64_t* keys, int64_t* groups, uint64_t mask, int shift, int64_t* unique, int64_t* group_of,
-                   int64_t* count) {
+int64_t first_seen(const I* ids, const int64_t* bases, int64_t segments, int64_t n, int64_t num_rows, Slot* slots,
+                   uint64_t mask, int shift, int64_t* unique, uint32_t* group_of, uint32_t* count) {
   const int64_t each = segments ? n / segments : n;
-  int64_t distinct = 0;
+  uint32_t distinct = 0;
   for (int64_t seg = 0, k = 0; seg < std::max<int64_t>(segments, 1); ++seg) {
     const int64_t base = bases ? bases[seg] : 0;
     for (const int64_t end = k + each; k < end; ++k) {
       const int64_t row = static_cast<int64_t>(ids[k]) + base;
       TORCH_CHECK(row >= 0 && row < num_rows, "group_rows: row ", row, " outside the table's ", num_rows);
+      const auto key = static_cast<uint32_t>(row);
       uint64_t h = (static_cast<uint64_t>(row) * 0x9E3779B97F4A7C15ull) >> shift;
-      while (keys[h] != kEmpty && keys[h] != static_cast<uint64_t>(row)) h = (h + 1) & mask;
-      if (keys[h] == kEmpty) {
-        keys[h] = static_cast<uint64_t>(row);
-        groups[h] = distinct;
+      while (slots[h].group != kEmpty && slots[h].row != key) h = (h + 1) & mask;
+      if (slots[h].group == kEmpty) {
+        slots[h] = {key, distinct};
         unique[distinct] = row;
         count[distinct++] = 0;
       }
-      ++count[group_of[k] = groups[h]];
+      ++count[group_of[k] = slots[h].group];
     }
   }
   return distinct;
@@ -155,11 +159,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_
   }
   int bits = 10;  // at least 1,024 slots, at most half of them taken
   while ((int64_t{1} << bits) < 2 * n) ++bits;
-  const uint64_t slots = uint64_t{1} << bits;
-  thread_local std::vector<uint64_t> keys;
-  thread_local std::vector<int64_t> groups, group_of, count;
-  keys.assign(slots, kEmpty);
-  if (groups.size() < slots) groups.resize(slots);
+  const uint64_t size = uint64_t{1} << bits;
+  thread_local std::vector<Slot> slots;
+  thread_local std::vector<uint32_t> group_of, count;
+  slots.assign(size, Slot{0, kEmpty});
   if (static_cast<int64_t>(group_of.size()) < n) {
     group_of.resize(n);
     count.resize(n);
@@ -173,12 +176,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_
   const int shift = 64 - bits;
   const int64_t distinct =
       ids.scalar_type() == at::kInt
-          ? first_seen(ids.data_ptr<int32_t>(), base, segments, n, num_rows, keys.data(), groups.data(), slots - 1,
-                       shift, uq, group_of.data(), count.data())
-          : first_seen(ids.data_ptr<int64_t>(), base, segments, n, num_rows, keys.data(), groups.data(), slots - 1,
-                       shift, uq, group_of.data(), count.data());
+          ? first_seen(ids.data_ptr<int32_t>(), base, segments, n, num_rows, slots.data(), size - 1, shift, uq,
+                       group_of.data(), count.data())
+          : first_seen(ids.data_ptr<int64_t>(), base, segments, n, num_rows, slots.data(), size - 1, shift, uq,
+                       group_of.data(), count.data());
   int64_t* st = starts.data_ptr<int64_t>();
-  int64_t total = 0;
+  uint32_t total = 0;
   for (int64_t g = 0; g < distinct; ++g) {
     st[g] = total;
     total += std::exchange(count[g], total);  // count[g]: the next free place of row g's ids
