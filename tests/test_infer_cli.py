@@ -147,7 +147,12 @@ def test_search_finds_a_rate_within_the_bound(tmp_path, monkeypatch):
     assert read_manifest(run_dir)["best"]["best_qps"] == f["best_qps"]
     assert "best q/s" in stdout
     # the best rate certified by a LoadGen Server run (the answer printed is that rate, or none)
-    certifying = [p for p in pq.read_table(run_dir / "summary.parquet").to_pylist() if p["probe"] < 0]
+    after = [p for p in pq.read_table(run_dir / "summary.parquet").to_pylist() if p["probe"] < 0]
+    # first the lab's own open loop at the claimed rate, as long as LoadGen's run (backed off until one holds)
+    holding = [p for p in after if p["scenario"] != "server"]
+    assert holding and after[: len(holding)] == holding and holding[0]["target_qps"] == f["best_qps"]
+    assert f["held_qps"] == next((p["target_qps"] for p in holding if p["passed"]), 0.0)
+    certifying = after[len(holding) :]
     assert certifying and all(p["scenario"] == "server" and p["loadgen_result"] for p in certifying)
     # a certification run holds only where LoadGen says VALID and the lab's own percentile is inside the bound
     assert all(p["passed"] == (p["loadgen_result"] == "VALID" and p["sla_met"]) for p in certifying)

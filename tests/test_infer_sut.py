@@ -633,18 +633,24 @@ def test_the_search_spends_almost_nothing_on_configurations_that_cannot_win(tmp_
 
 
 def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_within_5_percent(tmp_path, monkeypatch):
-    """The claimed rate is run again under LoadGen's Server scenario; where it does not hold, 0.85x the
-    rate before until one holds, then the bracket is bisected until within 5%: the answer is within 5% of
+    """The claimed rate is first held by the lab's own open loop for as long as LoadGen will run (backed off where
+    it does not hold), then run under LoadGen's Server scenario from the rate held; where that does not hold, 0.85x
+    the rate before until one holds, then the bracket is bisected until within 5%: the answer is within 5% of
     the rate LoadGen holds; a rate that never held is not the answer."""
     from dlrm_lab.infer import certify as certify_module
     from dlrm_lab.infer.certify import CERTIFY_BACKOFF
     from dlrm_lab.infer.search import SearchOptions
 
-    runs = []
+    runs, opened = [], []  # LoadGen's runs, the open loop's
     far: dict = {}  # where set, a failed run's p99s lie this far beyond the bound; or LoadGen asks for more queries
 
-    def fake_measure(server, point, cfg, *a, **k):  # LoadGen holds up to 80 queries/s
+    def fake_measure(server, point, cfg, *a, **k):  # LoadGen holds up to 80 queries/s, the open loop up to 100
         (stream,) = point.streams
+        if point.scenario == "open-loop":
+            opened.append((point.duration_s, stream.qps))
+            ok = stream.qps <= far.get("open", 100.0)
+            return [{"target_qps": stream.qps, "samples_per_s": stream.qps, "load_stopped_early": False,
+                     "issue_stopped": False, "sla_met": ok, "sla_latency_ms": 5.0 if ok else 20.0}]  # fmt: skip
         runs.append((point.scenario, point.duration_s, stream.qps))
         if far.get("more") and len(runs) <= far["more"]:  # the p99 within the bound, LoadGen's estimate unsure
             need = far.get("need", 500 // len(runs))
@@ -674,6 +680,7 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
         winner = {"instances": 1, "threads_per_instance": 1, "precision": "fp32", "max_batch": 8, "max_delay_ms": 0.0,
                   "best_qps": best_qps, "outcome": "best"}  # fmt: skip
         runs.clear()
+        opened.clear()
         options = SearchOptions(certify_s=30.0, certify_tries=tries)
         certify_module.certify(winner, base, stream, cfg, options,
                                lambda m: ServiceSut(small_library(), m, {8: (0, 0)}),
@@ -689,16 +696,22 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
     cfg = InferConfig(scenario="open-loop", duration_s=0.5, sla_ms=10.0)
     held = certify(75.0, 8)
     assert runs == [("server", 30.0, 75.0)] and held["certified_qps"] == 75.0 and held["outcome"] == "best"
+    assert opened == [(30.0, 75.0)] and held["held_qps"] == 75.0 and held["held_sla_latency_ms"] == 5.0
+    unheld = certify(120.0, 8)  # the open loop holds 100 at most: 120 backs off (its p99 twice the bound: half)
+    assert opened == [(30.0, 120.0), (30.0, 60.0)] and unheld["held_qps"] == 60.0 and runs[0][2] == 60.0
     lines: list[str] = []
     backed = certify(95.0, 8, lines.append)  # 95 and 80.75 fail, 68.6 holds; then bisected: 74.5, 77.5 hold
     low = 95.0 * CERTIFY_BACKOFF**2
     assert [q for _, _, q in runs] == pytest.approx([95.0, 95.0 * CERTIFY_BACKOFF, low, (low * 80.75) ** 0.5,
                                                      ((low * 80.75) ** 0.5 * 80.75) ** 0.5])  # fmt: skip
     assert 80.0 / 1.05 <= backed["certified_qps"] <= 80.0 and "claimed 95.0" in backed["outcome"]
-    assert "INVALID (early stopping not met), p99 10.50 ms: does not hold" in lines[0]  # LoadGen's own reason
-    assert lines[-1].startswith("LoadGen certified 77.5 queries/s, 18% below the open-loop probes' 95.0: at 80.8")
+    assert "(the lab's open loop, as long as LoadGen's run): p99 5.00 ms: holds" in lines[0]
+    assert "INVALID (early stopping not met), p99 10.50 ms: does not hold" in lines[1]  # LoadGen's own reason
+    assert lines[-1].startswith(
+        "LoadGen certified 77.5 queries/s, 18% below the rate the lab's open loop held as long 95.0: at 80.8"
+    )
     assert "LoadGen's p99 11.00 ms against the lab's 10.50 ms for the same queries: both clocks agree" in lines[-1]
-    far.update(p99=40.0)  # four times the bound: the next rate is half, not 0.85x
+    far.update(p99=40.0, open=1000.0)  # four times the bound: the next rate is half, not 0.85x
     certify(300.0, 8)
     assert [q for _, _, q in runs][:3] == pytest.approx([300.0, 150.0, 75.0])
     far.clear()
@@ -712,8 +725,11 @@ def test_the_best_rate_is_certified_by_loadgen_backing_off_then_bisecting_to_wit
     certify(75.0, 8)
     assert [(q, s) for _, s, q in runs][:2] == [(75.0, 30.0), (75.0 * CERTIFY_BACKOFF, 30.0)]
     far.clear()
-    never = certify(200.0, 2)
-    assert never["certified_qps"] == 0 and never["certified_result"] == "INVALID"
+    never = certify(200.0, 2)  # held at 100 by the open loop, not by LoadGen at 100 or 85
+    assert never["certified_qps"] == 0 and never["certified_result"] == "INVALID" and never["held_qps"] == 100.0
+    far.update(open=10.0)
+    nothing = certify(200.0, 2)  # no rate held by the open loop either: LoadGen asked the claim, for its verdict
+    assert nothing["held_qps"] == 0 and nothing["held_sla_latency_ms"] is None and runs[0][2] == 200.0
     assert never["outcome"].startswith("best probed, not certified")
 
 

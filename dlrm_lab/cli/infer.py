@@ -173,6 +173,8 @@ def _answer(frontier: list[dict[str, str | float | bool | None]], percentile: fl
     if best is None:
         return f"answer: no configuration met {bound}"
     claimed = f"the search's probes claimed {best['best_qps']:,.1f}"
+    if best.get("held_qps"):
+        claimed += f", the lab's open loop held {best['held_qps']:,.1f} as long"
     if best.get("certified_qps") is None:
         return f"answer: {best['best_qps']:,.1f} queries/s under {bound}, not certified (--certify-duration 0)"
     if not best["certified_qps"]:

@@ -233,6 +233,10 @@ register_table(
     col("probes", I32),
     col("probe_points", I32),  # load points run (repeats), those stopped early included
     col("best", BOOL, "best", fmt="*|"),  # the configuration with the highest best_samples_per_s
+    # the best configuration's rate as the lab's own open loop held it over a certification's length (`certify`'s
+    # first runs: 0, none held; null: not certified) and its latency at the bound's percentile
+    col("held_qps", F64, "held rate (open loop, certification's length)", "queries/s", ".1f", HIGHER, "held q/s"),
+    col("held_sla_latency_ms", F64),
     # the best configuration's rate as a longer LoadGen Server run held it (`certify`): the rate that
     # held (0: none of the tries; null: not certified), that run's verdict, its p99 and its length
     col("certified_qps", F64, "certified rate (LoadGen Server)", "queries/s", ".1f", HIGHER, "certified q/s"),
