@@ -502,7 +502,7 @@ def _ctx(device: str = "cpu", local_world_size: int = 1):
 )
 def test_prefetch_auto_takes_a_thread_only_where_the_rank_has_a_free_core(monkeypatch, cores, threads, ranks,
                                                                           pinned, depth):  # fmt: skip
-    from dlrm_lab.train.choices import choose_prefetch
+    from dlrm_lab.train.prefetch_choice import choose_prefetch
 
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -517,7 +517,7 @@ def test_prefetch_auto_takes_a_thread_only_where_the_rank_has_a_free_core(monkey
 @pytest.mark.parametrize("cores, ranks, workers", [(16, 1, 8), (6, 1, 4), (16, 4, 2), (2, 1, 0)])
 def test_prefetch_auto_on_a_gpu_makes_batches_in_worker_processes(monkeypatch, cores, ranks, workers):
     """Every host core of the rank's share but the step's and the pinning thread's, at most 8; none on a CPU."""
-    from dlrm_lab.train.choices import choose_prefetch
+    from dlrm_lab.train.prefetch_choice import choose_prefetch
 
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
     choice = choose_prefetch(TrainConfig(), _ctx("cuda", local_world_size=ranks))

@@ -153,7 +153,7 @@ class TrainConfig:
         type=Optional[list[str]],
         cli_default=None,
     )
-    # a thread only where the rank has a core its compute threads do not use (`train.choices.choose_prefetch`)
+    # a thread only where the rank has a core its compute threads do not use (`train.prefetch_choice.choose_prefetch`)
     prefetch: str | int = option(
         "auto",
         "Batches prepared ahead on a background thread (0: inline), or auto: a thread of depth 2 where the rank has "

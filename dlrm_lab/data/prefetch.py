@@ -72,7 +72,7 @@ class Prefetcher:
         self._thread.join(timeout=5)
 
 
-class _BatchesOf(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class _BatchesOf(torch.utils.data.IterableDataset):
     """Batch k of a random-access source (`batch(k)`, `num_batches`) for k = worker, worker + workers, ...:
     torch's DataLoader takes its workers' batches in turn, so they arrive in k's order."""
 

@@ -41,7 +41,6 @@ from dlrm_lab.train.checkpoint import load_checkpoint
 from dlrm_lab.train.choices import (
     choose_dense_update,
     choose_dense_weights,
-    choose_prefetch,
     choose_run_attention,
     choose_run_collectives,
     choose_run_interaction,
@@ -52,6 +51,7 @@ from dlrm_lab.train.choices import (
 )
 from dlrm_lab.train.dense_weights import DenseWeights, as_trained
 from dlrm_lab.train.pipeline import BatchLoss
+from dlrm_lab.train.prefetch_choice import choose_prefetch
 from dlrm_lab.train.preflight import ResolvedRun
 from dlrm_lab.train.sharding_trial import resolve_sharding
 from dlrm_lab.train.step import RecipeOptimizer, dense_optimizer, model_inputs
