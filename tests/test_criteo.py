@@ -271,8 +271,11 @@ def test_training_on_converted_criteo_targets_the_presets_published_auc(tmp_path
     assert dlrm_lab.load_preset("dcnv2").reference_target_auc == 0.80275
     gen = synthetic_generator(terabyte, seed=SEED)
     convert_criteo([write_criteo_tsv(gen, 512, tmp_path / "day_0")], terabyte, tmp_path / "ds")
-    cfg = TrainConfig(steps=2, batch_size=64, eval_batches=1, data=str(tmp_path / "ds"), prefetch=0)
+    # --data-workers asked: a dataset on disk is read on the prefetch thread (workers make synthetic batches only)
+    cfg = TrainConfig(steps=2, batch_size=64, eval_batches=1, data=str(tmp_path / "ds"), data_workers=2)
     result = train(preflight(terabyte, cfg), metrics_dir=tmp_path / "runs")
+    prefetch = read_manifest(result.run_dir)["config"]["prefetch_choice"]
+    assert prefetch["workers"] == 0 and prefetch["reason"].endswith("workers make synthetic batches only")
     numerics = read_manifest(result.run_dir)["config"]["numerics"]
     assert numerics["target_auc"] == 0.8025
     assert numerics["target_auc_rule"].startswith("published 0.8025")

@@ -524,6 +524,10 @@ def test_prefetch_auto_on_a_gpu_makes_batches_in_worker_processes(monkeypatch, c
     assert choice["prefetch"] == 2 and choice["workers"] == workers
     assert f"{workers} worker processes" in choice["reason"] if workers else "none for workers" in choice["reason"]
     assert choose_prefetch(TrainConfig(data_workers="3"), _ctx("cuda"))["workers"] == 3
+    given = choose_prefetch(TrainConfig(data_workers=2), _ctx("cpu", local_world_size=cores))  # inline by the rule
+    assert given["workers"] == 2 and given["prefetch"] == 2  # workers prepare ahead whatever the thread rule says
+    with pytest.raises(dlrm_lab.UserError, match="data_workers 2: workers make batches ahead; prefetch 0 makes"):
+        TrainConfig(prefetch=0, data_workers=2)
     assert choose_prefetch(TrainConfig(), _ctx("cpu"))["workers"] == 0
 
 

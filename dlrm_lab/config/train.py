@@ -259,6 +259,11 @@ class TrainConfig:
             isinstance(self.data_workers, bool) or not isinstance(self.data_workers, int) or self.data_workers < 0
         ):
             raise FieldError("data_workers", f"{self.data_workers!r}: must be auto or an integer >= 0")
+        if self.data_workers not in ("auto", 0) and self.prefetch == 0:
+            raise FieldError(
+                "data_workers", f"{self.data_workers}: workers make batches ahead; {{prefetch}} 0 makes them inline",
+                "prefetch",
+            )  # fmt: skip
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise FieldError("timeout_s", f"{self.timeout_s!r}: must be a number of seconds > 0")
         if self.target_auc is not None and not (

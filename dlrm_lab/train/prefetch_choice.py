@@ -30,7 +30,8 @@ def choose_prefetch(cfg: TrainConfig, ctx: DistContext) -> PrefetchChoice:
     choice = _choose_prefetch(cfg, ctx)
     if cfg.data_workers != "auto":
         workers = int(cfg.data_workers)
-        return {**choice, "workers": workers, "reason": f"{choice['reason']}; --data-workers {workers}"}
+        depth = max(choice["prefetch"], PREFETCH_DEPTH) if workers else choice["prefetch"]
+        return {"prefetch": depth, "workers": workers, "reason": f"{choice['reason']}; --data-workers {workers}"}
     if ctx.device.type != "cuda" or not choice["prefetch"]:
         return {**choice, "workers": 0}
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

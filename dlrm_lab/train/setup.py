@@ -248,7 +248,9 @@ def build_setup(
     with as_trained(dense_weights[1]):
         output_bias = _init_output_bias(dmp, click_rate) if start_step == 0 else None  # on the fp32 masters
     prefetch = choose_prefetch(cfg, ctx)
-    if prefetch["prefetch"] and prefetch["workers"] and isinstance(source, SyntheticSource):
+    if prefetch["workers"] and not isinstance(source, SyntheticSource):  # a dataset on disk: read on the thread
+        prefetch = {**prefetch, "workers": 0, "reason": f"{prefetch['reason']}; workers make synthetic batches only"}
+    if prefetch["prefetch"] and prefetch["workers"]:
         source = WorkerPrefetcher(
             source, prefetch["workers"], depth=prefetch["prefetch"], pin_memory=ctx.device.type == "cuda"
         )
