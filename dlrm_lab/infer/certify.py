@@ -75,18 +75,24 @@ def certify(
     qps, longer = claimed, 0.0
     with serve(served) as server:
         label = label_of(server.describe().models[base.name])  # as it serves (remote: as its server says)
-        qps, point_index = _held_rate(winner, server, stream, cfg, options, queries, summary, telemetry, run_dir,
-                                      point_index, log, on_progress, label)  # fmt: skip
+
+        def run(rate: float, seconds: float, point_cfg: InferConfig) -> Any:
+            """One load point of the stream at `rate` for `seconds`, under `point_cfg`'s scenario."""
+            nonlocal point_index
+            point = Point(point_index, [replace(stream, qps=rate)], "together", point_cfg.scenario, duration_s=seconds)
+            point_index += 1
+            (measured,) = measure(
+                server, point, point_cfg, queries, run_dir, telemetry=telemetry, on_progress=on_progress
+            )
+            return measured
+
+        qps = _held_rate(winner, run, cfg, options, summary, log, label)
         if not qps:
             qps = claimed  # not even the lab's own load held a rate: LoadGen is asked the claim, for its verdict
         for attempt in range(options.certify_tries):
             # long enough for a verdict, or as long as LoadGen's early stopping asked for at this rate
             seconds = max(loadgen_duration(qps, options.certify_s, cfg.sla_percentile), longer)
-            point = Point(point_index, [replace(stream, qps=qps)], "together", "server", duration_s=seconds)
-            point_index += 1
-            (measured,) = measure(
-                server, point, certify_cfg, queries, run_dir, telemetry=telemetry, on_progress=on_progress
-            )
+            measured = run(qps, seconds, certify_cfg)
             ok = measured["loadgen_result"] == "VALID" and bool(measured["sla_met"])
             row = SearchSummaryRow(measured, repeat=0, probe=-1 - attempt, passed=ok)
             summary.extend([row])
@@ -142,32 +148,23 @@ def certify(
 
 def _held_rate(
     winner: FrontierRow,
-    server: Any,
-    stream: Stream,
+    run: Callable[[float, float, InferConfig], Any],
     cfg: InferConfig,
     options: SearchOptions,
-    queries: Any,
     summary: Any,
-    telemetry: Any,
-    run_dir: Any,
-    point_index: int,
     log: Log | None,
-    on_progress: OnProgress | None,
     label: str,
-) -> tuple[float, int]:
+) -> float:
     """The best rate as the lab's own open loop holds it over a certification's length, before LoadGen is asked: a
     probe's few seconds claim rates near the knee that a longer run does not hold (a queue that grows slowly: tiny
     at 8,867 queries/s held p99 10.9 ms over 2 s and 21.5 over 5 s), so LoadGen judged a rate nothing had held that
-    long. Backs off as `certify` does until a rate holds; fills `held_qps` (0: none did) and its latency. Returns the
-    held rate (0.0: none) and the next point index."""
+    long. Backs off as `certify` does until a rate holds; fills `held_qps` (0: none did) and its latency, and returns
+    the rate held (0.0: none). `run(rate, seconds, cfg)`: one load point's measured row."""
     qps, held = float(winner["best_qps"]), 0.0
     latency: float | None = None
     for attempt in range(options.certify_tries):
         seconds = loadgen_duration(qps, options.certify_s, cfg.sla_percentile)  # as long as LoadGen's run will be
-        point = Point(point_index, [replace(stream, qps=qps)], "together", cfg.scenario, duration_s=seconds)
-        point_index += 1
-        (measured,) = measure(server, point, cfg, queries, run_dir, telemetry=telemetry, on_progress=on_progress)
-        row = SearchSummaryRow(measured, repeat=0, probe=-1 - attempt)
+        row = SearchSummaryRow(run(qps, seconds, cfg), repeat=0, probe=-1 - attempt)
         stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
         latency = None if stopped else sustained_latency(row)  # a queue still growing: its later half
         ok = latency is not None and latency <= cfg.sla_ms
@@ -186,7 +183,7 @@ def _held_rate(
         qps *= _backoff(row, cfg.sla_ms)
     winner["held_qps"] = held
     winner["held_sla_latency_ms"] = latency if held else None
-    return held, point_index
+    return held
 
 
 def _backoff(row: SearchSummaryRow, sla_ms: float) -> float:
