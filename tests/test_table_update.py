@@ -93,7 +93,10 @@ def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared, bag
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             outs[1].backward(grad)
         ran = {e.name for e in prof.events()}
-        assert ("dlrm_lab::rowwise_update" in ran) == rows_kernel == ("dlrm_lab::group_rows" in ran)
+        # unscaled ids take the grouping and the pass in one call; weighted or mean-pooled ones, the two ops
+        kernels = {"dlrm_lab::group_and_update"} if weights is None and pooling != PoolingMode.MEAN else {
+            "dlrm_lab::group_rows", "dlrm_lab::rowwise_update"}  # fmt: skip
+        assert (kernels <= ran) == rows_kernel and not ({"dlrm_lab::group_and_update", "dlrm_lab::group_rows"} <= ran)
     after_fbgemm, after_batched = _state(fbgemm), _state(batched)
     assert (after_fbgemm[0] - before[0]).abs().max() > 1e-3  # rows moved
     torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)
@@ -230,3 +233,17 @@ def test_the_ids_grouped_by_row_are_a_stable_sort_and_a_bad_row_is_refused():
         torch.ops.dlrm_lab.group_rows(torch.tensor([3]), None, 2**32 + 1)
     with pytest.raises(RuntimeError, match="a source row for each of the 2 ids"):
         torch.ops.dlrm_lab.group_rows(torch.tensor([3, 4]), None, 10, torch.arange(3))
+    # the grouping and the pass in one call: the same rows as the two ops, and the same refusals
+    table, state, grads = torch.randn(10, 4), torch.rand(10), torch.randn(3, 4)
+    ids, source = torch.tensor([3, 7, 3, 1]), torch.tensor([0, 2, 1, 2])
+    want_table, want_state = table.clone(), state.clone()
+    unique, starts, sources = torch.ops.dlrm_lab.group_rows(ids, None, 10, source)
+    torch.ops.dlrm_lab.rowwise_update(want_table, want_state, unique, starts, sources, grads, None, 0.1, 1e-8)
+    torch.ops.dlrm_lab.group_and_update(table, state, ids, None, source, grads, 0.1, 1e-8)
+    assert torch.equal(table, want_table) and torch.equal(state, want_state)
+    with pytest.raises(RuntimeError, match="group_and_update: the table must be fp32 rows"):
+        torch.ops.dlrm_lab.group_and_update(table.double(), state, ids, None, source, grads, 0.1, 1e-8)
+    with pytest.raises(RuntimeError, match="row 10 outside the table's 10"):
+        torch.ops.dlrm_lab.group_and_update(table, state, torch.tensor([10]), None, torch.tensor([0]), grads, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="gradient row 3 of 3"):
+        torch.ops.dlrm_lab.group_and_update(table, state, ids, None, torch.tensor([0, 3, 1, 2]), grads, 0.1, 0.0)

@@ -150,22 +150,23 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         lr = float(self.learning_rate_tensor)
         if native.load() is None and len(table) <= 2**32:
             # the ids grouped by row (a hash of the rows seen), then one pass over the distinct rows (`model.native`);
-            # unscaled, the grouping hands back each grouped id's gradient row itself
+            # unscaled, both in one call
+            state = self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None
+            eps = float(self.optimizer_args.eps)
             if scale is None:
-                unique, starts, sources = torch.ops.dlrm_lab.group_rows(ids, bases, len(table), source)
-            else:
-                unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, len(table))
-                sources, scale = source.index_select(0, order), scale.index_select(0, order)
+                torch.ops.dlrm_lab.group_and_update(table, state, ids, bases, source, grad_rows, lr, eps)
+                return
+            unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, len(table))
             torch.ops.dlrm_lab.rowwise_update(
                 table,
-                self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None,
+                state,
                 unique,
                 starts,
-                sources,
+                source.index_select(0, order),
                 grad_rows,
-                scale,
+                scale.index_select(0, order),
                 lr,
-                float(self.optimizer_args.eps),
+                eps,
             )
             return
         # Duplicates summed by sorting the rows and pooling each run of equal rows with embedding_bag (fbgemm's

@@ -20,39 +20,10 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kAhead = 32;  // distinct rows fetched ahead of the one updated
 
-void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& unique,
-                    const at::Tensor& starts, const at::Tensor& sources, const at::Tensor& grad_rows,
-                    const std::optional<at::Tensor>& scale, double lr, double eps) {
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.stride(1) == 1,
-              "rowwise_update: the table must be fp32 rows, got ", table.scalar_type(), " ", table.sizes());
-  TORCH_CHECK(grad_rows.scalar_type() == at::kFloat && grad_rows.dim() == 2 && grad_rows.stride(1) == 1 &&
-                  grad_rows.size(1) == table.size(1),
-              "rowwise_update: gradient rows ", grad_rows.sizes(), " do not meet the table's width ", table.size(1));
-  TORCH_CHECK(unique.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
-                  sources.scalar_type() == at::kLong && unique.is_contiguous() && starts.is_contiguous() &&
-                  sources.is_contiguous() && starts.numel() == unique.numel() + 1,
-              "rowwise_update: unique, starts (one more) and sources must be contiguous int64");
-  const int64_t rows = table.size(0), width = table.size(1), count = unique.numel();
-  const int64_t* uq = unique.data_ptr<int64_t>();
-  const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* src = sources.data_ptr<int64_t>();
-  TORCH_CHECK(count == 0 || (st[0] == 0 && st[count] == sources.numel()), "rowwise_update: starts do not span sources");
-  float* tp = table.data_ptr<float>();
-  const float* gp = grad_rows.data_ptr<float>();
-  const int64_t tstride = table.stride(0), gstride = grad_rows.stride(0), grows = grad_rows.size(0);
-  float* sp = nullptr;
-  if (state.has_value()) {
-    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->numel() >= rows,
-                "rowwise_update: the state must be one fp32 value a row");
-    sp = state->data_ptr<float>();
-  }
-  const float* sc = nullptr;
-  if (scale.has_value()) {
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == sources.numel(),
-                "rowwise_update: one fp32 scale an id");
-    sc = scale->data_ptr<float>();
-  }
-  const float rate = static_cast<float>(lr), epsilon = static_cast<float>(eps);
+// The pass itself over raw rows (`rowwise_update`'s, and `group_and_update`'s without tensors between them)
+void update_rows(float* tp, int64_t tstride, int64_t rows, int64_t width, float* sp, const int64_t* uq,
+                 const int64_t* st, const int64_t* src, int64_t count, const float* gp, int64_t gstride, int64_t grows,
+                 const float* sc, float rate, float epsilon) {
   const int64_t whole = width - width % Vec::size();
   at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
     std::vector<float> g(width);
@@ -95,6 +66,42 @@ void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& st
   });
 }
 
+void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& unique,
+                    const at::Tensor& starts, const at::Tensor& sources, const at::Tensor& grad_rows,
+                    const std::optional<at::Tensor>& scale, double lr, double eps) {
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.stride(1) == 1,
+              "rowwise_update: the table must be fp32 rows, got ", table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK(grad_rows.scalar_type() == at::kFloat && grad_rows.dim() == 2 && grad_rows.stride(1) == 1 &&
+                  grad_rows.size(1) == table.size(1),
+              "rowwise_update: gradient rows ", grad_rows.sizes(), " do not meet the table's width ", table.size(1));
+  TORCH_CHECK(unique.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
+                  sources.scalar_type() == at::kLong && unique.is_contiguous() && starts.is_contiguous() &&
+                  sources.is_contiguous() && starts.numel() == unique.numel() + 1,
+              "rowwise_update: unique, starts (one more) and sources must be contiguous int64");
+  const int64_t rows = table.size(0), width = table.size(1), count = unique.numel();
+  const int64_t* uq = unique.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* src = sources.data_ptr<int64_t>();
+  TORCH_CHECK(count == 0 || (st[0] == 0 && st[count] == sources.numel()), "rowwise_update: starts do not span sources");
+  float* tp = table.data_ptr<float>();
+  const float* gp = grad_rows.data_ptr<float>();
+  const int64_t tstride = table.stride(0), gstride = grad_rows.stride(0), grows = grad_rows.size(0);
+  float* sp = nullptr;
+  if (state.has_value()) {
+    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->numel() >= rows,
+                "rowwise_update: the state must be one fp32 value a row");
+    sp = state->data_ptr<float>();
+  }
+  const float* sc = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == sources.numel(),
+                "rowwise_update: one fp32 scale an id");
+    sc = scale->data_ptr<float>();
+  }
+  update_rows(tp, tstride, rows, width, sp, uq, st, src, count, gp, gstride, grows, sc, static_cast<float>(lr),
+              static_cast<float>(eps));
+}
+
 // The batch's ids grouped by row, for `rowwise_update`: (unique rows in the order first seen, starts: where each
 // row's ids begin in `order` (one more), order: the ids' positions, grouped, ascending within a row; or, given
 // `source`, source[position] for each, the gradient row each id takes, gathered here rather than by a second pass).
@@ -134,10 +141,9 @@ int64_t first_seen(const I* ids, const int64_t* bases, int64_t segments, int64_t
   return distinct;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_in,
-                                                          const std::optional<at::Tensor>& bases_in,
-                                                          int64_t num_rows,
-                                                          const std::optional<at::Tensor>& source_in) {
+// `group_rows`' work into buffers of n, n + 1 and n values (n: the ids' count): the distinct rows' count
+int64_t group_into(const at::Tensor& ids_in, const std::optional<at::Tensor>& bases_in, int64_t num_rows,
+                   const std::optional<at::Tensor>& source_in, int64_t* uq, int64_t* st, int64_t* od) {
   TORCH_CHECK(ids_in.dim() == 1 && (ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt),
               "group_rows: ids must be 1-D int32 or int64, got ", ids_in.scalar_type(), " ", ids_in.sizes());
   TORCH_CHECK(num_rows > 0 && num_rows <= (int64_t{1} << 32) && ids_in.numel() < (int64_t{1} << 32),
@@ -167,12 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_
     group_of.resize(n);
     count.resize(n);
   }
-  const auto options = ids.options().dtype(at::kLong);
-  auto unique = at::empty({n}, options);
-  auto starts = at::empty({n + 1}, options);
-  auto order = at::empty({n}, options);
   const int64_t* base = segments ? bases.data_ptr<int64_t>() : nullptr;
-  int64_t* uq = unique.data_ptr<int64_t>();
   const int shift = 64 - bits;
   const int64_t distinct =
       ids.scalar_type() == at::kInt
@@ -180,17 +181,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids_
                        group_of.data(), count.data())
           : first_seen(ids.data_ptr<int64_t>(), base, segments, n, num_rows, slots.data(), size - 1, shift, uq,
                        group_of.data(), count.data());
-  int64_t* st = starts.data_ptr<int64_t>();
   uint32_t total = 0;
   for (int64_t g = 0; g < distinct; ++g) {
     st[g] = total;
     total += std::exchange(count[g], total);  // count[g]: the next free place of row g's ids
   }
   st[distinct] = n;
-  int64_t* od = order.data_ptr<int64_t>();
   const int64_t* src = source.defined() ? source.data_ptr<int64_t>() : nullptr;
   for (int64_t k = 0; k < n; ++k) od[count[group_of[k]]++] = src ? src[k] : k;
+  return distinct;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids, const std::optional<at::Tensor>& bases,
+                                                          int64_t num_rows, const std::optional<at::Tensor>& source) {
+  const int64_t n = ids.numel();
+  const auto options = ids.options().dtype(at::kLong);
+  auto unique = at::empty({n}, options);
+  auto starts = at::empty({n + 1}, options);
+  auto order = at::empty({n}, options);
+  const int64_t distinct = group_into(ids, bases, num_rows, source, unique.data_ptr<int64_t>(),
+                                      starts.data_ptr<int64_t>(), order.data_ptr<int64_t>());
   return {unique.narrow(0, 0, distinct), starts.narrow(0, 0, distinct + 1), order};
+}
+
+// `group_rows` with a source, then `rowwise_update` without scales, in one call: the grouping's three arrays stay
+// in buffers kept between calls rather than tensors made each step, and one dispatch where there were two
+void group_and_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& ids,
+                      const std::optional<at::Tensor>& bases, const at::Tensor& source, const at::Tensor& grad_rows,
+                      double lr, double eps) {
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.stride(1) == 1,
+              "group_and_update: the table must be fp32 rows, got ", table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK(grad_rows.scalar_type() == at::kFloat && grad_rows.dim() == 2 && grad_rows.stride(1) == 1 &&
+                  grad_rows.size(1) == table.size(1),
+              "group_and_update: gradient rows ", grad_rows.sizes(), " do not meet the table's width ", table.size(1));
+  const int64_t rows = table.size(0), n = ids.numel();
+  float* sp = nullptr;
+  if (state.has_value()) {
+    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->numel() >= rows,
+                "group_and_update: the state must be one fp32 value a row");
+    sp = state->data_ptr<float>();
+  }
+  thread_local std::vector<int64_t> unique, starts, order;
+  if (static_cast<int64_t>(unique.size()) < n) {
+    unique.resize(n);
+    starts.resize(n + 1);
+    order.resize(n);
+  }
+  const int64_t distinct = group_into(ids, bases, rows, source, unique.data(), starts.data(), order.data());
+  update_rows(table.data_ptr<float>(), table.stride(0), rows, table.size(1), sp, unique.data(), starts.data(),
+              order.data(), distinct, grad_rows.data_ptr<float>(), grad_rows.stride(0), grad_rows.size(0), nullptr,
+              static_cast<float>(lr), static_cast<float>(eps));
 }
 
 }  // namespace
@@ -200,9 +240,13 @@ TORCH_LIBRARY_FRAGMENT(dlrm_lab, m) {
   m.def(
       "rowwise_update(Tensor(a!) table, Tensor(b!)? state, Tensor unique, Tensor starts, Tensor sources, "
       "Tensor grad_rows, Tensor? scale, float lr, float eps) -> ()");
+  m.def(
+      "group_and_update(Tensor(a!) table, Tensor(b!)? state, Tensor ids, Tensor? bases, Tensor source, "
+      "Tensor grad_rows, float lr, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dlrm_lab, CPU, m) {
   m.impl("rowwise_update", &rowwise_update);
   m.impl("group_rows", &group_rows);
+  m.impl("group_and_update", &group_and_update);
 }
