@@ -9,10 +9,9 @@ hand here because neither fbgemm nor torch ships a multi-threaded CPU table upda
 replaced). Where the lab's kernels build (`model.native`), the ids are grouped by row with a hash of the rows seen
 (the update 1.1x a radix sort's, 1.3-1.4x torch's sort's), then the duplicates' sum and the row-wise update run as
 one pass over the distinct rows, unscaled ids in the same call (rows fetched ahead, on every core: 1.6-2.6x torch's
-five passes over kaggle's rows on 2 MiB
-pages; benchmarks/table_update_ab.py); torch's ops where they do not (or a table beyond 2^32 rows). The forward
-stays fbgemm's; only the backward differs, and it writes the same tensors (the rows and the row-wise state
-TorchRec's fused optimizer, state dict and checkpoints read), so nothing else changes.
+five passes over kaggle's rows on 2 MiB pages; benchmarks/table_update_ab.py); torch's ops where they do not (or a
+table beyond 2^32 rows). The forward stays fbgemm's; only the backward differs, and it writes the same tensors (the
+rows and the row-wise state TorchRec's fused optimizer, state dict and checkpoints read), so nothing else changes.
 """
 
 from __future__ import annotations

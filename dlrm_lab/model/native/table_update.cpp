@@ -1,4 +1,4 @@
-// A training step's update of its tables' rows, after the batch's ids are sorted: for each distinct row, its ids'
+// A training step's update of its tables' rows, the batch's ids grouped by row: for each distinct row, its ids'
 // gradient rows summed, then row-wise Adagrad (state += mean(g^2), row -= lr g / (sqrt(state) + eps)) or SGD
 // (row -= lr g), in place. Written by hand because torch's ops take five passes over the batch's rows for this
 // (a pooled sum, the rows and their state gathered, updated, scattered back) where one suffices; fbgemm's own CPU
@@ -66,50 +66,43 @@ void update_rows(float* tp, int64_t tstride, int64_t rows, int64_t width, float*
   });
 }
 
+// The table, its gradient rows and its row-wise state checked as an update takes them (`op`: whose message):
+// the state's pointer, or null without one
+float* checked_rows(const char* op, const at::Tensor& table, const std::optional<at::Tensor>& state,
+                    const at::Tensor& grad_rows) {
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.stride(1) == 1, op,
+              ": the table must be fp32 rows, got ", table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK(grad_rows.scalar_type() == at::kFloat && grad_rows.dim() == 2 && grad_rows.stride(1) == 1 &&
+                  grad_rows.size(1) == table.size(1),
+              op, ": gradient rows ", grad_rows.sizes(), " do not meet the table's width ", table.size(1));
+  if (!state.has_value()) return nullptr;
+  TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->numel() >= table.size(0), op,
+              ": the state must be one fp32 value a row");
+  return state->data_ptr<float>();
+}
+
 void rowwise_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& unique,
                     const at::Tensor& starts, const at::Tensor& sources, const at::Tensor& grad_rows,
                     const std::optional<at::Tensor>& scale, double lr, double eps) {
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.stride(1) == 1,
-              "rowwise_update: the table must be fp32 rows, got ", table.scalar_type(), " ", table.sizes());
-  TORCH_CHECK(grad_rows.scalar_type() == at::kFloat && grad_rows.dim() == 2 && grad_rows.stride(1) == 1 &&
-                  grad_rows.size(1) == table.size(1),
-              "rowwise_update: gradient rows ", grad_rows.sizes(), " do not meet the table's width ", table.size(1));
+  float* sp = checked_rows("rowwise_update", table, state, grad_rows);
   TORCH_CHECK(unique.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
                   sources.scalar_type() == at::kLong && unique.is_contiguous() && starts.is_contiguous() &&
                   sources.is_contiguous() && starts.numel() == unique.numel() + 1,
               "rowwise_update: unique, starts (one more) and sources must be contiguous int64");
-  const int64_t rows = table.size(0), width = table.size(1), count = unique.numel();
-  const int64_t* uq = unique.data_ptr<int64_t>();
+  const int64_t count = unique.numel();
   const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* src = sources.data_ptr<int64_t>();
   TORCH_CHECK(count == 0 || (st[0] == 0 && st[count] == sources.numel()), "rowwise_update: starts do not span sources");
-  float* tp = table.data_ptr<float>();
-  const float* gp = grad_rows.data_ptr<float>();
-  const int64_t tstride = table.stride(0), gstride = grad_rows.stride(0), grows = grad_rows.size(0);
-  float* sp = nullptr;
-  if (state.has_value()) {
-    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->numel() >= rows,
-                "rowwise_update: the state must be one fp32 value a row");
-    sp = state->data_ptr<float>();
-  }
   const float* sc = nullptr;
   if (scale.has_value()) {
     TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == sources.numel(),
                 "rowwise_update: one fp32 scale an id");
     sc = scale->data_ptr<float>();
   }
-  update_rows(tp, tstride, rows, width, sp, uq, st, src, count, gp, gstride, grows, sc, static_cast<float>(lr),
-              static_cast<float>(eps));
+  update_rows(table.data_ptr<float>(), table.stride(0), table.size(0), table.size(1), sp, unique.data_ptr<int64_t>(),
+              st, sources.data_ptr<int64_t>(), count, grad_rows.data_ptr<float>(), grad_rows.stride(0),
+              grad_rows.size(0), sc, static_cast<float>(lr), static_cast<float>(eps));
 }
 
-// The batch's ids grouped by row, for `rowwise_update`: (unique rows in the order first seen, starts: where each
-// row's ids begin in `order` (one more), order: the ids' positions, grouped, ascending within a row; or, given
-// `source`, source[position] for each, the gradient row each id takes, gathered here rather than by a second pass).
-// An id's row is the id plus its segment's base where `bases` is given (the ids in as many equal segments as bases:
-// one a feature, its table's first row). One probe of a hash table of the rows seen an id (open addressing, twice
-// the ids' count in slots), then a counting scatter: kaggle's 53k ids in one read and one write, where an LSD radix
-// sort of (row, position) took two scatters over 8,192 buckets and torch's sort and unique_consecutive 0.6-1.0 ms.
-// A row's ids keep their order, so its gradient sums in the same order as a sort's: the update is the same.
 // A slot of the hash table: a row (< 2^32) and its group, 8 bytes, so a probe touches one line
 struct Slot {
   uint32_t row;
@@ -192,6 +185,14 @@ int64_t group_into(const at::Tensor& ids_in, const std::optional<at::Tensor>& ba
   return distinct;
 }
 
+// The batch's ids grouped by row, for `rowwise_update`: (unique rows in the order first seen, starts: where each
+// row's ids begin in `order` (one more), order: the ids' positions, grouped, ascending within a row; or, given
+// `source`, source[position] for each, the gradient row each id takes, gathered here rather than by a second pass).
+// An id's row is the id plus its segment's base where `bases` is given (the ids in as many equal segments as bases:
+// one a feature, its table's first row). One probe of a hash table of the rows seen an id (open addressing, twice
+// the ids' count in slots), then a counting scatter: kaggle's 53k ids in one read and one write, where an LSD radix
+// sort of (row, position) took two scatters over 8,192 buckets and torch's sort and unique_consecutive 0.6-1.0 ms.
+// A row's ids keep their order, so its gradient sums in the same order as a sort's: the update is the same.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids, const std::optional<at::Tensor>& bases,
                                                           int64_t num_rows, const std::optional<at::Tensor>& source) {
   const int64_t n = ids.numel();
@@ -209,18 +210,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids,
 void group_and_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& ids,
                       const std::optional<at::Tensor>& bases, const at::Tensor& source, const at::Tensor& grad_rows,
                       double lr, double eps) {
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.stride(1) == 1,
-              "group_and_update: the table must be fp32 rows, got ", table.scalar_type(), " ", table.sizes());
-  TORCH_CHECK(grad_rows.scalar_type() == at::kFloat && grad_rows.dim() == 2 && grad_rows.stride(1) == 1 &&
-                  grad_rows.size(1) == table.size(1),
-              "group_and_update: gradient rows ", grad_rows.sizes(), " do not meet the table's width ", table.size(1));
+  float* sp = checked_rows("group_and_update", table, state, grad_rows);
   const int64_t rows = table.size(0), n = ids.numel();
-  float* sp = nullptr;
-  if (state.has_value()) {
-    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->numel() >= rows,
-                "group_and_update: the state must be one fp32 value a row");
-    sp = state->data_ptr<float>();
-  }
   thread_local std::vector<int64_t> unique, starts, order;
   if (static_cast<int64_t>(unique.size()) < n) {
     unique.resize(n);
