@@ -1,11 +1,11 @@
 """fbgemm's CUDA table-batched embedding (TBE) forward and backward with its fused row-wise Adagrad, in GB/s
 against the GPU's copy bandwidth measured in the same run (issue 61: forward >= 0.6, backward >= 0.25 of it).
 
-Tables far larger than L2 (4 x 10M rows x 128 by default: 20 GB in fp32) so no cache inflates the figure;
-random ids, `--pooling` a bag. Bytes counted: forward, every looked-up row read, the pooled output written and
-the ids read; backward, the pooled gradient row read for every lookup, each unique row's weights read and
-written and its row-wise momentum read and written, and the ids read. Backward = forward-and-backward less
-forward. Needs TorchRec's CUDA stack (`../shared/gpu-bundle`):
+Tables far larger than L2 (4 x 10M rows x 128 by default: 20 GB in fp32) so no cache inflates the figure; the copy
+is the machine probe's (`metrics.device_peaks.copy_bytes_per_s`); random ids, `--pooling` a bag. Bytes counted:
+forward, every looked-up row read, the pooled output written and the ids read; backward, the pooled gradient row
+read for every lookup, each unique row's weights read and written and its row-wise momentum read and written, and
+the ids read. Backward = forward-and-backward less forward. Needs TorchRec's CUDA stack (`../shared/gpu-bundle`):
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/gpu_tbe.py --out $OUT
 """
@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import header, results_path, write_results  # noqa: E402
+
+from dlrm_lab.metrics.device_peaks import copy_bytes_per_s  # noqa: E402
 
 
 def _ms(fn: Any, repeats: int = 20, warmup: int = 5) -> float:
@@ -63,10 +66,8 @@ def main() -> None:
                           "--format=csv,noheader"], capture_output=True, text=True)  # fmt: skip
     results = header(gpu=torch.cuda.get_device_name(dev), nvidia_smi=smi.stdout.strip(), torch=torch.__version__)
 
-    src = torch.empty(2**30, dtype=torch.float32, device=dev)  # 4 GiB: 70x an H200's L2
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() * 4 / _ms(lambda src=src, dst=dst: dst.copy_(src)) / 1e6
-    del src, dst
+    copy_gbs = copy_bytes_per_s(dev, 4 << 30, repeats=20) / 1e9  # the probe's copy, of 4 GiB: 70x an H200's L2
+    torch.cuda.empty_cache()
     results["copy_GBps"] = copy_gbs
     print(f"copy: {copy_gbs:,.0f} GB/s (read + written)")
 

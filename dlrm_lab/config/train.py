@@ -247,18 +247,12 @@ class TrainConfig:
             raise FieldError("eval_every_share", f"{share!r}: must be a share in (0, 1]")
         if self.data != "synthetic" and not Path(self.data).exists():
             raise FieldError("data", f"{self.data}: no such dataset directory or file (or use 'synthetic')")
-        if isinstance(self.prefetch, str) and self.prefetch.strip().isdigit():  # the command line's "2"
-            object.__setattr__(self, "prefetch", int(self.prefetch))
-        if self.prefetch != "auto" and (
-            isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0
-        ):
-            raise FieldError("prefetch", f"{self.prefetch!r}: must be auto or an integer >= 0")
-        if isinstance(self.data_workers, str) and self.data_workers.strip().isdigit():
-            object.__setattr__(self, "data_workers", int(self.data_workers))
-        if self.data_workers != "auto" and (
-            isinstance(self.data_workers, bool) or not isinstance(self.data_workers, int) or self.data_workers < 0
-        ):
-            raise FieldError("data_workers", f"{self.data_workers!r}: must be auto or an integer >= 0")
+        for field in ("prefetch", "data_workers"):  # auto, or a count
+            value = getattr(self, field)
+            if isinstance(value, str) and value.strip().isdigit():  # the command line's "2"
+                object.__setattr__(self, field, value := int(value))
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise FieldError(field, f"{value!r}: must be auto or an integer >= 0")
         if self.data_workers not in ("auto", 0) and self.prefetch == 0:
             raise FieldError(
                 "data_workers", f"{self.data_workers}: workers make batches ahead; {{prefetch}} 0 makes them inline",
