@@ -245,6 +245,15 @@ def dense_package(
     )
 
 
+def record_of(path: str | Path) -> JsonObject:
+    """What made the artefact at `path`, from its record (empty where it has none or cannot be read)."""
+    try:
+        record = json.loads(Path(str(path) + RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def require_verified(path: str | Path) -> Path:
     """`path`, whole (`verified`); else a RuntimeError naming why it is not served."""
     why = verified(Path(path))

@@ -34,6 +34,7 @@ from dlrm_lab.infer.batches import QueryRef, next_samples
 from dlrm_lab.infer.builds import MARGIN, build_named, builds, simplest_fast
 from dlrm_lab.infer.finalists import finalists_of
 from dlrm_lab.infer.serving_parts import make_runner
+from dlrm_lab.infer.table_lookup import choose_lookup
 
 AUTO = "auto"
 
@@ -62,6 +63,7 @@ class BuildChoice:
     skipped: dict[str, str] = field(default_factory=dict)  # build -> why it was not timed or not chosen
     # auto: runners-up its instances time again, each in its own process (`infer.finalists`): build -> artefact
     finalists: dict[str, str] = field(default_factory=dict)
+    lookup: JsonObject | None = None  # the packages' table lookup and why (`infer.table_lookup`); None: not chosen
 
     @property
     def line(self) -> str:
@@ -80,6 +82,7 @@ class BuildChoice:
             "skipped": dict(self.skipped),
             "finalists": dict(self.finalists),
             "accuracy": self.accuracy.to_dict() if self.accuracy else None,
+            "lookup": self.lookup,
         }
 
 
@@ -132,8 +135,10 @@ def time_builds(
         torch.set_num_threads(saved)
 
 
-def _key(spec: Any, precision: str, table_precision: str, threads: int, sizes: Sequence[int]) -> str:
-    shape = repr((spec.to_dict() if hasattr(spec, "to_dict") else repr(spec), precision, table_precision, list(sizes)))
+def _key(spec: Any, precision: str, table_precision: str, threads: int, sizes: Sequence[int], variant: str = "") -> str:
+    """The machine profile's key of builds timed for this shape (`variant`: what else the builds' speed depends on)."""
+    spec_key = spec.to_dict() if hasattr(spec, "to_dict") else repr(spec)
+    shape = repr((spec_key, precision, table_precision, list(sizes), *([variant] if variant else [])))
     return f"cpu/{threads}t/{hashlib.sha1(shape.encode()).hexdigest()[:12]}"
 
 
@@ -191,15 +196,20 @@ def choose_build(
             skipped[name] = why
         else:
             later.append(name)
+    lookup = None
+    if "fused" in first and any(getattr(build_named(b), "whole_batch", False) for b in later):
+        # before the packages are made: their cache key, and their timings', say which lookup they call
+        lookup = choose_lookup(modules["fused"], sizes=list(sizes), threads=threads, log=log)
     if later:
-        more, later_source = _rates(later, modules, sizes, threads, library, measure, log)
+        variant = f"lookup {lookup['lookup']}" if lookup else ""
+        more, later_source = _rates(later, modules, sizes, threads, library, measure, log, variant)
         rates.update(more)
         if later_source != source:
             source = f"{source}; {', '.join(later)}: {later_source}"
     timed = {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}  # batch sizes only
     total = {b: sum(per.values()) for b, per in timed.items()}
 
-    measured: Any = {"batch_ms": _public(rates), "source": source, "skipped": skipped, **common}
+    measured: Any = {"batch_ms": _public(rates), "source": source, "skipped": skipped, "lookup": lookup, **common}
 
     def checked(b: str) -> AccuracyCheck:
         return check_accuracy(
@@ -359,6 +369,7 @@ def _rates(
     library: Any,
     measure: Measure | None,
     log: Log | None = None,
+    variant: str = "",
 ) -> tuple[dict[str, dict[int, float]], str]:
     """Batch times of the builds `names`, from this machine's profile when measured before there."""
     from dlrm_lab.metrics.measured import batch_times, measured_choice, stored_batch_times
@@ -381,6 +392,6 @@ def _rates(
         return {"batch_ms": {**earlier, **stored_batch_times(rates)}, "sizes": list(sizes)}
 
     # read from disk: a dynamic shape (`metrics.measured.cached_problem` checks the entry's)
-    key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes)
+    key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes, variant)
     read = batch_times(names)
     return measured_choice(load_profile(), "build_rates", key, read=read, measure=time_now, entry=entry, log=log)

@@ -1,20 +1,19 @@
 """`aoti`: the whole batch, table lookup included, in one AOTInductor package made once and loaded by instances.
 
-From assembled ids and dense features to scores, a batch is one call of the package's C++ runner: fbgemm's
-inference lookup (`int_nbit_split_embedding_codegen_lookup_function`, which AOTInductor runs as a fallback op),
-the bottom MLP, the interaction, the top MLP and the sigmoid. The graph is exported with `torch.export` at the
-served precision (a dynamic batch dimension), compiled with the C++ wrapper, and cached on disk under a content key
-(`infer.artefacts`). `aoti` keeps the dense weights as plain constants (each GEMM packs them as it runs);
-`aoti_frozen` compiles the same graph with Inductor's freezing (the weights prepacked for oneDNN at build time, the
-post-ops fused), which wins at small batches and loses at large ones on some shapes and precisions (kaggle bf16 at
-256 samples 0.70 against 0.74 ms; DLRMv2 fp16 at 2,048 89 against 72 ms, AMX): `auto` measures both.
+From assembled ids and dense features to scores, a batch is one call of the package's C++ runner: the tables'
+pooled lookup (fbgemm's inference op or the lab's, as `infer.table_lookup` chose; AOTInductor runs either as a
+fallback op), the bottom MLP, the interaction, the top MLP and the sigmoid. The graph is exported with
+`torch.export` at the served precision (a dynamic batch dimension), compiled with the C++ wrapper, and cached on
+disk under a content key (`infer.artefacts`). `aoti` keeps the dense weights as plain constants (each GEMM packs
+them as it runs); `aoti_frozen` compiles the same graph with Inductor's freezing (the weights prepacked for oneDNN at
+build time, the post-ops fused), which wins at small batches and loses at large ones on some shapes and precisions
+(kaggle bf16 at 256 samples 0.70 against 0.74 ms; DLRMv2 fp16 at 2,048 89 against 72 ms, AMX): `auto` measures both.
 
-The lookup is called directly with the TBE's layout held as buffers, not through the TBE module: the module
-carries fbgemm's `AtomicCounter`/`TensorQueue` script objects, which export only with torchrec's fake classes and
-AOTInductor then has to carry; the op alone needs neither. The tables themselves are not in the package: they are
-an input of every call, the tensor each instance mapped from the snapshot, so co-located instances share one copy
-(the package holds only the small dense weights; `package_constants_in_so=False` with user-managed buffers would
-share them too, but loses the prepacked constants that `aoti_frozen`'s freezing makes at compile time).
+The lookup is called directly with the TBE's layout held as buffers (`table_lookup.PooledLookup`), not through the
+TBE module. The tables themselves are not in the package: they are an input of every call, the tensor each instance
+mapped from the snapshot, so co-located instances share one copy (the package holds only the small dense weights;
+`package_constants_in_so=False` with user-managed buffers would share them too, but loses the prepacked constants
+that `aoti_frozen`'s freezing makes at compile time).
 
 `aoti_tuned` is the same graph compiled with `max_autotune` and Inductor's C++ GEMM template beside ATen's
 (AMX and AVX-512 micro-kernels generated for these shapes, epilogues fused): measured against `aoti`, as every
@@ -33,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlrm_lab.config.values import JsonObject
-from dlrm_lab.infer.artefacts import dense_package, require_verified
+from dlrm_lab.infer.artefacts import dense_package, record_of, require_verified
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 from dlrm_lab.infer.interaction import uses_native
+from dlrm_lab.infer.table_lookup import NATIVE, PooledLookup, table_weights
 from dlrm_lab.model import native
 
 EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is exported as dynamic
@@ -44,65 +44,26 @@ EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is e
 GRAPH = "whole batch: fused lookup and dense part, from assembled ids; gathers unchecked (2)"
 # Inductor checks every indirect index of its kernels against its bounds (vector compares around a masked gather).
 # The graph's only indirect indexing is the dot interaction's triangle, a constant index in range by construction
-# (the ids go to fbgemm's op, not to Inductor's kernels, and the server checks them at submit): unchecked, kaggle's
+# (the ids go to the lookup op, not to Inductor's kernels, and the server checks them at submit): unchecked, kaggle's
 # interaction at 256 samples took 189-195 us against 257-287 (torch.compile of the same ops, one thread, AMX).
 UNCHECKED_GATHER: JsonObject = {"assert_indirect_indexing": False}
-# the TBE's layout (which table is where, in which type): small, constant, frozen into the package
-LAYOUT_BUFFERS = ("weights_placements", "weights_offsets", "weights_tys", "D_offsets")
-LAYOUT_INTS = (
-    "total_D",
-    "max_int2_D",
-    "max_int4_D",
-    "max_int8_D",
-    "max_float16_D",
-    "max_float32_D",
-    "output_dtype",
-    "row_alignment",
-    "max_float8_D",
-    "fp8_exponent_bits",
-    "fp8_exponent_bias",
-)
-
-
-def table_weights(tables: Any) -> torch.Tensor:
-    """The bytes of every table of a fused lookup (fbgemm's inference TBE on the host): what the package takes as
-    an input, the tensor the instances share."""
-    return tables.weights_host if tables.host_size > 0 else tables.weights_dev
 
 
 class WholeBatch(nn.Module):
     """A FusedDLRM's batch as one graph: `forward(dense [B, num_dense] fp32, ids int32, offsets int32 [F * B + 1],
-    tables uint8) -> scores [B] fp32`. `dense_part` replaces the model's (aoti_int8: its quantised graph)."""
+    tables uint8) -> scores [B] fp32`, its tables looked up the module's way (`infer.table_lookup`) unless `lookup`
+    says. `dense_part` replaces the model's (aoti_int8: its quantised graph)."""
 
-    def __init__(self, module: Any, dense_part: nn.Module | None = None) -> None:
+    def __init__(self, module: Any, dense_part: nn.Module | None = None, lookup: str | None = None) -> None:
         super().__init__()
-        tables = module.tables
-        for name in LAYOUT_BUFFERS:
-            self.register_buffer(name, getattr(tables, name).clone())
-        self.layout = {name: getattr(tables, name) for name in LAYOUT_INTS}
-        self.pooling_mode = int(tables.pooling_mode)
+        self.lookup = PooledLookup(module.tables, lookup or module.lookup_way)
         self.dense_part = module.dense if dense_part is None else dense_part
         self.dtype = module.dtype
 
     def forward(
         self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor
     ) -> torch.Tensor:
-        pooled = torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=tables,
-            uvm_weights=tables.new_empty(0),
-            weights_placements=self.weights_placements,
-            weights_offsets=self.weights_offsets,
-            weights_tys=self.weights_tys,
-            D_offsets=self.D_offsets,
-            indices=ids,
-            offsets=offsets,
-            pooling_mode=self.pooling_mode,
-            indice_weights=None,
-            lxu_cache_weights=None,
-            lxu_cache_locations=None,
-            **self.layout,
-        )
-        return torch.sigmoid(self.dense_part(dense.to(self.dtype), pooled).float())
+        return torch.sigmoid(self.dense_part(dense.to(self.dtype), self.lookup(tables, ids, offsets)).float())
 
 
 class EvenK(nn.Module):
@@ -170,8 +131,9 @@ class PackagedBatch:
     """A loaded whole-batch package: `run([dense, ids, offsets, tables])` is the C++ runner itself (one native
     call, no Python between the inputs and the scores); `tables` is the input every call hands it."""
 
-    def __init__(self, path: str, tables: torch.Tensor, native_ops: bool = False) -> None:
-        if native_ops and (why := native.load()) is not None:  # the package calls the lab's kernel by name
+    def __init__(self, path: str, tables: torch.Tensor) -> None:
+        record = record_of(path)  # what the package calls: the lab's kernels are called by name, loaded first
+        if NATIVE in (record.get("interaction"), record.get("lookup")) and (why := native.load()) is not None:
             raise RuntimeError(f"{path}: {why}")
         self.run = torch._inductor.aoti_load_package(str(require_verified(path))).loader.run
         self.tables = tables
@@ -190,6 +152,7 @@ class AOTIBuild:
     inductor_configs: JsonObject = {}
     frozen = False  # compiled with Inductor's freezing (the weights prepacked at build time)
     even_k = False  # every GEMM given an even K where the precision is 16-bit (`EvenK`: the template's AMX kernel)
+    whole_batch = True  # a package of the whole batch: calls the table lookup `infer.table_lookup` chose
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
@@ -218,10 +181,11 @@ class AOTIBuild:
             **made_by,
             **({"frozen": True} if self.frozen else {}),
             **({"interaction": "native"} if uses_native(module) else {}),  # the package calls the kernel by name
+            **({"lookup": NATIVE} if module.lookup_way == NATIVE else {}),
         }
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
-        module.whole = PackagedBatch(module.package, table_weights(module.tables), uses_native(module))
+        module.whole = PackagedBatch(module.package, table_weights(module.tables))
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
@@ -234,7 +198,7 @@ class AOTIBuild:
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
         if device.type == "cuda":  # the package holds CPU kernels
             raise RuntimeError(f"the {self.name} build is made for the CPU: on a GPU serve eager, fused or compiled")
-        module.whole = PackagedBatch(module.package, table_weights(module.tables), uses_native(module))  # shared
+        module.whole = PackagedBatch(module.package, table_weights(module.tables))  # shared
         return module
 
     def artefact(self, module: Any) -> str | None:
@@ -243,7 +207,7 @@ class AOTIBuild:
     def from_artefact(self, module: Any, artefact: str) -> Any:
         other = module.sibling()  # the tables this instance mapped, not a copy
         other.package = artefact
-        other.whole = PackagedBatch(artefact, table_weights(other.tables), uses_native(other))
+        other.whole = PackagedBatch(artefact, table_weights(other.tables))
         return other
 
 

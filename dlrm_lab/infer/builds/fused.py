@@ -77,6 +77,7 @@ class FusedDLRM(nn.Module):
         self.compiled: Callable[..., torch.Tensor] | None = None  # the dense part compiled (compiled, openvino)
         # the whole batch, lookup included, as one native call (aoti's package): (dense, ids, offsets) -> scores
         self.whole: Callable[..., torch.Tensor] | None = None
+        self.lookup_way = "fbgemm"  # the lookup its packages call (`infer.table_lookup.choose_lookup` sets it)
 
     def sibling(self) -> FusedDLRM:
         """A copy sharing every tensor (tables included) but not the module's registries: a build made from this

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 NAME = "dlrm_lab_native"
-_SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("dot_interaction.cpp", "table_update.cpp")]
+_SOURCES = [
+    pathlib.Path(__file__).with_name(name) for name in ("dot_interaction.cpp", "table_update.cpp", "lookup.cpp")
+]
 
 
 def _flags() -> list[str]:
@@ -80,6 +82,23 @@ def _register_python_parts() -> None:
     @torch.library.register_fake("dlrm_lab::dot_interaction")
     def _(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         return dense.new_empty(dense.shape[0], dense.shape[1] + pairs.shape[0])
+
+    @torch.library.register_fake("dlrm_lab::pooled_lookup")
+    def _(
+        tables: torch.Tensor,
+        weights_offsets: torch.Tensor,
+        weights_tys: torch.Tensor,
+        D_offsets: torch.Tensor,  # noqa: N803 - fbgemm's name
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        total_D: int,  # noqa: N803
+        pooling_mode: int,
+        row_alignment: int,
+        output_dtype: int,
+    ) -> torch.Tensor:
+        batch = (offsets.shape[0] - 1) // (D_offsets.shape[0] - 1)
+        dtype = {0: torch.float32, 1: torch.float16}.get(output_dtype, torch.bfloat16)
+        return tables.new_empty(batch, total_D, dtype=dtype)
 
     @torch.library.register_fake("dlrm_lab::dot_interaction_backward")
     def _(
