@@ -6,7 +6,8 @@ batch   kaggle (tables capped at 1M rows), one thread, the precision `auto` pick
         measures itself at start (1 and 256 samples alternated on its own weights, median of 7, three times), in a
         fresh process per allocator (its library first in LD_PRELOAD, `infer.allocator.preloaded`; the process
         checks its own mappings), the allocators interleaved over rounds: `fixed ms a batch + us a sample`, and each
-        against glibc's in the same round. Routes: aoti, aoti_frozen, aoti_tuned, by_size (as an instance of
+        against glibc's in the same round. Routes (`/native` or `/fbgemm` after a name: its packages' table lookup,
+        `infer.table_lookup`; fbgemm's where none is named): aoti, aoti_frozen, aoti_tuned, by_size (as an instance of
         `--build auto` serves when aoti_frozen is chosen: each of its finalists timed at every batch size it serves
         and each size served by the fastest, `infer.finalists`) and buckets (one static package per size, frozen
         and max-autotuned: `one_call.py`'s). The tables on the pages serving maps them on (`--table-pages`, default
@@ -42,7 +43,8 @@ SIZES = (1, 256)
 
 def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     """One process's measurement of `routes` (printed as one JSON line), under whatever allocator it was started,
-    the tables on `pages` (base or huge)."""
+    the tables on `pages` (base or huge). A route `name/native` is `name` with the lab's table lookup in its
+    packages (`infer.table_lookup`), `name/fbgemm` with fbgemm's; a bare name takes fbgemm's."""
     import copy
     from types import SimpleNamespace
 
@@ -50,10 +52,11 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     from one_call import Buckets, kaggle_setup
 
     from dlrm_lab.infer import build as builds
-    from dlrm_lab.infer.builds.aoti import table_weights
+    from dlrm_lab.infer.builds import build_named
     from dlrm_lab.infer.instance import _final_build
     from dlrm_lab.infer.interaction import choose_interaction
     from dlrm_lab.infer.serving_parts import make_runner
+    from dlrm_lab.infer.table_lookup import table_weights
     from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 
     torch.set_num_threads(1)
@@ -62,9 +65,27 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     interaction = choose_interaction(
         model, precision=precision, sizes=list(SIZES), threads=1, device="cpu", log=lambda _: None
     )
+    bases: dict[str, Any] = {}
+
+    def made_with(build: str, way: str) -> Any:
+        """`build` made from a fused base whose packages call the lookup `way`."""
+        if way not in bases:
+            bases[way] = builds.make_build(model, "fused", precision=precision, table_precision="fp32")
+            bases[way].lookup_way = way
+        return build_named(build).make(model, bases[way], precision=precision, table_precision="fp32")
+
     modules: dict[str, Any] = {}
     for route in routes:
-        if route == "buckets":
+        name, _, way = route.partition("/")
+        if way:
+            if name == "by_size":
+                made = {b: made_with(b, way) for b in FINALISTS}
+                plan = SimpleNamespace(build=FINALISTS[0], finalists=tuple((b, made[b].package) for b in FINALISTS[1:]),
+                                       precision=precision, history_cache_mb=0)  # fmt: skip
+                modules[route] = (plan, made[FINALISTS[0]])
+            else:
+                modules[route] = made_with(name, way)
+        elif route == "buckets":
             fused = builds.make_build(model, "fused", precision=precision, table_precision="fp32")
             aoti = modules.get("aoti") or builds.make_build(model, "aoti", precision=precision, table_precision="fp32")
             bucketed = fused.sibling()
@@ -76,9 +97,12 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     made = {}
     if "by_size" in routes:
         made = {b: builds.make_build(model, b, precision=precision, table_precision="fp32") for b in FINALISTS}
+    routed = {r: m for r, m in modules.items() if isinstance(m, tuple)}  # by_size/way: (plan, served module)
+    modules = {r: m for r, m in modules.items() if r not in routed}
     huge = None
     if pages == "huge":  # each distinct table tensor once (siblings share their base's)
-        tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in [*modules.values(), *made.values()])}
+        served = [*modules.values(), *made.values(), *(m for _, m in routed.values())]
+        tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in served)}
         huge = back_with_huge_pages(list(tables.values()))
     runners = {r: make_runner(m, library, torch.device("cpu"), precision) for r, m in modules.items()}
     for runner in runners.values():
@@ -87,9 +111,11 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     if "by_size" in routes:  # as an instance serves it: its finalists timed at each size, routed (`_final_build`)
         plan = SimpleNamespace(build=FINALISTS[0], finalists=tuple((b, made[b].package) for b in FINALISTS[1:]),
                                precision=precision, history_cache_mb=0)  # fmt: skip
-        _, runner, chosen = _final_build(plan, made[FINALISTS[0]], library, torch.device("cpu"), max(SIZES))
+        _, runner, chosen["by_size"] = _final_build(plan, made[FINALISTS[0]], library, torch.device("cpu"), max(SIZES))
         runners["by_size"] = runner
-        runners = {r: runners[r] for r in routes}  # the order asked: interleaved as given
+    for route, (plan, served) in routed.items():
+        _, runners[route], chosen[route] = _final_build(plan, served, library, torch.device("cpu"), max(SIZES))
+    runners = {r: runners[r] for r in routes}  # the order asked: interleaved as given
     costs: dict[str, list[Any]] = {r: [] for r in runners}
     for _ in range(3):
         for route, runner in runners.items():
@@ -128,8 +154,8 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str
                     f"{r} {v['per_batch_ms']:.3f} ms + {v['per_sample_us']:.2f} us" for r, v in got["routes"].items()
                 )
                 print(f"  round {k + 1} {name}: {said}", flush=True)
-                if got["by_size"]:
-                    print(f"    by_size served {got['by_size']['build']}: {got['by_size']['reason']}", flush=True)
+                for route, served in got["by_size"].items():
+                    print(f"    {route} served {served['build']}: {served['reason']}", flush=True)
     summary: dict[str, Any] = {}
     for name, runs in rows.items():
         for route in routes:
@@ -149,7 +175,18 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str
                 f"{s['per_sample_us']:.2f} us a sample ({s['per_sample_vs_glibc']:.3f}x)",
                 flush=True,
             )
-    return {"rounds": rows, "summary": summary}
+    lookups: dict[str, Any] = {}  # the lab's table lookup against fbgemm's, paired within each process
+    for name, runs in rows.items():
+        for route in (r for r in routes if r.endswith("/native") and r[: -len("native")] + "fbgemm" in routes):
+            base = route[: -len("native")] + "fbgemm"
+            ratio = {
+                key: statistics.median(r["routes"][route][key] / r["routes"][base][key] for r in runs)
+                for key in ("per_batch_ms", "per_sample_us")
+            }
+            lookups[f"{route}/{name}"] = ratio
+            print(f"{route:20s} {name:9s} against fbgemm's lookup: a batch {ratio['per_batch_ms']:.3f}x, a sample "
+                  f"{ratio['per_sample_us']:.3f}x (medians of per-round ratios)", flush=True)  # fmt: skip
+    return {"rounds": rows, "summary": summary, "lookup_vs_fbgemm": lookups}
 
 
 def points_part(found: dict[str, str], rounds: int, duration: str) -> dict[str, Any]:
