@@ -28,8 +28,9 @@ from dlrm_lab.model.dlrm import build_model
 
 pytestmark = pytest.mark.skipif(native.load() is not None, reason="the lab's kernels do not build here")
 
-ROWS = (1000, 37, 5000)  # three tables, one of them smaller than a batch's ids
-WIDTHS = {"fp32": (16, 24, 8), "fp16": (16, 40, 8), "int8": (16, 24, 8), "int4": (16, 24, 8)}  # whole vectors, tails
+ROWS = (1000, 37, 5000, 300, 64)  # tables, some smaller than a batch's ids
+# rows of 1, 2, 4 and 8 vectors (summed in registers) and of any width (in memory, with a tail)
+WIDTHS = {t: (16, 24 if t != "fp16" else 40, 32, 64, 128) for t in ("fp32", "fp16", "int8", "int4")}
 TYPES = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
 OUTPUTS = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16, SparseType.BF16: torch.bfloat16}
 
@@ -89,28 +90,34 @@ def test_the_labs_lookup_pools_as_fbgemms_for_every_table_type_pooling_and_outpu
 def test_the_labs_lookup_of_one_id_a_bag_is_the_rows_themselves():
     tables = _tables("fp32", PoolingMode.SUM, SparseType.FP32)
     weights = table_weights(tables)
-    ids = torch.tensor([999, 0, 36, 4999], dtype=torch.int32)
-    offsets = torch.tensor([0, 1, 2, 3, 3, 4, 4], dtype=torch.int32)  # 3 features x 2 samples (two bags empty)
+    picked = [(rows - 1, 0) for rows in ROWS]  # each table's last and first rows; the second sample's last bag empty
+    ids = torch.tensor([i for pair in picked for i in pair][:-1], dtype=torch.int32)
+    offsets = torch.tensor([*range(len(ids) + 1), len(ids)], dtype=torch.int32)
     got = PooledLookup(tables, NATIVE)(weights, ids, offsets)
-    rows = [tables.split_embedding_weights()[t][0].view(torch.float32) for t in range(len(ROWS))]
-    assert torch.equal(got[0, :16], rows[0][999]) and torch.equal(got[1, :16], rows[0][0])
-    assert torch.equal(got[0, 16:40], rows[1][36]) and torch.equal(got[1, 16:40], torch.zeros(24))
-    assert torch.equal(got[0, 40:], rows[2][4999]) and torch.equal(got[1, 40:], torch.zeros(8))
+    rows = [w.view(torch.float32) for w, _ in tables.split_embedding_weights(split_scale_shifts=True)]
+    at = 0
+    for t, width in enumerate(WIDTHS["fp32"]):
+        assert torch.equal(got[0, at : at + width], rows[t][ROWS[t] - 1, :width])
+        second = torch.zeros(width) if t == len(ROWS) - 1 else rows[t][0, :width]
+        assert torch.equal(got[1, at : at + width], second)
+        at += width
 
 
 def test_the_labs_lookup_refuses_ids_past_the_tables_and_offsets_past_the_ids():
     tables = _tables("int8", PoolingMode.SUM, SparseType.FP32)
     weights, lookup = table_weights(tables), PooledLookup(tables, NATIVE)
-    offsets = torch.arange(len(ROWS) + 1, dtype=torch.int32)
-    past = torch.tensor([0, 0, 10**8], dtype=torch.int32)  # far past the last table's rows: past the buffer
-    with pytest.raises(RuntimeError, match="pooled_lookup: id 100000000 of feature 2 past the tables"):
+    n = len(ROWS)
+    offsets = torch.arange(n + 1, dtype=torch.int32)
+    past = torch.tensor([0] * (n - 1) + [10**8], dtype=torch.int32)  # far past the last table's rows: the buffer's
+    with pytest.raises(RuntimeError, match=f"pooled_lookup: id 100000000 of feature {n - 1} past the tables"):
         lookup(weights, past, offsets)
     with pytest.raises(RuntimeError, match="pooled_lookup: id -1 of feature 0"):
-        lookup(weights, torch.tensor([-1, 0, 0], dtype=torch.int32), offsets)
-    with pytest.raises(RuntimeError, match="bag offsets 0..3 outside the 2 ids"):
-        lookup(weights, torch.tensor([0, 0], dtype=torch.int32), offsets)
+        lookup(weights, torch.tensor([-1] + [0] * (n - 1), dtype=torch.int32), offsets)
+    with pytest.raises(RuntimeError, match=f"bag offsets 0..{n} outside the {n - 1} ids"):
+        lookup(weights, torch.zeros(n - 1, dtype=torch.int32), offsets)
+    backwards = torch.tensor([0, 2, 1, *range(3, n + 1)], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="ends .* before it starts"):
-        lookup(weights, torch.zeros(3, dtype=torch.int32), torch.tensor([0, 2, 1, 3], dtype=torch.int32))
+        lookup(weights, torch.zeros(n, dtype=torch.int32), backwards)
     with pytest.raises(ValueError, match="table lookup 'torchrec': allowed: fbgemm, native"):
         PooledLookup(tables, "torchrec")
 
@@ -151,10 +158,10 @@ def test_a_package_with_the_labs_lookup_calls_it_keys_its_own_package_and_scores
 
 
 def test_choosing_the_lookup_times_both_on_the_models_tables_and_sets_the_packages(tiny, monkeypatch):
-    model, _ = tiny
+    model, library = tiny
     fused = make_build(copy.deepcopy(model), "fused", precision="fp32", table_precision="fp32")
     lines: list[str] = []
-    record = table_lookup.choose_lookup(fused, sizes=[1, 32], threads=1, log=lines.append)
+    record = table_lookup.choose_lookup(fused, library, sizes=[1, 32], threads=1, log=lines.append)
     assert set(record["ms"]) == {FBGEMM, NATIVE} and set(record["ms"][NATIVE]) == {"1", "32"}
     assert all(v > 0 for by in record["ms"].values() for v in by.values())
     total = {way: sum(by.values()) for way, by in record["ms"].items()}
@@ -163,5 +170,5 @@ def test_choosing_the_lookup_times_both_on_the_models_tables_and_sets_the_packag
     assert lines[-1].startswith(f"table lookup {record['lookup']}: the lab's lookup against fbgemm's, fp32 tables")
     # kernels that do not build: fbgemm's, and why
     monkeypatch.setattr(table_lookup.native, "load", lambda: "the lab's C++ kernels did not build: no compiler")
-    record = table_lookup.choose_lookup(fused, sizes=[8], threads=1)
+    record = table_lookup.choose_lookup(fused, library, sizes=[8], threads=1)
     assert record["lookup"] == FBGEMM and "no compiler" in record["reason"] and fused.lookup_way == FBGEMM

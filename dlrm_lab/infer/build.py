@@ -199,7 +199,7 @@ def choose_build(
     lookup = None
     if "fused" in first and any(getattr(build_named(b), "whole_batch", False) for b in later):
         # before the packages are made: their cache key, and their timings', say which lookup they call
-        lookup = choose_lookup(modules["fused"], sizes=list(sizes), threads=threads, log=log)
+        lookup = choose_lookup(modules["fused"], library, sizes=list(sizes), threads=threads, log=log)
     if later:
         variant = f"lookup {lookup['lookup']}" if lookup else ""
         more, later_source = _rates(later, modules, sizes, threads, library, measure, log, variant)

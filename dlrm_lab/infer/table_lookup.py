@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dlrm_lab.config.values import JsonObject, Log
+from dlrm_lab.infer.batches import QueryRef, gather_batch, kernel_batch, next_samples
 from dlrm_lab.model import native
 
 FBGEMM, NATIVE = "fbgemm", "native"
@@ -25,7 +26,7 @@ LOOKUPS = (FBGEMM, NATIVE)
 MARGIN = 1.05  # the lab's op serves where fbgemm's takes at least this much longer over the served batches
 REPEATS = 5  # timings of each op at each size, interleaved, after one warm-up round
 CALLS_PER_SIZE = 2048  # samples a timing covers (at least one call)
-DISTINCT_BATCHES = 16  # batches of ids a timing cycles through: rows as cold as serving's, not one batch's cached
+DISTINCT_BATCHES = 16  # batches a timing cycles through: rows as cold as serving's, not one batch's cached
 # the TBE's layout (which table is where, in which type): small, constant, frozen into the package
 LAYOUT_BUFFERS = ("weights_placements", "weights_offsets", "weights_tys", "D_offsets")
 LAYOUT_INTS = (
@@ -98,35 +99,30 @@ def table_weights(tables: Any) -> torch.Tensor:
     return tables.weights_host if tables.host_size > 0 else tables.weights_dev
 
 
-def _batches(module: Any, size: int, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of `size` samples of one id a bag (Criteo's), each feature's ids uniform over its table's rows."""
-    rows = [int(t.num_embeddings) for t in module.spec.tables]
-    features = len(rows)
-    offsets = torch.arange(features * size + 1, dtype=torch.int32)
-    return [
-        (torch.cat([torch.randint(0, n, (size,), generator=generator, dtype=torch.int32) for n in rows]), offsets)
-        for _ in range(DISTINCT_BATCHES)
-    ]
+def _batches(library: Any, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(ids, offsets) of DISTINCT_BATCHES batches of `size` of the library's samples, one after another: the bags and
+    rows the model will serve (a multi-hot model's long bags favour another kernel than Criteo's one id a bag)."""
+    starts = next_samples([size] * DISTINCT_BATCHES, library.size)
+    return [kernel_batch(*gather_batch(library, [QueryRef(-1, size, at)]))[1:] for at in starts]
 
 
-def choose_lookup(module: Any, *, sizes: list[int], threads: int, log: Log | None = None) -> JsonObject:
-    """Time both lookups on `module`'s own tables (a FusedDLRM) at each of `sizes` on `threads` threads and set the
-    faster as its packages' (`module.lookup_way`; the lab's only where fbgemm's takes MARGIN longer, summed over the
-    sizes); its record."""
+def choose_lookup(module: Any, library: Any, *, sizes: list[int], threads: int, log: Log | None = None) -> JsonObject:
+    """Time both lookups on `module`'s own tables (a FusedDLRM) over batches of `library`'s samples at each of
+    `sizes` on `threads` threads and set the faster as its packages' (`module.lookup_way`; the lab's only where
+    fbgemm's takes MARGIN longer, summed over the sizes); its record."""
     record: JsonObject = {"lookup": FBGEMM, "margin": MARGIN}
     if (why := native.load()) is not None:
         record["reason"] = why
     else:
         weights = table_weights(module.tables)
         ways = {way: PooledLookup(module.tables, way) for way in LOOKUPS}
-        generator = torch.Generator().manual_seed(0)
         before = torch.get_num_threads()
         torch.set_num_threads(max(1, threads))
         ms: dict[str, dict[int, list[float]]] = {way: {} for way in LOOKUPS}
         try:
             with torch.inference_mode():
                 for size in sizes:
-                    batches = _batches(module, size, generator)
+                    batches = _batches(library, size)
                     calls = max(1, CALLS_PER_SIZE // size)
                     for k in range(REPEATS + 1):
                         for way in LOOKUPS if k % 2 == 0 else LOOKUPS[::-1]:

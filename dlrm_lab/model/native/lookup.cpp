@@ -12,8 +12,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
-#if defined(__AVX512BF16__)
+#include <type_traits>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 #include <vector>
@@ -24,7 +26,7 @@ namespace {
 constexpr int64_t kFP32 = 0, kFP16 = 1, kINT8 = 2, kINT4 = 3, kBF16 = 5;
 constexpr int64_t kScaleBias = 4;  // fbgemm's DEFAULT_SCALE_BIAS_SIZE_IN_BYTES: fp16 scale, fp16 bias, in front
 constexpr int64_t kSum = 0, kMean = 1;
-constexpr int64_t kAhead = 16;  // bags whose first row is fetched ahead of the one pooled
+constexpr int64_t kAhead = 16;  // lines of rows fetched ahead of the row pooled
 
 int64_t row_bytes(int64_t ty, int64_t dim, int64_t alignment) {
   int64_t bytes = 0;
@@ -49,13 +51,26 @@ inline Vec load_row(const uint8_t* row, int64_t d) {
     Vec v;
     at::vec::load_fp32_from_fp16(reinterpret_cast<const c10::Half*>(row) + d, v);
     return v;
-  } else {  // int8 or int4 (two values a byte, the low nibble first), after their fp16 scale and bias
+  } else if constexpr (Ty == kINT8) {  // after its fp16 scale and bias
+    c10::Half sb[2];
+    std::memcpy(sb, row, sizeof sb);
+    const uint8_t* bytes = row + kScaleBias + d;
+#if defined(CPU_CAPABILITY_AVX512)
+    const Vec q(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const Vec q(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)))));
+#else
+    alignas(64) float values[Vec::size()];
+    for (int64_t j = 0; j < Vec::size(); ++j) values[j] = bytes[j];
+    const Vec q = Vec::loadu(values);
+#endif
+    return at::vec::fmadd(q, Vec(static_cast<float>(sb[0])), Vec(static_cast<float>(sb[1])));
+  } else {  // int4: two values a byte, the low nibble first, after its fp16 scale and bias
     c10::Half sb[2];
     std::memcpy(sb, row, sizeof sb);
     const uint8_t* q = row + kScaleBias;
     alignas(64) float values[Vec::size()];
-    for (int64_t j = 0; j < Vec::size(); ++j)
-      values[j] = Ty == kINT8 ? q[d + j] : (q[(d + j) / 2] >> (4 * ((d + j) % 2))) & 0xF;
+    for (int64_t j = 0; j < Vec::size(); ++j) values[j] = (q[(d + j) / 2] >> (4 * ((d + j) % 2))) & 0xF;
     return at::vec::fmadd(Vec::loadu(values), Vec(static_cast<float>(sb[0])), Vec(static_cast<float>(sb[1])));
   }
 }
@@ -90,46 +105,82 @@ inline void store(Vec v, c10::BFloat16* to) {  // one instruction where torch's 
 }
 #endif
 
+// The row of the id `ahead` after id i of a feature (its ids end at `last`) into the cache, every line of it.
+inline void fetch_ahead(const uint8_t* table, int64_t size, int64_t room, const int32_t* ids, int32_t i,
+                        int32_t last, int32_t ahead) {
+  if (i + ahead >= last) return;
+  const uint64_t at = static_cast<uint64_t>(ids[i + ahead]) * size;
+  if (at > static_cast<uint64_t>(room)) return;  // one unsigned compare: GCC drops a prefetch under `a >= 0 && a < n`
+  for (int64_t line = 0; line < size; line += 64) __builtin_prefetch(table + at + line, 0);
+}
+
 // Bags b0..b1 of feature f (rows of type Ty, `size` bytes each, `dim` values; its bag offsets at `offs`) pooled
-// into their rows of `out`: one tight loop a feature, its type, layout and pooling fixed outside it.
-template <int64_t Ty, bool Mean, typename Out>
+// into their rows of `out`: one tight loop a feature, its type, layout and pooling fixed outside it; each bag's ids
+// in turn, every vector of a row added before the next row (a wide row's lines fetched together, not one a pass).
+// V > 0: rows of exactly V vectors, the sums held in registers; V == 0: any width, the sums in `acc`.
+template <int64_t Ty, bool Mean, int V, typename Out>
 void pool_feature(const uint8_t* table, int64_t size, int64_t room, int64_t dim, const int32_t* ids,
-                  const int32_t* offs, int64_t b0, int64_t b1, int64_t f, int64_t total_d, Out* out) {
-  const int64_t whole = dim - dim % Vec::size();
+                  const int32_t* offs, int64_t b0, int64_t b1, int64_t f, int64_t total_d, Out* out, float* acc) {
+  const int64_t whole = V ? V * Vec::size() : dim - dim % Vec::size();
+  const int32_t last = offs[b1];
+  // as many lines in flight whatever a row's width: a row of several lines is fetched fewer rows ahead
+  const int32_t ahead = static_cast<int32_t>(std::max<int64_t>(2, kAhead / ((size + 63) / 64)));
+  for (int32_t i = offs[b0]; i < std::min(offs[b0] + ahead, last); ++i)
+    fetch_ahead(table, size, room, ids, i - ahead, last, ahead);
   for (int64_t b = b0; b < b1; ++b) {
-    if (b + kAhead < b1 && offs[b + kAhead] < offs[b + kAhead + 1]) {
-      // rows far apart in tables far larger than the caches: the first row of a bag ahead fetched, not waited on
-      const uint64_t ahead = static_cast<uint64_t>(ids[offs[b + kAhead]]) * size;
-      if (ahead <= static_cast<uint64_t>(room)) __builtin_prefetch(table + ahead, 0);
-    }
     const int32_t start = offs[b], stop = offs[b + 1];
     TORCH_CHECK(start <= stop, "pooled_lookup: a bag of feature ", f, " ends (", stop, ") before it starts (", start,
                 ")");
-    for (int32_t i = start; i < stop; ++i)  // checked against the whole buffer: the op, like fbgemm's, is not told
+    Vec sums[V ? V : 1];
+    for (int v = 0; v < V; ++v) sums[v] = Vec(0.f);
+    if (!V) std::fill(acc, acc + dim, 0.f);
+    for (int32_t i = start; i < stop; ++i) {
+      fetch_ahead(table, size, room, ids, i, last, ahead);  // rows far apart in tables far larger than the caches
+      // checked against the whole buffer: the op, like fbgemm's, is not told each table's rows
       TORCH_CHECK(static_cast<uint64_t>(ids[i]) * size <= static_cast<uint64_t>(room), "pooled_lookup: id ", ids[i],
-                  " of feature ", f, " past the tables");  // each table's rows
+                  " of feature ", f, " past the tables");
+      const uint8_t* row = table + static_cast<int64_t>(ids[i]) * size;
+      if constexpr (V > 0) {
+        for (int v = 0; v < V; ++v) sums[v] = sums[v] + load_row<Ty>(row, v * Vec::size());
+      } else {
+        for (int64_t d = 0; d < whole; d += Vec::size()) (Vec::loadu(acc + d) + load_row<Ty>(row, d)).store(acc + d);
+        for (int64_t d = whole; d < dim; ++d) acc[d] += load_value<Ty>(row, d);
+      }
+    }
     Out* to = out + b * total_d;
     const float scale = Mean && stop > start ? 1.f / static_cast<float>(stop - start) : 1.f;
-    for (int64_t d = 0; d < whole; d += Vec::size()) {
-      Vec acc(0.f);
-      for (int32_t i = start; i < stop; ++i) acc = acc + load_row<Ty>(table + static_cast<int64_t>(ids[i]) * size, d);
-      store(Mean ? acc * Vec(scale) : acc, to + d);
-    }
-    for (int64_t d = whole; d < dim; ++d) {
-      float acc = 0.f;
-      for (int32_t i = start; i < stop; ++i) acc += load_value<Ty>(table + static_cast<int64_t>(ids[i]) * size, d);
-      to[d] = static_cast<Out>(acc * scale);
+    if constexpr (V > 0) {
+      for (int v = 0; v < V; ++v) store(Mean ? sums[v] * Vec(scale) : sums[v], to + v * Vec::size());
+    } else {
+      for (int64_t d = 0; d < whole; d += Vec::size())
+        store(Mean ? Vec::loadu(acc + d) * Vec(scale) : Vec::loadu(acc + d), to + d);
+      for (int64_t d = whole; d < dim; ++d) to[d] = static_cast<Out>(acc[d] * scale);
     }
   }
 }
 
+template <int64_t Ty, bool Mean, typename Out>
+void pool_feature(const uint8_t* table, int64_t size, int64_t room, int64_t dim, const int32_t* ids,
+                  const int32_t* offs, int64_t b0, int64_t b1, int64_t f, int64_t total_d, Out* out, float* acc) {
+  const auto go = [&](auto vectors) {
+    pool_feature<Ty, Mean, decltype(vectors)::value>(table, size, room, dim, ids, offs, b0, b1, f, total_d, out, acc);
+  };
+  const int64_t n = Vec::size();  // the usual widths in registers: 16, 32, 64 and 128 values at 16 lanes
+  if (dim == n) go(std::integral_constant<int, 1>{});
+  else if (dim == 2 * n) go(std::integral_constant<int, 2>{});
+  else if (dim == 4 * n) go(std::integral_constant<int, 4>{});
+  else if (dim == 8 * n) go(std::integral_constant<int, 8>{});
+  else go(std::integral_constant<int, 0>{});
+}
+
 template <int64_t Ty, typename Out>
 void pool_feature(const uint8_t* table, int64_t size, int64_t room, int64_t dim, const int32_t* ids,
-                  const int32_t* offs, int64_t b0, int64_t b1, int64_t mode, int64_t f, int64_t total_d, Out* out) {
+                  const int32_t* offs, int64_t b0, int64_t b1, int64_t mode, int64_t f, int64_t total_d, Out* out,
+                  float* acc) {
   if (mode == kMean)
-    pool_feature<Ty, true>(table, size, room, dim, ids, offs, b0, b1, f, total_d, out);
+    pool_feature<Ty, true>(table, size, room, dim, ids, offs, b0, b1, f, total_d, out, acc);
   else
-    pool_feature<Ty, false>(table, size, room, dim, ids, offs, b0, b1, f, total_d, out);
+    pool_feature<Ty, false>(table, size, room, dim, ids, offs, b0, b1, f, total_d, out, acc);
 }
 
 template <typename Out>
@@ -139,10 +190,14 @@ void pool(const uint8_t* tables, int64_t table_bytes, const int64_t* woff, const
   const int64_t bags = features * batch;
   TORCH_CHECK(offs[0] >= 0 && offs[bags] <= num_ids, "pooled_lookup: bag offsets ", offs[0], "..", offs[bags],
               " outside the ", num_ids, " ids");
-  for (int64_t f = 0; f < features; ++f)
+  int64_t widest = 0;
+  for (int64_t f = 0; f < features; ++f) {
     TORCH_CHECK(tys[f] != kINT4 || (doff[f + 1] - doff[f]) % 2 == 0, "pooled_lookup: an int4 table of odd width");
+    widest = std::max<int64_t>(widest, doff[f + 1] - doff[f]);
+  }
   // bags feature-major (fbgemm's order); a chunk of them a task, one thread for a small batch
   at::parallel_for(0, bags, 2048, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(widest);  // a bag's sums, in the cache between its rows
     for (int64_t f = begin / batch; f * batch < end; ++f) {
       const int64_t b0 = std::max(begin - f * batch, int64_t{0}), b1 = std::min(end - f * batch, batch);
       const int64_t dim = doff[f + 1] - doff[f], size = row_bytes(tys[f], dim, alignment);
@@ -151,10 +206,10 @@ void pool(const uint8_t* tables, int64_t table_bytes, const int64_t* woff, const
       const int32_t* bag = offs + f * batch;
       Out* to = out + doff[f];
       switch (tys[f]) {
-        case kFP32: pool_feature<kFP32>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to); break;
-        case kFP16: pool_feature<kFP16>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to); break;
-        case kINT8: pool_feature<kINT8>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to); break;
-        default: pool_feature<kINT4>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to);
+        case kFP32: pool_feature<kFP32>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to, sums.data()); break;
+        case kFP16: pool_feature<kFP16>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to, sums.data()); break;
+        case kINT8: pool_feature<kINT8>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to, sums.data()); break;
+        default: pool_feature<kINT4>(table, size, room, dim, ids, bag, b0, b1, mode, f, total_d, to, sums.data());
       }
     }
   });
