@@ -172,3 +172,12 @@ def test_choosing_the_lookup_times_both_on_the_models_tables_and_sets_the_packag
     monkeypatch.setattr(table_lookup.native, "load", lambda: "the lab's C++ kernels did not build: no compiler")
     record = table_lookup.choose_lookup(fused, library, sizes=[8], threads=1)
     assert record["lookup"] == FBGEMM and "no compiler" in record["reason"] and fused.lookup_way == FBGEMM
+
+
+def test_the_labs_lookup_refuses_a_layout_whose_table_starts_past_the_tables():
+    tables = _tables("fp32", PoolingMode.SUM, SparseType.FP32)
+    lookup = PooledLookup(tables, NATIVE)
+    lookup.weights_offsets[-1] = table_weights(tables).numel()  # the last feature's table past the buffer's end
+    offsets = torch.arange(len(ROWS) + 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=f"feature {len(ROWS) - 1}'s table starts past the tables"):
+        lookup(table_weights(tables), torch.zeros(len(ROWS), dtype=torch.int32), offsets)

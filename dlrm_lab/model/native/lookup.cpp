@@ -192,8 +192,11 @@ void pool(const uint8_t* tables, int64_t table_bytes, const int64_t* woff, const
               " outside the ", num_ids, " ids");
   int64_t widest = 0;
   for (int64_t f = 0; f < features; ++f) {
-    TORCH_CHECK(tys[f] != kINT4 || (doff[f + 1] - doff[f]) % 2 == 0, "pooled_lookup: an int4 table of odd width");
-    widest = std::max<int64_t>(widest, doff[f + 1] - doff[f]);
+    const int64_t dim = doff[f + 1] - doff[f];
+    TORCH_CHECK(dim > 0 && (tys[f] != kINT4 || dim % 2 == 0), "pooled_lookup: feature ", f, " of width ", dim);
+    TORCH_CHECK(woff[f] >= 0 && woff[f] + row_bytes(tys[f], dim, alignment) <= table_bytes, "pooled_lookup: feature ",
+                f, "'s table starts past the tables' ", table_bytes, " bytes");  // its ids' bound is unsigned below
+    widest = std::max<int64_t>(widest, dim);
   }
   // bags feature-major (fbgemm's order); a chunk of them a task, one thread for a small batch
   at::parallel_for(0, bags, 2048, [&](int64_t begin, int64_t end) {
