@@ -42,7 +42,7 @@ def run(tmp: Path, table_precision: str, args: argparse.Namespace, cores: int) -
                                     "canary_phase")}  # fmt: skip
     manifest = json.loads((run_dir / "manifest.json").read_text())
     choice = manifest.get("precision_choices", {}).get("dcnv2", {}).get("build_choice") or {}
-    keep["build_choice"] = {k: choice.get(k) for k in ("build", "reason", "batch_ms", "skipped")}
+    keep["build_choice"] = {k: choice.get(k) for k in ("build", "reason", "batch_ms", "skipped", "lookup")}
     keep["accuracy"] = {k: (choice.get("accuracy") or {}).get(k) for k in ("passed", "labels", "auc", "auc_fp32",
                                                                            "passes_99_9", "passes_99")}  # fmt: skip
     keep["mean_query_samples"] = row["samples_per_s"] / row["queries_per_s"] if row.get("queries_per_s") else None
