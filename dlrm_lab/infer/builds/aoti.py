@@ -51,12 +51,12 @@ UNCHECKED_GATHER: JsonObject = {"assert_indirect_indexing": False}
 
 class WholeBatch(nn.Module):
     """A FusedDLRM's batch as one graph: `forward(dense [B, num_dense] fp32, ids int32, offsets int32 [F * B + 1],
-    tables uint8) -> scores [B] fp32`, its tables looked up the module's way (`infer.table_lookup`) unless `lookup`
-    says. `dense_part` replaces the model's (aoti_int8: its quantised graph)."""
+    tables uint8) -> scores [B] fp32`, its tables looked up the module's way (`infer.table_lookup`). `dense_part`
+    replaces the model's (aoti_int8: its quantised graph)."""
 
-    def __init__(self, module: Any, dense_part: nn.Module | None = None, lookup: str | None = None) -> None:
+    def __init__(self, module: Any, dense_part: nn.Module | None = None) -> None:
         super().__init__()
-        self.lookup = PooledLookup(module.tables, lookup or module.lookup_way)
+        self.lookup = PooledLookup(module.tables, module.lookup_way)
         self.dense_part = module.dense if dense_part is None else dense_part
         self.dtype = module.dtype
 
