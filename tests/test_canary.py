@@ -304,3 +304,22 @@ def test_a_points_readings_are_read_against_the_quiet_reading_of_their_own_threa
     assert canary_quiet(client, profile, 1, True) == quiet["2"]["canary"]
     assert canary_quiet(client, profile, 1, False) == quiet["2"]["canary"]  # this host's, wherever the server is
     assert canary_quiet(instance, profile, 1, False) is None
+
+
+def test_interleaved_medians_reverse_the_order_every_other_round_and_drop_the_warm_up_round():
+    from dlrm_lab.metrics.interleaved import interleaved_medians
+
+    calls: list[str] = []
+    readings = iter(range(100))
+
+    def timed(way: str) -> float:
+        calls.append(way)
+        return float(next(readings))
+
+    med = interleaved_medians(("a", "b", "c"), timed, 3)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]  # a warm-up round, then 3
+    assert med == {"a": 6.0, "b": 7.0, "c": 8.0}  # a: 5, 6, 11 (0 dropped); b: 4, 7, 10; c: 3, 8, 9
+    calls.clear()
+    readings = iter(range(100))
+    assert interleaved_medians(("a", "b"), timed, 2, warm_up=False) == {"a": 1.5, "b": 1.5}  # a: 0, 3; b: 1, 2
+    assert calls == ["a", "b", "b", "a"]

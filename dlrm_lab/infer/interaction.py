@@ -8,13 +8,13 @@ cache key says which. OpenVINO's builds convert torch's ops only: they take torc
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import torch
 
 from dlrm_lab.config.values import JsonObject, Log
+from dlrm_lab.metrics.interleaved import interleaved_medians
 from dlrm_lab.metrics.precision import DTYPES
 from dlrm_lab.model import native
 from dlrm_lab.model.dlrm import DotInteractionArch
@@ -75,17 +75,11 @@ def choose_interaction(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            ms: dict[str, dict[int, list[float]]] = {"torch": {}, "native": {}}
-            for size in sizes:
-                timed = _timer(arch, width, dtype, size)
-                for k in range(REPEATS + 1):
-                    for way in ("torch", "native") if k % 2 == 0 else ("native", "torch"):
-                        took = timed(way)
-                        if k:
-                            ms[way].setdefault(size, []).append(took)
+            by_size = {size: interleaved_medians(("torch", "native"), _timer(arch, width, dtype, size), REPEATS)
+                       for size in sizes}  # fmt: skip
         finally:
             torch.set_num_threads(before)
-        med = {way: {n: statistics.median(t) for n, t in by.items()} for way, by in ms.items()}
+        med = {way: {n: by_size[n][way] for n in sizes} for way in ("torch", "native")}
         total = {way: sum(by.values()) for way, by in med.items()}
         way = "native" if total["torch"] >= MARGIN * total["native"] else "torch"
         at = ", ".join(f"{n}: {med['native'][n]:.3f} against {med['torch'][n]:.3f} ms" for n in sizes)

@@ -10,7 +10,6 @@ builds (`fused`, `compiled`) keep fbgemm's module.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch import nn
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.infer.batches import QueryRef, gather_batch, kernel_batch, next_samples
+from dlrm_lab.metrics.interleaved import interleaved_medians
 from dlrm_lab.model import native
 
 FBGEMM, NATIVE = "fbgemm", "native"
@@ -106,6 +106,20 @@ def _batches(library: Any, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [kernel_batch(*gather_batch(library, [QueryRef(-1, size, at)]))[1:] for at in starts]
 
 
+def _timer(ways: dict[str, PooledLookup], weights: torch.Tensor, library: Any, size: int) -> Any:
+    """ms a call of a way over `size`-sample batches of the library, taken in turn."""
+    batches = _batches(library, size)
+    calls = max(1, CALLS_PER_SIZE // size)
+
+    def timed(way: str) -> float:
+        start = time.perf_counter()
+        for c in range(calls):
+            ways[way](weights, *batches[c % len(batches)])
+        return (time.perf_counter() - start) * 1e3 / calls
+
+    return timed
+
+
 def choose_lookup(module: Any, library: Any, *, sizes: list[int], threads: int, log: Log | None = None) -> JsonObject:
     """Time both lookups on `module`'s own tables (a FusedDLRM) over batches of `library`'s samples at each of
     `sizes` on `threads` threads and set the faster as its packages' (`module.lookup_way`; the lab's only where
@@ -118,22 +132,13 @@ def choose_lookup(module: Any, library: Any, *, sizes: list[int], threads: int, 
         ways = {way: PooledLookup(module.tables, way) for way in LOOKUPS}
         before = torch.get_num_threads()
         torch.set_num_threads(max(1, threads))
-        ms: dict[str, dict[int, list[float]]] = {way: {} for way in LOOKUPS}
         try:
             with torch.inference_mode():
-                for size in sizes:
-                    batches = _batches(library, size)
-                    calls = max(1, CALLS_PER_SIZE // size)
-                    for k in range(REPEATS + 1):
-                        for way in LOOKUPS if k % 2 == 0 else LOOKUPS[::-1]:
-                            start = time.perf_counter()
-                            for c in range(calls):
-                                ways[way](weights, *batches[c % len(batches)])
-                            if k:  # the first round warms both
-                                ms[way].setdefault(size, []).append((time.perf_counter() - start) * 1e3 / calls)
+                by_size = {size: interleaved_medians(LOOKUPS, _timer(ways, weights, library, size), REPEATS)
+                           for size in sizes}  # fmt: skip
         finally:
             torch.set_num_threads(before)
-        med = {way: {n: statistics.median(t) for n, t in by.items()} for way, by in ms.items()}
+        med = {way: {n: by_size[n][way] for n in sizes} for way in LOOKUPS}
         total = {way: sum(by.values()) for way, by in med.items()}
         way = NATIVE if total[FBGEMM] >= MARGIN * total[NATIVE] else FBGEMM
         at = ", ".join(f"{n}: {med[NATIVE][n]:.4f} against {med[FBGEMM][n]:.4f} ms" for n in sizes)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 import torch
 
 from dlrm_lab.metrics.huge_pages import back_with_huge_pages, thp_mode
+from dlrm_lab.metrics.interleaved import interleaved_medians
 
 if TYPE_CHECKING:
     from dlrm_lab.metrics.ceiling import CeilingEntry
@@ -291,14 +292,17 @@ def gather_on_pages(sizes: ProbeSizes, repeats: int) -> GatherPages:
     cpu = torch.device("cpu")
     base, base_what = _gather_bench(cpu, sizes)
     huge, huge_what = _gather_bench(cpu, sizes, huge_pages=True)
-    times: dict[str, list[float]] = {"base": [], "huge": []}
-    for k in range(repeats):
-        for name, fn in (("base", base), ("huge", huge)) if k % 2 == 0 else (("huge", huge), ("base", base)):
-            times[name].append(statistics.median(_timed_all(fn, 3, cpu, warmup=1)))  # a round: 3 calls, warm
+    benches = {"base": base, "huge": huge}
+    med = interleaved_medians(  # a round: 3 calls of the table's gather, warm
+        ("base", "huge"),
+        lambda name: statistics.median(_timed_all(benches[name], 3, cpu, warmup=1)),
+        repeats,
+        warm_up=False,
+    )
     on_huge = bool(huge_what.get("huge_bytes"))
     return {
-        "base_bytes_per_s": base_what["bytes"] / statistics.median(times["base"]),
-        "huge_bytes_per_s": huge_what["bytes"] / statistics.median(times["huge"]) if on_huge else None,
+        "base_bytes_per_s": base_what["bytes"] / med["base"],
+        "huge_bytes_per_s": huge_what["bytes"] / med["huge"] if on_huge else None,
         "huge_error": huge_what.get("huge_error"),
         "thp": thp_mode(),
         "table_bytes": base_what["table_bytes"],

@@ -3,7 +3,6 @@ ranker, the attention path. Rank 0 measures (or reads the cached rates); every r
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any, TypedDict, cast
@@ -16,6 +15,7 @@ from dlrm_lab.config.family import Spec, family_of
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.distributed.context import DistContext
 from dlrm_lab.errors import FieldError, UserError
+from dlrm_lab.metrics.interleaved import interleaved_medians
 from dlrm_lab.metrics.precision import PrecisionChoice, choose_precision
 from dlrm_lab.train.dense_weights import WAYS as WEIGHT_WAYS
 from dlrm_lab.train.dense_weights import DenseWeights
@@ -143,8 +143,7 @@ def choose_dense_update(
     shared: list[Any] = [None]
     if ctx.is_main:
         originals = [p for p in dense_params(model).values() if p.requires_grad]
-        ms: dict[str, list[float]] = {}
-        stepped: dict[str, Any] = {}
+        stepped: dict[str, Any] = {}  # each way this torch, device and dtype have, stepped once
         failed: dict[str, str] = {}
         for way in DENSE_UPDATE_ARGS:
             copies = [p.detach().clone().requires_grad_() for p in originals]
@@ -155,21 +154,20 @@ def choose_dense_update(
                 stepped[way].step()  # its state made, out of the timing
             except (RuntimeError, ValueError) as e:  # a way this torch, device or dtype does not have
                 failed[way] = str(e).splitlines()[0]
-            else:
-                ms[way] = []
-        ways = list(ms)
-        for k in range(DENSE_UPDATE_REPEATS):
-            for way in ways if k % 2 == 0 else ways[::-1]:
-                start = time.perf_counter()
-                for _ in range(DENSE_UPDATE_STEPS):
-                    stepped[way].step()
-                ms[way].append((time.perf_counter() - start) * 1e3 / DENSE_UPDATE_STEPS)
-        med = {way: statistics.median(t) for way, t in ms.items()}
+                stepped.pop(way, None)
+
+        def timed(way: str) -> float:
+            start = time.perf_counter()
+            for _ in range(DENSE_UPDATE_STEPS):
+                stepped[way].step()
+            return (time.perf_counter() - start) * 1e3 / DENSE_UPDATE_STEPS
+
+        med = interleaved_medians(list(stepped), timed, DENSE_UPDATE_REPEATS, warm_up=False)  # warm: stepped once
         best = min(med, key=lambda w: med[w])
-        timed = ", ".join(f"{w} {m:.3f} ms" for w, m in sorted(med.items(), key=lambda wm: wm[1]))
+        listed = ", ".join(f"{w} {m:.3f} ms" for w, m in sorted(med.items(), key=lambda wm: wm[1]))
         shared[0] = {
             "dense_update": best,
-            "reason": f"the fastest of the dense {cfg.dense_optimizer} step's ways: {timed} (medians of "
+            "reason": f"the fastest of the dense {cfg.dense_optimizer} step's ways: {listed} (medians of "
             f"{DENSE_UPDATE_REPEATS} interleaved, {sum(p.numel() for p in originals):,} parameters)",
             "ms": {w: round(m, 4) for w, m in med.items()},
             "not_available": failed,
@@ -268,14 +266,8 @@ def choose_run_interaction(
         return None
     shared: list[Any] = [None]
     if ctx.is_main:
-        ms: dict[str, list[float]] = {way: [] for way in ways}
         timed = _interaction_timer(arches[0], spec.tables[0].embedding_dim, cfg, ctx.device)
-        for k in range(INTERACTION_REPEATS + 1):
-            for way in ways if k % 2 == 0 else ways[::-1]:
-                took = timed(way)
-                if k:  # the first round warms up
-                    ms[way].append(took)
-        med = {way: statistics.median(t) for way, t in ms.items()}
+        med = interleaved_medians(ways, timed, INTERACTION_REPEATS)
         base = ways[0]
         # torch's own way unless another is faster by the margin; of those, the fastest
         way = min((w for w in ways if med[base] >= INTERACTION_MARGIN * med[w]), key=lambda w: med[w], default=base)

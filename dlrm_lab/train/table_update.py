@@ -16,7 +16,6 @@ rows and the row-wise state TorchRec's fused optimizer, state dict and checkpoin
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.metrics.interleaved import interleaved_medians
 from dlrm_lab.model import native
 from dlrm_lab.train.timing import on_table_update
 
@@ -355,19 +355,19 @@ def time_paths(lookups: list[tuple[Any, tuple[Any, ...]]], repeats: int = REPEAT
     """Milliseconds of a step's lookups with backward-and-update on each path, medians of interleaved repeats.
     The gradient is zero, so both updates leave every row and state as it was (row-wise Adagrad adds 0 to
     the state and subtracts lr * 0 / (sqrt(state) + eps); SGD subtracts 0): the model is untouched."""
-    times: dict[str, list[float]] = {"fbgemm": [], "batched": []}
-    for k in range(repeats + 1):
-        for path in ("fbgemm", "batched") if k % 2 == 0 else ("batched", "fbgemm"):
-            start = time.perf_counter()
-            for tbe, (indices, offsets, weights) in lookups:
-                tbe.__class__ = BatchedTableUpdate if path == "batched" else SplitTableBatchedEmbeddingBagsCodegen
-                out = tbe(indices, offsets, weights)
-                out.backward(torch.zeros_like(out))
-            if k:  # the first round warms up
-                times[path].append((time.perf_counter() - start) * 1e3)
+
+    def timed(path: str) -> float:
+        start = time.perf_counter()
+        for tbe, (indices, offsets, weights) in lookups:
+            tbe.__class__ = BatchedTableUpdate if path == "batched" else SplitTableBatchedEmbeddingBagsCodegen
+            out = tbe(indices, offsets, weights)
+            out.backward(torch.zeros_like(out))
+        return (time.perf_counter() - start) * 1e3
+
+    medians = interleaved_medians(("fbgemm", "batched"), timed, repeats)
     for tbe, _ in lookups:
         tbe.__class__ = SplitTableBatchedEmbeddingBagsCodegen
-    return {path: statistics.median(t) for path, t in times.items()}
+    return medians
 
 
 def choose_table_update(requested: str, model: torch.nn.Module, forward: Any) -> TableUpdateChoice:
