@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -42,6 +43,16 @@ int64_t row_bytes(int64_t ty, int64_t dim, int64_t alignment) {
 
 using Vec = at::vec::Vectorized<float>;
 
+// An int8 or int4 row's fp16 scale and bias, in front of its values, as floats.
+inline std::pair<float, float> scale_bias(const uint8_t* row) {
+  c10::Half sb[2];
+  std::memcpy(sb, row, sizeof sb);
+  return {static_cast<float>(sb[0]), static_cast<float>(sb[1])};
+}
+
+// value d of an int4 row's values `q`: two a byte, the low nibble first
+inline float nibble(const uint8_t* q, int64_t d) { return (q[d / 2] >> (4 * (d % 2))) & 0xF; }
+
 // values d..d+Vec::size() of a row of type Ty as floats
 template <int64_t Ty>
 inline Vec load_row(const uint8_t* row, int64_t d) {
@@ -51,9 +62,8 @@ inline Vec load_row(const uint8_t* row, int64_t d) {
     Vec v;
     at::vec::load_fp32_from_fp16(reinterpret_cast<const c10::Half*>(row) + d, v);
     return v;
-  } else if constexpr (Ty == kINT8) {  // after its fp16 scale and bias
-    c10::Half sb[2];
-    std::memcpy(sb, row, sizeof sb);
+  } else if constexpr (Ty == kINT8) {
+    const auto [scale, bias] = scale_bias(row);
     const uint8_t* bytes = row + kScaleBias + d;
 #if defined(CPU_CAPABILITY_AVX512)
     const Vec q(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)))));
@@ -64,14 +74,12 @@ inline Vec load_row(const uint8_t* row, int64_t d) {
     for (int64_t j = 0; j < Vec::size(); ++j) values[j] = bytes[j];
     const Vec q = Vec::loadu(values);
 #endif
-    return at::vec::fmadd(q, Vec(static_cast<float>(sb[0])), Vec(static_cast<float>(sb[1])));
-  } else {  // int4: two values a byte, the low nibble first, after its fp16 scale and bias
-    c10::Half sb[2];
-    std::memcpy(sb, row, sizeof sb);
-    const uint8_t* q = row + kScaleBias;
+    return at::vec::fmadd(q, Vec(scale), Vec(bias));
+  } else {  // int4
+    const auto [scale, bias] = scale_bias(row);
     alignas(64) float values[Vec::size()];
-    for (int64_t j = 0; j < Vec::size(); ++j) values[j] = (q[(d + j) / 2] >> (4 * ((d + j) % 2))) & 0xF;
-    return at::vec::fmadd(Vec::loadu(values), Vec(static_cast<float>(sb[0])), Vec(static_cast<float>(sb[1])));
+    for (int64_t j = 0; j < Vec::size(); ++j) values[j] = nibble(row + kScaleBias, d + j);
+    return at::vec::fmadd(Vec::loadu(values), Vec(scale), Vec(bias));
   }
 }
 
@@ -83,11 +91,8 @@ inline float load_value(const uint8_t* row, int64_t d) {
   } else if constexpr (Ty == kFP16) {
     return static_cast<float>(reinterpret_cast<const c10::Half*>(row)[d]);
   } else {
-    c10::Half sb[2];
-    std::memcpy(sb, row, sizeof sb);
-    const uint8_t* q = row + kScaleBias;
-    const float v = Ty == kINT8 ? q[d] : (q[d / 2] >> (4 * (d % 2))) & 0xF;
-    return static_cast<float>(sb[0]) * v + static_cast<float>(sb[1]);
+    const auto [scale, bias] = scale_bias(row);
+    return scale * (Ty == kINT8 ? row[kScaleBias + d] : nibble(row + kScaleBias, d)) + bias;
   }
 }
 
@@ -105,11 +110,9 @@ inline void store(Vec v, c10::BFloat16* to) {  // one instruction where torch's 
 }
 #endif
 
-// The row of the id `ahead` after id i of a feature (its ids end at `last`) into the cache, every line of it.
-inline void fetch_ahead(const uint8_t* table, int64_t size, int64_t room, const int32_t* ids, int32_t i,
-                        int32_t last, int32_t ahead) {
-  if (i + ahead >= last) return;
-  const uint64_t at = static_cast<uint64_t>(ids[i + ahead]) * size;
+// The row of `id` (`size` bytes; the last row's start the buffer holds at `room`) into the cache, every line of it.
+inline void fetch(const uint8_t* table, int64_t size, int64_t room, int32_t id) {
+  const uint64_t at = static_cast<uint64_t>(id) * size;
   if (at > static_cast<uint64_t>(room)) return;  // one unsigned compare: GCC drops a prefetch under `a >= 0 && a < n`
   for (int64_t line = 0; line < size; line += 64) __builtin_prefetch(table + at + line, 0);
 }
@@ -125,8 +128,7 @@ void pool_feature(const uint8_t* table, int64_t size, int64_t room, int64_t dim,
   const int32_t last = offs[b1];
   // as many lines in flight whatever a row's width: a row of several lines is fetched fewer rows ahead
   const int32_t ahead = static_cast<int32_t>(std::max<int64_t>(2, kAhead / ((size + 63) / 64)));
-  for (int32_t i = offs[b0]; i < std::min(offs[b0] + ahead, last); ++i)
-    fetch_ahead(table, size, room, ids, i - ahead, last, ahead);
+  for (int32_t i = offs[b0]; i < std::min(offs[b0] + ahead, last); ++i) fetch(table, size, room, ids[i]);
   for (int64_t b = b0; b < b1; ++b) {
     const int32_t start = offs[b], stop = offs[b + 1];
     TORCH_CHECK(start <= stop, "pooled_lookup: a bag of feature ", f, " ends (", stop, ") before it starts (", start,
@@ -135,7 +137,8 @@ void pool_feature(const uint8_t* table, int64_t size, int64_t room, int64_t dim,
     for (int v = 0; v < V; ++v) sums[v] = Vec(0.f);
     if (!V) std::fill(acc, acc + dim, 0.f);
     for (int32_t i = start; i < stop; ++i) {
-      fetch_ahead(table, size, room, ids, i, last, ahead);  // rows far apart in tables far larger than the caches
+      // rows far apart in tables far larger than the caches: the row `ahead` ids on fetched, not waited on
+      if (i + ahead < last) fetch(table, size, room, ids[i + ahead]);
       // checked against the whole buffer: the op, like fbgemm's, is not told each table's rows
       TORCH_CHECK(static_cast<uint64_t>(ids[i]) * size <= static_cast<uint64_t>(room), "pooled_lookup: id ", ids[i],
                   " of feature ", f, " past the tables");
@@ -191,11 +194,13 @@ void pool(const uint8_t* tables, int64_t table_bytes, const int64_t* woff, const
   TORCH_CHECK(offs[0] >= 0 && offs[bags] <= num_ids, "pooled_lookup: bag offsets ", offs[0], "..", offs[bags],
               " outside the ", num_ids, " ids");
   int64_t widest = 0;
+  std::vector<int64_t> sizes(features);  // each feature's row, in bytes
   for (int64_t f = 0; f < features; ++f) {
     const int64_t dim = doff[f + 1] - doff[f];
     TORCH_CHECK(dim > 0 && (tys[f] != kINT4 || dim % 2 == 0), "pooled_lookup: feature ", f, " of width ", dim);
-    TORCH_CHECK(woff[f] >= 0 && woff[f] + row_bytes(tys[f], dim, alignment) <= table_bytes, "pooled_lookup: feature ",
-                f, "'s table starts past the tables' ", table_bytes, " bytes");  // its ids' bound is unsigned below
+    sizes[f] = row_bytes(tys[f], dim, alignment);
+    TORCH_CHECK(woff[f] >= 0 && woff[f] + sizes[f] <= table_bytes, "pooled_lookup: feature ", f,
+                "'s table starts past the tables' ", table_bytes, " bytes");  // its ids' bound is unsigned below
     widest = std::max<int64_t>(widest, dim);
   }
   // bags feature-major (fbgemm's order); a chunk of them a task, one thread for a small batch
@@ -203,7 +208,7 @@ void pool(const uint8_t* tables, int64_t table_bytes, const int64_t* woff, const
     std::vector<float> sums(widest);  // a bag's sums, in the cache between its rows
     for (int64_t f = begin / batch; f * batch < end; ++f) {
       const int64_t b0 = std::max(begin - f * batch, int64_t{0}), b1 = std::min(end - f * batch, batch);
-      const int64_t dim = doff[f + 1] - doff[f], size = row_bytes(tys[f], dim, alignment);
+      const int64_t dim = doff[f + 1] - doff[f], size = sizes[f];
       const uint8_t* table = tables + woff[f];
       const int64_t room = table_bytes - woff[f] - size;  // the last row's start the buffer holds
       const int32_t* bag = offs + f * batch;
