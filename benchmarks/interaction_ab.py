@@ -24,9 +24,9 @@ from common import canary_mark, header, results_path, write_results
 from one_call import kaggle_setup
 
 from dlrm_lab.infer import build as builds
-from dlrm_lab.infer.builds.aoti import table_weights
 from dlrm_lab.infer.interaction import put
 from dlrm_lab.infer.serving_parts import make_runner
+from dlrm_lab.infer.table_lookup import table_weights
 from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 from dlrm_lab.model import native
 from dlrm_lab.model.dlrm import DotInteractionArch

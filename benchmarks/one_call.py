@@ -36,10 +36,11 @@ from common import header, results_path, write_results
 import dlrm_lab
 from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.builds import build_names, dense_weight_bytes
-from dlrm_lab.infer.builds.aoti import WholeBatch, example_batch, table_weights
+from dlrm_lab.infer.builds.aoti import WholeBatch, example_batch
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.records import batch_roof
 from dlrm_lab.infer.serving_parts import make_runner
+from dlrm_lab.infer.table_lookup import table_weights
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.metrics.roofline import load_profile, peaks_for
 from dlrm_lab.model.dlrm import build_model

@@ -17,10 +17,10 @@ from dlrm_lab.infer import accuracy
 from dlrm_lab.infer.batches import PackagedRunner, QueryRef, bucket
 from dlrm_lab.infer.build import make_build
 from dlrm_lab.infer.builds import build_named
-from dlrm_lab.infer.builds.aoti import table_weights
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.snapshot import map_library, write_snapshot
+from dlrm_lab.infer.table_lookup import table_weights
 from dlrm_lab.model.dlrm import build_model
 
 SEED = 0
