@@ -1202,3 +1202,14 @@ def test_a_batchs_floor_gathers_only_its_distinct_rows():
     floors = [latency_floor_columns(spec, "fp32", 1, 1, 256, row, peaks, distinct=d)["latency_floor_ms"]
               for d in (None, lambda n: 0.5)]  # fmt: skip
     assert floors[1] == pytest.approx(floors[0] / 2, rel=1e-3) and not math.isnan(floors[1])
+
+
+def test_a_probe_holds_its_latency_only_where_its_load_ran_whole():
+    from dlrm_lab.infer.records import GROWTH, held_latency
+
+    whole = {"load_stopped_early": False, "issue_stopped": False, "sla_latency_ms": 4.0,
+             "sla_latency_last_half_ms": 9.0, "latency_growth": 1.0}  # fmt: skip
+    assert held_latency(whole) == 4.0
+    assert held_latency({**whole, "latency_growth": GROWTH * 2}) == 9.0  # a queue still growing: its later half
+    for cut in ({"load_stopped_early": True}, {"issue_stopped": True}, {"sla_latency_ms": None}):
+        assert held_latency({**whole, **cut}) is None

@@ -18,7 +18,7 @@ from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.load_point import OnProgress, Point, measure
 from dlrm_lab.infer.loadgen import loadgen_duration, queries_needed
 from dlrm_lab.infer.options import InferConfig
-from dlrm_lab.infer.records import sustained_latency
+from dlrm_lab.infer.records import held_latency
 from dlrm_lab.infer.search_options import SearchOptions
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.targets import parse_target
@@ -165,8 +165,7 @@ def _held_rate(
     for attempt in range(options.certify_tries):
         seconds = loadgen_duration(qps, options.certify_s, cfg.sla_percentile)  # as long as LoadGen's run will be
         row = SearchSummaryRow(run(qps, seconds, cfg), repeat=0, probe=-1 - attempt)
-        stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
-        latency = None if stopped else sustained_latency(row)  # a queue still growing: its later half
+        latency = held_latency(row)
         ok = latency is not None and latency <= cfg.sla_ms
         row["passed"] = ok
         summary.extend([row])

@@ -155,6 +155,14 @@ def sustained_latency(row: Mapping[str, Any]) -> float | None:
     return whole
 
 
+def held_latency(row: Mapping[str, Any]) -> float | None:
+    """The latency a probe's load held at the bound's percentile (`sustained_latency`); None where the load was cut
+    short (decided early, or its issuer fell behind) or nothing completed: it did not hold its rate."""
+    if row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None:
+        return None
+    return sustained_latency(row)
+
+
 def transfer_columns(records: list[QueryRow]) -> InferSummaryRow:
     """What crossing a network cost the completed queries (`serve.remote`'s stages): round trips, each
     transfer stage's mean, their sum against the latency and the server's compute, and the bytes moved.

@@ -28,7 +28,7 @@ from dlrm_lab.infer.lab import faults_name_the_run, stream_config
 from dlrm_lab.infer.load import Stream
 from dlrm_lab.infer.load_point import OnProgress, Point, measure
 from dlrm_lab.infer.options import InferConfig
-from dlrm_lab.infer.records import sustained_latency
+from dlrm_lab.infer.records import held_latency
 from dlrm_lab.infer.search_options import SearchGrid, SearchOptions
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.sut import ModelDescription
@@ -302,9 +302,7 @@ class _Probing:
                 )
                 row = SearchSummaryRow(measured, repeat=rep, probe=probes)
                 rows.append(row)
-                # a load cut short (decided, or its issuer fell behind) did not hold the rate
-                stopped = row["load_stopped_early"] or row["issue_stopped"] or row["sla_latency_ms"] is None
-                held = None if stopped else sustained_latency(row)  # a queue still growing: its later half
+                held = held_latency(row)
                 lat.append(math.inf if held is None else held)
                 passed = verdict_settled(lat, options.repeats, cfg.sla_ms, SETTLE_MARGIN if options.early_stop else 0.0)
                 if passed is not None:
