@@ -7,9 +7,11 @@ batch   kaggle (tables capped at 1M rows), one thread, the precision `auto` pick
         fresh process per allocator (its library first in LD_PRELOAD, `infer.allocator.preloaded`; the process
         checks its own mappings), the allocators interleaved over rounds: `fixed ms a batch + us a sample`, and each
         against glibc's in the same round. Routes (`/native` or `/fbgemm` after a name: its packages' table lookup,
-        `infer.table_lookup`; fbgemm's where none is named): aoti, aoti_frozen, aoti_tuned, by_size (as an instance of
-        `--build auto` serves when aoti_frozen is chosen: each of its finalists timed at every batch size it serves
-        and each size served by the fastest, `infer.finalists`) and buckets (one static package per size, frozen
+        `infer.table_lookup`; fbgemm's where none is named; `+k` after it: the packages' GEMMs at the input widths
+        `infer.gemm_widths` chooses, each paired with the same route at the model's own): aoti, aoti_frozen,
+        aoti_tuned, by_size (as an instance of `--build auto` serves when aoti_frozen is chosen: each of its
+        finalists timed at every batch size it serves and each size served by the fastest, `infer.finalists`) and
+        buckets (one static package per size, frozen
         and max-autotuned: `one_call.py`'s). The tables on the pages serving maps them on (`--table-pages`, default
         auto: 2 MiB where the machine's profile measured the gather faster on them, as `infer run`'s default
         chooses; here anonymous memory collapsed onto them, where instances map a tmpfs of them). Targets (AMX):
@@ -53,6 +55,7 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
 
     from dlrm_lab.infer import build as builds
     from dlrm_lab.infer.builds import build_named
+    from dlrm_lab.infer.gemm_widths import choose_widths
     from dlrm_lab.infer.instance import _final_build
     from dlrm_lab.infer.interaction import choose_interaction
     from dlrm_lab.infer.serving_parts import make_runner
@@ -66,12 +69,16 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
         model, precision=precision, sizes=list(SIZES), threads=1, device="cpu", log=lambda _: None
     )
     bases: dict[str, Any] = {}
+    widths: dict[str, Any] = {}
 
     def made_with(build: str, way: str) -> Any:
-        """`build` made from a fused base whose packages call the lookup `way`."""
+        """`build` made from a fused base whose packages call the lookup `way` (`lookup+k`: at the GEMM widths
+        `infer.gemm_widths` chooses in this process; the model's own widths otherwise)."""
         if way not in bases:
             bases[way] = builds.make_build(model, "fused", precision=precision, table_precision="fp32")
-            bases[way].lookup_way = way
+            bases[way].lookup_way = way.partition("+")[0]
+            if way.endswith("+k"):
+                widths[way] = choose_widths(bases[way], sizes=list(SIZES), threads=1)["widths"]
         return build_named(build).make(model, bases[way], precision=precision, table_precision="fp32")
 
     modules: dict[str, Any] = {}
@@ -129,6 +136,7 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     }
     got = {"allocator": allocator.in_use(), "precision": precision, "routes": out, "by_size": chosen, "pages": pages}
     got["interaction"] = interaction["interaction"] if interaction else None
+    got["widths"] = widths
     if huge is not None:
         got["huge_bytes"], got["huge_error"] = huge.huge_bytes, huge.error
     print(json.dumps(got), flush=True)
@@ -156,6 +164,8 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str
                 print(f"  round {k + 1} {name}: {said}", flush=True)
                 for route, served in got["by_size"].items():
                     print(f"    {route} served {served['build']}: {served['reason']}", flush=True)
+                for way, chosen in got.get("widths", {}).items():
+                    print(f"    {way}: GEMM widths {chosen}", flush=True)
     summary: dict[str, Any] = {}
     for name, runs in rows.items():
         for route in routes:
@@ -175,16 +185,18 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str
                 f"{s['per_sample_us']:.2f} us a sample ({s['per_sample_vs_glibc']:.3f}x)",
                 flush=True,
             )
-    lookups: dict[str, Any] = {}  # the lab's table lookup against fbgemm's, paired within each process
+    lookups: dict[str, Any] = {}  # the lab's table lookup against fbgemm's, paired within each process; and so
+    # a package at the chosen GEMM widths (`+k`) against the same at the model's own
+    pairs = [(r, r[: -len("native")] + "fbgemm") for r in routes if r.endswith("/native")]
+    pairs += [(r, r[: -len("+k")]) for r in routes if r.endswith("+k")]
     for name, runs in rows.items():
-        for route in (r for r in routes if r.endswith("/native") and r[: -len("native")] + "fbgemm" in routes):
-            base = route[: -len("native")] + "fbgemm"
+        for route, base in ((r, b) for r, b in pairs if b in routes):
             ratio = {
                 key: statistics.median(r["routes"][route][key] / r["routes"][base][key] for r in runs)
                 for key in ("per_batch_ms", "per_sample_us")
             }
             lookups[f"{route}/{name}"] = ratio
-            print(f"{route:20s} {name:9s} against fbgemm's lookup: a batch {ratio['per_batch_ms']:.3f}x, a sample "
+            print(f"{route:20s} {name:9s} against {base}: a batch {ratio['per_batch_ms']:.3f}x, a sample "
                   f"{ratio['per_sample_us']:.3f}x (medians of per-round ratios)", flush=True)  # fmt: skip
     return {"rounds": rows, "summary": summary, "lookup_vs_fbgemm": lookups}
 

@@ -530,6 +530,7 @@ def test_a_frozen_package_prepacks_its_dense_layers_and_lowers_int8_to_onednn_an
     sample against 2.2 frozen). Frozen or not is now each build's own, checked in the package it wrote: a frozen one
     calls oneDNN's prepacked layers and never `addmm`; `aoti` keeps plain weights (`addmm`, packed as it runs)."""
     from dlrm_lab.infer.builds import aoti
+    from dlrm_lab.infer.gemm_widths import PaddedK
 
     model, module, _, _ = served
     calls = _compiled_calls(module.package)
@@ -550,34 +551,18 @@ def test_a_frozen_package_prepacks_its_dense_layers_and_lowers_int8_to_onednn_an
         with pytest.raises(Exported) as asked:
             make_build(model, build, precision="fp32", table_precision="fp32")
         assert asked.value.args[0]["frozen"] is frozen, build
-        assert asked.value.args[0]["dense_part"] is None, build  # fp32: the template's fp32 kernel takes any K
+        widened = [m for m in asked.value.args[0]["dense_part"].modules() if isinstance(m, PaddedK)]
+        assert not widened, build  # fp32: the template's fp32 kernel takes any K; no widths chosen
     # at 16 bits, aoti_tuned's GEMMs get an even K (its template's AMX kernel) and the others keep the model's
     odd_model = build_model(dlrm_lab.load_preset("tiny", num_dense=5)).eval()  # the bottom MLP's K: 5
     for build, padded in (("aoti_tuned", True), ("aoti_frozen", False)):
         with pytest.raises(Exported) as asked:
             make_build(odd_model, build, precision="bf16", table_precision="fp32")
         dense_part = asked.value.args[0]["dense_part"]
-        assert (dense_part is not None) is padded, build
+        assert any(isinstance(m, PaddedK) for m in dense_part.modules()) is padded, build
         if padded:
             ks = [m.weight.shape[1] for m in dense_part.modules() if hasattr(m, "weight") and m.weight.dim() == 2]
             assert 6 in ks and all(k % 2 == 0 for k in ks), ks
-
-
-def test_even_k_pads_only_the_layers_of_odd_k_and_scores_the_same():
-    """`EvenK`: a zero input column and a zero weight column change no output; even layers and the original model
-    are left as they were."""
-    from dlrm_lab.infer.builds.aoti import EvenK, even_k
-
-    torch.manual_seed(0)
-    part = torch.nn.Sequential(torch.nn.Linear(13, 8), torch.nn.ReLU(), torch.nn.Linear(8, 5), torch.nn.Linear(5, 1))
-    padded = even_k(part)
-    assert [type(m).__name__ for m in padded] == ["EvenK", "ReLU", "Linear", "EvenK"]
-    assert isinstance(part[0], torch.nn.Linear) and part[0].weight.shape == (8, 13)  # the original untouched
-    assert padded[0].weight.shape == (8, 14) and float(padded[0].weight[:, -1].abs().sum()) == 0.0
-    assert padded[2] is not part[2] and isinstance(padded[0], EvenK)  # a copy, not a view of the model
-    x = torch.randn(7, 13)
-    with torch.no_grad():
-        assert torch.allclose(padded(x), part(x), atol=1e-6)
 
 
 def test_a_batch_shapes_package_inputs_are_made_once_bounded_in_number_and_remade_when_the_buffers_grow(

@@ -371,6 +371,8 @@ def test_a_server_executes_a_resolved_plan_and_chooses_nothing(monkeypatch, tmp_
     m = plan.models["tiny"]
     assert m.precision in ("fp32", "bf16", "fp16") and m.build in build_names()  # nothing left auto
     assert {"requested", "reason", "build_choice"} <= set(plan.precision_choices["tiny"])
+    chosen = plan.precision_choices["tiny"]["build_choice"]  # the packages' lookup and GEMM widths chosen together
+    assert (chosen["widths"] is None) == (chosen["lookup"] is None), chosen
     assert set(plan.modules) == set(plan.libraries) == {"tiny"}
 
     def chosen_again(*_a, **_k):

@@ -33,6 +33,7 @@ from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
 from dlrm_lab.infer.builds import MARGIN, build_named, builds, simplest_fast
 from dlrm_lab.infer.finalists import finalists_of
+from dlrm_lab.infer.gemm_widths import choose_widths
 from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.table_lookup import choose_lookup
 
@@ -64,6 +65,7 @@ class BuildChoice:
     # auto: runners-up its instances time again, each in its own process (`infer.finalists`): build -> artefact
     finalists: dict[str, str] = field(default_factory=dict)
     lookup: JsonObject | None = None  # the packages' table lookup and why (`infer.table_lookup`); None: not chosen
+    widths: JsonObject | None = None  # the packages' GEMM input widths and why (`infer.gemm_widths`); None: not chosen
 
     @property
     def line(self) -> str:
@@ -83,6 +85,7 @@ class BuildChoice:
             "finalists": dict(self.finalists),
             "accuracy": self.accuracy.to_dict() if self.accuracy else None,
             "lookup": self.lookup,
+            "widths": self.widths,
         }
 
 
@@ -196,12 +199,15 @@ def choose_build(
             skipped[name] = why
         else:
             later.append(name)
-    lookup = None
+    lookup = widths = None
     if "fused" in first and any(getattr(build_named(b), "whole_batch", False) for b in later):
-        # before the packages are made: their cache key, and their timings', say which lookup they call
+        # before the packages are made: their cache key, and their timings', say which lookup they call and at
+        # which widths their GEMMs compute
         lookup = choose_lookup(modules["fused"], library, sizes=list(sizes), threads=threads, log=log)
+        widths = choose_widths(modules["fused"], sizes=list(sizes), threads=threads, log=log)
     if later:
         variant = f"lookup {lookup['lookup']}" if lookup else ""
+        variant += f"; widths {sorted(modules['fused'].gemm_widths.items())}" if widths and widths["widths"] else ""
         more, later_source = _rates(later, modules, sizes, threads, library, measure, log, variant)
         rates.update(more)
         if later_source != source:
@@ -209,7 +215,14 @@ def choose_build(
     timed = {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}  # batch sizes only
     total = {b: sum(per.values()) for b, per in timed.items()}
 
-    measured: Any = {"batch_ms": _public(rates), "source": source, "skipped": skipped, "lookup": lookup, **common}
+    measured: Any = {
+        "batch_ms": _public(rates),
+        "source": source,
+        "skipped": skipped,
+        "lookup": lookup,
+        "widths": widths,
+        **common,
+    }
 
     def checked(b: str) -> AccuracyCheck:
         return check_accuracy(

@@ -22,18 +22,17 @@ build is.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.artefacts import dense_package, record_of, require_verified
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
+from dlrm_lab.infer.gemm_widths import padded
 from dlrm_lab.infer.interaction import uses_native
 from dlrm_lab.infer.table_lookup import NATIVE, PooledLookup, table_weights
 from dlrm_lab.model import native
@@ -64,32 +63,6 @@ class WholeBatch(nn.Module):
         self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor
     ) -> torch.Tensor:
         return torch.sigmoid(self.dense_part(dense.to(self.dtype), self.lookup(tables, ids, offsets)).float())
-
-
-class EvenK(nn.Module):
-    """A `Linear` whose input gains a zero column and whose weight a zero column to meet it: the same outputs, over
-    an even K. Inductor's C++ GEMM template takes its AMX micro-kernel only where K is a whole number of VNNI pairs
-    (`check_amx_extra`: K % 2 for bf16 and fp16) and falls back to an fp32 vector kernel elsewhere; kaggle's first
-    bottom layer (13 dense features) and first top layer (367 = 16 + 351 pairs) have odd K. The pad is fused into
-    the kernel that makes the input (the cast, the interaction's gather)."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(F.pad(linear.weight.detach(), (0, 1)), requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.pad(x, (0, 1)), self.weight, self.bias)
-
-
-def even_k(dense_part: nn.Module) -> nn.Module:
-    """A copy of `dense_part` with every `Linear` of an odd number of inputs made `EvenK` (the original untouched)."""
-    padded = copy.deepcopy(dense_part)
-    for parent in list(padded.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.in_features % 2:
-                setattr(parent, name, EvenK(child))
-    return padded
 
 
 def example_batch(module: Any, size: int = EXAMPLE_BATCH) -> tuple[torch.Tensor, ...]:
@@ -151,15 +124,16 @@ class AOTIBuild:
     weight_precision: str | None = None
     inductor_configs: JsonObject = {}
     frozen = False  # compiled with Inductor's freezing (the weights prepacked at build time)
-    even_k = False  # every GEMM given an even K where the precision is 16-bit (`EvenK`: the template's AMX kernel)
+    even_k = False  # every GEMM given an even K where the precision is 16-bit (the template's AMX kernel)
     whole_batch = True  # a package of the whole batch: calls the table lookup `infer.table_lookup` chose
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
-        padded = self.even_k and precision in ("bf16", "fp16")
+        even = self.even_k and precision in ("bf16", "fp16")
+        widths = dict(module.gemm_widths)  # `infer.gemm_widths` chose them, before the packages are made
 
         def export(m: Any, path: Path) -> None:
-            dense_part = even_k(m.dense) if padded else None
+            dense_part = padded(m.dense, widths, even=even)
             export_whole(m, path, dense_part, inductor_configs=self.inductor_configs, frozen=self.frozen)
 
         return self.packaged(
@@ -170,7 +144,8 @@ class AOTIBuild:
                 "table_precision": table_precision,
                 "graph": GRAPH,
                 **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
-                **({"k": "even"} if padded else {}),
+                **({"k": "even"} if even else {}),
+                **({"widths": widths} if widths else {}),
             },
         )
 

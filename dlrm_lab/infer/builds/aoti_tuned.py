@@ -6,8 +6,9 @@ faster at the traced batch. It removes most of oneDNN's per-call set-up (kaggle,
 itself: 0.316 ms a batch against `aoti`'s 0.456) and may lose per sample at large batches (5.44 us against 4.09),
 where oneDNN's kernels are traced for no batch at all: `auto` measures it against `aoti` at the served sizes. Its
 compile takes about twice `aoti`'s. The template runs AMX only where a GEMM's K is even (bf16's VNNI pairs): the
-layers of odd K get a zero input column (`EvenK`), without which its kaggle package ran the 367-input top layer on
-fp32 vector code (a 1-sample batch 0.22 against 0.145 ms padded, as an instance measures itself).
+layers of odd K get a zero input column (`infer.gemm_widths.padded`), without which its kaggle package ran the
+367-input top layer on fp32 vector code (a 1-sample batch 0.22 against 0.145 ms padded, as an instance measures
+itself).
 """
 
 from __future__ import annotations

@@ -78,6 +78,8 @@ class FusedDLRM(nn.Module):
         # the whole batch, lookup included, as one native call (aoti's package): (dense, ids, offsets) -> scores
         self.whole: Callable[..., torch.Tensor] | None = None
         self.lookup_way = "fbgemm"  # the lookup its packages call (`infer.table_lookup.choose_lookup` sets it)
+        # the widths its packages compute each GEMM's input at, by layer (`infer.gemm_widths.choose_widths` sets them)
+        self.gemm_widths: dict[str, int] = {}
 
     def sibling(self) -> FusedDLRM:
         """A copy sharing every tensor (tables included) but not the module's registries: a build made from this

@@ -1,0 +1,141 @@
+"""The width a whole-batch package gives each GEMM's input, chosen in the serving process by timing the model's own
+layer shapes at the batches it will serve.
+
+A GEMM kernel reads K in blocks (AMX's tile row is 64 bytes: 32 bf16 values; AVX-512's vector 16 fp32 values), and a K
+that is not a whole number of blocks runs its tail through slower code: kaggle's first top layer (K = 367 = 16 + 351
+pairs), bf16, AMX, 256 samples, one thread, took 140 us unpadded and 97 us with K = 384 (eager `F.linear`; oneDNN's
+frozen kernel 197 and 150, the C++ template's 207 and 163), more work done faster. Which width is fastest depends on
+the CPU and the kernel, so no width is ruled in: each layer of a K that is not a multiple of the widest candidate block
+is timed at its own K and at K rounded up to each candidate block, and a wider input is kept only where it is MARGIN
+faster over the served batches. The pad is a zero input column per extra width and a zero weight column to meet it
+(`PaddedK`): the same scores. Chosen once per model and precision, before its packages are made: the packages' cache
+key says which widths they compute at.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlrm_lab.config.values import JsonObject, Log
+from dlrm_lab.metrics.interleaved import interleaved_medians
+
+BLOCKS = (16, 32, 64)  # candidate K blocks: a 64-byte line of fp32, of 16-bit values, two lines of 16-bit values
+MARGIN = 1.05  # a wider input serves where the layer's own K takes at least this much longer over the served batches
+REPEATS = 5  # timings of each width at each size, interleaved, after one warm-up round
+CALLS_PER_SIZE = 2048  # samples a timing covers (at least 4 calls)
+
+
+class PaddedK(nn.Module):
+    """A `Linear` computed over `width` >= its inputs: the input gains zero columns and the weight zero columns to
+    meet them, so the outputs are the same. The pad fuses into the kernel that makes the input (a cast, the
+    interaction's gather) where Inductor compiles one."""
+
+    def __init__(self, linear: nn.Linear, width: int) -> None:
+        super().__init__()
+        if width < linear.in_features:
+            raise ValueError(f"a width of {width} is narrower than the layer's {linear.in_features} inputs")
+        self.pad = width - linear.in_features
+        self.weight = nn.Parameter(F.pad(linear.weight.detach(), (0, self.pad)), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.pad(x, (0, self.pad)), self.weight, self.bias)
+
+
+def padded(dense_part: nn.Module, widths: dict[str, int], *, even: bool = False) -> nn.Module:
+    """A copy of `dense_part` with each `Linear` named in `widths` computed at that width (`PaddedK`), and with
+    `even` every remaining odd width made even (Inductor's C++ GEMM template takes its AMX micro-kernel only where
+    K is a whole number of VNNI pairs, `check_amx_extra`); the original untouched. `dense_part` itself where
+    nothing widens."""
+    targets = {}
+    for name, layer in dense_part.named_modules():
+        if isinstance(layer, nn.Linear):
+            width = max(widths.get(name, layer.in_features), layer.in_features)
+            width += width % 2 if even else 0
+            if width != layer.in_features:
+                targets[name] = width
+    if not targets:
+        return dense_part
+    wide = copy.deepcopy(dense_part)
+    for name, width in targets.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = wide.get_submodule(parent_name)
+        setattr(parent, child, PaddedK(getattr(parent, child), width))
+    return wide
+
+
+def candidates(k: int) -> list[int]:
+    """The widths a layer of `k` inputs is timed at: its own, then `k` rounded up to each block."""
+    return sorted({k} | {-(-k // b) * b for b in BLOCKS})
+
+
+def _timer(layer: nn.Linear, dtype: torch.dtype, size: int) -> Any:
+    """ms a GEMM of `layer`'s shape takes over `size` rows at each width (timed by its name, a string)."""
+    weights = {}
+    for width in candidates(layer.in_features):
+        weights[str(width)] = (
+            torch.randn(size, width, dtype=dtype),
+            torch.randn(layer.out_features, width, dtype=dtype),
+            None if layer.bias is None else torch.randn(layer.out_features, dtype=dtype),
+        )
+    calls = max(4, CALLS_PER_SIZE // size)
+
+    def timed(width: str) -> float:
+        x, w, b = weights[width]
+        start = time.perf_counter()
+        for _ in range(calls):
+            F.linear(x, w, b)
+        return (time.perf_counter() - start) * 1e3 / calls
+
+    return timed
+
+
+def choose_widths(module: Any, *, sizes: list[int], threads: int, log: Log | None = None) -> JsonObject:
+    """Time each `Linear` of `module.dense` (a FusedDLRM's dense part, in its served dtype) whose K is not a whole
+    number of the widest block at its own K and at each wider candidate, over batches of `sizes` rows on `threads`
+    threads, and set the widths that are MARGIN faster as its packages' (`module.gemm_widths`); the record."""
+    dtype = module.dtype
+    chosen: dict[str, int] = {}
+    timings: JsonObject = {}
+    reasons = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        with torch.inference_mode():
+            for name, layer in module.dense.named_modules():
+                if not isinstance(layer, nn.Linear) or len(widths := candidates(layer.in_features)) == 1:
+                    continue
+                ways = [str(w) for w in widths]
+                by_size = {n: interleaved_medians(ways, _timer(layer, dtype, n), REPEATS) for n in sizes}
+                total = {w: sum(by_size[n][w] for n in sizes) for w in ways}
+                own, fastest = str(layer.in_features), min(ways, key=lambda w: total[w])
+                keep = fastest if total[own] >= MARGIN * total[fastest] else own
+                if keep != own:
+                    chosen[name] = int(keep)
+                timings[name] = {w: {str(n): round(by_size[n][w], 4) for n in sizes} for w in ways}
+                reasons.append(
+                    f"{name} ({layer.in_features} -> {layer.out_features}) at {keep}: {total[own]:.4f} ms at its "
+                    f"own K, {total[fastest]:.4f} at {fastest}"
+                )
+    finally:
+        torch.set_num_threads(before)
+    module.gemm_widths = chosen
+    record: JsonObject = {
+        "widths": dict(chosen),
+        "margin": MARGIN,
+        "reason": (
+            f"each GEMM's K against K rounded up to {', '.join(map(str, BLOCKS))}, {module.precision}, {threads} "
+            f"thread(s), summed over batches of {', '.join(map(str, sizes))} (medians of {REPEATS} interleaved): "
+            + ("; ".join(reasons) if reasons else "every layer's K is a whole number of blocks")
+        ),
+        "ms": timings,
+    }
+    if log is not None:
+        log(f"GEMM widths {chosen or 'as the model has them'}: {record['reason']}")
+    return record
