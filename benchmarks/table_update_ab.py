@@ -1,12 +1,14 @@
 """The batched table update of a base revision against this tree's (issue 59), interleaved: ~20 s on 2 cores.
 
-    python benchmarks/table_update_ab.py [--base HEAD~1] [--rounds 40] [--table-pages huge|base]
+    python benchmarks/table_update_ab.py [--base HEAD~1] [--rounds 40] [--table-pages huge|base] [--base-kernels]
 
 kaggle's 26 tables (capped at 1M rows, row-wise Adagrad, fbgemm's layout), batch 2048, one id a bag drawn with
 Criteo's skew (a few thousand distinct rows a feature). The gradient reaching the tables is a column slice of the
 interaction's, as in the model. The same module applies each side's `apply_update` in turn (the order alternates
 by round; the first 4 rounds are warm-up). Prints each side's median ms an update and the median of the paired
-ratios (base / tree).
+ratios (base / tree). With `--base-kernels` the base side also calls the base's C++ update kernels
+(`model/native/table_update.cpp` at `--base`, built here under the op namespace `dlrm_lab_base`): a change to the
+kernels compared in one process.
 """
 
 from __future__ import annotations
@@ -37,10 +39,31 @@ ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = 4
 
 
-def base_module(rev: str):
-    """`dlrm_lab/train/table_update.py` as it was at `rev`, imported under another name."""
-    source = subprocess.run(["git", "show", f"{rev}:dlrm_lab/train/table_update.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout  # fmt: skip
+def _at(rev: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout  # fmt: skip
+
+
+def base_kernels(rev: str) -> None:
+    """The update kernels of `rev` built and registered as `torch.ops.dlrm_lab_base`."""
+    from torch.utils import cpp_extension
+
+    from dlrm_lab.model import native
+
+    source = _at(rev, "dlrm_lab/model/native/table_update.cpp").replace("(dlrm_lab, ", "(dlrm_lab_base, ")
+    path = Path(tempfile.mkdtemp()) / "table_update_base.cpp"
+    path.write_text(source)
+    cpp_extension.load(name=f"dlrm_lab_base_update_{rev[:12]}", sources=[str(path)], extra_cflags=native.build_flags(),
+                       is_python_module=False, verbose=False)  # fmt: skip
+
+
+def base_module(rev: str, kernels: bool = False):
+    """`dlrm_lab/train/table_update.py` as it was at `rev`, imported under another name (calling the base's
+    kernels with `kernels`)."""
+    source = _at(rev, "dlrm_lab/train/table_update.py")
+    if kernels:
+        base_kernels(rev)
+        source = source.replace("torch.ops.dlrm_lab.", "torch.ops.dlrm_lab_base.")
     path = Path(tempfile.mkdtemp()) / "table_update_base.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("table_update_base", path)
@@ -57,8 +80,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--table-pages", choices=("base", "huge"), default="huge",
                         help="the tables on 4 KiB or 2 MiB pages (a run's auto: huge where faster)")  # fmt: skip
+    parser.add_argument("--base-kernels", action="store_true", help="the base side calls the base's C++ kernels too")
     args = parser.parse_args()
-    base = base_module(args.base)
+    base = base_module(args.base, args.base_kernels)
     spec = dlrm_lab.load_preset("kaggle", max_rows=1_000_000)
     rows = [t.num_embeddings for t in spec.tables]
     width = spec.tables[0].embedding_dim
@@ -91,7 +115,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     ratio = statistics.median(b / t for b, t in zip(times["base"], times["tree"], strict=True))
     results = {
-        "header": header(threads=torch.get_num_threads(), base=args.base, rounds=args.rounds, pages=args.table_pages),
+        "header": header(threads=torch.get_num_threads(), base=args.base, rounds=args.rounds, pages=args.table_pages,
+                         base_kernels=args.base_kernels),
         "ids": features * batch, "distinct_rows_median": statistics.median(distinct),
         "ms": {name: statistics.median(v) * 1e3 for name, v in times.items()}, "base_over_tree": ratio,
     }  # fmt: skip

@@ -93,10 +93,20 @@ def test_batched_update_matches_fbgemm(optimizer, pooling, weighted, shared, bag
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             outs[1].backward(grad)
         ran = {e.name for e in prof.events()}
-        # unscaled ids take the grouping and the pass in one call; weighted or mean-pooled ones, the two ops
-        kernels = {"dlrm_lab::group_and_update"} if weights is None and pooling != PoolingMode.MEAN else {
-            "dlrm_lab::group_rows", "dlrm_lab::rowwise_update"}  # fmt: skip
-        assert (kernels <= ran) == rows_kernel and not ({"dlrm_lab::group_and_update", "dlrm_lab::group_rows"} <= ran)
+        # bags all one length take one call from the offsets (mean-pooled too); ragged ones, tried there first, the
+        # grouping and the pass in one call unscaled and the two ops scaled; weighted ids, the two ops
+        ops = {name: f"dlrm_lab::{name}" for name in ("group_and_update_bags", "group_and_update", "group_rows")}
+        kernels = (
+            {"dlrm_lab::group_rows", "dlrm_lab::rowwise_update"} if weights is not None
+            else {ops["group_and_update"]} if pooling == PoolingMode.NONE
+            else {ops["group_and_update_bags"]} if bag is not None
+            else {ops["group_and_update_bags"], ops["group_rows"], "dlrm_lab::rowwise_update"}
+            if pooling == PoolingMode.MEAN
+            else {ops["group_and_update_bags"], ops["group_and_update"]}
+        )  # fmt: skip
+        assert (kernels <= ran) == rows_kernel and not ({ops["group_and_update"], ops["group_rows"]} <= ran)
+        if bag is not None and weights is None:
+            assert not {ops["group_and_update"], ops["group_rows"]} & ran  # the bags' call alone
     after_fbgemm, after_batched = _state(fbgemm), _state(batched)
     assert (after_fbgemm[0] - before[0]).abs().max() > 1e-3  # rows moved
     torch.testing.assert_close(after_batched[0], after_fbgemm[0], rtol=1e-5, atol=1e-6)
@@ -247,3 +257,24 @@ def test_the_ids_grouped_by_row_are_a_stable_sort_and_a_bad_row_is_refused():
         torch.ops.dlrm_lab.group_and_update(table, state, torch.tensor([10]), None, torch.tensor([0]), grads, 0.1, 0.0)
     with pytest.raises(RuntimeError, match="gradient row 3 of 3"):
         torch.ops.dlrm_lab.group_and_update(table, state, ids, None, torch.tensor([0, 3, 1, 2]), grads, 0.1, 0.0)
+
+
+def test_the_bags_update_refuses_ragged_bags_untouched_and_gradient_rows_that_do_not_fit():
+    """`group_and_update_bags` updates only where every bag holds the same number of ids: ragged, empty or
+    not-from-zero bags leave the table as it was and answer False; a gradient too short for the bags is one error."""
+    assert native.load() is None, native.load()
+    table, state = torch.zeros(10, 4), torch.zeros(10)
+    bases, grad = torch.tensor([0, 5]), torch.ones(4, 4)  # 2 features, 2 samples
+    op = torch.ops.dlrm_lab.group_and_update_bags
+    for offsets in ([0, 1, 3, 4, 5], [0, 0, 0, 0, 0], [1, 2, 3, 4, 5]):
+        ids = torch.zeros(offsets[-1], dtype=torch.int32)
+        assert op(table, state, ids, bases, torch.tensor(offsets), 2, grad, 0.1, 1e-8, False) is False
+        assert not table.any() and not state.any()
+    assert op(table, state, torch.tensor([1, 2, 0, 4]), bases, torch.tensor([0, 1, 2, 3, 4]), 2, grad, 0.1, 1e-8, True)
+    assert sorted(torch.nonzero(state).view(-1).tolist()) == [1, 2, 5, 9]  # each id plus its feature's first row
+    with pytest.raises(RuntimeError, match="2 samples of 2 features, 3 gradient rows apart, do not fit the 4"):
+        op(table, state, torch.tensor([1, 2, 0, 4]), bases, torch.tensor([0, 1, 2, 3, 4]), 3, grad, 0.1, 1e-8, False)
+    with pytest.raises(RuntimeError, match="5 bags for 2 features"):
+        op(table, state, torch.arange(5), bases, torch.arange(6), 2, grad, 0.1, 1e-8, False)
+    with pytest.raises(RuntimeError, match="row 12 outside the table's 10"):
+        op(table, state, torch.tensor([1, 2, 0, 7]), bases, torch.tensor([0, 1, 2, 3, 4]), 2, grad, 0.1, 1e-8, False)

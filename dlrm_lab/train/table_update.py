@@ -100,6 +100,18 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         """fbgemm's forward alone (no autograd record: called with gradients off)."""
         return super().forward(indices, offsets, weights)
 
+    def _layout(self) -> tuple[int, int, torch.Tensor, bool]:
+        """(features, row width, each feature's first row, pooled): fixed for the module, worked out once (`install`
+        swaps the class of a module made by fbgemm: no __init__ of ours ran, so kept as it is first asked for)."""
+        layout = self.__dict__.get("_update_layout")
+        if layout is None:
+            width = int(self.D_offsets[1] - self.D_offsets[0])
+            # fbgemm keeps each feature's first element (its table's): a feature's first row is that over the width
+            first_row = torch.div(self.weights_offsets, width, rounding_mode="floor")
+            layout = (len(self.feature_table_map), width, first_row, self.pooling_mode != PoolingMode.NONE)
+            self.__dict__["_update_layout"] = layout
+        return layout
+
     @torch.no_grad()
     def apply_update(
         self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
@@ -107,56 +119,47 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         """The exact update fbgemm's backward applies, from the pooled gradient (`grad`, batch x features'
         widths; nobag: one row per id): duplicates summed, then row-wise Adagrad (state += mean(g^2), row -= lr
         g / (sqrt(state) + eps)) or SGD (row -= lr g)."""
-        features = len(self.feature_table_map)
-        width = int(self.D_offsets[1] - self.D_offsets[0])
         if indices.numel() == 0:
             return
-        grad_rows, per_sample = _gradient_rows(grad, width, features, pooled=self.pooling_mode != PoolingMode.NONE)
-        scale = weights.float() if weights is not None else None
-        # fbgemm keeps each feature's first element (its table's), so a feature's first row is that over the width
-        first_row = torch.div(self.weights_offsets, width, rounding_mode="floor")
-        batch = (offsets.numel() - 1) // features
-        bag = int(offsets[1] - offsets[0]) if self.pooling_mode != PoolingMode.NONE else 0
-        regular = bag > 0 and int(offsets[-1]) == bag * features * batch
-        key = (batch, features, bag, per_sample, offsets.dtype)
-        fixed = getattr(self, "_bag_rows", {}).get(key) if regular else None  # `install` swaps the class: no __init__
-        if regular and fixed is None:
-            # bag (f, b) -> gradient row b * per_sample + f; the offsets of bags all `bag` long
-            sample_major = (torch.arange(batch).view(-1, 1) * per_sample + torch.arange(features)).t()
-            source = sample_major.reshape(-1, 1).expand(-1, bag).reshape(-1)
-            fixed = (source, torch.arange(offsets.numel(), dtype=offsets.dtype) * bag)
-            self._bag_rows = {key: fixed}  # one shape at a time: a run's last batch may differ
-        if fixed is not None and torch.equal(offsets, fixed[1]):
-            # every bag holds `bag` ids (Criteo's one a bag): each id's bag and row follow from its position alone,
-            # without the ragged index (repeat_interleave, a division, an index_select: 0.3 of a kaggle update);
-            # the same every step of a shape, so made once, and the offsets checked in one comparison
-            source = fixed[0]
-            ids, bases = indices, first_row  # an id's row: the id plus its feature's first row
-            if self.pooling_mode == PoolingMode.MEAN and scale is None and bag > 1:
-                scale = torch.full((indices.numel(),), 1.0 / bag)
-        else:
-            if self.pooling_mode == PoolingMode.NONE:
-                source = torch.arange(indices.numel())
-                feature = torch.repeat_interleave(offsets.diff().view(features, -1).sum(1))
-            else:
-                lengths = offsets.diff()
-                segment = torch.repeat_interleave(lengths)  # each id's bag, feature-major
-                feature = torch.div(segment, batch, rounding_mode="floor")
-                source = (segment - feature * batch) * per_sample + feature  # its bag's row of the sample-major grad
-                if self.pooling_mode == PoolingMode.MEAN and scale is None:  # weighted: fbgemm takes no mean
-                    scale = 1.0 / lengths.index_select(0, segment).float()
-            ids, bases = first_row.index_select(0, feature) + indices.long(), None
+        features, width, first_row, pooled = self._layout()
+        grad_rows, per_sample = _gradient_rows(grad, width, features, pooled=pooled)
         table = self.weights_host.view(-1, width)
         lr = float(self.learning_rate_tensor)
-        if native.load() is None and len(table) <= 2**32:
+        kernels = native.load() is None and len(table) <= 2**32
+        if kernels and pooled and weights is None:
+            # bags all the same length (Criteo's one id a bag): each id's bag and gradient row follow from its
+            # place, the offsets checked, grouped and updated in one call (the Python between them was an eighth of
+            # a kaggle update); False where the bags differ in length
+            state = self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None
+            mean = self.pooling_mode == PoolingMode.MEAN
+            eps = float(self.optimizer_args.eps)
+            bases = first_row  # an id's row: the id plus its feature's first row
+            if torch.ops.dlrm_lab.group_and_update_bags(table, state, indices, bases, offsets, per_sample, grad_rows,
+                                                        lr, eps, mean):  # fmt: skip
+                return
+        # ragged bags, weighted ids, nobag tables or no kernels: each id's bag and gradient row from the offsets
+        scale = weights.float() if weights is not None else None
+        batch = (offsets.numel() - 1) // features
+        if self.pooling_mode == PoolingMode.NONE:
+            source = torch.arange(indices.numel())
+            feature = torch.repeat_interleave(offsets.diff().view(features, -1).sum(1))
+        else:
+            lengths = offsets.diff()
+            segment = torch.repeat_interleave(lengths)  # each id's bag, feature-major
+            feature = torch.div(segment, batch, rounding_mode="floor")
+            source = (segment - feature * batch) * per_sample + feature  # its bag's row of the sample-major grad
+            if self.pooling_mode == PoolingMode.MEAN and scale is None:  # weighted: fbgemm takes no mean
+                scale = 1.0 / lengths.index_select(0, segment).float()
+        ids = first_row.index_select(0, feature) + indices.long()
+        if kernels:
             # the ids grouped by row (a hash of the rows seen), then one pass over the distinct rows (`model.native`);
             # unscaled, both in one call
             state = self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None
             eps = float(self.optimizer_args.eps)
             if scale is None:
-                torch.ops.dlrm_lab.group_and_update(table, state, ids, bases, source, grad_rows, lr, eps)
+                torch.ops.dlrm_lab.group_and_update(table, state, ids, None, source, grad_rows, lr, eps)
                 return
-            unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, bases, len(table))
+            unique, starts, order = torch.ops.dlrm_lab.group_rows(ids, None, len(table))
             torch.ops.dlrm_lab.rowwise_update(
                 table,
                 state,
@@ -172,8 +175,7 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         # Duplicates summed by sorting the rows and pooling each run of equal rows with embedding_bag (fbgemm's
         # multi-threaded CPU sum): 0.78 ms against 1.55 for unique + index_add_ (kaggle's 53k ids, 2 threads);
         # 32-bit keys sort faster than 64-bit (0.41 against 0.73 ms)
-        rows = ids if bases is None else (ids.view(len(bases), -1).long() + bases.view(-1, 1)).view(-1)
-        keys, order = torch.sort(rows.int() if len(table) < 2**31 else rows)
+        keys, order = torch.sort(ids.int() if len(table) < 2**31 else ids)
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         unique = unique.long()
         sources = source.index_select(0, order)  # each sorted id's gradient row

@@ -22,7 +22,7 @@ _SOURCES = [
 ]
 
 
-def _flags() -> list[str]:
+def build_flags() -> list[str]:
     """-fopenmp: ATen's `parallel_for` is a header of OpenMP pragmas, serial in a build without it."""
     from torch._inductor import cpu_vec_isa
 
@@ -43,7 +43,7 @@ def load() -> str | None:
         cpp_extension.load(
             name=NAME,
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=_flags(),
+            extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -23,7 +23,7 @@ constexpr int64_t kAhead = 32;  // distinct rows fetched ahead of the one update
 // The pass itself over raw rows (`rowwise_update`'s, and `group_and_update`'s without tensors between them)
 void update_rows(float* tp, int64_t tstride, int64_t rows, int64_t width, float* sp, const int64_t* uq,
                  const int64_t* st, const int64_t* src, int64_t count, const float* gp, int64_t gstride, int64_t grows,
-                 const float* sc, float rate, float epsilon) {
+                 const float* sc, float rate, float epsilon, float uniform = 1.f) {
   const int64_t whole = width - width % Vec::size();
   at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
     std::vector<float> g(width);
@@ -42,11 +42,11 @@ void update_rows(float* tp, int64_t tstride, int64_t rows, int64_t width, float*
       for (int64_t k = st[u]; k < st[u + 1]; ++k) {
         TORCH_CHECK(src[k] >= 0 && src[k] < grows, "rowwise_update: gradient row ", src[k], " of ", grows);
         const float* from = gp + src[k] * gstride;
-        const Vec s(sc ? sc[k] : 1.f);
+        const Vec s(sc ? sc[k] : uniform);
         int64_t d = 0;
         for (; d < whole; d += Vec::size())
           at::vec::fmadd(s, Vec::loadu(from + d), Vec::loadu(g.data() + d)).store(g.data() + d);
-        for (; d < width; ++d) g[d] += (sc ? sc[k] : 1.f) * from[d];
+        for (; d < width; ++d) g[d] += (sc ? sc[k] : uniform) * from[d];
       }
       float step = -rate;
       if (sp) {
@@ -134,9 +134,18 @@ int64_t first_seen(const I* ids, const int64_t* bases, int64_t segments, int64_t
   return distinct;
 }
 
-// `group_rows`' work into buffers of n, n + 1 and n values (n: the ids' count): the distinct rows' count
+// Bags all `bag` ids long, feature-major (`batch` bags a feature): the bag of feature f and sample b takes the
+// gradient row b * per_sample + f
+struct Bags {
+  int64_t bag, batch, per_sample;
+};
+
+// `group_rows`' work into buffers of n, n + 1 and n values (n: the ids' count): the distinct rows' count. Each
+// grouped id's place in `od` holds its position, or its source row where `source_in` is given, or its bag's
+// gradient row where `bags` is
 int64_t group_into(const at::Tensor& ids_in, const std::optional<at::Tensor>& bases_in, int64_t num_rows,
-                   const std::optional<at::Tensor>& source_in, int64_t* uq, int64_t* st, int64_t* od) {
+                   const std::optional<at::Tensor>& source_in, int64_t* uq, int64_t* st, int64_t* od,
+                   const Bags* bags = nullptr) {
   TORCH_CHECK(ids_in.dim() == 1 && (ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt),
               "group_rows: ids must be 1-D int32 or int64, got ", ids_in.scalar_type(), " ", ids_in.sizes());
   TORCH_CHECK(num_rows > 0 && num_rows <= (int64_t{1} << 32) && ids_in.numel() < (int64_t{1} << 32),
@@ -181,7 +190,13 @@ int64_t group_into(const at::Tensor& ids_in, const std::optional<at::Tensor>& ba
   }
   st[distinct] = n;
   const int64_t* src = source.defined() ? source.data_ptr<int64_t>() : nullptr;
-  for (int64_t k = 0; k < n; ++k) od[count[group_of[k]]++] = src ? src[k] : k;
+  if (bags) {
+    for (int64_t f = 0, k = 0; f < n / (bags->batch * bags->bag); ++f)
+      for (int64_t b = 0; b < bags->batch; ++b)
+        for (int64_t j = 0; j < bags->bag; ++j, ++k) od[count[group_of[k]]++] = b * bags->per_sample + f;
+  } else {
+    for (int64_t k = 0; k < n; ++k) od[count[group_of[k]]++] = src ? src[k] : k;
+  }
   return distinct;
 }
 
@@ -224,6 +239,53 @@ void group_and_update(const at::Tensor& table, const std::optional<at::Tensor>& 
               static_cast<float>(lr), static_cast<float>(eps));
 }
 
+// The bags' length if every one of the offsets' bags holds the same number of ids (one or more), else 0
+template <typename O>
+int64_t uniform_bag(const O* off, int64_t bags) {
+  if (bags == 0 || off[0] != 0) return 0;
+  const int64_t bag = off[1];
+  if (bag <= 0) return 0;
+  for (int64_t i = 1; i <= bags; ++i)
+    if (off[i] != i * bag) return 0;
+  return bag;
+}
+
+// `group_and_update` for bags all the same length (Criteo's one id a bag), each id's gradient row found from its
+// place rather than handed in; `mean`: each id's gradient over its bag's length. False, and nothing done, where
+// the offsets' bags differ in length: the caller takes the ragged path. Everything `apply_update` did in Python
+// between the gradient and the kernel (the bags' check, their rows) in the one call
+bool group_and_update_bags(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& ids,
+                           const at::Tensor& bases, const at::Tensor& offsets, int64_t per_sample,
+                           const at::Tensor& grad_rows, double lr, double eps, bool mean) {
+  float* sp = checked_rows("group_and_update_bags", table, state, grad_rows);
+  TORCH_CHECK(offsets.dim() == 1 && offsets.is_contiguous() &&
+                  (offsets.scalar_type() == at::kInt || offsets.scalar_type() == at::kLong) && offsets.numel() > 0,
+              "group_and_update_bags: offsets must be 1-D contiguous int32 or int64");
+  const int64_t features = bases.numel(), count_bags = offsets.numel() - 1, n = ids.numel();
+  TORCH_CHECK(features > 0 && count_bags % features == 0, "group_and_update_bags: ", count_bags, " bags for ",
+              features, " features");
+  const int64_t bag = offsets.scalar_type() == at::kInt ? uniform_bag(offsets.data_ptr<int32_t>(), count_bags)
+                                                        : uniform_bag(offsets.data_ptr<int64_t>(), count_bags);
+  if (bag == 0 || n != count_bags * bag) return false;
+  const Bags bags{bag, count_bags / features, per_sample};
+  TORCH_CHECK(per_sample >= features && (bags.batch - 1) * per_sample + features <= grad_rows.size(0),
+              "group_and_update_bags: ", bags.batch, " samples of ", features, " features, ", per_sample,
+              " gradient rows apart, do not fit the ", grad_rows.size(0), " gradient rows");
+  const int64_t rows = table.size(0);
+  thread_local std::vector<int64_t> unique, starts, order;
+  if (static_cast<int64_t>(unique.size()) < n) {
+    unique.resize(n);
+    starts.resize(n + 1);
+    order.resize(n);
+  }
+  const int64_t distinct =
+      group_into(ids, bases, rows, std::nullopt, unique.data(), starts.data(), order.data(), &bags);
+  update_rows(table.data_ptr<float>(), table.stride(0), rows, table.size(1), sp, unique.data(), starts.data(),
+              order.data(), distinct, grad_rows.data_ptr<float>(), grad_rows.stride(0), grad_rows.size(0), nullptr,
+              static_cast<float>(lr), static_cast<float>(eps), mean ? 1.f / static_cast<float>(bag) : 1.f);
+  return true;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlrm_lab, m) {
@@ -234,10 +296,14 @@ TORCH_LIBRARY_FRAGMENT(dlrm_lab, m) {
   m.def(
       "group_and_update(Tensor(a!) table, Tensor(b!)? state, Tensor ids, Tensor? bases, Tensor source, "
       "Tensor grad_rows, float lr, float eps) -> ()");
+  m.def(
+      "group_and_update_bags(Tensor(a!) table, Tensor(b!)? state, Tensor ids, Tensor bases, Tensor offsets, "
+      "int per_sample, Tensor grad_rows, float lr, float eps, bool mean) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(dlrm_lab, CPU, m) {
   m.impl("rowwise_update", &rowwise_update);
   m.impl("group_rows", &group_rows);
   m.impl("group_and_update", &group_and_update);
+  m.impl("group_and_update_bags", &group_and_update_bags);
 }
