@@ -45,8 +45,11 @@ def test_candidates_are_the_layers_own_k_and_k_rounded_up_to_each_block():
     assert candidates(13) == [13, 16, 32, 64] and candidates(512) == [512] and candidates(64) == [64]
 
 
-def test_the_widths_are_timed_on_the_models_layers_and_a_wider_input_kept_only_past_the_margin(fused, monkeypatch):
+def test_the_widths_are_timed_on_the_models_layers_and_a_wider_input_kept_only_past_the_margin(
+    fused, monkeypatch, tmp_path
+):
     _, module = fused
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))  # no profile: every choice measured now
     lines: list[str] = []
     record = choose_widths(module, sizes=[1, 16], threads=1, log=lines.append)
     timed = {name for name, layer in module.dense.named_modules() if isinstance(layer, torch.nn.Linear)}
@@ -109,4 +112,27 @@ def test_a_package_is_made_at_the_chosen_widths_keyed_by_them_and_scores_as_the_
     with pytest.raises(ZeroDivisionError):
         build_named("aoti_frozen").make(model, module, precision="bf16", table_precision="fp32")
     assert recorded[0]["widths"] == module.gemm_widths
+    module.gemm_widths = {}
+
+
+def test_the_widths_timings_are_kept_in_the_machines_profile_and_read_by_a_later_run(fused, monkeypatch, tmp_path):
+    """A choice that flipped between runs would make each run compile its packages anew: the timings are stored in
+    the machine's profile under the layers' shapes, and a later run reads them (and chooses the same) instead of
+    timing again; another batch size is another entry."""
+    from conftest import store_profile
+
+    _, module = fused
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    store_profile(tmp_path)
+    first = choose_widths(module, sizes=[2, 8], threads=1)
+    assert "stored in" in first["reason"]
+
+    def timed_again(*_a, **_k):
+        raise AssertionError("timed again though the profile holds the timings")
+
+    monkeypatch.setattr(gemm_widths, "_time_layers", timed_again)
+    again = choose_widths(module, sizes=[2, 8], threads=1)
+    assert "cached in" in again["reason"] and again["widths"] == first["widths"] and again["ms"] == first["ms"]
+    with pytest.raises(AssertionError, match="timed again"):
+        choose_widths(module, sizes=[2, 16], threads=1)
     module.gemm_widths = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ BLOCKS = (16, 32, 64)  # candidate K blocks: a 64-byte line of fp32, of 16-bit v
 MARGIN = 1.05  # a wider input serves where the layer's own K takes at least this much longer over the served batches
 REPEATS = 5  # timings of each width at each size, interleaved, after one warm-up round
 CALLS_PER_SIZE = 512  # rows a timing covers (at least 4 calls)
+Timings = dict[str, dict[str, dict[int, float]]]  # ms: layer -> width -> batch size
 
 
 class PaddedK(nn.Module):
@@ -96,46 +97,93 @@ def _timer(layer: nn.Linear, dtype: torch.dtype, size: int) -> Any:
     return timed
 
 
-def choose_widths(module: Any, *, sizes: list[int], threads: int, log: Log | None = None) -> JsonObject:
-    """Time each `Linear` of `module.dense` (a FusedDLRM's dense part, in its served dtype) whose K is not a whole
-    number of the widest block at its own K and at each wider candidate, over batches of `sizes` rows on `threads`
-    threads, and set the widths that are MARGIN faster as its packages' (`module.gemm_widths`); the record."""
-    dtype = module.dtype
-    chosen: dict[str, int] = {}
-    timings: JsonObject = {}
-    reasons = []
+def _time_layers(layers: dict[str, nn.Linear], dtype: torch.dtype, sizes: list[int], threads: int) -> Timings:
+    """ms of a GEMM of each layer's shape at each candidate width and batch size (medians of interleaved rounds)."""
+    timings: Timings = {}
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
         with torch.inference_mode():
-            for name, layer in module.dense.named_modules():
-                if not isinstance(layer, nn.Linear) or len(widths := candidates(layer.in_features)) == 1:
-                    continue
-                ways = [str(w) for w in widths]
+            for name, layer in layers.items():
+                ways = [str(w) for w in candidates(layer.in_features)]
                 by_size = {n: interleaved_medians(ways, _timer(layer, dtype, n), REPEATS) for n in sizes}
-                total = {w: sum(by_size[n][w] for n in sizes) for w in ways}
-                own, fastest = str(layer.in_features), min(ways, key=lambda w: total[w])
-                keep = fastest if total[own] >= MARGIN * total[fastest] else own
-                if keep != own:
-                    chosen[name] = int(keep)
-                timings[name] = {w: {str(n): round(by_size[n][w], 4) for n in sizes} for w in ways}
-                reasons.append(
-                    f"{name} ({layer.in_features} -> {layer.out_features}) at {keep}: {total[own]:.4f} ms at its "
-                    f"own K, {total[fastest]:.4f} at {fastest}"
-                )
+                timings[name] = {w: {n: by_size[n][w] for n in sizes} for w in ways}
     finally:
         torch.set_num_threads(before)
+    return timings
+
+
+def choose_widths(module: Any, *, sizes: list[int], threads: int, log: Log | None = None) -> JsonObject:
+    """Time each `Linear` of `module.dense` (a FusedDLRM's dense part, in its served dtype) whose K is not a whole
+    number of the widest block at its own K and at each wider candidate, over batches of `sizes` rows on `threads`
+    threads, and set the widths that are MARGIN faster as its packages' (`module.gemm_widths`); the record. The
+    timings are kept in the machine's profile by the layers' shapes (a choice flipping between runs would make each
+    run compile its packages anew): a later run reads them."""
+    from dlrm_lab.metrics.measured import measured_choice
+    from dlrm_lab.metrics.roofline import load_profile
+
+    layers = {
+        name: layer
+        for name, layer in module.dense.named_modules()
+        if isinstance(layer, nn.Linear) and len(candidates(layer.in_features)) > 1
+    }
+    shapes = sorted((name, layer.in_features, layer.out_features) for name, layer in layers.items())
+    key = repr((module.precision, threads, list(sizes), shapes))
+    timings, source = measured_choice(
+        load_profile(),
+        "gemm_widths",
+        key,
+        read=lambda cached: _read(cached, layers, sizes),
+        measure=lambda: _time_layers(layers, module.dtype, sizes, threads),
+        entry=lambda figures, _cached: {"ms": _stored(figures)},
+        log=log,
+    )
+    chosen: dict[str, int] = {}
+    reasons = []
+    for name, layer in layers.items():
+        total = {w: sum(by.values()) for w, by in timings[name].items()}
+        own, fastest = str(layer.in_features), min(total, key=lambda w: total[w])
+        keep = fastest if total[own] >= MARGIN * total[fastest] else own
+        if keep != own:
+            chosen[name] = int(keep)
+        reasons.append(
+            f"{name} ({layer.in_features} -> {layer.out_features}) at {keep}: {total[own]:.4f} ms at its own K, "
+            f"{total[fastest]:.4f} at {fastest}"
+        )
     module.gemm_widths = chosen
     record: JsonObject = {
         "widths": dict(chosen),
         "margin": MARGIN,
         "reason": (
             f"each GEMM's K against K rounded up to {', '.join(map(str, BLOCKS))}, {module.precision}, {threads} "
-            f"thread(s), summed over batches of {', '.join(map(str, sizes))} (medians of {REPEATS} interleaved): "
-            + ("; ".join(reasons) if reasons else "every layer's K is a whole number of blocks")
+            f"thread(s), summed over batches of {', '.join(map(str, sizes))} (medians of {REPEATS} interleaved; "
+            f"{source}): " + ("; ".join(reasons) if reasons else "every layer's K is a whole number of blocks")
         ),
-        "ms": timings,
+        "ms": _stored(timings),
     }
     if log is not None:
         log(f"GEMM widths {chosen or 'as the model has them'}: {record['reason']}")
     return record
+
+
+def _stored(timings: Timings) -> JsonObject:
+    return {
+        name: {w: {str(n): round(ms, 5) for n, ms in by.items()} for w, by in ws.items()}
+        for name, ws in timings.items()
+    }
+
+
+def _read(cached: JsonObject, layers: dict[str, nn.Linear], sizes: list[int]) -> Timings | None:
+    """The timings of a profile's entry (`metrics.measured.cached_problem` checked its numbers), None where a layer,
+    width or size is missing."""
+    stored = cast(dict[str, Any], cached["ms"])  # a table of tables of numbers (`cached_problem` checked it)
+    timings: Timings = {}
+    for name, layer in layers.items():
+        widths = stored.get(name)
+        want = [str(w) for w in candidates(layer.in_features)]
+        if not isinstance(widths, dict) or any(not isinstance(widths.get(w), dict) for w in want):
+            return None
+        if any(str(n) not in widths[w] for w in want for n in sizes):
+            return None
+        timings[name] = {w: {n: float(widths[w][str(n)]) for n in sizes} for w in want}
+    return timings

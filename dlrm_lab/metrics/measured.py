@@ -25,6 +25,7 @@ CACHED_TABLES: dict[str, tuple[str, tuple[type, ...], tuple[str, ...]]] = {
     "sharding_trials": ("step_ms", (str,), ("skipped",)),
     "build_rates": ("batch_ms", (str, int), ()),
     "allocator_rates": ("batch_ms", (str, int), ()),
+    "gemm_widths": ("ms", (str, str, int), ()),
 }
 
 

@@ -143,7 +143,7 @@ def profile_problem(profile: JsonObject) -> str | None:
 # Profile sections of measurements the lab's choices are made from, each {key: entry}: GEMM rates of model shapes
 # (metrics.precision), step times of sharding plans (train.sharding_trial), batch times of serving builds
 # (infer.build), batch times of the dense layers under each C allocator (infer.allocator).
-MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates", "allocator_rates")
+MEASURED_CHOICES = ("precision_rates", "sharding_trials", "build_rates", "allocator_rates", "gemm_widths")
 
 
 def save_profile(profile: JsonObject | MachineProfile, keep_better: bool = False) -> Path:
