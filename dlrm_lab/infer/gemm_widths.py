@@ -8,8 +8,8 @@ frozen kernel 197 and 150, the C++ template's 207 and 163), more work done faste
 the CPU and the kernel, so no width is ruled in: each layer of a K that is not a multiple of the widest candidate block
 is timed at its own K and at K rounded up to each candidate block, and a wider input is kept only where it is MARGIN
 faster over the served batches. The pad is a zero input column per extra width and a zero weight column to meet it
-(`PaddedK`): the same scores. Chosen once per model and precision, before its packages are made: the packages' cache
-key says which widths they compute at.
+(`PaddedK`): the same scores. Chosen before the packages are made, from timings kept in the machine's profile by the
+layers' shapes; the packages' cache key says which widths they compute at.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ Timings = dict[str, dict[str, dict[int, float]]]  # ms: layer -> width -> batch 
 
 class PaddedK(nn.Module):
     """A `Linear` computed over `width` >= its inputs: the input gains zero columns and the weight zero columns to
-    meet them, so the outputs are the same. The pad fuses into the kernel that makes the input (a cast, the
-    interaction's gather) where Inductor compiles one."""
+    meet them, so the outputs are the same. The pad fuses into the kernel that makes the input where Inductor
+    compiles that kernel (a cast, the interaction's gather); after an op of the lab's it is a copy of its own."""
 
     def __init__(self, linear: nn.Linear, width: int) -> None:
         super().__init__()
