@@ -109,6 +109,7 @@ struct Slot {
   uint32_t group;  // kEmpty: no row yet
 };
 constexpr uint32_t kEmpty = ~uint32_t{0};
+constexpr int64_t kSlotsAhead = 16;  // ids whose slot is fetched ahead of the one probed
 
 template <typename I>
 int64_t first_seen(const I* ids, const int64_t* bases, int64_t segments, int64_t n, int64_t num_rows, Slot* slots,
@@ -118,6 +119,9 @@ int64_t first_seen(const I* ids, const int64_t* bases, int64_t segments, int64_t
   for (int64_t seg = 0, k = 0; seg < std::max<int64_t>(segments, 1); ++seg) {
     const int64_t base = bases ? bases[seg] : 0;
     for (const int64_t end = k + each; k < end; ++k) {
+      if (k + kSlotsAhead < end)  // in a step the slots are cold (the step's GEMMs had the caches): fetched ahead
+        __builtin_prefetch(slots + ((static_cast<uint64_t>(static_cast<int64_t>(ids[k + kSlotsAhead]) + base) *
+                                     0x9E3779B97F4A7C15ull) >> shift), 1);
       const int64_t row = static_cast<int64_t>(ids[k]) + base;
       TORCH_CHECK(row >= 0 && row < num_rows, "group_rows: row ", row, " outside the table's ", num_rows);
       const auto key = static_cast<uint32_t>(row);
