@@ -224,12 +224,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids,
   return {unique.narrow(0, 0, distinct), starts.narrow(0, 0, distinct + 1), order};
 }
 
-// `group_rows` with a source, then `rowwise_update` without scales, in one call: the grouping's three arrays stay
-// in buffers kept between calls rather than tensors made each step, and one dispatch where there were two
-void group_and_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& ids,
-                      const std::optional<at::Tensor>& bases, const at::Tensor& source, const at::Tensor& grad_rows,
-                      double lr, double eps) {
-  float* sp = checked_rows("group_and_update", table, state, grad_rows);
+// The grouping (`group_into`'s, each id's gradient row from `source` or `bags`) then the pass (`update_rows`,
+// every id scaled by `uniform`), the grouping's three arrays in buffers kept between calls: both one-call updates'
+void grouped_update(const at::Tensor& table, float* sp, const at::Tensor& ids, const std::optional<at::Tensor>& bases,
+                    const std::optional<at::Tensor>& source, const Bags* bags, const at::Tensor& grad_rows, double lr,
+                    double eps, float uniform) {
   const int64_t rows = table.size(0), n = ids.numel();
   thread_local std::vector<int64_t> unique, starts, order;
   if (static_cast<int64_t>(unique.size()) < n) {
@@ -237,10 +236,19 @@ void group_and_update(const at::Tensor& table, const std::optional<at::Tensor>& 
     starts.resize(n + 1);
     order.resize(n);
   }
-  const int64_t distinct = group_into(ids, bases, rows, source, unique.data(), starts.data(), order.data());
+  const int64_t distinct = group_into(ids, bases, rows, source, unique.data(), starts.data(), order.data(), bags);
   update_rows(table.data_ptr<float>(), table.stride(0), rows, table.size(1), sp, unique.data(), starts.data(),
               order.data(), distinct, grad_rows.data_ptr<float>(), grad_rows.stride(0), grad_rows.size(0), nullptr,
-              static_cast<float>(lr), static_cast<float>(eps));
+              static_cast<float>(lr), static_cast<float>(eps), uniform);
+}
+
+// `group_rows` with a source, then `rowwise_update` without scales, in one call: the grouping's three arrays stay
+// in buffers kept between calls rather than tensors made each step, and one dispatch where there were two
+void group_and_update(const at::Tensor& table, const std::optional<at::Tensor>& state, const at::Tensor& ids,
+                      const std::optional<at::Tensor>& bases, const at::Tensor& source, const at::Tensor& grad_rows,
+                      double lr, double eps) {
+  float* sp = checked_rows("group_and_update", table, state, grad_rows);
+  grouped_update(table, sp, ids, bases, source, nullptr, grad_rows, lr, eps, 1.f);
 }
 
 // The bags' length if every one of the offsets' bags holds the same number of ids (one or more), else 0
@@ -275,18 +283,8 @@ bool group_and_update_bags(const at::Tensor& table, const std::optional<at::Tens
   TORCH_CHECK(per_sample >= features && (bags.batch - 1) * per_sample + features <= grad_rows.size(0),
               "group_and_update_bags: ", bags.batch, " samples of ", features, " features, ", per_sample,
               " gradient rows apart, do not fit the ", grad_rows.size(0), " gradient rows");
-  const int64_t rows = table.size(0);
-  thread_local std::vector<int64_t> unique, starts, order;
-  if (static_cast<int64_t>(unique.size()) < n) {
-    unique.resize(n);
-    starts.resize(n + 1);
-    order.resize(n);
-  }
-  const int64_t distinct =
-      group_into(ids, bases, rows, std::nullopt, unique.data(), starts.data(), order.data(), &bags);
-  update_rows(table.data_ptr<float>(), table.stride(0), rows, table.size(1), sp, unique.data(), starts.data(),
-              order.data(), distinct, grad_rows.data_ptr<float>(), grad_rows.stride(0), grad_rows.size(0), nullptr,
-              static_cast<float>(lr), static_cast<float>(eps), mean ? 1.f / static_cast<float>(bag) : 1.f);
+  grouped_update(table, sp, ids, bases, std::nullopt, &bags, grad_rows, lr, eps,
+                 mean ? 1.f / static_cast<float>(bag) : 1.f);
   return true;
 }
 
