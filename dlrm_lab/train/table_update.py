@@ -126,16 +126,15 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         table = self.weights_host.view(-1, width)
         lr = float(self.learning_rate_tensor)
         kernels = native.load() is None and len(table) <= 2**32
+        state = self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None
+        eps = float(self.optimizer_args.eps)
         if kernels and pooled and weights is None:
             # bags all the same length (Criteo's one id a bag): each id's bag and gradient row follow from its
-            # place, the offsets checked, grouped and updated in one call (the Python between them was an eighth of
-            # a kaggle update); False where the bags differ in length
-            state = self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None
+            # place (an id's row: the id plus its feature's first row), the offsets checked, grouped and updated
+            # in one call (the Python between them was an eighth of a kaggle update); False where the bags differ
             mean = self.pooling_mode == PoolingMode.MEAN
-            eps = float(self.optimizer_args.eps)
-            bases = first_row  # an id's row: the id plus its feature's first row
-            if torch.ops.dlrm_lab.group_and_update_bags(table, state, indices, bases, offsets, per_sample, grad_rows,
-                                                        lr, eps, mean):  # fmt: skip
+            if torch.ops.dlrm_lab.group_and_update_bags(table, state, indices, first_row, offsets, per_sample,
+                                                        grad_rows, lr, eps, mean):  # fmt: skip
                 return
         # ragged bags, weighted ids, nobag tables or no kernels: each id's bag and gradient row from the offsets
         scale = weights.float() if weights is not None else None
@@ -154,8 +153,6 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         if kernels:
             # the ids grouped by row (a hash of the rows seen), then one pass over the distinct rows (`model.native`);
             # unscaled, both in one call
-            state = self.momentum1_host if self.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else None
-            eps = float(self.optimizer_args.eps)
             if scale is None:
                 torch.ops.dlrm_lab.group_and_update(table, state, ids, None, source, grad_rows, lr, eps)
                 return
@@ -188,9 +185,9 @@ class BatchedTableUpdate(SplitTableBatchedEmbeddingBagsCodegen):
         if self.optimizer == OptimType.EXACT_SGD:
             table.index_copy_(0, unique, table.index_select(0, unique).add_(summed, alpha=-lr))
             return
-        state = self.momentum1_host.index_select(0, unique).add_((summed * summed).mean(1))
-        self.momentum1_host.index_copy_(0, unique, state)
-        step = state.sqrt_().add_(self.optimizer_args.eps).reciprocal_().mul_(-lr).unsqueeze(1)
+        moment = self.momentum1_host.index_select(0, unique).add_((summed * summed).mean(1))
+        self.momentum1_host.index_copy_(0, unique, moment)
+        step = moment.sqrt_().add_(eps).reciprocal_().mul_(-lr).unsqueeze(1)
         table.index_copy_(0, unique, table.index_select(0, unique).addcmul_(summed, step))
 
 
