@@ -323,3 +323,24 @@ def test_interleaved_medians_reverse_the_order_every_other_round_and_drop_the_wa
     readings = iter(range(100))
     assert interleaved_medians(("a", "b"), timed, 2, warm_up=False) == {"a": 1.5, "b": 1.5}  # a: 0, 3; b: 1, 2
     assert calls == ["a", "b", "b", "a"]
+
+
+def test_medians_by_size_time_each_size_on_the_threads_asked_and_put_them_back():
+    import torch
+
+    from dlrm_lab.metrics.interleaved import medians_by_size
+
+    before = torch.get_num_threads()
+    seen: list[tuple[int, str, int]] = []
+
+    def timer_at(size: int):
+        def timed(way: str) -> float:
+            seen.append((size, way, torch.get_num_threads()))
+            return size * (1.0 if way == "a" else 2.0)
+
+        return timed
+
+    med = medians_by_size(("a", "b"), timer_at, [1, 8], 2, threads=1)
+    assert med == {"a": {1: 1.0, 8: 8.0}, "b": {1: 2.0, 8: 16.0}}  # way -> size -> median
+    assert {t for _, _, t in seen} == {1} and len(seen) == 2 * 2 * 3  # sizes x ways x (warm-up + 2 rounds)
+    assert torch.get_num_threads() == before

@@ -65,11 +65,21 @@ def test_the_widths_are_timed_on_the_models_layers_and_a_wider_input_kept_only_p
     assert module.gemm_widths == record["widths"] and module.sibling().gemm_widths == record["widths"]
     assert lines[-1].startswith("GEMM widths ") and "bf16, 1 thread(s)" in record["reason"]
     # a layer made MARGIN faster at a wider K by the clock is kept at it; one within the margin is not
-    monkeypatch.setattr(gemm_widths, "interleaved_medians", lambda ways, *_a: {w: 1.0 for w in ways} | {"32": 0.5})
+    monkeypatch.setattr(
+        gemm_widths,
+        "medians_by_size",
+        lambda ways, _t, sizes, *_a, **_k: {w: {n: 1.0 for n in sizes} for w in ways} | {"32": {n: 0.5 for n in sizes}},
+    )
     assert choose_widths(module, sizes=[4], threads=1)["widths"] == {
         name: 32 for name in timed if module.dense.get_submodule(name).in_features < 32
     }
-    monkeypatch.setattr(gemm_widths, "interleaved_medians", lambda ways, *_a: {w: 1.0 for w in ways} | {"32": 0.97})
+    monkeypatch.setattr(
+        gemm_widths,
+        "medians_by_size",
+        lambda ways, _t, sizes, *_a, **_k: (
+            {w: {n: 1.0 for n in sizes} for w in ways} | {"32": {n: 0.97 for n in sizes}}
+        ),
+    )
     assert choose_widths(module, sizes=[4], threads=1)["widths"] == {} and module.gemm_widths == {}
 
 

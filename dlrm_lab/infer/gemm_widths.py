@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlrm_lab.config.values import JsonObject, Log
-from dlrm_lab.metrics.interleaved import interleaved_medians
+from dlrm_lab.metrics.interleaved import medians_by_size
 
 BLOCKS = (16, 32, 64)  # candidate K blocks: a 64-byte line of fp32, of 16-bit values, two lines of 16-bit values
 MARGIN = 1.05  # a wider input serves where the layer's own K takes at least this much longer over the served batches
@@ -99,18 +100,17 @@ def _timer(layer: nn.Linear, dtype: torch.dtype, size: int) -> Any:
 
 def _time_layers(layers: dict[str, nn.Linear], dtype: torch.dtype, sizes: list[int], threads: int) -> Timings:
     """ms of a GEMM of each layer's shape at each candidate width and batch size (medians of interleaved rounds)."""
-    timings: Timings = {}
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        with torch.inference_mode():
-            for name, layer in layers.items():
-                ways = [str(w) for w in candidates(layer.in_features)]
-                by_size = {n: interleaved_medians(ways, _timer(layer, dtype, n), REPEATS) for n in sizes}
-                timings[name] = {w: {n: by_size[n][w] for n in sizes} for w in ways}
-    finally:
-        torch.set_num_threads(before)
-    return timings
+    with torch.inference_mode():
+        return {
+            name: medians_by_size(
+                [str(w) for w in candidates(layer.in_features)],
+                partial(_timer, layer, dtype),
+                sizes,
+                REPEATS,
+                threads=threads,
+            )
+            for name, layer in layers.items()
+        }
 
 
 def choose_widths(module: Any, *, sizes: list[int], threads: int, log: Log | None = None) -> JsonObject:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dlrm_lab.config.values import JsonObject, Log
-from dlrm_lab.metrics.interleaved import interleaved_medians
+from dlrm_lab.metrics.interleaved import medians_by_size
 from dlrm_lab.metrics.precision import DTYPES
 from dlrm_lab.model import native
 from dlrm_lab.model.dlrm import DotInteractionArch
@@ -72,14 +72,9 @@ def choose_interaction(
     else:
         arch, width = arches[0], int(model.spec.embedding_dim)
         dtype = DTYPES[precision]
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            by_size = {size: interleaved_medians(("torch", "native"), _timer(arch, width, dtype, size), REPEATS)
-                       for size in sizes}  # fmt: skip
-        finally:
-            torch.set_num_threads(before)
-        med = {way: {n: by_size[n][way] for n in sizes} for way in ("torch", "native")}
+        med = medians_by_size(
+            ("torch", "native"), lambda size: _timer(arch, width, dtype, size), sizes, REPEATS, threads=threads
+        )
         total = {way: sum(by.values()) for way, by in med.items()}
         way = "native" if total["torch"] >= MARGIN * total["native"] else "torch"
         at = ", ".join(f"{n}: {med['native'][n]:.3f} against {med['torch'][n]:.3f} ms" for n in sizes)

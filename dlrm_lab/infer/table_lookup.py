@@ -18,7 +18,7 @@ from torch import nn
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.infer.batches import QueryRef, gather_batch, kernel_batch, next_samples
-from dlrm_lab.metrics.interleaved import interleaved_medians
+from dlrm_lab.metrics.interleaved import medians_by_size
 from dlrm_lab.model import native
 
 FBGEMM, NATIVE = "fbgemm", "native"
@@ -130,15 +130,10 @@ def choose_lookup(module: Any, library: Any, *, sizes: list[int], threads: int, 
     else:
         weights = table_weights(module.tables)
         ways = {way: PooledLookup(module.tables, way) for way in LOOKUPS}
-        before = torch.get_num_threads()
-        torch.set_num_threads(max(1, threads))
-        try:
-            with torch.inference_mode():
-                by_size = {size: interleaved_medians(LOOKUPS, _timer(ways, weights, library, size), REPEATS)
-                           for size in sizes}  # fmt: skip
-        finally:
-            torch.set_num_threads(before)
-        med = {way: {n: by_size[n][way] for n in sizes} for way in LOOKUPS}
+        with torch.inference_mode():
+            med = medians_by_size(
+                LOOKUPS, lambda size: _timer(ways, weights, library, size), sizes, REPEATS, threads=threads
+            )
         total = {way: sum(by.values()) for way, by in med.items()}
         way = NATIVE if total[FBGEMM] >= MARGIN * total[NATIVE] else FBGEMM
         at = ", ".join(f"{n}: {med[NATIVE][n]:.4f} against {med[FBGEMM][n]:.4f} ms" for n in sizes)

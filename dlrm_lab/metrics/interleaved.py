@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
+import torch
+
 
 def interleaved_medians(
     ways: Sequence[str], timed: Callable[[str], float], repeats: int, *, warm_up: bool = True
@@ -23,3 +25,22 @@ def interleaved_medians(
             if k >= first:
                 readings[way].append(took)
     return {way: statistics.median(r) for way, r in readings.items()}
+
+
+def medians_by_size(
+    ways: Sequence[str],
+    timer_at: Callable[[int], Callable[[str], float]],
+    sizes: Sequence[int],
+    repeats: int,
+    *,
+    threads: int,
+) -> dict[str, dict[int, float]]:
+    """`interleaved_medians` at each batch size of `sizes` (`timer_at(size)`: the ways' timing at that size), on
+    `threads` of torch's threads (put back after): way -> size -> median."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        by_size = {size: interleaved_medians(ways, timer_at(size), repeats) for size in sizes}
+    finally:
+        torch.set_num_threads(before)
+    return {way: {size: by_size[size][way] for size in sizes} for way in ways}
