@@ -146,3 +146,23 @@ def test_the_widths_timings_are_kept_in_the_machines_profile_and_read_by_a_later
     with pytest.raises(AssertionError, match="timed again"):
         choose_widths(module, sizes=[2, 16], threads=1)
     module.gemm_widths = {}
+
+
+def test_a_model_whose_every_k_is_whole_blocks_times_nothing_and_stores_nothing(monkeypatch, tmp_path):
+    """No layer to time: no profile entry (an empty one would read back as damaged, one warning a run)."""
+    from types import SimpleNamespace
+
+    from conftest import store_profile
+
+    from dlrm_lab.metrics.roofline import load_profile
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    store_profile(tmp_path)
+    dense = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 1))
+    module = SimpleNamespace(dense=dense, precision="fp32", dtype=torch.float32, gemm_widths={"x": 1})
+    lines: list[str] = []
+    for _ in range(2):
+        record = choose_widths(module, sizes=[1, 8], threads=1, log=lines.append)
+        assert record["widths"] == {} and record["ms"] == {} and module.gemm_widths == {}
+        assert "every layer's K is a whole number of blocks" in record["reason"]
+    assert not any("warning" in line for line in lines) and not load_profile().get("gemm_widths")

@@ -129,14 +129,18 @@ def choose_widths(module: Any, *, sizes: list[int], threads: int, log: Log | Non
     }
     shapes = sorted((name, layer.in_features, layer.out_features) for name, layer in layers.items())
     key = repr((module.precision, threads, list(sizes), shapes))
-    timings, source = measured_choice(
-        load_profile(),
-        "gemm_widths",
-        key,
-        read=lambda cached: _read(cached, layers, sizes),
-        measure=lambda: _time_layers(layers, module.dtype, sizes, threads),
-        entry=lambda figures, _cached: {"ms": _stored(figures)},
-        log=log,
+    timings, source = (
+        measured_choice(
+            load_profile(),
+            "gemm_widths",
+            key,
+            read=lambda cached: _read(cached, layers, sizes),
+            measure=lambda: _time_layers(layers, module.dtype, sizes, threads),
+            entry=lambda figures, _cached: {"ms": _stored(figures)},
+            log=log,
+        )
+        if layers  # nothing to time: no entry (an empty one is a damaged one to the profile's check)
+        else ({}, "nothing timed")
     )
     chosen: dict[str, int] = {}
     reasons = []
