@@ -59,7 +59,7 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     from dlrm_lab.infer.instance import _final_build
     from dlrm_lab.infer.interaction import choose_interaction
     from dlrm_lab.infer.serving_parts import make_runner
-    from dlrm_lab.infer.table_lookup import table_weights
+    from dlrm_lab.infer.table_lookup import FBGEMM, table_weights
     from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 
     torch.set_num_threads(1)
@@ -82,45 +82,34 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
         return build_named(build).make(model, bases[way], precision=precision, table_precision="fp32")
 
     modules: dict[str, Any] = {}
+    routed: dict[str, Any] = {}  # by_size: (plan, served module), routed as an instance does
     for route in routes:
         name, _, way = route.partition("/")
-        if way:
-            if name == "by_size":
-                made = {b: made_with(b, way) for b in FINALISTS}
-                plan = SimpleNamespace(build=FINALISTS[0], finalists=tuple((b, made[b].package) for b in FINALISTS[1:]),
-                                       precision=precision, history_cache_mb=0)  # fmt: skip
-                modules[route] = (plan, made[FINALISTS[0]])
-            else:
-                modules[route] = made_with(name, way)
-        elif route == "buckets":
+        way = way or FBGEMM  # a bare name: fbgemm's lookup, as its docstring says
+        if name == "by_size":
+            made = {b: made_with(b, way) for b in FINALISTS}
+            plan = SimpleNamespace(build=FINALISTS[0], finalists=tuple((b, made[b].package) for b in FINALISTS[1:]),
+                                   precision=precision, history_cache_mb=0)  # fmt: skip
+            routed[route] = (plan, made[FINALISTS[0]])
+        elif name == "buckets":
             fused = builds.make_build(model, "fused", precision=precision, table_precision="fp32")
             aoti = modules.get("aoti") or builds.make_build(model, "aoti", precision=precision, table_precision="fp32")
             bucketed = fused.sibling()
             bucketed.whole = copy.copy(aoti.whole)
             bucketed.whole.run = Buckets(fused, SIZES, Path(bucket_dir), aoti.whole.run, reuse=True).run
             modules[route] = bucketed
-        elif route != "by_size":
-            modules[route] = builds.make_build(model, route, precision=precision, table_precision="fp32")
-    made = {}
-    if "by_size" in routes:
-        made = {b: builds.make_build(model, b, precision=precision, table_precision="fp32") for b in FINALISTS}
-    routed = {r: m for r, m in modules.items() if isinstance(m, tuple)}  # by_size/way: (plan, served module)
-    modules = {r: m for r, m in modules.items() if r not in routed}
+        else:
+            modules[route] = made_with(name, way)
     huge = None
     if pages == "huge":  # each distinct table tensor once (siblings share their base's)
-        served = [*modules.values(), *made.values(), *(m for _, m in routed.values())]
+        served = [*modules.values(), *(m for _, m in routed.values())]
         tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in served)}
         huge = back_with_huge_pages(list(tables.values()))
     runners = {r: make_runner(m, library, torch.device("cpu"), precision) for r, m in modules.items()}
     for runner in runners.values():
         runner.warm_up(max(SIZES))
     chosen: dict[str, Any] = {}
-    if "by_size" in routes:  # as an instance serves it: its finalists timed at each size, routed (`_final_build`)
-        plan = SimpleNamespace(build=FINALISTS[0], finalists=tuple((b, made[b].package) for b in FINALISTS[1:]),
-                               precision=precision, history_cache_mb=0)  # fmt: skip
-        _, runner, chosen["by_size"] = _final_build(plan, made[FINALISTS[0]], library, torch.device("cpu"), max(SIZES))
-        runners["by_size"] = runner
-    for route, (plan, served) in routed.items():
+    for route, (plan, served) in routed.items():  # as an instance serves it: its finalists timed at each size
         _, runners[route], chosen[route] = _final_build(plan, served, library, torch.device("cpu"), max(SIZES))
     runners = {r: runners[r] for r in routes}  # the order asked: interleaved as given
     costs: dict[str, list[Any]] = {r: [] for r in runners}
@@ -185,7 +174,7 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str
                 f"{s['per_sample_us']:.2f} us a sample ({s['per_sample_vs_glibc']:.3f}x)",
                 flush=True,
             )
-    lookups: dict[str, Any] = {}  # the lab's table lookup against fbgemm's, paired within each process; and so
+    paired: dict[str, Any] = {}  # the lab's table lookup against fbgemm's, paired within each process; and so
     # a package at the chosen GEMM widths (`+k`) against the same at the model's own
     pairs = [(r, r[: -len("native")] + "fbgemm") for r in routes if r.endswith("/native")]
     pairs += [(r, r[: -len("+k")]) for r in routes if r.endswith("+k")]
@@ -195,10 +184,10 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str
                 key: statistics.median(r["routes"][route][key] / r["routes"][base][key] for r in runs)
                 for key in ("per_batch_ms", "per_sample_us")
             }
-            lookups[f"{route}/{name}"] = ratio
+            paired[f"{route}/{name}"] = ratio
             print(f"{route:20s} {name:9s} against {base}: a batch {ratio['per_batch_ms']:.3f}x, a sample "
                   f"{ratio['per_sample_us']:.3f}x (medians of per-round ratios)", flush=True)  # fmt: skip
-    return {"rounds": rows, "summary": summary, "lookup_vs_fbgemm": lookups}
+    return {"rounds": rows, "summary": summary, "paired": paired}
 
 
 def points_part(found: dict[str, str], rounds: int, duration: str) -> dict[str, Any]:
