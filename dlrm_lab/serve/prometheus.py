@@ -249,10 +249,21 @@ class ServingMetrics:
     def close(self) -> None:
         self.inference.batch_observer = None
         if self._thread is not None and self._loop is not None and not self._loop.is_closed():
-            for task in asyncio.all_tasks(self._loop):
-                self._loop.call_soon_threadsafe(task.cancel)
+            # every task cancelled in one call, in the loop's thread: one call a task raced the loop's end (the
+            # server's task cancelled first ends the loop, which closes before the next call: "Event loop is
+            # closed"); a loop closed since the check has nothing left to cancel
+            try:
+                self._loop.call_soon_threadsafe(_cancel_all)
+            except RuntimeError:
+                pass
             self._thread.join(timeout=5)
         self._thread = None
+
+
+def _cancel_all() -> None:
+    """Cancel every task of the running loop (called in its thread)."""
+    for task in asyncio.all_tasks():
+        task.cancel()
 
 
 class _StateCollector(Collector):
