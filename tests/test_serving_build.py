@@ -335,7 +335,7 @@ def test_an_auto_precision_that_fails_the_accuracy_rule_in_every_build_falls_bac
     # the builds' times injected: every build alike, the fused dense part too small to compile (measured, a busy
     # machine's or a slow bf16's timing opened that gate and every package was compiled only to be timed)
     times = FakeTimes(eager=1.0, fused=1.0)
-    monkeypatch.setattr(builds, "time_builds", lambda modules, sizes, threads, *_: times(modules, sizes, threads))
+    monkeypatch.setattr(builds, "time_builds", lambda modules, sizes, threads, *_, **__: times(modules, sizes, threads))
     spec = dlrm_lab.load_preset("tiny")
     torch.manual_seed(0)
     model = build_model(spec).eval()
@@ -462,3 +462,79 @@ def test_a_build_is_timed_at_the_batches_the_load_will_make_thousands_where_offl
     assert for_load(served, stream).largest_batch() == served.piece_limit() == 256
     given = dataclasses.replace(served, build_batches=(7, 9))
     assert for_load(given, stream, auto_batch_queued=True).batches_to_time() == [7, 9]
+
+
+def test_a_package_is_checked_at_batch_sizes_beside_its_traced_one():
+    """Inductor may keep a shape from the trace (torch 2.13's max_autotune wrote the interaction's bmm operand at
+    the traced 64 rows, and the package raised at a batch of 1): each package runs at 1, 2 and 65 samples and
+    scores each sample as within a batch of 64, or it does not serve."""
+    from dlrm_lab.infer.builds import BuildFailed
+    from dlrm_lab.infer.builds.aoti import EXAMPLE_BATCH, check_batch_sizes
+
+    model = _model()
+    module = dataclasses.make_dataclass("Module", ["spec"])(model.spec)
+    calls = []
+
+    def right(dense, ids, offsets):
+        calls.append(dense.shape[0])
+        assert ids.shape[0] == len(model.spec.feature_names) * dense.shape[0] == offsets.shape[0] - 1
+        return torch.sigmoid(dense.sum(1))
+
+    check_batch_sizes("aoti", module, right)
+    assert sorted(set(calls)) == [1, 2, EXAMPLE_BATCH, EXAMPLE_BATCH + 1]
+
+    def kept_its_trace(dense, ids, offsets):
+        if dense.shape[0] != EXAMPLE_BATCH:
+            raise RuntimeError("Expected size for first two dimensions of batch2 tensor to be: [1, 16] but got: "
+                               "[64, 16].\nException raised from ...")  # fmt: skip
+        return right(dense, ids, offsets)
+
+    with pytest.raises(BuildFailed, match=r"^aoti_tuned: its package fails at a batch of 1: Expected size .*\]\.$"):
+        check_batch_sizes("aoti_tuned", module, kept_its_trace)
+
+    def rescored(dense, ids, offsets):  # reads another sample's rows past the trace's batch
+        return right(dense.roll(1, 0) if dense.shape[0] > EXAMPLE_BATCH else dense, ids, offsets)
+
+    with pytest.raises(BuildFailed, match="scores a batch of 65 otherwise than a batch of 64"):
+        check_batch_sizes("aoti", module, rescored)
+    with pytest.raises(BuildFailed, match=r"returned \(1,\) scores for a batch of 2"):
+        check_batch_sizes("aoti", module, lambda d, i, o: torch.zeros(1) if d.shape[0] == 2 else right(d, i, o))
+
+
+def test_a_build_that_fails_a_batch_size_is_left_out_by_auto_and_asked_for_is_one_line(monkeypatch, tmp_path):
+    """A build made here that cannot serve (its package failing a batch size, or its warm-up raising) is timed no
+    further: `auto` serves another and says why; `--build` naming it stops with one line, not a traceback."""
+    from dlrm_lab.infer.builds import BuildFailed, build_named
+
+    monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    aoti = build_named("aoti")
+
+    def fails(*a, **k):
+        raise BuildFailed("aoti: its package fails at a batch of 1: Expected size [1, 16] but got [64, 16].")
+
+    monkeypatch.setattr(aoti, "make", fails)
+    monkeypatch.setattr(aoti, "skip", lambda dense_ms: None)  # timed even with tiny's small dense part
+    log = []
+    choice, _ = _choose("auto", None, log=log.append)
+    assert choice.build in ("eager", "fused") and "aoti" not in choice.batch_ms
+    assert choice.skipped["aoti"].startswith("aoti: its package fails at a batch of 1")
+    assert any(line.startswith("build aoti: not served: aoti: its package fails") for line in log)
+    with pytest.raises(UserError, match=r"^build aoti: its package fails at a batch of 1: .*--build auto serves "):
+        _choose("aoti", None)
+    # a warm-up that raises: the build left out with the batch sizes it was warmed at; a base build's error stands
+    model = _model()
+    library = PackedLibrary.generate(model.spec, None, SEED, 256)
+    made = builds.BuildSet(model, "fp32", "fp32")
+
+    class Raises:
+        def warm_up(self, largest):
+            raise RuntimeError("bmm: shapes differ\nframe #0: ...")
+
+    real = builds.make_runner
+    monkeypatch.setattr(builds, "make_runner", lambda m, *a: Raises() if m == "broken" else real(m, *a))
+    failed = {}
+    rates = builds.time_builds({"fused": made["fused"], "aoti": "broken"}, [4, 16], 1, library, "fp32", 3, failed)
+    assert set(rates) == {"fused"}
+    assert failed == {"aoti": "aoti: fails in its warm-up (batches of 1 to 16): bmm: shapes differ"}
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        builds.time_builds({"fused": "broken"}, [4], 1, library, "fp32", 3, {})

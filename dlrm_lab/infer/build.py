@@ -31,7 +31,7 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
-from dlrm_lab.infer.builds import MARGIN, build_named, builds, simplest_fast
+from dlrm_lab.infer.builds import MARGIN, BuildFailed, build_named, builds, simplest_fast
 from dlrm_lab.infer.finalists import finalists_of
 from dlrm_lab.infer.gemm_widths import choose_widths
 from dlrm_lab.infer.serving_parts import make_runner
@@ -101,19 +101,37 @@ Measure = Callable[[Mapping[str, nn.Module], Sequence[int], int], dict[str, dict
 
 
 def time_builds(
-    modules: Mapping[str, nn.Module], sizes: Sequence[int], threads: int, library: Any, precision: str, repeats: int = 5
+    modules: Mapping[str, nn.Module],
+    sizes: Sequence[int],
+    threads: int,
+    library: Any,
+    precision: str,
+    repeats: int = 5,
+    failed: dict[str, str] | None = None,
 ) -> dict[str, dict[int, float]]:
     """Median ms per batch of each build at each batch size (library samples, taken in turn so that
     drift hits every build alike), at `threads` threads; `dense_ms` of the fused build is
     reported under the key -1 (its dense part alone at the largest size, its fastest repeat: what the part
     costs undisturbed, which decides whether compiling can repay itself; a busy minute's median opened that
-    gate to tens of seconds of packages that could not)."""
+    gate to tens of seconds of packages that could not). A build that fails to be made or to run a batch size
+    (`BuildFailed`, or its warm-up raising) is not timed: `failed` gets why."""
     saved = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        runners = {b: make_runner(m, library, torch.device("cpu"), precision) for b, m in modules.items()}
-        for r in runners.values():
-            r.warm_up(max(sizes))
+        runners = {}
+        for b in modules:
+            try:  # a build that cannot serve every size is left out, and why kept (`failed`), not the run ended
+                runner = make_runner(modules[b], library, torch.device("cpu"), precision)
+                runner.warm_up(max(sizes))
+            except BuildFailed as e:
+                _fail(failed, b, str(e))
+                continue
+            except RuntimeError as e:
+                if b in BASES:  # what every later build is made from: nothing to fall back to
+                    raise
+                _fail(failed, b, f"{b}: fails in its warm-up (batches of 1 to {max(sizes)}): {_first_line(e)}")
+                continue
+            runners[b] = runner
         times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sizes} for b in runners}
         dense: list[float] = []
         # each repeat takes the library's next samples; every build sees the same ones
@@ -136,6 +154,19 @@ def time_builds(
         return out
     finally:
         torch.set_num_threads(saved)
+
+
+BASES = ("eager", "fused")  # the builds every other is made from: the first timed, never left out
+
+
+def _fail(failed: dict[str, str] | None, build: str, why: str) -> None:
+    if failed is None:
+        raise BuildFailed(why)
+    failed[build] = why
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _key(spec: Any, precision: str, table_precision: str, threads: int, sizes: Sequence[int], variant: str = "") -> str:
@@ -189,7 +220,7 @@ def choose_build(
     skipped: dict[str, str] = {
         b: f"not a build of {family.called}: {family.no_compiled_build}" for b in builds() if b not in family.builds
     }
-    first = [b for b in ("eager", "fused") if b in family.builds]  # the fused build's dense time gates the rest
+    first = [b for b in BASES if b in family.builds]  # the fused build's dense time gates the rest
     rates, source = _rates(first, modules, sizes, threads, library, measure, log)
     dense_ms = rates.get("fused", {}).get(-1)
     later = []
@@ -212,6 +243,12 @@ def choose_build(
         rates.update(more)
         if later_source != source:
             source = f"{source}; {', '.join(later)}: {later_source}"
+    for name, why in modules.failed.items():
+        if requested == name:
+            raise FieldError("build", f"{why}; --build auto serves another")
+        skipped[name] = why
+        if log:
+            log(f"build {name}: not served: {why}")
     timed = {b: {n: v for n, v in per.items() if n > 0} for b, per in rates.items()}  # batch sizes only
     total = {b: sum(per.values()) for b, per in timed.items()}
 
@@ -250,7 +287,10 @@ def choose_build(
                 f"({vs(build, fastest)}, {threads} thread{'s' if threads != 1 else ''}); running {build} "
                 "as asked (--build auto picks the faster)"
             )
-        accuracy = checked(build)
+        try:
+            accuracy = checked(build)
+        except BuildFailed as e:  # timed before (the profile's rates), found failing now it is made
+            raise FieldError("build", f"{e}; --build auto serves another") from None
         reason = (
             f"asked for (--build {build}: {total[build]:.3f} ms)" if build in total else f"asked for (--build {build})"
         )
@@ -260,7 +300,11 @@ def choose_build(
     best = simplest_fast(total)
     # the fastest that keeps the scores right; else the next fastest
     for b in [best] + sorted((o for o in ordered if o != best), key=lambda o: total[o]):
-        accuracy = checked(b)
+        try:
+            accuracy = checked(b)
+        except BuildFailed as e:  # timed before (the profile's rates), found failing now it is made
+            skipped[b] = str(e)
+            continue
         if accuracy.passed or b == "eager":
             best = b
             break
@@ -310,11 +354,23 @@ def _finalists(
     base = build_named(best).base
 
     def artefact(b: str) -> str | None:
-        return build_named(b).artefact(modules[b]) if build_named(b).base == base else None
+        if build_named(b).base != base:
+            return None
+        try:
+            return build_named(b).artefact(modules[b])
+        except BuildFailed as e:  # timed before (the profile's rates), found failing now it is made
+            skipped[b] = str(e)
+            return None
 
     finalists = finalists_of(best, {b: t for b, t in total.items() if b not in skipped}, artefact, timed)
     for b in list(finalists):
-        if not (check := checked(b)).passed:
+        try:
+            check = checked(b)
+        except BuildFailed as e:
+            skipped[b] = str(e)
+            del finalists[b]
+            continue
+        if not check.passed:
             skipped[b] = f"failed its accuracy check ({check.rule}): {check.to_dict()}"
             del finalists[b]
     return finalists
@@ -331,11 +387,18 @@ class BuildSet(dict):
     def __init__(self, model: nn.Module, precision: str, table_precision: str) -> None:
         super().__init__()
         self.model, self.precision, self.table_precision = model, precision, table_precision
+        self.failed: dict[str, str] = {}  # build -> why it does not serve here (`BuildFailed`), once found
 
     def __missing__(self, name: str) -> nn.Module:
+        if name in self.failed:
+            raise BuildFailed(self.failed[name])
         build = build_named(name)
         base = self[build.base] if build.base else None
-        module = build.make(self.model, base, precision=self.precision, table_precision=self.table_precision)
+        try:
+            module = build.make(self.model, base, precision=self.precision, table_precision=self.table_precision)
+        except BuildFailed as e:
+            self.failed[name] = str(e)
+            raise
         self[name] = module
         return module
 
@@ -390,7 +453,9 @@ def _rates(
 
     def time_now() -> dict[str, dict[int, float]]:
         modules = builds.subset(names)  # made as the timing asks for them (compiling takes seconds)
-        return (measure or (lambda m, s, t: time_builds(m, s, t, library, builds.precision)))(modules, sizes, threads)
+        if measure is not None:
+            return measure(modules, sizes, threads)
+        return time_builds(modules, sizes, threads, library, builds.precision, failed=builds.failed)
 
     def entry(rates: dict[str, dict[int, float]], cached: JsonObject | None) -> JsonObject | str:
         noisy = {b: per[SPREAD] for b, per in rates.items() if per.get(SPREAD, 0.0) > NOISY_SPREAD}

@@ -24,6 +24,12 @@ from dlrm_lab.errors import FieldError
 MARGIN = 1.05  # a build must be this much faster than the next simpler one to be chosen (beyond timing noise)
 
 
+class BuildFailed(RuntimeError):
+    """A build made here that does not serve: its artefact fails, or scores otherwise, at a batch size it must take
+    (one line: which build, which size, what failed). `auto` skips it with this reason; asked for by name, the
+    command says so and stops."""
+
+
 class Build(Protocol):
     """How one serving build is made in the serving process and brought up in an instance."""
 

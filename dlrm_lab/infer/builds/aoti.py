@@ -31,6 +31,7 @@ from torch import nn
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.artefacts import dense_package, record_of, require_verified
+from dlrm_lab.infer.builds import BuildFailed
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 from dlrm_lab.infer.gemm_widths import padded
 from dlrm_lab.infer.interaction import uses_native
@@ -38,6 +39,11 @@ from dlrm_lab.infer.table_lookup import NATIVE, PooledLookup, table_weights
 from dlrm_lab.model import native
 
 EXAMPLE_BATCH = 64  # the batch the graph is traced at; the batch dimension is exported as dynamic
+# batch sizes each package is checked at before it serves, beside its traced one: a shape Inductor kept from the trace
+# (torch 2.13's max_autotune wrote the interaction's bmm operand at the traced 64 rows, and the package raised at a
+# batch of 1) fails here, not in a served batch
+CHECK_SIZES = (1, 2, EXAMPLE_BATCH + 1)
+CHECK_TOLERANCE = 0.02  # a score's largest change with the batch size (bf16 kernels differ by M; a bad shape more)
 # what the package's graph is and how its kernels are compiled, in its cache key: a package of another graph (other
 # inputs) or compiled otherwise is never loaded for it
 GRAPH = "whole batch: fused lookup and dense part, from assembled ids; gathers unchecked (2)"
@@ -115,6 +121,45 @@ class PackagedBatch:
         return self.run([dense, ids, offsets, self.tables])[0]
 
 
+def check_batch_sizes(name: str, module: Any, whole: PackagedBatch) -> None:
+    """BuildFailed unless the package `whole` runs at each of CHECK_SIZES and scores each sample as it does within a
+    batch of its traced size (the same samples: random dense features, ids 0)."""
+    spec = module.spec
+    features = len(spec.feature_names)
+    largest = max(CHECK_SIZES)
+    dense = torch.randn(largest, spec.num_dense, generator=torch.Generator().manual_seed(0))
+
+    def scores(n: int) -> torch.Tensor:
+        ids = torch.zeros(features * n, dtype=torch.int32)
+        offsets = torch.arange(features * n + 1, dtype=torch.int32)
+        with torch.inference_mode():
+            return whole(dense[:n].contiguous(), ids, offsets).float()
+
+    try:
+        traced = scores(EXAMPLE_BATCH).reshape(-1)
+    except RuntimeError as e:
+        raise BuildFailed(f"{name}: its package fails at a batch of {EXAMPLE_BATCH}: {_first_line(e)}") from None
+    for n in CHECK_SIZES:
+        try:
+            got = scores(n)
+        except RuntimeError as e:
+            raise BuildFailed(f"{name}: its package fails at a batch of {n}: {_first_line(e)}") from None
+        common = min(n, EXAMPLE_BATCH)
+        if got.numel() != n or not torch.isfinite(got).all():
+            raise BuildFailed(f"{name}: its package returned {tuple(got.shape)} scores for a batch of {n}")
+        got = got.reshape(-1)
+        worst = float((got[:common] - traced[:common]).abs().max())
+        if worst > CHECK_TOLERANCE:
+            raise BuildFailed(
+                f"{name}: its package scores a batch of {n} otherwise than a batch of {EXAMPLE_BATCH} (a score "
+                f"changed by {worst:.3g}, over {CHECK_TOLERANCE})"
+            )
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 class AOTIBuild:
     name = "aoti"
     order = 3
@@ -161,6 +206,7 @@ class AOTIBuild:
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.whole = PackagedBatch(module.package, table_weights(module.tables))
+        check_batch_sizes(self.name, module, module.whole)
         return module
 
     def skip(self, base_dense_ms: float | None) -> str | None:
