@@ -135,7 +135,9 @@ def choose_widths(module: Any, *, sizes: list[int], threads: int, log: Log | Non
             "gemm_widths",
             key,
             read=lambda cached: _read(cached, layers, sizes),
-            measure=lambda: _time_layers(layers, module.dtype, sizes, threads),
+            # chosen from the figures as stored: a later run reading them chooses the same (a ratio at the margin
+            # flipped on the rounding once)
+            measure=lambda: _rounded(_time_layers(layers, module.dtype, sizes, threads)),
             entry=lambda figures, _cached: {"ms": _stored(figures)},
             log=log,
         )
@@ -170,10 +172,16 @@ def choose_widths(module: Any, *, sizes: list[int], threads: int, log: Log | Non
     return record
 
 
+def _rounded(timings: Timings) -> Timings:
+    return {
+        name: {w: {n: round(ms, 5) for n, ms in by.items()} for w, by in ws.items()} for name, ws in timings.items()
+    }
+
+
 def _stored(timings: Timings) -> JsonObject:
     return {
-        name: {w: {str(n): round(ms, 5) for n, ms in by.items()} for w, by in ws.items()}
-        for name, ws in timings.items()
+        name: {w: {str(n): ms for n, ms in by.items()} for w, by in ws.items()}
+        for name, ws in _rounded(timings).items()
     }
 
 
