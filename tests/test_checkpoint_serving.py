@@ -395,3 +395,28 @@ def test_a_damaged_metadata_file_is_one_line_and_no_reader_traceback(trained, tm
     with pytest.raises(UserError, match=r"^checkpoint /.*damaged: its .metadata is damaged or partial \("):
         load_weights(model, read_checkpoint(copy))
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_infer_builds_lists_a_build_whose_warm_up_fails_with_why_and_times_the_rest(trained, monkeypatch):
+    """A build that is made but raises at a batch size it must serve is a row with its reason, not a traceback."""
+    from conftest import run_cli_in_process
+
+    from dlrm_lab.infer import build as builds
+
+    real = builds.make_runner
+
+    class Raises:
+        def warm_up(self, largest):
+            raise RuntimeError("Expected size for first two dimensions of batch2 tensor to be: [1, 16]\nframe #0")
+
+    def runner(module, *a, **k):
+        return Raises() if getattr(module, "compiled", None) is not None else real(module, *a, **k)
+
+    monkeypatch.setattr(builds, "make_runner", runner)
+    root, _ = trained
+    args = ["-m", "tiny", "--checkpoint", str(root), "--builds", "fused,compiled", "--sizes", "1,16", "--repeats", "1"]
+    code, stdout, stderr = run_cli_in_process("infer", "builds", *args)
+    assert code == 0, stderr
+    assert "compiled: not timed: compiled: fails in its warm-up (batches of 1 to 16): Expected size" in stderr
+    assert any(line.lstrip("│ ").startswith("compiled") for line in stdout.splitlines()), stdout  # its row, with why
+    assert "fused: " in stderr and "us a sample" in stderr

@@ -94,9 +94,14 @@ def compare_builds(
             timed.append(name)
         except (RuntimeError, ImportError) as exc:  # an optional engine absent: listed, not timed
             rows.append(BuildRow(build=name, skipped=str(exc).splitlines()[0]))
-    rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, precision, repeats)))(
+    failed: dict[str, str] = {}  # a build made that then failed its warm-up: listed with why, not timed
+    rates = (measure or (lambda m, s, t: time_builds(m, s, t, library, precision, repeats, failed)))(
         made.subset(timed), sizes, served.threads
     )
+    for b, why in failed.items():
+        rows.append(BuildRow(build=b, skipped=why))
+        say(f"{b}: not timed: {why}")
+    timed = [b for b in timed if b not in failed]
     profile = load_profile()
     labels = "data" if served.checkpoint else "teacher"
     small, large = sizes[0], sizes[-1]
