@@ -582,3 +582,29 @@ def test_a_gpus_copy_and_gather_are_sized_past_its_cache_and_within_its_memory()
     small = ProbeSizes.preset(True).for_gpu(8 << 30)
     assert small.gather_rows * small.gather_tables * small.gather_dim * 4 <= 2 << 30 and small.gather_rows > 0
     assert ProbeSizes.preset(True).gather_rows == 250_000  # the CPU's own sizes unchanged
+
+
+def test_an_int8_build_is_placed_against_the_int8_products_peak_where_the_probe_measured_it():
+    """An int8 build's GEMMs are integer products (VNNI, AMX int8): against the bf16 peak its samples beat their
+    roof (kaggle's `aoti_int8` at 1.09 of it on Zen 4). The probe times `torch._int_mm`; a profile probed before it
+    keeps the served precision's peak."""
+    import copy
+
+    from dlrm_lab.infer.builds import computes_in
+    from dlrm_lab.infer.load_point import _peaks
+    from dlrm_lab.infer.sut import ModelDescription
+    from dlrm_lab.metrics.device_peaks import gemm_flops_per_s
+
+    int8 = gemm_flops_per_s(torch.device("cpu"), torch.int8, (64, 128), repeats=2, min_flops=1e6)
+    assert int8["flops_per_s"] > 0 and int8["size"] in (64, 128)
+    assert computes_in("aoti_int8", "bf16") == computes_in("openvino_int8", "fp32") == "int8"
+    assert computes_in("aoti", "bf16") == computes_in("not-a-build", "bf16") == computes_in(None, "bf16") == "bf16"
+    spec = dlrm_lab.load_preset("tiny")
+    served = ModelDescription("tiny", spec, threads=1, precision="bf16", build="aoti_int8")
+    older = fake_profile()
+    probed = copy.deepcopy(older)
+    probed["devices"]["cpu"]["threads"]["1"]["gemm_flops_per_s"]["int8"] = 400e9
+    assert _peaks(probed, "cpu", served).flops_per_s == 400e9
+    assert _peaks(older, "cpu", served).flops_per_s == 100e9  # not probed: the bf16 peak it is served beside
+    bf16 = ModelDescription("tiny", spec, threads=1, precision="bf16", build="aoti")
+    assert _peaks(probed, "cpu", bf16).flops_per_s == 100e9

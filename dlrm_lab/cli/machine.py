@@ -115,7 +115,17 @@ def show_command(
         if warning := quick_check(profile):
             console(stderr=True).print(warning, highlight=False, soft_wrap=True)
     table = Table(title="peaks")
-    for col in ("device", "GEMM fp32 GFLOP/s", "bf16", "fp16", "tf32", "copy GB/s", "gather GB/s", "H2D GB/s"):
+    for col in (
+        "device",
+        "GEMM fp32 GFLOP/s",
+        "bf16",
+        "fp16",
+        "tf32",
+        "int8 GOP/s",
+        "copy GB/s",
+        "gather GB/s",
+        "H2D GB/s",
+    ):
         table.add_column(col, justify="left" if col == "device" else "right")
     rows = []
     for name, dev in known.get("devices", {}).items():
@@ -134,6 +144,7 @@ def show_command(
             _gb(g.get("bf16")),
             _gb(g.get("fp16")),
             _gb(g.get("tf32")),
+            _gb(g.get("int8")),
             _gb(p.get("memory_bytes_per_s")),
             _gb(p.get("gather_bytes_per_s")),
             _gb(p.get("h2d_bytes_per_s")),

@@ -31,7 +31,7 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
-from dlrm_lab.infer.builds import MARGIN, BuildFailed, build_named, builds, simplest_fast
+from dlrm_lab.infer.builds import MARGIN, BuildFailed, build_named, builds, computes_in, simplest_fast
 from dlrm_lab.infer.finalists import finalists_of
 from dlrm_lab.infer.gemm_widths import choose_widths
 from dlrm_lab.infer.serving_parts import make_runner
@@ -378,7 +378,7 @@ def _finalists(
 
 def judged_precision(build: str, precision: str) -> str:
     """The precision a build's accuracy rule judges: the one it fixes for its dense part (int8), else the served one."""
-    return build_named(build).dense_precision or precision
+    return computes_in(build, precision)
 
 
 class BuildSet(dict):

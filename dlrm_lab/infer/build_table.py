@@ -109,13 +109,10 @@ def compare_builds(
         ms = {n: rates[name][n] for n in sizes}
         cost = BatchCost.between(small, ms[small], large, ms[large])
         computes_in = judged_precision(name, precision)
-        gemm = "bf16" if computes_in == "int8" else computes_in  # the probe has no int8 GEMM peak: the bf16 one
-        roof = batch_roof(
-            served.spec,
-            served.table_precision,
-            peaks_for(profile, "cpu", gemm, served.threads),
-            dense_weight_bytes(name, precision),
-        )(large)
+        peaks = peaks_for(profile, "cpu", computes_in, served.threads)
+        if isinstance(peaks, str) and computes_in == "int8":  # a profile probed before int8 was: the bf16 peak
+            peaks = peaks_for(profile, "cpu", "bf16", served.threads)
+        roof = batch_roof(served.spec, served.table_precision, peaks, dense_weight_bytes(name, precision))(large)
         check = check_accuracy(
             model,
             made[name],

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import ClientLost, RemoteFailure, ServerLost
-from dlrm_lab.infer.builds import dense_weight_bytes
+from dlrm_lab.infer.builds import computes_in, dense_weight_bytes
 from dlrm_lab.infer.drivers import drive, make_driver, scenario
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
@@ -411,8 +411,12 @@ def _peaks(profile: JsonObject | None, device: str, served: ModelDescription) ->
     reason instead where its instances are not on this machine, or their precision and threads are unknown)."""
     if not served.on_this_host or served.precision is None or served.threads is None:
         return served.unplaced or "the server did not say how it serves this model"
-    precision = gemm_precision(device, served.precision)
-    return peaks_for(profile, "cuda:0" if device == "cuda" else "cpu", precision, served.threads)
+    where = "cuda:0" if device == "cuda" else "cpu"
+    computed = computes_in(served.build, served.precision)  # int8 builds: the int8 product's peak
+    peaks = peaks_for(profile, where, gemm_precision(device, computed), served.threads)
+    if isinstance(peaks, str) and computed != served.precision:  # a profile probed before int8 was: as served
+        peaks = peaks_for(profile, where, gemm_precision(device, served.precision), served.threads)
+    return peaks
 
 
 def _dense_bytes(served: ModelDescription) -> float:

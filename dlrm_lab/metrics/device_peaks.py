@@ -20,7 +20,7 @@ from dlrm_lab.metrics.interleaved import interleaved_medians
 if TYPE_CHECKING:
     from dlrm_lab.metrics.ceiling import CeilingEntry
 
-GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 
 class GemmPeak(TypedDict):
@@ -192,22 +192,29 @@ def gemm_flops_per_s(
     # rate timed so far and the first predicted to take over 0.25 s ends the climb. The pilot
     # is a floor, not a forecast: on a GPU one small product is launch-bound (an H200's pilot
     # cut bf16 at n=2048: 430 of the 667 TFLOP/s it sustains at n=8192).
+    # int8: the integer product int8 builds compute in (VNNI, AMX int8; int32 sums), counted as 2 n^3 operations
+    mm = torch._int_mm if dtype == torch.int8 else torch.mm
+
+    def square(n: int) -> torch.Tensor:
+        if dtype == torch.int8:
+            return torch.randint(-128, 128, (n, n), device=device, dtype=dtype)
+        return torch.randn(n, n, device=device).to(dtype)
+
     pilot = min(256, *sizes)
-    a = torch.randn(pilot, pilot, device=device).to(dtype)
-    torch.mm(a, a)  # first call: kernel selection
+    a = square(pilot)
+    mm(a, a)  # first call: kernel selection
     sync(device)
     t0 = time.perf_counter()
-    torch.mm(a, a)
+    mm(a, a)
     sync(device)
     pilot_rate = 2 * pilot**3 / max(time.perf_counter() - t0, 1e-9)
     climb = sorted(sizes) if 2 * min(sizes) ** 3 / pilot_rate <= 0.25 else [pilot]
     for n in climb:
         if best["size"] is not None and 2 * n**3 / best["flops_per_s"] > 0.25:
             break
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        a, b = square(n), square(n)
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        mm(a, b)
         sync(device)
         single = time.perf_counter() - t0
         # repeat small products so that one timing holds enough work, but keep it under ~0.1 s
@@ -215,7 +222,7 @@ def gemm_flops_per_s(
 
         def step(a: torch.Tensor = a, b: torch.Tensor = b, inner: int = inner) -> None:
             for _ in range(inner):
-                torch.mm(a, b)
+                mm(a, b)
 
         times = _timed_all(step, repeats, device)
         rate = inner * 2 * n**3 / statistics.median(times)

@@ -78,11 +78,18 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             if device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
             square = sizes.gpu_gemm_sizes if device.type == "cuda" else sizes.gemm_sizes
-            gemm = gemm_flops_per_s(device, dtype, square, sizes.repeats, sizes.gemm_min_flops)
+            try:
+                gemm = gemm_flops_per_s(device, dtype, square, sizes.repeats, sizes.gemm_min_flops)
+            except (RuntimeError, NotImplementedError) as exc:  # int8: a torch without this device's _int_mm
+                if dtype != torch.int8:
+                    raise
+                say(f"  GEMM int8: not measured ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+                continue
             out["gemm_flops_per_s"][name] = gemm["flops_per_s"]
             out["gemm_size"][name] = gemm["size"]
             out["gemm_spread"][name] = gemm["spread"]
-            say(f"  GEMM {name}: {gemm['flops_per_s'] / 1e9:,.1f} GFLOP/s (n={gemm['size']})")
+            unit = "GOP/s" if dtype == torch.int8 else "GFLOP/s"
+            say(f"  GEMM {name}: {gemm['flops_per_s'] / 1e9:,.1f} {unit} (n={gemm['size']})")
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
         out["memory_bytes_per_s"] = copy_bytes_per_s(device, sizes.copy_bytes, sizes.repeats)

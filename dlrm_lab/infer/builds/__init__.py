@@ -100,6 +100,13 @@ def dense_weight_bytes(name: str, precision: str) -> float:
     return 1.0 if stored == "int8" else float(DTYPES[stored].itemsize) if stored in DTYPES else 4.0
 
 
+def computes_in(build: str | None, precision: str) -> str:
+    """The precision a build's GEMMs compute in: the one it fixes for its dense part (int8), else the served one (a
+    build the registry does not know: the served one)."""
+    known = builds().get(build or "")
+    return (known.dense_precision if known is not None else None) or precision
+
+
 def build_names() -> tuple[str, ...]:
     return tuple(builds())
 
