@@ -31,7 +31,15 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import FieldError
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
-from dlrm_lab.infer.builds import MARGIN, BuildFailed, build_named, builds, computes_in, simplest_fast
+from dlrm_lab.infer.builds import (
+    MARGIN,
+    BuildFailed,
+    build_named,
+    builds,
+    computes_in,
+    first_line,
+    simplest_fast,
+)
 from dlrm_lab.infer.finalists import finalists_of
 from dlrm_lab.infer.gemm_widths import choose_widths
 from dlrm_lab.infer.serving_parts import make_runner
@@ -129,7 +137,7 @@ def time_builds(
             except RuntimeError as e:
                 if b in BASES:  # what every later build is made from: nothing to fall back to
                     raise
-                _fail(failed, b, f"{b}: fails in its warm-up (batches of 1 to {max(sizes)}): {_first_line(e)}")
+                _fail(failed, b, f"{b}: fails in its warm-up (batches of 1 to {max(sizes)}): {first_line(e)}")
                 continue
             runners[b] = runner
         times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sizes} for b in runners}
@@ -163,10 +171,6 @@ def _fail(failed: dict[str, str] | None, build: str, why: str) -> None:
     if failed is None:
         raise BuildFailed(why)
     failed[build] = why
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _key(spec: Any, precision: str, table_precision: str, threads: int, sizes: Sequence[int], variant: str = "") -> str:

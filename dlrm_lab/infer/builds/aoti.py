@@ -31,7 +31,7 @@ from torch import nn
 
 from dlrm_lab.config.values import JsonObject
 from dlrm_lab.infer.artefacts import dense_package, record_of, require_verified
-from dlrm_lab.infer.builds import BuildFailed
+from dlrm_lab.infer.builds import BuildFailed, first_line
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 from dlrm_lab.infer.gemm_widths import padded
 from dlrm_lab.infer.interaction import uses_native
@@ -138,12 +138,12 @@ def check_batch_sizes(name: str, module: Any, whole: PackagedBatch) -> None:
     try:
         traced = scores(EXAMPLE_BATCH).reshape(-1)
     except RuntimeError as e:
-        raise BuildFailed(f"{name}: its package fails at a batch of {EXAMPLE_BATCH}: {_first_line(e)}") from None
+        raise BuildFailed(f"{name}: its package fails at a batch of {EXAMPLE_BATCH}: {first_line(e)}") from None
     for n in CHECK_SIZES:
         try:
             got = scores(n)
         except RuntimeError as e:
-            raise BuildFailed(f"{name}: its package fails at a batch of {n}: {_first_line(e)}") from None
+            raise BuildFailed(f"{name}: its package fails at a batch of {n}: {first_line(e)}") from None
         common = min(n, EXAMPLE_BATCH)
         if got.numel() != n or not torch.isfinite(got).all():
             raise BuildFailed(f"{name}: its package returned {tuple(got.shape)} scores for a batch of {n}")
@@ -154,10 +154,6 @@ def check_batch_sizes(name: str, module: Any, whole: PackagedBatch) -> None:
                 f"{name}: its package scores a batch of {n} otherwise than a batch of {EXAMPLE_BATCH} (a score "
                 f"changed by {worst:.3g}, over {CHECK_TOLERANCE})"
             )
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class AOTIBuild:
