@@ -504,9 +504,12 @@ def test_a_package_is_checked_at_batch_sizes_beside_its_traced_one():
 def test_a_build_that_fails_a_batch_size_is_left_out_by_auto_and_asked_for_is_one_line(monkeypatch, tmp_path):
     """A build made here that cannot serve (its package failing a batch size, or its warm-up raising) is timed no
     further: `auto` serves another and says why; `--build` naming it stops with one line, not a traceback."""
+    from conftest import store_profile
+
     from dlrm_lab.infer.builds import BuildFailed, build_named
 
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
+    store_profile(tmp_path)
     aoti = build_named("aoti")
 
     def fails(*a, **k):
@@ -519,8 +522,14 @@ def test_a_build_that_fails_a_batch_size_is_left_out_by_auto_and_asked_for_is_on
     assert choice.build in ("eager", "fused") and "aoti" not in choice.batch_ms
     assert choice.skipped["aoti"].startswith("aoti: its package fails at a batch of 1")
     assert any(line.startswith("build aoti: not served: aoti: its package fails") for line in log)
+    # kept in the machine's profile with why: a later run neither makes it nor times any build again to find it
+    real_time_builds = builds.time_builds
+    monkeypatch.setattr(builds, "time_builds", lambda *a, **k: pytest.fail("timed again"))
+    again, _ = _choose("auto", None)
+    assert again.skipped["aoti"] == choice.skipped["aoti"] and again.build == choice.build
     with pytest.raises(UserError, match=r"^build aoti: its package fails at a batch of 1: .*--build auto serves "):
         _choose("aoti", None)
+    monkeypatch.setattr(builds, "time_builds", real_time_builds)
     # a warm-up that raises: the build left out with the batch sizes it was warmed at; a base build's error stands
     model = _model()
     library = PackedLibrary.generate(model.spec, None, SEED, 256)

@@ -469,11 +469,26 @@ def _rates(
                 f"the machine was noisy ({worst}'s batch times spread {noisy[worst]:.0%} of their median, over "
                 f"{NOISY_SPREAD:.0%})"
             )
-        # the builds measured before and not now stay beside the new ones
+        # the builds measured before and not now stay beside the new ones; a build that failed here is kept with why,
+        # so that a later run does not make it and time every build again to find the same
+        failed = {**_failed_in(cached), **{b: builds.failed[b] for b in names if b in builds.failed}}
         earlier = cast(dict[str, Any], (cached or {}).get("batch_ms", {}))
-        return {"batch_ms": {**earlier, **stored_batch_times(rates)}, "sizes": list(sizes)}
+        timed = {b: t for b, t in {**earlier, **stored_batch_times(rates)}.items() if b not in failed}
+        return {"batch_ms": timed, "sizes": list(sizes), **({"failed": failed} if failed else {})}
+
+    def read(cached: JsonObject) -> dict[str, dict[int, float]] | None:
+        failed = {b: why for b, why in _failed_in(cached).items() if b in names}
+        times = batch_times([b for b in names if b not in failed])(cached)
+        if times is not None:
+            builds.failed.update(failed)  # `choose_build` skips them with the reason they failed with
+        return times
 
     # read from disk: a dynamic shape (`metrics.measured.cached_problem` checks the entry's)
     key = _key(builds.model.spec, builds.precision, builds.table_precision, threads, sizes, variant)
-    read = batch_times(names)
     return measured_choice(load_profile(), "build_rates", key, read=read, measure=time_now, entry=entry, log=log)
+
+
+def _failed_in(entry: JsonObject | None) -> dict[str, str]:
+    """The builds a `build_rates` entry says failed here, and why (none where it says nothing readable)."""
+    failed = (entry or {}).get("failed")
+    return {str(b): why for b, why in failed.items() if isinstance(why, str)} if isinstance(failed, dict) else {}

@@ -55,6 +55,8 @@ def cached_problem(section: str, key: str, entry: Any) -> str | None:
                 return problem
         return None
 
+    if entry.get(name) == {} and isinstance(entry.get("failed"), dict) and entry["failed"]:
+        return None  # every build it holds failed here (`infer.build`): their reasons are the entry
     return walk(entry.get(name), f"{where}.{name}", 0)
 
 
