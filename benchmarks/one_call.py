@@ -35,14 +35,14 @@ from common import header, results_path, write_results
 
 import dlrm_lab
 from dlrm_lab.infer import build as builds
-from dlrm_lab.infer.builds import BuildFailed, build_names, computes_in, dense_weight_bytes
+from dlrm_lab.infer.builds import BuildFailed, build_names, dense_weight_bytes
 from dlrm_lab.infer.builds.aoti import WholeBatch, example_batch
 from dlrm_lab.infer.library import PackedLibrary
-from dlrm_lab.infer.records import batch_roof
+from dlrm_lab.infer.records import batch_roof, build_peaks
 from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.table_lookup import table_weights
 from dlrm_lab.metrics.precision import AUTO, choose_precision
-from dlrm_lab.metrics.roofline import load_profile, peaks_for
+from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.model.dlrm import build_model
 
 SIZES = (1, 256)
@@ -105,7 +105,6 @@ def kaggle_setup() -> tuple[Any, str, Any, PackedLibrary]:
 
 def batch_part(table_precisions: list[str]) -> dict[str, Any]:
     spec, precision, model, library = kaggle_setup()
-    peaks = peaks_for(load_profile(), "cpu", precision, 1)
     out: dict[str, Any] = {"precision": precision, "routes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for table_precision in table_precisions:
@@ -132,9 +131,8 @@ def batch_part(table_precisions: list[str]) -> dict[str, Any]:
                     costs[route].append(runner.batch_cost(max(SIZES), repeats=7))
             for route in modules:
                 weights = dense_weight_bytes(route if route in build_names() else "aoti", precision)
-                computed = computes_in(route if route in build_names() else "aoti", precision)
-                own = peaks_for(load_profile(), "cpu", computed, 1)  # int8 builds: the int8 product's peak
-                roof = batch_roof(spec, table_precision, peaks if isinstance(own, str) else own, weights)
+                own = build_peaks(load_profile(), "cpu", route if route in build_names() else "aoti", precision, 1)
+                roof = batch_roof(spec, table_precision, own, weights)
                 fixed = statistics.median(c.fixed_ms for c in costs[route])
                 per_sample_us = statistics.median(c.per_sample_ms for c in costs[route]) * 1e3
                 roof_per_sample_us = (roof(256) - roof(1)) / 255 * 1e3

@@ -14,6 +14,11 @@ from contextlib import contextmanager
 from typing import Any
 
 
+def first_line(error: BaseException) -> str:
+    """An error's first line (a C++ op's message carries its frames below): what a one-line reason quotes."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 class UserError(Exception):
     """A mistake in user input: bad preset, spec field, option value or path."""
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from dlrm_lab.config.family import family_of
 from dlrm_lab.config.values import JsonObject, Log
-from dlrm_lab.errors import FieldError
+from dlrm_lab.errors import FieldError, first_line
 from dlrm_lab.infer.accuracy import AccuracyCheck, check_accuracy
 from dlrm_lab.infer.batches import QueryRef, next_samples
 from dlrm_lab.infer.builds import (
@@ -37,7 +37,6 @@ from dlrm_lab.infer.builds import (
     build_named,
     builds,
     computes_in,
-    first_line,
     simplest_fast,
 )
 from dlrm_lab.infer.finalists import finalists_of

@@ -22,12 +22,12 @@ from dlrm_lab.infer.build import BuildSet, Measure, judged_precision, time_build
 from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.instance import PRECISIONS
 from dlrm_lab.infer.memory import library_samples
-from dlrm_lab.infer.records import batch_roof
+from dlrm_lab.infer.records import batch_roof, build_peaks
 from dlrm_lab.infer.requests import generate_library
 from dlrm_lab.infer.served import ServedModel
 from dlrm_lab.infer.serving_parts import serving_of
 from dlrm_lab.metrics.precision import choose_precision
-from dlrm_lab.metrics.roofline import load_profile, peaks_for
+from dlrm_lab.metrics.roofline import load_profile
 
 
 class _BuildNamed(TypedDict):
@@ -109,9 +109,7 @@ def compare_builds(
         ms = {n: rates[name][n] for n in sizes}
         cost = BatchCost.between(small, ms[small], large, ms[large])
         computes_in = judged_precision(name, precision)
-        peaks = peaks_for(profile, "cpu", computes_in, served.threads)
-        if isinstance(peaks, str) and computes_in == "int8":  # a profile probed before int8 was: the bf16 peak
-            peaks = peaks_for(profile, "cpu", "bf16", served.threads)
+        peaks = build_peaks(profile, "cpu", name, precision, served.threads, fallback="bf16")
         roof = batch_roof(served.spec, served.table_precision, peaks, dense_weight_bytes(name, precision))(large)
         check = check_accuracy(
             model,

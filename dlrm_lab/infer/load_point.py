@@ -20,7 +20,7 @@ from typing import Any, cast
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.errors import ClientLost, RemoteFailure, ServerLost
-from dlrm_lab.infer.builds import computes_in, dense_weight_bytes
+from dlrm_lab.infer.builds import dense_weight_bytes
 from dlrm_lab.infer.drivers import drive, make_driver, scenario
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.load import DriverStats, LoadSettings, Stream
@@ -28,6 +28,7 @@ from dlrm_lab.infer.options import InferConfig
 from dlrm_lab.infer.records import (
     FLOOR_RESOLUTION_MS,
     batch_roof,
+    build_peaks,
     energy_columns,
     latency_floor_columns,
     latency_parts,
@@ -41,7 +42,7 @@ from dlrm_lab.metrics.columns import InferSummaryRow, QueryRow
 from dlrm_lab.metrics.cost import Price, price_of, serving_cost_columns
 from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler
-from dlrm_lab.metrics.roofline import Peaks, gemm_precision, load_profile, peaks_for
+from dlrm_lab.metrics.roofline import Peaks, load_profile
 from dlrm_lab.metrics.sensors import open_power_sources
 from dlrm_lab.metrics.tables import TableWriter
 
@@ -411,12 +412,7 @@ def _peaks(profile: JsonObject | None, device: str, served: ModelDescription) ->
     reason instead where its instances are not on this machine, or their precision and threads are unknown)."""
     if not served.on_this_host or served.precision is None or served.threads is None:
         return served.unplaced or "the server did not say how it serves this model"
-    where = "cuda:0" if device == "cuda" else "cpu"
-    computed = computes_in(served.build, served.precision)  # int8 builds: the int8 product's peak
-    peaks = peaks_for(profile, where, gemm_precision(device, computed), served.threads)
-    if isinstance(peaks, str) and computed != served.precision:  # a profile probed before int8 was: as served
-        peaks = peaks_for(profile, where, gemm_precision(device, served.precision), served.threads)
-    return peaks
+    return build_peaks(profile, "cuda" if device == "cuda" else "cpu", served.build, served.precision, served.threads)
 
 
 def _dense_bytes(served: ModelDescription) -> float:

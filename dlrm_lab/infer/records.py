@@ -11,10 +11,11 @@ from typing import Any, cast
 import numpy as np
 
 from dlrm_lab.config import ModelSpec
+from dlrm_lab.infer.builds import computes_in
 from dlrm_lab.infer.requests import SERVED_WINDOW
 from dlrm_lab.infer.serving_parts import every_serving
 from dlrm_lab.metrics.columns import BATCH_STAGES, LATENCY_PARTS, TRANSFER_STAGES, InferSummaryRow, QueryRow
-from dlrm_lab.metrics.roofline import Peaks, Work, place
+from dlrm_lab.metrics.roofline import Peaks, Work, gemm_precision, peaks_for, place
 from dlrm_lab.metrics.stats import percentile
 from dlrm_lab.metrics.wake import cold_factor_for_gap, wake_ms_for_gap
 from dlrm_lab.model.cost import lookup_bytes_per_sample, sample_cost, stored_table_bytes
@@ -407,6 +408,19 @@ def latency_floor_columns(
     if measured is not None and floor_ms and floor_ms >= FLOOR_RESOLUTION_MS:  # below it a ratio means nothing
         out["latency_floor_ratio"] = measured / floor_ms
     return out
+
+
+def build_peaks(
+    profile: Any, device: str, build: str | None, precision: str, threads: int, fallback: str | None = None
+) -> Peaks | str:
+    """The peaks a build's batches are placed against: those of the precision its GEMMs compute in (an int8 build:
+    the int8 product's); where the profile has none (probed before int8 was), `fallback`'s (default: `precision`)."""
+    where = "cuda:0" if device == "cuda" else device
+    computed = computes_in(build, precision)
+    peaks = peaks_for(profile, where, gemm_precision(device, computed), threads)
+    if isinstance(peaks, str) and computed != precision:
+        peaks = peaks_for(profile, where, gemm_precision(device, fallback or precision), threads)
+    return peaks
 
 
 def batch_roof(

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_lab.config.values import Log
-from dlrm_lab.errors import FieldError
+from dlrm_lab.errors import FieldError, first_line
 from dlrm_lab.metrics.canary import quiet_canary
 from dlrm_lab.metrics.ceiling import measure_ceiling
 from dlrm_lab.metrics.collectives import comm_bandwidth, mpi_bandwidth, slowest_over, torchrec_distribution
@@ -83,7 +83,7 @@ def probe_device(device: torch.device, sizes: ProbeSizes, log: Log | None = None
             except (RuntimeError, NotImplementedError) as exc:  # int8: a torch without this device's _int_mm
                 if dtype != torch.int8:
                     raise
-                say(f"  GEMM int8: not measured ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+                say(f"  GEMM int8: not measured ({first_line(exc)})")
                 continue
             out["gemm_flops_per_s"][name] = gemm["flops_per_s"]
             out["gemm_size"][name] = gemm["size"]

@@ -30,11 +30,6 @@ class BuildFailed(RuntimeError):
     command says so and stops."""
 
 
-def first_line(error: BaseException) -> str:
-    """An error's first line (a C++ op's message carries its frames below): what a one-line reason quotes."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 class Build(Protocol):
     """How one serving build is made in the serving process and brought up in an instance."""
 

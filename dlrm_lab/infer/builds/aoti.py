@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from dlrm_lab.config.values import JsonObject
+from dlrm_lab.errors import first_line
 from dlrm_lab.infer.artefacts import dense_package, record_of, require_verified
-from dlrm_lab.infer.builds import BuildFailed, first_line
+from dlrm_lab.infer.builds import BuildFailed
 from dlrm_lab.infer.builds.compiled import too_small_to_compile
 from dlrm_lab.infer.gemm_widths import padded
 from dlrm_lab.infer.interaction import uses_native
