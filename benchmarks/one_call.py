@@ -12,6 +12,8 @@ batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the prec
           aoti_frozen  the same, compiled with Inductor's freezing (the dense weights prepacked at build time);
           aoti_tuned   the same, compiled with max_autotune and Inductor's C++ GEMM template beside ATen's;
           aoti_int8    the whole batch with its dense part int8 (torchao PT2E);
+          aoti_buckets the lab's bucket build: aoti_frozen, and a static-shape max_autotune package for each small
+                       batch size where one is faster (made and chosen as a served instance's are);
           buckets      one static-shape package per batch size (1 and 256 here), max_autotune: the bucket route.
         Targets (AMX): <= 0.15 ms a batch, <= 1.5 us a sample.
 points  The low-load point (kaggle 100k rows, MLPerf sizes, 3 q/s, 1 x 1, 120 s; `--duration` to shorten) under
@@ -109,12 +111,15 @@ def batch_part(table_precisions: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for table_precision in table_precisions:
             modules = {}
-            for b in ("fused", "aoti", "aoti_frozen", "aoti_tuned", "aoti_int8"):
+            for b in ("fused", "aoti", "aoti_frozen", "aoti_tuned", "aoti_buckets", "aoti_int8"):
                 try:
                     modules[b] = builds.make_build(model, b, precision=precision, table_precision=table_precision)
                 except BuildFailed as e:  # a package that fails a batch size: named, not timed
                     out.setdefault("failed", {})[f"{b}/{table_precision}"] = str(e)
                     print(f"  {b:10s} tables {table_precision}: not timed: {e}", flush=True)
+            if "aoti_buckets" in modules:
+                print(f"  aoti_buckets: {modules['aoti_buckets'].static_reason}", flush=True)
+                out.setdefault("static", {})[table_precision] = modules["aoti_buckets"].static_reason
             modules["dense_pkg"] = dense_package(modules["fused"], Path(tmp))
             bucketed = modules["fused"].sibling()
             bucketed.whole = copy.copy(modules["aoti"].whole)

@@ -630,3 +630,79 @@ def test_the_serving_plan_times_the_interaction_both_ways_and_puts_its_choice_in
         model, precision="fp32", sizes=[8], threads=1, device="cpu", log=lines.append
     )
     assert record["interaction"] == "torch" and "no compiler" in record["reason"] and not interaction.uses_native(model)
+
+
+def test_aoti_buckets_serves_small_batches_by_static_packages_and_keeps_only_those_faster(served, monkeypatch):
+    """`aoti_buckets`: a package made for each small batch size alone, kept only where it times faster than the
+    dynamic package (the first size not kept ends the list; none kept: the build fails); the runner calls it once
+    for a batch of its size, scoring as the eager model; its one file names its packages and loads them beside the
+    instance's own tables; an instance routing a size to it pads as its own runner pads."""
+    from types import SimpleNamespace
+
+    from dlrm_lab.infer import finalists, instance
+    from dlrm_lab.infer.builds import BuildFailed, aoti_buckets
+
+    model, packaged, library, _ = served
+    monkeypatch.setattr(aoti_buckets, "FROZEN", build_named("aoti"))  # its dynamic package: the fixture's, cached
+    monkeypatch.setattr(aoti_buckets.TUNED, "inductor_configs", {})  # the template's autotuning: seconds a GEMM
+    faster = {1: True, 2: False, 4: True, 8: True}
+    timed: list[int] = []
+
+    def time_against(_static, _dynamic, _module, n, _tables):
+        timed.append(n)
+        return (0.1, 0.3) if faster[n] else (0.3, 0.3)
+
+    monkeypatch.setattr(aoti_buckets, "_time_against", time_against)
+    module = make_build(model, "aoti_buckets", precision="fp32", table_precision="fp32")
+    assert timed == [1, 2] and sorted(module.static) == [1]  # 2 lost: 4 and 8 never made
+    assert "static packages for [1] samples" in module.static_reason
+    runner = make_runner(module, library, torch.device("cpu"), "fp32")
+    assert runner.limits == [1] and runner.exact == 1
+    assert runner.run_at(1) is module.whole.static_runs[1] and runner.run_at(2) is runner.native
+    for refs in ([QueryRef(0, 1, 5)], [QueryRef(0, 1, 900)], [QueryRef(0, 3, 0)]):
+        scores = runner(refs)
+        assert np.abs(scores - _eager_scores(model, library, refs)).max() <= accuracy.FP32_SCORE_TOLERANCE
+        assert _python_calls(runner, refs)[1] == 1  # one native call a batch, static or not
+    # its one file: the packages, loaded beside the tables this instance mapped
+    artefact = build_named("aoti_buckets").artefact(module)
+    other = build_named("aoti_buckets").from_artefact(module, artefact)
+    assert other.static == module.static and other.package == module.package
+    assert table_weights(other.tables).data_ptr() == table_weights(module.tables).data_ptr()
+    # an instance serving aoti routes a batch of one to aoti_buckets' static package
+    choice = finalists.FinalChoice(build="aoti", reason="", samples=8, ms={}, by_size={1: "aoti_buckets"})
+    monkeypatch.setattr(finalists, "choose", lambda *_a: choice)
+    plan = SimpleNamespace(build="aoti", finalists=(("aoti_buckets", artefact),), precision="fp32",
+                           history_cache_mb=0)  # fmt: skip
+    _, served_runner, _ = instance._final_build(plan, packaged, library, torch.device("cpu"), 8)
+    assert served_runner.exact == 1 and served_runner.limits == [1, 2, 4, 8] and served_runner._padded(3) == 3
+    assert served_runner.runs[0] is not served_runner.native
+    refs = [QueryRef(0, 1, 40)]
+    np.testing.assert_allclose(served_runner(refs), runner(refs), atol=1e-6)
+    faster[1] = False
+    with pytest.raises(BuildFailed, match="no static package beats the dynamic one"):
+        make_build(model, "aoti_buckets", precision="fp32", table_precision="fp32")
+
+
+def test_a_runner_pads_batches_up_to_its_static_sizes_whatever_the_precision(served):
+    """`PackagedRunner.route(..., exact=)`: at fp32 (which pads nothing otherwise) a batch of up to `exact` samples
+    is padded to its bucket, so a package made for that size alone gets exactly its size; beyond it, as it came."""
+    _, module, library, _ = served
+    runner = make_runner(module, library, torch.device("cpu"), "fp32")
+    assert not runner.pad
+    expected = {n: runner([QueryRef(0, n, 0)]) for n in (3, 5, 9)}
+    got: list[int] = []
+    own = runner.native
+
+    def static(size):
+        def run(inputs):
+            assert inputs[0].shape[0] == size, (inputs[0].shape, size)
+            got.append(size)
+            return own(inputs)
+
+        return run
+
+    runner.route({1: static(1), 2: static(2), 4: static(4), 8: static(8)}, exact=8)
+    payload = PackedLibrary.from_columns(*library.columns(0, 5))
+    for n, refs in ((3, [QueryRef(0, 3, 0)]), (5, [QueryRef(0, 5, 0, payload)]), (9, [QueryRef(0, 9, 0)])):
+        np.testing.assert_allclose(runner(refs), expected[n], atol=1e-6)
+    assert got == [4, 8]  # 3 -> 4, 5 -> 8, 9: the runner's own package, unpadded

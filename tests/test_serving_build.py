@@ -177,7 +177,9 @@ def test_an_explicit_slower_build_runs_with_one_warning_naming_both_times(monkey
     assert choice.build == "eager" and not isinstance(module, FusedDLRM)
     assert "--build eager is slower than fused" in choice.warning
     assert "eager 6.000 ms vs fused 2.000 ms" in choice.warning and choice.line.startswith("warning: ")
-    allowed = "auto, eager, fused, compiled, aoti, aoti_frozen, aoti_tuned, aoti_int8, openvino, openvino_int8"
+    allowed = (
+        "auto, eager, fused, compiled, aoti, aoti_frozen, aoti_tuned, aoti_buckets, aoti_int8, openvino, openvino_int8"
+    )
     with pytest.raises(UserError, match=f"^build 'jit': allowed for a DLRM: {allowed}"):
         _choose("jit", FakeTimes(eager=1.0, fused=1.0))
 
@@ -232,9 +234,9 @@ def test_build_timings_carry_their_spread():
 def test_a_compiled_build_scores_as_the_eager_model_and_is_timed_where_the_dense_part_is_large(monkeypatch, tmp_path):
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path))
     times = FakeTimes(dense_ms=1.0, eager=3.0, fused=2.0, compiled=1.0, aoti=1.5, aoti_frozen=1.52, aoti_tuned=1.55,
-                      aoti_int8=1.6, openvino=1.7, openvino_int8=1.8)  # fmt: skip
+                      aoti_buckets=1.56, aoti_int8=1.6, openvino=1.7, openvino_int8=1.8)  # fmt: skip
     choice, module = _choose("auto", times)
-    later = ["aoti", "aoti_frozen", "aoti_int8", "aoti_tuned", "compiled", "openvino", "openvino_int8"]
+    later = ["aoti", "aoti_buckets", "aoti_frozen", "aoti_int8", "aoti_tuned", "compiled", "openvino", "openvino_int8"]
     assert times.calls == [["eager", "fused"], later]
     assert choice.build == "compiled"
     assert choice.accuracy.passed and choice.accuracy.build == "compiled"  # checked compiled, scores within 1e-5

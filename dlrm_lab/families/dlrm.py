@@ -59,6 +59,7 @@ class DLRMFamily:
         "aoti",
         "aoti_frozen",
         "aoti_tuned",
+        "aoti_buckets",
         "aoti_int8",
         "openvino",
         "openvino_int8",

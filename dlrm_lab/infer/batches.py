@@ -144,8 +144,12 @@ class _BucketedRunner:
     def __call__(self, refs: list[QueryRef]) -> np.ndarray:
         raise NotImplementedError
 
+    exact = 0  # batches of up to this many samples are padded to their bucket whatever the precision (a package
+    # made for that batch size alone serves them: `PackagedRunner`)
+
     def warm_up(self, max_batch: int) -> None:
-        sizes = {1, max_batch} | ({bucket(n) for n in range(1, max_batch + 1)} if self.pad else set())
+        top = max_batch if self.pad else min(self.exact, max_batch)
+        sizes = {1, max_batch} | {bucket(n) for n in range(1, top + 1)}
         for size in sorted(sizes):  # first calls allocate and compile: keep them out of latency
             self([QueryRef(-1, size, 0)])
 
@@ -230,18 +234,28 @@ class PackagedRunner(_BucketedRunner):
         self.limits: list[int] = []  # batch sizes routed (`route`), ascending, and the package run up to each
         self.runs: list[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = []
         self.native_at: dict[int, Callable[[list[torch.Tensor]], list[torch.Tensor]]] = {}
+        if static := getattr(model.whole, "static_runs", None):  # `aoti_buckets`: a package per small batch size
+            self.route(static, exact=max(static))
         self.most_ids_per_sample = int(library.lengths.max(initial=0)) * self.features  # the buffers' bound
         self.width = library.bag_width  # ids in every bag where all hold as many, else None (ragged)
         # [features, samples, width]: a view of the library's ids where its bags are fixed-width
         self.by_sample = library.by_sample if self.width is not None else np.empty((0, 0, 0), dtype=np.int64)
         self._grow(1, 1)
 
-    def route(self, runs: Mapping[int, Callable[[list[torch.Tensor]], list[torch.Tensor]]]) -> None:
+    def route(self, runs: Mapping[int, Callable[[list[torch.Tensor]], list[torch.Tensor]]], exact: int = 0) -> None:
         """Serve each batch by the package run chosen for its size (`infer.finalists`): `runs` maps batch sizes to
         package runs taking this runner's inputs; a batch goes to the run of the smallest size that holds it, one
-        beyond the largest to this runner's own."""
+        beyond the largest to this runner's own. Batches of up to `exact` samples are padded to their bucket (the
+        runs up to there include packages made for one batch size, which take no other)."""
         self.limits, self.runs = sorted(runs), [runs[n] for n in sorted(runs)]
-        self.native_at = {}
+        self.native_at, self.exact = {}, exact
+
+    def run_at(self, size: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        """The package run this runner calls for a batch of `size` samples, padded as it pads."""
+        return self._native(self._padded(size)) if self.limits else self.native
+
+    def _padded(self, n: int) -> int:
+        return bucket(n) if self.pad or n <= self.exact else n
 
     def _native(self, size: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         if (run := self.native_at.get(size)) is None:
@@ -279,7 +293,7 @@ class PackagedRunner(_BucketedRunner):
             # 256-sample batch (kaggle, AMX). Padding samples keep whatever dense rows the buffer held (their scores
             # are dropped) and have empty bags.
             at, n = one.offset, one.size
-            size = bucket(n) if self.pad else n
+            size = self._padded(n)
             m = n * self.width * self.features
             if size > self.dense.shape[0] or m > len(self.ids):
                 self._grow(max(size, 2 * self.dense.shape[0]), max(m, 2 * len(self.ids)))
@@ -291,13 +305,12 @@ class PackagedRunner(_BucketedRunner):
         elif any([r.payload is not None for r in refs]):
             dense, ids, offsets = kernel_batch(*gather_batch(self.library, refs))
             n = dense.shape[0]
-            if self.pad:
-                dense, ids, offsets = pad_kernel_batch(dense, ids, offsets, self.features, bucket(n))
+            dense, ids, offsets = pad_kernel_batch(dense, ids, offsets, self.features, self._padded(n))
             inputs, size = [dense, ids, offsets, self.tables], dense.shape[0]
         else:
             sizes, starts = query_ranges(refs)
             n = int(sizes.sum())
-            size = bucket(n) if self.pad else n
+            size = self._padded(n)
             most_ids = self.most_ids_per_sample * n
             if size > self.dense.shape[0] or most_ids > len(self.ids):
                 self._grow(max(size, 2 * self.dense.shape[0]), max(most_ids, 2 * len(self.ids)))

@@ -217,7 +217,10 @@ def _final_build(
     chosen = finalists.choose(plan.build, {b: partial(_one_batch, r) for b, r in runners.items()}, sizes)
     runner = runners[chosen["build"]]
     if chosen["by_size"] and isinstance(runner, PackagedRunner):
-        runner.route({n: packaged[chosen["by_size"].get(n, chosen["build"])].native for n in sizes})
+        at = {n: packaged[chosen["by_size"].get(n, chosen["build"])] for n in sizes}
+        # a size served by a package made for its bucket alone (`aoti_buckets`) is padded to it, as its own runner pads
+        exact = max((n for n, r in at.items() if n <= r.exact), default=0)
+        runner.route({n: r.run_at(n) for n, r in at.items()}, exact=exact)
     return modules[chosen["build"]], runner, chosen
 
 

@@ -97,7 +97,8 @@ class ServingOptions(ModelScaling):
         "training module), fused (one fused fbgemm table lookup, weights stored in the served precision), compiled "
         "(fused, dense part compiled by Inductor in each instance), aoti (the whole batch, lookup included, one call "
         "of an AOTInductor package built once, cached on disk and loaded), aoti_frozen (aoti, the weights prepacked at "
-        "build time), aoti_tuned (aoti with max_autotune), aoti_int8 (aoti, dense part int8 by torchao's PT2E), "
+        "build time), aoti_tuned (aoti with max_autotune), aoti_buckets (aoti_frozen, and a static max_autotune "
+        "package for each small batch size where one is faster), aoti_int8 (aoti, dense part int8 by torchao's PT2E), "
         "openvino or openvino_int8 (the dense part in OpenVINO).",
     )
     data_spec: str | None = option(None, "Synthetic data spec of the samples (default: the preset's).")

@@ -86,18 +86,23 @@ def export_whole(
     dense_part: nn.Module | None = None,
     inductor_configs: JsonObject | None = None,
     frozen: bool = False,
+    samples: int | None = None,
 ) -> None:
     """Export a FusedDLRM's whole batch (`WholeBatch`) and compile it by AOTInductor into the package `path`,
-    `frozen` with Inductor's freezing or not."""
+    `frozen` with Inductor's freezing or not, for any batch size or for batches of `samples` alone (a static shape:
+    `aoti_buckets`)."""
     whole = WholeBatch(module, dense_part)
     whole.training = False  # itself only: the dense part is in eval already (a PT2E graph refuses `.eval()`)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     features = len(module.spec.feature_names)
-    shapes = ({0: batch}, {0: ids}, {0: features * batch + 1}, None)
+    shapes: tuple[Any, ...] = ({0: batch}, {0: ids}, {0: features * batch + 1}, None)
+    if samples is not None:  # the ids of a batch still vary (ragged bags); its samples do not
+        shapes = (None, {0: ids}, None, None)
     # grad off through the compile too: Inductor freezes (prepacks oneDNN weights, lowers PT2E's int8 patterns)
     # only where grad is disabled, and otherwise compiles unfrozen without a word (every package was, for days)
     with torch.no_grad(), warnings.catch_warnings():
-        exported = torch.export.export(whole, example_batch(module), dynamic_shapes=shapes, strict=False)
+        example = example_batch(module, samples or EXAMPLE_BATCH)
+        exported = torch.export.export(whole, example, dynamic_shapes=shapes, strict=False)
         # torch 2.13's own compile deep-copies a graph holding a LeafSpec: its notice
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         torch._inductor.aoti_compile_and_package(
@@ -107,27 +112,46 @@ def export_whole(
         )
 
 
+def load_package(path: str) -> Any:
+    """The C++ runner of the whole-batch package at `path` (checked whole), the lab's kernels it calls loaded first."""
+    record = record_of(path)  # what the package calls: the lab's kernels are called by name, loaded first
+    if NATIVE in (record.get("interaction"), record.get("lookup")) and (why := native.load()) is not None:
+        raise RuntimeError(f"{path}: {why}")
+    return torch._inductor.aoti_load_package(str(require_verified(path))).loader.run
+
+
+def package_calls(module: Any) -> JsonObject:
+    """What a package of `module`'s whole batch calls by name (the lab's kernels), for its key and its record: an
+    instance loads those kernels before the package."""
+    return {
+        **({"interaction": "native"} if uses_native(module) else {}),
+        **({"lookup": NATIVE} if module.lookup_way == NATIVE else {}),
+    }
+
+
 class PackagedBatch:
     """A loaded whole-batch package: `run([dense, ids, offsets, tables])` is the C++ runner itself (one native
-    call, no Python between the inputs and the scores); `tables` is the input every call hands it."""
+    call, no Python between the inputs and the scores); `tables` is the input every call hands it. `static`: batch
+    size -> the path of a package made for batches of that size alone (`aoti_buckets`), loaded into `static_runs`;
+    the runner pads a batch up to the one that holds it."""
 
-    def __init__(self, path: str, tables: torch.Tensor) -> None:
-        record = record_of(path)  # what the package calls: the lab's kernels are called by name, loaded first
-        if NATIVE in (record.get("interaction"), record.get("lookup")) and (why := native.load()) is not None:
-            raise RuntimeError(f"{path}: {why}")
-        self.run = torch._inductor.aoti_load_package(str(require_verified(path))).loader.run
+    def __init__(self, path: str, tables: torch.Tensor, static: dict[int, str] | None = None) -> None:
+        self.run = load_package(path)
         self.tables = tables
+        self.static = dict(static or {})
+        self.static_runs = {n: load_package(p) for n, p in self.static.items()}
 
     def __call__(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self.run([dense, ids, offsets, self.tables])[0]
+        run = self.static_runs.get(dense.shape[0], self.run)
+        return run([dense, ids, offsets, self.tables])[0]
 
 
-def check_batch_sizes(name: str, module: Any, whole: PackagedBatch) -> None:
-    """BuildFailed unless the package `whole` runs at each of CHECK_SIZES and scores each sample as it does within a
+def check_batch_sizes(name: str, module: Any, whole: PackagedBatch, sizes: tuple[int, ...] = CHECK_SIZES) -> None:
+    """BuildFailed unless the package `whole` runs at each of `sizes` and scores each sample as it does within a
     batch of its traced size (the same samples: random dense features, ids 0)."""
     spec = module.spec
     features = len(spec.feature_names)
-    largest = max(CHECK_SIZES)
+    largest = max(max(sizes), EXAMPLE_BATCH)
     dense = torch.randn(largest, spec.num_dense, generator=torch.Generator().manual_seed(0))
 
     def scores(n: int) -> torch.Tensor:
@@ -140,7 +164,7 @@ def check_batch_sizes(name: str, module: Any, whole: PackagedBatch) -> None:
         traced = scores(EXAMPLE_BATCH).reshape(-1)
     except RuntimeError as e:
         raise BuildFailed(f"{name}: its package fails at a batch of {EXAMPLE_BATCH}: {first_line(e)}") from None
-    for n in CHECK_SIZES:
+    for n in sizes:
         try:
             got = scores(n)
         except RuntimeError as e:
@@ -194,12 +218,7 @@ class AOTIBuild:
     def packaged(self, module: Any, export: Any, made_by: JsonObject) -> Any:
         """`module` served whole by the package `export(module, path)` writes: cached under a key of the dense
         weights, the spec, `made_by`, whether it is frozen and the machine (`infer.artefacts`), then loaded."""
-        made_by = {
-            **made_by,
-            **({"frozen": True} if self.frozen else {}),
-            **({"interaction": "native"} if uses_native(module) else {}),  # the package calls the kernel by name
-            **({"lookup": NATIVE} if module.lookup_way == NATIVE else {}),
-        }
+        made_by = {**made_by, **({"frozen": True} if self.frozen else {}), **package_calls(module)}
         artefact = dense_package(self.name, module, ".pt2", export, made_by)
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.whole = PackagedBatch(module.package, table_weights(module.tables))

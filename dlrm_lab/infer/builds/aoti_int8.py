@@ -82,7 +82,7 @@ class AOTIInt8Build(AOTIBuild):
     """`aoti`'s package, loaded the same way by instances; made from a quantised graph."""
 
     name = "aoti_int8"
-    order = 6
+    order = 7
     base = None  # made from an fp32 fused build of its own: PT2E quantises an fp32 graph
     about = "aoti with its dense part int8 (torchao PT2E, X86InductorQuantizer, calibrated)"
     dense_precision = "int8"  # what its accuracy rule judges (infer.accuracy): never fp32's exact rule

@@ -155,7 +155,7 @@ class OpenVINODense:
 
 class OpenVINOBuild:
     name = "openvino"
-    order = 7
+    order = 8
     base: str | None = "fused"
     about = "fused, its dense part converted by OpenVINO and run by its CPU plugin (optional extra `openvino`)"
     dense_precision: str | None = None

@@ -17,7 +17,7 @@ class OpenVINOInt8Build(OpenVINOBuild):
     int8 matrix products with AMX or VNNI and keeps the activations' quantisation inside its kernels."""
 
     name = "openvino_int8"
-    order = 8
+    order = 9
     about = "openvino, its dense part int8 (NNCF post-training quantisation, calibrated), run by the CPU plugin"
     dense_precision = "int8"  # judged by the reduced-precision rule (infer.accuracy), never fp32's exact one
     weight_precision = "int8"
