@@ -678,6 +678,11 @@ def test_aoti_buckets_serves_small_batches_by_static_packages_and_keeps_only_tho
     assert served_runner.runs[0] is not served_runner.native
     refs = [QueryRef(0, 1, 40)]
     np.testing.assert_allclose(served_runner(refs), runner(refs), atol=1e-6)
+    # `auto` does not make it where the median query is larger than its largest static size, nor where the dense
+    # part is too small to compile
+    buckets = build_named("aoti_buckets")
+    assert "hold 16 samples or more (the median query)" in buckets.skip(10.0, smallest=16)
+    assert buckets.skip(10.0, smallest=8) is None and "compiling cannot repay" in buckets.skip(0.01, smallest=1)
     faster[1] = False
     with pytest.raises(BuildFailed, match="no static package beats the dynamic one"):
         make_build(model, "aoti_buckets", precision="fp32", table_precision="fp32")

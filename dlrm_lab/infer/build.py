@@ -228,7 +228,7 @@ def choose_build(
     dense_ms = rates.get("fused", {}).get(-1)
     later = []
     for name in (b for b in builds() if b in family.builds and b not in first):
-        why = None if requested == name else build_named(name).skip(dense_ms)
+        why = None if requested == name else build_named(name).skip(dense_ms, smallest=min(sizes))
         if why:
             skipped[name] = why
         else:

@@ -44,8 +44,9 @@ class Build(Protocol):
         """The module served, from the float model (and `base`'s module, made first, where it has one)."""
         ...
 
-    def skip(self, base_dense_ms: float | None) -> str | None:
-        """Why `auto` does not try it here (the fused build's dense ms per largest batch given), or None."""
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
+        """Why `auto` does not try it here (the fused build's dense ms per largest batch given; `smallest`: the
+        smallest batch size it is timed at, the median query), or None."""
         ...
 
     def for_snapshot(self, module: Any) -> Any:

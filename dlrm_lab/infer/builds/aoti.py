@@ -225,7 +225,7 @@ class AOTIBuild:
         check_batch_sizes(self.name, module, module.whole)
         return module
 
-    def skip(self, base_dense_ms: float | None) -> str | None:
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
         return too_small_to_compile(base_dense_ms, "a package build of seconds per weights")
 
     def for_snapshot(self, module: Any) -> Any:

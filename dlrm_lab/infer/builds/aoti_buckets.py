@@ -7,7 +7,8 @@ M alone, the weights packed at compile time: kaggle bf16 on Zen 4 (one thread, a
 0.32). So the sizes of STATIC_SIZES are made smallest first, each timed against the dynamic package at its size as
 it is made, and kept only where faster by `MARGIN`; the first size not kept ends the list (each costs a compile,
 and a larger static batch did not win where a smaller one lost). Where none is kept the build fails: it would be
-`aoti_frozen`. The runner pads a batch up to the static size that holds it (`infer.batches.PackagedRunner`): a
+`aoti_frozen`; where the median query holds more samples than the largest static size, `auto` does not make it.
+The runner pads a batch up to the static size that holds it (`infer.batches.PackagedRunner`): a
 batch is still one native call, and the tables stay an input every package shares.
 """
 
@@ -90,6 +91,14 @@ class AOTIBucketsBuild(AOTIBuild):
         module.whole = PackagedBatch(module.package, tables, static)
         check_batch_sizes(self.name, module, module.whole, tuple(sorted(set(CHECK_SIZES) | set(static))))
         return module
+
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
+        if smallest is not None and smallest > max(STATIC_SIZES):  # each static package costs a compile
+            return (
+                f"the batches it is timed at hold {smallest:,} samples or more (the median query): no static package "
+                f"(up to {max(STATIC_SIZES)}) would serve one"
+            )
+        return super().skip(base_dense_ms)
 
     def in_instance(self, module: Any, device: Any, *, precision: str, table_precision: str) -> Any:
         if device.type == "cuda":

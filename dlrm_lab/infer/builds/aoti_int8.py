@@ -99,7 +99,7 @@ class AOTIInt8Build(AOTIBuild):
             {"calibration": [CALIBRATION_SEED, CALIBRATION_SAMPLES], "graph": GRAPH},
         )
 
-    def skip(self, base_dense_ms: float | None) -> str | None:
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
         # the size first: a dense part too small to compile is skipped without importing torchao (seconds)
         return too_small_to_compile(base_dense_ms, "a quantised package build of seconds") or torchao_missing()
 

@@ -36,7 +36,7 @@ class CompiledBuild:
         module.compile_dense()
         return module
 
-    def skip(self, base_dense_ms: float | None) -> str | None:
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
         return too_small_to_compile(base_dense_ms, "an instance's start")
 
     def for_snapshot(self, module: Any) -> Any:

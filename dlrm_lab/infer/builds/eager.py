@@ -19,7 +19,7 @@ class EagerBuild:
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         return quantize_tables(model, table_precision) if table_precision != "fp32" else model
 
-    def skip(self, base_dense_ms: float | None) -> str | None:
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
         return None
 
     def for_snapshot(self, module: Any) -> Any:

@@ -164,7 +164,7 @@ class FusedBuild:
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         return serving_of(model.spec).make_fused(model, precision=precision, table_precision=table_precision).eval()
 
-    def skip(self, base_dense_ms: float | None) -> str | None:
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
         return None
 
     def for_snapshot(self, module: Any) -> Any:

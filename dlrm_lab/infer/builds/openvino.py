@@ -181,7 +181,7 @@ class OpenVINOBuild:
         module.compiled = OpenVINODense(module.package, precision)
         return module
 
-    def skip(self, base_dense_ms: float | None) -> str | None:
+    def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
         # the size first: a dense part too small to convert is skipped without importing OpenVINO (seconds)
         return too_small_to_compile(base_dense_ms, "an export and conversion of seconds") or openvino_missing(
             self.quantise
