@@ -19,6 +19,7 @@ from dlrm_lab.infer import build as builds
 from dlrm_lab.infer.batches import QueryRef, kernel_batch, pad_kernel_batch
 from dlrm_lab.infer.builds import build_names
 from dlrm_lab.infer.builds.fused import FusedDLRM
+from dlrm_lab.infer.finalists import same_tables
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.model.dlrm import build_model
@@ -133,8 +134,8 @@ def test_auto_serves_the_fastest_build_and_records_why(monkeypatch, tmp_path):
 
 def test_auto_hands_its_instances_the_runners_up_close_to_its_choice_that_share_its_tables(monkeypatch, tmp_path):
     """Some builds' speed is drawn per process (`infer.finalists`): `auto` names, beside its choice, the runners-up
-    within 1.25x of it that are made from the same base build and served from one file (a package), each checked
-    for accuracy; none where the choice is not a package, or nothing is close."""
+    within 1.25x of it that read the same table bytes and are served from one file (a package), each checked for
+    accuracy; none where the choice is not a package, or nothing is close."""
     from dlrm_lab.infer.builds.aoti import AOTIBuild
 
     def packaged(self, module, export, made_by):  # no compile: the package's path only, the fused path serves
@@ -146,10 +147,12 @@ def test_auto_hands_its_instances_the_runners_up_close_to_its_choice_that_share_
     times = FakeTimes(dense_ms=10.0, eager=4.0, fused=3.0, compiled=2.9, aoti=1.2, aoti_frozen=1.0, aoti_tuned=1.3,
                       aoti_int8=1.1, openvino=2.0, openvino_int8=2.0)  # fmt: skip
     choice, _ = _choose("auto", times)
-    # aoti_tuned 1.3 > 1.25 x 1.0; aoti_int8 is made from a fused build of its own; openvino is not one file
-    assert choice.build == "aoti_frozen" and choice.finalists == {"aoti": "/packages/aoti.pt2"}
-    assert choice.to_dict()["finalists"] == {"aoti": "/packages/aoti.pt2"}
-    assert choice.reason.endswith("its instances time it again against aoti (infer.finalists)")
+    # aoti_tuned 1.3 > 1.25 x 1.0; openvino is not one file; aoti_int8 is made from a fused build of its own, whose
+    # tables are the same bytes (an instance hands its package the tables it mapped)
+    both = {"aoti": "/packages/aoti.pt2", "aoti_int8": "/packages/aoti_int8.pt2"}
+    assert choice.build == "aoti_frozen" and choice.finalists == both
+    assert choice.to_dict()["finalists"] == both
+    assert choice.reason.endswith("its instances time it again against aoti, aoti_int8 (infer.finalists)")
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "b"))
     alone, _ = _choose("auto", FakeTimes(dense_ms=10.0, eager=4.0, fused=3.0, aoti=1.0, aoti_frozen=1.3))
     assert alone.build == "aoti" and alone.finalists == {}
@@ -164,7 +167,7 @@ def test_auto_hands_its_instances_the_runners_up_close_to_its_choice_that_share_
 
     monkeypatch.setattr(builds, "check_accuracy", aoti_fails)
     failed, _ = _choose("auto", times)
-    assert failed.build == "aoti_frozen" and failed.finalists == {}
+    assert failed.build == "aoti_frozen" and failed.finalists == {"aoti_int8": "/packages/aoti_int8.pt2"}
     assert "failed its accuracy" in failed.skipped["aoti"]
     monkeypatch.setenv("DLRM_LAB_MACHINE_DIR", str(tmp_path / "e"))
     asked, _ = _choose("aoti_frozen", times)
@@ -550,3 +553,22 @@ def test_a_build_that_fails_a_batch_size_is_left_out_by_auto_and_asked_for_is_on
     assert failed == {"aoti": "aoti: fails in its warm-up (batches of 1 to 16): bmm: shapes differ"}
     with pytest.raises(RuntimeError, match="shapes differ"):
         builds.time_builds({"fused": "broken"}, [4], 1, library, "fp32", 3, {})
+
+
+def test_package_builds_share_tables_only_where_their_bytes_are_the_same():
+    """`same_tables`: one tensor, or equal bytes (a fused build made apart at another dense precision); another table
+    precision or other weights are not the same tables."""
+    from dlrm_lab.infer.table_lookup import table_weights
+
+    model = _model()
+    fused = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
+
+    def same(a, b):
+        return same_tables(table_weights(a.tables), table_weights(b.tables))
+
+    assert same(fused, fused.sibling())
+    assert same(fused, builds.make_build(model, "fused", precision="bf16", table_precision="fp32"))
+    assert not same(fused, builds.make_build(model, "fused", precision="fp32", table_precision="fp16"))
+    torch.manual_seed(SEED + 1)
+    other = builds.make_build(build_model(model.spec).eval(), "fused", precision="fp32", table_precision="fp32")
+    assert not same(fused, other)

@@ -39,10 +39,10 @@ from dlrm_lab.infer.builds import (
     computes_in,
     simplest_fast,
 )
-from dlrm_lab.infer.finalists import finalists_of
+from dlrm_lab.infer.finalists import finalists_of, same_tables
 from dlrm_lab.infer.gemm_widths import choose_widths
 from dlrm_lab.infer.serving_parts import make_runner
-from dlrm_lab.infer.table_lookup import choose_lookup
+from dlrm_lab.infer.table_lookup import choose_lookup, table_weights
 
 AUTO = "auto"
 
@@ -352,18 +352,17 @@ def _finalists(
     checked: Callable[[str], AccuracyCheck],
 ) -> dict[str, str]:
     """The runners-up of `best` its instances time again (`infer.finalists`): close to it or faster at a size timed
-    (`timed`: build -> size -> ms), made from the same base build (the same tables), each a file an instance loads,
-    and each passing its own accuracy check (`checked`)."""
-    base = build_named(best).base
+    (`timed`: build -> size -> ms), each a file an instance loads that reads the very table bytes `best` serves (the
+    instance hands it the tables it mapped), and each passing its own accuracy check (`checked`)."""
 
     def artefact(b: str) -> str | None:
-        if build_named(b).base != base:
-            return None
         try:
-            return build_named(b).artefact(modules[b])
+            path = build_named(b).artefact(modules[b])
         except BuildFailed as e:  # timed before (the profile's rates), found failing now it is made
             skipped[b] = str(e)
             return None
+        tables = [table_weights(getattr(modules[m], "tables", None)) for m in (best, b)] if path else []
+        return path if tables and same_tables(*tables) else None
 
     finalists = finalists_of(best, {b: t for b, t in total.items() if b not in skipped}, artefact, timed)
     for b in list(finalists):

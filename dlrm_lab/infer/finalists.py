@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypedDict
 
+import torch
+
 from dlrm_lab.infer.builds import MARGIN, builds, simplest_fast
 
 SPREAD = 1.25  # a runner-up this close to the choice (its batch times summed) is timed again in each instance
@@ -67,6 +69,16 @@ def finalists_of(
         return {}
     found = {b: artefact(b) for b in close}
     return {b: path for b, path in found.items() if path is not None}
+
+
+def same_tables(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two package builds read the same table bytes (`a`, `b`: their tables as one tensor each,
+    `infer.table_lookup.table_weights`): one tensor (a build made from another shares its base's), or equal ones
+    (`aoti_int8` makes its own fused tables at fp32: the same bytes at the same table precision, whatever the
+    dense part's precision)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return a.data_ptr() == b.data_ptr() or torch.equal(a, b)
 
 
 def unchosen(served: str) -> FinalChoice:
