@@ -5,7 +5,7 @@ some builds' speed is drawn per process: the same `aoti_frozen` package of DLRMv
 ran at 187-233 ms in some processes and 258-323 in others, while `aoti` held 187-241 in every one (BENCHMARKS.md,
 2026-11-29). A choice timed in one process and served in others then served the slow draw. So the serving process
 hands its instances the choice and every runner-up within `SPREAD` of it, or faster than it at one of the sizes
-timed, that serves from the same tables (the package builds: each a file an instance loads beside the tables it
+timed, that reads the same table bytes (the package builds: each a file an instance loads beside the tables it
 maps), and each instance times them in turn at the batch sizes it serves (`sizes_to_time`) and serves the fastest
 by the builds' own rule (`infer.builds.MARGIN`): measured where it is served.
 
