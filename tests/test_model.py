@@ -308,7 +308,8 @@ def test_a_dot_interaction_told_fp32_computes_its_gram_matrix_out_of_autocast():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(dtype):
     """`model.native`'s kernel against autograd through the plain ops in float64: whole and partial blocks of
-    samples (a vector's lanes each), the default triangle and a sharded collection's order, and the interaction's
+    samples (a vector's lanes each), the default triangle, a sharded collection's order and the triangle with its
+    diagonal (a feature's gradient gathered from every pair it is in, twice from itself), and the interaction's
     own module run with `native` set; its sums are fp32 whatever the dtype (bf16: one rounding of the output)."""
     from dlrm_lab.model import native
     from dlrm_lab.model.dlrm import DotInteractionArch, _plain_interaction, _triangle_index
@@ -321,7 +322,9 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-1}
     for batch in (1, 16, 37):
         dense, sparse = torch.randn(batch, D).to(dtype), torch.randn(batch, n - 1, D).to(dtype)
-        for pairs in (rows * n + cols, _triangle_index(tuple(reversed(names)), names, torch.device("cpu"))):
+        with_self = torch.triu_indices(n, n)  # each feature's product with itself too: two terms of its gradient
+        orders = (rows * n + cols, _triangle_index(tuple(reversed(names)), names, torch.device("cpu")))
+        for pairs in (*orders, with_self[0] * n + with_self[1]):
             want = [dense.double().requires_grad_(), sparse.double().requires_grad_()]
             got = [dense.clone().requires_grad_(), sparse.clone().requires_grad_()]
             plain = _plain_interaction(*want, pairs)
@@ -343,6 +346,14 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
             _plain_interaction(dense.double(), sparse.double(), rows * n + cols),
             **tolerance,
         )
+    # a width not a whole number of the backward's register tiles (8): its last coordinates on their own
+    dense, sparse = torch.randn(37, 12).to(dtype), torch.randn(37, n - 1, 12).to(dtype)
+    want = [dense.double().requires_grad_(), sparse.double().requires_grad_()]
+    got = [dense.clone().requires_grad_(), sparse.clone().requires_grad_()]
+    _plain_interaction(*want, rows * n + cols).sum().backward()
+    torch.ops.dlrm_lab.dot_interaction(*got, rows * n + cols).double().sum().backward()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.grad.double(), w.grad, **tolerance)
     arch = DotInteractionArch(num_sparse_features=n - 1)
     arch.native = True
     dense, sparse = torch.randn(5, D, dtype=torch.bfloat16), torch.randn(5, n - 1, D)  # autocast's mixed inputs

@@ -19,6 +19,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();  // samples a block holds: one fp32 vector's lanes
+constexpr int64_t kTile = 8;  // coordinates of one feature's gradient a backward keeps in registers at once
 
 struct Shape {
   int64_t batch, features, width, pairs;  // features: F + 1 (dense first)
@@ -281,6 +282,23 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& dense, const at::
   T* gs = grad_sparse.data_ptr<T>();
   const int64_t D = s.width, P = s.pairs, F = s.features - 1, row = D + P, blocks = (s.batch + kLanes - 1) / kLanes;
   const int64_t stride = D * kLanes, n = s.features;
+  // d<a, b>/da = b, d<a, b>/db = a: each feature's gradient gathered from the pairs it is in (`terms`: for feature i,
+  // the pairs' (p, other) in order), in registers a tile of coordinates at a time, written once. Scattered pair by
+  // pair instead, every product read and wrote the gradient's block in memory: the backward took 3.6x the forward
+  // (kaggle bf16, 2,048 samples, Zen 4: 1.21 against 0.33 ms).
+  std::vector<int64_t> starts(n + 1, 0), terms(4 * P);
+  for (int64_t p = 0; p < P; ++p) {
+    ++starts[first[p] + 1];
+    ++starts[second[p] + 1];
+  }
+  for (int64_t i = 0; i < n; ++i) starts[i + 1] += starts[i];
+  {
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t p = 0; p < P; ++p) {
+      terms[2 * next[first[p]]] = p, terms[2 * next[first[p]]++ + 1] = second[p];
+      terms[2 * next[second[p]]] = p, terms[2 * next[second[p]]++ + 1] = first[p];
+    }
+  }
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float* block = scratch(0, n * stride);
     float* to = scratch(1, n * stride);
@@ -293,16 +311,27 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& dense, const at::
       const float* gf = as_float(g + b0 * row, row, count, row, stage);
       if (count < kLanes) std::fill(pair_grad, pair_grad + P * kLanes, 0.f);
       transpose(gf + D, row, pair_grad, kLanes, count, P);
-      std::fill(to, to + n * stride, 0.f);
-      for (int64_t p = 0; p < P; ++p) {  // d<a, b>/da = b, d<a, b>/db = a
-        const Vec gp = Vec::loadu(pair_grad + p * kLanes);
-        const float* a = block + first[p] * stride;
-        const float* b = block + second[p] * stride;
-        float* ta = to + first[p] * stride;
-        float* tb = to + second[p] * stride;
-        for (int64_t d = 0; d < stride; d += kLanes) {
-          at::vec::fmadd(gp, Vec::loadu(b + d), Vec::loadu(ta + d)).store(ta + d);
-          at::vec::fmadd(gp, Vec::loadu(a + d), Vec::loadu(tb + d)).store(tb + d);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t* term = terms.data() + 2 * starts[i];
+        const int64_t many = starts[i + 1] - starts[i];
+        float* ti = to + i * stride;
+        int64_t d0 = 0;
+        for (; d0 + kTile <= D; d0 += kTile) {
+          Vec acc[kTile];
+          for (int64_t t = 0; t < kTile; ++t) acc[t] = Vec(0.f);
+          for (int64_t k = 0; k < many; ++k) {
+            const Vec gp = Vec::loadu(pair_grad + term[2 * k] * kLanes);
+            const float* x = block + term[2 * k + 1] * stride + d0 * kLanes;
+            for (int64_t t = 0; t < kTile; ++t) acc[t] = at::vec::fmadd(gp, Vec::loadu(x + t * kLanes), acc[t]);
+          }
+          for (int64_t t = 0; t < kTile; ++t) acc[t].store(ti + (d0 + t) * kLanes);
+        }
+        for (; d0 < D; ++d0) {  // a width not a whole number of tiles: its last coordinates one at a time
+          Vec acc(0.f);
+          for (int64_t k = 0; k < many; ++k)
+            acc = at::vec::fmadd(Vec::loadu(pair_grad + term[2 * k] * kLanes),
+                                 Vec::loadu(block + term[2 * k + 1] * stride + d0 * kLanes), acc);
+          acc.store(ti + d0 * kLanes);
         }
       }
       transpose(to, kLanes, rows, n * D, n * D, count);
