@@ -666,6 +666,10 @@ def test_sigterm_during_a_package_compile_stops_the_build(monkeypatch, tmp_path)
     torch.manual_seed(1234)
     model = build_model(dlrm_lab.load_preset("tiny")).eval()
     make_build(model, "fused", precision="fp32", table_precision="fp32")  # tables first: the signal hits the compile
+    # and Inductor imported first: a signal that cut its first import in half left this test process unable to import
+    # it again ("duplicate template name"), and every later compile in the same worker failed (a fresh clone's suite)
+    import torch._inductor.compile_fx  # noqa: F401
+
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     raise_on_sigterm()
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
