@@ -665,8 +665,11 @@ def test_tables_on_huge_pages_take_the_same_steps_as_on_small_ones(tmp_path):
     assert [r["loss"] for r in huge.steps] == [r["loss"] for r in small.steps]
     choice = read_manifest(huge.run_dir)["config"]["table_pages_choice"]
     if unsupported() is None:
-        assert choice["table_pages"] == "huge" and choice["reason"].startswith("--table-pages huge")
-        assert choice["huge_bytes"] > 30e6 or "stay on 4 KiB pages" in choice["reason"]
+        assert choice["reason"].startswith("--table-pages huge")
+        if choice["table_pages"] == "huge":
+            assert choice["huge_bytes"] > 30e6 or "stay on 4 KiB pages" in choice["reason"]
+        else:  # the kernel found no 2 MiB page free at that moment (a fresh clone's suite): said, and nothing claimed
+            assert choice["huge_bytes"] == 0 and choice["reason"] != "--table-pages huge", choice
     else:
         assert choice["table_pages"] == "base" and choice["reason"].startswith(unsupported())
 
