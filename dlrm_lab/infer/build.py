@@ -361,8 +361,9 @@ def _finalists(
         except BuildFailed as e:  # timed before (the profile's rates), found failing now it is made
             skipped[b] = str(e)
             return None
-        tables = [table_weights(getattr(modules[m], "tables", None)) for m in (best, b)] if path else []
-        return path if tables and same_tables(*tables) else None
+        if path is None or not same_tables(table_weights(modules[best].tables), table_weights(modules[b].tables)):
+            return None
+        return path
 
     finalists = finalists_of(best, {b: t for b, t in total.items() if b not in skipped}, artefact, timed)
     for b in list(finalists):

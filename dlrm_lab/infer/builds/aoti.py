@@ -23,6 +23,7 @@ build is.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,10 @@ class PackagedBatch:
         self.static = dict(static or {})
         self.static_runs = {n: load_package(p) for n, p in self.static.items()}
 
+    def add_static(self, samples: int, path: str, run: Any) -> None:
+        """The package at `path` (its runner `run`, loaded) serves batches of `samples` from now on."""
+        self.static[samples], self.static_runs[samples] = path, run
+
     def __call__(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         run = self.static_runs.get(dense.shape[0], self.run)
         return run([dense, ids, offsets, self.tables])[0]
@@ -195,31 +200,41 @@ class AOTIBuild:
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = base.sibling()  # the same tables, not a copy
-        even = self.even_k and precision in ("bf16", "fp16")
-        widths = dict(module.gemm_widths)  # `infer.gemm_widths` chose them, before the packages are made
-
-        def export(m: Any, path: Path) -> None:
-            dense_part = padded(m.dense, widths, even=even)
-            export_whole(m, path, dense_part, inductor_configs=self.inductor_configs, frozen=self.frozen)
-
         return self.packaged(
-            module,
-            export,
-            {
-                "precision": precision,
-                "table_precision": table_precision,
-                "graph": GRAPH,
-                **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
-                **({"k": "even"} if even else {}),
-                **({"widths": widths} if widths else {}),
-            },
+            module, partial(self.export, precision=precision), self.made_by(module, precision, table_precision)
         )
+
+    def made_by(self, module: Any, precision: str, table_precision: str) -> JsonObject:
+        """How this build compiles `module`'s whole batch, for its package's key and record (`keyed` adds the rest)."""
+        widths = dict(module.gemm_widths)  # `infer.gemm_widths` chose them, before the packages are made
+        return {
+            "precision": precision,
+            "table_precision": table_precision,
+            "graph": GRAPH,
+            **({"inductor": self.inductor_configs} if self.inductor_configs else {}),
+            **({"k": "even"} if self._even_k(precision) else {}),
+            **({"widths": widths} if widths else {}),
+        }
+
+    def export(self, module: Any, path: Path, *, precision: str, samples: int | None = None) -> None:
+        """`module`'s whole batch exported and compiled as this build compiles it into the package `path` (for
+        batches of `samples` alone where given: `aoti_buckets`)."""
+        dense_part = padded(module.dense, dict(module.gemm_widths), even=self._even_k(precision))
+        export_whole(
+            module, path, dense_part, inductor_configs=self.inductor_configs, frozen=self.frozen, samples=samples
+        )
+
+    def _even_k(self, precision: str) -> bool:
+        return self.even_k and precision in ("bf16", "fp16")
+
+    def keyed(self, module: Any, made_by: JsonObject) -> JsonObject:
+        """`made_by` with what else a package's key holds: whether it is frozen, the lab's kernels it calls."""
+        return {**made_by, **({"frozen": True} if self.frozen else {}), **package_calls(module)}
 
     def packaged(self, module: Any, export: Any, made_by: JsonObject) -> Any:
         """`module` served whole by the package `export(module, path)` writes: cached under a key of the dense
         weights, the spec, `made_by`, whether it is frozen and the machine (`infer.artefacts`), then loaded."""
-        made_by = {**made_by, **({"frozen": True} if self.frozen else {}), **package_calls(module)}
-        artefact = dense_package(self.name, module, ".pt2", export, made_by)
+        artefact = dense_package(self.name, module, ".pt2", export, self.keyed(module, made_by))
         module.package, module.package_reason = str(artefact.path), artefact.reason
         module.whole = PackagedBatch(module.package, table_weights(module.tables))
         check_batch_sizes(self.name, module, module.whole)

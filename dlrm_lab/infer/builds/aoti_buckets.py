@@ -15,8 +15,8 @@ batch is still one native call, and the tables stay an input every package share
 from __future__ import annotations
 
 import json
-import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +27,19 @@ from dlrm_lab.infer.artefacts import cached_artefact, content_key, dense_package
 from dlrm_lab.infer.builds import MARGIN, BuildFailed
 from dlrm_lab.infer.builds.aoti import (
     CHECK_SIZES,
-    GRAPH,
     AOTIBuild,
     PackagedBatch,
     check_batch_sizes,
     example_batch,
-    export_whole,
     load_package,
-    package_calls,
 )
 from dlrm_lab.infer.builds.aoti_frozen import BUILD as FROZEN
 from dlrm_lab.infer.builds.aoti_tuned import BUILD as TUNED
-from dlrm_lab.infer.gemm_widths import padded
 from dlrm_lab.infer.table_lookup import table_weights
+from dlrm_lab.metrics.interleaved import interleaved_medians
 
 STATIC_SIZES = (1, 2, 4, 8)  # powers of two: the runner's buckets (`infer.batches.bucket`)
-ROUNDS = 9  # interleaved timings of a static package and the dynamic one at its size, median kept
+ROUNDS = 9  # timings of a static package and the dynamic one at its size (`metrics.interleaved`), median kept
 
 
 class AOTIBucketsBuild(AOTIBuild):
@@ -56,40 +53,22 @@ class AOTIBucketsBuild(AOTIBuild):
 
     def make(self, model: Any, base: Any, *, precision: str, table_precision: str) -> Any:
         module = FROZEN.make(model, base, precision=precision, table_precision=table_precision)  # the dynamic one
-        even = precision in ("bf16", "fp16")  # the template's AMX kernel takes K in VNNI pairs (`aoti_tuned`)
-        widths = dict(module.gemm_widths)
-        tables = table_weights(module.tables)
-        static: dict[int, str] = {}
         timings: dict[int, tuple[float, float]] = {}
         for n in STATIC_SIZES:
-
-            def export(m: Any, path: Path, n: int = n) -> None:
-                dense_part = padded(m.dense, widths, even=even)
-                export_whole(m, path, dense_part, inductor_configs=TUNED.inductor_configs, frozen=True, samples=n)
-
-            made_by: JsonObject = {
-                "precision": precision,
-                "table_precision": table_precision,
-                "graph": GRAPH,
-                "samples": n,
-                "inductor": TUNED.inductor_configs,
-                "frozen": True,
-                **({"k": "even"} if even else {}),
-                **({"widths": widths} if widths else {}),
-                **package_calls(module),
-            }
+            made_by = TUNED.keyed(module, {**TUNED.made_by(module, precision, table_precision), "samples": n})
+            export = partial(TUNED.export, precision=precision, samples=n)
             path = str(dense_package(f"{self.name}-{n}", module, ".pt2", export, made_by).path)
-            timings[n] = _time_against(load_package(path), module.whole.run, module, n, tables)
+            run = load_package(path)
+            timings[n] = _time_against(run, module.whole.run, module, n, module.whole.tables)
             if timings[n][0] * MARGIN > timings[n][1]:
                 break
-            static[n] = path
+            module.whole.add_static(n, path, run)
         said = ", ".join(f"{n}: {s:.3f} against {d:.3f} ms" for n, (s, d) in timings.items())
-        if not static:
+        if not module.whole.static:
             raise BuildFailed(f"{self.name}: no static package beats the dynamic one by {MARGIN:g}x here ({said})")
-        module.static = static
-        module.static_reason = f"static packages for {sorted(static)} samples ({said}, one batch each)"
-        module.whole = PackagedBatch(module.package, tables, static)
-        check_batch_sizes(self.name, module, module.whole, tuple(sorted(set(CHECK_SIZES) | set(static))))
+        module.static = dict(module.whole.static)  # what the snapshot carries: an instance loads them (`in_instance`)
+        module.static_reason = f"static packages for {sorted(module.static)} samples ({said}, one batch each)"
+        check_batch_sizes(self.name, module, module.whole, tuple(sorted(set(CHECK_SIZES) | set(module.static))))
         return module
 
     def skip(self, base_dense_ms: float | None, smallest: int | None = None) -> str | None:
@@ -127,13 +106,15 @@ def _time_against(static: Any, dynamic: Any, module: Any, n: int, tables: torch.
     """Median ms of a batch of `n` samples by the static package and by the dynamic one, interleaved."""
     dense, ids, offsets, _ = example_batch(module, n)
     inputs = [torch.randn(dense.shape, generator=torch.Generator().manual_seed(n)), ids, offsets, tables]
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(ROUNDS + 1):
-        for run, kept in zip((static, dynamic), times, strict=True):
-            start = time.perf_counter()
-            run(inputs)
-            kept.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[0][1:]), statistics.median(times[1][1:])  # the first of each: warm-up
+    runs = {"static": static, "dynamic": dynamic}
+
+    def timed(way: str) -> float:
+        start = time.perf_counter()
+        runs[way](inputs)
+        return (time.perf_counter() - start) * 1e3
+
+    ms = interleaved_medians(tuple(runs), timed, ROUNDS)
+    return ms["static"], ms["dynamic"]
 
 
 BUILD = AOTIBucketsBuild()
