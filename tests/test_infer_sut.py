@@ -818,6 +818,49 @@ class KnownTimesSut(FakeSut):
                 self._idle.notify_all()
 
 
+def test_a_points_rows_are_written_once_its_load_ended_and_none_while_it_runs(tmp_path):
+    """While the load runs the records are only kept (the serving process's threads would wait for their parts and
+    the table's writes, measured as tail latency); every row is written after the last query was issued, with its
+    point and late flag, and the load's polls still see every record (a probe's early verdict)."""
+    import pyarrow.parquet as pq
+
+    from dlrm_lab.config import load_preset
+    from dlrm_lab.infer.lab import InferConfig
+    from dlrm_lab.infer.load_point import Point, measure
+    from dlrm_lab.infer.served import ServedModel
+    from dlrm_lab.metrics.columns import schema_of
+    from dlrm_lab.metrics.run import Run
+
+    fake = FakeSut(small_library(), served=ServedModel("m", load_preset("tiny")))
+    submitted_at_write, seen_by_polls = [], []
+
+    def decided(records):
+        seen_by_polls.append(len(records))
+        return False
+
+    try:
+        with Run.create(tmp_path, "infer", {}) as run:
+            queries = run.table("queries", schema_of("queries"))
+            extend = queries.extend
+
+            def counted(rows):
+                submitted_at_write.append(len(fake.submitted))
+                extend(rows)
+
+            queries.extend = counted
+            cfg = InferConfig(duration_s=0.8, sla_ms=1000.0, warmup_s=0.0)
+            (row,) = measure(fake, Point(3, [Stream("m", 200.0, QuerySizes.parse("fixed:2"))]), cfg, queries,
+                             run.dir, decided=decided)  # fmt: skip
+            run_dir = run.dir
+    finally:
+        fake.close()
+    assert len(seen_by_polls) >= 2 and max(seen_by_polls) > 0  # the polls saw records while the load ran
+    assert submitted_at_write and set(submitted_at_write) == {len(fake.submitted)}  # all after the last issue
+    recorded = pq.read_table(run_dir / "queries.parquet").to_pylist()
+    assert len(recorded) == row["completed_queries"] > 0
+    assert all(r["point"] == 3 and r["late"] is False for r in recorded)  # parts: the known-times test below
+
+
 def test_a_querys_latency_parts_sum_to_it_on_a_system_of_known_times(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
     from conftest import store_profile

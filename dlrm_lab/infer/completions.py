@@ -53,6 +53,7 @@ class QueryRecords:
 
     def __init__(self, models: dict[str, ServedModel], failed: Callable[[str], None]) -> None:
         self.models, self.failed = models, failed
+        self._counted: dict[str, Callable[..., Any]] = {}  # each model's family's `count_columns`, found once
         self.epoch_ns = time.monotonic_ns()  # records' times are ms from here (the server resets it as it starts)
         self._lock = threading.Lock()
         self._records: list[QueryRow] = []
@@ -148,13 +149,13 @@ class QueryRecords:
             except Exception as exc:  # noqa: BLE001 - a driver callback must not stop completions
                 self.callback_failed(exc)
 
-    def record(
+    def record(self, q: Query, status: str, *, now: int, error: str | None = None, **batch: Any) -> None:
+        """A told query's row (`tell` first), with the fields of the batch that finished it (`batch_columns`'s)."""
+        self.record_finished([(q, status, error, now)], self.batch_columns(**batch))
+
+    def batch_columns(
         self,
-        q: Query,
-        status: str,
         *,
-        now: int,
-        error: str | None = None,
         batch_id: int | None = None,
         batch_samples: int | None = None,
         batch_queries: int | None = None,
@@ -164,43 +165,61 @@ class QueryRecords:
         batch_start_ns: int | None = None,
         batch_stages: tuple[float | None, ...] | None = None,
         batch_completion_ms: float | None = None,
-    ) -> None:
-        """A told query's row (`tell` first); the last one's wakes whoever waits for every query to finish."""
+    ) -> dict[str, Any]:
+        """A batch's columns, the same in the row of every query it finished: made once a batch."""
+        out: dict[str, Any] = {
+            "batch_id": batch_id,
+            "batch_samples": batch_samples,
+            "batch_queries": batch_queries,
+            "instance": instance,
+            "batch_compute_ms": batch_compute_ms,
+            "batch_expected_ms": batch_expected_ms,
+            "batch_start_ms": None if batch_start_ns is None else (batch_start_ns - self.epoch_ns) / 1e6,
+            "batch_completion_ms": batch_completion_ms,
+        }
+        for k, stage in enumerate(BATCH_STAGES):
+            out[f"batch_{stage}_ms"] = None if batch_stages is None else batch_stages[k]
+        return out
+
+    def record_finished(self, finished: list[tuple[Query, str, str | None, int]], batch: dict[str, Any]) -> None:
+        """The rows of told queries (each: the query, its status, error and end) that one batch finished (`batch`:
+        its `batch_columns`), added under one lock; the last query's wakes whoever waits for every query to finish.
+        A query's own columns are all that is made per query (the serving process's completion thread makes them
+        while the load runs: its time is the issue and batching threads' wait)."""
         e = self.epoch_ns
-        start_ns = q.first_start_ns
-        served = self.models[q.model]
-        record = query_row(
-            q.query_id,
-            q.model,
-            q.size,
-            status,
-            epoch_ns=e,
-            scheduled_ns=q.scheduled_ns,
-            issued_ns=q.issued_ns,
-            end_ns=now,
-            error=error,
-            start_ms=None if start_ns is None else (start_ns - e) / 1e6,
-            queue_ms=None if start_ns is None else (start_ns - q.issued_ns) / 1e6,
-            compute_ms=q.compute_ns / 1e6 if start_ns is not None else None,
-            pieces=q.pieces,
-            batch_id=batch_id,
-            batch_samples=batch_samples,
-            batch_queries=batch_queries,
-            instance=instance,
-            batch_compute_ms=batch_compute_ms,
-            batch_expected_ms=batch_expected_ms,
-            **serving_of(served.spec).count_columns(served, q.counts),  # what the model's family counted of it
-            batch_start_ms=None if batch_start_ns is None else (batch_start_ns - e) / 1e6,
-            **{
-                f"batch_{stage}_ms": None if batch_stages is None else batch_stages[k]
-                for k, stage in enumerate(BATCH_STAGES)
-            },
-            batch_completion_ms=batch_completion_ms,
-        )
+        rows = []
+        for q, status, error, now in finished:
+            start_ns = q.first_start_ns
+            served = self.models[q.model]
+            count = self._counted.get(q.model)
+            if count is None:
+                count = self._counted[q.model] = serving_of(served.spec).count_columns
+            columns = dict(batch)
+            columns["start_ms"] = None if start_ns is None else (start_ns - e) / 1e6
+            columns["queue_ms"] = None if start_ns is None else (start_ns - q.issued_ns) / 1e6
+            columns["compute_ms"] = q.compute_ns / 1e6 if start_ns is not None else None
+            columns["pieces"] = q.pieces
+            counted = count(served, q.counts)  # what the model's family counted of it
+            if counted:
+                columns.update(counted)
+            rows.append(
+                query_row(
+                    q.query_id,
+                    q.model,
+                    q.size,
+                    status,
+                    epoch_ns=e,
+                    scheduled_ns=q.scheduled_ns,
+                    issued_ns=q.issued_ns,
+                    end_ns=now,
+                    error=error,
+                    columns=columns,
+                )
+            )
         with self._lock:
-            self._records.append(record)
+            self._records.extend(rows)
         with self._idle:
-            self._outstanding -= 1
+            self._outstanding -= len(rows)
             if self._outstanding == 0:
                 self._idle.notify_all()
 
@@ -288,8 +307,17 @@ class BatchCompletions:
         self.record(self.answer(msg))
 
     def record(self, told: list[tuple[Query, int, _BatchFields]]) -> None:
-        for q, now, batch in told:
-            self.records.record(q, q.status, now=now, error=q.error, **batch)
+        """The told queries' rows, a batch's columns made once for all the queries it finished (`answer` gives
+        each of a batch's queries the same `_BatchFields`)."""
+        k = 0
+        while k < len(told):
+            batch = told[k][2]
+            end = k + 1
+            while end < len(told) and told[end][2] is batch:
+                end += 1
+            finished = [(q, q.status, q.error, now) for q, now, _ in told[k:end]]
+            self.records.record_finished(finished, self.records.batch_columns(**batch))
+            k = end
 
     def answer(self, msg: BatchResult) -> list[tuple[Query, int, _BatchFields]]:
         """A batch's answer into its queries, each finished one told to its driver (`QueryRecords.tell`); returns

@@ -208,12 +208,27 @@ def _drive_point(
         for m, p in peaks.items()
     }
 
+    written = 0  # of `records`, the rows given their parts and written to `queries`
+
     def pump(finished: list[QueryRow]) -> None:
-        rows = with_late_flags(finished, slas, point.index)
+        records.extend(finished)  # while the load runs, only kept: `write_rows` once it ended
+
+    def write_rows() -> None:
+        """The rows taken since the last call with their late flags and latency parts, into `queries`. Once the load
+        ended, not while it runs: in the serving process they cost 15-20 us a query (a part of 10,000 rows converted
+        and written: 150-330 ms), which its issue, batching and completion threads would wait for and a point would
+        measure as tail latency (tiny, 1x1, 9,000 queries/s: BENCHMARKS.md, issue 56, twenty-fourth session).
+        Memory is the same: the point's rows are held for its summary either way."""
+        nonlocal written
+        rows = with_late_flags(records[written:], slas, point.index)
+        written = len(records)
+        parts: dict[tuple[str, int], float | None] = {}  # the roof of each model's batch size, once each
         for r in rows:
             n = r.get("batch_samples")
-            r.update(latency_parts(r, roofs[r["model"]](n) if n else None))
-        records.extend(rows)
+            key = (r["model"], n or 0)
+            if key not in parts:
+                parts[key] = roofs[key[0]](n) if n else None
+            r.update(latency_parts(r, parts[key]))
         queries.extend(cast(list[dict[str, str | float | bool | None]], rows))  # a list of rows (list is invariant)
 
     meter = _cpu_meter(sut)
@@ -264,7 +279,9 @@ def _drive_point(
             telemetry.extend([{**r, "point": point.index} for r in sampler.rows()])
         if gc_was_enabled:
             gc.enable()
+        write_rows()  # what the load finished, written even where it failed
     pump(server.take_records())
+    write_rows()
     stalls = server.take_stalls()
     canary = server.take_canary()
     if client is not None:  # the client's readings stand beside every model it drove

@@ -79,25 +79,31 @@ def query_row(
     issued_ns: int,
     end_ns: int,
     error: str | None = None,
-    **columns: Any,
+    columns: Mapping[str, Any] | None = None,
+    **more: Any,
 ) -> QueryRow:
     """A finished query's row of `queries` (`metrics.columns`; columns not given are null), as every system
     under test records it (`take_records`): its times in ms since the load's epoch, its latency from its
-    scheduled arrival (open loop: a late issue counts) to its end, and the table's other `columns` by name."""
-    return QueryRow(
-        {
-            "query_id": query_id,
-            "model": model,
-            "samples": samples,
-            "status": status,
-            "scheduled_ms": (scheduled_ns - epoch_ns) / 1e6,
-            "issued_ms": (issued_ns - epoch_ns) / 1e6,
-            "end_ms": (end_ns - epoch_ns) / 1e6,
-            "latency_ms": (end_ns - scheduled_ns) / 1e6,
-            "error": error,
-            **columns,
-        }
-    )
+    scheduled arrival (open loop: a late issue counts) to its end, and the table's other columns by name, from
+    `columns` and then `more`. A server's completion thread makes one a query while its load runs: `columns` is
+    taken as one mapping (a batch's, shared by its queries) because keyword arguments cost 5 us a row here against
+    under 2 for the mapping."""
+    row = {
+        "query_id": query_id,
+        "model": model,
+        "samples": samples,
+        "status": status,
+        "scheduled_ms": (scheduled_ns - epoch_ns) / 1e6,
+        "issued_ms": (issued_ns - epoch_ns) / 1e6,
+        "end_ms": (end_ns - epoch_ns) / 1e6,
+        "latency_ms": (end_ns - scheduled_ns) / 1e6,
+        "error": error,
+    }
+    if columns:
+        row.update(columns)
+    if more:
+        row.update(more)
+    return QueryRow(row)
 
 
 _together = threading.local()

@@ -397,9 +397,7 @@ class RemoteServer(NoInstancesHere):
             issued_ns=start,
             end_ns=end,
             error=error,
-            rpc_status=status,
-            deserialise_ms=(end - receive) / 1e6,
-            **columns,
+            columns={"rpc_status": status, "deserialise_ms": (end - receive) / 1e6, **columns},
         )
         q.record = row
         with self._lock:
