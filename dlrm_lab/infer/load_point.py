@@ -44,7 +44,7 @@ from dlrm_lab.metrics.cpu import CpuMeter, usable_cores
 from dlrm_lab.metrics.energy import EnergySampler
 from dlrm_lab.metrics.roofline import Peaks, load_profile
 from dlrm_lab.metrics.sensors import open_power_sources
-from dlrm_lab.metrics.tables import TableWriter
+from dlrm_lab.metrics.tables import TableWriter, flush_interval_asked
 
 
 @dataclass
@@ -210,15 +210,20 @@ def _drive_point(
 
     written = 0  # of `records`, the rows given their parts and written to `queries`
 
+    live = flush_interval_asked()  # told to bound what a SIGKILL loses: written as the load runs, at that cost
+
     def pump(finished: list[QueryRow]) -> None:
         records.extend(finished)  # while the load runs, only kept: `write_rows` once it ended
+        if live:
+            write_rows()
 
     def write_rows() -> None:
         """The rows taken since the last call with their late flags and latency parts, into `queries`. Once the load
         ended, not while it runs: in the serving process they cost 15-20 us a query (a part of 10,000 rows converted
         and written: 150-330 ms), which its issue, batching and completion threads would wait for and a point would
         measure as tail latency (tiny, 1x1, 9,000 queries/s: BENCHMARKS.md, issue 56, twenty-fourth session).
-        Memory is the same: the point's rows are held for its summary either way."""
+        Memory is the same: the point's rows are held for its summary either way. A SIGKILL loses the point's rows
+        (SIGTERM, SIGINT, SIGHUP and a failure write them), unless DLRM_LAB_FLUSH_SECONDS is set (`live`)."""
         nonlocal written
         rows = with_late_flags(records[written:], slas, point.index)
         written = len(records)

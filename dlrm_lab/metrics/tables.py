@@ -3,7 +3,8 @@
 A table is buffered in memory and flushed every `flush_rows` rows or `flush_seconds`
 as a complete Parquet part file under `<run>/_parts/<table>/`. A part file is readable
 on its own the moment it is renamed into place, so a crash (even SIGKILL) loses at
-most the unflushed buffer. `close()` (or `consolidate_run` on a crashed run) merges
+most the unflushed buffer (and a load point's query rows, written once its load ended unless
+DLRM_LAB_FLUSH_SECONDS is set: `infer.load_point`). `close()` (or `consolidate_run` on a crashed run) merges
 the parts into `<run>/<table>.parquet` atomically and removes them.
 
 pyarrow's ParquetWriter is not used for the live file because a Parquet file without
@@ -83,6 +84,12 @@ def _encodable(row: dict[str, Any]) -> dict[str, Any]:
 def flush_interval_s() -> float:
     """Seconds between a table's flushes: 5, or DLRM_LAB_FLUSH_SECONDS (a bad value is refused)."""
     return env_seconds(FLUSH_SECONDS_ENV, 5.0, above=True)
+
+
+def flush_interval_asked() -> bool:
+    """DLRM_LAB_FLUSH_SECONDS is set: rows a writer would otherwise hold for a while (a load point's, until its load
+    ended: `infer.load_point`) are to be written at that interval, what a SIGKILL may lose bounded before all else."""
+    return os.environ.get(FLUSH_SECONDS_ENV) is not None
 
 
 class TableWriter:
