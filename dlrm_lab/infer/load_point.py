@@ -104,7 +104,7 @@ def measure(
     decided: Callable[[list[QueryRow]], bool] | None = None,
     trace: bool = False,
 ) -> list[InferSummaryRow]:
-    """Drive one point and summarise it per model. Query rows are written as they finish;
+    """Drive one point and summarise it per model. Query rows are written once its load ended (`write_rows`);
     power and host samples of the point go to `telemetry`; `on_progress` hears how far the
     load is (see `PointProgress`). What the rows say about each model (its serving
     configuration, spec, processes) is what `server.describe()` reports.
