@@ -11,6 +11,7 @@ instances' pipes (`infer.instance_processes.InstanceProcesses`) and the server's
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +54,6 @@ class QueryRecords:
 
     def __init__(self, models: dict[str, ServedModel], failed: Callable[[str], None]) -> None:
         self.models, self.failed = models, failed
-        self._counted: dict[str, Callable[..., Any]] = {}  # each model's family's `count_columns`, found once
         self.epoch_ns = time.monotonic_ns()  # records' times are ms from here (the server resets it as it starts)
         self._lock = threading.Lock()
         self._records: list[QueryRow] = []
@@ -182,18 +182,18 @@ class QueryRecords:
         return out
 
     def record_finished(self, finished: list[tuple[Query, str, str | None, int]], batch: dict[str, Any]) -> None:
-        """The rows of told queries (each: the query, its status, error and end) that one batch finished (`batch`:
-        its `batch_columns`), added under one lock; the last query's wakes whoever waits for every query to finish.
-        A query's own columns are all that is made per query (the serving process's completion thread makes them
-        while the load runs: its time is the issue and batching threads' wait)."""
+        """The rows of told queries (each: the query, its status, error and end) that one batch of one model finished
+        (`batch`: its `batch_columns`), added under one lock; the last query's wakes whoever waits for every query to
+        finish. A query's own columns are all that is made per query (the serving process's completion thread makes
+        them while the load runs: its time is the issue and batching threads' wait)."""
+        if not finished:
+            return
         e = self.epoch_ns
+        served = self.models[finished[0][0].model]  # a batch is one model's
+        count = serving_of(served.spec).count_columns
         rows = []
         for q, status, error, now in finished:
             start_ns = q.first_start_ns
-            served = self.models[q.model]
-            count = self._counted.get(q.model)
-            if count is None:
-                count = self._counted[q.model] = serving_of(served.spec).count_columns
             columns = dict(batch)
             columns["start_ms"] = None if start_ns is None else (start_ns - e) / 1e6
             columns["queue_ms"] = None if start_ns is None else (start_ns - q.issued_ns) / 1e6
@@ -308,16 +308,11 @@ class BatchCompletions:
 
     def record(self, told: list[tuple[Query, int, _BatchFields]]) -> None:
         """The told queries' rows, a batch's columns made once for all the queries it finished (`answer` gives
-        each of a batch's queries the same `_BatchFields`)."""
-        k = 0
-        while k < len(told):
-            batch = told[k][2]
-            end = k + 1
-            while end < len(told) and told[end][2] is batch:
-                end += 1
-            finished = [(q, q.status, q.error, now) for q, now, _ in told[k:end]]
-            self.records.record_finished(finished, self.records.batch_columns(**batch))
-            k = end
+        each of a batch's queries the same `_BatchFields`, one batch after another)."""
+        for _, group in itertools.groupby(told, key=lambda t: id(t[2])):
+            batch = list(group)
+            finished = [(q, q.status, q.error, now) for q, now, _ in batch]
+            self.records.record_finished(finished, self.records.batch_columns(**batch[0][2]))
 
     def answer(self, msg: BatchResult) -> list[tuple[Query, int, _BatchFields]]:
         """A batch's answer into its queries, each finished one told to its driver (`QueryRecords.tell`); returns
