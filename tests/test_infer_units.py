@@ -1074,7 +1074,7 @@ def test_the_chosen_load_bisects_until_the_knee_is_within_its_tolerance(monkeypa
 
 def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_measured(monkeypatch):
     """A max batch of 256 held while capacity was measured read 876 queries/s where the 576 then served held
-    1,337: the bound is found first (one query at a time), `settle` sets the policy from it, then capacity; the
+    1,337: the bound is found first (the unloaded latency), `settle` sets the policy from it, then capacity; the
     delay and spin are chosen at half of capacity before the probes (a placeholder delay cost 1.2 ms of p99)."""
     from dlrm_lab.infer import calibrate
     from dlrm_lab.infer.batching import BatchCost
@@ -1091,7 +1091,12 @@ def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_meas
         order.append(f"settle {bound:g}")
         served.max_batch = 512
 
+    def unloaded(*a, **k):
+        order.append(f"unloaded at max batch {served.max_batch}")
+        return 2.0, 50.0
+
     monkeypatch.setattr(calibrate, "_closed_loop", closed_loop)
+    monkeypatch.setattr(calibrate, "_unloaded_percentile", unloaded)
     monkeypatch.setattr(calibrate, "_open_loop_percentile", lambda *a, **k: 1.0)
     cost = BatchCost(0.2, 0.002)
     described = SimpleNamespace(models={"m": served}, batch_costs={"m": cost})
@@ -1099,10 +1104,10 @@ def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_meas
     stream = Stream("m", 1.0, QuerySizes.parse("fixed:16"))
     tune_at = lambda qps, bound: order.append(f"tune at {qps:g} q/s under {bound:g} ms")  # noqa: E731
     c = calibrate.choose_load(server, stream, sla_ms=None, probes=1, settle=settle, tune_at=tune_at)
-    # one query at a time (concurrency 1) gives the bound, 2.5 x 2 ms; capacity is then measured as settled, and
-    # the load's knobs are chosen where the bisection starts, before its probes
+    # the unloaded latency gives the bound, 2.5 x 2 ms; capacity is then measured as settled, and the load's knobs
+    # are chosen where the bisection starts, before its probes
     assert order == [
-        "closed loop x1 at max batch 256",
+        "unloaded at max batch 256",
         "settle 5",
         "closed loop x128 at max batch 512",
         "tune at 500 q/s under 5 ms",
@@ -1111,6 +1116,41 @@ def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_meas
     roof = c.queueing_roof
     assert roof is not None and roof["max_batch"] == 512 and roof["instances"] == 2
     assert 0 < roof["share"] <= 1 and "queueing roof" in c.roof_reason
+
+
+def test_the_unloaded_latency_is_of_queries_that_each_meet_an_idle_server(monkeypatch):
+    """Back to back (a closed loop of one) the server never idles: on 2 Zen 5 cores its p99 was 3.0 ms where 16
+    queries/s held 8.8, and no rate met 2.5x it. The unloaded latency is an open loop slow enough that each query
+    meets an idle server (a dropped query infinitely late); a server with no batch cost is timed back to back."""
+    from dlrm_lab.infer import calibrate
+    from dlrm_lab.infer.batching import BatchCost
+    from dlrm_lab.infer.load import Stream
+
+    driven: list[tuple[str, float, int, float]] = []
+
+    def drive_records(_server, driver, _drain):
+        settings = driver.settings
+        driven.append((settings.scenario, driver.streams[0].qps, settings.concurrency, settings.duration_s))
+        ok = [{"status": "ok", "latency_ms": 1.0 + k / 100} for k in range(98)]
+        return [*ok, {"status": "dropped", "latency_ms": None}, {"status": "ok", "latency_ms": 9.0}], 1.0
+
+    monkeypatch.setattr(calibrate, "make_driver", lambda server, streams, settings: SimpleNamespace(
+        settings=settings, streams=streams))  # fmt: skip
+    monkeypatch.setattr(calibrate, "drive_records", drive_records)
+    stream = Stream("m", 1.0, QuerySizes.parse("fixed:200"))
+    # a warm query of 100 samples an instance takes 0.2 + 0.1 ms: 20 ms apart (50 q/s) is the longer gap
+    p, qps = calibrate._unloaded_percentile(None, stream, BatchCost(0.2, 0.001), 2, 99.0, 2.0, 300, 0, 1.0)
+    assert qps == 50.0 and driven[-1] == ("open-loop", 50.0, driven[-1][2], 6.0)  # 300 queries at 50 q/s
+    assert p == 9.0  # the 99th of 100: the dropped query counts, infinitely late, above the 9 ms one
+    _, slow = calibrate._unloaded_percentile(None, stream, BatchCost(2.0, 0.01), 1, 99.0, 2.0, 300, 0, 1.0)
+    assert slow == pytest.approx(1000 / (20 * 4.0))  # a 4 ms query: 20 of it apart, and 8 s at most (4 probes)
+    assert driven[-1][3] == 8.0
+    monkeypatch.setattr(calibrate, "_closed_loop", lambda _s, _st, concurrency, seconds, *a: (
+        0.0, [{"latency_ms": 3.0}] * 10 if concurrency == 1 else []))  # fmt: skip
+    back_to_back, qps_none = calibrate._unloaded_percentile(None, stream, None, 1, 99.0, 2.0, 300, 0, 1.0)
+    assert back_to_back == 3.0 and qps_none is None
+    assert calibrate._unloaded_words(3.0, None) == "one query at a time (back to back: 3.0 ms)"
+    assert calibrate._unloaded_words(8.3, 50.0) == "a query meeting an idle server (8.3 ms at 50 queries/s, open loop)"
 
 
 def test_the_queueing_roof_simulates_the_lab_batching_rule_as_queueing_theory_has_it():

@@ -127,7 +127,7 @@ def run_inference(
                 if cfg.qps_auto:
                     (stream,) = streams
                     if log:
-                        log("choosing the load: one query at a time, closed-loop capacity, then a short bisection")
+                        log("choosing the load: an idle server's latency, closed-loop capacity, then a short bisection")
                     # what of the policy is auto is chosen inside: the bound's max batch before capacity, the rest at
                     # half of it, so that capacity and the probes measure the policy then served
                     choice = choose_load(

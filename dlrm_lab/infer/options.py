@@ -353,7 +353,7 @@ class InferConfig:
         "instance with the lab's queries and batches (open it in ui.perfetto.dev).",
     )
     qps_auto: bool = False  # the lab chooses the rate it can honour (infer.calibrate.choose_load); one model
-    sla_auto: bool = False  # ... and the bound too, from the latency of one query at a time
+    sla_auto: bool = False  # ... and the bound too, from the latency of a query meeting an idle server
     calibrate_s: float = 2.0  # seconds of each calibration step of qps_auto (capacity, unloaded, probes)
     drain_timeout_s: float = 30.0  # after the load, wait this long for the last queries
     # Knobs given as auto (`infer.tune.KNOBS`): chosen on the running server once the load is known
