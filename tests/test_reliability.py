@@ -170,12 +170,22 @@ def test_files_that_are_not_regular_or_are_huge_are_named_before_they_are_read(t
         assert (code, err.strip()) == (2, line)
 
 
-def test_a_bad_flush_interval_leaves_no_run_directory(tmp_path, monkeypatch):
-    monkeypatch.setenv("DLRM_LAB_FLUSH_SECONDS", "-1")
-    code, _, err = run_cli_in_process("train", "--preset", "tiny", "--steps", "1", "--metrics-dir", str(tmp_path / "r"),
-                                      "--no-progress")  # fmt: skip
-    assert code == 2 and "DLRM_LAB_FLUSH_SECONDS='-1': must be a number of seconds > 0" in err
-    assert not (tmp_path / "r").exists() or list((tmp_path / "r").iterdir()) == []
+@pytest.mark.parametrize(("name", "value", "why"), [
+    ("DLRM_LAB_FLUSH_SECONDS", "-1", "must be a number of seconds > 0"),
+    ("DLRM_LAB_CANARY_S", "soon", "must be a number of seconds >= 0 (at most 3600"),
+    ("DLRM_LAB_PROGRESS_INTERVAL_S", "nan", "must be a number of seconds >= 0"),
+    ("DLRM_LAB_BUILD_WAIT_S", "-5", "must be a number of seconds >= 0"),
+])  # fmt: skip
+def test_a_bad_setting_in_the_environment_is_one_line_before_any_work(tmp_path, monkeypatch, name, value, why):
+    """A bad DLRM_LAB_FLUSH_SECONDS was refused only when the run directory was made, after training's start-up
+    trials (12 s in the suite), and a bad DLRM_LAB_BUILD_WAIT_S only once a build waited: every numeric setting is
+    parsed as the command starts, before it prints or makes anything."""
+    monkeypatch.setenv(name, value)
+    code, out, err = run_cli_in_process("train", "--preset", "tiny", "--steps", "1", "--metrics-dir",
+                                        str(tmp_path / "r"), "--no-progress")  # fmt: skip
+    (line,) = err.splitlines()  # one line, naming the variable, its value and what it must be
+    assert code == 2 and line.startswith(f"error: {name}={value!r}: {why}")
+    assert out == "" and not (tmp_path / "r").exists()  # nothing set up: not even the model's line
 
 
 def test_a_load_too_large_for_memory_is_refused_before_memory_is_spent(tmp_path):

@@ -50,6 +50,19 @@ def _flag(field: str) -> str:
     return flag(field)
 
 
+def check_environment() -> None:
+    """Every DLRM_LAB_* setting the command may read, parsed now: a bad value is one line before any work, not after
+    minutes of a run's trials and builds (a bad DLRM_LAB_FLUSH_SECONDS was refused only when the run directory was
+    made, after training's start-up trials; a bad DLRM_LAB_BUILD_WAIT_S only once a build waited)."""
+    from dlrm_lab.cli.format import progress_interval_s
+    from dlrm_lab.infer.artefacts import build_wait_s
+    from dlrm_lab.metrics.canary import canary_every_s
+    from dlrm_lab.metrics.tables import flush_interval_s
+
+    for setting in (flush_interval_s, canary_every_s, progress_interval_s, build_wait_s):
+        setting()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code.
 
@@ -66,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         # for commands started in the background by a non-interactive shell.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        check_environment()
         with fields_named_by(_flag):  # a FieldError raised inside an open run is recorded as stderr says it
             code = app(args=argv, prog_name="dlrm-lab", standalone_mode=False)
     except FieldError as exc:  # the library names a config's field: say it as the command line spells it
