@@ -75,7 +75,7 @@ def repeat(tmp: Path, checkpoint: str, allocator: str, coarser: float) -> dict[s
         "coarser_share": settled_at(choice["probes"], capacity, coarser) / capacity if capacity else None,
         "sla_ms": choice["sla_ms"],
         "unloaded_latency_ms": choice["unloaded_latency_ms"],
-        "unloaded_qps": choice.get("unloaded_qps"),  # the idle-server rate it was measured at (2026-12-02 on)
+        "unloaded_idle_ms": choice.get("unloaded_idle_ms"),  # each query after the server idled this long
         "roof_qps": roof.get("rate_qps"),
         "roof_share": roof.get("share"),
         "of_roof": best / roof["rate_qps"] if roof.get("rate_qps") else None,

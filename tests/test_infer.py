@@ -360,9 +360,9 @@ def test_the_lab_chooses_a_bound_and_a_rate_it_measured_this_server_can_honour(s
     c = choose_load(server, stream, sla_ms=None, probes=3, probe_s=0.15, min_queries=25, seed=SEED)
     assert c.capacity_qps > 0 and 0 < c.unloaded_latency_ms < math.inf
     assert c.sla_chosen and c.sla_ms == math.ceil(SLA_FACTOR * c.unloaded_latency_ms)
-    # of queries that each met an idle server (the server measured its batch cost: an open loop at a low rate)
-    assert c.unloaded_qps and c.unloaded_qps <= 50.0 and "a query meeting an idle server" in c.reason
-    assert c.to_dict()["unloaded_qps"] == c.unloaded_qps
+    # of queries that each met a server idle 20 ms
+    assert c.unloaded_idle_ms == 20.0 and "a query meeting a server idle 20 ms" in c.reason
+    assert c.to_dict()["unloaded_idle_ms"] == 20.0
     assert len(c.probes) == 3 and c.probes[0]["qps"] == pytest.approx(c.capacity_qps / 2)
     for p in c.probes:  # each verdict is the probe's own percentile against the bound (dropped: inf)
         assert p["passed"] == (p["latency_ms"] is not None and p["latency_ms"] <= c.sla_ms)

@@ -223,6 +223,16 @@ def test_in_time_order_every_driver_issues_consecutive_library_samples(sut, tmp_
         assert q.offset == (before.offset + before.size if before.offset + before.size + q.size <= LIBRARY else 0)
 
 
+def test_a_closed_loop_that_thinks_issues_each_query_after_the_last_finished(sut):
+    """`think_ms`: one query at a time, each issued that long after the last finished (the server idles between)."""
+    settings = LoadSettings("closed-loop", duration_s=0.4, seed=1, concurrency=1, think_ms=20.0)
+    driver = make_driver(sut, [Stream("m", 1.0, QuerySizes.parse("fixed:2"))], settings)
+    assert drive(sut, driver, drain_s=30, take=lambda _rows: None, poll_s=0.05)
+    issued = sorted(q.issued_ns for q in sut.submitted)
+    assert 3 <= len(issued) <= 0.4 / 0.02 + 1
+    assert min(b - a for a, b in zip(issued, issued[1:], strict=False)) >= 20e6  # never sooner than the think time
+
+
 def test_completions_finished_together_are_reported_once_per_reporter():
     calls: list[str] = []
     report_after("a", lambda: calls.append("a"))  # outside a batch: at once

@@ -1061,7 +1061,7 @@ def test_the_chosen_load_bisects_until_the_knee_is_within_its_tolerance(monkeypa
 
     capacity, knee, sla = 1000.0, 470.0, 10.0
     monkeypatch.setattr(calibrate, "capacity_qps", lambda *a, **k: capacity)
-    monkeypatch.setattr(calibrate, "_closed_loop", lambda *a, **k: (capacity, [{"latency_ms": 2.0}]))
+    monkeypatch.setattr(calibrate, "_closed_loop", lambda *a, **k: (capacity, [{"status": "ok", "latency_ms": 2.0}]))
     monkeypatch.setattr(calibrate, "_open_loop_percentile",
                         lambda _s, _st, qps, *a, **k: 5.0 if qps <= knee else math.inf)  # fmt: skip
     described = SimpleNamespace(models={"m": SimpleNamespace(instances=1, max_batch=None)}, batch_costs={})
@@ -1093,7 +1093,7 @@ def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_meas
 
     def unloaded(*a, **k):
         order.append(f"unloaded at max batch {served.max_batch}")
-        return 2.0, 50.0
+        return 2.0
 
     monkeypatch.setattr(calibrate, "_closed_loop", closed_loop)
     monkeypatch.setattr(calibrate, "_unloaded_percentile", unloaded)
@@ -1120,17 +1120,16 @@ def test_the_policy_that_depends_on_the_bound_is_settled_before_capacity_is_meas
 
 def test_the_unloaded_latency_is_of_queries_that_each_meet_an_idle_server(monkeypatch):
     """Back to back (a closed loop of one) the server never idles: on 2 Zen 5 cores its p99 was 3.0 ms where 16
-    queries/s held 8.8, and no rate met 2.5x it. The unloaded latency is an open loop slow enough that each query
-    meets an idle server (a dropped query infinitely late); a server with no batch cost is timed back to back."""
+    queries/s held 8.8, and no rate met 2.5x it. The unloaded latency is one query at a time, each IDLE_GAP_MS after
+    the last finished, long enough for min_queries where that fits in 4 probes; a dropped query is infinitely late."""
     from dlrm_lab.infer import calibrate
     from dlrm_lab.infer.batching import BatchCost
     from dlrm_lab.infer.load import Stream
 
-    driven: list[tuple[str, float, int, float]] = []
+    driven = []
 
     def drive_records(_server, driver, _drain):
-        settings = driver.settings
-        driven.append((settings.scenario, driver.streams[0].qps, settings.concurrency, settings.duration_s))
+        driven.append(driver.settings)
         ok = [{"status": "ok", "latency_ms": 1.0 + k / 100} for k in range(98)]
         return [*ok, {"status": "dropped", "latency_ms": None}, {"status": "ok", "latency_ms": 9.0}], 1.0
 
@@ -1138,19 +1137,16 @@ def test_the_unloaded_latency_is_of_queries_that_each_meet_an_idle_server(monkey
         settings=settings, streams=streams))  # fmt: skip
     monkeypatch.setattr(calibrate, "drive_records", drive_records)
     stream = Stream("m", 1.0, QuerySizes.parse("fixed:200"))
-    # a warm query of 100 samples an instance takes 0.2 + 0.1 ms: 20 ms apart (50 q/s) is the longer gap
-    p, qps = calibrate._unloaded_percentile(None, stream, BatchCost(0.2, 0.001), 2, 99.0, 2.0, 300, 0, 1.0)
-    assert qps == 50.0 and driven[-1] == ("open-loop", 50.0, driven[-1][2], 6.0)  # 300 queries at 50 q/s
+    # 300 queries of 0.3 ms (100 samples an instance), each after 20 ms idle: 6.09 s
+    p = calibrate._unloaded_percentile(None, stream, BatchCost(0.2, 0.001), 2, 99.0, 2.0, 300, 0, 1.0)
+    s = driven[-1]
+    assert (s.scenario, s.concurrency, s.think_ms) == ("closed-loop", 1, 20.0)
+    assert s.duration_s == pytest.approx(300 * 20.3 / 1e3)
     assert p == 9.0  # the 99th of 100: the dropped query counts, infinitely late, above the 9 ms one
-    _, slow = calibrate._unloaded_percentile(None, stream, BatchCost(2.0, 0.01), 1, 99.0, 2.0, 300, 0, 1.0)
-    assert slow == pytest.approx(1000 / (20 * 4.0))  # a 4 ms query: 20 of it apart, and 8 s at most (4 probes)
-    assert driven[-1][3] == 8.0
-    monkeypatch.setattr(calibrate, "_closed_loop", lambda _s, _st, concurrency, seconds, *a: (
-        0.0, [{"latency_ms": 3.0}] * 10 if concurrency == 1 else []))  # fmt: skip
-    back_to_back, qps_none = calibrate._unloaded_percentile(None, stream, None, 1, 99.0, 2.0, 300, 0, 1.0)
-    assert back_to_back == 3.0 and qps_none is None
-    assert calibrate._unloaded_words(3.0, None) == "one query at a time (back to back: 3.0 ms)"
-    assert calibrate._unloaded_words(8.3, 50.0) == "a query meeting an idle server (8.3 ms at 50 queries/s, open loop)"
+    calibrate._unloaded_percentile(None, stream, BatchCost(20.0, 0.1), 1, 99.0, 2.0, 300, 0, 1.0)
+    assert driven[-1].duration_s == 8.0  # 40 ms queries: 300 would take 18 s; 4 probes at most
+    calibrate._unloaded_percentile(None, stream, None, 1, 99.0, 0.5, 300, 0, 1.0)  # no batch cost: the gaps alone
+    assert driven[-1].duration_s == 2.0 and driven[-1].think_ms == 20.0
 
 
 def test_the_queueing_roof_simulates_the_lab_batching_rule_as_queueing_theory_has_it():

@@ -4,11 +4,11 @@
 this machine may not sustain (a rate beyond capacity gives a tail of seconds, not a
 measurement). On the running server, before the measured point:
 
-1. unloaded latency: the latency percentile of queries that each meet an idle server (an open loop at a rate
-   low enough that they almost never overlap: no queueing, and each pays the idle server's wake and cold memory,
-   as every query at a low load does: the floor of what any load can reach on this server). Back to back (a
-   closed loop of one) the server never idles: on 2 Zen 5 cores its p99 was 3.0 ms where 16 queries/s held 8.8,
-   and a bound of 2.5x it was met by no rate;
+1. unloaded latency: the latency percentile of queries that each meet an idle server (one at a time, each
+   IDLE_GAP_MS after the last finished: no queueing, and each pays the idle server's wake and cold memory, as
+   every query at a low load does: the floor of what any load can reach on this server). Back to back the server
+   never idles: on 2 Zen 5 cores that p99 was 3.0 ms where 16 queries/s held 8.8, and a bound of 2.5x it was met
+   by no rate;
 2. the bound: the one given (`--sla-ms`), or with `--sla-ms auto` 2.5x the unloaded
    percentile, rounded up to a whole ms: room for batching and queueing at a useful load
    (on 2 AVX2 cores with MLPerf-sized kaggle queries, p99 at a third of capacity was already
@@ -58,11 +58,10 @@ HEADROOM = 0.7
 # bracket's resolution. At 0.05, one more probe of ~2 s.
 KNEE_TOLERANCE = 0.05
 SLA_FACTOR = 2.5  # --sla-ms auto: this multiple of the unloaded latency percentile
-# The unloaded latency's queries arrive at most this often, and at least IDLE_SPACING x a query's warm time apart
-# (Poisson): an instance idle for ~20 ms has lost what a longer gap loses (2 Zen 5 cores: a batch's compute 2.2x
-# its warm time after gaps under 20 ms, 2.8-3.0x after 20 ms to 1 s), and two queries overlap rarely
+# The unloaded latency's queries each come this long after the last finished: an instance idle for ~20 ms has lost
+# what a longer gap loses (2 Zen 5 cores: a batch's compute 2.2x its warm time after gaps under 20 ms, 2.8-3.0x
+# after 20 ms to 1 s)
 IDLE_GAP_MS = 20.0
-IDLE_SPACING = 20.0
 
 
 def knee_found(passing: float, failing: float, tolerance: float = KNEE_TOLERANCE) -> bool:
@@ -93,12 +92,19 @@ def drive_records(server: SystemUnderTest, driver: LoadDriver, drain_s: float) -
 
 
 def _closed_loop(
-    server: SystemUnderTest, stream: Stream, concurrency: int, seconds: float, seed: int, drain_s: float
+    server: SystemUnderTest,
+    stream: Stream,
+    concurrency: int,
+    seconds: float,
+    seed: int,
+    drain_s: float,
+    think_ms: float = 0.0,
 ) -> tuple[float, list[QueryRow]]:
-    settings = LoadSettings("closed-loop", duration_s=seconds, seed=seed, concurrency=concurrency)
+    """A closed loop's completed queries/s, and every query's record (failed and dropped ones too)."""
+    settings = LoadSettings("closed-loop", duration_s=seconds, seed=seed, concurrency=concurrency, think_ms=think_ms)
     records, wall = drive_records(server, make_driver(server, [stream], settings), drain_s)
-    done = [r for r in records if r["status"] == "ok"]
-    return (len(done) / wall if wall > 0 else 0.0), done
+    done = sum(r["status"] == "ok" for r in records)
+    return (done / wall if wall > 0 else 0.0), records
 
 
 def _open_loop_percentile(
@@ -142,8 +148,8 @@ class LoadChoice:
     capacity_qps: float
     unloaded_latency_ms: float
     best_passing_qps: float
-    # the open-loop rate the unloaded latency was measured at; None: back to back (a server with no batch cost)
-    unloaded_qps: float | None = None
+    # how long the server idled before each query of the unloaded latency (0: back to back, before 2026-12-02)
+    unloaded_idle_ms: float = 0.0
     probes: list[LoadProbe] = field(default_factory=list)
     reason: str = ""
     # what queueing alone allows under the bound (`infer.queueing`); None where the server measured no batch cost
@@ -179,7 +185,7 @@ def choose_load(
     served = described.models[stream.model]
     instances = max(1, served.instances or 1)
     cost = described.batch_costs.get(stream.model)
-    unloaded, unloaded_qps = _unloaded_percentile(
+    unloaded = _unloaded_percentile(
         server, stream, cost, instances, percentile, probe_s, min_queries, seed + 1, drain_s
     )
     sla_chosen = sla_ms is None
@@ -204,7 +210,7 @@ def choose_load(
         tried.append(LoadProbe(qps=qps, latency_ms=None if math.isinf(p) else p, passed=passed, seconds=span))
         lo, hi = (qps, hi) if passed else (lo, qps)
     where = f"p{percentile:g} <= {sla_ms:g} ms"
-    unloaded_line = _unloaded_words(unloaded, unloaded_qps)
+    unloaded_line = f"a query meeting a server idle {IDLE_GAP_MS:g} ms ({unloaded:.1f} ms)"
     bound = (
         f"bound {sla_ms:g} ms = {SLA_FACTOR:g} x the p{percentile:g} of {unloaded_line}"
         if sla_chosen
@@ -220,7 +226,7 @@ def choose_load(
         qps = min(t["qps"] for t in tried) if tried else max(capacity / 10, 0.1)
         reason = (
             f"no probed rate met {where} (lowest {qps:.1f} queries/s; capacity {capacity:.1f} queries/s, "
-            f"p{percentile:g} of {_unloaded_words(unloaded, unloaded_qps)}): running at the lowest; {bound}"
+            f"p{percentile:g} of {unloaded_line}): running at the lowest; {bound}"
         )
     roof, roof_reason = _roof(server, stream, lo, capacity, sla_ms, percentile)
     return LoadChoice(
@@ -230,7 +236,7 @@ def choose_load(
         percentile=percentile,
         capacity_qps=capacity,
         unloaded_latency_ms=unloaded,
-        unloaded_qps=unloaded_qps,
+        unloaded_idle_ms=IDLE_GAP_MS,
         best_passing_qps=lo,
         probes=tried,
         reason=reason,
@@ -249,32 +255,16 @@ def _unloaded_percentile(
     min_queries: int,
     seed: int,
     drain_s: float,
-) -> tuple[float, float | None]:
-    """The latency percentile of queries that each meet an idle server, and the open-loop rate it was measured at:
-    Poisson arrivals IDLE_GAP_MS apart, or IDLE_SPACING x a query's warm time (a query split over the instances,
-    from the batch cost the server measured) where that is longer, for long enough that the percentile means
-    something (dropped queries infinitely late). A server that measured no batch cost (a remote or third-party
-    one) is timed back to back (a closed loop of one): its query's time is not known before it runs."""
-    if cost is None:
-        seconds = 2 * probe_s
-        _, done = _closed_loop(server, stream, 1, seconds, seed, drain_s)
-        lat = np.array([r["latency_ms"] for r in done], dtype=np.float64)
-        # a percentile of some values is a number (None only of none)
-        return (cast(float, nearest_rank(lat, percentile)) if len(lat) else math.inf), None
-    warm_ms = cost.ms(math.ceil(stream.sizes.mean / instances))
-    qps = 1000.0 / max(IDLE_GAP_MS, IDLE_SPACING * warm_ms)
-    seconds = min(max(probe_s, min_queries / qps), 4 * probe_s)
-    settings = LoadSettings("open-loop", duration_s=seconds, seed=seed)
-    records, _ = drive_records(server, make_driver(server, [replace(stream, qps=qps)], settings), drain_s)
+) -> float:
+    """The latency percentile of queries that each meet an idle server: one at a time, each issued IDLE_GAP_MS after
+    the last finished (a closed loop of one that thinks), for long enough that the percentile means something
+    (`min_queries`, at most 4 probes long; a query's time from the batch cost the server measured, where it did)."""
+    warm_ms = cost.ms(math.ceil(stream.sizes.mean / instances)) if cost is not None else 0.0
+    seconds = min(max(probe_s, min_queries * (warm_ms + IDLE_GAP_MS) / 1e3), 4 * probe_s)
+    _, records = _closed_loop(server, stream, 1, seconds, seed, drain_s, think_ms=IDLE_GAP_MS)
     lat = np.array([r["latency_ms"] if r["status"] == "ok" else math.inf for r in records], dtype=np.float64)
-    return (cast(float, nearest_rank(lat, percentile)) if len(lat) else math.inf), qps
-
-
-def _unloaded_words(ms: float, qps: float | None) -> str:
-    """The unloaded latency and how it was measured, for the bound's line."""
-    if qps is None:
-        return f"one query at a time (back to back: {ms:.1f} ms)"
-    return f"a query meeting an idle server ({ms:.1f} ms at {qps:.0f} queries/s, open loop)"
+    # a percentile of some values is a number (None only of none)
+    return cast(float, nearest_rank(lat, percentile)) if len(lat) else math.inf
 
 
 def _roof(

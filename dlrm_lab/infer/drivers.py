@@ -122,13 +122,16 @@ def issue_lag_message(late_ms: float, index: int, planned: int, qps: float, boun
 class ClosedLoop:
     """`settings.concurrency` outstanding queries at all times for `duration_s`: saturates the
     server without an unbounded queue. Used to estimate capacity before a latency-bounded
-    search; never for latency (a closed loop hides queueing, see OpenLoop)."""
+    search; never for a loaded latency (a closed loop hides queueing, see OpenLoop). With `think_ms`, each finished
+    query's next is issued that long after it: one at a time, each meets a server idle that long (the unloaded
+    latency of `infer.calibrate`)."""
 
     def __init__(self, sut: SystemUnderTest, streams: list[Stream], settings: LoadSettings) -> None:
         if len(streams) != 1:
             raise UserError(f"a closed loop drives one model, got {len(streams)} streams")
         (self.stream,) = streams
         self.sut, self.concurrency, self.duration_s = sut, settings.concurrency, settings.duration_s
+        self.think_s = settings.think_ms / 1e3
         self.rng = np.random.default_rng(settings.seed)
         self.library = sut.library(self.stream.model)
         self.stats = DriverStats(duration_s=settings.duration_s, arrival={self.stream.model: "closed-loop"})
@@ -147,7 +150,13 @@ class ClosedLoop:
         self.sut.submit(Query(qid, self.stream.model, size, offset, on_done=self._done))
 
     def _done(self, _q: Query, _status: str, _scores: Any) -> None:
-        if time.monotonic() < self._deadline:
+        if time.monotonic() + self.think_s >= self._deadline:
+            return
+        if self.think_s > 0:  # not slept here: this is the server's completion thread
+            timer = threading.Timer(self.think_s, self._submit)
+            timer.daemon = True
+            timer.start()
+        else:
             self._submit()
 
     def start(self) -> ClosedLoop:

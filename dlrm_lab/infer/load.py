@@ -281,6 +281,7 @@ class LoadSettings:
     duration_s: float = 5.0
     seed: int = 0
     concurrency: int = 1  # closed loop: queries outstanding at all times
+    think_ms: float = 0.0  # closed loop: a finished query's next is issued this long after it (the server idles)
     sla_ms: float = 10.0  # LoadGen: the latency bound it checks (server, single- and multi-stream)
     sla_percentile: float = 99.0
     log_dir: Path | None = None  # LoadGen: where its summary and detail logs go
