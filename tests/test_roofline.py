@@ -242,10 +242,10 @@ def test_gemm_climb_is_not_cut_by_a_launch_bound_pilot(monkeypatch):
         return seen
 
     seen = fake(100e-6, 500e12)
-    gpu_like = gemm_flops_per_s(CPU, torch.float32, (2048, 8192), repeats=2, min_flops=2e10)
+    gpu_like = device_peaks._gemm_peak(CPU, torch.float32, (2048, 8192), repeats=2, min_flops=2e10)  # one library
     assert gpu_like["size"] == 8192 and 8192 in seen and gpu_like["flops_per_s"] > 0.95 * 500e12
     seen = fake(0.0, 20e9)
-    slow = gemm_flops_per_s(CPU, torch.float32, (1024, 2048, 4096), repeats=2, min_flops=2e8)
+    slow = device_peaks._gemm_peak(CPU, torch.float32, (1024, 2048, 4096), repeats=2, min_flops=2e8)
     assert slow["size"] == 1024 and max(seen) == 1024  # 2048 would take 0.86 s a product
 
 
@@ -501,6 +501,32 @@ def test_tables_smaller_than_the_probes_are_bound_by_the_cache_resident_gather()
     rm2, full = dlrm_lab.load_preset("rm2", table_scale=0.005), dlrm_lab.load_preset("rm2")
     assert batch_roof(rm2, "fp32", cached)(256) < batch_roof(rm2, "fp32", dram)(256)
     assert batch_roof(full, "fp32", cached)(256) == batch_roof(full, "fp32", dram)(256)
+
+
+def test_the_fp32_gemm_peak_is_the_better_of_mkls_and_onednns(monkeypatch):
+    """torch's fp32 `mm` runs Intel's MKL, which on AMD EPYCs takes a half-width path (Zen 5: 98-102 GFLOP/s where
+    oneDNN's fp32 runs 219-226, and OpenVINO's f32 DLRMv2 ran at 2.0 of the MKL-probed roof): the CPU's fp32 peak is
+    probed through both libraries and the better kept; oneDNN's product is the same one (a x b^T)."""
+    import torch
+
+    from dlrm_lab.metrics import device_peaks
+
+    cpu = torch.device("cpu")
+    asked = []
+
+    def peak(device, dtype, sizes, repeats, min_flops, onednn_fp32=False):
+        asked.append((dtype, onednn_fp32))
+        return {"flops_per_s": 2.2e11 if onednn_fp32 else 1e11, "size": 512, "spread": 1.0}
+
+    with monkeypatch.context() as m:
+        m.setattr(device_peaks, "_gemm_peak", peak)
+        assert device_peaks.gemm_flops_per_s(cpu, torch.float32, (64,), 1)["flops_per_s"] == 2.2e11
+        assert device_peaks.gemm_flops_per_s(cpu, torch.bfloat16, (64,), 1)["flops_per_s"] == 1e11  # one library
+    assert asked == [(torch.float32, True), (torch.float32, False), (torch.bfloat16, False)]
+    real = device_peaks._gemm_peak(cpu, torch.float32, (64,), 1, 1e6, onednn_fp32=True)  # runs, on its own layout
+    assert real["size"] == 64 and real["flops_per_s"] > 0
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    torch.testing.assert_close(torch._C._nn.mkldnn_linear(a.to_mkldnn(), b.to_mkldnn(), None).to_dense(), a @ b.T)
 
 
 def test_a_gather_of_another_probe_method_is_never_kept_over_a_new_one():
