@@ -231,6 +231,18 @@ def test_a_closed_loop_that_thinks_issues_each_query_after_the_last_finished(sut
     issued = sorted(q.issued_ns for q in sut.submitted)
     assert 3 <= len(issued) <= 0.4 / 0.02 + 1
     assert min(b - a for a, b in zip(issued, issued[1:], strict=False)) >= 20e6  # never sooner than the think time
+    # stopped while a query's next is thinking: it is not issued when its think ends
+    stopped = make_driver(sut, [Stream("m", 1.0, QuerySizes.parse("fixed:2"))],
+                          LoadSettings("closed-loop", duration_s=5.0, concurrency=1, think_ms=100.0))  # fmt: skip
+    before = len(sut.submitted)
+    stopped.start()
+    deadline = time.monotonic() + 5
+    while sut._outstanding:  # the first query answered: its next thinks for 100 ms
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    stopped.stop()
+    time.sleep(0.2)
+    assert len(sut.submitted) == before + 1
 
 
 def test_completions_finished_together_are_reported_once_per_reporter():

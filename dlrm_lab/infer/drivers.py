@@ -150,13 +150,16 @@ class ClosedLoop:
         self.sut.submit(Query(qid, self.stream.model, size, offset, on_done=self._done))
 
     def _done(self, _q: Query, _status: str, _scores: Any) -> None:
-        if time.monotonic() + self.think_s >= self._deadline:
-            return
         if self.think_s > 0:  # not slept here: this is the server's completion thread
-            timer = threading.Timer(self.think_s, self._submit)
+            timer = threading.Timer(self.think_s, self._next)
             timer.daemon = True
             timer.start()
         else:
+            self._next()
+
+    def _next(self) -> None:
+        """The next query, unless the load's time is up or it was stopped (checked when it is due: after a think)."""
+        if time.monotonic() < self._deadline:
             self._submit()
 
     def start(self) -> ClosedLoop:
