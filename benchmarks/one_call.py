@@ -36,13 +36,15 @@ import torch
 from common import header, results_path, write_results
 
 import dlrm_lab
-from dlrm_lab.infer import build as builds
+from dlrm_lab.infer.build import BuildSet
 from dlrm_lab.infer.builds import BuildFailed, build_names, dense_weight_bytes
 from dlrm_lab.infer.builds.aoti import WholeBatch, example_batch
+from dlrm_lab.infer.gemm_widths import choose_widths
+from dlrm_lab.infer.interaction import choose_interaction
 from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.records import batch_roof, build_peaks
 from dlrm_lab.infer.serving_parts import make_runner
-from dlrm_lab.infer.table_lookup import table_weights
+from dlrm_lab.infer.table_lookup import choose_lookup, table_weights
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.model.dlrm import build_model
@@ -108,12 +110,24 @@ def kaggle_setup() -> tuple[Any, str, Any, PackedLibrary]:
 def batch_part(table_precisions: list[str]) -> dict[str, Any]:
     spec, precision, model, library = kaggle_setup()
     out: dict[str, Any] = {"precision": precision, "routes": {}}
+    # what the serving plan chooses before its builds are made, at the sizes timed here: the dot interaction's way
+    # (torch's ops or the lab's kernel), then the packages' table lookup and GEMM widths: the routes are timed as
+    # an instance would serve them (until 2026-12-02 they were timed with torch's interaction and no widths chosen)
+    cpu = torch.device("cpu")
+    interaction = choose_interaction(model, precision=precision, sizes=list(SIZES), threads=1, device=cpu, log=print)
+    out["interaction"] = interaction
     with tempfile.TemporaryDirectory() as tmp:
         for table_precision in table_precisions:
+            made = BuildSet(model, precision, table_precision)
+            choices = {
+                "lookup": choose_lookup(made["fused"], library, sizes=list(SIZES), threads=1, log=print),
+                "widths": choose_widths(made["fused"], sizes=list(SIZES), threads=1, log=print),
+            }
+            out.setdefault("choices", {})[table_precision] = choices
             modules = {}
             for b in ("fused", "aoti", "aoti_frozen", "aoti_tuned", "aoti_buckets", "aoti_int8"):
                 try:
-                    modules[b] = builds.make_build(model, b, precision=precision, table_precision=table_precision)
+                    modules[b] = made[b]
                 except BuildFailed as e:  # a package that fails a batch size: named, not timed
                     out.setdefault("failed", {})[f"{b}/{table_precision}"] = str(e)
                     print(f"  {b:10s} tables {table_precision}: not timed: {e}", flush=True)
@@ -127,7 +141,7 @@ def batch_part(table_precisions: list[str]) -> dict[str, Any]:
             modules["buckets"] = bucketed
             # each route as an instance measures itself at start (`batch_cost`: 1 and 256 samples alternated, median
             # of 7, back to back on its own weights), the routes interleaved in rounds against the host's drift
-            runners = {r: make_runner(m, library, torch.device("cpu"), precision) for r, m in modules.items()}
+            runners = {r: make_runner(m, library, cpu, precision) for r, m in modules.items()}
             for runner in runners.values():
                 runner.warm_up(max(SIZES))
             costs: dict[str, list[Any]] = {r: [] for r in runners}
