@@ -368,6 +368,34 @@ def test_a_profile_that_disagrees_with_the_machine_now_is_warned_of(tmp_path, mo
     assert code == 0 and "warning: the machine profile's fp32 GEMM peak (2.2 GFLOP/s" in err
 
 
+def test_the_quick_check_times_every_product_the_fp32_peak_is_the_better_of(monkeypatch):
+    """The rate the quick check compares with the profile's fp32 peak is timed through each product that peak is the
+    better of (torch's mm, oneDNN's linear): through torch's mm alone a quiet Zen 5 read 2.1x "busy" against the
+    oneDNN peak its probe stored, and every command said so."""
+    import time
+
+    from dlrm_lab.metrics import device_peaks
+    from dlrm_lab.metrics.trust import quick_gemm_flops
+
+    calls: list[str] = []
+
+    def slow(a, b):
+        calls.append("slow")
+        time.sleep(0.002)  # at most 2 * 64^3 / 2 ms = 0.26 GFLOP/s
+        return a
+
+    def fast(a, b):
+        calls.append("fast")
+        return a
+
+    ways = {"mkl": (slow, lambda m: m), "onednn": (fast, lambda m: m)}
+    monkeypatch.setattr(device_peaks, "fp32_cpu_products", lambda: ways)
+    rate = quick_gemm_flops(size=64, repeats=2)
+    assert calls.count("slow") == 3 and calls.count("fast") == 3  # each: one untimed call, then the repeats
+    assert rate > 2 * 64**3 / 0.002  # the better product's rate, not the first's
+    assert set(device_peaks.fp32_cpu_products()) <= {"mkl", "onednn"}
+
+
 def test_a_run_whose_load_stopped_early_is_marked_failed_with_the_reason(tmp_path, monkeypatch):
     from dlrm_lab.config import load_preset
     from dlrm_lab.infer import lab

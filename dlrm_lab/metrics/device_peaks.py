@@ -187,11 +187,24 @@ def gemm_flops_per_s(
     torch's `mm` (Intel's MKL) and oneDNN's fp32 product: on AMD EPYCs MKL takes a path of half the width (2 Zen 5
     cores, one thread: MKL 98-102 GFLOP/s, oneDNN 219-226), and OpenVINO's f32, on oneDNN, ran at twice a peak
     probed with MKL alone."""
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    if device.type == "cpu" and dtype == torch.float32 and "onednn" in fp32_cpu_products():
         onednn = _gemm_peak(device, dtype, sizes, repeats, min_flops, onednn_fp32=True)
         mkl = _gemm_peak(device, dtype, sizes, repeats, min_flops)
         return onednn if onednn["flops_per_s"] > mkl["flops_per_s"] else mkl
     return _gemm_peak(device, dtype, sizes, repeats, min_flops)
+
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def fp32_cpu_products() -> dict[str, tuple[Product, Callable[[torch.Tensor], torch.Tensor]]]:
+    """The fp32 products a CPU's fp32 peak is the better of, each with how an operand is made ready for it: torch's
+    `mm` (Intel's MKL) and, where torch has oneDNN, oneDNN's fp32 linear on tensors in its own layout (a x b^T: the
+    same FLOPs). Whatever compares a rate timed now with the profile's fp32 peak times it the same way."""
+    ways: dict[str, tuple[Product, Callable[[torch.Tensor], torch.Tensor]]] = {"mkl": (torch.mm, lambda m: m)}
+    if torch.backends.mkldnn.is_available():
+        ways["onednn"] = (lambda a, b: torch._C._nn.mkldnn_linear(a, b, None), lambda m: m.to_mkldnn())
+    return ways
 
 
 def _gemm_peak(
@@ -213,15 +226,15 @@ def _gemm_peak(
     # is a floor, not a forecast: on a GPU one small product is launch-bound (an H200's pilot
     # cut bf16 at n=2048: 430 of the 667 TFLOP/s it sustains at n=8192).
     # int8: the integer product int8 builds compute in (VNNI, AMX int8; int32 sums), counted as 2 n^3 operations
-    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch._int_mm if dtype == torch.int8 else torch.mm
+    mm: Product = torch._int_mm if dtype == torch.int8 else torch.mm
+    ready: Callable[[torch.Tensor], torch.Tensor] = lambda m: m  # noqa: E731
     if onednn_fp32:
-        mm = lambda a, b: torch._C._nn.mkldnn_linear(a, b, None)  # noqa: E731
+        mm, ready = fp32_cpu_products()["onednn"]
 
     def square(n: int) -> torch.Tensor:
         if dtype == torch.int8:
             return torch.randint(-128, 128, (n, n), device=device, dtype=dtype)
-        m = torch.randn(n, n, device=device).to(dtype)
-        return m.to_mkldnn() if onednn_fp32 else m
+        return ready(torch.randn(n, n, device=device).to(dtype))
 
     pilot = min(256, *sizes)
     a = square(pilot)

@@ -7,8 +7,9 @@ does 197, and every later precision choice, roofline fraction and latency floor 
 - `metrics.cpu.LoadWatch` measures, around a probe, the CPU time of every other process (cores' worth), the host's
   steal and the spread of the probe's own GEMM repeats; `judge` says whether the probe can be trusted
   (`OTHER_CORES_LIMIT`, `STEAL_LIMIT`, `SPREAD_LIMIT`), recorded in the profile's `load`;
-- `quick_check` times one small fp32 GEMM now (tens of ms) and compares it with the profile's one-thread
-  peak: beyond `AGREEMENT_MARGIN` either way, one warning line (a spoiled profile, or a busy machine now).
+- `quick_check` times one small fp32 GEMM now (tens of ms), through each product the peak is the better of, and
+  compares it with the profile's one-thread peak: beyond `AGREEMENT_MARGIN` either way, one warning line (a spoiled
+  profile, or a busy machine now).
 
 Hand-written: no library judges a benchmark's own host while it runs.
 """
@@ -61,19 +62,24 @@ def judge(seconds: float, other_cores: float, steal_share: float, gemm_spread: f
 
 
 def quick_gemm_flops(threads: int = 1, size: int = CHECK_SIZE, repeats: int = 7) -> float:
-    """The best fp32 FLOP/s of a few `size`-square products on `threads` threads (tens of ms)."""
+    """The best fp32 FLOP/s of a few `size`-square products on `threads` threads (tens of ms), through each product
+    the profile's fp32 peak is the better of (`fp32_cpu_products`): timed through torch's `mm` alone, an AMD EPYC's
+    quiet machine read 2.1x "busy" against a peak that oneDNN's product set."""
     import torch
+
+    from dlrm_lab.metrics.device_peaks import fp32_cpu_products
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.randn(size, size)
-        torch.mm(a, a)
         best = 0.0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.mm(a, a)
-            best = max(best, 2 * size**3 / max(time.perf_counter() - t0, 1e-9))
+        for product, ready in fp32_cpu_products().values():
+            a = ready(torch.randn(size, size))
+            product(a, a)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                product(a, a)
+                best = max(best, 2 * size**3 / max(time.perf_counter() - t0, 1e-9))
         return best
     finally:
         torch.set_num_threads(saved)
