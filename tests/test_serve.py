@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -1081,9 +1082,9 @@ print(json.dumps({"inputs": [i["name"] for i in meta["inputs"]], "max_batch_size
 """
 
 
-def _third_party_python(requirement: str) -> str:
-    """The python of a cached venv holding `requirement` (tritonclient, kserve: both need protobuf < 7, the lab's
-    generated code 7): made once per machine, skipped where it cannot be made (no package index)."""
+def _make_venv(requirement: str) -> tuple[str, str | None]:
+    """(the python of a cached venv holding `requirement`, why it could not be made or None): tritonclient and kserve
+    both need protobuf < 7, the lab's generated code 7. Made once per machine."""
     import venv
     from pathlib import Path
 
@@ -1091,14 +1092,47 @@ def _third_party_python(requirement: str) -> str:
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlrm-lab" / "venvs" / name
     python = root / "bin" / "python"
     if (root / ".installed").exists():
-        return str(python)
+        return str(python), None
     venv.EnvBuilder(with_pip=True, clear=True).create(root)
     out = subprocess.run([str(python), "-m", "pip", "install", "-q", requirement, "numpy"], capture_output=True,
                          text=True, timeout=900)  # fmt: skip
     if out.returncode != 0:
-        pytest.skip(f"cannot install {requirement} into {root}: {out.stderr.strip()[-300:]}")
+        return str(python), f"cannot install {requirement} into {root}: {out.stderr.strip()[-300:]}"
     (root / ".installed").write_text(requirement)
-    return str(python)
+    return str(python), None
+
+
+_VENVS: dict[str, Future] = {}  # requirement -> the future of `_make_venv`
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _third_party_venvs_made_in_the_background(request):
+    """The venvs of the selected tests that need one, begun at the file's first test: their pip installs (~45 s on a
+    new machine, network and disk mostly) run beside the file's other tests, not in front of the test that needs them
+    (on a fresh clone the kserve server's set-up waited 38 s for its install)."""
+    wanted = {
+        requirement
+        for item in request.session.items
+        if item.path == request.node.path
+        for fixture, requirement in (("kserve_server", KSERVE), ("tritonclient", TRITONCLIENT))
+        if fixture in getattr(item, "fixturenames", ()) or fixture in item.name
+    }
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="venv")
+    for requirement in wanted:
+        _VENVS[requirement] = pool.submit(_make_venv, requirement)
+    yield
+    pool.shutdown(wait=True)
+    _VENVS.clear()
+
+
+def _third_party_python(requirement: str) -> str:
+    """The python of the cached venv holding `requirement` (made in the background where the file's fixture began it,
+    else here), skipped where it cannot be made (no package index)."""
+    future = _VENVS.get(requirement)
+    python, why = future.result() if future is not None else _make_venv(requirement)
+    if why is not None:
+        pytest.skip(why)
+    return python
 
 
 def test_nvidias_tritonclient_drives_the_server_and_gets_the_models_scores(server, library, tmp_path):
