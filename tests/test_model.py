@@ -396,6 +396,26 @@ def test_a_lock_left_by_a_killed_kernel_build_is_cleared_and_a_live_ones_kept(tm
     native._clear_stale_lock(builder)  # no lock: nothing to do
 
 
+def test_the_kernels_build_is_named_for_its_checkout_and_sources(tmp_path, monkeypatch):
+    """torch caches an extension's build by its name alone and rebuilds it (~20 s) for another compile command: the
+    lab's name holds the sources' paths and bytes, so two checkouts on one machine (ab.py's sides, a worktree) keep a
+    build each instead of rebuilding one in turn, and changed sources never load an older build."""
+    from dlrm_lab.model import native
+
+    here = native._name()
+    assert here == native.NAME and here.startswith("dlrm_lab_native_")
+    copies = []
+    for source in native._SOURCES:
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+        copies.append(tmp_path / source.name)
+    monkeypatch.setattr(native, "_SOURCES", copies)
+    elsewhere = native._name()
+    assert elsewhere != here  # the same sources in another checkout: a build of its own
+    assert native._name() == elsewhere  # and the same one each time
+    copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")
+    assert native._name() not in (here, elsewhere)  # changed sources: another build
+
+
 @pytest.mark.parametrize("preset", ["tiny", "dcnv2", "rm1", "hstu-tiny"])
 def test_every_parameter_and_buffer_is_built_on_the_requested_device(preset):
     """The CPU twin of a GPU build: a module made without a device argument (the dot interaction's pairs, a

@@ -2,24 +2,39 @@
 
 They are built once per machine (`make install` runs `python -m dlrm_lab.model.native`; else at first use, `load`)
 by torch's extension builder with the vector ISA Inductor picks on this machine (AVX2 on Zen 3, AVX-512 elsewhere),
-and cached by it (`~/.cache/torch_extensions`, keyed by the source and the flags). Where no build is possible (no
-compiler), `load` says why and the lab keeps torch's ops: a kernel here is one way among those the lab measures,
-never the only one.
+and cached by it (`~/.cache/torch_extensions`, under a name of this checkout and its sources, `_name`; torch keys
+the flags). Where no build is possible (no compiler), `load` says why and the lab keeps torch's ops: a kernel here is
+one way among those the lab measures, never the only one.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import pathlib
 import time
 from typing import Any
 
 import torch
 
-NAME = "dlrm_lab_native"
 _SOURCES = [
     pathlib.Path(__file__).with_name(name) for name in ("dot_interaction.cpp", "table_update.cpp", "lookup.cpp")
 ]
+
+
+def _name() -> str:
+    """The extension's name, one per checkout and sources. torch caches a build under its name alone, and ninja
+    rebuilds it (~20 s) whenever the compile command differs, as it does for another checkout's source paths: two
+    checkouts on one machine (`benchmarks/ab.py`'s two sides, a worktree beside the main tree) took turns rebuilding
+    the one build, four times in one session."""
+    digest = hashlib.sha1()
+    for source in _SOURCES:
+        digest.update(str(source).encode())
+        digest.update(source.read_bytes())
+    return f"dlrm_lab_native_{digest.hexdigest()[:12]}"
+
+
+NAME = _name()
 
 
 def build_flags() -> list[str]:
