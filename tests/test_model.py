@@ -414,6 +414,8 @@ def test_the_kernels_build_is_named_for_its_checkout_and_sources(tmp_path, monke
     assert native._name() == elsewhere  # and the same one each time
     copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")
     assert native._name() not in (here, elsewhere)  # changed sources: another build
+    copies[1].unlink()
+    assert native._name().startswith("dlrm_lab_native_")  # a source missing: named still; `load` says why
 
 
 @pytest.mark.parametrize("preset", ["tiny", "dcnv2", "rm1", "hstu-tiny"])
