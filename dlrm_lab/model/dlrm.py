@@ -217,15 +217,19 @@ def dot_interaction(
 def _native_interaction(
     dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """The lab's kernel over both inputs in one dtype (`_compute_dtype`); its sums are fp32 whatever the dtype."""
+    """The lab's kernel in one compute dtype (`_compute_dtype`); its sums are fp32 whatever the dtype. fp32
+    embeddings beside a narrower compute dtype go in as they are: the kernel rounds them as it reads them and writes
+    their gradient in fp32, so neither cast runs as an op of its own (the backward's took up to 0.74 ms of a kaggle
+    training step, BENCHMARKS.md)."""
     from dlrm_lab.model import native
 
     # loaded before any trace (`infer.interaction.put`, training's choice): a compile does not trace the loader
     if not torch.compiler.is_compiling() and (why := native.load()) is not None:
         raise RuntimeError(why)
     dtype = _compute_dtype(dense, sparse, gram_dtype)
+    wide = sparse.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(dense.device.type, enabled=False):
-        return torch.ops.dlrm_lab.dot_interaction(dense.to(dtype), sparse.to(dtype), pairs)
+        return torch.ops.dlrm_lab.dot_interaction(dense.to(dtype), sparse if wide else sparse.to(dtype), pairs)
 
 
 def _compute_dtype(dense: torch.Tensor, sparse: torch.Tensor, gram_dtype: torch.dtype | None) -> torch.dtype:
