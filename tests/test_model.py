@@ -365,6 +365,41 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_labs_interaction_kernel_reads_fp32_embeddings_beside_a_narrower_dense_part_with_no_cast(dtype):
+    """fp32 pooled embeddings beside a bf16 (autocast's) or fp16 dense output: the kernel rounds them as it reads
+    them, so its output equals the cast inputs' bit for bit, and writes their gradient in fp32 (the cast inputs'
+    gradient is the same before its rounding); the module makes no cast op of them either way."""
+    from dlrm_lab.model import native
+    from dlrm_lab.model.dlrm import DotInteractionArch
+
+    assert native.load() is None
+    torch.manual_seed(0)
+    for batch, n, D in ((37, 7, 16), (5, 7, 12), (2048, 27, 16)):
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        pairs = rows * n + cols
+        dense, sparse = torch.randn(batch, D).to(dtype), torch.randn(batch, n - 1, D)
+        mixed = [dense.clone().requires_grad_(), sparse.clone().requires_grad_()]
+        cast = [dense.clone().requires_grad_(), sparse.to(dtype).requires_grad_()]
+        out = torch.ops.dlrm_lab.dot_interaction(*mixed, pairs)
+        want = torch.ops.dlrm_lab.dot_interaction(*cast, pairs)
+        assert out.dtype == dtype and torch.equal(out, want)
+        weights = torch.randn(out.shape)
+        (out.float() * weights).sum().backward()
+        (want.float() * weights).sum().backward()
+        assert mixed[1].grad.dtype == torch.float32 and torch.equal(mixed[0].grad, cast[0].grad)
+        assert torch.equal(mixed[1].grad.to(dtype), cast[1].grad)
+    arch = DotInteractionArch(num_sparse_features=6)
+    arch.native = True
+    dense, sparse = torch.randn(5, 16, requires_grad=True), torch.randn(5, 6, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = arch(dense, sparse)
+    inputs = [f for f, _ in out.grad_fn.next_functions]
+    assert type(inputs[1]).__name__ == "AccumulateGrad" and inputs[1].variable is sparse  # no ToCopyBackward0
+    with pytest.raises(RuntimeError, match="only fp32 sparse beside bf16 or fp16 dense"):
+        torch.ops.dlrm_lab.dot_interaction(torch.randn(2, 4).bfloat16(), torch.randn(2, 2, 4).half(), pairs[:1])
+
+
 def test_the_labs_interaction_kernel_refuses_pairs_outside_the_gram_matrix():
     from dlrm_lab.model import native
 
