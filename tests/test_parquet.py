@@ -122,6 +122,25 @@ def test_parquet_batches_equal_synthetic_batches(tiny, dataset, world_size, rank
         assert_same_batch(g, w, f"batch {k} rank {rank}/{world_size}")
 
 
+@pytest.mark.parametrize("world_size, rank", [(1, 0), (3, 2)])
+def test_a_batch_across_several_row_groups_is_their_rows_in_order(tiny, tmp_path, world_size, rank):
+    """Row groups are decoded once and a batch is slices of them (`DecodedRows`): a batch spanning three row
+    groups of 100 samples, its features' lists of several lengths, is the same rows as the generator's."""
+    path = tmp_path / "ds"
+    write_dataset(synthetic_generator(tiny, seed=SEED), 1_000, path, shards=2, row_group_samples=100)
+    batch = 110
+    n = 1_000 // (batch * world_size) + 2  # into the next epoch
+    got = list(ParquetSource(path, tiny, batch, rank, world_size, num_batches=n))
+    want = SyntheticSource(synthetic_generator(tiny, seed=SEED), batch, rank, world_size, num_batches=n)
+    full = synthetic_generator(tiny, seed=SEED).samples(0, 1_000)
+    assert len({int(x) for x in np.concatenate(full.lengths)}) > 1  # lists of several lengths
+    for k, (g, w) in enumerate(zip(got, want, strict=False)):
+        if (k + 1) * batch * world_size > 1_000:
+            break  # the synthetic source does not wrap: the wrap is the test above's
+        assert_same_batch(g, w, f"batch {k} rank {rank}/{world_size}")
+    assert len(got) == n
+
+
 def test_endless_source_continues_with_the_next_epoch(tiny, dataset):
     """epochs=None: the dataset repeats; a batch that straddles the end wraps to row 0."""
     path, _ = dataset

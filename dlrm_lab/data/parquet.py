@@ -320,14 +320,22 @@ def validate_table(table: pa.Table, model: ModelColumns, where: str) -> None:
 
 def table_to_block(table: pa.Table, model: ModelSpec, first: int = 0) -> SampleBlock:
     """Arrow rows (already validated) -> numpy samples."""
+    return _decode(table, model, first)[0]
+
+
+def _decode(table: pa.Table, model: ModelSpec, first: int = 0) -> tuple[SampleBlock, list[np.ndarray]]:
+    """Arrow rows (already validated) -> numpy samples, and each feature's list offsets (int64 [n + 1], from 0),
+    read from the lists themselves (a third of the time of Arrow's length kernel and a cumulative sum)."""
     labels = table.column("label").to_numpy().astype(np.float32, copy=False)
     dense = pc.list_flatten(table.column("dense")).to_numpy().astype(np.float32, copy=False)
-    lengths, values = [], []
+    lengths, values, offsets = [], [], []
     for name in model.feature_names:
-        col = table.column(name)
-        lengths.append(pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
-        values.append(pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
-    return SampleBlock(first, dense.reshape(len(labels), model.num_dense), labels, lengths, values)
+        lists = table.column(name).combine_chunks()  # one chunk as a row group is read: no copy
+        at = lists.offsets.to_numpy().astype(np.int64)
+        offsets.append(at - at[0])
+        lengths.append(np.diff(at).astype(np.int32, copy=False))
+        values.append(lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+    return SampleBlock(first, dense.reshape(len(labels), model.num_dense), labels, lengths, values), offsets
 
 
 @dataclass
@@ -385,8 +393,8 @@ class ParquetSource:
 
     def __iter__(self) -> Iterator[Batch]:
         g = self.batch_size * self.world_size
-        pending: list[pa.Table] = []
-        have = produced = 0
+        pending: list[DecodedRows] = []  # row groups decoded, the first from `used` on
+        have = produced = used = 0
         groups = self._row_groups()
         exhausted = False
         skip = self.start_batch * g  # rows already trained on: whole row groups, then a slice
@@ -404,17 +412,60 @@ class ParquetSource:
                     table, skip = table.slice(skip), 0
                 if table.num_rows:
                     validate_table(table, self.model, where)
-                    pending.append(table)
+                    pending.append(DecodedRows.of(table, self.model))
                     have += table.num_rows
             if have == 0:
                 return
             take = min(g, have)
-            whole = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
-            batch_rows, rest = whole.slice(0, take), whole.slice(take)
-            pending, have = ([rest] if rest.num_rows else []), rest.num_rows
             lo, hi = self.rank * take // self.world_size, (self.rank + 1) * take // self.world_size
-            mine = batch_rows.slice(lo, hi - lo)
-            yield block_to_batch(table_to_block(mine, self.model), self.model.feature_names)
+            yield block_to_batch(_rows_of(pending, used + lo, used + hi), self.model.feature_names)
+            used += take
+            while pending and used >= pending[0].size:  # row groups wholly consumed
+                used -= pending[0].size
+                pending.pop(0)
+            have -= take
             produced += 1
             if exhausted and have == 0:
                 return
+
+
+@dataclass(frozen=True)
+class DecodedRows:
+    """A row group decoded into numpy once, each feature's list offsets with it, so that a batch is slices of
+    arrays: Arrow's conversions per batch (three calls per feature) took 0.3-0.9 ms of kaggle's 2,048 samples,
+    more than the data they moved."""
+
+    block: SampleBlock
+    offsets: list[np.ndarray]  # per feature: int64 [n + 1], where each sample's ids start in its values
+
+    @classmethod
+    def of(cls, table: pa.Table, model: ModelSpec) -> DecodedRows:
+        return cls(*_decode(table, model))
+
+    @property
+    def size(self) -> int:
+        return self.block.size
+
+    def rows(self, lo: int, hi: int) -> SampleBlock:
+        b = self.block
+        return SampleBlock(
+            b.start + lo,
+            b.dense[lo:hi],
+            b.labels[lo:hi],
+            [n[lo:hi] for n in b.lengths],
+            [v[o[lo] : o[hi]] for v, o in zip(b.values, self.offsets, strict=True)],
+        )
+
+
+def _rows_of(groups: list[DecodedRows], lo: int, hi: int) -> SampleBlock:
+    """Rows [lo, hi) of the row groups laid end to end."""
+    parts, base = [], 0
+    for g in groups:
+        a, b = max(lo - base, 0), min(hi - base, g.size)
+        if a < b:
+            parts.append(g.rows(a, b))
+        base += g.size
+        if base >= hi:
+            break
+    return SampleBlock.concat(parts)
+
