@@ -468,4 +468,3 @@ def _rows_of(groups: list[DecodedRows], lo: int, hi: int) -> SampleBlock:
         if base >= hi:
             break
     return SampleBlock.concat(parts)
-

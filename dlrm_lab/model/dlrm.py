@@ -217,10 +217,8 @@ def dot_interaction(
 def _native_interaction(
     dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """The lab's kernel in one compute dtype (`_compute_dtype`); its sums are fp32 whatever the dtype. fp32
-    embeddings beside a narrower compute dtype go in as they are: the kernel rounds them as it reads them and writes
-    their gradient in fp32, so neither cast runs as an op of its own (the backward's took up to 0.74 ms of a kaggle
-    training step, BENCHMARKS.md)."""
+    """The lab's kernel in one compute dtype (`_compute_dtype`), its sums fp32; fp32 embeddings go in as they are
+    (it rounds them as it reads them, and writes their gradient in fp32: no cast op either way, BENCHMARKS.md)."""
     from dlrm_lab.model import native
 
     # loaded before any trace (`infer.interaction.put`, training's choice): a compile does not trace the loader
@@ -298,9 +296,8 @@ class _DotInteraction(torch.autograd.Function):
         return to_combined[:, 0] + grad[:, :width], to_combined[:, 1:], None, None
 
 
-# The Gram matrix's gradient buffer of the last shape trained (a run's batches share one; its last may differ). The
-# two triangles' copies overwrite every entry off the diagonal each step, so its diagonal stays the zero it was
-# made with and the buffer is not filled again (a 3 MB fill a step at kaggle's batch of 2048).
+# The Gram matrix's gradient buffer of the last shape trained: the triangles' copies overwrite all but the diagonal
+# each step, which stays the zero it was made with (no 3 MB fill a step at kaggle's batch of 2048).
 _GRAM_GRADIENT: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -313,9 +310,8 @@ def _gram_gradient(batch: int, n: int, dtype: torch.dtype, device: torch.device)
 
 
 class ConcatInteractionArch(nn.Module):
-    """facebookresearch/dlrm's cat interaction: [dense_out, pooled embeddings].
-
-    Input B X D_dense and B X (sum of feature dims); output B X (D_dense + sum of dims).
+    """facebookresearch/dlrm's cat interaction: [dense_out, pooled embeddings]. Input B X D_dense and B X (sum of
+    feature dims); output B X (D_dense + sum of dims).
 
     >>> import torch
     >>> ConcatInteractionArch()(torch.rand(2, 8), torch.rand(2, 22)).shape
