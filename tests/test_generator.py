@@ -212,3 +212,25 @@ def test_a_ranks_share_of_each_block_is_the_same_samples_as_the_whole_block(case
     # a range outside the share is still served (from a whole block)
     odd = SyntheticSource(gen, 64, 0, 2).generator
     np.testing.assert_array_equal(odd.samples(64, 100).dense, whole.samples(64, 100).dense)
+
+
+def test_a_blocks_slices_share_offsets_summed_once_and_equal_the_samples_of_their_range():
+    """A generated block is sliced batch by batch (`SampleBlock.slice`): its features' offsets are summed from their
+    lengths on the first slice and kept, and every slice is the generator's samples of that range."""
+    spec = dlrm_lab.load_preset("tiny")
+    gen = synthetic_generator(spec, seed=5)
+    block = gen.block(0)
+    assert block.feature_offsets is None
+    multi = [f for f, n in enumerate(block.lengths) if len(set(n.tolist())) > 1]
+    assert multi, "the tiny preset has a feature of several pooling factors"
+    for lo, hi in ((0, 7), (7, 300), (300, gen.block_size)):
+        part = block.slice(lo, hi)
+        want = synthetic_generator(spec, seed=5).block(0).slice(lo, hi)  # a fresh block: its offsets summed now
+        for got, ref in zip(part.values, want.values, strict=True):
+            np.testing.assert_array_equal(got, ref)
+        for got, ref in zip(part.lengths, want.lengths, strict=True):
+            np.testing.assert_array_equal(got, ref)
+    kept = block.feature_offsets
+    assert kept is not None and block.offsets() is kept
+    for f in multi:
+        np.testing.assert_array_equal(kept[f], np.concatenate(([0], np.cumsum(block.lengths[f]))))

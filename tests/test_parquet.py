@@ -124,7 +124,7 @@ def test_parquet_batches_equal_synthetic_batches(tiny, dataset, world_size, rank
 
 @pytest.mark.parametrize("world_size, rank", [(1, 0), (3, 2)])
 def test_a_batch_across_several_row_groups_is_their_rows_in_order(tiny, tmp_path, world_size, rank):
-    """Row groups are decoded once and a batch is slices of them (`DecodedRows`): a batch spanning three row
+    """Row groups are decoded once and a batch is slices of them (`SampleBlock.offsets`): a batch spanning three row
     groups of 100 samples, its features' lists of several lengths, is the same rows as the generator's."""
     path = tmp_path / "ds"
     write_dataset(synthetic_generator(tiny, seed=SEED), 1_000, path, shards=2, row_group_samples=100)

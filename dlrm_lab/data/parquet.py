@@ -319,13 +319,8 @@ def validate_table(table: pa.Table, model: ModelColumns, where: str) -> None:
 
 
 def table_to_block(table: pa.Table, model: ModelSpec, first: int = 0) -> SampleBlock:
-    """Arrow rows (already validated) -> numpy samples."""
-    return _decode(table, model, first)[0]
-
-
-def _decode(table: pa.Table, model: ModelSpec, first: int = 0) -> tuple[SampleBlock, list[np.ndarray]]:
-    """Arrow rows (already validated) -> numpy samples, and each feature's list offsets (int64 [n + 1], from 0),
-    read from the lists themselves (a third of the time of Arrow's length kernel and a cumulative sum)."""
+    """Arrow rows (already validated) -> numpy samples, each feature's offsets read from its lists (a third of the
+    time of Arrow's length kernel and a cumulative sum), so that the block is sliced into batches as it is."""
     labels = table.column("label").to_numpy().astype(np.float32, copy=False)
     dense = pc.list_flatten(table.column("dense")).to_numpy().astype(np.float32, copy=False)
     lengths, values, offsets = [], [], []
@@ -335,7 +330,9 @@ def _decode(table: pa.Table, model: ModelSpec, first: int = 0) -> tuple[SampleBl
         offsets.append(at - at[0])
         lengths.append(np.diff(at).astype(np.int32, copy=False))
         values.append(lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
-    return SampleBlock(first, dense.reshape(len(labels), model.num_dense), labels, lengths, values), offsets
+    block = SampleBlock(first, dense.reshape(len(labels), model.num_dense), labels, lengths, values)
+    block.feature_offsets = offsets
+    return block
 
 
 @dataclass
@@ -393,7 +390,7 @@ class ParquetSource:
 
     def __iter__(self) -> Iterator[Batch]:
         g = self.batch_size * self.world_size
-        pending: list[DecodedRows] = []  # row groups decoded, the first from `used` on
+        pending: list[SampleBlock] = []  # row groups decoded, the first from `used` on
         have = produced = used = 0
         groups = self._row_groups()
         exhausted = False
@@ -412,7 +409,7 @@ class ParquetSource:
                     table, skip = table.slice(skip), 0
                 if table.num_rows:
                     validate_table(table, self.model, where)
-                    pending.append(DecodedRows.of(table, self.model))
+                    pending.append(table_to_block(table, self.model))
                     have += table.num_rows
             if have == 0:
                 return
@@ -429,41 +426,14 @@ class ParquetSource:
                 return
 
 
-@dataclass(frozen=True)
-class DecodedRows:
-    """A row group decoded into numpy once, each feature's list offsets with it, so that a batch is slices of
-    arrays: Arrow's conversions per batch (three calls per feature) took 0.3-0.9 ms of kaggle's 2,048 samples,
-    more than the data they moved."""
-
-    block: SampleBlock
-    offsets: list[np.ndarray]  # per feature: int64 [n + 1], where each sample's ids start in its values
-
-    @classmethod
-    def of(cls, table: pa.Table, model: ModelSpec) -> DecodedRows:
-        return cls(*_decode(table, model))
-
-    @property
-    def size(self) -> int:
-        return self.block.size
-
-    def rows(self, lo: int, hi: int) -> SampleBlock:
-        b = self.block
-        return SampleBlock(
-            b.start + lo,
-            b.dense[lo:hi],
-            b.labels[lo:hi],
-            [n[lo:hi] for n in b.lengths],
-            [v[o[lo] : o[hi]] for v, o in zip(b.values, self.offsets, strict=True)],
-        )
-
-
-def _rows_of(groups: list[DecodedRows], lo: int, hi: int) -> SampleBlock:
-    """Rows [lo, hi) of the row groups laid end to end."""
+def _rows_of(groups: list[SampleBlock], lo: int, hi: int) -> SampleBlock:
+    """Rows [lo, hi) of the row groups laid end to end: slices of their arrays (Arrow's conversions per batch, three
+    calls per feature, took 0.3-0.9 ms of kaggle's 2,048 samples, more than the data they moved)."""
     parts, base = [], 0
     for g in groups:
         a, b = max(lo - base, 0), min(hi - base, g.size)
         if a < b:
-            parts.append(g.rows(a, b))
+            parts.append(g.slice(a, b))
         base += g.size
         if base >= hi:
             break

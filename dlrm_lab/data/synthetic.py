@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypedDict
 
@@ -63,16 +63,24 @@ class SampleBlock:
     values: list[np.ndarray]  # int64 [sum(lengths)] per feature
     click_probability: np.ndarray | None = None  # float64 [n], the teacher's
     counts: np.ndarray | None = None  # int64 [n, num_dense]: dense before log1p (lognormal dense)
+    # per feature, int64 [n + 1]: where each sample's ids start in `values` (`offsets`, made once)
+    feature_offsets: list[np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return len(self.labels)
 
+    def offsets(self) -> list[np.ndarray]:
+        """Each feature's `feature_offsets`, summed from its lengths the first time: a block is sliced batch by
+        batch, and summing its lengths again for each slice took most of a synthetic batch's 0.4 ms."""
+        if self.feature_offsets is None:
+            self.feature_offsets = [np.concatenate(([0], np.cumsum(n, dtype=np.int64))) for n in self.lengths]
+        return self.feature_offsets
+
     def slice(self, lo: int, hi: int) -> SampleBlock:
         """Samples [lo, hi) of this block, by position within it."""
         lengths, values = [], []
-        for ln, val in zip(self.lengths, self.values, strict=True):
-            offsets = np.concatenate([[0], np.cumsum(ln, dtype=np.int64)])
+        for ln, val, offsets in zip(self.lengths, self.values, self.offsets(), strict=True):
             lengths.append(ln[lo:hi])
             values.append(val[offsets[lo] : offsets[hi]])
         prob = None if self.click_probability is None else self.click_probability[lo:hi]
