@@ -27,7 +27,7 @@ from common import header, results_path, write_results
 from torch import nn
 
 import dlrm_lab
-from dlrm_lab.model.dlrm import DotInteractionArch
+from dlrm_lab.model.interaction import DotInteractionArch
 
 
 def mlp(sizes: list[int], last_relu: bool) -> nn.Sequential:

@@ -29,7 +29,7 @@ from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.table_lookup import table_weights
 from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 from dlrm_lab.model import native
-from dlrm_lab.model.dlrm import DotInteractionArch
+from dlrm_lab.model.interaction import DotInteractionArch
 
 REPEATS = 7
 

@@ -22,7 +22,8 @@ from common import header, results_path, write_results
 import dlrm_lab
 import dlrm_lab.train.loop as loop
 from dlrm_lab.config import TrainConfig
-from dlrm_lab.model.dlrm import DLRM, DotInteractionArch
+from dlrm_lab.model.dlrm import DLRM
+from dlrm_lab.model.interaction import DotInteractionArch
 from dlrm_lab.train import preflight, train
 
 TARGETS = {"interaction": DotInteractionArch, "model": DLRM}

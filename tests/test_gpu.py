@@ -20,7 +20,7 @@ def test_model_runs_on_cuda():
 
 def test_the_interaction_choice_times_both_ways_on_cuda():
     from dlrm_lab.config import TrainConfig
-    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.model.interaction import DotInteractionArch
     from dlrm_lab.train.choices import choose_run_interaction
 
     spec = dlrm_lab.load_preset("tiny")

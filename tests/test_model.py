@@ -192,7 +192,8 @@ def test_dlrm_builds_from_a_consistent_spec_like_object():
 
 
 def test_archs_refuse_arguments_naming_them():
-    from dlrm_lab.model.dlrm import DotInteractionArch, PooledSparseArch
+    from dlrm_lab.model.dlrm import PooledSparseArch
+    from dlrm_lab.model.interaction import DotInteractionArch
 
     with pytest.raises(ValueError, match=r"num_sparse_features = -1: must be an integer >= 1"):
         DotInteractionArch(num_sparse_features=-1)
@@ -212,7 +213,8 @@ def test_archs_refuse_arguments_naming_them():
 def test_dot_interaction_over_embeddings_in_any_order_matches_feature_order():
     """A sharded collection returns its ranks' tables in turn: the dot interaction picks the same
     pairs from them, values and gradients, without regrouping them into feature order."""
-    from dlrm_lab.model.dlrm import DotInteractionArch, pooled_with_triangle
+    from dlrm_lab.model.dlrm import pooled_with_triangle
+    from dlrm_lab.model.interaction import DotInteractionArch
 
     names = [f"f{k}" for k in range(5)]
     order = ["f3", "f0", "f4", "f1", "f2"]
@@ -246,7 +248,8 @@ def test_the_dot_interactions_own_forward_and_backward_equal_autograds_through_t
     into the output, one GEMM of both triangles' gradient) against autograd through the plain ops, for the default
     triangle and a sharded collection's order, in fp32, under bf16 autocast and with the Gram matrix told fp32;
     untracked calls (no grad, as a served model runs) take the plain ops."""
-    from dlrm_lab.model.dlrm import _plain_interaction, _triangle_index, dot_interaction
+    from dlrm_lab.model.dlrm import _triangle_index
+    from dlrm_lab.model.interaction import _plain_interaction, dot_interaction
 
     torch.manual_seed(0)
     n, D = 6, 16
@@ -288,7 +291,7 @@ def test_docstring_examples_run():
 
 
 def test_a_dot_interaction_told_fp32_computes_its_gram_matrix_out_of_autocast():
-    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.model.interaction import DotInteractionArch
 
     torch.manual_seed(0)
     inter = DotInteractionArch(num_sparse_features=5)
@@ -312,7 +315,8 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
     diagonal (a feature's gradient gathered from every pair it is in, twice from itself), and the interaction's
     own module run with `native` set; its sums are fp32 whatever the dtype (bf16: one rounding of the output)."""
     from dlrm_lab.model import native
-    from dlrm_lab.model.dlrm import DotInteractionArch, _plain_interaction, _triangle_index
+    from dlrm_lab.model.dlrm import _triangle_index
+    from dlrm_lab.model.interaction import DotInteractionArch, _plain_interaction
 
     assert native.load() is None, native.load()  # CI builds it: a test, not an option
     torch.manual_seed(0)
@@ -371,7 +375,7 @@ def test_the_labs_interaction_kernel_reads_fp32_embeddings_beside_a_narrower_den
     them, so its output equals the cast inputs' bit for bit, and writes their gradient in fp32 (the cast inputs'
     gradient is the same before its rounding); the module makes no cast op of them either way."""
     from dlrm_lab.model import native
-    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.model.interaction import DotInteractionArch
 
     assert native.load() is None
     torch.manual_seed(0)
@@ -463,3 +467,33 @@ def test_every_parameter_and_buffer_is_built_on_the_requested_device(preset):
     model = dlrm_lab.build_model(spec, device="meta")
     placed = {name: t.device.type for name, t in [*model.named_parameters(), *model.named_buffers()]}
     assert placed and {k: v for k, v in placed.items() if v != "meta"} == {}
+
+
+def test_the_mlps_relu_runs_in_place_with_the_same_scores_gradients_and_state_dict():
+    """`model.dlrm._relu_in_place`: TorchRec's Perceptrons apply `torch.relu_` to their own fresh output; scores,
+    every gradient and the state dict's keys equal those of the same weights with TorchRec's `torch.relu`."""
+    from torchrec.modules.mlp import Perceptron
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from dlrm_lab.model.dlrm import DLRM
+
+    spec = dlrm_lab.load_preset("tiny")
+    torch.manual_seed(0)
+    model = DLRM(spec)
+    layers = [m for m in model.modules() if isinstance(m, Perceptron)]
+    assert layers and all(m._activation_fn is torch.relu_ for m in layers)
+    plain = DLRM(spec)
+    plain.load_state_dict(model.state_dict())
+    for m in plain.modules():
+        if isinstance(m, Perceptron):
+            m._activation_fn = torch.relu
+    assert list(plain.state_dict()) == list(model.state_dict())
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=spec.feature_names, values=torch.arange(4 * 6) % 5, lengths=torch.ones(4 * 6, dtype=torch.int64)
+    )
+    dense = torch.randn(6, spec.num_dense)
+    for m in (model, plain):
+        m(dense, kjt).sum().backward()
+    torch.testing.assert_close(model(dense, kjt), plain(dense, kjt), rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

@@ -689,7 +689,7 @@ def test_auto_table_update_times_both_and_trains_as_fbgemm_does(tmp_path, overri
 
 def test_a_run_times_its_dot_interaction_each_way_and_runs_the_choice_or_the_way_asked(tmp_path, monkeypatch):
     from dlrm_lab.model import native
-    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.model.interaction import DotInteractionArch
 
     def arch_of(result):
         return next(m for m in result.model.modules() if isinstance(m, DotInteractionArch))

@@ -17,7 +17,7 @@ from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.metrics.interleaved import medians_by_size
 from dlrm_lab.metrics.precision import DTYPES
 from dlrm_lab.model import native
-from dlrm_lab.model.dlrm import DotInteractionArch
+from dlrm_lab.model.interaction import DotInteractionArch
 
 MARGIN = 1.10  # the kernel serves where torch's ops take at least this much longer over the served batches
 REPEATS = 5  # timings of each way at each size, interleaved, after one warm-up round

@@ -243,7 +243,7 @@ def choose_run_interaction(
     the run's batch (in a bf16 run: bf16 as autocast casts its `bmm`, fp32 out of autocast, the lab's kernel; in an
     fp32 run: torch's ops or the kernel), every rank runs its choice; None where there is no dot interaction, or an
     fp32 run with only torch's way."""
-    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.model.interaction import DotInteractionArch
 
     arches = DotInteractionArch.within(model)
     if not arches:
@@ -328,7 +328,7 @@ def run_step_trials(
     gradient miss much of what the path costs in a real step (kaggle 100k rows, a thread a rank: fbgemm 0.86-1.18x
     the batched update apart at one rank, 4 of 5 kept by the margin; 1.12-1.29x in two ranks' real steps). Each
     record says which conditions it was timed under."""
-    from dlrm_lab.model.dlrm import DotInteractionArch
+    from dlrm_lab.model.interaction import DotInteractionArch
     from dlrm_lab.train.table_update import install
 
     conditions: JsonObject = {
