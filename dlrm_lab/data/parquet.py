@@ -330,9 +330,9 @@ def table_to_block(table: pa.Table, model: ModelSpec, first: int = 0) -> SampleB
         offsets.append(at - at[0])
         lengths.append(np.diff(at).astype(np.int32, copy=False))
         values.append(lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
-    block = SampleBlock(first, dense.reshape(len(labels), model.num_dense), labels, lengths, values)
-    block.feature_offsets = offsets
-    return block
+    return SampleBlock(
+        first, dense.reshape(len(labels), model.num_dense), labels, lengths, values, feature_offsets=offsets
+    )
 
 
 @dataclass
