@@ -166,3 +166,36 @@ def test_a_model_whose_every_k_is_whole_blocks_times_nothing_and_stores_nothing(
         assert record["widths"] == {} and record["ms"] == {} and module.gemm_widths == {}
         assert "every layer's K is a whole number of blocks" in record["reason"]
     assert not any("warning" in line for line in lines) and not load_profile().get("gemm_widths")
+
+
+def test_the_labs_interaction_writes_a_widened_top_layers_zero_columns_itself(fused):
+    """Where the lab's interaction kernel feeds a widened first top layer, the kernel writes the zero columns (no pad
+    op in the exported graph: Inductor's pad after a fallback op is a copy of its own); torch's interaction keeps the
+    pad, which Inductor fuses into its own kernel. Scores as the dense part's, the original untouched."""
+    from dlrm_lab.model import native
+
+    assert native.load() is None
+    _, module = fused
+    part = copy.deepcopy(module.dense)
+    part.inter_arch.use("native")
+    top = next(n for n, m in part.named_modules() if n.startswith("over_arch") and isinstance(m, torch.nn.Linear))
+    wide = padded(part, {top: 32})
+    assert wide.inter_arch.out_width == 32 and part.inter_arch.out_width == 0
+    torch.manual_seed(1)
+    embedded = torch.randn(6, 5, dtype=torch.bfloat16)
+    pooled = torch.randn(6, part.pooled_shape[0] * part.pooled_shape[1], dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, got = part(embedded, pooled).float(), wide(embedded, pooled).float()
+        exported = torch.export.export(wide, (embedded, pooled)).graph_module
+    assert torch.allclose(got, want, atol=2e-2), (got - want).abs().max()
+    calls = [  # the graph's and its autocast regions' (`wrap_with_autocast` holds its own graph)
+        str(node.target)
+        for graph in exported.modules()
+        if isinstance(graph, torch.fx.GraphModule)
+        for node in graph.graph.nodes
+        if node.op == "call_function"
+    ]
+    assert "dlrm_lab.dot_interaction_padded.default" in calls, calls
+    assert not [c for c in calls if "pad" in c and "dot_interaction" not in c], calls
+    part.inter_arch.use("fp32")
+    assert padded(part, {top: 32}).inter_arch.out_width == 0

@@ -497,3 +497,30 @@ def test_the_mlps_relu_runs_in_place_with_the_same_scores_gradients_and_state_di
     torch.testing.assert_close(model(dense, kjt), plain(dense, kjt), rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_interaction_kernel_writes_a_padded_output_equal_to_its_own_and_zero_beyond(dtype):
+    """Serving's padded form (`dot_interaction_padded`, a next GEMM at a wider K): the same outputs as the plain op,
+    then zero columns up to the width; the module's `out_width` takes it, torch's ways pad to match; a width under
+    the outputs is refused."""
+    from dlrm_lab.model import native
+    from dlrm_lab.model.interaction import DotInteractionArch
+
+    assert native.load() is None
+    torch.manual_seed(0)
+    for batch in (1, 17, 256):  # a block of 16 lanes, part of one, several
+        dense, sparse = torch.randn(batch, 16).to(dtype), torch.randn(batch, 26, 16)
+        arch = DotInteractionArch(num_sparse_features=26)
+        arch.use("native")
+        with torch.no_grad():
+            plain = arch(dense, sparse)
+            arch.out_width = 384
+            wide = arch(dense, sparse)
+            assert plain.shape == (batch, 367) and wide.shape == (batch, 384) and wide.dtype == plain.dtype
+            assert torch.equal(wide[:, :367], plain) and not wide[:, 367:].any()
+            arch.use("fp32")  # torch's ops: the same width, padded after them
+            assert arch(dense.float(), sparse).shape == (batch, 384)
+    pairs = DotInteractionArch(num_sparse_features=26).triu_flat_indices
+    with pytest.raises(RuntimeError, match="a width of 300 is narrower than the 367 outputs"):
+        torch.ops.dlrm_lab.dot_interaction_padded(dense, sparse.to(dtype), pairs, 300)

@@ -25,6 +25,7 @@ from torch import nn
 
 from dlrm_lab.config.values import JsonObject, Log
 from dlrm_lab.metrics.interleaved import medians_by_size
+from dlrm_lab.model.interaction import DotInteractionArch
 
 BLOCKS = (16, 32, 64)  # candidate K blocks: a 64-byte line of fp32, of 16-bit values, two lines of 16-bit values
 MARGIN = 1.05  # a wider input serves where the layer's own K takes at least this much longer over the served batches
@@ -36,18 +37,19 @@ Timings = dict[str, dict[str, dict[int, float]]]  # ms: layer -> width -> batch 
 class PaddedK(nn.Module):
     """A `Linear` computed over `width` >= its inputs: the input gains zero columns and the weight zero columns to
     meet them, so the outputs are the same. The pad fuses into the kernel that makes the input where Inductor
-    compiles that kernel (a cast, the interaction's gather); after an op of the lab's it is a copy of its own."""
+    compiles that kernel (a cast, the interaction's gather); the lab's interaction kernel writes its output this
+    wide itself (`padded`), and an input already `width` wide is taken as it is."""
 
     def __init__(self, linear: nn.Linear, width: int) -> None:
         super().__init__()
         if width < linear.in_features:
             raise ValueError(f"a width of {width} is narrower than the layer's {linear.in_features} inputs")
-        self.pad = width - linear.in_features
+        self.width, self.pad = width, width - linear.in_features
         self.weight = nn.Parameter(F.pad(linear.weight.detach(), (0, self.pad)), requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.pad(x, (0, self.pad)), self.weight, self.bias)
+        return F.linear(x if x.shape[-1] == self.width else F.pad(x, (0, self.pad)), self.weight, self.bias)
 
 
 def padded(dense_part: nn.Module, widths: dict[str, int], *, even: bool = False) -> nn.Module:
@@ -69,7 +71,20 @@ def padded(dense_part: nn.Module, widths: dict[str, int], *, even: bool = False)
         parent_name, _, child = name.rpartition(".")
         parent = wide.get_submodule(parent_name)
         setattr(parent, child, PaddedK(getattr(parent, child), width))
+    _interaction_writes_width(wide)
     return wide
+
+
+def _interaction_writes_width(dense_part: nn.Module) -> None:
+    """Where the lab's interaction kernel feeds a widened first top layer, the kernel writes the zero columns as it
+    writes its output: after a fallback op Inductor's pad is a copy of its own (kaggle, 256 samples, bf16, AMX: 85 us
+    of masked vector code, as long as the wider K saved)."""
+    inter, over = getattr(dense_part, "inter_arch", None), getattr(dense_part, "over_arch", None)
+    if not isinstance(inter, DotInteractionArch) or not inter.native or over is None:
+        return
+    first = next((m for m in over.modules() if isinstance(m, (nn.Linear, PaddedK))), None)
+    if isinstance(first, PaddedK):
+        inter.out_width = first.width
 
 
 def candidates(k: int) -> list[int]:

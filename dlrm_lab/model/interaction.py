@@ -46,6 +46,9 @@ class DotInteractionArch(nn.Module):
         # the lab's C++ kernel (`model.native`) in place of torch's ops: set only by a measured choice (training's,
         # the serving plan's), never by default
         self.native = False
+        # serving's: the kernel's output this wide, zero beyond the pairs, for a next GEMM computed at a wider K
+        # (`infer.gemm_widths.padded`); 0: as wide as its outputs
+        self.out_width = 0
 
     def use(self, way: str) -> None:
         """The Gram matrix by the lab's kernel ("native"), torch's ops in fp32 ("fp32") or as autocast casts them."""
@@ -62,7 +65,7 @@ class DotInteractionArch(nn.Module):
         """`triangle`: where the pairs lie when `sparse_features` come in another order than the
         features' (`pooled_with_triangle`); by default they come in order."""
         pairs = self.triu_flat_indices if triangle is None else triangle
-        return dot_interaction(dense_features, sparse_features, pairs, self.gram_dtype, self.native)
+        return dot_interaction(dense_features, sparse_features, pairs, self.gram_dtype, self.native, self.out_width)
 
 
 def dot_interaction(
@@ -71,14 +74,23 @@ def dot_interaction(
     pairs: torch.Tensor,
     gram_dtype: torch.dtype | None,
     native: bool = False,
+    out_width: int = 0,
 ) -> torch.Tensor:
     """`[dense, the entries `pairs` of each sample's Gram matrix of [dense, sparse...]]` (B X D, B X F X D -> B X
     (D + pairs)), the Gram matrix in `gram_dtype` out of autocast where one is given (a training run's measured
     choice), else in autocast's dtype where it is on. `native`: the lab's kernel (one op, its own backward; it
-    exports and compiles as one call). Otherwise training in eager mode takes `_DotInteraction`'s forward and
-    backward; traced, exported and no-grad calls the plain ops."""
+    exports and compiles as one call). Its output is `out_width` wide where that is given (zero columns after
+    the pairs; the kernel writes them, no backward). Otherwise training in eager mode takes `_DotInteraction`'s
+    forward and backward; traced, exported and no-grad calls the plain ops."""
     if native:
-        return _native_interaction(dense, sparse, pairs, gram_dtype)
+        return _native_interaction(dense, sparse, pairs, gram_dtype, out_width)
+    out = _torch_interaction(dense, sparse, pairs, gram_dtype)
+    return torch.nn.functional.pad(out, (0, out_width - out.shape[1])) if out_width else out
+
+
+def _torch_interaction(
+    dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None
+) -> torch.Tensor:
     trained = dense.requires_grad or sparse.requires_grad
     if trained and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return _DotInteraction.apply(dense, sparse, pairs, _compute_dtype(dense, sparse, gram_dtype))
@@ -89,7 +101,7 @@ def dot_interaction(
 
 
 def _native_interaction(
-    dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None
+    dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, gram_dtype: torch.dtype | None, out_width: int = 0
 ) -> torch.Tensor:
     """The lab's kernel in one compute dtype (`_compute_dtype`), its sums fp32; fp32 embeddings go in as they are
     (it rounds them as it reads them, and writes their gradient in fp32: no cast op either way, BENCHMARKS.md)."""
@@ -101,7 +113,10 @@ def _native_interaction(
     dtype = _compute_dtype(dense, sparse, gram_dtype)
     wide = sparse.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(dense.device.type, enabled=False):
-        return torch.ops.dlrm_lab.dot_interaction(dense.to(dtype), sparse if wide else sparse.to(dtype), pairs)
+        dense, sparse = dense.to(dtype), sparse if wide else sparse.to(dtype)
+        if out_width:
+            return torch.ops.dlrm_lab.dot_interaction_padded(dense, sparse, pairs, out_width)
+        return torch.ops.dlrm_lab.dot_interaction(dense, sparse, pairs)
 
 
 def _compute_dtype(dense: torch.Tensor, sparse: torch.Tensor, gram_dtype: torch.dtype | None) -> torch.dtype:

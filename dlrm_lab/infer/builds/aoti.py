@@ -48,7 +48,7 @@ CHECK_SIZES = (1, 2, EXAMPLE_BATCH + 1)
 CHECK_TOLERANCE = 0.02  # a score's largest change with the batch size (bf16 kernels differ by M; a bad shape more)
 # what the package's graph is and how its kernels are compiled, in its cache key: a package of another graph (other
 # inputs) or compiled otherwise is never loaded for it
-GRAPH = "whole batch: fused lookup and dense part, from assembled ids; gathers unchecked (2)"
+GRAPH = "whole batch: fused lookup and dense part, from assembled ids; gathers unchecked; the interaction padded (3)"
 # Inductor checks every indirect index of its kernels against its bounds (vector compares around a masked gather).
 # The graph's only indirect indexing is the dot interaction's triangle, a constant index in range by construction
 # (the ids go to the lookup op, not to Inductor's kernels, and the server checks them at submit): unchecked, kaggle's

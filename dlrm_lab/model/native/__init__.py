@@ -101,6 +101,10 @@ def _register_python_parts() -> None:
     def _(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         return dense.new_empty(dense.shape[0], dense.shape[1] + pairs.shape[0])
 
+    @torch.library.register_fake("dlrm_lab::dot_interaction_padded")
+    def _(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor, width: int) -> torch.Tensor:
+        return dense.new_empty(dense.shape[0], width)
+
     @torch.library.register_fake("dlrm_lab::pooled_lookup")
     def _(
         tables: torch.Tensor,
