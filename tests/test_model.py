@@ -350,6 +350,16 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
             _plain_interaction(dense.double(), sparse.double(), rows * n + cols),
             **tolerance,
         )
+    # widths whose features the bf16 forward holds in registers (8 and 32 beside 16) and one it does not (12), over
+    # the triangle, a sharded order (runs of one first feature) and the diagonal
+    for width in (8, 12, 32):
+        dense, sparse = torch.randn(37, width).to(dtype), torch.randn(37, n - 1, width).to(dtype)
+        for pairs in (*orders, with_self[0] * n + with_self[1]):
+            torch.testing.assert_close(
+                torch.ops.dlrm_lab.dot_interaction(dense, sparse, pairs).double(),
+                _plain_interaction(dense.double(), sparse.double(), pairs),
+                **tolerance,
+            )
     # a width not a whole number of the backward's register tiles (8): its last coordinates on their own
     dense, sparse = torch.randn(37, 12).to(dtype), torch.randn(37, n - 1, 12).to(dtype)
     want = [dense.double().requires_grad_(), sparse.double().requires_grad_()]

@@ -203,7 +203,7 @@ __attribute__((target("avx512bf16"))) inline __m512 dot(__m512 acc, const uint32
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
 }
 
-__attribute__((target("avx512bf16"))) void pair_dots_bf16(const uint32_t* block, const int64_t* first,
+__attribute__((target("avx512bf16"))) void pair_dots_bf16_any(const uint32_t* block, const int64_t* first,
                                                             const int64_t* second, int64_t P, int64_t words,
                                                             float* dots) {
   const int64_t stride = words * 16;
@@ -230,6 +230,50 @@ __attribute__((target("avx512bf16"))) void pair_dots_bf16(const uint32_t* block,
     for (int64_t k = 0; k < stride; k += 16) acc = dot(acc, block + first[p] * stride + k, block + second[p] * stride + k);
     _mm512_storeu_ps(dots + p * 16, acc);
   }
+}
+
+// `W` words a feature (D = 2W) held in registers: the pairs of a run that share their first feature (the triangle's
+// order) load it once, and each product reads one operand from memory instead of two, eight pairs at once. kaggle,
+// 256 and 2,048 samples, AMX: the whole forward 0.93-0.95x `pair_dots_bf16_any`'s (alternating processes).
+template <int W>
+__attribute__((target("avx512bf16"))) void pair_dots_bf16_held(const uint32_t* block, const int64_t* first,
+                                                                 const int64_t* second, int64_t P, float* dots) {
+  constexpr int64_t stride = W * 16;
+  constexpr int kAcc = 8;  // pairs at once, each its own accumulator: `vdpbf16ps` waits on its accumulator
+  int64_t p = 0;
+  while (p < P) {
+    const int64_t f = first[p];
+    int64_t end = p + 1;
+    while (end < P && first[end] == f) ++end;
+    __m512bh a[W];
+    for (int k = 0; k < W; ++k) a[k] = (__m512bh)_mm512_loadu_si512(block + f * stride + k * 16);
+    for (; p + kAcc <= end; p += kAcc) {
+      const uint32_t* b[kAcc];
+      __m512 acc[kAcc];
+      for (int j = 0; j < kAcc; ++j) {
+        b[j] = block + second[p + j] * stride;
+        acc[j] = _mm512_setzero_ps();
+      }
+      for (int k = 0; k < W; ++k)
+        for (int j = 0; j < kAcc; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], a[k], (__m512bh)_mm512_loadu_si512(b[j] + k * 16));
+      for (int j = 0; j < kAcc; ++j) _mm512_storeu_ps(dots + (p + j) * 16, acc[j]);
+    }
+    for (; p < end; ++p) {
+      const uint32_t* b = block + second[p] * stride;
+      __m512 acc = _mm512_setzero_ps();
+      for (int k = 0; k < W; ++k) acc = _mm512_dpbf16_ps(acc, a[k], (__m512bh)_mm512_loadu_si512(b + k * 16));
+      _mm512_storeu_ps(dots + p * 16, acc);
+    }
+  }
+}
+
+void pair_dots_bf16(const uint32_t* block, const int64_t* first, const int64_t* second, int64_t P, int64_t words,
+                    float* dots) {
+  if (words == 8) return pair_dots_bf16_held<8>(block, first, second, P, dots);
+  if (words == 4) return pair_dots_bf16_held<4>(block, first, second, P, dots);
+  if (words == 16) return pair_dots_bf16_held<16>(block, first, second, P, dots);
+  pair_dots_bf16_any(block, first, second, P, words, dots);
 }
 #endif
 
