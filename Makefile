@@ -12,7 +12,7 @@ KAGGLE := --preset kaggle --max-rows 1000000
 .PHONY: install run test lint bench clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt packaging/fbgemm-gpu-cpushim/pyproject.toml $(wildcard dlrm_lab/serve/*.proto) \
-		$(wildcard dlrm_lab/model/native/*.cpp)
+		$(wildcard dlrm_lab/model/native/*.cpp) $(wildcard dlrm_lab/model/native/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements-cpu.txt
 	$(BIN)/python -m dlrm_lab.model.native

@@ -351,15 +351,25 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
             **tolerance,
         )
     # widths whose features the bf16 forward holds in registers (8 and 32 beside 16) and one it does not (12), over
-    # the triangle, a sharded order (runs of one first feature) and the diagonal
-    for width in (8, 12, 32):
-        dense, sparse = torch.randn(37, width).to(dtype), torch.randn(37, n - 1, width).to(dtype)
-        for pairs in (*orders, with_self[0] * n + with_self[1]):
+    # the triangle, a sharded order (runs of one first feature) and the diagonal; on AMX the triangle of up to 32
+    # features is a sample's tile products (one tile of rows, or two: 17, 27 and 32 features)
+    for features, width in ((7, 8), (7, 12), (7, 32), (17, 16), (27, 16), (27, 8), (32, 32), (27, 34)):
+        rows, cols = torch.triu_indices(features, features, offset=1)
+        names = tuple(f"f{k}" for k in range(features - 1))
+        diagonal = torch.triu_indices(features, features)
+        orders = (
+            rows * features + cols,
+            _triangle_index(tuple(reversed(names)), names, torch.device("cpu")),
+            diagonal[0] * features + diagonal[1],
+        )
+        dense, sparse = torch.randn(37, width).to(dtype), torch.randn(37, features - 1, width).to(dtype)
+        for pairs in orders:
             torch.testing.assert_close(
                 torch.ops.dlrm_lab.dot_interaction(dense, sparse, pairs).double(),
                 _plain_interaction(dense.double(), sparse.double(), pairs),
                 **tolerance,
             )
+    rows, cols = torch.triu_indices(n, n, offset=1)
     # a width not a whole number of the backward's register tiles (8): its last coordinates on their own
     dense, sparse = torch.randn(37, 12).to(dtype), torch.randn(37, n - 1, 12).to(dtype)
     want = [dense.double().requires_grad_(), sparse.double().requires_grad_()]
@@ -463,6 +473,11 @@ def test_the_kernels_build_is_named_for_its_checkout_and_sources(tmp_path, monke
     assert native._name() == elsewhere  # and the same one each time
     copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")
     assert native._name() not in (here, elsewhere)  # changed sources: another build
+    changed = native._name()
+    header = tmp_path / native._HEADERS[0].name
+    header.write_bytes(native._HEADERS[0].read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(native, "_HEADERS", [header])
+    assert native._name() != changed  # a header the sources include is in the name too
     copies[1].unlink()
     assert native._name().startswith("dlrm_lab_native_")  # a source missing: named still; `load` says why
 

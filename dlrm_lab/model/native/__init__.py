@@ -20,6 +20,7 @@ import torch
 _SOURCES = [
     pathlib.Path(__file__).with_name(name) for name in ("dot_interaction.cpp", "table_update.cpp", "lookup.cpp")
 ]
+_HEADERS = [pathlib.Path(__file__).with_name("amx_triangle.h")]  # in the build's name beside the sources
 
 
 def _name() -> str:
@@ -28,7 +29,7 @@ def _name() -> str:
     checkouts on one machine (`benchmarks/ab.py`'s two sides, a worktree beside the main tree) took turns rebuilding
     the one build, four times in one session."""
     digest = hashlib.sha1()
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         digest.update(str(source).encode())
         try:
             digest.update(source.read_bytes())

@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_triangle.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -302,6 +304,16 @@ void forward_kernel(const at::Tensor& dense, const at::Tensor& sparse, const std
   T* o = out.data_ptr<T>();
   // row: the output's width, D + P or wider (`dot_interaction_padded`: zero columns up to the next GEMM's K)
   const int64_t D = s.width, P = s.pairs, FD = (s.features - 1) * D, row = out.size(1);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (amx_triangle::fits(s.features, D, first, second)) {  // a sample's Gram matrix as tile products
+      at::parallel_for(0, s.batch, 64, [&](int64_t begin, int64_t end) {
+        amx_triangle::forward<S>(dn, sp, begin, end, s.features, D, row, o);
+      });
+      return;
+    }
+  }
+#endif
   const int64_t blocks = (s.batch + kLanes - 1) / kLanes;
   bool words = false;
   if constexpr (std::is_same_v<T, at::BFloat16>)  // words read whole: the rows must start on a word
