@@ -2,10 +2,11 @@
 
     python benchmarks/one_call.py [--parts batch,points] [--table-precisions fp32,int8]
 
-batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the precision `auto` picks. Every route to a
-        batch's fixed cost, as an instance measures itself at start (1 and 256 samples alternated on its own
-        weights, median of 7), the routes interleaved in 7 rounds, each as `fixed ms a batch + us a sample` beside
-        the roof of a sample at that precision:
+batch   The Criteo Kaggle shape (tables capped at 1M rows), one thread, the precision `auto` picks, the tables on the
+        pages an instance maps them on (`--table-pages auto`). Every route to a batch's fixed cost, as an instance
+        measures itself at start (1 and 256 samples alternated on its own weights, median of 7), the routes
+        interleaved in 7 rounds, each as `fixed ms a batch + us a sample` beside the roof of a sample at that
+        precision:
           fused        fbgemm's TBE from Python, then the dense part from Python (stages apart);
           dense_pkg    the last round's `aoti`: the dense part alone in an AOTInductor package, the lookup from Python;
           aoti         the whole batch (lookup inside) in one package, dynamic batch, one call;
@@ -45,6 +46,8 @@ from dlrm_lab.infer.library import PackedLibrary
 from dlrm_lab.infer.records import batch_roof, build_peaks
 from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.table_lookup import choose_lookup, table_weights
+from dlrm_lab.metrics.gather_pages import auto_pages
+from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.model.dlrm import build_model
@@ -109,7 +112,12 @@ def kaggle_setup() -> tuple[Any, str, Any, PackedLibrary]:
 
 def batch_part(table_precisions: list[str]) -> dict[str, Any]:
     spec, precision, model, library = kaggle_setup()
-    out: dict[str, Any] = {"precision": precision, "routes": {}}
+    # the tables on the pages an instance maps them on (`--table-pages auto`: 2 MiB where the machine's profile
+    # measured the gather faster on them); until 2026-12-02 they were timed on 4 KiB pages, which no instance serves
+    # where 2 MiB pages win (AMX: kaggle's 26 rows a sample, each a TLB miss)
+    pages, pages_reason = auto_pages(1, measure=False)
+    print(f"table pages {pages}: {pages_reason}", flush=True)
+    out: dict[str, Any] = {"precision": precision, "routes": {}, "table_pages": pages}
     # what the serving plan chooses before its builds are made, at the sizes timed here: the dot interaction's way
     # (torch's ops or the lab's kernel), then the packages' table lookup and GEMM widths: the routes are timed as
     # an instance would serve them (until 2026-12-02 they were timed with torch's interaction and no widths chosen)
@@ -139,6 +147,12 @@ def batch_part(table_precisions: list[str]) -> dict[str, Any]:
             bucketed.whole = copy.copy(modules["aoti"].whole)
             bucketed.whole.run = Buckets(modules["fused"], SIZES, Path(tmp), modules["aoti"].whole.run).run
             modules["buckets"] = bucketed
+            if pages == "huge":  # each distinct table tensor once (siblings share their base's)
+                tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in modules.values())}
+                huge = back_with_huge_pages(list(tables.values()))
+                out.setdefault("huge_bytes", {})[table_precision] = huge.huge_bytes
+                if huge.error:
+                    print(f"  tables on huge pages: {huge.error}", flush=True)
             # each route as an instance measures itself at start (`batch_cost`: 1 and 256 samples alternated, median
             # of 7, back to back on its own weights), the routes interleaved in rounds against the host's drift
             runners = {r: make_runner(m, library, cpu, precision) for r, m in modules.items()}
