@@ -351,8 +351,8 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
             **tolerance,
         )
     # widths whose features the bf16 forward holds in registers (8 and 32 beside 16) and one it does not (12), over
-    # the triangle, a sharded order (runs of one first feature) and the diagonal; on AMX the triangle of up to 32
-    # features is a sample's tile products (one tile of rows, or two: 17, 27 and 32 features)
+    # the triangle, a sharded order (runs of one first feature) and the diagonal, forward and backward; on AMX the
+    # triangle of up to 32 features is a sample's tile products (one tile of rows, or two: 17, 27 and 32 features)
     for features, width in ((7, 8), (7, 12), (7, 32), (17, 16), (27, 16), (27, 8), (32, 32), (27, 34)):
         rows, cols = torch.triu_indices(features, features, offset=1)
         names = tuple(f"f{k}" for k in range(features - 1))
@@ -364,11 +364,16 @@ def test_the_labs_interaction_kernel_equals_the_plain_ops_forward_and_backward(d
         )
         dense, sparse = torch.randn(37, width).to(dtype), torch.randn(37, features - 1, width).to(dtype)
         for pairs in orders:
-            torch.testing.assert_close(
-                torch.ops.dlrm_lab.dot_interaction(dense, sparse, pairs).double(),
-                _plain_interaction(dense.double(), sparse.double(), pairs),
-                **tolerance,
-            )
+            want = [dense.double().requires_grad_(), sparse.double().requires_grad_()]
+            got = [dense.clone().requires_grad_(), sparse.clone().requires_grad_()]
+            plain = _plain_interaction(*want, pairs)
+            out = torch.ops.dlrm_lab.dot_interaction(*got, pairs)
+            torch.testing.assert_close(out.double(), plain.detach(), **tolerance)
+            weights = torch.randn(plain.shape[1], dtype=torch.float64)
+            (plain * weights).sum().backward()
+            (out.double() * weights).sum().backward()
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g.grad.double(), w.grad, **tolerance)
     rows, cols = torch.triu_indices(n, n, offset=1)
     # a width not a whole number of the backward's register tiles (8): its last coordinates on their own
     dense, sparse = torch.randn(37, 12).to(dtype), torch.randn(37, n - 1, 12).to(dtype)

@@ -172,5 +172,91 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
   _tile_release();
 }
 
+// The backward of `forward` for widths D <= 16 (one tile of columns): d<a, b>/da = b, so the rows' gradient is
+// G X, G the sample's pair gradients placed symmetrically (zero diagonal) in a 32 x 32 matrix, X its rows; one tile
+// product per 16 rows, K = 32 (rows past n zero). The dense output's own gradient is added to row 0's. The lane kernel
+// gathers each feature's gradient pair by pair (kaggle, 2,048 samples, AMX: 1.2 ms of a 17 ms training step).
+inline bool fits_backward(int64_t n, int64_t D, const std::vector<int64_t>& first, const std::vector<int64_t>& second) {
+  return D <= 16 && fits(n, D, first, second);
+}
+
+inline Config backward_config(int64_t D) {
+  Config c;
+  for (int t : {0, 1}) {  // the gradient's rows 0-15, 16-31: 16 x D fp32
+    c.rows[t] = 16;
+    c.colsb[t] = static_cast<uint16_t>(4 * D);
+  }
+  for (int t : {2, 3}) {  // G's rows 0-15, 16-31: 16 x 32 bf16
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  c.rows[4] = 16;  // X as VNNI pairs of rows: 16 x D pairs
+  c.colsb[4] = static_cast<uint16_t>(4 * D);
+  return c;
+}
+
+// Samples [b0, b1): grad_dense row b = the output gradient's first D + row 0 of G X; grad_sparse rows = rows 1.. of G X
+// (S: bf16, or float where the embeddings came in fp32: their gradient is written in fp32, unrounded).
+template <typename S>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void backward(
+    const c10::BFloat16* grad, const c10::BFloat16* dense, const S* sparse, int64_t b0, int64_t b1, int64_t n,
+    int64_t D, c10::BFloat16* grad_dense, S* grad_sparse) {
+  const int64_t F = n - 1, row = D + n * (n - 1) / 2;
+  alignas(64) uint16_t x[32 * 16] = {};  // the sample's rows, 16 bf16 apart (rows past n and columns past D zero)
+  alignas(64) uint16_t pairs[16 * 32];  // x as VNNI pairs: pairs[k * 32 + 2 d + e] = x[2 k + e][d]
+  alignas(64) uint16_t g[32 * 32] = {};  // G: the pair gradients, symmetric, zero diagonal
+  alignas(64) float out[32 * 16];
+  alignas(64) int16_t interleave[32];
+  for (int k = 0; k < 16; ++k) {
+    interleave[2 * k] = static_cast<int16_t>(k);
+    interleave[2 * k + 1] = static_cast<int16_t>(16 + k);
+  }
+  const __m512i order = _mm512_load_si512(interleave);
+  const Config cfg = backward_config(D);
+  _tile_loadconfig(&cfg);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* gr = reinterpret_cast<const uint16_t*>(grad + b * row);
+    std::memcpy(x, dense + b * D, D * sizeof(uint16_t));
+    for (int64_t f = 0; f < F; ++f) {
+      if constexpr (std::is_same_v<S, float>) {
+        at::vec::convert(sparse + (b * F + f) * D, reinterpret_cast<c10::BFloat16*>(x + (f + 1) * 16), D);
+      } else {
+        std::memcpy(x + (f + 1) * 16, sparse + (b * F + f) * D, D * sizeof(uint16_t));
+      }
+    }
+    for (int k = 0; k < 16; ++k)  // rows 2k, 2k + 1 are one 64-byte line: interleaved in one permute
+      _mm512_store_si512(pairs + k * 32, _mm512_permutexvar_epi16(order, _mm512_load_si512(x + k * 32)));
+    int64_t p = D;
+    for (int64_t i = 0; i + 1 < n; ++i) {
+      const int64_t len = n - 1 - i;  // row i right of the diagonal, as the output holds it; column i below it
+      const __mmask32 m = static_cast<__mmask32>((len >= 32 ? ~0ull : (1ull << len) - 1));
+      _mm512_mask_storeu_epi16(g + i * 32 + i + 1, m, _mm512_maskz_loadu_epi16(m, gr + p));
+      for (int64_t j = 0; j < len; ++j) g[(i + 1 + j) * 32 + i] = gr[p + j];
+      p += len;
+    }
+    _tile_loadd(2, g, 64);
+    _tile_loadd(3, g + 16 * 32, 64);
+    _tile_loadd(4, pairs, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 16 * 16, 64);
+    for (int64_t d = 0; d < D; ++d)
+      grad_dense[b * D + d] = c10::BFloat16(static_cast<float>(c10::BFloat16(grad[b * row + d])) + out[d]);
+    for (int64_t f = 0; f < F; ++f) {
+      const float* from = out + (f + 1) * 16;
+      S* to = grad_sparse + (b * F + f) * D;
+      if constexpr (std::is_same_v<S, float>) {
+        std::memcpy(to, from, D * sizeof(float));
+      } else {
+        at::vec::convert(from, to, D);
+      }
+    }
+  }
+  _tile_release();
+}
+
 }  // namespace amx_triangle
 #endif

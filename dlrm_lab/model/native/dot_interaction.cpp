@@ -360,6 +360,16 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& dense, const at::
   const S* sp = sparse.data_ptr<S>();
   T* gd = grad_dense.data_ptr<T>();
   S* gs = grad_sparse.data_ptr<S>();
+#if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (amx_triangle::fits_backward(s.features, s.width, first, second)) {  // G X as tile products
+      at::parallel_for(0, s.batch, 64, [&](int64_t begin, int64_t end) {
+        amx_triangle::backward<S>(g, dn, sp, begin, end, s.features, s.width, gd, gs);
+      });
+      return;
+    }
+  }
+#endif
   const int64_t D = s.width, P = s.pairs, F = s.features - 1, row = D + P, blocks = (s.batch + kLanes - 1) / kLanes;
   const int64_t stride = D * kLanes, n = s.features;
   // d<a, b>/da = b, d<a, b>/db = a: each feature's gradient gathered from the pairs it is in (`terms`: for feature i,
