@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import header, results_path, write_results
+from common import header, results_path, tables_on_huge_pages, write_results
 
 from dlrm_lab.infer import allocator
 from dlrm_lab.metrics.gather_pages import auto_pages
@@ -59,8 +59,7 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
     from dlrm_lab.infer.instance import _final_build
     from dlrm_lab.infer.interaction import choose_interaction
     from dlrm_lab.infer.serving_parts import make_runner
-    from dlrm_lab.infer.table_lookup import FBGEMM, table_weights
-    from dlrm_lab.metrics.huge_pages import back_with_huge_pages
+    from dlrm_lab.infer.table_lookup import FBGEMM
 
     torch.set_num_threads(1)
     _, precision, model, library = kaggle_setup()
@@ -101,10 +100,8 @@ def child(routes: list[str], bucket_dir: str, pages: str) -> None:
         else:
             modules[route] = made_with(name, way)
     huge = None
-    if pages == "huge":  # each distinct table tensor once (siblings share their base's)
-        served = [*modules.values(), *(m for _, m in routed.values())]
-        tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in served)}
-        huge = back_with_huge_pages(list(tables.values()))
+    if pages == "huge":
+        huge = tables_on_huge_pages([*modules.values(), *(m for _, m in routed.values())])
     runners = {r: make_runner(m, library, torch.device("cpu"), precision) for r, m in modules.items()}
     for runner in runners.values():
         runner.warm_up(max(SIZES))

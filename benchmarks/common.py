@@ -64,6 +64,16 @@ def lab_run(tmp: Path, *args: str) -> Path:
 RESULTS = HERE / "results"  # every benchmark's results files, named in BENCHMARKS.md
 
 
+def tables_on_huge_pages(modules: list[Any]) -> Any:
+    """Each distinct table tensor of these served modules (siblings share their base's) backed by 2 MiB pages, in
+    place, as an instance's mapped tables are where `--table-pages auto` picks them: its `PagesResult`."""
+    from dlrm_lab.infer.table_lookup import table_weights
+    from dlrm_lab.metrics.huge_pages import back_with_huge_pages
+
+    tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in modules)}
+    return back_with_huge_pages(list(tables.values()))
+
+
 def results_path(name: str, out: str | Path | None = None) -> Path:
     """`out` when given, else results/results-<name>-<today, UTC>.json beside the scripts."""
     if out:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import header, results_path, write_results
+from common import header, results_path, tables_on_huge_pages, write_results
 
 import dlrm_lab
 from dlrm_lab.infer.build import BuildSet
@@ -47,7 +47,6 @@ from dlrm_lab.infer.records import batch_roof, build_peaks
 from dlrm_lab.infer.serving_parts import make_runner
 from dlrm_lab.infer.table_lookup import choose_lookup, table_weights
 from dlrm_lab.metrics.gather_pages import auto_pages
-from dlrm_lab.metrics.huge_pages import back_with_huge_pages
 from dlrm_lab.metrics.precision import AUTO, choose_precision
 from dlrm_lab.metrics.roofline import load_profile
 from dlrm_lab.model.dlrm import build_model
@@ -147,9 +146,8 @@ def batch_part(table_precisions: list[str]) -> dict[str, Any]:
             bucketed.whole = copy.copy(modules["aoti"].whole)
             bucketed.whole.run = Buckets(modules["fused"], SIZES, Path(tmp), modules["aoti"].whole.run).run
             modules["buckets"] = bucketed
-            if pages == "huge":  # each distinct table tensor once (siblings share their base's)
-                tables = {t.data_ptr(): t for t in (table_weights(m.tables) for m in modules.values())}
-                huge = back_with_huge_pages(list(tables.values()))
+            if pages == "huge":
+                huge = tables_on_huge_pages(list(modules.values()))
                 out.setdefault("huge_bytes", {})[table_precision] = huge.huge_bytes
                 if huge.error:
                     print(f"  tables on huge pages: {huge.error}", flush=True)

@@ -112,6 +112,23 @@ __attribute__((target("avx512f"))) inline void words8(const uint32_t* rows, uint
   }
 }
 
+// Sample b's rows, its dense row then its F sparse rows, as bf16 `stride` values apart in `x` (fp32 sparse rows rounded
+// as a cast before the call would round them): the tiles' A operand, or what B is made from.
+template <typename S>
+inline void sample_rows(const c10::BFloat16* dense, const S* sparse, int64_t b, int64_t F, int64_t D, int64_t stride,
+                        uint16_t* x) {
+  std::memcpy(x, dense + b * D, D * sizeof(uint16_t));
+  const S* rows = sparse + b * F * D;
+  for (int64_t f = 0, count = stride == D ? 1 : F, width = stride == D ? F * D : D; f < count; ++f) {
+    uint16_t* to = x + stride + f * stride;  // contiguous rows: one copy of all of them
+    if constexpr (std::is_same_v<S, float>) {
+      at::vec::convert(rows + f * D, reinterpret_cast<c10::BFloat16*>(to), width);
+    } else {
+      std::memcpy(to, rows + f * D, width * sizeof(uint16_t));
+    }
+  }
+}
+
 // Samples [b0, b1): out row b = [dense row b, the triangle of its Gram matrix, zeros up to `row`]. S: the sparse
 // rows' type, bf16 or float (rounded to bf16 as they are read, as a cast before the call would round them).
 template <typename S>
@@ -126,12 +143,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
   const Config cfg = config(n, D);
   _tile_loadconfig(&cfg);
   for (int64_t b = b0; b < b1; ++b) {
-    std::memcpy(x, dense + b * D, D * sizeof(uint16_t));
-    if constexpr (std::is_same_v<S, float>) {
-      at::vec::convert(sparse + b * F * D, reinterpret_cast<c10::BFloat16*>(x + D), F * D);
-    } else {
-      std::memcpy(x + D, sparse + b * F * D, F * D * sizeof(uint16_t));
-    }
+    sample_rows(dense, sparse, b, F, D, D, x);
     const uint32_t* words = reinterpret_cast<const uint32_t*>(x);
     if (W == 8) {
       words8(words, bt);
@@ -216,14 +228,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
   _tile_loadconfig(&cfg);
   for (int64_t b = b0; b < b1; ++b) {
     const uint16_t* gr = reinterpret_cast<const uint16_t*>(grad + b * row);
-    std::memcpy(x, dense + b * D, D * sizeof(uint16_t));
-    for (int64_t f = 0; f < F; ++f) {
-      if constexpr (std::is_same_v<S, float>) {
-        at::vec::convert(sparse + (b * F + f) * D, reinterpret_cast<c10::BFloat16*>(x + (f + 1) * 16), D);
-      } else {
-        std::memcpy(x + (f + 1) * 16, sparse + (b * F + f) * D, D * sizeof(uint16_t));
-      }
-    }
+    sample_rows(dense, sparse, b, F, D, 16, x);
     for (int k = 0; k < 16; ++k)  // rows 2k, 2k + 1 are one 64-byte line: interleaved in one permute
       _mm512_store_si512(pairs + k * 32, _mm512_permutexvar_epi16(order, _mm512_load_si512(x + k * 32)));
     int64_t p = D;
