@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from common import header, results_path, write_results
+from common import child_failed, header, results_path, write_results
 
 from dlrm_lab.metrics.canary import CANARY_APART, apart
 from dlrm_lab.metrics.stats import estimate
@@ -42,7 +42,7 @@ def _run(tree: Path, args: list[str], metrics: Path) -> dict:
     cmd = [sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", str(metrics), "--no-progress"]
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"{tree.name}: {' '.join(args[:2])} failed:\n{out.stderr[-3000:]}")
+        raise child_failed(f"{tree.name}: {' '.join(args[:2])}", out)
     (run,) = [d for d in metrics.iterdir() if d.is_dir()]
     return pq.read_table(run / "summary.parquet").to_pylist()[0]
 

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import header, results_path, tables_on_huge_pages, write_results
+from common import child_failed, header, results_path, tables_on_huge_pages, write_results
 
 from dlrm_lab.infer import allocator
 from dlrm_lab.metrics.gather_pages import auto_pages
@@ -139,7 +139,7 @@ def batch_part(found: dict[str, str], rounds: int, routes: list[str], pages: str
                 with allocator.preloaded(library):
                     out = subprocess.run(command, capture_output=True, text=True)
                 if out.returncode != 0:
-                    raise SystemExit(f"{name}: failed:\n{out.stderr[-3000:]}")
+                    raise child_failed(f"{name}: its trial", out)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 if got["allocator"] != name:
                     raise SystemExit(f"{name}: the process ran {got['allocator']}")

@@ -56,9 +56,18 @@ def lab_run(tmp: Path, *args: str) -> Path:
     print("$", " ".join(cmd[2:]), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise child_failed(f"dlrm-lab {' '.join(args[:2])}", out)
     (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
     return run_dir
+
+
+def child_failed(what: str, out: subprocess.CompletedProcess[Any]) -> SystemExit:
+    """What a benchmark ends with when a child it ran failed: how it ended (the signal that killed it, and the OOM
+    killer where it ran: a run killed during its builds printed only "failed:") and the tails of its output."""
+    from dlrm_lab.errors import exit_description
+
+    tails = "\n".join(str(t)[-3000:] for t in (out.stdout, out.stderr) if t)
+    return SystemExit(f"{what} {exit_description(out.returncode)}:\n{tails}")
 
 
 RESULTS = HERE / "results"  # every benchmark's results files, named in BENCHMARKS.md

@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import torch
-from common import header, results_path, write_results
+from common import child_failed, header, results_path, write_results
 
 from dlrm_lab.config import TrainConfig, load_any_preset
 from dlrm_lab.data.sequences import with_overrides
@@ -85,7 +85,7 @@ def dlrm_lab(args: list[str], root: str, allowed: tuple[int, ...] = (0,)) -> tup
     done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args, "--metrics-dir", root, "--no-progress"],
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode not in allowed:
-        raise RuntimeError(f"dlrm-lab {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        raise child_failed(f"dlrm-lab {' '.join(args)}", done)
     (run,) = Path(root).glob("infer-*")
     return run, time.perf_counter() - t0, done.stdout
 

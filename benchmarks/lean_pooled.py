@@ -25,6 +25,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from common import child_failed
+
 TRAIN = ["train", "--preset", "kaggle", "--max-rows", "100000", "--batch-size", "2048", "--pin-cores",
          "--sharding", "table_wise", "--no-progress"]  # fmt: skip
 PHASES_SHOWN = ("embedding_all_to_all", "embedding_all_to_all_backward", "backward")
@@ -45,7 +47,7 @@ def one_run(ranks: int, variant: str, steps: int, out: Path) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        raise child_failed(" ".join(cmd), done)
     run_dir = max(out.glob("train-*"), key=lambda p: p.stat().st_mtime)
     times = StepTimes.from_run(run_dir)  # per rank over the measured steps, then over ranks
     every = pq.read_table(run_dir / "steps.parquet").to_pylist()

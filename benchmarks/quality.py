@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import header, results_path, write_results
+from common import child_failed, header, results_path, write_results
 
 import dlrm_lab
 from dlrm_lab.data import synthetic_generator
@@ -72,7 +72,7 @@ def run(preset: str, target: float, opts: argparse.Namespace) -> dict[str, Any]:
         out = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.monotonic() - t0
         if out.returncode != 0:
-            raise SystemExit(f"{preset}: failed:\n{out.stderr[-3000:]}")
+            raise child_failed(f"{preset}: dlrm-lab train", out)
         (run_dir,) = [p for p in Path(root).iterdir() if p.is_dir()]
         s = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
         numerics = json.loads((run_dir / "manifest.json").read_text())["config"]["numerics"]

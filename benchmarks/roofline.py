@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import header, write_results
+from common import child_failed, header, write_results
 
 from dlrm_lab.metrics.roofline import ROOFLINE_COLUMNS, load_profile
 
@@ -47,7 +47,7 @@ def cli(*args: str) -> str:
     print("$ dlrm-lab", " ".join(args), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise child_failed("dlrm-lab " + " ".join(cmd[3:5]), out)
     return out.stdout
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import header, write_results
+from common import child_failed, header, write_results
 
 from dlrm_lab.config import SHARDING_TYPES
 from dlrm_lab.metrics.columns import PHASES
@@ -29,7 +29,7 @@ from dlrm_lab.metrics.columns import PHASES
 def cli(*args: str) -> None:
     out = subprocess.run([sys.executable, "-m", "dlrm_lab", *args], capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"dlrm-lab {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise child_failed(f"dlrm-lab {' '.join(args)}", out)
 
 
 def sweep(tmp: Path, mode: str, batch: int, train_args: list[str]) -> list[dict[str, Any]]:

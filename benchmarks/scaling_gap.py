@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import header, results_path, write_results
+from common import child_failed, header, results_path, write_results
 
 from dlrm_lab.metrics.roofline import load_profile
 
@@ -45,7 +45,7 @@ KEEP = ("ranks", "samples_per_s", "efficiency", "ceiling_efficiency", "efficienc
 def cli(*args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "dlrm_lab", *args], capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"dlrm-lab {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise child_failed(f"dlrm-lab {' '.join(args)}", out)
     return out.stdout
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import header, results_path, write_results
+from common import child_failed, header, results_path, write_results
 
 MODEL = ["--preset", "kaggle", "--max-rows", "100000"]
 SERVER = [*MODEL, "--instances", "1", "--threads", "1", "--max-batch", "1024", "--max-delay-ms", "0.5"]
@@ -120,7 +120,7 @@ def client(root: Path, target: str, *args: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "dlrm_lab", "client", "--target", target, "--metrics-dir", str(out), *args]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0 and not list(out.glob("*/summary.parquet")):  # 1 with a summary: LoadGen said INVALID
-        raise SystemExit(f"client failed: {' '.join(args)}\n{done.stderr[-3000:]}")
+        raise child_failed(f"client {' '.join(args)}", done)
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     (summary,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     return summary
@@ -143,7 +143,7 @@ def in_process(root: Path, qps: float, size: int, duration: float) -> dict[str, 
             "--sla-ms", "100", "--metrics-dir", str(out)]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "dlrm_lab", *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"infer run failed:\n{done.stderr[-3000:]}")
+        raise child_failed("infer run", done)
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     (row,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
     q = pq.read_table(run_dir / "queries.parquet", columns=["latency_ms", "compute_ms", "status"]).to_pandas()
@@ -192,7 +192,7 @@ def rest_compare(root: Path, server: Server, duration: str, samples: int = 256, 
                 cmd += ["--rpc", way] if way != "grpc" else []
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
-                    raise SystemExit(f"infer run failed ({way}, {load}):\n{done.stderr[-3000:]}")
+                    raise child_failed(f"infer run ({way}, {load})", done)
                 (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
                 (summary,) = pq.read_table(run_dir / "summary.parquet").to_pylist()
                 runs[f"{load}_{way}"].append(pick(summary))
@@ -311,7 +311,7 @@ def triton_compare(root: Path, target: str, duration: str, repeats: int = 3) -> 
                "--no-progress", "--metrics-dir", str(out)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise SystemExit(f"infer run --target failed:\n{done.stderr[-3000:]}")
+            raise child_failed("infer run --target", done)
         (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
         q = pq.read_table(run_dir / "queries.parquet").to_pandas()
         lat = q.latency_ms[q.point == 0]
@@ -319,7 +319,7 @@ def triton_compare(root: Path, target: str, duration: str, repeats: int = 3) -> 
         done = subprocess.run([str(python), "-c", TRITON_LOOP, target, duration, *paths], capture_output=True,
                               text=True)  # fmt: skip
         if done.returncode != 0:
-            raise SystemExit(f"tritonclient failed:\n{done.stderr[-3000:]}")
+            raise child_failed("tritonclient", done)
         t = np.array(json.loads(done.stdout.strip().splitlines()[-1])["latency_ms"])
         theirs.append({"p50_ms": float(np.median(t)), "mean_ms": float(t.mean()), "queries": len(t)})
         print(f"  ours p50 {ours[-1]['p50_ms']:.3f} ms ({ours[-1]['queries']} queries), tritonclient p50 "

@@ -268,17 +268,39 @@ class ServingFault(RuntimeError):
     """A serving instance died or could not start: the server's results stop there (one line, exit 1)."""
 
 
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended since boot (`/proc/vmstat`), or None where unreadable."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+_OOM_KILLS_AT_START = oom_kills()  # read as this process starts: a later rise means the OOM killer ran since
+
+
 def exit_description(code: int | None) -> str:
-    """How a child process ended, from its exit code (negative: the signal that killed it)."""
+    """How a child process ended, from its exit code (negative: the signal that killed it). A SIGKILL while the
+    kernel's OOM killer has run since this process started is named as that: a child that ate the machine's memory
+    must not read as one that failed for no reason (a benchmark printed only "failed:" for a run the OOM killer
+    took during its builds)."""
     import signal
 
     if code is None:
         return "is still running"
     if code < 0:
         try:
-            return f"was killed by signal {signal.Signals(-code).name}"
+            how = f"was killed by signal {signal.Signals(-code).name}"
         except ValueError:
-            return f"was killed by signal {-code}"
+            how = f"was killed by signal {-code}"
+        now, before = oom_kills(), _OOM_KILLS_AT_START
+        if -code == signal.SIGKILL and now is not None and before is not None and now > before:
+            how += " (out of memory: the kernel's OOM killer has run since this process started, /proc/vmstat)"
+        return how
     return f"exited with code {code}"
 
 

@@ -841,3 +841,31 @@ def test_a_build_this_machine_cannot_make_is_refused_before_any_run_directory(tm
         code, _, err = run_cli_in_process(*command, "--build", "openvino", "--metrics-dir", str(tmp_path))
         assert code == 2 and err.startswith("error: --build openvino: cannot be made here: OpenVINO is not"), err
         assert not list(tmp_path.iterdir()), command
+
+
+def test_a_child_killed_while_the_oom_killer_ran_is_said_to_be_out_of_memory(monkeypatch):
+    """A SIGKILL'd child is named as out of memory where the kernel's OOM killer has run since this process started
+    (/proc/vmstat), and only then; a benchmark's failed child says how it ended (it printed only "failed:")."""
+    import importlib.util
+    import signal
+    import subprocess
+
+    from dlrm_lab import errors
+
+    assert isinstance(errors.oom_kills(), int)  # Linux: the counter is there to read
+    monkeypatch.setattr(errors, "_OOM_KILLS_AT_START", 3)
+    monkeypatch.setattr(errors, "oom_kills", lambda: 3)
+    assert errors.exit_description(-signal.SIGKILL) == "was killed by signal SIGKILL"
+    monkeypatch.setattr(errors, "oom_kills", lambda: 4)
+    killed = errors.exit_description(-signal.SIGKILL)
+    assert killed.startswith("was killed by signal SIGKILL (out of memory: the kernel's OOM killer has run")
+    assert errors.exit_description(-signal.SIGSEGV) == "was killed by signal SIGSEGV"  # only a SIGKILL is the OOM's
+    assert errors.exit_description(3) == "exited with code 3"
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    found = importlib.util.spec_from_file_location("benchmark_common", root / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(found)
+    found.loader.exec_module(common)
+    done = subprocess.CompletedProcess(["x"], -signal.SIGKILL, stdout="built aoti\n", stderr="")
+    assert str(common.child_failed("dlrm-lab infer run", done)) == f"dlrm-lab infer run {killed}:\nbuilt aoti\n"

@@ -84,6 +84,11 @@ def launch_command(
     from dlrm_lab.distributed.launch import launch
 
     code = launch(nproc, launcher, list(ctx.args), nnodes, rdzv_endpoint)
+    if code < 0:  # the launcher itself killed by a signal: said, not a bare exit status of 256 minus it
+        from dlrm_lab.errors import exit_description
+
+        typer.echo(f"error: the {launcher} launcher {exit_description(code)}", err=True)
+        raise typer.Exit(1)
     raise typer.Exit(code)
 
 

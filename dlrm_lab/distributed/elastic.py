@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.config.values import env_seconds
+from dlrm_lab.errors import exit_description
 
 SHUTDOWN_TIMEOUT_S = 5
 # The launcher names a file here; each run created under it appends its directory (`metrics.run`)
@@ -42,12 +43,9 @@ def root_failure(failures: dict[int, Any]) -> tuple[int, Any]:
 
 def describe_failure(rank: int, failure: Any, world_size: int | None = None) -> str:
     """One line for a rank's failure (a torch elastic ProcessFailure)."""
-    if failure.exitcode < 0:
-        what = f"was killed by signal {failure.signal_name()}"
-        if failure.signal_name() == "SIGKILL":
-            what += " (out of memory, or killed by hand)"
-    else:
-        what = f"exited with code {failure.exitcode}"
+    what = exit_description(failure.exitcode)  # names the OOM killer where it ran since this launcher started
+    if failure.exitcode < 0 and failure.signal_name() == "SIGKILL" and "out of memory" not in what:
+        what += " (out of memory, or killed by hand)"
     others = "; the launcher stopped the other ranks" if world_size is None or world_size > 1 else ""
     return f"rank {rank} (pid {failure.pid}) {what}{others}"
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_lab.config.values import JsonObject, Log
-from dlrm_lab.errors import FieldError
+from dlrm_lab.errors import FieldError, exit_description
 from dlrm_lab.infer.builds import MARGIN, simplest_fast
 
 AUTO, GLIBC = "auto", "glibc"
@@ -255,7 +255,8 @@ def run_trials(
             try:
                 running, result = mine.recv() if mine.poll(120) else (None, "no answer in 120 s")
             except EOFError:
-                running, result = None, f"ended ({proc.exitcode})"
+                proc.join(10)
+                running, result = None, f"its process {exit_description(proc.exitcode)}"
             proc.join(10)
             if running != name:
                 raise RuntimeError(f"allocator trial under {name} ({library or 'no preload'}): {running!r}, {result}")

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrm_lab.errors import FieldError, ServingFault, interrupt_blocked
+from dlrm_lab.errors import FieldError, ServingFault, exit_description, interrupt_blocked
 from dlrm_lab.infer.load import DriverStats, LoadSettings, QuerySizes, Scenario, Stream
 from dlrm_lab.infer.loadgen_process import END, loadgen_main, log_settings, test_settings
 from dlrm_lab.infer.sut import Query, SampleLibrary, SystemUnderTest, report_after
@@ -309,8 +309,8 @@ class LoadGenDriver:
                 except (EOFError, OSError):
                     proc.join(5)
                     raise ServingFault(
-                        f"MLPerf LoadGen's process (pid {proc.pid}) ended before its test did "
-                        f"(exit code {proc.exitcode})"
+                        f"MLPerf LoadGen's process (pid {proc.pid}) ended before its test did: it "
+                        f"{exit_description(proc.exitcode)}"
                     ) from None
                 if msg[0] == END:
                     _, error, self.stats.duration_s = msg
