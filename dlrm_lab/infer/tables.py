@@ -17,15 +17,23 @@ def quantize_tables(
     """Replace the float tables by TorchRec's quantised inference tables (fbgemm TBE): int8/int4
     row-wise with per-row scale and bias, fp16, or fp32, their output in `output_dtype`. A DLRM's pooled
     `EmbeddingBagCollection` and the HSTU ranker's sequence `EmbeddingCollection` alike (TorchRec maps
-    only the first by default)."""
+    only the first by default). Not `inplace`: a copy of `model` whose float tables were never copied (TorchRec
+    deep-copies the whole model first, its float tables too: DLRMv2's 5.2 GB at a table scale of 0.05 held twice
+    while a build was made, which took a 24 GiB machine to its OOM killer)."""
+    import copy
+
     from torchrec.inference.modules import quantize_embeddings
-    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
+    if not inplace:  # the copy shares the float tables (they are read, never written, and swapped out of it below)
+        tables = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+        shared = {id(t): t for m in tables for t in [*m.parameters(), *m.buffers()]}
+        model = copy.deepcopy(model, memo=shared)
     return quantize_embeddings(
         model,
         dtype=TABLE_WEIGHT_DTYPES[table_precision],
-        inplace=inplace,
+        inplace=True,
         output_dtype=output_dtype,
         additional_qconfig_spec_keys=[EmbeddingCollection],
         additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
