@@ -183,14 +183,26 @@ def _timed_all(fn: Callable[[], Any], repeats: int, device: torch.device, warmup
 def gemm_flops_per_s(
     device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int, min_flops: float = 2e9
 ) -> GemmPeak:
-    """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each). In fp32 on a CPU, the better of
-    torch's `mm` (Intel's MKL) and oneDNN's fp32 product: on AMD EPYCs MKL takes a path of half the width (2 Zen 5
-    cores, one thread: MKL 98-102 GFLOP/s, oneDNN 219-226), and OpenVINO's f32, on oneDNN, ran at twice a peak
-    probed with MKL alone."""
+    """Best FLOP/s of square matrix products over `sizes` (2 n^3 FLOPs each). On a CPU, the better of each way the
+    lab's builds compute in: in fp32 torch's `mm` (Intel's MKL) and oneDNN's fp32 product (on AMD EPYCs MKL takes a
+    path of half the width: 2 Zen 5 cores, one thread, MKL 98-102 GFLOP/s, oneDNN 219-226; OpenVINO's f32, on oneDNN,
+    ran at twice a peak probed with MKL alone); in int8 torch's `_int_mm` and oneDNN's quantised linear
+    (`int8_cpu_products`)."""
     if device.type == "cpu" and dtype == torch.float32 and "onednn" in fp32_cpu_products():
         onednn = _gemm_peak(device, dtype, sizes, repeats, min_flops, onednn_fp32=True)
         mkl = _gemm_peak(device, dtype, sizes, repeats, min_flops)
         return onednn if onednn["flops_per_s"] > mkl["flops_per_s"] else mkl
+    if device.type == "cpu" and dtype == torch.int8:
+        best: GemmPeak | None = None
+        for way in int8_cpu_products().values():
+            try:
+                peak = _gemm_peak(device, dtype, sizes, repeats, min_flops, product=way)
+            except (RuntimeError, NotImplementedError):  # a torch without this way: the other stands
+                continue
+            best = peak if best is None or peak["flops_per_s"] > best["flops_per_s"] else best
+        if best is None:  # neither way runs here: said as `_int_mm`'s own error (the probe prints it)
+            return _gemm_peak(device, dtype, sizes, repeats, min_flops)
+        return best
     return _gemm_peak(device, dtype, sizes, repeats, min_flops)
 
 
@@ -207,6 +219,31 @@ def fp32_cpu_products() -> dict[str, tuple[Product, Callable[[torch.Tensor], tor
     return ways
 
 
+# a way to compute an n x n x n product, given n: a call that computes one (its operands made ready once)
+SquareProduct = Callable[[int], Callable[[], Any]]
+
+
+def int8_cpu_products() -> dict[str, SquareProduct]:
+    """The int8 products a CPU's int8 peak is the better of: torch's `_int_mm` (int32 sums), and oneDNN's quantised
+    linear (u8 activations x s8 weights prepacked, fp32 out), the product the lab's int8 builds run (torchao's PT2E
+    lowers to it). Without VNNI `_int_mm` takes a reference path: 2 Zen 3 cores, one thread, 1.0-1.6 GOP/s against
+    oneDNN's 145-157, and an int8 build's floor read the first (`make run` served "p99 26.5 ms, floor 210 ms")."""
+
+    def int_mm(n: int) -> Callable[[], Any]:
+        a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8) for _ in range(2))
+        return lambda: torch._int_mm(a, b)
+
+    def onednn(n: int) -> Callable[[], Any]:
+        x = torch.randint(0, 256, (n, n), dtype=torch.uint8)
+        packed = torch.ops.onednn.qlinear_prepack(torch.randint(-128, 128, (n, n), dtype=torch.int8), x.shape)
+        scales, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+        return lambda: torch.ops.onednn.qlinear_pointwise(
+            x, 1.0, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+
+    return {"int_mm": int_mm, "onednn": onednn}
+
+
 def _gemm_peak(
     device: torch.device,
     dtype: torch.dtype,
@@ -214,9 +251,10 @@ def _gemm_peak(
     repeats: int,
     min_flops: float,
     onednn_fp32: bool = False,
+    product: SquareProduct | None = None,
 ) -> GemmPeak:
-    """`gemm_flops_per_s` through one library: torch's own product, or (`onednn_fp32`) oneDNN's fp32 linear on
-    tensors in its own layout (a x b^T: the same FLOPs)."""
+    """`gemm_flops_per_s` through one library: torch's own product, (`onednn_fp32`) oneDNN's fp32 linear on
+    tensors in its own layout (a x b^T: the same FLOPs), or `product` (its operands made for each size)."""
     best: GemmPeak = {"flops_per_s": 0.0, "size": None, "spread": 1.0}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     # A slow kernel (bf16 without AVX-512 bf16/AMX, fp16 on most CPUs) would take seconds per
@@ -236,29 +274,35 @@ def _gemm_peak(
             return torch.randint(-128, 128, (n, n), device=device, dtype=dtype)
         return ready(torch.randn(n, n, device=device).to(dtype))
 
+    def made(n: int) -> Callable[[], Any]:
+        if product is not None:
+            return product(n)
+        a, b = square(n), square(n)
+        return lambda: mm(a, b)
+
     pilot = min(256, *sizes)
-    a = square(pilot)
-    mm(a, a)  # first call: kernel selection
+    call = made(pilot)
+    call()  # first call: kernel selection
     sync(device)
     t0 = time.perf_counter()
-    mm(a, a)
+    call()
     sync(device)
     pilot_rate = 2 * pilot**3 / max(time.perf_counter() - t0, 1e-9)
     climb = sorted(sizes) if 2 * min(sizes) ** 3 / pilot_rate <= 0.25 else [pilot]
     for n in climb:
         if best["size"] is not None and 2 * n**3 / best["flops_per_s"] > 0.25:
             break
-        a, b = square(n), square(n)
+        call = made(n)
         t0 = time.perf_counter()
-        mm(a, b)
+        call()
         sync(device)
         single = time.perf_counter() - t0
         # repeat small products so that one timing holds enough work, but keep it under ~0.1 s
         inner = max(1, min(int(min_flops // (2 * n**3)), int(0.1 / max(single, 1e-6))))
 
-        def step(a: torch.Tensor = a, b: torch.Tensor = b, inner: int = inner) -> None:
+        def step(call: Callable[[], Any] = call, inner: int = inner) -> None:
             for _ in range(inner):
-                mm(a, b)
+                call()
 
         times = _timed_all(step, repeats, device)
         rate = inner * 2 * n**3 / statistics.median(times)
