@@ -304,6 +304,7 @@ def test_the_hstu_rankers_fused_build_scores_as_the_eager_model_and_reuses_histo
     block = _held_out_requests(model)
     fused = builds.make_build(model, "fused", precision="fp32", table_precision="fp32")
     assert isinstance(fused.tables, QuantEmbeddingCollection) and type(model.tables).__name__ == "EmbeddingCollection"
+    assert all(not hasattr(m, "qconfig") for m in model.tables.modules())  # quantised from a copy: a later build
     check = builds.check_accuracy(model, fused, "fused", block, precision="fp32", table_precision="fp32")
     assert check.passed and check.max_abs_diff <= 1e-5 and check.samples == int(block.candidate_lengths.sum())
     library = RequestLibrary.from_block(block)

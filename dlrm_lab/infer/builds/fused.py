@@ -138,11 +138,7 @@ def fused_ranker(model: nn.Module, *, precision: str, table_precision: str) -> n
     tables = model.tables
     holder = nn.Module()  # quantize_embeddings swaps children, never the module it is given
     holder.tables = tables
-    try:
-        quantised = quantize_tables(holder, table_precision, output_dtype=dtype, inplace=True).tables
-    finally:  # in place, the float tables keep the qconfig it set, and a later build would reuse it
-        for module in tables.modules():
-            module.__dict__.pop("qconfig", None)
+    quantised = quantize_tables(holder, table_precision, output_dtype=dtype).tables  # a copy: the tables unmarked
     model.tables = None
     try:
         served = copy.deepcopy(model).to(dtype)
